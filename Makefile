@@ -1,0 +1,27 @@
+# The README's two commands: `make bench` (the depth sweep) and `make test`.
+# Both build a local virtual environment first, so a fresh machine needs nothing
+# installed by hand. TORCH pins the CPU build on machines without a GPU: an unpinned
+# `torch` would pull several GB of CUDA packages. On a CUDA machine run
+# `make test TORCH=torch` (or keep the torch the machine already has).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: test bench clean
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+bench: $(VENV)/.installed
+	$(PY) bench/resnet_depth_sweep.py
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,27 @@
+"""actsave: train deeper or wider networks on the GPU you have.
+
+Activation memory is traded for recompute, and what must still be kept can be
+stored in 8 bits or in host memory. The one-line change::
+
+    model = actsave.CheckpointedSequential(*layers)      # was nn.Sequential(*layers)
+
+See the README for the modes and what each costs.
+"""
+from .errors import ActsaveError, ConfigError, RecomputeError
+from .sequential import CheckpointedSequential
+from .store import stored_bytes
+from .wrappers import Checkpoint, checkpoint, wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointedSequential",
+    "checkpoint",
+    "Checkpoint",
+    "wrap",
+    "stored_bytes",
+    "ActsaveError",
+    "ConfigError",
+    "RecomputeError",
+    "__version__",
+]

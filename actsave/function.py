@@ -1,0 +1,204 @@
+"""The autograd machinery: keep a segment's input, drop what it saves, recompute in
+backward.
+
+NOTE [ Segment checkpoint mechanism ]
+A checkpointed call runs its function once, with grad enabled, inside
+``torch.autograd.graph.saved_tensors_hooks``. The autograd graph is the real one;
+only the tensors its nodes save are swapped for placeholders (``_Slot``). The
+segment's inputs are kept by actsave itself (store.py), exact or compressed. When
+backward first unpacks a placeholder, the segment runs again from the kept inputs
+(same RNG, same autocast, BatchNorm statistics frozen: state.py) and the tensors it
+saves, in the same order, fill the placeholders.
+
+Why this and not a custom ``torch.autograd.Function`` per segment: a Function only
+sees the tensors passed to it. Gradients of parameters a function closes over would
+have to be accumulated by an inner ``backward()`` (so ``torch.autograd.grad(loss,
+params)`` would see none) or every parameter passed in explicitly (impossible for
+``checkpoint(fn, ...)`` with an arbitrary ``fn``). With hooks the graph is the plain
+model's graph, so ``autograd.grad``, gradient accumulation, DDP's reducer (it hooks
+the parameters' AccumulateGrad nodes and walks the graph when
+``find_unused_parameters=True``), FSDP2's pre/post-backward hooks and nesting work as
+they do without actsave. It is also the mechanism of PyTorch's non-reentrant
+checkpoint, which torch.compile knows. What is ours: the inputs are not saved through
+autograd (so they can be compressed or offloaded, and a segment may start with an
+in-place layer), BatchNorm statistics are not updated twice, and the saved tensors are
+checked for shape, dtype and device instead of trusted.
+
+NOTE [ Lifetime of kept inputs ]
+- Kept inputs live from the forward until the first recompute of their segment;
+  after it the recomputed tensors are held by their placeholders, so the inputs are
+  released at once (backward memory of a segment is its recomputed activations only).
+- A recomputed tensor lives as long as the graph node that saved its placeholder: a
+  ``WeakKeyDictionary`` keyed by the placeholder drops it when autograd frees the
+  node's saved tensors (after that node's backward, unless ``retain_graph=True``).
+  So a second backward with ``retain_graph=True`` finds every tensor still there and
+  needs no second recompute: each layer runs at most once more in backward.
+- A call whose function saved nothing (no input or parameter needs grad) releases its
+  kept inputs before returning. A graph that is dropped without backward frees the
+  placeholders, the hooks, the frame and with it the kept inputs; ``weakref.finalize``
+  keeps :func:`actsave.stored_bytes` exact in every case.
+- Inputs kept by reference (the exact codec) are version-checked: an in-place change
+  after the forward kept them raises instead of recomputing from the wrong values. A
+  function that starts with an in-place layer gets a private copy instead
+  (``private_copy``, chosen by the callers from the layer's ``inplace`` flag).
+
+NOTE [ Nested checkpoints ]
+A checkpointed call met while an outer recompute is running (a ``Checkpoint`` inside a
+checkpointed segment) must not keep anything: the outer recompute only needs the
+outer tensors again. It runs its function with every saved tensor discarded, so the
+outer recompute sees exactly the tensors the outer forward saw; its own placeholders
+from the real forward are filled later by its own recompute.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Callable
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from .errors import RecomputeError
+from .state import ReplayState, batchnorm_stats_frozen
+from .store import KeepPolicy, KeptInputs, input_tensors
+
+_local = threading.local()
+
+
+def _recompute_depth() -> int:
+    return getattr(_local, "recompute_depth", 0)
+
+
+class _Slot:
+    """What autograd stores in place of a tensor the segment saved."""
+
+    __slots__ = ("index", "__weakref__")
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+class _Frame:
+    """One checkpointed call: its kept inputs, the placeholders its forward handed to
+    autograd, and (after backward asks) the recomputed tensors behind them."""
+
+    def __init__(self, function: Callable, kept: KeptInputs, replay: ReplayState):
+        self.function = function
+        self.kept = kept
+        self.replay = replay
+        self.slots = []  # weak references, in the order the forward saved
+        self.signatures = []
+        self.recomputed = weakref.WeakKeyDictionary()
+        self.is_recomputed = False
+
+    def pack(self, tensor: torch.Tensor) -> _Slot:
+        slot = _Slot(len(self.slots))
+        self.slots.append(weakref.ref(slot))
+        self.signatures.append(_signature(tensor))
+        return slot
+
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        if not self.is_recomputed:
+            self._recompute()
+        return self.recomputed[slot]
+
+    def _recompute(self) -> None:
+        counter = itertools.count()
+        with _recomputing():
+            try:
+                hooks = saved_tensors_hooks(lambda t: self._fill(next(counter), t), _never_unpacked)
+                with torch.enable_grad(), self.replay.replayed(), batchnorm_stats_frozen(), hooks:
+                    args, kwargs = self.kept.restore()  # under enable_grad: see restore()
+                    self.function(*args, **kwargs)
+            except _AllSlotsFilled:
+                pass
+            finally:
+                self.kept.release()
+        produced = next(counter)
+        if produced != len(self.slots):
+            raise RecomputeError(
+                f"the recompute saved {produced} tensors for backward where the forward "
+                f"saved {len(self.slots)}: the checkpointed function {_name(self.function)} "
+                "does not do the same work twice. Make it deterministic (same branches, "
+                "same shapes) or do not checkpoint it."
+            )
+        self.is_recomputed = True
+
+    def _fill(self, index: int, tensor: torch.Tensor) -> None:
+        if index < len(self.slots) and _signature(tensor) != self.signatures[index]:
+            raise RecomputeError(
+                f"the recompute of {_name(self.function)} saved a tensor of "
+                f"shape/dtype/device {_signature(tensor)} where the forward saved "
+                f"{self.signatures[index]}: the function is not deterministic in its "
+                "shapes or dtypes, so its gradients would be wrong. Make it deterministic "
+                "or do not checkpoint it."
+            )
+        slot = self.slots[index]() if index < len(self.slots) else None
+        if slot is not None:  # None: autograd already freed the node that saved it
+            self.recomputed[slot] = tensor.detach()
+        if index == len(self.slots) - 1:
+            # Early stop: what runs after the last saved tensor (at least the output of
+            # the op that saved it) is not needed. Saves time and one activation of
+            # peak memory, as torch's non-reentrant checkpoint does.
+            raise _AllSlotsFilled
+
+
+class _AllSlotsFilled(Exception):
+    """Raised inside the recompute to stop it once every placeholder is filled."""
+
+
+def _never_unpacked(_):
+    raise RecomputeError("internal error: a tensor of a recompute graph was unpacked")
+
+
+def _discard(_):
+    return None
+
+
+class _recomputing:
+    def __enter__(self):
+        _local.recompute_depth = _recompute_depth() + 1
+
+    def __exit__(self, *exc):
+        _local.recompute_depth -= 1
+
+
+def _name(function) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__name__
+
+
+def checkpointed_call(
+    function: Callable,
+    args: tuple,
+    kwargs: dict,
+    policy: KeepPolicy,
+    private_copy: bool = False,
+) -> tuple:
+    """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
+
+    Returns ``(output, kept_bytes)``: the function's output, untouched, and the bytes
+    kept for its backward (0 when nothing needs a backward). ``private_copy`` makes
+    the kept inputs private copies, for functions that modify their inputs in place.
+    See NOTE [ Segment checkpoint mechanism ].
+    """
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs), 0
+    if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
+        with saved_tensors_hooks(_discard, _never_unpacked):
+            return function(*args, **kwargs), 0
+    tensors = input_tensors(args, kwargs)
+    replay = ReplayState.capture(tensors)
+    kept = KeptInputs(args, kwargs, policy, private_copy)
+    frame = _Frame(function, kept, replay)
+    with saved_tensors_hooks(frame.pack, frame.unpack):
+        output = function(*args, **kwargs)
+    kept.check_unmodified(f"by {_name(function)} during its forward")
+    if not frame.slots:  # nothing to backprop through: nothing to keep
+        kept.release()
+        return output, 0
+    return output, kept.nbytes

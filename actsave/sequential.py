@@ -1,0 +1,246 @@
+"""CheckpointedSequential: an ``nn.Sequential`` cut into segments that keep only
+their input and recompute the rest in backward.
+
+Segments are planned from ``segments`` each time the chain runs, so ``append`` and
+friends need no bookkeeping. As in ``torch.utils.checkpoint.checkpoint_sequential``,
+the last segment is not checkpointed: backward starts there, so its activations are
+needed at once. Per-layer options (``compress``, ``offload``) are stored by child
+name and apply to the input a segment keeps, so they act on the layers where
+segments start; ``describe()`` shows which.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+from .function import checkpointed_call
+from .store import KeepPolicy
+
+SegmentsSpec = Union[int, str, Iterable[int]]
+_SEGMENT_STRATEGIES = ("sqrt",)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Layers ``start`` to ``stop - 1``; ``checkpointed`` is False for the last one."""
+
+    start: int
+    stop: int
+    checkpointed: bool
+
+
+def plan_segments(n_layers: int, segments: SegmentsSpec) -> list:
+    """Cut ``n_layers`` layers into :class:`Segment` s as ``segments`` asks."""
+    starts = segment_starts(n_layers, segments)
+    stops = starts[1:] + [n_layers]
+    last = len(starts) - 1
+    return [Segment(a, b, i != last) for i, (a, b) in enumerate(zip(starts, stops))]
+
+
+def segment_starts(n_layers: int, segments: SegmentsSpec) -> list:
+    """Indices where segments start (always beginning with 0, empty for no layers)."""
+    if n_layers == 0:
+        return []
+    if isinstance(segments, str):
+        if segments not in _SEGMENT_STRATEGIES:
+            raise ConfigError(_bad_segments(segments, n_layers))
+        return _even_starts(n_layers, max(1, round(math.sqrt(n_layers))))
+    if isinstance(segments, bool):
+        raise ConfigError(_bad_segments(segments, n_layers))
+    if isinstance(segments, int):
+        if not 1 <= segments <= n_layers:
+            raise ConfigError(_bad_segments(segments, n_layers))
+        return _even_starts(n_layers, segments)
+    return _explicit_starts(n_layers, segments)
+
+
+def _even_starts(n_layers: int, k: int) -> list:
+    # checkpoint_sequential's split: k - 1 segments of n // k layers, the rest last.
+    size = n_layers // k
+    return [i * size for i in range(k)]
+
+
+def _explicit_starts(n_layers: int, segments) -> list:
+    try:
+        starts = [int(s) for s in segments if not isinstance(s, bool) and int(s) == s]
+        ok = len(starts) == len(list(segments))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or not starts:
+        raise ConfigError(_bad_segments(segments, n_layers))
+    if any(b <= a for a, b in zip(starts, starts[1:])) or starts[0] < 0 or starts[-1] >= n_layers:
+        raise ConfigError(
+            f"segments={list(segments)!r} must be strictly increasing layer indices in "
+            f"[0, {n_layers - 1}] (where segments start)"
+        )
+    return starts if starts[0] == 0 else [0, *starts]
+
+
+def _bad_segments(value, n_layers: int) -> str:
+    return (
+        f"segments={value!r} is not valid for {n_layers} layers; use an int k with "
+        f"1 <= k <= {n_layers}, one of {list(_SEGMENT_STRATEGIES)}, or a sorted list "
+        "of the layer indices where segments start"
+    )
+
+
+class CheckpointedSequential(nn.Sequential):
+    """Drop-in ``nn.Sequential`` that trades recompute (and, per layer, compression or
+    host offload of what it keeps) for activation memory.
+
+    Args:
+        *modules: the layers, or one ``OrderedDict`` of them, as for ``nn.Sequential``.
+        segments: ``"sqrt"`` (default, ``round(sqrt(n))`` segments: O(sqrt(n))
+            activation memory for one extra forward), an int ``k`` (split as
+            ``torch.utils.checkpoint.checkpoint_sequential`` does), or a sorted list
+            of the layer indices where segments start (0 is implied). The last segment
+            is not checkpointed.
+        compress: codec of the kept segment inputs: ``None`` (exact), a codec name,
+            or ``{layer: codec}`` with ``layer`` an index or child name (the rest
+            exact).
+        offload: keep segment inputs in host memory: a bool, or ``{layer: bool}``.
+
+    Indexing, ``len``, iteration, ``append`` and ``state_dict`` keys are those of the
+    ``nn.Sequential`` built from the same modules; slicing returns a
+    ``CheckpointedSequential`` with default options. With ``compress=None`` outputs and
+    gradients are bit-identical to the plain ``nn.Sequential``. Under
+    ``torch.no_grad()`` it runs as a plain ``nn.Sequential`` and keeps nothing.
+    """
+
+    def __init__(self, *modules, segments: SegmentsSpec = "sqrt", compress=None, offload=False):
+        _check_modules(modules)
+        super().__init__(*modules)
+        segment_starts(len(self), segments)  # validate now, not at the first forward
+        self.segments = segments
+        self._default_compress, layer_compress = _split_per_layer(compress, default=None)
+        self._default_offload, layer_offload = _split_per_layer(offload, default=False)
+        KeepPolicy.resolve(self._default_compress, self._default_offload)
+        self._layer_compress, self._layer_offload = {}, {}
+        for layer, codec in layer_compress.items():
+            self.set_compression(layer, codec)
+        for layer, flag in layer_offload.items():
+            self.set_offload(layer, flag)
+        self._last_kept_bytes = {}
+
+    @classmethod
+    def from_sequential(cls, sequential: nn.Sequential, **options) -> "CheckpointedSequential":
+        """A CheckpointedSequential over the same module objects (no copies)."""
+        if not isinstance(sequential, nn.Sequential):
+            raise ConfigError(
+                f"from_sequential expects an nn.Sequential, got {type(sequential).__name__}"
+            )
+        return cls(OrderedDict(sequential.named_children()), **options)
+
+    def forward(self, input):
+        if not torch.is_grad_enabled():
+            return super().forward(input)
+        layers = list(self)
+        self._last_kept_bytes = {}
+        for segment in plan_segments(len(layers), self.segments):
+            run = _Chain(layers[segment.start:segment.stop])
+            if not segment.checkpointed:
+                input = run(input)
+                continue
+            policy = self._layer_policy(segment.start)
+            private_copy = getattr(layers[segment.start], "inplace", False) is True
+            input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
+            self._last_kept_bytes[segment.start] = kept
+        return input
+
+    def set_compression(self, layer, codec) -> None:
+        """Set the codec of the input kept at ``layer`` (an index, child name or slice)."""
+        KeepPolicy.resolve(compress=codec)
+        for name in self._child_names(layer):
+            self._layer_compress[name] = codec
+
+    def set_offload(self, layer, flag: bool) -> None:
+        """Keep the input at ``layer`` (an index, child name or slice) on the host or not."""
+        KeepPolicy.resolve(offload=flag)
+        for name in self._child_names(layer):
+            self._layer_offload[name] = flag
+
+    def describe(self) -> str:
+        """A per-layer table: segment, whether its input is kept, codec, offload, and
+        bytes kept at the last forward."""
+        rows = [("layer", "name", "type", "segment", "kept input", "codec", "offload", "kept bytes")]
+        names = list(self._modules)
+        for number, segment in enumerate(plan_segments(len(self), self.segments)):
+            for i in range(segment.start, segment.stop):
+                starts = i == segment.start
+                kept = "yes" if starts and segment.checkpointed else ("no (last)" if not segment.checkpointed else "")
+                codec, offload = self._layer_policy(i).describe() if kept == "yes" else ("", "")
+                bytes_ = self._last_kept_bytes.get(i, "") if kept == "yes" else ""
+                rows.append((str(i), names[i], type(self[i]).__name__, str(number), kept, codec, offload, str(bytes_)))
+        return _table(rows)
+
+    def _layer_policy(self, index: int) -> KeepPolicy:
+        name = list(self._modules)[index]
+        compress = self._layer_compress.get(name, self._default_compress)
+        offload = self._layer_offload.get(name, self._default_offload)
+        return KeepPolicy.resolve(compress=compress, offload=offload)
+
+    def _child_names(self, layer) -> list:
+        names = list(self._modules)
+        if isinstance(layer, slice):
+            return names[layer]
+        return [self._child_name(layer)]
+
+    def _child_name(self, layer) -> str:
+        names = list(self._modules)
+        if isinstance(layer, str) and layer in self._modules:
+            return layer
+        if isinstance(layer, int) and not isinstance(layer, bool) and -len(names) <= layer < len(names):
+            return names[layer]
+        raise ConfigError(
+            f"layer {layer!r} is not in this CheckpointedSequential; use an index in "
+            f"[0, {len(names) - 1}], a child name (one of {names[:8]}"
+            f"{'...' if len(names) > 8 else ''}) or a slice"
+        )
+
+    def extra_repr(self) -> str:
+        return f"segments={self.segments!r}"
+
+
+class _Chain:
+    """Calls a run of layers in order; the function a checkpointed segment recomputes."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.__qualname__ = "segment(" + ", ".join(type(m).__name__ for m in layers) + ")"
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _check_modules(modules: tuple) -> None:
+    layers = modules[0].values() if len(modules) == 1 and isinstance(modules[0], OrderedDict) else modules
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            raise ConfigError(
+                f"layer {i} is {layer!r} of type {type(layer).__name__}, not an nn.Module; "
+                "CheckpointedSequential takes modules as nn.Sequential does: wrap a "
+                "function in a small nn.Module"
+            )
+
+
+def _split_per_layer(value, default) -> tuple:
+    """``(global value, {layer: value})`` from a global value or a per-layer dict."""
+    if isinstance(value, dict):
+        return default, dict(value)
+    return value, {}
+
+
+def _table(rows: list) -> str:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+__all__ = ["CheckpointedSequential", "Segment", "plan_segments"]

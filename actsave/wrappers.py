@@ -1,0 +1,133 @@
+"""Checkpointing for models that are not one chain: a function, a module, or every
+matching submodule of a model.
+
+All three keep only their inputs and recompute in backward, exactly as a segment of
+:class:`~actsave.CheckpointedSequential` does (same ``compress`` / ``offload``
+options), with the semantics of non-reentrant ``torch.utils.checkpoint.checkpoint``:
+non-tensor and keyword arguments, outputs of any structure, inputs that need no grad.
+"""
+from __future__ import annotations
+
+from typing import Callable, Union
+
+from torch import nn
+
+from .errors import ConfigError
+from .function import checkpointed_call
+from .store import KeepPolicy
+
+# The child name torch's own checkpoint_wrapper uses: torch.distributed.checkpoint's
+# state-dict helpers already strip it from fully qualified names.
+_WRAPPED = "_checkpoint_wrapped_module"
+
+
+def checkpoint(function: Callable, *args, compress=None, offload=False, **kwargs):
+    """``function(*args, **kwargs)``, keeping only the arguments for backward.
+
+    The drop-in for ``torch.utils.checkpoint.checkpoint(function, *args,
+    use_reentrant=False, **kwargs)``, with the kept tensor arguments optionally
+    compressed (``compress``) or offloaded (``offload``). RNG and autocast state are
+    replayed in the recompute, and BatchNorm running statistics are not updated twice.
+    """
+    policy = KeepPolicy.resolve(compress, offload)
+    output, _ = checkpointed_call(function, args, kwargs, policy, _modifies_input(function))
+    return output
+
+
+class Checkpoint(nn.Module):
+    """Wraps ``module`` so that its forward keeps only its inputs for backward.
+
+    ``state_dict`` keys are those of ``module`` itself: a checkpoint saved with the
+    wrapper loads without it and the other way round. Attributes not found on the
+    wrapper are looked up on ``module``.
+    """
+
+    def __init__(self, module: nn.Module, compress=None, offload=False):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"Checkpoint wraps an nn.Module, got {type(module).__name__}")
+        self.policy = KeepPolicy.resolve(compress, offload)
+        self.add_module(_WRAPPED, module)
+        self.register_state_dict_post_hook(_strip_wrapper_prefix)
+        self.register_load_state_dict_pre_hook(_add_wrapper_prefix)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._modules[_WRAPPED]
+
+    def forward(self, *args, **kwargs):
+        output, _ = checkpointed_call(self.module, args, kwargs, self.policy, _modifies_input(self.module))
+        return output
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self._modules.get(_WRAPPED)
+            if wrapped is None:  # still inside __init__
+                raise
+            return getattr(wrapped, name)
+
+    def extra_repr(self) -> str:
+        codec, where = self.policy.describe()
+        return f"compress={codec!r}, offload={where != '-'}"
+
+
+FilterSpec = Union[Callable[[nn.Module, str], bool], type, tuple]
+
+
+def wrap(model: nn.Module, filter_fn: FilterSpec, compress=None, offload=False) -> nn.Module:
+    """Replace, in place, each submodule of ``model`` that ``filter_fn`` selects by a
+    :class:`Checkpoint` of it, and return ``model``.
+
+    ``filter_fn`` is ``callable(module, fqn) -> bool`` or an ``nn.Module`` subclass
+    (or tuple of them). ``model`` itself is never wrapped, nor is anything inside a
+    module that is wrapped already. ``state_dict`` keys do not change.
+    """
+    matches = _as_predicate(filter_fn)
+    policy = KeepPolicy.resolve(compress, offload)
+    _wrap_children(model, "", matches, policy)
+    return model
+
+
+def _wrap_children(parent: nn.Module, prefix: str, matches, policy: KeepPolicy) -> None:
+    for name, child in list(parent.named_children()):
+        if isinstance(child, Checkpoint):
+            continue
+        fqn = prefix + name
+        if matches(child, fqn):
+            wrapper = Checkpoint(child)
+            wrapper.policy = policy
+            setattr(parent, name, wrapper)
+        else:
+            _wrap_children(child, fqn + ".", matches, policy)
+
+
+def _as_predicate(filter_fn: FilterSpec):
+    classes = filter_fn if isinstance(filter_fn, tuple) else (filter_fn,)
+    if all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        return lambda module, fqn: isinstance(module, classes)
+    if callable(filter_fn) and not isinstance(filter_fn, (type, tuple)):
+        return filter_fn
+    raise ConfigError(
+        f"filter_fn={filter_fn!r} must be callable(module, fqn) -> bool, an nn.Module "
+        "subclass, or a tuple of nn.Module subclasses"
+    )
+
+
+def _modifies_input(function) -> bool:
+    # nn.ReLU(inplace=True) and friends say so; actsave then keeps a private copy.
+    return getattr(function, "inplace", False) is True
+
+
+def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata):
+    inner = prefix + _WRAPPED + "."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_wrapper_prefix(module, state_dict, prefix, *args):
+    inner = prefix + _WRAPPED + "."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)

@@ -1,0 +1,23 @@
+"""Test setup shared by every tier (see DESIGN.md section 5).
+
+Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel, so it must be
+set before anything imports triton: without CUDA the kernels then run on CPU tensors
+under Triton's interpreter and are compared bit for bit with their torch references.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

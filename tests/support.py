@@ -1,0 +1,58 @@
+"""Models and comparisons shared by the tests."""
+import copy
+
+import torch
+from torch import nn
+
+
+def mixed_chain(width: int = 16, repeats: int = 4) -> nn.Sequential:
+    """Linear, in-place ReLU, Dropout, BatchNorm, GELU, repeated: every layer kind whose
+    recompute needs care (RNG, running stats, in-place)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(repeats):
+        layers += [nn.Linear(width, width), nn.ReLU(inplace=True), nn.Dropout(0.3),
+                   nn.BatchNorm1d(width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def train_step(model: nn.Module, x: torch.Tensor, seed: int = 1):
+    """Forward and backward from a fixed RNG state; returns (output, input grad)."""
+    x = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), x.grad
+
+
+def assert_same_training(plain: nn.Module, other: nn.Module, x: torch.Tensor) -> None:
+    """Outputs, input gradients, parameter gradients and buffers are bit-identical."""
+    out_a, grad_a = train_step(plain, x)
+    out_b, grad_b = train_step(other, x)
+    assert torch.equal(out_a, out_b)
+    assert torch.equal(grad_a, grad_b)
+    for (name, p), q in zip(plain.named_parameters(), other.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(plain.named_buffers(), other.buffers()):
+        assert torch.equal(b, c), name
+
+
+def twin(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+class CallCounter:
+    """Counts forward calls of every submodule of a model."""
+
+    def __init__(self, model: nn.Module):
+        self.counts = {}
+        for name, module in model.named_children():
+            module.register_forward_hook(self._hook(name))
+
+    def _hook(self, name):
+        def count(module, args, output):
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return count
+
+    def reset(self):
+        self.counts.clear()

@@ -1,0 +1,1 @@
+"""Triton kernels for actsave codecs, installed as ``actsave.triton_kernels``."""
