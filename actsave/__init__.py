@@ -7,7 +7,9 @@ stored in 8 bits or in host memory. The one-line change::
 
 See the README for the modes and what each costs.
 """
+from .codecs import available_codecs
 from .errors import ActsaveError, ConfigError, RecomputeError
+from .kernel_backend import backend, get_backend, set_backend
 from .sequential import CheckpointedSequential
 from .store import stored_bytes
 from .wrappers import Checkpoint, checkpoint, wrap
@@ -20,6 +22,10 @@ __all__ = [
     "Checkpoint",
     "wrap",
     "stored_bytes",
+    "available_codecs",
+    "set_backend",
+    "get_backend",
+    "backend",
     "ActsaveError",
     "ConfigError",
     "RecomputeError",

@@ -37,6 +37,9 @@ NOTE [ Lifetime of kept inputs ]
   kept inputs before returning. A graph that is dropped without backward frees the
   placeholders, the hooks, the frame and with it the kept inputs; ``weakref.finalize``
   keeps :func:`actsave.stored_bytes` exact in every case.
+- With a lossy codec, the forward's ReLU decisions are kept too, one bit per element
+  of each ReLU output, on the placeholder of the ReLU's own save (relu_signs.py);
+  they live and die with it.
 - Inputs kept by reference (the exact codec) are version-checked: an in-place change
   after the forward kept them raises instead of recomputing from the wrong values. A
   function that starts with an in-place layer gets a private copy instead
@@ -59,9 +62,10 @@ from typing import Callable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from . import relu_signs
 from .errors import RecomputeError
 from .state import ReplayState, batchnorm_stats_frozen
-from .store import KeepPolicy, KeptInputs, input_tensors
+from .store import KeepPolicy, KeptInputs, account, input_tensors
 
 _local = threading.local()
 
@@ -71,12 +75,14 @@ def _recompute_depth() -> int:
 
 
 class _Slot:
-    """What autograd stores in place of a tensor the segment saved."""
+    """What autograd stores in place of a tensor the segment saved; ``relu_signs`` are
+    the forward's ReLU decisions when the recompute is lossy (relu_signs.py)."""
 
-    __slots__ = ("index", "__weakref__")
+    __slots__ = ("index", "relu_signs", "__weakref__")
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, relu_signs=None):
         self.index = index
+        self.relu_signs = relu_signs
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -87,7 +93,7 @@ class _Frame:
     """One checkpointed call: its kept inputs, the placeholders its forward handed to
     autograd, and (after backward asks) the recomputed tensors behind them."""
 
-    def __init__(self, function: Callable, kept: KeptInputs, replay: ReplayState):
+    def __init__(self, function: Callable, kept: KeptInputs, replay: ReplayState, inputs: list):
         self.function = function
         self.kept = kept
         self.replay = replay
@@ -95,12 +101,35 @@ class _Frame:
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
         self.is_recomputed = False
+        self._last_relu_output = _dead_ref
+        # Decisions made before this segment: the previous segment's ReLU keeps them.
+        # Only read during the forward, while the caller still holds the inputs.
+        self._input_ids = {id(t) for t in inputs}
+        self.sign_bytes = 0
 
     def pack(self, tensor: torch.Tensor) -> _Slot:
-        slot = _Slot(len(self.slots))
+        signs = None
+        if (self.kept.lossy and relu_signs.is_relu_output(tensor) and id(tensor) not in self._input_ids
+                and self._first_save(tensor)):
+            # Only the ReLU's own save gets the bits (it comes first): correcting the
+            # recomputed output in place fixes it for later savers too (a Linear's input).
+            signs = relu_signs.pack_signs(tensor)
+            account(signs, signs.numel())
+            self.sign_bytes += signs.numel()
+        slot = _Slot(len(self.slots), signs)
         self.slots.append(weakref.ref(slot))
         self.signatures.append(_signature(tensor))
         return slot
+
+    def _first_save(self, tensor: torch.Tensor) -> bool:
+        # By object identity: the forward holds no saved tensor, so a new output may
+        # reuse a freed one's memory, and pointers would confuse the two.
+        first = self._last_relu_output() is not tensor
+        self._last_relu_output = weakref.ref(tensor)
+        return first
+
+    def end_forward(self) -> None:
+        self._input_ids = set()  # ids may be reused once the inputs are gone
 
     def unpack(self, slot: _Slot) -> torch.Tensor:
         if not self.is_recomputed:
@@ -140,12 +169,18 @@ class _Frame:
             )
         slot = self.slots[index]() if index < len(self.slots) else None
         if slot is not None:  # None: autograd already freed the node that saved it
+            if slot.relu_signs is not None:
+                relu_signs.restore_decisions_(tensor.data, slot.relu_signs)
             self.recomputed[slot] = tensor.detach()
         if index == len(self.slots) - 1:
             # Early stop: what runs after the last saved tensor (at least the output of
             # the op that saved it) is not needed. Saves time and one activation of
             # peak memory, as torch's non-reentrant checkpoint does.
             raise _AllSlotsFilled
+
+
+def _dead_ref():
+    return None
 
 
 class _AllSlotsFilled(Exception):
@@ -182,7 +217,7 @@ def checkpointed_call(
     """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
 
     Returns ``(output, kept_bytes)``: the function's output, untouched, and the bytes
-    kept for its backward (0 when nothing needs a backward). ``private_copy`` makes
+    kept for its backward (inputs and ReLU sign bits; 0 when nothing needs a backward). ``private_copy`` makes
     the kept inputs private copies, for functions that modify their inputs in place.
     See NOTE [ Segment checkpoint mechanism ].
     """
@@ -194,11 +229,12 @@ def checkpointed_call(
     tensors = input_tensors(args, kwargs)
     replay = ReplayState.capture(tensors)
     kept = KeptInputs(args, kwargs, policy, private_copy)
-    frame = _Frame(function, kept, replay)
+    frame = _Frame(function, kept, replay, tensors)
     with saved_tensors_hooks(frame.pack, frame.unpack):
         output = function(*args, **kwargs)
+    frame.end_forward()
     kept.check_unmodified(f"by {_name(function)} during its forward")
     if not frame.slots:  # nothing to backprop through: nothing to keep
         kept.release()
         return output, 0
-    return output, kept.nbytes
+    return output, kept.nbytes + frame.sign_bytes

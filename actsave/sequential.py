@@ -50,7 +50,7 @@ def segment_starts(n_layers: int, segments: SegmentsSpec) -> list:
     if isinstance(segments, str):
         if segments not in _SEGMENT_STRATEGIES:
             raise ConfigError(_bad_segments(segments, n_layers))
-        return _even_starts(n_layers, max(1, round(math.sqrt(n_layers))))
+        return _balanced_starts(n_layers, max(1, round(math.sqrt(n_layers))))
     if isinstance(segments, bool):
         raise ConfigError(_bad_segments(segments, n_layers))
     if isinstance(segments, int):
@@ -64,6 +64,13 @@ def _even_starts(n_layers: int, k: int) -> list:
     # checkpoint_sequential's split: k - 1 segments of n // k layers, the rest last.
     size = n_layers // k
     return [i * size for i in range(k)]
+
+
+def _balanced_starts(n_layers: int, k: int) -> list:
+    # Sizes differ by at most one. checkpoint_sequential's split gives the last,
+    # unsaved segment up to twice the others' layers, and the peak is kept inputs plus
+    # the largest of (last segment, one recomputed segment): balanced minimises it.
+    return [i * n_layers // k for i in range(k)]
 
 
 def _explicit_starts(n_layers: int, segments) -> list:

@@ -36,6 +36,12 @@ class _Ledger:
 _LEDGER = _Ledger()
 
 
+def account(owner, nbytes: int, where: str = "device") -> None:
+    """Count ``nbytes`` in :func:`stored_bytes` for as long as ``owner`` lives."""
+    _LEDGER.add(where, nbytes)
+    weakref.finalize(owner, _LEDGER.add, where, -nbytes)
+
+
 def stored_bytes() -> dict:
     """Bytes actsave currently holds for backward: ``{"device": int, "host": int}``.
 
@@ -87,6 +93,7 @@ class _KeptTensor:
         if private_copy and codec.aliases_input:
             source = source.clone()
         self.codec = codec
+        self.modified_in_place = private_copy  # by the function's first layer
         self.private = private_copy or not codec.aliases_input
         self.packed = codec.encode(source)
         # An aliased input changed in place after this point would be recomputed
@@ -95,6 +102,10 @@ class _KeptTensor:
         self.nbytes = self.packed.nbytes
         self._release = weakref.finalize(self, _LEDGER.add, "device", -self.nbytes)
         _LEDGER.add("device", self.nbytes)
+
+    @property
+    def lossy(self) -> bool:
+        return not self.codec.lossless
 
     def check_unmodified(self, where: str) -> None:
         if self.version is not None and self.packed.data._version != self.version:
@@ -108,7 +119,7 @@ class _KeptTensor:
     def restore(self) -> torch.Tensor:
         self.check_unmodified("after the forward that kept it")
         x = self.codec.decode(self.packed).detach().requires_grad_(self.requires_grad)
-        if self.private and self.requires_grad:
+        if self.modified_in_place and self.requires_grad:
             # A leaf that requires grad cannot be modified in place; a segment that
             # starts with an in-place layer needs a non-leaf input.
             x = x.clone()
@@ -138,6 +149,11 @@ class KeptInputs:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether a recompute from these inputs differs from the forward."""
+        return any(t.lossy for t in self.tensors)
 
     def check_unmodified(self, where: str) -> None:
         for t in self.tensors:

@@ -1,0 +1,62 @@
+"""Which implementation runs a codec: the Triton kernels or their torch references.
+
+``"auto"`` (the default) uses Triton for CUDA tensors and the torch reference for CPU
+tensors: both produce the same bits, the reference being the specification.
+``"triton"`` forces the kernels, on CPU too through Triton's interpreter (how CI tests
+them); ``"torch"`` forces the references. Kernel modules are imported on first use,
+so ``import actsave`` needs no Triton.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from typing import Callable
+
+import torch
+
+from .errors import ActsaveError, ConfigError
+
+BACKENDS = ("auto", "triton", "torch")
+_selected = "auto"
+
+
+def set_backend(name: str) -> None:
+    """Choose the codec implementation for every later call: one of :data:`BACKENDS`."""
+    global _selected
+    if name not in BACKENDS:
+        raise ConfigError(f"backend {name!r} is not one of {list(BACKENDS)}")
+    _selected = name
+
+
+def get_backend() -> str:
+    """The backend chosen now."""
+    return _selected
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Use backend ``name`` inside the ``with`` block and restore the previous one."""
+    previous = _selected
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def implementation(kernel_module: str, function: str, tensor: torch.Tensor) -> Callable:
+    """``actsave.triton_kernels.<kernel_module>.<function>`` for the Triton backend, or
+    its torch reference ``<function>_ref``, whichever the backend chooses for ``tensor``."""
+    module = importlib.import_module(f"actsave.triton_kernels.{kernel_module}")
+    use_triton = _selected == "triton" or (_selected == "auto" and tensor.is_cuda)
+    if not use_triton:
+        return getattr(module, f"{function}_ref")
+    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ActsaveError(
+            "the 'triton' backend was forced for a CPU tensor, but Triton's interpreter "
+            "is off: set the environment variable TRITON_INTERPRET=1 before Python "
+            "imports triton (Triton reads it when kernels are defined), or use "
+            "actsave.set_backend('auto')"
+        )
+    return getattr(module, function)

@@ -1,0 +1,60 @@
+"""Exact ReLU decisions in a lossy recompute.
+
+A segment recomputed from a compressed input computes slightly different
+pre-activations; where they are near zero a ReLU decides the other way, and its
+backward passes a gradient the forward blocked (or blocks one it passed). Measured on
+a CNN of 16 conv-BN-ReLU blocks (BatchNorm in training mode puts much of the
+pre-activation mass near zero), those flips cut the worst parameter-gradient SQNR of
+int8 from about 37 dB (same network with GELU) to about 13 dB.
+
+So when a lossy checkpoint's forward saves a ReLU output, its sign pattern is kept
+too, one bit per element (1/32 of the fp32 output), and the recompute corrects its
+ReLU outputs in place to the forward's decisions before anything downstream reads
+them (ActNN keeps ReLU masks in one bit for the same reason). Other piecewise
+activations (LeakyReLU, ReLU6, Hardtanh) save their input, not their output, and are
+recomputed as they come.
+
+The bit is "not (y <= 0)", the test ``threshold_backward`` applies, so NaN counts as
+passing: non-finite values still reach the gradient.
+"""
+from __future__ import annotations
+
+import torch
+
+_RELU_NODES = ("ReluBackward0",)
+_BIT_WEIGHTS = {}
+
+
+def is_relu_output(tensor: torch.Tensor) -> bool:
+    """Whether autograd is saving ``tensor`` as the output of a ReLU."""
+    return type(tensor.grad_fn).__name__ in _RELU_NODES
+
+
+def _weights(device) -> torch.Tensor:
+    if device not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[device] = 2 ** torch.arange(8, dtype=torch.uint8, device=device)
+    return _BIT_WEIGHTS[device]
+
+
+def pack_signs(output: torch.Tensor) -> torch.Tensor:
+    """One bit per element of a ReLU output: 1 where backward passes the gradient."""
+    passes = ~(output.detach() <= 0).reshape(-1)
+    padded = torch.nn.functional.pad(passes, (0, -passes.numel() % 8))
+    return (padded.view(-1, 8).to(torch.uint8) * _weights(output.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_signs(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The forward's decisions as a bool tensor shaped like ``like``."""
+    passes = (bits.unsqueeze(1) & _weights(bits.device)) != 0
+    return passes.reshape(-1)[: like.numel()].view(like.shape)
+
+
+def restore_decisions_(recomputed: torch.Tensor, bits: torch.Tensor) -> None:
+    """Make a recomputed ReLU output decide as the forward did, in place: zero where
+    the forward blocked, the smallest positive normal where the forward passed but the
+    recompute gave zero."""
+    blocked = ~unpack_signs(bits, recomputed)
+    with torch.no_grad():
+        # A ReLU output is >= 0 (or NaN, which clamp keeps): clamping lifts exactly
+        # the zeros, and the forward's blocked elements are zeroed after.
+        recomputed.clamp_min_(torch.finfo(recomputed.dtype).tiny).masked_fill_(blocked, 0)

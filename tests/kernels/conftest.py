@@ -1,0 +1,187 @@
+"""Inputs and checks shared by the codec kernel tests.
+
+Shapes are small and groups of 16 are the norm: the interpreter costs milliseconds
+per program, and small groups put many groups, partial ones included, in small tensors.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+GROUP = 16
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _with(x, index, value):
+    x[index] = value
+    return x
+
+
+def _wide_range(n_groups):
+    """Groups whose magnitudes span 2**0 .. 2**-40, signs alternating: divided by the
+    group's scale they sweep the normal and subnormal ranges of both fp8 formats down
+    to rounding to zero, as they do for int8."""
+    magnitudes = torch.pow(2.0, torch.linspace(0, -40, GROUP)) * (1 + torch.rand(n_groups, GROUP))
+    return magnitudes * torch.tensor([1.0, -1.0]).repeat(GROUP // 2)
+
+
+# name -> fp32 tensor; each case is cast to the dtype under test.
+INPUT_CASES = {
+    "one_element": lambda: torch.randn(1, 1),
+    "three": lambda: torch.randn(3),
+    "odd_width": lambda: torch.randn(7, 33),
+    "several_programs": lambda: torch.randn(3, 1500),  # > 4096 elements
+    "zero_groups": lambda: _with(torch.randn(4, 2 * GROUP + 5), (slice(1, 3), slice(None)), 0.0),
+    "nan": lambda: _with(torch.randn(5, GROUP), (2, 3), float("nan")),
+    "pos_inf": lambda: _with(torch.randn(5, GROUP), (1, 0), float("inf")),
+    "neg_inf": lambda: _with(torch.randn(5, GROUP), (4, 15), float("-inf")),
+    "transposed": lambda: torch.randn(33, 20).t(),
+    "sliced": lambda: torch.randn(40, 50)[::3, 5:40],
+    "wide_range": lambda: _wide_range(6),
+    "empty": lambda: torch.empty(0, 5),
+}
+
+
+@pytest.fixture(params=FLOAT_DTYPES, ids=str)
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture(params=FLOAT_DTYPES, ids=str)
+def out_dtype(request):
+    return request.param
+
+
+@pytest.fixture(params=sorted(INPUT_CASES))
+def input_case(request, dtype):
+    torch.manual_seed(0)
+    return INPUT_CASES[request.param]().to(dtype)
+
+
+@pytest.fixture(params=["max", "tiny"])
+def extreme_input(request, dtype):
+    """Values up to the dtype's largest finite one, or within its subnormal range."""
+    torch.manual_seed(0)
+    finfo = torch.finfo(dtype)
+    top = finfo.max if request.param == "max" else finfo.tiny
+    return (torch.rand(4, GROUP) * 2 - 1).mul(top).to(dtype)
+
+
+@pytest.fixture(scope="session")
+def signals():
+    """Activation-like data for the SQNR floors, 2**14 values each."""
+    torch.manual_seed(0)
+    n = 1 << 14
+    channel_scale = torch.where(torch.arange(256) % 64 == 0, 100.0, 1.0)
+    return {
+        "gaussian": torch.randn(n),
+        "post_relu": torch.relu(torch.randn(n)),
+        "student_t3": torch.distributions.StudentT(3.0).sample((n,)),
+        # 4 channels in 256 are 100x larger, as in transformer residual streams.
+        "outlier_channels": (torch.randn(n // 256, 256) * channel_scale).reshape(-1),
+    }
+
+
+def _sqnr_db(reference, approximation):
+    reference, approximation = reference.float(), approximation.float()
+    return (20 * torch.log10(reference.norm() / (reference - approximation).norm())).item()
+
+
+def _assert_same_bits(actual, expected):
+    """Same dtype, shape and bits; NaNs need only share positions (their payload and
+    sign are unspecified and differ between torch, numpy and GPUs)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.is_floating_point():
+        nan = expected.isnan()
+        assert torch.equal(actual.isnan(), nan), "NaN positions differ"
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
+        actual, expected = actual[~nan].view(bits), expected[~nan].view(bits)
+    mismatches = (actual != expected).nonzero().flatten()
+    assert mismatches.numel() == 0, f"{mismatches.numel()} elements differ, first at {mismatches[:5].tolist()}"
+
+
+def _assert_matches_reference(kernel, reference, x, group_size, out_dtype=None):
+    """The Triton codec's codes, scales and decoded values equal, bit for bit, those of
+    the torch reference run on CPU. kernel and reference are (encode, decode) pairs
+    called as encode(x, group_size=) and decode(codes, scales, dtype=, group_size=)."""
+    (encode, decode), (encode_ref, decode_ref) = kernel, reference
+    out_dtype = out_dtype or x.dtype
+    codes, scales = encode(x, group_size=group_size)
+    ref_codes, ref_scales = encode_ref(x.cpu(), group_size=group_size)
+    _assert_same_bits(codes.cpu(), ref_codes)
+    _assert_same_bits(scales.cpu(), ref_scales)
+    decoded = decode(codes, scales, dtype=out_dtype, group_size=group_size)
+    expected = decode_ref(ref_codes, ref_scales, dtype=out_dtype, group_size=group_size)
+    _assert_same_bits(decoded.cpu(), expected)
+
+
+@pytest.fixture
+def assert_same_bits():
+    return _assert_same_bits
+
+
+@pytest.fixture
+def assert_matches_reference():
+    return _assert_matches_reference
+
+
+@pytest.fixture
+def group_size():
+    """The group size the input cases are built around."""
+    return GROUP
+
+
+@pytest.fixture
+def sqnr():
+    return _sqnr_db
+
+
+@pytest.fixture
+def large_cuda_input():
+    """17 Mi + 5 fp32 values (68 MiB, partial last group) with a NaN, an Inf and a
+    zero group."""
+    torch.manual_seed(0)
+    x = torch.randn(17 * 2**20 + 5, device="cuda")
+    x[12345], x[2**20] = float("nan"), float("inf")
+    x[4096:4096 + 4096] = 0
+    return x
+
+
+_COMPILE_FOR_SM90 = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from actsave.triton_kernels._rounding import NUM_WARPS
+
+ptx = {}
+for name, (module, kernel, signature, constexprs) in json.loads(sys.argv[1]).items():
+    source = ASTSource(getattr(importlib.import_module(module), kernel), signature, constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+    ptx[name] = compiled.asm["ptx"]
+print(json.dumps(ptx))
+"""
+
+
+def _assert_compiles_to_ieee_ptx(kernels):
+    """Compile {name: (module, kernel, signature, constexprs)} for sm_90, which needs no
+    GPU, only a Triton outside interpreter mode (hence the subprocess), and check that
+    the PTX divides correctly rounded only (no approximate division), flushes no
+    subnormals (ftz) and fuses no multiply-add: what bit-exactness on CUDA rests on."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, json.dumps(kernels)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for name, ptx in json.loads(done.stdout).items():
+        assert set(re.findall(r"div\.[\w.]*f32", ptx)) <= {"div.rn.f32"}, name
+        assert "ftz" not in ptx and "fma" not in ptx, name
+
+
+@pytest.fixture(scope="session")
+def assert_compiles_to_ieee_ptx():
+    pytest.importorskip("triton.backends.nvidia", reason="this Triton has no CUDA backend")
+    return _assert_compiles_to_ieee_ptx

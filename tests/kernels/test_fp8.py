@@ -1,0 +1,217 @@
+"""fp8 codec (e4m3, e5m2): the Triton kernels against their torch reference, bit for
+bit, and the reference against torch's fp8 casts and the rules it defines
+(triton_kernels/fp8.py, _rounding.py)."""
+from functools import partial
+
+import pytest
+import torch
+
+from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM
+from actsave.triton_kernels.fp8 import FP8_FORMATS, decode_fp8, decode_fp8_ref, encode_fp8, encode_fp8_ref
+
+# numpy runs the interpreter's arithmetic and warns about the 0 * inf that decodes a
+# non-finite group to NaN, and about casts that overflow to inf, both intended.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+# Round-trip SQNR floors in dB at the default group size (128), a few dB under what
+# was measured on the `signals` fixture (fp32 / bf16 / fp16):
+SQNR_FLOORS_DB = {
+    "e4m3": {
+        "gaussian": 29.0,  # 31.7 / 31.7 / 31.7
+        "post_relu": 29.0,  # 31.9 / 31.9 / 31.9
+        "student_t3": 30.0,  # heavy tails: 33.2 / 33.2 / 33.2
+        "outlier_channels": 36.0,  # 1 channel in 64 is 100x larger: 39.1 / 39.3 / 39.1
+    },
+    "e5m2": {
+        "gaussian": 23.0,  # 25.8 / 25.8 / 25.8
+        "post_relu": 23.0,  # 26.0 / 26.1 / 26.0
+        "student_t3": 24.0,  # 26.9 / 26.9 / 26.9
+        "outlier_channels": 31.0,  # 34.1 / 34.1 / 34.1
+    },
+}
+
+
+@pytest.fixture(params=sorted(FP8_FORMATS))
+def fmt(request):
+    return request.param
+
+
+@pytest.fixture
+def kernel(fmt):
+    return partial(encode_fp8, fmt=fmt), partial(decode_fp8, fmt=fmt)
+
+
+@pytest.fixture
+def reference(fmt):
+    return partial(encode_fp8_ref, fmt=fmt), partial(decode_fp8_ref, fmt=fmt)
+
+
+@pytest.fixture(params=["triton", "reference"])
+def codec(request, kernel, reference):
+    return kernel if request.param == "triton" else reference
+
+
+def _finite_values(fmt):
+    """Every finite fp8 value >= 0, ascending, as fp32."""
+    spec = FP8_FORMATS[fmt]
+    codes = torch.arange(spec.first_special_code, dtype=torch.uint8)
+    return codes.view(spec.torch_dtype).float()
+
+
+def _encode_at_unit_scale(encode, values, fmt, group_size):
+    """Codes of values as the encoder sees them: each group also holds FP8_MAX, which
+    makes its scale exactly 1, so x / scale == x."""
+    per_group = group_size - 1
+    padded = torch.nn.functional.pad(values, (0, -values.numel() % per_group))
+    groups = padded.view(-1, per_group)
+    top = torch.full((groups.shape[0], 1), FP8_FORMATS[fmt].max_value)
+    codes, scales = encode(torch.cat([top, groups], dim=1), group_size=group_size)
+    assert (scales == 1).all()
+    return codes.view(-1, group_size)[:, 1:].reshape(-1)[: values.numel()]
+
+
+def test_kernel_matches_reference(input_case, group_size, kernel, reference, assert_matches_reference):
+    assert_matches_reference(kernel, reference, input_case, group_size)
+
+
+def test_kernel_matches_reference_at_dtype_extremes(extreme_input, group_size, kernel, reference,
+                                                    assert_matches_reference):
+    assert_matches_reference(kernel, reference, extreme_input, group_size)
+
+
+def test_kernel_matches_reference_at_default_group_size(dtype, kernel, reference, assert_matches_reference):
+    torch.manual_seed(0)
+    x = torch.randn(5, 300)
+    x[1, 7], x[3] = float("nan"), 0.0
+    assert_matches_reference(kernel, reference, x.to(dtype), 128)
+
+
+def test_decode_to_any_dtype_matches_reference(out_dtype, group_size, kernel, reference,
+                                               assert_matches_reference):
+    """Magnitudes from 1e-12 to 1e6: fp16 outputs overflow to inf and go subnormal."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 64) * 10 ** torch.empty(16, 1).uniform_(-12, 6)
+    assert_matches_reference(kernel, reference, x, group_size, out_dtype)
+
+
+def test_codes_equal_torch_casts_over_the_whole_range(fmt, kernel, reference, group_size):
+    """Every fp8 value, every midpoint between neighbours (ties), the fp32 values just
+    either side of each midpoint and log-uniform values down to far below the smallest
+    subnormal, both signs: the integer encoder and the reference agree with torch."""
+    torch.manual_seed(0)
+    finite = _finite_values(fmt)
+    midpoints = (finite[:-1] + finite[1:]) / 2
+    magnitudes = torch.cat([
+        finite, midpoints, midpoints.nextafter(torch.tensor(0.0)), midpoints.nextafter(torch.tensor(1e9)),
+        torch.pow(2.0, torch.empty(2000).uniform_(-40, 0)) * finite[-1],
+    ])
+    values = torch.cat([magnitudes, -magnitudes])
+    expected = values.to(FP8_FORMATS[fmt].torch_dtype).view(torch.uint8)
+    for encode, _ in (kernel, reference):
+        assert torch.equal(_encode_at_unit_scale(encode, values, fmt, group_size), expected)
+
+
+def test_torch_casts_round_ties_to_even(fmt):
+    """The reference relies on torch's fp8 cast rounding half to even."""
+    finite = _finite_values(fmt)
+    midpoints = (finite[:-1] + finite[1:]) / 2
+    codes = midpoints.to(FP8_FORMATS[fmt].torch_dtype).view(torch.uint8).long()
+    below = torch.arange(len(midpoints))
+    assert ((codes == below) | (codes == below + 1)).all()
+    assert (codes % 2 == 0).all()
+
+
+def test_every_code_decodes_like_torch(fmt, kernel, assert_same_bits):
+    """All 256 bit patterns at unit scale, the inf and NaN ones included."""
+    _, decode = kernel
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    decoded = decode(codes, torch.ones(256 // 16), dtype=torch.float32, group_size=16)
+    assert_same_bits(decoded, codes.view(FP8_FORMATS[fmt].torch_dtype).float())
+
+
+def test_all_zero_groups_decode_to_exact_zeros(codec, dtype, group_size):
+    encode, decode = codec
+    x = torch.zeros(3 * group_size, dtype=dtype)
+    x[:group_size] = torch.randn(group_size)
+    x[-1] = -0.0
+    codes, scales = encode(x, group_size=group_size)
+    assert (scales[1:] == 0).all() and (codes[group_size:] == 0).all()
+    zeros = decode(codes, scales, dtype=dtype, group_size=group_size)[group_size:]
+    assert (zeros == 0).all() and not zeros.signbit().any()
+
+
+def test_non_finite_groups_decode_to_nan(codec, dtype, group_size):
+    encode, decode = codec
+    x = torch.randn(4, group_size, dtype=dtype)
+    x[1, 3], x[2, 0], x[3, 5] = float("nan"), float("inf"), float("-inf")
+    codes, scales = encode(x, group_size=group_size)
+    assert scales[1].isnan() and scales[2:].isposinf().all()
+    decoded = decode(codes, scales, dtype=dtype, group_size=group_size).view(4, group_size)
+    assert decoded[0].isfinite().all() and decoded[1:].isnan().all()
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 5), (0, 5)])
+def test_outputs_have_documented_dtypes_and_shapes(codec, shape):
+    encode, decode = codec
+    x = torch.randn(shape)
+    codes, scales = encode(x, group_size=16)
+    assert codes.dtype == torch.uint8 and codes.shape == (x.numel(),)
+    assert scales.dtype == torch.float32 and scales.shape == (-(-x.numel() // 16),)
+    decoded = decode(codes, scales, dtype=torch.bfloat16, group_size=16)
+    assert decoded.dtype == torch.bfloat16 and decoded.shape == (x.numel(),)
+
+
+@pytest.mark.parametrize("signal", SQNR_FLOORS_DB["e4m3"])
+def test_roundtrip_sqnr_floor(fmt, signal, dtype, signals, sqnr):
+    x = signals[signal].to(dtype)
+    decoded = decode_fp8(*encode_fp8(x, fmt), fmt, dtype)
+    assert sqnr(x, decoded) >= SQNR_FLOORS_DB[fmt][signal]
+
+
+@pytest.mark.parametrize("encode", [encode_fp8, encode_fp8_ref], ids=["triton", "reference"])
+@pytest.mark.parametrize("x, fmt, group_size, message", [
+    (torch.ones(4), "e3m4", 16, "fmt must be one of \\['e4m3', 'e5m2'\\], got 'e3m4'"),
+    (torch.arange(4), "e4m3", 16, "got torch.int64; integer and bool tensors are never quantized"),
+    (torch.ones(4), "e5m2", 24, "power of two from 8 to 4096, got 24"),
+], ids=["fmt", "int64", "group_size"])
+def test_encode_rejects_bad_input(encode, x, fmt, group_size, message):
+    with pytest.raises(ValueError, match=message):
+        encode(x, fmt, group_size)
+
+
+@pytest.mark.parametrize("decode", [decode_fp8, decode_fp8_ref], ids=["triton", "reference"])
+@pytest.mark.parametrize("codes, scales, dtype, message", [
+    (torch.zeros(20, dtype=torch.int8), torch.ones(2), torch.float32, "codes must be torch.uint8"),
+    (torch.zeros(20, dtype=torch.uint8), torch.ones(1), torch.float32, "need 2 float32 scales, got 1"),
+    (torch.zeros(20, dtype=torch.uint8), torch.ones(2), torch.float64, "decoded dtype must be one of"),
+], ids=["codes_dtype", "scales_count", "out_dtype"])
+def test_decode_rejects_bad_input(decode, codes, scales, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        decode(codes, scales, "e4m3", dtype, 16)
+
+
+def test_kernels_compile_for_cuda_with_ieee_arithmetic(assert_compiles_to_ieee_ptx):
+    tile = {"GROUP_SIZE": 128, "GROUPS_PER_PROGRAM": ELEMENTS_PER_PROGRAM // 128}
+    kernels = {}
+    for fmt, spec in FP8_FORMATS.items():
+        encode_constexprs = {"FP8_MAX": spec.max_value, "MANT_BITS": spec.mantissa_bits,
+                             "MIN_NORMAL_EXP": spec.min_normal_exponent, **tile}
+        decode_constexprs = {"MANT_BITS": spec.mantissa_bits, "MIN_NORMAL_EXP": spec.min_normal_exponent,
+                             "FIRST_SPECIAL": spec.first_special_code, **tile}
+        kernels[f"encode_{fmt}"] = (
+            "actsave.triton_kernels.fp8", "_encode_fp8_kernel",
+            {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp32", "numel": "i64",
+             **dict.fromkeys(encode_constexprs, "constexpr")},
+            encode_constexprs)
+        kernels[f"decode_{fmt}"] = (
+            "actsave.triton_kernels.fp8", "_decode_fp8_kernel",
+            {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i64",
+             **dict.fromkeys(decode_constexprs, "constexpr")},
+            decode_constexprs)
+    assert_compiles_to_ieee_ptx(kernels)
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_matches_reference_on_a_large_tensor(large_cuda_input, out_dtype, kernel, reference,
+                                                         assert_matches_reference):
+    assert_matches_reference(kernel, reference, large_cuda_input, 128, out_dtype)

@@ -1,0 +1,174 @@
+"""int8 codec: the Triton kernels against their torch reference, bit for bit, and the
+reference against the rules it defines (triton_kernels/int8.py, _rounding.py)."""
+import pytest
+import torch
+
+from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM
+from actsave.triton_kernels.int8 import INT8_MAX, decode_int8, decode_int8_ref, encode_int8, encode_int8_ref
+
+# numpy runs the interpreter's arithmetic and warns about the 0 * inf that decodes a
+# non-finite group to NaN, and about casts that overflow to inf, both intended.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+KERNEL = (encode_int8, decode_int8)
+REFERENCE = (encode_int8_ref, decode_int8_ref)
+
+# Round-trip SQNR floors in dB at the default group size (128), a few dB under what
+# was measured on the `signals` fixture (fp32 / bf16 / fp16):
+SQNR_FLOORS_DB = {
+    "gaussian": 41.0,  # 43.6 / 43.4 / 43.6
+    "post_relu": 42.0,  # 44.6 / 44.3 / 44.6
+    "student_t3": 35.0,  # heavy tails: 37.3 / 37.2 / 37.3
+    "outlier_channels": 30.0,  # 1 channel in 64 is 100x larger: 32.6 / 32.6 / 32.6
+}
+
+
+@pytest.fixture(params=["triton", "reference"])
+def codec(request):
+    return KERNEL if request.param == "triton" else REFERENCE
+
+
+def test_kernel_matches_reference(input_case, group_size, assert_matches_reference):
+    assert_matches_reference(KERNEL, REFERENCE, input_case, group_size)
+
+
+def test_kernel_matches_reference_at_dtype_extremes(extreme_input, group_size, assert_matches_reference):
+    assert_matches_reference(KERNEL, REFERENCE, extreme_input, group_size)
+
+
+def test_kernel_matches_reference_at_default_group_size(dtype, assert_matches_reference):
+    torch.manual_seed(0)
+    x = torch.randn(5, 300)
+    x[1, 7], x[3] = float("nan"), 0.0
+    assert_matches_reference(KERNEL, REFERENCE, x.to(dtype), 128)
+
+
+def test_decode_to_any_dtype_matches_reference(out_dtype, group_size, assert_matches_reference):
+    """Magnitudes from 1e-12 to 1e6: fp16 outputs overflow to inf and go subnormal."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 64) * 10 ** torch.empty(16, 1).uniform_(-12, 6)
+    assert_matches_reference(KERNEL, REFERENCE, x, group_size, out_dtype)
+
+
+def test_bfloat16_output_rounds_ties_to_even(group_size, assert_same_bits):
+    """Scales whose low 16 bits are half a bf16 ulp, times power-of-two codes: every
+    decoded value is an exact tie, which must go to the even neighbour."""
+    torch.manual_seed(0)
+    scale_bits = (torch.randint(0x3F00, 0x4100, (64,)) << 16) | 0x8000
+    scales = scale_bits.to(torch.int32).view(torch.float32)
+    codes = torch.tensor([1, -2, 4, -8], dtype=torch.int8).repeat(64 * group_size // 4)
+    decoded = decode_int8(codes, scales, torch.bfloat16, group_size)
+    assert_same_bits(decoded, decode_int8_ref(codes, scales, torch.bfloat16, group_size))
+    assert (decoded.view(torch.int16) & 1 == 0).all()
+
+
+@pytest.mark.parametrize("encode", [encode_int8, encode_int8_ref], ids=["triton", "reference"])
+def test_codes_round_half_to_even(encode):
+    # The absmax 127 makes the scale exactly 1, so x / scale is x and the .5s are ties.
+    x = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 125.5,
+                      126.5, -126.5, 0.49999997, 0.50000006, 126.49999, 3.0, -0.0, -127])
+    expected = [127, 0, 2, 2, 0, -2, -2, 126, 126, -126, 0, 1, 126, 3, 0, -127]
+    codes, scales = encode(x, 16)
+    assert scales.tolist() == [1.0]
+    assert codes.tolist() == expected
+
+
+def test_all_zero_groups_decode_to_exact_zeros(codec, dtype, group_size):
+    encode, decode = codec
+    x = torch.zeros(3 * group_size, dtype=dtype)
+    x[:group_size] = torch.randn(group_size)
+    x[-1] = -0.0
+    codes, scales = encode(x, group_size)
+    assert (scales[1:] == 0).all() and (codes[group_size:] == 0).all()
+    zeros = decode(codes, scales, dtype, group_size)[group_size:]
+    assert (zeros == 0).all() and not zeros.signbit().any()
+
+
+def test_non_finite_groups_decode_to_nan(codec, dtype, group_size):
+    encode, decode = codec
+    x = torch.randn(4, group_size, dtype=dtype)
+    x[1, 3], x[2, 0], x[3, 5] = float("nan"), float("inf"), float("-inf")
+    codes, scales = encode(x, group_size)
+    assert scales[1].isnan() and scales[2:].isposinf().all()
+    decoded = decode(codes, scales, dtype, group_size).view(4, group_size)
+    assert decoded[0].isfinite().all() and decoded[1:].isnan().all()
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 5), (0, 5)])
+def test_outputs_have_documented_dtypes_and_shapes(codec, shape):
+    encode, decode = codec
+    x = torch.randn(shape)
+    codes, scales = encode(x, 16)
+    assert codes.dtype == torch.int8 and codes.shape == (x.numel(),)
+    assert scales.dtype == torch.float32 and scales.shape == (-(-x.numel() // 16),)
+    decoded = decode(codes, scales, torch.bfloat16, 16)
+    assert decoded.dtype == torch.bfloat16 and decoded.shape == (x.numel(),)
+
+
+@pytest.mark.parametrize("signal", SQNR_FLOORS_DB)
+def test_roundtrip_sqnr_floor(signal, dtype, signals, sqnr):
+    x = signals[signal].to(dtype)
+    decoded = decode_int8(*encode_int8(x), dtype)
+    assert sqnr(x, decoded) >= SQNR_FLOORS_DB[signal]
+
+
+@pytest.mark.parametrize("encode", [encode_int8, encode_int8_ref], ids=["triton", "reference"])
+@pytest.mark.parametrize("x, group_size, message", [
+    (torch.arange(4), 16, "got torch.int64; integer and bool tensors are never quantized"),
+    (torch.ones(4, dtype=torch.bool), 16, "got torch.bool"),
+    (torch.ones(4), 48, "power of two from 8 to 4096, got 48"),
+    (torch.ones(4), 4, "got 4"),
+    (torch.ones(4), 8192, "got 8192"),
+    (torch.ones(4), 16.0, "got 16.0"),
+], ids=["int64", "bool", "not_power_of_two", "too_small", "too_large", "float"])
+def test_encode_rejects_bad_input(encode, x, group_size, message):
+    with pytest.raises(ValueError, match=message):
+        encode(x, group_size)
+
+
+@pytest.mark.parametrize("decode", [decode_int8, decode_int8_ref], ids=["triton", "reference"])
+@pytest.mark.parametrize("codes, scales, dtype, message", [
+    (torch.zeros(20, dtype=torch.uint8), torch.ones(2), torch.float32, "codes must be torch.int8"),
+    (torch.zeros(20, dtype=torch.int8), torch.ones(3), torch.float32, "need 2 float32 scales, got 3"),
+    (torch.zeros(20, dtype=torch.int8), torch.ones(2, dtype=torch.float16), torch.float32, "got 2 torch.float16"),
+    (torch.zeros(20, dtype=torch.int8), torch.ones(2), torch.int32, "decoded dtype must be one of"),
+], ids=["codes_dtype", "scales_count", "scales_dtype", "out_dtype"])
+def test_decode_rejects_bad_input(decode, codes, scales, dtype, message):
+    with pytest.raises(ValueError, match=message):
+        decode(codes, scales, dtype, 16)
+
+
+def test_kernels_compile_for_cuda_with_ieee_arithmetic(assert_compiles_to_ieee_ptx):
+    tile = {"GROUP_SIZE": 128, "GROUPS_PER_PROGRAM": ELEMENTS_PER_PROGRAM // 128}
+    assert_compiles_to_ieee_ptx({
+        "encode": ("actsave.triton_kernels.int8", "_encode_int8_kernel",
+                   {"x_ptr": "*bf16", "codes_ptr": "*i8", "scales_ptr": "*fp32", "numel": "i64",
+                    **dict.fromkeys(["CODE_MAX", *tile], "constexpr")},
+                   {"CODE_MAX": INT8_MAX, **tile}),
+        "decode": ("actsave.triton_kernels.int8", "_decode_int8_kernel",
+                   {"codes_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i64",
+                    **dict.fromkeys(tile, "constexpr")},
+                   tile),
+    })
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_matches_reference_on_a_large_tensor(large_cuda_input, out_dtype, assert_matches_reference):
+    assert_matches_reference(KERNEL, REFERENCE, large_cuda_input, 128, out_dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_groups_beyond_2_pow_31_elements_match_reference(assert_same_bits):
+    """int64 offsets (group_tile is shared with fp8): compare the groups around and past
+    element 2**31 with the reference run on them alone."""
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2**30:
+        pytest.skip("needs 24 GiB of GPU memory")
+    torch.manual_seed(0)
+    x = torch.randn(2**31 + 1000, dtype=torch.bfloat16, device="cuda")
+    codes, scales = encode_int8(x)
+    start = 2**31 - 2 * 128
+    ref_codes, ref_scales = encode_int8_ref(x[start:].cpu())
+    assert_same_bits(codes[start:].cpu(), ref_codes)
+    assert_same_bits(scales[start // 128:].cpu(), ref_scales)
+    decoded = decode_int8(codes, scales, torch.bfloat16)
+    assert_same_bits(decoded[start:].cpu(), decode_int8_ref(ref_codes, ref_scales, torch.bfloat16))

@@ -1,0 +1,54 @@
+"""Choosing Triton kernels or torch references; the forced Triton backend (under the
+interpreter on CPU) trains bit-identically to the torch one."""
+import pytest
+import torch
+from torch import nn
+
+import actsave
+from actsave import CheckpointedSequential, ConfigError
+from actsave.kernel_backend import get_backend, implementation
+
+
+def test_auto_uses_the_reference_on_cpu():
+    assert implementation("int8", "encode_int8", torch.zeros(1)).__name__ == "encode_int8_ref"
+
+
+def test_backend_context_restores_the_previous_choice():
+    assert get_backend() == "auto"
+    with actsave.backend("triton"):
+        assert get_backend() == "triton"
+        with actsave.backend("torch"):
+            assert implementation("fp8", "encode_fp8", torch.zeros(1)).__name__ == "encode_fp8_ref"
+        assert implementation("fp8", "encode_fp8", torch.zeros(1)).__name__ == "encode_fp8"
+    assert get_backend() == "auto"
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ConfigError, match=r"backend 'cuda' is not one of \['auto', 'triton', 'torch'\]"):
+        actsave.set_backend("cuda")
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_enable_it(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with actsave.backend("triton"), pytest.raises(actsave.ActsaveError, match="TRITON_INTERPRET=1"):
+        implementation("int8", "encode_int8", torch.zeros(1))
+
+
+def small_cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.GELU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forced_triton_trains_bit_identically_to_torch(codec, dtype):
+    x = torch.randn(2, 3, 6, 6, dtype=dtype)
+    grads = {}
+    for name in ("torch", "triton"):
+        model = CheckpointedSequential(*small_cnn(), segments=[0, 2, 4, 5], compress=codec).to(dtype)
+        with actsave.backend(name):
+            model(x * 1).float().square().sum().backward()
+        grads[name] = [p.grad for p in model.parameters()]
+    for a, b in zip(grads["torch"], grads["triton"]):
+        assert torch.equal(a, b)

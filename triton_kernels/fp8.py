@@ -1,0 +1,184 @@
+"""Per-group fp8 codec (e4m3 or e5m2): 8 bits per element plus one fp32 scale per group.
+
+Format: the tensor is flattened row-major and cut into groups of ``group_size``
+elements (a power of two; the last group may be partial). Each group stores
+``scale = absmax / FP8_MAX`` (fp32; 448 for e4m3, 57344 for e5m2) and one byte per
+element: the bit pattern of ``x / scale`` in ``torch.float8_e4m3fn`` (1 sign,
+4 exponent, 3 mantissa bits, no inf) or ``torch.float8_e5m2`` (1, 5, 2), rounded half
+to even and saturated at +-FP8_MAX. Decoding is ``fp8_value(code) * scale`` in fp32,
+rounded half to even to the requested dtype. All-zero and non-finite groups follow
+NOTE [scale rule] in ``_rounding``: the former decode to zeros, the latter to NaN.
+
+The scale itself is stored rather than its reciprocal so that encoding is one
+correctly rounded division and decoding one multiply. The kernels encode and decode
+fp8 with integer arithmetic only (the interpreter's fp32 -> fp8 cast mis-rounds
+about 9% of values; this also runs on GPUs without fp8 hardware).
+``encode_fp8_ref`` / ``decode_fp8_ref`` are the specification, written with torch's
+own fp8 casts; the kernels match them bit for bit.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._rounding import (
+    DEFAULT_GROUP_SIZE,
+    absmax_scale,
+    absmax_scale_ref,
+    dequantize_ref,
+    divide_or_zero,
+    divide_or_zero_ref,
+    empty_encoding,
+    flat_codes,
+    flat_input,
+    group_tile,
+    launch,
+    load_as_float32,
+    magnitude_bits,
+    round_to_grid_rne,
+    store_dequantized,
+)
+
+
+@dataclass(frozen=True)
+class _Fp8Format:
+    """What the kernels need to know of an fp8 format."""
+
+    torch_dtype: torch.dtype
+    max_value: float  # largest finite value; the scale maps a group's absmax onto it
+    mantissa_bits: int
+    min_normal_exponent: int  # log2 of the smallest normal value
+    first_special_code: int  # the magnitude codes from here up are inf or NaN
+
+
+def _fp8_format(torch_dtype):
+    """Read from torch, so that the kernels share torch's definition of the format."""
+    finfo = torch.finfo(torch_dtype)
+    max_code = torch.tensor(finfo.max).to(torch_dtype).view(torch.uint8).item()
+    return _Fp8Format(torch_dtype, finfo.max, -int(math.log2(finfo.eps)),
+                      int(math.log2(finfo.tiny)), max_code + 1)
+
+
+# Per-group scales leave e5m2's extra exponent bit little to do, so e4m3's extra
+# mantissa bit wins: measured round-trip SQNR on Gaussian data in groups of 128 is
+# 31.8 dB for e4m3 and 25.8 dB for e5m2. Both are offered, as on GPUs with fp8.
+FP8_FORMATS = {"e4m3": _fp8_format(torch.float8_e4m3fn), "e5m2": _fp8_format(torch.float8_e5m2)}
+
+
+@triton.jit
+def _pow2(exponent):
+    """2.0**exponent, exactly, for an int32 exponent in fp32's normal range."""
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _float32_to_fp8_bits(scaled, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                         MIN_NORMAL_EXP: tl.constexpr):
+    """fp8 bit pattern of a finite fp32, rounded half to even (NOTE [round half to
+    even]) and saturated at +-FP8_MAX."""
+    abs_bits = magnitude_bits(tl.minimum(tl.abs(scaled), FP8_MAX))
+    # An fp8 magnitude is k * 2**(exponent - MANT_BITS), where exponent is that of |x|
+    # but at least MIN_NORMAL_EXP: k carries the implicit one for normals, not for
+    # subnormals.
+    exponent = tl.maximum((abs_bits >> 23) - 127, MIN_NORMAL_EXP)
+    k = round_to_grid_rne(abs_bits, exponent - MANT_BITS)
+    # The biased exponent field is exponent - MIN_NORMAL_EXP + 1 for normals, 0 for
+    # subnormals: adding k supplies that + 1 from k's implicit one, and a k that
+    # rounded up to 2**(MANT_BITS + 1) carries on into the next binade.
+    magnitude = ((exponent - MIN_NORMAL_EXP) << MANT_BITS) + k
+    sign = (scaled.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return sign | magnitude
+
+
+@triton.jit
+def _fp8_bits_to_float32(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+                         FIRST_SPECIAL: tl.constexpr):
+    """The exact fp32 values of fp8 bit patterns held in int32; inf and NaN included."""
+    magnitude = codes & 0x7F
+    exponent_field = magnitude >> MANT_BITS
+    fraction = magnitude & ((1 << MANT_BITS) - 1)
+    k = tl.where(exponent_field > 0, fraction | (1 << MANT_BITS), fraction)
+    grid_exponent = tl.maximum(exponent_field, 1) - 1 + MIN_NORMAL_EXP - MANT_BITS
+    value = k.to(tl.float32) * _pow2(grid_exponent)
+    # An all-ones fp32 exponent with the fp8 fraction is inf (e5m2 only) or NaN.
+    special = (0x7F800000 | (fraction << (23 - MANT_BITS))).to(tl.float32, bitcast=True)
+    value = tl.where(magnitude >= FIRST_SPECIAL, special, value)
+    return tl.where(codes >= 0x80, -value, value)
+
+
+@triton.jit
+def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, numel, FP8_MAX: tl.constexpr,
+                       MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+                       GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
+    x = load_as_float32(x_ptr + offsets, in_bounds)
+    scale = absmax_scale(x, FP8_MAX)
+    codes = _float32_to_fp8_bits(divide_or_zero(x, scale), FP8_MAX, MANT_BITS, MIN_NORMAL_EXP)
+    tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=in_bounds)
+    tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
+
+
+@triton.jit
+def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, numel, MANT_BITS: tl.constexpr,
+                       MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr,
+                       GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
+    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
+    scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
+    values = _fp8_bits_to_float32(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
+    store_dequantized(out_ptr + offsets, values, scale, in_bounds)
+
+
+def _format(fmt):
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"fmt must be one of {sorted(FP8_FORMATS)}, got {fmt!r}")
+    return FP8_FORMATS[fmt]
+
+
+def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE):
+    """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
+    TRITON_INTERPRET=1 or CUDA) into (uint8 fp8 bit patterns of shape (numel,), fp32
+    scales of shape (n_groups,)); fmt is "e4m3" or "e5m2". Raises ValueError for
+    other formats, dtypes or group sizes."""
+    spec = _format(fmt)
+    flat = flat_input(x, group_size)
+    codes, scales = empty_encoding(flat, group_size, torch.uint8)
+    launch(_encode_fp8_kernel, flat.numel(), group_size, flat, codes, scales,
+           FP8_MAX=spec.max_value, MANT_BITS=spec.mantissa_bits,
+           MIN_NORMAL_EXP=spec.min_normal_exponent)
+    return codes, scales
+
+
+def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
+    """Decode ``encode_fp8``'s output into a 1-D tensor of ``dtype``; reshape it to
+    the original shape."""
+    spec = _format(fmt)
+    codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
+    out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+    launch(_decode_fp8_kernel, codes.numel(), group_size, codes, scales, out,
+           MANT_BITS=spec.mantissa_bits, MIN_NORMAL_EXP=spec.min_normal_exponent,
+           FIRST_SPECIAL=spec.first_special_code)
+    return out
+
+
+def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE):
+    """The specification of ``encode_fp8``, in torch. torch's fp8 casts round half to
+    even; clamping first makes the saturation explicit, since their handling of values
+    beyond the largest finite one differs between formats and versions (torch 2.13 on
+    CPU: e4m3fn saturates, e5m2 overflows to inf)."""
+    spec = _format(fmt)
+    flat = flat_input(x, group_size).to(torch.float32)
+    scales = absmax_scale_ref(flat, group_size, spec.max_value)
+    scaled = divide_or_zero_ref(flat, scales, group_size)
+    codes = scaled.clamp(-spec.max_value, spec.max_value).to(spec.torch_dtype)
+    return codes.view(torch.uint8), scales
+
+
+def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
+    """The specification of ``decode_fp8``, in torch."""
+    spec = _format(fmt)
+    codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
+    values = codes.view(spec.torch_dtype).to(torch.float32)
+    return dequantize_ref(values, scales, dtype, group_size)
