@@ -230,8 +230,12 @@ def checkpointed_call(
     replay = ReplayState.capture(tensors)
     kept = KeptInputs(args, kwargs, policy, private_copy)
     frame = _Frame(function, kept, replay, tensors)
-    with saved_tensors_hooks(frame.pack, frame.unpack):
-        output = function(*args, **kwargs)
+    try:
+        with saved_tensors_hooks(frame.pack, frame.unpack):
+            output = function(*args, **kwargs)
+    except BaseException:
+        kept.release()  # now, not when the traceback that holds it is dropped
+        raise
     frame.end_forward()
     kept.check_unmodified(f"by {_name(function)} during its forward")
     if not frame.slots:  # nothing to backprop through: nothing to keep

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-from .codecs import IDENTITY, Codec, get_codec
+from .codecs import IDENTITY, Codec, Packed, get_codec
 from .errors import ConfigError, RecomputeError
+from .offload import OffloadedTensor, current_tape
 
 
 class _Ledger:
@@ -64,10 +65,6 @@ class KeepPolicy:
     def resolve(cls, compress=None, offload=False) -> "KeepPolicy":
         if not isinstance(offload, bool):
             raise ConfigError(f"offload={offload!r} must be True or False")
-        if offload:
-            raise ConfigError(
-                "offload=True is not available in this version of actsave; use offload=False"
-            )
         return cls(codec=get_codec(compress), offload=offload)
 
     def describe(self) -> tuple:
@@ -79,36 +76,89 @@ EXACT = KeepPolicy()
 
 def _should_encode(t: torch.Tensor) -> bool:
     # Leaf tensors (parameters, the batch, anything autograd did not produce) are
-    # held elsewhere anyway: encoding them would add memory and error, not remove it.
+    # held elsewhere anyway: encoding or offloading them would add memory, copies and
+    # error, and free nothing. Integer and bool tensors are never quantized.
     return t.is_floating_point() and not t.is_leaf
 
 
-class _KeptTensor:
-    """One tensor input, stored by a codec until the recompute asks for it back."""
+class _OnDevice:
+    """A packed value kept where it was made."""
 
-    def __init__(self, tensor: torch.Tensor, codec: Codec, private_copy: bool):
+    where = "device"
+
+    def __init__(self, packed: Packed):
+        self._packed = packed
+
+    def fetch(self) -> Packed:
+        return self._packed
+
+    def prefetch(self) -> None:
+        pass
+
+    def free_source(self) -> None:
+        pass
+
+    def release(self) -> None:
+        self._packed = None
+
+
+class _OnHost:
+    """A packed value offloaded to host memory (offload.py), payload and scales alike:
+    with a lossy codec only the compressed bytes cross the bus."""
+
+    where = "host"
+
+    def __init__(self, packed: Packed):
+        self._shape, self._dtype = packed.shape, packed.dtype
+        self._parts = [OffloadedTensor(t) for t in (packed.data, packed.scales) if t is not None]
+
+    def fetch(self) -> Packed:
+        data, *scales = [part.fetch() for part in self._parts]
+        return Packed(data=data, scales=scales[0] if scales else None, shape=self._shape, dtype=self._dtype)
+
+    def prefetch(self) -> None:
+        for part in self._parts:
+            part.prefetch()
+
+    def free_source(self) -> None:
+        for part in self._parts:
+            part.free_source()
+
+    def release(self) -> None:
+        for part in self._parts:
+            part.release()
+
+
+class _KeptTensor:
+    """One tensor input, stored by a codec (on the device or the host) until the
+    recompute asks for it back."""
+
+    def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool):
         self.requires_grad = tensor.requires_grad
-        codec = codec if _should_encode(tensor) else IDENTITY
+        held_elsewhere = not _should_encode(tensor)
+        self.codec = IDENTITY if held_elsewhere else policy.codec
         source = tensor.detach()
-        if private_copy and codec.aliases_input:
+        if private_copy and self.codec.aliases_input:
             source = source.clone()
-        self.codec = codec
         self.modified_in_place = private_copy  # by the function's first layer
-        self.private = private_copy or not codec.aliases_input
-        self.packed = codec.encode(source)
-        # An aliased input changed in place after this point would be recomputed
-        # from the wrong values: remember its version to refuse that.
-        self.version = None if self.private else source._version
-        self.nbytes = self.packed.nbytes
-        self._release = weakref.finalize(self, _LEDGER.add, "device", -self.nbytes)
-        _LEDGER.add("device", self.nbytes)
+        packed = self.codec.encode(source)
+        self.nbytes = packed.nbytes
+        self.storage = _OnHost(packed) if policy.offload and not held_elsewhere else _OnDevice(packed)
+        # An aliased input changed in place after this point would be recomputed from
+        # the wrong values (or copied to the host half changed): refuse that.
+        aliased = self.codec.aliases_input and not private_copy
+        self._source = weakref.ref(source) if aliased else _gone
+        self._version = source._version
+        self._release = weakref.finalize(self, _LEDGER.add, self.storage.where, -self.nbytes)
+        _LEDGER.add(self.storage.where, self.nbytes)
 
     @property
     def lossy(self) -> bool:
         return not self.codec.lossless
 
     def check_unmodified(self, where: str) -> None:
-        if self.version is not None and self.packed.data._version != self.version:
+        source = self._source()
+        if source is not None and source._version != self._version:
             raise RecomputeError(
                 f"a checkpointed input was modified in place {where}, so the segment "
                 "cannot be recomputed from it. Do not modify it in place (for an "
@@ -118,7 +168,7 @@ class _KeptTensor:
 
     def restore(self) -> torch.Tensor:
         self.check_unmodified("after the forward that kept it")
-        x = self.codec.decode(self.packed).detach().requires_grad_(self.requires_grad)
+        x = self.codec.decode(self.storage.fetch()).detach().requires_grad_(self.requires_grad)
         if self.modified_in_place and self.requires_grad:
             # A leaf that requires grad cannot be modified in place; a segment that
             # starts with an in-place layer needs a non-leaf input.
@@ -126,21 +176,33 @@ class _KeptTensor:
         return x
 
     def release(self) -> None:
-        self.packed = None
+        self.storage.release()
         self._release()
 
 
+def _gone():
+    return None
+
+
 class KeptInputs:
-    """All inputs of one segment call: tensors stored by the policy's codec,
-    anything else (ints, strings, None) held as it is."""
+    """All inputs of one segment call: tensors stored by the policy, anything else
+    (ints, strings, None) held as it is.
+
+    With offload it is one item of a :class:`~actsave.offload.PrefetchTape`, the one of
+    the thread that ran the forward (the backward may run on another).
+    """
 
     def __init__(self, args: tuple, kwargs: dict, policy: KeepPolicy, private_copy: bool):
         leaves, self._spec = pytree.tree_flatten((args, kwargs))
         self._leaves = [
-            _KeptTensor(leaf, policy.codec, private_copy) if isinstance(leaf, torch.Tensor) else leaf
+            _KeptTensor(leaf, policy, private_copy) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves
         ]
         self.released = False
+        self._tape = None
+        if any(t.storage.where == "host" for t in self.tensors):
+            self._tape = current_tape()
+            self._tape.register(self)
 
     @property
     def tensors(self) -> list:
@@ -159,14 +221,27 @@ class KeptInputs:
         for t in self.tensors:
             t.check_unmodified(where)
 
+    def prefetch(self) -> None:
+        """Start bringing offloaded inputs back to their device."""
+        for t in self.tensors:
+            t.storage.prefetch()
+
+    def free_source(self) -> None:
+        """Let the device memory of offloaded inputs go, in stream order."""
+        for t in self.tensors:
+            t.storage.free_source()
+
     def restore(self) -> tuple:
         """``(args, kwargs)`` for the recompute: detached tensors that require grad
-        as the originals did."""
+        as the originals did. Offloaded inputs are fetched, and the next segments'
+        (in backward order) prefetched."""
         if self.released:
             raise RecomputeError(
                 "the kept inputs of this checkpoint were already released (an earlier "
                 "recompute of it failed, or its graph was freed); run the forward again"
             )
+        if self._tape is not None:
+            self._tape.before_use(self)
         leaves = [leaf.restore() if isinstance(leaf, _KeptTensor) else leaf for leaf in self._leaves]
         return pytree.tree_unflatten(leaves, self._spec)
 

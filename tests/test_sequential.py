@@ -274,11 +274,6 @@ def test_unknown_codec_lists_the_valid_ones(codec):
         CheckpointedSequential(nn.Linear(2, 2), compress=codec)
 
 
-def test_offload_is_refused_clearly_until_it_lands():
-    with pytest.raises(ConfigError, match="offload=True is not available"):
-        CheckpointedSequential(nn.Linear(2, 2), offload=True)
-
-
 def test_non_module_layer_is_refused():
     with pytest.raises(ConfigError, match="layer 1 is .* not an nn.Module"):
         CheckpointedSequential(nn.Linear(2, 2), torch.relu)
