@@ -223,6 +223,19 @@ def checkpointed_call(
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
+    return _checkpointed_call(function, args, kwargs, policy, private_copy)
+
+
+# NOTE [ torch.compile ]
+# Dynamo must not trace a checkpointed call. It would inline the bookkeeping and guard
+# on global state that the same frame changes (every kept input registers a
+# weakref.finalize, and Dynamo guards on the finalize registry's size), and a forward
+# it traced with the saved-tensor hooks active saves other tensors than the eager
+# recompute does. Disabled, each checkpointed call is a graph break and runs eagerly,
+# forward and recompute alike. For compiled segments, compile the layers and then
+# checkpoint them: forward and recompute then run the same compiled code.
+@torch.compiler.disable
+def _checkpointed_call(function, args, kwargs, policy, private_copy):
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         with saved_tensors_hooks(_discard, _never_unpacked):
             return function(*args, **kwargs), 0

@@ -1,5 +1,6 @@
 """Models and comparisons shared by the tests."""
 import copy
+import math
 
 import torch
 from torch import nn
@@ -56,3 +57,9 @@ class CallCounter:
 
     def reset(self):
         self.counts.clear()
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB, computed in fp32; inf when exact."""
+    error = (reference - approximation).float().norm()
+    return math.inf if error == 0 else 20 * math.log10(reference.float().norm() / error)

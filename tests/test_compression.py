@@ -13,10 +13,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import actsave
 from actsave import CheckpointedSequential, checkpoint, wrap
+from support import sqnr_db
 
 
-def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    return (20 * torch.log10(ref.norm() / (ref - approx).norm())).item()
 
 
 class PreActBlock(nn.Module):

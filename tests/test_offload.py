@@ -584,7 +584,6 @@ import copy  # noqa: E402
 
 import actsave  # noqa: E402
 from actsave import CheckpointedSequential  # noqa: E402
-from actsave.offload import host_pool  # noqa: E402
 
 
 def dropout_chain():

@@ -1,0 +1,230 @@
+"""actsave under automatic mixed precision.
+
+- A bf16 autocast training step through CheckpointedSequential or ``wrap()`` is bit
+  for bit the plain model's step (``compress=None``): the recompute, which runs in
+  backward and so outside the ``autocast`` block, replays the forward's autocast
+  state, whatever the state around the backward.
+- A non-finite value in a kept activation makes the gradients non-finite, so a
+  GradScaler skips the step, for every codec. The model is built so that only the
+  stored activation can carry the Inf/NaN into the gradients: the forward output and
+  the loss are finite, so a codec that turned it into a finite number would give
+  finite gradients and fail these tests.
+
+CUDA cases (fp16 and bf16 autocast, GradScaler) are marked ``cuda``.
+"""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import actsave
+from support import sqnr_db
+
+INT8_SQNR_FLOOR_DB = 30.0
+COMPRESS = [None, "int8"]
+
+
+
+
+
+
+# --- models --------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(nn.functional.gelu(self.fc(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, depth=3, width=16):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def chain(width=16) -> nn.Sequential:
+    """Autocast runs the Linears in bf16: a recompute outside the forward's autocast
+    state would save float32 tensors and fail actsave's check."""
+    layers = []
+    for _ in range(3):
+        layers += [nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width), nn.Dropout(0.1)]
+    return nn.Sequential(*layers, nn.Linear(width, 4))
+
+
+def plain_and_actsave(structure: str, compress, device="cpu"):
+    torch.manual_seed(0)
+    plain = (chain() if structure == "sequential" else Net()).to(device)
+    if structure == "sequential":
+        model = actsave.CheckpointedSequential.from_sequential(copy.deepcopy(plain), segments=3, compress=compress)
+    else:
+        model = actsave.wrap(copy.deepcopy(plain), Block, compress=compress)
+    return plain, model
+
+
+class Poison(nn.Module):
+    """Puts ``value`` at ``[0, 0]`` (out of place)."""
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.value = value
+
+    def forward(self, x):
+        mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        mask[0, 0] = True
+        return torch.where(mask, torch.tensor(self.value, dtype=x.dtype, device=x.device), x)
+
+
+class ZeroNonFinite(nn.Module):
+    def forward(self, x):
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def poisoned(structure: str, value: float, compress, device="cpu") -> nn.Module:
+    """Linear, Poison, then a recomputed part that keeps the poisoned tensor as its
+    input: Linear, Tanh, ZeroNonFinite; then a last Linear. The output is finite
+    (tanh(+-inf) = +-1, NaN zeroed), but backward multiplies the kept Inf by Tanh's
+    zero slope, or differentiates Tanh at NaN: non-finite gradients."""
+    torch.manual_seed(0)
+    recomputed = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), ZeroNonFinite())
+    layers = [nn.Linear(8, 8), Poison(value), *recomputed, nn.Linear(8, 2)]
+    if structure == "sequential":
+        return actsave.CheckpointedSequential(*layers, segments=[0, 2, 5], compress=compress).to(device)
+    model = nn.Sequential(layers[0], layers[1], recomputed, layers[-1])
+    return actsave.wrap(model, lambda module, fqn: fqn == "2", compress=compress).to(device)
+
+
+# --- steps ---------------------------------------------------------------------------
+
+def autocast_step(model, x, dtype=torch.bfloat16, seed=1):
+    """Forward under autocast, backward outside it, as training loops do. Returns
+    the output and the gradients of the input and of every parameter."""
+    x = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    with torch.autocast(x.device.type, dtype=dtype):
+        out = model(x)
+        loss = out.float().square().mean()
+    loss.backward()
+    return out.detach(), [x.grad] + [p.grad for p in model.parameters()]
+
+
+def assert_same_step(plain, model, x, compress, dtype=torch.bfloat16):
+    out_plain, grads_plain = autocast_step(plain, x, dtype)
+    out, grads = autocast_step(model, x, dtype)
+    assert out.dtype == out_plain.dtype == dtype
+    assert torch.equal(out, out_plain)  # the forward is never lossy
+    if compress is None:
+        for i, (g, h) in enumerate(zip(grads, grads_plain)):
+            assert torch.equal(g, h), f"gradient {i}"
+    else:
+        flat = [torch.cat([g.flatten().float() for g in gs]) for gs in (grads_plain, grads)]
+        assert sqnr_db(*flat) >= INT8_SQNR_FLOOR_DB
+
+
+# --- CPU -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compress", COMPRESS)
+@pytest.mark.parametrize("structure", ["sequential", "wrapped"])
+def test_bf16_autocast_step_equals_the_plain_models_step(structure, compress):
+    plain, model = plain_and_actsave(structure, compress)
+    assert_same_step(plain, model, torch.randn(6, 16), compress)
+
+
+@pytest.mark.parametrize("structure", ["sequential", "wrapped"])
+def test_recompute_uses_the_forwards_autocast_state_not_the_backwards(structure):
+    plain, model = plain_and_actsave(structure, None)
+    grads = []
+    for m in (plain, model):
+        x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        torch.manual_seed(1)
+        loss = m(x).square().mean()  # float32 forward
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss.backward()  # a bf16 recompute would change the gradients
+        grads.append([x.grad] + [p.grad for p in m.parameters()])
+    assert all(torch.equal(g, h) for g, h in zip(*grads))
+
+
+@pytest.mark.parametrize("compress", COMPRESS)
+@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("structure", ["sequential", "wrapped"])
+def test_non_finite_kept_activation_gives_non_finite_gradients(structure, value, compress):
+    model = poisoned(structure, value, compress)
+    out, grads = autocast_step(model, torch.randn(4, 8))
+    assert torch.isfinite(out).all()  # so only the stored activation can carry it
+    assert not all(torch.isfinite(g).all() for g in grads[1:])
+
+
+def scaled_step_is_skipped(model: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """One GradScaler step; True if it left the parameters alone and backed off."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(x.device.type, init_scale=2.0**8)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.autocast(x.device.type, dtype=dtype):
+        loss = model(x).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return unchanged and scaler.get_scale() == 2.0**7
+
+
+@pytest.mark.parametrize("compress", COMPRESS)
+def test_grad_scaler_skips_the_step_when_a_kept_activation_overflows(compress):
+    model = poisoned("sequential", math.inf, compress)
+    assert scaled_step_is_skipped(model, torch.randn(4, 8), torch.bfloat16)
+
+
+# --- CUDA ----------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compress", COMPRESS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("structure", ["sequential", "wrapped"])
+def test_cuda_autocast_step_equals_the_plain_models_step(structure, dtype, compress):
+    plain, model = plain_and_actsave(structure, compress, device="cuda")
+    assert_same_step(plain, model, torch.randn(6, 16, device="cuda"), compress, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compress", COMPRESS)
+@pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
+def test_cuda_fp16_grad_scaler_skips_the_step_on_a_non_finite_kept_activation(value, compress):
+    model = poisoned("sequential", value, compress, device="cuda")
+    assert scaled_step_is_skipped(model, torch.randn(4, 8, device="cuda"), torch.float16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compress", COMPRESS)
+def test_cuda_fp16_grad_scaler_step_equals_the_plain_models_step(compress):
+    """Finite case: the scaled, unscaled and applied step is the plain model's."""
+    plain, model = plain_and_actsave("wrapped", compress, device="cuda")
+    x = torch.randn(6, 16, device="cuda")
+    updates = []
+    for m in (plain, model):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
+        before = torch.cat([p.detach().flatten() for p in m.parameters()])
+        torch.manual_seed(1)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = m(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        updates.append(torch.cat([p.detach().flatten() for p in m.parameters()]) - before)
+    assert updates[0].abs().sum() > 0, "the scaler skipped a finite step"
+    if compress is None:
+        assert torch.equal(*updates)
+    else:
+        assert sqnr_db(*updates) >= INT8_SQNR_FLOOR_DB

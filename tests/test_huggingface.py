@@ -1,0 +1,115 @@
+"""Hugging Face transformers models with ``actsave.wrap`` around their decoder blocks.
+
+Small randomly initialised GPT-2 and Llama models (no download). Their models call
+the blocks with keyword arguments (attention mask, position ids, Llama's rotary
+``position_embeddings`` tuple), which ``Checkpoint`` keeps and replays as non-reentrant
+``torch.utils.checkpoint`` would. The recipe these tests pin down::
+
+    config.use_cache = False          # as HF's gradient_checkpointing_enable() does:
+                                      # a recompute would append to the KV cache again
+    model = AutoModelForCausalLM.from_config(config)   # or from_pretrained(...)
+    actsave.wrap(model, GPT2Block)    # LlamaDecoderLayer, ...; compress="int8" optional
+    # train as usual; state_dict / save_pretrained keys are those of the plain model.
+    # Do not also call model.gradient_checkpointing_enable().
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import actsave
+from support import sqnr_db
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
+
+INT8_SQNR_FLOOR_DB = 30.0
+VOCAB = 100
+
+
+def gpt2_config():
+    # Default dropout (0.1) left on: the recompute must replay the same masks.
+    return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
+                                   bos_token_id=0, eos_token_id=0, use_cache=False)
+
+
+def llama_config():
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                                    use_cache=False)
+
+
+MODELS = {"gpt2": (gpt2_config, GPT2Block), "llama": (llama_config, LlamaDecoderLayer)}
+
+
+def plain_and_wrapped(name: str, compress=None):
+    config, block = MODELS[name]
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config()).train()
+    wrapped = actsave.wrap(copy.deepcopy(plain), block, compress=compress)
+    return plain, wrapped
+
+
+def padded_batch() -> dict:
+    """Two sequences, the second with 3 padding tokens: a real 4-d attention mask."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1, VOCAB, (2, 16), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -3:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def training_step(model: nn.Module, batch: dict, seed: int = 1):
+    torch.manual_seed(seed)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+
+
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_wrap_checkpoints_every_decoder_block_and_keeps_state_dict_keys(name):
+    plain, wrapped = plain_and_wrapped(name)
+    blocks = [m for m in wrapped.modules() if isinstance(m, MODELS[name][1])]
+    assert len(blocks) == 2
+    wrappers = [m for m in wrapped.modules() if isinstance(m, actsave.Checkpoint)]
+    assert [w.module for w in wrappers] == blocks
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+
+
+@pytest.mark.parametrize("compress", [None, "int8"])
+@pytest.mark.parametrize("name", MODELS)
+def test_training_step_matches_the_unwrapped_model(name, compress):
+    plain, wrapped = plain_and_wrapped(name, compress)
+    batch = padded_batch()
+    loss_plain, grads_plain = training_step(plain, batch)
+    loss, grads = training_step(wrapped, batch)
+    assert torch.equal(loss, loss_plain)  # the forward is never lossy
+    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert [g is None for g in grads] == [g is None for g in grads_plain]
+    if compress is None:
+        for (param_name, _), g, h in zip(plain.named_parameters(), grads, grads_plain):
+            assert torch.equal(g, h), param_name
+    else:
+        flat = [torch.cat([g.flatten() for g in gs if g is not None]) for gs in (grads_plain, grads)]
+        assert sqnr_db(*flat) >= INT8_SQNR_FLOOR_DB
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_save_pretrained_of_a_wrapped_model_loads_into_a_plain_model(name, tmp_path):
+    plain, wrapped = plain_and_wrapped(name)
+    with torch.no_grad():
+        for p in wrapped.parameters():
+            p.mul_(0.5)  # differ from `plain`, so loading is seen to happen
+    wrapped.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert list(loaded.state_dict()) == list(plain.state_dict())
+    for (key, expected), got in zip(wrapped.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(got, expected), key
