@@ -250,7 +250,7 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy):
         kept.release()  # now, not when the traceback that holds it is dropped
         raise
     frame.end_forward()
-    kept.check_unmodified(f"by {_name(function)} during its forward")
+    kept.end_forward(_name(function))
     if not frame.slots:  # nothing to backprop through: nothing to keep
         kept.release()
         return output, 0

@@ -147,7 +147,7 @@ class _KeptTensor:
         # An aliased input changed in place after this point would be recomputed from
         # the wrong values (or copied to the host half changed): refuse that.
         aliased = self.codec.aliases_input and not private_copy
-        self._source = weakref.ref(source) if aliased else _gone
+        self._watched = source if aliased else None
         self._version = source._version
         self._release = weakref.finalize(self, _LEDGER.add, self.storage.where, -self.nbytes)
         _LEDGER.add(self.storage.where, self.nbytes)
@@ -157,14 +157,19 @@ class _KeptTensor:
         return not self.codec.lossless
 
     def check_unmodified(self, where: str) -> None:
-        source = self._source()
-        if source is not None and source._version != self._version:
+        if self._watched is not None and self._watched._version != self._version:
             raise RecomputeError(
                 f"a checkpointed input was modified in place {where}, so the segment "
                 "cannot be recomputed from it. Do not modify it in place (for an "
                 "in-place first layer, set inplace=False or mark it with an "
                 "`inplace = True` attribute so actsave keeps a private copy)."
             )
+
+    def end_forward(self) -> None:
+        """From here an offloaded input is a host snapshot: stop watching (and pinning)
+        the device tensor. One kept on the device stays watched until its recompute."""
+        if self.storage.where == "host":
+            self._watched = None
 
     def restore(self) -> torch.Tensor:
         self.check_unmodified("after the forward that kept it")
@@ -177,11 +182,8 @@ class _KeptTensor:
 
     def release(self) -> None:
         self.storage.release()
+        self._watched = None
         self._release()
-
-
-def _gone():
-    return None
 
 
 class KeptInputs:
@@ -217,9 +219,11 @@ class KeptInputs:
         """Whether a recompute from these inputs differs from the forward."""
         return any(t.lossy for t in self.tensors)
 
-    def check_unmodified(self, where: str) -> None:
+    def end_forward(self, function_name: str) -> None:
+        """Refuse inputs the function modified in place; then stop watching offloaded ones."""
         for t in self.tensors:
-            t.check_unmodified(where)
+            t.check_unmodified(f"by {function_name} during its forward")
+            t.end_forward()
 
     def prefetch(self) -> None:
         """Start bringing offloaded inputs back to their device."""

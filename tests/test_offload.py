@@ -658,3 +658,12 @@ def test_an_exception_leaves_no_buffer_claimed(when):
     gc.collect()  # the traceback held the partial graph
     assert host_pool().in_use_bytes == 0
     assert actsave.stored_bytes() == {"device": 0, "host": 0}
+
+
+def test_offloaded_input_modified_in_place_during_forward_is_refused():
+    def add_one_(t):
+        return t.add_(1).sin()
+
+    with pytest.raises(actsave.RecomputeError, match="modified in place by .*add_one_ during its forward"):
+        actsave.checkpoint(add_one_, torch.randn(3, 4, requires_grad=True).tanh(), offload=True)
+    assert host_pool().in_use_bytes == 0
