@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 import actsave
+from support import ResidualBlock, ResidualNet
 
 WORLD_SIZE = 2
 WIDTH = 8
@@ -37,31 +38,6 @@ LR = 0.1
 
 
 # --- models ------------------------------------------------------------------------
-
-class Block(nn.Module):
-    """A residual block with a Dropout: its recompute must replay the RNG."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(WIDTH)
-        self.fc = nn.Linear(WIDTH, WIDTH)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x):
-        return x + self.drop(torch.tanh(self.fc(self.norm(x))))
-
-
-class ResidualNet(nn.Module):
-    def __init__(self, depth: int = 3):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(depth))
-        self.head = nn.Linear(WIDTH, 2)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
 
 def chain() -> nn.Sequential:
     layers = []
@@ -136,10 +112,9 @@ SCENARIOS = [
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 
 
-
 def plain_model(scenario: Scenario) -> Model:
     torch.manual_seed(0)
-    body = chain() if scenario.body == "sequential" else ResidualNet()
+    body = chain() if scenario.body == "sequential" else ResidualNet(width=WIDTH, dropout=0.1)
     return Model(body, scenario.spare).to(scenario.dtype)
 
 
@@ -148,7 +123,7 @@ def apply_actsave(model: Model, scenario: Scenario) -> Model:
         model.body = actsave.CheckpointedSequential.from_sequential(
             model.body, segments=3, compress=scenario.compress)
     else:
-        actsave.wrap(model, Block, compress=scenario.compress)
+        actsave.wrap(model, ResidualBlock, compress=scenario.compress)
     return model
 
 

@@ -38,6 +38,36 @@ def assert_same_training(plain: nn.Module, other: nn.Module, x: torch.Tensor) ->
         assert torch.equal(b, c), name
 
 
+class ResidualBlock(nn.Module):
+    """``x + dropout(activation(linear(layernorm(x))))``: a block that is not one chain,
+    whose recompute must replay the RNG."""
+
+    def __init__(self, width: int = 8, activation=torch.tanh, dropout: float = 0.2):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.drop = nn.Dropout(dropout)
+        self.activation = activation
+
+    def forward(self, x):
+        return x + self.drop(self.activation(self.fc(self.norm(x))))
+
+
+class ResidualNet(nn.Module):
+    """Residual blocks then a linear head, seeded so twins start equal."""
+
+    def __init__(self, depth: int = 3, width: int = 8, classes: int = 2, seed: int = 0, **block_options):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList(ResidualBlock(width, **block_options) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 

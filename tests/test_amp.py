@@ -20,40 +20,13 @@ import torch
 from torch import nn
 
 import actsave
-from support import sqnr_db
+from support import ResidualBlock, ResidualNet, sqnr_db
 
 INT8_SQNR_FLOOR_DB = 30.0
 COMPRESS = [None, "int8"]
 
 
-
-
-
-
 # --- models --------------------------------------------------------------------------
-
-class Block(nn.Module):
-    def __init__(self, width=16):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x):
-        return x + self.drop(nn.functional.gelu(self.fc(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, depth=3, width=16):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 4)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
 
 def chain(width=16) -> nn.Sequential:
     """Autocast runs the Linears in bf16: a recompute outside the forward's autocast
@@ -66,11 +39,12 @@ def chain(width=16) -> nn.Sequential:
 
 def plain_and_actsave(structure: str, compress, device="cpu"):
     torch.manual_seed(0)
-    plain = (chain() if structure == "sequential" else Net()).to(device)
+    plain = (chain() if structure == "sequential" else ResidualNet(
+        width=16, classes=4, activation=nn.functional.gelu, dropout=0.1)).to(device)
     if structure == "sequential":
         model = actsave.CheckpointedSequential.from_sequential(copy.deepcopy(plain), segments=3, compress=compress)
     else:
-        model = actsave.wrap(copy.deepcopy(plain), Block, compress=compress)
+        model = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress=compress)
     return plain, model
 
 

@@ -22,35 +22,11 @@ import torch
 from torch import nn
 
 import actsave
-from support import sqnr_db
+from support import ResidualBlock, ResidualNet, sqnr_db
 
 BACKEND = "aot_eager"
 INT8_SQNR_FLOOR_DB = 30.0
 COMPRESS = [None, "int8"]
-
-
-class Block(nn.Module):
-    def __init__(self, width=8):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-        self.drop = nn.Dropout(0.2)
-
-    def forward(self, x):
-        return x + self.drop(torch.tanh(self.fc(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, depth=3, width=8):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 2)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def chain(width=8) -> list:
@@ -69,16 +45,12 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-
-
 def grads_of_a_step(model: nn.Module, x: torch.Tensor, seed: int = 1) -> list:
     """Input and parameter gradients of one forward/backward from a fixed RNG state."""
     x = x.detach().clone().requires_grad_(True)
     torch.manual_seed(seed)
     model(x).square().sum().backward()
     return [x.grad] + [p.grad for p in model.parameters()]
-
-
 
 
 def assert_same_gradients(expected: list, got: list, compress) -> None:
@@ -99,29 +71,29 @@ def test_compiled_checkpointed_sequential_has_eager_gradients(compress):
 
 @pytest.mark.parametrize("compress", COMPRESS)
 def test_compiled_model_with_wrapped_blocks_has_eager_gradients(compress):
-    plain, x = Net(), torch.randn(4, 8)
-    model = actsave.wrap(copy.deepcopy(plain), Block, compress=compress)
+    plain, x = ResidualNet(), torch.randn(4, 8)
+    model = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress=compress)
     compiled = torch.compile(model, backend=BACKEND)
     assert_same_gradients(grads_of_a_step(plain, x), grads_of_a_step(compiled, x), compress)
 
 
 @pytest.mark.parametrize("compress", COMPRESS)
 def test_blocks_compiled_then_wrapped_have_eager_gradients(compress):
-    plain, x = Net(), torch.randn(4, 8)
+    plain, x = ResidualNet(), torch.randn(4, 8)
     model = copy.deepcopy(plain)
     for block in model.blocks:
         block.compile(backend=BACKEND)
-    actsave.wrap(model, Block, compress=compress)
+    actsave.wrap(model, ResidualBlock, compress=compress)
     assert all(isinstance(block, actsave.Checkpoint) for block in model.blocks)
     assert_same_gradients(grads_of_a_step(plain, x), grads_of_a_step(model, x), compress)
 
 
 def test_inductor_compiled_block_then_wrapped_has_eager_gradients():
     # fallback_random: Inductor's own RNG would draw other Dropout masks than eager.
-    plain, x = Net(depth=1), torch.randn(4, 8)
+    plain, x = ResidualNet(depth=1), torch.randn(4, 8)
     model = copy.deepcopy(plain)
     model.blocks[0].compile(backend="inductor")
-    actsave.wrap(model, Block)
+    actsave.wrap(model, ResidualBlock)
     with torch._inductor.config.patch(fallback_random=True):
         got = grads_of_a_step(model, x)
     assert_same_gradients(grads_of_a_step(plain, x), got, None)

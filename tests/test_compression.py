@@ -16,8 +16,6 @@ from actsave import CheckpointedSequential, checkpoint, wrap
 from support import sqnr_db
 
 
-
-
 class PreActBlock(nn.Module):
     """x + conv(relu(bn(x))): the block of pre-activation ResNets."""
 

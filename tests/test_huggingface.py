@@ -70,10 +70,6 @@ def training_step(model: nn.Module, batch: dict, seed: int = 1):
     return loss.detach(), [p.grad for p in model.parameters()]
 
 
-
-
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_wrap_checkpoints_every_decoder_block_and_keeps_state_dict_keys(name):
     plain, wrapped = plain_and_wrapped(name)

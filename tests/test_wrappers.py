@@ -2,37 +2,11 @@
 unchanged state_dict keys, in-place selection of submodules."""
 import pytest
 import torch
-from support import assert_same_training, mixed_chain, twin
+from support import ResidualBlock, ResidualNet, assert_same_training, mixed_chain, twin
 from torch import nn
 
 import actsave
 from actsave import Checkpoint, CheckpointedSequential, ConfigError, checkpoint, wrap
-
-
-class Block(nn.Module):
-    """A residual block: a model shape that is not one chain."""
-
-    def __init__(self, width=8):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-        self.drop = nn.Dropout(0.2)
-
-    def forward(self, x):
-        return x + self.drop(torch.relu(self.fc(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, depth=3, width=8):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 2)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 # --- checkpoint(function, *args, **kwargs) ------------------------------------------
@@ -99,7 +73,7 @@ def test_in_place_module_gets_a_private_copy():
 # --- Checkpoint(module) --------------------------------------------------------------
 
 def test_checkpoint_module_trains_exactly_and_keeps_state_dict_keys():
-    plain = Net()
+    plain = ResidualNet()
     model = twin(plain)
     model.blocks[1] = Checkpoint(model.blocks[1])
     assert list(model.state_dict()) == list(plain.state_dict())
@@ -107,7 +81,7 @@ def test_checkpoint_module_trains_exactly_and_keeps_state_dict_keys():
 
 
 def test_checkpoint_state_dict_loads_with_and_without_the_wrapper():
-    block = Block()
+    block = ResidualBlock()
     wrapped = Checkpoint(twin(block))
     nn.init.zeros_(wrapped.fc.weight)
     block.load_state_dict(wrapped.state_dict())
@@ -118,7 +92,7 @@ def test_checkpoint_state_dict_loads_with_and_without_the_wrapper():
 
 
 def test_checkpoint_forwards_attribute_lookups_to_the_module():
-    block = Block()
+    block = ResidualBlock()
     wrapped = Checkpoint(block)
     assert wrapped.fc is block.fc and wrapped.module is block
     with pytest.raises(AttributeError):
@@ -143,12 +117,12 @@ def test_checkpoint_inside_a_checkpointed_segment_is_exact():
 # --- wrap(model, filter_fn) ----------------------------------------------------------
 
 @pytest.mark.parametrize("filter_fn", [
-    Block,
-    (Block, nn.GRU),
+    ResidualBlock,
+    (ResidualBlock, nn.GRU),
     lambda module, fqn: fqn.startswith("blocks."),
 ], ids=["class", "tuple", "callable"])
 def test_wrap_replaces_matching_submodules_in_place(filter_fn):
-    plain = Net()
+    plain = ResidualNet()
     model = twin(plain)
     assert wrap(model, filter_fn) is model
     assert all(isinstance(b, Checkpoint) for b in model.blocks)
@@ -159,7 +133,7 @@ def test_wrap_replaces_matching_submodules_in_place(filter_fn):
 
 def test_wrap_passes_fully_qualified_names_and_skips_wrapped_subtrees():
     seen = []
-    model = Net()
+    model = ResidualNet()
     wrap(model, lambda module, fqn: seen.append(fqn) or fqn == "blocks.0")
     assert "blocks.0" in seen and "blocks.0.fc" not in seen and "blocks.1.fc" in seen
     seen.clear()
@@ -169,11 +143,11 @@ def test_wrap_passes_fully_qualified_names_and_skips_wrapped_subtrees():
 
 
 def test_wrap_never_wraps_the_root():
-    block = Block()
-    assert wrap(block, Block) is block and not isinstance(block, Checkpoint)
+    block = ResidualBlock()
+    assert wrap(block, ResidualBlock) is block and not isinstance(block, Checkpoint)
 
 
-@pytest.mark.parametrize("filter_fn", ["Block", (Block, "x"), 3])
+@pytest.mark.parametrize("filter_fn", ["ResidualBlock", (ResidualBlock, "x"), 3])
 def test_wrap_rejects_a_bad_filter(filter_fn):
     with pytest.raises(ConfigError, match="filter_fn="):
-        wrap(Net(), filter_fn)
+        wrap(ResidualNet(), filter_fn)
