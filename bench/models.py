@@ -1,0 +1,235 @@
+"""Deep models for the benchmarks, each a FLAT ``nn.Sequential``.
+
+Flat means every residual block is one child module with its skip connection
+inside, so the chain drops into ``actsave.CheckpointedSequential`` (or
+``torch.utils.checkpoint.checkpoint_sequential``) and segments can start at any
+block. No torchvision: the builders are small and the layouts are those of the
+papers.
+
+- ``cifar_resnet(depth)``: pre-activation bottleneck ResNet for 32x32 inputs
+  (He et al. 2016, "Identity Mappings in Deep Residual Networks"), depth = 9n + 2
+  (164, 1001, 2000, ...): three stages of n bottleneck blocks.
+- ``imagenet_resnet(depth)``: bottleneck ResNet-50/101/152/200 for 224x224 inputs
+  (He et al. 2015 layout: 7x7 stem, max-pool, four stages).
+- ``gpt(depth)``: GPT-style decoder: token + position embedding, ``depth`` pre-LN
+  blocks with causal attention (``F.scaled_dot_product_attention``), final LayerNorm
+  and head.
+
+:func:`build_model` builds any of them by name. None has Dropout, so two copies of a
+model fed the same batch produce bit-identical gradients: the benchmarks compare
+gradients exactly. BatchNorm runs in train mode.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CIFAR_STAGE_WIDTHS = (16, 32, 64)  # bottleneck widths; block outputs are 4x these
+IMAGENET_STAGE_WIDTHS = (64, 128, 256, 512)
+IMAGENET_BLOCKS = {
+    50: (3, 4, 6, 3),
+    101: (3, 4, 23, 3),
+    152: (3, 8, 36, 3),
+    200: (3, 24, 36, 3),
+}
+BOTTLENECK_EXPANSION = 4
+
+
+class PreActBottleneck(nn.Module):
+    """BN-ReLU-conv1x1, BN-ReLU-conv3x3 (stride), BN-ReLU-conv1x1, plus the skip.
+
+    The projection shortcut (when shape changes) reads the pre-activated input, as
+    in the paper; the identity shortcut reads the raw input.
+    """
+
+    def __init__(self, in_channels: int, width: int, stride: int = 1):
+        super().__init__()
+        out_channels = width * BOTTLENECK_EXPANSION
+        self.bn1 = nn.BatchNorm2d(in_channels)
+        self.conv1 = nn.Conv2d(in_channels, width, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn3 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, out_channels, 1, bias=False)
+        self.projection = None
+        if stride != 1 or in_channels != out_channels:
+            self.projection = nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = F.relu(self.bn1(x))
+        skip = x if self.projection is None else self.projection(pre)
+        out = self.conv1(pre)
+        out = self.conv2(F.relu(self.bn2(out)))
+        out = self.conv3(F.relu(self.bn3(out)))
+        return out + skip
+
+
+class Bottleneck(nn.Module):
+    """conv1x1-BN-ReLU, conv3x3 (stride)-BN-ReLU, conv1x1-BN, plus the skip, then ReLU."""
+
+    def __init__(self, in_channels: int, width: int, stride: int = 1):
+        super().__init__()
+        out_channels = width * BOTTLENECK_EXPANSION
+        self.conv1 = nn.Conv2d(in_channels, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, out_channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out_channels)
+        self.projection = None
+        if stride != 1 or in_channels != out_channels:
+            self.projection = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = x if self.projection is None else self.projection(x)
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + skip)
+
+
+def _residual_stages(block: type, in_channels: int, widths, blocks_per_stage, first_stride: int) -> list:
+    """Blocks of all stages, in order; every stage after the first halves the resolution."""
+    layers = []
+    for stage, (width, n_blocks) in enumerate(zip(widths, blocks_per_stage)):
+        for i in range(n_blocks):
+            stride = (first_stride if stage == 0 else 2) if i == 0 else 1
+            layers.append(block(in_channels, width, stride))
+            in_channels = width * BOTTLENECK_EXPANSION
+    return layers
+
+
+def _classifier_head(channels: int, num_classes: int) -> list:
+    return [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
+
+
+def cifar_blocks_per_stage(depth: int) -> int:
+    """n of a depth-(9n + 2) CIFAR bottleneck ResNet (3 stages x n blocks x 3 convs,
+    plus the stem conv and the classifier)."""
+    if depth < 11 or (depth - 2) % 9:
+        raise ValueError(f"a CIFAR bottleneck ResNet has depth 9n + 2 (11, 164, 1001, ...), got {depth}")
+    return (depth - 2) // 9
+
+
+def cifar_resnet(depth: int, num_classes: int = 10, in_channels: int = 3) -> nn.Sequential:
+    """Pre-activation bottleneck ResNet-``depth`` (9n + 2) for small images, flat:
+    ``[stem conv, 3n blocks, BN, ReLU, pool, flatten, linear]``."""
+    n = cifar_blocks_per_stage(depth)
+    stem_channels = CIFAR_STAGE_WIDTHS[0]
+    blocks = _residual_stages(PreActBottleneck, stem_channels, CIFAR_STAGE_WIDTHS, (n,) * 3, first_stride=1)
+    out_channels = CIFAR_STAGE_WIDTHS[-1] * BOTTLENECK_EXPANSION
+    return nn.Sequential(
+        nn.Conv2d(in_channels, stem_channels, 3, padding=1, bias=False),
+        *blocks,
+        # Pre-activation blocks end on a conv: the head normalizes before pooling.
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(),
+        *_classifier_head(out_channels, num_classes),
+    )
+
+
+def imagenet_resnet(depth: int, num_classes: int = 1000, in_channels: int = 3) -> nn.Sequential:
+    """Bottleneck ResNet-50/101/152/200 for 224x224 images, flat:
+    ``[conv7x7, BN, ReLU, max-pool, blocks, pool, flatten, linear]``."""
+    if depth not in IMAGENET_BLOCKS:
+        raise ValueError(f"ImageNet ResNet depth must be one of {sorted(IMAGENET_BLOCKS)}, got {depth}")
+    stem_channels = IMAGENET_STAGE_WIDTHS[0]
+    blocks = _residual_stages(
+        Bottleneck, stem_channels, IMAGENET_STAGE_WIDTHS, IMAGENET_BLOCKS[depth], first_stride=1
+    )
+    return nn.Sequential(
+        nn.Conv2d(in_channels, stem_channels, 7, stride=2, padding=3, bias=False),
+        nn.BatchNorm2d(stem_channels),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+        *blocks,
+        *_classifier_head(IMAGENET_STAGE_WIDTHS[-1] * BOTTLENECK_EXPANSION, num_classes),
+    )
+
+
+class TokenAndPositionEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, max_seq_len: int, width: int):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, width)
+        self.positions = nn.Embedding(max_seq_len, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        return self.tokens(ids) + self.positions(positions)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not a multiple of heads {heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, mlp_ratio * width), nn.GELU(), nn.Linear(mlp_ratio * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def gpt(
+    depth: int, width: int = 256, heads: int = 4, vocab_size: int = 1024, max_seq_len: int = 1024
+) -> nn.Sequential:
+    """GPT-style decoder with ``depth`` blocks, flat:
+    ``[embedding, blocks, LayerNorm, head]``; maps token ids (B, T) to logits (B, T, vocab)."""
+    if depth < 1:
+        raise ValueError(f"a GPT needs at least one block, got depth={depth}")
+    return nn.Sequential(
+        TokenAndPositionEmbedding(vocab_size, max_seq_len, width),
+        *(TransformerBlock(width, heads) for _ in range(depth)),
+        nn.LayerNorm(width),
+        nn.Linear(width, vocab_size),
+    )
+
+
+MODELS = {"cifar_resnet": cifar_resnet, "imagenet_resnet": imagenet_resnet, "gpt": gpt}
+
+
+def build_model(name: str, depth: int, **options) -> nn.Sequential:
+    """The model ``name`` at ``depth``, as a flat ``nn.Sequential``.
+
+    Args:
+        name: ``"cifar_resnet"`` (depth 9n + 2, 32x32-style inputs),
+            ``"imagenet_resnet"`` (depth 50, 101, 152 or 200, 224x224 inputs) or
+            ``"gpt"`` (depth = number of transformer blocks).
+        depth: the depth as the paper counts it (weighted layers for ResNets,
+            blocks for the GPT).
+        **options: passed to the builder (``num_classes``; for ``"gpt"``: ``width``,
+            ``heads``, ``vocab_size``, ``max_seq_len``).
+
+    Example::
+
+        model = build_model("cifar_resnet", 1001)  # 333 blocks, 339 children
+        model = actsave.CheckpointedSequential.from_sequential(model, compress="int8")
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; use one of {sorted(MODELS)}")
+    return MODELS[name](depth, **options)

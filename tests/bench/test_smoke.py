@@ -1,0 +1,196 @@
+"""Smoke tests of the benchmarks: each script runs end to end at tiny shapes
+(``--smoke``) and writes what it promises. Memory orderings are asserted (CPU memory
+is measured exactly); times never are.
+
+The scripts run as subprocesses, as a user runs them; the pure helpers are loaded
+from their files (pytest runs with --import-mode=importlib and bench/ is no package).
+"""
+import csv
+import functools
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import actsave
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+CSV_COLUMNS = [
+    "bench", "case", "provider", "metric", "unit", "x_name", "x_value", "p20", "p50", "p80",
+    "n_reps", "config_json", "device_name", "torch_version", "triton_version",
+    "actsave_version", "git_sha", "timestamp_utc",
+]
+
+
+@functools.cache
+def load_bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(script: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(BENCH / script), "--smoke", *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def read_rows(path: Path) -> tuple:
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def value(rows: list, provider: str, metric: str, depth: str) -> float:
+    (row,) = [r for r in rows if (r["provider"], r["metric"], r["x_value"]) == (provider, metric, depth)]
+    return float(row["p50"])
+
+
+def int8_unavailable_reason():
+    try:
+        actsave.CheckpointedSequential(torch.nn.Identity(), compress="int8")
+    except actsave.ConfigError as error:
+        return str(error)
+    return None
+
+
+@pytest.fixture(scope="module")
+def resnet_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resnet") / "cpu.csv"
+    stdout = run_script("resnet_depth_sweep.py", "--device", "cpu", "--out", str(out))
+    columns, rows = read_rows(out)
+    return out, stdout, columns, rows
+
+
+def test_resnet_sweep_writes_the_csv_schema_and_a_png(resnet_run):
+    out, stdout, columns, rows = resnet_run
+    assert columns == CSV_COLUMNS
+    assert {r["bench"] for r in rows} == {"resnet_depth_sweep"}
+    assert {"peak_mem", "peak_act_mem", "kept_bytes", "time", "time_ratio", "grad_sqnr", "max_depth"} <= {
+        r["metric"] for r in rows
+    }
+    assert out.with_name("cpu-resnet_depth_sweep.png").stat().st_size > 0
+    assert "max depth" in stdout
+
+
+def test_exact_providers_have_exact_gradients(resnet_run):
+    *_, rows = resnet_run
+    for provider in ("torch_ckpt", "actsave_none"):
+        sqnrs = [float(r["p50"]) for r in rows if r["provider"] == provider and r["metric"] == "grad_sqnr"]
+        assert sqnrs and all(s == math.inf for s in sqnrs)
+
+
+def test_actsave_activation_peak_is_not_above_torch(resnet_run):
+    *_, rows = resnet_run
+    depths = {r["x_value"] for r in rows if r["metric"] == "peak_act_mem"}
+    for depth in depths:
+        assert value(rows, "actsave_none", "peak_act_mem", depth) <= value(rows, "torch", "peak_act_mem", depth)
+
+
+def test_int8_keeps_fewer_bytes_than_exact(resnet_run):
+    reason = int8_unavailable_reason()
+    if reason:
+        pytest.skip(f"actsave_int8 is not available: {reason}")
+    *_, rows = resnet_run
+    depths = {r["x_value"] for r in rows if r["metric"] == "kept_bytes"}
+    for depth in depths:
+        assert value(rows, "actsave_int8", "kept_bytes", depth) < value(rows, "actsave_none", "kept_bytes", depth)
+
+
+def test_max_depth_rows_say_how_they_were_found(resnet_run):
+    *_, rows = resnet_run
+    found = [json.loads(r["config_json"]) for r in rows if r["metric"] == "max_depth"]
+    assert found and all(c["method"] in ("measured", "measured_lower_bound") for c in found)
+
+
+def test_transformer_sweep_writes_the_csv_schema(tmp_path):
+    out = tmp_path / "cpu.csv"
+    run_script("transformer_depth_sweep.py", "--device", "cpu", "--out", str(out), "--providers", "torch,actsave_none")
+    columns, rows = read_rows(out)
+    assert columns == CSV_COLUMNS
+    assert {r["provider"] for r in rows} == {"torch", "actsave_none"}
+    for depth in {r["x_value"] for r in rows if r["metric"] == "peak_act_mem"}:
+        assert value(rows, "actsave_none", "peak_act_mem", depth) <= value(rows, "torch", "peak_act_mem", depth)
+
+
+def test_accuracy_parity_reports_every_available_mode(tmp_path):
+    png = tmp_path / "parity.png"
+    stdout = run_script("accuracy_parity.py", "--out", str(png))
+    assert "largest gap to torch" in stdout
+    assert png.stat().st_size > 0
+
+
+def test_results_of_other_benches_are_kept(tmp_path):
+    harness = load_bench_module("harness")
+    path = tmp_path / "cpu.csv"
+    row = dict.fromkeys(CSV_COLUMNS, "")
+    harness.write_csv([{**row, "bench": "a", "case": "x"}], path)
+    harness.write_csv([{**row, "bench": "b", "case": "x"}], path)
+    harness.write_csv([{**row, "bench": "a", "case": "x", "p50": "1"}], path)
+    _, rows = read_rows(path)
+    assert sorted((r["bench"], r["p50"]) for r in rows) == [("a", "1"), ("b", "")]
+
+
+def test_peak_tracker_agrees_with_memtracker():
+    harness = load_bench_module("harness")
+    models = load_bench_module("models")
+    torch.manual_seed(0)
+    model = models.cifar_resnet(20)
+    batch = (torch.randn(2, 3, 8, 8), torch.randint(0, 10, (2,)))
+    harness.training_step(model, batch)
+    peaks = []
+    for tracker in (harness.MemTracker, harness._GlobalPeakMemTracker):
+        model.zero_grad(set_to_none=False)
+        peaks.append(harness.measure_step_memory(model, batch, torch.device("cpu"), tracker).peak)
+    assert peaks[0] == peaks[1] > 0
+
+
+@pytest.mark.parametrize("peak", [
+    lambda n: 10 + 3 * n,  # linear, like plain torch
+    lambda n: 5 + 0.8 * n + 9 * math.sqrt(n),  # concave, like sqrt checkpointing
+    lambda n: 10 + 3 * n if n < 50 else math.inf,  # out of memory from 50 on
+])
+@pytest.mark.parametrize("measured", [{}, {3: None, 6: None}, {3: None, 500: None}])
+def test_max_depth_search_finds_the_boundary(peak, measured):
+    harness = load_bench_module("harness")
+    budget = 160
+    peaks = {n: peak(n) for n in measured}
+    fits, fails, complete = harness.deepest_fitting(peak, budget, peaks, out_of_time=lambda: False)
+    assert complete and fails == fits + 1
+    assert fits == max(n for n in range(1, 1000) if peak(n) <= budget)
+
+
+def test_search_out_of_time_reports_a_lower_bound():
+    harness = load_bench_module("harness")
+    peaks = {4: 40.0}
+    fits, fails, complete = harness.deepest_fitting(lambda n: 10.0 * n, 1000, peaks, out_of_time=lambda: True)
+    assert (fits, fails, complete) == (4, None, False)
+
+
+@pytest.mark.parametrize("text, nbytes", [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5KiB", 1536), ("100", 100)])
+def test_budget_parsing(text, nbytes):
+    assert load_bench_module("harness").parse_budget(text) == nbytes
+
+
+def test_models_are_flat_chains():
+    models = load_bench_module("models")
+    resnet = models.build_model("cifar_resnet", 164)
+    assert len(resnet) == 1 + 3 * 18 + 5  # stem, blocks, BN, ReLU, pool, flatten, linear
+    assert models.build_model("cifar_resnet", 20)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    resnet50 = models.build_model("imagenet_resnet", 50)
+    assert len(resnet50) == 4 + 16 + 3  # stem, blocks, pool, flatten, linear
+    assert resnet50(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
+    assert len(models.build_model("imagenet_resnet", 200)) == 4 + 66 + 3
+    gpt = models.build_model("gpt", 3, width=32, heads=2, vocab_size=50, max_seq_len=8)
+    assert len(gpt) == 3 + 3 and gpt(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
+    with pytest.raises(ValueError):
+        models.build_model("cifar_resnet", 100)
