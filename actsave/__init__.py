@@ -9,7 +9,9 @@ See the README for the modes and what each costs.
 """
 from .codecs import available_codecs
 from .errors import ActsaveError, ConfigError, RecomputeError
+from .estimate import MemoryEstimate, estimate
 from .kernel_backend import backend, get_backend, set_backend
+from .planner import Plan, Profile, plan, profile
 from .sequential import CheckpointedSequential
 from .store import stored_bytes
 from .wrappers import Checkpoint, checkpoint, wrap
@@ -22,6 +24,12 @@ __all__ = [
     "Checkpoint",
     "wrap",
     "stored_bytes",
+    "profile",
+    "plan",
+    "Profile",
+    "Plan",
+    "estimate",
+    "MemoryEstimate",
     "available_codecs",
     "set_backend",
     "get_backend",

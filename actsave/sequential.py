@@ -7,6 +7,11 @@ the last segment is not checkpointed: backward starts there, so its activations 
 needed at once. Per-layer options (``compress``, ``offload``) are stored by child
 name and apply to the input a segment keeps, so they act on the layers where
 segments start; ``describe()`` shows which.
+
+``segments="auto"``, ``"memory"`` and ``"speed"`` plan the segments and per-segment
+options from a profiled step (planner.py): ``"auto"`` and ``"speed"`` (the same: the
+name of OpenAI gradient-checkpointing's fast mode) take the fastest plan whose peak
+activation memory fits ``budget``; ``"memory"`` the plan with the smallest peak.
 """
 from __future__ import annotations
 
@@ -18,12 +23,14 @@ from typing import Iterable, Union
 import torch
 from torch import nn
 
+from . import planner
 from .errors import ConfigError
 from .function import checkpointed_call
 from .store import KeepPolicy
 
 SegmentsSpec = Union[int, str, Iterable[int]]
 _SEGMENT_STRATEGIES = ("sqrt",)
+_PLANNED_STRATEGIES = ("auto", "speed", "memory")  # need a profiled step: see CheckpointedSequential
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ def segment_starts(n_layers: int, segments: SegmentsSpec) -> list:
     if isinstance(segments, str):
         if segments not in _SEGMENT_STRATEGIES:
             raise ConfigError(_bad_segments(segments, n_layers))
-        return _balanced_starts(n_layers, max(1, round(math.sqrt(n_layers))))
+        return _even_starts(n_layers, max(1, round(math.sqrt(n_layers))))
     if isinstance(segments, bool):
         raise ConfigError(_bad_segments(segments, n_layers))
     if isinstance(segments, int):
@@ -61,16 +68,11 @@ def segment_starts(n_layers: int, segments: SegmentsSpec) -> list:
 
 
 def _even_starts(n_layers: int, k: int) -> list:
-    # checkpoint_sequential's split: k - 1 segments of n // k layers, the rest last.
+    # checkpoint_sequential's split: k - 1 segments of n // k layers, the rest last, so
+    # "sqrt" is the field's standard plan. It suits networks whose activations shrink
+    # with depth (CNNs); balancing by measured memory is segments="memory"/"auto".
     size = n_layers // k
     return [i * size for i in range(k)]
-
-
-def _balanced_starts(n_layers: int, k: int) -> list:
-    # Sizes differ by at most one. checkpoint_sequential's split gives the last,
-    # unsaved segment up to twice the others' layers, and the peak is kept inputs plus
-    # the largest of (last segment, one recomputed segment): balanced minimises it.
-    return [i * n_layers // k for i in range(k)]
 
 
 def _explicit_starts(n_layers: int, segments) -> list:
@@ -92,8 +94,9 @@ def _explicit_starts(n_layers: int, segments) -> list:
 def _bad_segments(value, n_layers: int) -> str:
     return (
         f"segments={value!r} is not valid for {n_layers} layers; use an int k with "
-        f"1 <= k <= {n_layers}, one of {list(_SEGMENT_STRATEGIES)}, or a sorted list "
-        "of the layer indices where segments start"
+        f"1 <= k <= {n_layers}, one of {list(_SEGMENT_STRATEGIES)}, a sorted list of the "
+        f"layer indices where segments start, or one of {list(_PLANNED_STRATEGIES)} with "
+        "budget= and example_inputs="
     )
 
 
@@ -103,15 +106,24 @@ class CheckpointedSequential(nn.Sequential):
 
     Args:
         *modules: the layers, or one ``OrderedDict`` of them, as for ``nn.Sequential``.
-        segments: ``"sqrt"`` (default, ``round(sqrt(n))`` segments: O(sqrt(n))
-            activation memory for one extra forward), an int ``k`` (split as
-            ``torch.utils.checkpoint.checkpoint_sequential`` does), or a sorted list
+        segments: ``"sqrt"`` (default, ``round(sqrt(n))`` segments split as
+            ``torch.utils.checkpoint.checkpoint_sequential`` does: O(sqrt(n))
+            activation memory for one extra forward), an int ``k`` (split likewise), or a sorted list
             of the layer indices where segments start (0 is implied). The last segment
-            is not checkpointed.
+            is not checkpointed. ``"auto"`` (alias ``"speed"``): the fastest plan whose
+            predicted peak activation memory fits ``budget``; ``"memory"``: the plan
+            with the smallest predicted peak (checked against ``budget`` if given).
+            Both profile one step on ``example_inputs`` when the model is built and
+            choose codecs and offload too (:func:`actsave.plan`, default levers).
         compress: codec of the kept segment inputs: ``None`` (exact), a codec name,
             or ``{layer: codec}`` with ``layer`` an index or child name (the rest
             exact).
         offload: keep segment inputs in host memory: a bool, or ``{layer: bool}``.
+        budget: peak activation memory in bytes for the planned strategies: what a
+            training step allocates beyond parameters, buffers, gradients and
+            optimizer state (planner.py, "Budget").
+        example_inputs: ``(x,)``, a batch like those of training, for the planned
+            strategies.
 
     Indexing, ``len``, iteration, ``append`` and ``state_dict`` keys are those of the
     ``nn.Sequential`` built from the same modules; slicing returns a
@@ -120,10 +132,14 @@ class CheckpointedSequential(nn.Sequential):
     ``torch.no_grad()`` it runs as a plain ``nn.Sequential`` and keeps nothing.
     """
 
-    def __init__(self, *modules, segments: SegmentsSpec = "sqrt", compress=None, offload=False):
+    def __init__(self, *modules, segments: SegmentsSpec = "sqrt", compress=None, offload=False,
+                 budget=None, example_inputs=None):
         _check_modules(modules)
         super().__init__(*modules)
-        segment_starts(len(self), segments)  # validate now, not at the first forward
+        planned = isinstance(segments, str) and segments in _PLANNED_STRATEGIES
+        _check_planning_arguments(segments, planned, budget, example_inputs, compress, offload)
+        if not planned:
+            segment_starts(len(self), segments)  # validate now, not at the first forward
         self.segments = segments
         self._default_compress, layer_compress = _split_per_layer(compress, default=None)
         self._default_offload, layer_offload = _split_per_layer(offload, default=False)
@@ -134,6 +150,9 @@ class CheckpointedSequential(nn.Sequential):
         for layer, flag in layer_offload.items():
             self.set_offload(layer, flag)
         self._last_kept_bytes = {}
+        self.applied_plan = None  # the last plan applied; later per-layer changes are not in it
+        if planned:
+            self.apply_plan(_planned(self, segments, budget, example_inputs))
 
     @classmethod
     def from_sequential(cls, sequential: nn.Sequential, **options) -> "CheckpointedSequential":
@@ -171,6 +190,26 @@ class CheckpointedSequential(nn.Sequential):
         KeepPolicy.resolve(offload=flag)
         for name in self._child_names(layer):
             self._layer_offload[name] = flag
+
+    def apply_plan(self, plan: "planner.Plan") -> None:
+        """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, and for each
+        checkpointed segment its codec and offload. Replaces the segments and every
+        per-layer option set before."""
+        if not isinstance(plan, planner.Plan):
+            raise ConfigError(
+                f"apply_plan expects an actsave Plan (from actsave.plan), got {type(plan).__name__}")
+        if plan.n_layers != len(self):
+            raise ConfigError(
+                f"the plan is for {plan.n_layers} layers and this CheckpointedSequential has "
+                f"{len(self)}; profile and plan this model"
+            )
+        self.set_compression(slice(None), None)
+        self.set_offload(slice(None), False)
+        for start, _, option in plan.segments[:-1]:
+            self.set_compression(start, option.codec)
+            self.set_offload(start, option.offload)
+        self.segments = list(plan.starts)
+        self.applied_plan = plan
 
     def describe(self) -> str:
         """A per-layer table: segment, whether its input is kept, codec, offload, and
@@ -236,6 +275,32 @@ def _check_modules(modules: tuple) -> None:
                 "CheckpointedSequential takes modules as nn.Sequential does: wrap a "
                 "function in a small nn.Module"
             )
+
+
+def _check_planning_arguments(segments, planned: bool, budget, example_inputs, compress, offload) -> None:
+    if not planned:
+        if budget is not None or example_inputs is not None:
+            raise ConfigError(
+                f"budget= and example_inputs= are used by segments={list(_PLANNED_STRATEGIES)} only, "
+                f"not by segments={segments!r}"
+            )
+        return
+    if example_inputs is None:
+        raise ConfigError(f"segments={segments!r} profiles one training step: pass example_inputs=(x,), "
+                          "a batch like those of training")
+    if budget is None and segments != "memory":
+        raise ConfigError(f"segments={segments!r} needs budget=, the peak activation memory in bytes; "
+                          "segments='memory' needs none")
+    if compress is not None or offload is not False:
+        raise ConfigError(
+            f"segments={segments!r} chooses codecs and offload itself: leave compress and offload "
+            "unset (to limit the levers, use actsave.plan(..., allow=...) and apply_plan)"
+        )
+
+
+def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs) -> "planner.Plan":
+    objective = "memory" if strategy == "memory" else "time"
+    return planner.plan(planner.profile(model, example_inputs), budget, objective=objective)
 
 
 def _split_per_layer(value, default) -> tuple:

@@ -114,7 +114,7 @@ def train_each_provider(base, train_data, test_data, epochs: int, args) -> tuple
     curves, accuracies = {}, {}
     progress = harness.Progress(len(names) * epochs, "accuracy parity")
     for name in names:
-        model = harness.PROVIDERS[name].build(copy.deepcopy(base))
+        model = harness.PROVIDERS[name].build(copy.deepcopy(base), None, None)  # no planned provider here
         curves[name] = train(model, train_data, epochs, args.batch, args.lr, progress)
         accuracies[name] = accuracy(model, test_data)
     progress.close()

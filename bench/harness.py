@@ -89,9 +89,10 @@ class TorchCheckpointSequential(nn.Module):
 
 @dataclass(frozen=True)
 class Provider:
-    """How to turn a plain ``nn.Sequential`` into the model a provider trains."""
+    """How to turn a plain ``nn.Sequential`` into the model a provider trains, given a
+    training batch and the memory budget (for the planned provider)."""
 
-    build: Callable[[nn.Sequential], nn.Module]
+    build: Callable[[nn.Sequential, tuple, int], nn.Module]
     description: str
     uses_actsave: bool = False
 
@@ -99,21 +100,40 @@ class Provider:
 def _actsave(**options) -> Provider:
     settings = ", ".join(f"{k}={v!r}" for k, v in options.items())
     return Provider(
-        build=lambda chain: actsave.CheckpointedSequential.from_sequential(chain, **options),
+        build=lambda chain, batch, budget: actsave.CheckpointedSequential.from_sequential(chain, **options),
         description=f"actsave.CheckpointedSequential({settings})",
         uses_actsave=True,
     )
 
 
+def _actsave_planned(chain: nn.Sequential, batch: tuple, budget: int) -> nn.Module:
+    # The fastest plan within the budget; where no plan fits it, the smallest peak
+    # (so the sweep still shows the planner at depths past the budget). The sweep's
+    # budget bounds the whole step; the planner's bounds activations, so the resident
+    # parameters, their gradients and the buffers come off first.
+    inputs = (batch[0],)
+    resident = sum(2 * p.numel() * p.element_size() for p in chain.parameters())
+    resident += sum(b.numel() * b.element_size() for b in chain.buffers())
+    try:
+        return actsave.CheckpointedSequential.from_sequential(
+            chain, segments="auto", budget=budget - resident, example_inputs=inputs)
+    except actsave.ConfigError:
+        return actsave.CheckpointedSequential.from_sequential(chain, segments="memory", example_inputs=inputs)
+
+
 PROVIDERS = {
-    "torch": Provider(lambda chain: chain, "nn.Sequential"),
+    "torch": Provider(lambda chain, batch, budget: chain, "nn.Sequential"),
     "torch_ckpt": Provider(
-        TorchCheckpointSequential, "checkpoint_sequential(round(sqrt(n)) segments, use_reentrant=False)"
+        lambda chain, batch, budget: TorchCheckpointSequential(chain),
+        "checkpoint_sequential(round(sqrt(n)) segments, use_reentrant=False)",
     ),
     "actsave_none": _actsave(),
     "actsave_int8": _actsave(compress="int8"),
     "actsave_fp8": _actsave(compress="fp8"),
     "actsave_int8_offload": _actsave(compress="int8", offload=True),
+    "actsave_auto": Provider(
+        _actsave_planned, "actsave.CheckpointedSequential(segments='auto', budget=--budget)", uses_actsave=True
+    ),
 }
 REFERENCE = "torch"
 
@@ -122,11 +142,11 @@ def available_providers(names: list) -> tuple:
     """``(available, notes)``: the names among ``names`` whose provider this version
     of actsave can build, and one note for each it cannot (its ConfigError): modes
     still being built light up here by themselves when they land."""
-    probe = nn.Sequential(nn.Identity(), nn.Identity())
+    probe, batch = nn.Sequential(nn.Linear(2, 2), nn.ReLU()), (torch.randn(2, 2), None)
     available, notes = [], []
     for name in names:
         try:
-            PROVIDERS[name].build(probe)
+            PROVIDERS[name].build(probe, batch, 2**30)
         except actsave.ConfigError as error:
             notes.append(f"{name} skipped: {error}")
             continue
@@ -284,9 +304,10 @@ class ProviderRun:
     grads: list  # on the CPU: the sweep holds the reference's while others run
 
 
-def run_provider(provider: Provider, base: nn.Sequential, batch: tuple, repeats: int, device) -> ProviderRun:
+def run_provider(provider: Provider, base: nn.Sequential, batch: tuple, budget: int, repeats: int,
+                 device) -> ProviderRun:
     """Warm-up step, timed steps, then one step under the memory tracker."""
-    model = provider.build(copy.deepcopy(base).to(device))
+    model = provider.build(copy.deepcopy(base).to(device), batch, budget)
     training_step(model, batch)  # allocates the gradients, so they count as resident
     times = time_steps(model, batch, repeats, device)
     model.zero_grad(set_to_none=False)
@@ -313,7 +334,8 @@ def provider_measurements(name: str, depth: int, run: ProviderRun, reference: Op
     return measurements
 
 
-def sweep(workload: Workload, depths: list, providers: list, repeats: int, device, notes: list) -> list:
+def sweep(workload: Workload, depths: list, providers: list, budget: int, repeats: int, device,
+          notes: list) -> list:
     """Measurements of every provider at every depth (reference first at each depth)."""
     measurements = []
     progress = Progress(len(depths) * len(providers), workload.bench)
@@ -322,7 +344,7 @@ def sweep(workload: Workload, depths: list, providers: list, repeats: int, devic
         reference = None
         for name in providers:
             progress.describe(f"depth {depth} {name}")
-            run = _unless_out_of_memory(run_provider, PROVIDERS[name], base, batch, repeats, device)
+            run = _unless_out_of_memory(run_provider, PROVIDERS[name], base, batch, budget, repeats, device)
             _release_memory(device)
             progress.advance()
             if run is None:
@@ -345,15 +367,16 @@ def _unless_out_of_memory(function, *args):
 # --------------------------------------------------------------------------- max depth
 
 
-def step_peak_at_depth(workload: Workload, provider: Provider, depth: int, device) -> float:
+def step_peak_at_depth(workload: Workload, provider: Provider, depth: int, budget: int, device) -> float:
     """Peak bytes of one training step at ``depth`` (inf when the device runs out)."""
 
     def probe():
-        model = provider.build(_seeded_model(workload, depth).to(device))
+        batch = _batch(workload, device)
+        model = provider.build(_seeded_model(workload, depth).to(device), batch, budget)
         for parameter in model.parameters():
             # What a first step would allocate, without paying for that step.
             parameter.grad = torch.zeros_like(parameter)
-        return measure_step_memory(model, _batch(workload, device), device).peak
+        return measure_step_memory(model, batch, device).peak
 
     peak = _unless_out_of_memory(probe)
     _release_memory(device)
@@ -423,7 +446,7 @@ class MaxDepthSearch:
             depth = depth_of(blocks)
             progress.describe(f"{name}: depth {depth}")
             probed.append(depth)
-            return step_peak_at_depth(self.workload, PROVIDERS[name], depth, self.device)
+            return step_peak_at_depth(self.workload, PROVIDERS[name], depth, self.budget, self.device)
 
         deadline = time.perf_counter() + seconds
         fits, fails, complete = deepest_fitting(peak_of, self.budget, peaks, lambda: time.perf_counter() > deadline)
@@ -798,7 +821,7 @@ def run_benchmark(workload: Workload, args: argparse.Namespace) -> None:
     for depth in args.depths:
         workload.blocks_of_depth(depth)  # a depth the family cannot build fails now, not mid-run
     providers, notes = available_providers(args.providers)
-    measurements = sweep(workload, args.depths, providers, args.repeats, args.device, notes)
+    measurements = sweep(workload, args.depths, providers, args.budget, args.repeats, args.device, notes)
     max_depths = search_max_depths(workload, providers, args.budget, measurements, args.search_seconds, args.device)
 
     title = f"{workload.bench}: {workload.case} on {device_name(args.device)}"

@@ -132,10 +132,11 @@ def deep_chain(activation):
     return [m for _ in range(64) for m in (nn.Linear(256, 256), activation())]
 
 
-@pytest.mark.parametrize("activation, ratio", [(nn.GELU, 0.78), (nn.ReLU, 0.83)])
-def test_int8_cuts_peak_activation_memory(activation, ratio):
-    # Measured 0.751 (GELU) and 0.818 (ReLU, whose 1-bit decisions cost 6.8 MiB here):
-    # the recompute working set and the batch are the same in both and bound the ratio.
+@pytest.mark.parametrize("activation", [nn.GELU, nn.ReLU])
+def test_int8_cuts_peak_activation_memory(activation, ratio=0.8):
+    # Measured 0.778 (GELU) and 0.768 (ReLU, whose 1-bit decisions cost 6.8 MiB here)
+    # at segments="sqrt": the unsaved last segment (18 of 128 layers), the recompute
+    # working set and the batch are the same in both and bound the ratio.
     exact = peak_activation_bytes(CheckpointedSequential(*deep_chain(activation)))
     int8 = peak_activation_bytes(CheckpointedSequential(*deep_chain(activation), compress="int8"))
     assert int8 <= ratio * exact

@@ -1,0 +1,279 @@
+"""Peak training memory of a model, predicted without the device it will train on.
+
+    >>> est = actsave.estimate(model, (128, 3, 32, 32), device="cuda", optimizer="sgd")
+    >>> est.total_peak_bytes <= 80 * 10**9     # does one training step fit an 80 GB GPU?
+
+:func:`estimate` runs the model's own forward and backward (so actsave's recompute,
+kept inputs, codecs and ReLU sign bits run too) on *meta* tensors: shapes, dtypes and
+storages but no data, so it takes no device memory and little time. Parameters and
+buffers are swapped for meta copies for the duration (the model is left as it was),
+and a :class:`LiveBytes` tracker adds up every storage the step allocates and frees.
+On CPU the result equals ``torch.distributed._tools.mem_tracker.MemTracker``'s peak of
+a real step (tests/test_estimate.py).
+
+The step is: forward, then backward from a full-size gradient of the output (what a
+loss such as cross-entropy hands back; the loss's own memory is not counted), with
+every parameter gradient already allocated, as from the second step of training on.
+
+Limits:
+- Device-specific kernels are not simulated: the step runs the CPU/meta kernels, so a
+  CUDA step that saves different tensors (flash attention saves log-sum-exp rows
+  instead of the attention matrix) or needs workspaces (cuDNN) differs. CUDA's
+  512-byte allocation granularity is applied; allocator fragmentation (reserved but
+  unallocated memory) is not predicted.
+- Codecs run their torch reference, whose temporaries the Triton kernels do not
+  have: a step whose peak falls on an encode is overestimated for CUDA.
+- Offloaded inputs cannot be simulated (meta tensors cannot be copied to the host):
+  a model that offloads raises :class:`~actsave.ConfigError`.
+- Data-dependent operations (``.item()``, ``nonzero``) cannot run on meta tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from .errors import ConfigError
+
+# The CUDA caching allocator hands out multiples of 512 bytes (MemTracker uses the same
+# constant); CPU allocations are counted as asked.
+_CUDA_ALLOCATION_GRANULE = 512
+
+# Parameter-shaped state tensors each optimizer keeps per trained parameter.
+OPTIMIZER_STATES = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+
+def allocation_bytes(nbytes: int, device) -> int:
+    """Bytes a storage of ``nbytes`` occupies on ``device`` (CUDA rounds up)."""
+    if torch.device(device).type == "cuda":
+        return -(-nbytes // _CUDA_ALLOCATION_GRANULE) * _CUDA_ALLOCATION_GRANULE
+    return nbytes
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of tensor storages that operations create inside the context
+    and that are still alive, and the peak of that count.
+
+    A storage is counted once, from the first operation that returns it until it is
+    freed. Storages that existed before (``known``: parameters, gradients, buffers,
+    inputs) are never counted, even when an in-place operation returns them.
+    ``device`` sets the allocation rounding (:func:`allocation_bytes`).
+    :meth:`span` measures the peak of one stretch of work.
+    """
+
+    def __init__(self, device="cpu", known=()):
+        super().__init__()
+        self.device = torch.device(device)
+        self.live = 0
+        self.peak = 0
+        self._lock = threading.Lock()  # storages may die on autograd's worker threads
+        self._seen = weakref.WeakKeyDictionary()
+        for t in tree_leaves(known):
+            if isinstance(t, torch.Tensor):
+                self._seen[t.untyped_storage()] = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._track, out)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage in self._seen:
+            return
+        self._seen[storage] = True
+        nbytes = allocation_bytes(storage.nbytes(), self.device)
+        weakref.finalize(storage, self._add, -nbytes)
+        self._add(nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    @contextlib.contextmanager
+    def span(self):
+        """Yields a one-item list that holds, on exit, how far the count rose above its
+        value at entry (the peak inside, minus the bytes live at entry)."""
+        with self._lock:
+            start, outer_peak = self.live, self.peak
+            self.peak = self.live
+        rise = [0]
+        try:
+            yield rise
+        finally:
+            with self._lock:
+                rise[0] = self.peak - start
+                self.peak = max(self.peak, outer_peak)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted peak memory of one training step, in bytes.
+
+    ``activation_peak_bytes`` is what actsave's planner calls the budget: the step's
+    peak beyond parameters, buffers, gradients and optimizer state (the input batch
+    included). ``total_peak_bytes`` adds those, all resident for the whole step.
+    """
+
+    activation_peak_bytes: int
+    parameter_bytes: int  # parameters and buffers
+    gradient_bytes: int
+    optimizer_bytes: int
+    device: str
+
+    @property
+    def total_peak_bytes(self) -> int:
+        return self.activation_peak_bytes + self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    def __str__(self) -> str:
+        rows = [("activations (peak)", self.activation_peak_bytes),
+                ("parameters + buffers", self.parameter_bytes),
+                ("gradients", self.gradient_bytes),
+                ("optimizer state", self.optimizer_bytes),
+                ("total (peak)", self.total_peak_bytes)]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"estimated training-step memory on {self.device}"]
+        lines += [f"  {name.ljust(width)}  {value / 2**20:12.1f} MiB" for name, value in rows]
+        return "\n".join(lines)
+
+
+def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[str] = None) -> MemoryEstimate:
+    """Predict the peak memory of one training step of ``model`` on ``device``.
+
+    Args:
+        model: any module; its forward runs for real, on meta tensors.
+        input_shapes: the shape of the one input (``(128, 3, 32, 32)``), or a list of
+            them for several inputs. Each may also be a tensor (a meta tensor is
+            enough) to give the dtype too, e.g. ``torch.empty(8, 1024,
+            dtype=torch.long, device="meta")`` for token ids. Shapes alone get the
+            dtype of the model's first floating-point parameter.
+        device: the device to predict for; sets the allocation granularity.
+        optimizer: ``None``/``"sgd"`` (no state), ``"momentum"`` (one buffer per
+            parameter) or ``"adam"``/``"adamw"`` (two), counted in ``optimizer_bytes``.
+    """
+    device = _checked_device(device)
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(f"optimizer={optimizer!r} is not one of {list(OPTIMIZER_STATES)}")
+    specs = _input_specs(input_shapes, _default_dtype(model))
+    with _on_meta(model) as state, _offload_refused():
+        inputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
+        tracker = LiveBytes(device, known=(state, inputs))
+        with tracker:
+            outputs = model(*inputs)
+            _backward_from_full_gradient(outputs)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return MemoryEstimate(
+        activation_peak_bytes=tracker.peak + sum(_bytes(t, device) for t in inputs),
+        parameter_bytes=sum(_bytes(t, device) for t in (*model.parameters(), *model.buffers())),
+        gradient_bytes=sum(_bytes(p, device) for p in trained),
+        optimizer_bytes=OPTIMIZER_STATES[optimizer] * sum(_bytes(p, device) for p in trained),
+        device=str(device),
+    )
+
+
+def _checked_device(device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ConfigError(f"device={device!r} is not a torch device ('cuda', 'cuda:1', 'cpu')") from error
+
+
+def _default_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _input_specs(input_shapes, dtype: torch.dtype) -> list:
+    """[(shape, dtype)] from one shape, a tensor, or a list of either."""
+    if isinstance(input_shapes, torch.Tensor) or _is_shape(input_shapes):
+        input_shapes = [input_shapes]
+    if not isinstance(input_shapes, (list, tuple)) or not input_shapes:
+        raise ConfigError(_bad_shapes(input_shapes))
+    specs = []
+    for item in input_shapes:
+        if isinstance(item, torch.Tensor):
+            specs.append((tuple(item.shape), item.dtype))
+        elif _is_shape(item):
+            specs.append((tuple(item), dtype))
+        else:
+            raise ConfigError(_bad_shapes(input_shapes))
+    return specs
+
+
+def _is_shape(value) -> bool:
+    return (isinstance(value, (tuple, list, torch.Size))
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value))
+
+
+def _bad_shapes(value) -> str:
+    return (f"input_shapes={value!r} must be one shape such as (128, 3, 32, 32), a tensor "
+            "(a meta tensor is enough) for shape and dtype, or a list of those for a model "
+            "with several inputs")
+
+
+def _bytes(t: torch.Tensor, device) -> int:
+    return allocation_bytes(t.numel() * t.element_size(), device)
+
+
+@contextlib.contextmanager
+def _on_meta(model: nn.Module):
+    """Swap every parameter and buffer of ``model`` for a meta copy (parameters with a
+    meta gradient) and yield the copies; put the originals back on exit. Tied
+    parameters stay tied."""
+    copies, swapped = {}, []
+    for module in model.modules():
+        for table, make in ((module._parameters, _meta_parameter), (module._buffers, _meta_tensor)):
+            for name, original in table.items():
+                if original is None:
+                    continue
+                if id(original) not in copies:
+                    copies[id(original)] = make(original)
+                swapped.append((table, name, original))
+                table[name] = copies[id(original)]
+    try:
+        yield [(t, t.grad) for t in copies.values()]
+    finally:
+        for table, name, original in swapped:
+            table[name] = original
+
+
+def _meta_tensor(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _meta_parameter(p: nn.Parameter) -> nn.Parameter:
+    meta = nn.Parameter(_meta_tensor(p), requires_grad=p.requires_grad)
+    if p.requires_grad:
+        meta.grad = _meta_tensor(p)
+    return meta
+
+
+@contextlib.contextmanager
+def _offload_refused():
+    try:
+        yield
+    except ConfigError as error:
+        if "offload" not in str(error):
+            raise
+        raise ConfigError(
+            "estimate cannot simulate offloaded inputs (meta tensors cannot be copied to "
+            "host memory); estimate the model with offload off: the result is then an "
+            "upper bound of its device memory"
+        ) from error
+
+
+def _backward_from_full_gradient(outputs) -> None:
+    tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        raise ConfigError("the model's output does not require grad: there is no backward to estimate")
+    torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
+__all__ = ["MemoryEstimate", "estimate", "LiveBytes", "allocation_bytes", "OPTIMIZER_STATES"]
