@@ -126,6 +126,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from . import relu_signs
 from .codecs import get_codec
 from .errors import ConfigError
+from .text import format_table
 from .estimate import LiveBytes, allocation_bytes
 from .state import batchnorm_stats_frozen
 
@@ -216,7 +217,7 @@ class Profile:
         backward = sum(layer.backward_s for layer in self.layers)
         footer = (f"device {self.device}; input {_mib(self.input_bytes)} MiB, output {_mib(self.output_bytes)} "
                   f"MiB; step forward {_ms(forward)} ms, backward {_ms(backward)} ms")
-        return _format_table(rows) + "\n" + footer
+        return format_table(rows) + "\n" + footer
 
     @staticmethod
     def _row(i: int, layer: "LayerProfile") -> list:
@@ -718,7 +719,7 @@ class Plan:
             where = "" if option is None else ("host" if option.offload else "device")
             marker = "<- peak" if j == self.peak_segment else ""
             rows.append([str(j), f"{start}-{stop - 1}", kept, where, marker])
-        return "\n".join(lines) + "\n" + _format_table(rows)
+        return "\n".join(lines) + "\n" + format_table(rows)
 
 
 def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] = None,
@@ -1271,11 +1272,6 @@ def _mib(nbytes) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
-
-
-def _format_table(rows: list) -> str:
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 __all__ = ["profile", "plan", "predict", "keep_options", "Profile", "LayerProfile", "SavedStorage", "Plan",

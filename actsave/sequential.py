@@ -27,6 +27,7 @@ from . import planner
 from .errors import ConfigError
 from .function import checkpointed_call
 from .store import KeepPolicy
+from .text import format_table
 
 SegmentsSpec = Union[int, str, Iterable[int]]
 _SEGMENT_STRATEGIES = ("sqrt",)
@@ -223,7 +224,7 @@ class CheckpointedSequential(nn.Sequential):
                 codec, offload = self._layer_policy(i).describe() if kept == "yes" else ("", "")
                 bytes_ = self._last_kept_bytes.get(i, "") if kept == "yes" else ""
                 rows.append((str(i), names[i], type(self[i]).__name__, str(number), kept, codec, offload, str(bytes_)))
-        return _table(rows)
+        return format_table(rows)
 
     def _layer_policy(self, index: int) -> KeepPolicy:
         name = list(self._modules)[index]
@@ -308,11 +309,6 @@ def _split_per_layer(value, default) -> tuple:
     if isinstance(value, dict):
         return default, dict(value)
     return value, {}
-
-
-def _table(rows: list) -> str:
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 __all__ = ["CheckpointedSequential", "Segment", "plan_segments"]

@@ -260,8 +260,4 @@ def input_tensors(args: tuple, kwargs: dict) -> list:
     return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
 
 
-def any_requires_grad(tensors) -> bool:
-    return any(t.requires_grad for t in tensors)
-
-
 __all__ = ["KeepPolicy", "KeptInputs", "EXACT", "stored_bytes", "input_tensors"]

@@ -68,6 +68,18 @@ class ResidualNet(nn.Module):
         return self.head(x)
 
 
+class PreActBlock(nn.Module):
+    """``x + conv(relu(bn(x)))``: the block of pre-activation ResNets."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(),
+                                  nn.Conv2d(channels, channels, 3, padding=1, bias=False))
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
 def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 

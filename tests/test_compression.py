@@ -13,19 +13,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import actsave
 from actsave import CheckpointedSequential, checkpoint, wrap
-from support import sqnr_db
-
-
-class PreActBlock(nn.Module):
-    """x + conv(relu(bn(x))): the block of pre-activation ResNets."""
-
-    def __init__(self, channels: int):
-        super().__init__()
-        self.body = nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(),
-                                  nn.Conv2d(channels, channels, 3, padding=1, bias=False))
-
-    def forward(self, x):
-        return x + self.body(x)
+from support import PreActBlock, sqnr_db
 
 
 def resnet_cnn(blocks: int = 16, channels: int = 16) -> nn.Sequential:

@@ -12,16 +12,7 @@ from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError
-
-
-class PreActBlock(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.body = nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(),
-                                  nn.Conv2d(channels, channels, 3, padding=1, bias=False))
-
-    def forward(self, x):
-        return x + self.body(x)
+from support import PreActBlock
 
 
 def small_resnet() -> list:
