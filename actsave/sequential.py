@@ -214,7 +214,10 @@ class CheckpointedSequential(nn.Sequential):
 
     def describe(self) -> str:
         """A per-layer table: segment, whether its input is kept, codec, offload, and
-        bytes kept at the last forward."""
+        bytes kept at the last forward (inputs and ReLU sign bits).
+
+        Codec and offload are the layer's settings. A leaf input (the batch, at layer 0)
+        is kept by reference on the device whatever they say, as its bytes show."""
         rows = [("layer", "name", "type", "segment", "kept input", "codec", "offload", "kept bytes")]
         names = list(self._modules)
         for number, segment in enumerate(plan_segments(len(self), self.segments)):
