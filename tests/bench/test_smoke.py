@@ -122,6 +122,16 @@ def test_transformer_sweep_writes_the_csv_schema(tmp_path):
         assert value(rows, "actsave_none", "peak_act_mem", depth) <= value(rows, "torch", "peak_act_mem", depth)
 
 
+def test_kernels_bench_checks_every_codec_and_reports_bytes(tmp_path):
+    out = tmp_path / "cpu.csv"
+    run_script("kernels.py", "--out", str(out))
+    columns, rows = read_rows(out)
+    assert columns == CSV_COLUMNS
+    ratios = {r["case"]: float(r["p50"]) for r in rows if r["metric"] == "bytes_ratio"}
+    assert len(ratios) == 3 * 3  # codecs x dtypes, each checked against its reference
+    assert all(ratio <= (0.27 if case.endswith("fp32") else 0.53) for case, ratio in ratios.items())
+
+
 def test_accuracy_parity_reports_every_available_mode(tmp_path):
     png = tmp_path / "parity.png"
     stdout = run_script("accuracy_parity.py", "--out", str(png))
