@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import actsave
-
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 CSV_COLUMNS = [
     "bench", "case", "provider", "metric", "unit", "x_name", "x_value", "p20", "p50", "p80",
@@ -55,14 +53,6 @@ def value(rows: list, provider: str, metric: str, depth: str) -> float:
     return float(row["p50"])
 
 
-def int8_unavailable_reason():
-    try:
-        actsave.CheckpointedSequential(torch.nn.Identity(), compress="int8")
-    except actsave.ConfigError as error:
-        return str(error)
-    return None
-
-
 @pytest.fixture(scope="module")
 def resnet_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("resnet") / "cpu.csv"
@@ -97,9 +87,6 @@ def test_actsave_activation_peak_is_not_above_torch(resnet_run):
 
 
 def test_int8_keeps_fewer_bytes_than_exact(resnet_run):
-    reason = int8_unavailable_reason()
-    if reason:
-        pytest.skip(f"actsave_int8 is not available: {reason}")
     *_, rows = resnet_run
     depths = {r["x_value"] for r in rows if r["metric"] == "kept_bytes"}
     for depth in depths:
