@@ -101,6 +101,7 @@ class _Frame:
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
         self.is_recomputed = False
+        self.keeps_relu_signs = kept.lossy  # once: pack runs for every saved tensor
         self._last_relu_output = _dead_ref
         # Decisions made before this segment: the previous segment's ReLU keeps them.
         # Only read during the forward, while the caller still holds the inputs.
@@ -109,7 +110,7 @@ class _Frame:
 
     def pack(self, tensor: torch.Tensor) -> _Slot:
         signs = None
-        if (self.kept.lossy and relu_signs.is_relu_output(tensor) and id(tensor) not in self._input_ids
+        if (self.keeps_relu_signs and relu_signs.is_relu_output(tensor) and id(tensor) not in self._input_ids
                 and self._first_save(tensor)):
             # Only the ReLU's own save gets the bits (it comes first): correcting the
             # recomputed output in place fixes it for later savers too (a Linear's input).
