@@ -2,7 +2,7 @@
 # Both build a local virtual environment first, so a fresh machine needs nothing
 # installed by hand. TORCH pins the CPU build on machines without a GPU: an unpinned
 # `torch` would pull several GB of CUDA packages. On a CUDA machine run
-# `make test TORCH=torch` (or keep the torch the machine already has).
+# `make test TORCH=torch` for PyTorch's default CUDA build.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
