@@ -167,14 +167,14 @@ class CheckpointedSequential(nn.Sequential):
     def forward(self, input):
         if not torch.is_grad_enabled():
             return super().forward(input)
-        layers = list(self)
+        layers, names = list(self), list(self._modules)
         self._last_kept_bytes = {}
         for segment in plan_segments(len(layers), self.segments):
             run = _Chain(layers[segment.start:segment.stop])
             if not segment.checkpointed:
                 input = run(input)
                 continue
-            policy = self._layer_policy(segment.start)
+            policy = self._layer_policy(names[segment.start])
             private_copy = getattr(layers[segment.start], "inplace", False) is True
             input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
             self._last_kept_bytes[segment.start] = kept
@@ -224,13 +224,12 @@ class CheckpointedSequential(nn.Sequential):
             for i in range(segment.start, segment.stop):
                 starts = i == segment.start
                 kept = "yes" if starts and segment.checkpointed else ("no (last)" if not segment.checkpointed else "")
-                codec, offload = self._layer_policy(i).describe() if kept == "yes" else ("", "")
+                codec, offload = self._layer_policy(names[i]).describe() if kept == "yes" else ("", "")
                 bytes_ = self._last_kept_bytes.get(i, "") if kept == "yes" else ""
                 rows.append((str(i), names[i], type(self[i]).__name__, str(number), kept, codec, offload, str(bytes_)))
         return format_table(rows)
 
-    def _layer_policy(self, index: int) -> KeepPolicy:
-        name = list(self._modules)[index]
+    def _layer_policy(self, name: str) -> KeepPolicy:
         compress = self._layer_compress.get(name, self._default_compress)
         offload = self._layer_offload.get(name, self._default_offload)
         return KeepPolicy.resolve(compress=compress, offload=offload)
