@@ -5,8 +5,10 @@ Segments are planned from ``segments`` each time the chain runs, so ``append`` a
 friends need no bookkeeping. As in ``torch.utils.checkpoint.checkpoint_sequential``,
 the last segment is not checkpointed: backward starts there, so its activations are
 needed at once. Per-layer options (``compress``, ``offload``) are stored by child
-name and apply to the input a segment keeps, so they act on the layers where
-segments start; ``describe()`` shows which.
+name and apply to what a segment keeps, so they act on the layers where segments
+start: a checkpointed segment keeps its input; the last keeps what autograd saves,
+which a lossy codec stores too (compressed_saves.py; offload does not apply there).
+``describe()`` shows which.
 
 ``segments="auto"``, ``"memory"`` and ``"speed"`` plan the segments and per-segment
 options from a profiled step (planner.py): ``"auto"`` and ``"speed"`` (the same: the
@@ -25,6 +27,7 @@ from torch import nn
 
 from . import planner
 from .errors import ConfigError
+from .compressed_saves import call_with_compressed_saves
 from .function import checkpointed_call
 from .store import KeepPolicy
 from .text import format_table
@@ -116,10 +119,11 @@ class CheckpointedSequential(nn.Sequential):
             with the smallest predicted peak (checked against ``budget`` if given).
             Both profile one step on ``example_inputs`` when the model is built and
             choose codecs and offload too (:func:`actsave.plan`, default levers).
-        compress: codec of the kept segment inputs: ``None`` (exact), a codec name,
-            or ``{layer: codec}`` with ``layer`` an index or child name (the rest
-            exact).
-        offload: keep segment inputs in host memory: a bool, or ``{layer: bool}``.
+        compress: codec of what segments keep (their inputs, and what the last
+            segment saves): ``None`` (exact), a codec name, or ``{layer: codec}``
+            with ``layer`` an index or child name (the rest exact).
+        offload: keep segment inputs in host memory: a bool, or ``{layer: bool}``
+            (not the last segment's saves: backward needs them at once).
         budget: peak activation memory in bytes for the planned strategies: what a
             training step allocates beyond parameters, buffers, gradients and
             optimizer state (planner.py, "Budget").
@@ -171,17 +175,21 @@ class CheckpointedSequential(nn.Sequential):
         self._last_kept_bytes = {}
         for segment in plan_segments(len(layers), self.segments):
             run = _Chain(layers[segment.start:segment.stop])
-            if not segment.checkpointed:
-                input = run(input)
-                continue
             policy = self._layer_policy(names[segment.start])
-            private_copy = getattr(layers[segment.start], "inplace", False) is True
-            input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
+            if segment.checkpointed:
+                private_copy = getattr(layers[segment.start], "inplace", False) is True
+                input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
+            elif not policy.codec.lossless:
+                # Offload does not apply here: backward needs these saves at once.
+                input, kept = call_with_compressed_saves(run, input, policy.codec)
+            else:
+                input, kept = run(input), None  # autograd holds the saves
             self._last_kept_bytes[segment.start] = kept
         return input
 
     def set_compression(self, layer, codec) -> None:
-        """Set the codec of the input kept at ``layer`` (an index, child name or slice)."""
+        """Set the codec of what is kept at ``layer`` (an index, child name or slice):
+        the segment input there, or the last segment's saves when it starts there."""
         KeepPolicy.resolve(compress=codec)
         for name in self._child_names(layer):
             self._layer_compress[name] = codec
@@ -213,20 +221,25 @@ class CheckpointedSequential(nn.Sequential):
         self.applied_plan = plan
 
     def describe(self) -> str:
-        """A per-layer table: segment, whether its input is kept, codec, offload, and
-        bytes kept at the last forward (inputs and ReLU sign bits).
+        """A per-layer table: segment, what it keeps (a checkpointed segment its
+        ``input``, the last segment what autograd ``saves``), codec, offload, and bytes
+        actsave kept at the last forward (with ReLU sign bits; none when the exact
+        last segment's saves are autograd's own).
 
         Codec and offload are the layer's settings. A leaf input (the batch, at layer 0)
         is kept by reference on the device whatever they say, as its bytes show."""
-        rows = [("layer", "name", "type", "segment", "kept input", "codec", "offload", "kept bytes")]
+        rows = [("layer", "name", "type", "segment", "keeps", "codec", "offload", "kept bytes")]
         names = list(self._modules)
         for number, segment in enumerate(plan_segments(len(self), self.segments)):
+            keeps = "input" if segment.checkpointed else "saves"
             for i in range(segment.start, segment.stop):
-                starts = i == segment.start
-                kept = "yes" if starts and segment.checkpointed else ("no (last)" if not segment.checkpointed else "")
-                codec, offload = self._layer_policy(names[i]).describe() if kept == "yes" else ("", "")
-                bytes_ = self._last_kept_bytes.get(i, "") if kept == "yes" else ""
-                rows.append((str(i), names[i], type(self[i]).__name__, str(number), kept, codec, offload, str(bytes_)))
+                row = (str(i), names[i], type(self[i]).__name__, str(number))
+                if i == segment.start:
+                    codec, offload = self._layer_policy(names[i]).describe()
+                    offload = offload if segment.checkpointed else "-"
+                    kept = self._last_kept_bytes.get(i)
+                    row += (keeps, codec, offload, "" if kept is None else str(kept))
+                rows.append(row + ("",) * (len(rows[0]) - len(row)))
         return format_table(rows)
 
     def _layer_policy(self, name: str) -> KeepPolicy:

@@ -46,8 +46,9 @@ def account(owner, nbytes: int, where: str = "device") -> None:
 def stored_bytes() -> dict:
     """Bytes actsave currently holds for backward: ``{"device": int, "host": int}``.
 
-    Counts the kept segment inputs (as stored: compressed bytes for a lossy codec,
-    scales included). ``"device"`` is memory on the device the model runs on (the
+    Counts the kept segment inputs, their ReLU sign bits, and the last segment's
+    saves when a lossy codec stores them (as stored: compressed bytes for a lossy
+    codec, scales included). ``"device"`` is memory on the device the model runs on (the
     CPU for a CPU model); ``"host"`` is memory offloaded to the host. Both are zero
     after backward and under ``torch.no_grad()``.
     """
@@ -74,11 +75,15 @@ class KeepPolicy:
 EXACT = KeepPolicy()
 
 
-def _should_encode(t: torch.Tensor) -> bool:
-    # Leaf tensors (parameters, the batch, anything autograd did not produce) are
-    # held elsewhere anyway: encoding or offloading them would add memory, copies and
-    # error, and free nothing. Integer and bool tensors are never quantized.
-    return t.is_floating_point() and not t.is_leaf
+def should_encode(t: torch.Tensor) -> bool:
+    """Whether a codec (and offload) applies to ``t``: a floating-point tensor that
+    autograd produced and that is not a view of a leaf."""
+    # Leaf tensors (parameters, the batch, anything that does not require grad) and
+    # their views (``weight.t()``) are held elsewhere anyway: encoding or offloading
+    # them would add memory, copies and error, and free nothing. Integer and bool
+    # tensors are never quantized.
+    base = t._base if t._is_view() else t
+    return t.is_floating_point() and not base.is_leaf
 
 
 class _OnDevice:
@@ -135,7 +140,7 @@ class _KeptTensor:
 
     def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool):
         self.requires_grad = tensor.requires_grad
-        held_elsewhere = not _should_encode(tensor)
+        held_elsewhere = not should_encode(tensor)
         self.codec = IDENTITY if held_elsewhere else policy.codec
         source = tensor.detach()
         if private_copy and self.codec.aliases_input:

@@ -13,6 +13,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import actsave
 from actsave import CheckpointedSequential, checkpoint, wrap
+from actsave.sequential import plan_segments
 from support import PreActBlock, sqnr_db
 
 
@@ -51,16 +52,17 @@ def worst_gradient_sqnr(build, input_shape, codec, seed=10) -> float:
     return min(sqnr_db(a, b) for a, b in zip(exact, lossy))
 
 
-# Measured over seeds 10-13: resnet int8 37.2-38.7, e4m3 25.6-27.3, e5m2 18.7-22.4;
-# mlp int8 42.6-44.6, e4m3 27.3-31.1, e5m2 22.2-24.7; plain conv-BN-ReLU int8 34.5-37.5.
+# Measured over seeds 5, 6 and 10-13 (the last segment's saves stored by the codec):
+# resnet int8 36.3-39.6, e4m3 24.9-26.9, e5m2 18.1-20.9; mlp int8 42.3-45.8, e4m3
+# 27.3-30.7, e5m2 22.0-24.1; plain conv-BN-ReLU int8 34.4-37.8.
 @pytest.mark.parametrize("model, shape, codec, floor", [
-    (resnet_cnn, (32, 3, 16, 16), "int8", 34.0),     # measured 37.9 at seed 10
-    (resnet_cnn, (32, 3, 16, 16), "fp8_e4m3", 25.0),  # 27.1
-    (resnet_cnn, (32, 3, 16, 16), "fp8_e5m2", 19.0),  # 22.4
-    (plain_cnn, (32, 3, 16, 16), "int8", 32.0),      # 35.4 (seed 5, 34.5 at seed 6)
-    (mlp, (64, 64), "int8", 39.0),                   # 42.6
-    (mlp, (64, 64), "fp8_e4m3", 25.0),               # 28.3
-    (mlp, (64, 64), "fp8_e5m2", 19.0),               # 22.2
+    (resnet_cnn, (32, 3, 16, 16), "int8", 34.0),     # measured 37.8 at seed 10
+    (resnet_cnn, (32, 3, 16, 16), "fp8_e4m3", 25.0),  # 26.9
+    (resnet_cnn, (32, 3, 16, 16), "fp8_e5m2", 19.0),  # 20.2
+    (plain_cnn, (32, 3, 16, 16), "int8", 32.0),      # 35.5
+    (mlp, (64, 64), "int8", 39.0),                   # 42.3
+    (mlp, (64, 64), "fp8_e4m3", 25.0),               # 28.1
+    (mlp, (64, 64), "fp8_e5m2", 19.0),               # 22.0
 ], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_gradient_sqnr_floors(model, shape, codec, floor):
     assert worst_gradient_sqnr(model, shape, codec) >= floor
@@ -68,7 +70,7 @@ def test_gradient_sqnr_floors(model, shape, codec, floor):
 
 def test_exact_relu_decisions_are_what_lift_relu_networks():
     # Without the forward's ReLU decisions this MLP measured 12.7-16.4 dB with int8.
-    assert worst_gradient_sqnr(lambda: mlp(nn.ReLU), (64, 64), "int8") >= 35.0  # 38.7
+    assert worst_gradient_sqnr(lambda: mlp(nn.ReLU), (64, 64), "int8") >= 35.0  # 38.7 (38.7-46.5)
 
 
 def stem_then(model, dtype=torch.float32):
@@ -78,26 +80,49 @@ def stem_then(model, dtype=torch.float32):
     return model(x * 1)
 
 
+def codes_and_scales(elements: int) -> int:
+    return elements + 4 * elements // 128
+
+
 @pytest.mark.parametrize("dtype, ratio", [(torch.float32, 0.27), (torch.bfloat16, 0.53)])
 @pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "fp8_e5m2"])
-def test_stored_bytes_ratio(codec, dtype, ratio):
+def test_stored_bytes_ratio_of_kept_inputs(codec, dtype, ratio):
+    # The exact last segment's saves are autograd's, not in stored_bytes: compare the
+    # kept inputs alone (the last segment's saves are checked below).
+    checkpointed_starts = [s.start for s in plan_segments(33, "sqrt") if s.checkpointed]
     kept = {}
-    for name in (None, codec):
-        out = stem_then(CheckpointedSequential(*mlp(), compress=name).to(dtype), dtype)
-        kept[name] = actsave.stored_bytes()["device"]
+    for compress in (None, {start: codec for start in checkpointed_starts}):
+        out = stem_then(CheckpointedSequential(*mlp(), compress=compress).to(dtype), dtype)
+        kept[compress is None] = actsave.stored_bytes()["device"]
         del out
-    assert kept[codec] <= ratio * kept[None]  # measured 0.258 (fp32), 0.516 (bf16)
+    assert kept[False] <= ratio * kept[True]  # measured 0.258 (fp32), 0.516 (bf16)
+
+
+# mlp() is 33 layers, Linear at even indices. At "sqrt": inputs kept at 0, 5, 10, 15
+# and 20, and the last segment, 25-32, runs as it is.
+ELEMENTS = 256 * 64
+KEPT_INPUTS = 5 * codes_and_scales(ELEMENTS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["int8", "fp8_e5m2"])
+def test_last_segment_saves_are_stored_by_the_codec(codec, dtype):
+    out = stem_then(CheckpointedSequential(*mlp(), compress=codec).to(dtype), dtype)
+    # Each of its 8 layers saves its input (GELU and Linear alike); weight.t() is a view
+    # of a parameter and stays as it is.
+    assert actsave.stored_bytes()["device"] == KEPT_INPUTS + 8 * codes_and_scales(ELEMENTS)
+    del out
+    assert actsave.stored_bytes() == {"device": 0, "host": 0}
 
 
 def test_stored_bytes_add_one_bit_per_relu_output():
-    model = CheckpointedSequential(*mlp(nn.ReLU), compress="int8")
-    out = stem_then(model)
-    layers, elements = len(model), 256 * 64
-    relus_kept = sum(1 for s in actsave.sequential.plan_segments(layers, "sqrt") if s.checkpointed
-                     for i in range(s.start, s.stop) if isinstance(model[i], nn.ReLU))
-    codes_and_scales = sum(1 for s in actsave.sequential.plan_segments(layers, "sqrt") if s.checkpointed) * (
-        elements + 4 * elements // 128)
-    assert actsave.stored_bytes()["device"] == codes_and_scales + relus_kept * elements // 8
+    out = stem_then(CheckpointedSequential(*mlp(nn.ReLU), compress="int8"))
+    relu_bits = ELEMENTS // 8
+    # 12 ReLUs (odd layers 1-23) in the recomputed segments keep 1 bit per output.
+    # The last segment (ReLU at 25, 27, 29, 31) stores each ReLU output once, with its
+    # bits, though the next Linear saves it too; the segment input is saved by no one.
+    last_segment = 4 * (codes_and_scales(ELEMENTS) + relu_bits)
+    assert actsave.stored_bytes()["device"] == KEPT_INPUTS + 12 * relu_bits + last_segment
     del out
     assert actsave.stored_bytes() == {"device": 0, "host": 0}
 
@@ -121,10 +146,10 @@ def deep_chain(activation):
 
 
 @pytest.mark.parametrize("activation", [nn.GELU, nn.ReLU])
-def test_int8_cuts_peak_activation_memory(activation, ratio=0.8):
-    # Measured 0.778 (GELU) and 0.768 (ReLU, whose 1-bit decisions cost 6.8 MiB here)
-    # at segments="sqrt": the unsaved last segment (18 of 128 layers), the recompute
-    # working set and the batch are the same in both and bound the ratio.
+def test_int8_cuts_peak_activation_memory(activation, ratio=0.7):
+    # Measured 0.553 (GELU) and 0.683 (ReLU, whose 1-bit decisions cost 6.8 MiB in the
+    # recomputed segments). The peak is now a recompute in backward: its working set
+    # is exact in both, so the ratio cannot approach the codec's 0.26.
     exact = peak_activation_bytes(CheckpointedSequential(*deep_chain(activation)))
     int8 = peak_activation_bytes(CheckpointedSequential(*deep_chain(activation), compress="int8"))
     assert int8 <= ratio * exact

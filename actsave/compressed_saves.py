@@ -1,0 +1,132 @@
+"""The last segment's saves, stored by its codec.
+
+A CheckpointedSequential does not recompute its last segment (backward starts there,
+so the recompute would run at once): the segment keeps what autograd saves. At
+``segments="sqrt"`` that is as large as all the kept inputs together: 36 of the 84 MiB
+peak on 64 x (Linear 256, ReLU) at batch 4096, 68 of 116 MiB with GELU. So a lossy
+codec set at the last segment's first layer stores those saves too, as ActNN stores
+every activation; without it the codec could cut at most the other half of the peak.
+
+- Stored by the codec: floating-point saves autograd produced. Leaves and views of
+  leaves (parameters, ``weight.t()``, the batch, BatchNorm's running and batch
+  statistics) are held as they are: encoding them would copy what lives anyway.
+- A tensor saved twice (a ReLU output that its ReLU and the next Linear both save, or
+  a contiguous view of it) is stored once.
+- ReLU outputs made in the segment keep their decisions, one bit per element
+  (relu_signs.py): a small positive output that the codec rounds to zero would
+  otherwise block its gradient.
+- The gradient error does not compound as in a recompute: each save is decoded on
+  its own, so its error reaches only the gradients computed from it.
+
+The saves are left alone when other saved-tensor hooks are active (an outer
+checkpoint, which drops or recomputes them anyway, or the caller's own hooks): the
+innermost hooks would otherwise hide the saves from them.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from . import relu_signs
+from .codecs import Codec
+from .store import account, should_encode
+
+
+def _other_saved_tensor_hooks_active() -> bool:
+    """Whether some saved-tensor hooks (an outer checkpoint's, the caller's) are set."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+class _Stored:
+    """One saved tensor as the codec stores it, shared by every node that saved it."""
+
+    __slots__ = ("codec", "packed", "signs", "__weakref__")
+
+    def __init__(self, codec: Codec, tensor: torch.Tensor, keep_signs: bool):
+        self.codec = codec
+        self.packed = codec.encode(tensor.detach())
+        self.signs = relu_signs.pack_signs(tensor) if keep_signs else None
+        account(self, self.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + (0 if self.signs is None else self.signs.numel())
+
+    def restore(self) -> torch.Tensor:
+        tensor = self.codec.decode(self.packed)
+        if self.signs is not None:
+            relu_signs.restore_decisions_(tensor, self.signs)
+        return tensor
+
+
+class _SavesStore:
+    """The pack and unpack hooks of one forward of a segment, and the bytes stored."""
+
+    def __init__(self, codec: Codec, inputs: list):
+        self.codec = codec
+        self.nbytes = 0
+        # Decisions made before this segment belong to the previous segment's ReLU.
+        self._input_ids = {id(t) for t in inputs}
+        # (storage address, offset, numel, dtype) of a contiguous save -> (a weak
+        # reference to it, its _Stored). The reference must still be alive: then the
+        # storage is too, and its address cannot belong to another tensor.
+        self._seen = {}
+
+    def end_forward(self) -> None:
+        # The hooks outlive the forward (autograd holds unpack): hold no _Stored here,
+        # so each is freed with the last node that saved it.
+        self._seen, self._input_ids = {}, set()
+
+    def pack(self, tensor: torch.Tensor):
+        if not should_encode(tensor):
+            return tensor
+        stored = self._seen_before(tensor)
+        if stored is None:
+            keep_signs = relu_signs.is_relu_output(tensor) and id(tensor) not in self._input_ids
+            stored = _Stored(self.codec, tensor, keep_signs)
+            self.nbytes += stored.nbytes
+            if tensor.is_contiguous():
+                self._seen[_storage_key(tensor)] = (weakref.ref(tensor), stored)
+        return stored, tensor.shape
+
+    def unpack(self, saved) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        stored, shape = saved
+        return stored.restore().view(shape)
+
+    def _seen_before(self, tensor: torch.Tensor):
+        if not tensor.is_contiguous():
+            return None
+        ref, stored = self._seen.get(_storage_key(tensor), (_dead_ref, None))
+        return stored if ref() is not None else None
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel(), tensor.dtype)
+
+
+def _dead_ref():
+    return None
+
+
+@torch.compiler.disable  # saved-tensor hooks are a graph break; see NOTE [ torch.compile ]
+def call_with_compressed_saves(function: Callable, x, codec: Codec) -> tuple:
+    """Run ``function(x)`` with every save that autograd makes stored by ``codec``
+    (lossy). Returns ``(output, stored_bytes)``; ``stored_bytes`` is None when other
+    saved-tensor hooks are active and the saves are left to them."""
+    if _other_saved_tensor_hooks_active():
+        return function(x), None
+    store = _SavesStore(codec, [x] if isinstance(x, torch.Tensor) else [])
+    try:
+        with saved_tensors_hooks(store.pack, store.unpack):
+            output = function(x)
+    finally:
+        store.end_forward()
+    return output, store.nbytes
+
+
+__all__ = ["call_with_compressed_saves"]
