@@ -105,3 +105,9 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB, computed in fp32; inf when exact."""
     error = (reference - approximation).float().norm()
     return math.inf if error == 0 else 20 * math.log10(reference.float().norm() / error)
+
+
+def codes_and_scales(elements: int) -> int:
+    """Bytes an 8-bit group codec stores for ``elements`` values: one byte each and an
+    fp32 scale per group of 128."""
+    return elements + 4 * elements // 128

@@ -14,7 +14,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import actsave
 from actsave import CheckpointedSequential, checkpoint, wrap
 from actsave.sequential import plan_segments
-from support import PreActBlock, sqnr_db
+from support import PreActBlock, codes_and_scales, sqnr_db
 
 
 def resnet_cnn(blocks: int = 16, channels: int = 16) -> nn.Sequential:
@@ -78,10 +78,6 @@ def stem_then(model, dtype=torch.float32):
     torch.manual_seed(1)
     x = torch.randn(256, 64, dtype=dtype, requires_grad=True)
     return model(x * 1)
-
-
-def codes_and_scales(elements: int) -> int:
-    return elements + 4 * elements // 128
 
 
 @pytest.mark.parametrize("dtype, ratio", [(torch.float32, 0.27), (torch.bfloat16, 0.53)])
@@ -183,7 +179,7 @@ def test_per_layer_codecs_by_index_name_and_slice():
     out = stem_then(model)
     rows = {line.split()[0]: line.split() for line in model.describe().splitlines()[1:]}
     assert [rows[i][5] for i in ("0", "4", "8", "12")] == ["none", "int8", "fp8_e4m3", "fp8_e5m2"]
-    assert int(rows["4"][7]) == 256 * 64 + 4 * 256 * 64 // 128
+    assert int(rows["4"][7]) == codes_and_scales(256 * 64)
     out.sum().backward()
 
 
