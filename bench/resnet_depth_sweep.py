@@ -29,7 +29,7 @@ from models import cifar_blocks_per_stage, cifar_resnet
 NUM_CLASSES = 10
 DEFAULTS = {  # as typed on the command line; --help shows them
     "cpu": {"depths": "29,56,110,164", "batch": "8", "image_size": "16", "budget": "32MiB",
-            "repeats": "3", "search_seconds": "60", "threads": "1"},
+            "repeats": "3", "search_seconds": "150", "threads": "1"},
     "cuda": {"depths": "110,164,272,542,1001", "batch": "64", "image_size": "32", "budget": "8GiB",
              "repeats": "10", "search_seconds": "300", "threads": "0"},
     "smoke": {"depths": "11,20", "batch": "2", "image_size": "8", "budget": "2MiB",
