@@ -70,9 +70,9 @@ class _SavesStore:
         self.nbytes = 0
         # Decisions made before this segment belong to the previous segment's ReLU.
         self._input_ids = {id(t) for t in inputs}
-        # (storage address, offset, numel, dtype) of a contiguous save -> (a weak
-        # reference to it, its _Stored). The reference must still be alive: then the
-        # storage is too, and its address cannot belong to another tensor.
+        # (storage, offset, numel, dtype) of a contiguous save -> (a weak reference to
+        # it, its _Stored). The reference must still be alive: then the storage is
+        # too, and its address cannot belong to another storage.
         self._seen = {}
 
     def end_forward(self) -> None:
@@ -106,7 +106,9 @@ class _SavesStore:
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.numel(), tensor.dtype)
+    # The storage object's address, not its data pointer: meta tensors (actsave.estimate)
+    # all have data pointer 0.
+    return (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.numel(), tensor.dtype)
 
 
 def _dead_ref():

@@ -37,6 +37,18 @@ def test_a_relu_output_and_its_view_are_stored_once():
     out.sum().backward()
 
 
+class Product(nn.Module):
+    def forward(self, x):
+        return (x * 2) * (x * 3)  # saves two tensors of one shape, alive together
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: what actsave.estimate runs
+def test_distinct_saves_of_one_shape_are_stored_apart(device):
+    out = last_segment_only(Product())(torch.ones(4, 128, device=device, requires_grad=True) * 1)
+    assert actsave.stored_bytes()["device"] == 2 * codes_and_scales(512)
+    del out
+
+
 def test_relu_decisions_are_the_forwards_where_the_codec_rounds_to_zero():
     # One group: 1000 sets the int8 step to about 7.9, so the small positives code to 0.
     x = torch.tensor([1000.0, 1e-3, 2.0, -1e-3, 3e-2, -5.0] * 8, requires_grad=True)
