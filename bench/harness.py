@@ -19,7 +19,8 @@ device (:func:`parse_arguments`); :func:`run_benchmark` does the rest:
 Metrics (see ``METRICS``): ``peak_mem`` is the peak of everything live during the
 step. ``peak_act_mem`` subtracts what was resident when the step began: parameters,
 buffers, gradients and the batch (there is no optimizer state). ``kept_bytes`` is
-what actsave holds for backward at the end of forward (actsave providers only).
+what actsave holds for backward at the end of forward (actsave providers only:
+:func:`actsave.stored_bytes`, so with a lossy codec the last segment's saves too).
 ``time`` is timed without the memory tracker; ``time_ratio`` and ``grad_sqnr`` are
 against the ``torch`` provider of the same run, which is therefore always measured.
 
