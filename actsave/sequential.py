@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from . import planner
-from .errors import ConfigError
 from .compressed_saves import call_with_compressed_saves
+from .errors import ConfigError
 from .function import checkpointed_call
 from .store import KeepPolicy
 from .text import format_table
