@@ -2,7 +2,7 @@
 stored, what is held as it is, exact ReLU decisions, and other saved-tensor hooks."""
 import pytest
 import torch
-from support import codes_and_scales, sqnr_db
+from support import CallCounter, codes_and_scales, sqnr_db
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -13,6 +13,15 @@ from actsave import CheckpointedSequential
 def last_segment_only(*layers, compress="int8") -> CheckpointedSequential:
     """One segment: the last, so everything it saves is kept, none recomputed."""
     return CheckpointedSequential(*layers, segments=1, compress=compress)
+
+
+def test_one_segment_with_a_codec_recomputes_nothing():
+    # ActNN's mode: every save stored by the codec, each layer run once.
+    model = last_segment_only(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    counter = CallCounter(model)
+    model(torch.randn(4, 8, requires_grad=True) * 1).sum().backward()
+    assert counter.counts == {"0": 1, "1": 1, "2": 1}
+    assert model.describe().splitlines()[1].split()[4:6] == ["saves", "int8"]
 
 
 def test_parameters_and_batchnorm_statistics_are_held_as_they_are():
