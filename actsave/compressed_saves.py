@@ -68,7 +68,6 @@ class _SavesStore:
     def __init__(self, codec: Codec, inputs: list):
         self.codec = codec
         self.nbytes = 0
-        # Decisions made before this segment belong to the previous segment's ReLU.
         self._input_ids = {id(t) for t in inputs}
         # (storage, offset, numel, dtype) of a contiguous save -> (a weak reference to
         # it, its _Stored). The reference must still be alive: then the storage is
@@ -85,8 +84,7 @@ class _SavesStore:
             return tensor
         stored = self._seen_before(tensor)
         if stored is None:
-            keep_signs = relu_signs.is_relu_output(tensor) and id(tensor) not in self._input_ids
-            stored = _Stored(self.codec, tensor, keep_signs)
+            stored = _Stored(self.codec, tensor, relu_signs.made_by_segment_relu(tensor, self._input_ids))
             self.nbytes += stored.nbytes
             if tensor.is_contiguous():
                 self._seen[_storage_key(tensor)] = (weakref.ref(tensor), stored)

@@ -110,7 +110,7 @@ class _Frame:
 
     def pack(self, tensor: torch.Tensor) -> _Slot:
         signs = None
-        if (self.keeps_relu_signs and relu_signs.is_relu_output(tensor) and id(tensor) not in self._input_ids
+        if (self.keeps_relu_signs and relu_signs.made_by_segment_relu(tensor, self._input_ids)
                 and self._first_save(tensor)):
             # Only the ReLU's own save gets the bits (it comes first): correcting the
             # recomputed output in place fixes it for later savers too (a Linear's input).

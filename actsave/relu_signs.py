@@ -30,6 +30,13 @@ def is_relu_output(tensor: torch.Tensor) -> bool:
     return type(tensor.grad_fn).__name__ in _RELU_NODES
 
 
+def made_by_segment_relu(tensor: torch.Tensor, segment_input_ids: set) -> bool:
+    """Whether ``tensor`` is a ReLU output that the segment itself computed: its
+    decisions are the segment's to keep. A segment input that is a ReLU output was
+    decided by the previous segment, which keeps those bits."""
+    return is_relu_output(tensor) and id(tensor) not in segment_input_ids
+
+
 def _weights(device) -> torch.Tensor:
     if device not in _BIT_WEIGHTS:
         _BIT_WEIGHTS[device] = 2 ** torch.arange(8, dtype=torch.uint8, device=device)
