@@ -8,6 +8,8 @@ kept inputs, codecs and ReLU sign bits run too) on *meta* tensors: shapes, dtype
 storages but no data, so it takes no device memory and little time. Parameters and
 buffers are swapped for meta copies for the duration (the model is left as it was),
 and a :class:`LiveBytes` tracker adds up every storage the step allocates and frees.
+The meta tensors stand for tensors on ``device`` (meta.py): codecs allocate what that
+device's implementation allocates.
 On CPU the result equals ``torch.distributed._tools.mem_tracker.MemTracker``'s peak of
 a real step (tests/test_estimate.py).
 
@@ -21,8 +23,6 @@ Limits:
   instead of the attention matrix) or needs workspaces (cuDNN) differs. CUDA's
   512-byte allocation granularity is applied; allocator fragmentation (reserved but
   unallocated memory) is not predicted.
-- Codecs run their torch reference, whose temporaries the Triton kernels do not
-  have: a step whose peak falls on an encode is overestimated for CUDA.
 - Offloaded inputs cannot be simulated (meta tensors cannot be copied to the host):
   a model that offloads raises :class:`~actsave.ConfigError`.
 - Data-dependent operations (``.item()``, ``nonzero``) cannot run on meta tensors.
@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .errors import ConfigError
+from .meta import OUTPUT_METADATA, simulating
 
 # The CUDA caching allocator hands out multiples of 512 bytes (MemTracker uses the same
 # constant); CPU allocations are counted as asked.
@@ -80,7 +81,7 @@ class LiveBytes(TorchDispatchMode):
                 self._seen[t.untyped_storage()] = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = OUTPUT_METADATA.call(func, args, kwargs or {})  # fast on meta tensors: meta.py
         tree_map_only(torch.Tensor, self._track, out)
         return out
 
@@ -163,7 +164,7 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
     if optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"optimizer={optimizer!r} is not one of {list(OPTIMIZER_STATES)}")
     specs = _input_specs(input_shapes, _default_dtype(model))
-    with _on_meta(model) as state, _offload_refused():
+    with _on_meta(model) as state, simulating(device), _offload_refused():
         inputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
         tracker = LiveBytes(device, known=(state, inputs))
         with tracker:

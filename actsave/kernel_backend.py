@@ -1,7 +1,10 @@
 """Which implementation runs a codec: the Triton kernels or their torch references.
 
 ``"auto"`` (the default) uses Triton for CUDA tensors and the torch reference for CPU
-tensors: both produce the same bits, the reference being the specification.
+tensors: both produce the same bits, the reference being the specification. Meta
+tensors take the implementation of the device they stand for (meta.py): there the
+Triton launchers allocate their outputs and launch nothing, so a simulated CUDA step
+allocates what a real one does.
 ``"triton"`` forces the kernels, on CPU too through Triton's interpreter (how CI tests
 them); ``"torch"`` forces the references. Kernel modules are imported on first use,
 so ``import actsave`` needs no Triton.
@@ -16,6 +19,7 @@ from typing import Callable
 import torch
 
 from .errors import ActsaveError, ConfigError
+from .meta import device_of
 
 BACKENDS = ("auto", "triton", "torch")
 _selected = "auto"
@@ -49,10 +53,10 @@ def implementation(kernel_module: str, function: str, tensor: torch.Tensor) -> C
     """``actsave.triton_kernels.<kernel_module>.<function>`` for the Triton backend, or
     its torch reference ``<function>_ref``, whichever the backend chooses for ``tensor``."""
     module = importlib.import_module(f"actsave.triton_kernels.{kernel_module}")
-    use_triton = _selected == "triton" or (_selected == "auto" and tensor.is_cuda)
+    use_triton = _selected == "triton" or (_selected == "auto" and device_of(tensor).type == "cuda")
     if not use_triton:
         return getattr(module, f"{function}_ref")
-    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ActsaveError(
             "the 'triton' backend was forced for a CPU tensor, but Triton's interpreter "
             "is off: set the environment variable TRITON_INTERPRET=1 before Python "

@@ -6,11 +6,26 @@ from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError
+from actsave.codecs import get_codec
 from actsave.kernel_backend import get_backend, implementation
+from actsave.meta import simulating
 
 
 def test_auto_uses_the_reference_on_cpu():
     assert implementation("int8", "encode_int8", torch.zeros(1)).__name__ == "encode_int8_ref"
+
+
+def test_meta_tensors_take_the_implementation_of_the_simulated_device():
+    # A simulated CUDA step allocates what the Triton launchers allocate (no launch).
+    x = torch.empty(1000, 300, dtype=torch.bfloat16, device="meta")
+    with simulating("cuda"):
+        assert implementation("int8", "encode_int8", x).__name__ == "encode_int8"
+        packed = get_codec("int8").encode(x)
+        decoded = get_codec("int8").decode(packed)
+    assert (packed.data.shape, packed.scales.shape, packed.data.device.type) == ((300_000,), (2344,), "meta")
+    assert (decoded.shape, decoded.dtype) == (x.shape, x.dtype)
+    with simulating("cpu"):
+        assert implementation("int8", "encode_int8", x).__name__ == "encode_int8_ref"
 
 
 def test_backend_context_restores_the_previous_choice():

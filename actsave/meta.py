@@ -1,0 +1,184 @@
+"""Running actsave on meta tensors: what a step would allocate on a device, without it.
+
+Meta tensors have shapes, dtypes and strides but no data, so a training step on them
+costs no device memory and shows every allocation. actsave uses such steps twice:
+:func:`actsave.estimate` predicts a step's peak at real scale, and
+``CheckpointedSequential(segments="balanced")`` measures per-layer sizes at its first
+training call. Two things make those steps stand for a device:
+
+- :func:`simulating` says which device a meta step stands for. Codecs then allocate
+  what that device's implementation allocates (the Triton launchers' outputs for CUDA,
+  the torch reference's temporaries for the CPU: kernel_backend.py), and a
+  ``CheckpointedSequential`` plans its segments for that device.
+- :class:`fast_meta` (and :class:`~actsave.estimate.LiveBytes`) replay the output
+  metadata of operators already seen with the same input metadata. Several meta
+  kernels are Python decompositions (BatchNorm's forward and backward take about 4 ms
+  a call here), so a ResNet-1001 step took 9 s; a model repeats a few shapes many
+  times, and output shapes, strides and dtypes on meta tensors are a function of the
+  inputs' metadata alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def simulating(device):
+    """Inside the block, meta tensors stand for tensors on ``device``."""
+    previous = getattr(_local, "device", None)
+    _local.device = torch.device(device)
+    try:
+        yield
+    finally:
+        _local.device = previous
+
+
+def simulated_device() -> Optional[torch.device]:
+    """The device meta tensors stand for now, or None outside :func:`simulating`."""
+    return getattr(_local, "device", None)
+
+
+def device_of(tensor: torch.Tensor) -> torch.device:
+    """Where ``tensor`` lives, or for a meta tensor the device it stands for (the CPU
+    outside :func:`simulating`)."""
+    if tensor.device.type != "meta":
+        return tensor.device
+    return simulated_device() or torch.device("cpu")
+
+
+# ------------------------------------------------------------- replayed output metadata
+
+# Values an operator's non-tensor arguments take that hash by value. The type is part
+# of the key: 1, 1.0 and True are equal in Python but give tensors of other dtypes.
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_MAX_ENTRIES = 50_000
+_NOT_REPLAYABLE = object()
+
+
+class _OutputMetadata:
+    """Output shapes, strides and dtypes of functional operators on meta tensors, by
+    the metadata of their arguments."""
+
+    def __init__(self):
+        self._entries = {}
+
+    def call(self, func, args: tuple, kwargs: dict):
+        """``func(*args, **kwargs)``, replayed from an earlier call where it can be."""
+        key = _key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        entry = self._entries.get(key)
+        if entry is not None and entry is not _NOT_REPLAYABLE:
+            return _rebuild(entry)
+        out = func(*args, **kwargs)
+        if entry is None:
+            if len(self._entries) >= _MAX_ENTRIES:
+                self._entries.clear()
+            self._entries[key] = _describe(out, args, kwargs)
+        return out
+
+
+def _key(func, args: tuple, kwargs: dict) -> Optional[tuple]:
+    """What a functional operator's output metadata depends on, or None when the call
+    may not be replayed: a mutating or aliasing operator, a tensor off the meta
+    device, an argument that does not hash by value."""
+    if not isinstance(func, torch._ops.OpOverload) or not _functional(func):
+        return None
+    try:
+        arguments = _argument_key(args), _argument_key(kwargs)
+    except _NotPlain:
+        return None
+    # Factory operators without a dtype argument use the default dtype.
+    return func, arguments, torch.get_default_dtype()
+
+
+class _NotPlain(Exception):
+    """An argument the key cannot describe by value."""
+
+
+def _argument_key(value):
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta":
+            raise _NotPlain
+        return tuple(value.shape), value.stride(), value.storage_offset(), value.dtype
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(_argument_key(item) for item in value)
+    if isinstance(value, dict):
+        return dict, tuple((name, _argument_key(item)) for name, item in value.items())
+    if isinstance(value, _PLAIN):
+        return type(value), value
+    raise _NotPlain
+
+
+_FUNCTIONAL = {}
+
+
+def _functional(func) -> bool:
+    if func not in _FUNCTIONAL:
+        schema = func._schema
+        _FUNCTIONAL[func] = not schema.is_mutable and not any(r.alias_info is not None for r in schema.returns)
+    return _FUNCTIONAL[func]
+
+
+def _describe(out, args: tuple, kwargs: dict):
+    """How to rebuild ``out`` (a tensor, a plain value, or a tuple or list of them):
+    fresh, densely allocated meta tensors and plain values; else _NOT_REPLAYABLE."""
+    inputs = {id(t.untyped_storage()) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+    seen = set()
+
+    def describe(value):
+        if isinstance(value, (tuple, list)):
+            return type(value), tuple(describe(item) for item in value)
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            fresh = id(storage) not in inputs and id(storage) not in seen
+            if (value.device.type != "meta" or not fresh or value.storage_offset() != 0
+                    or storage.nbytes() != _dense_nbytes(value)):
+                raise _NotPlain
+            seen.add(id(storage))
+            return torch.Tensor, (tuple(value.shape), value.stride(), value.dtype)
+        if isinstance(value, _PLAIN):
+            return None, value
+        raise _NotPlain
+
+    try:
+        return describe(out)
+    except _NotPlain:
+        return _NOT_REPLAYABLE
+
+
+def _dense_nbytes(t: torch.Tensor) -> int:
+    """The storage ``torch.empty_strided`` allocates for ``t``'s shape and strides."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _rebuild(entry):
+    kind, value = entry
+    if kind is torch.Tensor:
+        return torch.empty_strided(value[0], value[1], dtype=value[2], device="meta")
+    if kind is None:
+        return value
+    return kind(_rebuild(item) for item in value)
+
+
+OUTPUT_METADATA = _OutputMetadata()
+
+
+class fast_meta(TorchDispatchMode):
+    """Run meta operators through the shared output-metadata cache (module docstring);
+    operators on other devices run as usual."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return OUTPUT_METADATA.call(func, args, kwargs or {})
+
+
+__all__ = ["simulating", "simulated_device", "device_of", "fast_meta", "OUTPUT_METADATA"]
