@@ -4,18 +4,22 @@
     >>> est.total_peak_bytes <= 80 * 10**9     # does one training step fit an 80 GB GPU?
 
 :func:`estimate` runs the model's own forward and backward (so actsave's recompute,
-kept inputs, codecs and ReLU sign bits run too) on *meta* tensors: shapes, dtypes and
-storages but no data, so it takes no device memory and little time. Parameters and
-buffers are swapped for meta copies for the duration (the model is left as it was),
-and a :class:`LiveBytes` tracker adds up every storage the step allocates and frees.
-The meta tensors stand for tensors on ``device`` (meta.py): codecs allocate what that
-device's implementation allocates.
-On CPU the result equals ``torch.distributed._tools.mem_tracker.MemTracker``'s peak of
-a real step (tests/test_estimate.py).
+kept inputs, codecs, offload and ReLU sign bits run too) on *meta* tensors: shapes,
+dtypes and storages but no data, so it takes no device memory and little time.
+Parameters and buffers are swapped for meta copies for the duration (the model is left
+as it was), and a :class:`LiveBytes` tracker adds up every storage the step allocates
+and frees on the device. The meta tensors stand for tensors on ``device`` (meta.py):
+codecs allocate what that device's implementation allocates. On CPU the result equals
+``torch.distributed._tools.mem_tracker.MemTracker``'s peak of a real step
+(tests/test_estimate.py).
 
 The step is: forward, then backward from a full-size gradient of the output (what a
 loss such as cross-entropy hands back; the loss's own memory is not counted), with
 every parameter gradient already allocated, as from the second step of training on.
+
+Offload is simulated: an offloaded input leaves the device when the next segment
+starts and comes back when the backward prefetches it, as on a GPU; host memory is
+reported apart (``host_peak_bytes``).
 
 Limits:
 - Device-specific kernels are not simulated: the step runs the CPU/meta kernels, so a
@@ -23,8 +27,6 @@ Limits:
   instead of the attention matrix) or needs workspaces (cuDNN) differs. CUDA's
   512-byte allocation granularity is applied; allocator fragmentation (reserved but
   unallocated memory) is not predicted.
-- Offloaded inputs cannot be simulated (meta tensors cannot be copied to the host):
-  a model that offloads raises :class:`~actsave.ConfigError`.
 - Data-dependent operations (``.item()``, ``nonzero``) cannot run on meta tensors.
 """
 from __future__ import annotations
@@ -42,6 +44,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .errors import ConfigError
 from .meta import OUTPUT_METADATA, simulating
+from .offload import is_host_memory
+from .store import peak_stored_bytes
 
 # The CUDA caching allocator hands out multiples of 512 bytes (MemTracker uses the same
 # constant); CPU allocations are counted as asked.
@@ -64,7 +68,10 @@ class LiveBytes(TorchDispatchMode):
 
     A storage is counted once, from the first operation that returns it until it is
     freed. Storages that existed before (``known``: parameters, gradients, buffers,
-    inputs) are never counted, even when an in-place operation returns them.
+    inputs) are never counted, even when an in-place operation returns them. The host
+    buffers of offload (offload.is_host_memory) are counted for a CPU device, whose
+    memory they share, from the first operation that touches them, as MemTracker
+    counts them; for other devices they are not device memory.
     ``device`` sets the allocation rounding (:func:`allocation_bytes`).
     :meth:`span` measures the peak of one stretch of work.
     """
@@ -90,6 +97,8 @@ class LiveBytes(TorchDispatchMode):
         if storage in self._seen:
             return
         self._seen[storage] = True
+        if self.device.type != "cpu" and is_host_memory(storage):  # an offload buffer, off the device
+            return
         nbytes = allocation_bytes(storage.nbytes(), self.device)
         weakref.finalize(storage, self._add, -nbytes)
         self._add(nbytes)
@@ -119,9 +128,13 @@ class LiveBytes(TorchDispatchMode):
 class MemoryEstimate:
     """Predicted peak memory of one training step, in bytes.
 
-    ``activation_peak_bytes`` is what actsave's planner calls the budget: the step's
-    peak beyond parameters, buffers, gradients and optimizer state (the input batch
-    included). ``total_peak_bytes`` adds those, all resident for the whole step.
+    ``activation_peak_bytes`` is the device peak that actsave's planner calls the
+    budget: the step's peak on the device beyond parameters, buffers, gradients and
+    optimizer state (the input batch included). ``total_peak_bytes`` adds those, all
+    resident for the whole step. ``host_peak_bytes`` is the peak of what actsave holds
+    in host memory (offloaded inputs and their ReLU sign bits, as
+    :func:`actsave.stored_bytes` counts them; the pinned pool rounds each buffer up to
+    a power of two); none of it is on the device.
     """
 
     activation_peak_bytes: int
@@ -129,6 +142,7 @@ class MemoryEstimate:
     gradient_bytes: int
     optimizer_bytes: int
     device: str
+    host_peak_bytes: int = 0
 
     @property
     def total_peak_bytes(self) -> int:
@@ -139,7 +153,8 @@ class MemoryEstimate:
                 ("parameters + buffers", self.parameter_bytes),
                 ("gradients", self.gradient_bytes),
                 ("optimizer state", self.optimizer_bytes),
-                ("total (peak)", self.total_peak_bytes)]
+                ("total (peak)", self.total_peak_bytes),
+                ("host memory, offloaded (peak)", self.host_peak_bytes)]
         width = max(len(name) for name, _ in rows)
         lines = [f"estimated training-step memory on {self.device}"]
         lines += [f"  {name.ljust(width)}  {value / 2**20:12.1f} MiB" for name, value in rows]
@@ -164,10 +179,11 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
     if optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"optimizer={optimizer!r} is not one of {list(OPTIMIZER_STATES)}")
     specs = _input_specs(input_shapes, _default_dtype(model))
-    with _on_meta(model) as state, simulating(device), _offload_refused():
+    with _on_meta(model) as state, simulating(device):
         inputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
         tracker = LiveBytes(device, known=(state, inputs))
-        with tracker:
+        with tracker, peak_stored_bytes() as stored:
+            host_before = stored["host"]
             outputs = model(*inputs)
             _backward_from_full_gradient(outputs)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -177,6 +193,7 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
         gradient_bytes=sum(_bytes(p, device) for p in trained),
         optimizer_bytes=OPTIMIZER_STATES[optimizer] * sum(_bytes(p, device) for p in trained),
         device=str(device),
+        host_peak_bytes=stored["host"] - host_before,
     )
 
 
@@ -254,20 +271,6 @@ def _meta_parameter(p: nn.Parameter) -> nn.Parameter:
     if p.requires_grad:
         meta.grad = _meta_tensor(p)
     return meta
-
-
-@contextlib.contextmanager
-def _offload_refused():
-    try:
-        yield
-    except ConfigError as error:
-        if "offload" not in str(error):
-            raise
-        raise ConfigError(
-            "estimate cannot simulate offloaded inputs (meta tensors cannot be copied to "
-            "host memory); estimate the model with offload off: the result is then an "
-            "upper bound of its device memory"
-        ) from error
 
 
 def _backward_from_full_gradient(outputs) -> None:

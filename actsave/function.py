@@ -38,8 +38,8 @@ NOTE [ Lifetime of kept inputs ]
   placeholders, the hooks, the frame and with it the kept inputs; ``weakref.finalize``
   keeps :func:`actsave.stored_bytes` exact in every case.
 - With a lossy codec, the forward's ReLU decisions are kept too, one bit per element
-  of each ReLU output, on the placeholder of the ReLU's own save (relu_signs.py);
-  they live and die with it.
+  of each ReLU output (relu_signs.py), attached to the kept inputs: in the same place
+  (offloaded with them), and released with them after the recompute has used them.
 - Inputs kept by reference (the exact codec) are version-checked: an in-place change
   after the forward kept them raises instead of recomputing from the wrong values. A
   function that starts with an in-place layer gets a private copy instead
@@ -65,7 +65,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from . import relu_signs
 from .errors import RecomputeError
 from .state import ReplayState, batchnorm_stats_frozen
-from .store import KeepPolicy, KeptInputs, account, input_tensors
+from .store import KeepPolicy, KeptInputs, input_tensors
 
 _local = threading.local()
 
@@ -75,8 +75,9 @@ def _recompute_depth() -> int:
 
 
 class _Slot:
-    """What autograd stores in place of a tensor the segment saved; ``relu_signs`` are
-    the forward's ReLU decisions when the recompute is lossy (relu_signs.py)."""
+    """What autograd stores in place of a tensor the segment saved; ``relu_signs`` hold
+    the forward's ReLU decisions when the recompute is lossy (relu_signs.py), attached
+    to the kept inputs (store.py)."""
 
     __slots__ = ("index", "relu_signs", "__weakref__")
 
@@ -114,9 +115,8 @@ class _Frame:
                 and self._first_save(tensor)):
             # Only the ReLU's own save gets the bits (it comes first): correcting the
             # recomputed output in place fixes it for later savers too (a Linear's input).
-            signs = relu_signs.pack_signs(tensor)
-            account(signs, signs.numel())
-            self.sign_bytes += signs.numel()
+            signs = self.kept.attach(relu_signs.pack_signs(tensor))
+            self.sign_bytes += signs.nbytes
         slot = _Slot(len(self.slots), signs)
         self.slots.append(weakref.ref(slot))
         self.signatures.append(_signature(tensor))
@@ -171,7 +171,7 @@ class _Frame:
         slot = self.slots[index]() if index < len(self.slots) else None
         if slot is not None:  # None: autograd already freed the node that saved it
             if slot.relu_signs is not None:
-                relu_signs.restore_decisions_(tensor.data, slot.relu_signs)
+                relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
             self.recomputed[slot] = tensor.detach()
         if index == len(self.slots) - 1:
             # Early stop: what runs after the last saved tensor (at least the output of

@@ -7,7 +7,12 @@ plain synchronous copies, so the whole schedule runs, and is tested, without a G
 A :class:`PrefetchTape` records offloaded items in forward order and, in backward
 (reverse order), starts bringing the next ones back while the current one is in use.
 
-Limits: CPU and CUDA tensors only. Pinned buffers come from PyTorch's pinned-memory
+Meta tensors (actsave.estimate, meta.py) are offloaded as CPU tensors are, into a pool
+of meta buffers: every step of the schedule runs and allocates as it would, without
+memory. A tracker of device memory (estimate.LiveBytes) leaves the host buffers out:
+:func:`is_host_memory` tells them apart.
+
+Limits: CPU and CUDA tensors (and meta ones) only. Pinned buffers come from PyTorch's pinned-memory
 allocator, which caches them after this pool drops them: the pool bounds what
 actsave keeps (``capacity_bytes``), not what the process has pinned.
 
@@ -78,18 +83,20 @@ class HostPool:
     a buffer of its class and no new pinned memory is allocated.
 
     ``capacity_bytes``: the most bytes the pool may reserve (``None``: no limit).
-    ``pin``: pin the buffers (``None``: when CUDA is available). Thread-safe: autograd's
-    worker threads return buffers while the forward takes them.
+    ``pin``: pin the buffers (``None``: when CUDA is available). ``device``: ``"cpu"``,
+    or ``"meta"`` for the buffers of simulated steps. Thread-safe: autograd's worker
+    threads return buffers while the forward takes them.
     """
 
-    def __init__(self, capacity_bytes: Optional[int] = None, pin: Optional[bool] = None):
+    def __init__(self, capacity_bytes: Optional[int] = None, pin: Optional[bool] = None, device="cpu"):
         self.capacity_bytes = capacity_bytes
         self._pin = pin
+        self._device = torch.device(device)
         # release() takes no lock: finalizers call it, and a garbage collection may run
         # them inside acquire (it can start at any allocation). So release() only pops
         # from _lent and puts into _returns, each safe there (SimpleQueue.put is
         # reentrant); acquire() takes the returns in under the lock.
-        self._lent = {}  # data_ptr -> size class of each buffer on loan
+        self._lent = {}  # id -> size class of each buffer on loan (meta buffers share data_ptr 0)
         self._returns = queue.SimpleQueue()  # (event, buffer) handed back, not taken in yet
         self._lock = threading.Lock()  # guards what follows
         self._idle = defaultdict(list)  # size class -> buffers ready to lend
@@ -148,17 +155,18 @@ class HostPool:
                 # Buffers still used by a copy are free within microseconds: wait, not fail.
                 self._take_back(_wait_until_finished)
             buffer = self._idle[size].pop() if self._idle[size] else self._allocate(size, nbytes)
-            self._lent[buffer.data_ptr()] = size
+            self._lent[id(buffer)] = size
         return buffer
 
     def release(self, buffer: torch.Tensor, after=None) -> None:
-        """Take back a buffer lent by :meth:`acquire`. Safe to call from finalizers.
+        """Take back a buffer lent by :meth:`acquire` (the tensor it returned). Safe to
+        call from finalizers.
 
         ``after``: the event of a copy that may still use the buffer (anything with
         ``query()`` and ``synchronize()``, as ``torch.cuda.Event``); the buffer is lent
         again only once that event has completed. ``None``: reusable at once.
         """
-        if self._lent.pop(buffer.data_ptr(), None) is None:
+        if self._lent.pop(id(buffer), None) is None:
             raise ActsaveError(
                 "this buffer is not on loan from this host pool: it was released "
                 "already, or acquired from another pool. Release each buffer once, "
@@ -190,8 +198,10 @@ class HostPool:
                 "capacity with actsave.offload.set_host_pool_capacity(nbytes) (None: no "
                 "limit), or offload fewer layers."
             )
-        pin = torch.cuda.is_available() if self._pin is None else self._pin
-        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        pin = self._device.type == "cpu" and (torch.cuda.is_available() if self._pin is None else self._pin)
+        with _allocating_host_memory():
+            buffer = torch.empty(size, dtype=torch.uint8, device=self._device, pin_memory=pin)
+        _HOST_STORAGES[buffer.untyped_storage()] = True
         self._reserved += size
         self._allocations += 1
         return buffer
@@ -215,12 +225,38 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+_HOST_STORAGES = weakref.WeakKeyDictionary()  # the storages of every pool's buffers
+_host_allocations = threading.local()
+
+
+@contextlib.contextmanager
+def _allocating_host_memory():
+    _host_allocations.active = True
+    try:
+        yield
+    finally:
+        _host_allocations.active = False
+
+
+def is_host_memory(storage) -> bool:
+    """Whether ``storage`` is host memory of a pool: a buffer, or one this thread is
+    allocating now (before the pool has it). Trackers of device memory leave it out."""
+    return getattr(_host_allocations, "active", False) or storage in _HOST_STORAGES
+
+
 _DEFAULT_POOL = HostPool()
+_META_POOL = HostPool(device="meta")
 
 
 def host_pool() -> HostPool:
     """The pool :class:`OffloadedTensor` uses when given none."""
     return _DEFAULT_POOL
+
+
+def host_pool_for(device) -> HostPool:
+    """The pool for tensors on ``device``: :func:`host_pool`, or for meta tensors a
+    pool of meta buffers."""
+    return _META_POOL if torch.device(device).type == "meta" else _DEFAULT_POOL
 
 
 def set_host_pool_capacity(nbytes: Optional[int]) -> contextlib.ExitStack:
@@ -271,7 +307,7 @@ class CopyEngine:
 
 
 class HostCopyEngine(CopyEngine):
-    """Copies for CPU tensors: synchronous, so every event is ``None`` (finished)."""
+    """Copies for CPU and meta tensors: synchronous, so every event is ``None`` (finished)."""
 
     def to_host(self, source: torch.Tensor, host: torch.Tensor):
         host.copy_(source)
@@ -347,13 +383,13 @@ _CUDA_ENGINES_LOCK = threading.Lock()
 
 def copy_engine_for(device) -> CopyEngine:
     """The engine an :class:`OffloadedTensor` on ``device`` uses when given none: one
-    per CUDA device, shared, and a synchronous one for the CPU."""
+    per CUDA device, shared, and a synchronous one for the CPU and meta tensors."""
     device = torch.device(device)
-    if device.type == "cpu":
+    if device.type in ("cpu", "meta"):
         return _HOST_ENGINE
     if device.type != "cuda":
         raise ConfigError(
-            f"offload supports cpu and cuda tensors, not {device.type} ones; do not "
+            f"offload supports cpu, cuda and meta tensors, not {device.type} ones; do not "
             f"offload the layers whose inputs live on {device}"
         )
     index = torch.cuda.current_device() if device.index is None else device.index
@@ -402,7 +438,7 @@ class OffloadedTensor:
     """A tensor kept in a host buffer until it is fetched back to its device.
 
     Construction starts the copy of ``tensor`` (detached; made contiguous first) into a
-    buffer of ``pool`` (default: :func:`host_pool`) through ``engine`` (default:
+    buffer of ``pool`` (default: :func:`host_pool_for` its device) through ``engine`` (default:
     :func:`copy_engine_for` its device). Any dtype; the bytes come back unchanged.
     ``device``, ``dtype``, ``shape`` and ``nbytes`` describe the tensor. The buffer goes
     back to the pool on :meth:`release`, or when the object is garbage collected.
@@ -419,7 +455,7 @@ class OffloadedTensor:
         self.dtype = source.dtype
         self.shape = source.shape
         self.nbytes = source.numel() * source.element_size()
-        pool = host_pool() if pool is None else pool
+        pool = host_pool_for(self.device) if pool is None else pool
         engine = copy_engine_for(self.device) if engine is None else engine
         self._held = _Holdings(pool, engine, pool.acquire(self.nbytes))
         self._finalizer = weakref.finalize(self, self._held.release)
@@ -594,6 +630,8 @@ __all__ = [
     "copy_engine_for",
     "current_tape",
     "host_pool",
+    "host_pool_for",
+    "is_host_memory",
     "prefetch_depth",
     "set_host_pool_capacity",
     "set_prefetch_depth",

@@ -5,6 +5,7 @@ See NOTE [ Lifetime of kept inputs ] in function.py for when entries are release
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -18,29 +19,45 @@ from .offload import OffloadedTensor, current_tape
 
 
 class _Ledger:
-    """Bytes actsave holds for backward, by where they sit. Entries are added and
-    removed from autograd's worker threads too, hence the lock."""
+    """Bytes actsave holds for backward, by where they sit, and the peaks of that
+    while someone watches. Entries are added and removed from autograd's worker
+    threads too, hence the lock."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._bytes = {"device": 0, "host": 0}
+        self._watchers = []  # peaks dicts, updated on every add
 
     def add(self, where: str, nbytes: int) -> None:
         with self._lock:
             self._bytes[where] += nbytes
+            for peaks in self._watchers:
+                peaks[where] = max(peaks[where], self._bytes[where])
 
     def snapshot(self) -> dict:
         with self._lock:
             return dict(self._bytes)
 
+    @contextlib.contextmanager
+    def watch(self):
+        with self._lock:
+            peaks = dict(self._bytes)
+            self._watchers.append(peaks)
+        try:
+            yield peaks
+        finally:
+            with self._lock:
+                self._watchers.remove(peaks)
+
 
 _LEDGER = _Ledger()
 
 
-def account(owner, nbytes: int, where: str = "device") -> None:
-    """Count ``nbytes`` in :func:`stored_bytes` for as long as ``owner`` lives."""
+def account(owner, nbytes: int, where: str = "device") -> weakref.finalize:
+    """Count ``nbytes`` in :func:`stored_bytes` for as long as ``owner`` lives, or
+    until the returned finalizer is called."""
     _LEDGER.add(where, nbytes)
-    weakref.finalize(owner, _LEDGER.add, where, -nbytes)
+    return weakref.finalize(owner, _LEDGER.add, where, -nbytes)
 
 
 def stored_bytes() -> dict:
@@ -53,6 +70,12 @@ def stored_bytes() -> dict:
     after backward and under ``torch.no_grad()``.
     """
     return _LEDGER.snapshot()
+
+
+def peak_stored_bytes():
+    """Context manager yielding a ``{"device": int, "host": int}`` dict that holds,
+    as the block runs and after it, the peaks of :func:`stored_bytes` since it began."""
+    return _LEDGER.watch()
 
 
 @dataclass(frozen=True)
@@ -154,8 +177,7 @@ class _KeptTensor:
         aliased = self.codec.aliases_input and not private_copy
         self._watched = source if aliased else None
         self._version = source._version
-        self._release = weakref.finalize(self, _LEDGER.add, self.storage.where, -self.nbytes)
-        _LEDGER.add(self.storage.where, self.nbytes)
+        self._release = account(self, self.nbytes, self.storage.where)
 
     @property
     def lossy(self) -> bool:
@@ -191,9 +213,27 @@ class _KeptTensor:
         self._release()
 
 
+class _Attached:
+    """A tensor made during a segment's forward and needed by its recompute only (the
+    forward's ReLU decisions), kept beside the segment's inputs, where they are."""
+
+    def __init__(self, tensor: torch.Tensor, on_host: bool):
+        packed = IDENTITY.encode(tensor.detach())
+        self.nbytes = packed.nbytes
+        self.storage = _OnHost(packed) if on_host else _OnDevice(packed)
+        self._release = account(self, self.nbytes, self.storage.where)
+
+    def fetch(self) -> torch.Tensor:
+        return self.storage.fetch().data
+
+    def release(self) -> None:
+        self.storage.release()
+        self._release()
+
+
 class KeptInputs:
     """All inputs of one segment call: tensors stored by the policy, anything else
-    (ints, strings, None) held as it is.
+    (ints, strings, None) held as it is; and what the forward :meth:`attach` es.
 
     With offload it is one item of a :class:`~actsave.offload.PrefetchTape`, the one of
     the thread that ran the forward (the backward may run on another).
@@ -205,6 +245,7 @@ class KeptInputs:
             _KeptTensor(leaf, policy, private_copy) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves
         ]
+        self._attached = []
         self.released = False
         self._tape = None
         if any(t.storage.where == "host" for t in self.tensors):
@@ -214,6 +255,17 @@ class KeptInputs:
     @property
     def tensors(self) -> list:
         return [leaf for leaf in self._leaves if isinstance(leaf, _KeptTensor)]
+
+    def attach(self, tensor: torch.Tensor) -> _Attached:
+        """Keep ``tensor`` with the inputs until the recompute releases them: on the
+        host when they are offloaded (so that nothing a segment keeps grows device
+        memory with depth), fetched back with them. ``fetch()`` gives it back."""
+        attached = _Attached(tensor, on_host=self._tape is not None)
+        self._attached.append(attached)
+        return attached
+
+    def _storages(self) -> list:
+        return [t.storage for t in self.tensors] + [a.storage for a in self._attached]
 
     @property
     def nbytes(self) -> int:
@@ -232,13 +284,13 @@ class KeptInputs:
 
     def prefetch(self) -> None:
         """Start bringing offloaded inputs back to their device."""
-        for t in self.tensors:
-            t.storage.prefetch()
+        for storage in self._storages():
+            storage.prefetch()
 
     def free_source(self) -> None:
         """Let the device memory of offloaded inputs go, in stream order."""
-        for t in self.tensors:
-            t.storage.free_source()
+        for storage in self._storages():
+            storage.free_source()
 
     def restore(self) -> tuple:
         """``(args, kwargs)`` for the recompute: detached tensors that require grad
@@ -255,7 +307,7 @@ class KeptInputs:
         return pytree.tree_unflatten(leaves, self._spec)
 
     def release(self) -> None:
-        for t in self.tensors:
+        for t in (*self.tensors, *self._attached):
             t.release()
         self.released = True
 

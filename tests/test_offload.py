@@ -19,6 +19,8 @@ from actsave.offload import (
     copy_engine_for,
     current_tape,
     host_pool,
+    host_pool_for,
+    is_host_memory,
     prefetch_depth,
     set_host_pool_capacity,
     set_prefetch_depth,
@@ -327,10 +329,24 @@ def test_the_buffer_goes_back_after_the_copy_that_read_it_last():
     assert pool.in_use_bytes == 0
 
 
-def test_only_cpu_and_cuda_tensors_can_be_offloaded():
-    with pytest.raises(ConfigError, match="offload supports cpu and cuda tensors, not meta"):
-        OffloadedTensor(torch.empty(3, device="meta"), pool=HostPool())
+def test_only_cpu_cuda_and_meta_tensors_can_be_offloaded():
+    with pytest.raises(ConfigError, match="offload supports cpu, cuda and meta tensors, not mps"):
+        copy_engine_for("mps")
     assert isinstance(copy_engine_for("cpu"), HostCopyEngine)
+
+
+def test_meta_tensors_are_offloaded_into_meta_buffers():
+    # What actsave.estimate simulates: the schedule runs, a fetch allocates on the device.
+    x = torch.empty(3, 1000, dtype=torch.bfloat16, device="meta")
+    real_pool_bytes = host_pool().reserved_bytes
+    offloaded = OffloadedTensor(x)
+    assert offloaded._held.buffer.device.type == "meta"
+    assert is_host_memory(offloaded._held.buffer.untyped_storage())
+    back = offloaded.fetch()
+    assert (back.device.type, back.shape, back.dtype) == ("meta", x.shape, x.dtype)
+    assert not is_host_memory(back.untyped_storage())
+    offloaded.release()
+    assert host_pool_for("meta").in_use_bytes == 0 and host_pool().reserved_bytes == real_pool_bytes
 
 
 # ---------------------------------------------------------------- prefetch tape
@@ -616,7 +632,8 @@ def test_offloaded_training_is_bit_identical_and_leaves_nothing():
 def test_compressed_bytes_are_what_travel():
     model = CheckpointedSequential(*dropout_chain(), segments=6, compress="int8", offload=True)
     kept, _ = step(model)
-    assert kept["host"] == 5 * (8 * 16 + 4)  # int8 codes and one fp32 scale per segment
+    # Per segment: int8 codes, one fp32 scale, and the ReLU's decisions (1 bit per element).
+    assert kept["host"] == 5 * (8 * 16 + 4 + 8 * 16 // 8)
 
 
 def test_thousand_steps_keep_the_pool_constant():
