@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .errors import ConfigError
-from .meta import OUTPUT_METADATA, simulating
+from .meta import OUTPUT_METADATA, on_meta, simulating
 from .offload import is_host_memory
 from .store import peak_stored_bytes
 
@@ -179,7 +179,7 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
     if optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"optimizer={optimizer!r} is not one of {list(OPTIMIZER_STATES)}")
     specs = _input_specs(input_shapes, _default_dtype(model))
-    with _on_meta(model) as state, simulating(device):
+    with on_meta(model) as state, simulating(device):
         inputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
         tracker = LiveBytes(device, known=(state, inputs))
         with tracker, peak_stored_bytes() as stored:
@@ -238,39 +238,6 @@ def _bad_shapes(value) -> str:
 
 def _bytes(t: torch.Tensor, device) -> int:
     return allocation_bytes(t.numel() * t.element_size(), device)
-
-
-@contextlib.contextmanager
-def _on_meta(model: nn.Module):
-    """Swap every parameter and buffer of ``model`` for a meta copy (parameters with a
-    meta gradient) and yield the copies; put the originals back on exit. Tied
-    parameters stay tied."""
-    copies, swapped = {}, []
-    for module in model.modules():
-        for table, make in ((module._parameters, _meta_parameter), (module._buffers, _meta_tensor)):
-            for name, original in table.items():
-                if original is None:
-                    continue
-                if id(original) not in copies:
-                    copies[id(original)] = make(original)
-                swapped.append((table, name, original))
-                table[name] = copies[id(original)]
-    try:
-        yield [(t, t.grad) for t in copies.values()]
-    finally:
-        for table, name, original in swapped:
-            table[name] = original
-
-
-def _meta_tensor(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t, device="meta")
-
-
-def _meta_parameter(p: nn.Parameter) -> nn.Parameter:
-    meta = nn.Parameter(_meta_tensor(p), requires_grad=p.requires_grad)
-    if p.requires_grad:
-        meta.grad = _meta_tensor(p)
-    return meta
 
 
 def _backward_from_full_gradient(outputs) -> None:

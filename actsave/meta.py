@@ -24,6 +24,7 @@ import threading
 from typing import Optional
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _local = threading.local()
@@ -51,6 +52,39 @@ def device_of(tensor: torch.Tensor) -> torch.device:
     if tensor.device.type != "meta":
         return tensor.device
     return simulated_device() or torch.device("cpu")
+
+
+@contextlib.contextmanager
+def on_meta(model: nn.Module):
+    """Swap every parameter and buffer of ``model`` for a meta copy (parameters with a
+    meta gradient) and yield the copies; put the originals back on exit. Tied
+    parameters stay tied."""
+    copies, swapped = {}, []
+    for module in model.modules():
+        for table, make in ((module._parameters, _meta_parameter), (module._buffers, _meta_tensor)):
+            for name, original in table.items():
+                if original is None:
+                    continue
+                if id(original) not in copies:
+                    copies[id(original)] = make(original)
+                swapped.append((table, name, original))
+                table[name] = copies[id(original)]
+    try:
+        yield [(t, t.grad) for t in copies.values()]
+    finally:
+        for table, name, original in swapped:
+            table[name] = original
+
+
+def _meta_tensor(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _meta_parameter(p: nn.Parameter) -> nn.Parameter:
+    meta = nn.Parameter(_meta_tensor(p), requires_grad=p.requires_grad)
+    if p.requires_grad:
+        meta.grad = _meta_tensor(p)
+    return meta
 
 
 # ------------------------------------------------------------- replayed output metadata
@@ -181,4 +215,4 @@ class fast_meta(TorchDispatchMode):
         return OUTPUT_METADATA.call(func, args, kwargs or {})
 
 
-__all__ = ["simulating", "simulated_device", "device_of", "fast_meta", "OUTPUT_METADATA"]
+__all__ = ["simulating", "simulated_device", "device_of", "on_meta", "fast_meta", "OUTPUT_METADATA"]
