@@ -9,13 +9,16 @@ dtypes and storages but no data, so it takes no device memory and little time.
 Parameters and buffers are swapped for meta copies for the duration (the model is left
 as it was), and a :class:`LiveBytes` tracker adds up every storage the step allocates
 and frees on the device. The meta tensors stand for tensors on ``device`` (meta.py):
-codecs allocate what that device's implementation allocates. On CPU the result equals
+codecs allocate what that device's implementation allocates, and
+``CheckpointedSequential(segments="balanced")`` plans for it. On CPU the result equals
 ``torch.distributed._tools.mem_tracker.MemTracker``'s peak of a real step
 (tests/test_estimate.py).
 
 The step is: forward, then backward from a full-size gradient of the output (what a
 loss such as cross-entropy hands back; the loss's own memory is not counted), with
 every parameter gradient already allocated, as from the second step of training on.
+One forward runs before it, unmeasured, so that modules that plan at their first
+training call (``segments="balanced"``) do so outside the measured step.
 
 Offload is simulated: an offloaded input leaves the device when the next segment
 starts and comes back when the backward prefetches it, as on a GPU; host memory is
@@ -40,10 +43,10 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
 from .errors import ConfigError
-from .meta import OUTPUT_METADATA, on_meta, simulating
+from .meta import OUTPUT_METADATA, fast_meta, on_meta, plans_at_first_call, simulating
 from .offload import is_host_memory
 from .store import peak_stored_bytes
 
@@ -89,8 +92,15 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = OUTPUT_METADATA.call(func, args, kwargs or {})  # fast on meta tensors: meta.py
-        tree_map_only(torch.Tensor, self._track, out)
+        self._track_all(out)
         return out
+
+    def _track_all(self, out) -> None:
+        if isinstance(out, torch.Tensor):
+            self._track(out)
+        elif isinstance(out, (tuple, list)):  # operator outputs nest no deeper
+            for item in out:
+                self._track_all(item)
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -181,6 +191,9 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
     specs = _input_specs(input_shapes, _default_dtype(model))
     with on_meta(model) as state, simulating(device):
         inputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
+        if plans_at_first_call(model):
+            with fast_meta(), torch.enable_grad():
+                model(*inputs)  # outside the measured step (module docstring)
         tracker = LiveBytes(device, known=(state, inputs))
         with tracker, peak_stored_bytes() as stored:
             host_before = stored["host"]

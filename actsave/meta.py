@@ -46,6 +46,14 @@ def simulated_device() -> Optional[torch.device]:
     return getattr(_local, "device", None)
 
 
+def plans_at_first_call(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule plans at its first training call on meta
+    tensors (a ``CheckpointedSequential(segments="balanced")``): a step measured by a
+    tracker must then come after one unmeasured forward, or the tracker sees the plan's
+    meta step too."""
+    return any(getattr(m, "plans_at_first_call", False) is True for m in module.modules())
+
+
 def device_of(tensor: torch.Tensor) -> torch.device:
     """Where ``tensor`` lives, or for a meta tensor the device it stands for (the CPU
     outside :func:`simulating`)."""
@@ -123,7 +131,7 @@ def _key(func, args: tuple, kwargs: dict) -> Optional[tuple]:
     """What a functional operator's output metadata depends on, or None when the call
     may not be replayed: a mutating or aliasing operator, a tensor off the meta
     device, an argument that does not hash by value."""
-    if not isinstance(func, torch._ops.OpOverload) or not _functional(func):
+    if not _functional(func):
         return None
     try:
         arguments = _argument_key(args), _argument_key(kwargs)
@@ -138,16 +146,18 @@ class _NotPlain(Exception):
 
 
 def _argument_key(value):
+    # Runs for every argument of every operator of a meta step: kept lean.
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta":
+        if not value.is_meta:
             raise _NotPlain
-        return tuple(value.shape), value.stride(), value.storage_offset(), value.dtype
-    if isinstance(value, (tuple, list)):
-        return type(value), tuple(_argument_key(item) for item in value)
-    if isinstance(value, dict):
-        return dict, tuple((name, _argument_key(item)) for name, item in value.items())
+        return value.shape, value.stride(), value.storage_offset(), value.dtype
+    kind = type(value)
+    if kind is tuple or kind is list:
+        return kind, tuple([_argument_key(item) for item in value])
+    if kind is dict:
+        return kind, tuple([(name, _argument_key(item)) for name, item in value.items()])
     if isinstance(value, _PLAIN):
-        return type(value), value
+        return kind, value
     raise _NotPlain
 
 
@@ -155,10 +165,14 @@ _FUNCTIONAL = {}
 
 
 def _functional(func) -> bool:
-    if func not in _FUNCTIONAL:
-        schema = func._schema
-        _FUNCTIONAL[func] = not schema.is_mutable and not any(r.alias_info is not None for r in schema.returns)
-    return _FUNCTIONAL[func]
+    """Whether ``func`` is an operator that neither mutates nor returns an alias."""
+    functional = _FUNCTIONAL.get(func)
+    if functional is None:
+        schema = getattr(func, "_schema", None)
+        functional = _FUNCTIONAL[func] = (
+            isinstance(func, torch._ops.OpOverload) and not schema.is_mutable
+            and not any(r.alias_info is not None for r in schema.returns))
+    return functional
 
 
 def _describe(out, args: tuple, kwargs: dict):
@@ -215,4 +229,4 @@ class fast_meta(TorchDispatchMode):
         return OUTPUT_METADATA.call(func, args, kwargs or {})
 
 
-__all__ = ["simulating", "simulated_device", "device_of", "on_meta", "fast_meta", "OUTPUT_METADATA"]
+__all__ = ["simulating", "simulated_device", "device_of", "plans_at_first_call", "on_meta", "fast_meta", "OUTPUT_METADATA"]

@@ -8,7 +8,10 @@ and how each keeps its input, by an exact dynamic program over a stated memory m
     model.apply_plan(p)                            # a CheckpointedSequential
 
 or in one line: ``CheckpointedSequential(*layers, segments="auto", budget=...,
-example_inputs=(x,))``.
+example_inputs=(x,))``. Sizes alone, at any scale and without the device, come from a
+profile on meta tensors (:func:`profile` with a meta ``x``); :func:`balanced` plans
+such a profile with each layer's keep option fixed, which is what
+``CheckpointedSequential``'s default ``segments="balanced"`` does at its first call.
 
 Budget
     ``budget`` is the peak *activation* memory of one training step on the model's
@@ -28,19 +31,20 @@ Memory model
 
         peak = X + max_j ( R_0 + ... + R_{j-1} + W_j )
 
-    X is the chain input (held by the caller). R is what a checkpointed segment
-    keeps on the device until its backward: its input as the codec stores it (K;
-    nothing for the chain input, held anyway, nor when offloaded) plus, for a lossy
-    codec, one bit per element of each ReLU output inside it (S). W is the largest
-    of the segment's events, each built from per-layer measurements of the profiled
-    step (sums over a <= i < b):
+    X is the chain input (held by the caller). A checkpointed segment keeps its
+    input as the codec stores it (K; nothing for the chain input, held anyway) plus,
+    for a lossy codec, one bit per element of each ReLU output inside it (S), until
+    its recompute ends. R = K + S is what it keeps on the device; offloaded, R = 0 and
+    F = K + S is fetched back for the recompute. W is the largest of the segment's
+    events, each built from per-layer measurements of the profiled step (sums over
+    a <= i < b):
 
     checkpointed [a, b), option o
         encode      x_a + enc(a, o)                                    lossy codecs
         decode      O + R + F + g_b + dec(a, o)                        lossy codecs
         recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + B(a, i) + fwd_i
                     (+ restore_i)
-        backward    O + S + Saved(a, i) + g_{i+1} + bwd_i
+        backward    O + Saved(a, i) + g_{i+1} + bwd_i
     stored [s, n)
         forward     Saved(s, i-1) + U(i) + fwd_i
         backward    O + Saved(s, i) + g_{i+1} + bwd_i
@@ -64,9 +68,13 @@ Memory model
 
     Offload (CUDA only: on a CPU model host memory is device memory) brings an
     input back early, when the next offloaded segment's recompute prefetches it. The
-    model charges C, the largest input an offloaded segment of the plan fetches, to
-    every backward-time event of every checkpointed segment, and the dynamic program
-    runs once per candidate C (each distinct offloadable input size).
+    model charges C, the largest F of an offloaded segment of the plan, to every
+    backward-time event of every checkpointed segment, and the dynamic programs run
+    for every candidate C: each distinct F, or, where a lossy codec's offloaded bits
+    make more than _MAX_CARRIES distinct sizes (F depends on both ends of a
+    segment), the largest F below each point of a geometric grid over them. On the
+    grid a plan's charge exceeds its own C by less than the grid's step, so its
+    peak is within that of the optimum (tests/test_planner.py).
 
     Overestimates, by design: a view of one storage passed across a segment boundary
     is counted on both sides, ReLU restores are taken to coincide with the layer's
@@ -92,15 +100,20 @@ Dynamic program
 
     Feasibility depends on a label only through P and time is additive, so a
     dominated label never leads to a better plan: the DP is exact for the model.
-    Smallest peak ("memory" objective), right to left, one number per start:
-    h(a) = min(W_stored(a), min_{b,o} max(W(a,b,o) + C, R(a,b,o) + h(b))), peak =
-    X + h(0); then the fastest plan within that peak.
+    Smallest peak ("memory" objective, and :func:`balanced`), right to left, one
+    number per start and candidate C: h(a) = min(W_stored(a), min_{b,o} max(W(a,b,o)
+    + C, R(a,b,o) + h(b))), peak = X + h(0); then the fastest plan within that peak,
+    the time dynamic program run only for the candidates whose h(0) fits. With every
+    time 0 (a meta profile) the first plan found is kept: the one whose stored
+    segment starts earliest, so the fewest layers are recomputed.
 
     Cost: the option-independent maxima of W for every segment are three n x n
     tables (O(n^2) time and memory, built row by row); the time DP extends every
     live label at each b, O(n^2 L |O|) with L the mean frontier size, vectorized
-    over labels; the memory DP is O(n^2 |O|). For 1,000 layers, 0.3-0.6 s on one CPU
-    core, once more per offload carry on CUDA; tests/test_planner.py prints it.
+    over labels; the memory DP is O(n^2 |O| |C|), vectorized over the candidates C.
+    For 1,000 layers, about 1 s on one CPU core (tests/test_planner.py prints it);
+    balanced plans of ResNet-1001 (339 layers) with int8 and offload, 63 candidates:
+    0.3 s.
 
 Limits: the chain must pass one tensor from layer to layer. Only the last segment can
 be stored, as CheckpointedSequential runs it. Timings come from one step. The plan is
@@ -128,6 +141,7 @@ from .codecs import get_codec
 from .errors import ConfigError
 from .text import format_table
 from .estimate import LiveBytes, allocation_bytes
+from .meta import fast_meta, on_meta, plans_at_first_call, simulating
 from .state import batchnorm_stats_frozen
 
 MiB = 2**20
@@ -143,6 +157,11 @@ LEVERS = ("recompute", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "offload")
 DEFAULT_ALLOW = ("recompute", "int8", "fp8", "offload")
 _LEVER_CODECS = {"int8": "int8", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 OBJECTIVES = ("time", "memory")
+
+# Offloaded ReLU bits make a segment's fetch size depend on both its ends, so the sizes
+# an offloaded segment may fetch number up to n^2 / 2. Beyond this many, the carries
+# are a geometric grid over them (module docstring, "Offload").
+_MAX_CARRIES = 64
 
 
 # ----------------------------------------------------------------------------- profile
@@ -204,7 +223,8 @@ class Profile:
     output_bytes: int  # the chain output, held by the caller through the backward
     output_saved_by: Optional[tuple]  # (first, last) layer saving the output's storage
     output_grad_bytes: int
-    device: str
+    device: str  # the device the bytes are for (a meta profile stands for one)
+    timed: bool = True  # False for a profile on meta tensors: every time is 0
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -428,15 +448,24 @@ def _checked_output(output, index: int) -> torch.Tensor:
     return output
 
 
-def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module) -> _Structure:
+def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device) -> _Structure:
+    """The byte-counting step, with allocations as on ``device``."""
+    if any(plans_at_first_call(layer) for _, layer in layers):
+        with fast_meta(), torch.enable_grad():
+            _run_forward(layers, x)  # nested plans, made now, not in the measured step
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     known = [*model.parameters(), *model.buffers(), *grads, x]
-    tracker = LiveBytes(x.device, known=known)
-    ledger = _SaveLedger(x.device, ignored=known, tracker=tracker)
+    tracker = LiveBytes(device, known=known)
+    ledger = _SaveLedger(device, ignored=known, tracker=tracker)
     with tracker, saved_tensors_hooks(ledger.pack, ledger.unpack):
         forward_rise, backward_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
                                                         ledger.after_layer)
     return _Structure(ledger, forward_rise, backward_rise, output)
+
+
+def _run_forward(layers: list, x: torch.Tensor) -> None:
+    for _, layer in layers:
+        x = layer(x)
 
 
 def _measure_times(layers: list, x: torch.Tensor) -> tuple:
@@ -503,12 +532,15 @@ class _KeepCost(NamedTuple):
 class _CodecCosts:
     """Bytes and seconds of keeping an input of a given shape by each codec, measured
     once per distinct (shape, dtype): encode, decode, and on CUDA the copies to a
-    pinned host buffer and back. Medians of a few repeats."""
+    pinned host buffer and back. Medians of a few repeats. Tensors are made on
+    ``tensors`` (meta: sizes only, no seconds); bytes are counted as on ``device``."""
 
     _REPEATS = 3
 
-    def __init__(self, device: torch.device):
+    def __init__(self, tensors: torch.device, device: torch.device):
+        self.tensors = tensors
         self.device = device
+        self.timed = tensors.type != "meta"
         self._by_shape = {}
         self._restore_rises = {}
 
@@ -523,7 +555,7 @@ class _CodecCosts:
         return self._by_shape[key]
 
     def _measure(self, codec_name: str, spec: _Spec) -> _KeepCost:
-        sample = torch.randn(spec.shape, device=self.device).to(spec.dtype)
+        sample = torch.randn(spec.shape, device=self.tensors).to(spec.dtype)
         codec = get_codec(codec_name)
         tracker = LiveBytes(self.device, known=[sample])
         with tracker:
@@ -540,6 +572,8 @@ class _CodecCosts:
         return _KeepCost(kept, encode_rise[0], decode_rise[0], encode_s, decode_s, *self._copy_seconds(packed))
 
     def _seconds(self, work) -> float:
+        if not self.timed:
+            return 0.0
         runs = []
         for _ in range(self._REPEATS):
             with _timer(self.device) as elapsed:
@@ -548,7 +582,7 @@ class _CodecCosts:
         return statistics.median(runs)
 
     def _copy_seconds(self, packed) -> tuple:
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not self.timed:
             return 0.0, 0.0
         parts = [t for t in (packed.data, packed.scales) if t is not None]
         hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
@@ -562,7 +596,7 @@ class _CodecCosts:
         if elements == 0:
             return 0
         if elements not in self._restore_rises:
-            output = torch.relu(torch.randn(elements, device=self.device))
+            output = torch.relu(torch.randn(elements, device=self.tensors))
             bits = relu_signs.pack_signs(output)
             tracker = LiveBytes(self.device, known=[output, bits])
             with tracker, tracker.span() as rise:
@@ -620,33 +654,80 @@ def _scratch_statistics_bytes(layer: nn.Module, device) -> int:
                for b in m.buffers(recurse=False))
 
 
-def profile(model: nn.Module, example_inputs) -> Profile:
+def profile(model: nn.Module, example_inputs, device=None) -> Profile:
     """Measure one training step of the chain ``model`` on its device, layer by layer.
 
     ``model`` is an ``nn.Sequential`` (a :class:`~actsave.CheckpointedSequential` is
     profiled as the plain chain); ``example_inputs`` is ``(x,)`` (or ``x``), the batch
-    the plan is for. Two steps run: the first counts bytes (every storage allocated
-    and every tensor saved for backward, by layer) and warms up; the second is timed.
+    the plan is for. A forward warms up; then a step counts bytes (every storage
+    allocated and every tensor saved for backward, by layer) and a step is timed.
     Then each distinct layer-input shape is encoded and decoded by each codec, and on
     CUDA copied to pinned host memory and back. The model's parameter gradients and
     BatchNorm statistics and the caller's RNG state are left as they were.
+
+    Sizes only, at any scale: give ``x`` on the meta device (``torch.empty(128, 3, 32,
+    32, device="meta")``) and the ``device`` it stands for (default ``"cpu"``; ``"cuda"``
+    counts CUDA's 512-byte blocks and makes offload a lever). The step then runs on meta
+    tensors, the model's parameters and buffers swapped for meta copies (it is left as
+    it was): no data, no device memory, no times, so plan it with
+    ``objective="memory"``. ``segments="balanced"`` measures a chain so.
     """
     layers = _chain_layers(model)
-    x = _single_input(example_inputs)
-    with _step_isolated(model, x.device):
-        found = _measure_memory(layers, x, model)
-        times = _measure_times(layers, x)
-        costs = _CodecCosts(x.device)
+    x = _without_history(_single_input(example_inputs))
+    device = _profiled_device(x, device)
+    sizes_only = x.device.type == "meta"
+    with contextlib.ExitStack() as stack:
+        # The profiled steps are the profile's own: saved-tensor hooks around it (an
+        # outer checkpoint whose forward is running) must not see their saves.
+        stack.enter_context(saved_tensors_hooks(_detached, _as_is))
+        if sizes_only:
+            stack.enter_context(on_meta(model))
+            stack.enter_context(simulating(device))
+        stack.enter_context(_step_isolated(model, x.device))
+        found = _measure_memory(layers, x, model, device)
+        times = ([0.0] * len(layers),) * 2 if sizes_only else _measure_times(layers, x)
+        costs = _CodecCosts(x.device, device)
         return Profile(
             layers=tuple(_layer_profile(i, name, layer, found, times, costs)
                          for i, (name, layer) in enumerate(layers)),
             saved=tuple(found.saved),
-            input_bytes=allocation_bytes(x.untyped_storage().nbytes(), x.device),
+            input_bytes=allocation_bytes(x.untyped_storage().nbytes(), device),
             output_bytes=found.output_bytes,
             output_saved_by=found.output_saved_by,
             output_grad_bytes=found.output_grad_bytes,
-            device=str(x.device),
+            device=str(device),
+            timed=not sizes_only,
         )
+
+
+def _without_history(x: torch.Tensor) -> torch.Tensor:
+    """``x`` cut from the graph that made it (each profiled step backpropagates into its
+    input), still a non-leaf when it was one: actsave encodes such inputs, not leaves."""
+    if x.is_leaf:
+        return x
+    return x.detach().requires_grad_(x.requires_grad).clone()
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # not ``t`` itself: a saved output holding its own node is a cycle
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _profiled_device(x: torch.Tensor, device) -> torch.device:
+    """The device a profile's bytes are for: ``x``'s own, or for a meta ``x`` the one
+    it stands for."""
+    if x.device.type != "meta":
+        if device is not None and torch.device(device) != x.device:
+            raise ConfigError(f"device={device!r} is for meta inputs (the device they stand for); this "
+                              f"input is on {x.device}, which is where the profile measures")
+        return x.device
+    try:
+        return torch.device("cpu" if device is None else device)
+    except (RuntimeError, TypeError) as error:
+        raise ConfigError(f"device={device!r} is not a torch device ('cuda', 'cpu')") from error
 
 
 # -------------------------------------------------------------------------- the plan
@@ -757,6 +838,28 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
             f"feasible budget is {int(smallest_budget):,} bytes ({_mib(smallest_budget)} MiB). Raise the "
             "budget, allow more levers, or use a smaller batch."
         )
+    return _plan_of(profile, model, segments, budget)
+
+
+def balanced(profile: Profile, options: Sequence[KeepOption]) -> Plan:
+    """The plan of ``CheckpointedSequential(segments="balanced")``: where segments
+    start when a segment starting at layer i keeps its input as ``options[i]`` says
+    (a leaf or non-float input is kept by reference whatever it says, as store.py
+    does). The smallest predicted peak over single-level plans (each layer recomputed
+    at most once), so a codec or offload that makes kept inputs cheaper buys more,
+    shorter segments; among the plans with that peak, the fastest, which on a profile
+    without times (meta tensors) is the one that recomputes the fewest layers."""
+    if not isinstance(profile, Profile):
+        raise ConfigError(f"balanced expects a Profile from actsave.profile, got {type(profile).__name__}")
+    if len(options) != len(profile.layers) or not all(isinstance(o, KeepOption) for o in options):
+        raise ConfigError(f"balanced needs one KeepOption per layer ({len(profile.layers)}), got {options!r}")
+    model = _CostModel(profile, [], fixed=options)
+    segments = _fastest_within(model, _smallest_headroom(model))
+    return _plan_of(profile, model, segments, budget=None)
+
+
+def _plan_of(profile: Profile, model: "_CostModel", segments: list, budget: Optional[int]) -> Plan:
+    """The Plan of a dynamic program's [(start, stop, option index)], with predictions."""
     checkpointed = [model.options[o] for _, _, o in segments[:-1]]
     return predict(profile, [start for start, _, _ in segments], [option.codec for option in checkpointed],
                    [option.offload for option in checkpointed], budget)
@@ -781,8 +884,23 @@ def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str
         return []
     codecs = ["none"] + sorted({_LEVER_CODECS[lever] for lever in allow if lever in _LEVER_CODECS})
     codecs = [c for c in codecs if min_sqnr_db is None or EXPECTED_GRADIENT_SQNR_DB[c] >= min_sqnr_db]
-    places = [False, True] if "offload" in allow and torch.device(device).type == "cuda" else [False]
+    places = [False, True] if "offload" in allow and _host_is_separate(device) else [False]
     return [KeepOption(codec, offload) for codec in codecs for offload in places]
+
+
+def _host_is_separate(device) -> bool:
+    """Whether offload moves bytes off ``device``: not on the CPU, whose memory the
+    host pool shares."""
+    return torch.device(device).type == "cuda"
+
+
+def _effective_option(option: KeepOption, layer: LayerProfile, device: str) -> KeepOption:
+    """What a segment starting at ``layer`` keeps its input by, asked for ``option``:
+    store.py keeps a leaf or non-float input by reference, on the device, whatever the
+    option; without separate host memory an offloaded input still takes its bytes."""
+    if not layer.input_encodable:
+        return KeepOption()
+    return option if _host_is_separate(device) else KeepOption(option.codec)
 
 
 def _check_plan_arguments(profile, budget, objective) -> None:
@@ -791,6 +909,9 @@ def _check_plan_arguments(profile, budget, objective) -> None:
                           f"{type(profile).__name__}")
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} must be one of {list(OBJECTIVES)}")
+    if objective == "time" and not profile.timed:
+        raise ConfigError("this profile was measured on meta tensors and has no times, so it has no fastest "
+                          "plan; plan it with objective='memory', or profile on the device for times")
     if budget is None:
         if objective == "time":
             raise ConfigError("budget (peak activation bytes) is required for the fastest plan; pass "
@@ -810,9 +931,14 @@ class _CostModel:
     starts of one end) at once.
     """
 
-    def __init__(self, prof: Profile, options: list):
+    def __init__(self, prof: Profile, options: list, fixed: Optional[Sequence[KeepOption]] = None):
+        """``options``: the keep options the plans may use. ``fixed``: one option per
+        layer instead, the only one a segment starting there may use."""
         layers = prof.layers
         n = self.n = len(layers)
+        if fixed is not None:
+            fixed = [_effective_option(option, layer, prof.device) for option, layer in zip(fixed, layers)]
+            options = sorted(set(fixed), key=lambda option: (option.codec, option.offload))
         self.options = options
         self.chain_input = prof.input_bytes
 
@@ -840,16 +966,17 @@ class _CostModel:
         self.private_copy = np.array([layer.dense_input_bytes if layer.modifies_input and layer.input_grad_bytes
                                       else 0 for layer in layers], dtype=np.float64)
         self._options_by_layer(layers)
+        if fixed is not None:
+            self.allowed &= np.array([[option == each for each in fixed] for option in options])
         self._event_tables(_saved_table(prof.saved, n))
 
     def _options_by_layer(self, layers) -> None:
         """Per option (rows) and start layer (columns): whether it may be used there, the
-        bytes it keeps on the device, fetches back, decodes; its encode event, decode
-        rise, codec seconds and host-copy seconds."""
+        input as kept (K), the bytes decoded; its encode event, decode rise, codec seconds
+        and host-copy seconds."""
         shape = (len(self.options), self.n)
         self.allowed = np.zeros(shape, dtype=bool)
-        self.kept_input, self.fetched, self.decoded, self.encode_event, self.decode_rise = (
-            np.zeros(shape) for _ in range(5))
+        self.kept_input, self.decoded, self.encode_event, self.decode_rise = (np.zeros(shape) for _ in range(4))
         self.codec_s, self.to_host_s, self.to_device_s = (np.zeros(shape) for _ in range(3))
         for o, option in enumerate(self.options):
             for a, layer in enumerate(layers):
@@ -857,22 +984,20 @@ class _CostModel:
 
     def _fill_option(self, o: int, option: KeepOption, a: int, layer: LayerProfile) -> None:
         self.allowed[o, a] = layer.input_encodable or option == KeepOption()
-        kept = _kept_input(a, layer, option)
-        self.kept_input[o, a] = 0 if option.offload else kept
-        self.fetched[o, a] = kept if option.offload else 0
+        self.kept_input[o, a] = _kept_input(a, layer, option)
         if option.lossy:
             self.decoded[o, a] = layer.dense_input_bytes
             self.encode_event[o, a] = layer.input_bytes + layer.encode_rise[option.codec]
             self.decode_rise[o, a] = layer.decode_rise[option.codec]
             self.codec_s[o, a] = layer.encode_s[option.codec] + layer.decode_s[option.codec]
         if option.offload:
-            self.to_host_s[o, a] = layer.to_host_s[option.codec]
-            self.to_device_s[o, a] = layer.to_device_s[option.codec]
+            self.to_host_s[o, a] = layer.to_host_s.get(option.codec, 0.0)
+            self.to_device_s[o, a] = layer.to_device_s.get(option.codec, 0.0)
 
     def _event_tables(self, saved: np.ndarray) -> None:
         """recompute[a, b], lossy_recompute[a, b]: the largest recompute event of [a, b)
         less what the option holds (-inf: nothing saved, no recompute); backward[a, b]:
-        the largest backward event less the sign bits. Also stored_peaks[a]."""
+        the largest backward event. Also stored_peaks[a]."""
         n = self.n
         self.recompute, self.lossy_recompute, self.backward = (np.full((n, n), np.inf) for _ in range(3))
         self.stored_peaks = np.empty(n)
@@ -924,22 +1049,32 @@ class _CostModel:
             return 0.0
         return self.signs_before[b] - self.signs_before[a] - self.signs_on_input[a]
 
-    def kept(self, o: int, a, b) -> np.ndarray:
-        """R(a, b, o): the device bytes the segment keeps from its forward to its backward."""
+    def _stored(self, o: int, a, b) -> np.ndarray:
+        """K + S: what the segment keeps, on the device or the host."""
         return np.where(self.saves(a, b), self.kept_input[o, a] + self.signs(o, a, b), 0.0)
 
-    def working_set(self, o: int, a, b, carry: float) -> np.ndarray:
-        """W(a, b, o) + C for the prefetch bound ``carry``; inf where not allowed."""
-        option, kept = self.options[o], self.kept(o, a, b)
-        held = (self.held_in_backward + kept + self.fetched[o, a] + self.decoded[o, a] + self.private_copy[a]
-                + self.grad[b])
+    def kept(self, o: int, a, b) -> np.ndarray:
+        """R(a, b, o): the device bytes the segment keeps from its forward to its recompute."""
+        stored = self._stored(o, a, b)
+        return np.zeros_like(stored) if self.options[o].offload else stored
+
+    def fetched(self, o: int, a, b) -> np.ndarray:
+        """F(a, b, o): the bytes an offloaded segment fetches back from the host."""
+        stored = self._stored(o, a, b)
+        return stored if self.options[o].offload else np.zeros_like(stored)
+
+    def working_set(self, o: int, a, b, carries: np.ndarray) -> np.ndarray:
+        """W(a, b, o) + C for each prefetch bound C in ``carries`` (the last axis of the
+        result); inf where not allowed."""
+        option, kept, fetched = self.options[o], self.kept(o, a, b), self.fetched(o, a, b)
+        held = self.held_in_backward + kept + fetched + self.decoded[o, a] + self.private_copy[a] + self.grad[b]
         recompute = held + (self.lossy_recompute if option.lossy else self.recompute)[a, b]
-        events = np.maximum(recompute, self.signs(o, a, b) + self.backward[a, b])
+        events = np.maximum(recompute, self.backward[a, b])  # the sign bits go with the recompute
         if option.lossy:
-            decode = self.held_in_backward + kept + self.fetched[o, a] + self.grad[b] + self.decode_rise[o, a]
+            decode = self.held_in_backward + kept + fetched + self.grad[b] + self.decode_rise[o, a]
             events = np.maximum(events, np.where(self.saves(a, b), decode, -np.inf))
-        w = np.maximum(events + carry, self.encode_event[o, a])
-        usable = self.allowed[o, a] & (self.fetched[o, a] <= carry)
+        w = np.maximum(np.expand_dims(events, -1) + carries, np.expand_dims(self.encode_event[o, a], -1))
+        usable = np.expand_dims(self.allowed[o, a], -1) & (np.expand_dims(fetched, -1) <= carries)
         return np.where(usable, w, np.inf)
 
     def seconds(self, o: int, a, b) -> np.ndarray:
@@ -952,11 +1087,19 @@ class _CostModel:
                        + np.maximum(0.0, self.to_device_s[o, a] - forward - backward))
         return seconds
 
-    def carries(self) -> list:
-        """Candidate values of C: 0 (nothing offloaded) and each distinct size an
-        offloadable option fetches back."""
-        offloadable = self.fetched[self.allowed & (self.fetched > 0)]
-        return sorted({0.0, *offloadable.tolist()})
+    def carries(self) -> np.ndarray:
+        """Candidate values of C: 0 (nothing offloaded) and the sizes an offloaded
+        segment may fetch back: each distinct one, or where there are more than
+        _MAX_CARRIES, the largest below each point of a geometric grid over them."""
+        sizes = [np.unique(self.fetched(o, a, np.arange(a + 1, self.n)))
+                 for o, option in enumerate(self.options) if option.offload
+                 for a in range(self.n) if self.allowed[o, a]]
+        sizes = np.unique(np.concatenate([np.zeros(1), *sizes]))
+        if len(sizes) <= _MAX_CARRIES:
+            return sizes
+        positive = sizes[sizes > 0]
+        grid = np.geomspace(positive[0], positive[-1], _MAX_CARRIES - 1)
+        return np.unique(np.concatenate(([0.0], positive[np.searchsorted(positive, grid, side="right") - 1])))
 
 
 def _until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -996,28 +1139,33 @@ def _saved_table(saved: tuple, n: int) -> np.ndarray:
 
 def _smallest_headroom(model: _CostModel) -> float:
     """min over plans of H (the peak less X), over every carry."""
-    return min(_smallest_headroom_with(model, carry) for carry in model.carries())
+    return float(_smallest_headrooms(model)[1].min())
 
 
-def _smallest_headroom_with(model: _CostModel, carry: float) -> float:
-    """h(0) of the docstring, right to left: h(a) = min(W_stored(a),
-    min_{b,o} max(W(a,b,o) + C, R(a,b,o) + h(b)))."""
-    n = model.n
-    h = model.stored_peaks.copy()
-    for a in reversed(range(n - 1)):
-        b = np.arange(a + 1, n)
-        for o in range(len(model.options)):
-            through = np.maximum(model.working_set(o, a, b, carry), model.kept(o, a, b) + h[b])
-            h[a] = min(h[a], through.min())
-    return float(h[0])
+def _smallest_headrooms(model: _CostModel) -> tuple:
+    """(carries, h(0) for each): the docstring's right-to-left recurrence h(a) =
+    min(W_stored(a), min_{b,o} max(W(a,b,o) + C, R(a,b,o) + h(b))), for every
+    candidate C at once (the columns of h). Computed once per model."""
+    if not hasattr(model, "_headrooms"):
+        n, carries = model.n, model.carries()
+        h = np.repeat(model.stored_peaks[:, None], len(carries), axis=1)
+        for a in reversed(range(n - 1)):
+            b = np.arange(a + 1, n)
+            for o in np.nonzero(model.allowed[:, a])[0]:
+                through = np.maximum(model.working_set(o, a, b, carries), model.kept(o, a, b)[:, None] + h[b])
+                h[a] = np.minimum(h[a], through.min(axis=0))
+        model._headrooms = carries, h[0]
+    return model._headrooms
 
 
 def _fastest_within(model: _CostModel, headroom: float) -> Optional[list]:
     """The fastest plan with H <= headroom over every carry, as [(start, stop, option
-    index or -1 for the stored segment)], or None."""
+    index or -1 for the stored segment)], or None. Carries whose smallest H is above
+    ``headroom`` have no such plan and are skipped."""
     best = None
-    for carry in model.carries():
-        found = _Prefixes(model, headroom, carry).fastest()
+    carries, smallest = _smallest_headrooms(model)
+    for carry in carries[smallest <= headroom]:
+        found = _Prefixes(model, headroom, float(carry)).fastest()
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     return None if best is None else best[1]
@@ -1082,7 +1230,7 @@ class _Prefixes:
         p, t, a = labels["p"][source], labels["t"][source], labels["position"][source]
         parts = []
         for o in range(len(self.model.options)):
-            ok = p + self.model.working_set(o, a, b, self.carry) <= self.headroom
+            ok = p + self.model.working_set(o, a, b, np.array([self.carry]))[:, 0] <= self.headroom
             if ok.any():
                 parts.append((p[ok] + self.model.kept(o, a[ok], b), t[ok] + self.model.seconds(o, a[ok], b),
                               np.full(int(ok.sum()), o), source[ok]))
@@ -1147,7 +1295,7 @@ def _predicted(profile: Profile, segments: list) -> tuple:
     # store.py keeps a leaf or non-float input as it is, whatever the option.
     segments = [(a, b, option if option is None or layers[a].input_encodable else KeepOption())
                 for a, b, option in segments]
-    carry = max((_kept_input(a, layers[a], option) for a, _, option in segments if option and option.offload),
+    carry = max((_stored_by(profile, a, b, option) for a, b, option in segments if option and option.offload),
                 default=0)
     kept_before, peak, peak_segment = 0, -math.inf, 0
     seconds = sum(layer.forward_s + layer.backward_s for layer in layers)
@@ -1155,7 +1303,8 @@ def _predicted(profile: Profile, segments: list) -> tuple:
         if option is None:
             working, kept = _stored_working_set(profile, a), 0
         else:
-            working, kept = _checkpointed_working_set(profile, a, b, option, carry)
+            working = _checkpointed_working_set(profile, a, b, option, carry)
+            kept = 0 if option.offload else _stored_by(profile, a, b, option)
             seconds += _checkpointed_seconds(layers, a, b, option)
         if kept_before + working > peak:
             peak, peak_segment = kept_before + working, j
@@ -1208,26 +1357,32 @@ def _stored_working_set(profile: Profile, a: int) -> int:
     return max(events)
 
 
-def _checkpointed_working_set(profile: Profile, a: int, b: int, option: KeepOption, carry: int) -> tuple:
-    """(W, R) of the checkpointed segment [a, b)."""
+def _stored_by(profile: Profile, a: int, b: int, option: KeepOption) -> int:
+    """K + S: what the checkpointed segment [a, b) keeps, on the device (R) or, when
+    offloaded, on the host (F, fetched back); nothing when no layer saves."""
+    layers = profile.layers
+    if not any(layer.saves_for_backward for layer in layers[a:b]):
+        return 0
+    signs = (sum(layer.relu_sign_bytes for layer in layers[a:b]) - layers[a].relu_sign_bytes_on_input
+             if option.lossy else 0)
+    return _kept_input(a, layers[a], option) + signs
+
+
+def _checkpointed_working_set(profile: Profile, a: int, b: int, option: KeepOption, carry: int) -> int:
+    """W of the checkpointed segment [a, b), C = ``carry`` included."""
     layers, first = profile.layers, profile.layers[a]
     backward = [_held_in_backward(profile, a, i) + saved + _input_grad(profile, i + 1) + layers[i].backward_rise
                 + carry for i, saved in zip(range(a, b), _saved_running(profile, a, b))]
     savers = [i for i in range(a, b) if layers[i].saves_for_backward]
     if not savers:  # nothing to recompute, nothing kept
-        return max(backward), 0
-    kept_input = _kept_input(a, first, option)
-    signs = (sum(layer.relu_sign_bytes for layer in layers[a:b]) - first.relu_sign_bytes_on_input
-             if option.lossy else 0)
-    kept = (0 if option.offload else kept_input) + signs
-    fetched = kept_input if option.offload else 0
-    held = _held_in_backward(profile) + kept + fetched + _input_grad(profile, b)
-    events = [signs + event for event in backward]
+        return max(backward)
+    held = _held_in_backward(profile) + _stored_by(profile, a, b, option) + _input_grad(profile, b)
+    events = list(backward)  # the sign bits are released with the inputs, after the recompute
     events += _recompute_events(profile, a, savers[-1], option, held + carry)
     if option.lossy:
         events.append(held + first.decode_rise[option.codec] + carry)
         events.append(first.input_bytes + first.encode_rise[option.codec])
-    return max(events), kept
+    return max(events)
 
 
 def _recompute_events(profile: Profile, a: int, last_saver: int, option: KeepOption, held: int) -> list:
@@ -1258,8 +1413,9 @@ def _checkpointed_seconds(layers: tuple, a: int, b: int, option: KeepOption) -> 
     if option.lossy:
         seconds += first.encode_s[option.codec] + first.decode_s[option.codec]
     if option.offload:
-        seconds += (max(0.0, first.to_host_s[option.codec] - forward)
-                    + max(0.0, first.to_device_s[option.codec] - forward - backward))
+        # No copy times where host memory is the device's (a CPU profile) or unmeasured (meta).
+        seconds += (max(0.0, first.to_host_s.get(option.codec, 0.0) - forward)
+                    + max(0.0, first.to_device_s.get(option.codec, 0.0) - forward - backward))
     return seconds
 
 
@@ -1274,5 +1430,5 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-__all__ = ["profile", "plan", "predict", "keep_options", "Profile", "LayerProfile", "SavedStorage", "Plan",
+__all__ = ["profile", "plan", "balanced", "predict", "keep_options", "Profile", "LayerProfile", "SavedStorage", "Plan",
            "KeepOption", "EXPECTED_GRADIENT_SQNR_DB", "DEFAULT_ALLOW", "LEVERS"]

@@ -10,6 +10,7 @@ and 1.000; equal for the MLPs and the CIFAR ResNet-56 of bench/models.py.
 import dataclasses
 import itertools
 import math
+import random
 import re
 import time
 
@@ -23,11 +24,15 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError, planner
+from actsave.meta import plans_at_first_call
 from actsave.sequential import segment_starts
 
 
 def peak_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """MemTracker peak of one training step, less parameters, buffers and gradients."""
+    """MemTracker peak of one training step, less parameters, buffers and gradients. A
+    model that plans at its first call does so in an unmeasured forward first."""
+    if plans_at_first_call(model):
+        model(x)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     static = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -178,6 +183,55 @@ def test_dynamic_program_agrees_with_brute_force(device, n):
         planned = actsave.plan(prof, budget)
         assert planned.predicted_peak_bytes <= budget
         assert math.isclose(planned.predicted_step_seconds, fastest, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("device, n", [("cpu", 6), ("cuda", 5)])
+def test_balanced_agrees_with_brute_force_over_fixed_options(device, n):
+    model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
+    prof = actsave.profile(model, (torch.empty(32, 32, device="meta").requires_grad_().clone(),), device=device)
+    rng = random.Random(n)
+    options = [planner.KeepOption(rng.choice(["none", "int8", "fp8_e5m2"]), rng.random() < 0.5) for _ in range(n)]
+    effective = [o if device == "cuda" else planner.KeepOption(o.codec) for o in options]
+    plans = [planner.predict(prof, starts, [effective[a].codec for a in starts[:-1]],
+                             [effective[a].offload for a in starts[:-1]])
+             for starts, _ in all_plans(n, [None])]
+    planned = planner.balanced(prof, options)
+    assert planned.predicted_peak_bytes == min(p.predicted_peak_bytes for p in plans)
+    assert [planned.codecs, planned.offload] == [tuple(effective[a].codec for a in planned.starts[:-1]),
+                                                tuple(effective[a].offload for a in planned.starts[:-1])]
+    # The fewest layers recomputed among the smallest-peak plans (a meta profile has no times).
+    fewest = min(p.starts[-1] for p in plans if p.predicted_peak_bytes == planned.predicted_peak_bytes)
+    assert planned.starts[-1] == fewest
+
+
+def test_a_meta_profile_measures_the_bytes_of_a_real_step():
+    model = CheckpointedSequential(*mixed_chain(width=32))
+    x = torch.randn(64, 32, requires_grad=True) * 1  # an activation, as inside a network
+    real = actsave.profile(model, (x,))
+    meta = actsave.profile(model, (torch.empty(64, 32, device="meta").requires_grad_().clone(),))
+    untimed = [f.name for f in dataclasses.fields(planner.LayerProfile) if f.name.endswith("_s")]
+    assert [dataclasses.replace(layer, **{f: None for f in untimed}) for layer in real.layers] == \
+           [dataclasses.replace(layer, **{f: None for f in untimed}) for layer in meta.layers]
+    assert (real.saved, real.input_bytes, real.output_bytes) == (meta.saved, meta.input_bytes, meta.output_bytes)
+    assert all(layer.forward_s == 0 == layer.encode_s["int8"] for layer in meta.layers) and not meta.timed
+    with pytest.raises(ConfigError, match="measured on meta tensors and has no times"):
+        actsave.plan(meta, 2**30)
+    assert actsave.plan(meta, None, objective="memory").predicted_peak_bytes > 0
+
+
+def test_offloaded_relu_bits_on_a_carry_grid_stay_within_one_fetch_of_the_exact_plan():
+    # Offloaded ReLU bits make fetch sizes depend on both ends of a segment; past
+    # _MAX_CARRIES sizes the carries are a grid, which costs at most the largest fetch.
+    layers = [m for _ in range(12) for m in (nn.Linear(64, 64), nn.ReLU())]
+    prof = actsave.profile(nn.Sequential(*layers), (torch.empty(256, 64, device="meta").requires_grad_().clone(),),
+                           device="cuda")
+    options = [planner.KeepOption("int8", offload=True)] * len(layers)
+    exact = planner.balanced(prof, options)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner, "_MAX_CARRIES", 4)
+        gridded = planner.balanced(prof, options)
+    largest_fetch = max(planner._stored_by(prof, a, b, option) for a, b, option in exact.segments[:-1])
+    assert exact.predicted_peak_bytes <= gridded.predicted_peak_bytes <= exact.predicted_peak_bytes + largest_fetch
 
 
 def test_dynamic_program_time_for_1000_layers_is_printed(capsys):
