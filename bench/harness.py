@@ -7,22 +7,28 @@ device (:func:`parse_arguments`); :func:`run_benchmark` does the rest:
 1. For each depth, one seeded model and one batch. Every provider trains a deep copy
    of the same model on the same batch, so gradients compare exactly.
 2. Per provider: one warm-up step (it allocates the gradients, so they are resident
-   like in training), ``repeats`` timed steps, then one step under the memory
-   tracker. A step is forward, cross-entropy loss and backward. The optimizer step is
-   left out: it touches no activation and costs every provider the same.
+   like in training, and lets segments="balanced" plan). Then ``repeats`` rounds in
+   which every provider times one step in turn (ABAB...: a slow phase of a shared
+   machine falls on all of them alike), then per provider one step under the
+   memory tracker, and the same step predicted on meta tensors
+   (:func:`actsave.estimate`), to validate the meta estimates at real scale. A step
+   is forward, cross-entropy loss and backward. The optimizer step is left out: it
+   touches no activation and costs every provider the same.
 3. ``max_depth`` per provider: the deepest model whose step peaks within
    ``--budget``, found by real measurements (a search over blocks that starts from
    the swept depths, see :func:`deepest_fitting`), within ``--search-seconds``;
-   past that the result is labelled a lower bound.
+   past that the result is labelled a lower bound. A workload with a real-scale
+   stage (bench/real_scale.py) searches on meta tensors at real scale instead.
 4. A table on stdout, long-format rows in a CSV, a PNG next to it.
 
 Metrics (see ``METRICS``): ``peak_mem`` is the peak of everything live during the
 step. ``peak_act_mem`` subtracts what was resident when the step began: parameters,
-buffers, gradients and the batch (there is no optimizer state). ``kept_bytes`` is
-what actsave holds for backward at the end of forward (actsave providers only:
-:func:`actsave.stored_bytes`, so with a lossy codec the last segment's saves too).
-``time`` is timed without the memory tracker; ``time_ratio`` and ``grad_sqnr`` are
-against the ``torch`` provider of the same run, which is therefore always measured.
+buffers, gradients and the batch (there is no optimizer state). ``est_act_mem`` is
+the same quantity predicted on meta tensors. ``kept_bytes`` is what actsave holds
+for backward at the end of forward (actsave providers only:
+:func:`actsave.stored_bytes`, device and host). ``time`` is timed without the memory
+tracker; ``time_ratio`` and ``grad_sqnr`` are against the ``torch`` provider of the
+same run, which is therefore always measured.
 
 Memory on CUDA is ``max_memory_allocated``; on CPU it is PyTorch's ``MemTracker``
 (DESIGN.md section 6), which counts live tensor storages exactly. CPU times are
@@ -52,6 +58,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint_sequential
 
 import actsave
+from actsave.estimate import allocation_bytes
+from actsave.meta import plans_at_first_call
 
 MiB = 2**20
 SEED = 0
@@ -64,6 +72,9 @@ CSV_COLUMNS = (
 METRICS = {  # name -> unit
     "peak_mem": "MiB",
     "peak_act_mem": "MiB",
+    "est_act_mem": "MiB",  # peak_act_mem predicted on meta tensors (actsave.estimate)
+    "est_device_peak": "MiB",  # real scale, meta tensors: activation peak on the device
+    "est_host_bytes": "MiB",  # real scale, meta tensors: peak of what is offloaded
     "kept_bytes": "MiB",
     "time": "ms",
     "time_ratio": "x",
@@ -91,11 +102,13 @@ class TorchCheckpointSequential(nn.Module):
 @dataclass(frozen=True)
 class Provider:
     """How to turn a plain ``nn.Sequential`` into the model a provider trains, given a
-    training batch and the memory budget (for the planned provider)."""
+    training batch and the memory budget (for the planned provider). ``timed_plan``:
+    it plans from a timed step, so it cannot be built on meta tensors."""
 
     build: Callable[[nn.Sequential, tuple, int], nn.Module]
     description: str
     uses_actsave: bool = False
+    timed_plan: bool = False
 
 
 def _actsave(**options) -> Provider:
@@ -131,9 +144,11 @@ PROVIDERS = {
     "actsave_none": _actsave(),
     "actsave_int8": _actsave(compress="int8"),
     "actsave_fp8": _actsave(compress="fp8"),
+    "actsave_offload": _actsave(offload=True),
     "actsave_int8_offload": _actsave(compress="int8", offload=True),
     "actsave_auto": Provider(
-        _actsave_planned, "actsave.CheckpointedSequential(segments='auto', budget=--budget)", uses_actsave=True
+        _actsave_planned, "actsave.CheckpointedSequential(segments='auto', budget=--budget)", uses_actsave=True,
+        timed_plan=True,
     ),
 }
 REFERENCE = "torch"
@@ -288,7 +303,8 @@ def _batch(workload: Workload, device: torch.device) -> tuple:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One metric of one provider; ``values`` are the repeats (one for exact metrics)."""
+    """One metric of one provider; ``values`` are the repeats (one for exact metrics).
+    ``case``: the shapes, where not the workload's (a real-scale stage's)."""
 
     provider: str
     metric: str
@@ -296,6 +312,7 @@ class Measurement:
     x_value: float
     values: tuple
     config: dict = field(default_factory=dict)
+    case: Optional[str] = None
 
 
 @dataclass
@@ -303,18 +320,37 @@ class ProviderRun:
     times_ms: list
     memory: StepMemory
     grads: list  # on the CPU: the sweep holds the reference's while others run
+    estimated_act: int  # peak activation bytes less the batch, predicted on meta tensors
 
 
-def run_provider(provider: Provider, base: nn.Sequential, batch: tuple, budget: int, repeats: int,
-                 device) -> ProviderRun:
-    """Warm-up step, timed steps, then one step under the memory tracker."""
+def prepared(provider: Provider, base: nn.Sequential, batch: tuple, budget: int, device) -> nn.Module:
+    """The provider's model after one training step, which allocates the gradients (so
+    they count as resident) and lets a model that plans at its first call plan."""
     model = provider.build(copy.deepcopy(base).to(device), batch, budget)
-    training_step(model, batch)  # allocates the gradients, so they count as resident
-    times = time_steps(model, batch, repeats, device)
+    training_step(model, batch)
+    return model
+
+
+def interleaved_times(models: dict, batch: tuple, repeats: int, device) -> dict:
+    """``{name: [ms, ...]}``: ``repeats`` rounds, each timing one step of every model
+    in turn (ABAB...), so that the noise of a shared machine falls on all alike."""
+    times = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            times[name] += time_steps(model, batch, 1, device)
+    return times
+
+
+def measure_provider(model: nn.Module, batch: tuple, times: list, device) -> ProviderRun:
+    """One step under the memory tracker, the same step estimated on meta tensors."""
     model.zero_grad(set_to_none=False)
     memory = measure_step_memory(model, batch, device)
     grads = [p.grad.detach().cpu() for p in model.parameters()]
-    return ProviderRun(times, memory, grads)
+    inputs = batch[0]
+    estimate = actsave.estimate(model, [torch.empty_like(inputs, device="meta")], device=device)
+    # The estimate counts the batch as activation memory; the sweep counts it resident.
+    estimated = estimate.activation_peak_bytes - allocation_bytes(inputs.untyped_storage().nbytes(), device)
+    return ProviderRun(times, memory, grads, estimated)
 
 
 def provider_measurements(name: str, depth: int, run: ProviderRun, reference: Optional[ProviderRun]) -> list:
@@ -324,6 +360,7 @@ def provider_measurements(name: str, depth: int, run: ProviderRun, reference: Op
     measurements = [
         measured("peak_mem", [run.memory.peak / MiB]),
         measured("peak_act_mem", [(run.memory.peak - run.memory.resident) / MiB]),
+        measured("est_act_mem", [run.estimated_act / MiB]),
         measured("time", run.times_ms),
     ]
     if PROVIDERS[name].uses_actsave:
@@ -339,18 +376,25 @@ def sweep(workload: Workload, depths: list, providers: list, budget: int, repeat
           notes: list) -> list:
     """Measurements of every provider at every depth (reference first at each depth)."""
     measurements = []
-    progress = Progress(len(depths) * len(providers), workload.bench)
+    progress = Progress(len(depths) * len(providers) * 2, workload.bench)
     for depth in depths:
         base, batch = _seeded_model(workload, depth), _batch(workload, device)
-        reference = None
+        models = {}
         for name in providers:
-            progress.describe(f"depth {depth} {name}")
-            run = _unless_out_of_memory(run_provider, PROVIDERS[name], base, batch, budget, repeats, device)
+            progress.describe(f"depth {depth} {name}: warm-up")
+            models[name] = _unless_out_of_memory(prepared, PROVIDERS[name], base, batch, budget, device)
+            progress.advance()
+            if models[name] is None:
+                notes.append(f"{name} at depth {depth}: out of memory")
+                del models[name]
+        progress.describe(f"depth {depth}: timing, {repeats} rounds")
+        times = interleaved_times(models, batch, repeats, device)
+        reference = None
+        for name in list(models):
+            progress.describe(f"depth {depth} {name}: memory")
+            run = measure_provider(models.pop(name), batch, times[name], device)
             _release_memory(device)
             progress.advance()
-            if run is None:
-                notes.append(f"{name} at depth {depth}: out of memory")
-                continue
             reference = run if name == REFERENCE else reference
             measurements += provider_measurements(name, depth, run, reference)
     progress.close()
@@ -374,6 +418,8 @@ def step_peak_at_depth(workload: Workload, provider: Provider, depth: int, budge
     def probe():
         batch = _batch(workload, device)
         model = provider.build(_seeded_model(workload, depth).to(device), batch, budget)
+        if plans_at_first_call(model):
+            model(batch[0])  # plans now, not under the memory tracker
         for parameter in model.parameters():
             # What a first step would allocate, without paying for that step.
             parameter.grad = torch.zeros_like(parameter)
@@ -384,11 +430,13 @@ def step_peak_at_depth(workload: Workload, provider: Provider, depth: int, budge
     return math.inf if peak is None else peak
 
 
-def deepest_fitting(peak_of: Callable[[int], float], budget: float, peaks: dict, out_of_time) -> tuple:
+def deepest_fitting(peak_of: Callable[[int], float], budget: float, peaks: dict, out_of_time,
+                    cap: Optional[int] = None) -> tuple:
     """Largest n with ``peak_of(n) <= budget``, given ``peaks`` (n -> peak) already
     measured; ``peaks`` gains every probe. Returns ``(fits, fails, complete)``: the
     largest n measured to fit (0: none), the smallest measured not to (None: none),
-    and whether they are adjacent (False: time ran out, ``fits`` is a lower bound).
+    and whether they are adjacent (False: time ran out, or ``cap``, the largest n
+    probed, fits: ``fits`` is a lower bound).
 
     Peak memory grows about linearly in n, so each probe goes where the line through
     the two nearest measurements crosses the budget, kept strictly inside the
@@ -402,10 +450,11 @@ def deepest_fitting(peak_of: Callable[[int], float], budget: float, peaks: dict,
         fails = min((n for n, peak in peaks.items() if peak > budget), default=None)
         if fails is not None and fails - fits <= 1:
             return fits, fails, True
-        if out_of_time():
+        if out_of_time() or (cap is not None and fits >= cap):
             return fits, fails, False
         halve = len(sides) >= 2 and sides[-1] == sides[-2]
         n = _next_probe(peaks, budget, fits, fails, halve)
+        n = n if cap is None else min(n, cap)
         peaks[n] = peak_of(n)
         sides.append(peaks[n] <= budget)
 
@@ -431,40 +480,58 @@ def _clamp(x: float, low: int, high: int) -> int:
 
 
 class MaxDepthSearch:
-    """Finds, per provider, the deepest model of ``workload`` whose training step
-    peaks within ``budget`` bytes, starting from the peaks the sweep measured."""
+    """Finds, per provider, the deepest model of ``workload`` whose peak stays within
+    ``budget`` bytes. ``peak_of(name, depth)`` gives a peak (measured, or estimated
+    on meta tensors: ``method`` says which); ``seeds[name]`` the peaks known already
+    (depth -> bytes), where the search starts. No depth beyond ``cap_depth`` is probed:
+    a provider that fits there gets a lower bound."""
 
-    def __init__(self, workload: Workload, budget: int, device: torch.device, swept: list):
-        self.workload, self.budget, self.device, self.swept = workload, budget, device, swept
+    def __init__(self, workload: Workload, budget: float, peak_of: Callable[[str, int], float], seeds: dict,
+                 method: str, x_name: str, cap_depth: Optional[int] = None):
+        self.workload, self.budget, self.peak_of, self.seeds = workload, budget, peak_of, seeds
+        self.method, self.x_name, self.cap_depth = method, x_name, cap_depth
 
     def run(self, name: str, seconds: float, progress: "Progress") -> Measurement:
         blocks_of, depth_of = self.workload.blocks_of_depth, self.workload.depth_of_blocks
-        peaks = {blocks_of(m.x_value): m.values[0] * MiB for m in self.swept
-                 if m.provider == name and m.metric == "peak_mem"}
+        peaks = {blocks_of(depth): peak for depth, peak in self.seeds.get(name, {}).items()}
         probed = []
 
         def peak_of(blocks: int) -> float:
             depth = depth_of(blocks)
             progress.describe(f"{name}: depth {depth}")
             probed.append(depth)
-            return step_peak_at_depth(self.workload, PROVIDERS[name], depth, self.budget, self.device)
+            return self.peak_of(name, depth)
 
         deadline = time.perf_counter() + seconds
-        fits, fails, complete = deepest_fitting(peak_of, self.budget, peaks, lambda: time.perf_counter() > deadline)
+        cap = None if self.cap_depth is None else blocks_of(self.cap_depth)
+        fits, fails, complete = deepest_fitting(peak_of, self.budget, peaks, lambda: time.perf_counter() > deadline,
+                                                cap)
         config = {
-            "method": "measured" if complete else "measured_lower_bound",
+            "method": self.method if complete else self.method + "_lower_bound",
             "search": "secant search over blocks from the swept depths, bisection safeguard",
             "does_not_fit": depth_of(fails) if fails else None,
+            "depth_cap": self.cap_depth,
             "probed_depths": probed,
             "search_seconds": round(seconds, 1),
         }
-        return Measurement(name, "max_depth", "budget_MiB", self.budget / MiB, (depth_of(fits) if fits else 0,), config)
+        depth = depth_of(fits) if fits else 0
+        return Measurement(name, "max_depth", self.x_name, self.budget / MiB, (depth,), config)
 
 
-def search_max_depths(workload, providers: list, budget: int, swept: list, seconds: float, device) -> list:
+def measured_search(workload: Workload, budget: int, swept: list, device) -> MaxDepthSearch:
+    """The search on real training steps, whose whole peak must fit ``budget``."""
+    seeds = {}
+    for m in swept:
+        if m.metric == "peak_mem":
+            seeds.setdefault(m.provider, {})[m.x_value] = m.values[0] * MiB
+    return MaxDepthSearch(
+        workload, budget, lambda name, depth: step_peak_at_depth(workload, PROVIDERS[name], depth, budget, device),
+        seeds, method="measured", x_name="budget_MiB")
+
+
+def search_max_depths(search: MaxDepthSearch, providers: list, seconds: float) -> list:
     """``max_depth`` of every provider; the search time is shared out evenly."""
-    search = MaxDepthSearch(workload, budget, device, swept)
-    progress = Progress(len(providers), f"max depth in {_format_mib(budget)}")
+    progress = Progress(len(providers), f"max depth in {_format_mib(search.budget)}")
     deadline = time.perf_counter() + seconds
     results = []
     for left, name in zip(range(len(providers), 0, -1), providers):
@@ -584,7 +651,7 @@ def csv_rows(workload: Workload, measurements: list, metadata: dict, run_config:
         config = {**workload.config, **run_config, "provider": PROVIDERS[m.provider].description, **m.config}
         rows.append({
             "bench": workload.bench,
-            "case": workload.case,
+            "case": m.case or workload.case,
             "provider": m.provider,
             "metric": m.metric,
             "unit": METRICS[m.metric],
@@ -632,9 +699,10 @@ def _cell(medians: dict, key: tuple, digits: int, ratio_to: Optional[tuple] = No
 
 
 def sweep_table(measurements: list, providers: list) -> str:
-    """One line per depth and provider; ratios to torch at the same depth in parentheses."""
+    """One line per depth and provider; ratios to torch at the same depth in parentheses,
+    the meta estimate of the activation peak as its deviation from the measured one."""
     medians = _medians(measurements)
-    lines = [("depth", "provider", "peak MiB", "act MiB", "kept MiB", "time ms", "grad SQNR dB")]
+    lines = [("depth", "provider", "peak MiB", "act MiB", "est act", "kept MiB", "time ms", "grad SQNR dB")]
     for depth in sorted({m.x_value for m in measurements}):
         lines += [_sweep_line(medians, depth, name) for name in providers if (depth, name, "peak_mem") in medians]
     return _fixed_width(lines, left_aligned={1})
@@ -644,11 +712,21 @@ def _sweep_line(medians: dict, depth: int, name: str) -> tuple:
     def cell(metric, digits, with_ratio=True):
         return _cell(medians, (depth, name, metric), digits, (depth, REFERENCE, metric) if with_ratio else None)
 
+    measured, estimated = medians.get((depth, name, "peak_act_mem")), medians.get((depth, name, "est_act_mem"))
+    deviation = "-" if not measured or estimated is None else f"{estimated / measured - 1:+.2%}"
     return (
         str(depth), name,
-        cell("peak_mem", 2), cell("peak_act_mem", 2), cell("kept_bytes", 2, with_ratio=False),
+        cell("peak_mem", 2), cell("peak_act_mem", 2), deviation, cell("kept_bytes", 2, with_ratio=False),
         cell("time", 1), cell("grad_sqnr", 1, with_ratio=False),
     )
+
+
+def estimate_deviation(measurements: list) -> tuple:
+    """(largest |estimated / measured - 1| of the activation peaks, runs compared)."""
+    medians = _medians(measurements)
+    ratios = [medians[(x, p, "est_act_mem")] / v for (x, p, m), v in medians.items()
+              if m == "peak_act_mem" and v > 0 and (x, p, "est_act_mem") in medians]
+    return max((abs(r - 1) for r in ratios), default=math.nan), len(ratios)
 
 
 def max_depth_table(results: list) -> str:
@@ -656,7 +734,7 @@ def max_depth_table(results: list) -> str:
     lines = [("provider", "max depth", "vs torch", "method")]
     for m in results:
         depth = m.values[0]
-        bound = "" if m.config["method"] == "measured" else ">= "
+        bound = ">= " if m.config["method"].endswith("_lower_bound") else ""
         ratio = f"{depth / reference:.2f}x" if reference else "-"
         lines.append((m.provider, f"{bound}{depth}", ratio, _describe_search(m.config)))
     return _fixed_width(lines, left_aligned={0, 3})
@@ -666,6 +744,8 @@ def _describe_search(config: dict) -> str:
     method = config["method"]
     if config["does_not_fit"] is not None:
         method += f" (does not fit: {config['does_not_fit']})"
+    elif config.get("depth_cap") is not None and method.endswith("_lower_bound"):
+        method += f" (the search stops at depth {config['depth_cap']})"
     return method
 
 
@@ -702,24 +782,33 @@ def save_figure(fig, path: Path) -> None:
     pyplot().close(fig)
 
 
+PANELS = (  # metric, y label, y scale, title; a panel without rows is left out
+    ("peak_act_mem", "peak activation memory (MiB)", "log", "memory, measured"),
+    ("time_ratio", "step time / torch", "linear", "time ratio, measured"),
+    ("est_device_peak", "device peak, meta estimate (MiB)", "log", "device peak at real scale"),
+)
+
+
 def plot(measurements: list, providers: list, title: str, path: Path) -> Optional[str]:
-    """Activation memory (log scale) and time ratio vs depth, one line per provider.
-    Returns a note when it cannot, else None."""
+    """Activation memory and time ratio vs depth, and where a real-scale stage ran,
+    the estimated device peak vs depth (log axes), one line per provider. Returns a
+    note when it cannot, else None."""
     plt = pyplot()
     if plt is None:
         return MATPLOTLIB_MISSING
     medians = _medians(measurements)
-    fig, (memory_axes, time_axes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in providers:
-        for axes, metric in ((memory_axes, "peak_act_mem"), (time_axes, "time_ratio")):
+    panels = [panel for panel in PANELS if any(m == panel[0] for _, _, m in medians)]
+    fig, axes_row = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for axes, (metric, label, scale, panel_title) in zip(axes_row[0], panels):
+        for name in providers:
             points = sorted((x, v) for (x, p, m), v in medians.items() if p == name and m == metric)
             if points:
                 axes.plot(*zip(*points), marker="o", label=name)
-    memory_axes.set(xlabel="depth", ylabel="peak activation memory (MiB)", yscale="log", title="memory")
-    time_axes.set(xlabel="depth", ylabel="step time / torch", title="time ratio")
-    for axes in (memory_axes, time_axes):
+        axes.set(xlabel="depth", ylabel=label, yscale=scale, title=panel_title)
+        if metric == "est_device_peak":
+            axes.set_xscale("log")
         axes.grid(True, which="both", alpha=0.3)
-        axes.legend()
+        axes.legend(fontsize="small")
     fig.suptitle(title)
     save_figure(fig, path)
     return None
@@ -817,25 +906,38 @@ def parse_arguments(argv, description: str, defaults: dict, options: dict) -> ar
     return args
 
 
-def run_benchmark(workload: Workload, args: argparse.Namespace) -> None:
-    """Sweep, search, print the tables, write the CSV and the PNG."""
+def run_benchmark(workload: Workload, args: argparse.Namespace, real_scale=None) -> None:
+    """Sweep, search, print the tables, write the CSV and the PNG. ``real_scale``
+    (bench/real_scale.py), where given, adds its meta-tensor sweep and replaces the
+    measured max-depth search by its own."""
     for depth in args.depths:
         workload.blocks_of_depth(depth)  # a depth the family cannot build fails now, not mid-run
     providers, notes = available_providers(args.providers)
     measurements = sweep(workload, args.depths, providers, args.budget, args.repeats, args.device, notes)
-    max_depths = search_max_depths(workload, providers, args.budget, measurements, args.search_seconds, args.device)
+    if real_scale is None:
+        search = measured_search(workload, args.budget, measurements, args.device)
+        scaled, max_depths = [], search_max_depths(search, providers, args.search_seconds)
+    else:
+        scaled, max_depths = real_scale.run(providers, args.search_seconds, notes)
 
     title = f"{workload.bench}: {workload.case} on {device_name(args.device)}"
     print(f"{title}  (ratios to torch in parentheses)")
     print(sweep_table(measurements, providers))
-    print(f"\nmax depth whose training step peaks within {_format_mib(args.budget)}:")
-    print(max_depth_table(max_depths))
+    deviation, compared = estimate_deviation(measurements)
+    print(f"est act: actsave.estimate on meta tensors against the measured activation peak; largest "
+          f"deviation {deviation:.2%} over {compared} runs")
+    if real_scale is None:
+        print(f"\nmax depth whose training step peaks within {_format_mib(args.budget)}:")
+        print(max_depth_table(max_depths))
+    else:
+        print("\n" + real_scale.report(scaled, max_depths))
 
     run_config = {"seed": SEED, "repeats": args.repeats, "budget_MiB": args.budget / MiB,
                   "threads": torch.get_num_threads()}
-    write_csv(csv_rows(workload, measurements + max_depths, run_metadata(args.device), run_config), args.out)
+    rows = csv_rows(workload, measurements + scaled + max_depths, run_metadata(args.device), run_config)
+    write_csv(rows, args.out)
     png = args.out.with_name(f"{args.out.stem}-{workload.bench}.png")
-    plot_note = plot(measurements, providers, title, png)
+    plot_note = plot(measurements + scaled, providers, title, png)
     for note in notes + ([plot_note] if plot_note else []):
         print(f"note: {note}")
     print(f"wrote {args.out}" + ("" if plot_note else f" and {png}"))
