@@ -27,10 +27,14 @@ first layer's codec: the plan keeps that segment short, and there compressing th
 saves costs more in decode temporaries than it frees (64 x (Linear 256, ReLU), batch
 4096, int8, CPU: 56.5 MiB peak with the saves compressed, 49.2 MiB without), and the
 memory model prices the stored segment as exact. On a CPU device host memory is the
-device's, so offload is planned there as if the inputs stayed (they do, in the pool). A chain the meta step cannot run (data-dependent operations such
-as ``.item()``, sharded parameters) falls back to the ``"sqrt"`` split, with a
-warning that says why, once per model. ``"sqrt"`` is
-``checkpoint_sequential``'s even split of round(sqrt(n)) segments.
+device's, so offload is planned there as if the inputs stayed (they do, in the pool).
+
+A chain the meta step cannot run (data-dependent operations such as ``.item()``,
+sharded parameters, layers that pass something else than one tensor) falls back to
+the ``"sqrt"`` split, with a warning that says why, once per model. ``"sqrt"`` is
+``checkpoint_sequential``'s even split of round(sqrt(n)) segments. Tools that watch
+every module call or operator (MemTracker, FlopCounterMode) see the meta step of a
+first call: measure from the second step, as training-step measurements do anyway.
 
 ``segments="auto"``, ``"memory"`` and ``"speed"`` plan the segments and per-segment
 options from a profiled step (planner.py): ``"auto"`` and ``"speed"`` (the same: the
@@ -40,6 +44,7 @@ activation memory fits ``budget``; ``"memory"`` the plan with the smallest peak.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -344,35 +349,41 @@ class _BalancedPlans:
 
     def __init__(self):
         self._plans = {}  # key -> Plan, or None where the meta step failed ("sqrt")
-        self._last = None  # (key, plan)
+        self._last = None  # (the input as text, its plan)
         self._warned = False
 
     def starts(self, model: nn.Module, input, layers: list, policies: tuple) -> list:
-        device = device_of(input) if isinstance(input, torch.Tensor) else None
+        if not isinstance(input, torch.Tensor):
+            self._warn_once(f"its input is a {type(input).__name__}; the planner follows one tensor")
+            self._last = (type(input).__name__, None)
+            return segment_starts(len(layers), "sqrt")
+        device = device_of(input)
         key = _plan_key(input, device, layers, policies)
         if key not in self._plans:
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = self._plan(model, input, device, policies)
         plan = self._plans[key]
-        self._last = (key, plan)
+        self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan)
         return list(plan.starts) if plan is not None else segment_starts(len(layers), "sqrt")
 
-    def _plan(self, model: nn.Module, input, device, policies: tuple) -> Optional["planner.Plan"]:
+    def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["planner.Plan"]:
         try:
-            _check_simulable(model, input)
+            _check_simulable(model)
             profile = planner.profile(model, (_meta_stand_in(input),), device=device)
             options = [planner.KeepOption(policy.codec.name, policy.offload) for policy in policies]
             return planner.balanced(profile, options)
         except Exception as error:  # anything the meta step cannot run: NOTE [ Balanced segments ]
-            if not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"CheckpointedSequential(segments='balanced') could not measure its layers on meta "
-                    f"tensors ({type(error).__name__}: {error}), so it uses the 'sqrt' split. Pass "
-                    "segments='sqrt', an int or a list of starts to choose the split yourself and silence "
-                    "this warning.", stacklevel=4)
+            self._warn_once(f"it could not run its layers on meta tensors ({type(error).__name__}: {error})")
             return None
+
+    def _warn_once(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"CheckpointedSequential(segments='balanced') uses the 'sqrt' split: {why}. Pass "
+                "segments='sqrt', an int or a list of starts to choose the split yourself and silence "
+                "this warning.", stacklevel=_user_stacklevel())
 
     @property
     def last_plan(self) -> Optional["planner.Plan"]:
@@ -382,17 +393,24 @@ class _BalancedPlans:
         """(a line on the last balanced plan, its starts or None before any)."""
         if self._last is None:
             return "segments='balanced': chosen at the first training call", None
-        (shape, _, dtype, _, device, *_), plan = self._last
+        input, plan = self._last
         if plan is None:
-            return f"segments='balanced' fell back to 'sqrt' for input {shape} {dtype} on {device}", None
-        return (f"segments='balanced' for input {shape} {dtype} on {device}: predicted peak activation "
-                f"memory {plan.predicted_peak_bytes / 2**20:.2f} MiB", list(plan.starts))
+            return f"segments='balanced' fell back to 'sqrt' for input {input}", None
+        return (f"segments='balanced' for input {input}: predicted peak activation memory "
+                f"{plan.predicted_peak_bytes / 2**20:.2f} MiB", list(plan.starts))
 
 
-def _plan_key(input, device, layers: list, policies: tuple) -> tuple:
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside actsave and
+    torch (the user's call of the model), however deep the module call went."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("actsave", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _plan_key(input: torch.Tensor, device, layers: list, policies: tuple) -> tuple:
     """What a balanced plan depends on (NOTE [ Balanced segments ])."""
-    if not isinstance(input, torch.Tensor):
-        raise ConfigError(f"CheckpointedSequential takes one tensor, got {type(input).__name__}")
     autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
     return (tuple(input.shape), input.stride(), input.dtype, should_encode(input), device,
             tuple(layers), tuple(layer.training for layer in layers), policies, autocast)
@@ -407,7 +425,7 @@ def _meta_stand_in(x: torch.Tensor) -> torch.Tensor:
     return stand_in.requires_grad_().clone()
 
 
-def _check_simulable(model: nn.Module, input) -> None:
+def _check_simulable(model: nn.Module) -> None:
     """Raise where the meta step cannot stand for the real one."""
     held = [*model.parameters(), *model.buffers()]
     sharded = [type(t).__name__ for t in held if type(t) not in (torch.Tensor, nn.Parameter)]

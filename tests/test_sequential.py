@@ -296,12 +296,25 @@ class ItemLayer(nn.Module):
 def test_a_chain_the_meta_step_cannot_run_falls_back_to_sqrt_with_one_warning():
     plain = nn.Sequential(*mixed_chain(), ItemLayer())
     model = as_checkpointed(plain)
-    with pytest.warns(UserWarning, match=r"could not measure its layers on meta tensors \(RuntimeError: .*item"):
+    with pytest.warns(UserWarning, match=r"'sqrt' split: it could not run its layers on meta tensors \(RuntimeError: .*item"):
         assert_same_training(plain, model, torch.randn(8, 16))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(torch.randn(4, 16)).sum().backward()  # another shape: no second warning
     assert model.balanced_plan is None and "fell back to 'sqrt'" in model.describe()
+
+
+class AddPair(nn.Module):
+    def forward(self, pair):
+        return pair[0] + pair[1]
+
+
+def test_a_chain_that_takes_no_tensor_falls_back_to_sqrt():
+    model = CheckpointedSequential(AddPair(), nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match="its input is a tuple; the planner follows one tensor"):
+        model((x, x)).sum().backward()
+    assert x.grad is not None and "fell back to 'sqrt' for input tuple" in model.describe()
 
 
 def test_balanced_plans_inside_an_outer_checkpoint():
