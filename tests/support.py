@@ -4,6 +4,9 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from actsave.meta import plans_at_first_call
 
 
 def mixed_chain(width: int = 16, repeats: int = 4) -> nn.Sequential:
@@ -111,3 +114,20 @@ def codes_and_scales(elements: int) -> int:
     """Bytes an 8-bit group codec stores for ``elements`` values: one byte each and an
     fp32 scale per group of 128."""
     return elements + 4 * elements // 128
+
+
+def peak_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """MemTracker peak of one training step, less parameters, buffers and gradients. A
+    model that plans at its first call does so in an unmeasured forward first."""
+    if plans_at_first_call(model):
+        model(x)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    static = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    static += sum(p.numel() * p.element_size() for p in model.parameters())
+    tracker = MemTracker()
+    tracker.track_external(model, x)
+    with tracker:
+        out = model(x)
+        out.backward(torch.ones_like(out))
+    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - static

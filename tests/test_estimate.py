@@ -7,12 +7,12 @@ nn.Sequential, CheckpointedSequential exact and int8, and planned models.
 """
 import pytest
 import torch
-from test_planner import deep_mlp, peak_activation_bytes
+from support import PreActBlock, peak_activation_bytes
+from test_planner import deep_mlp
 from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError
-from support import PreActBlock
 
 
 def small_resnet() -> list:

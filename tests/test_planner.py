@@ -18,31 +18,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import assert_same_training, mixed_chain, twin
+from support import assert_same_training, mixed_chain, peak_activation_bytes, twin
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError, planner
-from actsave.meta import plans_at_first_call
 from actsave.sequential import segment_starts
-
-
-def peak_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """MemTracker peak of one training step, less parameters, buffers and gradients. A
-    model that plans at its first call does so in an unmeasured forward first."""
-    if plans_at_first_call(model):
-        model(x)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    static = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    static += sum(p.numel() * p.element_size() for p in model.parameters())
-    tracker = MemTracker()
-    tracker.track_external(model, x)
-    with tracker:
-        out = model(x)
-        out.backward(torch.ones_like(out))
-    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - static
 
 
 class Residual(nn.Module):
