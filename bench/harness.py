@@ -702,7 +702,7 @@ def sweep_table(measurements: list, providers: list) -> str:
     """One line per depth and provider; ratios to torch at the same depth in parentheses,
     the meta estimate of the activation peak as its deviation from the measured one."""
     medians = _medians(measurements)
-    lines = [("depth", "provider", "peak MiB", "act MiB", "est act", "kept MiB", "time ms", "grad SQNR dB")]
+    lines = [("depth", "provider", "peak MiB", "act MiB", "est act MiB", "kept MiB", "time ms", "grad SQNR dB")]
     for depth in sorted({m.x_value for m in measurements}):
         lines += [_sweep_line(medians, depth, name) for name in providers if (depth, name, "peak_mem") in medians]
     return _fixed_width(lines, left_aligned={1})
@@ -713,7 +713,7 @@ def _sweep_line(medians: dict, depth: int, name: str) -> tuple:
         return _cell(medians, (depth, name, metric), digits, (depth, REFERENCE, metric) if with_ratio else None)
 
     measured, estimated = medians.get((depth, name, "peak_act_mem")), medians.get((depth, name, "est_act_mem"))
-    deviation = "-" if not measured or estimated is None else f"{estimated / measured - 1:+.2%}"
+    deviation = "-" if not measured or estimated is None else f"{estimated:.2f} ({estimated / measured - 1:+.2%})"
     return (
         str(depth), name,
         cell("peak_mem", 2), cell("peak_act_mem", 2), deviation, cell("kept_bytes", 2, with_ratio=False),
@@ -924,8 +924,8 @@ def run_benchmark(workload: Workload, args: argparse.Namespace, real_scale=None)
     print(f"{title}  (ratios to torch in parentheses)")
     print(sweep_table(measurements, providers))
     deviation, compared = estimate_deviation(measurements)
-    print(f"est act: actsave.estimate on meta tensors against the measured activation peak; largest "
-          f"deviation {deviation:.2%} over {compared} runs")
+    print(f"est act: the activation peak predicted on meta tensors (actsave.estimate), its deviation from the "
+          f"measured one in parentheses; largest {deviation:.2%} over {compared} runs")
     if real_scale is None:
         print(f"\nmax depth whose training step peaks within {_format_mib(args.budget)}:")
         print(max_depth_table(max_depths))
