@@ -7,7 +7,8 @@ A checkpointed call runs its function once, with grad enabled, inside
 only the tensors its nodes save are swapped for placeholders (``_Slot``). The
 segment's inputs are kept by actsave itself (store.py), exact or compressed. When
 backward first unpacks a placeholder, the segment runs again from the kept inputs
-(same RNG, same autocast, BatchNorm statistics frozen: state.py) and the tensors it
+(same RNG, autocast and default device, state the forward mutated left alone:
+state.py) and the tensors it
 saves, in the same order, fill the placeholders.
 
 Why this and not a custom ``torch.autograd.Function`` per segment: a Function only
@@ -47,10 +48,24 @@ NOTE [ Lifetime of kept inputs ]
 
 NOTE [ Nested checkpoints ]
 A checkpointed call met while an outer recompute is running (a ``Checkpoint`` inside a
-checkpointed segment) must not keep anything: the outer recompute only needs the
-outer tensors again. It runs its function with every saved tensor discarded, so the
-outer recompute sees exactly the tensors the outer forward saw; its own placeholders
-from the real forward are filled later by its own recompute.
+checkpointed segment) is a checkpoint like any other, so that a backward the outer
+function runs inside itself (``grad(checkpoint(f))`` inside a checkpoint) finds its
+tensors. Its saves go to its own placeholders, never to the outer recompute's, so the
+outer recompute sees exactly the tensors the outer forward saw. It keeps its inputs
+exactly, by reference: it lives only as long as the outer recompute's graph, so a codec
+or offload there would cost work and free nothing.
+
+NOTE [ Backward inside a checkpointed forward ]
+A function may run a backward of its own before it returns (``autograd.grad`` with
+``create_graph=True``: gradient penalties, physics-informed losses, higher-order
+derivatives). That backward unpacks placeholders of a forward still running. It gets
+a recompute of the prefix saved so far, from the caller's exact inputs (alive while
+the forward runs), which releases nothing and is not kept for the real backward: more
+placeholders are still to come. Each tensor of it is handed out once, as autograd
+unpacks a saved tensor once per backward. Inside any recompute the function's own
+graph holds its saved tensors as they are, so a backward inside the recompute works
+as it did in the forward; the saves a backward with ``create_graph=True`` makes are
+placeholders like any other.
 """
 from __future__ import annotations
 
@@ -61,11 +76,12 @@ from typing import Callable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils import _pytree as pytree
 
 from . import relu_signs
 from .errors import RecomputeError
-from .state import ReplayState, batchnorm_stats_frozen
-from .store import KeepPolicy, KeptInputs, input_tensors
+from .state import ReplayState, TouchedState
+from .store import EXACT, KeepPolicy, KeptInputs, input_tensors
 
 _local = threading.local()
 
@@ -94,22 +110,33 @@ class _Frame:
     """One checkpointed call: its kept inputs, the placeholders its forward handed to
     autograd, and (after backward asks) the recomputed tensors behind them."""
 
-    def __init__(self, function: Callable, kept: KeptInputs, replay: ReplayState, inputs: list):
+    def __init__(self, function: Callable, kept: KeptInputs, replay: ReplayState, args: tuple, kwargs: dict):
         self.function = function
         self.kept = kept
         self.replay = replay
+        self.touched = TouchedState()  # NOTE [ State a forward reads and mutates ]
         self.slots = []  # weak references, in the order the forward saved
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
         self.is_recomputed = False
         self.keeps_relu_signs = kept.lossy  # once: pack runs for every saved tensor
         self._last_relu_output = _dead_ref
+        # The caller's inputs, held only while the forward runs (the caller holds them
+        # then anyway): a backward inside the forward recomputes from them, exactly.
+        # NOTE [ Backward inside a checkpointed forward ]
+        self._forward_inputs = (args, kwargs)
+        self._recomputed_in_forward = weakref.WeakKeyDictionary()
         # Decisions made before this segment: the previous segment's ReLU keeps them.
         # Only read during the forward, while the caller still holds the inputs.
-        self._input_ids = {id(t) for t in inputs}
+        self._input_ids = {id(t) for t in input_tensors(args, kwargs)}
         self.sign_bytes = 0
 
+    @property
+    def in_forward(self) -> bool:
+        return self._forward_inputs is not None
+
     def pack(self, tensor: torch.Tensor) -> _Slot:
+        self.touched.note_saved(tensor)
         signs = None
         if (self.keeps_relu_signs and relu_signs.made_by_segment_relu(tensor, self._input_ids)
                 and self._first_save(tensor)):
@@ -130,37 +157,78 @@ class _Frame:
         return first
 
     def end_forward(self) -> None:
+        self.touched.end_forward()
+        self._forward_inputs = None
+        self._recomputed_in_forward = weakref.WeakKeyDictionary()
         self._input_ids = set()  # ids may be reused once the inputs are gone
 
     def unpack(self, slot: _Slot) -> torch.Tensor:
+        if self.in_forward:
+            return self._unpack_in_forward(slot)
         if not self.is_recomputed:
             self._recompute()
         return self.recomputed[slot]
 
     def _recompute(self) -> None:
+        try:
+            self.touched.check_unchanged(_name(self.function))
+            self._replay(self.kept.restore, self.recomputed, len(self.slots), lossy=self.kept.lossy)
+        finally:
+            self.kept.release()
+        self.is_recomputed = True
+
+    def _unpack_in_forward(self, slot: _Slot) -> torch.Tensor:
+        # NOTE [ Backward inside a checkpointed forward ]
+        # The function runs a backward of its own (``autograd.grad`` for a gradient
+        # penalty, higher-order derivatives) through what it saved so far. Recompute
+        # that prefix, exactly, from the caller's inputs; keep nothing of it for the
+        # real backward (more slots are still to come) and release no kept input.
+        # Each recomputed tensor is handed out once, as autograd unpacks a saved
+        # tensor once per backward; a later backward recomputes again.
+        tensor = self._recomputed_in_forward.pop(slot, None)
+        if tensor is None:
+            self._recomputed_in_forward = weakref.WeakKeyDictionary()
+            self._replay(self._inputs_for_recompute_in_forward, self._recomputed_in_forward,
+                         len(self.slots), lossy=False)
+            tensor = self._recomputed_in_forward.pop(slot)
+        return tensor
+
+    def _inputs_for_recompute_in_forward(self) -> tuple:
+        if self.kept.private_copy:  # the caller's inputs changed: use the copies
+            return self.kept.restore()
+        args, kwargs = self._forward_inputs
+        return pytree.tree_map_only(torch.Tensor, _recompute_input, (args, kwargs))
+
+    def _replay(self, inputs: Callable, into: weakref.WeakKeyDictionary, count: int, lossy: bool) -> None:
+        """Run the function again from ``inputs()`` and put the first ``count`` tensors
+        it saves into ``into``, by slot; ``lossy`` applies the forward's ReLU decisions."""
         counter = itertools.count()
+
+        def fill(tensor):
+            self._fill(next(counter), tensor, into, count, lossy)
+            # The recompute's own graph holds the tensor as it is, for a backward the
+            # function runs inside itself (NOTE [ Backward inside a checkpointed forward ]).
+            return _detached(tensor)
+
         with _recomputing():
             try:
-                hooks = saved_tensors_hooks(lambda t: self._fill(next(counter), t), _never_unpacked)
-                with torch.enable_grad(), self.replay.replayed(), batchnorm_stats_frozen(), hooks:
-                    args, kwargs = self.kept.restore()  # under enable_grad: see restore()
+                hooks = saved_tensors_hooks(fill, _identity)
+                with torch.enable_grad(), self.replay.replayed(), self.touched.mutated_once(), hooks:
+                    args, kwargs = inputs()  # under enable_grad: see KeptInputs.restore()
                     self.function(*args, **kwargs)
             except _AllSlotsFilled:
                 pass
-            finally:
-                self.kept.release()
         produced = next(counter)
-        if produced != len(self.slots):
+        if produced < count:
             raise RecomputeError(
                 f"the recompute saved {produced} tensors for backward where the forward "
-                f"saved {len(self.slots)}: the checkpointed function {_name(self.function)} "
+                f"saved {count}: the checkpointed function {_name(self.function)} "
                 "does not do the same work twice. Make it deterministic (same branches, "
                 "same shapes) or do not checkpoint it."
             )
-        self.is_recomputed = True
 
-    def _fill(self, index: int, tensor: torch.Tensor) -> None:
-        if index < len(self.slots) and _signature(tensor) != self.signatures[index]:
+    def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> None:
+        if index < count and _signature(tensor) != self.signatures[index]:
             raise RecomputeError(
                 f"the recompute of {_name(self.function)} saved a tensor of "
                 f"shape/dtype/device {_signature(tensor)} where the forward saved "
@@ -168,16 +236,30 @@ class _Frame:
                 "shapes or dtypes, so its gradients would be wrong. Make it deterministic "
                 "or do not checkpoint it."
             )
-        slot = self.slots[index]() if index < len(self.slots) else None
+        slot = self.slots[index]() if index < count else None
         if slot is not None:  # None: autograd already freed the node that saved it
-            if slot.relu_signs is not None:
+            if lossy and slot.relu_signs is not None:
                 relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
-            self.recomputed[slot] = tensor.detach()
-        if index == len(self.slots) - 1:
+            into[slot] = _detached(tensor)
+        if index == count - 1:
             # Early stop: what runs after the last saved tensor (at least the output of
             # the op that saved it) is not needed. Saves time and one activation of
             # peak memory, as torch's non-reentrant checkpoint does.
             raise _AllSlotsFilled
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    # As torch's checkpoint: a tensor that needs no grad is handed back as the same
+    # object (a custom Function that saved an input finds ``ctx.saved_tensors[0] is b``).
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def _recompute_input(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().requires_grad_() if tensor.requires_grad else tensor
+
+
+def _identity(tensor):
+    return tensor
 
 
 def _dead_ref():
@@ -186,14 +268,6 @@ def _dead_ref():
 
 class _AllSlotsFilled(Exception):
     """Raised inside the recompute to stop it once every placeholder is filled."""
-
-
-def _never_unpacked(_):
-    raise RecomputeError("internal error: a tensor of a recompute graph was unpacked")
-
-
-def _discard(_):
-    return None
 
 
 class _recomputing:
@@ -238,19 +312,18 @@ def checkpointed_call(
 @torch.compiler.disable
 def _checkpointed_call(function, args, kwargs, policy, private_copy):
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
-        with saved_tensors_hooks(_discard, _never_unpacked):
-            return function(*args, **kwargs), 0
-    tensors = input_tensors(args, kwargs)
-    replay = ReplayState.capture(tensors)
+        policy = EXACT
+    replay = ReplayState.capture(input_tensors(args, kwargs))
     kept = KeptInputs(args, kwargs, policy, private_copy)
-    frame = _Frame(function, kept, replay, tensors)
+    frame = _Frame(function, kept, replay, args, kwargs)
     try:
-        with saved_tensors_hooks(frame.pack, frame.unpack):
+        with frame.touched.recording(), saved_tensors_hooks(frame.pack, frame.unpack):
             output = function(*args, **kwargs)
     except BaseException:
         kept.release()  # now, not when the traceback that holds it is dropped
         raise
-    frame.end_forward()
+    finally:
+        frame.end_forward()
     kept.end_forward(_name(function))
     if not frame.slots:  # nothing to backprop through: nothing to keep
         kept.release()

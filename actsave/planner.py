@@ -135,6 +135,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from . import relu_signs
 from .codecs import get_codec
@@ -142,7 +143,6 @@ from .errors import ConfigError
 from .text import format_table
 from .estimate import LiveBytes, allocation_bytes
 from .meta import fast_meta, on_meta, plans_at_first_call, simulating
-from .state import batchnorm_stats_frozen
 
 MiB = 2**20
 LOSSY_CODECS = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -283,11 +283,35 @@ def _step_isolated(model: nn.Module, device: torch.device):
     accelerators = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=accelerators), batchnorm_stats_frozen():
+        with torch.random.fork_rng(devices=accelerators), _batchnorm_statistics_untouched():
             yield
     finally:
         for p, grad in grads:
             p.grad = grad
+
+
+@contextlib.contextmanager
+def _batchnorm_statistics_untouched():
+    """While active, every BatchNorm that runs in training mode updates scratch copies
+    of its running statistics (allocated as a recompute's are, so the profiled step
+    sees them), and the originals are put back on exit."""
+    swapped = []
+
+    def use_scratch_statistics(module, args):
+        if isinstance(module, _BatchNorm) and module.training and module.track_running_stats:
+            for name, original in list(module._buffers.items()):
+                if original is not None:
+                    swapped.append((module, name, original))
+                    module._buffers[name] = original.clone()
+
+    handle = register_module_forward_pre_hook(use_scratch_statistics)
+    try:
+        yield
+    finally:
+        handle.remove()
+        # Reversed, so a module run twice gets its first original back.
+        for module, name, original in reversed(swapped):
+            module._buffers[name] = original
 
 
 class _SaveLedger:
@@ -647,8 +671,8 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times
 
 
 def _scratch_statistics_bytes(layer: nn.Module, device) -> int:
-    """The running statistics batchnorm_stats_frozen (state.py) copies when the layer
-    is recomputed: every buffer of its BatchNorms that update them."""
+    """The buffers a recompute of the layer copies (state.py, TouchedState): those its
+    forward mutates, modelled as the running statistics of its BatchNorms."""
     return sum(allocation_bytes(b.numel() * b.element_size(), device) for m in layer.modules()
                if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
                for b in m.buffers(recurse=False))

@@ -6,19 +6,26 @@
 - Autocast: whether it was on, its dtype and cache setting, for the CPU and for the
   inputs' device types. Backward may run outside the ``autocast`` block; the
   recompute re-enters the forward's state.
-- BatchNorm running statistics: the recompute must not update them a second time
-  (torch.utils.checkpoint does). See :func:`batchnorm_stats_frozen`.
+- The default device (``with torch.device(...)`` or ``torch.set_default_device``):
+  factory calls without ``device=`` (``torch.arange(n)``) must make their tensors
+  where the forward made them, though backward runs outside that block.
+- Module state: what the forward mutated in place (BatchNorm's running statistics,
+  InstanceNorm's, spectral norm's power-iteration vectors, a user's EMA buffer) is
+  mutated once, not again by the recompute (torch.utils.checkpoint updates it twice);
+  the parameters and buffers the forward read must not change before the recompute.
+  See :class:`TouchedState`.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-_BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
+from .errors import RecomputeError
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class ReplayState:
     devices: tuple  # indices of the accelerators the inputs live on
     device_rngs: tuple
     autocast: tuple
+    default_device: torch.device
 
     @classmethod
     def capture(cls, tensors) -> "ReplayState":
@@ -67,12 +75,13 @@ class ReplayState:
             devices=devices,
             device_rngs=tuple(module.get_rng_state(i) for i in devices) if module else (),
             autocast=tuple(_AutocastState.capture(kind) for kind in autocast_types),
+            default_device=torch.get_default_device(),
         )
 
     @contextlib.contextmanager
     def replayed(self):
-        """Run the body with the captured RNG and autocast state; the caller's RNG
-        state is restored afterwards."""
+        """Run the body with the captured RNG, autocast state and default device; the
+        caller's RNG state is restored afterwards."""
         with torch.random.fork_rng(devices=list(self.devices), device_type=self.device_type):
             torch.set_rng_state(self.cpu_rng)
             if self.devices:
@@ -80,36 +89,145 @@ class ReplayState:
                 for index, state in zip(self.devices, self.device_rngs):
                     module.set_rng_state(state, index)
             with contextlib.ExitStack() as stack:
+                if torch.get_default_device() != self.default_device:
+                    stack.enter_context(self.default_device)
                 for autocast in self.autocast:
                     stack.enter_context(autocast.context())
                 yield
 
 
-@contextlib.contextmanager
-def batchnorm_stats_frozen():
-    """While active, every BatchNorm that runs in training mode updates scratch copies
-    of its running statistics, and the originals are put back on exit.
+class TouchedState:
+    """The parameters and buffers one checkpointed forward touched.
 
-    Turning ``track_running_stats`` off instead would change which tensors autograd
-    saves (the running stats are saved only when tracked), and the recompute must save
-    exactly what the forward saved. A global pre-hook reaches BatchNorms anywhere in
-    the recomputed code, including inside arbitrary functions given to ``checkpoint``.
+    NOTE [ State a forward reads and mutates ]
+    While the forward runs, global module hooks (of this thread only) note each
+    parameter and buffer of every module that runs, and which of them the module
+    changed in place; the segment's saved leaves (parameters used outside any module,
+    ``weight.t()``) are noted by the pack hook. Then:
+
+    - Mutated buffers (versions moved during their module's forward) are mutated once:
+      the recompute runs those modules on scratch copies and puts the originals back.
+      One rule for every module, BatchNorm included, with no list of module types.
+      Turning ``track_running_stats`` off instead would change which tensors autograd
+      saves, and the recompute must save what the forward saved.
+    - Everything else noted must be unchanged when the recompute starts: a weight
+      changed in place between forward and backward (a GAN's optimizer step before
+      the other network's backward, an EMA of weights) would be recomputed with its
+      new values and give silently wrong gradients, where plain autograd raises. So
+      does actsave, with autograd's words. Mutated state is not checked: a second
+      forward before this backward (two views of a batch) legitimately moves
+      BatchNorm's statistics again.
+
+    Tensors are held by weak reference: noting them keeps nothing alive.
     """
-    swapped = []
 
-    def use_scratch_stats(module, args):
-        if isinstance(module, _BatchNorm) and module.training and module.track_running_stats:
-            for name in _BN_STATS:
-                original = module._buffers.get(name)
-                if original is not None:
-                    swapped.append((module, name, original))
-                    module._buffers[name] = original.clone()
+    def __init__(self):
+        self._thread = threading.get_ident()
+        self._read = {}  # id -> (weakref, what it is); versions taken at end_forward
+        self._versions = {}
+        self._mutated = {}  # (module, kind, name) -> None: state changed by its module
+        self._calls = []  # (module, {(kind, name): version}) of module calls running
 
-    handle = register_module_forward_pre_hook(use_scratch_stats)
-    try:
-        yield
-    finally:
-        handle.remove()
-        # Reversed, so a module run twice gets its first original back.
-        for module, name, original in reversed(swapped):
-            module._buffers[name] = original
+    @contextlib.contextmanager
+    def recording(self):
+        """Note what the modules run in the body read and mutate."""
+        pre = register_module_forward_pre_hook(self._before_module)
+        post = register_module_forward_hook(self._after_module)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()
+
+    def note_saved(self, tensor: torch.Tensor) -> None:
+        """Note a leaf (or a view of one) that the forward saved for backward."""
+        if torch.compiler.is_compiling():  # traced with fake tensors; real saves follow
+            return
+        base = tensor._base if tensor._is_view() else tensor
+        if base.is_leaf:
+            self._note(base, f"a tensor of shape {list(base.shape)}")
+
+    def end_forward(self) -> None:
+        """Take the versions the recompute must find."""
+        mutated = {id(getattr(module, kind)[name]) for module, kind, name in self._mutated
+                   if getattr(module, kind).get(name) is not None}
+        self._versions = {key: ref()._version for key, (ref, _) in self._read.items()
+                          if ref() is not None and key not in mutated}
+        self._calls = []
+
+    def check_unchanged(self, function_name: str) -> None:
+        """Raise, as autograd would, if a tensor the forward read changed in place."""
+        for key, version in self._versions.items():
+            ref, what = self._read[key]
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                raise RecomputeError(
+                    "one of the variables needed for gradient computation has been "
+                    f"modified by an inplace operation: {what} is at version "
+                    f"{tensor._version}; expected version {version} instead. The "
+                    f"checkpointed {function_name} read it in its forward and its "
+                    "recompute would read the new values, so its gradients would be "
+                    "wrong. Change it after the backward (an optimizer step, an EMA of "
+                    "weights), or change a copy."
+                )
+
+    @contextlib.contextmanager
+    def mutated_once(self):
+        """While active, the state the forward mutated lives in scratch copies; the
+        originals are put back on exit."""
+        swapped = []
+        for module, kind, name in self._mutated:
+            original = getattr(module, kind).get(name)
+            if original is not None:
+                swapped.append((module, kind, name, original))
+                getattr(module, kind)[name] = original.clone()
+        try:
+            yield
+        finally:
+            for module, kind, name, original in swapped:
+                getattr(module, kind)[name] = original
+
+    def _note(self, tensor: torch.Tensor, what: str) -> None:
+        noted = self._read.get(id(tensor))
+        if noted is None or noted[0]() is not tensor:  # ids of dead tensors are reused
+            self._read[id(tensor)] = (weakref.ref(tensor), what)
+
+    def _before_module(self, module, args) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        versions = {}
+        for kind, name, tensor in _own_state(module):
+            versions[(kind, name)] = tensor._version
+            self._note(tensor, f"{_KINDS[kind]} '{name}' of {type(module).__name__}")
+        self._calls.append((module, versions))
+
+    def _after_module(self, module, args, output) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        while self._calls:  # a module that raised left its entry behind
+            called, versions = self._calls.pop()
+            if called is module:
+                break
+        else:
+            return
+        moved = any(versions.get((kind, name), tensor._version) != tensor._version
+                    for kind, name, tensor in _own_state(module))
+        if moved:
+            # All of the module's buffers, not the moved ones only: BatchNorm's kernel
+            # updates its running statistics without moving their versions (only
+            # num_batches_tracked moves). Buffers only: a scratch copy of a parameter
+            # would take its gradient.
+            for name in module._buffers:
+                self._mutated[(module, "_buffers", name)] = None
+
+
+_KINDS = {"_parameters": "parameter", "_buffers": "buffer"}
+
+
+def _own_state(module: torch.nn.Module):
+    for kind in _KINDS:
+        for name, tensor in getattr(module, kind).items():
+            if tensor is not None:
+                yield kind, name, tensor
+
+

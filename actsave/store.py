@@ -165,7 +165,9 @@ class _KeptTensor:
         self.requires_grad = tensor.requires_grad
         held_elsewhere = not should_encode(tensor)
         self.codec = IDENTITY if held_elsewhere else policy.codec
-        source = tensor.detach()
+        # A tensor that needs no grad is kept as the very object (torch's checkpoint
+        # gives the same object back to a custom Function that saved it).
+        source = tensor.detach() if tensor.requires_grad else tensor
         if private_copy and self.codec.aliases_input:
             source = source.clone()
         self.modified_in_place = private_copy  # by the function's first layer
@@ -200,8 +202,11 @@ class _KeptTensor:
 
     def restore(self) -> torch.Tensor:
         self.check_unmodified("after the forward that kept it")
-        x = self.codec.decode(self.storage.fetch()).detach().requires_grad_(self.requires_grad)
-        if self.modified_in_place and self.requires_grad:
+        x = self.codec.decode(self.storage.fetch())
+        if not self.requires_grad:
+            return x
+        x = x.detach().requires_grad_()
+        if self.modified_in_place:
             # A leaf that requires grad cannot be modified in place; a segment that
             # starts with an in-place layer needs a non-leaf input.
             x = x.clone()
@@ -246,6 +251,7 @@ class KeptInputs:
             for leaf in leaves
         ]
         self._attached = []
+        self.private_copy = private_copy
         self.released = False
         self._tape = None
         if any(t.storage.where == "host" for t in self.tensors):

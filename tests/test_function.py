@@ -77,3 +77,88 @@ def test_recompute_runs_once_even_for_several_backwards():
     loss.backward(retain_graph=True)
     loss.backward()
     assert len(calls) == 2  # forward, one recompute
+
+
+# --- a backward inside the checkpointed function (issue 17, item 3) -------------------
+# NOTE [ Backward inside a checkpointed forward ] in actsave/function.py.
+
+
+def gradient_penalty(x):
+    (g,) = torch.autograd.grad(x.sin().sum(), x, create_graph=True)
+    return x.sin() * g
+
+
+def checkpointed(f):
+    return lambda x: actsave.checkpoint(f, x)
+
+
+def grad_of(f):
+    def df(x):
+        (g,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        return g
+
+    return df
+
+
+def input_grad(f, x):
+    x = x.detach().requires_grad_()
+    return torch.autograd.grad(f(x).sum(), x)[0]
+
+
+def test_autograd_grad_inside_the_function_gives_torchs_gradient():
+    x = torch.randn(6)
+    assert torch.equal(input_grad(checkpointed(gradient_penalty), x), input_grad(gradient_penalty, x))
+    assert actsave.stored_bytes()["device"] == 0
+
+
+def test_autograd_grad_inside_a_lossy_checkpoint_is_exact_in_the_forward():
+    # The backward inside the forward recomputes from the caller's exact inputs, not
+    # from the int8 copy: the value the function returns is the plain one.
+    x = torch.randn(6, requires_grad=True) * 2  # not a leaf: int8 stores it
+    out = actsave.checkpoint(gradient_penalty, x, compress="int8")
+    assert torch.equal(out, gradient_penalty(x))
+
+
+def no_checkpoint(f):
+    return f
+
+
+@pytest.mark.parametrize("compose", [
+    lambda c, f: c(grad_of(grad_of(c(f)))),
+    lambda c, f: grad_of(c(grad_of(c(f)))),
+    lambda c, f: c(c(grad_of(f))),
+    lambda c, f: grad_of(grad_of(c(c(f)))),
+], ids=["c(g(g(c(f))))", "g(c(g(c(f))))", "c(c(g(f)))", "g(g(c(c(f))))"])
+def test_higher_order_nesting_gives_torchs_gradient(compose):
+    def f(x):
+        return x.sin().exp().sin()
+
+    x = torch.randn(5)
+    got = input_grad(compose(checkpointed, f), x)
+    assert torch.equal(got, input_grad(compose(no_checkpoint, f), x))
+
+
+# --- identity of inputs that need no grad (issue 17, item 7) ---------------------------
+
+
+class SavesSecondInput(torch.autograd.Function):
+    seen = []
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        (b,) = ctx.saved_tensors
+        SavesSecondInput.seen.append(b)
+        return grad * b, None
+
+
+def test_saved_input_that_needs_no_grad_comes_back_as_the_same_object():
+    a, b = torch.randn(4, requires_grad=True), torch.randn(4)
+    SavesSecondInput.seen.clear()
+    actsave.checkpoint(SavesSecondInput.apply, a, b).sum().backward()
+    assert SavesSecondInput.seen[0] is b  # as under torch.utils.checkpoint
+    assert torch.equal(a.grad, b)

@@ -1,8 +1,12 @@
-"""RNG / autocast capture and replay; BatchNorm statistics frozen in recompute."""
+"""RNG, autocast and default-device replay; module state mutated once, and read
+state checked unchanged before the recompute."""
+import pytest
 import torch
 from torch import nn
 
-from actsave.state import ReplayState, batchnorm_stats_frozen
+import actsave
+
+from actsave.state import ReplayState
 
 
 def test_replay_gives_the_same_random_numbers_and_leaves_the_caller_rng_alone():
@@ -28,22 +32,112 @@ def test_replay_restores_autocast_state_of_the_forward():
         assert not torch.is_autocast_enabled("cpu")
 
 
-def test_batchnorm_in_training_uses_batch_statistics_but_keeps_its_running_ones():
+def test_replay_restores_the_default_device_of_the_forward():
+    with torch.device("meta"):
+        state = ReplayState.capture([torch.zeros(1)])
+    with state.replayed():
+        assert torch.arange(3.0).device.type == "meta"
+    plain = ReplayState.capture([torch.zeros(1)])
+    with torch.device("meta"), plain.replayed():
+        assert torch.arange(3.0).device.type == "cpu"
+
+
+def test_checkpoint_made_under_a_device_context_recomputes_there():
+    # torch.arange without device= inside `with torch.device(...)`: issue 17, item 4.
+    x = torch.randn(5, requires_grad=True)
+    with torch.device("meta"):
+        meta_x = torch.randn(5, requires_grad=True)
+        y = actsave.checkpoint(lambda t: t * torch.arange(5.0), meta_x)
+    y.sum().backward()
+    assert meta_x.grad.device.type == "meta"
+    y = actsave.checkpoint(lambda t: t * torch.arange(5.0), x)
+    with torch.device("meta"):  # backward under another default device
+        y.sum().backward()
+    assert torch.equal(x.grad, torch.arange(5.0))
+
+
+# --- state a forward reads and mutates (issue 17, items 8 and 9) ----------------------
+
+
+class EMA(nn.Module):
+    """A user's module that keeps a running average of what it sees, in a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("average", torch.zeros(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return x * 2
+
+
+def mutating_models():
+    # Each ends in a layer that saves its output, so the recompute runs through the
+    # mutating module (it stops at the last saved tensor).
     torch.manual_seed(0)
-    bn = nn.BatchNorm1d(4)
+    return {
+        "batchnorm": nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()),
+        "instancenorm": nn.Sequential(
+            nn.Linear(4, 4), nn.Unflatten(1, (2, 2)),
+            nn.InstanceNorm1d(2, affine=True, track_running_stats=True), nn.Flatten(), nn.Tanh(),
+        ),
+        "spectral_norm": nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)), nn.Tanh()),
+        "ema": nn.Sequential(nn.Linear(4, 4), EMA(), nn.Tanh()),
+    }
+
+
+@pytest.mark.parametrize("name", list(mutating_models()))
+def test_state_a_module_mutates_in_forward_is_mutated_once(name):
+    model, twin = mutating_models()[name], mutating_models()[name]
     x = torch.randn(8, 4)
-    before = {name: b.clone() for name, b in bn.named_buffers()}
-    with batchnorm_stats_frozen():
-        out = bn(x)
-        bn(x)  # a module run twice gets its original statistics back too
-    for name, buffer in bn.named_buffers():
-        assert torch.equal(buffer, before[name]), name
-    assert torch.equal(out, nn.BatchNorm1d(4)(x))
+    model(x).sum().backward()
+    actsave.checkpoint(twin, x).sum().backward()
+    for (key, want), got in zip(model.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(got, want), key
+    for p, q in zip(model.parameters(), twin.parameters()):
+        if name == "spectral_norm":
+            # The recompute starts from the vectors the forward's power iteration left,
+            # so its sigma is one iteration further on: close, not bit-identical.
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-5)
+        else:
+            assert torch.equal(q.grad, p.grad)
 
 
-def test_batchnorm_outside_the_context_updates_as_usual():
-    bn = nn.BatchNorm1d(4)
-    with batchnorm_stats_frozen():
-        pass
-    bn(torch.randn(8, 4))
-    assert int(bn.num_batches_tracked) == 1
+def test_a_second_forward_before_backward_may_move_batchnorm_statistics():
+    # Two views of a batch through one encoder, one backward: plain PyTorch allows it.
+    model, twin = mutating_models()["batchnorm"], mutating_models()["batchnorm"]
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    (model(x) * model(y)).sum().backward()
+    (actsave.checkpoint(twin, x) * actsave.checkpoint(twin, y)).sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def linear_weight(model):
+    return model[0].weight
+
+
+def linear_bias(model):  # Linear does not save its bias: only the module hooks see it
+    return model[0].bias
+
+
+@pytest.mark.parametrize("tensor_of", [linear_weight, linear_bias])
+def test_parameter_changed_between_forward_and_backward_raises_as_autograd_does(tensor_of):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    out = actsave.checkpoint(model, torch.randn(3, 4))
+    with torch.no_grad():
+        tensor_of(model).add_(1.0)  # an optimizer step of a GAN's other network
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_weight_a_function_closes_over_is_checked_too():
+    # Checked because autograd saves it (x needs grad); a leaf read outside any module
+    # and not saved is not seen (NOTE [ State a forward reads and mutates ]).
+    weight = torch.randn(4, 4, requires_grad=True)
+    out = actsave.checkpoint(lambda x: torch.tanh(x @ weight), torch.randn(3, 4, requires_grad=True))
+    with torch.no_grad():
+        weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
