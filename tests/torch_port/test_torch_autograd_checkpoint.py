@@ -187,7 +187,7 @@ def test_checkpoint_warns_if_use_reentrant_not_passed_explcitly():
         actsave.checkpoint(lambda x: x, a)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 5: checkpoint keyword use_reentrant not accepted")
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="issue 17 item 5: checkpoint keyword use_reentrant not accepted")
 def test_checkpoint_warns_if_use_reentrant_not_passed_explcitly_keyword():
     """Upstream's first half: ``use_reentrant=False`` passed explicitly is accepted
     and does not warn."""
@@ -264,7 +264,7 @@ def test_checkpoint_detects_non_determinism():
         out.backward()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 5: checkpoint keyword debug not accepted")
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="issue 17 item 5: checkpoint keyword debug not accepted")
 def test_checkpoint_detects_non_determinism_debug():
     """Upstream's debug=True part: the keyword is accepted and the mismatch still
     raises (actsave's message is its own)."""
@@ -373,7 +373,7 @@ def test_checkpointing_without_reentrant_detached_tensor(use_reentrant):
         torch.testing.assert_close(a.grad, torch.full((2, 2), float(i + 1)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 7: ctx.saved_tensors returns a different object for a "
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 17 item 7: ctx.saved_tensors returns a different object for a "
                                        "saved checkpoint input that does not require grad")
 def test_checkpointing_without_reentrant_saved_object_identity():
     x_backward = None

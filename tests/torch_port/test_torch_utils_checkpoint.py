@@ -176,7 +176,7 @@ def test_checkpoint_rng_gpu():
     pass
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 5: checkpoint keyword preserve_rng_state not accepted")
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="issue 17 item 5: checkpoint keyword preserve_rng_state not accepted")
 def test_checkpoint_not_preserve_rng_state_and_without_reentrant():
     # Upstream runs this on an accelerator only; nothing in it needs one.
     inp = torch.randn(2).requires_grad_()
@@ -309,7 +309,7 @@ def test_infer_device_state_recursive_multi_gpu():
     pass
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 item 4: torch.device(...) context not replayed in recompute")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 17 item 4: torch.device(...) context not replayed in recompute")
 def test_checkpoint_preserves_device_context():
     """Tensors created without a device follow the forward's ``torch.device`` context
     in the recompute too.
