@@ -373,8 +373,6 @@ def test_checkpointing_without_reentrant_detached_tensor(use_reentrant):
         torch.testing.assert_close(a.grad, torch.full((2, 2), float(i + 1)))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 17 item 7: ctx.saved_tensors returns a different object for a "
-                                       "saved checkpoint input that does not require grad")
 def test_checkpointing_without_reentrant_saved_object_identity():
     x_backward = None
 

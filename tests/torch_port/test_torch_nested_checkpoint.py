@@ -123,26 +123,8 @@ _GET_TESTS = (
     ("grad(grad(fn))", ("grad(c(grad(fn)))", "c(grad(grad(c(fn))))", "grad(c(grad(c(fn))))")),
     ("grad(grad(grad(fn)))", ("grad(c(grad(grad(c(fn)))))", "grad(c(grad(c(grad(c(fn))))))")),
 )
-GRAD_INSIDE = pytest.mark.xfail(
-    strict=True, raises=KeyError,
-    reason="issue 17 item 3: torch.autograd.grad inside a checkpointed function raises KeyError")
-NESTED_HIGHER_ORDER = pytest.mark.xfail(
-    strict=True, raises=actsave.RecomputeError,
-    reason="issue 17 item 3: nested higher-order checkpoint raises RecomputeError: internal error")
-# g calls autograd.grad itself, so every checkpointed wrapping that is differentiated
-# runs autograd.grad inside a checkpoint.
-_KNOWN_FAILURES = {
-    ("f", "grad(c(grad(fn)))"): GRAD_INSIDE,
-    ("f", "c(grad(grad(c(fn))))"): NESTED_HIGHER_ORDER,
-    ("f", "grad(c(grad(c(fn))))"): NESTED_HIGHER_ORDER,
-    ("f", "grad(c(grad(grad(c(fn)))))"): NESTED_HIGHER_ORDER,
-    ("f", "grad(c(grad(c(grad(c(fn))))))"): NESTED_HIGHER_ORDER,
-    **{("g", actual): GRAD_INSIDE for _, actuals in _GET_TESTS for actual in actuals
-       if actual not in ("c(fn)", "c(c(fn))")},
-}
 _NESTED_CASES = [
-    pytest.param(fn_name, expected, actual, id=f"{fn_name}-{actual}",
-                 marks=[_KNOWN_FAILURES[fn_name, actual]] if (fn_name, actual) in _KNOWN_FAILURES else [])
+    pytest.param(fn_name, expected, actual, id=f"{fn_name}-{actual}")
     for fn_name in ("f", "g")
     for expected, actuals in _GET_TESTS
     for actual in actuals
@@ -199,7 +181,6 @@ def test_nested_checkpoint_two_children(early_stop):
     check_graph_dies(grad(sum(grad(sum(c(hc))))))
 
 
-@NESTED_HIGHER_ORDER
 def test_nested_checkpoint_two_children_grad_inside():
     """upstream test_nested_checkpoint_two_children[early_stop=True], its
     grad(sum(c(grad(sum(c(hc)))))) part"""

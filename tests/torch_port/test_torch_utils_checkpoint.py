@@ -309,7 +309,6 @@ def test_infer_device_state_recursive_multi_gpu():
     pass
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 17 item 4: torch.device(...) context not replayed in recompute")
 def test_checkpoint_preserves_device_context():
     """Tensors created without a device follow the forward's ``torch.device`` context
     in the recompute too.
