@@ -16,6 +16,7 @@ saves checked): its segments are chains of layers, for which they are right.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Union
 
 from torch import nn
@@ -64,6 +65,9 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, use_reen
         context_fn: not supported (selective checkpointing); only ``None`` or torch's
             ``noop_context_fn`` are accepted. Checkpoint smaller pieces instead.
     """
+    if not callable(function):
+        raise ConfigError(f"function={function!r} is not callable; pass the function (or module) to "
+                          "checkpoint first, then its arguments: checkpoint(function, *args, **kwargs)")
     check_torch_only_keywords(use_reentrant, context_fn)
     options = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
     policy = KeepPolicy.resolve(compress, offload)
@@ -86,7 +90,8 @@ class Checkpoint(nn.Module):
                  determinism_check="default", debug=False, early_stop=True):
         super().__init__()
         if not isinstance(module, nn.Module):
-            raise ConfigError(f"Checkpoint wraps an nn.Module, got {type(module).__name__}")
+            raise ConfigError(f"Checkpoint wraps an nn.Module instance; module={module!r} is a "
+                              f"{type(module).__name__} (for a function, use actsave.checkpoint(function, *args))")
         self.policy = KeepPolicy.resolve(compress, offload)
         self.recompute = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
         self.add_module(_WRAPPED, module)
@@ -127,39 +132,57 @@ def wrap(model: nn.Module, filter_fn: FilterSpec, compress=None, offload=False, 
     :class:`Checkpoint` of it, and return ``model``.
 
     ``filter_fn`` is ``callable(module, fqn) -> bool`` or an ``nn.Module`` subclass
-    (or tuple of them). ``model`` itself is never wrapped, nor is anything inside a
-    module that is wrapped already. ``state_dict`` keys do not change. The other
-    arguments are given to each :class:`Checkpoint` (see :func:`checkpoint`).
+    (or a non-empty tuple of them). ``model`` itself is never wrapped, nor is anything
+    inside a module that is wrapped already. ``state_dict`` keys do not change. The
+    other arguments are given to each :class:`Checkpoint` (see :func:`checkpoint`).
+
+    A ``filter_fn`` that selects nothing (and a model with no :class:`Checkpoint` in it
+    already) warns: the model then trains exactly as before, with no memory saved,
+    which is rarely what was meant (a class from another copy of a package, a
+    misspelled name in the predicate).
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model={model!r} is not an nn.Module instance: wrap replaces submodules of a "
+                          "model in place (for a function, use actsave.checkpoint(function, *args))")
     matches = _as_predicate(filter_fn)
     policy = KeepPolicy.resolve(compress, offload)
     options = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
-    _wrap_children(model, "", matches, policy, options)
+    found = _wrap_children(model, "", matches, policy, options)
+    if found == 0:
+        warnings.warn(f"actsave.wrap: filter_fn={filter_fn!r} selected no submodule of the "
+                      f"{type(model).__name__}, so nothing is checkpointed; check the class or predicate "
+                      "(it is called with each submodule and its fully qualified name)", stacklevel=2)
     return model
 
 
-def _wrap_children(parent: nn.Module, prefix: str, matches, policy: KeepPolicy, options: RecomputeOptions) -> None:
+def _wrap_children(parent: nn.Module, prefix: str, matches, policy: KeepPolicy, options: RecomputeOptions) -> int:
+    """Wrap the matching descendants of ``parent``; returns how many are wrapped now,
+    by this call or before it."""
+    found = 0
     for name, child in list(parent.named_children()):
         if isinstance(child, Checkpoint):
+            found += 1
             continue
         fqn = prefix + name
         if matches(child, fqn):
             wrapper = Checkpoint(child)
             wrapper.policy, wrapper.recompute = policy, options
             setattr(parent, name, wrapper)
+            found += 1
         else:
-            _wrap_children(child, fqn + ".", matches, policy, options)
+            found += _wrap_children(child, fqn + ".", matches, policy, options)
+    return found
 
 
 def _as_predicate(filter_fn: FilterSpec):
     classes = filter_fn if isinstance(filter_fn, tuple) else (filter_fn,)
-    if all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+    if classes and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         return lambda module, fqn: isinstance(module, classes)
-    if callable(filter_fn) and not isinstance(filter_fn, (type, tuple)):
+    if callable(filter_fn) and not isinstance(filter_fn, (type, tuple, nn.Module)):
         return filter_fn
     raise ConfigError(
         f"filter_fn={filter_fn!r} must be callable(module, fqn) -> bool, an nn.Module "
-        "subclass, or a tuple of nn.Module subclasses"
+        "subclass (the class, not an instance), or a non-empty tuple of nn.Module subclasses"
     )
 
 

@@ -1,5 +1,7 @@
 """checkpoint(), Checkpoint and wrap(): semantics of non-reentrant torch checkpoint,
 unchanged state_dict keys, in-place selection of submodules."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -147,13 +149,23 @@ def test_wrap_passes_fully_qualified_names_and_skips_wrapped_subtrees():
 
 def test_wrap_never_wraps_the_root():
     block = ResidualBlock()
-    assert wrap(block, ResidualBlock) is block and not isinstance(block, Checkpoint)
+    with pytest.warns(UserWarning, match="selected no submodule"):  # the root does not count
+        assert wrap(block, ResidualBlock) is block and not isinstance(block, Checkpoint)
 
 
 @pytest.mark.parametrize("filter_fn", ["ResidualBlock", (ResidualBlock, "x"), 3])
 def test_wrap_rejects_a_bad_filter(filter_fn):
     with pytest.raises(ConfigError, match="filter_fn="):
         wrap(ResidualNet(), filter_fn)
+
+
+def test_wrap_warns_when_nothing_matches_but_not_when_called_again():
+    with pytest.warns(UserWarning, match=r"filter_fn=<class 'torch.nn.modules.conv.Conv2d'> selected no submodule"):
+        wrap(ResidualNet(), nn.Conv2d)
+    model = wrap(ResidualNet(), ResidualBlock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrap(model, ResidualBlock)  # already wrapped: nothing new, nothing wrong
 
 
 # --- torch.utils.checkpoint.checkpoint's keywords ------------------------------------
