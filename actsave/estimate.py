@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .checks import integral
 from .errors import ConfigError
 from .meta import OUTPUT_METADATA, fast_meta, on_meta, plans_at_first_call, simulating
 from .offload import is_host_memory
@@ -175,18 +176,23 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
     """Predict the peak memory of one training step of ``model`` on ``device``.
 
     Args:
-        model: any module; its forward runs for real, on meta tensors.
-        input_shapes: the shape of the one input (``(128, 3, 32, 32)``), or a list of
-            them for several inputs. Each may also be a tensor (a meta tensor is
-            enough) to give the dtype too, e.g. ``torch.empty(8, 1024,
-            dtype=torch.long, device="meta")`` for token ids. Shapes alone get the
-            dtype of the model's first floating-point parameter.
+        model: any module (an ``nn.Module`` instance); its forward runs for real, on
+            meta tensors.
+        input_shapes: the shape of the one input (``(128, 3, 32, 32)``; sizes are
+            integers, numpy's too), or a non-empty list of them for several inputs.
+            Each may also be a tensor (a meta tensor is enough) to give the dtype too,
+            e.g. ``torch.empty(8, 1024, dtype=torch.long, device="meta")`` for token
+            ids. Shapes alone get the dtype of the model's first floating-point
+            parameter.
         device: the device to predict for; sets the allocation granularity.
         optimizer: ``None``/``"sgd"`` (no state), ``"momentum"`` (one buffer per
             parameter) or ``"adam"``/``"adamw"`` (two), counted in ``optimizer_bytes``.
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model={model!r} is not an nn.Module instance: estimate runs the model's own "
+                          f"forward and backward, so pass the model (got a {type(model).__name__})")
     device = _checked_device(device)
-    if optimizer not in OPTIMIZER_STATES:
+    if not (optimizer is None or isinstance(optimizer, str)) or optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"optimizer={optimizer!r} is not one of {list(OPTIMIZER_STATES)}")
     specs = _input_specs(input_shapes, _default_dtype(model))
     with on_meta(model) as state, simulating(device):
@@ -223,6 +229,9 @@ def _default_dtype(model: nn.Module) -> torch.dtype:
 
 def _input_specs(input_shapes, dtype: torch.dtype) -> list:
     """[(shape, dtype)] from one shape, a tensor, or a list of either."""
+    if isinstance(input_shapes, (tuple, list)) and not input_shapes:
+        raise ConfigError(f"input_shapes={input_shapes!r} is empty: give the input's shape such as "
+                          "(128, 3, 32, 32), or for a 0-d input a tensor: torch.empty((), device='meta')")
     if isinstance(input_shapes, torch.Tensor) or _is_shape(input_shapes):
         input_shapes = [input_shapes]
     if not isinstance(input_shapes, (list, tuple)) or not input_shapes:
@@ -232,7 +241,7 @@ def _input_specs(input_shapes, dtype: torch.dtype) -> list:
         if isinstance(item, torch.Tensor):
             specs.append((tuple(item.shape), item.dtype))
         elif _is_shape(item):
-            specs.append((tuple(item), dtype))
+            specs.append((tuple(integral(d) for d in item), dtype))
         else:
             raise ConfigError(_bad_shapes(input_shapes))
     return specs
@@ -240,7 +249,7 @@ def _input_specs(input_shapes, dtype: torch.dtype) -> list:
 
 def _is_shape(value) -> bool:
     return (isinstance(value, (tuple, list, torch.Size))
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value))
+            and all(integral(d) is not None and integral(d) >= 0 for d in value))
 
 
 def _bad_shapes(value) -> str:

@@ -23,7 +23,8 @@ they do without actsave. It is also the mechanism of PyTorch's non-reentrant
 checkpoint, which torch.compile knows. What is ours: the inputs are not saved through
 autograd (so they can be compressed or offloaded, and a segment may start with an
 in-place layer), BatchNorm statistics are not updated twice, and the saved tensors are
-checked for shape, dtype and device instead of trusted.
+checked for shape, dtype and device instead of trusted (unless
+``determinism_check="none"``: recompute_options.py).
 
 NOTE [ Lifetime of kept inputs ]
 - Kept inputs live from the forward until the first recompute of their segment;
@@ -69,6 +70,7 @@ placeholders like any other.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
@@ -77,9 +79,11 @@ from typing import Callable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import relu_signs
 from .errors import RecomputeError
+from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState, TouchedState
 from .store import EXACT, KeepPolicy, KeptInputs, input_tensors
 
@@ -110,8 +114,11 @@ class _Frame:
     """One checkpointed call: its kept inputs, the placeholders its forward handed to
     autograd, and (after backward asks) the recomputed tensors behind them."""
 
-    def __init__(self, function: Callable, kept: KeptInputs, replay: ReplayState, args: tuple, kwargs: dict):
+    def __init__(self, function: Callable, kept: KeptInputs, replay: ReplayState, args: tuple, kwargs: dict,
+                 options: RecomputeOptions = DEFAULT_RECOMPUTE):
         self.function = function
+        self.options = options
+        self.operators = {}  # debug=True: "forward"/"recompute" -> operator names (_OperatorLog)
         self.kept = kept
         self.replay = replay
         self.touched = TouchedState()  # NOTE [ State a forward reads and mutates ]
@@ -172,7 +179,8 @@ class _Frame:
     def _recompute(self) -> None:
         try:
             self.touched.check_unchanged(_name(self.function))
-            self._replay(self.kept.restore, self.recomputed, len(self.slots), lossy=self.kept.lossy)
+            self._replay(self.kept.restore, self.recomputed, len(self.slots), lossy=self.kept.lossy,
+                         exact_count=True)
         finally:
             self.kept.release()
         self.is_recomputed = True
@@ -199,9 +207,12 @@ class _Frame:
         args, kwargs = self._forward_inputs
         return pytree.tree_map_only(torch.Tensor, _recompute_input, (args, kwargs))
 
-    def _replay(self, inputs: Callable, into: weakref.WeakKeyDictionary, count: int, lossy: bool) -> None:
+    def _replay(self, inputs: Callable, into: weakref.WeakKeyDictionary, count: int, lossy: bool,
+                exact_count: bool = False) -> None:
         """Run the function again from ``inputs()`` and put the first ``count`` tensors
-        it saves into ``into``, by slot; ``lossy`` applies the forward's ReLU decisions."""
+        it saves into ``into``, by slot; ``lossy`` applies the forward's ReLU decisions.
+        ``exact_count``: the forward is over, so a recompute run to its end
+        (``early_stop=False``) must save exactly ``count`` tensors."""
         counter = itertools.count()
 
         def fill(tensor):
@@ -215,12 +226,13 @@ class _Frame:
                 hooks = saved_tensors_hooks(fill, _identity)
                 with torch.enable_grad(), self.replay.replayed(), self.touched.mutated_once(), hooks:
                     args, kwargs = inputs()  # under enable_grad: see KeptInputs.restore()
-                    self.function(*args, **kwargs)
+                    with self.logged("recompute"):
+                        self.function(*args, **kwargs)
             except _AllSlotsFilled:
                 pass
         produced = next(counter)
-        if produced < count:
-            raise RecomputeError(
+        if produced < count or (exact_count and produced != count):
+            raise self._mismatch(
                 f"the recompute saved {produced} tensors for backward where the forward "
                 f"saved {count}: the checkpointed function {_name(self.function)} "
                 "does not do the same work twice. Make it deterministic (same branches, "
@@ -228,24 +240,54 @@ class _Frame:
             )
 
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> None:
-        if index < count and _signature(tensor) != self.signatures[index]:
-            raise RecomputeError(
+        if self.options.checks_saves and index < count and _signature(tensor) != self.signatures[index]:
+            raise self._mismatch(
                 f"the recompute of {_name(self.function)} saved a tensor of "
                 f"shape/dtype/device {_signature(tensor)} where the forward saved "
                 f"{self.signatures[index]}: the function is not deterministic in its "
                 "shapes or dtypes, so its gradients would be wrong. Make it deterministic "
-                "or do not checkpoint it."
+                "or do not checkpoint it (determinism_check='none' skips this check)."
             )
         slot = self.slots[index]() if index < count else None
         if slot is not None:  # None: autograd already freed the node that saved it
             if lossy and slot.relu_signs is not None:
                 relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
             into[slot] = _detached(tensor)
-        if index == count - 1:
+        if index == count - 1 and self.options.early_stop:
             # Early stop: what runs after the last saved tensor (at least the output of
             # the op that saved it) is not needed. Saves time and one activation of
             # peak memory, as torch's non-reentrant checkpoint does.
             raise _AllSlotsFilled
+
+    def logged(self, stage: str):
+        """With ``debug=True``, a mode that records the operators ``stage`` runs."""
+        if not self.options.debug:
+            return contextlib.nullcontext()
+        log = _OperatorLog()
+        self.operators[stage] = log.names
+        return log
+
+    def _mismatch(self, message: str) -> RecomputeError:
+        if not self.options.debug:
+            return RecomputeError(message)
+        parts = [message, "debug=True: the operators the forward and the recompute ran, in order; look "
+                          "where the lists part (the recompute stops at a mismatch, or after its last save)."]
+        for stage in ("forward", "recompute"):
+            names = self.operators.get(stage, [])
+            parts.append(f"Operators the {stage} ran ({len(names)}):\n  " + "\n  ".join(names))
+        return RecomputeError("\n\n".join(parts))
+
+
+class _OperatorLog(TorchDispatchMode):
+    """The names of the operators run inside it (``aten.mul.Tensor``): debug=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
@@ -288,17 +330,18 @@ def checkpointed_call(
     kwargs: dict,
     policy: KeepPolicy,
     private_copy: bool = False,
+    options: RecomputeOptions = DEFAULT_RECOMPUTE,
 ) -> tuple:
     """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
 
     Returns ``(output, kept_bytes)``: the function's output, untouched, and the bytes
     kept for its backward (inputs and ReLU sign bits; 0 when nothing needs a backward). ``private_copy`` makes
     the kept inputs private copies, for functions that modify their inputs in place.
-    See NOTE [ Segment checkpoint mechanism ].
+    ``options`` say how to recompute (recompute_options.py). See NOTE [ Segment checkpoint mechanism ].
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
-    return _checkpointed_call(function, args, kwargs, policy, private_copy)
+    return _checkpointed_call(function, args, kwargs, policy, private_copy, options)
 
 
 # NOTE [ torch.compile ]
@@ -310,14 +353,14 @@ def checkpointed_call(
 # forward and recompute alike. For compiled segments, compile the layers and then
 # checkpoint them: forward and recompute then run the same compiled code.
 @torch.compiler.disable
-def _checkpointed_call(function, args, kwargs, policy, private_copy):
+def _checkpointed_call(function, args, kwargs, policy, private_copy, options):
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         policy = EXACT
-    replay = ReplayState.capture(input_tensors(args, kwargs))
+    replay = ReplayState.capture(input_tensors(args, kwargs), options.preserve_rng_state)
     kept = KeptInputs(args, kwargs, policy, private_copy)
-    frame = _Frame(function, kept, replay, args, kwargs)
+    frame = _Frame(function, kept, replay, args, kwargs, options)
     try:
-        with frame.touched.recording(), saved_tensors_hooks(frame.pack, frame.unpack):
+        with frame.touched.recording(), saved_tensors_hooks(frame.pack, frame.unpack), frame.logged("forward"):
             output = function(*args, **kwargs)
     except BaseException:
         kept.release()  # now, not when the traceback that holds it is dropped

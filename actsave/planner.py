@@ -123,6 +123,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterable
 import math
 import statistics
 import time
@@ -138,6 +139,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from . import relu_signs
+from .checks import integral, real_number
 from .codecs import get_codec
 from .errors import ConfigError
 from .text import format_table
@@ -256,9 +258,10 @@ class Profile:
 
 def _chain_layers(model) -> list:
     if not isinstance(model, nn.Sequential):
-        raise ConfigError(f"profile expects an nn.Sequential chain of layers, got {type(model).__name__}")
+        raise ConfigError(f"model={model!r}: profile expects an nn.Sequential chain of layers (a "
+                          f"CheckpointedSequential is one), got {type(model).__name__}")
     if len(model) == 0:
-        raise ConfigError("profile needs a chain with at least one layer")
+        raise ConfigError("model is an empty nn.Sequential: profile needs a chain with at least one layer")
     return list(model.named_children())
 
 
@@ -743,15 +746,16 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
 def _profiled_device(x: torch.Tensor, device) -> torch.device:
     """The device a profile's bytes are for: ``x``'s own, or for a meta ``x`` the one
     it stands for."""
+    try:
+        asked = None if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ConfigError(f"device={device!r} is not a torch device ('cuda', 'cpu')") from error
     if x.device.type != "meta":
-        if device is not None and torch.device(device) != x.device:
+        if asked is not None and asked != x.device:
             raise ConfigError(f"device={device!r} is for meta inputs (the device they stand for); this "
                               f"input is on {x.device}, which is where the profile measures")
         return x.device
-    try:
-        return torch.device("cpu" if device is None else device)
-    except (RuntimeError, TypeError) as error:
-        raise ConfigError(f"device={device!r} is not a torch device ('cuda', 'cpu')") from error
+    return torch.device("cpu") if asked is None else asked
 
 
 # -------------------------------------------------------------------------- the plan
@@ -792,12 +796,23 @@ class Plan:
     budget: Optional[int] = None
 
     def __post_init__(self):
-        starts = list(self.starts)
+        n_layers = integral(self.n_layers)
+        if n_layers is None or n_layers < 1:
+            raise ConfigError(f"plan n_layers={self.n_layers!r} must be a positive integer")
+        try:
+            starts = [integral(start) for start in self.starts]
+        except TypeError:  # not iterable
+            starts = [None]
+        if None in starts:
+            raise ConfigError(f"plan starts={self.starts!r} must be a sequence of layer indices (integers)")
         increasing = all(a < b for a, b in zip(starts, starts[1:]))
-        if not starts or starts[0] != 0 or not increasing or starts[-1] >= self.n_layers:
+        if not starts or starts[0] != 0 or not increasing or starts[-1] >= n_layers:
             raise ConfigError(
                 f"plan starts={self.starts!r} must increase from 0 and stay below {self.n_layers}")
         checkpointed = len(starts) - 1
+        if not isinstance(self.codecs, (tuple, list)) or not isinstance(self.offload, (tuple, list)):
+            raise ConfigError(f"plan codecs={self.codecs!r} and offload={self.offload!r} must be tuples, one "
+                              "item per checkpointed segment")
         if len(self.codecs) != checkpointed or len(self.offload) != checkpointed:
             raise ConfigError(
                 f"a plan with {len(starts)} segments needs {checkpointed} codecs and offload flags "
@@ -805,6 +820,8 @@ class Plan:
             )
         for codec in self.codecs:
             get_codec(codec)
+        if not all(isinstance(flag, bool) for flag in self.offload):
+            raise ConfigError(f"plan offload={self.offload!r} must hold True or False for each checkpointed segment")
 
     @property
     def segments(self) -> list:
@@ -892,9 +909,9 @@ def _plan_of(profile: Profile, model: "_CostModel", segments: list, budget: Opti
 def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str) -> list:
     """The KeepOptions ``allow`` and ``min_sqnr_db`` permit on ``device`` (empty:
     nothing may be checkpointed)."""
-    if min_sqnr_db is not None and (isinstance(min_sqnr_db, bool) or not isinstance(min_sqnr_db, (int, float))):
+    if min_sqnr_db is not None and not real_number(min_sqnr_db):
         raise ConfigError(f"min_sqnr_db={min_sqnr_db!r} must be a number of dB or None")
-    if isinstance(allow, str) or not all(isinstance(lever, str) for lever in allow):
+    if isinstance(allow, str) or not isinstance(allow, Iterable) or not all(isinstance(lever, str) for lever in allow):
         raise ConfigError(f"allow={allow!r} must be a tuple of lever names, some of {list(LEVERS)}")
     unknown = [lever for lever in allow if lever not in LEVERS]
     if unknown:
@@ -929,8 +946,8 @@ def _effective_option(option: KeepOption, layer: LayerProfile, device: str) -> K
 
 def _check_plan_arguments(profile, budget, objective) -> None:
     if not isinstance(profile, Profile):
-        raise ConfigError(f"plan expects a Profile from actsave.profile(model, example_inputs), got "
-                          f"{type(profile).__name__}")
+        raise ConfigError(f"profile={profile!r}: plan expects a Profile from actsave.profile(model, "
+                          f"example_inputs), got {type(profile).__name__}")
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} must be one of {list(OBJECTIVES)}")
     if objective == "time" and not profile.timed:
@@ -941,7 +958,7 @@ def _check_plan_arguments(profile, budget, objective) -> None:
             raise ConfigError("budget (peak activation bytes) is required for the fastest plan; pass "
                               "objective='memory' for the smallest peak without a budget")
         return
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+    if not real_number(budget) or not budget > 0:
         raise ConfigError(f"budget={budget!r} must be a positive number of bytes (peak activation memory)")
 
 

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from . import planner
+from .checks import integral
 from .compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
 from .function import checkpointed_call
@@ -97,10 +98,11 @@ def segment_starts(n_layers: int, segments: SegmentsSpec) -> list:
         return _even_starts(n_layers, max(1, round(math.sqrt(n_layers))))
     if isinstance(segments, bool):
         raise ConfigError(_bad_segments(segments, n_layers))
-    if isinstance(segments, int):
-        if not 1 <= segments <= n_layers:
+    k = integral(segments)  # any integral number: numpy's too
+    if k is not None:
+        if not 1 <= k <= n_layers:
             raise ConfigError(_bad_segments(segments, n_layers))
-        return _even_starts(n_layers, segments)
+        return _even_starts(n_layers, k)
     return _explicit_starts(n_layers, segments)
 
 
@@ -114,11 +116,10 @@ def _even_starts(n_layers: int, k: int) -> list:
 
 def _explicit_starts(n_layers: int, segments) -> list:
     try:
-        starts = [int(s) for s in segments if not isinstance(s, bool) and int(s) == s]
-        ok = len(starts) == len(list(segments))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok or not starts:
+        starts = [integral(s) for s in segments]
+    except TypeError:  # not iterable
+        starts = []
+    if not starts or None in starts:
         raise ConfigError(_bad_segments(segments, n_layers))
     if any(b <= a for a, b in zip(starts, starts[1:])) or starts[0] < 0 or starts[-1] >= n_layers:
         raise ConfigError(
@@ -126,6 +127,20 @@ def _explicit_starts(n_layers: int, segments) -> list:
             f"[0, {n_layers - 1}] (where segments start)"
         )
     return starts if starts[0] == 0 else [0, *starts]
+
+
+def _normalized_segments(segments):
+    """``segments`` as an ``int``, a list of starts or a name: one value to compare and
+    print, whatever integral or iterable type the caller used (a numpy array, a range)."""
+    if isinstance(segments, (str, bool)):
+        return segments
+    k = integral(segments)
+    if k is not None:
+        return k
+    try:
+        return list(segments)
+    except TypeError:
+        return segments  # rejected, with the allowed values, by segment_starts
 
 
 def _bad_segments(value, n_layers: int) -> str:
@@ -149,8 +164,9 @@ class CheckpointedSequential(nn.Sequential):
             of each input shape (NOTE [ Balanced segments ]). ``"sqrt"``:
             ``round(sqrt(n))`` segments split as
             ``torch.utils.checkpoint.checkpoint_sequential`` does (O(sqrt(n))
-            activation memory for one extra forward). An int ``k`` (split likewise), or a sorted list
-            of the layer indices where segments start (0 is implied). The last segment
+            activation memory for one extra forward). An integer ``k`` (split likewise; any
+            integral type, ``numpy.int64`` too, but not a bool), or a sorted list of the
+            layer indices where segments start (0 is implied). The last segment
             is not checkpointed. ``"auto"`` (alias ``"speed"``): the fastest plan whose
             predicted peak activation memory fits ``budget``; ``"memory"``: the plan
             with the smallest predicted peak (checked against ``budget`` if given).
@@ -172,12 +188,16 @@ class CheckpointedSequential(nn.Sequential):
     ``CheckpointedSequential`` with default options. With ``compress=None`` outputs and
     gradients are bit-identical to the plain ``nn.Sequential``. Under
     ``torch.no_grad()`` it runs as a plain ``nn.Sequential`` and keeps nothing.
+    Segments recompute with the defaults of :func:`actsave.checkpoint` (RNG state
+    replayed, recomputed saves checked); for other recompute options, wrap layers in
+    :class:`actsave.Checkpoint` instead.
     """
 
     def __init__(self, *modules, segments: SegmentsSpec = BALANCED, compress=None, offload=False,
                  budget=None, example_inputs=None):
         _check_modules(modules)
         super().__init__(*modules)
+        segments = _normalized_segments(segments)
         planned = isinstance(segments, str) and segments in _PLANNED_STRATEGIES
         _check_planning_arguments(segments, planned, budget, example_inputs, compress, offload)
         if not planned and segments != BALANCED:
@@ -202,7 +222,8 @@ class CheckpointedSequential(nn.Sequential):
         """A CheckpointedSequential over the same module objects (no copies)."""
         if not isinstance(sequential, nn.Sequential):
             raise ConfigError(
-                f"from_sequential expects an nn.Sequential, got {type(sequential).__name__}"
+                f"sequential={sequential!r}: from_sequential expects an nn.Sequential, got "
+                f"{type(sequential).__name__}"
             )
         return cls(OrderedDict(sequential.named_children()), **options)
 
@@ -257,7 +278,7 @@ class CheckpointedSequential(nn.Sequential):
         per-layer option set before."""
         if not isinstance(plan, planner.Plan):
             raise ConfigError(
-                f"apply_plan expects an actsave Plan (from actsave.plan), got {type(plan).__name__}")
+                f"plan={plan!r}: apply_plan expects an actsave Plan (from actsave.plan), got {type(plan).__name__}")
         if plan.n_layers != len(self):
             raise ConfigError(
                 f"the plan is for {plan.n_layers} layers and this CheckpointedSequential has "
@@ -331,8 +352,9 @@ class CheckpointedSequential(nn.Sequential):
         names = list(self._modules)
         if isinstance(layer, str) and layer in self._modules:
             return layer
-        if isinstance(layer, int) and not isinstance(layer, bool) and -len(names) <= layer < len(names):
-            return names[layer]
+        index = integral(layer)
+        if index is not None and -len(names) <= index < len(names):
+            return names[index]
         raise ConfigError(
             f"layer {layer!r} is not in this CheckpointedSequential; use an index in "
             f"[0, {len(names) - 1}], a child name (one of {names[:8]}"

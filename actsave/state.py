@@ -2,7 +2,8 @@
 
 - RNG: the CPU generator and those of every accelerator the inputs live on are
   captured before the forward and replayed in the recompute (same Dropout masks),
-  inside ``fork_rng`` so the caller's generators do not move.
+  inside ``fork_rng`` so the caller's generators do not move. With
+  ``preserve_rng_state=False`` (recompute_options.py) neither happens, as in torch.
 - Autocast: whether it was on, its dtype and cache setting, for the CPU and for the
   inputs' device types. Backward may run outside the ``autocast`` block; the
   recompute re-enters the forward's state.
@@ -21,6 +22,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -54,7 +56,7 @@ class _AutocastState:
 class ReplayState:
     """RNG and autocast state at the start of a checkpointed forward."""
 
-    cpu_rng: torch.Tensor
+    cpu_rng: Optional[torch.Tensor]  # None: preserve_rng_state=False, no RNG replay
     device_type: str  # the inputs' accelerator type, or "cpu" when there is none
     devices: tuple  # indices of the accelerators the inputs live on
     device_rngs: tuple
@@ -62,7 +64,7 @@ class ReplayState:
     default_device: torch.device
 
     @classmethod
-    def capture(cls, tensors) -> "ReplayState":
+    def capture(cls, tensors, preserve_rng_state: bool = True) -> "ReplayState":
         accelerators = sorted({(t.device.type, t.device.index or 0) for t in tensors
                                if t.device.type not in ("cpu", "meta")})
         device_type = accelerators[0][0] if accelerators else "cpu"
@@ -70,10 +72,10 @@ class ReplayState:
         module = torch.get_device_module(device_type) if devices else None
         autocast_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
         return cls(
-            cpu_rng=torch.get_rng_state(),
+            cpu_rng=torch.get_rng_state() if preserve_rng_state else None,
             device_type=device_type,
             devices=devices,
-            device_rngs=tuple(module.get_rng_state(i) for i in devices) if module else (),
+            device_rngs=tuple(module.get_rng_state(i) for i in devices) if module and preserve_rng_state else (),
             autocast=tuple(_AutocastState.capture(kind) for kind in autocast_types),
             default_device=torch.get_default_device(),
         )
@@ -81,10 +83,14 @@ class ReplayState:
     @contextlib.contextmanager
     def replayed(self):
         """Run the body with the captured RNG, autocast state and default device; the
-        caller's RNG state is restored afterwards."""
-        with torch.random.fork_rng(devices=list(self.devices), device_type=self.device_type):
-            torch.set_rng_state(self.cpu_rng)
-            if self.devices:
+        caller's RNG state is restored afterwards. Without a captured RNG state
+        (``preserve_rng_state=False``) the body draws from the caller's generators and
+        advances them, as torch's checkpoint does."""
+        replays_rng = self.cpu_rng is not None
+        with torch.random.fork_rng(devices=list(self.devices), device_type=self.device_type, enabled=replays_rng):
+            if replays_rng:
+                torch.set_rng_state(self.cpu_rng)
+            if self.devices and replays_rng:
                 module = torch.get_device_module(self.device_type)
                 for index, state in zip(self.devices, self.device_rngs):
                     module.set_rng_state(state, index)

@@ -1,9 +1,14 @@
 """checkpoint(), Checkpoint and wrap(): semantics of non-reentrant torch checkpoint,
 unchanged state_dict keys, in-place selection of submodules."""
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
 from support import ResidualBlock, ResidualNet, assert_same_training, mixed_chain, twin
 from torch import nn
+from torch.utils.checkpoint import CheckpointError, noop_context_fn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import actsave
 from actsave import Checkpoint, CheckpointedSequential, ConfigError, checkpoint, wrap
@@ -144,10 +149,149 @@ def test_wrap_passes_fully_qualified_names_and_skips_wrapped_subtrees():
 
 def test_wrap_never_wraps_the_root():
     block = ResidualBlock()
-    assert wrap(block, ResidualBlock) is block and not isinstance(block, Checkpoint)
+    with pytest.warns(UserWarning, match="selected no submodule"):  # the root does not count
+        assert wrap(block, ResidualBlock) is block and not isinstance(block, Checkpoint)
 
 
 @pytest.mark.parametrize("filter_fn", ["ResidualBlock", (ResidualBlock, "x"), 3])
 def test_wrap_rejects_a_bad_filter(filter_fn):
     with pytest.raises(ConfigError, match="filter_fn="):
         wrap(ResidualNet(), filter_fn)
+
+
+def test_wrap_warns_when_nothing_matches_but_not_when_called_again():
+    with pytest.warns(UserWarning, match=r"filter_fn=<class 'torch.nn.modules.conv.Conv2d'> selected no submodule"):
+        wrap(ResidualNet(), nn.Conv2d)
+    model = wrap(ResidualNet(), ResidualBlock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrap(model, ResidualBlock)  # already wrapped: nothing new, nothing wrong
+
+
+# --- torch.utils.checkpoint.checkpoint's keywords ------------------------------------
+
+def _dropout_sin(x):
+    return F.dropout(x, p=0.5, training=True).sin()
+
+
+def _grad_and_next_draw(call, function, **keywords):
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, requires_grad=True)
+    call(function, x, **keywords).sum().backward()
+    return x.grad, torch.rand(4)  # the draw tells whether the recompute advanced the RNG
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_preserve_rng_state_means_what_it_means_in_torch(preserve):
+    ours = _grad_and_next_draw(checkpoint, _dropout_sin, use_reentrant=False, preserve_rng_state=preserve)
+    theirs = _grad_and_next_draw(torch_checkpoint, _dropout_sin, use_reentrant=False, preserve_rng_state=preserve)
+    plain = _grad_and_next_draw(lambda f, x: f(x), _dropout_sin)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    # Replayed, the recompute's dropout mask is the forward's; not replayed, it is another.
+    assert torch.equal(ours[0], plain[0]) == preserve
+
+
+def test_checkpoint_module_and_wrap_take_preserve_rng_state_too():
+    def run(model_of):
+        torch.manual_seed(0)
+        model = model_of(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)))
+        x = torch.randn(6, 8, requires_grad=True)
+        model(x).sum().backward()
+        return x.grad
+
+    ours = run(lambda m: nn.Sequential(Checkpoint(m, preserve_rng_state=False)))
+    wrapped = run(lambda m: wrap(nn.Sequential(m), nn.Sequential, preserve_rng_state=False))
+    theirs = run(lambda m: (lambda x: torch_checkpoint(m, x, use_reentrant=False, preserve_rng_state=False)))
+    plain = run(lambda m: m)
+    assert torch.equal(ours, theirs) and torch.equal(wrapped, theirs) and not torch.equal(ours, plain)
+    assert "preserve_rng_state=False" in repr(Checkpoint(nn.ReLU(), preserve_rng_state=False))
+
+
+def _rows(k):
+    def first_rows(x):  # saves x[:k[0]] for sin's backward: its shape follows k
+        return (x[:k[0]] * 2).sin()
+    return first_rows
+
+
+@pytest.mark.parametrize("call", ["actsave", "torch"])
+def test_determinism_check_none_lets_a_changed_shape_through_as_torch_does(call):
+    k = [3]
+    ckpt = checkpoint if call == "actsave" else torch_checkpoint
+    x = torch.randn(3, 4, requires_grad=True)
+    out = ckpt(_rows(k), x, use_reentrant=False, determinism_check="none")
+    k[0] = 1  # the recompute saves a (1, 4) tensor where the forward saved (3, 4)
+    out.sum().backward()
+    # sin's backward broadcasts the one recomputed row: every row's gradient is row 0's.
+    assert torch.equal(x.grad, (2 * torch.cos(2 * x.detach()[:1])).expand(3, 4))
+
+
+def test_determinism_check_default_raises_where_torch_raises():
+    for ckpt, error in ((checkpoint, actsave.RecomputeError), (torch_checkpoint, CheckpointError)):
+        k = [3]
+        out = ckpt(_rows(k), torch.randn(3, 4, requires_grad=True), use_reentrant=False, determinism_check="default")
+        k[0] = 1
+        with pytest.raises(error):
+            out.sum().backward()
+
+
+def test_debug_lists_the_operators_of_the_forward_and_of_the_recompute():
+    k = [3]
+    out = checkpoint(_rows(k), torch.randn(3, 4, requires_grad=True), debug=True)
+    k[0] = 1
+    with pytest.raises(actsave.RecomputeError) as raised:
+        out.sum().backward()
+    message = str(raised.value)
+    forward, recompute = message.split("Operators the forward ran")[1].split("Operators the recompute ran")
+    assert "aten.mul" in forward and "aten.sin" in forward
+    assert "aten.mul" in recompute and "aten.sin" not in recompute  # it stopped at sin's save
+
+
+def test_without_debug_the_error_lists_no_operators():
+    k = [3]
+    out = checkpoint(_rows(k), torch.randn(3, 4, requires_grad=True))
+    k[0] = 1
+    with pytest.raises(actsave.RecomputeError) as raised:
+        out.sum().backward()
+    assert "aten." not in str(raised.value)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_early_stop_as_in_torch(early_stop):
+    def runs_of(ckpt):
+        calls = []
+
+        def function(x):
+            y = x.sin()
+            calls.append(1)  # after the last save: the early-stopped recompute never gets here
+            return y
+
+        ckpt(function, torch.randn(3, requires_grad=True), use_reentrant=False, early_stop=early_stop).sum().backward()
+        return len(calls)
+
+    assert runs_of(checkpoint) == runs_of(torch_checkpoint) == (1 if early_stop else 2)
+
+
+def test_torch_keywords_are_checkpoints_own_and_the_rest_reach_the_function():
+    def scaled(x, *, scale):
+        return x.sin() * scale
+
+    x = torch.randn(3, requires_grad=True)
+    out = checkpoint(scaled, x, use_reentrant=False, preserve_rng_state=True, determinism_check="default",
+                     debug=False, early_stop=True, context_fn=noop_context_fn, scale=3.0)
+    out.sum().backward()
+    assert torch.allclose(x.grad, 3 * x.detach().cos())
+
+
+@pytest.mark.parametrize("keywords, names", [
+    ({"use_reentrant": True}, ["use_reentrant=True", "non-reentrant", "use_reentrant=False"]),
+    ({"use_reentrant": "False"}, ["use_reentrant='False'"]),
+    ({"context_fn": lambda: (None, None)}, ["context_fn=", "not supported", "actsave.wrap"]),
+    ({"preserve_rng_state": None}, ["preserve_rng_state=None", "True or False"]),
+    ({"determinism_check": "strict"}, ["determinism_check='strict'", "'default'", "'none'"]),
+    ({"debug": "yes"}, ["debug='yes'"]),
+    ({"early_stop": 0}, ["early_stop=0"]),
+])
+def test_torch_keywords_actsave_does_not_implement_are_refused(keywords, names):
+    with pytest.raises(ConfigError) as raised:
+        checkpoint(torch.sin, torch.randn(3, requires_grad=True), **keywords)
+    assert all(name in str(raised.value) for name in names), str(raised.value)

@@ -187,7 +187,6 @@ def test_checkpoint_warns_if_use_reentrant_not_passed_explcitly():
         actsave.checkpoint(lambda x: x, a)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="issue 17 item 5: checkpoint keyword use_reentrant not accepted")
 def test_checkpoint_warns_if_use_reentrant_not_passed_explcitly_keyword():
     """Upstream's first half: ``use_reentrant=False`` passed explicitly is accepted
     and does not warn."""
@@ -264,7 +263,6 @@ def test_checkpoint_detects_non_determinism():
         out.backward()
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="issue 17 item 5: checkpoint keyword debug not accepted")
 def test_checkpoint_detects_non_determinism_debug():
     """Upstream's debug=True part: the keyword is accepted and the mismatch still
     raises (actsave's message is its own)."""

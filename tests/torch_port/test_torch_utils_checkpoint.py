@@ -176,7 +176,6 @@ def test_checkpoint_rng_gpu():
     pass
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="issue 17 item 5: checkpoint keyword preserve_rng_state not accepted")
 def test_checkpoint_not_preserve_rng_state_and_without_reentrant():
     # Upstream runs this on an accelerator only; nothing in it needs one.
     inp = torch.randn(2).requires_grad_()

@@ -1,0 +1,100 @@
+"""How a checkpointed call recomputes: the keywords of
+``torch.utils.checkpoint.checkpoint`` that mean something to actsave, resolved once
+into a frozen :class:`RecomputeOptions`, and the ones it refuses.
+
+Code migrated from ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+...)`` keeps its keywords, with torch's meaning:
+
+- ``use_reentrant``: ``None`` or ``False``. actsave implements only the non-reentrant
+  variant (the one torch recommends); ``True`` is refused rather than silently
+  ignored. (Unlike torch 2.13, leaving it out does not warn: there is no other variant.)
+- ``preserve_rng_state`` (default ``True``): capture the RNG state before the forward
+  and replay it in the recompute, so Dropout masks are the forward's. ``False`` skips
+  the capture and the replay, as in torch: the recompute draws from the generators as
+  they are at backward time (and advances them), so random masks differ from the
+  forward's and the gradients are those of other masks. Use it only for functions
+  that draw no random numbers, to save the cost of saving the RNG state.
+- ``determinism_check``: ``"default"`` checks that every tensor the recompute saves has
+  the shape, dtype and device the forward's had, and raises RecomputeError otherwise;
+  ``"none"`` skips that check (the number of saved tensors is still checked: backward
+  cannot run without them).
+- ``debug`` (default ``False``): ``True`` records the operators the forward and the
+  recompute run (a TorchDispatchMode, only then) and lists both in the RecomputeError
+  raised when they do not match.
+- ``early_stop`` (default ``True``): stop the recompute once the last saved tensor is
+  recomputed; ``False`` runs the function to its end.
+- ``context_fn``: refused (only torch's ``noop_context_fn`` or ``None`` pass): actsave
+  has no selective checkpointing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from torch.utils.checkpoint import noop_context_fn
+
+from .errors import ConfigError
+
+DETERMINISM_CHECKS = ("default", "none")
+
+
+@dataclass(frozen=True)
+class RecomputeOptions:
+    """How one checkpointed call recomputes (module docstring)."""
+
+    preserve_rng_state: bool = True
+    determinism_check: str = "default"
+    debug: bool = False
+    early_stop: bool = True
+
+    @classmethod
+    def resolve(cls, preserve_rng_state=True, determinism_check="default", debug=False,
+                early_stop=True) -> "RecomputeOptions":
+        for name, value in (("preserve_rng_state", preserve_rng_state), ("debug", debug),
+                            ("early_stop", early_stop)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r} must be True or False")
+        if not isinstance(determinism_check, str) or determinism_check not in DETERMINISM_CHECKS:
+            raise ConfigError(
+                f"determinism_check={determinism_check!r} is not one of {list(DETERMINISM_CHECKS)}: "
+                "'default' checks the shape, dtype and device of every recomputed tensor, "
+                "'none' skips the check"
+            )
+        return cls(preserve_rng_state, determinism_check, debug, early_stop)
+
+    @property
+    def checks_saves(self) -> bool:
+        """Whether recomputed saves are checked for shape, dtype and device."""
+        return self.determinism_check == "default"
+
+    def describe(self) -> str:
+        """The options that differ from the defaults, as keyword arguments."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                         if getattr(self, f.name) != f.default)
+
+
+DEFAULT_RECOMPUTE = RecomputeOptions()
+
+
+def check_torch_only_keywords(use_reentrant, context_fn) -> None:
+    """Refuse the ``torch.utils.checkpoint.checkpoint`` keywords whose other values
+    actsave does not implement (module docstring)."""
+    if use_reentrant is True:
+        raise ConfigError(
+            "use_reentrant=True: actsave implements only the non-reentrant checkpoint (torch's "
+            "use_reentrant=False, which torch recommends: same gradients, and it also supports "
+            "torch.autograd.grad, keyword arguments and inputs that need no grad). Drop the "
+            "keyword or pass use_reentrant=False."
+        )
+    if use_reentrant is not None and use_reentrant is not False:
+        raise ConfigError(f"use_reentrant={use_reentrant!r} must be False or None (actsave is non-reentrant)")
+    if context_fn is not None and context_fn is not noop_context_fn:
+        raise ConfigError(
+            f"context_fn={context_fn!r} is not supported: actsave has no selective checkpointing "
+            "(torch's create_selective_checkpoint_contexts) and runs the forward and the "
+            "recompute under the caller's contexts. To keep the outputs of some operations, "
+            "checkpoint smaller pieces instead (actsave.checkpoint on the cheap-to-recompute part, "
+            "actsave.wrap(model, filter_fn) on chosen submodules) and leave the rest un-checkpointed."
+        )
+
+
+__all__ = ["RecomputeOptions", "DEFAULT_RECOMPUTE", "DETERMINISM_CHECKS", "check_torch_only_keywords"]
