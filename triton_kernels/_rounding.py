@@ -7,9 +7,10 @@ what they have in common:
 - the group tiling of a launch: each program owns a ``[GROUPS_PER_PROGRAM, GROUP_SIZE]``
   block and reduces along its rows, with int64 offsets;
 - NOTE [scale rule]: ``scale = absmax / code_max`` over the group's finite values,
-  divided correctly rounded, then capped at the largest scale whose ``code_max * scale``
-  is finite (a group near the fp32 maximum would otherwise decode its largest value to
-  inf; below the cap nothing changes). A group of finite values stores that scale
+  divided correctly rounded. Where ``code_max * scale`` would overflow (an absmax next
+  to the fp32 maximum), the scale steps one ulp toward zero so that no finite input
+  decodes to inf: the division errs by at most half an ulp, so one step is enough, and
+  every other scale is left as it is. A group of finite values stores that scale
   (>= +0); a group holding +-inf or NaN stores it negated, so its sign bit flags the
   group without adding a byte. Only finite values are divided (``x / |scale|``, 0 for
   an all-zero group); decoding is ``value(code) * |scale|``, so an all-zero group
@@ -69,14 +70,6 @@ class NonFiniteCodes(NamedTuple):
         return {"NON_FINITE_CODE_MAX": self.finite_max, **self.decode_constexprs()}
 
 
-def max_scale(code_max):
-    """The largest fp32 scale whose ``code_max * scale`` is finite (NOTE [scale rule])."""
-    scale = torch.tensor(torch.finfo(torch.float32).max) / code_max
-    while (scale * code_max).isinf():
-        scale = scale.nextafter(torch.tensor(0.0))
-    return scale.item()
-
-
 # ----------------------------------------------------------------- Triton helpers
 
 
@@ -101,7 +94,7 @@ def load_as_float32(ptrs, mask):
 
 
 @triton.jit
-def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX, SCALE_MAX):
+def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
     """NOTE [scale rule] per row of a [groups, GROUP_SIZE] fp32 block: the signed scale,
     and the largest code magnitude the row's finite values may take, as [groups, 1]."""
     finite = tl.abs(x) < float("inf")
@@ -109,7 +102,9 @@ def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX, SCALE_MAX):
     non_finite = tl.max((finite == 0).to(tl.int32), axis=1) > 0
     code_max = tl.where(non_finite, tl.full(absmax.shape, NON_FINITE_CODE_MAX, tl.float32),
                         tl.full(absmax.shape, CODE_MAX, tl.float32))
-    scale = tl.minimum(tl.div_rn(absmax, code_max), SCALE_MAX)
+    scale = tl.div_rn(absmax, code_max)
+    one_ulp_less = (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+    scale = tl.where(scale * code_max == float("inf"), one_ulp_less, scale)
     return tl.where(non_finite, -scale, scale), code_max[:, None]
 
 
@@ -259,7 +254,7 @@ def _per_element(scales, group_size, numel):
     return scales.repeat_interleave(group_size)[:numel]
 
 
-def group_scale_ref(flat, group_size, code_max, non_finite, scale_max):
+def group_scale_ref(flat, group_size, code_max, non_finite):
     """NOTE [scale rule] for a flat fp32 tensor: the signed scale per group, and per
     element the largest code magnitude its group's finite values may take. Zero
     padding is finite and leaves the absmax unchanged."""
@@ -268,7 +263,8 @@ def group_scale_ref(flat, group_size, code_max, non_finite, scale_max):
     absmax = torch.where(finite, padded.abs(), 0.0).amax(dim=1)
     flagged = ~finite.all(dim=1)
     limit = torch.where(flagged, non_finite.finite_max, float(code_max))
-    scales = (absmax / limit).clamp_max(scale_max)
+    scales = absmax / limit
+    scales = torch.where((scales * limit).isinf(), scales.nextafter(torch.zeros_like(scales)), scales)
     return torch.where(flagged, -scales, scales), _per_element(limit, group_size, flat.numel())
 
 

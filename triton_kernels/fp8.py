@@ -6,9 +6,9 @@ elements (a power of two; the last group may be partial). Each group stores
 element: the bit pattern of ``x / scale`` in ``torch.float8_e4m3fn`` (1 sign,
 4 exponent, 3 mantissa bits, no inf) or ``torch.float8_e5m2`` (1, 5, 2), rounded half
 to even and saturated at +-FP8_MAX. Decoding is ``fp8_value(code) * scale`` in fp32,
-rounded half to even to the requested dtype. NOTE [scale rule] in ``_rounding`` caps
-the scale near the fp32 maximum and flags, by the scale's sign bit, a group holding
-inf or NaN; there +-inf and NaN take the codes of ``_Fp8Format.non_finite`` (NOTE
+rounded half to even to the requested dtype. NOTE [scale rule] in ``_rounding`` keeps
+a scale near the fp32 maximum from decoding to inf, and flags, by the scale's sign
+bit, a group holding inf or NaN; there +-inf and NaN take the codes of ``_Fp8Format.non_finite`` (NOTE
 [non-finite groups]) and the scale maps the finite absmax onto the largest magnitude
 left below them.
 
@@ -42,7 +42,6 @@ from ._rounding import (
     launch,
     load_as_float32,
     magnitude_bits,
-    max_scale,
     round_to_grid_rne,
     store_rounded,
     with_non_finite_codes,
@@ -56,15 +55,13 @@ class _Fp8Format:
 
     torch_dtype: torch.dtype
     max_value: float  # largest finite value; the scale maps a group's absmax onto it
-    scale_max: float  # NOTE [scale rule]: the largest scale that decodes max_value finite
     mantissa_bits: int
     min_normal_exponent: int  # log2 of the smallest normal value
     first_special_code: int  # the magnitude codes from here up are inf or NaN
     non_finite: NonFiniteCodes  # NOTE [non-finite groups]
 
     def encode_constexprs(self) -> dict:
-        return {"FP8_MAX": self.max_value, "SCALE_MAX": self.scale_max,
-                "MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
+        return {"FP8_MAX": self.max_value, "MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
                 **self.non_finite.encode_constexprs()}
 
     def decode_constexprs(self) -> dict:
@@ -90,7 +87,7 @@ def _fp8_format(torch_dtype):
     """Read from torch, so that the kernels share torch's definition of the format."""
     finfo = torch.finfo(torch_dtype)
     max_code = torch.tensor(finfo.max).to(torch_dtype).view(torch.uint8).item()
-    return _Fp8Format(torch_dtype, finfo.max, max_scale(finfo.max), -int(math.log2(finfo.eps)),
+    return _Fp8Format(torch_dtype, finfo.max, -int(math.log2(finfo.eps)),
                       int(math.log2(finfo.tiny)), max_code + 1, _non_finite_codes(torch_dtype, max_code))
 
 
@@ -142,13 +139,13 @@ def _fp8_bits_to_float32(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.cons
 
 @triton.jit
 def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, numel, FP8_MAX: tl.constexpr,
-                       NON_FINITE_CODE_MAX: tl.constexpr, SCALE_MAX: tl.constexpr,
+                       NON_FINITE_CODE_MAX: tl.constexpr,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    scale, code_max = group_scale(x, FP8_MAX, NON_FINITE_CODE_MAX, SCALE_MAX)
+    scale, code_max = group_scale(x, FP8_MAX, NON_FINITE_CODE_MAX)
     codes = _float32_to_fp8_bits(divide_or_zero(x, scale), code_max, MANT_BITS, MIN_NORMAL_EXP)
     codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=in_bounds)
@@ -203,7 +200,7 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE):
     CPU: e4m3fn saturates, e5m2 overflows to inf)."""
     spec = _format(fmt)
     flat = flat_input(x, group_size).to(torch.float32)
-    scales, code_max = group_scale_ref(flat, group_size, spec.max_value, spec.non_finite, spec.scale_max)
+    scales, code_max = group_scale_ref(flat, group_size, spec.max_value, spec.non_finite)
     scaled = divide_or_zero_ref(flat, scales, group_size)
     codes = scaled.clamp(-code_max, code_max).to(spec.torch_dtype).view(torch.uint8)
     return with_non_finite_codes_ref(codes, flat, spec.non_finite), scales

@@ -3,10 +3,11 @@
 Format: the tensor is flattened row-major and cut into groups of ``group_size``
 elements (a power of two; the last group may be partial). Each group stores
 ``scale = absmax / 127`` (fp32) and one int8 code per element,
-``code = round_half_even(clamp(x / scale, -127, 127))``; the grid is symmetric. Decoding is ``code * scale`` in fp32, rounded half to even to the
-requested dtype. NOTE [scale rule] in ``_rounding`` caps the scale near the fp32
-maximum and flags, by the scale's sign bit, a group holding inf or NaN: there
-``scale = finite absmax / 126``, finite codes stay within +-126 and 127, -127 and
+``code = round_half_even(clamp(x / scale, -127, 127))``; the grid is symmetric.
+Decoding is ``code * scale`` in fp32, rounded half to even to the requested dtype.
+NOTE [scale rule] in ``_rounding`` keeps a scale near the fp32 maximum from decoding
+to inf, and flags, by the scale's sign bit, a group holding inf or NaN: there
+``scale = finite absmax / 126``, finite codes stay within +-126, and 127, -127 and
 -128 stand for +inf, -inf and NaN (NOTE [non-finite groups]).
 
 At ``group_size=128`` that is 8.25 bits per element. ``encode_int8_ref`` /
@@ -32,7 +33,6 @@ from ._rounding import (
     launch,
     load_as_float32,
     magnitude_bits,
-    max_scale,
     round_to_grid_rne,
     store_rounded,
     with_non_finite_codes,
@@ -51,8 +51,7 @@ INT8_MAX = 127
 # In a group holding inf or NaN, 127 and -127 mean +-inf (the sign stays the code's)
 # and -128, unused elsewhere, NaN; finite values keep 126 of their 127 steps (0.07 dB).
 NON_FINITE_CODES = NonFiniteCodes(finite_max=126.0, pos_inf=127, neg_inf=-127, nan=-128)
-INT8_SCALE_MAX = max_scale(INT8_MAX)
-ENCODE_CONSTEXPRS = {"CODE_MAX": INT8_MAX, "SCALE_MAX": INT8_SCALE_MAX, **NON_FINITE_CODES.encode_constexprs()}
+ENCODE_CONSTEXPRS = {"CODE_MAX": INT8_MAX, **NON_FINITE_CODES.encode_constexprs()}
 DECODE_CONSTEXPRS = NON_FINITE_CODES.decode_constexprs()
 
 
@@ -65,12 +64,12 @@ def _round_to_int8(scaled, code_max):
 
 @triton.jit
 def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, numel, CODE_MAX: tl.constexpr,
-                        NON_FINITE_CODE_MAX: tl.constexpr, SCALE_MAX: tl.constexpr,
+                        NON_FINITE_CODE_MAX: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    scale, code_max = group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX, SCALE_MAX)
+    scale, code_max = group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX)
     codes = _round_to_int8(divide_or_zero(x, scale), code_max)
     codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     tl.store(codes_ptr + offsets, codes.to(tl.int8), mask=in_bounds)
@@ -110,7 +109,7 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE):
 def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE):
     """The specification of ``encode_int8``, in torch (torch.round ties to even)."""
     flat = flat_input(x, group_size).to(torch.float32)
-    scales, code_max = group_scale_ref(flat, group_size, INT8_MAX, NON_FINITE_CODES, INT8_SCALE_MAX)
+    scales, code_max = group_scale_ref(flat, group_size, INT8_MAX, NON_FINITE_CODES)
     scaled = divide_or_zero_ref(flat, scales, group_size)
     codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
     return with_non_finite_codes_ref(codes, flat, NON_FINITE_CODES), scales
