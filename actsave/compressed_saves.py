@@ -68,7 +68,7 @@ class _SavesStore:
     def __init__(self, codec: Codec, inputs: list):
         self.codec = codec
         self.nbytes = 0
-        self._input_ids = {id(t) for t in inputs}
+        self._input_nodes = relu_signs.input_nodes(inputs)
         # (storage, offset, numel, dtype) of a contiguous save -> (a weak reference to
         # it, its _Stored). The reference must still be alive: then the storage is
         # too, and its address cannot belong to another storage.
@@ -77,14 +77,14 @@ class _SavesStore:
     def end_forward(self) -> None:
         # The hooks outlive the forward (autograd holds unpack): hold no _Stored here,
         # so each is freed with the last node that saved it.
-        self._seen, self._input_ids = {}, set()
+        self._seen, self._input_nodes = {}, {}
 
     def pack(self, tensor: torch.Tensor):
         if not should_encode(tensor):
             return tensor
         stored = self._seen_before(tensor)
         if stored is None:
-            stored = _Stored(self.codec, tensor, relu_signs.made_by_segment_relu(tensor, self._input_ids))
+            stored = _Stored(self.codec, tensor, relu_signs.made_by_segment_relu(tensor, self._input_nodes))
             self.nbytes += stored.nbytes
             if tensor.is_contiguous():
                 self._seen[_storage_key(tensor)] = (weakref.ref(tensor), stored)

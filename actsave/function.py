@@ -135,7 +135,7 @@ class _Frame:
         self._recomputed_in_forward = weakref.WeakKeyDictionary()
         # Decisions made before this segment: the previous segment's ReLU keeps them.
         # Only read during the forward, while the caller still holds the inputs.
-        self._input_ids = {id(t) for t in input_tensors(args, kwargs)}
+        self._input_nodes = relu_signs.input_nodes(input_tensors(args, kwargs))
         self.sign_bytes = 0
 
     @property
@@ -145,7 +145,7 @@ class _Frame:
     def pack(self, tensor: torch.Tensor) -> _Slot:
         self.touched.note_saved(tensor)
         signs = None
-        if (self.keeps_relu_signs and relu_signs.made_by_segment_relu(tensor, self._input_ids)
+        if (self.keeps_relu_signs and relu_signs.made_by_segment_relu(tensor, self._input_nodes)
                 and self._first_save(tensor)):
             # Only the ReLU's own save gets the bits (it comes first): correcting the
             # recomputed output in place fixes it for later savers too (a Linear's input).
@@ -167,7 +167,7 @@ class _Frame:
         self.touched.end_forward()
         self._forward_inputs = None
         self._recomputed_in_forward = weakref.WeakKeyDictionary()
-        self._input_ids = set()  # ids may be reused once the inputs are gone
+        self._input_nodes = {}  # ids may be reused once the inputs are gone
 
     def unpack(self, slot: _Slot) -> torch.Tensor:
         if self.in_forward:

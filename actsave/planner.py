@@ -188,8 +188,7 @@ class LayerProfile:
     forward_rise_to_last_save: int  # where a recompute that ends in this layer stops
     backward_rise: int
     saves_for_backward: bool  # any tensor, parameters included
-    relu_sign_bytes: int  # kept by a lossy segment for this layer's ReLU outputs ...
-    relu_sign_bytes_on_input: int  # ... less these when the segment starts here
+    relu_sign_bytes: int  # kept by a lossy segment for this layer's ReLU outputs
     relu_restore_bytes: int
     modifies_input: bool
     recompute_scratch_bytes: int  # BatchNorm statistics a recompute copies (state.py), held to its end
@@ -332,7 +331,7 @@ class _SaveLedger:
         self.live_before = []  # the tracker's count as each layer starts
         self.input_entries = []  # the entry of each layer input's storage, or None
         self.peak_at_last_save = {}  # layer -> the tracker's peak when it last saved
-        self.relu_bits = {}  # layer -> [bytes, bytes on input, elements of the largest]
+        self.relu_bits = {}  # layer -> [bytes, elements of the largest]
         self._ignored = {id(t.untyped_storage()) for t in ignored}
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
         self._last_relu_output = lambda: None
@@ -361,12 +360,10 @@ class _SaveLedger:
         return t.detach()  # detached: holding the output itself would be a reference cycle
 
     def _count_relu_output(self, t: torch.Tensor) -> None:
-        bits = self.relu_bits.setdefault(self.layer, [0, 0, 0])
+        bits = self.relu_bits.setdefault(self.layer, [0, 0])
         nbytes = allocation_bytes(-(-t.numel() // 8), self.device)
         bits[0] += nbytes
-        bits[2] = max(bits[2], t.numel())  # restores run one ReLU at a time
-        if t is self.layer_input:  # an in-place ReLU at a segment start keeps no bits
-            bits[1] += nbytes
+        bits[1] = max(bits[1], t.numel())  # restores run one ReLU at a time
 
     @staticmethod
     def unpack(t):
@@ -395,8 +392,8 @@ class _Structure:
         for storage in self.saved:
             self.saved_bytes[storage.first] += storage.nbytes
         self.input_saved_by = [_span(entry) for entry in ledger.input_entries]
-        bits = [ledger.relu_bits.get(i, (0, 0, 0)) for i in range(n)]
-        self.relu_sign_bytes, self.relu_sign_bytes_on_input, self.relu_elements = (list(c) for c in zip(*bits))
+        bits = [ledger.relu_bits.get(i, (0, 0)) for i in range(n)]
+        self.relu_sign_bytes, self.relu_elements = (list(c) for c in zip(*bits))
         self.output_bytes = allocation_bytes(output.untyped_storage().nbytes(), device)
         self.output_saved_by = _span(ledger.entry_of(output))
         self.output_grad_bytes = allocation_bytes(output.numel() * output.element_size(), device)
@@ -656,7 +653,6 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times
         backward_rise=found.backward_rise[i],
         saves_for_backward=i in found.saving_layers,
         relu_sign_bytes=found.relu_sign_bytes[i],
-        relu_sign_bytes_on_input=found.relu_sign_bytes_on_input[i],
         relu_restore_bytes=costs.relu_restore_rise(found.relu_elements[i]),
         modifies_input=getattr(layer, "inplace", False) is True,
         recompute_scratch_bytes=_scratch_statistics_bytes(layer, device),
@@ -1001,7 +997,6 @@ class _CostModel:
         saving = np.where([layer.saves_for_backward for layer in layers], np.arange(n), -1)
         self.last_saver = np.maximum.accumulate(saving)  # the last saving layer at or before i
         self.signs_before = np.concatenate(([0.0], np.cumsum(column("relu_sign_bytes"))))  # S over [0, i)
-        self.signs_on_input = column("relu_sign_bytes_on_input")
         self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
         self.backward_s_before = np.concatenate(([0.0], np.cumsum(column("backward_s"))))
         self.private_copy = np.array([layer.dense_input_bytes if layer.modifies_input and layer.input_grad_bytes
@@ -1088,7 +1083,7 @@ class _CostModel:
         """S of [a, b) under option o."""
         if not self.options[o].lossy:
             return 0.0
-        return self.signs_before[b] - self.signs_before[a] - self.signs_on_input[a]
+        return self.signs_before[b] - self.signs_before[a]
 
     def _stored(self, o: int, a, b) -> np.ndarray:
         """K + S: what the segment keeps, on the device or the host."""
@@ -1404,8 +1399,7 @@ def _stored_by(profile: Profile, a: int, b: int, option: KeepOption) -> int:
     layers = profile.layers
     if not any(layer.saves_for_backward for layer in layers[a:b]):
         return 0
-    signs = (sum(layer.relu_sign_bytes for layer in layers[a:b]) - layers[a].relu_sign_bytes_on_input
-             if option.lossy else 0)
+    signs = sum(layer.relu_sign_bytes for layer in layers[a:b]) if option.lossy else 0
     return _kept_input(a, layers[a], option) + signs
 
 

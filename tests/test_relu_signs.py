@@ -1,6 +1,9 @@
 """One-bit ReLU decisions: packing, and correcting a recomputed output to them."""
+import pytest
 import torch
+from torch import nn
 
+import actsave
 from actsave.relu_signs import is_relu_output, pack_signs, restore_decisions_, unpack_signs
 
 
@@ -30,3 +33,31 @@ def test_only_relu_outputs_are_recognised():
     x = torch.randn(4, requires_grad=True)
     assert is_relu_output(torch.relu(x)) and is_relu_output(torch.relu_(x * 1))
     assert not is_relu_output(torch.nn.functional.leaky_relu(x)) and not is_relu_output(x)
+
+
+# --- an in-place ReLU at a segment start (issue 13, item 1) ----------------------------
+
+
+def conv_bn_relu_chain(inplace: bool, blocks: int = 3) -> list:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 4, 3, padding=1)]
+    for _ in range(blocks):
+        layers += [nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=inplace)]
+    return layers + [nn.Flatten(), nn.Linear(4 * 6 * 6, 3)]
+
+
+def lossy_gradients(inplace: bool, segments: list, codec: str) -> list:
+    model = actsave.CheckpointedSequential(*conv_bn_relu_chain(inplace), segments=segments, compress=codec)
+    torch.manual_seed(1)
+    model(torch.randn(8, 3, 6, 6)).square().mean().backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("start", range(1, len(conv_bn_relu_chain(False))))
+def test_in_place_relu_chain_has_the_fidelity_of_the_out_of_place_one(start, codec):
+    # The same decisions are kept wherever a boundary falls, on a ReLU included, so
+    # the gradients are the same bits.
+    segments = [0, start]
+    for got, want in zip(lossy_gradients(True, segments, codec), lossy_gradients(False, segments, codec)):
+        assert torch.equal(got, want)
