@@ -184,8 +184,10 @@ class CheckpointedSequential(nn.Sequential):
             strategies.
 
     Indexing, ``len``, iteration, ``append`` and ``state_dict`` keys are those of the
-    ``nn.Sequential`` built from the same modules; slicing returns a
-    ``CheckpointedSequential`` with default options. With ``compress=None`` outputs and
+    ``nn.Sequential`` built from the same modules. Per-layer options follow their module
+    through ``insert``, ``append``, deletion and slicing (a slice keeps its layers'
+    options and the defaults; explicit segments, which are indices of this chain, become
+    ``"balanced"`` there). With ``compress=None`` outputs and
     gradients are bit-identical to the plain ``nn.Sequential``. Under
     ``torch.no_grad()`` it runs as a plain ``nn.Sequential`` and keeps nothing.
     Segments recompute with the defaults of :func:`actsave.checkpoint` (RNG state
@@ -207,6 +209,9 @@ class CheckpointedSequential(nn.Sequential):
         self._default_compress, layer_compress = _split_per_layer(compress, default=None)
         self._default_offload, layer_offload = _split_per_layer(offload, default=False)
         KeepPolicy.resolve(self._default_compress, self._default_offload)
+        # Per-layer options are keyed by the module object, not its child name:
+        # nn.Sequential renumbers names on insert and delete, and the user chose the layer.
+        # (A module placed twice in the chain has one setting.)
         self._layer_compress, self._layer_offload = {}, {}
         for layer, codec in layer_compress.items():
             self.set_compression(layer, codec)
@@ -219,22 +224,60 @@ class CheckpointedSequential(nn.Sequential):
 
     @classmethod
     def from_sequential(cls, sequential: nn.Sequential, **options) -> "CheckpointedSequential":
-        """A CheckpointedSequential over the same module objects (no copies)."""
+        """A CheckpointedSequential over the same module objects (no copies). From a
+        CheckpointedSequential, its options (segments, compress, offload, per-layer
+        settings) carry over unless ``options`` sets them."""
         if not isinstance(sequential, nn.Sequential):
             raise ConfigError(
                 f"sequential={sequential!r}: from_sequential expects an nn.Sequential, got "
                 f"{type(sequential).__name__}"
             )
+        if isinstance(sequential, CheckpointedSequential):
+            return sequential._with_options(OrderedDict(sequential.named_children()), cls, **options)
         return cls(OrderedDict(sequential.named_children()), **options)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):  # the slice's layers keep their options
+            return self._with_options(OrderedDict(list(self._modules.items())[index]), type(self))
+        return super().__getitem__(index)
+
+    def __setitem__(self, index, module: nn.Module) -> None:
+        super().__setitem__(index, module)
+        self._forget_absent_layers()
+
+    def __delitem__(self, index) -> None:
+        super().__delitem__(index)
+        self._forget_absent_layers()
+
+    def _with_options(self, layers: OrderedDict, cls, **options) -> "CheckpointedSequential":
+        """``cls`` over ``layers`` (modules of this one) with this one's options; those
+        given in ``options`` replace them (``compress`` or ``offload`` given: no
+        per-layer setting of that kind carries over). Explicit segments (a list or a
+        count) belong to this chain, so a new chain gets the default then."""
+        strategy = self.segments if self.segments in (BALANCED, "sqrt") else BALANCED
+        chain = cls(layers, **{"segments": strategy, "compress": self._default_compress,
+                               "offload": self._default_offload, **options})
+        kept = set(chain)
+        if "compress" not in options:
+            chain._layer_compress = {m: c for m, c in self._layer_compress.items() if m in kept}
+        if "offload" not in options:
+            chain._layer_offload = {m: f for m, f in self._layer_offload.items() if m in kept}
+        return chain
+
+    def _forget_absent_layers(self) -> None:
+        """Drop the settings of modules no longer in the chain (replaced or deleted)."""
+        present = set(self)
+        self._layer_compress = {m: c for m, c in self._layer_compress.items() if m in present}
+        self._layer_offload = {m: f for m, f in self._layer_offload.items() if m in present}
 
     def forward(self, input):
         if not torch.is_grad_enabled():
             return super().forward(input)
-        layers, names = list(self), list(self._modules)
+        layers = list(self)
         self._last_kept_bytes = {}
-        for segment in _segments_from(self._starts_for(input, layers, names), len(layers)):
+        for segment in _segments_from(self._starts_for(input, layers), len(layers)):
             run = _Chain(layers[segment.start:segment.stop])
-            policy = self._segment_policy(segment, names)
+            policy = self._segment_policy(segment, layers)
             if segment.checkpointed:
                 private_copy = getattr(layers[segment.start], "inplace", False) is True
                 input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
@@ -263,14 +306,14 @@ class CheckpointedSequential(nn.Sequential):
         """Set the codec of what is kept at ``layer`` (an index, child name or slice):
         the segment input there, or the last segment's saves when it starts there."""
         KeepPolicy.resolve(compress=codec)
-        for name in self._child_names(layer):
-            self._layer_compress[name] = codec
+        for module in self._selected(layer):
+            self._layer_compress[module] = codec
 
     def set_offload(self, layer, flag: bool) -> None:
         """Keep the input at ``layer`` (an index, child name or slice) on the host or not."""
         KeepPolicy.resolve(offload=flag)
-        for name in self._child_names(layer):
-            self._layer_offload[name] = flag
+        for module in self._selected(layer):
+            self._layer_offload[module] = flag
 
     def apply_plan(self, plan: "planner.Plan") -> None:
         """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, and for each
@@ -315,38 +358,39 @@ class CheckpointedSequential(nn.Sequential):
             for i in range(segment.start, segment.stop):
                 row = (str(i), names[i], type(self[i]).__name__, str(number))
                 if i == segment.start:
-                    codec, offload = self._segment_policy(segment, names).describe()
+                    codec, offload = self._segment_policy(segment, list(self)).describe()
                     offload = offload if segment.checkpointed else "-"
                     kept = self._last_kept_bytes.get(i)
                     row += (keeps, codec, offload, "" if kept is None else str(kept))
                 rows.append(row + ("",) * (len(rows[0]) - len(row)))
         return format_table(rows) if header is None else header + "\n" + format_table(rows)
 
-    def _segment_policy(self, segment: Segment, names: list) -> KeepPolicy:
+    def _segment_policy(self, segment: Segment, layers: list) -> KeepPolicy:
         """How ``segment`` keeps what it keeps: its first layer's settings, except that
         a balanced plan's last segment stores autograd's saves as they are (NOTE
         [ Balanced segments ])."""
         if not segment.checkpointed and self.segments == BALANCED:
             return EXACT
-        return self._layer_policy(names[segment.start])
+        return self._layer_policy(layers[segment.start])
 
     @torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]
-    def _starts_for(self, input, layers: list, names: list) -> list:
+    def _starts_for(self, input, layers: list) -> list:
         if self.segments != BALANCED:
             return segment_starts(len(layers), self.segments)
-        policies = tuple(self._layer_policy(name) for name in names)
+        policies = tuple(self._layer_policy(layer) for layer in layers)
         return self._balanced.starts(self, input, layers, policies)
 
-    def _layer_policy(self, name: str) -> KeepPolicy:
-        compress = self._layer_compress.get(name, self._default_compress)
-        offload = self._layer_offload.get(name, self._default_offload)
+    def _layer_policy(self, layer: nn.Module) -> KeepPolicy:
+        compress = self._layer_compress.get(layer, self._default_compress)
+        offload = self._layer_offload.get(layer, self._default_offload)
         return KeepPolicy.resolve(compress=compress, offload=offload)
 
-    def _child_names(self, layer) -> list:
-        names = list(self._modules)
+    def _selected(self, layer) -> list:
+        """The modules ``layer`` (an index, child name or slice) names now."""
+        modules = list(self)
         if isinstance(layer, slice):
-            return names[layer]
-        return [self._child_name(layer)]
+            return modules[layer]
+        return [self._modules[self._child_name(layer)]]
 
     def _child_name(self, layer) -> str:
         names = list(self._modules)

@@ -364,6 +364,53 @@ def test_from_sequential_shares_modules():
     assert model.segments == 2
 
 
+# --- per-layer options follow their module (issue 16, item 1) ----------------------
+
+
+def codecs_by_layer(model) -> list:
+    """The codec column of describe(), one entry per layer (segments=[0, 1, ..., n-1])."""
+    model.segments = list(range(len(model)))
+    return [model._layer_policy(layer).codec.name for layer in model]
+
+
+def four_linears():
+    model = CheckpointedSequential(*[nn.Linear(4, 4) for _ in range(4)], segments=[0, 1, 2, 3])
+    model.set_compression(3, "int8")
+    model.set_offload(1, True)
+    return model
+
+
+def offloads_by_layer(model) -> list:
+    return [model._layer_policy(layer).offload for layer in model]
+
+
+def test_options_follow_their_layer_through_insert_append_and_delete():
+    model = four_linears()
+    chosen = model[3]
+    model.insert(0, nn.Linear(4, 4))
+    assert codecs_by_layer(model) == ["none", "none", "none", "none", "int8"]
+    assert offloads_by_layer(model) == [False, False, True, False, False]
+    model.append(nn.Linear(4, 4))
+    del model[0]
+    assert codecs_by_layer(model) == ["none", "none", "none", "int8", "none"]
+    assert model[3] is chosen
+    model[3] = nn.Linear(4, 4)  # a replaced layer takes the defaults
+    assert codecs_by_layer(model) == ["none"] * 5 and not model._layer_compress
+
+
+def test_slices_and_from_sequential_keep_the_options():
+    model = four_linears()
+    model._default_compress = "fp8"  # as if built with compress="fp8"
+    tail = model[2:]
+    assert isinstance(tail, CheckpointedSequential) and tail.segments == "balanced"
+    assert codecs_by_layer(tail) == ["fp8_e4m3", "int8"]
+    copy = CheckpointedSequential.from_sequential(model)
+    assert codecs_by_layer(copy) == ["fp8_e4m3", "fp8_e4m3", "fp8_e4m3", "int8"]
+    assert offloads_by_layer(copy) == [False, True, False, False]
+    replaced = CheckpointedSequential.from_sequential(model, compress=None)
+    assert codecs_by_layer(replaced) == ["none"] * 4 and offloads_by_layer(replaced)[1]
+
+
 def test_describe_lists_every_layer_with_its_segment_and_kept_bytes():
     model = as_checkpointed(mixed_chain(), segments=4)
     model(torch.randn(8, 16, requires_grad=True)).sum().backward()
