@@ -145,6 +145,7 @@ from .errors import ConfigError
 from .text import format_table
 from .estimate import LiveBytes, allocation_bytes
 from .meta import fast_meta, on_meta, plans_at_first_call, simulating
+from .store import modifies_input
 
 MiB = 2**20
 LOSSY_CODECS = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -654,7 +655,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times
         saves_for_backward=i in found.saving_layers,
         relu_sign_bytes=found.relu_sign_bytes[i],
         relu_restore_bytes=costs.relu_restore_rise(found.relu_elements[i]),
-        modifies_input=getattr(layer, "inplace", False) is True,
+        modifies_input=modifies_input(layer),
         recompute_scratch_bytes=_scratch_statistics_bytes(layer, device),
         input_encodable=spec.encodable,
         kept_bytes=by_codec("kept"),

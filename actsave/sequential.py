@@ -59,7 +59,7 @@ from .compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
 from .function import checkpointed_call
 from .meta import device_of
-from .store import EXACT, KeepPolicy, should_encode
+from .store import EXACT, KeepPolicy, modifies_input, should_encode
 from .text import format_table
 
 SegmentsSpec = Union[int, str, Iterable[int]]
@@ -279,7 +279,7 @@ class CheckpointedSequential(nn.Sequential):
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
             if segment.checkpointed:
-                private_copy = getattr(layers[segment.start], "inplace", False) is True
+                private_copy = modifies_input(layers[segment.start])
                 input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
             elif not policy.codec.lossless:
                 # Offload does not apply here: backward needs these saves at once.

@@ -109,6 +109,13 @@ def should_encode(t: torch.Tensor) -> bool:
     return t.is_floating_point() and not base.is_leaf
 
 
+def modifies_input(function) -> bool:
+    """Whether ``function`` (a layer, or the first layer of a segment) changes its
+    input in place, so that a segment starting with it keeps a private copy of its
+    input: ``nn.ReLU(inplace=True)`` and friends say so with ``inplace = True``."""
+    return getattr(function, "inplace", False) is True
+
+
 class _OnDevice:
     """A packed value kept where it was made."""
 
@@ -323,4 +330,4 @@ def input_tensors(args: tuple, kwargs: dict) -> list:
     return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
 
 
-__all__ = ["KeepPolicy", "KeptInputs", "EXACT", "stored_bytes", "input_tensors"]
+__all__ = ["KeepPolicy", "KeptInputs", "EXACT", "stored_bytes", "input_tensors", "modifies_input"]

@@ -24,7 +24,7 @@ from torch import nn
 from .errors import ConfigError
 from .function import checkpointed_call
 from .recompute_options import RecomputeOptions, check_torch_only_keywords
-from .store import KeepPolicy
+from .store import KeepPolicy, modifies_input
 
 # The child name torch's own checkpoint_wrapper uses: torch.distributed.checkpoint's
 # state-dict helpers already strip it from fully qualified names.
@@ -71,7 +71,7 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, use_reen
     check_torch_only_keywords(use_reentrant, context_fn)
     options = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
     policy = KeepPolicy.resolve(compress, offload)
-    output, _ = checkpointed_call(function, args, kwargs, policy, _modifies_input(function), options)
+    output, _ = checkpointed_call(function, args, kwargs, policy, modifies_input(function), options)
     return output
 
 
@@ -104,7 +104,7 @@ class Checkpoint(nn.Module):
         return self._modules[_WRAPPED]
 
     def forward(self, *args, **kwargs):
-        output, _ = checkpointed_call(self.module, args, kwargs, self.policy, _modifies_input(self.module),
+        output, _ = checkpointed_call(self.module, args, kwargs, self.policy, modifies_input(self.module),
                                       self.recompute)
         return output
 
@@ -184,11 +184,6 @@ def _as_predicate(filter_fn: FilterSpec):
         f"filter_fn={filter_fn!r} must be callable(module, fqn) -> bool, an nn.Module "
         "subclass (the class, not an instance), or a non-empty tuple of nn.Module subclasses"
     )
-
-
-def _modifies_input(function) -> bool:
-    # nn.ReLU(inplace=True) and friends say so; actsave then keeps a private copy.
-    return getattr(function, "inplace", False) is True
 
 
 def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata):
