@@ -6,13 +6,23 @@ what they have in common:
 
 - the group tiling of a launch: each program owns a ``[GROUPS_PER_PROGRAM, GROUP_SIZE]``
   block and reduces along its rows, with int64 offsets;
-- NOTE [scale rule]: ``scale = absmax(group) / code_max``, divided correctly rounded.
-  A group with a NaN has a NaN absmax (propagated explicitly: on GPUs ``tl.max`` drops
-  NaN); a group with an Inf has an Inf one. Only a group whose scale is positive and
-  finite is quantized (``x / scale``); every other group, all-zero or non-finite, gets
-  all-zero codes. Decoding is ``value(code) * scale``, so an all-zero group decodes to
-  exact zeros and a non-finite group to NaN everywhere (``0 * inf``, ``0 * nan``):
-  never finite garbage;
+- NOTE [scale rule]: ``scale = absmax / code_max`` over the group's finite values,
+  divided correctly rounded. Where ``code_max * scale`` would overflow (an absmax next
+  to the fp32 maximum), the scale steps one ulp toward zero so that no finite input
+  decodes to inf: the division errs by at most half an ulp, so one step is enough, and
+  every other scale is left as it is. A group of finite values stores that scale
+  (>= +0); a group holding +-inf or NaN stores it negated, so its sign bit flags the
+  group without adding a byte. Only finite values are divided (``x / |scale|``, 0 for
+  an all-zero group); decoding is ``value(code) * |scale|``, so an all-zero group
+  decodes to exact zeros;
+- NOTE [non-finite groups]: ``-inf`` is a legitimate activation (causal and vocabulary
+  masks), so it must neither become finite garbage nor spoil its group, and NaN must
+  stay NaN (AMP loss scalers look for it). In a flagged group each codec reserves three
+  codes (``NonFiniteCodes``) that decode to exactly +inf, -inf and NaN; the group's
+  finite values saturate one step below them and keep their precision, the scale
+  coming from them alone (int8 gives up its 127th step: 0.07 dB). Unflagged groups
+  never give these codes those meanings, so their bits are what they were before the
+  rule, and no byte is added;
 - NOTE [round half to even]: every rounding (int8 codes, fp8 codes, fp32 -> bf16
   output) is ``shift_right_rne`` on integer bits, which is exact on every backend;
   Triton's interpreter has no ``rint`` and mis-rounds fp32 -> fp8 / bf16 casts;
@@ -22,6 +32,8 @@ Every step is a correctly rounded IEEE operation (``div_rn``, a single multiply,
 add that a compiler could fuse into an FMA), so kernels and references agree bit for
 bit on CPU, under the interpreter and on CUDA.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -40,6 +52,22 @@ MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 4096
 # Not tuned on a GPU: none was available when this was written.
 ELEMENTS_PER_PROGRAM, NUM_WARPS = 4096, 8
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class NonFiniteCodes(NamedTuple):
+    """A codec's NOTE [non-finite groups]: the largest finite code magnitude in a
+    flagged group, and the codes of +inf, -inf and NaN there."""
+
+    finite_max: float
+    pos_inf: int
+    neg_inf: int
+    nan: int
+
+    def decode_constexprs(self) -> dict:
+        return {"POS_INF_CODE": self.pos_inf, "NEG_INF_CODE": self.neg_inf, "NAN_CODE": self.nan}
+
+    def encode_constexprs(self) -> dict:
+        return {"NON_FINITE_CODE_MAX": self.finite_max, **self.decode_constexprs()}
 
 
 # ----------------------------------------------------------------- Triton helpers
@@ -66,20 +94,36 @@ def load_as_float32(ptrs, mask):
 
 
 @triton.jit
-def absmax_scale(x, code_max):
-    """NOTE [scale rule]: per-row absmax / code_max of a [groups, GROUP_SIZE] fp32 block."""
-    absmax = tl.max(tl.abs(x), axis=1)
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    absmax = tl.where(has_nan, float("nan"), absmax)
-    return tl.div_rn(absmax, tl.full(absmax.shape, code_max, tl.float32))
+def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
+    """NOTE [scale rule] per row of a [groups, GROUP_SIZE] fp32 block: the signed scale,
+    and the largest code magnitude the row's finite values may take, as [groups, 1]."""
+    finite = tl.abs(x) < float("inf")
+    absmax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
+    non_finite = tl.max((finite == 0).to(tl.int32), axis=1) > 0
+    code_max = tl.where(non_finite, tl.full(absmax.shape, NON_FINITE_CODE_MAX, tl.float32),
+                        tl.full(absmax.shape, CODE_MAX, tl.float32))
+    scale = tl.div_rn(absmax, code_max)
+    one_ulp_less = (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+    scale = tl.where(scale * code_max == float("inf"), one_ulp_less, scale)
+    return tl.where(non_finite, -scale, scale), code_max[:, None]
 
 
 @triton.jit
 def divide_or_zero(x, scale):
-    """x / scale per row where the scale is positive and finite, else 0 (NOTE [scale rule])."""
-    quantized = (scale > 0) & (scale < float("inf"))
-    divisor = tl.where(quantized, scale, 1.0)[:, None]
-    return tl.where(quantized[:, None], tl.div_rn(x, tl.broadcast_to(divisor, x.shape)), 0.0)
+    """x / |scale| per row for finite x where the scale is nonzero, else 0 (NOTE [scale
+    rule]); the codes of non-finite x come from with_non_finite_codes."""
+    magnitude = tl.abs(scale)
+    divisor = tl.where(magnitude > 0, magnitude, 1.0)[:, None]
+    quantized = (magnitude > 0)[:, None] & (tl.abs(x) < float("inf"))
+    return tl.where(quantized, tl.div_rn(x, tl.broadcast_to(divisor, x.shape)), 0.0)
+
+
+@triton.jit
+def with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE):
+    """codes with those of NOTE [non-finite groups] where x is +inf, -inf or NaN."""
+    codes = tl.where(x == float("inf"), POS_INF_CODE, codes)
+    codes = tl.where(x == float("-inf"), NEG_INF_CODE, codes)
+    return tl.where(x != x, NAN_CODE, codes)
 
 
 @triton.jit
@@ -126,10 +170,20 @@ def float32_to_bfloat16_rne(y):
 
 
 @triton.jit
-def store_dequantized(out_ptrs, values, scale, mask):
-    """Store values * scale (per row, in fp32) converted to the output dtype, rounding
-    half to even. fp16 uses `.to`: it is RNE both in the interpreter and on CUDA."""
-    y = values * scale[:, None]
+def dequantize(values, codes, scale, POS_INF_CODE, NEG_INF_CODE, NAN_CODE):
+    """values * |scale| per row in fp32, and in flagged rows the non-finite codes'
+    values (NOTE [non-finite groups])."""
+    y = values * tl.abs(scale)[:, None]
+    flagged = (scale.to(tl.int32, bitcast=True) < 0)[:, None]
+    y = tl.where(flagged & (codes == POS_INF_CODE), float("inf"), y)
+    y = tl.where(flagged & (codes == NEG_INF_CODE), float("-inf"), y)
+    return tl.where(flagged & (codes == NAN_CODE), float("nan"), y)
+
+
+@triton.jit
+def store_rounded(out_ptrs, y, mask):
+    """Store fp32 y converted to the output dtype, rounding half to even. fp16 uses
+    `.to`: it is RNE both in the interpreter and on CUDA."""
     if out_ptrs.dtype.element_ty == tl.bfloat16:
         y = float32_to_bfloat16_rne(y)
     tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
@@ -200,19 +254,39 @@ def _per_element(scales, group_size, numel):
     return scales.repeat_interleave(group_size)[:numel]
 
 
-def absmax_scale_ref(flat, group_size, code_max):
-    """NOTE [scale rule] for a flat fp32 tensor; zero padding leaves absmax unchanged
-    and torch's amax propagates NaN."""
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % group_size))
-    return padded.view(-1, group_size).abs().amax(dim=1) / code_max
+def group_scale_ref(flat, group_size, code_max, non_finite):
+    """NOTE [scale rule] for a flat fp32 tensor: the signed scale per group, and per
+    element the largest code magnitude its group's finite values may take. Zero
+    padding is finite and leaves the absmax unchanged."""
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % group_size)).view(-1, group_size)
+    finite = padded.isfinite()
+    absmax = torch.where(finite, padded.abs(), 0.0).amax(dim=1)
+    flagged = ~finite.all(dim=1)
+    limit = torch.where(flagged, non_finite.finite_max, float(code_max))
+    scales = absmax / limit
+    scales = torch.where((scales * limit).isinf(), scales.nextafter(torch.zeros_like(scales)), scales)
+    return torch.where(flagged, -scales, scales), _per_element(limit, group_size, flat.numel())
 
 
 def divide_or_zero_ref(flat, scales, group_size):
-    scale = _per_element(scales, group_size, flat.numel())
-    quantized = (scale > 0) & (scale < float("inf"))
+    scale = _per_element(scales, group_size, flat.numel()).abs()
+    quantized = (scale > 0) & flat.isfinite()
     return torch.where(quantized, flat / scale, 0.0)
 
 
-def dequantize_ref(values, scales, dtype, group_size):
-    """values * their group's scale in fp32, then rounded half to even to dtype."""
-    return (values * _per_element(scales, group_size, values.numel())).to(dtype)
+def with_non_finite_codes_ref(codes, flat, non_finite):
+    codes = torch.where(flat == float("inf"), non_finite.pos_inf, codes)
+    codes = torch.where(flat == float("-inf"), non_finite.neg_inf, codes)
+    return torch.where(flat.isnan(), non_finite.nan, codes)
+
+
+def dequantize_ref(values, codes, scales, non_finite, dtype, group_size):
+    """values * |their group's scale| in fp32, the non-finite codes of flagged groups
+    decoded (NOTE [non-finite groups]), then rounded half to even to dtype."""
+    scale = _per_element(scales, group_size, values.numel())
+    y = values * scale.abs()
+    flagged = scale.signbit()
+    y = torch.where(flagged & (codes == non_finite.pos_inf), float("inf"), y)
+    y = torch.where(flagged & (codes == non_finite.neg_inf), float("-inf"), y)
+    y = torch.where(flagged & (codes == non_finite.nan), float("nan"), y)
+    return y.to(dtype)

@@ -6,8 +6,11 @@ elements (a power of two; the last group may be partial). Each group stores
 element: the bit pattern of ``x / scale`` in ``torch.float8_e4m3fn`` (1 sign,
 4 exponent, 3 mantissa bits, no inf) or ``torch.float8_e5m2`` (1, 5, 2), rounded half
 to even and saturated at +-FP8_MAX. Decoding is ``fp8_value(code) * scale`` in fp32,
-rounded half to even to the requested dtype. All-zero and non-finite groups follow
-NOTE [scale rule] in ``_rounding``: the former decode to zeros, the latter to NaN.
+rounded half to even to the requested dtype. NOTE [scale rule] in ``_rounding`` keeps
+a scale near the fp32 maximum from decoding to inf, and flags, by the scale's sign
+bit, a group holding inf or NaN; there +-inf and NaN take the codes of ``_Fp8Format.non_finite`` (NOTE
+[non-finite groups]) and the scale maps the finite absmax onto the largest magnitude
+left below them.
 
 The scale itself is stored rather than its reciprocal so that encoding is one
 correctly rounded division and decoding one multiply. The kernels encode and decode
@@ -25,20 +28,24 @@ import triton.language as tl
 
 from ._rounding import (
     DEFAULT_GROUP_SIZE,
-    absmax_scale,
-    absmax_scale_ref,
+    NonFiniteCodes,
+    dequantize,
     dequantize_ref,
     divide_or_zero,
     divide_or_zero_ref,
     empty_encoding,
     flat_codes,
     flat_input,
+    group_scale,
+    group_scale_ref,
     group_tile,
     launch,
     load_as_float32,
     magnitude_bits,
     round_to_grid_rne,
-    store_dequantized,
+    store_rounded,
+    with_non_finite_codes,
+    with_non_finite_codes_ref,
 )
 
 
@@ -51,6 +58,29 @@ class _Fp8Format:
     mantissa_bits: int
     min_normal_exponent: int  # log2 of the smallest normal value
     first_special_code: int  # the magnitude codes from here up are inf or NaN
+    non_finite: NonFiniteCodes  # NOTE [non-finite groups]
+
+    def encode_constexprs(self) -> dict:
+        return {"FP8_MAX": self.max_value, "MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
+                **self.non_finite.encode_constexprs()}
+
+    def decode_constexprs(self) -> dict:
+        return {"MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
+                "FIRST_SPECIAL": self.first_special_code, **self.non_finite.decode_constexprs()}
+
+
+def _value(code, torch_dtype):
+    return torch.tensor(code, dtype=torch.uint8).view(torch_dtype).item()
+
+
+def _non_finite_codes(torch_dtype, max_code):
+    """e5m2 keeps its own inf; e4m3fn has none, so in a flagged group its largest
+    magnitude (448) stands for inf and finite values saturate one step below (416).
+    NaN is torch's NaN pattern (0x7F) in both."""
+    first_special = max_code + 1
+    inf_code = first_special if math.isinf(_value(first_special, torch_dtype)) else max_code
+    nan_code = torch.tensor(math.nan).to(torch_dtype).view(torch.uint8).item()
+    return NonFiniteCodes(_value(inf_code - 1, torch_dtype), inf_code, inf_code | 0x80, nan_code)
 
 
 def _fp8_format(torch_dtype):
@@ -58,7 +88,7 @@ def _fp8_format(torch_dtype):
     finfo = torch.finfo(torch_dtype)
     max_code = torch.tensor(finfo.max).to(torch_dtype).view(torch.uint8).item()
     return _Fp8Format(torch_dtype, finfo.max, -int(math.log2(finfo.eps)),
-                      int(math.log2(finfo.tiny)), max_code + 1)
+                      int(math.log2(finfo.tiny)), max_code + 1, _non_finite_codes(torch_dtype, max_code))
 
 
 # Per-group scales leave e5m2's extra exponent bit little to do, so e4m3's extra
@@ -74,11 +104,10 @@ def _pow2(exponent):
 
 
 @triton.jit
-def _float32_to_fp8_bits(scaled, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-                         MIN_NORMAL_EXP: tl.constexpr):
+def _float32_to_fp8_bits(scaled, code_max, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """fp8 bit pattern of a finite fp32, rounded half to even (NOTE [round half to
-    even]) and saturated at +-FP8_MAX."""
-    abs_bits = magnitude_bits(tl.minimum(tl.abs(scaled), FP8_MAX))
+    even]) and saturated at +-code_max (per row, an fp8 value)."""
+    abs_bits = magnitude_bits(tl.minimum(tl.abs(scaled), code_max))
     # An fp8 magnitude is k * 2**(exponent - MANT_BITS), where exponent is that of |x|
     # but at least MIN_NORMAL_EXP: k carries the implicit one for normals, not for
     # subnormals.
@@ -110,12 +139,15 @@ def _fp8_bits_to_float32(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.cons
 
 @triton.jit
 def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, numel, FP8_MAX: tl.constexpr,
+                       NON_FINITE_CODE_MAX: tl.constexpr,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+                       POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    scale = absmax_scale(x, FP8_MAX)
-    codes = _float32_to_fp8_bits(divide_or_zero(x, scale), FP8_MAX, MANT_BITS, MIN_NORMAL_EXP)
+    scale, code_max = group_scale(x, FP8_MAX, NON_FINITE_CODE_MAX)
+    codes = _float32_to_fp8_bits(divide_or_zero(x, scale), code_max, MANT_BITS, MIN_NORMAL_EXP)
+    codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
 
@@ -123,12 +155,14 @@ def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, numel, FP8_MAX: tl.constexp
 @triton.jit
 def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, numel, MANT_BITS: tl.constexpr,
                        MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr,
+                       POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
     values = _fp8_bits_to_float32(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
-    store_dequantized(out_ptr + offsets, values, scale, in_bounds)
+    y = dequantize(values, codes, scale, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
+    store_rounded(out_ptr + offsets, y, in_bounds)
 
 
 def _format(fmt):
@@ -145,9 +179,7 @@ def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE):
     spec = _format(fmt)
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, torch.uint8)
-    launch(_encode_fp8_kernel, flat.numel(), group_size, flat, codes, scales,
-           FP8_MAX=spec.max_value, MANT_BITS=spec.mantissa_bits,
-           MIN_NORMAL_EXP=spec.min_normal_exponent)
+    launch(_encode_fp8_kernel, flat.numel(), group_size, flat, codes, scales, **spec.encode_constexprs())
     return codes, scales
 
 
@@ -157,9 +189,7 @@ def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
     spec = _format(fmt)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_fp8_kernel, codes.numel(), group_size, codes, scales, out,
-           MANT_BITS=spec.mantissa_bits, MIN_NORMAL_EXP=spec.min_normal_exponent,
-           FIRST_SPECIAL=spec.first_special_code)
+    launch(_decode_fp8_kernel, codes.numel(), group_size, codes, scales, out, **spec.decode_constexprs())
     return out
 
 
@@ -170,10 +200,10 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE):
     CPU: e4m3fn saturates, e5m2 overflows to inf)."""
     spec = _format(fmt)
     flat = flat_input(x, group_size).to(torch.float32)
-    scales = absmax_scale_ref(flat, group_size, spec.max_value)
+    scales, code_max = group_scale_ref(flat, group_size, spec.max_value, spec.non_finite)
     scaled = divide_or_zero_ref(flat, scales, group_size)
-    codes = scaled.clamp(-spec.max_value, spec.max_value).to(spec.torch_dtype)
-    return codes.view(torch.uint8), scales
+    codes = scaled.clamp(-code_max, code_max).to(spec.torch_dtype).view(torch.uint8)
+    return with_non_finite_codes_ref(codes, flat, spec.non_finite), scales
 
 
 def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
@@ -181,4 +211,4 @@ def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
     spec = _format(fmt)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
     values = codes.view(spec.torch_dtype).to(torch.float32)
-    return dequantize_ref(values, scales, dtype, group_size)
+    return dequantize_ref(values, codes, scales, spec.non_finite, dtype, group_size)

@@ -3,10 +3,12 @@
 Format: the tensor is flattened row-major and cut into groups of ``group_size``
 elements (a power of two; the last group may be partial). Each group stores
 ``scale = absmax / 127`` (fp32) and one int8 code per element,
-``code = round_half_even(clamp(x / scale, -127, 127))``; -128 is never used, so the
-grid is symmetric. Decoding is ``code * scale`` in fp32, rounded half to even to the
-requested dtype. All-zero and non-finite groups follow NOTE [scale rule] in
-``_rounding``: the former decode to zeros, the latter to NaN.
+``code = round_half_even(clamp(x / scale, -127, 127))``; the grid is symmetric.
+Decoding is ``code * scale`` in fp32, rounded half to even to the requested dtype.
+NOTE [scale rule] in ``_rounding`` keeps a scale near the fp32 maximum from decoding
+to inf, and flags, by the scale's sign bit, a group holding inf or NaN: there
+``scale = finite absmax / 126``, finite codes stay within +-126, and 127, -127 and
+-128 stand for +inf, -inf and NaN (NOTE [non-finite groups]).
 
 At ``group_size=128`` that is 8.25 bits per element. ``encode_int8_ref`` /
 ``decode_int8_ref`` are the specification; the Triton kernels match them bit for bit.
@@ -17,20 +19,24 @@ import triton.language as tl
 
 from ._rounding import (
     DEFAULT_GROUP_SIZE,
-    absmax_scale,
-    absmax_scale_ref,
+    NonFiniteCodes,
+    dequantize,
     dequantize_ref,
     divide_or_zero,
     divide_or_zero_ref,
     empty_encoding,
     flat_codes,
     flat_input,
+    group_scale,
+    group_scale_ref,
     group_tile,
     launch,
     load_as_float32,
     magnitude_bits,
     round_to_grid_rne,
-    store_dequantized,
+    store_rounded,
+    with_non_finite_codes,
+    with_non_finite_codes_ref,
 )
 
 # Symmetric absmax rather than asymmetric (scale + zero point), measured on 2**22
@@ -42,33 +48,43 @@ from ._rounding import (
 # fuse into an FMA and round differently from torch. Symmetric decodes with a single
 # correctly rounded multiply, so it is bit-exact everywhere, and stays above 37 dB.
 INT8_MAX = 127
+# In a group holding inf or NaN, 127 and -127 mean +-inf (the sign stays the code's)
+# and -128, unused elsewhere, NaN; finite values keep 126 of their 127 steps (0.07 dB).
+NON_FINITE_CODES = NonFiniteCodes(finite_max=126.0, pos_inf=127, neg_inf=-127, nan=-128)
+ENCODE_CONSTEXPRS = {"CODE_MAX": INT8_MAX, **NON_FINITE_CODES.encode_constexprs()}
+DECODE_CONSTEXPRS = NON_FINITE_CODES.decode_constexprs()
 
 
 @triton.jit
-def _round_to_int8(scaled, CODE_MAX: tl.constexpr):
-    """NOTE [round half to even] onto the integers, saturated at +-CODE_MAX."""
-    magnitude = round_to_grid_rne(magnitude_bits(tl.minimum(tl.abs(scaled), CODE_MAX)), 0)
+def _round_to_int8(scaled, code_max):
+    """NOTE [round half to even] onto the integers, saturated at +-code_max (per row)."""
+    magnitude = round_to_grid_rne(magnitude_bits(tl.minimum(tl.abs(scaled), code_max)), 0)
     return tl.where(scaled < 0, -magnitude, magnitude)
 
 
 @triton.jit
 def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, numel, CODE_MAX: tl.constexpr,
+                        NON_FINITE_CODE_MAX: tl.constexpr,
+                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    scale = absmax_scale(x, CODE_MAX)
-    codes = _round_to_int8(divide_or_zero(x, scale), CODE_MAX)
+    scale, code_max = group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX)
+    codes = _round_to_int8(divide_or_zero(x, scale), code_max)
+    codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     tl.store(codes_ptr + offsets, codes.to(tl.int8), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
 
 
 @triton.jit
-def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, numel,
+def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, numel, POS_INF_CODE: tl.constexpr,
+                        NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
-    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0)
+    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
-    store_dequantized(out_ptr + offsets, codes.to(tl.float32), scale, in_bounds)
+    y = dequantize(codes.to(tl.float32), codes, scale, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
+    store_rounded(out_ptr + offsets, y, in_bounds)
 
 
 def encode_int8(x, group_size=DEFAULT_GROUP_SIZE):
@@ -77,7 +93,7 @@ def encode_int8(x, group_size=DEFAULT_GROUP_SIZE):
     shape (n_groups,)). Raises ValueError for other dtypes or group sizes."""
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, torch.int8)
-    launch(_encode_int8_kernel, flat.numel(), group_size, flat, codes, scales, CODE_MAX=INT8_MAX)
+    launch(_encode_int8_kernel, flat.numel(), group_size, flat, codes, scales, **ENCODE_CONSTEXPRS)
     return codes, scales
 
 
@@ -86,19 +102,20 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE):
     the original shape."""
     codes, scales = flat_codes(codes, scales, torch.int8, dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_int8_kernel, codes.numel(), group_size, codes, scales, out)
+    launch(_decode_int8_kernel, codes.numel(), group_size, codes, scales, out, **DECODE_CONSTEXPRS)
     return out
 
 
 def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE):
     """The specification of ``encode_int8``, in torch (torch.round ties to even)."""
     flat = flat_input(x, group_size).to(torch.float32)
-    scales = absmax_scale_ref(flat, group_size, INT8_MAX)
+    scales, code_max = group_scale_ref(flat, group_size, INT8_MAX, NON_FINITE_CODES)
     scaled = divide_or_zero_ref(flat, scales, group_size)
-    return scaled.clamp(-INT8_MAX, INT8_MAX).round().to(torch.int8), scales
+    codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
+    return with_non_finite_codes_ref(codes, flat, NON_FINITE_CODES), scales
 
 
 def decode_int8_ref(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE):
     """The specification of ``decode_int8``, in torch."""
     codes, scales = flat_codes(codes, scales, torch.int8, dtype, group_size)
-    return dequantize_ref(codes.to(torch.float32), scales, dtype, group_size)
+    return dequantize_ref(codes.to(torch.float32), codes, scales, NON_FINITE_CODES, dtype, group_size)

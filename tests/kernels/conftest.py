@@ -29,6 +29,18 @@ def _wide_range(n_groups):
     return magnitudes * torch.tensor([1.0, -1.0]).repeat(GROUP // 2)
 
 
+def _non_finite_groups():
+    """One group each: finite; a NaN; a +inf; +inf, -inf and NaN together; all -inf;
+    -inf beside zeros; -inf beside the fp32 maximum (cast to bf16 or fp16, inf)."""
+    x = torch.randn(7, GROUP)
+    x[1, 3], x[2, 0] = float("nan"), float("inf")
+    x[3, 2], x[3, 9], x[3, 15] = float("inf"), float("-inf"), float("nan")
+    x[4] = float("-inf")
+    x[5, ::2], x[5, 1::2] = 0.0, float("-inf")
+    x[6, 0], x[6, 1] = float("-inf"), torch.finfo(torch.float32).max
+    return x
+
+
 # name -> fp32 tensor; each case is cast to the dtype under test.
 INPUT_CASES = {
     "one_element": lambda: torch.randn(1, 1),
@@ -39,6 +51,8 @@ INPUT_CASES = {
     "nan": lambda: _with(torch.randn(5, GROUP), (2, 3), float("nan")),
     "pos_inf": lambda: _with(torch.randn(5, GROUP), (1, 0), float("inf")),
     "neg_inf": lambda: _with(torch.randn(5, GROUP), (4, 15), float("-inf")),
+    "non_finite_groups": _non_finite_groups,
+    "causal_mask": lambda: torch.randn(3, 8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf")),
     "transposed": lambda: torch.randn(33, 20).t(),
     "sliced": lambda: torch.randn(40, 50)[::3, 5:40],
     "wide_range": lambda: _wide_range(6),
@@ -62,13 +76,23 @@ def input_case(request, dtype):
     return INPUT_CASES[request.param]().to(dtype)
 
 
-@pytest.fixture(params=["max", "tiny"])
+@pytest.fixture(params=["max", "tiny", "exact_max"])
 def extreme_input(request, dtype):
-    """Values up to the dtype's largest finite one, or within its subnormal range."""
+    """Values up to the dtype's largest finite one, or within its subnormal range, or
+    groups holding +-that largest value itself."""
     torch.manual_seed(0)
     finfo = torch.finfo(dtype)
-    top = finfo.max if request.param == "max" else finfo.tiny
-    return (torch.rand(4, GROUP) * 2 - 1).mul(top).to(dtype)
+    top = finfo.tiny if request.param == "tiny" else finfo.max
+    x = (torch.rand(4, GROUP) * 2 - 1).mul(top).to(dtype)
+    if request.param == "exact_max":
+        x[:, 0], x[1:, 5] = finfo.max, -finfo.max
+    return x
+
+
+@pytest.fixture
+def non_finite_input(dtype):
+    torch.manual_seed(0)
+    return _non_finite_groups().to(dtype)
 
 
 @pytest.fixture(scope="session")
@@ -117,6 +141,53 @@ def _assert_matches_reference(kernel, reference, x, group_size, out_dtype=None):
     decoded = decode(codes, scales, dtype=out_dtype, group_size=group_size)
     expected = decode_ref(ref_codes, ref_scales, dtype=out_dtype, group_size=group_size)
     _assert_same_bits(decoded.cpu(), expected)
+
+
+def _round_trip(codec, x, group_size):
+    """(scales, decoded in x's dtype and shape) of an (encode, decode) pair."""
+    encode, decode = codec
+    codes, scales = encode(x, group_size=group_size)
+    return scales, decode(codes, scales, dtype=x.dtype, group_size=group_size).view(x.shape)
+
+
+def _assert_non_finite_kept(codec, x, group_size):
+    """NOTE [non-finite groups]: a group's scale is negative exactly when it holds inf
+    or NaN; +-inf decode to the same +-inf, NaN to NaN, finite values to finite ones."""
+    scales, decoded = _round_trip(codec, x, group_size)
+    finite = x.isfinite()
+    assert torch.equal(scales.signbit(), ~finite.view(-1, group_size).all(dim=1))
+    assert torch.equal(decoded.isnan(), x.isnan())
+    assert torch.equal(decoded.isposinf(), x.isposinf()) and torch.equal(decoded.isneginf(), x.isneginf())
+    assert decoded[finite].isfinite().all()
+
+
+def _sqnr_beside_neg_inf(codec):
+    """SQNR in dB of the finite values of 256 Gaussian groups of 128 when one value in
+    each group is -inf, and when that value is 0 (which leaves the scale as it is)."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 128)
+    finite = torch.ones_like(x, dtype=torch.bool)
+    finite[:, 77] = False
+    result = []
+    for masked in (float("-inf"), 0.0):
+        _, decoded = _round_trip(codec, x.masked_fill(~finite, masked), 128)
+        result.append(_sqnr_db(x[finite], decoded[finite]))
+    return result
+
+
+@pytest.fixture
+def round_trip():
+    return _round_trip
+
+
+@pytest.fixture
+def assert_non_finite_kept():
+    return _assert_non_finite_kept
+
+
+@pytest.fixture
+def sqnr_beside_neg_inf():
+    return _sqnr_beside_neg_inf
 
 
 @pytest.fixture
