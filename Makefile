@@ -5,16 +5,24 @@
 # `make test TORCH=torch` for PyTorch's default CUDA build.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+# gpu-check keeps its own venv (.venv-gpu) and takes PyTorch's default (CUDA) build,
+# where the machine has no CUDA torch already (see bench/gpu_check.py).
+GPU_TORCH ?= torch
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test bench clean
+.PHONY: test bench gpu-check clean
 
 test: $(VENV)/.installed
 	$(PY) -m pytest
 
 bench: $(VENV)/.installed
 	$(PY) bench/resnet_depth_sweep.py
+
+# Everything that needs a GPU, in stages, 25 minutes at most including the install;
+# exits at once on a machine without one.
+gpu-check:
+	TORCH="$(GPU_TORCH)" $(PYTHON) bench/gpu_check.py
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,4 +32,4 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-gpu build *.egg-info .pytest_cache

@@ -3,10 +3,7 @@ reference against the rules it defines (triton_kernels/int8.py, _rounding.py).""
 import pytest
 import torch
 
-from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM
 from actsave.triton_kernels.int8 import (
-    DECODE_CONSTEXPRS,
-    ENCODE_CONSTEXPRS,
     INT8_MAX,
     decode_int8,
     decode_int8_ref,
@@ -164,21 +161,6 @@ def test_encode_rejects_bad_input(encode, x, group_size, message):
 def test_decode_rejects_bad_input(decode, codes, scales, dtype, message):
     with pytest.raises(ValueError, match=message):
         decode(codes, scales, dtype, 16)
-
-
-def test_kernels_compile_for_cuda_with_ieee_arithmetic(assert_compiles_to_ieee_ptx):
-    tile = {"GROUP_SIZE": 128, "GROUPS_PER_PROGRAM": ELEMENTS_PER_PROGRAM // 128}
-    encode_constexprs, decode_constexprs = {**ENCODE_CONSTEXPRS, **tile}, {**DECODE_CONSTEXPRS, **tile}
-    assert_compiles_to_ieee_ptx({
-        "encode": ("actsave.triton_kernels.int8", "_encode_int8_kernel",
-                   {"x_ptr": "*bf16", "codes_ptr": "*i8", "scales_ptr": "*fp32", "numel": "i64",
-                    **dict.fromkeys(encode_constexprs, "constexpr")},
-                   encode_constexprs),
-        "decode": ("actsave.triton_kernels.int8", "_decode_int8_kernel",
-                   {"codes_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "numel": "i64",
-                    **dict.fromkeys(decode_constexprs, "constexpr")},
-                   decode_constexprs),
-    })
 
 
 @pytest.mark.cuda

@@ -1,0 +1,200 @@
+"""`make gpu-check`: everything that needs a CUDA GPU, in one command of at most 25
+minutes, install included.
+
+Stages, each a subprocess with its own time limit (seconds), in this order:
+
+  install            240  a virtual environment of its own, .venv-gpu (the CPU one,
+                          .venv, is left alone), that also sees the packages of the
+                          Python that runs this script: a CUDA torch already installed
+                          there is used as it is, with no download and no network;
+                          otherwise $TORCH (default `torch`, PyPI's CUDA build) is
+                          installed. Then actsave, editable, with its test and bench
+                          extras (what the machine has already is not downloaded).
+  cuda_tests         240  pytest -m cuda: the tests only a GPU runs.
+  kernels             90  bench/kernels.py: GB/s of every codec kernel, and its share
+                          of a device-to-device copy measured in the same run.
+  offload_overlap     60  bench/offload_overlap.py: how much of the host copying hides
+                          behind compute (ResNet-164, batch 64).
+  resnet_sweep       510  bench/resnet_depth_sweep.py at its CUDA defaults (ResNet-110
+                          to ResNet-1001, batch 64), max-depth search cut to 120 s.
+  transformer_sweep  330  bench/transformer_depth_sweep.py at its CUDA defaults, search
+                          cut to 120 s.
+                    ----
+                    1470  = 24.5 minutes at most.
+
+The limits were sized on a CPU machine, before any GPU run (the sweeps' CPU-bound
+meta-tensor estimates timed there): the first GPU run's stage times should replace them.
+
+Each stage prints a line when it ends (name, elapsed time, ok or FAILED); a failed
+stage does not stop the next, and the run ends with all stages listed, exit status 1
+if any failed. The benchmarks write bench/results/<gpu>.csv and their PNGs next to it
+(<gpu> is the device name in lower case, e.g. nvidia-h100-80gb-hbm3).
+
+Without an NVIDIA GPU (no working `nvidia-smi -L`), it says so and exits with status 2
+before installing anything.
+
+    python bench/gpu_check.py [--only kernels,offload_overlap]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, TextIO
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv-gpu"
+NO_GPU_EXIT = 2
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    command: tuple
+    limit_s: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    seconds: float
+    failure: Optional[str]  # None when the stage passed
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.failure is None else f"FAILED ({self.failure})"
+
+
+def stages(python: str) -> list:
+    """The stages of a GPU check, their Python being ``python`` (the GPU venv's)."""
+    bench = ROOT / "bench"
+    return [
+        Stage("install", (sys.executable, __file__, "--install"), 240),
+        Stage("cuda_tests", (python, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", str(ROOT / "tests")), 240),
+        Stage("kernels", (python, str(bench / "kernels.py")), 90),
+        Stage("offload_overlap", (python, str(bench / "offload_overlap.py")), 60),
+        Stage("resnet_sweep", (python, str(bench / "resnet_depth_sweep.py"), "--search-seconds", "120"), 510),
+        Stage("transformer_sweep", (python, str(bench / "transformer_depth_sweep.py"), "--search-seconds", "120"), 330),
+    ]
+
+
+def run_stage(stage: Stage) -> Outcome:
+    """Run one stage, its output going to ours; kill it and its children at its limit."""
+    start = time.monotonic()
+    try:
+        process = subprocess.Popen(stage.command, cwd=ROOT, start_new_session=True)
+    except OSError as error:  # the command could not start
+        return Outcome(stage.name, 0.0, f"could not start: {error}")
+    try:
+        code = process.wait(timeout=stage.limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # its own session: the stage's children too
+        process.wait()
+        return Outcome(stage.name, time.monotonic() - start, f"over its {stage.limit_s:g} s limit")
+    failure = None if code == 0 else f"exit status {code}"
+    return Outcome(stage.name, time.monotonic() - start, failure)
+
+
+def run_stages(to_run: list, log: TextIO = sys.stdout) -> list:
+    """Run every stage, whatever the ones before did; one progress line each."""
+    outcomes = []
+    for stage in to_run:
+        print(f"[gpu-check] {stage.name}: started (limit {stage.limit_s:g} s)", file=log, flush=True)
+        outcome = run_stage(stage)
+        print(f"[gpu-check] {outcome.name}: {outcome.seconds:.0f} s, {outcome.status}", file=log, flush=True)
+        outcomes.append(outcome)
+    return outcomes
+
+
+def summary(outcomes: list) -> str:
+    width = max(len(o.name) for o in outcomes)
+    lines = [f"  {o.name:<{width}}  {o.seconds:6.0f} s  {o.status}" for o in outcomes]
+    failed = sum(o.failure is not None for o in outcomes)
+    verdict = "all stages passed" if not failed else f"{failed} of {len(outcomes)} stages FAILED"
+    return "\n".join(["[gpu-check] summary:", *lines, f"[gpu-check] {verdict}"])
+
+
+def missing_gpu() -> Optional[str]:
+    """Why this machine cannot run the check, or None. Asks the driver (nvidia-smi),
+    not torch, so that a machine without a GPU is told before anything is installed."""
+    nvidia_smi = shutil.which("nvidia-smi")
+    if nvidia_smi is None:
+        return "nvidia-smi is not on the PATH: no NVIDIA driver here"
+    try:
+        listed = subprocess.run([nvidia_smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"nvidia-smi -L failed: {error}"
+    if listed.returncode != 0 or "GPU" not in listed.stdout:
+        return f"nvidia-smi -L lists no GPU ({(listed.stderr or listed.stdout).strip() or 'no output'})"
+    return None
+
+
+def _pip(python: Path, *args: str) -> int:
+    return subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", *args], cwd=ROOT).returncode
+
+
+def make_venv(venv: Path) -> Path:
+    """A venv that sees, after its own, the packages of the Python running this script.
+    Not `venv --system-site-packages`: where that Python is itself a venv (as GPU
+    images ship PyTorch), that option shows the base interpreter's packages, not its."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "_gpu_check_parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return python
+
+
+def install(venv: Path, torch_spec: str) -> int:
+    """The install stage (see the module docstring); the exit status of the last step."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        python = make_venv(venv)
+    has_cuda_torch = subprocess.run([str(python), "-c", "import torch; assert torch.cuda.is_available()"],
+                                    capture_output=True).returncode == 0
+    if not has_cuda_torch and _pip(python, torch_spec) != 0:
+        return 1
+    # Without build isolation the build needs no download (setuptools comes from the
+    # machine); a machine whose setuptools is too old gets it from the index instead.
+    if _pip(python, "--no-build-isolation", "-e", ".[test,bench]") == 0:
+        return 0
+    return _pip(python, "-e", ".[test,bench]")
+
+
+def parse_arguments(argv) -> argparse.Namespace:
+    names = [stage.name for stage in stages("python")]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", type=lambda text: text.split(","), default=names,
+                        help=f"comma-separated stages to run, in their order (default: all of {','.join(names)}); "
+                             "a lease of 10 minutes a command runs them in several calls")
+    parser.add_argument("--install", action="store_true", help="the install stage alone, without its time limit")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.only) - set(names))
+    if unknown:
+        parser.error(f"unknown stage(s) {unknown}; choose from {names}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_arguments(argv)
+    reason = missing_gpu()
+    if reason:
+        print(f"[gpu-check] no CUDA GPU: {reason}. make gpu-check runs on a machine with an NVIDIA GPU; "
+              "here, run `make test` (the CPU tiers) instead.", file=sys.stderr)
+        return NO_GPU_EXIT
+    if args.install:
+        return install(VENV, os.environ.get("TORCH", "torch"))
+    outcomes = run_stages([s for s in stages(str(VENV / "bin" / "python")) if s.name in args.only])
+    print(summary(outcomes), flush=True)
+    return 0 if all(o.failure is None for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

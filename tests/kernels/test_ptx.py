@@ -1,0 +1,132 @@
+"""Ahead-of-time builds of every codec kernel for sm_80 and sm_90, checked in their PTX
+and resource usage, without a GPU (DESIGN.md section 5).
+
+Each kernel x input (or output) dtype x codec is compiled as the JIT compiles it for
+16-byte aligned tensors (pointers divisible by 16), for an element count that is a
+multiple of 16 (int32, and int64 as for tensors of 2**31 elements and more), and, on
+sm_90, for one that is not. All builds run once per session, in one subprocess.
+"""
+from collections import Counter
+from itertools import product
+import re
+
+import pytest
+
+from actsave.triton_kernels import fp8, int8
+from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS
+
+GROUP_SIZE = 128  # the default; the tile a program owns is the same for every group size
+TILE = {"GROUP_SIZE": GROUP_SIZE, "GROUPS_PER_PROGRAM": ELEMENTS_PER_PROGRAM // GROUP_SIZE}
+DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # Triton type -> bytes per element
+# codec -> (module, code pointer type, constexprs of encode, constexprs of decode)
+CODECS = {
+    "int8": ("int8", "*i8", int8.ENCODE_CONSTEXPRS, int8.DECODE_CONSTEXPRS),
+    **{f"fp8_{fmt}": ("fp8", "*u8", spec.encode_constexprs(), spec.decode_constexprs())
+       for fmt, spec in fp8.FP8_FORMATS.items()},
+}
+# (arch, numel's Triton type, numel a multiple of 16): what a launch can specialize on.
+TARGETS = {
+    "sm80": (80, "i32", True),
+    "sm90": (90, "i32", True),
+    "sm90_int64": (90, "i64", True),
+    "sm90_ragged": (90, "i32", False),
+}
+KERNELS = [f"{codec}-{direction}-{dtype}" for codec, direction, dtype in product(CODECS, ("encode", "decode"), DTYPES)]
+BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS, TARGETS)]
+# The elements, hence the bytes of each stream, one thread owns: the [groups,
+# GROUP_SIZE] tile is spread evenly over the program's threads, contiguously.
+ELEMENTS_PER_THREAD = ELEMENTS_PER_PROGRAM // (NUM_WARPS * 32)
+VECTOR_BYTES = 16
+
+
+def _job(codec, direction, dtype, target):
+    module, code_ptr, encode_constexprs, decode_constexprs = CODECS[codec]
+    arch, numel_type, numel_divisible = TARGETS[target]
+    if direction == "encode":
+        pointers = {"x_ptr": f"*{dtype}", "codes_ptr": code_ptr, "scales_ptr": "*fp32"}
+        constexprs = {**encode_constexprs, **TILE}
+    else:
+        pointers = {"codes_ptr": code_ptr, "scales_ptr": "*fp32", "out_ptr": f"*{dtype}"}
+        constexprs = {**decode_constexprs, **TILE}
+    return {
+        "module": f"actsave.triton_kernels.{module}",
+        "kernel": f"_{direction}_{module}_kernel",
+        "signature": {**pointers, "numel": numel_type, **dict.fromkeys(constexprs, "constexpr")},
+        "constexprs": constexprs,
+        "arch": arch,
+        "divisible_by_16": list(pointers) + (["numel"] if numel_divisible else []),
+    }
+
+
+@pytest.fixture(scope="session")
+def builds(compile_for_cuda):
+    """{build id: {"ptx", "STACK", "LOCAL"}} for every build, compiled once (about 40 s
+    on two cores; Triton's cache makes later sessions faster)."""
+    return compile_for_cuda({build: _job(*build.split("-")) for build in BUILDS})
+
+
+def _global_accesses(ptx):
+    """How many of each form of global load and store the PTX holds, e.g.
+    {"ld.global.v4.b32": 2, "st.global.b32": 1}."""
+    return Counter(re.findall(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)+", ptx))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_arithmetic_is_correctly_rounded_ieee(builds, build):
+    """What bit-exactness with the torch references rests on: divisions correctly
+    rounded (plain `/` is div.full, an approximation), no flush of subnormals to zero,
+    no multiply-add fused into one rounding."""
+    ptx = builds[build]["ptx"]
+    divisions = set(re.findall(r"\bdiv\.[\w.]+", ptx))
+    assert divisions <= {"div.rn.f32"}, divisions
+    if "-encode-" in build:
+        assert divisions == {"div.rn.f32"}, "encoding divides by the scale: the check above saw no division"
+    assert ".approx" not in ptx and "ftz" not in ptx and "fma" not in ptx
+
+
+# Stack bytes per thread that ptxas (CUDA 12.9, as bundled with Triton 3.9) chose to
+# spend on a build: here it holds the fp32 e5m2 encoder to 64 registers and spills one
+# (`8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads`: one STL and one
+# LDL per thread, against 80 bytes of streaming traffic), where it gives the e4m3
+# twin 71 registers and no spill. An occupancy trade of ptxas's at -O3 (at -O1 it
+# takes 120 registers and spills nothing), not local memory the kernel asks for.
+# Measured on a GPU it may cost nothing; an entry may only shrink.
+STACK_BYTES_ALLOWED = {"fp8_e5m2-encode-fp32-sm80": 8}
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_no_local_memory(builds, build):
+    """No array placed in local memory, no register spilled to it (but where listed)."""
+    compiled = builds[build]
+    assert ".local" not in compiled["ptx"]
+    assert compiled["LOCAL"] == 0
+    assert compiled["STACK"] <= STACK_BYTES_ALLOWED.get(build, 0)
+
+
+def _expected_aligned_accesses(direction, dtype):
+    """A thread's elements are contiguous, so each stream is read or written in 16-byte
+    vectors (ld/st.global.v4.b32): the float values (4 or 2 bytes each) and the codes
+    (one byte each, 16 per thread: one vector). The scales are one fp32 per group,
+    each thread's elements lying in one group: one 4-byte access, predicated, which
+    moves 1/128 of the bytes at groups of 128."""
+    value_vectors = ELEMENTS_PER_THREAD * DTYPES[dtype] // VECTOR_BYTES
+    code_vectors = ELEMENTS_PER_THREAD // VECTOR_BYTES
+    if direction == "encode":
+        return {"ld.global.v4.b32": value_vectors, "st.global.v4.b32": code_vectors, "st.global.b32": 1}
+    return {"ld.global.v4.b32": code_vectors, "ld.global.b32": 1, "st.global.v4.b32": value_vectors}
+
+
+@pytest.mark.parametrize("build", [b for b in BUILDS if not b.endswith("_ragged")])
+def test_streams_move_in_16_byte_vectors(builds, build):
+    _, direction, dtype, _ = build.split("-")
+    assert _global_accesses(builds[build]["ptx"]) == _expected_aligned_accesses(direction, dtype)
+
+
+@pytest.mark.parametrize("build", [b for b in BUILDS if b.endswith("_ragged")])
+def test_a_ragged_element_count_gets_scalar_accesses(builds, build):
+    """Where numel is not a multiple of 16, the bound `offsets < numel` may fall inside
+    any 16-byte vector, so Triton must mask element by element: every access is one
+    element wide. Correct, and slower; a tensor whose element count is a multiple of
+    16 (most activations) gets the vectors above."""
+    accesses = _global_accesses(builds[build]["ptx"])
+    assert accesses and not [form for form in accesses if ".v2." in form or ".v4." in form], accesses
