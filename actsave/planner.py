@@ -145,7 +145,7 @@ from .errors import ConfigError
 from .text import format_table
 from .estimate import LiveBytes, allocation_bytes
 from .meta import fast_meta, on_meta, plans_at_first_call, simulating
-from .store import modifies_input
+from .store import EXACT, KeepPolicy, modifies_input
 
 MiB = 2**20
 LOSSY_CODECS = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -246,7 +246,7 @@ class Profile:
         lossy = [c if layer.input_encodable else None for c in LOSSY_CODECS]
         copy = layer.to_host_s.get("none", 0.0) + layer.to_device_s.get("none", 0.0)
         return [str(i), layer.name, layer.kind, _mib(layer.output_bytes), _mib(layer.saved_bytes),
-                _mib(_kept_input(i, layer, KeepOption())),
+                _mib(_kept_input(i, layer, EXACT)),
                 *("-" if c is None else _mib(layer.kept_bytes[c]) for c in lossy),
                 _ms(layer.forward_s), _ms(layer.backward_s),
                 *("-" if c is None else _ms(layer.encode_s[c] + layer.decode_s[c]) for c in lossy),
@@ -759,19 +759,6 @@ def _profiled_device(x: torch.Tensor, device) -> torch.device:
 
 
 @dataclass(frozen=True)
-class KeepOption:
-    """How a checkpointed segment keeps its input: a codec name, on the device or
-    offloaded to host memory."""
-
-    codec: str = "none"
-    offload: bool = False
-
-    @property
-    def lossy(self) -> bool:
-        return self.codec != "none"
-
-
-@dataclass(frozen=True)
 class Plan:
     """Where segments start and how each checkpointed segment keeps its input, with
     the model's predictions. Apply it with ``CheckpointedSequential.apply_plan``.
@@ -822,9 +809,9 @@ class Plan:
 
     @property
     def segments(self) -> list:
-        """[(start, stop, KeepOption or None for the stored segment)]"""
+        """[(start, stop, KeepPolicy or None for the stored segment)]"""
         stops = [*self.starts[1:], self.n_layers]
-        options = [KeepOption(c, f) for c, f in zip(self.codecs, self.offload)] + [None]
+        options = [KeepPolicy.resolve(c, f) for c, f in zip(self.codecs, self.offload)] + [None]
         return list(zip(self.starts, stops, options))
 
     def __str__(self) -> str:
@@ -834,7 +821,7 @@ class Plan:
                  f"{_ms(self.predicted_step_seconds)} ms"]
         rows = [["segment", "layers", "input kept", "where", ""]]
         for j, (start, stop, option) in enumerate(self.segments):
-            kept = "stored (no recompute)" if option is None else option.codec
+            kept = "stored (no recompute)" if option is None else option.codec.name
             where = "" if option is None else ("host" if option.offload else "device")
             marker = "<- peak" if j == self.peak_segment else ""
             rows.append([str(j), f"{start}-{stop - 1}", kept, where, marker])
@@ -879,7 +866,7 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
     return _plan_of(profile, model, segments, budget)
 
 
-def balanced(profile: Profile, options: Sequence[KeepOption]) -> Plan:
+def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     """The plan of ``CheckpointedSequential(segments="balanced")``: where segments
     start when a segment starting at layer i keeps its input as ``options[i]`` says
     (a leaf or non-float input is kept by reference whatever it says, as store.py
@@ -889,8 +876,8 @@ def balanced(profile: Profile, options: Sequence[KeepOption]) -> Plan:
     without times (meta tensors) is the one that recomputes the fewest layers."""
     if not isinstance(profile, Profile):
         raise ConfigError(f"balanced expects a Profile from actsave.profile, got {type(profile).__name__}")
-    if len(options) != len(profile.layers) or not all(isinstance(o, KeepOption) for o in options):
-        raise ConfigError(f"balanced needs one KeepOption per layer ({len(profile.layers)}), got {options!r}")
+    if len(options) != len(profile.layers) or not all(isinstance(o, KeepPolicy) for o in options):
+        raise ConfigError(f"balanced needs one KeepPolicy per layer ({len(profile.layers)}), got {options!r}")
     model = _CostModel(profile, [], fixed=options)
     segments = _fastest_within(model, _smallest_headroom(model))
     return _plan_of(profile, model, segments, budget=None)
@@ -899,12 +886,12 @@ def balanced(profile: Profile, options: Sequence[KeepOption]) -> Plan:
 def _plan_of(profile: Profile, model: "_CostModel", segments: list, budget: Optional[int]) -> Plan:
     """The Plan of a dynamic program's [(start, stop, option index)], with predictions."""
     checkpointed = [model.options[o] for _, _, o in segments[:-1]]
-    return predict(profile, [start for start, _, _ in segments], [option.codec for option in checkpointed],
+    return predict(profile, [start for start, _, _ in segments], [option.codec.name for option in checkpointed],
                    [option.offload for option in checkpointed], budget)
 
 
 def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str) -> list:
-    """The KeepOptions ``allow`` and ``min_sqnr_db`` permit on ``device`` (empty:
+    """The KeepPolicys ``allow`` and ``min_sqnr_db`` permit on ``device`` (empty:
     nothing may be checkpointed)."""
     if min_sqnr_db is not None and not real_number(min_sqnr_db):
         raise ConfigError(f"min_sqnr_db={min_sqnr_db!r} must be a number of dB or None")
@@ -923,7 +910,7 @@ def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str
     codecs = ["none"] + sorted({_LEVER_CODECS[lever] for lever in allow if lever in _LEVER_CODECS})
     codecs = [c for c in codecs if min_sqnr_db is None or EXPECTED_GRADIENT_SQNR_DB[c] >= min_sqnr_db]
     places = [False, True] if "offload" in allow and _host_is_separate(device) else [False]
-    return [KeepOption(codec, offload) for codec in codecs for offload in places]
+    return [KeepPolicy.resolve(codec, offload) for codec in codecs for offload in places]
 
 
 def _host_is_separate(device) -> bool:
@@ -932,13 +919,13 @@ def _host_is_separate(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def _effective_option(option: KeepOption, layer: LayerProfile, device: str) -> KeepOption:
+def _effective_option(option: KeepPolicy, layer: LayerProfile, device: str) -> KeepPolicy:
     """What a segment starting at ``layer`` keeps its input by, asked for ``option``:
     store.py keeps a leaf or non-float input by reference, on the device, whatever the
     option; without separate host memory an offloaded input still takes its bytes."""
     if not layer.input_encodable:
-        return KeepOption()
-    return option if _host_is_separate(device) else KeepOption(option.codec)
+        return EXACT
+    return option if _host_is_separate(device) else KeepPolicy(option.codec)
 
 
 def _check_plan_arguments(profile, budget, objective) -> None:
@@ -969,14 +956,14 @@ class _CostModel:
     starts of one end) at once.
     """
 
-    def __init__(self, prof: Profile, options: list, fixed: Optional[Sequence[KeepOption]] = None):
+    def __init__(self, prof: Profile, options: list, fixed: Optional[Sequence[KeepPolicy]] = None):
         """``options``: the keep options the plans may use. ``fixed``: one option per
         layer instead, the only one a segment starting there may use."""
         layers = prof.layers
         n = self.n = len(layers)
         if fixed is not None:
             fixed = [_effective_option(option, layer, prof.device) for option, layer in zip(fixed, layers)]
-            options = sorted(set(fixed), key=lambda option: (option.codec, option.offload))
+            options = sorted(set(fixed), key=lambda option: (option.codec.name, option.offload))
         self.options = options
         self.chain_input = prof.input_bytes
 
@@ -1019,17 +1006,17 @@ class _CostModel:
             for a, layer in enumerate(layers):
                 self._fill_option(o, option, a, layer)
 
-    def _fill_option(self, o: int, option: KeepOption, a: int, layer: LayerProfile) -> None:
-        self.allowed[o, a] = layer.input_encodable or option == KeepOption()
+    def _fill_option(self, o: int, option: KeepPolicy, a: int, layer: LayerProfile) -> None:
+        self.allowed[o, a] = layer.input_encodable or option == EXACT
         self.kept_input[o, a] = _kept_input(a, layer, option)
         if option.lossy:
             self.decoded[o, a] = layer.dense_input_bytes
-            self.encode_event[o, a] = layer.input_bytes + layer.encode_rise[option.codec]
-            self.decode_rise[o, a] = layer.decode_rise[option.codec]
-            self.codec_s[o, a] = layer.encode_s[option.codec] + layer.decode_s[option.codec]
+            self.encode_event[o, a] = layer.input_bytes + layer.encode_rise[option.codec.name]
+            self.decode_rise[o, a] = layer.decode_rise[option.codec.name]
+            self.codec_s[o, a] = layer.encode_s[option.codec.name] + layer.decode_s[option.codec.name]
         if option.offload:
-            self.to_host_s[o, a] = layer.to_host_s.get(option.codec, 0.0)
-            self.to_device_s[o, a] = layer.to_device_s.get(option.codec, 0.0)
+            self.to_host_s[o, a] = layer.to_host_s.get(option.codec.name, 0.0)
+            self.to_device_s[o, a] = layer.to_device_s.get(option.codec.name, 0.0)
 
     def _event_tables(self, saved: np.ndarray) -> None:
         """recompute[a, b], lossy_recompute[a, b]: the largest recompute event of [a, b)
@@ -1149,12 +1136,12 @@ def _until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) 
     return np.where(last >= 0, np.maximum(whole, truncated[np.maximum(last, 0)]), -np.inf)
 
 
-def _kept_input(a: int, layer: LayerProfile, option: KeepOption) -> int:
+def _kept_input(a: int, layer: LayerProfile, option: KeepPolicy) -> int:
     """K: the input as the option keeps it, wherever that is. The exact codec keeps a
     private copy for an in-place first layer (store.py), else the input itself,
     nothing extra for the chain input (in X)."""
     if option.lossy:
-        return layer.kept_bytes[option.codec]
+        return layer.kept_bytes[option.codec.name]
     if layer.modifies_input:
         return layer.dense_input_bytes
     return 0 if a == 0 else layer.input_bytes
@@ -1330,7 +1317,7 @@ def _predicted(profile: Profile, segments: list) -> tuple:
     """(peak bytes, step seconds, index of the segment setting the peak)."""
     layers = profile.layers
     # store.py keeps a leaf or non-float input as it is, whatever the option.
-    segments = [(a, b, option if option is None or layers[a].input_encodable else KeepOption())
+    segments = [(a, b, option if option is None or layers[a].input_encodable else EXACT)
                 for a, b, option in segments]
     carry = max((_stored_by(profile, a, b, option) for a, b, option in segments if option and option.offload),
                 default=0)
@@ -1394,7 +1381,7 @@ def _stored_working_set(profile: Profile, a: int) -> int:
     return max(events)
 
 
-def _stored_by(profile: Profile, a: int, b: int, option: KeepOption) -> int:
+def _stored_by(profile: Profile, a: int, b: int, option: KeepPolicy) -> int:
     """K + S: what the checkpointed segment [a, b) keeps, on the device (R) or, when
     offloaded, on the host (F, fetched back); nothing when no layer saves."""
     layers = profile.layers
@@ -1404,7 +1391,7 @@ def _stored_by(profile: Profile, a: int, b: int, option: KeepOption) -> int:
     return _kept_input(a, layers[a], option) + signs
 
 
-def _checkpointed_working_set(profile: Profile, a: int, b: int, option: KeepOption, carry: int) -> int:
+def _checkpointed_working_set(profile: Profile, a: int, b: int, option: KeepPolicy, carry: int) -> int:
     """W of the checkpointed segment [a, b), C = ``carry`` included."""
     layers, first = profile.layers, profile.layers[a]
     backward = [_held_in_backward(profile, a, i) + saved + _input_grad(profile, i + 1) + layers[i].backward_rise
@@ -1416,12 +1403,12 @@ def _checkpointed_working_set(profile: Profile, a: int, b: int, option: KeepOpti
     events = list(backward)  # the sign bits are released with the inputs, after the recompute
     events += _recompute_events(profile, a, savers[-1], option, held + carry)
     if option.lossy:
-        events.append(held + first.decode_rise[option.codec] + carry)
-        events.append(first.input_bytes + first.encode_rise[option.codec])
+        events.append(held + first.decode_rise[option.codec.name] + carry)
+        events.append(first.input_bytes + first.encode_rise[option.codec.name])
     return max(events)
 
 
-def _recompute_events(profile: Profile, a: int, last_saver: int, option: KeepOption, held: int) -> list:
+def _recompute_events(profile: Profile, a: int, last_saver: int, option: KeepPolicy, held: int) -> list:
     """The recompute of [a, last_saver]: the early stop ends it at the last save."""
     layers, first = profile.layers, profile.layers[a]
     decoded = first.dense_input_bytes if option.lossy else 0
@@ -1441,17 +1428,17 @@ def _recompute_events(profile: Profile, a: int, last_saver: int, option: KeepOpt
     return events
 
 
-def _checkpointed_seconds(layers: tuple, a: int, b: int, option: KeepOption) -> float:
+def _checkpointed_seconds(layers: tuple, a: int, b: int, option: KeepPolicy) -> float:
     forward = sum(layer.forward_s for layer in layers[a:b])
     backward = sum(layer.backward_s for layer in layers[a:b])
     first = layers[a]
     seconds = forward
     if option.lossy:
-        seconds += first.encode_s[option.codec] + first.decode_s[option.codec]
+        seconds += first.encode_s[option.codec.name] + first.decode_s[option.codec.name]
     if option.offload:
         # No copy times where host memory is the device's (a CPU profile) or unmeasured (meta).
-        seconds += (max(0.0, first.to_host_s.get(option.codec, 0.0) - forward)
-                    + max(0.0, first.to_device_s.get(option.codec, 0.0) - forward - backward))
+        seconds += (max(0.0, first.to_host_s.get(option.codec.name, 0.0) - forward)
+                    + max(0.0, first.to_device_s.get(option.codec.name, 0.0) - forward - backward))
     return seconds
 
 
@@ -1467,4 +1454,4 @@ def _ms(seconds: float) -> str:
 
 
 __all__ = ["profile", "plan", "balanced", "predict", "keep_options", "Profile", "LayerProfile", "SavedStorage", "Plan",
-           "KeepOption", "EXPECTED_GRADIENT_SQNR_DB", "DEFAULT_ALLOW", "LEVERS"]
+           "EXPECTED_GRADIENT_SQNR_DB", "DEFAULT_ALLOW", "LEVERS"]

@@ -437,8 +437,7 @@ class _BalancedPlans:
         try:
             _check_simulable(model)
             profile = planner.profile(model, (_meta_stand_in(input),), device=device)
-            options = [planner.KeepOption(policy.codec.name, policy.offload) for policy in policies]
-            return planner.balanced(profile, options)
+            return planner.balanced(profile, list(policies))
         except Exception as error:  # anything the meta step cannot run: NOTE [ Balanced segments ]
             self._warn_once(f"it could not run its layers on meta tensors ({type(error).__name__}: {error})")
             return None

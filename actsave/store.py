@@ -91,6 +91,11 @@ class KeepPolicy:
             raise ConfigError(f"offload={offload!r} must be True or False")
         return cls(codec=get_codec(compress), offload=offload)
 
+    @property
+    def lossy(self) -> bool:
+        """Whether a recompute from what this policy keeps differs from the forward."""
+        return not self.codec.lossless
+
     def describe(self) -> tuple:
         return (self.codec.name, "host" if self.offload else "-")
 

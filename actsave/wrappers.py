@@ -118,9 +118,9 @@ class Checkpoint(nn.Module):
             return getattr(wrapped, name)
 
     def extra_repr(self) -> str:
-        codec, where = self.policy.describe()
         recompute = self.recompute.describe()
-        return f"compress={codec!r}, offload={where != '-'}" + (", " + recompute if recompute else "")
+        return (f"compress={self.policy.codec.name!r}, offload={self.policy.offload}"
+                + (", " + recompute if recompute else ""))
 
 
 FilterSpec = Union[Callable[[nn.Module, str], bool], type, tuple]

@@ -24,6 +24,7 @@ from torch import nn
 import actsave
 from actsave import CheckpointedSequential, ConfigError, planner
 from actsave.sequential import segment_starts
+from actsave.store import KeepPolicy
 
 
 class Residual(nn.Module):
@@ -154,7 +155,7 @@ def test_dynamic_program_agrees_with_brute_force(device, n):
     if device == "cuda":
         prof = with_host_copies(prof)
     options = planner.keep_options(planner.DEFAULT_ALLOW, None, device)
-    plans = [planner.predict(prof, starts, [o.codec for o in chosen], [o.offload for o in chosen])
+    plans = [planner.predict(prof, starts, [o.codec.name for o in chosen], [o.offload for o in chosen])
              for starts, chosen in all_plans(n, options)]
     smallest = min(p.predicted_peak_bytes for p in plans)
     assert actsave.plan(prof, None, objective="memory").predicted_peak_bytes == smallest
@@ -171,14 +172,14 @@ def test_balanced_agrees_with_brute_force_over_fixed_options(device, n):
     model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
     prof = actsave.profile(model, (torch.empty(32, 32, device="meta").requires_grad_().clone(),), device=device)
     rng = random.Random(n)
-    options = [planner.KeepOption(rng.choice(["none", "int8", "fp8_e5m2"]), rng.random() < 0.5) for _ in range(n)]
-    effective = [o if device == "cuda" else planner.KeepOption(o.codec) for o in options]
-    plans = [planner.predict(prof, starts, [effective[a].codec for a in starts[:-1]],
+    options = [KeepPolicy.resolve(rng.choice(["none", "int8", "fp8_e5m2"]), rng.random() < 0.5) for _ in range(n)]
+    effective = [o if device == "cuda" else KeepPolicy(o.codec) for o in options]
+    plans = [planner.predict(prof, starts, [effective[a].codec.name for a in starts[:-1]],
                              [effective[a].offload for a in starts[:-1]])
              for starts, _ in all_plans(n, [None])]
     planned = planner.balanced(prof, options)
     assert planned.predicted_peak_bytes == min(p.predicted_peak_bytes for p in plans)
-    assert [planned.codecs, planned.offload] == [tuple(effective[a].codec for a in planned.starts[:-1]),
+    assert [planned.codecs, planned.offload] == [tuple(effective[a].codec.name for a in planned.starts[:-1]),
                                                 tuple(effective[a].offload for a in planned.starts[:-1])]
     # The fewest layers recomputed among the smallest-peak plans (a meta profile has no times).
     fewest = min(p.starts[-1] for p in plans if p.predicted_peak_bytes == planned.predicted_peak_bytes)
@@ -206,7 +207,7 @@ def test_offloaded_relu_bits_on_a_carry_grid_stay_within_one_fetch_of_the_exact_
     layers = [m for _ in range(12) for m in (nn.Linear(64, 64), nn.ReLU())]
     prof = actsave.profile(nn.Sequential(*layers), (torch.empty(256, 64, device="meta").requires_grad_().clone(),),
                            device="cuda")
-    options = [planner.KeepOption("int8", offload=True)] * len(layers)
+    options = [KeepPolicy.resolve("int8", offload=True)] * len(layers)
     exact = planner.balanced(prof, options)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(planner, "_MAX_CARRIES", 4)
@@ -267,7 +268,7 @@ def test_offload_is_a_lever_on_cuda_only():
     cuda = planner.keep_options(planner.DEFAULT_ALLOW, None, "cuda:0")
     assert not any(o.offload for o in cpu)
     codecs = ("none", "int8", "fp8_e4m3")
-    assert {(o.codec, o.offload) for o in cuda} == {(c, f) for c in codecs for f in (False, True)}
+    assert {(o.codec.name, o.offload) for o in cuda} == {(c, f) for c in codecs for f in (False, True)}
 
 
 # --- profile and printing -----------------------------------------------------------
