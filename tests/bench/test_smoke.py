@@ -146,6 +146,14 @@ def test_accuracy_parity_reports_every_available_mode(tmp_path):
     assert png.stat().st_size > 0
 
 
+def test_sqnr_is_the_design_definition():
+    harness = load_bench_module("harness")
+    x = torch.randn(100)
+    assert harness.sqnr_db(x, x) == math.inf
+    assert harness.sqnr_db(x, 1.1 * x) == pytest.approx(20.0)
+    assert harness.sqnr_db(torch.zeros(3), torch.ones(3)) == -math.inf
+
+
 def test_results_of_other_benches_are_kept(tmp_path):
     harness = load_bench_module("harness")
     path = tmp_path / "cpu.csv"
