@@ -217,5 +217,7 @@ def test_models_are_flat_chains():
     assert len(models.build_model("imagenet_resnet", 200)) == 4 + 66 + 3
     gpt = models.build_model("gpt", 3, width=32, heads=2, vocab_size=50, max_seq_len=8)
     assert len(gpt) == 3 + 3 and gpt(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
+    chain = models.build_model("conv_bn_relu", 16)
+    assert len(chain) == 3 * 16 + 2 and chain(torch.randn(2, 16, 16, 16)).shape == (2, 10)
     with pytest.raises(ValueError):
         models.build_model("cifar_resnet", 100)
