@@ -80,6 +80,10 @@ METRICS = {  # name -> unit
     "time_ratio": "x",
     "grad_sqnr": "dB",
     "max_depth": "layers",
+    # bench/fidelity.py
+    "worst_tensor_sqnr": "dB",  # lowest over the meaningful parameter gradients
+    "overall_sqnr": "dB",  # all parameter gradients concatenated
+    "codec_var_ratio": "x",  # codec gradient noise / minibatch sampling noise
 }
 
 
