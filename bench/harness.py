@@ -80,6 +80,10 @@ METRICS = {  # name -> unit
     "time_ratio": "x",
     "grad_sqnr": "dB",
     "max_depth": "layers",
+    # bench/fidelity.py
+    "worst_tensor_sqnr": "dB",  # lowest over the meaningful parameter gradients
+    "overall_sqnr": "dB",  # all parameter gradients concatenated
+    "codec_var_ratio": "x",  # codec gradient noise / minibatch sampling noise
 }
 
 
@@ -258,16 +262,19 @@ def _release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB, ``20*log10(|ref| / |ref - x|)``,
+    computed in float64; ``inf`` when exact, ``-inf`` when only the reference is zero."""
+    error = torch.linalg.vector_norm((reference - approximation).double()).item()
+    if error == 0:
+        return math.inf
+    signal = torch.linalg.vector_norm(reference.double()).item()
+    return 20 * math.log10(signal / error) if signal > 0 else -math.inf
+
+
 def worst_grad_sqnr(reference: list, grads: list) -> float:
-    """Lowest SQNR in dB, ``20*log10(|ref| / |ref - x|)``, over parameter gradients;
-    ``inf`` when every gradient is exact."""
-    worst = math.inf
-    for ref, x in zip(reference, grads):
-        error = torch.linalg.vector_norm((ref - x).double()).item()
-        if error > 0:
-            signal = torch.linalg.vector_norm(ref.double()).item()
-            worst = min(worst, 20 * math.log10(signal / error) if signal > 0 else -math.inf)
-    return worst
+    """Lowest :func:`sqnr_db` over parameter gradients; ``inf`` when every gradient is exact."""
+    return min((sqnr_db(ref, x) for ref, x in zip(reference, grads)), default=math.inf)
 
 
 # --------------------------------------------------------------------------- workloads
@@ -649,22 +656,29 @@ def csv_rows(workload: Workload, measurements: list, metadata: dict, run_config:
     rows = []
     for m in measurements:
         config = {**workload.config, **run_config, "provider": PROVIDERS[m.provider].description, **m.config}
-        rows.append({
-            "bench": workload.bench,
-            "case": m.case or workload.case,
-            "provider": m.provider,
-            "metric": m.metric,
-            "unit": METRICS[m.metric],
-            "x_name": m.x_name,
-            "x_value": m.x_value,
-            "p20": _percentile(m.values, 20),
-            "p50": _percentile(m.values, 50),
-            "p80": _percentile(m.values, 80),
-            "n_reps": len(m.values),
-            "config_json": json.dumps(config, sort_keys=True),
-            **metadata,
-        })
+        rows.append(csv_row(workload.bench, m.case or workload.case, m.provider, m.metric, m.x_name, m.x_value,
+                            m.values, config, metadata))
     return rows
+
+
+def csv_row(bench: str, case: str, provider: str, metric: str, x_name: str, x_value, values, config: dict,
+            metadata: dict) -> dict:
+    """One long-format row: percentiles of ``values`` (the repeats), the unit from ``METRICS``."""
+    return {
+        "bench": bench,
+        "case": case,
+        "provider": provider,
+        "metric": metric,
+        "unit": METRICS[metric],
+        "x_name": x_name,
+        "x_value": x_value,
+        "p20": _percentile(values, 20),
+        "p50": _percentile(values, 50),
+        "p80": _percentile(values, 80),
+        "n_reps": len(values),
+        "config_json": json.dumps(config, sort_keys=True),
+        **metadata,
+    }
 
 
 def write_csv(rows: list, path: Path) -> None:

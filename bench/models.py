@@ -11,6 +11,10 @@ papers.
   (164, 1001, 2000, ...): three stages of n bottleneck blocks.
 - ``imagenet_resnet(depth)``: bottleneck ResNet-50/101/152/200 for 224x224 inputs
   (He et al. 2015 layout: 7x7 stem, max-pool, four stages).
+- ``conv_bn_relu_chain(blocks)``: ``blocks`` x (conv3x3, BatchNorm, in-place ReLU)
+  at one width and resolution, then a linear head: no skip connections, so every
+  ReLU decision shapes the gradient of all that precedes it (the gradient-fidelity
+  stress case: BatchNorm in training mode puts much pre-activation mass near zero).
 - ``gpt(depth)``: GPT-style decoder: token + position embedding, ``depth`` pre-LN
   blocks with causal attention (``F.scaled_dot_product_attention``), final LayerNorm
   and head.
@@ -151,6 +155,17 @@ def imagenet_resnet(depth: int, num_classes: int = 1000, in_channels: int = 3) -
     )
 
 
+def conv_bn_relu_chain(blocks: int, channels: int = 16, image_size: int = 16, num_classes: int = 10) -> nn.Sequential:
+    """``blocks`` x (Conv2d(channels, channels, 3, padding=1), BatchNorm2d,
+    ReLU(inplace=True)), flat, then flatten and linear; inputs are
+    (batch, channels, image_size, image_size). The convs keep their bias, which the
+    next BatchNorm cancels: its true gradient is zero."""
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(inplace=True)]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * image_size**2, num_classes))
+
+
 class TokenAndPositionEmbedding(nn.Module):
     def __init__(self, vocab_size: int, max_seq_len: int, width: int):
         super().__init__()
@@ -210,7 +225,8 @@ def gpt(
     )
 
 
-MODELS = {"cifar_resnet": cifar_resnet, "imagenet_resnet": imagenet_resnet, "gpt": gpt}
+MODELS = {"cifar_resnet": cifar_resnet, "imagenet_resnet": imagenet_resnet, "conv_bn_relu": conv_bn_relu_chain,
+          "gpt": gpt}
 
 
 def build_model(name: str, depth: int, **options) -> nn.Sequential:
@@ -218,11 +234,13 @@ def build_model(name: str, depth: int, **options) -> nn.Sequential:
 
     Args:
         name: ``"cifar_resnet"`` (depth 9n + 2, 32x32-style inputs),
-            ``"imagenet_resnet"`` (depth 50, 101, 152 or 200, 224x224 inputs) or
+            ``"imagenet_resnet"`` (depth 50, 101, 152 or 200, 224x224 inputs),
+            ``"conv_bn_relu"`` (depth = number of conv-BN-ReLU blocks) or
             ``"gpt"`` (depth = number of transformer blocks).
         depth: the depth as the paper counts it (weighted layers for ResNets,
             blocks for the GPT).
-        **options: passed to the builder (``num_classes``; for ``"gpt"``: ``width``,
+        **options: passed to the builder (``num_classes``; for ``"conv_bn_relu"``:
+            ``channels``, ``image_size``; for ``"gpt"``: ``width``,
             ``heads``, ``vocab_size``, ``max_seq_len``).
 
     Example::

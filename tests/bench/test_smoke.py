@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,6 +167,52 @@ def test_accuracy_parity_reports_every_available_mode(tmp_path):
     assert png.stat().st_size > 0
 
 
+@pytest.fixture(scope="module")
+def fidelity_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fidelity") / "cpu.csv"
+    stdout = run_script("fidelity.py", "--device", "cpu", "--out", str(out))
+    columns, rows = read_rows(out)
+    return stdout, columns, rows
+
+
+def test_fidelity_reports_every_case_codec_and_metric(fidelity_run):
+    stdout, columns, rows = fidelity_run
+    assert columns == CSV_COLUMNS and {r["bench"] for r in rows} == {"fidelity"}
+    assert "codec/sampling var" in stdout
+    cases = {"resnet11 b2 8x8 balanced", "convbnrelu4 b2 8x8 balanced", "convbnrelu4 b2 8x8 sqrt"}
+    assert cases <= {r["case"] for r in rows}
+    keys = {(r["case"], r["provider"], r["metric"]) for r in rows}
+    assert len(keys) == len(rows) == 3 * 2 * 3 * 3  # cases x batch sizes x codecs x metrics
+
+
+def test_fidelity_orders_the_codecs_and_bounds_their_noise(fidelity_run):
+    # Measured at smoke scale: overall int8 44-50 dB, e4m3 33-38, e5m2 26-32; variance
+    # ratios below 0.3%. The orderings hold for any sane codec; the floors are loose.
+    *_, rows = fidelity_run
+    overall = {(r["case"], r["provider"]): float(r["p50"]) for r in rows if r["metric"] == "overall_sqnr"}
+    for case in {case for case, _ in overall}:
+        assert overall[case, "actsave_int8"] > overall[case, "actsave_fp8_e4m3"] > overall[case, "actsave_fp8_e5m2"] > 15
+    ratios = [float(r["p50"]) for r in rows if r["metric"] == "codec_var_ratio"]
+    assert all(0 < ratio < 0.1 for ratio in ratios)
+
+
+def test_fidelity_skips_gradients_that_are_zero_in_truth(fidelity_run):
+    # A conv bias before a BatchNorm has a true gradient of zero: never the worst tensor.
+    *_, rows = fidelity_run
+    worst = [name for r in rows if r["metric"] == "worst_tensor_sqnr"
+             for name in json.loads(r["config_json"])["tensors"]]
+    conv_biases = [name for name in worst if re.fullmatch(r"\d+\.bias", name) and int(name.split(".")[0]) % 3 == 0]
+    assert worst and not conv_biases
+
+
+def test_sqnr_is_the_design_definition():
+    harness = load_bench_module("harness")
+    x = torch.randn(100)
+    assert harness.sqnr_db(x, x) == math.inf
+    assert harness.sqnr_db(x, 1.1 * x) == pytest.approx(20.0)
+    assert harness.sqnr_db(torch.zeros(3), torch.ones(3)) == -math.inf
+
+
 def test_results_of_other_benches_are_kept(tmp_path):
     harness = load_bench_module("harness")
     path = tmp_path / "cpu.csv"
@@ -229,5 +276,7 @@ def test_models_are_flat_chains():
     assert len(models.build_model("imagenet_resnet", 200)) == 4 + 66 + 3
     gpt = models.build_model("gpt", 3, width=32, heads=2, vocab_size=50, max_seq_len=8)
     assert len(gpt) == 3 + 3 and gpt(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
+    chain = models.build_model("conv_bn_relu", 16)
+    assert len(chain) == 3 * 16 + 2 and chain(torch.randn(2, 16, 16, 16)).shape == (2, 10)
     with pytest.raises(ValueError):
         models.build_model("cifar_resnet", 100)
