@@ -31,13 +31,9 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from . import relu_signs
+from ._torch import saved_tensor_hooks_active, storage_identity
 from .codecs import Codec
 from .store import account, should_encode
-
-
-def _other_saved_tensor_hooks_active() -> bool:
-    """Whether some saved-tensor hooks (an outer checkpoint's, the caller's) are set."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 class _Stored:
@@ -106,7 +102,7 @@ class _SavesStore:
 def _storage_key(tensor: torch.Tensor) -> tuple:
     # The storage object's address, not its data pointer: meta tensors (actsave.estimate)
     # all have data pointer 0.
-    return (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.numel(), tensor.dtype)
+    return (storage_identity(tensor), tensor.storage_offset(), tensor.numel(), tensor.dtype)
 
 
 def _dead_ref():
@@ -118,7 +114,7 @@ def call_with_compressed_saves(function: Callable, x, codec: Codec) -> tuple:
     """Run ``function(x)`` with every save that autograd makes stored by ``codec``
     (lossy). Returns ``(output, stored_bytes)``; ``stored_bytes`` is None when other
     saved-tensor hooks are active and the saves are left to them."""
-    if _other_saved_tensor_hooks_active():
+    if saved_tensor_hooks_active():
         return function(x), None
     store = _SavesStore(codec, [x] if isinstance(x, torch.Tensor) else [])
     try:

@@ -42,9 +42,8 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from ._torch import TorchDispatchMode, pytree
 from .checks import integral
 from .errors import ConfigError
 from .meta import OUTPUT_METADATA, fast_meta, on_meta, plans_at_first_call, simulating
@@ -87,7 +86,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self._lock = threading.Lock()  # storages may die on autograd's worker threads
         self._seen = weakref.WeakKeyDictionary()
-        for t in tree_leaves(known):
+        for t in pytree.tree_leaves(known):
             if isinstance(t, torch.Tensor):
                 self._seen[t.untyped_storage()] = True
 
@@ -263,7 +262,7 @@ def _bytes(t: torch.Tensor, device) -> int:
 
 
 def _backward_from_full_gradient(outputs) -> None:
-    tensors = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    tensors = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not tensors:
         raise ConfigError("the model's output does not require grad: there is no backward to estimate")
     torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])

@@ -78,10 +78,9 @@ from typing import Callable
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import relu_signs
+from ._torch import TorchDispatchMode, pytree
 from .errors import RecomputeError
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState, TouchedState

@@ -25,7 +25,8 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._torch import OpOverload, TorchDispatchMode, own_tensors
 
 _local = threading.local()
 
@@ -69,7 +70,8 @@ def on_meta(model: nn.Module):
     parameters stay tied."""
     copies, swapped = {}, []
     for module in model.modules():
-        for table, make in ((module._parameters, _meta_parameter), (module._buffers, _meta_tensor)):
+        for table, make in ((own_tensors(module, "parameters"), _meta_parameter),
+                            (own_tensors(module, "buffers"), _meta_tensor)):
             for name, original in table.items():
                 if original is None:
                     continue
@@ -170,7 +172,7 @@ def _functional(func) -> bool:
     if functional is None:
         schema = getattr(func, "_schema", None)
         functional = _FUNCTIONAL[func] = (
-            isinstance(func, torch._ops.OpOverload) and not schema.is_mutable
+            isinstance(func, OpOverload) and not schema.is_mutable
             and not any(r.alias_info is not None for r in schema.returns))
     return functional
 

@@ -139,6 +139,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from . import relu_signs
+from ._torch import own_tensors
 from .checks import integral, real_number
 from .codecs import get_codec
 from .errors import ConfigError
@@ -302,10 +303,11 @@ def _batchnorm_statistics_untouched():
 
     def use_scratch_statistics(module, args):
         if isinstance(module, _BatchNorm) and module.training and module.track_running_stats:
-            for name, original in list(module._buffers.items()):
+            buffers = own_tensors(module, "buffers")
+            for name, original in list(buffers.items()):
                 if original is not None:
-                    swapped.append((module, name, original))
-                    module._buffers[name] = original.clone()
+                    swapped.append((buffers, name, original))
+                    buffers[name] = original.clone()
 
     handle = register_module_forward_pre_hook(use_scratch_statistics)
     try:
@@ -313,8 +315,8 @@ def _batchnorm_statistics_untouched():
     finally:
         handle.remove()
         # Reversed, so a module run twice gets its first original back.
-        for module, name, original in reversed(swapped):
-            module._buffers[name] = original
+        for buffers, name, original in reversed(swapped):
+            buffers[name] = original
 
 
 class _SaveLedger:

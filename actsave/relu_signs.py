@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import torch
 
-_RELU_NODES = ("ReluBackward0",)
+from ._torch import is_relu_node
+
 _BIT_WEIGHTS = {}
 
 
 def is_relu_output(tensor: torch.Tensor) -> bool:
     """Whether autograd is saving ``tensor`` as the output of a ReLU."""
-    return type(tensor.grad_fn).__name__ in _RELU_NODES
+    return is_relu_node(tensor.grad_fn)
 
 
 def input_nodes(inputs) -> dict:

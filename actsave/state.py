@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from ._torch import leaf_base, own_tensors, version
 from .errors import RecomputeError
 
 
@@ -149,28 +150,28 @@ class TouchedState:
         """Note a leaf (or a view of one) that the forward saved for backward."""
         if torch.compiler.is_compiling():  # traced with fake tensors; real saves follow
             return
-        base = tensor._base if tensor._is_view() else tensor
-        if base.is_leaf:
+        base = leaf_base(tensor)
+        if base is not None:
             self._note(base, f"a tensor of shape {list(base.shape)}")
 
     def end_forward(self) -> None:
         """Take the versions the recompute must find."""
-        mutated = {id(getattr(module, kind)[name]) for module, kind, name in self._mutated
-                   if getattr(module, kind).get(name) is not None}
-        self._versions = {key: ref()._version for key, (ref, _) in self._read.items()
+        mutated = {id(own_tensors(module, kind)[name]) for module, kind, name in self._mutated
+                   if own_tensors(module, kind).get(name) is not None}
+        self._versions = {key: version(ref()) for key, (ref, _) in self._read.items()
                           if ref() is not None and key not in mutated}
         self._calls = []
 
     def check_unchanged(self, function_name: str) -> None:
         """Raise, as autograd would, if a tensor the forward read changed in place."""
-        for key, version in self._versions.items():
+        for key, expected in self._versions.items():
             ref, what = self._read[key]
             tensor = ref()
-            if tensor is not None and tensor._version != version:
+            if tensor is not None and version(tensor) != expected:
                 raise RecomputeError(
                     "one of the variables needed for gradient computation has been "
                     f"modified by an inplace operation: {what} is at version "
-                    f"{tensor._version}; expected version {version} instead. The "
+                    f"{version(tensor)}; expected version {expected} instead. The "
                     f"checkpointed {function_name} read it in its forward and its "
                     "recompute would read the new values, so its gradients would be "
                     "wrong. Change it after the backward (an optimizer step, an EMA of "
@@ -183,15 +184,15 @@ class TouchedState:
         originals are put back on exit."""
         swapped = []
         for module, kind, name in self._mutated:
-            original = getattr(module, kind).get(name)
+            original = own_tensors(module, kind).get(name)
             if original is not None:
                 swapped.append((module, kind, name, original))
-                getattr(module, kind)[name] = original.clone()
+                own_tensors(module, kind)[name] = original.clone()
         try:
             yield
         finally:
             for module, kind, name, original in swapped:
-                getattr(module, kind)[name] = original
+                own_tensors(module, kind)[name] = original
 
     def _note(self, tensor: torch.Tensor, what: str) -> None:
         noted = self._read.get(id(tensor))
@@ -203,8 +204,8 @@ class TouchedState:
             return
         versions = {}
         for kind, name, tensor in _own_state(module):
-            versions[(kind, name)] = tensor._version
-            self._note(tensor, f"{_KINDS[kind]} '{name}' of {type(module).__name__}")
+            versions[(kind, name)] = version(tensor)
+            self._note(tensor, f"{kind[:-1]} '{name}' of {type(module).__name__}")
         self._calls.append((module, versions))
 
     def _after_module(self, module, args, output) -> None:
@@ -216,23 +217,23 @@ class TouchedState:
                 break
         else:
             return
-        moved = any(versions.get((kind, name), tensor._version) != tensor._version
+        moved = any(versions.get((kind, name), version(tensor)) != version(tensor)
                     for kind, name, tensor in _own_state(module))
         if moved:
             # All of the module's buffers, not the moved ones only: BatchNorm's kernel
             # updates its running statistics without moving their versions (only
             # num_batches_tracked moves). Buffers only: a scratch copy of a parameter
             # would take its gradient.
-            for name in module._buffers:
-                self._mutated[(module, "_buffers", name)] = None
+            for name in own_tensors(module, "buffers"):
+                self._mutated[(module, "buffers", name)] = None
 
 
-_KINDS = {"_parameters": "parameter", "_buffers": "buffer"}
+_KINDS = ("parameters", "buffers")
 
 
 def _own_state(module: torch.nn.Module):
     for kind in _KINDS:
-        for name, tensor in getattr(module, kind).items():
+        for name, tensor in own_tensors(module, kind).items():
             if tensor is not None:
                 yield kind, name, tensor
 

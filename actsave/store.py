@@ -11,8 +11,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils import _pytree as pytree
 
+from ._torch import leaf_base, pytree, version
 from .codecs import IDENTITY, Codec, Packed, get_codec
 from .errors import ConfigError, RecomputeError
 from .offload import OffloadedTensor, current_tape
@@ -110,8 +110,7 @@ def should_encode(t: torch.Tensor) -> bool:
     # their views (``weight.t()``) are held elsewhere anyway: encoding or offloading
     # them would add memory, copies and error, and free nothing. Integer and bool
     # tensors are never quantized.
-    base = t._base if t._is_view() else t
-    return t.is_floating_point() and not base.is_leaf
+    return t.is_floating_point() and leaf_base(t) is None
 
 
 def modifies_input(function) -> bool:
@@ -190,7 +189,7 @@ class _KeptTensor:
         # the wrong values (or copied to the host half changed): refuse that.
         aliased = self.codec.aliases_input and not private_copy
         self._watched = source if aliased else None
-        self._version = source._version
+        self._version = version(source)
         self._release = account(self, self.nbytes, self.storage.where)
 
     @property
@@ -198,7 +197,7 @@ class _KeptTensor:
         return not self.codec.lossless
 
     def check_unmodified(self, where: str) -> None:
-        if self._watched is not None and self._watched._version != self._version:
+        if self._watched is not None and version(self._watched) != self._version:
             raise RecomputeError(
                 f"a checkpointed input was modified in place {where}, so the segment "
                 "cannot be recomputed from it. Do not modify it in place (for an "

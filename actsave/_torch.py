@@ -1,0 +1,77 @@
+"""Every private PyTorch API actsave touches, in one place, each behind a feature check.
+
+actsave needs a few things PyTorch does not publish: whether saved-tensor hooks are
+set, a storage's identity, tensors' version counters and view bases, modules' own
+parameter and buffer tables (to swap a tensor for a scratch or meta copy without
+registering it), the autograd node type of a ReLU, and the dispatch-mode and pytree
+utilities. They are read here and nowhere else, so that a PyTorch release that moves
+one breaks this file with a clear error, not the library at a distance.
+
+Tested with PyTorch 2.13 (CI) and written for 2.11 (the GPU image), the minimum in
+pyproject.toml.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils import _pytree as pytree  # noqa: F401  (re-exported)
+from torch._ops import OpOverload  # noqa: F401  (re-exported)
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+
+from .errors import ActsaveError
+
+MINIMUM_TORCH = "2.11"
+
+
+def _require(feature, what: str):
+    if feature is None:
+        raise ActsaveError(
+            f"PyTorch {torch.__version__} lacks {what}, which actsave needs; install "
+            f"torch>={MINIMUM_TORCH}"
+        )
+    return feature
+
+
+_top_saved_tensors_hooks = _require(
+    getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None),
+    "torch._C._autograd._top_saved_tensors_default_hooks",
+)
+_require(getattr(torch.Tensor, "_version", None), "Tensor._version")
+_require(getattr(torch.nn.Module(), "_buffers", None), "Module._buffers")
+
+# The autograd node a ReLU leaves on its output (``relu`` and ``relu_`` alike).
+_RELU_NODE_NAMES = frozenset({"ReluBackward0"})
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether some ``saved_tensors_hooks`` (an outer checkpoint's, ``save_on_cpu``,
+    the caller's) are set on this thread now."""
+    return _top_saved_tensors_hooks(False) is not None
+
+
+def storage_identity(tensor: torch.Tensor) -> int:
+    """An integer naming ``tensor``'s storage while the storage lives (views share it)."""
+    return tensor.untyped_storage()._cdata
+
+
+def version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter: it moves on every in-place change (views share it)."""
+    return tensor._version
+
+
+def leaf_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """The leaf ``tensor`` is, or is a view of; None for a tensor autograd produced."""
+    base = tensor._base if tensor._is_view() else tensor
+    return base if base.is_leaf else None
+
+
+def is_relu_node(grad_fn) -> bool:
+    """Whether ``grad_fn`` is the autograd node of a ReLU output."""
+    return type(grad_fn).__name__ in _RELU_NODE_NAMES
+
+
+def own_tensors(module: torch.nn.Module, kind: str) -> dict:
+    """The module's own table of ``kind`` (``"parameters"`` or ``"buffers"``): the live
+    dict, so that a write swaps a tensor in place without registering it anew."""
+    return module._parameters if kind == "parameters" else module._buffers
