@@ -126,7 +126,7 @@ class _Frame:
         self.recomputed = weakref.WeakKeyDictionary()
         self.is_recomputed = False
         self.keeps_relu_signs = kept.lossy  # once: pack runs for every saved tensor
-        self._last_relu_output = _dead_ref
+        self._relu_saves = relu_signs.FirstSaves()
         # The caller's inputs, held only while the forward runs (the caller holds them
         # then anyway): a backward inside the forward recomputes from them, exactly.
         # NOTE [ Backward inside a checkpointed forward ]
@@ -145,22 +145,13 @@ class _Frame:
         self.touched.note_saved(tensor)
         signs = None
         if (self.keeps_relu_signs and relu_signs.made_by_segment_relu(tensor, self._input_nodes)
-                and self._first_save(tensor)):
-            # Only the ReLU's own save gets the bits (it comes first): correcting the
-            # recomputed output in place fixes it for later savers too (a Linear's input).
+                and self._relu_saves.is_first(tensor)):
             signs = self.kept.attach(relu_signs.pack_signs(tensor))
             self.sign_bytes += signs.nbytes
         slot = _Slot(len(self.slots), signs)
         self.slots.append(weakref.ref(slot))
         self.signatures.append(_signature(tensor))
         return slot
-
-    def _first_save(self, tensor: torch.Tensor) -> bool:
-        # By object identity: the forward holds no saved tensor, so a new output may
-        # reuse a freed one's memory, and pointers would confuse the two.
-        first = self._last_relu_output() is not tensor
-        self._last_relu_output = weakref.ref(tensor)
-        return first
 
     def end_forward(self) -> None:
         self.touched.end_forward()
@@ -301,10 +292,6 @@ def _recompute_input(tensor: torch.Tensor) -> torch.Tensor:
 
 def _identity(tensor):
     return tensor
-
-
-def _dead_ref():
-    return None
 
 
 class _AllSlotsFilled(Exception):

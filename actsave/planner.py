@@ -127,7 +127,6 @@ from collections.abc import Iterable
 import math
 import statistics
 import time
-import weakref
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
@@ -146,7 +145,7 @@ from .errors import ConfigError
 from .text import format_table
 from .estimate import LiveBytes, allocation_bytes
 from .meta import fast_meta, on_meta, plans_at_first_call, simulating
-from .store import EXACT, KeepPolicy, modifies_input
+from .store import EXACT, KeepPolicy, modifies_input, should_encode
 
 MiB = 2**20
 LOSSY_CODECS = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -337,7 +336,7 @@ class _SaveLedger:
         self.relu_bits = {}  # layer -> [bytes, elements of the largest]
         self._ignored = {id(t.untyped_storage()) for t in ignored}
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
-        self._last_relu_output = lambda: None
+        self._relu_saves = relu_signs.FirstSaves()
 
     def before_layer(self, i: int, h: torch.Tensor) -> None:
         self.layer, self.layer_input = i, h
@@ -357,8 +356,7 @@ class _SaveLedger:
             entry = self._entries.setdefault(
                 id(storage), [allocation_bytes(storage.nbytes(), self.device), self.layer, self.layer])
             entry[2] = self.layer
-        if relu_signs.is_relu_output(t) and self._last_relu_output() is not t:
-            self._last_relu_output = weakref.ref(t)
+        if relu_signs.is_relu_output(t) and self._relu_saves.is_first(t):
             self._count_relu_output(t)
         return t.detach()  # detached: holding the output itself would be a reference cycle
 
@@ -527,21 +525,15 @@ class _Spec:
     dtype: torch.dtype
     storage_bytes: int
     requires_grad: bool
-    is_leaf: bool
+    encodable: bool  # whether actsave would encode or offload it: store.should_encode
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "_Spec":
-        return cls(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), t.requires_grad, t.is_leaf)
+        return cls(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), t.requires_grad, should_encode(t))
 
     @property
     def dense_bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-    @property
-    def encodable(self) -> bool:
-        """Whether actsave would encode or offload it (store.py keeps leaves and
-        non-float tensors by reference)."""
-        return self.dtype.is_floating_point and not self.is_leaf
 
 
 class _KeepCost(NamedTuple):

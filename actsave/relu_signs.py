@@ -19,6 +19,8 @@ passing: non-finite values still reach the gradient.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ._torch import is_relu_node
@@ -49,6 +51,26 @@ def made_by_segment_relu(tensor: torch.Tensor, segment_inputs: dict) -> bool:
     if not is_relu_output(tensor):
         return False
     return id(tensor) not in segment_inputs or segment_inputs[id(tensor)] is not tensor.grad_fn
+
+
+class FirstSaves:
+    """Tells a ReLU output's first save (the ReLU's own) from the saves of the same
+    tensor that follow it (the next Linear's input): only the first keeps bits, as
+    correcting the recomputed output in place fixes it for later savers too."""
+
+    def __init__(self):
+        self._last = _dead_ref
+
+    def is_first(self, relu_output: torch.Tensor) -> bool:
+        # By object identity: the forward holds no saved tensor, so a new output may
+        # reuse a freed one's memory, and pointers would confuse the two.
+        first = self._last() is not relu_output
+        self._last = weakref.ref(relu_output)
+        return first
+
+
+def _dead_ref():
+    return None
 
 
 def _weights(device) -> torch.Tensor:
