@@ -8,8 +8,8 @@ A codec turns a tensor into a :class:`Packed` value and back.
 - ``"fp8_e4m3"`` (alias ``"fp8"``) and ``"fp8_e5m2"``: an fp32 scale per group, then
   the 8-bit float.
 
-The bits are defined by the torch references in ``actsave.triton_kernels``; the
-Triton kernels match them exactly (kernel_backend.py chooses which runs). Decoding
+The bits are defined by the torch references of ``actsave.triton_kernels``' kernel
+table; the Triton kernels match them exactly (kernel_backend.py chooses which runs). Decoding
 gives back the original dtype, shape and device, contiguous.
 
 Non-finite values: ``+inf`` and ``-inf`` come back as the same infinity and NaN as
@@ -30,6 +30,7 @@ import torch
 
 from .errors import ConfigError
 from .kernel_backend import implementation
+from .triton_kernels import kernel_table
 
 # 128 elements per fp32 scale: scales add 4/128 bytes per element, so int8/fp8 store
 # 0.258x of fp32 and 0.516x of bf16; smaller groups cost bytes, larger ones SQNR.
@@ -94,42 +95,41 @@ class IdentityCodec(Codec):
 
 
 class GroupCodec(Codec):
-    """An 8-bit per-group codec backed by a kernel module of actsave.triton_kernels.
-
-    ``format_args`` are the kernel's format arguments (fp8's ``fmt``). float64 goes
-    through float32, the widest type the kernels take.
+    """An 8-bit per-group codec: the format ``name`` of the kernel table
+    (actsave.triton_kernels.kernel_table). float64 goes through float32, the widest
+    type the kernels take.
     """
 
     lossless = False
     aliases_input = False
 
-    def __init__(self, name: str, kernel_module: str, **format_args):
+    def __init__(self, name: str):
         self.name = name
-        self._kernel_module = kernel_module
-        self._format_args = format_args
 
     def encode(self, x: torch.Tensor) -> Packed:
         source = x.float() if x.dtype == torch.float64 else x
-        encode = implementation(self._kernel_module, "encode_" + self._kernel_module, source)
-        codes, scales = encode(source, **self._format_args, group_size=GROUP_SIZE)
+        kernel = kernel_table()[self.name, "encode"]
+        encode = implementation(kernel, source)
+        codes, scales = encode(source, **kernel.format_args, group_size=GROUP_SIZE)
         return Packed(data=codes, scales=scales, shape=x.shape, dtype=x.dtype)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         wide = torch.float32 if packed.dtype == torch.float64 else packed.dtype
-        decode = implementation(self._kernel_module, "decode_" + self._kernel_module, packed.data)
-        flat = decode(packed.data, packed.scales, **self._format_args, dtype=wide, group_size=GROUP_SIZE)
+        kernel = kernel_table()[self.name, "decode"]
+        decode = implementation(kernel, packed.data)
+        flat = decode(packed.data, packed.scales, **kernel.format_args, dtype=wide, group_size=GROUP_SIZE)
         return flat.view(packed.shape).to(packed.dtype)
 
 
 IDENTITY = IdentityCodec()
-_E4M3 = GroupCodec("fp8_e4m3", "fp8", fmt="e4m3")
+_E4M3 = GroupCodec("fp8_e4m3")
 
 _CODECS: dict = {
     IDENTITY.name: IDENTITY,
-    "int8": GroupCodec("int8", "int8"),
+    "int8": GroupCodec("int8"),
     "fp8": _E4M3,
     "fp8_e4m3": _E4M3,
-    "fp8_e5m2": GroupCodec("fp8_e5m2", "fp8", fmt="e5m2"),
+    "fp8_e5m2": GroupCodec("fp8_e5m2"),
 }
 
 
