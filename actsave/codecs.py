@@ -30,11 +30,10 @@ import torch
 
 from .errors import ConfigError
 from .kernel_backend import implementation
-from .triton_kernels import kernel_table
+from .triton_kernels import DEFAULT_GROUP_SIZE, kernel_table
 
-# 128 elements per fp32 scale: scales add 4/128 bytes per element, so int8/fp8 store
-# 0.258x of fp32 and 0.516x of bf16; smaller groups cost bytes, larger ones SQNR.
-GROUP_SIZE = 128
+# Elements per fp32 scale: the kernels' default, justified where it is defined.
+GROUP_SIZE = DEFAULT_GROUP_SIZE
 
 
 @dataclass(frozen=True)

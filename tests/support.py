@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from actsave.codecs import GROUP_SIZE
 from actsave.meta import plans_at_first_call
 
 
@@ -112,8 +113,8 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 
 def codes_and_scales(elements: int) -> int:
     """Bytes an 8-bit group codec stores for ``elements`` values: one byte each and an
-    fp32 scale per group of 128."""
-    return elements + 4 * elements // 128
+    fp32 scale per group of GROUP_SIZE (128)."""
+    return elements + 4 * elements // GROUP_SIZE
 
 
 def peak_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:

@@ -12,10 +12,10 @@ import re
 
 import pytest
 
-from actsave.triton_kernels import DIRECTIONS, FORMATS, kernel_table
+from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, kernel_table
 from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS
 
-GROUP_SIZE = 128  # the default; the tile a program owns is the same for every group size
+GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
 TILE = {"GROUP_SIZE": GROUP_SIZE, "GROUPS_PER_PROGRAM": ELEMENTS_PER_PROGRAM // GROUP_SIZE}
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # Triton type -> bytes per element
 CODE_POINTERS = {"int8": "*i8", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8"}  # format -> Triton type of its codes
