@@ -160,3 +160,15 @@ def get_codec(name) -> Codec:
 def available_codecs() -> list:
     """Names accepted by ``compress=``, ``None`` included."""
     return [None, *_CODECS]
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``approximation`` in dB,
+    ``20*log10(|reference| / |reference - approximation|)`` with 2-norms over all
+    elements, computed in float64: ``inf`` when the two are equal, ``-inf`` when
+    ``reference`` is zero and ``approximation`` is not, NaN when either holds a NaN."""
+    reference = reference.double()
+    error = torch.linalg.vector_norm(reference - approximation.double())
+    if error == 0:
+        return math.inf
+    return (20 * torch.log10(torch.linalg.vector_norm(reference) / error)).item()
