@@ -6,13 +6,13 @@ tensors take the implementation of the device they stand for (meta.py): there th
 Triton launchers allocate their outputs and launch nothing, so a simulated CUDA step
 allocates what a real one does.
 ``"triton"`` forces the kernels, on CPU too through Triton's interpreter (how CI tests
-them); ``"torch"`` forces the references. Kernel modules are imported on first use,
-so ``import actsave`` needs no Triton.
+them); ``"torch"`` forces the references. Both come from the kernel table of
+actsave.triton_kernels, whose kernel modules are imported on first use, so ``import
+actsave`` needs no Triton.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 from typing import Callable
 
@@ -20,6 +20,7 @@ import torch
 
 from .errors import ActsaveError, ConfigError
 from .meta import device_of
+from .triton_kernels import Kernel
 
 BACKENDS = ("auto", "triton", "torch")
 _selected = "auto"
@@ -49,13 +50,12 @@ def backend(name: str):
         set_backend(previous)
 
 
-def implementation(kernel_module: str, function: str, tensor: torch.Tensor) -> Callable:
-    """``actsave.triton_kernels.<kernel_module>.<function>`` for the Triton backend, or
-    its torch reference ``<function>_ref``, whichever the backend chooses for ``tensor``."""
-    module = importlib.import_module(f"actsave.triton_kernels.{kernel_module}")
+def implementation(kernel: Kernel, tensor: torch.Tensor) -> Callable:
+    """``kernel.launcher`` (Triton) or ``kernel.reference`` (torch), whichever the
+    backend chooses for ``tensor``; ``kernel`` is an entry of the kernel table."""
     use_triton = _selected == "triton" or (_selected == "auto" and device_of(tensor).type == "cuda")
     if not use_triton:
-        return getattr(module, f"{function}_ref")
+        return kernel.reference
     if tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ActsaveError(
             "the 'triton' backend was forced for a CPU tensor, but Triton's interpreter "
@@ -63,4 +63,4 @@ def implementation(kernel_module: str, function: str, tensor: torch.Tensor) -> C
             "imports triton (Triton reads it when kernels are defined), or use "
             "actsave.set_backend('auto')"
         )
-    return getattr(module, function)
+    return kernel.launcher

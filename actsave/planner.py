@@ -140,7 +140,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from . import relu_signs
 from ._torch import own_tensors
 from .checks import integral, real_number
-from .codecs import get_codec
+from .codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
 from .errors import ConfigError
 from .text import format_table
 from .estimate import LiveBytes, allocation_bytes
@@ -148,17 +148,11 @@ from .meta import fast_meta, on_meta, plans_at_first_call, simulating
 from .store import EXACT, KeepPolicy, modifies_input, should_encode
 
 MiB = 2**20
-LOSSY_CODECS = ("int8", "fp8_e4m3", "fp8_e5m2")
 
-# Worst parameter-gradient SQNR (dB) with every segment of a "sqrt" plan compressed,
-# measured on a pre-activation ResNet and an MLP (tests/test_compression.py: int8
-# 37.2-44.6, e4m3 25.6-31.1, e5m2 18.7-24.7). Plans with fewer compressed segments do
-# better; treat the figures as a floor for CNN/MLP-like networks, not a guarantee.
-EXPECTED_GRADIENT_SQNR_DB = {"none": math.inf, "int8": 37.0, "fp8_e4m3": 26.0, "fp8_e5m2": 20.0}
-
-LEVERS = ("recompute", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "offload")
+# Every lossy codec name of codecs.py, aliases included ("fp8" is e4m3), is a lever.
+_LEVER_CODECS = {name: get_codec(name).name for name in available_codecs() if not get_codec(name).lossless}
+LEVERS = ("recompute", *_LEVER_CODECS, "offload")
 DEFAULT_ALLOW = ("recompute", "int8", "fp8", "offload")
-_LEVER_CODECS = {"int8": "int8", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 OBJECTIVES = ("time", "memory")
 
 # Offloaded ReLU bits make a segment's fetch size depend on both its ends, so the sizes

@@ -26,17 +26,20 @@ if not torch.cuda.is_available():
 import harness  # noqa: E402  (bench/ is on sys.path when this script runs)
 
 from actsave.text import format_table  # noqa: E402
-from actsave.triton_kernels import fp8, int8  # noqa: E402
+from actsave.codecs import LOSSY_CODECS  # noqa: E402
+from actsave.triton_kernels import kernel_table  # noqa: E402
 
-# name -> (encode, decode, encode_ref, decode_ref), each taking (x, ...) as in codecs.py
-CODECS = {
-    "int8": (int8.encode_int8, int8.decode_int8, int8.encode_int8_ref, int8.decode_int8_ref),
-    **{
-        f"fp8_{fmt}": (partial(fp8.encode_fp8, fmt=fmt), partial(fp8.decode_fp8, fmt=fmt),
-                       partial(fp8.encode_fp8_ref, fmt=fmt), partial(fp8.decode_fp8_ref, fmt=fmt))
-        for fmt in ("e4m3", "e5m2")
-    },
-}
+
+def _functions(codec: str) -> tuple:
+    """(encode, decode, encode_ref, decode_ref) of a lossy codec (its kernel-table
+    format has its name), each taking (x, ...) as in codecs.py."""
+    encode, decode = (kernel_table()[codec, direction] for direction in ("encode", "decode"))
+    return tuple(partial(function, **kernel.format_args)
+                 for kernel, function in ((encode, encode.launcher), (decode, decode.launcher),
+                                          (encode, encode.reference), (decode, decode.reference)))
+
+
+CODECS = {codec: _functions(codec) for codec in LOSSY_CODECS}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -1,11 +1,11 @@
 """Models and comparisons shared by the tests."""
 import copy
-import math
 
 import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from actsave.codecs import GROUP_SIZE, sqnr_db  # noqa: F401  (sqnr_db: for the tests)
 from actsave.meta import plans_at_first_call
 
 
@@ -104,16 +104,10 @@ class CallCounter:
         self.counts.clear()
 
 
-def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB, computed in fp32; inf when exact."""
-    error = (reference - approximation).float().norm()
-    return math.inf if error == 0 else 20 * math.log10(reference.float().norm() / error)
-
-
 def codes_and_scales(elements: int) -> int:
     """Bytes an 8-bit group codec stores for ``elements`` values: one byte each and an
-    fp32 scale per group of 128."""
-    return elements + 4 * elements // 128
+    fp32 scale per group of GROUP_SIZE (128)."""
+    return elements + 4 * elements // GROUP_SIZE
 
 
 def peak_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:

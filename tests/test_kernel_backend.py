@@ -9,23 +9,24 @@ from actsave import CheckpointedSequential, ConfigError
 from actsave.codecs import get_codec
 from actsave.kernel_backend import get_backend, implementation
 from actsave.meta import simulating
+from actsave.triton_kernels import kernel_table
 
 
 def test_auto_uses_the_reference_on_cpu():
-    assert implementation("int8", "encode_int8", torch.zeros(1)).__name__ == "encode_int8_ref"
+    assert implementation(kernel_table()["int8", "encode"], torch.zeros(1)).__name__ == "encode_int8_ref"
 
 
 def test_meta_tensors_take_the_implementation_of_the_simulated_device():
     # A simulated CUDA step allocates what the Triton launchers allocate (no launch).
     x = torch.empty(1000, 300, dtype=torch.bfloat16, device="meta")
     with simulating("cuda"):
-        assert implementation("int8", "encode_int8", x).__name__ == "encode_int8"
+        assert implementation(kernel_table()["int8", "encode"], x).__name__ == "encode_int8"
         packed = get_codec("int8").encode(x)
         decoded = get_codec("int8").decode(packed)
     assert (packed.data.shape, packed.scales.shape, packed.data.device.type) == ((300_000,), (2344,), "meta")
     assert (decoded.shape, decoded.dtype) == (x.shape, x.dtype)
     with simulating("cpu"):
-        assert implementation("int8", "encode_int8", x).__name__ == "encode_int8_ref"
+        assert implementation(kernel_table()["int8", "encode"], x).__name__ == "encode_int8_ref"
 
 
 def test_backend_context_restores_the_previous_choice():
@@ -33,8 +34,8 @@ def test_backend_context_restores_the_previous_choice():
     with actsave.backend("triton"):
         assert get_backend() == "triton"
         with actsave.backend("torch"):
-            assert implementation("fp8", "encode_fp8", torch.zeros(1)).__name__ == "encode_fp8_ref"
-        assert implementation("fp8", "encode_fp8", torch.zeros(1)).__name__ == "encode_fp8"
+            assert implementation(kernel_table()["fp8_e4m3", "encode"], torch.zeros(1)).__name__ == "encode_fp8_ref"
+        assert implementation(kernel_table()["fp8_e4m3", "encode"], torch.zeros(1)).__name__ == "encode_fp8"
     assert get_backend() == "auto"
 
 
@@ -46,7 +47,7 @@ def test_unknown_backend_is_refused():
 def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_enable_it(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with actsave.backend("triton"), pytest.raises(actsave.ActsaveError, match="TRITON_INTERPRET=1"):
-        implementation("int8", "encode_int8", torch.zeros(1))
+        implementation(kernel_table()["int8", "encode"], torch.zeros(1))
 
 
 def small_cnn():

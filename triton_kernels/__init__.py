@@ -1,1 +1,67 @@
-"""Triton kernels for actsave codecs, installed as ``actsave.triton_kernels``."""
+"""Triton kernels for actsave codecs, installed as ``actsave.triton_kernels``.
+
+This package is the kernel table: :func:`kernel_table` maps ``(format, direction)``
+(a name of :data:`FORMATS`, one of :data:`DIRECTIONS`) to a :class:`Kernel`, the
+Triton launcher and the pure-torch reference that defines its bits. Callers read the
+table rather than build function names, so a renamed function fails when the table
+is built, not at some later call.
+
+Importing the package imports no Triton: int8.py and fp8.py (which do) are imported
+by the first call of :func:`kernel_table`, so ``import actsave`` needs no Triton.
+Nothing here imports actsave.
+"""
+from functools import lru_cache
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, NamedTuple, Tuple
+
+# The group size actsave stores with, and the launchers' default. A group of 128 costs 4
+# bytes of scale per 128 one-byte codes (3.1% overhead), so int8/fp8 store 0.258x of
+# fp32 and 0.516x of bf16. Measured round-trip SQNR on Gaussian data, groups of 64 /
+# 128 / 256: int8 44.5 / 43.8 / 43.1 dB, e4m3 32.0 / 31.8 / 31.7 dB: halving the group
+# buys under 1 dB for twice the overhead. Defined here, not in _rounding.py, so that
+# actsave reads it without importing Triton.
+DEFAULT_GROUP_SIZE = 128
+
+FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
+DIRECTIONS = ("encode", "decode")
+
+
+class Kernel(NamedTuple):
+    """One direction of one format.
+
+    ``launcher`` runs ``jit`` (on CUDA, or on CPU under TRITON_INTERPRET=1);
+    ``reference`` is its specification in torch and gives the same bits. Both take
+    the same arguments, ``format_args`` (fp8's ``fmt``) included: ``encode(x,
+    **format_args, group_size=...)`` returns ``(codes, scales)``; ``decode(codes,
+    scales, **format_args, dtype=..., group_size=...)`` a 1-D tensor of ``dtype``.
+    ``constexprs`` are the format's constexprs the launcher passes to ``jit`` (the
+    launch adds the tile's), for builds ahead of time.
+    """
+
+    launcher: Callable
+    reference: Callable
+    format_args: Mapping[str, str]
+    jit: Any
+    constexprs: Mapping[str, Any]
+
+
+@lru_cache(maxsize=None)
+def kernel_table() -> Mapping[Tuple[str, str], Kernel]:
+    """``{(format, direction): Kernel}`` for every format and direction (imports Triton
+    on the first call)."""
+    from . import fp8, int8
+
+    table = {
+        ("int8", "encode"): Kernel(int8.encode_int8, int8.encode_int8_ref, MappingProxyType({}),
+                                   int8._encode_int8_kernel, int8.ENCODE_CONSTEXPRS),
+        ("int8", "decode"): Kernel(int8.decode_int8, int8.decode_int8_ref, MappingProxyType({}),
+                                   int8._decode_int8_kernel, int8.DECODE_CONSTEXPRS),
+    }
+    for fmt, spec in fp8.FP8_FORMATS.items():
+        format_args = MappingProxyType({"fmt": fmt})
+        table[f"fp8_{fmt}", "encode"] = Kernel(fp8.encode_fp8, fp8.encode_fp8_ref, format_args,
+                                               fp8._encode_fp8_kernel, spec.encode_constexprs())
+        table[f"fp8_{fmt}", "decode"] = Kernel(fp8.decode_fp8, fp8.decode_fp8_ref, format_args,
+                                               fp8._decode_fp8_kernel, spec.decode_constexprs())
+    assert set(table) == {(f, d) for f in FORMATS for d in DIRECTIONS}, sorted(table)
+    return MappingProxyType(table)

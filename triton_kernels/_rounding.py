@@ -38,11 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-# A group of 128 costs 4 bytes of scale per 128 one-byte codes (3.1% overhead).
-# Measured round-trip SQNR on Gaussian data, groups of 64 / 128 / 256: int8 44.5 /
-# 43.8 / 43.1 dB, e4m3 32.0 / 31.8 / 31.7 dB: halving the group buys under 1 dB for
-# twice the overhead.
-DEFAULT_GROUP_SIZE = 128
 # Below 8 elements the fp32 scale is at least a third of what is stored, which defeats
 # compression; above 4096 a single group outgrows a program's tile (below).
 MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 4096

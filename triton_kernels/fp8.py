@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
-    DEFAULT_GROUP_SIZE,
     NonFiniteCodes,
     dequantize,
     dequantize_ref,

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
-    DEFAULT_GROUP_SIZE,
     NonFiniteCodes,
     dequantize,
     dequantize_ref,

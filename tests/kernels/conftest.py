@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from actsave.codecs import sqnr_db
+
 GROUP = 16
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -110,11 +112,6 @@ def signals():
     }
 
 
-def _sqnr_db(reference, approximation):
-    reference, approximation = reference.float(), approximation.float()
-    return (20 * torch.log10(reference.norm() / (reference - approximation).norm())).item()
-
-
 def _assert_same_bits(actual, expected):
     """Same dtype, shape and bits; NaNs need only share positions (their payload and
     sign are unspecified and differ between torch, numpy and GPUs)."""
@@ -171,7 +168,7 @@ def _sqnr_beside_neg_inf(codec):
     result = []
     for masked in (float("-inf"), 0.0):
         _, decoded = _round_trip(codec, x.masked_fill(~finite, masked), 128)
-        result.append(_sqnr_db(x[finite], decoded[finite]))
+        result.append(sqnr_db(x[finite], decoded[finite]))
     return result
 
 
@@ -208,7 +205,7 @@ def group_size():
 
 @pytest.fixture
 def sqnr():
-    return _sqnr_db
+    return sqnr_db
 
 
 @pytest.fixture

@@ -12,18 +12,13 @@ import re
 
 import pytest
 
-from actsave.triton_kernels import fp8, int8
+from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, kernel_table
 from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS
 
-GROUP_SIZE = 128  # the default; the tile a program owns is the same for every group size
+GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
 TILE = {"GROUP_SIZE": GROUP_SIZE, "GROUPS_PER_PROGRAM": ELEMENTS_PER_PROGRAM // GROUP_SIZE}
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # Triton type -> bytes per element
-# codec -> (module, code pointer type, constexprs of encode, constexprs of decode)
-CODECS = {
-    "int8": ("int8", "*i8", int8.ENCODE_CONSTEXPRS, int8.DECODE_CONSTEXPRS),
-    **{f"fp8_{fmt}": ("fp8", "*u8", spec.encode_constexprs(), spec.decode_constexprs())
-       for fmt, spec in fp8.FP8_FORMATS.items()},
-}
+CODE_POINTERS = {"int8": "*i8", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8"}  # format -> Triton type of its codes
 # (arch, numel's Triton type, numel a multiple of 16): what a launch can specialize on.
 TARGETS = {
     "sm80": (80, "i32", True),
@@ -31,7 +26,7 @@ TARGETS = {
     "sm90_int64": (90, "i64", True),
     "sm90_ragged": (90, "i32", False),
 }
-KERNELS = [f"{codec}-{direction}-{dtype}" for codec, direction, dtype in product(CODECS, ("encode", "decode"), DTYPES)]
+KERNELS = [f"{codec}-{direction}-{dtype}" for codec, direction, dtype in product(FORMATS, DIRECTIONS, DTYPES)]
 BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS, TARGETS)]
 # The elements, hence the bytes of each stream, one thread owns: the [groups,
 # GROUP_SIZE] tile is spread evenly over the program's threads, contiguously.
@@ -40,17 +35,17 @@ VECTOR_BYTES = 16
 
 
 def _job(codec, direction, dtype, target):
-    module, code_ptr, encode_constexprs, decode_constexprs = CODECS[codec]
+    kernel = kernel_table()[codec, direction]
+    code_ptr = CODE_POINTERS[codec]
     arch, numel_type, numel_divisible = TARGETS[target]
     if direction == "encode":
         pointers = {"x_ptr": f"*{dtype}", "codes_ptr": code_ptr, "scales_ptr": "*fp32"}
-        constexprs = {**encode_constexprs, **TILE}
     else:
         pointers = {"codes_ptr": code_ptr, "scales_ptr": "*fp32", "out_ptr": f"*{dtype}"}
-        constexprs = {**decode_constexprs, **TILE}
+    constexprs = {**kernel.constexprs, **TILE}
     return {
-        "module": f"actsave.triton_kernels.{module}",
-        "kernel": f"_{direction}_{module}_kernel",
+        "module": kernel.jit.fn.__module__,  # the subprocess imports it by name
+        "kernel": kernel.jit.fn.__name__,
         "signature": {**pointers, "numel": numel_type, **dict.fromkeys(constexprs, "constexpr")},
         "constexprs": constexprs,
         "arch": arch,
