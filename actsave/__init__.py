@@ -9,11 +9,11 @@ See the README for the modes and what each costs.
 """
 from .codecs import available_codecs
 from .errors import ActsaveError, ConfigError, RecomputeError
-from .estimate import MemoryEstimate, estimate
-from .kernel_backend import backend, get_backend, set_backend
-from .planner import Plan, Profile, plan, profile
+from .planning.estimate import MemoryEstimate, estimate
+from .codecs.backend import backend, get_backend, set_backend
+from .planning.planner import Plan, Profile, plan, profile
 from .sequential import CheckpointedSequential
-from .store import stored_bytes
+from .runtime.store import stored_bytes
 from .wrappers import Checkpoint, checkpoint, wrap
 
 __version__ = "0.1.0"

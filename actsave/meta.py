@@ -8,9 +8,9 @@ training call. Two things make those steps stand for a device:
 
 - :func:`simulating` says which device a meta step stands for. Codecs then allocate
   what that device's implementation allocates (the Triton launchers' outputs for CUDA,
-  the torch reference's temporaries for the CPU: kernel_backend.py), and a
+  the torch reference's temporaries for the CPU: codecs/backend.py), and a
   ``CheckpointedSequential`` plans its segments for that device.
-- :class:`fast_meta` (and :class:`~actsave.estimate.LiveBytes`) replay the output
+- :class:`fast_meta` (and :class:`~actsave.planning.estimate.LiveBytes`) replay the output
   metadata of operators already seen with the same input metadata. Several meta
   kernels are Python decompositions (BatchNorm's forward and backward take about 4 ms
   a call here), so a ResNet-1001 step took 9 s; a model repeats a few shapes many

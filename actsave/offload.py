@@ -272,7 +272,7 @@ def set_host_pool_capacity(nbytes: Optional[int]) -> contextlib.ExitStack:
 
 def _undone_on_exit(undo) -> contextlib.ExitStack:
     # The setting has taken effect already; a with-statement around the call undoes it
-    # on exit, so that global switches can be scoped (DESIGN.md section 3).
+    # on exit, so that global switches can be scoped (docs/architecture.md).
     stack = contextlib.ExitStack()
     stack.callback(undo)
     return stack

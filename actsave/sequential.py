@@ -7,7 +7,7 @@ the last segment is not checkpointed: backward starts there, so its activations 
 needed at once. Per-layer options (``compress``, ``offload``) are stored by child
 name and apply to what a segment keeps, so they act on the layers where segments
 start: a checkpointed segment keeps its input; the last keeps what autograd saves,
-which a lossy codec stores too (compressed_saves.py; offload does not apply there).
+which a lossy codec stores too (runtime/compressed_saves.py; offload does not apply there).
 ``describe()`` shows which.
 
 NOTE [ Balanced segments ]
@@ -37,7 +37,7 @@ every module call or operator (MemTracker, FlopCounterMode) see the meta step of
 first call: measure from the second step, as training-step measurements do anyway.
 
 ``segments="auto"``, ``"memory"`` and ``"speed"`` plan the segments and per-segment
-options from a profiled step (planner.py): ``"auto"`` and ``"speed"`` (the same: the
+options from a profiled step (planning/planner.py): ``"auto"`` and ``"speed"`` (the same: the
 name of OpenAI gradient-checkpointing's fast mode) take the fastest plan whose peak
 activation memory fits ``budget``; ``"memory"`` the plan with the smallest peak.
 """
@@ -53,13 +53,13 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
-from . import planner
+from .planning import planner
 from .checks import integral
-from .compressed_saves import call_with_compressed_saves
+from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
-from .function import checkpointed_call
+from .runtime.function import checkpointed_call
 from .meta import device_of
-from .store import EXACT, KeepPolicy, modifies_input, should_encode
+from .runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
 from .text import format_table
 
 SegmentsSpec = Union[int, str, Iterable[int]]
@@ -179,7 +179,7 @@ class CheckpointedSequential(nn.Sequential):
             (not the last segment's saves: backward needs them at once).
         budget: peak activation memory in bytes for the planned strategies: what a
             training step allocates beyond parameters, buffers, gradients and
-            optimizer state (planner.py, "Budget").
+            optimizer state (planning/planner.py, "Budget").
         example_inputs: ``(x,)``, a batch like those of training, for the planned
             strategies.
 
@@ -193,6 +193,14 @@ class CheckpointedSequential(nn.Sequential):
     Segments recompute with the defaults of :func:`actsave.checkpoint` (RNG state
     replayed, recomputed saves checked); for other recompute options, wrap layers in
     :class:`actsave.Checkpoint` instead.
+
+    .. warning::
+        With ``segments="balanced"`` the first training call of each input shape also
+        runs the layers once on meta tensors to plan; tools that watch every module
+        call or operator see it (measure from the second step). A layer that changes
+        its input in place must say so with ``inplace = True``, or a segment starting
+        with it raises. Weights changed in place between forward and backward raise.
+        Lossy codecs give approximate gradients.
     """
 
     def __init__(self, *modules, segments: SegmentsSpec = BALANCED, compress=None, offload=False,

@@ -7,7 +7,7 @@ options), with the semantics of non-reentrant ``torch.utils.checkpoint.checkpoin
 non-tensor and keyword arguments, outputs of any structure, inputs that need no grad.
 
 The keywords of ``torch.utils.checkpoint.checkpoint`` keep torch's meaning
-(recompute_options.py): :func:`checkpoint` takes them all (``use_reentrant`` only as
+(runtime/recompute_options.py): :func:`checkpoint` takes them all (``use_reentrant`` only as
 ``False``/``None``, ``context_fn`` not at all); :class:`Checkpoint` and :func:`wrap`
 take those that describe the recompute, ``preserve_rng_state``, ``determinism_check``,
 ``debug`` and ``early_stop``, with the same defaults.
@@ -22,9 +22,9 @@ from typing import Callable, Union
 from torch import nn
 
 from .errors import ConfigError
-from .function import checkpointed_call
-from .recompute_options import RecomputeOptions, check_torch_only_keywords
-from .store import KeepPolicy, modifies_input
+from .runtime.function import checkpointed_call
+from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
+from .runtime.store import KeepPolicy, modifies_input
 
 # The child name torch's own checkpoint_wrapper uses: torch.distributed.checkpoint's
 # state-dict helpers already strip it from fully qualified names.
@@ -64,6 +64,14 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, use_reen
             tensor; ``False``: run ``function`` to its end.
         context_fn: not supported (selective checkpointing); only ``None`` or torch's
             ``noop_context_fn`` are accepted. Checkpoint smaller pieces instead.
+
+    .. warning::
+        ``function`` runs again in backward and must do the same work: a recompute
+        that saves a tensor of another shape, dtype or device (or another number of
+        them) raises :class:`~actsave.RecomputeError`. Parameters and buffers it read
+        must not change in place before backward (an optimizer step between forward
+        and backward raises, as plain autograd does). With a lossy ``compress`` the
+        gradients are approximate (see the README's SQNR figures).
     """
     if not callable(function):
         raise ConfigError(f"function={function!r} is not callable; pass the function (or module) to "

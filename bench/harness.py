@@ -58,7 +58,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint_sequential
 
 import actsave
-from actsave.estimate import allocation_bytes
+from actsave.planning.estimate import allocation_bytes
 from actsave.meta import plans_at_first_call
 
 MiB = 2**20

@@ -1,4 +1,4 @@
-"""Test setup shared by every tier (see DESIGN.md section 5).
+"""Test setup shared by every tier (see docs/architecture.md, "Testing without a GPU").
 
 Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel, so it must be
 set before anything imports triton: without CUDA the kernels then run on CPU tensors

@@ -20,6 +20,12 @@ def mixed_chain(width: int = 16, repeats: int = 4) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def deep_mlp(blocks: int = 16, width: int = 64) -> list:
+    """``blocks`` x (Linear(width, width), ReLU), seeded."""
+    torch.manual_seed(0)
+    return [m for _ in range(blocks) for m in (nn.Linear(width, width), nn.ReLU())]
+
+
 def train_step(model: nn.Module, x: torch.Tensor, seed: int = 1):
     """Forward and backward from a fixed RNG state; returns (output, input grad)."""
     x = x.detach().clone().requires_grad_(True)

@@ -1,5 +1,5 @@
 """Every public function and class refuses a bad argument with a ConfigError that names
-the argument and what it accepts (DESIGN.md section 3), never with an internal
+the argument and what it accepts (docs/architecture.md), never with an internal
 AttributeError or TypeError, and never by silently doing nothing. Integral numbers of
 any type (numpy's too) are accepted where an integer is, bools are not."""
 import warnings

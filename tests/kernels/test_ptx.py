@@ -1,5 +1,5 @@
 """Ahead-of-time builds of every codec kernel for sm_80 and sm_90, checked in their PTX
-and resource usage, without a GPU (DESIGN.md section 5).
+and resource usage, without a GPU (docs/architecture.md, "Testing without a GPU").
 
 Each kernel x input (or output) dtype x codec is compiled as the JIT compiles it for
 16-byte aligned tensors (pointers divisible by 16), for an element count that is a

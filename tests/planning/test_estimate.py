@@ -7,8 +7,7 @@ nn.Sequential, CheckpointedSequential exact and int8, and planned models.
 """
 import pytest
 import torch
-from support import PreActBlock, peak_activation_bytes
-from test_planner import deep_mlp
+from support import PreActBlock, deep_mlp, peak_activation_bytes
 from torch import nn
 
 import actsave

@@ -18,13 +18,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import assert_same_training, mixed_chain, peak_activation_bytes, twin
+from support import assert_same_training, deep_mlp, mixed_chain, peak_activation_bytes, twin
 from torch import nn
 
 import actsave
-from actsave import CheckpointedSequential, ConfigError, planner
+from actsave import CheckpointedSequential, ConfigError
+from actsave.planning import planner
 from actsave.sequential import segment_starts
-from actsave.store import KeepPolicy
+from actsave.runtime.store import KeepPolicy
 
 
 class Residual(nn.Module):
@@ -62,11 +63,6 @@ def chain(kinds: list, widths: list) -> list:
 random_chains = st.integers(1, 6).flatmap(lambda n: st.tuples(
     st.lists(st.sampled_from(sorted(LAYER_KINDS)), min_size=n, max_size=n),
     st.lists(st.sampled_from(WIDTHS), min_size=n, max_size=n)))
-
-
-def deep_mlp(blocks: int = 16, width: int = 64) -> list:
-    torch.manual_seed(0)
-    return [m for _ in range(blocks) for m in (nn.Linear(width, width), nn.ReLU())]
 
 
 # --- the memory model against measurements --------------------------------------------

@@ -18,9 +18,9 @@ from typing import Callable
 
 import torch
 
-from .errors import ActsaveError, ConfigError
-from .meta import device_of
-from .triton_kernels import Kernel
+from ..errors import ActsaveError, ConfigError
+from ..meta import device_of
+from ..triton_kernels import Kernel
 
 BACKENDS = ("auto", "triton", "torch")
 _selected = "auto"

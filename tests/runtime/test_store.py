@@ -6,7 +6,7 @@ import torch
 
 import actsave
 from actsave import ConfigError
-from actsave.store import EXACT, KeepPolicy, KeptInputs
+from actsave.runtime.store import EXACT, KeepPolicy, KeptInputs
 
 
 def test_kept_inputs_count_tensors_and_keep_other_values():

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from ._torch import leaf_base, own_tensors, version
-from .errors import RecomputeError
+from .._torch import leaf_base, own_tensors, version
+from ..errors import RecomputeError
 
 
 @dataclass(frozen=True)

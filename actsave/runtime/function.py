@@ -80,8 +80,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from . import relu_signs
-from ._torch import TorchDispatchMode, pytree
-from .errors import RecomputeError
+from .._torch import TorchDispatchMode, pytree
+from ..errors import RecomputeError
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState, TouchedState
 from .store import EXACT, KeepPolicy, KeptInputs, input_tensors

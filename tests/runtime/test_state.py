@@ -6,7 +6,7 @@ from torch import nn
 
 import actsave
 
-from actsave.state import ReplayState
+from actsave.runtime.state import ReplayState
 
 
 def test_replay_gives_the_same_random_numbers_and_leaves_the_caller_rng_alone():

@@ -55,13 +55,13 @@ Memory model
     counted by K, F or D. U(i): layer i's input while it runs, unless a layer of
     the segment before it saved it. g_i: the gradient of layer i's input. fwd_i,
     bwd_i: the rise of live bytes during layer i's forward and backward. The
-    recompute stops at the segment's last saved tensor (function.py), so the last
+    recompute stops at the segment's last saved tensor (runtime/function.py), so the last
     saving layer contributes only its rise up to its last save and later layers
     nothing; a segment that saves nothing keeps nothing. F: the input fetched back
     from the host; D: the decoded input; Q: the private copy a segment starting
     with an in-place layer recomputes from; restore_i: re-imposing the forward's
-    ReLU decisions (relu_signs.py); B(a, i): the BatchNorm statistics the recompute
-    of layers a..i-1 copied (state.py), held to its end; enc, dec: the rise while
+    ReLU decisions (runtime/relu_signs.py); B(a, i): the BatchNorm statistics the recompute
+    of layers a..i-1 copied (runtime/state.py), held to its end; enc, dec: the rise while
     encoding, decoding.
     A checkpointed segment's forward events are left out: each is at most the same
     layer's recompute event, which also holds the incoming gradient g_b.
@@ -137,15 +137,15 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from . import relu_signs
-from ._torch import own_tensors
-from .checks import integral, real_number
-from .codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
-from .errors import ConfigError
-from .text import format_table
+from ..runtime import relu_signs
+from .._torch import own_tensors
+from ..checks import integral, real_number
+from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
+from ..errors import ConfigError
+from ..text import format_table
 from .estimate import LiveBytes, allocation_bytes
-from .meta import fast_meta, on_meta, plans_at_first_call, simulating
-from .store import EXACT, KeepPolicy, modifies_input, should_encode
+from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
+from ..runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
 
 MiB = 2**20
 
@@ -186,7 +186,7 @@ class LayerProfile:
     relu_sign_bytes: int  # kept by a lossy segment for this layer's ReLU outputs
     relu_restore_bytes: int
     modifies_input: bool
-    recompute_scratch_bytes: int  # BatchNorm statistics a recompute copies (state.py), held to its end
+    recompute_scratch_bytes: int  # BatchNorm statistics a recompute copies (runtime/state.py), held to its end
     input_encodable: bool  # False: kept by reference whatever the codec (a leaf, not float)
     kept_bytes: dict
     encode_rise: dict
@@ -316,7 +316,7 @@ class _SaveLedger:
     """Follows the byte-counting step: attributes the tensors autograd saves to the
     layer running, one entry per storage; notes where each layer starts and last
     saves; counts the ReLU outputs a lossy checkpoint keeps bits for (the first save
-    of each, as function.py's _Frame.pack decides)."""
+    of each, as runtime/function.py's _Frame.pack decides)."""
 
     def __init__(self, device, ignored: list, tracker: LiveBytes):
         self.device = device
@@ -605,7 +605,7 @@ class _CodecCosts:
 
     def relu_restore_rise(self, elements: int) -> int:
         """The rise of live bytes while a lossy recompute re-imposes the forward's
-        decisions on a ReLU output of ``elements`` elements (relu_signs.py)."""
+        decisions on a ReLU output of ``elements`` elements (runtime/relu_signs.py)."""
         if elements == 0:
             return 0
         if elements not in self._restore_rises:
@@ -659,7 +659,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times
 
 
 def _scratch_statistics_bytes(layer: nn.Module, device) -> int:
-    """The buffers a recompute of the layer copies (state.py, TouchedState): those its
+    """The buffers a recompute of the layer copies (runtime/state.py, TouchedState): those its
     forward mutates, modelled as the running statistics of its BatchNorms."""
     return sum(allocation_bytes(b.numel() * b.element_size(), device) for m in layer.modules()
                if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
@@ -834,6 +834,12 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
 
     Raises :class:`~actsave.ConfigError` when no plan fits, stating the smallest
     feasible budget.
+
+    .. warning::
+        Predictions are for the profiled step: another batch shape, dtype or device
+        needs another profile. The model does not predict allocator fragmentation,
+        and on CUDA kernels that save other tensors than the CPU/meta ones (flash
+        attention, cuDNN workspaces) shift the peak; keep a margin in ``budget``.
     """
     _check_plan_arguments(profile, budget, objective)
     model = _CostModel(profile, keep_options(allow, min_sqnr_db, profile.device))
@@ -857,7 +863,7 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
 def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     """The plan of ``CheckpointedSequential(segments="balanced")``: where segments
     start when a segment starting at layer i keeps its input as ``options[i]`` says
-    (a leaf or non-float input is kept by reference whatever it says, as store.py
+    (a leaf or non-float input is kept by reference whatever it says, as runtime/store.py
     does). The smallest predicted peak over single-level plans (each layer recomputed
     at most once), so a codec or offload that makes kept inputs cheaper buys more,
     shorter segments; among the plans with that peak, the fastest, which on a profile
@@ -909,7 +915,7 @@ def _host_is_separate(device) -> bool:
 
 def _effective_option(option: KeepPolicy, layer: LayerProfile, device: str) -> KeepPolicy:
     """What a segment starting at ``layer`` keeps its input by, asked for ``option``:
-    store.py keeps a leaf or non-float input by reference, on the device, whatever the
+    runtime/store.py keeps a leaf or non-float input by reference, on the device, whatever the
     option; without separate host memory an offloaded input still takes its bytes."""
     if not layer.input_encodable:
         return EXACT
@@ -1126,7 +1132,7 @@ def _until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) 
 
 def _kept_input(a: int, layer: LayerProfile, option: KeepPolicy) -> int:
     """K: the input as the option keeps it, wherever that is. The exact codec keeps a
-    private copy for an in-place first layer (store.py), else the input itself,
+    private copy for an in-place first layer (runtime/store.py), else the input itself,
     nothing extra for the chain input (in X)."""
     if option.lossy:
         return layer.kept_bytes[option.codec.name]
@@ -1304,7 +1310,7 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
 def _predicted(profile: Profile, segments: list) -> tuple:
     """(peak bytes, step seconds, index of the segment setting the peak)."""
     layers = profile.layers
-    # store.py keeps a leaf or non-float input as it is, whatever the option.
+    # runtime/store.py keeps a leaf or non-float input as it is, whatever the option.
     segments = [(a, b, option if option is None or layers[a].input_encodable else EXACT)
                 for a, b, option in segments]
     carry = max((_stored_by(profile, a, b, option) for a, b, option in segments if option and option.offload),

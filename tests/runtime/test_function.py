@@ -4,8 +4,8 @@ import torch
 from torch import nn
 
 import actsave
-from actsave.function import checkpointed_call
-from actsave.store import EXACT
+from actsave.runtime.function import checkpointed_call
+from actsave.runtime.store import EXACT
 
 
 def chain():

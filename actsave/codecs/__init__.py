@@ -9,7 +9,7 @@ A codec turns a tensor into a :class:`Packed` value and back.
   the 8-bit float.
 
 The bits are defined by the torch references of ``actsave.triton_kernels``' kernel
-table; the Triton kernels match them exactly (kernel_backend.py chooses which runs). Decoding
+table; the Triton kernels match them exactly (codecs/backend.py chooses which runs). Decoding
 gives back the original dtype, shape and device, contiguous.
 
 Non-finite values: ``+inf`` and ``-inf`` come back as the same infinity and NaN as
@@ -29,9 +29,9 @@ from typing import Optional
 
 import torch
 
-from .errors import ConfigError
-from .kernel_backend import implementation
-from .triton_kernels import DEFAULT_GROUP_SIZE, kernel_table
+from ..errors import ConfigError
+from .backend import implementation
+from ..triton_kernels import DEFAULT_GROUP_SIZE, kernel_table
 
 # Elements per fp32 scale: the kernels' default, justified where it is defined.
 GROUP_SIZE = DEFAULT_GROUP_SIZE

@@ -31,8 +31,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from . import relu_signs
-from ._torch import saved_tensor_hooks_active, storage_identity
-from .codecs import Codec
+from .._torch import saved_tensor_hooks_active, storage_identity
+from ..codecs import Codec
 from .store import account, should_encode
 
 

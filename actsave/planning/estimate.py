@@ -43,12 +43,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._torch import TorchDispatchMode, pytree
-from .checks import integral
-from .errors import ConfigError
-from .meta import OUTPUT_METADATA, fast_meta, on_meta, plans_at_first_call, simulating
-from .offload import is_host_memory
-from .store import peak_stored_bytes
+from .._torch import TorchDispatchMode, pytree
+from ..checks import integral
+from ..errors import ConfigError
+from ..meta import OUTPUT_METADATA, fast_meta, on_meta, plans_at_first_call, simulating
+from ..offload import is_host_memory
+from ..runtime.store import peak_stored_bytes
 
 # The CUDA caching allocator hands out multiples of 512 bytes (MemTracker uses the same
 # constant); CPU allocations are counted as asked.

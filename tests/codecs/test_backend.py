@@ -7,7 +7,7 @@ from torch import nn
 import actsave
 from actsave import CheckpointedSequential, ConfigError
 from actsave.codecs import get_codec
-from actsave.kernel_backend import get_backend, implementation
+from actsave.codecs.backend import get_backend, implementation
 from actsave.meta import simulating
 from actsave.triton_kernels import kernel_table
 

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import actsave
-from actsave.relu_signs import is_relu_output, pack_signs, restore_decisions_, unpack_signs
+from actsave.runtime.relu_signs import is_relu_output, pack_signs, restore_decisions_, unpack_signs
 
 
 def test_signs_round_trip_for_odd_sizes():

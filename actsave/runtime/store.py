@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._torch import leaf_base, pytree, version
-from .codecs import IDENTITY, Codec, Packed, get_codec
-from .errors import ConfigError, RecomputeError
-from .offload import OffloadedTensor, current_tape
+from .._torch import leaf_base, pytree, version
+from ..codecs import IDENTITY, Codec, Packed, get_codec
+from ..errors import ConfigError, RecomputeError
+from ..offload import OffloadedTensor, current_tape
 
 
 class _Ledger:

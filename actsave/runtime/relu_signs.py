@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from ._torch import is_relu_node
+from .._torch import is_relu_node
 
 _BIT_WEIGHTS = {}
 

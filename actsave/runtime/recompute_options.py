@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 
 from torch.utils.checkpoint import noop_context_fn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 DETERMINISM_CHECKS = ("default", "none")
 

@@ -1,0 +1,3 @@
+"""Sizes and plans: the per-layer profile, the memory model and its solvers
+(planning/planner.py), and estimate() on meta tensors (estimate.py).
+"""

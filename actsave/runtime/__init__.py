@@ -1,0 +1,6 @@
+"""The autograd mechanism: saved-tensor hooks, frames and recompute (function.py),
+kept inputs and the stored-bytes ledger (store.py), replayed and touched state
+(state.py), ReLU decisions under a codec (relu_signs.py), the last segment's saves
+under a codec (compressed_saves.py), torch's checkpoint keywords (recompute_options.py).
+Imports nothing from actsave.planning.
+"""
