@@ -3,7 +3,8 @@
 is measured exactly); times never are.
 
 The scripts run as subprocesses, as a user runs them; the pure helpers are loaded
-from their files (pytest runs with --import-mode=importlib and bench/ is no package).
+from their files (pytest runs with --import-mode=importlib and bench/ is no package;
+bench/harness/ is one).
 """
 import csv
 import functools
@@ -27,7 +28,12 @@ CSV_COLUMNS = [
 
 @functools.cache
 def load_bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    path = BENCH / name
+    if path.is_dir():  # a package, e.g. bench/harness/
+        spec = importlib.util.spec_from_file_location(
+            f"bench_{name}", path / "__init__.py", submodule_search_locations=[str(path)])
+    else:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

@@ -63,7 +63,7 @@ from actsave.meta import plans_at_first_call
 
 MiB = 2**20
 SEED = 0
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 CSV_COLUMNS = (
     "bench", "case", "provider", "metric", "unit", "x_name", "x_value", "p20", "p50", "p80",
     "n_reps", "config_json", "device_name", "torch_version", "triton_version",
@@ -633,7 +633,7 @@ def device_slug(device: torch.device) -> str:
 def git_sha() -> str:
     """The commit of this checkout, ``+dirty`` when tracked files changed; ``unknown``
     outside git or before the first commit."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
 
     def git(*args):
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
