@@ -226,14 +226,10 @@ def test_budget_parsing(text, nbytes):
 
 def test_models_are_flat_chains():
     models = load_bench_module("models")
-    resnet = models.build_model("cifar_resnet", 164)
+    resnet = models.cifar_resnet(164)
     assert len(resnet) == 1 + 3 * 18 + 5  # stem, blocks, BN, ReLU, pool, flatten, linear
-    assert models.build_model("cifar_resnet", 20)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
-    resnet50 = models.build_model("imagenet_resnet", 50)
-    assert len(resnet50) == 4 + 16 + 3  # stem, blocks, pool, flatten, linear
-    assert resnet50(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
-    assert len(models.build_model("imagenet_resnet", 200)) == 4 + 66 + 3
-    gpt = models.build_model("gpt", 3, width=32, heads=2, vocab_size=50, max_seq_len=8)
+    assert models.cifar_resnet(20)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    gpt = models.gpt(3, width=32, heads=2, vocab_size=50, max_seq_len=8)
     assert len(gpt) == 3 + 3 and gpt(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
     with pytest.raises(ValueError):
-        models.build_model("cifar_resnet", 100)
+        models.cifar_resnet(100)
