@@ -39,7 +39,7 @@ indicative only.
 from .cli import SIZED_OPTIONS, parse_arguments, parse_budget, parse_depths, run_benchmark
 from .measure import MemTracker, _GlobalPeakMemTracker, interleaved_times, measure_step_memory, training_step
 from .progress import Progress
-from .providers import PROVIDERS, REFERENCE, Provider, available_providers
+from .providers import PROVIDERS, REFERENCE, Provider, ProviderError, available_providers
 from .report import MATPLOTLIB_MISSING, _fixed_width, _medians, max_depth_table, pyplot, save_figure
 from .results import RESULTS_DIR, device_name, device_slug, run_metadata, write_csv
 from .search import MaxDepthSearch, deepest_fitting, search_max_depths
@@ -47,8 +47,9 @@ from .workload import SEED, Measurement, MiB, Workload
 
 __all__ = [
     "MATPLOTLIB_MISSING", "PROVIDERS", "REFERENCE", "RESULTS_DIR", "SEED", "SIZED_OPTIONS", "MaxDepthSearch",
-    "Measurement", "MemTracker", "MiB", "Progress", "Provider", "Workload", "_GlobalPeakMemTracker", "_fixed_width",
-    "_medians", "available_providers", "deepest_fitting", "device_name", "device_slug", "interleaved_times",
-    "max_depth_table", "measure_step_memory", "parse_arguments", "parse_budget", "parse_depths", "pyplot",
-    "run_benchmark", "run_metadata", "save_figure", "search_max_depths", "training_step", "write_csv",
+    "Measurement", "MemTracker", "MiB", "Progress", "Provider", "ProviderError", "Workload",
+    "_GlobalPeakMemTracker", "_fixed_width", "_medians", "available_providers", "deepest_fitting", "device_name",
+    "device_slug", "interleaved_times", "max_depth_table", "measure_step_memory", "parse_arguments", "parse_budget",
+    "parse_depths", "pyplot", "run_benchmark", "run_metadata", "save_figure", "search_max_depths", "training_step",
+    "write_csv",
 ]

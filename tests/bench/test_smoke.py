@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import actsave
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 CSV_COLUMNS = [
     "bench", "case", "provider", "metric", "unit", "x_name", "x_value", "p20", "p50", "p80",
@@ -181,6 +183,18 @@ def test_results_of_other_benches_are_kept(tmp_path):
     harness.write_csv([{**row, "bench": "a", "case": "x", "p50": "1"}], path)
     _, rows = read_rows(path)
     assert sorted((r["bench"], r["p50"]) for r in rows) == [("a", "1"), ("b", "")]
+
+
+def test_a_provider_that_fails_to_build_is_an_error(monkeypatch):
+    harness = load_bench_module("harness")
+
+    def build(chain, batch, budget):
+        raise actsave.ConfigError("no such mode")
+
+    monkeypatch.setitem(harness.PROVIDERS, "broken", harness.Provider(build, "a broken mode"))
+    assert harness.available_providers(["torch", "actsave_int8"]) == (["torch", "actsave_int8"], [])
+    with pytest.raises(harness.ProviderError, match=r"'broken' \(a broken mode\) fails to build: ConfigError: no such"):
+        harness.available_providers(["torch", "broken"])
 
 
 def test_peak_tracker_agrees_with_memtracker():
