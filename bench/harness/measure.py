@@ -3,6 +3,7 @@ the gradient error against the reference."""
 from __future__ import annotations
 
 import gc
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._tools import mem_tracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import actsave
@@ -55,7 +57,8 @@ class _GlobalPeakMemTracker(MemTracker):
     After every op MemTracker updates the peak of each module seen so far: O(modules)
     per op, quadratic in depth (one step of ResNet-164 took 33 s instead of 1 s on
     CPU). The global peak, all the benchmark reads, is kept exactly as MemTracker
-    keeps it; tests/bench checks that both report the same peak.
+    keeps it; tests/bench checks that both report the same peak. It overrides a private
+    method: :func:`check_memtracker_override`, run at import, checks what it relies on.
     """
 
     def _update_peak_stats(self, peak_state) -> None:
@@ -63,6 +66,34 @@ class _GlobalPeakMemTracker(MemTracker):
             if snapshot["Total"] > self._peak_mem.get(device, 0):
                 self._peak_mem[device] = snapshot["Total"]
                 self._peak_mem_snap[device] = dict(snapshot)
+
+
+def check_memtracker_override(tracker_class: type = MemTracker) -> None:
+    """Feature check of what :class:`_GlobalPeakMemTracker` relies on in PyTorch's
+    private ``MemTracker``: ``_update_peak_stats(self, peak_state)``, the snapshot
+    dicts it updates and the ``"Total"`` key. Raises ImportError naming the torch
+    version where one is missing, rather than measuring wrong peaks."""
+    method = getattr(tracker_class, "_update_peak_stats", None)
+    try:
+        parameters = list(inspect.signature(method).parameters) if callable(method) else None
+    except (TypeError, ValueError):
+        parameters = None
+    problems = [] if parameters == ["self", "peak_state"] else [
+        f"_update_peak_stats(self, peak_state) (found {parameters or 'none'})"]
+    tracker = tracker_class() if not problems else None
+    problems += [f"the dict attribute {name}" for name in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")
+                 if tracker is not None and not isinstance(getattr(tracker, name, None), dict)]
+    if getattr(mem_tracker, "_TOTAL_KEY", None) != "Total":
+        problems.append("the snapshot key 'Total' (_TOTAL_KEY)")
+    if problems:
+        raise ImportError(
+            f"bench/harness needs, in torch {torch.__version__}'s private "
+            f"torch.distributed._tools.mem_tracker.{tracker_class.__name__}: {'; '.join(problems)}. "
+            "_GlobalPeakMemTracker (bench/harness/measure.py) overrides it to keep CPU peak tracking "
+            "linear in depth; adapt the override to this torch version.")
+
+
+check_memtracker_override()
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,33 @@ def test_peak_tracker_agrees_with_memtracker():
     assert peaks[0] == peaks[1] > 0
 
 
+class _NoPeakHook:
+    pass
+
+
+class _PeakHookRenamed:
+    def _update_peak_stats(self, state) -> None:
+        pass
+
+
+class _PeakHookWithoutSnapshots:
+    def _update_peak_stats(self, peak_state) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tracker, missing", [
+    (_NoPeakHook, "_update_peak_stats(self, peak_state) (found none)"),
+    (_PeakHookRenamed, "_update_peak_stats(self, peak_state) (found ['self', 'state'])"),
+    (_PeakHookWithoutSnapshots, "the dict attribute _curr_mem_snap"),
+])
+def test_the_memtracker_override_is_checked_against_torch(tracker, missing):
+    measure = load_bench_module("harness").measure
+    measure.check_memtracker_override()  # this torch's MemTracker has what the override needs
+    with pytest.raises(ImportError) as raised:
+        measure.check_memtracker_override(tracker)
+    assert f"torch {torch.__version__}" in str(raised.value) and missing in str(raised.value)
+
+
 @pytest.mark.parametrize("peak", [
     lambda n: 10 + 3 * n,  # linear, like plain torch
     lambda n: 5 + 0.8 * n + 9 * math.sqrt(n),  # concave, like sqrt checkpointing
