@@ -211,6 +211,22 @@ def test_peak_tracker_agrees_with_memtracker():
     assert peaks[0] == peaks[1] > 0
 
 
+def test_only_an_out_of_memory_error_means_does_not_fit():
+    # By type: the CPU allocator raises a plain RuntimeError, which stops the run (on CPU
+    # the budget is checked against MemTracker's peak, never by running out).
+    measure = load_bench_module("harness").measure
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def other_error():
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2 bytes")
+
+    assert measure._unless_out_of_memory(out_of_memory) is None
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
+        measure._unless_out_of_memory(other_error)
+
+
 class _NoPeakHook:
     pass
 
