@@ -7,8 +7,8 @@ scikit-learn's bundled 8x8 handwritten digits (``sklearn.datasets.load_digits``,
 offline) upscaled to 16x16. Prints the test accuracy of each (the goal: within 1
 point of plain PyTorch) and plots the training loss curves to a PNG.
 
-Modes this version of actsave cannot build are skipped with a note. About 80 s on
-two CPU cores.
+A mode this version of actsave cannot build stops the run with an error naming it.
+About 80 s on two CPU cores.
 
     python bench/accuracy_parity.py
     python bench/accuracy_parity.py --epochs 10 --depth 29

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import statistics
 import sys
 from dataclasses import dataclass

@@ -9,8 +9,6 @@ papers.
 - ``cifar_resnet(depth)``: pre-activation bottleneck ResNet for 32x32 inputs
   (He et al. 2016, "Identity Mappings in Deep Residual Networks"), depth = 9n + 2
   (164, 1001, 2000, ...): three stages of n bottleneck blocks.
-- ``imagenet_resnet(depth)``: bottleneck ResNet-50/101/152/200 for 224x224 inputs
-  (He et al. 2015 layout: 7x7 stem, max-pool, four stages).
 - ``conv_bn_relu_chain(blocks)``: ``blocks`` x (conv3x3, BatchNorm, in-place ReLU)
   at one width and resolution, then a linear head: no skip connections, so every
   ReLU decision shapes the gradient of all that precedes it (the gradient-fidelity
@@ -19,9 +17,8 @@ papers.
   blocks with causal attention (``F.scaled_dot_product_attention``), final LayerNorm
   and head.
 
-:func:`build_model` builds any of them by name. None has Dropout, so two copies of a
-model fed the same batch produce bit-identical gradients: the benchmarks compare
-gradients exactly. BatchNorm runs in train mode.
+None has Dropout, so two copies of a model fed the same batch produce bit-identical
+gradients: the benchmarks compare gradients exactly. BatchNorm runs in train mode.
 """
 from __future__ import annotations
 
@@ -30,13 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 CIFAR_STAGE_WIDTHS = (16, 32, 64)  # bottleneck widths; block outputs are 4x these
-IMAGENET_STAGE_WIDTHS = (64, 128, 256, 512)
-IMAGENET_BLOCKS = {
-    50: (3, 4, 6, 3),
-    101: (3, 4, 23, 3),
-    152: (3, 8, 36, 3),
-    200: (3, 24, 36, 3),
-}
 BOTTLENECK_EXPANSION = 4
 
 
@@ -67,33 +57,6 @@ class PreActBottleneck(nn.Module):
         out = self.conv2(F.relu(self.bn2(out)))
         out = self.conv3(F.relu(self.bn3(out)))
         return out + skip
-
-
-class Bottleneck(nn.Module):
-    """conv1x1-BN-ReLU, conv3x3 (stride)-BN-ReLU, conv1x1-BN, plus the skip, then ReLU."""
-
-    def __init__(self, in_channels: int, width: int, stride: int = 1):
-        super().__init__()
-        out_channels = width * BOTTLENECK_EXPANSION
-        self.conv1 = nn.Conv2d(in_channels, width, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3 = nn.Conv2d(width, out_channels, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(out_channels)
-        self.projection = None
-        if stride != 1 or in_channels != out_channels:
-            self.projection = nn.Sequential(
-                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
-                nn.BatchNorm2d(out_channels),
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skip = x if self.projection is None else self.projection(x)
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = F.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        return F.relu(out + skip)
 
 
 def _residual_stages(block: type, in_channels: int, widths, blocks_per_stage, first_stride: int) -> list:
@@ -133,25 +96,6 @@ def cifar_resnet(depth: int, num_classes: int = 10, in_channels: int = 3) -> nn.
         nn.BatchNorm2d(out_channels),
         nn.ReLU(),
         *_classifier_head(out_channels, num_classes),
-    )
-
-
-def imagenet_resnet(depth: int, num_classes: int = 1000, in_channels: int = 3) -> nn.Sequential:
-    """Bottleneck ResNet-50/101/152/200 for 224x224 images, flat:
-    ``[conv7x7, BN, ReLU, max-pool, blocks, pool, flatten, linear]``."""
-    if depth not in IMAGENET_BLOCKS:
-        raise ValueError(f"ImageNet ResNet depth must be one of {sorted(IMAGENET_BLOCKS)}, got {depth}")
-    stem_channels = IMAGENET_STAGE_WIDTHS[0]
-    blocks = _residual_stages(
-        Bottleneck, stem_channels, IMAGENET_STAGE_WIDTHS, IMAGENET_BLOCKS[depth], first_stride=1
-    )
-    return nn.Sequential(
-        nn.Conv2d(in_channels, stem_channels, 7, stride=2, padding=3, bias=False),
-        nn.BatchNorm2d(stem_channels),
-        nn.ReLU(),
-        nn.MaxPool2d(3, stride=2, padding=1),
-        *blocks,
-        *_classifier_head(IMAGENET_STAGE_WIDTHS[-1] * BOTTLENECK_EXPANSION, num_classes),
     )
 
 
@@ -223,31 +167,3 @@ def gpt(
         nn.LayerNorm(width),
         nn.Linear(width, vocab_size),
     )
-
-
-MODELS = {"cifar_resnet": cifar_resnet, "imagenet_resnet": imagenet_resnet, "conv_bn_relu": conv_bn_relu_chain,
-          "gpt": gpt}
-
-
-def build_model(name: str, depth: int, **options) -> nn.Sequential:
-    """The model ``name`` at ``depth``, as a flat ``nn.Sequential``.
-
-    Args:
-        name: ``"cifar_resnet"`` (depth 9n + 2, 32x32-style inputs),
-            ``"imagenet_resnet"`` (depth 50, 101, 152 or 200, 224x224 inputs),
-            ``"conv_bn_relu"`` (depth = number of conv-BN-ReLU blocks) or
-            ``"gpt"`` (depth = number of transformer blocks).
-        depth: the depth as the paper counts it (weighted layers for ResNets,
-            blocks for the GPT).
-        **options: passed to the builder (``num_classes``; for ``"conv_bn_relu"``:
-            ``channels``, ``image_size``; for ``"gpt"``: ``width``,
-            ``heads``, ``vocab_size``, ``max_seq_len``).
-
-    Example::
-
-        model = build_model("cifar_resnet", 1001)  # 333 blocks, 339 children
-        model = actsave.CheckpointedSequential.from_sequential(model, compress="int8")
-    """
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; use one of {sorted(MODELS)}")
-    return MODELS[name](depth, **options)

@@ -12,7 +12,7 @@ so that the search measures checkpointing, not parameters and gradients. The sea
 harness.deepest_fitting's, seeded with the swept depths, and stops at ``depth_cap``
 (a provider that still fits there gets a lower bound).
 
-How far to trust the figures: harness.py validates actsave.estimate against real
+How far to trust the figures: the harness validates actsave.estimate against real
 steps at small scale in the same run (the ``est act`` column, within 2% by the
 issue's bar, measured within 0.01% on CPU). Figures are allocations, not what the
 CUDA caching allocator reserves; device-specific kernels (cuDNN workspaces) are

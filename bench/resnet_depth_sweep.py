@@ -1,7 +1,7 @@
 """How deep a ResNet trains in the same memory: plain PyTorch, torch's
 checkpoint_sequential and the actsave modes, side by side.
 
-Two stages (bench/harness.py, bench/real_scale.py):
+Two stages (bench/harness/, bench/real_scale.py):
 
 1. Measured. Trains CIFAR-style pre-activation bottleneck ResNets (depth 9n + 2, flat
    nn.Sequential from bench/models.py) one step at a time and reports, per depth and

@@ -2,7 +2,7 @@
 torch's checkpoint_sequential and the actsave modes, side by side.
 
 The transformer counterpart of resnet_depth_sweep.py (same providers, metrics and
-outputs; see bench/harness.py): a flat nn.Sequential of token + position embedding,
+outputs; see bench/harness/): a flat nn.Sequential of token + position embedding,
 ``depth`` pre-LN blocks with causal attention, final LayerNorm and head
 (bench/models.py), trained one next-token step at a time on random token ids.
 

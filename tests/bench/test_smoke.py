@@ -3,7 +3,8 @@
 is measured exactly); times never are.
 
 The scripts run as subprocesses, as a user runs them; the pure helpers are loaded
-from their files (pytest runs with --import-mode=importlib and bench/ is no package).
+from their files (pytest runs with --import-mode=importlib and bench/ is no package;
+bench/harness/ is one).
 """
 import csv
 import functools
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import actsave
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 CSV_COLUMNS = [
     "bench", "case", "provider", "metric", "unit", "x_name", "x_value", "p20", "p50", "p80",
@@ -28,7 +31,12 @@ CSV_COLUMNS = [
 
 @functools.cache
 def load_bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    path = BENCH / name
+    if path.is_dir():  # a package, e.g. bench/harness/
+        spec = importlib.util.spec_from_file_location(
+            f"bench_{name}", path / "__init__.py", submodule_search_locations=[str(path)])
+    else:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -224,6 +232,18 @@ def test_results_of_other_benches_are_kept(tmp_path):
     assert sorted((r["bench"], r["p50"]) for r in rows) == [("a", "1"), ("b", "")]
 
 
+def test_a_provider_that_fails_to_build_is_an_error(monkeypatch):
+    harness = load_bench_module("harness")
+
+    def build(chain, batch, budget):
+        raise actsave.ConfigError("no such mode")
+
+    monkeypatch.setitem(harness.PROVIDERS, "broken", harness.Provider(build, "a broken mode"))
+    assert harness.available_providers(["torch", "actsave_int8"]) == (["torch", "actsave_int8"], [])
+    with pytest.raises(harness.ProviderError, match=r"'broken' \(a broken mode\) fails to build: ConfigError: no such"):
+        harness.available_providers(["torch", "broken"])
+
+
 def test_peak_tracker_agrees_with_memtracker():
     harness = load_bench_module("harness")
     models = load_bench_module("models")
@@ -236,6 +256,49 @@ def test_peak_tracker_agrees_with_memtracker():
         model.zero_grad(set_to_none=False)
         peaks.append(harness.measure_step_memory(model, batch, torch.device("cpu"), tracker).peak)
     assert peaks[0] == peaks[1] > 0
+
+
+def test_only_an_out_of_memory_error_means_does_not_fit():
+    # By type: the CPU allocator raises a plain RuntimeError, which stops the run (on CPU
+    # the budget is checked against MemTracker's peak, never by running out).
+    measure = load_bench_module("harness").measure
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def other_error():
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2 bytes")
+
+    assert measure._unless_out_of_memory(out_of_memory) is None
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator"):
+        measure._unless_out_of_memory(other_error)
+
+
+class _NoPeakHook:
+    pass
+
+
+class _PeakHookRenamed:
+    def _update_peak_stats(self, state) -> None:
+        pass
+
+
+class _PeakHookWithoutSnapshots:
+    def _update_peak_stats(self, peak_state) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tracker, missing", [
+    (_NoPeakHook, "_update_peak_stats(self, peak_state) (found none)"),
+    (_PeakHookRenamed, "_update_peak_stats(self, peak_state) (found ['self', 'state'])"),
+    (_PeakHookWithoutSnapshots, "the dict attribute _curr_mem_snap"),
+])
+def test_the_memtracker_override_is_checked_against_torch(tracker, missing):
+    measure = load_bench_module("harness").measure
+    measure.check_memtracker_override()  # this torch's MemTracker has what the override needs
+    with pytest.raises(ImportError) as raised:
+        measure.check_memtracker_override(tracker)
+    assert f"torch {torch.__version__}" in str(raised.value) and missing in str(raised.value)
 
 
 @pytest.mark.parametrize("peak", [
@@ -267,16 +330,12 @@ def test_budget_parsing(text, nbytes):
 
 def test_models_are_flat_chains():
     models = load_bench_module("models")
-    resnet = models.build_model("cifar_resnet", 164)
+    resnet = models.cifar_resnet(164)
     assert len(resnet) == 1 + 3 * 18 + 5  # stem, blocks, BN, ReLU, pool, flatten, linear
-    assert models.build_model("cifar_resnet", 20)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
-    resnet50 = models.build_model("imagenet_resnet", 50)
-    assert len(resnet50) == 4 + 16 + 3  # stem, blocks, pool, flatten, linear
-    assert resnet50(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
-    assert len(models.build_model("imagenet_resnet", 200)) == 4 + 66 + 3
-    gpt = models.build_model("gpt", 3, width=32, heads=2, vocab_size=50, max_seq_len=8)
+    assert models.cifar_resnet(20)(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    gpt = models.gpt(3, width=32, heads=2, vocab_size=50, max_seq_len=8)
     assert len(gpt) == 3 + 3 and gpt(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
-    chain = models.build_model("conv_bn_relu", 16)
+    chain = models.conv_bn_relu_chain(16)
     assert len(chain) == 3 * 16 + 2 and chain(torch.randn(2, 16, 16, 16)).shape == (2, 10)
     with pytest.raises(ValueError):
-        models.build_model("cifar_resnet", 100)
+        models.cifar_resnet(100)

@@ -5,7 +5,6 @@ per program, and small groups put many groups, partial ones included, in small t
 """
 import json
 import os
-import re
 import subprocess
 import sys
 

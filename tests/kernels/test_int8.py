@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from actsave.triton_kernels.int8 import (
-    INT8_MAX,
     decode_int8,
     decode_int8_ref,
     encode_int8,

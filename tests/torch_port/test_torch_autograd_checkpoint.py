@@ -18,7 +18,6 @@ from copy import deepcopy
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import actsave
 from actsave import RecomputeError

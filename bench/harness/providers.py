@@ -1,0 +1,101 @@
+"""The providers a sweep compares: how each turns a plain ``nn.Sequential`` into the
+model it trains (plain torch, torch checkpointing, actsave modes)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+import actsave
+
+
+class TorchCheckpointSequential(nn.Module):
+    """``torch.utils.checkpoint.checkpoint_sequential`` over ``chain`` with
+    ``round(sqrt(n))`` segments (the split of actsave's ``segments="sqrt"``)."""
+
+    def __init__(self, chain: nn.Sequential):
+        super().__init__()
+        self.chain = chain
+        self.segments = max(1, round(math.sqrt(len(chain))))
+
+    def forward(self, x):
+        return checkpoint_sequential(self.chain, self.segments, x, use_reentrant=False)
+
+
+@dataclass(frozen=True)
+class Provider:
+    """How to turn a plain ``nn.Sequential`` into the model a provider trains, given a
+    training batch and the memory budget (for the planned provider). ``timed_plan``:
+    it plans from a timed step, so it cannot be built on meta tensors."""
+
+    build: Callable[[nn.Sequential, tuple, int], nn.Module]
+    description: str
+    uses_actsave: bool = False
+    timed_plan: bool = False
+
+
+def _actsave(**options) -> Provider:
+    settings = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    return Provider(
+        build=lambda chain, batch, budget: actsave.CheckpointedSequential.from_sequential(chain, **options),
+        description=f"actsave.CheckpointedSequential({settings})",
+        uses_actsave=True,
+    )
+
+
+def _actsave_planned(chain: nn.Sequential, batch: tuple, budget: int) -> nn.Module:
+    # The fastest plan within the budget; where no plan fits it, the smallest peak
+    # (so the sweep still shows the planner at depths past the budget). The sweep's
+    # budget bounds the whole step; the planner's bounds activations, so the resident
+    # parameters, their gradients and the buffers come off first.
+    inputs = (batch[0],)
+    resident = sum(2 * p.numel() * p.element_size() for p in chain.parameters())
+    resident += sum(b.numel() * b.element_size() for b in chain.buffers())
+    try:
+        return actsave.CheckpointedSequential.from_sequential(
+            chain, segments="auto", budget=budget - resident, example_inputs=inputs)
+    except actsave.ConfigError:
+        return actsave.CheckpointedSequential.from_sequential(chain, segments="memory", example_inputs=inputs)
+
+
+PROVIDERS = {
+    "torch": Provider(lambda chain, batch, budget: chain, "nn.Sequential"),
+    "torch_ckpt": Provider(
+        lambda chain, batch, budget: TorchCheckpointSequential(chain),
+        "checkpoint_sequential(round(sqrt(n)) segments, use_reentrant=False)",
+    ),
+    "actsave_none": _actsave(),
+    "actsave_int8": _actsave(compress="int8"),
+    "actsave_fp8": _actsave(compress="fp8"),
+    "actsave_offload": _actsave(offload=True),
+    "actsave_int8_offload": _actsave(compress="int8", offload=True),
+    "actsave_auto": Provider(
+        _actsave_planned, "actsave.CheckpointedSequential(segments='auto', budget=--budget)", uses_actsave=True,
+        timed_plan=True,
+    ),
+}
+REFERENCE = "torch"
+
+
+class ProviderError(RuntimeError):
+    """A provider the run asked for cannot be built."""
+
+
+def available_providers(names: list) -> tuple:
+    """``(names, [])`` once every provider in ``names`` builds on a small chain, so that
+    a run fails at its start, not mid-sweep. A provider that fails to build raises
+    :class:`ProviderError` naming it and the cause: a benchmark does not skip what it
+    was asked to measure. (The empty list of notes keeps the shape callers unpack.)"""
+    probe, batch = nn.Sequential(nn.Linear(2, 2), nn.ReLU()), (torch.randn(2, 2), None)
+    for name in names:
+        provider = PROVIDERS[name]
+        try:
+            provider.build(probe, batch, 2**30)
+        except Exception as error:
+            raise ProviderError(f"provider {name!r} ({provider.description}) fails to build: "
+                                f"{type(error).__name__}: {error}") from error
+    return list(names), []

@@ -1,0 +1,152 @@
+"""The results files: metrics and their units, percentiles, run metadata (device,
+versions, commit), CSV rows and writing."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import actsave
+
+from .providers import PROVIDERS
+from .workload import MiB, Workload
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+CSV_COLUMNS = (
+    "bench", "case", "provider", "metric", "unit", "x_name", "x_value", "p20", "p50", "p80",
+    "n_reps", "config_json", "device_name", "torch_version", "triton_version",
+    "actsave_version", "git_sha", "timestamp_utc",
+)
+METRICS = {  # name -> unit
+    "peak_mem": "MiB",
+    "peak_act_mem": "MiB",
+    "est_act_mem": "MiB",  # peak_act_mem predicted on meta tensors (actsave.estimate)
+    "est_device_peak": "MiB",  # real scale, meta tensors: activation peak on the device
+    "est_host_bytes": "MiB",  # real scale, meta tensors: peak of what is offloaded
+    "kept_bytes": "MiB",
+    "time": "ms",
+    "time_ratio": "x",
+    "grad_sqnr": "dB",
+    "max_depth": "layers",
+    # bench/fidelity.py
+    "worst_tensor_sqnr": "dB",  # lowest over the meaningful parameter gradients
+    "overall_sqnr": "dB",  # all parameter gradients concatenated
+    "codec_var_ratio": "x",  # codec gradient noise / minibatch sampling noise
+}
+
+
+def _median(values) -> float:
+    return _percentile(values, 50)
+
+
+def _percentile(values, q: float) -> float:
+    """Linear interpolation between the closest ranks, except between equal values,
+    so that a constant ``inf`` (an exact gradient) stays ``inf`` instead of ``nan``."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    below, above = ordered[math.floor(position)], ordered[math.ceil(position)]
+    return below if below == above else below + (above - below) * (position - math.floor(position))
+
+
+def _format_mib(nbytes: float) -> str:
+    return f"{nbytes / MiB:g} MiB"
+
+
+def run_metadata(device: torch.device) -> dict:
+    """The columns every CSV row shares: device, versions, commit, time."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = ""
+    return {
+        "device_name": device_name(device),
+        "torch_version": torch.__version__,
+        "triton_version": triton_version,
+        "actsave_version": actsave.__version__,
+        "git_sha": git_sha(),
+        "timestamp_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    models = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M) if cpuinfo.exists() else []
+    return models[0].strip() if models else "cpu"
+
+
+def device_slug(device: torch.device) -> str:
+    """``cpu``, or the CUDA device name in lower case with dashes: the results file name."""
+    if device.type != "cuda":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+
+
+def git_sha() -> str:
+    """The commit of this checkout, ``+dirty`` when tracked files changed; ``unknown``
+    outside git or before the first commit."""
+    repo = Path(__file__).resolve().parents[2]
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def csv_rows(workload: Workload, measurements: list, metadata: dict, run_config: dict) -> list:
+    rows = []
+    for m in measurements:
+        config = {**workload.config, **run_config, "provider": PROVIDERS[m.provider].description, **m.config}
+        rows.append(csv_row(workload.bench, m.case or workload.case, m.provider, m.metric, m.x_name, m.x_value,
+                            m.values, config, metadata))
+    return rows
+
+
+def csv_row(bench: str, case: str, provider: str, metric: str, x_name: str, x_value, values, config: dict,
+            metadata: dict) -> dict:
+    """One long-format row: percentiles of ``values`` (the repeats), the unit from ``METRICS``."""
+    return {
+        "bench": bench,
+        "case": case,
+        "provider": provider,
+        "metric": metric,
+        "unit": METRICS[metric],
+        "x_name": x_name,
+        "x_value": x_value,
+        "p20": _percentile(values, 20),
+        "p50": _percentile(values, 50),
+        "p80": _percentile(values, 80),
+        "n_reps": len(values),
+        "config_json": json.dumps(config, sort_keys=True),
+        **metadata,
+    }
+
+
+def write_csv(rows: list, path: Path) -> None:
+    """Write ``rows`` to ``path``, keeping the rows of other (bench, case) pairs that
+    are already there: one results file per device gathers every benchmark. A file
+    with other columns (an older schema) is replaced."""
+    replaced = {(row["bench"], row["case"]) for row in rows}
+    kept = []
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            if tuple(reader.fieldnames or ()) == CSV_COLUMNS:
+                kept = [row for row in reader if (row["bench"], row["case"]) not in replaced]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(kept + rows)
