@@ -287,6 +287,13 @@ def _step_isolated(model: nn.Module, device: torch.device):
             p.grad = grad
 
 
+def _updates_running_statistics(module: nn.Module) -> bool:
+    """Whether ``module``'s forward updates running statistics: the buffers the
+    planner models as mutated in forward (the runtime finds them by version,
+    runtime/state.py TouchedState)."""
+    return isinstance(module, _BatchNorm) and module.training and module.track_running_stats
+
+
 @contextlib.contextmanager
 def _batchnorm_statistics_untouched():
     """While active, every BatchNorm that runs in training mode updates scratch copies
@@ -295,7 +302,7 @@ def _batchnorm_statistics_untouched():
     swapped = []
 
     def use_scratch_statistics(module, args):
-        if isinstance(module, _BatchNorm) and module.training and module.track_running_stats:
+        if _updates_running_statistics(module):
             buffers = own_tensors(module, "buffers")
             for name, original in list(buffers.items()):
                 if original is not None:
@@ -662,7 +669,7 @@ def _scratch_statistics_bytes(layer: nn.Module, device) -> int:
     """The buffers a recompute of the layer copies (runtime/state.py, TouchedState): those its
     forward mutates, modelled as the running statistics of its BatchNorms."""
     return sum(allocation_bytes(b.numel() * b.element_size(), device) for m in layer.modules()
-               if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+               if _updates_running_statistics(m)
                for b in m.buffers(recurse=False))
 
 
