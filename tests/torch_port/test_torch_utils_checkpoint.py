@@ -201,14 +201,17 @@ def test_checkpoint_non_tensor():
     torch.testing.assert_close(input_var.grad, torch.ones(1, 100))
 
 
-def test_checkpoint_non_tensor_inputs_outputs():
-    def foo(t1, t2, scale, t3):
-        t4 = t1 + t2 * t3
-        t5 = t1 * t2 + t3
-        t4 *= scale
-        t5 *= scale
-        return scale, t4, None, True, t5, "bar", t1
+def _mixed_outputs(t1, t2, scale, t3):
+    """Upstream's ``foo`` of the two non-tensor tests: tensors and other values mixed."""
+    t4 = t1 + t2 * t3
+    t5 = t1 * t2 + t3
+    t4 *= scale
+    t5 *= scale
+    return scale, t4, None, True, t5, "bar", t1
 
+
+def test_checkpoint_non_tensor_inputs_outputs():
+    foo = _mixed_outputs
     rng = random.Random(0)
     t1 = torch.rand(10, requires_grad=True)
     t2 = torch.rand(10, requires_grad=True)
@@ -242,13 +245,7 @@ def test_checkpoint_non_tensor_inputs_outputs():
 
 
 def test_checkpoint_no_tensors():
-    def foo(t1, t2, scale, t3):
-        t4 = t1 + t2 * t3
-        t5 = t1 * t2 + t3
-        t4 *= scale
-        t5 *= scale
-        return scale, t4, None, True, t5, "bar", t1
-
+    foo = _mixed_outputs
     rng = random.Random(0)
     t1, t2, t3 = rng.random(), rng.random(), rng.random()
     scale = rng.randint(0, 10)
