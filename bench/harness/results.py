@@ -38,6 +38,9 @@ METRICS = {  # name -> unit
     "worst_tensor_sqnr": "dB",  # lowest over the meaningful parameter gradients
     "overall_sqnr": "dB",  # all parameter gradients concatenated
     "codec_var_ratio": "x",  # codec gradient noise / minibatch sampling noise
+    # bench/accuracy_parity.py: one value per seed
+    "test_accuracy": "%",
+    "accuracy_gap": "points",  # test accuracy minus torch's, same seed
 }
 
 
