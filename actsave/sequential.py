@@ -214,9 +214,12 @@ class CheckpointedSequential(nn.Sequential):
             segment_starts(len(self), segments)  # validate now, not at the first forward
         self.segments = segments
         self._balanced = _BalancedPlans()
-        self._default_compress, layer_compress = _split_per_layer(compress, default=None)
-        self._default_offload, layer_offload = _split_per_layer(offload, default=False)
-        KeepPolicy.resolve(self._default_compress, self._default_offload)
+        default_compress, layer_compress = _split_per_layer(compress, default=None)
+        default_offload, layer_offload = _split_per_layer(offload, default=False)
+        # Settings are resolved once, here and in set_compression/set_offload: every
+        # forward reads them per layer.
+        default = KeepPolicy.resolve(default_compress, default_offload)
+        self._default_compress, self._default_offload = default.codec, default.offload
         # Per-layer options are keyed by the module object, not its child name:
         # nn.Sequential renumbers names on insert and delete, and the user chose the layer.
         # (A module placed twice in the chain has one setting.)
@@ -313,7 +316,7 @@ class CheckpointedSequential(nn.Sequential):
     def set_compression(self, layer, codec) -> None:
         """Set the codec of what is kept at ``layer`` (an index, child name or slice):
         the segment input there, or the last segment's saves when it starts there."""
-        KeepPolicy.resolve(compress=codec)
+        codec = KeepPolicy.resolve(compress=codec).codec
         for module in self._selected(layer):
             self._layer_compress[module] = codec
 
@@ -389,9 +392,8 @@ class CheckpointedSequential(nn.Sequential):
         return self._balanced.starts(self, input, layers, policies)
 
     def _layer_policy(self, layer: nn.Module) -> KeepPolicy:
-        compress = self._layer_compress.get(layer, self._default_compress)
-        offload = self._layer_offload.get(layer, self._default_offload)
-        return KeepPolicy.resolve(compress=compress, offload=offload)
+        return KeepPolicy(self._layer_compress.get(layer, self._default_compress),
+                          self._layer_offload.get(layer, self._default_offload))
 
     def _selected(self, layer) -> list:
         """The modules ``layer`` (an index, child name or slice) names now."""

@@ -373,8 +373,8 @@ def codecs_by_layer(model) -> list:
     return [model._layer_policy(layer).codec.name for layer in model]
 
 
-def four_linears():
-    model = CheckpointedSequential(*[nn.Linear(4, 4) for _ in range(4)], segments=[0, 1, 2, 3])
+def four_linears(compress=None):
+    model = CheckpointedSequential(*[nn.Linear(4, 4) for _ in range(4)], segments=[0, 1, 2, 3], compress=compress)
     model.set_compression(3, "int8")
     model.set_offload(1, True)
     return model
@@ -399,8 +399,7 @@ def test_options_follow_their_layer_through_insert_append_and_delete():
 
 
 def test_slices_and_from_sequential_keep_the_options():
-    model = four_linears()
-    model._default_compress = "fp8"  # as if built with compress="fp8"
+    model = four_linears(compress="fp8")
     tail = model[2:]
     assert isinstance(tail, CheckpointedSequential) and tail.segments == "balanced"
     assert codecs_by_layer(tail) == ["fp8_e4m3", "int8"]

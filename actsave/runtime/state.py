@@ -130,7 +130,7 @@ class TouchedState:
 
     def __init__(self):
         self._thread = threading.get_ident()
-        self._read = {}  # id -> (weakref, what it is); versions taken at end_forward
+        self._read = {}  # id -> (weakref, label for _describe); versions taken at end_forward
         self._versions = {}
         self._mutated = {}  # (module, kind, name) -> None: state changed by its module
         self._calls = []  # (module, {(kind, name): version}) of module calls running
@@ -152,7 +152,7 @@ class TouchedState:
             return
         base = leaf_base(tensor)
         if base is not None:
-            self._note(base, f"a tensor of shape {list(base.shape)}")
+            self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
         """Take the versions the recompute must find."""
@@ -165,12 +165,12 @@ class TouchedState:
     def check_unchanged(self, function_name: str) -> None:
         """Raise, as autograd would, if a tensor the forward read changed in place."""
         for key, expected in self._versions.items():
-            ref, what = self._read[key]
+            ref, label = self._read[key]
             tensor = ref()
             if tensor is not None and version(tensor) != expected:
                 raise RecomputeError(
                     "one of the variables needed for gradient computation has been "
-                    f"modified by an inplace operation: {what} is at version "
+                    f"modified by an inplace operation: {_describe(label)} is at version "
                     f"{version(tensor)}; expected version {expected} instead. The "
                     f"checkpointed {function_name} read it in its forward and its "
                     "recompute would read the new values, so its gradients would be "
@@ -194,10 +194,12 @@ class TouchedState:
             for module, kind, name, original in swapped:
                 own_tensors(module, kind)[name] = original
 
-    def _note(self, tensor: torch.Tensor, what: str) -> None:
+    def _note(self, tensor: torch.Tensor, label: tuple) -> None:
+        # The label is formatted only for an error: this runs for every parameter and
+        # buffer of every module call in a checkpointed forward.
         noted = self._read.get(id(tensor))
         if noted is None or noted[0]() is not tensor:  # ids of dead tensors are reused
-            self._read[id(tensor)] = (weakref.ref(tensor), what)
+            self._read[id(tensor)] = (weakref.ref(tensor), label)
 
     def _before_module(self, module, args) -> None:
         if threading.get_ident() != self._thread:
@@ -205,7 +207,7 @@ class TouchedState:
         versions = {}
         for kind, name, tensor in _own_state(module):
             versions[(kind, name)] = version(tensor)
-            self._note(tensor, f"{kind[:-1]} '{name}' of {type(module).__name__}")
+            self._note(tensor, (kind[:-1], name, type(module)))
         self._calls.append((module, versions))
 
     def _after_module(self, module, args, output) -> None:
@@ -229,6 +231,14 @@ class TouchedState:
 
 
 _KINDS = ("parameters", "buffers")
+
+
+def _describe(label: tuple) -> str:
+    """``("a tensor of shape", shape)`` or ``(kind, name, module type)`` as text."""
+    if len(label) == 2:
+        return f"{label[0]} {label[1]}"
+    kind, name, module_type = label
+    return f"{kind} '{name}' of {module_type.__name__}"
 
 
 def _own_state(module: torch.nn.Module):
