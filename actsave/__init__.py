@@ -11,7 +11,8 @@ from .codecs import available_codecs
 from .errors import ActsaveError, ConfigError, RecomputeError
 from .planning.estimate import MemoryEstimate, estimate
 from .codecs.backend import backend, get_backend, set_backend
-from .planning.planner import Plan, Profile, plan, profile
+from .planning.plans import Plan, plan
+from .planning.profiler import Profile, profile
 from .sequential import CheckpointedSequential
 from .runtime.store import stored_bytes
 from .wrappers import Checkpoint, checkpoint, wrap

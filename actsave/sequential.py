@@ -17,8 +17,8 @@ codec makes 4x cheaper buys about twice as many, shorter segments, and an offloa
 one costs the device almost nothing, so segments can shrink to one layer and the
 device peak stops growing with depth. At the first training call for an input
 (shape, strides, dtype, device, and the layers, their settings and training modes),
-each layer runs once on meta tensors (planner.profile: sizes only, no data, no
-device memory, no times) and planner.balanced takes the smallest predicted device
+each layer runs once on meta tensors (profiler.profile: sizes only, no data, no
+device memory, no times) and plans.balanced takes the smallest predicted device
 peak with at most one extra forward. The plan is cached per such input, so a new
 shape plans anew.
 
@@ -37,7 +37,7 @@ every module call or operator (MemTracker, FlopCounterMode) see the meta step of
 first call: measure from the second step, as training-step measurements do anyway.
 
 ``segments="auto"``, ``"memory"`` and ``"speed"`` plan the segments and per-segment
-options from a profiled step (planning/planner.py): ``"auto"`` and ``"speed"`` (the same: the
+options from a profiled step (planning/plans.py): ``"auto"`` and ``"speed"`` (the same: the
 name of OpenAI gradient-checkpointing's fast mode) take the fastest plan whose peak
 activation memory fits ``budget``; ``"memory"`` the plan with the smallest peak.
 """
@@ -53,7 +53,7 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
-from .planning import planner
+from .planning import plans, profiler
 from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
@@ -179,7 +179,7 @@ class CheckpointedSequential(nn.Sequential):
             (not the last segment's saves: backward needs them at once).
         budget: peak activation memory in bytes for the planned strategies: what a
             training step allocates beyond parameters, buffers, gradients and
-            optimizer state (planning/planner.py, "Budget").
+            optimizer state (planning/memory_model.py, "Budget").
         example_inputs: ``(x,)``, a batch like those of training, for the planned
             strategies.
 
@@ -301,7 +301,7 @@ class CheckpointedSequential(nn.Sequential):
         return input
 
     @property
-    def balanced_plan(self) -> Optional["planner.Plan"]:
+    def balanced_plan(self) -> Optional["plans.Plan"]:
         """With ``segments="balanced"``: the :class:`~actsave.Plan` behind the segments
         of the last training call (its predicted peak included); None before the first
         call, or when that input fell back to ``"sqrt"``."""
@@ -326,11 +326,11 @@ class CheckpointedSequential(nn.Sequential):
         for module in self._selected(layer):
             self._layer_offload[module] = flag
 
-    def apply_plan(self, plan: "planner.Plan") -> None:
+    def apply_plan(self, plan: "plans.Plan") -> None:
         """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, and for each
         checkpointed segment its codec and offload. Replaces the segments and every
         per-layer option set before."""
-        if not isinstance(plan, planner.Plan):
+        if not isinstance(plan, plans.Plan):
             raise ConfigError(
                 f"plan={plan!r}: apply_plan expects an actsave Plan (from actsave.plan), got {type(plan).__name__}")
         if plan.n_layers != len(self):
@@ -443,11 +443,11 @@ class _BalancedPlans:
         self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan)
         return list(plan.starts) if plan is not None else segment_starts(len(layers), "sqrt")
 
-    def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["planner.Plan"]:
+    def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["plans.Plan"]:
         try:
             _check_simulable(model)
-            profile = planner.profile(model, (_meta_stand_in(input),), device=device)
-            return planner.balanced(profile, list(policies))
+            profile = profiler.profile(model, (_meta_stand_in(input),), device=device)
+            return plans.balanced(profile, list(policies))
         except Exception as error:  # anything the meta step cannot run: NOTE [ Balanced segments ]
             self._warn_once(f"it could not run its layers on meta tensors ({type(error).__name__}: {error})")
             return None
@@ -461,7 +461,7 @@ class _BalancedPlans:
                 "this warning.", stacklevel=_user_stacklevel())
 
     @property
-    def last_plan(self) -> Optional["planner.Plan"]:
+    def last_plan(self) -> Optional["plans.Plan"]:
         return None if self._last is None else self._last[1]
 
     def describe_last(self) -> tuple:
@@ -560,9 +560,9 @@ def _check_planning_arguments(segments, planned: bool, budget, example_inputs, c
         )
 
 
-def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs) -> "planner.Plan":
+def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs) -> "plans.Plan":
     objective = "memory" if strategy == "memory" else "time"
-    return planner.plan(planner.profile(model, example_inputs), budget, objective=objective)
+    return plans.plan(profiler.profile(model, example_inputs), budget, objective=objective)
 
 
 def _split_per_layer(value, default) -> tuple:

@@ -262,9 +262,9 @@ def test_offload_at_the_default_makes_the_device_peak_flat_in_depth():
 def test_balanced_plans_once_per_input():
     model = CheckpointedSequential(*mixed_chain())
     profiles = []
-    real_profile = actsave.planning.planner.profile
+    real_profile = actsave.planning.profiler.profile
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(actsave.planning.planner, "profile", lambda *a, **k: profiles.append(a[1][0].shape) or real_profile(*a, **k))
+        patch.setattr(actsave.planning.profiler, "profile", lambda *a, **k: profiles.append(a[1][0].shape) or real_profile(*a, **k))
         assert "chosen at the first training call" in model.describe()
         for batch in (8, 8, 4, 8):
             model(torch.randn(batch, 16)).sum().backward()

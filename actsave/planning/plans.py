@@ -1,0 +1,240 @@
+"""Automatic checkpointing plans: choose where segments start and how each keeps its
+input, by an exact dynamic program (solver.py) over a stated memory model
+(memory_model.py), from a profiled step (profiler.py).
+
+    prof = actsave.profile(model, (x,))            # one measured training step
+    print(prof)                                    # per-layer bytes and times
+    p = actsave.plan(prof, budget=8 * 2**30)       # the fastest plan within 8 GiB
+    print(p)
+    model.apply_plan(p)                            # a CheckpointedSequential
+
+or in one line: ``CheckpointedSequential(*layers, segments="auto", budget=...,
+example_inputs=(x,))``. Sizes alone, at any scale and without the device, come from a
+profile on meta tensors (:func:`profile` with a meta ``x``); :func:`balanced` plans
+such a profile with each layer's keep option fixed, which is what
+``CheckpointedSequential``'s default ``segments="balanced"`` does at its first call.
+
+Limits: the chain must pass one tensor from layer to layer. Only the last segment can
+be stored, as CheckpointedSequential runs it. Timings come from one step. The plan is
+for the batch shape profiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..checks import integral, real_number
+from ..codecs import EXPECTED_GRADIENT_SQNR_DB, available_codecs, get_codec
+from ..errors import ConfigError
+from ..runtime.store import KeepPolicy
+from ..text import format_table, mib, ms
+from .memory_model import CostModel, host_is_separate, predicted
+from .profiler import Profile
+from .solver import fastest_within, smallest_headroom
+
+# Every lossy codec name of codecs.py, aliases included ("fp8" is e4m3), is a lever.
+_LEVER_CODECS = {name: get_codec(name).name for name in available_codecs() if not get_codec(name).lossless}
+LEVERS = ("recompute", *_LEVER_CODECS, "offload")
+DEFAULT_ALLOW = ("recompute", "int8", "fp8", "offload")
+OBJECTIVES = ("time", "memory")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where segments start and how each checkpointed segment keeps its input, with
+    the model's predictions. Apply it with ``CheckpointedSequential.apply_plan``.
+
+    ``starts[j]`` is the first layer of segment j (``starts[0] == 0``); the last
+    segment is stored, the others checkpointed, segment j keeping its input by
+    ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``.
+    ``predicted_peak_bytes`` is peak activation memory (see the module docstring);
+    ``peak_segment`` is the segment whose events set it.
+    """
+
+    n_layers: int
+    starts: tuple
+    codecs: tuple
+    offload: tuple
+    predicted_peak_bytes: int
+    predicted_step_seconds: float
+    peak_segment: int
+    budget: Optional[int] = None
+
+    def __post_init__(self):
+        n_layers = integral(self.n_layers)
+        if n_layers is None or n_layers < 1:
+            raise ConfigError(f"plan n_layers={self.n_layers!r} must be a positive integer")
+        try:
+            starts = [integral(start) for start in self.starts]
+        except TypeError:  # not iterable
+            starts = [None]
+        if None in starts:
+            raise ConfigError(f"plan starts={self.starts!r} must be a sequence of layer indices (integers)")
+        increasing = all(a < b for a, b in zip(starts, starts[1:]))
+        if not starts or starts[0] != 0 or not increasing or starts[-1] >= n_layers:
+            raise ConfigError(
+                f"plan starts={self.starts!r} must increase from 0 and stay below {self.n_layers}")
+        checkpointed = len(starts) - 1
+        if not isinstance(self.codecs, (tuple, list)) or not isinstance(self.offload, (tuple, list)):
+            raise ConfigError(f"plan codecs={self.codecs!r} and offload={self.offload!r} must be tuples, one "
+                              "item per checkpointed segment")
+        if len(self.codecs) != checkpointed or len(self.offload) != checkpointed:
+            raise ConfigError(
+                f"a plan with {len(starts)} segments needs {checkpointed} codecs and offload flags "
+                f"(one per checkpointed segment), got {len(self.codecs)} and {len(self.offload)}"
+            )
+        for codec in self.codecs:
+            get_codec(codec)
+        if not all(isinstance(flag, bool) for flag in self.offload):
+            raise ConfigError(f"plan offload={self.offload!r} must hold True or False for each checkpointed segment")
+
+    @property
+    def segments(self) -> list:
+        """[(start, stop, KeepPolicy or None for the stored segment)]"""
+        stops = [*self.starts[1:], self.n_layers]
+        options = [KeepPolicy.resolve(c, f) for c, f in zip(self.codecs, self.offload)] + [None]
+        return list(zip(self.starts, stops, options))
+
+    def __str__(self) -> str:
+        budget = "none" if self.budget is None else f"{mib(self.budget)} MiB"
+        lines = [f"plan for {self.n_layers} layers: {len(self.starts)} segments; predicted peak activation "
+                 f"memory {mib(self.predicted_peak_bytes)} MiB (budget {budget}), step "
+                 f"{ms(self.predicted_step_seconds)} ms"]
+        rows = [["segment", "layers", "input kept", "where", ""]]
+        for j, (start, stop, option) in enumerate(self.segments):
+            kept = "stored (no recompute)" if option is None else option.codec.name
+            where = "" if option is None else ("host" if option.offload else "device")
+            marker = "<- peak" if j == self.peak_segment else ""
+            rows.append([str(j), f"{start}-{stop - 1}", kept, where, marker])
+        return "\n".join(lines) + "\n" + format_table(rows)
+
+
+def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] = None,
+         allow: Sequence[str] = DEFAULT_ALLOW, objective: str = "time") -> Plan:
+    """Choose segments and keep options for the profiled chain.
+
+    Args:
+        profile: from :func:`profile`.
+        budget: peak activation memory in bytes (module docstring, "Budget").
+        min_sqnr_db: codecs whose expected gradient SQNR
+            (:data:`EXPECTED_GRADIENT_SQNR_DB`) is below it are not used.
+        allow: the levers: "recompute" (checkpoint segments; the others need it),
+            "int8", "fp8" (e4m3; "fp8_e4m3", "fp8_e5m2" name one) and "offload"
+            (used on CUDA only: on a CPU model host memory is device memory).
+        objective: "time": the fastest plan whose predicted peak fits ``budget``;
+            "memory": the smallest predicted peak (the fastest such plan), checked
+            against ``budget`` unless it is None.
+
+    Raises :class:`~actsave.ConfigError` when no plan fits, stating the smallest
+    feasible budget.
+
+    .. warning::
+        Predictions are for the profiled step: another batch shape, dtype or device
+        needs another profile. The model does not predict allocator fragmentation,
+        and on CUDA kernels that save other tensors than the CPU/meta ones (flash
+        attention, cuDNN workspaces) shift the peak; keep a margin in ``budget``.
+    """
+    _check_plan_arguments(profile, budget, objective)
+    model = CostModel(profile, keep_options(allow, min_sqnr_db, profile.device))
+    if objective == "time":
+        segments = fastest_within(model, budget - model.chain_input)
+    else:
+        smallest = smallest_headroom(model)
+        fits = budget is None or model.chain_input + smallest <= budget
+        segments = fastest_within(model, smallest) if fits else None
+    if segments is None:
+        levers = f"allow={tuple(allow)}" + ("" if min_sqnr_db is None else f" and min_sqnr_db={min_sqnr_db}")
+        smallest_budget = model.chain_input + smallest_headroom(model)
+        raise ConfigError(
+            f"no plan fits budget={int(budget):,} bytes ({mib(budget)} MiB) with {levers}: the smallest "
+            f"feasible budget is {int(smallest_budget):,} bytes ({mib(smallest_budget)} MiB). Raise the "
+            "budget, allow more levers, or use a smaller batch."
+        )
+    return _plan_of(profile, model, segments, budget)
+
+
+def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
+    """The plan of ``CheckpointedSequential(segments="balanced")``: where segments
+    start when a segment starting at layer i keeps its input as ``options[i]`` says
+    (a leaf or non-float input is kept by reference whatever it says, as runtime/store.py
+    does). The smallest predicted peak over single-level plans (each layer recomputed
+    at most once), so a codec or offload that makes kept inputs cheaper buys more,
+    shorter segments; among the plans with that peak, the fastest, which on a profile
+    without times (meta tensors) is the one that recomputes the fewest layers."""
+    if not isinstance(profile, Profile):
+        raise ConfigError(f"balanced expects a Profile from actsave.profile, got {type(profile).__name__}")
+    if len(options) != len(profile.layers) or not all(isinstance(o, KeepPolicy) for o in options):
+        raise ConfigError(f"balanced needs one KeepPolicy per layer ({len(profile.layers)}), got {options!r}")
+    model = CostModel(profile, [], fixed=options)
+    segments = fastest_within(model, smallest_headroom(model))
+    return _plan_of(profile, model, segments, budget=None)
+
+
+def _plan_of(profile: Profile, model: "CostModel", segments: list, budget: Optional[int]) -> Plan:
+    """The Plan of a dynamic program's [(start, stop, option index)], with predictions."""
+    checkpointed = [model.options[o] for _, _, o in segments[:-1]]
+    return predict(profile, [start for start, _, _ in segments], [option.codec.name for option in checkpointed],
+                   [option.offload for option in checkpointed], budget)
+
+
+def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str) -> list:
+    """The KeepPolicys ``allow`` and ``min_sqnr_db`` permit on ``device`` (empty:
+    nothing may be checkpointed)."""
+    if min_sqnr_db is not None and not real_number(min_sqnr_db):
+        raise ConfigError(f"min_sqnr_db={min_sqnr_db!r} must be a number of dB or None")
+    if isinstance(allow, str) or not isinstance(allow, Iterable) or not all(isinstance(lever, str) for lever in allow):
+        raise ConfigError(f"allow={allow!r} must be a tuple of lever names, some of {list(LEVERS)}")
+    unknown = [lever for lever in allow if lever not in LEVERS]
+    if unknown:
+        raise ConfigError(f"allow names unknown levers {unknown}; use some of {list(LEVERS)}")
+    if "recompute" not in allow:
+        if allow:
+            raise ConfigError(
+                f"allow={tuple(allow)!r}: codecs and offload act on the inputs of checkpointed "
+                "segments, so they need 'recompute' in allow too"
+            )
+        return []
+    codecs = ["none"] + sorted({_LEVER_CODECS[lever] for lever in allow if lever in _LEVER_CODECS})
+    codecs = [c for c in codecs if min_sqnr_db is None or EXPECTED_GRADIENT_SQNR_DB[c] >= min_sqnr_db]
+    places = [False, True] if "offload" in allow and host_is_separate(device) else [False]
+    return [KeepPolicy.resolve(codec, offload) for codec in codecs for offload in places]
+
+
+def _check_plan_arguments(profile, budget, objective) -> None:
+    if not isinstance(profile, Profile):
+        raise ConfigError(f"profile={profile!r}: plan expects a Profile from actsave.profile(model, "
+                          f"example_inputs), got {type(profile).__name__}")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective={objective!r} must be one of {list(OBJECTIVES)}")
+    if objective == "time" and not profile.timed:
+        raise ConfigError("this profile was measured on meta tensors and has no times, so it has no fastest "
+                          "plan; plan it with objective='memory', or profile on the device for times")
+    if budget is None:
+        if objective == "time":
+            raise ConfigError("budget (peak activation bytes) is required for the fastest plan; pass "
+                              "objective='memory' for the smallest peak without a budget")
+        return
+    if not real_number(budget) or not budget > 0:
+        raise ConfigError(f"budget={budget!r} must be a positive number of bytes (peak activation memory)")
+
+
+def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[str]] = None,
+            offload: Optional[Sequence[bool]] = None, budget: Optional[int] = None) -> Plan:
+    """The :class:`Plan` for given segment starts (and per checkpointed segment codec
+    and offload; default exact, on the device), with the model's predictions: to
+    compare any segmentation, "sqrt"'s say, with a planned one. Written apart from the
+    dynamic program, event by event, so each checks the other."""
+    starts = list(starts)
+    checkpointed = len(starts) - 1
+    codecs = ["none"] * checkpointed if codecs is None else [get_codec(c).name for c in codecs]
+    offload = [False] * checkpointed if offload is None else list(offload)
+    draft = Plan(len(profile.layers), tuple(starts), tuple(codecs), tuple(offload), 0, 0.0, 0, budget)
+    peak, seconds, peak_segment = predicted(profile, draft.segments)
+    return dataclasses.replace(draft, predicted_peak_bytes=int(peak), predicted_step_seconds=seconds,
+                               peak_segment=peak_segment)
+
+
+__all__ = ["plan", "balanced", "predict", "keep_options", "Plan", "EXPECTED_GRADIENT_SQNR_DB", "DEFAULT_ALLOW",
+           "LEVERS"]

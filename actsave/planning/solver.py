@@ -1,0 +1,172 @@
+"""The solvers: exact dynamic programs over the memory and time model of
+memory_model.py.
+
+Dynamic program
+    Time-optimal, left to right. A label (P, T) at position b is a plan of layers
+    [0, b) in checkpointed segments: P = the bytes they keep, T = their time. All
+    labels at b recompute the same layers, so they differ only by codec and copy
+    costs, and the Pareto frontier L(b) (no label smaller in both P and T) stays
+    small. With L(0) = {(0, 0)},
+
+        L(b) = Pareto { (P + R(a,b,o), T + t(a,b,o)) : a < b, o, (P, T) in L(a),
+                        P + W(a,b,o) + C <= budget - X }
+        best = min { T : s < n, (P, T) in L(s), P + W_stored(s) <= budget - X }
+
+    Feasibility depends on a label only through P and time is additive, so a
+    dominated label never leads to a better plan: the DP is exact for the model.
+    Smallest peak ("memory" objective, and :func:`balanced`), right to left, one
+    number per start and candidate C: h(a) = min(W_stored(a), min_{b,o} max(W(a,b,o)
+    + C, R(a,b,o) + h(b))), peak = X + h(0); then the fastest plan within that peak,
+    the time dynamic program run only for the candidates whose h(0) fits. With every
+    time 0 (a meta profile) the first plan found is kept: the one whose stored
+    segment starts earliest, so the fewest layers are recomputed.
+
+    Cost: the option-independent maxima of W for every segment are three n x n
+    tables (O(n^2) time and memory, built row by row); the time DP extends every
+    live label at each b, O(n^2 L |O|) with L the mean frontier size, vectorized
+    over labels; the memory DP is O(n^2 |O| |C|), vectorized over the candidates C.
+    For 1,000 layers, about 1 s on one CPU core (tests/planning/test_solver.py prints it);
+    balanced plans of ResNet-1001 (339 layers) with int8 and offload, 63 candidates:
+    0.3 s.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from .memory_model import CostModel
+
+
+def smallest_headroom(model: CostModel) -> float:
+    """min over plans of H (the peak less X), over every carry."""
+    return float(_smallest_headrooms(model)[1].min())
+
+
+def _smallest_headrooms(model: CostModel) -> tuple:
+    """(carries, h(0) for each): the docstring's right-to-left recurrence h(a) =
+    min(W_stored(a), min_{b,o} max(W(a,b,o) + C, R(a,b,o) + h(b))), for every
+    candidate C at once (the columns of h). Computed once per model."""
+    if not hasattr(model, "_headrooms"):
+        n, carries = model.n, model.carries()
+        h = np.repeat(model.stored_peaks[:, None], len(carries), axis=1)
+        for a in reversed(range(n - 1)):
+            b = np.arange(a + 1, n)
+            for o in np.nonzero(model.allowed[:, a])[0]:
+                through = np.maximum(model.working_set(o, a, b, carries), model.kept(o, a, b)[:, None] + h[b])
+                h[a] = np.minimum(h[a], through.min(axis=0))
+        model._headrooms = carries, h[0]
+    return model._headrooms
+
+
+def fastest_within(model: CostModel, headroom: float) -> Optional[list]:
+    """The fastest plan with H <= headroom over every carry, as [(start, stop, option
+    index or -1 for the stored segment)], or None. Carries whose smallest H is above
+    ``headroom`` have no such plan and are skipped."""
+    best = None
+    carries, smallest = _smallest_headrooms(model)
+    for carry in carries[smallest <= headroom]:
+        found = _Prefixes(model, headroom, float(carry)).fastest()
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    return None if best is None else best[1]
+
+
+class _Labels:
+    """A growable table of prefix plans: kept bytes P, time T, and how each was made."""
+
+    _COLUMNS = {"p": np.float64, "t": np.float64, "position": np.int64, "option": np.int64,
+                "previous": np.int64}
+
+    def __init__(self, capacity: int = 1024):
+        self.size = 0
+        self._data = {name: np.empty(capacity, dtype) for name, dtype in self._COLUMNS.items()}
+
+    def append(self, **columns) -> None:
+        count = len(columns["p"])
+        if self.size + count > len(self._data["p"]):
+            grown = max(2 * len(self._data["p"]), self.size + count)
+            for name, old in self._data.items():
+                self._data[name] = np.resize(old, grown)
+        for name, values in columns.items():
+            self._data[name][self.size:self.size + count] = values
+        self.size += count
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._data[name][:self.size]
+
+
+class _Prefixes:
+    """The time-optimal dynamic program, left to right over prefix plans (the layers
+    before b, all in checkpointed segments): at each b the Pareto frontier of (P, T),
+    P = kept bytes, T = time so far. All prefixes ending at b recompute the same
+    layers, so T differs only by codec and copy costs and frontiers stay small.
+
+    Each label at b extends a label at a < b by the segment [a, b) with option o,
+    allowed when P + W(a,b,o) + C <= headroom; a plan ends with the stored segment
+    at s when P + W_stored(s) <= headroom: L(b) and "best" of the module docstring."""
+
+    def __init__(self, model: CostModel, headroom: float, carry: float):
+        self.model, self.headroom, self.carry = model, headroom, carry
+        self.labels = _Labels()
+        self.labels.append(p=np.zeros(1), t=np.zeros(1), position=np.zeros(1, dtype=np.int64),
+                           option=np.full(1, -1), previous=np.full(1, -1))
+        self.best = (math.inf, -1)  # (time, label whose plan ends with the stored segment)
+
+    def fastest(self) -> Optional[tuple]:
+        """(extra seconds, segments) of the fastest plan, or None when none fits."""
+        self._finish_at(0, np.arange(1))
+        for b in range(1, self.model.n):
+            self._finish_at(b, self._extend_to(b))
+        if self.best[1] < 0:
+            return None
+        return self.best[0], self._segments_from(self.best[1])
+
+    def _extend_to(self, b: int) -> np.ndarray:
+        """Add the frontier at b; return its label indices."""
+        labels = self.labels
+        # W >= the backward events + C whatever the option: a cheap test drops most labels.
+        source = np.nonzero(labels["p"] + self.model.backward[labels["position"], b] + self.carry
+                            <= self.headroom)[0]
+        p, t, a = labels["p"][source], labels["t"][source], labels["position"][source]
+        parts = []
+        for o in range(len(self.model.options)):
+            ok = p + self.model.working_set(o, a, b, np.array([self.carry]))[:, 0] <= self.headroom
+            if ok.any():
+                parts.append((p[ok] + self.model.kept(o, a[ok], b), t[ok] + self.model.seconds(o, a[ok], b),
+                              np.full(int(ok.sum()), o), source[ok]))
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        new_p, new_t, option, previous = (np.concatenate(columns) for columns in zip(*parts))
+        keep = _pareto(new_p, new_t)
+        first = labels.size
+        labels.append(p=new_p[keep], t=new_t[keep], position=np.full(keep.size, b), option=option[keep],
+                      previous=previous[keep])
+        return np.arange(first, labels.size)
+
+    def _finish_at(self, s: int, at: np.ndarray) -> None:
+        """End the plans of labels ``at`` (position s) with the stored segment [s, n)."""
+        fits = at[self.labels["p"][at] + self.model.stored_peaks[s] <= self.headroom]
+        if fits.size:
+            best = fits[np.argmin(self.labels["t"][fits])]
+            if self.labels["t"][best] < self.best[0]:
+                self.best = (float(self.labels["t"][best]), int(best))
+
+    def _segments_from(self, label: int) -> list:
+        """[(start, stop, option)] of a finished plan, the stored segment last."""
+        labels = self.labels
+        stops = [(int(labels["position"][label]), self.model.n, -1)]
+        while labels["previous"][label] >= 0:
+            previous = int(labels["previous"][label])
+            stops.append((int(labels["position"][previous]), int(labels["position"][label]),
+                          int(labels["option"][label])))
+            label = previous
+        return stops[::-1]
+
+
+def _pareto(p: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Indices of the pairs that no other pair beats in both P and T."""
+    order = np.lexsort((t, p))
+    best_before = np.minimum.accumulate(np.concatenate(([np.inf], t[order][:-1])))
+    return order[t[order] < best_before]

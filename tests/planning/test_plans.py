@@ -1,0 +1,103 @@
+"""plan(), the presets of CheckpointedSequential, the levers, and bad input."""
+import pytest
+import torch
+from support import (
+    assert_same_training,
+    deep_mlp,
+    mixed_chain,
+    peak_activation_bytes,
+    twin,
+)
+from torch import nn
+
+import actsave
+from actsave import CheckpointedSequential, ConfigError
+from actsave.planning import plans
+
+
+def test_generous_budget_keeps_everything_and_trains_exactly():
+    plain = nn.Sequential(*mixed_chain())
+    model = CheckpointedSequential.from_sequential(twin(plain))
+    x = torch.randn(8, 16)
+    prof = actsave.profile(model, (x,))
+    model.apply_plan(actsave.plan(prof, 10 * plans.predict(prof, [0]).predicted_peak_bytes))
+    assert model.segments == [0] and model.applied_plan.codecs == ()
+    assert_same_training(plain, model, x)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "speed", "memory"])
+def test_presets_plan_at_construction(strategy):
+    x = torch.randn(128, 64)
+    budget = 2 * 2**20
+    model = CheckpointedSequential(*deep_mlp(), segments=strategy, budget=budget, example_inputs=(x,))
+    plan = model.applied_plan
+    assert model.segments == list(plan.starts) and plan.predicted_peak_bytes <= budget
+    assert peak_activation_bytes(model, x) <= 1.05 * budget
+    if strategy == "memory":
+        prof = actsave.profile(model, (x,))
+        assert plan.predicted_peak_bytes == actsave.plan(prof, None, objective="memory").predicted_peak_bytes
+
+
+def test_min_sqnr_and_allow_choose_the_codecs():
+    prof = actsave.profile(nn.Sequential(*deep_mlp()), (torch.randn(128, 64),))
+    tight = actsave.plan(prof, None, objective="memory").predicted_peak_bytes
+
+    def codecs(**levers):
+        return {c for p in (actsave.plan(prof, None, objective="memory", **levers),) for c in p.codecs}
+
+    assert codecs() - {"none"}, "at the smallest peak some inputs are compressed"
+    assert codecs(min_sqnr_db=30) <= {"none", "int8"}
+    assert codecs(min_sqnr_db=40) == codecs(allow=("recompute",)) == {"none"}
+    assert actsave.plan(prof, None, objective="memory", allow=()).starts == (0,)
+    with pytest.raises(ConfigError, match="smallest feasible budget"):
+        actsave.plan(prof, tight, allow=("recompute",))
+
+
+def test_offload_is_a_lever_on_cuda_only():
+    cpu = plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu")
+    cuda = plans.keep_options(plans.DEFAULT_ALLOW, None, "cuda:0")
+    assert not any(o.offload for o in cpu)
+    codecs = ("none", "int8", "fp8_e4m3")
+    assert {(o.codec.name, o.offload) for o in cuda} == {(c, f) for c in codecs for f in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def small_profile():
+    return actsave.profile(nn.Sequential(*deep_mlp(2)), (torch.randn(8, 64),))
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(budget=None), "budget .* is required"),
+    (dict(budget=-5), "budget=-5 must be a positive number of bytes"),
+    (dict(budget=True), "budget=True must be"),
+    (dict(budget="1GB"), "budget='1GB' must be"),
+    (dict(budget=2**30, objective="fast"), "objective='fast' must be one of"),
+    (dict(budget=2**30, allow="int8"), "allow='int8' must be a tuple of lever names"),
+    (dict(budget=2**30, allow=("int4",)), r"unknown levers \['int4'\]"),
+    (dict(budget=2**30, allow=("int8",)), "need 'recompute' in allow"),
+    (dict(budget=2**30, min_sqnr_db="high"), "min_sqnr_db='high' must be a number"),
+])
+
+
+def test_bad_plan_arguments_say_what_to_do(small_profile, arguments, message):
+    with pytest.raises(ConfigError, match=message):
+        actsave.plan(small_profile, **arguments)
+
+
+def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
+    x = torch.randn(8, 64)
+    with pytest.raises(ConfigError, match="expects an nn.Sequential"):
+        actsave.profile(nn.Linear(64, 64), (x,))
+    with pytest.raises(ConfigError, match=r"example_inputs must be \(x,\)"):
+        actsave.profile(nn.Sequential(nn.Linear(64, 64)), (x, x))
+    with pytest.raises(ConfigError, match="plan expects a Profile"):
+        actsave.plan("profile", 2**30)
+    with pytest.raises(ConfigError, match="the plan is for 4 layers"):
+        CheckpointedSequential(*deep_mlp(3)).apply_plan(actsave.plan(small_profile, None, objective="memory"))
+    with pytest.raises(ConfigError, match="segments='auto' needs budget="):
+        CheckpointedSequential(*deep_mlp(2), segments="auto", example_inputs=(x,))
+    with pytest.raises(ConfigError, match="segments='speed' chooses codecs and offload itself"):
+        CheckpointedSequential(*deep_mlp(2), segments="speed", budget=2**20, example_inputs=(x,),
+                               compress="int8")
+    with pytest.raises(ConfigError, match="used by segments=.* only"):
+        CheckpointedSequential(*deep_mlp(2), segments="sqrt", budget=2**20)

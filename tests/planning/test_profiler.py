@@ -1,0 +1,56 @@
+"""profile(): what one measured step records per layer, on real and meta tensors, and
+how a profile prints."""
+import dataclasses
+
+import pytest
+import torch
+from support import deep_mlp, mixed_chain
+from torch import nn
+
+import actsave
+from actsave import CheckpointedSequential, ConfigError
+from actsave.planning import profiler
+
+
+def test_a_meta_profile_measures_the_bytes_of_a_real_step():
+    model = CheckpointedSequential(*mixed_chain(width=32))
+    x = torch.randn(64, 32, requires_grad=True) * 1  # an activation, as inside a network
+    real = actsave.profile(model, (x,))
+    meta = actsave.profile(model, (torch.empty(64, 32, device="meta").requires_grad_().clone(),))
+    untimed = [f.name for f in dataclasses.fields(profiler.LayerProfile) if f.name.endswith("_s")]
+    assert [dataclasses.replace(layer, **{f: None for f in untimed}) for layer in real.layers] == \
+           [dataclasses.replace(layer, **{f: None for f in untimed}) for layer in meta.layers]
+    assert (real.saved, real.input_bytes, real.output_bytes) == (meta.saved, meta.input_bytes, meta.output_bytes)
+    assert all(layer.forward_s == 0 == layer.encode_s["int8"] for layer in meta.layers) and not meta.timed
+    with pytest.raises(ConfigError, match="measured on meta tensors and has no times"):
+        actsave.plan(meta, 2**30)
+    assert actsave.plan(meta, None, objective="memory").predicted_peak_bytes > 0
+
+
+def test_profile_measures_saved_storages_once_and_leaves_no_trace():
+    model = CheckpointedSequential(*mixed_chain(width=32))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    buffers = [b.clone() for b in model.buffers()]
+    x = torch.randn(16, 32)
+    torch.manual_seed(5)
+    expected_random = torch.rand(1)
+    torch.manual_seed(5)
+    prof = actsave.profile(model, (x,))
+    assert torch.equal(torch.rand(1), expected_random)
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+    # Linear saves its input, the in-place ReLU its output: the same storage, once.
+    relu = prof.layers[1]
+    assert relu.input_saved_by == (1, 1) and relu.saved_bytes == 16 * 32 * 4
+    assert prof.layers[0].saved_bytes == 0  # its input is the batch, held anyway
+    assert relu.modifies_input and relu.relu_sign_bytes == 16 * 32 // 8
+
+
+def test_profile_and_plan_print_as_tables():
+    prof = actsave.profile(nn.Sequential(*deep_mlp(4)), (torch.randn(32, 64),))
+    lines = str(prof).splitlines()
+    assert lines[0].split()[:5] == ["layer", "name", "type", "out", "MiB"] and len(lines) == 1 + 8 + 1
+    plan = actsave.plan(prof, None, objective="memory")
+    text = str(plan)
+    assert "predicted peak activation memory" in text and "stored (no recompute)" in text and "<- peak" in text

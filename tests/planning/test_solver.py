@@ -1,0 +1,88 @@
+"""The dynamic programs against brute force over every plan of small chains, and
+the planning time of 1,000 layers (printed)."""
+import dataclasses
+import itertools
+import math
+import random
+import time
+
+import pytest
+import torch
+from planning.chains import chain
+from support import deep_mlp
+from torch import nn
+
+import actsave
+from actsave import CheckpointedSequential
+from actsave.planning import plans
+from actsave.runtime.store import KeepPolicy
+
+
+def all_plans(n: int, options: list):
+    for inner in itertools.chain.from_iterable(itertools.combinations(range(1, n), k) for k in range(n)):
+        for chosen in itertools.product(options, repeat=len(inner)):
+            yield [0, *inner], chosen
+
+
+def with_host_copies(prof: actsave.Profile) -> actsave.Profile:
+    """The profile as if measured on CUDA, where offload is a lever: copies that take
+    1-4x as long as the layer's forward, so they are partly exposed."""
+    layers = tuple(dataclasses.replace(layer,
+                                       to_host_s={c: (1 + i % 4) * layer.forward_s for c in layer.kept_bytes},
+                                       to_device_s={c: 2 * layer.forward_s for c in layer.kept_bytes})
+                   for i, layer in enumerate(prof.layers))
+    return dataclasses.replace(prof, layers=layers, device="cuda")
+
+
+@pytest.mark.parametrize("device, n", [("cpu", 6), ("cuda", 4)])
+def test_dynamic_program_agrees_with_brute_force(device, n):
+    model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
+    prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
+    if device == "cuda":
+        prof = with_host_copies(prof)
+    options = plans.keep_options(plans.DEFAULT_ALLOW, None, device)
+    every_plan = [plans.predict(prof, starts, [o.codec.name for o in chosen], [o.offload for o in chosen])
+                  for starts, chosen in all_plans(n, options)]
+    smallest = min(p.predicted_peak_bytes for p in every_plan)
+    assert actsave.plan(prof, None, objective="memory").predicted_peak_bytes == smallest
+    peaks = sorted({p.predicted_peak_bytes for p in every_plan})
+    for budget in (peaks[0], peaks[len(peaks) // 3], peaks[len(peaks) // 2], peaks[-1]):
+        fastest = min(p.predicted_step_seconds for p in every_plan if p.predicted_peak_bytes <= budget)
+        planned = actsave.plan(prof, budget)
+        assert planned.predicted_peak_bytes <= budget
+        assert math.isclose(planned.predicted_step_seconds, fastest, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("device, n", [("cpu", 6), ("cuda", 5)])
+def test_balanced_agrees_with_brute_force_over_fixed_options(device, n):
+    model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
+    prof = actsave.profile(model, (torch.empty(32, 32, device="meta").requires_grad_().clone(),), device=device)
+    rng = random.Random(n)
+    options = [KeepPolicy.resolve(rng.choice(["none", "int8", "fp8_e5m2"]), rng.random() < 0.5) for _ in range(n)]
+    effective = [o if device == "cuda" else KeepPolicy(o.codec) for o in options]
+    every_plan = [plans.predict(prof, starts, [effective[a].codec.name for a in starts[:-1]],
+                                [effective[a].offload for a in starts[:-1]])
+                  for starts, _ in all_plans(n, [None])]
+    planned = plans.balanced(prof, options)
+    assert planned.predicted_peak_bytes == min(p.predicted_peak_bytes for p in every_plan)
+    assert [planned.codecs, planned.offload] == [tuple(effective[a].codec.name for a in planned.starts[:-1]),
+                                                tuple(effective[a].offload for a in planned.starts[:-1])]
+    # The fewest layers recomputed among the smallest-peak plans (a meta profile has no times).
+    fewest = min(p.starts[-1] for p in every_plan if p.predicted_peak_bytes == planned.predicted_peak_bytes)
+    assert planned.starts[-1] == fewest
+
+
+def test_dynamic_program_time_for_1000_layers_is_printed(capsys):
+    prof = actsave.profile(nn.Sequential(*deep_mlp(500, 16)), (torch.randn(8, 16),))
+    everything = plans.predict(prof, [0]).predicted_peak_bytes
+    lines = []
+    for share in (1.0, 0.3, 0.1):
+        start = time.perf_counter()
+        plan = actsave.plan(prof, int(share * everything))
+        lines.append(f"{share:.0%} of the no-checkpoint peak: {time.perf_counter() - start:.3f} s, "
+                     f"{len(plan.starts)} segments")
+    start = time.perf_counter()
+    actsave.plan(prof, None, objective="memory")
+    lines.append(f"smallest peak: {time.perf_counter() - start:.3f} s")
+    with capsys.disabled():
+        print("\nplanning 1,000 layers: " + "; ".join(lines))
