@@ -17,7 +17,7 @@ saves checked): its segments are chains of layers, for which they are right.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Union
+from typing import Callable, NamedTuple, Union
 
 from torch import nn
 
@@ -155,31 +155,53 @@ def wrap(model: nn.Module, filter_fn: FilterSpec, compress=None, offload=False, 
     matches = _as_predicate(filter_fn)
     policy = KeepPolicy.resolve(compress, offload)
     options = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
-    found = _wrap_children(model, "", matches, policy, options)
-    if found == 0:
+    blocks = matching_blocks(model, matches)
+    for block in blocks:
+        if not block.wrapped:
+            block.replace(_checkpoint_of(block.module, policy, options))
+    if not blocks:
         warnings.warn(f"actsave.wrap: filter_fn={filter_fn!r} selected no submodule of the "
                       f"{type(model).__name__}, so nothing is checkpointed; check the class or predicate "
                       "(it is called with each submodule and its fully qualified name)", stacklevel=2)
     return model
 
 
-def _wrap_children(parent: nn.Module, prefix: str, matches, policy: KeepPolicy, options: RecomputeOptions) -> int:
-    """Wrap the matching descendants of ``parent``; returns how many are wrapped now,
-    by this call or before it."""
-    found = 0
-    for name, child in list(parent.named_children()):
-        if isinstance(child, Checkpoint):
-            found += 1
-            continue
+class Block(NamedTuple):
+    """A submodule :func:`wrap` selected: where it sits in the model, and whether it
+    is a :class:`Checkpoint` already (from an earlier call)."""
+
+    parent: nn.Module
+    name: str  # in ``parent``
+    fqn: str
+    module: nn.Module
+
+    @property
+    def wrapped(self) -> bool:
+        return isinstance(self.module, Checkpoint)
+
+    def replace(self, module: nn.Module) -> None:
+        setattr(self.parent, self.name, module)
+
+
+def matching_blocks(model: nn.Module, matches, prefix: str = "") -> list:
+    """The :class:`Block` s of ``model`` that ``matches(module, fqn)`` selects, in
+    module order: never ``model`` itself, nor anything inside a selected module; a
+    :class:`Checkpoint` counts as selected (by an earlier :func:`wrap`)."""
+    found = []
+    for name, child in model.named_children():
         fqn = prefix + name
-        if matches(child, fqn):
-            wrapper = Checkpoint(child)
-            wrapper.policy, wrapper.recompute = policy, options
-            setattr(parent, name, wrapper)
-            found += 1
+        if isinstance(child, Checkpoint) or matches(child, fqn):
+            found.append(Block(model, name, fqn, child))
         else:
-            found += _wrap_children(child, fqn + ".", matches, policy, options)
+            found += matching_blocks(child, matches, fqn + ".")
     return found
+
+
+def _checkpoint_of(module: nn.Module, policy: KeepPolicy, options: RecomputeOptions) -> Checkpoint:
+    """``Checkpoint(module)`` with its settings resolved already."""
+    wrapper = Checkpoint(module)
+    wrapper.policy, wrapper.recompute = policy, options
+    return wrapper
 
 
 def _as_predicate(filter_fn: FilterSpec):
