@@ -112,7 +112,8 @@ class Plan:
 
 
 def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] = None,
-         allow: Sequence[str] = DEFAULT_ALLOW, objective: str = "time") -> Plan:
+         allow: Sequence[str] = DEFAULT_ALLOW, objective: str = "time",
+         max_checkpointed_layers: Optional[int] = None) -> Plan:
     """Choose segments and keep options for the profiled chain.
 
     Args:
@@ -126,6 +127,10 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         objective: "time": the fastest plan whose predicted peak fits ``budget``;
             "memory": the smallest predicted peak (the fastest such plan), checked
             against ``budget`` unless it is None.
+        max_checkpointed_layers: the most layers one checkpointed segment may hold
+            (None: any number). 1 for layers that can only be checkpointed one by one,
+            as the blocks of :func:`actsave.plan_blocks` (a checkpoint cannot span
+            blocks that the model's own loop calls).
 
     Raises :class:`~actsave.ConfigError` when no plan fits, stating the smallest
     feasible budget.
@@ -136,17 +141,18 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         and on CUDA kernels that save other tensors than the CPU/meta ones (flash
         attention, cuDNN workspaces) shift the peak; keep a margin in ``budget``.
     """
-    _check_plan_arguments(profile, budget, objective)
+    _check_plan_arguments(profile, budget, objective, max_checkpointed_layers)
     model = CostModel(profile, keep_options(allow, min_sqnr_db, profile.device))
+    longest = max_checkpointed_layers
     if objective == "time":
-        segments = fastest_within(model, budget - model.chain_input)
+        segments = fastest_within(model, budget - model.chain_input, longest)
     else:
-        smallest = smallest_headroom(model)
+        smallest = smallest_headroom(model, longest)
         fits = budget is None or model.chain_input + smallest <= budget
-        segments = fastest_within(model, smallest) if fits else None
+        segments = fastest_within(model, smallest, longest) if fits else None
     if segments is None:
         levers = f"allow={tuple(allow)}" + ("" if min_sqnr_db is None else f" and min_sqnr_db={min_sqnr_db}")
-        smallest_budget = model.chain_input + smallest_headroom(model)
+        smallest_budget = model.chain_input + smallest_headroom(model, longest)
         raise ConfigError(
             f"no plan fits budget={int(budget):,} bytes ({mib(budget)} MiB) with {levers}: the smallest "
             f"feasible budget is {int(smallest_budget):,} bytes ({mib(smallest_budget)} MiB). Raise the "
@@ -202,10 +208,13 @@ def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str
     return [KeepPolicy.resolve(codec, offload) for codec in codecs for offload in places]
 
 
-def _check_plan_arguments(profile, budget, objective) -> None:
+def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=None) -> None:
     if not isinstance(profile, Profile):
         raise ConfigError(f"profile={profile!r}: plan expects a Profile from actsave.profile(model, "
                           f"example_inputs), got {type(profile).__name__}")
+    if max_checkpointed_layers is not None and (integral(max_checkpointed_layers) or 0) < 1:
+        raise ConfigError(f"max_checkpointed_layers={max_checkpointed_layers!r} must be None (any number) or an "
+                          "integer >= 1: the most layers one checkpointed segment may hold")
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective={objective!r} must be one of {list(OBJECTIVES)}")
     if objective == "time" and not profile.timed:

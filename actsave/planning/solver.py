@@ -39,35 +39,39 @@ import numpy as np
 from .memory_model import CostModel
 
 
-def smallest_headroom(model: CostModel) -> float:
-    """min over plans of H (the peak less X), over every carry."""
-    return float(_smallest_headrooms(model)[1].min())
+def smallest_headroom(model: CostModel, longest: Optional[int] = None) -> float:
+    """min over plans of H (the peak less X), over every carry; checkpointed segments
+    hold at most ``longest`` layers (None: any number)."""
+    return float(_smallest_headrooms(model, longest)[1].min())
 
 
-def _smallest_headrooms(model: CostModel) -> tuple:
+def _smallest_headrooms(model: CostModel, longest: Optional[int] = None) -> tuple:
     """(carries, h(0) for each): the docstring's right-to-left recurrence h(a) =
     min(W_stored(a), min_{b,o} max(W(a,b,o) + C, R(a,b,o) + h(b))), for every
-    candidate C at once (the columns of h). Computed once per model."""
-    if not hasattr(model, "_headrooms"):
+    candidate C at once (the columns of h), over checkpointed segments [a, b) of at
+    most ``longest`` layers. Computed once per model and ``longest``."""
+    computed = model.__dict__.setdefault("_headrooms", {})
+    if longest not in computed:
         n, carries = model.n, model.carries()
         h = np.repeat(model.stored_peaks[:, None], len(carries), axis=1)
         for a in reversed(range(n - 1)):
-            b = np.arange(a + 1, n)
+            b = np.arange(a + 1, n if longest is None else min(n, a + 1 + longest))
             for o in np.nonzero(model.allowed[:, a])[0]:
                 through = np.maximum(model.working_set(o, a, b, carries), model.kept(o, a, b)[:, None] + h[b])
                 h[a] = np.minimum(h[a], through.min(axis=0))
-        model._headrooms = carries, h[0]
-    return model._headrooms
+        computed[longest] = carries, h[0]
+    return computed[longest]
 
 
-def fastest_within(model: CostModel, headroom: float) -> Optional[list]:
+def fastest_within(model: CostModel, headroom: float, longest: Optional[int] = None) -> Optional[list]:
     """The fastest plan with H <= headroom over every carry, as [(start, stop, option
-    index or -1 for the stored segment)], or None. Carries whose smallest H is above
+    index or -1 for the stored segment)], or None; checkpointed segments hold at most
+    ``longest`` layers (None: any number). Carries whose smallest H is above
     ``headroom`` have no such plan and are skipped."""
     best = None
-    carries, smallest = _smallest_headrooms(model)
+    carries, smallest = _smallest_headrooms(model, longest)
     for carry in carries[smallest <= headroom]:
-        found = _Prefixes(model, headroom, float(carry)).fastest()
+        found = _Prefixes(model, headroom, float(carry), longest).fastest()
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     return None if best is None else best[1]
@@ -105,10 +109,12 @@ class _Prefixes:
 
     Each label at b extends a label at a < b by the segment [a, b) with option o,
     allowed when P + W(a,b,o) + C <= headroom; a plan ends with the stored segment
-    at s when P + W_stored(s) <= headroom: L(b) and "best" of the module docstring."""
+    at s when P + W_stored(s) <= headroom: L(b) and "best" of the module docstring.
+    With ``longest``, only from labels at a >= b - longest."""
 
-    def __init__(self, model: CostModel, headroom: float, carry: float):
+    def __init__(self, model: CostModel, headroom: float, carry: float, longest: Optional[int] = None):
         self.model, self.headroom, self.carry = model, headroom, carry
+        self.longest = model.n if longest is None else longest
         self.labels = _Labels()
         self.labels.append(p=np.zeros(1), t=np.zeros(1), position=np.zeros(1, dtype=np.int64),
                            option=np.full(1, -1), previous=np.full(1, -1))
@@ -127,8 +133,8 @@ class _Prefixes:
         """Add the frontier at b; return its label indices."""
         labels = self.labels
         # W >= the backward events + C whatever the option: a cheap test drops most labels.
-        source = np.nonzero(labels["p"] + self.model.backward[labels["position"], b] + self.carry
-                            <= self.headroom)[0]
+        source = np.nonzero((labels["p"] + self.model.backward[labels["position"], b] + self.carry
+                             <= self.headroom) & (labels["position"] >= b - self.longest))[0]
         p, t, a = labels["p"][source], labels["t"][source], labels["position"][source]
         parts = []
         for o in range(len(self.model.options)):

@@ -76,6 +76,8 @@ def small_profile():
     (dict(budget=2**30, allow=("int4",)), r"unknown levers \['int4'\]"),
     (dict(budget=2**30, allow=("int8",)), "need 'recompute' in allow"),
     (dict(budget=2**30, min_sqnr_db="high"), "min_sqnr_db='high' must be a number"),
+    (dict(budget=2**30, max_checkpointed_layers=0), "max_checkpointed_layers=0 must be None .* or an integer >= 1"),
+    (dict(budget=2**30, max_checkpointed_layers=1.5), "max_checkpointed_layers=1.5 must be"),
 ])
 
 

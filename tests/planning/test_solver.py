@@ -53,6 +53,28 @@ def test_dynamic_program_agrees_with_brute_force(device, n):
         assert math.isclose(planned.predicted_step_seconds, fastest, rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("longest", [1, 2])
+def test_dynamic_program_with_short_checkpointed_segments_agrees_with_brute_force(longest):
+    # Blocks that the model's own loop calls can only be checkpointed one by one.
+    n = 6
+    model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
+    prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
+    options = plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu")
+    every_plan = [plans.predict(prof, starts, [o.codec.name for o in chosen])
+                  for starts, chosen in all_plans(n, options)
+                  if all(b - a <= longest for a, b in zip(starts[:-1], starts[1:]))]
+    smallest = actsave.plan(prof, None, objective="memory", max_checkpointed_layers=longest)
+    assert smallest.predicted_peak_bytes == min(p.predicted_peak_bytes for p in every_plan)
+    assert smallest.predicted_peak_bytes > actsave.plan(prof, None, objective="memory").predicted_peak_bytes
+    peaks = sorted({p.predicted_peak_bytes for p in every_plan})
+    for budget in (peaks[0], peaks[len(peaks) // 3], peaks[len(peaks) // 2], peaks[-1]):
+        fastest = min(p.predicted_step_seconds for p in every_plan if p.predicted_peak_bytes <= budget)
+        planned = actsave.plan(prof, budget, max_checkpointed_layers=longest)
+        assert all(stop - start <= longest for start, stop, option in planned.segments if option is not None)
+        assert planned.predicted_peak_bytes <= budget
+        assert math.isclose(planned.predicted_step_seconds, fastest, rel_tol=1e-9)
+
+
 @pytest.mark.parametrize("device, n", [("cpu", 6), ("cuda", 5)])
 def test_balanced_agrees_with_brute_force_over_fixed_options(device, n):
     model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
