@@ -15,7 +15,8 @@ from .planning.plans import Plan, plan
 from .planning.profiler import Profile, profile
 from .sequential import CheckpointedSequential
 from .runtime.store import stored_bytes
-from .wrappers import Checkpoint, checkpoint, wrap
+from .planning.blocks import BlockPlan
+from .wrappers import Checkpoint, checkpoint, plan_blocks, wrap
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,8 @@ __all__ = [
     "checkpoint",
     "Checkpoint",
     "wrap",
+    "plan_blocks",
+    "BlockPlan",
     "stored_bytes",
     "profile",
     "plan",

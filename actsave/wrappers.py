@@ -21,7 +21,9 @@ from typing import Callable, NamedTuple, Union
 
 from torch import nn
 
+from .checks import real_number
 from .errors import ConfigError
+from .planning.blocks import BlockPlan, plan_block_stack
 from .runtime.function import checkpointed_call
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
 from .runtime.store import KeepPolicy, modifies_input
@@ -134,8 +136,9 @@ class Checkpoint(nn.Module):
 FilterSpec = Union[Callable[[nn.Module, str], bool], type, tuple]
 
 
-def wrap(model: nn.Module, filter_fn: FilterSpec, compress=None, offload=False, *, preserve_rng_state=True,
-         determinism_check="default", debug=False, early_stop=True) -> nn.Module:
+def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, offload=False, *, budget=None,
+         example_inputs=None, allow=None, min_sqnr_db=None, preserve_rng_state=True, determinism_check="default",
+         debug=False, early_stop=True) -> nn.Module:
     """Replace, in place, each submodule of ``model`` that ``filter_fn`` selects by a
     :class:`Checkpoint` of it, and return ``model``.
 
@@ -144,17 +147,35 @@ def wrap(model: nn.Module, filter_fn: FilterSpec, compress=None, offload=False, 
     inside a module that is wrapped already. ``state_dict`` keys do not change. The
     other arguments are given to each :class:`Checkpoint` (see :func:`checkpoint`).
 
+    With ``budget`` (bytes) and ``example_inputs``, each selected block is checkpointed
+    or kept plain, and keeps its input exactly or by a codec, as
+    :func:`plan_blocks` chooses: the fastest plan whose predicted peak activation
+    memory of the whole training step fits ``budget`` (see :func:`plan_blocks`, which
+    takes ``allow`` and ``min_sqnr_db`` too; ``compress`` and ``offload`` are then
+    chosen, not given). ``filter_fn`` may also be a :class:`BlockPlan` from
+    :func:`plan_blocks`, to apply a plan made (and printed) before::
+
+        plan = actsave.plan_blocks(model, LlamaDecoderLayer, budget=2 * 2**30, example_inputs=batch)
+        print(plan)
+        actsave.wrap(model, plan)    # same as wrap(model, LlamaDecoderLayer, budget=..., example_inputs=batch)
+
     A ``filter_fn`` that selects nothing (and a model with no :class:`Checkpoint` in it
     already) warns: the model then trains exactly as before, with no memory saved,
     which is rarely what was meant (a class from another copy of a package, a
     misspelled name in the predicate).
     """
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model={model!r} is not an nn.Module instance: wrap replaces submodules of a "
-                          "model in place (for a function, use actsave.checkpoint(function, *args))")
+    _check_model(model, "wrap replaces submodules of a model in place")
+    options = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
+    planned = budget is not None or isinstance(filter_fn, BlockPlan)
+    if planned or example_inputs is not None or allow is not None or min_sqnr_db is not None:
+        _check_planned_arguments(filter_fn, compress, offload, budget, example_inputs, allow, min_sqnr_db)
+    if planned:
+        plan = filter_fn if isinstance(filter_fn, BlockPlan) else plan_blocks(
+            model, filter_fn, budget, example_inputs, allow=allow, min_sqnr_db=min_sqnr_db)
+        _apply(model, plan, options)
+        return model
     matches = _as_predicate(filter_fn)
     policy = KeepPolicy.resolve(compress, offload)
-    options = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
     blocks = matching_blocks(model, matches)
     for block in blocks:
         if not block.wrapped:
@@ -164,6 +185,99 @@ def wrap(model: nn.Module, filter_fn: FilterSpec, compress=None, offload=False, 
                       f"{type(model).__name__}, so nothing is checkpointed; check the class or predicate "
                       "(it is called with each submodule and its fully qualified name)", stacklevel=2)
     return model
+
+
+def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs, *, allow=None,
+                min_sqnr_db=None) -> BlockPlan:
+    """Choose, for each block of ``model`` that ``filter_fn`` selects, whether
+    :func:`wrap` checkpoints it and how its checkpoint keeps its input: the fastest
+    such plan whose predicted peak activation memory fits ``budget``. ``model`` is
+    left as it was; apply the plan with ``wrap(model, plan)``, print it to see it.
+
+    For models whose selected blocks run one after another, each on the previous
+    one's output, called by the model's own loop with any other arguments (attention
+    masks, position embeddings, flags), as the decoder layers of Hugging Face GPT-2 or
+    Llama models are. The plan is made from one profiled example step
+    (actsave/planning/blocks.py says how).
+
+    Args:
+        model: the model, as it will train (``model.train()``; for Hugging Face
+            models ``config.use_cache = False``, as for any checkpointing).
+        filter_fn: selects the blocks, as for :func:`wrap`.
+        budget: peak activation memory of the whole training step, in bytes: what the
+            step allocates on the device beyond parameters, buffers, parameter
+            gradients and optimizer state. That includes the example inputs, the work
+            outside the blocks (embeddings, masks, the final norm, the head's logits,
+            the loss and their gradients), measured on the example step, and the
+            blocks' saved activations, kept inputs and gradients. The step is the
+            forward of ``example_inputs`` (see below) then the backward of the loss,
+            with parameter gradients allocated before it, as from the second training
+            step on. Measured on CPU (MemTracker), the peak of the applied plan stays
+            within it (tests/planning/test_blocks.py).
+        example_inputs: a batch as training will use: a dict of keyword arguments
+            (``model(**example_inputs)``), a tuple of positional arguments, or one
+            tensor. The loss is the model's output if a tensor, else its ``loss``
+            (Hugging Face: pass ``labels``), else its first item; a non-scalar loss
+            is backpropagated from ones.
+        allow: the levers, as for :func:`actsave.plan`: ``"recompute"``, codecs
+            (``"int8"``, ``"fp8"``, ...) and, on CUDA only, ``"offload"``. Default: all
+            that the device has.
+        min_sqnr_db: leave out codecs whose expected gradient SQNR is below it.
+
+    Raises :class:`~actsave.ConfigError` when no plan fits (stating the smallest
+    feasible budget), when the blocks do not run once each one after another, and
+    for ``"offload"`` on a CPU model (host memory is its memory).
+    """
+    _check_model(model, "plan_blocks plans the blocks of a model")
+    if budget is None or not real_number(budget) or not budget > 0:
+        raise ConfigError(f"budget={budget!r} must be a positive number of bytes: the peak activation memory of "
+                          "one training step")
+    if example_inputs is None:
+        raise ConfigError("example_inputs is required with budget: a batch as training will use (a dict of the "
+                          "model's keyword arguments, a tuple of positional ones, or a tensor), to profile one step")
+    blocks = matching_blocks(model, _as_predicate(filter_fn))
+    if not blocks:
+        raise ConfigError(f"filter_fn={filter_fn!r} selected no submodule of the {type(model).__name__}: there "
+                          "are no blocks to plan; check the class or predicate")
+    wrapped = [block.fqn for block in blocks if block.wrapped]
+    if wrapped:
+        raise ConfigError(f"blocks {wrapped} are wrapped already: a block plan profiles the plain blocks; plan the "
+                          "model before wrapping it")
+    return plan_block_stack(model, [(block.fqn, block.module) for block in blocks], budget, example_inputs,
+                            allow, min_sqnr_db)
+
+
+def _check_model(model, purpose: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model={model!r} is not an nn.Module instance: {purpose} "
+                          "(for a function, use actsave.checkpoint(function, *args))")
+
+
+def _check_planned_arguments(filter_fn, compress, offload, budget, example_inputs, allow, min_sqnr_db) -> None:
+    if isinstance(filter_fn, BlockPlan):
+        if budget is not None or example_inputs is not None or allow is not None or min_sqnr_db is not None:
+            raise ConfigError("wrap(model, plan) applies a plan made already: give budget, example_inputs, allow "
+                              "and min_sqnr_db to plan_blocks, not here")
+    elif budget is None:
+        raise ConfigError("example_inputs, allow and min_sqnr_db are for planning the blocks: give budget (peak "
+                          "activation bytes of one training step) too, or leave them out")
+    if compress is not None or offload is not False:
+        raise ConfigError(f"compress={compress!r}, offload={offload!r}: with a block plan, each block's keep option "
+                          "is planned; limit the levers with allow=(...) and min_sqnr_db instead")
+
+
+def _apply(model: nn.Module, plan: BlockPlan, options: RecomputeOptions) -> None:
+    """Wrap the blocks ``plan`` checkpoints, each with its own keep option."""
+    planned = {id(module): option for module, option in zip(plan.modules, plan.options)}
+    blocks = [block for block in matching_blocks(model, lambda module, fqn: id(module) in planned)
+              if id(block.module) in planned]
+    if len(blocks) != len(planned) or any(block.wrapped for block in blocks):
+        raise ConfigError("this plan is for other blocks: apply a plan to the model it was made for, before "
+                          "wrapping it otherwise")
+    for block in blocks:
+        option = planned[id(block.module)]
+        if option is not None:
+            block.replace(_checkpoint_of(block.module, option, options))
 
 
 class Block(NamedTuple):

@@ -1,0 +1,504 @@
+"""Plans for a model whose blocks run one after another: the decoder layers of a
+transformer, called by the model's own loop (``for layer in self.layers: h =
+layer(h, mask=..., position_embeddings=...)``), with work before them (embeddings,
+masks) and after them (final norm, head, loss).
+
+    plan = actsave.plan_blocks(model, LlamaDecoderLayer, budget=B, example_inputs=batch)
+    print(plan)                     # per block: kept plain, or checkpointed and how
+    actsave.wrap(model, plan)       # or in one call: wrap(model, ..., budget=B, example_inputs=batch)
+
+How (the steps of :func:`plan_block_stack`):
+
+1. A forward of the example step records each selected block's call: its arguments,
+   and which of them is the hidden state. The blocks must each run once, in turn, each
+   one's hidden-state output being the next one's hidden-state input.
+2. One plain training step, its live bytes counted (:class:`LiveBytes`, as the
+   planner's profile counts them), measures what happens outside the blocks:
+   :class:`Outside`.
+3. The blocks become a chain: one layer per block (:class:`BlockCall`), called on the
+   hidden state alone with the other arguments of its recorded call. The planner
+   profiles it (:func:`~actsave.profile`), and a last layer stands for the loss:
+   what the step allocates after the last block, while every block still holds its
+   saves (``Outside.loss_rise``). What the step holds beside the chain input while the
+   blocks run (``Outside.held``) is added to the chain input's bytes.
+4. The planner's dynamic program chooses, with checkpointed segments of one block each
+   (a checkpoint cannot span blocks that the model's own loop calls), which blocks
+   are checkpointed and how each keeps its input; the others are kept plain.
+
+Budget: the peak activation memory of the whole training step, as the planner's
+``budget`` (memory_model.py, "Budget"): every byte the step allocates beyond parameters,
+buffers, gradients (allocated before the step) and optimizer state, the example
+inputs included. The step is ``loss = model(**example_inputs).loss; loss.backward()``
+(see :func:`run_step` for other outputs). The parts outside the blocks are measured
+on the example step and taken as fixed: the peak before the first block
+(``Outside.before_peak``) and after the first block's input gradient
+(``Outside.after_peak``), and the loss's rise above what the blocks hold.
+
+Limits: the blocks' other arguments (masks, position embeddings) are the example
+step's, profiled as constants held by the caller: one made between two blocks is not
+counted, and one that needs a gradient is profiled as if it did not. Where one would
+be encoded by a codec (a float tensor autograd made), codecs are not used: a
+checkpoint would keep an encoded copy of it. The plan is for the example batch's
+shapes, and for one call of each block per step (Hugging Face: ``use_cache=False``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .._torch import pytree
+from ..errors import ConfigError
+from ..runtime.store import modifies_input, should_encode
+from ..text import format_table, mib
+from .estimate import LiveBytes, allocation_bytes
+from .memory_model import host_is_separate
+from .plans import DEFAULT_ALLOW, Plan, plan, predict
+from .profiler import LayerProfile, Profile, _step_isolated, profile
+
+# ------------------------------------------------------------------ the example step
+
+
+def run_step(model: nn.Module, example_inputs) -> torch.Tensor:
+    """The forward of the training step a block plan is for: ``model(**example_inputs)``
+    for a dict, ``model(*example_inputs)`` for a tuple or list, ``model(example_inputs)``
+    for a tensor; returns the loss, the tensor the backward starts from: the output
+    itself if a tensor, else its ``loss`` (a Hugging Face ``ModelOutput``, a dict), else
+    its first item. Nothing else of the output is kept."""
+    if isinstance(example_inputs, dict):
+        output = model(**example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        output = model(*example_inputs)
+    else:
+        output = model(example_inputs)
+    return _loss_of(output)
+
+
+def _loss_of(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        raise ConfigError(
+            f"the model returned a {type(output).__name__} with no loss to backpropagate: a block plan is "
+            "for a training step, so give example_inputs that make the model return a loss that needs a "
+            "gradient (a tensor, an output with .loss, e.g. labels for a Hugging Face model, or a tuple "
+            "whose first item is the loss)")
+    return loss
+
+
+def backward_from(loss: torch.Tensor) -> None:
+    """The step's backward: from 1 for a scalar loss, else from a gradient of ones."""
+    loss.backward(None if loss.dim() == 0 else torch.ones_like(loss))
+
+
+def input_tensors(example_inputs) -> list:
+    """The tensors of ``example_inputs``: held by the caller, counted in the budget."""
+    return [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+
+
+# ------------------------------------------------------------- 1. the blocks' calls
+
+
+class _Call:
+    """One recorded call of a block: the leaves of ``(args, kwargs)``, how to rebuild
+    them, which leaf is the hidden state, and the hidden-state output."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
+        self.hidden_leaf: int | None = None
+        self.output: torch.Tensor | None = None
+
+    def leaf_index(self, t: torch.Tensor) -> int | None:
+        return next((k for k, leaf in enumerate(self.leaves) if leaf is t), None)
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.leaves[self.hidden_leaf]
+
+
+def _hidden_output(output, fqn: str) -> torch.Tensor:
+    """A block's hidden-state output: the output itself, or its first item (the tuples
+    of older Hugging Face blocks)."""
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        raise ConfigError(f"block {fqn} returned a {type(output).__name__}; a block plan needs blocks that "
+                          "return the hidden state (a tensor, or a tuple whose first item is it)")
+    return output
+
+
+class _CallRecorder:
+    """Forward hooks that record each block's calls, in the order the blocks run."""
+
+    def __init__(self, blocks: Sequence[tuple]):
+        self.calls = {fqn: [] for fqn, _ in blocks}
+        self.order = []  # fqn of each call, in order
+        self._handles = []
+        for fqn, module in blocks:
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, args, kwargs, fqn=fqn: self._enter(fqn, args, kwargs), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                lambda m, args, output, fqn=fqn: self._exit(fqn, output)))
+
+    def _enter(self, fqn: str, args: tuple, kwargs: dict) -> None:
+        self.calls[fqn].append(_Call(args, kwargs))
+        self.order.append(fqn)
+
+    def _exit(self, fqn: str, output) -> None:
+        self.calls[fqn][-1].output = _hidden_output(output, fqn)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _chained_calls(recorder: _CallRecorder) -> list:
+    """Each block's one call, in the order they ran, with its hidden-state argument
+    found: the one that is the previous block's output. Raises ConfigError unless the
+    blocks ran once each, one after another, each on the previous one's output."""
+    ran = {fqn: len(calls) for fqn, calls in recorder.calls.items()}
+    if any(count != 1 for count in ran.values()):
+        raise ConfigError(f"a block plan needs each selected block to run exactly once in the example step; "
+                          f"calls per block: {ran}. Select the blocks the model's forward calls once each")
+    calls = [recorder.calls[fqn][0] for fqn in recorder.order]
+    for previous_fqn, previous, fqn, call in zip(recorder.order, calls, recorder.order[1:], calls[1:]):
+        call.hidden_leaf = call.leaf_index(previous.output)
+        if call.hidden_leaf is None:
+            raise ConfigError(
+                f"block {fqn} is not called on the output of block {previous_fqn}, which ran just before it: a "
+                "block plan needs blocks that run one after another, each on the previous one's hidden "
+                "state (work between them, or blocks in parallel branches, cannot be planned per block)")
+    first = calls[0]
+    first.hidden_leaf = calls[1].hidden_leaf if len(calls) > 1 else _first_tensor_leaf(first, recorder.order[0])
+    if not isinstance(first.hidden, torch.Tensor):
+        raise ConfigError(f"block {recorder.order[0]} gets no tensor where the next blocks get the hidden state")
+    return calls
+
+
+def _first_tensor_leaf(call: _Call, fqn: str) -> int:
+    index = next((k for k, leaf in enumerate(call.leaves) if isinstance(leaf, torch.Tensor)), None)
+    if index is None:
+        raise ConfigError(f"block {fqn} was called with no tensor argument: there is no hidden state to plan for")
+    return index
+
+
+def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs) -> list:
+    """Run the example step's forward (only) and return the blocks' calls, in the order
+    they ran (:func:`_chained_calls`)."""
+    recorder = _CallRecorder(blocks)
+    try:
+        with _step_isolated(model, _device_of(model, example_inputs)), torch.enable_grad():
+            run_step(model, example_inputs)
+    finally:
+        recorder.remove()
+    calls = _chained_calls(recorder)
+    for call in calls:  # the outputs were for the chaining check only
+        call.output = None
+    return [(fqn, dict(blocks)[fqn], call) for fqn, call in zip(recorder.order, calls)]
+
+
+def _device_of(model: nn.Module, example_inputs) -> torch.device:
+    """Where the step runs: the device of the model's first parameter, else its inputs'."""
+    tensors = [*model.parameters(), *input_tensors(example_inputs)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+class _Argument(NamedTuple):
+    """Stands, among a recorded call's leaves, for a tensor kept as a buffer."""
+
+    buffer: str
+
+
+class BlockCall(nn.Module):
+    """A block as a layer of a chain: called on the hidden state alone, it calls the
+    block with the other arguments of its recorded call. Their tensors are buffers of
+    this module (not in its state dict), so that the profile counts them as held by
+    the caller, as the model's own loop holds them."""
+
+    def __init__(self, block: nn.Module, call: _Call):
+        super().__init__()
+        self.block = block
+        self.inplace = modifies_input(block)  # a segment starting here keeps a copy, as Checkpoint(block) does
+        self._spec, self._hidden_leaf = call.spec, call.hidden_leaf
+        self._leaves = []
+        for k, leaf in enumerate(call.leaves):
+            if isinstance(leaf, torch.Tensor) and k != call.hidden_leaf:
+                self.register_buffer(f"argument_{k}", leaf.detach(), persistent=False)
+                leaf = _Argument(f"argument_{k}")
+            self._leaves.append(leaf)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        leaves = [hidden if k == self._hidden_leaf else
+                  self._buffers[leaf.buffer] if isinstance(leaf, _Argument) else leaf
+                  for k, leaf in enumerate(self._leaves)]
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        return _hidden_output(self.block(*args, **kwargs), type(self.block).__name__)
+
+
+# ------------------------------------------------------ 2. the step outside the blocks
+
+
+@dataclass(frozen=True)
+class Outside:
+    """What the example step allocates outside the blocks, in bytes, the example inputs
+    included, as measured on the plain model. Fixed whatever the plan: the blocks'
+    plan does not change what the model does around them."""
+
+    before_peak: int  # the peak before the first block starts: embeddings, masks, position embeddings
+    held: int  # what the step holds while the blocks run, beside the first block's input
+    loss_rise: int  # the rise above the bytes live when the last block ends, until its output's gradient
+    loss_bytes: int  # the loss
+    loss_leaves: int  # live from the loss's backward through the blocks' (the loss, its gradient, a tied weight's)
+    after_peak: int  # the peak after the first block's input gradient arrives: the embeddings' backward
+
+
+class _Phases:
+    """Hooks that split the example step into the work before the blocks, the blocks,
+    the loss (from the last block's end to its output's gradient) and the work after
+    the blocks' backward, and measure each outside part with ``tracker``."""
+
+    def __init__(self, tracker: LiveBytes, calls: list):
+        self.tracker = tracker
+        self.before_rise = self.held = self.chain_input = self.loss_rise = self.after_start = self.after_rise = 0
+        self.blocks_end = self.loss_leaves = 0
+        self.loss_hooked = self.after_measured = False
+        self._first_hidden_leaf = calls[0][2].hidden_leaf
+        self._arguments = []  # the blocks' other tensor arguments, held until the loss has run
+        self._span = None
+        self._handles = [module.register_forward_pre_hook(
+            lambda m, args, kwargs, hidden_leaf=call.hidden_leaf: self._hold_arguments(args, kwargs, hidden_leaf),
+            with_kwargs=True) for _, module, call in calls]
+        self._handles += [calls[0][1].register_forward_pre_hook(self._first_starts, with_kwargs=True),
+                          calls[-1][1].register_forward_hook(self._last_ends)]
+
+    def _open(self) -> None:
+        context = self.tracker.span()
+        self._span = (context, context.__enter__())
+
+    def _close(self) -> int:
+        context, rise = self._span
+        context.__exit__(None, None, None)
+        self._span = None
+        return rise[0]
+
+    def start(self) -> None:
+        self._open()
+
+    def _first_starts(self, module, args, kwargs) -> None:
+        self.before_rise = self._close()
+        hidden = pytree.tree_leaves((args, kwargs))[self._first_hidden_leaf]
+        self.held, self.chain_input = self.tracker.live, _storage_bytes(hidden, self.tracker.device)
+        if hidden.requires_grad:
+            self._handles.append(hidden.register_hook(self._blocks_backward_ends))
+
+    def _last_ends(self, module, args, output) -> None:
+        hidden = _hidden_output(output, type(module).__name__)
+        if hidden.requires_grad:
+            self.blocks_end = self.tracker.live - _storage_bytes(hidden, self.tracker.device)
+            self._open()
+            self._handles.append(hidden.register_hook(self._loss_ends))
+            self.loss_hooked = True
+
+    def _hold_arguments(self, args: tuple, kwargs: dict, hidden_leaf: int) -> None:
+        # A checkpointed block keeps its arguments until its backward; the plain model
+        # may free some (a mask no block saves) as its forward returns, before the loss.
+        # Held here, the loss is measured as it runs with any block checkpointed.
+        self._arguments += [t for k, t in enumerate(pytree.tree_leaves((args, kwargs)))
+                            if isinstance(t, torch.Tensor) and k != hidden_leaf]
+
+    def _loss_ends(self, grad) -> None:
+        self.loss_rise = self._close()
+        # The loss's backward may leave more than the gradient it hands the blocks: a
+        # weight tied to the embeddings' holds its gradient until theirs adds to it.
+        # (The last block's output is not counted in blocks_end: the loss frees it.)
+        left = self.tracker.live - self.blocks_end - _storage_bytes(grad, self.tracker.device)
+        self.loss_leaves = max(left, 0)
+        self._arguments.clear()
+
+    def _blocks_backward_ends(self, grad) -> None:
+        self.after_start, self.after_measured = self.tracker.live, True
+        self._open()
+
+    def finish(self) -> None:
+        if self._span is not None:
+            self.after_rise = self._close()
+        for handle in self._handles:
+            handle.remove()
+
+
+def _storage_bytes(t: torch.Tensor, device) -> int:
+    return allocation_bytes(t.untyped_storage().nbytes(), device)
+
+
+def measure_outside(model: nn.Module, calls: list, example_inputs) -> Outside:
+    """One plain training step of ``model``, its live bytes counted as the planner's
+    profile counts them: what it allocates before, around and after the blocks."""
+    first_call, last_fqn = calls[0][2], calls[-1][0]
+    device = first_call.hidden.device
+    batch = input_tensors(example_inputs)
+    batch_bytes = sum(_storage_bytes(t, device) for t in {id(t.untyped_storage()): t for t in batch}.values())
+    with _step_isolated(model, device):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), *grads, *batch])
+        phases = _Phases(tracker, calls)
+        try:
+            with tracker, torch.enable_grad():
+                phases.start()
+                loss = run_step(model, example_inputs)
+                loss_bytes = _storage_bytes(loss, device)
+                if not phases.loss_hooked:
+                    raise ConfigError(f"the output of the last block, {last_fqn}, needs no gradient: there is no "
+                                      "backward through the blocks to plan for")
+                backward_from(loss)
+                del loss
+        finally:
+            phases.finish()
+    return Outside(before_peak=batch_bytes + phases.before_rise,
+                   held=batch_bytes + phases.held - phases.chain_input,
+                   loss_rise=phases.loss_rise, loss_bytes=loss_bytes, loss_leaves=phases.loss_leaves,
+                   after_peak=batch_bytes + phases.after_start + phases.after_rise if phases.after_measured else 0)
+
+
+# ------------------------------------------------------------- 3. the chain's profile
+
+
+def chain_profile(calls: list, outside: Outside) -> Profile:
+    """The profile of the blocks as a chain (:class:`BlockCall` s), then the loss as its
+    last layer; the chain input's bytes include what the step holds beside it."""
+    chain = nn.Sequential(*(BlockCall(module, call) for _, module, call in calls))
+    blocks = profile(chain, (calls[0][2].hidden,))
+    return dataclasses.replace(
+        blocks,
+        layers=blocks.layers + (_loss_layer(blocks, outside),),
+        input_bytes=blocks.input_bytes + outside.held,
+        output_bytes=outside.loss_bytes,
+        output_saved_by=None,
+        # Held through the blocks' backward, as the planner holds an output's gradient.
+        output_grad_bytes=outside.loss_leaves - outside.loss_bytes,
+    )
+
+
+def _loss_layer(blocks: Profile, outside: Outside) -> LayerProfile:
+    """The loss as a layer that saves nothing and is never checkpointed (it is not a
+    block): on the last block's output, it rises by ``outside.loss_rise`` (its forward
+    and backward, measured together) and hands back that output's gradient."""
+    codecs = blocks.layers[-1].kept_bytes
+    nothing, no_time = dict.fromkeys(codecs, 0), dict.fromkeys(codecs, 0.0)
+    return LayerProfile(
+        name="loss", kind="after the blocks", input_bytes=blocks.output_bytes,
+        dense_input_bytes=blocks.output_grad_bytes, input_grad_bytes=blocks.output_grad_bytes,
+        output_bytes=outside.loss_bytes, saved_bytes=0, input_saved_by=blocks.output_saved_by,
+        forward_rise=outside.loss_rise, forward_rise_to_last_save=0, backward_rise=0, saves_for_backward=False,
+        relu_sign_bytes=0, relu_restore_bytes=0, modifies_input=False, recompute_scratch_bytes=0,
+        input_encodable=False, kept_bytes=dict.fromkeys(codecs, blocks.output_bytes), encode_rise=nothing,
+        decode_rise=nothing, forward_s=0.0, backward_s=0.0, encode_s=no_time, decode_s=no_time,
+        to_host_s={}, to_device_s={})
+
+
+# ------------------------------------------------------------------ 4. the plan
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What :func:`actsave.wrap` does to each block, with the model's predictions.
+
+    ``blocks[i]`` is the fully qualified name of the i-th block to run; ``options[i]``
+    is None where that block is kept plain (autograd stores its activations), else the
+    :class:`~actsave.runtime.store.KeepPolicy` its :class:`~actsave.Checkpoint` keeps
+    its input by. Bytes are peak activation memory of the whole step (module
+    docstring, "Budget"): ``predicted_peak_bytes`` for this plan, ``plain_peak_bytes``
+    for the plain model, ``smallest_peak_bytes`` the least any block plan reaches.
+    """
+
+    blocks: tuple
+    options: tuple
+    budget: int
+    predicted_peak_bytes: int
+    plain_peak_bytes: int
+    smallest_peak_bytes: int
+    modules: tuple = dataclasses.field(repr=False, compare=False)  # the blocks themselves
+
+    @property
+    def checkpointed(self) -> list:
+        """Names of the blocks that are checkpointed."""
+        return [name for name, option in zip(self.blocks, self.options) if option is not None]
+
+    def __str__(self) -> str:
+        head = (f"block plan for {len(self.blocks)} blocks, {len(self.checkpointed)} checkpointed: predicted peak "
+                f"activation memory {mib(self.predicted_peak_bytes)} MiB (budget {mib(self.budget)} MiB; plain "
+                f"{mib(self.plain_peak_bytes)} MiB, smallest {mib(self.smallest_peak_bytes)} MiB)")
+        rows = [["block", "name", "kept", "input kept as", "where"]]
+        for i, (name, option) in enumerate(zip(self.blocks, self.options)):
+            if option is None:
+                rows.append([str(i), name, "plain (activations stored)", "", ""])
+            else:
+                rows.append([str(i), name, "checkpoint (recomputed)", option.codec.name,
+                             "host" if option.offload else "device"])
+        return head + "\n" + format_table(rows)
+
+
+def plan_block_stack(model: nn.Module, blocks: Sequence[tuple], budget, example_inputs,
+                     allow: Sequence[str], min_sqnr_db: float | None) -> BlockPlan:
+    """The fastest :class:`BlockPlan` for ``blocks`` ((fqn, module) of each selected
+    block) whose predicted peak fits ``budget`` (module docstring)."""
+    calls = record_calls(model, blocks, example_inputs)
+    allow = _levers_for(calls, allow)
+    outside = measure_outside(model, calls, example_inputs)
+    profile = chain_profile(calls, outside)
+    fixed = max(outside.before_peak, outside.after_peak)
+    smallest = max(fixed, plan(profile, None, min_sqnr_db, allow, objective="memory",
+                                       max_checkpointed_layers=1).predicted_peak_bytes)
+    if budget < smallest:
+        raise ConfigError(
+            f"no block plan fits budget={int(budget):,} bytes ({mib(budget)} MiB): the smallest feasible budget "
+            f"is {int(smallest):,} bytes ({mib(smallest)} MiB) with allow={tuple(allow)}. Raise the budget, "
+            "allow more levers, or use a smaller batch")
+    chosen = plan(profile, budget, min_sqnr_db, allow, max_checkpointed_layers=1)
+    plain = predict(profile, [0])
+    return BlockPlan(
+        blocks=tuple(fqn for fqn, _, _ in calls),
+        options=_block_options(chosen, len(calls)),
+        budget=int(budget),
+        predicted_peak_bytes=max(fixed, chosen.predicted_peak_bytes),
+        plain_peak_bytes=max(fixed, plain.predicted_peak_bytes),
+        smallest_peak_bytes=int(smallest),
+        modules=tuple(module for _, module, _ in calls),
+    )
+
+
+def _block_options(chosen: Plan, n_blocks: int) -> tuple:
+    """Per block, from the chain plan: its checkpointed segment's option (one block
+    each), or None for a block in a stored segment."""
+    options = [None] * n_blocks
+    for start, stop, option in chosen.segments:
+        if option is not None:
+            assert stop == start + 1, "a block plan checkpoints one block per segment"
+            options[start] = option
+    return tuple(options)
+
+
+def _levers_for(calls: list, allow: Sequence[str] | None) -> tuple:
+    """The levers to plan with: ``allow``, by default every lever of the blocks' device.
+    "offload" on a CPU model is refused: the host's memory is the device's. Codecs and
+    offload are left out when a block gets a tensor argument besides its hidden state
+    that a codec would encode (one autograd made): a checkpoint would keep an encoded
+    copy of it, which the chain's profile does not count."""
+    device = calls[0][2].hidden.device
+    separate_host = host_is_separate(device)
+    if allow is None:
+        allow = [lever for lever in DEFAULT_ALLOW if separate_host or lever != "offload"]
+    elif not isinstance(allow, str) and "offload" in allow and not separate_host:
+        raise ConfigError(
+            f"allow={tuple(allow)} names 'offload', but the blocks run on {device}, whose memory is the host's: "
+            "offload would move nothing off the device. Leave 'offload' out of allow (or plan on a CUDA device)")
+    encoded = any(should_encode(leaf) for _, _, call in calls
+                  for k, leaf in enumerate(call.leaves)
+                  if isinstance(leaf, torch.Tensor) and k != call.hidden_leaf)
+    return ("recompute",) if encoded and "recompute" in allow else allow

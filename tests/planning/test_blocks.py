@@ -1,0 +1,240 @@
+"""Block plans: ``actsave.wrap(model, block_type, budget=..., example_inputs=...)``.
+
+Peaks are MemTracker peaks of one whole training step (``loss = model(...)``, then
+its backward; parameter gradients allocated before), less parameters, buffers and
+gradients: what ``budget`` covers, embeddings, head and loss included.
+"""
+import copy
+import re
+
+import pytest
+import torch
+from support import ResidualBlock, ResidualNet, sqnr_db
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import actsave
+from actsave import ConfigError
+from actsave.planning.blocks import backward_from, run_step
+
+LOSSY_SQNR_FLOOR_DB = 30.0
+
+
+def step_peak_bytes(model: nn.Module, example_inputs) -> int:
+    """MemTracker peak of one training step, less parameters, buffers and gradients."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    static = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    static += sum(p.numel() * p.element_size() for p in model.parameters())
+    tracker = MemTracker()
+    inputs = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
+    tracker.track_external(model, *inputs)
+    with tracker:
+        backward_from(run_step(model, example_inputs))
+    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - static
+
+
+def gradients(model: nn.Module, example_inputs, seed: int = 1) -> list:
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    backward_from(run_step(model, example_inputs))
+    return [p.grad for p in model.parameters()]
+
+
+def assert_gradients_match(plain: nn.Module, planned: nn.Module, plan: actsave.BlockPlan, example_inputs) -> None:
+    """Bit-identical where no block keeps its input by a codec; else within the SQNR floor."""
+    expected, got = gradients(plain, example_inputs), gradients(planned, example_inputs)
+    assert [g is None for g in got] == [g is None for g in expected]
+    if all(option is None or not option.lossy for option in plan.options):
+        for (name, _), g, h in zip(plain.named_parameters(), got, expected):
+            assert g is None or torch.equal(g, h), name
+    else:
+        flat = [torch.cat([g.flatten() for g in gs if g is not None]) for gs in (expected, got)]
+        assert sqnr_db(*flat) >= LOSSY_SQNR_FLOOR_DB
+
+
+def planned_copy(plain: nn.Module, block, budget: int, example_inputs) -> tuple:
+    model = copy.deepcopy(plain)
+    plan = actsave.plan_blocks(model, block, budget, example_inputs)
+    return actsave.wrap(model, plan), plan
+
+
+def describe(plan: actsave.BlockPlan) -> str:
+    return ", ".join(f"{name}: {option.codec.name}" for name, option in zip(plan.blocks, plan.options) if option)
+
+
+# --- Hugging Face decoder stacks ------------------------------------------------------
+
+
+def causal_lm(name: str, layers: int) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    shared = dict(vocab_size=100, bos_token_id=0, eos_token_id=0, use_cache=False)
+    if name == "llama":
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=64, **shared)
+    else:  # default dropout (0.1) on: the recompute replays the masks
+        config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=2, n_positions=64, **shared)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def decoder_block(name: str) -> type:
+    if name == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+        return LlamaDecoderLayer
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    return GPT2Block
+
+
+def padded_batch() -> dict:
+    """Two sequences of 16 tokens, the second with 3 padding tokens: a real attention mask."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1, 100, (2, 16), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -3:] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "labels": input_ids.masked_fill(attention_mask == 0, -100)}
+
+
+@pytest.fixture(scope="module")
+def llama8():
+    model = causal_lm("llama", layers=8)
+    return model, step_peak_bytes(copy.deepcopy(model), padded_batch())
+
+
+@pytest.mark.parametrize("share", [0.3, 0.5, 0.8])
+def test_llama_stack_plan_fits_its_budget_measured(llama8, share, capsys):
+    plain, plain_peak = llama8
+    batch, budget = padded_batch(), int(share * plain_peak)
+    model, plan = planned_copy(plain, decoder_block("llama"), budget, batch)
+    measured = step_peak_bytes(model, batch)
+    with capsys.disabled():
+        print(f"\nLlama x8, budget {share:.0%} of plain ({plain_peak:,} B) = {budget:,} B: measured {measured:,} B, "
+              f"predicted {plan.predicted_peak_bytes:,} B; checkpointed {describe(plan) or 'none'}")
+    # The prediction holds the plain step to within 1% and bounds the planned one.
+    assert plain_peak <= plan.plain_peak_bytes <= 1.01 * plain_peak
+    assert 0.95 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes <= budget
+    assert sum(isinstance(m, actsave.Checkpoint) for m in model.modules()) == len(plan.checkpointed) > 0
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert_gradients_match(plain, model, plan, batch)
+
+
+def test_gpt2_blocks_with_positional_arguments_and_dropout():
+    plain = causal_lm("gpt2", layers=4)
+    batch = padded_batch()
+    budget = int(0.5 * step_peak_bytes(copy.deepcopy(plain), batch))
+    model, plan = planned_copy(plain, decoder_block("gpt2"), budget, batch)
+    assert step_peak_bytes(model, batch) <= plan.predicted_peak_bytes <= budget
+    assert_gradients_match(plain, model, plan, batch)
+
+
+def test_codecs_buy_a_budget_exact_checkpoints_cannot_reach(llama8):
+    plain, _ = llama8
+    batch = padded_batch()
+    with pytest.raises(ConfigError) as error:
+        actsave.plan_blocks(plain, decoder_block("llama"), 1, batch, allow=("recompute",))
+    exact_smallest = int(re.search(r"smallest feasible budget is ([\d,]+) bytes", str(error.value))
+                         .group(1).replace(",", ""))
+    model, plan = planned_copy(plain, decoder_block("llama"), exact_smallest - 1, batch)
+    assert any(option is not None and option.lossy for option in plan.options), str(plan)
+    assert step_peak_bytes(model, batch) <= plan.predicted_peak_bytes < exact_smallest
+    assert_gradients_match(plain, model, plan, batch)
+
+
+# --- any model whose blocks run one after another ---------------------------------------
+
+
+def test_a_plain_pytorch_stack_is_planned_and_printed():
+    plain = ResidualNet(depth=6, width=64)
+    x = torch.randn(128, 64)
+    full = step_peak_bytes(copy.deepcopy(plain), (x,))
+    model, plan = planned_copy(plain, ResidualBlock, int(0.6 * full), (x,))
+    assert step_peak_bytes(model, (x,)) <= plan.predicted_peak_bytes <= 0.6 * full
+    assert_gradients_match(plain, model, plan, (x,))
+    text = str(plan)
+    assert "blocks.0" in text and "checkpoint (recomputed)" in text and f"{len(plan.checkpointed)} checkpointed" in text
+
+
+def test_the_smallest_feasible_budget_is_stated_and_feasible():
+    plain = ResidualNet(depth=4, width=64)
+    x = torch.randn(64, 64)
+    with pytest.raises(ConfigError, match="no block plan fits budget=1 bytes") as error:
+        actsave.wrap(copy.deepcopy(plain), ResidualBlock, budget=1, example_inputs=(x,))
+    smallest = int(re.search(r"smallest feasible budget is ([\d,]+) bytes", str(error.value)).group(1).replace(",", ""))
+    model, plan = planned_copy(plain, ResidualBlock, smallest, (x,))
+    assert plan.predicted_peak_bytes == plan.smallest_peak_bytes == smallest
+    assert step_peak_bytes(model, (x,)) <= smallest
+
+
+class Parallel(nn.Module):
+    """Two blocks on the same input: they do not run one after another."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = ResidualBlock(), ResidualBlock()
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+class Shared(nn.Module):
+    """One block called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = ResidualBlock()
+
+    def forward(self, x):
+        return self.block(self.block(x))
+
+
+@pytest.mark.parametrize("model, message", [
+    (Parallel(), "block b is not called on the output of block a"),
+    (Shared(), "each selected block to run exactly once"),
+])
+def test_blocks_that_do_not_run_one_after_another_are_refused(model, message):
+    with pytest.raises(ConfigError, match=message):
+        actsave.plan_blocks(model, ResidualBlock, 2**20, (torch.randn(4, 8),))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget=2**20), "example_inputs is required"),
+    (dict(example_inputs=(torch.randn(4, 8),)), "give budget"),
+    (dict(budget=0, example_inputs=(torch.randn(4, 8),)), "budget=0 must be a positive number"),
+    (dict(budget=2**20, example_inputs=(torch.randn(4, 8),), compress="int8"), "limit the levers with allow"),
+    (dict(budget=2**20, example_inputs=(torch.randn(4, 8),), offload=True), "limit the levers with allow"),
+    (dict(budget=2**20, example_inputs=(torch.randn(4, 8),), allow=("recompute", "offload")),
+     "Leave 'offload' out of allow"),
+    (dict(budget=2**20, example_inputs=(torch.randn(4, 8),), allow=("int8",)), "need 'recompute'"),
+])
+def test_bad_planning_arguments_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        actsave.wrap(ResidualNet(), ResidualBlock, **kwargs)
+
+
+def test_a_plan_applies_only_to_the_model_it_was_made_for():
+    model, x = ResidualNet(), torch.randn(4, 8)
+    plan = actsave.plan_blocks(model, ResidualBlock, 2**20, (x,))
+    with pytest.raises(ConfigError, match="this plan is for other blocks"):
+        actsave.wrap(ResidualNet(), plan)
+    with pytest.raises(ConfigError, match="give budget, example_inputs"):
+        actsave.wrap(model, plan, budget=2**20)
+    with pytest.raises(ConfigError, match="are wrapped already"):
+        actsave.plan_blocks(actsave.wrap(ResidualNet(), ResidualBlock), ResidualBlock, 2**20, (x,))
+
+
+def test_an_output_without_a_loss_is_refused():
+    class Features(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(ResidualBlock() for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return {"features": x}
+
+    with pytest.raises(ConfigError, match="no loss to backpropagate"):
+        actsave.plan_blocks(Features(), ResidualBlock, 2**20, (torch.randn(4, 8),))
