@@ -1,5 +1,6 @@
 """Checkpointing for models that are not one chain: a function, a module, or every
-matching submodule of a model.
+matching submodule of a model, all alike or, within a memory budget, each as
+:func:`plan_blocks` chooses (planning/blocks.py).
 
 All three keep only their inputs and recompute in backward, exactly as a segment of
 :class:`~actsave.CheckpointedSequential` does (same ``compress`` / ``offload``
