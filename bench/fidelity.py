@@ -42,13 +42,16 @@ The per-batch difference of the two is what keeping the decisions would buy. Dec
 rule: build it (store each window's argmax, 4 bits for a 3x3 window) only if it gains
 more than 1 dB on the worst meaningful tensor (median over batches) for some codec
 at batch 8; below that the decisions cost memory and code for noise the rest of the
-codec's error drowns out.
+codec's error drowns out. Where a segment's plan leaves no max pool to a lossy
+recompute (at 32x32, batch 8 and 32, ``"balanced"`` keeps the batch exactly before
+the stem's pool and puts the other two in the last segment), the gain is zero by
+construction; ``"sqrt"`` starts two segments at a pool.
 
 SQNR is ``harness.sqnr_db``: ``20*log10(|ref| / |ref - x|)``. Rows go to
 bench/results/<device>.csv (bench ``fidelity``); the targets of issue 13 are judged
 at the end (on the worst batch), where the run has their cases.
 
-    python bench/fidelity.py              # about 5 minutes on two loaded CPU cores
+    python bench/fidelity.py              # about 5 minutes on two loaded CPU cores, plus 4 for the pooled cases
     python bench/fidelity.py --batches 4 --batch-sizes 8
     python bench/fidelity.py --batch-sizes 8 --models pooledresnet14   # the MaxPool case alone
 """
