@@ -45,7 +45,10 @@ at batch 8; below that the decisions cost memory and code for noise the rest of 
 codec's error drowns out. Where a segment's plan leaves no max pool to a lossy
 recompute (at 32x32, batch 8 and 32, ``"balanced"`` keeps the batch exactly before
 the stem's pool and puts the other two in the last segment), the gain is zero by
-construction; ``"sqrt"`` starts two segments at a pool.
+construction; ``"sqrt"`` starts two segments at a pool. Measured there (CPU, K = 8,
+batch 8): 0.77% of the windows change with int8, 3.8% with e4m3, 7.3% with e5m2,
+and keeping the decisions gains 18.8, 9.6 and 7.6 dB on the worst tensor (median):
+far above the bar wherever a plan recomputes a max pool from a lossy input.
 
 SQNR is ``harness.sqnr_db``: ``20*log10(|ref| / |ref - x|)``. Rows go to
 bench/results/<device>.csv (bench ``fidelity``); the targets of issue 13 are judged
