@@ -12,21 +12,36 @@ bench/results/<device>.csv next to the PNG.
 Tasks (both offline):
 
 * ``shapes`` (default): a procedurally generated 32x32 RGB task, :func:`make_shapes`,
-  10 classes = 5 shapes x 2 textures, with random position, scale, rotation, colours,
-  a background gradient, distractor blobs and pixel noise.
+  10 classes = 5 upright shapes x 2 textures, with random position, scale, colours,
+  a background gradient and pixel noise (rotation and distractor blobs are options).
 * ``digits``: scikit-learn's 8x8 digits upscaled to 16x16 (every mode reaches ~99%).
+
+Why these settings. The budget is fixed: 4 epochs of 1000 images (128 steps at batch
+32, 500 at batch 8) keep the full run near 10 minutes on two CPU cores. Within it,
+ResNet-20 is limited by how many nuisance factors it must learn to ignore, not by
+the optimizer: with every shape at any rotation, scales 0.5-0.8, two distractor
+blobs and noise 0.1, torch reached 68-69% (train loss still 0.8-0.9; the textures
+were learned, disk/square/cross hardly). Removing single factors bought 3-4 points
+each at most (noise 0.05, one blob and scales 0.6-0.9: 72.8% at batch 32; a peak rate
+of 0.2 instead of 0.1: 72.4%; rotations within +-30 degrees alone: 68.6%). Together,
+upright shapes at scales 0.7-0.9 with noise 0.05, no blobs and peak rate 0.2 reach
+84.3% (batch 32) and 91.3% (batch 8) on seed 0; over the 3 seeds, 84.9% (84.1-86.4)
+and 90.6% (87.5-93.1): a task the model learns within the budget, still short of
+digits' ~99% (striped disks and squares stay confused). The
+peak rate is raised because the one-cycle schedule spends most of 128 steps far
+below its peak.
 
 A seed sets the initial weights and the batch order; the dataset is drawn once from
 a fixed seed and is the same for every seed. Runs are spread over ``--workers``
-processes of one thread each. The default run: 597 s on two CPU cores (2 workers).
+processes of one thread each. ``--providers torch --seeds 1`` is a quick tuning run.
 
     python bench/accuracy_parity.py
+    python bench/accuracy_parity.py --providers torch --seeds 1 --batch-sizes 32
     python bench/accuracy_parity.py --task digits --epochs 6
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import multiprocessing
 import statistics
@@ -46,6 +61,8 @@ NUM_CLASSES = 10
 TEST_FRACTION = 0.2
 TARGETS = {"actsave_int8": 0.5, "actsave_fp8": 1.0}  # issue 13: |mean gap to torch| in points
 DATA_SEED = 1234  # the dataset draw, the same for every training seed
+
+
 def load_digits(image_size: int, limit: Optional[int] = None) -> tuple:
     """``(train, test)``, each ``(images, labels)``: the digits standardized and
     upscaled to ``image_size`` x ``image_size``, split after a seeded shuffle."""
@@ -62,15 +79,10 @@ def load_digits(image_size: int, limit: Optional[int] = None) -> tuple:
     return (images[n_test:], labels[n_test:]), (images[:n_test], labels[:n_test])
 
 
-
 # --------------------------------------------------------------------------- shapes task
 
 SHAPES = ("disk", "square", "triangle", "ring", "cross")
 TEXTURES = ("solid", "striped")  # class = shape index * 2 + texture index
-
-
-SHAPES = ("disk", "square", "triangle", "ring", "cross")
-TEXTURES = ("solid", "striped")
 
 
 def _shape_distance(kind, u, v):
@@ -95,13 +107,15 @@ def _shape_distance(kind, u, v):
     raise ValueError(kind)
 
 
-def make_shapes(n, seed, size=32, noise=0.1, distractors=2, scale=(0.5, 0.8)):
+def make_shapes(n, seed, size=32, noise=0.05, distractors=0, scale=(0.7, 0.9), max_rotation=0.0):
     """``(images, labels)``: ``n`` RGB ``size`` x ``size`` images, deterministic in
     ``seed``. A bright shape (disk, square, triangle, ring, cross), solid or striped
     (stripes of random period and phase along the shape's own axis), at a random
-    position, scale and rotation, on a dark background with a random colour gradient;
-    then ``distractors`` Gaussian blobs of random colour and size anywhere (over the
-    shape too), then Gaussian pixel noise of std ``noise``. Colours carry no label."""
+    position, a random scale within ``scale`` and a random rotation within
+    +-``max_rotation`` radians (0: upright), on a dark background with a random colour
+    gradient; then ``distractors`` Gaussian blobs of random colour and size anywhere
+    (over the shape too), then Gaussian pixel noise of std ``noise``. Colours carry no
+    label."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.rand(*s, generator=g)
     labels = torch.randint(0, len(SHAPES) * len(TEXTURES), (n,), generator=g)
@@ -111,7 +125,7 @@ def make_shapes(n, seed, size=32, noise=0.1, distractors=2, scale=(0.5, 0.8)):
     col = lambda t: t.view(n, 1, 1)
     cx, cy = col(rand(n) * 0.5 - 0.25), col(rand(n) * 0.5 - 0.25)
     s = col(scale[0] + rand(n) * (scale[1] - scale[0]))
-    th = col(rand(n) * 2 * math.pi)
+    th = col((rand(n) * 2 - 1) * max_rotation)
     dx, dy = (x - cx) / s, (y - cy) / s
     u = dx * torch.cos(th) + dy * torch.sin(th)
     v = -dx * torch.sin(th) + dy * torch.cos(th)
@@ -283,9 +297,13 @@ def parse_arguments(argv) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=20, help="ResNet depth, 9n + 2 (default: 20)")
     parser.add_argument("--batch-sizes", default="8,32", help="comma-separated (default: 8,32)")
     parser.add_argument("--seeds", type=int, default=3, help="training seeds (default: 3)")
+    parser.add_argument("--providers", default=",".join(PROVIDERS),
+                        help=f"comma-separated, a subset of {','.join(PROVIDERS)} that includes torch, the "
+                             f"reference of the gaps (default: all; torch alone for quick tuning runs)")
     parser.add_argument("--train-size", type=int, default=None, help="shapes training images (default: 1000)")
     parser.add_argument("--test-size", type=int, default=1000, help="shapes test images (default: 1000)")
-    parser.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate (default: 0.1)")
+    parser.add_argument("--lr", type=float, default=0.2,
+                        help="peak SGD learning rate, every batch size (default: 0.2)")
     parser.add_argument("--workers", type=int, default=2, help="processes (default: 2)")
     parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR / "cpu-accuracy_parity.png",
                         help="PNG of the loss curves; the CSV rows go to cpu.csv in its folder "
@@ -296,6 +314,9 @@ def parse_arguments(argv) -> argparse.Namespace:
                         help="ResNet-11, 2 seeds, one epoch on 64 images, one process, for the tests")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.providers = args.providers.split(",")
+    if set(args.providers) - set(PROVIDERS) or harness.REFERENCE not in args.providers:
+        parser.error(f"--providers {','.join(args.providers)}: choose from {','.join(PROVIDERS)}, torch included")
     args.epochs = args.epochs or (6 if args.task == "digits" else 4)
     args.train_size = args.train_size or (None if args.task == "digits" else 1000)
     if args.smoke:
@@ -307,7 +328,7 @@ def parse_arguments(argv) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_arguments(argv)
     started = time.perf_counter()
-    names, notes = harness.available_providers(list(PROVIDERS))
+    names, notes = harness.available_providers([name for name in PROVIDERS if name in args.providers])
     seeds = [harness.SEED + k for k in range(args.seeds)]
     sizes = (args.train_size, args.test_size)
     # Slowest first (actsave recomputes), larger batches last: the workers finish together.

@@ -13,6 +13,10 @@ papers.
   at one width and resolution, then a linear head: no skip connections, so every
   ReLU decision shapes the gradient of all that precedes it (the gradient-fidelity
   stress case: BatchNorm in training mode puts much pre-activation mass near zero).
+- ``pooled_resnet(blocks_per_stage)``: torchvision's layout with max pooling: a
+  conv-BN-ReLU-MaxPool(3, 2, 1) stem, then stages of post-activation basic blocks
+  with a MaxPool(3, 2, 1) between stages (where torchvision strides a conv), so a
+  max pool's window decisions sit inside the chain (the MaxPool fidelity case).
 - ``gpt(depth)``: GPT-style decoder: token + position embedding, ``depth`` pre-LN
   blocks with causal attention (``F.scaled_dot_product_attention``), final LayerNorm
   and head.
@@ -108,6 +112,45 @@ def conv_bn_relu_chain(blocks: int, channels: int = 16, image_size: int = 16, nu
     for _ in range(blocks):
         layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(inplace=True)]
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * image_size**2, num_classes))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's post-activation basic block: conv3x3-BN-ReLU-conv3x3-BN, plus the
+    skip (a 1x1 conv-BN projection where the width changes), then ReLU."""
+
+    def __init__(self, in_channels: int, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.projection = None
+        if in_channels != channels:
+            self.projection = nn.Sequential(nn.Conv2d(in_channels, channels, 1, bias=False), nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = x if self.projection is None else self.projection(x)
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + skip)
+
+
+def pooled_resnet(
+    blocks_per_stage: int = 2, widths=(16, 32, 64), num_classes: int = 10, max_pool: type = nn.MaxPool2d
+) -> nn.Sequential:
+    """A basic-block ResNet that downsamples by max pooling, flat:
+    ``[conv, BN, ReLU, pool, (blocks, pool) per stage but the last, blocks, pool, flatten,
+    linear]``; every pool is ``max_pool(3, 2, 1)`` (the bench passes an instrumented
+    MaxPool2d), so 32x32 inputs reach the head at 4x4."""
+    layers = [nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True),
+              max_pool(3, 2, 1)]
+    in_channels = widths[0]
+    for stage, width in enumerate(widths):
+        if stage:
+            layers.append(max_pool(3, 2, 1))
+        for _ in range(blocks_per_stage):
+            layers.append(BasicBlock(in_channels, width))
+            in_channels = width
+    return nn.Sequential(*layers, *_classifier_head(in_channels, num_classes))
 
 
 class TokenAndPositionEmbedding(nn.Module):

@@ -38,6 +38,9 @@ METRICS = {  # name -> unit
     "worst_tensor_sqnr": "dB",  # lowest over the meaningful parameter gradients
     "overall_sqnr": "dB",  # all parameter gradients concatenated
     "codec_var_ratio": "x",  # codec gradient noise / minibatch sampling noise
+    "maxpool_argmax_changed": "%",  # recomputed max-pool windows whose argmax differs from the forward's
+    "worst_tensor_sqnr_forward_indices": "dB",  # as worst_tensor_sqnr, the recompute keeping max-pool decisions
+    "overall_sqnr_forward_indices": "dB",  # as overall_sqnr, likewise
     # bench/accuracy_parity.py: one value per seed
     "test_accuracy": "%",
     "accuracy_gap": "points",  # test accuracy minus torch's, same seed
