@@ -93,21 +93,27 @@ def test_gradient_sqnr_floors(model, shape, codec, floor):
     assert worst_gradient_sqnr(model, shape, codec) >= floor
 
 
-# Every kept input is a block output, a ReLU output, stored on the codec's unsigned grid
-# (codecs, NOTE [unsigned grids]). Measured over seeds 5, 6 and 10-13 at batch 8: MEASURED_POST_ACT.
-@pytest.mark.parametrize("codec, floor", [("int8", 0.0), ("fp8_e4m3", 0.0), ("fp8_e5m2", 0.0)])
+# A segment per block or two, so that every kept input is a block output, a ReLU output,
+# stored on the codec's unsigned grid (codecs, NOTE [unsigned grids]); the last segment
+# is the head. Batch 8. Measured over seeds 5, 6 and 10-13: int8 38.8-42.9, e4m3
+# 26.9-32.5, e5m2 20.7-26.2; with the signed grids at seeds 10 / 11: int8 34.2 / 39.1,
+# e4m3 23.6 / 24.7, e5m2 18.7 / 18.3.
+POST_ACT_SEGMENTS = [0, 3, 5, 7, 9, 11, 12]
+
+
+@pytest.mark.parametrize("codec, floor", [("int8", 35.5), ("fp8_e4m3", 24.0), ("fp8_e5m2", 18.0)])
 def test_post_activation_cnn_gradient_sqnr_floors(codec, floor):
-    assert worst_gradient_sqnr(post_activation_cnn, (8, 3, 16, 16), codec) >= floor
+    assert worst_gradient_sqnr(post_activation_cnn, (8, 3, 16, 16), codec, segments=POST_ACT_SEGMENTS) >= floor
 
 
-@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
 def test_unsigned_grids_lift_post_activation_cnns(codec, monkeypatch):
-    """The same network with every tensor stored on the signed grid: the unsigned grid
-    gains several dB (measured at seed 10: UNSIGNED_GAIN)."""
-    unsigned = worst_gradient_sqnr(post_activation_cnn, (8, 3, 16, 16), codec)
+    """The same run with every tensor stored on the signed grid loses 4.6 (int8), 5.3
+    (e4m3) and 6.1 dB (e5m2) of worst-tensor SQNR at seed 10."""
+    unsigned = worst_gradient_sqnr(post_activation_cnn, (8, 3, 16, 16), codec, segments=POST_ACT_SEGMENTS)
     for module in (relu_signs, store):
         monkeypatch.setattr(module, "known_non_negative", lambda tensor: False)
-    signed = worst_gradient_sqnr(post_activation_cnn, (8, 3, 16, 16), codec)
+    signed = worst_gradient_sqnr(post_activation_cnn, (8, 3, 16, 16), codec, segments=POST_ACT_SEGMENTS)
     assert unsigned >= signed + 3.0
 
 

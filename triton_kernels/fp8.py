@@ -268,41 +268,59 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE):
     """The specification of ``encode_fp8``, in torch. torch's fp8 casts round half to
     even; clamping first makes the saturation explicit, since their handling of values
     beyond the largest finite one differs between formats and versions (torch 2.13 on
-    CPU: e4m3fn saturates, e5m2 overflows to inf)."""
+    CPU: e4m3fn saturates, e5m2 overflows to inf). The unsigned grids, which torch
+    lacks, are written on the bits (``_unsigned_codes_ref``)."""
     spec = _format(fmt)
     signed = getattr(spec, "signed", spec)
     flat = flat_input(x, group_size).to(torch.float32)
     scales, code_max = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
     scaled = divide_or_zero_ref(flat, scales, group_size)
-    codes = scaled.clamp(-code_max, code_max).to(signed.torch_dtype).view(torch.uint8)
-    if spec is not signed:  # flagged groups keep the signed codes
-        unsigned_codes = _unsigned_codes_ref(torch.minimum(scaled.clamp_min(0.0), code_max), spec)
-        codes = torch.where(is_flagged_ref(scales, group_size, flat.numel()), codes, unsigned_codes)
+    if spec is signed or scales.signbit().any():
+        codes = scaled.clamp(-code_max, code_max).to(signed.torch_dtype).view(torch.uint8)
+    if spec is not signed:
+        unsigned_codes = _unsigned_codes_ref_(scaled, code_max, spec)
+        # Flagged groups keep the signed codes (NOTE [unsigned grids]).
+        codes = torch.where(is_flagged_ref(scales, group_size, flat.numel()), codes, unsigned_codes) \
+            if scales.signbit().any() else unsigned_codes
     return with_non_finite_codes_ref(codes, flat, signed.non_finite), scales
 
 
-def _unsigned_codes_ref(magnitude, spec):
-    """Codes of fp32 values 0 <= magnitude <= spec.max_value on an unsigned grid,
-    rounded half to even: the exponent e of each value (that of its leading bit, at
-    least the smallest normal's) sets the step 2**(e - mantissa_bits); the multiple k
-    of that step comes after the (e - min_normal_exponent) binades of 2**mantissa_bits
-    codes below it, the implicit one of k supplying a normal's offset and a k that
-    rounds up to the next power of two carrying into the next binade."""
-    _, exponent = torch.frexp(magnitude)  # magnitude = m * 2**exponent, 0.5 <= m < 1 (0 for 0)
-    exponent = torch.where(magnitude > 0, exponent - 1, spec.min_normal_exponent).clamp_min(spec.min_normal_exponent)
-    k = torch.round(torch.ldexp(magnitude, spec.mantissa_bits - exponent)).to(torch.int32)
-    codes = ((exponent - spec.min_normal_exponent) << spec.mantissa_bits) + k
+def _unsigned_codes_ref_(scaled, code_max, spec):
+    """Codes of finite fp32 values on an unsigned grid, saturated at 0 and code_max,
+    rounded half to even; ``scaled`` is overwritten (in place, so that encoding
+    allocates no more than the signed path, which the planner profiles). The exponent e
+    of a value (that of its leading bit, at least the smallest normal's) sets the step
+    2**(e - mantissa_bits); the multiple k of that step comes after the
+    (e - min_normal_exponent) binades of 2**mantissa_bits codes below it, the implicit
+    one of k supplying a normal's offset and a k that rounds up to the next power of
+    two carrying into the next binade."""
+    magnitude = torch.minimum(scaled.clamp_min_(0.0), code_max, out=scaled)
+    # The exponent of each value's leading bit, at least the smallest normal's (fp32
+    # subnormals and 0 lie far below it).
+    exponent = (magnitude.view(torch.int32) >> 23).sub_(127).clamp_min_(spec.min_normal_exponent)
+    # k = magnitude / 2**(e - mantissa_bits), exact: the power of two is built on its
+    # bits, over the exponent's storage; e is read back from them after.
+    inverse_step = _pow2_ref(exponent.neg_().add_(spec.mantissa_bits))
+    k = magnitude.mul_(inverse_step).round_()
+    exponent = inverse_step.view(torch.int32).bitwise_right_shift_(23).sub_(127 + spec.mantissa_bits).neg_()
+    codes = k.add_(exponent.sub_(spec.min_normal_exponent).bitwise_left_shift_(spec.mantissa_bits))
     return codes.to(torch.uint8)
 
 
 def _unsigned_values_ref(codes, spec):
-    """The values of an unsigned grid's codes, as fp32."""
-    codes = codes.to(torch.int32)
-    exponent_field = codes >> spec.mantissa_bits
-    fraction = codes & ((1 << spec.mantissa_bits) - 1)
-    k = torch.where(exponent_field > 0, fraction + (1 << spec.mantissa_bits), fraction)
-    exponent = exponent_field.clamp_min(1) - 1 + spec.min_normal_exponent - spec.mantissa_bits
-    return torch.ldexp(k.to(torch.float32), exponent)
+    """The values of an unsigned grid's codes, as fp32: k * 2**(max(field, 1) - 1 +
+    min_normal_exponent - mantissa_bits), k carrying the implicit one of a normal."""
+    k = codes.to(torch.int32)
+    exponent_field = k >> spec.mantissa_bits
+    k.bitwise_and_((1 << spec.mantissa_bits) - 1).add_(exponent_field > 0, alpha=1 << spec.mantissa_bits)
+    exponent = exponent_field.clamp_min_(1).add_(spec.min_normal_exponent - spec.mantissa_bits - 1)
+    return k.to(torch.float32).mul_(_pow2_ref(exponent))
+
+
+def _pow2_ref(exponent):
+    """2.0**exponent as fp32, exactly, for an int32 tensor in fp32's normal range;
+    ``exponent`` is overwritten."""
+    return exponent.add_(127).bitwise_left_shift_(23).view(torch.float32)
 
 
 def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
@@ -310,8 +328,11 @@ def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
     spec = _format(fmt)
     signed = getattr(spec, "signed", spec)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
-    values = codes.view(signed.torch_dtype).to(torch.float32)
-    if spec is not signed:
-        flagged = is_flagged_ref(scales, group_size, codes.numel())
-        values = torch.where(flagged, values, _unsigned_values_ref(codes, spec))
+    if spec is signed:
+        values = codes.view(signed.torch_dtype).to(torch.float32)
+    else:
+        values = _unsigned_values_ref(codes, spec)
+        if scales.signbit().any():  # flagged groups hold the signed codes
+            flagged = is_flagged_ref(scales, group_size, codes.numel())
+            values = torch.where(flagged, codes.view(signed.torch_dtype).to(torch.float32), values)
     return dequantize_ref(values, codes, scales, signed.non_finite, dtype, group_size)

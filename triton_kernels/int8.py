@@ -139,20 +139,25 @@ def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
     flat = flat_input(x, group_size).to(torch.float32)
     scales, code_max = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX, NON_FINITE_CODES)
     scaled = divide_or_zero_ref(flat, scales, group_size)
-    lowest = -code_max
-    if unsigned:
-        lowest = torch.where(is_flagged_ref(scales, group_size, flat.numel()), -code_max, 0.0)
-    codes = scaled.clamp(lowest, code_max).round().to(torch.int16)
-    codes = with_non_finite_codes_ref(codes, flat, NON_FINITE_CODES)
-    if unsigned:  # a flagged group's int8 codes, stored as their byte
-        return codes.bitwise_and(0xFF).to(torch.uint8), scales
-    return codes.to(torch.int8), scales
+    if not unsigned:
+        codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
+        return with_non_finite_codes_ref(codes, flat, NON_FINITE_CODES), scales
+    if not scales.signbit().any():
+        # No group is flagged: every code is unsigned. In place, so that encoding a
+        # non-negative tensor allocates no more than the signed path (the planner
+        # profiles that one).
+        return scaled.clamp_(0, UINT8_MAX).round_().to(torch.uint8), scales
+    lowest = torch.where(is_flagged_ref(scales, group_size, flat.numel()), -code_max, 0.0)
+    codes = with_non_finite_codes_ref(scaled.clamp(lowest, code_max).round(), flat, NON_FINITE_CODES)
+    # A flagged group's int8 codes, stored as their byte.
+    return codes.add_(codes < 0, alpha=256).to(torch.uint8), scales
 
 
 def decode_int8_ref(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
     """The specification of ``decode_int8``, in torch."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
-    if unsigned:
-        flagged = is_flagged_ref(scales, group_size, codes.numel())
-        codes = torch.where(flagged, codes.view(torch.int8).to(torch.int16), codes.to(torch.int16))
-    return dequantize_ref(codes.to(torch.float32), codes, scales, NON_FINITE_CODES, dtype, group_size)
+    values = codes.to(torch.float32)
+    if unsigned and scales.signbit().any():  # a flagged group's bytes are int8 codes
+        values.add_(is_flagged_ref(scales, group_size, codes.numel()) & (codes > INT8_MAX), alpha=-256)
+        codes = values
+    return dequantize_ref(values, codes, scales, NON_FINITE_CODES, dtype, group_size)
