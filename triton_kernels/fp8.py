@@ -37,6 +37,7 @@ import triton.language as tl
 from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
     NonFiniteCodes,
+    any_flagged_ref,
     dequantize,
     dequantize_ref,
     divide_or_zero,
@@ -275,13 +276,13 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE):
     flat = flat_input(x, group_size).to(torch.float32)
     scales, code_max = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
     scaled = divide_or_zero_ref(flat, scales, group_size)
-    if spec is signed or scales.signbit().any():
+    if spec is signed or any_flagged_ref(scales):
         codes = scaled.clamp(-code_max, code_max).to(signed.torch_dtype).view(torch.uint8)
     if spec is not signed:
         unsigned_codes = _unsigned_codes_ref_(scaled, code_max, spec)
         # Flagged groups keep the signed codes (NOTE [unsigned grids]).
         codes = torch.where(is_flagged_ref(scales, group_size, flat.numel()), codes, unsigned_codes) \
-            if scales.signbit().any() else unsigned_codes
+            if any_flagged_ref(scales) else unsigned_codes
     return with_non_finite_codes_ref(codes, flat, signed.non_finite), scales
 
 
@@ -332,7 +333,7 @@ def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
         values = codes.view(signed.torch_dtype).to(torch.float32)
     else:
         values = _unsigned_values_ref(codes, spec)
-        if scales.signbit().any():  # flagged groups hold the signed codes
+        if any_flagged_ref(scales):  # flagged groups hold the signed codes
             flagged = is_flagged_ref(scales, group_size, codes.numel())
             values = torch.where(flagged, codes.view(signed.torch_dtype).to(torch.float32), values)
     return dequantize_ref(values, codes, scales, signed.non_finite, dtype, group_size)

@@ -25,6 +25,7 @@ import triton.language as tl
 from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
     NonFiniteCodes,
+    any_flagged_ref,
     dequantize,
     dequantize_ref,
     divide_or_zero,
@@ -142,7 +143,7 @@ def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
     if not unsigned:
         codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
         return with_non_finite_codes_ref(codes, flat, NON_FINITE_CODES), scales
-    if not scales.signbit().any():
+    if not any_flagged_ref(scales):
         # No group is flagged: every code is unsigned. In place, so that encoding a
         # non-negative tensor allocates no more than the signed path (the planner
         # profiles that one).
@@ -157,7 +158,7 @@ def decode_int8_ref(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigne
     """The specification of ``decode_int8``, in torch."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
     values = codes.to(torch.float32)
-    if unsigned and scales.signbit().any():  # a flagged group's bytes are int8 codes
+    if unsigned and any_flagged_ref(scales):  # a flagged group's bytes are int8 codes
         values.add_(is_flagged_ref(scales, group_size, codes.numel()) & (codes > INT8_MAX), alpha=-256)
         codes = values
     return dequantize_ref(values, codes, scales, NON_FINITE_CODES, dtype, group_size)
