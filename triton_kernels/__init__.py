@@ -22,7 +22,11 @@ from typing import Any, Callable, Mapping, NamedTuple, Tuple
 # actsave reads it without importing Triton.
 DEFAULT_GROUP_SIZE = 128
 
-FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
+# Signed formats, then their unsigned variants for tensors known to be non-negative
+# (NOTE [unsigned grids] in _rounding.py): one more bit of resolution, same bytes.
+SIGNED_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
+UNSIGNED_VARIANT = {"int8": "uint8", "fp8_e4m3": "fp8_ue4m4", "fp8_e5m2": "fp8_ue5m3"}
+FORMATS = (*SIGNED_FORMATS, *UNSIGNED_VARIANT.values())
 DIRECTIONS = ("encode", "decode")
 
 
@@ -31,7 +35,7 @@ class Kernel(NamedTuple):
 
     ``launcher`` runs ``jit`` (on CUDA, or on CPU under TRITON_INTERPRET=1);
     ``reference`` is its specification in torch and gives the same bits. Both take
-    the same arguments, ``format_args`` (fp8's ``fmt``) included: ``encode(x,
+    the same arguments, ``format_args`` (fp8's ``fmt``, int8's ``unsigned``) included: ``encode(x,
     **format_args, group_size=...)`` returns ``(codes, scales)``; ``decode(codes,
     scales, **format_args, dtype=..., group_size=...)`` a 1-D tensor of ``dtype``.
     ``constexprs`` are the format's constexprs the launcher passes to ``jit`` (the
@@ -51,13 +55,14 @@ def kernel_table() -> Mapping[Tuple[str, str], Kernel]:
     on the first call)."""
     from . import fp8, int8
 
-    table = {
-        ("int8", "encode"): Kernel(int8.encode_int8, int8.encode_int8_ref, MappingProxyType({}),
-                                   int8._encode_int8_kernel, int8.ENCODE_CONSTEXPRS),
-        ("int8", "decode"): Kernel(int8.decode_int8, int8.decode_int8_ref, MappingProxyType({}),
-                                   int8._decode_int8_kernel, int8.DECODE_CONSTEXPRS),
-    }
-    for fmt, spec in fp8.FP8_FORMATS.items():
+    table = {}
+    for name, unsigned in (("int8", False), ("uint8", True)):
+        format_args = MappingProxyType({"unsigned": unsigned})
+        table[name, "encode"] = Kernel(int8.encode_int8, int8.encode_int8_ref, format_args,
+                                       int8._encode_int8_kernel, int8.encode_constexprs(unsigned))
+        table[name, "decode"] = Kernel(int8.decode_int8, int8.decode_int8_ref, format_args,
+                                       int8._decode_int8_kernel, int8.decode_constexprs(unsigned))
+    for fmt, spec in {**fp8.FP8_FORMATS, **fp8.UNSIGNED_FP8_FORMATS}.items():
         format_args = MappingProxyType({"fmt": fmt})
         table[f"fp8_{fmt}", "encode"] = Kernel(fp8.encode_fp8, fp8.encode_fp8_ref, format_args,
                                                fp8._encode_fp8_kernel, spec.encode_constexprs())

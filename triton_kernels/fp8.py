@@ -12,6 +12,14 @@ bit, a group holding inf or NaN; there +-inf and NaN take the codes of ``_Fp8For
 [non-finite groups]) and the scale maps the finite absmax onto the largest magnitude
 left below them.
 
+Unsigned variants (NOTE [unsigned grids]), for tensors known to be non-negative: "ue4m4"
+(4 exponent, 4 mantissa bits, no sign: e4m3's binades, min normal 2**-6, largest 496)
+and "ue5m3" (e5m2's binades, min normal 2**-14, largest 122880). Every one of their 256
+codes is finite; codes ascend with the value, code ``2**mantissa_bits`` being the
+smallest normal. ``scale = absmax / largest``; in a group holding inf or NaN the
+signed format's codes (e4m3, e5m2) are stored instead. Doubling an e4m3 (e5m2) code
+below its specials gives the ue4m4 (ue5m3) code of the same value.
+
 The scale itself is stored rather than its reciprocal so that encoding is one
 correctly rounded division and decoding one multiply. The kernels encode and decode
 fp8 with integer arithmetic only (the interpreter's fp32 -> fp8 cast mis-rounds
@@ -29,6 +37,7 @@ import triton.language as tl
 from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
     NonFiniteCodes,
+    any_flagged_ref,
     dequantize,
     dequantize_ref,
     divide_or_zero,
@@ -39,6 +48,8 @@ from ._rounding import (
     group_scale,
     group_scale_ref,
     group_tile,
+    is_flagged,
+    is_flagged_ref,
     launch,
     load_as_float32,
     magnitude_bits,
@@ -62,11 +73,44 @@ class _Fp8Format:
 
     def encode_constexprs(self) -> dict:
         return {"FP8_MAX": self.max_value, "MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
-                **self.non_finite.encode_constexprs()}
+                **_signed_grid_only(self), **self.non_finite.encode_constexprs()}
 
     def decode_constexprs(self) -> dict:
         return {"MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
-                "FIRST_SPECIAL": self.first_special_code, **self.non_finite.decode_constexprs()}
+                "FIRST_SPECIAL": self.first_special_code, **_signed_grid_only(self),
+                **self.non_finite.decode_constexprs()}
+
+
+@dataclass(frozen=True)
+class _UnsignedFp8Format:
+    """An unsigned 8-bit float (NOTE [unsigned grids]): no sign, no inf or NaN code,
+    the binades of ``signed``, whose encoding its flagged groups use."""
+
+    mantissa_bits: int
+    signed: _Fp8Format
+
+    @property
+    def min_normal_exponent(self) -> int:
+        return self.signed.min_normal_exponent
+
+    @property
+    def max_value(self) -> float:
+        """The value of code 255."""
+        top_exponent = (255 >> self.mantissa_bits) - 1 + self.min_normal_exponent
+        return float((2 ** (self.mantissa_bits + 1) - 1) * 2.0 ** (top_exponent - self.mantissa_bits))
+
+    def encode_constexprs(self) -> dict:
+        return {**self.signed.encode_constexprs(), "FP8_MAX": self.max_value, **self._unsigned()}
+
+    def decode_constexprs(self) -> dict:
+        return {**self.signed.decode_constexprs(), **self._unsigned()}
+
+    def _unsigned(self) -> dict:
+        return {"UNSIGNED": True, "U_MANT_BITS": self.mantissa_bits}
+
+
+def _signed_grid_only(spec) -> dict:
+    return {"UNSIGNED": False, "U_MANT_BITS": spec.mantissa_bits}
 
 
 def _value(code, torch_dtype):
@@ -95,6 +139,9 @@ def _fp8_format(torch_dtype):
 # mantissa bit wins: measured round-trip SQNR on Gaussian data in groups of 128 is
 # 31.8 dB for e4m3 and 25.8 dB for e5m2. Both are offered, as on GPUs with fp8.
 FP8_FORMATS = {"e4m3": _fp8_format(torch.float8_e4m3fn), "e5m2": _fp8_format(torch.float8_e5m2)}
+# One more mantissa bit in place of the sign (NOTE [unsigned grids]).
+UNSIGNED_FP8_FORMATS = {"ue4m4": _UnsignedFp8Format(4, FP8_FORMATS["e4m3"]),
+                        "ue5m3": _UnsignedFp8Format(3, FP8_FORMATS["e5m2"])}
 
 
 @triton.jit
@@ -107,7 +154,16 @@ def _pow2(exponent):
 def _float32_to_fp8_bits(scaled, code_max, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """fp8 bit pattern of a finite fp32, rounded half to even (NOTE [round half to
     even]) and saturated at +-code_max (per row, an fp8 value)."""
-    abs_bits = magnitude_bits(tl.minimum(tl.abs(scaled), code_max))
+    sign = (scaled.to(tl.int32, bitcast=True) >> 24) & 0x80
+    return sign | _fp8_magnitude_code(tl.abs(scaled), code_max, MANT_BITS, MIN_NORMAL_EXP)
+
+
+@triton.jit
+def _fp8_magnitude_code(magnitude, code_max, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """The sign-less code of a finite fp32 magnitude (>= 0, or -0.0) on a float grid
+    of MANT_BITS mantissa bits whose smallest normal is 2**MIN_NORMAL_EXP, rounded half
+    to even and saturated at code_max (per row, a value of the grid)."""
+    abs_bits = magnitude_bits(tl.minimum(magnitude, code_max))
     # An fp8 magnitude is k * 2**(exponent - MANT_BITS), where exponent is that of |x|
     # but at least MIN_NORMAL_EXP: k carries the implicit one for normals, not for
     # subnormals.
@@ -116,9 +172,7 @@ def _float32_to_fp8_bits(scaled, code_max, MANT_BITS: tl.constexpr, MIN_NORMAL_E
     # The biased exponent field is exponent - MIN_NORMAL_EXP + 1 for normals, 0 for
     # subnormals: adding k supplies that + 1 from k's implicit one, and a k that
     # rounded up to 2**(MANT_BITS + 1) carries on into the next binade.
-    magnitude = ((exponent - MIN_NORMAL_EXP) << MANT_BITS) + k
-    sign = (scaled.to(tl.int32, bitcast=True) >> 24) & 0x80
-    return sign | magnitude
+    return ((exponent - MIN_NORMAL_EXP) << MANT_BITS) + k
 
 
 @triton.jit
@@ -126,11 +180,8 @@ def _fp8_bits_to_float32(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.cons
                          FIRST_SPECIAL: tl.constexpr):
     """The exact fp32 values of fp8 bit patterns held in int32; inf and NaN included."""
     magnitude = codes & 0x7F
-    exponent_field = magnitude >> MANT_BITS
+    value = _magnitude_code_to_float32(magnitude, MANT_BITS, MIN_NORMAL_EXP)
     fraction = magnitude & ((1 << MANT_BITS) - 1)
-    k = tl.where(exponent_field > 0, fraction | (1 << MANT_BITS), fraction)
-    grid_exponent = tl.maximum(exponent_field, 1) - 1 + MIN_NORMAL_EXP - MANT_BITS
-    value = k.to(tl.float32) * _pow2(grid_exponent)
     # An all-ones fp32 exponent with the fp8 fraction is inf (e5m2 only) or NaN.
     special = (0x7F800000 | (fraction << (23 - MANT_BITS))).to(tl.float32, bitcast=True)
     value = tl.where(magnitude >= FIRST_SPECIAL, special, value)
@@ -138,15 +189,30 @@ def _fp8_bits_to_float32(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.cons
 
 
 @triton.jit
+def _magnitude_code_to_float32(magnitude, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """The exact fp32 value of a sign-less code (int32) of _fp8_magnitude_code's grid."""
+    exponent_field = magnitude >> MANT_BITS
+    fraction = magnitude & ((1 << MANT_BITS) - 1)
+    k = tl.where(exponent_field > 0, fraction | (1 << MANT_BITS), fraction)
+    grid_exponent = tl.maximum(exponent_field, 1) - 1 + MIN_NORMAL_EXP - MANT_BITS
+    return k.to(tl.float32) * _pow2(grid_exponent)
+
+
+@triton.jit
 def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, numel, FP8_MAX: tl.constexpr,
                        NON_FINITE_CODE_MAX: tl.constexpr,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+                       UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     x = load_as_float32(x_ptr + offsets, in_bounds)
     scale, code_max = group_scale(x, FP8_MAX, NON_FINITE_CODE_MAX)
-    codes = _float32_to_fp8_bits(divide_or_zero(x, scale), code_max, MANT_BITS, MIN_NORMAL_EXP)
+    scaled = divide_or_zero(x, scale)
+    codes = _float32_to_fp8_bits(scaled, code_max, MANT_BITS, MIN_NORMAL_EXP)
+    if UNSIGNED:  # NOTE [unsigned grids]: flagged groups keep the signed codes
+        unsigned_codes = _fp8_magnitude_code(tl.maximum(scaled, 0.0), code_max, U_MANT_BITS, MIN_NORMAL_EXP)
+        codes = tl.where(is_flagged(scale), codes, unsigned_codes)
     codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
@@ -155,26 +221,32 @@ def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, numel, FP8_MAX: tl.constexp
 @triton.jit
 def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, numel, MANT_BITS: tl.constexpr,
                        MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr,
+                       UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
     values = _fp8_bits_to_float32(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
+    if UNSIGNED:
+        unsigned_values = _magnitude_code_to_float32(codes, U_MANT_BITS, MIN_NORMAL_EXP)
+        values = tl.where(is_flagged(scale), values, unsigned_values)
     y = dequantize(values, codes, scale, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     store_rounded(out_ptr + offsets, y, in_bounds)
 
 
 def _format(fmt):
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"fmt must be one of {sorted(FP8_FORMATS)}, got {fmt!r}")
-    return FP8_FORMATS[fmt]
+    formats = {**FP8_FORMATS, **UNSIGNED_FP8_FORMATS}
+    if fmt not in formats:
+        raise ValueError(f"fmt must be one of {sorted(formats)}, got {fmt!r}")
+    return formats[fmt]
 
 
 def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
     TRITON_INTERPRET=1 or CUDA) into (uint8 fp8 bit patterns of shape (numel,), fp32
-    scales of shape (n_groups,)); fmt is "e4m3" or "e5m2". Raises ValueError for
+    scales of shape (n_groups,)); fmt is "e4m3" or "e5m2", or "ue4m4" or "ue5m3" for
+    a non-negative tensor (NOTE [unsigned grids]). Raises ValueError for
     other formats, dtypes or group sizes."""
     spec = _format(fmt)
     flat = flat_input(x, group_size)
@@ -197,18 +269,71 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE):
     """The specification of ``encode_fp8``, in torch. torch's fp8 casts round half to
     even; clamping first makes the saturation explicit, since their handling of values
     beyond the largest finite one differs between formats and versions (torch 2.13 on
-    CPU: e4m3fn saturates, e5m2 overflows to inf)."""
+    CPU: e4m3fn saturates, e5m2 overflows to inf). The unsigned grids, which torch
+    lacks, are written on the bits (``_unsigned_codes_ref``)."""
     spec = _format(fmt)
+    signed = getattr(spec, "signed", spec)
     flat = flat_input(x, group_size).to(torch.float32)
-    scales, code_max = group_scale_ref(flat, group_size, spec.max_value, spec.non_finite)
+    scales, code_max = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
     scaled = divide_or_zero_ref(flat, scales, group_size)
-    codes = scaled.clamp(-code_max, code_max).to(spec.torch_dtype).view(torch.uint8)
-    return with_non_finite_codes_ref(codes, flat, spec.non_finite), scales
+    if spec is signed or any_flagged_ref(scales):
+        codes = scaled.clamp(-code_max, code_max).to(signed.torch_dtype).view(torch.uint8)
+    if spec is not signed:
+        unsigned_codes = _unsigned_codes_ref_(scaled, code_max, spec)
+        # Flagged groups keep the signed codes (NOTE [unsigned grids]).
+        codes = torch.where(is_flagged_ref(scales, group_size, flat.numel()), codes, unsigned_codes) \
+            if any_flagged_ref(scales) else unsigned_codes
+    return with_non_finite_codes_ref(codes, flat, signed.non_finite), scales
+
+
+def _unsigned_codes_ref_(scaled, code_max, spec):
+    """Codes of finite fp32 values on an unsigned grid, saturated at 0 and code_max,
+    rounded half to even; ``scaled`` is overwritten (in place, so that encoding
+    allocates no more than the signed path, which the planner profiles). The exponent e
+    of a value (that of its leading bit, at least the smallest normal's) sets the step
+    2**(e - mantissa_bits); the multiple k of that step comes after the
+    (e - min_normal_exponent) binades of 2**mantissa_bits codes below it, the implicit
+    one of k supplying a normal's offset and a k that rounds up to the next power of
+    two carrying into the next binade."""
+    magnitude = torch.minimum(scaled.clamp_min_(0.0), code_max, out=scaled)
+    # The exponent of each value's leading bit, at least the smallest normal's (fp32
+    # subnormals and 0 lie far below it).
+    exponent = (magnitude.view(torch.int32) >> 23).sub_(127).clamp_min_(spec.min_normal_exponent)
+    # k = magnitude / 2**(e - mantissa_bits), exact: the power of two is built on its
+    # bits, over the exponent's storage; e is read back from them after.
+    inverse_step = _pow2_ref(exponent.neg_().add_(spec.mantissa_bits))
+    k = magnitude.mul_(inverse_step).round_()
+    exponent = inverse_step.view(torch.int32).bitwise_right_shift_(23).sub_(127 + spec.mantissa_bits).neg_()
+    codes = k.add_(exponent.sub_(spec.min_normal_exponent).bitwise_left_shift_(spec.mantissa_bits))
+    return codes.to(torch.uint8)
+
+
+def _unsigned_values_ref(codes, spec):
+    """The values of an unsigned grid's codes, as fp32: k * 2**(max(field, 1) - 1 +
+    min_normal_exponent - mantissa_bits), k carrying the implicit one of a normal."""
+    k = codes.to(torch.int32)
+    exponent_field = k >> spec.mantissa_bits
+    k.bitwise_and_((1 << spec.mantissa_bits) - 1).add_(exponent_field > 0, alpha=1 << spec.mantissa_bits)
+    exponent = exponent_field.clamp_min_(1).add_(spec.min_normal_exponent - spec.mantissa_bits - 1)
+    return k.to(torch.float32).mul_(_pow2_ref(exponent))
+
+
+def _pow2_ref(exponent):
+    """2.0**exponent as fp32, exactly, for an int32 tensor in fp32's normal range;
+    ``exponent`` is overwritten."""
+    return exponent.add_(127).bitwise_left_shift_(23).view(torch.float32)
 
 
 def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
     """The specification of ``decode_fp8``, in torch."""
     spec = _format(fmt)
+    signed = getattr(spec, "signed", spec)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
-    values = codes.view(spec.torch_dtype).to(torch.float32)
-    return dequantize_ref(values, codes, scales, spec.non_finite, dtype, group_size)
+    if spec is signed:
+        values = codes.view(signed.torch_dtype).to(torch.float32)
+    else:
+        values = _unsigned_values_ref(codes, spec)
+        if any_flagged_ref(scales):  # flagged groups hold the signed codes
+            flagged = is_flagged_ref(scales, group_size, codes.numel())
+            values = torch.where(flagged, codes.view(signed.torch_dtype).to(torch.float32), values)
+    return dequantize_ref(values, codes, scales, signed.non_finite, dtype, group_size)

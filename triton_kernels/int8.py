@@ -10,6 +10,11 @@ to inf, and flags, by the scale's sign bit, a group holding inf or NaN: there
 ``scale = finite absmax / 126``, finite codes stay within +-126, and 127, -127 and
 -128 stand for +inf, -inf and NaN (NOTE [non-finite groups]).
 
+The unsigned variant (``unsigned=True``, NOTE [unsigned grids]) is for tensors known
+to be non-negative: ``scale = absmax / 255`` and uint8 codes
+``round_half_even(clamp(x / scale, 0, 255))``; a group holding inf or NaN keeps the
+signed encoding above, its int8 codes stored as their byte.
+
 At ``group_size=128`` that is 8.25 bits per element. ``encode_int8_ref`` /
 ``decode_int8_ref`` are the specification; the Triton kernels match them bit for bit.
 """
@@ -20,6 +25,7 @@ import triton.language as tl
 from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
     NonFiniteCodes,
+    any_flagged_ref,
     dequantize,
     dequantize_ref,
     divide_or_zero,
@@ -30,6 +36,8 @@ from ._rounding import (
     group_scale,
     group_scale_ref,
     group_tile,
+    is_flagged,
+    is_flagged_ref,
     launch,
     load_as_float32,
     magnitude_bits,
@@ -48,11 +56,23 @@ from ._rounding import (
 # fuse into an FMA and round differently from torch. Symmetric decodes with a single
 # correctly rounded multiply, so it is bit-exact everywhere, and stays above 37 dB.
 INT8_MAX = 127
+UINT8_MAX = 255  # NOTE [unsigned grids]
 # In a group holding inf or NaN, 127 and -127 mean +-inf (the sign stays the code's)
 # and -128, unused elsewhere, NaN; finite values keep 126 of their 127 steps (0.07 dB).
 NON_FINITE_CODES = NonFiniteCodes(finite_max=126.0, pos_inf=127, neg_inf=-127, nan=-128)
-ENCODE_CONSTEXPRS = {"CODE_MAX": INT8_MAX, **NON_FINITE_CODES.encode_constexprs()}
-DECODE_CONSTEXPRS = NON_FINITE_CODES.decode_constexprs()
+
+def encode_constexprs(unsigned: bool) -> dict:
+    """The encode kernel's format constexprs, for the signed or the unsigned grid."""
+    return {"CODE_MAX": UINT8_MAX if unsigned else INT8_MAX, "UNSIGNED": unsigned,
+            **NON_FINITE_CODES.encode_constexprs()}
+
+
+def decode_constexprs(unsigned: bool) -> dict:
+    return {"UNSIGNED": unsigned, **NON_FINITE_CODES.decode_constexprs()}
+
+
+def _code_dtype(unsigned):
+    return torch.uint8 if unsigned else torch.int8
 
 
 @triton.jit
@@ -64,58 +84,81 @@ def _round_to_int8(scaled, code_max):
 
 @triton.jit
 def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, numel, CODE_MAX: tl.constexpr,
-                        NON_FINITE_CODE_MAX: tl.constexpr,
+                        UNSIGNED: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     x = load_as_float32(x_ptr + offsets, in_bounds)
     scale, code_max = group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX)
-    codes = _round_to_int8(divide_or_zero(x, scale), code_max)
+    scaled = divide_or_zero(x, scale)
+    if UNSIGNED:
+        # Unflagged groups saturate at 0 and CODE_MAX (255): the signed rounding of a
+        # value >= 0 is its unsigned code. Flagged groups keep the signed codes.
+        scaled = tl.where(is_flagged(scale), scaled, tl.maximum(scaled, 0.0))
+    codes = _round_to_int8(scaled, code_max)
     codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
-    tl.store(codes_ptr + offsets, codes.to(tl.int8), mask=in_bounds)
+    # Truncation to 8 bits: a signed code's two's complement byte, or a code 0..255.
+    tl.store(codes_ptr + offsets, codes.to(codes_ptr.dtype.element_ty), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
 
 
 @triton.jit
-def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, numel, POS_INF_CODE: tl.constexpr,
-                        NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
+def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, numel, UNSIGNED: tl.constexpr,
+                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
+    if UNSIGNED:  # a flagged group's bytes are int8 codes
+        codes = tl.where(is_flagged(scale) & (codes > 127), codes - 256, codes)
     y = dequantize(codes.to(tl.float32), codes, scale, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     store_rounded(out_ptr + offsets, y, in_bounds)
 
 
-def encode_int8(x, group_size=DEFAULT_GROUP_SIZE):
+def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
-    TRITON_INTERPRET=1 or CUDA) into (int8 codes of shape (numel,), fp32 scales of
-    shape (n_groups,)). Raises ValueError for other dtypes or group sizes."""
+    TRITON_INTERPRET=1 or CUDA) into (codes of shape (numel,), fp32 scales of shape
+    (n_groups,)): int8 codes, or uint8 ones on the unsigned grid. Raises ValueError
+    for other dtypes or group sizes."""
     flat = flat_input(x, group_size)
-    codes, scales = empty_encoding(flat, group_size, torch.int8)
-    launch(_encode_int8_kernel, flat.numel(), group_size, flat, codes, scales, **ENCODE_CONSTEXPRS)
+    codes, scales = empty_encoding(flat, group_size, _code_dtype(unsigned))
+    launch(_encode_int8_kernel, flat.numel(), group_size, flat, codes, scales, **encode_constexprs(unsigned))
     return codes, scales
 
 
-def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE):
-    """Decode ``encode_int8``'s output into a 1-D tensor of ``dtype``; reshape it to
-    the original shape."""
-    codes, scales = flat_codes(codes, scales, torch.int8, dtype, group_size)
+def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
+    """Decode ``encode_int8``'s output (same ``unsigned``) into a 1-D tensor of
+    ``dtype``; reshape it to the original shape."""
+    codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_int8_kernel, codes.numel(), group_size, codes, scales, out, **DECODE_CONSTEXPRS)
+    launch(_decode_int8_kernel, codes.numel(), group_size, codes, scales, out, **decode_constexprs(unsigned))
     return out
 
 
-def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE):
+def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
     """The specification of ``encode_int8``, in torch (torch.round ties to even)."""
     flat = flat_input(x, group_size).to(torch.float32)
-    scales, code_max = group_scale_ref(flat, group_size, INT8_MAX, NON_FINITE_CODES)
+    scales, code_max = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX, NON_FINITE_CODES)
     scaled = divide_or_zero_ref(flat, scales, group_size)
-    codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
-    return with_non_finite_codes_ref(codes, flat, NON_FINITE_CODES), scales
+    if not unsigned:
+        codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
+        return with_non_finite_codes_ref(codes, flat, NON_FINITE_CODES), scales
+    if not any_flagged_ref(scales):
+        # No group is flagged: every code is unsigned. In place, so that encoding a
+        # non-negative tensor allocates no more than the signed path (the planner
+        # profiles that one).
+        return scaled.clamp_(0, UINT8_MAX).round_().to(torch.uint8), scales
+    lowest = torch.where(is_flagged_ref(scales, group_size, flat.numel()), -code_max, 0.0)
+    codes = with_non_finite_codes_ref(scaled.clamp(lowest, code_max).round(), flat, NON_FINITE_CODES)
+    # A flagged group's int8 codes, stored as their byte.
+    return codes.add_(codes < 0, alpha=256).to(torch.uint8), scales
 
 
-def decode_int8_ref(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE):
+def decode_int8_ref(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
     """The specification of ``decode_int8``, in torch."""
-    codes, scales = flat_codes(codes, scales, torch.int8, dtype, group_size)
-    return dequantize_ref(codes.to(torch.float32), codes, scales, NON_FINITE_CODES, dtype, group_size)
+    codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
+    values = codes.to(torch.float32)
+    if unsigned and any_flagged_ref(scales):  # a flagged group's bytes are int8 codes
+        values.add_(is_flagged_ref(scales, group_size, codes.numel()) & (codes > INT8_MAX), alpha=-256)
+        codes = values
+    return dequantize_ref(values, codes, scales, NON_FINITE_CODES, dtype, group_size)

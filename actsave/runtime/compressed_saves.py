@@ -14,7 +14,8 @@ every activation; without it the codec could cut at most the other half of the p
   a contiguous view of it) is stored once.
 - ReLU outputs made in the segment keep their decisions, one bit per element
   (relu_signs.py): a small positive output that the codec rounds to zero would
-  otherwise block its gradient.
+  otherwise block its gradient. Every ReLU output is stored on the codec's unsigned
+  grid (one more bit of resolution).
 - The gradient error does not compound as in a recompute: each save is decoded on
   its own, so its error reaches only the gradients computed from it.
 
@@ -43,7 +44,7 @@ class _Stored:
 
     def __init__(self, codec: Codec, tensor: torch.Tensor, keep_signs: bool):
         self.codec = codec
-        self.packed = codec.encode(tensor.detach())
+        self.packed = codec.encode(tensor.detach(), non_negative=relu_signs.known_non_negative(tensor))
         self.signs = relu_signs.pack_signs(tensor) if keep_signs else None
         account(self, self.nbytes)
 

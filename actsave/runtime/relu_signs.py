@@ -33,6 +33,14 @@ def is_relu_output(tensor: torch.Tensor) -> bool:
     return is_relu_node(tensor.grad_fn)
 
 
+def known_non_negative(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is known, without reading it, to hold no negative value: it
+    is a ReLU output (then >= 0 or NaN), so a codec may store it on an unsigned grid
+    (codecs, NOTE [unsigned grids]). An in-place change after the ReLU gives the
+    tensor another autograd node, and it is no longer known; so is a view of it."""
+    return is_relu_output(tensor)
+
+
 def input_nodes(inputs) -> dict:
     """What :func:`made_by_segment_relu` needs of a segment's inputs, taken as it
     starts: the autograd node of each, by object."""

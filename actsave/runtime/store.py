@@ -16,6 +16,7 @@ from .._torch import leaf_base, pytree, version
 from ..codecs import IDENTITY, Codec, Packed, get_codec
 from ..errors import ConfigError, RecomputeError
 from ..offload import OffloadedTensor, current_tape
+from .relu_signs import known_non_negative
 
 
 class _Ledger:
@@ -148,12 +149,13 @@ class _OnHost:
     where = "host"
 
     def __init__(self, packed: Packed):
-        self._shape, self._dtype = packed.shape, packed.dtype
+        self._shape, self._dtype, self._unsigned = packed.shape, packed.dtype, packed.unsigned
         self._parts = [OffloadedTensor(t) for t in (packed.data, packed.scales) if t is not None]
 
     def fetch(self) -> Packed:
         data, *scales = [part.fetch() for part in self._parts]
-        return Packed(data=data, scales=scales[0] if scales else None, shape=self._shape, dtype=self._dtype)
+        return Packed(data=data, scales=scales[0] if scales else None, shape=self._shape, dtype=self._dtype,
+                      unsigned=self._unsigned)
 
     def prefetch(self) -> None:
         for part in self._parts:
@@ -182,7 +184,7 @@ class _KeptTensor:
         if private_copy and self.codec.aliases_input:
             source = source.clone()
         self.modified_in_place = private_copy  # by the function's first layer
-        packed = self.codec.encode(source)
+        packed = self.codec.encode(source, non_negative=known_non_negative(tensor))
         self.nbytes = packed.nbytes
         self.storage = _OnHost(packed) if policy.offload and not held_elsewhere else _OnDevice(packed)
         # An aliased input changed in place after this point would be recomputed from

@@ -6,7 +6,14 @@ from functools import partial
 import pytest
 import torch
 
-from actsave.triton_kernels.fp8 import FP8_FORMATS, decode_fp8, decode_fp8_ref, encode_fp8, encode_fp8_ref
+from actsave.triton_kernels.fp8 import (
+    FP8_FORMATS,
+    UNSIGNED_FP8_FORMATS,
+    decode_fp8,
+    decode_fp8_ref,
+    encode_fp8,
+    encode_fp8_ref,
+)
 
 # numpy runs the interpreter's arithmetic and warns about arithmetic on inf and NaN
 # (their codes' values times the scale, replaced after) and about casts that overflow
@@ -197,7 +204,7 @@ def test_roundtrip_sqnr_floor(fmt, signal, dtype, signals, sqnr):
 
 @pytest.mark.parametrize("encode", [encode_fp8, encode_fp8_ref], ids=["triton", "reference"])
 @pytest.mark.parametrize("x, fmt, group_size, message", [
-    (torch.ones(4), "e3m4", 16, "fmt must be one of \\['e4m3', 'e5m2'\\], got 'e3m4'"),
+    (torch.ones(4), "e3m4", 16, "fmt must be one of \\['e4m3', 'e5m2', 'ue4m4', 'ue5m3'\\], got 'e3m4'"),
     (torch.arange(4), "e4m3", 16, "got torch.int64; integer and bool tensors are never quantized"),
     (torch.ones(4), "e5m2", 24, "power of two from 8 to 4096, got 24"),
 ], ids=["fmt", "int64", "group_size"])
@@ -221,3 +228,148 @@ def test_decode_rejects_bad_input(decode, codes, scales, dtype, message):
 def test_cuda_kernel_matches_reference_on_a_large_tensor(large_cuda_input, out_dtype, kernel, reference,
                                                          assert_matches_reference):
     assert_matches_reference(kernel, reference, large_cuda_input, 128, out_dtype)
+
+
+# ----------------------------------------------------------------- unsigned grids (NOTE [unsigned grids])
+
+
+@pytest.fixture(params=sorted(UNSIGNED_FP8_FORMATS))
+def ufmt(request):
+    return request.param
+
+
+@pytest.fixture
+def unsigned_kernel(ufmt):
+    return partial(encode_fp8, fmt=ufmt), partial(decode_fp8, fmt=ufmt)
+
+
+@pytest.fixture
+def unsigned_reference(ufmt):
+    return partial(encode_fp8_ref, fmt=ufmt), partial(decode_fp8_ref, fmt=ufmt)
+
+
+@pytest.fixture(params=["triton", "reference"])
+def unsigned_codec(request, unsigned_kernel, unsigned_reference):
+    return unsigned_kernel if request.param == "triton" else unsigned_reference
+
+
+def _unsigned_values(codec, ufmt):
+    """The values of all 256 codes at unit scale, as a decoder gives them."""
+    _, decode = codec
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return decode(codes, torch.ones(256 // 16), dtype=torch.float32, group_size=16)
+
+
+@pytest.mark.parametrize("sign", ["abs", "as_is"], ids=["non_negative", "negatives_saturate"])
+def test_unsigned_kernel_matches_reference(input_case, sign, group_size, unsigned_kernel, unsigned_reference,
+                                           assert_matches_reference):
+    x = input_case.abs() if sign == "abs" else input_case
+    assert_matches_reference(unsigned_kernel, unsigned_reference, x, group_size)
+
+
+def test_unsigned_kernel_matches_reference_at_dtype_extremes(extreme_input, group_size, unsigned_kernel,
+                                                             unsigned_reference, assert_matches_reference):
+    assert_matches_reference(unsigned_kernel, unsigned_reference, extreme_input.abs(), group_size)
+
+
+def test_unsigned_decode_to_any_dtype_matches_reference(out_dtype, group_size, unsigned_kernel, unsigned_reference,
+                                                        assert_matches_reference):
+    torch.manual_seed(0)
+    x = torch.randn(16, 64).abs() * 10 ** torch.empty(16, 1).uniform_(-12, 6)
+    assert_matches_reference(unsigned_kernel, unsigned_reference, x, group_size, out_dtype)
+
+
+def test_unsigned_codes_ascend_and_extend_the_signed_grid(ufmt, unsigned_codec):
+    """All 256 codes are finite and ascend from 0 to the format's largest value; code
+    2c is the value of the signed format's code c, for every finite c >= 0."""
+    spec = UNSIGNED_FP8_FORMATS[ufmt]
+    values = _unsigned_values(unsigned_codec, ufmt)
+    assert values[0] == 0 and values[-1] == spec.max_value and (values[1:] > values[:-1]).all()
+    signed = _finite_values({"ue4m4": "e4m3", "ue5m3": "e5m2"}[ufmt])
+    assert torch.equal(values[::2][: len(signed)], signed)
+    # Subnormals are evenly spaced up to the smallest normal, code 2**mantissa_bits.
+    subnormal_step = 2.0 ** (spec.min_normal_exponent - spec.mantissa_bits)
+    first_normal = 1 << spec.mantissa_bits
+    assert torch.equal(values[: first_normal + 1], torch.arange(first_normal + 1) * subnormal_step)
+
+
+def test_unsigned_encoding_rounds_to_nearest_even_code(ufmt, unsigned_codec, group_size):
+    """At unit scale: every value encodes to its code, a midpoint to the even one of
+    its two codes, the fp32 values either side of it to the nearer code; negative
+    values saturate to 0 and values far below the smallest subnormal round to 0."""
+    spec = UNSIGNED_FP8_FORMATS[ufmt]
+    values = _unsigned_values(UNSIGNED_REFERENCE_DECODERS[ufmt], ufmt)
+    midpoints = (values[:-1] + values[1:]) / 2
+    below = torch.arange(255)
+    cases = [
+        (values, torch.arange(256)),
+        (midpoints, below + below % 2),
+        (midpoints.nextafter(torch.tensor(0.0)), below),
+        (midpoints.nextafter(torch.tensor(1e9)), below + 1),
+        (-values, torch.zeros(256, dtype=torch.long)),
+        (torch.tensor([2.0 ** (spec.min_normal_exponent - spec.mantissa_bits - 2)]), torch.tensor([0])),
+    ]
+    encode, _ = unsigned_codec
+    per_group = group_size - 1
+    for x, expected in cases:
+        padded = torch.nn.functional.pad(x, (0, -x.numel() % per_group)).view(-1, per_group)
+        top = torch.full((padded.shape[0], 1), spec.max_value)  # makes each scale exactly 1
+        codes, scales = encode(torch.cat([top, padded], dim=1), group_size=group_size)
+        assert (scales == 1).all()
+        codes = codes.view(-1, group_size)[:, 1:].reshape(-1)[: x.numel()]
+        assert torch.equal(codes.long(), expected)
+
+
+UNSIGNED_REFERENCE_DECODERS = {fmt: (None, partial(decode_fp8_ref, fmt=fmt)) for fmt in UNSIGNED_FP8_FORMATS}
+
+
+def test_unsigned_flagged_group_stores_the_signed_codes(ufmt, unsigned_codec, group_size):
+    signed_fmt = {"ue4m4": "e4m3", "ue5m3": "e5m2"}[ufmt]
+    x = torch.tensor([1.0, 0.5, float("inf"), float("nan"), 0.0, 3.0, float("-inf"), 2.0] * 2)
+    codes, scales = unsigned_codec[0](x, group_size=group_size)
+    signed_codes, signed_scales = encode_fp8_ref(x, signed_fmt, group_size)
+    assert torch.equal(scales, signed_scales) and scales.signbit().all()
+    assert torch.equal(codes, signed_codes)
+    decoded = unsigned_codec[1](codes, scales, dtype=torch.float32, group_size=group_size)
+    assert torch.equal(decoded.isnan(), x.isnan()) and torch.equal(decoded.isinf(), x.isinf())
+
+
+def test_unsigned_non_finite_values_decode_as_they_were(unsigned_codec, non_finite_input, group_size,
+                                                        assert_non_finite_kept):
+    assert_non_finite_kept(unsigned_codec, non_finite_input.abs(), group_size)
+
+
+def test_unsigned_all_zero_groups_decode_to_exact_zeros(unsigned_codec, dtype, group_size):
+    encode, decode = unsigned_codec
+    x = torch.zeros(3 * group_size, dtype=dtype)
+    x[:group_size] = torch.rand(group_size)
+    x[-1] = -0.0
+    codes, scales = encode(x, group_size=group_size)
+    assert (scales[1:] == 0).all() and (codes[group_size:] == 0).all()
+    zeros = decode(codes, scales, dtype=dtype, group_size=group_size)[group_size:]
+    assert (zeros == 0).all() and not zeros.signbit().any()
+
+
+@pytest.mark.parametrize("beside", [0.0, float("inf")], ids=["finite_group", "beside_inf"])
+def test_unsigned_dtype_maximum_decodes_finite(ufmt, unsigned_codec, dtype, beside, group_size, round_trip):
+    finfo = torch.finfo(dtype)
+    x = torch.tensor([finfo.max, finfo.max / 3, finfo.max / 7, beside] * (group_size // 4), dtype=dtype)
+    _, decoded = round_trip(unsigned_codec, x, group_size)
+    finite = x.isfinite()
+    # Within half an ulp of the grid (of the signed grid in a flagged group).
+    rtol = 2.0 ** -UNSIGNED_FP8_FORMATS[ufmt].signed.mantissa_bits / 2
+    torch.testing.assert_close(decoded[finite].float(), x[finite].float(), rtol=rtol, atol=0)
+
+
+# Post-ReLU Gaussian data, round-trip SQNR in dB (fp32 / bf16 / fp16), signed -> unsigned:
+# e4m3 -> ue4m4 31.9 / 31.9 / 31.9 -> 38.3 / 38.2 / 38.3; e5m2 -> ue5m3 26.0 / 26.1 / 26.0
+# -> 32.2 / 32.2 / 32.2.
+UNSIGNED_SQNR_FLOORS_DB = {"ue4m4": 35.0, "ue5m3": 29.0}
+
+
+def test_unsigned_grid_gains_six_db_on_non_negative_data(ufmt, dtype, signals, sqnr):
+    x = signals["post_relu"].to(dtype)
+    signed_fmt = {"ue4m4": "e4m3", "ue5m3": "e5m2"}[ufmt]
+    signed = sqnr(x, decode_fp8(*encode_fp8(x, signed_fmt), signed_fmt, dtype))
+    unsigned = sqnr(x, decode_fp8(*encode_fp8(x, ufmt), ufmt, dtype))
+    assert unsigned >= UNSIGNED_SQNR_FLOORS_DB[ufmt] and unsigned >= signed + 5.0

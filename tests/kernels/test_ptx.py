@@ -18,7 +18,9 @@ from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS
 GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
 TILE = {"GROUP_SIZE": GROUP_SIZE, "GROUPS_PER_PROGRAM": ELEMENTS_PER_PROGRAM // GROUP_SIZE}
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # Triton type -> bytes per element
-CODE_POINTERS = {"int8": "*i8", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8"}  # format -> Triton type of its codes
+# format -> Triton type of its codes (the unsigned variants store bytes 0..255)
+CODE_POINTERS = {"int8": "*i8", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8", "uint8": "*u8", "fp8_ue4m4": "*u8",
+                 "fp8_ue5m3": "*u8"}
 # (arch, numel's Triton type, numel a multiple of 16): what a launch can specialize on.
 TARGETS = {
     "sm80": (80, "i32", True),

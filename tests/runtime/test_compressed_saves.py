@@ -114,3 +114,20 @@ def test_saves_are_left_to_other_saved_tensor_hooks(outer):
     out.sum().backward()
     for e, p in zip(expected, model.parameters()):
         assert torch.equal(e, p.grad)
+
+
+def test_relu_outputs_are_stored_on_the_unsigned_grid():
+    grids = []
+
+    class Recording(type(actsave.codecs.get_codec("int8"))):
+        def encode(self, x, non_negative=False):
+            grids.append((tuple(x.shape), non_negative))
+            return super().encode(x, non_negative)
+
+    recording = Recording("int8", 37.0)
+    out = last_segment_only(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2), compress=recording)(
+        torch.randn(4, 8, requires_grad=True) * 1)
+    # The first Linear's input (signed); the ReLU output, saved by the ReLU and the
+    # second Linear, stored once and unsigned.
+    assert grids == [((4, 8), False), ((4, 16), True)]
+    out.sum().backward()
