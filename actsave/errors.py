@@ -16,3 +16,8 @@ class ConfigError(ActsaveError, ValueError, TypeError):
 class RecomputeError(ActsaveError):
     """Backward could not reproduce what the forward saved, so it stopped rather
     than produce wrong gradients."""
+
+
+class InternalError(ActsaveError):
+    """actsave broke one of its own guarantees (a bug, not a wrong argument): the
+    message says which. Please report it with the message."""

@@ -75,13 +75,16 @@ Time model
     hidden behind the segment's forward (copy out) and its recompute and backward
     (copy back; offload). Sign bits and the early stop are ignored.
 
-The model is evaluated two ways: :class:`CostModel` over arrays of segments, for the
-solvers (solver.py), and :func:`predicted` for one plan, event by event.
+Each term is written once (:class:`CostModel`) and read two ways: by the solvers
+(solver.py) for every segment at once, from tables of each segment's largest events,
+and by :meth:`CostModel.predict` for one plan, each segment from its own events.
+:func:`~actsave.plan` checks that the second fits the peak the first planned for.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from functools import cached_property
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -113,11 +116,20 @@ def effective_option(option: KeepPolicy, layer: LayerProfile, device: str) -> Ke
 class CostModel:
     """The module docstring's memory and time model over the layers as numpy arrays.
 
-    The option-independent parts of W live in three n x n tables indexed [a, b] (the
-    segment [a, b)); :meth:`working_set`, :meth:`kept` and :meth:`seconds` combine
-    them with an option's terms for any broadcastable arrays of starts and ends, so
-    the dynamic programs read whole rows (all ends of one start) or columns (all
-    starts of one end) at once.
+    Each term is written once, in one method, for a start a and every layer i >= a
+    (:meth:`events_from`) or for broadcastable arrays of starts and ends (:meth:`kept`,
+    :meth:`fetched`, :meth:`seconds`, the held bytes of :meth:`_working_set`). Two
+    readers combine them:
+
+    - the solvers (solver.py) read :meth:`working_set` for whole rows (all ends of one
+      start) or columns (all starts of one end) at once, from three n x n tables of the
+      largest option-independent events of every segment [a, b) (:attr:`tables`, built
+      on first use);
+    - :meth:`predict` evaluates one plan, each segment from its own events.
+
+    Both take the same events and differ only in how they find a segment's largest
+    one (a running maximum over ends, or the maximum over the segment's layers), so
+    each checks the other (tests/planning/test_memory_model.py).
     """
 
     def __init__(self, prof: Profile, options: list, fixed: Optional[Sequence[KeepPolicy]] = None):
@@ -156,7 +168,9 @@ class CostModel:
         self._options_by_layer(layers)
         if fixed is not None:
             self.allowed &= np.array([[option == each for each in fixed] for option in options])
-        self._event_tables(_saved_table(prof.saved, n))
+        self.saved_first, self.saved_last, self.saved_bytes = (
+            np.array([getattr(s, field) for s in prof.saved], dtype=dtype)
+            for field, dtype in (("first", np.int64), ("last", np.int64), ("nbytes", np.float64)))
 
     def _options_by_layer(self, layers) -> None:
         """Per option (rows) and start layer (columns): whether it may be used there, the
@@ -182,50 +196,54 @@ class CostModel:
             self.to_host_s[o, a] = layer.to_host_s.get(option.codec.name, 0.0)
             self.to_device_s[o, a] = layer.to_device_s.get(option.codec.name, 0.0)
 
-    def _event_tables(self, saved: np.ndarray) -> None:
-        """recompute[a, b], lossy_recompute[a, b]: the largest recompute event of [a, b)
-        less what the option holds (-inf: nothing saved, no recompute); backward[a, b]:
-        the largest backward event. Also stored_peaks[a]."""
-        n = self.n
-        self.recompute, self.lossy_recompute, self.backward = (np.full((n, n), np.inf) for _ in range(3))
-        self.stored_peaks = np.empty(n)
-        for a in range(n):
-            i = np.arange(a, n)
-            before_recompute = self._held_before_layers(a, saved[a, a:], i)
-            backward = self._backward_events(a, saved[a, a:], i)
-            unsaved_input = 0.0 if a == 0 else self.input[a]  # the chain input is in X
-            before_forward = np.concatenate(([unsaved_input], saved[a, a:-1] + self._unsaved(a, i)[1:]))
-            self.stored_peaks[a] = max((before_forward + self.forward_rise[a:]).max(), backward.max())
-            last = self.last_saver[a:n - 1] - a  # for ends b = a+1 .. n-1
-            self.recompute[a, a + 1:] = _until_last_save(before_recompute + self.forward_rise[a:],
-                                                         before_recompute + self.rise_to_last_save[a:], last)
-            self.lossy_recompute[a, a + 1:] = _until_last_save(
-                before_recompute + self.forward_rise[a:] + self.restore[a:],
-                before_recompute + self.rise_to_last_save[a:] + self.restore[a:], last)
-            self.backward[a, a + 1:] = np.maximum.accumulate(backward)[:n - 1 - a]
+    # ----------------------------------------------------------------- the terms
 
-    def _held_before_layers(self, a: int, saved_row: np.ndarray, i: np.ndarray) -> np.ndarray:
-        """Saved'(a, i-1) + U(i) + the scratch statistics of layers a .. i-1, for i = a ..
-        n-1: what a recompute from a holds as layer i starts, beyond the segment input
-        (counted by the option)."""
-        own_input = (self.input_first[a] <= i) & (self.input_last[a] >= a)
-        saved_without_input = saved_row - np.where(own_input, self.input[a], 0.0)
+    def saved_from(self, a: int) -> np.ndarray:
+        """Saved(a, i) for i = a .. n-1: the storages whose saving layers meet [a, i]
+        (first <= i and last >= a), each counted from max(first, a)."""
+        meets = self.saved_last >= a
+        counted_from = np.maximum(self.saved_first[meets], a) - a
+        return np.cumsum(np.bincount(counted_from, weights=self.saved_bytes[meets], minlength=self.n - a))
+
+    def events_from(self, a: int) -> "_Events":
+        """The option-independent events of every layer i = a .. n-1 in a segment
+        starting at a (index i - a)."""
+        i = np.arange(a, self.n)
+        saved = self.saved_from(a)
         unsaved = self._unsaved(a, i)
-        unsaved[0] = 0.0
+        unsaved_input = 0.0 if a == 0 else self.input[a]  # the chain input is in X
+        stored_forward = np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + self.forward_rise[a:]
+        before_recompute = self._held_before_layers(a, saved, unsaved)
+        return _Events(stored_forward=stored_forward,
+                       backward=self._backward_events(a, saved, i),
+                       recompute=before_recompute + self.forward_rise[a:],
+                       recompute_to_last_save=before_recompute + self.rise_to_last_save[a:])
+
+    def _held_before_layers(self, a: int, saved: np.ndarray, unsaved: np.ndarray) -> np.ndarray:
+        """Saved'(a, i-1) + U(i) + B(a, i), for i = a .. n-1: what a recompute from a
+        holds as layer i starts, beyond the segment input (counted by the option)."""
+        i = np.arange(a, self.n)
+        own_input = (self.input_first[a] <= i) & (self.input_last[a] >= a)
+        saved_without_input = saved - np.where(own_input, self.input[a], 0.0)
         scratch = self.scratch_before[i] - self.scratch_before[a]
-        return np.concatenate(([0.0], saved_without_input[:-1])) + unsaved + scratch
+        return np.concatenate(([0.0], saved_without_input[:-1] + unsaved[1:])) + scratch
 
     def _unsaved(self, a: int, i: np.ndarray) -> np.ndarray:
         """U(i) for i = a .. n-1: layer i's input, unless a layer in [a, i) saved it."""
         saved_before = (self.input_first[i] <= i - 1) & (self.input_last[i] >= a)
         return np.where(saved_before, 0.0, self.input[i])
 
-    def _backward_events(self, a: int, saved_row: np.ndarray, i: np.ndarray) -> np.ndarray:
+    def _backward_events(self, a: int, saved: np.ndarray, i: np.ndarray) -> np.ndarray:
         """O + Saved(a, i) + g_{i+1} + bwd_i for i = a .. n-1, O less the output where
         Saved counts it."""
         output_in_saved = (self.output_first <= i) & (self.output_last >= a)
         held = self.held_in_backward - np.where(output_in_saved, self.output, 0.0)
-        return held + saved_row + self.grad[i + 1] + self.backward_rise[i]
+        return held + saved + self.grad[i + 1] + self.backward_rise[i]
+
+    def stored_working_set(self, s: int) -> float:
+        """W_stored(s): the largest event of the stored segment [s, n)."""
+        events = self.events_from(s)
+        return float(max(events.stored_forward.max(), events.backward.max()))
 
     def saves(self, a, b) -> np.ndarray:
         """Whether any layer of [a, b) saves a tensor (else nothing is kept or recomputed)."""
@@ -251,13 +269,14 @@ class CostModel:
         stored = self._stored(o, a, b)
         return stored if self.options[o].offload else np.zeros_like(stored)
 
-    def working_set(self, o: int, a, b, carries: np.ndarray) -> np.ndarray:
-        """W(a, b, o) + C for each prefetch bound C in ``carries`` (the last axis of the
-        result); inf where not allowed."""
+    def _working_set(self, o: int, a, b, recompute, backward, carries: np.ndarray) -> np.ndarray:
+        """W(a, b, o) + C for each C in ``carries`` (the last axis of the result), given
+        the segment's largest recompute event less what the option holds (``recompute``,
+        -inf when nothing is recomputed) and its largest backward event; inf where the
+        option may not be used."""
         option, kept, fetched = self.options[o], self.kept(o, a, b), self.fetched(o, a, b)
         held = self.held_in_backward + kept + fetched + self.decoded[o, a] + self.private_copy[a] + self.grad[b]
-        recompute = held + (self.lossy_recompute if option.lossy else self.recompute)[a, b]
-        events = np.maximum(recompute, self.backward[a, b])  # the sign bits go with the recompute
+        events = np.maximum(held + recompute, backward)  # the sign bits go with the recompute
         if option.lossy:
             decode = self.held_in_backward + kept + fetched + self.grad[b] + self.decode_rise[o, a]
             events = np.maximum(events, np.where(self.saves(a, b), decode, -np.inf))
@@ -275,6 +294,42 @@ class CostModel:
                        + np.maximum(0.0, self.to_device_s[o, a] - forward - backward))
         return seconds
 
+    # ----------------------------------------------------- the solvers' reading
+
+    @cached_property
+    def tables(self) -> "_Tables":
+        """The largest events of every segment [a, b), from each start's events by
+        running maxima over the ends."""
+        n = self.n
+        recompute, lossy_recompute, backward = (np.full((n, n), np.inf) for _ in range(3))
+        stored_peaks = np.empty(n)
+        for a in range(n):
+            events = self.events_from(a)
+            stored_peaks[a] = max(events.stored_forward.max(), events.backward.max())
+            last = self.last_saver[a:n - 1] - a  # for ends b = a+1 .. n-1
+            recompute[a, a + 1:] = _until_last_save(events.recompute, events.recompute_to_last_save, last)
+            lossy_recompute[a, a + 1:] = _until_last_save(events.recompute + self.restore[a:],
+                                                          events.recompute_to_last_save + self.restore[a:], last)
+            backward[a, a + 1:] = np.maximum.accumulate(events.backward)[:n - 1 - a]
+        return _Tables(recompute, lossy_recompute, backward, stored_peaks)
+
+    @property
+    def stored_peaks(self) -> np.ndarray:
+        """W_stored(s) for every start s."""
+        return self.tables.stored_peaks
+
+    @property
+    def backward(self) -> np.ndarray:
+        """[a, b]: the largest backward event of the segment [a, b)."""
+        return self.tables.backward
+
+    def working_set(self, o: int, a, b, carries: np.ndarray) -> np.ndarray:
+        """W(a, b, o) + C for each prefetch bound C in ``carries`` (the last axis of the
+        result), for broadcastable arrays of starts and ends; inf where not allowed."""
+        tables = self.tables
+        recompute = (tables.lossy_recompute if self.options[o].lossy else tables.recompute)[a, b]
+        return self._working_set(o, a, b, recompute, tables.backward[a, b], carries)
+
     def carries(self) -> np.ndarray:
         """Candidate values of C: 0 (nothing offloaded) and the sizes an offloaded
         segment may fetch back: each distinct one, or where there are more than
@@ -289,6 +344,56 @@ class CostModel:
         grid = np.geomspace(positive[0], positive[-1], _MAX_CARRIES - 1)
         return np.unique(np.concatenate(([0.0], positive[np.searchsorted(positive, grid, side="right") - 1])))
 
+    # ------------------------------------------------------------ one plan
+
+    def segment_working_set(self, o: int, a: int, b: int, carry: float) -> float:
+        """W(a, b, o) + C of one segment, from its own layers' events: the recompute
+        runs layers a .. the last saving one, that one up to its last save (the early
+        stop); every layer runs backward."""
+        events, stop = self.events_from(a), b - a
+        restore = self.restore[a:b] if self.options[o].lossy else 0.0
+        whole, to_last_save = events.recompute[:stop] + restore, events.recompute_to_last_save[:stop] + restore
+        last = int(self.last_saver[b - 1]) - a
+        recompute = max(whole[:last].max(initial=-np.inf), to_last_save[last]) if last >= 0 else -np.inf
+        return float(self._working_set(o, a, b, recompute, events.backward[:stop].max(), np.array([carry]))[0])
+
+    def predict(self, segments: list) -> tuple:
+        """(peak bytes, step seconds, index of the segment setting the peak) of a plan
+        given as [(start, stop, option index, or -1 for the stored segment)]: the
+        module docstring's peak = X + max_j (R_0 + ... + R_{j-1} + W_j), C the largest
+        F of the plan's offloaded segments."""
+        checkpointed = segments[:-1]
+        carry = max((float(self.fetched(o, a, b)) for a, b, o in checkpointed if self.options[o].offload),
+                    default=0.0)
+        seconds = self.forward_s_before[-1] + self.backward_s_before[-1]
+        seconds += sum(float(self.seconds(o, a, b)) for a, b, o in checkpointed)
+        kept_before, peak, peak_segment = 0.0, -math.inf, 0
+        for j, (a, b, o) in enumerate(segments):
+            working = self.stored_working_set(a) if o < 0 else self.segment_working_set(o, a, b, carry)
+            if kept_before + working > peak:
+                peak, peak_segment = kept_before + working, j
+            kept_before += 0.0 if o < 0 else float(self.kept(o, a, b))
+        return self.chain_input + peak, seconds, peak_segment
+
+
+class _Events(NamedTuple):
+    """The option-independent events of the layers i = a .. n-1 of a segment starting
+    at a, one array each (index i - a), in the module docstring's terms."""
+
+    stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + fwd_i: the stored segment's forward
+    backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
+    recompute: np.ndarray  # Saved'(a, i-1) + U(i) + B(a, i) + fwd_i: the option adds its held bytes
+    recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
+
+
+class _Tables(NamedTuple):
+    """[a, b]: the largest event of the segment [a, b) (inf below the diagonal)."""
+
+    recompute: np.ndarray  # -inf where nothing is recomputed
+    lossy_recompute: np.ndarray  # with the ReLU restores of a lossy codec
+    backward: np.ndarray
+    stored_peaks: np.ndarray  # [s]: W_stored(s)
+
 
 def _until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:
     """For each segment end, the largest recompute event: layers before the segment's
@@ -298,143 +403,3 @@ def _until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) 
     running = np.maximum.accumulate(full)
     whole = np.where(last > 0, running[np.maximum(last - 1, 0)], -np.inf)
     return np.where(last >= 0, np.maximum(whole, truncated[np.maximum(last, 0)]), -np.inf)
-
-
-def _saved_table(saved: tuple, n: int) -> np.ndarray:
-    """table[a, i] = Saved(a, i): bytes of storages whose saving layers meet [a, i]
-    (first <= i and last >= a), by two cumulative sums over (first, last)."""
-    by_span = np.zeros((n, n))
-    if saved:
-        np.add.at(by_span, ([s.first for s in saved], [s.last for s in saved]), [s.nbytes for s in saved])
-    first_at_most = by_span.cumsum(axis=0)  # [i, last]: first <= i
-    last_at_least = first_at_most[:, ::-1].cumsum(axis=1)[:, ::-1]  # [i, a]: first <= i, last >= a
-    return np.ascontiguousarray(last_at_least.T)
-
-
-def predicted(profile: Profile, segments: list) -> tuple:
-    """(peak bytes, step seconds, index of the segment setting the peak)."""
-    layers = profile.layers
-    # runtime/store.py keeps a leaf or non-float input as it is, whatever the option.
-    segments = [(a, b, option if option is None or layers[a].input_encodable else EXACT)
-                for a, b, option in segments]
-    carry = max((_stored_by(profile, a, b, option) for a, b, option in segments if option and option.offload),
-                default=0)
-    kept_before, peak, peak_segment = 0, -math.inf, 0
-    seconds = sum(layer.forward_s + layer.backward_s for layer in layers)
-    for j, (a, b, option) in enumerate(segments):
-        if option is None:
-            working, kept = _stored_working_set(profile, a), 0
-        else:
-            working = _checkpointed_working_set(profile, a, b, option, carry)
-            kept = 0 if option.offload else _stored_by(profile, a, b, option)
-            seconds += _checkpointed_seconds(layers, a, b, option)
-        if kept_before + working > peak:
-            peak, peak_segment = kept_before + working, j
-        kept_before += kept
-    return profile.input_bytes + peak, seconds, peak_segment
-
-
-def _saved_running(profile: Profile, a: int, stop: int) -> list:
-    """[Saved(a, i) for i in a .. stop-1]."""
-    total = sum(s.nbytes for s in profile.saved if s.first < a <= s.last)
-    starting = [0] * len(profile.layers)
-    for s in profile.saved:
-        if s.first >= a and s.last >= a:
-            starting[s.first] += s.nbytes
-    running = []
-    for i in range(a, stop):
-        total += starting[i]
-        running.append(total)
-    return running
-
-
-def _unsaved_input(layers: tuple, a: int, i: int) -> int:
-    """U(i) in a segment starting at a, for i > a."""
-    span = layers[i].input_saved_by
-    return 0 if span is not None and span[0] <= i - 1 and span[1] >= a else layers[i].input_bytes
-
-
-def _input_grad(profile: Profile, i: int) -> int:
-    """g_i; g_n is held by the caller through the whole backward (_held_in_backward)."""
-    return 0 if i == len(profile.layers) else profile.layers[i].input_grad_bytes
-
-
-def _held_in_backward(profile: Profile, a: int = 0, i: int = -1) -> int:
-    """O: the output and its gradient, which the caller holds through the backward;
-    less the output if Saved(a, i) counts it."""
-    span = profile.output_saved_by
-    counted = span is not None and span[0] <= i and span[1] >= a
-    return profile.output_grad_bytes + (0 if counted else profile.output_bytes)
-
-
-def _stored_working_set(profile: Profile, a: int) -> int:
-    layers, n = profile.layers, len(profile.layers)
-    saved = _saved_running(profile, a, n)
-    events = []
-    for i in range(a, n):
-        unsaved = (layers[a].input_bytes if a > 0 else 0) if i == a else _unsaved_input(layers, a, i)
-        events.append((saved[i - a - 1] if i > a else 0) + unsaved + layers[i].forward_rise)
-        events.append(_held_in_backward(profile, a, i) + saved[i - a] + _input_grad(profile, i + 1)
-                      + layers[i].backward_rise)
-    return max(events)
-
-
-def _stored_by(profile: Profile, a: int, b: int, option: KeepPolicy) -> int:
-    """K + S: what the checkpointed segment [a, b) keeps, on the device (R) or, when
-    offloaded, on the host (F, fetched back); nothing when no layer saves."""
-    layers = profile.layers
-    if not any(layer.saves_for_backward for layer in layers[a:b]):
-        return 0
-    signs = sum(layer.relu_sign_bytes for layer in layers[a:b]) if option.lossy else 0
-    return layers[a].kept_input_bytes(option, chain_input=a == 0) + signs
-
-
-def _checkpointed_working_set(profile: Profile, a: int, b: int, option: KeepPolicy, carry: int) -> int:
-    """W of the checkpointed segment [a, b), C = ``carry`` included."""
-    layers, first = profile.layers, profile.layers[a]
-    backward = [_held_in_backward(profile, a, i) + saved + _input_grad(profile, i + 1) + layers[i].backward_rise
-                + carry for i, saved in zip(range(a, b), _saved_running(profile, a, b))]
-    savers = [i for i in range(a, b) if layers[i].saves_for_backward]
-    if not savers:  # nothing to recompute, nothing kept
-        return max(backward)
-    held = _held_in_backward(profile) + _stored_by(profile, a, b, option) + _input_grad(profile, b)
-    events = list(backward)  # the sign bits are released with the inputs, after the recompute
-    events += _recompute_events(profile, a, savers[-1], option, held + carry)
-    if option.lossy:
-        events.append(held + first.decode_rise[option.codec.name] + carry)
-        events.append(first.input_bytes + first.encode_rise[option.codec.name])
-    return max(events)
-
-
-def _recompute_events(profile: Profile, a: int, last_saver: int, option: KeepPolicy, held: int) -> list:
-    """The recompute of [a, last_saver]: the early stop ends it at the last save."""
-    layers, first = profile.layers, profile.layers[a]
-    decoded = first.dense_input_bytes if option.lossy else 0
-    private_copy = first.dense_input_bytes if first.modifies_input and first.input_grad_bytes else 0
-    own = first.input_saved_by
-    saved = _saved_running(profile, a, last_saver + 1)
-    events = []
-    for i in range(a, last_saver + 1):
-        before = sum(layer.recompute_scratch_bytes for layer in layers[a:i])
-        if i > a:
-            own_counted = own is not None and own[0] <= i - 1 and own[1] >= a
-            input_counted = first.input_bytes if own_counted else 0
-            before += saved[i - a - 1] - input_counted + _unsaved_input(layers, a, i)
-        rise = layers[i].forward_rise_to_last_save if i == last_saver else layers[i].forward_rise
-        restore = layers[i].relu_restore_bytes if option.lossy else 0
-        events.append(held + decoded + private_copy + before + rise + restore)
-    return events
-
-
-def _checkpointed_seconds(layers: tuple, a: int, b: int, option: KeepPolicy) -> float:
-    forward = sum(layer.forward_s for layer in layers[a:b])
-    backward = sum(layer.backward_s for layer in layers[a:b])
-    first = layers[a]
-    seconds = forward
-    if option.lossy:
-        seconds += first.encode_s[option.codec.name] + first.decode_s[option.codec.name]
-    if option.offload:
-        # No copy times where host memory is the device's (a CPU profile) or unmeasured (meta).
-        seconds += (max(0.0, first.to_host_s.get(option.codec.name, 0.0) - forward)
-                    + max(0.0, first.to_device_s.get(option.codec.name, 0.0) - forward - backward))
-    return seconds

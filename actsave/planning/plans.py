@@ -27,10 +27,10 @@ from typing import Optional, Sequence
 
 from ..checks import integral, real_number
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, available_codecs, get_codec
-from ..errors import ConfigError
-from ..runtime.store import KeepPolicy
+from ..errors import ConfigError, InternalError
+from ..runtime.store import EXACT, KeepPolicy
 from ..text import format_table, mib, ms
-from .memory_model import CostModel, host_is_separate, predicted
+from .memory_model import CostModel, host_is_separate
 from .profiler import Profile
 from .solver import fastest_within, smallest_headroom
 
@@ -145,11 +145,12 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
     model = CostModel(profile, keep_options(allow, min_sqnr_db, profile.device))
     longest = max_checkpointed_layers
     if objective == "time":
-        segments = fastest_within(model, budget - model.chain_input, longest)
+        headroom = budget - model.chain_input
+        segments = fastest_within(model, headroom, longest)
     else:
-        smallest = smallest_headroom(model, longest)
-        fits = budget is None or model.chain_input + smallest <= budget
-        segments = fastest_within(model, smallest, longest) if fits else None
+        headroom = smallest_headroom(model, longest)
+        fits = budget is None or model.chain_input + headroom <= budget
+        segments = fastest_within(model, headroom, longest) if fits else None
     if segments is None:
         levers = f"allow={tuple(allow)}" + ("" if min_sqnr_db is None else f" and min_sqnr_db={min_sqnr_db}")
         smallest_budget = model.chain_input + smallest_headroom(model, longest)
@@ -158,7 +159,7 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
             f"feasible budget is {int(smallest_budget):,} bytes ({mib(smallest_budget)} MiB). Raise the "
             "budget, allow more levers, or use a smaller batch."
         )
-    return _plan_of(profile, model, segments, budget)
+    return _plan_of(model, segments, budget, bound=model.chain_input + headroom)
 
 
 def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
@@ -174,15 +175,32 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     if len(options) != len(profile.layers) or not all(isinstance(o, KeepPolicy) for o in options):
         raise ConfigError(f"balanced needs one KeepPolicy per layer ({len(profile.layers)}), got {options!r}")
     model = CostModel(profile, [], fixed=options)
-    segments = fastest_within(model, smallest_headroom(model))
-    return _plan_of(profile, model, segments, budget=None)
+    headroom = smallest_headroom(model)
+    segments = fastest_within(model, headroom)
+    return _plan_of(model, segments, budget=None, bound=model.chain_input + headroom)
 
 
-def _plan_of(profile: Profile, model: "CostModel", segments: list, budget: Optional[int]) -> Plan:
-    """The Plan of a dynamic program's [(start, stop, option index)], with predictions."""
+def _plan_of(model: CostModel, segments: list, budget: Optional[int], bound: float) -> Plan:
+    """The Plan of a dynamic program's [(start, stop, option index)], with the model's
+    predictions, which must fit the peak ``bound`` the program planned for."""
     checkpointed = [model.options[o] for _, _, o in segments[:-1]]
-    return predict(profile, [start for start, _, _ in segments], [option.codec.name for option in checkpointed],
-                   [option.offload for option in checkpointed], budget)
+    draft = Plan(model.n, tuple(start for start, _, _ in segments), tuple(o.codec.name for o in checkpointed),
+                 tuple(o.offload for o in checkpointed), 0, 0.0, 0, budget)
+    plan = _with_predictions(draft, model, segments)
+    if not plan.predicted_peak_bytes <= bound:
+        raise InternalError(
+            f"the planner chose segments starting at {list(plan.starts)} for a peak of at most {int(bound):,} "
+            f"bytes, but the memory model predicts {plan.predicted_peak_bytes:,} for them: the dynamic program "
+            "and the model disagree")
+    return plan
+
+
+def _with_predictions(draft: Plan, model: CostModel, segments: list) -> Plan:
+    """``draft`` with the model's predictions for ``segments`` ([(start, stop, option
+    index or -1 for the stored segment)])."""
+    peak, seconds, peak_segment = model.predict(segments)
+    return dataclasses.replace(draft, predicted_peak_bytes=int(peak), predicted_step_seconds=float(seconds),
+                               peak_segment=peak_segment)
 
 
 def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str) -> list:
@@ -233,16 +251,20 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
             offload: Optional[Sequence[bool]] = None, budget: Optional[int] = None) -> Plan:
     """The :class:`Plan` for given segment starts (and per checkpointed segment codec
     and offload; default exact, on the device), with the model's predictions: to
-    compare any segmentation, "sqrt"'s say, with a planned one. Written apart from the
-    dynamic program, event by event, so each checks the other."""
+    compare any segmentation, "sqrt"'s say, with a planned one. Each segment is
+    evaluated from its own layers' events (CostModel.predict), not from the tables the
+    dynamic programs read."""
     starts = list(starts)
     checkpointed = len(starts) - 1
     codecs = ["none"] * checkpointed if codecs is None else [get_codec(c).name for c in codecs]
     offload = [False] * checkpointed if offload is None else list(offload)
     draft = Plan(len(profile.layers), tuple(starts), tuple(codecs), tuple(offload), 0, 0.0, 0, budget)
-    peak, seconds, peak_segment = predicted(profile, draft.segments)
-    return dataclasses.replace(draft, predicted_peak_bytes=int(peak), predicted_step_seconds=seconds,
-                               peak_segment=peak_segment)
+    # runtime/store.py keeps a leaf or non-float input as it is, whatever the option.
+    policies = [option if profile.layers[a].input_encodable else EXACT for a, _, option in draft.segments[:-1]]
+    options = sorted(set(policies), key=lambda option: (option.codec.name, option.offload))
+    segments = [(a, b, options.index(policy)) for (a, b, _), policy in zip(draft.segments, policies)]
+    model = CostModel(profile, options)
+    return _with_predictions(draft, model, [*segments, (draft.starts[-1], draft.n_layers, -1)])
 
 
 __all__ = ["plan", "balanced", "predict", "keep_options", "Plan", "EXPECTED_GRADIENT_SQNR_DB", "DEFAULT_ALLOW",

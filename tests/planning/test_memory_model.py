@@ -6,13 +6,22 @@ minus parameters, buffers and gradients: the planner's "peak activation memory".
 Measured over 100 random chains x 5 random plans: measured / predicted between 0.942
 and 1.000; equal for the MLPs and the CIFAR ResNet-56 of bench/models.py.
 """
+import math
+import random
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planning.chains import chain, random_chains
+from planning.chains import (
+    BENCH_LIKE_CHAINS,
+    bench_like_chain,
+    chain,
+    random_chains,
+    with_host_copies,
+)
 from support import deep_mlp, mixed_chain, peak_activation_bytes
 from torch import nn
 
@@ -81,5 +90,42 @@ def test_offloaded_relu_bits_on_a_carry_grid_stay_within_one_fetch_of_the_exact_
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(memory_model, "_MAX_CARRIES", 4)
         gridded = plans.balanced(prof, options)
-    largest_fetch = max(memory_model._stored_by(prof, a, b, option) for a, b, option in exact.segments[:-1])
+    model = memory_model.CostModel(prof, [options[0]])
+    largest_fetch = max(float(model.fetched(0, a, b)) for a, b, _ in exact.segments[:-1])
     assert exact.predicted_peak_bytes <= gridded.predicted_peak_bytes <= exact.predicted_peak_bytes + largest_fetch
+
+
+# --- the solvers' tables against the per-plan prediction ---------------------------------
+
+
+def as_the_solvers_see_it(prof: actsave.Profile, model: memory_model.CostModel, segments: list) -> tuple:
+    """(peak, seconds) of a plan by the dynamic programs' arithmetic: W from the
+    tables (working_set, stored_peaks), kept bytes summed left to right, C the plan's
+    largest fetch."""
+    checkpointed = segments[:-1]
+    carry = max((float(model.fetched(o, a, b)) for a, b, o in checkpointed if model.options[o].offload), default=0.0)
+    kept, peak = 0.0, -math.inf
+    for a, b, o in checkpointed:
+        peak = max(peak, kept + model.working_set(o, a, b, np.array([carry]))[0])
+        kept += float(model.kept(o, a, b))
+    peak = max(peak, kept + model.stored_peaks[segments[-1][0]])
+    seconds = sum(layer.forward_s + layer.backward_s for layer in prof.layers)
+    return model.chain_input + peak, seconds + sum(float(model.seconds(o, a, b)) for a, b, o in checkpointed)
+
+
+
+@pytest.mark.parametrize("name", BENCH_LIKE_CHAINS)
+def test_the_solvers_tables_and_predict_agree_on_random_plans(name):
+    chain_model, x = bench_like_chain(name)
+    prof = with_host_copies(actsave.profile(chain_model, (x,)))  # offload is a lever
+    model = memory_model.CostModel(prof, plans.keep_options(plans.DEFAULT_ALLOW, None, prof.device))
+    n, rng = len(prof.layers), random.Random(name)
+    for _ in range(25):
+        starts = [0, *sorted(rng.sample(range(1, n), rng.randint(0, min(6, n - 1))))]
+        options = [rng.choice(np.nonzero(model.allowed[:, a])[0].tolist()) for a in starts[:-1]]
+        segments = [*zip(starts, starts[1:], options), (starts[-1], n, -1)]
+        peak, seconds = as_the_solvers_see_it(prof, model, segments)
+        plan = plans.predict(prof, starts, [model.options[o].codec.name for o in options],
+                             [model.options[o].offload for o in options])
+        assert plan.predicted_peak_bytes == peak
+        assert math.isclose(plan.predicted_step_seconds, seconds, rel_tol=1e-12)

@@ -12,7 +12,8 @@ from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError
-from actsave.planning import plans
+from actsave.errors import InternalError
+from actsave.planning import memory_model, plans
 
 
 def test_generous_budget_keeps_everything_and_trains_exactly():
@@ -103,3 +104,17 @@ def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
                                compress="int8")
     with pytest.raises(ConfigError, match="used by segments=.* only"):
         CheckpointedSequential(*deep_mlp(2), segments="sqrt", budget=2**20)
+
+
+def test_plan_refuses_a_plan_its_own_prediction_does_not_fit(small_profile):
+    honest = memory_model.CostModel.predict
+
+    def one_byte_over(model, segments):
+        peak, seconds, peak_segment = honest(model, segments)
+        return peak + 1, seconds, peak_segment
+
+    tightest = actsave.plan(small_profile, None, objective="memory").predicted_peak_bytes
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory_model.CostModel, "predict", one_byte_over)
+        with pytest.raises(InternalError, match="the dynamic program and the model disagree"):
+            actsave.plan(small_profile, tightest)

@@ -1,6 +1,5 @@
 """The dynamic programs against brute force over every plan of small chains, and
 the planning time of 1,000 layers (printed)."""
-import dataclasses
 import itertools
 import math
 import random
@@ -8,7 +7,7 @@ import time
 
 import pytest
 import torch
-from planning.chains import chain
+from planning.chains import chain, with_host_copies
 from support import deep_mlp
 from torch import nn
 
@@ -22,16 +21,6 @@ def all_plans(n: int, options: list):
     for inner in itertools.chain.from_iterable(itertools.combinations(range(1, n), k) for k in range(n)):
         for chosen in itertools.product(options, repeat=len(inner)):
             yield [0, *inner], chosen
-
-
-def with_host_copies(prof: actsave.Profile) -> actsave.Profile:
-    """The profile as if measured on CUDA, where offload is a lever: copies that take
-    1-4x as long as the layer's forward, so they are partly exposed."""
-    layers = tuple(dataclasses.replace(layer,
-                                       to_host_s={c: (1 + i % 4) * layer.forward_s for c in layer.kept_bytes},
-                                       to_device_s={c: 2 * layer.forward_s for c in layer.kept_bytes})
-                   for i, layer in enumerate(prof.layers))
-    return dataclasses.replace(prof, layers=layers, device="cuda")
 
 
 @pytest.mark.parametrize("device, n", [("cpu", 6), ("cuda", 4)])
