@@ -1,0 +1,54 @@
+"""The rotor reference solver (rotor_reference.py) against its own simulator and a
+brute force over every plan of short chains: the reference must be right before
+actsave's planner is measured against it."""
+import numpy as np
+import pytest
+
+from planning.rotor_reference import RotorTable, all_plans, brute_force, count_plans, random_chain, simulate
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_table_is_the_brute_force_optimum_at_every_budget(seed, n):
+    chain = random_chain(np.random.default_rng(seed * 10 + n), n)
+    top = sum(chain.saved) + 3 * max(chain.act) + 6
+    table = RotorTable(chain, top)
+    for budget in range(top + 1):
+        expected = brute_force(chain, budget)
+        assert table.step_time(budget) == expected, budget
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_each_plan_simulates_to_the_time_it_claims_within_its_budget(seed):
+    rng = np.random.default_rng(seed)
+    chain = random_chain(rng, int(rng.integers(4, 12)))
+    top = sum(chain.saved) + 3 * max(chain.act) + 6
+    table = RotorTable(chain, top)
+    for budget in range(top + 1):
+        plan = table.plan(budget)
+        if plan is None:
+            assert not np.isfinite(table.step_time(budget))
+            continue
+        time, peak = simulate(chain, plan)
+        assert time == table.step_time(budget) and peak <= budget
+
+
+def test_tight_budgets_recompute_some_stages_more_than_once():
+    """Multi-level plans are what the reference is for: a long uniform chain at a budget
+    just above the smallest takes nested checkpoints."""
+    from planning.rotor_reference import RotorChain
+    n = 12
+    chain = RotorChain((1.0,) * n, (2.0,) * n, (1,) * (n + 1), (2,) * n, (0,) * n, (0,) * n)
+    table = RotorTable(chain, 40)
+    smallest = next(b for b in range(41) if np.isfinite(table.step_time(b)))
+    plan = table.plan(smallest)
+
+    def depth(children):
+        return max((1 + depth(inner) for _, _, inner in children if inner is not None), default=0)
+    assert depth(plan) >= 2
+    assert table.step_time(smallest) > sum(chain.fwd_time) * 2 + sum(chain.bwd_time)
+
+
+def test_plans_are_enumerated_once_each():
+    plans = list(all_plans(0, 5))
+    assert len(plans) == len(set(plans)) == count_plans(5)
