@@ -334,22 +334,6 @@ def test_unsigned_flagged_group_stores_the_signed_codes(ufmt, unsigned_codec, gr
     assert torch.equal(decoded.isnan(), x.isnan()) and torch.equal(decoded.isinf(), x.isinf())
 
 
-def test_unsigned_non_finite_values_decode_as_they_were(unsigned_codec, non_finite_input, group_size,
-                                                        assert_non_finite_kept):
-    assert_non_finite_kept(unsigned_codec, non_finite_input.abs(), group_size)
-
-
-def test_unsigned_all_zero_groups_decode_to_exact_zeros(unsigned_codec, dtype, group_size):
-    encode, decode = unsigned_codec
-    x = torch.zeros(3 * group_size, dtype=dtype)
-    x[:group_size] = torch.rand(group_size)
-    x[-1] = -0.0
-    codes, scales = encode(x, group_size=group_size)
-    assert (scales[1:] == 0).all() and (codes[group_size:] == 0).all()
-    zeros = decode(codes, scales, dtype=dtype, group_size=group_size)[group_size:]
-    assert (zeros == 0).all() and not zeros.signbit().any()
-
-
 @pytest.mark.parametrize("beside", [0.0, float("inf")], ids=["finite_group", "beside_inf"])
 def test_unsigned_dtype_maximum_decodes_finite(ufmt, unsigned_codec, dtype, beside, group_size, round_trip):
     finfo = torch.finfo(dtype)

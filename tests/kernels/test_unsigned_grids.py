@@ -1,0 +1,32 @@
+"""What every unsigned grid (NOTE [unsigned grids]: uint8, fp8 ue4m4, ue5m3) shares,
+for the Triton kernel and its torch reference alike, read from the kernel table."""
+from functools import partial
+
+import pytest
+import torch
+from actsave.triton_kernels import UNSIGNED_VARIANT, kernel_table
+
+
+@pytest.fixture(params=[(fmt, impl) for fmt in UNSIGNED_VARIANT.values() for impl in ("triton", "reference")],
+                ids=lambda p: "-".join(p))
+def unsigned_codec(request):
+    """(encode, decode) of one unsigned format, as the kernel or as its reference."""
+    fmt, impl = request.param
+    pair = [kernel_table()[fmt, direction] for direction in ("encode", "decode")]
+    return tuple(partial(k.launcher if impl == "triton" else k.reference, **k.format_args) for k in pair)
+
+
+def test_unsigned_non_finite_values_decode_as_they_were(unsigned_codec, non_finite_input, group_size,
+                                                        assert_non_finite_kept):
+    assert_non_finite_kept(unsigned_codec, non_finite_input.abs(), group_size)
+
+
+def test_unsigned_all_zero_groups_decode_to_exact_zeros(unsigned_codec, dtype, group_size):
+    encode, decode = unsigned_codec
+    x = torch.zeros(3 * group_size, dtype=dtype)
+    x[:group_size] = torch.rand(group_size)
+    x[-1] = -0.0
+    codes, scales = encode(x, group_size=group_size)
+    assert (scales[1:] == 0).all() and (codes[group_size:] == 0).all()
+    zeros = decode(codes, scales, dtype=dtype, group_size=group_size)[group_size:]
+    assert (zeros == 0).all() and not zeros.signbit().any()
