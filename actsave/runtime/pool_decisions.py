@@ -107,12 +107,15 @@ class Window:
         """The offset of each window's winner, packed (uint8, 1-D). ``indices``: flat
         per plane over ``input_size``, as max pooling returns them."""
         offsets = torch.zeros(indices.shape, dtype=torch.uint8, device=indices.device)
-        coordinate = torch.empty_like(indices)
+        # The narrowest type that holds a coordinate: the forward's transient is then
+        # below a restore's (the planner charges the larger: profiler.py).
+        narrow = torch.int16 if max(input_size) + max(self.padding) < 2 ** 15 else torch.int32
+        coordinate = torch.empty(indices.shape, dtype=narrow, device=indices.device)
         for d, inner in self._dims(input_size):
             torch.div(indices, inner, rounding_mode="floor", out=coordinate)
             coordinate.remainder_(input_size[d]).sub_(self._starts(d, indices))
             coordinate.div_(self.dilation[d], rounding_mode="floor").mul_(math.prod(self.kernel[d + 1:]))
-            offsets.add_(coordinate.to(torch.uint8))
+            offsets.add_(coordinate)  # below 256: exact in uint8
         return _pack(offsets.reshape(-1), self.bits)
 
     def decode_into_(self, indices: torch.Tensor, packed: torch.Tensor, input_size: tuple) -> None:
