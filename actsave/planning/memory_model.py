@@ -23,10 +23,10 @@ Memory model
     input as the codec stores it (K; nothing for the chain input, held anyway) plus,
     for a lossy codec, the decisions its recompute takes from the forward (S): one bit
     per element of each ReLU output inside it, a few per output of each max pool
-    (runtime/pool_decisions.py), until its recompute ends. R = K + S is what it keeps on the device; offloaded, R = 0 and
-    F = K + S is fetched back for the recompute. W is the largest of the segment's
-    events, each built from per-layer measurements of the profiled step (sums over
-    a <= i < b):
+    (runtime/pool_decisions.py), until its recompute ends. R = K + S is what it keeps
+    on the device; offloaded, R = 0 and F = K + S is fetched back for the recompute.
+    W is the largest of the segment's events, each built from per-layer measurements
+    of the profiled step (sums over a <= i < b):
 
     checkpointed [a, b), option o
         encode      x_a + enc(a, o)                                    lossy codecs
