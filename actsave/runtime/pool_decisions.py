@@ -33,8 +33,8 @@ So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
   input at those indices: exactly a pool that recomputes at the forward's decisions.
 
 Exact checkpoints keep nothing: their recompute decides as the forward did. The last
-segment of a CheckpointedSequential is not recomputed: autograd keeps the forward's
-indices there (compressed_saves.py leaves integer saves alone).
+segment of a CheckpointedSequential is not recomputed, so it has the forward's
+indices; under a lossy codec it stores them in the same few bits (compressed_saves.py).
 """
 from __future__ import annotations
 
