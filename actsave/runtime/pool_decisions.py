@@ -13,12 +13,12 @@ So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
 
 - Which saves are decisions. ``max_pool{1,2,3}d_with_indices`` saves its input and then
   its ``indices`` output through the saved-tensor hooks. Module forward hooks
-  (:class:`PoolWatch`) tell when a plain ``nn.MaxPool1d/2d/3d`` runs (its own
-  ``forward``, not a subclass's), and an integer save made there, with the shape the
-  pool's geometry gives for the input it just saved, is its indices. Metadata only: no
-  device sync, no other integer save (embedding ids, gather indices, targets) mistaken
-  for one. ``F.max_pool2d`` called outside such a module, subclasses that override
-  ``forward``, and windows of more than 256 elements are recomputed as they come (as
+  (:class:`PoolWatch`) tell when a plain ``nn.MaxPool1d/2d/3d`` runs (that class, not
+  a subclass, whose ``forward`` may pool otherwise), and an int64 save made there,
+  with the shape the pool's geometry gives for the input it just saved, is its
+  indices. Metadata only: no device sync, no other integer save (embedding ids, gather
+  indices, targets) mistaken for one. ``F.max_pool2d`` called outside such a module,
+  subclasses, and windows of more than 256 elements are recomputed as they come (as
   before this mechanism: lossy, never wrong).
 - Compactly. The decision is the offset of the winning element within its window
   (``kernel_size``, ``stride``, ``padding``, ``dilation`` and ``ceil_mode`` place the
@@ -70,8 +70,8 @@ class Window:
     @classmethod
     def of(cls, module: nn.Module) -> Optional["Window"]:
         """The windows of a plain ``nn.MaxPool1d/2d/3d`` whose decisions can be kept,
-        or None (another module, a subclass with its own ``forward``, a window of one
-        element, which decides nothing, or of more than 256)."""
+        or None: another module (a subclass too: its ``forward`` may pool otherwise),
+        a window of one element, which decides nothing, or of more than 256."""
         dims = _PLAIN_POOLS.get(type(module))
         if dims is None:
             return None
@@ -107,9 +107,11 @@ class Window:
         """The offset of each window's winner, packed (uint8, 1-D). ``indices``: flat
         per plane over ``input_size``, as max pooling returns them."""
         offsets = torch.zeros(indices.shape, dtype=torch.uint8, device=indices.device)
-        # The narrowest type that holds a coordinate: the forward's transient is then
-        # below a restore's (the planner charges the larger: profiler.py).
-        narrow = torch.int16 if max(input_size) + max(self.padding) < 2 ** 15 else torch.int32
+        # The narrowest type that holds every quotient below (up to a plane's size, plus
+        # the padding once the window start is subtracted): a small transient. The
+        # planner charges the larger of this and a restore's (profiler.py).
+        span = math.prod(input_size) + max(self.padding)
+        narrow = torch.int16 if span < 2 ** 15 else torch.int32 if span < 2 ** 31 else torch.int64
         coordinate = torch.empty(indices.shape, dtype=narrow, device=indices.device)
         for d, inner in self._dims(input_size):
             torch.div(indices, inner, rounding_mode="floor", out=coordinate)

@@ -22,6 +22,7 @@ GEOMETRIES = [
     (nn.MaxPool2d(3, 2, ceil_mode=True), (3, 8, 11)),  # unbatched, a partial last window
     (nn.MaxPool2d(4, 4), (2, 3, 8, 8)),  # 16 elements: 4 bits
     (nn.MaxPool2d(5, 1, 2), (1, 2, 7, 7)),  # 25 elements: 8 bits
+    (nn.MaxPool2d(2), (1, 2, 200, 200)),  # planes of more than 2**15 elements
     (nn.MaxPool3d(2), (2, 3, 4, 6, 6)),
     (nn.MaxPool3d(3, 2, 1, dilation=(1, 2, 1), ceil_mode=True), (2, 2, 5, 9, 7)),
 ]
