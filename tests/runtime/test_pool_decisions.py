@@ -7,7 +7,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import actsave
 from actsave import CheckpointedSequential
-from actsave.codecs import LOSSY_CODECS, sqnr_db
+from actsave.codecs import LOSSY_CODECS, get_codec, sqnr_db
 from actsave.runtime import pool_decisions
 from actsave.runtime.pool_decisions import PoolWatch, Window
 
@@ -236,3 +236,53 @@ def test_return_indices_callers_read_the_forwards_decisions(monkeypatch):
     without_pool_decisions(monkeypatch)
     forward, recomputed = pool_unpool_indices("fp8_e5m2")
     assert not torch.equal(forward, recomputed)
+
+
+class Scale(nn.Module):
+    """``x * w``: a layer before the pool, so the pool's input is recomputed."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def pooled_at_forward_decisions(module: nn.Module, x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor) -> list:
+    """The oracle for ``[Scale, module]`` recomputed from an int8 kept ``x``: the decoded
+    input, scaled, gathered and its gradient scattered at the forward's decisions."""
+    dims = len(Window.of(module).kernel)
+    _, indices = module.__class__(module.kernel_size, module.stride, module.padding, module.dilation,
+                                  return_indices=True, ceil_mode=module.ceil_mode)(x.detach() * w.detach())
+    codec = get_codec("int8")
+    decoded = codec.decode(codec.encode(x.detach())).requires_grad_()
+    w = w.detach().requires_grad_()
+    scaled = (decoded * w).flatten(-dims) if dims > 1 else decoded * w
+    pooled = scaled.gather(-1, indices.reshape(*scaled.shape[:-1], -1)).view(indices.shape)
+    (pooled * grad).sum().backward()
+    return [decoded.grad, w.grad]
+
+
+def coarsely_kept(shape) -> torch.Tensor:
+    """Values that int8 keeps coarsely: an outlier in every 64 elements widens each
+    group's scale, so many windows tie or flip in the recompute (checked: without the
+    decisions every geometry's gradients differ from the oracle's)."""
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    x.view(-1)[::64] = 50.0
+    return x
+
+
+@pytest.mark.parametrize("module, shape", GEOMETRIES, ids=lambda v: str(v).replace(" ", ""))
+def test_every_geometry_is_recomputed_at_the_forwards_decisions(module, shape):
+    # Bit-identical, as above; the input's gradient passes through the decoded input
+    # unchanged, so both are compared.
+    leaf = coarsely_kept(shape).requires_grad_()
+    x = leaf * 1  # an activation: the codec keeps it
+    model = CheckpointedSequential(Scale(), module, nn.Identity(), segments=[0, 2], compress="int8")
+    out = model(x)
+    grad = torch.randn(out.shape)
+    (out * grad).sum().backward()
+    expected = pooled_at_forward_decisions(module, x, model[0].w, grad)
+    assert torch.equal(leaf.grad, expected[0]) and torch.equal(model[0].w.grad, expected[1])
