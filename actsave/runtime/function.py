@@ -103,10 +103,10 @@ class _Slot:
 
     __slots__ = ("index", "relu_signs", "pool_decisions", "__weakref__")
 
-    def __init__(self, index: int, relu_signs=None, pool_decisions=None):
+    def __init__(self, index: int):
         self.index = index
-        self.relu_signs = relu_signs
-        self.pool_decisions = pool_decisions
+        self.relu_signs = None
+        self.pool_decisions = None
 
 
 def _signature(t: torch.Tensor) -> tuple:
