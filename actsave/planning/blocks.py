@@ -58,7 +58,7 @@ from ..text import format_table, mib
 from .estimate import LiveBytes, allocation_bytes
 from .memory_model import host_is_separate
 from .plans import DEFAULT_ALLOW, Plan, plan, predict
-from .profiler import LayerProfile, Profile, _step_isolated, profile
+from .profiler import LayerProfile, Profile, isolated_steps, profile
 
 # ------------------------------------------------------------------ the example step
 
@@ -194,7 +194,7 @@ def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs) -> l
     they ran (:func:`_chained_calls`)."""
     recorder = _CallRecorder(blocks)
     try:
-        with _step_isolated(model, _device_of(model, example_inputs)), torch.enable_grad():
+        with isolated_steps(model, _device_of(model, example_inputs)), torch.enable_grad():
             run_step(model, example_inputs)
     finally:
         recorder.remove()
@@ -344,7 +344,7 @@ def measure_outside(model: nn.Module, calls: list, example_inputs) -> Outside:
     device = first_call.hidden.device
     batch = input_tensors(example_inputs)
     batch_bytes = sum(_storage_bytes(t, device) for t in {id(t.untyped_storage()): t for t in batch}.values())
-    with _step_isolated(model, device):
+    with isolated_steps(model, device):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), *grads, *batch])
         phases = _Phases(tracker, calls)

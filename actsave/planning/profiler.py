@@ -152,11 +152,14 @@ def _single_input(example_inputs) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _step_isolated(model: nn.Module, device: torch.device):
-    """Run profiling steps without leaving a trace: gradients put back, BatchNorm
-    statistics untouched, the caller's RNG state restored. Gradients start allocated,
-    as from the second training step on: each layer's new gradients are then
-    transients accumulated into them, not gradient memory kept."""
+def isolated_steps(model: nn.Module, device: torch.device):
+    """While active, training steps of ``model`` (on ``device``) leave no trace: on
+    exit each parameter's gradient is put back as it was, BatchNorm running statistics
+    are untouched and the caller's RNG state (CPU, and ``device``'s on CUDA) is
+    restored. Inside, every gradient starts allocated (zeros), as from the second
+    training step on: each layer's new gradients are then transients accumulated into
+    them, not gradient memory kept. :func:`profile` and the block planner
+    (blocks.py) measure their steps inside it."""
     grads = [(p, p.grad) for p in model.parameters()]
     for p, _ in grads:
         p.grad = torch.zeros_like(p) if p.requires_grad else None
@@ -585,7 +588,7 @@ def profile(model: nn.Module, example_inputs, device=None) -> Profile:
         if sizes_only:
             stack.enter_context(on_meta(model))
             stack.enter_context(simulating(device))
-        stack.enter_context(_step_isolated(model, x.device))
+        stack.enter_context(isolated_steps(model, x.device))
         found = _measure_memory(layers, x, model, device)
         times = ([0.0] * len(layers),) * 2 if sizes_only else _measure_times(layers, x)
         costs = _CodecCosts(x.device, device)
