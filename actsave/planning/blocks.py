@@ -382,6 +382,9 @@ def chain_profile(calls: list, outside: Outside) -> Profile:
         output_saved_by=None,
         # Held through the blocks' backward, as the planner holds an output's gradient.
         output_grad_bytes=outside.loss_leaves - outside.loss_bytes,
+        # The loss is the chain's last layer here (its rise measured in the model's
+        # step); after it comes only the backward from the loss itself.
+        loss_rise=0,
     )
 
 

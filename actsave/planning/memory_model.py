@@ -7,9 +7,11 @@ Budget
     gradients and optimizer state. That is the input batch, the tensors saved for
     backward, kept segment inputs and ReLU sign bits, activation gradients and
     temporaries; :func:`actsave.estimate` reports the same quantity. The step is
-    ``out = model(x); out.backward(g)``, ``g`` a full-size output gradient (what a
-    loss such as cross-entropy hands back), with parameter gradients allocated
-    before it, as from the second training step on.
+    ``out = model(x); loss(out).backward()`` when the profile ran the step's ``loss``
+    (:func:`actsave.profile`), else ``out = model(x); out.backward(g)``, ``g`` a
+    full-size output gradient (what a loss such as cross-entropy hands back, without
+    the loss's own memory), with parameter gradients allocated before it, as from the
+    second training step on.
 
 Memory model
     Segment j holds layers [a, b). The last segment is stored (plain autograd); the
@@ -35,9 +37,16 @@ Memory model
         backward    O + Saved(a, i) + g_{i+1} + bwd_i
     stored [s, n)
         forward     Saved(s, i-1) + U(i) + fwd_i
+        loss        Saved(s, n-1) + U(n) + L
         backward    O + Saved(s, i) + g_{i+1} + bwd_i
 
     O: the output and its gradient, which the caller holds through the backward.
+    L: the rise from the end of the forward until the output's gradient arrives
+    (Profile.loss_rise): the loss's forward and backward where the profile ran the
+    step's loss (cross-entropy keeps its log-softmax and makes two more logits-sized
+    tensors in backward, beyond the output gradient O counts), else the output
+    gradient alone, and then the event is at most the last layer's backward event.
+    U(n): the output, unless a layer of the segment saved it.
     Saved(a, i): the distinct storages saved for backward by layers a..i, each
     counted once whichever layers share it; Saved' leaves out the segment input,
     counted by K, F or D. U(i): layer i's input while it runs, unless a layer of
@@ -149,6 +158,7 @@ class CostModel:
         self.input = column("input_bytes")
         self.grad = np.append(column("input_grad_bytes"), 0.0)  # g_0 .. g_n; g_n is in held_in_backward
         self.held_in_backward = prof.output_bytes + prof.output_grad_bytes
+        self.loss_rise = prof.loss_rise
         self.output = prof.output_bytes
         self.output_first, self.output_last = prof.output_saved_by or (n, -1)
         self.forward_rise, self.backward_rise = column("forward_rise"), column("backward_rise")
@@ -215,6 +225,7 @@ class CostModel:
         stored_forward = np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + self.forward_rise[a:]
         before_recompute = self._held_before_layers(a, saved, unsaved)
         return _Events(stored_forward=stored_forward,
+                       loss=self._loss_event(a, saved[-1]),
                        backward=self._backward_events(a, saved, i),
                        recompute=before_recompute + self.forward_rise[a:],
                        recompute_to_last_save=before_recompute + self.rise_to_last_save[a:])
@@ -233,6 +244,11 @@ class CostModel:
         saved_before = (self.input_first[i] <= i - 1) & (self.input_last[i] >= a)
         return np.where(saved_before, 0.0, self.input[i])
 
+    def _loss_event(self, s: int, saved_by_all: float) -> float:
+        """Saved(s, n-1) + U(n) + L: the stored segment [s, n) while the loss runs."""
+        output_saved = self.output_first <= self.n - 1 and self.output_last >= s
+        return saved_by_all + (0.0 if output_saved else self.output) + self.loss_rise
+
     def _backward_events(self, a: int, saved: np.ndarray, i: np.ndarray) -> np.ndarray:
         """O + Saved(a, i) + g_{i+1} + bwd_i for i = a .. n-1, O less the output where
         Saved counts it."""
@@ -242,8 +258,7 @@ class CostModel:
 
     def stored_working_set(self, s: int) -> float:
         """W_stored(s): the largest event of the stored segment [s, n)."""
-        events = self.events_from(s)
-        return float(max(events.stored_forward.max(), events.backward.max()))
+        return self.events_from(s).stored_peak
 
     def saves(self, a, b) -> np.ndarray:
         """Whether any layer of [a, b) saves a tensor (else nothing is kept or recomputed)."""
@@ -305,7 +320,7 @@ class CostModel:
         stored_peaks = np.empty(n)
         for a in range(n):
             events = self.events_from(a)
-            stored_peaks[a] = max(events.stored_forward.max(), events.backward.max())
+            stored_peaks[a] = events.stored_peak
             last = self.last_saver[a:n - 1] - a  # for ends b = a+1 .. n-1
             recompute[a, a + 1:] = _until_last_save(events.recompute, events.recompute_to_last_save, last)
             lossy_recompute[a, a + 1:] = _until_last_save(events.recompute + self.restore[a:],
@@ -381,9 +396,15 @@ class _Events(NamedTuple):
     at a, one array each (index i - a), in the module docstring's terms."""
 
     stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + fwd_i: the stored segment's forward
+    loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
     backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
     recompute: np.ndarray  # Saved'(a, i-1) + U(i) + B(a, i) + fwd_i: the option adds its held bytes
     recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
+
+    @property
+    def stored_peak(self) -> float:
+        """W_stored(a): the largest event of the stored segment [a, n)."""
+        return float(max(self.stored_forward.max(), self.loss, self.backward.max()))
 
 
 class _Tables(NamedTuple):

@@ -104,6 +104,10 @@ class Profile:
     output_grad_bytes: int
     device: str  # the device the bytes are for (a meta profile stands for one)
     timed: bool = True  # False for a profile on meta tensors: every time is 0
+    # The rise above the bytes live when the forward ends (the output included) until
+    # the output's gradient arrives: the loss's forward and backward (profile's
+    # ``loss``), or without one the output gradient of ones. 0: not measured.
+    loss_rise: int = 0
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -268,8 +272,10 @@ class _SaveLedger:
 class _Structure:
     """What the byte-counting step found, per layer and for the chain output."""
 
-    def __init__(self, ledger: _SaveLedger, forward_rise: list, backward_rise: list, output: torch.Tensor):
+    def __init__(self, ledger: _SaveLedger, forward_rise: list, backward_rise: list, loss_rise: int,
+                 output: torch.Tensor):
         n, device = len(forward_rise), ledger.device
+        self.loss_rise = loss_rise
         self.inputs = ledger.inputs
         self.forward_rise, self.backward_rise = forward_rise, backward_rise
         self.rise_to_last_save = [ledger.peak_at_last_save[i] - ledger.live_before[i]
@@ -328,10 +334,12 @@ class _BackwardSpans:
         return self.values
 
 
-def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_layer=None) -> tuple:
+def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_layer=None, loss=None) -> tuple:
     """One training step through the chain, each layer's forward and backward measured
-    by ``meter``; the backward starts from a full-size output gradient. Returns
-    (forward values, backward values, output)."""
+    by ``meter``, and the loss: from the end of the forward until the output's gradient
+    arrives. The backward starts from ``loss(output)`` (:func:`profile`), or without a
+    loss from a full-size output gradient of ones. Returns (forward values, backward
+    values, loss value, output)."""
     spans = _BackwardSpans(len(layers), meter)
     forward = [0] * len(layers)
     h, node = x, x.grad_fn
@@ -347,8 +355,44 @@ def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_lay
         node = h.grad_fn
     if not h.requires_grad:
         raise ConfigError("the chain's output does not require grad: there is no backward to plan for")
-    torch.autograd.backward(h, torch.ones_like(h))
-    return forward, spans.finish(), h
+    loss_span = _OpenSpan(meter)
+    handle = h.register_hook(loss_span.close)  # runs before the last layer's backward
+    try:
+        if loss is None:
+            torch.autograd.backward(h, torch.ones_like(h))
+        else:
+            _backward_from_loss(h, loss)
+    finally:
+        handle.remove()
+        loss_span.close()
+    return forward, spans.finish(), loss_span.value[0], h
+
+
+def _backward_from_loss(output: torch.Tensor, loss) -> None:
+    # The loss's saves are not the last layer's: the ledger (and any outer hooks) must
+    # not see them.
+    with saved_tensors_hooks(_detached, _as_is):
+        value = loss(output)
+    if not isinstance(value, torch.Tensor) or not value.requires_grad:
+        got = "a tensor that needs no gradient" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigError(f"loss(output) returned {got}: loss must return a tensor computed from the chain's "
+                          "output, the one the backward starts from")
+    torch.autograd.backward(value, None if value.dim() == 0 else torch.ones_like(value))
+
+
+class _OpenSpan:
+    """``meter()`` entered now and left at the first :meth:`close`; ``value`` holds its
+    one-item result."""
+
+    def __init__(self, meter):
+        self._context = meter()
+        self.value = self._context.__enter__()
+        self._open = True
+
+    def close(self, *_) -> None:
+        if self._open:
+            self._open = False
+            self._context.__exit__(None, None, None)
 
 
 def _checked_output(output, index: int) -> torch.Tensor:
@@ -360,7 +404,7 @@ def _checked_output(output, index: int) -> torch.Tensor:
     return output
 
 
-def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device) -> _Structure:
+def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device, loss=None) -> _Structure:
     """The byte-counting step, with allocations as on ``device``."""
     if any(plans_at_first_call(layer) for _, layer in layers):
         with fast_meta(), torch.enable_grad():
@@ -370,9 +414,9 @@ def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: tor
     tracker = LiveBytes(device, known=known)
     ledger = _SaveLedger(device, ignored=known, tracker=tracker)
     with tracker, saved_tensors_hooks(ledger.pack, ledger.unpack):
-        forward_rise, backward_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
-                                                        ledger.after_layer)
-    return _Structure(ledger, forward_rise, backward_rise, output)
+        forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
+                                                                   ledger.after_layer, loss)
+    return _Structure(ledger, forward_rise, backward_rise, loss_rise, output)
 
 
 def _run_forward(layers: list, x: torch.Tensor) -> None:
@@ -380,8 +424,8 @@ def _run_forward(layers: list, x: torch.Tensor) -> None:
         x = layer(x)
 
 
-def _measure_times(layers: list, x: torch.Tensor) -> tuple:
-    forward, backward, _ = _run_step(layers, x, lambda: _timer(x.device))
+def _measure_times(layers: list, x: torch.Tensor, loss=None) -> tuple:
+    forward, backward, _, _ = _run_step(layers, x, lambda: _timer(x.device), loss=loss)
     return forward, backward
 
 
@@ -559,7 +603,7 @@ def _scratch_statistics_bytes(layer: nn.Module, device) -> int:
                for b in m.buffers(recurse=False))
 
 
-def profile(model: nn.Module, example_inputs, device=None) -> Profile:
+def profile(model: nn.Module, example_inputs, device=None, loss=None) -> Profile:
     """Measure one training step of the chain ``model`` on its device, layer by layer.
 
     ``model`` is an ``nn.Sequential`` (a :class:`~actsave.CheckpointedSequential` is
@@ -569,6 +613,13 @@ def profile(model: nn.Module, example_inputs, device=None) -> Profile:
     Then each distinct layer-input shape is encoded and decoded by each codec, and on
     CUDA copied to pinned host memory and back. The model's parameter gradients and
     BatchNorm statistics and the caller's RNG state are left as they were.
+
+    ``loss``: the training step's loss, a function of the chain's output returning the
+    tensor the backward starts from (``lambda logits: F.cross_entropy(logits.flatten(0,
+    -2), targets.flatten())``). Its memory (cross-entropy's log-softmax, the gradients
+    it makes) comes on top of everything the forward left, so a plan that fills its
+    budget needs it measured: ``Profile.loss_rise``, the memory model's loss event.
+    Without it the backward starts from a full-size output gradient of ones.
 
     Sizes only, at any scale: give ``x`` on the meta device (``torch.empty(128, 3, 32,
     32, device="meta")``) and the ``device`` it stands for (default ``"cpu"``; ``"cuda"``
@@ -589,8 +640,8 @@ def profile(model: nn.Module, example_inputs, device=None) -> Profile:
             stack.enter_context(on_meta(model))
             stack.enter_context(simulating(device))
         stack.enter_context(isolated_steps(model, x.device))
-        found = _measure_memory(layers, x, model, device)
-        times = ([0.0] * len(layers),) * 2 if sizes_only else _measure_times(layers, x)
+        found = _measure_memory(layers, x, model, device, loss)
+        times = ([0.0] * len(layers),) * 2 if sizes_only else _measure_times(layers, x, loss)
         costs = _CodecCosts(x.device, device)
         return Profile(
             layers=tuple(_layer_profile(i, name, layer, found, times, costs)
@@ -602,6 +653,7 @@ def profile(model: nn.Module, example_inputs, device=None) -> Profile:
             output_grad_bytes=found.output_grad_bytes,
             device=str(device),
             timed=not sizes_only,
+            loss_rise=found.loss_rise,
         )
 
 

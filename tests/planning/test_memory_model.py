@@ -60,6 +60,30 @@ def test_predictions_match_measured_peaks_of_any_segmentation(codecs):
         assert 0.9 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
 
 
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_profile_of_the_steps_loss_predicts_the_peak_of_the_step_with_that_loss(codec):
+    # Wide logits: cross-entropy keeps its log-softmax and its backward makes two more
+    # logits-sized tensors, on top of all the forward left (the bench's GPT: 1 MiB over
+    # a plan that filled its budget, when the profile did not run the loss).
+    torch.manual_seed(0)
+    model = CheckpointedSequential(*deep_mlp(6, 64), nn.Linear(64, 1024))
+    x, targets = torch.randn(128, 64), torch.randint(0, 1024, (128,))
+
+    def loss(logits):
+        return nn.functional.cross_entropy(logits, targets)
+
+    with_loss, without_loss = actsave.profile(model, (x,), loss=loss), actsave.profile(model, (x,))
+    assert with_loss.loss_rise > without_loss.loss_rise == without_loss.output_grad_bytes
+    for starts in ([0, 4, 8], [0, 2, 4, 6, 8, 10], [0]):
+        codecs = [codec] * (len(starts) - 1)
+        plan = plans.predict(with_loss, starts, codecs)
+        model.apply_plan(plan)
+        measured = peak_activation_bytes(model, x, loss)
+        assert 0.9 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
+        # Without the loss in the profile, the model misses its memory.
+        assert measured > plans.predict(without_loss, starts, codecs).predicted_peak_bytes
+
+
 def test_tightest_budget_beats_sqrt_in_measured_peak():
     model = CheckpointedSequential(*deep_mlp(16, 128))
     x = torch.randn(256, 128)

@@ -47,6 +47,22 @@ def test_profile_measures_saved_storages_once_and_leaves_no_trace():
     assert relu.modifies_input and relu.relu_sign_bytes == 16 * 32 // 8
 
 
+def test_the_losss_saves_and_rise_are_the_losss_not_the_last_layers():
+    model = nn.Sequential(*deep_mlp(3, 32), nn.Linear(32, 256))
+    x, targets = torch.randn(16, 32), torch.randint(0, 256, (16,))
+    plain = actsave.profile(model, (x,))
+    with_loss = actsave.profile(model, (x,), loss=lambda logits: nn.functional.cross_entropy(logits, targets))
+    untimed = [f.name for f in dataclasses.fields(profiler.LayerProfile) if f.name.endswith("_s")]
+    assert [dataclasses.replace(layer, **{f: None for f in untimed}) for layer in plain.layers] == \
+           [dataclasses.replace(layer, **{f: None for f in untimed}) for layer in with_loss.layers]
+    logits = 16 * 256 * 4
+    # Cross-entropy's log-softmax and, in its backward, two more logits-sized tensors
+    # (and a few scalars: the loss, its gradient, the reduction's).
+    assert plain.loss_rise == logits and 3 * logits <= with_loss.loss_rise < 3 * logits + 1024
+    with pytest.raises(ConfigError, match="loss must return a tensor computed from the chain's output"):
+        actsave.profile(model, (x,), loss=lambda logits: logits.detach().sum())
+
+
 def test_profile_and_plan_print_as_tables():
     prof = actsave.profile(nn.Sequential(*deep_mlp(4)), (torch.randn(32, 64),))
     lines = str(prof).splitlines()
