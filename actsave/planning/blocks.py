@@ -385,6 +385,7 @@ def chain_profile(calls: list, outside: Outside) -> Profile:
         # The loss is the chain's last layer here (its rise measured in the model's
         # step); after it comes only the backward from the loss itself.
         loss_rise=0,
+        stored_saves=None,  # blocks in the stored segment run plain: their saves stay exact
     )
 
 
@@ -457,13 +458,13 @@ def plan_block_stack(model: nn.Module, blocks: Sequence[tuple], budget, example_
     profile = chain_profile(calls, outside)
     fixed = max(outside.before_peak, outside.after_peak)
     smallest = max(fixed, plan(profile, None, min_sqnr_db, allow, objective="memory",
-                                       max_checkpointed_layers=1).predicted_peak_bytes)
+                               max_checkpointed_layers=1, compress_stored=False).predicted_peak_bytes)
     if budget < smallest:
         raise ConfigError(
             f"no block plan fits budget={int(budget):,} bytes ({mib(budget)} MiB): the smallest feasible budget "
             f"is {int(smallest):,} bytes ({mib(smallest)} MiB) with allow={tuple(allow)}. Raise the budget, "
             "allow more levers, or use a smaller batch")
-    chosen = plan(profile, budget, min_sqnr_db, allow, max_checkpointed_layers=1)
+    chosen = plan(profile, budget, min_sqnr_db, allow, max_checkpointed_layers=1, compress_stored=False)
     plain = predict(profile, [0])
     return BlockPlan(
         blocks=tuple(fqn for fqn, _, _ in calls),

@@ -26,11 +26,12 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .._torch import own_tensors
+from .._torch import current_autograd_node, own_tensors
 from ..codecs import LOSSY_CODECS, get_codec
 from ..errors import ConfigError
 from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
 from ..runtime import relu_signs
+from ..runtime.compressed_saves import stored_once_key
 from ..runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
 from ..text import format_table, mib, ms
 from .estimate import LiveBytes, allocation_bytes
@@ -92,6 +93,45 @@ class SavedStorage:
 
 
 @dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of the profiled step's saves as a stored segment whose saves a lossy
+    codec keeps stores it (runtime/compressed_saves.py): a floating-point save autograd
+    made (store.should_encode) by the codec, once per ``stored_once_key``, else held as
+    it is, once per storage. A ReLU output keeps its decisions, one bit per element,
+    where the segment made it: where its first save is in the segment (relu_signs.py,
+    made_by_segment_relu; an earlier save means it is the segment's input)."""
+
+    first: int  # the first and last layer saving it
+    last: int
+    kept_bytes: dict  # lossy codec -> bytes kept: the encoding and the ReLU bits, or the storage held as it is
+    sign_bytes: int  # the ReLU bits among kept_bytes
+    encode_s: dict  # lossy codec -> seconds encoding it once
+
+
+@dataclass(frozen=True)
+class StoredSaves:
+    """A stored segment's saves kept by each lossy codec, derived from the profiled step
+    (no step of its own): the tensors as stored, and per layer what encoding and decoding
+    its saves adds. Byte and second values come from encoding and decoding a sample of
+    each save's shape (as for layer inputs); the memory model's stored events read them
+    (memory_model.py, "stored [s, n), saves kept by k")."""
+
+    tensors: tuple  # of StoredTensor
+    # Per layer, {codec: the layer's rise of live bytes while it encodes one of its saves,
+    # beyond what stays}: the rise as the save was made in the profiled step, plus
+    # the encoding's temporaries.
+    encode_rise: tuple
+    # Per layer, {codec: its backward's rise while one of its autograd nodes decodes its
+    # saves}: the rise as the node started in the profiled step, plus the node's saves
+    # decoded and one decoding's temporaries.
+    decode_rise: tuple
+    decoded_bytes: tuple  # per layer, the most bytes one of its nodes decodes (alive while it runs)
+    decode_s: tuple  # per layer, {codec: seconds decoding its saves, once per save}
+    input_held_by: tuple  # per layer, (first, last) layer holding its input's storage as a save as it is, or None
+    output_held_by: Optional[tuple]  # the same for the chain output
+
+
+@dataclass(frozen=True)
 class Profile:
     """One measured training step of a chain: the input to :func:`plan`. Print it for
     a per-layer table."""
@@ -108,6 +148,7 @@ class Profile:
     # the output's gradient arrives: the loss's forward and backward (profile's
     # ``loss``), or without one the output gradient of ones. 0: not measured.
     loss_rise: int = 0
+    stored_saves: Optional[StoredSaves] = None  # None: not recorded; the stored segment's saves stay exact
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -228,6 +269,7 @@ class _SaveLedger:
         self._ignored = {id(t.untyped_storage()) for t in ignored}
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
         self._relu_saves = relu_signs.FirstSaves()
+        self.as_stored = _SavesAsStored(self._ignored, tracker)
 
     def before_layer(self, i: int, h: torch.Tensor) -> None:
         self.layer, self.layer_input = i, h
@@ -239,6 +281,7 @@ class _SaveLedger:
         # is read at the end, when later layers may have saved the storage too.
         self.input_entries.append(self.entry_of(self.layer_input))
         self.layer_input = None
+        self.as_stored.watch_backward(i, h)
 
     def pack(self, t: torch.Tensor):
         self.peak_at_last_save[self.layer] = self.tracker.peak
@@ -249,7 +292,8 @@ class _SaveLedger:
             entry[2] = self.layer
         if relu_signs.is_relu_output(t) and self._relu_saves.is_first(t):
             self._count_relu_output(t)
-        return t.detach()  # detached: holding the output itself would be a reference cycle
+        # Detached: holding the output itself would be a reference cycle.
+        return t.detach(), self.as_stored.pack(t, self.layer, self.tracker.live - self.live_before[self.layer])
 
     def _count_relu_output(self, t: torch.Tensor) -> None:
         bits = self.relu_bits.setdefault(self.layer, [0, 0])
@@ -257,8 +301,9 @@ class _SaveLedger:
         bits[0] += nbytes
         bits[1] = max(bits[1], t.numel())  # restores run one ReLU at a time
 
-    @staticmethod
-    def unpack(t):
+    def unpack(self, saved):
+        t, save = saved
+        self.as_stored.unpack(save)
         return t
 
     def entry_of(self, t: torch.Tensor) -> Optional[list]:
@@ -267,6 +312,71 @@ class _SaveLedger:
 
     def storages(self) -> list:
         return [SavedStorage(*entry) for entry in self._entries.values()]
+
+
+class _StoredEntry:
+    """A tensor as a stored segment's codec would store it: what it is, whether the
+    codec encodes it, whether it is a ReLU output, the first and last layer saving it."""
+
+    __slots__ = ("first", "last", "relu", "spec")
+
+    def __init__(self, t: torch.Tensor, layer: int):
+        self.spec, self.relu = _Spec.of(t), relu_signs.is_relu_output(t)
+        self.first = self.last = layer
+
+
+class _SavesAsStored:
+    """Follows the byte-counting step's saves as runtime/compressed_saves.py would store
+    them under a lossy codec: one entry per stored tensor (:class:`StoredTensor`), each
+    save's entry, layer and the layer's rise of live bytes as it was saved, and in
+    backward the saves that each autograd node unpacks, which a codec decodes
+    together, with the layer's backward rise as the node starts."""
+
+    def __init__(self, ignored: set, tracker: LiveBytes):
+        self.entries = {}  # key -> _StoredEntry, in the order first saved
+        self.saves = []  # per save: (its entry's key, the saving layer, the layer's rise then)
+        self.nodes = []  # per autograd node: ([save indices], the layer's backward rise as it starts)
+        self._ignored, self._tracker = ignored, tracker
+        self._node = None
+        self._backward_base = {}  # layer -> live bytes as its backward starts
+        self._handles = []
+
+    def watch_backward(self, layer: int, output: torch.Tensor) -> None:
+        """Call right after ``layer`` ran: its backward starts at its output's node."""
+        if output.grad_fn is not None:
+            self._handles.append(output.grad_fn.register_prehook(
+                lambda grads, i=layer: self._backward_base.__setitem__(i, self._tracker.live)))
+
+    def finish(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def pack(self, t: torch.Tensor, layer: int, rise: int) -> Optional[int]:
+        """Note one save of ``t`` by ``layer``, the layer's live bytes having risen by
+        ``rise``; returns its index (None: held elsewhere, as the batch)."""
+        if should_encode(t):
+            key = stored_once_key(t) or ("stored anew", len(self.saves))
+        elif id(t.untyped_storage()) in self._ignored:
+            return None
+        else:
+            key = ("as it is", id(t.untyped_storage()))
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _StoredEntry(t, layer)
+        entry.last = layer
+        self.saves.append((key, layer, rise))
+        return len(self.saves) - 1
+
+    def unpack(self, save: Optional[int]) -> None:
+        if save is None:
+            return
+        node = current_autograd_node()
+        if node is None or node is not self._node:
+            layer = self.saves[save][1]  # a node's saves are its own layer's
+            base = self._backward_base.get(layer)
+            self.nodes.append(([], None if base is None else self._tracker.live - base))
+            self._node = node
+        self.nodes[-1][0].append(save)
 
 
 class _Structure:
@@ -291,6 +401,8 @@ class _Structure:
         self.output_bytes = allocation_bytes(output.untyped_storage().nbytes(), device)
         self.output_saved_by = _span(ledger.entry_of(output))
         self.output_grad_bytes = allocation_bytes(output.numel() * output.element_size(), device)
+        self.as_stored = ledger.as_stored
+        self.output_encodable = should_encode(output)
 
 
 def _span(entry: Optional[list]) -> Optional[tuple]:
@@ -414,8 +526,11 @@ def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: tor
     tracker = LiveBytes(device, known=known)
     ledger = _SaveLedger(device, ignored=known, tracker=tracker)
     with tracker, saved_tensors_hooks(ledger.pack, ledger.unpack):
-        forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
-                                                                   ledger.after_layer, loss)
+        try:
+            forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
+                                                                       ledger.after_layer, loss)
+        finally:
+            ledger.as_stored.finish()
     return _Structure(ledger, forward_rise, backward_rise, loss_rise, output)
 
 
@@ -493,6 +608,7 @@ class _CodecCosts:
         self.timed = tensors.type != "meta"
         self._by_shape = {}
         self._restore_rises = {}
+        self._sign_rises = {}
 
     def of(self, spec: _Spec) -> dict:
         """{codec: _KeepCost}; a leaf or non-float input is kept as it is by every codec."""
@@ -553,6 +669,96 @@ class _CodecCosts:
                 relu_signs.restore_decisions_(output, bits)
             self._restore_rises[elements] = rise[0]
         return self._restore_rises[elements]
+
+
+    def relu_sign_rise(self, elements: int) -> int:
+        """The rise of live bytes while the decisions of a ReLU output of ``elements``
+        elements are packed into bits (runtime/relu_signs.py), the bits included."""
+        if elements not in self._sign_rises:
+            output = torch.relu(torch.randn(elements, device=self.tensors))
+            tracker = LiveBytes(self.device, known=[output])
+            with tracker, tracker.span() as rise:
+                relu_signs.pack_signs(output)
+            self._sign_rises[elements] = rise[0]
+        return self._sign_rises[elements]
+
+    def sign_bytes(self, elements: int) -> int:
+        """The bits a ReLU output of ``elements`` elements keeps its decisions in."""
+        return allocation_bytes(-(-elements // 8), self.device)
+
+
+def _stored_saves(found: _Structure, costs: _CodecCosts) -> StoredSaves:
+    """What a stored segment's saves cost under each lossy codec, from the profiled
+    step's record of them and each save shape's codec costs (no step of its own).
+
+    Encoding runs as a save is made (at most once per stored tensor), one at a time: a
+    save made when the layer's live bytes had risen by r in the profiled step is
+    charged r plus its encoding's temporaries; the packed bytes are in Saved_k. In
+    backward each autograd node decodes its saves as it starts, and they live until
+    it ends: a node that started at a rise of d is charged d plus its decoded saves
+    and one decoding's temporaries, and the whole layer's rise is charged the most one
+    node decodes (memory_model.py). Both hold the profiled step's tensors as if the
+    codec freed none, so they bound the codec's step from above. A ReLU output's
+    decisions are counted as restored at every decode."""
+    recorded, n = found.as_stored, len(found.inputs)
+    encode_rise, decode_rise = ([dict.fromkeys(LOSSY_CODECS, 0) for _ in range(n)] for _ in range(2))
+    decode_s, decoded_bytes = [dict.fromkeys(LOSSY_CODECS, 0.0) for _ in range(n)], [0] * n
+    for key, layer, rise in recorded.saves:
+        entry = recorded.entries[key]
+        if entry.spec.encodable:
+            for codec in LOSSY_CODECS:
+                encoding = rise + _encode_extra(entry, codec, costs)
+                encode_rise[layer][codec] = max(encode_rise[layer][codec], encoding)
+                decode_s[layer][codec] += costs.of(entry.spec)[codec].decode_s
+    for saves, started_at in recorded.nodes:
+        layer = recorded.saves[saves[0]][1]
+        entries = [recorded.entries[recorded.saves[save][0]] for save in saves]
+        entries = [entry for entry in entries if entry.spec.encodable]
+        dense = [allocation_bytes(entry.spec.dense_bytes, costs.device) for entry in entries]
+        decoded_bytes[layer] = max(decoded_bytes[layer], sum(dense))
+        # A node whose start was not seen (its layer's backward began elsewhere) is
+        # charged the layer's whole backward rise.
+        started_at = found.backward_rise[layer] if started_at is None else started_at
+        for codec in LOSSY_CODECS:
+            temporaries = max((_decode_rise(entry, codec, costs) - size for entry, size in zip(entries, dense)),
+                              default=0)
+            decode_rise[layer][codec] = max(decode_rise[layer][codec], started_at + sum(dense) + temporaries)
+    return StoredSaves(
+        tensors=tuple(_stored_tensor(entry, costs) for entry in recorded.entries.values()),
+        encode_rise=tuple(encode_rise), decode_rise=tuple(decode_rise), decoded_bytes=tuple(decoded_bytes),
+        decode_s=tuple(decode_s),
+        input_held_by=tuple(None if spec.encodable else span for spec, span in zip(found.inputs, found.input_saved_by)),
+        output_held_by=None if found.output_encodable else found.output_saved_by,
+    )
+
+
+def _stored_tensor(entry: _StoredEntry, costs: _CodecCosts) -> StoredTensor:
+    keep = costs.of(entry.spec)
+    signs = costs.sign_bytes(math.prod(entry.spec.shape)) if entry.relu and entry.spec.encodable else 0
+    return StoredTensor(first=entry.first, last=entry.last,
+                        kept_bytes={codec: keep[codec].kept + signs for codec in LOSSY_CODECS}, sign_bytes=signs,
+                        encode_s={codec: keep[codec].encode_s for codec in LOSSY_CODECS})
+
+
+def _encode_extra(entry: _StoredEntry, codec: str, costs: _CodecCosts) -> int:
+    """The rise while a save is stored (encoded, then its ReLU bits packed), beyond
+    what stays."""
+    kept = costs.of(entry.spec)[codec].kept
+    rise = costs.of(entry.spec)[codec].encode_rise
+    if entry.relu:
+        elements = math.prod(entry.spec.shape)
+        rise, kept = max(rise, kept + costs.relu_sign_rise(elements)), kept + costs.sign_bytes(elements)
+    return max(0, rise - kept)
+
+
+def _decode_rise(entry: _StoredEntry, codec: str, costs: _CodecCosts) -> int:
+    """The rise while a save is decoded (and its ReLU decisions restored), the decoded
+    tensor included."""
+    rise = costs.of(entry.spec)[codec].decode_rise
+    if entry.relu:
+        dense = allocation_bytes(entry.spec.dense_bytes, costs.device)
+        rise = max(rise, dense + costs.relu_restore_rise(math.prod(entry.spec.shape)))
+    return rise
 
 
 def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times: tuple,
@@ -654,6 +860,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None) -> Profile
             device=str(device),
             timed=not sizes_only,
             loss_rise=found.loss_rise,
+            stored_saves=_stored_saves(found, costs),
         )
 
 
