@@ -447,7 +447,8 @@ class _BalancedPlans:
     def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["plans.Plan"]:
         try:
             _check_simulable(model)
-            profile = profiler.profile(model, (_meta_stand_in(input),), device=device)
+            # A balanced plan stores its last segment's saves as they are: no codec costs.
+            profile = profiler.profile(model, (_meta_stand_in(input),), device=device, stored_saves=False)
             return plans.balanced(profile, list(policies))
         except Exception as error:  # anything the meta step cannot run: NOTE [ Balanced segments ]
             self._warn_once(f"it could not run its layers on meta tensors ({type(error).__name__}: {error})")

@@ -373,7 +373,7 @@ def chain_profile(calls: list, outside: Outside) -> Profile:
     """The profile of the blocks as a chain (:class:`BlockCall` s), then the loss as its
     last layer; the chain input's bytes include what the step holds beside it."""
     chain = nn.Sequential(*(BlockCall(module, call) for _, module, call in calls))
-    blocks = profile(chain, (calls[0][2].hidden,))
+    blocks = profile(chain, (calls[0][2].hidden,), stored_saves=False)  # blocks in the stored segment run plain
     return dataclasses.replace(
         blocks,
         layers=blocks.layers + (_loss_layer(blocks, outside),),
@@ -385,7 +385,6 @@ def chain_profile(calls: list, outside: Outside) -> Profile:
         # The loss is the chain's last layer here (its rise measured in the model's
         # step); after it comes only the backward from the loss itself.
         loss_rise=0,
-        stored_saves=None,  # blocks in the stored segment run plain: their saves stay exact
     )
 
 

@@ -279,8 +279,9 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
     draft = Plan(len(profile.layers), tuple(starts), tuple(codecs), tuple(offload), 0, 0.0, 0, budget,
                  stored_codec=get_codec(stored_codec).name)
     if draft.stored_codec != "none" and profile.stored_saves is None:
-        raise ConfigError(f"stored_codec={stored_codec!r}: this profile records no stored saves (a block "
-                          "chain's), so its stored segment can only be predicted exact; pass stored_codec='none'")
+        raise ConfigError(f"stored_codec={stored_codec!r}: this profile records no stored saves (profiled with "
+                          "stored_saves=False), so its stored segment can only be predicted exact; pass "
+                          "stored_codec='none', or profile with stored_saves=True")
     # runtime/store.py keeps a leaf or non-float input as it is, whatever the option.
     policies = [option if profile.layers[a].input_encodable else EXACT for a, _, option in draft.segments[:-1]]
     options = sorted(set(policies), key=lambda option: (option.codec.name, option.offload))

@@ -809,7 +809,7 @@ def _scratch_statistics_bytes(layer: nn.Module, device) -> int:
                for b in m.buffers(recurse=False))
 
 
-def profile(model: nn.Module, example_inputs, device=None, loss=None) -> Profile:
+def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_saves: bool = True) -> Profile:
     """Measure one training step of the chain ``model`` on its device, layer by layer.
 
     ``model`` is an ``nn.Sequential`` (a :class:`~actsave.CheckpointedSequential` is
@@ -826,6 +826,11 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None) -> Profile
     it makes) comes on top of everything the forward left, so a plan that fills its
     budget needs it measured: ``Profile.loss_rise``, the memory model's loss event.
     Without it the backward starts from a full-size output gradient of ones.
+
+    ``stored_saves``: whether to derive what the stored segment's saves cost under each
+    lossy codec (``Profile.stored_saves``, for :func:`plan`'s ``compress_stored``), from
+    a sample of each save's shape; False leaves it None, for plans whose stored
+    segment keeps its saves as they are (:func:`balanced`).
 
     Sizes only, at any scale: give ``x`` on the meta device (``torch.empty(128, 3, 32,
     32, device="meta")``) and the ``device`` it stands for (default ``"cpu"``; ``"cuda"``
@@ -860,7 +865,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None) -> Profile
             device=str(device),
             timed=not sizes_only,
             loss_rise=found.loss_rise,
-            stored_saves=_stored_saves(found, costs),
+            stored_saves=_stored_saves(found, costs) if stored_saves else None,
         )
 
 

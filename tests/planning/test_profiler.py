@@ -9,7 +9,7 @@ from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError
-from actsave.planning import profiler
+from actsave.planning import plans, profiler
 
 
 def test_a_meta_profile_measures_the_bytes_of_a_real_step():
@@ -61,6 +61,17 @@ def test_the_losss_saves_and_rise_are_the_losss_not_the_last_layers():
     assert plain.loss_rise == logits and 3 * logits <= with_loss.loss_rise < 3 * logits + 1024
     with pytest.raises(ConfigError, match="loss must return a tensor computed from the chain's output"):
         actsave.profile(model, (x,), loss=lambda logits: logits.detach().sum())
+
+
+def test_a_profile_without_stored_saves_plans_the_stored_segment_exact():
+    model = nn.Sequential(*deep_mlp(8, 64))
+    x = torch.randn(128, 64)
+    prof = actsave.profile(model, (x,), stored_saves=False)
+    assert prof.stored_saves is None and actsave.profile(model, (x,)).stored_saves is not None
+    # One-layer segments: with its saves recorded, the smallest plan stores them by int8.
+    assert actsave.plan(prof, None, objective="memory", max_checkpointed_layers=1).stored_codec == "none"
+    with pytest.raises(ConfigError, match="records no stored saves"):
+        plans.predict(prof, [0], stored_codec="int8")
 
 
 def test_profile_and_plan_print_as_tables():
