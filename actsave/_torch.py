@@ -3,7 +3,8 @@
 actsave needs a few things PyTorch does not publish: whether saved-tensor hooks are
 set, a storage's identity, tensors' version counters and view bases, modules' own
 parameter and buffer tables (to swap a tensor for a scratch or meta copy without
-registering it), the autograd node type of a ReLU, and the dispatch-mode and pytree
+registering it), the autograd node type of a ReLU and the node a backward runs, and
+the dispatch-mode and pytree
 utilities. They are read here and nowhere else, so that a PyTorch release that moves
 one breaks this file with a clear error, not the library at a distance.
 
@@ -37,6 +38,8 @@ _top_saved_tensors_hooks = _require(
     getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None),
     "torch._C._autograd._top_saved_tensors_default_hooks",
 )
+_current_autograd_node = _require(getattr(torch._C, "_current_autograd_node", None),
+                                  "torch._C._current_autograd_node")
 _require(getattr(torch.Tensor, "_version", None), "Tensor._version")
 _require(getattr(torch.nn.Module(), "_buffers", None), "Module._buffers")
 
@@ -48,6 +51,12 @@ def saved_tensor_hooks_active() -> bool:
     """Whether some ``saved_tensors_hooks`` (an outer checkpoint's, ``save_on_cpu``,
     the caller's) are set on this thread now."""
     return _top_saved_tensors_hooks(False) is not None
+
+
+def current_autograd_node():
+    """The autograd node whose backward runs on this thread now (None outside one): in
+    an unpack hook, the node that unpacks its saved tensors."""
+    return _current_autograd_node()
 
 
 def storage_identity(tensor: torch.Tensor) -> int:

@@ -327,9 +327,9 @@ class CheckpointedSequential(nn.Sequential):
             self._layer_offload[module] = flag
 
     def apply_plan(self, plan: "plans.Plan") -> None:
-        """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, and for each
-        checkpointed segment its codec and offload. Replaces the segments and every
-        per-layer option set before."""
+        """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, for each
+        checkpointed segment its codec and offload, and the codec of the stored
+        segment's saves. Replaces the segments and every per-layer option set before."""
         if not isinstance(plan, plans.Plan):
             raise ConfigError(
                 f"plan={plan!r}: apply_plan expects an actsave Plan (from actsave.plan), got {type(plan).__name__}")
@@ -343,6 +343,7 @@ class CheckpointedSequential(nn.Sequential):
         for start, _, option in plan.segments[:-1]:
             self.set_compression(start, option.codec)
             self.set_offload(start, option.offload)
+        self.set_compression(plan.starts[-1], plan.stored_codec)  # the stored segment's saves
         self.segments = list(plan.starts)
         self.applied_plan = plan
 
@@ -446,7 +447,8 @@ class _BalancedPlans:
     def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["plans.Plan"]:
         try:
             _check_simulable(model)
-            profile = profiler.profile(model, (_meta_stand_in(input),), device=device)
+            # A balanced plan stores its last segment's saves as they are: no codec costs.
+            profile = profiler.profile(model, (_meta_stand_in(input),), device=device, stored_saves=False)
             return plans.balanced(profile, list(policies))
         except Exception as error:  # anything the meta step cannot run: NOTE [ Balanced segments ]
             self._warn_once(f"it could not run its layers on meta tensors ({type(error).__name__}: {error})")

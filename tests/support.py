@@ -116,9 +116,10 @@ def codes_and_scales(elements: int) -> int:
     return elements + 4 * elements // GROUP_SIZE
 
 
-def peak_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """MemTracker peak of one training step, less parameters, buffers and gradients. A
-    model that plans at its first call does so in an unmeasured forward first."""
+def peak_activation_bytes(model: nn.Module, x: torch.Tensor, loss=None) -> int:
+    """MemTracker peak of one training step, less parameters, buffers and gradients: the
+    backward from ``loss(out)``, or without a loss from a gradient of ones. A model that
+    plans at its first call does so in an unmeasured forward first."""
     if plans_at_first_call(model):
         model(x)
     for p in model.parameters():
@@ -129,5 +130,8 @@ def peak_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
     tracker.track_external(model, x)
     with tracker:
         out = model(x)
-        out.backward(torch.ones_like(out))
+        if loss is None:
+            out.backward(torch.ones_like(out))
+        else:
+            loss(out).backward()
     return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - static

@@ -58,7 +58,7 @@ from ..text import format_table, mib
 from .estimate import LiveBytes, allocation_bytes
 from .memory_model import host_is_separate
 from .plans import DEFAULT_ALLOW, Plan, plan, predict
-from .profiler import LayerProfile, Profile, _step_isolated, profile
+from .profiler import LayerProfile, Profile, isolated_steps, profile
 
 # ------------------------------------------------------------------ the example step
 
@@ -194,7 +194,7 @@ def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs) -> l
     they ran (:func:`_chained_calls`)."""
     recorder = _CallRecorder(blocks)
     try:
-        with _step_isolated(model, _device_of(model, example_inputs)), torch.enable_grad():
+        with isolated_steps(model, _device_of(model, example_inputs)), torch.enable_grad():
             run_step(model, example_inputs)
     finally:
         recorder.remove()
@@ -344,7 +344,7 @@ def measure_outside(model: nn.Module, calls: list, example_inputs) -> Outside:
     device = first_call.hidden.device
     batch = input_tensors(example_inputs)
     batch_bytes = sum(_storage_bytes(t, device) for t in {id(t.untyped_storage()): t for t in batch}.values())
-    with _step_isolated(model, device):
+    with isolated_steps(model, device):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), *grads, *batch])
         phases = _Phases(tracker, calls)
@@ -373,7 +373,7 @@ def chain_profile(calls: list, outside: Outside) -> Profile:
     """The profile of the blocks as a chain (:class:`BlockCall` s), then the loss as its
     last layer; the chain input's bytes include what the step holds beside it."""
     chain = nn.Sequential(*(BlockCall(module, call) for _, module, call in calls))
-    blocks = profile(chain, (calls[0][2].hidden,))
+    blocks = profile(chain, (calls[0][2].hidden,), stored_saves=False)  # blocks in the stored segment run plain
     return dataclasses.replace(
         blocks,
         layers=blocks.layers + (_loss_layer(blocks, outside),),
@@ -382,6 +382,9 @@ def chain_profile(calls: list, outside: Outside) -> Profile:
         output_saved_by=None,
         # Held through the blocks' backward, as the planner holds an output's gradient.
         output_grad_bytes=outside.loss_leaves - outside.loss_bytes,
+        # The loss is the chain's last layer here (its rise measured in the model's
+        # step); after it comes only the backward from the loss itself.
+        loss_rise=0,
     )
 
 
@@ -455,13 +458,13 @@ def plan_block_stack(model: nn.Module, blocks: Sequence[tuple], budget, example_
     profile = chain_profile(calls, outside)
     fixed = max(outside.before_peak, outside.after_peak)
     smallest = max(fixed, plan(profile, None, min_sqnr_db, allow, objective="memory",
-                                       max_checkpointed_layers=1).predicted_peak_bytes)
+                               max_checkpointed_layers=1, compress_stored=False).predicted_peak_bytes)
     if budget < smallest:
         raise ConfigError(
             f"no block plan fits budget={int(budget):,} bytes ({mib(budget)} MiB): the smallest feasible budget "
             f"is {int(smallest):,} bytes ({mib(smallest)} MiB) with allow={tuple(allow)}. Raise the budget, "
             "allow more levers, or use a smaller batch")
-    chosen = plan(profile, budget, min_sqnr_db, allow, max_checkpointed_layers=1)
+    chosen = plan(profile, budget, min_sqnr_db, allow, max_checkpointed_layers=1, compress_stored=False)
     plain = predict(profile, [0])
     return BlockPlan(
         blocks=tuple(fqn for fqn, _, _ in calls),

@@ -7,9 +7,11 @@ Budget
     gradients and optimizer state. That is the input batch, the tensors saved for
     backward, kept segment inputs and ReLU sign bits, activation gradients and
     temporaries; :func:`actsave.estimate` reports the same quantity. The step is
-    ``out = model(x); out.backward(g)``, ``g`` a full-size output gradient (what a
-    loss such as cross-entropy hands back), with parameter gradients allocated
-    before it, as from the second training step on.
+    ``out = model(x); loss(out).backward()`` when the profile ran the step's ``loss``
+    (:func:`actsave.profile`), else ``out = model(x); out.backward(g)``, ``g`` a
+    full-size output gradient (what a loss such as cross-entropy hands back, without
+    the loss's own memory), with parameter gradients allocated before it, as from the
+    second training step on.
 
 Memory model
     Segment j holds layers [a, b). The last segment is stored (plain autograd); the
@@ -36,9 +38,35 @@ Memory model
         backward    O + Saved(a, i) + g_{i+1} + bwd_i
     stored [s, n)
         forward     Saved(s, i-1) + U(i) + fwd_i
+        loss        Saved(s, n-1) + U(n) + L
         backward    O + Saved(s, i) + g_{i+1} + bwd_i
+    stored [s, n), saves kept by lossy codec k (runtime/compressed_saves.py)
+        forward     Saved_k(s, i) + U_k(i) + [x_s] + max(fwd_i, enc_k(i))
+        loss        Saved_k(s, n-1) + U_k(n) + L
+        backward    O_k + Saved_k(s, i) + g_{i+1} + max(bwd_i + D(i), dec_k(i))
 
     O: the output and its gradient, which the caller holds through the backward.
+    L: the rise from the end of the forward until the output's gradient arrives
+    (Profile.loss_rise): the loss's forward and backward where the profile ran the
+    step's loss (cross-entropy keeps its log-softmax and makes two more logits-sized
+    tensors in backward, beyond the output gradient O counts), else the output
+    gradient alone, and then the event is at most the last layer's backward event.
+    U(n): the output, unless a layer of the segment saved it.
+    Saved_k(s, i): the saves of layers s..i as codec k stores them (profiler.py,
+    StoredSaves: each tensor once, its encoding plus one bit per element of a ReLU
+    output the segment made, or held as it is when the codec takes no such tensor),
+    derived from the profiled step's saves and the codec's bytes for each save's shape,
+    with no step of its own. U_k, O_k: U and O, where only a save held as it is holds
+    the tensor. [x_s]: the segment's input, s > 0, after its first layer: the caller
+    holds it until the segment's forward returns, and no save does. enc_k(i): layer
+    i's rise while it encodes a save, the rise as that save was made plus the
+    encoding's temporaries. dec_k(i): its backward's rise while an
+    autograd node decodes its saves, the rise as the node started plus the decoded
+    saves and one decoding's temporaries (the ReLU decisions restored); D(i): the most
+    bytes one node of layer i decodes, alive while it runs. The layer's new encodings
+    are counted, in Saved_k, from its start, and the tensors they encode as if they
+    stayed to its end (as in the profiled step): the stored events bound the codec's
+    step from above, by the saves' full size at most.
     Saved(a, i): the distinct storages saved for backward by layers a..i, each
     counted once whichever layers share it; Saved' leaves out the segment input,
     counted by K, F or D. U(i): layer i's input while it runs, unless a layer of
@@ -74,7 +102,10 @@ Time model
     step = sum_i (forward_i + backward_i) + sum over checkpointed segments t(a,b,o),
     t = sum_{a<=i<b} forward_i + encode and decode time (lossy) + the host copies not
     hidden behind the segment's forward (copy out) and its recompute and backward
-    (copy back; offload). Sign bits and the early stop are ignored.
+    (copy back; offload). Sign bits and the early stop are ignored. A stored segment
+    whose saves a codec keeps adds, for each of its stored tensors, one encoding, and
+    for each save one decoding, each the seconds the codec took on a sample of that
+    shape (profiler.py, StoredSaves).
 
 Each term is written once (:class:`CostModel`) and read two ways: by the solvers
 (solver.py) for every segment at once, from tables of each segment's largest events,
@@ -90,6 +121,7 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from ..errors import InternalError
 from ..runtime.store import EXACT, KeepPolicy
 from .profiler import LayerProfile, Profile
 
@@ -133,9 +165,12 @@ class CostModel:
     each checks the other (tests/planning/test_memory_model.py).
     """
 
-    def __init__(self, prof: Profile, options: list, fixed: Optional[Sequence[KeepPolicy]] = None):
+    def __init__(self, prof: Profile, options: list, fixed: Optional[Sequence[KeepPolicy]] = None,
+                 stored_codecs: Sequence[str] = ("none",)):
         """``options``: the keep options the plans may use. ``fixed``: one option per
-        layer instead, the only one a segment starting there may use."""
+        layer instead, the only one a segment starting there may use.
+        ``stored_codecs``: how the stored segment may keep autograd's saves, "none"
+        (as they are) first, then lossy codec names (the profile's StoredSaves)."""
         layers = prof.layers
         n = self.n = len(layers)
         if fixed is not None:
@@ -150,6 +185,7 @@ class CostModel:
         self.input = column("input_bytes")
         self.grad = np.append(column("input_grad_bytes"), 0.0)  # g_0 .. g_n; g_n is in held_in_backward
         self.held_in_backward = prof.output_bytes + prof.output_grad_bytes
+        self.loss_rise = prof.loss_rise
         self.output = prof.output_bytes
         self.output_first, self.output_last = prof.output_saved_by or (n, -1)
         self.forward_rise, self.backward_rise = column("forward_rise"), column("backward_rise")
@@ -174,6 +210,12 @@ class CostModel:
         self.saved_first, self.saved_last, self.saved_bytes = (
             np.array([getattr(s, field) for s in prof.saved], dtype=dtype)
             for field, dtype in (("first", np.int64), ("last", np.int64), ("nbytes", np.float64)))
+        self.stored_codecs = list(stored_codecs)
+        if self.stored_codecs[0] != "none":
+            raise InternalError(f"stored_codecs={stored_codecs!r} must start with 'none'")
+        if len(self.stored_codecs) > 1 and prof.stored_saves is None:
+            raise InternalError("this profile records no stored saves: its stored segment can only be exact")
+        self._stored_by_codec = [_CodedSaves(prof, codec) for codec in self.stored_codecs[1:]]
 
     def _options_by_layer(self, layers) -> None:
         """Per option (rows) and start layer (columns): whether it may be used there, the
@@ -218,6 +260,7 @@ class CostModel:
         stored_forward = np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + self.forward_rise[a:]
         before_recompute = self._held_before_layers(a, saved, unsaved)
         return _Events(stored_forward=stored_forward,
+                       loss=self._loss_event(a, saved[-1]),
                        backward=self._backward_events(a, saved, i),
                        recompute=before_recompute + self.forward_rise[a:],
                        recompute_to_last_save=before_recompute + self.rise_to_last_save[a:])
@@ -236,6 +279,11 @@ class CostModel:
         saved_before = (self.input_first[i] <= i - 1) & (self.input_last[i] >= a)
         return np.where(saved_before, 0.0, self.input[i])
 
+    def _loss_event(self, s: int, saved_by_all: float) -> float:
+        """Saved(s, n-1) + U(n) + L: the stored segment [s, n) while the loss runs."""
+        output_saved = self.output_first <= self.n - 1 and self.output_last >= s
+        return saved_by_all + (0.0 if output_saved else self.output) + self.loss_rise
+
     def _backward_events(self, a: int, saved: np.ndarray, i: np.ndarray) -> np.ndarray:
         """O + Saved(a, i) + g_{i+1} + bwd_i for i = a .. n-1, O less the output where
         Saved counts it."""
@@ -243,10 +291,39 @@ class CostModel:
         held = self.held_in_backward - np.where(output_in_saved, self.output, 0.0)
         return held + saved + self.grad[i + 1] + self.backward_rise[i]
 
-    def stored_working_set(self, s: int) -> float:
-        """W_stored(s): the largest event of the stored segment [s, n)."""
-        events = self.events_from(s)
-        return float(max(events.stored_forward.max(), events.backward.max()))
+    def stored_working_set(self, s: int, k: int = 0) -> float:
+        """W_stored(s, k): the largest event of the stored segment [s, n), its saves kept
+        by ``stored_codecs[k]``."""
+        if k == 0:
+            return self.events_from(s).stored_peak
+        return float(self._coded_stored_working_sets(k, np.array([s]))[0])
+
+    def _coded_stored_working_sets(self, k: int, starts: np.ndarray) -> np.ndarray:
+        """W_stored(s, k) for each s in ``starts``, k > 0 (a lossy codec): the module
+        docstring's events, broadcast over starts (rows) and layers i (columns)."""
+        coded, n = self._stored_by_codec[k - 1], self.n
+        s, i = starts[:, None], np.arange(n)[None, :]
+        saved = coded.saved_table()[starts]  # [s, i] = Saved_k(s, i), for i >= s
+        held = (coded.input_first[i] <= i - 1) & (coded.input_last[i] >= s)
+        unsaved = np.where(i == s, np.where(s > 0, self.input[s], 0.0),  # the chain input is in X
+                           np.where(held, 0.0, self.input[i]))
+        # The caller holds the segment's input until the segment's forward returns
+        # (sequential.py), which no save holds here: X holds the chain input.
+        caller_held = np.where((i > s) & (s > 0) & ~((coded.input_first[s] <= i) & (coded.input_last[s] >= s)),
+                               self.input[s], 0.0)
+        forward = saved + unsaved + caller_held + np.maximum(self.forward_rise[i], coded.encode_rise[i])
+        output_held = (coded.output_first <= i) & (coded.output_last >= s)
+        backward = (self.held_in_backward - np.where(output_held, self.output, 0.0) + saved + self.grad[i + 1]
+                    + np.maximum(self.backward_rise[i] + coded.decoded[i], coded.decode_rise[i]))
+        events = np.where(i >= s, np.maximum(forward, backward), -np.inf).max(axis=1)
+        output_held_at_end = (coded.output_first <= n - 1) & (coded.output_last >= starts)
+        loss = saved[:, -1] + np.where(output_held_at_end, 0.0, self.output) + self.loss_rise
+        return np.maximum(events, loss)
+
+    def stored_seconds(self, s: int, k: int) -> float:
+        """What keeping the saves of the stored segment [s, n) by ``stored_codecs[k]``
+        adds to the step (0 for "none")."""
+        return 0.0 if k == 0 else float(self._stored_by_codec[k - 1].seconds_from[s])
 
     def saves(self, a, b) -> np.ndarray:
         """Whether any layer of [a, b) saves a tensor (else nothing is kept or recomputed)."""
@@ -308,18 +385,24 @@ class CostModel:
         stored_peaks = np.empty(n)
         for a in range(n):
             events = self.events_from(a)
-            stored_peaks[a] = max(events.stored_forward.max(), events.backward.max())
+            stored_peaks[a] = events.stored_peak
             last = self.last_saver[a:n - 1] - a  # for ends b = a+1 .. n-1
             recompute[a, a + 1:] = _until_last_save(events.recompute, events.recompute_to_last_save, last)
             lossy_recompute[a, a + 1:] = _until_last_save(events.recompute + self.restore[a:],
                                                           events.recompute_to_last_save + self.restore[a:], last)
             backward[a, a + 1:] = np.maximum.accumulate(events.backward)[:n - 1 - a]
-        return _Tables(recompute, lossy_recompute, backward, stored_peaks)
+        coded = [self._coded_stored_working_sets(k, np.arange(n)) for k in range(1, len(self.stored_codecs))]
+        return _Tables(recompute, lossy_recompute, backward, np.array([stored_peaks, *coded]))
 
     @property
     def stored_peaks(self) -> np.ndarray:
-        """W_stored(s) for every start s."""
+        """[k, s]: W_stored(s, k) for every stored codec k and start s."""
         return self.tables.stored_peaks
+
+    @cached_property
+    def stored_time(self) -> np.ndarray:
+        """[k, s]: stored_seconds(s, k)."""
+        return np.array([np.zeros(self.n), *(coded.seconds_from[:self.n] for coded in self._stored_by_codec)])
 
     @property
     def backward(self) -> np.ndarray:
@@ -362,17 +445,20 @@ class CostModel:
 
     def predict(self, segments: list) -> tuple:
         """(peak bytes, step seconds, index of the segment setting the peak) of a plan
-        given as [(start, stop, option index, or -1 for the stored segment)]: the
-        module docstring's peak = X + max_j (R_0 + ... + R_{j-1} + W_j), C the largest
-        F of the plan's offloaded segments."""
+        given as [(start, stop, option index)], the stored segment last with ~k (-1 - k)
+        for its saves' codec stored_codecs[k] (-1: as they are): the module docstring's
+        peak = X + max_j (R_0 + ... + R_{j-1} + W_j), C the largest F of the plan's
+        offloaded segments."""
         checkpointed = segments[:-1]
         carry = max((float(self.fetched(o, a, b)) for a, b, o in checkpointed if self.options[o].offload),
                     default=0.0)
         seconds = self.forward_s_before[-1] + self.backward_s_before[-1]
         seconds += sum(float(self.seconds(o, a, b)) for a, b, o in checkpointed)
+        stored_start, _, stored = segments[-1]
+        seconds += self.stored_seconds(stored_start, ~stored)
         kept_before, peak, peak_segment = 0.0, -math.inf, 0
         for j, (a, b, o) in enumerate(segments):
-            working = self.stored_working_set(a) if o < 0 else self.segment_working_set(o, a, b, carry)
+            working = self.stored_working_set(a, ~o) if o < 0 else self.segment_working_set(o, a, b, carry)
             if kept_before + working > peak:
                 peak, peak_segment = kept_before + working, j
             kept_before += 0.0 if o < 0 else float(self.kept(o, a, b))
@@ -384,9 +470,15 @@ class _Events(NamedTuple):
     at a, one array each (index i - a), in the module docstring's terms."""
 
     stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + fwd_i: the stored segment's forward
+    loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
     backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
     recompute: np.ndarray  # Saved'(a, i-1) + U(i) + B(a, i) + fwd_i: the option adds its held bytes
     recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
+
+    @property
+    def stored_peak(self) -> float:
+        """W_stored(a): the largest event of the stored segment [a, n)."""
+        return float(max(self.stored_forward.max(), self.loss, self.backward.max()))
 
 
 class _Tables(NamedTuple):
@@ -395,7 +487,7 @@ class _Tables(NamedTuple):
     recompute: np.ndarray  # -inf where nothing is recomputed
     lossy_recompute: np.ndarray  # with the ReLU restores of a lossy codec
     backward: np.ndarray
-    stored_peaks: np.ndarray  # [s]: W_stored(s)
+    stored_peaks: np.ndarray  # [k, s]: W_stored(s, k)
 
 
 def _until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -406,3 +498,47 @@ def _until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) 
     running = np.maximum.accumulate(full)
     whole = np.where(last > 0, running[np.maximum(last - 1, 0)], -np.inf)
     return np.where(last >= 0, np.maximum(whole, truncated[np.maximum(last, 0)]), -np.inf)
+
+
+class _CodedSaves:
+    """The terms of a stored segment whose saves one lossy codec keeps (module
+    docstring: Saved_k, U_k, O_k, enc_k, dec_k), from the profile's StoredSaves."""
+
+    def __init__(self, prof: Profile, codec: str):
+        n, stored = len(prof.layers), prof.stored_saves
+        self.n = n
+        tensors = stored.tensors
+        self.first = np.array([t.first for t in tensors], dtype=np.int64)
+        self.last = np.array([t.last for t in tensors], dtype=np.int64)
+        self.kept = np.array([t.kept_bytes[codec] for t in tensors], dtype=np.float64)
+        self.signs = np.array([t.sign_bytes for t in tensors], dtype=np.float64)
+        self.encode_rise = np.array([rises[codec] for rises in stored.encode_rise], dtype=np.float64)
+        self.decode_rise = np.array([rises[codec] for rises in stored.decode_rise], dtype=np.float64)
+        self.decoded = np.array(stored.decoded_bytes, dtype=np.float64)
+        spans = [span or (n, -1) for span in stored.input_held_by]  # (n, -1): held by no save
+        self.input_first = np.array([first for first, _ in spans])
+        self.input_last = np.array([last for _, last in spans])
+        self.output_first, self.output_last = stored.output_held_by or (n, -1)
+        # Each stored tensor is encoded once (at its first save in the segment), each
+        # save decoded once.
+        encoded_by_last = np.bincount(self.last, weights=[t.encode_s[codec] for t in tensors], minlength=n)
+        decode_s = np.array([seconds[codec] for seconds in stored.decode_s], dtype=np.float64)
+        self.seconds_from = np.append(np.cumsum((encoded_by_last + decode_s)[::-1])[::-1], 0.0)
+
+    @cached_property
+    def _table(self) -> np.ndarray:
+        n = self.n
+        by_span = np.zeros((n, n))
+        np.add.at(by_span, (self.first, self.last), self.kept)
+        first_at_most = by_span.cumsum(axis=0)  # [i, last]: first <= i
+        last_at_least = first_at_most[:, ::-1].cumsum(axis=1)[:, ::-1]  # [i, s]: first <= i, last >= s
+        # A tensor first saved before s is the segment's input: it keeps no ReLU bits.
+        crossing = np.zeros(n + 1)
+        np.add.at(crossing, self.first + 1, self.signs)
+        np.add.at(crossing, self.last + 1, -self.signs)
+        return last_at_least.T - np.cumsum(crossing)[:n, None]
+
+    def saved_table(self) -> np.ndarray:
+        """[s, i] = Saved_k(s, i) for i >= s: the stored tensors whose saving layers meet
+        [s, i], each counted once (undefined for i < s)."""
+        return self._table

@@ -48,7 +48,9 @@ class Plan:
 
     ``starts[j]`` is the first layer of segment j (``starts[0] == 0``); the last
     segment is stored, the others checkpointed, segment j keeping its input by
-    ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``.
+    ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``. The stored
+    segment keeps autograd's saves by ``stored_codec`` ("none": as they are; a lossy
+    codec stores each as runtime/compressed_saves.py says).
     ``predicted_peak_bytes`` is peak activation memory (see the module docstring);
     ``peak_segment`` is the segment whose events set it.
     """
@@ -61,6 +63,7 @@ class Plan:
     predicted_step_seconds: float
     peak_segment: int
     budget: Optional[int] = None
+    stored_codec: str = "none"
 
     def __post_init__(self):
         n_layers = integral(self.n_layers)
@@ -85,7 +88,7 @@ class Plan:
                 f"a plan with {len(starts)} segments needs {checkpointed} codecs and offload flags "
                 f"(one per checkpointed segment), got {len(self.codecs)} and {len(self.offload)}"
             )
-        for codec in self.codecs:
+        for codec in (*self.codecs, self.stored_codec):
             get_codec(codec)
         if not all(isinstance(flag, bool) for flag in self.offload):
             raise ConfigError(f"plan offload={self.offload!r} must hold True or False for each checkpointed segment")
@@ -104,7 +107,8 @@ class Plan:
                  f"{ms(self.predicted_step_seconds)} ms"]
         rows = [["segment", "layers", "input kept", "where", ""]]
         for j, (start, stop, option) in enumerate(self.segments):
-            kept = "stored (no recompute)" if option is None else option.codec.name
+            kept = option.codec.name if option is not None else "stored (no recompute)" + (
+                "" if self.stored_codec == "none" else f", saves {self.stored_codec}")
             where = "" if option is None else ("host" if option.offload else "device")
             marker = "<- peak" if j == self.peak_segment else ""
             rows.append([str(j), f"{start}-{stop - 1}", kept, where, marker])
@@ -113,7 +117,7 @@ class Plan:
 
 def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] = None,
          allow: Sequence[str] = DEFAULT_ALLOW, objective: str = "time",
-         max_checkpointed_layers: Optional[int] = None) -> Plan:
+         max_checkpointed_layers: Optional[int] = None, compress_stored: bool = True) -> Plan:
     """Choose segments and keep options for the profiled chain.
 
     Args:
@@ -131,6 +135,11 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
             (None: any number). 1 for layers that can only be checkpointed one by one,
             as the blocks of :func:`actsave.plan_blocks` (a checkpoint cannot span
             blocks that the model's own loop calls).
+        compress_stored: whether the stored (last, never recomputed) segment may keep
+            autograd's saves by one of the lossy codecs ``allow`` and ``min_sqnr_db``
+            permit (:attr:`Plan.stored_codec`), where the profile recorded its saves.
+            False where the stored segment runs plain, as the blocks of
+            :func:`actsave.plan_blocks`.
 
     Raises :class:`~actsave.ConfigError` when no plan fits, stating the smallest
     feasible budget.
@@ -142,7 +151,13 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         attention, cuDNN workspaces) shift the peak; keep a margin in ``budget``.
     """
     _check_plan_arguments(profile, budget, objective, max_checkpointed_layers)
-    model = CostModel(profile, keep_options(allow, min_sqnr_db, profile.device))
+    if not isinstance(compress_stored, bool):
+        raise ConfigError(f"compress_stored={compress_stored!r} must be True or False")
+    options = keep_options(allow, min_sqnr_db, profile.device)
+    stored_codecs = ["none"]
+    if compress_stored and profile.stored_saves is not None:
+        stored_codecs += sorted({option.codec.name for option in options if option.lossy})
+    model = CostModel(profile, options, stored_codecs=stored_codecs)
     longest = max_checkpointed_layers
     if objective == "time":
         headroom = budget - model.chain_input
@@ -185,7 +200,8 @@ def _plan_of(model: CostModel, segments: list, budget: Optional[int], bound: flo
     predictions, which must fit the peak ``bound`` the program planned for."""
     checkpointed = [model.options[o] for _, _, o in segments[:-1]]
     draft = Plan(model.n, tuple(start for start, _, _ in segments), tuple(o.codec.name for o in checkpointed),
-                 tuple(o.offload for o in checkpointed), 0, 0.0, 0, budget)
+                 tuple(o.offload for o in checkpointed), 0, 0.0, 0, budget,
+                 stored_codec=model.stored_codecs[~segments[-1][2]])
     plan = _with_predictions(draft, model, segments)
     if not plan.predicted_peak_bytes <= bound:
         raise InternalError(
@@ -197,7 +213,7 @@ def _plan_of(model: CostModel, segments: list, budget: Optional[int], bound: flo
 
 def _with_predictions(draft: Plan, model: CostModel, segments: list) -> Plan:
     """``draft`` with the model's predictions for ``segments`` ([(start, stop, option
-    index or -1 for the stored segment)])."""
+    index)], the stored segment last: CostModel.predict)."""
     peak, seconds, peak_segment = model.predict(segments)
     return dataclasses.replace(draft, predicted_peak_bytes=int(peak), predicted_step_seconds=float(seconds),
                                peak_segment=peak_segment)
@@ -248,9 +264,11 @@ def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=No
 
 
 def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[str]] = None,
-            offload: Optional[Sequence[bool]] = None, budget: Optional[int] = None) -> Plan:
+            offload: Optional[Sequence[bool]] = None, budget: Optional[int] = None,
+            stored_codec: str = "none") -> Plan:
     """The :class:`Plan` for given segment starts (and per checkpointed segment codec
-    and offload; default exact, on the device), with the model's predictions: to
+    and offload, default exact, on the device; the codec of the stored segment's saves,
+    default as they are), with the model's predictions: to
     compare any segmentation, "sqrt"'s say, with a planned one. Each segment is
     evaluated from its own layers' events (CostModel.predict), not from the tables the
     dynamic programs read."""
@@ -258,13 +276,20 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
     checkpointed = len(starts) - 1
     codecs = ["none"] * checkpointed if codecs is None else [get_codec(c).name for c in codecs]
     offload = [False] * checkpointed if offload is None else list(offload)
-    draft = Plan(len(profile.layers), tuple(starts), tuple(codecs), tuple(offload), 0, 0.0, 0, budget)
+    draft = Plan(len(profile.layers), tuple(starts), tuple(codecs), tuple(offload), 0, 0.0, 0, budget,
+                 stored_codec=get_codec(stored_codec).name)
+    if draft.stored_codec != "none" and profile.stored_saves is None:
+        raise ConfigError(f"stored_codec={stored_codec!r}: this profile records no stored saves (profiled with "
+                          "stored_saves=False), so its stored segment can only be predicted exact; pass "
+                          "stored_codec='none', or profile with stored_saves=True")
     # runtime/store.py keeps a leaf or non-float input as it is, whatever the option.
     policies = [option if profile.layers[a].input_encodable else EXACT for a, _, option in draft.segments[:-1]]
     options = sorted(set(policies), key=lambda option: (option.codec.name, option.offload))
     segments = [(a, b, options.index(policy)) for (a, b, _), policy in zip(draft.segments, policies)]
-    model = CostModel(profile, options)
-    return _with_predictions(draft, model, [*segments, (draft.starts[-1], draft.n_layers, -1)])
+    stored_codecs = ["none"] if draft.stored_codec == "none" else ["none", draft.stored_codec]
+    model = CostModel(profile, options, stored_codecs=stored_codecs)
+    stored = ~(len(stored_codecs) - 1)
+    return _with_predictions(draft, model, [*segments, (draft.starts[-1], draft.n_layers, stored)])
 
 
 __all__ = ["plan", "balanced", "predict", "keep_options", "Plan", "EXPECTED_GRADIENT_SQNR_DB", "DEFAULT_ALLOW",

@@ -26,12 +26,13 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .._torch import own_tensors
+from .._torch import current_autograd_node, own_tensors
 from ..codecs import LOSSY_CODECS, get_codec
 from ..errors import ConfigError
 from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
 from ..runtime import relu_signs
 from ..runtime.pool_decisions import PoolWatch, Window, pool_at_
+from ..runtime.compressed_saves import stored_once_key
 from ..runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
 from ..text import format_table, mib, ms
 from .estimate import LiveBytes, allocation_bytes
@@ -95,6 +96,45 @@ class SavedStorage:
 
 
 @dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of the profiled step's saves as a stored segment whose saves a lossy
+    codec keeps stores it (runtime/compressed_saves.py): a floating-point save autograd
+    made (store.should_encode) by the codec, once per ``stored_once_key``, else held as
+    it is, once per storage. A ReLU output keeps its decisions, one bit per element,
+    where the segment made it: where its first save is in the segment (relu_signs.py,
+    made_by_segment_relu; an earlier save means it is the segment's input)."""
+
+    first: int  # the first and last layer saving it
+    last: int
+    kept_bytes: dict  # lossy codec -> bytes kept: the encoding and the ReLU bits, or the storage held as it is
+    sign_bytes: int  # the ReLU bits among kept_bytes
+    encode_s: dict  # lossy codec -> seconds encoding it once
+
+
+@dataclass(frozen=True)
+class StoredSaves:
+    """A stored segment's saves kept by each lossy codec, derived from the profiled step
+    (no step of its own): the tensors as stored, and per layer what encoding and decoding
+    its saves adds. Byte and second values come from encoding and decoding a sample of
+    each save's shape (as for layer inputs); the memory model's stored events read them
+    (memory_model.py, "stored [s, n), saves kept by k")."""
+
+    tensors: tuple  # of StoredTensor
+    # Per layer, {codec: the layer's rise of live bytes while it encodes one of its saves,
+    # beyond what stays}: the rise as the save was made in the profiled step, plus
+    # the encoding's temporaries.
+    encode_rise: tuple
+    # Per layer, {codec: its backward's rise while one of its autograd nodes decodes its
+    # saves}: the rise as the node started in the profiled step, plus the node's saves
+    # decoded and one decoding's temporaries.
+    decode_rise: tuple
+    decoded_bytes: tuple  # per layer, the most bytes one of its nodes decodes (alive while it runs)
+    decode_s: tuple  # per layer, {codec: seconds decoding its saves, once per save}
+    input_held_by: tuple  # per layer, (first, last) layer holding its input's storage as a save as it is, or None
+    output_held_by: Optional[tuple]  # the same for the chain output
+
+
+@dataclass(frozen=True)
 class Profile:
     """One measured training step of a chain: the input to :func:`plan`. Print it for
     a per-layer table."""
@@ -107,6 +147,11 @@ class Profile:
     output_grad_bytes: int
     device: str  # the device the bytes are for (a meta profile stands for one)
     timed: bool = True  # False for a profile on meta tensors: every time is 0
+    # The rise above the bytes live when the forward ends (the output included) until
+    # the output's gradient arrives: the loss's forward and backward (profile's
+    # ``loss``), or without one the output gradient of ones. 0: not measured.
+    loss_rise: int = 0
+    stored_saves: Optional[StoredSaves] = None  # None: not recorded; the stored segment's saves stay exact
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -155,11 +200,14 @@ def _single_input(example_inputs) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _step_isolated(model: nn.Module, device: torch.device):
-    """Run profiling steps without leaving a trace: gradients put back, BatchNorm
-    statistics untouched, the caller's RNG state restored. Gradients start allocated,
-    as from the second training step on: each layer's new gradients are then
-    transients accumulated into them, not gradient memory kept."""
+def isolated_steps(model: nn.Module, device: torch.device):
+    """While active, training steps of ``model`` (on ``device``) leave no trace: on
+    exit each parameter's gradient is put back as it was, BatchNorm running statistics
+    are untouched and the caller's RNG state (CPU, and ``device``'s on CUDA) is
+    restored. Inside, every gradient starts allocated (zeros), as from the second
+    training step on: each layer's new gradients are then transients accumulated into
+    them, not gradient memory kept. :func:`profile` and the block planner
+    (blocks.py) measure their steps inside it."""
     grads = [(p, p.grad) for p in model.parameters()]
     for p, _ in grads:
         p.grad = torch.zeros_like(p) if p.requires_grad else None
@@ -227,6 +275,7 @@ class _SaveLedger:
         self._ignored = {id(t.untyped_storage()) for t in ignored}
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
         self._relu_saves = relu_signs.FirstSaves()
+        self.as_stored = _SavesAsStored(self._ignored, tracker)
 
     def before_layer(self, i: int, h: torch.Tensor) -> None:
         self.layer, self.layer_input = i, h
@@ -238,6 +287,7 @@ class _SaveLedger:
         # is read at the end, when later layers may have saved the storage too.
         self.input_entries.append(self.entry_of(self.layer_input))
         self.layer_input = None
+        self.as_stored.watch_backward(i, h)
 
     def pack(self, t: torch.Tensor):
         self.peak_at_last_save[self.layer] = self.tracker.peak
@@ -251,7 +301,8 @@ class _SaveLedger:
             self._count_pool(t, *pool)
         elif relu_signs.is_relu_output(t) and self._relu_saves.is_first(t):
             self._count_relu_output(t)
-        return t.detach()  # detached: holding the output itself would be a reference cycle
+        # Detached: holding the output itself would be a reference cycle.
+        return t.detach(), self.as_stored.pack(t, self.layer, self.tracker.live - self.live_before[self.layer])
 
     def _count_relu_output(self, t: torch.Tensor) -> None:
         bits = self.relu_bits.setdefault(self.layer, [0, 0])
@@ -264,8 +315,9 @@ class _SaveLedger:
         counted[0] += allocation_bytes(window.packed_bytes(indices.numel()), self.device)
         counted[1].append(_PoolSample(window, input_size, tuple(indices.shape)))
 
-    @staticmethod
-    def unpack(t):
+    def unpack(self, saved):
+        t, save = saved
+        self.as_stored.unpack(save)
         return t
 
     def entry_of(self, t: torch.Tensor) -> Optional[list]:
@@ -276,11 +328,78 @@ class _SaveLedger:
         return [SavedStorage(*entry) for entry in self._entries.values()]
 
 
+class _StoredEntry:
+    """A tensor as a stored segment's codec would store it: what it is, whether the
+    codec encodes it, whether it is a ReLU output, the first and last layer saving it."""
+
+    __slots__ = ("first", "last", "relu", "spec")
+
+    def __init__(self, t: torch.Tensor, layer: int):
+        self.spec, self.relu = _Spec.of(t), relu_signs.is_relu_output(t)
+        self.first = self.last = layer
+
+
+class _SavesAsStored:
+    """Follows the byte-counting step's saves as runtime/compressed_saves.py would store
+    them under a lossy codec: one entry per stored tensor (:class:`StoredTensor`), each
+    save's entry, layer and the layer's rise of live bytes as it was saved, and in
+    backward the saves that each autograd node unpacks, which a codec decodes
+    together, with the layer's backward rise as the node starts."""
+
+    def __init__(self, ignored: set, tracker: LiveBytes):
+        self.entries = {}  # key -> _StoredEntry, in the order first saved
+        self.saves = []  # per save: (its entry's key, the saving layer, the layer's rise then)
+        self.nodes = []  # per autograd node: ([save indices], the layer's backward rise as it starts)
+        self._ignored, self._tracker = ignored, tracker
+        self._node = None
+        self._backward_base = {}  # layer -> live bytes as its backward starts
+        self._handles = []
+
+    def watch_backward(self, layer: int, output: torch.Tensor) -> None:
+        """Call right after ``layer`` ran: its backward starts at its output's node."""
+        if output.grad_fn is not None:
+            self._handles.append(output.grad_fn.register_prehook(
+                lambda grads, i=layer: self._backward_base.__setitem__(i, self._tracker.live)))
+
+    def finish(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def pack(self, t: torch.Tensor, layer: int, rise: int) -> Optional[int]:
+        """Note one save of ``t`` by ``layer``, the layer's live bytes having risen by
+        ``rise``; returns its index (None: held elsewhere, as the batch)."""
+        if should_encode(t):
+            key = stored_once_key(t) or ("stored anew", len(self.saves))
+        elif id(t.untyped_storage()) in self._ignored:
+            return None
+        else:
+            key = ("as it is", id(t.untyped_storage()))
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _StoredEntry(t, layer)
+        entry.last = layer
+        self.saves.append((key, layer, rise))
+        return len(self.saves) - 1
+
+    def unpack(self, save: Optional[int]) -> None:
+        if save is None:
+            return
+        node = current_autograd_node()
+        if node is None or node is not self._node:
+            layer = self.saves[save][1]  # a node's saves are its own layer's
+            base = self._backward_base.get(layer)
+            self.nodes.append(([], None if base is None else self._tracker.live - base))
+            self._node = node
+        self.nodes[-1][0].append(save)
+
+
 class _Structure:
     """What the byte-counting step found, per layer and for the chain output."""
 
-    def __init__(self, ledger: _SaveLedger, forward_rise: list, backward_rise: list, output: torch.Tensor):
+    def __init__(self, ledger: _SaveLedger, forward_rise: list, backward_rise: list, loss_rise: int,
+                 output: torch.Tensor):
         n, device = len(forward_rise), ledger.device
+        self.loss_rise = loss_rise
         self.inputs = ledger.inputs
         self.forward_rise, self.backward_rise = forward_rise, backward_rise
         self.rise_to_last_save = [ledger.peak_at_last_save[i] - ledger.live_before[i]
@@ -298,6 +417,8 @@ class _Structure:
         self.output_bytes = allocation_bytes(output.untyped_storage().nbytes(), device)
         self.output_saved_by = _span(ledger.entry_of(output))
         self.output_grad_bytes = allocation_bytes(output.numel() * output.element_size(), device)
+        self.as_stored = ledger.as_stored
+        self.output_encodable = should_encode(output)
 
 
 def _span(entry: Optional[list]) -> Optional[tuple]:
@@ -341,10 +462,12 @@ class _BackwardSpans:
         return self.values
 
 
-def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_layer=None) -> tuple:
+def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_layer=None, loss=None) -> tuple:
     """One training step through the chain, each layer's forward and backward measured
-    by ``meter``; the backward starts from a full-size output gradient. Returns
-    (forward values, backward values, output)."""
+    by ``meter``, and the loss: from the end of the forward until the output's gradient
+    arrives. The backward starts from ``loss(output)`` (:func:`profile`), or without a
+    loss from a full-size output gradient of ones. Returns (forward values, backward
+    values, loss value, output)."""
     spans = _BackwardSpans(len(layers), meter)
     forward = [0] * len(layers)
     h, node = x, x.grad_fn
@@ -360,8 +483,44 @@ def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_lay
         node = h.grad_fn
     if not h.requires_grad:
         raise ConfigError("the chain's output does not require grad: there is no backward to plan for")
-    torch.autograd.backward(h, torch.ones_like(h))
-    return forward, spans.finish(), h
+    loss_span = _OpenSpan(meter)
+    handle = h.register_hook(loss_span.close)  # runs before the last layer's backward
+    try:
+        if loss is None:
+            torch.autograd.backward(h, torch.ones_like(h))
+        else:
+            _backward_from_loss(h, loss)
+    finally:
+        handle.remove()
+        loss_span.close()
+    return forward, spans.finish(), loss_span.value[0], h
+
+
+def _backward_from_loss(output: torch.Tensor, loss) -> None:
+    # The loss's saves are not the last layer's: the ledger (and any outer hooks) must
+    # not see them.
+    with saved_tensors_hooks(_detached, _as_is):
+        value = loss(output)
+    if not isinstance(value, torch.Tensor) or not value.requires_grad:
+        got = "a tensor that needs no gradient" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigError(f"loss(output) returned {got}: loss must return a tensor computed from the chain's "
+                          "output, the one the backward starts from")
+    torch.autograd.backward(value, None if value.dim() == 0 else torch.ones_like(value))
+
+
+class _OpenSpan:
+    """``meter()`` entered now and left at the first :meth:`close`; ``value`` holds its
+    one-item result."""
+
+    def __init__(self, meter):
+        self._context = meter()
+        self.value = self._context.__enter__()
+        self._open = True
+
+    def close(self, *_) -> None:
+        if self._open:
+            self._open = False
+            self._context.__exit__(None, None, None)
 
 
 def _checked_output(output, index: int) -> torch.Tensor:
@@ -373,7 +532,7 @@ def _checked_output(output, index: int) -> torch.Tensor:
     return output
 
 
-def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device) -> _Structure:
+def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device, loss=None) -> _Structure:
     """The byte-counting step, with allocations as on ``device``."""
     if any(plans_at_first_call(layer) for _, layer in layers):
         with fast_meta(), torch.enable_grad():
@@ -383,9 +542,12 @@ def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: tor
     tracker = LiveBytes(device, known=known)
     ledger = _SaveLedger(device, ignored=known, tracker=tracker)
     with tracker, saved_tensors_hooks(ledger.pack, ledger.unpack), ledger.pools.watching():
-        forward_rise, backward_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
-                                                        ledger.after_layer)
-    return _Structure(ledger, forward_rise, backward_rise, output)
+        try:
+            forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
+                                                                       ledger.after_layer, loss)
+        finally:
+            ledger.as_stored.finish()
+    return _Structure(ledger, forward_rise, backward_rise, loss_rise, output)
 
 
 def _run_forward(layers: list, x: torch.Tensor) -> None:
@@ -393,8 +555,8 @@ def _run_forward(layers: list, x: torch.Tensor) -> None:
         x = layer(x)
 
 
-def _measure_times(layers: list, x: torch.Tensor) -> tuple:
-    forward, backward, _ = _run_step(layers, x, lambda: _timer(x.device))
+def _measure_times(layers: list, x: torch.Tensor, loss=None) -> tuple:
+    forward, backward, _, _ = _run_step(layers, x, lambda: _timer(x.device), loss=loss)
     return forward, backward
 
 
@@ -463,6 +625,7 @@ class _CodecCosts:
         self._by_shape = {}
         self._restore_rises = {}
         self._pool_restore_rises = {}
+        self._sign_rises = {}
 
     def of(self, spec: _Spec) -> dict:
         """{codec: _KeepCost}; a leaf or non-float input is kept as it is by every codec."""
@@ -550,6 +713,21 @@ class _CodecCosts:
             self._pool_restore_rises[pool] = max(encode_rise[0], restore_rise[0])
         return self._pool_restore_rises[pool]
 
+    def relu_sign_rise(self, elements: int) -> int:
+        """The rise of live bytes while the decisions of a ReLU output of ``elements``
+        elements are packed into bits (runtime/relu_signs.py), the bits included."""
+        if elements not in self._sign_rises:
+            output = torch.relu(torch.randn(elements, device=self.tensors))
+            tracker = LiveBytes(self.device, known=[output])
+            with tracker, tracker.span() as rise:
+                relu_signs.pack_signs(output)
+            self._sign_rises[elements] = rise[0]
+        return self._sign_rises[elements]
+
+    def sign_bytes(self, elements: int) -> int:
+        """The bits a ReLU output of ``elements`` elements keeps its decisions in."""
+        return allocation_bytes(-(-elements // 8), self.device)
+
 
 class _PoolSample(NamedTuple):
     """A max pool call of the profiled step: enough to make one like it."""
@@ -557,6 +735,80 @@ class _PoolSample(NamedTuple):
     window: Window
     input_size: tuple
     indices_shape: tuple
+
+
+def _stored_saves(found: _Structure, costs: _CodecCosts) -> StoredSaves:
+    """What a stored segment's saves cost under each lossy codec, from the profiled
+    step's record of them and each save shape's codec costs (no step of its own).
+
+    Encoding runs as a save is made (at most once per stored tensor), one at a time: a
+    save made when the layer's live bytes had risen by r in the profiled step is
+    charged r plus its encoding's temporaries; the packed bytes are in Saved_k. In
+    backward each autograd node decodes its saves as it starts, and they live until
+    it ends: a node that started at a rise of d is charged d plus its decoded saves
+    and one decoding's temporaries, and the whole layer's rise is charged the most one
+    node decodes (memory_model.py). Both hold the profiled step's tensors as if the
+    codec freed none, so they bound the codec's step from above. A ReLU output's
+    decisions are counted as restored at every decode."""
+    recorded, n = found.as_stored, len(found.inputs)
+    encode_rise, decode_rise = ([dict.fromkeys(LOSSY_CODECS, 0) for _ in range(n)] for _ in range(2))
+    decode_s, decoded_bytes = [dict.fromkeys(LOSSY_CODECS, 0.0) for _ in range(n)], [0] * n
+    for key, layer, rise in recorded.saves:
+        entry = recorded.entries[key]
+        if entry.spec.encodable:
+            for codec in LOSSY_CODECS:
+                encoding = rise + _encode_extra(entry, codec, costs)
+                encode_rise[layer][codec] = max(encode_rise[layer][codec], encoding)
+                decode_s[layer][codec] += costs.of(entry.spec)[codec].decode_s
+    for saves, started_at in recorded.nodes:
+        layer = recorded.saves[saves[0]][1]
+        entries = [recorded.entries[recorded.saves[save][0]] for save in saves]
+        entries = [entry for entry in entries if entry.spec.encodable]
+        dense = [allocation_bytes(entry.spec.dense_bytes, costs.device) for entry in entries]
+        decoded_bytes[layer] = max(decoded_bytes[layer], sum(dense))
+        # A node whose start was not seen (its layer's backward began elsewhere) is
+        # charged the layer's whole backward rise.
+        started_at = found.backward_rise[layer] if started_at is None else started_at
+        for codec in LOSSY_CODECS:
+            temporaries = max((_decode_rise(entry, codec, costs) - size for entry, size in zip(entries, dense)),
+                              default=0)
+            decode_rise[layer][codec] = max(decode_rise[layer][codec], started_at + sum(dense) + temporaries)
+    return StoredSaves(
+        tensors=tuple(_stored_tensor(entry, costs) for entry in recorded.entries.values()),
+        encode_rise=tuple(encode_rise), decode_rise=tuple(decode_rise), decoded_bytes=tuple(decoded_bytes),
+        decode_s=tuple(decode_s),
+        input_held_by=tuple(None if spec.encodable else span for spec, span in zip(found.inputs, found.input_saved_by)),
+        output_held_by=None if found.output_encodable else found.output_saved_by,
+    )
+
+
+def _stored_tensor(entry: _StoredEntry, costs: _CodecCosts) -> StoredTensor:
+    keep = costs.of(entry.spec)
+    signs = costs.sign_bytes(math.prod(entry.spec.shape)) if entry.relu and entry.spec.encodable else 0
+    return StoredTensor(first=entry.first, last=entry.last,
+                        kept_bytes={codec: keep[codec].kept + signs for codec in LOSSY_CODECS}, sign_bytes=signs,
+                        encode_s={codec: keep[codec].encode_s for codec in LOSSY_CODECS})
+
+
+def _encode_extra(entry: _StoredEntry, codec: str, costs: _CodecCosts) -> int:
+    """The rise while a save is stored (encoded, then its ReLU bits packed), beyond
+    what stays."""
+    kept = costs.of(entry.spec)[codec].kept
+    rise = costs.of(entry.spec)[codec].encode_rise
+    if entry.relu:
+        elements = math.prod(entry.spec.shape)
+        rise, kept = max(rise, kept + costs.relu_sign_rise(elements)), kept + costs.sign_bytes(elements)
+    return max(0, rise - kept)
+
+
+def _decode_rise(entry: _StoredEntry, codec: str, costs: _CodecCosts) -> int:
+    """The rise while a save is decoded (and its ReLU decisions restored), the decoded
+    tensor included."""
+    rise = costs.of(entry.spec)[codec].decode_rise
+    if entry.relu:
+        dense = allocation_bytes(entry.spec.dense_bytes, costs.device)
+        rise = max(rise, dense + costs.relu_restore_rise(math.prod(entry.spec.shape)))
+    return rise
 
 
 def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times: tuple,
@@ -609,7 +861,7 @@ def _scratch_statistics_bytes(layer: nn.Module, device) -> int:
                for b in m.buffers(recurse=False))
 
 
-def profile(model: nn.Module, example_inputs, device=None) -> Profile:
+def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_saves: bool = True) -> Profile:
     """Measure one training step of the chain ``model`` on its device, layer by layer.
 
     ``model`` is an ``nn.Sequential`` (a :class:`~actsave.CheckpointedSequential` is
@@ -619,6 +871,18 @@ def profile(model: nn.Module, example_inputs, device=None) -> Profile:
     Then each distinct layer-input shape is encoded and decoded by each codec, and on
     CUDA copied to pinned host memory and back. The model's parameter gradients and
     BatchNorm statistics and the caller's RNG state are left as they were.
+
+    ``loss``: the training step's loss, a function of the chain's output returning the
+    tensor the backward starts from (``lambda logits: F.cross_entropy(logits.flatten(0,
+    -2), targets.flatten())``). Its memory (cross-entropy's log-softmax, the gradients
+    it makes) comes on top of everything the forward left, so a plan that fills its
+    budget needs it measured: ``Profile.loss_rise``, the memory model's loss event.
+    Without it the backward starts from a full-size output gradient of ones.
+
+    ``stored_saves``: whether to derive what the stored segment's saves cost under each
+    lossy codec (``Profile.stored_saves``, for :func:`plan`'s ``compress_stored``), from
+    a sample of each save's shape; False leaves it None, for plans whose stored
+    segment keeps its saves as they are (:func:`balanced`).
 
     Sizes only, at any scale: give ``x`` on the meta device (``torch.empty(128, 3, 32,
     32, device="meta")``) and the ``device`` it stands for (default ``"cpu"``; ``"cuda"``
@@ -638,9 +902,9 @@ def profile(model: nn.Module, example_inputs, device=None) -> Profile:
         if sizes_only:
             stack.enter_context(on_meta(model))
             stack.enter_context(simulating(device))
-        stack.enter_context(_step_isolated(model, x.device))
-        found = _measure_memory(layers, x, model, device)
-        times = ([0.0] * len(layers),) * 2 if sizes_only else _measure_times(layers, x)
+        stack.enter_context(isolated_steps(model, x.device))
+        found = _measure_memory(layers, x, model, device, loss)
+        times = ([0.0] * len(layers),) * 2 if sizes_only else _measure_times(layers, x, loss)
         costs = _CodecCosts(x.device, device)
         return Profile(
             layers=tuple(_layer_profile(i, name, layer, found, times, costs)
@@ -652,6 +916,8 @@ def profile(model: nn.Module, example_inputs, device=None) -> Profile:
             output_grad_bytes=found.output_grad_bytes,
             device=str(device),
             timed=not sizes_only,
+            loss_rise=found.loss_rise,
+            stored_saves=_stored_saves(found, costs) if stored_saves else None,
         )
 
 

@@ -10,12 +10,16 @@ Dynamic program
 
         L(b) = Pareto { (P + R(a,b,o), T + t(a,b,o)) : a < b, o, (P, T) in L(a),
                         P + W(a,b,o) + C <= budget - X }
-        best = min { T : s < n, (P, T) in L(s), P + W_stored(s) <= budget - X }
+        best = min { T + t_stored(s, k) : s < n, k, (P, T) in L(s),
+                     P + W_stored(s, k) <= budget - X }
+
+    k: how the stored segment keeps autograd's saves (as they are, or by a lossy
+    codec: memory_model.py), t_stored its encode and decode time.
 
     Feasibility depends on a label only through P and time is additive, so a
     dominated label never leads to a better plan: the DP is exact for the model.
     Smallest peak ("memory" objective, and :func:`balanced`), right to left, one
-    number per start and candidate C: h(a) = min(W_stored(a), min_{b,o} max(W(a,b,o)
+    number per start and candidate C: h(a) = min(min_k W_stored(a, k), min_{b,o} max(W(a,b,o)
     + C, R(a,b,o) + h(b))), peak = X + h(0); then the fastest plan within that peak,
     the time dynamic program run only for the candidates whose h(0) fits. With every
     time 0 (a meta profile) the first plan found is kept: the one whose stored
@@ -47,13 +51,13 @@ def smallest_headroom(model: CostModel, longest: Optional[int] = None) -> float:
 
 def _smallest_headrooms(model: CostModel, longest: Optional[int] = None) -> tuple:
     """(carries, h(0) for each): the docstring's right-to-left recurrence h(a) =
-    min(W_stored(a), min_{b,o} max(W(a,b,o) + C, R(a,b,o) + h(b))), for every
+    min(min_k W_stored(a, k), min_{b,o} max(W(a,b,o) + C, R(a,b,o) + h(b))), for every
     candidate C at once (the columns of h), over checkpointed segments [a, b) of at
     most ``longest`` layers. Computed once per model and ``longest``."""
     computed = model.__dict__.setdefault("_headrooms", {})
     if longest not in computed:
         n, carries = model.n, model.carries()
-        h = np.repeat(model.stored_peaks[:, None], len(carries), axis=1)
+        h = np.repeat(model.stored_peaks.min(axis=0)[:, None], len(carries), axis=1)
         for a in reversed(range(n - 1)):
             b = np.arange(a + 1, n if longest is None else min(n, a + 1 + longest))
             for o in np.nonzero(model.allowed[:, a])[0]:
@@ -65,7 +69,7 @@ def _smallest_headrooms(model: CostModel, longest: Optional[int] = None) -> tupl
 
 def fastest_within(model: CostModel, headroom: float, longest: Optional[int] = None) -> Optional[list]:
     """The fastest plan with H <= headroom over every carry, as [(start, stop, option
-    index or -1 for the stored segment)], or None; checkpointed segments hold at most
+    index; the stored segment last, with ~k for its saves' stored codec k)], or None; checkpointed segments hold at most
     ``longest`` layers (None: any number). Carries whose smallest H is above
     ``headroom`` have no such plan and are skipped."""
     best = None
@@ -109,7 +113,8 @@ class _Prefixes:
 
     Each label at b extends a label at a < b by the segment [a, b) with option o,
     allowed when P + W(a,b,o) + C <= headroom; a plan ends with the stored segment
-    at s when P + W_stored(s) <= headroom: L(b) and "best" of the module docstring.
+    at s when P + W_stored(s, k) <= headroom for a stored codec k: L(b) and "best" of
+    the module docstring.
     With ``longest``, only from labels at a >= b - longest."""
 
     def __init__(self, model: CostModel, headroom: float, carry: float, longest: Optional[int] = None):
@@ -118,7 +123,8 @@ class _Prefixes:
         self.labels = _Labels()
         self.labels.append(p=np.zeros(1), t=np.zeros(1), position=np.zeros(1, dtype=np.int64),
                            option=np.full(1, -1), previous=np.full(1, -1))
-        self.best = (math.inf, -1)  # (time, label whose plan ends with the stored segment)
+        # (time, label whose plan ends with the stored segment, its stored codec)
+        self.best = (math.inf, -1, 0)
 
     def fastest(self) -> Optional[tuple]:
         """(extra seconds, segments) of the fastest plan, or None when none fits."""
@@ -127,7 +133,7 @@ class _Prefixes:
             self._finish_at(b, self._extend_to(b))
         if self.best[1] < 0:
             return None
-        return self.best[0], self._segments_from(self.best[1])
+        return self.best[0], self._segments_from(self.best[1], self.best[2])
 
     def _extend_to(self, b: int) -> np.ndarray:
         """Add the frontier at b; return its label indices."""
@@ -152,17 +158,22 @@ class _Prefixes:
         return np.arange(first, labels.size)
 
     def _finish_at(self, s: int, at: np.ndarray) -> None:
-        """End the plans of labels ``at`` (position s) with the stored segment [s, n)."""
-        fits = at[self.labels["p"][at] + self.model.stored_peaks[s] <= self.headroom]
-        if fits.size:
-            best = fits[np.argmin(self.labels["t"][fits])]
-            if self.labels["t"][best] < self.best[0]:
-                self.best = (float(self.labels["t"][best]), int(best))
+        """End the plans of labels ``at`` (position s) with the stored segment [s, n),
+        its saves kept by each stored codec k in turn (as they are first, so that it
+        wins ties)."""
+        for k in range(len(self.model.stored_codecs)):
+            fits = at[self.labels["p"][at] + self.model.stored_peaks[k, s] <= self.headroom]
+            if fits.size:
+                best = fits[np.argmin(self.labels["t"][fits])]
+                seconds = float(self.labels["t"][best]) + self.model.stored_time[k, s]
+                if seconds < self.best[0]:
+                    self.best = (seconds, int(best), k)
 
-    def _segments_from(self, label: int) -> list:
-        """[(start, stop, option)] of a finished plan, the stored segment last."""
+    def _segments_from(self, label: int, stored: int) -> list:
+        """[(start, stop, option)] of a finished plan, the stored segment last with ~k
+        for its stored codec k (CostModel.predict)."""
         labels = self.labels
-        stops = [(int(labels["position"][label]), self.model.n, -1)]
+        stops = [(int(labels["position"][label]), self.model.n, ~stored)]
         while labels["previous"][label] >= 0:
             previous = int(labels["previous"][label])
             stops.append((int(labels["position"][previous]), int(labels["position"][label]),

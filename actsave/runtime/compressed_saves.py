@@ -113,8 +113,9 @@ class _SavesStore:
         if stored is None:
             stored = _Stored(self.codec, tensor, relu_signs.made_by_segment_relu(tensor, self._input_nodes))
             self.nbytes += stored.nbytes
-            if tensor.is_contiguous():
-                self._seen[_storage_key(tensor)] = (weakref.ref(tensor), stored)
+            key = stored_once_key(tensor)
+            if key is not None:
+                self._seen[key] = (weakref.ref(tensor), stored)
         return stored, tensor.shape
 
     def unpack(self, saved) -> torch.Tensor:
@@ -124,13 +125,20 @@ class _SavesStore:
         return stored.restore().view(shape)
 
     def _seen_before(self, tensor: torch.Tensor):
-        if not tensor.is_contiguous():
+        key = stored_once_key(tensor)
+        if key is None:
             return None
-        ref, stored = self._seen.get(_storage_key(tensor), (_dead_ref, None))
+        ref, stored = self._seen.get(key, (_dead_ref, None))
         return stored if ref() is not None else None
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple:
+def stored_once_key(tensor: torch.Tensor):
+    """What makes saves of one forward share one stored copy: equal keys (the same
+    elements of one storage, contiguous: a tensor saved twice, or a contiguous view of
+    it); None for a non-contiguous tensor, stored anew at each save. The planner's
+    profile counts a stored segment's saves by it (planning/profiler.py)."""
+    if not tensor.is_contiguous():
+        return None
     # The storage object's address, not its data pointer: meta tensors (actsave.estimate)
     # all have data pointer 0.
     return (storage_identity(tensor), tensor.storage_offset(), tensor.numel(), tensor.dtype)
@@ -156,4 +164,4 @@ def call_with_compressed_saves(function: Callable, x, codec: Codec) -> tuple:
     return output, store.nbytes
 
 
-__all__ = ["call_with_compressed_saves"]
+__all__ = ["call_with_compressed_saves", "stored_once_key"]

@@ -18,6 +18,11 @@ import actsave
 from actsave.codecs import sqnr_db
 
 
+def step_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of every sweep's training step: cross-entropy over the last dimension."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
 def training_step(model: nn.Module, batch: tuple) -> int:
     """Forward, cross-entropy loss, backward. Returns the bytes actsave keeps for
     backward at the end of the forward."""
@@ -25,7 +30,7 @@ def training_step(model: nn.Module, batch: tuple) -> int:
     before = _actsave_stored_bytes()
     logits = model(inputs)
     kept = _actsave_stored_bytes() - before
-    F.cross_entropy(logits.flatten(0, -2), targets.flatten()).backward()
+    step_loss(logits, targets).backward()
     return kept
 
 

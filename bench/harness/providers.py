@@ -12,6 +12,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import actsave
 
+from .measure import step_loss
+
 
 class TorchCheckpointSequential(nn.Module):
     """``torch.utils.checkpoint.checkpoint_sequential`` over ``chain`` with
@@ -51,15 +53,20 @@ def _actsave_planned(chain: nn.Sequential, batch: tuple, budget: int) -> nn.Modu
     # The fastest plan within the budget; where no plan fits it, the smallest peak
     # (so the sweep still shows the planner at depths past the budget). The sweep's
     # budget bounds the whole step; the planner's bounds activations, so the resident
-    # parameters, their gradients and the buffers come off first.
-    inputs = (batch[0],)
+    # parameters, their gradients and the buffers come off first. The profile runs the
+    # step's own loss: cross-entropy's memory comes on top of all the forward left, so
+    # a plan that fills its budget must know it (memory_model.py, the loss event).
+    inputs, targets = batch
     resident = sum(2 * p.numel() * p.element_size() for p in chain.parameters())
     resident += sum(b.numel() * b.element_size() for b in chain.buffers())
+    model = actsave.CheckpointedSequential.from_sequential(chain, segments=1)
+    profile = actsave.profile(model, (inputs,), loss=lambda logits: step_loss(logits, targets))
     try:
-        return actsave.CheckpointedSequential.from_sequential(
-            chain, segments="auto", budget=budget - resident, example_inputs=inputs)
+        plan = actsave.plan(profile, budget - resident)
     except actsave.ConfigError:
-        return actsave.CheckpointedSequential.from_sequential(chain, segments="memory", example_inputs=inputs)
+        plan = actsave.plan(profile, None, objective="memory")
+    model.apply_plan(plan)
+    return model
 
 
 PROVIDERS = {
@@ -74,7 +81,7 @@ PROVIDERS = {
     "actsave_offload": _actsave(offload=True),
     "actsave_int8_offload": _actsave(compress="int8", offload=True),
     "actsave_auto": Provider(
-        _actsave_planned, "actsave.CheckpointedSequential(segments='auto', budget=--budget)", uses_actsave=True,
+        _actsave_planned, "actsave.plan(profile(..., loss=cross-entropy), budget=--budget) applied", uses_actsave=True,
         timed_plan=True,
     ),
 }
@@ -90,7 +97,7 @@ def available_providers(names: list) -> tuple:
     a run fails at its start, not mid-sweep. A provider that fails to build raises
     :class:`ProviderError` naming it and the cause: a benchmark does not skip what it
     was asked to measure. (The empty list of notes keeps the shape callers unpack.)"""
-    probe, batch = nn.Sequential(nn.Linear(2, 2), nn.ReLU()), (torch.randn(2, 2), None)
+    probe, batch = nn.Sequential(nn.Linear(2, 2), nn.ReLU()), (torch.randn(2, 2), torch.tensor([0, 1]))
     for name in names:
         provider = PROVIDERS[name]
         try:

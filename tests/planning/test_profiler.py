@@ -10,7 +10,7 @@ from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError
-from actsave.planning import profiler
+from actsave.planning import plans, profiler
 
 
 def test_a_meta_profile_measures_the_bytes_of_a_real_step():
@@ -56,6 +56,33 @@ def test_profile_counts_the_max_pool_decisions_a_lossy_segment_keeps():
         # 3x3 windows, 4 bits each, one per output: 8 x 16 planes of 16 x 16.
         assert layer.pool_decision_bytes == (8 * 16 * 16 * 16 * 4 // 8 if i in pools else 0)
         assert (layer.pool_restore_bytes > 0) == (i in pools)
+
+
+def test_the_losss_saves_and_rise_are_the_losss_not_the_last_layers():
+    model = nn.Sequential(*deep_mlp(3, 32), nn.Linear(32, 256))
+    x, targets = torch.randn(16, 32), torch.randint(0, 256, (16,))
+    plain = actsave.profile(model, (x,))
+    with_loss = actsave.profile(model, (x,), loss=lambda logits: nn.functional.cross_entropy(logits, targets))
+    untimed = [f.name for f in dataclasses.fields(profiler.LayerProfile) if f.name.endswith("_s")]
+    assert [dataclasses.replace(layer, **{f: None for f in untimed}) for layer in plain.layers] == \
+           [dataclasses.replace(layer, **{f: None for f in untimed}) for layer in with_loss.layers]
+    logits = 16 * 256 * 4
+    # Cross-entropy's log-softmax and, in its backward, two more logits-sized tensors
+    # (and a few scalars: the loss, its gradient, the reduction's).
+    assert plain.loss_rise == logits and 3 * logits <= with_loss.loss_rise < 3 * logits + 1024
+    with pytest.raises(ConfigError, match="loss must return a tensor computed from the chain's output"):
+        actsave.profile(model, (x,), loss=lambda logits: logits.detach().sum())
+
+
+def test_a_profile_without_stored_saves_plans_the_stored_segment_exact():
+    model = nn.Sequential(*deep_mlp(8, 64))
+    x = torch.randn(128, 64)
+    prof = actsave.profile(model, (x,), stored_saves=False)
+    assert prof.stored_saves is None and actsave.profile(model, (x,)).stored_saves is not None
+    # One-layer segments: with its saves recorded, the smallest plan stores them by int8.
+    assert actsave.plan(prof, None, objective="memory", max_checkpointed_layers=1).stored_codec == "none"
+    with pytest.raises(ConfigError, match="records no stored saves"):
+        plans.predict(prof, [0], stored_codec="int8")
 
 
 def test_profile_and_plan_print_as_tables():

@@ -18,9 +18,14 @@ from actsave.runtime.store import KeepPolicy
 
 
 def all_plans(n: int, options: list):
+    """(starts, option of each checkpointed segment, codec of the stored segment's
+    saves) of every plan: the stored segment may use the lossy codecs of ``options``
+    (None: an option that stands for any)."""
+    stored_codecs = ["none", *sorted({o.codec.name for o in options if o is not None and o.lossy})]
     for inner in itertools.chain.from_iterable(itertools.combinations(range(1, n), k) for k in range(n)):
         for chosen in itertools.product(options, repeat=len(inner)):
-            yield [0, *inner], chosen
+            for stored in stored_codecs:
+                yield [0, *inner], chosen, stored
 
 
 @pytest.mark.parametrize("device, n", [("cpu", 6), ("cuda", 4)])
@@ -30,8 +35,9 @@ def test_dynamic_program_agrees_with_brute_force(device, n):
     if device == "cuda":
         prof = with_host_copies(prof)
     options = plans.keep_options(plans.DEFAULT_ALLOW, None, device)
-    every_plan = [plans.predict(prof, starts, [o.codec.name for o in chosen], [o.offload for o in chosen])
-                  for starts, chosen in all_plans(n, options)]
+    every_plan = [plans.predict(prof, starts, [o.codec.name for o in chosen], [o.offload for o in chosen],
+                                stored_codec=stored)
+                  for starts, chosen, stored in all_plans(n, options)]
     smallest = min(p.predicted_peak_bytes for p in every_plan)
     assert actsave.plan(prof, None, objective="memory").predicted_peak_bytes == smallest
     peaks = sorted({p.predicted_peak_bytes for p in every_plan})
@@ -49,8 +55,8 @@ def test_dynamic_program_with_short_checkpointed_segments_agrees_with_brute_forc
     model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
     prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
     options = plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu")
-    every_plan = [plans.predict(prof, starts, [o.codec.name for o in chosen])
-                  for starts, chosen in all_plans(n, options)
+    every_plan = [plans.predict(prof, starts, [o.codec.name for o in chosen], stored_codec=stored)
+                  for starts, chosen, stored in all_plans(n, options)
                   if all(b - a <= longest for a, b in zip(starts[:-1], starts[1:]))]
     smallest = actsave.plan(prof, None, objective="memory", max_checkpointed_layers=longest)
     assert smallest.predicted_peak_bytes == min(p.predicted_peak_bytes for p in every_plan)
@@ -73,7 +79,7 @@ def test_balanced_agrees_with_brute_force_over_fixed_options(device, n):
     effective = [o if device == "cuda" else KeepPolicy(o.codec) for o in options]
     every_plan = [plans.predict(prof, starts, [effective[a].codec.name for a in starts[:-1]],
                                 [effective[a].offload for a in starts[:-1]])
-                  for starts, _ in all_plans(n, [None])]
+                  for starts, _, _ in all_plans(n, [None])]
     planned = plans.balanced(prof, options)
     assert planned.predicted_peak_bytes == min(p.predicted_peak_bytes for p in every_plan)
     assert [planned.codecs, planned.offload] == [tuple(effective[a].codec.name for a in planned.starts[:-1]),
