@@ -7,11 +7,12 @@ import pytest
 from planning.rotor_reference import RotorTable, all_plans, brute_force, count_plans, random_chain, simulate
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["paper", "held"])
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
-def test_table_is_the_brute_force_optimum_at_every_budget(seed, n):
-    chain = random_chain(np.random.default_rng(seed * 10 + n), n)
-    top = sum(chain.saved) + 3 * max(chain.act) + 6
+def test_table_is_the_brute_force_optimum_at_every_budget(seed, n, held):
+    chain = random_chain(np.random.default_rng(seed * 10 + n), n, held=held)
+    top = sum(chain.saved) + 3 * max(chain.act) + chain.held + 6
     table = RotorTable(chain, top)
     for budget in range(top + 1):
         expected = brute_force(chain, budget)
@@ -21,8 +22,8 @@ def test_table_is_the_brute_force_optimum_at_every_budget(seed, n):
 @pytest.mark.parametrize("seed", range(20))
 def test_each_plan_simulates_to_the_time_it_claims_within_its_budget(seed):
     rng = np.random.default_rng(seed)
-    chain = random_chain(rng, int(rng.integers(4, 12)))
-    top = sum(chain.saved) + 3 * max(chain.act) + 6
+    chain = random_chain(rng, int(rng.integers(4, 12)), held=seed % 2 == 1)
+    top = sum(chain.saved) + 3 * max(chain.act) + chain.held + 6
     table = RotorTable(chain, top)
     for budget in range(top + 1):
         plan = table.plan(budget)
