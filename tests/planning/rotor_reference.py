@@ -110,18 +110,25 @@ def _forward_needs(chain: RotorChain, s: int, stop: int, t: int) -> int:
 
 class RotorTable:
     """Opt(s, t, m) for every 0 <= s <= t < n and 0 <= m <= memory, and the choice made:
-    -1 stored first stage, s' > s a checkpointed run of s .. s'-1."""
+    -1 stored first stage, s' > s a checkpointed run of s .. s'-1.
 
-    def __init__(self, chain: RotorChain, memory: int):
-        self.chain, self.memory = chain, int(memory)
+    ``single_level``: the optimum over the plans actsave's planner can express instead,
+    in the same model: checkpointed runs whose recompute stores every stage, and only
+    the last run stored (the choices of Opt(s, n-1, m) are then "store s .. n-1" or a
+    checkpointed run followed by such a plan; every other range is stored whole)."""
+
+    def __init__(self, chain: RotorChain, memory: int, single_level: bool = False):
+        self.chain, self.memory, self.single_level = chain, int(memory), single_level
         n, width = chain.n, self.memory + 1
         self.opt = np.full((n, n, width), INFEASIBLE)
         self.choice = np.full((n, n, width), -2, dtype=np.int64)
+        self._stored_to_end = {}  # single_level: s -> the row of Opt(s, n-1, m) storing s .. n-1
         m = np.arange(width)
         for s in range(n):
             fits = m >= _stored_single_needs(chain, s)
             self.opt[s, s] = np.where(fits, chain.fwd_time[s] + chain.bwd_time[s], INFEASIBLE)
             self.choice[s, s] = np.where(fits, -1, -2)
+        self._stored_to_end[n - 1] = self.opt[n - 1, n - 1]
         for length in range(2, n + 1):
             for s in range(n - length + 1):
                 self._fill(s, s + length - 1, m)
@@ -134,12 +141,17 @@ class RotorTable:
         # stored: Fs(s) with d_{t+1} live, the rest with abar_s held, B(s) with d_{s+1}.
         stored_fits = m >= max(chain.act[t + 1] + chain.saved[s] + chain.fwd_overhead[s],
                                held + chain.saved[s] + chain.act[s + 1] + chain.act[s] + chain.bwd_overhead[s])
-        rest = _shifted(self.opt[s + 1, t], chain.saved[s])
-        candidate = np.where(stored_fits, chain.fwd_time[s] + chain.bwd_time[s] + rest, INFEASIBLE)
+        step_range = t == chain.n - 1
+        rest = self._stored_to_end[s + 1] if self.single_level and step_range else self.opt[s + 1, t]
+        candidate = np.where(stored_fits, chain.fwd_time[s] + chain.bwd_time[s] + _shifted(rest, chain.saved[s]),
+                             INFEASIBLE)
+        if self.single_level and step_range:
+            self._stored_to_end[s] = candidate
         better = candidate < best
         best, choice = np.where(better, candidate, best), np.where(better, -1, choice)
         forward = 0.0
-        for stop in range(s + 1, t + 1):  # checkpointed run of s .. stop-1, a_stop kept
+        stops = range(s + 1, t + 1) if step_range or not self.single_level else ()
+        for stop in stops:  # checkpointed run of s .. stop-1, a_stop kept
             forward += chain.fwd_time[stop - 1]
             fits = m >= _forward_needs(chain, s, stop, t)
             candidate = np.where(fits, forward + _shifted(self.opt[stop, t], chain.act[stop])
@@ -167,6 +179,8 @@ class RotorTable:
         choice = int(self.choice[s, t, m])
         if s == t:
             return ((s, s + 1, None),)
+        if choice == -1 and self.single_level and t == self.chain.n - 1:
+            return ((s, t + 1, None),)
         if choice == -1:
             head, rest = (s, s + 1, None), self._plan(s + 1, t, m - self.chain.saved[s])
             if rest[0][2] is None:  # merge into the stored run that follows
