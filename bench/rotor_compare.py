@@ -38,7 +38,13 @@ import torch
 from models import cifar_blocks_per_stage, cifar_resnet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from planning.rotor_profile import nesting_depth, rotor_chain_from_profile
+from planning.rotor_profile import (
+    ACTIVATIONS,
+    exact_unit,
+    nesting_depth,
+    output_saving_chain,
+    rotor_chain_from_profile,
+)
 from planning.rotor_reference import RotorTable, simulate
 
 import actsave
@@ -49,9 +55,9 @@ BENCH = "rotor_compare"
 RECOMPUTE_ONLY = ("recompute",)
 DEFAULTS = {
     "cpu": {"depth": 164, "batch": 8, "image_size": 16, "points": 16, "unit_kib": 4.0, "max_depth_budget": "32MiB",
-            "threads": 1},
+            "threads": 1, "chains": 40},
     "smoke": {"depth": 20, "batch": 2, "image_size": 8, "points": 6, "unit_kib": 0.25, "max_depth_budget": "2MiB",
-              "threads": 1},
+              "threads": 1, "chains": 2},
 }
 UNITS = {"pred_step_time": "ms", "pred_peak": "MiB", "max_depth": "layers"}
 
@@ -68,6 +74,8 @@ def parse_arguments(argv) -> argparse.Namespace:
                         help="whole-step budget of the max-depth search, e.g. 32MiB; 0 skips it "
                              "(default: cpu 32MiB, smoke 2MiB)")
     parser.add_argument("--threads", type=int, help="intra-op CPU threads (default 1)")
+    parser.add_argument("--chains", type=int, help="random chains per family for the gap distribution, 0 skips it "
+                                                   "(default: cpu 40, smoke 2)")
     parser.add_argument("--out", type=Path, default=None, help="CSV (default bench/results/cpu.csv)")
     args = parser.parse_args(argv)
     for name, default in DEFAULTS["smoke" if args.smoke else "cpu"].items():
@@ -95,7 +103,15 @@ class RotorTables:
         plan = self.upper.plan(units)
         return {"rotor": self.upper.step_time(units), "rotor_lower_bound": self.lower.step_time(units),
                 "rotor_single_level": self.single_level.step_time(units),
-                "rotor_nesting": None if plan is None else nesting_depth(plan)}
+                "rotor_nesting": None if plan is None else nesting_depth(plan),
+                "rotor_early_stored": None if plan is None else early_stored_runs(plan)}
+
+
+def early_stored_runs(tree: tuple) -> int:
+    """Stored runs of a rotor plan that are not the last child of their range: what
+    actsave's plans cannot do (only the last segment is stored)."""
+    return sum((inner is None and k < len(tree) - 1) + (0 if inner is None else early_stored_runs(inner))
+               for k, (_, _, inner) in enumerate(tree))
 
 
 def planned(prof: actsave.Profile, budget: int, allow) -> tuple:
@@ -113,10 +129,10 @@ def smallest_rotor_budget(table: RotorTable, unit: int) -> int:
     return (int(np.argmax(feasible)) + table.chain.act[0]) * unit if feasible.any() else math.inf
 
 
-def sweep(prof: actsave.Profile, args) -> tuple:
-    """(rows, facts): one row per budget, from the smallest budget any solver fits to
-    the larger of the plain peaks of the two models."""
-    unit = int(args.unit_kib * 1024)
+def sweep(prof: actsave.Profile, unit: int, points: int) -> tuple:
+    """(rows, facts): one row per budget, ``points`` budgets from the smallest any
+    solver fits to the larger of the plain peaks of the two models; rotor's sizes in
+    units of ``unit`` bytes."""
     plain = plans.predict(prof, [0]).predicted_peak_bytes
     rotor_plain = simulate(rotor_chain_from_profile(prof, unit, "up"), ((0, len(prof.layers), None),))[1] * unit
     started = time.perf_counter()
@@ -129,7 +145,7 @@ def sweep(prof: actsave.Profile, args) -> tuple:
              "rotor_smallest": smallest_rotor_budget(tables.upper, unit)}
     low = min(facts["auto_smallest"], facts["recompute_smallest"], facts["rotor_smallest"])
     rows = []
-    for budget in np.linspace(low, max(plain, rotor_plain), args.points):
+    for budget in np.linspace(low, max(plain, rotor_plain), points):
         budget = int(budget) // unit * unit
         if budget < low:
             budget += unit
@@ -199,6 +215,54 @@ def build(depth: int, args) -> tuple:
     return cifar_resnet(depth), torch.randn(args.batch, 3, args.image_size, args.image_size)
 
 
+def chain_gaps(count: int, seed: int, points: int) -> dict:
+    """{family: [(actsave recompute-only time / rotor time - 1, rotor single-level time /
+    rotor time - 1), ...] over the budgets both solve}, and how many budgets only one
+    solves, over ``count`` random chains per family: Linear + output-saving activation
+    blocks (where the models coincide) and tests/planning/chains.py's random chains
+    (Linear + Tanh, ReLU, BatchNorm, residual blocks ...; batch 64, width 32 in)."""
+    from planning.chains import LAYER_KINDS, WIDTHS, chain
+
+    rng = np.random.default_rng(seed)
+
+    def output_saving():
+        n = int(rng.integers(3, 11))
+        return output_saving_chain([int(w) for w in rng.choice(WIDTHS, n)], str(rng.choice(sorted(ACTIVATIONS))))
+
+    def mixed():
+        n = int(rng.integers(2, 7))
+        kinds = [str(k) for k in rng.choice(sorted(LAYER_KINDS), n)]
+        return torch.nn.Sequential(*chain(kinds, [int(w) for w in rng.choice(WIDTHS, n)]))
+
+    results = {}
+    for family, make in (("output-saving (models coincide)", output_saving), ("chains.py random", mixed)):
+        gaps, only = [], {"rotor": 0, "actsave": 0}
+        for _ in range(count):
+            prof = actsave.profile(make(), (torch.randn(64, 32),))
+            for r in sweep(prof, exact_unit(prof), points)[0]:
+                solved = math.isfinite(r["recompute"]), math.isfinite(r["rotor"])
+                if all(solved):
+                    gaps.append((r["recompute"] / r["rotor"] - 1, r["rotor_single_level"] / r["rotor"] - 1))
+                elif any(solved):
+                    only["actsave" if solved[0] else "rotor"] += 1
+        results[family] = gaps, only
+    return results
+
+
+def gap_table(results: dict) -> str:
+    lines = [["chains", "budgets", "equal", "rotor faster", "actsave faster", "gap p50 %", "gap p90 %", "gap max %",
+              "min %", "single-level gap p50 %", "only rotor fits", "only actsave fits"]]
+    for family, (gaps, only) in results.items():
+        gap = np.array([g for g, _ in gaps]) * 100
+        single = np.array([s for _, s in gaps]) * 100
+        close = np.isclose(gap, 0, atol=1e-7)
+        lines.append([family, str(len(gap)), str(int(close.sum())), str(int((gap > 0)[~close].sum())),
+                      str(int((gap < 0)[~close].sum())),
+                      *(f"{np.percentile(gap, q):.2f}" for q in (50, 90, 100)), f"{gap.min():.2f}",
+                      f"{np.percentile(single, 50):.2f}", str(only["rotor"]), str(only["actsave"])])
+    return format_table(lines)
+
+
 def ms(seconds: float) -> str:
     return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.1f}"
 
@@ -209,11 +273,14 @@ def mib(nbytes) -> str:
 
 def table(rows: list) -> str:
     head = ["budget MiB", "auto ms", "auto peak MiB", "auto codecs", "recompute ms", "recompute peak MiB",
-            "rotor ms", "rotor lower ms", "rotor nesting", "rotor single-level ms", "auto <= rotor"]
+            "rotor ms", "rotor lower ms", "rotor nesting", "rotor early stored", "rotor single-level ms",
+            "auto <= rotor"]
     lines = [head] + [[mib(r["budget"]), ms(r["auto"]), mib(r["auto_peak"]),
                        "-" if r["auto_codecs"] is None else " ".join(f"{c}:{k}" for c, k in r["auto_codecs"].items()),
                        ms(r["recompute"]), mib(r["recompute_peak"]), ms(r["rotor"]), ms(r["rotor_lower_bound"]),
-                       "-" if r["rotor_nesting"] is None else str(r["rotor_nesting"]), ms(r["rotor_single_level"]),
+                       "-" if r["rotor_nesting"] is None else str(r["rotor_nesting"]),
+                       "-" if r["rotor_early_stored"] is None else str(r["rotor_early_stored"]),
+                       ms(r["rotor_single_level"]),
                        "yes" if auto_within_rotor(r) else "NO"] for r in rows]
     return format_table(lines)
 
@@ -236,7 +303,8 @@ def sweep_csv_rows(rows: list, case: str, config: dict, metadata: dict) -> list:
     for r in rows:
         x = r["budget"] / 2**20
         for provider, (time_key, peak_key) in SOLVERS.items():
-            details = {"actsave_auto": {"codecs": r["auto_codecs"]}, "rotor": {"nesting": r["rotor_nesting"]}}
+            details = {"actsave_auto": {"codecs": r["auto_codecs"]}, "rotor": {"nesting": r["rotor_nesting"],
+                                                                      "early_stored_runs": r["rotor_early_stored"]}}
             out.append(csv_row(case, provider, "pred_step_time", x, r[time_key] * 1e3,
                                {**config, **details.get(provider, {})}, metadata))
             if peak_key is not None and r[peak_key] is not None:
@@ -254,7 +322,7 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     prof = actsave.profile(model, (x,))
     profile_s = time.perf_counter() - started
-    rows, facts = sweep(prof, args)
+    rows, facts = sweep(prof, int(args.unit_kib * 1024), args.points)
     print(f"{case}: {len(prof.layers)} layers, profiled in {profile_s:.1f} s; rotor unit {facts['unit_bytes']} B, "
           f"its three tables in {facts['rotor_tables_s']:.1f} s")
     print(f"plain peak {mib(facts['plain_peak'])} MiB (rotor's model: {mib(facts['rotor_plain_peak'])}); smallest "
@@ -278,6 +346,10 @@ def main(argv=None) -> None:
                   "probes": probes, "measured_peak_MiB": None if peak is None else peak / 2**20}
         out_rows.append(csv_row(case, "actsave_auto", "max_depth", args.max_depth_budget / 2**20,
                                 math.nan if deepest is None else deepest, {**config, **search}, metadata))
+    if args.chains:
+        print(f"actsave (recompute only) against rotor on {args.chains} random chains per family, "
+              f"{args.points} budgets each; gap = actsave's time / rotor's - 1:")
+        print(gap_table(chain_gaps(args.chains, harness.SEED, args.points)))
     out = args.out or harness.RESULTS_DIR / f"{harness.device_slug(device)}.csv"
     harness.write_csv(out_rows, out)
     print(f"wrote {out}")

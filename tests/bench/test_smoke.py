@@ -153,7 +153,7 @@ def test_rotor_compare_writes_every_solver_at_every_budget(tmp_path):
     stdout = run_script("rotor_compare.py", "--out", str(out))
     columns, rows = read_rows(out)
     assert columns == CSV_COLUMNS and {r["bench"] for r in rows} == {"rotor_compare"}
-    assert "at every budget of the sweep" in stdout
+    assert "at every budget of the sweep" in stdout and "random chains per family" in stdout
     times = {(r["provider"], r["x_value"]): float(r["p50"]) for r in rows if r["metric"] == "pred_step_time"}
     budgets = {budget for _, budget in times}
     assert len(budgets) == 6 and len(times) == 5 * 6

@@ -64,9 +64,27 @@ from __future__ import annotations
 import math
 from functools import reduce
 
+import torch
 from planning.rotor_reference import RotorChain
+from torch import nn
 
 import actsave
+
+# Activations that save their output: chains of Linear + one of them are where the two
+# models coincide (module docstring).
+ACTIVATIONS = {"tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "relu": nn.ReLU}
+
+
+def output_saving_chain(widths: list, activation: str) -> nn.Sequential:
+    """Blocks Linear + an activation that saves its output: each layer saves its own
+    output (and its Linear reads the previous one's), where the two models coincide."""
+    torch.manual_seed(0)
+    blocks, width = [], 32
+    for out in widths:
+        blocks.append(nn.Sequential(nn.Linear(width, out), ACTIVATIONS[activation]()))
+        width = out
+    return nn.Sequential(*blocks)
+
 
 ROUNDINGS = {"up": lambda nbytes, unit: -(-int(nbytes) // unit), "down": lambda nbytes, unit: int(nbytes) // unit}
 

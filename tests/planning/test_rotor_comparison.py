@@ -15,9 +15,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from planning.chains import bench_like_chain, chain
+from hypothesis import HealthCheck, given, settings
+from planning.chains import bench_like_chain, chain, random_chains
 from planning.rotor_profile import (
+    ACTIVATIONS,
     exact_unit,
+    output_saving_chain,
     rotor_chain_from_profile,
     rotor_plan_of,
 )
@@ -29,20 +32,6 @@ from actsave import ConfigError
 from actsave.planning import plans
 
 RECOMPUTE_ONLY = ("recompute",)
-ACTIVATIONS = {"tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "relu": nn.ReLU}
-
-
-def output_saving_chain(widths: list, activation: str) -> nn.Sequential:
-    """Blocks Linear + an activation that saves its output: each layer saves its own
-    output (and its Linear reads the previous one's), where the two models coincide."""
-    torch.manual_seed(0)
-    blocks, width = [], 32
-    for out in widths:
-        blocks.append(nn.Sequential(nn.Linear(width, out), ACTIVATIONS[activation]()))
-        width = out
-    return nn.Sequential(*blocks)
-
-
 def random_widths(seed: int, n: int) -> list:
     return [int(w) for w in np.random.default_rng(seed).choice([8, 16, 32, 64, 128], n)]
 
@@ -152,4 +141,18 @@ def test_actsave_is_no_slower_than_rotors_single_level_optimum_elsewhere(name):
         assert at_most(sweep.full.step_time(units), sweep.single.step_time(units)), budget
         if chosen is not None:  # rotor's table is the optimum of its own model, actsave's plan included
             plan_seconds, plan_peak = simulate(sweep.chain, rotor_plan_of(chosen))
+            assert at_most(sweep.full.step_time(plan_peak), plan_seconds), budget
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=random_chains)
+def test_on_random_chains_rotor_charges_more_and_actsave_is_no_slower_than_its_single_level_optimum(layers):
+    prof = actsave.profile(nn.Sequential(*chain(*layers)), (torch.randn(64, 32),))
+    sweep = Sweep(prof, points=8)
+    for budget, seconds, chosen in sweep.rows:
+        units = budget // sweep.unit
+        assert at_most(seconds, sweep.single.step_time(units)), budget
+        if chosen is not None:
+            plan_seconds, plan_peak = simulate(sweep.chain, rotor_plan_of(chosen))
+            assert plan_peak * sweep.unit >= chosen.predicted_peak_bytes
             assert at_most(sweep.full.step_time(plan_peak), plan_seconds), budget
