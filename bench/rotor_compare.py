@@ -1,6 +1,6 @@
 """actsave's planner against the rotor reference on the CIFAR ResNet of the depth sweep
-(issue 15): one profiled step, then a sweep of budgets in the dynamic programs only.
-
+(issue 15): the solvers read the same profile (per-layer median times of a few profiled
+steps), then sweep budgets in the dynamic programs only.
 Per budget (peak activation bytes, the planner's budget): the predicted step time and
 peak of ``"auto"`` (actsave.plan with its default levers: recompute, int8, fp8; no
 offload on CPU), of actsave with recompute only, and the step time of the rotor
@@ -11,8 +11,8 @@ rounded up they give an upper bound of rotor's optimum (its plan fits in bytes),
 rounded down a lower bound; "auto <= rotor" is judged against the lower bound. Also
 rotor restricted to the plans actsave can express (single level, the last segment
 stored), in rotor's model: the difference to rotor is what nesting and stored
-segments mid-chain buy in rotor's own model. Times are the profiled step's layer
-times, the same for every solver.
+segments mid-chain buy in rotor's own model. Times are the per-layer medians of
+--profiles profiled steps, the same for every solver.
 
 Then, with --max-depth-budget, the deepest ResNet (9n + 2) whose "auto" plan fits
 that budget for the whole step (parameters, their gradients and buffers taken off, as
@@ -26,6 +26,7 @@ the deepest one to check it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -55,9 +56,9 @@ BENCH = "rotor_compare"
 RECOMPUTE_ONLY = ("recompute",)
 DEFAULTS = {
     "cpu": {"depth": 164, "batch": 8, "image_size": 16, "points": 16, "unit_kib": 4.0, "max_depth_budget": "32MiB",
-            "threads": 1, "chains": 40},
+            "threads": 1, "chains": 40, "profiles": 5},
     "smoke": {"depth": 20, "batch": 2, "image_size": 8, "points": 6, "unit_kib": 0.25, "max_depth_budget": "2MiB",
-              "threads": 1, "chains": 2},
+              "threads": 1, "chains": 2, "profiles": 1},
 }
 UNITS = {"pred_step_time": "ms", "pred_peak": "MiB", "max_depth": "layers"}
 
@@ -74,6 +75,8 @@ def parse_arguments(argv) -> argparse.Namespace:
                         help="whole-step budget of the max-depth search, e.g. 32MiB; 0 skips it "
                              "(default: cpu 32MiB, smoke 2MiB)")
     parser.add_argument("--threads", type=int, help="intra-op CPU threads (default 1)")
+    parser.add_argument("--profiles", type=int, help="profiled steps whose per-layer median times the solvers read "
+                                                     "(default: cpu 5, smoke 1)")
     parser.add_argument("--chains", type=int, help="random chains per family for the gap distribution, 0 skips it "
                                                    "(default: cpu 40, smoke 2)")
     parser.add_argument("--out", type=Path, default=None, help="CSV (default bench/results/cpu.csv)")
@@ -210,6 +213,23 @@ def measured_peak(depth: int, args) -> int:
     return harness.measure_step_memory(planned_model, batch, torch.device("cpu")).peak
 
 
+def median_times(profiles: list) -> actsave.Profile:
+    """The first profile with each layer's times (forward, backward, codecs) the median
+    over ``profiles`` of the same model and batch: one step's times are noisy on a
+    shared CPU, and every solver reads the same ones."""
+    def median(values):
+        return float(np.median(values))
+
+    layers = []
+    for versions in zip(*(prof.layers for prof in profiles)):
+        first = versions[0]
+        layers.append(dataclasses.replace(
+            first, forward_s=median([v.forward_s for v in versions]), backward_s=median([v.backward_s for v in versions]),
+            encode_s={c: median([v.encode_s[c] for v in versions]) for c in first.encode_s},
+            decode_s={c: median([v.decode_s[c] for v in versions]) for c in first.decode_s}))
+    return dataclasses.replace(profiles[0], layers=tuple(layers))
+
+
 def build(depth: int, args) -> tuple:
     torch.manual_seed(harness.SEED)
     return cifar_resnet(depth), torch.randn(args.batch, 3, args.image_size, args.image_size)
@@ -320,10 +340,10 @@ def main(argv=None) -> None:
     case = f"cifar_resnet{args.depth} b{args.batch} {args.image_size}x{args.image_size}"
     model, x = build(args.depth, args)
     started = time.perf_counter()
-    prof = actsave.profile(model, (x,))
-    profile_s = time.perf_counter() - started
+    prof = median_times([actsave.profile(model, (x,)) for _ in range(args.profiles)])
+    profile_s = (time.perf_counter() - started) / args.profiles
     rows, facts = sweep(prof, int(args.unit_kib * 1024), args.points)
-    print(f"{case}: {len(prof.layers)} layers, profiled in {profile_s:.1f} s; rotor unit {facts['unit_bytes']} B, "
+    print(f"{case}: {len(prof.layers)} layers, {args.profiles} profiles of {profile_s:.1f} s (median layer times); rotor unit {facts['unit_bytes']} B, "
           f"its three tables in {facts['rotor_tables_s']:.1f} s")
     print(f"plain peak {mib(facts['plain_peak'])} MiB (rotor's model: {mib(facts['rotor_plain_peak'])}); smallest "
           f"feasible: auto {mib(facts['auto_smallest'])}, recompute only {mib(facts['recompute_smallest'])}, "
@@ -333,7 +353,7 @@ def main(argv=None) -> None:
     print(f"auto's predicted step time <= rotor's (lower bound) at every budget of the sweep: {'yes' if verdict else 'NO'}")
     config = {"model": "cifar_resnet (pre-activation bottleneck)", "depth": args.depth, "batch": args.batch,
               "image_size": args.image_size, "rotor_unit_bytes": facts["unit_bytes"], "threads": args.threads,
-              "times": "one profiled step (actsave.profile), the same for every solver"}
+              "times": f"per-layer medians of {args.profiles} profiled steps, the same for every solver"}
     metadata = harness.run_metadata(device)
     out_rows = sweep_csv_rows(rows, case, config, metadata)
     if args.max_depth_budget:
