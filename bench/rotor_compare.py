@@ -1,6 +1,7 @@
 """actsave's planner against the rotor reference on the CIFAR ResNet of the depth sweep
 (issue 15): the solvers read the same profile (per-layer median times of a few profiled
 steps), then sweep budgets in the dynamic programs only.
+
 Per budget (peak activation bytes, the planner's budget): the predicted step time and
 peak of ``"auto"`` (actsave.plan with its default levers: recompute, int8, fp8; no
 offload on CPU), of actsave with recompute only, and the step time of the rotor
