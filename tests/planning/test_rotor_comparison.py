@@ -2,12 +2,14 @@
 recompute allowed, through the mapping of rotor_profile.py.
 
 Where the two memory models coincide (chains whose every layer saves its own output),
-rotor's plans are a superset of actsave's: actsave's time is never below rotor's, and
-equal wherever rotor's optimum is a plan actsave can express (single-level, the last
-segment stored). On other chains rotor's model charges every plan more than actsave's
-(it keeps each stage's output until that stage's backward): there actsave's time is
-never above rotor's where rotor's optimum is single-level. Everywhere, rotor's table
-is the optimum of its own model, actsave's plans included.
+rotor simulates every actsave plan exactly as actsave predicts it, its plans are a
+superset of actsave's, so actsave's time is never below rotor's, and actsave's time
+equals rotor's optimum over the plans actsave can express (single level, the last
+segment stored: RotorTable(single_level=True)) at every budget. On other chains rotor's
+model charges every plan more than actsave's (it keeps each stage's output until that
+stage's backward): actsave's time is never above that single-level optimum there.
+Everywhere, rotor's table is the optimum of its own model, actsave's plans included.
+bench/rotor_compare.py measures the gaps.
 """
 import itertools
 import math
@@ -32,6 +34,8 @@ from actsave import ConfigError
 from actsave.planning import plans
 
 RECOMPUTE_ONLY = ("recompute",)
+
+
 def random_widths(seed: int, n: int) -> list:
     return [int(w) for w in np.random.default_rng(seed).choice([8, 16, 32, 64, 128], n)]
 
@@ -126,8 +130,8 @@ def test_actsave_is_rotors_single_level_optimum_where_the_models_coincide(activa
 
 @pytest.mark.parametrize("name", ["resnet", "gpt", "mixed"])
 def test_actsave_is_no_slower_than_rotors_single_level_optimum_elsewhere(name):
-    # rotor's model charges each plan more (previous test file section), so actsave
-    # fits its plans in less: never slower than rotor restricted to the same plans.
+    # rotor's model charges each plan more (test_rotor_charges_actsave_plans_at_least_...),
+    # so actsave fits its plans in less: never slower than rotor restricted to the same plans.
     if name == "mixed":
         model = nn.Sequential(*chain(["relu", "batchnorm", "residual", "layernorm", "tanh", "gelu"],
                                      [16, 64, 32, 128, 8, 64]))
