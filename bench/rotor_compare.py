@@ -37,7 +37,7 @@ from pathlib import Path
 import harness
 import numpy as np
 import torch
-from models import cifar_blocks_per_stage, cifar_resnet
+from models import cifar_blocks_per_stage, cifar_resnet, gpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from planning.rotor_profile import (
@@ -56,18 +56,26 @@ from actsave.text import format_table
 BENCH = "rotor_compare"
 RECOMPUTE_ONLY = ("recompute",)
 DEFAULTS = {
-    "cpu": {"depth": 164, "batch": 8, "image_size": 16, "points": 16, "unit_kib": 4.0, "max_depth_budget": "32MiB",
+    "cpu": {"image_size": 16, "points": 16, "unit_kib": 4.0, "max_depth_budget": "32MiB",
             "threads": 1, "chains": 40, "profiles": 5},
-    "smoke": {"depth": 20, "batch": 2, "image_size": 8, "points": 6, "unit_kib": 0.25, "max_depth_budget": "2MiB",
+    "smoke": {"image_size": 8, "points": 6, "unit_kib": 0.25, "max_depth_budget": "2MiB",
               "threads": 1, "chains": 2, "profiles": 1},
 }
+MODELS = {"resnet": "cifar_resnet (pre-activation bottleneck)", "gpt": "gpt (pre-LN, causal SDPA)"}
+MODEL_DEFAULTS = {("resnet", "cpu"): {"depth": 164, "batch": 8}, ("resnet", "smoke"): {"depth": 20, "batch": 2},
+                  ("gpt", "cpu"): {"depth": 16, "batch": 4}, ("gpt", "smoke"): {"depth": 2, "batch": 2}}
+GPT_SEQ_LEN, GPT_WIDTH, GPT_HEADS, GPT_VOCABULARY = 128, 128, 4, 512  # transformer_depth_sweep.py's CPU shape
 UNITS = {"pred_step_time": "ms", "pred_peak": "MiB", "max_depth": "layers"}
 
 
 def parse_arguments(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, for the tests")
-    parser.add_argument("--depth", type=int, help="ResNet depth, 9n + 2 (default: cpu 164, smoke 20)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet",
+                        help="resnet: bench/models.py's cifar_resnet; gpt: its gpt at transformer_depth_sweep's "
+                             "CPU shape (seq 128, width 128, 4 heads, vocabulary 512)")
+    parser.add_argument("--depth", type=int, help="ResNet depth, 9n + 2, or GPT blocks (default: cpu 164 or 16, "
+                                                  "smoke 20 or 2)")
     parser.add_argument("--batch", type=int, help="batch size (default: cpu 8, smoke 2)")
     parser.add_argument("--image-size", type=int, help="input height and width (default: cpu 16, smoke 8)")
     parser.add_argument("--points", type=int, help="budgets in the sweep (default: cpu 16, smoke 6)")
@@ -82,10 +90,14 @@ def parse_arguments(argv) -> argparse.Namespace:
                                                    "(default: cpu 40, smoke 2)")
     parser.add_argument("--out", type=Path, default=None, help="CSV (default bench/results/cpu.csv)")
     args = parser.parse_args(argv)
-    for name, default in DEFAULTS["smoke" if args.smoke else "cpu"].items():
+    for name, default in {**DEFAULTS["smoke" if args.smoke else "cpu"],
+                          **MODEL_DEFAULTS[args.model, "smoke" if args.smoke else "cpu"]}.items():
         if getattr(args, name) is None:
             setattr(args, name, harness.parse_budget(default) if name == "max_depth_budget" else default)
-    cifar_blocks_per_stage(args.depth)  # a depth the family cannot build fails now
+    if args.model == "resnet":
+        cifar_blocks_per_stage(args.depth)  # a depth the family cannot build fails now
+    elif args.max_depth_budget:
+        parser.error("the max-depth search is for --model resnet; pass --max-depth-budget 0 with --model gpt")
     return args
 
 
@@ -232,8 +244,18 @@ def median_times(profiles: list) -> actsave.Profile:
 
 
 def build(depth: int, args) -> tuple:
+    """(model, batch input) of --model at ``depth``, seeded."""
     torch.manual_seed(harness.SEED)
+    if args.model == "gpt":
+        return (gpt(depth, width=GPT_WIDTH, heads=GPT_HEADS, vocab_size=GPT_VOCABULARY, max_seq_len=GPT_SEQ_LEN),
+                torch.randint(0, GPT_VOCABULARY, (args.batch, GPT_SEQ_LEN)))
     return cifar_resnet(depth), torch.randn(args.batch, 3, args.image_size, args.image_size)
+
+
+def case_name(args) -> str:
+    if args.model == "gpt":
+        return f"gpt{args.depth} b{args.batch} t{GPT_SEQ_LEN} w{GPT_WIDTH} h{GPT_HEADS} v{GPT_VOCABULARY}"
+    return f"cifar_resnet{args.depth} b{args.batch} {args.image_size}x{args.image_size}"
 
 
 def chain_gaps(count: int, seed: int, points: int) -> dict:
@@ -338,7 +360,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu")
-    case = f"cifar_resnet{args.depth} b{args.batch} {args.image_size}x{args.image_size}"
+    case = case_name(args)
     model, x = build(args.depth, args)
     started = time.perf_counter()
     prof = median_times([actsave.profile(model, (x,)) for _ in range(args.profiles)])
@@ -352,8 +374,8 @@ def main(argv=None) -> None:
     print(table(rows))
     verdict = all(auto_within_rotor(r) for r in rows)
     print(f"auto's predicted step time <= rotor's (lower bound) at every budget of the sweep: {'yes' if verdict else 'NO'}")
-    config = {"model": "cifar_resnet (pre-activation bottleneck)", "depth": args.depth, "batch": args.batch,
-              "image_size": args.image_size, "rotor_unit_bytes": facts["unit_bytes"], "threads": args.threads,
+    config = {"model": MODELS[args.model], "depth": args.depth, "batch": args.batch,
+              **({"image_size": args.image_size} if args.model == "resnet" else {}), "rotor_unit_bytes": facts["unit_bytes"], "threads": args.threads,
               "times": f"per-layer medians of {args.profiles} profiled steps, the same for every solver"}
     metadata = harness.run_metadata(device)
     out_rows = sweep_csv_rows(rows, case, config, metadata)
