@@ -349,7 +349,7 @@ class CheckpointedSequential(nn.Sequential):
     def describe(self) -> str:
         """A per-layer table: segment, what it keeps (a checkpointed segment its
         ``input``, the last segment what autograd ``saves``), codec, offload, and bytes
-        actsave kept at the last forward (with ReLU sign bits; none when the exact
+        actsave kept at the last forward (with ReLU and max-pool decisions; none when the exact
         last segment's saves are autograd's own).
 
         Codec and offload are the layer's settings. A leaf input (the batch, at layer 0)

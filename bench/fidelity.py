@@ -24,31 +24,28 @@ before every step, so every run sees the same running statistics. Per codec:
   g_exact(b_j)||^2 (the unbiased trace of the covariance of a minibatch gradient).
 
 MaxPool decisions. A max pool recomputed from a lossy kept input may pick another
-pixel of a window than the forward did, and route that window's gradient there. The
-cases with max pools (``pooledresnet``: bench/models.py) build them as
-:class:`MaxPoolProbe`, an instrument that records each forward's window decisions
-(argmax indices) and compares the recompute's, and they are measured twice per codec:
+pixel of a window than the forward did, and route that window's gradient there; a
+lossy checkpoint therefore keeps each window's decision (a few bits per pooled output)
+and its recompute pools at them (actsave/runtime/pool_decisions.py, NOTE [ Max-pool
+decisions ]). The cases with max pools (``pooledresnet``: bench/models.py) are measured
+twice per codec:
 
-- as is (the probe pools exactly like ``nn.MaxPool2d``): ``maxpool_argmax_changed``,
-  per batch the percentage of recomputed windows whose argmax differs from the
-  forward's (max pools in the last segment, which is not recomputed, do not count),
-  and the usual SQNRs;
-- with the forward's decisions (``reuse_forward_indices``): the recompute gathers the
-  decoded input at the forward's indices, as a kept decision (a few bits per output,
-  like ReLU's sign bits) would make it do; ``worst_tensor_sqnr_forward_indices`` and
-  ``overall_sqnr_forward_indices`` against an exact reference built the same way.
+- as actsave runs them (the rows of the main table);
+- as is: the same model with each pool a :class:`PassThroughMaxPool2d`, which pools
+  exactly like ``nn.MaxPool2d`` but which actsave does not recognise, so its recompute
+  decides anew (what actsave did before it kept the decisions). A
+  :class:`WindowDecisions` instrument counts ``maxpool_argmax_changed``, per batch the
+  percentage of recomputed windows whose argmax differs from the forward's (max pools
+  in the last segment, which is not recomputed, do not count), and the usual SQNRs
+  are ``worst_tensor_sqnr_pools_as_is`` and ``overall_sqnr_pools_as_is``.
 
-The per-batch difference of the two is what keeping the decisions would buy. Decision
-rule: build it (store each window's argmax, 4 bits for a 3x3 window) only if it gains
-more than 1 dB on the worst meaningful tensor (median over batches) for some codec
-at batch 8; below that the decisions cost memory and code for noise the rest of the
-codec's error drowns out. Where a segment's plan leaves no max pool to a lossy
-recompute (at 32x32, batch 8 and 32, ``"balanced"`` keeps the batch exactly before
-the stem's pool and puts the other two in the last segment), the gain is zero by
-construction; ``"sqrt"`` starts two segments at a pool. Measured there (CPU, K = 8,
-batch 8): 0.77% of the windows change with int8, 3.8% with e4m3, 7.3% with e5m2,
-and keeping the decisions gains 18.8, 9.6 and 7.6 dB on the worst tensor (median):
-far above the bar wherever a plan recomputes a max pool from a lossy input.
+The per-batch difference of the two is what keeping the decisions buys. Where a
+segment's plan leaves no max pool to a lossy recompute (at 32x32, batch 8 and 32,
+``"balanced"`` keeps the batch exactly before the stem's pool and puts the other two
+in the last segment), the gain is zero by construction; ``"sqrt"`` starts two segments
+at a pool. Measured there (CPU, K = 8, batch 8): 0.38% of the windows change with
+int8, 1.9% with e4m3, 3.7% with e5m2; the worst meaningful tensor goes from 16.6 to
+36.5 dB (int8), 6.4 to 20.3 (e4m3) and 5.0 to 15.7 (e5m2) on the worst batch.
 
 SQNR is ``harness.sqnr_db``: ``20*log10(|ref| / |ref - x|)``. Rows go to
 bench/results/<device>.csv (bench ``fidelity``); the targets of issue 13 are judged
@@ -111,85 +108,64 @@ def cases(smoke: bool) -> list:
     # Balanced plans leave the smoke model's pools where nothing recomputes them.
     for segments in ("sqrt",) if smoke else ("balanced", "sqrt"):
         found.append(Case(f"pooledresnet{2 + 6 * pooled_blocks}",
-                          lambda: pooled_resnet(pooled_blocks, num_classes=NUM_CLASSES, max_pool=MaxPoolProbe),
+                          lambda: pooled_resnet(pooled_blocks, num_classes=NUM_CLASSES),
                           (3, 2 * size, 2 * size), segments))
     return found
 
 
-class _PoolAt(torch.autograd.Function):
-    """Max pooling at given window decisions: the input at ``indices`` (flat per
-    plane, as ``max_pool2d(return_indices=True)`` gives them), and in backward each
-    window's gradient added at its index: ``max_pool2d``'s forward and backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, indices)  # what max_pool2d saves: a checkpoint plans alike
-        # A tensor of its own, as max_pool2d's: a view of the gather (a leaf here)
-        # would be kept exactly, where a segment starting after the pool keeps it.
-        return x.flatten(2).gather(2, indices.flatten(2)).view(indices.shape).clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
-        x, indices = ctx.saved_tensors
-        grad_x = torch.zeros_like(x).flatten(2).scatter_add_(2, indices.flatten(2), grad.flatten(2))
-        return grad_x.view(x.shape), None
-
-
-class MaxPoolProbe(nn.MaxPool2d):
-    """A bench instrument, not a feature: ``nn.MaxPool2d`` that records the window
-    decisions (argmax indices) of its forward call and compares those of the
-    recompute call in backward with them: ``changed`` of ``windows`` differed since the
-    last :meth:`take_counts`. As is, each call pools at its own decisions; with
-    ``reuse_forward_indices`` the recompute pools at the forward's. Both run through
-    :class:`_PoolAt`, so both save the same tensors and a balanced plan splits them
-    alike. The caller says which call is which (:func:`set_probe_phase`): a segment's
-    recompute runs the same module again, in backward."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if self.dilation != 1 or self.ceil_mode or self.return_indices:
-            raise ValueError("MaxPoolProbe measures plain max pools: no dilation, ceil_mode or return_indices")
-        self.reuse_forward_indices = False
-        self.phase = "forward"
-        self.forward_indices = None
-        self.changed = self.windows = 0
+class PassThroughMaxPool2d(nn.MaxPool2d):
+    """``nn.MaxPool2d`` with a ``forward`` of its own, which actsave does not recognise
+    as a plain max pool: a lossy recompute of it decides its windows anew."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def pools_as_is(base: nn.Sequential) -> nn.Sequential:
+    """A deep copy of ``base`` whose max pools are :class:`PassThroughMaxPool2d`."""
+    model = copy.deepcopy(base)
+    for module in model.modules():
+        if type(module) is nn.MaxPool2d:
+            module.__class__ = PassThroughMaxPool2d
+    return model
+
+
+def max_pools(model: nn.Module) -> list:
+    return [m for m in model.modules() if isinstance(m, nn.MaxPool2d)]
+
+
+class WindowDecisions:
+    """A bench instrument: records the window decisions (argmax indices) of each max
+    pool's forward call and counts how many its recompute call, from its own input,
+    takes otherwise (``changed`` of ``windows``). The caller says which call is which
+    (``phase``): a segment's recompute runs the same module again, in backward."""
+
+    def __init__(self, model: nn.Module):
+        self.phase = "forward"
+        self.changed = self.windows = 0
+        self._decisions = {}
+        for pool in max_pools(model):
+            pool.register_forward_pre_hook(self._before_pool)
+
+    def _before_pool(self, pool: nn.MaxPool2d, args: tuple) -> None:
         with torch.no_grad():
-            _, indices = F.max_pool2d(x, self.kernel_size, self.stride, self.padding, return_indices=True)
+            _, indices = F.max_pool2d(args[0], pool.kernel_size, pool.stride, pool.padding, pool.dilation,
+                                      pool.ceil_mode, return_indices=True)
         if self.phase == "forward":
-            self.forward_indices = indices  # also a meta step's, overwritten by the real forward
-        else:
-            if self.forward_indices is None or self.forward_indices.shape != indices.shape:
-                raise RuntimeError("MaxPoolProbe: a recompute without its forward (set_probe_phase per step)")
-            self.windows += indices.numel()
-            self.changed += int((indices != self.forward_indices).sum())
-            if self.reuse_forward_indices:
-                indices = self.forward_indices
-        return _PoolAt.apply(x, indices)
+            self._decisions[pool] = indices  # also a meta step's, overwritten by the real forward
+            return
+        forward = self._decisions.get(pool)
+        if forward is None or forward.shape != indices.shape:
+            raise RuntimeError("WindowDecisions: a recompute without its forward (set the phase per step)")
+        self.windows += indices.numel()
+        self.changed += int((indices != forward).sum())
 
-    def take_counts(self) -> tuple:
-        """``(changed, windows)`` since the last call, then zero."""
-        counts, self.changed, self.windows = (self.changed, self.windows), 0, 0
-        return counts
-
-
-def probes(model: nn.Module) -> list:
-    return [m for m in model.modules() if isinstance(m, MaxPoolProbe)]
-
-
-def set_probe_phase(model: nn.Module, phase: str) -> None:
-    """``"forward"`` before a step's forward, ``"recompute"`` before its backward."""
-    for probe in probes(model):
-        probe.phase = phase
-
-
-def with_forward_indices(base: nn.Sequential) -> nn.Sequential:
-    """A deep copy of ``base`` whose max-pool probes reuse the forward's decisions."""
-    oracle = copy.deepcopy(base)
-    for probe in probes(oracle):
-        probe.reuse_forward_indices = True
-    return oracle
+    def take_percent(self):
+        """The percentage of recomputed windows that changed since the last call (None
+        if no pool was recomputed), then zero."""
+        percent = 100 * self.changed / self.windows if self.windows else None
+        self.changed = self.windows = 0
+        return percent
 
 
 def seeded_batches(shape: tuple, batch: int, count: int, device) -> list:
@@ -198,31 +174,33 @@ def seeded_batches(shape: tuple, batch: int, count: int, device) -> list:
              torch.randint(0, NUM_CLASSES, (batch,), generator=generator).to(device)) for _ in range(count)]
 
 
-def step_gradients(model: nn.Module, state: dict, batch: tuple) -> dict:
+def step_gradients(model: nn.Module, state: dict, batch: tuple, decisions: WindowDecisions = None) -> dict:
     """Parameter gradients (name -> tensor) of one training step from ``state``."""
     model.load_state_dict(state)  # the same BatchNorm running statistics every step
     model.zero_grad(set_to_none=True)
     inputs, targets = batch
-    set_probe_phase(model, "forward")
+    if decisions is not None:
+        decisions.phase = "forward"
     loss = F.cross_entropy(model(inputs), targets)
-    set_probe_phase(model, "recompute")
+    if decisions is not None:
+        decisions.phase = "recompute"
     loss.backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def run_gradients(case: Case, base: nn.Sequential, batches: list, compress, device) -> tuple:
+def run_gradients(case: Case, base: nn.Sequential, batches: list, compress, device,
+                  count_windows: bool = False) -> tuple:
     """Per batch, the gradients of ``base`` (a deep copy) as a CheckpointedSequential,
-    and the percentage of recomputed max-pool windows whose decision changed (None
-    where nothing was recomputed through a :class:`MaxPoolProbe`)."""
+    and with ``count_windows`` the percentage of recomputed max-pool windows whose
+    decision changed (None where no max pool was recomputed)."""
     model = actsave.CheckpointedSequential.from_sequential(
         copy.deepcopy(base).to(device), segments=case.segments, compress=compress)
+    decisions = WindowDecisions(model) if count_windows else None
     state = copy.deepcopy(model.state_dict())
     gradients, changed = [], []
     for batch in batches:
-        gradients.append(step_gradients(model, state, batch))
-        counts = [probe.take_counts() for probe in probes(model)]
-        windows = sum(w for _, w in counts)
-        changed.append(100 * sum(c for c, _ in counts) / windows if windows else None)
+        gradients.append(step_gradients(model, state, batch, decisions))
+        changed.append(decisions.take_percent() if decisions else None)
     return gradients, (None if None in changed else changed)
 
 
@@ -264,11 +242,11 @@ class Result:
     worst: list  # per batch: (dB, tensor name)
     overall: list  # per batch: dB
     var_ratio: float
-    # Cases with max-pool probes, per batch: the % of recomputed windows whose argmax
-    # changed, and the SQNRs when the recompute keeps the forward's decisions.
+    # Cases with max pools, per batch, the pools recomputed as is (deciding anew): the %
+    # of recomputed windows whose argmax changed, and the SQNRs.
     argmax_changed: list | None = None
-    kept_worst: list | None = None
-    kept_overall: list | None = None
+    as_is_worst: list | None = None
+    as_is_overall: list | None = None
 
 
 def measure_case(case: Case, batch: int, count: int, device, progress: harness.Progress) -> list:
@@ -279,26 +257,22 @@ def measure_case(case: Case, batch: int, count: int, device, progress: harness.P
     progress.describe(f"{case.model} b{batch} {case.segments}: exact")
     exact, _ = run_gradients(case, base, batches, None, device)
     check_exact(base, batches[0], exact[0], device)
-    pooled = bool(probes(base))
-    if pooled:
-        kept_base = with_forward_indices(base)
-        kept_exact, _ = run_gradients(case, kept_base, batches, None, device)
+    pooled = bool(max_pools(base))
     results = []
     for codec in CODECS:
         progress.describe(f"{case.model} b{batch} {case.segments}: {codec}")
-        lossy, changed = run_gradients(case, base, batches, codec, device)
+        lossy, _ = run_gradients(case, base, batches, codec, device)
         result = Result(
             case, batch, codec,
             worst=[worst_meaningful(e, x) for e, x in zip(exact, lossy)],
             overall=[harness.sqnr_db(flat(e), flat(x)) for e, x in zip(exact, lossy)],
             var_ratio=variance_ratio(exact, lossy),
-            argmax_changed=changed,
         )
-        if pooled:
-            kept, _ = run_gradients(case, kept_base, batches, codec, device)
+        if pooled:  # the exact reference is the same: both pools compute max_pool2d
+            as_is, changed = run_gradients(case, pools_as_is(base), batches, codec, device, count_windows=True)
             result = dataclasses.replace(
-                result, kept_worst=[worst_meaningful(e, x) for e, x in zip(kept_exact, kept)],
-                kept_overall=[harness.sqnr_db(flat(e), flat(x)) for e, x in zip(kept_exact, kept)])
+                result, argmax_changed=changed, as_is_worst=[worst_meaningful(e, x) for e, x in zip(exact, as_is)],
+                as_is_overall=[harness.sqnr_db(flat(e), flat(x)) for e, x in zip(exact, as_is)])
         results.append(result)
         progress.advance()
     return results
@@ -319,21 +293,22 @@ def table(results: list) -> str:
 
 
 def maxpool_table(results: list) -> str:
-    """The cases with max-pool probes: decisions changed, and the SQNRs as is and with
-    the forward's decisions kept (dB: worst batch; med: median over batches; gain: the
-    median over batches of the per-batch difference)."""
-    lines = [("model", "segments", "batch", "codec", "argmax changed", "worst tensor dB as is / kept", "med as is / kept",
-              "gain dB", "overall dB as is / kept", "gain dB")]
+    """The cases with max pools: windows whose decision a recompute changes, and the
+    SQNRs with the pools recomputed as is and as actsave recomputes them, at the
+    forward's decisions (dB: worst batch; med: median over batches; gain: the median
+    over batches of the per-batch difference)."""
+    lines = [("model", "segments", "batch", "codec", "argmax changed", "worst tensor dB as is / kept",
+              "med as is / kept", "gain dB", "overall dB as is / kept", "gain dB")]
     for r in results:
-        if r.kept_worst is None:
+        if r.as_is_worst is None:
             continue
-        worst_gain = statistics.median(k[0] - a[0] for k, a in zip(r.kept_worst, r.worst))
-        overall_gain = statistics.median(k - a for k, a in zip(r.kept_overall, r.overall))
-        lines.append((r.case.model, r.case.segments, str(r.batch), r.codec,
-                      f"{statistics.fmean(r.argmax_changed):.2f}%",
-                      f"{min(r.worst)[0]:.1f} / {min(r.kept_worst)[0]:.1f}",
-                      _median_pair([d for d, _ in r.worst], [d for d, _ in r.kept_worst]), f"{worst_gain:+.2f}",
-                      _median_pair(r.overall, r.kept_overall),
+        worst_gain = statistics.median(k[0] - a[0] for k, a in zip(r.worst, r.as_is_worst))
+        overall_gain = statistics.median(k - a for k, a in zip(r.overall, r.as_is_overall))
+        changed = "-" if r.argmax_changed is None else f"{statistics.fmean(r.argmax_changed):.2f}%"
+        lines.append((r.case.model, r.case.segments, str(r.batch), r.codec, changed,
+                      f"{min(r.as_is_worst)[0]:.1f} / {min(r.worst)[0]:.1f}",
+                      _median_pair([d for d, _ in r.as_is_worst], [d for d, _ in r.worst]), f"{worst_gain:+.2f}",
+                      _median_pair(r.as_is_overall, r.overall),
                       f"{overall_gain:+.2f}"))
     return format_table(lines) if len(lines) > 1 else ""
 
@@ -357,11 +332,12 @@ def csv_rows(results: list, count: int, metadata: dict) -> list:
         values = {"worst_tensor_sqnr": [d for d, _ in r.worst], "overall_sqnr": r.overall,
                   "codec_var_ratio": [r.var_ratio]}
         extra = {"worst_tensor_sqnr": {"tensors": [name for _, name in r.worst]}}
-        if r.kept_worst is not None:
-            values.update(maxpool_argmax_changed=r.argmax_changed,
-                          worst_tensor_sqnr_forward_indices=[d for d, _ in r.kept_worst],
-                          overall_sqnr_forward_indices=r.kept_overall)
-            extra["worst_tensor_sqnr_forward_indices"] = {"tensors": [name for _, name in r.kept_worst]}
+        if r.as_is_worst is not None:
+            values.update(worst_tensor_sqnr_pools_as_is=[d for d, _ in r.as_is_worst],
+                          overall_sqnr_pools_as_is=r.as_is_overall)
+            if r.argmax_changed is not None:
+                values["maxpool_argmax_changed"] = r.argmax_changed
+            extra["worst_tensor_sqnr_pools_as_is"] = {"tensors": [name for _, name in r.as_is_worst]}
         for metric, measured in values.items():
             rows.append(harness.csv_row(BENCH, case, f"actsave_{r.codec}", metric, "batch", r.batch, measured,
                                         {**config, **extra.get(metric, {})}, metadata))
@@ -438,7 +414,7 @@ def main(argv=None) -> None:
     print(table(results))
     pooled = maxpool_table(results)
     if pooled:
-        print("max pools recomputed from the codec's input, as is and keeping the forward's decisions:")
+        print("max pools recomputed from the codec's input, as is and keeping the forward's decisions (actsave):")
         print(pooled)
     for line in judged_targets(results):
         print(line)

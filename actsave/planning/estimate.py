@@ -4,7 +4,7 @@
     >>> est.total_peak_bytes <= 80 * 10**9     # does one training step fit an 80 GB GPU?
 
 :func:`estimate` runs the model's own forward and backward (so actsave's recompute,
-kept inputs, codecs, offload and ReLU sign bits run too) on *meta* tensors: shapes,
+kept inputs, codecs, offload and ReLU and max-pool decisions run too) on *meta* tensors: shapes,
 dtypes and storages but no data, so it takes no device memory and little time.
 Parameters and buffers are swapped for meta copies for the duration (the model is left
 as it was), and a :class:`LiveBytes` tracker adds up every storage the step allocates
@@ -142,7 +142,7 @@ class MemoryEstimate:
     budget: the step's peak on the device beyond parameters, buffers, gradients and
     optimizer state (the input batch included). ``total_peak_bytes`` adds those, all
     resident for the whole step. ``host_peak_bytes`` is the peak of what actsave holds
-    in host memory (offloaded inputs and their ReLU sign bits, as
+    in host memory (offloaded inputs and their ReLU and max-pool decisions, as
     :func:`actsave.stored_bytes` counts them; the pinned pool rounds each buffer up to
     a power of two); none of it is on the device.
     """

@@ -21,11 +21,12 @@ Memory model
 
     X is the chain input (held by the caller). A checkpointed segment keeps its
     input as the codec stores it (K; nothing for the chain input, held anyway) plus,
-    for a lossy codec, one bit per element of each ReLU output inside it (S), until
-    its recompute ends. R = K + S is what it keeps on the device; offloaded, R = 0 and
-    F = K + S is fetched back for the recompute. W is the largest of the segment's
-    events, each built from per-layer measurements of the profiled step (sums over
-    a <= i < b):
+    for a lossy codec, the decisions its recompute takes from the forward (S): one bit
+    per element of each ReLU output inside it, a few per output of each max pool
+    (runtime/pool_decisions.py), until its recompute ends. R = K + S is what it keeps
+    on the device; offloaded, R = 0 and F = K + S is fetched back for the recompute.
+    W is the largest of the segment's events, each built from per-layer measurements
+    of the profiled step (sums over a <= i < b):
 
     checkpointed [a, b), option o
         encode      x_a + enc(a, o)                                    lossy codecs
@@ -48,9 +49,9 @@ Memory model
     nothing; a segment that saves nothing keeps nothing. F: the input fetched back
     from the host; D: the decoded input; Q: the private copy a segment starting
     with an in-place layer recomputes from; restore_i: re-imposing the forward's
-    ReLU decisions (runtime/relu_signs.py); B(a, i): the BatchNorm statistics the recompute
-    of layers a..i-1 copied (runtime/state.py), held to its end; enc, dec: the rise while
-    encoding, decoding.
+    ReLU or max-pool decisions, the larger (runtime/relu_signs.py, pool_decisions.py);
+    B(a, i): the BatchNorm statistics the recompute of layers a..i-1 copied
+    (runtime/state.py), held to its end; enc, dec: the rise while encoding, decoding.
     A checkpointed segment's forward events are left out: each is at most the same
     layer's recompute event, which also holds the incoming gradient g_b.
 
@@ -153,14 +154,16 @@ class CostModel:
         self.output_first, self.output_last = prof.output_saved_by or (n, -1)
         self.forward_rise, self.backward_rise = column("forward_rise"), column("backward_rise")
         self.rise_to_last_save = column("forward_rise_to_last_save")
-        self.restore = column("relu_restore_bytes")
+        # One restore at a time: a ReLU's or a max pool's (runtime/relu_signs.py, pool_decisions.py).
+        self.restore = np.maximum(column("relu_restore_bytes"), column("pool_restore_bytes"))
         self.scratch_before = np.concatenate(([0.0], np.cumsum(column("recompute_scratch_bytes"))))
         spans = [layer.input_saved_by or (n, -1) for layer in layers]  # (n, -1): saved by no layer
         self.input_first = np.array([first for first, _ in spans])
         self.input_last = np.array([last for _, last in spans])
         saving = np.where([layer.saves_for_backward for layer in layers], np.arange(n), -1)
         self.last_saver = np.maximum.accumulate(saving)  # the last saving layer at or before i
-        self.signs_before = np.concatenate(([0.0], np.cumsum(column("relu_sign_bytes"))))  # S over [0, i)
+        decisions = column("relu_sign_bytes") + column("pool_decision_bytes")
+        self.signs_before = np.concatenate(([0.0], np.cumsum(decisions)))  # S over [0, i)
         self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
         self.backward_s_before = np.concatenate(([0.0], np.cumsum(column("backward_s"))))
         self.private_copy = np.array([layer.dense_input_bytes if layer.modifies_input and layer.input_grad_bytes

@@ -31,6 +31,7 @@ from ..codecs import LOSSY_CODECS, get_codec
 from ..errors import ConfigError
 from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
 from ..runtime import relu_signs
+from ..runtime.pool_decisions import PoolWatch, Window, pool_at_
 from ..runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
 from ..text import format_table, mib, ms
 from .estimate import LiveBytes, allocation_bytes
@@ -57,6 +58,8 @@ class LayerProfile:
     saves_for_backward: bool  # any tensor, parameters included
     relu_sign_bytes: int  # kept by a lossy segment for this layer's ReLU outputs
     relu_restore_bytes: int
+    pool_decision_bytes: int  # kept by a lossy segment for this layer's max pools (runtime/pool_decisions.py)
+    pool_restore_bytes: int  # the larger of keeping them (forward) and restoring them (recompute)
     modifies_input: bool
     recompute_scratch_bytes: int  # BatchNorm statistics a recompute copies (runtime/state.py), held to its end
     input_encodable: bool  # False: kept by reference whatever the codec (a leaf, not float)
@@ -206,7 +209,8 @@ class _SaveLedger:
     """Follows the byte-counting step: attributes the tensors autograd saves to the
     layer running, one entry per storage; notes where each layer starts and last
     saves; counts the ReLU outputs a lossy checkpoint keeps bits for (the first save
-    of each, as runtime/function.py's _Frame.pack decides)."""
+    of each, as runtime/function.py's _Frame.pack decides) and the max pools it keeps
+    decisions for (found by the same :class:`PoolWatch`, which runs with it)."""
 
     def __init__(self, device, ignored: list, tracker: LiveBytes):
         self.device = device
@@ -218,6 +222,8 @@ class _SaveLedger:
         self.input_entries = []  # the entry of each layer input's storage, or None
         self.peak_at_last_save = {}  # layer -> the tracker's peak when it last saved
         self.relu_bits = {}  # layer -> [bytes, elements of the largest]
+        self.pool_decisions = {}  # layer -> [bytes, [_PoolSample of each pool]]
+        self.pools = PoolWatch()
         self._ignored = {id(t.untyped_storage()) for t in ignored}
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
         self._relu_saves = relu_signs.FirstSaves()
@@ -240,7 +246,10 @@ class _SaveLedger:
             entry = self._entries.setdefault(
                 id(storage), [allocation_bytes(storage.nbytes(), self.device), self.layer, self.layer])
             entry[2] = self.layer
-        if relu_signs.is_relu_output(t) and self._relu_saves.is_first(t):
+        pool = self.pools.window_of(t)
+        if pool is not None:
+            self._count_pool(t, *pool)
+        elif relu_signs.is_relu_output(t) and self._relu_saves.is_first(t):
             self._count_relu_output(t)
         return t.detach()  # detached: holding the output itself would be a reference cycle
 
@@ -249,6 +258,11 @@ class _SaveLedger:
         nbytes = allocation_bytes(-(-t.numel() // 8), self.device)
         bits[0] += nbytes
         bits[1] = max(bits[1], t.numel())  # restores run one ReLU at a time
+
+    def _count_pool(self, indices: torch.Tensor, window: Window, input_size: tuple) -> None:
+        counted = self.pool_decisions.setdefault(self.layer, [0, []])
+        counted[0] += allocation_bytes(window.packed_bytes(indices.numel()), self.device)
+        counted[1].append(_PoolSample(window, input_size, tuple(indices.shape)))
 
     @staticmethod
     def unpack(t):
@@ -279,6 +293,8 @@ class _Structure:
         self.input_saved_by = [_span(entry) for entry in ledger.input_entries]
         bits = [ledger.relu_bits.get(i, (0, 0)) for i in range(n)]
         self.relu_sign_bytes, self.relu_elements = (list(c) for c in zip(*bits))
+        pools = [ledger.pool_decisions.get(i, (0, [])) for i in range(n)]
+        self.pool_decision_bytes, self.pools = (list(c) for c in zip(*pools))
         self.output_bytes = allocation_bytes(output.untyped_storage().nbytes(), device)
         self.output_saved_by = _span(ledger.entry_of(output))
         self.output_grad_bytes = allocation_bytes(output.numel() * output.element_size(), device)
@@ -366,7 +382,7 @@ def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: tor
     known = [*model.parameters(), *model.buffers(), *grads, x]
     tracker = LiveBytes(device, known=known)
     ledger = _SaveLedger(device, ignored=known, tracker=tracker)
-    with tracker, saved_tensors_hooks(ledger.pack, ledger.unpack):
+    with tracker, saved_tensors_hooks(ledger.pack, ledger.unpack), ledger.pools.watching():
         forward_rise, backward_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
                                                         ledger.after_layer)
     return _Structure(ledger, forward_rise, backward_rise, output)
@@ -446,6 +462,7 @@ class _CodecCosts:
         self.timed = tensors.type != "meta"
         self._by_shape = {}
         self._restore_rises = {}
+        self._pool_restore_rises = {}
 
     def of(self, spec: _Spec) -> dict:
         """{codec: _KeepCost}; a leaf or non-float input is kept as it is by every codec."""
@@ -507,6 +524,40 @@ class _CodecCosts:
             self._restore_rises[elements] = rise[0]
         return self._restore_rises[elements]
 
+    def pool_restore_rise(self, pools: list) -> int:
+        """The largest rise of live bytes while a lossy forward keeps a max pool's
+        decisions or its recompute pools at them (runtime/pool_decisions.py), over a
+        layer's max pools (``_PoolSample`` s). The memory model charges it to the
+        recompute, whose event holds all the forward's and more (memory_model.py):
+        keeping takes more than restoring (an int64 temporary per window)."""
+        return max((self._pool_restore_rise(pool) for pool in pools), default=0)
+
+    def _pool_restore_rise(self, pool: "_PoolSample") -> int:
+        if pool not in self._pool_restore_rises:
+            window, dims = pool.window, len(pool.window.kernel)
+            planes = math.prod(pool.indices_shape[:-dims])  # as channels of one unbatched input
+            x = torch.randn(planes, *pool.input_size, device=self.tensors)
+            max_pool = getattr(torch.nn.functional, f"max_pool{dims}d")
+            pooled, indices = max_pool(x, window.kernel, window.stride, window.padding, window.dilation,
+                                       window.ceil_mode, return_indices=True)
+            tracker = LiveBytes(self.device, known=[x, pooled, indices])
+            with tracker:
+                with tracker.span() as encode_rise:
+                    packed = window.encode(indices, pool.input_size)
+                with tracker.span() as restore_rise:
+                    window.decode_into_(indices, packed, pool.input_size)
+                    pool_at_(pooled, x, indices, dims)
+            self._pool_restore_rises[pool] = max(encode_rise[0], restore_rise[0])
+        return self._pool_restore_rises[pool]
+
+
+class _PoolSample(NamedTuple):
+    """A max pool call of the profiled step: enough to make one like it."""
+
+    window: Window
+    input_size: tuple
+    indices_shape: tuple
+
 
 def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times: tuple,
                    costs: _CodecCosts) -> LayerProfile:
@@ -533,6 +584,8 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times
         saves_for_backward=i in found.saving_layers,
         relu_sign_bytes=found.relu_sign_bytes[i],
         relu_restore_bytes=costs.relu_restore_rise(found.relu_elements[i]),
+        pool_decision_bytes=found.pool_decision_bytes[i],
+        pool_restore_bytes=costs.pool_restore_rise(found.pools[i]),
         modifies_input=modifies_input(layer),
         recompute_scratch_bytes=_scratch_statistics_bytes(layer, device),
         input_encodable=spec.encodable,

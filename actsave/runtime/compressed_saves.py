@@ -18,6 +18,9 @@ every activation; without it the codec could cut at most the other half of the p
   grid (one more bit of resolution).
 - The gradient error does not compound as in a recompute: each save is decoded on
   its own, so its error reaches only the gradients computed from it.
+- A max pool's indices (int64, twice the size of its fp32 output) are stored as the
+  offset of each window's winner, a few bits each (pool_decisions.py): exactly, as
+  the backward needs them. Other integer saves are held as they are.
 
 The saves are left alone when other saved-tensor hooks are active (an outer
 checkpoint, which drops or recomputes them anyway, or the caller's own hooks): the
@@ -31,9 +34,10 @@ from typing import Callable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from . import relu_signs
 from .._torch import saved_tensor_hooks_active, storage_identity
 from ..codecs import Codec
+from . import relu_signs
+from .pool_decisions import PoolWatch, Window
 from .store import account, should_encode
 
 
@@ -59,6 +63,26 @@ class _Stored:
         return tensor
 
 
+class _StoredIndices:
+    """A max pool's indices stored as its window decisions: decoded exactly."""
+
+    __slots__ = ("window", "input_size", "shape", "packed", "__weakref__")
+
+    def __init__(self, indices: torch.Tensor, window: Window, input_size: tuple):
+        self.window, self.input_size, self.shape = window, input_size, indices.shape
+        self.packed = window.encode(indices, input_size)
+        account(self, self.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def restore(self) -> torch.Tensor:
+        indices = torch.empty(self.shape, dtype=torch.int64, device=self.packed.device)
+        self.window.decode_into_(indices, self.packed, self.input_size)
+        return indices
+
+
 class _SavesStore:
     """The pack and unpack hooks of one forward of a segment, and the bytes stored."""
 
@@ -66,6 +90,7 @@ class _SavesStore:
         self.codec = codec
         self.nbytes = 0
         self._input_nodes = relu_signs.input_nodes(inputs)
+        self.pools = PoolWatch()
         # (storage, offset, numel, dtype) of a contiguous save -> (a weak reference to
         # it, its _Stored). The reference must still be alive: then the storage is
         # too, and its address cannot belong to another storage.
@@ -77,6 +102,11 @@ class _SavesStore:
         self._seen, self._input_nodes = {}, {}
 
     def pack(self, tensor: torch.Tensor):
+        pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
+        if pool is not None:
+            stored = _StoredIndices(tensor, *pool)
+            self.nbytes += stored.nbytes
+            return stored, tensor.shape
         if not should_encode(tensor):
             return tensor
         stored = self._seen_before(tensor)
@@ -119,7 +149,7 @@ def call_with_compressed_saves(function: Callable, x, codec: Codec) -> tuple:
         return function(x), None
     store = _SavesStore(codec, [x] if isinstance(x, torch.Tensor) else [])
     try:
-        with saved_tensors_hooks(store.pack, store.unpack):
+        with saved_tensors_hooks(store.pack, store.unpack), store.pools.watching():
             output = function(x)
     finally:
         store.end_forward()

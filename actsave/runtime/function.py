@@ -40,8 +40,9 @@ NOTE [ Lifetime of kept inputs ]
   placeholders, the hooks, the frame and with it the kept inputs; ``weakref.finalize``
   keeps :func:`actsave.stored_bytes` exact in every case.
 - With a lossy codec, the forward's ReLU decisions are kept too, one bit per element
-  of each ReLU output (relu_signs.py), attached to the kept inputs: in the same place
-  (offloaded with them), and released with them after the recompute has used them.
+  of each ReLU output (relu_signs.py), and its max pools' window decisions, a few bits
+  per pooled element (pool_decisions.py), attached to the kept inputs: in the same
+  place (offloaded with them), and released with them after the recompute has used them.
 - Inputs kept by reference (the exact codec) are version-checked: an in-place change
   after the forward kept them raises instead of recomputing from the wrong values. A
   function that starts with an in-place layer gets a private copy instead
@@ -79,9 +80,10 @@ from typing import Callable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from . import relu_signs
 from .._torch import TorchDispatchMode, pytree
 from ..errors import RecomputeError
+from . import relu_signs
+from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState, TouchedState
 from .store import EXACT, KeepPolicy, KeptInputs, input_tensors
@@ -94,15 +96,17 @@ def _recompute_depth() -> int:
 
 
 class _Slot:
-    """What autograd stores in place of a tensor the segment saved; ``relu_signs`` hold
-    the forward's ReLU decisions when the recompute is lossy (relu_signs.py), attached
-    to the kept inputs (store.py)."""
+    """What autograd stores in place of a tensor the segment saved. When the recompute
+    is lossy, ``relu_signs`` hold the forward's ReLU decisions (relu_signs.py) and
+    ``pool_decisions`` a max pool's (pool_decisions.py), attached to the kept inputs
+    (store.py)."""
 
-    __slots__ = ("index", "relu_signs", "__weakref__")
+    __slots__ = ("index", "relu_signs", "pool_decisions", "__weakref__")
 
-    def __init__(self, index: int, relu_signs=None):
+    def __init__(self, index: int):
         self.index = index
-        self.relu_signs = relu_signs
+        self.relu_signs = None
+        self.pool_decisions = None
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -125,8 +129,9 @@ class _Frame:
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
         self.is_recomputed = False
-        self.keeps_relu_signs = kept.lossy  # once: pack runs for every saved tensor
+        self.keeps_decisions = kept.lossy  # once: pack runs for every saved tensor
         self._relu_saves = relu_signs.FirstSaves()
+        self.pools = PoolWatch()  # NOTE [ Max-pool decisions ]
         # The caller's inputs, held only while the forward runs (the caller holds them
         # then anyway): a backward inside the forward recomputes from them, exactly.
         # NOTE [ Backward inside a checkpointed forward ]
@@ -135,7 +140,7 @@ class _Frame:
         # Decisions made before this segment: the previous segment's ReLU keeps them.
         # Only read during the forward, while the caller still holds the inputs.
         self._input_nodes = relu_signs.input_nodes(input_tensors(args, kwargs))
-        self.sign_bytes = 0
+        self.decision_bytes = 0  # ReLU signs and max-pool decisions kept
 
     @property
     def in_forward(self) -> bool:
@@ -143,15 +148,31 @@ class _Frame:
 
     def pack(self, tensor: torch.Tensor) -> _Slot:
         self.touched.note_saved(tensor)
-        signs = None
-        if (self.keeps_relu_signs and relu_signs.made_by_segment_relu(tensor, self._input_nodes)
-                and self._relu_saves.is_first(tensor)):
-            signs = self.kept.attach(relu_signs.pack_signs(tensor))
-            self.sign_bytes += signs.nbytes
-        slot = _Slot(len(self.slots), signs)
+        slot = _Slot(len(self.slots))
+        if self.keeps_decisions:
+            self._keep_decisions(tensor, slot)
         self.slots.append(weakref.ref(slot))
         self.signatures.append(_signature(tensor))
         return slot
+
+    def _keep_decisions(self, tensor: torch.Tensor, slot: _Slot) -> None:
+        """Attach the decisions a lossy recompute must take from the forward."""
+        pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
+        if pool is not None:
+            window, input_size = pool
+            kept = self.kept.attach(window.encode(tensor, input_size))
+            slot.pool_decisions = PoolDecisions(kept, window, input_size)
+            self.decision_bytes += kept.nbytes
+        elif relu_signs.made_by_segment_relu(tensor, self._input_nodes) and self._relu_saves.is_first(tensor):
+            slot.relu_signs = self.kept.attach(relu_signs.pack_signs(tensor))
+            self.decision_bytes += slot.relu_signs.nbytes
+
+    @contextlib.contextmanager
+    def forward_hooks(self):
+        """The hooks the forward runs under: saves, module state, max pools (lossy)."""
+        pools = self.pools.watching() if self.keeps_decisions else contextlib.nullcontext()
+        with self.touched.recording(), saved_tensors_hooks(self.pack, self.unpack), pools, self.logged("forward"):
+            yield
 
     def end_forward(self) -> None:
         self.touched.end_forward()
@@ -214,7 +235,8 @@ class _Frame:
         with _recomputing():
             try:
                 hooks = saved_tensors_hooks(fill, _identity)
-                with torch.enable_grad(), self.replay.replayed(), self.touched.mutated_once(), hooks:
+                pools = self.pools.watching() if lossy and self.keeps_decisions else contextlib.nullcontext()
+                with torch.enable_grad(), self.replay.replayed(), self.touched.mutated_once(), hooks, pools:
                     args, kwargs = inputs()  # under enable_grad: see KeptInputs.restore()
                     with self.logged("recompute"):
                         self.function(*args, **kwargs)
@@ -242,6 +264,8 @@ class _Frame:
         if slot is not None:  # None: autograd already freed the node that saved it
             if lossy and slot.relu_signs is not None:
                 relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
+            if lossy and slot.pool_decisions is not None:
+                self.pools.restored(tensor.data, slot.pool_decisions)
             into[slot] = _detached(tensor)
         if index == count - 1 and self.options.early_stop:
             # Early stop: what runs after the last saved tensor (at least the output of
@@ -346,7 +370,7 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy, options):
     kept = KeptInputs(args, kwargs, policy, private_copy)
     frame = _Frame(function, kept, replay, args, kwargs, options)
     try:
-        with frame.touched.recording(), saved_tensors_hooks(frame.pack, frame.unpack), frame.logged("forward"):
+        with frame.forward_hooks():
             output = function(*args, **kwargs)
     except BaseException:
         kept.release()  # now, not when the traceback that holds it is dropped
@@ -357,4 +381,4 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy, options):
     if not frame.slots:  # nothing to backprop through: nothing to keep
         kept.release()
         return output, 0
-    return output, kept.nbytes + frame.sign_bytes
+    return output, kept.nbytes + frame.decision_bytes

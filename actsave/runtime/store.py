@@ -64,9 +64,9 @@ def account(owner, nbytes: int, where: str = "device") -> weakref.finalize:
 def stored_bytes() -> dict:
     """Bytes actsave currently holds for backward: ``{"device": int, "host": int}``.
 
-    Counts the kept segment inputs, their ReLU sign bits, and the last segment's
-    saves when a lossy codec stores them (as stored: compressed bytes for a lossy
-    codec, scales included). ``"device"`` is memory on the device the model runs on (the
+    Counts the kept segment inputs, their ReLU sign bits and max-pool decisions, and
+    the last segment's saves when a lossy codec stores them (as stored: compressed
+    bytes for a lossy codec, scales included). ``"device"`` is memory on the device the model runs on (the
     CPU for a CPU model); ``"host"`` is memory offloaded to the host. Both are zero
     after backward and under ``torch.no_grad()``.
     """
@@ -233,7 +233,7 @@ class _KeptTensor:
 
 class _Attached:
     """A tensor made during a segment's forward and needed by its recompute only (the
-    forward's ReLU decisions), kept beside the segment's inputs, where they are."""
+    forward's ReLU or max-pool decisions), kept beside the segment's inputs, where they are."""
 
     def __init__(self, tensor: torch.Tensor, on_host: bool):
         packed = IDENTITY.encode(tensor.detach())

@@ -90,3 +90,14 @@ def bench_like_chain(name: str) -> tuple:
 
 
 BENCH_LIKE_CHAINS = ("resnet", "conv-bn-relu", "mlp", "gpt")
+
+
+def max_pool_chain(pools: int = 4) -> tuple:
+    """(layers, x): a conv, then (3x3 max pool at stride 1, conv, Tanh) per pool, and a
+    head, at 16x16. Stride 1 keeps every pool's output large: its decisions (4 bits per
+    output, kept by a lossy segment) move the peak."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 16, 3, padding=1)]
+    for _ in range(pools):
+        layers += [nn.MaxPool2d(3, 1, 1), nn.Conv2d(16, 16, 3, padding=1), nn.Tanh()]
+    return layers + [nn.Flatten(), nn.Linear(16 * 16 * 16, 10)], torch.randn(8, 3, 16, 16) * 1

@@ -7,6 +7,7 @@ nn.Sequential, CheckpointedSequential exact and int8, and planned models.
 """
 import pytest
 import torch
+from planning.chains import max_pool_chain
 from support import PreActBlock, deep_mlp, peak_activation_bytes
 from torch import nn
 
@@ -28,8 +29,10 @@ MODELS = {
     "mlp int8": lambda: CheckpointedSequential(*deep_mlp(8), segments=8, compress="int8"),
     # On a CPU device the host pool is device memory too: both count its buffers.
     "mlp int8 offload": lambda: CheckpointedSequential(*deep_mlp(8), segments=8, compress="int8", offload=True),
+    # Max-pool decisions kept and restored (runtime/pool_decisions.py), on meta tensors too.
+    "maxpool int8": lambda: CheckpointedSequential(*max_pool_chain()[0], segments=[0, 2, 5, 8, 11], compress="int8"),
 }
-INPUTS = {"resnet": (16, 3, 16, 16), "mlp": (256, 64)}
+INPUTS = {"resnet": (16, 3, 16, 16), "mlp": (256, 64), "maxpool": (8, 3, 16, 16)}
 
 
 @pytest.mark.parametrize("name", MODELS)

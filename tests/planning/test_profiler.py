@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from planning.chains import max_pool_chain
 from support import deep_mlp, mixed_chain
 from torch import nn
 
@@ -45,6 +46,16 @@ def test_profile_measures_saved_storages_once_and_leaves_no_trace():
     assert relu.input_saved_by == (1, 1) and relu.saved_bytes == 16 * 32 * 4
     assert prof.layers[0].saved_bytes == 0  # its input is the batch, held anyway
     assert relu.modifies_input and relu.relu_sign_bytes == 16 * 32 // 8
+
+
+def test_profile_counts_the_max_pool_decisions_a_lossy_segment_keeps():
+    layers, x = max_pool_chain(pools=2)
+    prof = actsave.profile(CheckpointedSequential(*layers), (x,))
+    pools = [i for i, layer in enumerate(layers) if isinstance(layer, nn.MaxPool2d)]
+    for i, layer in enumerate(prof.layers):
+        # 3x3 windows, 4 bits each, one per output: 8 x 16 planes of 16 x 16.
+        assert layer.pool_decision_bytes == (8 * 16 * 16 * 16 * 4 // 8 if i in pools else 0)
+        assert (layer.pool_restore_bytes > 0) == (i in pools)
 
 
 def test_profile_and_plan_print_as_tables():

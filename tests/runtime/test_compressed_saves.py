@@ -8,6 +8,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import actsave
 from actsave import CheckpointedSequential
+from actsave.runtime import pool_decisions
 
 
 def last_segment_only(*layers, compress="int8") -> CheckpointedSequential:
@@ -131,3 +132,25 @@ def test_relu_outputs_are_stored_on_the_unsigned_grid():
     # second Linear, stored once and unsigned.
     assert grids == [((4, 8), False), ((4, 16), True)]
     out.sum().backward()
+
+
+def pooled_step() -> tuple:
+    """(stored bytes after the forward, parameter gradients) of a last segment with a
+    max pool, under int8."""
+    torch.manual_seed(0)
+    model = last_segment_only(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Flatten(),
+                              nn.Linear(8 * 4 * 4, 2))
+    out = model(torch.randn(2, 3, 8, 8, requires_grad=True) * 1)
+    stored = actsave.stored_bytes()["device"]
+    out.sum().backward()
+    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    return stored, [p.grad for p in model.parameters()]
+
+
+def test_max_pool_indices_are_stored_as_window_decisions_exactly(monkeypatch):
+    stored, gradients = pooled_step()
+    monkeypatch.setattr(pool_decisions.Window, "of", classmethod(lambda cls, module: None))
+    held_stored, held_gradients = pooled_step()  # the int64 indices held by autograd, uncounted
+    assert all(torch.equal(a, b) for a, b in zip(gradients, held_gradients))  # decoded exactly
+    # 4 bits per 3x3 window where the int64 indices took 64: 2 x 8 planes of 4 x 4.
+    assert stored - held_stored == 2 * 8 * 4 * 4 * 4 // 8

@@ -1,0 +1,276 @@
+"""Exact max-pool decisions in a lossy recompute.
+
+NOTE [ Max-pool decisions ]
+A segment recomputed from a compressed input may see another pixel win a max pool's
+window than the forward saw; the pool's backward then routes that window's gradient
+to the wrong pixel, and the pooled value downstream is another pixel's. Measured on a
+max-pooling ResNet-14 at batch 8 (bench/fidelity.py, ``segments="sqrt"``): 0.4% (int8)
+to 3.7% (e5m2) of the recomputed windows change, and the worst parameter-gradient SQNR
+falls from 36.5 to 16.6 dB with int8, 20.3 to 6.4 with e4m3.
+
+So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
+(relu_signs.py), and its recompute pools at them:
+
+- Which saves are decisions. ``max_pool{1,2,3}d_with_indices`` saves its input and then
+  its ``indices`` output through the saved-tensor hooks. Module forward hooks
+  (:class:`PoolWatch`) tell when a plain ``nn.MaxPool1d/2d/3d`` runs (that class, not
+  a subclass, whose ``forward`` may pool otherwise), and an int64 save made there,
+  with the shape the pool's geometry gives for the input it just saved, is its
+  indices. Metadata only: no device sync, no other integer save (embedding ids, gather
+  indices, targets) mistaken for one. ``F.max_pool2d`` called outside such a module,
+  subclasses, and windows of more than 256 elements are recomputed as they come (as
+  before this mechanism: lossy, never wrong).
+- Compactly. The decision is the offset of the winning element within its window
+  (``kernel_size``, ``stride``, ``padding``, ``dilation`` and ``ceil_mode`` place the
+  window), packed in 1, 2, 4 or 8 bits: 4 bits for a 3x3 window, 1/8 of the fp32
+  pooled output, where the int64 indices would be twice its size.
+- Where and how long: attached to the kept inputs (store.py), so offloaded with them,
+  released with them after the recompute; counted by :func:`actsave.stored_bytes` and
+  the planner (profiler.py) like ReLU bits.
+- The recompute writes the forward's indices into the indices it saves, in place
+  (the backward scatters at the forward's choice; a ``return_indices=True`` caller
+  downstream reads them too), and when the pool module returns sets its output to the
+  input at those indices: exactly a pool that recomputes at the forward's decisions.
+
+Exact checkpoints keep nothing: their recompute decides as the forward did. The last
+segment of a CheckpointedSequential is not recomputed, so it has the forward's
+indices; under a lossy codec it stores them in the same few bits (compressed_saves.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+
+# The plain max pools and the number of spatial dimensions each pools over.
+_PLAIN_POOLS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
+_MAX_WINDOW = 256  # offsets fit one byte
+
+
+@dataclass(frozen=True)
+class Window:
+    """Where a max pool's windows lie: per spatial dimension, kernel, stride, padding
+    and dilation; and how many bits a window offset takes."""
+
+    kernel: tuple
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+    ceil_mode: bool
+
+    @classmethod
+    def of(cls, module: nn.Module) -> Optional["Window"]:
+        """The windows of a plain ``nn.MaxPool1d/2d/3d`` whose decisions can be kept,
+        or None: another module (a subclass too: its ``forward`` may pool otherwise),
+        a window of one element, which decides nothing, or of more than 256."""
+        dims = _PLAIN_POOLS.get(type(module))
+        if dims is None:
+            return None
+
+        def per_dim(value) -> tuple:
+            return tuple(value) if isinstance(value, (tuple, list)) else (value,) * dims
+
+        stride = module.stride if module.stride is not None else module.kernel_size
+        window = cls(per_dim(module.kernel_size), per_dim(stride), per_dim(module.padding),
+                     per_dim(module.dilation), bool(module.ceil_mode))
+        return window if 1 < window.size <= _MAX_WINDOW else None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.kernel)
+
+    @property
+    def bits(self) -> int:
+        """Bits per offset: the fewest of 1, 2, 4, 8 that hold ``size`` values (whole
+        offsets per byte keep packing to shifts)."""
+        return next(b for b in (1, 2, 4, 8) if self.size <= 2 ** b)
+
+    def output_size(self, input_size: tuple) -> tuple:
+        """The pooled spatial size of ``input_size``, as ATen's ``pooling_output_shape``."""
+        return tuple(_pooled_length(*args, self.ceil_mode) for args in
+                     zip(input_size, self.kernel, self.stride, self.padding, self.dilation))
+
+    def packed_bytes(self, outputs: int) -> int:
+        """Bytes of the packed decisions of ``outputs`` windows."""
+        return -(-outputs * self.bits // 8)
+
+    def encode(self, indices: torch.Tensor, input_size: tuple) -> torch.Tensor:
+        """The offset of each window's winner, packed (uint8, 1-D). ``indices``: flat
+        per plane over ``input_size``, as max pooling returns them."""
+        offsets = torch.zeros(indices.shape, dtype=torch.uint8, device=indices.device)
+        # The narrowest type that holds every quotient below (up to a plane's size, plus
+        # the padding once the window start is subtracted): a small transient. The
+        # planner charges the larger of this and a restore's (profiler.py).
+        span = math.prod(input_size) + max(self.padding)
+        narrow = torch.int16 if span < 2 ** 15 else torch.int32 if span < 2 ** 31 else torch.int64
+        coordinate = torch.empty(indices.shape, dtype=narrow, device=indices.device)
+        for d, inner in self._dims(input_size):
+            torch.div(indices, inner, rounding_mode="floor", out=coordinate)
+            coordinate.remainder_(input_size[d]).sub_(self._starts(d, indices))
+            coordinate.div_(self.dilation[d], rounding_mode="floor").mul_(math.prod(self.kernel[d + 1:]))
+            offsets.add_(coordinate)  # below 256: exact in uint8
+        return _pack(offsets.reshape(-1), self.bits)
+
+    def decode_into_(self, indices: torch.Tensor, packed: torch.Tensor, input_size: tuple) -> None:
+        """Overwrite ``indices`` (a recompute's, of the forward's shape) with the
+        decisions :meth:`encode` packed."""
+        offsets = _unpack(packed, self.bits, indices.numel()).view(indices.shape)
+        with torch.no_grad():
+            indices.zero_()
+            for d, _ in reversed(self._dims(input_size)):  # Horner: outermost dimension first
+                step = (offsets // math.prod(self.kernel[d + 1:])) % self.kernel[d]
+                indices.mul_(input_size[d]).add_(self._starts(d, indices)).add_(step, alpha=self.dilation[d])
+
+    def _dims(self, input_size: tuple) -> list:
+        """``(d, elements per step along d)`` per spatial dimension, innermost first."""
+        return [(d, math.prod(input_size[d + 1:])) for d in reversed(range(len(self.kernel)))]
+
+    def _starts(self, d: int, like: torch.Tensor) -> torch.Tensor:
+        """The first input coordinate of each window along spatial dimension ``d``,
+        shaped to broadcast against ``like`` (whose last ``len(kernel)`` dimensions are
+        the pooled ones)."""
+        length = like.shape[d - len(self.kernel)]
+        starts = torch.arange(length, device=like.device) * self.stride[d] - self.padding[d]
+        return starts.view(length, *([1] * (len(self.kernel) - 1 - d)))
+
+
+def _pooled_length(size: int, kernel: int, stride: int, padding: int, dilation: int, ceil_mode: bool) -> int:
+    span = size + 2 * padding - dilation * (kernel - 1) - 1 + (stride - 1 if ceil_mode else 0)
+    length = span // stride + 1
+    if ceil_mode and (length - 1) * stride >= size + padding:
+        length -= 1  # the last window would start in the right padding
+    return length
+
+
+_SHIFTS = {}
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    key = (bits, device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
+    return _SHIFTS[key]
+
+
+def _pack(offsets: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return offsets
+    per_byte = 8 // bits
+    padded = torch.nn.functional.pad(offsets, (0, -offsets.numel() % per_byte)).view(-1, per_byte)
+    # Disjoint bit fields: their sum is their OR.
+    return (padded << _shifts(bits, offsets.device)).sum(1, dtype=torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    if bits == 8:
+        return packed
+    fields = (packed.unsqueeze(1) >> _shifts(bits, packed.device)) & (2 ** bits - 1)
+    return fields.reshape(-1)[:count]
+
+
+@dataclass(frozen=True)
+class PoolDecisions:
+    """What a lossy checkpoint keeps of one max pool call: its packed decisions
+    (``kept``: anything with ``fetch()``, store.py's attached tensor), the windows and
+    the pooled input's spatial size."""
+
+    kept: object
+    window: Window
+    input_size: tuple
+
+    def restore_(self, indices: torch.Tensor) -> None:
+        """Make a recompute's ``indices`` the forward's, in place."""
+        self.window.decode_into_(indices, self.kept.fetch(), self.input_size)
+
+
+class _Call:
+    """One running call of a plain max pool."""
+
+    __slots__ = ("module", "window", "input_shape", "restored")
+
+    def __init__(self, module: nn.Module, window: Window):
+        self.module, self.window = module, window
+        self.input_shape = None  # of the floating-point tensor the pool saved (its input)
+        self.restored = None  # the recompute's indices, once set to the forward's
+
+
+class PoolWatch:
+    """Follows the plain max pools that run on this thread while :meth:`watching`:
+    tells their indices saves (:meth:`window_of`) and, in a recompute, pools at the
+    restored decisions (:meth:`restored`). NOTE [ Max-pool decisions ]."""
+
+    def __init__(self):
+        self._thread = threading.get_ident()
+        self._calls = []
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Register the module hooks for the body."""
+        self._thread = threading.get_ident()
+        pre = register_module_forward_pre_hook(self._before_module)
+        post = register_module_forward_hook(self._after_module)
+        try:
+            yield self
+        finally:
+            pre.remove()
+            post.remove()
+            self._calls = []  # a recompute stopped early leaves its pool running
+
+    def window_of(self, tensor: torch.Tensor) -> Optional[tuple]:
+        """For a tensor being saved: ``(window, input spatial size)`` when it is the
+        indices of the plain max pool running now, else None. Sees every save of the
+        pool: its input (floating point, saved first) is noted."""
+        if not self._calls or threading.get_ident() != self._thread:
+            return None
+        call = self._calls[-1]
+        if tensor.is_floating_point():
+            call.input_shape = tuple(tensor.shape)
+            return None
+        dims = len(call.window.kernel)
+        if (tensor.dtype != torch.int64 or tensor.requires_grad or call.input_shape is None
+                or len(call.input_shape) != tensor.dim() or call.input_shape[:-dims] != tuple(tensor.shape[:-dims])):
+            return None
+        input_size = call.input_shape[-dims:]
+        if call.window.output_size(input_size) != tuple(tensor.shape[-dims:]):
+            return None
+        return call.window, input_size
+
+    def restored(self, indices: torch.Tensor, decisions: PoolDecisions) -> None:
+        """In a recompute: set the running pool's ``indices`` (being saved) to the
+        forward's decisions; its output follows when the pool returns."""
+        decisions.restore_(indices)
+        if self._calls and threading.get_ident() == self._thread:
+            self._calls[-1].restored = indices
+
+    def _before_module(self, module, args) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        window = Window.of(module)
+        if window is not None:
+            self._calls.append(_Call(module, window))
+
+    def _after_module(self, module, args, output) -> None:
+        if threading.get_ident() != self._thread or not self._calls or self._calls[-1].module is not module:
+            return
+        call = self._calls.pop()
+        if call.restored is not None:
+            pooled = output[0] if isinstance(output, tuple) else output
+            pool_at_(pooled, args[0], call.restored, len(call.window.kernel))
+
+
+def pool_at_(pooled: torch.Tensor, x: torch.Tensor, indices: torch.Tensor, dims: int) -> None:
+    """Set ``pooled`` to ``x`` at ``indices`` (flat over the last ``dims`` dimensions
+    of ``x``), in place: the value a max pool deciding at ``indices`` returns."""
+    with torch.no_grad():  # a correction, not an operation of the graph: nothing saved
+        planes = x.flatten(-dims) if dims > 1 else x
+        gathered = planes.gather(-1, indices.reshape(*planes.shape[:-1], -1))
+        pooled.data.copy_(gathered.view(pooled.shape))
