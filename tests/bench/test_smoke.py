@@ -148,6 +148,29 @@ def test_kernels_bench_checks_every_codec_and_reports_bytes(tmp_path):
     assert all(ratio <= (0.27 if case.endswith("fp32") else 0.53) for case, ratio in ratios.items())
 
 
+def test_rotor_compare_writes_every_solver_at_every_budget(tmp_path):
+    out = tmp_path / "cpu.csv"
+    stdout = run_script("rotor_compare.py", "--out", str(out))
+    columns, rows = read_rows(out)
+    assert columns == CSV_COLUMNS and {r["bench"] for r in rows} == {"rotor_compare"}
+    assert "at every budget of the sweep" in stdout and "random chains per family" in stdout
+    times = {(r["provider"], r["x_value"]): float(r["p50"]) for r in rows if r["metric"] == "pred_step_time"}
+    budgets = {budget for _, budget in times}
+    assert len(budgets) == 6 and len(times) == 5 * 6
+    for budget in budgets:
+        def time(provider):
+            return times[provider, budget]
+        # Orderings that hold by construction: auto's levers include recompute; rotor's
+        # rounded-down sizes relax its rounded-up ones; its plans include the single-level ones.
+        assert time("actsave_auto") <= time("actsave_recompute")
+        assert time("rotor_lower_bound") <= time("rotor") <= time("rotor_single_level")
+    peaks = [(float(r["x_value"]), float(r["p50"])) for r in rows if r["metric"] == "pred_peak"]
+    assert peaks and all(peak <= budget for budget, peak in peaks)
+    (depth,) = [r for r in rows if r["metric"] == "max_depth"]
+    search = json.loads(depth["config_json"])
+    assert search["measured_peak_MiB"] <= 2.0 and search["does_not_fit"] > float(depth["p50"])
+
+
 def test_offload_overlap_smoke_writes_every_metric(tmp_path):
     out = tmp_path / "cpu.csv"
     stdout = run_script("offload_overlap.py", "--out", str(out))

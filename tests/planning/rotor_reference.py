@@ -15,6 +15,13 @@ memory unit):
                     backward, on top of what the operation produces.
     fwd_time[i], bwd_time[i]
 
+One term beyond the paper, zero by default:
+
+    held            memory the caller holds from the first backward operation to the
+                    end of the step (a training loop's output and its gradient, which
+                    ``out.backward(g)`` keeps alive). With held = 0 this is the paper's
+                    model.
+
 Operations: Fn(i) ("F_ckpt") computes a_{i+1} from a_i and keeps nothing else; Fs(i)
 ("F_all") computes abar_i; B(i) computes d_i from d_{i+1} and abar_i, then frees both.
 
@@ -29,9 +36,12 @@ and then s .. s'-1 are processed again from a_s (their "recompute", itself plann
 
     Opt_ckpt = sum_{k=s}^{s'-1} fwd_k + Opt(s', t, m - act[s']) + Opt(s, s'-1, m),
 
-each allowed when the memory its own operations need fits m (see _forward_fits and
-_stored_fits). Opt(s, s, m) = fwd_s + bwd_s when Fs(s) and B(s) fit. A whole step is
-Opt(0, n-1, M - act[0]). A plan is written as actsave's plan trees are: a range is a
+each allowed when the memory its own operations need fits m (see _forward_needs and
+_fill). Opt(s, s, m) = fwd_s + bwd_s when Fs(s) and B(s) fit. A whole step is
+Opt(0, n-1, M - act[0]). ``held`` is live during every B and every recompute, that
+is in every operation except the forward ones of the ranges ending at the last stage
+(Opt(s, n-1, m), the step's forward phase): there B(s) needs ``held`` more and the
+recompute Opt(s, s'-1, .) runs within m - held. A plan is written as actsave's plan trees are: a range is a
 tuple of children (start, stop, inner) covering it, ``inner`` None for layers run with
 their saves and a tuple of children (the recompute's own plan) for a checkpointed run.
 
@@ -61,6 +71,7 @@ class RotorChain:
     saved: tuple
     fwd_overhead: tuple
     bwd_overhead: tuple
+    held: int = 0  # live from the first backward operation to the end (module docstring)
 
     def __post_init__(self):
         n = len(self.fwd_time)
@@ -75,11 +86,18 @@ class RotorChain:
         return len(self.fwd_time)
 
 
+def _held(chain: RotorChain, t: int) -> int:
+    """What the backward of a range ending at stage t holds beyond the paper's model:
+    ``held`` for the step's own ranges (t = n-1), else nothing more (a recompute's
+    range runs within a budget its caller already reduced by ``held``)."""
+    return chain.held if t == chain.n - 1 else 0
+
+
 def _stored_single_needs(chain: RotorChain, s: int) -> int:
     """Units Fs(s) then B(s) need with d_{s+1} live (a_s is the caller's)."""
     grad_out = chain.act[s + 1]
     return max(grad_out + chain.saved[s] + chain.fwd_overhead[s],
-               grad_out + chain.saved[s] + chain.act[s] + chain.bwd_overhead[s])
+               _held(chain, s) + grad_out + chain.saved[s] + chain.act[s] + chain.bwd_overhead[s])
 
 
 def _forward_needs(chain: RotorChain, s: int, stop: int, t: int) -> int:
@@ -92,18 +110,25 @@ def _forward_needs(chain: RotorChain, s: int, stop: int, t: int) -> int:
 
 class RotorTable:
     """Opt(s, t, m) for every 0 <= s <= t < n and 0 <= m <= memory, and the choice made:
-    -1 stored first stage, s' > s a checkpointed run of s .. s'-1."""
+    -1 stored first stage, s' > s a checkpointed run of s .. s'-1.
 
-    def __init__(self, chain: RotorChain, memory: int):
-        self.chain, self.memory = chain, int(memory)
+    ``single_level``: the optimum over the plans actsave's planner can express instead,
+    in the same model: checkpointed runs whose recompute stores every stage, and only
+    the last run stored (the choices of Opt(s, n-1, m) are then "store s .. n-1" or a
+    checkpointed run followed by such a plan; every other range is stored whole)."""
+
+    def __init__(self, chain: RotorChain, memory: int, single_level: bool = False):
+        self.chain, self.memory, self.single_level = chain, int(memory), single_level
         n, width = chain.n, self.memory + 1
         self.opt = np.full((n, n, width), INFEASIBLE)
         self.choice = np.full((n, n, width), -2, dtype=np.int64)
+        self._stored_to_end = {}  # single_level: s -> the row of Opt(s, n-1, m) storing s .. n-1
         m = np.arange(width)
         for s in range(n):
             fits = m >= _stored_single_needs(chain, s)
             self.opt[s, s] = np.where(fits, chain.fwd_time[s] + chain.bwd_time[s], INFEASIBLE)
             self.choice[s, s] = np.where(fits, -1, -2)
+        self._stored_to_end[n - 1] = self.opt[n - 1, n - 1]
         for length in range(2, n + 1):
             for s in range(n - length + 1):
                 self._fill(s, s + length - 1, m)
@@ -112,19 +137,25 @@ class RotorTable:
         chain = self.chain
         best = np.full(m.shape, INFEASIBLE)
         choice = np.full(m.shape, -2, dtype=np.int64)
+        held = _held(chain, t)
         # stored: Fs(s) with d_{t+1} live, the rest with abar_s held, B(s) with d_{s+1}.
         stored_fits = m >= max(chain.act[t + 1] + chain.saved[s] + chain.fwd_overhead[s],
-                               chain.saved[s] + chain.act[s + 1] + chain.act[s] + chain.bwd_overhead[s])
-        rest = _shifted(self.opt[s + 1, t], chain.saved[s])
-        candidate = np.where(stored_fits, chain.fwd_time[s] + chain.bwd_time[s] + rest, INFEASIBLE)
+                               held + chain.saved[s] + chain.act[s + 1] + chain.act[s] + chain.bwd_overhead[s])
+        step_range = t == chain.n - 1
+        rest = self._stored_to_end[s + 1] if self.single_level and step_range else self.opt[s + 1, t]
+        candidate = np.where(stored_fits, chain.fwd_time[s] + chain.bwd_time[s] + _shifted(rest, chain.saved[s]),
+                             INFEASIBLE)
+        if self.single_level and step_range:
+            self._stored_to_end[s] = candidate
         better = candidate < best
         best, choice = np.where(better, candidate, best), np.where(better, -1, choice)
         forward = 0.0
-        for stop in range(s + 1, t + 1):  # checkpointed run of s .. stop-1, a_stop kept
+        stops = range(s + 1, t + 1) if step_range or not self.single_level else ()
+        for stop in stops:  # checkpointed run of s .. stop-1, a_stop kept
             forward += chain.fwd_time[stop - 1]
             fits = m >= _forward_needs(chain, s, stop, t)
             candidate = np.where(fits, forward + _shifted(self.opt[stop, t], chain.act[stop])
-                                 + self.opt[s, stop - 1], INFEASIBLE)
+                                 + _shifted(self.opt[s, stop - 1], held), INFEASIBLE)
             better = candidate < best
             best, choice = np.where(better, candidate, best), np.where(better, stop, choice)
         self.opt[s, t], self.choice[s, t] = best, choice
@@ -148,12 +179,14 @@ class RotorTable:
         choice = int(self.choice[s, t, m])
         if s == t:
             return ((s, s + 1, None),)
+        if choice == -1 and self.single_level and t == self.chain.n - 1:
+            return ((s, t + 1, None),)
         if choice == -1:
             head, rest = (s, s + 1, None), self._plan(s + 1, t, m - self.chain.saved[s])
             if rest[0][2] is None:  # merge into the stored run that follows
                 return ((s, rest[0][1], None),) + rest[1:]
             return (head,) + rest
-        inner = self._plan(s, choice - 1, m)
+        inner = self._plan(s, choice - 1, m - _held(self.chain, t))
         return ((s, choice, inner),) + self._plan(choice, t, m - self.chain.act[choice])
 
 
@@ -173,7 +206,8 @@ def simulate(chain: RotorChain, plan: tuple) -> tuple:
     """(time, peak units) of running ``plan`` for a whole step, operation by operation:
     a ledger of live tensors, each operation's peak its live units plus what it
     allocates and its temporary overhead. The chain input a_0 is live throughout, and
-    d_n from the start (the DP's convention: Opt(0, n-1, M - act[0]) with d_n in m)."""
+    d_n from the start (the DP's convention: Opt(0, n-1, M - act[0]) with d_n in m), and
+    ``held`` from the first backward operation."""
     run = _Run(chain)
     run.alloc(("a", 0), chain.act[0])
     run.alloc(("d", chain.n), chain.act[chain.n])
@@ -206,6 +240,8 @@ class _Run:
             if rest:
                 self.backward_range(child_stop, stop, rest)
             for i in reversed(range(child_start, child_stop)):
+                if "held" not in self.live:  # the step's first backward operation
+                    self.alloc("held", c.held)
                 self.alloc(("d", i), c.act[i], c.bwd_overhead[i])
                 self.time += c.bwd_time[i]
                 self.free(("abar", i))
@@ -238,8 +274,9 @@ def all_plans(start: int, stop: int):
                 yield ((start, split, inner),) + rest
 
 
-def random_chain(rng: np.random.Generator, n: int, max_size: int = 6) -> RotorChain:
-    """A heterogeneous chain: sizes 1..max_size units, saves 1-3x the output."""
+def random_chain(rng: np.random.Generator, n: int, max_size: int = 6, held: bool = False) -> RotorChain:
+    """A heterogeneous chain: sizes 1..max_size units, saves 1-3x the output; with
+    ``held``, 1..max_size units held through the backward."""
     act = tuple(int(v) for v in rng.integers(1, max_size + 1, n + 1))
     saved = tuple(int(act[i + 1] * rng.integers(1, 4)) for i in range(n))
     return RotorChain(
@@ -248,6 +285,7 @@ def random_chain(rng: np.random.Generator, n: int, max_size: int = 6) -> RotorCh
         act=act, saved=saved,
         fwd_overhead=tuple(int(v) for v in rng.integers(0, 3, n)),
         bwd_overhead=tuple(int(v) for v in rng.integers(0, 3, n)),
+        held=int(rng.integers(1, max_size + 1)) if held else 0,
     )
 
 
