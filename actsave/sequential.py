@@ -182,6 +182,11 @@ class CheckpointedSequential(nn.Sequential):
             optimizer state (planning/memory_model.py, "Budget").
         example_inputs: ``(x,)``, a batch like those of training, for the planned
             strategies.
+        loss: for the planned strategies, the training step's loss as a function of
+            the chain's output (``lambda logits: F.cross_entropy(logits, targets)``
+            with example targets): the profiled step runs it, so the plan counts its
+            memory (a cross-entropy keeps a logits-sized log-softmax and its backward
+            makes two more). Without it the plan counts only the output's gradient.
 
     Indexing, ``len``, iteration, ``append`` and ``state_dict`` keys are those of the
     ``nn.Sequential`` built from the same modules. Per-layer options follow their module
@@ -204,12 +209,12 @@ class CheckpointedSequential(nn.Sequential):
     """
 
     def __init__(self, *modules, segments: SegmentsSpec = BALANCED, compress=None, offload=False,
-                 budget=None, example_inputs=None):
+                 budget=None, example_inputs=None, loss=None):
         _check_modules(modules)
         super().__init__(*modules)
         segments = _normalized_segments(segments)
         planned = isinstance(segments, str) and segments in _PLANNED_STRATEGIES
-        _check_planning_arguments(segments, planned, budget, example_inputs, compress, offload)
+        _check_planning_arguments(segments, planned, budget, example_inputs, loss, compress, offload)
         if not planned and segments != BALANCED:
             segment_starts(len(self), segments)  # validate now, not at the first forward
         self.segments = segments
@@ -231,7 +236,7 @@ class CheckpointedSequential(nn.Sequential):
         self._last_kept_bytes = {}
         self.applied_plan = None  # the last plan applied; later per-layer changes are not in it
         if planned:
-            self.apply_plan(_planned(self, segments, budget, example_inputs))
+            self.apply_plan(_planned(self, segments, budget, example_inputs, loss))
 
     @classmethod
     def from_sequential(cls, sequential: nn.Sequential, **options) -> "CheckpointedSequential":
@@ -541,11 +546,11 @@ def _check_modules(modules: tuple) -> None:
             )
 
 
-def _check_planning_arguments(segments, planned: bool, budget, example_inputs, compress, offload) -> None:
+def _check_planning_arguments(segments, planned: bool, budget, example_inputs, loss, compress, offload) -> None:
     if not planned:
-        if budget is not None or example_inputs is not None:
+        if budget is not None or example_inputs is not None or loss is not None:
             raise ConfigError(
-                f"budget= and example_inputs= are used by segments={list(_PLANNED_STRATEGIES)} only, "
+                f"budget=, example_inputs= and loss= are used by segments={list(_PLANNED_STRATEGIES)} only, "
                 f"not by segments={segments!r}"
             )
         return
@@ -562,9 +567,9 @@ def _check_planning_arguments(segments, planned: bool, budget, example_inputs, c
         )
 
 
-def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs) -> "plans.Plan":
+def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs, loss) -> "plans.Plan":
     objective = "memory" if strategy == "memory" else "time"
-    return plans.plan(profiler.profile(model, example_inputs), budget, objective=objective)
+    return plans.plan(profiler.profile(model, example_inputs, loss=loss), budget, objective=objective)
 
 
 def _split_per_layer(value, default) -> tuple:

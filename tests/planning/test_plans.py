@@ -104,6 +104,8 @@ def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
                                compress="int8")
     with pytest.raises(ConfigError, match="used by segments=.* only"):
         CheckpointedSequential(*deep_mlp(2), segments="sqrt", budget=2**20)
+    with pytest.raises(ConfigError, match="loss= are used by segments=.* only"):
+        CheckpointedSequential(*deep_mlp(2), loss=lambda y: y.sum())
 
 
 def test_plan_refuses_a_plan_its_own_prediction_does_not_fit(small_profile):
@@ -118,3 +120,33 @@ def test_plan_refuses_a_plan_its_own_prediction_does_not_fit(small_profile):
         patch.setattr(memory_model.CostModel, "predict", one_byte_over)
         with pytest.raises(InternalError, match="the dynamic program and the model disagree"):
             actsave.plan(small_profile, tightest)
+
+
+def test_auto_segments_given_the_loss_fit_a_budget_that_a_plan_without_it_overruns():
+    # Wide logits: cross-entropy keeps a logits-sized log-softmax, and its backward makes
+    # two more, on top of what the forward left. A plan that fills its budget without
+    # knowing that overruns it; given loss=, the profiled step runs the loss.
+    torch.manual_seed(0)
+    layers = [*deep_mlp(6, 64), nn.Linear(64, 1024)]
+    x, targets = torch.randn(128, 64), torch.randint(0, 1024, (128,))
+
+    def loss(logits):
+        return nn.functional.cross_entropy(logits, targets)
+
+    unaware = actsave.profile(CheckpointedSequential(*layers), (x,))
+    smallest = actsave.plan(unaware, None, objective="memory").predicted_peak_bytes
+    overrun = []
+    for budget in range(smallest, 3 * smallest, smallest // 8):
+        blind = CheckpointedSequential(*layers, segments="auto", budget=budget, example_inputs=(x,))
+        if peak_activation_bytes(blind, x, loss) > budget:
+            overrun.append(budget)
+    assert overrun, "no budget at which a plan without the loss overruns: the test shows nothing"
+    fitted = 0
+    for budget in overrun:
+        try:
+            aware = CheckpointedSequential(*layers, segments="auto", budget=budget, example_inputs=(x,), loss=loss)
+        except ConfigError:  # the loss does not fit beside any plan: refused, not overrun
+            continue
+        assert peak_activation_bytes(aware, x, loss) <= budget
+        fitted += 1
+    assert fitted, "every overrun budget was refused: no plan given the loss was measured"
