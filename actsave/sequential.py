@@ -4,7 +4,9 @@ their input and recompute the rest in backward.
 Segments are planned from ``segments`` each time the chain runs, so ``append`` and
 friends need no bookkeeping. As in ``torch.utils.checkpoint.checkpoint_sequential``,
 the last segment is not checkpointed: backward starts there, so its activations are
-needed at once. Per-layer options (``compress``, ``offload``) are stored by child
+needed at once. An applied plan (:meth:`CheckpointedSequential.apply_plan`) may store
+other segments too (``Plan.stored``): they run plainly, autograd keeping their saves
+until their backward, where that is faster within the budget. Per-layer options (``compress``, ``offload``) are stored by child
 name and apply to what a segment keeps, so they act on the layers where segments
 start: a checkpointed segment keeps its input; the last keeps what autograd saves,
 which a lossy codec stores too (runtime/compressed_saves.py; offload does not apply there).
@@ -71,7 +73,8 @@ _PLANS_KEPT = 16  # balanced plans cached per model, one per distinct input
 
 @dataclass(frozen=True)
 class Segment:
-    """Layers ``start`` to ``stop - 1``; ``checkpointed`` is False for the last one."""
+    """Layers ``start`` to ``stop - 1``; ``checkpointed`` is False for the last one and
+    the stored segments of an applied plan."""
 
     start: int
     stop: int
@@ -291,7 +294,7 @@ class CheckpointedSequential(nn.Sequential):
             return super().forward(input)
         layers = list(self)
         self._last_kept_bytes = {}
-        for segment in _segments_from(self._starts_for(input, layers), len(layers)):
+        for segment in _segments_from(self._starts_for(input, layers), len(layers), self._stored_starts()):
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
             if segment.checkpointed:
@@ -346,11 +349,20 @@ class CheckpointedSequential(nn.Sequential):
         self.set_compression(slice(None), None)
         self.set_offload(slice(None), False)
         for start, _, option in plan.segments[:-1]:
-            self.set_compression(start, option.codec)
-            self.set_offload(start, option.offload)
+            if option is not None:  # a stored segment runs plainly: nothing to set
+                self.set_compression(start, option.codec)
+                self.set_offload(start, option.offload)
         self.set_compression(plan.starts[-1], plan.stored_codec)  # the stored segment's saves
         self.segments = list(plan.starts)
         self.applied_plan = plan
+
+    def _stored_starts(self) -> frozenset:
+        """The starts of the applied plan's stored segments before the last, while the
+        segments are still that plan's (setting ``segments`` again drops them)."""
+        plan = self.applied_plan
+        if plan is None or self.segments != list(plan.starts):
+            return frozenset()
+        return frozenset(start for start, flag in zip(plan.starts, plan.stored) if flag)
 
     def describe(self) -> str:
         """A per-layer table: segment, what it keeps (a checkpointed segment its
@@ -370,7 +382,7 @@ class CheckpointedSequential(nn.Sequential):
             header, starts = None, segment_starts(len(self), self.segments)
         if starts is None:
             return header
-        for number, segment in enumerate(_segments_from(starts, len(self))):
+        for number, segment in enumerate(_segments_from(starts, len(self), self._stored_starts())):
             keeps = "input" if segment.checkpointed else "saves"
             for i in range(segment.start, segment.stop):
                 row = (str(i), names[i], type(self[i]).__name__, str(number))
@@ -516,10 +528,12 @@ def _check_simulable(model: nn.Module) -> None:
                           "swapped for meta copies")
 
 
-def _segments_from(starts: list, n_layers: int) -> list:
+def _segments_from(starts: list, n_layers: int, stored: frozenset = frozenset()) -> list:
+    """The segments starting at ``starts``: the last and those starting in ``stored``
+    run plainly, the others checkpointed."""
     stops = starts[1:] + [n_layers]
     last = len(starts) - 1
-    return [Segment(a, b, i != last) for i, (a, b) in enumerate(zip(starts, stops))]
+    return [Segment(a, b, i != last and a not in stored) for i, (a, b) in enumerate(zip(starts, stops))]
 
 
 class _Chain:

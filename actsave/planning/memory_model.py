@@ -14,8 +14,9 @@ Budget
     second training step on.
 
 Memory model
-    Segment j holds layers [a, b). The last segment is stored (plain autograd); the
-    others are checkpointed with an option o = (codec, offload). Backward runs the
+    Segment j holds layers [a, b). The last segment is stored (plain autograd); each
+    of the others is checkpointed with an option o = (codec, offload), or stored too
+    (a stored middle segment). Backward runs the
     segments in reverse, so everything segment j allocates, forward or backward,
     happens while only the segments before it hold their kept bytes R:
 
@@ -36,6 +37,10 @@ Memory model
         recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + B(a, i) + fwd_i
                     (+ restore_i)
         backward    O + Saved(a, i) + g_{i+1} + bwd_i
+    stored middle [a, b), b < n: R = Saved(a, b-1), autograd's saves, kept from its
+    forward to its backward (which recomputes nothing)
+        forward     Saved(a, i-1) + U(i) + fwd_i
+        backward    O + Saved(a, i) + g_{i+1} + bwd_i + C
     stored [s, n)
         forward     Saved(s, i-1) + U(i) + fwd_i
         loss        Saved(s, n-1) + U(n) + L
@@ -86,7 +91,8 @@ Memory model
     Offload (CUDA only: on a CPU model host memory is device memory) brings an
     input back early, when the next offloaded segment's recompute prefetches it. The
     model charges C, the largest F of an offloaded segment of the plan, to every
-    backward-time event of every checkpointed segment, and the dynamic programs run
+    backward-time event of every checkpointed or stored middle segment (a prefetch
+    may be in flight across a stored middle segment's backward), and the dynamic programs run
     for every candidate C: each distinct F, or, where a lossy codec's offloaded bits
     make more than _MAX_CARRIES distinct sizes (F depends on both ends of a
     segment), the largest F below each point of a geometric grid over them. On the
@@ -94,12 +100,14 @@ Memory model
     peak is within that of the optimum (tests/planning/test_memory_model.py).
 
     Overestimates, by design: a view of one storage passed across a segment boundary
-    is counted on both sides, ReLU restores are taken to coincide with the layer's
+    is counted on both sides (so is a tensor saved on both sides of a boundary
+    between stored segments, which then run as one), ReLU restores are taken to coincide with the layer's
     whole forward rise. Measured peaks (MemTracker, CPU) of applied plans are within
     a few percent below the prediction, mostly equal to it (tests/planning/test_memory_model.py).
 
 Time model
-    step = sum_i (forward_i + backward_i) + sum over checkpointed segments t(a,b,o),
+    step = sum_i (forward_i + backward_i) + sum over checkpointed segments t(a,b,o)
+    (a stored segment adds nothing),
     t = sum_{a<=i<b} forward_i + encode and decode time (lossy) + the host copies not
     hidden behind the segment's forward (copy out) and its recompute and backward
     (copy back; offload). Sign bits and the early stop are ignored. A stored segment
@@ -166,11 +174,14 @@ class CostModel:
     """
 
     def __init__(self, prof: Profile, options: list, fixed: Optional[Sequence[KeepPolicy]] = None,
-                 stored_codecs: Sequence[str] = ("none",)):
+                 stored_codecs: Sequence[str] = ("none",), store_middle: bool = False):
         """``options``: the keep options the plans may use. ``fixed``: one option per
         layer instead, the only one a segment starting there may use.
         ``stored_codecs``: how the stored segment may keep autograd's saves, "none"
-        (as they are) first, then lossy codec names (the profile's StoredSaves)."""
+        (as they are) first, then lossy codec names (the profile's StoredSaves).
+        ``store_middle``: whether the solvers may store segments before the last
+        (:meth:`predict` prices them either way)."""
+        self.store_middle = store_middle
         layers = prof.layers
         n = self.n = len(layers)
         if fixed is not None:
@@ -259,7 +270,8 @@ class CostModel:
         unsaved_input = 0.0 if a == 0 else self.input[a]  # the chain input is in X
         stored_forward = np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + self.forward_rise[a:]
         before_recompute = self._held_before_layers(a, saved, unsaved)
-        return _Events(stored_forward=stored_forward,
+        return _Events(saved=saved,
+                       stored_forward=stored_forward,
                        loss=self._loss_event(a, saved[-1]),
                        backward=self._backward_events(a, saved, i),
                        recompute=before_recompute + self.forward_rise[a:],
@@ -381,7 +393,7 @@ class CostModel:
         """The largest events of every segment [a, b), from each start's events by
         running maxima over the ends."""
         n = self.n
-        recompute, lossy_recompute, backward = (np.full((n, n), np.inf) for _ in range(3))
+        recompute, lossy_recompute, backward, stored_forward, saved = (np.full((n, n), np.inf) for _ in range(5))
         stored_peaks = np.empty(n)
         for a in range(n):
             events = self.events_from(a)
@@ -391,8 +403,11 @@ class CostModel:
             lossy_recompute[a, a + 1:] = _until_last_save(events.recompute + self.restore[a:],
                                                           events.recompute_to_last_save + self.restore[a:], last)
             backward[a, a + 1:] = np.maximum.accumulate(events.backward)[:n - 1 - a]
+            stored_forward[a, a + 1:] = np.maximum.accumulate(events.stored_forward)[:n - 1 - a]
+            saved[a, a + 1:] = events.saved[:n - 1 - a]
         coded = [self._coded_stored_working_sets(k, np.arange(n)) for k in range(1, len(self.stored_codecs))]
-        return _Tables(recompute, lossy_recompute, backward, np.array([stored_peaks, *coded]))
+        return _Tables(recompute, lossy_recompute, backward, stored_forward, saved,
+                       np.array([stored_peaks, *coded]))
 
     @property
     def stored_peaks(self) -> np.ndarray:
@@ -415,6 +430,17 @@ class CostModel:
         tables = self.tables
         recompute = (tables.lossy_recompute if self.options[o].lossy else tables.recompute)[a, b]
         return self._working_set(o, a, b, recompute, tables.backward[a, b], carries)
+
+    def stored_middle_working_set(self, a, b, carries: np.ndarray) -> np.ndarray:
+        """W of the stored middle segment [a, b) + C on its backward events, for each C
+        in ``carries`` (the last axis), for broadcastable arrays of starts and ends."""
+        tables = self.tables
+        return _stored_middle_events(tables.stored_forward[a, b], tables.backward[a, b], carries)
+
+    def stored_middle_kept(self, a, b) -> np.ndarray:
+        """R of the stored middle segment [a, b): Saved(a, b-1), for broadcastable
+        arrays of starts and ends."""
+        return self.tables.saved[a, b]
 
     def carries(self) -> np.ndarray:
         """Candidate values of C: 0 (nothing offloaded) and the sizes an offloaded
@@ -443,13 +469,20 @@ class CostModel:
         recompute = max(whole[:last].max(initial=-np.inf), to_last_save[last]) if last >= 0 else -np.inf
         return float(self._working_set(o, a, b, recompute, events.backward[:stop].max(), np.array([carry]))[0])
 
+    def segment_stored_middle(self, a: int, b: int, carry: float) -> tuple:
+        """(W + C, R) of the stored middle segment [a, b), from its own layers' events."""
+        events, stop = self.events_from(a), b - a
+        working = _stored_middle_events(events.stored_forward[:stop].max(), events.backward[:stop].max(),
+                                        np.array([carry]))[0]
+        return float(working), float(events.saved[stop - 1])
+
     def predict(self, segments: list) -> tuple:
         """(peak bytes, step seconds, index of the segment setting the peak) of a plan
-        given as [(start, stop, option index)], the stored segment last with ~k (-1 - k)
-        for its saves' codec stored_codecs[k] (-1: as they are): the module docstring's
-        peak = X + max_j (R_0 + ... + R_{j-1} + W_j), C the largest F of the plan's
-        offloaded segments."""
-        checkpointed = segments[:-1]
+        given as [(start, stop, option index, or None for a stored middle segment)],
+        the stored segment last with ~k (-1 - k) for its saves' codec stored_codecs[k]
+        (-1: as they are): the module docstring's peak = X + max_j (R_0 + ... +
+        R_{j-1} + W_j), C the largest F of the plan's offloaded segments."""
+        checkpointed = [(a, b, o) for a, b, o in segments[:-1] if o is not None]
         carry = max((float(self.fetched(o, a, b)) for a, b, o in checkpointed if self.options[o].offload),
                     default=0.0)
         seconds = self.forward_s_before[-1] + self.backward_s_before[-1]
@@ -458,10 +491,15 @@ class CostModel:
         seconds += self.stored_seconds(stored_start, ~stored)
         kept_before, peak, peak_segment = 0.0, -math.inf, 0
         for j, (a, b, o) in enumerate(segments):
-            working = self.stored_working_set(a, ~o) if o < 0 else self.segment_working_set(o, a, b, carry)
+            if o is None:
+                working, kept = self.segment_stored_middle(a, b, carry)
+            elif o < 0:
+                working, kept = self.stored_working_set(a, ~o), 0.0
+            else:
+                working, kept = self.segment_working_set(o, a, b, carry), float(self.kept(o, a, b))
             if kept_before + working > peak:
                 peak, peak_segment = kept_before + working, j
-            kept_before += 0.0 if o < 0 else float(self.kept(o, a, b))
+            kept_before += kept
         return self.chain_input + peak, seconds, peak_segment
 
 
@@ -469,7 +507,8 @@ class _Events(NamedTuple):
     """The option-independent events of the layers i = a .. n-1 of a segment starting
     at a, one array each (index i - a), in the module docstring's terms."""
 
-    stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + fwd_i: the stored segment's forward
+    saved: np.ndarray  # Saved(a, i): a stored middle segment [a, i+1) keeps these
+    stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + fwd_i: a stored segment's forward
     loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
     backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
     recompute: np.ndarray  # Saved'(a, i-1) + U(i) + B(a, i) + fwd_i: the option adds its held bytes
@@ -487,7 +526,15 @@ class _Tables(NamedTuple):
     recompute: np.ndarray  # -inf where nothing is recomputed
     lossy_recompute: np.ndarray  # with the ReLU restores of a lossy codec
     backward: np.ndarray
+    stored_forward: np.ndarray  # the largest forward event of a stored middle segment
+    saved: np.ndarray  # Saved(a, b-1): what a stored middle segment keeps
     stored_peaks: np.ndarray  # [k, s]: W_stored(s, k)
+
+
+def _stored_middle_events(forward, backward, carries: np.ndarray) -> np.ndarray:
+    """A stored middle segment's largest event, given its largest forward and backward
+    events, for each C in ``carries`` (the last axis): C is charged to the backward."""
+    return np.maximum(np.expand_dims(forward, -1), np.expand_dims(backward, -1) + carries)
 
 
 def _until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:

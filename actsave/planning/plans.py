@@ -14,9 +14,8 @@ profile on meta tensors (:func:`profile` with a meta ``x``); :func:`balanced` pl
 such a profile with each layer's keep option fixed, which is what
 ``CheckpointedSequential``'s default ``segments="balanced"`` does at its first call.
 
-Limits: the chain must pass one tensor from layer to layer. Only the last segment can
-be stored, as CheckpointedSequential runs it. Timings come from one step. The plan is
-for the batch shape profiled.
+Limits: the chain must pass one tensor from layer to layer. Timings come from one
+step. The plan is for the batch shape profiled.
 """
 from __future__ import annotations
 
@@ -46,11 +45,14 @@ class Plan:
     """Where segments start and how each checkpointed segment keeps its input, with
     the model's predictions. Apply it with ``CheckpointedSequential.apply_plan``.
 
-    ``starts[j]`` is the first layer of segment j (``starts[0] == 0``); the last
-    segment is stored, the others checkpointed, segment j keeping its input by
-    ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``. The stored
-    segment keeps autograd's saves by ``stored_codec`` ("none": as they are; a lossy
-    codec stores each as runtime/compressed_saves.py says).
+    ``starts[j]`` is the first layer of segment j (``starts[0] == 0``). The last
+    segment is stored (run plainly, never recomputed), and so is segment j < last
+    where ``stored[j]``; the others are checkpointed, segment j keeping its input by
+    ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``. A stored segment
+    before the last keeps autograd's saves as they are (its codec is "none", its
+    offload False); the last keeps them by ``stored_codec`` ("none": as they are; a
+    lossy codec stores each as runtime/compressed_saves.py says). ``stored`` defaults
+    to no segment but the last (one False per segment before it).
     ``predicted_peak_bytes`` is peak activation memory (see the module docstring);
     ``peak_segment`` is the segment whose events set it.
     """
@@ -64,6 +66,7 @@ class Plan:
     peak_segment: int
     budget: Optional[int] = None
     stored_codec: str = "none"
+    stored: tuple = ()
 
     def __post_init__(self):
         n_layers = integral(self.n_layers)
@@ -92,12 +95,34 @@ class Plan:
             get_codec(codec)
         if not all(isinstance(flag, bool) for flag in self.offload):
             raise ConfigError(f"plan offload={self.offload!r} must hold True or False for each checkpointed segment")
+        self._check_stored(checkpointed)
+
+    def _check_stored(self, before_last: int) -> None:
+        """Validate ``stored`` (one flag per segment before the last; () for none) and
+        fill it in: a stored segment has no codec or offload, autograd keeps its saves."""
+        stored = () if self.stored is None else self.stored
+        if not isinstance(stored, (tuple, list)) or not all(isinstance(flag, bool) for flag in stored):
+            raise ConfigError(f"plan stored={self.stored!r} must be a tuple of True or False, one per segment "
+                              "before the last (True: run it plainly, autograd keeping its saves)")
+        if not stored:
+            stored = (False,) * before_last
+        if len(stored) != before_last:
+            raise ConfigError(f"a plan with {before_last + 1} segments needs {before_last} stored flags (one per "
+                              f"segment before the last), got {len(stored)}")
+        for j, flag in enumerate(stored):
+            if flag and (get_codec(self.codecs[j]).name != "none" or self.offload[j]):
+                raise ConfigError(
+                    f"plan segment {j} is stored (stored[{j}] is True) but has codec {self.codecs[j]!r} and offload "
+                    f"{self.offload[j]!r}: a stored segment keeps autograd's saves as they are, so give it codec "
+                    "'none' and offload False")
+        object.__setattr__(self, "stored", tuple(stored))
 
     @property
     def segments(self) -> list:
-        """[(start, stop, KeepPolicy or None for the stored segment)]"""
+        """[(start, stop, KeepPolicy of a checkpointed segment, or None for a stored one)]"""
         stops = [*self.starts[1:], self.n_layers]
-        options = [KeepPolicy.resolve(c, f) for c, f in zip(self.codecs, self.offload)] + [None]
+        options = [None if stored else KeepPolicy.resolve(c, f)
+                   for c, f, stored in zip(self.codecs, self.offload, self.stored)] + [None]
         return list(zip(self.starts, stops, options))
 
     def __str__(self) -> str:
@@ -107,8 +132,9 @@ class Plan:
                  f"{ms(self.predicted_step_seconds)} ms"]
         rows = [["segment", "layers", "input kept", "where", ""]]
         for j, (start, stop, option) in enumerate(self.segments):
+            last = j == len(self.starts) - 1
             kept = option.codec.name if option is not None else "stored (no recompute)" + (
-                "" if self.stored_codec == "none" else f", saves {self.stored_codec}")
+                "" if self.stored_codec == "none" or not last else f", saves {self.stored_codec}")
             where = "" if option is None else ("host" if option.offload else "device")
             marker = "<- peak" if j == self.peak_segment else ""
             rows.append([str(j), f"{start}-{stop - 1}", kept, where, marker])
@@ -117,7 +143,8 @@ class Plan:
 
 def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] = None,
          allow: Sequence[str] = DEFAULT_ALLOW, objective: str = "time",
-         max_checkpointed_layers: Optional[int] = None, compress_stored: bool = True) -> Plan:
+         max_checkpointed_layers: Optional[int] = None, compress_stored: bool = True,
+         store_middle: bool = True) -> Plan:
     """Choose segments and keep options for the profiled chain.
 
     Args:
@@ -140,6 +167,9 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
             permit (:attr:`Plan.stored_codec`), where the profile recorded its saves.
             False where the stored segment runs plain, as the blocks of
             :func:`actsave.plan_blocks`.
+        store_middle: whether segments before the last may be stored too (run
+            plainly, autograd keeping their saves: :attr:`Plan.stored`), where that is
+            faster within the budget than checkpointing them.
 
     Raises :class:`~actsave.ConfigError` when no plan fits, stating the smallest
     feasible budget.
@@ -151,13 +181,14 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         attention, cuDNN workspaces) shift the peak; keep a margin in ``budget``.
     """
     _check_plan_arguments(profile, budget, objective, max_checkpointed_layers)
-    if not isinstance(compress_stored, bool):
-        raise ConfigError(f"compress_stored={compress_stored!r} must be True or False")
+    for name, flag in (("compress_stored", compress_stored), ("store_middle", store_middle)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{name}={flag!r} must be True or False")
     options = keep_options(allow, min_sqnr_db, profile.device)
     stored_codecs = ["none"]
     if compress_stored and profile.stored_saves is not None:
         stored_codecs += sorted({option.codec.name for option in options if option.lossy})
-    model = CostModel(profile, options, stored_codecs=stored_codecs)
+    model = CostModel(profile, options, stored_codecs=stored_codecs, store_middle=store_middle)
     longest = max_checkpointed_layers
     if objective == "time":
         headroom = budget - model.chain_input
@@ -198,10 +229,11 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
 def _plan_of(model: CostModel, segments: list, budget: Optional[int], bound: float) -> Plan:
     """The Plan of a dynamic program's [(start, stop, option index)], with the model's
     predictions, which must fit the peak ``bound`` the program planned for."""
-    checkpointed = [model.options[o] for _, _, o in segments[:-1]]
-    draft = Plan(model.n, tuple(start for start, _, _ in segments), tuple(o.codec.name for o in checkpointed),
-                 tuple(o.offload for o in checkpointed), 0, 0.0, 0, budget,
-                 stored_codec=model.stored_codecs[~segments[-1][2]])
+    before_last = [EXACT if o is None else model.options[o] for _, _, o in segments[:-1]]
+    draft = Plan(model.n, tuple(start for start, _, _ in segments), tuple(o.codec.name for o in before_last),
+                 tuple(o.offload for o in before_last), 0, 0.0, 0, budget,
+                 stored_codec=model.stored_codecs[~segments[-1][2]],
+                 stored=tuple(o is None for _, _, o in segments[:-1]))
     plan = _with_predictions(draft, model, segments)
     if not plan.predicted_peak_bytes <= bound:
         raise InternalError(
@@ -265,10 +297,11 @@ def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=No
 
 def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[str]] = None,
             offload: Optional[Sequence[bool]] = None, budget: Optional[int] = None,
-            stored_codec: str = "none") -> Plan:
-    """The :class:`Plan` for given segment starts (and per checkpointed segment codec
-    and offload, default exact, on the device; the codec of the stored segment's saves,
-    default as they are), with the model's predictions: to
+            stored_codec: str = "none", stored: Optional[Sequence[bool]] = None) -> Plan:
+    """The :class:`Plan` for given segment starts (and per segment before the last its
+    codec and offload, default exact, on the device, and whether it is stored, default
+    not; the codec of the last segment's saves, default as they are), with the model's
+    predictions: to
     compare any segmentation, "sqrt"'s say, with a planned one. Each segment is
     evaluated from its own layers' events (CostModel.predict), not from the tables the
     dynamic programs read."""
@@ -277,15 +310,17 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
     codecs = ["none"] * checkpointed if codecs is None else [get_codec(c).name for c in codecs]
     offload = [False] * checkpointed if offload is None else list(offload)
     draft = Plan(len(profile.layers), tuple(starts), tuple(codecs), tuple(offload), 0, 0.0, 0, budget,
-                 stored_codec=get_codec(stored_codec).name)
+                 stored_codec=get_codec(stored_codec).name, stored=() if stored is None else tuple(stored))
     if draft.stored_codec != "none" and profile.stored_saves is None:
         raise ConfigError(f"stored_codec={stored_codec!r}: this profile records no stored saves (profiled with "
                           "stored_saves=False), so its stored segment can only be predicted exact; pass "
                           "stored_codec='none', or profile with stored_saves=True")
     # runtime/store.py keeps a leaf or non-float input as it is, whatever the option.
-    policies = [option if profile.layers[a].input_encodable else EXACT for a, _, option in draft.segments[:-1]]
-    options = sorted(set(policies), key=lambda option: (option.codec.name, option.offload))
-    segments = [(a, b, options.index(policy)) for (a, b, _), policy in zip(draft.segments, policies)]
+    policies = [None if option is None else option if profile.layers[a].input_encodable else EXACT
+                for a, _, option in draft.segments[:-1]]
+    options = sorted(set(policies) - {None}, key=lambda option: (option.codec.name, option.offload))
+    segments = [(a, b, None if policy is None else options.index(policy))
+                for (a, b, _), policy in zip(draft.segments, policies)]
     stored_codecs = ["none"] if draft.stored_codec == "none" else ["none", draft.stored_codec]
     model = CostModel(profile, options, stored_codecs=stored_codecs)
     stored = ~(len(stored_codecs) - 1)

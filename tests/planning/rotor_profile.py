@@ -140,20 +140,19 @@ def rotor_chain_from_profile(profile: actsave.Profile, unit: int, rounding: str 
 
 
 def rotor_plan_of(plan: actsave.Plan) -> tuple:
-    """An actsave plan (single level, the last segment stored) as a rotor plan tree:
-    each checkpointed segment recomputed with its saves, the last run with its saves."""
-    *checkpointed, (last_start, stop, _) = plan.segments
-    if any(option.lossy or option.offload for _, _, option in checkpointed):
+    """An actsave plan (single level) as a rotor plan tree: each checkpointed segment
+    recomputed with its saves, each stored one (the last among them) run with its saves."""
+    if any(option is not None and (option.lossy or option.offload) for _, _, option in plan.segments):
         raise ValueError(f"rotor's model has no codec or offload: plan {plan.codecs}, {plan.offload}")
-    return (*((a, b, ((a, b, None),)) for a, b, _ in checkpointed), (last_start, stop, None))
+    return tuple((a, b, None if option is None else ((a, b, None),)) for a, b, option in plan.segments)
 
 
 def is_single_level(tree: tuple) -> bool:
     """Whether a rotor plan tree is one actsave can express: checkpointed runs whose
-    recompute stores every stage, and only the last run stored."""
-    *checkpointed, (_, _, last) = tree
-    return last is None and all(inner is not None and len(inner) == 1 and inner[0][2] is None
-                                for _, _, inner in checkpointed)
+    recompute stores every stage, and stored runs, the last among them."""
+    *before_last, (_, _, last) = tree
+    return last is None and all(inner is None or (len(inner) == 1 and inner[0][2] is None)
+                                for _, _, inner in before_last)
 
 
 def nesting_depth(tree: tuple) -> int:

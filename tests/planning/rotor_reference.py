@@ -115,10 +115,14 @@ class RotorTable:
     ``single_level``: the optimum over the plans actsave's planner can express instead,
     in the same model: checkpointed runs whose recompute stores every stage, and only
     the last run stored (the choices of Opt(s, n-1, m) are then "store s .. n-1" or a
-    checkpointed run followed by such a plan; every other range is stored whole)."""
+    checkpointed run followed by such a plan; every other range is stored whole).
+    With ``stored_anywhere`` too, stored runs may also come before the last (the
+    choices of Opt(s, n-1, m) are then "store s, then any such plan of s+1 .. n-1" or
+    a checkpointed run followed by such a plan), as actsave's Plan.stored allows."""
 
-    def __init__(self, chain: RotorChain, memory: int, single_level: bool = False):
+    def __init__(self, chain: RotorChain, memory: int, single_level: bool = False, stored_anywhere: bool = False):
         self.chain, self.memory, self.single_level = chain, int(memory), single_level
+        self.stored_to_end_only = single_level and not stored_anywhere
         n, width = chain.n, self.memory + 1
         self.opt = np.full((n, n, width), INFEASIBLE)
         self.choice = np.full((n, n, width), -2, dtype=np.int64)
@@ -142,7 +146,7 @@ class RotorTable:
         stored_fits = m >= max(chain.act[t + 1] + chain.saved[s] + chain.fwd_overhead[s],
                                held + chain.saved[s] + chain.act[s + 1] + chain.act[s] + chain.bwd_overhead[s])
         step_range = t == chain.n - 1
-        rest = self._stored_to_end[s + 1] if self.single_level and step_range else self.opt[s + 1, t]
+        rest = self._stored_to_end[s + 1] if self.stored_to_end_only and step_range else self.opt[s + 1, t]
         candidate = np.where(stored_fits, chain.fwd_time[s] + chain.bwd_time[s] + _shifted(rest, chain.saved[s]),
                              INFEASIBLE)
         if self.single_level and step_range:
@@ -179,7 +183,7 @@ class RotorTable:
         choice = int(self.choice[s, t, m])
         if s == t:
             return ((s, s + 1, None),)
-        if choice == -1 and self.single_level and t == self.chain.n - 1:
+        if choice == -1 and self.stored_to_end_only and t == self.chain.n - 1:
             return ((s, t + 1, None),)
         if choice == -1:
             head, rest = (s, s + 1, None), self._plan(s + 1, t, m - self.chain.saved[s])

@@ -145,11 +145,16 @@ def test_offloaded_relu_bits_on_a_carry_grid_stay_within_one_fetch_of_the_exact_
 def as_the_solvers_see_it(prof: actsave.Profile, model: memory_model.CostModel, segments: list) -> tuple:
     """(peak, seconds) of a plan by the dynamic programs' arithmetic: W from the
     tables (working_set, stored_peaks), kept bytes summed left to right, C the plan's
-    largest fetch; the stored segment last, with ~k for its stored codec k."""
-    checkpointed = segments[:-1]
+    largest fetch; the stored segment last, with ~k for its stored codec k; None for
+    a stored middle segment."""
+    checkpointed = [(a, b, o) for a, b, o in segments[:-1] if o is not None]
     carry = max((float(model.fetched(o, a, b)) for a, b, o in checkpointed if model.options[o].offload), default=0.0)
     kept, peak = 0.0, -math.inf
-    for a, b, o in checkpointed:
+    for a, b, o in segments[:-1]:
+        if o is None:
+            peak = max(peak, kept + model.stored_middle_working_set(a, b, np.array([carry]))[0])
+            kept += float(model.stored_middle_kept(a, b))
+            continue
         peak = max(peak, kept + model.working_set(o, a, b, np.array([carry]))[0])
         kept += float(model.kept(o, a, b))
     stored_start, _, stored = segments[-1]
@@ -168,12 +173,13 @@ def test_the_solvers_tables_and_predict_agree_on_random_plans(name):
     n, rng = len(prof.layers), random.Random(name)
     for _ in range(25):
         starts = [0, *sorted(rng.sample(range(1, n), rng.randint(0, min(6, n - 1))))]
-        options = [rng.choice(np.nonzero(model.allowed[:, a])[0].tolist()) for a in starts[:-1]]
+        options = [rng.choice([*np.nonzero(model.allowed[:, a])[0].tolist(), None]) for a in starts[:-1]]
         stored = rng.randrange(len(model.stored_codecs))
         segments = [*zip(starts, starts[1:], options), (starts[-1], n, ~stored)]
         peak, seconds = as_the_solvers_see_it(prof, model, segments)
-        plan = plans.predict(prof, starts, [model.options[o].codec.name for o in options],
-                             [model.options[o].offload for o in options], stored_codec=model.stored_codecs[stored])
+        policies = [KeepPolicy() if o is None else model.options[o] for o in options]
+        plan = plans.predict(prof, starts, [p.codec.name for p in policies], [p.offload for p in policies],
+                             stored_codec=model.stored_codecs[stored], stored=[o is None for o in options])
         assert plan.predicted_peak_bytes == peak
         assert math.isclose(plan.predicted_step_seconds, seconds, rel_tol=1e-12)
 
@@ -278,3 +284,38 @@ def test_plan_compresses_the_stored_segment_only_where_the_budget_needs_it():
         actsave.plan(prof, budget, compress_stored=False, **levers)
     # Where the budget holds the exact saves, they stay exact: the codec only costs time.
     assert actsave.plan(prof, plans.predict(prof, [0]).predicted_peak_bytes, **levers).stored_codec == "none"
+
+
+@pytest.mark.parametrize("name", BENCH_LIKE_CHAINS)
+def test_stored_middle_segments_are_predicted_and_train_exactly(name):
+    # A stored segment before the last runs plainly: autograd keeps its saves until
+    # its backward, which recomputes nothing; gradients are those of the plain model.
+    chain_model, x = bench_like_chain(name)
+    model = CheckpointedSequential.from_sequential(chain_model)
+    reference = twin(chain_model)
+    prof = actsave.profile(model, (x,))
+    n, rng = len(model), random.Random(name)
+    expected = output_and_gradients(reference, x)
+    for _ in range(4):
+        starts = [0, *sorted(rng.sample(range(1, n), min(4, n - 1)))]
+        # No two stored segments adjacent, the last included (they run as one, but the
+        # model counts a tensor both save twice).
+        stored = rng.choice([[True, False, False, False], [False, True, False, False], [False, False, True, False],
+                             [True, False, True, False]])
+        codecs = ["none" if flag else rng.choice(["none", "int8"]) for flag in stored]
+        plan = plans.predict(prof, starts, codecs, stored=stored)
+        model.apply_plan(plan)
+        measured = peak_activation_bytes(model, x)
+        assert 0.9 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, (starts, stored)
+        if "int8" not in codecs:
+            assert all(torch.equal(mine, theirs) for mine, theirs in zip(output_and_gradients(model, x), expected))
+
+
+def output_and_gradients(model: nn.Module, x: torch.Tensor) -> list:
+    """The output and every parameter's gradient of one step from a fixed RNG state (x
+    may be tokens: no input gradient)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    out = model(x)
+    out.square().sum().backward()
+    return [out.detach(), *(p.grad for p in model.parameters())]

@@ -108,6 +108,28 @@ def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
         CheckpointedSequential(*deep_mlp(2), loss=lambda y: y.sum())
 
 
+@pytest.mark.parametrize("stored, codecs, offload, message", [
+    ((True,), ("none", "none"), (False, False), "needs 2 stored flags"),
+    ((1, 0), ("none", "none"), (False, False), "must be a tuple of True or False"),
+    ((True, False), ("int8", "none"), (False, False), "segment 0 is stored .* give it codec 'none'"),
+    ((False, True), ("none", "none"), (False, True), "segment 1 is stored .* offload False"),
+])
+def test_bad_stored_flags_say_what_to_do(stored, codecs, offload, message):
+    with pytest.raises(ConfigError, match=message):
+        plans.Plan(4, (0, 1, 2), codecs, offload, 0, 0.0, 0, stored=stored)
+
+
+def test_store_middle_false_plans_as_before_and_true_is_never_slower(small_profile):
+    everything = plans.predict(small_profile, [0]).predicted_peak_bytes
+    smallest = actsave.plan(small_profile, None, objective="memory").predicted_peak_bytes
+    for budget in (smallest, (smallest + everything) // 2, everything):
+        last_only = actsave.plan(small_profile, budget, store_middle=False)
+        assert not any(last_only.stored)
+        assert actsave.plan(small_profile, budget).predicted_step_seconds <= last_only.predicted_step_seconds
+    with pytest.raises(ConfigError, match="store_middle=1 must be True or False"):
+        actsave.plan(small_profile, everything, store_middle=1)
+
+
 def test_plan_refuses_a_plan_its_own_prediction_does_not_fit(small_profile):
     honest = memory_model.CostModel.predict
 

@@ -16,16 +16,27 @@ from actsave import CheckpointedSequential
 from actsave.planning import plans
 from actsave.runtime.store import KeepPolicy
 
+STORED = "stored"  # in all_plans' options: a stored (not checkpointed) segment before the last
+
 
 def all_plans(n: int, options: list):
-    """(starts, option of each checkpointed segment, codec of the stored segment's
-    saves) of every plan: the stored segment may use the lossy codecs of ``options``
-    (None: an option that stands for any)."""
-    stored_codecs = ["none", *sorted({o.codec.name for o in options if o is not None and o.lossy})]
+    """(starts, option of each segment before the last, codec of the last segment's
+    saves) of every plan: the last segment may use the lossy codecs of ``options``
+    (None: an option that stands for any; STORED: a stored middle segment)."""
+    lossy = {o.codec.name for o in options if isinstance(o, KeepPolicy) and o.lossy}
+    stored_codecs = ["none", *sorted(lossy)]
     for inner in itertools.chain.from_iterable(itertools.combinations(range(1, n), k) for k in range(n)):
         for chosen in itertools.product(options, repeat=len(inner)):
             for stored in stored_codecs:
                 yield [0, *inner], chosen, stored
+
+
+def predicted(prof, starts: list, chosen: tuple, stored_codec: str):
+    """plans.predict of one of all_plans' plans."""
+    middle = [o == STORED for o in chosen]
+    policies = [KeepPolicy.resolve() if flag else o for o, flag in zip(chosen, middle)]
+    return plans.predict(prof, starts, [o.codec.name for o in policies], [o.offload for o in policies],
+                         stored_codec=stored_codec, stored=middle)
 
 
 @pytest.mark.parametrize("device, n", [("cpu", 6), ("cuda", 4)])
@@ -34,10 +45,10 @@ def test_dynamic_program_agrees_with_brute_force(device, n):
     prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
     if device == "cuda":
         prof = with_host_copies(prof)
-    options = plans.keep_options(plans.DEFAULT_ALLOW, None, device)
-    every_plan = [plans.predict(prof, starts, [o.codec.name for o in chosen], [o.offload for o in chosen],
-                                stored_codec=stored)
-                  for starts, chosen, stored in all_plans(n, options)]
+    options = [*plans.keep_options(plans.DEFAULT_ALLOW, None, device), STORED]
+    every_plan = [predicted(prof, starts, chosen, stored) for starts, chosen, stored in all_plans(n, options)]
+    assert any(any(p.stored) for p in every_plan if p.predicted_step_seconds == min(
+        q.predicted_step_seconds for q in every_plan if q.predicted_peak_bytes <= p.predicted_peak_bytes))
     smallest = min(p.predicted_peak_bytes for p in every_plan)
     assert actsave.plan(prof, None, objective="memory").predicted_peak_bytes == smallest
     peaks = sorted({p.predicted_peak_bytes for p in every_plan})
@@ -54,10 +65,10 @@ def test_dynamic_program_with_short_checkpointed_segments_agrees_with_brute_forc
     n = 6
     model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
     prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
-    options = plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu")
-    every_plan = [plans.predict(prof, starts, [o.codec.name for o in chosen], stored_codec=stored)
-                  for starts, chosen, stored in all_plans(n, options)
-                  if all(b - a <= longest for a, b in zip(starts[:-1], starts[1:]))]
+    options = [*plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu"), STORED]
+    # A stored segment before the last may hold any number of layers.
+    every_plan = [predicted(prof, starts, chosen, stored) for starts, chosen, stored in all_plans(n, options)
+                  if all(b - a <= longest or o == STORED for a, b, o in zip(starts[:-1], starts[1:], chosen))]
     smallest = actsave.plan(prof, None, objective="memory", max_checkpointed_layers=longest)
     assert smallest.predicted_peak_bytes == min(p.predicted_peak_bytes for p in every_plan)
     assert smallest.predicted_peak_bytes > actsave.plan(prof, None, objective="memory").predicted_peak_bytes
