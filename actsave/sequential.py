@@ -6,8 +6,8 @@ friends need no bookkeeping. As in ``torch.utils.checkpoint.checkpoint_sequentia
 the last segment is not checkpointed: backward starts there, so its activations are
 needed at once. An applied plan (:meth:`CheckpointedSequential.apply_plan`) may store
 other segments too (``Plan.stored``): they run plainly, autograd keeping their saves
-until their backward, where that is faster within the budget. Per-layer options (``compress``, ``offload``) are stored by child
-name and apply to what a segment keeps, so they act on the layers where segments
+until their backward, where that is faster within the budget. Per-layer options
+(``compress``, ``offload``) are stored by child name and apply to what a segment keeps, so they act on the layers where segments
 start: a checkpointed segment keeps its input; the last keeps what autograd saves,
 which a lossy codec stores too (runtime/compressed_saves.py; offload does not apply there).
 ``describe()`` shows which.

@@ -51,6 +51,8 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
+from . import bitfields
+
 # The plain max pools and the number of spatial dimensions each pools over.
 _PLAIN_POOLS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
 _MAX_WINDOW = 256  # offsets fit one byte
@@ -118,12 +120,12 @@ class Window:
             coordinate.remainder_(input_size[d]).sub_(self._starts(d, indices))
             coordinate.div_(self.dilation[d], rounding_mode="floor").mul_(math.prod(self.kernel[d + 1:]))
             offsets.add_(coordinate)  # below 256: exact in uint8
-        return _pack(offsets.reshape(-1), self.bits)
+        return bitfields.pack(offsets.reshape(-1), self.bits)
 
     def decode_into_(self, indices: torch.Tensor, packed: torch.Tensor, input_size: tuple) -> None:
         """Overwrite ``indices`` (a recompute's, of the forward's shape) with the
         decisions :meth:`encode` packed."""
-        offsets = _unpack(packed, self.bits, indices.numel()).view(indices.shape)
+        offsets = bitfields.unpack(packed, self.bits, indices.numel()).view(indices.shape)
         with torch.no_grad():
             indices.zero_()
             for d, _ in reversed(self._dims(input_size)):  # Horner: outermost dimension first
@@ -149,32 +151,6 @@ def _pooled_length(size: int, kernel: int, stride: int, padding: int, dilation: 
     if ceil_mode and (length - 1) * stride >= size + padding:
         length -= 1  # the last window would start in the right padding
     return length
-
-
-_SHIFTS = {}
-
-
-def _shifts(bits: int, device) -> torch.Tensor:
-    key = (bits, device)
-    if key not in _SHIFTS:
-        _SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
-    return _SHIFTS[key]
-
-
-def _pack(offsets: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 8:
-        return offsets
-    per_byte = 8 // bits
-    padded = torch.nn.functional.pad(offsets, (0, -offsets.numel() % per_byte)).view(-1, per_byte)
-    # Disjoint bit fields: their sum is their OR.
-    return (padded << _shifts(bits, offsets.device)).sum(1, dtype=torch.uint8)
-
-
-def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    if bits == 8:
-        return packed
-    fields = (packed.unsqueeze(1) >> _shifts(bits, packed.device)) & (2 ** bits - 1)
-    return fields.reshape(-1)[:count]
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,7 @@ import weakref
 import torch
 
 from .._torch import is_relu_node
-
-_BIT_WEIGHTS = {}
+from . import bitfields
 
 
 def is_relu_output(tensor: torch.Tensor) -> bool:
@@ -81,23 +80,15 @@ def _dead_ref():
     return None
 
 
-def _weights(device) -> torch.Tensor:
-    if device not in _BIT_WEIGHTS:
-        _BIT_WEIGHTS[device] = 2 ** torch.arange(8, dtype=torch.uint8, device=device)
-    return _BIT_WEIGHTS[device]
-
-
 def pack_signs(output: torch.Tensor) -> torch.Tensor:
     """One bit per element of a ReLU output: 1 where backward passes the gradient."""
     passes = ~(output.detach() <= 0).reshape(-1)
-    padded = torch.nn.functional.pad(passes, (0, -passes.numel() % 8))
-    return (padded.view(-1, 8).to(torch.uint8) * _weights(output.device)).sum(1, dtype=torch.uint8)
+    return bitfields.pack(passes.view(torch.uint8), 1)
 
 
 def unpack_signs(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The forward's decisions as a bool tensor shaped like ``like``."""
-    passes = (bits.unsqueeze(1) & _weights(bits.device)) != 0
-    return passes.reshape(-1)[: like.numel()].view(like.shape)
+    return bitfields.unpack(bits, 1, like.numel()).view(torch.bool).view(like.shape)
 
 
 def restore_decisions_(recomputed: torch.Tensor, bits: torch.Tensor) -> None:
