@@ -1,0 +1,268 @@
+"""Nested recompute: a checkpointed run of layers whose recompute keeps checkpoints of
+its own (multi-level checkpointing, as in Beaumont et al. 2019; planning/nested.py
+plans it).
+
+NOTE [ Nested recompute ]
+The forward is that of any checkpointed segment (function.py): one frame, every save
+a placeholder, only the segment's input kept. What differs is the recompute. The
+segment's layers are cut into ranges (:class:`Range`), each either *stored*, its
+saves filled by the pass that runs it, or *recomputed*, a checkpoint of its own: the
+pass keeps only its input (exactly, by reference) and runs it under ``no_grad``; its
+saves are filled by a later pass from that input, when backward first needs one of
+them. A recomputed range may be cut into ranges again, to any depth. So while the last
+range runs backward, the segment holds only the inputs of its earlier recomputed
+ranges, not their activations; each of them is recomputed once more, later.
+
+The forward records, at each layer, how many tensors were saved before it (so each
+placeholder belongs to one layer, hence to one range), whether the tensor entering it
+required grad, and at each recomputed range's start the RNG and autocast state
+(state.py). A pass over a range replays the state of its start and runs its stored
+ranges with grad enabled, filling their placeholders with the same checks as any
+recompute, and its recomputed ranges under ``no_grad``; the tensor leaving one of
+those is given the forward's ``requires_grad``, so the layers after it save what they
+saved in the forward. A pass stops once its last placeholder is filled and its last
+input kept (the early stop). Module state the forward mutated (BatchNorm statistics)
+is mutated once, not again by any pass. Passes are exact: a range is recomputed from
+exact inputs, so no ReLU or max-pool decisions need keeping.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from ..errors import ConfigError
+from .function import (
+    _AllSlotsFilled,
+    _detached,
+    _Frame,
+    _identity,
+    _recompute_depth,
+    _recomputing,
+    _signature,
+    checkpointed_call,
+)
+from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
+from .state import ReplayState
+from .store import EXACT, KeptInputs, modifies_input
+
+
+@dataclass(frozen=True)
+class Range:
+    """Layers ``start`` to ``stop - 1`` of a nested segment (indices into its layers).
+
+    ``recomputed``: a checkpoint of its own (its parent's pass keeps only its input),
+    else stored (its parent's pass fills its saves). ``inner``: how a recomputed
+    range's own pass cuts it, contiguous ranges from ``start`` to ``stop``; () runs it
+    as one stored range (a plain checkpoint)."""
+
+    start: int
+    stop: int
+    recomputed: bool = True
+    inner: tuple = ()
+
+    def __post_init__(self):
+        if not 0 <= self.start < self.stop:
+            raise ConfigError(f"a nested range [{self.start}, {self.stop}) must hold at least one layer")
+        if self.inner:
+            if not self.recomputed:
+                raise ConfigError(f"the stored range [{self.start}, {self.stop}) cannot be cut into inner "
+                                  "ranges: only a recomputed range has a pass of its own")
+            bounds = [(r.start, r.stop) for r in self.inner]
+            joined = all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            if bounds[0][0] != self.start or bounds[-1][1] != self.stop or not joined:
+                raise ConfigError(f"the inner ranges {bounds} must cut [{self.start}, {self.stop}) into "
+                                  "contiguous pieces")
+
+    @property
+    def parts(self) -> tuple:
+        """What this range's pass runs: its inner ranges, or itself stored."""
+        return self.inner or (Range(self.start, self.stop, recomputed=False),)
+
+    def walk(self):
+        """This range and every range inside it."""
+        yield self
+        for part in self.inner:
+            yield from part.walk()
+
+
+class _Layers:
+    """Calls the layers in order; in the first forward, records each layer's boundary
+    (NOTE [ Nested recompute ])."""
+
+    def __init__(self, layers: Sequence, frame: _NestedFrame):
+        self.layers, self.frame = list(layers), frame
+        self.__qualname__ = "nested segment(" + ", ".join(type(m).__name__ for m in self.layers) + ")"
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            if self.frame is not None:
+                self.frame.note_layer_start(i, x)
+            x = layer(x)
+        if self.frame is not None:
+            self.frame.note_layer_start(len(self.layers), x)
+        return x
+
+
+class _NestedFrame(_Frame):
+    """A checkpointed call of ``layers`` recomputed in stages, as ``top`` cuts them."""
+
+    def __init__(self, layers: Sequence, top: Range, kept: KeptInputs, replay: ReplayState, x: torch.Tensor,
+                 options: RecomputeOptions):
+        self.layers, self.top = list(layers), top
+        self.slot_at, self.grad_at = [], []  # per layer start (and the end): slots saved before, requires_grad
+        self.replay_at = {}  # start of a recomputed range -> the state its pass replays
+        self._starts = {r.start for r in top.walk() if r.recomputed and r is not top}
+        self._recording = True
+        self._inputs = {}  # recomputed range -> its input, kept by its parent's pass
+        self._passed = set()
+        super().__init__(_Layers(layers, self), kept, replay, (x,), {}, options)
+
+    def note_layer_start(self, i: int, x: torch.Tensor) -> None:
+        if not self._recording:  # a recompute inside the forward: NOTE [ Backward inside a checkpointed forward ]
+            return
+        self.slot_at.append(len(self.slots))
+        self.grad_at.append(isinstance(x, torch.Tensor) and x.requires_grad)
+        if i in self._starts:
+            self.replay_at[i] = ReplayState.capture([x], self.options.preserve_rng_state)
+
+    def end_forward(self) -> None:
+        self._recording = False
+        super().end_forward()
+
+    def unpack(self, slot) -> torch.Tensor:
+        if self.in_forward:
+            return self._unpack_in_forward(slot)
+        if slot not in self.recomputed:
+            self._recompute_for(slot.index)
+        return self.recomputed[slot]
+
+    def _owner(self, r: Range, index: int):
+        """The part of ``r`` whose layers saved placeholder ``index``."""
+        return next(p for p in r.parts if self.slot_at[p.start] <= index < self.slot_at[p.stop])
+
+    def _recompute_for(self, index: int) -> None:
+        """Run the passes, outermost first, until placeholder ``index`` is filled."""
+        r = self.top
+        while True:
+            if r not in self._passed:
+                self._pass(r)
+            part = self._owner(r, index)
+            if not part.recomputed:
+                return
+            r = part
+
+    def _pass(self, r: Range) -> None:
+        kept = self.kept if r is self.top else self._inputs.pop(r)
+        replay = self.replay if r is self.top else self.replay_at[r.start]
+        self._filling = None
+        try:
+            self.touched.check_unchanged(self.function.__qualname__)
+            hooks = saved_tensors_hooks(self._fill_next, _identity)
+            with _recomputing(), torch.enable_grad(), replay.replayed(), self.touched.mutated_once(), hooks:
+                (x,), _ = kept.restore()
+                self._run_parts(r, x)
+        except _AllSlotsFilled:
+            pass
+        finally:
+            kept.release()
+        self._passed.add(r)
+        if r is self.top:
+            self.is_recomputed = True
+
+    def _run_parts(self, r: Range, x: torch.Tensor) -> None:
+        parts = r.parts
+        # The early stop: after the last part the pass needs, a stored one's last
+        # placeholder or a recomputed one's kept input.
+        needed = [j for j, p in enumerate(parts) if p.recomputed or self.slot_at[p.stop] > self.slot_at[p.start]]
+        last = needed[-1] if needed and self.options.early_stop else None
+        for j, part in enumerate(parts):
+            if part.recomputed:
+                x = self._keep_and_skip(part, x, stop=j == last)
+            else:
+                # Handed over in a list, so that this frame holds no reference to the
+                # part's input while the part runs (a layer that does not save it frees it).
+                handed, x = [x], None
+                x = self._run_stored(part, handed, self.slot_at[part.stop] - 1 if j == last else None)
+
+    def _keep_and_skip(self, part: Range, x: torch.Tensor, stop: bool) -> torch.Tensor:
+        """Keep ``part``'s input for its own pass; run it without saving."""
+        inputs = KeptInputs((x,), {}, EXACT, modifies_input(self.layers[part.start]))
+        self._inputs[part] = inputs
+        if stop:
+            raise _AllSlotsFilled
+        with torch.no_grad():
+            for layer in self.layers[part.start:part.stop]:
+                x = layer(x)
+        inputs.end_forward(self.function.__qualname__)
+        if isinstance(x, torch.Tensor) and part.stop < len(self.layers) and self.grad_at[part.stop]:
+            x = x.detach().requires_grad_()
+            if modifies_input(self.layers[part.stop]):
+                x = x.clone()  # a leaf that requires grad cannot be modified in place
+        return x
+
+    def _run_stored(self, part: Range, handed: list, stop_after) -> torch.Tensor:
+        """Run ``part`` on the input ``handed`` over, with grad, filling its
+        placeholders; stop after placeholder ``stop_after`` (None: run it to its end)."""
+        x = handed.pop()
+        for i in range(part.start, part.stop):
+            self._filling = (self.slot_at[i], self.slot_at[i + 1], stop_after)
+            x = self.layers[i](x)
+            if self._filling[0] != self.slot_at[i + 1]:
+                raise self._mismatch(
+                    f"the recompute of layer {i} ({type(self.layers[i]).__name__}) of "
+                    f"{self.function.__qualname__} saved {self._filling[0] - self.slot_at[i]} tensors for backward "
+                    f"where the forward saved {self.slot_at[i + 1] - self.slot_at[i]}: it does not do the same "
+                    "work twice. Make it deterministic or do not checkpoint it.")
+        return x
+
+    def _fill_next(self, tensor: torch.Tensor):
+        if self._filling is None:  # saved by a layer run for its output only: never unpacked
+            return _detached(tensor)
+        index, end, stop_after = self._filling
+        if index >= end or (self.options.checks_saves and _signature(tensor) != self.signatures[index]):
+            raise self._mismatch(
+                f"the recompute of {self.function.__qualname__} saved a tensor of shape/dtype/device "
+                f"{_signature(tensor)} where the forward saved "
+                f"{self.signatures[index] if index < end else 'nothing more'}: the function is not "
+                "deterministic in its shapes or dtypes, so its gradients would be wrong.")
+        self._filling = (index + 1, end, stop_after)
+        slot = self.slots[index]()
+        if slot is not None:  # None: autograd already freed the node that saved it
+            self.recomputed[slot] = _detached(tensor)
+        if index == stop_after:
+            raise _AllSlotsFilled
+        return _detached(tensor)
+
+
+def nested_call(layers: Sequence, top: Range, x: torch.Tensor, private_copy: bool = False,
+                options: RecomputeOptions = DEFAULT_RECOMPUTE) -> tuple:
+    """Run ``layers`` on ``x`` as a checkpointed segment recomputed in stages, as
+    ``top`` (a recomputed :class:`Range` over all of them) cuts them; returns
+    ``(output, kept_bytes)`` as :func:`~actsave.runtime.function.checkpointed_call`
+    does. NOTE [ Nested recompute ]"""
+    if top.start != 0 or top.stop != len(layers) or not top.recomputed:
+        raise ConfigError(f"the nested segment's range {top} must be a recomputed range over all "
+                          f"{len(layers)} layers")
+    if not torch.is_grad_enabled() or _recompute_depth() > 0:
+        # Inside another recompute a plain checkpoint keeps its input by reference anyway
+        # (NOTE [ Nested checkpoints ]).
+        return checkpointed_call(_Layers(layers, None), (x,), {}, EXACT, private_copy, options)
+    replay = ReplayState.capture([x], options.preserve_rng_state)
+    kept = KeptInputs((x,), {}, EXACT, private_copy)
+    frame = _NestedFrame(layers, top, kept, replay, x, options)
+    try:
+        with frame.forward_hooks():
+            output = frame.function(x)
+    except BaseException:
+        kept.release()
+        raise
+    finally:
+        frame.end_forward()
+    kept.end_forward(frame.function.__qualname__)
+    if not frame.slots:
+        kept.release()
+        return output, 0
+    return output, kept.nbytes

@@ -1,0 +1,112 @@
+"""Nested recompute (runtime/nested.py): exact gradients, RNG and module state as in a
+plain step, each layer's recompute count, what is kept, and bad ranges."""
+import pytest
+import torch
+from support import mixed_chain, twin
+from torch import nn
+
+import actsave
+from actsave import ConfigError
+from actsave.runtime.nested import Range, nested_call
+
+R = Range
+
+# Trees over 20 layers: one level, two levels with a stored first part, three levels,
+# a recomputed last part, and an inner range starting with an in-place ReLU (layer 6).
+TREES = {
+    "plain": R(0, 20),
+    "one level": R(0, 20, inner=(R(0, 5), R(5, 10), R(10, 20, recomputed=False))),
+    "two levels": R(0, 20, inner=(R(0, 10, inner=(R(0, 3, recomputed=False), R(3, 10))), R(10, 13),
+                                  R(13, 20, recomputed=False))),
+    "three levels": R(0, 20, inner=(R(0, 12, inner=(R(0, 6, inner=(R(0, 2), R(2, 6, recomputed=False))),
+                                                    R(6, 12, recomputed=False))), R(12, 20, recomputed=False))),
+    "recomputed last": R(0, 20, inner=(R(0, 4, recomputed=False), R(4, 11), R(11, 20))),
+    "in-place start": R(0, 20, inner=(R(0, 6), R(6, 20, recomputed=False))),
+}
+
+
+def step(layers, x, tree=None, seed=1):
+    """One forward and backward (plain without ``tree``); returns the input gradient."""
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    if tree is None:
+        out = x
+        for layer in layers:
+            out = layer(out)
+    else:
+        out, _ = nested_call(layers, tree, x)
+    out.square().sum().backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_gradients_rng_and_running_statistics_are_those_of_a_plain_step(name):
+    # Linear, in-place ReLU, Dropout (RNG), BatchNorm (running statistics), GELU.
+    layers = list(mixed_chain(width=16, repeats=4))
+    plain = twin(nn.Sequential(*layers))
+    x = torch.randn(32, 16)
+    assert torch.equal(step(layers, x, TREES[name]), step(list(plain), x))
+    for mine, theirs in zip(nn.Sequential(*layers).state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(mine, theirs)  # running statistics updated once
+    for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+class Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.linear(x))
+
+
+def test_each_recomputed_range_runs_its_layers_once_more():
+    layers = [Counted() for _ in range(6)]
+    tree = R(0, 6, inner=(R(0, 4, inner=(R(0, 2), R(2, 4, recomputed=False))), R(4, 6, recomputed=False)))
+    step(layers, torch.randn(4, 8), tree)
+    # Forward, the top pass, the pass of [0, 4), the pass of [0, 2).
+    assert [layer.calls for layer in layers] == [4, 4, 3, 3, 2, 2]
+
+
+def test_keeps_only_the_input_until_backward_and_releases_everything():
+    layers = [Counted() for _ in range(6)]
+    x = torch.randn(4, 8, requires_grad=True)
+    tree = R(0, 6, inner=(R(0, 3), R(3, 6, recomputed=False)))
+    out, kept = nested_call(layers, tree, x * 1)
+    assert kept == x.numel() * 4 == actsave.stored_bytes()["device"]
+    out.sum().backward()
+    assert actsave.stored_bytes()["device"] == 0
+
+
+def test_a_second_backward_with_retain_graph_recomputes_nothing():
+    layers = [Counted() for _ in range(6)]
+    x = torch.randn(4, 8, requires_grad=True)
+    out, _ = nested_call(layers, R(0, 6, inner=(R(0, 3), R(3, 6, recomputed=False))), x)
+    first, = torch.autograd.grad(out.sum(), x, retain_graph=True)
+    calls = [layer.calls for layer in layers]
+    second, = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(first, second) and [layer.calls for layer in layers] == calls
+
+
+def test_without_grad_it_runs_plainly():
+    with torch.no_grad():
+        out, kept = nested_call([Counted(), Counted()], R(0, 2), torch.randn(4, 8))
+    assert kept == 0 and not out.requires_grad
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: R(2, 2), "at least one layer"),
+    (lambda: R(0, 4, recomputed=False, inner=(R(0, 2), R(2, 4))), "only a recomputed range"),
+    (lambda: R(0, 4, inner=(R(0, 2), R(3, 4))), "contiguous"),
+    (lambda: R(0, 4, inner=(R(0, 2), R(2, 3))), "contiguous"),
+])
+def test_bad_ranges_are_refused(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_a_range_that_does_not_cover_the_layers_is_refused():
+    with pytest.raises(ConfigError, match="over all 3 layers"):
+        nested_call([Counted() for _ in range(3)], R(0, 2), torch.randn(4, 8, requires_grad=True))
