@@ -60,6 +60,7 @@ from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
 from .runtime.function import checkpointed_call
+from .runtime.nested import Range, nested_call
 from .meta import device_of
 from .runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
 from .text import format_table
@@ -79,6 +80,7 @@ class Segment:
     start: int
     stop: int
     checkpointed: bool
+    nested: Optional[Range] = None  # how its recompute nests checkpoints (NOTE [ Nested recompute ])
 
 
 def plan_segments(n_layers: int, segments: SegmentsSpec) -> list:
@@ -294,10 +296,14 @@ class CheckpointedSequential(nn.Sequential):
             return super().forward(input)
         layers = list(self)
         self._last_kept_bytes = {}
-        for segment in _segments_from(self._starts_for(input, layers), len(layers), self._stored_starts()):
+        starts = self._starts_for(input, layers)
+        for segment in _segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
-            if segment.checkpointed:
+            if segment.nested is not None:
+                private_copy = modifies_input(layers[segment.start])
+                input, kept = nested_call(run.layers, segment.nested, input, private_copy)
+            elif segment.checkpointed:
                 private_copy = modifies_input(layers[segment.start])
                 input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
             elif not policy.codec.lossless:
@@ -359,10 +365,18 @@ class CheckpointedSequential(nn.Sequential):
     def _stored_starts(self) -> frozenset:
         """The starts of the applied plan's stored segments before the last, while the
         segments are still that plan's (setting ``segments`` again drops them)."""
+        plan = self._current_plan()
+        return frozenset(start for start, flag in zip(plan.starts, plan.stored) if flag) if plan else frozenset()
+
+    def _nested_ranges(self) -> dict:
+        """{start: Range} of the applied plan's nested segments, while the segments
+        are still that plan's."""
+        plan = self._current_plan()
+        return {start: r for start, r in zip(plan.starts, plan.nested) if r is not None} if plan else {}
+
+    def _current_plan(self) -> Optional["plans.Plan"]:
         plan = self.applied_plan
-        if plan is None or self.segments != list(plan.starts):
-            return frozenset()
-        return frozenset(start for start, flag in zip(plan.starts, plan.stored) if flag)
+        return plan if plan is not None and self.segments == list(plan.starts) else None
 
     def describe(self) -> str:
         """A per-layer table: segment, what it keeps (a checkpointed segment its
@@ -382,8 +396,9 @@ class CheckpointedSequential(nn.Sequential):
             header, starts = None, segment_starts(len(self), self.segments)
         if starts is None:
             return header
-        for number, segment in enumerate(_segments_from(starts, len(self), self._stored_starts())):
-            keeps = "input" if segment.checkpointed else "saves"
+        for number, segment in enumerate(_segments_from(starts, len(self), self._stored_starts(),
+                                                        self._nested_ranges())):
+            keeps = ("input, nested" if segment.nested else "input") if segment.checkpointed else "saves"
             for i in range(segment.start, segment.stop):
                 row = (str(i), names[i], type(self[i]).__name__, str(number))
                 if i == segment.start:
@@ -528,12 +543,15 @@ def _check_simulable(model: nn.Module) -> None:
                           "swapped for meta copies")
 
 
-def _segments_from(starts: list, n_layers: int, stored: frozenset = frozenset()) -> list:
+def _segments_from(starts: list, n_layers: int, stored: frozenset = frozenset(), nested: Optional[dict] = None) -> list:
     """The segments starting at ``starts``: the last and those starting in ``stored``
-    run plainly, the others checkpointed."""
+    run plainly, the others checkpointed, those starting in ``nested`` with the
+    recompute that Range cuts."""
     stops = starts[1:] + [n_layers]
     last = len(starts) - 1
-    return [Segment(a, b, i != last and a not in stored) for i, (a, b) in enumerate(zip(starts, stops))]
+    nested = nested or {}
+    return [Segment(a, b, i != last and a not in stored, nested.get(a) if i != last else None)
+            for i, (a, b) in enumerate(zip(starts, stops))]
 
 
 class _Chain:

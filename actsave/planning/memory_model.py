@@ -131,6 +131,7 @@ import torch
 
 from ..errors import InternalError
 from ..runtime.store import EXACT, KeepPolicy
+from . import nested_model
 from .profiler import LayerProfile, Profile
 
 # Offloaded ReLU bits make a segment's fetch size depend on both its ends, so the sizes
@@ -476,17 +477,21 @@ class CostModel:
                                         np.array([carry]))[0]
         return float(working), float(events.saved[stop - 1])
 
-    def predict(self, segments: list) -> tuple:
+    def predict(self, segments: list, nested: Sequence = ()) -> tuple:
         """(peak bytes, step seconds, index of the segment setting the peak) of a plan
         given as [(start, stop, option index, or None for a stored middle segment)],
         the stored segment last with ~k (-1 - k) for its saves' codec stored_codecs[k]
         (-1: as they are): the module docstring's peak = X + max_j (R_0 + ... +
-        R_{j-1} + W_j), C the largest F of the plan's offloaded segments."""
-        checkpointed = [(a, b, o) for a, b, o in segments[:-1] if o is not None]
-        carry = max((float(self.fetched(o, a, b)) for a, b, o in checkpointed if self.options[o].offload),
+        R_{j-1} + W_j), C the largest F of the plan's offloaded segments.
+        ``nested[j]``: the Range that cuts checkpointed segment j's recompute, or None
+        (nested_model.py)."""
+        nested = list(nested) or [None] * (len(segments) - 1)
+        checkpointed = [(a, b, o, r) for (a, b, o), r in zip(segments[:-1], nested) if o is not None]
+        carry = max((float(self.fetched(o, a, b)) for a, b, o, _ in checkpointed if self.options[o].offload),
                     default=0.0)
         seconds = self.forward_s_before[-1] + self.backward_s_before[-1]
-        seconds += sum(float(self.seconds(o, a, b)) for a, b, o in checkpointed)
+        seconds += sum(float(self.seconds(o, a, b)) if r is None else nested_model.seconds(self, o, a, r)
+                       for a, b, o, r in checkpointed)
         stored_start, _, stored = segments[-1]
         seconds += self.stored_seconds(stored_start, ~stored)
         kept_before, peak, peak_segment = 0.0, -math.inf, 0
@@ -495,6 +500,8 @@ class CostModel:
                 working, kept = self.segment_stored_middle(a, b, carry)
             elif o < 0:
                 working, kept = self.stored_working_set(a, ~o), 0.0
+            elif nested[j] is not None:
+                working, kept = nested_model.working_set(self, o, a, b, nested[j], carry), float(self.kept(o, a, b))
             else:
                 working, kept = self.segment_working_set(o, a, b, carry), float(self.kept(o, a, b))
             if kept_before + working > peak:

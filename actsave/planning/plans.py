@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 from ..checks import integral, real_number
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, available_codecs, get_codec
 from ..errors import ConfigError, InternalError
+from ..runtime.nested import Range
 from ..runtime.store import EXACT, KeepPolicy
 from ..text import format_table, mib, ms
 from .memory_model import CostModel, host_is_separate
@@ -52,7 +53,11 @@ class Plan:
     before the last keeps autograd's saves as they are (its codec is "none", its
     offload False); the last keeps them by ``stored_codec`` ("none": as they are; a
     lossy codec stores each as runtime/compressed_saves.py says). ``stored`` defaults
-    to no segment but the last (one False per segment before it).
+    to no segment but the last (one False per segment before it). ``nested[j]``, for
+    a checkpointed segment j kept exactly on the device, may cut its recompute into
+    checkpoints of its own: a :class:`~actsave.runtime.nested.Range` over its layers
+    (indices from 0 at the segment's first layer; NOTE [ Nested recompute ]), or None
+    for a plain recompute; ``nested`` defaults to None for every segment before the last.
     ``predicted_peak_bytes`` is peak activation memory (see the module docstring);
     ``peak_segment`` is the segment whose events set it.
     """
@@ -67,6 +72,7 @@ class Plan:
     budget: Optional[int] = None
     stored_codec: str = "none"
     stored: tuple = ()
+    nested: tuple = ()
 
     def __post_init__(self):
         n_layers = integral(self.n_layers)
@@ -96,6 +102,7 @@ class Plan:
         if not all(isinstance(flag, bool) for flag in self.offload):
             raise ConfigError(f"plan offload={self.offload!r} must hold True or False for each checkpointed segment")
         self._check_stored(checkpointed)
+        self._check_nested(checkpointed)
 
     def _check_stored(self, before_last: int) -> None:
         """Validate ``stored`` (one flag per segment before the last; () for none) and
@@ -116,6 +123,30 @@ class Plan:
                     f"{self.offload[j]!r}: a stored segment keeps autograd's saves as they are, so give it codec "
                     "'none' and offload False")
         object.__setattr__(self, "stored", tuple(stored))
+
+    def _check_nested(self, before_last: int) -> None:
+        """Validate ``nested`` (one Range or None per segment before the last; () for
+        none) and fill it in: only an exact checkpointed segment on the device nests."""
+        nested = () if self.nested is None else tuple(self.nested)
+        if not nested:
+            nested = (None,) * before_last
+        if len(nested) != before_last or not all(r is None or isinstance(r, Range) for r in nested):
+            raise ConfigError(f"plan nested={self.nested!r} must hold one Range or None per segment before the "
+                              f"last ({before_last})")
+        stops = [*self.starts[1:], self.n_layers]
+        for j, r in enumerate(nested):
+            if r is None:
+                continue
+            length = stops[j] - self.starts[j]
+            if self.stored[j] or get_codec(self.codecs[j]).name != "none" or self.offload[j]:
+                what = "stored" if self.stored[j] else f"kept by codec {self.codecs[j]!r}, offload {self.offload[j]}"
+                raise ConfigError(
+                    f"plan segment {j} nests checkpoints (nested[{j}] is a Range) but is {what}: only an exact checkpointed segment on the device nests; give it codec 'none', offload "
+                    "False and stored False, or nested None")
+            if r.start != 0 or r.stop != length or not r.recomputed:
+                raise ConfigError(f"plan nested[{j}]={r} must be a recomputed Range over the segment's {length} "
+                                  f"layers, Range(0, {length}, inner=...)")
+        object.__setattr__(self, "nested", nested)
 
     @property
     def segments(self) -> list:
@@ -246,7 +277,7 @@ def _plan_of(model: CostModel, segments: list, budget: Optional[int], bound: flo
 def _with_predictions(draft: Plan, model: CostModel, segments: list) -> Plan:
     """``draft`` with the model's predictions for ``segments`` ([(start, stop, option
     index)], the stored segment last: CostModel.predict)."""
-    peak, seconds, peak_segment = model.predict(segments)
+    peak, seconds, peak_segment = model.predict(segments, draft.nested)
     return dataclasses.replace(draft, predicted_peak_bytes=int(peak), predicted_step_seconds=float(seconds),
                                peak_segment=peak_segment)
 
@@ -297,10 +328,12 @@ def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=No
 
 def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[str]] = None,
             offload: Optional[Sequence[bool]] = None, budget: Optional[int] = None,
-            stored_codec: str = "none", stored: Optional[Sequence[bool]] = None) -> Plan:
+            stored_codec: str = "none", stored: Optional[Sequence[bool]] = None,
+            nested: Optional[Sequence[Optional[Range]]] = None) -> Plan:
     """The :class:`Plan` for given segment starts (and per segment before the last its
     codec and offload, default exact, on the device, and whether it is stored, default
-    not; the codec of the last segment's saves, default as they are), with the model's
+    not, and the Range that nests its recompute's checkpoints, default None; the codec
+    of the last segment's saves, default as they are), with the model's
     predictions: to
     compare any segmentation, "sqrt"'s say, with a planned one. Each segment is
     evaluated from its own layers' events (CostModel.predict), not from the tables the
@@ -310,7 +343,8 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
     codecs = ["none"] * checkpointed if codecs is None else [get_codec(c).name for c in codecs]
     offload = [False] * checkpointed if offload is None else list(offload)
     draft = Plan(len(profile.layers), tuple(starts), tuple(codecs), tuple(offload), 0, 0.0, 0, budget,
-                 stored_codec=get_codec(stored_codec).name, stored=() if stored is None else tuple(stored))
+                 stored_codec=get_codec(stored_codec).name, stored=() if stored is None else tuple(stored),
+                 nested=() if nested is None else tuple(nested))
     if draft.stored_codec != "none" and profile.stored_saves is None:
         raise ConfigError(f"stored_codec={stored_codec!r}: this profile records no stored saves (profiled with "
                           "stored_saves=False), so its stored segment can only be predicted exact; pass "

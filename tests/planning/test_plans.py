@@ -133,8 +133,8 @@ def test_store_middle_false_plans_as_before_and_true_is_never_slower(small_profi
 def test_plan_refuses_a_plan_its_own_prediction_does_not_fit(small_profile):
     honest = memory_model.CostModel.predict
 
-    def one_byte_over(model, segments):
-        peak, seconds, peak_segment = honest(model, segments)
+    def one_byte_over(model, segments, *nested):
+        peak, seconds, peak_segment = honest(model, segments, *nested)
         return peak + 1, seconds, peak_segment
 
     tightest = actsave.plan(small_profile, None, objective="memory").predicted_peak_bytes
