@@ -164,7 +164,9 @@ class Plan:
         rows = [["segment", "layers", "input kept", "where", ""]]
         for j, (start, stop, option) in enumerate(self.segments):
             last = j == len(self.starts) - 1
-            kept = option.codec.name if option is not None else "stored (no recompute)" + (
+            nested = j < len(self.nested) and self.nested[j] is not None
+            kept = (f"{option.codec.name}, nested" if nested else option.codec.name) if option is not None else \
+                "stored (no recompute)" + (
                 "" if self.stored_codec == "none" or not last else f", saves {self.stored_codec}")
             where = "" if option is None else ("host" if option.offload else "device")
             marker = "<- peak" if j == self.peak_segment else ""
