@@ -300,11 +300,10 @@ class CheckpointedSequential(nn.Sequential):
         for segment in _segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
+            private_copy = modifies_input(layers[segment.start])
             if segment.nested is not None:
-                private_copy = modifies_input(layers[segment.start])
                 input, kept = nested_call(run.layers, segment.nested, input, private_copy)
             elif segment.checkpointed:
-                private_copy = modifies_input(layers[segment.start])
                 input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
             elif not policy.codec.lossless:
                 # Offload does not apply here: backward needs these saves at once.

@@ -232,16 +232,14 @@ class _Frame:
             # function runs inside itself (NOTE [ Backward inside a checkpointed forward ]).
             return _detached(tensor)
 
-        with _recomputing():
-            try:
-                hooks = saved_tensors_hooks(fill, _identity)
-                pools = self.pools.watching() if lossy and self.keeps_decisions else contextlib.nullcontext()
-                with torch.enable_grad(), self.replay.replayed(), self.touched.mutated_once(), hooks, pools:
-                    args, kwargs = inputs()  # under enable_grad: see KeptInputs.restore()
-                    with self.logged("recompute"):
-                        self.function(*args, **kwargs)
-            except _AllSlotsFilled:
-                pass
+        pools = self.pools.watching() if lossy and self.keeps_decisions else contextlib.nullcontext()
+        try:
+            with self.replaying(self.replay, fill), pools:
+                args, kwargs = inputs()  # under enable_grad: see KeptInputs.restore()
+                with self.logged("recompute"):
+                    self.function(*args, **kwargs)
+        except _AllSlotsFilled:
+            pass
         produced = next(counter)
         if produced < count or (exact_count and produced != count):
             raise self._mismatch(
@@ -250,6 +248,14 @@ class _Frame:
                 "does not do the same work twice. Make it deterministic (same branches, "
                 "same shapes) or do not checkpoint it."
             )
+
+    @contextlib.contextmanager
+    def replaying(self, replay: ReplayState, fill: Callable):
+        """What every recompute runs under: grad on, ``replay``'s RNG and autocast state,
+        the forward's mutated module state in scratch copies, ``fill`` taking each save."""
+        with _recomputing(), torch.enable_grad(), replay.replayed(), self.touched.mutated_once(), \
+                saved_tensors_hooks(fill, _identity):
+            yield
 
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> None:
         if self.options.checks_saves and index < count and _signature(tensor) != self.signatures[index]:

@@ -31,17 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.graph import saved_tensors_hooks
 
 from ..errors import ConfigError
 from .function import (
     _AllSlotsFilled,
     _detached,
     _Frame,
-    _identity,
     _recompute_depth,
-    _recomputing,
-    _signature,
     checkpointed_call,
 )
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
@@ -160,8 +156,7 @@ class _NestedFrame(_Frame):
         self._filling = None
         try:
             self.touched.check_unchanged(self.function.__qualname__)
-            hooks = saved_tensors_hooks(self._fill_next, _identity)
-            with _recomputing(), torch.enable_grad(), replay.replayed(), self.touched.mutated_once(), hooks:
+            with self.replaying(replay, self._fill_next):
                 (x,), _ = kept.restore()
                 self._run_parts(r, x)
         except _AllSlotsFilled:
@@ -222,18 +217,15 @@ class _NestedFrame(_Frame):
         if self._filling is None:  # saved by a layer run for its output only: never unpacked
             return _detached(tensor)
         index, end, stop_after = self._filling
-        if index >= end or (self.options.checks_saves and _signature(tensor) != self.signatures[index]):
+        if index >= end:
             raise self._mismatch(
-                f"the recompute of {self.function.__qualname__} saved a tensor of shape/dtype/device "
-                f"{_signature(tensor)} where the forward saved "
-                f"{self.signatures[index] if index < end else 'nothing more'}: the function is not "
-                "deterministic in its shapes or dtypes, so its gradients would be wrong.")
+                f"the recompute of {self.function.__qualname__} saved more tensors for backward than the forward "
+                "did: it does not do the same work twice. Make it deterministic or do not checkpoint it.")
         self._filling = (index + 1, end, stop_after)
-        slot = self.slots[index]()
-        if slot is not None:  # None: autograd already freed the node that saved it
-            self.recomputed[slot] = _detached(tensor)
-        if index == stop_after:
-            raise _AllSlotsFilled
+        # The shared checks and bookkeeping; _fill stops the pass after placeholder
+        # count - 1 (the early stop), so without a stop the count is one it never reaches.
+        count = len(self.slots) + 1 if stop_after is None else stop_after + 1
+        self._fill(index, tensor, self.recomputed, count, lossy=False)
         return _detached(tensor)
 
 
