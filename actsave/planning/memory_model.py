@@ -248,6 +248,37 @@ class CostModel:
         if len(self.stored_codecs) > 1 and prof.stored_saves is None:
             raise InternalError("this profile records no stored saves: its stored segment can only be exact")
         self._stored_by_codec = [_CodedSaves(prof, codec) for codec in self.stored_codecs[1:]]
+        self.stored_middle_reach = self._stored_middle_reach()
+
+    def _stored_middle_reach(self) -> np.ndarray:
+        """[a]: the farthest end a stored middle segment from a needs: the first boundary
+        b > a where two stored segments [., b) [b, .) are one (else n - 1).
+
+        They are where Saved is additive across b: no storage is saved on both sides
+        but x_b's (held by the first, left out by the second: "A tensor at a stored
+        boundary"), and x_b's storage is not x_{b+1}'s too (a view), which the second
+        would count again as U(b+1). There the stored middle segment [a, c), c > b,
+        has the events, R and bit of [a, b) then [b, c): the solvers stop at b and
+        go on with [b, c), the same plans in fewer steps."""
+        n = self.n
+        boundaries = np.arange(1, n)
+        # Storages saved on both sides of b: first <= b-1 and last >= b.
+        crossing = np.zeros(n + 1)
+        np.add.at(crossing, self.saved_first + 1, 1)
+        np.add.at(crossing, np.maximum(self.saved_last + 1, self.saved_first + 1), -1)
+        crossing = np.cumsum(crossing)[boundaries]
+        input_crosses = (self.input_first[boundaries] < boundaries) & (self.input_last[boundaries] >= boundaries)
+        next_first = np.append(self.input_first[2:], self.output_first)
+        next_last = np.append(self.input_last[2:], self.output_last)
+        view = ((self.input_first[boundaries] < n) & (next_first == self.input_first[boundaries])
+                & (next_last == self.input_last[boundaries]))
+        joins = (crossing == input_crosses) & ~view
+        reach = np.full(n, n - 1)
+        join_at = boundaries[joins]
+        later = np.searchsorted(join_at, np.arange(n), side="right")  # the first join b > a
+        found = later < join_at.size
+        reach[found] = join_at[later[found]]
+        return reach
 
     def _options_by_layer(self, layers) -> None:
         """Per option (rows) and start layer (columns): whether it may be used there, the

@@ -33,13 +33,19 @@ Dynamic program
     time 0 (a meta profile) the first plan found is kept: the one whose stored
     segment starts earliest, so the fewest layers are recomputed.
 
-    Cost: the option-independent maxima of W for every segment are five n x n
+    Stored middle segments end at the first join after their start
+    (CostModel.stored_middle_reach: a boundary where two stored segments are one,
+    in a chain of layers that save their outputs every boundary), as the plans of
+    longer ones are the same plans split there; the plan found joins them again.
+
+    Cost: the option-independent maxima of W for every segment are six n x n
     tables (O(n^2) time and memory, built row by row); the time DP extends every
     live label at each b, O(n^2 L |O|) with L the mean frontier size, vectorized
-    over labels; the memory DP is O(n^2 |O| |C|), vectorized over the candidates C.
-    Stored middle segments widen the frontiers (a prefix may keep more bytes to
-    recompute less): for 1,000 layers, 1.3 to 8 s on one shared CPU core (1 to 2 s
-    without them; tests/planning/test_solver.py prints it);
+    over labels, each segment's terms read once per start; a label leaves for good
+    once a segment from it to b cannot fit. The memory DP is O(n^2 |O| |C|),
+    vectorized over the candidates C. Stored middle segments widen the frontiers (a
+    prefix may keep more bytes to recompute less): for 1,000 layers, 1 to 8 s on
+    one shared CPU core (tests/planning/test_solver.py prints it);
     balanced plans of ResNet-1001 (339 layers) with int8 and offload, 63 candidates:
     0.3 s.
 """
@@ -86,8 +92,8 @@ def _headroom_from(model: CostModel, a: int, held: bool, longest: Optional[int],
     for o in np.nonzero(model.allowed[:, a])[0]:
         through = np.maximum(model.working_set(o, a, b, carries, held), model.kept(o, a, b, held)[:, None] + h[0, b])
         best = np.minimum(best, through.min(axis=0))
-    if model.store_middle:  # a stored segment may hold any number of layers
-        b = np.arange(a + 1, n)
+    if model.store_middle:  # any number of layers, up to the first join (CostModel.stored_middle_reach)
+        b = np.arange(a + 1, model.stored_middle_reach[a] + 1)
         rest = np.where(model.stored_middle_holds_output(a, b)[:, None], h[1, b], h[0, b])
         through = np.maximum(model.stored_middle_working_set(a, b, carries, held),
                              model.stored_middle_kept(a, b, held)[:, None] + rest)
@@ -168,50 +174,83 @@ class _Prefixes:
                            option=np.full(1, _ROOT), previous=np.full(1, -1))
         # (time, label whose plan ends with the stored segment, its stored codec)
         self.best = (math.inf, -1, 0)
+        self.alive = np.arange(1)  # the labels that may still extend (_extend_to)
 
     def fastest(self) -> Optional[tuple]:
         """(extra seconds, segments) of the fastest plan, or None when none fits."""
         self._finish_at(0, np.arange(1))
         for b in range(1, self.model.n):
-            self._finish_at(b, self._extend_to(b))
+            frontier = self._extend_to(b)
+            self._finish_at(b, frontier)
+            self.alive = np.concatenate((self.alive, frontier))
+            if not self.alive.size:  # no label extends any further
+                break
         if self.best[1] < 0:
             return None
         return self.best[0], self._segments_from(self.best[1], self.best[2])
 
     def _extend_to(self, b: int) -> np.ndarray:
         """Add the frontier at b; return its label indices."""
-        labels, model, carry = self.labels, self.model, np.array([self.carry])
-        # W >= the backward events + C whatever the option (less x_a where a stored
-        # middle segment before holds it): a cheap test drops most labels.
-        a, held = labels["position"], labels["held"]
-        lowest = labels["p"] + model.backward[a, b] - np.where(held, model.reused_saved[a], 0.0) + self.carry
-        source = np.nonzero((lowest <= self.headroom) & (labels["t"] < self.best[0]))[0]
-        parts = []
-        if model.store_middle:  # any length
-            p, t, a, held = (labels[name][source] for name in ("p", "t", "position", "held"))
-            ok = p + model.stored_middle_working_set(a, b, carry, held)[:, 0] <= self.headroom
-            if ok.any():
-                count = int(ok.sum())
-                parts.append((p[ok] + model.stored_middle_kept(a[ok], b, held[ok]), t[ok],
-                              model.stored_middle_holds_output(a[ok], b), np.full(count, _STORED), source[ok]))
-        source = source[labels["position"][source] >= b - self.longest]
-        p, t, a, held = (labels[name][source] for name in ("p", "t", "position", "held"))
-        for o in range(len(model.options)):
-            ok = p + model.working_set(o, a, b, carry, held)[:, 0] <= self.headroom
-            if ok.any():
-                count = int(ok.sum())
-                parts.append((p[ok] + model.kept(o, a[ok], b, held[ok]), t[ok] + model.seconds(o, a[ok], b),
-                              np.zeros(count, dtype=bool), np.full(count, o), source[ok]))
-        if not parts:
-            return np.empty(0, dtype=np.int64)
-        new_p, new_t, new_held, option, previous = (np.concatenate(columns) for columns in zip(*parts))
-        completable = np.nonzero(new_p + self.rest[new_held.astype(np.int64), b] <= self.headroom)[0]
+        source = self._sources(b)
+        if not source.size:
+            return source
+        new_p, new_t, new_held, option, previous = self._candidates(b, source)
+        completable = np.nonzero((new_p + self.rest[new_held.astype(np.int64), b] <= self.headroom)
+                                 & (new_t < self.best[0]))[0]
         keep = completable[_held_pareto(new_p[completable], new_t[completable], new_held[completable],
-                                        model.reused_input[b])]
-        first = labels.size
+                                        self.model.reused_input[b])]
+        labels, first = self.labels, self.labels.size
         labels.append(p=new_p[keep], t=new_t[keep], held=new_held[keep], position=np.full(keep.size, b),
                       option=option[keep], previous=previous[keep])
         return np.arange(first, labels.size)
+
+    def _sources(self, b: int) -> np.ndarray:
+        """The labels that may extend to b. W >= the backward events + C whatever the
+        option (less x_a where a stored middle segment before holds it): a cheap test
+        drops most labels. The bound grows with b (a running maximum) and the best
+        time only falls, so a label that fails it now fails it for every later b: it
+        leaves ``alive`` for good."""
+        labels, model, alive = self.labels, self.model, self.alive
+        a, held = labels["position"][alive], labels["held"][alive]
+        lowest = labels["p"][alive] + model.backward[a, b] - np.where(held, model.reused_saved[a], 0.0) + self.carry
+        self.alive = alive[(lowest <= self.headroom) & (labels["t"][alive] < self.best[0])]
+        return self.alive
+
+    def _candidates(self, b: int, source: np.ndarray) -> tuple:
+        """(P, T, bit, option, previous label) of every allowed extension of the labels
+        ``source`` (in order of position) to b."""
+        labels, model, carry = self.labels, self.model, np.array([self.carry])
+        p, t, held = labels["p"][source], labels["t"][source], labels["held"][source]
+        # A segment's terms depend on the label only through its start and bit: read
+        # them once per start and bit, [bit, start], then for each label.
+        positions = labels["position"][source]
+        first_of_start = np.diff(positions, prepend=-1) != 0
+        starts, start_of = positions[first_of_start], np.cumsum(first_of_start) - 1
+        bits = np.array([[False], [True]]) if held.any() else np.array([[False]])
+        at = (held.astype(np.int64), start_of)
+        parts = []
+
+        def extend(ok, kept, seconds, holds, option) -> None:
+            ok = np.nonzero(ok)[0]
+            if ok.size:
+                kept = np.broadcast_to(kept, (len(bits), starts.size))  # one row where no bit matters
+                parts.append((p[ok] + kept[at][ok], t[ok] + seconds[ok], holds[ok], np.full(ok.size, option),
+                              source[ok]))
+
+        if model.store_middle:  # any length up to the first join (CostModel.stored_middle_reach)
+            working = model.stored_middle_working_set(starts[None], b, carry, bits)[..., 0]
+            ok = (model.stored_middle_reach[starts] >= b)[start_of] & (p + working[at] <= self.headroom)
+            extend(ok, model.stored_middle_kept(starts[None], b, bits), np.zeros(source.size),
+                   model.stored_middle_holds_output(starts, b)[start_of], _STORED)
+        near = (positions >= b - self.longest) if self.longest < model.n else True
+        for o in range(len(model.options)):
+            ok = near & (p + model.working_set(o, starts[None], b, carry, bits)[..., 0][at] <= self.headroom)
+            extend(ok, model.kept(o, starts[None], b, bits), model.seconds(o, starts, b)[start_of],
+                   np.zeros(source.size, dtype=bool), o)
+        if not parts:
+            empty = np.empty(0)
+            return empty, empty, empty.astype(bool), empty.astype(np.int64), empty.astype(np.int64)
+        return tuple(np.concatenate(columns) for columns in zip(*parts))
 
     def _finish_at(self, s: int, at: np.ndarray) -> None:
         """End the plans of labels ``at`` (position s) with the stored segment [s, n),
@@ -230,13 +269,17 @@ class _Prefixes:
     def _segments_from(self, label: int, stored: int) -> list:
         """[(start, stop, option, None for a stored middle segment)] of a finished plan,
         the stored segment last with ~k for its stored codec k (CostModel.predict)."""
-        labels = self.labels
+        labels, reach = self.labels, self.model.stored_middle_reach
         stops = [(int(labels["position"][label]), self.model.n, ~stored)]
         while labels["previous"][label] >= 0:
             previous = int(labels["previous"][label])
-            option = int(labels["option"][label])
-            stops.append((int(labels["position"][previous]), int(labels["position"][label]),
-                          None if option == _STORED else option))
+            option = None if labels["option"][label] == _STORED else int(labels["option"][label])
+            start, stop = int(labels["position"][previous]), int(labels["position"][label])
+            after = stops[-1]
+            if option is None and after[2] is None and reach[stop - 1] == stop:  # one stored segment
+                stops[-1] = (start, after[1], None)
+            else:
+                stops.append((start, stop, option))
             label = previous
         return stops[::-1]
 
@@ -289,7 +332,9 @@ def _pareto(p: np.ndarray, t: np.ndarray) -> np.ndarray:
     front = front[np.argsort(p[front], kind="stable")]
     at = np.searchsorted(p[front], p, side="right") - 1  # the sample frontier's last pair with P <= p
     beaten = (at >= 0) & (t[front[np.maximum(at, 0)]] <= t)
-    rest = np.union1d(np.nonzero(~beaten)[0], front)
+    # Each front pair equals itself (the front's P are distinct), so none is left
+    # unbeaten: the two index sets are disjoint.
+    rest = np.concatenate((np.nonzero(~beaten)[0], front))
     return rest[_sorted_pareto(p[rest], t[rest])]
 
 

@@ -7,6 +7,7 @@ Measured over 100 random chains x 5 random plans: measured / predicted between 0
 and 1.000; equal for the MLPs and the CIFAR ResNet-56 of bench/models.py.
 """
 import dataclasses
+import itertools
 import math
 import random
 import re
@@ -336,6 +337,43 @@ def test_a_tensor_a_stored_segment_saves_at_its_end_is_counted_once(starts, stor
     model.apply_plan(plan)
     measured = peak_activation_bytes(model, x)
     assert 0.95 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
+
+
+def stored_middle_terms(model: memory_model.CostModel, segments: list, held: bool) -> tuple:
+    """(W, R, bit) of consecutive stored middle segments [(a, b), (b, c), ...] after a
+    prefix with bit ``held``, by the solvers' arithmetic."""
+    working, kept, carry = -math.inf, 0.0, np.array([0.0])
+    for a, b in segments:
+        working = max(working, kept + model.stored_middle_working_set(a, b, carry, held)[0])
+        kept += float(model.stored_middle_kept(a, b, held))
+        held = bool(model.stored_middle_holds_output(a, b))
+    return working, kept, held
+
+
+@pytest.mark.parametrize("name", [*BENCH_LIKE_CHAINS, "views"])
+def test_two_stored_middle_segments_are_one_exactly_at_the_joins(name):
+    # The solvers end a stored middle segment at the first join (stored_middle_reach)
+    # and go on from there: the same plans, if the model splits it there at no cost.
+    if name == "views":  # a ReLU's output, which it saves, on through two views
+        torch.manual_seed(0)
+        chain_model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Unflatten(1, (8, 8)), nn.Flatten(),
+                                    nn.Tanh(), nn.Linear(64, 32))
+        x = torch.randn(32, 32)
+    else:
+        chain_model, x = bench_like_chain(name)
+    model = memory_model.CostModel(actsave.profile(chain_model, (x,)), [], store_middle=True)
+    n = model.n
+    joins = {b for b in range(1, n) if model.stored_middle_reach[b - 1] == b}
+    split_costs_more = 0
+    for a, b, c in itertools.combinations(range(n), 3):
+        for held in {False, bool(model.reused_input[a])}:
+            whole = stored_middle_terms(model, [(a, c)], held)
+            split = stored_middle_terms(model, [(a, b), (b, c)], held)
+            if b in joins:
+                assert split == whole, (a, b, c, held)
+            split_costs_more += split != whole
+    if name == "views":  # at boundary 3 the split counts x_4 (a view of x_2, held before) again
+        assert split_costs_more > 0
 
 
 def output_and_gradients(model: nn.Module, x: torch.Tensor) -> list:
