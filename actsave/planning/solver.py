@@ -76,28 +76,29 @@ def _smallest_headrooms(model: CostModel, longest: Optional[int] = None) -> tupl
         h = np.stack([np.repeat(peaks.min(axis=0)[:, None], len(carries), axis=1)
                       for peaks in (model.stored_peaks, model.held_stored_peaks)])
         for a in reversed(range(n - 1)):
-            for held in (False, True) if model.reused_input[a] else (False,):
-                h[int(held), a] = _headroom_from(model, a, held, longest, carries, h)
-            if not model.reused_input[a]:  # no stored middle segment before a holds x_a
-                h[1, a] = h[0, a]
+            # Where no stored middle segment before a can hold x_a, h_1(a) = h_0(a).
+            h[:, a] = _headroom_from(model, a, np.array([[False], [True]]) if model.reused_input[a]
+                                     else np.array([[False]]), longest, carries, h)
         computed[longest] = carries, h
     return computed[longest]
 
 
-def _headroom_from(model: CostModel, a: int, held: bool, longest: Optional[int], carries: np.ndarray,
+def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional[int], carries: np.ndarray,
                    h: np.ndarray) -> np.ndarray:
-    """h_z(a) for every carry, z = ``held``, from h of the positions after a."""
-    n, best = model.n, h[int(held), a]  # the stored segment [a, n)
+    """[z, c]: h_z(a) for each z in ``bits`` (a column) and every carry, from h of the
+    positions after a."""
+    n, best = model.n, h[bits[:, 0].astype(np.int64), a]  # the stored segment [a, n)
     b = np.arange(a + 1, n if longest is None else min(n, a + 1 + longest))
     for o in np.nonzero(model.allowed[:, a])[0]:
-        through = np.maximum(model.working_set(o, a, b, carries, held), model.kept(o, a, b, held)[:, None] + h[0, b])
-        best = np.minimum(best, through.min(axis=0))
+        kept = np.broadcast_to(model.kept(o, a, b, bits), (len(bits), b.size))
+        through = np.maximum(model.working_set(o, a, b, carries, bits), kept[..., None] + h[0, b])
+        best = np.minimum(best, through.min(axis=1))
     if model.store_middle:  # any number of layers, up to the first join (CostModel.stored_middle_reach)
         b = np.arange(a + 1, model.stored_middle_reach[a] + 1)
         rest = np.where(model.stored_middle_holds_output(a, b)[:, None], h[1, b], h[0, b])
-        through = np.maximum(model.stored_middle_working_set(a, b, carries, held),
-                             model.stored_middle_kept(a, b, held)[:, None] + rest)
-        best = np.minimum(best, through.min(axis=0))
+        through = np.maximum(model.stored_middle_working_set(a, b, carries, bits),
+                             model.stored_middle_kept(a, b, bits)[..., None] + rest)
+        best = np.minimum(best, through.min(axis=1))
     return best
 
 
