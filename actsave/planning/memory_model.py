@@ -99,11 +99,26 @@ Memory model
     grid a plan's charge exceeds its own C by less than the grid's step, so its
     peak is within that of the optimum (tests/planning/test_memory_model.py).
 
+    A tensor at a stored boundary: where a stored middle segment [a', b) saves x_b,
+    the next segment's input (a layer of [a', b) saves its storage: Tanh, Sigmoid and
+    ReLU save their outputs), R of [a', b) holds x_b until its backward, after every
+    later segment's, and the next segment counts it nowhere else (one storage):
+    x = x_b, and x_s = x_b where Saved(b, .) counts it (a layer from b on saves it),
+    else 0, come off its terms:
+        checkpointed, K = x_b itself (exact, on the device, no private copy Q): K
+            and the backward's Saved(b, i) (the recompute's saves hold x_b again);
+            lossy: its encode event (the encoding's source)
+        stored (middle or last): U(b) in the first forward event, and x_s off
+            Saved(b, i), its R and every event counting it
+        stored [b, n), saves kept by lossy codec k: [x_b] and U(b) in the forward
+            events, and Saved_k(b, i) where a save holds x_b as it is
+    The solvers carry this as one bit per prefix plan (solver.py).
+
     Overestimates, by design: a view of one storage passed across a segment boundary
-    is counted on both sides (so is a tensor saved on both sides of a boundary
-    between stored segments, which then run as one), ReLU restores are taken to coincide with the layer's
-    whole forward rise. Measured peaks (MemTracker, CPU) of applied plans are within
-    a few percent below the prediction, mostly equal to it (tests/planning/test_memory_model.py).
+    (other than the one above) is counted on both sides, ReLU restores are taken to
+    coincide with the layer's whole forward rise. Measured peaks (MemTracker, CPU) of
+    applied plans are within a few percent below the prediction, mostly equal to it
+    (tests/planning/test_memory_model.py).
 
 Time model
     step = sum_i (forward_i + backward_i) + sum over checkpointed segments t(a,b,o)
@@ -208,6 +223,12 @@ class CostModel:
         spans = [layer.input_saved_by or (n, -1) for layer in layers]  # (n, -1): saved by no layer
         self.input_first = np.array([first for first, _ in spans])
         self.input_last = np.array([last for _, last in spans])
+        # A stored middle segment ending at a may hold x_a in its saves (module docstring,
+        # "A tensor at a stored boundary"): x_a where a layer before a saves it, and the
+        # part of it that Saved(a, .) counts (a layer from a on saves it too).
+        layer_index = np.arange(n)
+        self.reused_input = np.where(self.input_first < layer_index, self.input, 0.0)
+        self.reused_saved = np.where(self.input_last >= layer_index, self.reused_input, 0.0)
         saving = np.where([layer.saves_for_backward for layer in layers], np.arange(n), -1)
         self.last_saver = np.maximum.accumulate(saving)  # the last saving layer at or before i
         decisions = column("relu_sign_bytes") + column("pool_decision_bytes")
@@ -228,13 +249,44 @@ class CostModel:
         if len(self.stored_codecs) > 1 and prof.stored_saves is None:
             raise InternalError("this profile records no stored saves: its stored segment can only be exact")
         self._stored_by_codec = [_CodedSaves(prof, codec) for codec in self.stored_codecs[1:]]
+        self.stored_middle_reach = self._stored_middle_reach()
+
+    def _stored_middle_reach(self) -> np.ndarray:
+        """[a]: the farthest end a stored middle segment from a needs: the first boundary
+        b > a where two stored segments [., b) [b, .) are one (else n - 1).
+
+        They are where Saved is additive across b: no storage is saved on both sides
+        but x_b's (held by the first, left out by the second: "A tensor at a stored
+        boundary"), and x_b's storage is not x_{b+1}'s too (a view), which the second
+        would count again as U(b+1). There the stored middle segment [a, c), c > b,
+        has the events, R and bit of [a, b) then [b, c): the solvers stop at b and
+        go on with [b, c), the same plans in fewer steps."""
+        n = self.n
+        boundaries = np.arange(1, n)
+        # Storages saved on both sides of b: first <= b-1 and last >= b.
+        crossing = np.zeros(n + 1)
+        np.add.at(crossing, self.saved_first + 1, 1)
+        np.add.at(crossing, np.maximum(self.saved_last + 1, self.saved_first + 1), -1)
+        crossing = np.cumsum(crossing)[boundaries]
+        input_crosses = (self.input_first[boundaries] < boundaries) & (self.input_last[boundaries] >= boundaries)
+        next_first = np.append(self.input_first[2:], self.output_first)
+        next_last = np.append(self.input_last[2:], self.output_last)
+        view = ((self.input_first[boundaries] < n) & (next_first == self.input_first[boundaries])
+                & (next_last == self.input_last[boundaries]))
+        joins = (crossing == input_crosses) & ~view
+        reach = np.full(n, n - 1)
+        join_at = boundaries[joins]
+        later = np.searchsorted(join_at, np.arange(n), side="right")  # the first join b > a
+        found = later < join_at.size
+        reach[found] = join_at[later[found]]
+        return reach
 
     def _options_by_layer(self, layers) -> None:
         """Per option (rows) and start layer (columns): whether it may be used there, the
         input as kept (K), the bytes decoded; its encode event, decode rise, codec seconds
         and host-copy seconds."""
         shape = (len(self.options), self.n)
-        self.allowed = np.zeros(shape, dtype=bool)
+        self.allowed, self.shares_input = np.zeros(shape, dtype=bool), np.zeros(shape, dtype=bool)
         self.kept_input, self.decoded, self.encode_event, self.decode_rise = (np.zeros(shape) for _ in range(4))
         self.codec_s, self.to_host_s, self.to_device_s = (np.zeros(shape) for _ in range(3))
         for o, option in enumerate(self.options):
@@ -244,6 +296,8 @@ class CostModel:
     def _fill_option(self, o: int, option: KeepPolicy, a: int, layer: LayerProfile) -> None:
         self.allowed[o, a] = layer.input_encodable or option == EXACT
         self.kept_input[o, a] = layer.kept_input_bytes(option, chain_input=a == 0)
+        # K is x_a itself, the storage the recompute's saves hold again (runtime/store.py).
+        self.shares_input[o, a] = not option.lossy and not option.offload and not layer.modifies_input and a > 0
         if option.lossy:
             self.decoded[o, a] = layer.dense_input_bytes
             self.encode_event[o, a] = layer.input_bytes + layer.encode_rise[option.codec.name]
@@ -304,26 +358,39 @@ class CostModel:
         held = self.held_in_backward - np.where(output_in_saved, self.output, 0.0)
         return held + saved + self.grad[i + 1] + self.backward_rise[i]
 
-    def stored_working_set(self, s: int, k: int = 0) -> float:
+    def stored_working_set(self, s: int, k: int = 0, input_held: bool = False) -> float:
         """W_stored(s, k): the largest event of the stored segment [s, n), its saves kept
-        by ``stored_codecs[k]``."""
+        by ``stored_codecs[k]``; ``input_held``: after a stored middle segment whose
+        saves hold x_s."""
         if k == 0:
-            return self.events_from(s).stored_peak
-        return float(self._coded_stored_working_sets(k, np.array([s]))[0])
+            return self._stored_events_from(s, input_held).stored_peak
+        return float(self._coded_stored_working_sets(k, np.array([s]), input_held)[0])
 
-    def _coded_stored_working_sets(self, k: int, starts: np.ndarray) -> np.ndarray:
+    def _stored_events_from(self, a: int, input_held: bool) -> "_Events":
+        """events_from(a), with ``input_held`` as a stored segment reads them: x_a,
+        held by the stored middle segment before, taken off its first forward event
+        and, where Saved(a, .) counts it, off every event and Saved."""
+        events = self.events_from(a)
+        if not input_held:
+            return events
+        return events.without_input(self.reused_input[a], self.reused_saved[a])
+
+    def _coded_stored_working_sets(self, k: int, starts: np.ndarray, input_held: bool = False) -> np.ndarray:
         """W_stored(s, k) for each s in ``starts``, k > 0 (a lossy codec): the module
-        docstring's events, broadcast over starts (rows) and layers i (columns)."""
+        docstring's events, broadcast over starts (rows) and layers i (columns);
+        ``input_held``: after a stored middle segment whose saves hold x_s, which the
+        segment's events then leave out (as its input, the caller's or a save as it is)."""
         coded, n = self._stored_by_codec[k - 1], self.n
         s, i = starts[:, None], np.arange(n)[None, :]
-        saved = coded.saved_table()[starts]  # [s, i] = Saved_k(s, i), for i >= s
+        reused = self.reused_input[s] if input_held else np.zeros((len(starts), 1))
+        input_as_is = (coded.input_first[s] <= i) & (coded.input_last[s] >= s)  # x_s held by a save as it is
+        saved = coded.saved_table()[starts] - np.where(input_as_is, reused, 0.0)  # [s, i] = Saved_k(s, i), i >= s
         held = (coded.input_first[i] <= i - 1) & (coded.input_last[i] >= s)
-        unsaved = np.where(i == s, np.where(s > 0, self.input[s], 0.0),  # the chain input is in X
+        unsaved = np.where(i == s, np.where(s > 0, self.input[s] - reused, 0.0),  # the chain input is in X
                            np.where(held, 0.0, self.input[i]))
         # The caller holds the segment's input until the segment's forward returns
         # (sequential.py), which no save holds here: X holds the chain input.
-        caller_held = np.where((i > s) & (s > 0) & ~((coded.input_first[s] <= i) & (coded.input_last[s] >= s)),
-                               self.input[s], 0.0)
+        caller_held = np.where((i > s) & (s > 0) & ~input_as_is, self.input[s] - reused, 0.0)
         forward = saved + unsaved + caller_held + np.maximum(self.forward_rise[i], coded.encode_rise[i])
         output_held = (coded.output_first <= i) & (coded.output_last >= s)
         backward = (self.held_in_backward - np.where(output_held, self.output, 0.0) + saved + self.grad[i + 1]
@@ -352,28 +419,48 @@ class CostModel:
         """K + S: what the segment keeps, on the device or the host."""
         return np.where(self.saves(a, b), self.kept_input[o, a] + self.signs(o, a, b), 0.0)
 
-    def kept(self, o: int, a, b) -> np.ndarray:
-        """R(a, b, o): the device bytes the segment keeps from its forward to its recompute."""
+    def kept(self, o: int, a, b, input_held=False) -> np.ndarray:
+        """R(a, b, o): the device bytes the segment keeps from its forward to its
+        recompute; ``input_held`` (broadcastable): after a stored middle segment whose
+        saves hold x_a, where K is x_a itself the stored segment holds it."""
         stored = self._stored(o, a, b)
-        return np.zeros_like(stored) if self.options[o].offload else stored
+        if self.options[o].offload:
+            return np.zeros_like(stored)
+        return stored - np.where(self.saves(a, b), self._reused(o, a, input_held), 0.0)
+
+    def _reused(self, o: int, a, input_held) -> np.ndarray:
+        """The bytes of K that a stored middle segment before a holds (its saves hold
+        x_a, ``input_held``) and option o keeps as x_a itself: counted there only."""
+        return np.where(input_held & self.shares_input[o, a], self.reused_input[a], 0.0)
+
+    def stored_middle_holds_output(self, a, b) -> np.ndarray:
+        """Whether the saves of the stored middle segment [a, b), Saved(a, b-1), hold
+        x_b, the next segment's input (a layer of [a, b) saves its storage)."""
+        return (self.input_first[b] < b) & (self.input_last[b] >= a)
 
     def fetched(self, o: int, a, b) -> np.ndarray:
         """F(a, b, o): the bytes an offloaded segment fetches back from the host."""
         stored = self._stored(o, a, b)
         return stored if self.options[o].offload else np.zeros_like(stored)
 
-    def _working_set(self, o: int, a, b, recompute, backward, carries: np.ndarray) -> np.ndarray:
+    def _working_set(self, o: int, a, b, recompute, backward, carries: np.ndarray, input_held=False) -> np.ndarray:
         """W(a, b, o) + C for each C in ``carries`` (the last axis of the result), given
         the segment's largest recompute event less what the option holds (``recompute``,
         -inf when nothing is recomputed) and its largest backward event; inf where the
-        option may not be used."""
-        option, kept, fetched = self.options[o], self.kept(o, a, b), self.fetched(o, a, b)
+        option may not be used. ``input_held``: after a stored middle segment whose
+        saves hold x_a, counted there: where K is x_a itself, not in K nor in the
+        backward's Saved(a, i); with a lossy codec, not in the encode event."""
+        option, fetched = self.options[o], self.fetched(o, a, b)
+        kept = self.kept(o, a, b, input_held)
+        backward = backward - np.where(input_held & self.shares_input[o, a], self.reused_saved[a], 0.0)
         held = self.held_in_backward + kept + fetched + self.decoded[o, a] + self.private_copy[a] + self.grad[b]
         events = np.maximum(held + recompute, backward)  # the sign bits go with the recompute
+        encode = self.encode_event[o, a]
         if option.lossy:
             decode = self.held_in_backward + kept + fetched + self.grad[b] + self.decode_rise[o, a]
             events = np.maximum(events, np.where(self.saves(a, b), decode, -np.inf))
-        w = np.maximum(np.expand_dims(events, -1) + carries, np.expand_dims(self.encode_event[o, a], -1))
+            encode = encode - np.where(input_held, self.reused_input[a], 0.0)
+        w = np.maximum(np.expand_dims(events, -1) + carries, np.expand_dims(encode, -1))
         usable = np.expand_dims(self.allowed[o, a], -1) & (np.expand_dims(fetched, -1) <= carries)
         return np.where(usable, w, np.inf)
 
@@ -395,10 +482,14 @@ class CostModel:
         running maxima over the ends."""
         n = self.n
         recompute, lossy_recompute, backward, stored_forward, saved = (np.full((n, n), np.inf) for _ in range(5))
-        stored_peaks = np.empty(n)
+        stored_peaks, held_stored_peaks = np.empty(n), np.empty(n)
+        held_stored_forward = stored_forward.copy()
         for a in range(n):
             events = self.events_from(a)
             stored_peaks[a] = events.stored_peak
+            held = events.without_input(self.reused_input[a], self.reused_saved[a]) if self.reused_input[a] else events
+            held_stored_peaks[a] = held.stored_peak
+            held_stored_forward[a, a + 1:] = np.maximum.accumulate(held.stored_forward)[:n - 1 - a]
             last = self.last_saver[a:n - 1] - a  # for ends b = a+1 .. n-1
             recompute[a, a + 1:] = _until_last_save(events.recompute, events.recompute_to_last_save, last)
             lossy_recompute[a, a + 1:] = _until_last_save(events.recompute + self.restore[a:],
@@ -406,14 +497,22 @@ class CostModel:
             backward[a, a + 1:] = np.maximum.accumulate(events.backward)[:n - 1 - a]
             stored_forward[a, a + 1:] = np.maximum.accumulate(events.stored_forward)[:n - 1 - a]
             saved[a, a + 1:] = events.saved[:n - 1 - a]
-        coded = [self._coded_stored_working_sets(k, np.arange(n)) for k in range(1, len(self.stored_codecs))]
-        return _Tables(recompute, lossy_recompute, backward, stored_forward, saved,
-                       np.array([stored_peaks, *coded]))
+        codecs = range(1, len(self.stored_codecs))
+        coded = [self._coded_stored_working_sets(k, np.arange(n)) for k in codecs]
+        held_coded = [self._coded_stored_working_sets(k, np.arange(n), input_held=True) for k in codecs]
+        return _Tables(recompute, lossy_recompute, backward, stored_forward, held_stored_forward, saved,
+                       np.array([stored_peaks, *coded]), np.array([held_stored_peaks, *held_coded]))
 
     @property
     def stored_peaks(self) -> np.ndarray:
         """[k, s]: W_stored(s, k) for every stored codec k and start s."""
         return self.tables.stored_peaks
+
+    @property
+    def held_stored_peaks(self) -> np.ndarray:
+        """[k, s]: W_stored(s, k) after a stored middle segment whose saves hold x_s
+        (where none can, as stored_peaks)."""
+        return self.tables.held_stored_peaks
 
     @cached_property
     def stored_time(self) -> np.ndarray:
@@ -425,23 +524,28 @@ class CostModel:
         """[a, b]: the largest backward event of the segment [a, b)."""
         return self.tables.backward
 
-    def working_set(self, o: int, a, b, carries: np.ndarray) -> np.ndarray:
+    def working_set(self, o: int, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
         """W(a, b, o) + C for each prefetch bound C in ``carries`` (the last axis of the
-        result), for broadcastable arrays of starts and ends; inf where not allowed."""
+        result), for broadcastable arrays of starts and ends (and ``input_held``: after
+        a stored middle segment whose saves hold x_a); inf where not allowed."""
         tables = self.tables
         recompute = (tables.lossy_recompute if self.options[o].lossy else tables.recompute)[a, b]
-        return self._working_set(o, a, b, recompute, tables.backward[a, b], carries)
+        return self._working_set(o, a, b, recompute, tables.backward[a, b], carries, input_held)
 
-    def stored_middle_working_set(self, a, b, carries: np.ndarray) -> np.ndarray:
+    def stored_middle_working_set(self, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
         """W of the stored middle segment [a, b) + C on its backward events, for each C
-        in ``carries`` (the last axis), for broadcastable arrays of starts and ends."""
+        in ``carries`` (the last axis), for broadcastable arrays of starts and ends (and
+        ``input_held``: after a stored middle segment whose saves hold x_a)."""
         tables = self.tables
-        return _stored_middle_events(tables.stored_forward[a, b], tables.backward[a, b], carries)
+        forward = np.where(input_held, tables.held_stored_forward[a, b], tables.stored_forward[a, b])
+        backward = tables.backward[a, b] - np.where(input_held, self.reused_saved[a], 0.0)
+        return _stored_middle_events(forward, backward, carries)
 
-    def stored_middle_kept(self, a, b) -> np.ndarray:
+    def stored_middle_kept(self, a, b, input_held=False) -> np.ndarray:
         """R of the stored middle segment [a, b): Saved(a, b-1), for broadcastable
-        arrays of starts and ends."""
-        return self.tables.saved[a, b]
+        arrays of starts and ends (less x_a where ``input_held``: the stored middle
+        segment before holds it)."""
+        return self.tables.saved[a, b] - np.where(input_held, self.reused_saved[a], 0.0)
 
     def carries(self) -> np.ndarray:
         """Candidate values of C: 0 (nothing offloaded) and the sizes an offloaded
@@ -459,7 +563,7 @@ class CostModel:
 
     # ------------------------------------------------------------ one plan
 
-    def segment_working_set(self, o: int, a: int, b: int, carry: float) -> float:
+    def segment_working_set(self, o: int, a: int, b: int, carry: float, input_held: bool = False) -> float:
         """W(a, b, o) + C of one segment, from its own layers' events: the recompute
         runs layers a .. the last saving one, that one up to its last save (the early
         stop); every layer runs backward."""
@@ -468,11 +572,13 @@ class CostModel:
         whole, to_last_save = events.recompute[:stop] + restore, events.recompute_to_last_save[:stop] + restore
         last = int(self.last_saver[b - 1]) - a
         recompute = max(whole[:last].max(initial=-np.inf), to_last_save[last]) if last >= 0 else -np.inf
-        return float(self._working_set(o, a, b, recompute, events.backward[:stop].max(), np.array([carry]))[0])
+        return float(self._working_set(o, a, b, recompute, events.backward[:stop].max(), np.array([carry]),
+                                       input_held)[0])
 
-    def segment_stored_middle(self, a: int, b: int, carry: float) -> tuple:
-        """(W + C, R) of the stored middle segment [a, b), from its own layers' events."""
-        events, stop = self.events_from(a), b - a
+    def segment_stored_middle(self, a: int, b: int, carry: float, input_held: bool = False) -> tuple:
+        """(W + C, R) of the stored middle segment [a, b), from its own layers' events
+        (``input_held``: after a stored middle segment whose saves hold x_a)."""
+        events, stop = self._stored_events_from(a, input_held), b - a
         working = _stored_middle_events(events.stored_forward[:stop].max(), events.backward[:stop].max(),
                                         np.array([carry]))[0]
         return float(working), float(events.saved[stop - 1])
@@ -494,19 +600,22 @@ class CostModel:
                        for a, b, o, r in checkpointed)
         stored_start, _, stored = segments[-1]
         seconds += self.stored_seconds(stored_start, ~stored)
-        kept_before, peak, peak_segment = 0.0, -math.inf, 0
+        kept_before, peak, peak_segment, input_held = 0.0, -math.inf, 0, False
         for j, (a, b, o) in enumerate(segments):
             if o is None:
-                working, kept = self.segment_stored_middle(a, b, carry)
+                working, kept = self.segment_stored_middle(a, b, carry, input_held)
             elif o < 0:
-                working, kept = self.stored_working_set(a, ~o), 0.0
+                working, kept = self.stored_working_set(a, ~o, input_held), 0.0
             elif nested[j] is not None:
+                # without input_held: counting x_a twice after a stored middle segment over-estimates, never under
                 working, kept = nested_model.working_set(self, o, a, b, nested[j], carry), float(self.kept(o, a, b))
             else:
-                working, kept = self.segment_working_set(o, a, b, carry), float(self.kept(o, a, b))
+                working = self.segment_working_set(o, a, b, carry, input_held)
+                kept = float(self.kept(o, a, b, input_held))
             if kept_before + working > peak:
                 peak, peak_segment = kept_before + working, j
             kept_before += kept
+            input_held = o is None and bool(self.stored_middle_holds_output(a, b))
         return self.chain_input + peak, seconds, peak_segment
 
 
@@ -526,6 +635,15 @@ class _Events(NamedTuple):
         """W_stored(a): the largest event of the stored segment [a, n)."""
         return float(max(self.stored_forward.max(), self.loss, self.backward.max()))
 
+    def without_input(self, first: float, saved: float) -> "_Events":
+        """The stored segment's events when the stored middle segment before holds x_a:
+        ``first`` (x_a) off its first forward event (U(a)), ``saved`` (x_a where
+        Saved(a, .) counts it, else 0) off Saved and every event counting it."""
+        forward = self.stored_forward - saved
+        forward[0] = self.stored_forward[0] - first
+        return self._replace(saved=self.saved - saved, stored_forward=forward, loss=self.loss - saved,
+                             backward=self.backward - saved)
+
 
 class _Tables(NamedTuple):
     """[a, b]: the largest event of the segment [a, b) (inf below the diagonal)."""
@@ -534,8 +652,10 @@ class _Tables(NamedTuple):
     lossy_recompute: np.ndarray  # with the ReLU restores of a lossy codec
     backward: np.ndarray
     stored_forward: np.ndarray  # the largest forward event of a stored middle segment
+    held_stored_forward: np.ndarray  # the same after a stored middle segment whose saves hold x_a
     saved: np.ndarray  # Saved(a, b-1): what a stored middle segment keeps
     stored_peaks: np.ndarray  # [k, s]: W_stored(s, k)
+    held_stored_peaks: np.ndarray  # [k, s]: the same after a stored middle segment whose saves hold x_s
 
 
 def _stored_middle_events(forward, backward, carries: np.ndarray) -> np.ndarray:

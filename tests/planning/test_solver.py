@@ -5,6 +5,7 @@ import math
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 from planning.chains import chain, with_host_copies
@@ -13,7 +14,7 @@ from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential
-from actsave.planning import plans
+from actsave.planning import plans, solver
 from actsave.runtime.store import KeepPolicy
 
 STORED = "stored"  # in all_plans' options: a stored (not checkpointed) segment before the last
@@ -39,9 +40,23 @@ def predicted(prof, starts: list, chosen: tuple, stored_codec: str):
                          stored_codec=stored_codec, stored=middle)
 
 
-@pytest.mark.parametrize("device, n", [("cpu", 6), ("cuda", 4)])
-def test_dynamic_program_agrees_with_brute_force(device, n):
-    model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
+def views_chain() -> list:
+    """A ReLU's output (which it saves) passed on through two views: at boundaries 2
+    and 3 two stored segments are not one (CostModel.stored_middle_reach)."""
+    torch.manual_seed(0)
+    return [nn.Linear(32, 64), nn.ReLU(), nn.Unflatten(1, (8, 8)), nn.Flatten(), nn.Tanh(), nn.Linear(64, 32)]
+
+
+# Tanh, Sigmoid and ReLU save their outputs: a stored segment ending after one holds the
+# next segment's input (memory_model.py, "A tensor at a stored boundary").
+@pytest.mark.parametrize("device, n, kinds", [("cpu", 6, ["gelu", "relu", "residual"]),
+                                              ("cpu", 6, ["tanh", "sigmoid", "relu"]),
+                                              ("cpu", 6, "views"),
+                                              ("cuda", 4, ["gelu", "relu", "residual"]),
+                                              ("cuda", 4, ["sigmoid", "tanh"])])
+def test_dynamic_program_agrees_with_brute_force(device, n, kinds):
+    layers = views_chain() if kinds == "views" else chain(kinds, [64, 32, 64])
+    model = CheckpointedSequential(*layers[:n])
     prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
     if device == "cuda":
         prof = with_host_copies(prof)
@@ -57,6 +72,19 @@ def test_dynamic_program_agrees_with_brute_force(device, n):
         planned = actsave.plan(prof, budget)
         assert planned.predicted_peak_bytes <= budget
         assert math.isclose(planned.predicted_step_seconds, fastest, rel_tol=1e-9)
+
+
+def test_the_frontier_keeps_a_held_label_that_an_unheld_one_beats_by_less_than_the_held_input():
+    # A held label (its stored segment holds the next input, 4 bytes) needs up to 4
+    # bytes less headroom from here than an unheld label of the same P.
+    p = np.array([10.0, 12.0, 15.0, 13.0, 14.0])
+    t = np.array([1.0, 1.0, 1.0, 2.0, 1.0])
+    held = np.array([False, True, True, False, True])
+    kept = sorted(solver._held_pareto(p, t, held, reused=4.0).tolist())
+    # (12, 1) stays: it may fit where (10, 1) does not; (13, 2) goes, beaten by (12, 1)
+    # held; (15, 1) and (14, 1) need no less than (10, 1), and one of (14, 1) held and
+    # (10, 1) unheld, which need the same, stays.
+    assert kept == [0, 1]
 
 
 @pytest.mark.parametrize("longest", [1, 2])
