@@ -34,16 +34,35 @@ top range alone is the single-level segment's time.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..runtime.nested import Range
 
 
+class Part(NamedTuple):
+    """A part [s, e) of a range's pass, for every end e of an array (module docstring):
+    what it keeps for the rest of the pass and its backward (R; a stored part its saves),
+    its largest event during the pass and after it, each beyond the bytes the parts
+    before it keep, the pinned leaves and g_d (a recomputed part's ``after`` less its
+    own E(part))."""
+
+    kept: np.ndarray
+    during_pass: np.ndarray
+    after: np.ndarray
+
+
+def held_outside(model, o: int, a: int, b) -> np.ndarray:
+    """O + K + Q of the nested segment [a, b) (``b`` an int or array) kept by option o:
+    what its top range's events come on top of, less the carry."""
+    return model.held_in_backward + model.kept(o, a, b) + model.private_copy[a]
+
+
 def working_set(model, o: int, a: int, b: int, top: Range, carry: float) -> float:
     """W + C of the nested segment [a, b) kept by option o (exact, on the device),
     its recompute cut as ``top`` (relative to a) says."""
-    held = model.held_in_backward + float(model.kept(o, a, b)) + model.private_copy[a] + carry
-    return held + _largest_event(model, a, top, external_input=True)
+    return float(held_outside(model, o, a, b)) + carry + _largest_event(model, a, top)
 
 
 def seconds(model, o: int, a: int, top: Range) -> float:
@@ -53,34 +72,59 @@ def seconds(model, o: int, a: int, top: Range) -> float:
         before[a + r.stop] - before[a + r.start] for r in top.walk() if r.recomputed and r is not top)
 
 
-def _largest_event(model, a: int, r: Range, external_input: bool) -> float:
+def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None) -> Part:
+    """The stored part [s, e) for each e in ``stops`` (``events``: model.events_from(s),
+    where the caller has it). The first part of a range runs as a recompute from the
+    range's input, held outside it, so neither its pass nor what it keeps counts it."""
+    events = model.events_from(s) if events is None else events
+    last = stops - s - 1
+    own_input = own_input_saved(model, s, stops) if first else 0.0
+    forward = events.recompute if first else events.stored_forward
+    return Part(kept=events.saved[last] - own_input,
+                during_pass=np.maximum.accumulate(forward)[last],
+                after=np.maximum.accumulate(events.backward - model.held_in_backward)[last] - own_input)
+
+
+def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
+    """The recomputed part [s, e) for each e in ``stops``: it keeps its input (the
+    range's own, held outside, for the first) and runs under no_grad, holding one
+    layer's input and rise at a time; its ``after`` is what its own backward holds
+    beyond its E(part): R and the private copy an in-place first layer recomputes from."""
+    kept = 0.0 if first else float(model.input[s])
+    later = np.arange(s, stops.max())
+    inputs = np.where(later > s, model.input[later], 0.0)
+    during_pass = kept + np.maximum.accumulate(inputs + model.forward_rise[later])[stops - s - 1]
+    return Part(kept=np.full(stops.shape, kept), during_pass=during_pass,
+                after=np.full(stops.shape, kept + model.private_copy[s]))
+
+
+def pinned(model, s: int, stops: np.ndarray) -> np.ndarray:
+    """What the pass pins from a stored part [s, e) that follows a recomputed one to
+    the pass's end: its input (the leaf giving it requires_grad), unless its layers
+    save it, and the private copy an in-place first layer modifies."""
+    return model.input[s] - own_input_saved(model, s, stops) + model.private_copy[s]
+
+
+def _largest_event(model, a: int, r: Range) -> float:
     """E(r) of the module docstring, r relative to layer a."""
     gradient = model.grad[a + r.stop]
-    kept_before, pinned, largest = 0.0, 0.0, -np.inf
+    kept_before, pins, largest = 0.0, 0.0, -np.inf
     parts = r.parts
     for j, part in enumerate(parts):
-        s, e = a + part.start, a + part.stop
-        first = j == 0
-        if not first and parts[j - 1].recomputed and not part.recomputed:
-            pinned += float(model.input[s]) - _own_input_saved(model, s, e) + model.private_copy[s]
+        s, stop = a + part.start, np.array([a + part.stop])
+        if j and parts[j - 1].recomputed and not part.recomputed:
+            pins += float(pinned(model, s, stop)[0])
         if part.recomputed:
-            kept = 0.0 if first else model.input[s]
-            later = np.arange(s, e)
-            inputs = np.where(later > s, model.input[later], 0.0)
-            during_pass = kept + (inputs + model.forward_rise[s:e]).max()
-            after = kept + model.private_copy[s] + _largest_event(model, a, part, external_input=True)
+            terms = recomputed_part(model, s, stop, first=j == 0)
+            after = float(terms.after[0]) + _largest_event(model, a, part)
         else:
-            events, stop = model.events_from(s), e - s
-            own_input = _own_input_saved(model, s, e) if first else 0.0
-            forward = events.recompute[:stop] if first else events.stored_forward[:stop]
-            during_pass = forward.max()
-            after = (events.backward[:stop] - model.held_in_backward).max() - own_input
-            kept = float(events.saved[stop - 1]) - own_input
-        largest = max(largest, kept_before + pinned + during_pass + gradient, kept_before + after)
-        kept_before += kept
+            terms = stored_part(model, s, stop, first=j == 0)
+            after = float(terms.after[0])
+        largest = max(largest, kept_before + pins + float(terms.during_pass[0]) + gradient, kept_before + after)
+        kept_before += float(terms.kept[0])
     return largest
 
 
-def _own_input_saved(model, s: int, e: int) -> float:
+def own_input_saved(model, s: int, stops) -> np.ndarray:
     """The part's input where a layer of [s, e) saves it (held outside, so not kept)."""
-    return float(model.input[s]) if model.input_first[s] < e and model.input_last[s] >= s else 0.0
+    return np.where((model.input_first[s] < stops) & (model.input_last[s] >= s), model.input[s], 0.0)
