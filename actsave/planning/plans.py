@@ -188,9 +188,12 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         allow: the levers: "recompute" (checkpoint segments; the others need it),
             "int8", "fp8" (e4m3; "fp8_e4m3", "fp8_e5m2" name one) and "offload"
             (used on CUDA only: on a CPU model host memory is device memory).
-        objective: "time": the fastest plan whose predicted peak fits ``budget``;
-            "memory": the smallest predicted peak (the fastest such plan), checked
-            against ``budget`` unless it is None.
+        objective: "time": the fastest plan whose predicted peak fits ``budget``,
+            where a checkpointed segment's recompute may nest checkpoints of its own
+            (:attr:`Plan.nested`; exact segments of timed chains of at most
+            ``nested_solver.MAX_LAYERS`` layers); "memory": the smallest predicted
+            peak of a single-level plan (the fastest such plan), checked against
+            ``budget`` unless it is None.
         max_checkpointed_layers: the most layers one checkpointed segment may hold
             (None: any number). 1 for layers that can only be checkpointed one by one,
             as the blocks of :func:`actsave.plan_blocks` (a checkpoint cannot span
@@ -225,20 +228,21 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
     longest = max_checkpointed_layers
     if objective == "time":
         headroom = budget - model.chain_input
-        segments = fastest_within(model, headroom, longest)
+        found = fastest_within(model, headroom, longest, nest=True)
     else:
         headroom = smallest_headroom(model, longest)
         fits = budget is None or model.chain_input + headroom <= budget
-        segments = fastest_within(model, headroom, longest) if fits else None
-    if segments is None:
+        found = fastest_within(model, headroom, longest) if fits else None
+    if found is None:
         levers = f"allow={tuple(allow)}" + ("" if min_sqnr_db is None else f" and min_sqnr_db={min_sqnr_db}")
         smallest_budget = model.chain_input + smallest_headroom(model, longest)
         raise ConfigError(
             f"no plan fits budget={int(budget):,} bytes ({mib(budget)} MiB) with {levers}: the smallest "
-            f"feasible budget is {int(smallest_budget):,} bytes ({mib(smallest_budget)} MiB). Raise the "
-            "budget, allow more levers, or use a smaller batch."
+            f"feasible budget is {int(smallest_budget):,} bytes ({mib(smallest_budget)} MiB) for a single-level "
+            "plan, and nested checkpoints did not fit this budget either. Raise the budget, allow more levers, "
+            "or use a smaller batch."
         )
-    return _plan_of(model, segments, budget, bound=model.chain_input + headroom)
+    return _plan_of(model, *found, budget, bound=model.chain_input + headroom)
 
 
 def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
@@ -255,18 +259,18 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
         raise ConfigError(f"balanced needs one KeepPolicy per layer ({len(profile.layers)}), got {options!r}")
     model = CostModel(profile, [], fixed=options)
     headroom = smallest_headroom(model)
-    segments = fastest_within(model, headroom)
-    return _plan_of(model, segments, budget=None, bound=model.chain_input + headroom)
+    return _plan_of(model, *fastest_within(model, headroom), budget=None, bound=model.chain_input + headroom)
 
 
-def _plan_of(model: CostModel, segments: list, budget: Optional[int], bound: float) -> Plan:
-    """The Plan of a dynamic program's [(start, stop, option index)], with the model's
-    predictions, which must fit the peak ``bound`` the program planned for."""
+def _plan_of(model: CostModel, segments: list, nested: list, budget: Optional[int], bound: float) -> Plan:
+    """The Plan of a dynamic program's [(start, stop, option index)] and nested Ranges
+    (fastest_within), with the model's predictions, which must fit the peak ``bound``
+    the program planned for."""
     before_last = [EXACT if o is None else model.options[o] for _, _, o in segments[:-1]]
     draft = Plan(model.n, tuple(start for start, _, _ in segments), tuple(o.codec.name for o in before_last),
                  tuple(o.offload for o in before_last), 0, 0.0, 0, budget,
                  stored_codec=model.stored_codecs[~segments[-1][2]],
-                 stored=tuple(o is None for _, _, o in segments[:-1]))
+                 stored=tuple(o is None for _, _, o in segments[:-1]), nested=tuple(nested))
     plan = _with_predictions(draft, model, segments)
     if not plan.predicted_peak_bytes <= bound:
         raise InternalError(

@@ -33,6 +33,14 @@ Dynamic program
     time 0 (a meta profile) the first plan found is kept: the one whose stored
     segment starts earliest, so the fewest layers are recomputed.
 
+    Nested segments (objective "time"): an exact checkpointed segment whose
+    recompute nests checkpoints of its own is one more option o for [a, b), with
+    R and W + C as nested_model.py prices them; its time depends on the label's P,
+    t(a, b, o) + Multi(a, b)[the headroom left], from nested_solver.py's table, so
+    each label reads its own. h and the bound that drops labels for good
+    (_Prefixes._sources) take the least bytes a nested segment needs
+    (NestedTable.least_bytes), so nesting completions are not pruned.
+
     Stored middle segments end at the first join after their start
     (CostModel.stored_middle_reach: a boundary where two stored segments are one,
     in a chain of layers that save their outputs every boundary), as the plans of
@@ -56,7 +64,9 @@ from typing import Optional
 
 import numpy as np
 
+from . import nested_model
 from .memory_model import CostModel
+from .nested_solver import NestedTable, exact_options
 
 
 def smallest_headroom(model: CostModel, longest: Optional[int] = None) -> float:
@@ -65,34 +75,42 @@ def smallest_headroom(model: CostModel, longest: Optional[int] = None) -> float:
     return float(_smallest_headrooms(model, longest)[1][0, 0].min())
 
 
-def _smallest_headrooms(model: CostModel, longest: Optional[int] = None) -> tuple:
+def _smallest_headrooms(model: CostModel, longest: Optional[int] = None,
+                        nested: Optional[NestedTable] = None) -> tuple:
     """(carries, h): h[z, a, c] the docstring's right-to-left recurrence h_z(a), for
     every candidate C at once (the last axis), z = 1 after a stored middle segment
     whose saves hold x_a, over checkpointed segments [a, b) of at most ``longest``
-    layers. Computed once per model and ``longest``."""
-    computed = model.__dict__.setdefault("_headrooms", {})
+    layers, and, with ``nested``, nested segments within its grid. Computed once per
+    model and ``longest`` (once per table with ``nested``)."""
+    computed = (nested.__dict__ if nested is not None else model.__dict__).setdefault("_headrooms", {})
     if longest not in computed:
         n, carries = model.n, model.carries()
+        least_nested = None if nested is None else nested.least_bytes()
         h = np.stack([np.repeat(peaks.min(axis=0)[:, None], len(carries), axis=1)
                       for peaks in (model.stored_peaks, model.held_stored_peaks)])
         for a in reversed(range(n - 1)):
             # Where no stored middle segment before a can hold x_a, h_1(a) = h_0(a).
             h[:, a] = _headroom_from(model, a, np.array([[False], [True]]) if model.reused_input[a]
-                                     else np.array([[False]]), longest, carries, h)
+                                     else np.array([[False]]), longest, carries, h, least_nested)
         computed[longest] = carries, h
     return computed[longest]
 
 
 def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional[int], carries: np.ndarray,
-                   h: np.ndarray) -> np.ndarray:
+                   h: np.ndarray, least_nested: Optional[np.ndarray] = None) -> np.ndarray:
     """[z, c]: h_z(a) for each z in ``bits`` (a column) and every carry, from h of the
-    positions after a."""
+    positions after a; ``least_nested``: NestedTable.least_bytes, where segments may nest."""
     n, best = model.n, h[bits[:, 0].astype(np.int64), a]  # the stored segment [a, n)
     b = np.arange(a + 1, n if longest is None else min(n, a + 1 + longest))
     for o in np.nonzero(model.allowed[:, a])[0]:
         kept = np.broadcast_to(model.kept(o, a, b, bits), (len(bits), b.size))
         through = np.maximum(model.working_set(o, a, b, carries, bits), kept[..., None] + h[0, b])
         best = np.minimum(best, through.min(axis=1))
+    if least_nested is not None:  # as nested_model.py prices them, whatever the bit
+        for o in exact_options(model):
+            working = nested_model.held_outside(model, o, a, b) + least_nested[a, b]
+            through = np.maximum(working[:, None] + carries, model.kept(o, a, b)[:, None] + h[0, b])
+            best = np.minimum(best, through.min(axis=0))
     if model.store_middle:  # any number of layers, up to the first join (CostModel.stored_middle_reach)
         b = np.arange(a + 1, model.stored_middle_reach[a] + 1)
         rest = np.where(model.stored_middle_holds_output(a, b)[:, None], h[1, b], h[0, b])
@@ -102,19 +120,23 @@ def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional
     return best
 
 
-def fastest_within(model: CostModel, headroom: float, longest: Optional[int] = None) -> Optional[list]:
-    """The fastest plan with H <= headroom over every carry, as [(start, stop, option
-    index, None for a stored middle segment; the stored segment last, with ~k for its
-    saves' stored codec k)], or None; checkpointed segments hold at most
-    ``longest`` layers (None: any number). Carries whose smallest H is above
-    ``headroom`` have no such plan and are skipped."""
+def fastest_within(model: CostModel, headroom: float, longest: Optional[int] = None,
+                   nest: bool = False) -> Optional[tuple]:
+    """The fastest plan with H <= headroom over every carry, as (segments, nested):
+    segments [(start, stop, option index, None for a stored middle segment; the
+    stored segment last, with ~k for its saves' stored codec k)] and, for each segment
+    before the last, the Range cutting its recompute or None (Plan.nested); or None
+    when nothing fits. Checkpointed segments hold at most ``longest`` layers (None:
+    any number). ``nest``: exact segments may nest checkpoints (nested_solver.py).
+    Carries whose smallest H is above ``headroom`` have no such plan and are skipped."""
     best = None
-    carries, h = _smallest_headrooms(model, longest)
+    nested = NestedTable.for_plans(model, headroom, longest) if nest else None
+    carries, h = _smallest_headrooms(model, longest, nested)
     for c in np.nonzero(h[0, 0] <= headroom)[0]:
-        found = _Prefixes(model, headroom, float(carries[c]), h[:, :, c], longest).fastest()
+        found = _Prefixes(model, headroom, float(carries[c]), h[:, :, c], longest, nested).fastest()
         if found is not None and (best is None or found[0] < best[0]):
             best = found
-    return None if best is None else best[1]
+    return None if best is None else best[1:]
 
 
 _STORED = -2  # the option column of a label whose last segment is a stored middle one
@@ -127,7 +149,7 @@ class _Labels:
     each was made."""
 
     _COLUMNS = {"p": np.float64, "t": np.float64, "held": np.bool_, "position": np.int64, "option": np.int64,
-                "previous": np.int64}
+                "previous": np.int64, "nested_room": np.float64}
 
     def __init__(self, capacity: int = 1024):
         self.size = 0
@@ -166,13 +188,20 @@ class _Prefixes:
     cannot beat it (times only add)."""
 
     def __init__(self, model: CostModel, headroom: float, carry: float, rest: np.ndarray,
-                 longest: Optional[int] = None):
+                 longest: Optional[int] = None, nested: Optional[NestedTable] = None):
         self.model, self.headroom, self.carry, self.rest = model, headroom, carry, rest
         self.longest = model.n if longest is None else longest
+        self.nested = nested
+        if nested is not None:
+            # [a, b]: the least headroom a nested segment [a, b) or a longer one from a
+            # needs beyond P, a bound that grows with b as _sources requires.
+            least = np.min([nested_model.held_outside(model, o, np.arange(model.n)[:, None], np.arange(model.n))
+                            for o in exact_options(model)], axis=0) + nested.least_bytes() + carry
+            self.nested_floor = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
         self.labels = _Labels()
         self.labels.append(p=np.zeros(1), t=np.zeros(1), held=np.zeros(1, dtype=bool),
                            position=np.zeros(1, dtype=np.int64),
-                           option=np.full(1, _ROOT), previous=np.full(1, -1))
+                           option=np.full(1, _ROOT), previous=np.full(1, -1), nested_room=np.full(1, np.nan))
         # (time, label whose plan ends with the stored segment, its stored codec)
         self.best = (math.inf, -1, 0)
         self.alive = np.arange(1)  # the labels that may still extend (_extend_to)
@@ -188,21 +217,21 @@ class _Prefixes:
                 break
         if self.best[1] < 0:
             return None
-        return self.best[0], self._segments_from(self.best[1], self.best[2])
+        return (self.best[0], *self._segments_from(self.best[1], self.best[2]))
 
     def _extend_to(self, b: int) -> np.ndarray:
         """Add the frontier at b; return its label indices."""
         source = self._sources(b)
         if not source.size:
             return source
-        new_p, new_t, new_held, option, previous = self._candidates(b, source)
+        new_p, new_t, new_held, option, previous, room = self._candidates(b, source)
         completable = np.nonzero((new_p + self.rest[new_held.astype(np.int64), b] <= self.headroom)
                                  & (new_t < self.best[0]))[0]
         keep = completable[_held_pareto(new_p[completable], new_t[completable], new_held[completable],
                                         self.model.reused_input[b])]
         labels, first = self.labels, self.labels.size
         labels.append(p=new_p[keep], t=new_t[keep], held=new_held[keep], position=np.full(keep.size, b),
-                      option=option[keep], previous=previous[keep])
+                      option=option[keep], previous=previous[keep], nested_room=room[keep])
         return np.arange(first, labels.size)
 
     def _sources(self, b: int) -> np.ndarray:
@@ -214,6 +243,8 @@ class _Prefixes:
         labels, model, alive = self.labels, self.model, self.alive
         a, held = labels["position"][alive], labels["held"][alive]
         lowest = labels["p"][alive] + model.backward[a, b] - np.where(held, model.reused_saved[a], 0.0) + self.carry
+        if self.nested is not None:  # a nested segment's backward holds less: its own floor
+            lowest = np.minimum(lowest, labels["p"][alive] + self.nested_floor[a, b])
         self.alive = alive[(lowest <= self.headroom) & (labels["t"][alive] < self.best[0])]
         return self.alive
 
@@ -231,12 +262,13 @@ class _Prefixes:
         at = (held.astype(np.int64), start_of)
         parts = []
 
-        def extend(ok, kept, seconds, holds, option) -> None:
+        def extend(ok, kept, seconds, holds, option, room=None) -> None:
             ok = np.nonzero(ok)[0]
             if ok.size:
                 kept = np.broadcast_to(kept, (len(bits), starts.size))  # one row where no bit matters
+                room = np.full(ok.size, np.nan) if room is None else room[ok]
                 parts.append((p[ok] + kept[at][ok], t[ok] + seconds[ok], holds[ok], np.full(ok.size, option),
-                              source[ok]))
+                              source[ok], room))
 
         if model.store_middle:  # any length up to the first join (CostModel.stored_middle_reach)
             working = model.stored_middle_working_set(starts[None], b, carry, bits)[..., 0]
@@ -248,9 +280,16 @@ class _Prefixes:
             ok = near & (p + model.working_set(o, starts[None], b, carry, bits)[..., 0][at] <= self.headroom)
             extend(ok, model.kept(o, starts[None], b, bits), model.seconds(o, starts, b)[start_of],
                    np.zeros(source.size, dtype=bool), o)
+        if self.nested is not None:  # after the plain options, so that they win ties
+            for o in exact_options(model):
+                room = self.headroom - p - nested_model.held_outside(model, o, starts, b)[start_of] - carry[0]
+                seconds = self.nested.time(positions, b, room)
+                ok = near & np.isfinite(seconds)
+                extend(ok, model.kept(o, starts[None], b), model.seconds(o, starts, b)[start_of] + seconds,
+                       np.zeros(source.size, dtype=bool), o, room)
         if not parts:
             empty = np.empty(0)
-            return empty, empty, empty.astype(bool), empty.astype(np.int64), empty.astype(np.int64)
+            return empty, empty, empty.astype(bool), empty.astype(np.int64), empty.astype(np.int64), empty
         return tuple(np.concatenate(columns) for columns in zip(*parts))
 
     def _finish_at(self, s: int, at: np.ndarray) -> None:
@@ -267,11 +306,12 @@ class _Prefixes:
                 if seconds < self.best[0]:
                     self.best = (seconds, int(best), k)
 
-    def _segments_from(self, label: int, stored: int) -> list:
-        """[(start, stop, option, None for a stored middle segment)] of a finished plan,
-        the stored segment last with ~k for its stored codec k (CostModel.predict)."""
+    def _segments_from(self, label: int, stored: int) -> tuple:
+        """([(start, stop, option, None for a stored middle segment)], nested) of a
+        finished plan, the stored segment last with ~k for its stored codec k, and the
+        Range of each segment before it that nests, else None (CostModel.predict)."""
         labels, reach = self.labels, self.model.stored_middle_reach
-        stops = [(int(labels["position"][label]), self.model.n, ~stored)]
+        stops, nested = [(int(labels["position"][label]), self.model.n, ~stored)], []
         while labels["previous"][label] >= 0:
             previous = int(labels["previous"][label])
             option = None if labels["option"][label] == _STORED else int(labels["option"][label])
@@ -281,8 +321,10 @@ class _Prefixes:
                 stops[-1] = (start, after[1], None)
             else:
                 stops.append((start, stop, option))
+                room = float(labels["nested_room"][label])
+                nested.append(None if math.isnan(room) else self.nested.tree(start, stop, room))
             label = previous
-        return stops[::-1]
+        return stops[::-1], nested[::-1]
 
 
 _SAMPLED = 1024  # pairs whose frontier screens the rest before the full sort

@@ -50,8 +50,9 @@ def test_min_sqnr_and_allow_choose_the_codecs():
     assert codecs(min_sqnr_db=30) <= {"none", "int8"}
     assert codecs(min_sqnr_db=40) == codecs(allow=("recompute",)) == {"none"}
     assert actsave.plan(prof, None, objective="memory", allow=()).starts == (0,)
+    # Recompute alone reaches that peak by nesting checkpoints (test_nested_solver.py), not a quarter of it.
     with pytest.raises(ConfigError, match="smallest feasible budget"):
-        actsave.plan(prof, tight, allow=("recompute",))
+        actsave.plan(prof, tight // 4, allow=("recompute",))
 
 
 def test_offload_is_a_lever_on_cuda_only():

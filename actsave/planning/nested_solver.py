@@ -1,0 +1,212 @@
+"""The nested dynamic program: for every checkpointed segment [a, b) at once, the
+fastest way to cut its recompute into checkpoints of its own (nested_model.py,
+runtime/nested.py) within a given number of bytes.
+
+Recurrence
+    On a grid of ``unit``-byte steps m = 0 .. steps (unit: the largest power of two
+    at most the plan's headroom / GRID, so GRID to 2 GRID steps, and tensor sizes
+    that are multiples of it cost no rounding), every byte term of nested_model.py
+    rounded up to whole units:
+
+        Inner(c, d)[m]   the least time the recomputed range [c, d) adds beyond its
+                         own pass with E([c, d)) <= m units: 0 where it fits as one
+                         stored part (a plain checkpoint), else Multi(c, d)[m]
+        Multi(c, d)[m]   the same over cuts into two parts or more
+        S_y(f, d)[m]     the parts covering [f, d) after the first part of a range
+                         ending at d, y = 1 where the part before f is recomputed
+
+    A part [f, e) of a range ending at d (terms of nested_model.Part: R kept, its pass
+    event, its event after the pass; g = g_d) is
+
+        stored       feasible where m >= max(pass + g, after); then S_0(e, d)[m - R]
+                     (nothing more where e = d)
+        recomputed   e < d, feasible where m >= pass + g; then
+                     forward(f, e) + Inner(f, e)[m - after] + S_1(e, d)[m - R]
+
+    S_y(f, d) is the least over the parts from f (the first part's terms for Multi,
+    which may not end at d). A stored part after a recomputed one (y = 1) pins its
+    input to the pass's end: the recurrence charges the pin as kept by the part, to
+    every later event, the pass's and the backward's (nested_model.py counts it in
+    the pass only), so that the state stays one number: the plans found are feasible
+    in the model, which may predict them a pin lower, and never infeasible. With
+    every term rounded up and m rounded down, a plan within Inner(c, d)[m] needs at
+    most m units.
+
+    A top-level nested segment [a, b) kept by an exact option o, after a prefix
+    keeping P, adds t(a, b, o) + Multi(a, b)[floor((headroom - P - O - K - Q -
+    C) / unit)] (solver.py's time dynamic program reads it per label).
+
+Cost: O(n^3 steps) in numpy rows (each (f, d) one row per end): 1.2 s for 58
+layers, 12 s for 128 (one shared CPU core). So nesting is tried for chains of at
+most MAX_LAYERS layers, with times (a meta profile has none: a nested plan would
+look free), and without a limit on checkpointed segments' layers.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..runtime.nested import Range
+from . import nested_model
+
+GRID = 512  # at least this many grid steps over the headroom, fewer than twice as many
+MAX_LAYERS = 64  # longer chains plan single-level segments only (module docstring, "Cost")
+_INFEASIBLE = np.inf
+
+
+class _StartTerms(NamedTuple):
+    """The parts starting at one layer f, for every end e > f (index e - f - 1), in
+    grid units: (R, pass event, after event) as the first part of a range, as a later
+    part after a stored one, after a recomputed one (its pin charged), and recomputed,
+    first or later."""
+
+    stored: tuple  # [first, after stored, after recomputed]: (kept, during_pass, after)
+    recomputed: tuple  # [first, later]: (kept, during_pass, after)
+
+
+class NestedTable:
+    """Multi(c, d)[m] of the module docstring for every range of a model's chain, on
+    the grid of one headroom; :meth:`tree` rebuilds the cut it prices.
+
+    The tables hold ``width`` infeasible columns before m = 0, so that a row shifted
+    right by any number of units (``_shifted``) is a window of it, not a gather."""
+
+    def __init__(self, model, headroom: float):
+        # A power of two: tensor sizes, often multiples of one, then take whole units.
+        self.model, self.unit = model, 2.0 ** math.floor(math.log2(headroom / GRID))
+        self.steps = int(headroom // self.unit)  # m = 0 .. steps
+        self.width = width = self.steps + 1
+        n, self.m = model.n, np.arange(width)
+        self._terms = [self._start_terms(f) for f in range(n)]
+        self.multi = np.full((n, n, 2 * width), _INFEASIBLE)  # [c, d, width + m]
+        self._multi_windows = sliding_window_view(self.multi, width, axis=-1)
+        self.single_need = np.full((n, n), width, dtype=np.int64)  # [c, d]: units as one stored part
+        for c in range(n - 1):
+            _, during_pass, after = self._terms[c].stored[0]
+            self.single_need[c, c + 1:] = np.maximum(during_pass + self._units(model.grad[c + 1:n]), after)
+        for d in range(2, n):
+            rest = self._rest(d)
+            for c in range(d - 1):
+                self.multi[c, d, width:] = self._cuts(c, d, rest, first=True)[0][0].min(axis=0)
+
+    @classmethod
+    def for_plans(cls, model, headroom: float, longest: Optional[int]) -> Optional["NestedTable"]:
+        """The table the time dynamic program reads, or None where nesting is not tried
+        (module docstring, "Cost") or no option can nest (exact, on the device)."""
+        timed = model.forward_s_before[-1] > 0
+        if longest is not None or not timed or model.n > MAX_LAYERS or headroom <= 0 or not exact_options(model):
+            return None
+        return cls(model, headroom)
+
+    def time(self, a, b, available) -> np.ndarray:
+        """Multi(a, b) within ``available`` bytes (broadcastable arrays; inf where
+        nothing fits)."""
+        steps = np.floor(np.asarray(available, dtype=np.float64) / self.unit)
+        return self.multi[a, b, self.width + np.clip(steps, -1, self.steps).astype(np.int64)]
+
+    def least_bytes(self) -> np.ndarray:
+        """[a, b]: the fewest bytes within which Multi(a, b) is finite (inf where none)."""
+        finite = np.isfinite(self.multi[:, :, self.width:])
+        first = np.argmax(finite, axis=-1).astype(np.float64)
+        return np.where(finite.any(axis=-1), first * self.unit, _INFEASIBLE)
+
+    def tree(self, a: int, b: int, available: float) -> Range:
+        """The top Range (relative to a) of the cut that :meth:`time` prices."""
+        steps = int(min(math.floor(available / self.unit), self.steps))
+        return Range(0, b - a, inner=tuple(self._parts(a, b, steps, a)))
+
+    # ------------------------------------------------------------- the recurrence
+
+    def _units(self, size) -> np.ndarray:
+        """Bytes as whole grid units, rounded up (past the grid: width, which no m reaches)."""
+        units = np.ceil(np.asarray(size, dtype=np.float64) / self.unit - 1e-9)
+        return np.clip(units, 0, self.width).astype(np.int64)
+
+    def _start_terms(self, f: int) -> _StartTerms:
+        model, ends = self.model, np.arange(f + 1, self.model.n)
+        if not ends.size:
+            return _StartTerms((), ())
+        events = model.events_from(f)
+        first, later = (nested_model.stored_part(model, f, ends, at_start, events) for at_start in (True, False))
+        pin = nested_model.pinned(model, f, ends)
+        stored = [first, later, later._replace(**{name: getattr(later, name) + pin for name in later._fields})]
+        recomputed = [nested_model.recomputed_part(model, f, ends, at_start) for at_start in (True, False)]
+        return _StartTerms(tuple(self._part_units(part) for part in stored),
+                           tuple(self._part_units(part) for part in recomputed))
+
+    def _part_units(self, part: nested_model.Part) -> tuple:
+        return tuple(self._units(term) for term in part)
+
+    def _rest(self, d: int) -> np.ndarray:
+        """Windows [y, f, width - shift, m] of S_y(f, d) for 0 < f <= d (row d:
+        nothing left, 0), shifted right (_shifted)."""
+        width = self.width
+        rest = np.full((2, d + 1, 2 * width), _INFEASIBLE)
+        rest[:, d, width:] = 0.0
+        windows = sliding_window_view(rest, width, axis=-1)
+        for f in range(d - 1, 0, -1):
+            rows, _ = self._cuts(f, d, windows, first=False)
+            rest[:, f, width:] = [each.min(axis=0) for each in rows]
+        return windows
+
+    def _cuts(self, f: int, d: int, rest: np.ndarray, first: bool) -> tuple:
+        """(rows, parts): for y = 0 and 1 (only 0 for a range's first part), the time of
+        each way to go on from a part starting at f within every m, one row per choice
+        of that part; the parts as (end, recomputed), stored then recomputed, each by
+        its end (a cut's first part ends before d)."""
+        gradient, terms = int(self._units(self.model.grad[d])), self._terms[f]
+        stored_count, recomputed_count = d - f - (1 if first else 0), d - f - 1
+        recomputed_rows = None
+        if recomputed_count:
+            kept, during_pass, after = (term[:recomputed_count] for term in terms.recomputed[0 if first else 1])
+            ends = np.arange(f + 1, d)
+            forward = self.model.forward_s_before[ends] - self.model.forward_s_before[f]
+            inner = np.where(self.m >= (after + self.single_need[f, ends])[:, None], 0.0,
+                             self._shifted(self._multi_windows[f], ends, after))
+            recomputed_rows = np.where(self.m >= (during_pass + gradient)[:, None],
+                                       forward[:, None] + inner + self._shifted(rest[1], ends, kept), _INFEASIBLE)
+        rows = []
+        for stored in (terms.stored[:1] if first else terms.stored[1:]):
+            kept, during_pass, after = (term[:stored_count] for term in stored)
+            need = np.maximum(during_pass + gradient, after)
+            stored_rows = np.where(self.m >= need[:, None],
+                                   self._shifted(rest[0], np.arange(f + 1, f + 1 + stored_count), kept),
+                                   _INFEASIBLE)
+            rows.append(stored_rows if recomputed_rows is None else np.concatenate((stored_rows, recomputed_rows)))
+        parts = [(e, False) for e in range(f + 1, f + 1 + stored_count)] + [(e, True) for e in range(f + 1, d)]
+        return rows, parts
+
+    def _shifted(self, windows: np.ndarray, rows: np.ndarray, by: np.ndarray) -> np.ndarray:
+        """table[row, width + m - by] for each row of ``rows`` and every m, from the
+        table's windows: the row shifted right by ``by`` units, infeasible where m < by
+        (the table's infeasible first half)."""
+        return windows[rows, self.width - by]
+
+    def _parts(self, c: int, d: int, steps: int, origin: int) -> list:
+        """The parts (Ranges relative to ``origin``) of the cut of [c, d) that
+        Multi(c, d)[steps] prices, recursing into recomputed parts."""
+        rest, y, f, parts = self._rest(d), None, c, []
+        while f < d:
+            rows, choices = self._cuts(f, d, rest, first=y is None)
+            choice = int(np.argmin(rows[y or 0][:, steps]))
+            end, recomputed = choices[choice]
+            if recomputed:
+                kept, _, after = (int(term[end - f - 1]) for term in self._terms[f].recomputed[0 if y is None else 1])
+                inner_steps = steps - after
+                inner = () if inner_steps >= self.single_need[f, end] else \
+                    tuple(self._parts(f, end, inner_steps, origin))
+                parts.append(Range(f - origin, end - origin, inner=inner))
+            else:
+                kept = int(self._terms[f].stored[0 if y is None else 1 + y][0][end - f - 1])
+                parts.append(Range(f - origin, end - origin, recomputed=False))
+            steps -= kept
+            f, y = end, int(recomputed)
+        return parts
+
+
+def exact_options(model) -> list:
+    """The options a nested segment may keep its input by: exact, on the device."""
+    return [o for o, option in enumerate(model.options) if not option.lossy and not option.offload]

@@ -1,0 +1,114 @@
+"""The nested dynamic program (planning/nested_solver.py): its table against every
+tree of short ranges, the trees it returns against nested_model.py, and the plans the
+planner makes with it, applied and trained."""
+import functools
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from support import deep_mlp, mixed_chain, peak_activation_bytes, train_step, twin
+
+import actsave
+from actsave import CheckpointedSequential
+from actsave.planning import nested_model, plans
+from actsave.planning.memory_model import CostModel
+from actsave.planning.nested_solver import NestedTable, exact_options
+from actsave.runtime.nested import Range
+
+
+@functools.lru_cache(maxsize=None)
+def mixed_table() -> NestedTable:
+    """The table of a 20-layer chain with in-place ReLUs (pins, private copies),
+    Dropout, BatchNorm and GELU, at a headroom of 60% of its plain step's peak."""
+    layers, x = list(mixed_chain(width=64, repeats=4)), torch.randn(256, 64)
+    prof = actsave.profile(CheckpointedSequential(*layers), (x,))
+    model = CostModel(prof, plans.keep_options(("recompute",), None, "cpu"))
+    return NestedTable(model, 0.6 * model.stored_peaks[0, 0])
+
+
+def trees(start: int, stop: int, top: bool = True):
+    """Every cut of [start, stop) into parts, each stored or recomputed and then cut
+    in any way or not at all (a plain checkpoint), the last part stored; at the top,
+    two parts or more (what Multi prices)."""
+    if not top:
+        yield ()
+    for cuts in itertools.chain.from_iterable(itertools.combinations(range(start + 1, stop), k)
+                                              for k in range(1, stop - start)):
+        bounds = list(zip((start, *cuts), (*cuts, stop)))
+        choices = [[Range(s, e, recomputed=False)] + ([] if e == stop else
+                                                      [Range(s, e, inner=inner) for inner in trees(s, e, top=False)])
+                   for s, e in bounds]
+        yield from itertools.product(*choices)
+
+
+def grid_need(table: NestedTable, parts: tuple, d: int) -> tuple:
+    """(units, seconds) of one cut of a range ending at d, as the recurrence accounts
+    for it (the module docstring's terms, in table._terms): the fewest units m within
+    which it fits, and the forward time of its recomputed parts and theirs."""
+    model, gradient = table.model, int(table._units(table.model.grad[d]))
+    need, kept_before, seconds, previous = 0, 0, 0.0, None
+    for j, part in enumerate(parts):
+        at = part.stop - part.start - 1
+        if part.recomputed:
+            kept, during_pass, after = (int(t[at]) for t in table._terms[part.start].recomputed[min(j, 1)])
+            child, child_seconds = (table.single_need[part.start, part.stop], 0.0) if not part.inner else \
+                grid_need(table, part.inner, part.stop)
+            own = max(during_pass + gradient, after + child)
+            seconds += model.forward_s_before[part.stop] - model.forward_s_before[part.start] + child_seconds
+        else:
+            kind = 0 if j == 0 else 1 + int(previous.recomputed)
+            kept, during_pass, after = (int(t[at]) for t in table._terms[part.start].stored[kind])
+            own = max(during_pass + gradient, after)
+        need, kept_before, previous = max(need, kept_before + own), kept_before + kept, part
+    return need, seconds
+
+
+@pytest.mark.parametrize("start, stop", [(0, 4), (2, 7), (5, 10), (13, 18)])
+def test_the_table_is_the_least_time_over_every_cut_that_fits(start, stop):
+    table = mixed_table()
+    priced = [grid_need(table, parts, stop) for parts in trees(start, stop)]
+    for m in np.unique([units for units, _ in priced if units <= table.steps]):
+        fitting = min(seconds for units, seconds in priced if units <= m)
+        assert table.multi[start, stop, table.width + m] == pytest.approx(fitting, rel=1e-12, abs=1e-15)
+    least = min(units for units, _ in priced)
+    assert np.isinf(table.multi[start, stop, table.width + least - 1]) if least > 0 else True
+
+
+def test_the_trees_it_returns_fit_the_model_within_their_bytes_and_take_the_time_it_priced():
+    table, checked = mixed_table(), 0
+    model, o = table.model, exact_options(table.model)[0]
+    rng = np.random.default_rng(0)
+    for a, b in [(0, 19), (2, 19), (3, 17), (6, 14), (10, 19)]:
+        finite = np.nonzero(np.isfinite(table.multi[a, b, table.width:]))[0]
+        for m in rng.choice(finite, size=min(8, finite.size), replace=False):
+            room = m * table.unit
+            top = table.tree(a, b, room)
+            assert len(top.inner) >= 2
+            assert nested_model._largest_event(model, a, top) <= room
+            extra = nested_model.seconds(model, o, a, top) - float(model.seconds(o, a, b))
+            assert extra == pytest.approx(table.multi[a, b, table.width + m], rel=1e-12)
+            checked += 1
+    assert checked >= 20
+
+
+def test_plans_below_the_smallest_single_level_peak_nest_fit_and_train_exactly():
+    layers, x = deep_mlp(16, 64), torch.randn(256, 64)
+    model = CheckpointedSequential(*layers)
+    prof = actsave.profile(model, (x,))
+    smallest = actsave.plan(prof, None, objective="memory", allow=("recompute",))
+    budget = int(0.85 * smallest.predicted_peak_bytes)
+    plan = actsave.plan(prof, budget, allow=("recompute",))
+    assert any(r is not None and any(part.recomputed for part in r.inner) for r in plan.nested), plan
+    assert plan.predicted_peak_bytes <= budget
+    plain = twin(model)
+    model.apply_plan(plan)
+    assert peak_activation_bytes(model, x) <= budget
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(train_step(model, x), train_step(plain, x)))
+
+
+def test_a_limit_on_checkpointed_layers_plans_single_level():
+    timed = actsave.profile(CheckpointedSequential(*deep_mlp(16, 64)), (torch.randn(256, 64),))
+    smallest = actsave.plan(timed, None, objective="memory", allow=("recompute",)).predicted_peak_bytes
+    with pytest.raises(actsave.ConfigError, match="no plan fits"):
+        actsave.plan(timed, int(0.85 * smallest), allow=("recompute",), max_checkpointed_layers=8)
