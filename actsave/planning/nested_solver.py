@@ -44,6 +44,7 @@ look free), and without a limit on checkpointed segments' layers.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -65,6 +66,15 @@ class _StartTerms(NamedTuple):
 
     stored: tuple  # [first, after stored, after recomputed]: (kept, during_pass, after)
     recomputed: tuple  # [first, later]: (kept, during_pass, after)
+
+    def stored_after(self, y: Optional[int]) -> tuple:
+        """A stored part's terms: the first of its range (y None), or after a stored
+        (y = 0) or recomputed (y = 1) part."""
+        return self.stored[0 if y is None else 1 + y]
+
+    def recomputed_after(self, y: Optional[int]) -> tuple:
+        """A recomputed part's terms: the first of its range (y None), or a later one."""
+        return self.recomputed[0 if y is None else 1]
 
 
 class NestedTable:
@@ -90,7 +100,7 @@ class NestedTable:
         for d in range(2, n):
             rest = self._rest(d)
             for c in range(d - 1):
-                self.multi[c, d, width:] = self._cuts(c, d, rest, first=True)[0][0].min(axis=0)
+                self.multi[c, d, width:] = self._cuts(c, d, rest, first=True)[0].min(axis=0)
 
     @classmethod
     def for_plans(cls, model, headroom: float, longest: Optional[int]) -> Optional["NestedTable"]:
@@ -107,11 +117,23 @@ class NestedTable:
         steps = np.floor(np.asarray(available, dtype=np.float64) / self.unit)
         return self.multi[a, b, self.width + np.clip(steps, -1, self.steps).astype(np.int64)]
 
+    @cached_property
     def least_bytes(self) -> np.ndarray:
         """[a, b]: the fewest bytes within which Multi(a, b) is finite (inf where none)."""
         finite = np.isfinite(self.multi[:, :, self.width:])
         first = np.argmax(finite, axis=-1).astype(np.float64)
         return np.where(finite.any(axis=-1), first * self.unit, _INFEASIBLE)
+
+    def least_working_set(self, o: int) -> np.ndarray:
+        """[a, b]: the least W (less C) of a nested segment [a, b) kept by option o:
+        O + K + Q + the fewest bytes its recompute nests within (inf where none)."""
+        return self._least_working_sets[o]
+
+    @cached_property
+    def _least_working_sets(self) -> dict:
+        starts = np.arange(self.model.n)
+        return {o: nested_model.held_outside(self.model, o, starts[:, None], starts) + self.least_bytes
+                for o in exact_options(self.model)}
 
     def tree(self, a: int, b: int, available: float) -> Range:
         """The top Range (relative to a) of the cut that :meth:`time` prices."""
@@ -148,20 +170,19 @@ class NestedTable:
         rest[:, d, width:] = 0.0
         windows = sliding_window_view(rest, width, axis=-1)
         for f in range(d - 1, 0, -1):
-            rows, _ = self._cuts(f, d, windows, first=False)
-            rest[:, f, width:] = [each.min(axis=0) for each in rows]
+            rest[:, f, width:] = [each.min(axis=0) for each in self._cuts(f, d, windows, first=False)]
         return windows
 
-    def _cuts(self, f: int, d: int, rest: np.ndarray, first: bool) -> tuple:
-        """(rows, parts): for y = 0 and 1 (only 0 for a range's first part), the time of
-        each way to go on from a part starting at f within every m, one row per choice
-        of that part; the parts as (end, recomputed), stored then recomputed, each by
-        its end (a cut's first part ends before d)."""
+    def _cuts(self, f: int, d: int, rest: np.ndarray, first: bool) -> list:
+        """For y = 0 and 1 (only the first part of a range for ``first``), the time of
+        each way to go on from a part starting at f within every m, one row per
+        choice of that part (_choices)."""
         gradient, terms = int(self._units(self.model.grad[d])), self._terms[f]
         stored_count, recomputed_count = d - f - (1 if first else 0), d - f - 1
         recomputed_rows = None
         if recomputed_count:
-            kept, during_pass, after = (term[:recomputed_count] for term in terms.recomputed[0 if first else 1])
+            later = None if first else 0
+            kept, during_pass, after = (term[:recomputed_count] for term in terms.recomputed_after(later))
             ends = np.arange(f + 1, d)
             forward = self.model.forward_s_before[ends] - self.model.forward_s_before[f]
             inner = np.where(self.m >= (after + self.single_need[f, ends])[:, None], 0.0,
@@ -169,15 +190,20 @@ class NestedTable:
             recomputed_rows = np.where(self.m >= (during_pass + gradient)[:, None],
                                        forward[:, None] + inner + self._shifted(rest[1], ends, kept), _INFEASIBLE)
         rows = []
-        for stored in (terms.stored[:1] if first else terms.stored[1:]):
-            kept, during_pass, after = (term[:stored_count] for term in stored)
+        for y in ((None,) if first else (0, 1)):
+            kept, during_pass, after = (term[:stored_count] for term in terms.stored_after(y))
             need = np.maximum(during_pass + gradient, after)
             stored_rows = np.where(self.m >= need[:, None],
                                    self._shifted(rest[0], np.arange(f + 1, f + 1 + stored_count), kept),
                                    _INFEASIBLE)
             rows.append(stored_rows if recomputed_rows is None else np.concatenate((stored_rows, recomputed_rows)))
-        parts = [(e, False) for e in range(f + 1, f + 1 + stored_count)] + [(e, True) for e in range(f + 1, d)]
-        return rows, parts
+        return rows
+
+    @staticmethod
+    def _choices(f: int, d: int, first: bool) -> list:
+        """The parts from f that _cuts' rows stand for, as (end, recomputed): stored,
+        then recomputed, each by its end (a cut's first part ends before d)."""
+        return [(e, False) for e in range(f + 1, d if first else d + 1)] + [(e, True) for e in range(f + 1, d)]
 
     def _shifted(self, windows: np.ndarray, rows: np.ndarray, by: np.ndarray) -> np.ndarray:
         """table[row, width + m - by] for each row of ``rows`` and every m, from the
@@ -190,17 +216,16 @@ class NestedTable:
         Multi(c, d)[steps] prices, recursing into recomputed parts."""
         rest, y, f, parts = self._rest(d), None, c, []
         while f < d:
-            rows, choices = self._cuts(f, d, rest, first=y is None)
-            choice = int(np.argmin(rows[y or 0][:, steps]))
-            end, recomputed = choices[choice]
+            rows = self._cuts(f, d, rest, first=y is None)[y or 0]
+            end, recomputed = self._choices(f, d, first=y is None)[int(np.argmin(rows[:, steps]))]
             if recomputed:
-                kept, _, after = (int(term[end - f - 1]) for term in self._terms[f].recomputed[0 if y is None else 1])
+                kept, _, after = (int(term[end - f - 1]) for term in self._terms[f].recomputed_after(y))
                 inner_steps = steps - after
                 inner = () if inner_steps >= self.single_need[f, end] else \
                     tuple(self._parts(f, end, inner_steps, origin))
                 parts.append(Range(f - origin, end - origin, inner=inner))
             else:
-                kept = int(self._terms[f].stored[0 if y is None else 1 + y][0][end - f - 1])
+                kept = int(self._terms[f].stored_after(y)[0][end - f - 1])
                 parts.append(Range(f - origin, end - origin, recomputed=False))
             steps -= kept
             f, y = end, int(recomputed)

@@ -85,30 +85,29 @@ def _smallest_headrooms(model: CostModel, longest: Optional[int] = None,
     computed = (nested.__dict__ if nested is not None else model.__dict__).setdefault("_headrooms", {})
     if longest not in computed:
         n, carries = model.n, model.carries()
-        least_nested = None if nested is None else nested.least_bytes()
         h = np.stack([np.repeat(peaks.min(axis=0)[:, None], len(carries), axis=1)
                       for peaks in (model.stored_peaks, model.held_stored_peaks)])
         for a in reversed(range(n - 1)):
             # Where no stored middle segment before a can hold x_a, h_1(a) = h_0(a).
             h[:, a] = _headroom_from(model, a, np.array([[False], [True]]) if model.reused_input[a]
-                                     else np.array([[False]]), longest, carries, h, least_nested)
+                                     else np.array([[False]]), longest, carries, h, nested)
         computed[longest] = carries, h
     return computed[longest]
 
 
 def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional[int], carries: np.ndarray,
-                   h: np.ndarray, least_nested: Optional[np.ndarray] = None) -> np.ndarray:
+                   h: np.ndarray, nested: Optional[NestedTable] = None) -> np.ndarray:
     """[z, c]: h_z(a) for each z in ``bits`` (a column) and every carry, from h of the
-    positions after a; ``least_nested``: NestedTable.least_bytes, where segments may nest."""
+    positions after a; with ``nested``, segments may nest within its grid."""
     n, best = model.n, h[bits[:, 0].astype(np.int64), a]  # the stored segment [a, n)
     b = np.arange(a + 1, n if longest is None else min(n, a + 1 + longest))
     for o in np.nonzero(model.allowed[:, a])[0]:
         kept = np.broadcast_to(model.kept(o, a, b, bits), (len(bits), b.size))
         through = np.maximum(model.working_set(o, a, b, carries, bits), kept[..., None] + h[0, b])
         best = np.minimum(best, through.min(axis=1))
-    if least_nested is not None:  # as nested_model.py prices them, whatever the bit
+    if nested is not None:  # as nested_model.py prices them, whatever the bit
         for o in exact_options(model):
-            working = nested_model.held_outside(model, o, a, b) + least_nested[a, b]
+            working = nested.least_working_set(o)[a, b]
             through = np.maximum(working[:, None] + carries, model.kept(o, a, b)[:, None] + h[0, b])
             best = np.minimum(best, through.min(axis=0))
     if model.store_middle:  # any number of layers, up to the first join (CostModel.stored_middle_reach)
@@ -195,8 +194,7 @@ class _Prefixes:
         if nested is not None:
             # [a, b]: the least headroom a nested segment [a, b) or a longer one from a
             # needs beyond P, a bound that grows with b as _sources requires.
-            least = np.min([nested_model.held_outside(model, o, np.arange(model.n)[:, None], np.arange(model.n))
-                            for o in exact_options(model)], axis=0) + nested.least_bytes() + carry
+            least = np.min([nested.least_working_set(o) for o in exact_options(model)], axis=0) + carry
             self.nested_floor = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
         self.labels = _Labels()
         self.labels.append(p=np.zeros(1), t=np.zeros(1), held=np.zeros(1, dtype=bool),
