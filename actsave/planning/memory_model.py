@@ -423,10 +423,20 @@ class CostModel:
         """R(a, b, o): the device bytes the segment keeps from its forward to its
         recompute; ``input_held`` (broadcastable): after a stored middle segment whose
         saves hold x_a, where K is x_a itself the stored segment holds it."""
-        stored = self._stored(o, a, b)
+        saves = self.saves(a, b)
         if self.options[o].offload:
-            return np.zeros_like(stored)
-        return stored - np.where(self.saves(a, b), self._reused(o, a, input_held), 0.0)
+            return np.zeros(np.shape(saves))
+        signs_to_end = self.signs_before[b] if self.options[o].lossy else 0.0
+        return np.where(saves, self.kept_from_start(o, a, input_held) + signs_to_end, 0.0)
+
+    def kept_from_start(self, o: int, a, input_held=False) -> np.ndarray:
+        """R(a, b, o) less the sign bits before b (lossy options), for a segment that
+        keeps anything (``saves``): the part of R that does not depend on the end, so
+        that for every end b, R(a, b, o) - R(a', b, o) is the same (solver._Sweep
+        orders prefixes by it). Exact in float64: every term is a whole number of
+        bytes or of bits / 8."""
+        signs_before_start = self.signs_before[a] if self.options[o].lossy else 0.0
+        return self.kept_input[o, a] - signs_before_start - self._reused(o, a, input_held)
 
     def _reused(self, o: int, a, input_held) -> np.ndarray:
         """The bytes of K that a stored middle segment before a holds (its saves hold
