@@ -474,6 +474,12 @@ class CostModel:
         usable = np.expand_dims(self.allowed[o, a], -1) & (np.expand_dims(fetched, -1) <= carries)
         return np.where(usable, w, np.inf)
 
+    def seconds_less_end(self, o: int, a) -> np.ndarray:
+        """t(a, b, o) less the forward time before b, for an option kept on the device:
+        the part of t that does not depend on the end (solver._Sweep orders prefixes
+        by it; the time DP adds the forward time before b to it)."""
+        return self.codec_s[o, a] - self.forward_s_before[a]
+
     def seconds(self, o: int, a, b) -> np.ndarray:
         """t(a, b, o): the time a checkpointed segment adds to the step."""
         forward = self.forward_s_before[b] - self.forward_s_before[a]

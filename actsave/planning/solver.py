@@ -52,8 +52,11 @@ Dynamic program
     over labels, each segment's terms read once per start; a label leaves for good
     once a segment from it to b cannot fit. The memory DP is O(n^2 |O| |C|),
     vectorized over the candidates C. Stored middle segments widen the frontiers (a
-    prefix may keep more bytes to recompute less): for 1,000 layers, 1 to 8 s on
-    one shared CPU core (tests/planning/test_solver.py prints it);
+    prefix may keep more bytes to recompute less), to some 20,000 live labels at a
+    30% budget on 1,000 layers; once more than _SWEPT labels extend, each option
+    kept on the device reads only those a _Sweep leaves (a few hundred). For 1,000
+    layers, 1.5 to 5.8 s on one shared CPU core (tests/planning/test_solver.py
+    prints it; 8.6 s at 30% before the sweeps);
     balanced plans of ResNet-1001 (339 layers) with int8 and offload, 63 candidates:
     0.3 s.
 """
@@ -148,7 +151,7 @@ class _Labels:
     each was made."""
 
     _COLUMNS = {"p": np.float64, "t": np.float64, "held": np.bool_, "position": np.int64, "option": np.int64,
-                "previous": np.int64, "nested_room": np.float64}
+                "previous": np.int64, "nested_room": np.float64, "live": np.bool_}
 
     def __init__(self, capacity: int = 1024):
         self.size = 0
@@ -199,10 +202,12 @@ class _Prefixes:
         self.labels = _Labels()
         self.labels.append(p=np.zeros(1), t=np.zeros(1), held=np.zeros(1, dtype=bool),
                            position=np.zeros(1, dtype=np.int64),
-                           option=np.full(1, _ROOT), previous=np.full(1, -1), nested_room=np.full(1, np.nan))
+                           option=np.full(1, _ROOT), previous=np.full(1, -1), nested_room=np.full(1, np.nan),
+                           live=np.ones(1, dtype=bool))
         # (time, label whose plan ends with the stored segment, its stored codec)
         self.best = (math.inf, -1, 0)
         self.alive = np.arange(1)  # the labels that may still extend (_extend_to)
+        self.sweeps = {}  # option -> _Sweep, from the first b where more than _SWEPT labels extend
 
     def fastest(self) -> Optional[tuple]:
         """(extra seconds, segments) of the fastest plan, or None when none fits."""
@@ -211,6 +216,8 @@ class _Prefixes:
             frontier = self._extend_to(b)
             self._finish_at(b, frontier)
             self.alive = np.concatenate((self.alive, frontier))
+            for sweep in self.sweeps.values():
+                sweep.add(self.labels, frontier)
             if not self.alive.size:  # no label extends any further
                 break
         if self.best[1] < 0:
@@ -229,7 +236,8 @@ class _Prefixes:
                                         self.model.reused_input[b])]
         labels, first = self.labels, self.labels.size
         labels.append(p=new_p[keep], t=new_t[keep], held=new_held[keep], position=np.full(keep.size, b),
-                      option=option[keep], previous=previous[keep], nested_room=room[keep])
+                      option=option[keep], previous=previous[keep], nested_room=room[keep],
+                      live=np.ones(keep.size, dtype=bool))
         return np.arange(first, labels.size)
 
     def _sources(self, b: int) -> np.ndarray:
@@ -243,52 +251,98 @@ class _Prefixes:
         lowest = labels["p"][alive] + model.backward[a, b] - np.where(held, model.reused_saved[a], 0.0) + self.carry
         if self.nested is not None:  # a nested segment's backward holds less: its own floor
             lowest = np.minimum(lowest, labels["p"][alive] + self.nested_floor[a, b])
-        self.alive = alive[(lowest <= self.headroom) & (labels["t"][alive] < self.best[0])]
+        extends = (lowest <= self.headroom) & (labels["t"][alive] < self.best[0])
+        labels["live"][alive[~extends]] = False
+        self.alive = alive[extends]
         return self.alive
 
     def _candidates(self, b: int, source: np.ndarray) -> tuple:
-        """(P, T, bit, option, previous label) of every allowed extension of the labels
-        ``source`` (in order of position) to b."""
-        labels, model, carry = self.labels, self.model, np.array([self.carry])
-        p, t, held = labels["p"][source], labels["t"][source], labels["held"][source]
-        # A segment's terms depend on the label only through its start and bit: read
-        # them once per start and bit, [bit, start], then for each label.
-        positions = labels["position"][source]
-        first_of_start = np.diff(positions, prepend=-1) != 0
-        starts, start_of = positions[first_of_start], np.cumsum(first_of_start) - 1
-        bits = np.array([[False], [True]]) if held.any() else np.array([[False]])
-        at = (held.astype(np.int64), start_of)
-        parts = []
-
-        def extend(ok, kept, seconds, holds, option, room=None) -> None:
-            ok = np.nonzero(ok)[0]
-            if ok.size:
-                kept = np.broadcast_to(kept, (len(bits), starts.size))  # one row where no bit matters
-                room = np.full(ok.size, np.nan) if room is None else room[ok]
-                parts.append((p[ok] + kept[at][ok], t[ok] + seconds[ok], holds[ok], np.full(ok.size, option),
-                              source[ok], room))
-
-        if model.store_middle:  # any length up to the first join (CostModel.stored_middle_reach)
-            working = model.stored_middle_working_set(starts[None], b, carry, bits)[..., 0]
-            ok = (model.stored_middle_reach[starts] >= b)[start_of] & (p + working[at] <= self.headroom)
-            extend(ok, model.stored_middle_kept(starts[None], b, bits), np.zeros(source.size),
-                   model.stored_middle_holds_output(starts, b)[start_of], _STORED)
-        near = (positions >= b - self.longest) if self.longest < model.n else True
+        """(P, T, bit, option, previous label, nested room) of the extensions to b of
+        the labels ``source`` (in order of position) that may be on the frontier:
+        every allowed one, less those a _Sweep shows beaten. In the order of a stable
+        Pareto sort's ties: stored middle segments, each option, nested segments;
+        within each, by label."""
+        model, labels, parts, everyone = self.model, self.labels, [], None
+        window = _Window(model, int(labels["position"][source[0]]), b, self.carry)
+        if model.store_middle:
+            parts.append(self._stored_middle_extensions(window))
         for o in range(len(model.options)):
-            ok = near & (p + model.working_set(o, starts[None], b, carry, bits)[..., 0][at] <= self.headroom)
-            extend(ok, model.kept(o, starts[None], b, bits), model.seconds(o, starts, b)[start_of],
-                   np.zeros(source.size, dtype=bool), o)
+            if not model.options[o].offload and source.size > _SWEPT and o not in self.sweeps:
+                self.sweeps[o] = _Sweep(model, o)
+                self.sweeps[o].add(labels, source)
+            if o in self.sweeps:
+                batch, (ok, times) = self._swept(o, window)
+            else:
+                batch = everyone = everyone or _Batch(labels, source, window)
+                ok, times = self._usable(o, batch)
+            parts.append(batch.extensions(ok, window.kept(o), times, False, o))
         if self.nested is not None:  # after the plain options, so that they win ties
+            batch = everyone or _Batch(labels, source, window)
             for o in exact_options(model):
-                room = self.headroom - p - nested_model.held_outside(model, o, starts, b)[start_of] - carry[0]
-                seconds = self.nested.time(positions, b, room)
-                ok = near & np.isfinite(seconds)
-                extend(ok, model.kept(o, starts[None], b), model.seconds(o, starts, b)[start_of] + seconds,
-                       np.zeros(source.size, dtype=bool), o, room)
-        if not parts:
-            empty = np.empty(0)
-            return empty, empty, empty.astype(bool), empty.astype(np.int64), empty.astype(np.int64), empty
+                start = batch.at[1]
+                room = self.headroom - batch.p - nested_model.held_outside(model, o, window.starts, b)[start] - self.carry
+                seconds = model.seconds(o, window.starts, b)[start] + self.nested.time(batch.positions, b, room)
+                ok = self._near(batch) & np.isfinite(seconds)
+                parts.append(batch.extensions(ok, window.kept(o), batch.t + seconds, False, o, room))
         return tuple(np.concatenate(columns) for columns in zip(*parts))
+
+    def _swept(self, o: int, window: "_Window") -> tuple:
+        """(batch, (ok, T)) of the labels whose extension to b by option o (kept on the
+        device) may be on the frontier: those of its sweep's staircase where each
+        extends and keeps anything, else those one pass over the sweep finds; and
+        every label from which the segment keeps nothing (then P + R = P: outside the
+        sweep's order)."""
+        labels, sweep, b = self.labels, self.sweeps[o], window.b
+        keeps_nothing = self._alive_from(self.model.last_saver[b - 1] + 1)
+        staircase = sweep.staircase(labels["live"])
+        batch = _Batch(labels, np.concatenate((staircase, keeps_nothing)), window)
+        found = self._usable(o, batch)
+        on_staircase = slice(staircase.size)
+        if not (found[0][on_staircase] & self.model.saves(batch.positions[on_staircase], b)).all():
+            everyone = _Batch(labels, sweep.everyone(labels["live"]), window)
+            chosen = sweep.undominated(*self._usable(o, everyone, saving=True))
+            batch = _Batch(labels, np.concatenate((chosen, keeps_nothing)), window)
+            found = self._usable(o, batch)
+        return batch, found
+
+    def _near(self, batch: "_Batch"):
+        """Whether a checkpointed segment from each label to b holds at most ``longest``
+        layers."""
+        return (batch.positions >= batch.window.b - self.longest) if self.longest < self.model.n else True
+
+    def _usable(self, o: int, batch: "_Batch", saving: bool = False) -> tuple:
+        """(ok, T) of extending each label of ``batch`` to b with option o: whether it
+        is allowed and fits (and, with ``saving``, keeps anything), and its time; for
+        an option kept on the device, T + t by _Sweep's terms (the time before the
+        start, then the end's), so that its order is the sweep's."""
+        model, b = self.model, batch.window.b
+        ok = self._near(batch) & (batch.p + batch.window.working_set(o)[batch.at] <= self.headroom)
+        if saving:
+            ok &= model.saves(batch.positions, b)
+        if not model.options[o].offload:
+            times = (batch.t + model.seconds_less_end(o, batch.positions)) + model.forward_s_before[b]
+        else:
+            times = batch.t + model.seconds(o, batch.window.starts, b)[batch.at[1]]
+        return ok, times
+
+    def _stored_middle_extensions(self, window: "_Window") -> tuple:
+        """The extensions to b by a stored middle segment: from the labels at the
+        positions whose first join is at or after b (CostModel.stored_middle_reach)."""
+        model, b, reach = self.model, window.b, self.model.stored_middle_reach
+        reaching = window.starts[reach[window.starts] >= b]
+        chosen = self._alive_from(reaching[0] if reaching.size else b)
+        batch = _Batch(self.labels, chosen[reach[self.labels["position"][chosen]] >= b], window)
+        starts = window.starts[None]
+        working = model.stored_middle_working_set(starts, b, np.array([self.carry]), _BITS)[..., 0]
+        ok = batch.p + working[batch.at] <= self.headroom
+        holds = model.stored_middle_holds_output(window.starts, b)[batch.at[1]]
+        return batch.extensions(ok, model.stored_middle_kept(starts, b, _BITS), batch.t, holds, _STORED)
+
+    def _alive_from(self, position: int) -> np.ndarray:
+        """The labels that may extend, at ``position`` or later (labels are made in
+        order of position)."""
+        first = np.searchsorted(self.labels["position"], position, side="left")
+        return self.alive[np.searchsorted(self.alive, first):]
 
     def _finish_at(self, s: int, at: np.ndarray) -> None:
         """End the plans of labels ``at`` (position s) with the stored segment [s, n),
@@ -323,6 +377,132 @@ class _Prefixes:
                 nested.append(None if math.isnan(room) else self.nested.tree(start, stop, room))
             label = previous
         return stops[::-1], nested[::-1]
+
+
+_BITS = np.array([[False], [True]])  # the held bit as a column: tables are [bit, start]
+
+
+class _Window:
+    """The starts [lo, b) of the labels that may extend to b, and the terms of the
+    segments [start, b) over them as [bit, start - lo] tables, each built once."""
+
+    def __init__(self, model: CostModel, lo: int, b: int, carry: float):
+        self.model, self.lo, self.b, self.carry = model, lo, b, np.array([carry])
+        self.starts = np.arange(lo, b)
+        self._working_sets = {}
+
+    def working_set(self, o: int) -> np.ndarray:
+        """W + C of option o."""
+        if o not in self._working_sets:
+            self._working_sets[o] = self.model.working_set(o, self.starts[None], self.b, self.carry, _BITS)[..., 0]
+        return self._working_sets[o]
+
+    def kept(self, o: int) -> np.ndarray:
+        """R of option o."""
+        return np.broadcast_to(self.model.kept(o, self.starts[None], self.b, _BITS), (2, self.starts.size))
+
+
+class _Batch:
+    """Labels extending to b and what a segment from each reads: P, T, the held bit,
+    the position, and ``at`` = (bit, position - lo) into the window's tables (a
+    segment's terms depend on a label only through its start and bit)."""
+
+    def __init__(self, labels: _Labels, chosen: np.ndarray, window: _Window):
+        self.chosen, self.window = chosen, window
+        self.p, self.t, self.held = labels["p"][chosen], labels["t"][chosen], labels["held"][chosen]
+        self.positions = labels["position"][chosen]
+        self.at = (self.held.astype(np.int64), self.positions - window.lo)
+
+    def extensions(self, ok, kept, times, holds, option: int, room=None) -> tuple:
+        """(P, T, bit, option, previous label, nested room) of the extensions ``ok``
+        (a mask over the labels): P + ``kept`` (a [bit, start] table), ``times`` their
+        T, ``holds`` their new bit."""
+        ok = np.nonzero(ok)[0]
+        kept = np.broadcast_to(kept, (2, self.window.starts.size))
+        return (self.p[ok] + kept[self.at[0][ok], self.at[1][ok]], times[ok],
+                np.broadcast_to(holds, self.p.shape)[ok], np.full(ok.size, option), self.chosen[ok],
+                np.full(ok.size, np.nan) if room is None else room[ok])
+
+
+_SWEPT = 2048  # more labels extending than this: a _Sweep reads fewer (below, its upkeep costs more)
+
+
+class _Sweep:
+    """The labels that may extend by one option o kept on the device, in the order of
+    their extensions: P + R(a, b, o) = (P + CostModel.kept_from_start(o, a)) + a term
+    of b alone, exactly (whole bytes), and T + t(a, b, o) = (T +
+    CostModel.seconds_less_end(o, a)) + the forward time before b, a sum whose order
+    adding the same term keeps. So one order, by those keys (then by label), serves
+    every b, kept up to date as labels come and go instead of sorted at each b.
+
+    An extension whose T is no less than that of an earlier feasible one is beaten or
+    equalled by it (no smaller P, both unheld; of equal ones the earlier, smaller
+    label stays, as in _sorted_pareto): it cannot be on the frontier. The staircase
+    of the keys (the labels whose T key is below every earlier one's) changes only as
+    labels come and go; where each of its labels is live and its extension feasible,
+    the extensions that may be on the frontier are among the staircase's, and no
+    other label is read. Else one pass of running minima over every live label finds
+    them. At a 30% budget on 1,000 layers, some 20,000 labels are live and about 400
+    on the staircase (tests/planning/test_solver.py prints the time)."""
+
+    def __init__(self, model: CostModel, o: int):
+        self.model, self.o = model, o
+        self.labels, self.p_keys, self.t_keys = np.empty(0, dtype=np.int64), np.empty(0), np.empty(0)
+        self.staircase_at = np.empty(0, dtype=np.int64)  # indices into labels
+
+    def add(self, labels: _Labels, new: np.ndarray) -> None:
+        """Merge the labels ``new`` (increasing) in, where option o is allowed at their
+        position."""
+        new = new[self.model.allowed[self.o, labels["position"][new]]]
+        positions, held = labels["position"][new], labels["held"][new]
+        p_keys = labels["p"][new] + self.model.kept_from_start(self.o, positions, held)
+        t_keys = labels["t"][new] + self.model.seconds_less_end(self.o, positions)
+        order = np.argsort(p_keys, kind="stable")  # equal keys by label
+        at = np.searchsorted(self.p_keys, p_keys[order], side="right")
+        # Where each old and each new label lands: the new ones after the old of equal key.
+        new_at = at + np.arange(at.size)
+        old_at = np.ones(self.labels.size + at.size, dtype=bool)
+        old_at[new_at] = False
+        merged = []
+        for column, values in ((self.labels, new), (self.p_keys, p_keys), (self.t_keys, t_keys)):
+            both = np.empty(old_at.size, dtype=column.dtype)
+            both[old_at], both[new_at] = column, values[order]
+            merged.append(both)
+        # The new labels may join the staircase; no label off it comes back on.
+        on = self.staircase_at
+        candidates = np.sort(np.concatenate((on + np.searchsorted(at, on, side="right"), new_at)))
+        self.labels, self.p_keys, self.t_keys = merged
+        self.staircase_at = candidates[_below_every_earlier(self.t_keys[candidates])]
+
+    def staircase(self, live: np.ndarray) -> np.ndarray:
+        """The labels of the staircase, increasing; ``live``: a flag per label, whether
+        it still extends."""
+        if not live[self.labels[self.staircase_at]].all():
+            self._leave(live)
+        return np.sort(self.labels[self.staircase_at])
+
+    def everyone(self, live: np.ndarray) -> np.ndarray:
+        """Every label that still extends, in key order."""
+        self._leave(live)
+        return self.labels
+
+    def undominated(self, ok: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """Of :meth:`everyone`, given whether each extension is allowed, fits and keeps
+        anything (``ok``) and its T, those below every earlier one, increasing."""
+        return np.sort(self.labels[_below_every_earlier(np.where(ok, times, np.inf))])
+
+    def _leave(self, live: np.ndarray) -> None:
+        """Drop the labels that no longer extend (for good: _Prefixes._sources)."""
+        stay = live[self.labels]
+        if not stay.all():
+            self.labels, self.p_keys, self.t_keys = self.labels[stay], self.p_keys[stay], self.t_keys[stay]
+            self.staircase_at = np.nonzero(_below_every_earlier(self.t_keys))[0]
+
+
+def _below_every_earlier(values: np.ndarray) -> np.ndarray:
+    """Whether each value is below every one before it."""
+    least = np.minimum.accumulate(values)
+    return least < np.concatenate(([np.inf], least[:-1]))
 
 
 _SAMPLED = 1024  # pairs whose frontier screens the rest before the full sort

@@ -47,6 +47,15 @@ def views_chain() -> list:
     return [nn.Linear(32, 64), nn.ReLU(), nn.Unflatten(1, (8, 8)), nn.Flatten(), nn.Tanh(), nn.Linear(64, 32)]
 
 
+@pytest.fixture(params=["direct", "swept"])
+def reading(request, monkeypatch):
+    """The time DP reading every label at each b ("direct"), or through its sweeps
+    from the first b ("swept"; solver._Sweep, else used from _SWEPT labels on)."""
+    if request.param == "swept":
+        monkeypatch.setattr(solver, "_SWEPT", 0)
+    return request.param
+
+
 # Tanh, Sigmoid and ReLU save their outputs: a stored segment ending after one holds the
 # next segment's input (memory_model.py, "A tensor at a stored boundary").
 @pytest.mark.parametrize("device, n, kinds", [("cpu", 6, ["gelu", "relu", "residual"]),
@@ -54,7 +63,7 @@ def views_chain() -> list:
                                               ("cpu", 6, "views"),
                                               ("cuda", 4, ["gelu", "relu", "residual"]),
                                               ("cuda", 4, ["sigmoid", "tanh"])])
-def test_dynamic_program_agrees_with_brute_force(device, n, kinds):
+def test_dynamic_program_agrees_with_brute_force(device, n, kinds, reading):
     layers = views_chain() if kinds == "views" else chain(kinds, [64, 32, 64])
     model = CheckpointedSequential(*layers[:n])
     prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
@@ -88,7 +97,7 @@ def test_the_frontier_keeps_a_held_label_that_an_unheld_one_beats_by_less_than_t
 
 
 @pytest.mark.parametrize("longest", [1, 2])
-def test_dynamic_program_with_short_checkpointed_segments_agrees_with_brute_force(longest):
+def test_dynamic_program_with_short_checkpointed_segments_agrees_with_brute_force(longest, reading):
     # Blocks that the model's own loop calls can only be checkpointed one by one.
     n = 6
     model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
@@ -126,6 +135,37 @@ def test_balanced_agrees_with_brute_force_over_fixed_options(device, n):
     # The fewest layers recomputed among the smallest-peak plans (a meta profile has no times).
     fewest = min(p.starts[-1] for p in every_plan if p.predicted_peak_bytes == planned.predicted_peak_bytes)
     assert planned.starts[-1] == fewest
+
+
+def test_sweeps_find_the_plans_that_reading_every_label_finds(monkeypatch):
+    # 120 timed layers of every kind (Flatten-free, so that every segment keeps its
+    # input; views_chain covers the others above), lossy options and stored middle
+    # segments: at each budget the sweeps read a few labels, and the plan is the same.
+    kinds = ["relu", "gelu", "tanh", "sigmoid", "dropout", "layernorm", "residual"]
+    torch.manual_seed(0)
+    widths = [16, 64, 32, 128, 48]
+    layers = chain([kinds[i % len(kinds)] for i in range(60)], [widths[i % len(widths)] for i in range(60)])
+    prof = actsave.profile(nn.Sequential(*layers), (torch.randn(16, 32),))
+    everything = plans.predict(prof, [0]).predicted_peak_bytes
+    smallest = actsave.plan(prof, None, objective="memory").predicted_peak_bytes
+    read = {"labels": 0}
+    undominated = solver._Sweep.undominated
+
+    def counting(sweep, ok, times):
+        read["labels"] += ok.size
+        return undominated(sweep, ok, times)
+
+    for share in (1.0, 0.5, 0.2, 0.05, 0.0):
+        budget = int(smallest + share * (everything - smallest))
+        monkeypatch.setattr(solver, "_SWEPT", 10**9)
+        direct = actsave.plan(prof, budget)
+        monkeypatch.setattr(solver, "_SWEPT", 0)
+        monkeypatch.setattr(solver._Sweep, "undominated", counting)
+        swept = actsave.plan(prof, budget)
+        assert (swept.starts, swept.codecs, swept.stored, swept.stored_codec) == (
+            direct.starts, direct.codecs, direct.stored, direct.stored_codec)
+        assert swept.predicted_step_seconds == direct.predicted_step_seconds
+    assert read["labels"] > 0  # some b fell back to one pass over every label
 
 
 def test_dynamic_program_time_for_1000_layers_is_printed(capsys):
