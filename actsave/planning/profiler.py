@@ -298,11 +298,13 @@ class _SaveLedger:
             entry[2] = self.layer
         pool = self.pools.window_of(t)
         if pool is not None:
-            self._count_pool(t, *pool)
+            pool = _PoolSample(*pool, tuple(t.shape))
+            self._count_pool(t, pool)
         elif relu_signs.is_relu_output(t) and self._relu_saves.is_first(t):
             self._count_relu_output(t)
         # Detached: holding the output itself would be a reference cycle.
-        return t.detach(), self.as_stored.pack(t, self.layer, self.tracker.live - self.live_before[self.layer])
+        rise = self.tracker.live - self.live_before[self.layer]
+        return t.detach(), self.as_stored.pack(t, self.layer, rise, pool)
 
     def _count_relu_output(self, t: torch.Tensor) -> None:
         bits = self.relu_bits.setdefault(self.layer, [0, 0])
@@ -310,10 +312,10 @@ class _SaveLedger:
         bits[0] += nbytes
         bits[1] = max(bits[1], t.numel())  # restores run one ReLU at a time
 
-    def _count_pool(self, indices: torch.Tensor, window: Window, input_size: tuple) -> None:
+    def _count_pool(self, indices: torch.Tensor, pool: "_PoolSample") -> None:
         counted = self.pool_decisions.setdefault(self.layer, [0, []])
-        counted[0] += allocation_bytes(window.packed_bytes(indices.numel()), self.device)
-        counted[1].append(_PoolSample(window, input_size, tuple(indices.shape)))
+        counted[0] += allocation_bytes(pool.window.packed_bytes(indices.numel()), self.device)
+        counted[1].append(pool)
 
     def unpack(self, saved):
         t, save = saved
@@ -330,13 +332,20 @@ class _SaveLedger:
 
 class _StoredEntry:
     """A tensor as a stored segment's codec would store it: what it is, whether the
-    codec encodes it, whether it is a ReLU output, the first and last layer saving it."""
+    codec encodes it, whether it is a ReLU output, a max pool's indices (``pool``,
+    stored as its window decisions: runtime/compressed_saves.py), the first and last
+    layer saving it."""
 
-    __slots__ = ("first", "last", "relu", "spec")
+    __slots__ = ("first", "last", "pool", "relu", "spec")
 
-    def __init__(self, t: torch.Tensor, layer: int):
-        self.spec, self.relu = _Spec.of(t), relu_signs.is_relu_output(t)
+    def __init__(self, t: torch.Tensor, layer: int, pool: Optional["_PoolSample"] = None):
+        self.spec, self.relu, self.pool = _Spec.of(t), relu_signs.is_relu_output(t), pool
         self.first = self.last = layer
+
+    @property
+    def coded(self) -> bool:
+        """Whether a lossy codec stores it other than as it is (decoded in backward)."""
+        return self.spec.encodable or self.pool is not None
 
 
 class _SavesAsStored:
@@ -365,10 +374,13 @@ class _SavesAsStored:
         for handle in self._handles:
             handle.remove()
 
-    def pack(self, t: torch.Tensor, layer: int, rise: int) -> Optional[int]:
+    def pack(self, t: torch.Tensor, layer: int, rise: int, pool: Optional["_PoolSample"] = None) -> Optional[int]:
         """Note one save of ``t`` by ``layer``, the layer's live bytes having risen by
-        ``rise``; returns its index (None: held elsewhere, as the batch)."""
-        if should_encode(t):
+        ``rise``; returns its index (None: held elsewhere, as the batch). ``pool``: ``t``
+        is that max pool's indices, stored anew at each save."""
+        if pool is not None:
+            key = ("pool indices", len(self.saves))
+        elif should_encode(t):
             key = stored_once_key(t) or ("stored anew", len(self.saves))
         elif id(t.untyped_storage()) in self._ignored:
             return None
@@ -376,7 +388,7 @@ class _SavesAsStored:
             key = ("as it is", id(t.untyped_storage()))
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = _StoredEntry(t, layer)
+            entry = self.entries[key] = _StoredEntry(t, layer, pool)
         entry.last = layer
         self.saves.append((key, layer, rise))
         return len(self.saves) - 1
@@ -749,21 +761,22 @@ def _stored_saves(found: _Structure, costs: _CodecCosts) -> StoredSaves:
     and one decoding's temporaries, and the whole layer's rise is charged the most one
     node decodes (memory_model.py). Both hold the profiled step's tensors as if the
     codec freed none, so they bound the codec's step from above. A ReLU output's
-    decisions are counted as restored at every decode."""
+    decisions are counted as restored at every decode; a max pool's indices are kept
+    as its window decisions, whatever the codec, and restored to int64 at decode."""
     recorded, n = found.as_stored, len(found.inputs)
     encode_rise, decode_rise = ([dict.fromkeys(LOSSY_CODECS, 0) for _ in range(n)] for _ in range(2))
     decode_s, decoded_bytes = [dict.fromkeys(LOSSY_CODECS, 0.0) for _ in range(n)], [0] * n
     for key, layer, rise in recorded.saves:
         entry = recorded.entries[key]
-        if entry.spec.encodable:
+        if entry.coded:
             for codec in LOSSY_CODECS:
                 encoding = rise + _encode_extra(entry, codec, costs)
                 encode_rise[layer][codec] = max(encode_rise[layer][codec], encoding)
-                decode_s[layer][codec] += costs.of(entry.spec)[codec].decode_s
+                decode_s[layer][codec] += 0.0 if entry.pool else costs.of(entry.spec)[codec].decode_s
     for saves, started_at in recorded.nodes:
         layer = recorded.saves[saves[0]][1]
         entries = [recorded.entries[recorded.saves[save][0]] for save in saves]
-        entries = [entry for entry in entries if entry.spec.encodable]
+        entries = [entry for entry in entries if entry.coded]
         dense = [allocation_bytes(entry.spec.dense_bytes, costs.device) for entry in entries]
         decoded_bytes[layer] = max(decoded_bytes[layer], sum(dense))
         # A node whose start was not seen (its layer's backward began elsewhere) is
@@ -783,17 +796,29 @@ def _stored_saves(found: _Structure, costs: _CodecCosts) -> StoredSaves:
 
 
 def _stored_tensor(entry: _StoredEntry, costs: _CodecCosts) -> StoredTensor:
-    keep = costs.of(entry.spec)
     signs = costs.sign_bytes(math.prod(entry.spec.shape)) if entry.relu and entry.spec.encodable else 0
     return StoredTensor(first=entry.first, last=entry.last,
-                        kept_bytes={codec: keep[codec].kept + signs for codec in LOSSY_CODECS}, sign_bytes=signs,
-                        encode_s={codec: keep[codec].encode_s for codec in LOSSY_CODECS})
+                        kept_bytes={codec: _kept(entry, codec, costs) + signs for codec in LOSSY_CODECS},
+                        sign_bytes=signs,
+                        encode_s={codec: 0.0 if entry.pool else costs.of(entry.spec)[codec].encode_s
+                                  for codec in LOSSY_CODECS})
+
+
+def _kept(entry: _StoredEntry, codec: str, costs: _CodecCosts) -> int:
+    """What the codec keeps of the tensor: a max pool's indices as its window's
+    decisions (every codec alike), else as the codec encodes it."""
+    if entry.pool is not None:
+        return allocation_bytes(entry.pool.window.packed_bytes(math.prod(entry.spec.shape)), costs.device)
+    return costs.of(entry.spec)[codec].kept
 
 
 def _encode_extra(entry: _StoredEntry, codec: str, costs: _CodecCosts) -> int:
-    """The rise while a save is stored (encoded, then its ReLU bits packed), beyond
-    what stays."""
-    kept = costs.of(entry.spec)[codec].kept
+    """The rise while a save is stored (encoded, then its ReLU bits packed; a max
+    pool's indices packed as decisions, charged the larger of packing and restoring
+    them: _CodecCosts.pool_restore_rise), beyond what stays."""
+    kept = _kept(entry, codec, costs)
+    if entry.pool is not None:
+        return max(0, costs.pool_restore_rise([entry.pool]) - kept)
     rise = costs.of(entry.spec)[codec].encode_rise
     if entry.relu:
         elements = math.prod(entry.spec.shape)
@@ -802,8 +827,10 @@ def _encode_extra(entry: _StoredEntry, codec: str, costs: _CodecCosts) -> int:
 
 
 def _decode_rise(entry: _StoredEntry, codec: str, costs: _CodecCosts) -> int:
-    """The rise while a save is decoded (and its ReLU decisions restored), the decoded
-    tensor included."""
+    """The rise while a save is decoded (and its ReLU decisions restored; a max pool's
+    indices restored from its decisions), the decoded tensor included."""
+    if entry.pool is not None:
+        return allocation_bytes(entry.spec.dense_bytes, costs.device) + costs.pool_restore_rise([entry.pool])
     rise = costs.of(entry.spec)[codec].decode_rise
     if entry.relu:
         dense = allocation_bytes(entry.spec.dense_bytes, costs.device)
