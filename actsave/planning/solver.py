@@ -283,7 +283,8 @@ class _Prefixes:
                 room = self.headroom - batch.p - nested_model.held_outside(model, o, window.starts, b)[start] - self.carry
                 seconds = model.seconds(o, window.starts, b)[start] + self.nested.time(batch.positions, b, room)
                 ok = self._near(batch) & np.isfinite(seconds)
-                parts.append(batch.extensions(ok, window.kept(o), batch.t + seconds, False, o, room))
+                kept = model.kept(o, window.starts, b)[None]  # whatever the bit, as nested_model.py prices it
+                parts.append(batch.extensions(ok, kept, batch.t + seconds, False, o, room))
         return tuple(np.concatenate(columns) for columns in zip(*parts))
 
     def _swept(self, o: int, window: "_Window") -> tuple:

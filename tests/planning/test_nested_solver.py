@@ -1,12 +1,14 @@
 """The nested dynamic program (planning/nested_solver.py): its table against every
 tree of short ranges, the trees it returns against nested_model.py, and the plans the
 planner makes with it, applied and trained."""
+import dataclasses
 import functools
 import itertools
 
 import numpy as np
 import pytest
 import torch
+from planning.chains import chain
 from support import deep_mlp, mixed_chain, peak_activation_bytes, train_step, twin
 
 import actsave
@@ -112,3 +114,25 @@ def test_a_limit_on_checkpointed_layers_plans_single_level():
     smallest = actsave.plan(timed, None, objective="memory", allow=("recompute",)).predicted_peak_bytes
     with pytest.raises(actsave.ConfigError, match="no plan fits"):
         actsave.plan(timed, int(0.85 * smallest), allow=("recompute",), max_checkpointed_layers=8)
+
+
+def test_a_nested_segment_after_a_stored_one_is_charged_its_whole_input():
+    # A stored middle segment whose saves hold the next segment's input lets a plain
+    # checkpoint there keep less (memory_model.py, "A tensor at a stored boundary");
+    # nested_model.py prices a nested segment without that, and the solver must too:
+    # charged less, it chose plans whose predicted peak is above their budget.
+    layers = chain(["relu", "batchnorm", "batchnorm", "batchnorm", "batchnorm"], [16, 64, 64, 64, 16])
+    prof = actsave.profile(torch.nn.Sequential(*layers), (torch.randn(64, 32),))
+    prof = dataclasses.replace(prof, layers=tuple(  # fixed times: the same plans every run
+        dataclasses.replace(layer, forward_s=1e-3 * (1 + i % 3), backward_s=2e-3) for i, layer in
+        enumerate(prof.layers)))
+    smallest = actsave.plan(prof, None, objective="memory", allow=("recompute",)).predicted_peak_bytes
+    nested_after_stored = 0
+    for budget in np.linspace(0.6 * smallest, plans.predict(prof, [0]).predicted_peak_bytes, 60).astype(int):
+        try:
+            plan = actsave.plan(prof, int(budget), allow=("recompute",))  # raises InternalError above budget
+        except actsave.ConfigError:
+            continue
+        nested_after_stored += any(stored and nested is not None
+                                   for stored, nested in zip(plan.stored, plan.nested[1:]))
+    assert nested_after_stored
