@@ -54,7 +54,7 @@ from ..runtime.nested import Range
 from . import nested_model
 
 GRID = 512  # at least this many grid steps over the headroom, fewer than twice as many
-MAX_LAYERS = 64  # longer chains plan single-level segments only (module docstring, "Cost")
+MAX_LAYERS = 128  # longer chains plan single-level segments only (module docstring, "Cost")
 _INFEASIBLE = np.inf
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential
-from actsave.planning import plans, solver
+from actsave.planning import nested_solver, plans, solver
 from actsave.runtime.store import KeepPolicy
 
 STORED = "stored"  # in all_plans' options: a stored (not checkpointed) segment before the last
@@ -138,14 +138,16 @@ def test_balanced_agrees_with_brute_force_over_fixed_options(device, n):
 
 
 def test_sweeps_find_the_plans_that_reading_every_label_finds(monkeypatch):
-    # 120 timed layers of every kind (Flatten-free, so that every segment keeps its
-    # input; views_chain covers the others above), lossy options and stored middle
-    # segments: at each budget the sweeps read a few labels, and the plan is the same.
+    # 130 timed layers of every kind (Flatten-free, so that every segment keeps its
+    # input; views_chain covers the others above; more than nested_solver.MAX_LAYERS,
+    # so single-level), lossy options and stored middle segments: at each budget the
+    # sweeps read a few labels, and the plan is the same.
     kinds = ["relu", "gelu", "tanh", "sigmoid", "dropout", "layernorm", "residual"]
     torch.manual_seed(0)
     widths = [16, 64, 32, 128, 48]
-    layers = chain([kinds[i % len(kinds)] for i in range(60)], [widths[i % len(widths)] for i in range(60)])
+    layers = chain([kinds[i % len(kinds)] for i in range(65)], [widths[i % len(widths)] for i in range(65)])
     prof = actsave.profile(nn.Sequential(*layers), (torch.randn(16, 32),))
+    assert len(prof.layers) > nested_solver.MAX_LAYERS
     everything = plans.predict(prof, [0]).predicted_peak_bytes
     smallest = actsave.plan(prof, None, objective="memory").predicted_peak_bytes
     read = {"labels": 0}
