@@ -772,7 +772,7 @@ def _stored_saves(found: _Structure, costs: _CodecCosts) -> StoredSaves:
             for codec in LOSSY_CODECS:
                 encoding = rise + _encode_extra(entry, codec, costs)
                 encode_rise[layer][codec] = max(encode_rise[layer][codec], encoding)
-                decode_s[layer][codec] += 0.0 if entry.pool else costs.of(entry.spec)[codec].decode_s
+                decode_s[layer][codec] += 0.0 if entry.pool is not None else costs.of(entry.spec)[codec].decode_s
     for saves, started_at in recorded.nodes:
         layer = recorded.saves[saves[0]][1]
         entries = [recorded.entries[recorded.saves[save][0]] for save in saves]
@@ -800,7 +800,7 @@ def _stored_tensor(entry: _StoredEntry, costs: _CodecCosts) -> StoredTensor:
     return StoredTensor(first=entry.first, last=entry.last,
                         kept_bytes={codec: _kept(entry, codec, costs) + signs for codec in LOSSY_CODECS},
                         sign_bytes=signs,
-                        encode_s={codec: 0.0 if entry.pool else costs.of(entry.spec)[codec].encode_s
+                        encode_s={codec: 0.0 if entry.pool is not None else costs.of(entry.spec)[codec].encode_s
                                   for codec in LOSSY_CODECS})
 
 

@@ -334,7 +334,7 @@ class _Prefixes:
         chosen = self._alive_from(reaching[0] if reaching.size else b)
         batch = _Batch(self.labels, chosen[reach[self.labels["position"][chosen]] >= b], window)
         starts = window.starts[None]
-        working = model.stored_middle_working_set(starts, b, np.array([self.carry]), _BITS)[..., 0]
+        working = model.stored_middle_working_set(starts, b, window.carry, _BITS)[..., 0]
         ok = batch.p + working[batch.at] <= self.headroom
         holds = model.stored_middle_holds_output(window.starts, b)[batch.at[1]]
         return batch.extensions(ok, model.stored_middle_kept(starts, b, _BITS), batch.t, holds, _STORED)
