@@ -141,8 +141,9 @@ class Plan:
             if self.stored[j] or get_codec(self.codecs[j]).name != "none" or self.offload[j]:
                 what = "stored" if self.stored[j] else f"kept by codec {self.codecs[j]!r}, offload {self.offload[j]}"
                 raise ConfigError(
-                    f"plan segment {j} nests checkpoints (nested[{j}] is a Range) but is {what}: only an exact checkpointed segment on the device nests; give it codec 'none', offload "
-                    "False and stored False, or nested None")
+                    f"plan segment {j} nests checkpoints (nested[{j}] is a Range) but is {what}: only an exact "
+                    "checkpointed segment on the device nests; give it codec 'none', offload False and stored "
+                    "False, or nested None")
             if r.start != 0 or r.stop != length or not r.recomputed:
                 raise ConfigError(f"plan nested[{j}]={r} must be a recomputed Range over the segment's {length} "
                                   f"layers, Range(0, {length}, inner=...)")

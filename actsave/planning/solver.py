@@ -279,8 +279,8 @@ class _Prefixes:
         if self.nested is not None:  # after the plain options, so that they win ties
             batch = everyone or _Batch(labels, source, window)
             for o in exact_options(model):
-                start = batch.at[1]
-                room = self.headroom - batch.p - nested_model.held_outside(model, o, window.starts, b)[start] - self.carry
+                start, outside = batch.at[1], nested_model.held_outside(model, o, window.starts, b)
+                room = self.headroom - batch.p - outside[start] - self.carry
                 seconds = model.seconds(o, window.starts, b)[start] + self.nested.time(batch.positions, b, room)
                 ok = self._near(batch) & np.isfinite(seconds)
                 kept = model.kept(o, window.starts, b)[None]  # whatever the bit, as nested_model.py prices it

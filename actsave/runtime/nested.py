@@ -1,6 +1,6 @@
 """Nested recompute: a checkpointed run of layers whose recompute keeps checkpoints of
-its own (multi-level checkpointing, as in Beaumont et al. 2019; planning/nested.py
-plans it).
+its own (multi-level checkpointing, as in Beaumont et al. 2019; planning/nested_model.py
+prices it, planning/nested_solver.py chooses it).
 
 NOTE [ Nested recompute ]
 The forward is that of any checkpointed segment (function.py): one frame, every save
