@@ -544,9 +544,25 @@ class CostModel:
         """W(a, b, o) + C for each prefetch bound C in ``carries`` (the last axis of the
         result), for broadcastable arrays of starts and ends (and ``input_held``: after
         a stored middle segment whose saves hold x_a); inf where not allowed."""
+        if np.size(carries) == 1:  # the time DP's case, and every plan without offload
+            held = np.asarray(input_held).astype(np.int64)
+            return self._working_sets_within(o, float(carries[0]))[held, a, b][..., None]
         tables = self.tables
         recompute = (tables.lossy_recompute if self.options[o].lossy else tables.recompute)[a, b]
         return self._working_set(o, a, b, recompute, tables.backward[a, b], carries, input_held)
+
+    def _working_sets_within(self, o: int, carry: float) -> np.ndarray:
+        """[bit, a, b]: W(a, b, o) + ``carry`` of every segment, without (bit 0) and
+        with (bit 1) ``input_held``: computed once per option and carry (the last one
+        asked for), since the solvers read them at every position."""
+        computed = self.__dict__.setdefault("_working_set_tables", {})
+        if o not in computed or computed[o][0] != carry:
+            tables, a, b = self.tables, np.arange(self.n)[:, None], np.arange(self.n)[None, :]
+            recompute = tables.lossy_recompute if self.options[o].lossy else tables.recompute
+            held = np.array([False, True])[:, None, None]
+            table = self._working_set(o, a, b, recompute, tables.backward, np.array([carry]), held)[..., 0]
+            computed[o] = carry, np.broadcast_to(table, (2, self.n, self.n))
+        return computed[o][1]
 
     def stored_middle_working_set(self, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
         """W of the stored middle segment [a, b) + C on its backward events, for each C

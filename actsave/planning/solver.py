@@ -54,9 +54,11 @@ Dynamic program
     vectorized over the candidates C. Stored middle segments widen the frontiers (a
     prefix may keep more bytes to recompute less), to some 20,000 live labels at a
     30% budget on 1,000 layers; once more than _SWEPT labels extend, each option
-    kept on the device reads only those a _Sweep leaves (a few hundred). For 1,000
-    layers, 1.5 to 5.8 s on one shared CPU core (tests/planning/test_solver.py
-    prints it; 8.6 s at 30% before the sweeps);
+    kept on the device reads only those a _Sweep leaves (a few hundred), its W + C
+    gathered from a table of every segment built once per option and carry
+    (CostModel.working_set). For 1,000 layers, 1.2 to 4.0 s on one shared CPU core
+    (tests/planning/test_solver.py prints it; 8.6 s at 30% before the sweeps, 5.8 s
+    before the table);
     balanced plans of ResNet-1001 (339 layers) with int8 and offload, 63 candidates:
     0.3 s.
 """
