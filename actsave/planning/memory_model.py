@@ -39,10 +39,10 @@ Memory model
         backward    O + Saved(a, i) + g_{i+1} + bwd_i
     stored middle [a, b), b < n: R = Saved(a, b-1), autograd's saves, kept from its
     forward to its backward (which recomputes nothing)
-        forward     Saved(a, i-1) + U(i) + fwd_i
+        forward     Saved(a, i-1) + U(i) + [x_a] + fwd_i
         backward    O + Saved(a, i) + g_{i+1} + bwd_i + C
     stored [s, n)
-        forward     Saved(s, i-1) + U(i) + fwd_i
+        forward     Saved(s, i-1) + U(i) + [x_s] + fwd_i
         loss        Saved(s, n-1) + U(n) + L
         backward    O + Saved(s, i) + g_{i+1} + bwd_i
     stored [s, n), saves kept by lossy codec k (runtime/compressed_saves.py)
@@ -75,7 +75,9 @@ Memory model
     Saved(a, i): the distinct storages saved for backward by layers a..i, each
     counted once whichever layers share it; Saved' leaves out the segment input,
     counted by K, F or D. U(i): layer i's input while it runs, unless a layer of
-    the segment before it saved it. g_i: the gradient of layer i's input. fwd_i,
+    the segment before it saved it. [x_s]: the segment's input, s > 0, after its
+    first layer, where no save of the layers before holds it: the caller holds it
+    until the segment's forward returns. g_i: the gradient of layer i's input. fwd_i,
     bwd_i: the rise of live bytes during layer i's forward and backward. The
     recompute stops at the segment's last saved tensor (runtime/function.py), so the last
     saving layer contributes only its rise up to its last save and later layers
@@ -323,14 +325,23 @@ class CostModel:
         saved = self.saved_from(a)
         unsaved = self._unsaved(a, i)
         unsaved_input = 0.0 if a == 0 else self.input[a]  # the chain input is in X
-        stored_forward = np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + self.forward_rise[a:]
+        caller_held = self._held_by_caller(a, i)
+        stored_forward = np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + caller_held + self.forward_rise[a:]
         before_recompute = self._held_before_layers(a, saved, unsaved)
         return _Events(saved=saved,
                        stored_forward=stored_forward,
+                       caller_held=caller_held,
                        loss=self._loss_event(a, saved[-1]),
                        backward=self._backward_events(a, saved, i),
                        recompute=before_recompute + self.forward_rise[a:],
                        recompute_to_last_save=before_recompute + self.rise_to_last_save[a:])
+
+    def _held_by_caller(self, a: int, i: np.ndarray) -> np.ndarray:
+        """[x_a] for i = a .. n-1: after its first layer, the segment's input, which the
+        caller holds until the segment's forward returns (sequential.py), where no save
+        of layers a .. i-1 holds it (X holds the chain input)."""
+        saved_before = (self.input_first[a] <= i - 1) & (self.input_last[a] >= a)
+        return np.where((i > a) & (a > 0) & ~saved_before, self.input[a], 0.0)
 
     def _held_before_layers(self, a: int, saved: np.ndarray, unsaved: np.ndarray) -> np.ndarray:
         """Saved'(a, i-1) + U(i) + B(a, i), for i = a .. n-1: what a recompute from a
@@ -656,7 +667,8 @@ class _Events(NamedTuple):
     at a, one array each (index i - a), in the module docstring's terms."""
 
     saved: np.ndarray  # Saved(a, i): a stored middle segment [a, i+1) keeps these
-    stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + fwd_i: a stored segment's forward
+    stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + [x_a] + fwd_i: a stored segment's forward
+    caller_held: np.ndarray  # [x_a]: the segment's input, held by the caller and no save
     loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
     backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
     recompute: np.ndarray  # Saved'(a, i-1) + U(i) + B(a, i) + fwd_i: the option adds its held bytes
@@ -669,9 +681,10 @@ class _Events(NamedTuple):
 
     def without_input(self, first: float, saved: float) -> "_Events":
         """The stored segment's events when the stored middle segment before holds x_a:
-        ``first`` (x_a) off its first forward event (U(a)), ``saved`` (x_a where
-        Saved(a, .) counts it, else 0) off Saved and every event counting it."""
-        forward = self.stored_forward - saved
+        ``first`` (x_a) off its first forward event (U(a)) and those where the caller
+        holds it ([x_a]), ``saved`` (x_a where Saved(a, .) counts it, else 0) off Saved
+        and every other event counting it."""
+        forward = self.stored_forward - np.where(self.caller_held > 0, first, saved)
         forward[0] = self.stored_forward[0] - first
         return self._replace(saved=self.saved - saved, stored_forward=forward, loss=self.loss - saved,
                              backward=self.backward - saved)
