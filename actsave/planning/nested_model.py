@@ -24,7 +24,10 @@ layer's rise measured with grad, bounds its rise under no_grad. The pass also pi
 its end, the input of each stored part that follows a recomputed one (the leaf that
 gives it the forward's requires_grad is held by the pass's graph), where the part's
 layers do not save it, and the copy an in-place first layer modifies (Q): added to
-the pass events from that part on. A top-level nested
+the pass events from that part on. And each layer the pass runs copies the state its
+forward mutates (BatchNorm statistics, runtime/state.py) as it starts, held to the
+pass's end: B(s, i) within a part (the first part's events count it as any
+recompute's), and the part's B(s, e) in the events of the parts after it. A top-level nested
 segment's working set is W = O + K + Q + C + E(top), O, K, Q and C as for any
 checkpointed segment (memory_model.py), and it keeps R = K until its recompute.
 
@@ -79,7 +82,8 @@ def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None) -> P
     events = model.events_from(s) if events is None else events
     last = stops - s - 1
     own_input = own_input_saved(model, s, stops) if first else 0.0
-    forward = events.recompute if first else events.stored_forward
+    # The first part runs as the recompute's start, whose events count B(s, i) already.
+    forward = events.recompute if first else events.stored_forward + _copies_before(model, s, model.n)
     return Part(kept=events.saved[last] - own_input,
                 during_pass=np.maximum.accumulate(forward)[last],
                 after=np.maximum.accumulate(events.backward - model.held_in_backward)[last] - own_input)
@@ -92,7 +96,7 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
     beyond its E(part): R and the private copy an in-place first layer recomputes from."""
     kept = 0.0 if first else float(model.input[s])
     later = np.arange(s, stops.max())
-    inputs = np.where(later > s, model.input[later], 0.0)
+    inputs = np.where(later > s, model.input[later], 0.0) + _copies_before(model, s, stops.max())
     during_pass = kept + np.maximum.accumulate(inputs + model.forward_rise[later])[stops - s - 1]
     return Part(kept=np.full(stops.shape, kept), during_pass=during_pass,
                 after=np.full(stops.shape, kept + model.private_copy[s]))
@@ -105,22 +109,36 @@ def pinned(model, s: int, stops: np.ndarray) -> np.ndarray:
     return model.input[s] - own_input_saved(model, s, stops) + model.private_copy[s]
 
 
+def scratch_copies(model, s: int, stops: np.ndarray) -> np.ndarray:
+    """B(s, e): the copies of mutated state (BatchNorm statistics, runtime/state.py)
+    that the part [s, e) makes as its layers run and the pass holds to its end."""
+    return model.scratch_before[stops] - model.scratch_before[s]
+
+
+def _copies_before(model, s: int, stop: int) -> np.ndarray:
+    """B(s, i) for i = s .. stop - 1: the copies the part's layers before i made."""
+    return model.scratch_before[s:stop] - model.scratch_before[s]
+
+
 def _largest_event(model, a: int, r: Range) -> float:
     """E(r) of the module docstring, r relative to layer a."""
     gradient = model.grad[a + r.stop]
-    kept_before, pins, largest = 0.0, 0.0, -np.inf
+    kept_before, to_pass_end, largest = 0.0, 0.0, -np.inf  # to_pass_end: pins and copies
     parts = r.parts
     for j, part in enumerate(parts):
         s, stop = a + part.start, np.array([a + part.stop])
         if j and parts[j - 1].recomputed and not part.recomputed:
-            pins += float(pinned(model, s, stop)[0])
+            to_pass_end += float(pinned(model, s, stop)[0])
+        if j:
+            to_pass_end += float(scratch_copies(model, a + parts[j - 1].start, np.array([s]))[0])
         if part.recomputed:
             terms = recomputed_part(model, s, stop, first=j == 0)
             after = float(terms.after[0]) + _largest_event(model, a, part)
         else:
             terms = stored_part(model, s, stop, first=j == 0)
             after = float(terms.after[0])
-        largest = max(largest, kept_before + pins + float(terms.during_pass[0]) + gradient, kept_before + after)
+        largest = max(largest, kept_before + to_pass_end + float(terms.during_pass[0]) + gradient,
+                      kept_before + after)
         kept_before += float(terms.kept[0])
     return largest
 

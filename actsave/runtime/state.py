@@ -180,17 +180,31 @@ class TouchedState:
 
     @contextlib.contextmanager
     def mutated_once(self):
-        """While active, the state the forward mutated lives in scratch copies; the
+        """While active, each module whose state the forward mutated runs on scratch
+        copies of that state, made as the module first runs (in this thread), so that
+        a recompute holds the copies of the modules it has run only (the planner's
+        B(a, i), memory_model.py; a nested pass runs part of the segment); the
         originals are put back on exit."""
-        swapped = []
+        pending = {}  # module -> [(kind, name)] not yet swapped
         for module, kind, name in self._mutated:
-            original = own_tensors(module, kind).get(name)
-            if original is not None:
-                swapped.append((module, kind, name, original))
-                own_tensors(module, kind)[name] = original.clone()
+            pending.setdefault(module, []).append((kind, name))
+        swapped, thread = [], threading.get_ident()
+
+        def use_scratch_copies(module, args):
+            if threading.get_ident() != thread or module not in pending:
+                return
+            for kind, name in pending.pop(module):
+                original = own_tensors(module, kind).get(name)
+                if original is not None:
+                    swapped.append((module, kind, name, original))
+                    own_tensors(module, kind)[name] = original.clone()
+
+        handle = register_module_forward_pre_hook(use_scratch_copies) if pending else None
         try:
             yield
         finally:
+            if handle is not None:
+                handle.remove()
             for module, kind, name, original in swapped:
                 own_tensors(module, kind)[name] = original
 
