@@ -326,7 +326,8 @@ class CostModel:
         unsaved = self._unsaved(a, i)
         unsaved_input = 0.0 if a == 0 else self.input[a]  # the chain input is in X
         caller_held = self._held_by_caller(a, i)
-        stored_forward = np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + caller_held + self.forward_rise[a:]
+        stored_forward = (np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + caller_held
+                          + self.forward_rise[a:])
         before_recompute = self._held_before_layers(a, saved, unsaved)
         return _Events(saved=saved,
                        stored_forward=stored_forward,
@@ -349,8 +350,13 @@ class CostModel:
         i = np.arange(a, self.n)
         own_input = (self.input_first[a] <= i) & (self.input_last[a] >= a)
         saved_without_input = saved - np.where(own_input, self.input[a], 0.0)
-        scratch = self.scratch_before[i] - self.scratch_before[a]
-        return np.concatenate(([0.0], saved_without_input[:-1] + unsaved[1:])) + scratch
+        return np.concatenate(([0.0], saved_without_input[:-1] + unsaved[1:])) + self.copies(a, i)
+
+    def copies(self, a: int, i) -> np.ndarray:
+        """B(a, i): the copies of the state their forwards mutate (BatchNorm statistics,
+        runtime/state.py) that a recompute from a has made when layer i starts, each
+        layer's as it starts (its own in its fwd_i, as profiled)."""
+        return self.scratch_before[i] - self.scratch_before[a]
 
     def _unsaved(self, a: int, i: np.ndarray) -> np.ndarray:
         """U(i) for i = a .. n-1: layer i's input, unless a layer in [a, i) saved it."""

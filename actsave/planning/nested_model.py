@@ -25,10 +25,9 @@ its end, the input of each stored part that follows a recomputed one (the leaf t
 gives it the forward's requires_grad is held by the pass's graph), where the part's
 layers do not save it, and the copy an in-place first layer modifies (Q): added to
 the pass events from that part on. And each layer the pass runs copies the state its
-forward mutates (BatchNorm statistics, runtime/state.py) as it starts, held to the
-pass's end: B(s, i) within a part (the first part's events count it as any
-recompute's), and the part's B(s, e) in the events of the parts after it. A top-level nested
-segment's working set is W = O + K + Q + C + E(top), O, K, Q and C as for any
+forward mutates (CostModel.copies, B) as it starts, held to the pass's end: B(s, i)
+within a part (the first part's events count it as any recompute's), and the part's
+B(s, e) in the events of the parts after it. A top-level nested segment's working set is W = O + K + Q + C + E(top), O, K, Q and C as for any
 checkpointed segment (memory_model.py), and it keeps R = K until its recompute.
 
 Time: every recomputed range's pass runs the forward of its layers once more, so a
@@ -83,7 +82,7 @@ def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None) -> P
     last = stops - s - 1
     own_input = own_input_saved(model, s, stops) if first else 0.0
     # The first part runs as the recompute's start, whose events count B(s, i) already.
-    forward = events.recompute if first else events.stored_forward + _copies_before(model, s, model.n)
+    forward = events.recompute if first else events.stored_forward + model.copies(s, np.arange(s, model.n))
     return Part(kept=events.saved[last] - own_input,
                 during_pass=np.maximum.accumulate(forward)[last],
                 after=np.maximum.accumulate(events.backward - model.held_in_backward)[last] - own_input)
@@ -96,7 +95,7 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
     beyond its E(part): R and the private copy an in-place first layer recomputes from."""
     kept = 0.0 if first else float(model.input[s])
     later = np.arange(s, stops.max())
-    inputs = np.where(later > s, model.input[later], 0.0) + _copies_before(model, s, stops.max())
+    inputs = np.where(later > s, model.input[later], 0.0) + model.copies(s, later)
     during_pass = kept + np.maximum.accumulate(inputs + model.forward_rise[later])[stops - s - 1]
     return Part(kept=np.full(stops.shape, kept), during_pass=during_pass,
                 after=np.full(stops.shape, kept + model.private_copy[s]))
@@ -109,17 +108,6 @@ def pinned(model, s: int, stops: np.ndarray) -> np.ndarray:
     return model.input[s] - own_input_saved(model, s, stops) + model.private_copy[s]
 
 
-def scratch_copies(model, s: int, stops: np.ndarray) -> np.ndarray:
-    """B(s, e): the copies of mutated state (BatchNorm statistics, runtime/state.py)
-    that the part [s, e) makes as its layers run and the pass holds to its end."""
-    return model.scratch_before[stops] - model.scratch_before[s]
-
-
-def _copies_before(model, s: int, stop: int) -> np.ndarray:
-    """B(s, i) for i = s .. stop - 1: the copies the part's layers before i made."""
-    return model.scratch_before[s:stop] - model.scratch_before[s]
-
-
 def _largest_event(model, a: int, r: Range) -> float:
     """E(r) of the module docstring, r relative to layer a."""
     gradient = model.grad[a + r.stop]
@@ -129,8 +117,6 @@ def _largest_event(model, a: int, r: Range) -> float:
         s, stop = a + part.start, np.array([a + part.stop])
         if j and parts[j - 1].recomputed and not part.recomputed:
             to_pass_end += float(pinned(model, s, stop)[0])
-        if j:
-            to_pass_end += float(scratch_copies(model, a + parts[j - 1].start, np.array([s]))[0])
         if part.recomputed:
             terms = recomputed_part(model, s, stop, first=j == 0)
             after = float(terms.after[0]) + _largest_event(model, a, part)
@@ -140,6 +126,7 @@ def _largest_event(model, a: int, r: Range) -> float:
         largest = max(largest, kept_before + to_pass_end + float(terms.during_pass[0]) + gradient,
                       kept_before + after)
         kept_before += float(terms.kept[0])
+        to_pass_end += float(model.copies(s, stop)[0])
     return largest
 
 

@@ -159,7 +159,7 @@ class NestedTable:
         stored = [first, later, later._replace(**{name: getattr(later, name) + pin for name in later._fields})]
         recomputed = [nested_model.recomputed_part(model, f, ends, at_start) for at_start in (True, False)]
         # The copies a part makes are held to the pass's end: charged, like a pin, as kept.
-        copies = nested_model.scratch_copies(model, f, ends)
+        copies = model.copies(f, ends)
         return _StartTerms(tuple(self._part_units(part._replace(kept=part.kept + copies)) for part in stored),
                            tuple(self._part_units(part._replace(kept=part.kept + copies)) for part in recomputed))
 
