@@ -240,16 +240,24 @@ def summarize(results: dict, batches, names, seeds) -> dict:
     return summary
 
 
+def standard_error(values: list) -> float:
+    """The standard error of the mean of ``values`` (0 for fewer than two). Over paired
+    per-seed gaps it says how far the mean gap may sit from the codec's true effect:
+    seeds move a gap by training noise and by which test images the two models split."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
 def report_lines(summary: dict) -> list:
     lines = [f"{'batch':>5} {'provider':<14} {'test acc % mean':>15} {'min-max':>13} {'gap mean':>9} "
-             f"{'gap min-max':>15} {'target':>7}  verdict"]
+             f"{'gap s.e.':>8} {'gap min-max':>15} {'target':>7}  verdict"]
     for (batch, name), (accs, gaps) in summary.items():
         gap = statistics.mean(gaps)
         target = TARGETS.get(name)
         verdict = "" if target is None else ("pass" if abs(gap) <= target else "FAIL")
         target_text = "" if target is None else f"{target:g}"
         lines.append(f"{batch:>5} {name:<14} {statistics.mean(accs):>15.2f} {min(accs):>6.2f}-{max(accs):<6.2f} "
-                     f"{gap:>+9.2f} {min(gaps):>+7.2f}/{max(gaps):<+7.2f} {target_text:>7}  {verdict}")
+                     f"{gap:>+9.2f} {standard_error(gaps):>8.2f} {min(gaps):>+7.2f}/{max(gaps):<+7.2f} "
+                     f"{target_text:>7}  {verdict}")
     worst = max(abs(statistics.mean(gaps)) for _, gaps in summary.values())
     lines.append(f"largest mean gap to torch: {worst:.2f} points (targets: int8 within 0.5, fp8 within 1)")
     return lines
