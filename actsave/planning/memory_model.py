@@ -656,8 +656,8 @@ class CostModel:
             elif o < 0:
                 working, kept = self.stored_working_set(a, ~o, input_held), 0.0
             elif nested[j] is not None:
-                # without input_held: counting x_a twice after a stored middle segment over-estimates, never under
-                working, kept = nested_model.working_set(self, o, a, b, nested[j], carry), float(self.kept(o, a, b))
+                working = nested_model.working_set(self, o, a, b, nested[j], carry, input_held)
+                kept = float(self.kept(o, a, b, input_held))
             else:
                 working = self.segment_working_set(o, a, b, carry, input_held)
                 kept = float(self.kept(o, a, b, input_held))

@@ -27,8 +27,11 @@ layers do not save it, and the copy an in-place first layer modifies (Q): added 
 the pass events from that part on. And each layer the pass runs copies the state its
 forward mutates (CostModel.copies, B) as it starts, held to the pass's end: B(s, i)
 within a part (the first part's events count it as any recompute's), and the part's
-B(s, e) in the events of the parts after it. A top-level nested segment's working set is W = O + K + Q + C + E(top), O, K, Q and C as for any
-checkpointed segment (memory_model.py), and it keeps R = K until its recompute.
+B(s, e) in the events of the parts after it. A top-level nested segment's working
+set is W = O + K + Q + C + E(top), O, K, Q and C as for any checkpointed segment
+(memory_model.py), and it keeps R = K until its recompute; after a stored middle
+segment whose saves hold x_a, K (x_a itself) is counted there (memory_model.py, "A
+tensor at a stored boundary"), and its first part's saves of x_a are K's storage.
 
 Time: every recomputed range's pass runs the forward of its layers once more, so a
 nested segment adds sum over the recomputed ranges r of its tree of forward(r); the
@@ -55,16 +58,19 @@ class Part(NamedTuple):
     after: np.ndarray
 
 
-def held_outside(model, o: int, a: int, b) -> np.ndarray:
-    """O + K + Q of the nested segment [a, b) (``b`` an int or array) kept by option o:
-    what its top range's events come on top of, less the carry."""
-    return model.held_in_backward + model.kept(o, a, b) + model.private_copy[a]
+def held_outside(model, o: int, a, b, input_held=False) -> np.ndarray:
+    """O + K + Q of the nested segment [a, b) kept by option o, for broadcastable
+    starts, ends and ``input_held`` (after a stored middle segment whose saves hold
+    x_a, which holds K then: CostModel.kept): what its top range's events come on top
+    of, less the carry. Its first part's saves of x_a are the same storage as K
+    (Part.kept), so neither counts x_a again."""
+    return model.held_in_backward + model.kept(o, a, b, input_held) + model.private_copy[a]
 
 
-def working_set(model, o: int, a: int, b: int, top: Range, carry: float) -> float:
+def working_set(model, o: int, a: int, b: int, top: Range, carry: float, input_held: bool = False) -> float:
     """W + C of the nested segment [a, b) kept by option o (exact, on the device),
-    its recompute cut as ``top`` (relative to a) says."""
-    return float(held_outside(model, o, a, b)) + carry + _largest_event(model, a, top)
+    its recompute cut as ``top`` (relative to a) says (``input_held``: as held_outside)."""
+    return float(held_outside(model, o, a, b, input_held)) + carry + _largest_event(model, a, top)
 
 
 def seconds(model, o: int, a: int, top: Range) -> float:

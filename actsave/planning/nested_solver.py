@@ -127,14 +127,15 @@ class NestedTable:
         return np.where(finite.any(axis=-1), first * self.unit, _INFEASIBLE)
 
     def least_working_set(self, o: int) -> np.ndarray:
-        """[a, b]: the least W (less C) of a nested segment [a, b) kept by option o:
-        O + K + Q + the fewest bytes its recompute nests within (inf where none)."""
+        """[bit, a, b]: the least W (less C) of a nested segment [a, b) kept by option
+        o: O + K + Q + the fewest bytes its recompute nests within (inf where none);
+        bit 1 after a stored middle segment whose saves hold x_a (nested_model.held_outside)."""
         return self._least_working_sets[o]
 
     @cached_property
     def _least_working_sets(self) -> dict:
-        starts = np.arange(self.model.n)
-        return {o: nested_model.held_outside(self.model, o, starts[:, None], starts) + self.least_bytes
+        starts, bits = np.arange(self.model.n), np.array([False, True])[:, None, None]
+        return {o: nested_model.held_outside(self.model, o, starts[:, None], starts, bits) + self.least_bytes
                 for o in exact_options(self.model)}
 
     def tree(self, a: int, b: int, available: float) -> Range:

@@ -110,11 +110,12 @@ def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional
         kept = np.broadcast_to(model.kept(o, a, b, bits), (len(bits), b.size))
         through = np.maximum(model.working_set(o, a, b, carries, bits), kept[..., None] + h[0, b])
         best = np.minimum(best, through.min(axis=1))
-    if nested is not None:  # as nested_model.py prices them, whatever the bit
+    if nested is not None:
         for o in exact_options(model):
-            working = nested.least_working_set(o)[a, b]
-            through = np.maximum(working[:, None] + carries, model.kept(o, a, b)[:, None] + h[0, b])
-            best = np.minimum(best, through.min(axis=0))
+            working = nested.least_working_set(o)[bits[:, 0].astype(np.int64), a][:, b]
+            kept = np.broadcast_to(model.kept(o, a, b, bits), (len(bits), b.size))
+            through = np.maximum(working[..., None] + carries, kept[..., None] + h[0, b])
+            best = np.minimum(best, through.min(axis=1))
     if model.store_middle:  # any number of layers, up to the first join (CostModel.stored_middle_reach)
         b = np.arange(a + 1, model.stored_middle_reach[a] + 1)
         rest = np.where(model.stored_middle_holds_output(a, b)[:, None], h[1, b], h[0, b])
@@ -197,10 +198,10 @@ class _Prefixes:
         self.longest = model.n if longest is None else longest
         self.nested = nested
         if nested is not None:
-            # [a, b]: the least headroom a nested segment [a, b) or a longer one from a
-            # needs beyond P, a bound that grows with b as _sources requires.
+            # [bit, a, b]: the least headroom a nested segment [a, b) or a longer one
+            # from a needs beyond P, a bound that grows with b as _sources requires.
             least = np.min([nested.least_working_set(o) for o in exact_options(model)], axis=0) + carry
-            self.nested_floor = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
+            self.nested_floor = np.minimum.accumulate(least[..., ::-1], axis=-1)[..., ::-1]
         self.labels = _Labels()
         self.labels.append(p=np.zeros(1), t=np.zeros(1), held=np.zeros(1, dtype=bool),
                            position=np.zeros(1, dtype=np.int64),
@@ -252,7 +253,7 @@ class _Prefixes:
         a, held = labels["position"][alive], labels["held"][alive]
         lowest = labels["p"][alive] + model.backward[a, b] - np.where(held, model.reused_saved[a], 0.0) + self.carry
         if self.nested is not None:  # a nested segment's backward holds less: its own floor
-            lowest = np.minimum(lowest, labels["p"][alive] + self.nested_floor[a, b])
+            lowest = np.minimum(lowest, labels["p"][alive] + self.nested_floor[held.astype(np.int64), a, b])
         extends = (lowest <= self.headroom) & (labels["t"][alive] < self.best[0])
         labels["live"][alive[~extends]] = False
         self.alive = alive[extends]
@@ -281,12 +282,11 @@ class _Prefixes:
         if self.nested is not None:  # after the plain options, so that they win ties
             batch = everyone or _Batch(labels, source, window)
             for o in exact_options(model):
-                start, outside = batch.at[1], nested_model.held_outside(model, o, window.starts, b)
-                room = self.headroom - batch.p - outside[start] - self.carry
-                seconds = model.seconds(o, window.starts, b)[start] + self.nested.time(batch.positions, b, room)
+                outside = nested_model.held_outside(model, o, window.starts[None], b, _BITS)
+                room = self.headroom - batch.p - outside[batch.at] - self.carry
+                seconds = model.seconds(o, window.starts, b)[batch.at[1]] + self.nested.time(batch.positions, b, room)
                 ok = self._near(batch) & np.isfinite(seconds)
-                kept = model.kept(o, window.starts, b)[None]  # whatever the bit, as nested_model.py prices it
-                parts.append(batch.extensions(ok, kept, batch.t + seconds, False, o, room))
+                parts.append(batch.extensions(ok, window.kept(o), batch.t + seconds, False, o, room))
         return tuple(np.concatenate(columns) for columns in zip(*parts))
 
     def _swept(self, o: int, window: "_Window") -> tuple:

@@ -14,9 +14,9 @@ model charges every plan more than actsave's (it keeps each stage's output until
 stage's backward): actsave's time is never above that single-level optimum there.
 Everywhere, rotor's table is the optimum of its own model, actsave's plans included.
 bench/rotor_compare.py measures the gaps. The plans compared are also measured: their
-MemTracker peaks are within 3% of the prediction, single-level ones (0.993-1.000 on
-25 random chains and the bench-like ones at 4 budgets each); nested plans are
-over-estimated more (nested_model.py: 0.80-1.00), never under.
+MemTracker peaks are within 3% of the prediction and never above it, nested plans
+included (0.989-1.000 over 630 plans, 39 of them nested: 70 random chains of 3-14
+layers at 9 budgets each).
 """
 import itertools
 import math
@@ -177,8 +177,8 @@ def test_on_random_chains_rotor_charges_more_and_actsave_is_no_slower_than_its_s
 
 def _assert_measured_within_3_percent(model: CheckpointedSequential, x: torch.Tensor) -> None:
     """The recompute-only plans at budgets from the smallest peak to that of no
-    checkpoint measure (MemTracker) within 3% of their prediction, and never above it;
-    a nested plan only never above (nested_model.py over-estimates: 0.80-1.00)."""
+    checkpoint, nested or not, measure (MemTracker) within 3% of their prediction, and
+    never above it."""
     prof = actsave.profile(model, (x,))
     smallest = actsave.plan(prof, None, objective="memory", allow=RECOMPUTE_ONLY).predicted_peak_bytes
     everything = plans.predict(prof, [0]).predicted_peak_bytes
@@ -186,8 +186,7 @@ def _assert_measured_within_3_percent(model: CheckpointedSequential, x: torch.Te
         plan = actsave.plan(prof, int(smallest + share * (everything - smallest)), allow=RECOMPUTE_ONLY)
         model.apply_plan(plan)
         ratio = peak_activation_bytes(model, x) / plan.predicted_peak_bytes
-        nested = any(tree is not None for tree in plan.nested)
-        assert (0.0 if nested else 0.97) <= ratio <= 1.0, (share, plan.starts, plan.stored, ratio)
+        assert 0.97 <= ratio <= 1.0, (share, plan.starts, plan.stored, plan.nested, ratio)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
