@@ -341,16 +341,19 @@ class CostModel:
         """[x_a] for i = a .. n-1: after its first layer, the segment's input, which the
         caller holds until the segment's forward returns (sequential.py), where no save
         of layers a .. i-1 holds it (X holds the chain input)."""
-        saved_before = (self.input_first[a] <= i - 1) & (self.input_last[a] >= a)
-        return np.where((i > a) & (a > 0) & ~saved_before, self.input[a], 0.0)
+        return np.where((i > a) & (a > 0) & ~self.saved_within(a, a, i - 1), self.input[a], 0.0)
 
     def _held_before_layers(self, a: int, saved: np.ndarray, unsaved: np.ndarray) -> np.ndarray:
         """Saved'(a, i-1) + U(i) + B(a, i), for i = a .. n-1: what a recompute from a
         holds as layer i starts, beyond the segment input (counted by the option)."""
         i = np.arange(a, self.n)
-        own_input = (self.input_first[a] <= i) & (self.input_last[a] >= a)
-        saved_without_input = saved - np.where(own_input, self.input[a], 0.0)
+        saved_without_input = saved - np.where(self.saved_within(a, a, i), self.input[a], 0.0)
         return np.concatenate(([0.0], saved_without_input[:-1] + unsaved[1:])) + self.copies(a, i)
+
+    def saved_within(self, k, a, last) -> np.ndarray:
+        """Whether a save of the layers a .. ``last`` holds x_k: the span of the layers
+        that save it (input_first .. input_last) meets [a, last]. Broadcastable arrays."""
+        return (self.input_first[k] <= last) & (self.input_last[k] >= a)
 
     def copies(self, a: int, i) -> np.ndarray:
         """B(a, i): the copies of the state their forwards mutate (BatchNorm statistics,
@@ -360,8 +363,7 @@ class CostModel:
 
     def _unsaved(self, a: int, i: np.ndarray) -> np.ndarray:
         """U(i) for i = a .. n-1: layer i's input, unless a layer in [a, i) saved it."""
-        saved_before = (self.input_first[i] <= i - 1) & (self.input_last[i] >= a)
-        return np.where(saved_before, 0.0, self.input[i])
+        return np.where(self.saved_within(i, a, i - 1), 0.0, self.input[i])
 
     def _loss_event(self, s: int, saved_by_all: float) -> float:
         """Saved(s, n-1) + U(n) + L: the stored segment [s, n) while the loss runs."""
@@ -463,7 +465,7 @@ class CostModel:
     def stored_middle_holds_output(self, a, b) -> np.ndarray:
         """Whether the saves of the stored middle segment [a, b), Saved(a, b-1), hold
         x_b, the next segment's input (a layer of [a, b) saves its storage)."""
-        return (self.input_first[b] < b) & (self.input_last[b] >= a)
+        return self.saved_within(b, a, b - 1)
 
     def fetched(self, o: int, a, b) -> np.ndarray:
         """F(a, b, o): the bytes an offloaded segment fetches back from the host."""

@@ -138,4 +138,4 @@ def _largest_event(model, a: int, r: Range) -> float:
 
 def own_input_saved(model, s: int, stops) -> np.ndarray:
     """The part's input where a layer of [s, e) saves it (held outside, so not kept)."""
-    return np.where((model.input_first[s] < stops) & (model.input_last[s] >= s), model.input[s], 0.0)
+    return np.where(model.saved_within(s, s, stops - 1), model.input[s], 0.0)
