@@ -15,6 +15,11 @@ stored), in rotor's model: the difference to rotor is what nesting and stored
 segments mid-chain buy in rotor's own model. Times are the per-layer medians of
 --profiles profiled steps, the same for every solver.
 
+Each plan of actsave's (auto and recompute only) is then applied and one step of it
+measured (MemTracker, the profiled step: backward from an output gradient of ones):
+its peak against the prediction (issue 15: within 3%, never above); --no-measure
+skips this.
+
 Then, with --max-depth-budget, the deepest ResNet (9n + 2) whose "auto" plan fits
 that budget for the whole step (parameters, their gradients and buffers taken off, as
 the depth sweep's actsave_auto provider does), found from planned peaks (a profile
@@ -33,6 +38,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import harness
 import numpy as np
@@ -65,7 +71,7 @@ MODELS = {"resnet": "cifar_resnet (pre-activation bottleneck)", "gpt": "gpt (pre
 MODEL_DEFAULTS = {("resnet", "cpu"): {"depth": 164, "batch": 8}, ("resnet", "smoke"): {"depth": 20, "batch": 2},
                   ("gpt", "cpu"): {"depth": 16, "batch": 4}, ("gpt", "smoke"): {"depth": 2, "batch": 2}}
 GPT_SEQ_LEN, GPT_WIDTH, GPT_HEADS, GPT_VOCABULARY = 128, 128, 4, 512  # transformer_depth_sweep.py's CPU shape
-UNITS = {"pred_step_time": "ms", "pred_peak": "MiB", "max_depth": "layers"}
+UNITS = {"pred_step_time": "ms", "pred_peak": "MiB", "measured_peak": "MiB", "max_depth": "layers"}
 
 
 def parse_arguments(argv) -> argparse.Namespace:
@@ -88,6 +94,8 @@ def parse_arguments(argv) -> argparse.Namespace:
                                                      "(default: cpu 5, smoke 1)")
     parser.add_argument("--chains", type=int, help="random chains per family for the gap distribution, 0 skips it "
                                                    "(default: cpu 40, smoke 2)")
+    parser.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
+                        help="apply each of actsave's plans and measure one step's peak (default: on)")
     parser.add_argument("--out", type=Path, default=None, help="CSV (default bench/results/cpu.csv)")
     args = parser.parse_args(argv)
     for name, default in {**DEFAULTS["smoke" if args.smoke else "cpu"],
@@ -131,13 +139,13 @@ def early_stored_runs(tree: tuple) -> int:
 
 
 def planned(prof: actsave.Profile, budget: int, allow) -> tuple:
-    """(seconds, peak bytes, codecs) of actsave's fastest plan within ``budget``, or
-    (inf, None, None) when none fits."""
+    """(seconds, plan) of actsave's fastest plan within ``budget``, or (inf, None)
+    when none fits."""
     try:
         chosen = actsave.plan(prof, budget, allow=allow)
     except actsave.ConfigError:
-        return math.inf, None, None
-    return chosen.predicted_step_seconds, chosen.predicted_peak_bytes, chosen.codecs
+        return math.inf, None
+    return chosen.predicted_step_seconds, chosen
 
 
 def smallest_rotor_budget(table: RotorTable, unit: int) -> int:
@@ -165,12 +173,29 @@ def sweep(prof: actsave.Profile, unit: int, points: int) -> tuple:
         budget = int(budget) // unit * unit
         if budget < low:
             budget += unit
-        auto_s, auto_peak, codecs = planned(prof, budget, plans.DEFAULT_ALLOW)
-        recompute_s, recompute_peak, _ = planned(prof, budget, RECOMPUTE_ONLY)
-        rows.append({"budget": budget, "auto": auto_s, "auto_peak": auto_peak,
-                     "auto_codecs": None if codecs is None else {c: codecs.count(c) for c in sorted(set(codecs))},
-                     "recompute": recompute_s, "recompute_peak": recompute_peak, **tables.row(budget)})
+        auto_s, auto = planned(prof, budget, plans.DEFAULT_ALLOW)
+        recompute_s, recompute = planned(prof, budget, RECOMPUTE_ONLY)
+        rows.append({"budget": budget, "auto": auto_s, "auto_plan": auto, "auto_peak": peak_of(auto),
+                     "auto_codecs": None if auto is None else {c: auto.codecs.count(c) for c in sorted(set(auto.codecs))},
+                     "recompute": recompute_s, "recompute_plan": recompute, "recompute_peak": peak_of(recompute),
+                     **tables.row(budget)})
     return rows, facts
+
+
+def peak_of(plan: Optional[actsave.Plan]) -> Optional[int]:
+    return None if plan is None else plan.predicted_peak_bytes
+
+
+def measure_plans(rows: list, model: torch.nn.Module, x: torch.Tensor) -> None:
+    """Add each row's measured peaks (``auto_measured``, ``recompute_measured``; None
+    where no plan fits): ``model``'s layers under the plan, one step (harness.activation_peak)."""
+    checkpointed = actsave.CheckpointedSequential(*model)
+    for r in rows:
+        for solver in ("auto", "recompute"):
+            plan = r[f"{solver}_plan"]
+            if plan is not None:
+                checkpointed.apply_plan(plan)
+            r[f"{solver}_measured"] = None if plan is None else harness.activation_peak(checkpointed, x)
 
 
 def auto_within_rotor(row: dict) -> bool:
@@ -314,13 +339,20 @@ def mib(nbytes) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**20:.2f}"
 
 
+def measured_share(r: dict, solver: str) -> str:
+    """The solver's measured peak / its predicted one, or "-" (no plan, or not measured)."""
+    measured = r.get(f"{solver}_measured")
+    return "-" if measured is None else f"{measured / r[f'{solver}_peak']:.4f}"
+
+
 def table(rows: list) -> str:
-    head = ["budget MiB", "auto ms", "auto peak MiB", "auto codecs", "recompute ms", "recompute peak MiB",
-            "rotor ms", "rotor lower ms", "rotor nesting", "rotor early stored", "rotor single-level ms",
-            "auto <= rotor"]
-    lines = [head] + [[mib(r["budget"]), ms(r["auto"]), mib(r["auto_peak"]),
+    head = ["budget MiB", "auto ms", "auto peak MiB", "auto measured/peak", "auto codecs", "recompute ms",
+            "recompute peak MiB", "recompute measured/peak", "rotor ms", "rotor lower ms", "rotor nesting",
+            "rotor early stored", "rotor single-level ms", "auto <= rotor"]
+    lines = [head] + [[mib(r["budget"]), ms(r["auto"]), mib(r["auto_peak"]), measured_share(r, "auto"),
                        "-" if r["auto_codecs"] is None else " ".join(f"{c}:{k}" for c, k in r["auto_codecs"].items()),
-                       ms(r["recompute"]), mib(r["recompute_peak"]), ms(r["rotor"]), ms(r["rotor_lower_bound"]),
+                       ms(r["recompute"]), mib(r["recompute_peak"]), measured_share(r, "recompute"),
+                       ms(r["rotor"]), ms(r["rotor_lower_bound"]),
                        "-" if r["rotor_nesting"] is None else str(r["rotor_nesting"]),
                        "-" if r["rotor_early_stored"] is None else str(r["rotor_early_stored"]),
                        ms(r["rotor_single_level"]),
@@ -352,6 +384,9 @@ def sweep_csv_rows(rows: list, case: str, config: dict, metadata: dict) -> list:
                                {**config, **details.get(provider, {})}, metadata))
             if peak_key is not None and r[peak_key] is not None:
                 out.append(csv_row(case, provider, "pred_peak", x, r[peak_key] / 2**20, config, metadata))
+                measured = r.get(f"{time_key}_measured")
+                if measured is not None:
+                    out.append(csv_row(case, provider, "measured_peak", x, measured / 2**20, config, metadata))
     return out
 
 
@@ -366,6 +401,8 @@ def main(argv=None) -> None:
     prof = median_times([actsave.profile(model, (x,)) for _ in range(args.profiles)])
     profile_s = (time.perf_counter() - started) / args.profiles
     rows, facts = sweep(prof, int(args.unit_kib * 1024), args.points)
+    if args.measure:
+        measure_plans(rows, model, x)
     print(f"{case}: {len(prof.layers)} layers, {args.profiles} profiles of {profile_s:.1f} s (median layer times); rotor unit {facts['unit_bytes']} B, "
           f"its three tables in {facts['rotor_tables_s']:.1f} s")
     print(f"plain peak {mib(facts['plain_peak'])} MiB (rotor's model: {mib(facts['rotor_plain_peak'])}); smallest "

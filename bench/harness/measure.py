@@ -128,6 +128,25 @@ def measure_step_memory(
     return StepMemory(tracker.get_tracker_snapshot("peak")[device]["Total"], resident, kept)
 
 
+def activation_peak(model: nn.Module, inputs: torch.Tensor) -> int:
+    """The bytes live at the peak of one step of ``model`` on ``inputs`` as
+    :func:`actsave.profile` steps it without a loss (forward, then backward from an
+    output gradient of ones), less its parameters, their gradients (allocated first,
+    as in training) and its buffers: what a plan's ``predicted_peak_bytes`` predicts,
+    the batch included. CPU only (MemTracker)."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    static = sum(t.numel() * t.element_size()
+                 for t in (*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())))
+    tracker = _GlobalPeakMemTracker()
+    tracker.track_external(model, inputs)
+    with tracker:
+        out = model(inputs)
+        out.backward(torch.ones_like(out))
+    return tracker.get_tracker_snapshot("peak")[inputs.device]["Total"] - static
+
+
 def _release_memory(device: torch.device) -> None:
     """Free what the last run left, so that the next one's CUDA peak starts clean.
     Not needed on CPU, where the tracker counts only the tensors of the step it

@@ -166,6 +166,11 @@ def test_rotor_compare_writes_every_solver_at_every_budget(tmp_path):
         assert time("rotor_lower_bound") <= time("rotor") <= time("rotor_single_level")
     peaks = [(float(r["x_value"]), float(r["p50"])) for r in rows if r["metric"] == "pred_peak"]
     assert peaks and all(peak <= budget for budget, peak in peaks)
+    # Every plan is applied and measured: within 3% of its prediction, never above.
+    predicted, measured = ({(r["provider"], r["x_value"]): float(r["p50"]) for r in rows if r["metric"] == metric}
+                           for metric in ("pred_peak", "measured_peak"))
+    assert measured.keys() == predicted.keys()
+    assert all(0.97 <= measured[key] / predicted[key] <= 1.0 for key in measured), (measured, predicted)
     (depth,) = [r for r in rows if r["metric"] == "max_depth"]
     search = json.loads(depth["config_json"])
     assert search["measured_peak_MiB"] <= 2.0 and search["does_not_fit"] > float(depth["p50"])
