@@ -400,7 +400,6 @@ def _loss_layer(blocks: Profile, outside: Outside) -> LayerProfile:
         output_bytes=outside.loss_bytes, saved_bytes=0, input_saved_by=blocks.output_saved_by,
         forward_rise=outside.loss_rise, forward_rise_to_last_save=0, backward_rise=0, saves_for_backward=False,
         relu_sign_bytes=0, relu_restore_bytes=0, pool_decision_bytes=0, pool_restore_bytes=0, modifies_input=False,
-        recompute_scratch_bytes=0,
         input_encodable=False, kept_bytes=dict.fromkeys(codecs, blocks.output_bytes), encode_rise=nothing,
         decode_rise=nothing, forward_s=0.0, backward_s=0.0, encode_s=no_time, decode_s=no_time,
         to_host_s={}, to_device_s={})

@@ -34,7 +34,7 @@ Memory model
     checkpointed [a, b), option o
         encode      x_a + enc(a, o)                                    lossy codecs
         decode      O + R + F + g_b + dec(a, o)                        lossy codecs
-        recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + B(a, i) + fwd_i
+        recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + fwd_i
                     (+ restore_i)
         backward    O + Saved(a, i) + g_{i+1} + bwd_i
     stored middle [a, b), b < n: R = Saved(a, b-1), autograd's saves, kept from its
@@ -85,8 +85,10 @@ Memory model
     from the host; D: the decoded input; Q: the private copy a segment starting
     with an in-place layer recomputes from; restore_i: re-imposing the forward's
     ReLU or max-pool decisions, the larger (runtime/relu_signs.py, pool_decisions.py);
-    B(a, i): the BatchNorm statistics the recompute of layers a..i-1 copied
-    (runtime/state.py), held to its end; enc, dec: the rise while encoding, decoding.
+    enc, dec: the rise while encoding, decoding. A recompute runs each call of a
+    module whose forward mutates its state (BatchNorm statistics) on copies of it,
+    dropped as the call returns (runtime/state.py): the copies autograd saves are
+    the layer's saves as profiled, and no other copy outlives its layer.
     A checkpointed segment's forward events are left out: each is at most the same
     layer's recompute event, which also holds the incoming gradient g_b.
 
@@ -221,7 +223,6 @@ class CostModel:
         self.rise_to_last_save = column("forward_rise_to_last_save")
         # One restore at a time: a ReLU's or a max pool's (runtime/relu_signs.py, pool_decisions.py).
         self.restore = np.maximum(column("relu_restore_bytes"), column("pool_restore_bytes"))
-        self.scratch_before = np.concatenate(([0.0], np.cumsum(column("recompute_scratch_bytes"))))
         spans = [layer.input_saved_by or (n, -1) for layer in layers]  # (n, -1): saved by no layer
         self.input_first = np.array([first for first, _ in spans])
         self.input_last = np.array([last for _, last in spans])
@@ -344,22 +345,16 @@ class CostModel:
         return np.where((i > a) & (a > 0) & ~self.saved_within(a, a, i - 1), self.input[a], 0.0)
 
     def _held_before_layers(self, a: int, saved: np.ndarray, unsaved: np.ndarray) -> np.ndarray:
-        """Saved'(a, i-1) + U(i) + B(a, i), for i = a .. n-1: what a recompute from a
+        """Saved'(a, i-1) + U(i), for i = a .. n-1: what a recompute from a
         holds as layer i starts, beyond the segment input (counted by the option)."""
         i = np.arange(a, self.n)
         saved_without_input = saved - np.where(self.saved_within(a, a, i), self.input[a], 0.0)
-        return np.concatenate(([0.0], saved_without_input[:-1] + unsaved[1:])) + self.copies(a, i)
+        return np.concatenate(([0.0], saved_without_input[:-1] + unsaved[1:]))
 
     def saved_within(self, k, a, last) -> np.ndarray:
         """Whether a save of the layers a .. ``last`` holds x_k: the span of the layers
         that save it (input_first .. input_last) meets [a, last]. Broadcastable arrays."""
         return (self.input_first[k] <= last) & (self.input_last[k] >= a)
-
-    def copies(self, a: int, i) -> np.ndarray:
-        """B(a, i): the copies of the state their forwards mutate (BatchNorm statistics,
-        runtime/state.py) that a recompute from a has made when layer i starts, each
-        layer's as it starts (its own in its fwd_i, as profiled)."""
-        return self.scratch_before[i] - self.scratch_before[a]
 
     def _unsaved(self, a: int, i: np.ndarray) -> np.ndarray:
         """U(i) for i = a .. n-1: layer i's input, unless a layer in [a, i) saved it."""
@@ -679,7 +674,7 @@ class _Events(NamedTuple):
     caller_held: np.ndarray  # [x_a]: the segment's input, held by the caller and no save
     loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
     backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
-    recompute: np.ndarray  # Saved'(a, i-1) + U(i) + B(a, i) + fwd_i: the option adds its held bytes
+    recompute: np.ndarray  # Saved'(a, i-1) + U(i) + fwd_i: the option adds its held bytes
     recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
 
     @property

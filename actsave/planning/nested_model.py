@@ -12,8 +12,8 @@ event, beyond what is held outside r (its input included), is
 
     E(r) = max_j P_j + max( pass_j + g_d,  after_j )
       stored part [s, e)       pass_j  = its forward events: Saved(s, i-1) + U(i) + fwd_i
-                                         (as a recompute, Saved'(s, i-1) + U(i) + B(s, i)
-                                         + fwd_i, for the first part: its input is held)
+                                         (as a recompute, Saved'(s, i-1) + U(i) + fwd_i,
+                                         for the first part: its input is held)
                                after_j = its backward events less O: Saved(s, i) +
                                          g_{i+1} + bwd_i (Saved' for the first part)
       recomputed part [s, e)   pass_j  = R + max_i ([i > s] x_i + fwd_i)   (no_grad)
@@ -24,10 +24,9 @@ layer's rise measured with grad, bounds its rise under no_grad. The pass also pi
 its end, the input of each stored part that follows a recomputed one (the leaf that
 gives it the forward's requires_grad is held by the pass's graph), where the part's
 layers do not save it, and the copy an in-place first layer modifies (Q): added to
-the pass events from that part on. And each layer the pass runs copies the state its
-forward mutates (CostModel.copies, B) as it starts, held to the pass's end: B(s, i)
-within a part (the first part's events count it as any recompute's), and the part's
-B(s, e) in the events of the parts after it. A top-level nested segment's working
+the pass events from that part on. (A pass runs each call of a module that mutates
+its state on copies dropped as the call returns, runtime/state.py: nothing more to
+count.) A top-level nested segment's working
 set is W = O + K + Q + C + E(top), O, K, Q and C as for any checkpointed segment
 (memory_model.py), and it keeps R = K until its recompute; after a stored middle
 segment whose saves hold x_a, K (x_a itself) is counted there (memory_model.py, "A
@@ -87,8 +86,7 @@ def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None) -> P
     events = model.events_from(s) if events is None else events
     last = stops - s - 1
     own_input = own_input_saved(model, s, stops) if first else 0.0
-    # The first part runs as the recompute's start, whose events count B(s, i) already.
-    forward = events.recompute if first else events.stored_forward + model.copies(s, np.arange(s, model.n))
+    forward = events.recompute if first else events.stored_forward
     return Part(kept=events.saved[last] - own_input,
                 during_pass=np.maximum.accumulate(forward)[last],
                 after=np.maximum.accumulate(events.backward - model.held_in_backward)[last] - own_input)
@@ -101,7 +99,7 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
     beyond its E(part): R and the private copy an in-place first layer recomputes from."""
     kept = 0.0 if first else float(model.input[s])
     later = np.arange(s, stops.max())
-    inputs = np.where(later > s, model.input[later], 0.0) + model.copies(s, later)
+    inputs = np.where(later > s, model.input[later], 0.0)
     during_pass = kept + np.maximum.accumulate(inputs + model.forward_rise[later])[stops - s - 1]
     return Part(kept=np.full(stops.shape, kept), during_pass=during_pass,
                 after=np.full(stops.shape, kept + model.private_copy[s]))
@@ -117,22 +115,21 @@ def pinned(model, s: int, stops: np.ndarray) -> np.ndarray:
 def _largest_event(model, a: int, r: Range) -> float:
     """E(r) of the module docstring, r relative to layer a."""
     gradient = model.grad[a + r.stop]
-    kept_before, to_pass_end, largest = 0.0, 0.0, -np.inf  # to_pass_end: pins and copies
+    kept_before, pins, largest = 0.0, 0.0, -np.inf
     parts = r.parts
     for j, part in enumerate(parts):
         s, stop = a + part.start, np.array([a + part.stop])
         if j and parts[j - 1].recomputed and not part.recomputed:
-            to_pass_end += float(pinned(model, s, stop)[0])
+            pins += float(pinned(model, s, stop)[0])
         if part.recomputed:
             terms = recomputed_part(model, s, stop, first=j == 0)
             after = float(terms.after[0]) + _largest_event(model, a, part)
         else:
             terms = stored_part(model, s, stop, first=j == 0)
             after = float(terms.after[0])
-        largest = max(largest, kept_before + to_pass_end + float(terms.during_pass[0]) + gradient,
+        largest = max(largest, kept_before + pins + float(terms.during_pass[0]) + gradient,
                       kept_before + after)
         kept_before += float(terms.kept[0])
-        to_pass_end += float(model.copies(s, stop)[0])
     return largest
 
 

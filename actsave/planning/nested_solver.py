@@ -25,12 +25,10 @@ Recurrence
 
     S_y(f, d) is the least over the parts from f (the first part's terms for Multi,
     which may not end at d). A stored part after a recomputed one (y = 1) pins its
-    input to the pass's end, and every part holds the copies of mutated state its
-    layers made (B) to the pass's end: the recurrence charges the pin and the copies
-    as kept by the part, to every later event, the pass's and the backward's
-    (nested_model.py counts them in the pass only), so that the state stays one
-    number: the plans found are feasible in the model, which may predict them a pin
-    and copies lower, and never infeasible. With
+    input to the pass's end: the recurrence charges the pin as kept by the part, to
+    every later event, the pass's and the backward's (nested_model.py counts it in
+    the pass only), so that the state stays one number: the plans found are feasible
+    in the model, which may predict them a pin lower, and never infeasible. With
     every term rounded up and m rounded down, a plan within Inner(c, d)[m] needs at
     most m units.
 
@@ -159,10 +157,8 @@ class NestedTable:
         pin = nested_model.pinned(model, f, ends)
         stored = [first, later, later._replace(**{name: getattr(later, name) + pin for name in later._fields})]
         recomputed = [nested_model.recomputed_part(model, f, ends, at_start) for at_start in (True, False)]
-        # The copies a part makes are held to the pass's end: charged, like a pin, as kept.
-        copies = model.copies(f, ends)
-        return _StartTerms(tuple(self._part_units(part._replace(kept=part.kept + copies)) for part in stored),
-                           tuple(self._part_units(part._replace(kept=part.kept + copies)) for part in recomputed))
+        return _StartTerms(tuple(self._part_units(part) for part in stored),
+                           tuple(self._part_units(part) for part in recomputed))
 
     def _part_units(self, part: nested_model.Part) -> tuple:
         return tuple(self._units(term) for term in part)

@@ -62,7 +62,6 @@ class LayerProfile:
     pool_decision_bytes: int  # kept by a lossy segment for this layer's max pools (runtime/pool_decisions.py)
     pool_restore_bytes: int  # the larger of keeping them (forward) and restoring them (recompute)
     modifies_input: bool
-    recompute_scratch_bytes: int  # BatchNorm statistics a recompute copies (runtime/state.py), held to its end
     input_encodable: bool  # False: kept by reference whatever the codec (a leaf, not float)
     kept_bytes: dict
     encode_rise: dict
@@ -866,7 +865,6 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times
         pool_decision_bytes=found.pool_decision_bytes[i],
         pool_restore_bytes=costs.pool_restore_rise(found.pools[i]),
         modifies_input=modifies_input(layer),
-        recompute_scratch_bytes=_scratch_statistics_bytes(layer, device),
         input_encodable=spec.encodable,
         kept_bytes=by_codec("kept"),
         encode_rise=by_codec("encode_rise"),
@@ -878,14 +876,6 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times
         to_host_s=by_codec("to_host_s") if host_copies else {},
         to_device_s=by_codec("to_device_s") if host_copies else {},
     )
-
-
-def _scratch_statistics_bytes(layer: nn.Module, device) -> int:
-    """The buffers a recompute of the layer copies (runtime/state.py, TouchedState): those its
-    forward mutates, modelled as the running statistics of its BatchNorms."""
-    return sum(allocation_bytes(b.numel() * b.element_size(), device) for m in layer.modules()
-               if _updates_running_statistics(m)
-               for b in m.buffers(recurse=False))
 
 
 def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_saves: bool = True) -> Profile:

@@ -113,7 +113,9 @@ class TouchedState:
     ``weight.t()``) are noted by the pack hook. Then:
 
     - Mutated buffers (versions moved during their module's forward) are mutated once:
-      the recompute runs those modules on scratch copies and puts the originals back.
+      the recompute runs each call of those modules on scratch copies, put back to
+      the originals as the call returns, so no copy outlives its call but what autograd
+      saves of it (BatchNorm saves its running statistics).
       One rule for every module, BatchNorm included, with no list of module types.
       Turning ``track_running_stats`` off instead would change which tensors autograd
       saves, and the recompute must save what the forward saved.
@@ -180,32 +182,43 @@ class TouchedState:
 
     @contextlib.contextmanager
     def mutated_once(self):
-        """While active, each module whose state the forward mutated runs on scratch
-        copies of that state, made as the module first runs (in this thread), so that
-        a recompute holds the copies of the modules it has run only (the planner's
-        B(a, i), memory_model.py; a nested pass runs part of the segment); the
-        originals are put back on exit."""
-        pending = {}  # module -> [(kind, name)] not yet swapped
+        """While active, each call (in this thread) of a module whose state the forward
+        mutated runs on scratch copies of that state, made as the call starts; the
+        originals are put back as it returns. A recompute so holds no copy beyond the
+        call that made it, except what autograd saves (BatchNorm's running statistics,
+        which the profile counts among the layer's saves), wherever a nested pass
+        starts or stops (memory_model.py counts no other copy)."""
+        mutated = {}  # module -> [(kind, name)]
         for module, kind, name in self._mutated:
-            pending.setdefault(module, []).append((kind, name))
-        swapped, thread = [], threading.get_ident()
+            mutated.setdefault(module, []).append((kind, name))
+        if not mutated:
+            yield
+            return
+        swapped, thread = [], threading.get_ident()  # a stack: (module, kind, name, original)
 
         def use_scratch_copies(module, args):
-            if threading.get_ident() != thread or module not in pending:
-                return
-            for kind, name in pending.pop(module):
-                original = own_tensors(module, kind).get(name)
-                if original is not None:
-                    swapped.append((module, kind, name, original))
-                    own_tensors(module, kind)[name] = original.clone()
+            if threading.get_ident() == thread and module in mutated:
+                for kind, name in mutated[module]:
+                    original = own_tensors(module, kind).get(name)
+                    if original is not None:
+                        swapped.append((module, kind, name, original))
+                        own_tensors(module, kind)[name] = original.clone()
 
-        handle = register_module_forward_pre_hook(use_scratch_copies) if pending else None
+        def put_originals_back(module, args, output):
+            if threading.get_ident() == thread:
+                while swapped and swapped[-1][0] is module:
+                    _, kind, name, original = swapped.pop()
+                    own_tensors(module, kind)[name] = original
+
+        pre = register_module_forward_pre_hook(use_scratch_copies)
+        post = register_module_forward_hook(put_originals_back, always_call=True)
         try:
             yield
         finally:
-            if handle is not None:
-                handle.remove()
-            for module, kind, name, original in swapped:
+            pre.remove()
+            post.remove()
+            while swapped:  # a call that raised before its module's hook
+                module, kind, name, original = swapped.pop()
                 own_tensors(module, kind)[name] = original
 
     def _note(self, tensor: torch.Tensor, label: tuple) -> None:

@@ -46,8 +46,7 @@ chains):
 - actsave leaves out the forward events of checkpointed segments (each at most the
   same layer's recompute event); rotor checks them (Fn). They never set the peak when
   the recompute event holds at least what the forward does.
-- Not in rotor's model (actsave's events are then the larger): the BatchNorm
-  statistics a recompute copies (B(a, i), runtime/state.py), the private copy kept for
+- Not in rotor's model (actsave's events are then the larger): the private copy kept for
   a segment that starts with an in-place layer (Q), storages saved by layers further
   apart than neighbours and counted again on both sides of a boundary.
 - An in-place layer's output is its input's storage: rotor counts it twice (as the

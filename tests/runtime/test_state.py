@@ -143,23 +143,24 @@ def test_weight_a_function_closes_over_is_checked_too():
         out.sum().backward()
 
 
-def test_a_recompute_copies_a_modules_mutated_state_only_once_the_module_runs():
-    # A recompute holds the copies of the modules it has run only, as the planner
-    # counts them (B(a, i), memory_model.py); a nested pass runs part of a segment.
+def test_a_recompute_runs_each_call_of_a_mutating_module_on_copies_it_drops_as_the_call_returns():
+    # So a recompute holds no copy beyond its call but what autograd saves, as the
+    # planner counts (memory_model.py), wherever a nested pass starts or stops.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.BatchNorm1d(4), nn.Tanh())
     first, second = model[1], model[3]
     originals = (first.running_mean, second.running_mean)
-    seen = []  # as the first BatchNorm starts: whether each one runs on its own statistics
+    seen = []  # as each BatchNorm starts: whether each one holds its own statistics
 
     def note(module, args):  # a module's own hook: after the global one that copies
         seen.append((first.running_mean is originals[0], second.running_mean is originals[1]))
 
     out = actsave.checkpoint(model, torch.randn(8, 4))
-    handle = first.register_forward_pre_hook(note)
+    handles = [first.register_forward_pre_hook(note), second.register_forward_pre_hook(note)]
     try:
         out.sum().backward()
     finally:
-        handle.remove()
-    assert seen == [(False, True)]  # the first runs on a copy, the second not yet copied
+        for handle in handles:
+            handle.remove()
+    assert seen == [(False, True), (True, False)]  # the first's copy is gone as the second runs
     assert first.running_mean is originals[0] and second.running_mean is originals[1]  # put back
