@@ -104,18 +104,18 @@ def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional
                    h: np.ndarray, nested: Optional[NestedTable] = None) -> np.ndarray:
     """[z, c]: h_z(a) for each z in ``bits`` (a column) and every carry, from h of the
     positions after a; with ``nested``, segments may nest within its grid."""
-    n, best = model.n, h[bits[:, 0].astype(np.int64), a]  # the stored segment [a, n)
+    rows = bits[:, 0].astype(np.int64)
+    n, best = model.n, h[rows, a]  # the stored segment [a, n)
     b = np.arange(a + 1, n if longest is None else min(n, a + 1 + longest))
-    for o in np.nonzero(model.allowed[:, a])[0]:
-        kept = np.broadcast_to(model.kept(o, a, b, bits), (len(bits), b.size))
-        through = np.maximum(model.working_set(o, a, b, carries, bits), kept[..., None] + h[0, b])
-        best = np.minimum(best, through.min(axis=1))
+    # (o, W + C) of each checkpointed segment [a, b): plain, then nested within the grid
+    checkpointed = [(o, model.working_set(o, a, b, carries, bits)) for o in np.nonzero(model.allowed[:, a])[0]]
     if nested is not None:
-        for o in exact_options(model):
-            working = nested.least_working_set(o)[bits[:, 0].astype(np.int64), a][:, b]
-            kept = np.broadcast_to(model.kept(o, a, b, bits), (len(bits), b.size))
-            through = np.maximum(working[..., None] + carries, kept[..., None] + h[0, b])
-            best = np.minimum(best, through.min(axis=1))
+        checkpointed += [(o, nested.least_working_set(o)[rows, a][:, b][..., None] + carries)
+                         for o in exact_options(model)]
+    for o, working in checkpointed:
+        kept = np.broadcast_to(model.kept(o, a, b, bits), (len(bits), b.size))
+        through = np.maximum(working, kept[..., None] + h[0, b])
+        best = np.minimum(best, through.min(axis=1))
     if model.store_middle:  # any number of layers, up to the first join (CostModel.stored_middle_reach)
         b = np.arange(a + 1, model.stored_middle_reach[a] + 1)
         rest = np.where(model.stored_middle_holds_output(a, b)[:, None], h[1, b], h[0, b])
