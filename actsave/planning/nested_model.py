@@ -20,17 +20,17 @@ event, beyond what is held outside r (its input included), is
                                after_j = R + Q_s + E(part)
 
 where g_d, the gradient arriving at r, is held while r's pass runs, and fwd_i, the
-layer's rise measured with grad, bounds its rise under no_grad. The pass also pins, to
-its end, the input of each stored part that follows a recomputed one (the leaf that
-gives it the forward's requires_grad is held by the pass's graph), where the part's
-layers do not save it, and the copy an in-place first layer modifies (Q): added to
-the pass events from that part on. (A pass runs each call of a module that mutates
-its state on copies dropped as the call returns, runtime/state.py: nothing more to
-count.) A top-level nested segment's working
-set is W = O + K + Q + C + E(top), O, K, Q and C as for any checkpointed segment
-(memory_model.py), and it keeps R = K until its recompute; after a stored middle
-segment whose saves hold x_a, K (x_a itself) is counted there (memory_model.py, "A
-tensor at a stored boundary"), and its first part's saves of x_a are K's storage.
+layer's rise measured with grad, bounds its rise under no_grad. A stored part after a
+recomputed one runs as any stored forward does: the pass gives its input the
+forward's requires_grad without holding it (runtime/nested.py, _RequiresGrad) and
+runs each call of a module that mutates its state on copies dropped as the call
+returns (runtime/state.py), so neither adds anything to count.
+
+A top-level nested segment's working set is W = O + K + Q + C + E(top), O, K, Q and
+C as for any checkpointed segment (memory_model.py), and it keeps R = K until its
+recompute; after a stored middle segment whose saves hold x_a, K (x_a itself) is
+counted there (memory_model.py, "A tensor at a stored boundary"), and its first
+part's saves of x_a are K's storage.
 
 Time: every recomputed range's pass runs the forward of its layers once more, so a
 nested segment adds sum over the recomputed ranges r of its tree of forward(r); the
@@ -49,8 +49,7 @@ class Part(NamedTuple):
     """A part [s, e) of a range's pass, for every end e of an array (module docstring):
     what it keeps for the rest of the pass and its backward (R; a stored part its saves),
     its largest event during the pass and after it, each beyond the bytes the parts
-    before it keep, the pinned leaves and g_d (a recomputed part's ``after`` less its
-    own E(part))."""
+    before it keep and g_d (a recomputed part's ``after`` less its own E(part))."""
 
     kept: np.ndarray
     during_pass: np.ndarray
@@ -82,11 +81,13 @@ def seconds(model, o: int, a: int, top: Range) -> float:
 def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None) -> Part:
     """The stored part [s, e) for each e in ``stops`` (``events``: model.events_from(s),
     where the caller has it). The first part of a range runs as a recompute from the
-    range's input, held outside it, so neither its pass nor what it keeps counts it."""
+    range's input, held outside it, so neither its pass nor what it keeps counts it. A
+    later part runs as a stored forward whose input nothing else holds (the pass hands
+    it over): no [x_s] after its first layer."""
     events = model.events_from(s) if events is None else events
     last = stops - s - 1
     own_input = own_input_saved(model, s, stops) if first else 0.0
-    forward = events.recompute if first else events.stored_forward
+    forward = events.recompute if first else events.stored_forward - events.caller_held
     return Part(kept=events.saved[last] - own_input,
                 during_pass=np.maximum.accumulate(forward)[last],
                 after=np.maximum.accumulate(events.backward - model.held_in_backward)[last] - own_input)
@@ -105,29 +106,19 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
                 after=np.full(stops.shape, kept + model.private_copy[s]))
 
 
-def pinned(model, s: int, stops: np.ndarray) -> np.ndarray:
-    """What the pass pins from a stored part [s, e) that follows a recomputed one to
-    the pass's end: its input (the leaf giving it requires_grad), unless its layers
-    save it, and the private copy an in-place first layer modifies."""
-    return model.input[s] - own_input_saved(model, s, stops) + model.private_copy[s]
-
-
 def _largest_event(model, a: int, r: Range) -> float:
     """E(r) of the module docstring, r relative to layer a."""
     gradient = model.grad[a + r.stop]
-    kept_before, pins, largest = 0.0, 0.0, -np.inf
-    parts = r.parts
-    for j, part in enumerate(parts):
+    kept_before, largest = 0.0, -np.inf
+    for j, part in enumerate(r.parts):
         s, stop = a + part.start, np.array([a + part.stop])
-        if j and parts[j - 1].recomputed and not part.recomputed:
-            pins += float(pinned(model, s, stop)[0])
         if part.recomputed:
             terms = recomputed_part(model, s, stop, first=j == 0)
             after = float(terms.after[0]) + _largest_event(model, a, part)
         else:
             terms = stored_part(model, s, stop, first=j == 0)
             after = float(terms.after[0])
-        largest = max(largest, kept_before + pins + float(terms.during_pass[0]) + gradient,
+        largest = max(largest, kept_before + float(terms.during_pass[0]) + gradient,
                       kept_before + after)
         kept_before += float(terms.kept[0])
     return largest

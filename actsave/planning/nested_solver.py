@@ -12,25 +12,25 @@ Recurrence
                          own pass with E([c, d)) <= m units: 0 where it fits as one
                          stored part (a plain checkpoint), else Multi(c, d)[m]
         Multi(c, d)[m]   the same over cuts into two parts or more
-        S_y(f, d)[m]     the parts covering [f, d) after the first part of a range
-                         ending at d, y = 1 where the part before f is recomputed
+        S(f, d)[m]       the parts covering [f, d) after the first part of a range
+                         ending at d
 
     A part [f, e) of a range ending at d (terms of nested_model.Part: R kept, its pass
     event, its event after the pass; g = g_d) is
 
-        stored       feasible where m >= max(pass + g, after); then S_0(e, d)[m - R]
+        stored       feasible where m >= max(pass + g, after); then S(e, d)[m - R]
                      (nothing more where e = d)
         recomputed   e < d, feasible where m >= pass + g; then
-                     forward(f, e) + Inner(f, e)[m - after] + S_1(e, d)[m - R]
+                     forward(f, e) + Inner(f, e)[m - after] + S(e, d)[m - R]
 
-    S_y(f, d) is the least over the parts from f (the first part's terms for Multi,
-    which may not end at d). A stored part after a recomputed one (y = 1) pins its
-    input to the pass's end: the recurrence charges the pin as kept by the part, to
-    every later event, the pass's and the backward's (nested_model.py counts it in
-    the pass only), so that the state stays one number: the plans found are feasible
-    in the model, which may predict them a pin lower, and never infeasible. With
-    every term rounded up and m rounded down, a plan within Inner(c, d)[m] needs at
-    most m units.
+    S(f, d) is the least over the parts from f (the first part's terms for Multi,
+    which may not end at d). A part's terms depend on where it starts and ends and
+    whether it is its range's first, not on the parts before it (nested_model.py: a
+    stored part after a recomputed one holds nothing more), so one number, the units
+    left, is the whole state: the recurrence is exact for the model on its grid.
+    With every term rounded up and m rounded down, a plan within Inner(c, d)[m]
+    needs at most m units; where every term is a whole number of units, the table
+    is the least time over every cut that fits.
 
     A top-level nested segment [a, b) kept by an exact option o, after a prefix
     keeping P, adds t(a, b, o) + Multi(a, b)[floor((headroom - P - O - K - Q -
@@ -60,21 +60,15 @@ _INFEASIBLE = np.inf
 
 class _StartTerms(NamedTuple):
     """The parts starting at one layer f, for every end e > f (index e - f - 1), in
-    grid units: (R, pass event, after event) as the first part of a range, as a later
-    part after a stored one, after a recomputed one (its pin charged), and recomputed,
-    first or later."""
+    grid units: (R, pass event, after event) of a stored and of a recomputed part,
+    each as the first part of its range and as a later one."""
 
-    stored: tuple  # [first, after stored, after recomputed]: (kept, during_pass, after)
+    stored: tuple  # [first, later]: (kept, during_pass, after)
     recomputed: tuple  # [first, later]: (kept, during_pass, after)
 
-    def stored_after(self, y: Optional[int]) -> tuple:
-        """A stored part's terms: the first of its range (y None), or after a stored
-        (y = 0) or recomputed (y = 1) part."""
-        return self.stored[0 if y is None else 1 + y]
-
-    def recomputed_after(self, y: Optional[int]) -> tuple:
-        """A recomputed part's terms: the first of its range (y None), or a later one."""
-        return self.recomputed[0 if y is None else 1]
+    def of(self, recomputed: bool, first: bool) -> tuple:
+        """The terms of a part that is ``recomputed`` or stored, ``first`` of its range or not."""
+        return (self.recomputed if recomputed else self.stored)[0 if first else 1]
 
 
 class NestedTable:
@@ -95,12 +89,12 @@ class NestedTable:
         self._multi_windows = sliding_window_view(self.multi, width, axis=-1)
         self.single_need = np.full((n, n), width, dtype=np.int64)  # [c, d]: units as one stored part
         for c in range(n - 1):
-            _, during_pass, after = self._terms[c].stored[0]
+            _, during_pass, after = self._terms[c].of(recomputed=False, first=True)
             self.single_need[c, c + 1:] = np.maximum(during_pass + self._units(model.grad[c + 1:n]), after)
         for d in range(2, n):
             rest = self._rest(d)
             for c in range(d - 1):
-                self.multi[c, d, width:] = self._cuts(c, d, rest, first=True)[0].min(axis=0)
+                self.multi[c, d, width:] = self._cuts(c, d, rest, first=True).min(axis=0)
 
     @classmethod
     def for_plans(cls, model, headroom: float, longest: Optional[int]) -> Optional["NestedTable"]:
@@ -153,9 +147,7 @@ class NestedTable:
         if not ends.size:
             return _StartTerms((), ())
         events = model.events_from(f)
-        first, later = (nested_model.stored_part(model, f, ends, at_start, events) for at_start in (True, False))
-        pin = nested_model.pinned(model, f, ends)
-        stored = [first, later, later._replace(**{name: getattr(later, name) + pin for name in later._fields})]
+        stored = [nested_model.stored_part(model, f, ends, at_start, events) for at_start in (True, False)]
         recomputed = [nested_model.recomputed_part(model, f, ends, at_start) for at_start in (True, False)]
         return _StartTerms(tuple(self._part_units(part) for part in stored),
                            tuple(self._part_units(part) for part in recomputed))
@@ -164,41 +156,33 @@ class NestedTable:
         return tuple(self._units(term) for term in part)
 
     def _rest(self, d: int) -> np.ndarray:
-        """Windows [y, f, width - shift, m] of S_y(f, d) for 0 < f <= d (row d:
-        nothing left, 0), shifted right (_shifted)."""
+        """Windows [f, width - shift, m] of S(f, d) for 0 < f <= d (row d: nothing
+        left, 0), shifted right (_shifted)."""
         width = self.width
-        rest = np.full((2, d + 1, 2 * width), _INFEASIBLE)
-        rest[:, d, width:] = 0.0
+        rest = np.full((d + 1, 2 * width), _INFEASIBLE)
+        rest[d, width:] = 0.0
         windows = sliding_window_view(rest, width, axis=-1)
         for f in range(d - 1, 0, -1):
-            rest[:, f, width:] = [each.min(axis=0) for each in self._cuts(f, d, windows, first=False)]
+            rest[f, width:] = self._cuts(f, d, windows, first=False).min(axis=0)
         return windows
 
-    def _cuts(self, f: int, d: int, rest: np.ndarray, first: bool) -> list:
-        """For y = 0 and 1 (only the first part of a range for ``first``), the time of
-        each way to go on from a part starting at f within every m, one row per
-        choice of that part (_choices)."""
+    def _cuts(self, f: int, d: int, rest: np.ndarray, first: bool) -> np.ndarray:
+        """The time of each way to go on from a part starting at f (the first of its
+        range for ``first``) within every m, one row per choice of that part (_choices)."""
         gradient, terms = int(self._units(self.model.grad[d])), self._terms[f]
-        stored_count, recomputed_count = d - f - (1 if first else 0), d - f - 1
-        recomputed_rows = None
-        if recomputed_count:
-            later = None if first else 0
-            kept, during_pass, after = (term[:recomputed_count] for term in terms.recomputed_after(later))
-            ends = np.arange(f + 1, d)
+        stored_ends = np.arange(f + 1, d if first else d + 1)
+        kept, during_pass, after = (term[:stored_ends.size] for term in terms.of(recomputed=False, first=first))
+        need = np.maximum(during_pass + gradient, after)
+        rows = [np.where(self.m >= need[:, None], self._shifted(rest, stored_ends, kept), _INFEASIBLE)]
+        ends = np.arange(f + 1, d)
+        if ends.size:
+            kept, during_pass, after = (term[:ends.size] for term in terms.of(recomputed=True, first=first))
             forward = self.model.forward_s_before[ends] - self.model.forward_s_before[f]
             inner = np.where(self.m >= (after + self.single_need[f, ends])[:, None], 0.0,
                              self._shifted(self._multi_windows[f], ends, after))
-            recomputed_rows = np.where(self.m >= (during_pass + gradient)[:, None],
-                                       forward[:, None] + inner + self._shifted(rest[1], ends, kept), _INFEASIBLE)
-        rows = []
-        for y in ((None,) if first else (0, 1)):
-            kept, during_pass, after = (term[:stored_count] for term in terms.stored_after(y))
-            need = np.maximum(during_pass + gradient, after)
-            stored_rows = np.where(self.m >= need[:, None],
-                                   self._shifted(rest[0], np.arange(f + 1, f + 1 + stored_count), kept),
-                                   _INFEASIBLE)
-            rows.append(stored_rows if recomputed_rows is None else np.concatenate((stored_rows, recomputed_rows)))
-        return rows
+            rows.append(np.where(self.m >= (during_pass + gradient)[:, None],
+                                 forward[:, None] + inner + self._shifted(rest, ends, kept), _INFEASIBLE))
+        return np.concatenate(rows)
 
     @staticmethod
     def _choices(f: int, d: int, first: bool) -> list:
@@ -215,21 +199,19 @@ class NestedTable:
     def _parts(self, c: int, d: int, steps: int, origin: int) -> list:
         """The parts (Ranges relative to ``origin``) of the cut of [c, d) that
         Multi(c, d)[steps] prices, recursing into recomputed parts."""
-        rest, y, f, parts = self._rest(d), None, c, []
+        rest, first, f, parts = self._rest(d), True, c, []
         while f < d:
-            rows = self._cuts(f, d, rest, first=y is None)[y or 0]
-            end, recomputed = self._choices(f, d, first=y is None)[int(np.argmin(rows[:, steps]))]
+            end, recomputed = self._choices(f, d, first)[int(np.argmin(self._cuts(f, d, rest, first)[:, steps]))]
+            kept, _, after = (int(term[end - f - 1]) for term in self._terms[f].of(recomputed, first))
             if recomputed:
-                kept, _, after = (int(term[end - f - 1]) for term in self._terms[f].recomputed_after(y))
                 inner_steps = steps - after
                 inner = () if inner_steps >= self.single_need[f, end] else \
                     tuple(self._parts(f, end, inner_steps, origin))
                 parts.append(Range(f - origin, end - origin, inner=inner))
             else:
-                kept = int(self._terms[f].stored_after(y)[0][end - f - 1])
                 parts.append(Range(f - origin, end - origin, recomputed=False))
             steps -= kept
-            f, y = end, int(recomputed)
+            f, first = end, False
         return parts
 
 

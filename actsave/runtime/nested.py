@@ -193,9 +193,7 @@ class _NestedFrame(_Frame):
                 x = layer(x)
         inputs.end_forward(self.function.__qualname__)
         if isinstance(x, torch.Tensor) and part.stop < len(self.layers) and self.grad_at[part.stop]:
-            x = x.detach().requires_grad_()
-            if modifies_input(self.layers[part.stop]):
-                x = x.clone()  # a leaf that requires grad cannot be modified in place
+            x = _RequiresGrad.apply(_GRAPH_ANCHOR, x)
         return x
 
     def _run_stored(self, part: Range, handed: list, stop_after) -> torch.Tensor:
@@ -227,6 +225,28 @@ class _NestedFrame(_Frame):
         count = len(self.slots) + 1 if stop_after is None else stop_after + 1
         self._fill(index, tensor, self.recomputed, count, lossy=False)
         return _detached(tensor)
+
+
+class _RequiresGrad(torch.autograd.Function):
+    """``x`` as a tensor that requires grad, for the layers after a recomputed range to
+    save what they saved in the forward. Not a leaf of ``x`` (``x.detach().requires_grad_()``):
+    the pass's graph would hold that leaf, and with it ``x``, to the pass's end, where
+    the layers may have freed it; here the graph holds only the anchor, a scalar. And
+    not a view of ``x``, so an in-place first layer may modify it without a copy. The
+    pass's graph is never run backward (NOTE [ Nested recompute ])."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad
+
+
+# The scalar leaf every _RequiresGrad output hangs from, made at import, not inside a
+# measured step.
+_GRAPH_ANCHOR = torch.zeros((), requires_grad=True)
 
 
 def nested_call(layers: Sequence, top: Range, x: torch.Tensor, private_copy: bool = False,

@@ -14,19 +14,21 @@ from actsave.runtime.nested import Range
 
 def random_tree(rng: random.Random, length: int, depth: int) -> Range:
     """A recomputed Range over ``length`` layers, cut into 1-4 parts, each stored or
-    recomputed (and cut again, ``depth`` levels at most)."""
+    recomputed (and cut again, ``depth`` levels at most), as the planner cuts them: the
+    last part stored, no two stored parts in a row (they run as one)."""
     if depth == 0 or length < 2:
         return Range(0, length)
     cuts = sorted(rng.sample(range(1, length), min(length - 1, rng.randint(1, 3))))
-    bounds = list(zip([0, *cuts], [*cuts, length]))
     parts = []
-    for start, stop in bounds:
-        if rng.random() < 0.5:
-            parts.append(Range(start, stop, recomputed=False))
-        else:
+    for start, stop in zip([0, *cuts], [*cuts, length]):
+        if stop < length and rng.random() < 0.5:
             inner = random_tree(rng, stop - start, depth - 1)
             parts.append(Range(start, stop, inner=tuple(_shifted(r, start) for r in inner.inner)))
-    return Range(0, length, inner=tuple(parts))
+        elif parts and not parts[-1].recomputed:
+            parts[-1] = Range(parts[-1].start, stop, recomputed=False)
+        else:
+            parts.append(Range(start, stop, recomputed=False))
+    return Range(0, length, inner=tuple(parts) if len(parts) > 1 else ())
 
 
 def _shifted(r: Range, by: int) -> Range:
@@ -40,14 +42,14 @@ CHAINS = {"mlp": lambda: (deep_mlp(12, 64), torch.randn(256, 64)),
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_predictions_bound_measured_peaks_of_random_nested_plans(name):
     # Linear/ReLU, and in-place ReLU, Dropout, BatchNorm and GELU, on random trees of up
-    # to three levels. Never above the prediction; as low as 0.80 of it where the model
-    # counts a tensor at a boundary between two stored parts on both sides, or bounds
-    # a no_grad layer's rise by the rise it measured with grad.
+    # to three levels. Never above the prediction; as low as 0.84 of it where the model
+    # counts a tensor at a boundary between a stored part and the next on both sides, or
+    # bounds a no_grad layer's rise by the rise it measured with grad.
     layers, x = CHAINS[name]()
     model = CheckpointedSequential(*layers)
     prof = actsave.profile(model, (x,))
     rng = random.Random(0)
-    for _ in range(6):
+    for _ in range(12):
         stop = rng.randint(len(layers) // 2, len(layers) - 2)
         plan = plans.predict(prof, [0, stop], nested=[random_tree(rng, stop, depth=3)])
         model.apply_plan(plan)
@@ -73,6 +75,19 @@ def test_passes_through_batchnorms_measure_as_predicted():
     model.apply_plan(plan)
     measured = peak_activation_bytes(model, x)
     assert 0.999 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
+
+
+def test_a_stored_part_after_a_recomputed_one_holds_its_input_only_while_its_first_layer_runs():
+    # [3, 8) starts with a ReLU, which saves its output, not its input x_3. Given the
+    # forward's requires_grad as a leaf, x_3 was held by the pass's graph to the pass's
+    # end: 655,360 B measured, a 64 KiB activation more than now.
+    layers, x = deep_mlp(8, 64), torch.randn(256, 64)
+    model = CheckpointedSequential(*layers)
+    prof = actsave.profile(model, (x,))
+    top = Range(0, 8, inner=(Range(0, 1), Range(1, 3), Range(3, 8, recomputed=False)))
+    plan = plans.predict(prof, [0, 8], nested=[top])
+    model.apply_plan(plan)
+    assert peak_activation_bytes(model, x) == plan.predicted_peak_bytes == 606_464
 
 
 def test_nesting_fits_below_the_smallest_single_level_peak_and_trains_exactly():
