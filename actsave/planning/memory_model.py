@@ -238,8 +238,12 @@ class CostModel:
         self.signs_before = np.concatenate(([0.0], np.cumsum(decisions)))  # S over [0, i)
         self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
         self.backward_s_before = np.concatenate(([0.0], np.cumsum(column("backward_s"))))
-        self.private_copy = np.array([layer.dense_input_bytes if layer.modifies_input and layer.input_grad_bytes
-                                      else 0 for layer in layers], dtype=np.float64)
+        # A checkpoint whose first layer changes its input in place keeps a copy of the
+        # input (runtime/store.py), and its recompute, where the input needs a gradient,
+        # runs on one more copy (Q).
+        self.kept_copy = np.array([layer.dense_input_bytes if layer.modifies_input else 0 for layer in layers],
+                                  dtype=np.float64)
+        self.private_copy = np.where(column("input_grad_bytes") > 0, self.kept_copy, 0.0)
         self._options_by_layer(layers)
         if fixed is not None:
             self.allowed &= np.array([[option == each for each in fixed] for option in options])

@@ -6,7 +6,8 @@ A nested segment [a, b) is exact and on the device; its recompute is cut by a
 :class:`~actsave.runtime.nested.Range` tree. Processing a recomputed range r = [c, d)
 means its pass (a forward over its parts) and then the backward of its parts, last
 first. With P_j the bytes kept by r's parts before part j (a recomputed part keeps its
-input, R = x_s, except the first, whose input is r's own and held outside; a stored
+input, R = x_s, except the first, whose input is r's own and held outside; one whose
+first layer changes its input in place keeps a copy of it, the first too; a stored
 part keeps Saved(s, e-1), less r's input where the first one saves it), r's largest
 event, beyond what is held outside r (its input included), is
 
@@ -16,7 +17,8 @@ event, beyond what is held outside r (its input included), is
                                          for the first part: its input is held)
                                after_j = its backward events less O: Saved(s, i) +
                                          g_{i+1} + bwd_i (Saved' for the first part)
-      recomputed part [s, e)   pass_j  = R + max_i ([i > s] x_i + fwd_i)   (no_grad)
+      recomputed part [s, e)   pass_j  = R + max_i ([i > s or a copy] x_i + fwd_i)
+                                         (no_grad; "a copy": R is one, and j > 0)
                                after_j = R + Q_s + E(part)
 
 where g_d, the gradient arriving at r, is held while r's pass runs, and fwd_i, the
@@ -97,10 +99,15 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
     """The recomputed part [s, e) for each e in ``stops``: it keeps its input (the
     range's own, held outside, for the first) and runs under no_grad, holding one
     layer's input and rise at a time; its ``after`` is what its own backward holds
-    beyond its E(part): R and the private copy an in-place first layer recomputes from."""
-    kept = 0.0 if first else float(model.input[s])
+    beyond its E(part): R and the private copy an in-place first layer recomputes from.
+    Where its first layer changes its input in place, what it keeps is a copy, even of
+    the range's own input (runtime/store.py), and a later part's input, changed beside
+    it, is one more tensor as that layer runs."""
+    copy = float(model.kept_copy[s])
+    kept = copy if copy or first else float(model.input[s])
+    input_beside_copy = bool(copy) and not first
     later = np.arange(s, stops.max())
-    inputs = np.where(later > s, model.input[later], 0.0)
+    inputs = np.where((later > s) | input_beside_copy, model.input[later], 0.0)
     during_pass = kept + np.maximum.accumulate(inputs + model.forward_rise[later])[stops - s - 1]
     return Part(kept=np.full(stops.shape, kept), during_pass=during_pass,
                 after=np.full(stops.shape, kept + model.private_copy[s]))

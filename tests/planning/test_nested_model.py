@@ -90,6 +90,21 @@ def test_a_stored_part_after_a_recomputed_one_holds_its_input_only_while_its_fir
     assert peak_activation_bytes(model, x) == plan.predicted_peak_bytes == 606_464
 
 
+def test_a_first_recomputed_part_that_changes_its_input_in_place_counts_the_copy_it_keeps():
+    # [1, 9) starts with an in-place ReLU, and so does its first part [1, 3): that part
+    # keeps a copy of its input beside the input its ReLU changes. Not counted, the
+    # prediction was 65,032 B (7%) below the measured peak.
+    layers, x = list(mixed_chain(width=64, repeats=4)), torch.randn(256, 64)
+    model = CheckpointedSequential(*layers)
+    prof = actsave.profile(model, (x,))
+    inner = Range(1, 9, inner=(Range(1, 3), Range(3, 9, recomputed=False)))
+    top = Range(0, 14, inner=(Range(0, 1, recomputed=False), inner, Range(9, 14, recomputed=False)))
+    plan = plans.predict(prof, [0, 14], nested=[top])
+    model.apply_plan(plan)
+    measured = peak_activation_bytes(model, x)
+    assert 0.999 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
+
+
 def test_nesting_fits_below_the_smallest_single_level_peak_and_trains_exactly():
     layers, x = deep_mlp(16, 64), torch.randn(256, 64)
     model = CheckpointedSequential(*layers)
