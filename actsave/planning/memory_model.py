@@ -221,6 +221,7 @@ class CostModel:
         self.output_first, self.output_last = prof.output_saved_by or (n, -1)
         self.forward_rise, self.backward_rise = column("forward_rise"), column("backward_rise")
         self.rise_to_last_save = column("forward_rise_to_last_save")
+        self.no_grad_rise = column("no_grad_rise")
         # One restore at a time: a ReLU's or a max pool's (runtime/relu_signs.py, pool_decisions.py).
         self.restore = np.maximum(column("relu_restore_bytes"), column("pool_restore_bytes"))
         spans = [layer.input_saved_by or (n, -1) for layer in layers]  # (n, -1): saved by no layer
@@ -525,8 +526,8 @@ class CostModel:
             held_stored_peaks[a] = held.stored_peak
             held_stored_forward[a, a + 1:] = np.maximum.accumulate(held.stored_forward)[:n - 1 - a]
             last = self.last_saver[a:n - 1] - a  # for ends b = a+1 .. n-1
-            recompute[a, a + 1:] = _until_last_save(events.recompute, events.recompute_to_last_save, last)
-            lossy_recompute[a, a + 1:] = _until_last_save(events.recompute + self.restore[a:],
+            recompute[a, a + 1:] = until_last_save(events.recompute, events.recompute_to_last_save, last)
+            lossy_recompute[a, a + 1:] = until_last_save(events.recompute + self.restore[a:],
                                                           events.recompute_to_last_save + self.restore[a:], last)
             backward[a, a + 1:] = np.maximum.accumulate(events.backward)[:n - 1 - a]
             stored_forward[a, a + 1:] = np.maximum.accumulate(events.stored_forward)[:n - 1 - a]
@@ -716,7 +717,7 @@ def _stored_middle_events(forward, backward, carries: np.ndarray) -> np.ndarray:
     return np.maximum(np.expand_dims(forward, -1), np.expand_dims(backward, -1) + carries)
 
 
-def _until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:
+def until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:
     """For each segment end, the largest recompute event: layers before the segment's
     last saving layer (``last``, relative to the start) run whole (``full``), that
     layer up to its last save (``truncated``: the early stop), the rest not at all;

@@ -17,12 +17,15 @@ event, beyond what is held outside r (its input included), is
                                          for the first part: its input is held)
                                after_j = its backward events less O: Saved(s, i) +
                                          g_{i+1} + bwd_i (Saved' for the first part)
-      recomputed part [s, e)   pass_j  = R + max_i ([i > s or a copy] x_i + fwd_i)
-                                         (no_grad; "a copy": R is one, and j > 0)
+      recomputed part [s, e)   pass_j  = R + max_i ([i > s or a copy] x_i + nfwd_i)
+                                         ("a copy": R is one, and j > 0)
                                after_j = R + Q_s + E(part)
 
-where g_d, the gradient arriving at r, is held while r's pass runs, and fwd_i, the
-layer's rise measured with grad, bounds its rise under no_grad. A stored part after a
+where g_d, the gradient arriving at r, is held while r's pass runs, fwd_i is the
+layer's rise in a forward with grad, and nfwd_i its rise under no_grad, which runs
+recomputed parts (the profile measures both). The last stored part of a range ends
+the pass at its last save (runtime/nested.py, the early stop), as a single-level
+recompute does (memory_model.py, recompute_to_last_save). A stored part after a
 recomputed one runs as any stored forward does: the pass gives its input the
 forward's requires_grad without holding it (runtime/nested.py, _RequiresGrad) and
 runs each call of a module that mutates its state on copies dropped as the call
@@ -45,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime.nested import Range
+from . import memory_model  # (which imports this module: read at call time)
 
 
 class Part(NamedTuple):
@@ -80,19 +84,25 @@ def seconds(model, o: int, a: int, top: Range) -> float:
         before[a + r.stop] - before[a + r.start] for r in top.walk() if r.recomputed and r is not top)
 
 
-def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None) -> Part:
+def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None, last: bool = False) -> Part:
     """The stored part [s, e) for each e in ``stops`` (``events``: model.events_from(s),
     where the caller has it). The first part of a range runs as a recompute from the
     range's input, held outside it, so neither its pass nor what it keeps counts it. A
     later part runs as a stored forward whose input nothing else holds (the pass hands
-    it over): no [x_s] after its first layer."""
+    it over): no [x_s] after its first layer. The ``last`` part of its range ends the
+    pass at its last save (the early stop), as a single-level recompute does; one that
+    saves nothing is priced whole (the pass ends before it, lower)."""
     events = model.events_from(s) if events is None else events
-    last = stops - s - 1
+    at = stops - s - 1
     own_input = own_input_saved(model, s, stops) if first else 0.0
     forward = events.recompute if first else events.stored_forward - events.caller_held
-    return Part(kept=events.saved[last] - own_input,
-                during_pass=np.maximum.accumulate(forward)[last],
-                after=np.maximum.accumulate(events.backward - model.held_in_backward)[last] - own_input)
+    during_pass = np.maximum.accumulate(forward)[at]
+    if last:
+        to_last_save = forward - model.forward_rise[s:] + model.rise_to_last_save[s:]
+        saver = model.last_saver[stops - 1] - s
+        during_pass = np.where(saver >= 0, memory_model.until_last_save(forward, to_last_save, saver), during_pass)
+    return Part(kept=events.saved[at] - own_input, during_pass=during_pass,
+                after=np.maximum.accumulate(events.backward - model.held_in_backward)[at] - own_input)
 
 
 def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
@@ -108,7 +118,7 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
     input_beside_copy = bool(copy) and not first
     later = np.arange(s, stops.max())
     inputs = np.where((later > s) | input_beside_copy, model.input[later], 0.0)
-    during_pass = kept + np.maximum.accumulate(inputs + model.forward_rise[later])[stops - s - 1]
+    during_pass = kept + np.maximum.accumulate(inputs + model.no_grad_rise[later])[stops - s - 1]
     return Part(kept=np.full(stops.shape, kept), during_pass=during_pass,
                 after=np.full(stops.shape, kept + model.private_copy[s]))
 
@@ -116,14 +126,14 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
 def _largest_event(model, a: int, r: Range) -> float:
     """E(r) of the module docstring, r relative to layer a."""
     gradient = model.grad[a + r.stop]
-    kept_before, largest = 0.0, -np.inf
-    for j, part in enumerate(r.parts):
+    kept_before, largest, parts = 0.0, -np.inf, r.parts
+    for j, part in enumerate(parts):
         s, stop = a + part.start, np.array([a + part.stop])
         if part.recomputed:
             terms = recomputed_part(model, s, stop, first=j == 0)
             after = float(terms.after[0]) + _largest_event(model, a, part)
         else:
-            terms = stored_part(model, s, stop, first=j == 0)
+            terms = stored_part(model, s, stop, first=j == 0, last=j == len(parts) - 1)
             after = float(terms.after[0])
         largest = max(largest, kept_before + float(terms.during_pass[0]) + gradient,
                       kept_before + after)

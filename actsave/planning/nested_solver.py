@@ -61,10 +61,12 @@ _INFEASIBLE = np.inf
 class _StartTerms(NamedTuple):
     """The parts starting at one layer f, for every end e > f (index e - f - 1), in
     grid units: (R, pass event, after event) of a stored and of a recomputed part,
-    each as the first part of its range and as a later one."""
+    each as the first part of its range and as a later one, and a stored part's pass
+    event where it is its range's last (the early stop)."""
 
     stored: tuple  # [first, later]: (kept, during_pass, after)
     recomputed: tuple  # [first, later]: (kept, during_pass, after)
+    last_pass: tuple  # [first, later]: during_pass of a stored part ending its range
 
     def of(self, recomputed: bool, first: bool) -> tuple:
         """The terms of a part that is ``recomputed`` or stored, ``first`` of its range or not."""
@@ -89,7 +91,8 @@ class NestedTable:
         self._multi_windows = sliding_window_view(self.multi, width, axis=-1)
         self.single_need = np.full((n, n), width, dtype=np.int64)  # [c, d]: units as one stored part
         for c in range(n - 1):
-            _, during_pass, after = self._terms[c].of(recomputed=False, first=True)
+            _, _, after = self._terms[c].of(recomputed=False, first=True)
+            during_pass = self._terms[c].last_pass[0]
             self.single_need[c, c + 1:] = np.maximum(during_pass + self._units(model.grad[c + 1:n]), after)
         for d in range(2, n):
             rest = self._rest(d)
@@ -145,12 +148,14 @@ class NestedTable:
     def _start_terms(self, f: int) -> _StartTerms:
         model, ends = self.model, np.arange(f + 1, self.model.n)
         if not ends.size:
-            return _StartTerms((), ())
+            return _StartTerms((), (), ())
         events = model.events_from(f)
         stored = [nested_model.stored_part(model, f, ends, at_start, events) for at_start in (True, False)]
         recomputed = [nested_model.recomputed_part(model, f, ends, at_start) for at_start in (True, False)]
+        last = [nested_model.stored_part(model, f, ends, at_start, events, last=True) for at_start in (True, False)]
         return _StartTerms(tuple(self._part_units(part) for part in stored),
-                           tuple(self._part_units(part) for part in recomputed))
+                           tuple(self._part_units(part) for part in recomputed),
+                           tuple(self._units(part.during_pass) for part in last))
 
     def _part_units(self, part: nested_model.Part) -> tuple:
         return tuple(self._units(term) for term in part)
@@ -172,6 +177,8 @@ class NestedTable:
         gradient, terms = int(self._units(self.model.grad[d])), self._terms[f]
         stored_ends = np.arange(f + 1, d if first else d + 1)
         kept, during_pass, after = (term[:stored_ends.size] for term in terms.of(recomputed=False, first=first))
+        if not first:  # the part ending at d is the range's last
+            during_pass = np.append(during_pass[:-1], terms.last_pass[1][stored_ends.size - 1])
         need = np.maximum(during_pass + gradient, after)
         rows = [np.where(self.m >= need[:, None], self._shifted(rest, stored_ends, kept), _INFEASIBLE)]
         ends = np.arange(f + 1, d)

@@ -55,6 +55,7 @@ class LayerProfile:
     input_saved_by: Optional[tuple]  # (first, last) layer saving the input's storage
     forward_rise: int
     forward_rise_to_last_save: int  # where a recompute that ends in this layer stops
+    no_grad_rise: int  # the forward's rise under no_grad (a nested pass's recomputed part)
     backward_rise: int
     saves_for_backward: bool  # any tensor, parameters included
     relu_sign_bytes: int  # kept by a lossy segment for this layer's ReLU outputs
@@ -561,6 +562,22 @@ def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: tor
     return _Structure(ledger, forward_rise, backward_rise, loss_rise, output)
 
 
+def _measure_no_grad_rises(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device) -> list:
+    """Each layer's rise of live bytes in a forward under no_grad, which frees what the
+    layer would save as it goes (a nested pass runs its recomputed parts so), with
+    allocations as on ``device``; on a copy of ``x``, which an in-place first layer
+    changes."""
+    h = x.detach().clone()
+    tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), h])
+    rises = []
+    with tracker, torch.no_grad():
+        for i, (_, layer) in enumerate(layers):
+            with tracker.span() as rise:
+                h = _checked_output(layer(h), i)
+            rises.append(rise[0])
+    return rises
+
+
 def _run_forward(layers: list, x: torch.Tensor) -> None:
     for _, layer in layers:
         x = layer(x)
@@ -837,7 +854,7 @@ def _decode_rise(entry: _StoredEntry, codec: str, costs: _CodecCosts) -> int:
     return rise
 
 
-def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times: tuple,
+def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, no_grad_rises: list, times: tuple,
                    costs: _CodecCosts) -> LayerProfile:
     spec, device = found.inputs[i], costs.device
     keep_costs = costs.of(spec)
@@ -858,6 +875,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: _Structure, times
         input_saved_by=found.input_saved_by[i],
         forward_rise=found.forward_rise[i],
         forward_rise_to_last_save=found.rise_to_last_save[i],
+        no_grad_rise=no_grad_rises[i],
         backward_rise=found.backward_rise[i],
         saves_for_backward=i in found.saving_layers,
         relu_sign_bytes=found.relu_sign_bytes[i],
@@ -921,10 +939,11 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             stack.enter_context(simulating(device))
         stack.enter_context(isolated_steps(model, x.device))
         found = _measure_memory(layers, x, model, device, loss)
+        no_grad_rises = _measure_no_grad_rises(layers, x, model, device)
         times = ([0.0] * len(layers),) * 2 if sizes_only else _measure_times(layers, x, loss)
         costs = _CodecCosts(x.device, device)
         return Profile(
-            layers=tuple(_layer_profile(i, name, layer, found, times, costs)
+            layers=tuple(_layer_profile(i, name, layer, found, no_grad_rises, times, costs)
                          for i, (name, layer) in enumerate(layers)),
             saved=tuple(found.saved),
             input_bytes=allocation_bytes(x.untyped_storage().nbytes(), device),

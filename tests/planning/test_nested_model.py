@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from planning.chains import bench_like_chain
 from support import deep_mlp, mixed_chain, peak_activation_bytes, train_step, twin
 
 import actsave
@@ -42,9 +43,9 @@ CHAINS = {"mlp": lambda: (deep_mlp(12, 64), torch.randn(256, 64)),
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_predictions_bound_measured_peaks_of_random_nested_plans(name):
     # Linear/ReLU, and in-place ReLU, Dropout, BatchNorm and GELU, on random trees of up
-    # to three levels. Never above the prediction; as low as 0.84 of it where the model
-    # counts a tensor at a boundary between a stored part and the next on both sides, or
-    # bounds a no_grad layer's rise by the rise it measured with grad.
+    # to three levels. Never above the prediction; below it where the model counts a
+    # tensor at a boundary between a stored part and the next on both sides (0.92 here,
+    # 0.89 over 120 trees).
     layers, x = CHAINS[name]()
     model = CheckpointedSequential(*layers)
     prof = actsave.profile(model, (x,))
@@ -54,7 +55,7 @@ def test_predictions_bound_measured_peaks_of_random_nested_plans(name):
         plan = plans.predict(prof, [0, stop], nested=[random_tree(rng, stop, depth=3)])
         model.apply_plan(plan)
         measured = peak_activation_bytes(model, x)
-        assert 0.75 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, plan.nested
+        assert 0.85 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, plan.nested
 
 
 def test_passes_through_batchnorms_measure_as_predicted():
@@ -103,6 +104,22 @@ def test_a_first_recomputed_part_that_changes_its_input_in_place_counts_the_copy
     model.apply_plan(plan)
     measured = peak_activation_bytes(model, x)
     assert 0.999 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
+
+
+def test_a_pass_prices_its_recomputed_parts_by_their_rise_under_no_grad_and_stops_at_its_last_save():
+    # Bottleneck blocks rise far more with grad (their saves) than under no_grad, which
+    # is how a pass runs [0, 3) and [0, 2); and the pass over [0, 3) ends at block 2's
+    # last save. Priced by the rise with grad and run to each block's end, this plan
+    # was predicted 13% above its measured peak (0.882), and the planner picks it at
+    # the smallest budget.
+    model, x = bench_like_chain("resnet")
+    model = CheckpointedSequential(*model)
+    prof = actsave.profile(model, (x,))
+    inner = Range(0, 3, inner=(Range(0, 2), Range(2, 3, recomputed=False)))
+    plan = plans.predict(prof, [0, 4], nested=[Range(0, 4, inner=(inner, Range(3, 4, recomputed=False)))])
+    model.apply_plan(plan)
+    measured = peak_activation_bytes(model, x)
+    assert 0.98 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
 
 
 def test_nesting_fits_below_the_smallest_single_level_peak_and_trains_exactly():

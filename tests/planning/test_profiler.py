@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from planning.chains import max_pool_chain
+from planning.chains import Residual, max_pool_chain
 from support import deep_mlp, mixed_chain
 from torch import nn
 
@@ -46,6 +46,18 @@ def test_profile_measures_saved_storages_once_and_leaves_no_trace():
     assert relu.input_saved_by == (1, 1) and relu.saved_bytes == 16 * 32 * 4
     assert prof.layers[0].saved_bytes == 0  # its input is the batch, held anyway
     assert relu.modifies_input and relu.relu_sign_bytes == 16 * 32 // 8
+
+
+def test_profile_measures_each_layers_rise_with_grad_and_under_no_grad():
+    # A residual block, x + Linear(ReLU(Linear(x))): with grad the ReLU's output is saved
+    # (for the ReLU and the second Linear) and the block peaks at three activations of
+    # 8 x 64 floats; under no_grad each is freed once the next op has it: two.
+    block, x = Residual(64), torch.randn(8, 64, requires_grad=True) * 1
+    prof = actsave.profile(nn.Sequential(block, nn.Linear(64, 4)), (x,))
+    activation = 8 * 64 * 4
+    assert (prof.layers[0].forward_rise, prof.layers[0].no_grad_rise) == (3 * activation, 2 * activation)
+    # A layer that saves nothing beyond its output rises the same either way.
+    assert prof.layers[1].no_grad_rise == prof.layers[1].forward_rise == 8 * 4 * 4
 
 
 def test_profile_counts_the_max_pool_decisions_a_lossy_segment_keeps():
