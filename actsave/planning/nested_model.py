@@ -6,8 +6,9 @@ A nested segment [a, b) is exact and on the device; its recompute is cut by a
 :class:`~actsave.runtime.nested.Range` tree. Processing a recomputed range r = [c, d)
 means its pass (a forward over its parts) and then the backward of its parts, last
 first. With P_j the bytes kept by r's parts before part j (a recomputed part keeps its
-input, R = x_s, except the first, whose input is r's own and held outside; one whose
-first layer changes its input in place keeps a copy of it, the first too; a stored
+input, R = x_s, except the first, whose input is r's own and held outside, and one
+after a stored part whose saves hold x_s, processed after it; one whose first layer
+changes its input in place keeps a copy of it, wherever the input is held; a stored
 part keeps Saved(s, e-1), less r's input where the first one saves it), r's largest
 event, beyond what is held outside r (its input included), is
 
@@ -105,17 +106,19 @@ def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None, last
                 after=np.maximum.accumulate(events.backward - model.held_in_backward)[at] - own_input)
 
 
-def recomputed_part(model, s: int, stops: np.ndarray, first: bool) -> Part:
+def recomputed_part(model, s: int, stops: np.ndarray, first: bool, input_held: bool = False) -> Part:
     """The recomputed part [s, e) for each e in ``stops``: it keeps its input (the
-    range's own, held outside, for the first) and runs under no_grad, holding one
+    range's own, held outside, for the first; ``input_held``: held by the saves of the
+    stored part before it, processed after it) and runs under no_grad, holding one
     layer's input and rise at a time; its ``after`` is what its own backward holds
     beyond its E(part): R and the private copy an in-place first layer recomputes from.
     Where its first layer changes its input in place, what it keeps is a copy, even of
-    the range's own input (runtime/store.py), and a later part's input, changed beside
-    it, is one more tensor as that layer runs."""
+    an input held elsewhere (runtime/store.py), and a later part's input, changed
+    beside it, is one more tensor as that layer runs, unless held."""
     copy = float(model.kept_copy[s])
-    kept = copy if copy or first else float(model.input[s])
-    input_beside_copy = bool(copy) and not first
+    held_elsewhere = first or input_held
+    kept = copy if copy else 0.0 if held_elsewhere else float(model.input[s])
+    input_beside_copy = bool(copy) and not held_elsewhere
     later = np.arange(s, stops.max())
     inputs = np.where((later > s) | input_beside_copy, model.input[later], 0.0)
     during_pass = kept + np.maximum.accumulate(inputs + model.no_grad_rise[later])[stops - s - 1]
@@ -130,7 +133,8 @@ def _largest_event(model, a: int, r: Range) -> float:
     for j, part in enumerate(parts):
         s, stop = a + part.start, np.array([a + part.stop])
         if part.recomputed:
-            terms = recomputed_part(model, s, stop, first=j == 0)
+            terms = recomputed_part(model, s, stop, first=j == 0, input_held=j > 0 and input_held_before(
+                model, a + parts[j - 1].start, s, parts[j - 1].recomputed))
             after = float(terms.after[0]) + _largest_event(model, a, part)
         else:
             terms = stored_part(model, s, stop, first=j == 0, last=j == len(parts) - 1)
@@ -139,6 +143,12 @@ def _largest_event(model, a: int, r: Range) -> float:
                       kept_before + after)
         kept_before += float(terms.kept[0])
     return largest
+
+
+def input_held_before(model, c, s, recomputed) -> np.ndarray:
+    """Whether the part [c, s) before a part starting at s holds x_s: it is stored and
+    its saves hold it (broadcastable arrays)."""
+    return ~np.asarray(recomputed) & model.saved_within(s, c, s - 1)
 
 
 def own_input_saved(model, s: int, stops) -> np.ndarray:

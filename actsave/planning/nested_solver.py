@@ -12,32 +12,35 @@ Recurrence
                          own pass with E([c, d)) <= m units: 0 where it fits as one
                          stored part (a plain checkpoint), else Multi(c, d)[m]
         Multi(c, d)[m]   the same over cuts into two parts or more
-        S(f, d)[m]       the parts covering [f, d) after the first part of a range
-                         ending at d
+        S_y(f, d)[m]     the parts covering [f, d) after the first part of a range
+                         ending at d; y = 1 where the part before f is stored and
+                         its saves hold x_f
 
     A part [f, e) of a range ending at d (terms of nested_model.Part: R kept, its pass
     event, its event after the pass; g = g_d) is
 
-        stored       feasible where m >= max(pass + g, after); then S(e, d)[m - R]
-                     (nothing more where e = d)
+        stored       feasible where m >= max(pass + g, after); then S_y'(e, d)[m - R],
+                     y' = 1 where its saves hold x_e (nothing more where e = d; the
+                     pass event of that last part up to its last save)
         recomputed   e < d, feasible where m >= pass + g; then
-                     forward(f, e) + Inner(f, e)[m - after] + S(e, d)[m - R]
+                     forward(f, e) + Inner(f, e)[m - after] + S_0(e, d)[m - R],
+                     its terms without x_f where y = 1 (the saves before hold it)
 
-    S(f, d) is the least over the parts from f (the first part's terms for Multi,
-    which may not end at d). A part's terms depend on where it starts and ends and
-    whether it is its range's first, not on the parts before it (nested_model.py: a
-    stored part after a recomputed one holds nothing more), so one number, the units
-    left, is the whole state: the recurrence is exact for the model on its grid.
-    With every term rounded up and m rounded down, a plan within Inner(c, d)[m]
-    needs at most m units; where every term is a whole number of units, the table
-    is the least time over every cut that fits.
+    S_y(f, d) is the least over the parts from f (the first part's terms for Multi,
+    which may not end at d). A part's terms depend on where it starts and ends,
+    whether it is its range's first, and y, nothing else of the parts before it
+    (nested_model.py: a stored part after a recomputed one holds nothing more), so
+    the units left and y are the whole state: the recurrence is exact for the model
+    on its grid. With every term rounded up and m rounded down, a plan within
+    Inner(c, d)[m] needs at most m units; where every term is a whole number of
+    units, the table is the least time over every cut that fits.
 
     A top-level nested segment [a, b) kept by an exact option o, after a prefix
     keeping P, adds t(a, b, o) + Multi(a, b)[floor((headroom - P - O - K - Q -
     C) / unit)] (solver.py's time dynamic program reads it per label).
 
-Cost: O(n^3 steps) in numpy rows (each (f, d) one row per end): 1.2 s for 58
-layers, 12 s for 128 (one shared CPU core). So nesting is tried for chains of at
+Cost: O(n^3 steps) in numpy rows (each (f, d, y) one row per end): 1.0 s for 60
+layers, 8.7 s for 125 (tests/support.py's mixed chain, one shared CPU core). So nesting is tried for chains of at
 most MAX_LAYERS layers, with times (a meta profile has none: a nested plan would
 look free), and without a limit on checkpointed segments' layers.
 """
@@ -61,16 +64,22 @@ _INFEASIBLE = np.inf
 class _StartTerms(NamedTuple):
     """The parts starting at one layer f, for every end e > f (index e - f - 1), in
     grid units: (R, pass event, after event) of a stored and of a recomputed part,
-    each as the first part of its range and as a later one, and a stored part's pass
-    event where it is its range's last (the early stop)."""
+    each as the first part of its range and as a later one (a recomputed one also
+    after a stored part whose saves hold its input), a stored part's pass event where
+    it is its range's last (the early stop), and whether a stored part's saves hold
+    the input of the part after it."""
 
     stored: tuple  # [first, later]: (kept, during_pass, after)
-    recomputed: tuple  # [first, later]: (kept, during_pass, after)
+    recomputed: tuple  # [first, later, later with its input held]: (kept, during_pass, after)
     last_pass: tuple  # [first, later]: during_pass of a stored part ending its range
+    holds_next_input: np.ndarray  # a stored part's saves hold x_e
 
-    def of(self, recomputed: bool, first: bool) -> tuple:
-        """The terms of a part that is ``recomputed`` or stored, ``first`` of its range or not."""
-        return (self.recomputed if recomputed else self.stored)[0 if first else 1]
+    def of(self, recomputed: bool, first: bool, input_held: bool = False) -> tuple:
+        """The terms of a part that is ``recomputed`` or stored, ``first`` of its range
+        or not, ``input_held`` by the stored part before it or not (module docstring, y)."""
+        if not recomputed:
+            return self.stored[0 if first else 1]
+        return self.recomputed[0 if first else 1 + input_held]
 
 
 class NestedTable:
@@ -97,7 +106,7 @@ class NestedTable:
         for d in range(2, n):
             rest = self._rest(d)
             for c in range(d - 1):
-                self.multi[c, d, width:] = self._cuts(c, d, rest, first=True).min(axis=0)
+                self.multi[c, d, width:] = self._cuts(c, d, rest, first=True)[0].min(axis=0)
 
     @classmethod
     def for_plans(cls, model, headroom: float, longest: Optional[int]) -> Optional["NestedTable"]:
@@ -148,48 +157,56 @@ class NestedTable:
     def _start_terms(self, f: int) -> _StartTerms:
         model, ends = self.model, np.arange(f + 1, self.model.n)
         if not ends.size:
-            return _StartTerms((), (), ())
+            return _StartTerms((), (), (), np.zeros(0, dtype=bool))
         events = model.events_from(f)
         stored = [nested_model.stored_part(model, f, ends, at_start, events) for at_start in (True, False)]
-        recomputed = [nested_model.recomputed_part(model, f, ends, at_start) for at_start in (True, False)]
+        recomputed = [nested_model.recomputed_part(model, f, ends, at_start, held)
+                      for at_start, held in ((True, False), (False, False), (False, True))]
         last = [nested_model.stored_part(model, f, ends, at_start, events, last=True) for at_start in (True, False)]
         return _StartTerms(tuple(self._part_units(part) for part in stored),
                            tuple(self._part_units(part) for part in recomputed),
-                           tuple(self._units(part.during_pass) for part in last))
+                           tuple(self._units(part.during_pass) for part in last),
+                           nested_model.input_held_before(model, f, ends, False))
 
     def _part_units(self, part: nested_model.Part) -> tuple:
         return tuple(self._units(term) for term in part)
 
     def _rest(self, d: int) -> np.ndarray:
-        """Windows [f, width - shift, m] of S(f, d) for 0 < f <= d (row d: nothing
-        left, 0), shifted right (_shifted)."""
+        """Windows [y, f, width - shift, m] of S_y(f, d) for 0 < f <= d (row d:
+        nothing left, 0), shifted right (_shifted)."""
         width = self.width
-        rest = np.full((d + 1, 2 * width), _INFEASIBLE)
-        rest[d, width:] = 0.0
+        rest = np.full((2, d + 1, 2 * width), _INFEASIBLE)
+        rest[:, d, width:] = 0.0
         windows = sliding_window_view(rest, width, axis=-1)
         for f in range(d - 1, 0, -1):
-            rest[f, width:] = self._cuts(f, d, windows, first=False).min(axis=0)
+            rest[:, f, width:] = [rows.min(axis=0) for rows in self._cuts(f, d, windows, first=False)]
         return windows
 
-    def _cuts(self, f: int, d: int, rest: np.ndarray, first: bool) -> np.ndarray:
-        """The time of each way to go on from a part starting at f (the first of its
-        range for ``first``) within every m, one row per choice of that part (_choices)."""
+    def _cuts(self, f: int, d: int, rest: np.ndarray, first: bool) -> list:
+        """For each y (only y = 0 for the first part of a range, ``first``), the time of
+        each way to go on from a part starting at f within every m, one row per choice
+        of that part (_choices)."""
         gradient, terms = int(self._units(self.model.grad[d])), self._terms[f]
         stored_ends = np.arange(f + 1, d if first else d + 1)
         kept, during_pass, after = (term[:stored_ends.size] for term in terms.of(recomputed=False, first=first))
         if not first:  # the part ending at d is the range's last
             during_pass = np.append(during_pass[:-1], terms.last_pass[1][stored_ends.size - 1])
         need = np.maximum(during_pass + gradient, after)
-        rows = [np.where(self.m >= need[:, None], self._shifted(rest, stored_ends, kept), _INFEASIBLE)]
+        then = rest[terms.holds_next_input[:stored_ends.size].astype(np.int64), stored_ends, self.width - kept]
+        stored_rows = np.where(self.m >= need[:, None], then, _INFEASIBLE)
         ends = np.arange(f + 1, d)
-        if ends.size:
-            kept, during_pass, after = (term[:ends.size] for term in terms.of(recomputed=True, first=first))
-            forward = self.model.forward_s_before[ends] - self.model.forward_s_before[f]
+        if not ends.size:
+            return [stored_rows] * (1 if first else 2)
+        forward = self.model.forward_s_before[ends] - self.model.forward_s_before[f]
+        rows = []
+        for held in ((False,) if first else (False, True)):
+            kept, during_pass, after = (term[:ends.size] for term in terms.of(True, first, held))
             inner = np.where(self.m >= (after + self.single_need[f, ends])[:, None], 0.0,
                              self._shifted(self._multi_windows[f], ends, after))
-            rows.append(np.where(self.m >= (during_pass + gradient)[:, None],
-                                 forward[:, None] + inner + self._shifted(rest, ends, kept), _INFEASIBLE))
-        return np.concatenate(rows)
+            recomputed_rows = np.where(self.m >= (during_pass + gradient)[:, None],
+                                       forward[:, None] + inner + rest[0, ends, self.width - kept], _INFEASIBLE)
+            rows.append(np.concatenate((stored_rows, recomputed_rows)))
+        return rows
 
     @staticmethod
     def _choices(f: int, d: int, first: bool) -> list:
@@ -206,10 +223,12 @@ class NestedTable:
     def _parts(self, c: int, d: int, steps: int, origin: int) -> list:
         """The parts (Ranges relative to ``origin``) of the cut of [c, d) that
         Multi(c, d)[steps] prices, recursing into recomputed parts."""
-        rest, first, f, parts = self._rest(d), True, c, []
+        rest, first, held, f, parts = self._rest(d), True, False, c, []
         while f < d:
-            end, recomputed = self._choices(f, d, first)[int(np.argmin(self._cuts(f, d, rest, first)[:, steps]))]
-            kept, _, after = (int(term[end - f - 1]) for term in self._terms[f].of(recomputed, first))
+            rows = self._cuts(f, d, rest, first)[held]
+            end, recomputed = self._choices(f, d, first)[int(np.argmin(rows[:, steps]))]
+            terms = self._terms[f]
+            kept, _, after = (int(term[end - f - 1]) for term in terms.of(recomputed, first, held))
             if recomputed:
                 inner_steps = steps - after
                 inner = () if inner_steps >= self.single_need[f, end] else \
@@ -218,7 +237,7 @@ class NestedTable:
             else:
                 parts.append(Range(f - origin, end - origin, recomputed=False))
             steps -= kept
-            f, first = end, False
+            f, first, held = end, False, not recomputed and bool(terms.holds_next_input[end - f - 1])
         return parts
 
 
