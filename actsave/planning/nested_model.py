@@ -117,7 +117,10 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool, input_held: b
     beside it, is one more tensor as that layer runs, unless held."""
     copy = float(model.kept_copy[s])
     held_elsewhere = first or input_held
-    kept = copy if copy else 0.0 if held_elsewhere else float(model.input[s])
+    if copy:
+        kept = copy
+    else:
+        kept = 0.0 if held_elsewhere else float(model.input[s])
     input_beside_copy = bool(copy) and not held_elsewhere
     later = np.arange(s, stops.max())
     inputs = np.where((later > s) | input_beside_copy, model.input[later], 0.0)

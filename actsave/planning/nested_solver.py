@@ -40,9 +40,10 @@ Recurrence
     C) / unit)] (solver.py's time dynamic program reads it per label).
 
 Cost: O(n^3 steps) in numpy rows (each (f, d, y) one row per end): 1.0 s for 60
-layers, 8.7 s for 125 (tests/support.py's mixed chain, one shared CPU core). So nesting is tried for chains of at
-most MAX_LAYERS layers, with times (a meta profile has none: a nested plan would
-look free), and without a limit on checkpointed segments' layers.
+layers, 8.7 s for 125 (tests/support.py's mixed chain, one shared CPU core). So
+nesting is tried for chains of at most MAX_LAYERS layers, with times (a meta profile
+has none: a nested plan would look free), and without a limit on checkpointed
+segments' layers.
 """
 from __future__ import annotations
 
@@ -192,8 +193,8 @@ class NestedTable:
         if not first:  # the part ending at d is the range's last
             during_pass = np.append(during_pass[:-1], terms.last_pass[1][stored_ends.size - 1])
         need = np.maximum(during_pass + gradient, after)
-        then = rest[terms.holds_next_input[:stored_ends.size].astype(np.int64), stored_ends, self.width - kept]
-        stored_rows = np.where(self.m >= need[:, None], then, _INFEASIBLE)
+        y_after = terms.holds_next_input[:stored_ends.size].astype(np.int64)
+        stored_rows = np.where(self.m >= need[:, None], self._shifted(rest, kept, y_after, stored_ends), _INFEASIBLE)
         ends = np.arange(f + 1, d)
         if not ends.size:
             return [stored_rows] * (1 if first else 2)
@@ -202,9 +203,9 @@ class NestedTable:
         for held in ((False,) if first else (False, True)):
             kept, during_pass, after = (term[:ends.size] for term in terms.of(True, first, held))
             inner = np.where(self.m >= (after + self.single_need[f, ends])[:, None], 0.0,
-                             self._shifted(self._multi_windows[f], ends, after))
+                             self._shifted(self._multi_windows[f], after, ends))
             recomputed_rows = np.where(self.m >= (during_pass + gradient)[:, None],
-                                       forward[:, None] + inner + rest[0, ends, self.width - kept], _INFEASIBLE)
+                                       forward[:, None] + inner + self._shifted(rest, kept, 0, ends), _INFEASIBLE)
             rows.append(np.concatenate((stored_rows, recomputed_rows)))
         return rows
 
@@ -214,11 +215,11 @@ class NestedTable:
         then recomputed, each by its end (a cut's first part ends before d)."""
         return [(e, False) for e in range(f + 1, d if first else d + 1)] + [(e, True) for e in range(f + 1, d)]
 
-    def _shifted(self, windows: np.ndarray, rows: np.ndarray, by: np.ndarray) -> np.ndarray:
-        """table[row, width + m - by] for each row of ``rows`` and every m, from the
-        table's windows: the row shifted right by ``by`` units, infeasible where m < by
-        (the table's infeasible first half)."""
-        return windows[rows, self.width - by]
+    def _shifted(self, windows: np.ndarray, by: np.ndarray, *rows) -> np.ndarray:
+        """table[*row, width + m - by] for each row (``rows``: broadcastable indices)
+        and every m, from the table's windows: the row shifted right by ``by`` units,
+        infeasible where m < by (the table's infeasible first half)."""
+        return windows[(*rows, self.width - by)]
 
     def _parts(self, c: int, d: int, steps: int, origin: int) -> list:
         """The parts (Ranges relative to ``origin``) of the cut of [c, d) that
