@@ -39,8 +39,9 @@ Recurrence
     keeping P, adds t(a, b, o) + Multi(a, b)[floor((headroom - P - O - K - Q -
     C) / unit)] (solver.py's time dynamic program reads it per label).
 
-Cost: O(n^3 steps) in numpy rows (each (f, d, y) one row per end): 1.0 s for 60
-layers, 8.7 s for 125 (tests/support.py's mixed chain, one shared CPU core). So
+Cost: O(n^3 steps) in numpy rows (each (f, d, y) one row per end; rows of y = 1
+only where a layer before f saves x_f): 0.8 s for 60 layers, 5.7 s for 125
+(tests/support.py's mixed chain, one shared CPU core, best of 3). So
 nesting is tried for chains of at most MAX_LAYERS layers, with times (a meta profile
 has none: a nested plan would look free), and without a limit on checkpointed
 segments' layers.
@@ -74,6 +75,7 @@ class _StartTerms(NamedTuple):
     recomputed: tuple  # [first, later, later with its input held]: (kept, during_pass, after)
     last_pass: tuple  # [first, later]: during_pass of a stored part ending its range
     holds_next_input: np.ndarray  # a stored part's saves hold x_e
+    held_input_matters: bool  # a layer before f saves x_f, and R differs with y
 
     def of(self, recomputed: bool, first: bool, input_held: bool = False) -> tuple:
         """The terms of a part that is ``recomputed`` or stored, ``first`` of its range
@@ -158,7 +160,7 @@ class NestedTable:
     def _start_terms(self, f: int) -> _StartTerms:
         model, ends = self.model, np.arange(f + 1, self.model.n)
         if not ends.size:
-            return _StartTerms((), (), (), np.zeros(0, dtype=bool))
+            return _StartTerms((), (), (), np.zeros(0, dtype=bool), False)
         events = model.events_from(f)
         stored = [nested_model.stored_part(model, f, ends, at_start, events) for at_start in (True, False)]
         recomputed = [nested_model.recomputed_part(model, f, ends, at_start, held)
@@ -167,7 +169,8 @@ class NestedTable:
         return _StartTerms(tuple(self._part_units(part) for part in stored),
                            tuple(self._part_units(part) for part in recomputed),
                            tuple(self._units(part.during_pass) for part in last),
-                           nested_model.input_held_before(model, f, ends, False))
+                           nested_model.input_held_before(model, f, ends, False),
+                           bool(model.input_first[f] < f) and not model.kept_copy[f])
 
     def _part_units(self, part: nested_model.Part) -> tuple:
         return tuple(self._units(term) for term in part)
@@ -180,7 +183,9 @@ class NestedTable:
         rest[:, d, width:] = 0.0
         windows = sliding_window_view(rest, width, axis=-1)
         for f in range(d - 1, 0, -1):
-            rest[:, f, width:] = [rows.min(axis=0) for rows in self._cuts(f, d, windows, first=False)]
+            unheld, held = self._cuts(f, d, windows, first=False)
+            rest[0, f, width:] = unheld.min(axis=0)
+            rest[1, f, width:] = rest[0, f, width:] if held is unheld else held.min(axis=0)
         return windows
 
     def _cuts(self, f: int, d: int, rest: np.ndarray, first: bool) -> list:
@@ -200,14 +205,15 @@ class NestedTable:
             return [stored_rows] * (1 if first else 2)
         forward = self.model.forward_s_before[ends] - self.model.forward_s_before[f]
         rows = []
-        for held in ((False,) if first else (False, True)):
+        # y = 1 rows are the y = 0 rows where y changes no term (x_f never held, or copied).
+        for held in (False, True) if not first and terms.held_input_matters else (False,):
             kept, during_pass, after = (term[:ends.size] for term in terms.of(True, first, held))
             inner = np.where(self.m >= (after + self.single_need[f, ends])[:, None], 0.0,
                              self._shifted(self._multi_windows[f], after, ends))
             recomputed_rows = np.where(self.m >= (during_pass + gradient)[:, None],
                                        forward[:, None] + inner + self._shifted(rest, kept, 0, ends), _INFEASIBLE)
             rows.append(np.concatenate((stored_rows, recomputed_rows)))
-        return rows
+        return rows if first or len(rows) == 2 else rows * 2
 
     @staticmethod
     def _choices(f: int, d: int, first: bool) -> list:
