@@ -177,13 +177,28 @@ def sweep(prof: actsave.Profile, unit: int, points: int) -> tuple:
         recompute_s, recompute = planned(prof, budget, RECOMPUTE_ONLY)
         rows.append({"budget": budget, "auto": auto_s, "auto_plan": auto, "auto_peak": peak_of(auto),
                      "auto_codecs": None if auto is None else {c: auto.codecs.count(c) for c in sorted(set(auto.codecs))},
+                     "auto_nesting": plan_nesting(auto),
                      "recompute": recompute_s, "recompute_plan": recompute, "recompute_peak": peak_of(recompute),
+                     "recompute_nesting": plan_nesting(recompute),
                      **tables.row(budget)})
     return rows, facts
 
 
 def peak_of(plan: Optional[actsave.Plan]) -> Optional[int]:
     return None if plan is None else plan.predicted_peak_bytes
+
+
+def plan_nesting(plan: Optional[actsave.Plan]) -> Optional[int]:
+    """Levels of recompute, as rotor_profile.nesting_depth counts rotor's: 0 without
+    checkpoints, 1 single-level, one more per level of a nested Range; None: no plan."""
+    if plan is None:
+        return None
+
+    def levels(r) -> int:
+        return 1 + max((levels(part) for part in r.inner if part.recomputed), default=0)
+
+    checkpointed = len(plan.starts) - 1 - sum(plan.stored)
+    return max((levels(r) for r in plan.nested if r is not None), default=min(checkpointed, 1))
 
 
 def measure_plans(rows: list, model: torch.nn.Module, x: torch.Tensor) -> None:
@@ -339,6 +354,10 @@ def mib(nbytes) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**20:.2f}"
 
 
+def count(value: Optional[int]) -> str:
+    return "-" if value is None else str(value)
+
+
 def measured_share(r: dict, solver: str) -> str:
     """The solver's measured peak / its predicted one, or "-" (no plan, or not measured)."""
     measured = r.get(f"{solver}_measured")
@@ -346,15 +365,16 @@ def measured_share(r: dict, solver: str) -> str:
 
 
 def table(rows: list) -> str:
-    head = ["budget MiB", "auto ms", "auto peak MiB", "auto measured/peak", "auto codecs", "recompute ms",
-            "recompute peak MiB", "recompute measured/peak", "rotor ms", "rotor lower ms", "rotor nesting",
-            "rotor early stored", "rotor single-level ms", "auto <= rotor"]
+    head = ["budget MiB", "auto ms", "auto peak MiB", "auto measured/peak", "auto codecs", "auto nesting",
+            "recompute ms", "recompute peak MiB", "recompute measured/peak", "recompute nesting", "rotor ms",
+            "rotor lower ms", "rotor nesting", "rotor early stored", "rotor single-level ms", "auto <= rotor"]
     lines = [head] + [[mib(r["budget"]), ms(r["auto"]), mib(r["auto_peak"]), measured_share(r, "auto"),
                        "-" if r["auto_codecs"] is None else " ".join(f"{c}:{k}" for c, k in r["auto_codecs"].items()),
+                       count(r["auto_nesting"]),
                        ms(r["recompute"]), mib(r["recompute_peak"]), measured_share(r, "recompute"),
-                       ms(r["rotor"]), ms(r["rotor_lower_bound"]),
-                       "-" if r["rotor_nesting"] is None else str(r["rotor_nesting"]),
-                       "-" if r["rotor_early_stored"] is None else str(r["rotor_early_stored"]),
+                       count(r["recompute_nesting"]), ms(r["rotor"]), ms(r["rotor_lower_bound"]),
+                       count(r["rotor_nesting"]),
+                       count(r["rotor_early_stored"]),
                        ms(r["rotor_single_level"]),
                        "yes" if auto_within_rotor(r) else "NO"] for r in rows]
     return format_table(lines)
@@ -378,8 +398,9 @@ def sweep_csv_rows(rows: list, case: str, config: dict, metadata: dict) -> list:
     for r in rows:
         x = r["budget"] / 2**20
         for provider, (time_key, peak_key) in SOLVERS.items():
-            details = {"actsave_auto": {"codecs": r["auto_codecs"]}, "rotor": {"nesting": r["rotor_nesting"],
-                                                                      "early_stored_runs": r["rotor_early_stored"]}}
+            details = {"actsave_auto": {"codecs": r["auto_codecs"], "nesting": r["auto_nesting"]},
+                       "actsave_recompute": {"nesting": r["recompute_nesting"]},
+                       "rotor": {"nesting": r["rotor_nesting"], "early_stored_runs": r["rotor_early_stored"]}}
             out.append(csv_row(case, provider, "pred_step_time", x, r[time_key] * 1e3,
                                {**config, **details.get(provider, {})}, metadata))
             if peak_key is not None and r[peak_key] is not None:

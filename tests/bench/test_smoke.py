@@ -171,6 +171,13 @@ def test_rotor_compare_writes_every_solver_at_every_budget(tmp_path):
                            for metric in ("pred_peak", "measured_peak"))
     assert measured.keys() == predicted.keys()
     assert all(0.97 <= measured[key] / predicted[key] <= 1.0 for key in measured), (measured, predicted)
+    # Levels of recompute, counted alike for actsave's plans and rotor's: none at the
+    # plain budget, at least one wherever a plan fits below it.
+    nesting = {(r["provider"], r["x_value"]): json.loads(r["config_json"])["nesting"] for r in rows
+               if r["metric"] == "pred_step_time" and r["provider"] in ("actsave_auto", "actsave_recompute", "rotor")}
+    for (_, budget), levels in nesting.items():
+        if levels is not None:  # None: no plan fits
+            assert (levels == 0) == (budget == max(budgets)), nesting
     (depth,) = [r for r in rows if r["metric"] == "max_depth"]
     search = json.loads(depth["config_json"])
     assert search["measured_peak_MiB"] <= 2.0 and search["does_not_fit"] > float(depth["p50"])
