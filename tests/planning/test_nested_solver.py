@@ -50,8 +50,9 @@ def relative(r: Range, origin: int) -> Range:
 
 @pytest.mark.parametrize("start, stop", [(0, 4), (1, 6), (2, 7), (5, 10), (13, 18)])
 def test_the_table_is_the_least_time_over_every_cut_the_model_fits_in_m_units(start, stop):
-    # Exact for the model (nested_model.py), at every m of the grid: the chain's terms
-    # are whole units here, so rounding them up loses nothing.
+    # Exact for the model (nested_model.py), at every m of the grid. Most of this
+    # chain's terms are whole units (1 KiB); the rest (BatchNorm statistics, masks: 8-
+    # 512 B over) round up without changing any choice here.
     table = mixed_table()
     model, o = table.model, exact_options(table.model)[0]
     priced = []
