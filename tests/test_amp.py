@@ -13,6 +13,7 @@
 CUDA cases (fp16 and bf16 autocast, GradScaler) are marked ``cuda``.
 """
 import copy
+import functools
 import math
 
 import pytest
@@ -20,6 +21,8 @@ import torch
 from torch import nn
 
 import actsave
+from actsave.planning import plans
+from actsave.runtime.nested import Range
 from support import ResidualBlock, ResidualNet, sqnr_db
 
 INT8_SQNR_FLOOR_DB = 30.0
@@ -114,6 +117,20 @@ def assert_same_step(plain, model, x, compress, dtype=torch.bfloat16):
 def test_bf16_autocast_step_equals_the_plain_models_step(structure, compress):
     plain, model = plain_and_actsave(structure, compress)
     assert_same_step(plain, model, torch.randn(6, 16), compress)
+
+
+def test_bf16_autocast_step_through_a_nested_recompute_equals_the_plain_models_step():
+    # Each pass of a segment recomputed in stages replays its range's autocast state,
+    # and the stored ranges after a recomputed one get requires_grad as the forward had
+    # it (runtime/nested.py): the chain's 13 layers as [0, 11) cut three levels deep.
+    torch.manual_seed(0)
+    plain = chain()
+    model = actsave.CheckpointedSequential(*copy.deepcopy(plain))
+    x = torch.randn(6, 16)
+    stored = functools.partial(Range, recomputed=False)
+    top = Range(0, 11, inner=(Range(0, 2), Range(2, 7, inner=(Range(2, 3), stored(3, 7))), stored(7, 11)))
+    model.apply_plan(plans.predict(actsave.profile(model, (x,)), [0, 11], nested=[top]))
+    assert_same_step(plain, model, x, compress=None)
 
 
 @pytest.mark.parametrize("structure", ["sequential", "wrapped"])
