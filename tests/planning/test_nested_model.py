@@ -13,6 +13,10 @@ from actsave.planning import plans
 from actsave.runtime.nested import Range
 
 
+def stored(start: int, stop: int) -> Range:
+    return Range(start, stop, recomputed=False)
+
+
 def random_tree(rng: random.Random, length: int, depth: int) -> Range:
     """A recomputed Range over ``length`` layers, cut into 1-4 parts, each stored or
     recomputed (and cut again, ``depth`` levels at most), as the planner cuts them: the
@@ -26,14 +30,23 @@ def random_tree(rng: random.Random, length: int, depth: int) -> Range:
             inner = random_tree(rng, stop - start, depth - 1)
             parts.append(Range(start, stop, inner=tuple(_shifted(r, start) for r in inner.inner)))
         elif parts and not parts[-1].recomputed:
-            parts[-1] = Range(parts[-1].start, stop, recomputed=False)
+            parts[-1] = stored(parts[-1].start, stop)
         else:
-            parts.append(Range(start, stop, recomputed=False))
+            parts.append(stored(start, stop))
     return Range(0, length, inner=tuple(parts) if len(parts) > 1 else ())
 
 
 def _shifted(r: Range, by: int) -> Range:
     return Range(r.start + by, r.stop + by, r.recomputed, tuple(_shifted(p, by) for p in r.inner))
+
+
+def measured_and_predicted(layers: list, x: torch.Tensor, starts: list, nested: list) -> tuple:
+    """(MemTracker peak, predicted peak) of the plan with ``starts`` and ``nested``
+    applied to the chain ``layers``."""
+    model = CheckpointedSequential(*layers)
+    plan = plans.predict(actsave.profile(model, (x,)), starts, nested=nested)
+    model.apply_plan(plan)
+    return peak_activation_bytes(model, x), plan.predicted_peak_bytes
 
 
 CHAINS = {"mlp": lambda: (deep_mlp(12, 64), torch.randn(256, 64)),
@@ -61,61 +74,42 @@ def test_passes_through_batchnorms_measure_as_predicted():
     # A pass runs each BatchNorm call on copies of its statistics, dropped as the call
     # returns (runtime/state.py). Held to the pass's end while the model counted them
     # in its first part only, this plan measured 528 B (0.09%) above its prediction.
-    layers, x = list(mixed_chain(width=64, repeats=6)), torch.randn(256, 64)
-    model = CheckpointedSequential(*layers)
-    prof = actsave.profile(model, (x,))
-
-    def stored(start, stop):
-        return Range(start, stop, recomputed=False)
-
     first = Range(0, 14, inner=(Range(0, 5), Range(5, 9), Range(9, 12), Range(12, 13), stored(13, 14)))
     second = Range(0, 10, inner=(Range(0, 4), Range(4, 8, inner=(Range(4, 6), stored(6, 7), stored(7, 8))),
                                  Range(8, 9), stored(9, 10)))
-    plan = plans.predict(prof, [0, 14, 24, 27], nested=[first, second, None])
-    model.apply_plan(plan)
-    measured = peak_activation_bytes(model, x)
-    assert 0.999 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
+    measured, predicted = measured_and_predicted(list(mixed_chain(width=64, repeats=6)), torch.randn(256, 64),
+                                                 [0, 14, 24, 27], [first, second, None])
+    assert 0.999 * predicted <= measured <= predicted
 
 
 def test_a_stored_part_after_a_recomputed_one_holds_its_input_only_while_its_first_layer_runs():
     # [3, 8) starts with a ReLU, which saves its output, not its input x_3. Given the
     # forward's requires_grad as a leaf, x_3 was held by the pass's graph to the pass's
     # end: 655,360 B measured, a 64 KiB activation more than now.
-    layers, x = deep_mlp(8, 64), torch.randn(256, 64)
-    model = CheckpointedSequential(*layers)
-    prof = actsave.profile(model, (x,))
-    top = Range(0, 8, inner=(Range(0, 1), Range(1, 3), Range(3, 8, recomputed=False)))
-    plan = plans.predict(prof, [0, 8], nested=[top])
-    model.apply_plan(plan)
-    assert peak_activation_bytes(model, x) == plan.predicted_peak_bytes == 606_464
+    top = Range(0, 8, inner=(Range(0, 1), Range(1, 3), stored(3, 8)))
+    measured, predicted = measured_and_predicted(deep_mlp(8, 64), torch.randn(256, 64), [0, 8], [top])
+    assert measured == predicted == 606_464
 
 
 def test_a_recomputed_part_after_a_stored_one_whose_saves_hold_its_input_counts_it_once():
     # The in-place ReLU of [0, 2) saves its output x_2, the input [2, 9) keeps: one
     # storage, counted twice before (854,528 B predicted against 788,992 measured).
-    layers, x = list(mixed_chain(width=64, repeats=4)), torch.randn(256, 64)
-    model = CheckpointedSequential(*layers)
-    prof = actsave.profile(model, (x,))
-    inner = Range(2, 9, inner=(Range(2, 3), Range(3, 9, recomputed=False)))
-    top = Range(0, 14, inner=(Range(0, 2, recomputed=False), inner, Range(9, 10), Range(10, 14, recomputed=False)))
-    plan = plans.predict(prof, [0, 14], nested=[top])
-    model.apply_plan(plan)
-    assert peak_activation_bytes(model, x) == plan.predicted_peak_bytes
+    inner = Range(2, 9, inner=(Range(2, 3), stored(3, 9)))
+    top = Range(0, 14, inner=(stored(0, 2), inner, Range(9, 10), stored(10, 14)))
+    measured, predicted = measured_and_predicted(list(mixed_chain(width=64, repeats=4)), torch.randn(256, 64),
+                                                 [0, 14], [top])
+    assert measured == predicted
 
 
 def test_a_first_recomputed_part_that_changes_its_input_in_place_counts_the_copy_it_keeps():
     # [1, 9) starts with an in-place ReLU, and so does its first part [1, 3): that part
     # keeps a copy of its input beside the input its ReLU changes. Not counted, the
     # prediction was 65,032 B (7%) below the measured peak.
-    layers, x = list(mixed_chain(width=64, repeats=4)), torch.randn(256, 64)
-    model = CheckpointedSequential(*layers)
-    prof = actsave.profile(model, (x,))
-    inner = Range(1, 9, inner=(Range(1, 3), Range(3, 9, recomputed=False)))
-    top = Range(0, 14, inner=(Range(0, 1, recomputed=False), inner, Range(9, 14, recomputed=False)))
-    plan = plans.predict(prof, [0, 14], nested=[top])
-    model.apply_plan(plan)
-    measured = peak_activation_bytes(model, x)
-    assert 0.999 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
+    inner = Range(1, 9, inner=(Range(1, 3), stored(3, 9)))
+    top = Range(0, 14, inner=(stored(0, 1), inner, stored(9, 14)))
+    measured, predicted = measured_and_predicted(list(mixed_chain(width=64, repeats=4)), torch.randn(256, 64),
+                                                 [0, 14], [top])
+    assert 0.999 * predicted <= measured <= predicted
 
 
 def test_a_pass_prices_its_recomputed_parts_by_their_rise_under_no_grad_and_stops_at_its_last_save():
@@ -124,14 +118,10 @@ def test_a_pass_prices_its_recomputed_parts_by_their_rise_under_no_grad_and_stop
     # last save. Priced by the rise with grad and run to each block's end, this plan
     # was predicted 13% above its measured peak (0.882), and the planner picks it at
     # the smallest budget.
-    model, x = bench_like_chain("resnet")
-    model = CheckpointedSequential(*model)
-    prof = actsave.profile(model, (x,))
-    inner = Range(0, 3, inner=(Range(0, 2), Range(2, 3, recomputed=False)))
-    plan = plans.predict(prof, [0, 4], nested=[Range(0, 4, inner=(inner, Range(3, 4, recomputed=False)))])
-    model.apply_plan(plan)
-    measured = peak_activation_bytes(model, x)
-    assert 0.98 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
+    layers, x = bench_like_chain("resnet")
+    inner = Range(0, 3, inner=(Range(0, 2), stored(2, 3)))
+    measured, predicted = measured_and_predicted(list(layers), x, [0, 4], [Range(0, 4, inner=(inner, stored(3, 4)))])
+    assert 0.98 * predicted <= measured <= predicted
 
 
 def test_nesting_fits_below_the_smallest_single_level_peak_and_trains_exactly():
@@ -141,9 +131,8 @@ def test_nesting_fits_below_the_smallest_single_level_peak_and_trains_exactly():
     smallest = actsave.plan(prof, None, objective="memory", allow=("recompute",))
     # Three parts of 8 layers recomputed, each keeping its middle layer's input, and the
     # last 4 stored: 10.0 activations of 64 KiB against 10.25 for the best single level.
-    eighths = tuple(Range(start, start + 8, inner=(Range(start, start + 4), Range(start + 4, start + 8,
-                                                                                  recomputed=False)))
-                    for start in (0, 8, 16)) + (Range(24, 28, recomputed=False),)
+    eighths = tuple(Range(start, start + 8, inner=(Range(start, start + 4), stored(start + 4, start + 8)))
+                    for start in (0, 8, 16)) + (stored(24, 28),)
     nested = plans.predict(prof, [0, 28], nested=[Range(0, 28, inner=eighths)])
     assert nested.predicted_peak_bytes < smallest.predicted_peak_bytes
     assert nested.predicted_step_seconds > smallest.predicted_step_seconds  # each quarter runs once more
