@@ -109,7 +109,15 @@ def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
     scale = tl.div_rn(absmax, code_max)
     one_ulp_less = (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
     scale = tl.where(scale * code_max == float("inf"), one_ulp_less, scale)
-    return tl.where(non_finite, -scale, scale), code_max[:, None]
+    return tl.where(non_finite, negated(scale), scale), code_max[:, None]
+
+
+@triton.jit
+def negated(x):
+    """fp32 x with its sign bit flipped: -x, and -0.0 for +0.0 on every backend. On an
+    H100 (Triton 3.6) a float ``-x`` gave +0.0 for +0.0 (0 - x): a flagged group whose
+    scale is 0 (no finite value) lost its flag, and fp8 codes of -0.0 decoded to +0.0."""
+    return (x.to(tl.uint32, bitcast=True) ^ 0x80000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit

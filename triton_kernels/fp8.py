@@ -53,6 +53,7 @@ from ._rounding import (
     launch,
     load_as_float32,
     magnitude_bits,
+    negated,
     round_to_grid_rne,
     store_rounded,
     with_non_finite_codes,
@@ -185,7 +186,7 @@ def _fp8_bits_to_float32(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.cons
     # An all-ones fp32 exponent with the fp8 fraction is inf (e5m2 only) or NaN.
     special = (0x7F800000 | (fraction << (23 - MANT_BITS))).to(tl.float32, bitcast=True)
     value = tl.where(magnitude >= FIRST_SPECIAL, special, value)
-    return tl.where(codes >= 0x80, -value, value)
+    return tl.where(codes >= 0x80, negated(value), value)
 
 
 @triton.jit

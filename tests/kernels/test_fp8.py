@@ -230,6 +230,14 @@ def test_cuda_kernel_matches_reference_on_a_large_tensor(large_cuda_input, out_d
     assert_matches_reference(kernel, reference, large_cuda_input, 128, out_dtype)
 
 
+@pytest.mark.cuda
+def test_cuda_kernel_matches_reference_on_every_input_case(input_case, group_size, kernel, reference,
+                                                            assert_matches_reference):
+    # The interpreter's cases compiled for the GPU: signed zeros and groups with no
+    # finite value (a scale of -0.0) are where CUDA and the interpreter once parted.
+    assert_matches_reference(kernel, reference, input_case.cuda(), group_size)
+
+
 # ----------------------------------------------------------------- unsigned grids (NOTE [unsigned grids])
 
 
@@ -277,6 +285,12 @@ def test_unsigned_decode_to_any_dtype_matches_reference(out_dtype, group_size, u
     torch.manual_seed(0)
     x = torch.randn(16, 64).abs() * 10 ** torch.empty(16, 1).uniform_(-12, 6)
     assert_matches_reference(unsigned_kernel, unsigned_reference, x, group_size, out_dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_unsigned_kernel_matches_reference_on_every_input_case(input_case, group_size, unsigned_kernel,
+                                                                     unsigned_reference, assert_matches_reference):
+    assert_matches_reference(unsigned_kernel, unsigned_reference, input_case.cuda(), group_size)
 
 
 def test_unsigned_codes_ascend_and_extend_the_signed_grid(ufmt, unsigned_codec):

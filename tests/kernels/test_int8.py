@@ -170,6 +170,13 @@ def test_cuda_kernel_matches_reference_on_a_large_tensor(large_cuda_input, out_d
 
 
 @pytest.mark.cuda
+def test_cuda_kernel_matches_reference_on_every_input_case(input_case, group_size, assert_matches_reference):
+    # The interpreter's cases compiled for the GPU: groups with no finite value (a
+    # scale of -0.0) are where CUDA and the interpreter once parted.
+    assert_matches_reference(KERNEL, REFERENCE, input_case.cuda(), group_size)
+
+
+@pytest.mark.cuda
 def test_cuda_groups_beyond_2_pow_31_elements_match_reference(assert_same_bits):
     """int64 offsets (group_tile is shared with fp8): compare the groups around and past
     element 2**31 with the reference run on them alone."""
@@ -211,6 +218,12 @@ def test_unsigned_decode_to_any_dtype_matches_reference(out_dtype, group_size, a
     torch.manual_seed(0)
     x = torch.randn(16, 64).abs() * 10 ** torch.empty(16, 1).uniform_(-12, 6)
     assert_matches_reference(UNSIGNED_KERNEL, UNSIGNED_REFERENCE, x, group_size, out_dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_unsigned_kernel_matches_reference_on_every_input_case(input_case, group_size,
+                                                                     assert_matches_reference):
+    assert_matches_reference(UNSIGNED_KERNEL, UNSIGNED_REFERENCE, input_case.cuda(), group_size)
 
 
 def test_unsigned_codes_round_half_to_even_and_saturate_negatives(unsigned_codec):
