@@ -32,8 +32,9 @@ asked for: it produced the source and allocates the fetched tensor) and the engi
    let the block go only once the host sees the copy finished, and the host usually
    runs ahead of the GPU, so during the forward the allocator would find offloaded
    blocks still taken and allocate new ones: offload would save little memory.
-   ``PrefetchTape.register`` places that wait when the next segment starts
-   (``free_source``), so each copy overlaps one segment of compute, and the compute
+   ``PrefetchTape.segment_starts`` places that wait when the next segment starts
+   (``free_source``; ``register`` calls it, and so does a segment that offloads
+   nothing), so each copy overlaps one segment of compute, and the compute
    stream stalls only when a copy takes longer than a segment: the back-pressure that
    keeps device memory bounded. ``prefetch`` and ``release`` place it at the latest.
 3. Host to device. The fetched tensor is allocated on the compute stream; the copy
@@ -476,7 +477,7 @@ class OffloadedTensor:
 
     def free_source(self) -> None:
         """Let the device memory of the offloaded tensor be reused, in stream order.
-        ``PrefetchTape.register`` calls it when the next segment starts."""
+        ``PrefetchTape.segment_starts`` calls it when the next segment starts."""
         self._held.drop_source()
 
     def prefetch(self) -> None:
@@ -578,9 +579,18 @@ class PrefetchTape:
     def register(self, item: TapeItem) -> None:
         """Record ``item`` as the newest, and free the source of the one registered
         before it: that segment's forward is over (NOTE [ Offload stream ordering ])."""
+        self.segment_starts()
+        with self._lock:
+            self._refs.append(weakref.ref(item))
+
+    def segment_starts(self) -> None:
+        """Free the source of the newest item: a segment starts, so the forward of the
+        one that registered it is over. ``register`` does this; a segment that keeps
+        nothing offloaded (a stored one) calls it, or the last offloaded input would
+        stay on the device through the rest of the forward and the backward up to its
+        own recompute (seen on an H100: one input above the plan's predicted peak)."""
         with self._lock:
             items = self._live_items()
-            self._refs.append(weakref.ref(item))
         if items:
             items[-1].free_source()
 

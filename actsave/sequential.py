@@ -62,6 +62,7 @@ from .errors import ConfigError
 from .runtime.function import checkpointed_call
 from .runtime.nested import Range, nested_call
 from .meta import device_of
+from .offload import current_tape
 from .runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
 from .text import format_table
 
@@ -297,7 +298,9 @@ class CheckpointedSequential(nn.Sequential):
         layers = list(self)
         self._last_kept_bytes = {}
         starts = self._starts_for(input, layers)
+        tape = current_tape()
         for segment in _segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
+            tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
             private_copy = modifies_input(layers[segment.start])
