@@ -426,3 +426,25 @@ def test_models_are_flat_chains():
     assert pooled(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     with pytest.raises(ValueError):
         models.cifar_resnet(100)
+
+
+def _step_profile(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / "gpu_step_profile.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_the_step_profile_refuses_without_cuda():
+    done = _step_profile()
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+
+
+@pytest.mark.cuda
+def test_the_step_profile_reports_each_mode(tmp_path):
+    done = _step_profile("--batch", "2", "--depth", "11", "--modes", "plain,torch_ckpt,actsave",
+                         "--profile", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[2:]}
+    assert sorted(rows) == ["actsave", "plain", "torch_ckpt"]
+    assert all(len(values) == 3 and all(float(v) > 0 for v in values) for values in rows.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile-actsave.txt", "profile-torch_ckpt.txt"]
