@@ -115,8 +115,9 @@ def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
 @triton.jit
 def negated(x):
     """fp32 x with its sign bit flipped: -x, and -0.0 for +0.0 on every backend. On an
-    H100 (Triton 3.6) a float ``-x`` gave +0.0 for +0.0 (0 - x): a flagged group whose
-    scale is 0 (no finite value) lost its flag, and fp8 codes of -0.0 decoded to +0.0."""
+    H100 (Triton 3.6) a float ``-x`` gave +0.0 for +0.0 (as 0 - x would): fp8 codes of
+    -0.0 decoded to +0.0, and a flagged group whose scale is 0 (no finite value) would
+    lose its flag."""
     return (x.to(tl.uint32, bitcast=True) ^ 0x80000000).to(tl.float32, bitcast=True)
 
 
