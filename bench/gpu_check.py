@@ -16,7 +16,7 @@ Stages, each a subprocess with its own time limit (seconds), in this order:
   offload_overlap     60  bench/offload_overlap.py: how much of the host copying hides
                           behind compute (ResNet-164, batch 64).
   step_profile       120  bench/gpu_step_profile.py at batch 512: step time, host time
-                          and allocator peak of each mode (is the step GPU-bound?).
+                          and allocator peak of each provider (is the step GPU-bound?).
   resnet_sweep       330  bench/resnet_depth_sweep.py at batch 64, depths 110 to 542,
                           5 timed rounds, real scale at depths 164 and 1001, max-depth
                           search cut to 30 s.
@@ -87,7 +87,7 @@ def stages(python: str) -> list:
         Stage("kernels", (python, str(bench / "kernels.py")), 90),
         Stage("offload_overlap", (python, str(bench / "offload_overlap.py")), 60),
         Stage("step_profile", (python, str(bench / "gpu_step_profile.py"), "--batch", "512",
-                               "--modes", "plain,torch_ckpt,actsave,actsave_int8,actsave_offload"), 120),
+                               "--providers", "torch_ckpt,actsave_none,actsave_int8,actsave_offload"), 120),
         Stage("resnet_sweep", (python, str(bench / "resnet_depth_sweep.py"), "--depths", "110,164,272,542",
                                "--repeats", "5", "--scale-depths", "164,1001", "--depth-cap", "1001",
                                "--search-seconds", "30"), 330),

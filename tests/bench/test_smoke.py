@@ -441,10 +441,10 @@ def test_the_step_profile_refuses_without_cuda():
 
 @pytest.mark.cuda
 def test_the_step_profile_reports_each_mode(tmp_path):
-    done = _step_profile("--batch", "2", "--depth", "11", "--modes", "plain,torch_ckpt,actsave",
+    done = _step_profile("--batch", "2", "--depth", "11", "--providers", "torch_ckpt,actsave_none",
                          "--profile", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[2:]}
-    assert sorted(rows) == ["actsave", "plain", "torch_ckpt"]
+    assert sorted(rows) == ["actsave_none", "torch", "torch_ckpt"]
     assert all(len(values) == 3 and all(float(v) > 0 for v in values) for values in rows.values())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile-actsave.txt", "profile-torch_ckpt.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile-actsave_none.txt", "profile-torch_ckpt.txt"]
