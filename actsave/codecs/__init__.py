@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -59,10 +59,25 @@ class Packed:
     dtype: torch.dtype
     unsigned: bool = False  # stored on the codec's unsigned grid (a non-negative tensor)
 
+    TENSOR_FIELDS: ClassVar[tuple] = ("data", "scales")
+
+    def tensors(self) -> dict:
+        """``{field: tensor}``, every tensor the value holds (None fields left out):
+        what offloading copies and what its bytes count."""
+        return {name: t for name in self.TENSOR_FIELDS if (t := getattr(self, name)) is not None}
+
+    def metadata(self) -> dict:
+        """The fields that are not tensors."""
+        return {"shape": self.shape, "dtype": self.dtype, "unsigned": self.unsigned}
+
+    @classmethod
+    def assemble(cls, tensors: dict, metadata: dict) -> "Packed":
+        """The value that :meth:`tensors` and :meth:`metadata` took apart."""
+        return cls(**{name: tensors.get(name) for name in cls.TENSOR_FIELDS}, **metadata)
+
     @property
     def nbytes(self) -> int:
-        scale_bytes = 0 if self.scales is None else _nbytes(self.scales)
-        return _nbytes(self.data) + scale_bytes
+        return sum(_nbytes(t) for t in self.tensors().values())
 
     @property
     def device(self) -> torch.device:

@@ -676,8 +676,7 @@ class _CodecCosts:
                 codec.decode(packed)
         # The exact codec keeps the input's own storage, which may be larger than a sample.
         kept = allocation_bytes(spec.storage_bytes, self.device) if codec_name == "none" else sum(
-            allocation_bytes(t.untyped_storage().nbytes(), self.device) for t in (packed.data, packed.scales)
-            if t is not None)
+            allocation_bytes(t.untyped_storage().nbytes(), self.device) for t in packed.tensors().values())
         encode_s = self._seconds(lambda: codec.encode(sample))
         decode_s = self._seconds(lambda: codec.decode(packed))
         return _KeepCost(kept, encode_rise[0], decode_rise[0], encode_s, decode_s, *self._copy_seconds(packed))
@@ -695,7 +694,7 @@ class _CodecCosts:
     def _copy_seconds(self, packed) -> tuple:
         if self.device.type != "cuda" or not self.timed:
             return 0.0, 0.0
-        parts = [t for t in (packed.data, packed.scales) if t is not None]
+        parts = list(packed.tensors().values())
         hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
         to_host = self._seconds(lambda: [h.copy_(t, non_blocking=True) for h, t in zip(hosts, parts)])
         to_device = self._seconds(lambda: [h.to(self.device, non_blocking=True) for h in hosts])

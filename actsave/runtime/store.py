@@ -149,24 +149,22 @@ class _OnHost:
     where = "host"
 
     def __init__(self, packed: Packed):
-        self._shape, self._dtype, self._unsigned = packed.shape, packed.dtype, packed.unsigned
-        self._parts = [OffloadedTensor(t) for t in (packed.data, packed.scales) if t is not None]
+        self._metadata = packed.metadata()
+        self._parts = {name: OffloadedTensor(t) for name, t in packed.tensors().items()}
 
     def fetch(self) -> Packed:
-        data, *scales = [part.fetch() for part in self._parts]
-        return Packed(data=data, scales=scales[0] if scales else None, shape=self._shape, dtype=self._dtype,
-                      unsigned=self._unsigned)
+        return Packed.assemble({name: part.fetch() for name, part in self._parts.items()}, self._metadata)
 
     def prefetch(self) -> None:
-        for part in self._parts:
+        for part in self._parts.values():
             part.prefetch()
 
     def free_source(self) -> None:
-        for part in self._parts:
+        for part in self._parts.values():
             part.free_source()
 
     def release(self) -> None:
-        for part in self._parts:
+        for part in self._parts.values():
             part.release()
 
 
