@@ -35,7 +35,7 @@ sign bit of its scale.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar, Optional
 
 import torch
@@ -68,7 +68,7 @@ class Packed:
 
     def metadata(self) -> dict:
         """The fields that are not tensors."""
-        return {"shape": self.shape, "dtype": self.dtype, "unsigned": self.unsigned}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.TENSOR_FIELDS}
 
     @classmethod
     def assemble(cls, tensors: dict, metadata: dict) -> "Packed":
