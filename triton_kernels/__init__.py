@@ -36,10 +36,12 @@ class Kernel(NamedTuple):
     ``launcher`` runs ``jit`` (on CUDA, or on CPU under TRITON_INTERPRET=1);
     ``reference`` is its specification in torch and gives the same bits. Both take
     the same arguments, ``format_args`` (fp8's ``fmt``, int8's ``unsigned``) included: ``encode(x,
-    **format_args, group_size=...)`` returns ``(codes, scales)``; ``decode(codes,
-    scales, **format_args, dtype=..., group_size=...)`` a 1-D tensor of ``dtype``.
-    ``constexprs`` are the format's constexprs the launcher passes to ``jit`` (the
-    launch adds the tile's), for builds ahead of time.
+    **format_args, group_size=..., means=None)`` returns ``(codes, scales)``, ``means``
+    being per-channel values to subtract first (NOTE [channel means] in _rounding.py);
+    ``decode(codes, scales, **format_args, dtype=..., group_size=...)`` a 1-D tensor of
+    ``dtype``. ``constexprs`` are the format's constexprs the launcher passes to
+    ``jit`` (the launch adds the tile's and an encoder's ``CENTERED``), for builds
+    ahead of time.
     """
 
     launcher: Callable

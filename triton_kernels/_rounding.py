@@ -35,12 +35,23 @@ what they have in common:
 - NOTE [round half to even]: every rounding (int8 codes, fp8 codes, fp32 -> bf16
   output) is ``shift_right_rne`` on integer bits, which is exact on every backend;
   Triton's interpreter has no ``rint`` and mis-rounds fp32 -> fp8 / bf16 casts;
+- NOTE [channel means]: an encoder may be given one fp32 mean per channel (dim 1 of
+  an N, C, ... tensor) to subtract from each value as it is loaded, correctly rounded,
+  before anything else; the group's scale and codes are those of the centered values,
+  and the non-finite codes mark the input's own inf and NaN (a mean that takes a
+  finite value past fp32's range, which actsave never passes, leaves it a code of 0 in
+  a flagged group, in kernel and reference alike). Subtracting in the kernel costs no
+  copy of the input (a centered copy would be live beside it while encoding); the
+  reference divides its centered copy in place, for the same reason. Decoding does not add the means back: the caller does, in
+  place (actsave.codecs.centering), so that no add follows the decode's multiply,
+  which a compiler could fuse into an FMA;
 - the host-side checks and launch grid, and the torch references of the rules above.
 
 Every step is a correctly rounded IEEE operation (``div_rn``, a single multiply, no
 add that a compiler could fuse into an FMA), so kernels and references agree bit for
 bit on CPU, under the interpreter and on CUDA.
 """
+import math
 from typing import NamedTuple
 
 import torch
@@ -95,6 +106,17 @@ def load_as_float32(ptrs, mask):
     if ptrs.dtype.element_ty == tl.bfloat16:
         return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     return x.to(tl.float32)
+
+
+@triton.jit
+def less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED: tl.constexpr):
+    """x (the block's fp32 values) less their channel's mean where CENTERED, else x
+    (NOTE [channel means]): element i of a contiguous N, C, ... tensor is in channel
+    (i // channel_size) % channels."""
+    if CENTERED:
+        channel = (offsets // channel_size) % channels
+        x = x - tl.load(means_ptr + channel, mask=in_bounds, other=0.0)
+    return x
 
 
 @triton.jit
@@ -234,6 +256,34 @@ def flat_input(x, group_size):
     return x.reshape(-1).contiguous()
 
 
+class ChannelMeans(NamedTuple):
+    """An encoder's NOTE [channel means] arguments, checked: the means (fp32, one per
+    channel; a stand-in, unread, where there are none), the elements per
+    channel of one sample, the channel count, and whether to subtract at all."""
+
+    means: torch.Tensor
+    channel_size: int
+    channels: int
+    centered: bool
+
+    def kernel_arguments(self) -> dict:
+        return {"means_ptr": self.means, "channel_size": self.channel_size, "channels": self.channels,
+                "CENTERED": self.centered}
+
+
+def channel_means(x, means, stand_in):
+    """``means`` for encoding ``x``, checked against it; None subtracts none, and then
+    ``stand_in`` (any fp32 tensor on x's device) fills the pointer the kernel never reads."""
+    if means is None:
+        return ChannelMeans(stand_in, 1, 1, False)
+    channels = x.shape[1] if x.dim() >= 2 else 0
+    if means.dtype != torch.float32 or means.shape != (channels,) or means.device != x.device:
+        raise ValueError(f"means must be float32 of shape (x.shape[1],) = ({channels},) on {x.device}, "
+                         f"one per channel of an N, C, ... tensor; got {means.dtype} of shape "
+                         f"{tuple(means.shape)} on {means.device}")
+    return ChannelMeans(means.contiguous(), max(math.prod(x.shape[2:]), 1), channels, True)
+
+
 def flat_codes(codes, scales, code_dtype, dtype, group_size):
     """codes checked against their scales and flattened for decoding."""
     check_group_size(group_size)
@@ -254,20 +304,29 @@ def empty_encoding(flat, group_size, code_dtype):
     return codes, scales
 
 
-def launch(kernel, numel, group_size, *tensors, **constexprs):
+def launch(kernel, numel, group_size, *tensors, **arguments):
     """One launch of a group kernel over numel elements, on its tensors' device; none
     for an empty tensor, nor for meta tensors: they hold no data, and the launcher's
-    allocations are what actsave.estimate simulates a CUDA step by."""
+    allocations are what actsave.estimate simulates a CUDA step by. ``arguments`` are
+    the kernel's others, by name (constexprs and those after ``numel``)."""
     if numel == 0 or tensors[0].device.type == "meta":
         return
     groups_per_program = max(1, ELEMENTS_PER_PROGRAM // group_size)
     grid = (triton.cdiv(triton.cdiv(numel, group_size), groups_per_program),)
     with torch.cuda.device_of(tensors[0]):
-        kernel[grid](*tensors, numel, GROUP_SIZE=group_size,
-                     GROUPS_PER_PROGRAM=groups_per_program, num_warps=NUM_WARPS, **constexprs)
+        kernel[grid](*tensors, numel=numel, GROUP_SIZE=group_size,
+                     GROUPS_PER_PROGRAM=groups_per_program, num_warps=NUM_WARPS, **arguments)
 
 
 # ----------------------------------------------------------------- torch references
+
+
+def centered_ref(flat, means):
+    """NOTE [channel means]: flat fp32 values less their channel's mean (a new tensor),
+    or ``flat`` itself where ``means`` (a :class:`ChannelMeans`) subtracts none."""
+    if not means.centered or flat.numel() == 0:
+        return flat
+    return (flat.view(-1, means.channels, means.channel_size) - means.means.view(1, -1, 1)).view(-1)
 
 
 def _per_element(scales, group_size, numel):
@@ -300,8 +359,15 @@ def any_flagged_ref(scales):
     return scales.device.type != "meta" and bool(scales.signbit().any())
 
 
-def divide_or_zero_ref(flat, scales, group_size):
-    scale = _per_element(scales, group_size, flat.numel()).abs()
+def divide_or_zero_ref(flat, scales, group_size, in_place=False):
+    """flat / |scale| where finite with a nonzero scale, else 0; ``in_place`` overwrites
+    ``flat`` (a reference's own copy) and allocates no more than the per-element scale."""
+    scale = _per_element(scales, group_size, flat.numel()).abs_()
+    if in_place:
+        # The same bits: a finite value over a nonzero scale stays finite (within the
+        # code range, NOTE [scale rule]); everything else, inf, NaN and 0/0 of an
+        # all-zero group, becomes +0.
+        return flat.div_(scale).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     quantized = (scale > 0) & flat.isfinite()
     return torch.where(quantized, flat / scale, 0.0)
 

@@ -38,6 +38,8 @@ from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
     NonFiniteCodes,
     any_flagged_ref,
+    centered_ref,
+    channel_means,
     dequantize,
     dequantize_ref,
     divide_or_zero,
@@ -51,6 +53,7 @@ from ._rounding import (
     is_flagged,
     is_flagged_ref,
     launch,
+    less_channel_means,
     load_as_float32,
     magnitude_bits,
     negated,
@@ -200,16 +203,18 @@ def _magnitude_code_to_float32(magnitude, MANT_BITS: tl.constexpr, MIN_NORMAL_EX
 
 
 @triton.jit
-def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, numel, FP8_MAX: tl.constexpr,
+def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels,
+                       FP8_MAX: tl.constexpr,
                        NON_FINITE_CODE_MAX: tl.constexpr,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
                        UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                       GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+                       CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    scale, code_max = group_scale(x, FP8_MAX, NON_FINITE_CODE_MAX)
-    scaled = divide_or_zero(x, scale)
+    centered = less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
+    scale, code_max = group_scale(centered, FP8_MAX, NON_FINITE_CODE_MAX)
+    scaled = divide_or_zero(centered, scale)
     codes = _float32_to_fp8_bits(scaled, code_max, MANT_BITS, MIN_NORMAL_EXP)
     if UNSIGNED:  # NOTE [unsigned grids]: flagged groups keep the signed codes
         unsigned_codes = _fp8_magnitude_code(tl.maximum(scaled, 0.0), code_max, U_MANT_BITS, MIN_NORMAL_EXP)
@@ -243,16 +248,18 @@ def _format(fmt):
     return formats[fmt]
 
 
-def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE):
+def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
     TRITON_INTERPRET=1 or CUDA) into (uint8 fp8 bit patterns of shape (numel,), fp32
     scales of shape (n_groups,)); fmt is "e4m3" or "e5m2", or "ue4m4" or "ue5m3" for
-    a non-negative tensor (NOTE [unsigned grids]). Raises ValueError for
-    other formats, dtypes or group sizes."""
+    a non-negative tensor (NOTE [unsigned grids]). ``means``, fp32 of shape
+    (x.shape[1],), are subtracted per channel first (NOTE [channel means]). Raises
+    ValueError for other formats, dtypes, group sizes or means."""
     spec = _format(fmt)
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, torch.uint8)
-    launch(_encode_fp8_kernel, flat.numel(), group_size, flat, codes, scales, **spec.encode_constexprs())
+    launch(_encode_fp8_kernel, flat.numel(), group_size, flat, codes, scales,
+           **channel_means(x, means, scales).kernel_arguments(), **spec.encode_constexprs())
     return codes, scales
 
 
@@ -266,7 +273,7 @@ def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
     return out
 
 
-def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE):
+def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     """The specification of ``encode_fp8``, in torch. torch's fp8 casts round half to
     even; clamping first makes the saturation explicit, since their handling of values
     beyond the largest finite one differs between formats and versions (torch 2.13 on
@@ -274,17 +281,19 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE):
     lacks, are written on the bits (``_unsigned_codes_ref``)."""
     spec = _format(fmt)
     signed = getattr(spec, "signed", spec)
-    flat = flat_input(x, group_size).to(torch.float32)
+    source = flat_input(x, group_size).to(torch.float32)
+    flat = centered_ref(source, channel_means(x, means, source))
+    own_copy = flat is not source
     scales, code_max = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
-    scaled = divide_or_zero_ref(flat, scales, group_size)
+    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=own_copy)  # flat is not read again
     if spec is signed or any_flagged_ref(scales):
         codes = scaled.clamp(-code_max, code_max).to(signed.torch_dtype).view(torch.uint8)
     if spec is not signed:
         unsigned_codes = _unsigned_codes_ref_(scaled, code_max, spec)
         # Flagged groups keep the signed codes (NOTE [unsigned grids]).
-        codes = torch.where(is_flagged_ref(scales, group_size, flat.numel()), codes, unsigned_codes) \
+        codes = torch.where(is_flagged_ref(scales, group_size, source.numel()), codes, unsigned_codes) \
             if any_flagged_ref(scales) else unsigned_codes
-    return with_non_finite_codes_ref(codes, flat, signed.non_finite), scales
+    return with_non_finite_codes_ref(codes, source, signed.non_finite), scales
 
 
 def _unsigned_codes_ref_(scaled, code_max, spec):

@@ -26,6 +26,8 @@ from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
     NonFiniteCodes,
     any_flagged_ref,
+    centered_ref,
+    channel_means,
     dequantize,
     dequantize_ref,
     divide_or_zero,
@@ -39,6 +41,7 @@ from ._rounding import (
     is_flagged,
     is_flagged_ref,
     launch,
+    less_channel_means,
     load_as_float32,
     magnitude_bits,
     round_to_grid_rne,
@@ -83,14 +86,16 @@ def _round_to_int8(scaled, code_max):
 
 
 @triton.jit
-def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, numel, CODE_MAX: tl.constexpr,
+def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels,
+                        CODE_MAX: tl.constexpr,
                         UNSIGNED: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+                        CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    scale, code_max = group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX)
-    scaled = divide_or_zero(x, scale)
+    centered = less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
+    scale, code_max = group_scale(centered, CODE_MAX, NON_FINITE_CODE_MAX)
+    scaled = divide_or_zero(centered, scale)
     if UNSIGNED:
         # Unflagged groups saturate at 0 and CODE_MAX (255): the signed rounding of a
         # value >= 0 is its unsigned code. Flagged groups keep the signed codes.
@@ -115,14 +120,16 @@ def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, numel, UNSIGNED: tl.cons
     store_rounded(out_ptr + offsets, y, in_bounds)
 
 
-def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
+def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
     TRITON_INTERPRET=1 or CUDA) into (codes of shape (numel,), fp32 scales of shape
-    (n_groups,)): int8 codes, or uint8 ones on the unsigned grid. Raises ValueError
-    for other dtypes or group sizes."""
+    (n_groups,)): int8 codes, or uint8 ones on the unsigned grid. ``means``, fp32 of
+    shape (x.shape[1],), are subtracted per channel first (NOTE [channel means]).
+    Raises ValueError for other dtypes, group sizes or means."""
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, _code_dtype(unsigned))
-    launch(_encode_int8_kernel, flat.numel(), group_size, flat, codes, scales, **encode_constexprs(unsigned))
+    launch(_encode_int8_kernel, flat.numel(), group_size, flat, codes, scales,
+           **channel_means(x, means, scales).kernel_arguments(), **encode_constexprs(unsigned))
     return codes, scales
 
 
@@ -135,21 +142,23 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
     return out
 
 
-def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
+def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     """The specification of ``encode_int8``, in torch (torch.round ties to even)."""
-    flat = flat_input(x, group_size).to(torch.float32)
+    source = flat_input(x, group_size).to(torch.float32)
+    flat = centered_ref(source, channel_means(x, means, source))
+    own_copy = flat is not source
     scales, code_max = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX, NON_FINITE_CODES)
-    scaled = divide_or_zero_ref(flat, scales, group_size)
+    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=own_copy)  # flat is not read again
     if not unsigned:
         codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
-        return with_non_finite_codes_ref(codes, flat, NON_FINITE_CODES), scales
+        return with_non_finite_codes_ref(codes, source, NON_FINITE_CODES), scales
     if not any_flagged_ref(scales):
         # No group is flagged: every code is unsigned. In place, so that encoding a
         # non-negative tensor allocates no more than the signed path (the planner
         # profiles that one).
         return scaled.clamp_(0, UINT8_MAX).round_().to(torch.uint8), scales
-    lowest = torch.where(is_flagged_ref(scales, group_size, flat.numel()), -code_max, 0.0)
-    codes = with_non_finite_codes_ref(scaled.clamp(lowest, code_max).round(), flat, NON_FINITE_CODES)
+    lowest = torch.where(is_flagged_ref(scales, group_size, source.numel()), -code_max, 0.0)
+    codes = with_non_finite_codes_ref(scaled.clamp(lowest, code_max).round(), source, NON_FINITE_CODES)
     # A flagged group's int8 codes, stored as their byte.
     return codes.add_(codes < 0, alpha=256).to(torch.uint8), scales
 

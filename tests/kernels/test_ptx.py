@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, kernel_table
+from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, SIGNED_FORMATS, kernel_table
 from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS
 
 GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
@@ -21,15 +21,18 @@ DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # Triton type -> bytes per element
 # format -> Triton type of its codes (the unsigned variants store bytes 0..255)
 CODE_POINTERS = {"int8": "*i8", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8", "uint8": "*u8", "fp8_ue4m4": "*u8",
                  "fp8_ue5m3": "*u8"}
-# (arch, numel's Triton type, numel a multiple of 16): what a launch can specialize on.
+# (arch, numel's Triton type, numel a multiple of 16, channel means subtracted): what a
+# launch can specialize on.
 TARGETS = {
-    "sm80": (80, "i32", True),
-    "sm90": (90, "i32", True),
-    "sm90_int64": (90, "i64", True),
-    "sm90_ragged": (90, "i32", False),
+    "sm80": (80, "i32", True, False),
+    "sm90": (90, "i32", True, False),
+    "sm90_int64": (90, "i64", True, False),
+    "sm90_ragged": (90, "i32", False, False),
+    "sm90_centered": (90, "i32", True, True),  # NOTE [channel means]: signed encoders only
 }
 KERNELS = [f"{codec}-{direction}-{dtype}" for codec, direction, dtype in product(FORMATS, DIRECTIONS, DTYPES)]
-BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS, TARGETS)]
+BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS, TARGETS)
+          if not TARGETS[target][3] or kernel.split("-")[0] in SIGNED_FORMATS and "-encode-" in kernel]
 # The elements, hence the bytes of each stream, one thread owns: the [groups,
 # GROUP_SIZE] tile is spread evenly over the program's threads, contiguously.
 ELEMENTS_PER_THREAD = ELEMENTS_PER_PROGRAM // (NUM_WARPS * 32)
@@ -39,16 +42,18 @@ VECTOR_BYTES = 16
 def _job(codec, direction, dtype, target):
     kernel = kernel_table()[codec, direction]
     code_ptr = CODE_POINTERS[codec]
-    arch, numel_type, numel_divisible = TARGETS[target]
+    arch, numel_type, numel_divisible, centered = TARGETS[target]
     if direction == "encode":
-        pointers = {"x_ptr": f"*{dtype}", "codes_ptr": code_ptr, "scales_ptr": "*fp32"}
+        pointers = {"x_ptr": f"*{dtype}", "codes_ptr": code_ptr, "scales_ptr": "*fp32", "means_ptr": "*fp32"}
+        channels = {"channel_size": "i32", "channels": "i32"}
+        constexprs = {**kernel.constexprs, "CENTERED": centered, **TILE}
     else:
         pointers = {"codes_ptr": code_ptr, "scales_ptr": "*fp32", "out_ptr": f"*{dtype}"}
-    constexprs = {**kernel.constexprs, **TILE}
+        channels, constexprs = {}, {**kernel.constexprs, **TILE}
     return {
         "module": kernel.jit.fn.__module__,  # the subprocess imports it by name
         "kernel": kernel.jit.fn.__name__,
-        "signature": {**pointers, "numel": numel_type, **dict.fromkeys(constexprs, "constexpr")},
+        "signature": {**pointers, "numel": numel_type, **channels, **dict.fromkeys(constexprs, "constexpr")},
         "constexprs": constexprs,
         "arch": arch,
         "divisible_by_16": list(pointers) + (["numel"] if numel_divisible else []),
@@ -74,8 +79,10 @@ def test_arithmetic_is_correctly_rounded_ieee(builds, build):
     rounded (plain `/` is div.full, an approximation), no flush of subnormals to zero,
     no multiply-add fused into one rounding."""
     ptx = builds[build]["ptx"]
-    divisions = set(re.findall(r"\bdiv\.[\w.]+", ptx))
+    # Integer divisions (an element's channel, NOTE [channel means]) are exact.
+    divisions = set(re.findall(r"\bdiv\.[\w.]*f32\b", ptx))
     assert divisions <= {"div.rn.f32"}, divisions
+    assert not re.findall(r"\bdiv\.[\w.]*f(16|64)\b", ptx)
     if "-encode-" in build:
         assert divisions == {"div.rn.f32"}, "encoding divides by the scale: the check above saw no division"
     assert ".approx" not in ptx and "ftz" not in ptx and "fma" not in ptx
@@ -100,23 +107,27 @@ def test_no_local_memory(builds, build):
     assert compiled["STACK"] <= STACK_BYTES_ALLOWED.get(build, 0)
 
 
-def _expected_aligned_accesses(direction, dtype):
+def _expected_aligned_accesses(direction, dtype, centered):
     """A thread's elements are contiguous, so each stream is read or written in 16-byte
     vectors (ld/st.global.v4.b32): the float values (4 or 2 bytes each) and the codes
     (one byte each, 16 per thread: one vector). The scales are one fp32 per group,
     each thread's elements lying in one group: one 4-byte access, predicated, which
-    moves 1/128 of the bytes at groups of 128."""
+    moves 1/128 of the bytes at groups of 128. Channel means (NOTE [channel means]) are
+    gathered, one 4-byte load per element: a few hundred bytes in all, which the caches
+    serve, and the value stream keeps its vectors."""
     value_vectors = ELEMENTS_PER_THREAD * DTYPES[dtype] // VECTOR_BYTES
     code_vectors = ELEMENTS_PER_THREAD // VECTOR_BYTES
     if direction == "encode":
-        return {"ld.global.v4.b32": value_vectors, "st.global.v4.b32": code_vectors, "st.global.b32": 1}
+        means = {"ld.global.b32": ELEMENTS_PER_THREAD} if centered else {}
+        return {"ld.global.v4.b32": value_vectors, **means, "st.global.v4.b32": code_vectors, "st.global.b32": 1}
     return {"ld.global.v4.b32": code_vectors, "ld.global.b32": 1, "st.global.v4.b32": value_vectors}
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if not b.endswith("_ragged")])
 def test_streams_move_in_16_byte_vectors(builds, build):
-    _, direction, dtype, _ = build.split("-")
-    assert _global_accesses(builds[build]["ptx"]) == _expected_aligned_accesses(direction, dtype)
+    _, direction, dtype, target = build.split("-")
+    expected = _expected_aligned_accesses(direction, dtype, centered=TARGETS[target][3])
+    assert _global_accesses(builds[build]["ptx"]) == expected
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if b.endswith("_ragged")])

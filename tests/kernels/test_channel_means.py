@@ -1,0 +1,93 @@
+"""NOTE [channel means] (triton_kernels/_rounding.py): an encoder given one mean per
+channel subtracts it as it loads. For every signed format, read from the kernel table:
+the kernel against its reference bit for bit, and the reference against the rule."""
+from functools import partial
+
+import pytest
+import torch
+
+from actsave.triton_kernels import SIGNED_FORMATS, kernel_table
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def _pair(fmt, impl):
+    """(encode, decode) of ``fmt`` as the Triton kernel or as its reference."""
+    kernels = [kernel_table()[fmt, direction] for direction in ("encode", "decode")]
+    return tuple(partial(k.launcher if impl == "triton" else k.reference, **k.format_args) for k in kernels)
+
+
+def _channels_input(shape, seed=0):
+    """Conv-like activations whose channel means are several times their spread."""
+    generator = torch.Generator().manual_seed(seed)
+    means = 4 * torch.randn(shape[1], generator=generator).view(1, -1, *[1] * (len(shape) - 2))
+    return torch.randn(*shape, generator=generator) + means
+
+
+def _per_channel(means, rank):
+    return means.view(1, -1, *[1] * (rank - 2))
+
+
+# name -> (x, means); x is cast to the dtype under test. Shapes whose channel size is
+# not a multiple of the group put several channels, and a channel's end, in one group.
+CASES = {
+    "4d": lambda: (_channels_input((2, 3, 5, 7)), 4 * torch.randn(3)),
+    "5d": lambda: (_channels_input((2, 4, 3, 3, 3)), 4 * torch.randn(4)),
+    "2d": lambda: (torch.randn(9, 20), torch.randn(20)),
+    "several_programs": lambda: (_channels_input((4, 8, 16, 16)), torch.randn(8)),
+    "non_finite": lambda: (_channels_input((2, 3, 4, 4)).index_put_(
+        (torch.tensor([0, 1, 1]), torch.tensor([0, 2, 2]), torch.tensor([1, 3, 0]), torch.tensor([1, 0, 2])),
+        torch.tensor([float("inf"), float("nan"), float("-inf")])), torch.randn(3)),
+    "zero_means": lambda: (_channels_input((2, 3, 4, 4)), torch.zeros(3)),
+    "sliced": lambda: (_channels_input((4, 6, 9, 9))[::2, 1:4, 2:7], torch.randn(3)),
+}
+
+
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_reference(fmt, case, dtype, group_size, assert_same_bits):
+    torch.manual_seed(0)
+    x, means = CASES[case]()
+    x = x.to(dtype)
+    (encode, _), (encode_ref, _) = _pair(fmt, "triton"), _pair(fmt, "reference")
+    codes, scales = encode(x, group_size=group_size, means=means)
+    ref_codes, ref_scales = encode_ref(x, group_size=group_size, means=means)
+    assert_same_bits(codes, ref_codes)
+    assert_same_bits(scales, ref_scales)
+
+
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_the_codes_are_those_of_the_centered_tensor(fmt, impl, group_size, assert_same_bits):
+    x, means = CASES["several_programs"]()
+    encode, _ = _pair(fmt, impl)
+    codes, scales = encode(x, group_size=group_size, means=means)
+    plain_codes, plain_scales = encode(x - _per_channel(means, x.dim()), group_size=group_size)
+    assert_same_bits(codes, plain_codes)
+    assert_same_bits(scales, plain_scales)
+
+
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_non_finite_values_keep_their_codes_and_flag_their_groups(fmt, impl, group_size):
+    x, means = CASES["non_finite"]()
+    encode, decode = _pair(fmt, impl)
+    codes, scales = encode(x, group_size=group_size, means=means)
+    decoded = decode(codes, scales, dtype=torch.float32, group_size=group_size).view(x.shape)
+    decoded += _per_channel(means, x.dim())
+    assert torch.equal(decoded.isnan(), x.isnan())
+    assert torch.equal(decoded.isposinf(), x.isposinf()) and torch.equal(decoded.isneginf(), x.isneginf())
+    assert torch.equal(scales.signbit(), ~torch.nn.functional.pad(
+        x.isfinite().reshape(-1), (0, -x.numel() % group_size), value=True).view(-1, group_size).all(dim=1))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("means, message", [
+    (torch.zeros(4, dtype=torch.float64), "float32"),
+    (torch.zeros(3), r"shape \(x.shape\[1\],\) = \(4,\)"),
+    (torch.zeros(4, 1), "of shape"),
+])
+def test_rejects_means_that_do_not_fit(impl, means, message):
+    encode, _ = _pair("int8", impl)
+    with pytest.raises(ValueError, match=message):
+        encode(torch.randn(2, 4, 3, 3), group_size=16, means=means)
