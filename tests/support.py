@@ -116,6 +116,12 @@ def codes_and_scales(elements: int) -> int:
     return elements + 4 * elements // GROUP_SIZE
 
 
+def channel_means(channels: int) -> int:
+    """Bytes a lossy codec keeps beside the codes of a centered (signed 4-D or 5-D
+    float32) tensor: one fp32 mean per channel (NOTE [ Channel centering ])."""
+    return 4 * channels
+
+
 def peak_activation_bytes(model: nn.Module, x: torch.Tensor, loss=None) -> int:
     """MemTracker peak of one training step, less parameters, buffers and gradients: the
     backward from ``loss(out)``, or without a loss from a gradient of ones. A model that

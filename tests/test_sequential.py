@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError, RecomputeError
-from actsave.sequential import plan_segments
+from actsave.runtime.store import EXACT, KeepPolicy
+from actsave.sequential import plan_segments, split_starts
 
 SEGMENT_SPECS = [1, 2, 3, "sqrt", "balanced", [0, 1, 3, 7], [1, 6, 11, 16], 20]
 
@@ -216,6 +217,39 @@ def test_int_and_sqrt_segments_split_as_checkpoint_sequential():
     assert plan_segments(128, "sqrt") == plan_segments(128, 11)
     assert [s.checkpointed for s in plan_segments(5, [0, 2])] == [True, False]
     assert [s.start for s in plan_segments(5, [2, 4])] == [0, 2, 4]
+
+
+def conv_bn_relu(blocks: int = 16, inplace: bool = True) -> list:
+    return [m for _ in range(blocks)
+            for m in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=inplace))] + [nn.Flatten()]
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("segments", ["sqrt", 7])
+def test_under_a_lossy_codec_an_even_split_starts_on_relu_outputs(segments, inplace):
+    layers = conv_bn_relu(inplace=inplace)  # 49 layers: the even split starts at 0, 7, 14, ... 42
+    lossy = (KeepPolicy.resolve("fp8_e4m3"),) * len(layers)
+    assert split_starts(layers, segments, lossy) == [0, 9, 15, 21, 30, 36, 42]
+    assert split_starts(layers, segments, (EXACT,) * len(layers)) == [0, 7, 14, 21, 28, 35, 42]
+    assert split_starts(layers, [0, 7, 14], lossy) == [0, 7, 14]  # a list is the caller's
+    model = CheckpointedSequential(*layers, segments=segments, compress="int8")
+    kept_at = [line.split()[0] for line in model.describe().splitlines() if " input " in line or " saves " in line]
+    assert kept_at == ["0", "9", "15", "21", "30", "36", "42"]
+
+
+def test_a_boundary_moves_only_onto_a_layer_with_its_own_settings():
+    layers = conv_bn_relu()
+    int8, exact = KeepPolicy.resolve("int8"), EXACT
+    policies = (int8,) * 9 + (exact,) * (len(layers) - 9)  # layer 9 onwards exact
+    assert split_starts(layers, "sqrt", policies)[:2] == [0, 7]
+
+
+def test_a_boundary_stays_within_its_segment():
+    layers = [nn.Linear(4, 4), nn.BatchNorm1d(4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4)]
+    lossy = (KeepPolicy.resolve("int8"),) * len(layers)
+    assert split_starts(layers, 2, lossy) == [0, 4]  # past both BatchNorms and the ReLU
+    # One layer per segment: a move would empty a segment or pass the next start.
+    assert split_starts(layers, 5, lossy) == [0, 1, 2, 3, 4]
 
 
 # --- balanced segments (the default): NOTE [ Balanced segments ] ---------------------

@@ -19,6 +19,11 @@ ResNets, whose block outputs are) the worst parameter gradient gains 4.6 (int8),
 (pre-activation ResNets, boundaries on a conv or BatchNorm output) nothing changes.
 :attr:`Packed.unsigned` records the grid.
 
+A signed float32 conv activation (4-D or 5-D, channel in dim 1) is stored minus its
+per-channel means, which are kept exactly (:attr:`Packed.offsets`, one fp32 per
+channel): the bits go to each channel's spread, not its offset (NOTE [ Channel
+centering ] in ``codecs/centering.py``).
+
 The bits are defined by the torch references of ``actsave.triton_kernels``' kernel
 table; the Triton kernels match them exactly (codecs/backend.py chooses which runs). Decoding
 gives back the original dtype, shape and device, contiguous.
@@ -42,6 +47,7 @@ import torch
 
 from ..errors import ConfigError
 from .backend import implementation
+from .centering import channel_offsets, uncentered_
 from ..triton_kernels import DEFAULT_GROUP_SIZE, UNSIGNED_VARIANT, kernel_table
 
 # Elements per fp32 scale: the kernels' default, justified where it is defined.
@@ -58,8 +64,9 @@ class Packed:
     shape: torch.Size
     dtype: torch.dtype
     unsigned: bool = False  # stored on the codec's unsigned grid (a non-negative tensor)
+    offsets: Optional[torch.Tensor] = None  # per-channel means subtracted before encoding (NOTE [ Channel centering ])
 
-    TENSOR_FIELDS: ClassVar[tuple] = ("data", "scales")
+    TENSOR_FIELDS: ClassVar[tuple] = ("data", "scales", "offsets")
 
     def tensors(self) -> dict:
         """``{field: tensor}``, every tensor the value holds (None fields left out):
@@ -139,17 +146,22 @@ class GroupCodec(Codec):
 
     def encode(self, x: torch.Tensor, non_negative: bool = False) -> Packed:
         source = x.float() if x.dtype == torch.float64 else x
+        offsets = None if non_negative else channel_offsets(source)
         kernel = kernel_table()[self._format(non_negative), "encode"]
         encode = implementation(kernel, source)
-        codes, scales = encode(source, **kernel.format_args, group_size=GROUP_SIZE)
-        return Packed(data=codes, scales=scales, shape=x.shape, dtype=x.dtype, unsigned=non_negative)
+        codes, scales = encode(source, **kernel.format_args, group_size=GROUP_SIZE, means=offsets)
+        return Packed(data=codes, scales=scales, shape=x.shape, dtype=x.dtype, unsigned=non_negative,
+                      offsets=offsets)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         wide = torch.float32 if packed.dtype == torch.float64 else packed.dtype
         kernel = kernel_table()[self._format(packed.unsigned), "decode"]
         decode = implementation(kernel, packed.data)
         flat = decode(packed.data, packed.scales, **kernel.format_args, dtype=wide, group_size=GROUP_SIZE)
-        return flat.view(packed.shape).to(packed.dtype)
+        decoded = flat.view(packed.shape)
+        if packed.offsets is not None:
+            uncentered_(decoded, packed.offsets)
+        return decoded.to(packed.dtype)
 
     def _format(self, unsigned: bool) -> str:
         return UNSIGNED_VARIANT[self.name] if unsigned else self.name

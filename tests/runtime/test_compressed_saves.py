@@ -2,7 +2,7 @@
 stored, what is held as it is, exact ReLU decisions, and other saved-tensor hooks."""
 import pytest
 import torch
-from support import CallCounter, codes_and_scales, sqnr_db
+from support import CallCounter, channel_means, codes_and_scales, sqnr_db
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
@@ -30,10 +30,12 @@ def test_parameters_and_batchnorm_statistics_are_held_as_they_are():
     model = last_segment_only(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     out = model(x * 1)
-    # Stored: the conv's input, the BatchNorm's input, the ReLU's output with 1 bit per
-    # element. Held: the weights, running and batch statistics (leaves).
+    # Stored: the conv's input and the BatchNorm's input, each with its channel means
+    # (signed conv activations are centered), the ReLU's output with 1 bit per element.
+    # Held: the weights, running and batch statistics (leaves).
     conv_in, activation = 2 * 4 * 8 * 8, 2 * 8 * 8 * 8
-    expected = codes_and_scales(conv_in) + 2 * codes_and_scales(activation) + activation // 8
+    expected = (codes_and_scales(conv_in) + channel_means(4) + 2 * codes_and_scales(activation)
+                + channel_means(8) + activation // 8)
     assert actsave.stored_bytes()["device"] == expected
     out.sum().backward()
     assert actsave.stored_bytes() == {"device": 0, "host": 0}

@@ -1,0 +1,73 @@
+"""Channel centering: a lossy codec stores a convolution activation minus its
+per-channel mean.
+
+NOTE [ Channel centering ]
+
+An 8-bit codec's error is relative to the values it stores: fp8 rounds each element
+to about 2**-4 (e4m3) of its magnitude, int8 to a step of its group's largest
+magnitude. What a network does next with a conv activation is mostly relative to its
+channel's spread: a BatchNorm divides ``x - mean_c`` by ``std_c``, and its weight's
+gradient, ``sum(dy * x_hat)``, sums that normalized value against the output
+gradient with much cancellation. Where a channel's mean is comparable to its spread
+(the residual stream of a pre-activation ResNet, a conv output before its
+BatchNorm), most of the bits go to the offset. So a signed 4-D or 5-D float32 tensor
+(PyTorch's N, C, ... layout: dim 1 is the channel) is stored as ``x - m_c`` with
+``m_c`` its channel means, kept exactly beside the codes (one fp32 per channel), and
+decoded as ``decode(codes) + m_c``.
+
+Measured with ``python bench/fidelity.py --batch-sizes 8 --models
+convbnrelu16,resnet164`` (CPU, 8 seeded batches), before -> after. ResNet-164
+(pre-activation, 16x16, balanced): worst meaningful parameter gradient int8 29.4 ->
+30.5 dB, e4m3 17.0 -> 17.1, e5m2 12.6 -> 13.1; the median over batches of the worst
+tensor 31.1 -> 32.1, 19.4 -> 21.5, 13.2 -> 15.6; all gradients together 40.3 -> 42.2,
+28.1 -> 30.7, 22.0 -> 24.6. On the conv-BN-ReLU chain with its segment inputs on ReLU
+outputs ("sqrt", sequential.py), the last segment's saved BatchNorm inputs lift the
+worst tensor from 23.3 to 26.5 dB (e4m3) and 17.5 to 20.4 (e5m2). Per-group means
+(groups of 128 straddle channels at 8x8 and below) measured worse than none on
+ResNet-164 (17.8 against 19.8 dB on one batch).
+
+- Non-negative tensors are not centered: they go on the unsigned grid, which gains
+  more (one bit) and which a subtracted mean would make signed again.
+- Only float32 (and float64, which the codecs store through float32): there ``x - m``
+  and ``decode + m`` stay finite for finite values, because a mean is used only when
+  ``|m| <= 2**100``, below half an ulp of float32's largest binade (2**103). In a
+  half type the sum of the decoded value and the mean could round past the type's
+  largest finite value, which the codecs promise never to return; fusing a clamp
+  into the kernels would lift that limit.
+- A channel whose mean is not finite (it holds an inf or a NaN) or beyond 2**100 is
+  not centered (mean 0), so ``inf`` and NaN come back as they went in.
+- Cost: one read of the tensor for the means. The encode kernels subtract them as
+  they load (NOTE [channel means] in triton_kernels/_rounding.py), so no centered copy
+  is made: one was, first, and it rose the peak of a chain stored whole by int8 from
+  0.46 to 0.52 of exact (tests/planning/test_memory_model.py). Decoding adds the
+  means back in place. The planner's profile measures what is left
+  (planning/profiler.py runs the codecs).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# Largest channel mean that is subtracted: see the NOTE (finite values stay finite).
+MAX_OFFSET = 2.0**100
+_CENTERED_RANKS = (4, 5)  # N, C, spatial...: conv activations, whose dim 1 is the channel
+
+
+def channel_offsets(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The per-channel means to subtract from ``x`` (float32, shape ``(C,)``), or None
+    where ``x`` is not centered: not a 4-D or 5-D float32 tensor, or empty. Reads no
+    value back to the host."""
+    if x.dim() not in _CENTERED_RANKS or x.dtype != torch.float32 or x.numel() == 0:
+        return None
+    means = torch.mean(x, dim=[0, *range(2, x.dim())])
+    return torch.where(means.abs() <= MAX_OFFSET, means, torch.zeros((), dtype=means.dtype, device=means.device))
+
+
+def uncentered_(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Adds each channel's offset back to ``y``, in place; returns ``y``."""
+    return y.add_(_per_channel(offsets, y.dim()))
+
+
+def _per_channel(offsets: torch.Tensor, rank: int) -> torch.Tensor:
+    return offsets.view(1, -1, *([1] * (rank - 2)))
