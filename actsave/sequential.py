@@ -132,8 +132,10 @@ def _even_starts(n_layers: int, k: int) -> list:
 # ReLU's output: the same shape as the conv output it replaces, so the kept input
 # costs the same bytes. Measured on 16 x (Conv2d(16, 16, 3), BatchNorm2d,
 # ReLU(inplace=True)), batch 8, 16x16, "sqrt" (bench/fidelity.py, 8 batches): the
-# boundaries move from [7, 14, 21, 28, 35, 42] to [9, 15, 21, 30, 36, 42] and the
-# predicted peak (e4m3) from 1,406,476 to 1,402,116 B. The worst meaningful parameter
+# boundaries move from [7, 14, 21, 28, 35, 42] to [9, 15, 21, 30, 36, 42], and the
+# predicted peak (e4m3, plans.predict on the profiled chain) rises 4.7%, from
+# 1,333,696 to 1,396,224 B: the longest segment grows from 7 to 9 layers (with ReLU
+# outputs every third layer, any split on them has one). The worst meaningful parameter
 # gradient goes from 21.1 to 26.5 dB (e4m3) and 14.9 to 20.4 (e5m2) with the last
 # segment's saves centered (codecs/centering.py); the boundaries alone give 23.3 and
 # 17.5, the last segment's saved BatchNorm inputs then setting the worst. A boundary
@@ -219,10 +221,11 @@ class CheckpointedSequential(nn.Sequential):
             ``torch.utils.checkpoint.checkpoint_sequential`` does (O(sqrt(n))
             activation memory for one extra forward; under a lossy codec a boundary
             that falls on BatchNorm and ReLU layers moves past them onto the ReLU's
-            output, where the codec stores it with one more bit: NOTE [ Boundaries on
-            ReLU outputs ]). An integer ``k`` (split likewise; any
-            integral type, ``numpy.int64`` too, but not a bool), or a sorted list of the
-            layer indices where segments start (0 is implied). The last segment
+            output, where the codec stores it with one more bit, and the segment
+            before it grows by the layers passed: NOTE [ Boundaries on ReLU
+            outputs ]). An integer ``k`` (split likewise; any integral type,
+            ``numpy.int64`` too, but not a bool), or a sorted list of the layer
+            indices where segments start (0 is implied). The last segment
             is not checkpointed. ``"auto"`` (alias ``"speed"``): the fastest plan whose
             predicted peak activation memory fits ``budget``; ``"memory"``: the plan
             with the smallest predicted peak (checked against ``budget`` if given).
