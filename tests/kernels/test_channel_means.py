@@ -43,17 +43,28 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_matches_reference(fmt, case, dtype, group_size, assert_same_bits):
+def _assert_kernel_matches_reference(fmt, case, dtype, group_size, device, assert_same_bits):
     torch.manual_seed(0)
     x, means = CASES[case]()
     x = x.to(dtype)
     (encode, _), (encode_ref, _) = _pair(fmt, "triton"), _pair(fmt, "reference")
-    codes, scales = encode(x, group_size=group_size, means=means)
+    codes, scales = encode(x.to(device), group_size=group_size, means=means.to(device))
     ref_codes, ref_scales = encode_ref(x, group_size=group_size, means=means)
-    assert_same_bits(codes, ref_codes)
-    assert_same_bits(scales, ref_scales)
+    assert_same_bits(codes.cpu(), ref_codes)
+    assert_same_bits(scales.cpu(), ref_scales)
+
+
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_reference(fmt, case, dtype, group_size, assert_same_bits):
+    _assert_kernel_matches_reference(fmt, case, dtype, group_size, "cpu", assert_same_bits)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_kernel_matches_reference(fmt, case, dtype, group_size, assert_same_bits):
+    _assert_kernel_matches_reference(fmt, case, dtype, group_size, "cuda", assert_same_bits)
 
 
 @pytest.mark.parametrize("fmt", SIGNED_FORMATS)
