@@ -38,10 +38,10 @@ class Kernel(NamedTuple):
     the same arguments, ``format_args`` (fp8's ``fmt``, int8's ``unsigned``) included: ``encode(x,
     **format_args, group_size=..., means=None)`` returns ``(codes, scales)``, ``means``
     being per-channel values to subtract first (NOTE [channel means] in _rounding.py);
-    ``decode(codes, scales, **format_args, dtype=..., group_size=...)`` a 1-D tensor of
-    ``dtype``. ``constexprs`` are the format's constexprs the launcher passes to
-    ``jit`` (the launch adds the tile's and an encoder's ``CENTERED``), for builds
-    ahead of time.
+    ``decode(codes, scales, **format_args, dtype=..., group_size=..., means=None,
+    channel_size=1)`` a 1-D tensor of ``dtype``, the means added back. ``constexprs``
+    are the format's constexprs the launcher passes to ``jit`` (the launch adds the
+    tile's and ``CENTERED``), for builds ahead of time.
     """
 
     launcher: Callable

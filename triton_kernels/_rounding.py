@@ -40,15 +40,19 @@ what they have in common:
   before anything else; the group's scale and codes are those of the centered values,
   and the non-finite codes mark the input's own inf and NaN (a mean that takes a
   finite value past fp32's range, which actsave never passes, leaves it a code of 0 in
-  a flagged group, in kernel and reference alike). Subtracting in the kernel costs no
-  copy of the input (a centered copy would be live beside it while encoding); the
-  reference divides its centered copy in place, for the same reason. Decoding does not add the means back: the caller does, in
-  place (actsave.codecs.centering), so that no add follows the decode's multiply,
-  which a compiler could fuse into an FMA;
+  a flagged group, in kernel and reference alike). The decoder given the same means
+  adds each back to ``value(code) * |scale|`` in fp32, a second correctly rounded
+  operation (launches disable Triton's FMA fusion, ``LAUNCH_OPTIONS``), and saturates
+  the sum at the output dtype's largest finite value: a finite value near it may come
+  back a rounding step beyond it, which must not become inf. Then the non-finite codes
+  are decoded, as without means. Doing both in the kernels costs no copy of the
+  tensor (a centered copy would be live beside it while encoding, a wide one while
+  decoding to a half type); the references work in place on their own copies, for
+  the same reason;
 - the host-side checks and launch grid, and the torch references of the rules above.
 
 Every step is a correctly rounded IEEE operation (``div_rn``, a single multiply, no
-add that a compiler could fuse into an FMA), so kernels and references agree bit for
+fused multiply-add: ``LAUNCH_OPTIONS``), so kernels and references agree bit for
 bit on CPU, under the interpreter and on CUDA.
 """
 import math
@@ -66,6 +70,10 @@ MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 4096
 # program (about 14 ms; encoding 2**16 values took 0.15 s instead of 0.9 s with 1024).
 # Not tuned on a GPU: none was available when this was written.
 ELEMENTS_PER_PROGRAM, NUM_WARPS = 4096, 8
+# Compile options of every launch (and of the ahead-of-time builds that check them).
+# No FMA fusion: a decoder's add of a channel mean after its multiply (NOTE [channel
+# means]) must round twice, as torch does.
+LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -109,14 +117,31 @@ def load_as_float32(ptrs, mask):
 
 
 @triton.jit
-def less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED: tl.constexpr):
-    """x (the block's fp32 values) less their channel's mean where CENTERED, else x
-    (NOTE [channel means]): element i of a contiguous N, C, ... tensor is in channel
-    (i // channel_size) % channels."""
+def load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED: tl.constexpr):
+    """Each element's channel mean where CENTERED, else 0 (NOTE [channel means]):
+    element i of a contiguous N, C, ... tensor is in channel (i // channel_size) %
+    channels."""
     if CENTERED:
-        channel = (offsets // channel_size) % channels
-        x = x - tl.load(means_ptr + channel, mask=in_bounds, other=0.0)
+        return tl.load(means_ptr + (offsets // channel_size) % channels, mask=in_bounds, other=0.0)
+    return tl.zeros(offsets.shape, tl.float32)
+
+
+@triton.jit
+def less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED: tl.constexpr):
+    """x (the block's fp32 values) less their channel's mean where CENTERED, else x."""
+    if CENTERED:
+        x = x - load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
     return x
+
+
+@triton.jit
+def largest_finite(out_ptrs):
+    """The largest finite value of the output pointers' dtype, as fp32."""
+    if out_ptrs.dtype.element_ty == tl.float16:
+        return 65504.0
+    if out_ptrs.dtype.element_ty == tl.bfloat16:
+        return 3.3895313892515355e38
+    return 3.4028234663852886e38
 
 
 @triton.jit
@@ -212,10 +237,14 @@ def float32_to_bfloat16_rne(y):
 
 
 @triton.jit
-def dequantize(values, codes, scale, POS_INF_CODE, NEG_INF_CODE, NAN_CODE):
-    """values * |scale| per row in fp32, and in flagged rows the non-finite codes'
-    values (NOTE [non-finite groups])."""
+def dequantize(values, codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE, NAN_CODE,
+               CENTERED: tl.constexpr):
+    """values * |scale| per row in fp32, plus ``means`` (each element's channel mean)
+    saturated at +-out_max where CENTERED (NOTE [channel means]), and in flagged rows
+    the non-finite codes' values (NOTE [non-finite groups])."""
     y = values * tl.abs(scale)[:, None]
+    if CENTERED:
+        y = tl.minimum(tl.maximum(y + means, -out_max), out_max)
     flagged = is_flagged(scale)
     y = tl.where(flagged & (codes == POS_INF_CODE), float("inf"), y)
     y = tl.where(flagged & (codes == NEG_INF_CODE), float("-inf"), y)
@@ -257,9 +286,9 @@ def flat_input(x, group_size):
 
 
 class ChannelMeans(NamedTuple):
-    """An encoder's NOTE [channel means] arguments, checked: the means (fp32, one per
-    channel; a stand-in, unread, where there are none), the elements per
-    channel of one sample, the channel count, and whether to subtract at all."""
+    """A kernel's NOTE [channel means] arguments, checked: the means (fp32, one per
+    channel; a stand-in, unread, where there are none), the elements per channel of
+    one sample, the channel count, and whether there are means at all."""
 
     means: torch.Tensor
     channel_size: int
@@ -277,11 +306,28 @@ def channel_means(x, means, stand_in):
     if means is None:
         return ChannelMeans(stand_in, 1, 1, False)
     channels = x.shape[1] if x.dim() >= 2 else 0
-    if means.dtype != torch.float32 or means.shape != (channels,) or means.device != x.device:
-        raise ValueError(f"means must be float32 of shape (x.shape[1],) = ({channels},) on {x.device}, "
-                         f"one per channel of an N, C, ... tensor; got {means.dtype} of shape "
-                         f"{tuple(means.shape)} on {means.device}")
-    return ChannelMeans(means.contiguous(), max(math.prod(x.shape[2:]), 1), channels, True)
+    if means.shape != (channels,):
+        raise ValueError(f"means must have shape (x.shape[1],) = ({channels},), one per channel of an "
+                         f"N, C, ... tensor; got shape {tuple(means.shape)}")
+    return _checked_means(means, max(math.prod(x.shape[2:]), 1), x.numel(), x.device)
+
+
+def decoded_channel_means(codes, means, channel_size, stand_in):
+    """``means`` for decoding ``codes`` of a tensor whose channels hold ``channel_size``
+    elements per sample, checked; None adds none (``stand_in`` as for channel_means)."""
+    if means is None:
+        return ChannelMeans(stand_in, 1, 1, False)
+    return _checked_means(means, channel_size, codes.numel(), codes.device)
+
+
+def _checked_means(means, channel_size, numel, device):
+    if means.dtype != torch.float32 or means.dim() != 1 or means.device != device:
+        raise ValueError(f"means must be a 1-D float32 tensor on {device}, one per channel; got "
+                         f"{means.dtype} of shape {tuple(means.shape)} on {means.device}")
+    if not (isinstance(channel_size, int) and channel_size >= 1) or numel % (means.numel() * channel_size):
+        raise ValueError(f"{numel} elements are not whole samples of {means.numel()} channels of "
+                         f"channel_size={channel_size!r} elements")
+    return ChannelMeans(means.contiguous(), channel_size, means.numel(), True)
 
 
 def flat_codes(codes, scales, code_dtype, dtype, group_size):
@@ -315,10 +361,15 @@ def launch(kernel, numel, group_size, *tensors, **arguments):
     grid = (triton.cdiv(triton.cdiv(numel, group_size), groups_per_program),)
     with torch.cuda.device_of(tensors[0]):
         kernel[grid](*tensors, numel=numel, GROUP_SIZE=group_size,
-                     GROUPS_PER_PROGRAM=groups_per_program, num_warps=NUM_WARPS, **arguments)
+                     GROUPS_PER_PROGRAM=groups_per_program, **LAUNCH_OPTIONS, **arguments)
 
 
 # ----------------------------------------------------------------- torch references
+
+
+def _per_channel_ref(flat, means):
+    """flat viewed as (samples, channels, channel_size) and the means to broadcast on it."""
+    return flat.view(-1, means.channels, means.channel_size), means.means.view(1, -1, 1)
 
 
 def centered_ref(flat, means):
@@ -326,7 +377,8 @@ def centered_ref(flat, means):
     or ``flat`` itself where ``means`` (a :class:`ChannelMeans`) subtracts none."""
     if not means.centered or flat.numel() == 0:
         return flat
-    return (flat.view(-1, means.channels, means.channel_size) - means.means.view(1, -1, 1)).view(-1)
+    values, channel_means_ = _per_channel_ref(flat, means)
+    return (values - channel_means_).view(-1)
 
 
 def _per_element(scales, group_size, numel):
@@ -378,10 +430,21 @@ def with_non_finite_codes_ref(codes, flat, non_finite):
     return torch.where(flat.isnan(), non_finite.nan, codes)
 
 
-def dequantize_ref(values, codes, scales, non_finite, dtype, group_size):
-    """values * |their group's scale| in fp32, the non-finite codes of flagged groups
-    decoded (NOTE [non-finite groups]), then rounded half to even to dtype."""
+def _add_channel_means_(y, means, largest):
+    """y plus its channel means, saturated at +-largest, in place (no view of y outlives
+    the call, so that the callers' replacements of y free it)."""
+    samples, channel_means_ = _per_channel_ref(y, means)
+    samples.add_(channel_means_).clamp_(-largest, largest)
+
+
+def dequantize_ref(values, codes, scales, non_finite, dtype, group_size, means=None):
+    """values * |their group's scale| in fp32, plus their channel's mean saturated at
+    dtype's largest finite value where ``means`` (a :class:`ChannelMeans`) has them
+    (NOTE [channel means]), the non-finite codes of flagged groups decoded (NOTE
+    [non-finite groups]), then rounded half to even to dtype."""
     y = values * _per_element(scales, group_size, values.numel()).abs()
+    if means is not None and means.centered and y.numel():
+        _add_channel_means_(y, means, torch.finfo(dtype).max)
     flagged = is_flagged_ref(scales, group_size, values.numel())
     y = torch.where(flagged & (codes == non_finite.pos_inf), float("inf"), y)
     y = torch.where(flagged & (codes == non_finite.neg_inf), float("-inf"), y)

@@ -40,6 +40,7 @@ from ._rounding import (
     any_flagged_ref,
     centered_ref,
     channel_means,
+    decoded_channel_means,
     dequantize,
     dequantize_ref,
     divide_or_zero,
@@ -52,8 +53,10 @@ from ._rounding import (
     group_tile,
     is_flagged,
     is_flagged_ref,
+    largest_finite,
     launch,
     less_channel_means,
+    load_channel_means,
     load_as_float32,
     magnitude_bits,
     negated,
@@ -225,11 +228,11 @@ def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_s
 
 
 @triton.jit
-def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, numel, MANT_BITS: tl.constexpr,
-                       MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr,
+def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel_size, channels,
+                       MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr,
                        UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                       GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+                       CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
@@ -237,7 +240,9 @@ def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, numel, MANT_BITS: tl.cons
     if UNSIGNED:
         unsigned_values = _magnitude_code_to_float32(codes, U_MANT_BITS, MIN_NORMAL_EXP)
         values = tl.where(is_flagged(scale), values, unsigned_values)
-    y = dequantize(values, codes, scale, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
+    means = load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
+    y = dequantize(values, codes, scale, means, largest_finite(out_ptr),
+                   POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
     store_rounded(out_ptr + offsets, y, in_bounds)
 
 
@@ -263,13 +268,17 @@ def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     return codes, scales
 
 
-def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
+def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=None, channel_size=1):
     """Decode ``encode_fp8``'s output into a 1-D tensor of ``dtype``; reshape it to
-    the original shape."""
+    the original shape. ``means``, those the encoder took, are added back, the
+    tensor's channels holding ``channel_size`` elements per sample (NOTE [channel
+    means])."""
     spec = _format(fmt)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_fp8_kernel, codes.numel(), group_size, codes, scales, out, **spec.decode_constexprs())
+    launch(_decode_fp8_kernel, codes.numel(), group_size, codes, scales, out,
+           **decoded_channel_means(codes, means, channel_size, scales).kernel_arguments(),
+           **spec.decode_constexprs())
     return out
 
 
@@ -334,11 +343,12 @@ def _pow2_ref(exponent):
     return exponent.add_(127).bitwise_left_shift_(23).view(torch.float32)
 
 
-def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
+def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=None, channel_size=1):
     """The specification of ``decode_fp8``, in torch."""
     spec = _format(fmt)
     signed = getattr(spec, "signed", spec)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
+    means = decoded_channel_means(codes, means, channel_size, scales)
     if spec is signed:
         values = codes.view(signed.torch_dtype).to(torch.float32)
     else:
@@ -346,4 +356,4 @@ def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE):
         if any_flagged_ref(scales):  # flagged groups hold the signed codes
             flagged = is_flagged_ref(scales, group_size, codes.numel())
             values = torch.where(flagged, codes.view(signed.torch_dtype).to(torch.float32), values)
-    return dequantize_ref(values, codes, scales, signed.non_finite, dtype, group_size)
+    return dequantize_ref(values, codes, scales, signed.non_finite, dtype, group_size, means)

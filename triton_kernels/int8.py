@@ -28,6 +28,7 @@ from ._rounding import (
     any_flagged_ref,
     centered_ref,
     channel_means,
+    decoded_channel_means,
     dequantize,
     dequantize_ref,
     divide_or_zero,
@@ -40,8 +41,10 @@ from ._rounding import (
     group_tile,
     is_flagged,
     is_flagged_ref,
+    largest_finite,
     launch,
     less_channel_means,
+    load_channel_means,
     load_as_float32,
     magnitude_bits,
     round_to_grid_rne,
@@ -108,15 +111,17 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_
 
 
 @triton.jit
-def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, numel, UNSIGNED: tl.constexpr,
-                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel_size, channels,
+                        UNSIGNED: tl.constexpr, POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
+                        CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
     if UNSIGNED:  # a flagged group's bytes are int8 codes
         codes = tl.where(is_flagged(scale) & (codes > 127), codes - 256, codes)
-    y = dequantize(codes.to(tl.float32), codes, scale, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
+    means = load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
+    y = dequantize(codes.to(tl.float32), codes, scale, means, largest_finite(out_ptr),
+                   POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
     store_rounded(out_ptr + offsets, y, in_bounds)
 
 
@@ -133,12 +138,17 @@ def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     return codes, scales
 
 
-def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
+def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None,
+                channel_size=1):
     """Decode ``encode_int8``'s output (same ``unsigned``) into a 1-D tensor of
-    ``dtype``; reshape it to the original shape."""
+    ``dtype``; reshape it to the original shape. ``means``, those the encoder took,
+    are added back, the tensor's channels holding ``channel_size`` elements per sample
+    (NOTE [channel means])."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_int8_kernel, codes.numel(), group_size, codes, scales, out, **decode_constexprs(unsigned))
+    launch(_decode_int8_kernel, codes.numel(), group_size, codes, scales, out,
+           **decoded_channel_means(codes, means, channel_size, scales).kernel_arguments(),
+           **decode_constexprs(unsigned))
     return out
 
 
@@ -163,11 +173,13 @@ def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None
     return codes.add_(codes < 0, alpha=256).to(torch.uint8), scales
 
 
-def decode_int8_ref(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False):
+def decode_int8_ref(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None,
+                    channel_size=1):
     """The specification of ``decode_int8``, in torch."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
+    means = decoded_channel_means(codes, means, channel_size, scales)
     values = codes.to(torch.float32)
     if unsigned and any_flagged_ref(scales):  # a flagged group's bytes are int8 codes
         values.add_(is_flagged_ref(scales, group_size, codes.numel()) & (codes > INT8_MAX), alpha=-256)
         codes = values
-    return dequantize_ref(values, codes, scales, NON_FINITE_CODES, dtype, group_size)
+    return dequantize_ref(values, codes, scales, NON_FINITE_CODES, dtype, group_size, means)

@@ -224,7 +224,7 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from actsave.triton_kernels._rounding import NUM_WARPS
+from actsave.triton_kernels._rounding import LAUNCH_OPTIONS
 
 # What the JIT attaches to an argument it specializes as divisible by 16: a pointer
 # to a 16-byte aligned tensor, or an integer that is a multiple of 16.
@@ -241,11 +241,11 @@ def resource_usage(cubin):
 
 
 compiled = {}
-for name, job in json.loads(sys.argv[1]).items():
+for name, job in json.loads(sys.stdin.read()).items():
     kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
     attrs = {(kernel.arg_names.index(arg),): DIVISIBLE_BY_16 for arg in job["divisible_by_16"]}
     source = ASTSource(kernel, job["signature"], job["constexprs"], attrs)
-    binary = triton.compile(source, target=GPUTarget("cuda", job["arch"], 32), options={"num_warps": NUM_WARPS})
+    binary = triton.compile(source, target=GPUTarget("cuda", job["arch"], 32), options=LAUNCH_OPTIONS)
     compiled[name] = {"ptx": binary.asm["ptx"], **resource_usage(binary.asm["cubin"])}
 print(json.dumps(compiled))
 """
@@ -260,7 +260,7 @@ def _compile_for_cuda(jobs):
     integers that are multiples of 16). Triton compiles for a GPU only outside
     interpreter mode, hence the subprocess."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_CUDA, json.dumps(jobs)],
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_CUDA], input=json.dumps(jobs),  # stdin: no argv limit
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)

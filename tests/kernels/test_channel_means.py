@@ -1,6 +1,7 @@
 """NOTE [channel means] (triton_kernels/_rounding.py): an encoder given one mean per
-channel subtracts it as it loads. For every signed format, read from the kernel table:
-the kernel against its reference bit for bit, and the reference against the rule."""
+channel subtracts it as it loads, and the decoder adds it back as it stores. For every
+signed format, read from the kernel table: the kernels against their references bit
+for bit, and the references against the rule."""
 from functools import partial
 
 import pytest
@@ -43,15 +44,26 @@ CASES = {
 }
 
 
+def _channel_size(x):
+    return max(x[0, 0].numel(), 1) if x.dim() > 2 else 1
+
+
 def _assert_kernel_matches_reference(fmt, case, dtype, group_size, device, assert_same_bits):
+    """Codes, scales and the decoded values at every output dtype, means added back."""
     torch.manual_seed(0)
     x, means = CASES[case]()
     x = x.to(dtype)
-    (encode, _), (encode_ref, _) = _pair(fmt, "triton"), _pair(fmt, "reference")
+    (encode, decode), (encode_ref, decode_ref) = _pair(fmt, "triton"), _pair(fmt, "reference")
     codes, scales = encode(x.to(device), group_size=group_size, means=means.to(device))
     ref_codes, ref_scales = encode_ref(x, group_size=group_size, means=means)
     assert_same_bits(codes.cpu(), ref_codes)
     assert_same_bits(scales.cpu(), ref_scales)
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        decoded = decode(codes, scales, dtype=out_dtype, group_size=group_size, means=means.to(device),
+                         channel_size=_channel_size(x))
+        expected = decode_ref(ref_codes, ref_scales, dtype=out_dtype, group_size=group_size, means=means,
+                              channel_size=_channel_size(x))
+        assert_same_bits(decoded.cpu(), expected)
 
 
 @pytest.mark.parametrize("fmt", SIGNED_FORMATS)
@@ -80,12 +92,41 @@ def test_the_codes_are_those_of_the_centered_tensor(fmt, impl, group_size, asser
 
 @pytest.mark.parametrize("fmt", SIGNED_FORMATS)
 @pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_decoding_adds_the_means_to_the_decoded_centered_values(fmt, impl, group_size, assert_same_bits):
+    x, means = CASES["several_programs"]()
+    encode, decode = _pair(fmt, impl)
+    codes, scales = encode(x, group_size=group_size, means=means)
+    decoded = decode(codes, scales, dtype=torch.float32, group_size=group_size, means=means,
+                     channel_size=_channel_size(x))
+    centered = decode(codes, scales, dtype=torch.float32, group_size=group_size).view(x.shape)
+    assert_same_bits(decoded, (centered + _per_channel(means, x.dim())).view(-1))
+
+
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_finite_values_at_the_dtype_maximum_come_back_finite(fmt, impl, dtype, group_size):
+    # A mean may carry a value a rounding step past the dtype's largest finite one;
+    # decoding saturates there instead of returning inf.
+    largest = torch.finfo(dtype).max
+    x = torch.full((2, 2, 4, 4), largest, dtype=dtype)
+    x[:, 1] = -largest
+    x[0, 0, 0, :2] = largest / 3  # a spread, so that the centered values are not all 0
+    means = torch.tensor([largest * 0.9, -largest * 0.9], dtype=torch.float32)
+    encode, decode = _pair(fmt, impl)
+    codes, scales = encode(x, group_size=group_size, means=means)
+    decoded = decode(codes, scales, dtype=dtype, group_size=group_size, means=means, channel_size=16)
+    assert decoded.isfinite().all()
+
+
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_non_finite_values_keep_their_codes_and_flag_their_groups(fmt, impl, group_size):
     x, means = CASES["non_finite"]()
     encode, decode = _pair(fmt, impl)
     codes, scales = encode(x, group_size=group_size, means=means)
-    decoded = decode(codes, scales, dtype=torch.float32, group_size=group_size).view(x.shape)
-    decoded += _per_channel(means, x.dim())
+    decoded = decode(codes, scales, dtype=torch.float32, group_size=group_size, means=means,
+                     channel_size=_channel_size(x)).view(x.shape)
     assert torch.equal(decoded.isnan(), x.isnan())
     assert torch.equal(decoded.isposinf(), x.isposinf()) and torch.equal(decoded.isneginf(), x.isneginf())
     assert torch.equal(scales.signbit(), ~torch.nn.functional.pad(
@@ -96,9 +137,23 @@ def test_non_finite_values_keep_their_codes_and_flag_their_groups(fmt, impl, gro
 @pytest.mark.parametrize("means, message", [
     (torch.zeros(4, dtype=torch.float64), "float32"),
     (torch.zeros(3), r"shape \(x.shape\[1\],\) = \(4,\)"),
-    (torch.zeros(4, 1), "of shape"),
+    (torch.zeros(4, 1), r"got shape \(4, 1\)"),
 ])
-def test_rejects_means_that_do_not_fit(impl, means, message):
+def test_encode_rejects_means_that_do_not_fit(impl, means, message):
     encode, _ = _pair("int8", impl)
     with pytest.raises(ValueError, match=message):
         encode(torch.randn(2, 4, 3, 3), group_size=16, means=means)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("means, channel_size, message", [
+    (torch.zeros(4, dtype=torch.float64), 9, "1-D float32"),
+    (torch.zeros(4, 1), 9, "1-D float32"),
+    (torch.zeros(4), 7, "not whole samples of 4 channels of channel_size=7"),
+    (torch.zeros(4), 0, "channel_size=0"),
+])
+def test_decode_rejects_means_that_do_not_fit(impl, means, channel_size, message):
+    encode, decode = _pair("int8", impl)
+    codes, scales = encode(torch.randn(2, 4, 3, 3), group_size=16)
+    with pytest.raises(ValueError, match=message):
+        decode(codes, scales, dtype=torch.float32, group_size=16, means=means, channel_size=channel_size)

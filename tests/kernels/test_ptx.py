@@ -28,11 +28,11 @@ TARGETS = {
     "sm90": (90, "i32", True, False),
     "sm90_int64": (90, "i64", True, False),
     "sm90_ragged": (90, "i32", False, False),
-    "sm90_centered": (90, "i32", True, True),  # NOTE [channel means]: signed encoders only
+    "sm90_centered": (90, "i32", True, True),  # NOTE [channel means]: signed formats only
 }
 KERNELS = [f"{codec}-{direction}-{dtype}" for codec, direction, dtype in product(FORMATS, DIRECTIONS, DTYPES)]
 BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS, TARGETS)
-          if not TARGETS[target][3] or kernel.split("-")[0] in SIGNED_FORMATS and "-encode-" in kernel]
+          if not TARGETS[target][3] or kernel.split("-")[0] in SIGNED_FORMATS]
 # The elements, hence the bytes of each stream, one thread owns: the [groups,
 # GROUP_SIZE] tile is spread evenly over the program's threads, contiguously.
 ELEMENTS_PER_THREAD = ELEMENTS_PER_PROGRAM // (NUM_WARPS * 32)
@@ -45,11 +45,10 @@ def _job(codec, direction, dtype, target):
     arch, numel_type, numel_divisible, centered = TARGETS[target]
     if direction == "encode":
         pointers = {"x_ptr": f"*{dtype}", "codes_ptr": code_ptr, "scales_ptr": "*fp32", "means_ptr": "*fp32"}
-        channels = {"channel_size": "i32", "channels": "i32"}
-        constexprs = {**kernel.constexprs, "CENTERED": centered, **TILE}
     else:
-        pointers = {"codes_ptr": code_ptr, "scales_ptr": "*fp32", "out_ptr": f"*{dtype}"}
-        channels, constexprs = {}, {**kernel.constexprs, **TILE}
+        pointers = {"codes_ptr": code_ptr, "scales_ptr": "*fp32", "out_ptr": f"*{dtype}", "means_ptr": "*fp32"}
+    channels = {"channel_size": "i32", "channels": "i32"}
+    constexprs = {**kernel.constexprs, "CENTERED": centered, **TILE}
     return {
         "module": kernel.jit.fn.__module__,  # the subprocess imports it by name
         "kernel": kernel.jit.fn.__name__,
@@ -117,10 +116,11 @@ def _expected_aligned_accesses(direction, dtype, centered):
     serve, and the value stream keeps its vectors."""
     value_vectors = ELEMENTS_PER_THREAD * DTYPES[dtype] // VECTOR_BYTES
     code_vectors = ELEMENTS_PER_THREAD // VECTOR_BYTES
+    means = ELEMENTS_PER_THREAD if centered else 0
     if direction == "encode":
-        means = {"ld.global.b32": ELEMENTS_PER_THREAD} if centered else {}
-        return {"ld.global.v4.b32": value_vectors, **means, "st.global.v4.b32": code_vectors, "st.global.b32": 1}
-    return {"ld.global.v4.b32": code_vectors, "ld.global.b32": 1, "st.global.v4.b32": value_vectors}
+        return {"ld.global.v4.b32": value_vectors, **({"ld.global.b32": means} if means else {}),
+                "st.global.v4.b32": code_vectors, "st.global.b32": 1}
+    return {"ld.global.v4.b32": code_vectors, "ld.global.b32": 1 + means, "st.global.v4.b32": value_vectors}
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if not b.endswith("_ragged")])
