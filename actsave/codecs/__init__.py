@@ -19,7 +19,7 @@ ResNets, whose block outputs are) the worst parameter gradient gains 4.6 (int8),
 (pre-activation ResNets, boundaries on a conv or BatchNorm output) nothing changes.
 :attr:`Packed.unsigned` records the grid.
 
-A signed float32 conv activation (4-D or 5-D, channel in dim 1) is stored minus its
+A signed conv activation (4-D or 5-D, channel in dim 1, any float dtype) is stored minus its
 per-channel means, which are kept exactly (:attr:`Packed.offsets`, one fp32 per
 channel): the bits go to each channel's spread, not its offset (NOTE [ Channel
 centering ] in ``codecs/centering.py``).
@@ -47,7 +47,7 @@ import torch
 
 from ..errors import ConfigError
 from .backend import implementation
-from .centering import channel_offsets, uncentered_
+from .centering import channel_offsets, channel_size
 from ..triton_kernels import DEFAULT_GROUP_SIZE, UNSIGNED_VARIANT, kernel_table
 
 # Elements per fp32 scale: the kernels' default, justified where it is defined.
@@ -157,11 +157,9 @@ class GroupCodec(Codec):
         wide = torch.float32 if packed.dtype == torch.float64 else packed.dtype
         kernel = kernel_table()[self._format(packed.unsigned), "decode"]
         decode = implementation(kernel, packed.data)
-        flat = decode(packed.data, packed.scales, **kernel.format_args, dtype=wide, group_size=GROUP_SIZE)
-        decoded = flat.view(packed.shape)
-        if packed.offsets is not None:
-            uncentered_(decoded, packed.offsets)
-        return decoded.to(packed.dtype)
+        flat = decode(packed.data, packed.scales, **kernel.format_args, dtype=wide, group_size=GROUP_SIZE,
+                      means=packed.offsets, channel_size=channel_size(packed.shape))
+        return flat.view(packed.shape).to(packed.dtype)
 
     def _format(self, unsigned: bool) -> str:
         return UNSIGNED_VARIANT[self.name] if unsigned else self.name

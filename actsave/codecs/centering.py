@@ -10,10 +10,11 @@ channel's spread: a BatchNorm divides ``x - mean_c`` by ``std_c``, and its weigh
 gradient, ``sum(dy * x_hat)``, sums that normalized value against the output
 gradient with much cancellation. Where a channel's mean is comparable to its spread
 (the residual stream of a pre-activation ResNet, a conv output before its
-BatchNorm), most of the bits go to the offset. So a signed 4-D or 5-D float32 tensor
+BatchNorm), most of the bits go to the offset. So a signed 4-D or 5-D tensor
 (PyTorch's N, C, ... layout: dim 1 is the channel) is stored as ``x - m_c`` with
 ``m_c`` its channel means, kept exactly beside the codes (one fp32 per channel), and
-decoded as ``decode(codes) + m_c``.
+decoded as ``decode(codes) + m_c``. The kernels do both, in fp32, as they load and
+store (NOTE [channel means] in triton_kernels/_rounding.py).
 
 Measured with ``python bench/fidelity.py --batch-sizes 8 --models
 convbnrelu16,resnet164`` (CPU, 8 seeded batches), before (19623fb) -> after
@@ -29,23 +30,23 @@ ResNet-164 (17.8 against 19.8 dB on one batch).
 
 - Non-negative tensors are not centered: they go on the unsigned grid, which gains
   more (one bit) and which a subtracted mean would make signed again.
-- Only float32 (and float64, which the codecs store through float32): there ``x - m``
-  and ``decode + m`` stay finite for finite values, because a mean is used only when
-  ``|m| <= 2**100``, below half an ulp of float32's largest binade (2**103). In a
-  half type the sum of the decoded value and the mean could round past the type's
-  largest finite value, which the codecs promise never to return; fusing a clamp
-  into the kernels would lift that limit.
+- Every float dtype the codecs take: float32, bfloat16 and float16 (AMP's
+  activations), and float64 through float32. The means are fp32 sums of the
+  tensor's values. Decoding saturates ``decode + m`` at the output dtype's largest
+  finite value, so a finite value comes back finite even where its mean carries it a
+  rounding step past that value. A mean is subtracted only when ``|m| <= 2**100``,
+  below half an ulp of fp32's largest binade (2**103), so ``x - m`` stays finite too.
 - A channel whose mean is not finite (it holds an inf or a NaN) or beyond 2**100 is
   not centered (mean 0), so ``inf`` and NaN come back as they went in.
-- Cost: one read of the tensor for the means. The encode kernels subtract them as
-  they load (NOTE [channel means] in triton_kernels/_rounding.py), so no centered copy
-  is made: one was, first, and it rose the peak of a chain stored whole by int8 from
-  0.46 to 0.52 of exact (tests/planning/test_memory_model.py). Decoding adds the
-  means back in place. The planner's profile measures what is left
+- Cost: one read of the tensor for the means. The kernels subtract them as they load
+  and add them back as they store, so no centered copy is made: one was, first, and
+  it rose the peak of a chain stored whole by int8 from 0.46 to 0.52 of exact
+  (tests/planning/test_memory_model.py). The planner's profile measures what is left
   (planning/profiler.py runs the codecs).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -53,22 +54,19 @@ import torch
 # Largest channel mean that is subtracted: see the NOTE (finite values stay finite).
 MAX_OFFSET = 2.0**100
 _CENTERED_RANKS = (4, 5)  # N, C, spatial...: conv activations, whose dim 1 is the channel
+_CENTERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float64 arrives as float32
 
 
 def channel_offsets(x: torch.Tensor) -> Optional[torch.Tensor]:
     """The per-channel means to subtract from ``x`` (float32, shape ``(C,)``), or None
-    where ``x`` is not centered: not a 4-D or 5-D float32 tensor, or empty. Reads no
-    value back to the host."""
-    if x.dim() not in _CENTERED_RANKS or x.dtype != torch.float32 or x.numel() == 0:
+    where ``x`` is not centered: not a 4-D or 5-D float tensor the kernels take, or
+    empty. Reads no value back to the host."""
+    if x.dim() not in _CENTERED_RANKS or x.dtype not in _CENTERED_DTYPES or x.numel() == 0:
         return None
-    means = torch.mean(x, dim=[0, *range(2, x.dim())])
+    means = torch.mean(x, dim=[0, *range(2, x.dim())], dtype=torch.float32)
     return torch.where(means.abs() <= MAX_OFFSET, means, torch.zeros((), dtype=means.dtype, device=means.device))
 
 
-def uncentered_(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Adds each channel's offset back to ``y``, in place; returns ``y``."""
-    return y.add_(_per_channel(offsets, y.dim()))
-
-
-def _per_channel(offsets: torch.Tensor, rank: int) -> torch.Tensor:
-    return offsets.view(1, -1, *([1] * (rank - 2)))
+def channel_size(shape: torch.Size) -> int:
+    """Elements of one channel of one sample in a tensor of ``shape`` (N, C, ...)."""
+    return max(math.prod(shape[2:]), 1)
