@@ -54,6 +54,7 @@ at the end (on the worst batch), where the run has their cases.
     python bench/fidelity.py              # about 5 minutes on two loaded CPU cores, plus 4 for the pooled cases
     python bench/fidelity.py --batches 4 --batch-sizes 8
     python bench/fidelity.py --batch-sizes 8 --models pooledresnet14   # the MaxPool case alone
+    python bench/fidelity.py --batch-sizes 8 --models resnet56,resnet164 --dtype bfloat16   # bf16 models
 """
 from __future__ import annotations
 
@@ -244,16 +245,18 @@ class Result:
     var_ratio: float
     # Cases with max pools, per batch, the pools recomputed as is (deciding anew): the %
     # of recomputed windows whose argmax changed, and the SQNRs.
+    dtype: torch.dtype = torch.float32  # of the model and its inputs, reference included
     argmax_changed: list | None = None
     as_is_worst: list | None = None
     as_is_overall: list | None = None
 
 
-def measure_case(case: Case, batch: int, count: int, device, progress: harness.Progress) -> list:
-    """One :class:`Result` per codec for ``case`` at ``batch``."""
+def measure_case(case: Case, batch: int, count: int, device, progress: harness.Progress,
+                 dtype: torch.dtype = torch.float32) -> list:
+    """One :class:`Result` per codec for ``case`` at ``batch``, model and inputs in ``dtype``."""
     torch.manual_seed(harness.SEED)
-    base = case.build()
-    batches = seeded_batches(case.input_shape, batch, count, device)
+    base = case.build().to(dtype)
+    batches = [(inputs.to(dtype), targets) for inputs, targets in seeded_batches(case.input_shape, batch, count, device)]
     progress.describe(f"{case.model} b{batch} {case.segments}: exact")
     exact, _ = run_gradients(case, base, batches, None, device)
     check_exact(base, batches[0], exact[0], device)
@@ -263,7 +266,7 @@ def measure_case(case: Case, batch: int, count: int, device, progress: harness.P
         progress.describe(f"{case.model} b{batch} {case.segments}: {codec}")
         lossy, _ = run_gradients(case, base, batches, codec, device)
         result = Result(
-            case, batch, codec,
+            case, batch, codec, dtype=dtype,
             worst=[worst_meaningful(e, x) for e, x in zip(exact, lossy)],
             overall=[harness.sqnr_db(flat(e), flat(x)) for e, x in zip(exact, lossy)],
             var_ratio=variance_ratio(exact, lossy),
@@ -325,7 +328,10 @@ def csv_rows(results: list, count: int, metadata: dict) -> list:
     rows = []
     for r in results:
         case = f"{r.case.model} b{r.batch} {'x'.join(map(str, r.case.input_shape[1:]))} {r.case.segments}"
+        if r.dtype != torch.float32:
+            case += f" {DTYPES_BY_TYPE[r.dtype]}"
         config = {"model": r.case.model, "segments": r.case.segments, "batch": r.batch, "batches": count,
+                  "dtype": DTYPES_BY_TYPE[r.dtype],
                   "seed": harness.SEED, "threads": torch.get_num_threads(), "meaningful": MEANINGFUL,
                   "provider": f"actsave.CheckpointedSequential(segments={r.case.segments!r}, compress={r.codec!r})",
                   "reference": "compress=None (checked bit-identical to nn.Sequential)"}
@@ -354,12 +360,16 @@ SQNR_TARGETS = {
     ("resnet164", "balanced", 8, "fp8_e4m3"): 22.0,
 }
 VARIANCE_TARGET = 0.05
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES_BY_TYPE = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def judged_targets(results: list) -> list:
     """One line per target that the run has a case for: pass or FAIL, and the value."""
     lines = []
     for r in results:
+        if r.dtype != torch.float32:  # the targets are stated for float32 models
+            continue
         key = (r.case.model, r.case.segments, r.batch, r.codec)
         if key in SQNR_TARGETS:
             db, target = min(r.worst)[0], SQNR_TARGETS[key]
@@ -386,6 +396,9 @@ def parse_arguments(argv) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="CSV (default: bench/results/<device>.csv)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op CPU threads, 0 for PyTorch's default (default: 1, steadiest on a shared CPU)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="dtype of the models and inputs, the reference's too (default: float32); "
+                             "issue 13's targets are judged in float32 only")
     parser.add_argument("--smoke", action="store_true", help="tiny models and batches, for the tests")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("2,4" if args.smoke else "8,32")).split(",")]
@@ -407,9 +420,11 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     runs = [(case, batch) for case in cases(args.smoke) if case.model in args.models for batch in args.batch_sizes]
     progress = harness.Progress(len(runs) * len(CODECS), BENCH)
-    results = [r for case, batch in runs for r in measure_case(case, batch, args.batches, args.device, progress)]
+    dtype = DTYPES[args.dtype]
+    results = [r for case, batch in runs
+               for r in measure_case(case, batch, args.batches, args.device, progress, dtype)]
     progress.close()
-    print(f"gradient fidelity against compress=None, {args.batches} batches per case, "
+    print(f"gradient fidelity against compress=None, {args.batches} batches per case, {args.dtype}, "
           f"on {harness.device_name(args.device)}")
     print(table(results))
     pooled = maxpool_table(results)

@@ -270,6 +270,19 @@ def test_fidelity_measures_what_keeping_maxpool_decisions_buys(fidelity_run):
         assert pooled[case, provider, "overall_sqnr"] > pooled[case, provider, "overall_sqnr_pools_as_is"] + 5
 
 
+def test_fidelity_measures_a_bfloat16_model_under_cases_of_its_own(tmp_path):
+    out = tmp_path / "cpu.csv"
+    stdout = run_script("fidelity.py", "--device", "cpu", "--out", str(out), "--dtype", "bfloat16",
+                        "--models", "convbnrelu4", "--batch-sizes", "2")
+    _, rows = read_rows(out)
+    assert {r["case"] for r in rows} == {"convbnrelu4 b2 8x8 balanced bfloat16", "convbnrelu4 b2 8x8 sqrt bfloat16"}
+    assert {json.loads(r["config_json"])["dtype"] for r in rows} == {"bfloat16"}
+    overall = {r["provider"]: float(r["p50"]) for r in rows
+               if r["metric"] == "overall_sqnr" and r["case"].endswith("sqrt bfloat16")}
+    assert overall["actsave_int8"] > overall["actsave_fp8_e5m2"] > 10
+    assert "bfloat16" in stdout and "target" not in stdout  # the targets are judged in float32
+
+
 def test_window_decisions_count_what_a_recompute_decides_anew(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     fidelity = importlib.import_module("fidelity")
