@@ -261,7 +261,8 @@ def measure_case(case: Case, batch: int, count: int, device, progress: harness.P
     """One :class:`Result` per codec for ``case`` at ``batch``, model and inputs in ``dtype``."""
     torch.manual_seed(harness.SEED)
     base = case.build().to(dtype)
-    batches = [(inputs.to(dtype), targets) for inputs, targets in seeded_batches(case.input_shape, batch, count, device)]
+    batches = [(inputs.to(dtype), targets)
+               for inputs, targets in seeded_batches(case.input_shape, batch, count, device)]
     progress.describe(f"{case.model} b{batch} {case.segments}: exact")
     exact, _ = run_gradients(case, base, batches, None, device)
     check_exact(base, batches[0], exact[0], device)

@@ -44,8 +44,8 @@ from ._rounding import (
     largest_finite,
     launch,
     less_channel_means,
-    load_channel_means,
     load_as_float32,
+    load_channel_means,
     magnitude_bits,
     round_to_grid_rne,
     store_rounded,
@@ -112,7 +112,8 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_
 
 @triton.jit
 def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel_size, channels,
-                        UNSIGNED: tl.constexpr, POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
+                        UNSIGNED: tl.constexpr,
+                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                         CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)

@@ -19,9 +19,9 @@ ResNets, whose block outputs are) the worst parameter gradient gains 4.6 (int8),
 (pre-activation ResNets, boundaries on a conv or BatchNorm output) nothing changes.
 :attr:`Packed.unsigned` records the grid.
 
-A signed conv activation (4-D or 5-D, channel in dim 1, any float dtype) is stored minus its
-per-channel means, which are kept exactly (:attr:`Packed.offsets`, one fp32 per
-channel): the bits go to each channel's spread, not its offset (NOTE [ Channel
+A signed conv activation (4-D or 5-D, channel in dim 1, any float dtype) is stored
+minus its per-channel means, which are kept exactly (:attr:`Packed.offsets`, one fp32
+per channel): the bits go to each channel's spread, not its offset (NOTE [ Channel
 centering ] in ``codecs/centering.py``).
 
 The bits are defined by the torch references of ``actsave.triton_kernels``' kernel
@@ -64,7 +64,8 @@ class Packed:
     shape: torch.Size
     dtype: torch.dtype
     unsigned: bool = False  # stored on the codec's unsigned grid (a non-negative tensor)
-    offsets: Optional[torch.Tensor] = None  # per-channel means subtracted before encoding (NOTE [ Channel centering ])
+    # Per-channel means subtracted before encoding, fp32 (NOTE [ Channel centering ]).
+    offsets: Optional[torch.Tensor] = None
 
     TENSOR_FIELDS: ClassVar[tuple] = ("data", "scales", "offsets")
 

@@ -22,9 +22,10 @@ convbnrelu16,resnet164`` (CPU, 8 seeded batches), before (19623fb) -> after
 gradient int8 29.4 -> 31.3 dB, e4m3 17.0 -> 19.7, e5m2 12.6 -> 14.5; the median over
 batches of the worst tensor 31.1 -> 33.4, 19.4 -> 21.1, 13.2 -> 15.8; all gradients
 together 40.3 -> 41.8, 28.1 -> 30.3, 22.0 -> 24.3. Its balanced plan differs too: with
-no centered copy the planner's profile charges encoding less. On the conv-BN-ReLU chain with its segment inputs on ReLU
-outputs ("sqrt", sequential.py), the last segment's saved BatchNorm inputs lift the
-worst tensor from 23.3 to 26.5 dB (e4m3) and 17.5 to 20.4 (e5m2). Per-group means
+no centered copy the planner's profile charges encoding less. On the conv-BN-ReLU
+chain with its segment inputs on ReLU outputs ("sqrt", sequential.py), the last
+segment's saved BatchNorm inputs lift the worst tensor from 23.3 to 26.5 dB (e4m3)
+and 17.5 to 20.4 (e5m2). Per-group means
 (groups of 128 straddle channels at 8x8 and below) measured worse than none on
 ResNet-164 (17.8 against 19.8 dB on one batch).
 
