@@ -448,8 +448,7 @@ class CheckpointedSequential(nn.Sequential):
         if self.segments == BALANCED:
             header, starts = self._balanced.describe_last()
         else:
-            header, starts = None, split_starts(list(self), self.segments,
-                                                tuple(self._layer_policy(layer) for layer in self))
+            header, starts = None, split_starts(list(self), self.segments, self._layer_policies(self))
         if starts is None:
             return header
         for number, segment in enumerate(_segments_from(starts, len(self), self._stored_starts(),
@@ -475,10 +474,13 @@ class CheckpointedSequential(nn.Sequential):
 
     @torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]
     def _starts_for(self, input, layers: list) -> list:
-        policies = tuple(self._layer_policy(layer) for layer in layers)
+        policies = self._layer_policies(layers)
         if self.segments != BALANCED:
             return split_starts(layers, self.segments, policies)
         return self._balanced.starts(self, input, layers, policies)
+
+    def _layer_policies(self, layers) -> tuple:
+        return tuple(self._layer_policy(layer) for layer in layers)
 
     def _layer_policy(self, layer: nn.Module) -> KeepPolicy:
         return KeepPolicy(self._layer_compress.get(layer, self._default_compress),

@@ -10,9 +10,12 @@ Importing the package imports no Triton: int8.py and fp8.py (which do) are impor
 by the first call of :func:`kernel_table`, so ``import actsave`` needs no Triton.
 Nothing here imports actsave.
 """
+import math
 from functools import lru_cache
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Tuple
+
+import torch
 
 # The group size actsave stores with, and the launchers' default. A group of 128 costs 4
 # bytes of scale per 128 one-byte codes (3.1% overhead), so int8/fp8 store 0.258x of
@@ -21,6 +24,17 @@ from typing import Any, Callable, Mapping, NamedTuple, Tuple
 # buys under 1 dB for twice the overhead. Defined here, not in _rounding.py, so that
 # actsave reads it without importing Triton.
 DEFAULT_GROUP_SIZE = 128
+
+# The dtypes the kernels encode from and decode to (float64 goes through float32 in
+# actsave.codecs).
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def channel_size(shape) -> int:
+    """Elements of one channel of one sample in a tensor of ``shape`` (N, C, ...): the
+    ``channel_size`` of NOTE [channel means] in _rounding.py."""
+    return max(math.prod(shape[2:]), 1)
+
 
 # Signed formats, then their unsigned variants for tensors known to be non-negative
 # (NOTE [unsigned grids] in _rounding.py): one more bit of resolution, same bytes.

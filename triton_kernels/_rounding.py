@@ -55,12 +55,13 @@ Every step is a correctly rounded IEEE operation (``div_rn``, a single multiply,
 fused multiply-add: ``LAUNCH_OPTIONS``), so kernels and references agree bit for
 bit on CPU, under the interpreter and on CUDA.
 """
-import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from . import SUPPORTED_DTYPES, channel_size
 
 # Below 8 elements the fp32 scale is at least a third of what is stored, which defeats
 # compression; above 4096 a single group outgrows a program's tile (below).
@@ -74,7 +75,6 @@ ELEMENTS_PER_PROGRAM, NUM_WARPS = 4096, 8
 # No FMA fusion: a decoder's add of a channel mean after its multiply (NOTE [channel
 # means]) must round twice, as torch does.
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class NonFiniteCodes(NamedTuple):
@@ -309,7 +309,7 @@ def channel_means(x, means, stand_in):
     if means.shape != (channels,):
         raise ValueError(f"means must have shape (x.shape[1],) = ({channels},), one per channel of an "
                          f"N, C, ... tensor; got shape {tuple(means.shape)}")
-    return _checked_means(means, max(math.prod(x.shape[2:]), 1), x.numel(), x.device)
+    return _checked_means(means, channel_size(x.shape), x.numel(), x.device)
 
 
 def decoded_channel_means(codes, means, channel_size, stand_in):

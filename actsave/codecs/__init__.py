@@ -47,8 +47,8 @@ import torch
 
 from ..errors import ConfigError
 from .backend import implementation
-from .centering import channel_offsets, channel_size
-from ..triton_kernels import DEFAULT_GROUP_SIZE, UNSIGNED_VARIANT, kernel_table
+from .centering import channel_offsets
+from ..triton_kernels import DEFAULT_GROUP_SIZE, UNSIGNED_VARIANT, channel_size, kernel_table
 
 # Elements per fp32 scale: the kernels' default, justified where it is defined.
 GROUP_SIZE = DEFAULT_GROUP_SIZE

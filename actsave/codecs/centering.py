@@ -52,27 +52,22 @@ ResNet-164 (17.8 against 19.8 dB on one batch).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
+from ..triton_kernels import SUPPORTED_DTYPES
+
 # Largest channel mean that is subtracted: see the NOTE (finite values stay finite).
 MAX_OFFSET = 2.0**100
 _CENTERED_RANKS = (4, 5)  # N, C, spatial...: conv activations, whose dim 1 is the channel
-_CENTERED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float64 arrives as float32
 
 
 def channel_offsets(x: torch.Tensor) -> Optional[torch.Tensor]:
     """The per-channel means to subtract from ``x`` (float32, shape ``(C,)``), or None
     where ``x`` is not centered: not a 4-D or 5-D float tensor the kernels take, or
     empty. Reads no value back to the host."""
-    if x.dim() not in _CENTERED_RANKS or x.dtype not in _CENTERED_DTYPES or x.numel() == 0:
+    if x.dim() not in _CENTERED_RANKS or x.dtype not in SUPPORTED_DTYPES or x.numel() == 0:
         return None
     means = torch.mean(x, dim=[0, *range(2, x.dim())], dtype=torch.float32)
     return torch.where(means.abs() <= MAX_OFFSET, means, torch.zeros((), dtype=means.dtype, device=means.device))
-
-
-def channel_size(shape: torch.Size) -> int:
-    """Elements of one channel of one sample in a tensor of ``shape`` (N, C, ...)."""
-    return max(math.prod(shape[2:]), 1)

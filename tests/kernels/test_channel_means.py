@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 import torch
 
-from actsave.triton_kernels import SIGNED_FORMATS, kernel_table
+from actsave.triton_kernels import SIGNED_FORMATS, channel_size, kernel_table
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -44,10 +44,6 @@ CASES = {
 }
 
 
-def _channel_size(x):
-    return max(x[0, 0].numel(), 1) if x.dim() > 2 else 1
-
-
 def _assert_kernel_matches_reference(fmt, case, dtype, group_size, device, assert_same_bits):
     """Codes, scales and the decoded values at every output dtype, means added back."""
     torch.manual_seed(0)
@@ -60,9 +56,9 @@ def _assert_kernel_matches_reference(fmt, case, dtype, group_size, device, asser
     assert_same_bits(scales.cpu(), ref_scales)
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         decoded = decode(codes, scales, dtype=out_dtype, group_size=group_size, means=means.to(device),
-                         channel_size=_channel_size(x))
+                         channel_size=channel_size(x.shape))
         expected = decode_ref(ref_codes, ref_scales, dtype=out_dtype, group_size=group_size, means=means,
-                              channel_size=_channel_size(x))
+                              channel_size=channel_size(x.shape))
         assert_same_bits(decoded.cpu(), expected)
 
 
@@ -89,7 +85,7 @@ def test_the_codec_of_the_centered_tensor_with_the_means_added_back(fmt, impl, g
     assert_same_bits(codes, plain_codes)
     assert_same_bits(scales, plain_scales)
     decoded = decode(codes, scales, dtype=torch.float32, group_size=group_size, means=means,
-                     channel_size=_channel_size(x))
+                     channel_size=channel_size(x.shape))
     centered = decode(codes, scales, dtype=torch.float32, group_size=group_size).view(x.shape)
     assert_same_bits(decoded, (centered + _per_channel(means, x.dim())).view(-1))
 
@@ -118,7 +114,7 @@ def test_non_finite_values_keep_their_codes_and_flag_their_groups(fmt, impl, gro
     encode, decode = _pair(fmt, impl)
     codes, scales = encode(x, group_size=group_size, means=means)
     decoded = decode(codes, scales, dtype=torch.float32, group_size=group_size, means=means,
-                     channel_size=_channel_size(x)).view(x.shape)
+                     channel_size=channel_size(x.shape)).view(x.shape)
     assert torch.equal(decoded.isnan(), x.isnan())
     assert torch.equal(decoded.isposinf(), x.isposinf()) and torch.equal(decoded.isneginf(), x.isneginf())
     assert torch.equal(scales.signbit(), ~torch.nn.functional.pad(
