@@ -7,6 +7,7 @@ from their files (pytest runs with --import-mode=importlib and bench/ is no pack
 bench/harness/ is one).
 """
 import csv
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -281,6 +282,24 @@ def test_fidelity_measures_a_bfloat16_model_under_cases_of_its_own(tmp_path):
                if r["metric"] == "overall_sqnr" and r["case"].endswith("sqrt bfloat16")}
     assert overall["actsave_int8"] > overall["actsave_fp8_e5m2"] > 10
     assert "bfloat16" in stdout and "target" not in stdout  # the targets are judged in float32
+
+
+def test_fidelity_runs_every_case_at_the_finest_segmentation(tmp_path, monkeypatch):
+    out = tmp_path / "cpu.csv"
+    stdout = run_script("fidelity.py", "--device", "cpu", "--out", str(out), "--segments", "finest",
+                        "--models", "convbnrelu4", "--batch-sizes", "2")
+    _, rows = read_rows(out)
+    assert {r["case"] for r in rows} == {"convbnrelu4 b2 8x8 finest"}  # its two cases, once
+    assert {json.loads(r["config_json"])["provider"] for r in rows} == {
+        f"actsave.CheckpointedSequential(segments=len(model), compress={codec!r})"
+        for codec in ("int8", "fp8_e4m3", "fp8_e5m2")}
+    assert "finest" in stdout
+    monkeypatch.syspath_prepend(str(BENCH))
+    fidelity = importlib.import_module("fidelity")
+    case = dataclasses.replace(fidelity.cases(smoke=True)[0], segments=fidelity.FINEST)
+    base = case.build()
+    model = fidelity.checkpointed(case, base, "int8", "cpu")
+    assert model.segments == len(base) and model is not base
 
 
 def test_window_decisions_count_what_a_recompute_decides_anew(monkeypatch):
