@@ -1,9 +1,15 @@
 """Codec registry and the Packed container."""
+import csv
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from actsave import ConfigError
-from actsave.codecs import IDENTITY, available_codecs, get_codec
+from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, IDENTITY, LOSSY_CODECS, available_codecs, get_codec
+
+CPU_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "cpu.csv"
 
 
 def test_none_and_its_name_are_the_exact_codec():
@@ -22,3 +28,20 @@ def test_identity_stores_the_tensor_itself():
 def test_unknown_names_are_refused_with_the_valid_ones(name):
     with pytest.raises(ConfigError, match="is not a codec; use one of"):
         get_codec(name)
+
+
+def test_expected_gradient_sqnr_is_the_fidelity_bench_figure_rounded_down():
+    # The planner's min_sqnr_db reads these figures: each is the lowest median worst
+    # tensor SQNR of bench/fidelity.py's float32 cases at their own plans, rounded down.
+    with CPU_RESULTS.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["bench"] == "fidelity" and r["metric"] == "worst_tensor_sqnr"]
+    lowest = {}
+    for row in rows:
+        config = json.loads(row["config_json"])
+        dtype = config.get("dtype", "float32")  # rows from before --dtype are float32
+        if dtype == "float32" and config["segments"] in ("balanced", "sqrt"):
+            codec = row["provider"].removeprefix("actsave_")
+            lowest[codec] = min(lowest.get(codec, float("inf")), float(row["p50"]))
+    assert set(lowest) == set(LOSSY_CODECS)
+    for codec in LOSSY_CODECS:
+        assert lowest[codec] - 1 < EXPECTED_GRADIENT_SQNR_DB[codec] <= lowest[codec], codec
