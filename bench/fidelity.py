@@ -55,16 +55,17 @@ at the end (on the worst batch), where the run has their cases.
     python bench/fidelity.py --batches 4 --batch-sizes 8
     python bench/fidelity.py --batch-sizes 8 --models pooledresnet14   # the MaxPool case alone
     python bench/fidelity.py --batch-sizes 8 --models resnet56,resnet164 --dtype bfloat16   # bf16 models
-    python bench/fidelity.py --batch-sizes 8 --models resnet164 --segments finest   # the codec's floor
+    python bench/fidelity.py --batch-sizes 8 --models resnet164 --segments finest   # every layer its own segment
 
 ``--segments`` runs every case at one segmentation instead of its own. ``finest``
-gives every layer its own segment: each recompute starts one layer back from its kept
-input. On the pre-activation ResNets, whose kept inputs are signed block sums in every
-plan, that is the least error the codec's kept inputs add: its precision's floor there.
-On the conv-BN-ReLU chain it is not: ``"sqrt"`` puts its boundaries on ReLU outputs,
-which the codec stores on its unsigned grid, and does better. Measured (CPU, batch 8,
-worst tensor over 8 batches, at 1fd6915): ResNet-164 int8 31.7, e4m3 21.3, e5m2 13.4 dB;
-ResNet-56 32.0, 19.1, 15.2.
+gives every layer its own segment: the shortest recompute from each kept input, and
+the most kept inputs. On the pre-activation ResNets, whose kept inputs are signed
+block sums in every plan, comparing it with the balanced plan tells the codec's
+precision from the plan's share of the error. Measured (CPU, batch 8, worst tensor
+over 8 batches, at 1fd6915; balanced in brackets): ResNet-164 int8 31.7 (31.3), e4m3
+21.3 (19.7), e5m2 13.4 (14.5) dB; ResNet-56 32.0 (32.0), 19.1 (19.3), 15.2 (13.6). On
+the conv-BN-ReLU chain ``"sqrt"`` does better than either: its boundaries fall on ReLU
+outputs, which the codec stores on its unsigned grid.
 
 With ``--dtype bfloat16`` or ``float16`` the reference is the model in that dtype. There
 the exact gradient of a conv bias before a BatchNorm, zero in exact arithmetic, is
