@@ -372,13 +372,17 @@ def _per_channel_ref(flat, means):
     return flat.view(-1, means.channels, means.channel_size), means.means.view(1, -1, 1)
 
 
-def centered_ref(flat, means):
-    """NOTE [channel means]: flat fp32 values less their channel's mean (a new tensor),
-    or ``flat`` itself where ``means`` (a :class:`ChannelMeans`) subtracts none."""
-    if not means.centered or flat.numel() == 0:
-        return flat
-    values, channel_means_ = _per_channel_ref(flat, means)
-    return (values - channel_means_).view(-1)
+def centered_input_ref(x, group_size, means):
+    """``(source, centered)``: ``x`` flat in fp32, and those values less their channel's
+    mean (NOTE [channel means]; ``means`` as :func:`channel_means` takes it). Where no
+    mean is subtracted ``centered`` is ``source`` itself; otherwise it is a new tensor,
+    the reference's own, which it may overwrite."""
+    source = flat_input(x, group_size).to(torch.float32)
+    checked = channel_means(x, means, source)
+    if not checked.centered or source.numel() == 0:
+        return source, source
+    values, channel_means_ = _per_channel_ref(source, checked)
+    return source, (values - channel_means_).view(-1)
 
 
 def _per_element(scales, group_size, numel):
@@ -437,13 +441,13 @@ def _add_channel_means_(y, means, largest):
     samples.add_(channel_means_).clamp_(-largest, largest)
 
 
-def dequantize_ref(values, codes, scales, non_finite, dtype, group_size, means=None):
+def dequantize_ref(values, codes, scales, non_finite, dtype, group_size, means):
     """values * |their group's scale| in fp32, plus their channel's mean saturated at
     dtype's largest finite value where ``means`` (a :class:`ChannelMeans`) has them
     (NOTE [channel means]), the non-finite codes of flagged groups decoded (NOTE
     [non-finite groups]), then rounded half to even to dtype."""
     y = values * _per_element(scales, group_size, values.numel()).abs()
-    if means is not None and means.centered and y.numel():
+    if means.centered and y.numel():
         _add_channel_means_(y, means, torch.finfo(dtype).max)
     flagged = is_flagged_ref(scales, group_size, values.numel())
     y = torch.where(flagged & (codes == non_finite.pos_inf), float("inf"), y)

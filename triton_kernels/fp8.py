@@ -38,7 +38,7 @@ from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
     NonFiniteCodes,
     any_flagged_ref,
-    centered_ref,
+    centered_input_ref,
     channel_means,
     decoded_channel_means,
     dequantize,
@@ -290,11 +290,9 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     lacks, are written on the bits (``_unsigned_codes_ref``)."""
     spec = _format(fmt)
     signed = getattr(spec, "signed", spec)
-    source = flat_input(x, group_size).to(torch.float32)
-    flat = centered_ref(source, channel_means(x, means, source))
-    own_copy = flat is not source
+    source, flat = centered_input_ref(x, group_size, means)
     scales, code_max = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
-    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=own_copy)  # flat is not read again
+    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=flat is not source)  # flat: not read again
     if spec is signed or any_flagged_ref(scales):
         codes = scaled.clamp(-code_max, code_max).to(signed.torch_dtype).view(torch.uint8)
     if spec is not signed:

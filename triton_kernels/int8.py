@@ -26,7 +26,7 @@ from . import DEFAULT_GROUP_SIZE
 from ._rounding import (
     NonFiniteCodes,
     any_flagged_ref,
-    centered_ref,
+    centered_input_ref,
     channel_means,
     decoded_channel_means,
     dequantize,
@@ -155,11 +155,9 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
 
 def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     """The specification of ``encode_int8``, in torch (torch.round ties to even)."""
-    source = flat_input(x, group_size).to(torch.float32)
-    flat = centered_ref(source, channel_means(x, means, source))
-    own_copy = flat is not source
+    source, flat = centered_input_ref(x, group_size, means)
     scales, code_max = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX, NON_FINITE_CODES)
-    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=own_copy)  # flat is not read again
+    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=flat is not source)  # flat: not read again
     if not unsigned:
         codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
         return with_non_finite_codes_ref(codes, source, NON_FINITE_CODES), scales
