@@ -42,6 +42,11 @@ _current_autograd_node = _require(getattr(torch._C, "_current_autograd_node", No
                                   "torch._C._current_autograd_node")
 _require(getattr(torch.Tensor, "_version", None), "Tensor._version")
 _require(getattr(torch.nn.Module(), "_buffers", None), "Module._buffers")
+_foreach_mul = _require(getattr(torch, "_foreach_mul", None), "torch._foreach_mul")
+_len_torch_function_stack = _require(getattr(torch._C, "_len_torch_function_stack", None),
+                                     "torch._C._len_torch_function_stack")
+_GLOBAL_DEVICE_CONTEXT = _require(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "torch._GLOBAL_DEVICE_CONTEXT")
+_CPU = torch.device("cpu")
 
 # The autograd node a ReLU leaves on its output (``relu`` and ``relu_`` alike).
 _RELU_NODE_NAMES = frozenset({"ReluBackward0"})
@@ -57,6 +62,16 @@ def current_autograd_node():
     """The autograd node whose backward runs on this thread now (None outside one): in
     an unpack hook, the node that unpacks its saved tensors."""
     return _current_autograd_node()
+
+
+def default_device() -> torch.device:
+    """``torch.get_default_device()``, read cheaply where nothing sets it: a device
+    context (``with torch.device(...)``, ``set_default_device``) is a torch function
+    mode, so with no mode on this thread's stack and no global context it is the CPU.
+    (``get_default_device`` imports and walks the stack at every call.)"""
+    if _len_torch_function_stack() == 0 and getattr(_GLOBAL_DEVICE_CONTEXT, "device_context", None) is None:
+        return _CPU
+    return torch.get_default_device()
 
 
 def storage_identity(tensor: torch.Tensor) -> int:
@@ -78,6 +93,30 @@ def leaf_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
 def is_relu_node(grad_fn) -> bool:
     """Whether ``grad_fn`` is the autograd node of a ReLU output."""
     return type(grad_fn).__name__ in _RELU_NODE_NAMES
+
+
+# Dtypes whose values a multiply by one gives back exactly (-0.0, inf and NaN included):
+# not bool (promoted to int64), not complex (inf * 0 in the imaginary part is NaN).
+_EXACT_TIMES_ONE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                              torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def copies_of(tensors: list) -> list:
+    """A copy of each of ``tensors``, in order, made by one foreach launch per device
+    and dtype rather than one per tensor. PyTorch has no foreach clone; a foreach
+    multiply by one is a copy in the dtypes it gives back exactly, and any other
+    tensor is cloned."""
+    copies = [None] * len(tensors)
+    groups = {}  # (device, dtype) -> positions
+    for i, tensor in enumerate(tensors):
+        if tensor.dtype in _EXACT_TIMES_ONE:
+            groups.setdefault((tensor.device, tensor.dtype), []).append(i)
+        else:
+            copies[i] = tensor.clone()
+    for positions in groups.values():
+        for i, copy in zip(positions, _foreach_mul([tensors[i] for i in positions], 1)):
+            copies[i] = copy
+    return copies
 
 
 def own_tensors(module: torch.nn.Module, kind: str) -> dict:

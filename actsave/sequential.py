@@ -60,6 +60,7 @@ from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
 from .runtime.function import checkpointed_call
+from .runtime.layers import LayerChain
 from .runtime.nested import Range, nested_call
 from .meta import device_of
 from .offload import current_tape
@@ -612,17 +613,12 @@ def _segments_from(starts: list, n_layers: int, stored: frozenset = frozenset(),
             for i, (a, b) in enumerate(zip(starts, stops))]
 
 
-class _Chain:
+class _Chain(LayerChain):
     """Calls a run of layers in order; the function a checkpointed segment recomputes."""
 
     def __init__(self, layers: list):
         self.layers = layers
         self.__qualname__ = "segment(" + ", ".join(type(m).__name__ for m in layers) + ")"
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _check_modules(modules: tuple) -> None:

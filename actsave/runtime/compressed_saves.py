@@ -37,6 +37,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from .._torch import saved_tensor_hooks_active, storage_identity
 from ..codecs import Codec
 from . import relu_signs
+from .layers import known_layers, modules_under
 from .pool_decisions import PoolWatch, Window
 from .store import account, should_encode
 
@@ -86,11 +87,11 @@ class _StoredIndices:
 class _SavesStore:
     """The pack and unpack hooks of one forward of a segment, and the bytes stored."""
 
-    def __init__(self, codec: Codec, inputs: list):
+    def __init__(self, codec: Codec, inputs: list, pools: PoolWatch):
         self.codec = codec
         self.nbytes = 0
         self._input_nodes = relu_signs.input_nodes(inputs)
-        self.pools = PoolWatch()
+        self.pools = pools
         # (storage, offset, numel, dtype) of a contiguous save -> (a weak reference to
         # it, its _Stored). The reference must still be alive: then the storage is
         # too, and its address cannot belong to another storage.
@@ -155,7 +156,9 @@ def call_with_compressed_saves(function: Callable, x, codec: Codec) -> tuple:
     saved-tensor hooks are active and the saves are left to them."""
     if saved_tensor_hooks_active():
         return function(x), None
-    store = _SavesStore(codec, [x] if isinstance(x, torch.Tensor) else [])
+    layers = known_layers(function)  # NOTE [ Known layers ]
+    pools = PoolWatch.among(None if layers is None else modules_under(layers))
+    store = _SavesStore(codec, [x] if isinstance(x, torch.Tensor) else [], pools)
     try:
         with saved_tensors_hooks(store.pack, store.unpack), store.pools.watching():
             output = function(x)

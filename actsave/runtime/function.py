@@ -75,7 +75,7 @@ import contextlib
 import itertools
 import threading
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -83,6 +83,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from .._torch import TorchDispatchMode, pytree
 from ..errors import RecomputeError
 from . import relu_signs
+from .layers import known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState, TouchedState
@@ -110,7 +111,7 @@ class _Slot:
 
 
 def _signature(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.dtype, t.device)
+    return (t.shape, t.dtype, t.device)
 
 
 class _Frame:
@@ -118,20 +119,24 @@ class _Frame:
     autograd, and (after backward asks) the recomputed tensors behind them."""
 
     def __init__(self, function: Callable, kept: KeptInputs, replay: ReplayState, args: tuple, kwargs: dict,
-                 options: RecomputeOptions = DEFAULT_RECOMPUTE):
+                 options: RecomputeOptions = DEFAULT_RECOMPUTE, inputs: Optional[list] = None):
         self.function = function
         self.options = options
         self.operators = {}  # debug=True: "forward"/"recompute" -> operator names (_OperatorLog)
         self.kept = kept
         self.replay = replay
-        self.touched = TouchedState()  # NOTE [ State a forward reads and mutates ]
+        # Built as the forward starts: the modules under known layers are read now.
+        layers = known_layers(function)  # NOTE [ Known layers ]
+        modules = None if layers is None else modules_under(layers)
+        self.touched = TouchedState.of(layers, modules)  # NOTE [ State a forward reads and mutates ]
         self.slots = []  # weak references, in the order the forward saved
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
         self.is_recomputed = False
         self.keeps_decisions = kept.lossy  # once: pack runs for every saved tensor
         self._relu_saves = relu_signs.FirstSaves()
-        self.pools = PoolWatch()  # NOTE [ Max-pool decisions ]
+        # NOTE [ Max-pool decisions ]: only a lossy recompute needs them.
+        self.pools = PoolWatch.among(modules) if self.keeps_decisions else None
         # The caller's inputs, held only while the forward runs (the caller holds them
         # then anyway): a backward inside the forward recomputes from them, exactly.
         # NOTE [ Backward inside a checkpointed forward ]
@@ -139,7 +144,11 @@ class _Frame:
         self._recomputed_in_forward = weakref.WeakKeyDictionary()
         # Decisions made before this segment: the previous segment's ReLU keeps them.
         # Only read during the forward, while the caller still holds the inputs.
-        self._input_nodes = relu_signs.input_nodes(input_tensors(args, kwargs))
+        # ``inputs``: the tensors among the arguments, where the caller has them.
+        if self.keeps_decisions:
+            self._input_nodes = relu_signs.input_nodes(input_tensors(args, kwargs) if inputs is None else inputs)
+        else:
+            self._input_nodes = {}
         self.decision_bytes = 0  # ReLU signs and max-pool decisions kept
 
     @property
@@ -227,10 +236,9 @@ class _Frame:
         counter = itertools.count()
 
         def fill(tensor):
-            self._fill(next(counter), tensor, into, count, lossy)
-            # The recompute's own graph holds the tensor as it is, for a backward the
+            # The recompute's own graph holds the tensor as it is too, for a backward the
             # function runs inside itself (NOTE [ Backward inside a checkpointed forward ]).
-            return _detached(tensor)
+            return self._fill(next(counter), tensor, into, count, lossy)
 
         pools = self.pools.watching() if lossy and self.keeps_decisions else contextlib.nullcontext()
         try:
@@ -257,27 +265,31 @@ class _Frame:
                 saved_tensors_hooks(fill, _identity):
             yield
 
-    def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> None:
+    def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:
+        """Put the recompute's ``index``-th save into ``into`` for its placeholder;
+        return it detached, as both graphs hold it."""
         if self.options.checks_saves and index < count and _signature(tensor) != self.signatures[index]:
             raise self._mismatch(
                 f"the recompute of {_name(self.function)} saved a tensor of "
-                f"shape/dtype/device {_signature(tensor)} where the forward saved "
-                f"{self.signatures[index]}: the function is not deterministic in its "
+                f"shape/dtype/device {_shown(_signature(tensor))} where the forward saved "
+                f"{_shown(self.signatures[index])}: the function is not deterministic in its "
                 "shapes or dtypes, so its gradients would be wrong. Make it deterministic "
                 "or do not checkpoint it (determinism_check='none' skips this check)."
             )
         slot = self.slots[index]() if index < count else None
+        detached = _detached(tensor)
         if slot is not None:  # None: autograd already freed the node that saved it
             if lossy and slot.relu_signs is not None:
                 relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
             if lossy and slot.pool_decisions is not None:
                 self.pools.restored(tensor.data, slot.pool_decisions)
-            into[slot] = _detached(tensor)
+            into[slot] = detached
         if index == count - 1 and self.options.early_stop:
             # Early stop: what runs after the last saved tensor (at least the output of
             # the op that saved it) is not needed. Saves time and one activation of
             # peak memory, as torch's non-reentrant checkpoint does.
             raise _AllSlotsFilled
+        return detached
 
     def logged(self, stage: str):
         """With ``debug=True``, a mode that records the operators ``stage`` runs."""
@@ -308,6 +320,11 @@ class _OperatorLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def _shown(signature: tuple) -> tuple:
+    shape, dtype, device = signature
+    return (tuple(shape), dtype, device)
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
@@ -372,9 +389,10 @@ def checkpointed_call(
 def _checkpointed_call(function, args, kwargs, policy, private_copy, options):
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         policy = EXACT
-    replay = ReplayState.capture(input_tensors(args, kwargs), options.preserve_rng_state)
+    inputs = input_tensors(args, kwargs)
+    replay = ReplayState.capture(inputs, options.preserve_rng_state)
     kept = KeptInputs(args, kwargs, policy, private_copy)
-    frame = _Frame(function, kept, replay, args, kwargs, options)
+    frame = _Frame(function, kept, replay, args, kwargs, options, inputs)
     try:
         with frame.forward_hooks():
             output = function(*args, **kwargs)

@@ -40,6 +40,7 @@ from .function import (
     _recompute_depth,
     checkpointed_call,
 )
+from .layers import LayerChain
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState
 from .store import EXACT, KeptInputs, modifies_input
@@ -84,7 +85,7 @@ class Range:
             yield from part.walk()
 
 
-class _Layers:
+class _Layers(LayerChain):
     """Calls the layers in order; in the first forward, records each layer's boundary
     (NOTE [ Nested recompute ])."""
 

@@ -182,23 +182,42 @@ class _Call:
 class PoolWatch:
     """Follows the plain max pools that run on this thread while :meth:`watching`:
     tells their indices saves (:meth:`window_of`) and, in a recompute, pools at the
-    restored decisions (:meth:`restored`). NOTE [ Max-pool decisions ]."""
+    restored decisions (:meth:`restored`). NOTE [ Max-pool decisions ].
 
-    def __init__(self):
+    ``pools``: the plain max pools the watched function can run, when its layers are
+    known (layers.py, NOTE [ Known layers ]): hooks go on those alone, and none at all
+    where there are none. None: global module hooks watch every module call."""
+
+    def __init__(self, pools: Optional[list] = None):
         self._thread = threading.get_ident()
         self._calls = []
+        self._pools = pools
+
+    @classmethod
+    def among(cls, modules) -> "PoolWatch":
+        """A watch of the plain max pools among ``modules`` (``(layer index, module)``
+        pairs, as layers.modules_under gives them), or of every module call where they
+        are None."""
+        if modules is None:
+            return cls()
+        return cls([module for _, module in modules if Window.of(module) is not None])
 
     @contextlib.contextmanager
     def watching(self):
         """Register the module hooks for the body."""
         self._thread = threading.get_ident()
-        pre = register_module_forward_pre_hook(self._before_module)
-        post = register_module_forward_hook(self._after_module)
+        if self._pools is None:
+            handles = [register_module_forward_pre_hook(self._before_module),
+                       register_module_forward_hook(self._after_module)]
+        else:
+            handles = [hook for pool in self._pools
+                       for hook in (pool.register_forward_pre_hook(self._before_module, prepend=True),
+                                    pool.register_forward_hook(self._after_module, prepend=True))]
         try:
             yield self
         finally:
-            pre.remove()
-            post.remove()
+            for handle in handles:
+                handle.remove()
             self._calls = []  # a recompute stopped early leaves its pool running
 
     def window_of(self, tensor: torch.Tensor) -> Optional[tuple]:

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from .._torch import leaf_base, own_tensors, version
+from .._torch import copies_of, default_device, leaf_base, own_tensors, version
 from ..errors import RecomputeError
 
 
@@ -51,6 +51,10 @@ class _AutocastState:
         return torch.autocast(
             self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache_enabled
         )
+
+    def is_current(self) -> bool:
+        """Whether autocast is in this state now (then there is nothing to enter)."""
+        return self == _AutocastState.capture(self.device_type)
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class ReplayState:
             devices=devices,
             device_rngs=tuple(module.get_rng_state(i) for i in devices) if module and preserve_rng_state else (),
             autocast=tuple(_AutocastState.capture(kind) for kind in autocast_types),
-            default_device=torch.get_default_device(),
+            default_device=default_device(),
         )
 
     @contextlib.contextmanager
@@ -96,10 +100,11 @@ class ReplayState:
                 for index, state in zip(self.devices, self.device_rngs):
                     module.set_rng_state(state, index)
             with contextlib.ExitStack() as stack:
-                if torch.get_default_device() != self.default_device:
+                if default_device() != self.default_device:
                     stack.enter_context(self.default_device)
                 for autocast in self.autocast:
-                    stack.enter_context(autocast.context())
+                    if not autocast.is_current():
+                        stack.enter_context(autocast.context())
                 yield
 
 
@@ -107,18 +112,26 @@ class TouchedState:
     """The parameters and buffers one checkpointed forward touched.
 
     NOTE [ State a forward reads and mutates ]
-    While the forward runs, global module hooks (of this thread only) note each
-    parameter and buffer of every module that runs, and which of them the module
-    changed in place; the segment's saved leaves (parameters used outside any module,
-    ``weight.t()``) are noted by the pack hook. Then:
+    While the forward runs, actsave notes each parameter and buffer of the modules it
+    runs, and which of them the forward changed in place; the segment's saved leaves
+    (parameters used outside any module, ``weight.t()``) are noted by the pack hook.
+    Where the function's layers are known (layers.py, NOTE [ Known layers ]) the
+    modules under them are read before and after the forward, with no hook; for any
+    other function, global module hooks (of this thread only) watch every module call
+    (:class:`_HookedState`). Then:
 
-    - Mutated buffers (versions moved during their module's forward) are mutated once:
-      the recompute runs each call of those modules on scratch copies, put back to
-      the originals as the call returns, so no copy outlives its call but what autograd
-      saves of it (BatchNorm saves its running statistics).
+    - Mutated buffers (versions moved during the forward) are mutated once: the
+      recompute runs each call of the layer that owns them (known layers; the module
+      itself otherwise) on scratch copies, made by one foreach copy per dtype as the
+      call starts and put back to the originals as it returns, so no copy outlives its
+      call but what autograd saves of it (BatchNorm saves its running statistics).
       One rule for every module, BatchNorm included, with no list of module types.
       Turning ``track_running_stats`` off instead would change which tensors autograd
       saves, and the recompute must save what the forward saved.
+    - A module whose tensors moved has all of its buffers mutated, not the moved ones
+      only: BatchNorm's kernel updates its running statistics without moving their
+      versions (only ``num_batches_tracked`` moves). Buffers only: a scratch copy of a
+      parameter would take its gradient.
     - Everything else noted must be unchanged when the recompute starts: a weight
       changed in place between forward and backward (a GAN's optimizer step before
       the other network's backward, an EMA of weights) would be recomputed with its
@@ -132,42 +145,32 @@ class TouchedState:
 
     def __init__(self):
         self._thread = threading.get_ident()
-        self._read = {}  # id -> (weakref, label for _describe); versions taken at end_forward
-        self._versions = {}
-        self._mutated = {}  # (module, kind, name) -> None: state changed by its module
-        self._calls = []  # (module, {(kind, name): version}) of module calls running
+        self._read = {}  # id -> (weakref, label for _describe): saved leaves (and watched state)
+        self._checked = []  # (weakref, version, label) taken at end_forward
 
-    @contextlib.contextmanager
+    @staticmethod
+    def of(layers: Optional[tuple], modules: Optional[list]) -> "TouchedState":
+        """The noting that fits a function whose known ``layers`` and the ``modules``
+        under them (layers.modules_under) are given, or None (NOTE [ Known layers ])."""
+        return _HookedState() if layers is None else _LayerState(layers, modules)
+
     def recording(self):
         """Note what the modules run in the body read and mutate."""
-        pre = register_module_forward_pre_hook(self._before_module)
-        post = register_module_forward_hook(self._after_module)
-        try:
-            yield
-        finally:
-            pre.remove()
-            post.remove()
+        raise NotImplementedError
 
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Note a leaf (or a view of one) that the forward saved for backward."""
-        if torch.compiler.is_compiling():  # traced with fake tensors; real saves follow
-            return
         base = leaf_base(tensor)
-        if base is not None:
+        if base is not None and not torch.compiler.is_compiling():  # traced with fake tensors: real saves follow
             self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
         """Take the versions the recompute must find."""
-        mutated = {id(own_tensors(module, kind)[name]) for module, kind, name in self._mutated
-                   if own_tensors(module, kind).get(name) is not None}
-        self._versions = {key: version(ref()) for key, (ref, _) in self._read.items()
-                          if ref() is not None and key not in mutated}
-        self._calls = []
+        raise NotImplementedError
 
     def check_unchanged(self, function_name: str) -> None:
         """Raise, as autograd would, if a tensor the forward read changed in place."""
-        for key, expected in self._versions.items():
-            ref, label = self._read[key]
+        for ref, expected, label in self._checked:
             tensor = ref()
             if tensor is not None and version(tensor) != expected:
                 raise RecomputeError(
@@ -180,7 +183,6 @@ class TouchedState:
                     "weights), or change a copy."
                 )
 
-    @contextlib.contextmanager
     def mutated_once(self):
         """While active, each call (in this thread) of a module whose state the forward
         mutated runs on scratch copies of that state, made as the call starts; the
@@ -188,27 +190,165 @@ class TouchedState:
         call that made it, except what autograd saves (BatchNorm's running statistics,
         which the profile counts among the layer's saves), wherever a nested pass
         starts or stops (memory_model.py counts no other copy)."""
-        mutated = {}  # module -> [(kind, name)]
+        raise NotImplementedError
+
+    def _note(self, tensor: torch.Tensor, label: tuple) -> None:
+        # The label is formatted only for an error: this runs for every saved leaf.
+        noted = self._read.get(id(tensor))
+        if noted is None or noted[0]() is not tensor:  # ids of dead tensors are reused
+            self._read[id(tensor)] = (weakref.ref(tensor), label)
+
+    def _take_versions(self, mutated_ids: set, extra: list = ()) -> None:
+        """What check_unchanged compares: the versions now of every noted tensor
+        (``self._read`` and ``extra``, (weakref, label) pairs) not in ``mutated_ids``."""
+        checked = []
+        for ref, label in (*self._read.values(), *extra):
+            tensor = ref()
+            if tensor is not None and id(tensor) not in mutated_ids:
+                checked.append((ref, version(tensor), label))
+        self._checked = checked
+        self._read = {}
+
+
+class _LayerState(TouchedState):
+    """The state under known layers, read before and after the forward (NOTE [ State a
+    forward reads and mutates ], NOTE [ Known layers ])."""
+
+    def __init__(self, layers: tuple, modules: list):
+        super().__init__()
+        self._layers = layers
+        self._modules = modules
+        self._before = []  # (layer index, module, kind, name, tensor, version) as the forward starts
+        self._state_ids = set()
+        self._mutated = {}  # layer index -> [(module, name)]: buffers the forward mutated
+
+    @contextlib.contextmanager
+    def recording(self):
+        before = []
+        for index, module in self._modules:
+            for kind, name, tensor in _own_state(module):
+                before.append((index, module, kind, name, tensor, version(tensor)))
+        self._before = before
+        self._state_ids = {id(entry[4]) for entry in before}
+        yield
+
+    def note_saved(self, tensor: torch.Tensor) -> None:
+        base = leaf_base(tensor)
+        if base is not None and id(base) not in self._state_ids and not torch.compiler.is_compiling():
+            self._note(base, ("a tensor of shape", list(base.shape)))
+
+    def end_forward(self) -> None:
+        moved = {}  # module -> its layer index
+        for index, module, kind, name, tensor, was in self._before:
+            now = own_tensors(module, kind).get(name)
+            if now is not tensor or (now is not None and version(now) != was):
+                moved[module] = index
+        mutated, mutated_ids = {}, set()
+        for module, index in moved.items():
+            for name, buffer in own_tensors(module, "buffers").items():
+                if buffer is not None:
+                    mutated.setdefault(index, []).append((module, name))
+                    mutated_ids.add(id(buffer))
+        state = [(weakref.ref(tensor), (kind[:-1], name, type(module)))
+                 for _, module, kind, name, tensor, _ in self._before
+                 if own_tensors(module, kind).get(name) is tensor]
+        self._take_versions(mutated_ids, state)
+        self._mutated = mutated
+        self._before, self._state_ids = [], set()
+
+    @contextlib.contextmanager
+    def mutated_once(self):
+        if not self._mutated:
+            yield
+            return
+        handles = []
+        swaps = [_ScratchSwap(buffers) for buffers in self._mutated.values()]
+        try:
+            for index, swap in zip(self._mutated, swaps):
+                layer = self._layers[index]
+                # Prepended: the layer's own hooks (a user's) see the copies, as the
+                # module's forward does.
+                handles.append(layer.register_forward_pre_hook(swap.use_copies, prepend=True))
+                handles.append(layer.register_forward_hook(swap.put_back, prepend=True, always_call=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for swap in swaps:  # a call that raised before its hook ran
+                swap.put_all_back()
+
+
+class _ScratchSwap:
+    """The mutated buffers of one layer, swapped for scratch copies while the layer
+    runs (in the thread that made it); a stack, for a layer called twice."""
+
+    def __init__(self, buffers: list):
+        self._buffers = buffers  # [(module, name)]
+        self._thread = threading.get_ident()
+        self._swapped = []  # one list of (module, name, original) per running call
+
+    def use_copies(self, layer, args) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        present = [(module, name, own_tensors(module, "buffers").get(name)) for module, name in self._buffers]
+        present = [entry for entry in present if entry[2] is not None]
+        for (module, name, _), copy in zip(present, copies_of([entry[2] for entry in present])):
+            own_tensors(module, "buffers")[name] = copy
+        self._swapped.append(present)
+
+    def put_back(self, layer, args, output) -> None:
+        if threading.get_ident() == self._thread and self._swapped:
+            for module, name, original in self._swapped.pop():
+                own_tensors(module, "buffers")[name] = original
+
+    def put_all_back(self) -> None:
+        while self._swapped:
+            for module, name, original in self._swapped.pop():
+                own_tensors(module, "buffers")[name] = original
+
+
+class _HookedState(TouchedState):
+    """The state a function of unknown layers touches, watched by global module hooks
+    on this thread while its forward runs (NOTE [ Known layers ])."""
+
+    def __init__(self):
+        super().__init__()
+        self._mutated = {}  # (module, kind, name) -> None: state changed by its module
+        self._calls = []  # (module, {(kind, name): version}) of module calls running
+
+    @contextlib.contextmanager
+    def recording(self):
+        pre = register_module_forward_pre_hook(self._before_module)
+        post = register_module_forward_hook(self._after_module)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()
+
+    def end_forward(self) -> None:
+        mutated = {id(own_tensors(module, kind)[name]) for module, kind, name in self._mutated
+                   if own_tensors(module, kind).get(name) is not None}
+        self._take_versions(mutated)
+        self._calls = []
+
+    @contextlib.contextmanager
+    def mutated_once(self):
+        mutated = {}  # module -> [(module, name)]
         for module, kind, name in self._mutated:
-            mutated.setdefault(module, []).append((kind, name))
+            mutated.setdefault(module, []).append((module, name))
         if not mutated:
             yield
             return
-        swapped, thread = [], threading.get_ident()  # a stack: (module, kind, name, original)
+        swaps = {module: _ScratchSwap(buffers) for module, buffers in mutated.items()}
 
         def use_scratch_copies(module, args):
-            if threading.get_ident() == thread and module in mutated:
-                for kind, name in mutated[module]:
-                    original = own_tensors(module, kind).get(name)
-                    if original is not None:
-                        swapped.append((module, kind, name, original))
-                        own_tensors(module, kind)[name] = original.clone()
+            if module in swaps:
+                swaps[module].use_copies(module, args)
 
         def put_originals_back(module, args, output):
-            if threading.get_ident() == thread:
-                while swapped and swapped[-1][0] is module:
-                    _, kind, name, original = swapped.pop()
-                    own_tensors(module, kind)[name] = original
+            if module in swaps:
+                swaps[module].put_back(module, args, output)
 
         pre = register_module_forward_pre_hook(use_scratch_copies)
         post = register_module_forward_hook(put_originals_back, always_call=True)
@@ -217,16 +357,8 @@ class TouchedState:
         finally:
             pre.remove()
             post.remove()
-            while swapped:  # a call that raised before its module's hook
-                module, kind, name, original = swapped.pop()
-                own_tensors(module, kind)[name] = original
-
-    def _note(self, tensor: torch.Tensor, label: tuple) -> None:
-        # The label is formatted only for an error: this runs for every parameter and
-        # buffer of every module call in a checkpointed forward.
-        noted = self._read.get(id(tensor))
-        if noted is None or noted[0]() is not tensor:  # ids of dead tensors are reused
-            self._read[id(tensor)] = (weakref.ref(tensor), label)
+            for swap in swaps.values():  # a call that raised before its module's hook
+                swap.put_all_back()
 
     def _before_module(self, module, args) -> None:
         if threading.get_ident() != self._thread:
@@ -249,10 +381,7 @@ class TouchedState:
         moved = any(versions.get((kind, name), version(tensor)) != version(tensor)
                     for kind, name, tensor in _own_state(module))
         if moved:
-            # All of the module's buffers, not the moved ones only: BatchNorm's kernel
-            # updates its running statistics without moving their versions (only
-            # num_batches_tracked moves). Buffers only: a scratch copy of a parameter
-            # would take its gradient.
+            # All of the module's buffers: NOTE [ State a forward reads and mutates ].
             for name in own_tensors(module, "buffers"):
                 self._mutated[(module, "buffers", name)] = None
 

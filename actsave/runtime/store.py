@@ -256,7 +256,7 @@ class KeptInputs:
     """
 
     def __init__(self, args: tuple, kwargs: dict, policy: KeepPolicy, private_copy: bool):
-        leaves, self._spec = pytree.tree_flatten((args, kwargs))
+        leaves, self._spec = flatten_inputs(args, kwargs)
         self._leaves = [
             _KeptTensor(leaf, policy, private_copy) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves
@@ -321,7 +321,7 @@ class KeptInputs:
         if self._tape is not None:
             self._tape.before_use(self)
         leaves = [leaf.restore() if isinstance(leaf, _KeptTensor) else leaf for leaf in self._leaves]
-        return pytree.tree_unflatten(leaves, self._spec)
+        return unflatten_inputs(leaves, self._spec)
 
     def release(self) -> None:
         for t in (*self.tensors, *self._attached):
@@ -329,9 +329,23 @@ class KeptInputs:
         self.released = True
 
 
+def flatten_inputs(args: tuple, kwargs: dict) -> tuple:
+    """``(leaves, spec)`` of a call's arguments, for :func:`unflatten_inputs`. The spec
+    is None for positional tensors alone (a segment's input), which need no pytree walk."""
+    if not kwargs and all(isinstance(arg, torch.Tensor) for arg in args):
+        return list(args), None
+    return pytree.tree_flatten((args, kwargs))
+
+
+def unflatten_inputs(leaves: list, spec) -> tuple:
+    """``(args, kwargs)`` from :func:`flatten_inputs`' leaves (or replacements) and spec."""
+    return (tuple(leaves), {}) if spec is None else pytree.tree_unflatten(leaves, spec)
+
+
 def input_tensors(args: tuple, kwargs: dict) -> list:
     """The tensors among ``args`` and ``kwargs``, at any nesting depth."""
-    return [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    leaves, _ = flatten_inputs(args, kwargs)
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 __all__ = ["KeepPolicy", "KeptInputs", "EXACT", "stored_bytes", "input_tensors", "modifies_input"]

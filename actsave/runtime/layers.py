@@ -1,0 +1,69 @@
+"""Which modules a checkpointed function runs, where actsave can tell without watching
+every module call.
+
+NOTE [ Known layers ]
+A checkpointed forward must note the parameters and buffers it reads, and which it
+mutates (state.py), and a lossy one the plain max pools it runs (pool_decisions.py).
+Global module hooks see every module call, but any global hook sends every module
+call of the thread down the slow path of ``nn.Module._call_impl``, which costs more
+host time than a small layer's own work (docs/performance.md). So where the function
+says which modules it runs, actsave reads them from the modules instead, once per
+forward, and hooks nothing:
+
+- a :class:`LayerChain` (a CheckpointedSequential segment, a nested segment): its
+  ``layers``;
+- a plain ``nn.Sequential``: its children;
+- any other ``nn.Module`` (``Checkpoint``, ``wrap``): the module itself.
+
+Their *layers* are the top-level modules; the modules the function runs are taken to
+be every submodule of them (``Module.modules()``), whether or not a given forward
+calls it. A module the function reaches otherwise (held outside its tree, in a
+plain list or a global) is not seen: checkpoint such a function as a plain callable.
+Any other callable (a lambda, a function closing over modules, a bound method) has
+no known layers, and global hooks watch the modules it runs, as before.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+
+class LayerChain:
+    """A function that runs ``layers`` one after another, each on the output of the
+    one before: what a CheckpointedSequential segment and a nested segment recompute.
+    Subclasses declare their layers (NOTE [ Known layers ])."""
+
+    layers: list
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def known_layers(function) -> Optional[tuple]:
+    """The top-level modules ``function`` runs, or None where actsave cannot tell
+    (NOTE [ Known layers ])."""
+    if isinstance(function, LayerChain):
+        return tuple(function.layers)
+    if type(function) is nn.Sequential:  # a subclass's forward may run its children otherwise
+        return tuple(function)
+    if isinstance(function, nn.Module):
+        return (function,)
+    return None
+
+
+def modules_under(layers: tuple) -> list:
+    """``[(layer index, module)]`` of every module under ``layers``, each once (a
+    module shared by two layers belongs to the first)."""
+    seen, found = set(), []
+    for index, layer in enumerate(layers):
+        for module in layer.modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                found.append((index, module))
+    return found
+
+
+__all__ = ["LayerChain", "known_layers", "modules_under"]

@@ -1,0 +1,93 @@
+"""Known layers (runtime/layers.py, NOTE [ Known layers ]): which modules a function
+runs, and that a checkpointed forward and recompute of them hook no global module
+hooks."""
+import collections
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as module_globals
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import actsave
+from actsave.runtime.layers import LayerChain, known_layers, modules_under
+
+
+class Chain(LayerChain):
+    def __init__(self, layers):
+        self.layers = layers
+
+
+def test_layers_are_known_for_chains_sequentials_and_modules_only():
+    a, b = nn.Linear(2, 2), nn.ReLU()
+    assert known_layers(Chain([a, b])) == (a, b)
+    assert known_layers(nn.Sequential(a, b)) == (a, b)  # a plain Sequential: its children
+    assert known_layers(a) == (a,)
+
+    class MySequential(nn.Sequential):  # its forward may run its children otherwise
+        pass
+
+    mine = MySequential(a, b)
+    assert known_layers(mine) == (mine,)
+    assert known_layers(lambda x: a(x)) is None
+    assert known_layers(a.forward) is None
+
+
+def test_modules_under_layers_are_listed_once_with_their_first_layer():
+    shared = nn.Linear(2, 2)
+    first, second = nn.Sequential(shared, nn.ReLU()), nn.Sequential(nn.Tanh(), shared)
+    found = modules_under((first, second))
+    assert [(i, type(m).__name__) for i, m in found] == [
+        (0, "Sequential"), (0, "Linear"), (0, "ReLU"), (1, "Sequential"), (1, "Tanh")]
+
+
+class GlobalHooksSeen(nn.Module):
+    """Notes, at every call, how many global module hooks are registered."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(len(module_globals._global_forward_pre_hooks) + len(module_globals._global_forward_hooks))
+        return x * 2
+
+
+@pytest.mark.parametrize("compress", [None, "int8"])
+def test_a_checkpointed_chain_registers_no_global_module_hook(compress):
+    # Any global hook sends every module call down _call_impl's slow path.
+    probe = GlobalHooksSeen()
+    model = actsave.CheckpointedSequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), probe, nn.Linear(8, 8),
+                                           nn.MaxPool1d(2), nn.Flatten(), nn.Linear(4, 2),
+                                           segments=[0, 6], compress=compress)
+    model(torch.randn(4, 8)).sum().backward()
+    assert len(probe.seen) == 2 and probe.seen == [0, 0]  # forward and recompute
+
+
+def test_a_function_of_unknown_layers_is_watched_by_global_hooks():
+    probe = GlobalHooksSeen()
+    x = torch.randn(4, 8, requires_grad=True)
+    actsave.checkpoint(lambda t: probe(torch.tanh(t)), x).sum().backward()
+    assert probe.seen[0] > 0  # the forward's recording hooks
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_layer_whose_statistics_the_forward_mutated_recomputes_on_one_foreach_copy_per_dtype():
+    # Three BatchNorms in one layer: its recompute copies their nine buffers (float
+    # statistics and int64 batch counts) in two foreach ops, not nine clones.
+    block = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.BatchNorm1d(8), nn.BatchNorm1d(8), nn.Tanh())
+    model = actsave.CheckpointedSequential(block, nn.Linear(8, 2), segments=[0, 1])
+    out = model(torch.randn(4, 8)).sum()
+    with OpCounter() as counter:
+        out.backward()
+    assert counter.counts["aten._foreach_mul.Scalar"] == 2
+    assert counter.counts["aten.clone.default"] == 0

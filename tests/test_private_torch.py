@@ -1,0 +1,32 @@
+"""The helpers of actsave/_torch.py that do more than name a private API."""
+import torch
+
+from actsave._torch import copies_of, default_device
+
+
+def bits(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def test_copies_are_new_tensors_with_the_same_bits_in_every_dtype():
+    tensors = [torch.tensor([-0.0, float("nan"), float("inf"), -float("inf"), 1e-45, 3.0]),
+               torch.tensor([-0.0, 1.5], dtype=torch.bfloat16), torch.tensor(7, dtype=torch.int64),
+               torch.tensor([True, False]), torch.tensor([complex(float("inf"), 1.0)]),
+               torch.tensor([1, 255], dtype=torch.uint8)]
+    copies = copies_of(tensors)
+    for original, copy in zip(tensors, copies):
+        assert copy is not original and copy.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+        assert copy.dtype == original.dtype and copy.shape == original.shape
+        assert torch.equal(bits(copy), bits(original))
+
+
+def test_the_default_device_is_read_as_torch_reads_it():
+    assert default_device() == torch.get_default_device() == torch.device("cpu")
+    with torch.device("meta"):
+        assert default_device() == torch.device("meta")
+    torch.set_default_device("meta")
+    try:
+        assert default_device() == torch.get_default_device() == torch.device("meta")
+    finally:
+        torch.set_default_device(None)
+    assert default_device() == torch.device("cpu")
