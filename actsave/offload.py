@@ -37,6 +37,9 @@ asked for: it produced the source and allocates the fetched tensor) and the engi
    nothing), so each copy overlaps one segment of compute, and the compute
    stream stalls only when a copy takes longer than a segment: the back-pressure that
    keeps device memory bounded. ``prefetch`` and ``release`` place it at the latest.
+   A segment's decisions (ReLU and max-pool, runtime/store.py) go to the host as one
+   group when its forward ends, just before the next segment starts, so their wait
+   is placed one segment later (``PrefetchTape.free_later``).
 3. Host to device. The fetched tensor is allocated on the compute stream; the copy
    stream waits for the compute stream (earlier kernels that used that block are
    done), copies and records ``copied_in``. The current stream waits on ``copied_in``
@@ -292,6 +295,15 @@ class CopyEngine:
         (same shape and dtype); return the copy's event."""
         raise NotImplementedError
 
+    def to_host_all(self, pairs: list):
+        """Start the copies of ``[(source, host)]`` as :meth:`to_host` does, in order;
+        return one event, of the last (an engine runs its copies in order: rule 5).
+        Engines override it to enqueue them as one job."""
+        event = None
+        for source, host in pairs:
+            event = self.to_host(source, host)
+        return event
+
     def to_device(self, host: torch.Tensor) -> tuple:
         """Start copying ``host`` into a new tensor on this engine's device; return
         ``(tensor, event)``. The tensor must not be read before ``wait(event)``."""
@@ -355,18 +367,25 @@ class CudaCopyEngine(CopyEngine):
         self.copy_stream = torch.cuda.Stream(self.device)
 
     def to_host(self, source: torch.Tensor, host: torch.Tensor) -> _CudaCopy:
-        return self._copy(source, into=host)
+        return self._copy([(source, host)])
+
+    def to_host_all(self, pairs: list) -> _CudaCopy:
+        # One wait, one switch to the copy stream and one event for all of them.
+        return self._copy(pairs)
 
     def to_device(self, host: torch.Tensor) -> tuple:
         # Allocated on the compute stream, which owns it and frees it in its own order.
         target = torch.empty_like(host, device=self.device)
-        return target, self._copy(host, into=target)
+        return target, self._copy([(host, target)])
 
-    def _copy(self, source: torch.Tensor, into: torch.Tensor) -> _CudaCopy:
+    def _copy(self, pairs: list) -> _CudaCopy:
+        """Copy each ``(source, into)`` pair on the copy stream, after the compute
+        stream's work so far (rules 1 and 3)."""
         copy = _CudaCopy(owner=torch.cuda.current_stream(self.device))
         self.copy_stream.wait_stream(copy.owner)
         with torch.cuda.stream(self.copy_stream):
-            into.copy_(source, non_blocking=True)
+            for source, into in pairs:
+                into.copy_(source, non_blocking=True)
         copy.done.record(self.copy_stream)
         return copy
 
@@ -401,27 +420,27 @@ def copy_engine_for(device) -> CopyEngine:
 
 
 class _Holdings:
-    """What an :class:`OffloadedTensor` holds that must be given back in order. Kept
-    apart from it so that its finalizer can give them back without keeping it alive."""
+    """What an offloaded value holds that must be given back in order. Kept apart from
+    it so that its finalizer can give them back without keeping it alive."""
 
     def __init__(self, pool: HostPool, engine: CopyEngine, buffer: torch.Tensor):
         self.pool = pool
         self.engine = engine
         self.buffer = buffer  # None once back in the pool
-        self.source = None  # device tensor read by the copy to the host
+        self.sources = None  # device tensors read by the copy to the host
         self.copied_out = None
-        self.device_copy = None  # device tensor written by the copy back
+        self.device_copies = None  # device tensors written by the copy back
         self.copied_in = None
 
-    def drop_source(self) -> None:
-        if self.source is not None:
+    def drop_sources(self) -> None:
+        if self.sources is not None:
             self.engine.free_after(self.copied_out)
-            self.source = None
+            self.sources = None
 
-    def drop_device_copy(self) -> None:
-        if self.device_copy is not None:
+    def drop_device_copies(self) -> None:
+        if self.device_copies is not None:
             self.engine.free_after(self.copied_in)
-            self.device_copy = None
+            self.device_copies = None
 
     def return_buffer(self) -> None:
         if self.buffer is not None:
@@ -430,45 +449,69 @@ class _Holdings:
             self.buffer = None
 
     def release(self) -> None:
-        self.drop_source()
-        self.drop_device_copy()
+        self.drop_sources()
+        self.drop_device_copies()
         self.return_buffer()
 
 
-class OffloadedTensor:
-    """A tensor kept in a host buffer until it is fetched back to its device.
+# Where each tensor of a group starts in its host buffer: a multiple of 16 bytes, so
+# that the views the copy back makes of one device buffer are aligned for any dtype and
+# for the kernels' 16-byte vector accesses.
+_PART_ALIGNMENT = 16
 
-    Construction starts the copy of ``tensor`` (detached; made contiguous first) into a
-    buffer of ``pool`` (default: :func:`host_pool_for` its device) through ``engine`` (default:
-    :func:`copy_engine_for` its device). Any dtype; the bytes come back unchanged.
-    ``device``, ``dtype``, ``shape`` and ``nbytes`` describe the tensor. The buffer goes
-    back to the pool on :meth:`release`, or when the object is garbage collected.
+
+class _Part:
+    """Where one tensor of an offloaded group lies in the buffer, and what it was."""
+
+    __slots__ = ("offset", "nbytes", "dtype", "shape")
+
+    def __init__(self, offset: int, tensor: torch.Tensor):
+        self.offset, self.nbytes = offset, tensor.numel() * tensor.element_size()
+        self.dtype, self.shape = tensor.dtype, tensor.shape
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This part of ``buffer`` (flat uint8), as the tensor it holds."""
+        return buffer[self.offset: self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+class OffloadedTensors:
+    """Tensors of one device kept together in one host buffer until fetched back.
+
+    Construction starts copying each tensor (detached; made contiguous first) into its
+    part of a buffer lent by ``pool`` (default: :func:`host_pool_for` their device),
+    through ``engine`` (default: :func:`copy_engine_for` their device) as one job: one
+    buffer, one wait and one event for the group, however many tensors it holds (a kept
+    input's codes, scales and channel means; a segment's decisions). They come back in
+    one copy, as views of one device buffer. Any dtypes; the bytes come back unchanged.
+    The buffer goes back to the pool on :meth:`release`, or when the object is garbage
+    collected.
     """
 
-    def __init__(
-        self,
-        tensor: torch.Tensor,
-        pool: Optional[HostPool] = None,
-        engine: Optional[CopyEngine] = None,
-    ):
-        source = tensor.detach().contiguous()
-        self.device = source.device
-        self.dtype = source.dtype
-        self.shape = source.shape
-        self.nbytes = source.numel() * source.element_size()
+    def __init__(self, tensors: list, pool: Optional[HostPool] = None, engine: Optional[CopyEngine] = None):
+        sources = [tensor.detach().contiguous() for tensor in tensors]
+        if not sources or any(source.device != sources[0].device for source in sources):
+            raise ActsaveError("OffloadedTensors takes one or more tensors, all on one device")
+        self.device = sources[0].device
+        self._parts, offset = [], 0
+        for source in sources:
+            self._parts.append(_Part(offset, source))
+            offset += -(-self._parts[-1].nbytes // _PART_ALIGNMENT) * _PART_ALIGNMENT
+        self.nbytes = sum(part.nbytes for part in self._parts)
+        self._span = self._parts[-1].offset + self._parts[-1].nbytes  # the bytes a copy back moves
         pool = host_pool_for(self.device) if pool is None else pool
         engine = copy_engine_for(self.device) if engine is None else engine
-        self._held = _Holdings(pool, engine, pool.acquire(self.nbytes))
+        self._held = _Holdings(pool, engine, pool.acquire(self._span))
         self._finalizer = weakref.finalize(self, self._held.release)
         # At interpreter exit the process frees everything, and CUDA may be gone already.
         self._finalizer.atexit = False
         try:
-            self._held.copied_out = engine.to_host(source, self._host_view())
+            self._held.copied_out = engine.to_host_all(
+                [(source, part.view(self._held.buffer)) for source, part in zip(sources, self._parts)])
         except BaseException:
             self.release()
             raise
-        # Held until free_source(): the copy may still be reading it (NOTE rule 2).
-        self._held.source = source
+        # Held until free_source(): the copy may still be reading them (NOTE rule 2).
+        self._held.sources = sources
 
     @property
     def released(self) -> bool:
@@ -476,22 +519,28 @@ class OffloadedTensor:
         return not self._finalizer.alive
 
     def free_source(self) -> None:
-        """Let the device memory of the offloaded tensor be reused, in stream order.
+        """Let the device memory of the offloaded tensors be reused, in stream order.
         ``PrefetchTape.segment_starts`` calls it when the next segment starts."""
-        self._held.drop_source()
+        self._held.drop_sources()
 
     def prefetch(self) -> None:
         """Start the copy back to the device, unless it started or :meth:`release` ran."""
         held = self._held
-        if self.released or held.device_copy is not None:
+        if self.released or held.device_copies is not None:
             return
-        held.drop_source()  # the backward has begun: the forward's tensor is not needed
-        held.device_copy, held.copied_in = held.engine.to_device(self._host_view())
+        held.drop_sources()  # the backward has begun: the forward's tensors are not needed
+        if len(self._parts) == 1:  # a tensor of its own dtype, not a view of bytes
+            copy, held.copied_in = held.engine.to_device(self._parts[0].view(held.buffer))
+            held.device_copies = [copy]
+        else:
+            copied, held.copied_in = held.engine.to_device(held.buffer[: self._span])
+            held.device_copies = [part.view(copied) for part in self._parts]
 
-    def fetch(self) -> torch.Tensor:
-        """The tensor on its device, ready for the current stream to use. Prefetches
-        if needed; the host buffer then goes back to the pool (reused once the copy has
-        finished). Calling it again returns the same tensor until :meth:`release`."""
+    def fetch(self) -> list:
+        """The tensors on their device, in order, ready for the current stream to use.
+        Prefetches if needed; the host buffer then goes back to the pool (reused once
+        the copy has finished). Calling it again returns the same tensors until
+        :meth:`release`."""
         if self.released:
             raise ActsaveError(
                 "this offloaded tensor was released already, so it cannot be fetched; "
@@ -501,14 +550,48 @@ class OffloadedTensor:
         held = self._held
         held.engine.wait(held.copied_in)
         held.return_buffer()
-        return held.device_copy
+        return held.device_copies
 
     def release(self) -> None:
         """Give the host buffer back to the pool and drop the device copies. Idempotent."""
         self._finalizer()
 
-    def _host_view(self) -> torch.Tensor:
-        return self._held.buffer[: self.nbytes].view(self.dtype).view(self.shape)
+
+class OffloadedTensor:
+    """A tensor kept in a host buffer until it is fetched back to its device: an
+    :class:`OffloadedTensors` of one, whose :meth:`fetch` gives the tensor.
+    ``device``, ``dtype``, ``shape`` and ``nbytes`` describe it."""
+
+    def __init__(self, tensor: torch.Tensor, pool: Optional[HostPool] = None,
+                 engine: Optional[CopyEngine] = None):
+        self._group = OffloadedTensors([tensor], pool, engine)
+        self.device, self.nbytes = self._group.device, self._group.nbytes
+        self.dtype, self.shape = tensor.dtype, tensor.shape
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` has run (or the object was collected)."""
+        return self._group.released
+
+    @property
+    def _held(self) -> _Holdings:
+        return self._group._held
+
+    def free_source(self) -> None:
+        """As :meth:`OffloadedTensors.free_source`."""
+        self._group.free_source()
+
+    def prefetch(self) -> None:
+        """As :meth:`OffloadedTensors.prefetch`."""
+        self._group.prefetch()
+
+    def fetch(self) -> torch.Tensor:
+        """The tensor on its device (:meth:`OffloadedTensors.fetch`)."""
+        return self._group.fetch()[0]
+
+    def release(self) -> None:
+        """As :meth:`OffloadedTensors.release`."""
+        self._group.release()
 
 
 class TapeItem(Protocol):
@@ -570,6 +653,8 @@ class PrefetchTape:
         self._depth = None if depth is None else _checked_depth(depth)
         self._lock = threading.Lock()
         self._refs = []  # weak references to the items, in forward order
+        self._later = []  # weak references to what free_later deferred
+        self._segment_started = False  # segment_starts ran since the last register
 
     @property
     def depth(self) -> int:
@@ -578,10 +663,16 @@ class PrefetchTape:
 
     def register(self, item: TapeItem) -> None:
         """Record ``item`` as the newest, and free the source of the one registered
-        before it: that segment's forward is over (NOTE [ Offload stream ordering ])."""
-        self.segment_starts()
+        before it: that segment's forward is over (NOTE [ Offload stream ordering ]).
+        Where the caller has just said so (:meth:`segment_starts`, as
+        CheckpointedSequential does for each segment), the start is not counted twice."""
+        with self._lock:
+            told = self._segment_started
+        if not told:
+            self.segment_starts()
         with self._lock:
             self._refs.append(weakref.ref(item))
+            self._segment_started = False
 
     def segment_starts(self) -> None:
         """Free the source of the newest item: a segment starts, so the forward of the
@@ -591,8 +682,22 @@ class PrefetchTape:
         own recompute (seen on an H100: one input above the plan's predicted peak)."""
         with self._lock:
             items = self._live_items()
+            later, self._later = self._later, []
+            self._segment_started = True
+        for ref in later:
+            deferred = ref()
+            if deferred is not None:
+                deferred.free_source()
         if items:
             items[-1].free_source()
+
+    def free_later(self, item) -> None:
+        """Free ``item``'s source (anything with ``free_source()``) at the next
+        :meth:`segment_starts`, not now: for a copy asked for just before this one, so
+        that it too overlaps a segment of compute (NOTE [ Offload stream ordering ],
+        rule 2). Held weakly."""
+        with self._lock:
+            self._later.append(weakref.ref(item))
 
     def before_use(self, item: TapeItem) -> None:
         """Call when the backward is about to need ``item``: starts its copy back, then
@@ -635,6 +740,7 @@ __all__ = [
     "HostPool",
     "OffloadPoolExhausted",
     "OffloadedTensor",
+    "OffloadedTensors",
     "PrefetchTape",
     "TapeItem",
     "copy_engine_for",

@@ -14,6 +14,7 @@ from actsave.offload import (
     HostCopyEngine,
     HostPool,
     OffloadedTensor,
+    OffloadedTensors,
     OffloadPoolExhausted,
     PrefetchTape,
     copy_engine_for,
@@ -701,3 +702,58 @@ def test_offloaded_input_modified_in_place_during_forward_is_refused():
     with pytest.raises(actsave.RecomputeError, match="modified in place by .*add_one_ during its forward"):
         actsave.checkpoint(add_one_, torch.randn(3, 4, requires_grad=True).tanh(), offload=True)
     assert host_pool().in_use_bytes == 0
+
+
+def relu_chain():
+    torch.manual_seed(0)
+    return [m for _ in range(4) for m in (torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                          torch.nn.ReLU())]
+
+
+class CountingPool(HostPool):
+    """A host pool that counts its loans: one per host enqueue of an offloaded group."""
+
+    def __init__(self):
+        super().__init__()
+        self.loans = 0
+
+    def acquire(self, nbytes):
+        self.loans += 1
+        return super().acquire(nbytes)
+
+
+def test_a_kept_input_and_a_segments_decisions_each_go_to_the_host_as_one_group(monkeypatch):
+    # int8 keeps codes and scales; each segment's forward keeps two ReLU decisions.
+    pool = CountingPool()
+    monkeypatch.setattr(actsave.offload, "_DEFAULT_POOL", pool)
+    model = CheckpointedSequential(*relu_chain(), segments=4, compress="int8", offload=True)
+    plain = CheckpointedSequential(*relu_chain(), segments=4, compress="int8")
+    x = torch.randn(8, 16, requires_grad=True)
+    out = model(x * 1)
+    assert pool.loans == 2 * 3  # 3 checkpointed segments; the first's input is x * 1
+    out.square().sum().backward()
+    plain(x * 1).square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
+    assert pool.in_use_bytes == 0
+
+
+def test_offloaded_tensors_come_back_as_views_of_one_copy():
+    log = []
+    engine, pool = RecordingEngine(log), HostPool()
+    parts = [torch.full((5,), 1.0), torch.arange(3, dtype=torch.int8), torch.ones((), dtype=torch.float64)]
+    group = OffloadedTensors(parts, pool=pool, engine=engine)
+    assert group.nbytes == 5 * 4 + 3 + 8
+    back = group.fetch()
+    assert [what for what, _ in log] == ["to_host", "to_host", "to_host", "free_after", "to_device", "wait"]
+    assert all(b.dtype == p.dtype and torch.equal(b, p) for b, p in zip(back, parts))
+    assert len({b.untyped_storage().data_ptr() for b in back}) == 1  # one buffer, aligned parts
+    assert all(b.data_ptr() % 16 == 0 for b in back)
+    group.release()
+    assert pool.in_use_bytes == 0
+
+
+def test_a_group_is_on_one_device():
+    with pytest.raises(ActsaveError, match="one or more tensors, all on one device"):
+        OffloadedTensors([])
+    with pytest.raises(ActsaveError, match="one or more tensors, all on one device"):
+        OffloadedTensors([torch.ones(2), torch.ones(2, device="meta")])

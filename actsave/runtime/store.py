@@ -15,7 +15,7 @@ import torch
 from .._torch import leaf_base, pytree, version
 from ..codecs import IDENTITY, Codec, Packed, get_codec
 from ..errors import ConfigError, RecomputeError
-from ..offload import OffloadedTensor, current_tape
+from ..offload import OffloadedTensors, current_tape
 from .relu_signs import known_non_negative
 
 
@@ -143,29 +143,29 @@ class _OnDevice:
 
 
 class _OnHost:
-    """A packed value offloaded to host memory (offload.py), payload and scales alike:
-    with a lossy codec only the compressed bytes cross the bus."""
+    """A packed value offloaded to host memory (offload.py), payload, scales and means
+    alike, as one group (one host enqueue): with a lossy codec only the compressed bytes
+    cross the bus."""
 
     where = "host"
 
     def __init__(self, packed: Packed):
         self._metadata = packed.metadata()
-        self._parts = {name: OffloadedTensor(t) for name, t in packed.tensors().items()}
+        tensors = packed.tensors()
+        self._names = list(tensors)
+        self._group = OffloadedTensors(list(tensors.values()))
 
     def fetch(self) -> Packed:
-        return Packed.assemble({name: part.fetch() for name, part in self._parts.items()}, self._metadata)
+        return Packed.assemble(dict(zip(self._names, self._group.fetch())), self._metadata)
 
     def prefetch(self) -> None:
-        for part in self._parts.values():
-            part.prefetch()
+        self._group.prefetch()
 
     def free_source(self) -> None:
-        for part in self._parts.values():
-            part.free_source()
+        self._group.free_source()
 
     def release(self) -> None:
-        for part in self._parts.values():
-            part.release()
+        self._group.release()
 
 
 class _KeptTensor:
@@ -231,19 +231,30 @@ class _KeptTensor:
 
 class _Attached:
     """A tensor made during a segment's forward and needed by its recompute only (the
-    forward's ReLU or max-pool decisions), kept beside the segment's inputs, where they are."""
+    forward's ReLU or max-pool decisions), kept beside the segment's inputs, where they
+    are: on the host when they are offloaded, where all of a segment's decisions go
+    as one group when its forward ends (:meth:`KeptInputs.end_forward`)."""
 
     def __init__(self, tensor: torch.Tensor, on_host: bool):
-        packed = IDENTITY.encode(tensor.detach())
-        self.nbytes = packed.nbytes
-        self.storage = _OnHost(packed) if on_host else _OnDevice(packed)
-        self._release = account(self, self.nbytes, self.storage.where)
+        self._tensor = tensor.detach()
+        self.nbytes = self._tensor.numel() * self._tensor.element_size()
+        self._group, self._index = None, None  # where it went on the host
+        self._release = account(self, self.nbytes, "host" if on_host else "device")
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The tensor, on the device (before it goes to the host)."""
+        return self._tensor
+
+    def moved_to(self, group: OffloadedTensors, index: int) -> None:
+        """From now on the tensor is part ``index`` of ``group``."""
+        self._tensor, self._group, self._index = None, group, index
 
     def fetch(self) -> torch.Tensor:
-        return self.storage.fetch().data
+        return self._tensor if self._group is None else self._group.fetch()[self._index]
 
     def release(self) -> None:
-        self.storage.release()
+        self._tensor = self._group = None
         self._release()
 
 
@@ -262,6 +273,7 @@ class KeptInputs:
             for leaf in leaves
         ]
         self._attached = []
+        self._decisions = None  # the attached tensors once on the host, one group
         self.private_copy = private_copy
         self.released = False
         self._tape = None
@@ -282,7 +294,8 @@ class KeptInputs:
         return attached
 
     def _storages(self) -> list:
-        return [t.storage for t in self.tensors] + [a.storage for a in self._attached]
+        storages = [t.storage for t in self.tensors]
+        return storages if self._decisions is None else [*storages, self._decisions]
 
     @property
     def nbytes(self) -> int:
@@ -294,10 +307,15 @@ class KeptInputs:
         return any(t.lossy for t in self.tensors)
 
     def end_forward(self, function_name: str) -> None:
-        """Refuse inputs the function modified in place; then stop watching offloaded ones."""
+        """Refuse inputs the function modified in place; then stop watching offloaded
+        ones, and send what the forward attached to the host with them, as one group."""
         for t in self.tensors:
             t.check_unmodified(f"by {function_name} during its forward")
             t.end_forward()
+        if self._tape is not None and self._attached:
+            self._decisions = OffloadedTensors([a.tensor for a in self._attached])
+            for index, attached in enumerate(self._attached):
+                attached.moved_to(self._decisions, index)
 
     def prefetch(self) -> None:
         """Start bringing offloaded inputs back to their device."""
@@ -305,9 +323,13 @@ class KeptInputs:
             storage.prefetch()
 
     def free_source(self) -> None:
-        """Let the device memory of offloaded inputs go, in stream order."""
-        for storage in self._storages():
-            storage.free_source()
+        """Let the device memory of offloaded inputs go, in stream order; that of the
+        decisions, copied only as the forward ended, at the next segment's start
+        (NOTE [ Offload stream ordering ], rule 2)."""
+        for t in self.tensors:
+            t.storage.free_source()
+        if self._decisions is not None:
+            self._tape.free_later(self._decisions)
 
     def restore(self) -> tuple:
         """``(args, kwargs)`` for the recompute: detached tensors that require grad
@@ -326,6 +348,8 @@ class KeptInputs:
     def release(self) -> None:
         for t in (*self.tensors, *self._attached):
             t.release()
+        if self._decisions is not None:
+            self._decisions.release()
         self.released = True
 
 
