@@ -139,6 +139,30 @@ def test_transformer_sweep_writes_the_csv_schema(tmp_path):
         assert value(rows, "actsave_none", "peak_act_mem", depth) <= value(rows, "torch", "peak_act_mem", depth)
 
 
+def test_host_overhead_reports_time_and_counts_of_every_mode(tmp_path):
+    out = tmp_path / "cpu.csv"
+    stdout = run_script("host_overhead.py", "--out", str(out))
+    columns, rows = read_rows(out)
+    assert columns == CSV_COLUMNS and {r["bench"] for r in rows} == {"host_overhead"}
+    assert {r["case"] for r in rows} == {"cifar_resnet(11) b2 8x8 fp32", "gpt(1) w64 h4 v128 t16 b2 float32"}
+    providers = {"torch", "torch_ckpt", "actsave_none", "actsave_int8", "actsave_fp8", "actsave_offload",
+                 "actsave_int8_offload"}
+    metrics = {"time", "time_vs_torch_ckpt", "time_vs_default", "aten_ops", "aten_ops_backward", "triton_launches",
+               "syncs"}
+    assert {(r["case"], r["provider"], r["metric"]) for r in rows} == {
+        (case, p, m) for case in {r["case"] for r in rows} for p in providers for m in metrics}
+    for r in rows:
+        if r["metric"] == "time":
+            assert r["n_reps"] == "2" and float(r["p50"]) > 0
+        if r["metric"] == "time_vs_torch_ckpt" and r["provider"] == "torch_ckpt":
+            assert float(r["p20"]) == float(r["p80"]) == 1.0
+        if r["metric"] == "syncs":
+            assert float(r["p50"]) == 0
+        if r["metric"] == "triton_launches":
+            assert (float(r["p50"]) > 0) == ("int8" in r["provider"] or "fp8" in r["provider"])
+    assert "x torch_ckpt" in stdout and "operators seen on 1 thread(s)" in stdout
+
+
 def test_kernels_bench_checks_every_codec_and_reports_bytes(tmp_path):
     out = tmp_path / "cpu.csv"
     run_script("kernels.py", "--out", str(out))
