@@ -241,7 +241,8 @@ def table(result: CaseResult) -> str:
     for name in times:
         c = counts[name]
         rows.append((name, f"{statistics.median(times[name]) * 1e3:.2f}",
-                     f"{paired_ratio(times, name, TORCH_CKPT):.3f}", f"{paired_ratio(times, name, DEFAULT):.3f}", str(c.aten_ops), f"{c.aten_ops / ckpt_ops:.3f}",
+                     f"{paired_ratio(times, name, TORCH_CKPT):.3f}", f"{paired_ratio(times, name, DEFAULT):.3f}",
+                     str(c.aten_ops), f"{c.aten_ops / ckpt_ops:.3f}",
                      str(c.aten_ops_backward), str(c.triton_launches), str(c.syncs)))
     return format_table(rows)
 

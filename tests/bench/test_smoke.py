@@ -163,6 +163,52 @@ def test_host_overhead_reports_time_and_counts_of_every_mode(tmp_path):
     assert "x torch_ckpt" in stdout and "operators seen on 1 thread(s)" in stdout
 
 
+def test_gpu_speed_runs_every_phase_at_smoke_scale(tmp_path):
+    # The GPU stage's code on CPU: the CUDA allocator's figures are left out, the
+    # kernels bench is cut at its limit (its own smoke test runs it through).
+    out = tmp_path / "cpu.csv"
+    stdout = run_script("gpu_speed.py", "--out", str(out), "--kernels-limit", "1")
+    text = (tmp_path / "cpu-speed.txt").read_text()
+    assert text.startswith("# ") and f"torch {torch.__version__}" in text.splitlines()[0]
+    for title in ("cifar_resnet(11) b2 8x8 fp32", "gpt(2) w32 h2 v64 t16 b2 bfloat16", "host overhead, ",
+                  "codec kernels (bench/kernels.py --smoke): over its 1 s limit"):
+        assert title in text and title in stdout
+    for ratio in ("actsave_none / torch_ckpt", "actsave_int8 / actsave_none", "actsave_offload / actsave_none",
+                  "actsave_int8_offload / actsave_none", "host enqueue / step, actsave_fp8"):
+        assert ratio in text
+    _, rows = read_rows(out)
+    assert {r["bench"] for r in rows} == {"gpu_speed", "host_overhead"}
+    speed = [r for r in rows if r["bench"] == "gpu_speed"]
+    assert {(r["case"], r["provider"]) for r in speed if r["metric"] == "time"} == {
+        *(("cifar_resnet(11) b2 8x8 fp32", p) for p in ("torch", "torch_ckpt", "actsave_none", "actsave_int8",
+                                                       "actsave_fp8", "actsave_offload", "actsave_int8_offload")),
+        *(("gpt(2) w32 h2 v64 t16 b2 bfloat16", p) for p in ("torch", "torch_ckpt", "actsave_none", "actsave_int8",
+                                                            "actsave_offload", "actsave_int8_offload"))}
+    metrics = {r["metric"] for r in speed}
+    assert metrics == {"time", "host_enqueue", "time_vs_torch_ckpt", "time_vs_default", "est_peak_act_mem",
+                       "live_peak_act_mem"}  # no CUDA allocator here
+    assert all(float(r["p50"]) > 0 for r in speed)
+
+
+def test_a_failing_gpu_speed_phase_leaves_the_others_to_run(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    gpu_speed = importlib.import_module("gpu_speed")
+    report, failures = gpu_speed.Report(tmp_path / "speed.txt", ["# header"]), []
+    gpu_speed.run_phase(report, failures, "broken", lambda: 1 / 0)
+    gpu_speed.run_phase(report, failures, "fine", lambda: report.add("fine", "measured"))
+    assert failures == ["broken: ZeroDivisionError: division by zero"]
+    text = (tmp_path / "speed.txt").read_text()
+    assert "broken: FAILED\nTraceback" in text and text.rstrip().endswith("fine\nmeasured")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_gpu_speed_refuses_without_cuda(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCH / "gpu_speed.py"), "--out", str(tmp_path / "x.csv")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_kernels_bench_checks_every_codec_and_reports_bytes(tmp_path):
     out = tmp_path / "cpu.csv"
     run_script("kernels.py", "--out", str(out))
