@@ -11,13 +11,13 @@ They are taken in a step of their own: the counters themselves cost host time.
   it saw ops on, so a run can check. Ops inside a Triton launch are not counted: under
   Triton's interpreter (CPU) the launch copies its arguments with aten ops that a GPU
   launch does not run.
-- Triton launches: every ``kernel[grid](...)`` reaches ``JITFunction.run`` (GPU) or
-  ``InterpretedFunction.run`` (interpreter); both are wrapped at the class, so every
-  kernel is counted whatever path launched it (actsave's launchers, a single launch
-  choke point, or anything else). On CUDA, Triton's launch-enter hook counts the
-  launches that reached the driver, which also catches a launcher that calls a
-  compiled kernel directly, past ``run``: where the two disagree the hook's count is
-  the one reported.
+- Triton launches: every ``kernel[grid](...)`` reaches ``JITFunction.run`` (GPU), and
+  every interpreted launch is one call of the interpreter's ``GridExecutor`` (CPU);
+  both are wrapped at the class, so every kernel is counted whatever path launched it
+  (actsave's launchers, a single launch choke point, or anything else). On CUDA,
+  Triton's launch-enter hook counts the launches that reached the driver, which also
+  catches a launcher that calls a compiled kernel directly, past ``run``: where the
+  two disagree the hook's count is the one reported.
 - Syncs: operators whose result the host must wait for on CUDA (a value read back:
   ``.item()``, ``nonzero``, a boolean mask index...; a blocking copy between host and
   device), counted the same way on every device, so a CPU run counts the syncs a GPU
@@ -46,7 +46,7 @@ _READ_BACK = frozenset({
 })
 # Indexing by a boolean (or uint8) mask: the number of selected elements is read back.
 _MASK_INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
-# repeat_interleave with a tensor of repeats and no output_size reads the total back.
+# Copies: one between host and device syncs unless non_blocking (syncs_of).
 _COPIES = frozenset({"copy_", "_to_copy", "_copy_from"})
 
 _inside_launch = threading.local()  # depth of Triton launches on this thread
@@ -74,7 +74,7 @@ def syncs_of(func, args: tuple, kwargs: dict) -> bool:
     if name in _MASK_INDEXING:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return any(_is_mask(index) for index in (indices or ()))
-    if name == "repeat_interleave":
+    if name == "repeat_interleave":  # a tensor of repeats without output_size: the total is read back
         repeats = args[0] if args else kwargs.get("repeats")
         return isinstance(repeats, torch.Tensor) and repeats.dim() > 0 and kwargs.get("output_size") is None
     if name in _COPIES:
@@ -117,6 +117,11 @@ class AtenOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _launches(kernel, kwargs: dict) -> bool:
+    """Whether a ``run(..., grid=, warmup=)`` call launches (a warm-up only compiles)."""
+    return not kwargs.get("warmup", False)
+
+
 def _kernel_name(kernel) -> str:
     fn = getattr(kernel, "fn", None)
     return getattr(fn, "__name__", None) or getattr(kernel, "__name__", None) or repr(kernel)
@@ -124,7 +129,7 @@ def _kernel_name(kernel) -> str:
 
 class TritonLaunches:
     """Counts Triton launches by kernel name while active (module docstring).
-    ``by_kernel``: calls of ``run`` that launch; ``hooked``: launches the enter hook
+    ``by_kernel``: launches through ``JITFunction.run`` or the interpreter; ``hooked``: launches the enter hook
     saw (CUDA only; None where this Triton has no launch hook or ran no compiled
     kernel). Works without Triton (nothing launches then)."""
 
@@ -143,15 +148,19 @@ class TritonLaunches:
             from triton.runtime import jit
         except ImportError:
             return self
-        classes = [jit.JITFunction]
+        if "run" in vars(jit.JITFunction):
+            self._wrap(jit.JITFunction, "run", _launches)
         try:
-            from triton.runtime.interpreter import InterpretedFunction
-            classes.append(InterpretedFunction)
+            from triton.runtime import interpreter
         except ImportError:
-            pass
-        for cls in classes:
-            if "run" in cls.__dict__:
-                self._wrap_run(cls)
+            interpreter = None
+        # The interpreter's launch is one GridExecutor call, however the kernel was
+        # reached (a bound ``run`` cached before this patch included); older Triton
+        # without it: InterpretedFunction.run.
+        if interpreter is not None and "__call__" in vars(getattr(interpreter, "GridExecutor", object)):
+            self._wrap(interpreter.GridExecutor, "__call__", lambda executor, kwargs: True)
+        elif interpreter is not None and "run" in vars(getattr(interpreter, "InterpretedFunction", object)):
+            self._wrap(interpreter.InterpretedFunction, "run", _launches)
         self._add_launch_hook()
         return self
 
@@ -159,12 +168,14 @@ class TritonLaunches:
         while self._undo:
             self._undo.pop()()
 
-    def _wrap_run(self, cls) -> None:
-        original = cls.__dict__["run"]
+    def _wrap(self, cls, method: str, launches) -> None:
+        """Count each call of ``cls.method`` that ``launches(self, kwargs)``, by kernel
+        name; the aten ops it runs are the launch's own (not counted by AtenOps)."""
+        original = vars(cls)[method]
         counts = self.by_kernel
 
-        def run(kernel, *args, **kwargs):
-            if not kwargs.get("warmup", False):
+        def counted(kernel, *args, **kwargs):
+            if launches(kernel, kwargs):
                 counts[_kernel_name(kernel)] += 1
             _inside_launch.depth = _launch_depth() + 1
             try:
@@ -172,8 +183,8 @@ class TritonLaunches:
             finally:
                 _inside_launch.depth -= 1
 
-        cls.run = run
-        self._undo.append(lambda: setattr(cls, "run", original))
+        setattr(cls, method, counted)
+        self._undo.append(lambda: setattr(cls, method, original))
 
     def _add_launch_hook(self) -> None:
         """Triton's launch-enter hook: a chain with ``add`` (newer Triton) or a single
