@@ -174,7 +174,7 @@ def test_gpu_speed_runs_every_phase_at_smoke_scale(tmp_path):
                   "codec kernels (bench/kernels.py --smoke): over its 1 s limit"):
         assert title in text and title in stdout
     for ratio in ("actsave_none / torch_ckpt", "actsave_int8 / actsave_none", "actsave_offload / actsave_none",
-                  "actsave_int8_offload / actsave_none", "host enqueue / step, actsave_fp8"):
+                  "actsave_int8_offload / actsave_none", "actsave_int8 / torch_ckpt", "enqueue/step"):
         assert ratio in text
     _, rows = read_rows(out)
     assert {r["bench"] for r in rows} == {"gpu_speed", "host_overhead"}
@@ -199,6 +199,41 @@ def test_a_failing_gpu_speed_phase_leaves_the_others_to_run(tmp_path, monkeypatc
     assert failures == ["broken: ZeroDivisionError: division by zero"]
     text = (tmp_path / "speed.txt").read_text()
     assert "broken: FAILED\nTraceback" in text and text.rstrip().endswith("fine\nmeasured")
+
+
+def test_gpu_speed_reports_the_allocator_figures(tmp_path, monkeypatch):
+    # The CUDA allocator's columns, fed by a stand-in allocator, so that the one GPU
+    # run does not meet their code first: every step peaks 3 MiB above its start in
+    # 7 allocations, and the first leaves 1 MiB allocated.
+    monkeypatch.syspath_prepend(str(BENCH))
+    gpu_speed = importlib.import_module("gpu_speed")
+
+    class Allocator(gpu_speed.Memory):
+        def begin(self):
+            return 0, 0
+
+        def end(self, began):
+            first = not getattr(self, "ended", False)
+            self.ended = True
+            return 3 * 2**20, 7, 2**20 if first else 0
+
+    monkeypatch.setattr(gpu_speed, "Memory", Allocator)
+    threads = torch.get_num_threads()
+    try:
+        assert gpu_speed.main(["--smoke", "--phases", "resnet", "--out", str(tmp_path / "cpu.csv")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    _, rows = read_rows(tmp_path / "cpu.csv")
+    values = {(r["provider"], r["metric"]): r for r in rows}
+    batch = 2 * 3 * 8 * 8 * 4 / 2**20  # the input batch counts in every activation peak
+    assert float(values["actsave_int8", "peak_act_mem"]["p50"]) == pytest.approx(3 + batch)
+    assert float(values["torch", "allocations"]["p80"]) == 7
+    assert float(values["torch", "peak_mem_first_step"]["p50"]) == pytest.approx(3 + batch)
+    text = (tmp_path / "cpu-speed.txt").read_text()
+    table = text.split("cifar_resnet(11)")[1].splitlines()
+    header, torch_row = table[1].split(), table[2].split()
+    assert header[:3] == ["provider", "step", "ms"] and torch_row[0] == "torch"
+    assert torch_row[-2:] == ["1.0", "7"]  # the first step's 1 MiB kept, 7 allocations a step
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
