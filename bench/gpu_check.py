@@ -25,6 +25,20 @@ Stages, each a subprocess with its own time limit (seconds), in this order:
                     ----
                     1410  = 23.5 minutes at most.
 
+and one that runs only when named, as one command of its own within a 10-minute lease:
+
+  speed              420  bench/gpu_speed.py: step time, host enqueue time, allocator peak
+                          and actsave.estimate's peak of plain torch, torch's checkpoint
+                          and every actsave mode on ResNet-164 b512 and a 16-block GPT
+                          (width 2048, sequence 2048, batch 4, bf16), interleaved; the
+                          issue's ratios; bench/host_overhead.py on the GPU; the codec
+                          kernels' GB/s. About 5 minutes (estimated from step counts).
+
+    python bench/gpu_check.py --only speed
+
+A stage other than install that finds no .venv-gpu runs install first (about 20 s on
+a machine with its CUDA torch installed), so any stage runs on a fresh machine.
+
 Measured on an H100 (2026-11-24, at f665372 and after): install 20 s, cuda_tests 44 to
 67 s, offload_overlap 32 s; the resnet sweep at its CUDA defaults (depths to 1001, 10
 rounds) ran past 510 s, so the stage runs the smaller sweep above (about 200 s); the
@@ -65,6 +79,7 @@ class Stage:
     name: str
     command: tuple
     limit_s: float
+    default: bool = True  # run when no --only names the stages
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,17 @@ def stages(python: str) -> list:
                                "--repeats", "5", "--scale-depths", "164,1001", "--depth-cap", "1001",
                                "--search-seconds", "30"), 330),
         Stage("transformer_sweep", (python, str(bench / "transformer_depth_sweep.py"), "--search-seconds", "120"), 330),
+        # Unbuffered: its progress lines reach the log as they happen.
+        Stage("speed", (python, "-u", str(bench / "gpu_speed.py")), 420, default=False),
     ]
+
+
+def with_install(selected: list, install: Stage, venv_ready: bool) -> list:
+    """``selected``, after the install stage where the venv every other stage runs
+    in is missing and install is not selected already."""
+    if venv_ready or not selected or any(stage.name == install.name for stage in selected):
+        return selected
+    return [install, *selected]
 
 
 def run_stage(stage: Stage) -> Outcome:
@@ -180,10 +205,11 @@ def install(venv: Path, torch_spec: str) -> int:
 
 def parse_arguments(argv) -> argparse.Namespace:
     names = [stage.name for stage in stages("python")]
+    default = [stage.name for stage in stages("python") if stage.default]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", type=lambda text: text.split(","), default=names,
-                        help=f"comma-separated stages to run, in their order (default: all of {','.join(names)}); "
-                             "a lease of 10 minutes a command runs them in several calls")
+    parser.add_argument("--only", type=lambda text: text.split(","), default=default,
+                        help=f"comma-separated stages to run, in their order (default: {','.join(default)}; "
+                             f"all: {','.join(names)}); a lease of 10 minutes a command runs them in several calls")
     parser.add_argument("--install", action="store_true", help="the install stage alone, without its time limit")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.only) - set(names))
@@ -201,7 +227,12 @@ def main(argv=None) -> int:
         return NO_GPU_EXIT
     if args.install:
         return install(VENV, os.environ.get("TORCH", "torch"))
-    outcomes = run_stages([s for s in stages(str(VENV / "bin" / "python")) if s.name in args.only])
+    every = stages(str(VENV / "bin" / "python"))
+    selected = [s for s in every if s.name in args.only]
+    to_run = with_install(selected, every[0], (VENV / "bin" / "python").exists())
+    if len(to_run) > len(selected):
+        print(f"[gpu-check] {VENV.name} is missing: install runs first", flush=True)
+    outcomes = run_stages(to_run)
     print(summary(outcomes), flush=True)
     return 0 if all(o.failure is None for o in outcomes) else 1
 

@@ -40,13 +40,15 @@ from .cli import SIZED_OPTIONS, parse_arguments, parse_budget, parse_depths, par
 from .measure import (MemTracker, _GlobalPeakMemTracker, activation_peak, interleaved_times, measure_step_memory,
                       sqnr_db, training_step)
 from .progress import Progress
-from .providers import PROVIDERS, REFERENCE, Provider, ProviderError, available_providers
+from .providers import (BLOCK_PROVIDERS, PROVIDERS, REFERENCE, BlockProvider, Provider, ProviderError,
+                        available_providers)
 from .report import MATPLOTLIB_MISSING, _fixed_width, _medians, max_depth_table, pyplot, save_figure
 from .results import RESULTS_DIR, csv_row, device_name, device_slug, run_metadata, write_csv
 from .search import MaxDepthSearch, deepest_fitting, search_max_depths
 from .workload import SEED, Measurement, MiB, Workload
 
 __all__ = [
+    "BLOCK_PROVIDERS", "BlockProvider",
     "MATPLOTLIB_MISSING", "PROVIDERS", "REFERENCE", "RESULTS_DIR", "SEED", "SIZED_OPTIONS", "MaxDepthSearch",
     "Measurement", "MemTracker", "MiB", "Progress", "Provider", "ProviderError", "Workload",
     "_GlobalPeakMemTracker", "_fixed_width", "_medians", "activation_peak", "available_providers", "deepest_fitting", "device_name",

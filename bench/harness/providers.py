@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import actsave
 
@@ -86,6 +86,59 @@ PROVIDERS = {
     ),
 }
 REFERENCE = "torch"
+
+
+class TorchCheckpointBlock(nn.Module):
+    """``torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)``: one
+    block checkpointed as torch's users write it, in a wrapper module as
+    :func:`actsave.wrap` puts each block in one (so both pay one more module call)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def _torch_checkpoint_blocks(model: nn.Module, block_class: type) -> nn.Module:
+    for name, child in list(model.named_children()):
+        if isinstance(child, block_class):
+            setattr(model, name, TorchCheckpointBlock(child))
+        else:
+            _torch_checkpoint_blocks(child, block_class)
+    return model
+
+
+@dataclass(frozen=True)
+class BlockProvider:
+    """How to checkpoint the blocks of a model that is not one chain (a transformer's
+    stack): ``build(model, block_class)`` wraps each block of ``model`` in place and
+    returns it. Give it a container of its own (``nn.Sequential(*shared)``) to share
+    the blocks, and so their parameters, with other providers."""
+
+    build: Callable[[nn.Module, type], nn.Module]
+    description: str
+    uses_actsave: bool = False
+
+
+def _actsave_blocks(**options) -> BlockProvider:
+    settings = "".join(f", {k}={v!r}" for k, v in options.items())
+    return BlockProvider(lambda model, block_class: actsave.wrap(model, block_class, **options),
+                         f"actsave.wrap(model, Block{settings})", uses_actsave=True)
+
+
+# The same names as PROVIDERS, per block instead of per segment.
+BLOCK_PROVIDERS = {
+    "torch": BlockProvider(lambda model, block_class: model, "plain blocks"),
+    "torch_ckpt": BlockProvider(_torch_checkpoint_blocks,
+                                "torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) per block"),
+    "actsave_none": _actsave_blocks(),
+    "actsave_int8": _actsave_blocks(compress="int8"),
+    "actsave_fp8": _actsave_blocks(compress="fp8"),
+    "actsave_offload": _actsave_blocks(offload=True),
+    "actsave_int8_offload": _actsave_blocks(compress="int8", offload=True),
+}
 
 
 class ProviderError(RuntimeError):

@@ -44,6 +44,18 @@ METRICS = {  # name -> unit
     # Rows before actsave kept max-pool decisions: a bench oracle recomputing at them.
     "worst_tensor_sqnr_forward_indices": "dB",
     "overall_sqnr_forward_indices": "dB",
+    # bench/host_overhead.py and bench/gpu_speed.py: per training step
+    "time_vs_torch_ckpt": "x",  # median over rounds of the step time over torch_ckpt's, same round
+    "time_vs_default": "x",  # likewise over actsave's default mode (actsave_none)
+    "aten_ops": "ops",  # aten operators dispatched (forward, loss, backward and recompute)
+    "aten_ops_backward": "ops",  # those of the backward, the recompute included
+    "triton_launches": "launches",
+    "syncs": "syncs",  # host-device synchronizations (harness/counts.py)
+    "host_enqueue": "ms",  # host time to enqueue a step, the GPU not awaited
+    "peak_mem_first_step": "MiB",  # allocator peak of a mode's first step (gradients allocated in it)
+    "est_peak_act_mem": "MiB",  # actsave.estimate's activation peak, meta tensors, cuda accounting
+    "live_peak_act_mem": "MiB",  # the same peak of a real step, tensor storages only (LiveBytes)
+    "allocations": "allocations",  # CUDA allocator allocations per step
     # bench/accuracy_parity.py: one value per seed
     "test_accuracy": "%",
     "accuracy_gap": "points",  # test accuracy minus torch's, same seed

@@ -1,0 +1,200 @@
+"""Host work per training step, held as budgets: aten operators, Triton launches and
+host-device syncs of one step of each provider of bench/host_overhead.py, counted by
+bench/harness/counts.py on small models on CPU (ResNet-56 b2 8x8, a 4-block GPT).
+These counts do not vary from run to run, so a change that adds operators, launches
+or syncs per step fails here; times are never asserted.
+
+Budgets are written three ways:
+- the speed issue's target, as a ratio to torch.utils.checkpoint's count (aten ops of
+  the default mode <= 1.05x torch_ckpt's), xfail until the runtime work lands;
+- formulas from the model's structure where one exists (Triton launches, syncs);
+- ceilings at today's counts, as ratios to torch_ckpt's (ATEN_OPS_CEILING): lower them
+  when host work is removed, never raise them without saying why in the commit.
+"""
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import actsave
+from actsave.triton_kernels import kernel_table
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+LOSSY = ("actsave_int8", "actsave_fp8", "actsave_int8_offload")
+CASES = ("resnet56", "gpt4")
+
+
+def _import_from_bench(name: str):
+    sys.path.insert(0, str(BENCH))  # the script imports harness and models from bench/
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def host_overhead():
+    return _import_from_bench("host_overhead")
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return _import_from_bench("harness.counts")
+
+
+@pytest.fixture(scope="module")
+def measured(host_overhead):
+    """{case: (models, batch, counts, counts again)}: every provider warmed up (the
+    default mode plans at its first call), then counted twice."""
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    runs = {}
+    for name in CASES:
+        case = host_overhead.parse_case(name)
+        models, batch = host_overhead.build_models(case, list(host_overhead.PROVIDER_NAMES), cpu)
+        for model in models.values():
+            for _ in range(2):
+                host_overhead.train_step(model, batch)
+        runs[name] = (models, batch, host_overhead.count_models(models, batch, cpu),
+                      host_overhead.count_models(models, batch, cpu))
+    return runs
+
+
+def test_counts_are_the_same_every_step(measured):
+    for name, (_, _, counts, again) in measured.items():
+        for provider, c in counts.items():
+            d = again[provider]
+            assert (c.aten_ops_forward, c.aten_ops_backward, c.triton_launches, c.syncs) == (
+                d.aten_ops_forward, d.aten_ops_backward, d.triton_launches, d.syncs), (name, provider)
+
+
+def test_the_counter_sees_the_backward_and_the_recompute(host_overhead, counts, measured):
+    # A checkpoint's recompute runs the forward's operators inside backward: the
+    # dispatch mode must see them there (and never does for plain torch).
+    models, batch, *_ = measured["resnet56"]
+    recomputed = {}
+    for provider in ("torch", "torch_ckpt", "actsave_none"):
+        ops = counts.AtenOps()
+        with ops:
+            loss = host_overhead.forward_loss(models[provider], batch)
+            ops.phase = "backward"
+            loss.backward()
+        recomputed[provider] = ops.by_phase["backward", "aten.convolution.default"]
+        assert ops.by_phase["backward", "aten.convolution_backward.default"] > 0
+    assert recomputed["torch"] == 0
+    assert recomputed["torch_ckpt"] > 0 and recomputed["actsave_none"] > 0
+
+
+def test_the_counters_catch_a_sync_and_a_launch(counts):
+    x = torch.randn(4, 256, requires_grad=True)
+
+    def forward():
+        y = (x * 2).relu()
+        y[y > 1].sum().item()  # a mask index and a read back: two syncs on CUDA
+        with actsave.backend("triton"):
+            actsave.checkpoint(torch.nn.functional.gelu, y, compress="int8")  # one encode
+        return y.sum()
+
+    c = counts.count_step(forward, lambda loss: loss.backward(), torch.device("cpu"))
+    assert c.syncs == 2 and set(c.syncs_by_op) == {"aten.index.Tensor", "aten._local_scalar_dense.default"}
+    assert c.triton_launches == 1 and list(c.launches_by_kernel) == ["_encode_int8_kernel"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_mode_syncs(measured, case):
+    # Every mode must run its step without waiting for the device: a sync stalls the
+    # host behind the GPU, and with it every kernel launch after it.
+    _, _, counts, _ = measured[case]
+    assert {provider: c.syncs for provider, c in counts.items()} == dict.fromkeys(counts, 0)
+
+
+def _codec_kernels() -> set:
+    return {kernel.jit.fn.__name__ for kernel in kernel_table().values()}
+
+
+def _relu_ops_per_layer(counts, chain, inputs) -> list:
+    """aten.relu calls of each layer of ``chain`` in a forward: each is a ReLU output
+    whose decisions a lossy recompute keeps (runtime/relu_signs.py)."""
+    per_layer, x = [], inputs
+    with torch.no_grad():
+        for layer in chain:
+            with counts.AtenOps() as ops:
+                x = layer(x)
+            per_layer.append(ops.by_phase["forward", "aten.relu.default"])
+    return per_layer
+
+
+def test_triton_launches_of_the_resnet_follow_its_segments(counts, measured):
+    # Per step, under a lossy codec: one encode (forward) and one decode (recompute)
+    # per kept input, i.e. per checkpointed segment but the first (it keeps the batch,
+    # a leaf, by reference; the last segment is not checkpointed, and with balanced
+    # segments autograd keeps its saves). Decisions (ReLU signs) kept per ReLU output
+    # of those segments: packed by torch ops today (no launch); a decision kernel may
+    # take at most one launch to pack and one to restore each.
+    models, batch, step_counts, _ = measured["resnet56"]
+    codec = _codec_kernels()
+    for provider in LOSSY:
+        model = models[provider]
+        plan = model.balanced_plan
+        stops = [*plan.starts[1:], plan.n_layers]
+        kept = [(start, stop) for j, (start, stop) in enumerate(zip(plan.starts[:-1], stops))
+                if start > 0 and not plan.stored[j]]
+        relus = _relu_ops_per_layer(counts, model, batch[0])
+        decisions = sum(sum(relus[start:stop]) for start, stop in kept)
+        launched = step_counts[provider].launches_by_kernel
+        codec_launches = sum(n for kernel, n in launched.items() if kernel in codec)
+        decision_launches = sum(n for kernel, n in launched.items() if kernel not in codec)
+        assert len(kept) >= 3 and decisions > 0
+        assert codec_launches == 2 * len(kept), (provider, launched, plan.starts)
+        assert decision_launches in (0, decisions, 2 * decisions), (provider, launched, decisions)
+    for provider in ("torch", "torch_ckpt", "actsave_none", "actsave_offload"):
+        assert step_counts[provider].triton_launches == 0
+
+
+def test_triton_launches_of_the_gpt_follow_its_blocks(measured):
+    # actsave.wrap keeps each block's input (the first block's is the embedding's
+    # output, not a leaf): one encode and one decode per block under a lossy codec.
+    models, _, counts, _ = measured["gpt4"]
+    blocks = sum(isinstance(m, actsave.Checkpoint) for m in models["actsave_int8"].modules())
+    assert blocks == 4
+    for provider in LOSSY:
+        assert counts[provider].triton_launches == 2 * blocks, counts[provider].launches_by_kernel
+        assert set(counts[provider].launches_by_kernel) <= _codec_kernels()
+    for provider in ("torch", "torch_ckpt", "actsave_none", "actsave_offload"):
+        assert counts[provider].triton_launches == 0
+
+
+# The speed issue's target: the default mode's step runs at most 5% more aten
+# operators than torch.utils.checkpoint's (checkpoint_sequential, same segments count
+# for the ResNet; checkpoint per block for the GPT). Today: ResNet-56 1.353x (ResNet-164
+# 1.337x), GPT-4 1.123x.
+@pytest.mark.xfail(strict=True, reason="speed issue: the runtime's host work per module and per saved tensor "
+                                       "is being removed; flip this when the default mode's aten ops reach "
+                                       "1.05x torch_ckpt's")
+@pytest.mark.parametrize("case", CASES)
+def test_default_mode_runs_as_many_aten_ops_as_torch_checkpoint(measured, case):
+    _, _, counts, _ = measured[case]
+    assert counts["actsave_none"].aten_ops <= 1.05 * counts["torch_ckpt"].aten_ops
+
+
+# Ceilings on aten ops per step as multiples of torch_ckpt's in the same run, at
+# 4bd265e + this bench (torch 2.13, CPU, codecs by their Triton kernels as on a GPU):
+# today's ratio plus 0.005. Lower a figure when the runtime removes host work.
+ATEN_OPS_CEILING = {
+    "resnet56": {"torch": 0.568, "actsave_none": 1.358, "actsave_int8": 2.193, "actsave_fp8": 2.193,
+                 "actsave_offload": 1.421, "actsave_int8_offload": 2.809},
+    "gpt4": {"torch": 0.638, "actsave_none": 1.128, "actsave_int8": 1.171, "actsave_fp8": 1.171,
+             "actsave_offload": 1.195, "actsave_int8_offload": 1.306},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_aten_ops_stay_within_their_ceilings(measured, case):
+    _, _, counts, _ = measured[case]
+    reference = counts["torch_ckpt"].aten_ops
+    ratios = {provider: round(c.aten_ops / reference, 4) for provider, c in counts.items() if provider != "torch_ckpt"}
+    over = {provider: (ratio, ATEN_OPS_CEILING[case][provider]) for provider, ratio in ratios.items()
+            if ratio > ATEN_OPS_CEILING[case][provider]}
+    assert not over, f"aten ops per step over their ceiling (ratio to torch_ckpt, ceiling): {over}"
