@@ -83,7 +83,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from .._torch import TorchDispatchMode, pytree
 from ..errors import RecomputeError
 from . import relu_signs
-from .layers import known_layers, modules_under
+from .layers import LayerChain, known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState, TouchedState
@@ -241,11 +241,15 @@ class _Frame:
             return self._fill(next(counter), tensor, into, count, lossy)
 
         pools = self.pools.watching() if lossy and self.keeps_decisions else contextlib.nullcontext()
+        chain = isinstance(self.function, LayerChain)
         try:
-            with self.replaying(self.replay, fill), pools:
+            with self.replaying(self.replay, fill, scratch=not chain), pools:
                 args, kwargs = inputs()  # under enable_grad: see KeptInputs.restore()
                 with self.logged("recompute"):
-                    self.function(*args, **kwargs)
+                    if chain:
+                        self._run_chain(*args)
+                    else:
+                        self.function(*args, **kwargs)
         except _AllSlotsFilled:
             pass
         produced = next(counter)
@@ -257,12 +261,27 @@ class _Frame:
                 "same shapes) or do not checkpoint it."
             )
 
+    def _run_chain(self, x):
+        """The recompute of a LayerChain: its layers in turn, each that owns state the
+        forward mutated on scratch copies of it while it runs, so that no copy outlives
+        its layer but what autograd saves (the memory model counts no other:
+        NOTE [ State a forward reads and mutates ])."""
+        mutated = self.touched.mutated_layers()
+        for i, layer in enumerate(self.function.layers):
+            if i in mutated:
+                with self.touched.mutated_once(range(i, i + 1)):
+                    x = layer(x)
+            else:
+                x = layer(x)
+        return x
+
     @contextlib.contextmanager
-    def replaying(self, replay: ReplayState, fill: Callable):
+    def replaying(self, replay: ReplayState, fill: Callable, scratch: bool = True):
         """What every recompute runs under: grad on, ``replay``'s RNG and autocast state,
-        the forward's mutated module state in scratch copies, ``fill`` taking each save."""
-        with _recomputing(), torch.enable_grad(), replay.replayed(), self.touched.mutated_once(), \
-                saved_tensors_hooks(fill, _identity):
+        the forward's mutated module state in scratch copies (``scratch=False``: the
+        caller makes them, part by part), ``fill`` taking each save."""
+        copies = self.touched.mutated_once() if scratch else contextlib.nullcontext()
+        with _recomputing(), torch.enable_grad(), replay.replayed(), copies, saved_tensors_hooks(fill, _identity):
             yield
 
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:

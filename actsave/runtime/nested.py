@@ -157,7 +157,7 @@ class _NestedFrame(_Frame):
         self._filling = None
         try:
             self.touched.check_unchanged(self.function.__qualname__)
-            with self.replaying(replay, self._fill_next):
+            with self.replaying(replay, self._fill_next, scratch=False):
                 (x,), _ = kept.restore()
                 self._run_parts(r, x)
         except _AllSlotsFilled:
@@ -175,13 +175,16 @@ class _NestedFrame(_Frame):
         needed = [j for j, p in enumerate(parts) if p.recomputed or self.slot_at[p.stop] > self.slot_at[p.start]]
         last = needed[-1] if needed and self.options.early_stop else None
         for j, part in enumerate(parts):
-            if part.recomputed:
-                x = self._keep_and_skip(part, x, stop=j == last)
-            else:
-                # Handed over in a list, so that this frame holds no reference to the
-                # part's input while the part runs (a layer that does not save it frees it).
-                handed, x = [x], None
-                x = self._run_stored(part, handed, self.slot_at[part.stop] - 1 if j == last else None)
+            # The state the forward mutated, in copies while this part runs: the
+            # copies of a part run without grad are not held to the pass's end.
+            with self.touched.mutated_once(range(part.start, part.stop)):
+                if part.recomputed:
+                    x = self._keep_and_skip(part, x, stop=j == last)
+                else:
+                    # Handed over in a list, so that this frame holds no reference to the
+                    # part's input while the part runs (a layer that does not save it frees it).
+                    handed, x = [x], None
+                    x = self._run_stored(part, handed, self.slot_at[part.stop] - 1 if j == last else None)
 
     def _keep_and_skip(self, part: Range, x: torch.Tensor, stop: bool) -> torch.Tensor:
         """Keep ``part``'s input for its own pass; run it without saving."""

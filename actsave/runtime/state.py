@@ -121,13 +121,16 @@ class TouchedState:
     (:class:`_HookedState`). Then:
 
     - Mutated buffers (versions moved during the forward) are mutated once: the
-      recompute runs each call of the layer that owns them (known layers; the module
-      itself otherwise) on scratch copies, made by one foreach copy per dtype as the
-      call starts and put back to the originals as it returns, so no copy outlives its
-      call but what autograd saves of it (BatchNorm saves its running statistics).
-      One rule for every module, BatchNorm included, with no list of module types.
-      Turning ``track_running_stats`` off instead would change which tensors autograd
-      saves, and the recompute must save what the forward saved.
+      recompute runs on scratch copies of them, made by one foreach copy per dtype,
+      not a clone per buffer per module call, and puts the originals back after.
+      The copies live while their layer runs: each layer of a LayerChain (function.py,
+      ``_Frame._run_chain``) or part of a nested pass (nested.py) that owns mutated
+      state runs on copies made as it starts; any other function, for its whole pass.
+      So no copy outlives its layer but what autograd saves of it (BatchNorm saves its
+      running statistics, which the profile counts among the layer's saves), as the
+      memory model counts. One rule for every module, BatchNorm included, with no list
+      of module types. Turning ``track_running_stats`` off instead would change which
+      tensors autograd saves, and the recompute must save what the forward saved.
     - A module whose tensors moved has all of its buffers mutated, not the moved ones
       only: BatchNorm's kernel updates its running statistics without moving their
       versions (only ``num_batches_tracked`` moves). Buffers only: a scratch copy of a
@@ -183,13 +186,33 @@ class TouchedState:
                     "weights), or change a copy."
                 )
 
-    def mutated_once(self):
-        """While active, each call (in this thread) of a module whose state the forward
-        mutated runs on scratch copies of that state, made as the call starts; the
-        originals are put back as it returns. A recompute so holds no copy beyond the
-        call that made it, except what autograd saves (BatchNorm's running statistics,
-        which the profile counts among the layer's saves), wherever a nested pass
-        starts or stops (memory_model.py counts no other copy)."""
+    @contextlib.contextmanager
+    def mutated_once(self, layers: Optional[range] = None):
+        """While active, the buffers the forward mutated (of the known layers whose
+        indices are in ``layers``; all of them by default) are scratch copies, made by one
+        foreach copy per dtype as it starts, the originals put back as it ends. A
+        recompute pass runs under it: the module state it mutates is the copies'."""
+        present = []
+        for module, name in self._mutated_buffers(layers):
+            table = own_tensors(module, "buffers")
+            if table.get(name) is not None:
+                present.append((table, name, table[name]))
+        for (table, name, _), copy in zip(present, copies_of([original for *_, original in present])):
+            table[name] = copy
+        try:
+            yield
+        finally:
+            for table, name, original in present:
+                table[name] = original
+
+    def mutated_layers(self) -> set:
+        """The indices of the known layers that own state the forward mutated (none
+        where the layers are not known)."""
+        return set()
+
+    def _mutated_buffers(self, layers: Optional[range]) -> list:
+        """``[(module, buffer name)]``, each once, that the forward mutated (so far,
+        while it runs: a backward inside the forward recomputes too)."""
         raise NotImplementedError
 
     def _note(self, tensor: torch.Tensor, label: tuple) -> None:
@@ -238,17 +261,9 @@ class _LayerState(TouchedState):
             self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
-        moved = {}  # module -> its layer index
-        for index, module, kind, name, tensor, was in self._before:
-            now = own_tensors(module, kind).get(name)
-            if now is not tensor or (now is not None and version(now) != was):
-                moved[module] = index
-        mutated, mutated_ids = {}, set()
-        for module, index in moved.items():
-            for name, buffer in own_tensors(module, "buffers").items():
-                if buffer is not None:
-                    mutated.setdefault(index, []).append((module, name))
-                    mutated_ids.add(id(buffer))
+        mutated = self._mutated_by_layer(self._moved())
+        mutated_ids = {id(own_tensors(module, "buffers")[name]) for buffers in mutated.values()
+                       for module, name in buffers}
         state = [(weakref.ref(tensor), (kind[:-1], name, type(module)))
                  for _, module, kind, name, tensor, _ in self._before
                  if own_tensors(module, kind).get(name) is tensor]
@@ -256,55 +271,36 @@ class _LayerState(TouchedState):
         self._mutated = mutated
         self._before, self._state_ids = [], set()
 
-    @contextlib.contextmanager
-    def mutated_once(self):
-        if not self._mutated:
-            yield
-            return
-        handles = []
-        swaps = [_ScratchSwap(buffers) for buffers in self._mutated.values()]
-        try:
-            for index, swap in zip(self._mutated, swaps):
-                layer = self._layers[index]
-                # Prepended: the layer's own hooks (a user's) see the copies, as the
-                # module's forward does.
-                handles.append(layer.register_forward_pre_hook(swap.use_copies, prepend=True))
-                handles.append(layer.register_forward_hook(swap.put_back, prepend=True, always_call=True))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            for swap in swaps:  # a call that raised before its hook ran
-                swap.put_all_back()
+    def _moved(self) -> dict:
+        """``{module: its layer index}`` of the modules whose state moved since the
+        forward started: a tensor changed in place, or replaced."""
+        moved = {}
+        for index, module, kind, name, tensor, was in self._before:
+            now = own_tensors(module, kind).get(name)
+            if now is not tensor or (now is not None and version(now) != was):
+                moved[module] = index
+        return moved
 
+    @staticmethod
+    def _mutated_by_layer(moved: dict) -> dict:
+        """``{layer index: [(module, buffer name)]}``: every buffer of a moved module
+        (NOTE [ State a forward reads and mutates ])."""
+        mutated = {}
+        for module, index in moved.items():
+            for name, buffer in own_tensors(module, "buffers").items():
+                if buffer is not None:
+                    mutated.setdefault(index, []).append((module, name))
+        return mutated
 
-class _ScratchSwap:
-    """The mutated buffers of one layer, swapped for scratch copies while the layer
-    runs (in the thread that made it); a stack, for a layer called twice."""
+    def mutated_layers(self) -> set:
+        return set(self._mutated_now())
 
-    def __init__(self, buffers: list):
-        self._buffers = buffers  # [(module, name)]
-        self._thread = threading.get_ident()
-        self._swapped = []  # one list of (module, name, original) per running call
+    def _mutated_buffers(self, layers: Optional[range]) -> list:
+        return [buffer for index, buffers in self._mutated_now().items() if layers is None or index in layers
+                for buffer in buffers]
 
-    def use_copies(self, layer, args) -> None:
-        if threading.get_ident() != self._thread:
-            return
-        present = [(module, name, own_tensors(module, "buffers").get(name)) for module, name in self._buffers]
-        present = [entry for entry in present if entry[2] is not None]
-        for (module, name, _), copy in zip(present, copies_of([entry[2] for entry in present])):
-            own_tensors(module, "buffers")[name] = copy
-        self._swapped.append(present)
-
-    def put_back(self, layer, args, output) -> None:
-        if threading.get_ident() == self._thread and self._swapped:
-            for module, name, original in self._swapped.pop():
-                own_tensors(module, "buffers")[name] = original
-
-    def put_all_back(self) -> None:
-        while self._swapped:
-            for module, name, original in self._swapped.pop():
-                own_tensors(module, "buffers")[name] = original
+    def _mutated_now(self) -> dict:
+        return self._mutated if not self._before else self._mutated_by_layer(self._moved())
 
 
 class _HookedState(TouchedState):
@@ -332,33 +328,8 @@ class _HookedState(TouchedState):
         self._take_versions(mutated)
         self._calls = []
 
-    @contextlib.contextmanager
-    def mutated_once(self):
-        mutated = {}  # module -> [(module, name)]
-        for module, kind, name in self._mutated:
-            mutated.setdefault(module, []).append((module, name))
-        if not mutated:
-            yield
-            return
-        swaps = {module: _ScratchSwap(buffers) for module, buffers in mutated.items()}
-
-        def use_scratch_copies(module, args):
-            if module in swaps:
-                swaps[module].use_copies(module, args)
-
-        def put_originals_back(module, args, output):
-            if module in swaps:
-                swaps[module].put_back(module, args, output)
-
-        pre = register_module_forward_pre_hook(use_scratch_copies)
-        post = register_module_forward_hook(put_originals_back, always_call=True)
-        try:
-            yield
-        finally:
-            pre.remove()
-            post.remove()
-            for swap in swaps.values():  # a call that raised before its module's hook
-                swap.put_all_back()
+    def _mutated_buffers(self, layers: Optional[range]) -> list:
+        return [(module, name) for module, _, name in self._mutated]
 
     def _before_module(self, module, args) -> None:
         if threading.get_ident() != self._thread:

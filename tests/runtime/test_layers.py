@@ -81,13 +81,15 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_layer_whose_statistics_the_forward_mutated_recomputes_on_one_foreach_copy_per_dtype():
-    # Three BatchNorms in one layer: its recompute copies their nine buffers (float
-    # statistics and int64 batch counts) in two foreach ops, not nine clones.
-    block = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.BatchNorm1d(8), nn.BatchNorm1d(8), nn.Tanh())
-    model = actsave.CheckpointedSequential(block, nn.Linear(8, 2), segments=[0, 1])
+def test_a_recompute_copies_the_state_its_forward_mutated_in_one_foreach_op_per_dtype():
+    # Two segments of three BatchNorms each: each recompute copies its nine buffers
+    # (float statistics and int64 batch counts) in two foreach ops, not nine clones.
+    def block():
+        return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.BatchNorm1d(8), nn.BatchNorm1d(8), nn.Tanh())
+
+    model = actsave.CheckpointedSequential(block(), block(), nn.Linear(8, 2), segments=[0, 1, 2])
     out = model(torch.randn(4, 8)).sum()
     with OpCounter() as counter:
         out.backward()
-    assert counter.counts["aten._foreach_mul.Scalar"] == 2
+    assert counter.counts["aten._foreach_mul.Scalar"] == 2 * 2
     assert counter.counts["aten.clone.default"] == 0
