@@ -8,7 +8,9 @@ Phases, each with a progress line and its elapsed time, results written after ea
 
 - ``resnet``: ResNet-164 b512 32x32 fp32, every provider of harness.PROVIDERS but
   actsave_auto (plain, torch_ckpt = checkpoint_sequential, actsave default, int8, fp8,
-  offload, int8+offload).
+  offload, int8+offload); then host profiles of a few providers (cProfile's
+  functions, torch.profiler's operators by CPU and device time) in
+  ``<gpu>-speed-profile-resnet164.txt``.
 - ``gpt``: 16 GPT blocks (bench/models.TransformerBlock, pre-LN, causal SDPA) at width
   2048, 16 heads, sequence 2048, batch 4, vocabulary 8192, bf16: plain, torch's
   checkpoint per block, ``actsave.wrap(model, TransformerBlock)`` default, int8,
@@ -49,8 +51,11 @@ then the counted steps; the GPT's are shorter); kernels 40 s (18 kernel builds, 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import os
+import pstats
 import signal
 import statistics
 import subprocess
@@ -79,6 +84,8 @@ MiB = 2**20
 PHASES = ("resnet", "gpt", "host", "kernels")
 RESNET_PROVIDERS = ("torch", "torch_ckpt", "actsave_none", "actsave_int8", "actsave_fp8", "actsave_offload",
                     "actsave_int8_offload")
+# Profiled after the ResNet's rounds, on CUDA: where the host time of a step goes.
+RESNET_PROFILED = ("torch_ckpt", "actsave_none", "actsave_int8", "actsave_offload")
 GPT_PROVIDERS = ("torch", "torch_ckpt", "actsave_none", "actsave_int8", "actsave_offload", "actsave_int8_offload")
 # The issue's ratios: (numerator, denominator) of paired step times.
 RESNET_RATIOS = (("actsave_none", "torch_ckpt"), ("actsave_int8", "actsave_none"), ("actsave_offload", "actsave_none"),
@@ -202,9 +209,10 @@ def _step(model, batch) -> float:
 
 
 def measure_case(case: host_overhead.Case, names, warmup: int, rounds: int, device: torch.device,
-                 clock: Clock) -> dict:
+                 clock: Clock, profiled: tuple = (), profile_path: Optional[Path] = None) -> dict:
     """``{name: ModeResult}`` (module docstring). A provider that runs out of memory
-    is reported so and left out of the rounds after."""
+    is reported so and left out of the rounds after. The providers in ``profiled``
+    are profiled after the rounds, into ``profile_path`` (:func:`profile_steps`)."""
     models, batch, plain = build_shared(case, names, device)
     memory = Memory(device)
     results = {name: ModeResult() for name in names}
@@ -264,6 +272,9 @@ def measure_case(case: host_overhead.Case, names, warmup: int, rounds: int, devi
             if peak is not None:
                 result.act_peaks.append(peak + inputs)
                 result.allocations.append(allocations)
+    if profiled and profile_path is not None:
+        clock.log(f"{case.name}: profiling {', '.join(profiled)}")
+        profile_steps({name: alive[name] for name in profiled if name in alive}, batch, profile_path, device)
     clock.log(f"{case.name}: one step each under LiveBytes")
     for name, model in list(alive.items()):
         model.zero_grad(set_to_none=False)
@@ -272,6 +283,38 @@ def measure_case(case: host_overhead.Case, names, warmup: int, rounds: int, devi
     del models, alive, plain, batch
     _release(device)
     return results
+
+
+def profile_steps(models: dict, batch: tuple, path: Path, device: torch.device) -> None:
+    """Where each provider's step spends host time: Python functions by their own time
+    (cProfile, two steps) and operators by self CPU and self device time
+    (torch.profiler, one step), written to ``path``; a failure is written there too."""
+    sections = []
+    for name, model in models.items():
+        try:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(2):
+                _step(model, batch)
+            Memory(device).synchronize()
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=activities) as prof:
+                _step(model, batch)
+                Memory(device).synchronize()
+            averages = prof.key_averages()
+            sections.append(f"## {name}: cProfile of two steps (by own time)\n{text.getvalue()}\n"
+                            f"## {name}: operators of one step by self CPU time\n"
+                            f"{averages.table(sort_by='self_cpu_time_total', row_limit=25)}\n"
+                            f"## {name}: operators of one step by self device time\n"
+                            f"{averages.table(sort_by='self_device_time_total', row_limit=25)}")
+        except Exception:
+            sections.append(f"## {name}: profiling failed\n{traceback.format_exc()}")
+        path.write_text("\n\n".join(sections) + "\n")
 
 
 def _mib(nbytes) -> str:
@@ -393,9 +436,11 @@ def run_phase(report: Report, failures: list, title: str, function) -> None:
         report.add(f"{title}: FAILED", text)
 
 
-def case_phase(case, names, providers, pairs, args, device, clock, report, csv, metadata, failures) -> None:
+def case_phase(case, names, providers, pairs, args, device, clock, report, csv, metadata, failures,
+               profiled: tuple = ()) -> None:
     clock.log(f"{case.name}: {case.description}")
-    results = measure_case(case, names, args.warmup, args.rounds, device, clock)
+    profile_path = csv.with_name(f"{csv.stem}-speed-profile-{case.name}.txt")
+    results = measure_case(case, names, args.warmup, args.rounds, device, clock, profiled, profile_path)
     notes = [f"{name}: {note}" for name, r in results.items() for note in r.notes]
     report.add(f"{case.description}  (step: median wall ms; ratios: medians of per-round ratios)",
                "\n".join([speed_table(results), *ratio_lines(results, pairs), *notes]))
@@ -445,7 +490,7 @@ def main(argv=None) -> int:
         case = host_overhead.resnet_case(s["depth"], s["batch"], s["image"])
         run_phase(report, failures, case.name, lambda: case_phase(
             case, RESNET_PROVIDERS, harness.PROVIDERS, RESNET_RATIOS, args, device, clock, report, csv, metadata,
-            failures))
+            failures, RESNET_PROFILED))
     if "gpt" in args.phases:
         s = sizes["gpt"]
         case = host_overhead.gpt_case(s["blocks"], s["width"], s["heads"], s["vocab"], s["seq_len"], s["batch"],
