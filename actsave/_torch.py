@@ -102,15 +102,16 @@ _EXACT_TIMES_ONE = frozenset({torch.float64, torch.float32, torch.float16, torch
 
 
 def copies_of(tensors: list) -> list:
-    """A copy of each of ``tensors``, in order, made by one foreach launch per device
-    and dtype rather than one per tensor. PyTorch has no foreach clone; a foreach
-    multiply by one is a copy in the dtypes it gives back exactly, and any other
-    tensor is cloned."""
+    """A copy of each of ``tensors``, in order, made by one foreach call per device
+    rather than one clone per tensor. PyTorch has no foreach clone; a foreach multiply
+    by one is a copy in the dtypes it gives back exactly, and any other tensor is
+    cloned. One call for mixed dtypes: on CUDA it launches a kernel per tensor (the
+    multi-tensor kernel takes one dtype), as the clones did, for one host call."""
     copies = [None] * len(tensors)
-    groups = {}  # (device, dtype) -> positions
+    groups = {}  # device -> positions
     for i, tensor in enumerate(tensors):
         if tensor.dtype in _EXACT_TIMES_ONE:
-            groups.setdefault((tensor.device, tensor.dtype), []).append(i)
+            groups.setdefault(tensor.device, []).append(i)
         else:
             copies[i] = tensor.clone()
     for positions in groups.values():

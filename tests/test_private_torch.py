@@ -1,4 +1,5 @@
 """The helpers of actsave/_torch.py that do more than name a private API."""
+import pytest
 import torch
 
 from actsave._torch import copies_of, default_device
@@ -30,3 +31,12 @@ def test_the_default_device_is_read_as_torch_reads_it():
     finally:
         torch.set_default_device(None)
     assert default_device() == torch.device("cpu")
+
+
+@pytest.mark.cuda
+def test_copies_of_mixed_dtypes_on_cuda_have_the_same_bits():
+    tensors = [torch.tensor([-0.0, float("nan"), 2.5], device="cuda"), torch.tensor(7, device="cuda"),
+               torch.tensor([True], device="cuda"), torch.randn(1000, device="cuda", dtype=torch.bfloat16)]
+    for original, copy in zip(tensors, copies_of(tensors)):
+        assert copy.dtype == original.dtype and torch.equal(bits(copy), bits(original))
+        assert copy.data_ptr() != original.data_ptr()
