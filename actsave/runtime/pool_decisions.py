@@ -51,7 +51,8 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
-from . import bitfields
+from ..triton_kernels import bitfields
+from ..triton_kernels.bitfields import field_bits
 
 # The plain max pools and the number of spatial dimensions each pools over.
 _PLAIN_POOLS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
@@ -93,8 +94,8 @@ class Window:
     @property
     def bits(self) -> int:
         """Bits per offset: the fewest of 1, 2, 4, 8 that hold ``size`` values (whole
-        offsets per byte keep packing to shifts)."""
-        return next(b for b in (1, 2, 4, 8) if self.size <= 2 ** b)
+        offsets per byte keep packing to shifts; NOTE [ bit fields ])."""
+        return field_bits(self.size)
 
     def output_size(self, input_size: tuple) -> tuple:
         """The pooled spatial size of ``input_size``, as ATen's ``pooling_output_shape``."""

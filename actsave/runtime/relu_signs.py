@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from .._torch import is_relu_node
-from . import bitfields
+from ..triton_kernels import bitfields
 
 
 def is_relu_output(tensor: torch.Tensor) -> bool:
