@@ -537,7 +537,10 @@ def _check_packed(packed: torch.Tensor, count: int, bits: int) -> None:
 #   nothing carries and byte 7 of the product is the packed byte. The product is taken
 #   modulo 2**64: torch's int64 multiply wraps (two's complement) on CPU and CUDA, and
 #   the tests hold these bits to a plain packing (bitfields.pack).
-# - Unpacking looks each byte up in a 256-entry table of its 8 fields.
+# - Unpacking looks each byte up in a 256-entry table of its 8 fields. A ReLU restore
+#   zeroes the blocked elements by a bitwise and of their bits, not masked_fill_ (on a
+#   CPU, torch's masked_fill_ and where take one element at a time; the and is
+#   vectorized).
 # - A window offset is linear in the flat index once the index's coordinates are known,
 #   and those are a floor division each; the window starts' part, which depends only on
 #   the output position, is a small cached table (decisions_tables).
@@ -558,11 +561,14 @@ def pack_relu_signs_ref(y: torch.Tensor) -> torch.Tensor:
 def restore_relu_signs_ref_(y: torch.Tensor, bits: torch.Tensor) -> None:
     """The specification of :func:`restore_relu_signs_`."""
     _check_packed(bits, y.numel(), 1)
-    blocked = _blocked_table(y.device).index_select(0, bits.to(torch.int32)).view(torch.bool)[:y.numel()].view(y.shape)
+    keep = _keep_table(y.device).index_select(0, bits.to(torch.int32)).view(torch.int8)[:y.numel()].view(y.shape)
     with torch.no_grad():
         # Passing elements are lifted to the smallest positive normal at least (clamp
-        # keeps NaN), then the blocked ones zeroed.
-        y.clamp_min_(torch.finfo(y.dtype).tiny).masked_fill_(blocked, 0)
+        # keeps NaN); then every bit of a blocked element is cleared (+0.0, whatever the
+        # recompute gave, NaN included) by an and with its keep mask, 0 or -1 widened
+        # with its sign to y's width.
+        y.clamp_min_(torch.finfo(y.dtype).tiny)
+        y.view(_BITS_OF_SIZE[y.element_size()]).bitwise_and_(keep)
 
 
 @lru_cache(maxsize=None)
@@ -573,10 +579,10 @@ def _field_table(bits: int, device: torch.device) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def _blocked_table(device: torch.device) -> torch.Tensor:
-    """[256] int64: for each byte of ReLU decisions, its 8 blocked flags (1 - bit) as the
-    bytes of one little-endian int64."""
-    return (1 - _field_table(1, device)).view(torch.int64).view(256)
+def _keep_table(device: torch.device) -> torch.Tensor:
+    """[256] int64: for each byte of ReLU decisions, its 8 keep masks (int8: -1 where
+    the forward passed, 0 where it blocked) as the bytes of one little-endian int64."""
+    return (-_field_table(1, device).to(torch.int8)).view(torch.int64).view(256)
 
 
 class _Tables(NamedTuple):
