@@ -544,6 +544,10 @@ def _check_packed(packed: torch.Tensor, count: int, bits: int) -> None:
 # - A window offset is linear in the flat index once the index's coordinates are known,
 #   and those are a floor division each; the window starts' part, which depends only on
 #   the output position, is a small cached table (decisions_tables).
+# - Tables are made once per device and kept (a tracker of live bytes, LiveBytes or
+#   MemTracker, sees them made once: the planner's profile makes them before it
+#   measures). Meta tensors hold no data: there the references use no table and make
+#   the same allocations, so an estimate does not depend on what ran before it.
 _BYTE_GATHER = 0x0102040810204080
 
 
@@ -561,7 +565,12 @@ def pack_relu_signs_ref(y: torch.Tensor) -> torch.Tensor:
 def restore_relu_signs_ref_(y: torch.Tensor, bits: torch.Tensor) -> None:
     """The specification of :func:`restore_relu_signs_`."""
     _check_packed(bits, y.numel(), 1)
-    keep = _keep_table(y.device).index_select(0, bits.to(torch.int32)).view(torch.int8)[:y.numel()].view(y.shape)
+    codes = bits.to(torch.int32)
+    if y.device.type == "meta":  # NOTE [ Cheap references ]: no table, the same allocations
+        words = torch.empty(codes.shape, dtype=torch.int64, device=y.device)
+    else:
+        words = _keep_table(y.device).index_select(0, codes)
+    keep = words.view(torch.int8)[:y.numel()].view(y.shape)
     with torch.no_grad():
         # Passing elements are lifted to the smallest positive normal at least (clamp
         # keeps NaN); then every bit of a blocked element is cleared (+0.0, whatever the
@@ -585,58 +594,73 @@ def _keep_table(device: torch.device) -> torch.Tensor:
     return (-_field_table(1, device).to(torch.int8)).view(torch.int64).view(256)
 
 
-class _Tables(NamedTuple):
-    """A pool's reference tables on one device (decisions_tables)."""
+class _PoolPlan(NamedTuple):
+    """How the pool references compute a geometry's offsets (decisions_plan)."""
 
+    bits: int  # per offset
     dtype: torch.dtype  # of the offsets being computed: holds every partial sum
     denominator: int  # L: offsets are computed times L, then divided
-    coefficients: tuple  # of idx // (elements per step along d), per spatial dimension
-    starts: torch.Tensor  # L * (window start's offset part) per output position
-    corner: torch.Tensor  # int64 flat index of each window's first element per output position
-    winners: torch.Tensor  # int64 [256, 8 // bits]: the flat index step of each field of a byte
-    shifts: torch.Tensor  # of each field of a byte (NOTE [ bit fields ]), in ``dtype``
+    inner: tuple  # input elements per step along each spatial dimension
+    a: tuple  # L * window_inner[d] / dilation[d]: each coordinate's coefficient
+    coefficients: tuple  # of idx // inner[d], per spatial dimension
 
 
-@lru_cache(maxsize=64)
-def decisions_tables(input_size: tuple, output_size: tuple, kernel_size: tuple, stride: tuple, padding: tuple,
-                     dilation: tuple, device: torch.device) -> _Tables:
-    """What the pool references need of a geometry, made once (a few small tensors of
-    the output's spatial size on ``device``; meta tensors for meta)."""
+@lru_cache(maxsize=256)
+def decisions_plan(input_size: tuple, kernel_size: tuple, stride: tuple, padding: tuple, dilation: tuple,
+                   output_size: tuple) -> _PoolPlan:
+    """The arithmetic of :func:`encode_max_pool_ref` for a geometry (no tensors)."""
     dims = len(kernel_size)
-    inner = [math.prod(input_size[d + 1:]) for d in range(dims)]
+    inner = tuple(math.prod(input_size[d + 1:]) for d in range(dims))
     window_inner = [math.prod(kernel_size[d + 1:]) for d in range(dims)]
     # offset = sum_d window_inner[d] * (i_d - start_d) / dilation[d]; times L every
     # coefficient is an integer and every term a multiple of L.
     denominator = math.lcm(*dilation)
-    a = [window_inner[d] * denominator // dilation[d] for d in range(dims)]
+    a = tuple(window_inner[d] * denominator // dilation[d] for d in range(dims))
     # With q_d = idx // inner[d], i_d = q_d - input_size[d] * q_{d-1}, so
     # sum_d a_d i_d = sum_d q_d (a_d - a_{d+1} input_size[d+1]) (a_dims = 0).
     coefficients = tuple(a[d] - (a[d + 1] * input_size[d + 1] if d + 1 < dims else 0) for d in range(dims))
-    plane = math.prod(input_size)
-    span = (sum(abs(c) for c in coefficients) + sum(a)) * (plane + 1) + sum(
+    span = (sum(abs(c) for c in coefficients) + sum(a)) * (math.prod(input_size) + 1) + sum(
         a[d] * (output_size[d] * stride[d] + padding[d]) for d in range(dims))
     dtype = torch.int16 if span < 2 ** 15 else torch.int32 if span < 2 ** 31 else torch.int64
+    return _PoolPlan(field_bits(math.prod(kernel_size)), dtype, denominator, inner, a, coefficients)
 
+
+class _PoolTables(NamedTuple):
+    """A pool's reference tables on one device (decisions_tables)."""
+
+    starts: torch.Tensor  # L * (window start's part of the offset) per output position
+    corner: torch.Tensor  # int64 flat index of each window's first element per output position
+    winners: torch.Tensor  # int64 [256, 8 // bits]: the flat index step of each field of a byte
+    shifts: torch.Tensor  # of each field of a byte (NOTE [ bit fields ]), in the plan's dtype
+
+
+@lru_cache(maxsize=64)
+def decisions_tables(input_size: tuple, kernel_size: tuple, stride: tuple, padding: tuple, dilation: tuple,
+                     output_size: tuple, device: torch.device) -> _PoolTables:
+    """What the pool references read of a geometry, made once per device (a few small
+    tensors of the output's spatial size); never for meta tensors."""
+    plan = decisions_plan(input_size, kernel_size, stride, padding, dilation, output_size)
+    dims = len(kernel_size)
     starts = torch.zeros((), dtype=torch.int64, device=device)
     corner = torch.zeros((), dtype=torch.int64, device=device)
     for d in range(dims):
         start = (torch.arange(output_size[d], device=device) * stride[d] - padding[d]).view(
             -1, *([1] * (dims - 1 - d)))
-        starts = starts + start * a[d]
-        corner = corner + start * inner[d]
-    size = math.prod(kernel_size)
+        starts = starts + start * plan.a[d]
+        corner = corner + start * plan.inner[d]
     offsets = torch.arange(256, device=device)
-    steps = sum(((offsets // window_inner[d]) % kernel_size[d]) * (dilation[d] * inner[d]) for d in range(dims))
-    bits = field_bits(size)
+    steps = sum(((offsets // math.prod(kernel_size[d + 1:])) % kernel_size[d]) * (dilation[d] * plan.inner[d])
+                for d in range(dims))
+    bits = plan.bits
     winners = steps[_field_table(bits, device).long()] if bits < 8 else steps.view(256, 1)
-    shifts = torch.arange(0, 8, bits, dtype=dtype, device=device)
-    return _Tables(dtype, denominator, coefficients, starts.to(dtype), corner, winners.contiguous(), shifts)
+    shifts = torch.arange(0, 8, bits, dtype=plan.dtype, device=device)
+    return _PoolTables(starts.to(plan.dtype), corner, winners.contiguous(), shifts)
 
 
-def _tables(indices, input_size, kernel_size, stride, padding, dilation) -> _Tables:
+def _geometry_key(indices, input_size, kernel_size, stride, padding, dilation) -> tuple:
     dims = len(kernel_size)
-    return decisions_tables(tuple(int(v) for v in input_size), tuple(indices.shape[-dims:]), tuple(kernel_size),
-                            tuple(stride), tuple(padding), tuple(dilation), indices.device)
+    return (tuple(int(v) for v in input_size), tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation),
+            tuple(indices.shape[-dims:]))
 
 
 def encode_max_pool_ref(indices: torch.Tensor, input_size: tuple, kernel_size: tuple, stride: tuple,
@@ -644,46 +668,53 @@ def encode_max_pool_ref(indices: torch.Tensor, input_size: tuple, kernel_size: t
     """The specification of :func:`encode_max_pool`: ``offset = sum_d window_inner_d *
     (i_d - start_d) / dilation_d`` over the spatial dimensions d, ``i_d`` the winner's
     coordinate and ``start_d`` its window's first, packed as NOTE [ bit fields ]."""
-    tables = _tables(indices, input_size, kernel_size, stride, padding, dilation)
-    bits = field_bits(math.prod(kernel_size))
+    key = _geometry_key(indices, input_size, kernel_size, stride, padding, dilation)
+    plan = decisions_plan(*key)
+    tables = None if indices.device.type == "meta" else decisions_tables(*key, indices.device)
+    bits, (*outer, last) = plan.bits, plan.coefficients
     per_byte, n, dims = 8 // bits, indices.numel(), len(kernel_size)
-    scaled = torch.empty(-(-n // per_byte) * per_byte, dtype=tables.dtype, device=indices.device)
+    scaled = torch.empty(-(-n // per_byte) * per_byte, dtype=plan.dtype, device=indices.device)
     offsets = scaled[:n].view(indices.shape)
-    inner = [math.prod(input_size[d + 1:]) for d in range(dims)]
-    *outer, last = tables.coefficients
     if outer:
-        torch.div(indices, inner[0], rounding_mode="floor", out=offsets)
+        torch.div(indices, plan.inner[0], rounding_mode="floor", out=offsets)
         if last == 1:  # the last dilation is the lcm of all (every dilation 1, say): one op
             torch.add(indices, offsets, alpha=outer[0], out=offsets)
         else:
             offsets.mul_(outer[0]).add_(indices, alpha=last)
         if dims == 3:
-            middle = torch.div(indices, inner[1], rounding_mode="floor", out=torch.empty_like(offsets))
+            middle = torch.div(indices, plan.inner[1], rounding_mode="floor", out=torch.empty_like(offsets))
             offsets.add_(middle, alpha=outer[1])
-        offsets.sub_(tables.starts)
-    else:  # one dimension: its coefficient L / dilation is 1
+        if tables is not None:
+            offsets.sub_(tables.starts)
+    elif tables is not None:  # one dimension: its coefficient L / dilation is 1
         torch.sub(indices, tables.starts, out=offsets)
-    if tables.denominator != 1:
-        offsets.div_(tables.denominator, rounding_mode="floor")  # exact
+    if plan.denominator != 1:
+        offsets.div_(plan.denominator, rounding_mode="floor")  # exact
     if bits == 8:
         return scaled.to(torch.uint8)
     if n % per_byte:
         scaled[n:].zero_()  # padding fields are 0
-    return scaled.view(-1, per_byte).bitwise_left_shift_(tables.shifts).sum(1, dtype=torch.uint8)
+    fields = scaled.view(-1, per_byte)
+    if tables is not None:
+        fields.bitwise_left_shift_(tables.shifts)
+    return fields.sum(1, dtype=torch.uint8)
 
 
 def decode_max_pool_ref_(indices: torch.Tensor, packed: torch.Tensor, input_size: tuple, kernel_size: tuple,
                          stride: tuple, padding: tuple, dilation: tuple) -> None:
     """The specification of :func:`decode_max_pool_`: ``indices`` = the window's first
     element's flat index plus its offset's flat step."""
-    tables = _tables(indices, input_size, kernel_size, stride, padding, dilation)
-    bits = field_bits(math.prod(kernel_size))
+    key = _geometry_key(indices, input_size, kernel_size, stride, padding, dilation)
+    bits = decisions_plan(*key).bits
     per_byte, n = 8 // bits, indices.numel()
     _check_packed(packed, n, bits)
+    codes = packed.to(torch.int32)
+    if indices.device.type == "meta":  # every step below writes into indices: nothing to allocate
+        return
+    tables = decisions_tables(*key, indices.device)
     target = indices if indices.is_contiguous() else torch.empty(indices.shape, dtype=torch.int64,
                                                                  device=indices.device)
     flat, whole = target.view(-1), n // per_byte
-    codes = packed.to(torch.int32)
     with torch.no_grad():
         torch.index_select(tables.winners, 0, codes[:whole], out=flat[:whole * per_byte].view(whole, per_byte))
         if n % per_byte:

@@ -3,10 +3,13 @@ for bit against their torch references, and the references against plain oracles
 (the packing of bitfields.py, coordinates computed one dimension at a time). Shapes
 are small: the interpreter costs milliseconds per program."""
 import math
+import weakref
 
 import pytest
 import torch
 from torch import nn
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from actsave.meta import simulating
 from actsave.codecs.backend import implementation
@@ -273,14 +276,47 @@ def test_meta_tensors_get_the_outputs_and_no_launch(launches):
     assert (packed.shape, packed.dtype) == ((8 * 16 * 49 // 2,), torch.uint8) and launches == []
 
 
-def test_the_references_run_on_meta_tensors():
-    y = torch.empty(3, 1000, device="meta")
-    bits = decisions.pack_relu_signs_ref(y)
-    decisions.restore_relu_signs_ref_(y, bits)
-    indices = torch.empty(8, 16, 7, 7, dtype=torch.int64, device="meta")
-    packed = decisions.encode_max_pool_ref(indices, (14, 14), (3, 3), (2, 2), (1, 1), (1, 1))
-    decisions.decode_max_pool_ref_(indices, packed, (14, 14), (3, 3), (2, 2), (1, 1), (1, 1))
-    assert (bits.shape, packed.shape) == ((375,), (8 * 16 * 49 // 2,))
+class NewStorages(TorchDispatchMode):
+    """The bytes of each storage an operation returns that was not seen before (nor
+    ``known``), as actsave.planning.estimate.LiveBytes counts them."""
+
+    def __init__(self, known=()):
+        super().__init__()
+        self.seen, self.nbytes = weakref.WeakKeyDictionary(), []
+        for t in known:
+            self.seen[t.untyped_storage()] = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor) and t.untyped_storage() not in self.seen:
+                self.seen[t.untyped_storage()] = True
+                self.nbytes.append(t.untyped_storage().nbytes())
+        return out
+
+
+def reference_allocations(device) -> list:
+    """The storages the references make for a ReLU output and a pool on ``device``,
+    their tables made already (a second call)."""
+    y = torch.zeros(3, 1000, device=device)
+    indices = torch.zeros(8, 16, 7, 7, dtype=torch.int64, device=device)
+    window = ((14, 14), (3, 3), (2, 2), (1, 1), (1, 1))
+
+    def work():
+        bits = decisions.pack_relu_signs_ref(y)
+        decisions.restore_relu_signs_ref_(y, bits)
+        decisions.decode_max_pool_ref_(indices, decisions.encode_max_pool_ref(indices, *window), *window)
+
+    work()
+    with NewStorages(known=(y, indices)) as storages:
+        work()
+    return storages.nbytes
+
+
+def test_the_references_allocate_on_meta_what_they_allocate_on_a_device():
+    # Meta tensors hold no data: the references use no table there, and an estimate
+    # (a step on meta tensors) sees what a real step allocates.
+    assert reference_allocations("meta") == reference_allocations("cpu")
 
 
 # --- NOTE [ Division by an invariant ] ------------------------------------------------
