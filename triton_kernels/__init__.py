@@ -1,13 +1,15 @@
-"""Triton kernels for actsave codecs, installed as ``actsave.triton_kernels``.
+"""Triton kernels for actsave codecs and decisions, installed as ``actsave.triton_kernels``.
 
 This package is the kernel table: :func:`kernel_table` maps ``(format, direction)``
 (a name of :data:`FORMATS`, one of :data:`DIRECTIONS`) to a :class:`Kernel`, the
-Triton launcher and the pure-torch reference that defines its bits. Callers read the
-table rather than build function names, so a renamed function fails when the table
-is built, not at some later call.
+Triton launcher and the pure-torch reference that defines its bits; beside it,
+:func:`decision_table` holds the kernels of the decisions a lossy recompute keeps
+(ReLU signs, max-pool windows: decisions.py). Callers read the tables rather than
+build function names, so a renamed function fails when a table is built, not at some
+later call. Every launch goes through ``_launch.launch``.
 
-Importing the package imports no Triton: int8.py and fp8.py (which do) are imported
-by the first call of :func:`kernel_table`, so ``import actsave`` needs no Triton.
+Importing the package imports no Triton: int8.py, fp8.py and decisions.py (which do)
+are imported by the first call of their table, so ``import actsave`` needs no Triton.
 Nothing here imports actsave.
 """
 import math
@@ -85,4 +87,41 @@ def kernel_table() -> Mapping[Tuple[str, str], Kernel]:
         table[f"fp8_{fmt}", "decode"] = Kernel(fp8.decode_fp8, fp8.decode_fp8_ref, format_args,
                                                fp8._decode_fp8_kernel, spec.decode_constexprs())
     assert set(table) == {(f, d) for f in FORMATS for d in DIRECTIONS}, sorted(table)
+    return MappingProxyType(table)
+
+
+# The decisions a lossy recompute keeps (decisions.py), by what they decide and the step.
+DECISION_KERNELS = (("relu_signs", "pack"), ("relu_signs", "restore"),
+                    ("max_pool", "encode"), ("max_pool", "decode"), ("max_pool", "gather"))
+
+
+@lru_cache(maxsize=None)
+def decision_table() -> Mapping[Tuple[str, str], Kernel]:
+    """``{(decision, step): Kernel}`` for :data:`DECISION_KERNELS` (imports Triton on
+    the first call), read as the codecs' table is (actsave.codecs.backend.implementation
+    picks the launcher or the reference). They take no format arguments; their
+    constexprs follow the tensor (its dtype, the pool's window), so ``constexprs`` is
+    empty and the ahead-of-time builds take them from decisions.relu_constexprs and
+    decisions.PoolGeometry.
+    ``pack(y) -> bits``; ``restore(y, bits)``, in place;
+    ``encode(indices, input_size, kernel_size, stride, padding, dilation) -> packed``;
+    ``decode(indices, packed, input_size, kernel_size, stride, padding, dilation)``, in place;
+    ``gather(pooled, x, indices, dims)``, in place.
+    """
+    from . import decisions
+
+    none = MappingProxyType({})
+    table = {
+        ("relu_signs", "pack"): Kernel(decisions.pack_relu_signs, decisions.pack_relu_signs_ref, none,
+                                       decisions._pack_relu_signs_kernel, none),
+        ("relu_signs", "restore"): Kernel(decisions.restore_relu_signs_, decisions.restore_relu_signs_ref_, none,
+                                          decisions._restore_relu_signs_kernel, none),
+        ("max_pool", "encode"): Kernel(decisions.encode_max_pool, decisions.encode_max_pool_ref, none,
+                                       decisions._encode_max_pool_kernel, none),
+        ("max_pool", "decode"): Kernel(decisions.decode_max_pool_, decisions.decode_max_pool_ref_, none,
+                                       decisions._decode_max_pool_kernel, none),
+        ("max_pool", "gather"): Kernel(decisions.gather_max_pool_, decisions.gather_max_pool_ref_, none,
+                                       decisions._gather_max_pool_kernel, none),
+    }
+    assert tuple(table) == DECISION_KERNELS, sorted(table)
     return MappingProxyType(table)

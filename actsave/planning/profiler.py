@@ -708,6 +708,7 @@ class _CodecCosts:
         if elements not in self._restore_rises:
             output = torch.relu(torch.randn(elements, device=self.tensors))
             bits = relu_signs.pack_signs(output)
+            relu_signs.restore_decisions_(output, bits)  # the tables a restore keeps, made before measuring
             tracker = LiveBytes(self.device, known=[output, bits])
             with tracker, tracker.span() as rise:
                 relu_signs.restore_decisions_(output, bits)
@@ -730,6 +731,9 @@ class _CodecCosts:
             max_pool = getattr(torch.nn.functional, f"max_pool{dims}d")
             pooled, indices = max_pool(x, window.kernel, window.stride, window.padding, window.dilation,
                                        window.ceil_mode, return_indices=True)
+            # The tables the implementations keep (triton_kernels/decisions.py), made
+            # before measuring: they outlive every call, and an earlier call may have made them.
+            window.decode_into_(indices, window.encode(indices, pool.input_size), pool.input_size)
             tracker = LiveBytes(self.device, known=[x, pooled, indices])
             with tracker:
                 with tracker.span() as encode_rise:

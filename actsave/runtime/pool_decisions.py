@@ -51,7 +51,9 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 
-from . import bitfields
+from ..codecs.backend import implementation
+from ..triton_kernels import decision_table
+from ..triton_kernels.bitfields import field_bits
 
 # The plain max pools and the number of spatial dimensions each pools over.
 _PLAIN_POOLS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
@@ -93,8 +95,8 @@ class Window:
     @property
     def bits(self) -> int:
         """Bits per offset: the fewest of 1, 2, 4, 8 that hold ``size`` values (whole
-        offsets per byte keep packing to shifts)."""
-        return next(b for b in (1, 2, 4, 8) if self.size <= 2 ** b)
+        offsets per byte keep packing to shifts; NOTE [ bit fields ])."""
+        return field_bits(self.size)
 
     def output_size(self, input_size: tuple) -> tuple:
         """The pooled spatial size of ``input_size``, as ATen's ``pooling_output_shape``."""
@@ -107,42 +109,21 @@ class Window:
 
     def encode(self, indices: torch.Tensor, input_size: tuple) -> torch.Tensor:
         """The offset of each window's winner, packed (uint8, 1-D). ``indices``: flat
-        per plane over ``input_size``, as max pooling returns them."""
-        offsets = torch.zeros(indices.shape, dtype=torch.uint8, device=indices.device)
-        # The narrowest type that holds every quotient below (up to a plane's size, plus
-        # the padding once the window start is subtracted): a small transient. The
-        # planner charges the larger of this and a restore's (profiler.py).
-        span = math.prod(input_size) + max(self.padding)
-        narrow = torch.int16 if span < 2 ** 15 else torch.int32 if span < 2 ** 31 else torch.int64
-        coordinate = torch.empty(indices.shape, dtype=narrow, device=indices.device)
-        for d, inner in self._dims(input_size):
-            torch.div(indices, inner, rounding_mode="floor", out=coordinate)
-            coordinate.remainder_(input_size[d]).sub_(self._starts(d, indices))
-            coordinate.div_(self.dilation[d], rounding_mode="floor").mul_(math.prod(self.kernel[d + 1:]))
-            offsets.add_(coordinate)  # below 256: exact in uint8
-        return bitfields.pack(offsets.reshape(-1), self.bits)
+        per plane over ``input_size``, as max pooling returns them. One kernel launch on
+        CUDA (triton_kernels/decisions.py), which allocates only the packed bytes; the
+        torch reference's transients are what the planner charges (profiler.py)."""
+        kernel = decision_table()["max_pool", "encode"]
+        return implementation(kernel, indices)(indices, tuple(input_size), *self._geometry())
 
     def decode_into_(self, indices: torch.Tensor, packed: torch.Tensor, input_size: tuple) -> None:
         """Overwrite ``indices`` (a recompute's, of the forward's shape) with the
-        decisions :meth:`encode` packed."""
-        offsets = bitfields.unpack(packed, self.bits, indices.numel()).view(indices.shape)
+        decisions :meth:`encode` packed. One kernel launch on CUDA."""
+        kernel = decision_table()["max_pool", "decode"]
         with torch.no_grad():
-            indices.zero_()
-            for d, _ in reversed(self._dims(input_size)):  # Horner: outermost dimension first
-                step = (offsets // math.prod(self.kernel[d + 1:])) % self.kernel[d]
-                indices.mul_(input_size[d]).add_(self._starts(d, indices)).add_(step, alpha=self.dilation[d])
+            implementation(kernel, indices)(indices, packed, tuple(input_size), *self._geometry())
 
-    def _dims(self, input_size: tuple) -> list:
-        """``(d, elements per step along d)`` per spatial dimension, innermost first."""
-        return [(d, math.prod(input_size[d + 1:])) for d in reversed(range(len(self.kernel)))]
-
-    def _starts(self, d: int, like: torch.Tensor) -> torch.Tensor:
-        """The first input coordinate of each window along spatial dimension ``d``,
-        shaped to broadcast against ``like`` (whose last ``len(kernel)`` dimensions are
-        the pooled ones)."""
-        length = like.shape[d - len(self.kernel)]
-        starts = torch.arange(length, device=like.device) * self.stride[d] - self.padding[d]
-        return starts.view(length, *([1] * (len(self.kernel) - 1 - d)))
+    def _geometry(self) -> tuple:
+        return self.kernel, self.stride, self.padding, self.dilation
 
 
 def _pooled_length(size: int, kernel: int, stride: int, padding: int, dilation: int, ceil_mode: bool) -> int:
@@ -264,8 +245,8 @@ class PoolWatch:
 
 def pool_at_(pooled: torch.Tensor, x: torch.Tensor, indices: torch.Tensor, dims: int) -> None:
     """Set ``pooled`` to ``x`` at ``indices`` (flat over the last ``dims`` dimensions
-    of ``x``), in place: the value a max pool deciding at ``indices`` returns."""
+    of ``x``), in place: the value a max pool deciding at ``indices`` returns. One
+    kernel launch on CUDA, one gather into ``pooled`` on the torch reference."""
+    kernel = decision_table()["max_pool", "gather"]
     with torch.no_grad():  # a correction, not an operation of the graph: nothing saved
-        planes = x.flatten(-dims) if dims > 1 else x
-        gathered = planes.gather(-1, indices.reshape(*planes.shape[:-1], -1))
-        pooled.data.copy_(gathered.view(pooled.shape))
+        implementation(kernel, pooled)(pooled.data, x, indices, dims)

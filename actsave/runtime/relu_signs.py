@@ -24,7 +24,8 @@ import weakref
 import torch
 
 from .._torch import is_relu_node
-from . import bitfields
+from ..codecs.backend import implementation
+from ..triton_kernels import bitfields, decision_table
 
 
 def is_relu_output(tensor: torch.Tensor) -> bool:
@@ -81,9 +82,10 @@ def _dead_ref():
 
 
 def pack_signs(output: torch.Tensor) -> torch.Tensor:
-    """One bit per element of a ReLU output: 1 where backward passes the gradient."""
-    passes = ~(output.detach() <= 0).reshape(-1)
-    return bitfields.pack(passes.view(torch.uint8), 1)
+    """One bit per element of a ReLU output: 1 where backward passes the gradient
+    (NOTE [ bit fields ], row-major). One kernel launch on CUDA (triton_kernels/decisions.py)."""
+    kernel = decision_table()["relu_signs", "pack"]
+    return implementation(kernel, output)(output.detach())
 
 
 def unpack_signs(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -94,9 +96,8 @@ def unpack_signs(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def restore_decisions_(recomputed: torch.Tensor, bits: torch.Tensor) -> None:
     """Make a recomputed ReLU output decide as the forward did, in place: zero where
     the forward blocked, the smallest positive normal where the forward passed but the
-    recompute gave zero."""
-    blocked = ~unpack_signs(bits, recomputed)
+    recompute gave zero (a ReLU output is >= 0 or NaN: the kernel's ``max(y, tiny)``
+    lifts exactly the zeros, and keeps NaN). One kernel launch on CUDA."""
+    kernel = decision_table()["relu_signs", "restore"]
     with torch.no_grad():
-        # A ReLU output is >= 0 (or NaN, which clamp keeps): clamping lifts exactly
-        # the zeros, and the forward's blocked elements are zeroed after.
-        recomputed.clamp_min_(torch.finfo(recomputed.dtype).tiny).masked_fill_(blocked, 0)
+        implementation(kernel, recomputed)(recomputed, bits)

@@ -12,7 +12,10 @@ import re
 
 import pytest
 
+import torch
+
 from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, SIGNED_FORMATS, kernel_table
+from actsave.triton_kernels import decisions
 from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS
 
 GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
@@ -61,9 +64,11 @@ def _job(codec, direction, dtype, target):
 
 @pytest.fixture(scope="session")
 def builds(compile_for_cuda):
-    """{build id: {"ptx", "STACK", "LOCAL"}} for every build, compiled once (about 40 s
-    on two cores; Triton's cache makes later sessions faster)."""
-    return compile_for_cuda({build: _job(*build.split("-")) for build in BUILDS})
+    """{build id: {"ptx", "STACK", "LOCAL"}} for every build, the decision kernels'
+    (below) included, compiled once (about 40 s on two cores; Triton's cache makes
+    later sessions faster)."""
+    return compile_for_cuda({**{build: _job(*build.split("-")) for build in BUILDS},
+                             **{build: _decision_job(build) for build in DECISION_BUILDS}})
 
 
 def _global_accesses(ptx):
@@ -136,5 +141,139 @@ def test_a_ragged_element_count_gets_scalar_accesses(builds, build):
     any 16-byte vector, so Triton must mask element by element: every access is one
     element wide. Correct, and slower; a tensor whose element count is a multiple of
     16 (most activations) gets the vectors above."""
+    accesses = _global_accesses(builds[build]["ptx"])
+    assert accesses and not [form for form in accesses if ".v2." in form or ".v4." in form], accesses
+
+
+# --- the decision kernels (triton_kernels/decisions.py) ------------------------------
+
+# ReLU kernels read a float output as the integer of its width.
+RELU_POINTERS = {"fp32": ("*i32", torch.float32), "bf16": ("*i16", torch.bfloat16), "fp16": ("*i16", torch.float16)}
+# The windows of the pool builds: every field width, 1-D to 3-D, dilation.
+POOL_WINDOWS = {
+    "k2": ((2,), (2,), (0,), (1,)),  # 1-bit offsets
+    "k2x2": ((2, 2), (2, 2), (0, 0), (1, 1)),  # 2 bits
+    "k3x3": ((3, 3), (2, 2), (1, 1), (1, 1)),  # 4 bits: ResNet's stem pool
+    "k5x5": ((5, 5), (1, 1), (2, 2), (1, 1)),  # 8 bits
+    "k3x3x3": ((3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 2, 1)),  # 8 bits, 3-D, dilated
+}
+GATHER_POINTERS = {"fp32": "*i32", "bf16": "*i16", "fp64": "*i64"}
+# (arch, numel's Triton type, numel and the packed byte count multiples of 16). "ones":
+# every integer argument the JIT may specialize is 1, a constexpr (one element, a plane
+# of one, a dimension of size 1): the kernels must compile so too.
+DECISION_TARGETS = {"sm80": (80, "i32", True), "sm90": (90, "i32", True), "sm90_int64": (90, "i64", True),
+                    "sm90_ragged": (90, "i32", False), "sm90_ones": (90, "i32", False)}
+DECISION_BUILDS = (
+    [f"relu-{step}-{dtype}-{target}" for step in ("pack", "restore") for dtype, target in
+     [("fp32", "sm80"), ("bf16", "sm80"), ("fp32", "sm90"), ("bf16", "sm90"), ("fp16", "sm90"),
+      ("fp32", "sm90_int64"), ("fp32", "sm90_ragged")]]
+    + [f"pool-{step}-{window}-{target}" for step in ("encode", "decode") for window in POOL_WINDOWS
+       for target in ("sm90", *(("sm80", "sm90_ragged") if window == "k3x3" else ()))]
+    + [f"gather-{dtype}-{target}" for dtype in GATHER_POINTERS for target in ("sm90", "sm80")]
+    + ["gather-fp32-sm90_ragged", "relu-pack-fp32-sm90_ones", "relu-restore-bf16-sm90_ones",
+       "pool-encode-k3x3x3-sm90_ones", "pool-decode-k3x3x3-sm90_ones", "gather-bf16-sm90_ones"])
+_DIVISORS = ("plane", "out_inner_0", "out_inner_1", "in_inner_0", "in_inner_1")
+
+
+def _pool_geometry(window):
+    kernel_size = POOL_WINDOWS[window][0]
+    # Indices of (8, 16, 7, ...) windows over a 14 x ... input: only the types matter.
+    return decisions.PoolGeometry.of((8, 16) + (7,) * len(kernel_size), (14,) * len(kernel_size),
+                                     *POOL_WINDOWS[window])
+
+
+def _decision_job(build):
+    kind, *rest = build.split("-")
+    target = rest[-1]
+    arch, numel_type, divisible = DECISION_TARGETS[target]
+    if kind == "relu":
+        step, dtype, _ = rest
+        pointer, torch_dtype = RELU_POINTERS[dtype]
+        kernel = decisions._pack_relu_signs_kernel if step == "pack" else decisions._restore_relu_signs_kernel
+        signature = {"y_ptr": pointer, "bits_ptr": "*u8", "numel": numel_type, "packed_bytes": numel_type}
+        constexprs = {**decisions.relu_constexprs(torch_dtype),
+                      "ROWS": decisions.packed_rows(1, torch_dtype.itemsize)}
+        counts = ["numel", "packed_bytes"]
+    elif kind == "pool":
+        step, window, _ = rest
+        kernel = decisions._encode_max_pool_kernel if step == "encode" else decisions._decode_max_pool_kernel
+        signature = {"indices_ptr": "*i64", "packed_ptr": "*u8", "numel": numel_type, "packed_bytes": numel_type}
+        for name in _DIVISORS:  # multipliers: the bits of a uint32, as an int32
+            signature.update({name: "i32", f"{name}_multiplier": "i32", f"{name}_shift": "i32"})
+        constexprs = _pool_geometry(window).constexprs()
+        counts = ["numel", "packed_bytes"]
+    else:
+        dtype, _ = rest
+        kernel = decisions._gather_max_pool_kernel
+        signature = {"pooled_ptr": GATHER_POINTERS[dtype], "x_ptr": GATHER_POINTERS[dtype], "indices_ptr": "*i64",
+                     "numel": numel_type, "input_plane": "i32", "plane": "i32", "plane_multiplier": "i32",
+                     "plane_shift": "i32"}
+        constexprs = {"BLOCK": decisions.GATHER_BLOCK}
+        counts = ["numel"]
+    pointers = [name for name in signature if name.endswith("_ptr")]
+    if target == "sm90_ones":  # what the JIT makes of integer arguments equal to 1
+        ones = [name for name, kind in signature.items() if kind in ("i32", "i64")
+                and name not in decisions._DIVISION_CONSTANTS]  # do_not_specialize
+        constexprs = {**constexprs, **dict.fromkeys(ones, 1)}
+    return {
+        "module": kernel.fn.__module__,
+        "kernel": kernel.fn.__name__,
+        "signature": {**signature, **dict.fromkeys(constexprs, "constexpr")},
+        "constexprs": constexprs,
+        "arch": arch,
+        "divisible_by_16": pointers + (counts if divisible else []),
+        "options": decisions.LAUNCH_OPTIONS,
+    }
+
+
+@pytest.mark.parametrize("build", DECISION_BUILDS)
+def test_decision_kernels_use_no_local_memory_and_no_division(builds, build):
+    """No local memory, no stack; no integer division instruction: window geometry is
+    constexpr (divisions by constants become multiplies) and sizes known at launch are
+    divided by a multiply and a shift (decisions.py, NOTE [ Division by an invariant ])."""
+    compiled = builds[build]
+    assert ".local" not in compiled["ptx"] and compiled["LOCAL"] == 0 and compiled["STACK"] == 0
+    assert not re.findall(r"\b(?:div|rem)\.", compiled["ptx"])
+
+
+def _expected_decision_accesses(build):
+    """Every stream in 16-byte vectors: a thread owns contiguous elements (decisions.py's
+    tiles), 16 packed bytes (fewer where the wide stream would pass
+    WIDE_BYTES_PER_THREAD: one 8-byte access), the ReLU output as 4-byte words (v4.b32),
+    int64 indices as pairs (v2.b64). A gather reads the pooled input at the decisions,
+    one element per access (those are scattered)."""
+    kind, *rest = build.split("-")
+    vector = {16: "v4.b32", 8: "v2.b32"}
+    if kind == "relu":
+        step, dtype, _ = rest
+        packed = decisions.packed_bytes_per_thread(1, RELU_POINTERS[dtype][1].itemsize)
+        values = packed * 8 * RELU_POINTERS[dtype][1].itemsize // VECTOR_BYTES
+        if step == "pack":
+            return {"ld.global.v4.b32": values, f"st.global.{vector[packed]}": 1}
+        return {"ld.global.v4.b32": values + 1, "st.global.v4.b32": values}
+    if kind == "pool":
+        step, window, _ = rest
+        bits = _pool_geometry(window).bits
+        packed = decisions.packed_bytes_per_thread(bits, 8)
+        pairs = packed * (8 // bits) * 8 // VECTOR_BYTES
+        if step == "encode":
+            return {"ld.global.v2.b64": pairs, f"st.global.{vector[packed]}": 1}
+        return {f"ld.global.{vector[packed]}": 1, "st.global.v2.b64": pairs}
+    size = {"fp32": 4, "bf16": 2, "fp64": 8}[rest[0]]
+    per_thread = decisions.GATHER_ELEMENTS_PER_THREAD
+    vectors = {"fp32": "v4.b32", "bf16": "v4.b32", "fp64": "v2.b64"}[rest[0]]
+    return {"ld.global.v2.b64": per_thread * 8 // VECTOR_BYTES, f"ld.global.b{8 * size}": per_thread,
+            f"st.global.{vectors}": per_thread * size // VECTOR_BYTES}
+
+
+@pytest.mark.parametrize("build", [b for b in DECISION_BUILDS if not b.endswith(("_ragged", "_ones"))])
+def test_decision_streams_move_in_16_byte_vectors(builds, build):
+    assert _global_accesses(builds[build]["ptx"]) == _expected_decision_accesses(build)
+
+
+@pytest.mark.parametrize("build", [b for b in DECISION_BUILDS if b.endswith("_ragged")])
+def test_a_ragged_decision_count_gets_scalar_accesses(builds, build):
+    """As for the codecs: where the counts are not multiples of 16, the bounds may fall
+    inside any vector, so every access is one element wide."""
     accesses = _global_accesses(builds[build]["ptx"])
     assert accesses and not [form for form in accesses if ".v2." in form or ".v4." in form], accesses

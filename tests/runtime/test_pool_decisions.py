@@ -286,3 +286,24 @@ def test_every_geometry_is_recomputed_at_the_forwards_decisions(module, shape):
     (out * grad).sum().backward()
     expected = pooled_at_forward_decisions(module, x, model[0].w, grad)
     assert torch.equal(leaf.grad, expected[0]) and torch.equal(model[0].w.grad, expected[1])
+
+
+# --- the fused kernels (triton_kernels/decisions.py) ----------------------------------
+
+
+def test_forced_triton_pools_at_the_same_decisions_in_one_launch_each(monkeypatch):
+    # Under the interpreter on CPU: bit-identical gradients; each recomputed pool's
+    # decisions are encoded, decoded and gathered at by one launch each.
+    from actsave.triton_kernels import _launch
+
+    launched = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, *a, **k: launched.append(_launch.kernel_name(kernel))
+                        or real(kernel, *a, **k))
+    with actsave.backend("triton"):
+        by_kernels = lossy_gradients("int8")
+    assert all(torch.equal(a, b) for a, b in zip(by_kernels, lossy_gradients("int8")))
+    # POOL_SEGMENTS recompute every pool; the last pool's recompute stops at its indices
+    # (early stop: nothing after the segment's last save runs), so its output is not set.
+    assert [launched.count(kernel) for kernel in ("_encode_max_pool_kernel", "_decode_max_pool_kernel",
+                                                  "_gather_max_pool_kernel")] == [3, 3, 2]

@@ -61,3 +61,31 @@ def test_in_place_relu_chain_has_the_fidelity_of_the_out_of_place_one(start, cod
     segments = [0, start]
     for got, want in zip(lossy_gradients(True, segments, codec), lossy_gradients(False, segments, codec)):
         assert torch.equal(got, want)
+
+
+# --- the fused kernels (triton_kernels/decisions.py) ----------------------------------
+
+
+def test_forced_triton_keeps_the_same_decisions_in_one_launch_each(monkeypatch):
+    # Under the interpreter on CPU: the kernels' bits are the references', so the
+    # gradients are the same bits; each packing and each restore is one launch.
+    from actsave.runtime import relu_signs
+    from actsave.triton_kernels import _launch
+
+    calls, launched = [], []
+    for name in ("pack_signs", "restore_decisions_"):
+        real_call = getattr(relu_signs, name)
+        monkeypatch.setattr(relu_signs, name, lambda *a, _name=name, _real=real_call: calls.append(_name)
+                            or _real(*a))
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, *a, **k: launched.append(_launch.kernel_name(kernel))
+                        or real(kernel, *a, **k))
+    grads = {}
+    for name in ("torch", "triton"):
+        with actsave.backend(name):
+            grads[name] = lossy_gradients(False, [0, 4, 7], "int8")
+    assert all(torch.equal(a, b) for a, b in zip(grads["torch"], grads["triton"]))
+    packs, restores = calls.count("pack_signs") // 2, calls.count("restore_decisions_") // 2
+    assert packs >= 2 and restores >= 2
+    assert launched.count("_pack_relu_signs_kernel") == packs
+    assert launched.count("_restore_relu_signs_kernel") == restores
