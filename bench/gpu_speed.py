@@ -209,10 +209,13 @@ def _step(model, batch) -> float:
 
 
 def measure_case(case: host_overhead.Case, names, warmup: int, rounds: int, device: torch.device,
-                 clock: Clock, profiled: tuple = (), profile_path: Optional[Path] = None) -> dict:
+                 clock: Clock, profiled: tuple = (), profile_path: Optional[Path] = None, lean: bool = False) -> dict:
     """``{name: ModeResult}`` (module docstring). A provider that runs out of memory
     is reported so and left out of the rounds after. The providers in ``profiled``
-    are profiled after the rounds, into ``profile_path`` (:func:`profile_steps`)."""
+    are profiled after the rounds, into ``profile_path`` (:func:`profile_steps`).
+    ``lean``: the timed rounds and the allocator's peaks only (no estimate, no
+    LiveBytes step, no profile: a lease of minutes; estimates run on meta tensors
+    anywhere)."""
     models, batch, plain = build_shared(case, names, device)
     memory = Memory(device)
     results = {name: ModeResult() for name in names}
@@ -240,7 +243,8 @@ def measure_case(case: host_overhead.Case, names, warmup: int, rounds: int, devi
 
     for name, model in models.items():
         results[name].static = static
-        results[name].est_act = guarded(name, lambda model=model: estimate(model, batch[0]), "actsave.estimate")
+        if not lean:
+            results[name].est_act = guarded(name, lambda model=model: estimate(model, batch[0]), "actsave.estimate")
 
     def measured_step(model):
         began = memory.begin()
@@ -272,11 +276,11 @@ def measure_case(case: host_overhead.Case, names, warmup: int, rounds: int, devi
             if peak is not None:
                 result.act_peaks.append(peak + inputs)
                 result.allocations.append(allocations)
-    if profiled and profile_path is not None:
+    if profiled and profile_path is not None and not lean:
         clock.log(f"{case.name}: profiling {', '.join(profiled)}")
         profile_steps({name: alive[name] for name in profiled if name in alive}, batch, profile_path, device)
-    clock.log(f"{case.name}: one step each under LiveBytes")
-    for name, model in list(alive.items()):
+    clock.log(f"{case.name}: one step each under LiveBytes" if not lean else f"{case.name}: done")
+    for name, model in list(alive.items()) if not lean else []:
         model.zero_grad(set_to_none=False)
         results[name].live_act = guarded(name, lambda model=model: live_act_peak(model, plain, batch, device),
                                          "the LiveBytes step")
@@ -416,6 +420,11 @@ def parse_arguments(argv) -> argparse.Namespace:
                         help="CSV (default bench/results/<device>.csv); the text results go next to it, "
                              "<name>-speed.txt")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: the same code paths, for the tests")
+    parser.add_argument("--lean", action="store_true",
+                        help="timed rounds and allocator peaks only: no actsave.estimate, LiveBytes step or profile "
+                             "(for a lease of a few minutes; estimates run on meta tensors on any machine)")
+    parser.add_argument("--providers", type=lambda text: tuple(text.split(",")), default=None,
+                        help="comma-separated providers of both cases (default: every one of each)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.phases) - set(PHASES))
     if unknown:
@@ -423,6 +432,11 @@ def parse_arguments(argv) -> argparse.Namespace:
     args.rounds = args.rounds or (2 if args.smoke else 10)
     args.warmup = args.warmup or (1 if args.smoke else 2)
     return args
+
+
+def _chosen(names: tuple, args: argparse.Namespace) -> tuple:
+    """The case's providers that ``--providers`` keeps, in the case's order."""
+    return names if args.providers is None else tuple(name for name in names if name in args.providers)
 
 
 def run_phase(report: Report, failures: list, title: str, function) -> None:
@@ -440,7 +454,7 @@ def case_phase(case, names, providers, pairs, args, device, clock, report, csv, 
                profiled: tuple = ()) -> None:
     clock.log(f"{case.name}: {case.description}")
     profile_path = csv.with_name(f"{csv.stem}-speed-profile-{case.name}.txt")
-    results = measure_case(case, names, args.warmup, args.rounds, device, clock, profiled, profile_path)
+    results = measure_case(case, names, args.warmup, args.rounds, device, clock, profiled, profile_path, args.lean)
     notes = [f"{name}: {note}" for name, r in results.items() for note in r.notes]
     report.add(f"{case.description}  (step: median wall ms; ratios: medians of per-round ratios)",
                "\n".join([speed_table(results), *ratio_lines(results, pairs), *notes]))
@@ -489,15 +503,15 @@ def main(argv=None) -> int:
         s = sizes["resnet"]
         case = host_overhead.resnet_case(s["depth"], s["batch"], s["image"])
         run_phase(report, failures, case.name, lambda: case_phase(
-            case, RESNET_PROVIDERS, harness.PROVIDERS, RESNET_RATIOS, args, device, clock, report, csv, metadata,
-            failures, RESNET_PROFILED))
+            case, _chosen(RESNET_PROVIDERS, args), harness.PROVIDERS, RESNET_RATIOS, args, device, clock, report, csv,
+            metadata, failures, RESNET_PROFILED))
     if "gpt" in args.phases:
         s = sizes["gpt"]
         case = host_overhead.gpt_case(s["blocks"], s["width"], s["heads"], s["vocab"], s["seq_len"], s["batch"],
                                       dtype=torch.bfloat16)
         run_phase(report, failures, case.name, lambda: case_phase(
-            case, GPT_PROVIDERS, harness.BLOCK_PROVIDERS, GPT_RATIOS, args, device, clock, report, csv, metadata,
-            failures))
+            case, _chosen(GPT_PROVIDERS, args), harness.BLOCK_PROVIDERS, GPT_RATIOS, args, device, clock, report, csv,
+            metadata, failures))
     _release(device)
     if "host" in args.phases:
         clock.log(f"host: bench/host_overhead.py --models {sizes['host']} --rounds {sizes['host_rounds']} on {device}")
