@@ -95,18 +95,21 @@ def is_relu_node(grad_fn) -> bool:
     return type(grad_fn).__name__ in _RELU_NODE_NAMES
 
 
-# Dtypes whose values a multiply by one gives back exactly (-0.0, inf and NaN included):
-# not bool (promoted to int64), not complex (inf * 0 in the imaginary part is NaN).
+# Dtypes whose values a multiply by one gives back (-0.0 and inf included, NaN as a NaN:
+# on CUDA as the canonical one, its payload not kept): not bool (promoted to int64),
+# not complex (inf * 0 in the imaginary part is NaN).
 _EXACT_TIMES_ONE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
                               torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
 def copies_of(tensors: list) -> list:
-    """A copy of each of ``tensors``, in order, made by one foreach call per device
-    rather than one clone per tensor. PyTorch has no foreach clone; a foreach multiply
-    by one is a copy in the dtypes it gives back exactly, and any other tensor is
-    cloned. One call for mixed dtypes: on CUDA it launches a kernel per tensor (the
-    multi-tensor kernel takes one dtype), as the clones did, for one host call."""
+    """A copy of the values of each of ``tensors``, in order, made by one foreach call
+    per device rather than one clone per tensor: scratch copies of module state for a
+    recompute (state.py), which only the recompute reads. PyTorch has no foreach clone;
+    a foreach multiply by one copies the values in the dtypes listed above (a NaN stays
+    a NaN, on CUDA the canonical one), and any other tensor is cloned. One call for
+    mixed dtypes: on CUDA it launches a kernel per tensor (the multi-tensor kernel
+    takes one dtype), as the clones did, for one host call."""
     copies = [None] * len(tensors)
     groups = {}  # device -> positions
     for i, tensor in enumerate(tensors):
