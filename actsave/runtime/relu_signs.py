@@ -85,7 +85,7 @@ def pack_signs(output: torch.Tensor) -> torch.Tensor:
     """One bit per element of a ReLU output: 1 where backward passes the gradient
     (NOTE [ bit fields ], row-major). One kernel launch on CUDA (triton_kernels/decisions.py)."""
     kernel = decision_table()["relu_signs", "pack"]
-    return implementation(kernel, output)(output.detach())
+    return implementation(kernel, output)(output)  # the reference detaches what it reads
 
 
 def unpack_signs(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

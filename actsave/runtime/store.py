@@ -235,11 +235,10 @@ class _Attached:
     are: on the host when they are offloaded, where all of a segment's decisions go
     as one group when its forward ends (:meth:`KeptInputs.end_forward`)."""
 
-    def __init__(self, tensor: torch.Tensor, on_host: bool):
-        self._tensor = tensor.detach()
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor.detach() if tensor.requires_grad else tensor
         self.nbytes = self._tensor.numel() * self._tensor.element_size()
         self._group, self._index = None, None  # where it went on the host
-        self._release = account(self, self.nbytes, "host" if on_host else "device")
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -255,7 +254,24 @@ class _Attached:
 
     def release(self) -> None:
         self._tensor = self._group = None
-        self._release()
+
+
+class _GrowingAccount:
+    """Bytes counted in :func:`stored_bytes` that come one by one (a segment's
+    decisions, as its forward makes them) and go all at once: on :meth:`settle`, or
+    when ``owner`` is collected. One ledger entry for all of them."""
+
+    def __init__(self, owner, where: str):
+        self._where, self._nbytes = where, 0
+        self.settle = weakref.finalize(owner, self._give_back)
+
+    def add(self, nbytes: int) -> None:
+        _LEDGER.add(self._where, nbytes)
+        self._nbytes += nbytes
+
+    def _give_back(self) -> None:
+        _LEDGER.add(self._where, -self._nbytes)
+        self._nbytes = 0
 
 
 class KeptInputs:
@@ -273,6 +289,7 @@ class KeptInputs:
             for leaf in leaves
         ]
         self._attached = []
+        self._attached_bytes = None  # their _GrowingAccount, from the first attach
         self._decisions = None  # the attached tensors once on the host, one group
         self.private_copy = private_copy
         self.released = False
@@ -289,7 +306,10 @@ class KeptInputs:
         """Keep ``tensor`` with the inputs until the recompute releases them: on the
         host when they are offloaded (so that nothing a segment keeps grows device
         memory with depth), fetched back with them. ``fetch()`` gives it back."""
-        attached = _Attached(tensor, on_host=self._tape is not None)
+        attached = _Attached(tensor)
+        if self._attached_bytes is None:
+            self._attached_bytes = _GrowingAccount(self, "host" if self._tape is not None else "device")
+        self._attached_bytes.add(attached.nbytes)
         self._attached.append(attached)
         return attached
 
@@ -350,6 +370,8 @@ class KeptInputs:
             t.release()
         if self._decisions is not None:
             self._decisions.release()
+        if self._attached_bytes is not None:
+            self._attached_bytes.settle()
         self.released = True
 
 
