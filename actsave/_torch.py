@@ -42,6 +42,7 @@ _current_autograd_node = _require(getattr(torch._C, "_current_autograd_node", No
                                   "torch._C._current_autograd_node")
 _require(getattr(torch.Tensor, "_version", None), "Tensor._version")
 _require(getattr(torch.nn.Module(), "_buffers", None), "Module._buffers")
+_require(getattr(torch.nn.Module(), "_modules", None), "Module._modules")
 _foreach_mul = _require(getattr(torch, "_foreach_mul", None), "torch._foreach_mul")
 _len_torch_function_stack = _require(getattr(torch._C, "_len_torch_function_stack", None),
                                      "torch._C._len_torch_function_stack")
@@ -121,6 +122,12 @@ def copies_of(tensors: list) -> list:
         for i, copy in zip(positions, _foreach_mul([tensors[i] for i in positions], 1)):
             copies[i] = copy
     return copies
+
+
+def children_of(module: torch.nn.Module):
+    """The module's own table of submodules' values (``None`` entries included), read
+    without building names as ``named_children`` does."""
+    return module._modules.values()
 
 
 def own_tensors(module: torch.nn.Module, kind: str) -> dict:

@@ -28,6 +28,8 @@ from typing import Optional
 
 from torch import nn
 
+from .._torch import children_of
+
 
 class LayerChain:
     """A function that runs ``layers`` one after another, each on the output of the
@@ -56,13 +58,19 @@ def known_layers(function) -> Optional[tuple]:
 
 def modules_under(layers: tuple) -> list:
     """``[(layer index, module)]`` of every module under ``layers``, each once (a
-    module shared by two layers belongs to the first)."""
+    module shared by two layers belongs to the first), in ``Module.modules()``'s order.
+    Walked here rather than by ``modules()``, which builds every module's name: this
+    runs at every checkpointed forward."""
     seen, found = set(), []
     for index, layer in enumerate(layers):
-        for module in layer.modules():
-            if id(module) not in seen:
-                seen.add(id(module))
-                found.append((index, module))
+        stack = [layer]
+        while stack:
+            module = stack.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            found.append((index, module))
+            stack.extend(child for child in reversed(children_of(module)) if child is not None)
     return found
 
 

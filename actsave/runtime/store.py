@@ -190,6 +190,7 @@ class _KeptTensor:
         aliased = self.codec.aliases_input and not private_copy
         self._watched = source if aliased else None
         self._version = version(source)
+        self._restored = False
         self._release = account(self, self.nbytes, self.storage.where)
 
     @property
@@ -216,7 +217,12 @@ class _KeptTensor:
         x = self.codec.decode(self.storage.fetch())
         if not self.requires_grad:
             return x
-        x = x.detach().requires_grad_()
+        # A leaf of the recompute's own. The value decoded is ours alone (a decoding,
+        # a device copy, or our detached alias of the input), so the first restore
+        # takes it as it is; a later one (after a backward inside the forward) gets a
+        # new alias, not the leaf an earlier recompute's graph holds.
+        x = x.requires_grad_() if not self._restored else x.detach().requires_grad_()
+        self._restored = True
         if self.modified_in_place:
             # A leaf that requires grad cannot be modified in place; a segment that
             # starts with an in-place layer needs a non-leaf input.
