@@ -4,8 +4,15 @@ Both codecs cut a flattened tensor into contiguous groups of ``group_size`` elem
 (the last one may be partial) and store one fp32 scale per group. This module holds
 what they have in common:
 
-- the group tiling of a launch: each program owns a ``[GROUPS_PER_PROGRAM, GROUP_SIZE]``
-  block and reduces along its rows, with int64 offsets;
+- NOTE [tile]: each program owns GROUPS_PER_PROGRAM whole groups (ELEMENTS_PER_PROGRAM
+  elements) as a ``[groups, GROUP_SIZE // RUN, RUN]`` block and reduces along its rows. A
+  run is RUN contiguous elements that one thread owns: one 16-byte vector of codes when
+  encoding (16 codes), of values when decoding (4 fp32 or 8 halves, whose codes are
+  then one 4- or 8-byte load, as coalesced). Triton gives each memory access a layout of
+  at most 16 bytes per thread for a store; one run size for both streams is one layout,
+  with no conversion through shared memory between them. What depends on the run only
+  (a channel, NOTE [channel means]) is worked out once per thread. Offsets are int32
+  where every offset of the launch is below 2**31 (``needs_int64``), else int64;
 - NOTE [scale rule]: ``scale = absmax / code_max`` over the group's finite values,
   divided correctly rounded. Where ``code_max * scale`` would overflow (an absmax next
   to the fp32 maximum), the scale steps one ulp toward zero so that no finite input
@@ -48,7 +55,11 @@ what they have in common:
   are decoded, as without means. Doing both in the kernels costs no copy of the
   tensor (a centered copy would be live beside it while encoding, a wide one while
   decoding to a half type); the references work in place on their own copies, for
-  the same reason;
+  the same reason. Element i's channel is ``(i // channel_size) % channels``; with
+  int32 offsets both divisions are a multiply by the divisor's magic number
+  (``magic_number``, exact below 2**31), worked out once per run where a run meets at
+  most two channels (channel_size >= RUN; one where channel_size is a multiple of
+  RUN), else once per element; int64 offsets divide;
 - the host-side checks and launch grid, and the torch references of the rules above.
 
 Every step is a correctly rounded IEEE operation (``div_rn``, a single multiply, no
@@ -75,6 +86,8 @@ ELEMENTS_PER_PROGRAM, NUM_WARPS = 4096, 8
 # No FMA fusion: a decoder's add of a channel mean after its multiply (NOTE [channel
 # means]) must round twice, as torch does.
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+# The widest global load and store a thread issues (ld/st.global.v4.b32).
+VECTOR_BYTES = 16
 
 
 class NonFiniteCodes(NamedTuple):
@@ -97,13 +110,19 @@ class NonFiniteCodes(NamedTuple):
 
 
 @triton.jit
-def group_tile(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    """This program's groups and elements: group indices and their mask, then the
-    [groups, GROUP_SIZE] element offsets and their mask. int64, so that tensors beyond
-    2**31 elements index correctly."""
-    groups = tl.program_id(0).to(tl.int64) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
-    offsets = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
-    return groups, groups * GROUP_SIZE < numel, offsets, offsets < numel
+def group_tile(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr,
+               INDEX_64: tl.constexpr):
+    """This program's groups and their mask; the first element of each run of its groups,
+    as [groups, GROUP_SIZE // RUN, 1]; the element offsets, [groups, GROUP_SIZE // RUN, RUN],
+    and their mask. A run is RUN contiguous elements that one thread owns (NOTE [tile]).
+    Offsets are int64 where INDEX_64, else int32 (the launch knows which fit)."""
+    program = tl.program_id(0)
+    if INDEX_64:
+        program = program.to(tl.int64)
+    groups = program * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    runs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE // RUN)[None, :] * RUN
+    offsets = runs[:, :, None] + tl.arange(0, RUN)[None, None, :]
+    return groups, groups * GROUP_SIZE < numel, runs[:, :, None], offsets, offsets < numel
 
 
 @triton.jit
@@ -117,21 +136,41 @@ def load_as_float32(ptrs, mask):
 
 
 @triton.jit
-def load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED: tl.constexpr):
-    """Each element's channel mean where CENTERED, else 0 (NOTE [channel means]):
-    element i of a contiguous N, C, ... tensor is in channel (i // channel_size) %
-    channels."""
-    if CENTERED:
-        return tl.load(means_ptr + (offsets // channel_size) % channels, mask=in_bounds, other=0.0)
-    return tl.zeros(offsets.shape, tl.float32)
+def quotient(n, divisor, magic, shift, INDEX_64: tl.constexpr):
+    """n // divisor for n >= 0: an int64 division where INDEX_64, else, n being below
+    2**31, the high half of 2n times the divisor's magic number, shifted (NOTE [channel
+    means]; ``magic`` is its uint32 bit pattern held in an int32)."""
+    if INDEX_64:
+        return n // divisor
+    doubled = (n << 1).to(tl.uint32, bitcast=True)
+    high = tl.umulhi(doubled, magic.to(tl.uint32, bitcast=True))
+    return (high >> shift).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED: tl.constexpr):
-    """x (the block's fp32 values) less their channel's mean where CENTERED, else x."""
-    if CENTERED:
-        x = x - load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
-    return x
+def channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic, size_shift,
+                     count_magic, count_shift, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr):
+    """Each element's channel mean (NOTE [channel means]): element i of a contiguous N, C,
+    ... tensor is in channel (i // channel_size) % channels. RUN_CHANNELS is how many
+    channels one run may span: 1 (channel_size is a multiple of RUN: one mean per run),
+    2 (channel_size >= RUN: the run's first channel, then from the element where the
+    next one starts, that one), or 0 (more: each element's channel is worked out)."""
+    if RUN_CHANNELS == 0:
+        samples_and_channels = quotient(offsets, channel_size, size_magic, size_shift, INDEX_64)
+        channel = samples_and_channels - quotient(samples_and_channels, channels, count_magic, count_shift,
+                                                  INDEX_64) * channels
+        means = tl.load(means_ptr + channel, mask=in_bounds, other=0.0)
+    else:
+        samples_and_channels = quotient(runs, channel_size, size_magic, size_shift, INDEX_64)
+        first = samples_and_channels - quotient(samples_and_channels, channels, count_magic, count_shift,
+                                                INDEX_64) * channels
+        means = tl.load(means_ptr + first)  # [groups, runs, 1]: one per run
+        if RUN_CHANNELS == 2:
+            into_channel = runs - samples_and_channels * channel_size
+            following = tl.where(first + 1 == channels, 0, first + 1)
+            in_first = offsets - runs < channel_size - into_channel
+            means = tl.where(in_first, means, tl.load(means_ptr + following))
+    return means
 
 
 @triton.jit
@@ -146,17 +185,17 @@ def largest_finite(out_ptrs):
 
 @triton.jit
 def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
-    """NOTE [scale rule] per row of a [groups, GROUP_SIZE] fp32 block: the signed scale,
-    and the largest code magnitude the row's finite values may take, as [groups, 1]."""
+    """NOTE [scale rule] per row of a [groups, runs, RUN] fp32 block: the signed scale,
+    and the largest code magnitude the row's finite values may take, as [groups, 1, 1]."""
     finite = tl.abs(x) < float("inf")
-    absmax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
-    non_finite = tl.max((finite == 0).to(tl.int32), axis=1) > 0
+    absmax = tl.max(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2), axis=1)
+    non_finite = tl.max(tl.max((finite == 0).to(tl.int32), axis=2), axis=1) > 0
     code_max = tl.where(non_finite, tl.full(absmax.shape, NON_FINITE_CODE_MAX, tl.float32),
                         tl.full(absmax.shape, CODE_MAX, tl.float32))
     scale = tl.div_rn(absmax, code_max)
     one_ulp_less = (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
     scale = tl.where(scale * code_max == float("inf"), one_ulp_less, scale)
-    return tl.where(non_finite, negated(scale), scale), code_max[:, None]
+    return tl.where(non_finite, negated(scale), scale), code_max[:, None, None]
 
 
 @triton.jit
@@ -170,9 +209,9 @@ def negated(x):
 
 @triton.jit
 def is_flagged(scale):
-    """Per row of a [groups] scale, as [groups, 1]: whether the group holds inf or NaN
+    """Per row of a [groups] scale, as [groups, 1, 1]: whether the group holds inf or NaN
     (NOTE [non-finite groups]: the sign bit of its scale)."""
-    return (scale.to(tl.int32, bitcast=True) < 0)[:, None]
+    return (scale.to(tl.int32, bitcast=True) < 0)[:, None, None]
 
 
 @triton.jit
@@ -180,8 +219,8 @@ def divide_or_zero(x, scale):
     """x / |scale| per row for finite x where the scale is nonzero, else 0 (NOTE [scale
     rule]); the codes of non-finite x come from with_non_finite_codes."""
     magnitude = tl.abs(scale)
-    divisor = tl.where(magnitude > 0, magnitude, 1.0)[:, None]
-    quantized = (magnitude > 0)[:, None] & (tl.abs(x) < float("inf"))
+    divisor = tl.where(magnitude > 0, magnitude, 1.0)[:, None, None]
+    quantized = (magnitude > 0)[:, None, None] & (tl.abs(x) < float("inf"))
     return tl.where(quantized, tl.div_rn(x, tl.broadcast_to(divisor, x.shape)), 0.0)
 
 
@@ -242,7 +281,7 @@ def dequantize(values, codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE,
     """values * |scale| per row in fp32, plus ``means`` (each element's channel mean)
     saturated at +-out_max where CENTERED (NOTE [channel means]), and in flagged rows
     the non-finite codes' values (NOTE [non-finite groups])."""
-    y = values * tl.abs(scale)[:, None]
+    y = values * tl.abs(scale)[:, None, None]
     if CENTERED:
         y = tl.minimum(tl.maximum(y + means, -out_max), out_max)
     flagged = is_flagged(scale)
@@ -295,9 +334,27 @@ class ChannelMeans(NamedTuple):
     channels: int
     centered: bool
 
-    def kernel_arguments(self) -> dict:
+    def kernel_arguments(self, run) -> dict:
+        """For a kernel whose threads own runs of ``run`` elements (NOTE [tile])."""
+        size_magic, size_shift = magic_number(self.channel_size)
+        count_magic, count_shift = magic_number(self.channels)
         return {"means_ptr": self.means, "channel_size": self.channel_size, "channels": self.channels,
-                "CENTERED": self.centered}
+                "size_magic": size_magic, "size_shift": size_shift, "count_magic": count_magic,
+                "count_shift": count_shift, "CENTERED": self.centered,
+                "RUN_CHANNELS": 1 if self.channel_size % run == 0 else 2 if self.channel_size >= run else 0}
+
+
+def magic_number(divisor):
+    """``(magic, shift)`` such that ``n // divisor == (2n * m) >> (32 + shift)`` for every
+    0 <= n < 2**31, ``m`` being ``magic``'s uint32 bit pattern (NOTE [channel means]):
+    m = ceil(2**(31 + l) / divisor) with l = ceil(log2(divisor)), which is below 2**32,
+    and m * divisor - 2**(31 + l) < 2**l, the bound under which the quotient is exact
+    (Granlund and Montgomery, "Division by invariant integers using multiplication", 1994).
+    ``magic`` is returned as the int32 of that bit pattern."""
+    shift = (divisor - 1).bit_length()
+    multiplier = -(-(1 << (31 + shift)) // divisor)
+    assert 1 << 31 <= multiplier < 1 << 32, (divisor, multiplier)
+    return multiplier - (1 << 32), shift
 
 
 def channel_means(x, means, stand_in):
@@ -350,18 +407,33 @@ def empty_encoding(flat, group_size, code_dtype):
     return codes, scales
 
 
-def launch(kernel, numel, group_size, *tensors, **arguments):
+def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
     """One launch of a group kernel over numel elements, on its tensors' device; none
     for an empty tensor, nor for meta tensors: they hold no data, and the launcher's
-    allocations are what actsave.estimate simulates a CUDA step by. ``arguments`` are
-    the kernel's others, by name (constexprs and those after ``numel``)."""
+    allocations are what actsave.estimate simulates a CUDA step by. ``run`` is the
+    elements each thread owns contiguously (NOTE [tile]), ``means`` the kernel's
+    :class:`ChannelMeans`, ``arguments`` its other arguments by name."""
     if numel == 0 or tensors[0].device.type == "meta":
         return
     groups_per_program = max(1, ELEMENTS_PER_PROGRAM // group_size)
+    run = min(run, group_size)
     grid = (triton.cdiv(triton.cdiv(numel, group_size), groups_per_program),)
     with torch.cuda.device_of(tensors[0]):
-        kernel[grid](*tensors, numel=numel, GROUP_SIZE=group_size,
-                     GROUPS_PER_PROGRAM=groups_per_program, **LAUNCH_OPTIONS, **arguments)
+        kernel[grid](*tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
+                     GROUPS_PER_PROGRAM=groups_per_program, RUN=run, INDEX_64=needs_int64(numel),
+                     **LAUNCH_OPTIONS, **arguments)
+
+
+def needs_int64(numel):
+    """Whether a launch over numel elements indexes in int64: where an offset in its last
+    program's tile could reach 2**31 (the magic-number quotients of NOTE [channel means]
+    need offsets below it too)."""
+    return numel + ELEMENTS_PER_PROGRAM > 2**31
+
+
+def run_elements(dtype):
+    """Elements per thread run for a stream of ``dtype`` values: one 16-byte vector."""
+    return VECTOR_BYTES // dtype.itemsize
 
 
 # ----------------------------------------------------------------- torch references

@@ -40,6 +40,7 @@ from ._rounding import (
     any_flagged_ref,
     centered_input_ref,
     channel_means,
+    channel_means_of,
     decoded_channel_means,
     dequantize,
     dequantize_ref,
@@ -55,12 +56,11 @@ from ._rounding import (
     is_flagged_ref,
     largest_finite,
     launch,
-    less_channel_means,
     load_as_float32,
-    load_channel_means,
     magnitude_bits,
     negated,
     round_to_grid_rne,
+    run_elements,
     store_rounded,
     with_non_finite_codes,
     with_non_finite_codes_ref,
@@ -207,15 +207,22 @@ def _magnitude_code_to_float32(magnitude, MANT_BITS: tl.constexpr, MIN_NORMAL_EX
 
 @triton.jit
 def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels,
+                       size_magic, size_shift, count_magic, count_shift,
                        FP8_MAX: tl.constexpr,
                        NON_FINITE_CODE_MAX: tl.constexpr,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
                        UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                       CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
+                       CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                       GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    centered = less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
+    centered = x
+    if CENTERED:
+        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+        centered = tl.where(in_bounds, x - means, 0.0)  # padding stays 0, below every absmax
     scale, code_max = group_scale(centered, FP8_MAX, NON_FINITE_CODE_MAX)
     scaled = divide_or_zero(centered, scale)
     codes = _float32_to_fp8_bits(scaled, code_max, MANT_BITS, MIN_NORMAL_EXP)
@@ -229,18 +236,24 @@ def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_s
 
 @triton.jit
 def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel_size, channels,
+                       size_magic, size_shift, count_magic, count_shift,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr,
                        UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                       CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
+                       CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                       GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
     values = _fp8_bits_to_float32(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
     if UNSIGNED:
         unsigned_values = _magnitude_code_to_float32(codes, U_MANT_BITS, MIN_NORMAL_EXP)
         values = tl.where(is_flagged(scale), values, unsigned_values)
-    means = load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
+    means = 0.0
+    if CENTERED:
+        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
     y = dequantize(values, codes, scale, means, largest_finite(out_ptr),
                    POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
     store_rounded(out_ptr + offsets, y, in_bounds)
@@ -263,8 +276,8 @@ def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     spec = _format(fmt)
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, torch.uint8)
-    launch(_encode_fp8_kernel, flat.numel(), group_size, flat, codes, scales,
-           **channel_means(x, means, scales).kernel_arguments(), **spec.encode_constexprs())
+    launch(_encode_fp8_kernel, flat.numel(), group_size, run_elements(codes.dtype), channel_means(x, means, scales),
+           flat, codes, scales, **spec.encode_constexprs())
     return codes, scales
 
 
@@ -276,8 +289,8 @@ def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=N
     spec = _format(fmt)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_fp8_kernel, codes.numel(), group_size, codes, scales, out,
-           **decoded_channel_means(codes, means, channel_size, scales).kernel_arguments(),
+    launch(_decode_fp8_kernel, codes.numel(), group_size, run_elements(dtype),
+           decoded_channel_means(codes, means, channel_size, scales), codes, scales, out,
            **spec.decode_constexprs())
     return out
 

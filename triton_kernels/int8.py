@@ -28,6 +28,7 @@ from ._rounding import (
     any_flagged_ref,
     centered_input_ref,
     channel_means,
+    channel_means_of,
     decoded_channel_means,
     dequantize,
     dequantize_ref,
@@ -43,11 +44,10 @@ from ._rounding import (
     is_flagged_ref,
     largest_finite,
     launch,
-    less_channel_means,
     load_as_float32,
-    load_channel_means,
     magnitude_bits,
     round_to_grid_rne,
+    run_elements,
     store_rounded,
     with_non_finite_codes,
     with_non_finite_codes_ref,
@@ -90,13 +90,20 @@ def _round_to_int8(scaled, code_max):
 
 @triton.jit
 def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels,
+                        size_magic, size_shift, count_magic, count_shift,
                         CODE_MAX: tl.constexpr,
                         UNSIGNED: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                        CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
+                        CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    centered = less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
+    centered = x
+    if CENTERED:
+        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+        centered = tl.where(in_bounds, x - means, 0.0)  # padding stays 0, below every absmax
     scale, code_max = group_scale(centered, CODE_MAX, NON_FINITE_CODE_MAX)
     scaled = divide_or_zero(centered, scale)
     if UNSIGNED:
@@ -112,15 +119,21 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_
 
 @triton.jit
 def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel_size, channels,
+                        size_magic, size_shift, count_magic, count_shift,
                         UNSIGNED: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                        CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
+                        CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
     if UNSIGNED:  # a flagged group's bytes are int8 codes
         codes = tl.where(is_flagged(scale) & (codes > 127), codes - 256, codes)
-    means = load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
+    means = 0.0
+    if CENTERED:
+        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
     y = dequantize(codes.to(tl.float32), codes, scale, means, largest_finite(out_ptr),
                    POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
     store_rounded(out_ptr + offsets, y, in_bounds)
@@ -134,8 +147,8 @@ def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     Raises ValueError for other dtypes, group sizes or means."""
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, _code_dtype(unsigned))
-    launch(_encode_int8_kernel, flat.numel(), group_size, flat, codes, scales,
-           **channel_means(x, means, scales).kernel_arguments(), **encode_constexprs(unsigned))
+    launch(_encode_int8_kernel, flat.numel(), group_size, run_elements(codes.dtype), channel_means(x, means, scales),
+           flat, codes, scales, **encode_constexprs(unsigned))
     return codes, scales
 
 
@@ -147,8 +160,8 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
     (NOTE [channel means])."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_int8_kernel, codes.numel(), group_size, codes, scales, out,
-           **decoded_channel_means(codes, means, channel_size, scales).kernel_arguments(),
+    launch(_decode_int8_kernel, codes.numel(), group_size, run_elements(dtype),
+           decoded_channel_means(codes, means, channel_size, scales), codes, scales, out,
            **decode_constexprs(unsigned))
     return out
 
