@@ -19,9 +19,17 @@ what they have in common:
   decodes to inf: the division errs by at most half an ulp, so one step is enough, and
   every other scale is left as it is. A group of finite values stores that scale
   (>= +0); a group holding +-inf or NaN stores it negated, so its sign bit flags the
-  group without adding a byte. Only finite values are divided (``x / |scale|``, 0 for
-  an all-zero group); decoding is ``value(code) * |scale|``, so an all-zero group
-  decodes to exact zeros;
+  group without adding a byte. Decoding is ``value(code) * |scale|``. Encoding
+  multiplies rather than divides: a value x is coded as ``t = x * multiplier``, one
+  correctly rounded multiply by its group's ``multiplier = code_max / absmax`` (divided
+  correctly rounded, once per group). t lies within about an ulp of ``x / scale``, which
+  moves a code only where that quotient is as close to a rounding boundary (round-trip
+  SQNR within 0.01 dB of dividing). As ``|x| <= absmax``, ``|t| <= code_max * (1 +
+  2**-23)``, which rounds to code_max at most: no code saturates. Where absmax < 2**-64
+  the multiplier could pass fp32's range (code_max is up to 122880), so both are taken
+  after a scaling by 2**64, exact on both sides: ``t = (x * 2**64) * (code_max / (absmax
+  * 2**64))``. Only finite values are multiplied; a group whose finite absmax is 0 has
+  multiplier 0 and codes +0 (for -0.0 too), so an all-zero group decodes to exact zeros;
 - NOTE [non-finite groups]: ``-inf`` is a legitimate activation (causal and vocabulary
   masks), so it must neither become finite garbage nor spoil its group, and NaN must
   stay NaN (AMP loss scalers look for it). In a flagged group each codec reserves three
@@ -62,9 +70,9 @@ what they have in common:
   RUN), else once per element; int64 offsets divide;
 - the host-side checks and launch grid, and the torch references of the rules above.
 
-Every step is a correctly rounded IEEE operation (``div_rn``, a single multiply, no
-fused multiply-add: ``LAUNCH_OPTIONS``), so kernels and references agree bit for
-bit on CPU, under the interpreter and on CUDA.
+Every step is a correctly rounded IEEE operation (``div_rn`` once per group, a single
+multiply or add per value, no fused multiply-add: ``LAUNCH_OPTIONS``), so kernels and
+references agree bit for bit on CPU, under the interpreter and on CUDA.
 """
 from typing import NamedTuple
 
@@ -88,6 +96,9 @@ ELEMENTS_PER_PROGRAM, NUM_WARPS = 4096, 8
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 # The widest global load and store a thread issues (ld/st.global.v4.b32).
 VECTOR_BYTES = 16
+# NOTE [scale rule]: below this absmax, the multiplier is taken after scaling by PRESCALE.
+TINY_ABSMAX = tl.constexpr(2.0**-64)
+PRESCALE = tl.constexpr(2.0**64)
 
 
 class NonFiniteCodes(NamedTuple):
@@ -186,7 +197,8 @@ def largest_finite(out_ptrs):
 @triton.jit
 def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
     """NOTE [scale rule] per row of a [groups, runs, RUN] fp32 block: the signed scale,
-    and the largest code magnitude the row's finite values may take, as [groups, 1, 1]."""
+    [groups]; the block's finite values times their row's multiplier, 0 elsewhere; and
+    per row, [groups, 1, 1], whether it is flagged and whether its multiplier is nonzero."""
     finite = tl.abs(x) < float("inf")
     absmax = tl.max(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2), axis=1)
     non_finite = tl.max(tl.max((finite == 0).to(tl.int32), axis=2), axis=1) > 0
@@ -195,7 +207,11 @@ def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
     scale = tl.div_rn(absmax, code_max)
     one_ulp_less = (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
     scale = tl.where(scale * code_max == float("inf"), one_ulp_less, scale)
-    return tl.where(non_finite, negated(scale), scale), code_max[:, None, None]
+    prescale = tl.where(absmax < TINY_ABSMAX, PRESCALE, 1.0)
+    multiplier = tl.where(absmax > 0, tl.div_rn(code_max, absmax * prescale), 0.0)
+    scaled = tl.where(finite, (x * prescale[:, None, None]) * multiplier[:, None, None], 0.0)
+    return (tl.where(non_finite, negated(scale), scale), scaled, non_finite[:, None, None],
+            (absmax > 0)[:, None, None])
 
 
 @triton.jit
@@ -212,16 +228,6 @@ def is_flagged(scale):
     """Per row of a [groups] scale, as [groups, 1, 1]: whether the group holds inf or NaN
     (NOTE [non-finite groups]: the sign bit of its scale)."""
     return (scale.to(tl.int32, bitcast=True) < 0)[:, None, None]
-
-
-@triton.jit
-def divide_or_zero(x, scale):
-    """x / |scale| per row for finite x where the scale is nonzero, else 0 (NOTE [scale
-    rule]); the codes of non-finite x come from with_non_finite_codes."""
-    magnitude = tl.abs(scale)
-    divisor = tl.where(magnitude > 0, magnitude, 1.0)[:, None, None]
-    quantized = (magnitude > 0)[:, None, None] & (tl.abs(x) < float("inf"))
-    return tl.where(quantized, tl.div_rn(x, tl.broadcast_to(divisor, x.shape)), 0.0)
 
 
 @triton.jit
@@ -462,17 +468,25 @@ def _per_element(scales, group_size, numel):
 
 
 def group_scale_ref(flat, group_size, code_max, non_finite):
-    """NOTE [scale rule] for a flat fp32 tensor: the signed scale per group, and per
-    element the largest code magnitude its group's finite values may take. Zero
-    padding is finite and leaves the absmax unchanged."""
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % group_size)).view(-1, group_size)
-    finite = padded.isfinite()
-    absmax = torch.where(finite, padded.abs(), 0.0).amax(dim=1)
-    flagged = ~finite.all(dim=1)
+    """NOTE [scale rule] for a flat fp32 tensor: per group, the signed scale, the
+    multiplier (NaN where the finite absmax is 0: see scaled_ref) and the pre-scale
+    (None where no group needs one). Zero padding is finite and leaves the absmax
+    unchanged. One per-element temporary, so that the encoders' peak is their
+    multiply's (scaled_ref), with or without a centered copy."""
+    padding = -flat.numel() % group_size
+    grouped = torch.nn.functional.pad(flat, (0, padding)) if padding else flat
+    magnitude = grouped.view(-1, group_size).abs()
+    flagged = magnitude.amax(dim=1).le(torch.finfo(torch.float32).max).logical_not_()  # amax propagates NaN
+    absmax = magnitude.nan_to_num_(nan=0.0, posinf=0.0).amax(dim=1)
+    del grouped, magnitude
     limit = torch.where(flagged, non_finite.finite_max, float(code_max))
     scales = absmax / limit
     scales = torch.where((scales * limit).isinf(), scales.nextafter(torch.zeros_like(scales)), scales)
-    return torch.where(flagged, -scales, scales), _per_element(limit, group_size, flat.numel())
+    tiny = absmax < TINY_ABSMAX.value
+    prescales = torch.where(tiny, PRESCALE.value, 1.0) if flat.device.type != "meta" and tiny.any() else None
+    multipliers = limit / (absmax if prescales is None else absmax * prescales)
+    multipliers = torch.where(absmax > 0, multipliers, float("nan"))
+    return torch.where(flagged, -scales, scales), multipliers, prescales
 
 
 def is_flagged_ref(scales, group_size, numel):
@@ -487,17 +501,22 @@ def any_flagged_ref(scales):
     return scales.device.type != "meta" and bool(scales.signbit().any())
 
 
-def divide_or_zero_ref(flat, scales, group_size, in_place=False):
-    """flat / |scale| where finite with a nonzero scale, else 0; ``in_place`` overwrites
-    ``flat`` (a reference's own copy) and allocates no more than the per-element scale."""
-    scale = _per_element(scales, group_size, flat.numel()).abs_()
-    if in_place:
-        # The same bits: a finite value over a nonzero scale stays finite (within the
-        # code range, NOTE [scale rule]); everything else, inf, NaN and 0/0 of an
-        # all-zero group, becomes +0.
-        return flat.div_(scale).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    quantized = (scale > 0) & flat.isfinite()
-    return torch.where(quantized, flat / scale, 0.0)
+def scaled_ref(flat, multipliers, prescales, group_size, in_place=False):
+    """NOTE [scale rule]: each finite value times its group's pre-scale (if any) and then
+    its multiplier, and +0 for the others and throughout a group whose finite absmax is
+    0; ``in_place`` overwrites ``flat`` (a reference's own copy) and allocates no more
+    than one per-element factor at a time."""
+    if prescales is not None:
+        factor = _per_element(prescales, group_size, flat.numel())
+        flat = flat.mul_(factor) if in_place else flat * factor
+        in_place = True
+        del factor
+    factor = _per_element(multipliers, group_size, flat.numel())
+    scaled = flat.mul_(factor) if in_place else flat * factor
+    # The same bits as masking: a finite value times a finite multiplier stays finite
+    # (|t| <= code_max * (1 + 2**-23)); inf and NaN values, and every value of a group
+    # whose multiplier is NaN (absmax 0), become +0.
+    return scaled.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def with_non_finite_codes_ref(codes, flat, non_finite):

@@ -3,9 +3,10 @@
 Format: the tensor is flattened row-major and cut into groups of ``group_size``
 elements (a power of two; the last group may be partial). Each group stores
 ``scale = absmax / FP8_MAX`` (fp32; 448 for e4m3, 57344 for e5m2) and one byte per
-element: the bit pattern of ``x / scale`` in ``torch.float8_e4m3fn`` (1 sign,
+element: the bit pattern of ``x * (FP8_MAX / absmax)``, the group's multiplier taken
+once (NOTE [scale rule]: no value passes +-FP8_MAX), in ``torch.float8_e4m3fn`` (1 sign,
 4 exponent, 3 mantissa bits, no inf) or ``torch.float8_e5m2`` (1, 5, 2), rounded half
-to even and saturated at +-FP8_MAX. Decoding is ``fp8_value(code) * scale`` in fp32,
+to even. Decoding is ``fp8_value(code) * scale`` in fp32,
 rounded half to even to the requested dtype. NOTE [scale rule] in ``_rounding`` keeps
 a scale near the fp32 maximum from decoding to inf, and flags, by the scale's sign
 bit, a group holding inf or NaN; there +-inf and NaN take the codes of ``_Fp8Format.non_finite`` (NOTE
@@ -20,8 +21,9 @@ smallest normal. ``scale = absmax / largest``; in a group holding inf or NaN the
 signed format's codes (e4m3, e5m2) are stored instead. Doubling an e4m3 (e5m2) code
 below its specials gives the ue4m4 (ue5m3) code of the same value.
 
-The scale itself is stored rather than its reciprocal so that encoding is one
-correctly rounded division and decoding one multiply. The kernels encode and decode
+The scale itself is stored, so that decoding is one multiply; encoding multiplies by
+the group's multiplier, one correctly rounded division per group rather than one per
+value (NOTE [scale rule]). The kernels encode and decode
 fp8 with integer arithmetic only (the interpreter's fp32 -> fp8 cast mis-rounds
 about 9% of values; this also runs on GPUs without fp8 hardware).
 ``encode_fp8_ref`` / ``decode_fp8_ref`` are the specification, written with torch's
@@ -44,8 +46,6 @@ from ._rounding import (
     decoded_channel_means,
     dequantize,
     dequantize_ref,
-    divide_or_zero,
-    divide_or_zero_ref,
     empty_encoding,
     flat_codes,
     flat_input,
@@ -61,6 +61,7 @@ from ._rounding import (
     negated,
     round_to_grid_rne,
     run_elements,
+    scaled_ref,
     store_rounded,
     with_non_finite_codes,
     with_non_finite_codes_ref,
@@ -158,19 +159,20 @@ def _pow2(exponent):
 
 
 @triton.jit
-def _float32_to_fp8_bits(scaled, code_max, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+def _float32_to_fp8_bits(scaled, signed_zero, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """fp8 bit pattern of a finite fp32, rounded half to even (NOTE [round half to
-    even]) and saturated at +-code_max (per row, an fp8 value)."""
-    sign = (scaled.to(tl.int32, bitcast=True) >> 24) & 0x80
-    return sign | _fp8_magnitude_code(tl.abs(scaled), code_max, MANT_BITS, MIN_NORMAL_EXP)
+    even]); no value passes the largest finite one (NOTE [scale rule]). A zero keeps
+    its sign only where ``signed_zero`` (per row: a group whose multiplier is nonzero)."""
+    sign = (scaled.to(tl.int32, bitcast=True) >> 24) & tl.where(signed_zero, 0x80, 0)
+    return sign | _fp8_magnitude_code(tl.abs(scaled), MANT_BITS, MIN_NORMAL_EXP)
 
 
 @triton.jit
-def _fp8_magnitude_code(magnitude, code_max, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+def _fp8_magnitude_code(magnitude, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """The sign-less code of a finite fp32 magnitude (>= 0, or -0.0) on a float grid
     of MANT_BITS mantissa bits whose smallest normal is 2**MIN_NORMAL_EXP, rounded half
-    to even and saturated at code_max (per row, a value of the grid)."""
-    abs_bits = magnitude_bits(tl.minimum(magnitude, code_max))
+    to even; the magnitude rounds to a value of the grid (NOTE [scale rule])."""
+    abs_bits = magnitude_bits(magnitude)
     # An fp8 magnitude is k * 2**(exponent - MANT_BITS), where exponent is that of |x|
     # but at least MIN_NORMAL_EXP: k carries the implicit one for normals, not for
     # subnormals.
@@ -223,12 +225,11 @@ def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_s
         means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
                                  size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
         centered = tl.where(in_bounds, x - means, 0.0)  # padding stays 0, below every absmax
-    scale, code_max = group_scale(centered, FP8_MAX, NON_FINITE_CODE_MAX)
-    scaled = divide_or_zero(centered, scale)
-    codes = _float32_to_fp8_bits(scaled, code_max, MANT_BITS, MIN_NORMAL_EXP)
+    scale, scaled, flagged, nonzero = group_scale(centered, FP8_MAX, NON_FINITE_CODE_MAX)
+    codes = _float32_to_fp8_bits(scaled, nonzero, MANT_BITS, MIN_NORMAL_EXP)
     if UNSIGNED:  # NOTE [unsigned grids]: flagged groups keep the signed codes
-        unsigned_codes = _fp8_magnitude_code(tl.maximum(scaled, 0.0), code_max, U_MANT_BITS, MIN_NORMAL_EXP)
-        codes = tl.where(is_flagged(scale), codes, unsigned_codes)
+        unsigned_codes = _fp8_magnitude_code(tl.maximum(scaled, 0.0), U_MANT_BITS, MIN_NORMAL_EXP)
+        codes = tl.where(flagged, codes, unsigned_codes)
     codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
@@ -304,28 +305,29 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     spec = _format(fmt)
     signed = getattr(spec, "signed", spec)
     source, flat = centered_input_ref(x, group_size, means)
-    scales, code_max = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
-    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=flat is not source)  # flat: not read again
+    scales, multipliers, prescales = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
+    # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [scale rule]).
+    scaled = scaled_ref(flat, multipliers, prescales, group_size, in_place=flat is not source)  # flat: not read again
     if spec is signed or any_flagged_ref(scales):
-        codes = scaled.clamp(-code_max, code_max).to(signed.torch_dtype).view(torch.uint8)
+        codes = scaled.to(signed.torch_dtype).view(torch.uint8)
     if spec is not signed:
-        unsigned_codes = _unsigned_codes_ref_(scaled, code_max, spec)
+        unsigned_codes = _unsigned_codes_ref_(scaled, spec)
         # Flagged groups keep the signed codes (NOTE [unsigned grids]).
         codes = torch.where(is_flagged_ref(scales, group_size, source.numel()), codes, unsigned_codes) \
             if any_flagged_ref(scales) else unsigned_codes
     return with_non_finite_codes_ref(codes, source, signed.non_finite), scales
 
 
-def _unsigned_codes_ref_(scaled, code_max, spec):
-    """Codes of finite fp32 values on an unsigned grid, saturated at 0 and code_max,
-    rounded half to even; ``scaled`` is overwritten (in place, so that encoding
+def _unsigned_codes_ref_(scaled, spec):
+    """Codes of finite fp32 values on an unsigned grid, saturated at 0 (none passes the
+    grid's top: NOTE [scale rule]), rounded half to even; ``scaled`` is overwritten (in place, so that encoding
     allocates no more than the signed path, which the planner profiles). The exponent e
     of a value (that of its leading bit, at least the smallest normal's) sets the step
     2**(e - mantissa_bits); the multiple k of that step comes after the
     (e - min_normal_exponent) binades of 2**mantissa_bits codes below it, the implicit
     one of k supplying a normal's offset and a k that rounds up to the next power of
     two carrying into the next binade."""
-    magnitude = torch.minimum(scaled.clamp_min_(0.0), code_max, out=scaled)
+    magnitude = scaled.clamp_min_(0.0)
     # The exponent of each value's leading bit, at least the smallest normal's (fp32
     # subnormals and 0 lie far below it).
     exponent = (magnitude.view(torch.int32) >> 23).sub_(127).clamp_min_(spec.min_normal_exponent)

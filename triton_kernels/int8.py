@@ -3,16 +3,17 @@
 Format: the tensor is flattened row-major and cut into groups of ``group_size``
 elements (a power of two; the last group may be partial). Each group stores
 ``scale = absmax / 127`` (fp32) and one int8 code per element,
-``code = round_half_even(clamp(x / scale, -127, 127))``; the grid is symmetric.
-Decoding is ``code * scale`` in fp32, rounded half to even to the requested dtype.
-NOTE [scale rule] in ``_rounding`` keeps a scale near the fp32 maximum from decoding
-to inf, and flags, by the scale's sign bit, a group holding inf or NaN: there
-``scale = finite absmax / 126``, finite codes stay within +-126, and 127, -127 and
--128 stand for +inf, -inf and NaN (NOTE [non-finite groups]).
+``code = round_half_even(x * (127 / absmax))``, the group's multiplier ``127 / absmax``
+taken once (NOTE [scale rule] in ``_rounding``: no code passes +-127); the grid is
+symmetric. Decoding is ``code * scale`` in fp32, rounded half to even to the
+requested dtype. NOTE [scale rule] also keeps a scale near the fp32 maximum from
+decoding to inf, and flags, by the scale's sign bit, a group holding inf or NaN:
+there ``scale = finite absmax / 126``, finite codes stay within +-126, and 127, -127
+and -128 stand for +inf, -inf and NaN (NOTE [non-finite groups]).
 
 The unsigned variant (``unsigned=True``, NOTE [unsigned grids]) is for tensors known
 to be non-negative: ``scale = absmax / 255`` and uint8 codes
-``round_half_even(clamp(x / scale, 0, 255))``; a group holding inf or NaN keeps the
+``round_half_even(max(x * (255 / absmax), 0))``; a group holding inf or NaN keeps the
 signed encoding above, its int8 codes stored as their byte.
 
 At ``group_size=128`` that is 8.25 bits per element. ``encode_int8_ref`` /
@@ -32,8 +33,6 @@ from ._rounding import (
     decoded_channel_means,
     dequantize,
     dequantize_ref,
-    divide_or_zero,
-    divide_or_zero_ref,
     empty_encoding,
     flat_codes,
     flat_input,
@@ -48,6 +47,7 @@ from ._rounding import (
     magnitude_bits,
     round_to_grid_rne,
     run_elements,
+    scaled_ref,
     store_rounded,
     with_non_finite_codes,
     with_non_finite_codes_ref,
@@ -82,9 +82,10 @@ def _code_dtype(unsigned):
 
 
 @triton.jit
-def _round_to_int8(scaled, code_max):
-    """NOTE [round half to even] onto the integers, saturated at +-code_max (per row)."""
-    magnitude = round_to_grid_rne(magnitude_bits(tl.minimum(tl.abs(scaled), code_max)), 0)
+def _round_to_int8(scaled):
+    """NOTE [round half to even] onto the integers, of finite values within +-255.00004
+    (NOTE [scale rule]: no code saturates)."""
+    magnitude = round_to_grid_rne(magnitude_bits(scaled), 0)
     return tl.where(scaled < 0, -magnitude, magnitude)
 
 
@@ -104,13 +105,12 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_
         means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
                                  size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
         centered = tl.where(in_bounds, x - means, 0.0)  # padding stays 0, below every absmax
-    scale, code_max = group_scale(centered, CODE_MAX, NON_FINITE_CODE_MAX)
-    scaled = divide_or_zero(centered, scale)
+    scale, scaled, flagged, _ = group_scale(centered, CODE_MAX, NON_FINITE_CODE_MAX)
     if UNSIGNED:
-        # Unflagged groups saturate at 0 and CODE_MAX (255): the signed rounding of a
+        # Unflagged groups saturate at 0 (their top is 255): the signed rounding of a
         # value >= 0 is its unsigned code. Flagged groups keep the signed codes.
-        scaled = tl.where(is_flagged(scale), scaled, tl.maximum(scaled, 0.0))
-    codes = _round_to_int8(scaled, code_max)
+        scaled = tl.where(flagged, scaled, tl.maximum(scaled, 0.0))
+    codes = _round_to_int8(scaled)
     codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     # Truncation to 8 bits: a signed code's two's complement byte, or a code 0..255.
     tl.store(codes_ptr + offsets, codes.to(codes_ptr.dtype.element_ty), mask=in_bounds)
@@ -169,18 +169,20 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
 def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     """The specification of ``encode_int8``, in torch (torch.round ties to even)."""
     source, flat = centered_input_ref(x, group_size, means)
-    scales, code_max = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX, NON_FINITE_CODES)
-    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=flat is not source)  # flat: not read again
+    scales, multipliers, prescales = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX,
+                                                     NON_FINITE_CODES)
+    # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [scale rule]).
+    scaled = scaled_ref(flat, multipliers, prescales, group_size, in_place=flat is not source)  # flat: not read again
     if not unsigned:
-        codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
+        codes = scaled.round_().to(torch.int8)
         return with_non_finite_codes_ref(codes, source, NON_FINITE_CODES), scales
     if not any_flagged_ref(scales):
         # No group is flagged: every code is unsigned. In place, so that encoding a
         # non-negative tensor allocates no more than the signed path (the planner
         # profiles that one).
-        return scaled.clamp_(0, UINT8_MAX).round_().to(torch.uint8), scales
-    lowest = torch.where(is_flagged_ref(scales, group_size, source.numel()), -code_max, 0.0)
-    codes = with_non_finite_codes_ref(scaled.clamp(lowest, code_max).round(), source, NON_FINITE_CODES)
+        return scaled.clamp_min_(0).round_().to(torch.uint8), scales
+    lowest = torch.where(is_flagged_ref(scales, group_size, source.numel()), float("-inf"), 0.0)
+    codes = with_non_finite_codes_ref(scaled.clamp_min_(lowest).round_(), source, NON_FINITE_CODES)
     # A flagged group's int8 codes, stored as their byte.
     return codes.add_(codes < 0, alpha=256).to(torch.uint8), scales
 
