@@ -48,8 +48,23 @@ what they have in common:
   encoded exactly as by the signed codec, its codes stored as their byte, so the
   non-finite rule is written once; decoding reads the flag first;
 - NOTE [round half to even]: every rounding (int8 codes, fp8 codes, fp32 -> bf16
-  output) is ``shift_right_rne`` on integer bits, which is exact on every backend;
-  Triton's interpreter has no ``rint`` and mis-rounds fp32 -> fp8 / bf16 casts;
+  output) is to nearest, ties to even, and exact on every backend. Triton's interpreter
+  has no ``rint`` and mis-rounds fp32 -> fp8 / bf16 casts, so the kernels round with
+  IEEE adds (which round half to even) and integer bits: int8 codes by adding 1.5 *
+  2**23 (``integer_code_bits``), fp8 codes by rounding fp32's significand on its bits,
+  and below the smallest normal by an add whose ulp is the step (fp8's
+  ``_fp8_magnitude_code``). fp32 -> bf16 is ``.to`` on CUDA (cvt.rn) and
+  ``float32_to_bfloat16_rne``, on bits, under the interpreter;
+- NOTE [plain tiles]: most tiles hold only groups whose values are finite, with an
+  absmax below 2**127 and either 0 or at least 2**-64 (and, for an encoder that
+  subtracts channel means, lie wholly inside the tensor, a partial tile's padding being
+  centered too). There NOTE [scale rule] needs no step, no pre-scale and no flag, and
+  NOTE [non-finite groups] no code, so the kernels take a path without them: an
+  encoder decides from its rows' magnitudes (``row_magnitudes``, ``plain_tile``), a
+  decoder from its scales' signs (``none_flagged``), once per program, by a branch on a
+  reduction over the tile; every other tile takes the general path. Both give the
+  references' bits, and a plain tile pays for the rules it does not need with that
+  reduction alone;
 - NOTE [channel means]: an encoder may be given one fp32 mean per channel (dim 1 of
   an N, C, ... tensor) to subtract from each value as it is loaded, correctly rounded,
   before anything else; the group's scale and codes are those of the centered values,
@@ -99,6 +114,8 @@ VECTOR_BYTES = 16
 # NOTE [scale rule]: below this absmax, the multiplier is taken after scaling by PRESCALE.
 TINY_ABSMAX = tl.constexpr(2.0**-64)
 PRESCALE = tl.constexpr(2.0**64)
+# NOTE [plain tiles]: below this absmax no scale needs the scale rule's step.
+PLAIN_ABSMAX_LIMIT = tl.constexpr(2.0**127)
 
 
 class NonFiniteCodes(NamedTuple):
@@ -134,6 +151,15 @@ def group_tile(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr
     runs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE // RUN)[None, :] * RUN
     offsets = runs[:, :, None] + tl.arange(0, RUN)[None, None, :]
     return groups, groups * GROUP_SIZE < numel, runs[:, :, None], offsets, offsets < numel
+
+
+@triton.jit
+def tile_is_whole(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, INDEX_64: tl.constexpr):
+    """Whether every element of this program's tile is in bounds (a scalar)."""
+    program = tl.program_id(0)
+    if INDEX_64:
+        program = program.to(tl.int64)
+    return (program + 1) * (GROUPS_PER_PROGRAM * GROUP_SIZE) <= numel
 
 
 @triton.jit
@@ -195,6 +221,49 @@ def largest_finite(out_ptrs):
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_magnitudes(x, INTERPRETED: tl.constexpr):
+    """Per row of a [groups, runs, RUN] fp32 block, as [groups]: the largest |x|, NaN
+    where the row holds a NaN, +inf where it holds an infinity and no NaN. On a GPU a
+    NaN-keeping maximum is one instruction a value; the interpreter's reductions skip
+    NaN (numpy's nanmax) and its custom ones run in Python, so there the magnitudes'
+    bits are compared as integers, an order that puts NaN above +inf above every
+    finite value."""
+    if INTERPRETED:
+        bits = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=1)
+        return bits.to(tl.float32, bitcast=True)
+    return tl.reduce(tl.reduce(tl.abs(x), 2, _max_keeping_nan), 1, _max_keeping_nan)
+
+
+@triton.jit
+def plain_tile(magnitudes):
+    """NOTE [plain tiles]: whether every row of the tile, given its row_magnitudes, is
+    finite with an absmax below 2**127 and either 0 or at least 2**-64 (a scalar)."""
+    plain = (magnitudes < PLAIN_ABSMAX_LIMIT) & ((magnitudes >= TINY_ABSMAX) | (magnitudes == 0.0))
+    return tl.min(plain.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def plain_group_scale(magnitudes, CODE_MAX: tl.constexpr):
+    """NOTE [scale rule] for the rows of a plain tile (NOTE [plain tiles]), [groups]: the
+    scale and the multiplier, the bits of group_scale's without its step, pre-scale
+    and flag, none of which applies."""
+    code_max = tl.full(magnitudes.shape, CODE_MAX, tl.float32)
+    return tl.div_rn(magnitudes, code_max), tl.where(magnitudes > 0, tl.div_rn(code_max, magnitudes), 0.0)
+
+
+@triton.jit
+def none_flagged(scale):
+    """Whether no group of the tile, given its [groups] scales, is flagged (NOTE
+    [non-finite groups]; a scalar)."""
+    return tl.min(scale.to(tl.int32, bitcast=True), axis=0) >= 0
+
+
+@triton.jit
 def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
     """NOTE [scale rule] per row of a [groups, runs, RUN] fp32 block: the signed scale,
     [groups]; the block's finite values times their row's multiplier, 0 elsewhere; and
@@ -239,6 +308,18 @@ def with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE):
 
 
 @triton.jit
+def integer_code_bits(scaled, UNSIGNED: tl.constexpr):
+    """NOTE [round half to even] of finite values onto the integers, within +-255.5: an
+    fp32 add rounds half to even, and adding 1.5 * 2**23 (or 2**23, values >= 0 on
+    the unsigned grid, negative ones saturating at 0) leaves the sum in a binade whose
+    step is 1, so that its low byte is the code's two's complement byte (or the code
+    0..255). Returned as the sum's bits; storing them as 8 bits keeps that byte."""
+    if UNSIGNED:
+        return (tl.maximum(scaled, 0.0) + 8388608.0).to(tl.int32, bitcast=True)
+    return (scaled + 12582912.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def shift_right_rne(m, shift):
     """NOTE [round half to even]: m / 2**shift rounded half to even, for int32 m >= 0,
     1 <= shift <= 31 and m + 2**(shift - 1) < 2**31. Adding one half minus one unit,
@@ -256,19 +337,6 @@ def magnitude_bits(x):
 
 
 @triton.jit
-def round_to_grid_rne(abs_bits, grid_exponent):
-    """|x| / 2**grid_exponent rounded half to even, as int32, from the magnitude bits of
-    fp32 x. Needs 2**-100 <= 2**grid_exponent and |x| < 2**(grid_exponent + 23), so
-    that at least one bit is dropped and fp32 subnormals, far below half a step, round to 0."""
-    exponent = abs_bits >> 23
-    significand = (abs_bits & 0x7FFFFF) | 0x800000  # |x| = significand * 2**(exponent - 150)
-    # A significand below 2**24 rounds to 0 once 25 or more bits are dropped; capping
-    # the shift at 31 keeps it defined for int32.
-    shift = tl.minimum(150 + grid_exponent - exponent, 31)
-    return shift_right_rne(significand, shift)
-
-
-@triton.jit
 def float32_to_bfloat16_rne(y):
     """bf16 nearest to fp32 y, ties to even (the interpreter's `.to` truncates). bf16
     shares fp32's exponent range, so rounding away the low 16 bits is the whole
@@ -279,6 +347,17 @@ def float32_to_bfloat16_rne(y):
     sign = (y.to(tl.int32, bitcast=True) >> 16) & 0x8000
     bits = sign | tl.where(is_nan, 0x7FC0, rounded)
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def plain_dequantize(values, scale, means, out_max, CENTERED: tl.constexpr):
+    """values * scale per row, where no row is flagged (none_flagged), plus ``means``
+    saturated at +-out_max where CENTERED: dequantize's bits where it has no non-finite
+    code to decode."""
+    y = values * scale[:, None, None]
+    if CENTERED:
+        y = tl.minimum(tl.maximum(y + means, -out_max), out_max)
+    return y
 
 
 @triton.jit
@@ -297,10 +376,11 @@ def dequantize(values, codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE,
 
 
 @triton.jit
-def store_rounded(out_ptrs, y, mask):
-    """Store fp32 y converted to the output dtype, rounding half to even. fp16 uses
-    `.to`: it is RNE both in the interpreter and on CUDA."""
-    if out_ptrs.dtype.element_ty == tl.bfloat16:
+def store_rounded(out_ptrs, y, mask, INTERPRETED: tl.constexpr):
+    """Store fp32 y converted to the output dtype, rounding half to even. `.to` does on
+    CUDA (cvt.rn) and, for fp16, in the interpreter; the interpreter's bf16 `.to`
+    truncates, so there it is float32_to_bfloat16_rne."""
+    if INTERPRETED and out_ptrs.dtype.element_ty == tl.bfloat16:
         y = float32_to_bfloat16_rne(y)
     tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
 
@@ -427,7 +507,7 @@ def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
     with torch.cuda.device_of(tensors[0]):
         kernel[grid](*tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
                      GROUPS_PER_PROGRAM=groups_per_program, RUN=run, INDEX_64=needs_int64(numel),
-                     **LAUNCH_OPTIONS, **arguments)
+                     INTERPRETED=tensors[0].device.type == "cpu", **LAUNCH_OPTIONS, **arguments)
 
 
 def needs_int64(numel):

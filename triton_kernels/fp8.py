@@ -57,12 +57,15 @@ from ._rounding import (
     largest_finite,
     launch,
     load_as_float32,
-    magnitude_bits,
-    negated,
-    round_to_grid_rne,
+    none_flagged,
+    plain_dequantize,
+    plain_group_scale,
+    plain_tile,
+    row_magnitudes,
     run_elements,
     scaled_ref,
     store_rounded,
+    tile_is_whole,
     with_non_finite_codes,
     with_non_finite_codes_ref,
 )
@@ -153,12 +156,6 @@ UNSIGNED_FP8_FORMATS = {"ue4m4": _UnsignedFp8Format(4, FP8_FORMATS["e4m3"]),
 
 
 @triton.jit
-def _pow2(exponent):
-    """2.0**exponent, exactly, for an int32 exponent in fp32's normal range."""
-    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _float32_to_fp8_bits(scaled, signed_zero, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """fp8 bit pattern of a finite fp32, rounded half to even (NOTE [round half to
     even]); no value passes the largest finite one (NOTE [scale rule]). A zero keeps
@@ -168,43 +165,72 @@ def _float32_to_fp8_bits(scaled, signed_zero, MANT_BITS: tl.constexpr, MIN_NORMA
 
 
 @triton.jit
+def _fp8_bits_of_product(x, multiplier, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """_float32_to_fp8_bits of x * multiplier for finite x and a multiplier >= 0 per
+    row, [groups, 1, 1]: the magnitude is |x| * multiplier, the same multiply on the
+    magnitudes (one instruction, the absolute value an operand modifier), and the sign
+    x's own, kept where the multiplier is nonzero."""
+    sign = (x.to(tl.int32, bitcast=True) >> 24) & tl.where(multiplier > 0, 0x80, 0)
+    return sign | _fp8_magnitude_code(tl.abs(x) * multiplier, MANT_BITS, MIN_NORMAL_EXP)
+
+
+@triton.jit
 def _fp8_magnitude_code(magnitude, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """The sign-less code of a finite fp32 magnitude (>= 0, or -0.0) on a float grid
     of MANT_BITS mantissa bits whose smallest normal is 2**MIN_NORMAL_EXP, rounded half
-    to even; the magnitude rounds to a value of the grid (NOTE [scale rule])."""
-    abs_bits = magnitude_bits(magnitude)
-    # An fp8 magnitude is k * 2**(exponent - MANT_BITS), where exponent is that of |x|
-    # but at least MIN_NORMAL_EXP: k carries the implicit one for normals, not for
-    # subnormals.
-    exponent = tl.maximum((abs_bits >> 23) - 127, MIN_NORMAL_EXP)
-    k = round_to_grid_rne(abs_bits, exponent - MANT_BITS)
-    # The biased exponent field is exponent - MIN_NORMAL_EXP + 1 for normals, 0 for
-    # subnormals: adding k supplies that + 1 from k's implicit one, and a k that
-    # rounded up to 2**(MANT_BITS + 1) carries on into the next binade.
-    return ((exponent - MIN_NORMAL_EXP) << MANT_BITS) + k
+    to even (NOTE [round half to even]); the magnitude rounds to a value of the grid
+    (NOTE [scale rule]). A code is its exponent field (1 for the smallest normal's
+    binade, 0 below) over MANT_BITS mantissa bits.
+
+    From the smallest normal up, fp32's significand is rounded to MANT_BITS bits on its
+    bits (the carry runs into the exponent) and the exponent rebiased. Below it the
+    grid's step is fixed, 2**(MIN_NORMAL_EXP - MANT_BITS): adding 2**(MIN_NORMAL_EXP -
+    MANT_BITS + 23), whose ulp that step is, rounds the magnitude to it in one fp32 add
+    (half to even), and the sum's low bits count the steps, which is the code (a
+    magnitude that rounds up to the smallest normal gets its code, 2**MANT_BITS)."""
+    bits = magnitude.to(tl.int32, bitcast=True)
+    # Half a unit of the last kept bit, less one, less the exponent's rebias.
+    half = (1 << (22 - MANT_BITS)) - 1 - ((126 + MIN_NORMAL_EXP) << 23)
+    normal = (bits + half + ((bits >> (23 - MANT_BITS)) & 1)) >> (23 - MANT_BITS)
+    steps = (magnitude + 2.0**(MIN_NORMAL_EXP - MANT_BITS + 23)).to(tl.int32, bitcast=True)
+    subnormal = steps - ((MIN_NORMAL_EXP - MANT_BITS + 150) << 23)
+    return tl.where(magnitude < 2.0**MIN_NORMAL_EXP, subnormal, normal)
 
 
 @triton.jit
-def _fp8_bits_to_float32(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
-                         FIRST_SPECIAL: tl.constexpr):
-    """The exact fp32 values of fp8 bit patterns held in int32; inf and NaN included."""
-    magnitude = codes & 0x7F
-    value = _magnitude_code_to_float32(magnitude, MANT_BITS, MIN_NORMAL_EXP)
-    fraction = magnitude & ((1 << MANT_BITS) - 1)
-    # An all-ones fp32 exponent with the fp8 fraction is inf (e5m2 only) or NaN.
-    special = (0x7F800000 | (fraction << (23 - MANT_BITS))).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude >= FIRST_SPECIAL, special, value)
-    return tl.where(codes >= 0x80, negated(value), value)
+def _fp8_values(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr):
+    """The exact fp32 values of fp8 bit patterns held in int32 (0..255), inf and NaN
+    included. The sign goes to fp32's sign bit and the seven others, exponent field
+    over mantissa, just below fp32's exponent's lowest bit, so that fp32 reads the value
+    divided by 2**(126 + MIN_NORMAL_EXP), normal or subnormal (no flush to zero); one
+    exact multiply restores it. An exponent field of all ones (FIRST_SPECIAL up) is
+    fp32's: inf for a zero mantissa (e5m2), else NaN."""
+    # The sign bit and the seven below fp32's exponent, as an int32 (the sign's copies
+    # that the arithmetic shift leaves between them cleared).
+    bits = ((codes << 24) >> (MANT_BITS + 1)) & ((0x7F << (23 - MANT_BITS)) - 0x80000000)
+    bits = tl.where((codes & 0x7F) >= FIRST_SPECIAL, bits | 0x7F800000, bits)
+    return bits.to(tl.float32, bitcast=True) * 2.0**(126 + MIN_NORMAL_EXP)
 
 
 @triton.jit
-def _magnitude_code_to_float32(magnitude, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
-    """The exact fp32 value of a sign-less code (int32) of _fp8_magnitude_code's grid."""
-    exponent_field = magnitude >> MANT_BITS
-    fraction = magnitude & ((1 << MANT_BITS) - 1)
-    k = tl.where(exponent_field > 0, fraction | (1 << MANT_BITS), fraction)
-    grid_exponent = tl.maximum(exponent_field, 1) - 1 + MIN_NORMAL_EXP - MANT_BITS
-    return k.to(tl.float32) * _pow2(grid_exponent)
+def _unsigned_fp8_values(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """The exact fp32 values of an unsigned grid's codes (int32 0..255, all finite), as
+    _fp8_values reads a signed format's magnitudes."""
+    return (codes << (23 - MANT_BITS)).to(tl.float32, bitcast=True) * 2.0**(126 + MIN_NORMAL_EXP)
+
+
+@triton.jit
+def _encode_fp8_general(centered, x, FP8_MAX: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
+                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, UNSIGNED: tl.constexpr,
+                        U_MANT_BITS: tl.constexpr, POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr,
+                        NAN_CODE: tl.constexpr):
+    """The scales and codes of a tile that is not plain (NOTE [plain tiles]): every rule
+    of NOTE [scale rule] and NOTE [non-finite groups]."""
+    scale, scaled, flagged, nonzero = group_scale(centered, FP8_MAX, NON_FINITE_CODE_MAX)
+    codes = _float32_to_fp8_bits(scaled, nonzero, MANT_BITS, MIN_NORMAL_EXP)
+    if UNSIGNED:  # NOTE [unsigned grids]: flagged groups keep the signed codes
+        codes = tl.where(flagged, codes, _fp8_magnitude_code(tl.maximum(scaled, 0.0), U_MANT_BITS, MIN_NORMAL_EXP))
+    return scale, with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
 
 
 @triton.jit
@@ -216,21 +242,31 @@ def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_s
                        UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                        CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                       INTERPRETED: tl.constexpr,
                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
     groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
                                                                     INDEX_64)
     x = load_as_float32(x_ptr + offsets, in_bounds)
     centered = x
     if CENTERED:
-        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
-                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
-        centered = tl.where(in_bounds, x - means, 0.0)  # padding stays 0, below every absmax
-    scale, scaled, flagged, nonzero = group_scale(centered, FP8_MAX, NON_FINITE_CODE_MAX)
-    codes = _float32_to_fp8_bits(scaled, nonzero, MANT_BITS, MIN_NORMAL_EXP)
-    if UNSIGNED:  # NOTE [unsigned grids]: flagged groups keep the signed codes
-        unsigned_codes = _fp8_magnitude_code(tl.maximum(scaled, 0.0), U_MANT_BITS, MIN_NORMAL_EXP)
-        codes = tl.where(flagged, codes, unsigned_codes)
-    codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
+        centered = x - channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                        size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    magnitudes = row_magnitudes(centered, INTERPRETED)
+    plain = plain_tile(magnitudes)
+    if CENTERED:  # a partial tile's padding is centered too (NOTE [plain tiles])
+        plain = plain & tile_is_whole(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, INDEX_64)
+    if plain:
+        scale, multiplier = plain_group_scale(magnitudes, FP8_MAX)
+        if UNSIGNED:
+            codes = _fp8_magnitude_code(tl.maximum(centered * multiplier[:, None, None], 0.0), U_MANT_BITS,
+                                        MIN_NORMAL_EXP)
+        else:
+            codes = _fp8_bits_of_product(centered, multiplier[:, None, None], MANT_BITS, MIN_NORMAL_EXP)
+    else:
+        if CENTERED:
+            centered = tl.where(in_bounds, centered, 0.0)  # padding stays 0, below every absmax
+        scale, codes = _encode_fp8_general(centered, x, FP8_MAX, NON_FINITE_CODE_MAX, MANT_BITS, MIN_NORMAL_EXP,
+                                           UNSIGNED, U_MANT_BITS, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
 
@@ -242,22 +278,29 @@ def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel
                        UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                        CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                       INTERPRETED: tl.constexpr,
                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
     groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
                                                                     INDEX_64)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
-    values = _fp8_bits_to_float32(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
-    if UNSIGNED:
-        unsigned_values = _magnitude_code_to_float32(codes, U_MANT_BITS, MIN_NORMAL_EXP)
-        values = tl.where(is_flagged(scale), values, unsigned_values)
     means = 0.0
     if CENTERED:
         means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
                                  size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
-    y = dequantize(values, codes, scale, means, largest_finite(out_ptr),
-                   POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
-    store_rounded(out_ptr + offsets, y, in_bounds)
+    out_max = largest_finite(out_ptr)
+    if none_flagged(scale):  # NOTE [plain tiles]
+        if UNSIGNED:
+            values = _unsigned_fp8_values(codes, U_MANT_BITS, MIN_NORMAL_EXP)
+        else:
+            values = _fp8_values(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
+        y = plain_dequantize(values, scale, means, out_max, CENTERED)
+    else:
+        values = _fp8_values(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
+        if UNSIGNED:  # a flagged group's bytes are the signed format's codes
+            values = tl.where(is_flagged(scale), values, _unsigned_fp8_values(codes, U_MANT_BITS, MIN_NORMAL_EXP))
+        y = dequantize(values, codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
+    store_rounded(out_ptr + offsets, y, in_bounds, INTERPRETED)
 
 
 def _format(fmt):

@@ -39,16 +39,21 @@ from ._rounding import (
     group_scale,
     group_scale_ref,
     group_tile,
+    integer_code_bits,
     is_flagged,
     is_flagged_ref,
     largest_finite,
     launch,
     load_as_float32,
-    magnitude_bits,
-    round_to_grid_rne,
+    none_flagged,
+    plain_dequantize,
+    plain_group_scale,
+    plain_tile,
+    row_magnitudes,
     run_elements,
     scaled_ref,
     store_rounded,
+    tile_is_whole,
     with_non_finite_codes,
     with_non_finite_codes_ref,
 )
@@ -82,11 +87,16 @@ def _code_dtype(unsigned):
 
 
 @triton.jit
-def _round_to_int8(scaled):
-    """NOTE [round half to even] onto the integers, of finite values within +-255.00004
-    (NOTE [scale rule]: no code saturates)."""
-    magnitude = round_to_grid_rne(magnitude_bits(scaled), 0)
-    return tl.where(scaled < 0, -magnitude, magnitude)
+def _encode_int8_general(centered, x, CODE_MAX: tl.constexpr, UNSIGNED: tl.constexpr,
+                         NON_FINITE_CODE_MAX: tl.constexpr, POS_INF_CODE: tl.constexpr,
+                         NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr):
+    """The scales and code bits of a tile that is not plain (NOTE [plain tiles]): every
+    rule of NOTE [scale rule] and NOTE [non-finite groups]."""
+    scale, scaled, flagged, _ = group_scale(centered, CODE_MAX, NON_FINITE_CODE_MAX)
+    codes = integer_code_bits(scaled, False)
+    if UNSIGNED:  # flagged groups keep the signed codes (NOTE [unsigned grids])
+        codes = tl.where(flagged, codes, integer_code_bits(scaled, True))
+    return scale, with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
 
 
 @triton.jit
@@ -96,22 +106,27 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_
                         UNSIGNED: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                         CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                        INTERPRETED: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
     groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
                                                                     INDEX_64)
     x = load_as_float32(x_ptr + offsets, in_bounds)
     centered = x
     if CENTERED:
-        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
-                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
-        centered = tl.where(in_bounds, x - means, 0.0)  # padding stays 0, below every absmax
-    scale, scaled, flagged, _ = group_scale(centered, CODE_MAX, NON_FINITE_CODE_MAX)
-    if UNSIGNED:
-        # Unflagged groups saturate at 0 (their top is 255): the signed rounding of a
-        # value >= 0 is its unsigned code. Flagged groups keep the signed codes.
-        scaled = tl.where(flagged, scaled, tl.maximum(scaled, 0.0))
-    codes = _round_to_int8(scaled)
-    codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
+        centered = x - channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                        size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    magnitudes = row_magnitudes(centered, INTERPRETED)
+    plain = plain_tile(magnitudes)
+    if CENTERED:  # a partial tile's padding is centered too (NOTE [plain tiles])
+        plain = plain & tile_is_whole(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, INDEX_64)
+    if plain:
+        scale, multiplier = plain_group_scale(magnitudes, CODE_MAX)
+        codes = integer_code_bits(centered * multiplier[:, None, None], UNSIGNED)
+    else:
+        if CENTERED:
+            centered = tl.where(in_bounds, centered, 0.0)  # padding stays 0, below every absmax
+        scale, codes = _encode_int8_general(centered, x, CODE_MAX, UNSIGNED, NON_FINITE_CODE_MAX,
+                                            POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     # Truncation to 8 bits: a signed code's two's complement byte, or a code 0..255.
     tl.store(codes_ptr + offsets, codes.to(codes_ptr.dtype.element_ty), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
@@ -123,20 +138,26 @@ def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channe
                         UNSIGNED: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                         CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                        INTERPRETED: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
     groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
                                                                     INDEX_64)
-    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
+    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
-    if UNSIGNED:  # a flagged group's bytes are int8 codes
-        codes = tl.where(is_flagged(scale) & (codes > 127), codes - 256, codes)
     means = 0.0
     if CENTERED:
         means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
                                  size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
-    y = dequantize(codes.to(tl.float32), codes, scale, means, largest_finite(out_ptr),
-                   POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
-    store_rounded(out_ptr + offsets, y, in_bounds)
+    out_max = largest_finite(out_ptr)
+    if none_flagged(scale):  # NOTE [plain tiles]
+        y = plain_dequantize(codes.to(tl.float32), scale, means, out_max, CENTERED)
+    else:
+        signed_codes = codes.to(tl.int32)
+        if UNSIGNED:  # a flagged group's bytes are int8 codes
+            signed_codes = tl.where(is_flagged(scale) & (signed_codes > 127), signed_codes - 256, signed_codes)
+        y = dequantize(signed_codes.to(tl.float32), signed_codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE,
+                       NAN_CODE, CENTERED)
+    store_rounded(out_ptr + offsets, y, in_bounds, INTERPRETED)
 
 
 def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):

@@ -47,6 +47,9 @@ CASES = {
     "3x3": lambda: (_channels_input((3, 5, 3, 3)), torch.randn(5)),
     "many_channels_2x2": lambda: (_channels_input((2, 70, 2, 2)), torch.randn(70)),
     "8x8": lambda: (_channels_input((2, 16, 8, 8)), torch.randn(16)),
+    # Whole tiles of 4096 values (a partial one is centered on the general path).
+    "whole_tiles_6x6": lambda: (_channels_input((8, 128, 6, 6)), torch.randn(128)),
+    "whole_tile_2x2": lambda: (_channels_input((16, 64, 2, 2)), torch.randn(64)),
 }
 
 

@@ -23,16 +23,19 @@ def _code_max(fmt):
 
 
 def _groups_across_the_exponent_range(fmt, group_size, dtype):
-    """Groups whose absmax runs from dtype's smallest subnormal to near its largest value,
-    log-uniformly, across the 2**-64 boundary of the pre-scale; non-negative for the
-    unsigned grids."""
-    torch.manual_seed(0)
+    """A tile of groups (4096 values) per binade: magnitudes in [2**e, 2**(e + 1)), e
+    from the dtype's smallest subnormal to its largest binade, so that the tiles fall
+    on both sides of 2**-64 (the pre-scale) and of 2**127 (NOTE [plain tiles]); signs
+    random, none for the unsigned grids."""
     finfo = torch.finfo(dtype)
-    lowest, highest = torch.tensor(finfo.smallest_normal * finfo.eps).log2(), torch.tensor(finfo.max).log2() - 1
-    exponents = torch.cat([torch.linspace(lowest.item(), highest.item(), 60), torch.tensor([-64.0, -64.5, -63.5])])
-    x = torch.randn(exponents.numel(), group_size) * exponents.exp2()[:, None]
-    x = x.abs() if fmt in UNSIGNED_VARIANT.values() else x
-    return x.to(dtype).float().clamp(-finfo.max, finfo.max).to(dtype)
+    smallest, largest = int(torch.tensor(finfo.smallest_normal * finfo.eps).log2()), int(torch.tensor(finfo.max).log2())
+    binades = sorted({smallest, smallest + 5, -127, -100, -66, -65, -64, -63, -20, 0, 20, 100, 126, 127, largest}
+                     & set(range(smallest, largest + 1)))
+    generator = torch.Generator().manual_seed(0)
+    magnitudes = torch.rand(len(binades), 4096, generator=generator).add_(1) * torch.tensor(binades).exp2()[:, None]
+    signs = torch.randint(0, 2, magnitudes.shape, generator=generator) * 2 - 1
+    x = magnitudes if fmt in UNSIGNED_VARIANT.values() else magnitudes * signs
+    return x.clamp(-finfo.max, finfo.max).to(dtype).view(-1, group_size)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
