@@ -25,19 +25,20 @@ what they have in common:
   correctly rounded, once per group). t lies within about an ulp of ``x / scale``, which
   moves a code only where that quotient is as close to a rounding boundary (round-trip
   SQNR within 0.01 dB of dividing). As ``|x| <= absmax``, ``|t| <= code_max * (1 +
-  2**-23)``, which rounds to code_max at most: no code saturates. Where absmax < 2**-64
-  the multiplier could pass fp32's range (code_max is up to 122880), so both are taken
-  after a scaling by 2**64, exact on both sides: ``t = (x * 2**64) * (code_max / (absmax
-  * 2**64))``. Only finite values are multiplied; a group whose finite absmax is 0 has
-  multiplier 0 and codes +0 (for -0.0 too), so an all-zero group decodes to exact zeros;
+  2**-23)``, which rounds to code_max at most: no code saturates. Where 0 < absmax <
+  2**-64 the multiplier could pass fp32's range (code_max is up to 122880), so both are
+  taken after a scaling by 2**64, exact on both sides: ``t = (x * 2**64) * (code_max /
+  (absmax * 2**64))``. Only finite values are multiplied; a group whose finite absmax is
+  0 has multiplier 0 and codes +0 (for -0.0 too), so an all-zero group decodes to exact
+  zeros;
 - NOTE [non-finite groups]: ``-inf`` is a legitimate activation (causal and vocabulary
   masks), so it must neither become finite garbage nor spoil its group, and NaN must
   stay NaN (AMP loss scalers look for it). In a flagged group each codec reserves three
   codes (``NonFiniteCodes``) that decode to exactly +inf, -inf and NaN; the group's
-  finite values saturate one step below them and keep their precision, the scale
-  coming from them alone (int8 gives up its 127th step: 0.07 dB). Unflagged groups
-  never give these codes those meanings, so their bits are what they were before the
-  rule, and no byte is added;
+  finite values are scaled onto the codes one step below them and keep their
+  precision, the scale coming from them alone (int8 gives up its 127th step: 0.07 dB).
+  Unflagged groups never give these codes those meanings, so their bits are what they
+  were before the rule, and no byte is added;
 - NOTE [unsigned grids]: a tensor the caller knows to be non-negative (a ReLU output)
   can spend the sign bit on precision: each codec has an unsigned variant (int8 codes
   0..255, fp8 e4m3 -> ue4m4, e5m2 -> ue5m3) whose scale maps the absmax onto the
@@ -276,7 +277,7 @@ def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
     scale = tl.div_rn(absmax, code_max)
     one_ulp_less = (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
     scale = tl.where(scale * code_max == float("inf"), one_ulp_less, scale)
-    prescale = tl.where(absmax < TINY_ABSMAX, PRESCALE, 1.0)
+    prescale = tl.where((absmax > 0) & (absmax < TINY_ABSMAX), PRESCALE, 1.0)
     multiplier = tl.where(absmax > 0, tl.div_rn(code_max, absmax * prescale), 0.0)
     scaled = tl.where(finite, (x * prescale[:, None, None]) * multiplier[:, None, None], 0.0)
     return (tl.where(non_finite, negated(scale), scale), scaled, non_finite[:, None, None],
@@ -562,7 +563,9 @@ def group_scale_ref(flat, group_size, code_max, non_finite):
     limit = torch.where(flagged, non_finite.finite_max, float(code_max))
     scales = absmax / limit
     scales = torch.where((scales * limit).isinf(), scales.nextafter(torch.zeros_like(scales)), scales)
-    tiny = absmax < TINY_ABSMAX.value
+    # An all-zero group needs no pre-scale (its multiplier is 0): ReLU outputs hold
+    # many, and the meta tensors the planner profiles with hold none.
+    tiny = (absmax > 0) & (absmax < TINY_ABSMAX.value)
     prescales = torch.where(tiny, PRESCALE.value, 1.0) if flat.device.type != "meta" and tiny.any() else None
     multipliers = limit / (absmax if prescales is None else absmax * prescales)
     multipliers = torch.where(absmax > 0, multipliers, float("nan"))

@@ -23,9 +23,10 @@ below its specials gives the ue4m4 (ue5m3) code of the same value.
 
 The scale itself is stored, so that decoding is one multiply; encoding multiplies by
 the group's multiplier, one correctly rounded division per group rather than one per
-value (NOTE [scale rule]). The kernels encode and decode
-fp8 with integer arithmetic only (the interpreter's fp32 -> fp8 cast mis-rounds
-about 9% of values; this also runs on GPUs without fp8 hardware).
+value (NOTE [scale rule]). The kernels encode and decode fp8 on the bits, with
+integer arithmetic and exact or half-to-even fp32 adds and multiplies, never an fp8
+cast (the interpreter's fp32 -> fp8 cast mis-rounds about 9% of values; this also
+runs on GPUs without fp8 hardware).
 ``encode_fp8_ref`` / ``decode_fp8_ref`` are the specification, written with torch's
 own fp8 casts; the kernels match them bit for bit.
 """
@@ -130,7 +131,7 @@ def _value(code, torch_dtype):
 
 def _non_finite_codes(torch_dtype, max_code):
     """e5m2 keeps its own inf; e4m3fn has none, so in a flagged group its largest
-    magnitude (448) stands for inf and finite values saturate one step below (416).
+    magnitude (448) stands for inf and finite values stop one step below (416).
     NaN is torch's NaN pattern (0x7F) in both."""
     first_special = max_code + 1
     inf_code = first_special if math.isinf(_value(first_special, torch_dtype)) else max_code
@@ -363,7 +364,8 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
 
 def _unsigned_codes_ref_(scaled, spec):
     """Codes of finite fp32 values on an unsigned grid, saturated at 0 (none passes the
-    grid's top: NOTE [scale rule]), rounded half to even; ``scaled`` is overwritten (in place, so that encoding
+    grid's top: NOTE [scale rule]), rounded half to even; ``scaled`` is overwritten (in
+    place, and the one temporary freed before the codes are made, so that encoding
     allocates no more than the signed path, which the planner profiles). The exponent e
     of a value (that of its leading bit, at least the smallest normal's) sets the step
     2**(e - mantissa_bits); the multiple k of that step comes after the
@@ -380,6 +382,7 @@ def _unsigned_codes_ref_(scaled, spec):
     k = magnitude.mul_(inverse_step).round_()
     exponent = inverse_step.view(torch.int32).bitwise_right_shift_(23).sub_(127 + spec.mantissa_bits).neg_()
     codes = k.add_(exponent.sub_(spec.min_normal_exponent).bitwise_left_shift_(spec.mantissa_bits))
+    del exponent, inverse_step
     return codes.to(torch.uint8)
 
 
