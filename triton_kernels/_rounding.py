@@ -381,8 +381,9 @@ def store_rounded(out_ptrs, y, mask, INTERPRETED: tl.constexpr):
     """Store fp32 y converted to the output dtype, rounding half to even. `.to` does on
     CUDA (cvt.rn) and, for fp16, in the interpreter; the interpreter's bf16 `.to`
     truncates, so there it is float32_to_bfloat16_rne."""
-    if INTERPRETED and out_ptrs.dtype.element_ty == tl.bfloat16:
-        y = float32_to_bfloat16_rne(y)
+    if INTERPRETED:
+        if out_ptrs.dtype.element_ty == tl.bfloat16:
+            y = float32_to_bfloat16_rne(y)
     tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
