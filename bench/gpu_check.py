@@ -11,8 +11,11 @@ Stages, each a subprocess with its own time limit (seconds), in this order:
                           installed. Then actsave, editable, with its test and bench
                           extras (what the machine has already is not downloaded).
   cuda_tests         240  pytest -m cuda: the tests only a GPU runs.
-  kernels             90  bench/kernels.py: GB/s of every codec kernel, and its share
-                          of a device-to-device copy measured in the same run.
+  kernels             90  bench/kernels.py --quick: GB/s of every codec kernel on the
+                          layouts training stores (centered conv activations, ReLU
+                          outputs on the unsigned grid, flat), fp32 and bf16, 64 and 256
+                          MiB, and its share of a device-to-device copy measured in the
+                          same run.
   offload_overlap     60  bench/offload_overlap.py: how much of the host copying hides
                           behind compute (ResNet-164, batch 64).
   step_profile       120  bench/gpu_step_profile.py at batch 512: step time, host time
@@ -99,7 +102,7 @@ def stages(python: str) -> list:
     return [
         Stage("install", (sys.executable, __file__, "--install"), 240),
         Stage("cuda_tests", (python, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", str(ROOT / "tests")), 240),
-        Stage("kernels", (python, str(bench / "kernels.py")), 90),
+        Stage("kernels", (python, str(bench / "kernels.py"), "--quick"), 90),
         Stage("offload_overlap", (python, str(bench / "offload_overlap.py")), 60),
         Stage("step_profile", (python, str(bench / "gpu_step_profile.py"), "--batch", "512",
                                "--providers", "torch_ckpt,actsave_none,actsave_int8,actsave_offload"), 120),

@@ -1,22 +1,44 @@
-"""Codec kernels: encode and decode per codec and dtype, each result checked bit for
-bit against its torch reference before anything is timed.
+"""Codec kernels: encode and decode per codec, input layout and dtype, each result
+checked bit for bit against its torch reference before anything is timed.
 
-On CUDA: median time over repeats (CUDA events), effective bandwidth (bytes read
-plus bytes written) and its share of the measured device-to-device copy bandwidth
-(``copy_`` of a buffer as large as the input; goal: at least 80% from 64 MiB up).
-On CPU the kernels run under Triton's interpreter, whose times mean nothing: the
-script checks correctness and reports bytes only.
+Layouts, the ones training stores (GroupCodec.encode; NOTE [ Channel centering ]):
 
-    python bench/kernels.py [--sizes-mib 1,16,64,256] [--repeats 20] [--out PATH] [--smoke]
+  flat        a 1-D Gaussian tensor, signed grid, no channel means (the case measured
+              before the others existed; its rows keep their old names, codec-dtype)
+  c32x32      N, C, 32, 32 conv activations minus their channel means (channel_size a
+              multiple of the group: one mean per thread's run)
+  c8x8        N, C, 8, 8 (channel_size 64, not a multiple of 128: groups span channels)
+  c14x14      N, C, 14, 14 (channel_size 196, not a multiple of 16: a run may cross
+              into the next channel, RUN_CHANNELS 2)
+  relu32x32   N, C, 32, 32 ReLU outputs on the unsigned grid (uint8, ue4m4, ue5m3)
+
+On CUDA each measurement is the median over batches of GPU time per call: a batch is
+``--repeats`` calls queued back to back behind a GPU sleep long enough for the host to
+queue them all, so that Python and launch overhead (also reported, as host_us per call)
+do not leave the GPU idle between calls; inputs rotate over enough copies that they do
+not stay in L2. Bandwidth counts bytes read plus bytes written (values, codes, scales,
+channel means), against a device-to-device copy of the same input (read + write)
+measured in the same run (goal: at least 80% of it from 64 MiB up). On CPU the kernels
+run under Triton's interpreter, whose times mean nothing: the script checks correctness
+and reports bytes only.
+
+    python bench/kernels.py [--sizes-mib 1,16,64,256] [--repeats 20] [--out PATH] [--quick | --smoke]
+
+``--quick`` (sizes 64 and 256 MiB, every codec and layout, fp32 and bf16) is the run for
+a short GPU lease; ``--smoke`` one tiny size, for the CPU tests. Sizes are MiB of fp32
+(half as many bytes for the half dtypes, as in the rows measured before).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
-from functools import partial
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -27,20 +49,69 @@ import harness  # noqa: E402  (bench/ is on sys.path when this script runs)
 
 from actsave.text import format_table  # noqa: E402
 from actsave.codecs import LOSSY_CODECS  # noqa: E402
-from actsave.triton_kernels import kernel_table  # noqa: E402
+from actsave.codecs.centering import channel_offsets  # noqa: E402
+from actsave.triton_kernels import UNSIGNED_VARIANT, channel_size, kernel_table  # noqa: E402
 
-
-def _functions(codec: str) -> tuple:
-    """(encode, decode, encode_ref, decode_ref) of a lossy codec (its kernel-table
-    format has its name), each taking (x, ...) as in codecs.py."""
-    encode, decode = (kernel_table()[codec, direction] for direction in ("encode", "decode"))
-    return tuple(partial(function, **kernel.format_args)
-                 for kernel, function in ((encode, encode.launcher), (decode, decode.launcher),
-                                          (encode, encode.reference), (decode, decode.reference)))
-
-
-CODECS = {codec: _functions(codec) for codec in LOSSY_CODECS}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Channels of the conv-shaped layouts, as in a ResNet's middle stages; the batch grows
+# with the size asked for.
+CHANNELS, SMOKE_CHANNELS = 64, 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An input as training stores it: ``spatial`` (H, W) for an N, C, H, W tensor
+    (None: 1-D), centered by its channel means, or non-negative on the unsigned grid."""
+
+    spatial: Optional[tuple]
+    centered: bool
+    unsigned: bool
+
+    def make(self, numel: int, channels: int, device, dtype) -> torch.Tensor:
+        if self.spatial is None:
+            return torch.randn(numel, device=device).to(dtype)
+        per_sample = channels * math.prod(self.spatial)
+        shape = (max(1, round(numel / per_sample)), channels, *self.spatial)
+        # Channel means several times the spread, as conv outputs before their BatchNorm.
+        x = torch.randn(shape, device=device) + 4 * torch.randn(1, channels, 1, 1, device=device)
+        return (x.relu_() if self.unsigned else x).to(dtype)
+
+
+LAYOUTS = {
+    "flat": Layout(None, centered=False, unsigned=False),
+    "c32x32": Layout((32, 32), centered=True, unsigned=False),
+    "c8x8": Layout((8, 8), centered=True, unsigned=False),
+    "c14x14": Layout((14, 14), centered=True, unsigned=False),
+    "relu32x32": Layout((32, 32), centered=False, unsigned=True),
+}
+
+
+def case_name(codec: str, layout: str, dtype: str) -> str:
+    return f"{codec}-{dtype}" if layout == "flat" else f"{codec}-{layout}-{dtype}"
+
+
+class Codec:
+    """The kernels (or references) of a codec's format for one layout, as GroupCodec
+    calls them: means from ``channel_offsets`` where centered, the unsigned variant of
+    the format for non-negative tensors."""
+
+    def __init__(self, codec: str, layout: Layout):
+        self.layout = layout
+        fmt = UNSIGNED_VARIANT[codec] if layout.unsigned else codec
+        self.format = fmt
+        self._encode, self._decode = (kernel_table()[fmt, direction] for direction in ("encode", "decode"))
+
+    def means(self, x):
+        return channel_offsets(x) if self.layout.centered else None
+
+    def encode(self, x, means, reference=False):
+        function = self._encode.reference if reference else self._encode.launcher
+        return function(x, **self._encode.format_args, means=means)
+
+    def decode(self, codes, scales, x, means, reference=False):
+        function = self._decode.reference if reference else self._decode.launcher
+        return function(codes, scales, **self._decode.format_args, dtype=x.dtype, means=means,
+                        channel_size=channel_size(x.shape))
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -48,67 +119,129 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def check_against_reference(codec: str, x: torch.Tensor) -> tuple:
+def check_against_reference(codec: Codec, x: torch.Tensor, means) -> tuple:
     """Encode and decode with the kernels; raise unless they equal the references."""
-    encode, decode, encode_ref, decode_ref = CODECS[codec]
-    codes, scales = encode(x)
-    ref_codes, ref_scales = encode_ref(x)
-    decoded = decode(codes, scales, dtype=x.dtype)
+    codes, scales = codec.encode(x, means)
+    ref_codes, ref_scales = codec.encode(x, means, reference=True)
+    decoded = codec.decode(codes, scales, x, means)
+    expected = codec.decode(ref_codes, ref_scales, x, means, reference=True)
     if not (torch.equal(codes, ref_codes) and torch.equal(bits(scales), bits(ref_scales))
-            and torch.equal(bits(decoded), bits(decode_ref(ref_codes, ref_scales, dtype=x.dtype)))):
-        raise AssertionError(f"{codec} on {x.dtype}, {x.numel()} elements: kernel differs from reference")
+            and torch.equal(bits(decoded), bits(expected))):
+        raise AssertionError(f"{codec.format} on {x.dtype} {tuple(x.shape)}: kernel differs from reference")
     return codes, scales
 
 
-def median_seconds(function, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
+class GpuTimer:
+    """GPU seconds per call of a function, its calls queued behind a GPU sleep (module
+    docstring), and the host's seconds per call; ``l2_bytes`` is the device's L2."""
+
+    def __init__(self, device: torch.device, repeats: int, batches: int = 5):
+        self.repeats, self.batches = repeats, batches
+        self.l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 10**7
         start.record()
-        function()
+        torch.cuda._sleep(cycles)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        self.seconds_per_cycle = start.elapsed_time(end) / 1e3 / cycles
+
+    def __call__(self, function) -> tuple:
+        function()  # compile and warm outside the timing
+        torch.cuda.synchronize()
+        host_start = time.perf_counter()
+        function()
+        torch.cuda.synchronize()
+        per_call = time.perf_counter() - host_start  # an upper bound of the host's time per call
+        gpu, host = [], []
+        while len(gpu) < self.batches:
+            sleep = 2 * per_call * self.repeats + 1e-3
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(sleep / self.seconds_per_cycle))
+            start.record()
+            host_start = time.perf_counter()
+            for _ in range(self.repeats):
+                function()
+            queued = time.perf_counter() - host_start
+            end.record()
+            end.synchronize()
+            if queued > sleep:  # the GPU may have waited for the host: sleep longer
+                per_call = queued / self.repeats
+                continue
+            gpu.append(start.elapsed_time(end) / 1e3 / self.repeats)
+            host.append(queued / self.repeats)
+        return statistics.median(gpu), statistics.median(host)
 
 
-def measure(codec: str, dtype: torch.dtype, numel: int, repeats: int, device: torch.device) -> dict:
-    x = torch.randn(numel, dtype=dtype, device=device)
-    codes, scales = check_against_reference(codec, x)
-    stored = codes.numel() * codes.element_size() + scales.numel() * 4
-    row = {"bytes_ratio": stored / (numel * x.element_size())}
-    if device.type == "cuda":
-        encode, decode = CODECS[codec][:2]
-        moved = numel * x.element_size() + stored  # each direction reads one side, writes the other
-        copy = median_seconds(lambda: torch.empty_like(x).copy_(x), repeats)
-        copy_gbps = 2 * numel * x.element_size() / copy / 1e9
-        row["copy_gbps"] = copy_gbps  # the yardstick of *_pct_copy, so that a reader can judge it
-        for name, run in (("encode", lambda: encode(x)), ("decode", lambda: decode(codes, scales, dtype=dtype))):
-            run()  # compile outside the timing
-            seconds = median_seconds(run, repeats)
-            row[f"{name}_ms"] = seconds * 1e3
-            row[f"{name}_gbps"] = moved / seconds / 1e9
-            row[f"{name}_pct_copy"] = 100 * row[f"{name}_gbps"] / copy_gbps
+def rotating(inputs: list):
+    """A function of no argument that yields the inputs in turn."""
+    state = {"next": 0}
+
+    def take():
+        item = inputs[state["next"] % len(inputs)]
+        state["next"] += 1
+        return item
+    return take
+
+
+def measure(codec_name: str, layout_name: str, dtype: torch.dtype, numel: int, channels: int,
+            device: torch.device, timer: Optional[GpuTimer] = None) -> dict:
+    """One case's row: the bytes stored, and with a ``timer`` (on CUDA) the copy, encode
+    and decode times and bandwidths."""
+    codec = Codec(codec_name, LAYOUTS[layout_name])
+    torch.manual_seed(0)
+    x = codec.layout.make(numel, channels, device, dtype)
+    means = codec.means(x)
+    codes, scales = check_against_reference(codec, x, means)
+    value_bytes = x.numel() * x.element_size()
+    stored = codes.numel() * codes.element_size() + scales.numel() * 4 + (means.numel() * 4 if means is not None else 0)
+    row = {"bytes_ratio": stored / value_bytes}
+    if timer is None:
+        return row
+    # Enough copies of the input that a call finds none of it in L2 (4x its size).
+    copies = max(1, min(8, math.ceil(4 * timer.l2_bytes / value_bytes)))
+    inputs = [x] + [x.clone() for _ in range(copies - 1)]
+    encoded = [(x, codes, scales)] + [(c, *codec.encode(c, means)) for c in inputs[1:]]
+    targets = [torch.empty_like(x) for _ in inputs]
+    pairs = rotating(list(zip(inputs, targets)))
+    copy_seconds, _ = timer(lambda: (lambda source, target: target.copy_(source))(*pairs()))
+    copy_gbps = 2 * value_bytes / copy_seconds / 1e9
+    row["copy_gbps"] = copy_gbps  # the yardstick of *_pct_copy, so that a reader can judge it
+    moved = value_bytes + stored  # each direction reads one side and writes the other
+    next_input, next_encoded = rotating(inputs), rotating(encoded)
+    runs = {"encode": lambda: codec.encode(next_input(), means),
+            "decode": lambda: (lambda source, c, s: codec.decode(c, s, source, means))(*next_encoded())}
+    for name, run in runs.items():
+        seconds, host = timer(run)
+        row[f"{name}_ms"] = seconds * 1e3
+        row[f"{name}_gbps"] = moved / seconds / 1e9
+        row[f"{name}_pct_copy"] = 100 * row[f"{name}_gbps"] / copy_gbps
+        row[f"{name}_host_us"] = host * 1e6
+    if codec.layout.centered:  # one read of the tensor, before encoding (channel_offsets)
+        row["means_ms"] = timer(lambda: codec.means(next_input()))[0] * 1e3
     return row
 
 
 UNITS = {"bytes_ratio": "x", "copy_gbps": "GB/s", "encode_ms": "ms", "decode_ms": "ms", "encode_gbps": "GB/s",
-         "decode_gbps": "GB/s", "encode_pct_copy": "%", "decode_pct_copy": "%"}
+         "decode_gbps": "GB/s", "encode_pct_copy": "%", "decode_pct_copy": "%", "encode_host_us": "us",
+         "decode_host_us": "us", "means_ms": "ms"}
 
 
 def csv_rows(results: list, metadata: dict, config: dict) -> list:
     return [{
-        "bench": "kernels", "case": f"{codec}-{dtype}", "provider": codec, "metric": metric,
+        "bench": "kernels", "case": case_name(codec, layout, dtype), "provider": codec, "metric": metric,
         "unit": UNITS[metric], "x_name": "MiB", "x_value": mib, "p20": value, "p50": value, "p80": value,
-        "n_reps": config["repeats"], "config_json": json.dumps({**config, "dtype": dtype}, sort_keys=True),
+        "n_reps": config["repeats"],
+        "config_json": json.dumps({**config, "dtype": dtype, "layout": layout}, sort_keys=True),
         **metadata,
-    } for codec, dtype, mib, row in results for metric, value in row.items()]
+    } for codec, layout, dtype, mib, row in results for metric, value in row.items()]
 
 
 def table(results: list) -> str:
     metrics = [m for m in UNITS if any(m in row for *_, row in results)]
-    lines = [("codec", "dtype", "MiB", *metrics)]
-    lines += [(codec, dtype, f"{mib:g}", *(f"{row[m]:.3f}" for m in metrics)) for codec, dtype, mib, row in results]
+    lines = [("codec", "layout", "dtype", "MiB", *metrics)]
+    lines += [(codec, layout, dtype, f"{mib:g}", *(f"{row[m]:.3f}" if m in row else "" for m in metrics))
+              for codec, layout, dtype, mib, row in results]
     return format_table(lines)
 
 
@@ -117,21 +250,31 @@ def main(argv=None) -> None:
     cuda = torch.cuda.is_available()
     parser.add_argument("--sizes-mib", default="1,16,64,256" if cuda else "0.0625,0.25",
                         help="input sizes in MiB of fp32 (default: 1,16,64,256 on CUDA, 0.0625,0.25 on CPU)")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtypes", default="fp32,bf16,fp16", help="of " + ",".join(DTYPES))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="of " + ",".join(LAYOUTS))
+    parser.add_argument("--repeats", type=int, default=20, help="calls queued per timed batch")
     parser.add_argument("--out", type=Path, default=None, help="CSV (default bench/results/<device>.csv)")
+    parser.add_argument("--quick", action="store_true", help="64 and 256 MiB, fp32 and bf16: a short GPU lease")
     parser.add_argument("--smoke", action="store_true", help="one tiny size, for the tests")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
-    sizes = [1 / 256] if args.smoke else [float(s) for s in args.sizes_mib.split(",")]
-    results = []
-    for codec in CODECS:
-        for dtype_name, dtype in DTYPES.items():
-            for mib in sizes:
-                numel = int(mib * 2**20) // 4  # as many elements as that many MiB of fp32
-                results.append((codec, dtype_name, mib, measure(codec, dtype, numel, args.repeats, device)))
+    sizes = [1 / 256] if args.smoke else [64.0, 256.0] if args.quick else [float(s) for s in args.sizes_mib.split(",")]
+    dtypes = ["fp32", "bf16"] if args.quick else args.dtypes.split(",")
+    layouts = args.layouts.split(",")
+    channels = SMOKE_CHANNELS if args.smoke else CHANNELS
+    timer = GpuTimer(device, args.repeats) if cuda else None
+    started, results = time.monotonic(), []
+    for codec in LOSSY_CODECS:
+        for layout in layouts:
+            for dtype_name in dtypes:
+                for mib in sizes:
+                    numel = int(mib * 2**20) // 4  # as many elements as that many MiB of fp32
+                    row = measure(codec, layout, DTYPES[dtype_name], numel, channels, device, timer)
+                    results.append((codec, layout, dtype_name, mib, row))
     print(table(results))
     if not cuda:
         print("CPU: every kernel equals its reference bit for bit (Triton interpreter); no timings")
+    print(f"{time.monotonic() - started:.0f} s")
     out = args.out or harness.RESULTS_DIR / f"{harness.device_slug(device)}.csv"
     harness.write_csv(csv_rows(results, harness.run_metadata(device), {"repeats": args.repeats}), out)
     print(f"wrote {out}")

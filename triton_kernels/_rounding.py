@@ -4,25 +4,41 @@ Both codecs cut a flattened tensor into contiguous groups of ``group_size`` elem
 (the last one may be partial) and store one fp32 scale per group. This module holds
 what they have in common:
 
-- the group tiling of a launch: each program owns a ``[GROUPS_PER_PROGRAM, GROUP_SIZE]``
-  block and reduces along its rows, with int64 offsets;
+- NOTE [tile]: each program owns GROUPS_PER_PROGRAM whole groups (ELEMENTS_PER_PROGRAM
+  elements) as a ``[groups, GROUP_SIZE // RUN, RUN]`` block and reduces along its rows. A
+  run is RUN contiguous elements that one thread owns: one 16-byte vector of codes when
+  encoding (16 codes), of values when decoding (4 fp32 or 8 halves, whose codes are
+  then one 4- or 8-byte load, as coalesced). Triton gives each memory access a layout of
+  at most 16 bytes per thread for a store; one run size for both streams is one layout,
+  with no conversion through shared memory between them. What depends on the run only
+  (a channel, NOTE [channel means]) is worked out once per thread. Offsets are int32
+  where every offset of the launch is below 2**31 (``needs_int64``), else int64;
 - NOTE [scale rule]: ``scale = absmax / code_max`` over the group's finite values,
   divided correctly rounded. Where ``code_max * scale`` would overflow (an absmax next
   to the fp32 maximum), the scale steps one ulp toward zero so that no finite input
   decodes to inf: the division errs by at most half an ulp, so one step is enough, and
   every other scale is left as it is. A group of finite values stores that scale
   (>= +0); a group holding +-inf or NaN stores it negated, so its sign bit flags the
-  group without adding a byte. Only finite values are divided (``x / |scale|``, 0 for
-  an all-zero group); decoding is ``value(code) * |scale|``, so an all-zero group
-  decodes to exact zeros;
+  group without adding a byte. Decoding is ``value(code) * |scale|``. Encoding
+  multiplies rather than divides: a value x is coded as ``t = x * multiplier``, one
+  correctly rounded multiply by its group's ``multiplier = code_max / absmax`` (divided
+  correctly rounded, once per group). t lies within about an ulp of ``x / scale``, which
+  moves a code only where that quotient is as close to a rounding boundary (round-trip
+  SQNR within 0.01 dB of dividing). As ``|x| <= absmax``, ``|t| <= code_max * (1 +
+  2**-23)``, which rounds to code_max at most: no code saturates. Where 0 < absmax <
+  2**-64 the multiplier could pass fp32's range (code_max is up to 122880), so both are
+  taken after a scaling by 2**64, exact on both sides: ``t = (x * 2**64) * (code_max /
+  (absmax * 2**64))``. Only finite values are multiplied; a group whose finite absmax is
+  0 has multiplier 0 and codes +0 (for -0.0 too), so an all-zero group decodes to exact
+  zeros;
 - NOTE [non-finite groups]: ``-inf`` is a legitimate activation (causal and vocabulary
   masks), so it must neither become finite garbage nor spoil its group, and NaN must
   stay NaN (AMP loss scalers look for it). In a flagged group each codec reserves three
   codes (``NonFiniteCodes``) that decode to exactly +inf, -inf and NaN; the group's
-  finite values saturate one step below them and keep their precision, the scale
-  coming from them alone (int8 gives up its 127th step: 0.07 dB). Unflagged groups
-  never give these codes those meanings, so their bits are what they were before the
-  rule, and no byte is added;
+  finite values are scaled onto the codes one step below them and keep their
+  precision, the scale coming from them alone (int8 gives up its 127th step: 0.07 dB).
+  Unflagged groups never give these codes those meanings, so their bits are what they
+  were before the rule, and no byte is added;
 - NOTE [unsigned grids]: a tensor the caller knows to be non-negative (a ReLU output)
   can spend the sign bit on precision: each codec has an unsigned variant (int8 codes
   0..255, fp8 e4m3 -> ue4m4, e5m2 -> ue5m3) whose scale maps the absmax onto the
@@ -33,8 +49,23 @@ what they have in common:
   encoded exactly as by the signed codec, its codes stored as their byte, so the
   non-finite rule is written once; decoding reads the flag first;
 - NOTE [round half to even]: every rounding (int8 codes, fp8 codes, fp32 -> bf16
-  output) is ``shift_right_rne`` on integer bits, which is exact on every backend;
-  Triton's interpreter has no ``rint`` and mis-rounds fp32 -> fp8 / bf16 casts;
+  output) is to nearest, ties to even, and exact on every backend. Triton's interpreter
+  has no ``rint`` and mis-rounds fp32 -> fp8 / bf16 casts, so the kernels round with
+  IEEE adds (which round half to even) and integer bits: int8 codes by adding 1.5 *
+  2**23 (``integer_code_bits``), fp8 codes by rounding fp32's significand on its bits,
+  and below the smallest normal by an add whose ulp is the step (fp8's
+  ``_fp8_magnitude_code``). fp32 -> bf16 is ``.to`` on CUDA (cvt.rn) and
+  ``float32_to_bfloat16_rne``, on bits, under the interpreter;
+- NOTE [plain tiles]: most tiles hold only groups whose values are finite, with an
+  absmax below 2**127 and either 0 or at least 2**-64 (and, for an encoder that
+  subtracts channel means, lie wholly inside the tensor, a partial tile's padding being
+  centered too). There NOTE [scale rule] needs no step, no pre-scale and no flag, and
+  NOTE [non-finite groups] no code, so the kernels take a path without them: an
+  encoder decides from its rows' magnitudes (``row_magnitudes``, ``plain_tile``), a
+  decoder from its scales' signs (``none_flagged``), once per program, by a branch on a
+  reduction over the tile; every other tile takes the general path. Both give the
+  references' bits, and a plain tile pays for the rules it does not need with that
+  reduction alone;
 - NOTE [channel means]: an encoder may be given one fp32 mean per channel (dim 1 of
   an N, C, ... tensor) to subtract from each value as it is loaded, correctly rounded,
   before anything else; the group's scale and codes are those of the centered values,
@@ -48,12 +79,16 @@ what they have in common:
   are decoded, as without means. Doing both in the kernels costs no copy of the
   tensor (a centered copy would be live beside it while encoding, a wide one while
   decoding to a half type); the references work in place on their own copies, for
-  the same reason;
+  the same reason. Element i's channel is ``(i // channel_size) % channels``; with
+  int32 offsets both divisions are a multiply by the divisor's magic number
+  (``magic_number``, exact below 2**31), worked out once per run where a run meets at
+  most two channels (channel_size >= RUN; one where channel_size is a multiple of
+  RUN), else once per element; int64 offsets divide;
 - the host-side checks and launch grid, and the torch references of the rules above.
 
-Every step is a correctly rounded IEEE operation (``div_rn``, a single multiply, no
-fused multiply-add: ``LAUNCH_OPTIONS``), so kernels and references agree bit for
-bit on CPU, under the interpreter and on CUDA.
+Every step is a correctly rounded IEEE operation (``div_rn`` once per group, a single
+multiply or add per value, no fused multiply-add: ``LAUNCH_OPTIONS``), so kernels and
+references agree bit for bit on CPU, under the interpreter and on CUDA.
 """
 from typing import NamedTuple
 
@@ -75,6 +110,13 @@ ELEMENTS_PER_PROGRAM, NUM_WARPS = 4096, 8
 # No FMA fusion: a decoder's add of a channel mean after its multiply (NOTE [channel
 # means]) must round twice, as torch does.
 LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+# The widest global load and store a thread issues (ld/st.global.v4.b32).
+VECTOR_BYTES = 16
+# NOTE [scale rule]: below this absmax, the multiplier is taken after scaling by PRESCALE.
+TINY_ABSMAX = tl.constexpr(2.0**-64)
+PRESCALE = tl.constexpr(2.0**64)
+# NOTE [plain tiles]: below this absmax no scale needs the scale rule's step.
+PLAIN_ABSMAX_LIMIT = tl.constexpr(2.0**127)
 
 
 class NonFiniteCodes(NamedTuple):
@@ -97,13 +139,28 @@ class NonFiniteCodes(NamedTuple):
 
 
 @triton.jit
-def group_tile(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    """This program's groups and elements: group indices and their mask, then the
-    [groups, GROUP_SIZE] element offsets and their mask. int64, so that tensors beyond
-    2**31 elements index correctly."""
-    groups = tl.program_id(0).to(tl.int64) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
-    offsets = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]
-    return groups, groups * GROUP_SIZE < numel, offsets, offsets < numel
+def group_tile(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr,
+               INDEX_64: tl.constexpr):
+    """This program's groups and their mask; the first element of each run of its groups,
+    as [groups, GROUP_SIZE // RUN, 1]; the element offsets, [groups, GROUP_SIZE // RUN, RUN],
+    and their mask. A run is RUN contiguous elements that one thread owns (NOTE [tile]).
+    Offsets are int64 where INDEX_64, else int32 (the launch knows which fit)."""
+    program = tl.program_id(0)
+    if INDEX_64:
+        program = program.to(tl.int64)
+    groups = program * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    runs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE // RUN)[None, :] * RUN
+    offsets = runs[:, :, None] + tl.arange(0, RUN)[None, None, :]
+    return groups, groups * GROUP_SIZE < numel, runs[:, :, None], offsets, offsets < numel
+
+
+@triton.jit
+def tile_is_whole(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, INDEX_64: tl.constexpr):
+    """Whether every element of this program's tile is in bounds (a scalar)."""
+    program = tl.program_id(0)
+    if INDEX_64:
+        program = program.to(tl.int64)
+    return (program + 1) * (GROUPS_PER_PROGRAM * GROUP_SIZE) <= numel
 
 
 @triton.jit
@@ -117,21 +174,41 @@ def load_as_float32(ptrs, mask):
 
 
 @triton.jit
-def load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED: tl.constexpr):
-    """Each element's channel mean where CENTERED, else 0 (NOTE [channel means]):
-    element i of a contiguous N, C, ... tensor is in channel (i // channel_size) %
-    channels."""
-    if CENTERED:
-        return tl.load(means_ptr + (offsets // channel_size) % channels, mask=in_bounds, other=0.0)
-    return tl.zeros(offsets.shape, tl.float32)
+def quotient(n, divisor, magic, shift, INDEX_64: tl.constexpr):
+    """n // divisor for n >= 0: an int64 division where INDEX_64, else, n being below
+    2**31, the high half of 2n times the divisor's magic number, shifted (NOTE [channel
+    means]; ``magic`` is its uint32 bit pattern held in an int32)."""
+    if INDEX_64:
+        return n // divisor
+    doubled = (n << 1).to(tl.uint32, bitcast=True)
+    high = tl.umulhi(doubled, magic.to(tl.uint32, bitcast=True))
+    return (high >> shift).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED: tl.constexpr):
-    """x (the block's fp32 values) less their channel's mean where CENTERED, else x."""
-    if CENTERED:
-        x = x - load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
-    return x
+def channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic, size_shift,
+                     count_magic, count_shift, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr):
+    """Each element's channel mean (NOTE [channel means]): element i of a contiguous N, C,
+    ... tensor is in channel (i // channel_size) % channels. RUN_CHANNELS is how many
+    channels one run may span: 1 (channel_size is a multiple of RUN: one mean per run),
+    2 (channel_size >= RUN: the run's first channel, then from the element where the
+    next one starts, that one), or 0 (more: each element's channel is worked out)."""
+    if RUN_CHANNELS == 0:
+        samples_and_channels = quotient(offsets, channel_size, size_magic, size_shift, INDEX_64)
+        channel = samples_and_channels - quotient(samples_and_channels, channels, count_magic, count_shift,
+                                                  INDEX_64) * channels
+        means = tl.load(means_ptr + channel, mask=in_bounds, other=0.0)
+    else:
+        samples_and_channels = quotient(runs, channel_size, size_magic, size_shift, INDEX_64)
+        first = samples_and_channels - quotient(samples_and_channels, channels, count_magic, count_shift,
+                                                INDEX_64) * channels
+        means = tl.load(means_ptr + first)  # [groups, runs, 1]: one per run
+        if RUN_CHANNELS == 2:
+            into_channel = runs - samples_and_channels * channel_size
+            following = tl.where(first + 1 == channels, 0, first + 1)
+            in_first = offsets - runs < channel_size - into_channel
+            means = tl.where(in_first, means, tl.load(means_ptr + following))
+    return means
 
 
 @triton.jit
@@ -145,18 +222,66 @@ def largest_finite(out_ptrs):
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_magnitudes(x, INTERPRETED: tl.constexpr):
+    """Per row of a [groups, runs, RUN] fp32 block, as [groups]: the largest |x|, NaN
+    where the row holds a NaN, +inf where it holds an infinity and no NaN. On a GPU a
+    NaN-keeping maximum is one instruction a value; the interpreter's reductions skip
+    NaN (numpy's nanmax) and its custom ones run in Python, so there the magnitudes'
+    bits are compared as integers, an order that puts NaN above +inf above every
+    finite value."""
+    if INTERPRETED:
+        bits = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=1)
+        return bits.to(tl.float32, bitcast=True)
+    return tl.reduce(tl.reduce(tl.abs(x), 2, _max_keeping_nan), 1, _max_keeping_nan)
+
+
+@triton.jit
+def plain_tile(magnitudes):
+    """NOTE [plain tiles]: whether every row of the tile, given its row_magnitudes, is
+    finite with an absmax below 2**127 and either 0 or at least 2**-64 (a scalar)."""
+    plain = (magnitudes < PLAIN_ABSMAX_LIMIT) & ((magnitudes >= TINY_ABSMAX) | (magnitudes == 0.0))
+    return tl.min(plain.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def plain_group_scale(magnitudes, CODE_MAX: tl.constexpr):
+    """NOTE [scale rule] for the rows of a plain tile (NOTE [plain tiles]), [groups]: the
+    scale and the multiplier, the bits of group_scale's without its step, pre-scale
+    and flag, none of which applies."""
+    code_max = tl.full(magnitudes.shape, CODE_MAX, tl.float32)
+    return tl.div_rn(magnitudes, code_max), tl.where(magnitudes > 0, tl.div_rn(code_max, magnitudes), 0.0)
+
+
+@triton.jit
+def none_flagged(scale):
+    """Whether no group of the tile, given its [groups] scales, is flagged (NOTE
+    [non-finite groups]; a scalar)."""
+    return tl.min(scale.to(tl.int32, bitcast=True), axis=0) >= 0
+
+
+@triton.jit
 def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
-    """NOTE [scale rule] per row of a [groups, GROUP_SIZE] fp32 block: the signed scale,
-    and the largest code magnitude the row's finite values may take, as [groups, 1]."""
+    """NOTE [scale rule] per row of a [groups, runs, RUN] fp32 block: the signed scale,
+    [groups]; the block's finite values times their row's multiplier, 0 elsewhere; and
+    per row, [groups, 1, 1], whether it is flagged and whether its multiplier is nonzero."""
     finite = tl.abs(x) < float("inf")
-    absmax = tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
-    non_finite = tl.max((finite == 0).to(tl.int32), axis=1) > 0
+    absmax = tl.max(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=2), axis=1)
+    non_finite = tl.max(tl.max((finite == 0).to(tl.int32), axis=2), axis=1) > 0
     code_max = tl.where(non_finite, tl.full(absmax.shape, NON_FINITE_CODE_MAX, tl.float32),
                         tl.full(absmax.shape, CODE_MAX, tl.float32))
     scale = tl.div_rn(absmax, code_max)
     one_ulp_less = (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
     scale = tl.where(scale * code_max == float("inf"), one_ulp_less, scale)
-    return tl.where(non_finite, negated(scale), scale), code_max[:, None]
+    prescale = tl.where((absmax > 0) & (absmax < TINY_ABSMAX), PRESCALE, 1.0)
+    multiplier = tl.where(absmax > 0, tl.div_rn(code_max, absmax * prescale), 0.0)
+    scaled = tl.where(finite, (x * prescale[:, None, None]) * multiplier[:, None, None], 0.0)
+    return (tl.where(non_finite, negated(scale), scale), scaled, non_finite[:, None, None],
+            (absmax > 0)[:, None, None])
 
 
 @triton.jit
@@ -170,19 +295,9 @@ def negated(x):
 
 @triton.jit
 def is_flagged(scale):
-    """Per row of a [groups] scale, as [groups, 1]: whether the group holds inf or NaN
+    """Per row of a [groups] scale, as [groups, 1, 1]: whether the group holds inf or NaN
     (NOTE [non-finite groups]: the sign bit of its scale)."""
-    return (scale.to(tl.int32, bitcast=True) < 0)[:, None]
-
-
-@triton.jit
-def divide_or_zero(x, scale):
-    """x / |scale| per row for finite x where the scale is nonzero, else 0 (NOTE [scale
-    rule]); the codes of non-finite x come from with_non_finite_codes."""
-    magnitude = tl.abs(scale)
-    divisor = tl.where(magnitude > 0, magnitude, 1.0)[:, None]
-    quantized = (magnitude > 0)[:, None] & (tl.abs(x) < float("inf"))
-    return tl.where(quantized, tl.div_rn(x, tl.broadcast_to(divisor, x.shape)), 0.0)
+    return (scale.to(tl.int32, bitcast=True) < 0)[:, None, None]
 
 
 @triton.jit
@@ -191,6 +306,18 @@ def with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE):
     codes = tl.where(x == float("inf"), POS_INF_CODE, codes)
     codes = tl.where(x == float("-inf"), NEG_INF_CODE, codes)
     return tl.where(x != x, NAN_CODE, codes)
+
+
+@triton.jit
+def integer_code_bits(scaled, UNSIGNED: tl.constexpr):
+    """NOTE [round half to even] of finite values onto the integers, within +-255.5: an
+    fp32 add rounds half to even, and adding 1.5 * 2**23 (or 2**23, values >= 0 on
+    the unsigned grid, negative ones saturating at 0) leaves the sum in a binade whose
+    step is 1, so that its low byte is the code's two's complement byte (or the code
+    0..255). Returned as the sum's bits; storing them as 8 bits keeps that byte."""
+    if UNSIGNED:
+        return (tl.maximum(scaled, 0.0) + 8388608.0).to(tl.int32, bitcast=True)
+    return (scaled + 12582912.0).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -211,19 +338,6 @@ def magnitude_bits(x):
 
 
 @triton.jit
-def round_to_grid_rne(abs_bits, grid_exponent):
-    """|x| / 2**grid_exponent rounded half to even, as int32, from the magnitude bits of
-    fp32 x. Needs 2**-100 <= 2**grid_exponent and |x| < 2**(grid_exponent + 23), so
-    that at least one bit is dropped and fp32 subnormals, far below half a step, round to 0."""
-    exponent = abs_bits >> 23
-    significand = (abs_bits & 0x7FFFFF) | 0x800000  # |x| = significand * 2**(exponent - 150)
-    # A significand below 2**24 rounds to 0 once 25 or more bits are dropped; capping
-    # the shift at 31 keeps it defined for int32.
-    shift = tl.minimum(150 + grid_exponent - exponent, 31)
-    return shift_right_rne(significand, shift)
-
-
-@triton.jit
 def float32_to_bfloat16_rne(y):
     """bf16 nearest to fp32 y, ties to even (the interpreter's `.to` truncates). bf16
     shares fp32's exponent range, so rounding away the low 16 bits is the whole
@@ -237,12 +351,23 @@ def float32_to_bfloat16_rne(y):
 
 
 @triton.jit
+def plain_dequantize(values, scale, means, out_max, CENTERED: tl.constexpr):
+    """values * scale per row, where no row is flagged (none_flagged), plus ``means``
+    saturated at +-out_max where CENTERED: dequantize's bits where it has no non-finite
+    code to decode."""
+    y = values * scale[:, None, None]
+    if CENTERED:
+        y = tl.minimum(tl.maximum(y + means, -out_max), out_max)
+    return y
+
+
+@triton.jit
 def dequantize(values, codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE, NAN_CODE,
                CENTERED: tl.constexpr):
     """values * |scale| per row in fp32, plus ``means`` (each element's channel mean)
     saturated at +-out_max where CENTERED (NOTE [channel means]), and in flagged rows
     the non-finite codes' values (NOTE [non-finite groups])."""
-    y = values * tl.abs(scale)[:, None]
+    y = values * tl.abs(scale)[:, None, None]
     if CENTERED:
         y = tl.minimum(tl.maximum(y + means, -out_max), out_max)
     flagged = is_flagged(scale)
@@ -252,11 +377,13 @@ def dequantize(values, codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE,
 
 
 @triton.jit
-def store_rounded(out_ptrs, y, mask):
-    """Store fp32 y converted to the output dtype, rounding half to even. fp16 uses
-    `.to`: it is RNE both in the interpreter and on CUDA."""
-    if out_ptrs.dtype.element_ty == tl.bfloat16:
-        y = float32_to_bfloat16_rne(y)
+def store_rounded(out_ptrs, y, mask, INTERPRETED: tl.constexpr):
+    """Store fp32 y converted to the output dtype, rounding half to even. `.to` does on
+    CUDA (cvt.rn) and, for fp16, in the interpreter; the interpreter's bf16 `.to`
+    truncates, so there it is float32_to_bfloat16_rne."""
+    if INTERPRETED:
+        if out_ptrs.dtype.element_ty == tl.bfloat16:
+            y = float32_to_bfloat16_rne(y)
     tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
@@ -295,9 +422,27 @@ class ChannelMeans(NamedTuple):
     channels: int
     centered: bool
 
-    def kernel_arguments(self) -> dict:
+    def kernel_arguments(self, run) -> dict:
+        """For a kernel whose threads own runs of ``run`` elements (NOTE [tile])."""
+        size_magic, size_shift = magic_number(self.channel_size)
+        count_magic, count_shift = magic_number(self.channels)
         return {"means_ptr": self.means, "channel_size": self.channel_size, "channels": self.channels,
-                "CENTERED": self.centered}
+                "size_magic": size_magic, "size_shift": size_shift, "count_magic": count_magic,
+                "count_shift": count_shift, "CENTERED": self.centered,
+                "RUN_CHANNELS": 1 if self.channel_size % run == 0 else 2 if self.channel_size >= run else 0}
+
+
+def magic_number(divisor):
+    """``(magic, shift)`` such that ``n // divisor == (2n * m) >> (32 + shift)`` for every
+    0 <= n < 2**31, ``m`` being ``magic``'s uint32 bit pattern (NOTE [channel means]):
+    m = ceil(2**(31 + l) / divisor) with l = ceil(log2(divisor)), which is below 2**32,
+    and m * divisor - 2**(31 + l) < 2**l, the bound under which the quotient is exact
+    (Granlund and Montgomery, "Division by invariant integers using multiplication", 1994).
+    ``magic`` is returned as the int32 of that bit pattern."""
+    shift = (divisor - 1).bit_length()
+    multiplier = -(-(1 << (31 + shift)) // divisor)
+    assert 1 << 31 <= multiplier < 1 << 32, (divisor, multiplier)
+    return multiplier - (1 << 32), shift
 
 
 def channel_means(x, means, stand_in):
@@ -350,18 +495,33 @@ def empty_encoding(flat, group_size, code_dtype):
     return codes, scales
 
 
-def launch(kernel, numel, group_size, *tensors, **arguments):
+def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
     """One launch of a group kernel over numel elements, on its tensors' device; none
     for an empty tensor, nor for meta tensors: they hold no data, and the launcher's
-    allocations are what actsave.estimate simulates a CUDA step by. ``arguments`` are
-    the kernel's others, by name (constexprs and those after ``numel``)."""
+    allocations are what actsave.estimate simulates a CUDA step by. ``run`` is the
+    elements each thread owns contiguously (NOTE [tile]), ``means`` the kernel's
+    :class:`ChannelMeans`, ``arguments`` its other arguments by name."""
     if numel == 0 or tensors[0].device.type == "meta":
         return
     groups_per_program = max(1, ELEMENTS_PER_PROGRAM // group_size)
+    run = min(run, group_size)
     grid = (triton.cdiv(triton.cdiv(numel, group_size), groups_per_program),)
     with torch.cuda.device_of(tensors[0]):
-        kernel[grid](*tensors, numel=numel, GROUP_SIZE=group_size,
-                     GROUPS_PER_PROGRAM=groups_per_program, **LAUNCH_OPTIONS, **arguments)
+        kernel[grid](*tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
+                     GROUPS_PER_PROGRAM=groups_per_program, RUN=run, INDEX_64=needs_int64(numel),
+                     INTERPRETED=tensors[0].device.type == "cpu", **LAUNCH_OPTIONS, **arguments)
+
+
+def needs_int64(numel):
+    """Whether a launch over numel elements indexes in int64: where an offset in its last
+    program's tile could reach 2**31 (the magic-number quotients of NOTE [channel means]
+    need offsets below it too)."""
+    return numel + ELEMENTS_PER_PROGRAM > 2**31
+
+
+def run_elements(dtype):
+    """Elements per thread run for a stream of ``dtype`` values: one 16-byte vector."""
+    return VECTOR_BYTES // dtype.itemsize
 
 
 # ----------------------------------------------------------------- torch references
@@ -390,17 +550,27 @@ def _per_element(scales, group_size, numel):
 
 
 def group_scale_ref(flat, group_size, code_max, non_finite):
-    """NOTE [scale rule] for a flat fp32 tensor: the signed scale per group, and per
-    element the largest code magnitude its group's finite values may take. Zero
-    padding is finite and leaves the absmax unchanged."""
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % group_size)).view(-1, group_size)
-    finite = padded.isfinite()
-    absmax = torch.where(finite, padded.abs(), 0.0).amax(dim=1)
-    flagged = ~finite.all(dim=1)
+    """NOTE [scale rule] for a flat fp32 tensor: per group, the signed scale, the
+    multiplier (NaN where the finite absmax is 0: see scaled_ref) and the pre-scale
+    (None where no group needs one). Zero padding is finite and leaves the absmax
+    unchanged. One per-element temporary, so that the encoders' peak is their
+    multiply's (scaled_ref), with or without a centered copy."""
+    padding = -flat.numel() % group_size
+    grouped = torch.nn.functional.pad(flat, (0, padding)) if padding else flat
+    magnitude = grouped.view(-1, group_size).abs()
+    flagged = magnitude.amax(dim=1).le(torch.finfo(torch.float32).max).logical_not_()  # amax propagates NaN
+    absmax = magnitude.nan_to_num_(nan=0.0, posinf=0.0).amax(dim=1)
+    del grouped, magnitude
     limit = torch.where(flagged, non_finite.finite_max, float(code_max))
     scales = absmax / limit
     scales = torch.where((scales * limit).isinf(), scales.nextafter(torch.zeros_like(scales)), scales)
-    return torch.where(flagged, -scales, scales), _per_element(limit, group_size, flat.numel())
+    # An all-zero group needs no pre-scale (its multiplier is 0): ReLU outputs hold
+    # many, and the meta tensors the planner profiles with hold none.
+    tiny = (absmax > 0) & (absmax < TINY_ABSMAX.value)
+    prescales = torch.where(tiny, PRESCALE.value, 1.0) if flat.device.type != "meta" and tiny.any() else None
+    multipliers = limit / (absmax if prescales is None else absmax * prescales)
+    multipliers = torch.where(absmax > 0, multipliers, float("nan"))
+    return torch.where(flagged, -scales, scales), multipliers, prescales
 
 
 def is_flagged_ref(scales, group_size, numel):
@@ -415,17 +585,22 @@ def any_flagged_ref(scales):
     return scales.device.type != "meta" and bool(scales.signbit().any())
 
 
-def divide_or_zero_ref(flat, scales, group_size, in_place=False):
-    """flat / |scale| where finite with a nonzero scale, else 0; ``in_place`` overwrites
-    ``flat`` (a reference's own copy) and allocates no more than the per-element scale."""
-    scale = _per_element(scales, group_size, flat.numel()).abs_()
-    if in_place:
-        # The same bits: a finite value over a nonzero scale stays finite (within the
-        # code range, NOTE [scale rule]); everything else, inf, NaN and 0/0 of an
-        # all-zero group, becomes +0.
-        return flat.div_(scale).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    quantized = (scale > 0) & flat.isfinite()
-    return torch.where(quantized, flat / scale, 0.0)
+def scaled_ref(flat, multipliers, prescales, group_size, in_place=False):
+    """NOTE [scale rule]: each finite value times its group's pre-scale (if any) and then
+    its multiplier, and +0 for the others and throughout a group whose finite absmax is
+    0; ``in_place`` overwrites ``flat`` (a reference's own copy) and allocates no more
+    than one per-element factor at a time."""
+    if prescales is not None:
+        factor = _per_element(prescales, group_size, flat.numel())
+        flat = flat.mul_(factor) if in_place else flat * factor
+        in_place = True
+        del factor
+    factor = _per_element(multipliers, group_size, flat.numel())
+    scaled = flat.mul_(factor) if in_place else flat * factor
+    # The same bits as masking: a finite value times a finite multiplier stays finite
+    # (|t| <= code_max * (1 + 2**-23)); inf and NaN values, and every value of a group
+    # whose multiplier is NaN (absmax 0), become +0.
+    return scaled.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def with_non_finite_codes_ref(codes, flat, non_finite):

@@ -3,9 +3,10 @@
 Format: the tensor is flattened row-major and cut into groups of ``group_size``
 elements (a power of two; the last group may be partial). Each group stores
 ``scale = absmax / FP8_MAX`` (fp32; 448 for e4m3, 57344 for e5m2) and one byte per
-element: the bit pattern of ``x / scale`` in ``torch.float8_e4m3fn`` (1 sign,
+element: the bit pattern of ``x * (FP8_MAX / absmax)``, the group's multiplier taken
+once (NOTE [scale rule]: no value passes +-FP8_MAX), in ``torch.float8_e4m3fn`` (1 sign,
 4 exponent, 3 mantissa bits, no inf) or ``torch.float8_e5m2`` (1, 5, 2), rounded half
-to even and saturated at +-FP8_MAX. Decoding is ``fp8_value(code) * scale`` in fp32,
+to even. Decoding is ``fp8_value(code) * scale`` in fp32,
 rounded half to even to the requested dtype. NOTE [scale rule] in ``_rounding`` keeps
 a scale near the fp32 maximum from decoding to inf, and flags, by the scale's sign
 bit, a group holding inf or NaN; there +-inf and NaN take the codes of ``_Fp8Format.non_finite`` (NOTE
@@ -20,10 +21,12 @@ smallest normal. ``scale = absmax / largest``; in a group holding inf or NaN the
 signed format's codes (e4m3, e5m2) are stored instead. Doubling an e4m3 (e5m2) code
 below its specials gives the ue4m4 (ue5m3) code of the same value.
 
-The scale itself is stored rather than its reciprocal so that encoding is one
-correctly rounded division and decoding one multiply. The kernels encode and decode
-fp8 with integer arithmetic only (the interpreter's fp32 -> fp8 cast mis-rounds
-about 9% of values; this also runs on GPUs without fp8 hardware).
+The scale itself is stored, so that decoding is one multiply; encoding multiplies by
+the group's multiplier, one correctly rounded division per group rather than one per
+value (NOTE [scale rule]). The kernels encode and decode fp8 on the bits, with
+integer arithmetic and exact or half-to-even fp32 adds and multiplies, never an fp8
+cast (the interpreter's fp32 -> fp8 cast mis-rounds about 9% of values; this also
+runs on GPUs without fp8 hardware).
 ``encode_fp8_ref`` / ``decode_fp8_ref`` are the specification, written with torch's
 own fp8 casts; the kernels match them bit for bit.
 """
@@ -40,11 +43,10 @@ from ._rounding import (
     any_flagged_ref,
     centered_input_ref,
     channel_means,
+    channel_means_of,
     decoded_channel_means,
     dequantize,
     dequantize_ref,
-    divide_or_zero,
-    divide_or_zero_ref,
     empty_encoding,
     flat_codes,
     flat_input,
@@ -55,13 +57,16 @@ from ._rounding import (
     is_flagged_ref,
     largest_finite,
     launch,
-    less_channel_means,
     load_as_float32,
-    load_channel_means,
-    magnitude_bits,
-    negated,
-    round_to_grid_rne,
+    none_flagged,
+    plain_dequantize,
+    plain_group_scale,
+    plain_tile,
+    row_magnitudes,
+    run_elements,
+    scaled_ref,
     store_rounded,
+    tile_is_whole,
     with_non_finite_codes,
     with_non_finite_codes_ref,
 )
@@ -126,7 +131,7 @@ def _value(code, torch_dtype):
 
 def _non_finite_codes(torch_dtype, max_code):
     """e5m2 keeps its own inf; e4m3fn has none, so in a flagged group its largest
-    magnitude (448) stands for inf and finite values saturate one step below (416).
+    magnitude (448) stands for inf and finite values stop one step below (416).
     NaN is torch's NaN pattern (0x7F) in both."""
     first_special = max_code + 1
     inf_code = first_special if math.isinf(_value(first_special, torch_dtype)) else max_code
@@ -152,98 +157,151 @@ UNSIGNED_FP8_FORMATS = {"ue4m4": _UnsignedFp8Format(4, FP8_FORMATS["e4m3"]),
 
 
 @triton.jit
-def _pow2(exponent):
-    """2.0**exponent, exactly, for an int32 exponent in fp32's normal range."""
-    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _float32_to_fp8_bits(scaled, code_max, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+def _float32_to_fp8_bits(scaled, signed_zero, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """fp8 bit pattern of a finite fp32, rounded half to even (NOTE [round half to
-    even]) and saturated at +-code_max (per row, an fp8 value)."""
-    sign = (scaled.to(tl.int32, bitcast=True) >> 24) & 0x80
-    return sign | _fp8_magnitude_code(tl.abs(scaled), code_max, MANT_BITS, MIN_NORMAL_EXP)
+    even]); no value passes the largest finite one (NOTE [scale rule]). A zero keeps
+    its sign only where ``signed_zero`` (per row: a group whose multiplier is nonzero)."""
+    sign = (scaled.to(tl.int32, bitcast=True) >> 24) & tl.where(signed_zero, 0x80, 0)
+    return sign | _fp8_magnitude_code(tl.abs(scaled), MANT_BITS, MIN_NORMAL_EXP)
 
 
 @triton.jit
-def _fp8_magnitude_code(magnitude, code_max, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+def _fp8_bits_of_product(x, multiplier, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """_float32_to_fp8_bits of x * multiplier for finite x and a multiplier >= 0 per
+    row, [groups, 1, 1]: the magnitude is |x| * multiplier, the same multiply on the
+    magnitudes (one instruction, the absolute value an operand modifier), and the sign
+    x's own, kept where the multiplier is nonzero."""
+    sign = (x.to(tl.int32, bitcast=True) >> 24) & tl.where(multiplier > 0, 0x80, 0)
+    return sign | _fp8_magnitude_code(tl.abs(x) * multiplier, MANT_BITS, MIN_NORMAL_EXP)
+
+
+@triton.jit
+def _fp8_magnitude_code(magnitude, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """The sign-less code of a finite fp32 magnitude (>= 0, or -0.0) on a float grid
     of MANT_BITS mantissa bits whose smallest normal is 2**MIN_NORMAL_EXP, rounded half
-    to even and saturated at code_max (per row, a value of the grid)."""
-    abs_bits = magnitude_bits(tl.minimum(magnitude, code_max))
-    # An fp8 magnitude is k * 2**(exponent - MANT_BITS), where exponent is that of |x|
-    # but at least MIN_NORMAL_EXP: k carries the implicit one for normals, not for
-    # subnormals.
-    exponent = tl.maximum((abs_bits >> 23) - 127, MIN_NORMAL_EXP)
-    k = round_to_grid_rne(abs_bits, exponent - MANT_BITS)
-    # The biased exponent field is exponent - MIN_NORMAL_EXP + 1 for normals, 0 for
-    # subnormals: adding k supplies that + 1 from k's implicit one, and a k that
-    # rounded up to 2**(MANT_BITS + 1) carries on into the next binade.
-    return ((exponent - MIN_NORMAL_EXP) << MANT_BITS) + k
+    to even (NOTE [round half to even]); the magnitude rounds to a value of the grid
+    (NOTE [scale rule]). A code is its exponent field (1 for the smallest normal's
+    binade, 0 below) over MANT_BITS mantissa bits.
+
+    From the smallest normal up, fp32's significand is rounded to MANT_BITS bits on its
+    bits (the carry runs into the exponent) and the exponent rebiased. Below it the
+    grid's step is fixed, 2**(MIN_NORMAL_EXP - MANT_BITS): adding 2**(MIN_NORMAL_EXP -
+    MANT_BITS + 23), whose ulp that step is, rounds the magnitude to it in one fp32 add
+    (half to even), and the sum's low bits count the steps, which is the code (a
+    magnitude that rounds up to the smallest normal gets its code, 2**MANT_BITS)."""
+    bits = magnitude.to(tl.int32, bitcast=True)
+    # Half a unit of the last kept bit, less one, less the exponent's rebias.
+    half = (1 << (22 - MANT_BITS)) - 1 - ((126 + MIN_NORMAL_EXP) << 23)
+    normal = (bits + half + ((bits >> (23 - MANT_BITS)) & 1)) >> (23 - MANT_BITS)
+    steps = (magnitude + 2.0**(MIN_NORMAL_EXP - MANT_BITS + 23)).to(tl.int32, bitcast=True)
+    subnormal = steps - ((MIN_NORMAL_EXP - MANT_BITS + 150) << 23)
+    return tl.where(magnitude < 2.0**MIN_NORMAL_EXP, subnormal, normal)
 
 
 @triton.jit
-def _fp8_bits_to_float32(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
-                         FIRST_SPECIAL: tl.constexpr):
-    """The exact fp32 values of fp8 bit patterns held in int32; inf and NaN included."""
-    magnitude = codes & 0x7F
-    value = _magnitude_code_to_float32(magnitude, MANT_BITS, MIN_NORMAL_EXP)
-    fraction = magnitude & ((1 << MANT_BITS) - 1)
-    # An all-ones fp32 exponent with the fp8 fraction is inf (e5m2 only) or NaN.
-    special = (0x7F800000 | (fraction << (23 - MANT_BITS))).to(tl.float32, bitcast=True)
-    value = tl.where(magnitude >= FIRST_SPECIAL, special, value)
-    return tl.where(codes >= 0x80, negated(value), value)
+def _fp8_values(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr):
+    """The exact fp32 values of fp8 bit patterns held in int32 (0..255), inf and NaN
+    included. The sign goes to fp32's sign bit and the seven others, exponent field
+    over mantissa, just below fp32's exponent's lowest bit, so that fp32 reads the value
+    divided by 2**(126 + MIN_NORMAL_EXP), normal or subnormal (no flush to zero); one
+    exact multiply restores it. An exponent field of all ones (FIRST_SPECIAL up) is
+    fp32's: inf for a zero mantissa (e5m2), else NaN."""
+    # The sign bit and the seven below fp32's exponent, as an int32 (the sign's copies
+    # that the arithmetic shift leaves between them cleared).
+    bits = ((codes << 24) >> (MANT_BITS + 1)) & ((0x7F << (23 - MANT_BITS)) - 0x80000000)
+    bits = tl.where((codes & 0x7F) >= FIRST_SPECIAL, bits | 0x7F800000, bits)
+    return bits.to(tl.float32, bitcast=True) * 2.0**(126 + MIN_NORMAL_EXP)
 
 
 @triton.jit
-def _magnitude_code_to_float32(magnitude, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
-    """The exact fp32 value of a sign-less code (int32) of _fp8_magnitude_code's grid."""
-    exponent_field = magnitude >> MANT_BITS
-    fraction = magnitude & ((1 << MANT_BITS) - 1)
-    k = tl.where(exponent_field > 0, fraction | (1 << MANT_BITS), fraction)
-    grid_exponent = tl.maximum(exponent_field, 1) - 1 + MIN_NORMAL_EXP - MANT_BITS
-    return k.to(tl.float32) * _pow2(grid_exponent)
+def _unsigned_fp8_values(codes, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
+    """The exact fp32 values of an unsigned grid's codes (int32 0..255, all finite), as
+    _fp8_values reads a signed format's magnitudes."""
+    return (codes << (23 - MANT_BITS)).to(tl.float32, bitcast=True) * 2.0**(126 + MIN_NORMAL_EXP)
+
+
+@triton.jit
+def _encode_fp8_general(centered, x, FP8_MAX: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
+                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, UNSIGNED: tl.constexpr,
+                        U_MANT_BITS: tl.constexpr, POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr,
+                        NAN_CODE: tl.constexpr):
+    """The scales and codes of a tile that is not plain (NOTE [plain tiles]): every rule
+    of NOTE [scale rule] and NOTE [non-finite groups]."""
+    scale, scaled, flagged, nonzero = group_scale(centered, FP8_MAX, NON_FINITE_CODE_MAX)
+    codes = _float32_to_fp8_bits(scaled, nonzero, MANT_BITS, MIN_NORMAL_EXP)
+    if UNSIGNED:  # NOTE [unsigned grids]: flagged groups keep the signed codes
+        codes = tl.where(flagged, codes, _fp8_magnitude_code(tl.maximum(scaled, 0.0), U_MANT_BITS, MIN_NORMAL_EXP))
+    return scale, with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
 
 
 @triton.jit
 def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels,
+                       size_magic, size_shift, count_magic, count_shift,
                        FP8_MAX: tl.constexpr,
                        NON_FINITE_CODE_MAX: tl.constexpr,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
                        UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                       CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
+                       CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                       INTERPRETED: tl.constexpr,
+                       GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    centered = less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
-    scale, code_max = group_scale(centered, FP8_MAX, NON_FINITE_CODE_MAX)
-    scaled = divide_or_zero(centered, scale)
-    codes = _float32_to_fp8_bits(scaled, code_max, MANT_BITS, MIN_NORMAL_EXP)
-    if UNSIGNED:  # NOTE [unsigned grids]: flagged groups keep the signed codes
-        unsigned_codes = _fp8_magnitude_code(tl.maximum(scaled, 0.0), code_max, U_MANT_BITS, MIN_NORMAL_EXP)
-        codes = tl.where(is_flagged(scale), codes, unsigned_codes)
-    codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
+    centered = x
+    if CENTERED:
+        centered = x - channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                        size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    magnitudes = row_magnitudes(centered, INTERPRETED)
+    plain = plain_tile(magnitudes)
+    if CENTERED:  # a partial tile's padding is centered too (NOTE [plain tiles])
+        plain = plain & tile_is_whole(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, INDEX_64)
+    if plain:
+        scale, multiplier = plain_group_scale(magnitudes, FP8_MAX)
+        if UNSIGNED:
+            codes = _fp8_magnitude_code(tl.maximum(centered * multiplier[:, None, None], 0.0), U_MANT_BITS,
+                                        MIN_NORMAL_EXP)
+        else:
+            codes = _fp8_bits_of_product(centered, multiplier[:, None, None], MANT_BITS, MIN_NORMAL_EXP)
+    else:
+        if CENTERED:
+            centered = tl.where(in_bounds, centered, 0.0)  # padding stays 0, below every absmax
+        scale, codes = _encode_fp8_general(centered, x, FP8_MAX, NON_FINITE_CODE_MAX, MANT_BITS, MIN_NORMAL_EXP,
+                                           UNSIGNED, U_MANT_BITS, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
 
 
 @triton.jit
 def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel_size, channels,
+                       size_magic, size_shift, count_magic, count_shift,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr,
                        UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                       CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
+                       CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                       INTERPRETED: tl.constexpr,
+                       GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
     codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
-    values = _fp8_bits_to_float32(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
-    if UNSIGNED:
-        unsigned_values = _magnitude_code_to_float32(codes, U_MANT_BITS, MIN_NORMAL_EXP)
-        values = tl.where(is_flagged(scale), values, unsigned_values)
-    means = load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
-    y = dequantize(values, codes, scale, means, largest_finite(out_ptr),
-                   POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
-    store_rounded(out_ptr + offsets, y, in_bounds)
+    means = 0.0
+    if CENTERED:
+        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    out_max = largest_finite(out_ptr)
+    if none_flagged(scale):  # NOTE [plain tiles]
+        if UNSIGNED:
+            values = _unsigned_fp8_values(codes, U_MANT_BITS, MIN_NORMAL_EXP)
+        else:
+            values = _fp8_values(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
+        y = plain_dequantize(values, scale, means, out_max, CENTERED)
+    else:
+        values = _fp8_values(codes, MANT_BITS, MIN_NORMAL_EXP, FIRST_SPECIAL)
+        if UNSIGNED:  # a flagged group's bytes are the signed format's codes
+            values = tl.where(is_flagged(scale), values, _unsigned_fp8_values(codes, U_MANT_BITS, MIN_NORMAL_EXP))
+        y = dequantize(values, codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
+    store_rounded(out_ptr + offsets, y, in_bounds, INTERPRETED)
 
 
 def _format(fmt):
@@ -263,8 +321,8 @@ def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     spec = _format(fmt)
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, torch.uint8)
-    launch(_encode_fp8_kernel, flat.numel(), group_size, flat, codes, scales,
-           **channel_means(x, means, scales).kernel_arguments(), **spec.encode_constexprs())
+    launch(_encode_fp8_kernel, flat.numel(), group_size, run_elements(codes.dtype), channel_means(x, means, scales),
+           flat, codes, scales, **spec.encode_constexprs())
     return codes, scales
 
 
@@ -276,8 +334,8 @@ def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=N
     spec = _format(fmt)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_fp8_kernel, codes.numel(), group_size, codes, scales, out,
-           **decoded_channel_means(codes, means, channel_size, scales).kernel_arguments(),
+    launch(_decode_fp8_kernel, codes.numel(), group_size, run_elements(dtype),
+           decoded_channel_means(codes, means, channel_size, scales), codes, scales, out,
            **spec.decode_constexprs())
     return out
 
@@ -291,28 +349,30 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     spec = _format(fmt)
     signed = getattr(spec, "signed", spec)
     source, flat = centered_input_ref(x, group_size, means)
-    scales, code_max = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
-    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=flat is not source)  # flat: not read again
+    scales, multipliers, prescales = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
+    # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [scale rule]).
+    scaled = scaled_ref(flat, multipliers, prescales, group_size, in_place=flat is not source)  # flat: not read again
     if spec is signed or any_flagged_ref(scales):
-        codes = scaled.clamp(-code_max, code_max).to(signed.torch_dtype).view(torch.uint8)
+        codes = scaled.to(signed.torch_dtype).view(torch.uint8)
     if spec is not signed:
-        unsigned_codes = _unsigned_codes_ref_(scaled, code_max, spec)
+        unsigned_codes = _unsigned_codes_ref_(scaled, spec)
         # Flagged groups keep the signed codes (NOTE [unsigned grids]).
         codes = torch.where(is_flagged_ref(scales, group_size, source.numel()), codes, unsigned_codes) \
             if any_flagged_ref(scales) else unsigned_codes
     return with_non_finite_codes_ref(codes, source, signed.non_finite), scales
 
 
-def _unsigned_codes_ref_(scaled, code_max, spec):
-    """Codes of finite fp32 values on an unsigned grid, saturated at 0 and code_max,
-    rounded half to even; ``scaled`` is overwritten (in place, so that encoding
+def _unsigned_codes_ref_(scaled, spec):
+    """Codes of finite fp32 values on an unsigned grid, saturated at 0 (none passes the
+    grid's top: NOTE [scale rule]), rounded half to even; ``scaled`` is overwritten (in
+    place, and the one temporary freed before the codes are made, so that encoding
     allocates no more than the signed path, which the planner profiles). The exponent e
     of a value (that of its leading bit, at least the smallest normal's) sets the step
     2**(e - mantissa_bits); the multiple k of that step comes after the
     (e - min_normal_exponent) binades of 2**mantissa_bits codes below it, the implicit
     one of k supplying a normal's offset and a k that rounds up to the next power of
     two carrying into the next binade."""
-    magnitude = torch.minimum(scaled.clamp_min_(0.0), code_max, out=scaled)
+    magnitude = scaled.clamp_min_(0.0)
     # The exponent of each value's leading bit, at least the smallest normal's (fp32
     # subnormals and 0 lie far below it).
     exponent = (magnitude.view(torch.int32) >> 23).sub_(127).clamp_min_(spec.min_normal_exponent)
@@ -322,6 +382,7 @@ def _unsigned_codes_ref_(scaled, code_max, spec):
     k = magnitude.mul_(inverse_step).round_()
     exponent = inverse_step.view(torch.int32).bitwise_right_shift_(23).sub_(127 + spec.mantissa_bits).neg_()
     codes = k.add_(exponent.sub_(spec.min_normal_exponent).bitwise_left_shift_(spec.mantissa_bits))
+    del exponent, inverse_step
     return codes.to(torch.uint8)
 
 

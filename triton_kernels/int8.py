@@ -3,16 +3,17 @@
 Format: the tensor is flattened row-major and cut into groups of ``group_size``
 elements (a power of two; the last group may be partial). Each group stores
 ``scale = absmax / 127`` (fp32) and one int8 code per element,
-``code = round_half_even(clamp(x / scale, -127, 127))``; the grid is symmetric.
-Decoding is ``code * scale`` in fp32, rounded half to even to the requested dtype.
-NOTE [scale rule] in ``_rounding`` keeps a scale near the fp32 maximum from decoding
-to inf, and flags, by the scale's sign bit, a group holding inf or NaN: there
-``scale = finite absmax / 126``, finite codes stay within +-126, and 127, -127 and
--128 stand for +inf, -inf and NaN (NOTE [non-finite groups]).
+``code = round_half_even(x * (127 / absmax))``, the group's multiplier ``127 / absmax``
+taken once (NOTE [scale rule] in ``_rounding``: no code passes +-127); the grid is
+symmetric. Decoding is ``code * scale`` in fp32, rounded half to even to the
+requested dtype. NOTE [scale rule] also keeps a scale near the fp32 maximum from
+decoding to inf, and flags, by the scale's sign bit, a group holding inf or NaN:
+there ``scale = finite absmax / 126``, finite codes stay within +-126, and 127, -127
+and -128 stand for +inf, -inf and NaN (NOTE [non-finite groups]).
 
 The unsigned variant (``unsigned=True``, NOTE [unsigned grids]) is for tensors known
 to be non-negative: ``scale = absmax / 255`` and uint8 codes
-``round_half_even(clamp(x / scale, 0, 255))``; a group holding inf or NaN keeps the
+``round_half_even(max(x * (255 / absmax), 0))``; a group holding inf or NaN keeps the
 signed encoding above, its int8 codes stored as their byte.
 
 At ``group_size=128`` that is 8.25 bits per element. ``encode_int8_ref`` /
@@ -28,27 +29,31 @@ from ._rounding import (
     any_flagged_ref,
     centered_input_ref,
     channel_means,
+    channel_means_of,
     decoded_channel_means,
     dequantize,
     dequantize_ref,
-    divide_or_zero,
-    divide_or_zero_ref,
     empty_encoding,
     flat_codes,
     flat_input,
     group_scale,
     group_scale_ref,
     group_tile,
+    integer_code_bits,
     is_flagged,
     is_flagged_ref,
     largest_finite,
     launch,
-    less_channel_means,
     load_as_float32,
-    load_channel_means,
-    magnitude_bits,
-    round_to_grid_rne,
+    none_flagged,
+    plain_dequantize,
+    plain_group_scale,
+    plain_tile,
+    row_magnitudes,
+    run_elements,
+    scaled_ref,
     store_rounded,
+    tile_is_whole,
     with_non_finite_codes,
     with_non_finite_codes_ref,
 )
@@ -82,29 +87,46 @@ def _code_dtype(unsigned):
 
 
 @triton.jit
-def _round_to_int8(scaled, code_max):
-    """NOTE [round half to even] onto the integers, saturated at +-code_max (per row)."""
-    magnitude = round_to_grid_rne(magnitude_bits(tl.minimum(tl.abs(scaled), code_max)), 0)
-    return tl.where(scaled < 0, -magnitude, magnitude)
+def _encode_int8_general(centered, x, CODE_MAX: tl.constexpr, UNSIGNED: tl.constexpr,
+                         NON_FINITE_CODE_MAX: tl.constexpr, POS_INF_CODE: tl.constexpr,
+                         NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr):
+    """The scales and code bits of a tile that is not plain (NOTE [plain tiles]): every
+    rule of NOTE [scale rule] and NOTE [non-finite groups]."""
+    scale, scaled, flagged, _ = group_scale(centered, CODE_MAX, NON_FINITE_CODE_MAX)
+    codes = integer_code_bits(scaled, False)
+    if UNSIGNED:  # flagged groups keep the signed codes (NOTE [unsigned grids])
+        codes = tl.where(flagged, codes, integer_code_bits(scaled, True))
+    return scale, with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
 
 
 @triton.jit
 def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels,
+                        size_magic, size_shift, count_magic, count_shift,
                         CODE_MAX: tl.constexpr,
                         UNSIGNED: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                        CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
+                        CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                        INTERPRETED: tl.constexpr,
+                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
     x = load_as_float32(x_ptr + offsets, in_bounds)
-    centered = less_channel_means(x, offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
-    scale, code_max = group_scale(centered, CODE_MAX, NON_FINITE_CODE_MAX)
-    scaled = divide_or_zero(centered, scale)
-    if UNSIGNED:
-        # Unflagged groups saturate at 0 and CODE_MAX (255): the signed rounding of a
-        # value >= 0 is its unsigned code. Flagged groups keep the signed codes.
-        scaled = tl.where(is_flagged(scale), scaled, tl.maximum(scaled, 0.0))
-    codes = _round_to_int8(scaled, code_max)
-    codes = with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
+    centered = x
+    if CENTERED:
+        centered = x - channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                        size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    magnitudes = row_magnitudes(centered, INTERPRETED)
+    plain = plain_tile(magnitudes)
+    if CENTERED:  # a partial tile's padding is centered too (NOTE [plain tiles])
+        plain = plain & tile_is_whole(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, INDEX_64)
+    if plain:
+        scale, multiplier = plain_group_scale(magnitudes, CODE_MAX)
+        codes = integer_code_bits(centered * multiplier[:, None, None], UNSIGNED)
+    else:
+        if CENTERED:
+            centered = tl.where(in_bounds, centered, 0.0)  # padding stays 0, below every absmax
+        scale, codes = _encode_int8_general(centered, x, CODE_MAX, UNSIGNED, NON_FINITE_CODE_MAX,
+                                            POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     # Truncation to 8 bits: a signed code's two's complement byte, or a code 0..255.
     tl.store(codes_ptr + offsets, codes.to(codes_ptr.dtype.element_ty), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
@@ -112,18 +134,30 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_
 
 @triton.jit
 def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel_size, channels,
+                        size_magic, size_shift, count_magic, count_shift,
                         UNSIGNED: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
-                        CENTERED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
-    groups, groups_in_bounds, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM)
-    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0).to(tl.int32)
+                        CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                        INTERPRETED: tl.constexpr,
+                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
+    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0)
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
-    if UNSIGNED:  # a flagged group's bytes are int8 codes
-        codes = tl.where(is_flagged(scale) & (codes > 127), codes - 256, codes)
-    means = load_channel_means(offsets, in_bounds, means_ptr, channel_size, channels, CENTERED)
-    y = dequantize(codes.to(tl.float32), codes, scale, means, largest_finite(out_ptr),
-                   POS_INF_CODE, NEG_INF_CODE, NAN_CODE, CENTERED)
-    store_rounded(out_ptr + offsets, y, in_bounds)
+    means = 0.0
+    if CENTERED:
+        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    out_max = largest_finite(out_ptr)
+    if none_flagged(scale):  # NOTE [plain tiles]
+        y = plain_dequantize(codes.to(tl.float32), scale, means, out_max, CENTERED)
+    else:
+        signed_codes = codes.to(tl.int32)
+        if UNSIGNED:  # a flagged group's bytes are int8 codes
+            signed_codes = tl.where(is_flagged(scale) & (signed_codes > 127), signed_codes - 256, signed_codes)
+        y = dequantize(signed_codes.to(tl.float32), signed_codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE,
+                       NAN_CODE, CENTERED)
+    store_rounded(out_ptr + offsets, y, in_bounds, INTERPRETED)
 
 
 def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
@@ -134,8 +168,8 @@ def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     Raises ValueError for other dtypes, group sizes or means."""
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, _code_dtype(unsigned))
-    launch(_encode_int8_kernel, flat.numel(), group_size, flat, codes, scales,
-           **channel_means(x, means, scales).kernel_arguments(), **encode_constexprs(unsigned))
+    launch(_encode_int8_kernel, flat.numel(), group_size, run_elements(codes.dtype), channel_means(x, means, scales),
+           flat, codes, scales, **encode_constexprs(unsigned))
     return codes, scales
 
 
@@ -147,8 +181,8 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
     (NOTE [channel means])."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_int8_kernel, codes.numel(), group_size, codes, scales, out,
-           **decoded_channel_means(codes, means, channel_size, scales).kernel_arguments(),
+    launch(_decode_int8_kernel, codes.numel(), group_size, run_elements(dtype),
+           decoded_channel_means(codes, means, channel_size, scales), codes, scales, out,
            **decode_constexprs(unsigned))
     return out
 
@@ -156,18 +190,20 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
 def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     """The specification of ``encode_int8``, in torch (torch.round ties to even)."""
     source, flat = centered_input_ref(x, group_size, means)
-    scales, code_max = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX, NON_FINITE_CODES)
-    scaled = divide_or_zero_ref(flat, scales, group_size, in_place=flat is not source)  # flat: not read again
+    scales, multipliers, prescales = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX,
+                                                     NON_FINITE_CODES)
+    # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [scale rule]).
+    scaled = scaled_ref(flat, multipliers, prescales, group_size, in_place=flat is not source)  # flat: not read again
     if not unsigned:
-        codes = scaled.clamp(-code_max, code_max).round().to(torch.int8)
+        codes = scaled.round_().to(torch.int8)
         return with_non_finite_codes_ref(codes, source, NON_FINITE_CODES), scales
     if not any_flagged_ref(scales):
         # No group is flagged: every code is unsigned. In place, so that encoding a
         # non-negative tensor allocates no more than the signed path (the planner
         # profiles that one).
-        return scaled.clamp_(0, UINT8_MAX).round_().to(torch.uint8), scales
-    lowest = torch.where(is_flagged_ref(scales, group_size, source.numel()), -code_max, 0.0)
-    codes = with_non_finite_codes_ref(scaled.clamp(lowest, code_max).round(), source, NON_FINITE_CODES)
+        return scaled.clamp_min_(0).round_().to(torch.uint8), scales
+    lowest = torch.where(is_flagged_ref(scales, group_size, source.numel()), float("-inf"), 0.0)
+    codes = with_non_finite_codes_ref(scaled.clamp_min_(lowest).round_(), source, NON_FINITE_CODES)
     # A flagged group's int8 codes, stored as their byte.
     return codes.add_(codes < 0, alpha=256).to(torch.uint8), scales
 

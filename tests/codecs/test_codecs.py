@@ -45,3 +45,24 @@ def test_expected_gradient_sqnr_is_the_fidelity_bench_figure_rounded_down():
     assert set(lowest) == set(LOSSY_CODECS)
     for codec in LOSSY_CODECS:
         assert lowest[codec] - 1 < EXPECTED_GRADIENT_SQNR_DB[codec] <= lowest[codec], codec
+
+
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
+@pytest.mark.parametrize("shape", [(8, 16, 16, 16), (5000,)], ids=["4d", "1d_partial_group"])
+def test_non_negative_encoding_allocates_no_more_than_signed(codec, shape):
+    """The planner profiles each codec's encode on signed samples (planning/profiler.py);
+    a ReLU output, on the unsigned grid with all-zero groups, must rise no higher (torch
+    references, which CPU steps run)."""
+    from actsave.planning.estimate import LiveBytes
+
+    def rise(x, non_negative):
+        tracker = LiveBytes("cpu", known=[x])
+        with tracker, tracker.span() as peak:
+            get_codec(codec).encode(x, non_negative=non_negative)
+        return peak[0]
+
+    torch.manual_seed(0)
+    signed = torch.randn(shape)
+    relu = torch.randn(shape).relu_()
+    relu.view(-1)[: 4 * 128] = 0  # whole groups of zeros
+    assert rise(relu, non_negative=True) <= rise(signed, non_negative=False)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from actsave.triton_kernels import SIGNED_FORMATS, channel_size, kernel_table
+from actsave.triton_kernels import _rounding
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -41,6 +42,14 @@ CASES = {
         torch.tensor([float("inf"), float("nan"), float("-inf")])), torch.randn(3)),
     "zero_means": lambda: (_channels_input((2, 3, 4, 4)), torch.zeros(3)),
     "sliced": lambda: (_channels_input((4, 6, 9, 9))[::2, 1:4, 2:7], torch.randn(3)),
+    # A thread's run of 16 (encoding) or 4 to 8 (decoding) elements spans several channels,
+    # or lies in one, or crosses into the next (NOTE [channel means]).
+    "3x3": lambda: (_channels_input((3, 5, 3, 3)), torch.randn(5)),
+    "many_channels_2x2": lambda: (_channels_input((2, 70, 2, 2)), torch.randn(70)),
+    "8x8": lambda: (_channels_input((2, 16, 8, 8)), torch.randn(16)),
+    # Whole tiles of 4096 values (a partial one is centered on the general path).
+    "whole_tiles_6x6": lambda: (_channels_input((8, 128, 6, 6)), torch.randn(128)),
+    "whole_tile_2x2": lambda: (_channels_input((16, 64, 2, 2)), torch.randn(64)),
 }
 
 
@@ -145,3 +154,38 @@ def test_decode_rejects_means_that_do_not_fit(impl, means, channel_size, message
     codes, scales = encode(torch.randn(2, 4, 3, 3), group_size=16)
     with pytest.raises(ValueError, match=message):
         decode(codes, scales, dtype=torch.float32, group_size=16, means=means, channel_size=channel_size)
+
+
+def test_magic_numbers_divide_exactly_below_2_pow_31():
+    """The kernels' channel index (int32 offsets) divides by a multiply: exact for every
+    n < 2**31 (checked at random n, and around the multiples of the divisor near 2**31)."""
+    generator = torch.Generator().manual_seed(0)
+    for divisor in [*range(1, 1100), 2**20 - 1, 2**20 + 7, 3 * 2**28, 2**30 + 3, 2**31 - 1, 2**31]:
+        magic, shift = _rounding.magic_number(divisor)
+        multiplier = magic % 2**32
+        top = (2**31 - 1) // divisor * divisor
+        n = torch.cat([torch.randint(0, 2**31, (2000,), generator=generator), torch.arange(min(divisor * 3, 5000)),
+                       torch.tensor([top - 1, top, top + 1, 2**31 - 1])]).clamp(0, 2**31 - 1)
+        # (2n * m) >> (32 + shift) without overflowing int64: m in 16-bit halves.
+        high, low = multiplier >> 16, multiplier & 0xFFFF
+        quotient = ((2 * n * high) + ((2 * n * low) >> 16)) >> (16 + shift)
+        assert torch.equal(quotient, n // divisor), divisor
+
+
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("case", ["4d", "3x3", "several_programs"])
+def test_int64_offsets_match_reference(fmt, case, group_size, assert_same_bits, monkeypatch):
+    """Tensors of 2**31 elements and more index in int64 (needs_int64); forced here on
+    small ones, with and without means, so that the interpreter checks that path."""
+    monkeypatch.setattr(_rounding, "needs_int64", lambda numel: True)
+    for dtype in (torch.float32, torch.bfloat16):
+        _assert_kernel_matches_reference(fmt, case, dtype, group_size, "cpu", assert_same_bits)
+        x, _ = CASES[case]()
+        encode, decode = _pair(fmt, "triton")
+        encode_ref, decode_ref = _pair(fmt, "reference")
+        codes, scales = encode(x.to(dtype), group_size=group_size)
+        ref_codes, ref_scales = encode_ref(x.to(dtype), group_size=group_size)
+        assert_same_bits(codes, ref_codes)
+        assert_same_bits(scales, ref_scales)
+        assert_same_bits(decode(codes, scales, dtype=dtype, group_size=group_size),
+                         decode_ref(ref_codes, ref_scales, dtype=dtype, group_size=group_size))

@@ -67,7 +67,7 @@ def _finite_values(fmt):
 
 def _encode_at_unit_scale(encode, values, fmt, group_size):
     """Codes of values as the encoder sees them: each group also holds FP8_MAX, which
-    makes its scale exactly 1, so x / scale == x."""
+    makes its scale and its multiplier exactly 1, so each x is coded as itself."""
     per_group = group_size - 1
     padded = torch.nn.functional.pad(values, (0, -values.numel() % per_group))
     groups = padded.view(-1, per_group)

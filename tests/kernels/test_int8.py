@@ -71,7 +71,7 @@ def test_bfloat16_output_rounds_ties_to_even(group_size, assert_same_bits):
 
 @pytest.mark.parametrize("encode", [encode_int8, encode_int8_ref], ids=["triton", "reference"])
 def test_codes_round_half_to_even(encode):
-    # The absmax 127 makes the scale exactly 1, so x / scale is x and the .5s are ties.
+    # The absmax 127 makes the scale and the multiplier exactly 1: x is coded as itself, the .5s ties.
     x = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 125.5,
                       126.5, -126.5, 0.49999997, 0.50000006, 126.49999, 3.0, -0.0, -127])
     expected = [127, 0, 2, 2, 0, -2, -2, 126, 126, -126, 0, 1, 126, 3, 0, -127]
@@ -227,7 +227,7 @@ def test_cuda_unsigned_kernel_matches_reference_on_every_input_case(input_case, 
 
 
 def test_unsigned_codes_round_half_to_even_and_saturate_negatives(unsigned_codec):
-    # The absmax 255 makes the scale exactly 1, so x / scale is x and the .5s are ties.
+    # The absmax 255 makes the scale and the multiplier exactly 1: x is coded as itself, the .5s ties.
     x = torch.tensor([255, 0.5, 1.5, 2.5, 127.5, 128.5, 253.5, 254.5,
                       0.49999997, 0.50000006, 128.0, -3.0, -0.0, 254.49998, 3.0, -255])
     expected = [255, 0, 2, 2, 128, 128, 254, 254, 0, 1, 128, 0, 0, 254, 3, 0]

@@ -4,7 +4,9 @@ and resource usage, without a GPU (docs/architecture.md, "Testing without a GPU"
 Each kernel x input (or output) dtype x codec is compiled as the JIT compiles it for
 16-byte aligned tensors (pointers divisible by 16), for an element count that is a
 multiple of 16 (int32, and int64 as for tensors of 2**31 elements and more), and, on
-sm_90, for one that is not. All builds run once per session, in one subprocess.
+sm_90, for one that is not; the signed formats also with channel means (NOTE [channel
+means]) for each way a thread's run of elements can meet channels. All builds run once
+per session, in one subprocess.
 """
 from collections import Counter
 from itertools import product
@@ -16,7 +18,7 @@ import torch
 
 from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, SIGNED_FORMATS, kernel_table
 from actsave.triton_kernels import decisions
-from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS
+from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS, VECTOR_BYTES
 
 GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
 TILE = {"GROUP_SIZE": GROUP_SIZE, "GROUPS_PER_PROGRAM": ELEMENTS_PER_PROGRAM // GROUP_SIZE}
@@ -24,34 +26,46 @@ DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # Triton type -> bytes per element
 # format -> Triton type of its codes (the unsigned variants store bytes 0..255)
 CODE_POINTERS = {"int8": "*i8", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8", "uint8": "*u8", "fp8_ue4m4": "*u8",
                  "fp8_ue5m3": "*u8"}
-# (arch, numel's Triton type, numel a multiple of 16, channel means subtracted): what a
-# launch can specialize on.
+# (arch, numel's Triton type, numel a multiple of 16, RUN_CHANNELS or None without channel
+# means): what a launch can specialize on. RUN_CHANNELS (NOTE [channel means]) is 1 where
+# channel_size is a multiple of a thread's run (32x32, 16x16, 8x8 maps), 2 where a run may
+# cross into the next channel (14x14, 7x7), 0 where it may span several (3x3, 1x1).
 TARGETS = {
-    "sm80": (80, "i32", True, False),
-    "sm90": (90, "i32", True, False),
-    "sm90_int64": (90, "i64", True, False),
-    "sm90_ragged": (90, "i32", False, False),
-    "sm90_centered": (90, "i32", True, True),  # NOTE [channel means]: signed formats only
+    "sm80": (80, "i32", True, None),
+    "sm90": (90, "i32", True, None),
+    "sm90_int64": (90, "i64", True, None),
+    "sm90_ragged": (90, "i32", False, None),
+    # Signed formats only: non-negative tensors are not centered.
+    "sm90_centered": (90, "i32", True, 2),
+    "sm90_centered_whole_runs": (90, "i32", True, 1),
+    "sm90_centered_per_element": (90, "i32", True, 0),
 }
 KERNELS = [f"{codec}-{direction}-{dtype}" for codec, direction, dtype in product(FORMATS, DIRECTIONS, DTYPES)]
 BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS, TARGETS)
-          if not TARGETS[target][3] or kernel.split("-")[0] in SIGNED_FORMATS]
-# The elements, hence the bytes of each stream, one thread owns: the [groups,
-# GROUP_SIZE] tile is spread evenly over the program's threads, contiguously.
+          if TARGETS[target][3] is None or kernel.split("-")[0] in SIGNED_FORMATS]
+# The elements one thread owns: the [groups, runs, RUN] tile spread evenly over the
+# program's threads, a run of RUN contiguous elements at a time (NOTE [tile]).
 ELEMENTS_PER_THREAD = ELEMENTS_PER_PROGRAM // (NUM_WARPS * 32)
-VECTOR_BYTES = 16
+
+
+def _run(direction, dtype):
+    """The elements of a thread's run: one 16-byte vector of codes when encoding (16
+    one-byte codes), of values when decoding (4 fp32 or 8 halves)."""
+    return VECTOR_BYTES // (1 if direction == "encode" else DTYPES[dtype])
 
 
 def _job(codec, direction, dtype, target):
     kernel = kernel_table()[codec, direction]
     code_ptr = CODE_POINTERS[codec]
-    arch, numel_type, numel_divisible, centered = TARGETS[target]
+    arch, numel_type, numel_divisible, run_channels = TARGETS[target]
     if direction == "encode":
         pointers = {"x_ptr": f"*{dtype}", "codes_ptr": code_ptr, "scales_ptr": "*fp32", "means_ptr": "*fp32"}
     else:
         pointers = {"codes_ptr": code_ptr, "scales_ptr": "*fp32", "out_ptr": f"*{dtype}", "means_ptr": "*fp32"}
-    channels = {"channel_size": "i32", "channels": "i32"}
-    constexprs = {**kernel.constexprs, "CENTERED": centered, **TILE}
+    channels = dict.fromkeys(["channel_size", "channels", "size_magic", "size_shift", "count_magic", "count_shift"],
+                             "i32")
+    constexprs = {**kernel.constexprs, "CENTERED": run_channels is not None, "RUN_CHANNELS": run_channels or 0,
+                  "INDEX_64": numel_type == "i64", "INTERPRETED": False, **TILE, "RUN": _run(direction, dtype)}
     return {
         "module": kernel.jit.fn.__module__,  # the subprocess imports it by name
         "kernel": kernel.jit.fn.__name__,
@@ -81,14 +95,16 @@ def _global_accesses(ptx):
 def test_arithmetic_is_correctly_rounded_ieee(builds, build):
     """What bit-exactness with the torch references rests on: divisions correctly
     rounded (plain `/` is div.full, an approximation), no flush of subnormals to zero,
-    no multiply-add fused into one rounding."""
+    no multiply-add fused into one rounding. Encoding divides twice per group, for the
+    scale and for the multiplier, and multiplies each value (NOTE [scale rule]): a
+    thread, whose run lies in one group, holds two divisions in each of its two paths
+    (NOTE [plain tiles]), not one per value."""
     ptx = builds[build]["ptx"]
     # Integer divisions (an element's channel, NOTE [channel means]) are exact.
-    divisions = set(re.findall(r"\bdiv\.[\w.]*f32\b", ptx))
-    assert divisions <= {"div.rn.f32"}, divisions
+    divisions = re.findall(r"\bdiv\.[\w.]*f32\b", ptx)
+    assert set(divisions) <= {"div.rn.f32"}, divisions
     assert not re.findall(r"\bdiv\.[\w.]*f(16|64)\b", ptx)
-    if "-encode-" in build:
-        assert divisions == {"div.rn.f32"}, "encoding divides by the scale: the check above saw no division"
+    assert len(divisions) == (4 if "-encode-" in build else 0)
     assert ".approx" not in ptx and "ftz" not in ptx and "fma" not in ptx
 
 
@@ -111,28 +127,46 @@ def test_no_local_memory(builds, build):
     assert compiled["STACK"] <= STACK_BYTES_ALLOWED.get(build, 0)
 
 
-def _expected_aligned_accesses(direction, dtype, centered):
-    """A thread's elements are contiguous, so each stream is read or written in 16-byte
-    vectors (ld/st.global.v4.b32): the float values (4 or 2 bytes each) and the codes
-    (one byte each, 16 per thread: one vector). The scales are one fp32 per group,
-    each thread's elements lying in one group: one 4-byte access, predicated, which
-    moves 1/128 of the bytes at groups of 128. Channel means (NOTE [channel means]) are
-    gathered, one 4-byte load per element: a few hundred bytes in all, which the caches
-    serve, and the value stream keeps its vectors."""
+def _expected_aligned_accesses(direction, dtype, run_channels):
+    """A thread owns runs of contiguous elements (NOTE [tile]), each run in its own group.
+    An encoder's run is 16 elements: its codes are one 16-byte store (st.global.v4.b32)
+    and its values 16-byte loads (ld.global.v4.b32); a decoder's run is 4 fp32 or 8 half
+    values, one 16-byte store, and its codes a 4- or 8-byte load. That narrower load is
+    as coalesced (a warp reads 128 or 256 contiguous bytes of codes) and keeps both
+    streams in one layout: with 16 codes per thread and 4 fp32 values, Triton converted
+    between the two through shared memory. The scales are one fp32 per group: one
+    4-byte access per run, which moves 1/128 of the bytes at groups of 128; a decoder
+    reads its tile's scales once more, one per thread, for its check that none is
+    flagged (NOTE [plain tiles]), as Triton lays that reduction out. Channel
+    means (NOTE [channel means]) are read where a run needs them: one per run
+    (RUN_CHANNELS 1), two (2), or one per element (0); a few hundred bytes in all,
+    which the caches serve."""
+    run = _run(direction, dtype)
+    runs = ELEMENTS_PER_THREAD // run
+    means = {None: 0, 1: runs, 2: 2 * runs, 0: ELEMENTS_PER_THREAD}[run_channels]
     value_vectors = ELEMENTS_PER_THREAD * DTYPES[dtype] // VECTOR_BYTES
-    code_vectors = ELEMENTS_PER_THREAD // VECTOR_BYTES
-    means = ELEMENTS_PER_THREAD if centered else 0
     if direction == "encode":
         return {"ld.global.v4.b32": value_vectors, **({"ld.global.b32": means} if means else {}),
-                "st.global.v4.b32": code_vectors, "st.global.b32": 1}
-    return {"ld.global.v4.b32": code_vectors, "ld.global.b32": 1 + means, "st.global.v4.b32": value_vectors}
+                "st.global.v4.b32": runs, "st.global.b32": runs}
+    code_load = {4: "ld.global.b32", 8: "ld.global.v2.b32", 16: "ld.global.v4.b32"}[run]
+    accesses = Counter({code_load: runs, "st.global.v4.b32": value_vectors})
+    accesses["ld.global.b32"] += runs + 1 + means  # scales, the tile's scales for none_flagged, means
+    return dict(accesses)
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if not b.endswith("_ragged")])
 def test_streams_move_in_16_byte_vectors(builds, build):
     _, direction, dtype, target = build.split("-")
-    expected = _expected_aligned_accesses(direction, dtype, centered=TARGETS[target][3])
+    expected = _expected_aligned_accesses(direction, dtype, run_channels=TARGETS[target][3])
     assert _global_accesses(builds[build]["ptx"]) == expected
+
+
+@pytest.mark.parametrize("build", [b for b in BUILDS if TARGETS[b.split("-")[-1]][1] == "i32"])
+def test_no_64_bit_integer_division_where_offsets_fit_int32(builds, build):
+    """An element's channel (NOTE [channel means]) is found by multiplying by a magic
+    number, not by a 64-bit division (a subroutine of dozens of instructions) per
+    element; int64 offsets are for tensors of 2**31 elements and more only."""
+    assert not re.findall(r"\b(div|rem)\.[su]64\b", builds[build]["ptx"])
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if b.endswith("_ragged")])
