@@ -96,7 +96,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import SUPPORTED_DTYPES, channel_size
+from . import SUPPORTED_DTYPES, _launch, channel_size
 
 # Below 8 elements the fp32 scale is at least a third of what is stored, which defeats
 # compression; above 4096 a single group outgrows a program's tile (below).
@@ -506,10 +506,11 @@ def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
     groups_per_program = max(1, ELEMENTS_PER_PROGRAM // group_size)
     run = min(run, group_size)
     grid = (triton.cdiv(triton.cdiv(numel, group_size), groups_per_program),)
-    with torch.cuda.device_of(tensors[0]):
-        kernel[grid](*tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
-                     GROUPS_PER_PROGRAM=groups_per_program, RUN=run, INDEX_64=needs_int64(numel),
-                     INTERPRETED=tensors[0].device.type == "cpu", **LAUNCH_OPTIONS, **arguments)
+    # Through the package's one launch helper: a kernel that fails to compile on the
+    # user's GPU raises an error naming it and the fallback (_launch.py).
+    _launch.launch(kernel, grid, *tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
+                   GROUPS_PER_PROGRAM=groups_per_program, RUN=run, INDEX_64=needs_int64(numel),
+                   INTERPRETED=tensors[0].device.type == "cpu", **LAUNCH_OPTIONS, **arguments)
 
 
 def needs_int64(numel):

@@ -3,7 +3,7 @@ names itself and the fallback; every launch can be counted by wrapping it."""
 import pytest
 import torch
 
-from actsave.triton_kernels import _launch, decisions
+from actsave.triton_kernels import _launch, decisions, int8
 from actsave.triton_kernels._launch import KernelLaunchError
 
 
@@ -60,5 +60,15 @@ def test_every_launch_goes_through_the_helper(monkeypatch):
     packed = decisions.encode_max_pool(indices, (8, 8), *geometry)
     decisions.decode_max_pool_(indices, packed, (8, 8), *geometry)
     decisions.gather_max_pool_(pooled, x, indices, 2)
+    codes, scales = int8.encode_int8(x)
+    int8.decode_int8(codes, scales, dtype=torch.float32)
     assert launched == ["_pack_relu_signs_kernel", "_restore_relu_signs_kernel", "_encode_max_pool_kernel",
-                        "_decode_max_pool_kernel", "_gather_max_pool_kernel"]
+                        "_decode_max_pool_kernel", "_gather_max_pool_kernel", "_encode_int8_kernel",
+                        "_decode_int8_kernel"]
+
+
+def test_a_codec_whose_kernel_fails_to_compile_names_it(monkeypatch):
+    monkeypatch.setattr(int8, "_encode_int8_kernel", FailingToCompile(int8._encode_int8_kernel))
+    with pytest.raises(KernelLaunchError, match=r"_encode_int8_kernel failed to compile or launch on cpu: "
+                                                r"CompileFailure: .*actsave.set_backend\('torch'\)"):
+        int8.encode_int8(torch.randn(256))
