@@ -470,8 +470,12 @@ class _Part:
         self.dtype, self.shape = tensor.dtype, tensor.shape
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This part of ``buffer`` (flat uint8), as the tensor it holds."""
-        return buffer[self.offset: self.offset + self.nbytes].view(self.dtype).view(self.shape)
+        """This part of ``buffer`` (flat uint8), as the tensor it holds (a byte vector,
+        such as packed decisions, needs no view beyond the slice)."""
+        part = buffer[self.offset: self.offset + self.nbytes]
+        if self.dtype != torch.uint8:
+            part = part.view(self.dtype)
+        return part if part.shape == self.shape else part.view(self.shape)
 
 
 class OffloadedTensors:
@@ -488,7 +492,7 @@ class OffloadedTensors:
     """
 
     def __init__(self, tensors: list, pool: Optional[HostPool] = None, engine: Optional[CopyEngine] = None):
-        sources = [tensor.detach().contiguous() for tensor in tensors]
+        sources = [(tensor.detach() if tensor.requires_grad else tensor).contiguous() for tensor in tensors]
         if not sources or any(source.device != sources[0].device for source in sources):
             raise ActsaveError("OffloadedTensors takes one or more tensors, all on one device")
         self.device = sources[0].device
