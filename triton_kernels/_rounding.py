@@ -249,6 +249,49 @@ def plain_tile(magnitudes):
 
 
 @triton.jit
+def load_encoder_tile(x_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic,
+                      count_shift, CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                      INTERPRETED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+                      RUN: tl.constexpr):
+    """What every encoder starts with, for this program's tile: ``(groups, their mask,
+    offsets, their mask, x as fp32, x less its channel means where CENTERED (NOTE
+    [channel means]), each row's magnitudes, whether the tile is plain: NOTE [plain
+    tiles])``. A partial tile's padding is centered too, so a centered tile is plain
+    only when it is whole."""
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
+    x = load_as_float32(x_ptr + offsets, in_bounds)
+    centered = x
+    if CENTERED:
+        centered = x - channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                        size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    magnitudes = row_magnitudes(centered, INTERPRETED)
+    plain = plain_tile(magnitudes)
+    if CENTERED:
+        plain = plain & tile_is_whole(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, INDEX_64)
+    return groups, groups_in_bounds, offsets, in_bounds, x, centered, magnitudes, plain
+
+
+@triton.jit
+def load_decoder_tile(codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift,
+                      count_magic, count_shift, CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr,
+                      INDEX_64: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+                      RUN: tl.constexpr):
+    """What every decoder starts with, for this program's tile: ``(offsets, their
+    mask, the codes as stored, each row's scale, each element's channel mean where
+    CENTERED, else 0)``."""
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
+    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0)
+    scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
+    means = 0.0
+    if CENTERED:
+        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    return offsets, in_bounds, codes, scale, means
+
+
+@triton.jit
 def plain_group_scale(magnitudes, CODE_MAX: tl.constexpr):
     """NOTE [scale rule] for the rows of a plain tile (NOTE [plain tiles]), [groups]: the
     scale and the multiplier, the bits of group_scale's without its step, pre-scale

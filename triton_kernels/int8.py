@@ -29,7 +29,6 @@ from ._rounding import (
     any_flagged_ref,
     centered_input_ref,
     channel_means,
-    channel_means_of,
     decoded_channel_means,
     dequantize,
     dequantize_ref,
@@ -38,22 +37,19 @@ from ._rounding import (
     flat_input,
     group_scale,
     group_scale_ref,
-    group_tile,
     integer_code_bits,
     is_flagged,
     is_flagged_ref,
     largest_finite,
     launch,
-    load_as_float32,
+    load_decoder_tile,
+    load_encoder_tile,
     none_flagged,
     plain_dequantize,
     plain_group_scale,
-    plain_tile,
-    row_magnitudes,
     run_elements,
     scaled_ref,
     store_rounded,
-    tile_is_whole,
     with_non_finite_codes,
     with_non_finite_codes_ref,
 )
@@ -108,17 +104,9 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_
                         CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
                         INTERPRETED: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
-    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
-                                                                    INDEX_64)
-    x = load_as_float32(x_ptr + offsets, in_bounds)
-    centered = x
-    if CENTERED:
-        centered = x - channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
-                                        size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
-    magnitudes = row_magnitudes(centered, INTERPRETED)
-    plain = plain_tile(magnitudes)
-    if CENTERED:  # a partial tile's padding is centered too (NOTE [plain tiles])
-        plain = plain & tile_is_whole(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, INDEX_64)
+    groups, groups_in_bounds, offsets, in_bounds, x, centered, magnitudes, plain = load_encoder_tile(
+        x_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic, count_shift,
+        CENTERED, RUN_CHANNELS, INDEX_64, INTERPRETED, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
     if plain:
         scale, multiplier = plain_group_scale(magnitudes, CODE_MAX)
         codes = integer_code_bits(centered * multiplier[:, None, None], UNSIGNED)
@@ -140,14 +128,9 @@ def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channe
                         CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
                         INTERPRETED: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
-    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
-                                                                    INDEX_64)
-    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0)
-    scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
-    means = 0.0
-    if CENTERED:
-        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
-                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    offsets, in_bounds, codes, scale, means = load_decoder_tile(
+        codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic,
+        count_shift, CENTERED, RUN_CHANNELS, INDEX_64, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
     out_max = largest_finite(out_ptr)
     if none_flagged(scale):  # NOTE [plain tiles]
         y = plain_dequantize(codes.to(tl.float32), scale, means, out_max, CENTERED)
