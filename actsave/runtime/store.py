@@ -294,6 +294,7 @@ class KeptInputs:
             _KeptTensor(leaf, policy, private_copy) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves
         ]
+        self._tensors = [leaf for leaf in self._leaves if isinstance(leaf, _KeptTensor)]
         self._attached = []
         self._attached_bytes = None  # their _GrowingAccount, from the first attach
         self._decisions = None  # the attached tensors once on the host, one group
@@ -306,7 +307,8 @@ class KeptInputs:
 
     @property
     def tensors(self) -> list:
-        return [leaf for leaf in self._leaves if isinstance(leaf, _KeptTensor)]
+        """The tensor inputs, as kept."""
+        return self._tensors
 
     def attach(self, tensor: torch.Tensor) -> _Attached:
         """Keep ``tensor`` with the inputs until the recompute releases them: on the
