@@ -16,8 +16,11 @@ PY := $(VENV)/bin/python
 test: $(VENV)/.installed
 	$(PY) -m pytest
 
+# The sweep writes bench/results/local/ (ignored by git): the clone stays clean.
+# `make bench BENCH_ARGS=--record` updates the committed bench/results/ instead.
+BENCH_ARGS ?=
 bench: $(VENV)/.installed
-	$(PY) bench/resnet_depth_sweep.py
+	$(PY) bench/resnet_depth_sweep.py $(BENCH_ARGS)
 
 # Everything that needs a GPU, in stages, 25 minutes at most including the install;
 # exits at once on a machine without one.

@@ -6,8 +6,9 @@ with actsave's int8 and fp8 (e4m3) checkpoints, for 3 seeds and batch sizes 8 an
 Reports per batch size and provider the mean test accuracy over the seeds, its
 spread (min-max), the gap to torch and pass/fail against issue 13's targets (mean
 gap within 0.5 point for int8, 1 point for fp8); plots the mean loss curves (one
-panel per batch size) to a PNG; writes rows (bench ``accuracy_parity``) to
-bench/results/<device>.csv next to the PNG.
+panel per batch size) to a PNG; writes rows (bench ``accuracy_parity``) to cpu.csv
+next to the PNG, in bench/results/local/ (ignored by git), or with --record in the
+committed bench/results/.
 
 Tasks (both offline):
 
@@ -313,15 +314,15 @@ def parse_arguments(argv) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.2,
                         help="peak SGD learning rate, every batch size (default: 0.2)")
     parser.add_argument("--workers", type=int, default=2, help="processes (default: 2)")
-    parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR / "cpu-accuracy_parity.png",
-                        help="PNG of the loss curves; the CSV rows go to cpu.csv in its folder "
-                             "(default: bench/results/cpu-accuracy_parity.png)")
+    harness.add_output_arguments(parser, "PNG of the loss curves, cpu-accuracy_parity.png; the CSV rows go to "
+                                         "cpu.csv in its folder")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op CPU threads per process, 0 for PyTorch's default (default: 1)")
     parser.add_argument("--smoke", action="store_true",
                         help="ResNet-11, 2 seeds, one epoch on 64 images, one process, for the tests")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.out = harness.output_path(args, "cpu-accuracy_parity.png")
     args.providers = args.providers.split(",")
     if set(args.providers) - set(PROVIDERS) or harness.REFERENCE not in args.providers:
         parser.error(f"--providers {','.join(args.providers)}: choose from {','.join(PROVIDERS)}, torch included")
@@ -377,7 +378,7 @@ def main(argv=None) -> None:
     plot_note = plot_losses(results, args.batch_sizes, names, seeds, f"ResNet-{args.depth} on {args.task}", args.out)
     for note in notes + ([plot_note] if plot_note else []):
         print(f"note: {note}")
-    print(f"wrote {csv_path}" + ("" if plot_note else f" and {args.out}"))
+    print(harness.wrote(csv_path, *([] if plot_note else [args.out])))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ int8, 1.9% with e4m3, 3.7% with e5m2; the worst meaningful tensor goes from 16.6
 36.5 dB (int8), 6.4 to 20.3 (e4m3) and 5.0 to 15.7 (e5m2) on the worst batch.
 
 SQNR is ``harness.sqnr_db``: ``20*log10(|ref| / |ref - x|)``. Rows go to
-bench/results/<device>.csv (bench ``fidelity``); the targets of issue 13 are judged
+<device>.csv (bench ``fidelity``) in bench/results/local/, or with --record in the
+committed bench/results/; the targets of issue 13 are judged
 at the end (on the worst batch), where the run has their cases.
 
     python bench/fidelity.py              # about 5 minutes on two loaded CPU cores, plus 4 for the pooled cases
@@ -80,7 +81,6 @@ import dataclasses
 import statistics
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -426,7 +426,7 @@ def parse_arguments(argv) -> argparse.Namespace:
                         help="comma-separated model names to run, as printed (default: all of the run's cases)")
     parser.add_argument("--device", type=harness.parse_device, default=None,
                         help="cpu or cuda[:index] (default: cuda when available, else cpu)")
-    parser.add_argument("--out", type=Path, default=None, help="CSV (default: bench/results/<device>.csv)")
+    harness.add_output_arguments(parser, "CSV, <device>.csv")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op CPU threads, 0 for PyTorch's default (default: 1, steadiest on a shared CPU)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
@@ -446,7 +446,7 @@ def parse_arguments(argv) -> argparse.Namespace:
     if set(args.models) - known:
         parser.error(f"--models: unknown {sorted(set(args.models) - known)}; this run has {sorted(known)}")
     args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.out = args.out or harness.RESULTS_DIR / f"{harness.device_slug(args.device)}.csv"
+    args.out = harness.output_path(args, f"{harness.device_slug(args.device)}.csv")
     return args
 
 
@@ -480,7 +480,7 @@ def main(argv=None) -> None:
     for line in judged_targets(results):
         print(line)
     harness.write_csv(csv_rows(results, args.batches, harness.run_metadata(args.device)), args.out)
-    print(f"wrote {args.out}")
+    print(harness.wrote(args.out))
 
 
 if __name__ == "__main__":

@@ -50,13 +50,14 @@ a GPU yet. A device lease of 10 minutes a command runs the stages in several cal
 
 Each stage prints a line when it ends (name, elapsed time, ok or FAILED); a failed
 stage does not stop the next, and the run ends with all stages listed, exit status 1
-if any failed. The benchmarks write bench/results/<gpu>.csv and their PNGs next to it
-(<gpu> is the device name in lower case, e.g. nvidia-h100-80gb-hbm3).
+if any failed. The benchmarks write bench/results/local/<gpu>.csv (ignored by git) and
+their PNGs next to it (<gpu> is the device name in lower case, e.g.
+nvidia-h100-80gb-hbm3); with --record, the committed bench/results/<gpu>.csv instead.
 
 Without an NVIDIA GPU (no working `nvidia-smi -L`), it says so and exits with status 2
 before installing anything.
 
-    python bench/gpu_check.py [--only kernels,offload_overlap]
+    python bench/gpu_check.py [--only kernels,offload_overlap] [--record]
 """
 from __future__ import annotations
 
@@ -96,8 +97,21 @@ class Outcome:
         return "ok" if self.failure is None else f"FAILED ({self.failure})"
 
 
-def stages(python: str) -> list:
-    """The stages of a GPU check, their Python being ``python`` (the GPU venv's)."""
+# The stages that write results: --record passes on to them (bench/harness/results.py).
+RECORDING = ("kernels", "offload_overlap", "step_profile", "resnet_sweep", "transformer_sweep", "speed")
+
+
+def stages(python: str, record: bool = False) -> list:
+    """The stages of a GPU check, their Python being ``python`` (the GPU venv's);
+    ``record``: the benchmarks update the committed results."""
+    every = _stages(python)
+    if not record:
+        return every
+    return [Stage(s.name, (*s.command, "--record"), s.limit_s, s.default) if s.name in RECORDING else s
+            for s in every]
+
+
+def _stages(python: str) -> list:
     bench = ROOT / "bench"
     return [
         Stage("install", (sys.executable, __file__, "--install"), 240),
@@ -214,6 +228,9 @@ def parse_arguments(argv) -> argparse.Namespace:
                         help=f"comma-separated stages to run, in their order (default: {','.join(default)}; "
                              f"all: {','.join(names)}); a lease of 10 minutes a command runs them in several calls")
     parser.add_argument("--install", action="store_true", help="the install stage alone, without its time limit")
+    parser.add_argument("--record", action="store_true",
+                        help="the benchmarks update the committed results under bench/results/ (default: "
+                             "bench/results/local/, which git ignores)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.only) - set(names))
     if unknown:
@@ -230,7 +247,7 @@ def main(argv=None) -> int:
         return NO_GPU_EXIT
     if args.install:
         return install(VENV, os.environ.get("TORCH", "torch"))
-    every = stages(str(VENV / "bin" / "python"))
+    every = stages(str(VENV / "bin" / "python"), args.record)
     selected = [s for s in every if s.name in args.only]
     to_run = with_install(selected, every[0], (VENV / "bin" / "python").exists())
     if len(to_run) > len(selected):

@@ -416,9 +416,7 @@ def parse_arguments(argv) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per provider (default 2; --smoke 1)")
     parser.add_argument("--kernels-limit", type=float, default=150.0,
                         help="seconds bench/kernels.py may run (default 150)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="CSV (default bench/results/<device>.csv); the text results go next to it, "
-                             "<name>-speed.txt")
+    harness.add_output_arguments(parser, "CSV, <device>.csv; the text results go next to it, <name>-speed.txt")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: the same code paths, for the tests")
     parser.add_argument("--lean", action="store_true",
                         help="timed rounds and allocator peaks only: no actsave.estimate, LiveBytes step or profile "
@@ -483,7 +481,7 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)
     sizes = SIZES["smoke" if args.smoke else "cuda"]
-    csv = args.out or harness.RESULTS_DIR / f"{harness.device_slug(device)}.csv"
+    csv = harness.output_path(args, f"{harness.device_slug(device)}.csv")
     metadata = harness.run_metadata(device)
     report = Report(csv.with_name(f"{csv.stem}-speed.txt"), [
         f"# {metadata['device_name']}, torch {metadata['torch_version']}, Triton {metadata['triton_version'] or '-'}, "
@@ -525,7 +523,7 @@ def main(argv=None) -> int:
                    + (f": {failure}" if failure else ""), output.rstrip())
         if failure and not failure.startswith("over"):  # cut at its limit: what it printed is still reported
             failures.append(f"kernels: {failure}")
-    clock.log(f"wrote {report.path} and rows in {csv}")
+    clock.log(harness.wrote(report.path, csv))
     for failure in failures:
         print(f"FAILED {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -7,7 +7,8 @@ median host time to enqueue a step (the GPU not awaited: when it is close to the
 time, the step is bound by Python and kernel launches, not by the GPU), and the CUDA
 allocator's peak over the warm-up and timed steps (weights and gradients included).
 With ``--profile`` it also writes torch.profiler's operator tables for ``torch_ckpt``
-and ``actsave_none`` (``<out>/profile-<provider>.txt``). CUDA only.
+and ``actsave_none`` (``<out>/<gpu>-profile-<provider>-b<batch>.txt``; the folder is
+bench/results/local/, or bench/results/ with --record). CUDA only.
 
     python bench/gpu_step_profile.py --batch 512 --providers torch,torch_ckpt,actsave_none
 """
@@ -17,7 +18,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
                         help=f"comma-separated, from {','.join(harness.PROVIDERS)} (torch is always measured); "
                              "actsave_auto plans for the whole card")
     parser.add_argument("--profile", action="store_true", help=f"write operator tables for {' and '.join(PROFILED)}")
-    parser.add_argument("--out", type=Path, default=Path("."), help="folder of the operator tables")
+    harness.add_output_arguments(parser, "folder of the operator tables, <device>-profile-<provider>-b<batch>.txt")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_step_profile: needs a CUDA GPU", file=sys.stderr)
@@ -79,6 +79,8 @@ def main(argv=None) -> int:
     inputs = torch.randn(args.batch, 3, 32, 32, device="cuda")
     targets = torch.randint(0, 10, (args.batch,), device="cuda")
     budget = torch.cuda.get_device_properties(0).total_memory
+    folder = harness.output_path(args, "")
+    slug = harness.device_slug(torch.device("cuda"))
     print(f"ResNet-{args.depth} b{args.batch} 32x32 on {torch.cuda.get_device_name()}")
     print(f"{'provider':22s} {'peak MiB':>9s} {'step ms':>8s} {'host ms':>8s}")
     for name in args.providers:
@@ -91,8 +93,10 @@ def main(argv=None) -> int:
         step_ms, host_ms, peak = timings(step)
         print(f"{name:22s} {peak:9.0f} {step_ms:8.1f} {host_ms:8.1f}", flush=True)
         if args.profile and name in PROFILED:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"profile-{name}.txt").write_text(operator_tables(step))
+            folder.mkdir(parents=True, exist_ok=True)
+            table = folder / f"{slug}-profile-{name}-b{args.batch}.txt"
+            table.write_text(operator_tables(step))
+            print(harness.wrote(table))
         del chain, model, step
         torch.cuda.empty_cache()
     return 0

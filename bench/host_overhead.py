@@ -47,7 +47,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -303,7 +302,7 @@ def parse_arguments(argv) -> argparse.Namespace:
     parser.add_argument("--device", type=harness.parse_device, default=None,
                         help="cpu or cuda (default: cuda when available, else cpu)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads on CPU (default 1)")
-    parser.add_argument("--out", type=Path, default=None, help="CSV (default bench/results/<device>.csv)")
+    harness.add_output_arguments(parser, "CSV, <device>.csv")
     parser.add_argument("--smoke", action="store_true", help="tiny models and 2 rounds, for the tests")
     args = parser.parse_args(argv)
     args.models = [parse_case(name) for name in (args.models or (SMOKE["models"] if args.smoke else "resnet164,gpt8"))
@@ -312,7 +311,7 @@ def parse_arguments(argv) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (SMOKE["warmup"] if args.smoke else 2)
     if args.device is None:
         args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.out = args.out or harness.RESULTS_DIR / f"{harness.device_slug(args.device)}.csv"
+    args.out = harness.output_path(args, f"{harness.device_slug(args.device)}.csv")
     return args
 
 
@@ -336,7 +335,7 @@ def main(argv=None) -> list:
         rows += csv_rows(result, metadata, {"rounds": args.rounds, "warmup": args.warmup, "clock": clock,
                                             "threads": torch.get_num_threads(), "count_backend": count_backend()})
     harness.write_csv(rows, args.out)
-    print(f"\nwrote {args.out}")
+    print("\n" + harness.wrote(args.out))
     return results
 
 

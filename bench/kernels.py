@@ -37,7 +37,6 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -253,7 +252,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", default="fp32,bf16,fp16", help="of " + ",".join(DTYPES))
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="of " + ",".join(LAYOUTS))
     parser.add_argument("--repeats", type=int, default=20, help="calls queued per timed batch")
-    parser.add_argument("--out", type=Path, default=None, help="CSV (default bench/results/<device>.csv)")
+    harness.add_output_arguments(parser, "CSV, <device>.csv")
     parser.add_argument("--quick", action="store_true", help="64 and 256 MiB, fp32 and bf16: a short GPU lease")
     parser.add_argument("--smoke", action="store_true", help="one tiny size, for the tests")
     args = parser.parse_args(argv)
@@ -275,9 +274,9 @@ def main(argv=None) -> None:
     if not cuda:
         print("CPU: every kernel equals its reference bit for bit (Triton interpreter); no timings")
     print(f"{time.monotonic() - started:.0f} s")
-    out = args.out or harness.RESULTS_DIR / f"{harness.device_slug(device)}.csv"
+    out = harness.output_path(args, f"{harness.device_slug(device)}.csv")
     harness.write_csv(csv_rows(results, harness.run_metadata(device), {"repeats": args.repeats}), out)
-    print(f"wrote {out}")
+    print(harness.wrote(out))
 
 
 if __name__ == "__main__":

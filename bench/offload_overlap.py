@@ -26,7 +26,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -108,7 +107,7 @@ def parse_arguments(argv) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per variant (median)")
-    parser.add_argument("--out", type=Path, default=None, help="CSV (default bench/results/<device>.csv)")
+    harness.add_output_arguments(parser, "CSV, <device>.csv")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device, for the tests")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -138,10 +137,10 @@ def main(argv=None) -> int:
     print(table(results))
     if not cuda:
         print("CPU (--smoke): copies are synchronous; the numbers check the script, not the overlap")
-    out = args.out or harness.RESULTS_DIR / f"{harness.device_slug(device)}.csv"
+    out = harness.output_path(args, f"{harness.device_slug(device)}.csv")
     config = {"depth": args.depth, "batch": args.batch, "image_size": args.image_size, "repeats": args.repeats}
     harness.write_csv(csv_rows(results, case, harness.run_metadata(device), config), out)
-    print(f"wrote {out}")
+    print(harness.wrote(out))
     return 0
 
 

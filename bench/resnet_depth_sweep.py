@@ -19,7 +19,11 @@ intra-op thread) so that it finishes in a few minutes on two cores and still sho
 memory curves; CPU times are indicative only. On CUDA stage 1 goes to ResNet-1001 at
 batch 64 on 32x32 images (a depth that does not fit is reported and skipped).
 
+The CSV and the PNG go to bench/results/local/ (ignored by git); --record updates the
+committed bench/results/<device>.csv and its PNG instead.
+
     python bench/resnet_depth_sweep.py                      # the defaults of this device
+    python bench/resnet_depth_sweep.py --record             # the committed results (make bench BENCH_ARGS=--record)
     python bench/resnet_depth_sweep.py --depths 164,1001 --batch 64 --scale-depths 1001,2000
 """
 from __future__ import annotations

@@ -96,7 +96,7 @@ def parse_arguments(argv) -> argparse.Namespace:
                                                    "(default: cpu 40, smoke 2)")
     parser.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
                         help="apply each of actsave's plans and measure one step's peak (default: on)")
-    parser.add_argument("--out", type=Path, default=None, help="CSV (default bench/results/cpu.csv)")
+    harness.add_output_arguments(parser, "CSV, <device>.csv")
     args = parser.parse_args(argv)
     for name, default in {**DEFAULTS["smoke" if args.smoke else "cpu"],
                           **MODEL_DEFAULTS[args.model, "smoke" if args.smoke else "cpu"]}.items():
@@ -451,9 +451,9 @@ def main(argv=None) -> None:
         print(f"actsave (recompute only) against rotor on {args.chains} random chains per family, "
               f"{args.points} budgets each; gap = actsave's time / rotor's - 1:")
         print(gap_table(chain_gaps(args.chains, harness.SEED, args.points)))
-    out = args.out or harness.RESULTS_DIR / f"{harness.device_slug(device)}.csv"
+    out = harness.output_path(args, f"{harness.device_slug(device)}.csv")
     harness.write_csv(out_rows, out)
-    print(f"wrote {out}")
+    print(harness.wrote(out))
 
 
 if __name__ == "__main__":

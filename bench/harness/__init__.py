@@ -21,6 +21,10 @@ device (:func:`parse_arguments`); :func:`run_benchmark` does the rest:
    stage (bench/real_scale.py) searches on meta tensors at real scale instead.
 4. A table on stdout, long-format rows in a CSV, a PNG next to it.
 
+Where results go: ``bench/results/local/`` (git-ignored), unless ``--record`` says to
+update the committed ``bench/results/`` (``--out`` names a path instead); every bench
+script takes its paths from :func:`output_path`.
+
 Metrics (see ``METRICS``): ``peak_mem`` is the peak of everything live during the
 step. ``peak_act_mem`` subtracts what was resident when the step began: parameters,
 buffers, gradients and the batch (there is no optimizer state). ``est_act_mem`` is
@@ -43,12 +47,14 @@ from .progress import Progress
 from .providers import (BLOCK_PROVIDERS, PROVIDERS, REFERENCE, BlockProvider, Provider, ProviderError,
                         available_providers)
 from .report import MATPLOTLIB_MISSING, _fixed_width, _medians, max_depth_table, pyplot, save_figure
-from .results import RESULTS_DIR, csv_row, device_name, device_slug, run_metadata, write_csv
+from .results import (LOCAL_RESULTS_DIR, RESULTS_DIR, add_output_arguments, csv_row, device_name, device_slug,
+                      output_path, results_dir, run_metadata, write_csv, wrote)
 from .search import MaxDepthSearch, deepest_fitting, search_max_depths
 from .workload import SEED, Measurement, MiB, Workload
 
 __all__ = [
-    "BLOCK_PROVIDERS", "BlockProvider",
+    "BLOCK_PROVIDERS", "BlockProvider", "LOCAL_RESULTS_DIR", "add_output_arguments", "output_path", "results_dir",
+    "wrote",
     "MATPLOTLIB_MISSING", "PROVIDERS", "REFERENCE", "RESULTS_DIR", "SEED", "SIZED_OPTIONS", "MaxDepthSearch",
     "Measurement", "MemTracker", "MiB", "Progress", "Provider", "ProviderError", "Workload",
     "_GlobalPeakMemTracker", "_fixed_width", "_medians", "activation_peak", "available_providers", "deepest_fitting", "device_name",

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
 import torch
 
 from .providers import PROVIDERS, REFERENCE, available_providers
 from .report import estimate_deviation, max_depth_table, plot, sweep_table
-from .results import RESULTS_DIR, _format_mib, csv_rows, device_name, device_slug, run_metadata, write_csv
+from .results import (_format_mib, add_output_arguments, csv_rows, device_name, device_slug, output_path, run_metadata,
+                      write_csv, wrote)
 from .search import measured_search, search_max_depths
 from .depth_sweep import sweep
 from .workload import SEED, MiB, Workload
@@ -87,8 +87,7 @@ def parse_arguments(argv, description: str, defaults: dict, options: dict) -> ar
                              "torch is always measured, as the reference")
     parser.add_argument("--device", type=parse_device, default=None,
                         help="cpu or cuda[:index] (default: cuda when available, else cpu)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="CSV path (default: bench/results/<device>.csv); the PNG is written next to it")
+    add_output_arguments(parser, "CSV path, <device>.csv; the PNG is written next to it")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and budget, for the tests")
 
     args = parser.parse_args(argv)
@@ -98,8 +97,7 @@ def parse_arguments(argv, description: str, defaults: dict, options: dict) -> ar
     for name, (parse, _) in sized.items():
         if getattr(args, name) is None:
             setattr(args, name, parse(defaults[profile][name]))
-    if args.out is None:
-        args.out = RESULTS_DIR / f"{device_slug(args.device)}.csv"
+    args.out = output_path(args, f"{device_slug(args.device)}.csv")
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
@@ -139,4 +137,4 @@ def run_benchmark(workload: Workload, args: argparse.Namespace, real_scale=None)
     plot_note = plot(measurements + scaled, providers, title, png)
     for note in notes + ([plot_note] if plot_note else []):
         print(f"note: {note}")
-    print(f"wrote {args.out}" + ("" if plot_note else f" and {png}"))
+    print(wrote(args.out, *([] if plot_note else [png])))

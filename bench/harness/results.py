@@ -2,9 +2,11 @@
 versions, commit), CSV rows and writing."""
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
+import os
 import re
 import subprocess
 from datetime import datetime, timezone
@@ -17,7 +19,15 @@ import actsave
 from .providers import PROVIDERS
 from .workload import MiB, Workload
 
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+# Where results go. A run writes to LOCAL_RESULTS_DIR (git-ignored) unless --record
+# says to update the committed results in RESULTS_DIR, so that `make bench` leaves
+# the clone as it found it; an explicit --out wins over both. Every bench script
+# takes its default paths from output_path(): one rule, one place.
+# ACTSAVE_BENCH_RESULTS moves both (the tests point it at a temporary folder).
+RESULTS_DIR = Path(os.environ.get("ACTSAVE_BENCH_RESULTS") or Path(__file__).resolve().parents[1] / "results")
+LOCAL_RESULTS_DIR = RESULTS_DIR / "local"
+RECORD_HELP = ("update the committed results under bench/results/ (default: bench/results/local/, "
+               "which git ignores)")
 CSV_COLUMNS = (
     "bench", "case", "provider", "metric", "unit", "x_name", "x_value", "p20", "p50", "p80",
     "n_reps", "config_json", "device_name", "torch_version", "triton_version",
@@ -60,6 +70,33 @@ METRICS = {  # name -> unit
     "test_accuracy": "%",
     "accuracy_gap": "points",  # test accuracy minus torch's, same seed
 }
+
+
+def results_dir(record: bool) -> Path:
+    """The committed results under ``record``, else the local, git-ignored ones."""
+    return RESULTS_DIR if record else LOCAL_RESULTS_DIR
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, out_help: str) -> None:
+    """``--out PATH`` (``out_help`` says what it names) and ``--record``, one or the
+    other: :func:`output_path` gives the path either way."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--out", type=Path, default=None,
+                       help=f"{out_help} (default: in bench/results/local/, or bench/results/ under --record)")
+    group.add_argument("--record", action="store_true", help=RECORD_HELP)
+
+
+def output_path(args: argparse.Namespace, name: str) -> Path:
+    """``args.out`` where given, else ``name`` in :func:`results_dir` of ``args.record``."""
+    return args.out if args.out is not None else results_dir(args.record) / name
+
+
+def wrote(*paths: Path) -> str:
+    """"wrote A and B", and where they are local results, how to record them."""
+    text = "wrote " + " and ".join(str(path) for path in paths)
+    if any(LOCAL_RESULTS_DIR.resolve() in Path(path).resolve().parents for path in paths):
+        text += f" (local results, ignored by git; --record updates the committed ones in {RESULTS_DIR})"
+    return text
 
 
 def _median(values) -> float:

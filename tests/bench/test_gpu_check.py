@@ -92,3 +92,22 @@ def test_a_stage_on_a_fresh_machine_installs_first(gpu_check):
     assert gpu_check.with_install([speed], install, venv_ready=False) == [install, speed]
     assert gpu_check.with_install([kernels, speed], install, venv_ready=True) == [kernels, speed]
     assert gpu_check.with_install([install, speed], install, venv_ready=False) == [install, speed]
+
+
+def test_record_passes_on_to_every_stage_that_writes_results(gpu_check):
+    plain, recorded = gpu_check.stages("python"), gpu_check.stages("python", record=True)
+    benches = {s.name for s in plain if any(str(part).endswith(".py") and "gpu_check" not in str(part)
+                                             for part in s.command)}
+    assert set(gpu_check.RECORDING) == benches
+    for before, after in zip(plain, recorded):
+        assert "--record" not in before.command
+        assert after.command == ((*before.command, "--record") if before.name in benches else before.command)
+    assert gpu_check.parse_arguments(["--record"]).record and not gpu_check.parse_arguments([]).record
+
+
+@pytest.mark.parametrize("script", ["kernels.py", "offload_overlap.py", "gpu_step_profile.py",
+                                    "resnet_depth_sweep.py", "transformer_depth_sweep.py", "gpu_speed.py"])
+def test_each_recording_stage_takes_record(script):
+    done = subprocess.run([sys.executable, str(SCRIPT.with_name(script)), "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "--record" in done.stdout, done.stderr[-2000:]

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -646,7 +647,61 @@ def test_the_step_profile_reports_each_mode(tmp_path):
     done = _step_profile("--batch", "2", "--depth", "11", "--providers", "torch_ckpt,actsave_none",
                          "--profile", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[2:]}
+    lines = [line for line in done.stdout.splitlines()[2:] if not line.startswith("wrote ")]
+    rows = {line.split()[0]: line.split()[1:] for line in lines}
     assert sorted(rows) == ["actsave_none", "torch", "torch_ckpt"]
     assert all(len(values) == 3 and all(float(v) > 0 for v in values) for values in rows.values())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile-actsave_none.txt", "profile-torch_ckpt.txt"]
+    slug = load_bench_module("harness").device_slug(torch.device("cuda"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{slug}-profile-actsave_none-b2.txt",
+                                                          f"{slug}-profile-torch_ckpt-b2.txt"]
+
+
+# Where results go (issue 34).
+
+
+def _run_with_results_in(results: Path, script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(BENCH / script), "--smoke", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "ACTSAVE_BENCH_RESULTS": str(results)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_a_run_writes_local_results_unless_it_records(tmp_path):
+    providers = ("--providers", "torch,actsave_int8")
+    stdout = _run_with_results_in(tmp_path, "resnet_depth_sweep.py", *providers)
+    local = tmp_path / "local"
+    assert sorted(p.name for p in local.iterdir()) == ["cpu-resnet_depth_sweep.png", "cpu.csv"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]
+    assert f"wrote {local / 'cpu.csv'} and {local / 'cpu-resnet_depth_sweep.png'} (local results" in stdout
+    stdout = _run_with_results_in(tmp_path, "resnet_depth_sweep.py", *providers, "--record")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu-resnet_depth_sweep.png", "cpu.csv", "local"]
+    assert stdout.splitlines()[-1] == f"wrote {tmp_path / 'cpu.csv'} and {tmp_path / 'cpu-resnet_depth_sweep.png'}"
+
+
+def test_results_go_to_a_git_ignored_folder_by_default():
+    if os.environ.get("ACTSAVE_BENCH_RESULTS"):
+        pytest.skip("ACTSAVE_BENCH_RESULTS moves the results folder")
+    harness = load_bench_module("harness")
+    assert harness.results_dir(record=False) == BENCH / "results" / "local"
+    assert harness.results_dir(record=True) == BENCH / "results"
+    ignored = subprocess.run(["git", "-C", str(BENCH), "check-ignore", "-q", "results/local/cpu.csv"])
+    if ignored.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert ignored.returncode == 0, "bench/results/local/ is not ignored by git"
+
+
+def test_every_bench_script_takes_its_paths_from_the_harness():
+    # One rule, one place: a script that writes results gets --out and --record from
+    # harness.add_output_arguments and no path of bench/results of its own (the sweeps
+    # get theirs through harness.parse_arguments; gpu_check.py passes --record on).
+    writes = ("harness.write_csv(", "harness.save_figure(", ".write_text(")
+    writers = [script for script in BENCH.glob("*.py")
+               if script.name != "gpu_check.py" and any(call in script.read_text() for call in writes)]
+    assert {script.name for script in writers} == {
+        "accuracy_parity.py", "fidelity.py", "gpu_speed.py", "gpu_step_profile.py", "host_overhead.py", "kernels.py",
+        "offload_overlap.py", "rotor_compare.py"}
+    for script in BENCH.glob("*.py"):
+        source = script.read_text()
+        assert "RESULTS_DIR" not in source, script.name
+        if script in writers:
+            assert "harness.add_output_arguments(parser" in source and "harness.output_path(args" in source, script.name
