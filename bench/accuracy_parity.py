@@ -276,11 +276,12 @@ def plot_losses(results: dict, batches, names, seeds, title: str, path: Path) ->
             curve = torch.tensor([results[name, batch, seed][0] for seed in seeds]).mean(0)
             window = max(1, len(curve) // 100)
             smooth = curve.unfold(0, window, 1).mean(1) if len(curve) >= window else curve
-            axis.plot(torch.arange(len(smooth)) + window - 1, smooth, label=name, alpha=0.8)
+            axis.plot(torch.arange(len(smooth)) + window - 1, smooth, label=harness.display_name(name), alpha=0.8,
+                      **{key: value for key, value in harness.style(name).items() if key in ("color", "linestyle")})
         axis.set(xlabel="step", ylabel=f"training loss (mean of {len(seeds)} seeds)", yscale="log",
                  title=f"{title}, batch {batch}")
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend()
+    axes[0, -1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False)  # beside the panels
     harness.save_figure(fig, path)
     return None
 

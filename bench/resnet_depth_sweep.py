@@ -72,6 +72,7 @@ def workload(batch: int, image_size: int) -> harness.Workload:
         depth_of_blocks=lambda n: 9 * n + 2,
         blocks_of_depth=cifar_blocks_per_stage,
         config={"model": "cifar_resnet (pre-activation bottleneck)", "batch": batch, "image_size": image_size},
+        depth_name="ResNet-{}",
     )
 
 

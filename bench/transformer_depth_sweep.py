@@ -51,6 +51,7 @@ def workload(batch: int, seq_len: int, width: int, heads: int, vocab: int) -> ha
         depth_of_blocks=lambda blocks: blocks,
         blocks_of_depth=lambda depth: depth,
         config={"model": "gpt (pre-LN, causal SDPA)", **shape},
+        depth_name="{} blocks",
     )
 
 

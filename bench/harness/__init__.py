@@ -19,7 +19,11 @@ device (:func:`parse_arguments`); :func:`run_benchmark` does the rest:
    the swept depths, see :func:`deepest_fitting`), within ``--search-seconds``;
    past that the result is labelled a lower bound. A workload with a real-scale
    stage (bench/real_scale.py) searches on meta tensors at real scale instead.
-4. A table on stdout, long-format rows in a CSV, a PNG next to it.
+4. A table on stdout, long-format rows in a CSV, a PNG next to it: the max depths as
+   bars (how much deeper each provider trains in the same memory), and against depth
+   the step peak (with the budget ``segments="auto"`` plans for), the time ratio and
+   the real-scale device peak. Pictures name providers as the API does
+   (``DISPLAY_NAMES``).
 
 Where results go: ``bench/results/local/`` (git-ignored), unless ``--record`` says to
 update the committed ``bench/results/`` (``--out`` names a path instead); every bench
@@ -44,17 +48,18 @@ from .cli import SIZED_OPTIONS, parse_arguments, parse_budget, parse_depths, par
 from .measure import (MemTracker, _GlobalPeakMemTracker, activation_peak, interleaved_times, measure_step_memory,
                       sqnr_db, training_step)
 from .progress import Progress
-from .providers import (BLOCK_PROVIDERS, PROVIDERS, REFERENCE, BlockProvider, Provider, ProviderError,
-                        available_providers)
-from .report import MATPLOTLIB_MISSING, _fixed_width, _medians, max_depth_table, pyplot, save_figure
+from .providers import (BLOCK_PROVIDERS, DISPLAY_NAMES, PROVIDERS, REFERENCE, BlockProvider, Provider, ProviderError,
+                        available_providers, display_name)
+from .report import (MATPLOTLIB_MISSING, STYLES, _fixed_width, _medians, max_depth_table, plot, pyplot, save_figure,
+                     style)
 from .results import (LOCAL_RESULTS_DIR, RESULTS_DIR, add_output_arguments, csv_row, device_name, device_slug,
                       output_path, results_dir, run_metadata, write_csv, wrote)
 from .search import MaxDepthSearch, deepest_fitting, search_max_depths
 from .workload import SEED, Measurement, MiB, Workload
 
 __all__ = [
-    "BLOCK_PROVIDERS", "BlockProvider", "LOCAL_RESULTS_DIR", "add_output_arguments", "output_path", "results_dir",
-    "wrote",
+    "BLOCK_PROVIDERS", "BlockProvider", "DISPLAY_NAMES", "LOCAL_RESULTS_DIR", "STYLES", "add_output_arguments",
+    "display_name", "output_path", "plot", "results_dir", "style", "wrote",
     "MATPLOTLIB_MISSING", "PROVIDERS", "REFERENCE", "RESULTS_DIR", "SEED", "SIZED_OPTIONS", "MaxDepthSearch",
     "Measurement", "MemTracker", "MiB", "Progress", "Provider", "ProviderError", "Workload",
     "_GlobalPeakMemTracker", "_fixed_width", "_medians", "activation_peak", "available_providers", "deepest_fitting", "device_name",

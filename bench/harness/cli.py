@@ -134,7 +134,8 @@ def run_benchmark(workload: Workload, args: argparse.Namespace, real_scale=None)
     rows = csv_rows(workload, measurements + scaled + max_depths, run_metadata(args.device), run_config)
     write_csv(rows, args.out)
     png = args.out.with_name(f"{args.out.stem}-{workload.bench}.png")
-    plot_note = plot(measurements + scaled, providers, title, png)
+    plot_note = plot(measurements + scaled, providers, title, png, max_depths, budget_mib=args.budget / MiB,
+                     device_type=args.device.type, depth_name=workload.depth_name)
     for note in notes + ([plot_note] if plot_note else []):
         print(f"note: {note}")
     print(wrote(args.out, *([] if plot_note else [png])))

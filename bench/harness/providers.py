@@ -159,3 +159,36 @@ def available_providers(names: list) -> tuple:
             raise ProviderError(f"provider {name!r} ({provider.description}) fails to build: "
                                 f"{type(error).__name__}: {error}") from error
     return list(names), []
+
+
+# What a picture calls each provider id of the results files: the API call a user
+# writes, so a legend reads as the code it stands for. The ids stay in the CSV and the
+# console tables. One mapping for every bench (tests/bench checks that it covers the
+# providers of PROVIDERS, BLOCK_PROVIDERS and the committed results).
+DISPLAY_NAMES = {
+    "torch": "nn.Sequential",
+    "torch_ckpt": "torch.utils.checkpoint",
+    "actsave_none": "CheckpointedSequential()",
+    "actsave_int8": 'compress="int8"',
+    "actsave_fp8": 'compress="fp8"',
+    "actsave_fp8_e4m3": 'compress="fp8_e4m3"',
+    "actsave_fp8_e5m2": 'compress="fp8_e5m2"',
+    "actsave_offload": "offload=True",
+    "actsave_none_offload": "offload=True",  # bench/offload_overlap.py's id of the same mode
+    "actsave_int8_offload": 'compress="int8", offload=True',
+    "actsave_auto": 'segments="auto", budget=B',
+    # bench/rotor_compare.py: the planner with recompute only, and the rotor reference
+    "actsave_recompute": 'segments="auto", recompute only',
+    "rotor": "rotor (Beaumont et al. 2019)",
+    "rotor_lower_bound": "rotor, sizes rounded down",
+    "rotor_single_level": "rotor, single level",
+    # bench/kernels.py: one codec kernel each
+    "int8": 'codec "int8"',
+    "fp8_e4m3": 'codec "fp8_e4m3"',
+    "fp8_e5m2": 'codec "fp8_e5m2"',
+}
+
+
+def display_name(provider: str) -> str:
+    """The name a picture gives ``provider`` (see ``DISPLAY_NAMES``)."""
+    return DISPLAY_NAMES[provider]

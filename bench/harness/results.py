@@ -17,7 +17,7 @@ import torch
 import actsave
 
 from .providers import PROVIDERS
-from .workload import MiB, Workload
+from .workload import Measurement, MiB, Workload
 
 # Where results go. A run writes to LOCAL_RESULTS_DIR (git-ignored) unless --record
 # says to update the committed results in RESULTS_DIR, so that `make bench` leaves
@@ -190,6 +190,22 @@ def csv_row(bench: str, case: str, provider: str, metric: str, x_name: str, x_va
         "config_json": json.dumps(config, sort_keys=True),
         **metadata,
     }
+
+
+def read_measurements(path: Path, bench: str, cases: set) -> tuple:
+    """The rows of ``bench`` and ``cases`` in the CSV at ``path``, back as measurements
+    (their medians: enough to draw them again), and the device they were measured on
+    (None without rows)."""
+    with path.open(newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row["bench"] == bench and row["case"] in cases]
+
+    def number(text: str):
+        value = float(text)
+        return int(value) if value.is_integer() else value
+
+    measurements = [Measurement(row["provider"], row["metric"], row["x_name"], number(row["x_value"]),
+                                (number(row["p50"]),), json.loads(row["config_json"]), row["case"]) for row in rows]
+    return measurements, rows[0]["device_name"] if rows else None
 
 
 def write_csv(rows: list, path: Path) -> None:

@@ -25,6 +25,7 @@ class Workload:
     depth_of_blocks: Callable[[int], int]
     blocks_of_depth: Callable[[int], int]
     config: dict
+    depth_name: str = "depth {}"  # a model of that depth, as the pictures name it: "ResNet-{}"
 
 
 def _seeded_model(workload: Workload, depth: int) -> nn.Sequential:

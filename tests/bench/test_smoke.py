@@ -656,7 +656,27 @@ def test_the_step_profile_reports_each_mode(tmp_path):
                                                           f"{slug}-profile-torch_ckpt-b2.txt"]
 
 
-# Where results go (issue 34).
+# Where results go and what the picture shows (issue 34).
+
+
+def test_every_provider_has_a_display_name_and_a_style_of_its_own(monkeypatch):
+    harness = load_bench_module("harness")
+    monkeypatch.syspath_prepend(str(BENCH))
+    scripts = [importlib.import_module(name) for name in ("accuracy_parity", "host_overhead", "gpu_speed")]
+    ids = {*harness.PROVIDERS, *harness.BLOCK_PROVIDERS, *scripts[0].PROVIDERS, *scripts[1].PROVIDER_NAMES,
+           *scripts[2].RESNET_PROVIDERS, *scripts[2].GPT_PROVIDERS}
+    for path in (BENCH / "results").glob("*.csv"):  # the committed results of every bench
+        ids |= {r["provider"] for r in read_rows(path)[1]}
+    assert not ids - set(harness.DISPLAY_NAMES)
+    # The API's spelling, not the ids.
+    assert [harness.display_name(name) for name in harness.PROVIDERS] == [
+        "nn.Sequential", "torch.utils.checkpoint", "CheckpointedSequential()", 'compress="int8"', 'compress="fp8"',
+        "offload=True", 'compress="int8", offload=True', 'segments="auto", budget=B']
+    styles = [harness.style(name) for name in harness.PROVIDERS]
+    assert set(harness.PROVIDERS) <= set(harness.STYLES)
+    assert len({(s["color"], s["marker"], s["linestyle"]) for s in styles}) == len(styles)
+    int8, fp8 = harness.style("actsave_int8"), harness.style("actsave_fp8")  # their memory lines coincide
+    assert int8["marker"] != fp8["marker"] and int8["linestyle"] != fp8["linestyle"]
 
 
 def _run_with_results_in(results: Path, script: str, *args: str) -> str:
@@ -705,3 +725,38 @@ def test_every_bench_script_takes_its_paths_from_the_harness():
         assert "RESULTS_DIR" not in source, script.name
         if script in writers:
             assert "harness.add_output_arguments(parser" in source and "harness.output_path(args" in source, script.name
+
+
+def test_the_picture_shows_how_much_deeper_in_the_same_memory(resnet_run, monkeypatch):
+    harness = load_bench_module("harness")
+    out, _, _, rows = resnet_run
+    measurements, device = harness.results.read_measurements(out, "resnet_depth_sweep", {r["case"] for r in rows})
+    figures = []
+    monkeypatch.setattr(harness.report, "save_figure", lambda fig, path: figures.append(fig))
+    providers = list(harness.PROVIDERS)
+    max_depths = [m for m in measurements if m.metric == "max_depth"]
+    note = harness.plot([m for m in measurements if m.metric != "max_depth"], providers, "smoke", out, max_depths,
+                        budget_mib=2.0, device_type="cpu", depth_name="ResNet-{}")
+    assert note is None and device
+    (fig,) = figures
+    try:
+        titles = {axes.get_title() or axes.get_title(loc="left"): axes for axes in fig.axes}
+        (bars,) = [axes for title, axes in titles.items() if title.startswith("How much deeper in the same memory")]
+        assert [label.get_text() for label in bars.get_yticklabels()] == [harness.display_name(p) for p in providers]
+        depth = {r["provider"]: int(float(r["p50"])) for r in rows if r["metric"] == "max_depth"}
+        texts = " ".join(text.get_text() for text in bars.texts)
+        assert f"ResNet-{depth['torch_ckpt']}   {depth['torch_ckpt'] / depth['torch']:.1f}x" in texts
+        assert f"≥ ResNet-{depth['actsave_none']}" in texts  # the search stopped at its cap
+        assert "plans from a timed step" in texts  # segments="auto" has no meta-tensor figures
+        memory = titles["memory of a training step, measured"]
+        assert [tuple(line.get_ydata()) for line in memory.lines if line.get_label().startswith("_")] == [(2.0, 2.0)]
+        captions = " ".join(text.get_text() for text in memory.texts)
+        assert "B = 2 MiB" in captions and "offload saves nothing here" in captions.replace("\n", " ")
+        (fp8,) = [line for line in memory.lines if line.get_label() == 'compress="fp8"']
+        (int8,) = [line for line in memory.lines if line.get_label() == 'compress="int8"']
+        assert fp8.get_marker() != int8.get_marker()
+        (legend,) = [axes.get_legend() for axes in fig.axes if axes.get_legend()]
+        assert not legend.axes.axison  # beside the panels, in an axes of its own
+        assert [text.get_text() for text in legend.get_texts()] == [harness.display_name(p) for p in providers]
+    finally:
+        harness.pyplot().close(fig)
