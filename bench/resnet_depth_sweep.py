@@ -24,6 +24,7 @@ committed bench/results/<device>.csv and its PNG instead.
 
     python bench/resnet_depth_sweep.py                      # the defaults of this device
     python bench/resnet_depth_sweep.py --record             # the committed results (make bench BENCH_ARGS=--record)
+    python bench/resnet_depth_sweep.py --replot --record    # the committed PNG drawn again from the committed CSV
     python bench/resnet_depth_sweep.py --depths 164,1001 --batch 64 --scale-depths 1001,2000
 """
 from __future__ import annotations

@@ -27,7 +27,8 @@ device (:func:`parse_arguments`); :func:`run_benchmark` does the rest:
 
 Where results go: ``bench/results/local/`` (git-ignored), unless ``--record`` says to
 update the committed ``bench/results/`` (``--out`` names a path instead); every bench
-script takes its paths from :func:`output_path`.
+script takes its paths from :func:`output_path`. ``--replot`` measures nothing: it draws
+a sweep's PNG again from its rows in the CSV.
 
 Metrics (see ``METRICS``): ``peak_mem`` is the peak of everything live during the
 step. ``peak_act_mem`` subtracts what was resident when the step began: parameters,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 import torch
 
 from .providers import PROVIDERS, REFERENCE, available_providers
 from .report import estimate_deviation, max_depth_table, plot, sweep_table
-from .results import (_format_mib, add_output_arguments, csv_rows, device_name, device_slug, output_path, run_metadata,
-                      write_csv, wrote)
+from .results import (_format_mib, add_output_arguments, csv_rows, device_name, device_slug, output_path,
+                      read_measurements, run_metadata, write_csv, wrote)
 from .search import measured_search, search_max_depths
 from .depth_sweep import sweep
 from .workload import SEED, MiB, Workload
@@ -89,6 +90,9 @@ def parse_arguments(argv, description: str, defaults: dict, options: dict) -> ar
                         help="cpu or cuda[:index] (default: cuda when available, else cpu)")
     add_output_arguments(parser, "CSV path, <device>.csv; the PNG is written next to it")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and budget, for the tests")
+    parser.add_argument("--replot", action="store_true",
+                        help="measure nothing: draw the PNG again from this sweep's rows in the CSV (with --record, "
+                             "the committed ones)")
 
     args = parser.parse_args(argv)
     if args.device is None:
@@ -107,6 +111,9 @@ def run_benchmark(workload: Workload, args: argparse.Namespace, real_scale=None)
     """Sweep, search, print the tables, write the CSV and the PNG. ``real_scale``
     (bench/real_scale.py), where given, adds its meta-tensor sweep and replaces the
     measured max-depth search by its own."""
+    if args.replot:
+        replot(workload, args, real_scale)
+        return
     for depth in args.depths:
         workload.blocks_of_depth(depth)  # a depth the family cannot build fails now, not mid-run
     providers, notes = available_providers(args.providers)
@@ -117,7 +124,7 @@ def run_benchmark(workload: Workload, args: argparse.Namespace, real_scale=None)
     else:
         scaled, max_depths = real_scale.run(providers, args.search_seconds, notes)
 
-    title = f"{workload.bench}: {workload.case} on {device_name(args.device)}"
+    title = _title(workload, device_name(args.device))
     print(f"{title}  (ratios to torch in parentheses)")
     print(sweep_table(measurements, providers))
     deviation, compared = estimate_deviation(measurements)
@@ -133,9 +140,34 @@ def run_benchmark(workload: Workload, args: argparse.Namespace, real_scale=None)
                   "threads": torch.get_num_threads()}
     rows = csv_rows(workload, measurements + scaled + max_depths, run_metadata(args.device), run_config)
     write_csv(rows, args.out)
-    png = args.out.with_name(f"{args.out.stem}-{workload.bench}.png")
+    png = _png(workload, args.out)
     plot_note = plot(measurements + scaled, providers, title, png, max_depths, budget_mib=args.budget / MiB,
                      device_type=args.device.type, depth_name=workload.depth_name)
     for note in notes + ([plot_note] if plot_note else []):
         print(f"note: {note}")
     print(wrote(args.out, *([] if plot_note else [png])))
+
+
+def _title(workload: Workload, device: str) -> str:
+    return f"{workload.bench}: {workload.case} on {device}"
+
+
+def _png(workload: Workload, csv: Path) -> Path:
+    return csv.with_name(f"{csv.stem}-{workload.bench}.png")
+
+
+def replot(workload: Workload, args: argparse.Namespace, real_scale=None) -> None:
+    """The PNG of a sweep drawn again from its rows in ``args.out`` (the sweep's shapes,
+    as ``args`` gives them, pick its rows), without measuring."""
+    cases = {workload.case} | ({real_scale.case} if real_scale is not None else set())
+    found, device = read_measurements(args.out, workload.bench, cases) if args.out.exists() else ([], None)
+    if not found:
+        raise SystemExit(f"--replot: no rows of {workload.bench} ({' or '.join(sorted(cases))}) in {args.out}")
+    present = {m.provider for m in found}
+    providers = [name for name in PROVIDERS if name in present]
+    budget = next((m.config["budget_MiB"] for m in found if "budget_MiB" in m.config), args.budget / MiB)
+    max_depths = [m for m in found if m.metric == "max_depth"]
+    png = _png(workload, args.out)
+    note = plot([m for m in found if m.metric != "max_depth"], providers, _title(workload, device), png, max_depths,
+                budget_mib=budget, device_type=args.device.type, depth_name=workload.depth_name)
+    print(f"note: {note}" if note else wrote(png))

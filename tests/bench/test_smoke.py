@@ -696,6 +696,10 @@ def test_a_run_writes_local_results_unless_it_records(tmp_path):
     stdout = _run_with_results_in(tmp_path, "resnet_depth_sweep.py", *providers, "--record")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu-resnet_depth_sweep.png", "cpu.csv", "local"]
     assert stdout.splitlines()[-1] == f"wrote {tmp_path / 'cpu.csv'} and {tmp_path / 'cpu-resnet_depth_sweep.png'}"
+    # --replot draws the recorded rows again, measuring nothing.
+    (tmp_path / "cpu-resnet_depth_sweep.png").unlink()
+    stdout = _run_with_results_in(tmp_path, "resnet_depth_sweep.py", "--replot", "--record")
+    assert stdout.strip() == f"wrote {tmp_path / 'cpu-resnet_depth_sweep.png'}"
 
 
 def test_results_go_to_a_git_ignored_folder_by_default():
