@@ -101,7 +101,8 @@ def parse_arguments(argv, description: str, defaults: dict, options: dict) -> ar
     for name, (parse, _) in sized.items():
         if getattr(args, name) is None:
             setattr(args, name, parse(defaults[profile][name]))
-    args.out = output_path(args, f"{device_slug(args.device)}.csv")
+    if args.out is None:  # the device's name only where needed: --replot --out runs without that device
+        args.out = output_path(args, f"{device_slug(args.device)}.csv")
     if args.threads:
         torch.set_num_threads(args.threads)
     return args

@@ -251,6 +251,10 @@ def _budget_line(axes, mib: float, label: str, below: bool = False, right: bool 
     """A horizontal line at ``mib``, labelled at its left end (or ``right``), above it
     (or ``below``)."""
     axes.axhline(mib, color="tab:green", linestyle=(0, (6, 3)), linewidth=1.3)
+    bottom, top = axes.get_ylim()
+    if not bottom < mib < top * 0.95:  # a budget beyond the lines is still drawn, with room for its label
+        log = axes.get_yscale() == "log"
+        axes.set_ylim(min(bottom, mib / 1.3 if log else bottom), max(top, mib * (1.3 if log else 1.08)))
     axes.annotate(label, xy=(0.98 if right else 0.02, mib), xycoords=("axes fraction", "data"),
                   xytext=(0, -3 if below else 3), textcoords="offset points", ha="right" if right else "left",
                   va="top" if below else "bottom", fontsize="small", color="tab:green")
