@@ -622,6 +622,19 @@ class _Chain(LayerChain):
 
 
 def _check_modules(modules: tuple) -> None:
+    if len(modules) == 1 and isinstance(modules[0], (nn.Sequential, nn.ModuleList)):
+        # One container would be one layer: the chain's only segment is its last, which
+        # is never checkpointed, so nothing would be saved, silently. Unpacking it here
+        # instead would give other state_dict keys than nn.Sequential(container) has.
+        kind = type(modules[0]).__name__
+        if isinstance(modules[0], nn.Sequential):
+            fix = ("CheckpointedSequential(*seq), or CheckpointedSequential.from_sequential(seq), which also keeps "
+                   "its child names (state_dict keys)")
+        else:
+            fix = "CheckpointedSequential(*module_list)"
+        raise ConfigError(
+            f"CheckpointedSequential got one {kind} as its only layer: it would run as one segment, which is "
+            f"never checkpointed, so no memory would be saved. Pass its layers instead: {fix}")
     layers = modules[0].values() if len(modules) == 1 and isinstance(modules[0], OrderedDict) else modules
     for i, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):

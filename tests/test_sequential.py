@@ -475,6 +475,26 @@ def test_non_module_layer_is_refused():
         CheckpointedSequential(nn.Linear(2, 2), torch.relu)
 
 
+@pytest.mark.parametrize("container", [nn.Sequential, nn.ModuleList, CheckpointedSequential])
+def test_one_container_is_refused_rather_than_run_as_one_layer_that_saves_nothing(container):
+    # Issue 34: CheckpointedSequential(seq) was one layer, its only segment never
+    # checkpointed: estimate() equal to plain's, and no warning.
+    layers = list(mixed_chain())
+
+    def made():
+        return nn.ModuleList(layers) if container is nn.ModuleList else container(*layers)
+
+    with pytest.raises(ConfigError, match=r"one .* as its only layer.*no memory would be saved.*"
+                                          r"CheckpointedSequential\(\*"):
+        CheckpointedSequential(made())
+    if container is not nn.ModuleList:
+        with pytest.raises(ConfigError, match=r"from_sequential\(seq\)"):
+            CheckpointedSequential(made())
+    # Its layers, or a container among other layers, are a chain as before.
+    assert len(CheckpointedSequential(*layers)) == len(layers)
+    assert len(CheckpointedSequential(made(), nn.Identity())) == 2
+
+
 def test_per_layer_options_name_existing_layers():
     model = CheckpointedSequential(nn.Linear(2, 2), nn.ReLU(), compress={0: None, "1": "none"})
     model.set_compression(slice(0, 2), None)
