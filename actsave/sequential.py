@@ -64,7 +64,7 @@ from .runtime.layers import LayerChain
 from .runtime.nested import Range, nested_call
 from .meta import device_of
 from .offload import current_tape
-from .runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
+from .runtime.store import EXACT, CallerTensors, KeepPolicy, modifies_input, should_encode
 from .text import format_table
 
 SegmentsSpec = Union[int, str, Iterable[int]]
@@ -353,15 +353,17 @@ class CheckpointedSequential(nn.Sequential):
         self._last_kept_bytes = {}
         starts = self._starts_for(input, layers)
         tape = current_tape()
+        caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)
         for segment in _segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
             tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
             private_copy = modifies_input(layers[segment.start])
+            made_by = caller if segment.start > 0 else None
             if segment.nested is not None:
                 input, kept = nested_call(run.layers, segment.nested, input, private_copy)
             elif segment.checkpointed:
-                input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
+                input, kept = checkpointed_call(run, (input,), {}, policy, private_copy, made_by=made_by)
             elif not policy.codec.lossless:
                 # Offload does not apply here: backward needs these saves at once.
                 input, kept = call_with_compressed_saves(run, input, policy.codec)

@@ -249,8 +249,8 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
 def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     """The plan of ``CheckpointedSequential(segments="balanced")``: where segments
     start when a segment starting at layer i keeps its input as ``options[i]`` says
-    (a leaf or non-float input is kept by reference whatever it says, as runtime/store.py
-    does). The smallest predicted peak over single-level plans (each layer recomputed
+    (an input the caller holds, or a non-float one, is kept by reference whatever it
+    says, as runtime/store.py's should_encode decides). The smallest predicted peak over single-level plans (each layer recomputed
     at most once), so a codec or offload that makes kept inputs cheaper buys more,
     shorter segments; among the plans with that peak, the fastest, which on a profile
     without times (meta tensors) is the one that recomputes the fewest layers."""
