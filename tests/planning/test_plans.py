@@ -1,4 +1,6 @@
 """plan(), the presets of CheckpointedSequential, the levers, and bad input."""
+import re
+
 import pytest
 import torch
 from support import (
@@ -37,6 +39,30 @@ def test_presets_plan_at_construction(strategy):
     if strategy == "memory":
         prof = actsave.profile(model, (x,))
         assert plan.predicted_peak_bytes == actsave.plan(prof, None, objective="memory").predicted_peak_bytes
+
+
+def smallest_in(error: ConfigError, what: str = r"the smallest feasible budget is") -> int:
+    return int(re.search(what + r" ([\d,]+) bytes", str(error)).group(1).replace(",", ""))
+
+
+def test_an_infeasible_budget_names_the_smallest_budget_its_search_reaches_nested_included():
+    # Issue 34: the error named the smallest single-level budget, and a budget below it
+    # then planned (nested).
+    prof = actsave.profile(nn.Sequential(*deep_mlp(16, 64)), (torch.randn(256, 64),))
+    single = actsave.plan(prof, None, objective="memory", allow=("recompute",)).predicted_peak_bytes
+    with pytest.raises(ConfigError, match=r"\(nested checkpoints included\)") as error:
+        actsave.plan(prof, single // 4, allow=("recompute",))
+    smallest = smallest_in(error.value)
+    assert smallest < 0.7 * single
+    plan = actsave.plan(prof, smallest, allow=("recompute",))
+    assert any(r is not None for r in plan.nested) and plan.predicted_peak_bytes <= smallest
+    with pytest.raises(ConfigError) as error:
+        actsave.plan(prof, smallest - 1, allow=("recompute",))
+    assert smallest_in(error.value) == smallest
+    # The memory objective plans single-level: its smallest is the single-level one.
+    with pytest.raises(ConfigError, match=r"\(single-level plans\)") as error:
+        actsave.plan(prof, single - 1, objective="memory", allow=("recompute",))
+    assert smallest_in(error.value) == single
 
 
 def test_min_sqnr_and_allow_choose_the_codecs():
