@@ -491,8 +491,9 @@ def _block_options(chosen: Plan, n_blocks: int) -> tuple:
 
 def _levers_for(calls: list, allow: Sequence[str] | None) -> tuple:
     """(the levers to plan with, whether codecs may be among them): ``allow``, by
-    default every lever of the blocks' device. "offload" on a CPU model is refused:
-    the host's memory is the device's. Codecs and offload are left out when a block gets a tensor argument
+    default the exact levers of the blocks' device (recompute, and offload on CUDA;
+    codecs only when named). "offload" on a CPU model is refused: the host's memory is
+    the device's. Codecs and offload are left out when a block gets a tensor argument
     besides its hidden state that a codec would encode (one autograd made): a
     checkpoint would keep an encoded copy of it, which the chain's profile does not
     count."""

@@ -37,7 +37,9 @@ from .solver import fastest_within, smallest_headroom, smallest_nested_headroom
 # Every lossy codec name of codecs.py, aliases included ("fp8" is e4m3), is a lever.
 _LEVER_CODECS = {name: get_codec(name).name for name in available_codecs() if not get_codec(name).lossless}
 LEVERS = ("recompute", *_LEVER_CODECS, "offload")
-DEFAULT_ALLOW = ("recompute", "int8", "fp8", "offload")
+# Exact levers only: a plan changes no gradient unless a codec is asked for by name.
+# ("offload" is used where the host is separate: CUDA.)
+DEFAULT_ALLOW = ("recompute", "offload")
 OBJECTIVES = ("time", "memory")
 
 
@@ -189,6 +191,8 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         allow: the levers: "recompute" (checkpoint segments; the others need it),
             "int8", "fp8" (e4m3; "fp8_e4m3", "fp8_e5m2" name one) and "offload"
             (used on CUDA only: on a CPU model host memory is device memory).
+            Default :data:`DEFAULT_ALLOW`, the exact levers: a plan makes gradients
+            approximate only where a lossy codec is named here.
         objective: "time": the fastest plan whose predicted peak fits ``budget``,
             where a checkpointed segment's recompute may nest checkpoints of its own
             (:attr:`Plan.nested`; exact segments of timed chains of at most
