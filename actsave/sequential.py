@@ -64,7 +64,7 @@ from .runtime.layers import LayerChain
 from .runtime.nested import Range, nested_call
 from .meta import device_of
 from .offload import current_tape
-from .runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
+from .runtime.store import EXACT, CallerTensors, KeepPolicy, modifies_input, should_encode
 from .text import format_table
 
 SegmentsSpec = Union[int, str, Iterable[int]]
@@ -231,7 +231,9 @@ class CheckpointedSequential(nn.Sequential):
             predicted peak activation memory fits ``budget``; ``"memory"``: the plan
             with the smallest predicted peak (checked against ``budget`` if given).
             Both profile one step on ``example_inputs`` when the model is built and
-            choose codecs and offload too (:func:`actsave.plan`, default levers).
+            choose each segment's keep option among the levers ``allow`` names
+            (:func:`actsave.plan`): by default exact ones (recompute, and offload on
+            CUDA), so gradients stay bit-identical; a lossy codec only if named.
         compress: codec of what segments keep (their inputs, and what the last
             segment saves): ``None`` (exact), a codec name, or ``{layer: codec}``
             with ``layer`` an index or child name (the rest exact).
@@ -247,6 +249,11 @@ class CheckpointedSequential(nn.Sequential):
             with example targets): the profiled step runs it, so the plan counts its
             memory (a cross-entropy keeps a logits-sized log-softmax and its backward
             makes two more). Without it the plan counts only the output's gradient.
+        allow: for the planned strategies, the levers the plan may use, as for
+            :func:`actsave.plan`: ``"recompute"``, ``"offload"`` (CUDA) and lossy
+            codecs (``"int8"``, ``"fp8"``, ...). Default ``("recompute",
+            "offload")``: exact. A budget no exact plan fits raises an error that
+            names the codecs that would fit it and from what budget.
 
     Indexing, ``len``, iteration, ``append`` and ``state_dict`` keys are those of the
     ``nn.Sequential`` built from the same modules. Per-layer options follow their module
@@ -269,12 +276,12 @@ class CheckpointedSequential(nn.Sequential):
     """
 
     def __init__(self, *modules, segments: SegmentsSpec = BALANCED, compress=None, offload=False,
-                 budget=None, example_inputs=None, loss=None):
+                 budget=None, example_inputs=None, loss=None, allow=None):
         _check_modules(modules)
         super().__init__(*modules)
         segments = _normalized_segments(segments)
         planned = isinstance(segments, str) and segments in _PLANNED_STRATEGIES
-        _check_planning_arguments(segments, planned, budget, example_inputs, loss, compress, offload)
+        _check_planning_arguments(segments, planned, budget, example_inputs, loss, compress, offload, allow)
         if not planned and segments != BALANCED:
             segment_starts(len(self), segments)  # validate now, not at the first forward
         self.segments = segments
@@ -296,7 +303,7 @@ class CheckpointedSequential(nn.Sequential):
         self._last_kept_bytes = {}
         self.applied_plan = None  # the last plan applied; later per-layer changes are not in it
         if planned:
-            self.apply_plan(_planned(self, segments, budget, example_inputs, loss))
+            self.apply_plan(_planned(self, segments, budget, example_inputs, loss, allow))
 
     @classmethod
     def from_sequential(cls, sequential: nn.Sequential, **options) -> "CheckpointedSequential":
@@ -353,15 +360,17 @@ class CheckpointedSequential(nn.Sequential):
         self._last_kept_bytes = {}
         starts = self._starts_for(input, layers)
         tape = current_tape()
+        caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)
         for segment in _segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
             tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
             private_copy = modifies_input(layers[segment.start])
+            made_by = caller if segment.start > 0 else None
             if segment.nested is not None:
                 input, kept = nested_call(run.layers, segment.nested, input, private_copy)
             elif segment.checkpointed:
-                input, kept = checkpointed_call(run, (input,), {}, policy, private_copy)
+                input, kept = checkpointed_call(run, (input,), {}, policy, private_copy, made_by=made_by)
             elif not policy.codec.lossless:
                 # Offload does not apply here: backward needs these saves at once.
                 input, kept = call_with_compressed_saves(run, input, policy.codec)
@@ -622,6 +631,19 @@ class _Chain(LayerChain):
 
 
 def _check_modules(modules: tuple) -> None:
+    if len(modules) == 1 and isinstance(modules[0], (nn.Sequential, nn.ModuleList)):
+        # One container would be one layer: the chain's only segment is its last, which
+        # is never checkpointed, so nothing would be saved, silently. Unpacking it here
+        # instead would give other state_dict keys than nn.Sequential(container) has.
+        kind = type(modules[0]).__name__
+        if isinstance(modules[0], nn.Sequential):
+            fix = ("CheckpointedSequential(*seq), or CheckpointedSequential.from_sequential(seq), which also keeps "
+                   "its child names (state_dict keys)")
+        else:
+            fix = "CheckpointedSequential(*module_list)"
+        raise ConfigError(
+            f"CheckpointedSequential got one {kind} as its only layer: it would run as one segment, which is "
+            f"never checkpointed, so no memory would be saved. Pass its layers instead: {fix}")
     layers = modules[0].values() if len(modules) == 1 and isinstance(modules[0], OrderedDict) else modules
     for i, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
@@ -632,11 +654,12 @@ def _check_modules(modules: tuple) -> None:
             )
 
 
-def _check_planning_arguments(segments, planned: bool, budget, example_inputs, loss, compress, offload) -> None:
+def _check_planning_arguments(segments, planned: bool, budget, example_inputs, loss, compress, offload,
+                              allow) -> None:
     if not planned:
-        if budget is not None or example_inputs is not None or loss is not None:
+        if budget is not None or example_inputs is not None or loss is not None or allow is not None:
             raise ConfigError(
-                f"budget=, example_inputs= and loss= are used by segments={list(_PLANNED_STRATEGIES)} only, "
+                f"budget=, example_inputs=, loss= and allow= are used by segments={list(_PLANNED_STRATEGIES)} only, "
                 f"not by segments={segments!r}"
             )
         return
@@ -648,14 +671,15 @@ def _check_planning_arguments(segments, planned: bool, budget, example_inputs, l
                           "segments='memory' needs none")
     if compress is not None or offload is not False:
         raise ConfigError(
-            f"segments={segments!r} chooses codecs and offload itself: leave compress and offload "
-            "unset (to limit the levers, use actsave.plan(..., allow=...) and apply_plan)"
+            f"segments={segments!r} chooses codecs and offload itself: leave compress and offload unset, and "
+            "name the levers it may use in allow= (a lossy codec only if named: allow=('recompute', 'int8'))"
         )
 
 
-def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs, loss) -> "plans.Plan":
+def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs, loss, allow) -> "plans.Plan":
     objective = "memory" if strategy == "memory" else "time"
-    return plans.plan(profiler.profile(model, example_inputs, loss=loss), budget, objective=objective)
+    levers = plans.DEFAULT_ALLOW if allow is None else allow
+    return plans.plan(profiler.profile(model, example_inputs, loss=loss), budget, objective=objective, allow=levers)
 
 
 def _split_per_layer(value, default) -> tuple:

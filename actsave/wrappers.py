@@ -221,13 +221,15 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
             (Hugging Face: pass ``labels``), else its first item; a non-scalar loss
             is backpropagated from ones.
         allow: the levers, as for :func:`actsave.plan`: ``"recompute"``, codecs
-            (``"int8"``, ``"fp8"``, ...) and, on CUDA only, ``"offload"``. Default: all
-            that the device has.
+            (``"int8"``, ``"fp8"``, ...) and, on CUDA only, ``"offload"``. Default: the
+            exact ones the device has (recompute, and offload on CUDA): a lossy codec
+            is used only if named here.
         min_sqnr_db: leave out codecs whose expected gradient SQNR is below it.
 
     Raises :class:`~actsave.ConfigError` when no plan fits (stating the smallest
-    feasible budget), when the blocks do not run once each one after another, and
-    for ``"offload"`` on a CPU model (host memory is its memory).
+    feasible budget, and the lossy codecs not allowed that would lower it, to what),
+    when the blocks do not run once each one after another, and for ``"offload"`` on a
+    CPU model (host memory is its memory).
     """
     _check_model(model, "plan_blocks plans the blocks of a model")
     if budget is None or not real_number(budget) or not budget > 0:

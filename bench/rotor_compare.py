@@ -3,8 +3,8 @@
 steps), then sweep budgets in the dynamic programs only.
 
 Per budget (peak activation bytes, the planner's budget): the predicted step time and
-peak of ``"auto"`` (actsave.plan with its default levers: recompute, int8, fp8; no
-offload on CPU), of actsave with recompute only, and the step time of the rotor
+peak of ``"auto"`` (actsave.plan with the levers recompute, int8, fp8 and offload,
+AUTO_LEVERS; no offload on CPU), of actsave with recompute only, and the step time of the rotor
 reference (tests/planning/rotor_reference.py, Beaumont et al. 2019: stored segments
 anywhere, nested recomputes; recompute only) on the same profile mapped into rotor's
 model by tests/planning/rotor_profile.py. Rotor's sizes are in units of --unit-kib;
@@ -61,6 +61,10 @@ from actsave.text import format_table
 
 BENCH = "rotor_compare"
 RECOMPUTE_ONLY = ("recompute",)
+# The sweep's "auto" column: the codecs too, which plan() uses only when named (its
+# default levers are the exact ones, what the max-depth search and the depth sweep's
+# actsave_auto provider plan with).
+AUTO_LEVERS = ("recompute", "int8", "fp8", "offload")
 DEFAULTS = {
     "cpu": {"image_size": 16, "points": 16, "unit_kib": 4.0, "max_depth_budget": "32MiB",
             "threads": 1, "chains": 40, "profiles": 5},
@@ -163,7 +167,7 @@ def sweep(prof: actsave.Profile, unit: int, points: int) -> tuple:
     tables = RotorTables(prof, unit, max(plain, rotor_plain))
     facts = {"unit_bytes": unit, "plain_peak": plain, "rotor_plain_peak": rotor_plain,
              "rotor_tables_s": time.perf_counter() - started,
-             "auto_smallest": actsave.plan(prof, None, objective="memory").predicted_peak_bytes,
+             "auto_smallest": actsave.plan(prof, None, objective="memory", allow=AUTO_LEVERS).predicted_peak_bytes,
              "recompute_smallest": actsave.plan(prof, None, objective="memory",
                                                 allow=RECOMPUTE_ONLY).predicted_peak_bytes,
              "rotor_smallest": smallest_rotor_budget(tables.upper, unit)}
@@ -173,7 +177,7 @@ def sweep(prof: actsave.Profile, unit: int, points: int) -> tuple:
         budget = int(budget) // unit * unit
         if budget < low:
             budget += unit
-        auto_s, auto = planned(prof, budget, plans.DEFAULT_ALLOW)
+        auto_s, auto = planned(prof, budget, AUTO_LEVERS)
         recompute_s, recompute = planned(prof, budget, RECOMPUTE_ONLY)
         rows.append({"budget": budget, "auto": auto_s, "auto_plan": auto, "auto_peak": peak_of(auto),
                      "auto_codecs": None if auto is None else {c: auto.codecs.count(c) for c in sorted(set(auto.codecs))},

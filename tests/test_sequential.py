@@ -7,7 +7,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import CallCounter, assert_same_training, mixed_chain, peak_activation_bytes, train_step, twin
+from support import (CallCounter, assert_same_training, codes_and_scales, mixed_chain, peak_activation_bytes,
+                     train_step, twin)
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint_sequential
@@ -252,6 +253,44 @@ def test_a_boundary_stays_within_its_segment():
     assert split_starts(layers, 5, lossy) == [0, 1, 2, 3, 4]
 
 
+def frozen_prefix_chain(**options):
+    """8 x Linear(64, 64), the first four frozen (fine-tuning): layer 4's input needs no
+    grad and has no grad_fn, yet nothing but the chain holds it."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(8)]
+    for layer in layers[:4]:
+        layer.requires_grad_(False)
+    return CheckpointedSequential(*layers, **options)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_an_input_made_by_a_frozen_prefix_follows_its_codec_and_offload(offload):
+    # Issue 34: it was held exactly (32 x 64 fp32, 8,192 B) under int8, and on the
+    # device under offload, while describe() said int8.
+    model = frozen_prefix_chain(segments=[0, 4, 6], compress={4: "int8"}, offload={4: offload})
+    x = torch.randn(32, 64)
+    out = model(x)
+    expected = codes_and_scales(32 * 64)
+    assert actsave.stored_bytes() == ({"device": 0, "host": expected} if offload else {"device": expected, "host": 0})
+    row = model.describe().splitlines()[1 + 4].split()
+    assert row[4:6] == ["input", "int8"] and row[-1] == str(expected)
+    out.sum().backward()
+    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    # The planner's profile asks the same question (store.should_encode).
+    prof = actsave.profile(model, (x,))
+    assert [layer.input_encodable for layer in prof.layers] == [False] + [True] * 7
+    assert prof.layers[4].kept_bytes["int8"] == expected
+
+
+def test_a_balanced_plan_prices_a_frozen_prefix_input_as_kept():
+    # (MemTracker cannot follow frozen parameters; estimate runs the step as it runs,
+    # on meta tensors, its bytes counted exactly as on the CPU.)
+    model = frozen_prefix_chain(compress="int8")
+    peak = actsave.estimate(model, (256, 64)).activation_peak_bytes
+    predicted = model.balanced_plan.predicted_peak_bytes
+    assert 0.85 * predicted <= peak <= predicted
+
+
 # --- balanced segments (the default): NOTE [ Balanced segments ] ---------------------
 
 
@@ -473,6 +512,26 @@ def test_unknown_codec_lists_the_valid_ones(codec):
 def test_non_module_layer_is_refused():
     with pytest.raises(ConfigError, match="layer 1 is .* not an nn.Module"):
         CheckpointedSequential(nn.Linear(2, 2), torch.relu)
+
+
+@pytest.mark.parametrize("container", [nn.Sequential, nn.ModuleList, CheckpointedSequential])
+def test_one_container_is_refused_rather_than_run_as_one_layer_that_saves_nothing(container):
+    # Issue 34: CheckpointedSequential(seq) was one layer, its only segment never
+    # checkpointed: estimate() equal to plain's, and no warning.
+    layers = list(mixed_chain())
+
+    def made():
+        return nn.ModuleList(layers) if container is nn.ModuleList else container(*layers)
+
+    with pytest.raises(ConfigError, match=r"one .* as its only layer.*no memory would be saved.*"
+                                          r"CheckpointedSequential\(\*"):
+        CheckpointedSequential(made())
+    if container is not nn.ModuleList:
+        with pytest.raises(ConfigError, match=r"from_sequential\(seq\)"):
+            CheckpointedSequential(made())
+    # Its layers, or a container among other layers, are a chain as before.
+    assert len(CheckpointedSequential(*layers)) == len(layers)
+    assert len(CheckpointedSequential(made(), nn.Identity())) == 2
 
 
 def test_per_layer_options_name_existing_layers():

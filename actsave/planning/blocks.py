@@ -57,7 +57,7 @@ from ..runtime.store import modifies_input, should_encode
 from ..text import format_table, mib
 from .estimate import LiveBytes, allocation_bytes
 from .memory_model import host_is_separate
-from .plans import DEFAULT_ALLOW, Plan, plan, predict
+from .plans import DEFAULT_ALLOW, Plan, Search, plan, predict
 from .profiler import LayerProfile, Profile, isolated_steps, profile
 
 # ------------------------------------------------------------------ the example step
@@ -453,17 +453,18 @@ def plan_block_stack(model: nn.Module, blocks: Sequence[tuple], budget, example_
     """The fastest :class:`BlockPlan` for ``blocks`` ((fqn, module) of each selected
     block) whose predicted peak fits ``budget`` (module docstring)."""
     calls = record_calls(model, blocks, example_inputs)
-    allow = _levers_for(calls, allow)
+    allow, codecs_usable = _levers_for(calls, allow)
     outside = measure_outside(model, calls, example_inputs)
     profile = chain_profile(calls, outside)
     fixed = max(outside.before_peak, outside.after_peak)
     smallest = max(fixed, plan(profile, None, min_sqnr_db, allow, objective="memory",
                                max_checkpointed_layers=1, compress_stored=False).predicted_peak_bytes)
     if budget < smallest:
-        raise ConfigError(
-            f"no block plan fits budget={int(budget):,} bytes ({mib(budget)} MiB): the smallest feasible budget "
-            f"is {int(smallest):,} bytes ({mib(smallest)} MiB) with allow={tuple(allow)}. Raise the budget, "
-            "allow more levers, or use a smaller batch")
+        # The time search plans single-level here (one block per checkpoint): its least is
+        # the memory objective's. Codecs are suggested only where the blocks may use them.
+        search = Search(profile, tuple(allow), min_sqnr_db, longest=1, compress_stored=False, store_middle=True,
+                        nest=False, suggest_codecs=codecs_usable)
+        raise ConfigError(search.infeasible(budget, "block plan", search.model(), floor=fixed))
     chosen = plan(profile, budget, min_sqnr_db, allow, max_checkpointed_layers=1, compress_stored=False)
     plain = predict(profile, [0])
     return BlockPlan(
@@ -489,11 +490,13 @@ def _block_options(chosen: Plan, n_blocks: int) -> tuple:
 
 
 def _levers_for(calls: list, allow: Sequence[str] | None) -> tuple:
-    """The levers to plan with: ``allow``, by default every lever of the blocks' device.
-    "offload" on a CPU model is refused: the host's memory is the device's. Codecs and
-    offload are left out when a block gets a tensor argument besides its hidden state
-    that a codec would encode (one autograd made): a checkpoint would keep an encoded
-    copy of it, which the chain's profile does not count."""
+    """(the levers to plan with, whether codecs may be among them): ``allow``, by
+    default the exact levers of the blocks' device (recompute, and offload on CUDA;
+    codecs only when named). "offload" on a CPU model is refused: the host's memory is
+    the device's. Codecs and offload are left out when a block gets a tensor argument
+    besides its hidden state that a codec would encode (one autograd made): a
+    checkpoint would keep an encoded copy of it, which the chain's profile does not
+    count."""
     device = calls[0][2].hidden.device
     separate_host = host_is_separate(device)
     if allow is None:
@@ -505,4 +508,4 @@ def _levers_for(calls: list, allow: Sequence[str] | None) -> tuple:
     encoded = any(should_encode(leaf) for _, _, call in calls
                   for k, leaf in enumerate(call.leaves)
                   if isinstance(leaf, torch.Tensor) and k != call.hidden_leaf)
-    return ("recompute",) if encoded and "recompute" in allow else allow
+    return (("recompute",) if encoded and "recompute" in allow else allow), not encoded

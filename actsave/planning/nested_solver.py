@@ -48,6 +48,7 @@ segments' layers.
 """
 from __future__ import annotations
 
+import copy
 import math
 from functools import cached_property
 from typing import NamedTuple, Optional
@@ -93,8 +94,7 @@ class NestedTable:
     right by any number of units (``_shifted``) is a window of it, not a gather."""
 
     def __init__(self, model, headroom: float):
-        # A power of two: tensor sizes, often multiples of one, then take whole units.
-        self.model, self.unit = model, 2.0 ** math.floor(math.log2(headroom / GRID))
+        self.model, self.unit = model, self.unit_for(headroom)
         self.steps = int(headroom // self.unit)  # m = 0 .. steps
         self.width = width = self.steps + 1
         n, self.m = model.n, np.arange(width)
@@ -111,14 +111,33 @@ class NestedTable:
             for c in range(d - 1):
                 self.multi[c, d, width:] = self._cuts(c, d, rest, first=True)[0].min(axis=0)
 
+    @staticmethod
+    def unit_for(headroom: float) -> float:
+        """The grid's unit for ``headroom``: a power of two, as tensor sizes, often
+        multiples of one, then take whole units."""
+        return 2.0 ** math.floor(math.log2(headroom / GRID))
+
     @classmethod
     def for_plans(cls, model, headroom: float, longest: Optional[int]) -> Optional["NestedTable"]:
         """The table the time dynamic program reads, or None where nesting is not tried
         (module docstring, "Cost") or no option can nest (exact, on the device)."""
+        return cls(model, headroom) if cls.nests(model, headroom, longest) else None
+
+    @staticmethod
+    def nests(model, headroom: float, longest: Optional[int]) -> bool:
+        """Whether the time dynamic program nests for ``model`` within ``headroom``."""
         timed = model.forward_s_before[-1] > 0
-        if longest is not None or not timed or model.n > MAX_LAYERS or headroom <= 0 or not exact_options(model):
-            return None
-        return cls(model, headroom)
+        return longest is None and timed and model.n <= MAX_LAYERS and headroom > 0 and bool(exact_options(model))
+
+    def for_options_of(self, model) -> "NestedTable":
+        """This table for ``model``, a CostModel of the same profile with other keep
+        options: the recomputes of ranges are priced from the chain's layers alone, so
+        only the nested segments' own terms are read anew, and nothing is rebuilt."""
+        other = copy.copy(self)
+        other.model = model
+        for cached in ("_least_working_sets", "_headrooms"):
+            other.__dict__.pop(cached, None)
+        return other
 
     def time(self, a, b, available) -> np.ndarray:
         """Multi(a, b) within ``available`` bytes (broadcastable arrays; inf where

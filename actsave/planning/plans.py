@@ -25,19 +25,21 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..checks import integral, real_number
-from ..codecs import EXPECTED_GRADIENT_SQNR_DB, available_codecs, get_codec
+from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
 from ..errors import ConfigError, InternalError
 from ..runtime.nested import Range
 from ..runtime.store import EXACT, KeepPolicy
 from ..text import format_table, mib, ms
 from .memory_model import CostModel, host_is_separate
 from .profiler import Profile
-from .solver import fastest_within, smallest_headroom
+from .solver import fastest_within, smallest_headroom, smallest_nested_headroom
 
 # Every lossy codec name of codecs.py, aliases included ("fp8" is e4m3), is a lever.
 _LEVER_CODECS = {name: get_codec(name).name for name in available_codecs() if not get_codec(name).lossless}
 LEVERS = ("recompute", *_LEVER_CODECS, "offload")
-DEFAULT_ALLOW = ("recompute", "int8", "fp8", "offload")
+# Exact levers only: a plan changes no gradient unless a codec is asked for by name.
+# ("offload" is used where the host is separate: CUDA.)
+DEFAULT_ALLOW = ("recompute", "offload")
 OBJECTIVES = ("time", "memory")
 
 
@@ -189,6 +191,8 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         allow: the levers: "recompute" (checkpoint segments; the others need it),
             "int8", "fp8" (e4m3; "fp8_e4m3", "fp8_e5m2" name one) and "offload"
             (used on CUDA only: on a CPU model host memory is device memory).
+            Default :data:`DEFAULT_ALLOW`, the exact levers: a plan makes gradients
+            approximate only where a lossy codec is named here.
         objective: "time": the fastest plan whose predicted peak fits ``budget``,
             where a checkpointed segment's recompute may nest checkpoints of its own
             (:attr:`Plan.nested`; exact segments of timed chains of at most
@@ -209,7 +213,8 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
             faster within the budget than checkpointing them.
 
     Raises :class:`~actsave.ConfigError` when no plan fits, stating the smallest
-    feasible budget.
+    budget this search finds a plan within (nested checkpoints included where it
+    nests), and for each lossy codec not allowed that lowers it, to what.
 
     .. warning::
         Predictions are for the profiled step: another batch shape, dtype or device
@@ -221,12 +226,11 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
     for name, flag in (("compress_stored", compress_stored), ("store_middle", store_middle)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name}={flag!r} must be True or False")
-    options = keep_options(allow, min_sqnr_db, profile.device)
-    stored_codecs = ["none"]
-    if compress_stored and profile.stored_saves is not None:
-        stored_codecs += sorted({option.codec.name for option in options if option.lossy})
-    model = CostModel(profile, options, stored_codecs=stored_codecs, store_middle=store_middle)
+    keep_options(allow, min_sqnr_db, profile.device)  # checks allow and min_sqnr_db
     longest = max_checkpointed_layers
+    search = Search(profile, tuple(allow), min_sqnr_db, longest, compress_stored, store_middle,
+                    nest=objective == "time")
+    model = search.model()
     if objective == "time":
         headroom = budget - model.chain_input
         found = fastest_within(model, headroom, longest, nest=True)
@@ -235,22 +239,89 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         fits = budget is None or model.chain_input + headroom <= budget
         found = fastest_within(model, headroom, longest) if fits else None
     if found is None:
-        levers = f"allow={tuple(allow)}" + ("" if min_sqnr_db is None else f" and min_sqnr_db={min_sqnr_db}")
-        smallest_budget = model.chain_input + smallest_headroom(model, longest)
-        raise ConfigError(
-            f"no plan fits budget={int(budget):,} bytes ({mib(budget)} MiB) with {levers}: the smallest "
-            f"feasible budget is {int(smallest_budget):,} bytes ({mib(smallest_budget)} MiB) for a single-level "
-            "plan, and nested checkpoints did not fit this budget either. Raise the budget, allow more levers, "
-            "or use a smaller batch."
-        )
+        raise ConfigError(search.infeasible(budget, "plan", model))
     return _plan_of(model, *found, budget, bound=model.chain_input + headroom)
+
+
+@dataclass(frozen=True)
+class Search:
+    """The search :func:`plan` runs for a profile and its levers, for what its error
+    says when no plan fits: the smallest budget it finds a plan within, and how much
+    lower each lossy codec not allowed would bring it (lossy codecs are opt-in)."""
+
+    profile: Profile
+    allow: tuple
+    min_sqnr_db: Optional[float]
+    longest: Optional[int]
+    compress_stored: bool
+    store_middle: bool
+    nest: bool  # objective "time": exact segments may nest checkpoints
+    suggest_codecs: bool = True  # False where codecs cannot be used (blocks.py)
+
+    def model(self) -> CostModel:
+        """The model searched: the levers' keep options for checkpointed segments, and
+        for the stored segment's saves the lossy codecs among them where ``compress_stored``."""
+        options = keep_options(self.allow, self.min_sqnr_db, self.profile.device)
+        stored_codecs = ["none"]
+        if self.compress_stored and self.profile.stored_saves is not None:
+            stored_codecs += sorted({option.codec.name for option in options if option.lossy})
+        return CostModel(self.profile, options, stored_codecs=stored_codecs, store_middle=self.store_middle)
+
+    def smallest_budget(self, model: CostModel, start=None) -> tuple:
+        """(the smallest budget this search finds a plan within for ``model``, the
+        nested table that reaches it or None)."""
+        if self.nest:
+            headroom, table = smallest_nested_headroom(model, self.longest, start)
+        else:
+            headroom, table = smallest_headroom(model, self.longest), None
+        return model.chain_input + headroom, table
+
+    def with_codecs(self, smallest: float, table) -> dict:
+        """{codec: the smallest budget with that lossy codec allowed too} for the
+        codecs not allowed (and not below ``min_sqnr_db``) that lower ``smallest``."""
+        if "recompute" not in self.allow or not self.suggest_codecs:
+            return {}
+        allowed = {_LEVER_CODECS[lever] for lever in self.allow if lever in _LEVER_CODECS}
+        lower = {}
+        for codec in LOSSY_CODECS:
+            if codec in allowed or (self.min_sqnr_db is not None and
+                                    EXPECTED_GRADIENT_SQNR_DB[codec] < self.min_sqnr_db):
+                continue
+            model = dataclasses.replace(self, allow=(*self.allow, codec)).model()
+            budget, _ = self.smallest_budget(model, (smallest - model.chain_input, table))
+            if budget < smallest:
+                lower[codec] = budget
+        return lower
+
+    def infeasible(self, budget, what: str, model: CostModel, floor: float = 0) -> str:
+        """The error for ``budget``: its smallest feasible budget (at least ``floor``,
+        what the step needs outside the chain), and the lossy codecs that would fit."""
+        searched, table = self.smallest_budget(model)
+        smallest = max(searched, floor)
+        levers = f"allow={self.allow}" + ("" if self.min_sqnr_db is None else f" and min_sqnr_db={self.min_sqnr_db}")
+        reach = "nested checkpoints included" if table is not None else "single-level plans"
+        message = (f"no {what} fits budget={int(budget):,} bytes ({mib(budget)} MiB) with {levers}: the smallest "
+                   f"feasible budget is {int(smallest):,} bytes ({mib(smallest)} MiB) ({reach}).")
+        lower = {codec: max(b, floor) for codec, b in self.with_codecs(searched, table).items()}
+        lower = {codec: b for codec, b in lower.items() if b < smallest}
+        if lower:
+            fitting = [codec for codec, b in lower.items() if b <= budget]
+            message += " A lossy codec, which keeps inputs in 8 bits and makes gradients approximate, lowers it: " + \
+                ", ".join(f"{codec!r} (expected gradient SQNR {EXPECTED_GRADIENT_SQNR_DB[codec]:g} dB) to "
+                          f"{int(b):,} bytes ({mib(b)} MiB)" for codec, b in lower.items()) + "."
+            if fitting:
+                message += (f" This budget fits with allow={(*self.allow, fitting[0])}"
+                            + (f" (or {', '.join(repr(c) for c in fitting[1:])} in its place)" if fitting[1:] else "")
+                            + ".")
+        message += " Raise the budget, allow more levers, or use a smaller batch."
+        return message
 
 
 def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     """The plan of ``CheckpointedSequential(segments="balanced")``: where segments
     start when a segment starting at layer i keeps its input as ``options[i]`` says
-    (a leaf or non-float input is kept by reference whatever it says, as runtime/store.py
-    does). The smallest predicted peak over single-level plans (each layer recomputed
+    (an input the caller holds, or a non-float one, is kept by reference whatever it
+    says, as runtime/store.py's should_encode decides). The smallest predicted peak over single-level plans (each layer recomputed
     at most once), so a codec or offload that makes kept inputs cheaper buys more,
     shorter segments; among the plans with that peak, the fastest, which on a profile
     without times (meta tensors) is the one that recomputes the fewest layers."""

@@ -33,7 +33,7 @@ from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
 from ..runtime import relu_signs
 from ..runtime.pool_decisions import PoolWatch, Window, pool_at_
 from ..runtime.compressed_saves import stored_once_key
-from ..runtime.store import EXACT, KeepPolicy, modifies_input, should_encode
+from ..runtime.store import EXACT, CallerTensors, KeepPolicy, modifies_input, should_encode
 from ..text import format_table, mib, ms
 from .estimate import LiveBytes, allocation_bytes
 
@@ -63,7 +63,7 @@ class LayerProfile:
     pool_decision_bytes: int  # kept by a lossy segment for this layer's max pools (runtime/pool_decisions.py)
     pool_restore_bytes: int  # the larger of keeping them (forward) and restoring them (recompute)
     modifies_input: bool
-    input_encodable: bool  # False: kept by reference whatever the codec (a leaf, not float)
+    input_encodable: bool  # False: kept by reference whatever the codec (the caller's, not float: store.should_encode)
     kept_bytes: dict
     encode_rise: dict
     decode_rise: dict
@@ -260,12 +260,14 @@ class _SaveLedger:
     of each, as runtime/function.py's _Frame.pack decides) and the max pools it keeps
     decisions for (found by the same :class:`PoolWatch`, which runs with it)."""
 
-    def __init__(self, device, ignored: list, tracker: LiveBytes):
+    def __init__(self, device, ignored: list, tracker: LiveBytes, caller: CallerTensors):
         self.device = device
         self.tracker = tracker
+        self.caller = caller  # the layers' inputs after the first are the chain's activations
         self.layer = 0
         self.layer_input = None
         self.inputs = []  # _Spec of each layer input
+        self.inputs_saved_as_they_are = []  # whether a lossy codec storing saves would hold each as it is
         self.live_before = []  # the tracker's count as each layer starts
         self.input_entries = []  # the entry of each layer input's storage, or None
         self.peak_at_last_save = {}  # layer -> the tracker's peak when it last saved
@@ -279,7 +281,9 @@ class _SaveLedger:
 
     def before_layer(self, i: int, h: torch.Tensor) -> None:
         self.layer, self.layer_input = i, h
-        self.inputs.append(_Spec.of(h))
+        self.inputs.append(_Spec.of(h, self.caller if i > 0 else None))
+        # runtime/compressed_saves.py asks of a save what it asks outside a chain.
+        self.inputs_saved_as_they_are.append(not should_encode(h))
         self.live_before.append(self.tracker.live)
 
     def after_layer(self, i: int, h: torch.Tensor) -> None:
@@ -413,6 +417,7 @@ class _Structure:
         n, device = len(forward_rise), ledger.device
         self.loss_rise = loss_rise
         self.inputs = ledger.inputs
+        self.inputs_saved_as_they_are = ledger.inputs_saved_as_they_are
         self.forward_rise, self.backward_rise = forward_rise, backward_rise
         self.rise_to_last_save = [ledger.peak_at_last_save[i] - ledger.live_before[i]
                                   if i in ledger.peak_at_last_save else 0 for i in range(n)]
@@ -552,7 +557,7 @@ def _measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: tor
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     known = [*model.parameters(), *model.buffers(), *grads, x]
     tracker = LiveBytes(device, known=known)
-    ledger = _SaveLedger(device, ignored=known, tracker=tracker)
+    ledger = _SaveLedger(device, ignored=known, tracker=tracker, caller=CallerTensors(x, model))
     with tracker, saved_tensors_hooks(ledger.pack, ledger.unpack), ledger.pools.watching():
         try:
             forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
@@ -618,8 +623,9 @@ class _Spec:
     encodable: bool  # whether actsave would encode or offload it: store.should_encode
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "_Spec":
-        return cls(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), t.requires_grad, should_encode(t))
+    def of(cls, t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> "_Spec":
+        """``made_by``: ``t`` is a layer input after the first, made by the chain."""
+        return cls(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), t.requires_grad, should_encode(t, made_by))
 
     @property
     def dense_bytes(self) -> int:
@@ -809,7 +815,8 @@ def _stored_saves(found: _Structure, costs: _CodecCosts) -> StoredSaves:
         tensors=tuple(_stored_tensor(entry, costs) for entry in recorded.entries.values()),
         encode_rise=tuple(encode_rise), decode_rise=tuple(decode_rise), decoded_bytes=tuple(decoded_bytes),
         decode_s=tuple(decode_s),
-        input_held_by=tuple(None if spec.encodable else span for spec, span in zip(found.inputs, found.input_saved_by)),
+        input_held_by=tuple(span if as_it_is else None
+                            for as_it_is, span in zip(found.inputs_saved_as_they_are, found.input_saved_by)),
         output_held_by=None if found.output_encodable else found.output_saved_by,
     )
 

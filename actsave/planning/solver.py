@@ -80,6 +80,36 @@ def smallest_headroom(model: CostModel, longest: Optional[int] = None) -> float:
     return float(_smallest_headrooms(model, longest)[1][0, 0].min())
 
 
+def smallest_nested_headroom(model: CostModel, longest: Optional[int] = None,
+                             start: Optional[tuple] = None) -> tuple:
+    """(H, table): the least H within which :func:`fastest_within` with ``nest=True``
+    finds a plan, and the nested table searched there (None where it does not nest).
+
+    Below the single-level least H only nested segments help. Their table's grid is
+    set by the headroom (NestedTable.unit_for: about H / GRID), and a plan that fits on
+    one grid fits on every finer one (each term rounds up to no more), so the least H
+    on one grid is searched again on the finer grid of that H, until the grid is that
+    H's own (there a smaller H gives the same least). ``start``: (H, table) of this
+    search for the same profile with fewer options: its plans are plans here too, so
+    the search begins from its least, on its table (no table is built where the
+    grid stays)."""
+    headroom = smallest_headroom(model, longest)
+    if not NestedTable.nests(model, headroom, longest):
+        return headroom, None
+    if start is not None and start[1] is not None and start[0] <= headroom:
+        headroom, candidate = start[0], start[1].for_options_of(model)
+    else:
+        candidate = NestedTable(model, headroom)
+    while True:
+        least = float(_smallest_headrooms(model, longest, candidate)[1][0, 0].min())
+        if least > headroom:  # nesting does not reach below the single-level least
+            return headroom, candidate
+        headroom, table = least, candidate
+        if NestedTable.unit_for(headroom) == candidate.unit or not NestedTable.nests(model, headroom, longest):
+            return headroom, table
+        candidate = NestedTable(model, headroom)
+
+
 def _smallest_headrooms(model: CostModel, longest: Optional[int] = None,
                         nested: Optional[NestedTable] = None) -> tuple:
     """(carries, h): h[z, a, c] the docstring's right-to-left recurrence h_z(a), for

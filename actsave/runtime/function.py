@@ -87,7 +87,7 @@ from .layers import LayerChain, known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState, TouchedState
-from .store import EXACT, KeepPolicy, KeptInputs, input_tensors
+from .store import EXACT, CallerTensors, KeepPolicy, KeptInputs, input_tensors
 
 _local = threading.local()
 
@@ -383,17 +383,20 @@ def checkpointed_call(
     policy: KeepPolicy,
     private_copy: bool = False,
     options: RecomputeOptions = DEFAULT_RECOMPUTE,
+    made_by: Optional[CallerTensors] = None,
 ) -> tuple:
     """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
 
     Returns ``(output, kept_bytes)``: the function's output, untouched, and the bytes
     kept for its backward (inputs and ReLU sign bits; 0 when nothing needs a backward). ``private_copy`` makes
     the kept inputs private copies, for functions that modify their inputs in place.
-    ``options`` say how to recompute (recompute_options.py). See NOTE [ Segment checkpoint mechanism ].
+    ``options`` say how to recompute (recompute_options.py). ``made_by``: the inputs
+    are a chain's activations, made by its layers before (store.should_encode). See
+    NOTE [ Segment checkpoint mechanism ].
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
-    return _checkpointed_call(function, args, kwargs, policy, private_copy, options)
+    return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
 
 
 # NOTE [ torch.compile ]
@@ -405,12 +408,12 @@ def checkpointed_call(
 # forward and recompute alike. For compiled segments, compile the layers and then
 # checkpoint them: forward and recompute then run the same compiled code.
 @torch.compiler.disable
-def _checkpointed_call(function, args, kwargs, policy, private_copy, options):
+def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None):
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         policy = EXACT
     inputs = input_tensors(args, kwargs)
     replay = ReplayState.capture(inputs, options.preserve_rng_state)
-    kept = KeptInputs(args, kwargs, policy, private_copy)
+    kept = KeptInputs(args, kwargs, policy, private_copy, made_by)
     frame = _Frame(function, kept, replay, args, kwargs, options, inputs)
     try:
         with frame.forward_hooks():

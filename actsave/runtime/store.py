@@ -9,8 +9,10 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from torch import nn
 
 from .._torch import leaf_base, pytree, version
 from ..codecs import IDENTITY, Codec, Packed, get_codec
@@ -104,14 +106,44 @@ class KeepPolicy:
 EXACT = KeepPolicy()
 
 
-def should_encode(t: torch.Tensor) -> bool:
-    """Whether a codec (and offload) applies to ``t``: a floating-point tensor that
-    autograd produced and that is not a view of a leaf."""
-    # Leaf tensors (parameters, the batch, anything that does not require grad) and
-    # their views (``weight.t()``) are held elsewhere anyway: encoding or offloading
-    # them would add memory, copies and error, and free nothing. Integer and bool
-    # tensors are never quantized.
-    return t.is_floating_point() and leaf_base(t) is None
+class CallerTensors:
+    """The tensors the caller of a chain of layers holds whatever actsave keeps: the
+    chain's input, and the parameters and buffers of its layers (``module``)."""
+
+    def __init__(self, chain_input, module: nn.Module):
+        self._input = leaf_base(chain_input) if isinstance(chain_input, torch.Tensor) else None
+        self._module = module
+        self._buffers = None  # ids, gathered at the first question (frozen layers only)
+
+    def hold(self, leaf: torch.Tensor) -> bool:
+        """Whether ``leaf`` (a leaf tensor) is one of them."""
+        if leaf is self._input or leaf.requires_grad or isinstance(leaf, nn.Parameter):
+            return True  # a leaf that needs grad is the caller's: autograd makes none
+        if self._buffers is None:
+            self._buffers = {id(b) for b in self._module.buffers()}
+        return id(leaf) in self._buffers
+
+
+def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> bool:
+    """Whether a codec (and offload) applies to ``t``, a kept input: a floating-point
+    tensor that nobody else holds.
+
+    That is a tensor autograd produced, not a view of a leaf. ``made_by``: ``t`` is
+    the input of a segment after the first of a chain, the output of the layers before
+    it; then a tensor that needs no grad (made by layers whose parameters need none: a
+    frozen prefix, as in fine-tuning) is one too, unless it is, or is a view of, one of
+    the tensors the chain's caller holds (the chain input, a parameter, a buffer). The
+    planner's profile asks the same question of each layer input (LayerProfile.input_encodable)."""
+    # The caller's tensors (parameters, the batch) and their views (``weight.t()``) are
+    # held elsewhere anyway: encoding or offloading them would add memory, copies and
+    # error, and free nothing. A tensor that needs no grad looks like a leaf, so
+    # outside a chain, where its maker is unknown (a mask or rotary table made under
+    # no_grad, shared by every block), it is taken for one. Integer and bool tensors
+    # are never quantized.
+    if not t.is_floating_point():
+        return False
+    leaf = leaf_base(t)
+    return leaf is None or (made_by is not None and not made_by.hold(leaf))
 
 
 def modifies_input(function) -> bool:
@@ -172,9 +204,10 @@ class _KeptTensor:
     """One tensor input, stored by a codec (on the device or the host) until the
     recompute asks for it back."""
 
-    def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool):
+    def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool,
+                 made_by: Optional[CallerTensors] = None):
         self.requires_grad = tensor.requires_grad
-        held_elsewhere = not should_encode(tensor)
+        held_elsewhere = not should_encode(tensor, made_by)
         self.codec = IDENTITY if held_elsewhere else policy.codec
         # A tensor that needs no grad is kept as the very object (torch's checkpoint
         # gives the same object back to a custom Function that saved it).
@@ -286,12 +319,16 @@ class KeptInputs:
 
     With offload it is one item of a :class:`~actsave.offload.PrefetchTape`, the one of
     the thread that ran the forward (the backward may run on another).
+
+    ``made_by``: the inputs were made by the layers of a chain before them, whose
+    caller holds these tensors (:func:`should_encode`).
     """
 
-    def __init__(self, args: tuple, kwargs: dict, policy: KeepPolicy, private_copy: bool):
+    def __init__(self, args: tuple, kwargs: dict, policy: KeepPolicy, private_copy: bool,
+                 made_by: Optional[CallerTensors] = None):
         leaves, self._spec = flatten_inputs(args, kwargs)
         self._leaves = [
-            _KeptTensor(leaf, policy, private_copy) if isinstance(leaf, torch.Tensor) else leaf
+            _KeptTensor(leaf, policy, private_copy, made_by) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves
         ]
         self._tensors = [leaf for leaf in self._leaves if isinstance(leaf, _KeptTensor)]
@@ -402,4 +439,4 @@ def input_tensors(args: tuple, kwargs: dict) -> list:
     return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
-__all__ = ["KeepPolicy", "KeptInputs", "EXACT", "stored_bytes", "input_tensors", "modifies_input"]
+__all__ = ["KeepPolicy", "KeptInputs", "CallerTensors", "EXACT", "stored_bytes", "input_tensors", "modifies_input"]

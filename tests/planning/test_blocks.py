@@ -54,9 +54,9 @@ def assert_gradients_match(plain: nn.Module, planned: nn.Module, plan: actsave.B
         assert sqnr_db(*flat) >= LOSSY_SQNR_FLOOR_DB
 
 
-def planned_copy(plain: nn.Module, block, budget: int, example_inputs) -> tuple:
+def planned_copy(plain: nn.Module, block, budget: int, example_inputs, **levers) -> tuple:
     model = copy.deepcopy(plain)
-    plan = actsave.plan_blocks(model, block, budget, example_inputs)
+    plan = actsave.plan_blocks(model, block, budget, example_inputs, **levers)
     return actsave.wrap(model, plan), plan
 
 
@@ -137,7 +137,17 @@ def test_codecs_buy_a_budget_exact_checkpoints_cannot_reach(llama8):
         actsave.plan_blocks(plain, decoder_block("llama"), 1, batch, allow=("recompute",))
     exact_smallest = int(re.search(r"smallest feasible budget is ([\d,]+) bytes", str(error.value))
                          .group(1).replace(",", ""))
-    model, plan = planned_copy(plain, decoder_block("llama"), exact_smallest - 1, batch)
+    # Lossy codecs are opt-in (issue 34): below the exact smallest the default levers
+    # raise, naming the codec that fits and from what budget.
+    with pytest.raises(ConfigError, match=r"'int8' \(expected gradient SQNR 33 dB\) to ([\d,]+) bytes.*"
+                                          r"This budget fits with allow=\('recompute', 'int8'\)") as error:
+        actsave.plan_blocks(plain, decoder_block("llama"), exact_smallest - 1, batch)
+    int8_smallest = int(re.search(r"'int8' \(expected gradient SQNR 33 dB\) to ([\d,]+) bytes", str(error.value))
+                        .group(1).replace(",", ""))
+    actsave.plan_blocks(plain, decoder_block("llama"), int8_smallest, batch, allow=("recompute", "int8"))
+    with pytest.raises(ConfigError):
+        actsave.plan_blocks(plain, decoder_block("llama"), int8_smallest - 1, batch, allow=("recompute", "int8"))
+    model, plan = planned_copy(plain, decoder_block("llama"), exact_smallest - 1, batch, allow=("recompute", "int8"))
     assert any(option is not None and option.lossy for option in plan.options), str(plan)
     assert step_peak_bytes(model, batch) <= plan.predicted_peak_bytes < exact_smallest
     assert_gradients_match(plain, model, plan, batch)

@@ -1,4 +1,6 @@
 """plan(), the presets of CheckpointedSequential, the levers, and bad input."""
+import re
+
 import pytest
 import torch
 from support import (
@@ -39,13 +41,85 @@ def test_presets_plan_at_construction(strategy):
         assert plan.predicted_peak_bytes == actsave.plan(prof, None, objective="memory").predicted_peak_bytes
 
 
+EVERY_CODEC = ("recompute", "int8", "fp8", "fp8_e5m2")
+
+
+def conv_chain(blocks: int = 8, channels: int = 16) -> list:
+    torch.manual_seed(0)
+    layers = [m for _ in range(blocks) for m in (nn.Conv2d(channels, channels, 3, padding=1),
+                                                    nn.BatchNorm2d(channels), nn.ReLU(inplace=True))]
+    return [*layers, nn.Flatten(), nn.Linear(channels * 16 * 16, 10)]
+
+
+def smallest_in(error: ConfigError, what: str = r"the smallest feasible budget is") -> int:
+    return int(re.search(what + r" ([\d,]+) bytes", str(error)).group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("strategy, share", [("memory", None), ("auto", 0.5), ("auto", 0.4)])
+def test_planned_segments_are_exact_unless_a_codec_is_allowed(strategy, share):
+    # Issue 34: a budget picked lossy codecs nobody asked for (before: int8 in 1 or 2
+    # segments of this 26-layer CNN at 40% and 50% of plain's peak, fp8 for the
+    # smallest peak), although the README calls "auto" exact.
+    layers, x = conv_chain(), torch.randn(8, 16, 16, 16)
+    plain = nn.Sequential(*layers)
+    budget = None if share is None else int(share * plans.predict(actsave.profile(plain, (x,)), [0]).predicted_peak_bytes)
+    model = CheckpointedSequential(*twin(plain), segments=strategy, budget=budget, example_inputs=(x,))
+    assert set(model.applied_plan.codecs) <= {"none"} and model.applied_plan.stored_codec == "none"
+    assert_same_training(plain, model, x)
+    if strategy == "memory":
+        lossy = CheckpointedSequential(*twin(plain), segments=strategy, example_inputs=(x,), allow=EVERY_CODEC)
+        assert set(lossy.applied_plan.codecs) - {"none"}
+        assert lossy.applied_plan.predicted_peak_bytes < model.applied_plan.predicted_peak_bytes
+
+
+def test_an_infeasible_exact_budget_names_the_codecs_that_fit_and_from_what_budget():
+    prof = actsave.profile(nn.Sequential(*deep_mlp()), (torch.randn(128, 64),))
+    exact = actsave.plan(prof, None, objective="memory").predicted_peak_bytes
+    budget = exact - 1
+    with pytest.raises(ConfigError, match="This budget fits with allow=\\('recompute', 'offload', 'int8'\\)") as error:
+        actsave.plan(prof, budget, objective="memory")
+    assert smallest_in(error.value) == exact
+    for codec in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        named = smallest_in(error.value, f"'{codec}' \\(expected gradient SQNR [\\d.]+ dB\\) to")
+        assert named == actsave.plan(prof, None, objective="memory", allow=("recompute", codec)).predicted_peak_bytes
+        assert named <= budget
+    # min_sqnr_db leaves out the codecs below it, in the plan and in the error alike.
+    with pytest.raises(ConfigError) as error:
+        actsave.plan(prof, budget, objective="memory", min_sqnr_db=30)
+    assert "'int8'" in str(error.value) and "fp8" not in str(error.value)
+
+
+def test_an_infeasible_budget_names_the_smallest_budget_its_search_reaches_nested_included():
+    # Issue 34: the error named the smallest single-level budget, and a budget below it
+    # then planned (nested).
+    prof = actsave.profile(nn.Sequential(*deep_mlp(16, 64)), (torch.randn(256, 64),))
+    single = actsave.plan(prof, None, objective="memory", allow=("recompute",)).predicted_peak_bytes
+    with pytest.raises(ConfigError, match=r"\(nested checkpoints included\)") as error:
+        actsave.plan(prof, single // 4, allow=("recompute",))
+    smallest = smallest_in(error.value)
+    assert smallest < 0.7 * single
+    plan = actsave.plan(prof, smallest, allow=("recompute",))
+    assert any(r is not None for r in plan.nested) and plan.predicted_peak_bytes <= smallest
+    with pytest.raises(ConfigError) as error:
+        actsave.plan(prof, smallest - 1, allow=("recompute",))
+    assert smallest_in(error.value) == smallest
+    # The memory objective plans single-level: its smallest is the single-level one.
+    with pytest.raises(ConfigError, match=r"\(single-level plans\)") as error:
+        actsave.plan(prof, single - 1, objective="memory", allow=("recompute",))
+    assert smallest_in(error.value) == single
+
+
 def test_min_sqnr_and_allow_choose_the_codecs():
     prof = actsave.profile(nn.Sequential(*deep_mlp()), (torch.randn(128, 64),))
-    tight = actsave.plan(prof, None, objective="memory").predicted_peak_bytes
+    tight = actsave.plan(prof, None, objective="memory", allow=EVERY_CODEC).predicted_peak_bytes
 
     def codecs(**levers):
+        levers.setdefault("allow", EVERY_CODEC)
         return {c for p in (actsave.plan(prof, None, objective="memory", **levers),) for c in p.codecs}
 
+    # Lossy codecs are opt-in (issue 34): the default levers are exact.
+    assert codecs(allow=plans.DEFAULT_ALLOW) == {"none"} and actsave.plan(prof, None, objective="memory").codecs \
+        == actsave.plan(prof, None, objective="memory", allow=("recompute",)).codecs
     assert codecs() - {"none"}, "at the smallest peak some inputs are compressed"
     assert codecs(min_sqnr_db=30) <= {"none", "int8"}
     assert codecs(min_sqnr_db=40) == codecs(allow=("recompute",)) == {"none"}
@@ -55,12 +129,14 @@ def test_min_sqnr_and_allow_choose_the_codecs():
         actsave.plan(prof, tight // 4, allow=("recompute",))
 
 
-def test_offload_is_a_lever_on_cuda_only():
+def test_offload_is_a_lever_on_cuda_only_and_codecs_are_opt_in():
     cpu = plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu")
     cuda = plans.keep_options(plans.DEFAULT_ALLOW, None, "cuda:0")
-    assert not any(o.offload for o in cpu)
+    assert {(o.codec.name, o.offload) for o in cpu} == {("none", False)}
+    assert {(o.codec.name, o.offload) for o in cuda} == {("none", False), ("none", True)}
     codecs = ("none", "int8", "fp8_e4m3")
-    assert {(o.codec.name, o.offload) for o in cuda} == {(c, f) for c in codecs for f in (False, True)}
+    named = plans.keep_options(("recompute", "int8", "fp8", "offload"), None, "cuda:0")
+    assert {(o.codec.name, o.offload) for o in named} == {(c, f) for c in codecs for f in (False, True)}
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +176,14 @@ def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
         CheckpointedSequential(*deep_mlp(3)).apply_plan(actsave.plan(small_profile, None, objective="memory"))
     with pytest.raises(ConfigError, match="segments='auto' needs budget="):
         CheckpointedSequential(*deep_mlp(2), segments="auto", example_inputs=(x,))
-    with pytest.raises(ConfigError, match="segments='speed' chooses codecs and offload itself"):
+    with pytest.raises(ConfigError, match=r"segments='speed' chooses codecs and offload itself.*allow="):
         CheckpointedSequential(*deep_mlp(2), segments="speed", budget=2**20, example_inputs=(x,),
                                compress="int8")
     with pytest.raises(ConfigError, match="used by segments=.* only"):
         CheckpointedSequential(*deep_mlp(2), segments="sqrt", budget=2**20)
-    with pytest.raises(ConfigError, match="loss= are used by segments=.* only"):
+    with pytest.raises(ConfigError, match="allow= are used by segments=.* only"):
+        CheckpointedSequential(*deep_mlp(2), segments=2, allow=("recompute",))
+    with pytest.raises(ConfigError, match="loss= .* used by segments=.* only"):
         CheckpointedSequential(*deep_mlp(2), loss=lambda y: y.sum())
 
 

@@ -7,7 +7,8 @@ import torch
 import actsave
 from actsave import ConfigError
 from actsave.codecs import sqnr_db
-from actsave.runtime.store import EXACT, KeepPolicy, KeptInputs
+from actsave.runtime.store import EXACT, CallerTensors, KeepPolicy, KeptInputs, should_encode
+from support import codes_and_scales
 
 
 def test_kept_inputs_count_tensors_and_keep_other_values():
@@ -71,3 +72,23 @@ def test_unsigned_kept_input_restores_closer_with_the_same_bytes():
     (from_signed,), _ = signed.restore()
     (from_unsigned,), _ = unsigned.restore()
     assert sqnr_db(x, from_unsigned) >= sqnr_db(x, from_signed) + 5.0  # 38 vs 32 dB
+
+
+def test_a_chain_activation_that_needs_no_grad_is_encoded_the_callers_tensors_are_not():
+    # Issue 34: an activation made by a frozen prefix has no grad_fn, so it looked like
+    # a leaf and was held exactly whatever its codec and offload.
+    frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+    owner = torch.nn.Sequential(frozen)
+    owner.register_buffer("table", torch.randn(8, 8))
+    batch = torch.randn(16, 8)
+    made_by = CallerTensors(batch, owner)
+    activation = frozen(batch)
+    assert activation.grad_fn is None and not should_encode(activation)  # outside a chain: anyone's
+    assert should_encode(activation, made_by) and should_encode(activation.t(), made_by)
+    # The caller's own tensors (and views of them) stay held by reference.
+    for held in (batch, batch[1:], frozen.weight, frozen.weight.t(), owner.table, torch.randn(4, requires_grad=True)):
+        assert not should_encode(held, made_by)
+    assert not should_encode(activation.long(), made_by)  # never an integer tensor
+    kept = KeptInputs((activation,), {}, KeepPolicy.resolve("int8"), False, made_by)
+    assert kept.lossy and kept.nbytes == codes_and_scales(16 * 8)
+    kept.release()
