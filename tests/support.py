@@ -125,9 +125,11 @@ def channel_means(channels: int) -> int:
 def peak_activation_bytes(model: nn.Module, x: torch.Tensor, loss=None) -> int:
     """MemTracker peak of one training step, less parameters, buffers and gradients: the
     backward from ``loss(out)``, or without a loss from a gradient of ones. A model that
-    plans at its first call does so in an unmeasured forward first."""
+    plans at its first call does so in an unmeasured step first, which also makes what
+    a first step caches for good (the CPU's ReLU decision tables, 4 KiB)."""
     if plans_at_first_call(model):
-        model(x)
+        out = model(x)
+        out.backward(torch.ones_like(out))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     static = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
