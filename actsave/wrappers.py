@@ -146,7 +146,10 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     ``filter_fn`` is ``callable(module, fqn) -> bool`` or an ``nn.Module`` subclass
     (or a non-empty tuple of them). ``model`` itself is never wrapped, nor is anything
     inside a module that is wrapped already. ``state_dict`` keys do not change. The
-    other arguments are given to each :class:`Checkpoint` (see :func:`checkpoint`).
+    other arguments are given to each :class:`Checkpoint` (see :func:`checkpoint`); a
+    :class:`Checkpoint` from an earlier call whose module ``filter_fn`` selects takes
+    them in place of its own (``wrap(model, Block, compress="int8")`` after
+    ``wrap(model, Block)`` makes every block int8).
 
     With ``budget`` (bytes) and ``example_inputs``, each selected block is checkpointed
     or kept plain, and keeps its input exactly or by a codec, as
@@ -181,6 +184,10 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     for block in blocks:
         if not block.wrapped:
             block.replace(_checkpoint_of(block.module, policy, options))
+        elif matches(block.module.module, block.fqn):
+            # Wrapped by an earlier call and selected again: this call's options win,
+            # as they would for a module wrapped now (never the old ones, silently).
+            block.module.policy, block.module.recompute = policy, options
     if not blocks:
         warnings.warn(f"actsave.wrap: filter_fn={filter_fn!r} selected no submodule of the "
                       f"{type(model).__name__}, so nothing is checkpointed; check the class or predicate "
@@ -303,7 +310,8 @@ class Block(NamedTuple):
 def matching_blocks(model: nn.Module, matches, prefix: str = "") -> list:
     """The :class:`Block` s of ``model`` that ``matches(module, fqn)`` selects, in
     module order: never ``model`` itself, nor anything inside a selected module; a
-    :class:`Checkpoint` counts as selected (by an earlier :func:`wrap`)."""
+    :class:`Checkpoint` counts as selected (by an earlier :func:`wrap`), and nothing
+    inside it is asked."""
     found = []
     for name, child in model.named_children():
         fqn = prefix + name

@@ -5,13 +5,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from support import ResidualBlock, ResidualNet, assert_same_training, mixed_chain, twin
+from support import ResidualBlock, ResidualNet, assert_same_training, codes_and_scales, mixed_chain, twin
 from torch import nn
 from torch.utils.checkpoint import CheckpointError, noop_context_fn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import actsave
 from actsave import Checkpoint, CheckpointedSequential, ConfigError, checkpoint, wrap
+from actsave.runtime.store import KeepPolicy
 
 
 # --- checkpoint(function, *args, **kwargs) ------------------------------------------
@@ -143,7 +144,7 @@ def test_wrap_passes_fully_qualified_names_and_skips_wrapped_subtrees():
     assert "blocks.0" in seen and "blocks.0.fc" not in seen and "blocks.1.fc" in seen
     seen.clear()
     wrap(model, lambda module, fqn: seen.append(fqn) or isinstance(module, nn.Linear))
-    assert not any(name.startswith("blocks.0") for name in seen)
+    assert "blocks.0" in seen and not any(name.startswith("blocks.0.") for name in seen)
     assert isinstance(model.blocks[1].fc, Checkpoint) and not isinstance(model.blocks[0].module.fc, Checkpoint)
 
 
@@ -166,6 +167,22 @@ def test_wrap_warns_when_nothing_matches_but_not_when_called_again():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         wrap(model, ResidualBlock)  # already wrapped: nothing new, nothing wrong
+
+
+def test_wrapping_again_applies_the_new_options():
+    # Issue 34: a second wrap(model, Block, compress="int8") kept the first call's
+    # options, silently (gradients bit-equal to plain).
+    model = wrap(ResidualNet(width=64), ResidualBlock)
+    wrap(model, ResidualBlock, compress="int8", offload=True, preserve_rng_state=False)
+    assert all(block.policy == KeepPolicy.resolve("int8", True) and not block.recompute.preserve_rng_state
+               for block in model.blocks)
+    out = model(torch.randn(16, 64))
+    # The inputs of blocks 1 and 2 in 8 bits on the host; block 0's, the batch, by reference.
+    assert actsave.stored_bytes() == {"device": 16 * 64 * 4, "host": 2 * codes_and_scales(16 * 64)}
+    out.sum().backward()
+    # A Checkpoint the filter does not select keeps its options.
+    wrap(model, lambda module, fqn: fqn == "blocks.0", compress="fp8")
+    assert [block.policy.codec.name for block in model.blocks] == ["fp8_e4m3", "int8", "int8"]
 
 
 # --- torch.utils.checkpoint.checkpoint's keywords ------------------------------------
