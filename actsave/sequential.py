@@ -244,7 +244,9 @@ class CheckpointedSequential(nn.Sequential):
             optimizer state (planning/memory_model.py, "Budget").
         example_inputs: ``(x,)``, a batch like those of training, for the planned
             strategies.
-        loss: for the planned strategies, the training step's loss as a function of
+        loss: for the planned strategies only (``"auto"``, ``"speed"``, ``"memory"``;
+            with the others it raises: ``"balanced"`` plans on meta tensors, without
+            a step to run it in), the training step's loss as a function of
             the chain's output (``lambda logits: F.cross_entropy(logits, targets)``
             with example targets): the profiled step runs it, so the plan counts its
             memory (a cross-entropy keeps a logits-sized log-softmax and its backward
@@ -300,7 +302,8 @@ class CheckpointedSequential(nn.Sequential):
             self.set_compression(layer, codec)
         for layer, flag in layer_offload.items():
             self.set_offload(layer, flag)
-        self._last_kept_bytes = {}
+        self._last_kept_bytes = {}  # segment start -> bytes kept at the last training call
+        self._last_by_reference = {}  # segment start -> bytes of the input its caller held then
         self.applied_plan = None  # the last plan applied; later per-layer changes are not in it
         if planned:
             self.apply_plan(_planned(self, segments, budget, example_inputs, loss, allow))
@@ -357,7 +360,7 @@ class CheckpointedSequential(nn.Sequential):
         if not torch.is_grad_enabled():
             return super().forward(input)
         layers = list(self)
-        self._last_kept_bytes = {}
+        self._last_kept_bytes, self._last_by_reference = {}, {}
         starts = self._starts_for(input, layers)
         tape = current_tape()
         caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)
@@ -367,6 +370,7 @@ class CheckpointedSequential(nn.Sequential):
             policy = self._segment_policy(segment, layers)
             private_copy = modifies_input(layers[segment.start])
             made_by = caller if segment.start > 0 else None
+            held = _held_by_caller(input, made_by) if segment.checkpointed else 0
             if segment.nested is not None:
                 input, kept = nested_call(run.layers, segment.nested, input, private_copy)
             elif segment.checkpointed:
@@ -377,6 +381,8 @@ class CheckpointedSequential(nn.Sequential):
             else:
                 input, kept = run(input), None  # autograd holds the saves
             self._last_kept_bytes[segment.start] = kept
+            if held:
+                self._last_by_reference[segment.start] = held
         return input
 
     @property
@@ -445,15 +451,17 @@ class CheckpointedSequential(nn.Sequential):
 
     def describe(self) -> str:
         """A per-layer table: segment, what it keeps (a checkpointed segment its
-        ``input``, the last segment what autograd ``saves``), codec, offload, and bytes
-        actsave kept at the last forward (with ReLU and max-pool decisions; none when the exact
-        last segment's saves are autograd's own).
+        ``input``, the last segment what autograd ``saves``), codec, where, and bytes
+        actsave kept at the last training call (with ReLU and max-pool decisions; none
+        when the exact last segment's saves are autograd's own).
 
-        Codec and offload are the layer's settings. A leaf input (the batch, at layer 0)
-        is kept by reference on the device whatever they say, as its bytes show. With
-        ``segments="balanced"`` the segments are those of the last training call, and
-        a first line says for which input and what peak the plan predicted."""
-        rows = [("layer", "name", "type", "segment", "keeps", "codec", "offload", "kept bytes")]
+        Codec and where are the layer's settings, in the words of a printed
+        :class:`~actsave.Plan`: ``device``, or ``host`` with offload. An input its
+        caller holds (the batch at layer 0, a leaf) was kept ``by reference`` at the
+        last training call whatever they say: exactly, and not counted in its bytes.
+        With ``segments="balanced"`` the segments are those of the last training
+        call, and a first line says for which input and what peak the plan predicted."""
+        rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "kept bytes")]
         names = list(self._modules)
         if self.segments == BALANCED:
             header, starts = self._balanced.describe_last()
@@ -467,12 +475,19 @@ class CheckpointedSequential(nn.Sequential):
             for i in range(segment.start, segment.stop):
                 row = (str(i), names[i], type(self[i]).__name__, str(number))
                 if i == segment.start:
-                    codec, offload = self._segment_policy(segment, list(self)).describe()
-                    offload = offload if segment.checkpointed else "-"
-                    kept = self._last_kept_bytes.get(i)
-                    row += (keeps, codec, offload, "" if kept is None else str(kept))
+                    row += (keeps, *self._describe_kept(segment, list(self)))
                 rows.append(row + ("",) * (len(rows[0]) - len(row)))
         return format_table(rows) if header is None else header + "\n" + format_table(rows)
+
+    def _describe_kept(self, segment: Segment, layers: list) -> tuple:
+        """(codec, where, kept bytes) of describe()'s row for ``segment``."""
+        policy = self._segment_policy(segment, layers)
+        kept = self._last_kept_bytes.get(segment.start)
+        if segment.start in self._last_by_reference:
+            # The caller's tensor itself: only the decisions kept beside it are actsave's.
+            return "none", "by reference", str(kept - self._last_by_reference[segment.start])
+        where = plans.where_kept(policy.offload) if segment.checkpointed else "-"
+        return policy.codec.name, where, "" if kept is None else str(kept)
 
     def _segment_policy(self, segment: Segment, layers: list) -> KeepPolicy:
         """How ``segment`` keeps what it keeps: its first layer's settings, except that
@@ -577,6 +592,15 @@ class _BalancedPlans:
                 f"{plan.predicted_peak_bytes / 2**20:.2f} MiB", list(plan.starts))
 
 
+def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:
+    """The bytes of a segment's tensor ``input`` if it is kept by reference (its caller
+    holds it: store.should_encode), counted as a codec counts a tensor; else 0 (for
+    other inputs too: describe() reports tensor inputs only)."""
+    if not isinstance(input, torch.Tensor) or should_encode(input, made_by):
+        return 0
+    return input.numel() * input.element_size()
+
+
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first frame outside actsave and
     torch (the user's call of the model), however deep the module call went."""
@@ -657,10 +681,16 @@ def _check_modules(modules: tuple) -> None:
 def _check_planning_arguments(segments, planned: bool, budget, example_inputs, loss, compress, offload,
                               allow) -> None:
     if not planned:
-        if budget is not None or example_inputs is not None or loss is not None or allow is not None:
+        given = [name for name, value in (("budget", budget), ("example_inputs", example_inputs), ("loss", loss),
+                                          ("allow", allow)) if value is not None]
+        if given:
+            # segments="balanced" plans on meta tensors, with no step to run a loss in;
+            # fixed segments plan nothing: these would change nothing, silently.
             raise ConfigError(
-                f"budget=, example_inputs=, loss= and allow= are used by segments={list(_PLANNED_STRATEGIES)} only, "
-                f"not by segments={segments!r}"
+                f"{', '.join(name + '=' for name in given)} plan a profiled training step, which only "
+                f"segments={list(_PLANNED_STRATEGIES)} run, not segments={segments!r}: for the fastest "
+                "segments within a budget pass segments='auto', budget= and example_inputs= (and loss= to count "
+                "the loss's memory), or leave them out"
             )
         return
     if example_inputs is None:

@@ -487,9 +487,12 @@ def test_describe_lists_every_layer_with_its_segment_and_kept_bytes():
     model = as_checkpointed(mixed_chain(), segments=4)
     model(torch.randn(8, 16, requires_grad=True)).sum().backward()
     lines = model.describe().splitlines()
-    assert lines[0].split() == ["layer", "name", "type", "segment", "keeps", "codec", "offload", "kept", "bytes"]
+    assert lines[0].split() == ["layer", "name", "type", "segment", "keeps", "codec", "where", "kept", "bytes"]
     assert len(lines) == 1 + len(model)
-    assert lines[1].split() == ["0", "0", "Linear", "0", "input", "none", "-", str(8 * 16 * 4)]
+    # The batch is the caller's: kept by reference, none of actsave's bytes.
+    assert lines[1].split() == ["0", "0", "Linear", "0", "input", "none", "by", "reference", "0"]
+    second = lines[1 + plan_segments(len(model), 4)[1].start].split()
+    assert second[4:7] == ["input", "none", "device"] and int(second[7]) > 0
     last_start = plan_segments(len(model), 4)[-1].start
     # The exact last segment's saves are autograd's own: no bytes of actsave's.
     assert lines[1 + last_start].split()[4:] == ["saves", "none", "-"]
@@ -594,3 +597,22 @@ def out_of_place(model):
         if getattr(module, "inplace", False):
             module.inplace = False
     return model
+
+
+def test_describe_and_the_balanced_plan_say_where_each_input_is_kept_in_the_same_words():
+    # Issue 34: describe() showed the batch, which the caller holds and actsave keeps by
+    # reference, as "input int8 host 8192", and the balanced plan said "device" where
+    # describe() said "host".
+    torch.manual_seed(0)
+    model = CheckpointedSequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.ReLU())],
+                                   compress="int8", offload=True)
+    model(torch.randn(32, 64)).sum().backward()
+    lines = model.describe().splitlines()
+    assert lines[1].split()[4:] == ["keeps", "codec", "where", "kept", "bytes"]
+    kept = {int(row[0]): row[4:] for row in map(str.split, lines[2:]) if len(row) > 4}
+    assert kept[0] == ["input", "none", "by", "reference", "0"]
+    plan_rows = [row.split() for row in model.balanced_plan.table(every_segment=True).splitlines()[2:]]
+    checkpointed = {int(row[1].split("-")[0]): row[2:4] for row in plan_rows if row[2] != "stored"}
+    assert len(checkpointed) > 2 and checkpointed.pop(0) == ["none", "device"]
+    assert all(kept[start][1:3] == where for start, where in checkpointed.items()), (kept, checkpointed)
+    assert {tuple(where) for where in checkpointed.values()} == {("int8", "host")}

@@ -160,21 +160,56 @@ class Plan:
         return list(zip(self.starts, stops, options))
 
     def __str__(self) -> str:
+        return self.table()
+
+    def table(self, every_segment: bool = False) -> str:
+        """The plan as text: a line of its predictions, then its segments. Runs of
+        consecutive segments kept alike print as one row (a deep chain's plan has
+        hundreds of segments) unless ``every_segment``; the peak segment has its own."""
         budget = "none" if self.budget is None else f"{mib(self.budget)} MiB"
-        lines = [f"plan for {self.n_layers} layers: {len(self.starts)} segments; predicted peak activation "
-                 f"memory {mib(self.predicted_peak_bytes)} MiB (budget {budget}), step "
-                 f"{ms(self.predicted_step_seconds)} ms"]
-        rows = [["segment", "layers", "input kept", "where", ""]]
-        for j, (start, stop, option) in enumerate(self.segments):
+        # A profile of meta tensors measures no time: its plans predict none.
+        step = "no step time (profiled on meta tensors)" if self.predicted_step_seconds == 0 else \
+            f"step {ms(self.predicted_step_seconds)} ms"
+        header = (f"plan for {self.n_layers} layers: {len(self.starts)} segments; predicted peak activation "
+                  f"memory {mib(self.predicted_peak_bytes)} MiB (budget {budget}), {step}")
+        rows = [self._segment_row(j) for j in range(len(self.starts))]
+        groups = [[row] for row in rows] if every_segment else _runs(rows)
+        table = [["segment", "layers", "input kept", "where", ""]]
+        for group in groups:
+            first, last = group[0], group[-1]
+            segments = first[0] if len(group) == 1 else f"{first[0]}-{last[0]} ({len(group)})"
+            table.append([segments, f"{first[1]}-{last[2]}", *first[3:]])
+        return header + "\n" + format_table(table)
+
+    def _segment_row(self, j: int) -> tuple:
+        """(segment, first layer, last layer, input kept, where, peak marker) of segment j."""
+        start, stop, option = self.segments[j]
+        nested = j < len(self.nested) and self.nested[j] is not None
+        if option is None:
             last = j == len(self.starts) - 1
-            nested = j < len(self.nested) and self.nested[j] is not None
-            kept = (f"{option.codec.name}, nested" if nested else option.codec.name) if option is not None else \
-                "stored (no recompute)" + (
-                "" if self.stored_codec == "none" or not last else f", saves {self.stored_codec}")
-            where = "" if option is None else ("host" if option.offload else "device")
-            marker = "<- peak" if j == self.peak_segment else ""
-            rows.append([str(j), f"{start}-{stop - 1}", kept, where, marker])
-        return "\n".join(lines) + "\n" + format_table(rows)
+            saves = "" if self.stored_codec == "none" or not last else f", saves {self.stored_codec}"
+            kept, where = "stored (no recompute)" + saves, ""
+        else:
+            kept = f"{option.codec.name}, nested" if nested else option.codec.name
+            where = where_kept(option.offload)
+        return (str(j), str(start), str(stop - 1), kept, where, "<- peak" if j == self.peak_segment else "")
+
+
+def where_kept(offload: bool) -> str:
+    """The word for where a kept input lives, in plans and ``describe()`` alike."""
+    return "host" if offload else "device"
+
+
+def _runs(rows: list) -> list:
+    """``rows`` (from Plan._segment_row) in runs of consecutive rows kept alike, the
+    peak's row alone."""
+    runs = []
+    for row in rows:
+        if runs and not row[5] and not runs[-1][-1][5] and runs[-1][-1][3:5] == row[3:5]:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
 
 
 def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] = None,
@@ -331,7 +366,13 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
         raise ConfigError(f"balanced needs one KeepPolicy per layer ({len(profile.layers)}), got {options!r}")
     model = CostModel(profile, [], fixed=options)
     headroom = smallest_headroom(model)
-    return _plan_of(model, *fastest_within(model, headroom), budget=None, bound=model.chain_input + headroom)
+    chosen = _plan_of(model, *fastest_within(model, headroom), budget=None, bound=model.chain_input + headroom)
+    # The plan says where the runtime keeps each input, as describe() does: an input
+    # offloaded on a CPU goes to the host pool there too, though the model prices its
+    # bytes as the device's (memory_model.effective_option).
+    offload = tuple(options[start].offload and profile.layers[start].input_encodable and not stored
+                    for start, stored in zip(chosen.starts, chosen.stored))
+    return dataclasses.replace(chosen, offload=offload)
 
 
 def _plan_of(model: CostModel, segments: list, nested: list, budget: Optional[int], bound: float) -> Plan:

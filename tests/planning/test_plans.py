@@ -179,11 +179,15 @@ def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
     with pytest.raises(ConfigError, match=r"segments='speed' chooses codecs and offload itself.*allow="):
         CheckpointedSequential(*deep_mlp(2), segments="speed", budget=2**20, example_inputs=(x,),
                                compress="int8")
-    with pytest.raises(ConfigError, match="used by segments=.* only"):
+    with pytest.raises(ConfigError, match="^budget= plan a profiled training step, which only segments=.* run, "
+                                          "not segments='sqrt'"):
         CheckpointedSequential(*deep_mlp(2), segments="sqrt", budget=2**20)
-    with pytest.raises(ConfigError, match="allow= are used by segments=.* only"):
+    with pytest.raises(ConfigError, match="^allow= plan .* not segments=2"):
         CheckpointedSequential(*deep_mlp(2), segments=2, allow=("recompute",))
-    with pytest.raises(ConfigError, match="loss= .* used by segments=.* only"):
+    # Issue 34: loss= is an argument of the default segments' class, yet they plan no
+    # step to run it in; the error says which segments use it and how.
+    with pytest.raises(ConfigError, match="^loss= plan .* not segments='balanced': .* pass segments='auto', "
+                                          "budget= and example_inputs= \\(and loss="):
         CheckpointedSequential(*deep_mlp(2), loss=lambda y: y.sum())
 
 
@@ -251,3 +255,21 @@ def test_auto_segments_given_the_loss_fit_a_budget_that_a_plan_without_it_overru
         assert peak_activation_bytes(aware, x, loss) <= budget
         fitted += 1
     assert fitted, "every overrun budget was refused: no plan given the loss was measured"
+
+
+def test_a_deep_plan_prints_a_summary_unless_asked_for_every_segment():
+    # Issue 34: the plan of a 600-layer model printed one line per segment (about 600),
+    # and a plan made on meta tensors printed "step 0.000 ms".
+    layers = [m for _ in range(100) for m in (nn.Linear(64, 64), nn.ReLU())]
+    prof = actsave.profile(nn.Sequential(*layers), (torch.empty(32, 64, device="meta"),))
+    plan = actsave.plan(prof, None, objective="memory")
+    summary, full = str(plan).splitlines(), plan.table(every_segment=True).splitlines()
+    assert len(plan.starts) > 10 and len(full) == 2 + len(plan.starts) and len(summary) <= 6, str(plan)
+    assert "no step time (profiled on meta tensors)" in summary[0] and "ms" not in summary[0]
+    covered = []  # each summary row names a run of segments, "first-last (count)"
+    for row in summary[2:]:
+        first, _, last = row.split()[0].partition("-")
+        covered += range(int(first), int(last or first) + 1)
+    assert covered == list(range(len(plan.starts)))
+    timed = actsave.plan(actsave.profile(nn.Sequential(*layers), (torch.randn(32, 64),)), None, objective="memory")
+    assert " ms" in str(timed).splitlines()[0]
