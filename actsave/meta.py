@@ -12,10 +12,10 @@ training call. Two things make those steps stand for a device:
   ``CheckpointedSequential`` plans its segments for that device.
 - :class:`fast_meta` (and :class:`~actsave.planning.estimate.LiveBytes`) replay the output
   metadata of operators already seen with the same input metadata. Several meta
-  kernels are Python decompositions (BatchNorm's forward and backward take about 4 ms
-  a call here), so a ResNet-1001 step took 9 s; a model repeats a few shapes many
-  times, and output shapes, strides and dtypes on meta tensors are a function of the
-  inputs' metadata alone.
+  kernels are Python decompositions (BatchNorm's forward and backward among them),
+  slow enough to dominate a deep model's meta step (docs/results.md, "Figures behind
+  the code's rules"); a model repeats a few shapes many times, and output shapes,
+  strides and dtypes on meta tensors are a function of the inputs' metadata alone.
 """
 from __future__ import annotations
 

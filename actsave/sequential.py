@@ -26,10 +26,10 @@ shape plans anew.
 
 The last segment of a balanced plan stores autograd's saves exactly, whatever its
 first layer's codec: the plan keeps that segment short, and there compressing the
-saves costs more in decode temporaries than it frees (64 x (Linear 256, ReLU), batch
-4096, int8, CPU: 56.5 MiB peak with the saves compressed, 49.2 MiB without), and the
-memory model prices the stored segment as exact. On a CPU device host memory is the
-device's, so offload is planned there as if the inputs stayed (they do, in the pool).
+saves costs more in decode temporaries than it frees (docs/results.md, "Other
+figures"), and the memory model prices the stored segment as exact. On a CPU device
+host memory is the device's, so offload is planned there as if the inputs stayed
+(they do, in the pool).
 
 A chain the meta step cannot run (data-dependent operations such as ``.item()``,
 sharded parameters, layers that pass something else than one tensor) falls back to
@@ -131,17 +131,14 @@ def _even_starts(n_layers: int, k: int) -> list:
 # much cancellation) is where it shows first. So under a lossy codec a boundary
 # that falls on BatchNorm or ReLU layers moves forward past them to the first
 # ReLU's output: the same shape as the conv output it replaces, so the kept input
-# costs the same bytes. Measured on 16 x (Conv2d(16, 16, 3), BatchNorm2d,
-# ReLU(inplace=True)), batch 8, 16x16, "sqrt" (bench/fidelity.py, 8 batches): the
-# boundaries move from [7, 14, 21, 28, 35, 42] to [9, 15, 21, 30, 36, 42], and the
-# predicted peak (e4m3, plans.predict on the profiled chain) rises 4.7%, from
-# 1,333,696 to 1,396,224 B: the longest segment grows from 7 to 9 layers (with ReLU
-# outputs every third layer, any split on them has one). The worst meaningful parameter
-# gradient goes from 21.1 to 26.5 dB (e4m3) and 14.9 to 20.4 (e5m2) with the last
-# segment's saves centered (codecs/centering.py); the boundaries alone give 23.3 and
-# 17.5, the last segment's saved BatchNorm inputs then setting the worst. A boundary
-# moves only within its segment, and only where the layer it lands on has the same
-# settings (codec, offload) as the one it leaves, so per-layer choices hold.
+# costs the same bytes. The price is longer segments, so a somewhat higher peak: on a
+# conv-BN-ReLU chain, with a ReLU output every third layer, a boundary moves by at most
+# two layers. In return the worst parameter gradient gains several dB; the last
+# segment's saved BatchNorm inputs then set the worst, and centering them
+# (codecs/centering.py) gains again (docs/results.md, "Gradient fidelity" and "Figures
+# behind the code's rules"). A boundary moves only within its segment, and only where
+# the layer it lands on has the same settings (codec, offload) as the one it leaves, so
+# per-layer choices hold.
 # Explicit lists of starts are the caller's and are kept as given.
 _PASSED_ON_THE_WAY_TO_A_RELU = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 

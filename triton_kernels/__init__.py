@@ -21,10 +21,9 @@ import torch
 
 # The group size actsave stores with, and the launchers' default. A group of 128 costs 4
 # bytes of scale per 128 one-byte codes (3.1% overhead), so int8/fp8 store 0.258x of
-# fp32 and 0.516x of bf16. Measured round-trip SQNR on Gaussian data, groups of 64 /
-# 128 / 256: int8 44.5 / 43.8 / 43.1 dB, e4m3 32.0 / 31.8 / 31.7 dB: halving the group
-# buys under 1 dB for twice the overhead. Defined here, not in _rounding.py, so that
-# actsave reads it without importing Triton.
+# fp32 and 0.516x of bf16. Halving the group doubles that overhead and buys little
+# round-trip SQNR (docs/results.md, "Figures behind the code's rules"). Defined
+# here, not in _rounding.py, so that actsave reads it without importing Triton.
 DEFAULT_GROUP_SIZE = 128
 
 # The dtypes the kernels encode from and decode to (float64 goes through float32 in

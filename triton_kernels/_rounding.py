@@ -23,8 +23,9 @@ what they have in common:
   multiplies rather than divides: a value x is coded as ``t = x * multiplier``, one
   correctly rounded multiply by its group's ``multiplier = code_max / absmax`` (divided
   correctly rounded, once per group). t lies within about an ulp of ``x / scale``, which
-  moves a code only where that quotient is as close to a rounding boundary (round-trip
-  SQNR within 0.01 dB of dividing). As ``|x| <= absmax``, ``|t| <= code_max * (1 +
+  moves a code only where that quotient is as close to a rounding boundary: a few
+  codes in millions, no change to the round-trip SQNR (docs/results.md, "Figures
+  behind the code's rules"). As ``|x| <= absmax``, ``|t| <= code_max * (1 +
   2**-23)``, which rounds to code_max at most: no code saturates. Where 0 < absmax <
   2**-64 the multiplier could pass fp32's range (code_max is up to 122880), so both are
   taken after a scaling by 2**64, exact on both sides: ``t = (x * 2**64) * (code_max /
@@ -37,12 +38,12 @@ what they have in common:
   codes (``NonFiniteCodes``) that decode to exactly +inf, -inf and NaN; the group's
   finite values are scaled onto the codes one step below them and keep their
   precision, the scale coming from them alone (int8 gives up its 127th step: 0.07 dB).
-  Unflagged groups never give these codes those meanings, so their bits are what they
-  were before the rule, and no byte is added;
+  Unflagged groups never give these codes those meanings, so their bits are those of
+  the plain rule (NOTE [scale rule]), and no byte is added;
 - NOTE [unsigned grids]: a tensor the caller knows to be non-negative (a ReLU output)
   can spend the sign bit on precision: each codec has an unsigned variant (int8 codes
   0..255, fp8 e4m3 -> ue4m4, e5m2 -> ue5m3) whose scale maps the absmax onto the
-  unsigned grid's top, one more bit of resolution (measured +6 dB of round-trip SQNR).
+  unsigned grid's top, one more bit of resolution (about 6 dB of round-trip SQNR).
   The grid is the caller's choice, recorded beside the codes, never detected from the
   data (that would need a device sync or a per-group flag). A negative value given to
   an unsigned variant saturates to 0. A flagged group (NOTE [non-finite groups]) is
@@ -103,8 +104,8 @@ from . import SUPPORTED_DTYPES, _launch, channel_size
 MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 4096
 # 4096 elements per program, 16 per thread with 8 warps: in the range Triton's
 # tutorials use for memory-bound kernels, and it amortises the interpreter's cost per
-# program (about 14 ms; encoding 2**16 values took 0.15 s instead of 0.9 s with 1024).
-# Not tuned on a GPU: none was available when this was written.
+# program, which dominates small launches there (docs/results.md, "Figures behind the
+# code's rules"). Not tuned on a GPU.
 ELEMENTS_PER_PROGRAM, NUM_WARPS = 4096, 8
 # Compile options of every launch (and of the ahead-of-time builds that check them).
 # No FMA fusion: a decoder's add of a channel mean after its multiply (NOTE [channel

@@ -54,8 +54,9 @@ from .bitfields import field_bits
 # stream per thread, the wide stream (a ReLU output, int64 indices) read or written in
 # 16-byte vectors too (test_ptx.py checks both). A ReLU program covers 2048 packed bytes,
 # 16384 elements: 128 per thread, 512 bytes of fp32 in flight per thread, and few
-# programs for the interpreter, which costs per program. Compared with a device copy on
-# an H200 when written (fp32 streams come close to it, half types less so); not tuned.
+# programs for the interpreter, which costs per program. Not tuned: fp32 streams come
+# close to a device copy, half types less so (docs/results.md, "Figures behind the
+# code's rules").
 NUM_WARPS = 4
 PACKED_BYTES_PER_THREAD = 16
 # A thread's share of a wide stream at most: 1-bit offsets of int64 indices would take

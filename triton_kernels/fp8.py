@@ -25,8 +25,8 @@ The scale itself is stored, so that decoding is one multiply; encoding multiplie
 the group's multiplier, one correctly rounded division per group rather than one per
 value (NOTE [scale rule]). The kernels encode and decode fp8 on the bits, with
 integer arithmetic and exact or half-to-even fp32 adds and multiplies, never an fp8
-cast (the interpreter's fp32 -> fp8 cast mis-rounds about 9% of values; this also
-runs on GPUs without fp8 hardware).
+cast (the interpreter's fp32 -> fp8 cast mis-rounds, NOTE [round half to even]; this
+also runs on GPUs without fp8 hardware).
 ``encode_fp8_ref`` / ``decode_fp8_ref`` are the specification, written with torch's
 own fp8 casts; the kernels match them bit for bit.
 """
@@ -144,8 +144,8 @@ def _fp8_format(torch_dtype):
 
 
 # Per-group scales leave e5m2's extra exponent bit little to do, so e4m3's extra
-# mantissa bit wins: measured round-trip SQNR on Gaussian data in groups of 128 is
-# 31.8 dB for e4m3 and 25.8 dB for e5m2. Both are offered, as on GPUs with fp8.
+# mantissa bit wins, about 6 dB of round-trip SQNR (docs/results.md, "Figures behind
+# the code's rules"). Both are offered, as on GPUs with fp8.
 FP8_FORMATS = {"e4m3": _fp8_format(torch.float8_e4m3fn), "e5m2": _fp8_format(torch.float8_e5m2)}
 # One more mantissa bit in place of the sign (NOTE [unsigned grids]).
 UNSIGNED_FP8_FORMATS = {"ue4m4": _UnsignedFp8Format(4, FP8_FORMATS["e4m3"]),

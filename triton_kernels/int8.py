@@ -54,14 +54,13 @@ from ._rounding import (
     with_non_finite_codes_ref,
 )
 
-# Symmetric absmax rather than asymmetric (scale + zero point), measured on 2**22
-# values in groups of 128 (SQNR in dB, symmetric / asymmetric):
-#   Gaussian 43.8 / 44.6, post-ReLU Gaussian 44.5 / 50.6,
-#   Student-t(3) 37.3 / 40.1, 1% of channels 100x larger 32.8 / 37.1.
-# Asymmetric gains 6 dB only on one-signed data and needs a second fp32 per group
-# (6.25% overhead instead of 3.1%) and a decode `code * scale + offset` that GPUs may
-# fuse into an FMA and round differently from torch. Symmetric decodes with a single
-# correctly rounded multiply, so it is bit-exact everywhere, and stays above 37 dB.
+# Symmetric absmax rather than asymmetric (scale + zero point). Asymmetric gains most,
+# about one bit (6 dB), on one-signed data, which the unsigned grid (NOTE [unsigned
+# grids]) covers for ReLU outputs, and less elsewhere; it needs a second fp32 per
+# group (6.25% overhead instead of 3.1%) and a decode `code * scale + offset` that GPUs
+# may fuse into an FMA and round differently from torch. Symmetric decodes with a
+# single correctly rounded multiply, so it is bit-exact everywhere (the SQNR of each:
+# docs/results.md, "Figures behind the code's rules").
 INT8_MAX = 127
 UINT8_MAX = 255  # NOTE [unsigned grids]
 # In a group holding inf or NaN, 127 and -127 mean +-inf (the sign stays the code's)

@@ -12,10 +12,10 @@ A tensor the caller knows to be non-negative (``encode(x, non_negative=True)``: 
 runtime passes it for ReLU outputs, judged by their autograd node, with no device
 sync) is stored on the codec's unsigned grid, the same 8 bits spent without a sign:
 int8 codes 0..255, fp8 e4m3 -> ue4m4, e5m2 -> ue5m3 (NOTE [unsigned grids] in
-``triton_kernels/_rounding.py``). One more bit of resolution: +6 dB of round-trip
-SQNR on post-ReLU data. Where kept inputs are ReLU outputs (torchvision-layout
-ResNets, whose block outputs are) the worst parameter gradient gains 4.6 (int8), 5.3
-(e4m3) and 6.1 dB (e5m2) (tests/test_compression.py, batch 8); where they are signed
+``triton_kernels/_rounding.py``). One more bit of resolution, about 6 dB of
+round-trip SQNR (a bit halves the step). Where kept inputs are ReLU outputs
+(torchvision-layout ResNets, whose block outputs are) the worst parameter gradient
+gains about as much (docs/results.md, "Other figures"); where they are signed
 (pre-activation ResNets, boundaries on a conv or BatchNorm output) nothing changes.
 :attr:`Packed.unsigned` records the grid.
 
@@ -170,11 +170,10 @@ IDENTITY = IdentityCodec()
 # The second argument: the worst parameter-gradient SQNR (dB) to plan with. It is the
 # lowest, over the float32 cases of bench/fidelity.py at their own plans (ResNet-56 and
 # -164, the conv-BN-ReLU chain and the max-pooling ResNet, batch 8 and 32), of the
-# median over batches of the worst meaningful tensor, rounded down (measured at 1726192:
-# int8 33.3, e4m3 21.1, e5m2 15.6 dB, each on a ResNet; `python bench/fidelity.py`).
-# Shallower networks do better: a pre-activation ResNet and an MLP with every segment of
-# a "sqrt" plan compressed give int8 37.2-44.6, e4m3 25.6-31.1, e5m2 18.7-24.7
-# (tests/test_compression.py). A figure to plan with, not a guarantee.
+# median over batches of the worst meaningful tensor, rounded down (the figures and
+# their command: docs/results.md, "Gradient fidelity"). Shallower networks do better
+# (docs/results.md, "Figures behind the code's rules"). A figure to plan with, not a
+# guarantee.
 _E4M3 = GroupCodec("fp8_e4m3", 21.0)
 
 # Every codec, by the names compress= accepts, aliases included; the one list of them.

@@ -40,11 +40,10 @@ Recurrence
     C) / unit)] (solver.py's time dynamic program reads it per label).
 
 Cost: O(n^3 steps) in numpy rows (each (f, d, y) one row per end; rows of y = 1
-only where a layer before f saves x_f): 0.8 s for 60 layers, 5.7 s for 125
-(tests/support.py's mixed chain, one shared CPU core, best of 3). So
-nesting is tried for chains of at most MAX_LAYERS layers, with times (a meta profile
-has none: a nested plan would look free), and without a limit on checkpointed
-segments' layers.
+only where a layer before f saves x_f): seconds at a hundred layers
+(docs/results.md, "Planning time"), growing as the cube. So nesting is tried for
+chains of at most MAX_LAYERS layers, with times (a meta profile has none: a nested
+plan would look free), and without a limit on checkpointed segments' layers.
 """
 from __future__ import annotations
 

@@ -52,15 +52,13 @@ Dynamic program
     over labels, each segment's terms read once per start; a label leaves for good
     once a segment from it to b cannot fit. The memory DP is O(n^2 |O| |C|),
     vectorized over the candidates C. Stored middle segments widen the frontiers (a
-    prefix may keep more bytes to recompute less), to some 20,000 live labels at a
-    30% budget on 1,000 layers; once more than _SWEPT labels extend, each option
-    kept on the device reads only those a _Sweep leaves (a few hundred), its W + C
-    gathered from a table of every segment built once per option and carry
-    (CostModel.working_set). For 1,000 layers, 1.2 to 4.0 s on one shared CPU core
-    (tests/planning/test_solver.py prints it; 8.6 s at 30% before the sweeps, 5.8 s
-    before the table);
-    balanced plans of ResNet-1001 (339 layers) with int8 and offload, 63 candidates:
-    0.3 s.
+    prefix may keep more bytes to recompute less), to tens of thousands of live
+    labels on long chains at tight budgets; once more than _SWEPT labels extend, each
+    option kept on the device reads only those a _Sweep leaves (its staircase, far
+    fewer), its W + C gathered from a table of every segment built once per option
+    and carry (CostModel.working_set). tests/planning/test_solver.py prints the time
+    for 1,000 layers; the figures, with their command, are in docs/results.md
+    ("Planning time" and "Figures behind the code's rules").
 """
 from __future__ import annotations
 
@@ -475,8 +473,9 @@ class _Sweep:
     labels come and go; where each of its labels is live and its extension feasible,
     the extensions that may be on the frontier are among the staircase's, and no
     other label is read. Else one pass of running minima over every live label finds
-    them. At a 30% budget on 1,000 layers, some 20,000 labels are live and about 400
-    on the staircase (tests/planning/test_solver.py prints the time)."""
+    them. On long chains at tight budgets the staircase is a small fraction of the
+    live labels (docs/results.md, "Figures behind the code's rules";
+    tests/planning/test_solver.py prints the time)."""
 
     def __init__(self, model: CostModel, o: int):
         self.model, self.o = model, o

@@ -2,10 +2,12 @@
 
 A CheckpointedSequential does not recompute its last segment (backward starts there,
 so the recompute would run at once): the segment keeps what autograd saves. At
-``segments="sqrt"`` that is as large as all the kept inputs together: 36 of the 84 MiB
-peak on 64 x (Linear 256, ReLU) at batch 4096, 68 of 116 MiB with GELU. So a lossy
-codec set at the last segment's first layer stores those saves too, as ActNN stores
-every activation; without it the codec could cut at most the other half of the peak.
+``segments="sqrt"`` that is about as large as all the kept inputs together (with k =
+sqrt(n) segments of a chain of like layers, the last one's n / k layers save about
+as much as the k - 1 kept inputs; docs/results.md, "Figures behind the code's
+rules"). So a lossy codec set at the last segment's first layer stores those saves
+too, as ActNN stores every activation; without it the codec could cut at most the
+other half of the peak.
 
 - Stored by the codec: floating-point saves autograd produced. Leaves and views of
   leaves (parameters, ``weight.t()``, the batch, BatchNorm's running and batch

@@ -20,7 +20,7 @@ be every submodule of them (``Module.modules()``), whether or not a given forwar
 calls it. A module the function reaches otherwise (held outside its tree, in a
 plain list or a global) is not seen: checkpoint such a function as a plain callable.
 Any other callable (a lambda, a function closing over modules, a bound method) has
-no known layers, and global hooks watch the modules it runs, as before.
+no known layers, and global hooks watch the modules it runs.
 """
 from __future__ import annotations
 

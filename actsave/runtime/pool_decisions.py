@@ -3,10 +3,10 @@
 NOTE [ Max-pool decisions ]
 A segment recomputed from a compressed input may see another pixel win a max pool's
 window than the forward saw; the pool's backward then routes that window's gradient
-to the wrong pixel, and the pooled value downstream is another pixel's. Measured on a
-max-pooling ResNet-14 at batch 8 (bench/fidelity.py, ``segments="sqrt"``): 0.4% (int8)
-to 3.7% (e5m2) of the recomputed windows change, and the worst parameter-gradient SQNR
-falls from 36.5 to 16.6 dB with int8, 20.3 to 6.4 with e4m3.
+to the wrong pixel, and the pooled value downstream is another pixel's. Few windows
+change, but each sends a whole gradient to the wrong place, so the worst
+parameter-gradient SQNR of a max-pooling ResNet falls sharply without the
+decisions (docs/results.md, "Gradient fidelity", Max-pool decisions).
 
 So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
 (relu_signs.py), and its recompute pools at them:
@@ -18,8 +18,8 @@ So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
   with the shape the pool's geometry gives for the input it just saved, is its
   indices. Metadata only: no device sync, no other integer save (embedding ids, gather
   indices, targets) mistaken for one. ``F.max_pool2d`` called outside such a module,
-  subclasses, and windows of more than 256 elements are recomputed as they come (as
-  before this mechanism: lossy, never wrong).
+  subclasses, and windows of more than 256 elements are recomputed as they come
+  (lossy, never wrong).
 - Compactly. The decision is the offset of the winning element within its window
   (``kernel_size``, ``stride``, ``padding``, ``dilation`` and ``ceil_mode`` place the
   window), packed in 1, 2, 4 or 8 bits: 4 bits for a 3x3 window, 1/8 of the fp32

@@ -2,10 +2,12 @@
 
 A segment recomputed from a compressed input computes slightly different
 pre-activations; where they are near zero a ReLU decides the other way, and its
-backward passes a gradient the forward blocked (or blocks one it passed). Measured on
-a CNN of 16 conv-BN-ReLU blocks (BatchNorm in training mode puts much of the
-pre-activation mass near zero), those flips cut the worst parameter-gradient SQNR of
-int8 from about 37 dB (same network with GELU) to about 13 dB.
+backward passes a gradient the forward blocked (or blocks one it passed). BatchNorm in
+training mode puts much of the pre-activation mass near zero, so on conv-BN-ReLU
+networks those flips, not the codec's rounding, set the gradient error: without the
+decisions a ReLU network's worst parameter-gradient SQNR is far below the same
+network's with GELU (docs/results.md, "Gradient fidelity", ReLU decisions, and
+"Figures behind the code's rules").
 
 So when a lossy checkpoint's forward saves a ReLU output, its sign pattern is kept
 too, one bit per element (1/32 of the fp32 output), and the recompute corrects its
@@ -54,8 +56,9 @@ def made_by_segment_relu(tensor: torch.Tensor, segment_inputs: dict) -> bool:
 
     Judged by the autograd node, not by the object: an in-place ReLU at the segment's
     start returns its input object, rebased on a new ReLU node, and those decisions
-    are this segment's (taking them for the previous segment's cost about 25 dB of
-    int8 gradient SQNR on a conv-BN-ReLU(inplace=True) chain)."""
+    are this segment's (taken for the previous segment's, no segment keeps them, and
+    the recompute's ReLU flips go uncorrected: docs/results.md, "Figures behind the
+    code's rules")."""
     if not is_relu_output(tensor):
         return False
     return id(tensor) not in segment_inputs or segment_inputs[id(tensor)] is not tensor.grad_fn
