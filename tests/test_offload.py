@@ -726,7 +726,7 @@ class CountingPool(HostPool):
 def test_a_kept_input_and_a_segments_decisions_each_go_to_the_host_as_one_group(monkeypatch):
     # int8 keeps codes and scales; each segment's forward keeps two ReLU decisions.
     pool = CountingPool()
-    monkeypatch.setattr(actsave.offload, "_DEFAULT_POOL", pool)
+    monkeypatch.setattr(actsave.offload.pool, "_DEFAULT_POOL", pool)
     model = CheckpointedSequential(*relu_chain(), segments=4, compress="int8", offload=True)
     plain = CheckpointedSequential(*relu_chain(), segments=4, compress="int8")
     x = torch.randn(8, 16, requires_grad=True)

@@ -175,7 +175,7 @@ class _OnDevice:
 
 
 class _OnHost:
-    """A packed value offloaded to host memory (offload.py), payload, scales and means
+    """A packed value offloaded to host memory (actsave/offload/), payload, scales and means
     alike, as one group (one host enqueue): with a lossy codec only the compressed bytes
     cross the bus."""
 
