@@ -4,11 +4,11 @@ This package is the kernel table: :func:`kernel_table` maps ``(format, direction
 (a name of :data:`FORMATS`, one of :data:`DIRECTIONS`) to a :class:`Kernel`, the
 Triton launcher and the pure-torch reference that defines its bits; beside it,
 :func:`decision_table` holds the kernels of the decisions a lossy recompute keeps
-(ReLU signs, max-pool windows: decisions.py). Callers read the tables rather than
+(ReLU signs, max-pool windows: decisions/). Callers read the tables rather than
 build function names, so a renamed function fails when a table is built, not at some
 later call. Every launch goes through ``_launch.launch``.
 
-Importing the package imports no Triton: int8.py, fp8.py and decisions.py (which do)
+Importing the package imports no Triton: int8.py, fp8.py and decisions/ (which do)
 are imported by the first call of their table, so ``import actsave`` needs no Triton.
 Nothing here imports actsave.
 """
@@ -89,7 +89,7 @@ def kernel_table() -> Mapping[Tuple[str, str], Kernel]:
     return MappingProxyType(table)
 
 
-# The decisions a lossy recompute keeps (decisions.py), by what they decide and the step.
+# The decisions a lossy recompute keeps (decisions/), by what they decide and the step.
 DECISION_KERNELS = (("relu_signs", "pack"), ("relu_signs", "restore"),
                     ("max_pool", "encode"), ("max_pool", "decode"), ("max_pool", "gather"))
 
@@ -100,27 +100,27 @@ def decision_table() -> Mapping[Tuple[str, str], Kernel]:
     the first call), read as the codecs' table is (actsave.codecs.backend.implementation
     picks the launcher or the reference). They take no format arguments; their
     constexprs follow the tensor (its dtype, the pool's window), so ``constexprs`` is
-    empty and the ahead-of-time builds take them from decisions.relu_constexprs and
-    decisions.PoolGeometry.
+    empty and the ahead-of-time builds take them from decisions.relu_signs.relu_constexprs
+    and decisions.max_pool.PoolGeometry.
     ``pack(y) -> bits``; ``restore(y, bits)``, in place;
     ``encode(indices, input_size, kernel_size, stride, padding, dilation) -> packed``;
     ``decode(indices, packed, input_size, kernel_size, stride, padding, dilation)``, in place;
     ``gather(pooled, x, indices, dims)``, in place.
     """
-    from . import decisions
+    from .decisions import max_pool, relu_signs
 
     none = MappingProxyType({})
     table = {
-        ("relu_signs", "pack"): Kernel(decisions.pack_relu_signs, decisions.pack_relu_signs_ref, none,
-                                       decisions._pack_relu_signs_kernel, none),
-        ("relu_signs", "restore"): Kernel(decisions.restore_relu_signs_, decisions.restore_relu_signs_ref_, none,
-                                          decisions._restore_relu_signs_kernel, none),
-        ("max_pool", "encode"): Kernel(decisions.encode_max_pool, decisions.encode_max_pool_ref, none,
-                                       decisions._encode_max_pool_kernel, none),
-        ("max_pool", "decode"): Kernel(decisions.decode_max_pool_, decisions.decode_max_pool_ref_, none,
-                                       decisions._decode_max_pool_kernel, none),
-        ("max_pool", "gather"): Kernel(decisions.gather_max_pool_, decisions.gather_max_pool_ref_, none,
-                                       decisions._gather_max_pool_kernel, none),
+        ("relu_signs", "pack"): Kernel(relu_signs.pack_relu_signs, relu_signs.pack_relu_signs_ref, none,
+                                       relu_signs._pack_relu_signs_kernel, none),
+        ("relu_signs", "restore"): Kernel(relu_signs.restore_relu_signs_, relu_signs.restore_relu_signs_ref_, none,
+                                          relu_signs._restore_relu_signs_kernel, none),
+        ("max_pool", "encode"): Kernel(max_pool.encode_max_pool, max_pool.encode_max_pool_ref, none,
+                                       max_pool._encode_max_pool_kernel, none),
+        ("max_pool", "decode"): Kernel(max_pool.decode_max_pool_, max_pool.decode_max_pool_ref_, none,
+                                       max_pool._decode_max_pool_kernel, none),
+        ("max_pool", "gather"): Kernel(max_pool.gather_max_pool_, max_pool.gather_max_pool_ref_, none,
+                                       max_pool._gather_max_pool_kernel, none),
     }
     assert tuple(table) == DECISION_KERNELS, sorted(table)
     return MappingProxyType(table)

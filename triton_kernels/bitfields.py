@@ -1,7 +1,7 @@
 """Small unsigned fields packed into bytes: the form of the decisions a lossy
 checkpoint keeps (ReLU signs, 1 bit: actsave/runtime/relu_signs.py; max-pool window
 offsets, 1-8 bits: actsave/runtime/pool_decisions.py), written by the kernels of
-decisions.py and their torch references.
+decisions/ and their torch references.
 
 NOTE [ bit fields ]
 Field ``j`` of a byte holds element ``j`` of its group of ``8 // bits`` elements, in

@@ -737,7 +737,7 @@ class _CodecCosts:
             max_pool = getattr(torch.nn.functional, f"max_pool{dims}d")
             pooled, indices = max_pool(x, window.kernel, window.stride, window.padding, window.dilation,
                                        window.ceil_mode, return_indices=True)
-            # The tables the implementations keep (triton_kernels/decisions.py), made
+            # The tables the implementations keep (triton_kernels/decisions/), made
             # before measuring: they outlive every call, and an earlier call may have made them.
             window.decode_into_(indices, window.encode(indices, pool.input_size), pool.input_size)
             tracker = LiveBytes(self.device, known=[x, pooled, indices])

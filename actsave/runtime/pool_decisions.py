@@ -110,8 +110,9 @@ class Window:
     def encode(self, indices: torch.Tensor, input_size: tuple) -> torch.Tensor:
         """The offset of each window's winner, packed (uint8, 1-D). ``indices``: flat
         per plane over ``input_size``, as max pooling returns them. One kernel launch on
-        CUDA (triton_kernels/decisions.py), which allocates only the packed bytes; the
-        torch reference's transients are what the planner charges (profiler.py)."""
+        CUDA (triton_kernels/decisions/max_pool.py), which allocates only the packed
+        bytes; the torch reference's transients are what the planner charges
+        (profiler.py)."""
         kernel = decision_table()["max_pool", "encode"]
         return implementation(kernel, indices)(indices, tuple(input_size), *self._geometry())
 

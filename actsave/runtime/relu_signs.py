@@ -86,7 +86,8 @@ def _dead_ref():
 
 def pack_signs(output: torch.Tensor) -> torch.Tensor:
     """One bit per element of a ReLU output: 1 where backward passes the gradient
-    (NOTE [ bit fields ], row-major). One kernel launch on CUDA (triton_kernels/decisions.py)."""
+    (NOTE [ bit fields ], row-major). One kernel launch on CUDA
+    (triton_kernels/decisions/relu_signs.py)."""
     kernel = decision_table()["relu_signs", "pack"]
     return implementation(kernel, output)(output)  # the reference detaches what it reads
 

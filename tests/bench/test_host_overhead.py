@@ -132,7 +132,7 @@ def test_triton_launches_of_the_resnet_follow_its_segments(counts, measured):
     # a leaf, by reference; the last segment is not checkpointed, and with balanced
     # segments autograd keeps its saves). Decisions (ReLU signs) kept per ReLU output
     # of those segments: one launch packs them in the forward, one restores them in
-    # the recompute (triton_kernels/decisions.py).
+    # the recompute (triton_kernels/decisions/relu_signs.py).
     models, batch, step_counts, _ = measured["resnet56"]
     codec = _codec_kernels()
     for provider in LOSSY:

@@ -1,4 +1,4 @@
-"""The decision kernels (triton_kernels/decisions.py) under Triton's interpreter, bit
+"""The decision kernels (triton_kernels/decisions/) under Triton's interpreter, bit
 for bit against their torch references, and the references against plain oracles
 (the packing of bitfields.py, coordinates computed one dimension at a time). Shapes
 are small: the interpreter costs milliseconds per program."""
@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from actsave.meta import simulating
 from actsave.codecs.backend import implementation
 from actsave.triton_kernels import _launch, bitfields, decision_table, decisions
+from actsave.triton_kernels.decisions import division, max_pool, packed_tiles
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
@@ -51,7 +52,7 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 # Ragged counts (not multiples of 8 or 16), one element, and more than one program.
-RELU_SIZES = [1, 7, 9, 33, 16 * 8 + 3, 256, 2 * decisions.packed_rows(1, 2) * 8 + 5]
+RELU_SIZES = [1, 7, 9, 33, 16 * 8 + 3, 256, 2 * packed_tiles.packed_rows(1, 2) * 8 + 5]
 
 
 @pytest.fixture(autouse=True)
@@ -243,7 +244,7 @@ def test_pools_the_kernels_cannot_take_get_the_references_bits(monkeypatch, laun
     assert launches == []
     # More elements than the kernels index in int32: here, more than 100.
     _, _, geometry, out, indices = pooled(nn.MaxPool2d(2), (2, 3, 10, 10))
-    monkeypatch.setattr(decisions, "MAX_INT32", 100)
+    monkeypatch.setattr(max_pool, "MAX_INT32", 100)
     packed = decisions.encode_max_pool(indices, (10, 10), *geometry)
     assert torch.equal(packed, decisions.encode_max_pool_ref(indices, (10, 10), *geometry))
     restored = torch.full_like(indices, -1)
@@ -325,7 +326,7 @@ def test_the_references_allocate_on_meta_what_they_allocate_on_a_device():
 @pytest.mark.parametrize("d", [1, 2, 3, 5, 7, 49, 56, 100, 3136, 12544, 65535, 65537, 2 ** 20 + 1,
                                2 ** 30 - 1, 2 ** 30, 2 ** 30 + 1, 2 ** 31 - 1])
 def test_division_by_an_invariant_is_exact_for_every_int32_numerator(d):
-    multiplier, shift = decisions.division_constants(d)
+    multiplier, shift = division.division_constants(d)
     assert 2 ** 31 <= multiplier < 2 ** 32 and shift <= 31
     torch.manual_seed(d % 1000)
     top = 2 ** 31 - 1

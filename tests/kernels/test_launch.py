@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from actsave.triton_kernels import _launch, decisions, int8
+from actsave.triton_kernels.decisions import relu_signs
 from actsave.triton_kernels._launch import KernelLaunchError
 
 
@@ -38,7 +39,7 @@ def test_the_helper_names_a_kernel_that_fails_to_compile_and_the_fallback():
 
 
 def test_a_launcher_whose_kernel_fails_to_compile_names_it(monkeypatch):
-    monkeypatch.setattr(decisions, "_pack_relu_signs_kernel", FailingToCompile(decisions._pack_relu_signs_kernel))
+    monkeypatch.setattr(relu_signs, "_pack_relu_signs_kernel", FailingToCompile(relu_signs._pack_relu_signs_kernel))
     with pytest.raises(KernelLaunchError, match=r"_pack_relu_signs_kernel failed to compile or launch on cpu: "
                                                 r"CompileFailure: .*actsave.set_backend\('torch'\)") as raised:
         decisions.pack_relu_signs(torch.ones(16))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, SIGNED_FORMATS, kernel_table
-from actsave.triton_kernels import decisions
+from actsave.triton_kernels.decisions import max_pool, packed_tiles, relu_signs
 from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS, VECTOR_BYTES
 
 GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
@@ -179,7 +179,7 @@ def test_a_ragged_element_count_gets_scalar_accesses(builds, build):
     assert accesses and not [form for form in accesses if ".v2." in form or ".v4." in form], accesses
 
 
-# --- the decision kernels (triton_kernels/decisions.py) ------------------------------
+# --- the decision kernels (triton_kernels/decisions/) --------------------------------
 
 # ReLU kernels read a float output as the integer of its width.
 RELU_POINTERS = {"fp32": ("*i32", torch.float32), "bf16": ("*i16", torch.bfloat16), "fp16": ("*i16", torch.float16)}
@@ -212,8 +212,8 @@ _DIVISORS = ("plane", "out_inner_0", "out_inner_1", "in_inner_0", "in_inner_1")
 def _pool_geometry(window):
     kernel_size = POOL_WINDOWS[window][0]
     # Indices of (8, 16, 7, ...) windows over a 14 x ... input: only the types matter.
-    return decisions.PoolGeometry.of((8, 16) + (7,) * len(kernel_size), (14,) * len(kernel_size),
-                                     *POOL_WINDOWS[window])
+    return max_pool.PoolGeometry.of((8, 16) + (7,) * len(kernel_size), (14,) * len(kernel_size),
+                                    *POOL_WINDOWS[window])
 
 
 def _decision_job(build):
@@ -223,14 +223,14 @@ def _decision_job(build):
     if kind == "relu":
         step, dtype, _ = rest
         pointer, torch_dtype = RELU_POINTERS[dtype]
-        kernel = decisions._pack_relu_signs_kernel if step == "pack" else decisions._restore_relu_signs_kernel
+        kernel = relu_signs._pack_relu_signs_kernel if step == "pack" else relu_signs._restore_relu_signs_kernel
         signature = {"y_ptr": pointer, "bits_ptr": "*u8", "numel": numel_type, "packed_bytes": numel_type}
-        constexprs = {**decisions.relu_constexprs(torch_dtype),
-                      "ROWS": decisions.packed_rows(1, torch_dtype.itemsize)}
+        constexprs = {**relu_signs.relu_constexprs(torch_dtype),
+                      "ROWS": packed_tiles.packed_rows(1, torch_dtype.itemsize)}
         counts = ["numel", "packed_bytes"]
     elif kind == "pool":
         step, window, _ = rest
-        kernel = decisions._encode_max_pool_kernel if step == "encode" else decisions._decode_max_pool_kernel
+        kernel = max_pool._encode_max_pool_kernel if step == "encode" else max_pool._decode_max_pool_kernel
         signature = {"indices_ptr": "*i64", "packed_ptr": "*u8", "numel": numel_type, "packed_bytes": numel_type}
         for name in _DIVISORS:  # multipliers: the bits of a uint32, as an int32
             signature.update({name: "i32", f"{name}_multiplier": "i32", f"{name}_shift": "i32"})
@@ -238,16 +238,16 @@ def _decision_job(build):
         counts = ["numel", "packed_bytes"]
     else:
         dtype, _ = rest
-        kernel = decisions._gather_max_pool_kernel
+        kernel = max_pool._gather_max_pool_kernel
         signature = {"pooled_ptr": GATHER_POINTERS[dtype], "x_ptr": GATHER_POINTERS[dtype], "indices_ptr": "*i64",
                      "numel": numel_type, "input_plane": "i32", "plane": "i32", "plane_multiplier": "i32",
                      "plane_shift": "i32"}
-        constexprs = {"BLOCK": decisions.GATHER_BLOCK}
+        constexprs = {"BLOCK": max_pool.GATHER_BLOCK}
         counts = ["numel"]
     pointers = [name for name in signature if name.endswith("_ptr")]
     if target == "sm90_ones":  # what the JIT makes of integer arguments equal to 1
         ones = [name for name, kind in signature.items() if kind in ("i32", "i64")
-                and name not in decisions._DIVISION_CONSTANTS]  # do_not_specialize
+                and name not in max_pool._DIVISION_CONSTANTS]  # do_not_specialize
         constexprs = {**constexprs, **dict.fromkeys(ones, 1)}
     return {
         "module": kernel.fn.__module__,
@@ -256,7 +256,7 @@ def _decision_job(build):
         "constexprs": constexprs,
         "arch": arch,
         "divisible_by_16": pointers + (counts if divisible else []),
-        "options": decisions.LAUNCH_OPTIONS,
+        "options": packed_tiles.LAUNCH_OPTIONS,
     }
 
 
@@ -264,15 +264,16 @@ def _decision_job(build):
 def test_decision_kernels_use_no_local_memory_and_no_division(builds, build):
     """No local memory, no stack; no integer division instruction: window geometry is
     constexpr (divisions by constants become multiplies) and sizes known at launch are
-    divided by a multiply and a shift (decisions.py, NOTE [ Division by an invariant ])."""
+    divided by a multiply and a shift (decisions/division.py, NOTE [ Division by an
+    invariant ])."""
     compiled = builds[build]
     assert ".local" not in compiled["ptx"] and compiled["LOCAL"] == 0 and compiled["STACK"] == 0
     assert not re.findall(r"\b(?:div|rem)\.", compiled["ptx"])
 
 
 def _expected_decision_accesses(build):
-    """Every stream in 16-byte vectors: a thread owns contiguous elements (decisions.py's
-    tiles), 16 packed bytes (fewer where the wide stream would pass
+    """Every stream in 16-byte vectors: a thread owns contiguous elements
+    (decisions/packed_tiles.py), 16 packed bytes (fewer where the wide stream would pass
     WIDE_BYTES_PER_THREAD: one 8-byte access), the ReLU output as 4-byte words (v4.b32),
     int64 indices as pairs (v2.b64). A gather reads the pooled input at the decisions,
     one element per access (those are scattered)."""
@@ -280,7 +281,7 @@ def _expected_decision_accesses(build):
     vector = {16: "v4.b32", 8: "v2.b32"}
     if kind == "relu":
         step, dtype, _ = rest
-        packed = decisions.packed_bytes_per_thread(1, RELU_POINTERS[dtype][1].itemsize)
+        packed = packed_tiles.packed_bytes_per_thread(1, RELU_POINTERS[dtype][1].itemsize)
         values = packed * 8 * RELU_POINTERS[dtype][1].itemsize // VECTOR_BYTES
         if step == "pack":
             return {"ld.global.v4.b32": values, f"st.global.{vector[packed]}": 1}
@@ -288,13 +289,13 @@ def _expected_decision_accesses(build):
     if kind == "pool":
         step, window, _ = rest
         bits = _pool_geometry(window).bits
-        packed = decisions.packed_bytes_per_thread(bits, 8)
+        packed = packed_tiles.packed_bytes_per_thread(bits, 8)
         pairs = packed * (8 // bits) * 8 // VECTOR_BYTES
         if step == "encode":
             return {"ld.global.v2.b64": pairs, f"st.global.{vector[packed]}": 1}
         return {f"ld.global.{vector[packed]}": 1, "st.global.v2.b64": pairs}
     size = {"fp32": 4, "bf16": 2, "fp64": 8}[rest[0]]
-    per_thread = decisions.GATHER_ELEMENTS_PER_THREAD
+    per_thread = max_pool.GATHER_ELEMENTS_PER_THREAD
     vectors = {"fp32": "v4.b32", "bf16": "v4.b32", "fp64": "v2.b64"}[rest[0]]
     return {"ld.global.v2.b64": per_thread * 8 // VECTOR_BYTES, f"ld.global.b{8 * size}": per_thread,
             f"st.global.{vectors}": per_thread * size // VECTOR_BYTES}

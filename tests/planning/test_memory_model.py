@@ -321,7 +321,7 @@ def test_compressed_stored_saves_count_max_pool_indices_as_their_decisions():
     # holds the profiled step's tensors as if the codec freed none (profiler.py): measured
     # 0.835 and 0.883 of it since the codec references encode with 8 bytes per element
     # of temporaries and the max-pool decisions' references with fewer
-    # (triton_kernels/decisions.py); with 17, the forward's encodings made the peak,
+    # (triton_kernels/decisions/max_pool.py); with 17, the forward's encodings made the peak,
     # which the model matched exactly. From the middle on: 1.00.
     layers, x = max_pool_chain()
     model = CheckpointedSequential(*layers)

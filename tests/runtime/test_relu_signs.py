@@ -63,7 +63,7 @@ def test_in_place_relu_chain_has_the_fidelity_of_the_out_of_place_one(start, cod
         assert torch.equal(got, want)
 
 
-# --- the fused kernels (triton_kernels/decisions.py) ----------------------------------
+# --- the fused kernels (triton_kernels/decisions/relu_signs.py) -----------------------
 
 
 def test_forced_triton_keeps_the_same_decisions_in_one_launch_each(monkeypatch):
