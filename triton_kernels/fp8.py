@@ -7,7 +7,7 @@ element: the bit pattern of ``x * (FP8_MAX / absmax)``, the group's multiplier t
 once (NOTE [scale rule]: no value passes +-FP8_MAX), in ``torch.float8_e4m3fn`` (1 sign,
 4 exponent, 3 mantissa bits, no inf) or ``torch.float8_e5m2`` (1, 5, 2), rounded half
 to even. Decoding is ``fp8_value(code) * scale`` in fp32,
-rounded half to even to the requested dtype. NOTE [scale rule] in ``_rounding`` keeps
+rounded half to even to the requested dtype. NOTE [scale rule] in ``_scale`` keeps
 a scale near the fp32 maximum from decoding to inf, and flags, by the scale's sign
 bit, a group holding inf or NaN; there +-inf and NaN take the codes of ``_Fp8Format.non_finite`` (NOTE
 [non-finite groups]) and the scale maps the finite absmax onto the largest magnitude
@@ -38,33 +38,33 @@ import triton
 import triton.language as tl
 
 from . import DEFAULT_GROUP_SIZE
-from ._rounding import (
+from ._channel_means import channel_means, decoded_channel_means, largest_finite
+from ._rounding import store_rounded
+from ._scale import (
     NonFiniteCodes,
     any_flagged_ref,
-    centered_input_ref,
-    channel_means,
-    decoded_channel_means,
     dequantize,
     dequantize_ref,
-    empty_encoding,
-    flat_codes,
-    flat_input,
     group_scale,
     group_scale_ref,
     is_flagged,
     is_flagged_ref,
-    largest_finite,
-    launch,
-    load_decoder_tile,
-    load_encoder_tile,
     none_flagged,
     plain_dequantize,
     plain_group_scale,
-    run_elements,
     scaled_ref,
-    store_rounded,
     with_non_finite_codes,
     with_non_finite_codes_ref,
+)
+from ._tile import (
+    centered_input_ref,
+    empty_encoding,
+    flat_codes,
+    flat_input,
+    launch,
+    load_decoder_tile,
+    load_encoder_tile,
+    run_elements,
 )
 
 

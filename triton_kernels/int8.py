@@ -4,7 +4,7 @@ Format: the tensor is flattened row-major and cut into groups of ``group_size``
 elements (a power of two; the last group may be partial). Each group stores
 ``scale = absmax / 127`` (fp32) and one int8 code per element,
 ``code = round_half_even(x * (127 / absmax))``, the group's multiplier ``127 / absmax``
-taken once (NOTE [scale rule] in ``_rounding``: no code passes +-127); the grid is
+taken once (NOTE [scale rule] in ``_scale``: no code passes +-127); the grid is
 symmetric. Decoding is ``code * scale`` in fp32, rounded half to even to the
 requested dtype. NOTE [scale rule] also keeps a scale near the fp32 maximum from
 decoding to inf, and flags, by the scale's sign bit, a group holding inf or NaN:
@@ -24,34 +24,33 @@ import triton
 import triton.language as tl
 
 from . import DEFAULT_GROUP_SIZE
-from ._rounding import (
+from ._channel_means import channel_means, decoded_channel_means, largest_finite
+from ._rounding import integer_code_bits, store_rounded
+from ._scale import (
     NonFiniteCodes,
     any_flagged_ref,
-    centered_input_ref,
-    channel_means,
-    decoded_channel_means,
     dequantize,
     dequantize_ref,
-    empty_encoding,
-    flat_codes,
-    flat_input,
     group_scale,
     group_scale_ref,
-    integer_code_bits,
     is_flagged,
     is_flagged_ref,
-    largest_finite,
-    launch,
-    load_decoder_tile,
-    load_encoder_tile,
     none_flagged,
     plain_dequantize,
     plain_group_scale,
-    run_elements,
     scaled_ref,
-    store_rounded,
     with_non_finite_codes,
     with_non_finite_codes_ref,
+)
+from ._tile import (
+    centered_input_ref,
+    empty_encoding,
+    flat_codes,
+    flat_input,
+    launch,
+    load_decoder_tile,
+    load_encoder_tile,
+    run_elements,
 )
 
 # Symmetric absmax rather than asymmetric (scale + zero point). Asymmetric gains most,

@@ -224,7 +224,7 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from actsave.triton_kernels._rounding import LAUNCH_OPTIONS
+from actsave.triton_kernels._tile import LAUNCH_OPTIONS
 
 # What the JIT attaches to an argument it specializes as divisible by 16: a pointer
 # to a 16-byte aligned tensor, or an integer that is a multiple of 16.

@@ -1,4 +1,4 @@
-"""NOTE [channel means] (triton_kernels/_rounding.py): an encoder given one mean per
+"""NOTE [channel means] (triton_kernels/_channel_means.py): an encoder given one mean per
 channel subtracts it as it loads, and the decoder adds it back as it stores. For every
 signed format, read from the kernel table: the kernels against their references bit
 for bit, and the references against the rule."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from actsave.triton_kernels import SIGNED_FORMATS, channel_size, kernel_table
-from actsave.triton_kernels import _rounding
+from actsave.triton_kernels import _channel_means, _tile
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
@@ -161,7 +161,7 @@ def test_magic_numbers_divide_exactly_below_2_pow_31():
     n < 2**31 (checked at random n, and around the multiples of the divisor near 2**31)."""
     generator = torch.Generator().manual_seed(0)
     for divisor in [*range(1, 1100), 2**20 - 1, 2**20 + 7, 3 * 2**28, 2**30 + 3, 2**31 - 1, 2**31]:
-        magic, shift = _rounding.magic_number(divisor)
+        magic, shift = _channel_means.magic_number(divisor)
         multiplier = magic % 2**32
         top = (2**31 - 1) // divisor * divisor
         n = torch.cat([torch.randint(0, 2**31, (2000,), generator=generator), torch.arange(min(divisor * 3, 5000)),
@@ -177,7 +177,7 @@ def test_magic_numbers_divide_exactly_below_2_pow_31():
 def test_int64_offsets_match_reference(fmt, case, group_size, assert_same_bits, monkeypatch):
     """Tensors of 2**31 elements and more index in int64 (needs_int64); forced here on
     small ones, with and without means, so that the interpreter checks that path."""
-    monkeypatch.setattr(_rounding, "needs_int64", lambda numel: True)
+    monkeypatch.setattr(_tile, "needs_int64", lambda numel: True)
     for dtype in (torch.float32, torch.bfloat16):
         _assert_kernel_matches_reference(fmt, case, dtype, group_size, "cpu", assert_same_bits)
         x, _ = CASES[case]()

@@ -1,6 +1,6 @@
 """fp8 codec (e4m3, e5m2): the Triton kernels against their torch reference, bit for
 bit, and the reference against torch's fp8 casts and the rules it defines
-(triton_kernels/fp8.py, _rounding.py)."""
+(triton_kernels/fp8.py, _scale.py, _rounding.py)."""
 from functools import partial
 
 import pytest

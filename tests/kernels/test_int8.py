@@ -1,5 +1,5 @@
 """int8 codec: the Triton kernels against their torch reference, bit for bit, and the
-reference against the rules it defines (triton_kernels/int8.py, _rounding.py)."""
+reference against the rules it defines (triton_kernels/int8.py, _scale.py, _rounding.py)."""
 from functools import partial
 
 import pytest

@@ -1,4 +1,4 @@
-"""NOTE [scale rule] (triton_kernels/_rounding.py): encoding multiplies each value by its
+"""NOTE [scale rule] (triton_kernels/_scale.py): encoding multiplies each value by its
 group's multiplier, code_max / absmax, taken once per group (after a scaling by 2**64
 where absmax < 2**-64). For every format of the kernel table, the Triton kernel and its
 reference alike."""

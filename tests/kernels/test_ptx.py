@@ -18,7 +18,7 @@ import torch
 
 from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, SIGNED_FORMATS, kernel_table
 from actsave.triton_kernels.decisions import max_pool, packed_tiles, relu_signs
-from actsave.triton_kernels._rounding import ELEMENTS_PER_PROGRAM, NUM_WARPS, VECTOR_BYTES
+from actsave.triton_kernels._tile import ELEMENTS_PER_PROGRAM, NUM_WARPS, VECTOR_BYTES
 
 GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
 TILE = {"GROUP_SIZE": GROUP_SIZE, "GROUPS_PER_PROGRAM": ELEMENTS_PER_PROGRAM // GROUP_SIZE}

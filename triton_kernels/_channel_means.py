@@ -1,0 +1,162 @@
+"""Channel means: one fp32 mean per channel subtracted from the values before an
+encoder scales them, and added back by the decoder, in the kernels and in the
+references alike.
+
+NOTE [channel means]: an encoder may be given one fp32 mean per channel (dim 1 of an
+N, C, ... tensor) to subtract from each value as it is loaded, correctly rounded,
+before anything else; the group's scale and codes are those of the centered values,
+and the non-finite codes mark the input's own inf and NaN (a mean that takes a finite
+value past fp32's range, which actsave never passes, leaves it a code of 0 in a
+flagged group, in kernel and reference alike). The decoder given the same means adds
+each back to ``value(code) * |scale|`` in fp32, a second correctly rounded operation
+(launches disable Triton's FMA fusion, ``LAUNCH_OPTIONS`` in _tile.py), and saturates
+the sum at the output dtype's largest finite value: a finite value near it may come
+back a rounding step beyond it, which must not become inf. Then the non-finite codes
+are decoded, as without means. Doing both in the kernels costs no copy of the tensor
+(a centered copy would be live beside it while encoding, a wide one while decoding to
+a half type); the references work in place on their own copies, for the same reason.
+Element i's channel is ``(i // channel_size) % channels``; with int32 offsets both
+divisions are a multiply by the divisor's magic number (``magic_number``, exact below
+2**31), worked out once per run where a run meets at most two channels (channel_size
+>= RUN; one where channel_size is a multiple of RUN), else once per element; int64
+offsets divide.
+"""
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import channel_size
+
+
+# ----------------------------------------------------------------- Triton helpers
+
+
+@triton.jit
+def quotient(n, divisor, magic, shift, INDEX_64: tl.constexpr):
+    """n // divisor for n >= 0: an int64 division where INDEX_64, else, n being below
+    2**31, the high half of 2n times the divisor's magic number, shifted (NOTE [channel
+    means]; ``magic`` is its uint32 bit pattern held in an int32)."""
+    if INDEX_64:
+        return n // divisor
+    doubled = (n << 1).to(tl.uint32, bitcast=True)
+    high = tl.umulhi(doubled, magic.to(tl.uint32, bitcast=True))
+    return (high >> shift).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic, size_shift,
+                     count_magic, count_shift, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr):
+    """Each element's channel mean (NOTE [channel means]): element i of a contiguous N, C,
+    ... tensor is in channel (i // channel_size) % channels. RUN_CHANNELS is how many
+    channels one run may span: 1 (channel_size is a multiple of RUN: one mean per run),
+    2 (channel_size >= RUN: the run's first channel, then from the element where the
+    next one starts, that one), or 0 (more: each element's channel is worked out)."""
+    if RUN_CHANNELS == 0:
+        samples_and_channels = quotient(offsets, channel_size, size_magic, size_shift, INDEX_64)
+        channel = samples_and_channels - quotient(samples_and_channels, channels, count_magic, count_shift,
+                                                  INDEX_64) * channels
+        means = tl.load(means_ptr + channel, mask=in_bounds, other=0.0)
+    else:
+        samples_and_channels = quotient(runs, channel_size, size_magic, size_shift, INDEX_64)
+        first = samples_and_channels - quotient(samples_and_channels, channels, count_magic, count_shift,
+                                                INDEX_64) * channels
+        means = tl.load(means_ptr + first)  # [groups, runs, 1]: one per run
+        if RUN_CHANNELS == 2:
+            into_channel = runs - samples_and_channels * channel_size
+            following = tl.where(first + 1 == channels, 0, first + 1)
+            in_first = offsets - runs < channel_size - into_channel
+            means = tl.where(in_first, means, tl.load(means_ptr + following))
+    return means
+
+
+@triton.jit
+def largest_finite(out_ptrs):
+    """The largest finite value of the output pointers' dtype, as fp32."""
+    if out_ptrs.dtype.element_ty == tl.float16:
+        return 65504.0
+    if out_ptrs.dtype.element_ty == tl.bfloat16:
+        return 3.3895313892515355e38
+    return 3.4028234663852886e38
+
+
+# ----------------------------------------------------------------- host helpers
+
+
+class ChannelMeans(NamedTuple):
+    """A kernel's NOTE [channel means] arguments, checked: the means (fp32, one per
+    channel; a stand-in, unread, where there are none), the elements per channel of
+    one sample, the channel count, and whether there are means at all."""
+
+    means: torch.Tensor
+    channel_size: int
+    channels: int
+    centered: bool
+
+    def kernel_arguments(self, run) -> dict:
+        """For a kernel whose threads own runs of ``run`` elements (NOTE [tile])."""
+        size_magic, size_shift = magic_number(self.channel_size)
+        count_magic, count_shift = magic_number(self.channels)
+        return {"means_ptr": self.means, "channel_size": self.channel_size, "channels": self.channels,
+                "size_magic": size_magic, "size_shift": size_shift, "count_magic": count_magic,
+                "count_shift": count_shift, "CENTERED": self.centered,
+                "RUN_CHANNELS": 1 if self.channel_size % run == 0 else 2 if self.channel_size >= run else 0}
+
+
+def magic_number(divisor):
+    """``(magic, shift)`` such that ``n // divisor == (2n * m) >> (32 + shift)`` for every
+    0 <= n < 2**31, ``m`` being ``magic``'s uint32 bit pattern (NOTE [channel means]):
+    m = ceil(2**(31 + l) / divisor) with l = ceil(log2(divisor)), which is below 2**32,
+    and m * divisor - 2**(31 + l) < 2**l, the bound under which the quotient is exact
+    (Granlund and Montgomery, "Division by invariant integers using multiplication", 1994).
+    ``magic`` is returned as the int32 of that bit pattern."""
+    shift = (divisor - 1).bit_length()
+    multiplier = -(-(1 << (31 + shift)) // divisor)
+    assert 1 << 31 <= multiplier < 1 << 32, (divisor, multiplier)
+    return multiplier - (1 << 32), shift
+
+
+def channel_means(x, means, stand_in):
+    """``means`` for encoding ``x``, checked against it; None subtracts none, and then
+    ``stand_in`` (any fp32 tensor on x's device) fills the pointer the kernel never reads."""
+    if means is None:
+        return ChannelMeans(stand_in, 1, 1, False)
+    channels = x.shape[1] if x.dim() >= 2 else 0
+    if means.shape != (channels,):
+        raise ValueError(f"means must have shape (x.shape[1],) = ({channels},), one per channel of an "
+                         f"N, C, ... tensor; got shape {tuple(means.shape)}")
+    return _checked_means(means, channel_size(x.shape), x.numel(), x.device)
+
+
+def decoded_channel_means(codes, means, channel_size, stand_in):
+    """``means`` for decoding ``codes`` of a tensor whose channels hold ``channel_size``
+    elements per sample, checked; None adds none (``stand_in`` as for channel_means)."""
+    if means is None:
+        return ChannelMeans(stand_in, 1, 1, False)
+    return _checked_means(means, channel_size, codes.numel(), codes.device)
+
+
+def _checked_means(means, channel_size, numel, device):
+    if means.dtype != torch.float32 or means.dim() != 1 or means.device != device:
+        raise ValueError(f"means must be a 1-D float32 tensor on {device}, one per channel; got "
+                         f"{means.dtype} of shape {tuple(means.shape)} on {means.device}")
+    if not (isinstance(channel_size, int) and channel_size >= 1) or numel % (means.numel() * channel_size):
+        raise ValueError(f"{numel} elements are not whole samples of {means.numel()} channels of "
+                         f"channel_size={channel_size!r} elements")
+    return ChannelMeans(means.contiguous(), channel_size, means.numel(), True)
+
+
+# ----------------------------------------------------------------- torch references
+
+
+def per_channel_ref(flat, means):
+    """flat viewed as (samples, channels, channel_size) and the means to broadcast on it."""
+    return flat.view(-1, means.channels, means.channel_size), means.means.view(1, -1, 1)
+
+
+def add_channel_means_ref_(y, means, largest):
+    """y plus its channel means, saturated at +-largest, in place (no view of y outlives
+    the call, so that the callers' replacements of y free it)."""
+    samples, channel_means_ = per_channel_ref(y, means)
+    samples.add_(channel_means_).clamp_(-largest, largest)

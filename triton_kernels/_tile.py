@@ -1,0 +1,254 @@
+"""A codec kernel's tile and its launch, shared by the int8 and fp8 codecs.
+
+Both codecs cut a flattened tensor into contiguous groups of ``group_size`` elements
+(the last one may be partial) and store one fp32 scale per group. This module holds
+how their kernels walk the groups: the tile a program owns, the loads every encoder and
+decoder starts with, the path of plain tiles, and the host-side checks and launch
+grid. The rules of the values live beside it: _scale.py (NOTE [scale rule], NOTE
+[non-finite groups], NOTE [unsigned grids]), _channel_means.py (NOTE [channel means])
+and _rounding.py (NOTE [round half to even]).
+
+NOTE [tile]: each program owns GROUPS_PER_PROGRAM whole groups (ELEMENTS_PER_PROGRAM
+elements) as a ``[groups, GROUP_SIZE // RUN, RUN]`` block and reduces along its rows. A
+run is RUN contiguous elements that one thread owns: one 16-byte vector of codes when
+encoding (16 codes), of values when decoding (4 fp32 or 8 halves, whose codes are
+then one 4- or 8-byte load, as coalesced). Triton gives each memory access a layout of
+at most 16 bytes per thread for a store; one run size for both streams is one layout,
+with no conversion through shared memory between them. What depends on the run only
+(a channel, NOTE [channel means]) is worked out once per thread. Offsets are int32
+where every offset of the launch is below 2**31 (``needs_int64``), else int64.
+
+NOTE [plain tiles]: most tiles hold only groups whose values are finite, with an
+absmax below 2**127 and either 0 or at least 2**-64 (and, for an encoder that
+subtracts channel means, lie wholly inside the tensor, a partial tile's padding being
+centered too). There NOTE [scale rule] needs no step, no pre-scale and no flag, and
+NOTE [non-finite groups] no code, so the kernels take a path without them: an
+encoder decides from its rows' magnitudes (``row_magnitudes``, ``plain_tile``), a
+decoder from its scales' signs (``none_flagged``), once per program, by a branch on a
+reduction over the tile; every other tile takes the general path. Both give the
+references' bits, and a plain tile pays for the rules it does not need with that
+reduction alone.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from . import SUPPORTED_DTYPES, _launch
+from ._channel_means import channel_means, channel_means_of, per_channel_ref
+from ._scale import TINY_ABSMAX
+
+# Below 8 elements the fp32 scale is at least a third of what is stored, which defeats
+# compression; above 4096 a single group outgrows a program's tile (below).
+MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 4096
+# 4096 elements per program, 16 per thread with 8 warps: in the range Triton's
+# tutorials use for memory-bound kernels, and it amortises the interpreter's cost per
+# program, which dominates small launches there (docs/results.md, "Figures behind the
+# code's rules"). Not tuned on a GPU.
+ELEMENTS_PER_PROGRAM, NUM_WARPS = 4096, 8
+# Compile options of every launch (and of the ahead-of-time builds that check them).
+# No FMA fusion: a decoder's add of a channel mean after its multiply (NOTE [channel
+# means]) must round twice, as torch does.
+LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+# The widest global load and store a thread issues (ld/st.global.v4.b32).
+VECTOR_BYTES = 16
+# NOTE [plain tiles]: below this absmax no scale needs the scale rule's step.
+PLAIN_ABSMAX_LIMIT = tl.constexpr(2.0**127)
+
+
+# ----------------------------------------------------------------- Triton helpers
+
+
+@triton.jit
+def group_tile(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr,
+               INDEX_64: tl.constexpr):
+    """This program's groups and their mask; the first element of each run of its groups,
+    as [groups, GROUP_SIZE // RUN, 1]; the element offsets, [groups, GROUP_SIZE // RUN, RUN],
+    and their mask. A run is RUN contiguous elements that one thread owns (NOTE [tile]).
+    Offsets are int64 where INDEX_64, else int32 (the launch knows which fit)."""
+    program = tl.program_id(0)
+    if INDEX_64:
+        program = program.to(tl.int64)
+    groups = program * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    runs = groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE // RUN)[None, :] * RUN
+    offsets = runs[:, :, None] + tl.arange(0, RUN)[None, None, :]
+    return groups, groups * GROUP_SIZE < numel, runs[:, :, None], offsets, offsets < numel
+
+
+@triton.jit
+def tile_is_whole(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, INDEX_64: tl.constexpr):
+    """Whether every element of this program's tile is in bounds (a scalar)."""
+    program = tl.program_id(0)
+    if INDEX_64:
+        program = program.to(tl.int64)
+    return (program + 1) * (GROUPS_PER_PROGRAM * GROUP_SIZE) <= numel
+
+
+@triton.jit
+def load_as_float32(ptrs, mask):
+    """Load fp32, bf16 or fp16 values and widen them exactly to fp32. bf16 is widened
+    on its bits: the interpreter's bf16 -> fp32 cast turns subnormals into wrong values."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def row_magnitudes(x, INTERPRETED: tl.constexpr):
+    """Per row of a [groups, runs, RUN] fp32 block, as [groups]: the largest |x|, NaN
+    where the row holds a NaN, +inf where it holds an infinity and no NaN. On a GPU a
+    NaN-keeping maximum is one instruction a value; the interpreter's reductions skip
+    NaN (numpy's nanmax) and its custom ones run in Python, so there the magnitudes'
+    bits are compared as integers, an order that puts NaN above +inf above every
+    finite value."""
+    if INTERPRETED:
+        bits = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=1)
+        return bits.to(tl.float32, bitcast=True)
+    return tl.reduce(tl.reduce(tl.abs(x), 2, _max_keeping_nan), 1, _max_keeping_nan)
+
+
+@triton.jit
+def plain_tile(magnitudes):
+    """NOTE [plain tiles]: whether every row of the tile, given its row_magnitudes, is
+    finite with an absmax below 2**127 and either 0 or at least 2**-64 (a scalar)."""
+    plain = (magnitudes < PLAIN_ABSMAX_LIMIT) & ((magnitudes >= TINY_ABSMAX) | (magnitudes == 0.0))
+    return tl.min(plain.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def load_encoder_tile(x_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic,
+                      count_shift, CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
+                      INTERPRETED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+                      RUN: tl.constexpr):
+    """What every encoder starts with, for this program's tile: ``(groups, their mask,
+    offsets, their mask, x as fp32, x less its channel means where CENTERED (NOTE
+    [channel means]), each row's magnitudes, whether the tile is plain: NOTE [plain
+    tiles])``. A partial tile's padding is centered too, so a centered tile is plain
+    only when it is whole."""
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
+    x = load_as_float32(x_ptr + offsets, in_bounds)
+    centered = x
+    if CENTERED:
+        centered = x - channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                        size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    magnitudes = row_magnitudes(centered, INTERPRETED)
+    plain = plain_tile(magnitudes)
+    if CENTERED:
+        plain = plain & tile_is_whole(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, INDEX_64)
+    return groups, groups_in_bounds, offsets, in_bounds, x, centered, magnitudes, plain
+
+
+@triton.jit
+def load_decoder_tile(codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift,
+                      count_magic, count_shift, CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr,
+                      INDEX_64: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+                      RUN: tl.constexpr):
+    """What every decoder starts with, for this program's tile: ``(offsets, their
+    mask, the codes as stored, each row's scale, each element's channel mean where
+    CENTERED, else 0)``."""
+    groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
+                                                                    INDEX_64)
+    codes = tl.load(codes_ptr + offsets, mask=in_bounds, other=0)
+    scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
+    means = 0.0
+    if CENTERED:
+        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
+                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+    return offsets, in_bounds, codes, scale, means
+
+
+# ----------------------------------------------------------------- host helpers
+
+
+def check_group_size(group_size):
+    if not (isinstance(group_size, int) and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE
+            and group_size & (group_size - 1) == 0):
+        raise ValueError(
+            f"group_size must be a power of two from {MIN_GROUP_SIZE} to {MAX_GROUP_SIZE}, "
+            f"got {group_size!r}")
+
+
+def check_float_dtype(dtype, what):
+    if dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise ValueError(f"{what} must be one of {allowed}, got {dtype}; integer and bool "
+                         "tensors are never quantized: keep them as they are")
+
+
+def flat_input(x, group_size):
+    """x checked and flattened row-major into a contiguous 1-D tensor."""
+    check_group_size(group_size)
+    check_float_dtype(x.dtype, "the tensor to encode")
+    return x.reshape(-1).contiguous()
+
+
+def flat_codes(codes, scales, code_dtype, dtype, group_size):
+    """codes checked against their scales and flattened for decoding."""
+    check_group_size(group_size)
+    check_float_dtype(dtype, "the decoded dtype")
+    if codes.dtype != code_dtype:
+        raise ValueError(f"codes must be {code_dtype}, got {codes.dtype}")
+    n_groups = triton.cdiv(codes.numel(), group_size)
+    if scales.dtype != torch.float32 or scales.numel() != n_groups:
+        raise ValueError(f"{codes.numel()} codes in groups of {group_size} need {n_groups} "
+                         f"float32 scales, got {scales.numel()} {scales.dtype} scales")
+    return codes.reshape(-1).contiguous(), scales.reshape(-1).contiguous()
+
+
+def empty_encoding(flat, group_size, code_dtype):
+    """Uninitialised codes (one byte per element, unpadded) and per-group scales."""
+    codes = torch.empty(flat.numel(), dtype=code_dtype, device=flat.device)
+    scales = torch.empty(triton.cdiv(flat.numel(), group_size), dtype=torch.float32, device=flat.device)
+    return codes, scales
+
+
+def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
+    """One launch of a group kernel over numel elements, on its tensors' device; none
+    for an empty tensor, nor for meta tensors: they hold no data, and the launcher's
+    allocations are what actsave.estimate simulates a CUDA step by. ``run`` is the
+    elements each thread owns contiguously (NOTE [tile]), ``means`` the kernel's
+    :class:`ChannelMeans`, ``arguments`` its other arguments by name."""
+    if numel == 0 or tensors[0].device.type == "meta":
+        return
+    groups_per_program = max(1, ELEMENTS_PER_PROGRAM // group_size)
+    run = min(run, group_size)
+    grid = (triton.cdiv(triton.cdiv(numel, group_size), groups_per_program),)
+    # Through the package's one launch helper: a kernel that fails to compile on the
+    # user's GPU raises an error naming it and the fallback (_launch.py).
+    _launch.launch(kernel, grid, *tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
+                   GROUPS_PER_PROGRAM=groups_per_program, RUN=run, INDEX_64=needs_int64(numel),
+                   INTERPRETED=tensors[0].device.type == "cpu", **LAUNCH_OPTIONS, **arguments)
+
+
+def needs_int64(numel):
+    """Whether a launch over numel elements indexes in int64: where an offset in its last
+    program's tile could reach 2**31 (the magic-number quotients of NOTE [channel means]
+    need offsets below it too)."""
+    return numel + ELEMENTS_PER_PROGRAM > 2**31
+
+
+def run_elements(dtype):
+    """Elements per thread run for a stream of ``dtype`` values: one 16-byte vector."""
+    return VECTOR_BYTES // dtype.itemsize
+
+
+# ----------------------------------------------------------------- torch references
+
+
+def centered_input_ref(x, group_size, means):
+    """``(source, centered)``: ``x`` flat in fp32, and those values less their channel's
+    mean (NOTE [channel means]; ``means`` as :func:`channel_means` takes it). Where no
+    mean is subtracted ``centered`` is ``source`` itself; otherwise it is a new tensor,
+    the reference's own, which it may overwrite."""
+    source = flat_input(x, group_size).to(torch.float32)
+    checked = channel_means(x, means, source)
+    if not checked.centered or source.numel() == 0:
+        return source, source
+    values, channel_means_ = per_channel_ref(source, checked)
+    return source, (values - channel_means_).view(-1)
