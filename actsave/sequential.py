@@ -10,7 +10,9 @@ until their backward, where that is faster within the budget. Per-layer options
 (``compress``, ``offload``) are stored by child name and apply to what a segment keeps, so they act on the layers where segments
 start: a checkpointed segment keeps its input; the last keeps what autograd saves,
 which a lossy codec stores too (runtime/compressed_saves.py; offload does not apply there).
-``describe()`` shows which.
+``describe()`` shows which. Where segments start, for each value of ``segments``, is
+planning/segments.py's (under a lossy codec an even split's boundaries move onto ReLU
+outputs: NOTE [ Boundaries on ReLU outputs ] there).
 
 NOTE [ Balanced segments ]
 ``segments="balanced"`` (the default) chooses where segments start knowing what a
@@ -45,164 +47,29 @@ activation memory fits ``budget``; ``"memory"`` the plan with the smallest peak.
 """
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
 
 from .planning import plans, profiler
+from .planning.segments import (BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, normalized_segments,
+                                segment_starts, segments_from, split_starts)
 from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
 from .runtime.function import checkpointed_call
 from .runtime.layers import LayerChain
-from .runtime.nested import Range, nested_call
+from .runtime.nested import nested_call
 from .meta import device_of
 from .offload import current_tape
 from .runtime.store import EXACT, CallerTensors, KeepPolicy, modifies_input, should_encode
 from .text import format_table
 
-SegmentsSpec = Union[int, str, Iterable[int]]
-BALANCED = "balanced"  # NOTE [ Balanced segments ]
-_SEGMENT_STRATEGIES = ("sqrt",)
-_PLANNED_STRATEGIES = ("auto", "speed", "memory")  # need a profiled step: see CheckpointedSequential
 _PLANS_KEPT = 16  # balanced plans cached per model, one per distinct input
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Layers ``start`` to ``stop - 1``; ``checkpointed`` is False for the last one and
-    the stored segments of an applied plan."""
-
-    start: int
-    stop: int
-    checkpointed: bool
-    nested: Optional[Range] = None  # how its recompute nests checkpoints (NOTE [ Nested recompute ])
-
-
-def plan_segments(n_layers: int, segments: SegmentsSpec) -> list:
-    """Cut ``n_layers`` layers into :class:`Segment` s as ``segments`` asks (any
-    ``segments`` but ``"balanced"``, whose starts depend on the input)."""
-    return _segments_from(segment_starts(n_layers, segments), n_layers)
-
-
-def segment_starts(n_layers: int, segments: SegmentsSpec) -> list:
-    """Indices where segments start (always beginning with 0, empty for no layers), for
-    every ``segments`` but ``"balanced"``, whose starts depend on the input."""
-    if n_layers == 0:
-        return []
-    if segments == BALANCED:
-        raise ConfigError("segments='balanced' starts depend on the input: CheckpointedSequential chooses them "
-                          "at the first training call of each input")
-    if isinstance(segments, str):
-        if segments not in _SEGMENT_STRATEGIES:
-            raise ConfigError(_bad_segments(segments, n_layers))
-        return _even_starts(n_layers, max(1, round(math.sqrt(n_layers))))
-    if isinstance(segments, bool):
-        raise ConfigError(_bad_segments(segments, n_layers))
-    k = integral(segments)  # any integral number: numpy's too
-    if k is not None:
-        if not 1 <= k <= n_layers:
-            raise ConfigError(_bad_segments(segments, n_layers))
-        return _even_starts(n_layers, k)
-    return _explicit_starts(n_layers, segments)
-
-
-def _even_starts(n_layers: int, k: int) -> list:
-    # checkpoint_sequential's split: k - 1 segments of n // k layers, the rest last, so
-    # "sqrt" is the field's standard plan. It suits networks whose activations shrink
-    # with depth (CNNs); balancing by measured memory is segments="memory"/"auto".
-    size = n_layers // k
-    return [i * size for i in range(k)]
-
-
-# NOTE [ Boundaries on ReLU outputs ]
-#
-# An even split ("sqrt", or an int k) cuts wherever the count falls, often on a conv
-# or BatchNorm output: signed values, which a lossy codec stores with one bit less
-# than a ReLU's output (the unsigned grid, codecs/__init__.py). The gradient error of
-# a lossy checkpoint stays mostly within its segment and is set by how well its
-# kept input is stored, and a BatchNorm's weight gradient (sum(dy * x_hat), with
-# much cancellation) is where it shows first. So under a lossy codec a boundary
-# that falls on BatchNorm or ReLU layers moves forward past them to the first
-# ReLU's output: the same shape as the conv output it replaces, so the kept input
-# costs the same bytes. The price is longer segments, so a somewhat higher peak: on a
-# conv-BN-ReLU chain, with a ReLU output every third layer, a boundary moves by at most
-# two layers. In return the worst parameter gradient gains several dB; the last
-# segment's saved BatchNorm inputs then set the worst, and centering them
-# (codecs/centering.py) gains again (docs/results.md, "Gradient fidelity" and "Figures
-# behind the code's rules"). A boundary moves only within its segment, and only where
-# the layer it lands on has the same settings (codec, offload) as the one it leaves, so
-# per-layer choices hold.
-# Explicit lists of starts are the caller's and are kept as given.
-_PASSED_ON_THE_WAY_TO_A_RELU = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-
-
-def split_starts(layers: list, segments: SegmentsSpec, policies: tuple) -> list:
-    """:func:`segment_starts` for ``layers`` kept by ``policies`` (one per layer),
-    with an even split's boundaries on ReLU outputs under a lossy codec (NOTE
-    [ Boundaries on ReLU outputs ])."""
-    starts = segment_starts(len(layers), segments)
-    if isinstance(segments, str) or integral(segments) is not None:
-        starts = _onto_relu_outputs(starts, layers, policies)
-    return starts
-
-
-def _onto_relu_outputs(starts: list, layers: list, policies: tuple) -> list:
-    moved = starts[:1]
-    for start, next_start in zip(starts[1:], [*starts[2:], len(layers)]):
-        moved.append(start)
-        if not policies[start].lossy:
-            continue
-        j = start
-        while j < next_start and isinstance(layers[j], _PASSED_ON_THE_WAY_TO_A_RELU):
-            j += 1
-        if j + 1 < next_start and isinstance(layers[j], nn.ReLU) and policies[j + 1] == policies[start]:
-            moved[-1] = j + 1
-    return moved
-
-
-def _explicit_starts(n_layers: int, segments) -> list:
-    try:
-        starts = [integral(s) for s in segments]
-    except TypeError:  # not iterable
-        starts = []
-    if not starts or None in starts:
-        raise ConfigError(_bad_segments(segments, n_layers))
-    if any(b <= a for a, b in zip(starts, starts[1:])) or starts[0] < 0 or starts[-1] >= n_layers:
-        raise ConfigError(
-            f"segments={list(segments)!r} must be strictly increasing layer indices in "
-            f"[0, {n_layers - 1}] (where segments start)"
-        )
-    return starts if starts[0] == 0 else [0, *starts]
-
-
-def _normalized_segments(segments):
-    """``segments`` as an ``int``, a list of starts or a name: one value to compare and
-    print, whatever integral or iterable type the caller used (a numpy array, a range)."""
-    if isinstance(segments, (str, bool)):
-        return segments
-    k = integral(segments)
-    if k is not None:
-        return k
-    try:
-        return list(segments)
-    except TypeError:
-        return segments  # rejected, with the allowed values, by segment_starts
-
-
-def _bad_segments(value, n_layers: int) -> str:
-    return (
-        f"segments={value!r} is not valid for {n_layers} layers; use {BALANCED!r} (the default), "
-        f"an int k with 1 <= k <= {n_layers}, one of {list(_SEGMENT_STRATEGIES)}, a sorted list of the "
-        f"layer indices where segments start, or one of {list(_PLANNED_STRATEGIES)} with "
-        "budget= and example_inputs="
-    )
 
 
 class CheckpointedSequential(nn.Sequential):
@@ -220,8 +87,8 @@ class CheckpointedSequential(nn.Sequential):
             activation memory for one extra forward; under a lossy codec a boundary
             that falls on BatchNorm and ReLU layers moves past them onto the ReLU's
             output, where the codec stores it with one more bit, and the segment
-            before it grows by the layers passed: NOTE [ Boundaries on ReLU
-            outputs ]). An integer ``k`` (split likewise; any integral type,
+            before it grows by the layers passed: planning/segments.py, NOTE
+            [ Boundaries on ReLU outputs ]). An integer ``k`` (split likewise; any integral type,
             ``numpy.int64`` too, but not a bool), or a sorted list of the layer
             indices where segments start (0 is implied). The last segment
             is not checkpointed. ``"auto"`` (alias ``"speed"``): the fastest plan whose
@@ -278,8 +145,8 @@ class CheckpointedSequential(nn.Sequential):
                  budget=None, example_inputs=None, loss=None, allow=None):
         _check_modules(modules)
         super().__init__(*modules)
-        segments = _normalized_segments(segments)
-        planned = isinstance(segments, str) and segments in _PLANNED_STRATEGIES
+        segments = normalized_segments(segments)
+        planned = isinstance(segments, str) and segments in PLANNED_STRATEGIES
         _check_planning_arguments(segments, planned, budget, example_inputs, loss, compress, offload, allow)
         if not planned and segments != BALANCED:
             segment_starts(len(self), segments)  # validate now, not at the first forward
@@ -361,7 +228,7 @@ class CheckpointedSequential(nn.Sequential):
         starts = self._starts_for(input, layers)
         tape = current_tape()
         caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)
-        for segment in _segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
+        for segment in segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
             tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
@@ -466,7 +333,7 @@ class CheckpointedSequential(nn.Sequential):
             header, starts = None, split_starts(list(self), self.segments, self._layer_policies(self))
         if starts is None:
             return header
-        for number, segment in enumerate(_segments_from(starts, len(self), self._stored_starts(),
+        for number, segment in enumerate(segments_from(starts, len(self), self._stored_starts(),
                                                         self._nested_ranges())):
             keeps = ("input, nested" if segment.nested else "input") if segment.checkpointed else "saves"
             for i in range(segment.start, segment.stop):
@@ -632,15 +499,6 @@ def _check_simulable(model: nn.Module) -> None:
                           "swapped for meta copies")
 
 
-def _segments_from(starts: list, n_layers: int, stored: frozenset = frozenset(), nested: Optional[dict] = None) -> list:
-    """The segments starting at ``starts``: the last and those starting in ``stored``
-    run plainly, the others checkpointed, those starting in ``nested`` with the
-    recompute that Range cuts."""
-    stops = starts[1:] + [n_layers]
-    last = len(starts) - 1
-    nested = nested or {}
-    return [Segment(a, b, i != last and a not in stored, nested.get(a) if i != last else None)
-            for i, (a, b) in enumerate(zip(starts, stops))]
 
 
 class _Chain(LayerChain):
@@ -685,7 +543,7 @@ def _check_planning_arguments(segments, planned: bool, budget, example_inputs, l
             # fixed segments plan nothing: these would change nothing, silently.
             raise ConfigError(
                 f"{', '.join(name + '=' for name in given)} plan a profiled training step, which only "
-                f"segments={list(_PLANNED_STRATEGIES)} run, not segments={segments!r}: for the fastest "
+                f"segments={list(PLANNED_STRATEGIES)} run, not segments={segments!r}: for the fastest "
                 "segments within a budget pass segments='auto', budget= and example_inputs= (and loss= to count "
                 "the loss's memory), or leave them out"
             )
@@ -716,4 +574,4 @@ def _split_per_layer(value, default) -> tuple:
     return value, {}
 
 
-__all__ = ["CheckpointedSequential", "Segment", "plan_segments"]
+__all__ = ["CheckpointedSequential"]

@@ -14,8 +14,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import actsave
 from actsave import CheckpointedSequential, checkpoint, wrap
 from actsave.codecs import LOSSY_CODECS
+from actsave.planning.segments import plan_segments
 from actsave.runtime import relu_signs, store
-from actsave.sequential import plan_segments
 from support import PreActBlock, codes_and_scales, sqnr_db
 
 
@@ -129,8 +129,8 @@ def conv_bn_relu_chain(inplace: bool):
     return build
 
 
-# Batch 8, "sqrt": starts [0, 9, 15, 21, 30, 36, 42] on ReLU outputs (sequential.py, NOTE
-# [ Boundaries on ReLU outputs ]). Measured over seeds 5, 6 and 10-13, in-place and not
+# Batch 8, "sqrt": starts [0, 9, 15, 21, 30, 36, 42] on ReLU outputs (planning/segments.py,
+# NOTE [ Boundaries on ReLU outputs ]). Measured over seeds 5, 6 and 10-13, in-place and not
 # alike: int8 36.1-40.7, e4m3 27.2-30.4, e5m2 21.8-24.1; with the even split's
 # boundaries [0, 7, 14, ...] given as a list: 32.7-37.6, 22.7-27.7, 16.5-19.9.
 EVEN_SPLIT = [0, 7, 14, 21, 28, 35, 42]

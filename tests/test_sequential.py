@@ -15,8 +15,8 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError, RecomputeError
+from actsave.planning.segments import plan_segments, split_starts
 from actsave.runtime.store import EXACT, KeepPolicy
-from actsave.sequential import plan_segments, split_starts
 
 SEGMENT_SPECS = [1, 2, 3, "sqrt", "balanced", [0, 1, 3, 7], [1, 6, 11, 16], 20]
 

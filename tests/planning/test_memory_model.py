@@ -32,8 +32,8 @@ import actsave
 from actsave import CheckpointedSequential, ConfigError
 from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, sqnr_db
 from actsave.planning import memory_model, plans
+from actsave.planning.segments import segment_starts
 from actsave.runtime.store import KeepPolicy
-from actsave.sequential import segment_starts
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
