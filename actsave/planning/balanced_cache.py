@@ -1,0 +1,141 @@
+"""The balanced plans of a CheckpointedSequential (``segments="balanced"``, the
+default), planned on meta tensors at the first training call of each input and cached
+per input (:class:`BalancedPlans`), with the ``"sqrt"`` fallback where that step
+cannot run.
+
+NOTE [ Balanced segments ]
+``segments="balanced"`` (the default) chooses where segments start knowing what a
+kept input costs under each layer's codec and offload setting: a kept input that a
+codec makes 4x cheaper buys about twice as many, shorter segments, and an offloaded
+one costs the device almost nothing, so segments can shrink to one layer and the
+device peak stops growing with depth. At the first training call for an input
+(shape, strides, dtype, device, and the layers, their settings and training modes),
+each layer runs once on meta tensors (profiler.profile: sizes only, no data, no
+device memory, no times) and plans.balanced takes the smallest predicted device
+peak with at most one extra forward. The plan is cached per such input, so a new
+shape plans anew.
+
+The last segment of a balanced plan stores autograd's saves exactly, whatever its
+first layer's codec: the plan keeps that segment short, and there compressing the
+saves costs more in decode temporaries than it frees (docs/results.md, "Other
+figures"), and the memory model prices the stored segment as exact. On a CPU device
+host memory is the device's, so offload is planned there as if the inputs stayed
+(they do, in the pool).
+
+A chain the meta step cannot run (data-dependent operations such as ``.item()``,
+sharded parameters, layers that pass something else than one tensor) falls back to
+the ``"sqrt"`` split, with a warning that says why, once per model. ``"sqrt"`` is
+``checkpoint_sequential``'s even split of round(sqrt(n)) segments. Tools that watch
+every module call or operator (MemTracker, FlopCounterMode) see the meta step of a
+first call: measure from the second step, as training-step measurements do anyway.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from ..meta import device_of
+from ..runtime.store import should_encode
+from . import plans, profiler
+from .segments import split_starts
+
+_PLANS_KEPT = 16  # balanced plans cached per model, one per distinct input
+
+
+class BalancedPlans:
+    """The balanced plans of one CheckpointedSequential, by input (NOTE [ Balanced
+    segments ]): the last few, and the one used last, for describe()."""
+
+    def __init__(self):
+        self._plans = {}  # key -> Plan, or None where the meta step failed ("sqrt")
+        self._last = None  # (the input as text, its plan)
+        self._warned = False
+
+    def starts(self, model: nn.Module, input, layers: list, policies: tuple) -> list:
+        if not isinstance(input, torch.Tensor):
+            self._warn_once(f"its input is a {type(input).__name__}; the planner follows one tensor")
+            self._last = (type(input).__name__, None)
+            return split_starts(layers, "sqrt", policies)
+        device = device_of(input)
+        key = _plan_key(input, device, layers, policies)
+        if key not in self._plans:
+            if len(self._plans) >= _PLANS_KEPT:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = self._plan(model, input, device, policies)
+        plan = self._plans[key]
+        self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan)
+        return list(plan.starts) if plan is not None else split_starts(layers, "sqrt", policies)
+
+    def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["plans.Plan"]:
+        try:
+            _check_simulable(model)
+            # A balanced plan stores its last segment's saves as they are: no codec costs.
+            profile = profiler.profile(model, (_meta_stand_in(input),), device=device, stored_saves=False)
+            return plans.balanced(profile, list(policies))
+        except Exception as error:  # anything the meta step cannot run: NOTE [ Balanced segments ]
+            self._warn_once(f"it could not run its layers on meta tensors ({type(error).__name__}: {error})")
+            return None
+
+    def _warn_once(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"CheckpointedSequential(segments='balanced') uses the 'sqrt' split: {why}. Pass "
+                "segments='sqrt', an int or a list of starts to choose the split yourself and silence "
+                "this warning.", stacklevel=_user_stacklevel())
+
+    @property
+    def last_plan(self) -> Optional["plans.Plan"]:
+        return None if self._last is None else self._last[1]
+
+    def describe_last(self) -> tuple:
+        """(a line on the last balanced plan, its starts or None before any)."""
+        if self._last is None:
+            return "segments='balanced': chosen at the first training call", None
+        input, plan = self._last
+        if plan is None:
+            return f"segments='balanced' fell back to 'sqrt' for input {input}", None
+        return (f"segments='balanced' for input {input}: predicted peak activation memory "
+                f"{plan.predicted_peak_bytes / 2**20:.2f} MiB", list(plan.starts))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside actsave and
+    torch (the user's call of the model), however deep the module call went."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("actsave", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _plan_key(input: torch.Tensor, device, layers: list, policies: tuple) -> tuple:
+    """What a balanced plan depends on (NOTE [ Balanced segments ])."""
+    autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+    return (tuple(input.shape), input.stride(), input.dtype, should_encode(input), device,
+            tuple(layers), tuple(layer.training for layer in layers), policies, autocast)
+
+
+def _meta_stand_in(x: torch.Tensor) -> torch.Tensor:
+    """A meta tensor that actsave treats as it treats ``x``: same shape, strides and
+    dtype; a leaf unless a codec would encode ``x`` (store.should_encode)."""
+    stand_in = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if not should_encode(x):
+        return stand_in.requires_grad_(x.requires_grad)
+    return stand_in.requires_grad_().clone()
+
+
+def _check_simulable(model: nn.Module) -> None:
+    """Raise where the meta step cannot stand for the real one."""
+    held = [*model.parameters(), *model.buffers()]
+    sharded = [type(t).__name__ for t in held if type(t) not in (torch.Tensor, nn.Parameter)]
+    if sharded:
+        raise ConfigError(f"parameters of type {sharded[0]} (sharded, as FSDP2 makes them) cannot be "
+                          "swapped for meta copies")
+
+
+__all__ = ["BalancedPlans"]
