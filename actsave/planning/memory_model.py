@@ -152,6 +152,7 @@ from ..errors import InternalError
 from ..runtime.store import EXACT, KeepPolicy
 from . import nested_model
 from .profiler import LayerProfile, Profile
+from .segments import Kind
 
 # Offloaded ReLU bits make a segment's fetch size depend on both its ends, so the sizes
 # an offloaded segment may fetch number up to n^2 / 2. Beyond this many, the carries
@@ -636,27 +637,24 @@ class CostModel:
 
     def predict(self, segments: list, nested: Sequence = ()) -> tuple:
         """(peak bytes, step seconds, index of the segment setting the peak) of a plan
-        given as [(start, stop, option index, or None for a stored middle segment)],
-        the stored segment last with ~k (-1 - k) for its saves' codec stored_codecs[k]
-        (-1: as they are): the module docstring's peak = X + max_j (R_0 + ... +
-        R_{j-1} + W_j), C the largest F of the plan's offloaded segments.
-        ``nested[j]``: the Range that cuts checkpointed segment j's recompute, or None
-        (nested_model.py)."""
+        given as PlannedSegments (NOTE [ Planned segments ]): the module docstring's
+        peak = X + max_j (R_0 + ... + R_{j-1} + W_j), C the largest F of the plan's
+        offloaded segments. ``nested[j]``: the Range that cuts checkpointed segment j's
+        recompute, or None (nested_model.py)."""
         nested = list(nested) or [None] * (len(segments) - 1)
-        checkpointed = [(a, b, o, r) for (a, b, o), r in zip(segments[:-1], nested) if o is not None]
+        checkpointed = [(s.start, s.stop, s.option, r) for s, r in zip(segments[:-1], nested) if s.is_checkpointed]
         carry = max((float(self.fetched(o, a, b)) for a, b, o, _ in checkpointed if self.options[o].offload),
                     default=0.0)
         seconds = self.forward_s_before[-1] + self.backward_s_before[-1]
         seconds += sum(float(self.seconds(o, a, b)) if r is None else nested_model.seconds(self, o, a, r)
                        for a, b, o, r in checkpointed)
-        stored_start, _, stored = segments[-1]
-        seconds += self.stored_seconds(stored_start, ~stored)
+        seconds += self.stored_seconds(segments[-1].start, segments[-1].codec)
         kept_before, peak, peak_segment, input_held = 0.0, -math.inf, 0, False
-        for j, (a, b, o) in enumerate(segments):
-            if o is None:
+        for j, (a, b, kind, o, k) in enumerate(segments):
+            if kind is Kind.STORED:
                 working, kept = self.segment_stored_middle(a, b, carry, input_held)
-            elif o < 0:
-                working, kept = self.stored_working_set(a, ~o, input_held), 0.0
+            elif kind is Kind.STORED_LAST:
+                working, kept = self.stored_working_set(a, k, input_held), 0.0
             elif nested[j] is not None:
                 working = nested_model.working_set(self, o, a, b, nested[j], carry, input_held)
                 kept = float(self.kept(o, a, b, input_held))
@@ -666,7 +664,7 @@ class CostModel:
             if kept_before + working > peak:
                 peak, peak_segment = kept_before + working, j
             kept_before += kept
-            input_held = o is None and bool(self.stored_middle_holds_output(a, b))
+            input_held = kind is Kind.STORED and bool(self.stored_middle_holds_output(a, b))
         return self.chain_input + peak, seconds, peak_segment
 
 
