@@ -151,6 +151,7 @@ import torch
 from ..errors import InternalError
 from ..runtime.store import EXACT, KeepPolicy
 from . import nested_model
+from .layer_events import Events, until_last_save
 from .profiler import LayerProfile, Profile
 from .segments import Kind
 
@@ -325,7 +326,7 @@ class CostModel:
         counted_from = np.maximum(self.saved_first[meets], a) - a
         return np.cumsum(np.bincount(counted_from, weights=self.saved_bytes[meets], minlength=self.n - a))
 
-    def events_from(self, a: int) -> "_Events":
+    def events_from(self, a: int) -> "Events":
         """The option-independent events of every layer i = a .. n-1 in a segment
         starting at a (index i - a)."""
         i = np.arange(a, self.n)
@@ -336,7 +337,7 @@ class CostModel:
         stored_forward = (np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + caller_held
                           + self.forward_rise[a:])
         before_recompute = self._held_before_layers(a, saved, unsaved)
-        return _Events(saved=saved,
+        return Events(saved=saved,
                        stored_forward=stored_forward,
                        caller_held=caller_held,
                        loss=self._loss_event(a, saved[-1]),
@@ -386,7 +387,7 @@ class CostModel:
             return self._stored_events_from(s, input_held).stored_peak
         return float(self._coded_stored_working_sets(k, np.array([s]), input_held)[0])
 
-    def _stored_events_from(self, a: int, input_held: bool) -> "_Events":
+    def _stored_events_from(self, a: int, input_held: bool) -> "Events":
         """events_from(a), with ``input_held`` as a stored segment reads them: x_a,
         held by the stored middle segment before, taken off its first forward event
         and, where Saved(a, .) counts it, off every event and Saved."""
@@ -668,34 +669,6 @@ class CostModel:
         return self.chain_input + peak, seconds, peak_segment
 
 
-class _Events(NamedTuple):
-    """The option-independent events of the layers i = a .. n-1 of a segment starting
-    at a, one array each (index i - a), in the module docstring's terms."""
-
-    saved: np.ndarray  # Saved(a, i): a stored middle segment [a, i+1) keeps these
-    stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + [x_a] + fwd_i: a stored segment's forward
-    caller_held: np.ndarray  # [x_a]: the segment's input, held by the caller and no save
-    loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
-    backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
-    recompute: np.ndarray  # Saved'(a, i-1) + U(i) + fwd_i: the option adds its held bytes
-    recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
-
-    @property
-    def stored_peak(self) -> float:
-        """W_stored(a): the largest event of the stored segment [a, n)."""
-        return float(max(self.stored_forward.max(), self.loss, self.backward.max()))
-
-    def without_input(self, first: float, saved: float) -> "_Events":
-        """The stored segment's events when the stored middle segment before holds x_a:
-        ``first`` (x_a) off its first forward event (U(a)) and those where the caller
-        holds it ([x_a]), ``saved`` (x_a where Saved(a, .) counts it, else 0) off Saved
-        and every other event counting it."""
-        forward = self.stored_forward - np.where(self.caller_held > 0, first, saved)
-        forward[0] = self.stored_forward[0] - first
-        return self._replace(saved=self.saved - saved, stored_forward=forward, loss=self.loss - saved,
-                             backward=self.backward - saved)
-
-
 class _Tables(NamedTuple):
     """[a, b]: the largest event of the segment [a, b) (inf below the diagonal)."""
 
@@ -713,16 +686,6 @@ def _stored_middle_events(forward, backward, carries: np.ndarray) -> np.ndarray:
     """A stored middle segment's largest event, given its largest forward and backward
     events, for each C in ``carries`` (the last axis): C is charged to the backward."""
     return np.maximum(np.expand_dims(forward, -1), np.expand_dims(backward, -1) + carries)
-
-
-def until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """For each segment end, the largest recompute event: layers before the segment's
-    last saving layer (``last``, relative to the start) run whole (``full``), that
-    layer up to its last save (``truncated``: the early stop), the rest not at all;
-    -inf when no layer saves."""
-    running = np.maximum.accumulate(full)
-    whole = np.where(last > 0, running[np.maximum(last - 1, 0)], -np.inf)
-    return np.where(last >= 0, np.maximum(whole, truncated[np.maximum(last, 0)]), -np.inf)
 
 
 class _CodedSaves:
