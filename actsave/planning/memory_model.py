@@ -152,7 +152,7 @@ import torch
 from ..runtime.store import EXACT, KeepPolicy
 from . import nested_model
 from .profiler import LayerProfile, Profile
-from .segments import Kind
+from .planned_segment import Kind
 from .stored_model import StoredTerms
 
 # Offloaded ReLU bits make a segment's fetch size depend on both its ends, so the sizes

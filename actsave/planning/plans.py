@@ -32,7 +32,7 @@ from ..runtime.store import EXACT, KeepPolicy
 from ..text import format_table, mib, ms
 from .memory_model import CostModel, host_is_separate
 from .profiler import Profile
-from .segments import PlannedSegment
+from .planned_segment import PlannedSegment
 from .solver import fastest_within, smallest_headroom, smallest_nested_headroom
 
 # Every lossy codec name of codecs.py, aliases included ("fp8" is e4m3), is a lever.

@@ -70,7 +70,7 @@ import numpy as np
 from . import nested_model
 from .memory_model import CostModel
 from .nested_solver import NestedTable, exact_options
-from .segments import PlannedSegment
+from .planned_segment import PlannedSegment
 
 
 def smallest_headroom(model: CostModel, longest: Optional[int] = None) -> float:

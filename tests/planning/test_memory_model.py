@@ -32,7 +32,7 @@ import actsave
 from actsave import CheckpointedSequential, ConfigError
 from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, sqnr_db
 from actsave.planning import memory_model, plans
-from actsave.planning.segments import PlannedSegment
+from actsave.planning.planned_segment import PlannedSegment
 from actsave.runtime.store import KeepPolicy
 from actsave.sequential import segment_starts
 
