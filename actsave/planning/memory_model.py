@@ -134,7 +134,9 @@ Time model
     for each save one decoding, each the seconds the codec took on a sample of that
     shape (profiler.py, StoredSaves).
 
-Each term is written once (:class:`CostModel`) and read two ways: by the solvers
+Each term is written once (:class:`CostModel`: the checkpointed segments' terms, on
+the stored segments' of stored_model.py and the option-independent events of
+layer_events.py) and read two ways: by the solvers
 (solver.py) for every segment at once, from tables of each segment's largest events,
 and by :meth:`CostModel.predict` for one plan, each segment from its own events.
 :func:`~actsave.plan` checks that the second fits the peak the first planned for.
@@ -142,16 +144,16 @@ and by :meth:`CostModel.predict` for one plan, each segment from its own events.
 from __future__ import annotations
 
 import math
-from functools import cached_property
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import InternalError
 from ..runtime.store import EXACT, KeepPolicy
 from . import nested_model
 from .profiler import LayerProfile, Profile
+from .planned_segment import Kind
+from .stored_model import StoredTerms
 
 # Offloaded ReLU bits make a segment's fetch size depend on both its ends, so the sizes
 # an offloaded segment may fetch number up to n^2 / 2. Beyond this many, the carries
@@ -174,8 +176,10 @@ def effective_option(option: KeepPolicy, layer: LayerProfile, device: str) -> Ke
     return option if host_is_separate(device) else KeepPolicy(option.codec)
 
 
-class CostModel:
-    """The module docstring's memory and time model over the layers as numpy arrays.
+class CostModel(StoredTerms):
+    """The module docstring's memory and time model over the layers as numpy arrays:
+    the checkpointed segments' terms here, on the stored segments' (stored_model.py)
+    and the option-independent events (layer_events.py).
 
     Each term is written once, in one method, for a start a and every layer i >= a
     (:meth:`events_from`) or for broadcastable arrays of starts and ends (:meth:`kept`,
@@ -197,97 +201,16 @@ class CostModel:
                  stored_codecs: Sequence[str] = ("none",), store_middle: bool = False):
         """``options``: the keep options the plans may use. ``fixed``: one option per
         layer instead, the only one a segment starting there may use.
-        ``stored_codecs``: how the stored segment may keep autograd's saves, "none"
-        (as they are) first, then lossy codec names (the profile's StoredSaves).
-        ``store_middle``: whether the solvers may store segments before the last
-        (:meth:`predict` prices them either way)."""
-        self.store_middle = store_middle
-        layers = prof.layers
-        n = self.n = len(layers)
+        ``stored_codecs``, ``store_middle``: as StoredTerms (:meth:`predict` prices
+        stored middle segments either way)."""
+        super().__init__(prof, stored_codecs, store_middle)
         if fixed is not None:
-            fixed = [effective_option(option, layer, prof.device) for option, layer in zip(fixed, layers)]
+            fixed = [effective_option(option, layer, prof.device) for option, layer in zip(fixed, prof.layers)]
             options = sorted(set(fixed), key=lambda option: (option.codec.name, option.offload))
         self.options = options
-        self.chain_input = prof.input_bytes
-
-        def column(attr: str) -> np.ndarray:
-            return np.array([getattr(layer, attr) for layer in layers], dtype=np.float64)
-
-        self.input = column("input_bytes")
-        self.grad = np.append(column("input_grad_bytes"), 0.0)  # g_0 .. g_n; g_n is in held_in_backward
-        self.held_in_backward = prof.output_bytes + prof.output_grad_bytes
-        self.loss_rise = prof.loss_rise
-        self.output = prof.output_bytes
-        self.output_first, self.output_last = prof.output_saved_by or (n, -1)
-        self.forward_rise, self.backward_rise = column("forward_rise"), column("backward_rise")
-        self.rise_to_last_save = column("forward_rise_to_last_save")
-        self.no_grad_rise = column("no_grad_rise")
-        # One restore at a time: a ReLU's or a max pool's (runtime/relu_signs.py, pool_decisions.py).
-        self.restore = np.maximum(column("relu_restore_bytes"), column("pool_restore_bytes"))
-        spans = [layer.input_saved_by or (n, -1) for layer in layers]  # (n, -1): saved by no layer
-        self.input_first = np.array([first for first, _ in spans])
-        self.input_last = np.array([last for _, last in spans])
-        # A stored middle segment ending at a may hold x_a in its saves (module docstring,
-        # "A tensor at a stored boundary"): x_a where a layer before a saves it, and the
-        # part of it that Saved(a, .) counts (a layer from a on saves it too).
-        layer_index = np.arange(n)
-        self.reused_input = np.where(self.input_first < layer_index, self.input, 0.0)
-        self.reused_saved = np.where(self.input_last >= layer_index, self.reused_input, 0.0)
-        saving = np.where([layer.saves_for_backward for layer in layers], np.arange(n), -1)
-        self.last_saver = np.maximum.accumulate(saving)  # the last saving layer at or before i
-        decisions = column("relu_sign_bytes") + column("pool_decision_bytes")
-        self.signs_before = np.concatenate(([0.0], np.cumsum(decisions)))  # S over [0, i)
-        self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
-        self.backward_s_before = np.concatenate(([0.0], np.cumsum(column("backward_s"))))
-        # A checkpoint whose first layer changes its input in place keeps a copy of the
-        # input (runtime/store.py), and its recompute, where the input needs a gradient,
-        # runs on one more copy (Q).
-        self.kept_copy = np.array([layer.dense_input_bytes if layer.modifies_input else 0 for layer in layers],
-                                  dtype=np.float64)
-        self.private_copy = np.where(column("input_grad_bytes") > 0, self.kept_copy, 0.0)
-        self._options_by_layer(layers)
+        self._options_by_layer(prof.layers)
         if fixed is not None:
             self.allowed &= np.array([[option == each for each in fixed] for option in options])
-        self.saved_first, self.saved_last, self.saved_bytes = (
-            np.array([getattr(s, field) for s in prof.saved], dtype=dtype)
-            for field, dtype in (("first", np.int64), ("last", np.int64), ("nbytes", np.float64)))
-        self.stored_codecs = list(stored_codecs)
-        if self.stored_codecs[0] != "none":
-            raise InternalError(f"stored_codecs={stored_codecs!r} must start with 'none'")
-        if len(self.stored_codecs) > 1 and prof.stored_saves is None:
-            raise InternalError("this profile records no stored saves: its stored segment can only be exact")
-        self._stored_by_codec = [_CodedSaves(prof, codec) for codec in self.stored_codecs[1:]]
-        self.stored_middle_reach = self._stored_middle_reach()
-
-    def _stored_middle_reach(self) -> np.ndarray:
-        """[a]: the farthest end a stored middle segment from a needs: the first boundary
-        b > a where two stored segments [., b) [b, .) are one (else n - 1).
-
-        They are where Saved is additive across b: no storage is saved on both sides
-        but x_b's (held by the first, left out by the second: "A tensor at a stored
-        boundary"), and x_b's storage is not x_{b+1}'s too (a view), which the second
-        would count again as U(b+1). There the stored middle segment [a, c), c > b,
-        has the events, R and bit of [a, b) then [b, c): the solvers stop at b and
-        go on with [b, c), the same plans in fewer steps."""
-        n = self.n
-        boundaries = np.arange(1, n)
-        # Storages saved on both sides of b: first <= b-1 and last >= b.
-        crossing = np.zeros(n + 1)
-        np.add.at(crossing, self.saved_first + 1, 1)
-        np.add.at(crossing, np.maximum(self.saved_last + 1, self.saved_first + 1), -1)
-        crossing = np.cumsum(crossing)[boundaries]
-        input_crosses = (self.input_first[boundaries] < boundaries) & (self.input_last[boundaries] >= boundaries)
-        next_first = np.append(self.input_first[2:], self.output_first)
-        next_last = np.append(self.input_last[2:], self.output_last)
-        view = ((self.input_first[boundaries] < n) & (next_first == self.input_first[boundaries])
-                & (next_last == self.input_last[boundaries]))
-        joins = (crossing == input_crosses) & ~view
-        reach = np.full(n, n - 1)
-        join_at = boundaries[joins]
-        later = np.searchsorted(join_at, np.arange(n), side="right")  # the first join b > a
-        found = later < join_at.size
-        reach[found] = join_at[later[found]]
-        return reach
 
     def _options_by_layer(self, layers) -> None:
         """Per option (rows) and start layer (columns): whether it may be used there, the
@@ -316,117 +239,6 @@ class CostModel:
             self.to_device_s[o, a] = layer.to_device_s.get(option.codec.name, 0.0)
 
     # ----------------------------------------------------------------- the terms
-
-    def saved_from(self, a: int) -> np.ndarray:
-        """Saved(a, i) for i = a .. n-1: the storages whose saving layers meet [a, i]
-        (first <= i and last >= a), each counted from max(first, a)."""
-        meets = self.saved_last >= a
-        counted_from = np.maximum(self.saved_first[meets], a) - a
-        return np.cumsum(np.bincount(counted_from, weights=self.saved_bytes[meets], minlength=self.n - a))
-
-    def events_from(self, a: int) -> "_Events":
-        """The option-independent events of every layer i = a .. n-1 in a segment
-        starting at a (index i - a)."""
-        i = np.arange(a, self.n)
-        saved = self.saved_from(a)
-        unsaved = self._unsaved(a, i)
-        unsaved_input = 0.0 if a == 0 else self.input[a]  # the chain input is in X
-        caller_held = self._held_by_caller(a, i)
-        stored_forward = (np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + caller_held
-                          + self.forward_rise[a:])
-        before_recompute = self._held_before_layers(a, saved, unsaved)
-        return _Events(saved=saved,
-                       stored_forward=stored_forward,
-                       caller_held=caller_held,
-                       loss=self._loss_event(a, saved[-1]),
-                       backward=self._backward_events(a, saved, i),
-                       recompute=before_recompute + self.forward_rise[a:],
-                       recompute_to_last_save=before_recompute + self.rise_to_last_save[a:])
-
-    def _held_by_caller(self, a: int, i: np.ndarray) -> np.ndarray:
-        """[x_a] for i = a .. n-1: after its first layer, the segment's input, which the
-        caller holds until the segment's forward returns (sequential.py), where no save
-        of layers a .. i-1 holds it (X holds the chain input)."""
-        return np.where((i > a) & (a > 0) & ~self.saved_within(a, a, i - 1), self.input[a], 0.0)
-
-    def _held_before_layers(self, a: int, saved: np.ndarray, unsaved: np.ndarray) -> np.ndarray:
-        """Saved'(a, i-1) + U(i), for i = a .. n-1: what a recompute from a
-        holds as layer i starts, beyond the segment input (counted by the option)."""
-        i = np.arange(a, self.n)
-        saved_without_input = saved - np.where(self.saved_within(a, a, i), self.input[a], 0.0)
-        return np.concatenate(([0.0], saved_without_input[:-1] + unsaved[1:]))
-
-    def saved_within(self, k, a, last) -> np.ndarray:
-        """Whether a save of the layers a .. ``last`` holds x_k: the span of the layers
-        that save it (input_first .. input_last) meets [a, last]. Broadcastable arrays."""
-        return (self.input_first[k] <= last) & (self.input_last[k] >= a)
-
-    def _unsaved(self, a: int, i: np.ndarray) -> np.ndarray:
-        """U(i) for i = a .. n-1: layer i's input, unless a layer in [a, i) saved it."""
-        return np.where(self.saved_within(i, a, i - 1), 0.0, self.input[i])
-
-    def _loss_event(self, s: int, saved_by_all: float) -> float:
-        """Saved(s, n-1) + U(n) + L: the stored segment [s, n) while the loss runs."""
-        output_saved = self.output_first <= self.n - 1 and self.output_last >= s
-        return saved_by_all + (0.0 if output_saved else self.output) + self.loss_rise
-
-    def _backward_events(self, a: int, saved: np.ndarray, i: np.ndarray) -> np.ndarray:
-        """O + Saved(a, i) + g_{i+1} + bwd_i for i = a .. n-1, O less the output where
-        Saved counts it."""
-        output_in_saved = (self.output_first <= i) & (self.output_last >= a)
-        held = self.held_in_backward - np.where(output_in_saved, self.output, 0.0)
-        return held + saved + self.grad[i + 1] + self.backward_rise[i]
-
-    def stored_working_set(self, s: int, k: int = 0, input_held: bool = False) -> float:
-        """W_stored(s, k): the largest event of the stored segment [s, n), its saves kept
-        by ``stored_codecs[k]``; ``input_held``: after a stored middle segment whose
-        saves hold x_s."""
-        if k == 0:
-            return self._stored_events_from(s, input_held).stored_peak
-        return float(self._coded_stored_working_sets(k, np.array([s]), input_held)[0])
-
-    def _stored_events_from(self, a: int, input_held: bool) -> "_Events":
-        """events_from(a), with ``input_held`` as a stored segment reads them: x_a,
-        held by the stored middle segment before, taken off its first forward event
-        and, where Saved(a, .) counts it, off every event and Saved."""
-        events = self.events_from(a)
-        if not input_held:
-            return events
-        return events.without_input(self.reused_input[a], self.reused_saved[a])
-
-    def _coded_stored_working_sets(self, k: int, starts: np.ndarray, input_held: bool = False) -> np.ndarray:
-        """W_stored(s, k) for each s in ``starts``, k > 0 (a lossy codec): the module
-        docstring's events, broadcast over starts (rows) and layers i (columns);
-        ``input_held``: after a stored middle segment whose saves hold x_s, which the
-        segment's events then leave out (as its input, the caller's or a save as it is)."""
-        coded, n = self._stored_by_codec[k - 1], self.n
-        s, i = starts[:, None], np.arange(n)[None, :]
-        reused = self.reused_input[s] if input_held else np.zeros((len(starts), 1))
-        input_as_is = (coded.input_first[s] <= i) & (coded.input_last[s] >= s)  # x_s held by a save as it is
-        saved = coded.saved_table()[starts] - np.where(input_as_is, reused, 0.0)  # [s, i] = Saved_k(s, i), i >= s
-        held = (coded.input_first[i] <= i - 1) & (coded.input_last[i] >= s)
-        unsaved = np.where(i == s, np.where(s > 0, self.input[s] - reused, 0.0),  # the chain input is in X
-                           np.where(held, 0.0, self.input[i]))
-        # The caller holds the segment's input until the segment's forward returns
-        # (sequential.py), which no save holds here: X holds the chain input.
-        caller_held = np.where((i > s) & (s > 0) & ~input_as_is, self.input[s] - reused, 0.0)
-        forward = saved + unsaved + caller_held + np.maximum(self.forward_rise[i], coded.encode_rise[i])
-        output_held = (coded.output_first <= i) & (coded.output_last >= s)
-        backward = (self.held_in_backward - np.where(output_held, self.output, 0.0) + saved + self.grad[i + 1]
-                    + np.maximum(self.backward_rise[i] + coded.decoded[i], coded.decode_rise[i]))
-        events = np.where(i >= s, np.maximum(forward, backward), -np.inf).max(axis=1)
-        output_held_at_end = (coded.output_first <= n - 1) & (coded.output_last >= starts)
-        loss = saved[:, -1] + np.where(output_held_at_end, 0.0, self.output) + self.loss_rise
-        return np.maximum(events, loss)
-
-    def stored_seconds(self, s: int, k: int) -> float:
-        """What keeping the saves of the stored segment [s, n) by ``stored_codecs[k]``
-        adds to the step (0 for "none")."""
-        return 0.0 if k == 0 else float(self._stored_by_codec[k - 1].seconds_from[s])
-
-    def saves(self, a, b) -> np.ndarray:
-        """Whether any layer of [a, b) saves a tensor (else nothing is kept or recomputed)."""
-        return self.last_saver[b - 1] >= a
 
     def signs(self, o: int, a, b):
         """S of [a, b) under option o."""
@@ -461,11 +273,6 @@ class CostModel:
         """The bytes of K that a stored middle segment before a holds (its saves hold
         x_a, ``input_held``) and option o keeps as x_a itself: counted there only."""
         return np.where(input_held & self.shares_input[o, a], self.reused_input[a], 0.0)
-
-    def stored_middle_holds_output(self, a, b) -> np.ndarray:
-        """Whether the saves of the stored middle segment [a, b), Saved(a, b-1), hold
-        x_b, the next segment's input (a layer of [a, b) saves its storage)."""
-        return self.saved_within(b, a, b - 1)
 
     def fetched(self, o: int, a, b) -> np.ndarray:
         """F(a, b, o): the bytes an offloaded segment fetches back from the host."""
@@ -511,54 +318,6 @@ class CostModel:
 
     # ----------------------------------------------------- the solvers' reading
 
-    @cached_property
-    def tables(self) -> "_Tables":
-        """The largest events of every segment [a, b), from each start's events by
-        running maxima over the ends."""
-        n = self.n
-        recompute, lossy_recompute, backward, stored_forward, saved = (np.full((n, n), np.inf) for _ in range(5))
-        stored_peaks, held_stored_peaks = np.empty(n), np.empty(n)
-        held_stored_forward = stored_forward.copy()
-        for a in range(n):
-            events = self.events_from(a)
-            stored_peaks[a] = events.stored_peak
-            held = events.without_input(self.reused_input[a], self.reused_saved[a]) if self.reused_input[a] else events
-            held_stored_peaks[a] = held.stored_peak
-            held_stored_forward[a, a + 1:] = np.maximum.accumulate(held.stored_forward)[:n - 1 - a]
-            last = self.last_saver[a:n - 1] - a  # for ends b = a+1 .. n-1
-            recompute[a, a + 1:] = until_last_save(events.recompute, events.recompute_to_last_save, last)
-            lossy_recompute[a, a + 1:] = until_last_save(events.recompute + self.restore[a:],
-                                                          events.recompute_to_last_save + self.restore[a:], last)
-            backward[a, a + 1:] = np.maximum.accumulate(events.backward)[:n - 1 - a]
-            stored_forward[a, a + 1:] = np.maximum.accumulate(events.stored_forward)[:n - 1 - a]
-            saved[a, a + 1:] = events.saved[:n - 1 - a]
-        codecs = range(1, len(self.stored_codecs))
-        coded = [self._coded_stored_working_sets(k, np.arange(n)) for k in codecs]
-        held_coded = [self._coded_stored_working_sets(k, np.arange(n), input_held=True) for k in codecs]
-        return _Tables(recompute, lossy_recompute, backward, stored_forward, held_stored_forward, saved,
-                       np.array([stored_peaks, *coded]), np.array([held_stored_peaks, *held_coded]))
-
-    @property
-    def stored_peaks(self) -> np.ndarray:
-        """[k, s]: W_stored(s, k) for every stored codec k and start s."""
-        return self.tables.stored_peaks
-
-    @property
-    def held_stored_peaks(self) -> np.ndarray:
-        """[k, s]: W_stored(s, k) after a stored middle segment whose saves hold x_s
-        (where none can, as stored_peaks)."""
-        return self.tables.held_stored_peaks
-
-    @cached_property
-    def stored_time(self) -> np.ndarray:
-        """[k, s]: stored_seconds(s, k)."""
-        return np.array([np.zeros(self.n), *(coded.seconds_from[:self.n] for coded in self._stored_by_codec)])
-
-    @property
-    def backward(self) -> np.ndarray:
-        """[a, b]: the largest backward event of the segment [a, b)."""
-        return self.tables.backward
-
     def working_set(self, o: int, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
         """W(a, b, o) + C for each prefetch bound C in ``carries`` (the last axis of the
         result), for broadcastable arrays of starts and ends (and ``input_held``: after
@@ -582,21 +341,6 @@ class CostModel:
             table = self._working_set(o, a, b, recompute, tables.backward, np.array([carry]), held)[..., 0]
             computed[o] = carry, np.broadcast_to(table, (2, self.n, self.n))
         return computed[o][1]
-
-    def stored_middle_working_set(self, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
-        """W of the stored middle segment [a, b) + C on its backward events, for each C
-        in ``carries`` (the last axis), for broadcastable arrays of starts and ends (and
-        ``input_held``: after a stored middle segment whose saves hold x_a)."""
-        tables = self.tables
-        forward = np.where(input_held, tables.held_stored_forward[a, b], tables.stored_forward[a, b])
-        backward = tables.backward[a, b] - np.where(input_held, self.reused_saved[a], 0.0)
-        return _stored_middle_events(forward, backward, carries)
-
-    def stored_middle_kept(self, a, b, input_held=False) -> np.ndarray:
-        """R of the stored middle segment [a, b): Saved(a, b-1), for broadcastable
-        arrays of starts and ends (less x_a where ``input_held``: the stored middle
-        segment before holds it)."""
-        return self.tables.saved[a, b] - np.where(input_held, self.reused_saved[a], 0.0)
 
     def carries(self) -> np.ndarray:
         """Candidate values of C: 0 (nothing offloaded) and the sizes an offloaded
@@ -626,37 +370,26 @@ class CostModel:
         return float(self._working_set(o, a, b, recompute, events.backward[:stop].max(), np.array([carry]),
                                        input_held)[0])
 
-    def segment_stored_middle(self, a: int, b: int, carry: float, input_held: bool = False) -> tuple:
-        """(W + C, R) of the stored middle segment [a, b), from its own layers' events
-        (``input_held``: after a stored middle segment whose saves hold x_a)."""
-        events, stop = self._stored_events_from(a, input_held), b - a
-        working = _stored_middle_events(events.stored_forward[:stop].max(), events.backward[:stop].max(),
-                                        np.array([carry]))[0]
-        return float(working), float(events.saved[stop - 1])
-
     def predict(self, segments: list, nested: Sequence = ()) -> tuple:
         """(peak bytes, step seconds, index of the segment setting the peak) of a plan
-        given as [(start, stop, option index, or None for a stored middle segment)],
-        the stored segment last with ~k (-1 - k) for its saves' codec stored_codecs[k]
-        (-1: as they are): the module docstring's peak = X + max_j (R_0 + ... +
-        R_{j-1} + W_j), C the largest F of the plan's offloaded segments.
-        ``nested[j]``: the Range that cuts checkpointed segment j's recompute, or None
-        (nested_model.py)."""
+        given as PlannedSegments (NOTE [ Planned segments ]): the module docstring's
+        peak = X + max_j (R_0 + ... + R_{j-1} + W_j), C the largest F of the plan's
+        offloaded segments. ``nested[j]``: the Range that cuts checkpointed segment j's
+        recompute, or None (nested_model.py)."""
         nested = list(nested) or [None] * (len(segments) - 1)
-        checkpointed = [(a, b, o, r) for (a, b, o), r in zip(segments[:-1], nested) if o is not None]
+        checkpointed = [(s.start, s.stop, s.option, r) for s, r in zip(segments[:-1], nested) if s.is_checkpointed]
         carry = max((float(self.fetched(o, a, b)) for a, b, o, _ in checkpointed if self.options[o].offload),
                     default=0.0)
         seconds = self.forward_s_before[-1] + self.backward_s_before[-1]
         seconds += sum(float(self.seconds(o, a, b)) if r is None else nested_model.seconds(self, o, a, r)
                        for a, b, o, r in checkpointed)
-        stored_start, _, stored = segments[-1]
-        seconds += self.stored_seconds(stored_start, ~stored)
+        seconds += self.stored_seconds(segments[-1].start, segments[-1].codec)
         kept_before, peak, peak_segment, input_held = 0.0, -math.inf, 0, False
-        for j, (a, b, o) in enumerate(segments):
-            if o is None:
+        for j, (a, b, kind, o, k) in enumerate(segments):
+            if kind is Kind.STORED:
                 working, kept = self.segment_stored_middle(a, b, carry, input_held)
-            elif o < 0:
-                working, kept = self.stored_working_set(a, ~o, input_held), 0.0
+            elif kind is Kind.STORED_LAST:
+                working, kept = self.stored_working_set(a, k, input_held), 0.0
             elif nested[j] is not None:
                 working = nested_model.working_set(self, o, a, b, nested[j], carry, input_held)
                 kept = float(self.kept(o, a, b, input_held))
@@ -666,106 +399,5 @@ class CostModel:
             if kept_before + working > peak:
                 peak, peak_segment = kept_before + working, j
             kept_before += kept
-            input_held = o is None and bool(self.stored_middle_holds_output(a, b))
+            input_held = kind is Kind.STORED and bool(self.stored_middle_holds_output(a, b))
         return self.chain_input + peak, seconds, peak_segment
-
-
-class _Events(NamedTuple):
-    """The option-independent events of the layers i = a .. n-1 of a segment starting
-    at a, one array each (index i - a), in the module docstring's terms."""
-
-    saved: np.ndarray  # Saved(a, i): a stored middle segment [a, i+1) keeps these
-    stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + [x_a] + fwd_i: a stored segment's forward
-    caller_held: np.ndarray  # [x_a]: the segment's input, held by the caller and no save
-    loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
-    backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
-    recompute: np.ndarray  # Saved'(a, i-1) + U(i) + fwd_i: the option adds its held bytes
-    recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
-
-    @property
-    def stored_peak(self) -> float:
-        """W_stored(a): the largest event of the stored segment [a, n)."""
-        return float(max(self.stored_forward.max(), self.loss, self.backward.max()))
-
-    def without_input(self, first: float, saved: float) -> "_Events":
-        """The stored segment's events when the stored middle segment before holds x_a:
-        ``first`` (x_a) off its first forward event (U(a)) and those where the caller
-        holds it ([x_a]), ``saved`` (x_a where Saved(a, .) counts it, else 0) off Saved
-        and every other event counting it."""
-        forward = self.stored_forward - np.where(self.caller_held > 0, first, saved)
-        forward[0] = self.stored_forward[0] - first
-        return self._replace(saved=self.saved - saved, stored_forward=forward, loss=self.loss - saved,
-                             backward=self.backward - saved)
-
-
-class _Tables(NamedTuple):
-    """[a, b]: the largest event of the segment [a, b) (inf below the diagonal)."""
-
-    recompute: np.ndarray  # -inf where nothing is recomputed
-    lossy_recompute: np.ndarray  # with the ReLU restores of a lossy codec
-    backward: np.ndarray
-    stored_forward: np.ndarray  # the largest forward event of a stored middle segment
-    held_stored_forward: np.ndarray  # the same after a stored middle segment whose saves hold x_a
-    saved: np.ndarray  # Saved(a, b-1): what a stored middle segment keeps
-    stored_peaks: np.ndarray  # [k, s]: W_stored(s, k)
-    held_stored_peaks: np.ndarray  # [k, s]: the same after a stored middle segment whose saves hold x_s
-
-
-def _stored_middle_events(forward, backward, carries: np.ndarray) -> np.ndarray:
-    """A stored middle segment's largest event, given its largest forward and backward
-    events, for each C in ``carries`` (the last axis): C is charged to the backward."""
-    return np.maximum(np.expand_dims(forward, -1), np.expand_dims(backward, -1) + carries)
-
-
-def until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """For each segment end, the largest recompute event: layers before the segment's
-    last saving layer (``last``, relative to the start) run whole (``full``), that
-    layer up to its last save (``truncated``: the early stop), the rest not at all;
-    -inf when no layer saves."""
-    running = np.maximum.accumulate(full)
-    whole = np.where(last > 0, running[np.maximum(last - 1, 0)], -np.inf)
-    return np.where(last >= 0, np.maximum(whole, truncated[np.maximum(last, 0)]), -np.inf)
-
-
-class _CodedSaves:
-    """The terms of a stored segment whose saves one lossy codec keeps (module
-    docstring: Saved_k, U_k, O_k, enc_k, dec_k), from the profile's StoredSaves."""
-
-    def __init__(self, prof: Profile, codec: str):
-        n, stored = len(prof.layers), prof.stored_saves
-        self.n = n
-        tensors = stored.tensors
-        self.first = np.array([t.first for t in tensors], dtype=np.int64)
-        self.last = np.array([t.last for t in tensors], dtype=np.int64)
-        self.kept = np.array([t.kept_bytes[codec] for t in tensors], dtype=np.float64)
-        self.signs = np.array([t.sign_bytes for t in tensors], dtype=np.float64)
-        self.encode_rise = np.array([rises[codec] for rises in stored.encode_rise], dtype=np.float64)
-        self.decode_rise = np.array([rises[codec] for rises in stored.decode_rise], dtype=np.float64)
-        self.decoded = np.array(stored.decoded_bytes, dtype=np.float64)
-        spans = [span or (n, -1) for span in stored.input_held_by]  # (n, -1): held by no save
-        self.input_first = np.array([first for first, _ in spans])
-        self.input_last = np.array([last for _, last in spans])
-        self.output_first, self.output_last = stored.output_held_by or (n, -1)
-        # Each stored tensor is encoded once (at its first save in the segment), each
-        # save decoded once.
-        encoded_by_last = np.bincount(self.last, weights=[t.encode_s[codec] for t in tensors], minlength=n)
-        decode_s = np.array([seconds[codec] for seconds in stored.decode_s], dtype=np.float64)
-        self.seconds_from = np.append(np.cumsum((encoded_by_last + decode_s)[::-1])[::-1], 0.0)
-
-    @cached_property
-    def _table(self) -> np.ndarray:
-        n = self.n
-        by_span = np.zeros((n, n))
-        np.add.at(by_span, (self.first, self.last), self.kept)
-        first_at_most = by_span.cumsum(axis=0)  # [i, last]: first <= i
-        last_at_least = first_at_most[:, ::-1].cumsum(axis=1)[:, ::-1]  # [i, s]: first <= i, last >= s
-        # A tensor first saved before s is the segment's input: it keeps no ReLU bits.
-        crossing = np.zeros(n + 1)
-        np.add.at(crossing, self.first + 1, self.signs)
-        np.add.at(crossing, self.last + 1, -self.signs)
-        return last_at_least.T - np.cumsum(crossing)[:n, None]
-
-    def saved_table(self) -> np.ndarray:
-        """[s, i] = Saved_k(s, i) for i >= s: the stored tensors whose saving layers meet
-        [s, i], each counted once (undefined for i < s)."""
-        return self._table

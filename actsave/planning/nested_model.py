@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime.nested import Range
-from . import memory_model  # (which imports this module: read at call time)
+from .layer_events import until_last_save
 
 
 class Part(NamedTuple):
@@ -101,7 +101,7 @@ def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None, last
     if last:
         to_last_save = forward - model.forward_rise[s:] + model.rise_to_last_save[s:]
         saver = model.last_saver[stops - 1] - s
-        during_pass = np.where(saver >= 0, memory_model.until_last_save(forward, to_last_save, saver), during_pass)
+        during_pass = np.where(saver >= 0, until_last_save(forward, to_last_save, saver), during_pass)
     return Part(kept=events.saved[at] - own_input, during_pass=during_pass,
                 after=np.maximum.accumulate(events.backward - model.held_in_backward)[at] - own_input)
 

@@ -32,6 +32,7 @@ from ..runtime.store import EXACT, KeepPolicy
 from ..text import format_table, mib, ms
 from .memory_model import CostModel, host_is_separate
 from .profiler import Profile
+from .planned_segment import PlannedSegment
 from .solver import fastest_within, smallest_headroom, smallest_nested_headroom
 
 # Every lossy codec name of codecs.py, aliases included ("fp8" is e4m3), is a lever.
@@ -376,14 +377,14 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
 
 
 def _plan_of(model: CostModel, segments: list, nested: list, budget: Optional[int], bound: float) -> Plan:
-    """The Plan of a dynamic program's [(start, stop, option index)] and nested Ranges
+    """The Plan of a dynamic program's PlannedSegments and nested Ranges
     (fastest_within), with the model's predictions, which must fit the peak ``bound``
     the program planned for."""
-    before_last = [EXACT if o is None else model.options[o] for _, _, o in segments[:-1]]
-    draft = Plan(model.n, tuple(start for start, _, _ in segments), tuple(o.codec.name for o in before_last),
+    before_last = [model.options[s.option] if s.is_checkpointed else EXACT for s in segments[:-1]]
+    draft = Plan(model.n, tuple(s.start for s in segments), tuple(o.codec.name for o in before_last),
                  tuple(o.offload for o in before_last), 0, 0.0, 0, budget,
-                 stored_codec=model.stored_codecs[~segments[-1][2]],
-                 stored=tuple(o is None for _, _, o in segments[:-1]), nested=tuple(nested))
+                 stored_codec=model.stored_codecs[segments[-1].codec],
+                 stored=tuple(s.is_stored for s in segments[:-1]), nested=tuple(nested))
     plan = _with_predictions(draft, model, segments)
     if not plan.predicted_peak_bytes <= bound:
         raise InternalError(
@@ -394,8 +395,8 @@ def _plan_of(model: CostModel, segments: list, nested: list, budget: Optional[in
 
 
 def _with_predictions(draft: Plan, model: CostModel, segments: list) -> Plan:
-    """``draft`` with the model's predictions for ``segments`` ([(start, stop, option
-    index)], the stored segment last: CostModel.predict)."""
+    """``draft`` with the model's predictions for ``segments`` (its PlannedSegments:
+    CostModel.predict)."""
     peak, seconds, peak_segment = model.predict(segments, draft.nested)
     return dataclasses.replace(draft, predicted_peak_bytes=int(peak), predicted_step_seconds=float(seconds),
                                peak_segment=peak_segment)
@@ -472,12 +473,13 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
     policies = [None if option is None else option if profile.layers[a].input_encodable else EXACT
                 for a, _, option in draft.segments[:-1]]
     options = sorted(set(policies) - {None}, key=lambda option: (option.codec.name, option.offload))
-    segments = [(a, b, None if policy is None else options.index(policy))
+    segments = [PlannedSegment.stored(a, b) if policy is None
+                else PlannedSegment.checkpointed(a, b, options.index(policy))
                 for (a, b, _), policy in zip(draft.segments, policies)]
     stored_codecs = ["none"] if draft.stored_codec == "none" else ["none", draft.stored_codec]
     model = CostModel(profile, options, stored_codecs=stored_codecs)
-    stored = ~(len(stored_codecs) - 1)
-    return _with_predictions(draft, model, [*segments, (draft.starts[-1], draft.n_layers, stored)])
+    last = PlannedSegment.stored_last(draft.starts[-1], draft.n_layers, len(stored_codecs) - 1)
+    return _with_predictions(draft, model, [*segments, last])
 
 
 __all__ = ["plan", "balanced", "predict", "keep_options", "Plan", "EXPECTED_GRADIENT_SQNR_DB", "DEFAULT_ALLOW",

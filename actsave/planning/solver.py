@@ -70,6 +70,7 @@ import numpy as np
 from . import nested_model
 from .memory_model import CostModel
 from .nested_solver import NestedTable, exact_options
+from .planned_segment import PlannedSegment
 
 
 def smallest_headroom(model: CostModel, longest: Optional[int] = None) -> float:
@@ -156,9 +157,8 @@ def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional
 def fastest_within(model: CostModel, headroom: float, longest: Optional[int] = None,
                    nest: bool = False) -> Optional[tuple]:
     """The fastest plan with H <= headroom over every carry, as (segments, nested):
-    segments [(start, stop, option index, None for a stored middle segment; the
-    stored segment last, with ~k for its saves' stored codec k)] and, for each segment
-    before the last, the Range cutting its recompute or None (Plan.nested); or None
+    its PlannedSegments (NOTE [ Planned segments ]) and, for each segment before the
+    last, the Range cutting its recompute or None (Plan.nested); or None
     when nothing fits. Checkpointed segments hold at most ``longest`` layers (None:
     any number). ``nest``: exact segments may nest checkpoints (nested_solver.py).
     Carries whose smallest H is above ``headroom`` have no such plan and are skipped."""
@@ -172,7 +172,10 @@ def fastest_within(model: CostModel, headroom: float, longest: Optional[int] = N
     return None if best is None else best[1:]
 
 
-_STORED = -2  # the option column of a label whose last segment is a stored middle one
+# The option column of a label whose last segment is a stored middle one: labels keep
+# kinds and options as integers, PlannedSegments are made from them only for the plan
+# found (_Prefixes._segments_from).
+_STORED = -2
 _ROOT = -1  # the option column of the empty plan
 
 
@@ -390,24 +393,26 @@ class _Prefixes:
                     self.best = (seconds, int(best), k)
 
     def _segments_from(self, label: int, stored: int) -> tuple:
-        """([(start, stop, option, None for a stored middle segment)], nested) of a
-        finished plan, the stored segment last with ~k for its stored codec k, and the
-        Range of each segment before it that nests, else None (CostModel.predict)."""
+        """(segments, nested) of a finished plan: its PlannedSegments, the last kept by
+        stored codec ``stored``, and the Range of each segment before the last that
+        nests, else None (CostModel.predict). Here the labels' integer columns become
+        PlannedSegments (NOTE [ Planned segments ])."""
         labels, reach = self.labels, self.model.stored_middle_reach
-        stops, nested = [(int(labels["position"][label]), self.model.n, ~stored)], []
+        segments = [PlannedSegment.stored_last(int(labels["position"][label]), self.model.n, stored)]
+        nested = []
         while labels["previous"][label] >= 0:
             previous = int(labels["previous"][label])
-            option = None if labels["option"][label] == _STORED else int(labels["option"][label])
             start, stop = int(labels["position"][previous]), int(labels["position"][label])
-            after = stops[-1]
-            if option is None and after[2] is None and reach[stop - 1] == stop:  # one stored segment
-                stops[-1] = (start, after[1], None)
+            option = int(labels["option"][label])
+            if option == _STORED and segments[-1].is_stored and reach[stop - 1] == stop:  # one stored segment
+                segments[-1] = PlannedSegment.stored(start, segments[-1].stop)
             else:
-                stops.append((start, stop, option))
+                segments.append(PlannedSegment.stored(start, stop) if option == _STORED
+                                else PlannedSegment.checkpointed(start, stop, option))
                 room = float(labels["nested_room"][label])
                 nested.append(None if math.isnan(room) else self.nested.tree(start, stop, room))
             label = previous
-        return stops[::-1], nested[::-1]
+        return segments[::-1], nested[::-1]
 
 
 _BITS = np.array([[False], [True]])  # the held bit as a column: tables are [bit, start]

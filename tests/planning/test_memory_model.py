@@ -32,6 +32,7 @@ import actsave
 from actsave import CheckpointedSequential, ConfigError
 from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, sqnr_db
 from actsave.planning import memory_model, plans
+from actsave.planning.planned_segment import PlannedSegment
 from actsave.planning.segments import segment_starts
 from actsave.runtime.store import KeepPolicy
 
@@ -188,16 +189,16 @@ def test_offloaded_relu_bits_on_a_carry_grid_stay_within_one_fetch_of_the_exact_
 
 
 def as_the_solvers_see_it(prof: actsave.Profile, model: memory_model.CostModel, segments: list) -> tuple:
-    """(peak, seconds) of a plan by the dynamic programs' arithmetic: W from the
-    tables (working_set, stored_peaks), kept bytes summed left to right, C the plan's
-    largest fetch; the stored segment last, with ~k for its stored codec k; None for
-    a stored middle segment. After a stored middle segment whose saves hold the next
-    segment's input, the next segment's terms leave it out (input_held)."""
-    checkpointed = [(a, b, o) for a, b, o in segments[:-1] if o is not None]
+    """(peak, seconds) of a plan (PlannedSegments) by the dynamic programs'
+    arithmetic: W from the tables (working_set, stored_peaks), kept bytes summed left
+    to right, C the plan's largest fetch. After a stored middle segment whose saves
+    hold the next segment's input, the next segment's terms leave it out (input_held)."""
+    checkpointed = [(s.start, s.stop, s.option) for s in segments[:-1] if s.is_checkpointed]
     carry = max((float(model.fetched(o, a, b)) for a, b, o in checkpointed if model.options[o].offload), default=0.0)
     kept, peak, held = 0.0, -math.inf, False
-    for a, b, o in segments[:-1]:
-        if o is None:
+    for segment in segments[:-1]:
+        a, b, o = segment.start, segment.stop, segment.option
+        if segment.is_stored:
             peak = max(peak, kept + model.stored_middle_working_set(a, b, np.array([carry]), held)[0])
             kept += float(model.stored_middle_kept(a, b, held))
             held = bool(model.stored_middle_holds_output(a, b))
@@ -205,10 +206,10 @@ def as_the_solvers_see_it(prof: actsave.Profile, model: memory_model.CostModel, 
         peak = max(peak, kept + model.working_set(o, a, b, np.array([carry]), held)[0])
         kept += float(model.kept(o, a, b, held))
         held = False
-    stored_start, _, stored = segments[-1]
+    stored_start, stored = segments[-1].start, segments[-1].codec
     peaks = model.held_stored_peaks if held else model.stored_peaks
-    peak = max(peak, kept + peaks[~stored, stored_start])
-    seconds = sum(layer.forward_s + layer.backward_s for layer in prof.layers) + model.stored_time[~stored, stored_start]
+    peak = max(peak, kept + peaks[stored, stored_start])
+    seconds = sum(layer.forward_s + layer.backward_s for layer in prof.layers) + model.stored_time[stored, stored_start]
     return model.chain_input + peak, seconds + sum(float(model.seconds(o, a, b)) for a, b, o in checkpointed)
 
 
@@ -224,7 +225,8 @@ def test_the_solvers_tables_and_predict_agree_on_random_plans(name):
         starts = [0, *sorted(rng.sample(range(1, n), rng.randint(0, min(6, n - 1))))]
         options = [rng.choice([*np.nonzero(model.allowed[:, a])[0].tolist(), None]) for a in starts[:-1]]
         stored = rng.randrange(len(model.stored_codecs))
-        segments = [*zip(starts, starts[1:], options), (starts[-1], n, ~stored)]
+        segments = [PlannedSegment.stored(a, b) if o is None else PlannedSegment.checkpointed(a, b, o)
+                    for a, b, o in zip(starts, starts[1:], options)] + [PlannedSegment.stored_last(starts[-1], n, stored)]
         peak, seconds = as_the_solvers_see_it(prof, model, segments)
         policies = [KeepPolicy() if o is None else model.options[o] for o in options]
         plan = plans.predict(prof, starts, [p.codec.name for p in policies], [p.offload for p in policies],

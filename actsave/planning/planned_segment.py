@@ -1,0 +1,56 @@
+"""A plan's segment as the solvers hand it to the model (:class:`PlannedSegment`):
+where it starts and stops, and which of the memory model's kinds it is, with the index
+of its keep option or of its stored codec in the :class:`~actsave.planning.memory_model.CostModel`
+it was planned on.
+
+NOTE [ Planned segments ]
+    A plan is a list of PlannedSegments covering [0, n) in order. Every one but the
+    last is CHECKPOINTED (``option``: an index into CostModel.options) or STORED (a
+    stored middle segment: autograd keeps its saves as they are). The last is
+    STORED_LAST, whose saves ``codec`` keeps (an index into CostModel.stored_codecs;
+    0: as they are). The dynamic programs' label tables hold the kind and option as
+    integers (solver.py, _STORED); segments are made only where a plan leaves them.
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Optional
+
+
+class Kind(enum.Enum):
+    """Which of the memory model's segments a planned segment is (memory_model.py)."""
+
+    CHECKPOINTED = "checkpointed"
+    STORED = "stored"  # a stored middle segment
+    STORED_LAST = "stored_last"
+
+
+class PlannedSegment(NamedTuple):
+    """The layers [start, stop) as one segment of a plan (NOTE [ Planned segments ])."""
+
+    start: int
+    stop: int
+    kind: Kind
+    option: Optional[int] = None  # CHECKPOINTED: its keep option's index
+    codec: int = 0  # STORED_LAST: its saves' stored codec's index
+
+    @classmethod
+    def checkpointed(cls, start: int, stop: int, option: int) -> "PlannedSegment":
+        return cls(start, stop, Kind.CHECKPOINTED, option=option)
+
+    @classmethod
+    def stored(cls, start: int, stop: int) -> "PlannedSegment":
+        return cls(start, stop, Kind.STORED)
+
+    @classmethod
+    def stored_last(cls, start: int, stop: int, codec: int = 0) -> "PlannedSegment":
+        return cls(start, stop, Kind.STORED_LAST, codec=codec)
+
+    @property
+    def is_checkpointed(self) -> bool:
+        return self.kind is Kind.CHECKPOINTED
+
+    @property
+    def is_stored(self) -> bool:
+        """A stored middle segment (not the last)."""
+        return self.kind is Kind.STORED

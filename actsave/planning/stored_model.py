@@ -1,0 +1,215 @@
+"""The terms of the memory model's stored segments (memory_model.py, module
+docstring): the last segment, its saves kept by autograd as they are or by a lossy
+codec (runtime/compressed_saves.py), and stored middle segments, which run plainly
+and keep autograd's saves from their forward to their backward.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import InternalError
+from .layer_events import Events, LayerEvents
+from .profiler import Profile
+
+
+class StoredTerms(LayerEvents):
+    """The terms of the stored segments (memory_model.py): the last, [s, n), its saves
+    kept as they are or by a lossy codec k (W_stored(s, k), its seconds), and stored
+    middle ones (R = Saved(a, b-1), W + C, whether their saves hold the next segment's
+    input): for one plan, from its own events (:meth:`stored_working_set`,
+    :meth:`segment_stored_middle`), and for the solvers, every start or segment at
+    once from the tables (:attr:`stored_peaks`, :meth:`stored_middle_working_set`)."""
+
+    def __init__(self, prof: Profile, stored_codecs: Sequence[str] = ("none",), store_middle: bool = False):
+        """``stored_codecs``: how the stored segment may keep autograd's saves, "none"
+        (as they are) first, then lossy codec names (the profile's StoredSaves).
+        ``store_middle``: whether the solvers may store segments before the last
+        (a plan's prediction prices them either way)."""
+        super().__init__(prof)
+        self.store_middle = store_middle
+        self.stored_codecs = list(stored_codecs)
+        if self.stored_codecs[0] != "none":
+            raise InternalError(f"stored_codecs={stored_codecs!r} must start with 'none'")
+        if len(self.stored_codecs) > 1 and prof.stored_saves is None:
+            raise InternalError("this profile records no stored saves: its stored segment can only be exact")
+        self._stored_by_codec = [_CodedSaves(prof, codec) for codec in self.stored_codecs[1:]]
+        self.stored_middle_reach = self._stored_middle_reach()
+
+    def _stored_middle_reach(self) -> np.ndarray:
+        """[a]: the farthest end a stored middle segment from a needs: the first boundary
+        b > a where two stored segments [., b) [b, .) are one (else n - 1).
+
+        They are where Saved is additive across b: no storage is saved on both sides
+        but x_b's (held by the first, left out by the second: memory_model.py, "A tensor
+        at a stored boundary"), and x_b's storage is not x_{b+1}'s too (a view), which the second
+        would count again as U(b+1). There the stored middle segment [a, c), c > b,
+        has the events, R and bit of [a, b) then [b, c): the solvers stop at b and
+        go on with [b, c), the same plans in fewer steps."""
+        n = self.n
+        boundaries = np.arange(1, n)
+        # Storages saved on both sides of b: first <= b-1 and last >= b.
+        crossing = np.zeros(n + 1)
+        np.add.at(crossing, self.saved_first + 1, 1)
+        np.add.at(crossing, np.maximum(self.saved_last + 1, self.saved_first + 1), -1)
+        crossing = np.cumsum(crossing)[boundaries]
+        input_crosses = (self.input_first[boundaries] < boundaries) & (self.input_last[boundaries] >= boundaries)
+        next_first = np.append(self.input_first[2:], self.output_first)
+        next_last = np.append(self.input_last[2:], self.output_last)
+        view = ((self.input_first[boundaries] < n) & (next_first == self.input_first[boundaries])
+                & (next_last == self.input_last[boundaries]))
+        joins = (crossing == input_crosses) & ~view
+        reach = np.full(n, n - 1)
+        join_at = boundaries[joins]
+        later = np.searchsorted(join_at, np.arange(n), side="right")  # the first join b > a
+        found = later < join_at.size
+        reach[found] = join_at[later[found]]
+        return reach
+
+    def stored_working_set(self, s: int, k: int = 0, input_held: bool = False) -> float:
+        """W_stored(s, k): the largest event of the stored segment [s, n), its saves kept
+        by ``stored_codecs[k]``; ``input_held``: after a stored middle segment whose
+        saves hold x_s."""
+        if k == 0:
+            return self._stored_events_from(s, input_held).stored_peak
+        return float(self._coded_stored_working_sets(k, np.array([s]), input_held)[0])
+
+    def _stored_events_from(self, a: int, input_held: bool) -> Events:
+        """events_from(a), with ``input_held`` as a stored segment reads them: x_a,
+        held by the stored middle segment before, taken off its first forward event
+        and, where Saved(a, .) counts it, off every event and Saved."""
+        events = self.events_from(a)
+        if not input_held:
+            return events
+        return events.without_input(self.reused_input[a], self.reused_saved[a])
+
+    def _coded_stored_working_sets(self, k: int, starts: np.ndarray, input_held: bool = False) -> np.ndarray:
+        """W_stored(s, k) for each s in ``starts``, k > 0 (a lossy codec): memory_model.py's
+        events, broadcast over starts (rows) and layers i (columns);
+        ``input_held``: after a stored middle segment whose saves hold x_s, which the
+        segment's events then leave out (as its input, the caller's or a save as it is)."""
+        coded, n = self._stored_by_codec[k - 1], self.n
+        s, i = starts[:, None], np.arange(n)[None, :]
+        reused = self.reused_input[s] if input_held else np.zeros((len(starts), 1))
+        input_as_is = (coded.input_first[s] <= i) & (coded.input_last[s] >= s)  # x_s held by a save as it is
+        saved = coded.saved_table()[starts] - np.where(input_as_is, reused, 0.0)  # [s, i] = Saved_k(s, i), i >= s
+        held = (coded.input_first[i] <= i - 1) & (coded.input_last[i] >= s)
+        unsaved = np.where(i == s, np.where(s > 0, self.input[s] - reused, 0.0),  # the chain input is in X
+                           np.where(held, 0.0, self.input[i]))
+        # The caller holds the segment's input until the segment's forward returns
+        # (sequential.py), which no save holds here: X holds the chain input.
+        caller_held = np.where((i > s) & (s > 0) & ~input_as_is, self.input[s] - reused, 0.0)
+        forward = saved + unsaved + caller_held + np.maximum(self.forward_rise[i], coded.encode_rise[i])
+        output_held = (coded.output_first <= i) & (coded.output_last >= s)
+        backward = (self.held_in_backward - np.where(output_held, self.output, 0.0) + saved + self.grad[i + 1]
+                    + np.maximum(self.backward_rise[i] + coded.decoded[i], coded.decode_rise[i]))
+        events = np.where(i >= s, np.maximum(forward, backward), -np.inf).max(axis=1)
+        output_held_at_end = (coded.output_first <= n - 1) & (coded.output_last >= starts)
+        loss = saved[:, -1] + np.where(output_held_at_end, 0.0, self.output) + self.loss_rise
+        return np.maximum(events, loss)
+
+    def stored_seconds(self, s: int, k: int) -> float:
+        """What keeping the saves of the stored segment [s, n) by ``stored_codecs[k]``
+        adds to the step (0 for "none")."""
+        return 0.0 if k == 0 else float(self._stored_by_codec[k - 1].seconds_from[s])
+
+    @cached_property
+    def stored_peaks(self) -> np.ndarray:
+        """[k, s]: W_stored(s, k) for every stored codec k and start s."""
+        codecs = range(1, len(self.stored_codecs))
+        return np.array([self.tables.stored_peak, *(self._coded_stored_working_sets(k, np.arange(self.n))
+                                                    for k in codecs)])
+
+    @cached_property
+    def held_stored_peaks(self) -> np.ndarray:
+        """[k, s]: W_stored(s, k) after a stored middle segment whose saves hold x_s
+        (where none can, as stored_peaks)."""
+        codecs = range(1, len(self.stored_codecs))
+        return np.array([self.tables.held_stored_peak, *(self._coded_stored_working_sets(k, np.arange(self.n),
+                                                                                          input_held=True)
+                                                         for k in codecs)])
+
+    @cached_property
+    def stored_time(self) -> np.ndarray:
+        """[k, s]: stored_seconds(s, k)."""
+        return np.array([np.zeros(self.n), *(coded.seconds_from[:self.n] for coded in self._stored_by_codec)])
+
+    def stored_middle_holds_output(self, a, b) -> np.ndarray:
+        """Whether the saves of the stored middle segment [a, b), Saved(a, b-1), hold
+        x_b, the next segment's input (a layer of [a, b) saves its storage)."""
+        return self.saved_within(b, a, b - 1)
+
+    def stored_middle_working_set(self, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
+        """W of the stored middle segment [a, b) + C on its backward events, for each C
+        in ``carries`` (the last axis), for broadcastable arrays of starts and ends (and
+        ``input_held``: after a stored middle segment whose saves hold x_a)."""
+        tables = self.tables
+        forward = np.where(input_held, tables.held_stored_forward[a, b], tables.stored_forward[a, b])
+        backward = tables.backward[a, b] - np.where(input_held, self.reused_saved[a], 0.0)
+        return _stored_middle_events(forward, backward, carries)
+
+    def stored_middle_kept(self, a, b, input_held=False) -> np.ndarray:
+        """R of the stored middle segment [a, b): Saved(a, b-1), for broadcastable
+        arrays of starts and ends (less x_a where ``input_held``: the stored middle
+        segment before holds it)."""
+        return self.tables.saved[a, b] - np.where(input_held, self.reused_saved[a], 0.0)
+
+    def segment_stored_middle(self, a: int, b: int, carry: float, input_held: bool = False) -> tuple:
+        """(W + C, R) of the stored middle segment [a, b), from its own layers' events
+        (``input_held``: after a stored middle segment whose saves hold x_a)."""
+        events, stop = self._stored_events_from(a, input_held), b - a
+        working = _stored_middle_events(events.stored_forward[:stop].max(), events.backward[:stop].max(),
+                                        np.array([carry]))[0]
+        return float(working), float(events.saved[stop - 1])
+
+
+def _stored_middle_events(forward, backward, carries: np.ndarray) -> np.ndarray:
+    """A stored middle segment's largest event, given its largest forward and backward
+    events, for each C in ``carries`` (the last axis): C is charged to the backward."""
+    return np.maximum(np.expand_dims(forward, -1), np.expand_dims(backward, -1) + carries)
+
+
+class _CodedSaves:
+    """The terms of a stored segment whose saves one lossy codec keeps (memory_model.py:
+    Saved_k, U_k, O_k, enc_k, dec_k), from the profile's StoredSaves."""
+
+    def __init__(self, prof: Profile, codec: str):
+        n, stored = len(prof.layers), prof.stored_saves
+        self.n = n
+        tensors = stored.tensors
+        self.first = np.array([t.first for t in tensors], dtype=np.int64)
+        self.last = np.array([t.last for t in tensors], dtype=np.int64)
+        self.kept = np.array([t.kept_bytes[codec] for t in tensors], dtype=np.float64)
+        self.signs = np.array([t.sign_bytes for t in tensors], dtype=np.float64)
+        self.encode_rise = np.array([rises[codec] for rises in stored.encode_rise], dtype=np.float64)
+        self.decode_rise = np.array([rises[codec] for rises in stored.decode_rise], dtype=np.float64)
+        self.decoded = np.array(stored.decoded_bytes, dtype=np.float64)
+        spans = [span or (n, -1) for span in stored.input_held_by]  # (n, -1): held by no save
+        self.input_first = np.array([first for first, _ in spans])
+        self.input_last = np.array([last for _, last in spans])
+        self.output_first, self.output_last = stored.output_held_by or (n, -1)
+        # Each stored tensor is encoded once (at its first save in the segment), each
+        # save decoded once.
+        encoded_by_last = np.bincount(self.last, weights=[t.encode_s[codec] for t in tensors], minlength=n)
+        decode_s = np.array([seconds[codec] for seconds in stored.decode_s], dtype=np.float64)
+        self.seconds_from = np.append(np.cumsum((encoded_by_last + decode_s)[::-1])[::-1], 0.0)
+
+    @cached_property
+    def _table(self) -> np.ndarray:
+        n = self.n
+        by_span = np.zeros((n, n))
+        np.add.at(by_span, (self.first, self.last), self.kept)
+        first_at_most = by_span.cumsum(axis=0)  # [i, last]: first <= i
+        last_at_least = first_at_most[:, ::-1].cumsum(axis=1)[:, ::-1]  # [i, s]: first <= i, last >= s
+        # A tensor first saved before s is the segment's input: it keeps no ReLU bits.
+        crossing = np.zeros(n + 1)
+        np.add.at(crossing, self.first + 1, self.signs)
+        np.add.at(crossing, self.last + 1, -self.signs)
+        return last_at_least.T - np.cumsum(crossing)[:n, None]
+
+    def saved_table(self) -> np.ndarray:
+        """[s, i] = Saved_k(s, i) for i >= s: the stored tensors whose saving layers meet
+        [s, i], each counted once (undefined for i < s)."""
+        return self._table
