@@ -9,7 +9,7 @@ A :class:`PrefetchTape` records offloaded items in forward order and, in backwar
 
 Meta tensors (actsave.estimate, meta.py) are offloaded as CPU tensors are, into a pool
 of meta buffers: every step of the schedule runs and allocates as it would, without
-memory. A tracker of device memory (estimate.LiveBytes) leaves the host buffers out:
+memory. A tracker of device memory (live_bytes.LiveBytes) leaves the host buffers out:
 :func:`is_host_memory` tells them apart.
 
 Limits: CPU and CUDA tensors (and meta ones) only. Pinned buffers come from PyTorch's pinned-memory

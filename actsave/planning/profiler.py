@@ -35,7 +35,7 @@ from ..runtime.pool_decisions import PoolWatch, Window, pool_at_
 from ..runtime.compressed_saves import stored_once_key
 from ..runtime.store import EXACT, CallerTensors, KeepPolicy, modifies_input, should_encode
 from ..text import format_table, mib, ms
-from .estimate import LiveBytes, allocation_bytes
+from .live_bytes import LiveBytes, allocation_bytes
 
 
 @dataclass(frozen=True)

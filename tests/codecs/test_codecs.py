@@ -53,7 +53,7 @@ def test_non_negative_encoding_allocates_no_more_than_signed(codec, shape):
     """The planner profiles each codec's encode on signed samples (planning/profiler.py);
     a ReLU output, on the unsigned grid with all-zero groups, must rise no higher (torch
     references, which CPU steps run)."""
-    from actsave.planning.estimate import LiveBytes
+    from actsave.planning.live_bytes import LiveBytes
 
     def rise(x, non_negative):
         tracker = LiveBytes("cpu", known=[x])
