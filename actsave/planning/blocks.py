@@ -55,10 +55,11 @@ from .._torch import pytree
 from ..errors import ConfigError
 from ..runtime.store import modifies_input, should_encode
 from ..text import format_table, mib
+from .instrumented_step import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import host_is_separate
 from .plans import DEFAULT_ALLOW, Plan, Search, plan, predict
-from .profiler import LayerProfile, Profile, isolated_steps, profile
+from .profiler import LayerProfile, Profile, profile
 
 # ------------------------------------------------------------------ the example step
 
