@@ -73,6 +73,26 @@ class LayerProfile:
     to_host_s: dict  # empty when the device has no separate host memory
     to_device_s: dict
 
+    @classmethod
+    def saving_nothing(cls, name: str, kind: str, *, input_bytes: int, dense_input_bytes: int,
+                       input_grad_bytes: int, input_saved_by: Optional[tuple], output_bytes: int,
+                       forward_rise: int, backward_rise: int = 0) -> "LayerProfile":
+        """A layer that saves nothing for backward (so its forward rises alike with and
+        without grad), keeps no decisions, leaves its input as it is, and whose input
+        every codec keeps as it is (by reference); no time measured. The block planner
+        makes one for the step after the blocks (blocks.py, the loss)."""
+        codecs = ("none", *LOSSY_CODECS)
+        nothing, no_time = dict.fromkeys(codecs, 0), dict.fromkeys(codecs, 0.0)
+        return cls(
+            name=name, kind=kind, input_bytes=input_bytes, dense_input_bytes=dense_input_bytes,
+            input_grad_bytes=input_grad_bytes, output_bytes=output_bytes, saved_bytes=0,
+            input_saved_by=input_saved_by, forward_rise=forward_rise, forward_rise_to_last_save=0,
+            no_grad_rise=forward_rise, backward_rise=backward_rise, saves_for_backward=False,
+            relu_sign_bytes=0, relu_restore_bytes=0, pool_decision_bytes=0, pool_restore_bytes=0,
+            modifies_input=False, input_encodable=False, kept_bytes=dict.fromkeys(codecs, input_bytes),
+            encode_rise=nothing, decode_rise=nothing, forward_s=0.0, backward_s=0.0, encode_s=no_time,
+            decode_s=no_time, to_host_s={}, to_device_s={})
+
     def kept_input_bytes(self, option: KeepPolicy, chain_input: bool) -> int:
         """K: what a checkpointed segment starting at this layer keeps of its input by
         ``option``, wherever that is. The exact codec keeps a private copy for an
