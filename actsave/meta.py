@@ -10,7 +10,7 @@ training call. Two things make those steps stand for a device:
   what that device's implementation allocates (the Triton launchers' outputs for CUDA,
   the torch reference's temporaries for the CPU: codecs/backend.py), and a
   ``CheckpointedSequential`` plans its segments for that device.
-- :class:`fast_meta` (and :class:`~actsave.planning.estimate.LiveBytes`) replay the output
+- :class:`fast_meta` (and :class:`~actsave.planning.live_bytes.LiveBytes`) replay the output
   metadata of operators already seen with the same input metadata. Several meta
   kernels are Python decompositions (BatchNorm's forward and backward among them),
   slow enough to dominate a deep model's meta step (docs/results.md, "Figures behind

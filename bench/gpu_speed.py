@@ -72,7 +72,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # --smoke: the kernels run under the interpreter
 
 import actsave  # noqa: E402
-from actsave.planning.estimate import LiveBytes  # noqa: E402
+from actsave.planning.live_bytes import LiveBytes  # noqa: E402
 from actsave.text import format_table  # noqa: E402
 
 import harness  # noqa: E402  (bench/ is on sys.path when this script runs)

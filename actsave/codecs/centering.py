@@ -38,7 +38,7 @@ none of them (per-group means do worse than none there).
   and add them back as they store, so no centered copy is made: a copy would be live
   beside the tensor while it is encoded and raise the peak of a chain whose saves a
   lossy codec stores (tests/planning/test_memory_model.py). The planner's profile
-  measures what is left (planning/profiler.py runs the codecs).
+  measures what is left (planning/codec_costs.py runs the codecs).
 """
 from __future__ import annotations
 

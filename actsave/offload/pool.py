@@ -5,7 +5,7 @@ Pinned buffers come from PyTorch's pinned-memory allocator, which caches them af
 this pool drops them: the pool bounds what actsave keeps (``capacity_bytes``), not what
 the process has pinned. Meta tensors (actsave.estimate, meta.py) get a pool of meta
 buffers: every step of the schedule allocates as it would, without memory. A tracker
-of device memory (estimate.LiveBytes) leaves the host buffers out:
+of device memory (live_bytes.LiveBytes) leaves the host buffers out:
 :func:`is_host_memory` tells them apart. A buffer is lent again only once the last copy
 that touched it has finished (NOTE [ Offload stream ordering ], rule 4, in
 copy_engines.py).

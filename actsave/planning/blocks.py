@@ -55,10 +55,11 @@ from .._torch import pytree
 from ..errors import ConfigError
 from ..runtime.store import modifies_input, should_encode
 from ..text import format_table, mib
-from .estimate import LiveBytes, allocation_bytes
+from .instrumented_step import isolated_steps
+from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import host_is_separate
 from .plans import DEFAULT_ALLOW, Plan, Search, plan, predict
-from .profiler import LayerProfile, Profile, isolated_steps, profile
+from .profiler import LayerProfile, Profile, profile
 
 # ------------------------------------------------------------------ the example step
 
@@ -392,18 +393,10 @@ def _loss_layer(blocks: Profile, outside: Outside) -> LayerProfile:
     """The loss as a layer that saves nothing and is never checkpointed (it is not a
     block): on the last block's output, it rises by ``outside.loss_rise`` (its forward
     and backward, measured together) and hands back that output's gradient."""
-    codecs = blocks.layers[-1].kept_bytes
-    nothing, no_time = dict.fromkeys(codecs, 0), dict.fromkeys(codecs, 0.0)
-    return LayerProfile(
-        name="loss", kind="after the blocks", input_bytes=blocks.output_bytes,
-        dense_input_bytes=blocks.output_grad_bytes, input_grad_bytes=blocks.output_grad_bytes,
-        output_bytes=outside.loss_bytes, saved_bytes=0, input_saved_by=blocks.output_saved_by,
-        forward_rise=outside.loss_rise, forward_rise_to_last_save=0, no_grad_rise=outside.loss_rise, backward_rise=0,
-        saves_for_backward=False,
-        relu_sign_bytes=0, relu_restore_bytes=0, pool_decision_bytes=0, pool_restore_bytes=0, modifies_input=False,
-        input_encodable=False, kept_bytes=dict.fromkeys(codecs, blocks.output_bytes), encode_rise=nothing,
-        decode_rise=nothing, forward_s=0.0, backward_s=0.0, encode_s=no_time, decode_s=no_time,
-        to_host_s={}, to_device_s={})
+    return LayerProfile.saving_nothing(
+        "loss", "after the blocks", input_bytes=blocks.output_bytes, dense_input_bytes=blocks.output_grad_bytes,
+        input_grad_bytes=blocks.output_grad_bytes, input_saved_by=blocks.output_saved_by,
+        output_bytes=outside.loss_bytes, forward_rise=outside.loss_rise)
 
 
 # ------------------------------------------------------------------ 4. the plan

@@ -34,104 +34,21 @@ Limits:
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .._torch import TorchDispatchMode, pytree
+from .._torch import pytree
 from ..checks import integral
 from ..errors import ConfigError
-from ..meta import OUTPUT_METADATA, fast_meta, on_meta, plans_at_first_call, simulating
-from ..offload import is_host_memory
+from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
 from ..runtime.store import peak_stored_bytes
-
-# The CUDA caching allocator hands out multiples of 512 bytes (MemTracker uses the same
-# constant); CPU allocations are counted as asked.
-_CUDA_ALLOCATION_GRANULE = 512
+from .live_bytes import LiveBytes, allocation_bytes
 
 # Parameter-shaped state tensors each optimizer keeps per trained parameter.
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
-
-
-def allocation_bytes(nbytes: int, device) -> int:
-    """Bytes a storage of ``nbytes`` occupies on ``device`` (CUDA rounds up)."""
-    if torch.device(device).type == "cuda":
-        return -(-nbytes // _CUDA_ALLOCATION_GRANULE) * _CUDA_ALLOCATION_GRANULE
-    return nbytes
-
-
-class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of tensor storages that operations create inside the context
-    and that are still alive, and the peak of that count.
-
-    A storage is counted once, from the first operation that returns it until it is
-    freed. Storages that existed before (``known``: parameters, gradients, buffers,
-    inputs) are never counted, even when an in-place operation returns them. The host
-    buffers of offload (offload.is_host_memory) are counted for a CPU device, whose
-    memory they share, from the first operation that touches them, as MemTracker
-    counts them; for other devices they are not device memory.
-    ``device`` sets the allocation rounding (:func:`allocation_bytes`).
-    :meth:`span` measures the peak of one stretch of work.
-    """
-
-    def __init__(self, device="cpu", known=()):
-        super().__init__()
-        self.device = torch.device(device)
-        self.live = 0
-        self.peak = 0
-        self._lock = threading.Lock()  # storages may die on autograd's worker threads
-        self._seen = weakref.WeakKeyDictionary()
-        for t in pytree.tree_leaves(known):
-            if isinstance(t, torch.Tensor):
-                self._seen[t.untyped_storage()] = True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = OUTPUT_METADATA.call(func, args, kwargs or {})  # fast on meta tensors: meta.py
-        self._track_all(out)
-        return out
-
-    def _track_all(self, out) -> None:
-        if isinstance(out, torch.Tensor):
-            self._track(out)
-        elif isinstance(out, (tuple, list)):  # operator outputs nest no deeper
-            for item in out:
-                self._track_all(item)
-
-    def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
-        if storage in self._seen:
-            return
-        self._seen[storage] = True
-        if self.device.type != "cpu" and is_host_memory(storage):  # an offload buffer, off the device
-            return
-        nbytes = allocation_bytes(storage.nbytes(), self.device)
-        weakref.finalize(storage, self._add, -nbytes)
-        self._add(nbytes)
-
-    def _add(self, nbytes: int) -> None:
-        with self._lock:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-
-    @contextlib.contextmanager
-    def span(self):
-        """Yields a one-item list that holds, on exit, how far the count rose above its
-        value at entry (the peak inside, minus the bytes live at entry)."""
-        with self._lock:
-            start, outer_peak = self.live, self.peak
-            self.peak = self.live
-        rise = [0]
-        try:
-            yield rise
-        finally:
-            with self._lock:
-                rise[0] = self.peak - start
-                self.peak = max(self.peak, outer_peak)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ Memory model
     tensors in backward, beyond the output gradient O counts), else the output
     gradient alone, and then the event is at most the last layer's backward event.
     U(n): the output, unless a layer of the segment saved it.
-    Saved_k(s, i): the saves of layers s..i as codec k stores them (profiler.py,
+    Saved_k(s, i): the saves of layers s..i as codec k stores them (stored_saves.py,
     StoredSaves: each tensor once, its encoding plus one bit per element of a ReLU
     output the segment made, or held as it is when the codec takes no such tensor),
     derived from the profiled step's saves and the codec's bytes for each save's shape,
@@ -132,7 +132,7 @@ Time model
     (copy back; offload). Sign bits and the early stop are ignored. A stored segment
     whose saves a codec keeps adds, for each of its stored tensors, one encoding, and
     for each save one decoding, each the seconds the codec took on a sample of that
-    shape (profiler.py, StoredSaves).
+    shape (stored_saves.py, StoredSaves).
 
 Each term is written once (:class:`CostModel`: the checkpointed segments' terms, on
 the stored segments' of stored_model.py and the option-independent events of

@@ -139,7 +139,7 @@ def stored_once_key(tensor: torch.Tensor):
     """What makes saves of one forward share one stored copy: equal keys (the same
     elements of one storage, contiguous: a tensor saved twice, or a contiguous view of
     it); None for a non-contiguous tensor, stored anew at each save. The planner's
-    profile counts a stored segment's saves by it (planning/profiler.py)."""
+    profile counts a stored segment's saves by it (planning/instrumented_step.py)."""
     if not tensor.is_contiguous():
         return None
     # The storage object's address, not its data pointer: meta tensors (actsave.estimate)

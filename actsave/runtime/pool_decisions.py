@@ -26,7 +26,7 @@ So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
   pooled output, where the int64 indices would be twice its size.
 - Where and how long: attached to the kept inputs (store.py), so offloaded with them,
   released with them after the recompute; counted by :func:`actsave.stored_bytes` and
-  the planner (profiler.py) like ReLU bits.
+  the planner (planning/instrumented_step.py) like ReLU bits.
 - The recompute writes the forward's indices into the indices it saves, in place
   (the backward scatters at the forward's choice; a ``return_indices=True`` caller
   downstream reads them too), and when the pool module returns sets its output to the
@@ -112,7 +112,7 @@ class Window:
         per plane over ``input_size``, as max pooling returns them. One kernel launch on
         CUDA (triton_kernels/decisions/max_pool.py), which allocates only the packed
         bytes; the torch reference's transients are what the planner charges
-        (profiler.py)."""
+        (planning/codec_costs.py)."""
         kernel = decision_table()["max_pool", "encode"]
         return implementation(kernel, indices)(indices, tuple(input_size), *self._geometry())
 

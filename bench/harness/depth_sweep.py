@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import actsave
-from actsave.planning.estimate import allocation_bytes
+from actsave.planning.live_bytes import allocation_bytes
 
 from .measure import (StepMemory, _release_memory, _unless_out_of_memory, interleaved_times, measure_step_memory,
                       training_step, worst_grad_sqnr)

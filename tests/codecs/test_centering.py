@@ -7,7 +7,7 @@ import torch
 from actsave import backend
 from actsave.codecs import GROUP_SIZE, LOSSY_CODECS, Packed, get_codec, sqnr_db
 from actsave.codecs.centering import MAX_OFFSET, channel_offsets
-from actsave.planning.estimate import LiveBytes
+from actsave.planning.live_bytes import LiveBytes
 
 
 def offset_channels(*shape, seed=0):

@@ -50,10 +50,10 @@ def test_expected_gradient_sqnr_is_the_fidelity_bench_figure_rounded_down():
 @pytest.mark.parametrize("codec", LOSSY_CODECS)
 @pytest.mark.parametrize("shape", [(8, 16, 16, 16), (5000,)], ids=["4d", "1d_partial_group"])
 def test_non_negative_encoding_allocates_no_more_than_signed(codec, shape):
-    """The planner profiles each codec's encode on signed samples (planning/profiler.py);
-    a ReLU output, on the unsigned grid with all-zero groups, must rise no higher (torch
-    references, which CPU steps run)."""
-    from actsave.planning.estimate import LiveBytes
+    """The planner profiles each codec's encode on signed samples
+    (planning/codec_costs.py); a ReLU output, on the unsigned grid with all-zero
+    groups, must rise no higher (torch references, which CPU steps run)."""
+    from actsave.planning.live_bytes import LiveBytes
 
     def rise(x, non_negative):
         tracker = LiveBytes("cpu", known=[x])

@@ -279,7 +279,7 @@ def test_meta_tensors_get_the_outputs_and_no_launch(launches):
 
 class NewStorages(TorchDispatchMode):
     """The bytes of each storage an operation returns that was not seen before (nor
-    ``known``), as actsave.planning.estimate.LiveBytes counts them."""
+    ``known``), as actsave.planning.live_bytes.LiveBytes counts them."""
 
     def __init__(self, known=()):
         super().__init__()

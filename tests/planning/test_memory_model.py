@@ -320,9 +320,9 @@ def test_compressed_stored_saves_count_max_pool_indices_as_their_decisions():
     # decisions (4 bits per output for 3x3) and restores them in backward. Counted at
     # 8 bytes per output, the prediction was 1.8x the measured peak stored whole.
     # Stored whole or from layer 2, the predicted peak is the backward's, where the model
-    # holds the profiled step's tensors as if the codec freed none (profiler.py): measured
-    # 0.835 and 0.883 of it since the codec references encode with 8 bytes per element
-    # of temporaries and the max-pool decisions' references with fewer
+    # holds the profiled step's tensors as if the codec freed none (stored_saves.py):
+    # measured 0.835 and 0.883 of it since the codec references encode with 8 bytes per
+    # element of temporaries and the max-pool decisions' references with fewer
     # (triton_kernels/decisions/max_pool.py); with 17, the forward's encodings made the peak,
     # which the model matched exactly. From the middle on: 1.00.
     layers, x = max_pool_chain()

@@ -1,0 +1,500 @@
+"""The measured steps of a profile: one training step of a chain run layer by layer
+with its bytes counted, a forward under no_grad, and a timed step (:func:`profile`,
+profiler.py, puts what they find into its records).
+
+The byte-counting step (:func:`measure_memory`) counts every storage allocated
+(live_bytes.py) and attributes every tensor saved for backward to the layer running
+(:class:`_SaveLedger`): per layer, the rises of live bytes in forward and backward,
+the storages first saved, the ReLU outputs and max pools whose decisions a lossy
+checkpoint keeps, and each save as a stored segment's codec would store it
+(:class:`_SavesAsStored`, priced by stored_saves.py). A layer's input is described
+by a :class:`TensorSpec`, enough to make another like it for the codec costs
+(codec_costs.py). :func:`isolated_steps` makes such steps leave no trace on the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from .._torch import current_autograd_node, own_tensors
+from ..errors import ConfigError
+from ..meta import fast_meta, plans_at_first_call
+from ..runtime import relu_signs
+from ..runtime.compressed_saves import stored_once_key
+from ..runtime.pool_decisions import PoolWatch, Window
+from ..runtime.store import CallerTensors, should_encode
+from .live_bytes import LiveBytes, allocation_bytes
+
+
+@dataclass(frozen=True)
+class SavedStorage:
+    """A storage saved for backward: its bytes and the first and last layer saving it."""
+
+    nbytes: int
+    first: int
+    last: int
+
+
+@contextlib.contextmanager
+def isolated_steps(model: nn.Module, device: torch.device):
+    """While active, training steps of ``model`` (on ``device``) leave no trace: on
+    exit each parameter's gradient is put back as it was, BatchNorm running statistics
+    are untouched and the caller's RNG state (CPU, and ``device``'s on CUDA) is
+    restored. Inside, every gradient starts allocated (zeros), as from the second
+    training step on: each layer's new gradients are then transients accumulated into
+    them, not gradient memory kept. :func:`~actsave.profile` and the block planner
+    (blocks.py) measure their steps inside it."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    for p, _ in grads:
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    accelerators = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=accelerators), _batchnorm_statistics_untouched():
+            yield
+    finally:
+        for p, grad in grads:
+            p.grad = grad
+
+
+def _updates_running_statistics(module: nn.Module) -> bool:
+    """Whether ``module``'s forward updates running statistics: the buffers the
+    planner models as mutated in forward (the runtime finds them by version,
+    runtime/state.py TouchedState)."""
+    return isinstance(module, _BatchNorm) and module.training and module.track_running_stats
+
+
+@contextlib.contextmanager
+def _batchnorm_statistics_untouched():
+    """While active, every BatchNorm that runs in training mode updates scratch copies
+    of its running statistics (allocated as a recompute's are, so the profiled step
+    sees them), and the originals are put back on exit."""
+    swapped = []
+
+    def use_scratch_statistics(module, args):
+        if _updates_running_statistics(module):
+            buffers = own_tensors(module, "buffers")
+            for name, original in list(buffers.items()):
+                if original is not None:
+                    swapped.append((buffers, name, original))
+                    buffers[name] = original.clone()
+
+    handle = register_module_forward_pre_hook(use_scratch_statistics)
+    try:
+        yield
+    finally:
+        handle.remove()
+        # Reversed, so a module run twice gets its first original back.
+        for buffers, name, original in reversed(swapped):
+            buffers[name] = original
+
+
+class _SaveLedger:
+    """Follows the byte-counting step: attributes the tensors autograd saves to the
+    layer running, one entry per storage; notes where each layer starts and last
+    saves; counts the ReLU outputs a lossy checkpoint keeps bits for (the first save
+    of each, as runtime/function.py's _Frame.pack decides) and the max pools it keeps
+    decisions for (found by the same :class:`PoolWatch`, which runs with it)."""
+
+    def __init__(self, device, ignored: list, tracker: LiveBytes, caller: CallerTensors):
+        self.device = device
+        self.tracker = tracker
+        self.caller = caller  # the layers' inputs after the first are the chain's activations
+        self.layer = 0
+        self.layer_input = None
+        self.inputs = []  # TensorSpec of each layer input
+        self.inputs_saved_as_they_are = []  # whether a lossy codec storing saves would hold each as it is
+        self.live_before = []  # the tracker's count as each layer starts
+        self.input_entries = []  # the entry of each layer input's storage, or None
+        self.peak_at_last_save = {}  # layer -> the tracker's peak when it last saved
+        self.relu_bits = {}  # layer -> [bytes, elements of the largest]
+        self.pool_decisions = {}  # layer -> [bytes, [PoolSample of each pool]]
+        self.pools = PoolWatch()
+        self._ignored = {id(t.untyped_storage()) for t in ignored}
+        self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
+        self._relu_saves = relu_signs.FirstSaves()
+        self.as_stored = _SavesAsStored(self._ignored, tracker)
+
+    def before_layer(self, i: int, h: torch.Tensor) -> None:
+        self.layer, self.layer_input = i, h
+        self.inputs.append(TensorSpec.of(h, self.caller if i > 0 else None))
+        # runtime/compressed_saves.py asks of a save what it asks outside a chain.
+        self.inputs_saved_as_they_are.append(not should_encode(h))
+        self.live_before.append(self.tracker.live)
+
+    def after_layer(self, i: int, h: torch.Tensor) -> None:
+        # Looked up while the input is alive, so the storage id is its own; the entry
+        # is read at the end, when later layers may have saved the storage too.
+        self.input_entries.append(self.entry_of(self.layer_input))
+        self.layer_input = None
+        self.as_stored.watch_backward(i, h)
+
+    def pack(self, t: torch.Tensor):
+        self.peak_at_last_save[self.layer] = self.tracker.peak
+        storage = t.untyped_storage()
+        if id(storage) not in self._ignored:
+            entry = self._entries.setdefault(
+                id(storage), [allocation_bytes(storage.nbytes(), self.device), self.layer, self.layer])
+            entry[2] = self.layer
+        pool = self.pools.window_of(t)
+        if pool is not None:
+            pool = PoolSample(*pool, tuple(t.shape))
+            self._count_pool(t, pool)
+        elif relu_signs.is_relu_output(t) and self._relu_saves.is_first(t):
+            self._count_relu_output(t)
+        # Detached: holding the output itself would be a reference cycle.
+        rise = self.tracker.live - self.live_before[self.layer]
+        return t.detach(), self.as_stored.pack(t, self.layer, rise, pool)
+
+    def _count_relu_output(self, t: torch.Tensor) -> None:
+        bits = self.relu_bits.setdefault(self.layer, [0, 0])
+        nbytes = allocation_bytes(-(-t.numel() // 8), self.device)
+        bits[0] += nbytes
+        bits[1] = max(bits[1], t.numel())  # restores run one ReLU at a time
+
+    def _count_pool(self, indices: torch.Tensor, pool: "PoolSample") -> None:
+        counted = self.pool_decisions.setdefault(self.layer, [0, []])
+        counted[0] += allocation_bytes(pool.window.packed_bytes(indices.numel()), self.device)
+        counted[1].append(pool)
+
+    def unpack(self, saved):
+        t, save = saved
+        self.as_stored.unpack(save)
+        return t
+
+    def entry_of(self, t: torch.Tensor) -> Optional[list]:
+        """The live entry of ``t``'s storage (its span may still grow), or None."""
+        return self._entries.get(id(t.untyped_storage()))
+
+    def storages(self) -> list:
+        return [SavedStorage(*entry) for entry in self._entries.values()]
+
+
+class StoredEntry:
+    """A tensor as a stored segment's codec would store it: what it is, whether the
+    codec encodes it, whether it is a ReLU output, a max pool's indices (``pool``,
+    stored as its window decisions: runtime/compressed_saves.py), the first and last
+    layer saving it."""
+
+    __slots__ = ("first", "last", "pool", "relu", "spec")
+
+    def __init__(self, t: torch.Tensor, layer: int, pool: Optional["PoolSample"] = None):
+        self.spec, self.relu, self.pool = TensorSpec.of(t), relu_signs.is_relu_output(t), pool
+        self.first = self.last = layer
+
+    @property
+    def coded(self) -> bool:
+        """Whether a lossy codec stores it other than as it is (decoded in backward)."""
+        return self.spec.encodable or self.pool is not None
+
+
+class _SavesAsStored:
+    """Follows the byte-counting step's saves as runtime/compressed_saves.py would store
+    them under a lossy codec: one entry per stored tensor (stored_saves.py,
+    ``StoredTensor``), each save's entry, layer and the layer's rise of live bytes as
+    it was saved, and in backward the saves that each autograd node unpacks, which a
+    codec decodes together, with the layer's backward rise as the node starts."""
+
+    def __init__(self, ignored: set, tracker: LiveBytes):
+        self.entries = {}  # key -> StoredEntry, in the order first saved
+        self.saves = []  # per save: (its entry's key, the saving layer, the layer's rise then)
+        self.nodes = []  # per autograd node: ([save indices], the layer's backward rise as it starts)
+        self._ignored, self._tracker = ignored, tracker
+        self._node = None
+        self._backward_base = {}  # layer -> live bytes as its backward starts
+        self._handles = []
+
+    def watch_backward(self, layer: int, output: torch.Tensor) -> None:
+        """Call right after ``layer`` ran: its backward starts at its output's node."""
+        if output.grad_fn is not None:
+            self._handles.append(output.grad_fn.register_prehook(
+                lambda grads, i=layer: self._backward_base.__setitem__(i, self._tracker.live)))
+
+    def finish(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def pack(self, t: torch.Tensor, layer: int, rise: int, pool: Optional["PoolSample"] = None) -> Optional[int]:
+        """Note one save of ``t`` by ``layer``, the layer's live bytes having risen by
+        ``rise``; returns its index (None: held elsewhere, as the batch). ``pool``: ``t``
+        is that max pool's indices, stored anew at each save."""
+        if pool is not None:
+            key = ("pool indices", len(self.saves))
+        elif should_encode(t):
+            key = stored_once_key(t) or ("stored anew", len(self.saves))
+        elif id(t.untyped_storage()) in self._ignored:
+            return None
+        else:
+            key = ("as it is", id(t.untyped_storage()))
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = StoredEntry(t, layer, pool)
+        entry.last = layer
+        self.saves.append((key, layer, rise))
+        return len(self.saves) - 1
+
+    def unpack(self, save: Optional[int]) -> None:
+        if save is None:
+            return
+        node = current_autograd_node()
+        if node is None or node is not self._node:
+            layer = self.saves[save][1]  # a node's saves are its own layer's
+            base = self._backward_base.get(layer)
+            self.nodes.append(([], None if base is None else self._tracker.live - base))
+            self._node = node
+        self.nodes[-1][0].append(save)
+
+
+class CountedStep:
+    """What the byte-counting step found, per layer and for the chain output."""
+
+    def __init__(self, ledger: _SaveLedger, forward_rise: list, backward_rise: list, loss_rise: int,
+                 output: torch.Tensor):
+        n, device = len(forward_rise), ledger.device
+        self.loss_rise = loss_rise
+        self.inputs = ledger.inputs
+        self.inputs_saved_as_they_are = ledger.inputs_saved_as_they_are
+        self.forward_rise, self.backward_rise = forward_rise, backward_rise
+        self.rise_to_last_save = [ledger.peak_at_last_save[i] - ledger.live_before[i]
+                                  if i in ledger.peak_at_last_save else 0 for i in range(n)]
+        self.saving_layers = set(ledger.peak_at_last_save)
+        self.saved = ledger.storages()
+        self.saved_bytes = [0] * n  # by the first layer saving each storage
+        for storage in self.saved:
+            self.saved_bytes[storage.first] += storage.nbytes
+        self.input_saved_by = [_span(entry) for entry in ledger.input_entries]
+        bits = [ledger.relu_bits.get(i, (0, 0)) for i in range(n)]
+        self.relu_sign_bytes, self.relu_elements = (list(c) for c in zip(*bits))
+        pools = [ledger.pool_decisions.get(i, (0, [])) for i in range(n)]
+        self.pool_decision_bytes, self.pools = (list(c) for c in zip(*pools))
+        self.output_bytes = allocation_bytes(output.untyped_storage().nbytes(), device)
+        self.output_saved_by = _span(ledger.entry_of(output))
+        self.output_grad_bytes = allocation_bytes(output.numel() * output.element_size(), device)
+        self.as_stored = ledger.as_stored
+        self.output_encodable = should_encode(output)
+
+
+def _span(entry: Optional[list]) -> Optional[tuple]:
+    return None if entry is None else (entry[1], entry[2])
+
+
+class _BackwardSpans:
+    """Splits a backward into layers, at the first autograd node of each layer's
+    output, and measures each stretch with ``meter`` (a context manager yielding a
+    one-item list, as :meth:`LiveBytes.span`)."""
+
+    def __init__(self, n: int, meter):
+        self.values = [0] * n
+        self._meter = meter
+        self._open = None  # (layer, context, holder)
+        self._handles = []
+
+    def watch(self, layer: int, output: torch.Tensor, input_node) -> None:
+        """Call right after ``layer`` ran. A layer that made no node of its own (an
+        identity, or no gradient needed) gets no stretch."""
+        node = output.grad_fn
+        if node is not None and node is not input_node:
+            self._handles.append(node.register_prehook(lambda grads, i=layer: self._begin(i)))
+
+    def _begin(self, layer: int) -> None:
+        self._close()
+        context = self._meter()
+        self._open = (layer, context, context.__enter__())
+
+    def _close(self) -> None:
+        if self._open is not None:
+            layer, context, holder = self._open
+            context.__exit__(None, None, None)
+            self.values[layer] = holder[0]
+            self._open = None
+
+    def finish(self) -> list:
+        self._close()
+        for handle in self._handles:
+            handle.remove()
+        return self.values
+
+
+def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_layer=None, loss=None) -> tuple:
+    """One training step through the chain, each layer's forward and backward measured
+    by ``meter``, and the loss: from the end of the forward until the output's gradient
+    arrives. The backward starts from ``loss(output)`` (:func:`~actsave.profile`), or
+    without a loss from a full-size output gradient of ones. Returns (forward values,
+    backward values, loss value, output)."""
+    spans = _BackwardSpans(len(layers), meter)
+    forward = [0] * len(layers)
+    h, node = x, x.grad_fn
+    for i, (_, layer) in enumerate(layers):
+        if before_layer is not None:
+            before_layer(i, h)
+        with meter() as value:
+            h = _checked_output(layer(h), i)
+        forward[i] = value[0]
+        if after_layer is not None:
+            after_layer(i, h)
+        spans.watch(i, h, node)
+        node = h.grad_fn
+    if not h.requires_grad:
+        raise ConfigError("the chain's output does not require grad: there is no backward to plan for")
+    loss_span = _OpenSpan(meter)
+    handle = h.register_hook(loss_span.close)  # runs before the last layer's backward
+    try:
+        if loss is None:
+            torch.autograd.backward(h, torch.ones_like(h))
+        else:
+            _backward_from_loss(h, loss)
+    finally:
+        handle.remove()
+        loss_span.close()
+    return forward, spans.finish(), loss_span.value[0], h
+
+
+def _backward_from_loss(output: torch.Tensor, loss) -> None:
+    # The loss's saves are not the last layer's: the ledger (and any outer hooks) must
+    # not see them.
+    with own_saves():
+        value = loss(output)
+    if not isinstance(value, torch.Tensor) or not value.requires_grad:
+        got = "a tensor that needs no gradient" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigError(f"loss(output) returned {got}: loss must return a tensor computed from the chain's "
+                          "output, the one the backward starts from")
+    torch.autograd.backward(value, None if value.dim() == 0 else torch.ones_like(value))
+
+
+class _OpenSpan:
+    """``meter()`` entered now and left at the first :meth:`close`; ``value`` holds its
+    one-item result."""
+
+    def __init__(self, meter):
+        self._context = meter()
+        self.value = self._context.__enter__()
+        self._open = True
+
+    def close(self, *_) -> None:
+        if self._open:
+            self._open = False
+            self._context.__exit__(None, None, None)
+
+
+def _checked_output(output, index: int) -> torch.Tensor:
+    if not isinstance(output, torch.Tensor):
+        raise ConfigError(
+            f"layer {index} returned a {type(output).__name__}; the planner needs a chain "
+            "whose layers pass one tensor each"
+        )
+    return output
+
+
+def measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device, loss=None) -> CountedStep:
+    """The byte-counting step, with allocations as on ``device``."""
+    if any(plans_at_first_call(layer) for _, layer in layers):
+        with fast_meta(), torch.enable_grad():
+            _run_forward(layers, x)  # nested plans, made now, not in the measured step
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    known = [*model.parameters(), *model.buffers(), *grads, x]
+    tracker = LiveBytes(device, known=known)
+    ledger = _SaveLedger(device, ignored=known, tracker=tracker, caller=CallerTensors(x, model))
+    with tracker, saved_tensors_hooks(ledger.pack, ledger.unpack), ledger.pools.watching():
+        try:
+            forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
+                                                                       ledger.after_layer, loss)
+        finally:
+            ledger.as_stored.finish()
+    return CountedStep(ledger, forward_rise, backward_rise, loss_rise, output)
+
+
+def measure_no_grad_rises(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device) -> list:
+    """Each layer's rise of live bytes in a forward under no_grad, which frees what the
+    layer would save as it goes (a nested pass runs its recomputed parts so), with
+    allocations as on ``device``; on a copy of ``x``, which an in-place first layer
+    changes."""
+    h = x.detach().clone()
+    tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), h])
+    rises = []
+    with tracker, torch.no_grad():
+        for i, (_, layer) in enumerate(layers):
+            with tracker.span() as rise:
+                h = _checked_output(layer(h), i)
+            rises.append(rise[0])
+    return rises
+
+
+def _run_forward(layers: list, x: torch.Tensor) -> None:
+    for _, layer in layers:
+        x = layer(x)
+
+
+def measure_times(layers: list, x: torch.Tensor, loss=None) -> tuple:
+    forward, backward, _, _ = _run_step(layers, x, lambda: timer(x.device), loss=loss)
+    return forward, backward
+
+
+@contextlib.contextmanager
+def timer(device: torch.device):
+    """Yields a one-item list that holds, on exit, the seconds the body took on
+    ``device``."""
+    _synchronize(device)
+    start = time.perf_counter()
+    elapsed = [0.0]
+    try:
+        yield elapsed
+    finally:
+        _synchronize(device)
+        elapsed[0] = time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the planner needs of a layer input: enough to make another like it."""
+
+    shape: tuple
+    dtype: torch.dtype
+    storage_bytes: int
+    requires_grad: bool
+    encodable: bool  # whether actsave would encode or offload it: store.should_encode
+
+    @classmethod
+    def of(cls, t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> "TensorSpec":
+        """``made_by``: ``t`` is a layer input after the first, made by the chain."""
+        return cls(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), t.requires_grad, should_encode(t, made_by))
+
+    @property
+    def dense_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class PoolSample(NamedTuple):
+    """A max pool call of the profiled step: enough to make one like it."""
+
+    window: Window
+    input_size: tuple
+    indices_shape: tuple
+
+
+def own_saves() -> saved_tensors_hooks:
+    """Saved-tensor hooks under which what is saved is the profile's own: hooks around
+    it (an outer checkpoint whose forward is running) do not see it."""
+    return saved_tensors_hooks(_detached, _as_is)
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # not ``t`` itself: a saved output holding its own node is a cycle
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+

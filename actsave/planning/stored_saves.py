@@ -1,0 +1,145 @@
+"""What a stored segment's saves cost under each lossy codec (:class:`StoredSaves`),
+priced from the byte-counting step's record of its saves (instrumented_step.py,
+``_SavesAsStored``) and each save shape's codec costs (codec_costs.py), with no step
+of its own. The memory model's stored events read it (memory_model.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..codecs import LOSSY_CODECS
+from .codec_costs import CodecCosts
+from .instrumented_step import CountedStep, StoredEntry
+from .live_bytes import allocation_bytes
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of the profiled step's saves as a stored segment whose saves a lossy
+    codec keeps stores it (runtime/compressed_saves.py): a floating-point save autograd
+    made (store.should_encode) by the codec, once per ``stored_once_key``, else held as
+    it is, once per storage. A ReLU output keeps its decisions, one bit per element,
+    where the segment made it: where its first save is in the segment (relu_signs.py,
+    made_by_segment_relu; an earlier save means it is the segment's input)."""
+
+    first: int  # the first and last layer saving it
+    last: int
+    kept_bytes: dict  # lossy codec -> bytes kept: the encoding and the ReLU bits, or the storage held as it is
+    sign_bytes: int  # the ReLU bits among kept_bytes
+    encode_s: dict  # lossy codec -> seconds encoding it once
+
+
+@dataclass(frozen=True)
+class StoredSaves:
+    """A stored segment's saves kept by each lossy codec, derived from the profiled step
+    (no step of its own): the tensors as stored, and per layer what encoding and decoding
+    its saves adds. Byte and second values come from encoding and decoding a sample of
+    each save's shape (as for layer inputs); the memory model's stored events read them
+    (memory_model.py, "stored [s, n), saves kept by k")."""
+
+    tensors: tuple  # of StoredTensor
+    # Per layer, {codec: the layer's rise of live bytes while it encodes one of its saves,
+    # beyond what stays}: the rise as the save was made in the profiled step, plus
+    # the encoding's temporaries.
+    encode_rise: tuple
+    # Per layer, {codec: its backward's rise while one of its autograd nodes decodes its
+    # saves}: the rise as the node started in the profiled step, plus the node's saves
+    # decoded and one decoding's temporaries.
+    decode_rise: tuple
+    decoded_bytes: tuple  # per layer, the most bytes one of its nodes decodes (alive while it runs)
+    decode_s: tuple  # per layer, {codec: seconds decoding its saves, once per save}
+    input_held_by: tuple  # per layer, (first, last) layer holding its input's storage as a save as it is, or None
+    output_held_by: Optional[tuple]  # the same for the chain output
+
+
+def price_stored_saves(found: CountedStep, costs: CodecCosts) -> StoredSaves:
+    """What a stored segment's saves cost under each lossy codec, from the profiled
+    step's record of them and each save shape's codec costs (no step of its own).
+
+    Encoding runs as a save is made (at most once per stored tensor), one at a time: a
+    save made when the layer's live bytes had risen by r in the profiled step is
+    charged r plus its encoding's temporaries; the packed bytes are in Saved_k. In
+    backward each autograd node decodes its saves as it starts, and they live until
+    it ends: a node that started at a rise of d is charged d plus its decoded saves
+    and one decoding's temporaries, and the whole layer's rise is charged the most one
+    node decodes (memory_model.py). Both hold the profiled step's tensors as if the
+    codec freed none, so they bound the codec's step from above. A ReLU output's
+    decisions are counted as restored at every decode; a max pool's indices are kept
+    as its window decisions, whatever the codec, and restored to int64 at decode."""
+    recorded, n = found.as_stored, len(found.inputs)
+    encode_rise, decode_rise = ([dict.fromkeys(LOSSY_CODECS, 0) for _ in range(n)] for _ in range(2))
+    decode_s, decoded_bytes = [dict.fromkeys(LOSSY_CODECS, 0.0) for _ in range(n)], [0] * n
+    for key, layer, rise in recorded.saves:
+        entry = recorded.entries[key]
+        if entry.coded:
+            for codec in LOSSY_CODECS:
+                encoding = rise + _encode_extra(entry, codec, costs)
+                encode_rise[layer][codec] = max(encode_rise[layer][codec], encoding)
+                decode_s[layer][codec] += 0.0 if entry.pool is not None else costs.of(entry.spec)[codec].decode_s
+    for saves, started_at in recorded.nodes:
+        layer = recorded.saves[saves[0]][1]
+        entries = [recorded.entries[recorded.saves[save][0]] for save in saves]
+        entries = [entry for entry in entries if entry.coded]
+        dense = [allocation_bytes(entry.spec.dense_bytes, costs.device) for entry in entries]
+        decoded_bytes[layer] = max(decoded_bytes[layer], sum(dense))
+        # A node whose start was not seen (its layer's backward began elsewhere) is
+        # charged the layer's whole backward rise.
+        started_at = found.backward_rise[layer] if started_at is None else started_at
+        for codec in LOSSY_CODECS:
+            temporaries = max((_decode_rise(entry, codec, costs) - size for entry, size in zip(entries, dense)),
+                              default=0)
+            decode_rise[layer][codec] = max(decode_rise[layer][codec], started_at + sum(dense) + temporaries)
+    return StoredSaves(
+        tensors=tuple(_stored_tensor(entry, costs) for entry in recorded.entries.values()),
+        encode_rise=tuple(encode_rise), decode_rise=tuple(decode_rise), decoded_bytes=tuple(decoded_bytes),
+        decode_s=tuple(decode_s),
+        input_held_by=tuple(span if as_it_is else None
+                            for as_it_is, span in zip(found.inputs_saved_as_they_are, found.input_saved_by)),
+        output_held_by=None if found.output_encodable else found.output_saved_by,
+    )
+
+
+def _stored_tensor(entry: StoredEntry, costs: CodecCosts) -> StoredTensor:
+    signs = costs.sign_bytes(math.prod(entry.spec.shape)) if entry.relu and entry.spec.encodable else 0
+    return StoredTensor(first=entry.first, last=entry.last,
+                        kept_bytes={codec: _kept(entry, codec, costs) + signs for codec in LOSSY_CODECS},
+                        sign_bytes=signs,
+                        encode_s={codec: 0.0 if entry.pool is not None else costs.of(entry.spec)[codec].encode_s
+                                  for codec in LOSSY_CODECS})
+
+
+def _kept(entry: StoredEntry, codec: str, costs: CodecCosts) -> int:
+    """What the codec keeps of the tensor: a max pool's indices as its window's
+    decisions (every codec alike), else as the codec encodes it."""
+    if entry.pool is not None:
+        return allocation_bytes(entry.pool.window.packed_bytes(math.prod(entry.spec.shape)), costs.device)
+    return costs.of(entry.spec)[codec].kept
+
+
+def _encode_extra(entry: StoredEntry, codec: str, costs: CodecCosts) -> int:
+    """The rise while a save is stored (encoded, then its ReLU bits packed; a max
+    pool's indices packed as decisions, charged the larger of packing and restoring
+    them: CodecCosts.pool_restore_rise), beyond what stays."""
+    kept = _kept(entry, codec, costs)
+    if entry.pool is not None:
+        return max(0, costs.pool_restore_rise([entry.pool]) - kept)
+    rise = costs.of(entry.spec)[codec].encode_rise
+    if entry.relu:
+        elements = math.prod(entry.spec.shape)
+        rise, kept = max(rise, kept + costs.relu_sign_rise(elements)), kept + costs.sign_bytes(elements)
+    return max(0, rise - kept)
+
+
+def _decode_rise(entry: StoredEntry, codec: str, costs: CodecCosts) -> int:
+    """The rise while a save is decoded (and its ReLU decisions restored; a max pool's
+    indices restored from its decisions), the decoded tensor included."""
+    if entry.pool is not None:
+        return allocation_bytes(entry.spec.dense_bytes, costs.device) + costs.pool_restore_rise([entry.pool])
+    rise = costs.of(entry.spec)[codec].decode_rise
+    if entry.relu:
+        dense = allocation_bytes(entry.spec.dense_bytes, costs.device)
+        rise = max(rise, dense + costs.relu_restore_rise(math.prod(entry.spec.shape)))
+    return rise
+
