@@ -1,5 +1,4 @@
-"""The solvers: exact dynamic programs over the memory and time model of
-memory_model.py.
+"""The solvers: exact dynamic programs over memory_model.py's memory and time model.
 
 Dynamic program
     Time-optimal, left to right. A label (P, T, z) at position b is a plan of layers
@@ -56,9 +55,8 @@ Dynamic program
     labels on long chains at tight budgets; once more than _SWEPT labels extend, each
     option kept on the device reads only those a _Sweep leaves (its staircase, far
     fewer), its W + C gathered from a table of every segment built once per option
-    and carry (CostModel.working_set). tests/planning/test_solver.py prints the time
-    for 1,000 layers; the figures, with their command, are in docs/results.md
-    ("Planning time" and "Figures behind the code's rules").
+    and carry (CostModel.working_set). Measured planning times: docs/results.md,
+    "Planning time" (tests/planning/test_solver.py prints them for 1,000 layers).
 """
 from __future__ import annotations
 
