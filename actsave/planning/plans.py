@@ -27,10 +27,11 @@ from typing import Optional, Sequence
 from ..checks import integral, real_number
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
 from ..errors import ConfigError, InternalError
+from ..offload.pool import host_is_separate
 from ..runtime.nested import Range
 from ..runtime.store import EXACT, KeepPolicy
 from ..text import format_table, mib, ms
-from .memory_model import CostModel, host_is_separate
+from .memory_model import CostModel
 from .profiler import Profile
 from .planned_segment import PlannedSegment
 from .solver import fastest_within, smallest_headroom, smallest_nested_headroom
