@@ -40,7 +40,7 @@ from .runtime.function import checkpointed_call
 from .runtime.layers import LayerChain
 from .runtime.nested import nested_call
 from .offload import current_tape
-from .runtime.store import EXACT, CallerTensors, KeepPolicy, modifies_input, should_encode
+from .runtime.store import CallerTensors, KeepPolicy, modifies_input, should_encode
 from .text import format_table
 
 
@@ -330,7 +330,7 @@ class CheckpointedSequential(nn.Sequential):
         a balanced plan's last segment stores autograd's saves as they are
         (planning/balanced_cache.py, NOTE [ Balanced segments ])."""
         if not segment.checkpointed and self.segments == BALANCED:
-            return EXACT
+            return plans.balanced_last_policy()
         return self._layer_policy(layers[segment.start])
 
     @torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]

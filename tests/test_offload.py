@@ -758,3 +758,45 @@ def test_a_group_is_on_one_device():
         OffloadedTensors([])
     with pytest.raises(ActsaveError, match="one or more tensors, all on one device"):
         OffloadedTensors([torch.ones(2), torch.ones(2, device="meta")])
+
+
+# --- the runtime and the planner on one rule ------------------------------------------
+
+from actsave.offload.pool import host_is_separate  # noqa: E402
+from actsave.planning.memory_model import effective_option  # noqa: E402
+from actsave.planning.plans import keep_options  # noqa: E402
+from actsave.runtime.store import KeepPolicy  # noqa: E402
+
+
+def wide_relu_chain():
+    torch.manual_seed(0)
+    return [m for _ in range(6) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu", "simulated_gpu"])  # meta tensors: no GPU needed
+def test_runtime_and_planner_agree_on_whether_host_memory_is_separate(device):
+    # NOTE [ Separate host memory ]: the runtime offloads on every device and counts it
+    # as host memory; those bytes leave the device, for the planner as for a step's
+    # simulation (estimate), only where host_is_separate says so.
+    separate = host_is_separate(device)
+    assert separate == (device == "cuda")
+    shape = (32, 64)
+    exact = actsave.estimate(CheckpointedSequential(*wide_relu_chain(), segments=6), shape, device=device)
+    offloaded = actsave.estimate(CheckpointedSequential(*wide_relu_chain(), segments=6, offload=True), shape, device=device)
+    assert offloaded.host_peak_bytes >= 4 * 32 * 64 * 4  # four middle segments' inputs, on every device
+    assert (offloaded.activation_peak_bytes < exact.activation_peak_bytes) == separate
+    assert [option.offload for option in keep_options(("recompute", "offload"), None, device)] == \
+        ([False, True] if separate else [False])
+    layer = actsave.profile(torch.nn.Sequential(*wide_relu_chain()), torch.randn(shape)).layers[2]
+    assert effective_option(KeepPolicy(offload=True), layer, device).offload == separate
+
+
+def test_a_cpu_step_offloads_what_the_planner_counts_on_the_device():
+    model = CheckpointedSequential(*wide_relu_chain(), segments=6, offload=True)
+    x = torch.randn(32, 64, requires_grad=True)
+    out = model(x * 1)
+    assert actsave.stored_bytes() == {"device": 0, "host": 5 * 32 * 64 * 4}
+    out.sum().backward()
+    assert not host_is_separate(x.device)
+    layer = actsave.profile(torch.nn.Sequential(*wide_relu_chain()), x.detach()).layers[2]
+    assert layer.to_host_s == {} and effective_option(KeepPolicy(offload=True), layer, "cpu") == KeepPolicy()

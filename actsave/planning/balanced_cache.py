@@ -18,9 +18,10 @@ shape plans anew.
 The last segment of a balanced plan stores autograd's saves exactly, whatever its
 first layer's codec: the plan keeps that segment short, and there compressing the
 saves costs more in decode temporaries than it frees (docs/results.md, "Other
-figures"), and the memory model prices the stored segment as exact. On a CPU device
-host memory is the device's, so offload is planned there as if the inputs stayed
-(they do, in the pool).
+figures"), and the memory model prices the stored segment as exact. One function
+says so to the runtime, the profile and the plan: plans.balanced_last_policy. On a
+CPU device host memory is the device's, so offload is planned there as if the inputs
+stayed (they do, in the pool: offload/pool.py, NOTE [ Separate host memory ]).
 
 A chain the meta step cannot run (data-dependent operations such as ``.item()``,
 sharded parameters, layers that pass something else than one tensor) falls back to
@@ -74,8 +75,9 @@ class BalancedPlans:
     def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["plans.Plan"]:
         try:
             _check_simulable(model)
-            # A balanced plan stores its last segment's saves as they are: no codec costs.
-            profile = profiler.profile(model, (_meta_stand_in(input),), device=device, stored_saves=False)
+            # Stored saves are priced by codec only where the last segment's policy is lossy.
+            profile = profiler.profile(model, (_meta_stand_in(input),), device=device,
+                                       stored_saves=plans.balanced_last_policy().lossy)
             return plans.balanced(profile, list(policies))
         except Exception as error:  # anything the meta step cannot run: NOTE [ Balanced segments ]
             self._warn_once(f"it could not run its layers on meta tensors ({type(error).__name__}: {error})")

@@ -53,11 +53,11 @@ from torch import nn
 
 from .._torch import pytree
 from ..errors import ConfigError
+from ..offload.pool import host_is_separate
 from ..runtime.store import modifies_input, should_encode
 from ..text import format_table, mib
 from .instrumented_step import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
-from .memory_model import host_is_separate
 from .plans import DEFAULT_ALLOW, Plan, Search, plan, predict
 from .profiler import LayerProfile, Profile, profile
 

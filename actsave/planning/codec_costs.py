@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..codecs import LOSSY_CODECS, get_codec
+from ..offload.pool import host_is_separate
 from ..runtime import relu_signs
 from ..runtime.pool_decisions import pool_at_
 from .instrumented_step import PoolSample, TensorSpec, timer
@@ -86,7 +87,7 @@ class CodecCosts:
         return statistics.median(runs)
 
     def _copy_seconds(self, packed) -> tuple:
-        if self.device.type != "cuda" or not self.timed:
+        if not host_is_separate(self.device) or not self.timed:
             return 0.0, 0.0
         parts = list(packed.tensors().values())
         hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]

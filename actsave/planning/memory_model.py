@@ -147,8 +147,8 @@ import math
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
+from ..offload.pool import host_is_separate
 from ..runtime.store import EXACT, KeepPolicy
 from . import nested_model
 from .profiler import LayerProfile, Profile
@@ -159,12 +159,6 @@ from .stored_model import StoredTerms
 # an offloaded segment may fetch number up to n^2 / 2. Beyond this many, the carries
 # are a geometric grid over them (module docstring, "Offload").
 _MAX_CARRIES = 64
-
-
-def host_is_separate(device) -> bool:
-    """Whether offload moves bytes off ``device``: not on the CPU, whose memory the
-    host pool shares."""
-    return torch.device(device).type == "cuda"
 
 
 def effective_option(option: KeepPolicy, layer: LayerProfile, device: str) -> KeepPolicy:

@@ -27,10 +27,11 @@ from typing import Optional, Sequence
 from ..checks import integral, real_number
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
 from ..errors import ConfigError, InternalError
+from ..offload.pool import host_is_separate
 from ..runtime.nested import Range
 from ..runtime.store import EXACT, KeepPolicy
 from ..text import format_table, mib, ms
-from .memory_model import CostModel, host_is_separate
+from .memory_model import CostModel
 from .profiler import Profile
 from .planned_segment import PlannedSegment
 from .solver import fastest_within, smallest_headroom, smallest_nested_headroom
@@ -353,6 +354,13 @@ class Search:
         return message
 
 
+def balanced_last_policy() -> KeepPolicy:
+    """How a balanced plan's last segment (the stored one) keeps autograd's saves:
+    exactly, whatever its first layer's codec (balanced_cache.py, NOTE [ Balanced
+    segments ]). The runtime stores it so, and balanced() prices and plans it so."""
+    return EXACT
+
+
 def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     """The plan of ``CheckpointedSequential(segments="balanced")``: where segments
     start when a segment starting at layer i keeps its input as ``options[i]`` says
@@ -365,7 +373,7 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
         raise ConfigError(f"balanced expects a Profile from actsave.profile, got {type(profile).__name__}")
     if len(options) != len(profile.layers) or not all(isinstance(o, KeepPolicy) for o in options):
         raise ConfigError(f"balanced needs one KeepPolicy per layer ({len(profile.layers)}), got {options!r}")
-    model = CostModel(profile, [], fixed=options)
+    model = CostModel(profile, [], fixed=options, stored_codecs=(balanced_last_policy().codec.name,))
     headroom = smallest_headroom(model)
     chosen = _plan_of(model, *fastest_within(model, headroom), budget=None, bound=model.chain_input + headroom)
     # The plan says where the runtime keeps each input, as describe() does: an input

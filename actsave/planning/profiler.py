@@ -28,6 +28,7 @@ from torch import nn
 from ..codecs import LOSSY_CODECS
 from ..errors import ConfigError
 from ..meta import on_meta, simulating
+from ..offload.pool import host_is_separate
 from ..runtime.store import EXACT, KeepPolicy, modifies_input
 from ..text import format_table, mib, ms
 from .codec_costs import CodecCosts
@@ -179,7 +180,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_g
         return {codec: getattr(cost, field) for codec, cost in keep_costs.items()}
 
     next_spec = found.inputs[i + 1] if i + 1 < len(found.inputs) else None
-    host_copies = device.type == "cuda"
+    host_copies = host_is_separate(device)
     return LayerProfile(
         name=name,
         kind=type(layer).__name__,

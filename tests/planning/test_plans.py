@@ -273,3 +273,16 @@ def test_a_deep_plan_prints_a_summary_unless_asked_for_every_segment():
     assert covered == list(range(len(plan.starts)))
     timed = actsave.plan(actsave.profile(nn.Sequential(*layers), (torch.randn(32, 64),)), None, objective="memory")
     assert " ms" in str(timed).splitlines()[0]
+
+
+def test_the_runtime_and_a_balanced_plan_keep_the_last_segment_alike():
+    # balanced_cache.py, NOTE [ Balanced segments ]: plans.balanced_last_policy answers
+    # for both, whatever the last segment's first layer asks (int8 here).
+    torch.manual_seed(0)
+    model = CheckpointedSequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.ReLU())], compress="int8")
+    model(torch.randn(32, 64, requires_grad=True) * 1).sum().backward()
+    last = plans.balanced_last_policy()
+    stored_rows = [line.split() for line in model.describe().splitlines()[2:] if line.split()[4:5] == ["saves"]]
+    assert [row[5] for row in stored_rows] == [last.codec.name]  # the runtime's
+    assert model.balanced_plan.stored_codec == last.codec.name  # the plan's
+    assert not last.lossy
