@@ -320,6 +320,17 @@ def test_kernels_bench_gpu_timer_waits_for_the_host_to_queue_every_call(kernels_
     assert gpu >= 1e-4 and host >= 1e-4
 
 
+def test_stored_middle_compares_the_plans_with_and_without_them():
+    lines = run_script("stored_middle.py").splitlines()
+    assert [line.split()[3] for line in lines] == ["recompute", "recompute+int8+fp8"]
+    for line in lines:
+        smallest = re.search(r"with / without +([\d.]+) / +([\d.]+) MiB", line)
+        # Allowing stored middle segments can only widen the search.
+        assert smallest and float(smallest.group(1)) <= float(smallest.group(2)), line
+        win = re.search(r"largest time win ([+-][\d.]+)%", line)
+        assert win and float(win.group(1)) >= 0, line
+
+
 def test_rotor_compare_writes_every_solver_at_every_budget(tmp_path):
     out = tmp_path / "cpu.csv"
     stdout = run_script("rotor_compare.py", "--out", str(out))
