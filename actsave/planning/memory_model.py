@@ -149,7 +149,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..offload.pool import host_is_separate
-from ..runtime.store import EXACT, KeepPolicy
+from ..runtime.store import KeepPolicy, kept_as
 from . import nested_model
 from .profiler import LayerProfile, Profile
 from .planned_segment import Kind
@@ -163,11 +163,11 @@ _MAX_CARRIES = 64
 
 def effective_option(option: KeepPolicy, layer: LayerProfile, device: str) -> KeepPolicy:
     """What a segment starting at ``layer`` keeps its input by, asked for ``option``:
-    runtime/store.py keeps a leaf or non-float input by reference, on the device, whatever the
-    option; without separate host memory an offloaded input still takes its bytes."""
-    if not layer.input_encodable:
-        return EXACT
-    return option if host_is_separate(device) else KeepPolicy(option.codec)
+    an input should_encode refuses is kept by reference, on the device, whatever the
+    option (store.kept_as); without separate host memory an offloaded input still takes
+    its bytes."""
+    kept = kept_as(option, layer.input_encodable)
+    return kept if host_is_separate(device) else KeepPolicy(kept.codec)
 
 
 class CostModel(StoredTerms):
@@ -219,7 +219,7 @@ class CostModel(StoredTerms):
                 self._fill_option(o, option, a, layer)
 
     def _fill_option(self, o: int, option: KeepPolicy, a: int, layer: LayerProfile) -> None:
-        self.allowed[o, a] = layer.input_encodable or option == EXACT
+        self.allowed[o, a] = kept_as(option, layer.input_encodable) == option
         self.kept_input[o, a] = layer.kept_input_bytes(option, chain_input=a == 0)
         # K is x_a itself, the storage the recompute's saves hold again (runtime/store.py).
         self.shares_input[o, a] = not option.lossy and not option.offload and not layer.modifies_input and a > 0

@@ -29,7 +29,7 @@ from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, 
 from ..errors import ConfigError, InternalError
 from ..offload.pool import host_is_separate
 from ..runtime.nested import Range
-from ..runtime.store import EXACT, KeepPolicy
+from ..runtime.store import EXACT, KeepPolicy, kept_as
 from ..text import format_table, mib, ms
 from .memory_model import CostModel
 from .profiler import Profile
@@ -365,7 +365,7 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     """The plan of ``CheckpointedSequential(segments="balanced")``: where segments
     start when a segment starting at layer i keeps its input as ``options[i]`` says
     (an input the caller holds, or a non-float one, is kept by reference whatever it
-    says, as runtime/store.py's should_encode decides). The smallest predicted peak over single-level plans (each layer recomputed
+    says: runtime/store.py's kept_as). The smallest predicted peak over single-level plans (each layer recomputed
     at most once), so a codec or offload that makes kept inputs cheaper buys more,
     shorter segments; among the plans with that peak, the fastest, which on a profile
     without times (meta tensors) is the one that recomputes the fewest layers."""
@@ -379,7 +379,7 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     # The plan says where the runtime keeps each input, as describe() does: an input
     # offloaded on a CPU goes to the host pool there too, though the model prices its
     # bytes as the device's (memory_model.effective_option).
-    offload = tuple(options[start].offload and profile.layers[start].input_encodable and not stored
+    offload = tuple(kept_as(options[start], profile.layers[start].input_encodable).offload and not stored
                     for start, stored in zip(chosen.starts, chosen.stored))
     return dataclasses.replace(chosen, offload=offload)
 
@@ -477,8 +477,7 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
         raise ConfigError(f"stored_codec={stored_codec!r}: this profile records no stored saves (profiled with "
                           "stored_saves=False), so its stored segment can only be predicted exact; pass "
                           "stored_codec='none', or profile with stored_saves=True")
-    # runtime/store.py keeps a leaf or non-float input as it is, whatever the option.
-    policies = [None if option is None else option if profile.layers[a].input_encodable else EXACT
+    policies = [None if option is None else kept_as(option, profile.layers[a].input_encodable)
                 for a, _, option in draft.segments[:-1]]
     options = sorted(set(policies) - {None}, key=lambda option: (option.codec.name, option.offload))
     segments = [PlannedSegment.stored(a, b) if policy is None

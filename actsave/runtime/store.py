@@ -146,6 +146,19 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
     return leaf is None or (made_by is not None and not made_by.hold(leaf))
 
 
+# NOTE [ Inputs kept by reference ]
+# A kept input that should_encode refuses (the caller's tensors and their views, a
+# non-float tensor) is kept as it is, on the device, whatever the policy asks: a codec
+# or offload would add memory, copies and error and free nothing. The runtime
+# (_KeptTensor) and the planner (memory_model.effective_option, the cost model's
+# allowed options, plans.balanced and plans.predict) ask kept_as; the planner's
+# LayerProfile.input_encodable is should_encode's answer for the layer's input.
+def kept_as(policy: KeepPolicy, encodable: bool) -> KeepPolicy:
+    """What a kept input is stored by when ``policy`` is asked for it and should_encode
+    answered ``encodable``: NOTE [ Inputs kept by reference ]."""
+    return policy if encodable else EXACT
+
+
 def modifies_input(function) -> bool:
     """Whether ``function`` (a layer, or the first layer of a segment) changes its
     input in place, so that a segment starting with it keeps a private copy of its
@@ -207,8 +220,8 @@ class _KeptTensor:
     def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool,
                  made_by: Optional[CallerTensors] = None):
         self.requires_grad = tensor.requires_grad
-        held_elsewhere = not should_encode(tensor, made_by)
-        self.codec = IDENTITY if held_elsewhere else policy.codec
+        kept = kept_as(policy, should_encode(tensor, made_by))
+        self.codec = kept.codec
         # A tensor that needs no grad is kept as the very object (torch's checkpoint
         # gives the same object back to a custom Function that saved it).
         source = tensor.detach() if tensor.requires_grad else tensor
@@ -217,7 +230,7 @@ class _KeptTensor:
         self.modified_in_place = private_copy  # by the function's first layer
         packed = self.codec.encode(source, non_negative=known_non_negative(tensor))
         self.nbytes = packed.nbytes
-        self.storage = _OnHost(packed) if policy.offload and not held_elsewhere else _OnDevice(packed)
+        self.storage = _OnHost(packed) if kept.offload else _OnDevice(packed)
         # An aliased input changed in place after this point would be recomputed from
         # the wrong values (or copied to the host half changed): refuse that.
         aliased = self.codec.aliases_input and not private_copy

@@ -104,3 +104,49 @@ def test_profile_and_plan_print_as_tables():
     plan = actsave.plan(prof, None, objective="memory")
     text = str(plan)
     assert "predicted peak activation memory" in text and "stored (no recompute)" in text and "<- peak" in text
+
+
+# --- the runtime and the profile on one rule ------------------------------------------
+
+from actsave.planning.memory_model import effective_option  # noqa: E402
+from actsave.runtime.store import CallerTensors, KeepPolicy, _KeptTensor, should_encode  # noqa: E402
+
+
+class _WeightView(nn.Module):
+    """Returns a view of its own parameter: the caller's tensor, as a layer input."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return self.weight.t()
+
+
+class _ToIndex(nn.Module):
+    def forward(self, x):
+        return x.argmax(-1)
+
+
+def test_the_runtime_and_the_profile_keep_the_same_inputs_by_reference():
+    # NOTE [ Inputs kept by reference ]: a leaf batch, a frozen prefix's activation, a
+    # parameter's view, an int tensor and an activation, asked of should_encode as the
+    # runtime asks it (a chain's later inputs made by its layers) and of the profile.
+    torch.manual_seed(0)
+    frozen = nn.Linear(8, 8).requires_grad_(False)
+    model = nn.Sequential(frozen, nn.ReLU(), nn.Linear(8, 8), _WeightView(), nn.Linear(8, 8), _ToIndex(),
+                          nn.Embedding(8, 8), nn.ReLU())
+    x = torch.randn(4, 8)
+    inputs = []
+    hooks = [layer.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for layer in model]
+    model(x)
+    for hook in hooks:
+        hook.remove()
+    caller = CallerTensors(x, model)
+    runtime = [should_encode(t, caller if i > 0 else None) for i, t in enumerate(inputs)]
+    assert runtime == [False, True, True, True, False, True, False, True]
+    layers = actsave.profile(model, x).layers
+    assert [layer.input_encodable for layer in layers] == runtime
+    int8 = KeepPolicy.resolve("int8")
+    kept = [_KeptTensor(t, int8, False, caller if i > 0 else None).codec.name for i, t in enumerate(inputs)]
+    assert kept == [effective_option(int8, layer, "cpu").codec.name for layer in layers]
