@@ -102,7 +102,7 @@ class _SaveLedger:
     """Follows the byte-counting step: attributes the tensors autograd saves to the
     layer running, one entry per storage; notes where each layer starts and last
     saves; counts the ReLU outputs a lossy checkpoint keeps bits for (the first save
-    of each, as runtime/function.py's _Frame.pack decides) and the max pools it keeps
+    of each, as a frame decides: relu_signs.keeps_decisions) and the max pools it keeps
     decisions for (found by the same :class:`PoolWatch`, which runs with it)."""
 
     def __init__(self, device, ignored: list, tracker: LiveBytes, caller: CallerTensors):
@@ -149,7 +149,7 @@ class _SaveLedger:
         if pool is not None:
             pool = PoolSample(*pool, tuple(t.shape))
             self._count_pool(t, pool)
-        elif relu_signs.is_relu_output(t) and self._relu_saves.is_first(t):
+        elif relu_signs.keeps_decisions(t, {}, self._relu_saves):  # one step of the whole chain: no segment inputs
             self._count_relu_output(t)
         # Detached: holding the output itself would be a reference cycle.
         rise = self.tracker.live - self.live_before[self.layer]
@@ -188,7 +188,7 @@ class StoredEntry:
     __slots__ = ("first", "last", "pool", "relu", "spec")
 
     def __init__(self, t: torch.Tensor, layer: int, pool: Optional["PoolSample"] = None):
-        self.spec, self.relu, self.pool = TensorSpec.of(t), relu_signs.is_relu_output(t), pool
+        self.spec, self.relu, self.pool = TensorSpec.of(t), relu_signs.keeps_decisions(t, {}), pool
         self.first = self.last = layer
 
     @property

@@ -114,7 +114,7 @@ class _SavesStore:
             return tensor
         stored = self._seen_before(tensor)
         if stored is None:
-            stored = _Stored(self.codec, tensor, relu_signs.made_by_segment_relu(tensor, self._input_nodes))
+            stored = _Stored(self.codec, tensor, relu_signs.keeps_decisions(tensor, self._input_nodes))
             self.nbytes += stored.nbytes
             key = stored_once_key(tensor)
             if key is not None:

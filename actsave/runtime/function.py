@@ -172,7 +172,7 @@ class _Frame:
             kept = self.kept.attach(window.encode(tensor, input_size))
             slot.pool_decisions = PoolDecisions(kept, window, input_size)
             self.decision_bytes += kept.nbytes
-        elif relu_signs.made_by_segment_relu(tensor, self._input_nodes) and self._relu_saves.is_first(tensor):
+        elif relu_signs.keeps_decisions(tensor, self._input_nodes, self._relu_saves):
             slot.relu_signs = self.kept.attach(relu_signs.pack_signs(tensor))
             self.decision_bytes += slot.relu_signs.nbytes
 

@@ -14,7 +14,8 @@ too, one bit per element (1/32 of the fp32 output), and the recompute corrects i
 ReLU outputs in place to the forward's decisions before anything downstream reads
 them (ActNN keeps ReLU masks in one bit for the same reason). Other piecewise
 activations (LeakyReLU, ReLU6, Hardtanh) save their input, not their output, and are
-recomputed as they come.
+recomputed as they come. Which saves keep bits: NOTE [ ReLU outputs that keep
+decisions ], keeps_decisions.
 
 The bit is "not (y <= 0)", the test ``threshold_backward`` applies, so NaN counts as
 passing: non-finite values still reach the gradient.
@@ -22,6 +23,7 @@ passing: non-finite values still reach the gradient.
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -78,6 +80,28 @@ class FirstSaves:
         first = self._last() is not relu_output
         self._last = weakref.ref(relu_output)
         return first
+
+
+# NOTE [ ReLU outputs that keep decisions ]
+# Under a lossy codec a ReLU output keeps its decisions, one bit per element, where the
+# segment made it (made_by_segment_relu: not a segment input decided by the segment
+# before) and, where later saves of the same tensor share the correction, at its
+# first save only (FirstSaves). Who asks keeps_decisions:
+# - a checkpointed segment's frame (function.py, _Frame._keep_decisions), with the
+#   segment's input nodes and its FirstSaves;
+# - a stored segment's saves (compressed_saves.py, _SavesStore.pack), with no
+#   FirstSaves: each stored copy decodes by itself, so each keeps its bits (repeated
+#   saves of one copy share it: stored_once_key);
+# - the planner's profile (planning/instrumented_step.py), one step of the whole chain,
+#   so no segment inputs: per layer with a FirstSaves, as a frame decides; per stored
+#   entry without, the segment's part priced where its first save is
+#   (planning/stored_saves.py).
+def keeps_decisions(tensor: torch.Tensor, segment_inputs: dict, first_saves: Optional[FirstSaves] = None) -> bool:
+    """Whether this save of ``tensor`` keeps ReLU decision bits: NOTE [ ReLU outputs
+    that keep decisions ]."""
+    if not made_by_segment_relu(tensor, segment_inputs):
+        return False
+    return first_saves is None or first_saves.is_first(tensor)
 
 
 def _dead_ref():

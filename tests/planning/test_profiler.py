@@ -150,3 +150,28 @@ def test_the_runtime_and_the_profile_keep_the_same_inputs_by_reference():
     int8 = KeepPolicy.resolve("int8")
     kept = [_KeptTensor(t, int8, False, caller if i > 0 else None).codec.name for i, t in enumerate(inputs)]
     assert kept == [effective_option(int8, layer, "cpu").codec.name for layer in layers]
+
+
+@pytest.mark.parametrize("segments", [3, 7])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_the_runtime_and_the_profile_keep_the_same_relu_decisions(monkeypatch, inplace, segments):
+    # NOTE [ ReLU outputs that keep decisions ]: under int8 each ReLU output keeps its
+    # bits once, in the segment that made it, in the runtime as in the profile; an
+    # in-place ReLU may start a segment (segments=7).
+    from actsave.runtime import relu_signs
+
+    def chain():
+        torch.manual_seed(0)
+        return [nn.Linear(8, 16), nn.ReLU(inplace), nn.Linear(16, 12), nn.ReLU(inplace), nn.Linear(12, 10),
+                nn.ReLU(inplace), nn.Linear(10, 6)]
+
+    x = torch.randn(4, 8, requires_grad=True) * 1  # an activation: the first segment is int8 too
+    layers = actsave.profile(nn.Sequential(*chain()), x).layers
+    picked = [i for i, layer in enumerate(layers) if layer.relu_sign_bytes > 0]
+    assert picked == [1, 3, 5]
+    packed, pack_signs = [], relu_signs.pack_signs
+    monkeypatch.setattr(relu_signs, "pack_signs", lambda t: packed.append(tuple(t.shape)) or pack_signs(t))
+    model = CheckpointedSequential(*chain(), segments=segments, compress="int8")
+    out = model(x)
+    assert packed == [(4, 16), (4, 12), (4, 10)]
+    out.sum().backward()
