@@ -16,8 +16,8 @@ are decoded, as without means. Doing both in the kernels costs no copy of the te
 (a centered copy would be live beside it while encoding, a wide one while decoding to
 a half type); the references work in place on their own copies, for the same reason.
 Element i's channel is ``(i // channel_size) % channels``; with int32 offsets both
-divisions are a multiply by the divisor's magic number (``magic_number``, exact below
-2**31), worked out once per run where a run meets at most two channels (channel_size
+divisions are a multiply and a shift (``magic_number``: _division.py's NOTE [ Division
+by an invariant ], exact below 2**31), worked out once per run where a run meets at most two channels (channel_size
 >= RUN; one where channel_size is a multiple of RUN), else once per element; int64
 offsets divide.
 """
@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import channel_size
+from ._division import divide, int32_bits, multiplier_and_shift
 
 
 # ----------------------------------------------------------------- Triton helpers
@@ -36,13 +37,11 @@ from . import channel_size
 @triton.jit
 def quotient(n, divisor, magic, shift, INDEX_64: tl.constexpr):
     """n // divisor for n >= 0: an int64 division where INDEX_64, else, n being below
-    2**31, the high half of 2n times the divisor's magic number, shifted (NOTE [channel
-    means]; ``magic`` is its uint32 bit pattern held in an int32)."""
+    2**31, by the divisor's magic number and shift (NOTE [ Division by an invariant ];
+    ``magic`` is its uint32 bit pattern held in an int32)."""
     if INDEX_64:
         return n // divisor
-    doubled = (n << 1).to(tl.uint32, bitcast=True)
-    high = tl.umulhi(doubled, magic.to(tl.uint32, bitcast=True))
-    return (high >> shift).to(tl.int32, bitcast=True)
+    return divide(n, magic, shift)
 
 
 @triton.jit
@@ -106,15 +105,12 @@ class ChannelMeans(NamedTuple):
 
 def magic_number(divisor):
     """``(magic, shift)`` such that ``n // divisor == (2n * m) >> (32 + shift)`` for every
-    0 <= n < 2**31, ``m`` being ``magic``'s uint32 bit pattern (NOTE [channel means]):
-    m = ceil(2**(31 + l) / divisor) with l = ceil(log2(divisor)), which is below 2**32,
-    and m * divisor - 2**(31 + l) < 2**l, the bound under which the quotient is exact
-    (Granlund and Montgomery, "Division by invariant integers using multiplication", 1994).
-    ``magic`` is returned as the int32 of that bit pattern."""
-    shift = (divisor - 1).bit_length()
-    multiplier = -(-(1 << (31 + shift)) // divisor)
+    0 <= n < 2**31, ``m`` being ``magic``'s uint32 bit pattern, returned as the int32 of
+    those bits (_division.py, NOTE [ Division by an invariant ]). Any divisor: a size
+    of 2**31 or more is passed, and never divided by (its offsets are int64)."""
+    multiplier, shift = multiplier_and_shift(divisor)
     assert 1 << 31 <= multiplier < 1 << 32, (divisor, multiplier)
-    return multiplier - (1 << 32), shift
+    return int32_bits(multiplier), shift
 
 
 def channel_means(x, means, stand_in):

@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from actsave.meta import simulating
 from actsave.codecs.backend import implementation
 from actsave.triton_kernels import _launch, bitfields, decision_table, decisions
-from actsave.triton_kernels.decisions import division, max_pool, packed_tiles
+from actsave.triton_kernels import _division as division
+from actsave.triton_kernels.decisions import max_pool, packed_tiles
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,

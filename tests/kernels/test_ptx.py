@@ -264,7 +264,7 @@ def _decision_job(build):
 def test_decision_kernels_use_no_local_memory_and_no_division(builds, build):
     """No local memory, no stack; no integer division instruction: window geometry is
     constexpr (divisions by constants become multiplies) and sizes known at launch are
-    divided by a multiply and a shift (decisions/division.py, NOTE [ Division by an
+    divided by a multiply and a shift (_division.py, NOTE [ Division by an
     invariant ])."""
     compiled = builds[build]
     assert ".local" not in compiled["ptx"] and compiled["LOCAL"] == 0 and compiled["STACK"] == 0

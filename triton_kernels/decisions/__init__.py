@@ -30,7 +30,6 @@ give other bits. Every launch goes through ``_launch.launch``.
 - packed_tiles.py: what both share: a program's tile of packed bytes and the launch
   options, fields packed and unpacked, the checks of a launcher's inputs, NOTE
   [ Cheap references ];
-- division.py: dividing by sizes known at launch, NOTE [ Division by an invariant ].
 """
 from .max_pool import (
     decode_max_pool_,

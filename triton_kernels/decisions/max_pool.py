@@ -16,7 +16,7 @@ pool's output gathered at those decisions (actsave/runtime/pool_decisions.py, NO
 A kernel sees a pool through its :class:`PoolGeometry`: up to three spatial dimensions,
 right aligned; the window's sizes are constexprs (a kernel per window), the sizes of the
 input and of the output runtime arguments, divided by a multiply and a shift
-(division.py).
+(_division.py).
 """
 import math
 from functools import lru_cache
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .. import _launch
 from ..bitfields import field_bits
-from .division import MAX_INT32, divide, divisor
+from .._division import MAX_INT32, divide, divisor
 from .packed_tiles import (
     BITS_OF_SIZE,
     LAUNCH_OPTIONS,

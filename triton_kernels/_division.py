@@ -1,6 +1,7 @@
 """Dividing by sizes known at launch inside a kernel, by a multiply and a shift
 (NOTE [ Division by an invariant ]): the max-pool kernels find each element's
-coordinates so (max_pool.py).
+coordinates so (decisions/max_pool.py), and the codec kernels each element's channel
+(_channel_means.py).
 """
 from functools import lru_cache
 
@@ -30,8 +31,20 @@ def division_constants(d: int) -> tuple:
     invariant ])."""
     if not 1 <= d <= MAX_INT32:
         raise ValueError(f"a divisor from 1 to 2**31 - 1, not {d}")
+    return multiplier_and_shift(d)
+
+
+def multiplier_and_shift(d: int) -> tuple:
+    """:func:`division_constants` for any ``d >= 1`` (the bound holds for every d; a
+    caller that divides only below 2**31 may pass larger sizes it never divides by)."""
     shift = (d - 1).bit_length()
     return -(-(1 << (31 + shift)) // d), shift
+
+
+def int32_bits(multiplier: int) -> int:
+    """A uint32 multiplier as the int32 of its bits: the JIT would type an argument of
+    2**31 or more int64."""
+    return multiplier - (1 << 32) if multiplier > MAX_INT32 else multiplier
 
 
 @lru_cache(maxsize=1024)
@@ -40,8 +53,7 @@ def divisor(name: str, d: int) -> dict:
     bits (an int32 argument: the JIT would type a value of 2**31 or more int64). Cached:
     the dict is read, never changed."""
     multiplier, shift = division_constants(d)
-    return {name: d, f"{name}_multiplier": multiplier - (1 << 32) if multiplier > MAX_INT32 else multiplier,
-            f"{name}_shift": shift}
+    return {name: d, f"{name}_multiplier": int32_bits(multiplier), f"{name}_shift": shift}
 
 
 @triton.jit
@@ -51,4 +63,5 @@ def divide(n, multiplier, shift):
     2n * multiplier, shifted."""
     doubled = (n << 1).to(tl.uint32, bitcast=True)  # 2n < 2**32: exact as a uint32
     high = tl.umulhi(doubled, multiplier.to(tl.uint32, bitcast=True))
-    return (high >> shift.to(tl.uint32)).to(tl.int32, bitcast=True)
+    # shift stays as passed: a launch may specialize a shift of 1 into a constexpr.
+    return (high >> shift).to(tl.int32, bitcast=True)
