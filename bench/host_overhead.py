@@ -55,6 +55,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined
 
 import actsave  # noqa: E402
+from actsave.devices import synchronize  # noqa: E402
 from actsave.text import format_table  # noqa: E402
 
 import harness  # noqa: E402  (bench/ is on sys.path when this script runs)
@@ -159,11 +160,6 @@ def train_step(model: torch.nn.Module, batch: tuple) -> None:
     forward_loss(model, batch).backward()
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def interleaved_times(steps: dict, rounds: int, device: torch.device) -> dict:
     """``{name: [seconds, ...]}``: ``rounds`` rounds, each timing one call of every
     ``steps[name]()`` in turn. CPU: process time; CUDA: wall time, synchronized."""
@@ -171,10 +167,10 @@ def interleaved_times(steps: dict, rounds: int, device: torch.device) -> dict:
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            _synchronize(device)
+            synchronize(device)
             start = clock()
             step()
-            _synchronize(device)
+            synchronize(device)
             times[name].append(clock() - start)
     return times
 

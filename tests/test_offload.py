@@ -762,7 +762,7 @@ def test_a_group_is_on_one_device():
 
 # --- the runtime and the planner on one rule ------------------------------------------
 
-from actsave.offload.pool import host_is_separate  # noqa: E402
+from actsave.devices import host_is_separate  # noqa: E402
 from actsave.planning.memory_model import effective_option  # noqa: E402
 from actsave.planning.plans import keep_options  # noqa: E402
 from actsave.runtime.store import KeepPolicy  # noqa: E402

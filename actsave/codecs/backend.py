@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from ..devices import runs_triton_by_default
 from ..errors import ActsaveError, ConfigError
 from ..meta import device_of
 from ..triton_kernels import Kernel
@@ -53,7 +54,7 @@ def backend(name: str):
 def implementation(kernel: Kernel, tensor: torch.Tensor) -> Callable:
     """``kernel.launcher`` (Triton) or ``kernel.reference`` (torch), whichever the
     backend chooses for ``tensor``; ``kernel`` is an entry of the kernel table."""
-    use_triton = _selected == "triton" or (_selected == "auto" and device_of(tensor).type == "cuda")
+    use_triton = _selected == "triton" or (_selected == "auto" and runs_triton_by_default(device_of(tensor)))
     if not use_triton:
         return kernel.reference
     if tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

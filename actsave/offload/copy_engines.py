@@ -47,6 +47,7 @@ import threading
 
 import torch
 
+from ..devices import host_is_separate
 from ..errors import ConfigError
 
 
@@ -175,7 +176,7 @@ def copy_engine_for(device) -> CopyEngine:
     device = torch.device(device)
     if device.type in ("cpu", "meta"):
         return _HOST_ENGINE
-    if device.type != "cuda":
+    if not host_is_separate(device):  # copy streams exist only where the host is apart: CUDA
         raise ConfigError(
             f"offload supports cpu, cuda and meta tensors, not {device.type} ones; do not "
             f"offload the layers whose inputs live on {device}"

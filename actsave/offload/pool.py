@@ -5,11 +5,10 @@ Pinned buffers come from PyTorch's pinned-memory allocator, which caches them af
 this pool drops them: the pool bounds what actsave keeps (``capacity_bytes``), not what
 the process has pinned. Meta tensors (actsave.estimate, meta.py) get a pool of meta
 buffers: every step of the schedule allocates as it would, without memory. A tracker
-of device memory (live_bytes.LiveBytes) leaves the host buffers out:
-:func:`is_host_memory` tells them apart; :func:`host_is_separate`, whether a
-device's memory is the host's. A buffer is lent again only once the last copy
-that touched it has finished (NOTE [ Offload stream ordering ], rule 4, in
-copy_engines.py).
+of device memory (live_bytes.LiveBytes) leaves the host buffers out where the host's
+memory is separate (devices.host_is_separate): :func:`is_host_memory` tells them
+apart. A buffer is lent again only once the last copy that touched it has finished
+(NOTE [ Offload stream ordering ], rule 4, in copy_engines.py).
 """
 from __future__ import annotations
 
@@ -194,17 +193,6 @@ def _allocating_host_memory():
         yield
     finally:
         _host_allocations.active = False
-
-
-# NOTE [ Separate host memory ]
-# Offload moves bytes off the device only where the host's memory is not the device's:
-# on CUDA. On the CPU the pool's buffers are the device's own memory. The runtime
-# offloads there all the same (the whole schedule runs, and is tested, without a GPU)
-# and counts what it offloaded as "host" in stored_bytes(); the planner counts those
-# bytes on the device, offers no offload lever and times no host copies there.
-def host_is_separate(device) -> bool:
-    """Whether offload moves bytes off ``device``: NOTE [ Separate host memory ]."""
-    return torch.device(device).type == "cuda"
 
 
 def is_host_memory(storage) -> bool:

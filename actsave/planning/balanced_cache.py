@@ -21,7 +21,7 @@ saves costs more in decode temporaries than it frees (docs/results.md, "Other
 figures"), and the memory model prices the stored segment as exact. One function
 says so to the runtime, the profile and the plan: plans.balanced_last_policy. On a
 CPU device host memory is the device's, so offload is planned there as if the inputs
-stayed (they do, in the pool: offload/pool.py, NOTE [ Separate host memory ]).
+stayed (they do, in the pool: devices.py, NOTE [ Separate host memory ]).
 
 A chain the meta step cannot run (data-dependent operations such as ``.item()``,
 sharded parameters, layers that pass something else than one tensor) falls back to

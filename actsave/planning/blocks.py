@@ -53,7 +53,7 @@ from torch import nn
 
 from .._torch import pytree
 from ..errors import ConfigError
-from ..offload.pool import host_is_separate
+from ..devices import host_is_separate
 from ..runtime.store import modifies_input, should_encode
 from ..text import format_table, mib
 from .instrumented_step import isolated_steps

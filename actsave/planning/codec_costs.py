@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..codecs import LOSSY_CODECS, get_codec
-from ..offload.pool import host_is_separate
+from ..devices import host_is_separate
 from ..runtime import relu_signs
 from ..runtime.pool_decisions import pool_at_
 from .instrumented_step import PoolSample, TensorSpec, timer

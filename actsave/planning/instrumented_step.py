@@ -26,6 +26,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from .._torch import current_autograd_node, own_tensors
+from ..devices import forked_rng_devices, synchronize
 from ..errors import ConfigError
 from ..meta import fast_meta, plans_at_first_call
 from ..runtime import relu_signs
@@ -56,10 +57,8 @@ def isolated_steps(model: nn.Module, device: torch.device):
     grads = [(p, p.grad) for p in model.parameters()]
     for p, _ in grads:
         p.grad = torch.zeros_like(p) if p.requires_grad else None
-    accelerators = [device.index if device.index is not None else torch.cuda.current_device()] \
-        if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=accelerators), _batchnorm_statistics_untouched():
+        with torch.random.fork_rng(devices=forked_rng_devices(device)), _batchnorm_statistics_untouched():
             yield
     finally:
         for p, grad in grads:
@@ -442,19 +441,14 @@ def measure_times(layers: list, x: torch.Tensor, loss=None) -> tuple:
 def timer(device: torch.device):
     """Yields a one-item list that holds, on exit, the seconds the body took on
     ``device``."""
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     elapsed = [0.0]
     try:
         yield elapsed
     finally:
-        _synchronize(device)
+        synchronize(device)
         elapsed[0] = time.perf_counter() - start
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass(frozen=True)

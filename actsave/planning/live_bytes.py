@@ -14,19 +14,15 @@ import weakref
 import torch
 
 from .._torch import TorchDispatchMode, pytree
+from ..devices import allocation_granule
 from ..meta import OUTPUT_METADATA
 from ..offload import is_host_memory
 
-# The CUDA caching allocator hands out multiples of 512 bytes (MemTracker uses the same
-# constant); CPU allocations are counted as asked.
-_CUDA_ALLOCATION_GRANULE = 512
-
-
 def allocation_bytes(nbytes: int, device) -> int:
-    """Bytes a storage of ``nbytes`` occupies on ``device`` (CUDA rounds up)."""
-    if torch.device(device).type == "cuda":
-        return -(-nbytes // _CUDA_ALLOCATION_GRANULE) * _CUDA_ALLOCATION_GRANULE
-    return nbytes
+    """Bytes a storage of ``nbytes`` occupies on ``device``: rounded up to its
+    allocator's granule (devices.allocation_granule)."""
+    granule = allocation_granule(device)
+    return -(-nbytes // granule) * granule
 
 
 class LiveBytes(TorchDispatchMode):

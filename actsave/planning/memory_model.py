@@ -148,7 +148,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..offload.pool import host_is_separate
+from ..devices import host_is_separate
 from ..runtime.store import KeepPolicy, kept_as
 from . import nested_model
 from .profiler import LayerProfile, Profile

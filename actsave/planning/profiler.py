@@ -28,7 +28,7 @@ from torch import nn
 from ..codecs import LOSSY_CODECS
 from ..errors import ConfigError
 from ..meta import on_meta, simulating
-from ..offload.pool import host_is_separate
+from ..devices import host_is_separate
 from ..runtime.store import EXACT, KeepPolicy, modifies_input
 from ..text import format_table, mib, ms
 from .codec_costs import CodecCosts

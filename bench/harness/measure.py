@@ -16,6 +16,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import actsave
 from actsave.codecs import sqnr_db
+from actsave.devices import synchronize
 
 
 def step_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -39,20 +40,15 @@ def _actsave_stored_bytes() -> int:
     return stored["device"] + stored["host"]
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(model: nn.Module, batch: tuple, repeats: int, device: torch.device) -> list:
     """Milliseconds of ``repeats`` training steps, each timed alone."""
     times = []
     for _ in range(repeats):
         model.zero_grad(set_to_none=False)
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         training_step(model, batch)
-        _synchronize(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return times
 
@@ -114,11 +110,11 @@ def measure_step_memory(
 ) -> StepMemory:
     """Peak memory of one training step of ``model`` (its gradients already allocated)."""
     if device.type == "cuda":
-        _synchronize(device)
+        synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device)
         kept = training_step(model, batch)
-        _synchronize(device)
+        synchronize(device)
         return StepMemory(torch.cuda.max_memory_allocated(device), resident, kept)
     tracker = tracker_class()
     tracker.track_external(model, *batch)
