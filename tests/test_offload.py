@@ -773,13 +773,13 @@ def wide_relu_chain():
     return [m for _ in range(6) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())]
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"], ids=["cpu", "simulated_gpu"])  # meta tensors: no GPU needed
+@pytest.mark.parametrize("device", ["cpu", "cuda", "meta"], ids=["cpu", "simulated_gpu", "meta"])  # no GPU needed
 def test_runtime_and_planner_agree_on_whether_host_memory_is_separate(device):
     # NOTE [ Separate host memory ]: the runtime offloads on every device and counts it
     # as host memory; those bytes leave the device, for the planner as for a step's
     # simulation (estimate), only where host_is_separate says so.
     separate = host_is_separate(device)
-    assert separate == (device == "cuda")
+    assert separate == (device == "cuda")  # meta stands for no device: no host apart
     shape = (32, 64)
     exact = actsave.estimate(CheckpointedSequential(*wide_relu_chain(), segments=6), shape, device=device)
     offloaded = actsave.estimate(CheckpointedSequential(*wide_relu_chain(), segments=6, offload=True), shape, device=device)

@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from .._torch import TorchDispatchMode, pytree
-from ..devices import allocation_granule
+from ..devices import allocation_granule, host_is_separate
 from ..meta import OUTPUT_METADATA
 from ..offload import is_host_memory
 
@@ -32,9 +32,10 @@ class LiveBytes(TorchDispatchMode):
     A storage is counted once, from the first operation that returns it until it is
     freed. Storages that existed before (``known``: parameters, gradients, buffers,
     inputs) are never counted, even when an in-place operation returns them. The host
-    buffers of offload (offload.is_host_memory) are counted for a CPU device, whose
-    memory they share, from the first operation that touches them, as MemTracker
-    counts them; for other devices they are not device memory.
+    buffers of offload (offload.is_host_memory) are device memory where the host's
+    memory is not separate (devices.host_is_separate: the CPU, and meta tensors that
+    stand for no device), counted from the first operation that touches them, as
+    MemTracker counts them; on CUDA they are not device memory.
     ``device`` sets the allocation rounding (:func:`allocation_bytes`).
     :meth:`span` measures the peak of one stretch of work.
     """
@@ -67,7 +68,7 @@ class LiveBytes(TorchDispatchMode):
         if storage in self._seen:
             return
         self._seen[storage] = True
-        if self.device.type != "cpu" and is_host_memory(storage):  # an offload buffer, off the device
+        if host_is_separate(self.device) and is_host_memory(storage):  # an offload buffer, off the device
             return
         nbytes = allocation_bytes(storage.nbytes(), self.device)
         weakref.finalize(storage, self._add, -nbytes)
