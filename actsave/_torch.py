@@ -3,10 +3,10 @@
 actsave needs a few things PyTorch does not publish: whether saved-tensor hooks are
 set, a storage's identity, tensors' version counters and view bases, modules' own
 parameter and buffer tables (to swap a tensor for a scratch or meta copy without
-registering it), the autograd node type of a ReLU and the node a backward runs, and
-the dispatch-mode and pytree
-utilities. They are read here and nowhere else, so that a PyTorch release that moves
-one breaks this file with a clear error, not the library at a distance.
+registering it), the autograd node type of a ReLU and the node a backward runs, the
+dispatch-mode and pytree utilities, and the module ``torch.compile`` returns. They
+are read here and nowhere else, so that a PyTorch release that moves one breaks this
+file with a clear error, not the library at a distance.
 
 Tested with PyTorch 2.13 (CI) and written for 2.11 (the GPU image), the minimum in
 pyproject.toml.
@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch._dynamo  # noqa: F401  (torch.compile imports it too; named here for eval_frame)
 from torch.utils import _pytree as pytree  # noqa: F401  (re-exported)
 from torch._ops import OpOverload  # noqa: F401  (re-exported)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
@@ -134,3 +135,14 @@ def own_tensors(module: torch.nn.Module, kind: str) -> dict:
     """The module's own table of ``kind`` (``"parameters"`` or ``"buffers"``): the live
     dict, so that a write swaps a tensor in place without registering it anew."""
     return module._parameters if kind == "parameters" else module._buffers
+
+
+_OptimizedModule = _require(getattr(getattr(torch._dynamo, "eval_frame", None), "OptimizedModule", None),
+                            "torch._dynamo.eval_frame.OptimizedModule")
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The eager module behind ``torch.compile(module)``; any other module as it is
+    (``module.compile()`` compiles in place: run it under
+    ``torch.compiler.set_stance("force_eager")`` for its eager code)."""
+    return module._orig_mod if isinstance(module, _OptimizedModule) else module

@@ -16,6 +16,7 @@ changes the generated kernels, and on this CPU-only machine each of its graphs i
 C++ build of 10-20 s, so one test covers it.
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -97,3 +98,59 @@ def test_inductor_compiled_block_then_wrapped_has_eager_gradients():
     with torch._inductor.config.patch(fallback_random=True):
         got = grads_of_a_step(model, x)
     assert_same_gradients(grads_of_a_step(plain, x), got, None)
+
+
+# --- compiled blocks, then checkpointed: compiled once, no warnings (issue 35, item 1) ---
+
+class ReluBlock(nn.Module):
+    """A block that ends in a ReLU, so that int8 keeps its decision bits."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(self.fc2(torch.relu(self.fc1(x)) + x))
+
+
+def compiled(block: nn.Module, how: str) -> nn.Module:
+    if how == "torch.compile":
+        return torch.compile(block, backend=BACKEND)
+    block.compile(backend=BACKEND)
+    return block
+
+
+def graphs_over_steps(model: nn.Module, make_input, steps: int = 4) -> tuple:
+    """The graphs Dynamo compiled after the first step and after the last, and every
+    warning the steps raised."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    graphs = []
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            grads_of_a_step(model, make_input())
+            graphs.append(counters["stats"]["unique_graphs"])
+    return graphs[0], graphs[-1], [f"{w.category.__name__}: {w.message}" for w in raised]
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+@pytest.mark.parametrize("compress", COMPRESS)
+def test_compiled_blocks_in_a_balanced_checkpointed_sequential_compile_once_and_warn_nothing(compress, how):
+    # The default segments plan on a meta step of the chain: it runs the compiled
+    # blocks eagerly (NOTE [ torch.compile ]); compiled there, they recompiled until
+    # Dynamo's limit, with warnings.
+    torch.manual_seed(0)
+    blocks = [ReluBlock() for _ in range(6)]
+    plain = nn.Sequential(*copy.deepcopy(blocks))
+    alone = nn.Sequential(*[compiled(block, how) for block in copy.deepcopy(blocks)])
+    expected_graphs = graphs_over_steps(alone, lambda: torch.randn(8, 16))[1]
+    torch._dynamo.reset()
+    model = actsave.CheckpointedSequential(*[compiled(block, how) for block in blocks], compress=compress)
+    first, last, raised = graphs_over_steps(model, lambda: torch.randn(8, 16))
+    assert (first, last, raised) == (expected_graphs, expected_graphs, [])
+    assert expected_graphs >= 1
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(8, 16)
+    assert_same_gradients(grads_of_a_step(plain, x), grads_of_a_step(model, x), compress)
+

@@ -52,13 +52,16 @@ def isolated_steps(model: nn.Module, device: torch.device):
     are untouched and the caller's RNG state (CPU, and ``device``'s on CUDA) is
     restored. Inside, every gradient starts allocated (zeros), as from the second
     training step on: each layer's new gradients are then transients accumulated into
-    them, not gradient memory kept. :func:`~actsave.profile` and the block planner
-    (blocks.py) measure their steps inside it."""
+    them, not gradient memory kept; and compiled code runs eagerly, so that a step on
+    meta tensors or under the profile's global module hooks compiles nothing.
+    :func:`~actsave.profile` and the block planner (blocks.py) measure their steps
+    inside it."""
     grads = [(p, p.grad) for p in model.parameters()]
     for p, _ in grads:
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     try:
-        with torch.random.fork_rng(devices=forked_rng_devices(device)), _batchnorm_statistics_untouched():
+        with torch.random.fork_rng(devices=forked_rng_devices(device)), _batchnorm_statistics_untouched(), \
+                torch.compiler.set_stance("force_eager"):
             yield
     finally:
         for p, grad in grads:

@@ -25,10 +25,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._torch import uncompiled
 from ..codecs import LOSSY_CODECS
+from ..devices import host_is_separate
 from ..errors import ConfigError
 from ..meta import on_meta, simulating
-from ..devices import host_is_separate
 from ..runtime.store import EXACT, KeepPolicy, modifies_input
 from ..text import format_table, mib, ms
 from .codec_costs import CodecCosts
@@ -159,7 +160,9 @@ def _chain_layers(model) -> list:
                           f"CheckpointedSequential is one), got {type(model).__name__}")
     if len(model) == 0:
         raise ConfigError("model is an empty nn.Sequential: profile needs a chain with at least one layer")
-    return list(model.named_children())
+    # A layer compiled by torch.compile is profiled as its eager module, as the runtime
+    # recomputes it: NOTE [ torch.compile ] in runtime/function.py.
+    return [(name, uncompiled(layer)) for name, layer in model.named_children()]
 
 
 def _single_input(example_inputs) -> torch.Tensor:

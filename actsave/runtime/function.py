@@ -407,6 +407,13 @@ def checkpointed_call(
 # recompute does. Disabled, each checkpointed call is a graph break and runs eagerly,
 # forward and recompute alike. For compiled segments, compile the layers and then
 # checkpoint them: forward and recompute then run the same compiled code.
+#
+# Compiled layers run eagerly in the planner's steps (isolated_steps in
+# planning/instrumented_step.py), and torch.compile's modules are profiled as their
+# eager ones: those steps run on meta tensors under global module hooks, where Dynamo
+# would compile graphs no training step uses, recompile at each layer until its limit
+# and warn of the hooks. The plan then counts the eager code's saves, which a compiled
+# layer's may differ from.
 @torch.compiler.disable
 def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None):
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
