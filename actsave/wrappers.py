@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple, Union
 
 from torch import nn
 
+from ._torch import uncompiled
 from .checks import real_number
 from .errors import ConfigError
 from .planning.blocks import BlockPlan, plan_block_stack
@@ -184,7 +185,7 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     for block in blocks:
         if not block.wrapped:
             block.replace(_checkpoint_of(block.module, policy, options))
-        elif matches(block.module.module, block.fqn):
+        elif matches(uncompiled(block.module.module), block.fqn):
             # Wrapped by an earlier call and selected again: this call's options win,
             # as they would for a module wrapped now (never the old ones, silently).
             block.module.policy, block.module.recompute = policy, options
@@ -311,11 +312,13 @@ def matching_blocks(model: nn.Module, matches, prefix: str = "") -> list:
     """The :class:`Block` s of ``model`` that ``matches(module, fqn)`` selects, in
     module order: never ``model`` itself, nor anything inside a selected module; a
     :class:`Checkpoint` counts as selected (by an earlier :func:`wrap`), and nothing
-    inside it is asked."""
+    inside it is asked. ``torch.compile(module)`` is asked as ``module`` and selected
+    whole: its compiled forward calls the module it was given, so replacing that
+    module inside it would checkpoint nothing."""
     found = []
     for name, child in model.named_children():
         fqn = prefix + name
-        if isinstance(child, Checkpoint) or matches(child, fqn):
+        if isinstance(child, Checkpoint) or matches(uncompiled(child), fqn):
             found.append(Block(model, name, fqn, child))
         else:
             found += matching_blocks(child, matches, fqn + ".")

@@ -154,3 +154,27 @@ def test_compiled_blocks_in_a_balanced_checkpointed_sequential_compile_once_and_
     x = torch.randn(8, 16)
     assert_same_gradients(grads_of_a_step(plain, x), grads_of_a_step(model, x), compress)
 
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+@pytest.mark.parametrize("compress", COMPRESS)
+def test_blocks_compiled_then_wrapped_are_checkpointed_compile_once_and_warn_nothing(compress, how):
+    # wrap selects torch.compile(block) whole: replacing the block inside it would leave
+    # the compiled forward calling the old block, checkpointing nothing.
+    torch.manual_seed(0)
+    blocks = [ReluBlock() for _ in range(4)]
+    plain = nn.Sequential(*copy.deepcopy(blocks))
+    alone = nn.Sequential(*[compiled(block, how) for block in copy.deepcopy(blocks)])
+    expected_graphs = graphs_over_steps(alone, lambda: torch.randn(8, 16))[1]
+    torch._dynamo.reset()
+    model = nn.Sequential(*[compiled(block, how) for block in blocks])
+    keys = list(model.state_dict())
+    actsave.wrap(model, ReluBlock, compress=compress)
+    assert all(isinstance(block, actsave.Checkpoint) for block in model) and list(model.state_dict()) == keys
+    first, last, raised = graphs_over_steps(model, lambda: torch.randn(8, 16))
+    assert (first, last, raised) == (expected_graphs, expected_graphs, [])
+    out = model(torch.randn(8, 16, requires_grad=True))
+    assert actsave.stored_bytes()["device"] > 0  # the blocks keep their inputs: checkpointed
+    del out
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(8, 16)
+    assert_same_gradients(grads_of_a_step(plain, x), grads_of_a_step(model, x), compress)

@@ -13,6 +13,7 @@ the blocks with keyword arguments (attention mask, position ids, Llama's rotary
     # Do not also call model.gradient_checkpointing_enable().
 """
 import copy
+import warnings
 
 import pytest
 import torch
@@ -109,3 +110,37 @@ def test_save_pretrained_of_a_wrapped_model_loads_into_a_plain_model(name, tmp_p
     assert list(loaded.state_dict()) == list(plain.state_dict())
     for (key, expected), got in zip(wrapped.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(got, expected), key
+
+
+@pytest.mark.parametrize("name, compress", [("gpt2", None), ("gpt2", "int8"), ("llama", None)])
+def test_blocks_compiled_then_wrapped_compile_once_and_warn_nothing(name, compress):
+    # The recipe for compiled blocks (NOTE [ torch.compile ] in runtime/function.py):
+    # compile each block, then wrap. The steps after the first reuse the graphs the
+    # compiled blocks make without actsave, and nothing warns.
+    def three_steps(model) -> tuple:
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        first = None
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                loss, grads = training_step(model, padded_batch())
+                first = first or (loss, [None if g is None else g.clone() for g in grads])
+                model.zero_grad(set_to_none=True)
+        return counters["stats"]["unique_graphs"], [str(w.message) for w in raised], first
+
+    plain, wrapped = plain_and_wrapped(name, compress)
+    for model in (plain, wrapped):
+        for block in model.modules():
+            if isinstance(block, MODELS[name][1]):
+                block.compile(backend="aot_eager")
+    graphs, raised, (loss, grads) = three_steps(wrapped)
+    plain_graphs, _, (loss_plain, grads_plain) = three_steps(plain)
+    assert (graphs, raised) == (plain_graphs, []) and graphs >= 1
+    assert torch.equal(loss, loss_plain)
+    if compress is None:
+        assert all(g is h or torch.equal(g, h) for g, h in zip(grads, grads_plain))
+    else:
+        flat = [torch.cat([g.flatten() for g in gs if g is not None]) for gs in (grads_plain, grads)]
+        assert sqnr_db(*flat) >= INT8_SQNR_FLOOR_DB
