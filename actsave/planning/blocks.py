@@ -52,8 +52,8 @@ import torch
 from torch import nn
 
 from .._torch import pytree
-from ..errors import ConfigError
 from ..devices import host_is_separate
+from ..errors import ConfigError
 from ..runtime.store import modifies_input, should_encode
 from ..text import format_table, mib
 from .instrumented_step import isolated_steps

@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 
 from ..checks import integral, real_number
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
-from ..errors import ConfigError, InternalError
 from ..devices import host_is_separate
+from ..errors import ConfigError, InternalError
 from ..runtime.nested import Range
 from ..runtime.store import EXACT, KeepPolicy, kept_as
 from ..text import format_table, mib, ms
