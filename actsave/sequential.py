@@ -196,8 +196,10 @@ class CheckpointedSequential(nn.Sequential):
         if not torch.is_grad_enabled():
             return super().forward(input)
         layers = list(self)
+        starts = self._starts_for(input, layers)  # under torch.compile, its one graph break
+        if torch.compiler.is_compiling():
+            return self._traced_forward(input, layers, starts)
         self._last_kept_bytes, self._last_by_reference = {}, {}
-        starts = self._starts_for(input, layers)
         tape = current_tape()
         caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)
         for segment in segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
@@ -219,6 +221,23 @@ class CheckpointedSequential(nn.Sequential):
             self._last_kept_bytes[segment.start] = kept
             if held:
                 self._last_by_reference[segment.start] = held
+        return input
+
+    def _traced_forward(self, input, layers: list, starts: list):
+        """The forward as Dynamo traces it (NOTE [ Checkpoints in a compiled graph ] in
+        runtime/function.py): the same segments, each exact checkpointed one as torch's
+        checkpoint of the same layers, a nested one as one checkpoint of its layers; no
+        offload tape and no kept-bytes ledger, which the compiled graph replaces."""
+        self._last_kept_bytes, self._last_by_reference = {}, {}
+        for segment in segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
+            run = _Chain(layers[segment.start:segment.stop])
+            policy = self._segment_policy(segment, layers)
+            if segment.checkpointed:
+                input, _ = checkpointed_call(run, (input,), {}, policy, modifies_input(layers[segment.start]))
+            elif not policy.codec.lossless:
+                input, _ = call_with_compressed_saves(run, input, policy.codec)  # eager: a graph break
+            else:
+                input = run(input)
         return input
 
     @property

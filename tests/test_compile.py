@@ -2,13 +2,14 @@
 
 Two compositions:
 - compile outside: ``torch.compile(model)`` over a CheckpointedSequential or over
-  ``wrap()``-ed blocks. Each checkpointed call is kept out of Dynamo's trace
-  (NOTE [ torch.compile ] in actsave/function.py), so it is a graph break and runs
-  eagerly; a break inside a loop (over blocks, over segments) makes Dynamo run that
-  whole frame eagerly, so such a model is correct but barely compiled.
-- compile inside: the blocks compiled first, then wrapped. Forward and recompute run
-  the same compiled code, so they save the same tensors: the composition to
-  recommend.
+  ``wrap()``-ed blocks. An exact checkpointed call becomes torch's checkpoint in the
+  graph (NOTE [ Checkpoints in a compiled graph ] in runtime/function.py): the forward
+  is one graph (a CheckpointedSequential breaks once, before any compute, where it
+  looks up its segments) and the compiled backward recomputes each segment. A call
+  that keeps its input by a codec or on the host is a graph break and runs eagerly.
+- compile inside: the blocks compiled first, then checkpointed. Forward and recompute
+  run the same compiled code, so they save the same tensors, and codecs and offload
+  apply.
 
 The backend is ``aot_eager``: it runs Dynamo and AOTAutograd, the two layers that
 meet actsave's saved-tensor hooks, and compiles in about a second. Inductor only
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 import actsave
+from actsave.runtime import function
 from support import ResidualBlock, ResidualNet, sqnr_db
 
 BACKEND = "aot_eager"
@@ -178,3 +180,90 @@ def test_blocks_compiled_then_wrapped_are_checkpointed_compile_once_and_warn_not
     model.zero_grad(set_to_none=True)
     x = torch.randn(8, 16)
     assert_same_gradients(grads_of_a_step(plain, x), grads_of_a_step(model, x), compress)
+
+
+# --- a compiled model that contains actsave (issue 35, item 2) ---------------------------
+
+def compiled_for_counting(model: nn.Module) -> tuple:
+    """``torch.compile(model)`` with aot_eager, and the FX graphs Dynamo hands it."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(BACKEND)(gm, example_inputs)
+    return torch.compile(model, backend=backend), graphs
+
+
+def checkpoints_in(graphs: list) -> int:
+    return sum(node.target is torch.ops.higher_order.tag_activation_checkpoint
+               for gm in graphs for node in gm.graph.nodes)
+
+
+def activation_bytes_saved(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves in a forward of ``model``, parameters left
+    out (the compiled graph saves them, eager layers read them from the module)."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x.detach().requires_grad_())
+    return sum(saved.values())
+
+
+def dropout_free_chain(width: int = 32) -> list:
+    torch.manual_seed(0)
+    return [m for _ in range(8) for m in (nn.Linear(width, width), nn.GELU())]
+
+
+@pytest.mark.parametrize("segments", ["balanced", 4])
+def test_a_compiled_checkpointed_sequential_is_one_graph_that_recomputes_its_segments(segments):
+    eager = actsave.CheckpointedSequential(*dropout_free_chain(), segments=segments)
+    model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*dropout_free_chain(), segments=segments))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for _ in range(3):
+        x = torch.randn(16, 32)
+        got, expected = grads_of_a_step(model, x), grads_of_a_step(eager, x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+    # One break, where the segments are looked up; one graph; a checkpoint per
+    # checkpointed segment of the same plan.
+    assert (sum(counters["graph_break"].values()), len(graphs)) == (1, 1)
+    starts = eager.balanced_plan.starts if segments == "balanced" else (0, 4, 8, 12)
+    assert checkpoints_in(graphs) == len(starts) - 1 >= 2
+    plain = torch.compile(nn.Sequential(*dropout_free_chain()), backend=BACKEND)
+    x = torch.randn(16, 32)
+    assert activation_bytes_saved(model, x) < activation_bytes_saved(plain, x) / 2
+
+
+def test_compiled_wrapped_blocks_are_one_graph_with_a_checkpoint_each():
+    plain, x = ResidualNet(depth=4), torch.randn(4, 8)
+    eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock)
+    model, graphs = compiled_for_counting(actsave.wrap(copy.deepcopy(plain), ResidualBlock))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for seed in (1, 2, 3):  # Dropout: the checkpoint replays the forward's RNG in the graph
+        torch.testing.assert_close(grads_of_a_step(model, x, seed), grads_of_a_step(eager, x, seed))
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+    assert (sum(counters["graph_break"].values()), len(graphs), checkpoints_in(graphs)) == (0, 1, 4)
+
+
+def test_a_compiled_lossy_checkpoint_runs_eagerly_and_says_so_once(monkeypatch):
+    monkeypatch.setattr(function, "_warned_eager_under_compile", False)  # once per process
+    x = torch.randn(4, 8)
+    model = torch.compile(actsave.CheckpointedSequential(*chain(), segments=3, compress="int8"), backend=BACKEND)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            grads_of_a_step(model, x)
+    assert len([w for w in raised if "runs eagerly under torch.compile" in str(w.message)]) == 1
+    eager = actsave.CheckpointedSequential(*chain(), segments=3, compress="int8")
+    model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))

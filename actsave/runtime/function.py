@@ -74,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import warnings
 import weakref
 from typing import Callable, Optional
 
@@ -396,17 +397,58 @@ def checkpointed_call(
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
+    if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
+        if policy == EXACT:
+            return checkpoint_in_graph(function, args, kwargs, options), None
+        return _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by)
+    return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
+
+
+# NOTE [ Checkpoints in a compiled graph ]
+# Where Dynamo traces a checkpointed call (torch.compile over a CheckpointedSequential
+# or over a model with wrapped blocks), an exact one becomes torch's own checkpoint:
+# Dynamo turns torch.utils.checkpoint into a higher-order op whose region the compiled
+# backward recomputes, so the forward stays one graph. The region is the same as
+# actsave's (the segment, the block); the compiled graph, not actsave, then decides
+# what the region saves, so no kept bytes are reported (None). A call that keeps its
+# input by a codec or on the host runs eagerly instead (a graph break, with one
+# warning): the codecs and the offload copies are not ops a compiled graph can hold.
+def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions):
+    """``function(*args, **kwargs)`` as torch's non-reentrant checkpoint with the
+    same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ]."""
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=options.preserve_rng_state,
+        determinism_check=options.determinism_check, debug=options.debug, **kwargs)
+
+
+_warned_eager_under_compile = False
+
+
+@torch.compiler.disable
+def _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by):
+    global _warned_eager_under_compile
+    if not _warned_eager_under_compile:
+        _warned_eager_under_compile = True
+        kept = " and ".join(([] if policy.codec.lossless else [f"by {policy.codec.name}"])
+                            + (["on the host"] if policy.offload else []))
+        warnings.warn(
+            f"actsave: a checkpoint that keeps its input {kept} runs eagerly under "
+            "torch.compile (a graph break at each such call): codecs and offload are not ops a compiled "
+            "graph holds. Exact checkpoints compile (NOTE [ Checkpoints in a compiled graph ]); or compile "
+            "the blocks and then checkpoint them, which keeps codecs and offload.", stacklevel=3)
     return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
 
 
 # NOTE [ torch.compile ]
-# Dynamo must not trace a checkpointed call. It would inline the bookkeeping and guard
-# on global state that the same frame changes (every kept input registers a
+# Dynamo must not trace actsave's checkpointed call. It would inline the bookkeeping
+# and guard on global state that the same frame changes (every kept input registers a
 # weakref.finalize, and Dynamo guards on the finalize registry's size), and a forward
 # it traced with the saved-tensor hooks active saves other tensors than the eager
-# recompute does. Disabled, each checkpointed call is a graph break and runs eagerly,
-# forward and recompute alike. For compiled segments, compile the layers and then
-# checkpoint them: forward and recompute then run the same compiled code.
+# recompute does. So a call Dynamo meets becomes torch's checkpoint where it is exact
+# (NOTE [ Checkpoints in a compiled graph ]), and is otherwise disabled: a graph break
+# that runs eagerly, forward and recompute alike. To keep codecs and offload with
+# compiled code, compile the layers and then checkpoint them: forward and recompute
+# then run the same compiled code.
 #
 # Compiled layers run eagerly in the planner's steps (isolated_steps in
 # planning/instrumented_step.py), and torch.compile's modules are profiled as their
