@@ -267,3 +267,13 @@ def test_a_compiled_lossy_checkpoint_runs_eagerly_and_says_so_once(monkeypatch):
     eager = actsave.CheckpointedSequential(*chain(), segments=3, compress="int8")
     model.zero_grad(set_to_none=True)
     torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+
+
+def test_a_deep_copied_checkpointed_sequential_compiles_its_exact_segments_too():
+    # copy.deepcopy gives the copy codec objects of its own: exactness is judged by value.
+    model, graphs = compiled_for_counting(copy.deepcopy(actsave.CheckpointedSequential(*dropout_free_chain(),
+                                                                                        segments=4)))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    grads_of_a_step(model, torch.randn(16, 32))
+    assert (sum(counters["graph_break"].values()), checkpoints_in(graphs)) == (1, 3)

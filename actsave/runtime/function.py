@@ -398,7 +398,7 @@ def checkpointed_call(
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
     if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
-        if policy == EXACT:
+        if not policy.lossy and not policy.offload:  # by value: a deep-copied model has its own codecs
             return checkpoint_in_graph(function, args, kwargs, options), None
         return _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by)
     return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
