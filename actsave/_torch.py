@@ -4,8 +4,8 @@ actsave needs a few things PyTorch does not publish: whether saved-tensor hooks 
 set, a storage's identity, tensors' version counters and view bases, modules' own
 parameter and buffer tables (to swap a tensor for a scratch or meta copy without
 registering it), the autograd node type of a ReLU and the node a backward runs, the
-dispatch-mode and pytree utilities, and the module ``torch.compile`` returns. They
-are read here and nowhere else, so that a PyTorch release that moves one breaks this
+dispatch-mode and pytree utilities, the module ``torch.compile`` returns, and FSDP2's
+per-unit state (the handles of its forward hooks). They are read here and nowhere else, so that a PyTorch release that moves one breaks this
 file with a clear error, not the library at a distance.
 
 Tested with PyTorch 2.13 (CI) and written for 2.11 (the GPU image), the minimum in
@@ -13,6 +13,7 @@ pyproject.toml.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -146,3 +147,51 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     (``module.compile()`` compiles in place: run it under
     ``torch.compiler.set_stance("force_eager")`` for its eager code)."""
     return module._orig_mod if isinstance(module, _OptimizedModule) else module
+
+
+def _fsdp_module_class():
+    """FSDP2's module class, or None where torch has no distributed package."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+    return FSDPModule
+
+
+def _dtensor_class():
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a parameter FSDP2 sharded, for one): its
+    ``shape`` is the whole tensor's, which a forward sees once FSDP2 gathers it."""
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+@contextlib.contextmanager
+def fsdp_forward_hooks_paused(model: torch.nn.Module):
+    """While active, the modules of ``model`` that FSDP2's ``fully_shard`` made run
+    without its forward hooks (which would gather the sharded parameters over
+    whatever the module holds now, and reshard them after); every other hook stays.
+    The hooks are put back in their order on exit."""
+    fsdp_module = _fsdp_module_class()
+    units = [] if fsdp_module is None else [m for m in model.modules() if isinstance(m, fsdp_module)]
+    saved = []
+    for unit in units:
+        state = unit._get_fsdp_state()
+        handles = (state._pre_forward_hook_handle, state._post_forward_hook_handle)
+        ids = {h.id for handle in handles if handle is not None for h in getattr(handle, "handles", (handle,))}
+        for module in state._modules:
+            for table in (module._forward_pre_hooks, module._forward_hooks):
+                saved.append((table, dict(table)))
+                for key in ids & table.keys():
+                    del table[key]
+    try:
+        yield
+    finally:
+        for table, entries in reversed(saved):
+            table.clear()
+            table.update(entries)

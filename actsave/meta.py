@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._torch import OpOverload, TorchDispatchMode, own_tensors
+from ._torch import OpOverload, TorchDispatchMode, fsdp_forward_hooks_paused, is_sharded, own_tensors
 
 _local = threading.local()
 
@@ -67,7 +67,15 @@ def device_of(tensor: torch.Tensor) -> torch.device:
 def on_meta(model: nn.Module):
     """Swap every parameter and buffer of ``model`` for a meta copy (parameters with a
     meta gradient) and yield the copies; put the originals back on exit. Tied
-    parameters stay tied."""
+    parameters stay tied. A parameter FSDP2 sharded becomes a meta copy of the whole
+    parameter, as a forward sees it gathered, and FSDP2's forward hooks are paused
+    meanwhile: they would gather the real shards over the copies, a collective that
+    a meta step must not make."""
+    with fsdp_forward_hooks_paused(model):
+        yield from _swapped_for_meta(model)
+
+
+def _swapped_for_meta(model: nn.Module):
     copies, swapped = {}, []
     for module in model.modules():
         for table, make in ((own_tensors(module, "parameters"), _meta_parameter),
@@ -87,6 +95,8 @@ def on_meta(model: nn.Module):
 
 
 def _meta_tensor(t: torch.Tensor) -> torch.Tensor:
+    if is_sharded(t):
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
     return torch.empty_like(t, device="meta")
 
 

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -70,6 +71,9 @@ class Scenario:
     ``parallel``: ``"ddp"`` or ``"fsdp"`` (FSDP2 ``fully_shard``: each block, or each
     Linear of the chain, then the root). ``shard_first``: FSDP2 before actsave.
     ``micro_batches`` > 1: gradient accumulation, all but the last under ``no_sync()``.
+    ``segments``: the CheckpointedSequential's (``"balanced"``: planned on the first
+    call, on meta tensors). ``budget``: the wrapped blocks planned under it
+    (``wrap(..., budget=)``, which profiles a real step of the model).
     """
 
     name: str
@@ -81,6 +85,8 @@ class Scenario:
     micro_batches: int = 1
     shard_first: bool = False
     steps: int = 2  # static_graph=True behaves differently from the second step on
+    segments: object = 3
+    budget: Optional[int] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,6 +113,8 @@ SCENARIOS = [
     )
 ] + [
     Scenario("fsdp-wrapped-shard_first-None", "wrapped", "fsdp", shard_first=True),
+    Scenario("fsdp-sequential-balanced-None", "sequential", "fsdp", segments="balanced"),
+    Scenario("fsdp-wrapped-shard_first-budget-None", "wrapped", "fsdp", shard_first=True, budget=2**30),
 ]
 
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
@@ -121,7 +129,9 @@ def plain_model(scenario: Scenario) -> Model:
 def apply_actsave(model: Model, scenario: Scenario) -> Model:
     if scenario.body == "sequential":
         model.body = actsave.CheckpointedSequential.from_sequential(
-            model.body, segments=3, compress=scenario.compress)
+            model.body, segments=scenario.segments, compress=scenario.compress)
+    elif scenario.budget is not None:
+        actsave.wrap(model, ResidualBlock, budget=scenario.budget, example_inputs=batch(scenario, 0, 0, 0))
     else:
         actsave.wrap(model, ResidualBlock, compress=scenario.compress)
     return model
@@ -206,17 +216,23 @@ def train_distributed(scenario: Scenario, rank: int) -> dict:
     model = _parallelize(plain_model(scenario), scenario)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = {}, []
-    for step in range(scenario.steps):
-        optimizer.zero_grad(set_to_none=True)
-        for micro in range(scenario.micro_batches):
-            last = micro == scenario.micro_batches - 1
-            with contextlib.nullcontext() if last else model.no_sync():
-                loss = forward_loss(model, scenario, step, rank, micro)
-                (loss / scenario.micro_batches).backward()
-            losses[(step, rank, micro)] = loss.item()
-        grads = [_full(p.grad) for p in model.parameters()]
-        optimizer.step()
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        for step in range(scenario.steps):
+            optimizer.zero_grad(set_to_none=True)
+            for micro in range(scenario.micro_batches):
+                last = micro == scenario.micro_batches - 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    loss = forward_loss(model, scenario, step, rank, micro)
+                    (loss / scenario.micro_batches).backward()
+                losses[(step, rank, micro)] = loss.item()
+            grads = [_full(p.grad) for p in model.parameters()]
+            optimizer.step()
+    body = model.module.body if scenario.parallel == "ddp" else model.body
+    plan = getattr(body, "balanced_plan", None)
     return {
+        "warnings": [str(w.message) for w in raised if "actsave" in str(w.message) or "Checkpointed" in str(w.message)],
+        "balanced_starts": None if plan is None else plan.starts,
         "losses": losses,
         "grads": grads,
         "params": [_full(p) for p in model.parameters()],

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from support import sqnr_db
-from dist_scenarios import SCENARIOS, WORLD_SIZE, Scenario, train_reference, worker
+from dist_scenarios import SCENARIOS, WORLD_SIZE, Scenario, apply_actsave, forward_loss, plain_model, train_reference, worker
 
 INT8_SQNR_FLOOR_DB = 30.0
 SPAWN_TIMEOUT_S = 240
@@ -116,4 +116,32 @@ def test_fsdp2_shard_then_wrap_also_trains_as_the_unsharded_model(outcomes, scen
     sharded block uses the parameters its pre-backward hook gathered."""
     results = results_of(outcomes, scenario)
     assert all(result["resharded"] for result in results)
+    assert_matches_reference(scenario, results)
+
+
+def balanced_starts_unsharded(scenario: Scenario) -> tuple:
+    """The default segments of the scenario's chain, unsharded, in one process."""
+    model = apply_actsave(plain_model(scenario), scenario)
+    forward_loss(model, scenario, 0, 0, 0).backward()
+    return model.body.balanced_plan.starts
+
+
+@pytest.mark.parametrize("scenario", _cases(lambda s: s.budget is not None))
+def test_fsdp2_blocks_planned_under_a_budget_train_as_the_unsharded_model(outcomes, scenario):
+    """plan_blocks records the blocks' calls before FSDP2's pre-forward hook hands
+    each block new tensor objects, so it finds them chained."""
+    assert_matches_reference(scenario, results_of(outcomes, scenario))
+
+
+@pytest.mark.parametrize("scenario", _cases(lambda s: s.segments == "balanced"))
+def test_fsdp2_default_segments_are_the_unsharded_models_plan(outcomes, scenario):
+    """The balanced plan's meta step sees FSDP2's sharded parameters whole, as the
+    forward does once they are gathered, with FSDP2's hooks paused (meta.on_meta):
+    the same plan as the unsharded model's, no fallback to "sqrt", and training as
+    the unsharded model trains."""
+    results = results_of(outcomes, scenario)
+    expected = balanced_starts_unsharded(scenario)
+    assert len(expected) >= 2
+    for rank, result in enumerate(results):
+        assert (result["balanced_starts"], result["warnings"]) == (expected, []), f"rank {rank}"
     assert_matches_reference(scenario, results)

@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._torch import is_sharded
 from ..errors import ConfigError
 from ..meta import device_of
 from ..runtime.store import should_encode
@@ -134,10 +135,10 @@ def _meta_stand_in(x: torch.Tensor) -> torch.Tensor:
 def _check_simulable(model: nn.Module) -> None:
     """Raise where the meta step cannot stand for the real one."""
     held = [*model.parameters(), *model.buffers()]
-    sharded = [type(t).__name__ for t in held if type(t) not in (torch.Tensor, nn.Parameter)]
-    if sharded:
-        raise ConfigError(f"parameters of type {sharded[0]} (sharded, as FSDP2 makes them) cannot be "
-                          "swapped for meta copies")
+    # An FSDP2-sharded parameter stands as the whole one (meta.on_meta).
+    other = [type(t).__name__ for t in held if type(t) not in (torch.Tensor, nn.Parameter) and not is_sharded(t)]
+    if other:
+        raise ConfigError(f"parameters of type {other[0]} cannot be swapped for meta copies")
 
 
 __all__ = ["BalancedPlans"]

@@ -143,8 +143,10 @@ class _CallRecorder:
         self.order = []  # fqn of each call, in order
         self._handles = []
         for fqn, module in blocks:
+            # First of the pre-hooks: the arguments as the caller passed them, before a
+            # hook such as FSDP2's hands the block new tensor objects.
             self._handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, fqn=fqn: self._enter(fqn, args, kwargs), with_kwargs=True))
+                lambda m, args, kwargs, fqn=fqn: self._enter(fqn, args, kwargs), with_kwargs=True, prepend=True))
             self._handles.append(module.register_forward_hook(
                 lambda m, args, output, fqn=fqn: self._exit(fqn, output)))
 
