@@ -775,3 +775,14 @@ def test_the_picture_shows_how_much_deeper_in_the_same_memory(resnet_run, monkey
         assert [text.get_text() for text in legend.get_texts()] == [harness.display_name(p) for p in providers]
     finally:
         harness.pyplot().close(fig)
+
+
+def test_compile_memory_measures_eager_and_compiled_modes():
+    stdout = run_script("compile_memory.py")
+    table = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in stdout.splitlines())
+             if cells[0] in ("plain", "plain, compiled", "actsave", "actsave, compiled")}
+    assert len(table) == 4
+    kept = {mode: float(cells[1]) for mode, cells in table.items()}
+    assert kept["actsave, compiled"] < kept["plain, compiled"] / 2  # the compiled backward recomputes
+    assert table["actsave, compiled"][-2:] == ["1", "1"]  # one graph, one break (the segment lookup)
+    assert "predicted activation peak" in stdout

@@ -1,0 +1,160 @@
+"""actsave under torch.compile, measured (issue 35, item 4): what a step keeps for
+backward, its time, and what Dynamo made of it, compiled against eager.
+
+For each model: plain PyTorch and actsave's default CheckpointedSequential, each run
+eagerly and under ``torch.compile(model)`` (--backend). Per mode:
+
+- kept after forward: the bytes a forward leaves for its backward, parameters left
+  out: the tensors autograd saved (seen by an outer saved-tensor hook, which sees a
+  compiled graph's saves too) plus what actsave keeps itself (actsave.stored_bytes);
+- on CUDA, the step's allocator peak over the parameters, gradients and batch;
+- the step time, median of interleaved rounds (process CPU time on the CPU, wall
+  time synchronized on CUDA), and its ratio to eager actsave's;
+- Dynamo's graphs and graph breaks, counted over the warm-up steps.
+
+The balanced plan's predicted peak is printed beside them: the planner profiles the
+eager code (docs/limits.md, "torch.compile").
+
+    python bench/compile_memory.py                         # ResNet-164 and GPT-8, aot_eager
+    python bench/compile_memory.py --backend inductor      # C++ builds on a CPU: minutes
+    python bench/compile_memory.py --smoke                 # tiny, for the tests
+"""
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import actsave  # noqa: E402
+from actsave.devices import synchronize  # noqa: E402
+from actsave.text import format_table  # noqa: E402
+from models import cifar_resnet, gpt  # noqa: E402
+
+
+def cases(smoke: bool) -> dict:
+    """name -> (model, batch): the chains the other benches use, at sizes where the
+    activations, not per-channel statistics, are what a step keeps."""
+    torch.manual_seed(0)
+    if smoke:
+        return {"resnet20 b2 8x8": (cifar_resnet(20), torch.randn(2, 3, 8, 8))}
+    return {
+        "resnet164 b8 32x32": (cifar_resnet(164), torch.randn(8, 3, 32, 32)),
+        "gpt8 w256 b4 t256": (gpt(8, max_seq_len=256), torch.randint(0, 1024, (4, 256))),
+    }
+
+
+def modes(model: torch.nn.Module, backend: str) -> dict:
+    """name -> (the module to call, the module whose parameters train)."""
+    plain, checkpointed = copy.deepcopy(model), actsave.CheckpointedSequential(*copy.deepcopy(model))
+    compiled_plain, compiled_checkpointed = copy.deepcopy(plain), copy.deepcopy(checkpointed)
+    return {
+        "plain": (plain, plain),
+        "plain, compiled": (torch.compile(compiled_plain, backend=backend), compiled_plain),
+        "actsave": (checkpointed, checkpointed),
+        "actsave, compiled": (torch.compile(compiled_checkpointed, backend=backend), compiled_checkpointed),
+    }
+
+
+def step(module, trained, batch) -> None:
+    module(batch).float().square().mean().backward()
+    trained.zero_grad(set_to_none=True)
+
+
+def kept_after_forward(module, trained, batch) -> int:
+    parameters = {p.untyped_storage().data_ptr() for p in trained.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = module(batch)
+    held = actsave.stored_bytes()
+    kept = sum(saved.values()) + held["device"] + held["host"]
+    out.float().square().mean().backward()
+    trained.zero_grad(set_to_none=True)
+    return kept
+
+
+def step_peak(module, trained, batch, device) -> int:
+    """The allocator peak of one step over what was allocated before it (CUDA only)."""
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step(module, trained, batch)
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def warm_up(runs: dict, batch, steps: int) -> dict:
+    """Run each mode ``steps`` times; returns name -> (graphs, breaks) Dynamo made."""
+    counts = {}
+    for name, (module, trained) in runs.items():
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        for _ in range(steps):
+            step(module, trained, batch)
+        counts[name] = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+    return counts
+
+
+def interleaved_seconds(runs: dict, batch, rounds: int, device) -> dict:
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (module, trained) in runs.items():
+            synchronize(device)
+            start = clock()
+            step(module, trained, batch)
+            synchronize(device)
+            times[name].append(clock() - start)
+    return times
+
+
+def measure(model, batch, backend: str, rounds: int, device) -> tuple:
+    model, batch = model.to(device), batch.to(device)
+    runs = modes(model, backend)
+    counts = warm_up(runs, batch, steps=3)  # plans, compiles; each input shape once
+    times = interleaved_seconds(runs, batch, rounds, device)
+    reference = times["actsave"]
+    rows = []
+    for name, (module, trained) in runs.items():
+        ratios = [t / r for t, r in zip(times[name], reference)]
+        peak = step_peak(module, trained, batch, device) if device.type == "cuda" else None
+        graphs, breaks = counts[name]
+        rows.append([name, f"{kept_after_forward(module, trained, batch) / 2**20:.2f}",
+                     "-" if peak is None else f"{peak / 2**20:.1f}",
+                     f"{1e3 * statistics.median(times[name]):.1f}", f"{statistics.median(ratios):.3f}x",
+                     graphs, breaks])
+    plan = runs["actsave"][1].balanced_plan
+    return rows, None if plan is None else plan.predicted_peak_bytes
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="one tiny model, two rounds")
+    parser.add_argument("--backend", default="aot_eager", help="torch.compile's backend (default aot_eager)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    for name, (model, batch) in cases(args.smoke).items():
+        torch._dynamo.reset()
+        rows, predicted = measure(model, batch, args.backend, 2 if args.smoke else args.rounds, device)
+        print(f"\n{name}, {args.backend}, {device}:")
+        header = ["mode", "kept after forward MiB", "step peak MiB", "step ms", "vs actsave", "graphs", "breaks"]
+        print(format_table([header, *[[str(cell) for cell in row] for row in rows]]))
+        if predicted is not None:
+            print(f"balanced plan's predicted activation peak (eager code): {predicted / 2**20:.2f} MiB")
+
+
+if __name__ == "__main__":
+    main()
