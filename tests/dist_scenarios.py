@@ -73,7 +73,8 @@ class Scenario:
     ``micro_batches`` > 1: gradient accumulation, all but the last under ``no_sync()``.
     ``segments``: the CheckpointedSequential's (``"balanced"``: planned on the first
     call, on meta tensors). ``budget``: the wrapped blocks planned under it
-    (``wrap(..., budget=)``, which profiles a real step of the model).
+    (``wrap(..., budget=)``, which profiles a real step of the model). ``compiled``:
+    the sharded model run through ``torch.compile`` (aot_eager).
     """
 
     name: str
@@ -87,6 +88,7 @@ class Scenario:
     steps: int = 2  # static_graph=True behaves differently from the second step on
     segments: object = 3
     budget: Optional[int] = None
+    compiled: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,6 +117,8 @@ SCENARIOS = [
     Scenario("fsdp-wrapped-shard_first-None", "wrapped", "fsdp", shard_first=True),
     Scenario("fsdp-sequential-balanced-None", "sequential", "fsdp", segments="balanced"),
     Scenario("fsdp-wrapped-shard_first-budget-None", "wrapped", "fsdp", shard_first=True, budget=2**30),
+    Scenario("fsdp-sequential-balanced-compiled-None", "sequential", "fsdp", segments="balanced", compiled=True),
+    Scenario("fsdp-wrapped-compiled-None", "wrapped", "fsdp", compiled=True),
 ]
 
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
@@ -215,6 +219,8 @@ def train_distributed(scenario: Scenario, rank: int) -> dict:
     """The scenario on this rank; gradients and parameters gathered in full."""
     model = _parallelize(plain_model(scenario), scenario)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    if scenario.compiled:
+        model.compile(backend="aot_eager")
     losses, grads = {}, []
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")
