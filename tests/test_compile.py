@@ -136,6 +136,23 @@ def graphs_over_steps(model: nn.Module, make_input, steps: int = 4) -> tuple:
     return graphs[0], graphs[-1], [f"{w.category.__name__}: {w.message}" for w in raised]
 
 
+def plain_and_graphs_alone(blocks: list, how: str) -> tuple:
+    """An eager copy of ``blocks``, and the Dynamo graphs the compiled blocks make on
+    their own over the steps of :func:`graphs_over_steps` (Dynamo reset after)."""
+    plain = nn.Sequential(*copy.deepcopy(blocks))
+    alone = nn.Sequential(*[compiled(block, how) for block in copy.deepcopy(blocks)])
+    graphs = graphs_over_steps(alone, lambda: torch.randn(8, 16))[1]
+    torch._dynamo.reset()
+    assert graphs >= 1
+    return plain, graphs
+
+
+def assert_trains_as_plain(model: nn.Module, plain: nn.Module, compress):
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(8, 16)
+    assert_same_gradients(grads_of_a_step(plain, x), grads_of_a_step(model, x), compress)
+
+
 @pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
 @pytest.mark.parametrize("compress", COMPRESS)
 def test_compiled_blocks_in_a_balanced_checkpointed_sequential_compile_once_and_warn_nothing(compress, how):
@@ -144,17 +161,10 @@ def test_compiled_blocks_in_a_balanced_checkpointed_sequential_compile_once_and_
     # Dynamo's limit, with warnings.
     torch.manual_seed(0)
     blocks = [ReluBlock() for _ in range(6)]
-    plain = nn.Sequential(*copy.deepcopy(blocks))
-    alone = nn.Sequential(*[compiled(block, how) for block in copy.deepcopy(blocks)])
-    expected_graphs = graphs_over_steps(alone, lambda: torch.randn(8, 16))[1]
-    torch._dynamo.reset()
+    plain, graphs = plain_and_graphs_alone(blocks, how)
     model = actsave.CheckpointedSequential(*[compiled(block, how) for block in blocks], compress=compress)
-    first, last, raised = graphs_over_steps(model, lambda: torch.randn(8, 16))
-    assert (first, last, raised) == (expected_graphs, expected_graphs, [])
-    assert expected_graphs >= 1
-    model.zero_grad(set_to_none=True)
-    x = torch.randn(8, 16)
-    assert_same_gradients(grads_of_a_step(plain, x), grads_of_a_step(model, x), compress)
+    assert graphs_over_steps(model, lambda: torch.randn(8, 16)) == (graphs, graphs, [])
+    assert_trains_as_plain(model, plain, compress)
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
@@ -164,23 +174,16 @@ def test_blocks_compiled_then_wrapped_are_checkpointed_compile_once_and_warn_not
     # the compiled forward calling the old block, checkpointing nothing.
     torch.manual_seed(0)
     blocks = [ReluBlock() for _ in range(4)]
-    plain = nn.Sequential(*copy.deepcopy(blocks))
-    alone = nn.Sequential(*[compiled(block, how) for block in copy.deepcopy(blocks)])
-    expected_graphs = graphs_over_steps(alone, lambda: torch.randn(8, 16))[1]
-    torch._dynamo.reset()
+    plain, graphs = plain_and_graphs_alone(blocks, how)
     model = nn.Sequential(*[compiled(block, how) for block in blocks])
     keys = list(model.state_dict())
     actsave.wrap(model, ReluBlock, compress=compress)
     assert all(isinstance(block, actsave.Checkpoint) for block in model) and list(model.state_dict()) == keys
-    first, last, raised = graphs_over_steps(model, lambda: torch.randn(8, 16))
-    assert (first, last, raised) == (expected_graphs, expected_graphs, [])
+    assert graphs_over_steps(model, lambda: torch.randn(8, 16)) == (graphs, graphs, [])
     out = model(torch.randn(8, 16, requires_grad=True))
     assert actsave.stored_bytes()["device"] > 0  # the blocks keep their inputs: checkpointed
     del out
-    model.zero_grad(set_to_none=True)
-    x = torch.randn(8, 16)
-    assert_same_gradients(grads_of_a_step(plain, x), grads_of_a_step(model, x), compress)
-
+    assert_trains_as_plain(model, plain, compress)
 
 # --- a compiled model that contains actsave (issue 35, item 2) ---------------------------
 
