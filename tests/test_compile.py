@@ -280,3 +280,21 @@ def test_a_deep_copied_checkpointed_sequential_compiles_its_exact_segments_too()
     counters.clear()
     grads_of_a_step(model, torch.randn(16, 32))
     assert (sum(counters["graph_break"].values()), checkpoints_in(graphs)) == (1, 3)
+
+
+class DataDependent(nn.Module):
+    """A layer whose Python branches on a tensor's value: a graph break in its forward."""
+
+    def forward(self, x):
+        return x * 2 if x.abs().sum().item() < 1e9 else x
+
+
+def test_a_layer_dynamo_cannot_trace_breaks_the_graph_and_trains_as_eager_actsave():
+    def layers():
+        torch.manual_seed(0)
+        return [nn.Linear(16, 16), nn.GELU(), DataDependent(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)]
+    eager = actsave.CheckpointedSequential(*layers(), segments=3)
+    model = torch.compile(actsave.CheckpointedSequential(*layers(), segments=3), backend=BACKEND)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
