@@ -140,6 +140,7 @@ class CheckpointedSequential(nn.Sequential):
             self.set_offload(layer, flag)
         self._last_kept_bytes = {}  # segment start -> bytes kept at the last training call
         self._last_by_reference = {}  # segment start -> bytes of the input its caller held then
+        self._last_traced = False  # whether the last training call ran in a compiled graph
         self.applied_plan = None  # the last plan applied; later per-layer changes are not in it
         if planned:
             self.apply_plan(_planned(self, segments, budget, example_inputs, loss, allow))
@@ -199,7 +200,7 @@ class CheckpointedSequential(nn.Sequential):
         starts = self._starts_for(input, layers)  # under torch.compile, its one graph break
         if torch.compiler.is_compiling():
             return self._traced_forward(input, layers, starts)
-        self._last_kept_bytes, self._last_by_reference = {}, {}
+        self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, False
         tape = current_tape()
         caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)
         for segment in segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
@@ -228,7 +229,7 @@ class CheckpointedSequential(nn.Sequential):
         runtime/function.py): the same segments, each exact checkpointed one as torch's
         checkpoint of the same layers, a nested one as one checkpoint of its layers; no
         offload tape and no kept-bytes ledger, which the compiled graph replaces."""
-        self._last_kept_bytes, self._last_by_reference = {}, {}
+        self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, True
         for segment in segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
@@ -315,7 +316,8 @@ class CheckpointedSequential(nn.Sequential):
         caller holds (the batch at layer 0, a leaf) was kept ``by reference`` at the
         last training call whatever they say: exactly, and not counted in its bytes.
         With ``segments="balanced"`` the segments are those of the last training
-        call, and a first line says for which input and what peak the plan predicted."""
+        call, and a first line says for which input and what peak the plan predicted.
+        A last call under ``torch.compile`` reports no bytes (a last line says why)."""
         rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "kept bytes")]
         names = list(self._modules)
         if self.segments == BALANCED:
@@ -332,7 +334,11 @@ class CheckpointedSequential(nn.Sequential):
                 if i == segment.start:
                     row += (keeps, *self._describe_kept(segment, list(self)))
                 rows.append(row + ("",) * (len(rows[0]) - len(row)))
-        return format_table(rows) if header is None else header + "\n" + format_table(rows)
+        lines = [header, format_table(rows)] if header is not None else [format_table(rows)]
+        if self._last_traced:
+            lines.append("The last training call ran in a compiled graph, which chose what each segment "
+                         "saves: no kept bytes (NOTE [ Checkpoints in a compiled graph ]).")
+        return "\n".join(lines)
 
     def _describe_kept(self, segment: Segment, layers: list) -> tuple:
         """(codec, where, kept bytes) of describe()'s row for ``segment``."""

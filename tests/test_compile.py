@@ -298,3 +298,11 @@ def test_a_layer_dynamo_cannot_trace_breaks_the_graph_and_trains_as_eager_actsav
     x = torch.randn(4, 16)
     for _ in range(2):
         torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+
+
+def test_describe_says_a_compiled_call_reports_no_kept_bytes():
+    model = actsave.CheckpointedSequential(*dropout_free_chain(), segments=4)
+    grads_of_a_step(torch.compile(model, backend=BACKEND), torch.randn(16, 32))
+    assert "ran in a compiled graph" in model.describe()
+    grads_of_a_step(model, torch.randn(16, 32))
+    assert "compiled" not in model.describe() and "device        2048" in model.describe()
