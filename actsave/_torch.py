@@ -182,9 +182,10 @@ def fsdp_forward_hooks_paused(model: torch.nn.Module):
     saved = []
     for unit in units:
         state = unit._get_fsdp_state()
-        handles = (state._pre_forward_hook_handle, state._post_forward_hook_handle)
-        ids = {h.id for handle in handles if handle is not None for h in getattr(handle, "handles", (handle,))}
-        for module in state._modules:
+        handles = [_require(getattr(state, name, None), f"FSDPState.{name}")
+                   for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle")]
+        ids = {h.id for handle in handles for h in getattr(handle, "handles", (handle,))}
+        for module in _require(getattr(state, "_modules", None), "FSDPState._modules"):
             for table in (module._forward_pre_hooks, module._forward_hooks):
                 saved.append((table, dict(table)))
                 for key in ids & table.keys():
