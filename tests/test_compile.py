@@ -24,7 +24,9 @@ import torch
 from torch import nn
 
 import actsave
+from actsave.planning import plans
 from actsave.runtime import function
+from actsave.runtime.nested import Range
 from support import ResidualBlock, ResidualNet, sqnr_db
 
 BACKEND = "aot_eager"
@@ -306,3 +308,22 @@ def test_describe_says_a_compiled_call_reports_no_kept_bytes():
     assert "ran in a compiled graph" in model.describe()
     grads_of_a_step(model, torch.randn(16, 32))
     assert "compiled" not in model.describe() and "device        2048" in model.describe()
+
+
+def test_a_nested_segment_compiles_as_one_checkpoint_with_eager_gradients():
+    # Its inner cuts apply eagerly only (docs/limits.md, "torch.compile").
+    def planned() -> actsave.CheckpointedSequential:
+        model = actsave.CheckpointedSequential(*dropout_free_chain())
+        inner = (Range(0, 6), Range(6, 12, recomputed=False))
+        plan = plans.predict(actsave.profile(model, (torch.randn(16, 32),)), [0, 12],
+                             nested=[Range(0, 12, inner=inner)])
+        model.apply_plan(plan)
+        return model
+    eager = planned()
+    assert "input, nested" in eager.describe()
+    model, graphs = compiled_for_counting(planned())
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    x = torch.randn(16, 32)
+    torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x), rtol=1e-5, atol=1e-6)
+    assert (sum(counters["graph_break"].values()), checkpoints_in(graphs)) == (1, 1)
