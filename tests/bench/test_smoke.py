@@ -786,3 +786,14 @@ def test_compile_memory_measures_eager_and_compiled_modes():
     assert kept["actsave, compiled"] < kept["plain, compiled"] / 2  # the compiled backward recomputes
     assert table["actsave, compiled"][-2:] == ["1", "1"]  # one graph, one break (the segment lookup)
     assert "predicted activation peak" in stdout
+
+
+def test_fsdp_memory_measures_each_mode_sharded_and_unsharded():
+    stdout = run_script("fsdp_memory.py")
+    table = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in stdout.splitlines())
+             if cells[0] in ("plain", "sqrt", "balanced")}
+    assert set(table) == {"plain", "sqrt", "balanced"}
+    unsharded, sharded = ({mode: float(cells[column]) for mode, cells in table.items()} for column in (1, 2))
+    assert unsharded["balanced"] <= unsharded["sqrt"] < unsharded["plain"]
+    assert all(sharded[mode] > unsharded[mode] for mode in table)  # FSDP2's own buffers
+    assert table["balanced"][4] != "-" and table["plain"][4] == "-"

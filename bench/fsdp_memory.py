@@ -1,0 +1,112 @@
+"""actsave under FSDP2, measured (issue 35, item 5): a training step's activation peak,
+sharded on 2 CPU ranks (gloo) against unsharded, beside the balanced plan's prediction.
+
+A chain of (Linear, GELU) pairs, each Linear its own ``fully_shard`` unit, run as
+``nn.Sequential`` (plain), ``CheckpointedSequential(segments="sqrt")`` and with the
+default segments (balanced). Peak: the bytes of new tensor storages over one
+training step (LiveBytes, parameters, gradients and the batch known), the step after
+the one that plans and allocates gradients. Under FSDP2 it includes what FSDP2
+allocates itself (gathered parameters, its communication buffers), which no plan
+counts yet (docs/limits.md, "FSDP2 and DDP").
+
+    python bench/fsdp_memory.py            # width 256, batch 512, 8 pairs
+    python bench/fsdp_memory.py --smoke    # tiny, for the tests
+"""
+import argparse
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import actsave
+from actsave.planning.live_bytes import LiveBytes
+from actsave.text import format_table
+
+MODES = ("plain", "sqrt", "balanced")
+WORLD_SIZE = 2
+
+
+def build(mode: str, width: int, pairs: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [m for _ in range(pairs) for m in (nn.Linear(width, width), nn.GELU())]
+    return nn.Sequential(*layers) if mode == "plain" else actsave.CheckpointedSequential(*layers, segments=mode)
+
+
+def step_peak(model: nn.Module, x: torch.Tensor) -> tuple:
+    """(measured peak, the balanced plan's predicted peak or None)."""
+    out = model(x)
+    out.backward(torch.ones_like(out))  # plans (balanced) and allocates the gradients
+    known = [*model.parameters(), *[p.grad for p in model.parameters() if p.grad is not None], x]
+    tracker = LiveBytes("cpu", known=known)
+    with tracker:
+        out = model(x)
+        out.backward(torch.ones_like(out))
+        del out
+    plan = getattr(model, "balanced_plan", None)
+    return tracker.peak, None if plan is None else plan.predicted_peak_bytes
+
+
+def sharded(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def rank_main(rank: int, port: int, shape: tuple, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        width, batch, pairs = shape
+        x = torch.randn(batch, width).requires_grad_()
+        queue.put((rank, {mode: step_peak(sharded(build(mode, width, pairs)), x)[0] for mode in MODES}))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_peaks(shape: tuple) -> dict:
+    """mode -> rank 0's peak (the ranks run the same shapes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    ranks = [context.Process(target=rank_main, args=(rank, port, shape, queue)) for rank in range(WORLD_SIZE)]
+    for process in ranks:
+        process.start()
+    results = dict(queue.get(timeout=300) for _ in ranks)
+    for process in ranks:
+        process.join()
+    return results[0]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="width 32, batch 16, 4 pairs")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    width, batch, pairs = (32, 16, 4) if args.smoke else (256, 512, 8)
+    unsharded = {mode: step_peak(build(mode, width, pairs), torch.randn(batch, width).requires_grad_())
+                 for mode in MODES}
+    fsdp = sharded_peaks((width, batch, pairs))
+    rows = [["mode", "unsharded peak MiB", "FSDP2 peak MiB (rank 0)", "FSDP2 - unsharded MiB", "predicted MiB"]]
+    for mode in MODES:
+        peak, predicted = unsharded[mode]
+        rows.append([mode, f"{peak / 2**20:.3f}", f"{fsdp[mode] / 2**20:.3f}", f"{(fsdp[mode] - peak) / 2**20:.3f}",
+                     "-" if predicted is None else f"{predicted / 2**20:.3f}"])
+    print(f"{pairs} x (Linear {width}, GELU), batch {batch}, fp32, CPU, {WORLD_SIZE} ranks (gloo); "
+          f"one Linear's parameters: {(width * width + width) * 4 / 2**20:.3f} MiB")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
