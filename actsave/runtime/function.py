@@ -389,11 +389,12 @@ def checkpointed_call(
     """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
 
     Returns ``(output, kept_bytes)``: the function's output, untouched, and the bytes
-    kept for its backward (inputs and ReLU sign bits; 0 when nothing needs a backward). ``private_copy`` makes
-    the kept inputs private copies, for functions that modify their inputs in place.
-    ``options`` say how to recompute (recompute_options.py). ``made_by``: the inputs
-    are a chain's activations, made by its layers before (store.should_encode). See
-    NOTE [ Segment checkpoint mechanism ].
+    kept for its backward (inputs and ReLU sign bits; 0 when nothing needs a backward;
+    None inside a compiled graph, which keeps what it chooses: NOTE [ Checkpoints in a
+    compiled graph ]). ``private_copy`` makes the kept inputs private copies, for
+    functions that modify their inputs in place. ``options`` say how to recompute
+    (recompute_options.py). ``made_by``: the inputs are a chain's activations, made by
+    its layers before (store.should_encode). See NOTE [ Segment checkpoint mechanism ].
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
