@@ -21,9 +21,9 @@ eager code (docs/limits.md, "torch.compile").
 """
 import argparse
 import copy
+import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
 from actsave.devices import synchronize  # noqa: E402
 from actsave.text import format_table  # noqa: E402
+from host_overhead import interleaved_times, paired_ratio  # noqa: E402
 from models import cifar_resnet, gpt  # noqa: E402
 
 
@@ -104,33 +105,19 @@ def warm_up(runs: dict, batch, steps: int) -> dict:
     return counts
 
 
-def interleaved_seconds(runs: dict, batch, rounds: int, device) -> dict:
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, (module, trained) in runs.items():
-            synchronize(device)
-            start = clock()
-            step(module, trained, batch)
-            synchronize(device)
-            times[name].append(clock() - start)
-    return times
-
-
 def measure(model, batch, backend: str, rounds: int, device) -> tuple:
     model, batch = model.to(device), batch.to(device)
     runs = modes(model, backend)
     counts = warm_up(runs, batch, steps=3)  # plans, compiles; each input shape once
-    times = interleaved_seconds(runs, batch, rounds, device)
-    reference = times["actsave"]
+    times = interleaved_times({name: functools.partial(step, module, trained, batch)
+                               for name, (module, trained) in runs.items()}, rounds, device)
     rows = []
     for name, (module, trained) in runs.items():
-        ratios = [t / r for t, r in zip(times[name], reference)]
         peak = step_peak(module, trained, batch, device) if device.type == "cuda" else None
         graphs, breaks = counts[name]
         rows.append([name, f"{kept_after_forward(module, trained, batch) / 2**20:.2f}",
                      "-" if peak is None else f"{peak / 2**20:.1f}",
-                     f"{1e3 * statistics.median(times[name]):.1f}", f"{statistics.median(ratios):.3f}x",
+                     f"{1e3 * statistics.median(times[name]):.1f}", f"{paired_ratio(times, name, 'actsave'):.3f}x",
                      graphs, breaks])
     plan = runs["actsave"][1].balanced_plan
     return rows, None if plan is None else plan.predicted_peak_bytes
