@@ -76,7 +76,7 @@ class Packed:
 
     def metadata(self) -> dict:
         """The fields that are not tensors."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.TENSOR_FIELDS}
+        return {name: getattr(self, name) for name in _PACKED_METADATA_FIELDS}
 
     @classmethod
     def assemble(cls, tensors: dict, metadata: dict) -> "Packed":
@@ -90,6 +90,11 @@ class Packed:
     @property
     def device(self) -> torch.device:
         return self.data.device
+
+
+# Read once: dataclasses.fields walks the class on every call, and metadata() runs
+# for every offloaded kept input.
+_PACKED_METADATA_FIELDS = tuple(f.name for f in fields(Packed) if f.name not in Packed.TENSOR_FIELDS)
 
 
 def _nbytes(t: torch.Tensor) -> int:

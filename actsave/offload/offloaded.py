@@ -22,6 +22,7 @@ class _Holdings:
         self.pool = pool
         self.engine = engine
         self.buffer = buffer  # None once back in the pool
+        self.host_views = None  # the parts of the buffer as their tensors, while it is lent
         self.sources = None  # device tensors read by the copy to the host
         self.copied_out = None
         self.device_copies = None  # device tensors written by the copy back
@@ -41,7 +42,7 @@ class _Holdings:
         if self.buffer is not None:
             last_copy = self.copied_out if self.copied_in is None else self.copied_in
             self.pool.release(self.buffer, after=last_copy)
-            self.buffer = None
+            self.buffer, self.host_views = None, None
 
     def release(self) -> None:
         self.drop_sources()
@@ -103,9 +104,10 @@ class OffloadedTensors:
         self._finalizer = weakref.finalize(self, self._held.release)
         # At interpreter exit the process frees everything, and CUDA may be gone already.
         self._finalizer.atexit = False
+        # Made once: the copy back of a single tensor reads the same view.
+        self._held.host_views = [part.view(self._held.buffer) for part in self._parts]
         try:
-            self._held.copied_out = engine.to_host_all(
-                [(source, part.view(self._held.buffer)) for source, part in zip(sources, self._parts)])
+            self._held.copied_out = engine.to_host_all(list(zip(sources, self._held.host_views)))
         except BaseException:
             self.release()
             raise
@@ -129,7 +131,7 @@ class OffloadedTensors:
             return
         held.drop_sources()  # the backward has begun: the forward's tensors are not needed
         if len(self._parts) == 1:  # a tensor of its own dtype, not a view of bytes
-            copy, held.copied_in = held.engine.to_device(self._parts[0].view(held.buffer))
+            copy, held.copied_in = held.engine.to_device(held.host_views[0])
             held.device_copies = [copy]
         else:
             copied, held.copied_in = held.engine.to_device(held.buffer[: self._span])
