@@ -3,11 +3,15 @@ sharded on 2 CPU ranks (gloo) against unsharded, beside the balanced plan's pred
 
 A chain of (Linear, GELU) pairs, each Linear its own ``fully_shard`` unit, run as
 ``nn.Sequential`` (plain), ``CheckpointedSequential(segments="sqrt")`` and with the
-default segments (balanced). Peak: the bytes of new tensor storages over one
-training step (LiveBytes, parameters, gradients and the batch known), the step after
-the one that plans and allocates gradients. Under FSDP2 it includes what FSDP2
-allocates itself (gathered parameters, its communication buffers), which no plan
-counts yet (docs/limits.md, "FSDP2 and DDP").
+default segments (balanced). Peak: how far the CPU allocator's bytes rise over one
+training step (forward, backward from an output gradient of ones), the step after
+the one that plans and allocates gradients, plus the batch: what a plan's
+``predicted_peak_bytes`` counts. The allocator, not LiveBytes: FSDP2 frees and
+refills each unit's gathered parameters in place (``storage.resize_``), which only
+the allocator sees (harness.allocator_peak). Under FSDP2 the peak includes what
+FSDP2 allocates itself (gathered parameters, unsharded gradients, its communication
+buffers); the larger of the two ranks' is reported (their frees interleave
+differently with the collectives).
 
     python bench/fsdp_memory.py            # width 256, batch 512, 8 pairs
     python bench/fsdp_memory.py --smoke    # tiny, for the tests
@@ -15,15 +19,18 @@ counts yet (docs/limits.md, "FSDP2 and DDP").
 import argparse
 import os
 import socket
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-import actsave
-from actsave.planning.live_bytes import LiveBytes
-from actsave.text import format_table
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import actsave  # noqa: E402
+from actsave.text import format_table  # noqa: E402
+from harness import allocator_peak  # noqa: E402
 
 MODES = ("plain", "sqrt", "balanced")
 WORLD_SIZE = 2
@@ -36,17 +43,16 @@ def build(mode: str, width: int, pairs: int) -> nn.Module:
 
 
 def step_peak(model: nn.Module, x: torch.Tensor) -> tuple:
-    """(measured peak, the balanced plan's predicted peak or None)."""
-    out = model(x)
-    out.backward(torch.ones_like(out))  # plans (balanced) and allocates the gradients
-    known = [*model.parameters(), *[p.grad for p in model.parameters() if p.grad is not None], x]
-    tracker = LiveBytes("cpu", known=known)
-    with tracker:
+    """(measured peak, the batch included; the balanced plan's predicted peak or None)."""
+
+    def step():
         out = model(x)
         out.backward(torch.ones_like(out))
-        del out
+
+    step()  # plans (balanced) and allocates the gradients
+    peak = allocator_peak(step) + x.numel() * x.element_size()
     plan = getattr(model, "balanced_plan", None)
-    return tracker.peak, None if plan is None else plan.predicted_peak_bytes
+    return peak, None if plan is None else plan.predicted_peak_bytes
 
 
 def sharded(model: nn.Module) -> nn.Module:
@@ -68,13 +74,14 @@ def rank_main(rank: int, port: int, shape: tuple, queue) -> None:
     try:
         width, batch, pairs = shape
         x = torch.randn(batch, width).requires_grad_()
-        queue.put((rank, {mode: step_peak(sharded(build(mode, width, pairs)), x)[0] for mode in MODES}))
+        queue.put((rank, {mode: step_peak(sharded(build(mode, width, pairs)), x) for mode in MODES}))
     finally:
         dist.destroy_process_group()
 
 
 def sharded_peaks(shape: tuple) -> dict:
-    """mode -> rank 0's peak (the ranks run the same shapes)."""
+    """mode -> (the larger rank's peak, rank 0's prediction): the ranks run the same
+    shapes and plan alike."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -86,26 +93,29 @@ def sharded_peaks(shape: tuple) -> dict:
     results = dict(queue.get(timeout=300) for _ in ranks)
     for process in ranks:
         process.join()
-    return results[0]
+    return {mode: (max(results[rank][mode][0] for rank in results), results[0][mode][1]) for mode in MODES}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="width 32, batch 16, 4 pairs")
+    parser.add_argument("--smoke", action="store_true", help="width 64, batch 128, 4 pairs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    width, batch, pairs = (32, 16, 4) if args.smoke else (256, 512, 8)
+    width, batch, pairs = (64, 128, 4) if args.smoke else (256, 512, 8)
     unsharded = {mode: step_peak(build(mode, width, pairs), torch.randn(batch, width).requires_grad_())
                  for mode in MODES}
     fsdp = sharded_peaks((width, batch, pairs))
-    rows = [["mode", "unsharded peak MiB", "FSDP2 peak MiB (rank 0)", "FSDP2 - unsharded MiB", "predicted MiB"]]
+    rows = [["mode", "unsharded peak MiB", "predicted MiB", "FSDP2 peak MiB", "predicted MiB", "FSDP2 - unsharded MiB"]]
     for mode in MODES:
-        peak, predicted = unsharded[mode]
-        rows.append([mode, f"{peak / 2**20:.3f}", f"{fsdp[mode] / 2**20:.3f}", f"{(fsdp[mode] - peak) / 2**20:.3f}",
-                     "-" if predicted is None else f"{predicted / 2**20:.3f}"])
+        (peak, predicted), (fsdp_peak, fsdp_predicted) = unsharded[mode], fsdp[mode]
+        rows.append([mode, _mib(peak), _mib(predicted), _mib(fsdp_peak), _mib(fsdp_predicted), _mib(fsdp_peak - peak)])
     print(f"{pairs} x (Linear {width}, GELU), batch {batch}, fp32, CPU, {WORLD_SIZE} ranks (gloo); "
           f"one Linear's parameters: {(width * width + width) * 4 / 2**20:.3f} MiB")
     print(format_table(rows))
+
+
+def _mib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.3f}"
 
 
 if __name__ == "__main__":

@@ -143,6 +143,28 @@ def activation_peak(model: nn.Module, inputs: torch.Tensor) -> int:
     return tracker.get_tracker_snapshot("peak")[inputs.device]["Total"] - static
 
 
+def allocator_peak(step) -> int:
+    """How far the bytes held by the CPU allocator rose above their value at the start
+    of ``step()`` at its peak, from the memory events of ``torch.profiler``.
+
+    For code that frees and refills a storage in place (``storage.resize_``, as FSDP2
+    does with each unit's gathered parameters): LiveBytes and MemTracker track a
+    storage from the op that makes it until it dies, so they count such a storage
+    whole for as long as it lives, resized to nothing or not. The allocator sees each
+    resize as it happens. On plain tensors both agree (tests/bench/test_smoke.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((event.start_ns(), event.nbytes()) for event in prof.profiler.kineto_results.events()
+                    if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU)
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
 def _release_memory(device: torch.device) -> None:
     """Free what the last run left, so that the next one's CUDA peak starts clean.
     Not needed on CPU, where the tracker counts only the tensors of the step it

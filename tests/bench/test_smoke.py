@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import actsave
+from actsave.planning.live_bytes import LiveBytes
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 CSV_COLUMNS = [
@@ -793,7 +794,31 @@ def test_fsdp_memory_measures_each_mode_sharded_and_unsharded():
     table = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in stdout.splitlines())
              if cells[0] in ("plain", "sqrt", "balanced")}
     assert set(table) == {"plain", "sqrt", "balanced"}
-    unsharded, sharded = ({mode: float(cells[column]) for mode, cells in table.items()} for column in (1, 2))
+    unsharded, sharded = ({mode: float(cells[column]) for mode, cells in table.items()} for column in (1, 3))
     assert unsharded["balanced"] <= unsharded["sqrt"] < unsharded["plain"]
     assert all(sharded[mode] > unsharded[mode] for mode in table)  # FSDP2's own buffers
-    assert table["balanced"][4] != "-" and table["plain"][4] == "-"
+    assert all(table["balanced"][column] != "-" for column in (2, 4)) and table["plain"][2] == "-"
+
+
+def test_the_allocator_peak_agrees_with_live_bytes_on_plain_tensors_and_sees_storage_resizes():
+    harness = load_bench_module("harness")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def step():
+        out = model(x)
+        out.backward(torch.ones_like(out))
+
+    step()
+    tracker = LiveBytes("cpu", known=[*model.parameters(), *(p.grad for p in model.parameters()), x])
+    with tracker:
+        step()
+    assert harness.allocator_peak(step) == tracker.peak > 0
+
+    kept = torch.empty(4096, dtype=torch.uint8)
+
+    def refill_in_place():  # as FSDP2 frees and gathers a unit's parameters
+        kept.untyped_storage().resize_(0)
+        kept.untyped_storage().resize_(4096)
+
+    assert harness.allocator_peak(refill_in_place) == 4096
