@@ -33,6 +33,7 @@ from .planning import plans, profiler
 from .planning.balanced_cache import BalancedPlans
 from .planning.segments import (BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, normalized_segments,
                                 segment_starts, segments_from, split_starts)
+from ._torch import is_sharded
 from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
@@ -317,7 +318,9 @@ class CheckpointedSequential(nn.Sequential):
         last training call whatever they say: exactly, and not counted in its bytes.
         With ``segments="balanced"`` the segments are those of the last training
         call, and a first line says for which input and what peak the plan predicted.
-        A last call under ``torch.compile`` reports no bytes (a last line says why)."""
+        A last call under ``torch.compile`` reports no bytes (a last line says why).
+        FSDP2-sharded parameters get a last line too: the plan does not count what
+        FSDP2 allocates beside the step."""
         rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "kept bytes")]
         names = list(self._modules)
         if self.segments == BALANCED:
@@ -338,6 +341,11 @@ class CheckpointedSequential(nn.Sequential):
         if self._last_traced:
             lines.append("The last training call ran in a compiled graph, which chose what each segment "
                          "saves: no kept bytes (NOTE [ Checkpoints in a compiled graph ]).")
+        if any(is_sharded(p) for p in self.parameters()):
+            lines.append("The parameters are FSDP2-sharded: a plan counts the step's own tensors, not what FSDP2 "
+                         "allocates beside them (each unit's gathered parameters, which a recompute keeps gathered "
+                         "until the unit's backward, and its gradient and communication buffers): docs/limits.md, "
+                         "\"FSDP2 and DDP\".")
         return "\n".join(lines)
 
     def _describe_kept(self, segment: Segment, layers: list) -> tuple:

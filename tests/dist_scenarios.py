@@ -239,6 +239,7 @@ def train_distributed(scenario: Scenario, rank: int) -> dict:
     return {
         "warnings": [str(w.message) for w in raised if "actsave" in str(w.message) or "Checkpointed" in str(w.message)],
         "balanced_starts": None if plan is None else plan.starts,
+        "description": body.describe() if isinstance(body, actsave.CheckpointedSequential) else None,
         "losses": losses,
         "grads": grads,
         "params": [_full(p) for p in model.parameters()],

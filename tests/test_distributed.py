@@ -120,10 +120,14 @@ def test_fsdp2_shard_then_wrap_also_trains_as_the_unsharded_model(outcomes, scen
 
 
 def balanced_starts_unsharded(scenario: Scenario) -> tuple:
-    """The default segments of the scenario's chain, unsharded, in one process."""
+    """The default segments of the scenario's chain, unsharded, in one process; and
+    whether its describe() has the line for FSDP2-sharded parameters."""
     model = apply_actsave(plain_model(scenario), scenario)
     forward_loss(model, scenario, 0, 0, 0).backward()
-    return model.body.balanced_plan.starts
+    return model.body.balanced_plan.starts, FSDP2_LINE in model.body.describe()
+
+
+FSDP2_LINE = "The parameters are FSDP2-sharded"
 
 
 @pytest.mark.parametrize("scenario", _cases(lambda s: s.budget is not None))
@@ -138,10 +142,12 @@ def test_fsdp2_default_segments_are_the_unsharded_models_plan(outcomes, scenario
     """The balanced plan's meta step sees FSDP2's sharded parameters whole, as the
     forward does once they are gathered, with FSDP2's hooks paused (meta.on_meta):
     the same plan as the unsharded model's, no fallback to "sqrt", and training as
-    the unsharded model trains."""
+    the unsharded model trains. describe() says that the plan does not count what
+    FSDP2 allocates, where (only where) the parameters are sharded."""
     results = results_of(outcomes, scenario)
-    expected = balanced_starts_unsharded(scenario)
-    assert len(expected) >= 2
+    expected, unsharded_has_line = balanced_starts_unsharded(scenario)
+    assert len(expected) >= 2 and not unsharded_has_line
     for rank, result in enumerate(results):
         assert (result["balanced_starts"], result["warnings"]) == (expected, []), f"rank {rank}"
+        assert FSDP2_LINE in result["description"], f"rank {rank}"
     assert_matches_reference(scenario, results)
