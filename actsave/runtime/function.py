@@ -447,7 +447,10 @@ def _checkpointed_call_under_compile(function, args, kwargs, policy, private_cop
 # it traced with the saved-tensor hooks active saves other tensors than the eager
 # recompute does. So a call Dynamo meets becomes torch's checkpoint where it is exact
 # (NOTE [ Checkpoints in a compiled graph ]), and is otherwise disabled: a graph break
-# that runs eagerly, forward and recompute alike. To keep codecs and offload with
+# that runs eagerly, forward and recompute alike. checkpointed_call routes every call
+# Dynamo meets so, before the eager path: that path carries no disable wrapper of its
+# own, whose entry and exit every eager segment would pay in host time. To keep
+# codecs and offload with
 # compiled code, compile the layers and then checkpoint them: forward and recompute
 # then run the same compiled code.
 #
@@ -457,7 +460,6 @@ def _checkpointed_call_under_compile(function, args, kwargs, policy, private_cop
 # would compile graphs no training step uses, recompile at each layer until its limit
 # and warn of the hooks. The plan then counts the eager code's saves, which a compiled
 # layer's may differ from.
-@torch.compiler.disable
 def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None):
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         policy = EXACT
