@@ -201,6 +201,9 @@ class CheckpointedSequential(nn.Sequential):
         starts = self._starts_for(input, layers)  # under torch.compile, its one graph break
         if torch.compiler.is_compiling():
             return self._traced_forward(input, layers, starts)
+        return self._eager_forward(input, layers, starts)
+
+    def _eager_forward(self, input, layers: list, starts: list):
         self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, False
         tape = current_tape()
         caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)

@@ -399,7 +399,7 @@ def checkpointed_call(
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
     if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
-        if not policy.lossy and not policy.offload:  # by value: a deep-copied model has its own codecs
+        if compiles_in_graph(policy):
             return checkpoint_in_graph(function, args, kwargs, options), None
         return _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by)
     return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
@@ -414,6 +414,13 @@ def checkpointed_call(
 # what the region saves, so no kept bytes are reported (None). A call that keeps its
 # input by a codec or on the host runs eagerly instead (a graph break, with one
 # warning): the codecs and the offload copies are not ops a compiled graph can hold.
+def compiles_in_graph(policy: KeepPolicy) -> bool:
+    """Whether a checkpoint keeping its input by ``policy`` becomes torch's checkpoint
+    in a compiled graph: it keeps it exactly, on the device. Judged by value: a
+    deep-copied model has codec objects of its own."""
+    return not policy.lossy and not policy.offload
+
+
 def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions):
     """``function(*args, **kwargs)`` as torch's non-reentrant checkpoint with the
     same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ]."""
@@ -425,18 +432,29 @@ def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeO
 _warned_eager_under_compile = False
 
 
+def kept_in_words(policy: KeepPolicy) -> str:
+    """How ``policy`` keeps an input, for a message: "by int8 and on the host"."""
+    return " and ".join(([] if policy.codec.lossless else [f"by {policy.codec.name}"])
+                        + (["on the host"] if policy.offload else []))
+
+
+def warn_eager_under_compile(what: str, breaks: str) -> None:
+    """The one warning per process that actsave runs ``what`` eagerly under
+    torch.compile, with ``breaks`` (where the graph breaks) and what to do instead."""
+    global _warned_eager_under_compile
+    if _warned_eager_under_compile:
+        return
+    _warned_eager_under_compile = True
+    warnings.warn(
+        f"actsave: {what} runs eagerly under torch.compile ({breaks}): codecs and offload are not ops "
+        "a compiled graph holds. Exact checkpoints compile (NOTE [ Checkpoints in a compiled graph ]); or "
+        "compile the blocks and then checkpoint them, which keeps codecs and offload.", stacklevel=4)
+
+
 @torch.compiler.disable
 def _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by):
-    global _warned_eager_under_compile
-    if not _warned_eager_under_compile:
-        _warned_eager_under_compile = True
-        kept = " and ".join(([] if policy.codec.lossless else [f"by {policy.codec.name}"])
-                            + (["on the host"] if policy.offload else []))
-        warnings.warn(
-            f"actsave: a checkpoint that keeps its input {kept} runs eagerly under "
-            "torch.compile (a graph break at each such call): codecs and offload are not ops a compiled "
-            "graph holds. Exact checkpoints compile (NOTE [ Checkpoints in a compiled graph ]); or compile "
-            "the blocks and then checkpoint them, which keeps codecs and offload.", stacklevel=3)
+    warn_eager_under_compile(f"a checkpoint that keeps its input {kept_in_words(policy)}",
+                             "a graph break at each such call")
     return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
 
 
