@@ -37,7 +37,7 @@ from ._torch import is_sharded
 from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
-from .runtime.function import checkpointed_call
+from .runtime.function import checkpointed_call, warn_eager_under_compile
 from .runtime.layers import LayerChain
 from .runtime.nested import nested_call
 from .offload import current_tape
@@ -198,10 +198,13 @@ class CheckpointedSequential(nn.Sequential):
         if not torch.is_grad_enabled():
             return super().forward(input)
         layers = list(self)
-        starts = self._starts_for(input, layers)  # under torch.compile, its one graph break
-        if torch.compiler.is_compiling():
-            return self._traced_forward(input, layers, starts)
-        return self._eager_forward(input, layers, starts)
+        if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
+            # Each call here is the forward's one graph break (made in a method Dynamo
+            # inlined, a break would count twice).
+            if self._keeps_by_codec_or_offload():
+                return self._eager_forward_under_compile(input, layers)
+            return self._traced_forward(input, layers, self._starts_for(input, layers))
+        return self._eager_forward(input, layers, self._starts_for(input, layers))
 
     def _eager_forward(self, input, layers: list, starts: list):
         self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, False
@@ -230,20 +233,37 @@ class CheckpointedSequential(nn.Sequential):
 
     def _traced_forward(self, input, layers: list, starts: list):
         """The forward as Dynamo traces it (NOTE [ Checkpoints in a compiled graph ] in
-        runtime/function.py): the same segments, each exact checkpointed one as torch's
-        checkpoint of the same layers, a nested one as one checkpoint of its layers; no
-        offload tape and no kept-bytes ledger, which the compiled graph replaces."""
+        runtime/function.py), every layer set to keep exactly on the device: each
+        checkpointed segment as torch's checkpoint of the same layers, a nested one as
+        one checkpoint of its layers; no offload tape and no kept-bytes ledger, which
+        the compiled graph replaces."""
         self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, True
         for segment in segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
             run = _Chain(layers[segment.start:segment.stop])
-            policy = self._segment_policy(segment, layers)
             if segment.checkpointed:
+                policy = self._segment_policy(segment, layers)
                 input, _ = checkpointed_call(run, (input,), {}, policy, modifies_input(layers[segment.start]))
-            elif not policy.codec.lossless:
-                input, _ = call_with_compressed_saves(run, input, policy.codec)  # eager: a graph break
             else:
                 input = run(input)
         return input
+
+    def _keeps_by_codec_or_offload(self) -> bool:
+        """Whether a layer is set to keep by a lossy codec or on the host, which a
+        compiled graph cannot hold; read as Dynamo traces the forward (no planning), so
+        it asks the settings, not the segments of a plan."""
+        codecs = (self._default_compress, *self._layer_compress.values())
+        return any(not codec.lossless for codec in codecs) or any((self._default_offload,
+                                                                   *self._layer_offload.values()))
+
+    @torch.compiler.disable  # NOTE [ torch.compile ] in runtime/function.py
+    def _eager_forward_under_compile(self, input, layers: list):
+        """The forward under torch.compile where a layer keeps by a codec or on the
+        host: run eagerly, as without torch.compile, so that codecs, decisions and
+        offload apply as they do there, in one graph break however many segments keep
+        so (one warning per process)."""
+        warn_eager_under_compile("a CheckpointedSequential that keeps inputs by a codec or on the host",
+                                 "one graph break, at its forward")
+        return self._eager_forward(input, layers, self._starts_for(input, layers))
 
     @property
     def balanced_plan(self) -> Optional["plans.Plan"]:

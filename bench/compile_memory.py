@@ -1,15 +1,17 @@
 """actsave under torch.compile, measured (issue 35, item 4): what a step keeps for
 backward, its time, and what Dynamo made of it, compiled against eager.
 
-For each model: plain PyTorch and actsave's default CheckpointedSequential, each run
-eagerly and under ``torch.compile(model)`` (--backend). Per mode:
+For each model: plain PyTorch, actsave's default CheckpointedSequential and the same
+with ``compress="int8"``, each run eagerly and under ``torch.compile(model)``
+(--backend); int8 compiled runs its forward eagerly at its one graph break (docs/
+limits.md, "torch.compile"). Per mode:
 
 - kept after forward: the bytes a forward leaves for its backward, parameters left
   out: the tensors autograd saved (seen by an outer saved-tensor hook, which sees a
   compiled graph's saves too) plus what actsave keeps itself (actsave.stored_bytes);
 - on CUDA, the step's allocator peak over the parameters, gradients and batch;
 - the step time, median of interleaved rounds (process CPU time on the CPU, wall
-  time synchronized on CUDA), and its ratio to eager actsave's;
+  time synchronized on CUDA), and its ratio to the same mode's eager step;
 - Dynamo's graphs and graph breaks, counted over the warm-up steps.
 
 The balanced plan's predicted peak is printed beside them: the planner profiles the
@@ -50,14 +52,17 @@ def cases(smoke: bool) -> dict:
 
 def modes(model: torch.nn.Module, backend: str) -> dict:
     """name -> (the module to call, the module whose parameters train)."""
-    plain, checkpointed = copy.deepcopy(model), actsave.CheckpointedSequential(*copy.deepcopy(model))
-    compiled_plain, compiled_checkpointed = copy.deepcopy(plain), copy.deepcopy(checkpointed)
-    return {
-        "plain": (plain, plain),
-        "plain, compiled": (torch.compile(compiled_plain, backend=backend), compiled_plain),
-        "actsave": (checkpointed, checkpointed),
-        "actsave, compiled": (torch.compile(compiled_checkpointed, backend=backend), compiled_checkpointed),
+    eager = {
+        "plain": copy.deepcopy(model),
+        "actsave": actsave.CheckpointedSequential(*copy.deepcopy(model)),
+        "actsave int8": actsave.CheckpointedSequential(*copy.deepcopy(model), compress="int8"),
     }
+    runs = {}
+    for name, module in eager.items():
+        compiled = copy.deepcopy(module)
+        runs[name] = (module, module)
+        runs[f"{name}, compiled"] = (torch.compile(compiled, backend=backend), compiled)
+    return runs
 
 
 def step(module, trained, batch) -> None:
@@ -117,7 +122,8 @@ def measure(model, batch, backend: str, rounds: int, device) -> tuple:
         graphs, breaks = counts[name]
         rows.append([name, f"{kept_after_forward(module, trained, batch) / 2**20:.2f}",
                      "-" if peak is None else f"{peak / 2**20:.1f}",
-                     f"{1e3 * statistics.median(times[name]):.1f}", f"{paired_ratio(times, name, 'actsave'):.3f}x",
+                     f"{1e3 * statistics.median(times[name]):.1f}",
+                     f"{paired_ratio(times, name, name.removesuffix(', compiled')):.3f}x",
                      graphs, breaks])
     plan = runs["actsave"][1].balanced_plan
     return rows, None if plan is None else plan.predicted_peak_bytes
@@ -137,7 +143,7 @@ def main(argv=None) -> None:
         torch._dynamo.reset()
         rows, predicted = measure(model, batch, args.backend, 2 if args.smoke else args.rounds, device)
         print(f"\n{name}, {args.backend}, {device}:")
-        header = ["mode", "kept after forward MiB", "step peak MiB", "step ms", "vs actsave", "graphs", "breaks"]
+        header = ["mode", "kept after forward MiB", "step peak MiB", "step ms", "vs eager", "graphs", "breaks"]
         print(format_table([header, *[[str(cell) for cell in row] for row in rows]]))
         if predicted is not None:
             print(f"balanced plan's predicted activation peak (eager code): {predicted / 2**20:.2f} MiB")

@@ -6,7 +6,8 @@ Two compositions:
   graph (NOTE [ Checkpoints in a compiled graph ] in runtime/function.py): the forward
   is one graph (a CheckpointedSequential breaks once, before any compute, where it
   looks up its segments) and the compiled backward recomputes each segment. A call
-  that keeps its input by a codec or on the host is a graph break and runs eagerly.
+  that keeps its input by a codec or on the host runs eagerly: a CheckpointedSequential
+  runs its whole forward eagerly at its one break, a wrapped block breaks the graph.
 - compile inside: the blocks compiled first, then checkpointed. Forward and recompute
   run the same compiled code, so they save the same tensors, and codecs and offload
   apply.
@@ -260,18 +261,45 @@ def test_compiled_wrapped_blocks_are_one_graph_with_a_checkpoint_each():
     assert (sum(counters["graph_break"].values()), len(graphs), checkpoints_in(graphs)) == (0, 1, 4)
 
 
-def test_a_compiled_lossy_checkpoint_runs_eagerly_and_says_so_once(monkeypatch):
+@pytest.mark.parametrize("options", [{"compress": "int8"}, {"offload": True}, {"compress": "int8", "segments": "balanced"}])
+def test_a_compiled_checkpointed_sequential_that_keeps_by_a_codec_or_offload_runs_eagerly_at_one_break(
+        monkeypatch, options):
+    """Its forward runs eagerly at the one break where the segments are looked up, as
+    without torch.compile: the same gradients, the same kept bytes, one warning, no
+    recompile; not a break at each segment (N segments were N + 1 breaks before)."""
     monkeypatch.setattr(function, "_warned_eager_under_compile", False)  # once per process
+    options = {"segments": 3, **options}
     x = torch.randn(4, 8)
-    model = torch.compile(actsave.CheckpointedSequential(*chain(), segments=3, compress="int8"), backend=BACKEND)
+    eager = actsave.CheckpointedSequential(*chain(), **options)
+    model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*chain(), **options))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    frames_after = []
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")
-        for _ in range(2):
-            grads_of_a_step(model, x)
+        for seed in (1, 2, 3):
+            torch.testing.assert_close(grads_of_a_step(model, x, seed), grads_of_a_step(eager, x, seed))
+            for m in (model, eager):
+                m.zero_grad(set_to_none=True)
+            frames_after.append((counters["frames"]["total"], counters["stats"]["unique_graphs"]))
     assert len([w for w in raised if "runs eagerly under torch.compile" in str(w.message)]) == 1
-    eager = actsave.CheckpointedSequential(*chain(), segments=3, compress="int8")
-    model.zero_grad(set_to_none=True)
-    torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+    assert sum(counters["graph_break"].values()) == 1
+    assert frames_after[0][0] >= 1 and frames_after == frames_after[:1] * 3  # nothing compiled after step 1
+    assert model._orig_mod.describe() == eager.describe()  # kept bytes reported, as eagerly
+
+
+def test_a_compiled_lossy_checkpoint_in_a_wrapped_block_runs_eagerly_and_says_so_once(monkeypatch):
+    monkeypatch.setattr(function, "_warned_eager_under_compile", False)
+    plain, x = ResidualNet(depth=3), torch.randn(4, 8)
+    eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8")
+    model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        for seed in (1, 2):
+            torch.testing.assert_close(grads_of_a_step(model, x, seed), grads_of_a_step(eager, x, seed))
+            for m in (model, eager):
+                m.zero_grad(set_to_none=True)
+    assert len([w for w in raised if "a graph break at each such call" in str(w.message)]) == 1
 
 
 def test_a_deep_copied_checkpointed_sequential_compiles_its_exact_segments_too():

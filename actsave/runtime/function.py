@@ -414,6 +414,9 @@ def checkpointed_call(
 # what the region saves, so no kept bytes are reported (None). A call that keeps its
 # input by a codec or on the host runs eagerly instead (a graph break, with one
 # warning): the codecs and the offload copies are not ops a compiled graph can hold.
+# A CheckpointedSequential with a layer set to keep so runs its whole forward eagerly
+# instead, as one graph break (sequential.py, _eager_forward_under_compile), however
+# many segments keep by a codec.
 def compiles_in_graph(policy: KeepPolicy) -> bool:
     """Whether a checkpoint keeping its input by ``policy`` becomes torch's checkpoint
     in a compiled graph: it keeps it exactly, on the device. Judged by value: a

@@ -781,11 +781,14 @@ def test_the_picture_shows_how_much_deeper_in_the_same_memory(resnet_run, monkey
 def test_compile_memory_measures_eager_and_compiled_modes():
     stdout = run_script("compile_memory.py")
     table = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in stdout.splitlines())
-             if cells[0] in ("plain", "plain, compiled", "actsave", "actsave, compiled")}
-    assert len(table) == 4
+             if cells[0] in ("plain", "plain, compiled", "actsave", "actsave, compiled", "actsave int8",
+                             "actsave int8, compiled")}
+    assert len(table) == 6
     kept = {mode: float(cells[1]) for mode, cells in table.items()}
     assert kept["actsave, compiled"] < kept["plain, compiled"] / 2  # the compiled backward recomputes
     assert table["actsave, compiled"][-2:] == ["1", "1"]  # one graph, one break (the segment lookup)
+    # int8 runs eagerly at its one break: it keeps what eager int8 keeps.
+    assert table["actsave int8, compiled"][-2:] == ["0", "1"] and kept["actsave int8, compiled"] == kept["actsave int8"]
     assert "predicted activation peak" in stdout
 
 
