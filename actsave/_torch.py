@@ -142,6 +142,12 @@ _OptimizedModule = _require(getattr(getattr(torch._dynamo, "eval_frame", None), 
                             "torch._dynamo.eval_frame.OptimizedModule")
 
 
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs compiled code: ``torch.compile(module)`` (an
+    OptimizedModule) or ``module.compile()`` (its ``_compiled_call_impl``)."""
+    return isinstance(module, _OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     """The eager module behind ``torch.compile(module)``; any other module as it is
     (``module.compile()`` compiles in place: run it under

@@ -84,6 +84,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from .._torch import TorchDispatchMode, pytree
 from ..errors import RecomputeError
 from . import relu_signs
+from .compiled_layers import LayerCode
 from .layers import LayerChain, known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
@@ -130,6 +131,7 @@ class _Frame:
         layers = known_layers(function)  # NOTE [ Known layers ]
         modules = None if layers is None else modules_under(layers)
         self.touched = TouchedState.of(layers, modules)  # NOTE [ State a forward reads and mutates ]
+        self.code = LayerCode(layers, modules, kept.lossy)  # NOTE [ Decisions in compiled layers ]
         self.slots = []  # weak references, in the order the forward saved
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
@@ -181,10 +183,12 @@ class _Frame:
     def forward_hooks(self):
         """The hooks the forward runs under: saves, module state, max pools (lossy)."""
         pools = self.pools.watching() if self.keeps_decisions else contextlib.nullcontext()
-        with self.touched.recording(), saved_tensors_hooks(self.pack, self.unpack), pools, self.logged("forward"):
+        with self.code.running(), self.touched.recording(), saved_tensors_hooks(self.pack, self.unpack), pools, \
+                self.logged("forward"):
             yield
 
     def end_forward(self) -> None:
+        self.code.forward_ended(self.decision_bytes > 0)
         self.touched.end_forward()
         self._forward_inputs = None
         self._recomputed_in_forward = weakref.WeakKeyDictionary()
@@ -282,7 +286,8 @@ class _Frame:
         the forward's mutated module state in scratch copies (``scratch=False``: the
         caller makes them, part by part), ``fill`` taking each save."""
         copies = self.touched.mutated_once() if scratch else contextlib.nullcontext()
-        with _recomputing(), torch.enable_grad(), replay.replayed(), copies, saved_tensors_hooks(fill, _identity):
+        with _recomputing(), torch.enable_grad(), replay.replayed(), copies, self.code.running(), \
+                saved_tensors_hooks(fill, _identity):
             yield
 
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:

@@ -1,0 +1,59 @@
+"""Which code a checkpointed call runs its compiled layers by (runtime/compiled_layers.py,
+NOTE [ Decisions in compiled layers ]); the gradients this buys are in
+tests/test_compile.py."""
+import contextlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from actsave._torch import is_compiled
+from actsave.runtime import compiled_layers
+from actsave.runtime.compiled_layers import LayerCode
+from actsave.runtime.layers import modules_under
+
+
+@pytest.fixture(autouse=True)
+def fresh_records(monkeypatch):
+    monkeypatch.setattr(compiled_layers, "_KEEPS_DECISIONS", {})
+    monkeypatch.setattr(compiled_layers, "_warned", False)
+
+
+def code_for(layers: tuple, lossy: bool) -> LayerCode:
+    return LayerCode(layers, modules_under(layers), lossy)
+
+
+def test_compiled_modules_are_told_from_eager_ones():
+    in_place = nn.Linear(2, 2)
+    in_place.compile()
+    assert is_compiled(torch.compile(nn.Linear(2, 2))) and is_compiled(in_place)
+    assert not is_compiled(nn.Linear(2, 2))
+
+
+def test_exact_calls_and_calls_without_compiled_layers_run_the_code_they_have():
+    compiled = (torch.compile(nn.Linear(2, 2)),)
+    assert not code_for(compiled, lossy=False).eager
+    assert not code_for((nn.Linear(2, 2),), lossy=True).eager
+    assert not LayerCode(None, None, lossy=True).eager  # layers unknown: nothing to switch
+
+
+@pytest.mark.parametrize("kept_decisions", [True, False])
+def test_the_first_lossy_call_runs_eager_code_and_later_ones_follow_what_it_found(kept_decisions):
+    layers = (torch.compile(nn.Linear(2, 2)), nn.ReLU())
+    first = code_for(layers, lossy=True)
+    assert first.eager
+    with pytest.warns(UserWarning, match="Decisions in compiled layers") if kept_decisions else _no_warning():
+        first.forward_ended(kept_decisions)
+    assert code_for(layers, lossy=True).eager is kept_decisions
+    assert code_for(layers[:1], lossy=True).eager  # other layers: a first call of their own
+    later = code_for(layers, lossy=True)
+    later.forward_ended(not kept_decisions)  # only the first call records
+    assert code_for(layers, lossy=True).eager is kept_decisions
+
+
+@contextlib.contextmanager
+def _no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
