@@ -27,8 +27,10 @@ import torch
 from .._torch import is_compiled
 
 # (weak references to a call's layers) -> whether their eager code keeps decisions.
-# A weak reference hashes as its module while alive and keeps that hash after.
+# A weak reference hashes as its module while alive and keeps that hash after; the
+# entries of collected layers are dropped once there are _PRUNE_AT entries.
 _KEEPS_DECISIONS: dict = {}
+_PRUNE_AT = 1024
 _warned = False
 
 
@@ -53,6 +55,9 @@ class LayerCode:
         """Record what the first call's eager forward found: whether it kept decisions."""
         if self._key is None or not self._probing:
             return
+        if len(_KEEPS_DECISIONS) >= _PRUNE_AT:
+            for key in [key for key in _KEEPS_DECISIONS if any(ref() is None for ref in key)]:
+                del _KEEPS_DECISIONS[key]
         _KEEPS_DECISIONS[self._key] = kept_decisions
         if kept_decisions:
             _warn_once()

@@ -57,3 +57,12 @@ def _no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         yield
+
+
+def test_the_records_of_collected_layers_are_dropped(monkeypatch):
+    monkeypatch.setattr(compiled_layers, "_PRUNE_AT", 2)
+    for _ in range(3):
+        code = code_for((torch.compile(nn.Linear(2, 2)),), lossy=True)
+        code.forward_ended(False)
+        del code
+    assert len(compiled_layers._KEEPS_DECISIONS) <= 2
