@@ -142,10 +142,13 @@ _OptimizedModule = _require(getattr(getattr(torch._dynamo, "eval_frame", None), 
                             "torch._dynamo.eval_frame.OptimizedModule")
 
 
-def is_compiled(module: torch.nn.Module) -> bool:
-    """Whether calling ``module`` runs compiled code: ``torch.compile(module)`` (an
-    OptimizedModule) or ``module.compile()`` (its ``_compiled_call_impl``)."""
-    return isinstance(module, _OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+def is_compiled(function) -> bool:
+    """Whether calling ``function`` (a module or any callable) runs compiled code:
+    ``torch.compile(module)`` (an OptimizedModule), ``module.compile()`` (its
+    ``_compiled_call_impl``), or ``torch.compile(fn)`` (Dynamo's wrapper, which names
+    the function it wraps ``_torchdynamo_orig_callable``)."""
+    return (isinstance(function, _OptimizedModule) or getattr(function, "_compiled_call_impl", None) is not None
+            or hasattr(function, "_torchdynamo_orig_callable"))
 
 
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:

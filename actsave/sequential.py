@@ -249,8 +249,9 @@ class CheckpointedSequential(nn.Sequential):
 
     def _keeps_by_codec_or_offload(self) -> bool:
         """Whether a layer is set to keep by a lossy codec or on the host, which a
-        compiled graph cannot hold; read as Dynamo traces the forward (no planning), so
-        it asks the settings, not the segments of a plan."""
+        compiled graph cannot hold (runtime/function.py, compiles_in_graph, asked of
+        the settings); read as Dynamo traces the forward, before any planning, so it
+        asks the settings, not the segments of a plan."""
         codecs = (self._default_compress, *self._layer_compress.values())
         return any(not codec.lossless for codec in codecs) or any((self._default_offload,
                                                                    *self._layer_offload.values()))

@@ -238,6 +238,37 @@ def test_a_lossy_checkpoint_runs_compiled_blocks_whose_eager_code_keeps_decision
     assert min(sqnrs) >= INT8_SQNR_FLOOR_DB
 
 
+class CheckpointedCompiledFunctions(nn.Module):
+    """Pairs of conv-BN-ReLU blocks, the middle ones each run as a compiled function
+    under ``actsave.checkpoint(..., compress="int8")``."""
+
+    def __init__(self):
+        super().__init__()
+        blocks = conv_bn_relu_blocks()
+        self.stages = nn.ModuleList(nn.Sequential(*blocks[i:i + 2]) for i in range(0, len(blocks), 2))
+        self.functions = [torch.compile(lambda x, stage=stage: stage(x), backend=BACKEND) for stage in self.stages]
+
+    def forward(self, x):
+        x = self.stages[0](x)
+        for function in self.functions[1:-1]:
+            x = actsave.checkpoint(function, x, compress="int8")
+        return self.stages[-1](x)
+
+
+def test_a_compiled_function_in_a_lossy_checkpoint_runs_its_eager_code_where_it_makes_decisions(monkeypatch):
+    """As compiled blocks: a compiled function's modules are not known, so the
+    function counts as one compiled layer (NOTE [ Decisions in compiled layers ])."""
+    monkeypatch.setattr(compiled_layers, "_warned", False)
+    monkeypatch.setattr(compiled_layers, "_KEEPS_DECISIONS", {})
+    x = torch.randn(4, 8, 8, 8)
+    model, plain = CheckpointedCompiledFunctions(), nn.Sequential(*conv_bn_relu_blocks())
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        sqnrs = [worst_parameter_sqnr(model, plain, x) for _ in range(2)]  # the first call finds out
+    assert min(sqnrs) >= INT8_SQNR_FLOOR_DB
+    assert len([w for w in raised if "Decisions in compiled layers" in str(w.message)]) == 1
+
+
 # --- a compiled model that contains actsave (issue 35, item 2) ---------------------------
 
 def compiled_for_counting(model: nn.Module) -> tuple:

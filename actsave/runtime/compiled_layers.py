@@ -36,12 +36,17 @@ _warned = False
 
 class LayerCode:
     """Which code one checkpointed call runs its layers' compiled modules by: their
-    compiled code, or their eager code (NOTE [ Decisions in compiled layers ])."""
+    compiled code, or their eager code (NOTE [ Decisions in compiled layers ]).
+    ``function``: what the call checkpoints, ``layers`` and ``modules`` the modules it
+    runs where known (layers.py); a compiled function of unknown modules counts as
+    one compiled layer."""
 
-    def __init__(self, layers: Optional[tuple], modules: Optional[list], lossy: bool):
+    def __init__(self, function, layers: Optional[tuple], modules: Optional[list], lossy: bool):
         self._key = None
         self.eager = False
-        if lossy and modules is not None and any(is_compiled(module) for _, module in modules):
+        if layers is None:
+            layers, modules = (function,), [(0, function)]
+        if lossy and any(is_compiled(module) for _, module in modules):
             self._key = tuple(weakref.ref(layer) for layer in layers)
             known = _KEEPS_DECISIONS.get(self._key)
             self._probing = known is None

@@ -131,7 +131,7 @@ class _Frame:
         layers = known_layers(function)  # NOTE [ Known layers ]
         modules = None if layers is None else modules_under(layers)
         self.touched = TouchedState.of(layers, modules)  # NOTE [ State a forward reads and mutates ]
-        self.code = LayerCode(layers, modules, kept.lossy)  # NOTE [ Decisions in compiled layers ]
+        self.code = LayerCode(function, layers, modules, kept.lossy)  # NOTE [ Decisions in compiled layers ]
         self.slots = []  # weak references, in the order the forward saved
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
@@ -476,9 +476,9 @@ def _checkpointed_call_under_compile(function, args, kwargs, policy, private_cop
 # that runs eagerly, forward and recompute alike. checkpointed_call routes every call
 # Dynamo meets so, before the eager path: that path carries no disable wrapper of its
 # own, whose entry and exit every eager segment would pay in host time. To keep
-# codecs and offload with
-# compiled code, compile the layers and then checkpoint them: forward and recompute
-# then run the same compiled code.
+# codecs and offload with compiled code, compile the layers and then checkpoint them:
+# forward and recompute then run the same code (NOTE [ Decisions in compiled layers ]
+# says when that is the eager code).
 #
 # Compiled layers run eagerly in the planner's steps (isolated_steps in
 # planning/instrumented_step.py), and torch.compile's modules are profiled as their

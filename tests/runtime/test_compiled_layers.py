@@ -21,21 +21,23 @@ def fresh_records(monkeypatch):
 
 
 def code_for(layers: tuple, lossy: bool) -> LayerCode:
-    return LayerCode(layers, modules_under(layers), lossy)
+    return LayerCode(None, layers, modules_under(layers), lossy)
 
 
-def test_compiled_modules_are_told_from_eager_ones():
+def test_compiled_modules_and_functions_are_told_from_eager_ones():
     in_place = nn.Linear(2, 2)
     in_place.compile()
     assert is_compiled(torch.compile(nn.Linear(2, 2))) and is_compiled(in_place)
-    assert not is_compiled(nn.Linear(2, 2))
+    assert is_compiled(torch.compile(torch.relu))
+    assert not is_compiled(nn.Linear(2, 2)) and not is_compiled(torch.relu)
 
 
 def test_exact_calls_and_calls_without_compiled_layers_run_the_code_they_have():
     compiled = (torch.compile(nn.Linear(2, 2)),)
     assert not code_for(compiled, lossy=False).eager
     assert not code_for((nn.Linear(2, 2),), lossy=True).eager
-    assert not LayerCode(None, None, lossy=True).eager  # layers unknown: nothing to switch
+    assert not LayerCode(torch.relu, None, None, lossy=True).eager  # an eager function of unknown modules
+    assert LayerCode(torch.compile(torch.relu), None, None, lossy=True).eager  # a compiled one: found out
 
 
 @pytest.mark.parametrize("kept_decisions", [True, False])
