@@ -425,6 +425,19 @@ def test_collected_and_released_items_are_skipped():
     assert log == [("prefetch", 4), ("prefetch", 1)]
 
 
+def test_the_tape_forgets_items_collected_without_a_backward():
+    # Forwards whose graphs are dropped (evaluation under grad, an exception) leave
+    # dead references behind the newest items, where the scans from the newest end
+    # do not reach: register forgets them once the references double.
+    tape, log = PrefetchTape(depth=1), []
+    for k in range(1000):
+        tape.register(Item(k, log))  # collected at once
+    assert len(tape._refs) <= 128
+    items, log = recorded_forward(tape)
+    backward(tape, items)
+    assert [name for what, name in log if what == "fetch"] == [4, 3, 2, 1, 0]
+
+
 def test_an_item_not_on_the_tape_is_prefetched_alone():
     tape = PrefetchTape(depth=2)
     items, log = recorded_forward(tape)

@@ -73,6 +73,7 @@ class PrefetchTape:
         self._depth = None if depth is None else _checked_depth(depth)
         self._lock = threading.Lock()
         self._refs = []  # weak references to the items, in forward order
+        self._compact_at = _COMPACT_FROM  # when to forget the dead references of _refs
         self._later = []  # weak references to what free_later deferred
         self._segment_started = False  # segment_starts ran since the last register
 
@@ -93,6 +94,9 @@ class PrefetchTape:
         with self._lock:
             self._refs.append(weakref.ref(item))
             self._segment_started = False
+            if len(self._refs) >= self._compact_at:
+                self._refs = [ref for ref in self._refs if _live(ref()) is not None]
+                self._compact_at = max(_COMPACT_FROM, 2 * len(self._refs))
 
     def segment_starts(self) -> None:
         """Free the source of the newest item: a segment starts, so the forward of the
@@ -101,15 +105,15 @@ class PrefetchTape:
         stay on the device through the rest of the forward and the backward up to its
         own recompute (seen on an H100: one input above the plan's predicted peak)."""
         with self._lock:
-            items = self._live_items()
+            newest = self._newest_live()
             later, self._later = self._later, []
             self._segment_started = True
         for ref in later:
             deferred = ref()
             if deferred is not None:
                 deferred.free_source()
-        if items:
-            items[-1].free_source()
+        if newest is not None:
+            newest.free_source()
 
     def free_later(self, item) -> None:
         """Free ``item``'s source (anything with ``free_source()``) at the next
@@ -124,18 +128,48 @@ class PrefetchTape:
         those of the ``depth`` live items registered just before it, which the backward
         needs next. An item not on the tape gets no lookahead."""
         with self._lock:
-            items = self._live_items()
-        position = next((i for i, each in enumerate(items) if each is item), 0)  # 0: none ahead
+            ahead = self._live_before(item)
         item.prefetch()  # first: one copy stream runs copies in order (rule 5)
-        for ahead in reversed(items[max(0, position - self.depth) : position]):
-            ahead.prefetch()
+        for each in ahead:
+            each.prefetch()
 
-    def _live_items(self) -> list:
-        """The items neither collected nor released, in forward order; forgets the rest."""
-        pairs = [(ref, ref()) for ref in self._refs]
-        live = [(ref, item) for ref, item in pairs if item is not None and not item.released]
-        self._refs = [ref for ref, _ in live]
-        return [item for _, item in live]
+    # The backward uses the newest live item and releases it, and a forward registers
+    # after it: both ends of the tape are its newest items. So the scans below start
+    # there and forget the dead references they pass; a full pass forgets the others
+    # once the references double (items collected without a backward, out of order).
+    def _newest_live(self):
+        """The newest item neither collected nor released, or None."""
+        while self._refs:
+            item = _live(self._refs[-1]())
+            if item is not None:
+                return item
+            self._refs.pop()
+        return None
+
+    def _live_before(self, item) -> list:
+        """The ``depth`` live items registered just before ``item``, newest first ([]
+        where it is not on the tape)."""
+        self._newest_live()
+        ahead, found = [], False
+        for ref in reversed(self._refs):
+            each = _live(ref())
+            if each is None:
+                continue
+            if found:
+                ahead.append(each)
+            found = found or each is item
+            if found and len(ahead) >= self.depth:
+                return ahead
+        return ahead if found else []
+
+
+def _live(item):
+    """``item`` unless it was collected (None) or released."""
+    return None if item is None or item.released else item
+
+
+# The fewest references at which register forgets the dead ones.
+_COMPACT_FROM = 64
 
 
 _local = threading.local()
