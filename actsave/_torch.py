@@ -205,3 +205,41 @@ def fsdp_forward_hooks_paused(model: torch.nn.Module):
         for table, entries in reversed(saved):
             table.clear()
             table.update(entries)
+
+
+# NOTE [ Storage resizes ]
+# FSDP2 frees a unit's gathered parameters with ``storage.resize_(0)`` and refills them
+# with ``storage.resize_(n)``: a call on the storage, not an operator, so no dispatch
+# mode sees it, and a byte count that follows operators counts the storage whole for
+# as long as it lives. While a counter observes resizes, ``UntypedStorage.resize_``
+# reports each (the storage, its bytes before and after) to every active observer.
+# The method is replaced on the class only while one observes, and put back after.
+_resize_observers = []
+_original_resize = _require(getattr(torch.UntypedStorage, "resize_", None), "UntypedStorage.resize_")
+_resize_defined_on_class = "resize_" in vars(torch.UntypedStorage)  # else inherited from the C base
+
+
+def _observed_resize(storage, size):
+    before = storage.nbytes()
+    result = _original_resize(storage, size)
+    for observer in list(_resize_observers):
+        observer(storage, before, storage.nbytes())
+    return result
+
+
+@contextlib.contextmanager
+def storage_resizes_observed(observer):
+    """While active, ``observer(storage, bytes_before, bytes_after)`` hears of every
+    ``UntypedStorage.resize_``: NOTE [ Storage resizes ]."""
+    if not _resize_observers:
+        torch.UntypedStorage.resize_ = _observed_resize
+    _resize_observers.append(observer)
+    try:
+        yield
+    finally:
+        _resize_observers.remove(observer)
+        if not _resize_observers:
+            if _resize_defined_on_class:
+                torch.UntypedStorage.resize_ = _original_resize
+            else:
+                del torch.UntypedStorage.resize_

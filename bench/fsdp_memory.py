@@ -6,9 +6,9 @@ A chain of (Linear, GELU) pairs, each Linear its own ``fully_shard`` unit, run a
 default segments (balanced). Peak: how far the CPU allocator's bytes rise over one
 training step (forward, backward from an output gradient of ones), the step after
 the one that plans and allocates gradients, plus the batch: what a plan's
-``predicted_peak_bytes`` counts. The allocator, not LiveBytes: FSDP2 frees and
-refills each unit's gathered parameters in place (``storage.resize_``), which only
-the allocator sees (harness.allocator_peak). Under FSDP2 the peak includes what
+``predicted_peak_bytes`` counts. The allocator (harness.allocator_peak), the
+process's own count, not actsave's: FSDP2 frees and refills each unit's gathered
+parameters in place (``storage.resize_``). Under FSDP2 the peak includes what
 FSDP2 allocates itself (gathered parameters, unsharded gradients, its communication
 buffers); the larger of the two ranks' is reported (their frees interleave
 differently with the collectives).

@@ -151,3 +151,4 @@ def test_fsdp2_default_segments_are_the_unsharded_models_plan(outcomes, scenario
         assert (result["balanced_starts"], result["warnings"]) == (expected, []), f"rank {rank}"
         assert FSDP2_LINE in result["description"], f"rank {rank}"
     assert_matches_reference(scenario, results)
+

@@ -25,7 +25,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .._torch import current_autograd_node, own_tensors
+from .._torch import current_autograd_node, own_tensors, storage_resizes_observed
 from ..devices import forked_rng_devices, synchronize
 from ..errors import ConfigError
 from ..meta import fast_meta, plans_at_first_call
@@ -156,6 +156,14 @@ class _SaveLedger:
         # Detached: holding the output itself would be a reference cycle.
         rise = self.tracker.live - self.live_before[self.layer]
         return t.detach(), self.as_stored.pack(t, self.layer, rise, pool)
+
+    def resized(self, storage, before: int, after: int) -> None:
+        """A saved storage emptied in place is not held to its backward: FSDP2 frees a
+        unit's gathered parameters so after the forward that saved them, and gathers
+        them again for the backward, which the byte count sees as that layer's
+        backward rise (NOTE [ Storage resizes ] in _torch.py)."""
+        if after == 0:
+            self._entries.pop(id(storage), None)
 
     def _count_relu_output(self, t: torch.Tensor) -> None:
         bits = self.relu_bits.setdefault(self.layer, [0, 0])
@@ -405,7 +413,8 @@ def measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torc
     known = [*model.parameters(), *model.buffers(), *grads, x]
     tracker = LiveBytes(device, known=known)
     ledger = _SaveLedger(device, ignored=known, tracker=tracker, caller=CallerTensors(x, model))
-    with tracker, saved_tensors_hooks(ledger.pack, ledger.unpack), ledger.pools.watching():
+    with tracker, storage_resizes_observed(ledger.resized), saved_tensors_hooks(ledger.pack, ledger.unpack), \
+            ledger.pools.watching():
         try:
             forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
                                                                        ledger.after_layer, loss)

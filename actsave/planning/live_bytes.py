@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from .._torch import TorchDispatchMode, pytree
+from .._torch import TorchDispatchMode, pytree, storage_resizes_observed
 from ..devices import allocation_granule, host_is_separate
 from ..meta import OUTPUT_METADATA
 from ..offload import is_host_memory
@@ -35,7 +35,9 @@ class LiveBytes(TorchDispatchMode):
     buffers of offload (offload.is_host_memory) are device memory where the host's
     memory is not separate (devices.host_is_separate: the CPU, and meta tensors that
     stand for no device), counted from the first operation that touches them, as
-    MemTracker counts them; on CUDA they are not device memory.
+    MemTracker counts them; on CUDA they are not device memory. A counted storage
+    resized in place (``storage.resize_``, as FSDP2 frees and refills its gathered
+    parameters) is counted at its new size from then on (NOTE [ Storage resizes ]).
     ``device`` sets the allocation rounding (:func:`allocation_bytes`).
     :meth:`span` measures the peak of one stretch of work.
     """
@@ -46,10 +48,22 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._lock = threading.Lock()  # storages may die on autograd's worker threads
+        # storage -> [the bytes it is counted at], or None where it is not counted
         self._seen = weakref.WeakKeyDictionary()
+        self._resizes = contextlib.ExitStack()
         for t in pytree.tree_leaves(known):
             if isinstance(t, torch.Tensor):
-                self._seen[t.untyped_storage()] = True
+                self._seen[t.untyped_storage()] = None
+
+    def __enter__(self):
+        self._resizes.enter_context(storage_resizes_observed(self._resized))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._resizes.close()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = OUTPUT_METADATA.call(func, args, kwargs or {})  # fast on meta tensors: meta.py
@@ -67,12 +81,22 @@ class LiveBytes(TorchDispatchMode):
         storage = t.untyped_storage()
         if storage in self._seen:
             return
-        self._seen[storage] = True
         if host_is_separate(self.device) and is_host_memory(storage):  # an offload buffer, off the device
+            self._seen[storage] = None
             return
-        nbytes = allocation_bytes(storage.nbytes(), self.device)
-        weakref.finalize(storage, self._add, -nbytes)
-        self._add(nbytes)
+        counted = self._seen[storage] = [allocation_bytes(storage.nbytes(), self.device)]
+        weakref.finalize(storage, self._uncount, counted)
+        self._add(counted[0])
+
+    def _uncount(self, counted: list) -> None:
+        self._add(-counted[0])
+
+    def _resized(self, storage, before: int, after: int) -> None:
+        counted = self._seen.get(storage)
+        if counted is not None:
+            now = allocation_bytes(after, self.device)
+            delta, counted[0] = now - counted[0], now
+            self._add(delta)
 
     def _add(self, nbytes: int) -> None:
         with self._lock:

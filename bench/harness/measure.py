@@ -147,11 +147,12 @@ def allocator_peak(step) -> int:
     """How far the bytes held by the CPU allocator rose above their value at the start
     of ``step()`` at its peak, from the memory events of ``torch.profiler``.
 
-    For code that frees and refills a storage in place (``storage.resize_``, as FSDP2
-    does with each unit's gathered parameters): LiveBytes and MemTracker track a
-    storage from the op that makes it until it dies, so they count such a storage
-    whole for as long as it lives, resized to nothing or not. The allocator sees each
-    resize as it happens. On plain tensors both agree (tests/bench/test_smoke.py)."""
+    The process's own count, independent of actsave's: it sees every allocation,
+    FSDP2's communication buffers and its in-place resizes (``storage.resize_``, how
+    it frees and refills each unit's gathered parameters) included. MemTracker tracks
+    a storage from the op that makes it until it dies, so it counts such a storage
+    whole for as long as it lives. On plain tensors the allocator and LiveBytes agree
+    (tests/bench/test_smoke.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

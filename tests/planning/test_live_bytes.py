@@ -1,0 +1,44 @@
+"""LiveBytes (planning/live_bytes.py): storages counted from the operator that makes
+them until they die, and at their new size when resized in place (NOTE [ Storage
+resizes ] in _torch.py)."""
+import torch
+
+from actsave.planning.live_bytes import LiveBytes
+
+
+def test_a_storage_resized_in_place_is_counted_at_its_new_size():
+    # As FSDP2 frees a unit's gathered parameters (resize_(0)) and refills them.
+    tracker = LiveBytes("cpu")
+    with tracker:
+        gathered = torch.zeros(1024, dtype=torch.uint8)
+        assert tracker.live == 1024
+        gathered.untyped_storage().resize_(0)
+        assert tracker.live == 0
+        gathered.untyped_storage().resize_(1024)
+        other = torch.zeros(512, dtype=torch.uint8)
+        assert (tracker.live, tracker.peak) == (1536, 1536)
+        del gathered, other
+    assert tracker.live == 0  # dead storages leave at the size they had
+
+
+def test_storages_not_counted_are_not_counted_when_resized():
+    known = torch.zeros(256, dtype=torch.uint8)
+    tracker = LiveBytes("cpu", known=[known])
+    with tracker:
+        known.untyped_storage().resize_(4096)
+        outside = torch.zeros(64, dtype=torch.uint8)
+    before = tracker.live
+    outside.untyped_storage().resize_(4096)  # after the tracker: not observed
+    assert tracker.live == before == 64
+
+
+def test_resizes_are_observed_only_while_a_tracker_is_active_and_by_each():
+    outer, inner = LiveBytes("cpu"), LiveBytes("cpu")
+    with outer:
+        shared = torch.zeros(100, dtype=torch.uint8)
+        with inner:
+            made_inside = torch.zeros(200, dtype=torch.uint8)
+            shared.untyped_storage().resize_(300)
+            made_inside.untyped_storage().resize_(0)
+        assert (outer.live, inner.live) == (300, 0)
+    assert "resize_" not in vars(torch.UntypedStorage)  # the inherited method again
