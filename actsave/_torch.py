@@ -4,9 +4,11 @@ actsave needs a few things PyTorch does not publish: whether saved-tensor hooks 
 set, a storage's identity, tensors' version counters and view bases, modules' own
 parameter and buffer tables (to swap a tensor for a scratch or meta copy without
 registering it), the autograd node type of a ReLU and the node a backward runs, the
-dispatch-mode and pytree utilities, the module ``torch.compile`` returns, and FSDP2's
-per-unit state (the handles of its forward hooks). They are read here and nowhere else, so that a PyTorch release that moves one breaks this
-file with a clear error, not the library at a distance.
+dispatch-mode and pytree utilities, the module ``torch.compile`` returns, FSDP2's
+per-unit state (the handles of its forward hooks), and storages' in-place resizes
+(``UntypedStorage.resize_``, which no dispatch mode sees). They are read here and
+nowhere else, so that a PyTorch release that moves one breaks this file with a clear
+error, not the library at a distance.
 
 Tested with PyTorch 2.13 (CI) and written for 2.11 (the GPU image), the minimum in
 pyproject.toml.

@@ -149,7 +149,7 @@ class PrefetchTape:
     def _live_before(self, item) -> list:
         """The ``depth`` live items registered just before ``item``, newest first ([]
         where it is not on the tape)."""
-        self._newest_live()
+        self._newest_live()  # forgets the dead newest references first
         ahead, found = [], False
         for ref in reversed(self._refs):
             each = _live(ref())

@@ -18,6 +18,7 @@ from ..devices import allocation_granule, host_is_separate
 from ..meta import OUTPUT_METADATA
 from ..offload import is_host_memory
 
+
 def allocation_bytes(nbytes: int, device) -> int:
     """Bytes a storage of ``nbytes`` occupies on ``device``: rounded up to its
     allocator's granule (devices.allocation_granule)."""

@@ -440,12 +440,6 @@ def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeO
 _warned_eager_under_compile = False
 
 
-def kept_in_words(policy: KeepPolicy) -> str:
-    """How ``policy`` keeps an input, for a message: "by int8 and on the host"."""
-    return " and ".join(([] if policy.codec.lossless else [f"by {policy.codec.name}"])
-                        + (["on the host"] if policy.offload else []))
-
-
 def warn_eager_under_compile(what: str, breaks: str) -> None:
     """The one warning per process that actsave runs ``what`` eagerly under
     torch.compile, with ``breaks`` (where the graph breaks) and what to do instead."""
@@ -461,8 +455,9 @@ def warn_eager_under_compile(what: str, breaks: str) -> None:
 
 @torch.compiler.disable
 def _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by):
-    warn_eager_under_compile(f"a checkpoint that keeps its input {kept_in_words(policy)}",
-                             "a graph break at each such call")
+    kept = " and ".join(([] if policy.codec.lossless else [f"by {policy.codec.name}"])
+                        + (["on the host"] if policy.offload else []))
+    warn_eager_under_compile(f"a checkpoint that keeps its input {kept}", "a graph break at each such call")
     return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
 
 
