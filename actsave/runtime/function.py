@@ -188,7 +188,6 @@ class _Frame:
             yield
 
     def end_forward(self) -> None:
-        self.code.forward_ended(self.decision_bytes > 0)
         self.touched.end_forward()
         self._forward_inputs = None
         self._recomputed_in_forward = weakref.WeakKeyDictionary()
@@ -496,6 +495,7 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy, options, ma
         raise
     finally:
         frame.end_forward()
+    frame.code.forward_ended(frame.decision_bytes > 0)  # a forward that raised found out nothing
     kept.end_forward(_name(function))
     if not frame.slots:  # nothing to backprop through: nothing to keep
         kept.release()

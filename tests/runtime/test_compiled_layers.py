@@ -68,3 +68,16 @@ def test_the_records_of_collected_layers_are_dropped(monkeypatch):
         code.forward_ended(False)
         del code
     assert len(compiled_layers._KEEPS_DECISIONS) <= 2
+
+
+def test_a_forward_that_raised_records_nothing():
+    import actsave
+
+    class Failing(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("data-dependent failure")
+
+    block = torch.compile(Failing(), backend="aot_eager")
+    with pytest.raises(RuntimeError, match="data-dependent failure"):
+        actsave.checkpoint(block, torch.randn(2, 2, requires_grad=True) * 1.0, compress="int8")
+    assert compiled_layers._KEEPS_DECISIONS == {}
