@@ -1,5 +1,9 @@
 """Models and comparisons shared by the tests."""
 import copy
+import functools
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -7,6 +11,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from actsave.codecs import GROUP_SIZE, sqnr_db  # noqa: F401  (sqnr_db: for the tests)
 from actsave.meta import plans_at_first_call
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def mixed_chain(width: int = 16, repeats: int = 4) -> nn.Sequential:
@@ -143,3 +149,19 @@ def peak_activation_bytes(model: nn.Module, x: torch.Tensor, loss=None) -> int:
         else:
             loss(out).backward()
     return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - static
+
+
+@functools.cache
+def load_bench_module(name: str):
+    """A script or package of bench/, loaded from its file (pytest runs with
+    --import-mode=importlib and bench/ is no package; bench/harness/ is one)."""
+    path = BENCH / name
+    if path.is_dir():  # a package, e.g. bench/harness/
+        spec = importlib.util.spec_from_file_location(
+            f"bench_{name}", path / "__init__.py", submodule_search_locations=[str(path)])
+    else:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

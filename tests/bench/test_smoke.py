@@ -8,8 +8,7 @@ bench/harness/ is one).
 """
 import csv
 import dataclasses
-import functools
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -23,27 +22,13 @@ import torch
 
 import actsave
 from actsave.planning.live_bytes import LiveBytes
+from support import BENCH, load_bench_module
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 CSV_COLUMNS = [
     "bench", "case", "provider", "metric", "unit", "x_name", "x_value", "p20", "p50", "p80",
     "n_reps", "config_json", "device_name", "torch_version", "triton_version",
     "actsave_version", "git_sha", "timestamp_utc",
 ]
-
-
-@functools.cache
-def load_bench_module(name: str):
-    path = BENCH / name
-    if path.is_dir():  # a package, e.g. bench/harness/
-        spec = importlib.util.spec_from_file_location(
-            f"bench_{name}", path / "__init__.py", submodule_search_locations=[str(path)])
-    else:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_script(script: str, *args: str) -> str:
