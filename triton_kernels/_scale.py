@@ -182,8 +182,11 @@ def group_scale_ref(flat, group_size, code_max, non_finite):
     scales = torch.where((scales * limit).isinf(), scales.nextafter(torch.zeros_like(scales)), scales)
     # An all-zero group needs no pre-scale (its multiplier is 0): ReLU outputs hold
     # many, and the meta tensors the planner profiles with hold none.
+    # Traced into a compiled graph, no branch may read a value: every group takes the
+    # pre-scale path there, which multiplies the others by 1.0, giving the same bits.
     tiny = (absmax > 0) & (absmax < TINY_ABSMAX.value)
-    prescales = torch.where(tiny, PRESCALE.value, 1.0) if flat.device.type != "meta" and tiny.any() else None
+    pre_scaled = flat.device.type != "meta" and (torch.compiler.is_compiling() or bool(tiny.any()))
+    prescales = torch.where(tiny, PRESCALE.value, 1.0) if pre_scaled else None
     multipliers = limit / (absmax if prescales is None else absmax * prescales)
     multipliers = torch.where(absmax > 0, multipliers, float("nan"))
     return torch.where(flagged, -scales, scales), multipliers, prescales

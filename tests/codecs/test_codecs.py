@@ -66,3 +66,23 @@ def test_non_negative_encoding_allocates_no_more_than_signed(codec, shape):
     relu = torch.randn(shape).relu_()
     relu.view(-1)[: 4 * 128] = 0  # whole groups of zeros
     assert rise(relu, non_negative=True) <= rise(signed, non_negative=False)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_a_codec_traced_into_one_graph_stores_the_bits_it_stores_eagerly(name):
+    # NOTE [ Codecs in a compiled graph ]: the references run traced, where no branch
+    # may read a value; tiny groups (pre-scaled), zero groups and non-finite values
+    # take their own paths eagerly.
+    codec = get_codec(name)
+    x = torch.randn(4, 8, 3, 3)
+    x[0] *= 2.0**-80  # tiny groups
+    x[1] = 0.0
+    x[2, 0, 0, 0], x[2, 1, 0, 0], x[3, 0, 0, 0] = float("inf"), float("nan"), -float("inf")
+
+    def round_trip(t):
+        packed = codec.encode(t)
+        return packed.data, packed.scales, packed.offsets, codec.decode(packed)
+    torch._dynamo.reset()
+    traced = torch.compile(round_trip, backend="aot_eager", fullgraph=True)(x)
+    for got, expected in zip(traced, round_trip(x)):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
