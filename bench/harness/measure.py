@@ -153,6 +153,14 @@ def allocator_peak(step) -> int:
     a storage from the op that makes it until it dies, so it counts such a storage
     whole for as long as it lives. On plain tensors the allocator and LiveBytes agree
     (tests/bench/test_smoke.py)."""
+    return allocator_rise(step)[0]
+
+
+def allocator_rise(step) -> tuple:
+    """``(peak, end)``: how far the bytes held by the CPU allocator rose above their
+    value at the start of ``step()``, at their peak and when it returned (what it left
+    allocated: what a forward keeps for its backward, and its output); read as
+    :func:`allocator_peak` reads them, so a compiled graph's saves count as eager ones."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -163,7 +171,7 @@ def allocator_peak(step) -> int:
     for _, nbytes in events:
         held += nbytes
         peak = max(peak, held)
-    return peak
+    return peak, held
 
 
 def _release_memory(device: torch.device) -> None:
