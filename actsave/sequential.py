@@ -37,9 +37,11 @@ from ._torch import is_sharded
 from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
-from .runtime.function import checkpointed_call, warn_eager_under_compile
+from .runtime import graph_codecs
+from .runtime.function import checkpoint_in_graph, checkpointed_call, warn_eager_under_compile
 from .runtime.layers import LayerChain
 from .runtime.nested import nested_call
+from .runtime.recompute_options import DEFAULT_RECOMPUTE
 from .offload import current_tape
 from .runtime.store import CallerTensors, KeepPolicy, modifies_input, should_encode
 from .text import format_table
@@ -142,6 +144,7 @@ class CheckpointedSequential(nn.Sequential):
         self._last_kept_bytes = {}  # segment start -> bytes kept at the last training call
         self._last_by_reference = {}  # segment start -> bytes of the input its caller held then
         self._last_traced = False  # whether the last training call ran in a compiled graph
+        self._decisions_by_input = {}  # graph_codecs.decisions_made, per input and plan
         self.applied_plan = None  # the last plan applied; later per-layer changes are not in it
         if planned:
             self.apply_plan(_planned(self, segments, budget, example_inputs, loss, allow))
@@ -199,11 +202,17 @@ class CheckpointedSequential(nn.Sequential):
             return super().forward(input)
         layers = list(self)
         if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
-            # Each call here is the forward's one graph break (made in a method Dynamo
-            # inlined, a break would count twice).
-            if self._keeps_by_codec_or_offload():
+            # Each disabled method called here is a graph break (called from a method
+            # Dynamo inlined, a break would count twice).
+            if self._keeps_on_host():
                 return self._eager_forward_under_compile(input, layers)
-            return self._traced_forward(input, layers, self._starts_for(input, layers))
+            if not self._keeps_by_codec():
+                return self._traced_forward(input, layers, self._starts_for(input, layers))
+            # NOTE [ Codecs in a compiled graph ]: hooks set at a first break, unset at a second.
+            eager_output, starts = self._codecs_in_graph_on(input, layers)
+            if eager_output is not None:
+                return eager_output
+            return _codecs_in_graph_off(self._traced_forward(input, layers, starts))
         return self._eager_forward(input, layers, self._starts_for(input, layers))
 
     def _eager_forward(self, input, layers: list, starts: list):
@@ -233,38 +242,77 @@ class CheckpointedSequential(nn.Sequential):
 
     def _traced_forward(self, input, layers: list, starts: list):
         """The forward as Dynamo traces it (NOTE [ Checkpoints in a compiled graph ] in
-        runtime/function.py), every layer set to keep exactly on the device: each
-        checkpointed segment as torch's checkpoint of the same layers, a nested one as
-        one checkpoint of its layers; no offload tape and no kept-bytes ledger, which
-        the compiled graph replaces."""
+        runtime/function.py), no layer keeping on the host: each checkpointed segment as
+        torch's checkpoint of the same layers, a nested one as one checkpoint of its
+        layers; each segment kept by a codec annotated for actsave's graph hooks (NOTE
+        [ Codecs in a compiled graph ] in runtime/graph_codecs.py); no offload tape and
+        no kept-bytes ledger, which the compiled graph replaces."""
         self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, True
-        for segment in segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
-            run = _Chain(layers[segment.start:segment.stop])
-            if segment.checkpointed:
-                policy = self._segment_policy(segment, layers)
-                input, _ = checkpointed_call(run, (input,), {}, policy, modifies_input(layers[segment.start]))
-            else:
-                input = run(input)
+        segments = segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges())
+        for segment, next_segment in zip(segments, segments[1:] + [None]):
+            run, context_fn = _Chain(layers[segment.start:segment.stop]), None
+            policy = self._segment_policy(segment, layers)
+            if policy.lossy and next_segment is not None and not next_segment.checkpointed \
+                    and not self._segment_policy(next_segment, layers).lossy:
+                run, context_fn = graph_codecs.ending_in_a_saved_copy(run)
+            with graph_codecs.annotation(policy, segment.checkpointed):
+                if segment.checkpointed:
+                    input = checkpoint_in_graph(run, (input,), {}, DEFAULT_RECOMPUTE, context_fn)
+                else:
+                    input = run(input)
         return input
 
-    def _keeps_by_codec_or_offload(self) -> bool:
-        """Whether a layer is set to keep by a lossy codec or on the host, which a
-        compiled graph cannot hold (runtime/function.py, compiles_in_graph, asked of
-        the settings); read as Dynamo traces the forward, before any planning, so it
-        asks the settings, not the segments of a plan."""
-        codecs = (self._default_compress, *self._layer_compress.values())
-        return any(not codec.lossless for codec in codecs) or any((self._default_offload,
-                                                                   *self._layer_offload.values()))
+    def _keeps_on_host(self) -> bool:
+        """Whether a layer is set to keep on the host, which a compiled graph cannot
+        hold; read as Dynamo traces the forward, before any planning, so it asks the
+        settings, not the segments of a plan."""
+        return any((self._default_offload, *self._layer_offload.values()))
+
+    def _keeps_by_codec(self) -> bool:
+        """Whether a layer is set to keep by a lossy codec (read as :meth:`_keeps_on_host`)."""
+        return any(not codec.lossless for codec in (self._default_compress, *self._layer_compress.values()))
 
     @torch.compiler.disable  # NOTE [ torch.compile ] in runtime/function.py
     def _eager_forward_under_compile(self, input, layers: list):
-        """The forward under torch.compile where a layer keeps by a codec or on the
-        host: run eagerly, as without torch.compile, so that codecs, decisions and
-        offload apply as they do there, in one graph break however many segments keep
-        so (one warning per process)."""
-        warn_eager_under_compile("a CheckpointedSequential that keeps inputs by a codec or on the host",
-                                 "one graph break, at its forward")
+        """The forward under torch.compile where a layer keeps on the host: run eagerly,
+        as without torch.compile, so that offload applies as it does there, in one
+        graph break however many segments keep so (one warning per process)."""
+        warn_eager_under_compile("a CheckpointedSequential that keeps inputs on the host",
+                                 "one graph break, at its forward", "offload is not an op a compiled graph holds")
         return self._eager_forward(input, layers, self._starts_for(input, layers))
+
+    @torch.compiler.disable  # NOTE [ Codecs in a compiled graph ] in runtime/graph_codecs.py
+    def _codecs_in_graph_on(self, input, layers: list) -> tuple:
+        """The forward's first graph break where a layer keeps by a codec: the segments
+        looked up, then actsave's graph hooks set and ``(None, starts)`` returned; or,
+        where the graph cannot hold what eager actsave keeps, the forward run eagerly
+        and ``(output, starts)`` returned (one warning per process, naming why)."""
+        starts = self._starts_for(input, layers)
+        why = self._why_codecs_run_eagerly(input, layers, starts)
+        if why is None:
+            if graph_codecs.hooks_on():
+                return None, starts
+            why = "other saved-tensor hooks are set, which the compiled graph would not apply"
+        warn_eager_under_compile("a CheckpointedSequential that keeps inputs by a codec",
+                                 "one graph break, at its forward", why)
+        return self._eager_forward(input, layers, starts), starts
+
+    def _why_codecs_run_eagerly(self, input, layers: list, starts: list) -> Optional[str]:
+        """Why the segments of ``starts`` cannot keep by their codecs in a compiled
+        graph, or None (NOTE [ Codecs in a compiled graph ])."""
+        missing = graph_codecs.missing_pieces()
+        if missing is not None:
+            return missing
+        segments = list(segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()))
+        key = (tuple(input.shape), input.stride(), input.dtype, tuple(starts),
+               tuple(self._segment_policy(s, layers) for s in segments), tuple(layer.training for layer in layers))
+        if key not in self._decisions_by_input:
+            self._decisions_by_input[key] = graph_codecs.decisions_made(
+                [(layers[s.start:s.stop], self._segment_policy(s, layers)) for s in segments], input)
+        decisions = self._decisions_by_input[key]
+        if decisions is not None:
+            return f"a segment kept by a codec makes {decisions}, which a recompute in the graph cannot keep"
+        return None
 
     @property
     def balanced_plan(self) -> Optional["plans.Plan"]:
@@ -363,8 +411,9 @@ class CheckpointedSequential(nn.Sequential):
                 rows.append(row + ("",) * (len(rows[0]) - len(row)))
         lines = [header, format_table(rows)] if header is not None else [format_table(rows)]
         if self._last_traced:
-            lines.append("The last training call ran in a compiled graph, which chose what each segment "
-                         "saves: no kept bytes (NOTE [ Checkpoints in a compiled graph ]).")
+            codecs = " (those set to keep by a codec encoded in it)" if self._keeps_by_codec() else ""
+            lines.append(f"The last training call ran in a compiled graph, which chose what each segment "
+                         f"saves{codecs}: no kept bytes (NOTE [ Checkpoints in a compiled graph ]).")
         if any(is_sharded(p) for p in self.parameters()):
             lines.append("The parameters are FSDP2-sharded: a plan counts the step's own tensors, not what FSDP2 "
                          "allocates beside them (each unit's gathered parameters, which a recompute keeps gathered "
@@ -426,6 +475,13 @@ class CheckpointedSequential(nn.Sequential):
 
     def extra_repr(self) -> str:
         return f"segments={self.segments!r}"
+
+
+@torch.compiler.disable  # NOTE [ Codecs in a compiled graph ] in runtime/graph_codecs.py
+def _codecs_in_graph_off(output):
+    """The forward's second graph break: actsave's graph hooks unset after its last op."""
+    graph_codecs.hooks_off()
+    return output
 
 
 def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:

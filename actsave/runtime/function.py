@@ -417,10 +417,12 @@ def checkpointed_call(
 # actsave's (the segment, the block); the compiled graph, not actsave, then decides
 # what the region saves, so no kept bytes are reported (None). A call that keeps its
 # input by a codec or on the host runs eagerly instead (a graph break, with one
-# warning): the codecs and the offload copies are not ops a compiled graph can hold.
-# A CheckpointedSequential with a layer set to keep so runs its whole forward eagerly
-# instead, as one graph break (sequential.py, _eager_forward_under_compile), however
-# many segments keep by a codec.
+# warning): the offload copies are not ops a compiled graph can hold, and a codec is
+# held only where a whole CheckpointedSequential sets saved-tensor hooks around its
+# graph (NOTE [ Codecs in a compiled graph ] in graph_codecs.py), which a single call
+# cannot do at less than two breaks. A CheckpointedSequential with a layer set to keep
+# on the host, or whose lossy segments make decisions, runs its whole forward eagerly
+# instead, as one graph break (sequential.py), however many segments keep so.
 def compiles_in_graph(policy: KeepPolicy) -> bool:
     """Whether a checkpoint keeping its input by ``policy`` becomes torch's checkpoint
     in a compiled graph: it keeps it exactly, on the device. Judged by value: a
@@ -428,35 +430,39 @@ def compiles_in_graph(policy: KeepPolicy) -> bool:
     return not policy.lossy and not policy.offload
 
 
-def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions):
+def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions, context_fn=None):
     """``function(*args, **kwargs)`` as torch's non-reentrant checkpoint with the
-    same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ]."""
+    same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ].
+    ``context_fn``: torch's, for selective checkpointing."""
+    extra = {} if context_fn is None else {"context_fn": context_fn}
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=options.preserve_rng_state,
-        determinism_check=options.determinism_check, debug=options.debug, **kwargs)
+        determinism_check=options.determinism_check, debug=options.debug, **extra, **kwargs)
 
 
 _warned_eager_under_compile = False
 
 
-def warn_eager_under_compile(what: str, breaks: str) -> None:
+def warn_eager_under_compile(what: str, breaks: str, why: str) -> None:
     """The one warning per process that actsave runs ``what`` eagerly under
-    torch.compile, with ``breaks`` (where the graph breaks) and what to do instead."""
+    torch.compile, with ``breaks`` (where the graph breaks), ``why``, and what to do
+    instead."""
     global _warned_eager_under_compile
     if _warned_eager_under_compile:
         return
     _warned_eager_under_compile = True
     warnings.warn(
-        f"actsave: {what} runs eagerly under torch.compile ({breaks}): codecs and offload are not ops "
-        "a compiled graph holds. Exact checkpoints compile (NOTE [ Checkpoints in a compiled graph ]); or "
-        "compile the blocks and then checkpoint them, which keeps codecs and offload.", stacklevel=4)
+        f"actsave: {what} runs eagerly under torch.compile ({breaks}): {why}. Exact checkpoints compile "
+        "(NOTE [ Checkpoints in a compiled graph ]); or compile the blocks and then checkpoint them, which keeps "
+        "codecs, decisions and offload.", stacklevel=4)
 
 
 @torch.compiler.disable
 def _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by):
     kept = " and ".join(([] if policy.codec.lossless else [f"by {policy.codec.name}"])
                         + (["on the host"] if policy.offload else []))
-    warn_eager_under_compile(f"a checkpoint that keeps its input {kept}", "a graph break at each such call")
+    warn_eager_under_compile(f"a checkpoint that keeps its input {kept}", "a graph break at each such call",
+                             "codecs outside a CheckpointedSequential and offload are not ops a compiled graph holds")
     return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
 
 

@@ -1,0 +1,103 @@
+"""actsave/runtime/graph_codecs.py: which segments make decisions a compiled recompute
+cannot keep, and the saved-tensor hooks set and unset around a compiled forward (NOTE [
+Codecs in a compiled graph ]). The compiled models themselves: tests/test_compile.py."""
+import pytest
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from actsave import _torch
+from actsave.runtime import graph_codecs
+from actsave.runtime.store import EXACT, KeepPolicy
+
+INT8 = KeepPolicy.resolve("int8")
+
+
+def linear(activation: nn.Module) -> list:
+    return [nn.Linear(8, 8), activation]
+
+
+def test_a_lossy_segment_that_saves_a_relu_output_makes_decisions():
+    segments = [(linear(nn.GELU()), INT8), (linear(nn.ReLU()), INT8)]
+    assert graph_codecs.decisions_made(segments, torch.randn(4, 8)) == "ReLU decisions"
+
+
+def test_relu_outputs_of_exact_segments_and_gelu_ones_of_lossy_segments_make_none():
+    segments = [(linear(nn.ReLU()), EXACT), (linear(nn.GELU()), INT8), (linear(nn.Tanh()), INT8)]
+    assert graph_codecs.decisions_made(segments, torch.randn(4, 8)) is None
+
+
+def test_a_max_pool_module_in_a_lossy_segment_makes_decisions():
+    segments = [([nn.Conv2d(3, 4, 3), nn.MaxPool2d(2)], INT8)]
+    assert graph_codecs.decisions_made(segments, torch.randn(2, 3, 8, 8)) == "max-pool decisions"
+
+
+def test_integer_inputs_are_probed_without_a_gradient():
+    segments = [([nn.Embedding(16, 8), nn.Linear(8, 8)], INT8), (linear(nn.GELU()), INT8)]
+    assert graph_codecs.decisions_made(segments, torch.randint(0, 16, (2, 5))) is None
+
+
+class ReadsValues(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum().item() > 0 else x
+
+
+def test_a_forward_that_fails_on_meta_tensors_is_said_to_make_decisions_and_names_why():
+    why = graph_codecs.decisions_made([([ReadsValues()], INT8)], torch.randn(4, 8))
+    assert why.startswith("decisions unknown: its forward failed on meta tensors")
+
+
+class DrawsOnTheCpu(nn.Module):
+    """Stochastic depth drawn on the CPU: a forward that moves the CPU's RNG."""
+
+    def forward(self, x):
+        return x * (torch.rand(()) < 0.9)
+
+
+def test_the_probe_leaves_parameters_and_the_rng_as_they_were():
+    layers = [nn.Linear(8, 8), DrawsOnTheCpu(), nn.GELU()]
+    weight, x = layers[0].weight, torch.randn(4, 8)
+    state = torch.get_rng_state()
+    graph_codecs.decisions_made([(layers, INT8)], x)
+    assert layers[0].weight is weight and weight.device.type == "cpu"
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_hooks_on_sets_actsave_hooks_and_hooks_off_unsets_only_them():
+    assert _torch.top_saved_tensor_hooks() is None
+    assert graph_codecs.hooks_on()
+    pack, unpack = _torch.top_saved_tensor_hooks()
+    assert isinstance(pack, torch.fx.GraphModule) and isinstance(unpack, torch.fx.GraphModule)
+    graph_codecs.hooks_off()
+    assert _torch.top_saved_tensor_hooks() is None
+    with saved_tensors_hooks(lambda t: t, lambda t: t):
+        graph_codecs.hooks_off()  # not ours: left alone
+        assert _torch.top_saved_tensor_hooks() is not None
+
+
+def test_hooks_on_refuses_under_other_hooks_and_sets_nothing():
+    with saved_tensors_hooks(lambda t: t, lambda t: t):
+        theirs = _torch.top_saved_tensor_hooks()
+        assert not graph_codecs.hooks_on()
+        assert _torch.top_saved_tensor_hooks() == theirs
+
+
+def test_hooks_a_failed_forward_left_set_are_unset_by_the_next_hooks_on():
+    assert graph_codecs.hooks_on()
+    assert graph_codecs.hooks_on()  # the first is taken for a failed forward's and replaced
+    graph_codecs.hooks_off()
+    assert _torch.top_saved_tensor_hooks() is None
+
+
+def test_called_eagerly_the_hooks_keep_every_tensor_as_it_is():
+    # Outside AOTAutograd's trace there is no saved node: nothing is encoded.
+    pack, unpack = graph_codecs._the_hooks()
+    x = torch.randn(4, 8)
+    assert pack(x) is x and unpack(x) is x
+
+
+@pytest.fixture(autouse=True)
+def no_hooks_left():
+    yield
+    while _torch.top_saved_tensor_hooks() == graph_codecs._the_hooks():
+        _torch.pop_saved_tensor_hooks()
