@@ -3,13 +3,19 @@ backward, its time, and what Dynamo made of it, compiled against eager.
 
 For each model: plain PyTorch, actsave's default CheckpointedSequential and the same
 with ``compress="int8"``, each run eagerly and under ``torch.compile(model)``
-(--backend); int8 compiled runs its forward eagerly at its one graph break (docs/
-limits.md, "torch.compile"). Per mode:
+(--backend). Compiled, int8 encodes the kept inputs in the graph where no lossy
+segment makes ReLU or max-pool decisions (GPT), and runs its forward eagerly at one
+graph break where one does (ResNet): NOTE [ Codecs in a compiled graph ] in
+actsave/runtime/graph_codecs.py. Per mode:
 
-- kept after forward: the bytes a forward leaves for its backward, parameters left
-  out: the tensors autograd saved (seen by an outer saved-tensor hook, which sees a
-  compiled graph's saves too) plus what actsave keeps itself (actsave.stored_bytes);
-- on CUDA, the step's allocator peak over the parameters, gradients and batch;
+- kept after forward: the bytes a forward leaves allocated, its output left out (the
+  allocator's count, which sees a compiled graph's saves, encoded ones included, as
+  it sees eager actsave's kept inputs; harness.allocator_rise on the CPU, the CUDA
+  allocator on CUDA);
+- the step's allocator peak over what was allocated before it (the parameters, their
+  gradients from the warm-up freed, and the batch);
+- the worst parameter gradient's SQNR against plain eager PyTorch's (dB; ``inf``:
+  exact), one step from the same weights and batch;
 - the step time, median of interleaved rounds (process CPU time on the CPU, wall
   time synchronized on CUDA), and its ratio to the same mode's eager step;
 - Dynamo's graphs and graph breaks, counted over the warm-up steps.
@@ -34,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
 from actsave.devices import synchronize  # noqa: E402
 from actsave.text import format_table  # noqa: E402
+from harness import allocator_rise  # noqa: E402
+from harness.measure import worst_grad_sqnr  # noqa: E402
 from host_overhead import interleaved_times, paired_ratio  # noqa: E402
 from models import cifar_resnet, gpt  # noqa: E402
 
@@ -43,7 +51,9 @@ def cases(smoke: bool) -> dict:
     activations, not per-channel statistics, are what a step keeps."""
     torch.manual_seed(0)
     if smoke:
-        return {"resnet20 b2 8x8": (cifar_resnet(20), torch.randn(2, 3, 8, 8))}
+        return {"resnet20 b2 8x8": (cifar_resnet(20), torch.randn(2, 3, 8, 8)),
+                "gpt4 w64 b8 t64": (gpt(4, width=64, heads=2, vocab_size=64, max_seq_len=64),
+                                    torch.randint(0, 64, (8, 64)))}
     return {
         "resnet164 b8 32x32": (cifar_resnet(164), torch.randn(8, 3, 32, 32)),
         "gpt8 w256 b4 t256": (gpt(8, max_seq_len=256), torch.randint(0, 1024, (4, 256))),
@@ -70,32 +80,43 @@ def step(module, trained, batch) -> None:
     trained.zero_grad(set_to_none=True)
 
 
-def kept_after_forward(module, trained, batch) -> int:
-    parameters = {p.untyped_storage().data_ptr() for p in trained.parameters()}
-    saved = {}
+def kept_after_forward(module, trained, batch, device) -> int:
+    output = []
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = module(batch)
-    held = actsave.stored_bytes()
-    kept = sum(saved.values()) + held["device"] + held["host"]
+    def forward():
+        output.append(module(batch))
+    if device.type == "cuda":
+        synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        forward()
+        synchronize(device)
+        kept = torch.cuda.memory_allocated(device) - before
+    else:
+        kept = allocator_rise(forward)[1]
+    out = output.pop()
+    kept -= out.untyped_storage().nbytes()
     out.float().square().mean().backward()
     trained.zero_grad(set_to_none=True)
     return kept
 
 
 def step_peak(module, trained, batch, device) -> int:
-    """The allocator peak of one step over what was allocated before it (CUDA only)."""
+    """The allocator peak of one step over what was allocated before it."""
+    if device.type != "cuda":
+        return allocator_rise(functools.partial(step, module, trained, batch))[0]
     synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     step(module, trained, batch)
     synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+def gradients(module, trained, batch) -> list:
+    module(batch).float().square().mean().backward()
+    grads = [p.grad.clone() for p in trained.parameters()]
+    trained.zero_grad(set_to_none=True)
+    return grads
 
 
 def warm_up(runs: dict, batch, steps: int) -> dict:
@@ -116,12 +137,14 @@ def measure(model, batch, backend: str, rounds: int, device) -> tuple:
     counts = warm_up(runs, batch, steps=3)  # plans, compiles; each input shape once
     times = interleaved_times({name: functools.partial(step, module, trained, batch)
                                for name, (module, trained) in runs.items()}, rounds, device)
+    reference = gradients(*runs["plain"], batch)
     rows = []
     for name, (module, trained) in runs.items():
-        peak = step_peak(module, trained, batch, device) if device.type == "cuda" else None
+        fidelity = worst_grad_sqnr(reference, gradients(module, trained, batch))
+        peak = step_peak(module, trained, batch, device)
         graphs, breaks = counts[name]
-        rows.append([name, f"{kept_after_forward(module, trained, batch) / 2**20:.2f}",
-                     "-" if peak is None else f"{peak / 2**20:.1f}",
+        rows.append([name, f"{kept_after_forward(module, trained, batch, device) / 2**20:.2f}",
+                     f"{peak / 2**20:.2f}", f"{fidelity:.1f}",
                      f"{1e3 * statistics.median(times[name]):.1f}",
                      f"{paired_ratio(times, name, name.removesuffix(', compiled')):.3f}x",
                      graphs, breaks])
@@ -143,7 +166,8 @@ def main(argv=None) -> None:
         torch._dynamo.reset()
         rows, predicted = measure(model, batch, args.backend, 2 if args.smoke else args.rounds, device)
         print(f"\n{name}, {args.backend}, {device}:")
-        header = ["mode", "kept after forward MiB", "step peak MiB", "step ms", "vs eager", "graphs", "breaks"]
+        header = ["mode", "kept after forward MiB", "step peak MiB", "worst grad dB", "step ms", "vs eager", "graphs",
+                  "breaks"]
         print(format_table([header, *[[str(cell) for cell in row] for row in rows]]))
         if predicted is not None:
             print(f"balanced plan's predicted activation peak (eager code): {predicted / 2**20:.2f} MiB")
