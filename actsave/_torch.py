@@ -258,7 +258,8 @@ def storage_resizes_observed(observer):
 # graphs. Dynamo guards each compiled frame on the hooks' identity, so the same hook
 # objects must be active at every call. A hook here is a GraphModule whose forward is
 # replaced by a Python function that reads that context: the trace records the ops it
-# runs for that node. Its nominal graph calls the function, an op AOTAutograd's cache
+# runs for that node; called outside that trace (autograd calls it for what eager
+# code saves while it is set), it finds no context and keeps the tensor as it is. Its nominal graph calls the function, an op AOTAutograd's cache
 # cannot vouch for, so graphs compiled with it are never taken from that cache (whose
 # key sees the hooks' graphs, not what the function does with the context).
 def _optional_attribute(module_name: str, name: str):
@@ -293,7 +294,11 @@ def graph_hook(function) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     graph.output(graph.call_function(function, (graph.placeholder("value"),)))
     hook = torch.fx.GraphModule(torch.nn.Module(), graph)
-    type(hook).forward = lambda self, value: function(value)  # each GraphModule has a class of its own
+    # Each GraphModule has a class of its own. Autograd also calls the hook eagerly for
+    # what eager code saves while it is set, where Dynamo, compiling the frames a
+    # compiled region calls, would trace the hook and break at the private context:
+    # run eagerly, it is not traced (AOTAutograd's make_fx traces it all the same).
+    type(hook).forward = torch.compiler.disable(lambda self, value: function(value))
     return hook
 
 

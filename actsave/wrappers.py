@@ -18,15 +18,17 @@ saves checked): its segments are chains of layers, for which they are right.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, NamedTuple, Union
+from typing import Callable, NamedTuple, Optional, Union
 
+import torch
 from torch import nn
 
 from ._torch import uncompiled
 from .checks import real_number
 from .errors import ConfigError
 from .planning.blocks import BlockPlan, plan_block_stack
-from .runtime.function import checkpointed_call
+from .runtime import graph_codecs
+from .runtime.function import checkpoint_in_graph, checkpointed_call
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
 from .runtime.store import KeepPolicy, modifies_input
 
@@ -107,6 +109,9 @@ class Checkpoint(nn.Module):
         self.policy = KeepPolicy.resolve(compress, offload)
         self.recompute = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
         self.add_module(_WRAPPED, module)
+        # Why a compiled forward runs this block eagerly, though its codec could be in
+        # the graph; set at the root's first break (NOTE [ Codecs in a compiled graph ]).
+        self.eager_because: Optional[str] = None
         self.register_state_dict_post_hook(_strip_wrapper_prefix)
         self.register_load_state_dict_pre_hook(_add_wrapper_prefix)
 
@@ -116,8 +121,15 @@ class Checkpoint(nn.Module):
         return self._modules[_WRAPPED]
 
     def forward(self, *args, **kwargs):
+        if graph_codecs.probing():  # the root's probe on meta tensors watches the block's own saves
+            return self.module(*args, **kwargs)
+        if torch.compiler.is_compiling() and graph_codecs.blocks_in_graph(self.policy, self.eager_because):
+            function, context_fn = graph_codecs.ending_in_a_saved_copy(self.module)
+            args, kwargs = graph_codecs.inputs_copied(args, kwargs, self.policy)
+            with graph_codecs.block_annotation(self.policy):
+                return checkpoint_in_graph(function, args, kwargs, self.recompute, context_fn)
         output, _ = checkpointed_call(self.module, args, kwargs, self.policy, modifies_input(self.module),
-                                      self.recompute)
+                                      self.recompute, eager_because=self.eager_because)
         return output
 
     def __getattr__(self, name: str):
@@ -189,6 +201,8 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
             # Wrapped by an earlier call and selected again: this call's options win,
             # as they would for a module wrapped now (never the old ones, silently).
             block.module.policy, block.module.recompute = policy, options
+    if policy.lossy:
+        graph_codecs.watch_root(model)
     if not blocks:
         warnings.warn(f"actsave.wrap: filter_fn={filter_fn!r} selected no submodule of the "
                       f"{type(model).__name__}, so nothing is checkpointed; check the class or predicate "
@@ -289,6 +303,8 @@ def _apply(model: nn.Module, plan: BlockPlan, options: RecomputeOptions) -> None
         option = planned[id(block.module)]
         if option is not None:
             block.replace(_checkpoint_of(block.module, option, options))
+    if any(option is not None and option.lossy for option in plan.options):
+        graph_codecs.watch_root(model)
 
 
 class Block(NamedTuple):

@@ -387,41 +387,54 @@ def kept_after_forward(model: nn.Module, x: torch.Tensor) -> int:
     kept inputs alike (bench/compile_memory.py measures so)."""
     allocator_rise = load_bench_module("harness").allocator_rise
     outputs = []
-    kept = allocator_rise(lambda: outputs.append(model(x.detach().requires_grad_(x.is_floating_point()))))[1]
+    kept = allocator_rise(lambda: outputs.append(model(x)))[1]
     return kept - outputs[0].untyped_storage().nbytes()
 
 
 def flat_gradients(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gradients = torch.cat([g.flatten() for g in grads_of_a_step(model, x)])
+    """The parameter gradients of a step on a batch that needs no gradient (a leaf
+    that does is encoded by a compiled wrapped block, and kept by reference eagerly:
+    graph_codecs.inputs_copied)."""
+    torch.manual_seed(1)
+    model(x).float().square().sum().backward()
+    gradients = torch.cat([p.grad.flatten() for p in model.parameters()])
     model.zero_grad(set_to_none=True)
     return gradients
 
 
 def assert_codecs_in_the_graph(make, x: torch.Tensor, plain: nn.Module) -> None:
-    """``make()``'s CheckpointedSequential compiled keeps by its codecs in one graph
-    between two breaks, compiles nothing after its first step, warns nothing, leaves
-    no hooks set, and matches eager actsave: the gradients' SQNR against plain within
-    1 dB of eager's, and no more bytes kept after forward than eager's plus 5% (the
-    partitioner may keep fewer: of a stored segment it saves what it chooses, and a
-    compiled checkpoint keeps no RNG state where its region draws none)."""
-    eager = make()
+    """``make()``'s model compiled keeps by its codecs in one graph between two breaks
+    (two break sites: Dynamo counts a root pre-hook's twice), compiles nothing after its
+    first step, warns nothing, leaves no hooks set, and matches eager actsave
+    (:func:`assert_keeps_as_eager_actsave`)."""
     model, graphs = compiled_for_counting(make())
     counters = torch._dynamo.utils.counters
     counters.clear()
-    frames_after = []
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")
-        for _ in range(3):
-            expected = flat_gradients(plain, x)
-            eager_db, compiled_db = (sqnr_db(expected, flat_gradients(m, x)) for m in (eager, model))
-            assert abs(compiled_db - eager_db) <= 1.0 and compiled_db < 200  # lossy, as eagerly
-            assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-            frames_after.append((counters["frames"]["total"], counters["stats"]["unique_graphs"]))
+        frames_after = assert_keeps_as_eager_actsave(model, make(), plain, x)
     assert not [w for w in raised if "actsave" in str(w.message)]
-    assert (sum(counters["graph_break"].values()), len(graphs)) == (2, 1)
+    assert (len(counters["graph_break"]), len(graphs)) == (2, 1)
     assert frames_after == frames_after[:1] * 3
+
+
+def assert_keeps_as_eager_actsave(model, eager, plain: nn.Module, x: torch.Tensor) -> list:
+    """Over three steps of compiled ``model`` and ``eager`` actsave: the gradients'
+    SQNR against ``plain`` within 1 dB of eager's (lossy both), no saved-tensor hooks
+    left set, and then no more bytes kept after forward than eager's plus 5% (the
+    partitioner may keep fewer: of a stored segment it saves what it chooses, and a
+    compiled checkpoint keeps no RNG state where its region draws none). Returns
+    Dynamo's (frames, graphs) after each step."""
+    counters = torch._dynamo.utils.counters
+    frames_after = []
+    for _ in range(3):
+        expected = flat_gradients(plain, x)
+        eager_db, compiled_db = (sqnr_db(expected, flat_gradients(m, x)) for m in (eager, model))
+        assert abs(compiled_db - eager_db) <= 1.0 and compiled_db < 200  # lossy, as eagerly
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        frames_after.append((counters["frames"]["total"], counters["stats"]["unique_graphs"]))
     assert kept_after_forward(model, x) <= 1.05 * kept_after_forward(eager, x)
-    assert "(those set to keep by a codec encoded in it)" in model._orig_mod.describe()
+    return frames_after
 
 
 def gelu_chain(width: int = 64) -> list:
@@ -448,6 +461,64 @@ def test_a_compiled_stored_segment_keeps_its_saves_by_its_codec_too():
     for model in (exact, int8):
         grads_of_a_step(model, x)
     assert kept_after_forward(int8, x) < 0.3 * kept_after_forward(exact, x)
+
+
+def test_describe_says_a_compiled_call_encoded_the_kept_inputs_in_the_graph():
+    model = actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8")
+    grads_of_a_step(torch.compile(model, backend=BACKEND), torch.randn(8, 64))
+    assert "(those set to keep by a codec encoded in it)" in model.describe()
+
+
+def test_compiled_wrapped_blocks_keep_their_inputs_by_a_codec_in_the_graph():
+    # Each block ends in a saved copy: the next block's kept input, encoded, and the
+    # head's input, kept exactly as eagerly (NOTE [ Codecs in a compiled graph ]).
+    plain = ResidualNet(depth=4, width=64, dropout=0.0)
+    assert_codecs_in_the_graph(lambda: actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"),
+                               torch.randn(32, 64), plain)
+
+
+def test_compiled_wrapped_attention_blocks_keep_by_a_codec_in_the_graph():
+    models = load_bench_module("models")
+    torch.manual_seed(0)
+    plain = models.gpt(4, width=64, heads=2, vocab_size=64, max_seq_len=16)
+    assert_codecs_in_the_graph(
+        lambda: actsave.wrap(copy.deepcopy(plain), models.TransformerBlock, compress="int8"),
+        torch.randint(0, 64, (4, 16)), plain)
+
+
+class ResidualBlocks(nn.Module):
+    """Residual blocks, the second with a ReLU, and a graph break after each where asked."""
+
+    def __init__(self, graph_breaks: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(ResidualBlock(64, activation=activation, dropout=0.0)
+                                    for activation in (torch.tanh, torch.relu, torch.tanh, torch.tanh))
+        self.head = nn.Linear(64, 2)
+        self.graph_breaks = graph_breaks
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if self.graph_breaks:
+                torch._dynamo.graph_break()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("graph_breaks", [False, True], ids=["one loop", "a break in the loop"])
+def test_compiled_wrapped_blocks_keep_by_a_codec_where_one_runs_eagerly_or_each_compiles_alone(
+        monkeypatch, graph_breaks):
+    # The ReLU block runs eagerly at a break of its own, and Dynamo runs a loop with a
+    # break in it eagerly: the other blocks compile one by one, their inputs graph
+    # inputs, whose copies they encode (NOTE [ Codecs in a compiled graph ]).
+    monkeypatch.setattr(function, "_warned_eager_under_compile", False)
+    plain = ResidualBlocks(graph_breaks)
+    model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        assert_keeps_as_eager_actsave(model, actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"),
+                                      plain, torch.randn(32, 64))
+    assert len([w for w in raised if "makes ReLU decisions" in str(w.message)]) == 1
 
 
 def test_compiled_segments_keep_by_each_layer_codec_and_exact_ones_exactly():
@@ -498,9 +569,9 @@ def test_under_other_saved_tensor_hooks_a_compiled_codec_runs_eagerly_and_says_w
     assert len([w for w in raised if "other saved-tensor hooks are set" in str(w.message)]) == 1
 
 
-def test_a_compiled_lossy_checkpoint_in_a_wrapped_block_runs_eagerly_and_says_so_once(monkeypatch):
+def test_a_compiled_wrapped_block_that_makes_decisions_runs_eagerly_and_says_why_once(monkeypatch):
     monkeypatch.setattr(function, "_warned_eager_under_compile", False)
-    plain, x = ResidualNet(depth=3), torch.randn(4, 8)
+    plain, x = ResidualNet(depth=3, activation=torch.relu), torch.randn(4, 8)
     eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8")
     model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
     with warnings.catch_warnings(record=True) as raised:
@@ -509,7 +580,8 @@ def test_a_compiled_lossy_checkpoint_in_a_wrapped_block_runs_eagerly_and_says_so
             torch.testing.assert_close(grads_of_a_step(model, x, seed), grads_of_a_step(eager, x, seed))
             for m in (model, eager):
                 m.zero_grad(set_to_none=True)
-    assert len([w for w in raised if "a graph break at each such call" in str(w.message)]) == 1
+    assert len([w for w in raised if "a graph break at each such call" in str(w.message)
+                and "makes ReLU decisions" in str(w.message)]) == 1
 
 
 def test_a_deep_copied_checkpointed_sequential_compiles_its_exact_segments_too():

@@ -83,7 +83,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .._torch import TorchDispatchMode, pytree
 from ..errors import RecomputeError
-from . import relu_signs
+from . import graph_codecs, relu_signs
 from .compiled_layers import LayerCode
 from .layers import LayerChain, known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
@@ -389,6 +389,7 @@ def checkpointed_call(
     private_copy: bool = False,
     options: RecomputeOptions = DEFAULT_RECOMPUTE,
     made_by: Optional[CallerTensors] = None,
+    eager_because: Optional[str] = None,
 ) -> tuple:
     """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
 
@@ -398,14 +399,16 @@ def checkpointed_call(
     compiled graph ]). ``private_copy`` makes the kept inputs private copies, for
     functions that modify their inputs in place. ``options`` say how to recompute
     (recompute_options.py). ``made_by``: the inputs are a chain's activations, made by
-    its layers before (store.should_encode). See NOTE [ Segment checkpoint mechanism ].
+    its layers before (store.should_encode). ``eager_because``: why a call Dynamo
+    meets runs eagerly, for its warning. See NOTE [ Segment checkpoint mechanism ].
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
     if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
         if compiles_in_graph(policy):
             return checkpoint_in_graph(function, args, kwargs, options), None
-        return _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by)
+        return _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by,
+                                                eager_because)
     return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
 
 
@@ -458,12 +461,15 @@ def warn_eager_under_compile(what: str, breaks: str, why: str) -> None:
 
 
 @torch.compiler.disable
-def _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by):
+def _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by, eager_because):
     kept = " and ".join(([] if policy.codec.lossless else [f"by {policy.codec.name}"])
                         + (["on the host"] if policy.offload else []))
-    warn_eager_under_compile(f"a checkpoint that keeps its input {kept}", "a graph break at each such call",
-                             "codecs outside a CheckpointedSequential and offload are not ops a compiled graph holds")
-    return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
+    why = eager_because or ("offload is not an op a compiled graph holds" if policy.offload else
+                            "a codec is held in a compiled graph only inside a CheckpointedSequential or wrapped "
+                            "blocks, whose saved-tensor hooks are set around the graph")
+    warn_eager_under_compile(f"a checkpoint that keeps its input {kept}", "a graph break at each such call", why)
+    with graph_codecs.hooks_paused():
+        return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
 
 
 # NOTE [ torch.compile ]

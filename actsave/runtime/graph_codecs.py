@@ -44,6 +44,20 @@ that graph and its backward:
   chain's fell from exact to 71.6 dB). So such a segment ends in a copy of its output
   that its checkpoint must save (:func:`ending_in_a_saved_copy`, selective
   checkpointing); the stored segment's backward reads that copy, exactly.
+- Blocks that ``wrap`` checkpointed (wrappers.py) do the same from the model's root:
+  ``wrap`` gives the root a forward pre-hook and a forward hook that, under
+  torch.compile only, are the two breaks (:func:`watch_root`). The first probes the
+  model on meta tensors for the blocks whose decisions a graph cannot keep; each of
+  those, and each block that keeps on the host, runs eagerly at a break of its own.
+  What reads a block's output is not known there, so every block in the graph ends
+  in a saved copy, which an exact reader's backward reads exactly. And the block's
+  activation inputs are copied before its checkpoint, the copies being the only saves
+  its codec keeps (:func:`inputs_copied`): what eager actsave would encode (store.
+  should_encode; a leaf that requires grad too, which eager actsave keeps by
+  reference), and a tensor of the graph's own even where Dynamo compiles each block
+  alone (a graph break in the model's loop over blocks makes it run that loop eagerly)
+  and the activation arrives as a graph input, which AOTAutograd never hands to the
+  hooks. Two copies per block: the price of not knowing the model's code.
 - Where other saved-tensor hooks are set when the forward starts (an outer
   checkpoint, ``save_on_cpu``, the caller's), the compiled graph would apply ours
   instead of theirs: the forward runs eagerly, as without compile.
@@ -53,6 +67,8 @@ that graph and its backward:
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -69,8 +85,10 @@ from .layers import modules_under
 from .pool_decisions import Window
 from .store import KeepPolicy
 
-_KEPT = "actsave_kept_by"  # the annotation of a checkpointed region: its codec's name
+_KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
 _STORED = "actsave_stored_by"  # that of a stored segment's ops
+_BLOCK = "actsave_block_kept_by"  # that of a wrapped block's checkpoint
+_COPY = "actsave_copy_kept_by"  # that of the copies of its inputs, the saves its codec keeps
 
 
 def missing_pieces() -> Optional[str]:
@@ -86,6 +104,11 @@ def annotation(policy: KeepPolicy, checkpointed: bool):
     return _torch.annotated({_KEPT if checkpointed else _STORED: policy.codec.name})
 
 
+def block_annotation(policy: KeepPolicy):
+    """The context a wrapped block's checkpoint is traced in."""
+    return _torch.annotated({_BLOCK: policy.codec.name})
+
+
 def _saving_copies(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.clone.default else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -99,7 +122,7 @@ class _EndingInACopy:
         self.function = function
 
     def __call__(self, *args, **kwargs):
-        return self.function(*args, **kwargs).clone()
+        return _torch.pytree.tree_map_only(torch.Tensor, torch.clone, self.function(*args, **kwargs))
 
 
 def ending_in_a_saved_copy(function) -> tuple:
@@ -109,11 +132,28 @@ def ending_in_a_saved_copy(function) -> tuple:
     return _EndingInACopy(function), _saved_copy_context
 
 
+def _copied(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.is_floating_point() and t.requires_grad else t
+
+
+def inputs_copied(args: tuple, kwargs: dict, policy: KeepPolicy) -> tuple:
+    """``(args, kwargs)`` with each activation among them (a float tensor that requires
+    grad) copied, the copies annotated as kept by ``policy``'s codec: of a wrapped
+    block's saves, the hooks encode those only. A copy is the graph's own tensor,
+    encoded even where the activation reached the graph as one of its inputs, which the
+    hooks are never given (see the NOTE). Unlike store.should_encode this takes a leaf
+    that requires grad too: Dynamo neither tells leaves from other inputs nor guards
+    on it."""
+    with _torch.annotated({_COPY: policy.codec.name}):
+        return _torch.pytree.tree_map_only(torch.Tensor, _copied, (args, kwargs))
+
+
 def _codec_of(node, backward) -> Optional[str]:
     """The codec that keeps the saved ``node``, or None: see the NOTE."""
     made_in = node.meta.get("custom") or {}
-    if _STORED in made_in:
-        return made_in[_STORED]
+    for kept_by in (_STORED, _COPY):
+        if kept_by in made_in:
+            return made_in[kept_by]
     placeholder = next((n for n in backward.find_nodes(op="placeholder") if n.name == node.name), None)
     if placeholder is None:
         return None
@@ -202,3 +242,146 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
     except Exception as error:  # noqa: BLE001 - any failure means: run it as eager actsave does
         return f"decisions unknown: its forward failed on meta tensors ({type(error).__name__}: {error})"
     return "ReLU decisions" if relu_outputs else None
+
+
+# --- blocks that wrap() checkpointed: the hooks set and unset at the model's root -------
+
+_set_for_blocks = False  # set at a root's first break; read as Dynamo traces its blocks
+_probing = False  # while the root's probe runs: checkpointed blocks run plainly
+_watched = weakref.WeakKeyDictionary()  # root -> its hook handles
+_probed = weakref.WeakKeyDictionary()  # root -> {input key: {checkpoint: why eager}}
+
+
+def watch_root(model: nn.Module) -> None:
+    """Give ``model``, whose blocks ``wrap`` checkpointed, the forward hooks that set
+    actsave's graph hooks around its compiled forward (see the NOTE); once."""
+    if model not in _watched:
+        _watched[model] = (model.register_forward_pre_hook(_before_root, with_kwargs=True),
+                           model.register_forward_hook(_after_root, with_kwargs=True, always_call=True))
+
+
+def blocks_in_graph(policy: KeepPolicy, eager_because: Optional[str]) -> bool:
+    """Whether a wrapped block kept by ``policy`` is traced with its codec in the graph."""
+    return _set_for_blocks and policy.lossy and not policy.offload and eager_because is None
+
+
+def probing() -> bool:
+    return _probing
+
+
+def _before_root(model, args, kwargs):
+    if torch.compiler.is_compiling():  # eagerly, nothing to do: one check per forward
+        _blocks_on(model, args, kwargs)
+
+
+def _after_root(model, args, kwargs, output):
+    if torch.compiler.is_compiling():
+        _blocks_off()
+
+
+@torch.compiler.disable  # the root's first graph break
+def _blocks_on(model, args, kwargs) -> None:
+    global _set_for_blocks
+    checkpoints = [m for m in model.modules() if _keeps_by_codec(m)]
+    if not checkpoints:
+        return
+    why = missing_pieces()
+    if why is None:
+        key = _input_key(args, kwargs, model)
+        known = _probed.setdefault(model, {})
+        if key not in known:
+            known[key] = _probe_blocks(model, checkpoints, args, kwargs)
+        for checkpoint in checkpoints:
+            checkpoint.eager_because = known[key].get(checkpoint)
+        if len(known[key]) == len(checkpoints):
+            return  # every one runs eagerly: nothing to set
+        if hooks_on():
+            _set_for_blocks = True
+            return
+        why = "other saved-tensor hooks are set, which the compiled graph would not apply"
+    for checkpoint in checkpoints:
+        checkpoint.eager_because = why
+
+
+@torch.compiler.disable  # the root's second graph break
+def _blocks_off() -> None:
+    global _set_for_blocks
+    if _set_for_blocks:
+        hooks_off()
+        _set_for_blocks = False
+
+
+@contextlib.contextmanager
+def hooks_paused():
+    """While active, actsave's graph hooks are unset where they are set: a block that
+    runs eagerly between the root's breaks keeps by actsave's eager hooks, which must
+    not see ours (they would take them for a caller's: compressed_saves.py)."""
+    paused = _torch.top_saved_tensor_hooks() == _the_hooks()
+    if paused:
+        _torch.pop_saved_tensor_hooks()
+    try:
+        yield
+    finally:
+        if paused:
+            _torch.push_saved_tensor_hooks(*_the_hooks())
+
+
+def _keeps_by_codec(module: nn.Module) -> bool:
+    policy = getattr(module, "policy", None)
+    return isinstance(policy, KeepPolicy) and hasattr(module, "eager_because") and policy.lossy
+
+
+def _input_key(args, kwargs, model) -> tuple:
+    leaves = _torch.pytree.tree_leaves((args, kwargs))
+    return (tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in leaves),
+            model.training)
+
+
+def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
+    """``{checkpoint: why it runs eagerly}`` for the blocks among ``checkpoints`` that
+    make decisions a compiled recompute cannot keep (:func:`decisions_made`'s
+    reasons): the model's forward on meta tensors, its checkpointed blocks run plainly."""
+    global _probing
+    why = {c: "max-pool decisions" for c in checkpoints
+           if any(Window.of(m) is not None for m in c.module.modules())}
+    running = []  # (checkpoint, its inputs' autograd nodes)
+
+    def pack(t):
+        if running and relu_signs.made_by_segment_relu(t, running[-1][1]):
+            why.setdefault(running[-1][0], "ReLU decisions")
+        return t
+    handles = [hook for c in checkpoints for hook in _block_watch(c, running)]
+    meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(  # noqa: E731
+        t.requires_grad and t.is_floating_point())
+    _probing = True
+    try:
+        with on_meta(model), saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
+                torch.random.fork_rng(devices=forked_rng_devices(_device_of(args, kwargs))), \
+                torch.compiler.set_stance("force_eager"):
+            meta_args, meta_kwargs = _torch.pytree.tree_map_only(torch.Tensor, meta, (args, kwargs))
+            model(*meta_args, **meta_kwargs)
+    except Exception as error:  # noqa: BLE001 - any failure means: run them as eager actsave does
+        return {c: f"decisions unknown: the model's forward failed on meta tensors ({type(error).__name__}: {error})"
+                for c in checkpoints}
+    finally:
+        _probing = False
+        for handle in handles:
+            handle.remove()
+    return {c: f"a block kept by a codec makes {reason}, which a recompute in the graph cannot keep"
+            for c, reason in why.items()}
+
+
+def _block_watch(checkpoint, running: list) -> tuple:
+    def enter(module, args, kwargs):
+        tensors = [t for t in _torch.pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        running.append((checkpoint, relu_signs.input_nodes(tensors)))
+
+    def leave(module, args, kwargs, output):
+        running.pop()
+    return (checkpoint.module.register_forward_pre_hook(enter, with_kwargs=True),
+            checkpoint.module.register_forward_hook(leave, with_kwargs=True, always_call=True))
+
+
+def _device_of(args, kwargs) -> torch.device:
+    tensors = [t for t in _torch.pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")

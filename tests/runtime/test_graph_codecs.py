@@ -6,9 +6,11 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+import actsave
 from actsave import _torch
 from actsave.runtime import graph_codecs
 from actsave.runtime.store import EXACT, KeepPolicy
+from support import ResidualBlock, ResidualNet
 
 INT8 = KeepPolicy.resolve("int8")
 
@@ -101,3 +103,33 @@ def no_hooks_left():
     yield
     while _torch.top_saved_tensor_hooks() == graph_codecs._the_hooks():
         _torch.pop_saved_tensor_hooks()
+
+
+def test_wrap_watches_a_lossy_model_root_once_and_eager_steps_probe_nothing():
+    model = ResidualNet(depth=2)
+    actsave.wrap(model, ResidualBlock, compress="int8")
+    actsave.wrap(model, ResidualBlock, compress="fp8")
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    model(torch.randn(4, 8)).sum().backward()
+    assert model not in graph_codecs._probed and not graph_codecs._set_for_blocks
+    exact = actsave.wrap(ResidualNet(depth=2), ResidualBlock)
+    assert not exact._forward_pre_hooks  # nothing to set for exact blocks
+
+
+def test_a_model_that_fails_on_meta_tensors_runs_every_lossy_block_eagerly_and_names_why():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(ResidualBlock() for _ in range(2))
+
+        def forward(self, x):
+            x = ReadsValues()(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+    model = actsave.wrap(Model(), ResidualBlock, compress="int8")
+    checkpoints = list(model.blocks)
+    why = graph_codecs._probe_blocks(model, checkpoints, (torch.randn(4, 8),), {})
+    assert set(why) == set(checkpoints)
+    assert all(reason.startswith("decisions unknown: the model's forward failed on meta tensors")
+               for reason in why.values())
