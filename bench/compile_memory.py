@@ -1,9 +1,9 @@
 """actsave under torch.compile, measured (issue 35, item 4): what a step keeps for
 backward, its time, and what Dynamo made of it, compiled against eager.
 
-For each model: plain PyTorch, actsave's default CheckpointedSequential and the same
-with ``compress="int8"``, each run eagerly and under ``torch.compile(model)``
-(--backend). Compiled, int8 encodes the kept inputs in the graph where no lossy
+For each model: plain PyTorch, actsave's default CheckpointedSequential, the same
+with ``compress="int8"``, and every block ``actsave.wrap``-ped with int8, each run
+eagerly and under ``torch.compile(model)`` (--backend). Compiled, int8 encodes the kept inputs in the graph where no lossy
 segment makes ReLU or max-pool decisions (GPT), and runs its forward eagerly at one
 graph break where one does (ResNet): NOTE [ Codecs in a compiled graph ] in
 actsave/runtime/graph_codecs.py. Per mode:
@@ -18,7 +18,8 @@ actsave/runtime/graph_codecs.py. Per mode:
   exact), one step from the same weights and batch;
 - the step time, median of interleaved rounds (process CPU time on the CPU, wall
   time synchronized on CUDA), and its ratio to the same mode's eager step;
-- Dynamo's graphs and graph breaks, counted over the warm-up steps.
+- Dynamo's graphs and graph breaks, counted over the warm-up steps (Dynamo counts
+  the break that a wrapped model's root pre-hook makes twice).
 
 The balanced plan's predicted peak is printed beside them: the planner profiles the
 eager code (docs/limits.md, "torch.compile").
@@ -43,7 +44,9 @@ from actsave.text import format_table  # noqa: E402
 from harness import allocator_rise  # noqa: E402
 from harness.measure import worst_grad_sqnr  # noqa: E402
 from host_overhead import interleaved_times, paired_ratio  # noqa: E402
-from models import cifar_resnet, gpt  # noqa: E402
+from models import BasicBlock, PreActBottleneck, TransformerBlock, cifar_resnet, gpt  # noqa: E402
+
+BLOCKS = (BasicBlock, PreActBottleneck, TransformerBlock)  # what "wrap int8" checkpoints
 
 
 def cases(smoke: bool) -> dict:
@@ -66,6 +69,7 @@ def modes(model: torch.nn.Module, backend: str) -> dict:
         "plain": copy.deepcopy(model),
         "actsave": actsave.CheckpointedSequential(*copy.deepcopy(model)),
         "actsave int8": actsave.CheckpointedSequential(*copy.deepcopy(model), compress="int8"),
+        "wrap int8": actsave.wrap(copy.deepcopy(model), BLOCKS, compress="int8"),
     }
     runs = {}
     for name, module in eager.items():

@@ -291,16 +291,21 @@ def _blocks_on(model, args, kwargs) -> None:
         known = _probed.setdefault(model, {})
         if key not in known:
             known[key] = _probe_blocks(model, checkpoints, args, kwargs)
-        for checkpoint in checkpoints:
-            checkpoint.eager_because = known[key].get(checkpoint)
+        _set_eager_because(checkpoints, known[key].get)
         if len(known[key]) == len(checkpoints):
             return  # every one runs eagerly: nothing to set
         if hooks_on():
             _set_for_blocks = True
             return
         why = "other saved-tensor hooks are set, which the compiled graph would not apply"
+    _set_eager_because(checkpoints, lambda checkpoint: why)
+
+
+def _set_eager_because(checkpoints: list, why) -> None:
+    # Only where it changes: Dynamo guards on what the traced blocks read.
     for checkpoint in checkpoints:
-        checkpoint.eager_because = why
+        if checkpoint.eager_because != why(checkpoint):
+            checkpoint.eager_because = why(checkpoint)
 
 
 @torch.compiler.disable  # the root's second graph break

@@ -765,12 +765,13 @@ def test_the_picture_shows_how_much_deeper_in_the_same_memory(resnet_run, monkey
 
 def test_compile_memory_measures_eager_and_compiled_modes():
     stdout = run_script("compile_memory.py")
-    modes = ("plain", "plain, compiled", "actsave", "actsave, compiled", "actsave int8", "actsave int8, compiled")
+    modes = ("plain", "plain, compiled", "actsave", "actsave, compiled", "actsave int8", "actsave int8, compiled",
+             "wrap int8", "wrap int8, compiled")
     resnet, gpt = stdout.split("gpt4 w64")
     for text in (resnet, gpt):
         table = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in text.splitlines())
                  if cells[0] in modes}
-        assert len(table) == 6
+        assert len(table) == 8
         kept = {mode: float(cells[1]) for mode, cells in table.items()}
         sqnr = {mode: float(cells[3]) for mode, cells in table.items()}
         assert kept["actsave, compiled"] < kept["plain, compiled"] / 2  # the compiled backward recomputes
@@ -787,6 +788,11 @@ def test_compile_memory_measures_eager_and_compiled_modes():
     assert gpt["actsave int8, compiled"][-2:] == ["1", "2"]
     assert float(gpt["actsave int8, compiled"][1]) <= 1.05 * float(gpt["actsave int8"][1])
     assert abs(float(gpt["actsave int8, compiled"][3]) - float(gpt["actsave int8"][3])) <= 1.0
+    # Wrapped blocks: a ResNet's ReLU blocks eagerly at a break each, GELU blocks in the graph.
+    assert resnet["wrap int8, compiled"][3] == resnet["wrap int8"][3]
+    assert gpt["wrap int8, compiled"][-2:-1] == ["1"]
+    assert float(gpt["wrap int8, compiled"][1]) <= 1.05 * float(gpt["wrap int8"][1])
+    assert abs(float(gpt["wrap int8, compiled"][3]) - float(gpt["wrap int8"][3])) <= 1.0
 
 
 def test_fsdp_memory_measures_each_mode_sharded_and_unsharded():
