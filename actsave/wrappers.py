@@ -97,7 +97,10 @@ class Checkpoint(nn.Module):
     wrapper are looked up on ``module``.
 
     ``compress``, ``offload``, ``preserve_rng_state``, ``determinism_check``, ``debug``
-    and ``early_stop`` mean what they mean for :func:`checkpoint`.
+    and ``early_stop`` mean what they mean for :func:`checkpoint`. ``eager_because``
+    says why a compiled forward runs the block eagerly though its codec could be in
+    the graph (its ReLU or max-pool decisions, a model that fails on meta tensors), or
+    None (NOTE [ Codecs in a compiled graph ]).
     """
 
     def __init__(self, module: nn.Module, compress=None, offload=False, *, preserve_rng_state=True,
