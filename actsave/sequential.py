@@ -250,16 +250,16 @@ class CheckpointedSequential(nn.Sequential):
         self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, True
         segments = segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges())
         for segment, next_segment in zip(segments, segments[1:] + [None]):
-            run, context_fn = _Chain(layers[segment.start:segment.stop]), None
+            run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
-            if policy.lossy and next_segment is not None and not next_segment.checkpointed \
-                    and not self._segment_policy(next_segment, layers).lossy:
-                run, context_fn = graph_codecs.ending_in_a_saved_copy(run)
             with graph_codecs.annotation(policy, segment.checkpointed):
                 if segment.checkpointed:
-                    input = checkpoint_in_graph(run, (input,), {}, DEFAULT_RECOMPUTE, context_fn)
+                    input = checkpoint_in_graph(run, (input,), {}, DEFAULT_RECOMPUTE)
                 else:
                     input = run(input)
+            if policy.lossy and next_segment is not None and not next_segment.checkpointed \
+                    and not self._segment_policy(next_segment, layers).lossy:
+                input = graph_codecs.output_copied(input)
         return input
 
     def _keeps_on_host(self) -> bool:

@@ -127,10 +127,10 @@ class Checkpoint(nn.Module):
         if graph_codecs.probing():  # the root's probe on meta tensors watches the block's own saves
             return self.module(*args, **kwargs)
         if torch.compiler.is_compiling() and graph_codecs.blocks_in_graph(self.policy, self.eager_because):
-            function, context_fn = graph_codecs.ending_in_a_saved_copy(self.module)
             args, kwargs = graph_codecs.inputs_copied(args, kwargs, self.policy)
             with graph_codecs.block_annotation(self.policy):
-                return checkpoint_in_graph(function, args, kwargs, self.recompute, context_fn)
+                output = checkpoint_in_graph(self.module, args, kwargs, self.recompute)
+            return graph_codecs.output_copied(output)
         output, _ = checkpointed_call(self.module, args, kwargs, self.policy, modifies_input(self.module),
                                       self.recompute, eager_because=self.eager_because)
         return output

@@ -521,6 +521,17 @@ def test_compiled_wrapped_blocks_keep_by_a_codec_where_one_runs_eagerly_or_each_
     assert len([w for w in raised if "makes ReLU decisions" in str(w.message)]) == 1
 
 
+def test_inductor_compiled_wrapped_blocks_keep_by_a_codec_in_the_graph():
+    # Inductor drops a clone nothing needs, and with it the copy a block's codec keeps:
+    # the copies are actsave's own operator (graph_codecs._copy). One C++ build.
+    plain, x = ResidualNet(depth=2, width=64, dropout=0.0), torch.randn(32, 64)
+    eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8")
+    model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend="inductor")
+    expected = flat_gradients(plain, x)
+    eager_db, compiled_db = (sqnr_db(expected, flat_gradients(m, x)) for m in (eager, model))
+    assert abs(compiled_db - eager_db) <= 1.0 and compiled_db < 200
+
+
 def test_compiled_segments_keep_by_each_layer_codec_and_exact_ones_exactly():
     def make():
         model = actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8")

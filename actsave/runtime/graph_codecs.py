@@ -41,16 +41,16 @@ that graph and its backward:
   input) is kept exactly eagerly, as the stored segment's own save. In the graph the
   partitioner would recompute it instead, from the encoded input (it must keep that
   anyway), so that the stored layer's weight gradient came out lossy too (a GELU
-  chain's fell from exact to 71.6 dB). So such a segment ends in a copy of its output
-  that its checkpoint must save (:func:`ending_in_a_saved_copy`, selective
-  checkpointing); the stored segment's backward reads that copy, exactly.
+  chain's fell from exact to 71.6 dB). So such a segment's output is copied after its
+  checkpoint by an operator of actsave's own (:func:`output_copied`), which no
+  partitioner recomputes; the stored segment's backward reads that copy, exactly.
 - Blocks that ``wrap`` checkpointed (wrappers.py) do the same from the model's root:
   ``wrap`` gives the root a forward pre-hook and a forward hook that, under
   torch.compile only, are the two breaks (:func:`watch_root`). The first probes the
   model on meta tensors for the blocks whose decisions a graph cannot keep; each of
   those, and each block that keeps on the host, runs eagerly at a break of its own.
-  What reads a block's output is not known there, so every block in the graph ends
-  in a saved copy, which an exact reader's backward reads exactly. And the block's
+  What reads a block's output is not known there, so every block's output in the
+  graph is copied so, which an exact reader's backward reads exactly. And the block's
   activation inputs are copied before its checkpoint, the copies being the only saves
   its codec keeps (:func:`inputs_copied`): what eager actsave would encode (store.
   should_encode; a leaf that requires grad too, which eager actsave keeps by
@@ -74,7 +74,6 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .. import _torch
 from ..codecs import Packed, get_codec
@@ -109,31 +108,36 @@ def block_annotation(policy: KeepPolicy):
     return _torch.annotated({_BLOCK: policy.codec.name})
 
 
-def _saving_copies(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.clone.default else CheckpointPolicy.PREFER_RECOMPUTE
+# The copies are an operator of actsave's own: Inductor removes a clone that nothing
+# needs (its graph passes drop no-op copies), and with it the annotation that marks a
+# save for the codec and the save that selective checkpointing must keep.
+@torch.library.custom_op("actsave::copy", mutates_args=())
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
 
 
-def _saved_copy_context():
-    return create_selective_checkpoint_contexts(_saving_copies)
+@_copy.register_fake
+def _(t):
+    return torch.empty_like(t)
 
 
-class _EndingInACopy:
-    def __init__(self, function):
-        self.function = function
-
-    def __call__(self, *args, **kwargs):
-        return _torch.pytree.tree_map_only(torch.Tensor, torch.clone, self.function(*args, **kwargs))
+def _copy_backward(ctx, grad):
+    return grad
 
 
-def ending_in_a_saved_copy(function) -> tuple:
-    """``(function that returns a copy of function's output, context_fn)``: checkpointed
-    in a compiled graph with that ``context_fn``, the copy is saved, not recomputed
-    (see the NOTE)."""
-    return _EndingInACopy(function), _saved_copy_context
+_copy.register_autograd(_copy_backward)
+
+
+def output_copied(output):
+    """``output`` with each tensor in it copied by actsave's own operator, after the
+    checkpoint that made it: no partitioner recomputes that operator, so the copy is
+    saved where a backward reads it, exactly, rather than recomputed from the
+    checkpoint's encoded input (see the NOTE)."""
+    return _torch.pytree.tree_map_only(torch.Tensor, _copy, output)
 
 
 def _copied(t: torch.Tensor) -> torch.Tensor:
-    return t.clone() if t.is_floating_point() and t.requires_grad else t
+    return _copy(t) if t.is_floating_point() and t.requires_grad else t
 
 
 def inputs_copied(args: tuple, kwargs: dict, policy: KeepPolicy) -> tuple:
