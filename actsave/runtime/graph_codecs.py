@@ -86,8 +86,10 @@ from .store import KeepPolicy
 
 _KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
 _STORED = "actsave_stored_by"  # that of a stored segment's ops
-_BLOCK = "actsave_block_kept_by"  # that of a wrapped block's checkpoint
-_COPY = "actsave_copy_kept_by"  # that of the copies of its inputs, the saves its codec keeps
+# That of a wrapped block's checkpoint: not _KEPT, so that no region input of a block
+# is encoded as a segment's is; of a block's saves only its input copies are (_COPY).
+_BLOCK = "actsave_block_kept_by"
+_COPY = "actsave_copy_kept_by"  # that of the copies of a block's inputs, the saves its codec keeps
 
 
 def missing_pieces() -> Optional[str]:
@@ -110,7 +112,8 @@ def block_annotation(policy: KeepPolicy):
 
 # The copies are an operator of actsave's own: Inductor removes a clone that nothing
 # needs (its graph passes drop no-op copies), and with it the annotation that marks a
-# save for the codec and the save that selective checkpointing must keep.
+# save for the codec, and a partitioner may recompute a clone where it must save a
+# copy (output_copied).
 @torch.library.custom_op("actsave::copy", mutates_args=())
 def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
