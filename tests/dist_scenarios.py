@@ -119,6 +119,11 @@ SCENARIOS = [
     Scenario("fsdp-wrapped-shard_first-budget-None", "wrapped", "fsdp", shard_first=True, budget=2**30),
     Scenario("fsdp-sequential-balanced-compiled-None", "sequential", "fsdp", segments="balanced", compiled=True),
     Scenario("fsdp-wrapped-compiled-None", "wrapped", "fsdp", compiled=True),
+    # int8 in the compiled graph (NOTE [ Codecs in a compiled graph ]): the chain's
+    # Tanh makes no decisions.
+    Scenario("fsdp-sequential-balanced-compiled-int8", "sequential", "fsdp", "int8", segments="balanced",
+             compiled=True),
+    Scenario("fsdp-wrapped-compiled-int8", "wrapped", "fsdp", "int8", compiled=True),
 ]
 
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
