@@ -1,8 +1,10 @@
 """The helpers of actsave/_torch.py that do more than name a private API."""
+import operator
+
 import pytest
 import torch
 
-from actsave._torch import copies_of, default_device
+from actsave._torch import _give_rng_state_its_backward_name, copies_of, default_device
 
 
 def bits(t):
@@ -53,3 +55,23 @@ def test_copies_of_mixed_dtypes_on_cuda_have_the_same_values():
     for original, copy in zip(tensors, copies_of(tensors)):
         same_values(copy, original)
         assert copy.data_ptr() != original.data_ptr()
+
+
+def test_a_cpu_rng_state_takes_the_name_of_its_backward_input():
+    # NOTE [ RNG states under graph hooks ]: AOTAutograd's partitioner names the
+    # backward's input for a saved RNG state rng_state_output_<k>.
+    run_and_save = torch._prims.rng_prims.run_and_save_rng_state
+    forward = torch.fx.Graph()
+    x = forward.placeholder("x")
+    runs = [forward.call_function(run_and_save, (torch.ops.aten.rand.default, [2])) for _ in range(2)]
+    states = [forward.call_function(operator.getitem, (run, 0)) for run in runs]
+    other = forward.call_function(torch.ops.aten.mul.Tensor, (x, x))
+    forward.output((other, *states))
+    backward = torch.fx.Graph()
+    backward.placeholder("mul")
+    inputs = [backward.placeholder(f"rng_state_output_{k}") for k in (7, 9)]
+    backward.output(tuple(inputs))
+    before = (other.name, states[0].name)
+    _give_rng_state_its_backward_name(other, forward, backward)  # not an RNG state: left alone
+    _give_rng_state_its_backward_name(states[1], forward, backward)
+    assert (other.name, states[0].name, states[1].name) == (*before, "rng_state_output_9")
