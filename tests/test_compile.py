@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import actsave
+from actsave import _torch
 from actsave.planning import plans
 from actsave.runtime import compiled_layers, function, graph_codecs
 from actsave.runtime.nested import Range
@@ -566,6 +567,15 @@ def test_without_the_private_torch_pieces_a_compiled_codec_runs_eagerly_and_name
         warnings.simplefilter("always")
         torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
     assert len([w for w in raised if "lacks torch.fx.traceback.annotate" in str(w.message)]) == 1
+
+
+def test_without_the_private_torch_pieces_exact_segments_still_compile(monkeypatch):
+    monkeypatch.setattr(_torch, "_annotate", None)
+    x = torch.randn(8, 64)
+    eager = actsave.CheckpointedSequential(*gelu_chain(), segments=4)
+    model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*gelu_chain(), segments=4))
+    torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+    assert len(graphs) == 1
 
 
 def test_under_other_saved_tensor_hooks_a_compiled_codec_runs_eagerly_and_says_why(monkeypatch):

@@ -99,9 +99,10 @@ def missing_pieces() -> Optional[str]:
 
 
 def annotation(policy: KeepPolicy, checkpointed: bool):
-    """The context a segment kept by ``policy`` is traced in (see the NOTE)."""
+    """The context a segment kept by ``policy`` is traced in (see the NOTE): none for
+    an exact one, which compiles on a torch without the pieces codecs need too."""
     if policy.codec.lossless:
-        return _torch.annotated({})
+        return contextlib.nullcontext()
     return _torch.annotated({_KEPT if checkpointed else _STORED: policy.codec.name})
 
 
