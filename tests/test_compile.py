@@ -47,9 +47,11 @@ def chain(width=8) -> list:
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    """Compiled code and its guards do not leak from one test into the next."""
+    """Compiled code and its guards do not leak from one test into the next, nor do
+    actsave's graph hooks where a test fails between a forward's two breaks."""
     torch._dynamo.reset()
     yield
+    graph_codecs.hooks_off()
     torch._dynamo.reset()
 
 
@@ -576,6 +578,33 @@ def test_without_the_private_torch_pieces_exact_segments_still_compile(monkeypat
     model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*gelu_chain(), segments=4))
     torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
     assert len(graphs) == 1
+
+
+class FailsOnce(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("failed on purpose")
+        return x
+
+
+def test_a_compiled_forward_that_raises_leaves_the_hooks_set_until_the_next_call_unsets_them():
+    # NOTE [ Codecs in a compiled graph ]: the second break, which unsets them, is not reached.
+    failing = FailsOnce()
+    model = torch.compile(actsave.CheckpointedSequential(*gelu_chain(), failing, segments=4, compress="int8"),
+                          backend=BACKEND)
+    x = torch.randn(8, 64)
+    grads_of_a_step(model, x)
+    failing.fail = True
+    with pytest.raises(RuntimeError, match="failed on purpose"):
+        model(x)
+    assert _torch.top_saved_tensor_hooks() == graph_codecs._the_hooks()
+    failing.fail = False
+    grads_of_a_step(model, x)
+    assert _torch.top_saved_tensor_hooks() is None
 
 
 def test_under_other_saved_tensor_hooks_a_compiled_codec_runs_eagerly_and_says_why(monkeypatch):
