@@ -29,9 +29,9 @@ that graph and its backward:
   ReLU and max pool again from the decoded input (eager actsave restores the
   forward's: relu_signs.py, pool_decisions.py). Where a lossy segment makes such
   decisions, found on meta tensors at the first compiled call of each input
-  (:func:`decisions_made`), the forward runs eagerly instead, with one warning;
-  without the decisions the worst gradient of a compiled ResNet fell to 3 dB
-  (docs/results.md, "torch.compile").
+  (:func:`decisions_made`), the forward runs eagerly instead, with one warning:
+  without the decisions a conv-BN-ReLU network's BatchNorm gradients lose most of
+  their precision (docs/results.md, "Other figures").
 - Dynamo does not trace entering saved-tensor hooks (graph break gb0008), AOTAutograd
   inlines the hooks set when it compiles, and each compiled frame is guarded on the
   hooks set when it runs. So the hooks are set at the forward's first graph break
@@ -40,8 +40,8 @@ that graph and its backward:
 - A lossy segment's output that an exact stored segment saves (its first layer's
   input) is kept exactly eagerly, as the stored segment's own save. In the graph the
   partitioner would recompute it instead, from the encoded input (it must keep that
-  anyway), so that the stored layer's weight gradient came out lossy too (a GELU
-  chain's fell from exact to 71.6 dB). So such a segment's output is copied after its
+  anyway), so that the stored layer's weight gradient would come out lossy too. So
+  such a segment's output is copied after its
   checkpoint by an operator of actsave's own (:func:`output_copied`), which no
   partitioner recomputes; the stored segment's backward reads that copy, exactly.
 - Blocks that ``wrap`` checkpointed (wrappers.py) do the same from the model's root:
@@ -201,10 +201,14 @@ def _the_hooks() -> tuple:
     return _hooks
 
 
+def _ours_on_top() -> bool:
+    return _torch.top_saved_tensor_hooks() == _the_hooks()
+
+
 def hooks_on() -> bool:
     """Set actsave's graph hooks, first unsetting those a failed forward left on top;
     False (nothing set) where other saved-tensor hooks are set."""
-    if _torch.top_saved_tensor_hooks() == _the_hooks():
+    if _ours_on_top():
         _torch.pop_saved_tensor_hooks()
     if _torch.saved_tensor_hooks_active():
         return False
@@ -214,7 +218,7 @@ def hooks_on() -> bool:
 
 def hooks_off() -> None:
     """Unset actsave's graph hooks where they are on top."""
-    if _torch.top_saved_tensor_hooks() == _the_hooks():
+    if _ours_on_top():
         _torch.pop_saved_tensor_hooks()
 
 
@@ -225,7 +229,7 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
     the forward on meta tensors (no compute, no collective); None where it makes none.
     A forward that fails on meta tensors is said to, so that eager actsave runs it."""
     lossy = [layers for layers, policy in segments if not policy.codec.lossless]
-    if any(Window.of(module) is not None for layers in lossy for _, module in modules_under(tuple(layers))):
+    if any(_max_pool_in(module for _, module in modules_under(tuple(layers))) for layers in lossy):
         return "max-pool decisions"
     relu_outputs, segment_inputs = [], None  # segment_inputs: None outside a lossy segment
 
@@ -234,12 +238,8 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
             relu_outputs.append(t.shape)
         return t
     holder = nn.ModuleList(layer for layers, _ in segments for layer in layers)
-    # As the planner's meta steps (planning/instrumented_step.py): the caller's RNG
-    # does not move, and compiled layers run their eager code, compiling nothing.
     try:
-        with on_meta(holder), saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
-                torch.random.fork_rng(devices=forked_rng_devices(input.device)), \
-                torch.compiler.set_stance("force_eager"):
+        with _on_meta_watching_saves(holder, input.device, pack):
             x = torch.empty_strided(input.shape, input.stride(), dtype=input.dtype, device="meta")
             if x.is_floating_point():
                 x = x.requires_grad_().clone()
@@ -248,14 +248,32 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
                 for layer in layers:
                     x = layer(x)
     except Exception as error:  # noqa: BLE001 - any failure means: run it as eager actsave does
-        return f"decisions unknown: its forward failed on meta tensors ({type(error).__name__}: {error})"
+        return _unknown("its", error)
     return "ReLU decisions" if relu_outputs else None
+
+
+def _max_pool_in(modules) -> bool:
+    """Whether a max pool whose decisions eager actsave keeps is among ``modules``."""
+    return any(Window.of(module) is not None for module in modules)
+
+
+@contextlib.contextmanager
+def _on_meta_watching_saves(model: nn.Module, device: torch.device, pack):
+    """While active, ``model`` runs on meta tensors with grad, its saves handed to
+    ``pack``; as the planner's meta steps (planning/instrumented_step.py), the
+    caller's RNG does not move and compiled layers run their eager code."""
+    with on_meta(model), saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
+            torch.random.fork_rng(devices=forked_rng_devices(device)), torch.compiler.set_stance("force_eager"):
+        yield
+
+
+def _unknown(whose: str, error: Exception) -> str:
+    return f"decisions unknown: {whose} forward failed on meta tensors ({type(error).__name__}: {error})"
 
 
 # --- blocks that wrap() checkpointed: the hooks set and unset at the model's root -------
 
 _set_for_blocks = False  # set at a root's first break; read as Dynamo traces its blocks
-_probing = False  # while the root's probe runs: checkpointed blocks run plainly
 _watched = weakref.WeakKeyDictionary()  # root -> its hook handles
 _probed = weakref.WeakKeyDictionary()  # root -> {input key: {checkpoint: why eager}}
 
@@ -271,10 +289,6 @@ def watch_root(model: nn.Module) -> None:
 def blocks_in_graph(policy: KeepPolicy, eager_because: Optional[str]) -> bool:
     """Whether a wrapped block kept by ``policy`` is traced with its codec in the graph."""
     return _set_for_blocks and policy.lossy and not policy.offload and eager_because is None
-
-
-def probing() -> bool:
-    return _probing
 
 
 def _before_root(model, args, kwargs):
@@ -329,7 +343,7 @@ def hooks_paused():
     """While active, actsave's graph hooks are unset where they are set: a block that
     runs eagerly between the root's breaks keeps by actsave's eager hooks, which must
     not see ours (they would take them for a caller's: compressed_saves.py)."""
-    paused = _torch.top_saved_tensor_hooks() == _the_hooks()
+    paused = _ours_on_top()
     if paused:
         _torch.pop_saved_tensor_hooks()
     try:
@@ -344,6 +358,10 @@ def _keeps_by_codec(module: nn.Module) -> bool:
     return isinstance(policy, KeepPolicy) and hasattr(module, "eager_because") and policy.lossy
 
 
+def _tensors_in(args, kwargs) -> list:
+    return [t for t in _torch.pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
 def _input_key(args, kwargs, model) -> tuple:
     leaves = _torch.pytree.tree_leaves((args, kwargs))
     return (tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in leaves),
@@ -354,9 +372,7 @@ def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
     """``{checkpoint: why it runs eagerly}`` for the blocks among ``checkpoints`` that
     make decisions a compiled recompute cannot keep (:func:`decisions_made`'s
     reasons): the model's forward on meta tensors, its checkpointed blocks run plainly."""
-    global _probing
-    why = {c: "max-pool decisions" for c in checkpoints
-           if any(Window.of(m) is not None for m in c.module.modules())}
+    why = {c: "max-pool decisions" for c in checkpoints if _max_pool_in(c.module.modules())}
     running = []  # (checkpoint, its inputs' autograd nodes)
 
     def pack(t):
@@ -366,35 +382,40 @@ def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
     handles = [hook for c in checkpoints for hook in _block_watch(c, running)]
     meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(  # noqa: E731
         t.requires_grad and t.is_floating_point())
-    _probing = True
+    tensors = _tensors_in(args, kwargs)
     try:
-        with on_meta(model), saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
-                torch.random.fork_rng(devices=forked_rng_devices(_device_of(args, kwargs))), \
-                torch.compiler.set_stance("force_eager"):
+        with _on_meta_watching_saves(model, tensors[0].device if tensors else torch.device("cpu"), pack), \
+                _run_plainly(checkpoints):
             meta_args, meta_kwargs = _torch.pytree.tree_map_only(torch.Tensor, meta, (args, kwargs))
             model(*meta_args, **meta_kwargs)
     except Exception as error:  # noqa: BLE001 - any failure means: run them as eager actsave does
-        return {c: f"decisions unknown: the model's forward failed on meta tensors ({type(error).__name__}: {error})"
-                for c in checkpoints}
+        return {c: _unknown("the model's", error) for c in checkpoints}
     finally:
-        _probing = False
         for handle in handles:
             handle.remove()
     return {c: f"a block kept by a codec makes {reason}, which a recompute in the graph cannot keep"
             for c, reason in why.items()}
 
 
+@contextlib.contextmanager
+def _run_plainly(checkpoints: list):
+    """While active, each of ``checkpoints`` calls its block plainly, so that the probe
+    sees the block's own saves (an instance attribute ``forward`` comes before the
+    class's method and is not registered as a submodule)."""
+    for checkpoint in checkpoints:
+        object.__setattr__(checkpoint, "forward", checkpoint.module)
+    try:
+        yield
+    finally:
+        for checkpoint in checkpoints:
+            object.__delattr__(checkpoint, "forward")
+
+
 def _block_watch(checkpoint, running: list) -> tuple:
     def enter(module, args, kwargs):
-        tensors = [t for t in _torch.pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        running.append((checkpoint, relu_signs.input_nodes(tensors)))
+        running.append((checkpoint, relu_signs.input_nodes(_tensors_in(args, kwargs))))
 
     def leave(module, args, kwargs, output):
         running.pop()
     return (checkpoint.module.register_forward_pre_hook(enter, with_kwargs=True),
             checkpoint.module.register_forward_hook(leave, with_kwargs=True, always_call=True))
-
-
-def _device_of(args, kwargs) -> torch.device:
-    tensors = [t for t in _torch.pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    return tensors[0].device if tensors else torch.device("cpu")
