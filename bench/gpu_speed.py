@@ -318,6 +318,7 @@ def profile_steps(models: dict, batch: tuple, path: Path, device: torch.device) 
                             f"{averages.table(sort_by='self_device_time_total', row_limit=25)}")
         except Exception:
             sections.append(f"## {name}: profiling failed\n{traceback.format_exc()}")
+        path.parent.mkdir(parents=True, exist_ok=True)  # before the CSV writer makes it
         path.write_text("\n\n".join(sections) + "\n")
 
 
