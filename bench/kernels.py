@@ -23,6 +23,10 @@ run under Triton's interpreter, whose times mean nothing: the script checks corr
 and reports bytes only.
 
     python bench/kernels.py [--sizes-mib 1,16,64,256] [--repeats 20] [--out PATH] [--quick | --smoke]
+                            [--tiles 4096x8,2048x4]
+
+``--tiles`` runs every case once per tile (elements x warps per program, encoders and
+decoders alike), the layout column naming it: how the tiles of _tile.py were chosen.
 
 ``--quick`` (sizes 64 and 256 MiB, every codec and layout, fp32 and bf16) is the run for
 a short GPU lease; ``--smoke`` one tiny size, for the CPU tests. Sizes are MiB of fp32
@@ -31,6 +35,7 @@ a short GPU lease; ``--smoke`` one tiny size, for the CPU tests. Sizes are MiB o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -49,7 +54,7 @@ import harness  # noqa: E402  (bench/ is on sys.path when this script runs)
 from actsave.text import format_table  # noqa: E402
 from actsave.codecs import LOSSY_CODECS  # noqa: E402
 from actsave.codecs.centering import channel_offsets  # noqa: E402
-from actsave.triton_kernels import UNSIGNED_VARIANT, channel_size, kernel_table  # noqa: E402
+from actsave.triton_kernels import UNSIGNED_VARIANT, _tile, channel_size, kernel_table  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Channels of the conv-shaped layouts, as in a ResNet's middle stages; the batch grows
@@ -226,6 +231,33 @@ UNITS = {"bytes_ratio": "x", "copy_gbps": "GB/s", "encode_ms": "ms", "decode_ms"
          "decode_host_us": "us", "means_ms": "ms"}
 
 
+def parse_tiles(text: Optional[str]) -> list:
+    """``--tiles``: [None] (the launchers' own tiles) or the Tiles it names."""
+    if text is None:
+        return [None]
+    chosen = []
+    for spec in text.split(","):
+        elements, warps = (int(part) for part in spec.split("x"))
+        if not (elements & (elements - 1) == 0 and elements <= _tile.LARGEST_TILE_ELEMENTS
+                and warps in (1, 2, 4, 8, 16) and elements >= 32 * warps):
+            raise SystemExit(f"--tiles: {spec!r} is not a power-of-two element count up to "
+                             f"{_tile.LARGEST_TILE_ELEMENTS} over 1-16 warps of at least one element a thread")
+        chosen.append(_tile.Tile(elements, warps))
+    return chosen
+
+
+@contextlib.contextmanager
+def tiles(tile):
+    """Encoders and decoders launched in programs of ``tile`` (None: their own) inside."""
+    saved = _tile.ENCODER_TILE, _tile.DECODER_TILE
+    if tile is not None:
+        _tile.ENCODER_TILE = _tile.DECODER_TILE = tile
+    try:
+        yield
+    finally:
+        _tile.ENCODER_TILE, _tile.DECODER_TILE = saved
+
+
 def csv_rows(results: list, metadata: dict, config: dict) -> list:
     return [{
         "bench": "kernels", "case": case_name(codec, layout, dtype), "provider": codec, "metric": metric,
@@ -255,6 +287,9 @@ def main(argv=None) -> None:
     harness.add_output_arguments(parser, "CSV, <device>.csv")
     parser.add_argument("--quick", action="store_true", help="64 and 256 MiB, fp32 and bf16: a short GPU lease")
     parser.add_argument("--smoke", action="store_true", help="one tiny size, for the tests")
+    parser.add_argument("--tiles", default=None,
+                        help="elements x warps per program to try for both directions, e.g. 4096x8,2048x4 (the "
+                             "rows' layout names them); default: the tiles the launchers use")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     sizes = [1 / 256] if args.smoke else [64.0, 256.0] if args.quick else [float(s) for s in args.sizes_mib.split(",")]
@@ -263,13 +298,16 @@ def main(argv=None) -> None:
     channels = SMOKE_CHANNELS if args.smoke else CHANNELS
     timer = GpuTimer(device, args.repeats) if cuda else None
     started, results = time.monotonic(), []
-    for codec in LOSSY_CODECS:
-        for layout in layouts:
-            for dtype_name in dtypes:
-                for mib in sizes:
-                    numel = int(mib * 2**20) // 4  # as many elements as that many MiB of fp32
-                    row = measure(codec, layout, DTYPES[dtype_name], numel, channels, device, timer)
-                    results.append((codec, layout, dtype_name, mib, row))
+    for tile in parse_tiles(args.tiles):
+        with tiles(tile):
+            for codec in LOSSY_CODECS:
+                for layout in layouts:
+                    for dtype_name in dtypes:
+                        for mib in sizes:
+                            numel = int(mib * 2**20) // 4  # as many elements as that many MiB of fp32
+                            row = measure(codec, layout, DTYPES[dtype_name], numel, channels, device, timer)
+                            name = layout if tile is None else f"{layout}@{tile.elements}x{tile.warps}"
+                            results.append((codec, name, dtype_name, mib, row))
     print(table(results))
     if not cuda:
         print("CPU: every kernel equals its reference bit for bit (Triton interpreter); no timings")

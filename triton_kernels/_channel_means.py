@@ -9,7 +9,7 @@ and the non-finite codes mark the input's own inf and NaN (a mean that takes a f
 value past fp32's range, which actsave never passes, leaves it a code of 0 in a
 flagged group, in kernel and reference alike). The decoder given the same means adds
 each back to ``value(code) * |scale|`` in fp32, a second correctly rounded operation
-(launches disable Triton's FMA fusion, ``LAUNCH_OPTIONS`` in _tile.py), and saturates
+(launches disable Triton's FMA fusion, ``COMPILE_OPTIONS`` in _tile.py), and saturates
 the sum at the output dtype's largest finite value: a finite value near it may come
 back a rounding step beyond it, which must not become inf. Then the non-finite codes
 are decoded, as without means. Doing both in the kernels costs no copy of the tensor

@@ -8,15 +8,16 @@ grid. The rules of the values live beside it: _scale.py (NOTE [scale rule], NOTE
 [non-finite groups], NOTE [unsigned grids]), _channel_means.py (NOTE [channel means])
 and _rounding.py (NOTE [round half to even]).
 
-NOTE [tile]: each program owns GROUPS_PER_PROGRAM whole groups (ELEMENTS_PER_PROGRAM
-elements) as a ``[groups, GROUP_SIZE // RUN, RUN]`` block and reduces along its rows. A
-run is RUN contiguous elements that one thread owns: one 16-byte vector of codes when
+NOTE [tile]: each program owns GROUPS_PER_PROGRAM whole groups (its Tile's elements)
+as a ``[groups, GROUP_SIZE // RUN, RUN]`` block and reduces along its rows. A run is
+RUN contiguous elements that one thread owns: one 16-byte vector of codes when
 encoding (16 codes), of values when decoding (4 fp32 or 8 halves, whose codes are
-then one 4- or 8-byte load, as coalesced). Triton gives each memory access a layout of
-at most 16 bytes per thread for a store; one run size for both streams is one layout,
-with no conversion through shared memory between them. What depends on the run only
-(a channel, NOTE [channel means]) is worked out once per thread. Offsets are int32
-where every offset of the launch is below 2**31 (``needs_int64``), else int64.
+then one 4- or 8-byte load, as coalesced). Triton gives each memory access a layout
+of at most 16 bytes per thread for a store; one run size for both streams is one
+layout, with no conversion through shared memory between them. What depends on the
+run only (a channel, NOTE [channel means]) is worked out once per thread. Offsets
+are int32 where every offset of the launch is below 2**31 (``needs_int64``), else
+int64.
 
 NOTE [plain tiles]: most tiles hold only groups whose values are finite, with an
 absmax below 2**127 and either 0 or at least 2**-64 (and, for an encoder that
@@ -29,6 +30,8 @@ reduction over the tile; every other tile takes the general path. Both give the
 references' bits, and a plain tile pays for the rules it does not need with that
 reduction alone.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -40,15 +43,32 @@ from ._scale import TINY_ABSMAX
 # Below 8 elements the fp32 scale is at least a third of what is stored, which defeats
 # compression; above 4096 a single group outgrows a program's tile (below).
 MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 4096
-# 4096 elements per program, 16 per thread with 8 warps: in the range Triton's
-# tutorials use for memory-bound kernels, and it amortises the interpreter's cost per
-# program, which dominates small launches there (docs/results.md, "Figures behind the
-# code's rules"). Not tuned on a GPU.
-ELEMENTS_PER_PROGRAM, NUM_WARPS = 4096, 8
 # Compile options of every launch (and of the ahead-of-time builds that check them).
 # No FMA fusion: a decoder's add of a channel mean after its multiply (NOTE [channel
 # means]) must round twice, as torch does.
-LAUNCH_OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
+class Tile(NamedTuple):
+    """A program's share of a launch (NOTE [tile]): its elements and its warps."""
+
+    elements: int
+    warps: int
+
+    def options(self) -> dict:
+        return {"num_warps": self.warps, **COMPILE_OPTIONS}
+
+
+# 16 elements per thread in both directions: in the range Triton's tutorials use for
+# memory-bound kernels. Encoders take 4096 elements over 8 warps, which also amortises
+# the interpreter's cost per program (it dominates small launches there). Decoders
+# take 2048 over 4 warps: at 4096 over 8 they wrote at a third of the speed on an
+# H100 (docs/results.md, "Figures behind the code's rules", "Codec tiles").
+# The launchers read them from this module at each call (``_tile.ENCODER_TILE``), so a
+# benchmark can try others (bench/kernels.py --tiles).
+ENCODER_TILE, DECODER_TILE = Tile(elements=4096, warps=8), Tile(elements=2048, warps=4)
+# Offsets stay int32 below 2**31 less a tile (needs_int64): the largest tile a launch may use.
+LARGEST_TILE_ELEMENTS = 16384
 # The widest global load and store a thread issues (ld/st.global.v4.b32).
 VECTOR_BYTES = 16
 # NOTE [plain tiles]: below this absmax no scale needs the scale rule's step.
@@ -208,29 +228,30 @@ def empty_encoding(flat, group_size, code_dtype):
     return codes, scales
 
 
-def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
-    """One launch of a group kernel over numel elements, on its tensors' device; none
-    for an empty tensor, nor for meta tensors: they hold no data, and the launcher's
-    allocations are what actsave.estimate simulates a CUDA step by. ``run`` is the
-    elements each thread owns contiguously (NOTE [tile]), ``means`` the kernel's
-    :class:`ChannelMeans`, ``arguments`` its other arguments by name."""
+def launch(kernel, tile, numel, group_size, run, means, *tensors, **arguments):
+    """One launch of a group kernel over numel elements in programs of ``tile``
+    (ENCODER_TILE or DECODER_TILE), on its tensors' device; none for an empty tensor,
+    nor for meta tensors: they hold no data, and the launcher's allocations are what
+    actsave.estimate simulates a CUDA step by. ``run`` is the elements each thread owns
+    contiguously (NOTE [tile]), ``means`` the kernel's :class:`ChannelMeans`,
+    ``arguments`` its other arguments by name."""
     if numel == 0 or tensors[0].device.type == "meta":
         return
-    groups_per_program = max(1, ELEMENTS_PER_PROGRAM // group_size)
+    groups_per_program = max(1, tile.elements // group_size)
     run = min(run, group_size)
     grid = (triton.cdiv(triton.cdiv(numel, group_size), groups_per_program),)
     # Through the package's one launch helper: a kernel that fails to compile on the
     # user's GPU raises an error naming it and the fallback (_launch.py).
     _launch.launch(kernel, grid, *tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
                    GROUPS_PER_PROGRAM=groups_per_program, RUN=run, INDEX_64=needs_int64(numel),
-                   INTERPRETED=tensors[0].device.type == "cpu", **LAUNCH_OPTIONS, **arguments)
+                   INTERPRETED=tensors[0].device.type == "cpu", **tile.options(), **arguments)
 
 
 def needs_int64(numel):
     """Whether a launch over numel elements indexes in int64: where an offset in its last
     program's tile could reach 2**31 (the magic-number quotients of NOTE [channel means]
     need offsets below it too)."""
-    return numel + ELEMENTS_PER_PROGRAM > 2**31
+    return numel + LARGEST_TILE_ELEMENTS > 2**31
 
 
 def run_elements(dtype):

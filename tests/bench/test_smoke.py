@@ -245,10 +245,37 @@ def test_kernels_bench_checks_every_codec_and_reports_bytes(tmp_path):
     assert all(ratio <= (0.27 if case.endswith("fp32") else 0.53) for case, ratio in ratios.items())
 
 
+def test_kernels_bench_tries_each_tile_it_is_given_and_checks_its_bits(tmp_path):
+    """--tiles: every case once per tile, each checked against its reference."""
+    out = tmp_path / "cpu.csv"
+    stdout = run_script("kernels.py", "--out", str(out), "--tiles", "4096x8,1024x2", "--dtypes", "bf16",
+                        "--layouts", "flat,c14x14")
+    _, rows = read_rows(out)
+    cases = {r["case"] for r in rows if r["metric"] == "bytes_ratio"}
+    assert cases == {f"{codec}-{layout}@{tile}-bf16" for codec in ("int8", "fp8_e4m3", "fp8_e5m2")
+                     for layout in ("flat", "c14x14") for tile in ("4096x8", "1024x2")}
+    assert "every kernel equals its reference" in stdout
+
+
+def test_kernels_bench_refuses_a_tile_it_cannot_launch():
+    result = subprocess.run([sys.executable, str(BENCH / "kernels.py"), "--smoke", "--tiles", "3000x8"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "'3000x8' is not a power-of-two element count" in result.stderr
+
+
 @pytest.fixture
 def kernels_bench(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # the script imports its harness as `harness`
     return load_bench_module("kernels")
+
+
+def test_kernels_bench_puts_the_launchers_own_tiles_back(kernels_bench):
+    from actsave.triton_kernels import _tile
+    own = _tile.ENCODER_TILE, _tile.DECODER_TILE
+    with pytest.raises(KeyError), kernels_bench.tiles(_tile.Tile(1024, 2)):
+        assert _tile.ENCODER_TILE == _tile.DECODER_TILE == _tile.Tile(1024, 2)
+        raise KeyError
+    assert (_tile.ENCODER_TILE, _tile.DECODER_TILE) == own
 
 
 def test_kernels_bench_times_copy_encode_decode_and_means_of_each_case(kernels_bench):

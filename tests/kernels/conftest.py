@@ -224,7 +224,6 @@ import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from actsave.triton_kernels._tile import LAUNCH_OPTIONS
 
 # What the JIT attaches to an argument it specializes as divisible by 16: a pointer
 # to a 16-byte aligned tensor, or an integer that is a multiple of 16.
@@ -245,8 +244,7 @@ for name, job in json.loads(sys.stdin.read()).items():
     kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
     attrs = {(kernel.arg_names.index(arg),): DIVISIBLE_BY_16 for arg in job["divisible_by_16"]}
     source = ASTSource(kernel, job["signature"], job["constexprs"], attrs)
-    options = job.get("options", LAUNCH_OPTIONS)
-    binary = triton.compile(source, target=GPUTarget("cuda", job["arch"], 32), options=options)
+    binary = triton.compile(source, target=GPUTarget("cuda", job["arch"], 32), options=job["options"])
     compiled[name] = {"ptx": binary.asm["ptx"], **resource_usage(binary.asm["cubin"])}
 print(json.dumps(compiled))
 """
@@ -258,8 +256,8 @@ def _compile_for_cuda(jobs):
     allotted them). A job names its kernel ("module", "kernel"), its "signature" and
     "constexprs" as triton.compile takes them, the CUDA "arch" (80, 90) and the
     arguments the JIT would see as "divisible_by_16" (16-byte aligned pointers,
-    integers that are multiples of 16), and optionally the launch's compile "options"
-    (default: the codecs' LAUNCH_OPTIONS). Triton compiles for a GPU only outside
+    integers that are multiples of 16), and the launch's compile "options" (warps
+    and the rest, as the launcher passes them). Triton compiles for a GPU only outside
     interpreter mode, hence the subprocess."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_CUDA], input=json.dumps(jobs),  # stdin: no argv limit
