@@ -248,14 +248,15 @@ def parse_tiles(text: Optional[str]) -> list:
 
 @contextlib.contextmanager
 def tiles(tile):
-    """Encoders and decoders launched in programs of ``tile`` (None: their own) inside."""
-    saved = _tile.ENCODER_TILE, _tile.DECODER_TILE
+    """Encoders and decoders launched in programs of ``tile`` (None: their own) inside,
+    on the GPU and under the interpreter alike."""
+    saved = _tile.CUDA_TILE, _tile.INTERPRETER_TILE
     if tile is not None:
-        _tile.ENCODER_TILE = _tile.DECODER_TILE = tile
+        _tile.CUDA_TILE = _tile.INTERPRETER_TILE = tile
     try:
         yield
     finally:
-        _tile.ENCODER_TILE, _tile.DECODER_TILE = saved
+        _tile.CUDA_TILE, _tile.INTERPRETER_TILE = saved
 
 
 def csv_rows(results: list, metadata: dict, config: dict) -> list:

@@ -59,14 +59,15 @@ class Tile(NamedTuple):
         return {"num_warps": self.warps, **COMPILE_OPTIONS}
 
 
-# 16 elements per thread in both directions: in the range Triton's tutorials use for
-# memory-bound kernels. Encoders take 4096 elements over 8 warps, which also amortises
-# the interpreter's cost per program (it dominates small launches there). Decoders
-# take 2048 over 4 warps: at 4096 over 8 they wrote at a third of the speed on an
-# H100 (docs/results.md, "Figures behind the code's rules", "Codec tiles").
-# The launchers read them from this module at each call (``_tile.ENCODER_TILE``), so a
-# benchmark can try others (bench/kernels.py --tiles).
-ENCODER_TILE, DECODER_TILE = Tile(elements=4096, warps=8), Tile(elements=2048, warps=4)
+# 16 elements per thread, in the range Triton's tutorials use for memory-bound kernels.
+# On a GPU, 2048 elements over 4 warps: at 4096 over 8 the decoders wrote at a third
+# of a copy's speed, and the encoders of centered bf16 at half of it (docs/results.md,
+# "Figures behind the code's rules", "Codec tiles"). Under the interpreter, 4096: its
+# cost is per program and dominates small launches. A tile changes the work a program
+# does, never the bits (each group is coded alone), which the kernel tests check on
+# the interpreter's tile and bench/kernels.py on the GPU's. The launcher reads them from
+# this module at each call, so a benchmark can try others (bench/kernels.py --tiles).
+CUDA_TILE, INTERPRETER_TILE = Tile(elements=2048, warps=4), Tile(elements=4096, warps=8)
 # Offsets stay int32 below 2**31 less a tile (needs_int64): the largest tile a launch may use.
 LARGEST_TILE_ELEMENTS = 16384
 # The widest global load and store a thread issues (ld/st.global.v4.b32).
@@ -228,15 +229,16 @@ def empty_encoding(flat, group_size, code_dtype):
     return codes, scales
 
 
-def launch(kernel, tile, numel, group_size, run, means, *tensors, **arguments):
-    """One launch of a group kernel over numel elements in programs of ``tile``
-    (ENCODER_TILE or DECODER_TILE), on its tensors' device; none for an empty tensor,
-    nor for meta tensors: they hold no data, and the launcher's allocations are what
-    actsave.estimate simulates a CUDA step by. ``run`` is the elements each thread owns
-    contiguously (NOTE [tile]), ``means`` the kernel's :class:`ChannelMeans`,
-    ``arguments`` its other arguments by name."""
+def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
+    """One launch of a group kernel over numel elements, on its tensors' device; none
+    for an empty tensor, nor for meta tensors: they hold no data, and the launcher's
+    allocations are what actsave.estimate simulates a CUDA step by. ``run`` is the
+    elements each thread owns contiguously (NOTE [tile]), ``means`` the kernel's
+    :class:`ChannelMeans`, ``arguments`` its other arguments by name."""
     if numel == 0 or tensors[0].device.type == "meta":
         return
+    interpreted = tensors[0].device.type == "cpu"
+    tile = INTERPRETER_TILE if interpreted else CUDA_TILE
     groups_per_program = max(1, tile.elements // group_size)
     run = min(run, group_size)
     grid = (triton.cdiv(triton.cdiv(numel, group_size), groups_per_program),)
@@ -244,7 +246,7 @@ def launch(kernel, tile, numel, group_size, run, means, *tensors, **arguments):
     # user's GPU raises an error naming it and the fallback (_launch.py).
     _launch.launch(kernel, grid, *tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
                    GROUPS_PER_PROGRAM=groups_per_program, RUN=run, INDEX_64=needs_int64(numel),
-                   INTERPRETED=tensors[0].device.type == "cpu", **tile.options(), **arguments)
+                   INTERPRETED=interpreted, **tile.options(), **arguments)
 
 
 def needs_int64(numel):

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import DEFAULT_GROUP_SIZE, _tile
+from . import DEFAULT_GROUP_SIZE
 from ._channel_means import channel_means, decoded_channel_means, largest_finite
 from ._rounding import store_rounded
 from ._scale import (
@@ -305,8 +305,8 @@ def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     spec = _format(fmt)
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, torch.uint8)
-    launch(_encode_fp8_kernel, _tile.ENCODER_TILE, flat.numel(), group_size, run_elements(codes.dtype),
-           channel_means(x, means, scales), flat, codes, scales, **spec.encode_constexprs())
+    launch(_encode_fp8_kernel, flat.numel(), group_size, run_elements(codes.dtype), channel_means(x, means, scales),
+           flat, codes, scales, **spec.encode_constexprs())
     return codes, scales
 
 
@@ -318,7 +318,7 @@ def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=N
     spec = _format(fmt)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_fp8_kernel, _tile.DECODER_TILE, codes.numel(), group_size, run_elements(dtype),
+    launch(_decode_fp8_kernel, codes.numel(), group_size, run_elements(dtype),
            decoded_channel_means(codes, means, channel_size, scales), codes, scales, out,
            **spec.decode_constexprs())
     return out

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import DEFAULT_GROUP_SIZE, _tile
+from . import DEFAULT_GROUP_SIZE
 from ._channel_means import channel_means, decoded_channel_means, largest_finite
 from ._rounding import integer_code_bits, store_rounded
 from ._scale import (
@@ -149,8 +149,8 @@ def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     Raises ValueError for other dtypes, group sizes or means."""
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, _code_dtype(unsigned))
-    launch(_encode_int8_kernel, _tile.ENCODER_TILE, flat.numel(), group_size, run_elements(codes.dtype),
-           channel_means(x, means, scales), flat, codes, scales, **encode_constexprs(unsigned))
+    launch(_encode_int8_kernel, flat.numel(), group_size, run_elements(codes.dtype), channel_means(x, means, scales),
+           flat, codes, scales, **encode_constexprs(unsigned))
     return codes, scales
 
 
@@ -162,7 +162,7 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
     (NOTE [channel means])."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_int8_kernel, _tile.DECODER_TILE, codes.numel(), group_size, run_elements(dtype),
+    launch(_decode_int8_kernel, codes.numel(), group_size, run_elements(dtype),
            decoded_channel_means(codes, means, channel_size, scales), codes, scales, out,
            **decode_constexprs(unsigned))
     return out

@@ -271,11 +271,11 @@ def kernels_bench(monkeypatch):
 
 def test_kernels_bench_puts_the_launchers_own_tiles_back(kernels_bench):
     from actsave.triton_kernels import _tile
-    own = _tile.ENCODER_TILE, _tile.DECODER_TILE
+    own = _tile.CUDA_TILE, _tile.INTERPRETER_TILE
     with pytest.raises(KeyError), kernels_bench.tiles(_tile.Tile(1024, 2)):
-        assert _tile.ENCODER_TILE == _tile.DECODER_TILE == _tile.Tile(1024, 2)
+        assert _tile.CUDA_TILE == _tile.INTERPRETER_TILE == _tile.Tile(1024, 2)
         raise KeyError
-    assert (_tile.ENCODER_TILE, _tile.DECODER_TILE) == own
+    assert (_tile.CUDA_TILE, _tile.INTERPRETER_TILE) == own
 
 
 def test_kernels_bench_times_copy_encode_decode_and_means_of_each_case(kernels_bench):

@@ -18,10 +18,10 @@ import torch
 
 from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, SIGNED_FORMATS, kernel_table
 from actsave.triton_kernels.decisions import max_pool, packed_tiles, relu_signs
-from actsave.triton_kernels._tile import DECODER_TILE, ENCODER_TILE, VECTOR_BYTES
+from actsave.triton_kernels._tile import CUDA_TILE, VECTOR_BYTES
 
-GROUP_SIZE = DEFAULT_GROUP_SIZE  # a program's tile holds the same elements at every group size
-TILES = {"encode": ENCODER_TILE, "decode": DECODER_TILE}
+GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
+TILE = {"GROUP_SIZE": GROUP_SIZE, "GROUPS_PER_PROGRAM": CUDA_TILE.elements // GROUP_SIZE}
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # Triton type -> bytes per element
 # format -> Triton type of its codes (the unsigned variants store bytes 0..255)
 CODE_POINTERS = {"int8": "*i8", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8", "uint8": "*u8", "fp8_ue4m4": "*u8",
@@ -43,13 +43,9 @@ TARGETS = {
 KERNELS = [f"{codec}-{direction}-{dtype}" for codec, direction, dtype in product(FORMATS, DIRECTIONS, DTYPES)]
 BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS, TARGETS)
           if TARGETS[target][3] is None or kernel.split("-")[0] in SIGNED_FORMATS]
-
-
-def _elements_per_thread(direction):
-    """The elements one thread owns: the [groups, runs, RUN] tile spread evenly over
-    the program's threads, a run of RUN contiguous elements at a time (NOTE [tile])."""
-    tile = TILES[direction]
-    return tile.elements // (tile.warps * 32)
+# The elements one thread owns: the [groups, runs, RUN] tile spread evenly over the
+# program's threads, a run of RUN contiguous elements at a time (NOTE [tile]).
+ELEMENTS_PER_THREAD = CUDA_TILE.elements // (CUDA_TILE.warps * 32)
 
 
 def _run(direction, dtype):
@@ -69,8 +65,7 @@ def _job(codec, direction, dtype, target):
     channels = dict.fromkeys(["channel_size", "channels", "size_magic", "size_shift", "count_magic", "count_shift"],
                              "i32")
     constexprs = {**kernel.constexprs, "CENTERED": run_channels is not None, "RUN_CHANNELS": run_channels or 0,
-                  "INDEX_64": numel_type == "i64", "INTERPRETED": False, "GROUP_SIZE": GROUP_SIZE,
-                  "GROUPS_PER_PROGRAM": TILES[direction].elements // GROUP_SIZE, "RUN": _run(direction, dtype)}
+                  "INDEX_64": numel_type == "i64", "INTERPRETED": False, **TILE, "RUN": _run(direction, dtype)}
     return {
         "module": kernel.jit.fn.__module__,  # the subprocess imports it by name
         "kernel": kernel.jit.fn.__name__,
@@ -78,7 +73,7 @@ def _job(codec, direction, dtype, target):
         "constexprs": constexprs,
         "arch": arch,
         "divisible_by_16": list(pointers) + (["numel"] if numel_divisible else []),
-        "options": TILES[direction].options(),
+        "options": CUDA_TILE.options(),
     }
 
 
@@ -148,10 +143,9 @@ def _expected_aligned_accesses(direction, dtype, run_channels):
     (RUN_CHANNELS 1), two (2), or one per element (0); a few hundred bytes in all,
     which the caches serve."""
     run = _run(direction, dtype)
-    elements = _elements_per_thread(direction)
-    runs = elements // run
-    means = {None: 0, 1: runs, 2: 2 * runs, 0: elements}[run_channels]
-    value_vectors = elements * DTYPES[dtype] // VECTOR_BYTES
+    runs = ELEMENTS_PER_THREAD // run
+    means = {None: 0, 1: runs, 2: 2 * runs, 0: ELEMENTS_PER_THREAD}[run_channels]
+    value_vectors = ELEMENTS_PER_THREAD * DTYPES[dtype] // VECTOR_BYTES
     if direction == "encode":
         return {"ld.global.v4.b32": value_vectors, **({"ld.global.b32": means} if means else {}),
                 "st.global.v4.b32": runs, "st.global.b32": runs}
