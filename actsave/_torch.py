@@ -211,6 +211,13 @@ def fsdp_forward_hooks_paused(model: torch.nn.Module):
             table.update(entries)
 
 
+# The fused attention kernels CUDA runs, called on meta tensors where a meta step stands
+# for CUDA (NOTE [ Attention on simulated CUDA ] in meta.py); None where this torch has
+# none, and such steps keep the math path's estimate.
+flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+efficient_attention = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+
+
 # NOTE [ Storage resizes ]
 # FSDP2 frees a unit's gathered parameters with ``storage.resize_(0)`` and refills them
 # with ``storage.resize_(n)``: a call on the storage, not an operator, so no dispatch

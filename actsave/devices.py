@@ -54,3 +54,10 @@ def runs_triton_by_default(device) -> bool:
     """Whether backend "auto" runs the Triton kernels for tensors on ``device``
     (elsewhere the torch references run; codecs/backend.py)."""
     return torch.device(device).type == "cuda"
+
+
+def runs_fused_attention(device) -> bool:
+    """Whether scaled_dot_product_attention on ``device`` may run a fused kernel (flash
+    or memory-efficient attention) where meta tensors run the math path (NOTE [
+    Attention on simulated CUDA ] in meta.py)."""
+    return torch.device(device).type == "cuda"

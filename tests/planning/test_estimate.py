@@ -72,6 +72,52 @@ def test_cuda_rounds_allocations_and_needs_no_gpu():
     assert cuda.activation_peak_bytes % 512 == 0 and cuda.activation_peak_bytes > cpu.activation_peak_bytes
 
 
+class Attention(nn.Module):
+    """Causal self-attention over (batch, heads, tokens, head size) with a projection
+    before it, so that its input's gradient is a leaf's (``mask`` given: masked)."""
+
+    def __init__(self, width, mask=None):
+        super().__init__()
+        self.project, self.mask = nn.Linear(width, width), mask
+
+    def forward(self, x):
+        y = self.project(x)
+        if self.mask is None:
+            return nn.functional.scaled_dot_product_attention(y, y, y, is_causal=True)
+        return nn.functional.scaled_dot_product_attention(y, y, y, attn_mask=self.mask)
+
+
+T = 1024  # tokens: the math path keeps T x T weights per head, 2 MiB at bf16
+
+
+@pytest.mark.parametrize("dtype, mask", [(torch.bfloat16, None), (torch.float32, torch.ones(T, T).tril().bool())],
+                         ids=["flash", "efficient"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_attention_on_cuda_is_estimated_as_a_fused_kernel_keeps_it(dtype, mask, checkpointed):
+    """NOTE [ Attention on simulated CUDA ]: on meta tensors scaled_dot_product_attention
+    takes the math path, keeping T x T weights per head; a step estimated for CUDA keeps
+    what flash (bf16, no mask) or memory-efficient attention (a mask) keep instead,
+    also in a checkpoint's recompute, and the function is put back afterwards."""
+    torch.manual_seed(0)
+    model = Attention(64, mask if mask is None else mask.to("meta")).to(dtype)
+    if checkpointed:
+        model = CheckpointedSequential(model, segments=1)
+    x = torch.empty(1, 4, T, 64, dtype=dtype, device="meta")
+    weights = 4 * T * T * dtype.itemsize  # one set of the math path's attention weights
+    cpu = actsave.estimate(model, x, device="cpu").activation_peak_bytes
+    cuda = actsave.estimate(model, x, device="cuda").activation_peak_bytes
+    assert cpu > 2 * weights > 2 * cuda
+    assert nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
+def test_attention_on_other_tensors_runs_as_usual_while_cuda_is_simulated():
+    from actsave.meta import simulating
+    q = torch.randn(1, 2, 8, 16)
+    expected = nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with simulating("cuda"):
+        assert torch.equal(nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), expected)
+
+
 def test_integer_inputs_are_given_as_tensors():
     model = nn.Sequential(nn.Embedding(100, 32), nn.Linear(32, 32))
     tokens = torch.empty(4, 16, dtype=torch.long, device="meta")
