@@ -59,14 +59,15 @@ class Tile(NamedTuple):
         return {"num_warps": self.warps, **COMPILE_OPTIONS}
 
 
-# 16 elements per thread, in the range Triton's tutorials use for memory-bound kernels.
-# On a GPU, 2048 elements over 4 warps: at 4096 over 8 the decoders wrote at a third
-# of a copy's speed, and the encoders of centered bf16 at half of it (docs/results.md,
-# "Figures behind the code's rules", "Codec tiles"). Under the interpreter, 4096: its
+# 16 elements per thread, in the range Triton's tutorials use for memory-bound
+# kernels. On a GPU, 2048 elements over 4 warps: at 4096 over 8 the decoders, and the
+# encoders of bf16, stayed far below a copy's bandwidth (docs/results.md, "Figures
+# behind the code's rules", "Codec tiles"). Under the interpreter, 4096 over 8: its
 # cost is per program and dominates small launches. A tile changes the work a program
 # does, never the bits (each group is coded alone), which the kernel tests check on
-# the interpreter's tile and bench/kernels.py on the GPU's. The launcher reads them from
-# this module at each call, so a benchmark can try others (bench/kernels.py --tiles).
+# the interpreter with either tile and bench/kernels.py on the GPU. The launcher reads
+# them from this module at each call, so a benchmark can try others (bench/kernels.py
+# --tiles).
 CUDA_TILE, INTERPRETER_TILE = Tile(elements=2048, warps=4), Tile(elements=4096, warps=8)
 # Offsets stay int32 below 2**31 less a tile (needs_int64): the largest tile a launch may use.
 LARGEST_TILE_ELEMENTS = 16384
