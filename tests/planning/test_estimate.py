@@ -110,6 +110,35 @@ def test_attention_on_cuda_is_estimated_as_a_fused_kernel_keeps_it(dtype, mask, 
     assert nn.functional.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
 
 
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+
+
+@pytest.mark.parametrize("q, k, kwargs, kernel", [
+    (_meta(2, 4, 64, 64), None, {"is_causal": True}, "Flash"),
+    (_meta(2, 4, 64, 256), None, {}, "Flash"),
+    (_meta(2, 4, 64, 64, dtype=torch.float32), None, {}, "Efficient"),  # flash runs 16-bit floats only
+    (_meta(2, 4, 64, 64), None, {"attn_mask": torch.ones(64, 64, dtype=torch.bool, device="meta")}, "Efficient"),
+    (_meta(2, 4, 64, 512), None, {}, "Efficient"),  # head size above flash's 256
+    (_meta(2, 4, 64, 60), None, {}, None),  # head size not a multiple of 8
+    (_meta(2, 8, 64, 64), _meta(2, 2, 64, 64), {"enable_gqa": True}, None),  # grouped queries
+    (_meta(4, 64, 64), None, {}, None),  # 3-D
+    (_meta(2, 4, 64, 64, dtype=torch.float64), None, {}, None),
+], ids=["causal", "head256", "fp32", "mask", "head512", "head60", "gqa", "3d", "fp64"])
+def test_simulated_cuda_attention_takes_the_kernel_cuda_would(q, k, kwargs, kernel):
+    """NOTE [ Attention on simulated CUDA ]: the kernel by the output's autograd node;
+    None: the math path, as unsimulated."""
+    from actsave.meta import simulating
+    k = q if k is None else k
+    with simulating("cuda"):
+        out = nn.functional.scaled_dot_product_attention(q, k, k, **kwargs)
+    name = type(out.grad_fn).__name__
+    if kernel is None:
+        assert "Flash" not in name and "Efficient" not in name, name
+    else:
+        assert name == f"ScaledDotProduct{kernel}AttentionBackward0"
+
+
 def test_attention_on_other_tensors_runs_as_usual_while_cuda_is_simulated():
     from actsave.meta import simulating
     q = torch.randn(1, 2, 8, 16)
