@@ -211,11 +211,12 @@ def fsdp_forward_hooks_paused(model: torch.nn.Module):
             table.update(entries)
 
 
-# The fused attention kernels CUDA runs, called on meta tensors where a meta step stands
-# for CUDA (NOTE [ Attention on simulated CUDA ] in meta.py); None where this torch has
-# none, and such steps keep the math path's estimate.
+# The fused attention kernels of CUDA and the CPU, called on meta tensors where a meta
+# step stands for such a device (NOTE [ Attention on a simulated device ] in meta.py);
+# None where this torch has none, and such steps keep the math path's estimate.
 flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 efficient_attention = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 # NOTE [ Storage resizes ]

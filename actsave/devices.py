@@ -7,6 +7,8 @@ Every ``device`` argument is anything ``torch.device`` takes.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -56,8 +58,9 @@ def runs_triton_by_default(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def runs_fused_attention(device) -> bool:
-    """Whether scaled_dot_product_attention on ``device`` may run a fused kernel (flash
-    or memory-efficient attention) where meta tensors run the math path (NOTE [
-    Attention on simulated CUDA ] in meta.py)."""
-    return torch.device(device).type == "cuda"
+def fused_attention(device) -> Optional[str]:
+    """Which fused kernels scaled_dot_product_attention may run on ``device`` where meta
+    tensors run the math path: "cuda" (flash, memory-efficient), "cpu" (the CPU's
+    flash), or None (NOTE [ Attention on a simulated device ] in meta.py)."""
+    kind = torch.device(device).type
+    return kind if kind in ("cuda", "cpu") else None

@@ -30,13 +30,14 @@ from torch import nn
 from ._torch import (
     OpOverload,
     TorchDispatchMode,
+    cpu_flash_attention,
     efficient_attention,
     flash_attention,
     fsdp_forward_hooks_paused,
     is_sharded,
     own_tensors,
 )
-from .devices import runs_fused_attention
+from .devices import fused_attention
 
 _local = threading.local()
 
@@ -47,40 +48,42 @@ def simulating(device):
     previous = getattr(_local, "device", None)
     _local.device = torch.device(device)
     try:
-        with _attention_as_on_cuda() if runs_fused_attention(_local.device) else contextlib.nullcontext():
+        with _attention_as_on_device() if fused_attention(_local.device) else contextlib.nullcontext():
             yield
     finally:
         _local.device = previous
 
 
-# NOTE [ Attention on simulated CUDA ]: scaled_dot_product_attention picks its kernel
-# by the tensors' device, and meta tensors have none that it knows: they take the math
-# path, which keeps the T x T attention weights for backward (a multiple of a long
-# sequence's real peak: docs/results.md, "Meta steps"). On CUDA the flash or the
-# memory-efficient kernel keeps the output and one log-sum-exp per row instead. So a
-# meta step that stands for CUDA calls the kernel CUDA would take, whose meta kernels
-# give what it allocates and keeps: flash for fp16 and bf16 without a mask, head sizes
-# up to 256 in multiples of 8; else memory-efficient, a mask as its additive bias;
-# else math, as unsimulated. Each only where torch.backends.cuda enables it, and for
-# 4-D inputs whose query, key and value share their head count and head size (the
-# rest, grouped queries among them, take math: an overestimate).
+# NOTE [ Attention on a simulated device ]: scaled_dot_product_attention picks its
+# kernel by the tensors' device, and meta tensors have none that it knows: they take
+# the math path, which keeps the T x T attention weights for backward (a multiple of a
+# long sequence's real peak: docs/results.md, "Meta steps"). The fused kernels keep
+# the output and one log-sum-exp per row instead. So a meta step that stands for a
+# device calls the kernel that device would take, whose meta kernel gives what it
+# allocates and keeps (devices.fused_attention says which kernels a device has):
+# - CUDA: flash for fp16 and bf16 without a mask, head sizes up to 256; else
+#   memory-efficient, a mask as its additive bias; each only where
+#   torch.backends.cuda enables it, and for head sizes in multiples of 8.
+# - CPU: its flash kernel, masks included, without dropout.
+# Else math, as unsimulated; so too for inputs that are not 4-D or whose query, key and
+# value differ in head count or head size (grouped queries: an overestimate).
 # The choice is made by replacing torch.nn.functional.scaled_dot_product_attention
-# while a simulation of CUDA runs, since a TorchFunctionMode does not reach a
-# checkpoint's recompute, and no dispatch mode sees the choice (it is made before
-# dispatch). Code that bound the function under another name before is not reached.
+# while a simulation runs, since a TorchFunctionMode does not reach a checkpoint's
+# recompute, and no dispatch mode sees the choice (it is made before dispatch). Code
+# that bound the function under another name before is not reached.
 _attention_simulations = []
 _original_attention = F.scaled_dot_product_attention
 
 
 def _scaled_dot_product_attention(*args, **kwargs):
     device = simulated_device()
-    fused = _fused_attention(*args, **kwargs) if device is not None and runs_fused_attention(device) else None
+    fused = _fused_attention(fused_attention(device), *args, **kwargs) if device is not None else None
     return _original_attention(*args, **kwargs) if fused is None else fused
 
 
 @contextlib.contextmanager
-def _attention_as_on_cuda():
-    """NOTE [ Attention on simulated CUDA ], while active (nested: the outermost
+def _attention_as_on_device():
+    """NOTE [ Attention on a simulated device ], while active (nested: the outermost
     puts the function back)."""
     if not _attention_simulations:
         F.scaled_dot_product_attention = _scaled_dot_product_attention
@@ -93,17 +96,25 @@ def _attention_as_on_cuda():
             F.scaled_dot_product_attention = _original_attention
 
 
-def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+def _fused_attention(kernels, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                      enable_gqa=False):
-    """NOTE [ Attention on simulated CUDA ]: the output of the fused kernel CUDA would
-    run, on meta tensors; None where it would run the math path."""
+    """NOTE [ Attention on a simulated device ]: on meta tensors, the output of the fused
+    kernel that a device with ``kernels`` would run; None where it runs the math path."""
     tensors = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) and t.device.type == "meta" and t.dim() == 4 for t in tensors):
+    if kernels is None or not all(isinstance(t, torch.Tensor) and t.device.type == "meta" and t.dim() == 4
+                                  for t in tensors):
         return None
     head = query.size(-1)
     if (key.size(-1), value.size(-1)) != (head, head) or not query.size(1) == key.size(1) == value.size(1):
         return None
-    if not (query.dtype == key.dtype == value.dtype and head % 8 == 0):
+    if not query.dtype == key.dtype == value.dtype:
+        return None
+    if kernels == "cpu":
+        if dropout_p == 0.0 and query.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) \
+                and cpu_flash_attention is not None:
+            return cpu_flash_attention(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return None
+    if head % 8:
         return None
     if (attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and head <= 256
             and flash_attention is not None and torch.backends.cuda.flash_sdp_enabled()):
