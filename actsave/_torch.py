@@ -366,3 +366,25 @@ def pop_saved_tensor_hooks() -> None:
 def top_saved_tensor_hooks():
     """The innermost ``(pack, unpack)`` set on this thread, or None."""
     return _top_saved_tensors_hooks(False)
+
+
+# NOTE [ Fake tensors in a probe ]
+# Code written to be traced tells a tensor it cannot read from one it can: Hugging
+# Face's mask code skips its data-dependent checks (``Tensor.item()``) for a
+# FakeTensor, as it does under Dynamo, where a plain meta tensor makes it fail. A
+# probe that runs a model to see what it saves, not what it computes, therefore
+# runs on fake tensors where torch has them (torch._subclasses, private), and on
+# plain meta tensors where it has not.
+_FakeTensorMode = _optional_attribute("torch._subclasses.fake_tensor", "FakeTensorMode")
+
+
+@contextlib.contextmanager
+def fake_tensors():
+    """NOTE [ Fake tensors in a probe ]: while active, a function that turns a meta
+    tensor into a fake one (the identity without FakeTensorMode); other tensors the
+    ops meet are made fake as they come."""
+    if _FakeTensorMode is None:
+        yield lambda t: t
+        return
+    with _FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode.from_tensor

@@ -489,6 +489,33 @@ def test_compiled_wrapped_attention_blocks_keep_by_a_codec_in_the_graph():
         torch.randint(0, 64, (4, 16)), plain)
 
 
+class Logits(nn.Module):
+    """A Hugging Face causal LM called on token ids, returning its logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def test_a_compiled_hugging_face_llama_keeps_its_wrapped_blocks_by_a_codec_in_the_graph():
+    # Its mask code reads a value (Tensor.item()) unless the tensor is fake: the probe
+    # runs on fake tensors (NOTE [ Fake tensors in a probe ]), so the blocks' codec
+    # goes in the graph instead of running eagerly at a break per block.
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config).train()
+    assert_codecs_in_the_graph(
+        lambda: Logits(actsave.wrap(copy.deepcopy(plain), LlamaDecoderLayer, compress="int8")),
+        torch.randint(1, 64, (2, 16)), Logits(plain))
+
+
 class ResidualBlocks(nn.Module):
     """Residual blocks, the second with a ReLU, and a graph break after each where asked."""
 

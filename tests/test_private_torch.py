@@ -4,6 +4,7 @@ import operator
 import pytest
 import torch
 
+from actsave import _torch
 from actsave._torch import _give_rng_state_its_backward_name, copies_of, default_device
 
 
@@ -75,3 +76,15 @@ def test_a_cpu_rng_state_takes_the_name_of_its_backward_input():
     _give_rng_state_its_backward_name(other, forward, backward)  # not an RNG state: left alone
     _give_rng_state_its_backward_name(states[1], forward, backward)
     assert (other.name, states[0].name, states[1].name) == (*before, "rng_state_output_9")
+
+
+def test_a_probe_makes_fake_meta_tensors_and_plain_ones_without_fake_tensor_mode(monkeypatch):
+    # NOTE [ Fake tensors in a probe ]: code written to be traced checks for a fake tensor.
+    is_tracing = pytest.importorskip("transformers.utils.import_utils").is_tracing  # Hugging Face's mask code asks
+    with _torch.fake_tensors() as fake:
+        probe = fake(torch.empty(2, 3, device="meta"))
+        assert probe.device.type == "meta" and probe.shape == (2, 3) and is_tracing(probe)
+    monkeypatch.setattr(_torch, "_FakeTensorMode", None)
+    meta = torch.empty(2, 3, device="meta")
+    with _torch.fake_tensors() as fake:
+        assert fake(meta) is meta and not is_tracing(meta)

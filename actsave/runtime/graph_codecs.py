@@ -28,8 +28,9 @@ that graph and its backward:
 - The forward's decisions cannot be kept: a recompute in the graph computes each
   ReLU and max pool again from the decoded input (eager actsave restores the
   forward's: relu_signs.py, pool_decisions.py). Where a lossy segment makes such
-  decisions, found on meta tensors at the first compiled call of each input
-  (:func:`decisions_made`), the forward runs eagerly instead, with one warning:
+  decisions, found on fake meta tensors at the first compiled call of each input
+  (:func:`decisions_made`; NOTE [ Fake tensors in a probe ] in _torch.py), the
+  forward runs eagerly instead, with one warning:
   without the decisions a conv-BN-ReLU network's BatchNorm gradients lose most of
   their precision (docs/results.md, "Other figures").
 - Dynamo does not trace entering saved-tensor hooks (graph break gb0008), AOTAutograd
@@ -239,8 +240,8 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
         return t
     holder = nn.ModuleList(layer for layers, _ in segments for layer in layers)
     try:
-        with _on_meta_watching_saves(holder, input.device, pack):
-            x = torch.empty_strided(input.shape, input.stride(), dtype=input.dtype, device="meta")
+        with _on_meta_watching_saves(holder, input.device, pack) as probe_input:
+            x = probe_input(input)
             if x.is_floating_point():
                 x = x.requires_grad_().clone()
             for layers, policy in segments:
@@ -261,10 +262,13 @@ def _max_pool_in(modules) -> bool:
 def _on_meta_watching_saves(model: nn.Module, device: torch.device, pack):
     """While active, ``model`` runs on meta tensors with grad, its saves handed to
     ``pack``; as the planner's meta steps (planning/instrumented_step.py), the
-    caller's RNG does not move and compiled layers run their eager code."""
+    caller's RNG does not move and compiled layers run their eager code. Yields the
+    function that makes the model's inputs from real tensors (their shapes, strides
+    and dtypes): fake meta tensors (NOTE [ Fake tensors in a probe ])."""
     with on_meta(model), saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
-            torch.random.fork_rng(devices=forked_rng_devices(device)), torch.compiler.set_stance("force_eager"):
-        yield
+            torch.random.fork_rng(devices=forked_rng_devices(device)), torch.compiler.set_stance("force_eager"), \
+            _torch.fake_tensors() as fake:
+        yield lambda t: fake(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
 
 
 def _unknown(whose: str, error: Exception) -> str:
@@ -380,14 +384,13 @@ def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
             why.setdefault(running[-1][0], "ReLU decisions")
         return t
     handles = [hook for c in checkpoints for hook in _block_watch(c, running)]
-    meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(  # noqa: E731
-        t.requires_grad and t.is_floating_point())
     tensors = _tensors_in(args, kwargs)
     try:
-        with _on_meta_watching_saves(model, tensors[0].device if tensors else torch.device("cpu"), pack), \
-                _run_plainly(checkpoints):
-            meta_args, meta_kwargs = _torch.pytree.tree_map_only(torch.Tensor, meta, (args, kwargs))
-            model(*meta_args, **meta_kwargs)
+        with _on_meta_watching_saves(model, tensors[0].device if tensors else torch.device("cpu"), pack) \
+                as probe_input, _run_plainly(checkpoints):
+            probed = lambda t: probe_input(t).requires_grad_(t.requires_grad and t.is_floating_point())  # noqa: E731
+            probe_args, probe_kwargs = _torch.pytree.tree_map_only(torch.Tensor, probed, (args, kwargs))
+            model(*probe_args, **probe_kwargs)
     except Exception as error:  # noqa: BLE001 - any failure means: run them as eager actsave does
         return {c: _unknown("the model's", error) for c in checkpoints}
     finally:
