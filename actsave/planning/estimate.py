@@ -35,7 +35,7 @@ Limits:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -88,7 +88,8 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[str] = None) -> MemoryEstimate:
+def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[str] = None,
+             loss: Optional[Callable] = None) -> MemoryEstimate:
     """Predict the peak memory of one training step of ``model`` on ``device``.
 
     Args:
@@ -103,6 +104,11 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
         device: the device to predict for; sets the allocation granularity.
         optimizer: ``None``/``"sgd"`` (no state), ``"momentum"`` (one buffer per
             parameter) or ``"adam"``/``"adamw"`` (two), counted in ``optimizer_bytes``.
+        loss: the training step's loss, a function of the model's output returning a
+            scalar (it runs on meta tensors: make any targets on ``output.device``), as
+            ``profile``'s ``loss=``. Without it the backward starts from a gradient of
+            ones, which holds none of a loss's own buffers (a cross-entropy keeps its
+            log-softmax, a large one over a vocabulary).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model={model!r} is not an nn.Module instance: estimate runs the model's own "
@@ -120,7 +126,10 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
         with tracker, peak_stored_bytes() as stored:
             host_before = stored["host"]
             outputs = model(*inputs)
-            _backward_from_full_gradient(outputs)
+            if loss is None:
+                _backward_from_full_gradient(outputs)
+            else:
+                _backward_from_loss(loss, outputs)
     trained = [p for p in model.parameters() if p.requires_grad]
     return MemoryEstimate(
         activation_peak_bytes=tracker.peak + sum(_bytes(t, device) for t in inputs),
@@ -176,6 +185,21 @@ def _bad_shapes(value) -> str:
 
 def _bytes(t: torch.Tensor, device) -> int:
     return allocation_bytes(t.numel() * t.element_size(), device)
+
+
+def _backward_from_loss(loss: Callable, outputs) -> None:
+    value = loss(outputs)
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.requires_grad):
+        raise ConfigError(f"loss(output) gave {_shown_value(value)}: it must return a one-element tensor that "
+                          "requires grad, computed from the output (e.g. lambda out: F.cross_entropy(out, "
+                          "torch.zeros(out.shape[0], dtype=torch.long, device=out.device)))")
+    value.backward()
+
+
+def _shown_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}{'' if value.requires_grad else ' that needs no grad'}"
+    return f"a {type(value).__name__}"
 
 
 def _backward_from_full_gradient(outputs) -> None:
