@@ -71,7 +71,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # --smoke: the kernels run under the interpreter
 
-import actsave  # noqa: E402
 from actsave.planning.live_bytes import LiveBytes  # noqa: E402
 from actsave.text import format_table  # noqa: E402
 
@@ -184,10 +183,6 @@ def build_shared(case: host_overhead.Case, names, device: torch.device) -> tuple
     return models, batch, plain
 
 
-def estimate(model: torch.nn.Module, inputs: torch.Tensor) -> int:
-    """The activation peak that actsave.estimate predicts for a CUDA step."""
-    meta = torch.empty(inputs.shape, dtype=inputs.dtype, device="meta")
-    return actsave.estimate(model, meta, device="cuda").activation_peak_bytes
 
 
 def live_act_peak(model: torch.nn.Module, plain: torch.nn.Module, batch: tuple, device: torch.device) -> int:
@@ -244,7 +239,8 @@ def measure_case(case: host_overhead.Case, names, warmup: int, rounds: int, devi
     for name, model in models.items():
         results[name].static = static
         if not lean:
-            results[name].est_act = guarded(name, lambda model=model: estimate(model, batch[0]), "actsave.estimate")
+            results[name].est_act = guarded(name, lambda model=model: harness.estimated_act_peak(model, batch, "cuda"),
+                                            "actsave.estimate")
 
     def measured_step(model):
         began = memory.begin()
@@ -493,7 +489,8 @@ def main(argv=None) -> int:
         f"matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}",
         "# act: allocator peak above what was allocated when the step began, plus the input batch (what "
         "actsave.estimate's activation peak counts); peak: act plus parameters, gradients, buffers and targets; "
-        "est: actsave.estimate (meta tensors, cuda accounting); live: LiveBytes on a real step (tensor storages "
+        "est: actsave.estimate of the same step, its loss included (meta tensors, cuda accounting); live: LiveBytes "
+        "on a real step (tensor storages "
         "only); 1st step kept: what the first step left allocated (workspaces, caches)",
     ])
     clock = Clock()

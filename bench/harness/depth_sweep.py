@@ -8,11 +8,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-import actsave
 from actsave.planning.live_bytes import allocation_bytes
 
-from .measure import (StepMemory, _release_memory, _unless_out_of_memory, interleaved_times, measure_step_memory,
-                      training_step, worst_grad_sqnr)
+from .measure import (StepMemory, _release_memory, _unless_out_of_memory, estimated_act_peak, interleaved_times,
+                      measure_step_memory, training_step, worst_grad_sqnr)
 from .progress import Progress
 from .providers import PROVIDERS, REFERENCE, Provider
 from .results import _median
@@ -41,9 +40,8 @@ def measure_provider(model: nn.Module, batch: tuple, times: list, device) -> Pro
     memory = measure_step_memory(model, batch, device)
     grads = [p.grad.detach().cpu() for p in model.parameters()]
     inputs = batch[0]
-    estimate = actsave.estimate(model, [torch.empty_like(inputs, device="meta")], device=device)
     # The estimate counts the batch as activation memory; the sweep counts it resident.
-    estimated = estimate.activation_peak_bytes - allocation_bytes(inputs.untyped_storage().nbytes(), device)
+    estimated = estimated_act_peak(model, batch, device) - allocation_bytes(inputs.untyped_storage().nbytes(), device)
     return ProviderRun(times, memory, grads, estimated)
 
 

@@ -24,6 +24,14 @@ def step_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
+def estimated_act_peak(model: nn.Module, batch: tuple, device) -> int:
+    """``actsave.estimate``'s activation peak (the batch included) of the step that
+    :func:`training_step` runs, its cross-entropy included, on meta tensors."""
+    inputs, targets = (torch.empty(t.shape, dtype=t.dtype, device="meta") for t in batch)
+    return actsave.estimate(model, [inputs], device=device,
+                            loss=lambda logits: step_loss(logits, targets)).activation_peak_bytes
+
+
 def training_step(model: nn.Module, batch: tuple) -> int:
     """Forward, cross-entropy loss, backward. Returns the bytes actsave keeps for
     backward at the end of the forward."""
