@@ -1,5 +1,7 @@
 """Codec kernels: encode and decode per codec, input layout and dtype, each result
-checked bit for bit against its torch reference before anything is timed.
+checked bit for bit against its torch reference before anything is timed; then the
+ReLU decision kernels (pack a ReLU output's bits, restore a recomputed output to
+them, rows ``relu_signs``) per dtype, checked and timed alike.
 
 Layouts, the ones training stores (GroupCodec.encode; NOTE [ Channel centering ]):
 
@@ -55,6 +57,7 @@ from actsave.text import format_table  # noqa: E402
 from actsave.codecs import LOSSY_CODECS  # noqa: E402
 from actsave.codecs.centering import channel_offsets  # noqa: E402
 from actsave.triton_kernels import UNSIGNED_VARIANT, _tile, channel_size, kernel_table  # noqa: E402
+from actsave.triton_kernels.decisions import relu_signs  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Channels of the conv-shaped layouts, as in a ResNet's middle stages; the batch grows
@@ -226,9 +229,46 @@ def measure(codec_name: str, layout_name: str, dtype: torch.dtype, numel: int, c
     return row
 
 
-UNITS = {"bytes_ratio": "x", "copy_gbps": "GB/s", "encode_ms": "ms", "decode_ms": "ms", "encode_gbps": "GB/s",
-         "decode_gbps": "GB/s", "encode_pct_copy": "%", "decode_pct_copy": "%", "encode_host_us": "us",
-         "decode_host_us": "us", "means_ms": "ms"}
+UNITS = {"bytes_ratio": "x", "copy_gbps": "GB/s",
+         **{f"{step}_{metric}": unit for step in ("encode", "decode", "pack", "restore")
+            for metric, unit in (("ms", "ms"), ("gbps", "GB/s"), ("pct_copy", "%"), ("host_us", "us"))},
+         "means_ms": "ms"}
+
+
+def measure_relu_decisions(dtype: torch.dtype, numel: int, device: torch.device,
+                           timer: Optional[GpuTimer] = None) -> dict:
+    """The ReLU decision kernels (triton_kernels/decisions/relu_signs.py) on a ReLU
+    output of ``numel`` values: the bits a pack gives and a restore's corrections
+    checked against the references; with a ``timer`` (on CUDA) their times and
+    bandwidths against a copy. A pack reads the output and writes its bits; a restore
+    reads a recomputed output and the bits and writes the output."""
+    torch.manual_seed(0)
+    recomputed = torch.randn(numel, device=device).to(dtype)  # both signs: both corrections run
+    output = recomputed.relu()
+    packed = relu_signs.pack_relu_signs(output)
+    restored, expected = recomputed.clone(), recomputed.clone()
+    relu_signs.restore_relu_signs_(restored, packed)
+    relu_signs.restore_relu_signs_ref_(expected, relu_signs.pack_relu_signs_ref(output))
+    if not (torch.equal(packed, relu_signs.pack_relu_signs_ref(output)) and torch.equal(bits(restored), bits(expected))):
+        raise AssertionError(f"ReLU decisions on {dtype} ({numel} values): kernel differs from reference")
+    value_bytes = numel * output.element_size()
+    row = {"bytes_ratio": packed.numel() / value_bytes}
+    if timer is None:
+        return row
+    copies = max(1, min(8, math.ceil(4 * timer.l2_bytes / value_bytes)))
+    outputs = [output] + [output.clone() for _ in range(copies - 1)]
+    targets = [torch.empty_like(output) for _ in outputs]
+    pairs = rotating(list(zip(outputs, targets)))
+    copy_gbps = 2 * value_bytes / timer(lambda: (lambda source, target: target.copy_(source))(*pairs()))[0] / 1e9
+    row["copy_gbps"] = copy_gbps
+    next_output, next_restore = rotating(outputs), rotating([(o, relu_signs.pack_relu_signs(o)) for o in outputs])
+    steps = {"pack": (lambda: relu_signs.pack_relu_signs(next_output()), value_bytes + packed.numel()),
+             "restore": (lambda: relu_signs.restore_relu_signs_(*next_restore()), 2 * value_bytes + packed.numel())}
+    for name, (run, moved) in steps.items():
+        seconds, host = timer(run)
+        row[f"{name}_ms"], row[f"{name}_gbps"] = seconds * 1e3, moved / seconds / 1e9
+        row[f"{name}_pct_copy"], row[f"{name}_host_us"] = 100 * moved / seconds / 1e9 / copy_gbps, host * 1e6
+    return row
 
 
 def parse_tiles(text: Optional[str]) -> list:
@@ -309,6 +349,11 @@ def main(argv=None) -> None:
                             row = measure(codec, layout, DTYPES[dtype_name], numel, channels, device, timer)
                             name = layout if tile is None else f"{layout}@{tile.elements}x{tile.warps}"
                             results.append((codec, name, dtype_name, mib, row))
+    if args.tiles is None:  # the decision kernels have tiles of their own
+        for dtype_name in dtypes:
+            for mib in sizes:
+                row = measure_relu_decisions(DTYPES[dtype_name], int(mib * 2**20) // 4, device, timer)
+                results.append(("relu_signs", "relu", dtype_name, mib, row))
     print(table(results))
     if not cuda:
         print("CPU: every kernel equals its reference bit for bit (Triton interpreter); no timings")
