@@ -260,16 +260,17 @@ def storage_resizes_observed(observer):
 # NOTE [ Saved-tensor hooks in a compiled graph ]
 # AOTAutograd inlines the saved-tensor hooks active when it compiles into the graphs,
 # where they are torch.fx.GraphModules (pytorch PR 150032): the pack hook after the
-# forward's last use of each saved intermediate, the unpack hook before the
-# backward's first, each traced with make_fx on the saved value's fake tensor. While
-# it traces one, a private hook context (PR 166887) names the saved node and both
-# graphs. Dynamo guards each compiled frame on the hooks' identity, so the same hook
-# objects must be active at every call. A hook here is a GraphModule whose forward is
-# replaced by a Python function that reads that context: the trace records the ops it
-# runs for that node; called outside that trace (autograd calls it for what eager
-# code saves while it is set), it finds no context and keeps the tensor as it is. Its nominal graph calls the function, an op AOTAutograd's cache
-# cannot vouch for, so graphs compiled with it are never taken from that cache (whose
-# key sees the hooks' graphs, not what the function does with the context).
+# forward's last use of each saved intermediate, the unpack hook before the backward's
+# first, each traced with make_fx on the saved value's fake tensor. While it traces
+# one, a private hook context (PR 166887) names the saved node and both graphs. Dynamo
+# guards each compiled frame on the hooks' identity, so the same hook objects must be
+# active at every call. A hook here is a GraphModule whose forward is replaced by a
+# Python function that reads that context: the trace records the ops it runs for that
+# node; called outside that trace (autograd calls it for what eager code saves while
+# it is set), it finds no context and keeps the tensor as it is. Its nominal graph
+# calls the function, an op AOTAutograd's cache cannot vouch for, so graphs compiled
+# with it are never taken from that cache (whose key sees the hooks' graphs, not what
+# the function does with the context).
 def _optional_attribute(module_name: str, name: str):
     try:
         return getattr(importlib.import_module(module_name), name, None)

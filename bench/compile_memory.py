@@ -3,10 +3,10 @@ backward, its time, and what Dynamo made of it, compiled against eager.
 
 For each model: plain PyTorch, actsave's default CheckpointedSequential, the same
 with ``compress="int8"``, and every block ``actsave.wrap``-ped with int8, each run
-eagerly and under ``torch.compile(model)`` (--backend). Compiled, int8 encodes the kept inputs in the graph where no lossy
-segment makes ReLU or max-pool decisions (GPT), and runs its forward eagerly at one
-graph break where one does (ResNet): NOTE [ Codecs in a compiled graph ] in
-actsave/runtime/graph_codecs.py. Per mode:
+eagerly and under ``torch.compile(model)`` (--backend). Compiled, int8 encodes the
+kept inputs in the graph where no lossy segment makes ReLU or max-pool decisions
+(GPT), and runs its forward eagerly at one graph break where one does (ResNet): NOTE
+[ Codecs in a compiled graph ] in actsave/runtime/graph_codecs.py. Per mode:
 
 - kept after forward: the bytes a forward leaves allocated, its output left out (the
   allocator's count, which sees a compiled graph's saves, encoded ones included, as

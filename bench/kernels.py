@@ -191,6 +191,28 @@ def rotating(inputs: list):
     return take
 
 
+def copies_beyond_l2(x: torch.Tensor, timer: GpuTimer) -> list:
+    """``x`` and enough copies of it that a call taking them in turn finds none of it
+    in L2 (4x its size, at most 8 tensors)."""
+    copies = max(1, min(8, math.ceil(4 * timer.l2_bytes / (x.numel() * x.element_size()))))
+    return [x] + [x.clone() for _ in range(copies - 1)]
+
+
+def copy_gbps(inputs: list, timer: GpuTimer) -> float:
+    """A device-to-device copy's GB/s (bytes read plus written) over ``inputs`` in turn:
+    the yardstick of every ``*_pct_copy``, reported so that a reader can judge it."""
+    pairs = rotating([(x, torch.empty_like(x)) for x in inputs])
+    seconds, _ = timer(lambda: (lambda source, target: target.copy_(source))(*pairs()))
+    return 2 * inputs[0].numel() * inputs[0].element_size() / seconds / 1e9
+
+
+def timed(row: dict, name: str, run, moved: int, timer: GpuTimer) -> None:
+    """``row``'s ``name``_ms, _gbps (``moved`` bytes), _pct_copy and _host_us of ``run``."""
+    seconds, host = timer(run)
+    row[f"{name}_ms"], row[f"{name}_gbps"] = seconds * 1e3, moved / seconds / 1e9
+    row[f"{name}_pct_copy"], row[f"{name}_host_us"] = 100 * row[f"{name}_gbps"] / row["copy_gbps"], host * 1e6
+
+
 def measure(codec_name: str, layout_name: str, dtype: torch.dtype, numel: int, channels: int,
             device: torch.device, timer: Optional[GpuTimer] = None) -> dict:
     """One case's row: the bytes stored, and with a ``timer`` (on CUDA) the copy, encode
@@ -205,25 +227,14 @@ def measure(codec_name: str, layout_name: str, dtype: torch.dtype, numel: int, c
     row = {"bytes_ratio": stored / value_bytes}
     if timer is None:
         return row
-    # Enough copies of the input that a call finds none of it in L2 (4x its size).
-    copies = max(1, min(8, math.ceil(4 * timer.l2_bytes / value_bytes)))
-    inputs = [x] + [x.clone() for _ in range(copies - 1)]
+    inputs = copies_beyond_l2(x, timer)
     encoded = [(x, codes, scales)] + [(c, *codec.encode(c, means)) for c in inputs[1:]]
-    targets = [torch.empty_like(x) for _ in inputs]
-    pairs = rotating(list(zip(inputs, targets)))
-    copy_seconds, _ = timer(lambda: (lambda source, target: target.copy_(source))(*pairs()))
-    copy_gbps = 2 * value_bytes / copy_seconds / 1e9
-    row["copy_gbps"] = copy_gbps  # the yardstick of *_pct_copy, so that a reader can judge it
+    row["copy_gbps"] = copy_gbps(inputs, timer)
     moved = value_bytes + stored  # each direction reads one side and writes the other
     next_input, next_encoded = rotating(inputs), rotating(encoded)
-    runs = {"encode": lambda: codec.encode(next_input(), means),
-            "decode": lambda: (lambda source, c, s: codec.decode(c, s, source, means))(*next_encoded())}
-    for name, run in runs.items():
-        seconds, host = timer(run)
-        row[f"{name}_ms"] = seconds * 1e3
-        row[f"{name}_gbps"] = moved / seconds / 1e9
-        row[f"{name}_pct_copy"] = 100 * row[f"{name}_gbps"] / copy_gbps
-        row[f"{name}_host_us"] = host * 1e6
+    timed(row, "encode", lambda: codec.encode(next_input(), means), moved, timer)
+    timed(row, "decode", lambda: (lambda source, c, s: codec.decode(c, s, source, means))(*next_encoded()), moved,
+          timer)
     if codec.layout.centered:  # one read of the tensor, before encoding (channel_offsets)
         row["means_ms"] = timer(lambda: codec.means(next_input()))[0] * 1e3
     return row
@@ -249,25 +260,19 @@ def measure_relu_decisions(dtype: torch.dtype, numel: int, device: torch.device,
     restored, expected = recomputed.clone(), recomputed.clone()
     relu_signs.restore_relu_signs_(restored, packed)
     relu_signs.restore_relu_signs_ref_(expected, relu_signs.pack_relu_signs_ref(output))
-    if not (torch.equal(packed, relu_signs.pack_relu_signs_ref(output)) and torch.equal(bits(restored), bits(expected))):
+    same = torch.equal(packed, relu_signs.pack_relu_signs_ref(output)) and torch.equal(bits(restored), bits(expected))
+    if not same:
         raise AssertionError(f"ReLU decisions on {dtype} ({numel} values): kernel differs from reference")
     value_bytes = numel * output.element_size()
     row = {"bytes_ratio": packed.numel() / value_bytes}
     if timer is None:
         return row
-    copies = max(1, min(8, math.ceil(4 * timer.l2_bytes / value_bytes)))
-    outputs = [output] + [output.clone() for _ in range(copies - 1)]
-    targets = [torch.empty_like(output) for _ in outputs]
-    pairs = rotating(list(zip(outputs, targets)))
-    copy_gbps = 2 * value_bytes / timer(lambda: (lambda source, target: target.copy_(source))(*pairs()))[0] / 1e9
-    row["copy_gbps"] = copy_gbps
+    outputs = copies_beyond_l2(output, timer)
+    row["copy_gbps"] = copy_gbps(outputs, timer)
     next_output, next_restore = rotating(outputs), rotating([(o, relu_signs.pack_relu_signs(o)) for o in outputs])
-    steps = {"pack": (lambda: relu_signs.pack_relu_signs(next_output()), value_bytes + packed.numel()),
-             "restore": (lambda: relu_signs.restore_relu_signs_(*next_restore()), 2 * value_bytes + packed.numel())}
-    for name, (run, moved) in steps.items():
-        seconds, host = timer(run)
-        row[f"{name}_ms"], row[f"{name}_gbps"] = seconds * 1e3, moved / seconds / 1e9
-        row[f"{name}_pct_copy"], row[f"{name}_host_us"] = 100 * moved / seconds / 1e9 / copy_gbps, host * 1e6
+    timed(row, "pack", lambda: relu_signs.pack_relu_signs(next_output()), value_bytes + packed.numel(), timer)
+    timed(row, "restore", lambda: relu_signs.restore_relu_signs_(*next_restore()), 2 * value_bytes + packed.numel(),
+          timer)
     return row
 
 

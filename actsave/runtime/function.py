@@ -424,9 +424,9 @@ def checkpointed_call(
 # held only where a whole CheckpointedSequential, or the root of a model whose blocks
 # wrap() checkpointed, sets saved-tensor hooks around the graph (NOTE [ Codecs in a
 # compiled graph ] in graph_codecs.py), which a single call cannot do at less than
-# two breaks. A CheckpointedSequential with a layer set to keep
-# on the host, or whose lossy segments make decisions, runs its whole forward eagerly
-# instead, as one graph break (sequential.py), however many segments keep so.
+# two breaks. A CheckpointedSequential with a layer set to keep on the host, or whose
+# lossy segments make decisions, runs its whole forward eagerly instead, as one graph
+# break (sequential.py), however many segments keep so.
 def compiles_in_graph(policy: KeepPolicy) -> bool:
     """Whether a checkpoint keeping its input by ``policy`` becomes torch's checkpoint
     in a compiled graph: it keeps it exactly, on the device. Judged by value: a
