@@ -3,10 +3,12 @@ backward, its time, and what Dynamo made of it, compiled against eager.
 
 For each model: plain PyTorch, actsave's default CheckpointedSequential, the same
 with ``compress="int8"``, and every block ``actsave.wrap``-ped with int8, each run
-eagerly and under ``torch.compile(model)`` (--backend). Compiled, int8 encodes the
-kept inputs in the graph where no lossy segment makes ReLU or max-pool decisions
-(GPT), and runs its forward eagerly at one graph break where one does (ResNet): NOTE
-[ Codecs in a compiled graph ] in actsave/runtime/graph_codecs.py. Per mode:
+eagerly and under ``torch.compile(model)`` (--backend); for a Hugging Face Llama
+(where transformers is installed), which is no Sequential: plain, and its decoder
+layers wrapped, exactly and with int8. Compiled, int8 encodes the kept inputs in the
+graph where no lossy segment makes ReLU or max-pool decisions (GPT, Llama), and runs
+its forward eagerly at one graph break where one does (ResNet): NOTE [ Codecs in a
+compiled graph ] in actsave/runtime/graph_codecs.py. Per mode:
 
 - kept after forward: the bytes a forward leaves allocated, its output left out (the
   allocator's count, which sees a compiled graph's saves, encoded ones included, as
@@ -16,15 +18,17 @@ kept inputs in the graph where no lossy segment makes ReLU or max-pool decisions
   gradients from the warm-up freed, and the batch);
 - the worst parameter gradient's SQNR against plain eager PyTorch's (dB; ``inf``:
   exact), one step from the same weights and batch;
-- the step time, median of interleaved rounds (process CPU time on the CPU, wall
-  time synchronized on CUDA), and its ratio to the same mode's eager step;
+- the step time, median of rounds that interleave the mode's eager and compiled
+  steps (process CPU time on the CPU, wall time synchronized on CUDA), and its ratio
+  to the eager step of the same round; one compiled model at a time, Dynamo's caches
+  reset before each;
 - Dynamo's graphs and graph breaks, counted over the warm-up steps (Dynamo counts
   the break that a wrapped model's root pre-hook makes twice).
 
 The balanced plan's predicted peak is printed beside them: the planner profiles the
 eager code (docs/limits.md, "torch.compile").
 
-    python bench/compile_memory.py                         # ResNet-164 and GPT-8, aot_eager
+    python bench/compile_memory.py                         # ResNet-164, GPT-8, Llama-8; aot_eager
     python bench/compile_memory.py --backend inductor      # C++ builds on a CPU: minutes
     python bench/compile_memory.py --smoke                 # tiny, for the tests
 """
@@ -36,6 +40,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
@@ -50,33 +55,75 @@ BLOCKS = (BasicBlock, PreActBottleneck, TransformerBlock)  # what "wrap int8" ch
 
 
 def cases(smoke: bool) -> dict:
-    """name -> (model, batch): the chains the other benches use, at sizes where the
-    activations, not per-channel statistics, are what a step keeps."""
+    """name -> (model, batch, the block classes ``wrap`` checkpoints): the chains the
+    other benches use, at sizes where the activations, not per-channel statistics, are
+    what a step keeps, and a Hugging Face Llama of the GPT's size."""
     torch.manual_seed(0)
     if smoke:
-        return {"resnet20 b2 8x8": (cifar_resnet(20), torch.randn(2, 3, 8, 8)),
-                "gpt4 w64 b8 t64": (gpt(4, width=64, heads=2, vocab_size=64, max_seq_len=64),
-                                    torch.randint(0, 64, (8, 64)))}
-    return {
-        "resnet164 b8 32x32": (cifar_resnet(164), torch.randn(8, 3, 32, 32)),
-        "gpt8 w256 b4 t256": (gpt(8, max_seq_len=256), torch.randint(0, 1024, (4, 256))),
-    }
+        chains = {"resnet20 b2 8x8": (cifar_resnet(20), torch.randn(2, 3, 8, 8)),
+                  "gpt4 w64 b8 t64": (gpt(4, width=64, heads=2, vocab_size=64, max_seq_len=64),
+                                      torch.randint(0, 64, (8, 64)))}
+    else:
+        chains = {"resnet164 b8 32x32": (cifar_resnet(164), torch.randn(8, 3, 32, 32)),
+                  "gpt8 w256 b4 t256": (gpt(8, max_seq_len=256), torch.randint(0, 1024, (4, 256)))}
+    found = {name: (model, batch, BLOCKS) for name, (model, batch) in chains.items()}
+    llama = hugging_face_llama(*((2, 64, 8, 64) if smoke else (8, 256, 4, 256)))
+    if llama is None:
+        print("transformers is not installed: no Hugging Face Llama (pip install transformers)")
+    else:
+        found.update(llama)
+    return found
 
 
-def modes(model: torch.nn.Module, backend: str) -> dict:
-    """name -> (the module to call, the module whose parameters train)."""
-    eager = {
-        "plain": copy.deepcopy(model),
-        "actsave": actsave.CheckpointedSequential(*copy.deepcopy(model)),
-        "actsave int8": actsave.CheckpointedSequential(*copy.deepcopy(model), compress="int8"),
-        "wrap int8": actsave.wrap(copy.deepcopy(model), BLOCKS, compress="int8"),
-    }
-    runs = {}
-    for name, module in eager.items():
-        compiled = copy.deepcopy(module)
-        runs[name] = (module, module)
-        runs[f"{name}, compiled"] = (torch.compile(compiled, backend=backend), compiled)
-    return runs
+class Logits(nn.Module):
+    """A Hugging Face causal language model as a map from token ids to logits, as the
+    chains are."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def hugging_face_llama(layers: int, width: int, batch: int, tokens: int) -> dict:
+    """``{name: (model, batch, (its decoder layer class,))}`` for a Llama built from
+    its config (no download, 4 heads, 1024 tokens of vocabulary), or None where
+    transformers is not installed."""
+    try:
+        import transformers
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    except ImportError:
+        return None
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=width, intermediate_size=4 * width,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                                      max_position_embeddings=tokens, bos_token_id=0, eos_token_id=0,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = Logits(transformers.AutoModelForCausalLM.from_config(config).train())
+    name = f"llama{layers} w{width} b{batch} t{tokens} (Hugging Face)"
+    return {name: (model, torch.randint(0, 1024, (batch, tokens)), (LlamaDecoderLayer,))}
+
+
+def modes(model: nn.Module, blocks: tuple) -> dict:
+    """name -> the eager module of each mode. A CheckpointedSequential only of a
+    Sequential."""
+    eager = {"plain": copy.deepcopy(model)}
+    if isinstance(model, nn.Sequential):
+        eager["actsave"] = actsave.CheckpointedSequential(*copy.deepcopy(model))
+        eager["actsave int8"] = actsave.CheckpointedSequential(*copy.deepcopy(model), compress="int8")
+    else:
+        eager["wrap"] = actsave.wrap(copy.deepcopy(model), blocks)
+    eager["wrap int8"] = actsave.wrap(copy.deepcopy(model), blocks, compress="int8")
+    return eager
+
+
+def eager_and_compiled(name: str, module: nn.Module, backend: str) -> dict:
+    """name -> (the module to call, the module whose parameters train): ``module``,
+    and a copy of it compiled, made before either runs."""
+    compiled = copy.deepcopy(module)
+    return {name: (module, module), f"{name}, compiled": (torch.compile(compiled, backend=backend), compiled)}
 
 
 def step(module, trained, batch) -> None:
@@ -135,40 +182,43 @@ def warm_up(runs: dict, batch, steps: int) -> dict:
     return counts
 
 
-def measure(model, batch, backend: str, rounds: int, device) -> tuple:
+def measure(model, batch, blocks: tuple, backend: str, rounds: int, device) -> tuple:
     model, batch = model.to(device), batch.to(device)
-    runs = modes(model, backend)
-    counts = warm_up(runs, batch, steps=3)  # plans, compiles; each input shape once
-    times = interleaved_times({name: functools.partial(step, module, trained, batch)
-                               for name, (module, trained) in runs.items()}, rounds, device)
-    reference = gradients(*runs["plain"], batch)
+    eager = modes(model, blocks)
+    reference = gradients(eager["plain"], eager["plain"], batch)
     rows = []
-    for name, (module, trained) in runs.items():
-        fidelity = worst_grad_sqnr(reference, gradients(module, trained, batch))
-        peak = step_peak(module, trained, batch, device)
-        graphs, breaks = counts[name]
-        rows.append([name, f"{kept_after_forward(module, trained, batch, device) / 2**20:.2f}",
-                     f"{peak / 2**20:.2f}", f"{fidelity:.1f}",
-                     f"{1e3 * statistics.median(times[name]):.1f}",
-                     f"{paired_ratio(times, name, name.removesuffix(', compiled')):.3f}x",
-                     graphs, breaks])
-    plan = runs["actsave"][1].balanced_plan
+    for name, module in eager.items():
+        # One compiled model at a time: Dynamo keeps compiled code per code object, and
+        # a graph break in one compiled nn.Sequential (a wrapped one breaks at its root)
+        # makes the others run module by module from then on (docs/limits.md).
+        torch._dynamo.reset()
+        runs = eager_and_compiled(name, module, backend)
+        counts = warm_up(runs, batch, steps=3)  # plans, compiles; each input shape once
+        times = interleaved_times({run: functools.partial(step, *modules, batch) for run, modules in runs.items()},
+                                  rounds, device)
+        for run, (called, trained) in runs.items():
+            fidelity = worst_grad_sqnr(reference, gradients(called, trained, batch))
+            peak = step_peak(called, trained, batch, device)
+            graphs, breaks = counts[run]
+            rows.append([run, f"{kept_after_forward(called, trained, batch, device) / 2**20:.2f}",
+                         f"{peak / 2**20:.2f}", f"{fidelity:.1f}", f"{1e3 * statistics.median(times[run]):.1f}",
+                         f"{paired_ratio(times, run, name):.3f}x", graphs, breaks])
+    plan = getattr(eager.get("actsave"), "balanced_plan", None)
     return rows, None if plan is None else plan.predicted_peak_bytes
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="one tiny model, two rounds")
+    parser.add_argument("--smoke", action="store_true", help="tiny models, two rounds")
     parser.add_argument("--backend", default="aot_eager", help="torch.compile's backend (default aot_eager)")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per mode, eager and compiled interleaved")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    for name, (model, batch) in cases(args.smoke).items():
-        torch._dynamo.reset()
-        rows, predicted = measure(model, batch, args.backend, 2 if args.smoke else args.rounds, device)
+    for name, (model, batch, blocks) in cases(args.smoke).items():
+        rows, predicted = measure(model, batch, blocks, args.backend, 2 if args.smoke else args.rounds, device)
         print(f"\n{name}, {args.backend}, {device}:")
         header = ["mode", "kept after forward MiB", "step peak MiB", "worst grad dB", "step ms", "vs eager", "graphs",
                   "breaks"]
