@@ -2,8 +2,9 @@
 sharded on 2 CPU ranks (gloo) against unsharded, beside the balanced plan's prediction.
 
 A chain of (Linear, GELU) pairs, each Linear its own ``fully_shard`` unit, run as
-``nn.Sequential`` (plain), ``CheckpointedSequential(segments="sqrt")`` and with the
-default segments (balanced). Peak: how far the CPU allocator's bytes rise over one
+``nn.Sequential`` (plain), ``CheckpointedSequential(segments="sqrt")``, with the
+default segments (balanced), and the last compiled (``model.compile()``, aot_eager,
+after sharding). Peak: how far the CPU allocator's bytes rise over one
 training step (forward, backward from an output gradient of ones), the step after
 the one that plans and allocates gradients, plus the batch: what a plan's
 ``predicted_peak_bytes`` counts. The allocator (harness.allocator_peak), the
@@ -32,14 +33,22 @@ import actsave  # noqa: E402
 from actsave.text import format_table  # noqa: E402
 from harness import allocator_peak  # noqa: E402
 
-MODES = ("plain", "sqrt", "balanced")
+MODES = ("plain", "sqrt", "balanced", "balanced, compiled")
 WORLD_SIZE = 2
 
 
-def build(mode: str, width: int, pairs: int) -> nn.Module:
+def build(mode: str, width: int, pairs: int, shard: bool = False) -> nn.Module:
+    """The model of ``mode``, sharded first where ``shard``; a compiled mode is
+    compiled after sharding (aot_eager), as FSDP2 and torch.compile compose."""
     torch.manual_seed(0)
     layers = [m for _ in range(pairs) for m in (nn.Linear(width, width), nn.GELU())]
-    return nn.Sequential(*layers) if mode == "plain" else actsave.CheckpointedSequential(*layers, segments=mode)
+    segments = mode.removesuffix(", compiled")
+    model = nn.Sequential(*layers) if mode == "plain" else actsave.CheckpointedSequential(*layers, segments=segments)
+    if shard:
+        model = sharded(model)
+    if mode.endswith(", compiled"):
+        model.compile(backend="aot_eager")
+    return model
 
 
 def step_peak(model: nn.Module, x: torch.Tensor) -> tuple:
@@ -74,7 +83,7 @@ def rank_main(rank: int, port: int, shape: tuple, queue) -> None:
     try:
         width, batch, pairs = shape
         x = torch.randn(batch, width).requires_grad_()
-        queue.put((rank, {mode: step_peak(sharded(build(mode, width, pairs)), x) for mode in MODES}))
+        queue.put((rank, {mode: step_peak(build(mode, width, pairs, shard=True), x) for mode in MODES}))
     finally:
         dist.destroy_process_group()
 

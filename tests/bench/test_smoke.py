@@ -859,13 +859,17 @@ def test_compile_memory_measures_eager_and_compiled_modes():
 
 def test_fsdp_memory_measures_each_mode_sharded_and_unsharded():
     stdout = run_script("fsdp_memory.py")
+    modes = ("plain", "sqrt", "balanced", "balanced, compiled")
     table = {cells[0]: cells for cells in (re.split(r"\s{2,}", line) for line in stdout.splitlines())
-             if cells[0] in ("plain", "sqrt", "balanced")}
-    assert set(table) == {"plain", "sqrt", "balanced"}
+             if cells[0] in modes}
+    assert set(table) == set(modes)
     unsharded, sharded = ({mode: float(cells[column]) for mode, cells in table.items()} for column in (1, 3))
     assert unsharded["balanced"] <= unsharded["sqrt"] < unsharded["plain"]
-    assert all(sharded[mode] > unsharded[mode] for mode in table)  # FSDP2's own buffers
-    assert all(table["balanced"][column] != "-" for column in (2, 4)) and table["plain"][2] == "-"
+    assert unsharded["balanced, compiled"] < unsharded["plain"]  # the compiled backward recomputes
+    # FSDP2's own buffers, eagerly; compiled, the sharded step has peaked up to 5 KiB
+    # below the unsharded one here (docs/results.md, "FSDP2").
+    assert all(sharded[mode] > unsharded[mode] for mode in modes[:3])
+    assert all(table[mode][column] != "-" for mode in modes[2:] for column in (2, 4)) and table["plain"][2] == "-"
 
 
 def test_the_allocator_peak_agrees_with_live_bytes_on_plain_tensors_and_sees_storage_resizes():
