@@ -208,11 +208,7 @@ class CheckpointedSequential(nn.Sequential):
                 return self._eager_forward_under_compile(input, layers)
             if not self._keeps_by_codec():
                 return self._traced_forward(input, layers, self._starts_for(input, layers))
-            # NOTE [ Codecs in a compiled graph ]: hooks set at a first break, unset at a second.
-            eager_output, starts = self._codecs_in_graph_on(input, layers)
-            if eager_output is not None:
-                return eager_output
-            return _codecs_in_graph_off(self._traced_forward(input, layers, starts))
+            return self._forward_with_graph_codecs(input, layers)
         return self._eager_forward(input, layers, self._starts_for(input, layers))
 
     def _eager_forward(self, input, layers: list, starts: list):
@@ -281,10 +277,25 @@ class CheckpointedSequential(nn.Sequential):
                                  "one graph break, at its forward", "offload is not an op a compiled graph holds")
         return self._eager_forward(input, layers, self._starts_for(input, layers))
 
-    @torch.compiler.disable  # NOTE [ Codecs in a compiled graph ] in runtime/graph_codecs.py
+    # NOTE [ Codecs in a compiled graph ] in runtime/graph_codecs.py: the forward's one
+    # graph break. Dynamo skips this frame but compiles the frames it calls, except the
+    # disabled ones: the traced forward compiles as a frame of its own, while actsave's
+    # graph hooks are set, and they are unset when it returns or raises.
+    @torch.compiler.disable(recursive=False)
+    def _forward_with_graph_codecs(self, input, layers: list):
+        """The forward under torch.compile where a layer keeps by a codec."""
+        eager_output, starts = self._codecs_in_graph_on(input, layers)
+        if eager_output is not None:
+            return eager_output
+        try:
+            return self._traced_forward(input, layers, starts)
+        finally:
+            _codecs_in_graph_off()
+
+    @torch.compiler.disable  # planning and probing run eagerly
     def _codecs_in_graph_on(self, input, layers: list) -> tuple:
-        """The forward's first graph break where a layer keeps by a codec: the segments
-        looked up, then actsave's graph hooks set and ``(None, starts)`` returned; or,
+        """Where a layer keeps by a codec: the segments looked up, then actsave's graph
+        hooks set and ``(None, starts)`` returned; or,
         where the graph cannot hold what eager actsave keeps, the forward run eagerly
         and ``(output, starts)`` returned (one warning per process, naming why)."""
         starts = self._starts_for(input, layers)
@@ -477,11 +488,10 @@ class CheckpointedSequential(nn.Sequential):
         return f"segments={self.segments!r}"
 
 
-@torch.compiler.disable  # NOTE [ Codecs in a compiled graph ] in runtime/graph_codecs.py
-def _codecs_in_graph_off(output):
-    """The forward's second graph break: actsave's graph hooks unset after its last op."""
+@torch.compiler.disable  # called where Dynamo compiles what is called: NOTE [ Codecs in a compiled graph ]
+def _codecs_in_graph_off() -> None:
+    """actsave's graph hooks unset after the compiled forward."""
     graph_codecs.hooks_off()
-    return output
 
 
 def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:

@@ -17,6 +17,7 @@ meet actsave's saved-tensor hooks, and compiles in about a second. Inductor only
 changes the generated kernels, and on this CPU-only machine each of its graphs is a
 C++ build of 10-20 s, so one test covers it.
 """
+import contextlib
 import copy
 import warnings
 
@@ -366,19 +367,19 @@ def test_a_compiled_checkpointed_sequential_that_keeps_on_the_host_or_keeps_deci
     model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*layers(), **options))
     counters = torch._dynamo.utils.counters
     counters.clear()
-    frames_after = []
-    with warnings.catch_warnings(record=True) as raised:
+    compiles_after = []
+    with warnings.catch_warnings(record=True) as raised, compiles_counted() as compiles:
         warnings.simplefilter("always")
         for seed in (1, 2, 3):
             torch.testing.assert_close(grads_of_a_step(model, x, seed), grads_of_a_step(eager, x, seed))
             for m in (model, eager):
                 m.zero_grad(set_to_none=True)
-            frames_after.append((counters["frames"]["total"], counters["stats"]["unique_graphs"]))
+            compiles_after.append(len(compiles))
     why = "offload is not an op" if "offload" in options else "makes ReLU decisions"
     assert len([w for w in raised if "runs eagerly under torch.compile" in str(w.message)
                 and why in str(w.message)]) == 1
     assert sum(counters["graph_break"].values()) == 1
-    assert frames_after[0][0] >= 1 and frames_after == frames_after[:1] * 3  # nothing compiled after step 1
+    assert compiles_after[0] >= 1 and compiles_after == compiles_after[:1] * 3  # nothing compiled after step 1
     assert model._orig_mod.describe() == eager.describe()  # kept bytes reported, as eagerly
 
 
@@ -405,39 +406,57 @@ def flat_gradients(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return gradients
 
 
+@contextlib.contextmanager
+def compiles_counted():
+    """While active, the list it yields grows by one for each frame Dynamo starts to
+    compile; a frame it skips (a non-recursively disabled one, each call) is none."""
+    started = []
+
+    def count(args):
+        started.append(args)
+    torch._dynamo.callback_handler.register_start_callback(count)
+    try:
+        yield started
+    finally:
+        torch._dynamo.callback_handler.remove_start_callback(count)
+
+
 def assert_codecs_in_the_graph(make, x: torch.Tensor, plain: nn.Module) -> None:
-    """``make()``'s model compiled keeps by its codecs in one graph between two breaks
-    (two break sites: Dynamo counts a root pre-hook's twice), compiles nothing after its
-    first step, warns nothing, leaves no hooks set, and matches eager actsave
+    """``make()``'s model compiled keeps by its codecs in one graph: a
+    CheckpointedSequential's at one break, where it sets actsave's graph hooks around
+    the graph it compiles; a wrapped model's between two (two break sites, the root's
+    pre-hook and forward hook). It compiles nothing after its first step, warns
+    nothing, leaves no hooks set, and matches eager actsave
     (:func:`assert_keeps_as_eager_actsave`)."""
     model, graphs = compiled_for_counting(make())
     counters = torch._dynamo.utils.counters
     counters.clear()
-    with warnings.catch_warnings(record=True) as raised:
+    with warnings.catch_warnings(record=True) as raised, compiles_counted() as compiles:
         warnings.simplefilter("always")
-        frames_after = assert_keeps_as_eager_actsave(model, make(), plain, x)
+        compiles_after = assert_keeps_as_eager_actsave(model, make(), plain, x, compiles)
     assert not [w for w in raised if "actsave" in str(w.message)]
-    assert (len(counters["graph_break"]), len(graphs)) == (2, 1)
-    assert frames_after == frames_after[:1] * 3
+    break_sites = 1 if isinstance(model._orig_mod, actsave.CheckpointedSequential) else 2
+    assert (len(counters["graph_break"]), len(graphs)) == (break_sites, 1)
+    assert compiles_after[0] >= 1 and compiles_after == compiles_after[:1] * 3
 
 
-def assert_keeps_as_eager_actsave(model, eager, plain: nn.Module, x: torch.Tensor) -> list:
+def assert_keeps_as_eager_actsave(model, eager, plain: nn.Module, x: torch.Tensor, compiles: list) -> list:
     """Over three steps of compiled ``model`` and ``eager`` actsave: the gradients'
     SQNR against ``plain`` within 1 dB of eager's (lossy both), no saved-tensor hooks
     left set, and then no more bytes kept after forward than eager's plus 5% (the
     partitioner may keep fewer: of a stored segment it saves what it chooses, and a
-    compiled checkpoint keeps no RNG state where its region draws none). Returns
-    Dynamo's (frames, graphs) after each step."""
-    counters = torch._dynamo.utils.counters
-    frames_after = []
+    compiled checkpoint keeps no RNG state where its region draws none). Returns how
+    many frames Dynamo had compiled after each step (``compiles``:
+    :func:`compiles_counted`'s list)."""
+    compiles_after = []
     for _ in range(3):
         expected = flat_gradients(plain, x)
         eager_db, compiled_db = (sqnr_db(expected, flat_gradients(m, x)) for m in (eager, model))
         assert abs(compiled_db - eager_db) <= 1.0 and compiled_db < 200  # lossy, as eagerly
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-        frames_after.append((counters["frames"]["total"], counters["stats"]["unique_graphs"]))
+        compiles_after.append(len(compiles))
     assert kept_after_forward(model, x) <= 1.05 * kept_after_forward(eager, x)
-    return frames_after
+    return compiles_after
 
 
 def gelu_chain(width: int = 64) -> list:
@@ -544,11 +563,13 @@ def test_compiled_wrapped_blocks_keep_by_a_codec_where_one_runs_eagerly_or_each_
     monkeypatch.setattr(function, "_warned_eager_under_compile", False)
     plain = ResidualBlocks(graph_breaks)
     model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
-    with warnings.catch_warnings(record=True) as raised:
+    with warnings.catch_warnings(record=True) as raised, compiles_counted() as compiles:
         warnings.simplefilter("always")
-        assert_keeps_as_eager_actsave(model, actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"),
-                                      plain, torch.randn(32, 64))
+        compiles_after = assert_keeps_as_eager_actsave(
+            model, actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), plain, torch.randn(32, 64),
+            compiles)
     assert len([w for w in raised if "makes ReLU decisions" in str(w.message)]) == 1
+    assert compiles_after[0] >= 1 and compiles_after == compiles_after[:1] * 3
 
 
 def test_inductor_compiled_wrapped_blocks_keep_by_a_codec_in_the_graph():
@@ -618,20 +639,38 @@ class FailsOnce(nn.Module):
         return x
 
 
-def test_a_compiled_forward_that_raises_leaves_the_hooks_set_until_the_next_call_unsets_them():
-    # NOTE [ Codecs in a compiled graph ]: the second break, which unsets them, is not reached.
+@pytest.mark.parametrize("kind", ["CheckpointedSequential", "wrap"])
+def test_a_compiled_forward_that_raises_leaves_no_hooks_set(kind):
+    # NOTE [ Codecs in a compiled graph ]: a CheckpointedSequential unsets them as the
+    # compiled forward raises, a wrapped model's root in its forward hook, which runs
+    # whatever the forward does.
     failing = FailsOnce()
-    model = torch.compile(actsave.CheckpointedSequential(*gelu_chain(), failing, segments=4, compress="int8"),
-                          backend=BACKEND)
+    if kind == "wrap":
+        chain = actsave.wrap(nn.Sequential(*gelu_chain(), failing), nn.Linear, compress="int8")
+    else:
+        chain = actsave.CheckpointedSequential(*gelu_chain(), failing, segments=4, compress="int8")
+    model = torch.compile(chain, backend=BACKEND)
     x = torch.randn(8, 64)
     grads_of_a_step(model, x)
     failing.fail = True
     with pytest.raises(RuntimeError, match="failed on purpose"):
         model(x)
-    assert _torch.top_saved_tensor_hooks() == graph_codecs._the_hooks()
+    assert _torch.top_saved_tensor_hooks() is None
     failing.fail = False
     grads_of_a_step(model, x)
     assert _torch.top_saved_tensor_hooks() is None
+
+
+def test_hooks_a_failed_forward_left_set_are_unset_at_the_next_one():
+    # What unsets them where nothing else did: hooks_on pops its own hooks from the top.
+    assert graph_codecs.hooks_on()
+    try:
+        assert graph_codecs.hooks_on()  # ours on top: popped, then set again
+        assert _torch.top_saved_tensor_hooks() == graph_codecs._the_hooks()
+        graph_codecs.hooks_off()
+        assert _torch.top_saved_tensor_hooks() is None
+    finally:
+        graph_codecs.hooks_off()
 
 
 def test_under_other_saved_tensor_hooks_a_compiled_codec_runs_eagerly_and_says_why(monkeypatch):

@@ -423,8 +423,8 @@ def checkpointed_call(
 # warning): the offload copies are not ops a compiled graph can hold, and a codec is
 # held only where a whole CheckpointedSequential, or the root of a model whose blocks
 # wrap() checkpointed, sets saved-tensor hooks around the graph (NOTE [ Codecs in a
-# compiled graph ] in graph_codecs.py), which a single call cannot do at less than
-# two breaks. A CheckpointedSequential with a layer set to keep on the host, or whose
+# compiled graph ] in graph_codecs.py), which a single call could do only at a break
+# of its own. A CheckpointedSequential with a layer set to keep on the host, or whose
 # lossy segments make decisions, runs its whole forward eagerly instead, as one graph
 # break (sequential.py), however many segments keep so.
 def compiles_in_graph(policy: KeepPolicy) -> bool:

@@ -35,9 +35,13 @@ that graph and its backward:
   their precision (docs/results.md, "Other figures").
 - Dynamo does not trace entering saved-tensor hooks (graph break gb0008), AOTAutograd
   inlines the hooks set when it compiles, and each compiled frame is guarded on the
-  hooks set when it runs. So the hooks are set at the forward's first graph break
-  (where the plan is looked up, before any compute) and unset at a second, after the
-  last: two breaks, one graph between them.
+  hooks set when it runs. So the hooks are set outside the frame that is compiled
+  with them, and unset after it returns. A CheckpointedSequential does both in one
+  graph break, before any compute: its forward calls a function Dynamo does not
+  trace but whose callees it compiles (``torch.compiler.disable(recursive=False)``),
+  which looks up the segments, sets the hooks, calls the traced forward, which
+  Dynamo compiles as a frame of its own, and unsets them when that returns or raises.
+  One break, one graph.
 - A lossy segment's output that an exact stored segment saves (its first layer's
   input) is kept exactly eagerly, as the stored segment's own save. In the graph the
   partitioner would recompute it instead, from the encoded input (it must keep that
@@ -45,9 +49,11 @@ that graph and its backward:
   such a segment's output is copied after its
   checkpoint by an operator of actsave's own (:func:`output_copied`), which no
   partitioner recomputes; the stored segment's backward reads that copy, exactly.
-- Blocks that ``wrap`` checkpointed (wrappers.py) do the same from the model's root:
+- Blocks that ``wrap`` checkpointed (wrappers.py) do the same from the model's root,
+  whose forward is the model's own, so not called from a function of actsave's:
   ``wrap`` gives the root a forward pre-hook and a forward hook that, under
-  torch.compile only, are the two breaks (:func:`watch_root`). The first probes the
+  torch.compile only, set and unset the hooks at two breaks, one graph between them
+  (:func:`watch_root`; the forward hook runs when the forward raises too). The first probes the
   model on meta tensors for the blocks whose decisions a graph cannot keep; each of
   those, and each block that keeps on the host, runs eagerly at a break of its own.
   What reads a block's output is not known there, so every block's output in the
@@ -62,9 +68,8 @@ that graph and its backward:
 - Where other saved-tensor hooks are set when the forward starts (an outer
   checkpoint, ``save_on_cpu``, the caller's), the compiled graph would apply ours
   instead of theirs: the forward runs eagerly, as without compile.
-- A forward that raises between the two breaks leaves the hooks set: the next call's
-  first break unsets them (they are found on top), and :func:`hooks_off` only ever
-  unsets its own.
+- Where a forward left the hooks set all the same, the next call's first break unsets
+  them (they are found on top), and :func:`hooks_off` only ever unsets its own.
 """
 from __future__ import annotations
 
