@@ -295,9 +295,9 @@ class CheckpointedSequential(nn.Sequential):
     @torch.compiler.disable  # planning and probing run eagerly
     def _codecs_in_graph_on(self, input, layers: list) -> tuple:
         """Where a layer keeps by a codec: the segments looked up, then actsave's graph
-        hooks set and ``(None, starts)`` returned; or,
-        where the graph cannot hold what eager actsave keeps, the forward run eagerly
-        and ``(output, starts)`` returned (one warning per process, naming why)."""
+        hooks set and ``(None, starts)`` returned; or, where the graph cannot hold what
+        eager actsave keeps, the forward run eagerly and ``(output, starts)`` returned
+        (one warning per process, naming why)."""
         starts = self._starts_for(input, layers)
         why = self._why_codecs_run_eagerly(input, layers, starts)
         if why is None:
@@ -488,7 +488,8 @@ class CheckpointedSequential(nn.Sequential):
         return f"segments={self.segments!r}"
 
 
-@torch.compiler.disable  # called where Dynamo compiles what is called: NOTE [ Codecs in a compiled graph ]
+# Disabled: it is called where Dynamo compiles the callees (_forward_with_graph_codecs).
+@torch.compiler.disable
 def _codecs_in_graph_off() -> None:
     """actsave's graph hooks unset after the compiled forward."""
     graph_codecs.hooks_off()

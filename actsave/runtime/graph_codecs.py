@@ -53,9 +53,10 @@ that graph and its backward:
   whose forward is the model's own, so not called from a function of actsave's:
   ``wrap`` gives the root a forward pre-hook and a forward hook that, under
   torch.compile only, set and unset the hooks at two breaks, one graph between them
-  (:func:`watch_root`; the forward hook runs when the forward raises too). The first probes the
-  model on meta tensors for the blocks whose decisions a graph cannot keep; each of
-  those, and each block that keeps on the host, runs eagerly at a break of its own.
+  (:func:`watch_root`; the forward hook runs when the forward raises too). The first
+  probes the model on meta tensors for the blocks whose decisions a graph cannot
+  keep; each of those, and each block that keeps on the host, runs eagerly at a break
+  of its own.
   What reads a block's output is not known there, so every block's output in the
   graph is copied so, which an exact reader's backward reads exactly. And the block's
   activation inputs are copied before its checkpoint, the copies being the only saves
