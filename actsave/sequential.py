@@ -401,7 +401,8 @@ class CheckpointedSequential(nn.Sequential):
         last training call whatever they say: exactly, and not counted in its bytes.
         With ``segments="balanced"`` the segments are those of the last training
         call, and a first line says for which input and what peak the plan predicted.
-        A last call under ``torch.compile`` reports no bytes (a last line says why).
+        A last call under ``torch.compile`` reports no bytes (a last line says why, and
+        that a plan's predicted peak is the eager code's).
         FSDP2-sharded parameters get a last line too: the plan does not count what
         FSDP2 allocates beside the step."""
         rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "kept bytes")]
@@ -424,7 +425,9 @@ class CheckpointedSequential(nn.Sequential):
         if self._last_traced:
             codecs = " (those set to keep by a codec encoded in it)" if self._keeps_by_codec() else ""
             lines.append(f"The last training call ran in a compiled graph, which chose what each segment "
-                         f"saves{codecs}: no kept bytes (NOTE [ Checkpoints in a compiled graph ]).")
+                         f"saves{codecs}: no kept bytes (NOTE [ Checkpoints in a compiled graph ]). A plan "
+                         "predicts the eager code's peak; a compiled backward may hold more at once: "
+                         "docs/limits.md, \"torch.compile\".")
         if any(is_sharded(p) for p in self.parameters()):
             lines.append("The parameters are FSDP2-sharded: a plan counts the step's own tensors, not what FSDP2 "
                          "allocates beside them (each unit's gathered parameters, which a recompute keeps gathered "

@@ -732,6 +732,7 @@ def test_describe_says_a_compiled_call_reports_no_kept_bytes():
     model = actsave.CheckpointedSequential(*dropout_free_chain(), segments=4)
     grads_of_a_step(torch.compile(model, backend=BACKEND), torch.randn(16, 32))
     assert "ran in a compiled graph" in model.describe()
+    assert "a compiled backward may hold more" in model.describe()  # than the plan's prediction
     grads_of_a_step(model, torch.randn(16, 32))
     assert "compiled" not in model.describe() and "device        2048" in model.describe()
 
