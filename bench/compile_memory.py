@@ -23,7 +23,8 @@ compiled graph ] in actsave/runtime/graph_codecs.py. Per mode:
   to the eager step of the same round; one compiled model at a time, Dynamo's caches
   reset before each;
 - Dynamo's graphs and graph breaks, counted over the warm-up steps (Dynamo counts
-  the break that a wrapped model's root pre-hook makes twice).
+  the break that a wrapped ``nn.Sequential``'s root pre-hook makes twice: inside
+  torch's shared wrapper, then in the hook's own frame).
 
 The balanced plan's predicted peak is printed beside them: the planner profiles the
 eager code (docs/limits.md, "torch.compile").
