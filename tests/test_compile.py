@@ -508,17 +508,6 @@ def test_compiled_wrapped_attention_blocks_keep_by_a_codec_in_the_graph():
         torch.randint(0, 64, (4, 16)), plain)
 
 
-class Logits(nn.Module):
-    """A Hugging Face causal LM called on token ids, returning its logits."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
-
-
 def test_a_compiled_hugging_face_llama_keeps_its_wrapped_blocks_by_a_codec_in_the_graph():
     # Its mask code reads a value (Tensor.item()) unless the tensor is fake: the probe
     # runs on fake tensors (NOTE [ Fake tensors in a probe ]), so the blocks' codec
@@ -530,6 +519,7 @@ def test_a_compiled_hugging_face_llama_keeps_its_wrapped_blocks_by_a_codec_in_th
                                       bos_token_id=0, eos_token_id=0, use_cache=False)
     torch.manual_seed(0)
     plain = transformers.AutoModelForCausalLM.from_config(config).train()
+    Logits = load_bench_module("compile_memory").Logits  # the causal LM as a map from ids to logits
     assert_codecs_in_the_graph(
         lambda: Logits(actsave.wrap(copy.deepcopy(plain), LlamaDecoderLayer, compress="int8")),
         torch.randint(1, 64, (2, 16)), Logits(plain))
