@@ -22,9 +22,7 @@ compiled graph ] in actsave/runtime/graph_codecs.py. Per mode:
   steps (process CPU time on the CPU, wall time synchronized on CUDA), and its ratio
   to the eager step of the same round; one compiled model at a time, Dynamo's caches
   reset before each;
-- Dynamo's graphs and graph breaks, counted over the warm-up steps (Dynamo counts
-  the break that a wrapped ``nn.Sequential``'s root pre-hook makes twice: inside
-  torch's shared wrapper, then in the hook's own frame).
+- Dynamo's graphs and graph breaks, counted over the warm-up steps.
 
 The balanced plan's predicted peak is printed beside them: the planner profiles the
 eager code (docs/limits.md, "torch.compile").
@@ -190,7 +188,7 @@ def measure(model, batch, blocks: tuple, backend: str, rounds: int, device) -> t
     rows = []
     for name, module in eager.items():
         # One compiled model at a time: Dynamo keeps compiled code per code object, and
-        # a graph break in one compiled nn.Sequential (a wrapped one breaks at its root)
+        # a graph break in one compiled nn.Sequential
         # makes the others run module by module from then on (docs/limits.md).
         torch._dynamo.reset()
         runs = eager_and_compiled(name, module, backend)

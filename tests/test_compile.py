@@ -49,7 +49,7 @@ def chain(width=8) -> list:
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Compiled code and its guards do not leak from one test into the next, nor do
-    actsave's graph hooks where a test fails between a forward's two breaks."""
+    actsave's graph hooks where a test fails inside a compiled forward."""
     torch._dynamo.reset()
     yield
     graph_codecs.hooks_off()
@@ -276,13 +276,17 @@ def test_a_compiled_function_in_a_lossy_checkpoint_runs_its_eager_code_where_it_
 
 # --- a compiled model that contains actsave (issue 35, item 2) ---------------------------
 
-def compiled_for_counting(model: nn.Module) -> tuple:
-    """``torch.compile(model)`` with aot_eager, and the FX graphs Dynamo hands it."""
+def compiled_for_counting(model: nn.Module, in_place: bool = False) -> tuple:
+    """``torch.compile(model)`` with aot_eager (or ``model.compile(...)`` and
+    ``model``, ``in_place``), and the FX graphs Dynamo hands it."""
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return torch._dynamo.lookup_backend(BACKEND)(gm, example_inputs)
+    if in_place:
+        model.compile(backend=backend)
+        return model, graphs
     return torch.compile(model, backend=backend), graphs
 
 
@@ -421,22 +425,21 @@ def compiles_counted():
         torch._dynamo.callback_handler.remove_start_callback(count)
 
 
-def assert_codecs_in_the_graph(make, x: torch.Tensor, plain: nn.Module) -> None:
-    """``make()``'s model compiled keeps by its codecs in one graph: a
-    CheckpointedSequential's at one break, where it sets actsave's graph hooks around
-    the graph it compiles; a wrapped model's between two (two break sites, the root's
-    pre-hook and forward hook). It compiles nothing after its first step, warns
-    nothing, leaves no hooks set, and matches eager actsave
-    (:func:`assert_keeps_as_eager_actsave`)."""
-    model, graphs = compiled_for_counting(make())
+def assert_codecs_in_the_graph(make, x: torch.Tensor, plain: nn.Module, in_place: bool = False) -> None:
+    """``make()``'s model compiled keeps by its codecs in one graph, at one break
+    where actsave's graph hooks are set around the graph compiled (a
+    CheckpointedSequential's forward, a wrapped model's root forward). It compiles
+    nothing after its first step, warns nothing, leaves no hooks set, and matches eager
+    actsave (:func:`assert_keeps_as_eager_actsave`). ``in_place``: compiled by
+    ``model.compile()``, which traces the model's ``Module.__call__`` too."""
+    model, graphs = compiled_for_counting(make(), in_place)
     counters = torch._dynamo.utils.counters
     counters.clear()
     with warnings.catch_warnings(record=True) as raised, compiles_counted() as compiles:
         warnings.simplefilter("always")
         compiles_after = assert_keeps_as_eager_actsave(model, make(), plain, x, compiles)
     assert not [w for w in raised if "actsave" in str(w.message)]
-    break_sites = 1 if isinstance(model._orig_mod, actsave.CheckpointedSequential) else 2
-    assert (len(counters["graph_break"]), len(graphs)) == (break_sites, 1)
+    assert (len(counters["graph_break"]), len(graphs)) == (1, 1)
     assert compiles_after[0] >= 1 and compiles_after == compiles_after[:1] * 3
 
 
@@ -497,6 +500,25 @@ def test_compiled_wrapped_blocks_keep_their_inputs_by_a_codec_in_the_graph():
     plain = ResidualNet(depth=4, width=64, dropout=0.0)
     assert_codecs_in_the_graph(lambda: actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"),
                                torch.randn(32, 64), plain)
+
+
+@pytest.mark.parametrize("how", ["model.compile()", "an nn.Sequential root", "a wrapped root inside another"])
+def test_wrapped_blocks_keep_by_a_codec_in_the_graph_at_one_break_however_the_root_is_compiled(how):
+    # Module.compile() and torch.compile of an nn.Sequential trace the root's
+    # Module.__call__, which calls its RootForward; a wrapped root inside another is
+    # traced as the outer one's code (NOTE [ Codecs in a compiled graph ]).
+    plain = ResidualNet(depth=4, width=64, dropout=0.0)
+    if how == "an nn.Sequential root":
+        plain = nn.Sequential(*plain.blocks, plain.head)
+    elif how == "a wrapped root inside another":
+        plain = nn.Sequential(ResidualBlock(64, dropout=0.0), plain)
+
+    def make():
+        model = copy.deepcopy(plain)
+        if how == "a wrapped root inside another":
+            actsave.wrap(model[1], ResidualBlock, compress="int8")
+        return actsave.wrap(model, ResidualBlock, compress="int8")
+    assert_codecs_in_the_graph(make, torch.randn(32, 64), plain, in_place=how == "model.compile()")
 
 
 def test_compiled_wrapped_attention_blocks_keep_by_a_codec_in_the_graph():
@@ -631,9 +653,8 @@ class FailsOnce(nn.Module):
 
 @pytest.mark.parametrize("kind", ["CheckpointedSequential", "wrap"])
 def test_a_compiled_forward_that_raises_leaves_no_hooks_set(kind):
-    # NOTE [ Codecs in a compiled graph ]: a CheckpointedSequential unsets them as the
-    # compiled forward raises, a wrapped model's root in its forward hook, which runs
-    # whatever the forward does.
+    # NOTE [ Codecs in a compiled graph ]: a CheckpointedSequential and a wrapped
+    # model's root forward unset them as the compiled forward raises.
     failing = FailsOnce()
     if kind == "wrap":
         chain = actsave.wrap(nn.Sequential(*gelu_chain(), failing), nn.Linear, compress="int8")

@@ -50,13 +50,13 @@ that graph and its backward:
   checkpoint by an operator of actsave's own (:func:`output_copied`), which no
   partitioner recomputes; the stored segment's backward reads that copy, exactly.
 - Blocks that ``wrap`` checkpointed (wrappers.py) do the same from the model's root,
-  whose forward is the model's own, so not called from a function of actsave's:
-  ``wrap`` gives the root a forward pre-hook and a forward hook that, under
-  torch.compile only, set and unset the hooks at two breaks, one graph between them
-  (:func:`watch_root`; the forward hook runs when the forward raises too). The first
-  probes the model on meta tensors for the blocks whose decisions a graph cannot
-  keep; each of those, and each block that keeps on the host, runs eagerly at a break
-  of its own.
+  whose forward is the model's own code: ``wrap`` sets the root's ``forward`` (on the
+  instance, as accelerate's hooks do; :class:`RootForward`) to a callable that, under
+  torch.compile only, calls the model's forward from such a function: one break, one
+  graph. There the model is first probed on meta tensors for the blocks whose
+  decisions a graph cannot keep; each of those, and each block that keeps on the
+  host, runs eagerly at a break of its own. A wrapped root inside another's forward
+  is traced as part of it, with no break: the outer one's probe ran its blocks too.
   What reads a block's output is not known there, so every block's output in the
   graph is copied so, which an exact reader's backward reads exactly. And the block's
   activation inputs are copied before its checkpoint, the copies being the only saves
@@ -75,6 +75,7 @@ that graph and its backward:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from typing import Optional
 
@@ -281,19 +282,47 @@ def _unknown(whose: str, error: Exception) -> str:
     return f"decisions unknown: {whose} forward failed on meta tensors ({type(error).__name__}: {error})"
 
 
-# --- blocks that wrap() checkpointed: the hooks set and unset at the model's root -------
+# --- blocks that wrap() checkpointed: the hooks set and unset around the root's forward ---
 
-_set_for_blocks = False  # set at a root's first break; read as Dynamo traces its blocks
-_watched = weakref.WeakKeyDictionary()  # root -> its hook handles
+_set_for_blocks = False  # set at a root's graph break; read as Dynamo traces its blocks
 _probed = weakref.WeakKeyDictionary()  # root -> {input key: {checkpoint: why eager}}
 
 
+class RootForward:
+    """The ``forward`` of a model whose blocks ``wrap`` keeps by a codec: the model's
+    own forward, which under torch.compile it calls from one graph break, with
+    actsave's graph hooks set around it (see the NOTE). Eagerly it only calls it.
+
+    It is an instance attribute, as Hugging Face's accelerate sets its hooks: the
+    class's forward is untouched, and one set on the instance before is called in
+    turn. The model's signature is its own (``inspect.signature(model.forward)``), and
+    the model deep-copies and pickles with it."""
+
+    def __init__(self, model: nn.Module, previous=None):
+        self.model = model
+        self.previous = previous  # the instance's forward before, or None: the class's
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and not _set_for_blocks:  # not inside a root that set them
+            return _forward_with_graph_codecs(self, args, kwargs)
+        return self.own_forward(*args, **kwargs)
+
+    def own_forward(self, *args, **kwargs):
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.previous or type(self.model).forward.__get__(self.model))
+
+
 def watch_root(model: nn.Module) -> None:
-    """Give ``model``, whose blocks ``wrap`` checkpointed, the forward hooks that set
-    actsave's graph hooks around its compiled forward (see the NOTE); once."""
-    if model not in _watched:
-        _watched[model] = (model.register_forward_pre_hook(_before_root, with_kwargs=True),
-                           model.register_forward_hook(_after_root, with_kwargs=True, always_call=True))
+    """Make ``model``, whose blocks ``wrap`` keeps by a codec, call its forward with
+    actsave's graph hooks set under torch.compile (:class:`RootForward`); once."""
+    previous = model.__dict__.get("forward")
+    if not isinstance(previous, RootForward):
+        model.forward = RootForward(model, previous)
 
 
 def blocks_in_graph(policy: KeepPolicy, eager_because: Optional[str]) -> bool:
@@ -301,22 +330,27 @@ def blocks_in_graph(policy: KeepPolicy, eager_because: Optional[str]) -> bool:
     return _set_for_blocks and policy.lossy and not policy.offload and eager_because is None
 
 
-def _before_root(model, args, kwargs):
-    if torch.compiler.is_compiling():  # eagerly, nothing to do: one check per forward
-        _blocks_on(model, args, kwargs)
+# The root's one graph break: Dynamo skips this frame but compiles the frames it calls,
+# except the disabled ones, so the model's own forward compiles as a frame of its own
+# while the hooks are set, and they are unset when it returns or raises.
+@torch.compiler.disable(recursive=False)
+def _forward_with_graph_codecs(root: RootForward, args: tuple, kwargs: dict):
+    set_here = _blocks_on(root.model, args, kwargs)
+    try:
+        return root.own_forward(*args, **kwargs)
+    finally:
+        if set_here:
+            _blocks_off()
 
 
-def _after_root(model, args, kwargs, output):
-    if torch.compiler.is_compiling():
-        _blocks_off()
-
-
-@torch.compiler.disable  # the root's first graph break
-def _blocks_on(model, args, kwargs) -> None:
+@torch.compiler.disable  # probing runs eagerly
+def _blocks_on(model, args, kwargs) -> bool:
+    """Probe ``model``'s lossy blocks for decisions (once per input) and set the graph
+    hooks; whether this call set them."""
     global _set_for_blocks
     checkpoints = [m for m in model.modules() if _keeps_by_codec(m)]
     if not checkpoints:
-        return
+        return False
     why = missing_pieces()
     if why is None:
         key = _input_key(args, kwargs, model)
@@ -325,12 +359,13 @@ def _blocks_on(model, args, kwargs) -> None:
             known[key] = _probe_blocks(model, checkpoints, args, kwargs)
         _set_eager_because(checkpoints, known[key].get)
         if len(known[key]) == len(checkpoints):
-            return  # every one runs eagerly: nothing to set
+            return False  # every one runs eagerly: nothing to set
         if hooks_on():
             _set_for_blocks = True
-            return
+            return True
         why = "other saved-tensor hooks are set, which the compiled graph would not apply"
     _set_eager_because(checkpoints, lambda checkpoint: why)
+    return False
 
 
 def _set_eager_because(checkpoints: list, why) -> None:
@@ -340,12 +375,11 @@ def _set_eager_because(checkpoints: list, why) -> None:
             checkpoint.eager_because = why(checkpoint)
 
 
-@torch.compiler.disable  # the root's second graph break
+@torch.compiler.disable
 def _blocks_off() -> None:
     global _set_for_blocks
-    if _set_for_blocks:
-        hooks_off()
-        _set_for_blocks = False
+    hooks_off()
+    _set_for_blocks = False
 
 
 @contextlib.contextmanager

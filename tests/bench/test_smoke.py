@@ -843,16 +843,16 @@ def test_compile_memory_measures_eager_and_compiled_modes():
     assert abs(float(gpt["actsave int8, compiled"][3]) - float(gpt["actsave int8"][3])) <= 1.0
     # Wrapped blocks: a ResNet's ReLU blocks eagerly at a break each, GELU blocks in the graph.
     assert resnet["wrap int8, compiled"][3] == resnet["wrap int8"][3]
-    assert gpt["wrap int8, compiled"][-2:-1] == ["1"]
+    assert gpt["wrap int8, compiled"][-2:] == ["1", "1"]  # one graph at the root's one break
     assert float(gpt["wrap int8, compiled"][1]) <= 1.05 * float(gpt["wrap int8"][1])
     # A Hugging Face Llama, no Sequential: its decoder layers wrapped, exactly in one graph
-    # with no break, by int8 in one graph between the root's two breaks.
+    # with no break, by int8 in one graph at the root's one break.
     if not has_transformers:
         return
     llama = tables[llama_case]
     assert set(llama) == {"plain", "plain, compiled", "wrap", "wrap, compiled", "wrap int8", "wrap int8, compiled"}
     assert llama["wrap, compiled"][3] == "inf" and llama["wrap, compiled"][-2:] == ["1", "0"]
-    assert llama["wrap int8, compiled"][-2:] == ["1", "2"]
+    assert llama["wrap int8, compiled"][-2:] == ["1", "1"]
     assert float(llama["wrap int8, compiled"][1]) <= 1.05 * float(llama["wrap int8"][1])
     assert abs(float(llama["wrap int8, compiled"][3]) - float(llama["wrap int8"][3])) <= 1.0
 

@@ -1,6 +1,10 @@
 """actsave/runtime/graph_codecs.py: which segments make decisions a compiled recompute
 cannot keep, and the saved-tensor hooks set and unset around a compiled forward (NOTE [
 Codecs in a compiled graph ]). The compiled models themselves: tests/test_compile.py."""
+import copy
+import inspect
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -105,15 +109,50 @@ def no_hooks_left():
         _torch.pop_saved_tensor_hooks()
 
 
-def test_wrap_watches_a_lossy_model_root_once_and_eager_steps_probe_nothing():
+def test_wrap_sets_a_lossy_model_roots_forward_once_and_eager_steps_probe_nothing():
     model = ResidualNet(depth=2)
     actsave.wrap(model, ResidualBlock, compress="int8")
+    root_forward = model.forward
     actsave.wrap(model, ResidualBlock, compress="fp8")
-    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    assert isinstance(root_forward, graph_codecs.RootForward) and model.forward is root_forward
+    assert root_forward.previous is None and not model._forward_pre_hooks and not model._forward_hooks
     model(torch.randn(4, 8)).sum().backward()
     assert model not in graph_codecs._probed and not graph_codecs._set_for_blocks
     exact = actsave.wrap(ResidualNet(depth=2), ResidualBlock)
-    assert not exact._forward_pre_hooks  # nothing to set for exact blocks
+    assert "forward" not in exact.__dict__  # nothing to set for exact blocks
+
+
+def test_a_roots_forward_keeps_the_models_signature_and_calls_a_forward_set_on_it_before():
+    model, calls = ResidualNet(depth=2), []
+
+    def logged(x):
+        calls.append(x.shape)
+        return ResidualNet.forward(model, x)
+    model.forward = logged
+    actsave.wrap(model, ResidualBlock, compress="int8")
+    model(torch.randn(4, 8))
+    assert calls == [torch.Size([4, 8])] and model.forward.previous is logged
+    assert inspect.signature(model.forward) == inspect.signature(logged)
+    assert inspect.signature(actsave.wrap(ResidualNet(depth=2), ResidualBlock, compress="int8").forward) == \
+        inspect.signature(ResidualNet(depth=2).forward)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_wrapped_model_calls_its_own_forward(how):
+    model = actsave.wrap(ResidualNet(depth=2, dropout=0.0), ResidualBlock, compress="int8")
+    if how == "deepcopy":
+        copied = copy.deepcopy(model)
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert isinstance(copied.forward, graph_codecs.RootForward) and copied.forward.model is copied
+    with torch.no_grad():
+        copied.head.weight.add_(1.0)  # the copy's own parameters are used, not the original's
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(copied(x), ResidualNet.forward(copied, x))
+        assert not torch.equal(copied(x), model(x))
 
 
 def test_a_model_that_fails_on_meta_tensors_runs_every_lossy_block_eagerly_and_names_why():
