@@ -56,7 +56,7 @@ from ..devices import host_is_separate
 from ..errors import ConfigError
 from ..runtime.store import modifies_input, should_encode
 from ..text import format_table, mib
-from .instrumented_step import isolated_steps
+from .instrumented_step import backward_from, isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 from .plans import DEFAULT_ALLOW, Plan, Search, plan, predict
 from .profiler import LayerProfile, Profile, profile
@@ -92,11 +92,6 @@ def _loss_of(output) -> torch.Tensor:
             "gradient (a tensor, an output with .loss, e.g. labels for a Hugging Face model, or a tuple "
             "whose first item is the loss)")
     return loss
-
-
-def backward_from(loss: torch.Tensor) -> None:
-    """The step's backward: from 1 for a scalar loss, else from a gradient of ones."""
-    loss.backward(None if loss.dim() == 0 else torch.ones_like(loss))
 
 
 def input_tensors(example_inputs) -> list:

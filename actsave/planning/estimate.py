@@ -45,6 +45,7 @@ from ..checks import integral
 from ..errors import ConfigError
 from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
 from ..runtime.store import peak_stored_bytes
+from .instrumented_step import backward_from
 from .live_bytes import LiveBytes, allocation_bytes
 
 # Parameter-shaped state tensors each optimizer keeps per trained parameter.
@@ -193,7 +194,7 @@ def _backward_from_loss(loss: Callable, outputs) -> None:
         raise ConfigError(f"loss(output) gave {_shown_value(value)}: it must return a one-element tensor that "
                           "requires grad, computed from the output (e.g. lambda out: F.cross_entropy(out, "
                           "torch.zeros(out.shape[0], dtype=torch.long, device=out.device)))")
-    value.backward()
+    backward_from(value)
 
 
 def _shown_value(value) -> str:

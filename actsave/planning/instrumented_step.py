@@ -377,7 +377,12 @@ def _backward_from_loss(output: torch.Tensor, loss) -> None:
         got = "a tensor that needs no gradient" if isinstance(value, torch.Tensor) else type(value).__name__
         raise ConfigError(f"loss(output) returned {got}: loss must return a tensor computed from the chain's "
                           "output, the one the backward starts from")
-    torch.autograd.backward(value, None if value.dim() == 0 else torch.ones_like(value))
+    backward_from(value)
+
+
+def backward_from(loss: torch.Tensor) -> None:
+    """The step's backward: from 1 for a scalar loss, else from a gradient of ones."""
+    loss.backward(None if loss.dim() == 0 else torch.ones_like(loss))
 
 
 class _OpenSpan:
