@@ -225,36 +225,59 @@ cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 # mode sees it, and a byte count that follows operators counts the storage whole for
 # as long as it lives. While a counter observes resizes, ``UntypedStorage.resize_``
 # reports each (the storage, its bytes before and after) to every active observer.
-# The method is replaced on the class only while one observes, and put back after.
+# The method is replaced on the class only while one observes (AttributeSwap).
 _resize_observers = []
-_original_resize = _require(getattr(torch.UntypedStorage, "resize_", None), "UntypedStorage.resize_")
-_resize_defined_on_class = "resize_" in vars(torch.UntypedStorage)  # else inherited from the C base
 
 
 def _observed_resize(storage, size):
     before = storage.nbytes()
-    result = _original_resize(storage, size)
+    result = _resize_swap.original(storage, size)
     for observer in list(_resize_observers):
         observer(storage, before, storage.nbytes())
     return result
+
+
+class AttributeSwap:
+    """``owner.name`` replaced by ``replacement`` while one or more :meth:`active`
+    contexts are open (they nest), and put back as it was when the last one closes:
+    an attribute ``owner`` inherits (a C base class's method) is deleted from it again,
+    not set on it. ``original`` is what it was when the swap was made."""
+
+    def __init__(self, owner, name: str, replacement):
+        self.owner, self.name, self.replacement = owner, name, replacement
+        self.original = _require(getattr(owner, name, None), f"{getattr(owner, '__name__', owner)}.{name}")
+        self._own = name in vars(owner)
+        self._open = 0
+
+    @contextlib.contextmanager
+    def active(self):
+        if not self._open:
+            setattr(self.owner, self.name, self.replacement)
+        self._open += 1
+        try:
+            yield
+        finally:
+            self._open -= 1
+            if not self._open:
+                if self._own:
+                    setattr(self.owner, self.name, self.original)
+                else:
+                    delattr(self.owner, self.name)
+
+
+_resize_swap = AttributeSwap(torch.UntypedStorage, "resize_", _observed_resize)
 
 
 @contextlib.contextmanager
 def storage_resizes_observed(observer):
     """While active, ``observer(storage, bytes_before, bytes_after)`` hears of every
     ``UntypedStorage.resize_``: NOTE [ Storage resizes ]."""
-    if not _resize_observers:
-        torch.UntypedStorage.resize_ = _observed_resize
     _resize_observers.append(observer)
     try:
-        yield
+        with _resize_swap.active():
+            yield
     finally:
         _resize_observers.remove(observer)
-        if not _resize_observers:
-            if _resize_defined_on_class:
-                torch.UntypedStorage.resize_ = _original_resize
-            else:
-                del torch.UntypedStorage.resize_
 
 
 # NOTE [ Saved-tensor hooks in a compiled graph ]

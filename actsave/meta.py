@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._torch import (
+    AttributeSwap,
     OpOverload,
     TorchDispatchMode,
     cpu_flash_attention,
@@ -48,7 +49,7 @@ def simulating(device):
     previous = getattr(_local, "device", None)
     _local.device = torch.device(device)
     try:
-        with _attention_as_on_device() if fused_attention(_local.device) else contextlib.nullcontext():
+        with _attention_swap.active() if fused_attention(_local.device) else contextlib.nullcontext():
             yield
     finally:
         _local.device = previous
@@ -71,29 +72,13 @@ def simulating(device):
 # while a simulation runs, since a TorchFunctionMode does not reach a checkpoint's
 # recompute, and no dispatch mode sees the choice (it is made before dispatch). Code
 # that bound the function under another name before is not reached.
-_attention_simulations = []
-_original_attention = F.scaled_dot_product_attention
-
-
 def _scaled_dot_product_attention(*args, **kwargs):
     device = simulated_device()
     fused = _fused_attention(fused_attention(device), *args, **kwargs) if device is not None else None
-    return _original_attention(*args, **kwargs) if fused is None else fused
+    return _attention_swap.original(*args, **kwargs) if fused is None else fused
 
 
-@contextlib.contextmanager
-def _attention_as_on_device():
-    """NOTE [ Attention on a simulated device ], while active (nested: the outermost
-    puts the function back)."""
-    if not _attention_simulations:
-        F.scaled_dot_product_attention = _scaled_dot_product_attention
-    _attention_simulations.append(None)
-    try:
-        yield
-    finally:
-        _attention_simulations.pop()
-        if not _attention_simulations:
-            F.scaled_dot_product_attention = _original_attention
+_attention_swap = AttributeSwap(F, "scaled_dot_product_attention", _scaled_dot_product_attention)
 
 
 def _fused_attention(kernels, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
