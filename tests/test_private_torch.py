@@ -88,3 +88,31 @@ def test_a_probe_makes_fake_meta_tensors_and_plain_ones_without_fake_tensor_mode
     meta = torch.empty(2, 3, device="meta")
     with _torch.fake_tensors() as fake:
         assert fake(meta) is meta and not is_tracing(meta)
+
+
+class _Base:
+    def name(self):
+        return "base"
+
+
+class _Inherits(_Base):
+    pass
+
+
+@pytest.mark.parametrize("owner", [_Inherits, _Base], ids=["inherited", "own"])
+def test_an_attribute_swap_nests_and_puts_the_attribute_back_as_it_was(owner):
+    swap = _torch.AttributeSwap(owner, "name", lambda self: "swapped")
+    own_before = dict(vars(owner))
+    with swap.active():
+        with swap.active():
+            assert owner().name() == "swapped"
+        assert owner().name() == "swapped"  # the inner context closing leaves it swapped
+    assert dict(vars(owner)) == own_before and owner().name() == "base"  # an inherited one deleted again
+    assert swap.original(owner()) == "base"
+
+
+def test_an_attribute_swap_puts_the_attribute_back_when_its_context_raises():
+    swap = _torch.AttributeSwap(_Inherits, "name", lambda self: "swapped")
+    with pytest.raises(RuntimeError), swap.active():
+        raise RuntimeError
+    assert "name" not in vars(_Inherits) and _Inherits().name() == "base"
