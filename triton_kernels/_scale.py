@@ -200,8 +200,10 @@ def is_flagged_ref(scales, group_size, numel):
 def any_flagged_ref(scales):
     """Whether some group holds inf or NaN, for references that take a cheaper path
     when none does. Meta tensors hold no data: they take the path of finite data,
-    which is what actsave.estimate simulates."""
-    return scales.device.type != "meta" and bool(scales.signbit().any())
+    which is what actsave.estimate simulates. Traced into a compiled graph, no branch
+    may read a value: there every reference takes the general path, which gives
+    unflagged groups the same bits."""
+    return scales.device.type != "meta" and (torch.compiler.is_compiling() or bool(scales.signbit().any()))
 
 
 def scaled_ref(flat, multipliers, prescales, group_size, in_place=False):

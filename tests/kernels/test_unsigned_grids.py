@@ -30,3 +30,23 @@ def test_unsigned_all_zero_groups_decode_to_exact_zeros(unsigned_codec, dtype, g
     assert (scales[1:] == 0).all() and (codes[group_size:] == 0).all()
     zeros = decode(codes, scales, dtype=dtype, group_size=group_size)[group_size:]
     assert (zeros == 0).all() and not zeros.signbit().any()
+
+
+@pytest.mark.parametrize("fmt", list(UNSIGNED_VARIANT.values()))
+def test_an_unsigned_reference_traced_whole_gives_the_eager_bits(fmt):
+    # Traced into a compiled graph (actsave's graph hooks), no branch may read a value:
+    # the references take their general path there (_scale.any_flagged_ref), which
+    # must give finite groups the bits of the eager path; fullgraph=True fails on a read.
+    encode, decode = (partial(kernel_table()[fmt, direction].reference, **kernel_table()[fmt, direction].format_args)
+                      for direction in ("encode", "decode"))
+    torch.manual_seed(0)
+    x = torch.rand(4 * 64) * torch.logspace(-30, 3, 4).repeat_interleave(64)
+    x[:64] = 0.0  # an all-zero group
+    codes, scales = encode(x, group_size=64)
+    traced_encode = torch.compile(lambda t: encode(t, group_size=64), backend="aot_eager", fullgraph=True)
+    traced_decode = torch.compile(lambda c, s: decode(c, s, dtype=torch.float32, group_size=64), backend="aot_eager",
+                                  fullgraph=True)
+    torch._dynamo.reset()
+    traced_codes, traced_scales = traced_encode(x)
+    assert torch.equal(traced_codes, codes) and torch.equal(traced_scales, scales)
+    assert torch.equal(traced_decode(codes, scales), decode(codes, scales, dtype=torch.float32, group_size=64))
