@@ -251,26 +251,18 @@ class AttributeSwap:
 
     @contextlib.contextmanager
     def active(self):
-        self.enter()
-        try:
-            yield
-        finally:
-            self.exit()
-
-    def enter(self) -> None:
-        """Open a context: :meth:`active` in two calls, for code that cannot hold a
-        ``with`` block (each :meth:`enter` needs its :meth:`exit`)."""
         if not self._open:
             setattr(self.owner, self.name, self.replacement)
         self._open += 1
-
-    def exit(self) -> None:
-        self._open -= 1
-        if not self._open:
-            if self._own:
-                setattr(self.owner, self.name, self.original)
-            else:
-                delattr(self.owner, self.name)
+        try:
+            yield
+        finally:
+            self._open -= 1
+            if not self._open:
+                if self._own:
+                    setattr(self.owner, self.name, self.original)
+                else:
+                    delattr(self.owner, self.name)
 
 
 _resize_swap = AttributeSwap(torch.UntypedStorage, "resize_", _observed_resize)

@@ -23,7 +23,6 @@ activation memory fits ``budget``; ``"memory"`` the plan with the smallest peak.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from typing import Optional
 
@@ -38,7 +37,7 @@ from ._torch import is_sharded
 from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
-from .runtime import graph_codecs, graph_decisions
+from .runtime import graph_codecs
 from .runtime.function import checkpoint_in_graph, checkpointed_call, warn_eager_under_compile
 from .runtime.layers import LayerChain
 from .runtime.nested import nested_call
@@ -249,7 +248,11 @@ class CheckpointedSequential(nn.Sequential):
         for segment, next_segment in zip(segments, segments[1:] + [None]):
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
-            input = _traced_segment(run, input, policy, segment.checkpointed)
+            with graph_codecs.annotation(policy, segment.checkpointed):
+                if segment.checkpointed:
+                    input = checkpoint_in_graph(run, (input,), {}, DEFAULT_RECOMPUTE)
+                else:
+                    input = run(input)
             if policy.lossy and next_segment is not None and not next_segment.checkpointed \
                     and not self._segment_policy(next_segment, layers).lossy:
                 input = graph_codecs.output_copied(input)
@@ -299,7 +302,6 @@ class CheckpointedSequential(nn.Sequential):
         why = self._why_codecs_run_eagerly(input, layers, starts)
         if why is None:
             if graph_codecs.hooks_on():
-                graph_decisions.replace_relus()
                 return None, starts
             why = "other saved-tensor hooks are set, which the compiled graph would not apply"
         warn_eager_under_compile("a CheckpointedSequential that keeps inputs by a codec",
@@ -489,25 +491,11 @@ class CheckpointedSequential(nn.Sequential):
         return f"segments={self.segments!r}"
 
 
-def _traced_segment(run, input, policy: KeepPolicy, checkpointed: bool):
-    """One segment as Dynamo traces it: checkpointed as torch's checkpoint, annotated
-    for actsave's graph hooks where it keeps by a codec, its ReLUs then keeping their
-    forward's decisions (NOTE [ ReLU decisions in a compiled graph ] in
-    runtime/graph_decisions.py)."""
-    decisions = graph_decisions.segment_traced() if policy.lossy else contextlib.nullcontext()
-    with graph_codecs.annotation(policy, checkpointed), decisions:
-        if not checkpointed:
-            return run(input)
-        context_fn = graph_decisions.decisions_saved if policy.lossy else None
-        return checkpoint_in_graph(run, (input,), {}, DEFAULT_RECOMPUTE, context_fn)
-
-
 # Disabled: it is called where Dynamo compiles the callees (_forward_with_graph_codecs).
 @torch.compiler.disable
 def _codecs_in_graph_off() -> None:
-    """actsave's graph hooks unset after the compiled forward, the ReLUs restored."""
+    """actsave's graph hooks unset after the compiled forward."""
     graph_codecs.hooks_off()
-    graph_decisions.restore_relus()
 
 
 def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:

@@ -27,7 +27,7 @@ from ._torch import uncompiled
 from .checks import real_number
 from .errors import ConfigError
 from .planning.blocks import BlockPlan, plan_block_stack
-from .runtime import graph_codecs, graph_decisions
+from .runtime import graph_codecs
 from .runtime.function import checkpoint_in_graph, checkpointed_call
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
 from .runtime.store import KeepPolicy, modifies_input
@@ -126,8 +126,8 @@ class Checkpoint(nn.Module):
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling() and graph_codecs.blocks_in_graph(self.policy, self.eager_because):
             args, kwargs = graph_codecs.inputs_copied(args, kwargs, self.policy)
-            with graph_codecs.block_annotation(self.policy), graph_decisions.segment_traced():
-                output = checkpoint_in_graph(self.module, args, kwargs, self.recompute, graph_decisions.decisions_saved)
+            with graph_codecs.block_annotation(self.policy):
+                output = checkpoint_in_graph(self.module, args, kwargs, self.recompute)
             return graph_codecs.output_copied(output)
         output, _ = checkpointed_call(self.module, args, kwargs, self.policy, modifies_input(self.module),
                                       self.recompute, eager_because=self.eager_because)

@@ -29,7 +29,7 @@ from torch import nn
 import actsave
 from actsave import _torch
 from actsave.planning import plans
-from actsave.runtime import compiled_layers, function, graph_codecs, graph_decisions
+from actsave.runtime import compiled_layers, function, graph_codecs
 from actsave.runtime.nested import Range
 from support import ResidualBlock, ResidualNet, load_bench_module, sqnr_db
 
@@ -351,20 +351,13 @@ def test_compiled_wrapped_blocks_are_one_graph_with_a_checkpoint_each():
     assert (sum(counters["graph_break"].values()), len(graphs), checkpoints_in(graphs)) == (0, 1, 4)
 
 
-class TensorRelu(nn.Module):
-    """A ReLU the graph does not replace (NOTE [ ReLU decisions in a compiled graph ])."""
-
-    def forward(self, x):
-        return x.relu()
-
-
-def tensor_relu_chain(width=8) -> list:
+def relu_chain(width=8) -> list:
     torch.manual_seed(0)
-    return [m for _ in range(3) for m in (nn.Linear(width, width), TensorRelu(), nn.Dropout(0.2))]
+    return [m for _ in range(3) for m in (nn.Linear(width, width), nn.ReLU(), nn.Dropout(0.2))]
 
 
-@pytest.mark.parametrize("layers, options", [(chain, {"offload": True}), (tensor_relu_chain, {"compress": "int8"}),
-                                             (tensor_relu_chain, {"compress": "int8", "segments": "balanced"})],
+@pytest.mark.parametrize("layers, options", [(chain, {"offload": True}), (relu_chain, {"compress": "int8"}),
+                                             (relu_chain, {"compress": "int8", "segments": "balanced"})],
                          ids=["offload", "int8 with ReLU decisions", "int8 with ReLU decisions, balanced"])
 def test_a_compiled_checkpointed_sequential_that_keeps_on_the_host_or_keeps_decisions_runs_eagerly_at_one_break(
         monkeypatch, layers, options):
@@ -528,44 +521,6 @@ def test_wrapped_blocks_keep_by_a_codec_in_the_graph_at_one_break_however_the_ro
     assert_codecs_in_the_graph(make, torch.randn(32, 64), plain, in_place=how == "model.compile()")
 
 
-def relu_decisions_in(graphs: list) -> int:
-    return sum(node.target is torch.ops.actsave.relu_decisions.default
-               for gm in graphs for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
-               for node in module.graph.nodes)
-
-
-@pytest.mark.parametrize("segments", [3, "balanced"])
-def test_a_compiled_conv_bn_relu_chain_keeps_its_relu_decisions_in_the_graph(segments):
-    # NOTE [ ReLU decisions in a compiled graph ]: each ReLU of a lossy segment saves
-    # its forward's decisions in the graph (in place ones too), so its gradients are
-    # eager int8's, not those of a recompute that decides again.
-    models = load_bench_module("models")
-
-    def make():
-        torch.manual_seed(0)
-        return actsave.CheckpointedSequential(*models.conv_bn_relu_chain(6, channels=8, image_size=8),
-                                              segments=segments, compress="int8")
-    torch.manual_seed(0)
-    plain = models.conv_bn_relu_chain(6, channels=8, image_size=8)
-    assert_codecs_in_the_graph(make, torch.randn(8, 8, 8, 8), plain)
-    assert F.relu is graph_decisions._functional_swap.original and torch.relu is graph_decisions._torch_swap.original
-
-
-def test_a_compiled_checkpointed_sequential_traces_one_relu_decision_per_lossy_relu():
-    layers = [m for _ in range(4) for m in (nn.Linear(8, 8), nn.ReLU())]
-    model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*layers, segments=[0, 4], compress="int8"))
-    grads_of_a_step(model, torch.randn(4, 8))
-    assert relu_decisions_in(graphs) == 4  # the last segment stores its saves by int8 too, decisions kept
-
-
-def test_compiled_wrapped_bottlenecks_keep_their_relu_decisions_in_the_graph():
-    models = load_bench_module("models")
-    torch.manual_seed(0)
-    plain = models.cifar_resnet(11)
-    assert_codecs_in_the_graph(lambda: actsave.wrap(copy.deepcopy(plain), models.PreActBottleneck, compress="int8"),
-                               torch.randn(4, 3, 8, 8), plain)
-
-
 def test_compiled_wrapped_attention_blocks_keep_by_a_codec_in_the_graph():
     models = load_bench_module("models")
     torch.manual_seed(0)
@@ -712,7 +667,6 @@ def test_a_compiled_forward_that_raises_leaves_no_hooks_set(kind):
     with pytest.raises(RuntimeError, match="failed on purpose"):
         model(x)
     assert _torch.top_saved_tensor_hooks() is None
-    assert F.relu is graph_decisions._functional_swap.original  # NOTE [ ReLU decisions in a compiled graph ]
     failing.fail = False
     grads_of_a_step(model, x)
     assert _torch.top_saved_tensor_hooks() is None

@@ -434,14 +434,12 @@ def compiles_in_graph(policy: KeepPolicy) -> bool:
     return not policy.lossy and not policy.offload
 
 
-def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions, context_fn=None):
+def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions):
     """``function(*args, **kwargs)`` as torch's non-reentrant checkpoint with the
-    same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ].
-    ``context_fn``: a selective policy (graph_decisions.decisions_saved), or None."""
-    selective = {} if context_fn is None else {"context_fn": context_fn}
+    same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ]."""
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=options.preserve_rng_state,
-        determinism_check=options.determinism_check, debug=options.debug, **selective, **kwargs)
+        determinism_check=options.determinism_check, debug=options.debug, **kwargs)
 
 
 _warned_eager_under_compile = False

@@ -25,19 +25,14 @@ that graph and its backward:
   definition for both devices. Inductor generates the kernels from it (on CUDA, Triton
   ones) and may fuse the decode into its consumers. Traced, the references take their
   general path: no branch reads a value (triton_kernels/_scale.py).
-- A recompute in the graph would compute each ReLU and max pool again from the
-  decoded input (eager actsave restores the forward's: relu_signs.py,
-  pool_decisions.py); without the decisions a conv-BN-ReLU network's BatchNorm
-  gradients lose most of their precision (docs/results.md, "Other figures"). The
-  ReLUs of a lossy segment keep their forward's decisions as graph values (NOTE [
-  ReLU decisions in a compiled graph ] in graph_decisions.py), and a ReLU output is
-  encoded on the codec's unsigned grid, as eagerly (:func:`_relu_output`). Where a
-  lossy segment makes decisions the graph cannot keep (max pools, ReLUs reached
-  otherwise), found on fake meta tensors at the first compiled call of each input
+- The forward's decisions cannot be kept: a recompute in the graph computes each
+  ReLU and max pool again from the decoded input (eager actsave restores the
+  forward's: relu_signs.py, pool_decisions.py). Where a lossy segment makes such
+  decisions, found on fake meta tensors at the first compiled call of each input
   (:func:`decisions_made`; NOTE [ Fake tensors in a probe ] in _torch.py), the
-  forward runs eagerly instead, with one warning.
-- A stored segment's statistics (a normalization's mean and inverse deviation) are
-  held as they are, as eagerly (:func:`_statistic`), and so is a tensor of one element.
+  forward runs eagerly instead, with one warning:
+  without the decisions a conv-BN-ReLU network's BatchNorm gradients lose most of
+  their precision (docs/results.md, "Other figures").
 - Dynamo does not trace entering saved-tensor hooks (graph break gb0008), AOTAutograd
   inlines the hooks set when it compiles, and each compiled frame is guarded on the
   hooks set when it runs. So the hooks are set outside the frame that is compiled
@@ -81,7 +76,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import operator
 import weakref
 from typing import Optional
 
@@ -93,7 +87,7 @@ from .. import _torch
 from ..codecs import Packed, get_codec
 from ..devices import forked_rng_devices
 from ..meta import on_meta
-from . import graph_decisions, relu_signs
+from . import relu_signs
 from .layers import modules_under
 from .pool_decisions import Window
 from .store import KeepPolicy
@@ -175,7 +169,7 @@ def _codec_of(node, backward) -> Optional[str]:
     made_in = node.meta.get("custom") or {}
     for kept_by in (_STORED, _COPY):
         if kept_by in made_in:
-            return None if _statistic(node) else made_in[kept_by]
+            return made_in[kept_by]
     placeholder = next((n for n in backward.find_nodes(op="placeholder") if n.name == node.name), None)
     if placeholder is None:
         return None
@@ -186,28 +180,12 @@ def _codec_of(node, backward) -> Optional[str]:
     return names.pop() if len(names) == 1 else None
 
 
-def _statistic(node) -> bool:
-    """Whether the saved ``node`` is a statistic of an op, not an activation: a later
-    output of an op whose first output has another shape (a normalization's mean and
-    inverse deviation, an attention's log-sum-exp). Eagerly those come without an
-    autograd node and a stored segment holds them as they are (compressed_saves.py):
-    small, and read by every element's gradient."""
-    value = node.meta.get("val")
-    if node.target is operator.getitem and node.args[1] > 0 and isinstance(value, torch.Tensor):
-        first = node.args[0].meta.get("val")
-        return isinstance(first, (tuple, list)) and isinstance(first[0], torch.Tensor) \
-            and first[0].shape != value.shape
-    return False
-
-
 def _pack(value: torch.Tensor):
     traced = _torch.saved_node_being_traced()
-    # A tensor of one element (a constant the recompute reads) frees nothing encoded.
-    encodable = traced is not None and value.is_floating_point() and value.numel() > 1
-    name = _codec_of(*traced) if encodable else None
+    name = _codec_of(*traced) if traced is not None and value.is_floating_point() else None
     if name is None:
         return value
-    packed = get_codec(name).encode(value, non_negative=_relu_output(traced[0]))
+    packed = get_codec(name).encode(value)
     return packed.data, packed.scales, packed.offsets
 
 
@@ -217,22 +195,7 @@ def _unpack(stored):
     node, backward = _torch.saved_node_being_traced()
     like = node.meta["val"]
     data, scales, offsets = stored
-    packed = Packed(data, scales, like.shape, like.dtype, unsigned=_relu_output(node), offsets=offsets)
-    return get_codec(_codec_of(node, backward)).decode(packed)
-
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
-
-
-def _relu_output(node) -> bool:
-    """Whether the saved ``node`` is a ReLU's output, which a codec stores on its
-    unsigned grid as eager actsave does (relu_signs.known_non_negative): the graph's
-    ReLU, or the one that keeps the forward's decisions (graph_decisions.py), in
-    place or not, or a reshaped view of one (eagerly the view shares the output's
-    storage, which is encoded once, as the ReLU's save)."""
-    while node.target in _VIEWS or node.target is torch.ops.aten.copy.default:
-        node = node.args[1] if node.target is torch.ops.aten.copy.default else node.args[0]  # copy: in-place ReLU
-    return node.target is torch.ops.aten.relu.default or graph_decisions.keeps_decisions(node)
+    return get_codec(_codec_of(node, backward)).decode(Packed(data, scales, like.shape, like.dtype, offsets=offsets))
 
 
 _hooks = None
@@ -268,13 +231,11 @@ def hooks_off() -> None:
 
 
 def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
-    """What decisions a segment of ``segments`` (``[(layers, policy)]``, in order)
-    that keeps by a lossy codec makes, which a compiled recompute cannot
-    keep: its max pools whose decisions eager actsave keeps, or the ReLU outputs it
-    saves that the graph's ReLUs do not keep (NOTE [ ReLU decisions in a compiled
-    graph ] in graph_decisions.py), found by running the forward on meta tensors (no
-    compute, no collective) as it is traced; None where it makes none. A forward that
-    fails on meta tensors is said to, so that eager actsave runs it."""
+    """What decisions a segment of ``segments`` (``[(layers, policy)]``, in order) that
+    keeps by a lossy codec makes, which a compiled recompute cannot keep: its max pools
+    whose decisions eager actsave keeps, or the ReLU outputs it saves, found by running
+    the forward on meta tensors (no compute, no collective); None where it makes none.
+    A forward that fails on meta tensors is said to, so that eager actsave runs it."""
     lossy = [layers for layers, policy in segments if not policy.codec.lossless]
     if any(_max_pool_in(module for _, module in modules_under(tuple(layers))) for layers in lossy):
         return "max-pool decisions"
@@ -286,15 +247,14 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
         return t
     holder = nn.ModuleList(layer for layers, _ in segments for layer in layers)
     try:
-        with _on_meta_watching_saves(holder, input.device, pack) as probe_input, graph_decisions.relus_replaced():
+        with _on_meta_watching_saves(holder, input.device, pack) as probe_input:
             x = probe_input(input)
             if x.is_floating_point():
                 x = x.requires_grad_().clone()
             for layers, policy in segments:
                 segment_inputs = None if policy.codec.lossless else relu_signs.input_nodes([x])
-                with graph_decisions.segment_traced() if policy.lossy else contextlib.nullcontext():
-                    for layer in layers:
-                        x = layer(x)
+                for layer in layers:
+                    x = layer(x)
     except Exception as error:  # noqa: BLE001 - any failure means: run it as eager actsave does
         return _unknown("its", error)
     return "ReLU decisions" if relu_outputs else None
@@ -401,7 +361,6 @@ def _blocks_on(model, args, kwargs) -> bool:
         if len(known[key]) == len(checkpoints):
             return False  # every one runs eagerly: nothing to set
         if hooks_on():
-            graph_decisions.replace_relus()
             _set_for_blocks = True
             return True
         why = "other saved-tensor hooks are set, which the compiled graph would not apply"
@@ -420,7 +379,6 @@ def _set_eager_because(checkpoints: list, why) -> None:
 def _blocks_off() -> None:
     global _set_for_blocks
     hooks_off()
-    graph_decisions.restore_relus()
     _set_for_blocks = False
 
 
@@ -468,11 +426,8 @@ def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
     handles = [hook for c in checkpoints for hook in _block_watch(c, running)]
     tensors = _tensors_in(args, kwargs)
     try:
-        # Each block's ReLUs as the trace makes them (NOTE [ ReLU decisions in a compiled
-        # graph ]); outside the blocks no save is looked at.
         with _on_meta_watching_saves(model, tensors[0].device if tensors else torch.device("cpu"), pack) \
-                as probe_input, _run_plainly(checkpoints), graph_decisions.relus_replaced(), \
-                graph_decisions.segment_traced():
+                as probe_input, _run_plainly(checkpoints):
             probed = lambda t: probe_input(t).requires_grad_(t.requires_grad and t.is_floating_point())  # noqa: E731
             probe_args, probe_kwargs = _torch.pytree.tree_map_only(torch.Tensor, probed, (args, kwargs))
             model(*probe_args, **probe_kwargs)
