@@ -177,6 +177,13 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
         print(plan)
         actsave.wrap(model, plan)    # same as wrap(model, LlamaDecoderLayer, budget=..., example_inputs=batch)
 
+    Where a selected block keeps by a lossy codec, ``model.forward`` is set on the
+    instance to a callable that calls the model's own forward: under torch.compile
+    it does so from one graph break that sets the saved-tensor hooks which put the
+    codec in the compiled graph (NOTE [ Codecs in a compiled graph ]). The class's
+    ``forward`` is untouched, a ``forward`` set on the instance before is called in
+    turn, and the model keeps its signature, deep-copies and pickles.
+
     A ``filter_fn`` that selects nothing (and a model with no :class:`Checkpoint` in it
     already) warns: the model then trains exactly as before, with no memory saved,
     which is rarely what was meant (a class from another copy of a package, a
