@@ -314,7 +314,8 @@ class RootForward:
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.previous or type(self.model).forward.__get__(self.model))
+        own = self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
+        return inspect.signature(own)
 
 
 def watch_root(model: nn.Module) -> None:
