@@ -137,6 +137,27 @@ def test_a_roots_forward_keeps_the_models_signature_and_calls_a_forward_set_on_i
         inspect.signature(ResidualNet(depth=2).forward)
 
 
+class FalsyForward:
+    """A forward that is falsy, as an empty container is."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __len__(self):
+        return 0
+
+    def __call__(self, features):
+        return ResidualNet.forward(self.model, features)
+
+
+def test_a_roots_forward_takes_the_signature_of_a_falsy_forward_set_before():
+    model = ResidualNet(depth=2)
+    model.forward = FalsyForward(model)
+    actsave.wrap(model, ResidualBlock, compress="int8")
+    assert list(inspect.signature(model.forward).parameters) == ["features"]
+    assert model(torch.randn(4, 8)).shape == (4, 2)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copied_wrapped_model_calls_its_own_forward(how):
     model = actsave.wrap(ResidualNet(depth=2, dropout=0.0), ResidualBlock, compress="int8")
