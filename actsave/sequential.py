@@ -277,10 +277,8 @@ class CheckpointedSequential(nn.Sequential):
                                  "one graph break, at its forward", "offload is not an op a compiled graph holds")
         return self._eager_forward(input, layers, self._starts_for(input, layers))
 
-    # NOTE [ Codecs in a compiled graph ] in runtime/graph_codecs.py: the forward's one
-    # graph break. Dynamo skips this frame but compiles the frames it calls, except the
-    # disabled ones: the traced forward compiles as a frame of its own, while actsave's
-    # graph hooks are set, and they are unset when it returns or raises.
+    # The forward's one graph break: NOTE [ Codecs in a compiled graph ] in
+    # runtime/graph_codecs.py.
     @torch.compiler.disable(recursive=False)
     def _forward_with_graph_codecs(self, input, layers: list):
         """The forward under torch.compile where a layer keeps by a codec."""
@@ -290,7 +288,7 @@ class CheckpointedSequential(nn.Sequential):
         try:
             return self._traced_forward(input, layers, starts)
         finally:
-            _codecs_in_graph_off()
+            graph_codecs.hooks_off()
 
     @torch.compiler.disable  # planning and probing run eagerly
     def _codecs_in_graph_on(self, input, layers: list) -> tuple:
@@ -489,13 +487,6 @@ class CheckpointedSequential(nn.Sequential):
 
     def extra_repr(self) -> str:
         return f"segments={self.segments!r}"
-
-
-# Disabled: it is called where Dynamo compiles the callees (_forward_with_graph_codecs).
-@torch.compiler.disable
-def _codecs_in_graph_off() -> None:
-    """actsave's graph hooks unset after the compiled forward."""
-    graph_codecs.hooks_off()
 
 
 def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:

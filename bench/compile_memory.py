@@ -188,8 +188,8 @@ def measure(model, batch, blocks: tuple, backend: str, rounds: int, device) -> t
     rows = []
     for name, module in eager.items():
         # One compiled model at a time: Dynamo keeps compiled code per code object, and
-        # a graph break in one compiled nn.Sequential
-        # makes the others run module by module from then on (docs/limits.md).
+        # a graph break in one compiled nn.Sequential makes the others run module by
+        # module from then on (docs/limits.md).
         torch._dynamo.reset()
         runs = eager_and_compiled(name, module, backend)
         counts = warm_up(runs, batch, steps=3)  # plans, compiles; each input shape once

@@ -224,6 +224,8 @@ def hooks_on() -> bool:
     return True
 
 
+# Disabled: it is called where Dynamo compiles the callees (the forwards' one break).
+@torch.compiler.disable
 def hooks_off() -> None:
     """Unset actsave's graph hooks where they are on top."""
     if _ours_on_top():
@@ -331,10 +333,7 @@ def blocks_in_graph(policy: KeepPolicy, eager_because: Optional[str]) -> bool:
     return _set_for_blocks and policy.lossy and not policy.offload and eager_because is None
 
 
-# The root's one graph break: Dynamo skips this frame but compiles the frames it calls,
-# except the disabled ones, so the model's own forward compiles as a frame of its own
-# while the hooks are set, and they are unset when it returns or raises.
-@torch.compiler.disable(recursive=False)
+@torch.compiler.disable(recursive=False)  # the root's one graph break (see the NOTE)
 def _forward_with_graph_codecs(root: RootForward, args: tuple, kwargs: dict):
     set_here = _blocks_on(root.model, args, kwargs)
     try:
