@@ -584,6 +584,22 @@ def test_compiled_wrapped_blocks_keep_by_a_codec_where_one_runs_eagerly_or_each_
     assert compiles_after[0] >= 1 and compiles_after == compiles_after[:1] * 3
 
 
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_a_graphs_codec_traces_its_torch_reference_whichever_backend_runs_eagerly(backend):
+    # Seen on an H200 (torch 2.11): on CUDA the "auto" backend picked the Triton
+    # launcher inside the traced pack hook, which cannot run on fake tensors, and every
+    # compile of a wrapped int8 model failed. Forcing "triton" here (the interpreter on
+    # this CPU) takes the same path (NOTE [ Codecs in a compiled graph ]).
+    plain, x = ResidualNet(depth=4, width=64, dropout=0.0), torch.randn(32, 64)
+    with actsave.backend(backend):
+        eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8")
+        model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
+        expected = flat_gradients(plain, x)
+        eager_db, compiled_db = (sqnr_db(expected, flat_gradients(m, x)) for m in (eager, model))
+    assert abs(compiled_db - eager_db) <= 1.0 and compiled_db < 200
+    assert kept_after_forward(model, x) <= 1.05 * kept_after_forward(eager, x)
+
+
 def test_inductor_compiled_wrapped_blocks_keep_by_a_codec_in_the_graph():
     # Inductor drops a clone nothing needs, and with it the copy a block's codec keeps:
     # the copies are actsave's own operator (graph_codecs._copy). One C++ build.

@@ -21,8 +21,9 @@ that graph and its backward:
   stay as they are. AOTAutograd hands no graph input to the hooks (the batch, the
   parameters): held by the caller, encoding them would free nothing (store.py,
   should_encode).
-- The codec's torch reference is what is traced: the specification of its bits, one
-  definition for both devices. Inductor generates the kernels from it (on CUDA, Triton
+- The codec's torch reference is what is traced, whichever backend runs eagerly
+  (codecs/backend.py; a Triton launcher cannot run on the fake tensors a trace
+  hands it): the specification of its bits, one definition for both devices. Inductor generates the kernels from it (on CUDA, Triton
   ones) and may fuse the decode into its consumers. Traced, the references take their
   general path: no branch reads a value (triton_kernels/_scale.py).
 - The forward's decisions cannot be kept: a recompute in the graph computes each
@@ -85,6 +86,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .. import _torch
 from ..codecs import Packed, get_codec
+from ..codecs.backend import backend as codec_backend
 from ..devices import forked_rng_devices
 from ..meta import on_meta
 from . import relu_signs
@@ -185,7 +187,8 @@ def _pack(value: torch.Tensor):
     name = _codec_of(*traced) if traced is not None and value.is_floating_point() else None
     if name is None:
         return value
-    packed = get_codec(name).encode(value)
+    with codec_backend("torch"):  # the reference is what is traced (see the NOTE)
+        packed = get_codec(name).encode(value)
     return packed.data, packed.scales, packed.offsets
 
 
@@ -195,7 +198,9 @@ def _unpack(stored):
     node, backward = _torch.saved_node_being_traced()
     like = node.meta["val"]
     data, scales, offsets = stored
-    return get_codec(_codec_of(node, backward)).decode(Packed(data, scales, like.shape, like.dtype, offsets=offsets))
+    with codec_backend("torch"):  # the reference is what is traced (see the NOTE)
+        return get_codec(_codec_of(node, backward)).decode(Packed(data, scales, like.shape, like.dtype,
+                                                                  offsets=offsets))
 
 
 _hooks = None
