@@ -206,17 +206,34 @@ def measure(model, batch, blocks: tuple, backend: str, rounds: int, device) -> t
     return rows, None if plan is None else plan.predicted_peak_bytes
 
 
+def chosen(found: dict, words: list) -> dict:
+    """The cases whose names start with one of ``words``, in the words' order (every
+    case, in its own order, where ``words`` is None); a word that names none is an error."""
+    if words is None:
+        return found
+    picked = {}
+    for word in words:
+        names = [name for name in found if name.startswith(word)]
+        if not names:
+            raise SystemExit(f"--models: no case starts with {word!r}; the cases are {list(found)}")
+        picked.update((name, found[name]) for name in names)
+    return picked
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny models, two rounds")
     parser.add_argument("--backend", default="aot_eager", help="torch.compile's backend (default aot_eager)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per mode, eager and compiled interleaved")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", type=lambda text: text.split(","), default=None,
+                        help="comma-separated words (resnet, gpt, llama): the cases whose names start with one, in "
+                             "that order (default: every case)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    for name, (model, batch, blocks) in cases(args.smoke).items():
+    for name, (model, batch, blocks) in chosen(cases(args.smoke), args.models).items():
         rows, predicted = measure(model, batch, blocks, args.backend, 2 if args.smoke else args.rounds, device)
         print(f"\n{name}, {args.backend}, {device}:")
         header = ["mode", "kept after forward MiB", "step peak MiB", "worst grad dB", "step ms", "vs eager", "graphs",

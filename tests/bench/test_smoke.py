@@ -894,3 +894,12 @@ def test_the_allocator_peak_agrees_with_live_bytes_on_plain_tensors_and_sees_sto
         kept.untyped_storage().resize_(4096)
 
     assert harness.allocator_peak(refill_in_place) == 4096
+
+
+def test_compile_memory_runs_the_cases_its_models_name_in_their_order():
+    chosen = load_bench_module("compile_memory").chosen
+    found = {"resnet20 b2": 1, "gpt4 w64": 2, "llama2 w64 (Hugging Face)": 3}
+    assert list(chosen(found, ["llama", "resnet"])) == ["llama2 w64 (Hugging Face)", "resnet20 b2"]
+    assert chosen(found, None) == found
+    with pytest.raises(SystemExit, match="no case starts with 'bert'"):
+        chosen(found, ["bert"])
