@@ -15,14 +15,9 @@
   launch nothing, which is what actsave.estimate simulates) nor for the inputs they
   hand to their torch reference.
 
-- On CUDA a launch of a kernel already compiled for its arguments skips Triton's
-  per-call work (NOTE [ Direct launches ] in _direct_launch.py).
-
 Nothing here imports Triton: a launcher that calls this has imported it already.
 """
 import torch
-
-from . import _direct_launch
 
 
 class KernelLaunchError(RuntimeError):
@@ -49,10 +44,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     any failure is raised as :class:`KernelLaunchError`."""
     first = next(a for a in args if isinstance(a, torch.Tensor))
     try:
-        if first.device.type == "cuda":
-            with torch.cuda.device_of(first):
-                _direct_launch.launch(kernel, grid, first.device, args, kwargs)
-        else:  # Triton's interpreter
+        with torch.cuda.device_of(first):  # a no-op for CPU tensors (the interpreter)
             kernel[grid](*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - re-raised with the kernel's name, chained
         raise KernelLaunchError(kernel_name(kernel), first.device, error) from error
