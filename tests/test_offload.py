@@ -778,7 +778,8 @@ def test_a_group_is_on_one_device():
 from actsave.devices import host_is_separate  # noqa: E402
 from actsave.planning.memory_model import effective_option  # noqa: E402
 from actsave.planning.plans import keep_options  # noqa: E402
-from actsave.runtime.store import KeepPolicy  # noqa: E402
+from actsave.codecs import IDENTITY  # noqa: E402
+from actsave.runtime.store import EXACT, KeepPolicy  # noqa: E402
 
 
 def wide_relu_chain():
@@ -801,7 +802,7 @@ def test_runtime_and_planner_agree_on_whether_host_memory_is_separate(device):
     assert [option.offload for option in keep_options(("recompute", "offload"), None, device)] == \
         ([False, True] if separate else [False])
     layer = actsave.profile(torch.nn.Sequential(*wide_relu_chain()), torch.randn(shape)).layers[2]
-    assert effective_option(KeepPolicy(offload=True), layer, device).offload == separate
+    assert effective_option(KeepPolicy(IDENTITY, True), layer, device).offload == separate
 
 
 def test_a_cpu_step_offloads_what_the_planner_counts_on_the_device():
@@ -812,4 +813,4 @@ def test_a_cpu_step_offloads_what_the_planner_counts_on_the_device():
     out.sum().backward()
     assert not host_is_separate(x.device)
     layer = actsave.profile(torch.nn.Sequential(*wide_relu_chain()), x.detach()).layers[2]
-    assert layer.to_host_s == {} and effective_option(KeepPolicy(offload=True), layer, "cpu") == KeepPolicy()
+    assert layer.to_host_s == {} and effective_option(KeepPolicy(IDENTITY, True), layer, "cpu") == EXACT

@@ -167,7 +167,7 @@ def effective_option(option: KeepPolicy, layer: LayerProfile, device: str) -> Ke
     option (store.kept_as); without separate host memory an offloaded input still takes
     its bytes."""
     kept = kept_as(option, layer.input_encodable)
-    return kept if host_is_separate(device) else KeepPolicy(kept.codec)
+    return kept if host_is_separate(device) else KeepPolicy(kept.codec, False)
 
 
 class CostModel(StoredTerms):

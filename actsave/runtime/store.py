@@ -83,10 +83,14 @@ def peak_stored_bytes():
 
 @dataclass(frozen=True)
 class KeepPolicy:
-    """How one segment keeps its input: the codec, and whether it goes to the host."""
+    """How one segment keeps its input: the codec, and whether it goes to the host.
 
-    codec: Codec = IDENTITY
-    offload: bool = False
+    No field has a default: Dynamo (torch 2.11) inlines the constructor where a traced
+    forward builds a policy, binds its defaults, and cannot wrap a codec held only there
+    (a graph break per layer; :data:`EXACT` is the exact policy)."""
+
+    codec: Codec
+    offload: bool
 
     @classmethod
     def resolve(cls, compress=None, offload=False) -> "KeepPolicy":
@@ -103,7 +107,7 @@ class KeepPolicy:
         return (self.codec.name, "host" if self.offload else "-")
 
 
-EXACT = KeepPolicy()
+EXACT = KeepPolicy(IDENTITY, False)
 
 
 class CallerTensors:

@@ -34,7 +34,7 @@ from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, sqnr_db
 from actsave.planning import memory_model, plans
 from actsave.planning.planned_segment import PlannedSegment
 from actsave.planning.segments import segment_starts
-from actsave.runtime.store import KeepPolicy
+from actsave.runtime.store import EXACT, KeepPolicy
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -228,7 +228,7 @@ def test_the_solvers_tables_and_predict_agree_on_random_plans(name):
         segments = [PlannedSegment.stored(a, b) if o is None else PlannedSegment.checkpointed(a, b, o)
                     for a, b, o in zip(starts, starts[1:], options)] + [PlannedSegment.stored_last(starts[-1], n, stored)]
         peak, seconds = as_the_solvers_see_it(prof, model, segments)
-        policies = [KeepPolicy() if o is None else model.options[o] for o in options]
+        policies = [EXACT if o is None else model.options[o] for o in options]
         plan = plans.predict(prof, starts, [p.codec.name for p in policies], [p.offload for p in policies],
                              stored_codec=model.stored_codecs[stored], stored=[o is None for o in options])
         assert plan.predicted_peak_bytes == peak

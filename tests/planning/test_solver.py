@@ -125,7 +125,7 @@ def test_balanced_agrees_with_brute_force_over_fixed_options(device, n):
     prof = actsave.profile(model, (torch.empty(32, 32, device="meta").requires_grad_().clone(),), device=device)
     rng = random.Random(n)
     options = [KeepPolicy.resolve(rng.choice(["none", "int8", "fp8_e5m2"]), rng.random() < 0.5) for _ in range(n)]
-    effective = [o if device == "cuda" else KeepPolicy(o.codec) for o in options]
+    effective = [o if device == "cuda" else KeepPolicy(o.codec, False) for o in options]
     every_plan = [plans.predict(prof, starts, [effective[a].codec.name for a in starts[:-1]],
                                 [effective[a].offload for a in starts[:-1]])
                   for starts, _, _ in all_plans(n, [None])]
