@@ -12,6 +12,7 @@ Importing the package imports no Triton: int8.py, fp8.py and decisions/ (which d
 are imported by the first call of their table, so ``import actsave`` needs no Triton.
 Nothing here imports actsave.
 """
+import contextlib
 import math
 from functools import lru_cache
 from types import MappingProxyType
@@ -25,6 +26,31 @@ import torch
 # round-trip SQNR (docs/results.md, "Figures behind the code's rules"). Defined
 # here, not in _tile.py, so that actsave reads it without importing Triton.
 DEFAULT_GROUP_SIZE = 128
+
+# Traced references (NOTE [ Codecs in a compiled graph ] in actsave's graph_codecs.py):
+# while above 0, the references take their general path, in which no branch reads a
+# value (_scale.py). torch.compiler.is_compiling() says so too where Dynamo traces, but
+# torch 2.11 leaves it False where AOTAutograd traces saved-tensor hooks.
+_general_path_depth = 0
+
+
+@contextlib.contextmanager
+def general_path():
+    """Inside the block, the torch references read no value to choose a path: for a
+    trace of them, which a value read back would break."""
+    global _general_path_depth
+    _general_path_depth += 1
+    try:
+        yield
+    finally:
+        _general_path_depth -= 1
+
+
+def on_general_path() -> bool:
+    """Whether the references must take their general path now (:func:`general_path`,
+    or a trace by Dynamo)."""
+    return _general_path_depth > 0 or torch.compiler.is_compiling()
+
 
 # The dtypes the kernels encode from and decode to (float64 goes through float32 in
 # actsave.codecs).

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import on_general_path
 from ._channel_means import add_channel_means_ref_
 
 # NOTE [scale rule]: below this absmax, the multiplier is taken after scaling by PRESCALE.
@@ -185,7 +186,7 @@ def group_scale_ref(flat, group_size, code_max, non_finite):
     # Traced into a compiled graph, no branch may read a value: every group takes the
     # pre-scale path there, which multiplies the others by 1.0, giving the same bits.
     tiny = (absmax > 0) & (absmax < TINY_ABSMAX.value)
-    pre_scaled = flat.device.type != "meta" and (torch.compiler.is_compiling() or bool(tiny.any()))
+    pre_scaled = flat.device.type != "meta" and (on_general_path() or bool(tiny.any()))
     prescales = torch.where(tiny, PRESCALE.value, 1.0) if pre_scaled else None
     multipliers = limit / (absmax if prescales is None else absmax * prescales)
     multipliers = torch.where(absmax > 0, multipliers, float("nan"))
@@ -203,7 +204,7 @@ def any_flagged_ref(scales):
     which is what actsave.estimate simulates. Traced into a compiled graph, no branch
     may read a value: there every reference takes the general path, which gives
     unflagged groups the same bits."""
-    return scales.device.type != "meta" and (torch.compiler.is_compiling() or bool(scales.signbit().any()))
+    return scales.device.type != "meta" and (on_general_path() or bool(scales.signbit().any()))
 
 
 def scaled_ref(flat, multipliers, prescales, group_size, in_place=False):

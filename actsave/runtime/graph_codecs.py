@@ -23,9 +23,11 @@ that graph and its backward:
   should_encode).
 - The codec's torch reference is what is traced, whichever backend runs eagerly
   (codecs/backend.py; a Triton launcher cannot run on the fake tensors a trace
-  hands it): the specification of its bits, one definition for both devices. Inductor generates the kernels from it (on CUDA, Triton
-  ones) and may fuse the decode into its consumers. Traced, the references take their
-  general path: no branch reads a value (triton_kernels/_scale.py).
+  hands it): the specification of its bits, one definition for both devices. Inductor
+  generates the kernels from it (on CUDA, Triton ones) and may fuse the decode into
+  its consumers. Traced, the references take their general path, in which no branch
+  reads a value (triton_kernels.general_path, set by the hooks: torch 2.11 does not
+  say it compiles where AOTAutograd traces them).
 - The forward's decisions cannot be kept: a recompute in the graph computes each
   ReLU and max pool again from the decoded input (eager actsave restores the
   forward's: relu_signs.py, pool_decisions.py). Where a lossy segment makes such
@@ -87,6 +89,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from .. import _torch
 from ..codecs import Packed, get_codec
 from ..codecs.backend import backend as codec_backend
+from ..triton_kernels import general_path
 from ..devices import forked_rng_devices
 from ..meta import on_meta
 from . import relu_signs
@@ -187,7 +190,7 @@ def _pack(value: torch.Tensor):
     name = _codec_of(*traced) if traced is not None and value.is_floating_point() else None
     if name is None:
         return value
-    with codec_backend("torch"):  # the reference is what is traced (see the NOTE)
+    with codec_backend("torch"), general_path():  # the reference, traced (see the NOTE)
         packed = get_codec(name).encode(value)
     return packed.data, packed.scales, packed.offsets
 
@@ -198,7 +201,7 @@ def _unpack(stored):
     node, backward = _torch.saved_node_being_traced()
     like = node.meta["val"]
     data, scales, offsets = stored
-    with codec_backend("torch"):  # the reference is what is traced (see the NOTE)
+    with codec_backend("torch"), general_path():  # the reference, traced (see the NOTE)
         return get_codec(_codec_of(node, backward)).decode(Packed(data, scales, like.shape, like.dtype,
                                                                   offsets=offsets))
 

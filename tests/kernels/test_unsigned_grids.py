@@ -4,7 +4,8 @@ from functools import partial
 
 import pytest
 import torch
-from actsave.triton_kernels import UNSIGNED_VARIANT, kernel_table
+from torch.fx.experimental.proxy_tensor import make_fx
+from actsave.triton_kernels import UNSIGNED_VARIANT, kernel_table, general_path
 
 
 @pytest.fixture(params=[(fmt, impl) for fmt in UNSIGNED_VARIANT.values() for impl in ("triton", "reference")],
@@ -47,6 +48,26 @@ def test_an_unsigned_reference_traced_whole_gives_the_eager_bits(fmt):
     traced_decode = torch.compile(lambda c, s: decode(c, s, dtype=torch.float32, group_size=64), backend="aot_eager",
                                   fullgraph=True)
     torch._dynamo.reset()
+    traced_codes, traced_scales = traced_encode(x)
+    assert torch.equal(traced_codes, codes) and torch.equal(traced_scales, scales)
+    assert torch.equal(traced_decode(codes, scales), decode(codes, scales, dtype=torch.float32, group_size=64))
+
+
+@pytest.mark.parametrize("fmt", ["int8", *UNSIGNED_VARIANT.values()])
+def test_references_on_the_general_path_read_no_value_and_give_the_eager_bits(fmt):
+    # actsave's graph hooks run the references under general_path(): torch 2.11 does
+    # not say it compiles where AOTAutograd traces them, and a value read there broke
+    # the graph. make_fx traces as AOTAutograd does: a read fails it.
+    encode, decode = (partial(kernel_table()[fmt, direction].reference, **kernel_table()[fmt, direction].format_args)
+                      for direction in ("encode", "decode"))
+    torch.manual_seed(0)
+    x = torch.rand(4 * 64) * torch.logspace(-30, 3, 4).repeat_interleave(64)
+    x[:64] = 0.0  # an all-zero group
+    codes, scales = encode(x, group_size=64)
+    with general_path():
+        traced_encode = make_fx(lambda t: encode(t, group_size=64), tracing_mode="fake")(x)
+        traced_decode = make_fx(lambda c, s: decode(c, s, dtype=torch.float32, group_size=64),
+                                tracing_mode="fake")(codes, scales)
     traced_codes, traced_scales = traced_encode(x)
     assert torch.equal(traced_codes, codes) and torch.equal(traced_scales, scales)
     assert torch.equal(traced_decode(codes, scales), decode(codes, scales, dtype=torch.float32, group_size=64))
