@@ -45,7 +45,7 @@ from ..checks import integral
 from ..errors import ConfigError
 from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
 from ..runtime.store import peak_stored_bytes
-from .instrumented_step import backward_from
+from .instrumented_step import backward_from, checked_loss
 from .live_bytes import LiveBytes, allocation_bytes
 
 # Parameter-shaped state tensors each optimizer keeps per trained parameter.
@@ -189,18 +189,7 @@ def _bytes(t: torch.Tensor, device) -> int:
 
 
 def _backward_from_loss(loss: Callable, outputs) -> None:
-    value = loss(outputs)
-    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.requires_grad):
-        raise ConfigError(f"loss(output) gave {_shown_value(value)}: it must return a one-element tensor that "
-                          "requires grad, computed from the output (e.g. lambda out: F.cross_entropy(out, "
-                          "torch.zeros(out.shape[0], dtype=torch.long, device=out.device)))")
-    backward_from(value)
-
-
-def _shown_value(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}{'' if value.requires_grad else ' that needs no grad'}"
-    return f"a {type(value).__name__}"
+    backward_from(checked_loss(loss, outputs))
 
 
 def _backward_from_full_gradient(outputs) -> None:

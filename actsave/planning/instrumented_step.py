@@ -372,12 +372,26 @@ def _backward_from_loss(output: torch.Tensor, loss) -> None:
     # The loss's saves are not the last layer's: the ledger (and any outer hooks) must
     # not see them.
     with own_saves():
-        value = loss(output)
-    if not isinstance(value, torch.Tensor) or not value.requires_grad:
-        got = "a tensor that needs no gradient" if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ConfigError(f"loss(output) returned {got}: loss must return a tensor computed from the chain's "
-                          "output, the one the backward starts from")
+        value = checked_loss(loss, output)
     backward_from(value)
+
+
+def checked_loss(loss, output) -> torch.Tensor:
+    """``loss(output)``, the value a training step's backward starts from: a
+    one-element tensor that requires grad (``profile`` and ``estimate`` alike), else a
+    ConfigError that says what to return."""
+    value = loss(output)
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.requires_grad):
+        raise ConfigError(f"loss(output) gave {_shown_value(value)}: it must return a one-element tensor that "
+                          "requires grad, computed from the output (e.g. lambda out: F.cross_entropy(out, "
+                          "torch.zeros(out.shape[0], dtype=torch.long, device=out.device)))")
+    return value
+
+
+def _shown_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}{'' if value.requires_grad else ' that needs no grad'}"
+    return f"a {type(value).__name__}"
 
 
 def backward_from(loss: torch.Tensor) -> None:

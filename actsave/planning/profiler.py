@@ -228,7 +228,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
     BatchNorm statistics and the caller's RNG state are left as they were.
 
     ``loss``: the training step's loss, a function of the chain's output returning the
-    tensor the backward starts from (``lambda logits: F.cross_entropy(logits.flatten(0,
+    one-element tensor the backward starts from (``lambda logits: F.cross_entropy(logits.flatten(0,
     -2), targets.flatten())``). Its memory (cross-entropy's log-softmax, the gradients
     it makes) comes on top of everything the forward left, so a plan that fills its
     budget needs it measured: ``Profile.loss_rise``, the memory model's loss event.

@@ -82,8 +82,12 @@ def test_the_losss_saves_and_rise_are_the_losss_not_the_last_layers():
     # Cross-entropy's log-softmax and, in its backward, two more logits-sized tensors
     # (and a few scalars: the loss, its gradient, the reduction's).
     assert plain.loss_rise == logits and 3 * logits <= with_loss.loss_rise < 3 * logits + 1024
-    with pytest.raises(ConfigError, match="loss must return a tensor computed from the chain's output"):
+    with pytest.raises(ConfigError, match=r"loss\(output\) gave a tensor of shape \(\) that needs no grad: it must "
+                                          "return a one-element tensor"):
         actsave.profile(model, (x,), loss=lambda logits: logits.detach().sum())
+    # The same rule as actsave.estimate's: a training loss is one value.
+    with pytest.raises(ConfigError, match=r"loss\(output\) gave a tensor of shape \(16, 256\): it must return"):
+        actsave.profile(model, (x,), loss=lambda logits: logits * 2)
 
 
 def test_a_profile_without_stored_saves_plans_the_stored_segment_exact():
