@@ -150,7 +150,11 @@ def device_slug(device: torch.device) -> str:
 
 def git_sha() -> str:
     """The commit of this checkout, ``+dirty`` when tracked files changed; ``unknown``
-    outside git or before the first commit."""
+    outside git or before the first commit. ``ACTSAVE_GIT_SHA`` in the environment
+    overrides it: a copy of the tree whose ``.git`` is stale (the lent GPU machines'
+    copy kept the session's first commit) is told its commit by the command."""
+    if os.environ.get("ACTSAVE_GIT_SHA"):
+        return os.environ["ACTSAVE_GIT_SHA"]
     repo = Path(__file__).resolve().parents[2]
 
     def git(*args):

@@ -903,3 +903,11 @@ def test_compile_memory_runs_the_cases_its_models_name_in_their_order():
     assert chosen(found, None) == found
     with pytest.raises(SystemExit, match="no case starts with 'bert'"):
         chosen(found, ["bert"])
+
+
+def test_results_record_the_commit_a_command_names_over_a_stale_checkouts(monkeypatch):
+    def recorded():
+        return load_bench_module("harness").run_metadata(torch.device("cpu"))["git_sha"]
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", recorded())
+    monkeypatch.setenv("ACTSAVE_GIT_SHA", "845e05b25954954e3496920141d81b64606a3688")
+    assert recorded() == "845e05b25954954e3496920141d81b64606a3688"
