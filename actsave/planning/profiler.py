@@ -228,11 +228,12 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
     BatchNorm statistics and the caller's RNG state are left as they were.
 
     ``loss``: the training step's loss, a function of the chain's output returning the
-    one-element tensor the backward starts from (``lambda logits: F.cross_entropy(logits.flatten(0,
-    -2), targets.flatten())``). Its memory (cross-entropy's log-softmax, the gradients
-    it makes) comes on top of everything the forward left, so a plan that fills its
-    budget needs it measured: ``Profile.loss_rise``, the memory model's loss event.
-    Without it the backward starts from a full-size output gradient of ones.
+    one-element tensor the backward starts from (``lambda logits:
+    F.cross_entropy(logits.flatten(0, -2), targets.flatten())``). Its memory
+    (cross-entropy's log-softmax, the gradients it makes) comes on top of everything
+    the forward left, so a plan that fills its budget needs it measured:
+    ``Profile.loss_rise``, the memory model's loss event. Without it the backward
+    starts from a full-size output gradient of ones.
 
     ``stored_saves``: whether to derive what the stored segment's saves cost under each
     lossy codec (``Profile.stored_saves``, for :func:`plan`'s ``compress_stored``), from

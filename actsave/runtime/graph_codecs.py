@@ -89,9 +89,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from .. import _torch
 from ..codecs import Packed, get_codec
 from ..codecs.backend import backend as codec_backend
-from ..triton_kernels import general_path
 from ..devices import forked_rng_devices
 from ..meta import on_meta
+from ..triton_kernels import general_path
 from . import relu_signs
 from .layers import modules_under
 from .pool_decisions import Window
