@@ -7,6 +7,21 @@ stored in 8 bits or in host memory. The one-line change::
 
 See the README for the modes and what each costs.
 """
+import importlib as _importlib
+
+# Installing maps actsave.triton_kernels from the folder triton_kernels/ beside actsave/
+# (pyproject.toml): a checkout put on sys.path as it is lacks it.
+try:
+    _importlib.import_module(f"{__name__}.triton_kernels")
+except ModuleNotFoundError as error:
+    if error.name != f"{__name__}.triton_kernels":
+        raise
+    raise ImportError(
+        "actsave was imported from a source checkout that is not installed: its kernels "
+        "package, actsave.triton_kernels, is the folder triton_kernels/, which installing "
+        "maps into actsave. Run `pip install -e .` in the checkout, then import actsave "
+        "again") from error
+del _importlib
 from .codecs import available_codecs
 from .errors import ActsaveError, ConfigError, RecomputeError
 from .planning.estimate import MemoryEstimate, estimate
