@@ -185,12 +185,20 @@ def _codec_of(node, backward) -> Optional[str]:
     return names.pop() if len(names) == 1 else None
 
 
+@contextlib.contextmanager
+def _reference_traced():
+    """What the hooks trace: the codec's torch reference on its general path (see the
+    NOTE), whichever backend runs eagerly."""
+    with codec_backend("torch"), general_path():
+        yield
+
+
 def _pack(value: torch.Tensor):
     traced = _torch.saved_node_being_traced()
     name = _codec_of(*traced) if traced is not None and value.is_floating_point() else None
     if name is None:
         return value
-    with codec_backend("torch"), general_path():  # the reference, traced (see the NOTE)
+    with _reference_traced():
         packed = get_codec(name).encode(value)
     return packed.data, packed.scales, packed.offsets
 
@@ -201,7 +209,7 @@ def _unpack(stored):
     node, backward = _torch.saved_node_being_traced()
     like = node.meta["val"]
     data, scales, offsets = stored
-    with codec_backend("torch"), general_path():  # the reference, traced (see the NOTE)
+    with _reference_traced():
         return get_codec(_codec_of(node, backward)).decode(Packed(data, scales, like.shape, like.dtype,
                                                                   offsets=offsets))
 
