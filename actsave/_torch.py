@@ -184,6 +184,20 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
+def is_fsdp_unit(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` made ``module`` a unit of FSDP2: it gathers the sharded
+    parameters it manages around its forward and backward."""
+    fsdp_module = _fsdp_module_class()
+    return fsdp_module is not None and isinstance(module, fsdp_module)
+
+
+def fsdp_param_dtype(unit: torch.nn.Module) -> Optional[torch.dtype]:
+    """The dtype FSDP2 gathers ``unit``'s parameters in (its ``MixedPrecisionPolicy``'s
+    ``param_dtype``), or None: their own."""
+    policy = _require(getattr(unit._get_fsdp_state(), "_mp_policy", None), "FSDPState._mp_policy")
+    return policy.param_dtype
+
+
 @contextlib.contextmanager
 def fsdp_forward_hooks_paused(model: torch.nn.Module):
     """While active, the modules of ``model`` that FSDP2's ``fully_shard`` made run

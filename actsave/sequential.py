@@ -401,8 +401,8 @@ class CheckpointedSequential(nn.Sequential):
         call, and a first line says for which input and what peak the plan predicted.
         A last call under ``torch.compile`` reports no bytes (a last line says why, and
         that a plan's predicted peak is the eager code's).
-        FSDP2-sharded parameters get a last line too: the plan does not count what
-        FSDP2 allocates beside the step."""
+        FSDP2-sharded parameters get a last line too: what of FSDP2's own bytes the
+        plan counts, and what it does not."""
         rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "kept bytes")]
         names = list(self._modules)
         if self.segments == BALANCED:
@@ -427,10 +427,10 @@ class CheckpointedSequential(nn.Sequential):
                          "predicts the eager code's peak; a compiled backward may hold more at once: "
                          "docs/limits.md, \"torch.compile\".")
         if any(is_sharded(p) for p in self.parameters()):
-            lines.append("The parameters are FSDP2-sharded: a plan counts the step's own tensors, not what FSDP2 "
-                         "allocates beside them (each unit's gathered parameters, which a recompute keeps gathered "
-                         "until the unit's backward, and its gradient and communication buffers): docs/limits.md, "
-                         "\"FSDP2 and DDP\".")
+            lines.append("The parameters are FSDP2-sharded: a balanced plan counts the parameters FSDP2 gathers "
+                         "for each layer, which a recompute keeps gathered until the layer's backward, and one "
+                         "reduce-scatter input; not those of a unit over several layers (the root's) nor FSDP2's "
+                         "staging buffers (NOTE [ Gathered parameters ]): docs/limits.md, \"FSDP2 and DDP\".")
         return "\n".join(lines)
 
     def _describe_kept(self, segment: Segment, layers: list) -> tuple:

@@ -11,15 +11,21 @@ model's (DDP's reducer hooks and its graph walk under ``find_unused_parameters=T
 see every parameter, ``static_graph=True`` sees the same graph each step, ``no_sync``
 accumulation works), and FSDP2 composes with actsave whichever is applied first.
 """
+import dataclasses
 import socket
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch import nn
 
+import actsave
+from actsave.planning import plans
+from actsave.planning.fsdp_gathers import with_plain_step_gathers
 from support import sqnr_db
-from dist_scenarios import SCENARIOS, WORLD_SIZE, Scenario, apply_actsave, forward_loss, plain_model, train_reference, worker
+from dist_scenarios import (SCENARIOS, WORLD_SIZE, Scenario, apply_actsave, batch, forward_loss, plain_model,
+                            train_reference, worker)
 
 INT8_SQNR_FLOOR_DB = 30.0
 SPAWN_TIMEOUT_S = 240
@@ -120,11 +126,20 @@ def test_fsdp2_shard_then_wrap_also_trains_as_the_unsharded_model(outcomes, scen
 
 
 def balanced_starts_unsharded(scenario: Scenario) -> tuple:
-    """The default segments of the scenario's chain, unsharded, in one process; and
-    whether its describe() has the line for FSDP2-sharded parameters."""
+    """The default segments of the scenario's chain, unsharded, in one process, planned
+    as for the sharded chain: each Linear (an FSDP2 unit there) with the whole
+    parameters FSDP2 gathers for it (NOTE [ Gathered parameters ]); and whether the
+    unsharded describe() has the line for FSDP2-sharded parameters."""
     model = apply_actsave(plain_model(scenario), scenario)
     forward_loss(model, scenario, 0, 0, 0).backward()
-    return model.body.balanced_plan.starts, FSDP2_LINE in model.body.describe()
+    body, x = model.body, batch(scenario, 0, 0, 0)
+    profile = actsave.profile(body, (torch.empty_like(x, device="meta").requires_grad_(x.requires_grad),))
+    gathered = [sum(p.numel() * p.element_size() for p in layer.parameters()) if isinstance(layer, nn.Linear) else 0
+                for layer in body]
+    profile = dataclasses.replace(profile, layers=tuple(with_plain_step_gathers(
+        [dataclasses.replace(layer, gathered_bytes=g) for layer, g in zip(profile.layers, gathered)])))
+    plan = plans.balanced(profile, list(body._layer_policies(list(body))))
+    return plan.starts, FSDP2_LINE in body.describe()
 
 
 FSDP2_LINE = "The parameters are FSDP2-sharded"
@@ -141,9 +156,10 @@ def test_fsdp2_blocks_planned_under_a_budget_train_as_the_unsharded_model(outcom
 def test_fsdp2_default_segments_are_the_unsharded_models_plan(outcomes, scenario):
     """The balanced plan's meta step sees FSDP2's sharded parameters whole, as the
     forward does once they are gathered, with FSDP2's hooks paused (meta.on_meta):
-    the same plan as the unsharded model's, no fallback to "sqrt", and training as
-    the unsharded model trains. describe() says that the plan does not count what
-    FSDP2 allocates, where (only where) the parameters are sharded."""
+    every rank plans on the unsharded model's shapes, adding the parameters each unit
+    gathers, no fallback to "sqrt", and training as the unsharded model trains.
+    describe() says what of FSDP2's bytes the plan counts, where (only where) the
+    parameters are sharded."""
     results = results_of(outcomes, scenario)
     expected, unsharded_has_line = balanced_starts_unsharded(scenario)
     assert len(expected) >= 2 and not unsharded_has_line

@@ -52,6 +52,9 @@ class LayerEvents:
         self.reused_saved = np.where(self.input_last >= layer_index, self.reused_input, 0.0)
         saving = np.where([layer.saves_for_backward for layer in layers], np.arange(n), -1)
         self.last_saver = np.maximum.accumulate(saving)  # the last saving layer at or before i
+        # FSDP2's units a recompute gathers stay gathered to their backward: NOTE [
+        # Gathered parameters ] (fsdp_gathers.py).
+        self.gathered_before = np.concatenate(([0.0], np.cumsum(column("gathered_bytes"))))  # over [0, i)
         decisions = column("relu_sign_bytes") + column("pool_decision_bytes")
         self.signs_before = np.concatenate(([0.0], np.cumsum(decisions)))  # S over [0, i)
         self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
@@ -83,14 +86,23 @@ class LayerEvents:
         caller_held = self._held_by_caller(a, i)
         stored_forward = (np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + caller_held
                           + self.forward_rise[a:])
-        before_recompute = self._held_before_layers(a, saved, unsaved)
+        before_recompute = self._held_before_layers(a, saved, unsaved) + self._gathered_between(a, i)
+        backward = self._backward_events(a, saved, i)
         return Events(saved=saved,
                        stored_forward=stored_forward,
                        caller_held=caller_held,
                        loss=self._loss_event(a, saved[-1]),
-                       backward=self._backward_events(a, saved, i),
+                       backward=backward,
+                       checkpointed_backward=backward + self._gathered_between(a, np.maximum(i - 1, a)),
                        recompute=before_recompute + self.forward_rise[a:],
                        recompute_to_last_save=before_recompute + self.rise_to_last_save[a:])
+
+    def _gathered_between(self, a: int, i) -> np.ndarray:
+        """The gathered parameters of layers a .. i-1, which a recompute from a keeps
+        gathered until their backward (NOTE [ Gathered parameters ]): beside layer i's
+        recompute, and (for i - 1) its backward, whose rise holds its own units and the
+        previous layer's."""
+        return self.gathered_before[i] - self.gathered_before[a]
 
     def _held_by_caller(self, a: int, i: np.ndarray) -> np.ndarray:
         """[x_a] for i = a .. n-1: after its first layer, the segment's input, which the
@@ -135,7 +147,8 @@ class LayerEvents:
         """The largest events of every segment [a, b), from each start's events by
         running maxima over the ends."""
         n = self.n
-        recompute, lossy_recompute, backward, stored_forward, saved = (np.full((n, n), np.inf) for _ in range(5))
+        recompute, lossy_recompute, backward, checkpointed_backward, stored_forward, saved = (
+            np.full((n, n), np.inf) for _ in range(6))
         stored_peak, held_stored_peak = np.empty(n), np.empty(n)
         held_stored_forward = stored_forward.copy()
         for a in range(n):
@@ -149,10 +162,11 @@ class LayerEvents:
             lossy_recompute[a, a + 1:] = until_last_save(events.recompute + self.restore[a:],
                                                           events.recompute_to_last_save + self.restore[a:], last)
             backward[a, a + 1:] = np.maximum.accumulate(events.backward)[:n - 1 - a]
+            checkpointed_backward[a, a + 1:] = np.maximum.accumulate(events.checkpointed_backward)[:n - 1 - a]
             stored_forward[a, a + 1:] = np.maximum.accumulate(events.stored_forward)[:n - 1 - a]
             saved[a, a + 1:] = events.saved[:n - 1 - a]
-        return Tables(recompute, lossy_recompute, backward, stored_forward, held_stored_forward, saved,
-                      stored_peak, held_stored_peak)
+        return Tables(recompute, lossy_recompute, backward, checkpointed_backward, stored_forward,
+                      held_stored_forward, saved, stored_peak, held_stored_peak)
 
     @property
     def backward(self) -> np.ndarray:
@@ -169,7 +183,8 @@ class Events(NamedTuple):
     caller_held: np.ndarray  # [x_a]: the segment's input, held by the caller and no save
     loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
     backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
-    recompute: np.ndarray  # Saved'(a, i-1) + U(i) + fwd_i: the option adds its held bytes
+    checkpointed_backward: np.ndarray  # the same in a checkpointed segment: + G(a, i-2)
+    recompute: np.ndarray  # Saved'(a, i-1) + U(i) + G(a, i-1) + fwd_i: the option adds its held bytes
     recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
 
     @property
@@ -185,7 +200,7 @@ class Events(NamedTuple):
         forward = self.stored_forward - np.where(self.caller_held > 0, first, saved)
         forward[0] = self.stored_forward[0] - first
         return self._replace(saved=self.saved - saved, stored_forward=forward, loss=self.loss - saved,
-                             backward=self.backward - saved)
+                             backward=self.backward - saved, checkpointed_backward=self.checkpointed_backward - saved)
 
 
 class Tables(NamedTuple):
@@ -195,6 +210,7 @@ class Tables(NamedTuple):
     recompute: np.ndarray  # -inf where nothing is recomputed
     lossy_recompute: np.ndarray  # with the ReLU restores of a lossy codec
     backward: np.ndarray
+    checkpointed_backward: np.ndarray  # with the gathered parameters a recompute holds
     stored_forward: np.ndarray  # the largest forward event of a stored middle segment
     held_stored_forward: np.ndarray  # the same after a stored middle segment whose saves hold x_a
     saved: np.ndarray  # Saved(a, b-1): what a stored middle segment keeps

@@ -34,9 +34,9 @@ Memory model
     checkpointed [a, b), option o
         encode      x_a + enc(a, o)                                    lossy codecs
         decode      O + R + F + g_b + dec(a, o)                        lossy codecs
-        recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + fwd_i
-                    (+ restore_i)
-        backward    O + Saved(a, i) + g_{i+1} + bwd_i
+        recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + G(a, i-1)
+                    + fwd_i (+ restore_i)
+        backward    O + Saved(a, i) + G(a, i-2) + g_{i+1} + bwd_i
     stored middle [a, b), b < n: R = Saved(a, b-1), autograd's saves, kept from its
     forward to its backward (which recomputes nothing)
         forward     Saved(a, i-1) + U(i) + [x_a] + fwd_i
@@ -75,7 +75,10 @@ Memory model
     Saved(a, i): the distinct storages saved for backward by layers a..i, each
     counted once whichever layers share it; Saved' leaves out the segment input,
     counted by K, F or D. U(i): layer i's input while it runs, unless a layer of
-    the segment before it saved it. [x_s]: the segment's input, s > 0, after its
+    the segment before it saved it. G(a, i): the parameters FSDP2 gathers for layers
+    a..i, which a recompute keeps gathered until each layer's backward (fsdp_gathers.py,
+    NOTE [ Gathered parameters ]; 0 without FSDP2); the rises fwd_i and bwd_i hold
+    those of a plain step. [x_s]: the segment's input, s > 0, after its
     first layer, where no save of the layers before holds it: the caller holds it
     until the segment's forward returns. g_i: the gradient of layer i's input. fwd_i,
     bwd_i: the rise of live bytes during layer i's forward and backward. The
@@ -321,7 +324,7 @@ class CostModel(StoredTerms):
             return self._working_sets_within(o, float(carries[0]))[held, a, b][..., None]
         tables = self.tables
         recompute = (tables.lossy_recompute if self.options[o].lossy else tables.recompute)[a, b]
-        return self._working_set(o, a, b, recompute, tables.backward[a, b], carries, input_held)
+        return self._working_set(o, a, b, recompute, tables.checkpointed_backward[a, b], carries, input_held)
 
     def _working_sets_within(self, o: int, carry: float) -> np.ndarray:
         """[bit, a, b]: W(a, b, o) + ``carry`` of every segment, without (bit 0) and
@@ -332,7 +335,7 @@ class CostModel(StoredTerms):
             tables, a, b = self.tables, np.arange(self.n)[:, None], np.arange(self.n)[None, :]
             recompute = tables.lossy_recompute if self.options[o].lossy else tables.recompute
             held = np.array([False, True])[:, None, None]
-            table = self._working_set(o, a, b, recompute, tables.backward, np.array([carry]), held)[..., 0]
+            table = self._working_set(o, a, b, recompute, tables.checkpointed_backward, np.array([carry]), held)[..., 0]
             computed[o] = carry, np.broadcast_to(table, (2, self.n, self.n))
         return computed[o][1]
 
@@ -361,7 +364,7 @@ class CostModel(StoredTerms):
         whole, to_last_save = events.recompute[:stop] + restore, events.recompute_to_last_save[:stop] + restore
         last = int(self.last_saver[b - 1]) - a
         recompute = max(whole[:last].max(initial=-np.inf), to_last_save[last]) if last >= 0 else -np.inf
-        return float(self._working_set(o, a, b, recompute, events.backward[:stop].max(), np.array([carry]),
+        return float(self._working_set(o, a, b, recompute, events.checkpointed_backward[:stop].max(), np.array([carry]),
                                        input_held)[0])
 
     def predict(self, segments: list, nested: Sequence = ()) -> tuple:

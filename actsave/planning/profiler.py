@@ -33,6 +33,7 @@ from ..meta import on_meta, simulating
 from ..runtime.store import EXACT, KeepPolicy, modifies_input
 from ..text import format_table, mib, ms
 from .codec_costs import CodecCosts
+from .fsdp_gathers import gathered_bytes, with_plain_step_gathers
 from .instrumented_step import (CountedStep, isolated_steps, measure_memory, measure_no_grad_rises, measure_times,
                                 own_saves)
 from .live_bytes import allocation_bytes
@@ -63,6 +64,7 @@ class LayerProfile:
     relu_restore_bytes: int
     pool_decision_bytes: int  # kept by a lossy segment for this layer's max pools (runtime/pool_decisions.py)
     pool_restore_bytes: int  # the larger of keeping them (forward) and restoring them (recompute)
+    gathered_bytes: int  # FSDP2's parameters gathered for its forward (fsdp_gathers.py); 0 without FSDP2
     modifies_input: bool
     input_encodable: bool  # False: kept by reference whatever the codec (the caller's, not float: store.should_encode)
     kept_bytes: dict
@@ -91,7 +93,8 @@ class LayerProfile:
             input_saved_by=input_saved_by, forward_rise=forward_rise, forward_rise_to_last_save=0,
             no_grad_rise=forward_rise, backward_rise=backward_rise, saves_for_backward=False,
             relu_sign_bytes=0, relu_restore_bytes=0, pool_decision_bytes=0, pool_restore_bytes=0,
-            modifies_input=False, input_encodable=False, kept_bytes=dict.fromkeys(codecs, input_bytes),
+            gathered_bytes=0, modifies_input=False, input_encodable=False,
+            kept_bytes=dict.fromkeys(codecs, input_bytes),
             encode_rise=nothing, decode_rise=nothing, forward_s=0.0, backward_s=0.0, encode_s=no_time,
             decode_s=no_time, to_host_s={}, to_device_s={})
 
@@ -175,7 +178,7 @@ def _single_input(example_inputs) -> torch.Tensor:
 
 
 def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_grad_rises: list, times: tuple,
-                   costs: CodecCosts) -> LayerProfile:
+                   costs: CodecCosts, gathered: int) -> LayerProfile:
     spec, device = found.inputs[i], costs.device
     keep_costs = costs.of(spec)
 
@@ -202,6 +205,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_g
         relu_restore_bytes=costs.relu_restore_rise(found.relu_elements[i]),
         pool_decision_bytes=found.pool_decision_bytes[i],
         pool_restore_bytes=costs.pool_restore_rise(found.pools[i]),
+        gathered_bytes=gathered,
         modifies_input=modifies_input(layer),
         input_encodable=spec.encodable,
         kept_bytes=by_codec("kept"),
@@ -251,6 +255,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
     x = _without_history(_single_input(example_inputs))
     device = _profiled_device(x, device)
     sizes_only = x.device.type == "meta"
+    gathered = [gathered_bytes(layer, device) for _, layer in layers]  # before on_meta swaps the shards
     with contextlib.ExitStack() as stack:
         stack.enter_context(own_saves())  # the profiled steps' saves are their own
         if sizes_only:
@@ -261,9 +266,11 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
         no_grad_rises = measure_no_grad_rises(layers, x, model, device)
         times = ([0.0] * len(layers),) * 2 if sizes_only else measure_times(layers, x, loss)
         costs = CodecCosts(x.device, device)
+        profiles = [_layer_profile(i, name, layer, found, no_grad_rises, times, costs, gathered[i])
+                    for i, (name, layer) in enumerate(layers)]
         return Profile(
-            layers=tuple(_layer_profile(i, name, layer, found, no_grad_rises, times, costs)
-                         for i, (name, layer) in enumerate(layers)),
+            # A meta step runs without FSDP2's hooks: NOTE [ Gathered parameters ].
+            layers=tuple(with_plain_step_gathers(profiles) if sizes_only else profiles),
             saved=tuple(found.saved),
             input_bytes=allocation_bytes(x.untyped_storage().nbytes(), device),
             output_bytes=found.output_bytes,

@@ -32,6 +32,7 @@ import actsave
 from actsave import CheckpointedSequential, ConfigError
 from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, sqnr_db
 from actsave.planning import memory_model, plans
+from actsave.planning.fsdp_gathers import with_plain_step_gathers
 from actsave.planning.planned_segment import PlannedSegment
 from actsave.planning.segments import segment_starts
 from actsave.runtime.store import EXACT, KeepPolicy
@@ -214,10 +215,22 @@ def as_the_solvers_see_it(prof: actsave.Profile, model: memory_model.CostModel, 
 
 
 
+def with_random_gathers(prof: actsave.Profile, seed: str) -> actsave.Profile:
+    """``prof`` as if FSDP2 units gathered some of its layers' parameters (NOTE [
+    Gathered parameters ]): random sizes on about half of the layers."""
+    rng = random.Random(seed)
+    layers = [dataclasses.replace(layer, gathered_bytes=rng.choice([0, 512 * rng.randint(1, 4096)]))
+              for layer in prof.layers]
+    return dataclasses.replace(prof, layers=tuple(with_plain_step_gathers(layers)))
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["", "fsdp2"])
 @pytest.mark.parametrize("name", BENCH_LIKE_CHAINS)
-def test_the_solvers_tables_and_predict_agree_on_random_plans(name):
+def test_the_solvers_tables_and_predict_agree_on_random_plans(name, gathered):
     chain_model, x = bench_like_chain(name)
     prof = with_host_copies(actsave.profile(chain_model, (x,)))  # offload is a lever
+    if gathered:
+        prof = with_random_gathers(prof, name)
     model = memory_model.CostModel(prof, plans.keep_options(plans.DEFAULT_ALLOW, None, prof.device),
                                    stored_codecs=["none", *LOSSY_CODECS])
     n, rng = len(prof.layers), random.Random(name)
