@@ -24,7 +24,8 @@ step does; a profile on meta tensors runs without them (meta.on_meta), so
 while it runs forward, and while it runs backward those units, the previous layer's
 (the prefetch) and the next layer's reduce-scatter input. The memory model adds the
 third kind (layer_events.py): in a checkpointed segment [a, b) layer i's recompute
-holds the units of layers a .. i-1 too, and its backward those of a .. i-2.
+holds the units of layers a .. i-1 too, and its backward those of a .. i-1 but the
+prefetched layer's, which its rise holds.
 
 Not counted: the units that manage parameters of several layers (the root's), which
 stay gathered for the whole step; a unit that does not reshard after its forward;
@@ -68,25 +69,39 @@ def with_plain_step_gathers(layers: list) -> list:
     """``layers`` (LayerProfiles of a step that ran without FSDP2's hooks) with the
     gathered parameters a plain step holds added to their rises (NOTE [ Gathered
     parameters ]): a layer's own units while its forward runs; while its backward
-    runs, its own, the nearest earlier gathering layer's (prefetched by this layer's
-    units or a later layer's) and the reduce-scatter input of the nearest later one."""
+    runs, its own, the prefetched ones (:func:`prefetched_layers`) and the
+    reduce-scatter input of the nearest later gathering layer."""
     gathered = [layer.gathered_bytes for layer in layers]
-    before, after = _nearest(gathered), _nearest(gathered[::-1])[::-1]
+    following = _nearest_earlier(gathered[::-1])[::-1]
     out = []
-    for layer, own, previous, following in zip(layers, gathered, before, after):
-        prefetched = previous if own or following else 0
-        if own or prefetched or following:
+    for layer, own, source, after in zip(layers, gathered, prefetched_layers(gathered), following):
+        prefetch = gathered[source] if source >= 0 else 0
+        if own or prefetch or after:
             layer = dataclasses.replace(
                 layer,
                 forward_rise=layer.forward_rise + own,
                 forward_rise_to_last_save=layer.forward_rise_to_last_save + own,
                 no_grad_rise=layer.no_grad_rise + own,
-                backward_rise=layer.backward_rise + own + prefetched + following)
+                backward_rise=layer.backward_rise + own + prefetch + after)
         out.append(layer)
     return out
 
 
-def _nearest(gathered: list) -> list:
+def prefetched_layers(gathered: list) -> list:
+    """For each layer (``gathered``: each layer's gathered bytes), the layer whose
+    units are gathered ahead while its backward runs, or -1: the nearest earlier
+    gathering layer, prefetched by this layer's units or a later layer's (so none
+    after the last gathering layer)."""
+    last = max((i for i, g in enumerate(gathered) if g), default=-1)
+    out, earlier = [], -1
+    for i, g in enumerate(gathered):
+        out.append(earlier if g or i < last else -1)
+        if g:
+            earlier = i
+    return out
+
+
+def _nearest_earlier(gathered: list) -> list:
     """For each layer, the gathered bytes of the nearest earlier layer that gathers
     any; 0 before the first."""
     out, last = [], 0
@@ -96,4 +111,4 @@ def _nearest(gathered: list) -> list:
     return out
 
 
-__all__ = ["gathered_bytes", "with_plain_step_gathers"]
+__all__ = ["gathered_bytes", "prefetched_layers", "with_plain_step_gathers"]

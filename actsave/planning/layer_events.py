@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .fsdp_gathers import prefetched_layers
 from .profiler import Profile
 
 
@@ -54,7 +55,10 @@ class LayerEvents:
         self.last_saver = np.maximum.accumulate(saving)  # the last saving layer at or before i
         # FSDP2's units a recompute gathers stay gathered to their backward: NOTE [
         # Gathered parameters ] (fsdp_gathers.py).
-        self.gathered_before = np.concatenate(([0.0], np.cumsum(column("gathered_bytes"))))  # over [0, i)
+        gathered = column("gathered_bytes")
+        self.gathered_before = np.concatenate(([0.0], np.cumsum(gathered)))  # over [0, i)
+        self.prefetched_layer = np.array(prefetched_layers(gathered.tolist()), dtype=np.int64)
+        self.prefetched = np.where(self.prefetched_layer >= 0, gathered[self.prefetched_layer], 0.0)
         decisions = column("relu_sign_bytes") + column("pool_decision_bytes")
         self.signs_before = np.concatenate(([0.0], np.cumsum(decisions)))  # S over [0, i)
         self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
@@ -93,16 +97,21 @@ class LayerEvents:
                        caller_held=caller_held,
                        loss=self._loss_event(a, saved[-1]),
                        backward=backward,
-                       checkpointed_backward=backward + self._gathered_between(a, np.maximum(i - 1, a)),
+                       checkpointed_backward=backward + self._gathered_in_backward(a, i),
                        recompute=before_recompute + self.forward_rise[a:],
                        recompute_to_last_save=before_recompute + self.rise_to_last_save[a:])
 
     def _gathered_between(self, a: int, i) -> np.ndarray:
         """The gathered parameters of layers a .. i-1, which a recompute from a keeps
         gathered until their backward (NOTE [ Gathered parameters ]): beside layer i's
-        recompute, and (for i - 1) its backward, whose rise holds its own units and the
-        previous layer's."""
+        recompute."""
         return self.gathered_before[i] - self.gathered_before[a]
+
+    def _gathered_in_backward(self, a: int, i: np.ndarray) -> np.ndarray:
+        """Those beside layer i's backward in a checkpointed segment from a: of layers
+        a .. i-1, less the prefetched layer's, which the rise bwd_i holds."""
+        source = self.prefetched_layer[i]
+        return self._gathered_between(a, i) - np.where(source >= a, self.prefetched[i], 0.0)
 
     def _held_by_caller(self, a: int, i: np.ndarray) -> np.ndarray:
         """[x_a] for i = a .. n-1: after its first layer, the segment's input, which the
@@ -183,7 +192,7 @@ class Events(NamedTuple):
     caller_held: np.ndarray  # [x_a]: the segment's input, held by the caller and no save
     loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
     backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
-    checkpointed_backward: np.ndarray  # the same in a checkpointed segment: + G(a, i-2)
+    checkpointed_backward: np.ndarray  # the same in a checkpointed segment: + G'(a, i-1)
     recompute: np.ndarray  # Saved'(a, i-1) + U(i) + G(a, i-1) + fwd_i: the option adds its held bytes
     recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
 

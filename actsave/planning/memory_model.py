@@ -36,7 +36,7 @@ Memory model
         decode      O + R + F + g_b + dec(a, o)                        lossy codecs
         recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + G(a, i-1)
                     + fwd_i (+ restore_i)
-        backward    O + Saved(a, i) + G(a, i-2) + g_{i+1} + bwd_i
+        backward    O + Saved(a, i) + G'(a, i-1) + g_{i+1} + bwd_i
     stored middle [a, b), b < n: R = Saved(a, b-1), autograd's saves, kept from its
     forward to its backward (which recomputes nothing)
         forward     Saved(a, i-1) + U(i) + [x_a] + fwd_i
@@ -78,7 +78,7 @@ Memory model
     the segment before it saved it. G(a, i): the parameters FSDP2 gathers for layers
     a..i, which a recompute keeps gathered until each layer's backward (fsdp_gathers.py,
     NOTE [ Gathered parameters ]; 0 without FSDP2); the rises fwd_i and bwd_i hold
-    those of a plain step. [x_s]: the segment's input, s > 0, after its
+    those of a plain step, so G' leaves out the layer bwd_i holds prefetched. [x_s]: the segment's input, s > 0, after its
     first layer, where no save of the layers before holds it: the caller holds it
     until the segment's forward returns. g_i: the gradient of layer i's input. fwd_i,
     bwd_i: the rise of live bytes during layer i's forward and backward. The

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import actsave
-from actsave.planning import profiler
+from actsave.planning import plans, profiler
 from actsave.planning.fsdp_gathers import gathered_bytes, with_plain_step_gathers
 from support import load_bench_module
 
@@ -80,15 +80,19 @@ def test_a_plain_step_holds_a_layers_units_the_prefetched_ones_and_one_reduce_sc
     assert with_plain_step_gathers([layer("act", 0)] * 3) == [layer("act", 0)] * 3
 
 
-def test_the_balanced_plan_predicts_a_sharded_steps_peak_within_5_percent(mesh):
-    """The bench's chain (bench/fsdp_memory.py), each Linear a unit: the plan counts
-    the units each checkpointed segment's recompute keeps gathered. The measured peak
-    exceeds the prediction by the CPU generator's state each checkpoint keeps to
-    replay its RNG, which no plan counts (docs/results.md, "FSDP2")."""
+@pytest.mark.parametrize("segments", ["balanced", [0, 5, 9, 12, 14]], ids=["balanced", "unsharded-plan"])
+def test_a_plan_predicts_a_sharded_steps_peak_within_5_percent(mesh, segments):
+    """The bench's chain (bench/fsdp_memory.py), each Linear a unit, with the balanced
+    plan and with the unsharded model's (whose peak is in its first checkpointed
+    segment's backward, three units gathered and one reduce-scatter input): the plan
+    counts the units each recompute keeps gathered. The measured peak exceeds the
+    prediction by the CPU generator's state each checkpoint keeps to replay its RNG,
+    which no plan counts (docs/results.md, "FSDP2")."""
     harness = load_bench_module("harness")
     torch.manual_seed(0)
     layers = [m for _ in range(8) for m in (nn.Linear(256, 256), nn.GELU())]
-    model = shard(actsave.CheckpointedSequential(*layers), [m for m in layers if isinstance(m, nn.Linear)], mesh)
+    model = shard(actsave.CheckpointedSequential(*layers, segments=segments),
+                  [m for m in layers if isinstance(m, nn.Linear)], mesh)
     x = torch.randn(512, 256, requires_grad=True)
 
     def step():
@@ -97,7 +101,11 @@ def test_the_balanced_plan_predicts_a_sharded_steps_peak_within_5_percent(mesh):
 
     step()  # plans
     measured = harness.allocator_peak(step) + x.numel() * x.element_size()
-    predicted = model.balanced_plan.predicted_peak_bytes
+    if segments == "balanced":
+        predicted = model.balanced_plan.predicted_peak_bytes
+    else:
+        meta_x = torch.empty_like(x, device="meta").requires_grad_()
+        predicted = plans.predict(actsave.profile(model, (meta_x,)), segments).predicted_peak_bytes
     unit = (256 * 256 + 256) * 4
     assert predicted <= measured <= 1.05 * predicted
     assert measured - predicted < unit / 8  # no unit uncounted
