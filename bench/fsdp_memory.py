@@ -35,19 +35,22 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
+from actsave.planning import plans  # noqa: E402
 from actsave.text import format_table  # noqa: E402
 from harness import allocator_peak  # noqa: E402
 
-MODES = ("plain", "sqrt", "balanced", "balanced, compiled")
+UNSHARDED_SEGMENTS = "unsharded plan's segments"
+MODES = ("plain", "sqrt", "balanced", UNSHARDED_SEGMENTS, "balanced, compiled")
 WORLD_SIZE = 2
 
 
-def build(mode: str, width: int, pairs: int, shard: bool = False) -> nn.Module:
+def build(mode: str, width: int, pairs: int, starts: tuple, shard: bool = False) -> nn.Module:
     """The model of ``mode``, sharded first where ``shard``; a compiled mode is
-    compiled after sharding (aot_eager), as FSDP2 and torch.compile compose."""
+    compiled after sharding (aot_eager), as FSDP2 and torch.compile compose.
+    ``starts``: the unsharded model's balanced segments (UNSHARDED_SEGMENTS)."""
     torch.manual_seed(0)
     layers = [m for _ in range(pairs) for m in (nn.Linear(width, width), nn.GELU())]
-    segments = mode.removesuffix(", compiled")
+    segments = list(starts) if mode == UNSHARDED_SEGMENTS else mode.removesuffix(", compiled")
     model = nn.Sequential(*layers) if mode == "plain" else actsave.CheckpointedSequential(*layers, segments=segments)
     if shard:
         model = sharded(model)
@@ -56,8 +59,10 @@ def build(mode: str, width: int, pairs: int, shard: bool = False) -> nn.Module:
     return model
 
 
-def step_peak(model: nn.Module, x: torch.Tensor) -> tuple:
-    """(measured peak, the batch included; the balanced plan's predicted peak or None)."""
+def step_peak(model: nn.Module, x: torch.Tensor, mode: str, starts: tuple) -> tuple:
+    """(measured peak, the batch included; the plan's predicted peak or None): the
+    balanced plan's, or for UNSHARDED_SEGMENTS those segments' as the model predicts
+    them on this (maybe sharded) chain."""
 
     def step():
         out = model(x)
@@ -65,8 +70,26 @@ def step_peak(model: nn.Module, x: torch.Tensor) -> tuple:
 
     step()  # plans (balanced) and allocates the gradients
     peak = allocator_peak(step) + x.numel() * x.element_size()
+    if mode == UNSHARDED_SEGMENTS:
+        profile = actsave.profile(model, (torch.empty_like(x, device="meta").requires_grad_(),))
+        return peak, plans.predict(profile, list(starts)).predicted_peak_bytes
     plan = getattr(model, "balanced_plan", None)
     return peak, None if plan is None else plan.predicted_peak_bytes
+
+
+def peaks(shape: tuple, starts: tuple, shard: bool) -> dict:
+    """mode -> step_peak of each mode's model."""
+    width, batch, pairs = shape
+    x = torch.randn(batch, width).requires_grad_()
+    return {mode: step_peak(build(mode, width, pairs, starts, shard), x, mode, starts) for mode in MODES}
+
+
+def unsharded_starts(shape: tuple) -> tuple:
+    """The segments the unsharded model's balanced plan chooses."""
+    width, batch, pairs = shape
+    model = build("balanced", width, pairs, ())
+    model(torch.randn(batch, width).requires_grad_()).sum().backward()
+    return model.balanced_plan.starts
 
 
 def sharded(model: nn.Module) -> nn.Module:
@@ -81,32 +104,28 @@ def sharded(model: nn.Module) -> nn.Module:
     return model
 
 
-def rank_main(rank: int, port: int, shape: tuple, queue) -> None:
+def rank_main(rank: int, port: int, shape: tuple, starts: tuple, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
-        width, batch, pairs = shape
-        x = torch.randn(batch, width).requires_grad_()
-        queue.put((rank, {mode: step_peak(build(mode, width, pairs, shard=True), x) for mode in MODES}))
+        queue.put((rank, peaks(shape, starts, shard=True)))
     finally:
         dist.destroy_process_group()
 
 
-def fake_rank_peaks(shape: tuple) -> dict:
+def fake_rank_peaks(shape: tuple, starts: tuple) -> dict:
     """mode -> (rank 0's peak over the fake process group, its prediction)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
     try:
-        width, batch, pairs = shape
-        x = torch.randn(batch, width).requires_grad_()
-        return {mode: step_peak(build(mode, width, pairs, shard=True), x) for mode in MODES}
+        return peaks(shape, starts, shard=True)
     finally:
         dist.destroy_process_group()
 
 
-def sharded_peaks(shape: tuple) -> dict:
+def sharded_peaks(shape: tuple, starts: tuple) -> dict:
     """mode -> (the larger rank's peak, rank 0's prediction): the ranks run the same
     shapes and plan alike."""
     with socket.socket() as s:
@@ -114,7 +133,7 @@ def sharded_peaks(shape: tuple) -> dict:
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     queue = context.Queue()
-    ranks = [context.Process(target=rank_main, args=(rank, port, shape, queue)) for rank in range(WORLD_SIZE)]
+    ranks = [context.Process(target=rank_main, args=(rank, port, shape, starts, queue)) for rank in range(WORLD_SIZE)]
     for process in ranks:
         process.start()
     results = dict(queue.get(timeout=300) for _ in ranks)
@@ -129,9 +148,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     width, batch, pairs = (64, 128, 4) if args.smoke else (256, 512, 8)
-    unsharded = {mode: step_peak(build(mode, width, pairs), torch.randn(batch, width).requires_grad_())
-                 for mode in MODES}
-    fsdp, fake = sharded_peaks((width, batch, pairs)), fake_rank_peaks((width, batch, pairs))
+    shape = width, batch, pairs
+    starts = unsharded_starts(shape)
+    unsharded = peaks(shape, starts, shard=False)
+    fsdp, fake = sharded_peaks(shape, starts), fake_rank_peaks(shape, starts)
     rows = [["mode", "unsharded peak MiB", "predicted MiB", "FSDP2 peak MiB, gloo", "FSDP2 peak MiB, fake",
              "predicted MiB", "fake / predicted"]]
     for mode in MODES:
