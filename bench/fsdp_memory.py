@@ -3,20 +3,21 @@ sharded on 2 CPU ranks (gloo) against unsharded, beside the balanced plan's pred
 
 A chain of (Linear, GELU) pairs, each Linear its own ``fully_shard`` unit, run as
 ``nn.Sequential`` (plain), ``CheckpointedSequential(segments="sqrt")``, with the
-default segments (balanced), and the last compiled (``model.compile()``, aot_eager,
-after sharding). Peak: how far the CPU allocator's bytes rise over one
+default segments (balanced), with the unsharded model's balanced segments (on the
+sharded chain: a plan that counts no gathered parameters), and balanced compiled
+(``model.compile()``, aot_eager, after sharding). Peak: how far the CPU allocator's bytes rise over one
 training step (forward, backward from an output gradient of ones), the step after
 the one that plans and allocates gradients, plus the batch: what a plan's
-``predicted_peak_bytes`` counts. The allocator (harness.allocator_peak), the
-process's own count, not actsave's: FSDP2 frees and refills each unit's gathered
-parameters in place (``storage.resize_``). Under FSDP2 the peak includes what
-FSDP2 allocates itself (gathered parameters, unsharded gradients, its communication
-buffers); the larger of the two ranks' is reported. Under gloo that count runs
-high by a buffer or more in some runs: gloo's worker threads drop the last reference
-to some of a collective's tensors, and the profiler records no free made on those
-threads (an address handed out again while still counted shows it). So the same
-step is measured too as rank 0 of two over torch's fake process group (one process,
-collectives that move no data, every free on the profiled thread): FSDP2's own
+``predicted_peak_bytes`` counts. The allocator's own total of the bytes every thread
+allocated (harness.process_allocator_peak), the process's count, not actsave's: FSDP2
+frees and refills each unit's gathered parameters in place (``storage.resize_``), and
+gloo's worker threads free some of a collective's tensors (NOTE [ Frees on other
+threads ] in bench/harness/measure.py). Under FSDP2 the peak includes what FSDP2
+allocates itself (gathered parameters, unsharded gradients, its communication
+buffers); the larger of the two ranks' is reported. Gloo frees some buffers on its
+threads a moment after the collective, which the peak sometimes holds; so the step is
+measured too as rank 0 of two over torch's fake process group (one process,
+collectives that move no data, every free on the calling thread): FSDP2's own
 allocations, run for run the same.
 
     python bench/fsdp_memory.py            # width 256, batch 512, 8 pairs
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
 from actsave.planning import plans  # noqa: E402
 from actsave.text import format_table  # noqa: E402
-from harness import allocator_peak  # noqa: E402
+from harness import count_frees_on_every_thread, process_allocator_peak  # noqa: E402
 
 UNSHARDED_SEGMENTS = "unsharded plan's segments"
 MODES = ("plain", "sqrt", "balanced", UNSHARDED_SEGMENTS, "balanced, compiled")
@@ -69,7 +70,7 @@ def step_peak(model: nn.Module, x: torch.Tensor, mode: str, starts: tuple) -> tu
         out.backward(torch.ones_like(out))
 
     step()  # plans (balanced) and allocates the gradients
-    peak = allocator_peak(step) + x.numel() * x.element_size()
+    peak = process_allocator_peak(step) + x.numel() * x.element_size()
     if mode == UNSHARDED_SEGMENTS:
         profile = actsave.profile(model, (torch.empty_like(x, device="meta").requires_grad_(),))
         return peak, plans.predict(profile, list(starts)).predicted_peak_bytes
@@ -105,6 +106,7 @@ def sharded(model: nn.Module) -> nn.Module:
 
 
 def rank_main(rank: int, port: int, shape: tuple, starts: tuple, queue) -> None:
+    count_frees_on_every_thread()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
@@ -146,6 +148,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="width 64, batch 128, 4 pairs")
     args = parser.parse_args(argv)
+    count_frees_on_every_thread()
     torch.set_num_threads(1)
     width, batch, pairs = (64, 128, 4) if args.smoke else (256, 512, 8)
     shape = width, batch, pairs

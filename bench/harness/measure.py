@@ -2,11 +2,14 @@
 the gradient error against the reference."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import inspect
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -164,6 +167,19 @@ def allocator_peak(step) -> int:
     return allocator_rise(step)[0]
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Garbage collected before, and not during: an earlier step's reference cycles
+    (FSDP2 makes some) freed inside the measured one would lower its rise by bytes it
+    never held."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def allocator_rise(step) -> tuple:
     """``(peak, end)``: how far the bytes held by the CPU allocator rose above their
     value at the start of ``step()``, at their peak and when it returned (what it left
@@ -171,7 +187,7 @@ def allocator_rise(step) -> tuple:
     :func:`allocator_peak` reads them, so a compiled graph's saves count as eager ones."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _collector_paused(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted((event.start_ns(), event.nbytes()) for event in prof.profiler.kineto_results.events()
                     if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU)
@@ -180,6 +196,51 @@ def allocator_rise(step) -> tuple:
         held += nbytes
         peak = max(peak, held)
     return peak, held
+
+
+# NOTE [ Frees on other threads ]
+# The CPU allocator keeps its total of allocated bytes (and reports a free to the
+# profiler) only while the freeing thread profiles, unless c10's flag
+# caffe2_report_cpu_memory_usage is set. A collective library's worker thread (gloo's)
+# drops the last reference to some of a collective's tensors, so without the flag
+# those frees are never counted and a count of the memory events runs high by them
+# (docs/results.md, "FSDP2"). With the flag set the allocator keeps its total over
+# every thread; each allocation event of the profiled thread carries it.
+
+
+def count_frees_on_every_thread() -> None:
+    """Set NOTE [ Frees on other threads ]'s flag: call it before allocating the
+    tensors that :func:`process_allocator_peak` should see freed."""
+    path = Path(torch.__file__).parent / "lib" / "libc10.so"
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(str(path)), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError) as error:
+        raise RuntimeError(f"cannot set c10's caffe2_report_cpu_memory_usage in {path} ({error}): "
+                           "this build of torch hides it; measure with allocator_peak") from error
+    flag.value = True
+
+
+def process_allocator_peak(step) -> int:
+    """How far the CPU allocator's total over every thread rose above its value at
+    the start of ``step()``, at its largest as this thread allocated (NOTE [ Frees on
+    other threads ]; :func:`count_frees_on_every_thread` first). Equal to
+    :func:`allocator_peak` where every free is made on this thread."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with _collector_paused(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    allocations, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        node = pending.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            allocations.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+        pending.extend(node.children)
+    if not allocations:
+        return 0
+    allocations.sort()
+    _, first_size, first_total = allocations[0]
+    return max(0, max(total for _, _, total in allocations) - (first_total - first_size))
 
 
 def _release_memory(device: torch.device) -> None:
