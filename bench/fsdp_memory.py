@@ -4,7 +4,8 @@ sharded on 2 CPU ranks (gloo) against unsharded, beside the balanced plan's pred
 A chain of (Linear, GELU) pairs, each Linear its own ``fully_shard`` unit, run as
 ``nn.Sequential`` (plain), ``CheckpointedSequential(segments="sqrt")``, with the
 default segments (balanced), with the unsharded model's balanced segments (on the
-sharded chain: a plan that counts no gathered parameters), and balanced compiled
+sharded chain: a plan that counts no gathered parameters), balanced with the chain
+as the one unit (no Linear its own: what no plan counts), and balanced compiled
 (``model.compile()``, aot_eager, after sharding). Peak: how far the CPU allocator's bytes rise over one
 training step (forward, backward from an output gradient of ones), the step after
 the one that plans and allocates gradients, plus the batch: what a plan's
@@ -41,7 +42,8 @@ from actsave.text import format_table  # noqa: E402
 from harness import count_frees_on_every_thread, process_allocator_peak  # noqa: E402
 
 UNSHARDED_SEGMENTS = "unsharded plan's segments"
-MODES = ("plain", "sqrt", "balanced", UNSHARDED_SEGMENTS, "balanced, compiled")
+ONE_UNIT = "balanced, one unit"
+MODES = ("plain", "sqrt", "balanced", UNSHARDED_SEGMENTS, ONE_UNIT, "balanced, compiled")
 WORLD_SIZE = 2
 
 
@@ -51,10 +53,10 @@ def build(mode: str, width: int, pairs: int, starts: tuple, shard: bool = False)
     ``starts``: the unsharded model's balanced segments (UNSHARDED_SEGMENTS)."""
     torch.manual_seed(0)
     layers = [m for _ in range(pairs) for m in (nn.Linear(width, width), nn.GELU())]
-    segments = list(starts) if mode == UNSHARDED_SEGMENTS else mode.removesuffix(", compiled")
+    segments = {UNSHARDED_SEGMENTS: list(starts), ONE_UNIT: "balanced"}.get(mode, mode.removesuffix(", compiled"))
     model = nn.Sequential(*layers) if mode == "plain" else actsave.CheckpointedSequential(*layers, segments=segments)
     if shard:
-        model = sharded(model)
+        model = sharded(model, per_layer=mode != ONE_UNIT)
     if mode.endswith(", compiled"):
         model.compile(backend="aot_eager")
     return model
@@ -93,12 +95,13 @@ def unsharded_starts(shape: tuple) -> tuple:
     return model.balanced_plan.starts
 
 
-def sharded(model: nn.Module) -> nn.Module:
+def sharded(model: nn.Module, per_layer: bool = True) -> nn.Module:
+    """``model`` sharded: each Linear a unit where ``per_layer``, and the model one."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    for layer in model:
+    for layer in model if per_layer else ():
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
