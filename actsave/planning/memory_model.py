@@ -78,9 +78,10 @@ Memory model
     the segment before it saved it. G(a, i): the parameters FSDP2 gathers for layers
     a..i, which a recompute keeps gathered until each layer's backward (fsdp_gathers.py,
     NOTE [ Gathered parameters ]; 0 without FSDP2); the rises fwd_i and bwd_i hold
-    those of a plain step, so G' leaves out the layer bwd_i holds prefetched. [x_s]: the segment's input, s > 0, after its
-    first layer, where no save of the layers before holds it: the caller holds it
-    until the segment's forward returns. g_i: the gradient of layer i's input. fwd_i,
+    those of a plain step, so G' leaves out the layer bwd_i holds prefetched. [x_s]:
+    the segment's input, s > 0, after its first layer, where no save of the layers
+    before holds it: the caller holds it until the segment's forward returns. g_i:
+    the gradient of layer i's input. fwd_i,
     bwd_i: the rise of live bytes during layer i's forward and backward. The
     recompute stops at the segment's last saved tensor (runtime/function.py), so the last
     saving layer contributes only its rise up to its last save and later layers
