@@ -80,11 +80,12 @@ def test_a_plain_step_holds_a_layers_units_the_prefetched_ones_and_one_reduce_sc
     assert with_plain_step_gathers([layer("act", 0)] * 3) == [layer("act", 0)] * 3
 
 
-@pytest.mark.parametrize("segments", ["balanced", [0, 5, 9, 12, 14]], ids=["balanced", "unsharded-plan"])
+@pytest.mark.parametrize("segments", ["balanced", [0, 5, 9, 12, 14], [0]], ids=["balanced", "unsharded-plan", "stored"])
 def test_a_plan_predicts_a_sharded_steps_peak_within_5_percent(mesh, segments):
     """The bench's chain (bench/fsdp_memory.py), each Linear a unit, with the balanced
-    plan and with the unsharded model's (whose peak is in its first checkpointed
-    segment's backward, three units gathered and one reduce-scatter input): the plan
+    plan, with the unsharded model's (whose peak is in its first checkpointed
+    segment's backward, three units gathered and one reduce-scatter input) and stored
+    whole (the plain step's units: the last two, as its backward starts): the plan
     counts the units each recompute keeps gathered. The measured peak exceeds the
     prediction by the CPU generator's state each checkpoint keeps to replay its RNG,
     which no plan counts (docs/results.md, "FSDP2")."""
