@@ -4,21 +4,21 @@ sharded on 2 CPU ranks (gloo) against unsharded, beside the balanced plan's pred
 A chain of (Linear, GELU) pairs, each Linear its own ``fully_shard`` unit, run as
 ``nn.Sequential`` (plain), ``CheckpointedSequential(segments="sqrt")``, with the
 default segments (balanced), with the unsharded model's balanced segments (on the
-sharded chain: a plan that counts no gathered parameters), balanced with the chain
-as the one unit (no Linear its own: what no plan counts), and balanced compiled
-(``model.compile()``, aot_eager, after sharding). Peak: how far the CPU allocator's bytes rise over one
-training step (forward, backward from an output gradient of ones), the step after
-the one that plans and allocates gradients, plus the batch: what a plan's
-``predicted_peak_bytes`` counts. The allocator's own total of the bytes every thread
-allocated (harness.process_allocator_peak), the process's count, not actsave's: FSDP2
-frees and refills each unit's gathered parameters in place (``storage.resize_``), and
-gloo's worker threads free some of a collective's tensors (NOTE [ Frees on other
-threads ] in bench/harness/measure.py). Under FSDP2 the peak includes what FSDP2
-allocates itself (gathered parameters, unsharded gradients, its communication
-buffers); the larger of the two ranks' is reported. Gloo frees some buffers on its
-threads a moment after the collective, which the peak sometimes holds; so the step is
-measured too as rank 0 of two over torch's fake process group (one process,
-collectives that move no data, every free on the calling thread): FSDP2's own
+sharded chain: a plan that counts no gathered parameters), balanced with the chain as
+the one unit (no Linear its own: what no plan counts), and balanced compiled
+(``model.compile()``, aot_eager, after sharding). Peak: how far the CPU allocator's
+bytes rise over one training step (forward, backward from an output gradient of ones),
+the step after the one that plans and allocates gradients, plus the batch: what a
+plan's ``predicted_peak_bytes`` counts. The allocator's own total of the bytes every
+thread allocated (harness.process_allocator_peak), the process's count, not actsave's:
+FSDP2 frees and refills each unit's gathered parameters in place
+(``storage.resize_``), and gloo's worker threads free some of a collective's tensors
+(NOTE [ Frees on other threads ] in bench/harness/measure.py). Under FSDP2 the peak
+includes what FSDP2 allocates itself (gathered parameters, unsharded gradients, its
+communication buffers); the larger of the two ranks' is reported. Gloo frees some
+buffers on its threads a moment after the collective, which the peak sometimes holds;
+so the step is measured too as rank 0 of two over torch's fake process group (one
+process, collectives that move no data, every free on the calling thread): FSDP2's own
 allocations, run for run the same.
 
     python bench/fsdp_memory.py            # width 256, batch 512, 8 pairs

@@ -21,17 +21,18 @@ sharded parameters managed by units at or inside the layer. A profile's step on
 device tensors runs FSDP2's hooks, so its rises hold the first two kinds as that
 step does; a profile on meta tensors runs without them (meta.on_meta), so
 :func:`with_plain_step_gathers` adds them to its layers' rises: the layer's units
-while it runs forward, and while it runs backward those units, the previous layer's
-(the prefetch) and the next layer's reduce-scatter input. The memory model adds the
+while it runs forward, and while it runs backward those units, the nearest earlier
+gathering layer's (the prefetch) and the nearest later one's reduce-scatter input. The memory model adds the
 third kind (layer_events.py): in a checkpointed segment [a, b) layer i's recompute
 holds the units of layers a .. i-1 too, and its backward those of a .. i-1 but the
 prefetched layer's, which its rise holds.
 
 Not counted: the units that manage parameters of several layers (the root's), which
-stay gathered for the whole step; a unit that does not reshard after its forward;
-the all-gather's staging buffer, alive beside the gathered parameters while they are
-copied out; the last layer's units, gathered by its backward before a checkpointed
-segment's recompute reaches them.
+stay gathered for the whole step, their gradients accumulating through the backward;
+a unit that does not reshard after its forward; the all-gather's staging buffer,
+alive beside the gathered parameters while they are copied out; a backend's own
+copies (gloo's reduce-scatter copies its input); the last layer's units, gathered by
+its backward before a checkpointed segment's recompute reaches them.
 """
 from __future__ import annotations
 
