@@ -19,16 +19,24 @@ compiled graph ] in actsave/runtime/graph_codecs.py. Per mode:
 - the worst parameter gradient's SQNR against plain eager PyTorch's (dB; ``inf``:
   exact), one step from the same weights and batch;
 - the step time, median of rounds that interleave the mode's eager and compiled
-  steps (process CPU time on the CPU, wall time synchronized on CUDA), and its ratio
-  to the eager step of the same round; one compiled model at a time, Dynamo's caches
-  reset before each;
+  steps and a second eager copy's ("again": the same code timed twice, whose ratio is
+  the noise a difference must exceed), process CPU time on the CPU, wall time
+  synchronized on CUDA, and its ratio to the eager step of the same round; one
+  compiled model at a time, Dynamo's caches reset before each;
 - Dynamo's graphs and graph breaks, counted over the warm-up steps.
 
 The balanced plan's predicted peak is printed beside them: the planner profiles the
 eager code (docs/limits.md, "torch.compile").
 
+Inductor's layout optimization (``torch._inductor.config.layout_optimization``) runs a
+convolutional model channels-last and saves a channels-last copy of each 3x3
+convolution's weight and of the batch for the backward, plain or checkpointed alike;
+``--no-layout-optimization`` turns it off, so that what a compiled step keeps is its
+activations alone.
+
     python bench/compile_memory.py                         # ResNet-164, GPT-8, Llama-8; aot_eager
     python bench/compile_memory.py --backend inductor      # C++ builds on a CPU: minutes
+    python bench/compile_memory.py --backend inductor --no-layout-optimization
     python bench/compile_memory.py --smoke                 # tiny, for the tests
 """
 import argparse
@@ -119,10 +127,12 @@ def modes(model: nn.Module, blocks: tuple) -> dict:
 
 
 def eager_and_compiled(name: str, module: nn.Module, backend: str) -> dict:
-    """name -> (the module to call, the module whose parameters train): ``module``,
-    and a copy of it compiled, made before either runs."""
-    compiled = copy.deepcopy(module)
-    return {name: (module, module), f"{name}, compiled": (torch.compile(compiled, backend=backend), compiled)}
+    """name -> (the module to call, the module whose parameters train): ``module``, a
+    copy of it compiled, and another copy run eagerly ("again", the noise floor of the
+    ratios), all made before any runs."""
+    compiled, again = copy.deepcopy(module), copy.deepcopy(module)
+    return {name: (module, module), f"{name}, compiled": (torch.compile(compiled, backend=backend), compiled),
+            f"{name}, again": (again, again)}
 
 
 def step(module, trained, batch) -> None:
@@ -226,16 +236,21 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="aot_eager", help="torch.compile's backend (default aot_eager)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per mode, eager and compiled interleaved")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-layout-optimization", action="store_true",
+                        help="Inductor's layout optimization off: no channels-last copies of weights saved")
     parser.add_argument("--models", type=lambda text: text.split(","), default=None,
                         help="comma-separated words (resnet, gpt, llama): the cases whose names start with one, in "
                              "that order (default: every case)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.no_layout_optimization:
+        from torch._inductor import config as inductor_config
+        inductor_config.layout_optimization = False
     if device.type == "cpu":
         torch.set_num_threads(1)
     for name, (model, batch, blocks) in chosen(cases(args.smoke), args.models).items():
         rows, predicted = measure(model, batch, blocks, args.backend, 2 if args.smoke else args.rounds, device)
-        print(f"\n{name}, {args.backend}, {device}:")
+        print(f"\n{name}, {args.backend}{', no layout optimization' * args.no_layout_optimization}, {device}:")
         header = ["mode", "kept after forward MiB", "step peak MiB", "worst grad dB", "step ms", "vs eager", "graphs",
                   "breaks"]
         print(format_table([header, *[[str(cell) for cell in row] for row in rows]]))

@@ -826,7 +826,9 @@ def test_compile_memory_measures_eager_and_compiled_modes():
     resnet, gpt = tables["resnet20 b2 8x8"], tables["gpt4 w64 b8 t64"]
     modes = ("plain", "actsave", "actsave int8", "wrap int8")
     for table in (resnet, gpt):
-        assert set(table) == {*modes, *(f"{mode}, compiled" for mode in modes)}
+        assert set(table) == {*modes, *(f"{mode}, {run}" for mode in modes for run in ("compiled", "again"))}
+        for mode in modes:  # the eager code timed twice, as the ratios' noise floor
+            assert table[f"{mode}, again"][1:4] == table[mode][1:4] and table[f"{mode}, again"][-2:] == ["0", "0"]
         kept = {mode: float(cells[1]) for mode, cells in table.items()}
         sqnr = {mode: float(cells[3]) for mode, cells in table.items()}
         assert kept["actsave, compiled"] < kept["plain, compiled"] / 2  # the compiled backward recomputes
@@ -850,7 +852,7 @@ def test_compile_memory_measures_eager_and_compiled_modes():
     if not has_transformers:
         return
     llama = tables[llama_case]
-    assert set(llama) == {"plain", "plain, compiled", "wrap", "wrap, compiled", "wrap int8", "wrap int8, compiled"}
+    assert set(llama) == {f"{mode}{run}" for mode in ("plain", "wrap", "wrap int8") for run in ("", ", compiled", ", again")}
     assert llama["wrap, compiled"][3] == "inf" and llama["wrap, compiled"][-2:] == ["1", "0"]
     assert llama["wrap int8, compiled"][-2:] == ["1", "1"]
     assert float(llama["wrap int8, compiled"][1]) <= 1.05 * float(llama["wrap int8"][1])
