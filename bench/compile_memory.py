@@ -20,9 +20,10 @@ compiled graph ] in actsave/runtime/graph_codecs.py. Per mode:
   exact), one step from the same weights and batch;
 - the step time, median of rounds that interleave the mode's eager and compiled
   steps and a second eager copy's ("again": the same code timed twice, whose ratio is
-  the noise a difference must exceed), process CPU time on the CPU, wall time
-  synchronized on CUDA, and its ratio to the eager step of the same round; one
-  compiled model at a time, Dynamo's caches reset before each;
+  the noise a difference must exceed), each round's order rotated by one; process
+  CPU time on the CPU, wall time synchronized on CUDA; and its ratio to the eager
+  step of the same round; one compiled model at a time, Dynamo's caches reset before
+  each;
 - Dynamo's graphs and graph breaks, counted over the warm-up steps.
 
 The balanced plan's predicted peak is printed beside them: the planner profiles the
@@ -204,7 +205,7 @@ def measure(model, batch, blocks: tuple, backend: str, rounds: int, device) -> t
         runs = eager_and_compiled(name, module, backend)
         counts = warm_up(runs, batch, steps=3)  # plans, compiles; each input shape once
         times = interleaved_times({run: functools.partial(step, *modules, batch) for run, modules in runs.items()},
-                                  rounds, device)
+                                  rounds, device, rotate=True)
         for run, (called, trained) in runs.items():
             fidelity = worst_grad_sqnr(reference, gradients(called, trained, batch))
             peak = step_peak(called, trained, batch, device)
@@ -234,7 +235,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny models, two rounds")
     parser.add_argument("--backend", default="aot_eager", help="torch.compile's backend (default aot_eager)")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per mode, eager and compiled interleaved")
+    parser.add_argument("--rounds", type=int, default=9,
+                        help="timed rounds per mode, its three runs interleaved (a multiple of 3 puts each first alike)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-layout-optimization", action="store_true",
                         help="Inductor's layout optimization off: no channels-last copies of weights saved")

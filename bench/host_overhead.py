@@ -160,13 +160,18 @@ def train_step(model: torch.nn.Module, batch: tuple) -> None:
     forward_loss(model, batch).backward()
 
 
-def interleaved_times(steps: dict, rounds: int, device: torch.device) -> dict:
+def interleaved_times(steps: dict, rounds: int, device: torch.device, rotate: bool = False) -> dict:
     """``{name: [seconds, ...]}``: ``rounds`` rounds, each timing one call of every
-    ``steps[name]()`` in turn. CPU: process time; CUDA: wall time, synchronized."""
+    ``steps[name]()`` in turn; with ``rotate``, each round starts one name later than
+    the last, so that no step always holds the same place in a round (a place can run
+    faster than another: docs/results.md, "torch.compile"). CPU: process time; CUDA:
+    wall time, synchronized."""
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
+    order = list(steps.items())
+    for round_ in range(rounds):
+        shift = round_ % len(order) if rotate else 0
+        for name, step in order[shift:] + order[:shift]:
             synchronize(device)
             start = clock()
             step()

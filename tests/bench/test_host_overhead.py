@@ -205,3 +205,13 @@ def test_aten_ops_stay_within_their_ceilings(measured, case):
     over = {provider: (ratio, ATEN_OPS_CEILING[case][provider]) for provider, ratio in ratios.items()
             if ratio > ATEN_OPS_CEILING[case][provider]}
     assert not over, f"aten ops per step over their ceiling (ratio to torch_ckpt, ceiling): {over}"
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_interleaved_rounds_rotate_their_order_when_asked(host_overhead, rotate):
+    ran = []
+    steps = {name: (lambda name=name: ran.append(name)) for name in "abc"}
+    times = host_overhead.interleaved_times(steps, 6, torch.device("cpu"), rotate=rotate)
+    assert {name: len(seconds) for name, seconds in times.items()} == {"a": 6, "b": 6, "c": 6}
+    rounds = ["".join(ran[i:i + 3]) for i in range(0, len(ran), 3)]
+    assert rounds == (["abc", "bca", "cab"] * 2 if rotate else ["abc"] * 6)
