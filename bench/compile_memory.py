@@ -39,6 +39,7 @@ activations alone.
     python bench/compile_memory.py --backend inductor      # C++ builds on a CPU: minutes
     python bench/compile_memory.py --backend inductor --no-layout-optimization
     python bench/compile_memory.py --smoke                 # tiny, for the tests
+    python bench/compile_memory.py --smoke --rounds 60     # tiny, where host work shows
 """
 import argparse
 import copy
@@ -233,10 +234,11 @@ def chosen(found: dict, words: list) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny models, two rounds")
+    parser.add_argument("--smoke", action="store_true", help="tiny models (two rounds unless --rounds)")
     parser.add_argument("--backend", default="aot_eager", help="torch.compile's backend (default aot_eager)")
-    parser.add_argument("--rounds", type=int, default=9,
-                        help="timed rounds per mode, its three runs interleaved (a multiple of 3 puts each first alike)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed rounds per mode, its three runs interleaved (a multiple of 3 puts each first "
+                             "alike; default 9, with --smoke 2)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-layout-optimization", action="store_true",
                         help="Inductor's layout optimization off: no channels-last copies of weights saved")
@@ -251,7 +253,8 @@ def main(argv=None) -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)
     for name, (model, batch, blocks) in chosen(cases(args.smoke), args.models).items():
-        rows, predicted = measure(model, batch, blocks, args.backend, 2 if args.smoke else args.rounds, device)
+        rounds = args.rounds or (2 if args.smoke else 9)
+        rows, predicted = measure(model, batch, blocks, args.backend, rounds, device)
         print(f"\n{name}, {args.backend}{', no layout optimization' * args.no_layout_optimization}, {device}:")
         header = ["mode", "kept after forward MiB", "step peak MiB", "worst grad dB", "step ms", "vs eager", "graphs",
                   "breaks"]
