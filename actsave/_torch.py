@@ -406,6 +406,30 @@ def top_saved_tensor_hooks():
     return _top_saved_tensors_hooks(False)
 
 
+# NOTE [ A frame Dynamo skips ]
+# actsave sets its graph hooks around a forward that Dynamo compiles, in one graph
+# break: a traced caller breaks at a function whose own frame Dynamo does not trace
+# and whose callees it compiles. torch.compiler.disable(recursive=False) makes such a
+# function, but Dynamo decides its frame again at every call (its frame callback runs
+# for it each time: trace rules, the frame's first instruction), host work that a short
+# step shows (docs/results.md, "Inductor's layout copies, and the noise of a ratio").
+# torch._dynamo.decorators.skip (private, in 2.11 and 2.13) marks the function's code
+# skipped once (skip_code: this frame skipped, its callees as usual), and sets the
+# attribute at which a traced caller breaks, as disable does. The mark lives on the
+# code object; torch._dynamo.reset() clears only the codes Dynamo's callback has seen,
+# which a skipped code never reaches. Where skip is missing, disable(recursive=False).
+_skip = _optional_attribute("torch._dynamo.decorators", "skip")
+
+
+def untraced_frame(function):
+    """``function``, whose own frame Dynamo neither traces nor decides again at each
+    call, while it compiles the frames ``function`` calls; a traced caller breaks the
+    graph at it (NOTE [ A frame Dynamo skips ])."""
+    if _skip is None:
+        return torch.compiler.disable(function, recursive=False)
+    return _skip(function)
+
+
 # NOTE [ Fake tensors in a probe ]
 # Code written to be traced tells a tensor it cannot read from one it can: Hugging
 # Face's mask code skips its data-dependent checks (``Tensor.item()``) for a

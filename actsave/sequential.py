@@ -33,7 +33,7 @@ from .planning import plans, profiler
 from .planning.balanced_cache import BalancedPlans
 from .planning.segments import (BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, normalized_segments,
                                 segment_starts, segments_from, split_starts)
-from ._torch import is_sharded
+from ._torch import is_sharded, untraced_frame
 from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
@@ -279,7 +279,7 @@ class CheckpointedSequential(nn.Sequential):
 
     # The forward's one graph break: NOTE [ Codecs in a compiled graph ] in
     # runtime/graph_codecs.py.
-    @torch.compiler.disable(recursive=False)
+    @untraced_frame
     def _forward_with_graph_codecs(self, input, layers: list):
         """The forward under torch.compile where a layer keeps by a codec."""
         eager_output, starts = self._codecs_in_graph_on(input, layers)

@@ -116,3 +116,37 @@ def test_an_attribute_swap_puts_the_attribute_back_when_its_context_raises():
     with pytest.raises(RuntimeError), swap.active():
         raise RuntimeError
     assert "name" not in vars(_Inherits) and _Inherits().name() == "base"
+
+
+def test_an_untraced_frame_breaks_its_traced_caller_once_and_compiles_what_it_calls():
+    """NOTE [ A frame Dynamo skips ]: the function's own ops run eagerly, the frames it
+    calls compile, its traced caller breaks once there, and Dynamo never decides its
+    frame; so again after a reset."""
+    def inner(x):
+        return x.sin() + 1
+
+    def own(x):
+        return inner(x) * 2
+    untraced = _torch.untraced_frame(own)
+
+    def outer(x):
+        return untraced(x.cos()) - 1
+
+    x = torch.randn(4)
+    for _ in range(2):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append({getattr(node.target, "__name__", node.target) for node in gm.graph.nodes
+                           if node.op in ("call_function", "call_method")})
+            return gm.forward
+        assert torch.equal(torch.compile(outer, backend=backend)(x), outer(x))
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 1
+        ops = set().union(*graphs)
+        assert {"sin", "cos"} <= ops  # inner's frame compiled, and the caller's
+        assert "mul" not in ops  # untraced's own op ran eagerly
+        # and Dynamo's frame callback never took its frame (it takes every frame it
+        # decides, at each call, a frame disable(recursive=False) makes included)
+        assert own.__code__ not in torch._dynamo.convert_frame.input_codes

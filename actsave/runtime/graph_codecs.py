@@ -38,13 +38,12 @@ that graph and its backward:
   their precision (docs/results.md, "Other figures").
 - Dynamo does not trace entering saved-tensor hooks (graph break gb0008), AOTAutograd
   inlines the hooks set when it compiles, and each compiled frame is guarded on the
-  hooks set when it runs. So the hooks are set outside the frame that is compiled
-  with them, and unset after it returns. A CheckpointedSequential does both in one
-  graph break, before any compute: its forward calls a function Dynamo does not
-  trace but whose callees it compiles (``torch.compiler.disable(recursive=False)``),
-  which looks up the segments, sets the hooks, calls the traced forward, which
-  Dynamo compiles as a frame of its own, and unsets them when that returns or raises.
-  One break, one graph.
+  hooks set when it runs. So the hooks are set outside the frame that is compiled with
+  them, and unset after it returns. A CheckpointedSequential does both in one graph
+  break, before any compute: its forward calls a function Dynamo does not trace but
+  whose callees it compiles (``_torch.untraced_frame``), which looks up the segments,
+  sets the hooks, calls the traced forward, which Dynamo compiles as a frame of its
+  own, and unsets them when that returns or raises. One break, one graph.
 - A lossy segment's output that an exact stored segment saves (its first layer's
   input) is kept exactly eagerly, as the stored segment's own save. In the graph the
   partitioner would recompute it instead, from the encoded input (it must keep that
@@ -349,7 +348,7 @@ def blocks_in_graph(policy: KeepPolicy, eager_because: Optional[str]) -> bool:
     return _set_for_blocks and policy.lossy and not policy.offload and eager_because is None
 
 
-@torch.compiler.disable(recursive=False)  # the root's one graph break (see the NOTE)
+@_torch.untraced_frame  # the root's one graph break (see the NOTE)
 def _forward_with_graph_codecs(root: RootForward, args: tuple, kwargs: dict):
     set_here = _blocks_on(root.model, args, kwargs)
     try:
