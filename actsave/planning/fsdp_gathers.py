@@ -17,15 +17,15 @@ around the unit's use. In a training step (``FSDPParamGroup``, torch 2.11 to 2.1
   recomputes stays gathered until its own backward.
 
 A layer's gathered bytes are the whole size, in the unit's ``param_dtype``, of the
-sharded parameters managed by units at or inside the layer. A profile's step on
-device tensors runs FSDP2's hooks, so its rises hold the first two kinds as that
-step does; a profile on meta tensors runs without them (meta.on_meta), so
+sharded parameters managed by units at or inside the layer. A profile's step on device
+tensors runs FSDP2's hooks, so its rises hold the first two kinds as that step does; a
+profile on meta tensors runs without them (meta.on_meta), so
 :func:`with_plain_step_gathers` adds them to its layers' rises: the layer's units
 while it runs forward, and while it runs backward those units, the nearest earlier
-gathering layer's (the prefetch) and the nearest later one's reduce-scatter input. The memory model adds the
-third kind (layer_events.py): in a checkpointed segment [a, b) layer i's recompute
-holds the units of layers a .. i-1 too, and its backward those of a .. i-1 but the
-prefetched layer's, which its rise holds.
+gathering layer's (the prefetch) and the nearest later one's reduce-scatter input. The
+memory model adds the third kind (layer_events.py): in a checkpointed segment [a, b)
+layer i's recompute holds the units of layers a .. i-1 too, and its backward those of
+a .. i-1 but the prefetched layer's, which its rise holds.
 
 Not counted: the units that manage parameters of several layers (the root's), which
 stay gathered for the whole step, their gradients accumulating through the backward;

@@ -53,8 +53,8 @@ class LayerEvents:
         self.reused_saved = np.where(self.input_last >= layer_index, self.reused_input, 0.0)
         saving = np.where([layer.saves_for_backward for layer in layers], np.arange(n), -1)
         self.last_saver = np.maximum.accumulate(saving)  # the last saving layer at or before i
-        # FSDP2's units a recompute gathers stay gathered to their backward: NOTE [
-        # Gathered parameters ] (fsdp_gathers.py).
+        # FSDP2's units a recompute gathers stay gathered to their backward:
+        # NOTE [ Gathered parameters ] (fsdp_gathers.py).
         gathered = column("gathered_bytes")
         self.gathered_before = np.concatenate(([0.0], np.cumsum(gathered)))  # over [0, i)
         self.prefetched_layer = np.array(prefetched_layers(gathered.tolist()), dtype=np.int64)

@@ -72,27 +72,27 @@ Memory model
     are counted, in Saved_k, from its start, and the tensors they encode as if they
     stayed to its end (as in the profiled step): the stored events bound the codec's
     step from above, by the saves' full size at most.
-    Saved(a, i): the distinct storages saved for backward by layers a..i, each
-    counted once whichever layers share it; Saved' leaves out the segment input,
-    counted by K, F or D. U(i): layer i's input while it runs, unless a layer of
-    the segment before it saved it. G(a, i): the parameters FSDP2 gathers for layers
-    a..i, which a recompute keeps gathered until each layer's backward (fsdp_gathers.py,
+    Saved(a, i): the distinct storages saved for backward by layers a..i, each counted
+    once whichever layers share it; Saved' leaves out the segment input, counted by K,
+    F or D. U(i): layer i's input while it runs, unless a layer of the segment before
+    it saved it. G(a, i): the parameters FSDP2 gathers for layers a..i, which a
+    recompute keeps gathered until each layer's backward (fsdp_gathers.py,
     NOTE [ Gathered parameters ]; 0 without FSDP2); the rises fwd_i and bwd_i hold
     those of a plain step, so G' leaves out the layer bwd_i holds prefetched. [x_s]:
     the segment's input, s > 0, after its first layer, where no save of the layers
-    before holds it: the caller holds it until the segment's forward returns. g_i:
-    the gradient of layer i's input. fwd_i,
-    bwd_i: the rise of live bytes during layer i's forward and backward. The
-    recompute stops at the segment's last saved tensor (runtime/function.py), so the last
-    saving layer contributes only its rise up to its last save and later layers
-    nothing; a segment that saves nothing keeps nothing. F: the input fetched back
-    from the host; D: the decoded input; Q: the private copy a segment starting
-    with an in-place layer recomputes from; restore_i: re-imposing the forward's
-    ReLU or max-pool decisions, the larger (runtime/relu_signs.py, pool_decisions.py);
-    enc, dec: the rise while encoding, decoding. A recompute runs each call of a
-    module whose forward mutates its state (BatchNorm statistics) on copies of it,
-    dropped as the call returns (runtime/state.py): the copies autograd saves are
-    the layer's saves as profiled, and no other copy outlives its layer.
+    before holds it: the caller holds it until the segment's forward returns. g_i: the
+    gradient of layer i's input. fwd_i, bwd_i: the rise of live bytes during layer i's
+    forward and backward. The recompute stops at the segment's last saved tensor
+    (runtime/function.py), so the last saving layer contributes only its rise up to
+    its last save and later layers nothing; a segment that saves nothing keeps
+    nothing. F: the input fetched back from the host; D: the decoded input; Q: the
+    private copy a segment starting with an in-place layer recomputes from; restore_i:
+    re-imposing the forward's ReLU or max-pool decisions, the larger
+    (runtime/relu_signs.py, pool_decisions.py); enc, dec: the rise while encoding,
+    decoding. A recompute runs each call of a module whose forward mutates its state
+    (BatchNorm statistics) on copies of it, dropped as the call returns
+    (runtime/state.py): the copies autograd saves are the layer's saves as profiled,
+    and no other copy outlives its layer.
     A checkpointed segment's forward events are left out: each is at most the same
     layer's recompute event, which also holds the incoming gradient g_b.
 

@@ -852,7 +852,8 @@ def test_compile_memory_measures_eager_and_compiled_modes():
     if not has_transformers:
         return
     llama = tables[llama_case]
-    assert set(llama) == {f"{mode}{run}" for mode in ("plain", "wrap", "wrap int8") for run in ("", ", compiled", ", again")}
+    runs = ("", ", compiled", ", again")
+    assert set(llama) == {f"{mode}{run}" for mode in ("plain", "wrap", "wrap int8") for run in runs}
     assert llama["wrap, compiled"][3] == "inf" and llama["wrap, compiled"][-2:] == ["1", "0"]
     assert llama["wrap int8, compiled"][-2:] == ["1", "1"]
     assert float(llama["wrap int8, compiled"][1]) <= 1.05 * float(llama["wrap int8"][1])
