@@ -91,6 +91,27 @@ def version(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
+def version_counter_of(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """A tensor of no elements that shares ``tensor``'s version counter (its views',
+    too) and holds none of its storage: ``version()`` of it follows every in-place
+    change of ``tensor`` after it is freed, as autograd's saved-tensor check does. None
+    where the tensor's type does not allow it (a subclass). Made as an alias of the
+    tensor (``_make_subclass`` shares the counter, and lets the alias's metadata
+    change), whose storage is then swapped for an empty one; the swap's own version
+    bump is undone (``_unsafe_preserve_version_counter``)."""
+    try:
+        alias = torch.Tensor._make_subclass(torch.Tensor, tensor.detach())
+        with _preserve_version_counter(alias):
+            alias.set_(tensor.new_empty(0))
+    except (TypeError, RuntimeError):
+        return None
+    return alias
+
+
+_preserve_version_counter = _require(getattr(torch.autograd, "_unsafe_preserve_version_counter", None),
+                                     "torch.autograd._unsafe_preserve_version_counter")
+
+
 def leaf_base(tensor: torch.Tensor) -> Optional[torch.Tensor]:
     """The leaf ``tensor`` is, or is a view of; None for a tensor autograd produced."""
     base = tensor._base if tensor._is_view() else tensor
@@ -134,6 +155,12 @@ def children_of(module: torch.nn.Module):
     """The module's own table of submodules' values (``None`` entries included), read
     without building names as ``named_children`` does."""
     return module._modules.values()
+
+
+def named_children_of(module: torch.nn.Module):
+    """``(name, child)`` of each entry of the module's own table of submodules, in order,
+    a module placed under two names included (``named_children`` yields it once)."""
+    return ((name, child) for name, child in module._modules.items() if child is not None)
 
 
 def own_tensors(module: torch.nn.Module, kind: str) -> dict:

@@ -33,7 +33,7 @@ from .planning import plans, profiler
 from .planning.balanced_cache import BalancedPlans
 from .planning.segments import (BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, normalized_segments,
                                 segment_starts, segments_from, split_starts)
-from ._torch import is_sharded, untraced_frame
+from ._torch import is_sharded, named_children_of, untraced_frame
 from .checks import integral
 from .runtime.compressed_saves import call_with_compressed_saves
 from .errors import ConfigError
@@ -42,6 +42,7 @@ from .runtime.function import checkpoint_in_graph, checkpointed_call, warn_eager
 from .runtime.layers import LayerChain
 from .runtime.nested import nested_call
 from .runtime.recompute_options import DEFAULT_RECOMPUTE
+from .runtime.state import ChainState
 from .offload import current_tape
 from .runtime.store import CallerTensors, KeepPolicy, modifies_input, should_encode
 from .text import format_table
@@ -159,9 +160,11 @@ class CheckpointedSequential(nn.Sequential):
                 f"sequential={sequential!r}: from_sequential expects an nn.Sequential, got "
                 f"{type(sequential).__name__}"
             )
+        # Every position, a module placed twice included (named_children() yields it once).
+        layers = OrderedDict(named_children_of(sequential))
         if isinstance(sequential, CheckpointedSequential):
-            return sequential._with_options(OrderedDict(sequential.named_children()), cls, **options)
-        return cls(OrderedDict(sequential.named_children()), **options)
+            return sequential._with_options(layers, cls, **options)
+        return cls(layers, **options)
 
     def __getitem__(self, index):
         if isinstance(index, slice):  # the slice's layers keep their options
@@ -215,7 +218,10 @@ class CheckpointedSequential(nn.Sequential):
         self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, False
         tape = current_tape()
         caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)
-        for segment in segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()):
+        segments = segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges())
+        # The checkpointed segments' module state, snapshotted together as the forward starts.
+        state = ChainState([layers[s.start:s.stop] for s in segments if s.checkpointed and s.nested is None])
+        for segment in segments:
             tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
             run = _Chain(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
@@ -225,7 +231,8 @@ class CheckpointedSequential(nn.Sequential):
             if segment.nested is not None:
                 input, kept = nested_call(run.layers, segment.nested, input, private_copy)
             elif segment.checkpointed:
-                input, kept = checkpointed_call(run, (input,), {}, policy, private_copy, made_by=made_by)
+                input, kept = checkpointed_call(run, (input,), {}, policy, private_copy, made_by=made_by,
+                                                prepared=state.next())
             elif not policy.codec.lossless:
                 # Offload does not apply here: backward needs these saves at once.
                 input, kept = call_with_compressed_saves(run, input, policy.codec)

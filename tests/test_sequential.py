@@ -142,8 +142,11 @@ def test_nothing_is_kept_or_recomputed_without_grad(mode):
 def test_stored_bytes_counts_kept_inputs_until_backward():
     model = as_checkpointed(mixed_chain(), segments=4)
     out = model(torch.randn(8, 16, requires_grad=True))
-    # Three checkpointed segments, each keeping one 8x16 float32 input.
-    assert actsave.stored_bytes() == {"device": 3 * 8 * 16 * 4, "host": 0}
+    # Three checkpointed segments, each keeping one 8x16 float32 input and the snapshot
+    # of the BatchNorm it runs (two 16-float statistics, an int64 count): NOTE [ State a
+    # forward reads and mutates ].
+    snapshot = 2 * 16 * 4 + 8
+    assert actsave.stored_bytes() == {"device": 3 * (8 * 16 * 4 + snapshot), "host": 0}
     out.sum().backward()
     assert actsave.stored_bytes() == {"device": 0, "host": 0}
 
@@ -489,8 +492,10 @@ def test_describe_lists_every_layer_with_its_segment_and_kept_bytes():
     lines = model.describe().splitlines()
     assert lines[0].split() == ["layer", "name", "type", "segment", "keeps", "codec", "where", "kept", "bytes"]
     assert len(lines) == 1 + len(model)
-    # The batch is the caller's: kept by reference, none of actsave's bytes.
-    assert lines[1].split() == ["0", "0", "Linear", "0", "input", "none", "by", "reference", "0"]
+    # The batch is the caller's: kept by reference, none of actsave's bytes but the
+    # snapshot of the segment's BatchNorm (NOTE [ State a forward reads and mutates ]).
+    snapshot = 2 * 16 * 4 + 8
+    assert lines[1].split() == ["0", "0", "Linear", "0", "input", "none", "by", "reference", str(snapshot)]
     second = lines[1 + plan_segments(len(model), 4)[1].start].split()
     assert second[4:7] == ["input", "none", "device"] and int(second[7]) > 0
     last_start = plan_segments(len(model), 4)[-1].start
@@ -616,3 +621,25 @@ def test_describe_and_the_balanced_plan_say_where_each_input_is_kept_in_the_same
     assert len(checkpointed) > 2 and checkpointed.pop(0) == ["none", "device"]
     assert all(kept[start][1:3] == where for start, where in checkpointed.items()), (kept, checkpointed)
     assert {tuple(where) for where in checkpointed.values()} == {("int8", "host")}
+
+
+def repeated_block_chain():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU())
+    return [*[block] * 6, nn.Linear(16, 4)]
+
+
+def test_a_chain_that_repeats_a_block_gets_a_balanced_plan_and_nn_sequentials_training():
+    plain, model = nn.Sequential(*repeated_block_chain()), CheckpointedSequential(*repeated_block_chain())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to "sqrt"
+        for _ in range(2):
+            assert_same_training(plain, model, torch.randn(8, 16))
+    assert model.balanced_plan is not None and model.balanced_plan.n_layers == 7
+    assert model[0][1].num_batches_tracked.item() == plain[0][1].num_batches_tracked.item() == 2 * 6
+
+
+def test_from_sequential_keeps_every_position_of_a_repeated_block():
+    seq = nn.Sequential(*repeated_block_chain())
+    model = CheckpointedSequential.from_sequential(seq)
+    assert len(model) == 7 and list(model.state_dict()) == list(seq.state_dict())

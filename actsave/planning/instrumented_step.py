@@ -22,10 +22,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .._torch import current_autograd_node, own_tensors, storage_resizes_observed
+from .._torch import current_autograd_node, own_tensors, storage_resizes_observed, version
 from ..devices import forked_rng_devices, synchronize
 from ..errors import ConfigError
 from ..meta import fast_meta, plans_at_first_call
@@ -48,56 +46,66 @@ class SavedStorage:
 @contextlib.contextmanager
 def isolated_steps(model: nn.Module, device: torch.device):
     """While active, training steps of ``model`` (on ``device``) leave no trace: on
-    exit each parameter's gradient is put back as it was, BatchNorm running statistics
-    are untouched and the caller's RNG state (CPU, and ``device``'s on CUDA) is
-    restored. Inside, every gradient starts allocated (zeros), as from the second
-    training step on: each layer's new gradients are then transients accumulated into
-    them, not gradient memory kept; and compiled code runs eagerly, so that a step on
-    meta tensors or under the profile's global module hooks compiles nothing.
-    :func:`~actsave.profile` and the block planner (blocks.py) measure their steps
-    inside it."""
+    exit each parameter's gradient is put back as it was, every buffer is untouched
+    (the steps run on copies: :class:`ModuleState`, which it yields) and the caller's
+    RNG state (CPU, and ``device``'s on CUDA) is restored. Inside, every gradient
+    starts allocated (zeros), as from the second training step on: each layer's new
+    gradients are then transients accumulated into them, not gradient memory kept;
+    and compiled code runs eagerly, so that a step on meta tensors or under the
+    profile's global module hooks compiles nothing. :func:`~actsave.profile` and the
+    block planner (blocks.py) measure their steps inside it."""
     grads = [(p, p.grad) for p in model.parameters()]
     for p, _ in grads:
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     try:
-        with torch.random.fork_rng(devices=forked_rng_devices(device)), _batchnorm_statistics_untouched(), \
+        with torch.random.fork_rng(devices=forked_rng_devices(device)), ModuleState(model) as state, \
                 torch.compiler.set_stance("force_eager"):
-            yield
+            yield state
     finally:
         for p, grad in grads:
             p.grad = grad
 
 
-def _updates_running_statistics(module: nn.Module) -> bool:
-    """Whether ``module``'s forward updates running statistics: the buffers the
-    planner models as mutated in forward (the runtime finds them by version,
-    runtime/state.py TouchedState)."""
-    return isinstance(module, _BatchNorm) and module.training and module.track_running_stats
+class ModuleState:
+    """While active, every buffer of ``model`` is a copy, made as it starts, and the
+    originals are put back on exit, so that steps run inside leave the model's state
+    (BatchNorm's running statistics, any module's moving averages) as it was, the
+    other threads' modules untouched. The copies are state like the buffers they
+    stand for, not memory the steps allocate. After the steps, :meth:`mutated_bytes`
+    says what a checkpointed occurrence of a layer keeps of the state its forward
+    mutated (runtime/state.py, NOTE [ State a forward reads and mutates ])."""
 
+    def __init__(self, model: nn.Module):
+        self._model = model
+        self._swapped = []  # (table, name, original, copy, the copy's version)
 
-@contextlib.contextmanager
-def _batchnorm_statistics_untouched():
-    """While active, every BatchNorm that runs in training mode updates scratch copies
-    of its running statistics (allocated as a recompute's are, so the profiled step
-    sees them), and the originals are put back on exit."""
-    swapped = []
-
-    def use_scratch_statistics(module, args):
-        if _updates_running_statistics(module):
-            buffers = own_tensors(module, "buffers")
-            for name, original in list(buffers.items()):
+    def __enter__(self) -> "ModuleState":
+        for module in self._model.modules():
+            table = own_tensors(module, "buffers")
+            for name, original in list(table.items()):
                 if original is not None:
-                    swapped.append((buffers, name, original))
-                    buffers[name] = original.clone()
+                    table[name] = original.clone()
+                    self._swapped.append((table, name, original, table[name], version(table[name])))
+        return self
 
-    handle = register_module_forward_pre_hook(use_scratch_statistics)
-    try:
-        yield
-    finally:
-        handle.remove()
-        # Reversed, so a module run twice gets its first original back.
-        for buffers, name, original in reversed(swapped):
-            buffers[name] = original
+    def __exit__(self, *exc) -> None:
+        for table, name, original, _, _ in reversed(self._swapped):
+            table[name] = original
+
+    def mutated_bytes(self, layer: nn.Module, device) -> int:
+        """The bytes of a snapshot of the buffers that ``layer``'s forward mutated in
+        the steps run so far: every buffer of each module under it whose buffers moved
+        (changed in place or replaced), as the runtime snapshots them, each an
+        allocation of its own on ``device``."""
+        moved = {id(table) for table, name, _, copy, was in self._swapped
+                 if table.get(name) is not copy or version(copy) != was}
+        total = 0
+        for module in layer.modules():
+            table = own_tensors(module, "buffers")
+            if id(table) in moved:
+                total += sum(allocation_bytes(b.numel() * b.element_size(), device)
+                             for b in table.values() if b is not None)
+        return total
 
 
 class _SaveLedger:

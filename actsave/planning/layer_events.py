@@ -18,7 +18,7 @@ from .profiler import Profile
 
 class LayerEvents:
     """The profile's per-layer terms as numpy arrays (memory_model.py's X, x_i, g_i,
-    O, L, fwd_i, bwd_i, Saved, U, S, Q, the times), the events of the layers from each
+    O, L, fwd_i, bwd_i, Saved, U, S, M, Q, the times), the events of the layers from each
     start (:meth:`events_from`) and, for the solvers, the largest of them over every
     segment [a, b) (:attr:`tables`, built on first use). Every segment kind's terms
     (stored_model.py, memory_model.py) are built on these."""
@@ -61,6 +61,7 @@ class LayerEvents:
         self.prefetched = np.where(self.prefetched_layer >= 0, gathered[self.prefetched_layer], 0.0)
         decisions = column("relu_sign_bytes") + column("pool_decision_bytes")
         self.signs_before = np.concatenate(([0.0], np.cumsum(decisions)))  # S over [0, i)
+        self.state_before = np.concatenate(([0.0], np.cumsum(column("mutated_state_bytes"))))  # M over [0, i)
         self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
         self.backward_s_before = np.concatenate(([0.0], np.cumsum(column("backward_s"))))
         # A checkpoint whose first layer changes its input in place keeps a copy of the

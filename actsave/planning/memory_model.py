@@ -26,8 +26,11 @@ Memory model
     input as the codec stores it (K; nothing for the chain input, held anyway) plus,
     for a lossy codec, the decisions its recompute takes from the forward (S): one bit
     per element of each ReLU output inside it, a few per output of each max pool
-    (runtime/pool_decisions.py), until its recompute ends. R = K + S is what it keeps
-    on the device; offloaded, R = 0 and F = K + S is fetched back for the recompute.
+    (runtime/pool_decisions.py), until its recompute ends, and a snapshot of the module
+    state its layers mutate (M: BatchNorm's statistics, any module's moving averages;
+    runtime/state.py, NOTE [ State a forward reads and mutates ]), which its recompute
+    reads. R = K + S + M is what it keeps on the device; offloaded, R = M and F = K + S
+    is fetched back for the recompute.
     W is the largest of the segment's events, each built from per-layer measurements
     of the profiled step (sums over a <= i < b):
 
@@ -89,10 +92,10 @@ Memory model
     private copy a segment starting with an in-place layer recomputes from; restore_i:
     re-imposing the forward's ReLU or max-pool decisions, the larger
     (runtime/relu_signs.py, pool_decisions.py); enc, dec: the rise while encoding,
-    decoding. A recompute runs each call of a module whose forward mutates its state
-    (BatchNorm statistics) on copies of it, dropped as the call returns
-    (runtime/state.py): the copies autograd saves are the layer's saves as profiled,
-    and no other copy outlives its layer.
+    decoding. A recompute runs on the snapshot M, which it keeps to its end, and the
+    profile's steps on copies of every buffer made before them: autograd's saves of
+    them (BatchNorm's statistics) are not in Saved, as parameters are not, so R counts
+    them once, and the segment's backward events M (what autograd saved of it, at most).
     A checkpointed segment's forward events are left out: each is at most the same
     layer's recompute event, which also holds the incoming gradient g_b.
 
@@ -251,21 +254,26 @@ class CostModel(StoredTerms):
     def kept(self, o: int, a, b, input_held=False) -> np.ndarray:
         """R(a, b, o): the device bytes the segment keeps from its forward to its
         recompute; ``input_held`` (broadcastable): after a stored middle segment whose
-        saves hold x_a, where K is x_a itself the stored segment holds it."""
+        saves hold x_a, where K is x_a itself the stored segment holds it. Offloaded,
+        only the snapshot M of mutated module state stays on the device."""
         saves = self.saves(a, b)
         if self.options[o].offload:
-            return np.zeros(np.shape(saves))
+            return np.where(saves, self.state(a, b), 0.0)
         signs_to_end = self.signs_before[b] if self.options[o].lossy else 0.0
-        return np.where(saves, self.kept_from_start(o, a, input_held) + signs_to_end, 0.0)
+        return np.where(saves, self.kept_from_start(o, a, input_held) + signs_to_end + self.state_before[b], 0.0)
+
+    def state(self, a, b):
+        """M(a, b): the snapshot of the module state layers a .. b-1 mutate."""
+        return self.state_before[b] - self.state_before[a]
 
     def kept_from_start(self, o: int, a, input_held=False) -> np.ndarray:
-        """R(a, b, o) less the sign bits before b (lossy options), for a segment that
-        keeps anything (``saves``): the part of R that does not depend on the end, so
-        that for every end b, R(a, b, o) - R(a', b, o) is the same (solver._Sweep
-        orders prefixes by it). Exact in float64: every term is a whole number of
-        bytes or of bits / 8."""
+        """R(a, b, o) less the sign bits (lossy options) and the snapshot before b, for
+        a segment that keeps anything (``saves``): the part of R that does not depend on
+        the end, so that for every end b, R(a, b, o) - R(a', b, o) is the same
+        (solver._Sweep orders prefixes by it). Exact in float64: every term is a whole
+        number of bytes or of bits / 8."""
         signs_before_start = self.signs_before[a] if self.options[o].lossy else 0.0
-        return self.kept_input[o, a] - signs_before_start - self._reused(o, a, input_held)
+        return self.kept_input[o, a] - signs_before_start - self.state_before[a] - self._reused(o, a, input_held)
 
     def _reused(self, o: int, a, input_held) -> np.ndarray:
         """The bytes of K that a stored middle segment before a holds (its saves hold
@@ -288,6 +296,9 @@ class CostModel(StoredTerms):
         kept = self.kept(o, a, b, input_held)
         backward = backward - np.where(input_held & self.shares_input[o, a], self.reused_saved[a], 0.0)
         held = self.held_in_backward + kept + fetched + self.decoded[o, a] + self.private_copy[a] + self.grad[b]
+        # After the recompute, autograd's saves of the snapshot (BatchNorm's statistics)
+        # stay to their layers' backward: at most M.
+        backward = backward + np.where(self.saves(a, b), self.state(a, b), 0.0)
         events = np.maximum(held + recompute, backward)  # the sign bits go with the recompute
         encode = self.encode_event[o, a]
         if option.lossy:

@@ -29,8 +29,10 @@ the pass at its last save (runtime/nested.py, the early stop), as a single-level
 recompute does (memory_model.py, recompute_to_last_save). A stored part after a
 recomputed one runs as any stored forward does: the pass gives its input the
 forward's requires_grad without holding it (runtime/nested.py, _RequiresGrad) and
-runs each call of a module that mutates its state on copies dropped as the call
-returns (runtime/state.py), so neither adds anything to count.
+runs on copies of the snapshot of module state its layers mutate (runtime/state.py),
+runs its stored parts on the snapshot itself (their layers' last run), and its
+recomputed parts, run without grad, on copies of their layers' share of it, made as
+the part starts and dropped as it ends: M(s, e) in the part's pass.
 
 A top-level nested segment's working set is W = O + K + Q + C + E(top), O, K, Q and
 C as for any checkpointed segment (memory_model.py), and it keeps R = K until its
@@ -68,7 +70,8 @@ def held_outside(model, o: int, a, b, input_held=False) -> np.ndarray:
     starts, ends and ``input_held`` (after a stored middle segment whose saves hold
     x_a, which holds K then: CostModel.kept): what its top range's events come on top
     of, less the carry. Its first part's saves of x_a are the same storage as K
-    (Part.kept), so neither counts x_a again."""
+    (Part.kept), so neither counts x_a again. The snapshot M of module state, in R, is
+    held to the last pass (what autograd saves of it, to the layers' backward)."""
     return model.held_in_backward + model.kept(o, a, b, input_held) + model.private_copy[a]
 
 
@@ -124,7 +127,8 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool, input_held: b
     input_beside_copy = bool(copy) and not held_elsewhere
     later = np.arange(s, stops.max())
     inputs = np.where((later > s) | input_beside_copy, model.input[later], 0.0)
-    during_pass = kept + np.maximum.accumulate(inputs + model.no_grad_rise[later])[stops - s - 1]
+    copies = model.state(s, stops)  # of the module state the part's layers mutate
+    during_pass = kept + copies + np.maximum.accumulate(inputs + model.no_grad_rise[later])[stops - s - 1]
     return Part(kept=np.full(stops.shape, kept), during_pass=during_pass,
                 after=np.full(stops.shape, kept + model.private_copy[s]))
 

@@ -265,12 +265,13 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
             raise ConfigError(f"{name}={flag!r} must be True or False")
     keep_options(allow, min_sqnr_db, profile.device)  # checks allow and min_sqnr_db
     longest = max_checkpointed_layers
+    # A chain that runs a module in two layers is not nested: runtime/nested.py.
     search = Search(profile, tuple(allow), min_sqnr_db, longest, compress_stored, store_middle,
-                    nest=objective == "time")
+                    nest=objective == "time" and not profile.repeats_modules)
     model = search.model()
     if objective == "time":
         headroom = budget - model.chain_input
-        found = fastest_within(model, headroom, longest, nest=True)
+        found = fastest_within(model, headroom, longest, nest=search.nest)
     else:
         headroom = smallest_headroom(model, longest)
         fits = budget is None or model.chain_input + headroom <= budget

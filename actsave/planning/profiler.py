@@ -25,11 +25,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._torch import uncompiled
+from .._torch import named_children_of, uncompiled
 from ..codecs import LOSSY_CODECS
 from ..devices import host_is_separate
 from ..errors import ConfigError
 from ..meta import on_meta, simulating
+from ..runtime.layers import repeated_modules
 from ..runtime.store import EXACT, KeepPolicy, modifies_input
 from ..text import format_table, mib, ms
 from .codec_costs import CodecCosts
@@ -76,6 +77,10 @@ class LayerProfile:
     decode_s: dict
     to_host_s: dict  # empty when the device has no separate host memory
     to_device_s: dict
+    # A snapshot of the buffers this layer's forward mutates (BatchNorm statistics), kept
+    # by a checkpointed segment holding the layer until its recompute (runtime/state.py,
+    # NOTE [ State a forward reads and mutates ]); on the device whatever the keep option.
+    mutated_state_bytes: int = 0
 
     @classmethod
     def saving_nothing(cls, name: str, kind: str, *, input_bytes: int, dense_input_bytes: int,
@@ -128,6 +133,9 @@ class Profile:
     # ``loss``), or without one the output gradient of ones. 0: not measured.
     loss_rise: int = 0
     stored_saves: Optional[StoredSaves] = None  # None: not recorded; the stored segment's saves stay exact
+    # Whether a module runs in more than one layer (a block placed twice): such a chain's
+    # plans do not nest checkpoints (runtime/nested.py, _refuse_repeated_modules).
+    repeats_modules: bool = False
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -165,7 +173,9 @@ def _chain_layers(model) -> list:
         raise ConfigError("model is an empty nn.Sequential: profile needs a chain with at least one layer")
     # A layer compiled by torch.compile is profiled as its eager module, as the runtime
     # recomputes it: NOTE [ torch.compile ] in runtime/function.py.
-    return [(name, uncompiled(layer)) for name, layer in model.named_children()]
+    # Every position of the chain, a module placed twice included (named_children()
+    # yields each module once).
+    return [(name, uncompiled(layer)) for name, layer in named_children_of(model)]
 
 
 def _single_input(example_inputs) -> torch.Tensor:
@@ -178,7 +188,7 @@ def _single_input(example_inputs) -> torch.Tensor:
 
 
 def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_grad_rises: list, times: tuple,
-                   costs: CodecCosts, gathered: int) -> LayerProfile:
+                   costs: CodecCosts, gathered: int, mutated: int) -> LayerProfile:
     spec, device = found.inputs[i], costs.device
     keep_costs = costs.of(spec)
 
@@ -217,6 +227,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_g
         decode_s=by_codec("decode_s"),
         to_host_s=by_codec("to_host_s") if host_copies else {},
         to_device_s=by_codec("to_device_s") if host_copies else {},
+        mutated_state_bytes=mutated,
     )
 
 
@@ -261,12 +272,13 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
         if sizes_only:
             stack.enter_context(on_meta(model))
             stack.enter_context(simulating(device))
-        stack.enter_context(isolated_steps(model, x.device))
+        state = stack.enter_context(isolated_steps(model, x.device))
         found = measure_memory(layers, x, model, device, loss)
+        mutated = [state.mutated_bytes(layer, device) for _, layer in layers]
         no_grad_rises = measure_no_grad_rises(layers, x, model, device)
         times = ([0.0] * len(layers),) * 2 if sizes_only else measure_times(layers, x, loss)
         costs = CodecCosts(x.device, device)
-        profiles = [_layer_profile(i, name, layer, found, no_grad_rises, times, costs, gathered[i])
+        profiles = [_layer_profile(i, name, layer, found, no_grad_rises, times, costs, gathered[i], mutated[i])
                     for i, (name, layer) in enumerate(layers)]
         return Profile(
             # A meta step runs without FSDP2's hooks: NOTE [ Gathered parameters ].
@@ -280,6 +292,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             timed=not sizes_only,
             loss_rise=found.loss_rise,
             stored_saves=price_stored_saves(found, costs) if stored_saves else None,
+            repeats_modules=bool(repeated_modules([layer for _, layer in layers])),
         )
 
 

@@ -85,11 +85,11 @@ from .._torch import TorchDispatchMode, pytree
 from ..errors import RecomputeError
 from . import graph_codecs, relu_signs
 from .compiled_layers import LayerCode
-from .layers import LayerChain, known_layers, modules_under
+from .layers import known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState, TouchedState
-from .store import EXACT, CallerTensors, KeepPolicy, KeptInputs, input_tensors
+from .store import EXACT, CallerTensors, KeepPolicy, KeptInputs, account, input_tensors
 
 _local = threading.local()
 
@@ -121,16 +121,21 @@ class _Frame:
     autograd, and (after backward asks) the recomputed tensors behind them."""
 
     def __init__(self, function: Callable, kept: KeptInputs, replay: ReplayState, args: tuple, kwargs: dict,
-                 options: RecomputeOptions = DEFAULT_RECOMPUTE, inputs: Optional[list] = None):
+                 options: RecomputeOptions = DEFAULT_RECOMPUTE, inputs: Optional[list] = None,
+                 prepared: Optional[tuple] = None):
         self.function = function
         self.options = options
         self.operators = {}  # debug=True: "forward"/"recompute" -> operator names (_OperatorLog)
         self.kept = kept
         self.replay = replay
-        # Built as the forward starts: the modules under known layers are read now.
+        # Built as the forward starts: the modules under known layers are read now,
+        # unless the caller walked them and snapshotted their state (``prepared``: state.ChainState).
         layers = known_layers(function)  # NOTE [ Known layers ]
-        modules = None if layers is None else modules_under(layers)
-        self.touched = TouchedState.of(layers, modules)  # NOTE [ State a forward reads and mutates ]
+        if prepared is not None:
+            modules, snapshot = prepared
+        else:
+            modules, snapshot = (None if layers is None else modules_under(layers)), None
+        self.touched = TouchedState.of(layers, modules, snapshot)  # NOTE [ State a forward reads and mutates ]
         self.code = LayerCode(function, layers, modules, kept.lossy)  # NOTE [ Decisions in compiled layers ]
         self.slots = []  # weak references, in the order the forward saved
         self.signatures = []
@@ -153,6 +158,7 @@ class _Frame:
         else:
             self._input_nodes = {}
         self.decision_bytes = 0  # ReLU signs and max-pool decisions kept
+        self._state_account = None  # the snapshot's entry in stored_bytes (keep_state)
 
     @property
     def in_forward(self) -> bool:
@@ -204,10 +210,27 @@ class _Frame:
         try:
             self.touched.check_unchanged(_name(self.function))
             self._replay(self.kept.restore, self.recomputed, len(self.slots), lossy=self.kept.lossy,
-                         exact_count=True)
+                         exact_count=True, last=True)
         finally:
-            self.kept.release()
+            self.release()
         self.is_recomputed = True
+
+    def release(self) -> None:
+        """Let go of what the recompute needed: the kept inputs (and what they hold
+        attached) and the snapshot of mutated module state."""
+        self.kept.release()
+        self.touched.release()
+        if self._state_account is not None:
+            self._state_account()
+
+    def keep_state(self) -> int:
+        """As the forward ends: count the snapshot of the module state it mutated
+        (NOTE [ State a forward reads and mutates ]) in stored_bytes, until released;
+        returns its bytes."""
+        nbytes = self.touched.snapshot_bytes
+        if nbytes:
+            self._state_account = account(self, nbytes)
+        return nbytes
 
     def _unpack_in_forward(self, slot: _Slot) -> torch.Tensor:
         # NOTE [ Backward inside a checkpointed forward ]
@@ -221,7 +244,7 @@ class _Frame:
         if tensor is None:
             self._recomputed_in_forward = weakref.WeakKeyDictionary()
             self._replay(self._inputs_for_recompute_in_forward, self._recomputed_in_forward,
-                         len(self.slots), lossy=False)
+                         len(self.slots), lossy=False, last=False)
             tensor = self._recomputed_in_forward.pop(slot)
         return tensor
 
@@ -232,9 +255,10 @@ class _Frame:
         return pytree.tree_map_only(torch.Tensor, _recompute_input, (args, kwargs))
 
     def _replay(self, inputs: Callable, into: weakref.WeakKeyDictionary, count: int, lossy: bool,
-                exact_count: bool = False) -> None:
+                last: bool, exact_count: bool = False) -> None:
         """Run the function again from ``inputs()`` and put the first ``count`` tensors
-        it saves into ``into``, by slot; ``lossy`` applies the forward's ReLU decisions.
+        it saves into ``into``, by slot; ``lossy`` applies the forward's ReLU decisions;
+        ``last``: no recompute follows, so it may use up the module state's snapshot.
         ``exact_count``: the forward is over, so a recompute run to its end
         (``early_stop=False``) must save exactly ``count`` tensors."""
         counter = itertools.count()
@@ -245,15 +269,11 @@ class _Frame:
             return self._fill(next(counter), tensor, into, count, lossy)
 
         pools = self.pools.watching() if lossy and self.keeps_decisions else contextlib.nullcontext()
-        chain = isinstance(self.function, LayerChain)
         try:
-            with self.replaying(self.replay, fill, scratch=not chain), pools:
+            with self.replaying(self.replay, fill, self.touched.as_in_forward(last)), pools:
                 args, kwargs = inputs()  # under enable_grad: see KeptInputs.restore()
                 with self.logged("recompute"):
-                    if chain:
-                        self._run_chain(*args)
-                    else:
-                        self.function(*args, **kwargs)
+                    self.function(*args, **kwargs)
         except _AllSlotsFilled:
             pass
         produced = next(counter)
@@ -265,27 +285,12 @@ class _Frame:
                 "same shapes) or do not checkpoint it."
             )
 
-    def _run_chain(self, x):
-        """The recompute of a LayerChain: its layers in turn, each that owns state the
-        forward mutated on scratch copies of it while it runs, so that no copy outlives
-        its layer but what autograd saves (the memory model counts no other:
-        NOTE [ State a forward reads and mutates ])."""
-        mutated = self.touched.mutated_layers()
-        for i, layer in enumerate(self.function.layers):
-            if i in mutated:
-                with self.touched.mutated_once(range(i, i + 1)):
-                    x = layer(x)
-            else:
-                x = layer(x)
-        return x
-
     @contextlib.contextmanager
-    def replaying(self, replay: ReplayState, fill: Callable, scratch: bool = True):
+    def replaying(self, replay: ReplayState, fill: Callable, state):
         """What every recompute runs under: grad on, ``replay``'s RNG and autocast state,
-        the forward's mutated module state in scratch copies (``scratch=False``: the
-        caller makes them, part by part), ``fill`` taking each save."""
-        copies = self.touched.mutated_once() if scratch else contextlib.nullcontext()
-        with _recomputing(), torch.enable_grad(), replay.replayed(), copies, self.code.running(), \
+        ``state`` (the module state as the forward saw it: TouchedState.as_in_forward,
+        or a caller's context that sets it part by part), ``fill`` taking each save."""
+        with _recomputing(), torch.enable_grad(), replay.replayed(), state, self.code.running(), \
                 saved_tensors_hooks(fill, _identity):
             yield
 
@@ -390,6 +395,7 @@ def checkpointed_call(
     options: RecomputeOptions = DEFAULT_RECOMPUTE,
     made_by: Optional[CallerTensors] = None,
     eager_because: Optional[str] = None,
+    prepared: Optional[tuple] = None,
 ) -> tuple:
     """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
 
@@ -400,7 +406,9 @@ def checkpointed_call(
     functions that modify their inputs in place. ``options`` say how to recompute
     (recompute_options.py). ``made_by``: the inputs are a chain's activations, made by
     its layers before (store.should_encode). ``eager_because``: why a call Dynamo
-    meets runs eagerly, for its warning. See NOTE [ Segment checkpoint mechanism ].
+    meets runs eagerly, for its warning. ``prepared``: the modules under the function's
+    layers and their state as the forward starts, from state.ChainState (eager calls
+    only). See NOTE [ Segment checkpoint mechanism ].
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
@@ -409,7 +417,7 @@ def checkpointed_call(
             return checkpoint_in_graph(function, args, kwargs, options), None
         return _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by,
                                                 eager_because)
-    return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
+    return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by, prepared)
 
 
 # NOTE [ Checkpoints in a compiled graph ]
@@ -491,24 +499,24 @@ def _checkpointed_call_under_compile(function, args, kwargs, policy, private_cop
 # would compile graphs no training step uses, recompile at each layer until its limit
 # and warn of the hooks. The plan then counts the eager code's saves, which a compiled
 # layer's may differ from.
-def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None):
+def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None, prepared=None):
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         policy = EXACT
     inputs = input_tensors(args, kwargs)
     replay = ReplayState.capture(inputs, options.preserve_rng_state)
     kept = KeptInputs(args, kwargs, policy, private_copy, made_by)
-    frame = _Frame(function, kept, replay, args, kwargs, options, inputs)
+    frame = _Frame(function, kept, replay, args, kwargs, options, inputs, prepared)
     try:
         with frame.forward_hooks():
             output = function(*args, **kwargs)
     except BaseException:
-        kept.release()  # now, not when the traceback that holds it is dropped
+        frame.release()  # now, not when the traceback that holds it is dropped
         raise
     finally:
         frame.end_forward()
     frame.code.forward_ended(frame.decision_bytes > 0)  # a forward that raised found out nothing
     kept.end_forward(_name(function))
     if not frame.slots:  # nothing to backprop through: nothing to keep
-        kept.release()
+        frame.release()
         return output, 0
-    return output, kept.nbytes + frame.decision_bytes
+    return output, kept.nbytes + frame.decision_bytes + frame.keep_state()

@@ -56,14 +56,17 @@ def known_layers(function) -> Optional[tuple]:
     return None
 
 
-def modules_under(layers: tuple) -> list:
+def modules_under(layers: tuple, first_only: bool = True) -> list:
     """``[(layer index, module)]`` of every module under ``layers``, each once (a
-    module shared by two layers belongs to the first), in ``Module.modules()``'s order.
-    Walked here rather than by ``modules()``, which builds every module's name: this
-    runs at every checkpointed forward."""
+    module shared by two layers belongs to the first; ``first_only=False``: once per
+    layer it is under), in ``Module.modules()``'s order. Walked here rather than by
+    ``modules()``, which builds every module's name: this runs at every checkpointed
+    forward."""
     seen, found = set(), []
     for index, layer in enumerate(layers):
         stack = [layer]
+        if not first_only:
+            seen = set()
         while stack:
             module = stack.pop()
             if id(module) in seen:
@@ -74,4 +77,14 @@ def modules_under(layers: tuple) -> list:
     return found
 
 
-__all__ = ["LayerChain", "known_layers", "modules_under"]
+def repeated_modules(layers) -> list:
+    """The modules that are, or are under, more than one of ``layers`` (a block placed
+    twice in a chain, a layer shared by two blocks), each once, in the order found."""
+    owner, repeated = {}, {}
+    for index, module in modules_under(tuple(layers), first_only=False):
+        if owner.setdefault(id(module), index) != index:
+            repeated[id(module)] = module
+    return list(repeated.values())
+
+
+__all__ = ["LayerChain", "known_layers", "modules_under", "repeated_modules"]

@@ -27,6 +27,7 @@ exact inputs, so no ReLU or max-pool decisions need keeping.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ from .function import (
     _recompute_depth,
     checkpointed_call,
 )
-from .layers import LayerChain
+from .layers import LayerChain, repeated_modules
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState
 from .store import EXACT, KeptInputs, modifies_input
@@ -115,6 +116,7 @@ class _NestedFrame(_Frame):
         self._recording = True
         self._inputs = {}  # recomputed range -> its input, kept by its parent's pass
         self._passed = set()
+        self._recomputed_ranges = {r for r in top.walk() if r.recomputed}
         super().__init__(_Layers(layers, self), kept, replay, (x,), {}, options)
 
     def note_layer_start(self, i: int, x: torch.Tensor) -> None:
@@ -157,7 +159,8 @@ class _NestedFrame(_Frame):
         self._filling = None
         try:
             self.touched.check_unchanged(self.function.__qualname__)
-            with self.replaying(replay, self._fill_next, scratch=False):
+            # The module state is set part by part (_run_parts).
+            with self.replaying(replay, self._fill_next, contextlib.nullcontext()):
                 (x,), _ = kept.restore()
                 self._run_parts(r, x)
         except _AllSlotsFilled:
@@ -167,6 +170,8 @@ class _NestedFrame(_Frame):
         self._passed.add(r)
         if r is self.top:
             self.is_recomputed = True
+        if self._passed.issuperset(self._recomputed_ranges):
+            self.release()  # no pass reads the snapshot of module state again
 
     def _run_parts(self, r: Range, x: torch.Tensor) -> None:
         parts = r.parts
@@ -175,9 +180,10 @@ class _NestedFrame(_Frame):
         needed = [j for j, p in enumerate(parts) if p.recomputed or self.slot_at[p.stop] > self.slot_at[p.start]]
         last = needed[-1] if needed and self.options.early_stop else None
         for j, part in enumerate(parts):
-            # The state the forward mutated, in copies while this part runs: the
-            # copies of a part run without grad are not held to the pass's end.
-            with self.touched.mutated_once(range(part.start, part.stop)):
+            # The state the forward mutated, as the forward saw it: a part run without
+            # grad runs on copies, dropped as it ends (a later pass runs its layers
+            # again); a stored part's layers run for the last time, on the snapshot.
+            with self.touched.as_in_forward(last=not part.recomputed, layers=range(part.start, part.stop)):
                 if part.recomputed:
                     x = self._keep_and_skip(part, x, stop=j == last)
                 else:
@@ -266,6 +272,7 @@ def nested_call(layers: Sequence, top: Range, x: torch.Tensor, private_copy: boo
         # Inside another recompute a plain checkpoint keeps its input by reference anyway
         # (NOTE [ Nested checkpoints ]).
         return checkpointed_call(_Layers(layers, None), (x,), {}, EXACT, private_copy, options)
+    _refuse_repeated_modules(layers)
     replay = ReplayState.capture([x], options.preserve_rng_state)
     kept = KeptInputs((x,), {}, EXACT, private_copy)
     frame = _NestedFrame(layers, top, kept, replay, x, options)
@@ -273,12 +280,24 @@ def nested_call(layers: Sequence, top: Range, x: torch.Tensor, private_copy: boo
         with frame.forward_hooks():
             output = frame.function(x)
     except BaseException:
-        kept.release()
+        frame.release()
         raise
     finally:
         frame.end_forward()
     kept.end_forward(frame.function.__qualname__)
     if not frame.slots:
-        kept.release()
+        frame.release()
         return output, 0
-    return output, kept.nbytes
+    return output, kept.nbytes + frame.keep_state()
+
+
+def _refuse_repeated_modules(layers: Sequence) -> None:
+    """A nested pass runs part of the layers on copies of the module state the forward
+    started from, not on what the earlier layers of the segment left: right only where
+    no module runs in two layers (NOTE [ State a forward reads and mutates ])."""
+    repeated = repeated_modules(layers)
+    if repeated:
+        raise ConfigError(
+            f"a nested segment cannot hold one module in two of its layers ({type(repeated[0]).__name__} "
+            "does): its passes would recompute the later one from the module state the segment started "
+            "from. Checkpoint the segment without nesting (plans do not nest such chains).")

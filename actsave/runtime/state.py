@@ -10,11 +10,13 @@
 - The default device (``with torch.device(...)`` or ``torch.set_default_device``):
   factory calls without ``device=`` (``torch.arange(n)``) must make their tensors
   where the forward made them, though backward runs outside that block.
-- Module state: what the forward mutated in place (BatchNorm's running statistics,
-  InstanceNorm's, spectral norm's power-iteration vectors, a user's EMA buffer) is
-  mutated once, not again by the recompute (torch.utils.checkpoint updates it twice);
-  the parameters and buffers the forward read must not change before the recompute.
-  See :class:`TouchedState`.
+- Module state: the buffers the forward mutated in place (BatchNorm's running
+  statistics, InstanceNorm's, spectral norm's power-iteration vectors, observers' and
+  ``FakeQuantize``'s moving averages, a user's EMA buffer) are mutated once, not again
+  by the recompute (torch.utils.checkpoint updates them twice), and the recompute reads
+  them as the forward read them (torch.utils.checkpoint reads the updated values); the
+  parameters and buffers the forward read without mutating them must not change
+  before the recompute. See :class:`TouchedState`.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from .._torch import copies_of, default_device, leaf_base, own_tensors, version
 from ..errors import RecomputeError
+from .layers import modules_under
 
 
 @dataclass(frozen=True)
@@ -120,45 +123,59 @@ class TouchedState:
     other function, global module hooks (of this thread only) watch every module call
     (:class:`_HookedState`). Then:
 
-    - Mutated buffers (versions moved during the forward) are mutated once: the
-      recompute runs on scratch copies of them, made by one foreach copy per dtype,
-      not a clone per buffer per module call, and puts the originals back after.
-      The copies live while their layer runs: each layer of a LayerChain (function.py,
-      ``_Frame._run_chain``) or part of a nested pass (nested.py) that owns mutated
-      state runs on copies made as it starts; any other function, for its whole pass.
-      So no copy outlives its layer but what autograd saves of it (BatchNorm saves its
-      running statistics, which the profile counts among the layer's saves), as the
-      memory model counts. One rule for every module, BatchNorm included, with no list
-      of module types. Turning ``track_running_stats`` off instead would change which
-      tensors autograd saves, and the recompute must save what the forward saved.
-    - A module whose tensors moved has all of its buffers mutated, not the moved ones
-      only: BatchNorm's kernel updates its running statistics without moving their
-      versions (only ``num_batches_tracked`` moves). Buffers only: a scratch copy of a
-      parameter would take its gradient.
+    - A recompute must see every buffer as the forward saw it, and must not move it
+      again: BatchNorm's running statistics, InstanceNorm's, spectral norm's power
+      iteration vectors, an observer's or ``FakeQuantize``'s moving averages, a user's
+      EMA buffer. A module may read a buffer and then update it (an EMA subtracted,
+      a quantization scale taken from the observer it just updated), so the values the
+      forward read are gone when the forward ends. So the buffers of the modules a
+      forward runs are copied as it starts (one foreach copy per dtype, not a clone per
+      buffer), and the copies of those it mutated are kept (a *snapshot*, held from the
+      forward to the recompute, as a kept input is); the rest are dropped as it ends.
+      The recompute runs on the snapshot in place of the buffers, so it reads the
+      values the forward read and its own updates go to the snapshot, and the buffers
+      are put back as it ends: updated once, by the forward. A module that runs twice
+      in one forward (a block placed twice in a chain) reads in the recompute what it
+      read each time in the forward, since both runs move the same snapshot in order.
+      A recompute that is not the last one (a backward inside the forward, the passes
+      of a nested recompute: nested.py) runs on copies of the snapshot, which it leaves
+      as it was for the next. The memory model counts one snapshot of each mutated
+      buffer per checkpointed segment (planning/memory_model.py, "M").
+    - A module whose tensors moved has all of its buffers snapshotted, not the moved
+      ones only: BatchNorm's kernel updates its running statistics without moving their
+      versions (only ``num_batches_tracked`` moves). Buffers only: a parameter is the
+      caller's to change (and a copy of one would take its gradient). One rule for
+      every module, BatchNorm included, with no list of module types.
     - Everything else noted must be unchanged when the recompute starts: a weight
       changed in place between forward and backward (a GAN's optimizer step before
       the other network's backward, an EMA of weights) would be recomputed with its
       new values and give silently wrong gradients, where plain autograd raises. So
       does actsave, with autograd's words. Mutated state is not checked: a second
       forward before this backward (two views of a batch) legitimately moves
-      BatchNorm's statistics again.
+      BatchNorm's statistics again, and the recompute reads the snapshot anyway.
 
-    Tensors are held by weak reference: noting them keeps nothing alive.
+    Tensors noted are held by weak reference: noting them keeps nothing alive. The
+    snapshot is held strongly, until the last recompute has run (:meth:`release`).
     """
 
     def __init__(self):
         self._thread = threading.get_ident()
         self._read = {}  # id -> (weakref, label for _describe): saved leaves (and watched state)
         self._checked = []  # (weakref, version, label) taken at end_forward
+        self._snapshot = {}  # (module, buffer name) -> the buffer's value as the forward started
+        self._unreplayable = None  # (module, buffer name) the forward registered or removed: not replayed
 
     @staticmethod
-    def of(layers: Optional[tuple], modules: Optional[list]) -> "TouchedState":
+    def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None) -> "TouchedState":
         """The noting that fits a function whose known ``layers`` and the ``modules``
-        under them (layers.modules_under) are given, or None (NOTE [ Known layers ])."""
-        return _HookedState() if layers is None else _LayerState(layers, modules)
+        under them (layers.modules_under) are given, or None (NOTE [ Known layers ]).
+        ``snapshot``: the buffers of those modules as the forward will start, taken by
+        the caller (ChainState), else taken as it starts."""
+        return _HookedState() if layers is None else _LayerState(layers, modules, snapshot)
 
     def recording(self):
-        """Note what the modules run in the body read and mutate."""
+        """Note what the modules run in the body read and mutate, and snapshot their
+        buffers as the body starts."""
         raise NotImplementedError
 
     def note_saved(self, tensor: torch.Tensor) -> None:
@@ -168,11 +185,27 @@ class TouchedState:
             self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
-        """Take the versions the recompute must find."""
+        """Take the versions the recompute must find; keep the snapshot of mutated
+        buffers only."""
         raise NotImplementedError
 
+    @property
+    def snapshot_bytes(self) -> int:
+        """The bytes of the snapshot held for the recompute (after the forward)."""
+        return sum(t.numel() * t.element_size() for t in self._snapshot.values())
+
     def check_unchanged(self, function_name: str) -> None:
-        """Raise, as autograd would, if a tensor the forward read changed in place."""
+        """Raise, as autograd would, if a tensor the forward read changed in place; and
+        if the forward registered or removed a buffer, which the snapshot cannot give
+        back as it was."""
+        if self._unreplayable is not None:
+            module, name = self._unreplayable
+            raise RecomputeError(
+                f"the checkpointed {function_name} cannot be recomputed as its forward ran: "
+                f"{type(module).__name__} registered or removed buffer '{name}' during the forward, so the "
+                "recompute would find its buffers as the forward left them, not as it found them. Register "
+                "the buffer in the module's __init__ (or run one forward before checkpointing it), or do not "
+                "checkpoint this module.")
         for ref, expected, label in self._checked:
             tensor = ref()
             if tensor is not None and version(tensor) != expected:
@@ -187,23 +220,35 @@ class TouchedState:
                 )
 
     @contextlib.contextmanager
-    def mutated_once(self, layers: Optional[range] = None):
+    def as_in_forward(self, last: bool, layers: Optional[range] = None):
         """While active, the buffers the forward mutated (of the known layers whose
-        indices are in ``layers``; all of them by default) are scratch copies, made by one
-        foreach copy per dtype as it starts, the originals put back as it ends. A
-        recompute pass runs under it: the module state it mutates is the copies'."""
+        indices are in ``layers``; all of them by default) hold the values the forward
+        started from: the snapshot itself where this is the ``last`` recompute of those
+        layers (its updates go to the snapshot, which it then lets go of), else a copy
+        of it (one foreach copy per dtype). The buffers are put back as it ends.
+        NOTE [ State a forward reads and mutates ]"""
         present = []
         for module, name in self._mutated_buffers(layers):
             table = own_tensors(module, "buffers")
-            if table.get(name) is not None:
-                present.append((table, name, table[name]))
-        for (table, name, _), copy in zip(present, copies_of([original for *_, original in present])):
-            table[name] = copy
+            if table.get(name) is not None and (module, name) in self._snapshot:
+                present.append((table, name, table[name], self._snapshot[(module, name)]))
+        values = [snapshot for *_, snapshot in present]
+        if not last:
+            values = copies_of(values)
+        for (table, name, _, _), value in zip(present, values):
+            table[name] = value
         try:
             yield
         finally:
-            for table, name, original in present:
+            for table, name, original, _ in present:
                 table[name] = original
+            if last:
+                for key in self._mutated_buffers(layers):
+                    self._snapshot.pop(key, None)
+
+    def release(self) -> None:
+        """Drop the snapshot: no recompute will read it again."""
+        self._snapshot = {}
 
     def mutated_layers(self) -> set:
         """The indices of the known layers that own state the forward mutated (none
@@ -214,6 +259,15 @@ class TouchedState:
         """``[(module, buffer name)]``, each once, that the forward mutated (so far,
         while it runs: a backward inside the forward recomputes too)."""
         raise NotImplementedError
+
+    def _take_snapshot(self, modules) -> None:
+        """Copy the buffers of ``modules`` into the snapshot, together (copies_of)."""
+        self._snapshot.update(snapshot_of(modules))
+
+    def _keep_snapshot_of(self, buffers) -> None:
+        """Keep the snapshot of ``buffers`` (``(module, name)`` pairs) only."""
+        kept = set(buffers)
+        self._snapshot = {key: value for key, value in self._snapshot.items() if key in kept}
 
     def _note(self, tensor: torch.Tensor, label: tuple) -> None:
         # The label is formatted only for an error: this runs for every saved leaf.
@@ -237,22 +291,31 @@ class _LayerState(TouchedState):
     """The state under known layers, read before and after the forward (NOTE [ State a
     forward reads and mutates ], NOTE [ Known layers ])."""
 
-    def __init__(self, layers: tuple, modules: list):
+    def __init__(self, layers: tuple, modules: list, snapshot: Optional[dict] = None):
         super().__init__()
         self._layers = layers
         self._modules = modules
+        self._given = snapshot
         self._before = []  # (layer index, module, kind, name, tensor, version) as the forward starts
+        self._buffer_counts = []  # (module, its buffers that are set) as the forward starts
         self._state_ids = set()
         self._mutated = {}  # layer index -> [(module, name)]: buffers the forward mutated
 
     @contextlib.contextmanager
     def recording(self):
-        before = []
+        before, owners = [], []
         for index, module in self._modules:
             for kind, name, tensor in _own_state(module):
                 before.append((index, module, kind, name, tensor, version(tensor)))
+            if own_tensors(module, "buffers"):
+                owners.append(module)
         self._before = before
         self._state_ids = {id(entry[4]) for entry in before}
+        if self._given is None:
+            self._take_snapshot(owners)
+        else:
+            self._snapshot, self._given = self._given, None
+        self._buffer_counts = [(module, _count_buffers(module)) for _, module in self._modules]
         yield
 
     def note_saved(self, tensor: torch.Tensor) -> None:
@@ -269,16 +332,19 @@ class _LayerState(TouchedState):
                  if own_tensors(module, kind).get(name) is tensor]
         self._take_versions(mutated_ids, state)
         self._mutated = mutated
-        self._before, self._state_ids = [], set()
+        self._keep_snapshot_of(buffer for buffers in mutated.values() for buffer in buffers)
+        self._unreplayable = next((_changed_buffer(module, self._before)
+                                   for module, count in self._buffer_counts if _count_buffers(module) != count), None)
+        self._before, self._state_ids, self._buffer_counts = [], set(), []
 
     def _moved(self) -> dict:
-        """``{module: its layer index}`` of the modules whose state moved since the
-        forward started: a tensor changed in place, or replaced."""
+        """``{module: the first layer index it is under}`` of the modules whose state
+        moved since the forward started: a tensor changed in place, or replaced."""
         moved = {}
         for index, module, kind, name, tensor, was in self._before:
             now = own_tensors(module, kind).get(name)
             if now is not tensor or (now is not None and version(now) != was):
-                moved[module] = index
+                moved.setdefault(module, index)
         return moved
 
     @staticmethod
@@ -305,11 +371,14 @@ class _LayerState(TouchedState):
 
 class _HookedState(TouchedState):
     """The state a function of unknown layers touches, watched by global module hooks
-    on this thread while its forward runs (NOTE [ Known layers ])."""
+    on this thread while its forward runs (NOTE [ Known layers ]). A module's buffers
+    are snapshotted as its first call in the forward starts, and the snapshot dropped
+    as a call that moved nothing ends, unless an earlier call moved them."""
 
     def __init__(self):
         super().__init__()
         self._mutated = {}  # (module, kind, name) -> None: state changed by its module
+        self._moved_modules = set()  # ids of the modules whose calls moved their state
         self._calls = []  # (module, {(kind, name): version}) of module calls running
 
     @contextlib.contextmanager
@@ -326,10 +395,17 @@ class _HookedState(TouchedState):
         mutated = {id(own_tensors(module, kind)[name]) for module, kind, name in self._mutated
                    if own_tensors(module, kind).get(name) is not None}
         self._take_versions(mutated)
+        self._keep_snapshot_of((module, name) for module, _, name in self._mutated)
         self._calls = []
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         return [(module, name) for module, _, name in self._mutated]
+
+    def _snapshotted(self, module) -> bool:
+        """Whether ``module``'s buffers are in the snapshot (a call of it is running, or
+        moved them); True for a module without buffers: nothing to take."""
+        return all((module, name) in self._snapshot for name, buffer in own_tensors(module, "buffers").items()
+                   if buffer is not None)
 
     def _before_module(self, module, args) -> None:
         if threading.get_ident() != self._thread:
@@ -338,6 +414,8 @@ class _HookedState(TouchedState):
         for kind, name, tensor in _own_state(module):
             versions[(kind, name)] = version(tensor)
             self._note(tensor, (kind[:-1], name, type(module)))
+        if id(module) not in self._moved_modules and not self._snapshotted(module):
+            self._take_snapshot([module])
         self._calls.append((module, versions))
 
     def _after_module(self, module, args, output) -> None:
@@ -353,11 +431,66 @@ class _HookedState(TouchedState):
                     for kind, name, tensor in _own_state(module))
         if moved:
             # All of the module's buffers: NOTE [ State a forward reads and mutates ].
+            self._moved_modules.add(id(module))
             for name in own_tensors(module, "buffers"):
                 self._mutated[(module, "buffers", name)] = None
+        elif id(module) not in self._moved_modules and not any(called is module for called, _ in self._calls):
+            # Its values are as they were: a later call snapshots them again.
+            for name in own_tensors(module, "buffers"):
+                self._snapshot.pop((module, name), None)
+
+
+def snapshot_of(modules) -> dict:
+    """``{(module, buffer name): a copy}`` of every buffer of ``modules``, made together
+    (copies_of): what a forward starting now snapshots."""
+    entries = [((module, name), buffer) for module in modules
+               for name, buffer in own_tensors(module, "buffers").items() if buffer is not None]
+    return dict(zip((key for key, _ in entries), copies_of([buffer for _, buffer in entries])))
+
+
+class ChainState:
+    """The module state of a chain's checkpointed segments as the chain's forward
+    starts, snapshotted in one copies_of call for all of them instead of one per
+    segment (host work: one call where a deep chain made dozens), and handed to each
+    segment's frame (TouchedState.of). Each segment's modules are walked once, here,
+    and handed over too. Right only where no module is under two segments: a later
+    occurrence's state is what the earlier one leaves, known only then; such a chain
+    (and a lone segment) gets nothing here, and each frame snapshots as it starts."""
+
+    def __init__(self, segments: list):
+        """``segments``: the layers of each checkpointed segment, in order."""
+        walked = [modules_under(tuple(layers)) for layers in segments]
+        owners = [[module for _, module in modules if own_tensors(module, "buffers")] for modules in walked]
+        every = [module for modules in owners for module in modules]
+        shared = len({id(module) for module in every}) != len(every)
+        taken = snapshot_of(every) if len(segments) > 1 and not shared else None
+        self._parts = []
+        for modules, mine in zip(walked, owners):
+            part = None
+            if taken is not None:
+                keys = {id(module) for module in mine}
+                part = {key: value for key, value in taken.items() if id(key[0]) in keys}
+            self._parts.append((modules, part))
+
+    def next(self) -> tuple:
+        """``(modules, snapshot)`` of the next checkpointed segment (snapshot None: the
+        frame takes its own)."""
+        return self._parts.pop(0)
 
 
 _KINDS = ("parameters", "buffers")
+
+
+def _count_buffers(module: torch.nn.Module) -> int:
+    return sum(buffer is not None for buffer in own_tensors(module, "buffers").values())
+
+
+def _changed_buffer(module: torch.nn.Module, before: list) -> tuple:
+    """``(module, name)`` of a buffer the forward registered (set now, absent or None
+    as it started) or removed (the reverse); ``before``: _LayerState's entries."""
+    was = {name for _, owner, kind, name, _, _ in before if owner is module and kind == "buffers"}
+    now = {name for name, buffer in own_tensors(module, "buffers").items() if buffer is not None}
+    return module, next(iter(sorted(was ^ now)), "?")
 
 
 def _describe(label: tuple) -> str:

@@ -63,6 +63,7 @@ With ``unit`` a divisor of every byte count (:func:`exact_unit`) the two are equ
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import reduce
 
@@ -109,6 +110,14 @@ def chain_bytes(profile: actsave.Profile) -> dict:
     return {"act": act, "saved": saved, "forward_rise": [layer.forward_rise for layer in layers],
             "backward_rise": [layer.backward_rise for layer in layers],
             "held": profile.output_bytes + profile.output_grad_bytes}
+
+
+def without_module_state(profile: actsave.Profile) -> actsave.Profile:
+    """``profile`` as rotor's model sees a chain: without the snapshot of module state
+    (BatchNorm's statistics) a checkpointed segment keeps (LayerProfile.mutated_state_bytes),
+    which rotor has no term for."""
+    layers = tuple(dataclasses.replace(layer, mutated_state_bytes=0) for layer in profile.layers)
+    return dataclasses.replace(profile, layers=layers)
 
 
 def exact_unit(profile: actsave.Profile) -> int:

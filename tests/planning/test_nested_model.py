@@ -98,7 +98,9 @@ def test_a_recomputed_part_after_a_stored_one_whose_saves_hold_its_input_counts_
     top = Range(0, 14, inner=(stored(0, 2), inner, Range(9, 10), stored(10, 14)))
     measured, predicted = measured_and_predicted(list(mixed_chain(width=64, repeats=4)), torch.randn(256, 64),
                                                  [0, 14], [top])
-    assert measured == predicted
+    # Within the BatchNorm statistics the passes' copies may keep (counted whole, at most
+    # one snapshot of the segment's: nested_model.held_outside), not the 64 KiB input.
+    assert 0.999 * predicted <= measured <= predicted
 
 
 def test_a_first_recomputed_part_that_changes_its_input_in_place_counts_the_copy_it_keeps():
@@ -109,7 +111,9 @@ def test_a_first_recomputed_part_that_changes_its_input_in_place_counts_the_copy
     top = Range(0, 14, inner=(stored(0, 1), inner, stored(9, 14)))
     measured, predicted = measured_and_predicted(list(mixed_chain(width=64, repeats=4)), torch.randn(256, 64),
                                                  [0, 14], [top])
-    assert 0.999 * predicted <= measured <= predicted
+    # Within the snapshot of the segment's three BatchNorms (1,560 B), counted to the end
+    # of its backward, where its layers free their share earlier.
+    assert predicted - 1560 <= measured <= predicted
 
 
 def test_a_pass_prices_its_recomputed_parts_by_their_rise_under_no_grad_and_stops_at_its_last_save():

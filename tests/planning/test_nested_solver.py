@@ -50,9 +50,11 @@ def relative(r: Range, origin: int) -> Range:
 
 @pytest.mark.parametrize("start, stop", [(0, 4), (1, 6), (2, 7), (5, 10), (13, 18)])
 def test_the_table_is_the_least_time_over_every_cut_the_model_fits_in_m_units(start, stop):
-    # Exact for the model (nested_model.py), at every m of the grid. Most of this
-    # chain's terms are whole units (1 KiB); the rest (BatchNorm statistics, masks: 8-
-    # 512 B over) round up without changing any choice here.
+    # The model (nested_model.py) at every m of the grid, up to the table's rounding:
+    # most of this chain's terms are whole units (1 KiB), the rest (BatchNorm statistics
+    # and their copies, masks: 8-520 B over) round up, at most one unit per part. So the
+    # table is never faster than the fastest cut within m units, nor slower than the
+    # fastest within m less one unit per layer.
     table = mixed_table()
     model, o = table.model, exact_options(table.model)[0]
     priced = []
@@ -60,10 +62,15 @@ def test_the_table_is_the_least_time_over_every_cut_the_model_fits_in_m_units(st
         top = Range(0, stop - start, inner=tuple(relative(part, start) for part in parts))
         extra = nested_model.seconds(model, o, start, top) - float(model.seconds(o, start, stop))
         priced.append((nested_model._largest_event(model, start, top), extra))
+
+    def fastest_within(units: int) -> float:
+        return min((seconds for event, seconds in priced if event <= units * table.unit), default=np.inf)
+
+    slack = stop - start
     for m in range(table.steps + 1):
-        fitting = [seconds for event, seconds in priced if event <= m * table.unit]
-        expected = min(fitting, default=np.inf)
-        assert table.multi[start, stop, table.width + m] == pytest.approx(expected, rel=1e-12, abs=1e-15), m
+        found = table.multi[start, stop, table.width + m]
+        assert found >= fastest_within(m) - 1e-15, m
+        assert found <= fastest_within(m - slack) + 1e-15, m
 
 
 def test_the_trees_it_returns_fit_the_model_within_their_bytes_and_take_the_time_it_priced():

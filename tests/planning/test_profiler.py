@@ -219,3 +219,26 @@ def test_a_saved_storage_emptied_in_place_after_its_forward_is_not_held_to_the_b
         saved[frees] = [layer.saved_bytes for layer in actsave.profile(chain, (x,)).layers]
     weight = 64 * 64 * 4
     assert [b - a for a, b in zip(saved[True], saved[False])] == [weight] * 3
+
+
+def test_a_module_placed_twice_is_profiled_at_each_position_and_plans_do_not_nest_it():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU())
+    chain = nn.Sequential(*[block] * 8, nn.Linear(32, 2))
+    prof = actsave.profile(chain, (torch.randn(16, 32),))
+    assert len(prof.layers) == 9 and prof.repeats_modules
+    # Each occurrence keeps its own snapshot of the BatchNorm's statistics.
+    assert all(layer.mutated_state_bytes == 2 * 32 * 4 + 8 for layer in prof.layers[:8])
+    plan = actsave.plan(prof, actsave.plan(prof, None, objective="memory").predicted_peak_bytes)
+    assert all(r is None for r in plan.nested)
+
+
+def test_the_profile_measures_the_snapshot_of_mutated_state_and_leaves_every_buffer_as_it_was():
+    torch.manual_seed(0)
+    chain = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8),
+                          nn.BatchNorm1d(8).eval(), nn.Tanh())
+    before = {name: b.clone() for name, b in chain.named_buffers()}
+    prof = actsave.profile(chain, (torch.randn(4, 8),))
+    assert [layer.mutated_state_bytes for layer in prof.layers] == [0, 2 * 8 * 4 + 8, 0, 0, 0, 0]
+    for name, b in chain.named_buffers():
+        assert torch.equal(b, before[name]), name

@@ -81,15 +81,27 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_recompute_copies_the_state_its_forward_mutated_in_one_foreach_op():
-    # Two segments of three BatchNorms each: each recompute copies its nine buffers
-    # (float statistics and int64 batch counts) in one foreach op, not nine clones.
+def test_a_chain_snapshots_its_module_state_in_one_foreach_op_and_the_recompute_copies_nothing():
+    # Two segments of three BatchNorms each: the forward copies their eighteen buffers
+    # (float statistics and int64 batch counts) in one foreach op, not eighteen clones,
+    # and the recompute runs on that snapshot (NOTE [ State a forward reads and mutates ]).
     def block():
         return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.BatchNorm1d(8), nn.BatchNorm1d(8), nn.Tanh())
 
     model = actsave.CheckpointedSequential(block(), block(), nn.Linear(8, 2), segments=[0, 1, 2])
-    out = model(torch.randn(4, 8)).sum()
-    with OpCounter() as counter:
+    with OpCounter() as forward:
+        out = model(torch.randn(4, 8)).sum()
+    with OpCounter() as backward:
         out.backward()
-    assert counter.counts["aten._foreach_mul.Scalar"] == 2
-    assert counter.counts["aten.clone.default"] == 0
+    assert forward.counts["aten._foreach_mul.Scalar"] == 1
+    assert forward.counts["aten.clone.default"] == backward.counts["aten.clone.default"] == 0
+    assert backward.counts["aten._foreach_mul.Scalar"] == 0
+
+
+def test_a_chain_that_places_a_block_twice_snapshots_each_segment_as_it_starts():
+    # The block's state at the second segment's start is what the first leaves.
+    block = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+    model = actsave.CheckpointedSequential(block, block, nn.Linear(8, 2), segments=[0, 1, 2])
+    with OpCounter() as forward:
+        model(torch.randn(4, 8)).sum().backward()
+    assert forward.counts["aten._foreach_mul.Scalar"] == 2

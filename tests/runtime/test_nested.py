@@ -110,3 +110,10 @@ def test_bad_ranges_are_refused(make, message):
 def test_a_range_that_does_not_cover_the_layers_is_refused():
     with pytest.raises(ConfigError, match="over all 3 layers"):
         nested_call([Counted() for _ in range(3)], R(0, 2), torch.randn(4, 8, requires_grad=True))
+
+
+def test_a_nested_segment_refuses_a_module_placed_in_two_of_its_layers():
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    with pytest.raises(actsave.ConfigError, match="cannot hold one module in two of its layers"):
+        nested_call([block, nn.ReLU(), block], Range(0, 3, inner=(Range(0, 1), Range(1, 3, recomputed=False))),
+                    torch.randn(4, 8, requires_grad=True))

@@ -1,5 +1,7 @@
 """RNG, autocast and default-device replay; module state mutated once, and read
 state checked unchanged before the recompute."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -165,3 +167,137 @@ def test_a_recompute_runs_on_copies_of_the_state_its_forward_mutated_and_puts_th
             handle.remove()
     assert seen == [(False, False), (False, False)]  # both on copies from the pass's start
     assert first.running_mean is originals[0] and second.running_mean is originals[1]  # put back
+
+
+# --- the recompute reads module state as the forward read it ----------------------
+
+
+class Center(nn.Module):
+    """Subtracts a running mean of what it sees, then updates it: reads a buffer, then
+    mutates it (the recompute must read the value the forward read)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.register_buffer("mu", torch.zeros(width))
+
+    def forward(self, x):
+        y = x - self.mu
+        with torch.no_grad():
+            self.mu.mul_(0.5).add_(0.5 * x.mean(0))
+        return y
+
+
+def center_chain():
+    torch.manual_seed(0)
+    return [nn.Linear(8, 8), Center(), nn.Tanh(), nn.Linear(8, 1)]
+
+
+def assert_same_training(plain: nn.Module, model: nn.Module, steps: int = 3, x=None) -> None:
+    """``steps`` steps of each on the same batches: gradients after each and state after
+    all bit-identical."""
+    for step in range(steps):
+        batch = torch.randn(4, 8) + 3 if x is None else x(step)
+        for m in (plain, model):
+            m.zero_grad()
+            m(batch).sum().backward()
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, name)
+    for (name, want), got in zip(plain.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(want, got), name
+
+
+@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
+def test_a_buffer_read_then_updated_is_read_as_the_forward_read_it(how):
+    # torch.utils.checkpoint recomputes from the updated mean: gradients 1.77 off.
+    plain = nn.Sequential(*center_chain())
+    if how == "sequential":
+        model = actsave.CheckpointedSequential(*center_chain(), segments=[0, 3])
+    else:
+        inner = nn.Sequential(*center_chain()[:3])
+        head = center_chain()[3]
+        call = inner if how == "checkpoint_module" else (lambda t: inner(t))  # known layers, global hooks
+        model = nn.Sequential(inner, head)
+        model.forward = lambda x: head(actsave.checkpoint(call, x))
+    assert_same_training(plain, model)
+
+
+def fake_quantized_chain():
+    from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver
+    torch.manual_seed(0)
+    return [nn.Linear(8, 16), FakeQuantize(MovingAverageMinMaxObserver, quant_min=0, quant_max=255),
+            nn.Tanh(), nn.Linear(16, 16), FakeQuantize(MovingAverageMinMaxObserver, quant_min=0, quant_max=255),
+            nn.Tanh(), nn.Linear(16, 2)]
+
+
+def test_quantization_aware_training_keeps_gradients_and_observer_state_bit_identical():
+    # FakeQuantize updates its observer's moving min and max, then quantizes with the
+    # scale taken from them: 12% off gradients where the recompute read the updated ones.
+    plain = nn.Sequential(*fake_quantized_chain())
+    model = actsave.CheckpointedSequential(*fake_quantized_chain(), segments=[0, 3, 6])
+    assert_same_training(plain, model, x=lambda step: torch.randn(4, 8) * (step + 1))
+
+
+def test_a_block_placed_twice_is_recomputed_from_the_state_each_occurrence_saw():
+    # Its BatchNorm runs once per occurrence, as in nn.Sequential: 6 batches tracked,
+    # not 10 (the later occurrences recomputed on the real buffers).
+    def chain(block):
+        return [*[block] * 6, nn.Linear(16, 4)]
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), Center(16))
+    twin = copy.deepcopy(block)
+    plain = nn.Sequential(*chain(block))
+    torch.manual_seed(1)
+    head = nn.Linear(16, 4)
+    plain[6].load_state_dict(head.state_dict())
+    model = actsave.CheckpointedSequential(*chain(twin), segments=[0, 3, 6])
+    model[6].load_state_dict(head.state_dict())
+    assert_same_training(plain, model, x=lambda step: torch.randn(8, 16) + step)
+    assert twin[1].num_batches_tracked.item() == 3 * 6
+
+
+def test_spectral_norm_recomputes_from_the_vectors_the_forward_started_from():
+    # Its power iteration reads and updates u and v: bit-identical now, not one
+    # iteration further on.
+    model, twin = mutating_models()["spectral_norm"], mutating_models()["spectral_norm"]
+    x = torch.randn(8, 4)
+    model(x).sum().backward()
+    actsave.checkpoint(twin, x).sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_the_snapshot_is_held_from_the_forward_to_the_recompute_and_counted_in_stored_bytes():
+    model = nn.Sequential(nn.Linear(8, 8), Center(), nn.Tanh())
+    x = torch.randn(4, 8, requires_grad=True)
+    out = actsave.checkpoint(model, x)
+    # The kept input (the caller's, held by reference) and the snapshot of the mean.
+    assert actsave.stored_bytes() == {"device": 4 * 8 * 4 + 8 * 4, "host": 0}
+    out.sum().backward()
+    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+
+
+def test_a_module_without_mutated_state_keeps_no_snapshot():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()).eval()  # eval: no update
+    out = actsave.checkpoint(model, torch.randn(4, 8, requires_grad=True))
+    assert actsave.stored_bytes() == {"device": 4 * 8 * 4, "host": 0}  # the kept input only
+    out.sum().backward()
+
+
+class LazyCache(nn.Module):
+    """Registers a buffer in its first forward."""
+
+    def forward(self, x):
+        if getattr(self, "cache", None) is None:
+            self.register_buffer("cache", x.detach().mean(0))
+        return x - self.cache
+
+
+def test_a_forward_that_registers_a_buffer_cannot_be_replayed_and_raises_naming_it():
+    model = nn.Sequential(nn.Linear(8, 8), LazyCache(), nn.Tanh())
+    out = actsave.checkpoint(model, torch.randn(4, 8))
+    with pytest.raises(actsave.RecomputeError, match="LazyCache registered or removed buffer 'cache'"):
+        out.sum().backward()
+    # Registered before checkpointing, it replays.
+    out = actsave.checkpoint(model, torch.randn(4, 8))
+    out.sum().backward()
