@@ -150,3 +150,17 @@ def test_an_untraced_frame_breaks_its_traced_caller_once_and_compiles_what_it_ca
         # and Dynamo's frame callback never took its frame (it takes every frame it
         # decides, at each call, a frame disable(recursive=False) makes included)
         assert own.__code__ not in torch._dynamo.convert_frame.input_codes
+
+
+def test_version_counter_of_follows_the_tensor_and_its_views_without_holding_its_storage():
+    from actsave._torch import version_counter_of
+    t = torch.randn(1000)
+    view = t.view(10, 100)
+    counter = version_counter_of(t)
+    storage = t.untyped_storage()._cdata
+    uses = torch._C._storage_Use_Count(storage)
+    assert counter.numel() == 0 and counter._version == t._version == 0
+    t.add_(1)
+    view.mul_(2)
+    assert counter._version == t._version == 2
+    assert torch._C._storage_Use_Count(storage) == uses  # holds none of it

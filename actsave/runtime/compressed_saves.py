@@ -23,6 +23,11 @@ other half of the peak.
 - A max pool's indices (int64, twice the size of its fp32 output) are stored as the
   offset of each window's winner, a few bits each (pool_decisions.py): exactly, as
   the backward needs them. Other integer saves are held as they are.
+- Autograd's in-place check holds as without hooks (where hooks are set, autograd
+  checks no version): each save records the version of the tensor it saves, and
+  unpacking it raises autograd's error if the tensor changed in place since (a weight
+  changed between forward and backward). A stored tensor is followed by an alias
+  that shares its version counter and none of its storage (_torch.version_counter_of).
 
 The saves are left alone when other saved-tensor hooks are active (an outer
 checkpoint, which drops or recomputes them anyway, or the caller's own hooks): the
@@ -31,13 +36,14 @@ innermost hooks would otherwise hide the saves from them.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from .._torch import saved_tensor_hooks_active, storage_identity
+from .._torch import saved_tensor_hooks_active, storage_identity, version, version_counter_of
 from ..codecs import Codec
+from ..errors import RecomputeError
 from . import relu_signs
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolWatch, Window
@@ -64,6 +70,25 @@ class _Stored:
         if self.signs is not None:
             relu_signs.restore_decisions_(tensor, self.signs)
         return tensor
+
+
+class _Saved:
+    """One save of the forward: what holds its value (the tensor itself, a _Stored,
+    a _StoredIndices), its shape, and the tensor's version counter and version then."""
+
+    __slots__ = ("value", "shape", "counter", "version")
+
+    def __init__(self, value, tensor: torch.Tensor, counter: Optional[torch.Tensor]):
+        self.value, self.shape, self.counter, self.version = value, tensor.shape, counter, version(tensor)
+
+    def check_unchanged(self) -> None:
+        """Raise autograd's error if the saved tensor changed in place since its save."""
+        if self.counter is not None and version(self.counter) != self.version:
+            raise RecomputeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a tensor of shape {list(self.shape)} saved by the forward is at version "
+                f"{version(self.counter)}; expected version {self.version} instead. Change it after the "
+                "backward, or change a copy (nn.Sequential raises the same).")
 
 
 class _StoredIndices:
@@ -104,14 +129,14 @@ class _SavesStore:
         # so each is freed with the last node that saved it.
         self._seen, self._input_nodes = {}, {}
 
-    def pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor) -> _Saved:
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
         if pool is not None:
             stored = _StoredIndices(tensor, *pool)
             self.nbytes += stored.nbytes
-            return stored, tensor.shape
+            return _Saved(stored, tensor, version_counter_of(tensor))
         if not should_encode(tensor):
-            return tensor
+            return _Saved(tensor, tensor, tensor)  # held: its own counter
         stored = self._seen_before(tensor)
         if stored is None:
             stored = _Stored(self.codec, tensor, relu_signs.keeps_decisions(tensor, self._input_nodes))
@@ -119,13 +144,13 @@ class _SavesStore:
             key = stored_once_key(tensor)
             if key is not None:
                 self._seen[key] = (weakref.ref(tensor), stored)
-        return stored, tensor.shape
+        return _Saved(stored, tensor, version_counter_of(tensor))
 
-    def unpack(self, saved) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
-        stored, shape = saved
-        return stored.restore().view(shape)
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        saved.check_unchanged()
+        if isinstance(saved.value, torch.Tensor):
+            return saved.value
+        return saved.value.restore().view(saved.shape)
 
     def _seen_before(self, tensor: torch.Tensor):
         key = stored_once_key(tensor)

@@ -156,3 +156,39 @@ def test_max_pool_indices_are_stored_as_window_decisions_exactly(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(gradients, held_gradients))  # decoded exactly
     # 4 bits per 3x3 window where the int64 indices took 64: 2 x 8 planes of 4 x 4.
     assert stored - held_stored == 2 * 8 * 4 * 4 * 4 // 8
+
+
+@pytest.mark.parametrize("compress", ["int8", "fp8"])
+@pytest.mark.parametrize("segments", [1, [0, 2]])
+def test_a_weight_changed_before_backward_raises_as_nn_sequential_does(compress, segments):
+    # Where hooks are set autograd checks no version: the store checks them itself.
+    torch.manual_seed(0)
+    model = CheckpointedSequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4), segments=segments,
+                                   compress=compress)
+    out = model(torch.randn(8, 16)).square().sum()
+    with torch.no_grad():
+        model[2].weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_a_stored_activation_changed_in_place_raises_even_after_it_is_freed():
+    # The Tanh's output is encoded; the store follows its version counter without
+    # holding its storage, through a view that outlives it.
+    model = last_segment_only(nn.Linear(16, 16), nn.Tanh())
+    out = model(torch.randn(8, 16, requires_grad=True) * 1)
+    view = out.view(-1)
+    loss = out.sum()
+    del out
+    with torch.no_grad():
+        view.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_saves_unchanged_since_the_forward_unpack_as_before():
+    torch.manual_seed(0)
+    model = last_segment_only(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(8, 16, requires_grad=True)
+    model(x * 1).sum().backward()
+    assert x.grad is not None and actsave.stored_bytes() == {"device": 0, "host": 0}
