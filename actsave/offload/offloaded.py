@@ -90,11 +90,12 @@ class OffloadedTensors:
     """Tensors of one device kept together in one host buffer until fetched back.
 
     Construction starts copying each tensor (detached) into its part of a buffer lent
-    by ``pool`` (default: :func:`host_pool_for` their device),
-    through ``engine`` (default: :func:`copy_engine_for` their device) as one job: one
-    buffer, one wait and one event for the group, however many tensors it holds (a kept
-    input's codes, scales and channel means; a segment's decisions). They come back in
-    one copy, as views of one device buffer. Any dtypes; the bytes come back unchanged.
+    by ``pool`` (default: :func:`host_pool_for` their device), through ``engine``
+    (default: :func:`copy_engine_for` their device) as one job: one buffer, one wait
+    and one event for the group, however many tensors it holds (a kept input's codes,
+    scales and channel means; a segment's decisions). They come back in one copy, as
+    views of one device buffer. Any dtypes; the bytes come back unchanged. The buffer
+    goes back to the pool on :meth:`release`, or when the object is garbage collected.
 
     Each comes back in its memory layout (NOTE [ Kept layouts ] in actsave/layouts.py):
     a dense tensor (contiguous, channels_last, channels_last_3d, any permutation of its
@@ -102,8 +103,6 @@ class OffloadedTensors:
     with no copy beyond the offload's own; any other (a strided slice, an expanded
     tensor) is first copied into the layout ``torch.empty_like`` gives it (dense, its
     dimensions in the same order) and comes back in that one.
-    The buffer goes back to the pool on :meth:`release`, or when the object is garbage
-    collected.
     """
 
     def __init__(self, tensors: list, pool: Optional[HostPool] = None, engine: Optional[CopyEngine] = None):
