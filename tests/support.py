@@ -116,6 +116,22 @@ class CallCounter:
         self.counts.clear()
 
 
+# Dense layouts other than contiguous (NOTE [ Kept layouts ] in actsave/layouts.py):
+# what offload and the codecs give back with the input's strides.
+DENSE_LAYOUTS = {
+    "channels_last": lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    "channels_last_3d": lambda: torch.randn(2, 3, 2, 4, 5).to(memory_format=torch.channels_last_3d),
+    "permuted_3d": lambda: torch.randn(3, 4, 5).permute(2, 0, 1),
+    "channels_last_one_sample": lambda: torch.randn(1, 3, 4, 5).to(memory_format=torch.channels_last),
+}
+# Tensors that are not dense: they come back with the strides torch.empty_like gives them.
+NOT_DENSE = {
+    "strided_rows": lambda: torch.randn(6, 9)[:, ::3],
+    "channels_last_slice": lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)[:, :, ::2],
+    "expanded": lambda: torch.randn(6, 9).expand(4, 6, 9),
+}
+
+
 def codes_and_scales(elements: int) -> int:
     """Bytes an 8-bit group codec stores for ``elements`` values: one byte each and an
     fp32 scale per group of GROUP_SIZE (128)."""

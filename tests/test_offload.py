@@ -27,6 +27,8 @@ from actsave.offload import (
     set_prefetch_depth,
 )
 
+from support import DENSE_LAYOUTS, NOT_DENSE
+
 KiB = 1024
 
 
@@ -248,15 +250,29 @@ def test_round_trip_is_bit_exact(dtype, shape):
     assert same_bits(item.fetch(), x)
 
 
-@pytest.mark.parametrize(
-    "view",
-    [lambda x: x.t(), lambda x: x[:, ::3], lambda x: x.expand(4, 6, 9)[1]],
-    ids=["transposed", "strided", "expanded"],
-)
-def test_non_contiguous_input_comes_back_contiguous_and_equal(view):
-    x = view(torch.randn(6, 9))
+@pytest.mark.parametrize("layout", [*DENSE_LAYOUTS, "transposed"])
+def test_a_dense_input_comes_back_with_its_strides_copied_as_it_lies(layout):
+    # NOTE [ Kept layouts ]: a recompute's convolution runs in its forward's layout.
+    x = DENSE_LAYOUTS[layout]() if layout != "transposed" else torch.randn(6, 9).t()
+    engine = RecordingEngine([])
+    fetched = OffloadedTensor(x, pool=HostPool(), engine=engine).fetch()
+    assert engine.sources[0]() is x  # no copy before the offload's own
+    assert fetched.stride() == x.stride() and same_bits(fetched, x)
+
+
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
+def test_tensors_of_a_group_come_back_with_their_strides(layout):
+    parts = [torch.randn(5), DENSE_LAYOUTS[layout](), torch.arange(7, dtype=torch.int8)]
+    back = OffloadedTensors(parts, pool=HostPool()).fetch()
+    assert [b.stride() for b in back] == [p.stride() for p in parts]
+    assert all(same_bits(b, p) for b, p in zip(back, parts))
+
+
+@pytest.mark.parametrize("view", NOT_DENSE)
+def test_a_tensor_that_is_not_dense_comes_back_as_empty_like_lays_it_out(view):
+    x = NOT_DENSE[view]()
     fetched = OffloadedTensor(x, pool=HostPool()).fetch()
-    assert fetched.is_contiguous() and same_bits(fetched, x)
+    assert fetched.stride() == torch.empty_like(x).stride() and same_bits(fetched, x)
 
 
 def test_offload_is_a_copy():
@@ -684,6 +700,45 @@ def test_per_layer_offload():
     assert kept["host"] == 2 * 8 * 16 * 4
     where = [line.split()[6:8] for line in model.describe().splitlines()[1:] if "input" in line]
     assert where == [["device", str(8 * 16 * 4)], ["host", str(8 * 16 * 4)], ["host", str(8 * 16 * 4)]]
+
+
+class LayoutNotingConv(torch.nn.Conv2d):
+    """A convolution that notes, at each call, whether its input is channels_last."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.channels_last_inputs = []
+
+    def forward(self, x):
+        self.channels_last_inputs.append(x.is_contiguous(memory_format=torch.channels_last))
+        return super().forward(x)
+
+
+def channels_last_conv_chain():
+    torch.manual_seed(0)
+    layers = [m for _ in range(3) for m in (LayoutNotingConv(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                            torch.nn.ReLU())]
+    return torch.nn.Sequential(*layers).to(memory_format=torch.channels_last)
+
+
+def test_offloaded_channels_last_inputs_are_recomputed_channels_last_with_identical_gradients():
+    # NOTE [ Kept layouts ]: a convolution recomputed on a contiguous copy of its
+    # channels_last input runs other kernels, and its gradients may differ.
+    plain = channels_last_conv_chain()
+    model = CheckpointedSequential(*copy.deepcopy(plain), segments=[0, 3, 6], offload=True)
+    x = torch.randn(4, 8, 6, 6).to(memory_format=torch.channels_last)
+    grads, kept = [], []
+    for net in (plain, model):
+        leaf = x.clone().requires_grad_(True)
+        out = net(leaf * 1)
+        kept.append(actsave.stored_bytes())
+        out.square().sum().backward()
+        grads.append(leaf.grad)
+    assert kept[1]["host"] == 2 * 4 * 8 * 6 * 6 * 4  # the inputs of the two checkpointed segments
+    # Each checkpointed segment's convolution: its forward, then its recompute.
+    assert model[0].channels_last_inputs == model[3].channels_last_inputs == [True, True]
+    assert torch.equal(*grads)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
 
 
 class Boom(torch.nn.Module):

@@ -26,7 +26,13 @@ centering ] in ``codecs/centering.py``).
 
 The bits are defined by the torch references of ``actsave.triton_kernels``' kernel
 table; the Triton kernels match them exactly (codecs/backend.py chooses which runs). Decoding
-gives back the original dtype, shape and device, contiguous.
+gives back the original dtype, shape, device and strides (NOTE [ Kept layouts ] in
+``actsave/layouts.py``: a dense input's own, channels_last for instance; a strided
+slice's as ``torch.empty_like`` gives them). The codes are always in the row-major
+order of the shape, whatever the input's layout: encoding a non-contiguous input reads
+it into that order first (a copy the kernels would make anyway), so that it stores the
+bits its contiguous copy would, and decoding writes the values back into its layout,
+one copy more than for a contiguous input, which pays nothing for the layout.
 
 Non-finite values: ``+inf`` and ``-inf`` come back as the same infinity and NaN as
 NaN (AMP loss scalers still see them, and ``-inf`` masks of attention scores or
@@ -46,6 +52,7 @@ from typing import ClassVar, Optional
 import torch
 
 from ..errors import ConfigError
+from ..layouts import kept_strides
 from .backend import implementation
 from .centering import channel_offsets
 from ..triton_kernels import DEFAULT_GROUP_SIZE, UNSIGNED_VARIANT, channel_size, kernel_table
@@ -57,7 +64,7 @@ GROUP_SIZE = DEFAULT_GROUP_SIZE
 @dataclass(frozen=True)
 class Packed:
     """A tensor as a codec stores it: payload, optional per-group scales, and what
-    decode needs to give back the original shape and dtype."""
+    decode needs to give back the original shape, dtype and strides."""
 
     data: torch.Tensor
     scales: Optional[torch.Tensor]
@@ -66,6 +73,9 @@ class Packed:
     unsigned: bool = False  # stored on the codec's unsigned grid (a non-negative tensor)
     # Per-channel means subtracted before encoding, fp32 (NOTE [ Channel centering ]).
     offsets: Optional[torch.Tensor] = None
+    # The strides decode gives back, where the input's layout is not contiguous (NOTE
+    # [ Kept layouts ]); None otherwise, and for the identity codec, whose data keeps its own.
+    strides: Optional[tuple] = None
 
     TENSOR_FIELDS: ClassVar[tuple] = ("data", "scales", "offsets")
 
@@ -151,24 +161,44 @@ class GroupCodec(Codec):
         self.expected_gradient_sqnr_db = expected_gradient_sqnr_db
 
     def encode(self, x: torch.Tensor, non_negative: bool = False) -> Packed:
-        source = x.float() if x.dtype == torch.float64 else x
+        source = _as_kernels_read(x)
         offsets = None if non_negative else channel_offsets(source)
         kernel = kernel_table()[self._format(non_negative), "encode"]
         encode = implementation(kernel, source)
         codes, scales = encode(source, **kernel.format_args, group_size=GROUP_SIZE, means=offsets)
         return Packed(data=codes, scales=scales, shape=x.shape, dtype=x.dtype, unsigned=non_negative,
-                      offsets=offsets)
+                      offsets=offsets, strides=kept_strides(x))
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        """The tensor ``packed`` stands for, in the input's layout: where that is not
+        contiguous (``packed.strides``), the values decoded in row-major order are
+        copied into it, one copy more."""
         wide = torch.float32 if packed.dtype == torch.float64 else packed.dtype
         kernel = kernel_table()[self._format(packed.unsigned), "decode"]
         decode = implementation(kernel, packed.data)
         flat = decode(packed.data, packed.scales, **kernel.format_args, dtype=wide, group_size=GROUP_SIZE,
                       means=packed.offsets, channel_size=channel_size(packed.shape))
-        return flat.view(packed.shape).to(packed.dtype)
+        if packed.strides is None:
+            return flat.view(packed.shape).to(packed.dtype)
+        return _copied_with_strides(flat.view(packed.shape), packed.strides, packed.dtype)
 
     def _format(self, unsigned: bool) -> str:
         return UNSIGNED_VARIANT[self.name] if unsigned else self.name
+
+
+def _as_kernels_read(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernels read it: row-major (a copy where ``x`` is not contiguous,
+    which the kernels would otherwise make themselves), float64 as float32. Its channel
+    means are those of ``x``'s contiguous copy, bit for bit: a mean reduced in another
+    memory order may round otherwise."""
+    if x.dtype == torch.float64:
+        return x.to(torch.float32, memory_format=torch.contiguous_format)
+    return x.contiguous()
+
+
+def _copied_with_strides(values: torch.Tensor, strides: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` copied into a new tensor of ``dtype`` with ``strides``: one copy."""
+    return torch.empty_strided(values.shape, strides, dtype=dtype, device=values.device).copy_(values)
 
 
 IDENTITY = IdentityCodec()

@@ -60,8 +60,8 @@ class CopyEngine:
     """
 
     def to_host(self, source: torch.Tensor, host: torch.Tensor):
-        """Start copying ``source`` (contiguous, on this engine's device) into ``host``
-        (same shape and dtype); return the copy's event."""
+        """Start copying ``source`` (dense, on this engine's device) into ``host`` (same
+        shape, strides and dtype: one run of bytes); return the copy's event."""
         raise NotImplementedError
 
     def to_host_all(self, pairs: list):
@@ -74,8 +74,9 @@ class CopyEngine:
         return event
 
     def to_device(self, host: torch.Tensor) -> tuple:
-        """Start copying ``host`` into a new tensor on this engine's device; return
-        ``(tensor, event)``. The tensor must not be read before ``wait(event)``."""
+        """Start copying ``host`` (dense) into a new tensor on this engine's device, of the
+        same strides; return ``(tensor, event)``. The tensor must not be read before
+        ``wait(event)``."""
         raise NotImplementedError
 
     def wait(self, event) -> None:

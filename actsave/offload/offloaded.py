@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from ..errors import ActsaveError
+from ..layouts import is_dense, kept_strides
 from .copy_engines import CopyEngine, copy_engine_for
 from .pool import HostPool, host_pool_for
 
@@ -57,13 +58,16 @@ _PART_ALIGNMENT = 16
 
 
 class _Part:
-    """Where one tensor of an offloaded group lies in the buffer, and what it was."""
+    """Where one (dense) tensor of an offloaded group lies in the buffer, and what it
+    was: its elements lie there in their memory order, so the part viewed with the
+    tensor's strides is a copy of it in its layout (NOTE [ Kept layouts ])."""
 
-    __slots__ = ("offset", "nbytes", "dtype", "shape")
+    __slots__ = ("offset", "nbytes", "dtype", "shape", "strides")
 
     def __init__(self, offset: int, tensor: torch.Tensor):
         self.offset, self.nbytes = offset, tensor.numel() * tensor.element_size()
         self.dtype, self.shape = tensor.dtype, tensor.shape
+        self.strides = kept_strides(tensor)  # None: contiguous ones
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         """This part of ``buffer`` (flat uint8), as the tensor it holds (a byte vector,
@@ -71,24 +75,38 @@ class _Part:
         part = buffer[self.offset: self.offset + self.nbytes]
         if self.dtype != torch.uint8:
             part = part.view(self.dtype)
+        if self.strides is not None:
+            return part.as_strided(self.shape, self.strides)
         return part if part.shape == self.shape else part.view(self.shape)
+
+
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself where it is dense, else a dense copy with its dimensions in
+    the same order (NOTE [ Kept layouts ])."""
+    return tensor if is_dense(tensor) else tensor.clone()
 
 
 class OffloadedTensors:
     """Tensors of one device kept together in one host buffer until fetched back.
 
-    Construction starts copying each tensor (detached; made contiguous first) into its
-    part of a buffer lent by ``pool`` (default: :func:`host_pool_for` their device),
-    through ``engine`` (default: :func:`copy_engine_for` their device) as one job: one
-    buffer, one wait and one event for the group, however many tensors it holds (a kept
-    input's codes, scales and channel means; a segment's decisions). They come back in
-    one copy, as views of one device buffer. Any dtypes; the bytes come back unchanged.
-    The buffer goes back to the pool on :meth:`release`, or when the object is garbage
-    collected.
+    Construction starts copying each tensor (detached) into its part of a buffer lent
+    by ``pool`` (default: :func:`host_pool_for` their device), through ``engine``
+    (default: :func:`copy_engine_for` their device) as one job: one buffer, one wait
+    and one event for the group, however many tensors it holds (a kept input's codes,
+    scales and channel means; a segment's decisions). They come back in one copy, as
+    views of one device buffer. Any dtypes; the bytes come back unchanged. The buffer
+    goes back to the pool on :meth:`release`, or when the object is garbage collected.
+
+    Each comes back in its memory layout (NOTE [ Kept layouts ] in actsave/layouts.py):
+    a dense tensor (contiguous, channels_last, channels_last_3d, any permutation of its
+    dimensions) with exactly its strides, its elements copied in their memory order
+    with no copy beyond the offload's own; any other (a strided slice, an expanded
+    tensor) is first copied into the layout ``torch.empty_like`` gives it (dense, its
+    dimensions in the same order) and comes back in that one.
     """
 
     def __init__(self, tensors: list, pool: Optional[HostPool] = None, engine: Optional[CopyEngine] = None):
-        sources = [(tensor.detach() if tensor.requires_grad else tensor).contiguous() for tensor in tensors]
+        sources = [_dense(tensor.detach() if tensor.requires_grad else tensor) for tensor in tensors]
         if not sources or any(source.device != sources[0].device for source in sources):
             raise ActsaveError("OffloadedTensors takes one or more tensors, all on one device")
         self.device = sources[0].device

@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import actsave
 from actsave import ConfigError
-from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, IDENTITY, LOSSY_CODECS, available_codecs, get_codec
+from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, IDENTITY, LOSSY_CODECS, Packed, available_codecs, get_codec
+from support import DENSE_LAYOUTS, NOT_DENSE
 
 CPU_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "cpu.csv"
 
@@ -22,6 +24,55 @@ def test_identity_stores_the_tensor_itself():
     packed = IDENTITY.encode(x)
     assert IDENTITY.decode(packed) is x
     assert packed.nbytes == x.numel() * 4 and packed.shape == x.shape and packed.dtype == x.dtype
+
+
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
+def test_identity_keeps_the_layout(layout):
+    x = DENSE_LAYOUTS[layout]()
+    decoded = IDENTITY.decode(IDENTITY.encode(x))
+    assert decoded.stride() == x.stride() and torch.equal(decoded, x)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
+@pytest.mark.parametrize("layout", DENSE_LAYOUTS)
+def test_a_lossy_codec_decodes_into_the_inputs_layout_the_bits_of_its_contiguous_copy(layout, codec, backend):
+    # NOTE [ Kept layouts ]: the codes stay row-major; decode gives the strides back.
+    x = DENSE_LAYOUTS[layout]()
+    with actsave.backend(backend):
+        packed = get_codec(codec).encode(x)
+        decoded = get_codec(codec).decode(packed)
+        from_contiguous = get_codec(codec).decode(get_codec(codec).encode(x.contiguous()))
+    assert packed.strides == x.stride()
+    assert decoded.stride() == x.stride() and same_bits(decoded, from_contiguous)
+
+
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
+def test_a_contiguous_input_records_no_strides_and_decodes_as_a_view(codec):
+    packed = get_codec(codec).encode(torch.randn(2, 3, 4, 5))
+    decoded = get_codec(codec).decode(packed)
+    assert packed.strides is None and decoded.is_contiguous() and decoded._base is not None
+
+
+@pytest.mark.parametrize("view", NOT_DENSE)
+def test_a_tensor_that_is_not_dense_decodes_as_empty_like_lays_it_out(view):
+    x = NOT_DENSE[view]()
+    codec = get_codec("int8")
+    decoded = codec.decode(codec.encode(x))
+    assert decoded.stride() == torch.empty_like(x).stride()
+    assert same_bits(decoded, codec.decode(codec.encode(x.contiguous())))
+
+
+def test_the_strides_travel_with_the_metadata():
+    # What an offloaded packed value is taken apart into and assembled from (runtime/store.py).
+    packed = get_codec("int8").encode(DENSE_LAYOUTS["channels_last"]())
+    again = Packed.assemble(packed.tensors(), packed.metadata())
+    assert again.strides == packed.strides and again.metadata() == packed.metadata()
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", ["int4", "", 8, object()])

@@ -101,3 +101,17 @@ def test_a_keep_policy_has_no_default_fields():
     # bench/compile_memory.py with torch 2.11: 3 graphs and 7 breaks where 2.13 has 1 and 1).
     assert all(p.default is inspect.Parameter.empty for p in inspect.signature(KeepPolicy).parameters.values())
     assert EXACT == KeepPolicy(actsave.codecs.get_codec(None), False)
+
+
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_an_offloaded_kept_input_comes_back_in_its_layout(codec):
+    # NOTE [ Kept layouts ]: the packed value's strides travel with it to the host and back.
+    x = torch.randn(2, 8, 4, 4, requires_grad=True).to(memory_format=torch.channels_last) * 1
+    restored = []
+    for tensor in (x, x.contiguous()):
+        kept = KeptInputs((tensor,), {}, KeepPolicy.resolve(compress=codec, offload=True), False)
+        assert kept.tensors[0].storage.where == "host"
+        (back,), _ = kept.restore()
+        restored.append(back)
+        kept.release()
+    assert restored[0].stride() == x.stride() and torch.equal(*restored)

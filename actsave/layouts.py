@@ -1,0 +1,53 @@
+"""Memory layouts: the strides a tensor kept for its backward comes back with.
+
+NOTE [ Kept layouts ]
+A tensor kept by offload (offload/offloaded.py) or by a lossy codec (codecs/__init__.py)
+comes back with the strides ``torch.empty_like`` gives it, those ``clone()`` keeps:
+
+- a dense tensor (its elements fill ``numel()`` places of memory, no gap and no
+  overlap, in some order of its dimensions: contiguous, channels_last,
+  channels_last_3d, a transpose, any permutation) keeps its own strides exactly, those
+  of its size-1 dimensions included;
+- any other (a strided slice, an expanded tensor) comes back dense, its dimensions in
+  the same order of strides (a slice of a channels_last tensor comes back
+  channels_last, without its gaps).
+
+A convolution chooses its algorithm, and so its rounding, by its input's memory format:
+a recompute given its input in another layout than the forward's would give other
+gradients, where exact modes promise bit-identical ones.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``, as ``torch.empty(shape)`` has them."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` places of memory, with no gap and no
+    overlap (in any order of its dimensions)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def kept_strides(t: torch.Tensor) -> Optional[tuple]:
+    """The strides a copy of ``t`` kept for the backward comes back with (NOTE [ Kept
+    layouts ]); None where those are contiguous strides, which a plain view of the
+    copy's elements has."""
+    strides = t.stride() if is_dense(t) else torch.empty_like(t, device="meta").stride()
+    return None if strides == contiguous_strides(t.shape) else strides
