@@ -24,11 +24,10 @@ import threading
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ._torch import (
-    AttributeSwap,
+    ATTENTION,
     OpOverload,
     TorchDispatchMode,
     cpu_flash_attention,
@@ -49,7 +48,7 @@ def simulating(device):
     previous = getattr(_local, "device", None)
     _local.device = torch.device(device)
     try:
-        with _attention_swap.active() if fused_attention(_local.device) else contextlib.nullcontext():
+        with ATTENTION.handled(_simulated_attention) if fused_attention(_local.device) else contextlib.nullcontext():
             yield
     finally:
         _local.device = previous
@@ -68,17 +67,15 @@ def simulating(device):
 # - CPU: its flash kernel, masks included, without dropout.
 # Else math, as unsimulated; so too for inputs that are not 4-D or whose query, key and
 # value differ in head count or head size (grouped queries: an overestimate).
-# The choice is made by replacing torch.nn.functional.scaled_dot_product_attention
-# while a simulation runs, since a TorchFunctionMode does not reach a checkpoint's
-# recompute, and no dispatch mode sees the choice (it is made before dispatch). Code
-# that bound the function under another name before is not reached.
-def _scaled_dot_product_attention(*args, **kwargs):
+# The choice is made by tapping torch.nn.functional.scaled_dot_product_attention
+# while a simulation runs (_torch.ATTENTION, a FunctionTap), since a TorchFunctionMode
+# does not reach a checkpoint's recompute, and no dispatch mode sees the choice (it is
+# made before dispatch). Code that bound the function under another name before is
+# not reached.
+def _simulated_attention(call_next, *args, **kwargs):
     device = simulated_device()
     fused = _fused_attention(fused_attention(device), *args, **kwargs) if device is not None else None
-    return _attention_swap.original(*args, **kwargs) if fused is None else fused
-
-
-_attention_swap = AttributeSwap(F, "scaled_dot_product_attention", _scaled_dot_product_attention)
+    return call_next(*args, **kwargs) if fused is None else fused
 
 
 def _fused_attention(kernels, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

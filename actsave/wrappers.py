@@ -28,7 +28,8 @@ from .checks import real_number
 from .errors import ConfigError
 from .planning.blocks import BlockPlan, plan_block_stack
 from .runtime import graph_codecs
-from .runtime.function import checkpoint_in_graph, checkpointed_call
+from .runtime.function import checkpoint_in_graph
+from .runtime.keep_modes import BlockOption, call_block
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
 from .runtime.store import KeepPolicy, modifies_input
 
@@ -37,7 +38,7 @@ from .runtime.store import KeepPolicy, modifies_input
 _WRAPPED = "_checkpoint_wrapped_module"
 
 
-def checkpoint(function: Callable, *args, compress=None, offload=False, use_reentrant=None,
+def checkpoint(function: Callable, *args, compress=None, offload=False, keep="inputs", use_reentrant=None,
                preserve_rng_state=True, determinism_check="default", debug=False, early_stop=True,
                context_fn=None, **kwargs):
     """``function(*args, **kwargs)``, keeping only the arguments for backward.
@@ -45,15 +46,25 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, use_reen
     The drop-in for ``torch.utils.checkpoint.checkpoint(function, *args,
     use_reentrant=False, **kwargs)``, with the kept tensor arguments optionally
     compressed (``compress``) or offloaded (``offload``). RNG and autocast state are
-    replayed in the recompute, and BatchNorm running statistics are not updated twice.
+    replayed in the recompute, and module state (BatchNorm's running statistics) is
+    updated once and recomputed as the forward read it.
 
     Args:
         function: any callable; runs once in the forward and again in backward.
         *args, **kwargs: passed to ``function``, except the keywords below, which are
             ``checkpoint``'s own (as in torch: ``function`` cannot receive them).
-        compress: codec of the kept tensor arguments: ``None`` (exact) or a name from
+        compress: codec of what is kept (the tensor arguments, or with
+            ``keep="saves"`` what autograd saves): ``None`` (exact) or a name from
             :func:`actsave.available_codecs`.
-        offload: keep the tensor arguments in host memory until backward.
+        offload: keep it in host memory until backward.
+        keep: what is kept for backward (runtime/keep_modes.py, NOTE [ Keep modes ]):
+            ``"inputs"`` (default; everything else recomputed), ``"selective"`` (also
+            the outputs of linear layers and attention: only cheap ops recomputed; an
+            :class:`actsave.KeptOps` names other calls), ``"saves"`` (everything,
+            nothing recomputed: with ``compress`` or ``offload``) or
+            ``"linear_inputs"`` (as ``"saves"``, ``compress`` on the linear layers'
+            inputs only). ``"selective"`` with module types needs ``function`` to be a
+            module.
         use_reentrant: ``None`` or ``False``; actsave is non-reentrant, and ``True``
             raises :class:`~actsave.ConfigError`.
         preserve_rng_state: ``True`` (default): the recompute replays the forward's
@@ -84,8 +95,8 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, use_reen
                           "checkpoint first, then its arguments: checkpoint(function, *args, **kwargs)")
     check_torch_only_keywords(use_reentrant, context_fn)
     options = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
-    policy = KeepPolicy.resolve(compress, offload)
-    output, _ = checkpointed_call(function, args, kwargs, policy, modifies_input(function), options)
+    option = BlockOption.resolve(keep, compress, offload)
+    output, _ = call_block(option, function, args, kwargs, options, modifies_input(function))
     return output
 
 
@@ -96,20 +107,22 @@ class Checkpoint(nn.Module):
     wrapper loads without it and the other way round. Attributes not found on the
     wrapper are looked up on ``module``.
 
-    ``compress``, ``offload``, ``preserve_rng_state``, ``determinism_check``, ``debug``
-    and ``early_stop`` mean what they mean for :func:`checkpoint`. ``eager_because``
-    says why a compiled forward runs the block eagerly though its codec could be in
-    the graph (its ReLU or max-pool decisions, a model that fails on meta tensors), or
-    None (NOTE [ Codecs in a compiled graph ]).
+    ``compress``, ``offload``, ``keep``, ``preserve_rng_state``, ``determinism_check``,
+    ``debug`` and ``early_stop`` mean what they mean for :func:`checkpoint`; ``option``
+    holds the first three, resolved (a
+    :class:`~actsave.runtime.keep_modes.BlockOption`). ``eager_because`` says why a
+    compiled forward runs the block eagerly though its codec could be in the graph
+    (its ReLU or max-pool decisions, a model that fails on meta tensors), or None
+    (NOTE [ Codecs in a compiled graph ]).
     """
 
-    def __init__(self, module: nn.Module, compress=None, offload=False, *, preserve_rng_state=True,
+    def __init__(self, module: nn.Module, compress=None, offload=False, *, keep="inputs", preserve_rng_state=True,
                  determinism_check="default", debug=False, early_stop=True):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"Checkpoint wraps an nn.Module instance; module={module!r} is a "
                               f"{type(module).__name__} (for a function, use actsave.checkpoint(function, *args))")
-        self.policy = KeepPolicy.resolve(compress, offload)
+        self.option = BlockOption.resolve(keep, compress, offload)
         self.recompute = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
         self.add_module(_WRAPPED, module)
         # Why a compiled forward runs this block eagerly, though its codec could be in
@@ -123,14 +136,27 @@ class Checkpoint(nn.Module):
         """The wrapped module."""
         return self._modules[_WRAPPED]
 
+    @property
+    def policy(self) -> KeepPolicy:
+        """The codec and offload of what it keeps (``option.policy``)."""
+        return self.option.policy
+
+    @property
+    def inputs_policy(self) -> Optional[KeepPolicy]:
+        """How it keeps its inputs where it keeps only them (``keep="inputs"``), else
+        None: what a compiled graph's codec hooks read (runtime/graph_codecs.py)."""
+        return self.option.policy if self.option.keep == "inputs" else None
+
     def forward(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and graph_codecs.blocks_in_graph(self.policy, self.eager_because):
-            args, kwargs = graph_codecs.inputs_copied(args, kwargs, self.policy)
-            with graph_codecs.block_annotation(self.policy):
+        policy = self.inputs_policy
+        if torch.compiler.is_compiling() and policy is not None and graph_codecs.blocks_in_graph(
+                policy, self.eager_because):
+            args, kwargs = graph_codecs.inputs_copied(args, kwargs, policy)
+            with graph_codecs.block_annotation(policy):
                 output = checkpoint_in_graph(self.module, args, kwargs, self.recompute)
             return graph_codecs.output_copied(output)
-        output, _ = checkpointed_call(self.module, args, kwargs, self.policy, modifies_input(self.module),
-                                      self.recompute, eager_because=self.eager_because)
+        output, _ = call_block(self.option, self.module, args, kwargs, self.recompute, modifies_input(self.module),
+                               eager_because=self.eager_because)
         return output
 
     def __getattr__(self, name: str):
@@ -144,23 +170,26 @@ class Checkpoint(nn.Module):
 
     def extra_repr(self) -> str:
         recompute = self.recompute.describe()
-        return (f"compress={self.policy.codec.name!r}, offload={self.policy.offload}"
+        keep = "" if self.option.keep == "inputs" else f", keep={self.option.describe().split()[0]!r}"
+        return (f"compress={self.policy.codec.name!r}, offload={self.policy.offload}{keep}"
                 + (", " + recompute if recompute else ""))
 
 
 FilterSpec = Union[Callable[[nn.Module, str], bool], type, tuple]
 
 
-def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, offload=False, *, budget=None,
-         example_inputs=None, allow=None, min_sqnr_db=None, preserve_rng_state=True, determinism_check="default",
-         debug=False, early_stop=True) -> nn.Module:
+def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, offload=False, *, keep="inputs",
+         budget=None, example_inputs=None, allow=None, min_sqnr_db=None, preserve_rng_state=True,
+         determinism_check="default", debug=False, early_stop=True) -> nn.Module:
     """Replace, in place, each submodule of ``model`` that ``filter_fn`` selects by a
     :class:`Checkpoint` of it, and return ``model``.
 
     ``filter_fn`` is ``callable(module, fqn) -> bool`` or an ``nn.Module`` subclass
     (or a non-empty tuple of them). ``model`` itself is never wrapped, nor is anything
     inside a module that is wrapped already. ``state_dict`` keys do not change. The
-    other arguments are given to each :class:`Checkpoint` (see :func:`checkpoint`); a
+    other arguments are given to each :class:`Checkpoint` (see :func:`checkpoint`;
+    ``keep="selective"`` keeps each block's linear outputs and attention, recomputing
+    its norms and activations only); a
     :class:`Checkpoint` from an earlier call whose module ``filter_fn`` selects takes
     them in place of its own (``wrap(model, Block, compress="int8")`` after
     ``wrap(model, Block)`` makes every block int8).
@@ -193,23 +222,23 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     options = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
     planned = budget is not None or isinstance(filter_fn, BlockPlan)
     if planned or example_inputs is not None or allow is not None or min_sqnr_db is not None:
-        _check_planned_arguments(filter_fn, compress, offload, budget, example_inputs, allow, min_sqnr_db)
+        _check_planned_arguments(filter_fn, compress, offload, keep, budget, example_inputs, allow, min_sqnr_db)
     if planned:
         plan = filter_fn if isinstance(filter_fn, BlockPlan) else plan_blocks(
             model, filter_fn, budget, example_inputs, allow=allow, min_sqnr_db=min_sqnr_db)
         _apply(model, plan, options)
         return model
     matches = _as_predicate(filter_fn)
-    policy = KeepPolicy.resolve(compress, offload)
+    option = BlockOption.resolve(keep, compress, offload)
     blocks = matching_blocks(model, matches)
     for block in blocks:
         if not block.wrapped:
-            block.replace(_checkpoint_of(block.module, policy, options))
+            block.replace(_checkpoint_of(block.module, option, options))
         elif matches(uncompiled(block.module.module), block.fqn):
             # Wrapped by an earlier call and selected again: this call's options win,
             # as they would for a module wrapped now (never the old ones, silently).
-            block.module.policy, block.module.recompute = policy, options
-    if policy.lossy:
+            block.module.option, block.module.recompute = option, options
+    if option.keep == "inputs" and option.lossy:
         graph_codecs.watch_root(model)
     if not blocks:
         warnings.warn(f"actsave.wrap: filter_fn={filter_fn!r} selected no submodule of the "
@@ -286,7 +315,7 @@ def _check_model(model, purpose: str) -> None:
                           "(for a function, use actsave.checkpoint(function, *args))")
 
 
-def _check_planned_arguments(filter_fn, compress, offload, budget, example_inputs, allow, min_sqnr_db) -> None:
+def _check_planned_arguments(filter_fn, compress, offload, keep, budget, example_inputs, allow, min_sqnr_db) -> None:
     if isinstance(filter_fn, BlockPlan):
         if budget is not None or example_inputs is not None or allow is not None or min_sqnr_db is not None:
             raise ConfigError("wrap(model, plan) applies a plan made already: give budget, example_inputs, allow "
@@ -294,9 +323,9 @@ def _check_planned_arguments(filter_fn, compress, offload, budget, example_input
     elif budget is None:
         raise ConfigError("example_inputs, allow and min_sqnr_db are for planning the blocks: give budget (peak "
                           "activation bytes of one training step) too, or leave them out")
-    if compress is not None or offload is not False:
-        raise ConfigError(f"compress={compress!r}, offload={offload!r}: with a block plan, each block's keep option "
-                          "is planned; limit the levers with allow=(...) and min_sqnr_db instead")
+    if compress is not None or offload is not False or keep != "inputs":
+        raise ConfigError(f"compress={compress!r}, offload={offload!r}, keep={keep!r}: with a block plan, each "
+                          "block's keep option is planned; limit the levers with allow=(...) and min_sqnr_db instead")
 
 
 def _apply(model: nn.Module, plan: BlockPlan, options: RecomputeOptions) -> None:
@@ -309,9 +338,9 @@ def _apply(model: nn.Module, plan: BlockPlan, options: RecomputeOptions) -> None
                           "wrapping it otherwise")
     for block in blocks:
         option = planned[id(block.module)]
-        if option is not None:
+        if option is not None and not option.is_plain:
             block.replace(_checkpoint_of(block.module, option, options))
-    if any(option is not None and option.lossy for option in plan.options):
+    if any(option is not None and option.keep == "inputs" and option.lossy for option in plan.options):
         graph_codecs.watch_root(model)
 
 
@@ -349,10 +378,10 @@ def matching_blocks(model: nn.Module, matches, prefix: str = "") -> list:
     return found
 
 
-def _checkpoint_of(module: nn.Module, policy: KeepPolicy, options: RecomputeOptions) -> Checkpoint:
+def _checkpoint_of(module: nn.Module, option: BlockOption, options: RecomputeOptions) -> Checkpoint:
     """``Checkpoint(module)`` with its settings resolved already."""
     wrapper = Checkpoint(module)
-    wrapper.policy, wrapper.recompute = policy, options
+    wrapper.option, wrapper.recompute = option, options
     return wrapper
 
 

@@ -781,3 +781,29 @@ def test_a_nested_segment_compiles_as_one_checkpoint_with_eager_gradients():
     x = torch.randn(16, 32)
     torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x), rtol=1e-5, atol=1e-6)
     assert (sum(counters["graph_break"].values()), checkpoints_in(graphs)) == (1, 1)
+
+
+class LinearBlock(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def linear_stack(n: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(LinearBlock() for _ in range(n)))
+
+
+def test_compiled_selective_blocks_are_one_graph_of_torch_selective_checkpoints():
+    # keep="selective" is torch's selective checkpoint in the graph, saving the linear
+    # layers' matmuls (NOTE [ Keep modes ]): one graph, no break, eager's gradients.
+    eager = actsave.wrap(linear_stack(), LinearBlock, keep="selective")
+    model, graphs = compiled_for_counting(actsave.wrap(linear_stack(), LinearBlock, keep="selective"))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    x = torch.randn(4, 8, 16)
+    torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+    assert (sum(counters["graph_break"].values()), len(graphs), checkpoints_in(graphs)) == (0, 1, 3)

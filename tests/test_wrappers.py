@@ -312,3 +312,54 @@ def test_torch_keywords_actsave_does_not_implement_are_refused(keywords, names):
     with pytest.raises(ConfigError) as raised:
         checkpoint(torch.sin, torch.randn(3, requires_grad=True), **keywords)
     assert all(name in str(raised.value) for name in names), str(raised.value)
+
+
+# --- keep=: what a checkpoint keeps (NOTE [ Keep modes ]) --------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("how", ["wrap", "Checkpoint", "checkpoint", "KeptOps"])
+def test_selective_blocks_train_as_plain_ones(how):
+    plain, model = Stack(), Stack()
+    if how == "wrap":
+        wrap(model, Block, keep="selective")
+    elif how == "KeptOps":
+        wrap(model, Block, keep=actsave.KeptOps(modules=(nn.Linear,), functions=()))
+    elif how == "Checkpoint":
+        model.blocks = nn.ModuleList(Checkpoint(block, keep="selective") for block in model.blocks)
+    else:
+        blocks = list(model.blocks)
+        model.forward = lambda x: checkpoint(blocks[2], checkpoint(blocks[1], checkpoint(
+            blocks[0], x, keep="selective"), keep="selective"), keep="selective")
+    assert_same_training(plain, model, torch.randn(4, 8, 16, requires_grad=True))
+    if how in ("wrap", "Checkpoint"):
+        assert "keep='selective'" in repr(model.blocks[0])
+
+
+def test_keep_is_checked_and_selective_keeps_exactly():
+    with pytest.raises(ConfigError, match="keep='everything' is not one of"):
+        Checkpoint(Block(), keep="everything")
+    with pytest.raises(ConfigError, match="keeps its tensors exactly"):
+        Checkpoint(Block(), compress="int8", keep="selective")
+    with pytest.raises(ConfigError, match="keep='selective'.*block's keep option is planned"):
+        wrap(Stack(), Block, keep="selective", budget=10**6, example_inputs=torch.randn(2, 8, 16))

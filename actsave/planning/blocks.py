@@ -54,6 +54,7 @@ from torch import nn
 from .._torch import pytree
 from ..devices import host_is_separate
 from ..errors import ConfigError
+from ..runtime.keep_modes import BlockOption
 from ..runtime.store import modifies_input, should_encode
 from ..text import format_table, mib
 from .instrumented_step import backward_from, isolated_steps
@@ -405,8 +406,8 @@ class BlockPlan:
 
     ``blocks[i]`` is the fully qualified name of the i-th block to run; ``options[i]``
     is None where that block is kept plain (autograd stores its activations), else the
-    :class:`~actsave.runtime.store.KeepPolicy` its :class:`~actsave.Checkpoint` keeps
-    its input by. Bytes are peak activation memory of the whole step (module
+    :class:`~actsave.runtime.keep_modes.BlockOption` its :class:`~actsave.Checkpoint`
+    runs with (what it keeps, by which codec, where). Bytes are peak activation memory of the whole step (module
     docstring, "Budget"): ``predicted_peak_bytes`` for this plan, ``plain_peak_bytes``
     for the plain model, ``smallest_peak_bytes`` the least any block plan reaches.
     """
@@ -433,8 +434,8 @@ class BlockPlan:
             if option is None:
                 rows.append([str(i), name, "plain (activations stored)", "", ""])
             else:
-                rows.append([str(i), name, "checkpoint (recomputed)", option.codec.name,
-                             "host" if option.offload else "device"])
+                rows.append([str(i), name, "checkpoint (recomputed)", option.policy.codec.name,
+                             "host" if option.policy.offload else "device"])
         return head + "\n" + format_table(rows)
 
 
@@ -470,12 +471,12 @@ def plan_block_stack(model: nn.Module, blocks: Sequence[tuple], budget, example_
 
 def _block_options(chosen: Plan, n_blocks: int) -> tuple:
     """Per block, from the chain plan: its checkpointed segment's option (one block
-    each), or None for a block in a stored segment."""
+    each, keeping its input), or None for a block in a stored segment."""
     options = [None] * n_blocks
     for start, stop, option in chosen.segments:
         if option is not None:
             assert stop == start + 1, "a block plan checkpoints one block per segment"
-            options[start] = option
+            options[start] = BlockOption("inputs", option)
     return tuple(options)
 
 

@@ -72,7 +72,6 @@ placeholders like any other.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import warnings
 import weakref
@@ -102,14 +101,30 @@ class _Slot:
     """What autograd stores in place of a tensor the segment saved. When the recompute
     is lossy, ``relu_signs`` hold the forward's ReLU decisions (relu_signs.py) and
     ``pool_decisions`` a max pool's (pool_decisions.py), attached to the kept inputs
-    (store.py)."""
+    (store.py). ``kept``: the tensor itself, where the frame keeps it instead of
+    recomputing it (selective.py), with the version it was saved at."""
 
-    __slots__ = ("index", "relu_signs", "pool_decisions", "__weakref__")
+    __slots__ = ("index", "relu_signs", "pool_decisions", "kept", "__weakref__")
 
     def __init__(self, index: int):
         self.index = index
         self.relu_signs = None
         self.pool_decisions = None
+        self.kept = None
+
+
+class _Cursor:
+    """Which save of the forward a recompute's next save stands for; a selective
+    recompute moves it past the saves of a call it skips (selective.py)."""
+
+    __slots__ = ("position",)
+
+    def __init__(self):
+        self.position = 0
+
+    def take(self) -> int:
+        self.position += 1
+        return self.position - 1
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -158,7 +173,7 @@ class _Frame:
         else:
             self._input_nodes = {}
         self.decision_bytes = 0  # ReLU signs and max-pool decisions kept
-        self._state_account = None  # the snapshot's entry in stored_bytes (keep_state)
+        self._state_account = None  # the entry in stored_bytes of what account_kept counted
 
     @property
     def in_forward(self) -> bool:
@@ -209,11 +224,17 @@ class _Frame:
     def _recompute(self) -> None:
         try:
             self.touched.check_unchanged(_name(self.function))
-            self._replay(self.kept.restore, self.recomputed, len(self.slots), lossy=self.kept.lossy,
-                         exact_count=True, last=True)
+            count, exact = self._recomputed_saves()
+            self._replay(self.kept.restore, self.recomputed, count, lossy=self.kept.lossy, exact_count=exact,
+                         last=True)
         finally:
             self.release()
         self.is_recomputed = True
+
+    def _recomputed_saves(self) -> tuple:
+        """``(count, exact)``: the backward's recompute fills the first ``count`` saves;
+        ``exact``: a recompute run to its end saves exactly that many."""
+        return len(self.slots), True
 
     def release(self) -> None:
         """Let go of what the recompute needed: the kept inputs (and what they hold
@@ -223,14 +244,18 @@ class _Frame:
         if self._state_account is not None:
             self._state_account()
 
-    def keep_state(self) -> int:
-        """As the forward ends: count the snapshot of the module state it mutated
-        (NOTE [ State a forward reads and mutates ]) in stored_bytes, until released;
-        returns its bytes."""
-        nbytes = self.touched.snapshot_bytes
+    def account_kept(self) -> int:
+        """As the forward ends: count what the frame keeps beyond its inputs and their
+        decisions in stored_bytes, until released, and return its bytes: the snapshot
+        of the module state the forward mutated (NOTE [ State a forward reads and
+        mutates ]), and what a subclass keeps besides (selective.py: kept outputs)."""
+        nbytes = self.touched.snapshot_bytes + self._kept_besides()
         if nbytes:
             self._state_account = account(self, nbytes)
         return nbytes
+
+    def _kept_besides(self) -> int:
+        return 0
 
     def _unpack_in_forward(self, slot: _Slot) -> torch.Tensor:
         # NOTE [ Backward inside a checkpointed forward ]
@@ -261,22 +286,23 @@ class _Frame:
         ``last``: no recompute follows, so it may use up the module state's snapshot.
         ``exact_count``: the forward is over, so a recompute run to its end
         (``early_stop=False``) must save exactly ``count`` tensors."""
-        counter = itertools.count()
+        cursor = _Cursor()
 
         def fill(tensor):
             # The recompute's own graph holds the tensor as it is too, for a backward the
             # function runs inside itself (NOTE [ Backward inside a checkpointed forward ]).
-            return self._fill(next(counter), tensor, into, count, lossy)
+            return self._fill(cursor.take(), tensor, into, count, lossy)
 
         pools = self.pools.watching() if lossy and self.keeps_decisions else contextlib.nullcontext()
         try:
-            with self.replaying(self.replay, fill, self.touched.as_in_forward(last)), pools:
+            with self.replaying(self.replay, fill, self.touched.as_in_forward(last)), pools, \
+                    self._skipping(cursor, into, count, last):
                 args, kwargs = inputs()  # under enable_grad: see KeptInputs.restore()
                 with self.logged("recompute"):
                     self.function(*args, **kwargs)
         except _AllSlotsFilled:
             pass
-        produced = next(counter)
+        produced = cursor.position
         if produced < count or (exact_count and produced != count):
             raise self._mismatch(
                 f"the recompute saved {produced} tensors for backward where the forward "
@@ -284,6 +310,11 @@ class _Frame:
                 "does not do the same work twice. Make it deterministic (same branches, "
                 "same shapes) or do not checkpoint it."
             )
+
+    def _skipping(self, cursor: _Cursor, into, count: int, last: bool):
+        """What a recompute skips, filling the saves of what it skips itself: nothing
+        here (selective.py skips the calls whose outputs it kept)."""
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def replaying(self, replay: ReplayState, fill: Callable, state):
@@ -307,7 +338,7 @@ class _Frame:
             )
         slot = self.slots[index]() if index < count else None
         detached = _detached(tensor)
-        if slot is not None:  # None: autograd already freed the node that saved it
+        if slot is not None and slot.kept is None:  # None: autograd already freed the node that saved it
             if lossy and slot.relu_signs is not None:
                 relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
             if lossy and slot.pool_decisions is not None:
@@ -442,12 +473,14 @@ def compiles_in_graph(policy: KeepPolicy) -> bool:
     return not policy.lossy and not policy.offload
 
 
-def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions):
+def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions, context_fn=None):
     """``function(*args, **kwargs)`` as torch's non-reentrant checkpoint with the
-    same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ]."""
+    same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ].
+    ``context_fn``: torch's, for a selective checkpoint (keep_modes.py)."""
+    extra = {} if context_fn is None else {"context_fn": context_fn}
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=options.preserve_rng_state,
-        determinism_check=options.determinism_check, debug=options.debug, **kwargs)
+        determinism_check=options.determinism_check, debug=options.debug, **extra, **kwargs)
 
 
 _warned_eager_under_compile = False
@@ -499,13 +532,16 @@ def _checkpointed_call_under_compile(function, args, kwargs, policy, private_cop
 # would compile graphs no training step uses, recompile at each layer until its limit
 # and warn of the hooks. The plan then counts the eager code's saves, which a compiled
 # layer's may differ from.
-def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None, prepared=None):
+def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None, prepared=None,
+                       make_frame: Callable = None):
+    """The eager checkpointed call; ``make_frame``: the frame's constructor, _Frame's
+    arguments (a subclass of _Frame: selective.py's)."""
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         policy = EXACT
     inputs = input_tensors(args, kwargs)
     replay = ReplayState.capture(inputs, options.preserve_rng_state)
     kept = KeptInputs(args, kwargs, policy, private_copy, made_by)
-    frame = _Frame(function, kept, replay, args, kwargs, options, inputs, prepared)
+    frame = (make_frame or _Frame)(function, kept, replay, args, kwargs, options, inputs, prepared)
     try:
         with frame.forward_hooks():
             output = function(*args, **kwargs)
@@ -519,4 +555,4 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy, options, ma
     if not frame.slots:  # nothing to backprop through: nothing to keep
         frame.release()
         return output, 0
-    return output, kept.nbytes + frame.decision_bytes + frame.keep_state()
+    return output, kept.nbytes + frame.decision_bytes + frame.account_kept()

@@ -413,7 +413,8 @@ def hooks_paused():
 
 
 def _keeps_by_codec(module: nn.Module) -> bool:
-    policy = getattr(module, "policy", None)
+    """Whether ``module`` is a wrapped block that keeps its inputs by a lossy codec."""
+    policy = getattr(module, "inputs_policy", None)
     return isinstance(policy, KeepPolicy) and hasattr(module, "eager_because") and policy.lossy
 
 

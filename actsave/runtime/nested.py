@@ -288,7 +288,7 @@ def nested_call(layers: Sequence, top: Range, x: torch.Tensor, private_copy: boo
     if not frame.slots:
         frame.release()
         return output, 0
-    return output, kept.nbytes + frame.keep_state()
+    return output, kept.nbytes + frame.account_kept()
 
 
 def _refuse_repeated_modules(layers: Sequence) -> None:

@@ -62,7 +62,7 @@ def planned_copy(plain: nn.Module, block, budget: int, example_inputs, **levers)
 
 
 def describe(plan: actsave.BlockPlan) -> str:
-    return ", ".join(f"{name}: {option.codec.name}" for name, option in zip(plan.blocks, plan.options) if option)
+    return ", ".join(f"{name}: {option.describe()}" for name, option in zip(plan.blocks, plan.options) if option)
 
 
 # --- Hugging Face decoder stacks ------------------------------------------------------

@@ -1,0 +1,159 @@
+"""What a checkpointed block keeps for its backward, and how: the per-op options of
+``Checkpoint``, ``wrap`` and ``checkpoint`` (``keep=``), and what a block plan chooses
+for each block (planning/blocks.py).
+
+NOTE [ Keep modes ]
+A block's backward needs what its forward saved. A checkpoint chooses what to keep of
+it and what to make again:
+
+- ``"inputs"`` (the default): its inputs; everything else is recomputed in backward
+  (function.py). ``compress`` and ``offload`` apply to the inputs.
+- ``"selective"``, or a :class:`~actsave.runtime.selective.KeptOps` naming what to keep:
+  its inputs and the outputs of its expensive calls (linear layers and attention by
+  default); only the cheap ops are recomputed (selective.py). Exact: the kept tensors
+  stay as they are, on the device.
+- ``"saves"``: everything autograd saves, nothing recomputed (the block runs once), as
+  ``compress`` and ``offload`` store it (kept_saves.py). Exact and on the device, it is
+  the plain block.
+- ``"linear_inputs"``: as ``"saves"``, but only the inputs of its linear layers are
+  stored by ``compress`` (and offloaded), every other save as autograd keeps it
+  (DeepSeek-V3 caches its Linear inputs in fp8).
+
+A lossy codec is used only where named (``compress=``, or a plan's ``allow``), so an
+exact mode's gradients are bit-identical to the plain block's. Under torch.compile an
+exact ``"inputs"`` checkpoint is torch's checkpoint in the graph, an exact selective one
+torch's selective checkpoint (its policy saving the aten ops of the kept calls) where
+every kept call maps to aten ops (selective.py, ``aten_ops_of``); anything else runs
+eagerly at a graph break, with one warning that says why.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+
+from ..errors import ConfigError
+from .function import checkpoint_in_graph, checkpointed_call, warn_eager_under_compile
+from .recompute_options import RecomputeOptions
+from .selective import DEFAULT_KEPT_OPS, KeptOps, aten_ops_of, selective_call
+from .store import EXACT, KeepPolicy
+
+KEEP_MODES = ("inputs", "selective", "saves", "linear_inputs")
+KeepSpec = Union[str, KeptOps]
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """How one checkpointed block keeps what its backward needs (NOTE [ Keep modes ]):
+    ``keep`` (one of :data:`KEEP_MODES`), ``policy`` (the codec and offload of what is
+    kept), ``ops`` (what a selective one keeps the outputs of)."""
+
+    keep: str
+    policy: KeepPolicy
+    ops: Optional[KeptOps] = None
+
+    @classmethod
+    def resolve(cls, keep: KeepSpec = "inputs", compress=None, offload=False) -> "BlockOption":
+        policy = KeepPolicy.resolve(compress, offload)
+        if isinstance(keep, KeptOps):
+            keep, ops = "selective", keep
+        elif keep == "selective":
+            ops = DEFAULT_KEPT_OPS
+        elif isinstance(keep, str) and keep in KEEP_MODES:
+            ops = None
+        else:
+            raise ConfigError(f"keep={keep!r} is not one of {list(KEEP_MODES)} or an actsave.KeptOps: 'inputs' "
+                              "recomputes everything, 'selective' all but linear layers and attention, 'saves' and "
+                              "'linear_inputs' nothing (NOTE [ Keep modes ])")
+        if keep == "selective" and policy != EXACT:
+            raise ConfigError(f"keep='selective' keeps its tensors exactly, on the device: compress={compress!r}, "
+                              f"offload={offload!r} are for keep='inputs', 'saves' or 'linear_inputs'")
+        return cls(keep, policy, ops)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether its backward recomputes anything."""
+        return self.keep in ("inputs", "selective")
+
+    @property
+    def lossy(self) -> bool:
+        return self.policy.lossy
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether it runs as the plain block: its saves kept as autograd keeps them."""
+        return self.keep in ("saves", "linear_inputs") and self.policy == EXACT
+
+    def describe(self) -> str:
+        """A few words for a plan's table: ``inputs none``, ``selective``, ``saves int8 host``."""
+        words = [self.keep]
+        if self.keep == "selective" and self.ops != DEFAULT_KEPT_OPS:
+            words.append("(" + ", ".join(self.ops.names()) + ")")
+        if not self.policy.codec.lossless or self.keep == "inputs":
+            words.append(self.policy.codec.name)
+        if self.policy.offload:
+            words.append("host")
+        return " ".join(words)
+
+
+INPUTS = BlockOption("inputs", EXACT)
+
+
+def call_block(option: BlockOption, function: Callable, args: tuple, kwargs: dict, options: RecomputeOptions,
+               private_copy: bool = False, eager_because: Optional[str] = None) -> tuple:
+    """``function(*args, **kwargs)`` keeping what ``option`` says; ``(output, kept
+    bytes)`` as :func:`~actsave.runtime.function.checkpointed_call` returns them."""
+    if option.keep == "inputs":
+        return checkpointed_call(function, args, kwargs, option.policy, private_copy, options,
+                                 eager_because=eager_because)
+    if torch.compiler.is_compiling():
+        return _under_compile(option, function, args, kwargs, options, private_copy)
+    return _eager(option, function, args, kwargs, options, private_copy)
+
+
+def _eager(option: BlockOption, function, args, kwargs, options, private_copy) -> tuple:
+    if option.keep == "selective":
+        return selective_call(function, args, kwargs, option.ops, options, private_copy)
+    if option.is_plain or not torch.is_grad_enabled():
+        return function(*args, **kwargs), None  # autograd keeps the saves
+    from .kept_saves import call_with_kept_saves  # noqa: PLC0415 (kept_saves imports this module's users)
+    return call_with_kept_saves(function, args, kwargs, option.policy, scope=_SCOPES[option.keep])
+
+
+_SCOPES = {"saves": "all", "linear_inputs": "linear_inputs"}
+
+
+def _under_compile(option: BlockOption, function, args, kwargs, options, private_copy) -> tuple:
+    if option.is_plain:
+        return function(*args, **kwargs), None
+    if option.keep == "selective":
+        ops = aten_ops_of(option.ops)
+        if ops is not None:
+            context = functools.partial(_selective_contexts, ops)
+            return checkpoint_in_graph(function, args, kwargs, options, context_fn=context), None
+        why = f"the kept calls {option.ops.names()} have no aten operators actsave knows to save in a graph"
+    else:
+        why = "its saves are kept by a codec or on the host through saved-tensor hooks, which a graph does not hold"
+    return _eagerly(option, function, args, kwargs, options, private_copy, why)
+
+
+@torch.compiler.disable
+def _eagerly(option, function, args, kwargs, options, private_copy, why: str) -> tuple:
+    warn_eager_under_compile(f"a checkpoint with keep={option.keep!r}", "a graph break at each such call", why)
+    return _eager(option, function, args, kwargs, options, private_copy)
+
+
+def _selective_contexts(ops: frozenset):
+    """torch's selective checkpoint contexts whose policy saves the outputs of ``ops``
+    (aten overloads) and recomputes the rest: the compiled form of a selective block."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+__all__ = ["BlockOption", "INPUTS", "KEEP_MODES", "KeepSpec", "call_block"]

@@ -1,0 +1,486 @@
+"""Selective recompute: a checkpointed call that keeps the outputs of its expensive
+operations (linear layers, attention) and recomputes only the cheap ones (norms,
+activations, elementwise), as torchtitan's selective op checkpointing and Megatron's
+selective recompute do, with no dispatch mode in the forward.
+
+NOTE [ Selective recompute ]
+The forward is a checkpointed call's (function.py, NOTE [ Segment checkpoint
+mechanism ]): every save a placeholder, the call's inputs kept. What :class:`KeptOps`
+names (module types, ``nn.Linear`` by default, and functions called through their
+module, ``F.scaled_dot_product_attention`` by default) is watched as it runs: per-module
+hooks on the modules of those types under the call's known layers (layers.py), a tap on
+the function (_torch.ATTENTION). Of each outermost such *call* the forward records
+which placeholders its saves took and its output, which the frame keeps. Then:
+
+- A save made outside a kept call whose storage is a kept call's output (GELU's input
+  is its Linear's output; attention's q, k, v are views of the qkv projection's) is
+  kept as it is, the tensor itself in its placeholder: it costs nothing more.
+- A save made inside a kept call is kept as it is (attention's output and log-sum-exp,
+  a weight's transpose), unless it is a view of one of the call's tensor arguments
+  (a Linear's input, attention's q, k, v): then the recompute makes the same view of
+  the argument it recomputes, with the same sizes, strides and offset.
+- Every other save (a norm's input and statistics, an activation's input that no kept
+  call made, a product's factors) is recomputed, as in any checkpoint.
+
+The recompute runs the function again from its kept inputs, with each kept call
+skipped: in its place the forward's output comes back (as a tensor that requires grad
+where it did, not a leaf: a later in-place op may change it), and its views of its
+arguments fill its placeholders. So a transformer block's recompute runs its norms,
+rotary embeddings and activations, not its matmuls nor its attention. Calls are
+matched in order, by their module or function; another order, or other shapes, raise
+as any recompute that does not do the same work does. A recompute stops after its last
+recomputed save (the early stop); a call with nothing recomputed is not recomputed at
+all, and its kept tensors are read as they are.
+
+Rules that keep it exact:
+- A kept output changed in place after its call (``out = proj(x); out += x``) is not
+  the value the call returned: that call is not skipped but run again, from its
+  recomputed arguments, and what it saved is recomputed.
+- A kept tensor changed in place before backward raises autograd's error, as
+  ``nn.Sequential`` does (its version is checked as it is read).
+- Only the backward's recompute skips: a backward inside the forward (NOTE [ Backward
+  inside a checkpointed forward ]) recomputes every save, as a checkpoint does.
+- Its inputs are kept exactly, on the device; codecs and offload of what it keeps are
+  the kept saves' (kept_saves.py), not this module's.
+
+What it keeps, beside its inputs: every kept call's output (what torchtitan's policy
+saves, the outputs of matmuls and attention) and the tensors its calls saved that are
+not views of their arguments; counted in stored_bytes() until the recompute, after which
+autograd holds them, as it holds any save, until their node's backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+import weakref
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from .._torch import ATTENTION, FunctionTap, leaf_base, pytree, storage_identity, version
+from ..errors import ConfigError, RecomputeError
+from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
+from .layers import known_layers
+from .nested import _GRAPH_ANCHOR, _RequiresGrad
+
+# The functions a policy may name: called through their module, which the tap replaces.
+TAPPED_FUNCTIONS = {"scaled_dot_product_attention": ATTENTION}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptOps:
+    """What a selective recompute keeps instead of recomputing: the outputs of the
+    calls of ``modules`` (``nn.Module`` subclasses) and of ``functions`` (names from
+    :data:`TAPPED_FUNCTIONS`) inside the checkpointed call (NOTE [ Selective
+    recompute ]). The default keeps linear layers and attention, the expensive ops of a
+    transformer block, as torchtitan's op list does (its matmuls and attention)."""
+
+    modules: tuple = (nn.Linear,)
+    functions: tuple = ("scaled_dot_product_attention",)
+
+    def __post_init__(self):
+        modules = (self.modules,) if isinstance(self.modules, type) else tuple(self.modules)
+        functions = (self.functions,) if isinstance(self.functions, str) else tuple(self.functions)
+        bad = [m for m in modules if not (isinstance(m, type) and issubclass(m, nn.Module))]
+        if bad:
+            raise ConfigError(f"KeptOps(modules={bad!r}): modules are nn.Module subclasses whose calls keep their "
+                              "outputs (nn.Linear, nn.Conv2d, ...), the classes, not instances")
+        unknown = [f for f in functions if f not in TAPPED_FUNCTIONS]
+        if unknown:
+            raise ConfigError(
+                f"KeptOps(functions={unknown!r}): actsave keeps the outputs of module calls and of the functions "
+                f"{sorted(TAPPED_FUNCTIONS)}, not of aten operators (aten.mm.default): name the module type that "
+                "makes the matmul (nn.Linear) or one of those functions")
+        object.__setattr__(self, "modules", modules)
+        object.__setattr__(self, "functions", functions)
+
+    def names(self) -> list:
+        return [m.__name__ for m in self.modules] + list(self.functions)
+
+
+DEFAULT_KEPT_OPS = KeptOps()
+
+
+def aten_ops_of(ops: KeptOps) -> Optional[frozenset]:
+    """The aten overloads whose outputs torch's selective checkpoint saves for the calls
+    ``ops`` names, in a compiled graph (keep_modes.py); None where a named module type
+    has none known here."""
+    found = set()
+    for module_type in ops.modules:
+        overloads = next((names for known, names in _ATEN_OPS.items() if issubclass(module_type, known)), None)
+        if overloads is None:
+            return None
+        found |= overloads
+    for name in ops.functions:
+        found |= _ATEN_OPS[name]
+    return frozenset(found)
+
+
+def _overloads(*names: str) -> set:
+    """The aten overloads of ``names`` (``"mm.default"``) this torch has."""
+    found = set()
+    for name in names:
+        packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None:
+            found.add(op)
+    return found
+
+
+# A kept call's work as the aten operators a compiled graph runs: a linear layer's
+# matmul (addmm with a bias, mm without; 3-D inputs are folded to 2-D first), a
+# convolution, attention's fused kernels (each device's) and the math path's matmuls.
+_ATEN_OPS = {
+    nn.Linear: _overloads("mm.default", "addmm.default"),
+    nn.modules.conv._ConvNd: _overloads("convolution.default"),
+    "scaled_dot_product_attention": _overloads(
+        "_scaled_dot_product_flash_attention.default", "_scaled_dot_product_efficient_attention.default",
+        "_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_flash_attention_for_cpu.default",
+        "bmm.default"),
+}
+
+
+class _Call:
+    """One outermost kept call of the forward: what it is (a module, or a function's
+    name), the placeholders its saves took (``start`` to ``stop``), its tensor
+    arguments' storages and offsets, and its output, which the recompute returns in its
+    place."""
+
+    __slots__ = ("target", "start", "stop", "arguments", "output", "version", "requires_grad", "views",
+                 "skipped")
+
+    def __init__(self, target, start: int, arguments: list):
+        self.target, self.start, self.stop = target, start, start
+        self.arguments = arguments  # [(position, storage identity, storage offset)] of the tensor arguments
+        self.output, self.version, self.requires_grad = None, None, False
+        self.views = {}  # slot index -> (argument position, size, stride, offset from the argument's)
+        self.skipped = False  # whether the recompute skips it: set as the forward ends
+
+    def view_of_argument(self, tensor: torch.Tensor) -> Optional[tuple]:
+        """``(position, size, stride, relative offset)`` where ``tensor`` is a view of
+        one of the call's tensor arguments' storage, else None."""
+        identity = storage_identity(tensor)
+        for position, argument_storage, offset in self.arguments:
+            if identity == argument_storage:
+                return position, tuple(tensor.shape), tensor.stride(), tensor.storage_offset() - offset
+        return None
+
+
+class _Kept:
+    """A save kept as it is in its placeholder, with the version it was saved at;
+    ``held``: whether someone else holds it anyway (a parameter or a view of one)."""
+
+    __slots__ = ("tensor", "version", "held")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version, self.held = _detached(tensor), version(tensor), _held_elsewhere(tensor)
+
+    def read(self) -> torch.Tensor:
+        if version(self.tensor) != self.version:
+            raise RecomputeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a tensor of shape {list(self.tensor.shape)} that a selective checkpoint kept is at "
+                f"version {version(self.tensor)}; expected version {self.version} instead. Change it after the "
+                "backward, or change a copy (nn.Sequential raises the same).")
+        return self.tensor
+
+
+class SelectiveFrame(_Frame):
+    """A checkpointed call recomputed selectively: NOTE [ Selective recompute ]."""
+
+    def __init__(self, *frame_args, ops: KeptOps = DEFAULT_KEPT_OPS):
+        super().__init__(*frame_args)
+        self.ops = ops
+        layers = known_layers(self.function)
+        if ops.modules and layers is None:
+            raise ConfigError(
+                f"a selective checkpoint of {_name(self.function)} keeps the outputs of {ops.names()}, but actsave "
+                "finds the modules a function runs only where it is a module (or nn.Sequential): checkpoint the "
+                "module itself, or keep functions only (KeptOps(modules=()))")
+        self._watched = [] if layers is None else [
+            m for layer in layers for m in layer.modules() if isinstance(m, ops.modules)]
+        self.calls = []  # _Call, in forward order
+        self._open = None  # the outermost kept call running, in the forward
+        self._depth = 0  # kept calls open (nested ones inside the outermost)
+        self._pending = []  # (slot, tensor) saved inside the open call
+        self._outputs = {}  # storage identity -> the kept call whose output it is
+        self._recomputed = []  # indices of the saves the recompute fills
+        args, kwargs = self._forward_inputs
+        self._input_storages = {storage_identity(t) for t in _tensor_arguments(args, kwargs)}  # kept anyway
+
+    # ------------------------------------------------------------- forward
+
+    @contextlib.contextmanager
+    def forward_hooks(self):
+        with super().forward_hooks(), self._watching():
+            yield
+
+    @contextlib.contextmanager
+    def _watching(self):
+        handles = []
+        for module in self._watched:
+            handles.append(module.register_forward_pre_hook(self._before_module, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._after_module))
+        try:
+            with contextlib.ExitStack() as stack:
+                for name in self.ops.functions:
+                    stack.enter_context(TAPPED_FUNCTIONS[name].handled(self._recorded_function(name)))
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _before_module(self, module, args, kwargs):
+        self._enter(module, args, kwargs)
+
+    def _after_module(self, module, args, output):
+        self._exit(output)
+
+    def _recorded_function(self, name: str) -> Callable:
+        def recorded(call_next, *args, **kwargs):
+            if not self.in_forward:  # a recompute inside the forward runs it plainly
+                return call_next(*args, **kwargs)
+            self._enter(name, args, kwargs)
+            output = call_next(*args, **kwargs)
+            self._exit(output)
+            return output
+        return recorded
+
+    def _enter(self, target, args: tuple, kwargs: dict) -> None:
+        self._depth += 1
+        if self._depth > 1 or not self.in_forward:
+            return
+        arguments = [(position, storage_identity(t), t.storage_offset())
+                     for position, t in enumerate(_tensor_arguments(args, kwargs))]
+        self._open = _Call(target, len(self.slots), arguments)
+
+    def _exit(self, output) -> None:
+        self._depth -= 1
+        if self._depth > 0 or self._open is None:
+            return
+        call, self._open = self._open, None
+        call.stop = len(self.slots)
+        if isinstance(output, torch.Tensor):
+            call.output, call.version, call.requires_grad = _detached(output), version(output), output.requires_grad
+            self._outputs[storage_identity(output)] = call
+        for slot, tensor in self._pending:
+            view = call.view_of_argument(tensor)
+            if view is not None and call.output is not None:
+                call.views[slot.index] = view
+            else:
+                slot.kept = _Kept(tensor)  # a weight's transpose, attention's statistics
+        self._pending = []
+        self.calls.append(call)
+
+    def pack(self, tensor: torch.Tensor) -> _Slot:
+        slot = super().pack(tensor)
+        if self._open is not None and self.in_forward:
+            self._pending.append((slot, tensor))
+        elif self.in_forward and storage_identity(tensor) in self._outputs:
+            slot.kept = _Kept(tensor)
+        return slot
+
+    def end_forward(self) -> None:
+        super().end_forward()
+        for call in self.calls:
+            # An output changed in place after its call is not what the call returned.
+            call.skipped = call.output is not None and version(call.output) == call.version
+            if not call.skipped:
+                self._recompute_saves_of(call)
+        self._recomputed = [i for i, ref in enumerate(self.slots) if self._recomputed_slot(i, ref)]
+        if self.slots and not any(call.skipped for call in self.calls):
+            _warn_once(self.ops, _name(self.function), changed=bool(self.calls))
+        if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
+            self.calls = []
+        self._outputs = {}
+
+    def _recompute_saves_of(self, call: _Call) -> None:
+        """A call run again in the recompute saves its own tensors anew."""
+        call.views = {}
+        for index in range(call.start, call.stop):
+            slot = self.slots[index]()
+            if slot is not None:
+                slot.kept = None
+
+    def _recomputed_slot(self, index: int, ref) -> bool:
+        slot = ref()
+        return slot is not None and slot.kept is None
+
+    def _kept_besides(self) -> int:
+        """The bytes of the kept tensors and outputs, each storage once, beyond the
+        inputs (kept by the inputs' policy) and what others hold (parameters)."""
+        kept = [call.output for call in self.calls if call.output is not None]
+        kept += [ref().kept.tensor for ref in self.slots if ref() is not None and ref().kept is not None
+                 and not ref().kept.held]
+        seen, total = set(self._input_storages), 0
+        for t in kept:
+            identity = storage_identity(t)
+            if identity not in seen:
+                seen.add(identity)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    # ------------------------------------------------------------ backward
+
+    def unpack(self, slot: _Slot) -> torch.Tensor:
+        if slot.kept is not None:
+            return slot.kept.read()
+        return super().unpack(slot)
+
+    def _recomputed_saves(self) -> tuple:
+        # The early stop: after the last save the recompute fills.
+        return self._recomputed[-1] + 1, False
+
+    def _skipping(self, cursor: _Cursor, into, count: int, last: bool):
+        if not last or not self.calls:
+            return contextlib.nullcontext()
+        return _Skipper(self, cursor, into, count).active()
+
+    def release(self) -> None:
+        super().release()
+        self.calls = []  # the outputs: autograd holds what its nodes still need
+
+
+class _Skipper:
+    """The backward's recompute of a selective frame: each kept call, matched in order,
+    returns its forward output and fills its placeholders instead of running."""
+
+    def __init__(self, frame: SelectiveFrame, cursor: _Cursor, into, count: int):
+        self.frame, self.cursor, self.into, self.count = frame, cursor, into, count
+        self.next = 0
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def active(self):
+        with contextlib.ExitStack() as stack:
+            for module in self.frame._watched:
+                stack.enter_context(_forward_replaced(module, self._module_call(module)))
+            for name in self.frame.ops.functions:
+                stack.enter_context(TAPPED_FUNCTIONS[name].handled(self._function_call(name)))
+            yield
+
+    def _module_call(self, module: nn.Module) -> Callable:
+        run = module.forward
+
+        def call(*args, **kwargs):
+            return self._skip_or_run(module, run, args, kwargs)
+        return call
+
+    def _function_call(self, name: str) -> Callable:
+        def call(call_next, *args, **kwargs):
+            return self._skip_or_run(name, call_next, args, kwargs)
+        return call
+
+    def _skip_or_run(self, target, run: Callable, args: tuple, kwargs: dict):
+        if self.depth:  # inside a call run again: its inner calls run too
+            return run(*args, **kwargs)
+        call = self._matching(target)
+        if not call.skipped:
+            self.depth += 1
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.depth -= 1
+        self._fill_views(call, _tensor_arguments(args, kwargs))
+        return _RequiresGrad.apply(_GRAPH_ANCHOR, call.output) if call.requires_grad else call.output
+
+    def _matching(self, target) -> _Call:
+        calls, frame = self.frame.calls, self.frame
+        if self.next >= len(calls) or calls[self.next].target is not target:
+            expected = "nothing" if self.next >= len(calls) else _described(calls[self.next].target)
+            raise frame._mismatch(
+                f"the recompute of {_name(frame.function)} called {_described(target)} where the forward called "
+                f"{expected} (kept call {self.next}): the function does not do the same work twice. Make it "
+                "deterministic or do not checkpoint it.")
+        self.next += 1
+        return calls[self.next - 1]
+
+    def _fill_views(self, call: _Call, arguments: list) -> None:
+        """Fill the call's views of its arguments, made of the recomputed ones; move the
+        cursor past its saves (the early stop may end the recompute at one of them)."""
+        if self.cursor.position != call.start:
+            raise self.frame._mismatch(
+                f"the recompute of {_name(self.frame.function)} saved {self.cursor.position} tensors before "
+                f"{_described(call.target)} where the forward saved {call.start}: the function does not do the "
+                "same work twice. Make it deterministic or do not checkpoint it.")
+        for index in range(call.start, call.stop):
+            self.cursor.position = index + 1
+            view = call.views.get(index)
+            if view is not None:
+                position, size, stride, offset = view
+                argument = arguments[position]
+                made = argument.as_strided(size, stride, argument.storage_offset() + offset)
+                self.frame._fill(index, made, self.into, self.count, lossy=False)
+
+
+@contextlib.contextmanager
+def _forward_replaced(module: nn.Module, forward: Callable):
+    """``module.forward`` set on the instance while active; what the instance had
+    before (its class's, or one set on it) back after."""
+    had = "forward" in vars(module)
+    previous = vars(module).get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = previous
+        else:
+            del module.forward
+
+
+def _held_elsewhere(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is, or is a view of, a tensor its owner holds anyway: a
+    parameter (a leaf that requires grad; ``weight.t()`` a Linear saves)."""
+    base = leaf_base(tensor)
+    return base is not None and (base.requires_grad or isinstance(base, nn.Parameter))
+
+
+def _tensor_arguments(args: tuple, kwargs: dict) -> list:
+    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+
+
+def _described(target) -> str:
+    return target if isinstance(target, str) else f"{type(target).__name__}"
+
+
+_warned = set()
+
+
+def _warn_once(ops: KeptOps, function_name: str, changed: bool) -> None:
+    key = (ops, function_name, changed)
+    if key in _warned:
+        return
+    _warned.add(key)
+    if changed:
+        why = (f"every output of its calls of {ops.names()} was changed in place after the call (an in-place "
+               "residual: out += x), so those calls run again, and it recomputes everything, as a plain checkpoint "
+               "does. Make the op after the call out of place (out = out + x) to keep its output")
+    else:
+        why = (f"no call of {ops.names()} ran in its forward, so it recomputes everything, as a plain checkpoint "
+               "does. Name the module types that make its matmuls (KeptOps(modules=(nn.Linear, MyProjection))) "
+               f"or the functions it calls ({sorted(TAPPED_FUNCTIONS)})")
+    warnings.warn(f"actsave: the selective checkpoint of {function_name} kept nothing: {why}.", stacklevel=4)
+
+
+def selective_call(function: Callable, args: tuple, kwargs: dict, ops: KeptOps, options, private_copy: bool = False,
+                   prepared: Optional[tuple] = None) -> tuple:
+    """Run ``function(*args, **kwargs)`` checkpointed, recomputed selectively: keep its
+    inputs exactly and the outputs of the calls ``ops`` names (NOTE [ Selective
+    recompute ]). Returns ``(output, kept_bytes)`` as
+    :func:`~actsave.runtime.function.checkpointed_call` does."""
+    from .store import EXACT
+
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs), 0
+
+    def make_frame(*frame_args):
+        return SelectiveFrame(*frame_args, ops=ops)
+
+    return _checkpointed_call(function, args, kwargs, EXACT, private_copy, options, prepared=prepared,
+                              make_frame=make_frame)
+
+
+__all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "SelectiveFrame", "aten_ops_of", "selective_call", "TAPPED_FUNCTIONS"]

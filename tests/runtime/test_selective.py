@@ -1,0 +1,203 @@
+"""Selective recompute (actsave/runtime/selective.py): the outputs of linear layers and
+attention kept, the rest recomputed, gradients bit-identical, no matmul run again."""
+import collections
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import actsave
+from actsave import ConfigError
+from actsave.runtime.recompute_options import DEFAULT_RECOMPUTE
+from actsave.runtime.selective import KeptOps, selective_call
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (part.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for part in self.qkv(self.ln1(x)).split(d, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.drop(self.proj(a))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def rotated(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, rotary q and k, SwiGLU: the attention's inputs are not a Linear's output."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.gate, self.up, self.down = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False), \
+            nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q, k, v = ((proj(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)) for proj in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(rotated(q, cos, sin), rotated(k, cos, sin), v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def stack(block, n: int = 3, seed: int = 0):
+    torch.manual_seed(seed)
+    return nn.ModuleList([block() for _ in range(n)])
+
+
+def run(blocks, x, selective: bool, ops=KeptOps(), extra=()):
+    for block in blocks:
+        x = selective_call(block, (x, *extra), {}, ops, DEFAULT_RECOMPUTE)[0] if selective else block(x, *extra)
+    return x
+
+
+def rope(t: int = 16, d: int = 8):
+    angles = torch.arange(t)[:, None] * torch.arange(d // 2)[None, :] / 10.0
+    return torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama", "gpt_dropout"])
+def test_gradients_are_bit_identical_to_plain_and_no_matmul_or_attention_runs_again(kind):
+    block = {"gpt": GPTBlock, "llama": LlamaBlock, "gpt_dropout": lambda: GPTBlock(dropout=0.2)}[kind]
+    extra = rope() if kind == "llama" else ()
+    plain, model = stack(block), stack(block)
+    x = torch.randn(2, 16, 32)
+    torch.manual_seed(7)
+    run(plain, x.clone().requires_grad_(), False, extra=extra).square().sum().backward()
+    torch.manual_seed(7)
+    out = run(model, x.clone().requires_grad_(), True, extra=extra).square().sum()
+    with OpCounter() as backward:
+        out.backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    # Linear's forward is addmm (with a bias) or mm (without); attention's its fused op.
+    # The backward's matmuls are mm only where the forward used addmm.
+    assert backward.counts["aten.addmm.default"] == 0
+    assert not any("scaled_dot_product" in op and "backward" not in op for op in backward.counts)
+    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+
+
+def test_it_keeps_less_than_the_plain_saves_and_counts_it_in_stored_bytes():
+    torch.manual_seed(0)
+    block = GPTBlock()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    out, kept = selective_call(block, (x * 1,), {}, KeptOps(), DEFAULT_RECOMPUTE)
+    # qkv (3), attention's output (1) and log-sum-exp, proj (1), fc1 (4), fc2 (1)
+    # outputs, and the input (1): 11 activations of 4 KiB and 512 B.
+    activation = 2 * 16 * 32 * 4
+    assert kept == 11 * activation + 2 * 4 * 16 * 4
+    assert actsave.stored_bytes()["device"] == kept
+    out.sum().backward()
+    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+
+
+class InPlaceResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        out = self.lin(x)
+        out += x  # changes the kept output: the call runs again in the recompute
+        return torch.tanh(out)
+
+
+def test_an_output_changed_in_place_after_its_call_is_recomputed_not_kept():
+    torch.manual_seed(0)
+    plain, model = InPlaceResidual(), None
+    model = copy.deepcopy(plain)
+    x = torch.randn(4, 16)
+    plain(x.requires_grad_()).sum().backward()
+    y = x.detach().clone().requires_grad_()
+    out, _ = selective_call(model, (y,), {}, KeptOps(), DEFAULT_RECOMPUTE)
+    with OpCounter() as backward:
+        out.sum().backward()
+    assert backward.counts["aten.addmm.default"] == 1  # run again
+    assert torch.equal(plain.lin.weight.grad, model.lin.weight.grad) and torch.equal(x.grad, y.grad)
+
+
+def test_a_weight_changed_before_backward_raises_as_nn_sequential_does():
+    torch.manual_seed(0)
+    block = GPTBlock()
+    out, _ = selective_call(block, (torch.randn(2, 16, 32, requires_grad=True),), {}, KeptOps(), DEFAULT_RECOMPUTE)
+    with torch.no_grad():
+        block.fc2.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_a_second_backward_with_retain_graph_gives_the_same_gradients():
+    torch.manual_seed(0)
+    block = GPTBlock()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    out, _ = selective_call(block, (x,), {}, KeptOps(), DEFAULT_RECOMPUTE)
+    out.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    out.sum().backward()
+    assert torch.equal(x.grad, 2 * first)
+
+
+def test_a_block_without_the_named_ops_warns_once_and_recomputes_everything():
+    block = nn.Sequential(nn.LayerNorm(8), nn.Tanh())
+    x = torch.randn(4, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out, kept = selective_call(block, (x,), {}, KeptOps(modules=(nn.Conv2d,)), DEFAULT_RECOMPUTE)
+            out.sum().backward()
+    messages = [str(w.message) for w in caught if "kept nothing" in str(w.message)]
+    assert len(messages) == 1 and "Conv2d" in messages[0]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(functions=("aten.mm.default",)), "not of aten operators"),
+    (dict(modules=(nn.Linear(2, 2),)), "the classes, not instances"),
+])
+def test_bad_policies_say_what_to_name(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        KeptOps(**bad)
+
+
+def test_module_types_need_a_module_to_find_them_in():
+    with pytest.raises(ConfigError, match="checkpoint the module itself"):
+        block = GPTBlock()
+        selective_call(lambda t: block(t), (torch.randn(2, 16, 32, requires_grad=True),), {}, KeptOps(),
+                       DEFAULT_RECOMPUTE)
