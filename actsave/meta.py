@@ -71,7 +71,9 @@ def simulating(device):
 # The choice is made by replacing torch.nn.functional.scaled_dot_product_attention
 # while a simulation runs, since a TorchFunctionMode does not reach a checkpoint's
 # recompute, and no dispatch mode sees the choice (it is made before dispatch). Code
-# that bound the function under another name before is not reached.
+# that bound the function under another name before is not reached. The replacement
+# is the process's while any thread simulates (AttributeSwap); on every other thread
+# it calls torch's function as it is, since the simulated device is per thread.
 def _scaled_dot_product_attention(*args, **kwargs):
     device = simulated_device()
     fused = _fused_attention(fused_attention(device), *args, **kwargs) if device is not None else None

@@ -88,7 +88,6 @@ from torch.autograd.graph import saved_tensors_hooks
 from .. import _torch
 from ..codecs import Packed, get_codec
 from ..codecs.backend import backend as codec_backend
-from ..devices import forked_rng_devices
 from ..meta import on_meta
 from ..triton_kernels import general_path
 from . import relu_signs
@@ -264,7 +263,7 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
         return t
     holder = nn.ModuleList(layer for layers, _ in segments for layer in layers)
     try:
-        with _on_meta_watching_saves(holder, input.device, pack) as probe_input:
+        with _on_meta_watching_saves(holder, pack) as probe_input:
             x = probe_input(input)
             if x.is_floating_point():
                 x = x.requires_grad_().clone()
@@ -283,15 +282,15 @@ def _max_pool_in(modules) -> bool:
 
 
 @contextlib.contextmanager
-def _on_meta_watching_saves(model: nn.Module, device: torch.device, pack):
+def _on_meta_watching_saves(model: nn.Module, pack):
     """While active, ``model`` runs on meta tensors with grad, its saves handed to
-    ``pack``; as the planner's meta steps (planning/instrumented_step.py), the
-    caller's RNG does not move and compiled layers run their eager code. Yields the
-    function that makes the model's inputs from real tensors (their shapes, strides
-    and dtypes): fake meta tensors (NOTE [ Fake tensors in a probe ])."""
+    ``pack``; as the planner's meta steps (NOTE [ Steps other threads do not see ] in
+    planning/instrumented_step.py), compiled layers run their eager code on this thread
+    and no generator is forked: random operators on fake meta tensors draw nothing.
+    Yields the function that makes the model's inputs from real tensors (their shapes,
+    strides and dtypes): fake meta tensors (NOTE [ Fake tensors in a probe ])."""
     with on_meta(model), saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
-            torch.random.fork_rng(devices=forked_rng_devices(device)), torch.compiler.set_stance("force_eager"), \
-            _torch.fake_tensors() as fake:
+            _torch.compiled_code_eager(), _torch.fake_tensors() as fake:
         yield lambda t: fake(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
 
 
@@ -439,10 +438,8 @@ def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
             why.setdefault(running[-1][0], "ReLU decisions")
         return t
     handles = [hook for c in checkpoints for hook in _block_watch(c, running)]
-    tensors = _tensors_in(args, kwargs)
     try:
-        with _on_meta_watching_saves(model, tensors[0].device if tensors else torch.device("cpu"), pack) \
-                as probe_input, _run_plainly(checkpoints):
+        with _on_meta_watching_saves(model, pack) as probe_input, _run_plainly(checkpoints):
             probed = lambda t: probe_input(t).requires_grad_(t.requires_grad and t.is_floating_point())  # noqa: E731
             probe_args, probe_kwargs = _torch.pytree.tree_map_only(torch.Tensor, probed, (args, kwargs))
             model(*probe_args, **probe_kwargs)
