@@ -66,8 +66,8 @@ class SavedStorage:
 #    (torch.random.fork_rng) would undo whatever another thread drew meanwhile, since
 #    the generators are the process's. So would a layer that draws on a real device in
 #    a meta step (``torch.rand([])`` on the CPU to skip a layer).
-# 3. Compiled code runs eagerly on this thread only (_torch.compiled_code_eager, NOTE
-#    [ Compiled code run eagerly on one thread ]).
+# 3. Compiled code runs eagerly on this thread only (_torch.compiled_code_eager,
+#    NOTE [ Compiled code run eagerly on one thread ]).
 # 4. What must be swapped process-wide is swapped so that other threads get torch's
 #    own behaviour: attention while a meta step stands for a device (meta.py reads the
 #    simulating thread's device) and storage resizes (NOTE [ Storage resizes ]).
@@ -107,9 +107,10 @@ def _batchnorm_statistics_untouched(model: nn.Module):
     """While active, every BatchNorm module of ``model`` that runs in training mode
     updates scratch copies of its running statistics, made as each call starts (as a
     recompute's are: runtime/state.py, so the profiled step counts them), and the
-    originals are put back on exit. Hooks on those modules alone: NOTE [ Steps other
-    threads do not see ]. A BatchNorm the model reaches outside its tree (held in a
-    plain list) is not seen: its statistics move as in a training step."""
+    originals are put back on exit. Hooks on those modules alone:
+    NOTE [ Steps other threads do not see ]. A BatchNorm the model reaches outside its
+    tree (held in a plain list) is not seen: its statistics move as in a training
+    step."""
     swapped = []
 
     def use_scratch_statistics(module, args):
