@@ -5,10 +5,11 @@ set, a storage's identity, tensors' version counters and view bases, modules' ow
 parameter and buffer tables (to swap a tensor for a scratch or meta copy without
 registering it), the autograd node type of a ReLU and the node a backward runs, the
 dispatch-mode and pytree utilities, the module ``torch.compile`` returns, FSDP2's
-per-unit state (the handles of its forward hooks), and storages' in-place resizes
-(``UntypedStorage.resize_``, which no dispatch mode sees). They are read here and
-nowhere else, so that a PyTorch release that moves one breaks this file with a clear
-error, not the library at a distance.
+per-unit state (the handles of its forward hooks), storages' in-place resizes
+(``UntypedStorage.resize_``, which no dispatch mode sees), and the function by which
+Dynamo decides whether compiled code runs compiled (to run it eagerly on one thread).
+They are read here and nowhere else, so that a PyTorch release that moves one breaks
+this file with a clear error, not the library at a distance.
 
 Tested with PyTorch 2.13 (CI) and written for 2.11 (the GPU image), the minimum in
 pyproject.toml.
@@ -185,8 +186,8 @@ def is_compiled(function) -> bool:
 
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     """The eager module behind ``torch.compile(module)``; any other module as it is
-    (``module.compile()`` compiles in place: run it under
-    ``torch.compiler.set_stance("force_eager")`` for its eager code)."""
+    (``module.compile()`` compiles in place: run it under :func:`compiled_code_eager`
+    for its eager code)."""
     return module._orig_mod if isinstance(module, _OptimizedModule) else module
 
 
@@ -267,7 +268,11 @@ cpu_flash_attention = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 # mode sees it, and a byte count that follows operators counts the storage whole for
 # as long as it lives. While a counter observes resizes, ``UntypedStorage.resize_``
 # reports each (the storage, its bytes before and after) to every active observer.
-# The method is replaced on the class only while one observes (AttributeSwap).
+# The method is replaced on the class only while one observes (AttributeSwap), so for
+# every thread; observers hear every thread's resizes, since FSDP2 resizes in backward
+# on autograd's device threads, not the thread that observes. Each observer acts on
+# the storages it counts alone (LiveBytes, the profile's ledger), so a resize of
+# another thread's storage changes nothing for it.
 _resize_observers = []
 
 
@@ -281,30 +286,39 @@ def _observed_resize(storage, size):
 
 class AttributeSwap:
     """``owner.name`` replaced by ``replacement`` while one or more :meth:`active`
-    contexts are open (they nest), and put back as it was when the last one closes:
-    an attribute ``owner`` inherits (a C base class's method) is deleted from it again,
-    not set on it. ``original`` is what it was when the swap was made."""
+    contexts are open (they nest, on any threads), and put back as it was when the last
+    one closes: an attribute ``owner`` inherits (a C base class's method) is deleted
+    from it again, not set on it. ``original`` is what it was when the swap was made.
+
+    The attribute is the process's, so every thread sees ``replacement`` while one is
+    open: it must do what ``original`` does for the threads that did not ask for it
+    (meta.py's attention reads its own thread's simulated device). The count of open
+    contexts is kept under a lock, so that two threads opening and closing in any
+    order leave the attribute swapped while either is open and put back after."""
 
     def __init__(self, owner, name: str, replacement):
         self.owner, self.name, self.replacement = owner, name, replacement
         self.original = _require(getattr(owner, name, None), f"{getattr(owner, '__name__', owner)}.{name}")
         self._own = name in vars(owner)
         self._open = 0
+        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def active(self):
-        if not self._open:
-            setattr(self.owner, self.name, self.replacement)
-        self._open += 1
+        with self._lock:
+            if not self._open:
+                setattr(self.owner, self.name, self.replacement)
+            self._open += 1
         try:
             yield
         finally:
-            self._open -= 1
-            if not self._open:
-                if self._own:
-                    setattr(self.owner, self.name, self.original)
-                else:
-                    delattr(self.owner, self.name)
+            with self._lock:
+                self._open -= 1
+                if not self._open:
+                    if self._own:
+                        setattr(self.owner, self.name, self.original)
+                    else:
+                        delattr(self.owner, self.name)
 
 
 _resize_swap = AttributeSwap(torch.UntypedStorage, "resize_", _observed_resize)
@@ -364,13 +378,82 @@ ATTENTION = FunctionTap(torch.nn.functional, "scaled_dot_product_attention")
 @contextlib.contextmanager
 def storage_resizes_observed(observer):
     """While active, ``observer(storage, bytes_before, bytes_after)`` hears of every
-    ``UntypedStorage.resize_``: NOTE [ Storage resizes ]."""
-    _resize_observers.append(observer)
+    ``UntypedStorage.resize_``, on any thread: NOTE [ Storage resizes ]."""
+    _resize_observers.append(observer)  # list.append and .remove are atomic
     try:
         with _resize_swap.active():
             yield
     finally:
         _resize_observers.remove(observer)
+
+
+# NOTE [ Compiled code run eagerly on one thread ]
+# actsave runs compiled code's eager code where a graph would hide what it must see:
+# the planner's steps and the probe of a compiled model (meta tensors, its saves) and
+# a lossy checkpoint of compiled layers whose decisions it keeps (compiled_layers.py).
+# torch.compiler.set_stance("force_eager") does that for the whole process: the stance
+# is a module global of torch._dynamo.eval_frame (read in torch 2.13), read whenever any
+# thread enters compiled code, so another thread's compiled model would run eagerly
+# meanwhile, and two threads setting and restoring it out of order could leave it
+# forced for good. What decides, at each entry into compiled code (torch.compile's
+# wrapper, ``module.compile()``, an OptimizedModule), is
+# ``eval_frame._callback_from_stance(callback)``, whose result becomes Dynamo's frame
+# callback, which is per thread. So while some thread runs eagerly that function is
+# replaced (AttributeSwap) by one that gives None on the threads inside
+# :func:`compiled_code_eager` (what "force_eager" gives: run the frame eagerly) and
+# defers to torch's on every other thread. Compiled autograd, which reads the stance
+# itself, is not covered: actsave never enables it. Where a torch lacks the function,
+# the stance is set while any thread runs eagerly (counted, under a lock): other
+# threads' compiled code then runs eagerly meanwhile, no worse.
+_eval_frame = importlib.import_module("torch._dynamo.eval_frame")
+_eager_here = threading.local()
+
+
+def _callback_for_this_thread(callback):
+    if getattr(_eager_here, "depth", 0):
+        return None
+    return _stance_swap.original(callback)
+
+
+_stance_swap = (AttributeSwap(_eval_frame, "_callback_from_stance", _callback_for_this_thread)
+                if getattr(_eval_frame, "_callback_from_stance", None) is not None else None)
+_stance_lock = threading.Lock()
+_stance_forced = [0, None]  # without _stance_swap: threads running eagerly, the stance's context
+
+
+@contextlib.contextmanager
+def compiled_code_eager():
+    """While active, compiled code called on this thread runs its eager code (compiled
+    modules, ``module.compile()``, compiled functions); other threads' compiled code
+    runs compiled. NOTE [ Compiled code run eagerly on one thread ]."""
+    if _stance_swap is None:
+        with _stance_forced_while_open():
+            yield
+        return
+    _eager_here.depth = getattr(_eager_here, "depth", 0) + 1
+    try:
+        with _stance_swap.active():
+            yield
+    finally:
+        _eager_here.depth -= 1
+
+
+@contextlib.contextmanager
+def _stance_forced_while_open():
+    with _stance_lock:
+        if not _stance_forced[0]:
+            context = torch.compiler.set_stance("force_eager")
+            context.__enter__()
+            _stance_forced[1] = context
+        _stance_forced[0] += 1
+    try:
+        yield
+    finally:
+        with _stance_lock:
+            _stance_forced[0] -= 1
+            if not _stance_forced[0]:
+                _stance_forced[1].__exit__(None, None, None)
+                _stance_forced[1] = None
 
 
 # NOTE [ Saved-tensor hooks in a compiled graph ]

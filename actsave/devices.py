@@ -43,15 +43,6 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forked_rng_devices(device) -> list:
-    """The accelerator indices whose RNG state ``torch.random.fork_rng`` must save and
-    restore for a step on ``device`` (the CPU's is always forked)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]
-
-
 def runs_triton_by_default(device) -> bool:
     """Whether backend "auto" runs the Triton kernels for tensors on ``device``
     (elsewhere the torch references run; codecs/backend.py)."""

@@ -71,7 +71,8 @@ def simulating(device):
 # while a simulation runs (_torch.ATTENTION, a FunctionTap), since a TorchFunctionMode
 # does not reach a checkpoint's recompute, and no dispatch mode sees the choice (it is
 # made before dispatch). Code that bound the function under another name before is
-# not reached.
+# not reached. The tap is the process's while any thread simulates; on every other
+# thread it calls torch's function as it is, since its handlers are per thread.
 def _simulated_attention(call_next, *args, **kwargs):
     device = simulated_device()
     fused = _fused_attention(fused_attention(device), *args, **kwargs) if device is not None else None

@@ -27,10 +27,8 @@ def test_allocation_bytes_round_up_to_the_devices_granule(device, granule):
         [0, granule, 512, 513 if granule == 1 else 1024]
 
 
-def test_only_cuda_forks_an_accelerator_rng_and_runs_triton_by_default():
+def test_only_cuda_runs_triton_by_default():
     for device in ("cpu", "meta", torch.device("cpu")):
-        assert devices.forked_rng_devices(device) == []
         assert not devices.runs_triton_by_default(device)
         devices.synchronize(device)  # nothing queued: returns
     assert devices.runs_triton_by_default("cuda:0")
-    assert devices.forked_rng_devices("cuda:3") == [3]

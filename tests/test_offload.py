@@ -525,6 +525,19 @@ def test_set_prefetch_depth_applies_to_tapes_without_their_own():
     assert prefetch_depth() == tape.depth == 1
 
 
+def test_a_prefetch_depth_block_refuses_to_restore_over_another_threads_choice():
+    # The depth is the process's: restoring 1 on exit would undo the other thread's 3.
+    block = set_prefetch_depth(2)
+    thread = threading.Thread(target=lambda: set_prefetch_depth(3))
+    thread.start()
+    thread.join()
+    with pytest.raises(ConfigError, match="another thread set the prefetch depth"):
+        with block:
+            pass
+    assert prefetch_depth() == 3
+    set_prefetch_depth(1)
+
+
 @pytest.mark.parametrize("depth", [-1, 1.5, None, True])
 def test_prefetch_depth_must_be_a_non_negative_int(depth):
     with pytest.raises(ConfigError, match=r"prefetch depth .* must be an int >= 0"):

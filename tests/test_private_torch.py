@@ -1,5 +1,7 @@
 """The helpers of actsave/_torch.py that do more than name a private API."""
 import operator
+import threading
+import time
 
 import pytest
 import torch
@@ -116,6 +118,80 @@ def test_an_attribute_swap_puts_the_attribute_back_when_its_context_raises():
     with pytest.raises(RuntimeError), swap.active():
         raise RuntimeError
     assert "name" not in vars(_Inherits) and _Inherits().name() == "base"
+
+
+class _SlowToDelete(type):
+    def __delattr__(cls, name):
+        time.sleep(0.1)  # the other thread runs meanwhile
+        super().__delattr__(name)
+
+
+class _SlowOwner(_Base, metaclass=_SlowToDelete):
+    pass
+
+
+def test_an_attribute_swap_opened_on_another_thread_as_one_closes_stays_swapped():
+    # The main thread's close puts the attribute back slowly; the other thread opens
+    # meanwhile and must find it swapped throughout, and leave it put back.
+    swap = _torch.AttributeSwap(_SlowOwner, "name", lambda self: "swapped")
+    closing, seen, errors = threading.Event(), [], []
+
+    def other():
+        try:
+            closing.wait(10)
+            time.sleep(0.02)  # inside the close's delattr
+            with swap.active():
+                time.sleep(0.2)  # until that close has finished
+                seen.append(_SlowOwner().name())
+        except Exception as error:  # noqa: BLE001 - checked below
+            errors.append(error)
+    thread = threading.Thread(target=other)
+    thread.start()
+    with swap.active():
+        closing.set()
+    thread.join(10)
+    assert not errors and seen == ["swapped"]
+    assert "name" not in vars(_SlowOwner) and _SlowOwner().name() == "base"
+
+
+def test_compiled_code_runs_eagerly_on_the_asking_thread_only():
+    """NOTE [ Compiled code run eagerly on one thread ]: a compiled function, a compiled
+    module and a module compiled in place run their eager code on the thread inside
+    compiled_code_eager, and compile on another meanwhile."""
+    compiled = []
+
+    def backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    function = torch.compile(lambda t: t * 3, backend=backend)
+    module = torch.compile(torch.nn.Linear(3, 3), backend=backend)
+    in_place = torch.nn.Linear(3, 3)
+    in_place.compile(backend=backend)
+    x = torch.ones(2, 3)
+    inside, resume = threading.Event(), threading.Event()
+
+    def eager_thread():
+        with _torch.compiled_code_eager():
+            with _torch.compiled_code_eager():  # nests
+                function(x), module(x), in_place(x)
+            function(x), module(x), in_place(x)
+            inside.set()
+            resume.wait(20)
+            function(x), module(x), in_place(x)
+    thread = threading.Thread(target=eager_thread)
+    thread.start()
+    try:
+        assert inside.wait(20)
+        assert not compiled
+        function(x), module(x), in_place(x)
+        assert compiled  # compiled here, while the other thread runs eagerly
+    finally:
+        resume.set()
+        thread.join(20)
+    found = len(compiled)
+    torch.compile(lambda t: t + 1, backend=backend)(x)
+    assert len(compiled) == found + 1  # nothing left forced
 
 
 def test_an_untraced_frame_breaks_its_traced_caller_once_and_compiles_what_it_calls():

@@ -14,6 +14,7 @@ Nothing here imports actsave.
 """
 import contextlib
 import math
+import threading
 from functools import lru_cache
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, NamedTuple, Tuple
@@ -31,25 +32,27 @@ DEFAULT_GROUP_SIZE = 128
 # while above 0, the references take their general path, in which no branch reads a
 # value (_scale.py). torch.compiler.is_compiling() says so too where Dynamo traces, but
 # torch 2.11 leaves it False where AOTAutograd traces saved-tensor hooks.
-_general_path_depth = 0
+# general_path() blocks open on this thread (``depth``). A plain threading.local read by
+# getattr with a default: Dynamo, which may trace on_general_path, guards on that.
+_this_thread = threading.local()
 
 
 @contextlib.contextmanager
 def general_path():
     """Inside the block, the torch references read no value to choose a path: for a
-    trace of them, which a value read back would break."""
-    global _general_path_depth
-    _general_path_depth += 1
+    trace of them, which a value read back would break. On this thread only, which
+    traces; other threads' references choose as usual meanwhile."""
+    _this_thread.depth = getattr(_this_thread, "depth", 0) + 1
     try:
         yield
     finally:
-        _general_path_depth -= 1
+        _this_thread.depth -= 1
 
 
 def on_general_path() -> bool:
     """Whether the references must take their general path now (:func:`general_path`,
     or a trace by Dynamo)."""
-    return _general_path_depth > 0 or torch.compiler.is_compiling()
+    return torch.compiler.is_compiling() or getattr(_this_thread, "depth", 0) > 0
 
 
 # The dtypes the kernels encode from and decode to (float64 goes through float32 in

@@ -27,7 +27,10 @@ class TapeItem(Protocol):
         """Let the item's device memory go, in stream order; idempotent."""
 
 
+# The process's setting, not a thread's: a tape is used on autograd's device threads
+# too (a backward on CUDA), which follow the depth set on the thread that trains.
 _prefetch_depth = 1
+_set_by = None  # the thread that set it last
 
 
 def prefetch_depth() -> int:
@@ -37,15 +40,26 @@ def prefetch_depth() -> int:
 
 def set_prefetch_depth(depth: int) -> contextlib.ExitStack:
     """Set how many items :meth:`PrefetchTape.before_use` brings back ahead of the one
-    backward needs (0: none) for every tape that has no depth of its own.
+    backward needs (0: none) for every tape that has no depth of its own, on every
+    thread: a process setting.
 
     Takes effect at once; ``with set_prefetch_depth(n): ...`` also restores the previous
-    depth on exit. Each item ahead holds its device memory early, so depth trades
-    device memory for slack in the copies.
+    depth on exit, and raises ConfigError there instead where another thread set the
+    depth meanwhile (restoring would undo its choice). Each item ahead holds its device
+    memory early, so depth trades device memory for slack in the copies.
     """
-    global _prefetch_depth
+    global _prefetch_depth, _set_by
     previous, _prefetch_depth = _prefetch_depth, _checked_depth(depth)
-    return undone_on_exit(lambda: set_prefetch_depth(previous))
+    _set_by = me = threading.get_ident()
+
+    def undo():
+        if _set_by != me:
+            raise ConfigError(
+                "another thread set the prefetch depth while this thread's `with set_prefetch_depth(...)` block "
+                "was open: the depth is the process's setting, and restoring it would undo that thread's choice. "
+                "Call set_prefetch_depth(n) once, before the threads start")
+        set_prefetch_depth(previous)
+    return undone_on_exit(undo)
 
 
 def _checked_depth(depth) -> int:

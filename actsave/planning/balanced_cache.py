@@ -13,7 +13,10 @@ device peak stops growing with depth. At the first training call for an input
 each layer runs once on meta tensors (profiler.profile: sizes only, no data, no
 device memory, no times) and plans.balanced takes the smallest predicted device
 peak with at most one extra forward. The plan is cached per such input, so a new
-shape plans anew.
+shape plans anew. The meta step touches its own model and thread only
+(instrumented_step.py, NOTE [ Steps other threads do not see ]); the model itself is
+meta copies while it runs, so a call of the same model on another thread meanwhile
+raises.
 
 The last segment of a balanced plan stores autograd's saves exactly, whatever its
 first layer's codec: the plan keeps that segment short, and there compressing the
@@ -33,6 +36,7 @@ first call: measure from the second step, as training-step measurements do anywa
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 from typing import Optional
 
@@ -47,6 +51,9 @@ from . import plans, profiler
 from .segments import split_starts
 
 _PLANS_KEPT = 16  # balanced plans cached per model, one per distinct input
+# Held while a model's plans are marked as being made on a thread (a moment): one for
+# every model, so that a model holds no lock (models deep-copy and pickle).
+_PLANNING_LOCK = threading.Lock()
 
 
 class BalancedPlans:
@@ -57,8 +64,10 @@ class BalancedPlans:
         self._plans = {}  # key -> Plan, or None where the meta step failed ("sqrt")
         self._last = None  # (the input as text, its plan)
         self._warned = False
+        self._planning = None  # the thread running this model's meta step, if any
 
     def starts(self, model: nn.Module, input, layers: list, policies: tuple) -> list:
+        self._check_not_planning_elsewhere(model)
         if not isinstance(input, torch.Tensor):
             self._warn_once(f"its input is a {type(input).__name__}; the planner follows one tensor")
             self._last = (type(input).__name__, None)
@@ -68,10 +77,32 @@ class BalancedPlans:
         if key not in self._plans:
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
-            self._plans[key] = self._plan(model, input, device, policies)
+            self._plans[key] = self._planned_here(model, input, device, policies)
         plan = self._plans[key]
         self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan)
         return list(plan.starts) if plan is not None else split_starts(layers, "sqrt", policies)
+
+    def _check_not_planning_elsewhere(self, model: nn.Module) -> None:
+        """Raise where another thread is in this model's meta step: the model's
+        parameters and buffers are meta copies until it ends (meta.on_meta), and one
+        model trained on two threads at once is not supported (docs/limits.md,
+        "Threads")."""
+        planning = self._planning
+        if planning is not None and planning != threading.get_ident():
+            raise ConfigError(
+                f"{type(model).__name__} was called on one thread while another thread plans its segments on meta "
+                "tensors (its parameters and buffers are meta copies until that ends): one model trained on two "
+                "threads at once is not supported. Give each thread a model of its own (copy.deepcopy)")
+
+    def _planned_here(self, model: nn.Module, input: torch.Tensor, device, policies: tuple):
+        """:meth:`_plan`, marked as this thread's while it runs."""
+        with _PLANNING_LOCK:
+            self._check_not_planning_elsewhere(model)
+            self._planning = threading.get_ident()
+        try:
+            return self._plan(model, input, device, policies)
+        finally:
+            self._planning = None
 
     def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["plans.Plan"]:
         try:

@@ -193,7 +193,7 @@ def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs) -> l
     they ran (:func:`_chained_calls`)."""
     recorder = _CallRecorder(blocks)
     try:
-        with isolated_steps(model, _device_of(model, example_inputs)), torch.enable_grad():
+        with isolated_steps(model), torch.enable_grad():
             run_step(model, example_inputs)
     finally:
         recorder.remove()
@@ -201,12 +201,6 @@ def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs) -> l
     for call in calls:  # the outputs were for the chaining check only
         call.output = None
     return [(fqn, dict(blocks)[fqn], call) for fqn, call in zip(recorder.order, calls)]
-
-
-def _device_of(model: nn.Module, example_inputs) -> torch.device:
-    """Where the step runs: the device of the model's first parameter, else its inputs'."""
-    tensors = [*model.parameters(), *input_tensors(example_inputs)]
-    return tensors[0].device if tensors else torch.device("cpu")
 
 
 class _Argument(NamedTuple):
@@ -343,7 +337,7 @@ def measure_outside(model: nn.Module, calls: list, example_inputs) -> Outside:
     device = first_call.hidden.device
     batch = input_tensors(example_inputs)
     batch_bytes = sum(_storage_bytes(t, device) for t in {id(t.untyped_storage()): t for t in batch}.values())
-    with isolated_steps(model, device):
+    with isolated_steps(model):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), *grads, *batch])
         phases = _Phases(tracker, calls)

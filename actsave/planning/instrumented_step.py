@@ -23,12 +23,13 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from .._torch import current_autograd_node, own_tensors, storage_resizes_observed, version
-from ..devices import forked_rng_devices, synchronize
+from .._torch import compiled_code_eager, current_autograd_node, own_tensors, storage_resizes_observed, version
+from ..devices import synchronize
 from ..errors import ConfigError
 from ..meta import fast_meta, plans_at_first_call
 from ..runtime import relu_signs
 from ..runtime.compressed_saves import stored_once_key
+from ..runtime.layers import modules_under
 from ..runtime.pool_decisions import PoolWatch, Window
 from ..runtime.store import CallerTensors, should_encode
 from .live_bytes import LiveBytes, allocation_bytes
@@ -43,23 +44,51 @@ class SavedStorage:
     last: int
 
 
+# NOTE [ Steps other threads do not see ]
+# The planner's steps (a balanced plan's meta step at a first call, profile(),
+# estimate(), the block planner's) change nothing another thread can see, so that
+# threads training models of their own, each planning at its first call, get what
+# each gets alone:
+# 1. Module state: only the model's own modules are touched. Its parameters and
+#    buffers are swapped for meta copies (meta.on_meta) and its buffers for copies of
+#    them (:class:`ModuleState`), in its modules' own tables, with no hook; the max
+#    pools the step watches are the chain's own (:func:`measure_memory`). No global
+#    module hook: it would see every thread's module calls, and a swap made there
+#    would put back another thread's buffers as they were (or leave that thread's
+#    model holding meta copies).
+# 2. RNG: no generator is forked. Random operators on meta tensors draw nothing (the
+#    CPU generator's state is unchanged by dropout, randn, bernoulli_ and attention
+#    dropout on meta tensors: tests/planning/test_threads.py), and a recompute on meta
+#    tensors replays no state (runtime/state.py, ReplayState.capture). A step on a real
+#    device (profile() of a real model, the block planner's example step) draws from
+#    the generators as a training step does, and advances them: restoring them after
+#    (torch.random.fork_rng) would undo whatever another thread drew meanwhile, since
+#    the generators are the process's. So would a layer that draws on a real device in
+#    a meta step (``torch.rand([])`` on the CPU to skip a layer).
+# 3. Compiled code runs eagerly on this thread only (_torch.compiled_code_eager,
+#    NOTE [ Compiled code run eagerly on one thread ]).
+# 4. What must be swapped process-wide is swapped so that other threads get torch's
+#    own behaviour: attention while a meta step stands for a device (meta.py reads the
+#    simulating thread's device) and storage resizes (NOTE [ Storage resizes ]).
+# 5. Caches shared by threads (meta.OUTPUT_METADATA, a model's balanced plans) hold
+#    values that depend on their keys alone, so a race costs a recomputation at most.
 @contextlib.contextmanager
-def isolated_steps(model: nn.Module, device: torch.device):
-    """While active, training steps of ``model`` (on ``device``) leave no trace: on
-    exit each parameter's gradient is put back as it was, every buffer is untouched
-    (the steps run on copies: :class:`ModuleState`, which it yields) and the caller's
-    RNG state (CPU, and ``device``'s on CUDA) is restored. Inside, every gradient
+def isolated_steps(model: nn.Module):
+    """While active, training steps of ``model`` leave no trace on it: on exit each
+    parameter's gradient is put back as it was, and every buffer is untouched (the
+    steps run on copies: :class:`ModuleState`, which it yields). Inside, every gradient
     starts allocated (zeros), as from the second training step on: each layer's new
-    gradients are then transients accumulated into them, not gradient memory kept;
-    and compiled code runs eagerly, so that a step on meta tensors or under the
-    profile's global module hooks compiles nothing. :func:`~actsave.profile` and the
-    block planner (blocks.py) measure their steps inside it."""
+    gradients are then transients accumulated into them, not gradient memory kept; and
+    compiled code run on this thread runs eagerly, so that a step on meta tensors
+    compiles nothing. Nothing another thread sees changes (NOTE [ Steps other threads
+    do not see ]), so steps on a real device advance the RNG as training steps do.
+    :func:`~actsave.profile` and the block planner (blocks.py) measure their steps
+    inside it."""
     grads = [(p, p.grad) for p in model.parameters()]
     for p, _ in grads:
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     try:
-        with torch.random.fork_rng(devices=forked_rng_devices(device)), ModuleState(model) as state, \
-                torch.compiler.set_stance("force_eager"):
+        with ModuleState(model) as state, compiled_code_eager():
             yield state
     finally:
         for p, grad in grads:
@@ -113,9 +142,10 @@ class _SaveLedger:
     layer running, one entry per storage; notes where each layer starts and last
     saves; counts the ReLU outputs a lossy checkpoint keeps bits for (the first save
     of each, as a frame decides: relu_signs.keeps_decisions) and the max pools it keeps
-    decisions for (found by the same :class:`PoolWatch`, which runs with it)."""
+    decisions for (found by the same :class:`PoolWatch`, which runs with it, on the
+    chain's own max pools: NOTE [ Steps other threads do not see ])."""
 
-    def __init__(self, device, ignored: list, tracker: LiveBytes, caller: CallerTensors):
+    def __init__(self, device, ignored: list, tracker: LiveBytes, caller: CallerTensors, layers: tuple):
         self.device = device
         self.tracker = tracker
         self.caller = caller  # the layers' inputs after the first are the chain's activations
@@ -128,7 +158,7 @@ class _SaveLedger:
         self.peak_at_last_save = {}  # layer -> the tracker's peak when it last saved
         self.relu_bits = {}  # layer -> [bytes, elements of the largest]
         self.pool_decisions = {}  # layer -> [bytes, [PoolSample of each pool]]
-        self.pools = PoolWatch()
+        self.pools = PoolWatch.among(modules_under(layers))
         self._ignored = {id(t.untyped_storage()) for t in ignored}
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
         self._relu_saves = relu_signs.FirstSaves()
@@ -439,7 +469,8 @@ def measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torc
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     known = [*model.parameters(), *model.buffers(), *grads, x]
     tracker = LiveBytes(device, known=known)
-    ledger = _SaveLedger(device, ignored=known, tracker=tracker, caller=CallerTensors(x, model))
+    ledger = _SaveLedger(device, ignored=known, tracker=tracker, caller=CallerTensors(x, model),
+                         layers=tuple(layer for _, layer in layers))
     with tracker, storage_resizes_observed(ledger.resized), saved_tensors_hooks(ledger.pack, ledger.unpack), \
             ledger.pools.watching():
         try:

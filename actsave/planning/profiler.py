@@ -240,7 +240,10 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
     allocated and every tensor saved for backward, by layer) and a step is timed.
     Then each distinct layer-input shape is encoded and decoded by each codec, and on
     CUDA copied to pinned host memory and back. The model's parameter gradients and
-    BatchNorm statistics and the caller's RNG state are left as they were.
+    BatchNorm statistics are left as they were. Its steps draw random numbers as
+    training steps do, and advance the generators (seed after profiling for a
+    reproducible run): putting them back would undo what other threads drew
+    meanwhile (NOTE [ Steps other threads do not see ]). On meta tensors nothing draws.
 
     ``loss``: the training step's loss, a function of the chain's output returning the
     one-element tensor the backward starts from (``lambda logits:
@@ -272,7 +275,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
         if sizes_only:
             stack.enter_context(on_meta(model))
             stack.enter_context(simulating(device))
-        state = stack.enter_context(isolated_steps(model, x.device))
+        state = stack.enter_context(isolated_steps(model))
         found = measure_memory(layers, x, model, device, loss)
         mutated = [state.mutated_bytes(layer, device) for _, layer in layers]
         no_grad_rises = measure_no_grad_rises(layers, x, model, device)

@@ -8,9 +8,10 @@ reads it. A compiled layer (``torch.compile(layer)``, ``layer.compile()``) hides
 its saves are its graph's, under one node, and its recompute runs the graph whole.
 Without the decisions a conv-BN-ReLU network's BatchNorm gradients lose most of their
 precision (docs/limits.md, "torch.compile"). So the first lossy call of a chain of
-layers that holds a compiled module runs with compiled code off
-(``torch.compiler.set_stance("force_eager")``) and records whether that eager forward
-kept any decision. Where it did, every later call of those layers runs their eager
+layers that holds a compiled module runs with compiled code off on its thread
+(``_torch.compiled_code_eager``; not ``torch.compiler.set_stance``, which turns it off
+for every thread: NOTE [ Compiled code run eagerly on one thread ]) and records
+whether that eager forward kept any decision. Where it did, every later call of those layers runs their eager
 code too (one warning per process); where it did not (a transformer block: GELU, no
 max pool), later calls run the compiled code, which then loses nothing. A call's
 recompute runs the code its forward ran, so that both save the same tensors.
@@ -22,9 +23,7 @@ import warnings
 import weakref
 from typing import Optional
 
-import torch
-
-from .._torch import is_compiled
+from .._torch import compiled_code_eager, is_compiled
 
 # (weak references to a call's layers) -> whether their eager code keeps decisions.
 # A weak reference hashes as its module while alive and keeps that hash after; the
@@ -54,15 +53,16 @@ class LayerCode:
 
     def running(self):
         """The context the call's forward and its recompute run in."""
-        return torch.compiler.set_stance("force_eager") if self.eager else contextlib.nullcontext()
+        return compiled_code_eager() if self.eager else contextlib.nullcontext()
 
     def forward_ended(self, kept_decisions: bool) -> None:
         """Record what the first call's eager forward found: whether it kept decisions."""
         if self._key is None or not self._probing:
             return
         if len(_KEEPS_DECISIONS) >= _PRUNE_AT:
-            for key in [key for key in _KEEPS_DECISIONS if any(ref() is None for ref in key)]:
-                del _KEEPS_DECISIONS[key]
+            # Over a copy of the keys (one C call): another thread may add an entry meanwhile.
+            for key in [key for key in list(_KEEPS_DECISIONS) if any(ref() is None for ref in key)]:
+                _KEEPS_DECISIONS.pop(key, None)
         _KEEPS_DECISIONS[self._key] = kept_decisions
         if kept_decisions:
             _warn_once()

@@ -526,12 +526,13 @@ def _checkpointed_call_under_compile(function, args, kwargs, policy, private_cop
 # forward and recompute then run the same code (NOTE [ Decisions in compiled layers ]
 # says when that is the eager code).
 #
-# Compiled layers run eagerly in the planner's steps (isolated_steps in
-# planning/instrumented_step.py), and torch.compile's modules are profiled as their
-# eager ones: those steps run on meta tensors under global module hooks, where Dynamo
-# would compile graphs no training step uses, recompile at each layer until its limit
-# and warn of the hooks. The plan then counts the eager code's saves, which a compiled
-# layer's may differ from.
+# Compiled layers run eagerly in the planner's steps, on the planning thread only
+# (isolated_steps in planning/instrumented_step.py; _torch.py,
+# NOTE [ Compiled code run eagerly on one thread ]), and torch.compile's modules are
+# profiled as their eager ones: those steps run on meta tensors under module hooks,
+# where Dynamo would compile graphs no training step uses, recompile at each layer
+# until its limit and warn of the hooks. The plan then counts the eager code's saves,
+# which a compiled layer's may differ from.
 def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None, prepared=None,
                        make_frame: Callable = None):
     """The eager checkpointed call; ``make_frame``: the frame's constructor, _Frame's

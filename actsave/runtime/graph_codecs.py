@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import weakref
 from typing import Optional
 
@@ -87,8 +88,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .. import _torch
 from ..codecs import Packed, get_codec
-from ..codecs.backend import backend as codec_backend
-from ..devices import forked_rng_devices
+from ..codecs.backend import forced_here
 from ..meta import on_meta
 from ..triton_kernels import general_path
 from . import relu_signs
@@ -187,8 +187,9 @@ def _codec_of(node, backward) -> Optional[str]:
 @contextlib.contextmanager
 def _reference_traced():
     """What the hooks trace: the codec's torch reference on its general path (see the
-    NOTE), whichever backend runs eagerly."""
-    with codec_backend("torch"), general_path():
+    NOTE), whichever backend runs eagerly; on this thread only, which traces (other
+    threads' codecs run as chosen meanwhile)."""
+    with forced_here("torch"), general_path():
         yield
 
 
@@ -214,13 +215,18 @@ def _unpack(stored):
 
 
 _hooks = None
+_hooks_lock = threading.Lock()
 
 
 def _the_hooks() -> tuple:
-    """actsave's graph hooks, made once: Dynamo guards compiled frames on their identity."""
+    """actsave's graph hooks, made once: Dynamo guards compiled frames on their identity,
+    and a thread unsets the hooks it set by that identity (so made under a lock: two
+    threads' first calls must not make two pairs)."""
     global _hooks
     if _hooks is None:
-        _hooks = (_torch.graph_hook(_pack), _torch.graph_hook(_unpack))
+        with _hooks_lock:
+            if _hooks is None:
+                _hooks = (_torch.graph_hook(_pack), _torch.graph_hook(_unpack))
     return _hooks
 
 
@@ -264,7 +270,7 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
         return t
     holder = nn.ModuleList(layer for layers, _ in segments for layer in layers)
     try:
-        with _on_meta_watching_saves(holder, input.device, pack) as probe_input:
+        with _on_meta_watching_saves(holder, pack) as probe_input:
             x = probe_input(input)
             if x.is_floating_point():
                 x = x.requires_grad_().clone()
@@ -283,15 +289,15 @@ def _max_pool_in(modules) -> bool:
 
 
 @contextlib.contextmanager
-def _on_meta_watching_saves(model: nn.Module, device: torch.device, pack):
+def _on_meta_watching_saves(model: nn.Module, pack):
     """While active, ``model`` runs on meta tensors with grad, its saves handed to
-    ``pack``; as the planner's meta steps (planning/instrumented_step.py), the
-    caller's RNG does not move and compiled layers run their eager code. Yields the
-    function that makes the model's inputs from real tensors (their shapes, strides
-    and dtypes): fake meta tensors (NOTE [ Fake tensors in a probe ])."""
+    ``pack``; as the planner's meta steps (NOTE [ Steps other threads do not see ] in
+    planning/instrumented_step.py), compiled layers run their eager code on this thread
+    and no generator is forked: random operators on fake meta tensors draw nothing.
+    Yields the function that makes the model's inputs from real tensors (their shapes,
+    strides and dtypes): fake meta tensors (NOTE [ Fake tensors in a probe ])."""
     with on_meta(model), saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
-            torch.random.fork_rng(devices=forked_rng_devices(device)), torch.compiler.set_stance("force_eager"), \
-            _torch.fake_tensors() as fake:
+            _torch.compiled_code_eager(), _torch.fake_tensors() as fake:
         yield lambda t: fake(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
 
 
@@ -301,7 +307,16 @@ def _unknown(whose: str, error: Exception) -> str:
 
 # --- blocks that wrap() checkpointed: the hooks set and unset around the root's forward ---
 
-_set_for_blocks = False  # set at a root's graph break; read as Dynamo traces its blocks
+# ``set_for_blocks``: set at a root's graph break, read as Dynamo traces its blocks. Per
+# thread, as the graph hooks it stands for are: another thread tracing its own blocks
+# meanwhile has none set. Read by getattr with a default from a plain threading.local,
+# on which Dynamo guards (it took a threading.local subclass's class attribute for a
+# constant: torch 2.13).
+_this_thread = threading.local()
+
+
+def _set_for_blocks() -> bool:
+    return getattr(_this_thread, "set_for_blocks", False)
 _probed = weakref.WeakKeyDictionary()  # root -> {input key: {checkpoint: why eager}}
 
 
@@ -320,7 +335,7 @@ class RootForward:
         self.previous = previous  # the instance's forward before, or None: the class's
 
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and not _set_for_blocks:  # not inside a root that set them
+        if torch.compiler.is_compiling() and not _set_for_blocks():  # not inside a root that set them
             return _forward_with_graph_codecs(self, args, kwargs)
         return self.own_forward(*args, **kwargs)
 
@@ -345,7 +360,7 @@ def watch_root(model: nn.Module) -> None:
 
 def blocks_in_graph(policy: KeepPolicy, eager_because: Optional[str]) -> bool:
     """Whether a wrapped block kept by ``policy`` is traced with its codec in the graph."""
-    return _set_for_blocks and policy.lossy and not policy.offload and eager_because is None
+    return _set_for_blocks() and policy.lossy and not policy.offload and eager_because is None
 
 
 @_torch.untraced_frame  # the root's one graph break (see the NOTE)
@@ -362,7 +377,6 @@ def _forward_with_graph_codecs(root: RootForward, args: tuple, kwargs: dict):
 def _blocks_on(model, args, kwargs) -> bool:
     """Probe ``model``'s lossy blocks for decisions (once per input) and set the graph
     hooks; whether this call set them."""
-    global _set_for_blocks
     checkpoints = [m for m in model.modules() if _keeps_by_codec(m)]
     if not checkpoints:
         return False
@@ -376,7 +390,7 @@ def _blocks_on(model, args, kwargs) -> bool:
         if len(known[key]) == len(checkpoints):
             return False  # every one runs eagerly: nothing to set
         if hooks_on():
-            _set_for_blocks = True
+            _this_thread.set_for_blocks = True
             return True
         why = "other saved-tensor hooks are set, which the compiled graph would not apply"
     _set_eager_because(checkpoints, lambda checkpoint: why)
@@ -392,9 +406,8 @@ def _set_eager_because(checkpoints: list, why) -> None:
 
 @torch.compiler.disable
 def _blocks_off() -> None:
-    global _set_for_blocks
     hooks_off()
-    _set_for_blocks = False
+    _this_thread.set_for_blocks = False
 
 
 @contextlib.contextmanager
@@ -440,10 +453,8 @@ def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
             why.setdefault(running[-1][0], "ReLU decisions")
         return t
     handles = [hook for c in checkpoints for hook in _block_watch(c, running)]
-    tensors = _tensors_in(args, kwargs)
     try:
-        with _on_meta_watching_saves(model, tensors[0].device if tensors else torch.device("cpu"), pack) \
-                as probe_input, _run_plainly(checkpoints):
+        with _on_meta_watching_saves(model, pack) as probe_input, _run_plainly(checkpoints):
             probed = lambda t: probe_input(t).requires_grad_(t.requires_grad and t.is_floating_point())  # noqa: E731
             probe_args, probe_kwargs = _torch.pytree.tree_map_only(torch.Tensor, probed, (args, kwargs))
             model(*probe_args, **probe_kwargs)

@@ -5,8 +5,9 @@ NOTE [ Known layers ]
 A checkpointed forward must note the parameters and buffers it reads, and which it
 mutates (state.py), and a lossy one the plain max pools it runs (pool_decisions.py).
 Global module hooks see every module call, but any global hook sends every module
-call of the thread down the slow path of ``nn.Module._call_impl``, which costs more
-host time than a small layer's own work (docs/performance.md). So where the function
+call of every thread down the slow path of ``nn.Module._call_impl``, which costs more
+host time than a small layer's own work (docs/performance.md); actsave's act on their
+own thread's calls only (state.py, pool_decisions.py). So where the function
 says which modules it runs, actsave reads them from the modules instead, once per
 forward, and hooks nothing:
 

@@ -3,7 +3,9 @@
 - RNG: the CPU generator and those of every accelerator the inputs live on are
   captured before the forward and replayed in the recompute (same Dropout masks),
   inside ``fork_rng`` so the caller's generators do not move. With
-  ``preserve_rng_state=False`` (recompute_options.py) neither happens, as in torch.
+  ``preserve_rng_state=False`` (recompute_options.py) neither happens, as in torch;
+  nor for inputs on the meta device, where nothing draws. The generators are the
+  process's: see :meth:`ReplayState.replayed` for what another thread sees.
 - Autocast: whether it was on, its dtype and cache setting, for the CPU and for the
   inputs' device types. Backward may run outside the ``autocast`` block; the
   recompute re-enters the forward's state.
@@ -73,6 +75,13 @@ class ReplayState:
 
     @classmethod
     def capture(cls, tensors, preserve_rng_state: bool = True) -> "ReplayState":
+        """The state now, for a forward whose inputs are ``tensors``. Inputs all on the
+        meta device (a planner's meta step) replay no RNG state: random operators on
+        meta tensors draw nothing, and replaying one would set the process's generator,
+        which other threads draw from (NOTE [ Steps other threads do not see ] in
+        planning/instrumented_step.py)."""
+        if tensors and tensors[0].is_meta and all(t.is_meta for t in tensors):  # cheap for real ones
+            preserve_rng_state = False
         accelerators = sorted({(t.device.type, t.device.index or 0) for t in tensors
                                if t.device.type not in ("cpu", "meta")})
         device_type = accelerators[0][0] if accelerators else "cpu"
@@ -92,8 +101,13 @@ class ReplayState:
     def replayed(self):
         """Run the body with the captured RNG, autocast state and default device; the
         caller's RNG state is restored afterwards. Without a captured RNG state
-        (``preserve_rng_state=False``) the body draws from the caller's generators and
-        advances them, as torch's checkpoint does."""
+        (``preserve_rng_state=False``, meta inputs) the body draws from the caller's
+        generators and advances them, as torch's checkpoint does.
+
+        The generators are the process's, shared by its threads (PyTorch has no
+        per-thread default generator): while the body runs they hold the forward's
+        state, and restoring the caller's afterwards drops whatever another thread drew
+        meanwhile, as torch.utils.checkpoint does (docs/limits.md, "Threads")."""
         replays_rng = self.cpu_rng is not None
         with torch.random.fork_rng(devices=list(self.devices), device_type=self.device_type, enabled=replays_rng):
             if replays_rng:

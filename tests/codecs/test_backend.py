@@ -1,5 +1,7 @@
 """Choosing Triton kernels or torch references; the forced Triton backend (under the
 interpreter on CPU) trains bit-identically to the torch one."""
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -7,9 +9,9 @@ from torch import nn
 import actsave
 from actsave import CheckpointedSequential, ConfigError
 from actsave.codecs import get_codec
-from actsave.codecs.backend import get_backend, implementation
+from actsave.codecs.backend import forced_here, get_backend, implementation
 from actsave.meta import simulating
-from actsave.triton_kernels import kernel_table
+from actsave.triton_kernels import general_path, kernel_table, on_general_path
 
 
 def test_auto_uses_the_reference_on_cpu():
@@ -37,6 +39,50 @@ def test_backend_context_restores_the_previous_choice():
             assert implementation(kernel_table()["fp8_e4m3", "encode"], torch.zeros(1)).__name__ == "encode_fp8_ref"
         assert implementation(kernel_table()["fp8_e4m3", "encode"], torch.zeros(1)).__name__ == "encode_fp8"
     assert get_backend() == "auto"
+
+
+def on_another_thread(function):
+    """``function()``'s result, run on a thread of its own; what it raised, raised here."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append((True, function()))
+        except Exception as error:  # noqa: BLE001 - raised on the calling thread
+            outcome.append((False, error))
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(20)
+    returned, value = outcome[0]
+    if not returned:
+        raise value
+    return value
+
+
+def test_what_a_trace_forces_is_its_threads_alone():
+    # runtime/graph_codecs.py traces the torch references on their general path; other
+    # threads' codecs meanwhile run as the process chose.
+    encode = kernel_table()["int8", "encode"]
+    with actsave.backend("triton"), forced_here("torch"), general_path():
+        assert implementation(encode, torch.zeros(1)).__name__ == "encode_int8_ref" and on_general_path()
+        assert on_another_thread(lambda: (implementation(encode, torch.zeros(1)).__name__, on_general_path())) \
+            == ("encode_int8", False)
+
+
+def test_backend_blocks_open_on_two_threads_at_once_are_refused():
+    with actsave.backend("torch"):
+        with pytest.raises(ConfigError, match="another thread's backend\\(\\) block is open"):
+            on_another_thread(lambda: actsave.backend("triton").__enter__())
+        assert get_backend() == "torch"
+    assert get_backend() == "auto"
+    with actsave.backend("torch"):  # one thread after the other is fine
+        pass
+    assert on_another_thread(lambda: _in_a_backend_block("torch")) == "torch"
+
+
+def _in_a_backend_block(name):
+    with actsave.backend(name):
+        return get_backend()
 
 
 def test_unknown_backend_is_refused():

@@ -4,6 +4,7 @@ Codecs in a compiled graph ]). The compiled models themselves: tests/test_compil
 import copy
 import inspect
 import io
+import threading
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def test_wrap_sets_a_lossy_model_roots_forward_once_and_eager_steps_probe_nothin
     assert isinstance(root_forward, graph_codecs.RootForward) and model.forward is root_forward
     assert root_forward.previous is None and not model._forward_pre_hooks and not model._forward_hooks
     model(torch.randn(4, 8)).sum().backward()
-    assert model not in graph_codecs._probed and not graph_codecs._set_for_blocks
+    assert model not in graph_codecs._probed and not graph_codecs._set_for_blocks()
     exact = actsave.wrap(ResidualNet(depth=2), ResidualBlock)
     assert "forward" not in exact.__dict__  # nothing to set for exact blocks
 
@@ -193,3 +194,25 @@ def test_a_model_that_fails_on_meta_tensors_runs_every_lossy_block_eagerly_and_n
     assert set(why) == set(checkpoints)
     assert all(reason.startswith("decisions unknown: the model's forward failed on meta tensors")
                for reason in why.values())
+
+
+def test_a_roots_flag_is_its_threads_and_compiled_code_follows_it():
+    # Set at a root's break for the blocks Dynamo traces on that thread only; Dynamo
+    # must guard on it (it took a threading.local subclass's class attribute for a
+    # constant).
+    policy = KeepPolicy.resolve("int8", False)
+    compiled = torch.compile(lambda x: x + 1 if graph_codecs.blocks_in_graph(policy, None) else x - 1,
+                             backend="eager")
+    x = torch.zeros(1)
+    assert compiled(x).item() == -1
+    graph_codecs._this_thread.set_for_blocks = True
+    try:
+        assert compiled(x).item() == 1
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(compiled(x).item()))
+        thread.start()
+        thread.join(20)
+        assert seen == [-1]
+    finally:
+        graph_codecs._this_thread.set_for_blocks = False
+    assert compiled(x).item() == -1

@@ -22,6 +22,21 @@ def test_replay_gives_the_same_random_numbers_and_leaves_the_caller_rng_alone():
     assert torch.equal(torch.get_rng_state(), after)
 
 
+def test_a_recompute_on_meta_tensors_sets_no_rng_state():
+    # A planner's recompute (meta inputs) draws nothing: it must neither set the
+    # process's generator nor put it back, which would undo another thread's draws.
+    torch.manual_seed(3)
+    state = ReplayState.capture([torch.empty(2, device="meta"), torch.empty(1, device="meta")])
+    assert state.cpu_rng is None
+    with state.replayed():
+        drawn = torch.rand(4)  # as another thread's draw while the recompute runs
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(drawn, torch.rand(4)) and torch.equal(after, torch.rand(4))
+    # A real input among them replays as before.
+    assert ReplayState.capture([torch.empty(2, device="meta"), torch.zeros(1)]).cpu_rng is not None
+
+
 def test_replay_restores_autocast_state_of_the_forward():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         state = ReplayState.capture([torch.zeros(1)])
