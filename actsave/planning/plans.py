@@ -37,8 +37,8 @@ from .planned_segment import PlannedSegment
 from .solver import fastest_within, smallest_headroom, smallest_nested_headroom
 
 # Every lossy codec name of codecs.py, aliases included ("fp8" is e4m3), is a lever.
-_LEVER_CODECS = {name: get_codec(name).name for name in available_codecs() if not get_codec(name).lossless}
-LEVERS = ("recompute", *_LEVER_CODECS, "offload")
+LEVER_CODECS = {name: get_codec(name).name for name in available_codecs() if not get_codec(name).lossless}
+LEVERS = ("recompute", *LEVER_CODECS, "offload")
 # Exact levers only: a plan changes no gradient unless a codec is asked for by name.
 # ("offload" is used where the host is separate: CUDA.)
 DEFAULT_ALLOW = ("recompute", "offload")
@@ -265,19 +265,24 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
             raise ConfigError(f"{name}={flag!r} must be True or False")
     keep_options(allow, min_sqnr_db, profile.device)  # checks allow and min_sqnr_db
     longest = max_checkpointed_layers
+    # Nested checkpoints are searched where the profile has times (on meta tensors
+    # nesting would look free), for either objective, so that "the smallest" is one
+    # figure: objective="memory"'s peak is the one an infeasible budget's error states.
     # A chain that runs a module in two layers is not nested: runtime/nested.py.
     search = Search(profile, tuple(allow), min_sqnr_db, longest, compress_stored, store_middle,
-                    nest=objective == "time" and not profile.repeats_modules)
+                    nest=profile.timed and not profile.repeats_modules)
     model = search.model()
+    found = None
     if objective == "time":
         headroom = budget - model.chain_input
         found = fastest_within(model, headroom, longest, nest=search.nest)
-    else:
-        headroom = smallest_headroom(model, longest)
-        fits = budget is None or model.chain_input + headroom <= budget
-        found = fastest_within(model, headroom, longest) if fits else None
     if found is None:
-        raise ConfigError(search.infeasible(budget, "plan", model))
+        # The smallest plan, where it fits: the nested search's grid is the headroom's,
+        # so a budget between that plan's peak and the grid point above it reaches it
+        # only so.
+        smallest, _, found, headroom = search.smallest_plan(model)
+        if budget is not None and smallest > budget:
+            raise ConfigError(search.infeasible(budget, "plan", model))
     return _plan_of(model, *found, budget, bound=model.chain_input + headroom)
 
 
@@ -307,19 +312,32 @@ class Search:
 
     def smallest_budget(self, model: CostModel, start=None) -> tuple:
         """(the smallest budget this search finds a plan within for ``model``, the
-        nested table that reaches it or None)."""
+        nested table that reaches it or None): :meth:`smallest_plan`'s peak."""
+        smallest, table, _, _ = self.smallest_plan(model, start)
+        return smallest, table
+
+    def smallest_plan(self, model: CostModel, start=None) -> tuple:
+        """(the least predicted peak of a plan this search finds for ``model``, the
+        nested table that reaches it or None, that plan as fastest_within gives it, the
+        headroom it was found within). The nested search's headroom is a point of its
+        byte grid, at or above that plan's peak: what objective="memory" plans, and any
+        budget from that peak on plans (plan() falls back to it)."""
         if self.nest:
             headroom, table = smallest_nested_headroom(model, self.longest, start)
         else:
             headroom, table = smallest_headroom(model, self.longest), None
-        return model.chain_input + headroom, table
+        found = fastest_within(model, headroom, self.longest, nest=self.nest)
+        if found is None:  # from ``start``'s table, whose grid plan() does not search: its bound
+            return model.chain_input + headroom, table, None, headroom
+        peak = _plan_of(model, *found, None, bound=model.chain_input + headroom).predicted_peak_bytes
+        return peak, table, found, headroom
 
     def with_codecs(self, smallest: float, table) -> dict:
         """{codec: the smallest budget with that lossy codec allowed too} for the
         codecs not allowed (and not below ``min_sqnr_db``) that lower ``smallest``."""
         if "recompute" not in self.allow or not self.suggest_codecs:
             return {}
-        allowed = {_LEVER_CODECS[lever] for lever in self.allow if lever in _LEVER_CODECS}
+        allowed = {LEVER_CODECS[lever] for lever in self.allow if lever in LEVER_CODECS}
         lower = {}
         for codec in LOSSY_CODECS:
             if codec in allowed or (self.min_sqnr_db is not None and
@@ -336,7 +354,9 @@ class Search:
         what the step needs outside the chain), and the lossy codecs that would fit."""
         searched, table = self.smallest_budget(model)
         smallest = max(searched, floor)
-        levers = f"allow={self.allow}" + ("" if self.min_sqnr_db is None else f" and min_sqnr_db={self.min_sqnr_db}")
+        # Only the levers this device has: offload moves nothing where the host's memory is the device's.
+        usable = tuple(lever for lever in self.allow if lever != "offload" or host_is_separate(self.profile.device))
+        levers = f"allow={usable}" + ("" if self.min_sqnr_db is None else f" and min_sqnr_db={self.min_sqnr_db}")
         reach = "nested checkpoints included" if table is not None else "single-level plans"
         message = (f"no {what} fits budget={int(budget):,} bytes ({mib(budget)} MiB) with {levers}: the smallest "
                    f"feasible budget is {int(smallest):,} bytes ({mib(smallest)} MiB) ({reach}).")
@@ -348,7 +368,7 @@ class Search:
                 ", ".join(f"{codec!r} (expected gradient SQNR {EXPECTED_GRADIENT_SQNR_DB[codec]:g} dB) to "
                           f"{int(b):,} bytes ({mib(b)} MiB)" for codec, b in lower.items()) + "."
             if fitting:
-                message += (f" This budget fits with allow={(*self.allow, fitting[0])}"
+                message += (f" This budget fits with allow={(*usable, fitting[0])}"
                             + (f" (or {', '.join(repr(c) for c in fitting[1:])} in its place)" if fitting[1:] else "")
                             + ".")
         message += " Raise the budget, allow more levers, or use a smaller batch."
@@ -428,7 +448,7 @@ def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str
                 "segments, so they need 'recompute' in allow too"
             )
         return []
-    codecs = ["none"] + sorted({_LEVER_CODECS[lever] for lever in allow if lever in _LEVER_CODECS})
+    codecs = ["none"] + sorted({LEVER_CODECS[lever] for lever in allow if lever in LEVER_CODECS})
     codecs = [c for c in codecs if min_sqnr_db is None or EXPECTED_GRADIENT_SQNR_DB[c] >= min_sqnr_db]
     places = [False, True] if "offload" in allow and host_is_separate(device) else [False]
     return [KeepPolicy.resolve(codec, offload) for codec in codecs for offload in places]
