@@ -33,6 +33,11 @@ recomputed save (the early stop); a call with nothing recomputed is not recomput
 all, and its kept tensors are read as they are.
 
 Rules that keep it exact:
+- A kept call that drew random numbers in the forward (attention with dropout, a
+  module named that holds a Dropout) is skipped in the recompute, which replays the
+  forward's RNG: the generators are set as that call left them, so the calls after it
+  draw what they drew in the forward (the state around each call that may draw is
+  read in the forward).
 - A kept output changed in place after its call (``out = proj(x); out += x``) is not
   the value the call returned: that call is not skipped but run again, from its
   recomputed arguments, and what it saved is recomputed.
@@ -149,12 +154,15 @@ class _Call:
     place."""
 
     __slots__ = ("target", "start", "stop", "arguments", "output", "version", "requires_grad", "views",
-                 "skipped")
+                 "skipped", "rng_before", "rng_after")
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
         self.arguments = arguments  # [(position, storage identity, storage offset)] of the tensor arguments
         self.output, self.version, self.requires_grad = None, None, False
+        # The generators' states around a call that may draw random numbers (attention's
+        # dropout), where it did: the recompute skips it, and must leave them as it did.
+        self.rng_before = self.rng_after = None
         self.views = {}  # slot index -> (argument position, size, stride, offset from the argument's)
         self.skipped = False  # whether the recompute skips it: set as the forward ends
 
@@ -169,21 +177,23 @@ class _Call:
 
 
 class _Kept:
-    """A save kept as it is in its placeholder, with the version it was saved at;
-    ``held``: whether someone else holds it anyway (a parameter or a view of one)."""
+    """A save kept as it is in its placeholder, with the version it was saved at and
+    the autograd node that made it (for the error); ``held``: whether someone else
+    holds it anyway (a parameter or a view of one)."""
 
-    __slots__ = ("tensor", "version", "held")
+    __slots__ = ("tensor", "version", "held", "made_by")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor, self.version, self.held = _detached(tensor), version(tensor), _held_elsewhere(tensor)
+        self.made_by = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "a leaf"
 
     def read(self) -> torch.Tensor:
         if version(self.tensor) != self.version:
             raise RecomputeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a tensor of shape {list(self.tensor.shape)} that a selective checkpoint kept is at "
-                f"version {version(self.tensor)}; expected version {self.version} instead. Change it after the "
-                "backward, or change a copy (nn.Sequential raises the same).")
+                f"operation: a tensor of shape {list(self.tensor.shape)} made by {self.made_by}, which a selective "
+                f"checkpoint kept, is at version {version(self.tensor)}; expected version {self.version} instead. "
+                "Change it after the backward, or change a copy (nn.Sequential raises the same).")
         return self.tensor
 
 
@@ -252,9 +262,11 @@ class SelectiveFrame(_Frame):
         self._depth += 1
         if self._depth > 1 or not self.in_forward:
             return
-        arguments = [(position, storage_identity(t), t.storage_offset())
-                     for position, t in enumerate(_tensor_arguments(args, kwargs))]
+        tensors = _tensor_arguments(args, kwargs)
+        arguments = [(position, storage_identity(t), t.storage_offset()) for position, t in enumerate(tensors)]
         self._open = _Call(target, len(self.slots), arguments)
+        if _may_draw(target, args, kwargs):
+            self._open.rng_before = _RandomState.capture(tensors)
 
     def _exit(self, output) -> None:
         self._depth -= 1
@@ -262,6 +274,10 @@ class SelectiveFrame(_Frame):
             return
         call, self._open = self._open, None
         call.stop = len(self.slots)
+        if call.rng_before is not None:
+            after = call.rng_before.again()
+            call.rng_after = None if after == call.rng_before else after
+            call.rng_before = None
         if isinstance(output, torch.Tensor):
             call.output, call.version, call.requires_grad = _detached(output), version(output), output.requires_grad
             self._outputs[storage_identity(output)] = call
@@ -384,6 +400,8 @@ class _Skipper:
             finally:
                 self.depth -= 1
         self._fill_views(call, _tensor_arguments(args, kwargs))
+        if call.rng_after is not None:  # it drew in the forward: later calls draw after it
+            call.rng_after.restore()
         return _RequiresGrad.apply(_GRAPH_ANCHOR, call.output) if call.requires_grad else call.output
 
     def _matching(self, target) -> _Call:
@@ -429,6 +447,47 @@ def _forward_replaced(module: nn.Module, forward: Callable):
             module.forward = previous
         else:
             del module.forward
+
+
+def _may_draw(target, args: tuple, kwargs: dict) -> bool:
+    """Whether a kept call may draw random numbers: attention with dropout, a module of
+    a type that is not a linear layer or a convolution (it may hold a Dropout)."""
+    if isinstance(target, str):
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return bool(dropout)
+    return not isinstance(target, (nn.Linear, nn.modules.conv._ConvNd))
+
+
+class _RandomState:
+    """The CPU generator's state and those of the accelerators a call's tensors are on."""
+
+    __slots__ = ("cpu", "devices")
+
+    def __init__(self, cpu: torch.Tensor, devices: tuple):
+        self.cpu, self.devices = cpu, devices
+
+    @classmethod
+    def capture(cls, tensors: list) -> "_RandomState":
+        devices = sorted({(t.device.type, t.device.index or 0) for t in tensors
+                          if t.device.type not in ("cpu", "meta")})
+        return cls(torch.get_rng_state(), tuple(
+            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index in devices))
+
+    def again(self) -> "_RandomState":
+        """The same generators' states now."""
+        return _RandomState(torch.get_rng_state(), tuple(
+            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index, _ in self.devices))
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for kind, index, state in self.devices:
+            torch.get_device_module(kind).set_rng_state(state, index)
+
+    def __eq__(self, other) -> bool:
+        return torch.equal(self.cpu, other.cpu) and all(
+            torch.equal(a[2], b[2]) for a, b in zip(self.devices, other.devices))
+
+    __hash__ = None
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:

@@ -201,3 +201,32 @@ def test_module_types_need_a_module_to_find_them_in():
         block = GPTBlock()
         selective_call(lambda t: block(t), (torch.randn(2, 16, 32, requires_grad=True),), {}, KeptOps(),
                        DEFAULT_RECOMPUTE)
+
+
+class DropoutAttention(nn.Module):
+    """Attention with dropout (it draws), then a Dropout after it, which must draw in
+    the recompute what it drew in the forward though the attention is skipped."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.qkv, self.drop = nn.Linear(d, 3 * d), nn.Dropout(0.3)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (part.view(b, t, 4, d // 4).transpose(1, 2) for part in self.qkv(x).split(d, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3).transpose(1, 2).reshape(b, t, d)
+        return self.drop(torch.tanh(a))
+
+
+def test_a_skipped_call_that_drew_random_numbers_leaves_the_generator_as_it_did():
+    torch.manual_seed(0)
+    plain = DropoutAttention()
+    model = copy.deepcopy(plain)
+    x = torch.randn(2, 8, 32)
+    torch.manual_seed(3)
+    plain(x.clone().requires_grad_()).sum().backward()
+    torch.manual_seed(3)
+    out, _ = selective_call(model, (x.clone().requires_grad_(),), {}, KeptOps(), DEFAULT_RECOMPUTE)
+    out.sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
