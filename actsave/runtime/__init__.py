@@ -2,6 +2,6 @@
 kept inputs and the stored-bytes ledger (store.py), replayed and touched state
 (state.py), ReLU and max-pool decisions under a codec (relu_signs.py,
 pool_decisions.py), the last segment's saves
-under a codec (compressed_saves.py), torch's checkpoint keywords (recompute_options.py).
+under a codec (kept_saves.py), torch's checkpoint keywords (recompute_options.py).
 Imports nothing from actsave.planning.
 """

@@ -1,4 +1,4 @@
-"""The last segment's saves stored by its codec (actsave/compressed_saves.py): what is
+"""The last segment's saves stored by its codec (actsave/runtime/kept_saves.py): what is
 stored, what is held as it is, exact ReLU decisions, and other saved-tensor hooks."""
 import pytest
 import torch
