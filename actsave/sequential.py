@@ -9,7 +9,7 @@ other segments too (``Plan.stored``): they run plainly, autograd keeping their s
 until their backward, where that is faster within the budget. Per-layer options
 (``compress``, ``offload``) are stored by child name and apply to what a segment keeps, so they act on the layers where segments
 start: a checkpointed segment keeps its input; the last keeps what autograd saves,
-which a lossy codec stores too (runtime/compressed_saves.py; offload does not apply there).
+which a lossy codec stores too (runtime/kept_saves.py; offload does not apply there).
 ``describe()`` shows which. Where segments start, for each value of ``segments``, is
 planning/segments.py's (under a lossy codec an even split's boundaries move onto ReLU
 outputs: NOTE [ Boundaries on ReLU outputs ] there). ``segments="balanced"`` (the
@@ -35,7 +35,7 @@ from .planning.segments import (BALANCED, PLANNED_STRATEGIES, Segment, SegmentsS
                                 segment_starts, segments_from, split_starts)
 from ._torch import is_sharded, named_children_of, untraced_frame
 from .checks import integral
-from .runtime.compressed_saves import call_with_compressed_saves
+from .runtime.kept_saves import call_with_kept_saves
 from .errors import ConfigError
 from .runtime import graph_codecs
 from .runtime.function import checkpoint_in_graph, checkpointed_call, warn_eager_under_compile
@@ -235,7 +235,8 @@ class CheckpointedSequential(nn.Sequential):
                                                 prepared=state.next())
             elif not policy.codec.lossless:
                 # Offload does not apply here: backward needs these saves at once.
-                input, kept = call_with_compressed_saves(run, input, policy.codec)
+                input, kept = call_with_kept_saves(run, (input,), {}, KeepPolicy(policy.codec, False))
+                kept = None if kept is None else kept["device"]
             else:
                 input, kept = run(input), None  # autograd holds the saves
             self._last_kept_bytes[segment.start] = kept

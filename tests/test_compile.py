@@ -477,7 +477,7 @@ def test_a_compiled_checkpointed_sequential_keeps_its_inputs_by_a_codec_in_the_g
 
 def test_a_compiled_stored_segment_keeps_its_saves_by_its_codec_too():
     # segments=4 sets int8 on every layer, the last segment's too: its saves are stored
-    # by int8 (compressed_saves.py eagerly), so that int8 keeps under a quarter of
+    # by int8 (kept_saves.py eagerly), so that int8 keeps under a quarter of
     # fp32's bytes and scales, as eagerly (27,840 against 64,320 bytes).
     x = torch.randn(32, 64)
     exact = torch.compile(actsave.CheckpointedSequential(*gelu_chain(), segments=4), backend=BACKEND)

@@ -429,6 +429,23 @@ def test_register_frees_the_source_of_the_previous_item():
     assert log == [("free_source", 0), ("free_source", 1)]
 
 
+def test_a_segment_may_start_unless_its_caller_said_so():
+    # A kept-saves call marks its start unless its caller just did: twice would free at
+    # once what the first start deferred (free_later), its copy covered by no compute.
+    log = []
+    tape = PrefetchTape()
+    first, deferred = Item(0, log), Item("deferred", log)
+    tape.register(first)
+    tape.free_later(deferred)
+    tape.segment_may_start()  # after a register: a start
+    assert log == [("free_source", "deferred"), ("free_source", 0)]
+    tape.free_later(deferred)
+    tape.segment_may_start()  # the start was said: nothing more
+    tape.segment_starts()
+    tape.segment_may_start()
+    assert log[2:] == [("free_source", "deferred"), ("free_source", 0)]
+
+
 def test_collected_and_released_items_are_skipped():
     tape = PrefetchTape(depth=1)
     items, log = recorded_forward(tape)

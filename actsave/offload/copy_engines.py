@@ -26,7 +26,9 @@ asked for: it produced the source and allocates the fetched tensor) and the engi
    keeps device memory bounded. ``prefetch`` and ``release`` place it at the latest.
    A segment's decisions (ReLU and max-pool, runtime/store.py) go to the host as one
    group when its forward ends, just before the next segment starts, so their wait
-   is placed one segment later (``PrefetchTape.free_later``).
+   is placed one segment later (``PrefetchTape.free_later``); so do the saves of a
+   call kept instead of recomputed (runtime/kept_saves.py), which marks its own start
+   (``PrefetchTape.segment_may_start``) unless its caller did.
 3. Host to device. The fetched tensor is allocated on the compute stream; the copy
    stream waits for the compute stream (earlier kernels that used that block are
    done), copies and records ``copied_in``. The current stream waits on ``copied_in``

@@ -16,7 +16,8 @@ from ._settings import is_count, undone_on_exit
 
 class TapeItem(Protocol):
     """What :class:`PrefetchTape` needs of an item. :class:`OffloadedTensor` has it, and
-    so can a group of them that holds one segment's inputs."""
+    so can a group of them that holds one segment's inputs, or one call's kept saves
+    (runtime/kept_saves.py)."""
 
     released: bool
 
@@ -101,10 +102,7 @@ class PrefetchTape:
         before it: that segment's forward is over (NOTE [ Offload stream ordering ]).
         Where the caller has just said so (:meth:`segment_starts`, as
         CheckpointedSequential does for each segment), the start is not counted twice."""
-        with self._lock:
-            told = self._segment_started
-        if not told:
-            self.segment_starts()
+        self.segment_may_start()
         with self._lock:
             self._refs.append(weakref.ref(item))
             self._segment_started = False
@@ -128,6 +126,17 @@ class PrefetchTape:
                 deferred.free_source()
         if newest is not None:
             newest.free_source()
+
+    def segment_may_start(self) -> None:
+        """:meth:`segment_starts`, unless it ran since the last :meth:`register`: for a
+        segment that cannot tell whether its caller said so already (a kept-saves call,
+        runtime/kept_saves.py, which a CheckpointedSequential's segment loop or a plain
+        caller may run). A second call would free at once what the first deferred
+        (:meth:`free_later`), before a segment of compute has covered its copy."""
+        with self._lock:
+            told = self._segment_started
+        if not told:
+            self.segment_starts()
 
     def free_later(self, item) -> None:
         """Free ``item``'s source (anything with ``free_source()``) at the next

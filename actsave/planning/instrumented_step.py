@@ -28,7 +28,7 @@ from ..devices import synchronize
 from ..errors import ConfigError
 from ..meta import fast_meta, plans_at_first_call
 from ..runtime import relu_signs
-from ..runtime.compressed_saves import stored_once_key
+from ..runtime.kept_saves import stored_once_key
 from ..runtime.layers import modules_under
 from ..runtime.pool_decisions import PoolWatch, Window
 from ..runtime.store import CallerTensors, should_encode
@@ -167,7 +167,7 @@ class _SaveLedger:
     def before_layer(self, i: int, h: torch.Tensor) -> None:
         self.layer, self.layer_input = i, h
         self.inputs.append(TensorSpec.of(h, self.caller if i > 0 else None))
-        # runtime/compressed_saves.py asks of a save what it asks outside a chain.
+        # runtime/kept_saves.py asks of a save what it asks outside a chain.
         self.inputs_saved_as_they_are.append(not should_encode(h))
         self.live_before.append(self.tracker.live)
 
@@ -230,7 +230,7 @@ class _SaveLedger:
 class StoredEntry:
     """A tensor as a stored segment's codec would store it: what it is, whether the
     codec encodes it, whether it is a ReLU output, a max pool's indices (``pool``,
-    stored as its window decisions: runtime/compressed_saves.py), the first and last
+    stored as its window decisions: runtime/kept_saves.py), the first and last
     layer saving it."""
 
     __slots__ = ("first", "last", "pool", "relu", "spec")
@@ -246,7 +246,7 @@ class StoredEntry:
 
 
 class _SavesAsStored:
-    """Follows the byte-counting step's saves as runtime/compressed_saves.py would store
+    """Follows the byte-counting step's saves as runtime/kept_saves.py would store
     them under a lossy codec: one entry per stored tensor (stored_saves.py,
     ``StoredTensor``), each save's entry, layer and the layer's rise of live bytes as
     it was saved, and in backward the saves that each autograd node unpacks, which a

@@ -48,7 +48,7 @@ Memory model
         forward     Saved(s, i-1) + U(i) + [x_s] + fwd_i
         loss        Saved(s, n-1) + U(n) + L
         backward    O + Saved(s, i) + g_{i+1} + bwd_i
-    stored [s, n), saves kept by lossy codec k (runtime/compressed_saves.py)
+    stored [s, n), saves kept by lossy codec k (runtime/kept_saves.py)
         forward     Saved_k(s, i) + U_k(i) + [x_s] + max(fwd_i, enc_k(i))
         loss        Saved_k(s, n-1) + U_k(n) + L
         backward    O_k + Saved_k(s, i) + g_{i+1} + max(bwd_i + D(i), dec_k(i))

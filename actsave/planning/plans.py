@@ -56,7 +56,7 @@ class Plan:
     ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``. A stored segment
     before the last keeps autograd's saves as they are (its codec is "none", its
     offload False); the last keeps them by ``stored_codec`` ("none": as they are; a
-    lossy codec stores each as runtime/compressed_saves.py says). ``stored`` defaults
+    lossy codec stores each as runtime/kept_saves.py says). ``stored`` defaults
     to no segment but the last (one False per segment before it). ``nested[j]``, for
     a checkpointed segment j kept exactly on the device, may cut its recompute into
     checkpoints of its own: a :class:`~actsave.runtime.nested.Range` over its layers

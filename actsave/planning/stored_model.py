@@ -1,6 +1,6 @@
 """The terms of the memory model's stored segments (memory_model.py, module
 docstring): the last segment, its saves kept by autograd as they are or by a lossy
-codec (runtime/compressed_saves.py), and stored middle segments, which run plainly
+codec (runtime/kept_saves.py), and stored middle segments, which run plainly
 and keep autograd's saves from their forward to their backward.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ that graph and its backward:
   one whose backward users are a region recomputed under codec C is that segment's
   kept input, encoded by C at the end of the forward graph and decoded at the start
   of the backward one; one made inside a stored segment under C is stored by C, as
-  eager actsave stores the last segment's saves (compressed_saves.py). Other saves
+  eager actsave stores the last segment's saves (kept_saves.py). Other saves
   stay as they are. AOTAutograd hands no graph input to the hooks (the batch, the
   parameters): held by the caller, encoding them would free nothing (store.py,
   should_encode).
@@ -414,7 +414,7 @@ def _blocks_off() -> None:
 def hooks_paused():
     """While active, actsave's graph hooks are unset where they are set: a block that
     runs eagerly between the root's breaks keeps by actsave's eager hooks, which must
-    not see ours (they would take them for a caller's: compressed_saves.py)."""
+    not see ours (they would take them for a caller's: kept_saves.py)."""
     paused = _ours_on_top()
     if paused:
         _torch.pop_saved_tensor_hooks()

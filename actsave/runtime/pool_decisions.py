@@ -34,7 +34,7 @@ So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
 
 Exact checkpoints keep nothing: their recompute decides as the forward did. The last
 segment of a CheckpointedSequential is not recomputed, so it has the forward's
-indices; under a lossy codec it stores them in the same few bits (compressed_saves.py).
+indices; under a lossy codec it stores them in the same few bits (kept_saves.py).
 """
 from __future__ import annotations
 

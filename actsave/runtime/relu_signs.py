@@ -89,7 +89,7 @@ class FirstSaves:
 # first save only (FirstSaves). Who asks keeps_decisions:
 # - a checkpointed segment's frame (function.py, _Frame._keep_decisions), with the
 #   segment's input nodes and its FirstSaves;
-# - a stored segment's saves (compressed_saves.py, _SavesStore.pack), with no
+# - a kept call's saves (kept_saves.py, _SavesStore._decisions), with no
 #   FirstSaves: each stored copy decodes by itself, so each keeps its bits (repeated
 #   saves of one copy share it: stored_once_key);
 # - the planner's profile (planning/instrumented_step.py), one step of the whole chain,

@@ -67,8 +67,9 @@ def stored_bytes() -> dict:
     """Bytes actsave currently holds for backward: ``{"device": int, "host": int}``.
 
     Counts the kept segment inputs, their ReLU sign bits and max-pool decisions, and
-    the last segment's saves when a lossy codec stores them (as stored: compressed
-    bytes for a lossy codec, scales included). ``"device"`` is memory on the device the model runs on (the
+    the saves of calls kept instead of recomputed (the last segment's when a lossy
+    codec stores them; runtime/kept_saves.py), as stored: compressed bytes for a lossy
+    codec, scales included. ``"device"`` is memory on the device the model runs on (the
     CPU for a CPU model); ``"host"`` is memory offloaded to the host. Both are zero
     after backward and under ``torch.no_grad()``.
     """

@@ -1,0 +1,511 @@
+"""Saves kept instead of recomputed: a call run once, every tensor its autograd saves
+kept by a :class:`~actsave.runtime.store.KeepPolicy`, by its codec and, with
+``offload``, in host memory. The entry point: :func:`call_with_kept_saves`.
+
+Its users:
+
+- A CheckpointedSequential's last segment, which is not recomputed (backward starts
+  there, so the recompute would run at once): it keeps what autograd saves. At
+  ``segments="sqrt"`` that is about as large as all the kept inputs together (with k =
+  sqrt(n) segments of a chain of like layers, the last one's n / k layers save about
+  as much as the k - 1 kept inputs; docs/results.md, "Figures behind the code's
+  rules"). So a lossy codec set at the last segment's first layer stores those saves
+  too, as ActNN stores every activation; without it the codec could cut at most the
+  other half of the peak. Offload does not apply there: its backward needs them at once.
+- A block kept instead of recomputed (issue 48): it runs once, and its saves are kept
+  by int8 or fp8 (all of them, or only the inputs of its Linear layers, as COAT and
+  DeepSeek-V3 keep them), or on the host, copied while the next blocks run forward and
+  brought back ahead of its backward.
+
+NOTE [ Kept saves ]
+What each save autograd makes during the call becomes (_SavesStore.pack):
+
+- Held as it is, on the device: the leaves and their views (parameters, ``weight.t()``,
+  the batch, BatchNorm's running and batch statistics), integer and bool tensors, empty
+  ones: what store.should_encode refuses. Keeping them otherwise would copy what lives
+  anyway. With ``scope="linear_inputs"``, also every save that is not a Linear input:
+  autograd's own, exact.
+- Kept by a lossy codec: every other floating-point save (``scope="all"``), or those
+  whose storage is an ``nn.Linear``'s input (``scope="linear_inputs"``). Encoded as it
+  is saved, so that the exact tensor may go at once; stored once per contiguous range
+  of a storage (stored_once_key: a tensor saved twice, the 2-D view a Linear saves of
+  an N-D input), however many nodes save it.
+  - ReLU outputs made in the call keep their decisions, one bit per element
+    (relu_signs.py): a small positive output that the codec rounds to zero would
+    otherwise block its gradient. Every ReLU output is stored on the codec's unsigned
+    grid (one more bit of resolution).
+  - The gradient error does not compound as in a recompute: each save is decoded on its
+    own, so its error reaches only the gradients computed from it.
+  - A max pool's indices (int64, twice the size of its fp32 output) are stored as the
+    offset of each window's winner, a few bits each (pool_decisions.py): exactly, as
+    the backward needs them (``scope="all"``; otherwise held as they are).
+- Kept exactly, with offload and the exact codec: the saves of the lossy case, each
+  storage once, however many of its views were saved (a tensor, its transposes and
+  slices: the span of bytes they cover crosses the bus once, and each comes back as
+  the view it was).
+- Linear inputs (``scope="linear_inputs"``; DeepSeek-V3: "cache the inputs of Linear
+  layers in fp8"): found by forward pre-hooks on the ``nn.Linear`` modules under the
+  function's known layers (layers.py, NOTE [ Known layers ]; a global one for another
+  callable), which note the input's storage. The storage is the unit: every save of
+  it is kept so, one copy, whatever op saves it, before the Linear runs (an
+  attention's output, a ReLU's, converted as the Linear starts) or after. DeepSeek-V3
+  keeps the attention output once, for the projection and the attention's backward.
+  A Linear whose input is reshaped by a copy saves that copy: not kept so.
+
+Where the kept saves are, and when they go (_Entry, _HostGroup):
+
+- Without offload, on the device, counted in ``stored_bytes()["device"]``; each freed
+  with the last node that saved it (held weakly: autograd holds them).
+- With offload, on the device until the call's forward ends, then host memory: all of
+  them as one OffloadedTensors group (one buffer, one copy each way), one item of the
+  forward thread's PrefetchTape (offload.current_tape()). The call marks its start on
+  the tape (``segment_may_start``, unless its caller did), so that the device memory
+  of what was offloaded before it goes; its own copy starts as its forward ends, so
+  its device memory goes one block later (``free_later``; NOTE [ Offload stream
+  ordering ], rule 2). Counted in ``stored_bytes()["host"]``, then ``["device"]`` from
+  the first unpack of any of its saves, which fetches the group (and the tape
+  prefetches the items registered before it: the blocks whose backward comes next).
+  Released when the last node that saved them is freed: after its backward (so at the
+  end of the block's backward, unless ``retain_graph=True``, which keeps them for the
+  next), or when the graph is dropped without backward.
+- The exact codec without offload keeps nothing: the saves are autograd's own (the
+  call returns None for its kept bytes), so a planner may treat it as plain.
+
+Autograd's in-place check holds as without hooks (where hooks are set, autograd checks
+no version): each save records the version of the tensor it saves, and unpacking it
+raises autograd's error if the tensor changed in place since (a weight changed between
+forward and backward). A kept tensor is followed by an alias that shares its version
+counter and none of its storage (_torch.version_counter_of).
+
+The saves are left alone when other saved-tensor hooks are active (an outer
+checkpoint, which drops or recomputes them anyway, or the caller's own hooks): the
+innermost hooks would otherwise hide the saves from them.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from .._torch import saved_tensor_hooks_active, storage_identity, version, version_counter_of
+from ..codecs import Codec, Packed
+from ..errors import ConfigError, RecomputeError
+from ..offload import OffloadedTensors, current_tape
+from . import relu_signs
+from .layers import known_layers, modules_under
+from .pool_decisions import PoolWatch, Window
+from .store import KeepPolicy, account, input_tensors, should_encode
+
+SCOPES = ("all", "linear_inputs")
+
+
+class _Saved:
+    """One save of the forward: what holds its value (the tensor itself, or an _Entry
+    and the ``layout`` it gives back), its shape, and the tensor's version counter and
+    version then."""
+
+    __slots__ = ("value", "layout", "shape", "counter", "version", "__weakref__")
+
+    def __init__(self, value, layout, tensor: torch.Tensor, counter: Optional[torch.Tensor]):
+        self.value, self.layout, self.shape = value, layout, tensor.shape
+        self.counter, self.version = counter, version(tensor)
+
+    @classmethod
+    def held(cls, tensor: torch.Tensor) -> "_Saved":
+        """``tensor`` held as it is, with its own version counter."""
+        return cls(tensor, None, tensor, tensor)
+
+    def keep(self, entry: "_Entry", tensor: torch.Tensor) -> None:
+        """From now on ``entry`` holds the value of ``tensor``, which this save holds."""
+        self.value, self.layout, self.counter = entry, entry.layout_of(tensor), version_counter_of(tensor)
+
+    def check_unchanged(self) -> None:
+        """Raise autograd's error if the saved tensor changed in place since its save."""
+        if self.counter is not None and version(self.counter) != self.version:
+            raise RecomputeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a tensor of shape {list(self.shape)} saved by the forward is at version "
+                f"{version(self.counter)}; expected version {self.version} instead. Change it after the "
+                "backward, or change a copy (nn.Sequential raises the same).")
+
+
+class _Entry:
+    """Tensors kept for one or more saves: on the device, counted there in
+    stored_bytes while they are, until the forward ends; with offload then parts of the
+    call's host group (_HostGroup), which counts them. Held only by the saves."""
+
+    __slots__ = ("_tensors", "_group", "_first", "_count", "nbytes", "_counted", "__weakref__")
+
+    def __init__(self, tensors: list):
+        self._tensors, self._group, self._first, self._count = tensors, None, 0, len(tensors)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._counted = account(self, self.nbytes) if tensors else None
+
+    def to_host(self) -> list:
+        """The device tensors to copy to the host as the forward ends."""
+        return self._tensors
+
+    def moved_to(self, group: "_HostGroup", first: int) -> None:
+        """From now on the tensors are parts ``first...`` of ``group``, which counts them."""
+        self._tensors, self._group, self._first = None, group, first
+        if self._counted is not None:
+            self._counted()
+
+    def kept(self) -> list:
+        """The tensors on the device: fetched back (once for the group) if offloaded."""
+        if self._group is None:
+            return self._tensors
+        return self._group.fetch()[self._first:self._first + self._count]
+
+    def layout_of(self, tensor: torch.Tensor):
+        """What :meth:`unpacked` needs of a save of ``tensor``, beside the entry."""
+        return tensor.shape
+
+    def unpacked(self, layout) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Encoded(_Entry):
+    """A saved tensor as the codec stores it (its codes, scales and channel means), with
+    its ReLU decisions where it keeps them; given back decoded, in the save's shape."""
+
+    __slots__ = ("codec", "_names", "_metadata", "_signs")
+
+    def __init__(self, codec: Codec, tensor: torch.Tensor, non_negative: bool, keep_signs: bool):
+        packed = codec.encode(tensor.detach(), non_negative=non_negative)
+        tensors = packed.tensors()
+        self.codec, self._names, self._metadata = codec, list(tensors), packed.metadata()
+        self._signs = keep_signs
+        signs = [relu_signs.pack_signs(tensor)] if keep_signs else []
+        super().__init__([*tensors.values(), *signs])
+
+    def unpacked(self, shape) -> torch.Tensor:
+        kept = self.kept()
+        tensor = self.codec.decode(Packed.assemble(dict(zip(self._names, kept)), self._metadata))
+        if self._signs:
+            relu_signs.restore_decisions_(tensor, kept[-1])
+        return tensor.view(shape)
+
+
+class _PoolIndices(_Entry):
+    """A max pool's indices stored as its window decisions: decoded exactly."""
+
+    __slots__ = ("window", "input_size", "shape")
+
+    def __init__(self, indices: torch.Tensor, window: Window, input_size: tuple):
+        self.window, self.input_size, self.shape = window, input_size, indices.shape
+        super().__init__([window.encode(indices, input_size)])
+
+    def unpacked(self, shape) -> torch.Tensor:
+        [packed] = self.kept()
+        indices = torch.empty(self.shape, dtype=torch.int64, device=packed.device)
+        self.window.decode_into_(indices, packed, self.input_size)
+        return indices
+
+
+# Where an exact storage's span starts: a multiple of 16 bytes below its first saved
+# byte, so that every view's offset from it is a whole number of its elements (element
+# sizes divide 16), in the host group's parts (aligned to 16) as in the storage.
+_SPAN_ALIGNMENT = 16
+
+
+class _ExactStorage(_Entry):
+    """The saved views of one storage, kept exactly for offload: the span of bytes they
+    cover, copied to the host once as the forward ends. Counted with the group only:
+    until then the storage is the forward's own, as autograd's saves would be."""
+
+    __slots__ = ("_storage", "_start", "_end")
+
+    def __init__(self, tensor: torch.Tensor):
+        super().__init__([])
+        self._storage = tensor.untyped_storage()
+        self._start, self._end = _byte_span(tensor)
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """Cover the bytes of ``tensor`` too, a view of the same storage."""
+        start, end = _byte_span(tensor)
+        self._start, self._end = min(self._start, start), max(self._end, end)
+
+    def layout_of(self, tensor: torch.Tensor) -> tuple:
+        return tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset() * tensor.element_size()
+
+    def to_host(self) -> list:
+        self._start -= self._start % _SPAN_ALIGNMENT
+        span = torch.empty(0, dtype=torch.uint8, device=self._storage.device)
+        span.set_(self._storage, self._start, (self._end - self._start,), (1,))
+        self._count, self.nbytes = 1, self._end - self._start
+        return [span]
+
+    def moved_to(self, group: "_HostGroup", first: int) -> None:
+        super().moved_to(group, first)
+        self._storage = None
+
+    def unpacked(self, layout: tuple) -> torch.Tensor:
+        dtype, shape, stride, byte_offset = layout
+        if self._group is None:  # in the forward (a backward inside it): the storage itself
+            storage, base = self._storage, byte_offset
+        else:
+            [span] = self.kept()
+            storage, base = span.untyped_storage(), span.storage_offset() + byte_offset - self._start
+        view = torch.empty(0, dtype=dtype, device=storage.device)
+        return view.set_(storage, base // view.element_size(), shape, stride)
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple:
+    """``(first, end)``: the bytes of its storage that ``tensor`` (not empty) covers."""
+    size = tensor.element_size()
+    last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    first = tensor.storage_offset() * size
+    return first, first + (last + 1) * size
+
+
+class _HostGroup:
+    """The kept saves of one call in host memory: one OffloadedTensors, one item of
+    the tape of the thread that ran the forward (a TapeItem). NOTE [ Kept saves ]."""
+
+    def __init__(self, entries: list, tape):
+        parts, firsts = [], []
+        for entry in entries:
+            firsts.append(len(parts))
+            parts.extend(entry.to_host())
+        self._offloaded = OffloadedTensors(parts)
+        self.nbytes = self._offloaded.nbytes
+        self._tape, self._fetched, self._lock = tape, None, threading.Lock()
+        self._counted = account(self, self.nbytes, "host")
+        for entry, first in zip(entries, firsts):
+            entry.moved_to(self, first)
+        tape.register(self)
+
+    @property
+    def released(self) -> bool:
+        return self._offloaded.released
+
+    def prefetch(self) -> None:
+        self._offloaded.prefetch()
+
+    def free_source(self) -> None:
+        # Copied as the forward ended, just before the next block started: the wait goes
+        # one block later, so that the copy overlaps a block of compute (rule 2).
+        self._tape.free_later(self._offloaded)
+
+    def fetch(self) -> list:
+        """The parts on the device: copied back at the first call, the tape prefetching
+        the items before this one; from then on counted on the device."""
+        with self._lock:
+            if self._fetched is None:
+                self._tape.before_use(self)
+                self._fetched = self._offloaded.fetch()
+                self._counted()
+                self._counted = account(self, self.nbytes, "device")
+            return self._fetched
+
+
+class _LinearInputs:
+    """Tells ``note`` the input of each ``nn.Linear`` the function runs on this thread,
+    as the Linear starts: pre-hooks on the Linear modules under its known layers
+    (``modules``), or a global one where they are not known (None)."""
+
+    def __init__(self, modules: Optional[list], note: Callable):
+        self._linears = None if modules is None else [m for _, m in modules if isinstance(m, nn.Linear)]
+        self._note, self._thread = note, threading.get_ident()
+
+    @contextlib.contextmanager
+    def watching(self):
+        if self._linears is None:
+            handles = [register_module_forward_pre_hook(self._before)]
+        else:
+            handles = [linear.register_forward_pre_hook(self._before) for linear in self._linears]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _before(self, module: nn.Module, args: tuple) -> None:
+        if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor) \
+                and threading.get_ident() == self._thread:
+            self._note(args[0])
+
+
+class _SavesStore:
+    """The pack and unpack hooks of one call's forward, and what it keeps: NOTE [ Kept
+    saves ]."""
+
+    def __init__(self, policy: KeepPolicy, scope: str, function: Callable, inputs: list):
+        self.codec, self.offload, self.everything = policy.codec, policy.offload, scope == "all"
+        layers = known_layers(function)  # NOTE [ Known layers ]
+        modules = None if layers is None else modules_under(layers)
+        self.pools = PoolWatch.among(modules) if self.everything and policy.lossy else PoolWatch([])
+        self.linears = None if self.everything else _LinearInputs(modules, self._linear_input)
+        self._input_nodes = relu_signs.input_nodes(inputs)
+        # Every dict below is keyed by a storage's identity, valid while the reference
+        # beside it is alive (then the storage is too, and its address is no other's).
+        self._seen = {}  # stored_once_key -> (weak storage, _Encoded): held through the forward
+        self._storages = {}  # storage identity -> weak _ExactStorage, which holds the storage
+        self._linear_storages = {}  # storage identity -> weak storage: a Linear's input
+        self._pending = {}  # storage identity -> [(weak _Saved held, non-negative, keeps signs)]
+        self._made = []  # weak references to every _Entry, for the host group
+
+    @contextlib.contextmanager
+    def watching(self):
+        linears = contextlib.nullcontext() if self.linears is None else self.linears.watching()
+        with saved_tensors_hooks(self.pack, self.unpack), self.pools.watching(), linears:
+            yield
+
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
+        if pool is not None:
+            return self._kept(_PoolIndices(tensor, *pool), tensor)
+        if not should_encode(tensor) or tensor.numel() == 0:
+            return _Saved.held(tensor)
+        if not self.everything and not self._is_linear_input(tensor):
+            return self._held_for_now(tensor)
+        return self._kept(self._entry(tensor, *self._decisions(tensor)), tensor)
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        saved.check_unchanged()
+        if isinstance(saved.value, torch.Tensor):
+            return saved.value
+        return saved.value.unpacked(saved.layout)
+
+    def _kept(self, entry: _Entry, tensor: torch.Tensor) -> _Saved:
+        saved = _Saved(None, None, tensor, None)
+        saved.keep(entry, tensor)
+        return saved
+
+    def _decisions(self, tensor: torch.Tensor) -> tuple:
+        """``(non-negative, keeps ReLU signs)`` of a tensor being saved, judged by its
+        autograd node: a lossy codec stores a ReLU output on its unsigned grid, and
+        keeps the decisions of one the call made (NOTE [ ReLU outputs that keep decisions ])."""
+        if self.codec.lossless:
+            return False, False
+        return relu_signs.known_non_negative(tensor), relu_signs.keeps_decisions(tensor, self._input_nodes)
+
+    def _entry(self, tensor: torch.Tensor, non_negative: bool, keep_signs: bool) -> _Entry:
+        """The entry that keeps ``tensor``: the one made for the same elements before,
+        or a new one."""
+        if self.codec.lossless:
+            return self._exact_storage(tensor)
+        key = stored_once_key(tensor)
+        storage, entry = self._seen.get(key, (_dead_ref, None))
+        if storage() is not None:
+            return entry
+        entry = self._made_now(_Encoded(self.codec, tensor, non_negative, keep_signs))
+        if key is not None:
+            self._seen[key] = (weakref.ref(tensor.untyped_storage()), entry)
+        return entry
+
+    def _exact_storage(self, tensor: torch.Tensor) -> _ExactStorage:
+        ref = self._storages.get(storage_identity(tensor), _dead_ref)
+        entry = ref()
+        if entry is None:
+            entry = self._made_now(_ExactStorage(tensor))
+            self._storages[storage_identity(tensor)] = weakref.ref(entry)
+        else:
+            entry.add(tensor)
+        return entry
+
+    def _made_now(self, entry: _Entry) -> _Entry:
+        self._made.append(weakref.ref(entry))
+        return entry
+
+    # scope="linear_inputs": NOTE [ Kept saves ], Linear inputs.
+    def _is_linear_input(self, tensor: torch.Tensor) -> bool:
+        storage = self._linear_storages.get(storage_identity(tensor), _dead_ref)
+        return storage() is not None
+
+    def _held_for_now(self, tensor: torch.Tensor) -> _Saved:
+        """Held as it is, unless a Linear later in the forward takes its storage as input.
+        By a detached alias (same storage and version counter): the tensor itself, when
+        it is the output of the node that saves it (a ReLU's), would hold that node, a
+        cycle only the garbage collector frees."""
+        saved = _Saved.held(tensor.detach())
+        self._pending.setdefault(storage_identity(tensor), []).append(
+            (weakref.ref(saved), *self._decisions(tensor)))
+        return saved
+
+    def _linear_input(self, x: torch.Tensor) -> None:
+        """A Linear starts on ``x``: its storage's saves are kept from now on, and those
+        held so far too."""
+        if not should_encode(x):
+            return
+        self._linear_storages[storage_identity(x)] = weakref.ref(x.untyped_storage())
+        for ref, non_negative, keep_signs in self._pending.pop(storage_identity(x), []):
+            saved = ref()
+            if saved is not None:  # its alias holds the storage: the same as x's
+                saved.keep(self._entry(saved.value, non_negative, keep_signs), saved.value)
+
+    def end_forward(self) -> dict:
+        """What the forward kept, as counted in stored_bytes (NOTE [ Kept saves ]); with
+        offload, sends it to the host as one group."""
+        self.forget()
+        entries = [entry for entry in (ref() for ref in self._made) if entry is not None]
+        self._made = []
+        if not (self.offload and entries):
+            return {"device": sum(entry.nbytes for entry in entries), "host": 0}
+        tape = current_tape()
+        return {"device": 0, "host": _HostGroup(entries, tape).nbytes}
+
+    def forget(self) -> None:
+        # The hooks outlive the forward (autograd holds unpack): hold no entry here, so
+        # each is freed with the last node that saved it; ids may be reused from now.
+        self._seen, self._storages, self._linear_storages, self._pending = {}, {}, {}, {}
+        self._input_nodes = {}
+
+
+def stored_once_key(tensor: torch.Tensor):
+    """What makes saves of one forward share one stored copy: equal keys (the same
+    elements of one storage, contiguous: a tensor saved twice, or a contiguous view of
+    it); None for a non-contiguous tensor, stored anew at each save. The planner's
+    profile counts a stored segment's saves by it (planning/instrumented_step.py)."""
+    if not tensor.is_contiguous():
+        return None
+    # The storage object's address, not its data pointer: meta tensors (actsave.estimate)
+    # all have data pointer 0.
+    return (storage_identity(tensor), tensor.storage_offset(), tensor.numel(), tensor.dtype)
+
+
+def _dead_ref():
+    return None
+
+
+@torch.compiler.disable  # saved-tensor hooks are a graph break; see NOTE [ torch.compile ]
+def call_with_kept_saves(function: Callable, args: tuple, kwargs: dict, policy: KeepPolicy,
+                         scope: str = "all") -> tuple:
+    """Run ``function(*args, **kwargs)`` once, every save autograd makes kept by
+    ``policy`` (NOTE [ Kept saves ]): all of them (``scope="all"``) or those of the
+    ``nn.Linear`` inputs (``scope="linear_inputs"``), the others autograd's own.
+
+    Returns ``(output, kept_bytes)``: the output, untouched, and ``{"device": int,
+    "host": int}``, the bytes kept for its backward as the forward ends, counted so in
+    :func:`actsave.stored_bytes` (encoded saves and their decisions; with offload, the
+    host group: ``"device"`` is then 0); both 0 under ``torch.no_grad()``. None where
+    actsave keeps nothing and autograd holds the saves: the exact codec without
+    offload (a plain call), or other saved-tensor hooks active (left to them).
+    """
+    if scope not in SCOPES:
+        raise ConfigError(f"scope={scope!r}: keep the saves of {' or '.join(map(repr, SCOPES))}")
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs), {"device": 0, "host": 0}
+    if saved_tensor_hooks_active():
+        return function(*args, **kwargs), None
+    current_tape().segment_may_start()  # NOTE [ Kept saves ]: what was offloaded before goes
+    if policy.codec.lossless and not policy.offload:
+        return function(*args, **kwargs), None
+    store = _SavesStore(policy, scope, function, input_tensors(args, kwargs))
+    try:
+        with store.watching():
+            output = function(*args, **kwargs)
+    except BaseException:
+        store.forget()
+        raise
+    return output, store.end_forward()
+
+
+__all__ = ["SCOPES", "call_with_kept_saves", "stored_once_key"]
