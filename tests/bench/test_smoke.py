@@ -666,6 +666,8 @@ def test_models_are_flat_chains():
     assert len(gpt) == 3 + 3 and gpt(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
     chain = models.conv_bn_relu_chain(16)
     assert len(chain) == 3 * 16 + 2 and chain(torch.randn(2, 16, 16, 16)).shape == (2, 10)
+    llama = models.llama(3, width=32, heads=2, vocab_size=50, max_seq_len=8)
+    assert len(llama) == 3 + 3 and llama(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
     pooled = models.pooled_resnet(2)
     assert len(pooled) == 4 + 3 * 2 + 2 + 3  # stem, blocks, pools between stages, head
     assert sum(isinstance(m, torch.nn.MaxPool2d) for m in pooled) == 3
