@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import copy
 import csv
 import gc
@@ -90,7 +89,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -403,7 +401,7 @@ class System:
     planner_plain_step: Optional[float] = None
     plan: str = ""
     peer: Optional[str] = None  # for actsave at a peer's peak: the peer's name
-    context: Callable = contextlib.nullcontext  # entered around each step (compile's memory budget)
+    compiled_by: Optional[BudgetedBackend] = None  # torch.compile's systems: their backend
     saved: Optional[collections.Counter] = None  # SAC: the outputs its policy saved, by op (counting)
     saved_a_step: Optional[collections.Counter] = None  # SAC: those of the one step measured for its peak
     peak: Optional[int] = None
@@ -438,11 +436,29 @@ def torch_systems(case: Case, compile_backend: Optional[str]) -> list:
         systems.append(System(f"torch SAC, {point}", "torch SAC (torchtitan's ops)", point, model, saved=saved))
     if compile_backend is not None:
         for budget in COMPILE_BUDGETS:
-            model = torch.compile(shell(plain, (case.block,)), backend=compile_backend)
-            context = partial(torch._functorch.config.patch, activation_memory_budget=budget)
+            backend = BudgetedBackend(compile_backend, budget)
+            model = torch.compile(shell(plain, (case.block,)), backend=backend)
             systems.append(System(f"torch.compile, memory budget {budget}", "torch.compile memory budget",
-                                  f"budget {budget}", model, context=context, note=f"backend {compile_backend}"))
+                                  f"budget {budget}", model, compiled_by=backend, note=f"backend {compile_backend}"))
     return systems
+
+
+class BudgetedBackend:
+    """torch.compile's backend ``name``, run with ``activation_memory_budget`` set while
+    it compiles (AOTAutograd's partitioner reads it then). One object per budget:
+    Dynamo guards on the backend, so each budget's shell compiles a graph of its own.
+    With one backend for all, shells of one class share Dynamo's cache (the inlined
+    modules are guarded by their structure, not their identity): the second and third
+    budgets ran the first's graph (measured, GPT-4 w128: one graph for three shells).
+    ``compiles`` counts the graphs it compiled."""
+
+    def __init__(self, name: str, budget: float):
+        self.name, self.budget, self.compiles = name, budget, 0
+
+    def __call__(self, graph, example_inputs):
+        self.compiles += 1
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return torch._dynamo.lookup_backend(self.name)(graph, example_inputs)
 
 
 def _shared(case: Case) -> tuple:
@@ -526,8 +542,7 @@ def step_of(case: Case, system: System) -> Callable[[], None]:
     """One training step of ``system``, gradients zeroed in place first."""
     def step():
         system.model.zero_grad(set_to_none=False)
-        with system.context():
-            case.loss(system.model).backward()
+        case.loss(system.model).backward()
     return step
 
 
@@ -536,8 +551,7 @@ def measure_peak(case: Case, system: System, device: torch.device) -> int:
     system.model.zero_grad(set_to_none=False)
 
     def forward_backward():
-        with system.context():
-            case.loss(system.model).backward()
+        case.loss(system.model).backward()
 
     if system.saved is not None:
         system.saved.clear()
@@ -564,8 +578,9 @@ def warm_up(case: Case, systems: list, steps: int, log) -> list:
             if not system.family.startswith("torch.compile"):
                 raise
             log(f"{case.name}: {system.name} skipped: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
-            torch._dynamo.reset()
             continue
+        if system.compiled_by is not None and not system.compiled_by.compiles:
+            raise RuntimeError(f"{system.name}: its backend compiled nothing; it ran another system's graph")
         ran.append(system)
     return ran
 

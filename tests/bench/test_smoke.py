@@ -995,6 +995,19 @@ def test_frontier_measures_every_system_of_every_case(frontier_run):
     assert "noise floor" in stdout and "summary: each peer point against actsave" in stdout
 
 
+def test_frontier_compiles_each_memory_budget_into_a_graph_of_its_own(tmp_path):
+    # aot_eager: AOTAutograd's partitioner, which reads the budget, without Inductor's
+    # C++ builds. A budget whose backend compiled nothing (it ran another's graph) fails the run.
+    out = tmp_path / "cpu-frontier.csv"
+    run_script("frontier.py", "--cases", "gpt", "--compile", "--compile-backend", "aot_eager", "--points", "2",
+               "--rounds", "1", "--levers", "recompute", "--out", str(out))
+    rows = read_rows(out)[1]
+    compiled = [r for r in rows if r["family"] == "torch.compile memory budget"]
+    assert [r["point"] for r in compiled] == ["budget 0.1", "budget 0.3", "budget 0.5"]
+    assert all(r["note"] == "backend aot_eager" and float(r["peak_vs_plain"]) < 1 for r in compiled)
+    assert {r["peer"] for r in rows if r["peer"]} >= {r["system"] for r in compiled}
+
+
 def test_frontier_skips_a_lever_set_the_planner_rejects(tmp_path, monkeypatch, capsys):
     frontier = load_bench_module("frontier")
     monkeypatch.setitem(frontier.LEVER_SETS, "selective", ("recompute", "selective"))
