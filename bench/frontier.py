@@ -65,12 +65,17 @@ from the CSV.
 
 Default sizes on a CPU: ResNet-164 b8 32x32; 8 blocks of width 256, 4 heads, batch 4
 of 256 tokens, vocabulary 1024 (512 tokens, what the issue suggests, took 1.2 s a GPT
-step on one core: a run of every case would take over half an hour). On CUDA, the GPU
-speed stage's sizes (bench/gpu_speed.py): ResNet-164 b512 32x32 fp32 and 16 GPT blocks
-of width 2048, sequence 2048, batch 4, bf16; ``--cases`` adds the Llamas at the GPT's
-size. The CPU's numbers are host-bound and say nothing about a GPU's absolute times.
+step on one core, 0.5 s at 256: a run of every case would take about twice as long).
+On CUDA, the GPU speed stage's sizes (bench/gpu_speed.py): ResNet-164 b512 32x32 fp32
+and 16 GPT blocks of width 2048, sequence 2048, batch 4, bf16; ``--cases`` adds the
+Llamas at the GPT's size. The CPU's numbers are host-bound and say nothing about a
+GPU's absolute times.
 
-    python bench/frontier.py                          # CPU, every case, about 10 minutes
+The torch.compile systems each compile with a backend of their own
+(``BudgetedBackend``): with one backend, Dynamo reused the first budget's graph for
+the others.
+
+    python bench/frontier.py                          # CPU, every case: 11 minutes on 2 shared cores
     python bench/frontier.py --cases gpt --compile    # + torch.compile's memory budgets
     python bench/frontier.py --device cuda            # the GPU stage (gpu_check.py --only frontier)
     python bench/frontier.py --smoke                  # tiny, for the tests
