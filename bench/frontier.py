@@ -241,7 +241,8 @@ def resnet_case(device: torch.device, depth: int, batch: int, image: int) -> Cas
     x = torch.randn(batch, 3, image, image, generator=generator).to(device)
     y = torch.randint(0, 10, (batch,), generator=generator).to(device)
     torch.manual_seed(harness.SEED)
-    plain = cifar_resnet(depth).to(device)
+    with torch.device(device):  # built where it trains: a GPU-sized model is not made on the host first
+        plain = cifar_resnet(depth)
 
     def chain_loss(logits):
         return F.cross_entropy(logits, y)
@@ -261,8 +262,9 @@ def stack_case(kind: str, device: torch.device, blocks: int, width: int, heads: 
     builder, block = {"gpt": (gpt, TransformerBlock), "llama": (llama, LlamaBlock)}[kind]
     ids, targets = token_batch(device, vocab, batch, seq_len)
     torch.manual_seed(harness.SEED)
-    plain = NextTokenLoss(builder(blocks, width=width, heads=heads, vocab_size=vocab, max_seq_len=seq_len))
-    plain = plain.to(device=device, dtype=getattr(torch, dtype))
+    with torch.device(device):
+        plain = NextTokenLoss(builder(blocks, width=width, heads=heads, vocab_size=vocab, max_seq_len=seq_len))
+    plain = plain.to(dtype=getattr(torch, dtype))
     described = f"{kind}({blocks}) w{width} h{heads} v{vocab} t{seq_len} b{batch} {dtype}"
     return Case(f"{kind}{blocks}", described, plain, (ids, targets), lambda model: model(ids, targets),
                 _unique_bytes([ids, targets]), block=block,
@@ -284,7 +286,9 @@ def hf_llama_case(device: torch.device, blocks: int, width: int, heads: int, voc
                                       max_position_embeddings=seq_len, bos_token_id=0, eos_token_id=0,
                                       use_cache=False, attn_implementation="sdpa")
     torch.manual_seed(harness.SEED)
-    plain = transformers.AutoModelForCausalLM.from_config(config).train().to(device=device, dtype=getattr(torch, dtype))
+    with torch.device(device):
+        plain = transformers.AutoModelForCausalLM.from_config(config).train()
+    plain = plain.to(dtype=getattr(torch, dtype))
     plain.config.use_cache = False
     ids, _ = token_batch(device, vocab, batch, seq_len)
     inputs = {"input_ids": ids, "labels": ids}
