@@ -28,7 +28,8 @@ Stages, each a subprocess with its own time limit (seconds), in this order:
                     ----
                     1410  = 23.5 minutes at most.
 
-and one that runs only when named, as one command of its own within a 10-minute lease:
+and two that run only when named, each as one command of its own within a 10-minute
+lease:
 
   speed              420  bench/gpu_speed.py: step time, host enqueue time, allocator peak
                           and actsave.estimate's peak of plain torch, torch's checkpoint
@@ -36,8 +37,17 @@ and one that runs only when named, as one command of its own within a 10-minute 
                           (width 2048, sequence 2048, batch 4, bf16), interleaved; the
                           issue's ratios; bench/host_overhead.py on the GPU; the codec
                           kernels' GB/s. About 5 minutes (estimated from step counts).
+  frontier           440  bench/frontier.py --device cuda: step time against measured
+                          activation peak of plain torch, torch's checkpointing and
+                          actsave's plans at 8 budgets per lever set (recompute, int8,
+                          offload), ResNet-164 b512 and the 16-block GPT above,
+                          interleaved; actsave within each torch point's peak. Not run on
+                          a GPU yet; on a CPU its default run (smaller) took about 11
+                          minutes, most of it planning and host-bound steps. It writes
+                          after each case, so a run cut at its limit keeps the ResNet's.
 
     python bench/gpu_check.py --only speed
+    python bench/gpu_check.py --only frontier
 
 A stage other than install that finds no .venv-gpu runs install first (about 20 s on
 a machine with its CUDA torch installed), so any stage runs on a fresh machine.
@@ -98,7 +108,7 @@ class Outcome:
 
 
 # The stages that write results: --record passes on to them (bench/harness/results.py).
-RECORDING = ("kernels", "offload_overlap", "step_profile", "resnet_sweep", "transformer_sweep", "speed")
+RECORDING = ("kernels", "offload_overlap", "step_profile", "resnet_sweep", "transformer_sweep", "speed", "frontier")
 
 
 def stages(python: str, record: bool = False) -> list:
@@ -126,6 +136,8 @@ def _stages(python: str) -> list:
         Stage("transformer_sweep", (python, str(bench / "transformer_depth_sweep.py"), "--search-seconds", "120"), 330),
         # Unbuffered: its progress lines reach the log as they happen.
         Stage("speed", (python, "-u", str(bench / "gpu_speed.py")), 420, default=False),
+        # Named alone, one lease command of at most 8 minutes with the install (20 s).
+        Stage("frontier", (python, "-u", str(bench / "frontier.py"), "--device", "cuda"), 440, default=False),
     ]
 
 

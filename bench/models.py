@@ -20,6 +20,10 @@ papers.
 - ``gpt(depth)``: GPT-style decoder: token + position embedding, ``depth`` pre-LN
   blocks with causal attention (``F.scaled_dot_product_attention``), final LayerNorm
   and head.
+- ``llama(depth)``: Llama-style decoder: token embedding, ``depth`` pre-norm blocks
+  (RMSNorm, rotary position embeddings on q and k, causal SDPA, a SwiGLU MLP, no
+  biases), final RMSNorm and head; the blocks take the hidden state alone (each
+  attention holds its own rotary tables), so the stack is a flat chain too.
 
 None has Dropout, so two copies of a model fed the same batch produce bit-identical
 gradients: the benchmarks compare gradients exactly. BatchNorm runs in train mode.
@@ -209,4 +213,84 @@ def gpt(
         *(TransformerBlock(width, heads) for _ in range(depth)),
         nn.LayerNorm(width),
         nn.Linear(width, vocab_size),
+    )
+
+
+class RotaryAttention(nn.Module):
+    """Causal self-attention with rotary position embeddings on q and k (the "rotate
+    half" layout of Llama), separate q, k, v and output projections, no biases. The
+    cos and sin tables are buffers (not saved in the state dict)."""
+
+    def __init__(self, width: int, heads: int, max_seq_len: int, base: float = 10000.0):
+        super().__init__()
+        if width % heads or (width // heads) % 2:
+            raise ValueError(f"width {width} must split into {heads} heads of an even size")
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (nn.Linear(width, width, bias=False) for _ in range(4))
+        head = width // heads
+        frequencies = base ** -(torch.arange(0, head, 2, dtype=torch.float32) / head)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), frequencies).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[-2]
+        first, second = x.chunk(2, dim=-1)
+        return x * self.cos[:seq] + torch.cat((-second, first), dim=-1) * self.sin[:seq]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+
+        def heads(t):
+            return t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2)
+
+        q, k, v = self._rotated(heads(self.q(x))), self._rotated(heads(self.k(x))), heads(self.v(x))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def swiglu_width(width: int, multiple: int = 64) -> int:
+    """Llama's MLP width: 2/3 of 4 x width, rounded up to a multiple of ``multiple``."""
+    return -(-(8 * width // 3) // multiple) * multiple
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block: ``x + attn(rmsnorm(x))``, then ``x + swiglu(rmsnorm(x))``."""
+
+    def __init__(self, width: int, heads: int, max_seq_len: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(width, eps=1e-6)
+        self.attn = RotaryAttention(width, heads, max_seq_len)
+        self.mlp_norm = nn.RMSNorm(width, eps=1e-6)
+        self.mlp = SwiGLU(width, swiglu_width(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def llama(
+    depth: int, width: int = 256, heads: int = 4, vocab_size: int = 1024, max_seq_len: int = 1024
+) -> nn.Sequential:
+    """Llama-style decoder with ``depth`` blocks, flat: ``[embedding, blocks, RMSNorm,
+    head]``; maps token ids (B, T) to logits (B, T, vocab)."""
+    if depth < 1:
+        raise ValueError(f"a Llama needs at least one block, got depth={depth}")
+    return nn.Sequential(
+        nn.Embedding(vocab_size, width),
+        *(LlamaBlock(width, heads, max_seq_len) for _ in range(depth)),
+        nn.RMSNorm(width, eps=1e-6),
+        nn.Linear(width, vocab_size, bias=False),
     )

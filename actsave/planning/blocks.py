@@ -56,7 +56,7 @@ from ..devices import host_is_separate
 from ..errors import ConfigError
 from ..runtime.keep_modes import BlockOption
 from ..runtime.store import modifies_input, should_encode
-from ..text import format_table, mib
+from ..text import format_table, mib, ms
 from .instrumented_step import backward_from, isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 from .plans import DEFAULT_ALLOW, Plan, Search, plan, predict
@@ -404,6 +404,12 @@ class BlockPlan:
     runs with (what it keeps, by which codec, where). Bytes are peak activation memory of the whole step (module
     docstring, "Budget"): ``predicted_peak_bytes`` for this plan, ``plain_peak_bytes``
     for the plain model, ``smallest_peak_bytes`` the least any block plan reaches.
+
+    ``predicted_step_seconds`` is the planner's time of the blocks' part of the step
+    under this plan: their forwards, backwards, recomputes and codecs, as the example
+    step profiled them; ``plain_step_seconds`` the same with every block plain. The
+    work outside the blocks (embeddings, masks, head, loss), the same under any plan,
+    is in neither: their difference is what the plan is predicted to add to a step.
     """
 
     blocks: tuple
@@ -412,6 +418,8 @@ class BlockPlan:
     predicted_peak_bytes: int
     plain_peak_bytes: int
     smallest_peak_bytes: int
+    predicted_step_seconds: float
+    plain_step_seconds: float
     modules: tuple = dataclasses.field(repr=False, compare=False)  # the blocks themselves
 
     @property
@@ -422,7 +430,8 @@ class BlockPlan:
     def __str__(self) -> str:
         head = (f"block plan for {len(self.blocks)} blocks, {len(self.checkpointed)} checkpointed: predicted peak "
                 f"activation memory {mib(self.predicted_peak_bytes)} MiB (budget {mib(self.budget)} MiB; plain "
-                f"{mib(self.plain_peak_bytes)} MiB, smallest {mib(self.smallest_peak_bytes)} MiB)")
+                f"{mib(self.plain_peak_bytes)} MiB, smallest {mib(self.smallest_peak_bytes)} MiB); the blocks' "
+                f"predicted time {ms(self.predicted_step_seconds)} ms a step (plain {ms(self.plain_step_seconds)} ms)")
         rows = [["block", "name", "kept", "input kept as", "where"]]
         for i, (name, option) in enumerate(zip(self.blocks, self.options)):
             if option is None:
@@ -459,6 +468,8 @@ def plan_block_stack(model: nn.Module, blocks: Sequence[tuple], budget, example_
         predicted_peak_bytes=max(fixed, chosen.predicted_peak_bytes),
         plain_peak_bytes=max(fixed, plain.predicted_peak_bytes),
         smallest_peak_bytes=int(smallest),
+        predicted_step_seconds=chosen.predicted_step_seconds,
+        plain_step_seconds=plain.predicted_step_seconds,
         modules=tuple(module for _, module, _ in calls),
     )
 

@@ -86,6 +86,15 @@ def test_the_speed_stage_is_one_lease_command(gpu_check):
     assert gpu_check.parse_arguments(["--only", "speed"]).only == ["speed"]
 
 
+def test_the_frontier_stage_is_one_lease_command(gpu_check):
+    # Named alone (--only frontier), at the GPU stage's sizes, within 8 minutes with the install.
+    (frontier,) = [stage for stage in gpu_check.stages("python") if stage.name == "frontier"]
+    assert not frontier.default and frontier.limit_s + 20 <= 8 * 60
+    assert frontier.command[1:] == ("-u", str(SCRIPT.with_name("frontier.py")), "--device", "cuda")
+    assert "frontier" not in gpu_check.parse_arguments([]).only
+    assert gpu_check.parse_arguments(["--only", "frontier"]).only == ["frontier"]
+
+
 def test_a_stage_on_a_fresh_machine_installs_first(gpu_check):
     every = gpu_check.stages("python")
     install, speed, kernels = (next(s for s in every if s.name == name) for name in ("install", "speed", "kernels"))
@@ -106,7 +115,8 @@ def test_record_passes_on_to_every_stage_that_writes_results(gpu_check):
 
 
 @pytest.mark.parametrize("script", ["kernels.py", "offload_overlap.py", "gpu_step_profile.py",
-                                    "resnet_depth_sweep.py", "transformer_depth_sweep.py", "gpu_speed.py"])
+                                    "resnet_depth_sweep.py", "transformer_depth_sweep.py", "gpu_speed.py",
+                                    "frontier.py"])
 def test_each_recording_stage_takes_record(script):
     done = subprocess.run([sys.executable, str(SCRIPT.with_name(script)), "--help"], capture_output=True, text=True,
                           timeout=120)

@@ -666,6 +666,8 @@ def test_models_are_flat_chains():
     assert len(gpt) == 3 + 3 and gpt(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
     chain = models.conv_bn_relu_chain(16)
     assert len(chain) == 3 * 16 + 2 and chain(torch.randn(2, 16, 16, 16)).shape == (2, 10)
+    llama = models.llama(3, width=32, heads=2, vocab_size=50, max_seq_len=8)
+    assert len(llama) == 3 + 3 and llama(torch.randint(0, 50, (2, 8))).shape == (2, 8, 50)
     pooled = models.pooled_resnet(2)
     assert len(pooled) == 4 + 3 * 2 + 2 + 3  # stem, blocks, pools between stages, head
     assert sum(isinstance(m, torch.nn.MaxPool2d) for m in pooled) == 3
@@ -709,7 +711,9 @@ def test_every_provider_has_a_display_name_and_a_style_of_its_own(monkeypatch):
     ids = {*harness.PROVIDERS, *harness.BLOCK_PROVIDERS, *scripts[0].PROVIDERS, *scripts[1].PROVIDER_NAMES,
            *scripts[2].RESNET_PROVIDERS, *scripts[2].GPT_PROVIDERS}
     for path in (BENCH / "results").glob("*.csv"):  # the committed results of every bench
-        ids |= {r["provider"] for r in read_rows(path)[1]}
+        columns, rows = read_rows(path)
+        if columns == CSV_COLUMNS:  # the harness's files (frontier's names systems, not providers)
+            ids |= {r["provider"] for r in rows}
     assert not ids - set(harness.DISPLAY_NAMES)
     # The API's spelling, not the ids.
     assert [harness.display_name(name) for name in harness.PROVIDERS] == [
@@ -765,8 +769,8 @@ def test_every_bench_script_takes_its_paths_from_the_harness():
     writers = [script for script in BENCH.glob("*.py")
                if script.name != "gpu_check.py" and any(call in script.read_text() for call in writes)]
     assert {script.name for script in writers} == {
-        "accuracy_parity.py", "fidelity.py", "gpu_speed.py", "gpu_step_profile.py", "host_overhead.py", "kernels.py",
-        "offload_overlap.py", "rotor_compare.py"}
+        "accuracy_parity.py", "fidelity.py", "frontier.py", "gpu_speed.py", "gpu_step_profile.py", "host_overhead.py",
+        "kernels.py", "offload_overlap.py", "rotor_compare.py"}
     for script in BENCH.glob("*.py"):
         source = script.read_text()
         assert "RESULTS_DIR" not in source, script.name
@@ -945,3 +949,90 @@ def test_results_record_the_commit_a_command_names_over_a_stale_checkouts(monkey
     assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?|unknown", recorded())
     monkeypatch.setenv("ACTSAVE_GIT_SHA", "845e05b25954954e3496920141d81b64606a3688")
     assert recorded() == "845e05b25954954e3496920141d81b64606a3688"
+
+
+# The time-memory frontier (issue 48, item 3).
+
+
+@pytest.fixture(scope="module")
+def frontier_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("frontier") / "cpu-frontier.csv"
+    stdout = run_script("frontier.py", "--out", str(out))
+    columns, rows = read_rows(out)
+    return out, stdout, columns, rows
+
+
+def test_frontier_measures_every_system_of_every_case(frontier_run):
+    out, stdout, columns, rows = frontier_run
+    frontier = load_bench_module("frontier")
+    assert tuple(columns) == frontier.COLUMNS
+    assert out.with_suffix(".png").stat().st_size > 0
+    has_transformers = importlib.util.find_spec("transformers") is not None
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    assert [case.split("(")[0] for case in cases] == ["cifar_resnet", "gpt", "llama", *["hf_llama"][:has_transformers]]
+    for case in cases:
+        mine = [r for r in rows if r["case"] == case]
+        families = {r["family"] for r in mine}
+        peers = ({"torch checkpoint_sequential"} if case.startswith("cifar") else
+                 {"torch checkpoint per block", "torch SAC (torchtitan's ops)"})
+        # No offload on a CPU: the host's memory is the device's.
+        assert families == {"plain", "again", "actsave recompute", "actsave int8", "actsave recompute at a peer's peak",
+                            *peers, *["actsave default"][:case.startswith("cifar")]}, case
+        (plain,) = [r for r in mine if r["family"] == "plain"]
+        assert float(plain["step_vs_plain"]) == float(plain["peak_vs_plain"]) == 1.0
+        for family in ("actsave recompute", "actsave int8"):  # --smoke: 3 budgets, smallest feasible to plain's
+            points = [r for r in mine if r["family"] == family]
+            assert len(points) == 3 and all(r["pred_peak_bytes"] and r["pred_step_s"] and r["plan"] for r in points)
+            assert float(points[0]["peak_bytes"]) < float(plain["peak_bytes"])  # memory is exact on a CPU
+        at_peer = [r for r in mine if r["peer"]]
+        assert at_peer and all(float(r["peak_vs_peer"]) > 0 and float(r["step_vs_peer"]) > 0 for r in at_peer)
+        assert {r["peer"] for r in at_peer} <= {r["system"] for r in mine if r["family"] in peers}
+        for r in mine:
+            if r["family"].startswith("torch SAC"):  # the policy matched ops: it names overloads
+                assert "saved a step: " in r["note"] and "mm.default" in r["note"], r
+            if r["system"] == "torch checkpoint, every block":
+                assert float(r["peak_bytes"]) < float(plain["peak_bytes"])
+    assert "noise floor" in stdout and "summary: each peer point against actsave" in stdout
+
+
+def test_frontier_compiles_each_memory_budget_into_a_graph_of_its_own(tmp_path):
+    # aot_eager: AOTAutograd's partitioner, which reads the budget, without Inductor's
+    # C++ builds. A budget whose backend compiled nothing (it ran another's graph) fails the run.
+    out = tmp_path / "cpu-frontier.csv"
+    run_script("frontier.py", "--cases", "gpt", "--compile", "--compile-backend", "aot_eager", "--points", "2",
+               "--rounds", "1", "--levers", "recompute", "--out", str(out))
+    rows = read_rows(out)[1]
+    compiled = [r for r in rows if r["family"] == "torch.compile memory budget"]
+    assert [r["point"] for r in compiled] == ["budget 0.1", "budget 0.3", "budget 0.5"]
+    assert all(r["note"] == "backend aot_eager" and float(r["peak_vs_plain"]) < 1 for r in compiled)
+    assert {r["peer"] for r in rows if r["peer"]} >= {r["system"] for r in compiled}
+
+
+def test_frontier_skips_a_lever_set_the_planner_rejects(tmp_path, monkeypatch, capsys):
+    frontier = load_bench_module("frontier")
+    monkeypatch.setitem(frontier.LEVER_SETS, "selective", ("recompute", "selective"))
+    out = tmp_path / "cpu-frontier.csv"
+    assert frontier.main(["--smoke", "--cases", "gpt", "--levers", "recompute,selective", "--points", "2",
+                          "--rounds", "1", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "note: lever set selective ('recompute', 'selective') skipped: the planner rejects it" in stdout
+    assert {r["family"] for r in read_rows(out)[1]} >= {"actsave recompute"}
+
+
+def test_frontier_shells_share_parameters_and_wrap_apart():
+    frontier = load_bench_module("frontier")
+    models = load_bench_module("models")
+    plain = models.gpt(4, width=32, heads=2, vocab_size=50, max_seq_len=8)
+    wrapped = frontier.every_kth_block(frontier.shell(plain, (models.TransformerBlock,)), models.TransformerBlock, 2,
+                                       frontier.TorchCheckpoint)
+    # torchtitan's layer-selective rule: block i where (i + 1) % k == 0.
+    assert [type(m).__name__ for m in wrapped][1:5] == ["TransformerBlock", "TorchCheckpoint"] * 2
+    assert all(isinstance(m, models.TransformerBlock) for m in plain[1:5])
+    assert [p.data_ptr() for p in wrapped.parameters()] == [p.data_ptr() for p in plain.parameters()]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_frontier_refuses_cuda_without_a_gpu():
+    done = subprocess.run([sys.executable, str(BENCH / "frontier.py"), "--device", "cuda"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr

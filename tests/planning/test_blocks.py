@@ -179,6 +179,20 @@ def test_the_smallest_feasible_budget_is_stated_and_feasible():
     assert step_peak_bytes(model, (x,)) <= smallest
 
 
+def test_a_plan_predicts_the_blocks_time_it_adds_to_a_step():
+    # The planner's time of the blocks' part of the step (no clock is asserted: both
+    # figures come from the same profile). Kept plain, a plan adds nothing; every
+    # recompute adds its block's forward.
+    plain = ResidualNet(depth=4, width=64)
+    x = torch.randn(64, 64)
+    unbounded = actsave.plan_blocks(copy.deepcopy(plain), ResidualBlock, 2**40, (x,))
+    assert not unbounded.checkpointed and unbounded.plain_step_seconds > 0
+    assert unbounded.predicted_step_seconds == unbounded.plain_step_seconds
+    smallest = actsave.plan_blocks(copy.deepcopy(plain), ResidualBlock, unbounded.smallest_peak_bytes, (x,))
+    assert smallest.checkpointed and smallest.predicted_step_seconds > smallest.plain_step_seconds
+    assert "the blocks' predicted time" in str(smallest)
+
+
 class Parallel(nn.Module):
     """Two blocks on the same input: they do not run one after another."""
 
