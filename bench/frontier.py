@@ -107,7 +107,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
 from actsave.planning import plans as actsave_plans  # noqa: E402
-from actsave.planning.blocks import run_step  # noqa: E402
+from actsave.planning.blocks import BlockPlanner, run_step  # noqa: E402
 from actsave.text import format_table  # noqa: E402
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,  # noqa: E402
                                     create_selective_checkpoint_contexts)
@@ -125,15 +125,23 @@ MiB = 2**20
 # set on the device (the planner's default on a CPU; on CUDA the default adds offload).
 LEVER_SETS = {
     "recompute": ("recompute",),
-    "int8": ("recompute", "int8"),
-    "offload": ("recompute", "offload"),
+    "exact": ("recompute", "selective"),
+    "int8": ("recompute", "selective", "int8"),
+    "offload": ("recompute", "selective", "offload"),
+    "int8+offload": ("recompute", "selective", "int8", "offload"),
 }
 # Offload moves bytes off the device only where host memory is separate (CUDA); the
 # planner refuses it on a CPU model.
-CUDA_ONLY = {"offload"}
-# actsave at each peer's measured peak plans with these sets: exact recompute on the
-# device, the peers' own lever (offload's points are on its curve, on CUDA).
-AT_PEER_LEVERS = ("recompute",)
+CUDA_ONLY = {"offload", "int8+offload"}
+# A chain's plans have no selective lever (a block plan's per-op option): there
+# "exact" is "recompute".
+BLOCK_ONLY_LEVERS = ("selective",)
+# The curves drawn by default: per-block checkpointing alone (torch's own choice), the
+# exact levers, int8 too, and on CUDA every lever.
+DEFAULT_LEVER_SETS = ("recompute", "exact", "int8", "int8+offload")
+# actsave at each peer's measured peak plans with these sets: exact (recompute and,
+# for blocks, selective), and every lever on the device (the issue's GPU targets).
+AT_PEER_LEVERS = ("exact", "int8+offload")
 
 # torch.compile's activation memory budgets (torch._functorch.config: 0 recomputes
 # all it can, 1 is plain), as torchtitan's memory_budget mode sets it.
@@ -493,22 +501,30 @@ class Planner:
             self.plain_peak, self.plain_step = plain.predicted_peak_bytes, plain.predicted_step_seconds
         else:
             self.planning_shell = shell(case.plain, (case.block,))
+            self._block_planners = {}  # lever set -> BlockPlanner: one profile for every budget
 
     def plan(self, budget: int, allow: tuple):
         """The plan within ``budget``; raises actsave.ConfigError where none fits."""
         if self.case.block is None:
-            return actsave.plan(self.profile, budget, allow=allow)
-        return actsave.plan_blocks(self.planning_shell, self.case.block, budget, self.case.inputs, allow=allow)
+            return actsave.plan(self.profile, budget, allow=_chain_levers(allow))
+        return self._block_planner(allow).plan(budget)
+
+    def _block_planner(self, allow: tuple) -> BlockPlanner:
+        if allow not in self._block_planners:
+            blocks = [(name, module) for name, module in self.planning_shell.named_modules()
+                      if isinstance(module, self.case.block)]
+            self._block_planners[allow] = BlockPlanner(self.planning_shell, blocks, self.case.inputs, allow)
+        return self._block_planners[allow]
 
     def extremes(self, allow: tuple) -> tuple:
         """(smallest feasible peak, plain's peak) the planner predicts under ``allow``;
         raises actsave.ConfigError for a lever set it rejects."""
         if self.case.block is None:
-            actsave.plan(self.profile, 2**62, allow=allow)  # checks the levers
-            smallest = actsave.plan(self.profile, None, objective="memory", allow=allow)
+            actsave.plan(self.profile, 2**62, allow=_chain_levers(allow))  # checks the levers
+            smallest = actsave.plan(self.profile, None, objective="memory", allow=_chain_levers(allow))
             return smallest.predicted_peak_bytes, self.plain_peak
-        probe = self.plan(2**62, allow)
-        return probe.smallest_peak_bytes, probe.plain_peak_bytes
+        planner = self._block_planner(allow)
+        return planner.smallest_peak_bytes, planner.plain_peak_bytes
 
     def system(self, name: str, family: str, point: str, budget: int, allow: tuple, lever_name: str) -> System:
         plan = self.plan(budget, allow)
@@ -524,13 +540,15 @@ class Planner:
                       planner_plain_step=planner_plain, plan=describe_plan(plan))
 
 
+def _chain_levers(allow: tuple) -> tuple:
+    return tuple(lever for lever in allow if lever not in BLOCK_ONLY_LEVERS)
+
+
 def describe_plan(plan) -> str:
-    """A plan in a few words: what it checkpoints and how it keeps the inputs."""
+    """A plan in a few words: what each block or segment keeps, and how."""
     if isinstance(plan, actsave.BlockPlan):
-        kept = collections.Counter(option.codec.name + (" on host" if option.offload else "")
-                                   for option in plan.options if option is not None)
-        ways = ", ".join(f"{way} {count}" for way, count in sorted(kept.items()))
-        return f"{len(plan.checkpointed)}/{len(plan.blocks)} blocks checkpointed" + (f" ({ways})" if ways else "")
+        kept = collections.Counter("plain" if option is None else option.describe() for option in plan.options)
+        return ", ".join(f"{way} {count}" for way, count in sorted(kept.items()))
     checkpointed = [option for _, _, option in plan.segments if option is not None]
     kept = collections.Counter(option.codec.name + (" on host" if option.offload else "") for option in checkpointed)
     ways = ", ".join(f"{way} {count}" for way, count in sorted(kept.items()))
@@ -651,8 +669,6 @@ def run_case(case: Case, args, device: torch.device, log) -> CaseResult:
             planned.append(planner.system(f"actsave {lever_name} @ {budget / MiB:.2f} MiB", f"actsave {lever_name}",
                                           f"{share:.0%} of smallest..plain", budget, allow, lever_name))
     for lever_name, allow in lever_sets(device, AT_PEER_LEVERS).items():
-        if lever_name not in lever_sets(device, args.levers):
-            continue
         for peer in [s for s in peers if s.is_peer]:
             name = f"actsave {lever_name} at {peer.name}'s peak"
             try:
@@ -874,8 +890,9 @@ def parse_arguments(argv) -> argparse.Namespace:
                         help="budgets per actsave lever set, from its smallest feasible peak to plain's (default 8; "
                              "--smoke 3)")
     parser.add_argument("--levers", type=lambda text: [c.strip() for c in text.split(",") if c.strip()],
-                        default=list(LEVER_SETS),
-                        help=f"actsave's lever sets, from {','.join(LEVER_SETS)} (default all; "
+                        default=list(DEFAULT_LEVER_SETS),
+                        help=f"actsave's lever sets, from {','.join(LEVER_SETS)} (default "
+                             f"{','.join(DEFAULT_LEVER_SETS)}; "
                              f"{','.join(sorted(CUDA_ONLY))} on CUDA only)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --smoke 2)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per system (default 2; --smoke 1)")

@@ -363,3 +363,20 @@ def test_keep_is_checked_and_selective_keeps_exactly():
         Checkpoint(Block(), compress="int8", keep="selective")
     with pytest.raises(ConfigError, match="keep='selective'.*block's keep option is planned"):
         wrap(Stack(), Block, keep="selective", budget=10**6, example_inputs=torch.randn(2, 8, 16))
+
+
+@pytest.mark.parametrize("keep, compress", [("saves", "int8"), ("linear_inputs", "int8"), ("saves", None)])
+def test_blocks_that_keep_their_saves_recompute_nothing(keep, compress):
+    plain, model = Stack(), Stack()
+    wrap(model, Block, keep=keep, compress=compress)
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    out = model(x)
+    calls = {"fc1": 0}
+    model.blocks[0].module.fc1.register_forward_hook(lambda *a: calls.__setitem__("fc1", calls["fc1"] + 1))
+    out.square().sum().backward()
+    assert calls["fc1"] == 0  # nothing ran again
+    plain(x).square().sum().backward()
+    if compress is None:
+        for p, q in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    assert actsave.stored_bytes() == {"device": 0, "host": 0}

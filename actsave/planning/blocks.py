@@ -52,14 +52,17 @@ import torch
 from torch import nn
 
 from .._torch import pytree
+from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS
 from ..devices import host_is_separate
 from ..errors import ConfigError
-from ..runtime.keep_modes import BlockOption
 from ..runtime.store import modifies_input, should_encode
 from ..text import format_table, mib, ms
-from .instrumented_step import backward_from, isolated_steps
+from .block_options import BlockMeasurer, candidate_options, model_terms
+from .block_solver import BlockTable, fastest, predicted_peak, smallest
+from .instrumented_step import TensorSpec, backward_from, isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
-from .plans import DEFAULT_ALLOW, Plan, Search, plan, predict
+from .memory_model import CostModel
+from .plans import DEFAULT_ALLOW, LEVER_CODECS, infeasible_message, keep_options
 from .profiler import LayerProfile, Profile, profile
 
 # ------------------------------------------------------------------ the example step
@@ -362,10 +365,14 @@ def measure_outside(model: nn.Module, calls: list, example_inputs) -> Outside:
 # ------------------------------------------------------------- 3. the chain's profile
 
 
-def chain_profile(calls: list, outside: Outside) -> Profile:
-    """The profile of the blocks as a chain (:class:`BlockCall` s), then the loss as its
-    last layer; the chain input's bytes include what the step holds beside it."""
-    chain = nn.Sequential(*(BlockCall(module, call) for _, module, call in calls))
+def block_chain(calls: list) -> nn.Sequential:
+    """The blocks as a chain of :class:`BlockCall` s, called on the hidden state alone."""
+    return nn.Sequential(*(BlockCall(module, call) for _, module, call in calls))
+
+
+def chain_profile(chain: nn.Sequential, calls: list, outside: Outside) -> Profile:
+    """The profile of the blocks as a chain, then the loss as its last layer; the chain
+    input's bytes include what the step holds beside it."""
     blocks = profile(chain, (calls[0][2].hidden,), stored_saves=False)  # blocks in the stored segment run plain
     return dataclasses.replace(
         blocks,
@@ -401,15 +408,16 @@ class BlockPlan:
     ``blocks[i]`` is the fully qualified name of the i-th block to run; ``options[i]``
     is None where that block is kept plain (autograd stores its activations), else the
     :class:`~actsave.runtime.keep_modes.BlockOption` its :class:`~actsave.Checkpoint`
-    runs with (what it keeps, by which codec, where). Bytes are peak activation memory of the whole step (module
-    docstring, "Budget"): ``predicted_peak_bytes`` for this plan, ``plain_peak_bytes``
-    for the plain model, ``smallest_peak_bytes`` the least any block plan reaches.
+    runs with (what it keeps, by which codec, where). Bytes are peak activation memory
+    of the whole step (module docstring, "Budget"): ``predicted_peak_bytes`` for this
+    plan, ``plain_peak_bytes`` for the plain model, ``smallest_peak_bytes`` the least
+    any block plan of the levers searched reaches.
 
     ``predicted_step_seconds`` is the planner's time of the blocks' part of the step
-    under this plan: their forwards, backwards, recomputes and codecs, as the example
-    step profiled them; ``plain_step_seconds`` the same with every block plain. The
-    work outside the blocks (embeddings, masks, head, loss), the same under any plan,
-    is in neither: their difference is what the plan is predicted to add to a step.
+    under this plan: their forwards, backwards, recomputes, codecs and copies, as the
+    example step profiled them; ``plain_step_seconds`` the same with every block plain.
+    The work outside the blocks (embeddings, masks, head, loss), the same under any
+    plan, is in neither: their difference is what the plan is predicted to add.
     """
 
     blocks: tuple
@@ -424,7 +432,7 @@ class BlockPlan:
 
     @property
     def checkpointed(self) -> list:
-        """Names of the blocks that are checkpointed."""
+        """Names of the blocks that are not kept plain."""
         return [name for name, option in zip(self.blocks, self.options) if option is not None]
 
     def __str__(self) -> str:
@@ -432,76 +440,148 @@ class BlockPlan:
                 f"activation memory {mib(self.predicted_peak_bytes)} MiB (budget {mib(self.budget)} MiB; plain "
                 f"{mib(self.plain_peak_bytes)} MiB, smallest {mib(self.smallest_peak_bytes)} MiB); the blocks' "
                 f"predicted time {ms(self.predicted_step_seconds)} ms a step (plain {ms(self.plain_step_seconds)} ms)")
-        rows = [["block", "name", "kept", "input kept as", "where"]]
+        rows = [["block", "name", "keeps", "recomputes", "codec", "where"]]
         for i, (name, option) in enumerate(zip(self.blocks, self.options)):
-            if option is None:
-                rows.append([str(i), name, "plain (activations stored)", "", ""])
-            else:
-                rows.append([str(i), name, "checkpoint (recomputed)", option.policy.codec.name,
-                             "host" if option.policy.offload else "device"])
+            rows.append([str(i), name, *_described(option)])
         return head + "\n" + format_table(rows)
+
+
+def _described(option) -> list:
+    """(keeps, recomputes, codec, where) of a block's row in a printed plan."""
+    if option is None:
+        return ["saves (plain)", "nothing", "none", "device"]
+    keeps = {"inputs": "inputs", "selective": "inputs, linear and attention outputs", "saves": "saves",
+             "linear_inputs": "saves (linear inputs by the codec)"}[option.keep]
+    recomputes = {"inputs": "everything", "selective": "norms, activations"}.get(option.keep, "nothing")
+    return [keeps, recomputes, option.policy.codec.name, "host" if option.policy.offload else "device"]
+
+
+# Levers a block plan has beyond a chain plan's: a block may recompute selectively.
+BLOCK_LEVERS = ("selective",)
 
 
 def plan_block_stack(model: nn.Module, blocks: Sequence[tuple], budget, example_inputs,
                      allow: Sequence[str], min_sqnr_db: float | None) -> BlockPlan:
     """The fastest :class:`BlockPlan` for ``blocks`` ((fqn, module) of each selected
-    block) whose predicted peak fits ``budget`` (module docstring)."""
-    calls = record_calls(model, blocks, example_inputs)
-    allow, codecs_usable = _levers_for(calls, allow)
-    outside = measure_outside(model, calls, example_inputs)
-    profile = chain_profile(calls, outside)
-    fixed = max(outside.before_peak, outside.after_peak)
-    smallest = max(fixed, plan(profile, None, min_sqnr_db, allow, objective="memory",
-                               max_checkpointed_layers=1, compress_stored=False).predicted_peak_bytes)
-    if budget < smallest:
-        # The time search plans single-level here (one block per checkpoint): its least is
-        # the memory objective's. Codecs are suggested only where the blocks may use them.
-        search = Search(profile, tuple(allow), min_sqnr_db, longest=1, compress_stored=False, store_middle=True,
-                        nest=False, suggest_codecs=codecs_usable)
-        raise ConfigError(search.infeasible(budget, "block plan", search.model(), floor=fixed))
-    chosen = plan(profile, budget, min_sqnr_db, allow, max_checkpointed_layers=1, compress_stored=False)
-    plain = predict(profile, [0])
-    return BlockPlan(
-        blocks=tuple(fqn for fqn, _, _ in calls),
-        options=_block_options(chosen, len(calls)),
-        budget=int(budget),
-        predicted_peak_bytes=max(fixed, chosen.predicted_peak_bytes),
-        plain_peak_bytes=max(fixed, plain.predicted_peak_bytes),
-        smallest_peak_bytes=int(smallest),
-        predicted_step_seconds=chosen.predicted_step_seconds,
-        plain_step_seconds=plain.predicted_step_seconds,
-        modules=tuple(module for _, module, _ in calls),
-    )
+    block) whose predicted peak fits ``budget`` (module docstring; NOTE [ Block options
+    priced ] in block_options.py)."""
+    return BlockPlanner(model, blocks, example_inputs, allow, min_sqnr_db).plan(budget)
 
 
-def _block_options(chosen: Plan, n_blocks: int) -> tuple:
-    """Per block, from the chain plan: its checkpointed segment's option (one block
-    each, keeping its input), or None for a block in a stored segment."""
-    options = [None] * n_blocks
-    for start, stop, option in chosen.segments:
-        if option is not None:
-            assert stop == start + 1, "a block plan checkpoints one block per segment"
-            options[start] = BlockOption("inputs", option)
-    return tuple(options)
+class BlockPlanner:
+    """The example step of ``blocks`` profiled and every block's options priced once
+    (steps 1 to 4 of the module docstring), for plans at any number of budgets
+    (:meth:`plan`): what ``bench/frontier.py`` sweeps, and :func:`plan_block_stack` runs
+    once."""
+
+    def __init__(self, model: nn.Module, blocks: Sequence[tuple], example_inputs, allow: Sequence[str] = None,
+                 min_sqnr_db: float | None = None):
+        self.calls = record_calls(model, blocks, example_inputs)
+        self.levers, self.codecs, self._codecs_usable = _levers_for(self.calls, allow, min_sqnr_db)
+        self.min_sqnr_db = min_sqnr_db
+        outside = measure_outside(model, self.calls, example_inputs)
+        self.chain = block_chain(self.calls)
+        self.profile = chain_profile(self.chain, self.calls, outside)
+        self.fixed = max(outside.before_peak, outside.after_peak)  # what the step needs outside the blocks
+        self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs)
+        self._least = smallest(self.table)
+
+    @property
+    def smallest_peak_bytes(self) -> int:
+        """The least peak any plan of these levers reaches."""
+        return int(max(self.fixed, self._least.peak))
+
+    @property
+    def plain_peak_bytes(self) -> int:
+        return int(max(self.fixed, predicted_peak(self.table, (0,) * len(self.calls))))
+
+    def plan(self, budget) -> BlockPlan:
+        """The fastest plan whose predicted peak fits ``budget``; ConfigError below the
+        smallest, naming the levers searched and the codecs that would lower it."""
+        if budget < self.smallest_peak_bytes:
+            raise ConfigError(_infeasible(budget, self.fixed, self._least.peak, self.levers, self.codecs,
+                                          self._codecs_usable, self.chain, self.calls, self.profile, self.min_sqnr_db))
+        chosen = fastest(self.table, budget)
+        return BlockPlan(
+            blocks=tuple(fqn for fqn, _, _ in self.calls),
+            options=tuple(self.table.labels[a][k] for a, k in enumerate(chosen.choices)),
+            budget=int(budget),
+            predicted_peak_bytes=int(max(self.fixed, chosen.peak)),
+            plain_peak_bytes=self.plain_peak_bytes,
+            smallest_peak_bytes=self.smallest_peak_bytes,
+            predicted_step_seconds=chosen.seconds,
+            plain_step_seconds=self.table.base_seconds,
+            modules=tuple(module for _, module, _ in self.calls),
+        )
 
 
-def _levers_for(calls: list, allow: Sequence[str] | None) -> tuple:
-    """(the levers to plan with, whether codecs may be among them): ``allow``, by
-    default the exact levers of the blocks' device (recompute, and offload on CUDA;
-    codecs only when named). "offload" on a CPU model is refused: the host's memory is
-    the device's. Codecs and offload are left out when a block gets a tensor argument
-    besides its hidden state that a codec would encode (one autograd made): a
-    checkpoint would keep an encoded copy of it, which the chain's profile does not
-    count."""
+def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, codecs: tuple) -> BlockTable:
+    """Every block's options priced (block_options.py), plain first, and the loss."""
+    device = profile.device
+    policies = sorted({option.policy for option in candidate_options(levers, codecs, device) if option.keep == "inputs"},
+                      key=lambda policy: (policy.codec.name, policy.offload))
+    model = CostModel(profile, policies, stored_codecs=("none",), store_middle=True)
+    measurer = BlockMeasurer(chain, [TensorSpec.of(call.hidden) for _, _, call in calls], device, profile.timed)
+    options = [None, *candidate_options(levers, codecs, device)]
+    rows, labels = [], []
+    for a in range(len(calls)):
+        row, names = [], []
+        for option in options:
+            pair = tuple(_terms(model, measurer, a, option, held) for held in (False, True))
+            if pair[0] is not None or pair[1] is not None:
+                row.append(pair)
+                names.append(option)
+        rows.append(tuple(row))
+        labels.append(tuple(names))
+    loss = tuple(model.stored_working_set(len(calls), 0, held) for held in (False, True))
+    base = float(model.forward_s_before[-1] + model.backward_s_before[-1])
+    return BlockTable(tuple(rows), loss, float(model.chain_input), base, tuple(labels))
+
+
+def _terms(model: CostModel, measurer: BlockMeasurer, a: int, option, held: bool):
+    if option is None or option.keep == "inputs":
+        return model_terms(model, a, option, held)
+    return measurer.terms(model, a, option, held)
+
+
+def _infeasible(budget, fixed, least, levers, codecs, codecs_usable, chain, calls, profile, min_sqnr_db) -> str:
+    """The error of a budget no block plan fits (plans.infeasible_message), each lossy
+    codec not allowed priced by the same program with it allowed too."""
+    lower = {}
+    if codecs_usable:
+        for codec in LOSSY_CODECS:
+            if codec in codecs or (min_sqnr_db is not None and EXPECTED_GRADIENT_SQNR_DB[codec] < min_sqnr_db):
+                continue
+            lower[codec] = max(fixed, smallest(_table(chain, calls, profile, levers, (*codecs, codec))).peak)
+    named = levers + tuple(lever for lever, codec in LEVER_CODECS.items() if codec in codecs and lever == codec)
+    return infeasible_message("block plan", budget, named, min_sqnr_db, max(fixed, least),
+                              "one option per block, outside work included", lower)
+
+
+def _levers_for(calls: list, allow: Sequence[str] | None, min_sqnr_db) -> tuple:
+    """(the levers to plan with, the lossy codecs, whether codecs may be used at all):
+    ``allow``, by default the exact levers of the blocks' device (recompute, selective,
+    and offload on CUDA; codecs only when named). "offload" on a CPU model is refused:
+    the host's memory is the device's. Codecs and offload are left out when a block
+    gets a tensor argument besides its hidden state that a codec would encode (one
+    autograd made): a checkpoint would keep an encoded copy of it, which the chain's
+    profile does not count."""
     device = calls[0][2].hidden.device
     separate_host = host_is_separate(device)
     if allow is None:
-        allow = [lever for lever in DEFAULT_ALLOW if separate_host or lever != "offload"]
+        allow = [lever for lever in (*DEFAULT_ALLOW, *BLOCK_LEVERS) if separate_host or lever != "offload"]
     elif not isinstance(allow, str) and "offload" in allow and not separate_host:
         raise ConfigError(
             f"allow={tuple(allow)} names 'offload', but the blocks run on {device}, whose memory is the host's: "
             "offload would move nothing off the device. Leave 'offload' out of allow (or plan on a CUDA device)")
+    chain_levers = [lever for lever in allow if lever not in BLOCK_LEVERS] if not isinstance(allow, str) else allow
+    keep_options(chain_levers, min_sqnr_db, device)  # checks allow and min_sqnr_db
     encoded = any(should_encode(leaf) for _, _, call in calls
                   for k, leaf in enumerate(call.leaves)
                   if isinstance(leaf, torch.Tensor) and k != call.hidden_leaf)
-    return (("recompute",) if encoded and "recompute" in allow else allow), not encoded
+    if encoded:
+        allow = [lever for lever in allow if lever in ("recompute", *BLOCK_LEVERS)]
+    codecs = tuple(sorted({LEVER_CODECS[lever] for lever in allow if lever in LEVER_CODECS}))
+    codecs = tuple(c for c in codecs if min_sqnr_db is None or EXPECTED_GRADIENT_SQNR_DB[c] >= min_sqnr_db)
+    levers = tuple(lever for lever in allow if lever in ("recompute", "offload", *BLOCK_LEVERS))
+    return levers, codecs, not encoded

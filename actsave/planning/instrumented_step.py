@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -502,9 +503,18 @@ def _run_forward(layers: list, x: torch.Tensor) -> None:
         x = layer(x)
 
 
+# Timed steps of a profile; each layer's forward and backward time is the median of
+# them. One step alone let a stray delay (the first call of a kernel, another process
+# on a shared machine) price a layer's recompute at many times its cost, and a plan
+# follow it.
+TIMED_STEPS = 3
+
+
 def measure_times(layers: list, x: torch.Tensor, loss=None) -> tuple:
-    forward, backward, _, _ = _run_step(layers, x, lambda: timer(x.device), loss=loss)
-    return forward, backward
+    """Each layer's forward and backward seconds: medians over TIMED_STEPS steps."""
+    runs = [_run_step(layers, x, lambda: timer(x.device), loss=loss)[:2] for _ in range(TIMED_STEPS)]
+    return tuple([statistics.median(step[part][i] for step in runs) for i in range(len(layers))]
+                 for part in (0, 1))
 
 
 @contextlib.contextmanager

@@ -356,23 +356,30 @@ class Search:
         smallest = max(searched, floor)
         # Only the levers this device has: offload moves nothing where the host's memory is the device's.
         usable = tuple(lever for lever in self.allow if lever != "offload" or host_is_separate(self.profile.device))
-        levers = f"allow={usable}" + ("" if self.min_sqnr_db is None else f" and min_sqnr_db={self.min_sqnr_db}")
         reach = "nested checkpoints included" if table is not None else "single-level plans"
-        message = (f"no {what} fits budget={int(budget):,} bytes ({mib(budget)} MiB) with {levers}: the smallest "
-                   f"feasible budget is {int(smallest):,} bytes ({mib(smallest)} MiB) ({reach}).")
         lower = {codec: max(b, floor) for codec, b in self.with_codecs(searched, table).items()}
-        lower = {codec: b for codec, b in lower.items() if b < smallest}
-        if lower:
-            fitting = [codec for codec, b in lower.items() if b <= budget]
-            message += " A lossy codec, which keeps inputs in 8 bits and makes gradients approximate, lowers it: " + \
-                ", ".join(f"{codec!r} (expected gradient SQNR {EXPECTED_GRADIENT_SQNR_DB[codec]:g} dB) to "
-                          f"{int(b):,} bytes ({mib(b)} MiB)" for codec, b in lower.items()) + "."
-            if fitting:
-                message += (f" This budget fits with allow={(*usable, fitting[0])}"
-                            + (f" (or {', '.join(repr(c) for c in fitting[1:])} in its place)" if fitting[1:] else "")
-                            + ".")
-        message += " Raise the budget, allow more levers, or use a smaller batch."
-        return message
+        return infeasible_message(what, budget, usable, self.min_sqnr_db, smallest, reach, lower)
+
+
+def infeasible_message(what: str, budget, levers: tuple, min_sqnr_db, smallest: float, reach: str,
+                       lower: dict) -> str:
+    """The error of a budget no plan fits: the smallest feasible budget with ``levers``
+    (``reach``: how it was searched), and the lossy codecs not allowed that lower it
+    (``lower``: codec -> its smallest budget), with the one that fits this budget."""
+    named = f"allow={levers}" + ("" if min_sqnr_db is None else f" and min_sqnr_db={min_sqnr_db}")
+    message = (f"no {what} fits budget={int(budget):,} bytes ({mib(budget)} MiB) with {named}: the smallest "
+               f"feasible budget is {int(smallest):,} bytes ({mib(smallest)} MiB) ({reach}).")
+    lower = {codec: b for codec, b in lower.items() if b < smallest}
+    if lower:
+        fitting = [codec for codec, b in lower.items() if b <= budget]
+        message += " A lossy codec, which keeps tensors in 8 bits and makes gradients approximate, lowers it: " + \
+            ", ".join(f"{codec!r} (expected gradient SQNR {EXPECTED_GRADIENT_SQNR_DB[codec]:g} dB) to "
+                      f"{int(b):,} bytes ({mib(b)} MiB)" for codec, b in lower.items()) + "."
+        if fitting:
+            message += (f" This budget fits with allow={(*levers, fitting[0])}"
+                        + (f" (or {', '.join(repr(c) for c in fitting[1:])} in its place)" if fitting[1:] else "")
+                        + ".")
+    return message + " Raise the budget, allow more levers, or use a smaller batch."
 
 
 def balanced_last_policy() -> KeepPolicy:

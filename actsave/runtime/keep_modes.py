@@ -36,6 +36,7 @@ import torch
 
 from ..errors import ConfigError
 from .function import checkpoint_in_graph, checkpointed_call, warn_eager_under_compile
+from .kept_saves import call_with_kept_saves
 from .recompute_options import RecomputeOptions
 from .selective import DEFAULT_KEPT_OPS, KeptOps, aten_ops_of, selective_call
 from .store import EXACT, KeepPolicy
@@ -118,7 +119,6 @@ def _eager(option: BlockOption, function, args, kwargs, options, private_copy) -
         return selective_call(function, args, kwargs, option.ops, options, private_copy)
     if option.is_plain or not torch.is_grad_enabled():
         return function(*args, **kwargs), None  # autograd keeps the saves
-    from .kept_saves import call_with_kept_saves  # noqa: PLC0415 (kept_saves imports this module's users)
     return call_with_kept_saves(function, args, kwargs, option.policy, scope=_SCOPES[option.keep])
 
 

@@ -976,11 +976,11 @@ def test_frontier_measures_every_system_of_every_case(frontier_run):
         peers = ({"torch checkpoint_sequential"} if case.startswith("cifar") else
                  {"torch checkpoint per block", "torch SAC (torchtitan's ops)"})
         # No offload on a CPU: the host's memory is the device's.
-        assert families == {"plain", "again", "actsave recompute", "actsave int8", "actsave recompute at a peer's peak",
-                            *peers, *["actsave default"][:case.startswith("cifar")]}, case
+        assert families == {"plain", "again", "actsave recompute", "actsave exact", "actsave int8",
+                            "actsave exact at a peer's peak", *peers, *["actsave default"][:case.startswith("cifar")]}, case
         (plain,) = [r for r in mine if r["family"] == "plain"]
         assert float(plain["step_vs_plain"]) == float(plain["peak_vs_plain"]) == 1.0
-        for family in ("actsave recompute", "actsave int8"):  # --smoke: 3 budgets, smallest feasible to plain's
+        for family in ("actsave recompute", "actsave exact", "actsave int8"):  # --smoke: 3 budgets, smallest to plain's
             points = [r for r in mine if r["family"] == family]
             assert len(points) == 3 and all(r["pred_peak_bytes"] and r["pred_step_s"] and r["plan"] for r in points)
             assert float(points[0]["peak_bytes"]) < float(plain["peak_bytes"])  # memory is exact on a CPU
@@ -1010,12 +1010,12 @@ def test_frontier_compiles_each_memory_budget_into_a_graph_of_its_own(tmp_path):
 
 def test_frontier_skips_a_lever_set_the_planner_rejects(tmp_path, monkeypatch, capsys):
     frontier = load_bench_module("frontier")
-    monkeypatch.setitem(frontier.LEVER_SETS, "selective", ("recompute", "selective"))
+    monkeypatch.setitem(frontier.LEVER_SETS, "bogus", ("recompute", "bogus"))
     out = tmp_path / "cpu-frontier.csv"
-    assert frontier.main(["--smoke", "--cases", "gpt", "--levers", "recompute,selective", "--points", "2",
+    assert frontier.main(["--smoke", "--cases", "gpt", "--levers", "recompute,bogus", "--points", "2",
                           "--rounds", "1", "--out", str(out)]) == 0
     stdout = capsys.readouterr().out
-    assert "note: lever set selective ('recompute', 'selective') skipped: the planner rejects it" in stdout
+    assert "note: lever set bogus ('recompute', 'bogus') skipped: the planner rejects it" in stdout
     assert {r["family"] for r in read_rows(out)[1]} >= {"actsave recompute"}
 
 

@@ -141,7 +141,7 @@ def test_codecs_buy_a_budget_exact_checkpoints_cannot_reach(llama8):
     # Lossy codecs are opt-in (issue 34): below the exact smallest the default levers
     # raise, naming the codec that fits and from what budget.
     with pytest.raises(ConfigError, match=r"'int8' \(expected gradient SQNR 33 dB\) to ([\d,]+) bytes.*"
-                                          r"This budget fits with allow=\('recompute', 'int8'\)") as error:
+                                          r"This budget fits with allow=\('recompute', 'selective', 'int8'\)") as error:
         actsave.plan_blocks(plain, decoder_block("llama"), exact_smallest - 1, batch)
     int8_smallest = int(re.search(r"'int8' \(expected gradient SQNR 33 dB\) to ([\d,]+) bytes", str(error.value))
                         .group(1).replace(",", ""))
@@ -165,7 +165,7 @@ def test_a_plain_pytorch_stack_is_planned_and_printed():
     assert step_peak_bytes(model, (x,)) <= plan.predicted_peak_bytes <= 0.6 * full
     assert_gradients_match(plain, model, plan, (x,))
     text = str(plan)
-    assert "blocks.0" in text and "checkpoint (recomputed)" in text and f"{len(plan.checkpointed)} checkpointed" in text
+    assert "blocks.0" in text and "everything" in text and f"{len(plan.checkpointed)} checkpointed" in text
 
 
 def test_the_smallest_feasible_budget_is_stated_and_feasible():
@@ -263,3 +263,77 @@ def test_an_output_without_a_loss_is_refused():
 
     with pytest.raises(ConfigError, match="no loss to backpropagate"):
         actsave.plan_blocks(Features(), ResidualBlock, 2**20, (torch.randn(4, 8),))
+
+
+# --- per-op options inside the blocks (NOTE [ Block options priced ]) -------------------
+
+
+class AttentionBlock(nn.Module):
+    """A pre-LN transformer block: linear layers and attention, whose outputs a
+    selective checkpoint keeps, and norms and an activation, which it recomputes."""
+
+    def __init__(self, width: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(width), nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (part.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for part in self.qkv(self.ln1(x)).split(d, dim=2))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class AttentionNet(nn.Module):
+    def __init__(self, depth: int = 6, width: int = 64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(AttentionBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).square().mean()
+
+
+@pytest.fixture(scope="module")
+def attention_net():
+    plain, x = AttentionNet(), torch.randn(4, 64, 64)
+    return plain, x, step_peak_bytes(copy.deepcopy(plain), (x,))
+
+
+@pytest.mark.parametrize("share", [0.45, 0.7])
+def test_selective_blocks_are_planned_where_they_fit_and_train_exactly(attention_net, share):
+    plain, x, full = attention_net
+    budget = int(share * full)
+    model, plan = planned_copy(plain, AttentionBlock, budget, (x,))
+    assert step_peak_bytes(model, (x,)) <= plan.predicted_peak_bytes <= budget
+    assert_gradients_match(plain, model, plan, (x,))
+    assert "linear and attention outputs" in str(plan) or all(o is None or o.keep == "inputs" for o in plan.options)
+
+
+def test_the_selective_lever_may_be_left_out(attention_net):
+    plain, x, full = attention_net
+    model, plan = planned_copy(plain, AttentionBlock, int(0.6 * full), (x,), allow=("recompute",))
+    assert all(option is None or option.keep == "inputs" for option in plan.options)
+    assert step_peak_bytes(model, (x,)) <= plan.predicted_peak_bytes
+
+
+def test_a_selective_block_keeps_less_than_a_plain_one_and_more_than_its_input():
+    # The table the planner reads (block_options.py): at every block, selective's R
+    # lies between a checkpoint's (its input) and plain's (every save).
+    from actsave.planning import blocks
+    plain, x = AttentionNet(depth=3), torch.randn(2, 32, 64)
+    calls = blocks.record_calls(plain, [(f"blocks.{i}", b) for i, b in enumerate(plain.blocks)], (x,))
+    outside = blocks.measure_outside(plain, calls, (x,))
+    chain = blocks.block_chain(calls)
+    table = blocks._table(chain, calls, blocks.chain_profile(chain, calls, outside), ("recompute", "selective"), ())
+    for row, labels in zip(table.options, table.labels):
+        kept = {("plain" if option is None else option.keep): pair[0].kept for pair, option in zip(row, labels)}
+        assert kept["inputs"] < kept["selective"] < kept["plain"]

@@ -1,0 +1,235 @@
+"""What each keep option costs each block of a block plan (blocks.py): the bytes it
+keeps from its forward to its backward, its largest events, the seconds it adds, for
+every option a plan may choose (runtime/keep_modes.py, NOTE [ Keep modes ]).
+
+NOTE [ Block options priced ]
+A block plan chooses for each block one option: plain (its saves as autograd keeps
+them); its inputs kept, exactly, by a codec or on the host (a checkpoint); selective
+(its inputs and the outputs of its linear layers and attention kept); its saves kept by
+a codec (all of them, or its linear layers' inputs only) or on the host, with no
+recompute. Each is priced by what it does to the peak formula of memory_model.py,
+``X + max_j (R_0 + ... + R_{j-1} + W_j)``, with segments of one block each:
+
+- plain and inputs kept: the cost model's own terms of the one-block segment (a stored
+  middle segment, a checkpointed one), from the chain's profiled step, as any chain
+  plan prices them;
+- the others, measured: the block runs once with the option, alone, on an input like
+  the profiled step's, its live bytes counted as the profile counts them
+  (live_bytes.py): R is what stays allocated after its forward beside its output (its
+  input too where the option keeps it: a selective block keeps it, a codec encodes it
+  instead); its forward event is the input and the forward's peak rise; its backward
+  event, beside the output gradient O and what the loss leaves (as the model's), the
+  incoming gradient, R and the backward's peak rise (recompute, decodes and fetches
+  included); F, for offload, the bytes its backward fetches back (its carry, as the
+  model's). The seconds it adds are its measured step less the plain block's, timed
+  together (medians of interleaved runs); on meta tensors, none.
+
+Blocks alike (the same class, arguments of the same shapes) are measured once. A block
+after a plain one whose saves hold its input (memory_model.py, "A tensor at a stored
+boundary") counts that input there, not again: each option's terms come in both forms.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..devices import host_is_separate, synchronize
+from ..errors import ConfigError
+from ..runtime.keep_modes import BlockOption, call_block
+from ..runtime.recompute_options import DEFAULT_RECOMPUTE
+from ..runtime.selective import DEFAULT_KEPT_OPS
+from ..runtime.store import KeepPolicy
+from .instrumented_step import TensorSpec, isolated_steps
+from .live_bytes import LiveBytes, allocation_bytes
+from .memory_model import CostModel
+
+# The repeats of each measured option's timed step (and the plain block's), interleaved
+# after one that warms up: the median difference is what the option adds.
+_TIMED_REPEATS = 5
+# What an option that does more work than the plain block adds at least, where its
+# measured difference is lost in the noise: a plan never takes it for free, so where
+# the budget allows the plain block, it keeps the block plain.
+_LEAST_EXTRA_SECONDS = 1e-9
+
+
+@dataclass(frozen=True)
+class OptionTerms:
+    """One option of one block in the peak formula's terms (module docstring), for a
+    block whose input a plain block before it holds (``held``) or not."""
+
+    option: Optional[BlockOption]  # None: plain
+    kept: float  # R: device bytes kept from its forward to its backward
+    forward_event: float  # its largest forward event, beside X and the R before it
+    backward_event: float  # its largest backward event, less the carry
+    fetched: float  # F: bytes its backward fetches from the host (offload), 0 else
+    seconds: float  # what it adds to the step
+    holds_output: bool  # a plain block whose saves hold the next block's input
+
+    def working_set(self, carry: float) -> float:
+        """W + C."""
+        return max(self.forward_event, self.backward_event + carry)
+
+
+def candidate_options(levers: Sequence[str], codecs: Sequence[str], device) -> list:
+    """The BlockOptions a plan may choose besides plain, given the levers allowed
+    (``"recompute"``, ``"selective"``, ``"offload"``) and the lossy codecs allowed."""
+    offload = "offload" in levers and host_is_separate(device)
+    places = [False, True] if offload else [False]
+    options = []
+    if "recompute" in levers:
+        options += [BlockOption("inputs", KeepPolicy.resolve(codec, place)) for codec in ("none", *codecs)
+                    for place in places]
+    if "selective" in levers:
+        options.append(BlockOption("selective", KeepPolicy.resolve(), DEFAULT_KEPT_OPS))
+    for codec in codecs:
+        for place in places:
+            options.append(BlockOption("saves", KeepPolicy.resolve(codec, place)))
+        options.append(BlockOption("linear_inputs", KeepPolicy.resolve(codec)))
+    if offload:
+        options.append(BlockOption("saves", KeepPolicy.resolve(None, True)))
+    return options
+
+
+def model_terms(model: CostModel, a: int, option: Optional[BlockOption], held: bool) -> Optional[OptionTerms]:
+    """The cost model's terms of block ``a`` kept plain (``option`` None) or keeping its
+    inputs as ``option.policy`` says; None where the model does not allow it there."""
+    if option is None:
+        working, kept = model.segment_stored_middle(a, a + 1, 0.0, held)
+        holds = bool(model.stored_middle_holds_output(a, a + 1))
+        return OptionTerms(None, kept, working, working, 0.0, 0.0, holds)
+    o = model.options.index(option.policy)
+    if not model.allowed[o, a]:
+        return None
+    kept = float(model.kept(o, a, a + 1, held))
+    fetched = float(model.fetched(o, a, a + 1))
+    # The model charges the carry to every backward event: W(C) - C is the rest.
+    zero = model.segment_working_set(o, a, a + 1, 0.0, held)
+    big = 2.0 * (zero + 1.0)
+    backward = model.segment_working_set(o, a, a + 1, big, held) - big
+    return OptionTerms(option, kept, zero, backward, fetched, float(model.seconds(o, a, a + 1)), False)
+
+
+@dataclass(frozen=True)
+class _Measured:
+    kept: float
+    input_kept: bool
+    forward_rise: float
+    backward_rise: float
+    fetched: float
+    seconds: float
+
+
+class BlockMeasurer:
+    """Measures options on the chain's layers (blocks.py's BlockCall), each distinct
+    (layer kind, input) once (module docstring)."""
+
+    def __init__(self, chain: nn.Sequential, inputs: Sequence[TensorSpec], device, timed: bool):
+        self.layers, self.inputs, self.device, self.timed = list(chain), list(inputs), torch.device(device), timed
+        self._cache = {}
+
+    def terms(self, model: CostModel, a: int, option: BlockOption, held: bool) -> Optional[OptionTerms]:
+        """The measured terms of ``option`` at block ``a`` (None where it fails there)."""
+        measured = self._measured(a, option)
+        if measured is None:
+            return None
+        x_bytes = float(model.input[a])
+        kept = measured.kept
+        if measured.input_kept and (a == 0 or held):
+            kept -= x_bytes  # the caller holds it (X), or the plain block before does
+        forward = (0.0 if a == 0 or held else x_bytes) + measured.forward_rise
+        backward = model.held_in_backward + float(model.grad[a + 1]) + kept + measured.backward_rise
+        return OptionTerms(option, kept, forward, backward, measured.fetched, measured.seconds, False)
+
+    def _measured(self, a: int, option: BlockOption) -> Optional[_Measured]:
+        layer, spec = self.layers[a], self.inputs[a]
+        key = (_signature(layer), spec, option)
+        if key not in self._cache:
+            self._cache[key] = self._measure(layer, spec, option)
+        return self._cache[key]
+
+    def _measure(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> Optional[_Measured]:
+        try:
+            kept, input_kept, forward, backward, fetched = self._bytes(layer, spec, option)
+        except ConfigError:  # an option the block cannot run with (selective of a function)
+            return None
+        seconds = self._seconds(layer, spec, option) if self.timed else 0.0
+        return _Measured(kept, input_kept, forward, backward, fetched, seconds)
+
+    def _bytes(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> tuple:
+        """(R with the input where kept, whether the input is kept, forward rise,
+        backward rise, bytes fetched from the host) of one step of ``layer``."""
+        with isolated_steps(layer), torch.enable_grad():
+            source = _source_like(spec, self.device)
+            known = [*layer.parameters(), *layer.buffers(), source,
+                     *(p.grad for p in layer.parameters() if p.grad is not None)]
+            tracker = LiveBytes(self.device, known=known)
+            with tracker:
+                x = _input_from(source, spec)
+                storage = weakref.ref(x.untyped_storage())
+                with tracker.span() as forward:
+                    y, kept = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, _inplace(layer))
+                del x
+                input_kept = storage() is not None
+                output_bytes = allocation_bytes(y.untyped_storage().nbytes(), self.device)
+                held = tracker.live - output_bytes
+                gradient = torch.ones_like(y)
+                with tracker.span() as backward:
+                    torch.autograd.backward(y, gradient)
+                del y, gradient
+        fetched = float(kept.get("host", 0)) if isinstance(kept, dict) else 0.0
+        return float(held), input_kept, float(forward[0]), float(backward[0]), fetched
+
+    def _seconds(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> float:
+        """The option's step less the plain block's, medians of interleaved runs."""
+        runs = {"option": [], "plain": []}
+        with isolated_steps(layer), torch.enable_grad():
+            for _ in range(_TIMED_REPEATS + 1):  # the first of each warms up
+                for name, chosen in (("option", option), ("plain", None)):
+                    runs[name].append(self._timed_step(layer, spec, chosen))
+        extra = statistics.median(runs["option"][1:]) - statistics.median(runs["plain"][1:])
+        return max(extra, 0.0) + _LEAST_EXTRA_SECONDS
+
+    def _timed_step(self, layer: nn.Module, spec: TensorSpec, option: Optional[BlockOption]) -> float:
+        x = _input_from(_source_like(spec, self.device), spec)
+        synchronize(self.device)
+        start = time.perf_counter()
+        y = layer(x) if option is None else call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, _inplace(layer))[0]
+        torch.autograd.backward(y, torch.ones_like(y))
+        synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def _source_like(spec: TensorSpec, device) -> torch.Tensor:
+    """A leaf like the profiled input, requiring grad as it did."""
+    if not spec.dtype.is_floating_point:
+        return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+    return torch.randn(spec.shape, dtype=spec.dtype, device=device).requires_grad_(spec.requires_grad)
+
+
+def _input_from(source: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The input a step runs on: a tensor autograd made from ``source`` where the
+    profiled input was one (a codec encodes such an input, not a leaf), allocated
+    where it is called (inside a byte count)."""
+    return source * 1 if spec.encodable and source.requires_grad else source.clone()
+
+
+def _inplace(layer: nn.Module) -> bool:
+    return getattr(layer, "inplace", False) is True
+
+
+def _signature(layer: nn.Module) -> tuple:
+    """What makes two layers cost alike: their block's class and parameters' shapes,
+    and their other arguments' shapes (blocks.py's BlockCall holds them as buffers)."""
+    block = getattr(layer, "block", layer)
+    parameters = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in block.parameters())
+    arguments = tuple((name, tuple(b.shape), b.dtype) for name, b in layer.named_buffers(recurse=False))
+    return type(block), parameters, arguments
+
+
+__all__ = ["OptionTerms", "BlockMeasurer", "candidate_options", "model_terms"]
