@@ -402,7 +402,8 @@ def sweep_csv_rows(rows: list, case: str, config: dict, metadata: dict) -> list:
     for r in rows:
         x = r["budget"] / 2**20
         for provider, (time_key, peak_key) in SOLVERS.items():
-            details = {"actsave_auto": {"codecs": r["auto_codecs"], "nesting": r["auto_nesting"]},
+            stored = None if r["auto_plan"] is None else r["auto_plan"].stored_codec
+            details = {"actsave_auto": {"codecs": r["auto_codecs"], "nesting": r["auto_nesting"], "stored_codec": stored},
                        "actsave_recompute": {"nesting": r["recompute_nesting"]},
                        "rotor": {"nesting": r["rotor_nesting"], "early_stored_runs": r["rotor_early_stored"]}}
             out.append(csv_row(case, provider, "pred_step_time", x, r[time_key] * 1e3,

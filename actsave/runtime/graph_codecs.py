@@ -313,6 +313,9 @@ def _unknown(whose: str, error: Exception) -> str:
 # on which Dynamo guards (it took a threading.local subclass's class attribute for a
 # constant: torch 2.13).
 _this_thread = threading.local()
+# Set on the importing thread now: a guard on an attribute that is missing fails once
+# it is set, and the root's frame would be traced again at its second call.
+_this_thread.set_for_blocks = False
 
 
 def _set_for_blocks() -> bool:
