@@ -61,6 +61,17 @@ _CPU = torch.device("cpu")
 _RELU_NODE_NAMES = frozenset({"ReluBackward0"})
 
 
+def aten_overloads(*names: str) -> frozenset:
+    """The aten overloads named (``"mm.default"``) that this torch has."""
+    found = set()
+    for name in names:
+        packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None:
+            found.add(op)
+    return frozenset(found)
+
+
 def saved_tensor_hooks_active() -> bool:
     """Whether some ``saved_tensors_hooks`` (an outer checkpoint's, ``save_on_cpu``,
     the caller's) are set on this thread now."""

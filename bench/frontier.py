@@ -106,6 +106,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
+from actsave._torch import aten_overloads  # noqa: E402
 from actsave.planning import plans as actsave_plans  # noqa: E402
 from actsave.planning.blocks import BlockPlanner, run_step  # noqa: E402
 from actsave.text import format_table  # noqa: E402
@@ -150,17 +151,6 @@ COMPILE_BUDGETS = (0.1, 0.3, 0.5)
 EVERY = (1, 2, 4)
 
 
-def _overloads(*names: str) -> frozenset:
-    """The aten overloads named ("mm.default"), those this torch has."""
-    found = set()
-    for name in names:
-        packet, overload = name.split(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
-        if op is not None:
-            found.add(op)
-    return frozenset(found)
-
-
 # torch's selective checkpointing as torchtitan applies it (pytorch/torchtitan:
 # torchtitan/models/llama3/infra/parallelize.py, _op_sac_save_list, and
 # torchtitan/distributed/activation_checkpoint.py, _apply_op_sac, at cfb9326): save the
@@ -174,8 +164,8 @@ def _overloads(*names: str) -> frozenset:
 # contiguous 3-D input dispatches aten.addmm, so addmm and bmm count as matmuls here.
 # The CPU's fused attention is _scaled_dot_product_flash_attention_for_cpu; aten.max
 # is in torchtitan's list for float8 scales.
-SAC_MATMULS = _overloads("mm.default", "addmm.default", "bmm.default")
-SAC_SAVED_OPS = SAC_MATMULS | _overloads(
+SAC_MATMULS = aten_overloads("mm.default", "addmm.default", "bmm.default")
+SAC_SAVED_OPS = SAC_MATMULS | aten_overloads(
     "_scaled_dot_product_efficient_attention.default", "_scaled_dot_product_flash_attention.default",
     "_scaled_dot_product_flash_attention_for_cpu.default", "_scaled_dot_product_cudnn_attention.default",
     "_scaled_dot_product_attention_math.default", "_scaled_dot_product_fused_attention_overrideable.default",
@@ -818,11 +808,13 @@ FAMILY_STYLES = {
     "torch SAC (torchtitan's ops)": ("tab:purple", "P", "-"),
     "torch.compile memory budget": ("tab:brown", "v", "-"),
     "actsave default": ("tab:green", "*", ""),
-    "actsave recompute": ("tab:blue", "o", "-"),
+    "actsave recompute": ("tab:blue", "o", ":"),
+    "actsave exact": ("tab:green", "o", "-"),
     "actsave int8": ("tab:red", "D", "--"),
     "actsave offload": ("tab:cyan", "^", "-."),
-    "actsave recompute at a peer's peak": ("tab:blue", "d", ""),
-    "actsave offload at a peer's peak": ("tab:cyan", "d", ""),
+    "actsave int8+offload": ("tab:pink", "^", "--"),
+    "actsave exact at a peer's peak": ("tab:green", "d", ""),
+    "actsave int8+offload at a peer's peak": ("tab:pink", "d", ""),
 }
 
 

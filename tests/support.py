@@ -1,4 +1,5 @@
 """Models and comparisons shared by the tests."""
+import collections
 import copy
 import functools
 import importlib.util
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from actsave.codecs import GROUP_SIZE, sqnr_db  # noqa: F401  (sqnr_db: for the tests)
@@ -181,3 +183,15 @@ def load_bench_module(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators run inside it, by name (``aten.mm.default``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))

@@ -64,7 +64,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .._torch import ATTENTION, FunctionTap, leaf_base, pytree, storage_identity, version
+from .._torch import ATTENTION, FunctionTap, aten_overloads, leaf_base, pytree, storage_identity, version
 from ..errors import ConfigError, RecomputeError
 from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
 from .layers import known_layers
@@ -123,24 +123,13 @@ def aten_ops_of(ops: KeptOps) -> Optional[frozenset]:
     return frozenset(found)
 
 
-def _overloads(*names: str) -> set:
-    """The aten overloads of ``names`` (``"mm.default"``) this torch has."""
-    found = set()
-    for name in names:
-        packet, overload = name.split(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
-        if op is not None:
-            found.add(op)
-    return found
-
-
 # A kept call's work as the aten operators a compiled graph runs: a linear layer's
 # matmul (addmm with a bias, mm without; 3-D inputs are folded to 2-D first), a
 # convolution, attention's fused kernels (each device's) and the math path's matmuls.
 _ATEN_OPS = {
-    nn.Linear: _overloads("mm.default", "addmm.default"),
-    nn.modules.conv._ConvNd: _overloads("convolution.default"),
-    "scaled_dot_product_attention": _overloads(
+    nn.Linear: aten_overloads("mm.default", "addmm.default"),
+    nn.modules.conv._ConvNd: aten_overloads("convolution.default"),
+    "scaled_dot_product_attention": aten_overloads(
         "_scaled_dot_product_flash_attention.default", "_scaled_dot_product_efficient_attention.default",
         "_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_flash_attention_for_cpu.default",
         "bmm.default"),

@@ -1,13 +1,12 @@
 """Known layers (runtime/layers.py, NOTE [ Known layers ]): which modules a function
 runs, and that a checkpointed forward and recompute of them hook no global module
 hooks."""
-import collections
 
 import pytest
 import torch
+from support import OpCounter
 from torch import nn
 from torch.nn.modules import module as module_globals
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import actsave
 from actsave.runtime.layers import LayerChain, known_layers, modules_under
@@ -69,16 +68,6 @@ def test_a_function_of_unknown_layers_is_watched_by_global_hooks():
     x = torch.randn(4, 8, requires_grad=True)
     actsave.checkpoint(lambda t: probe(torch.tanh(t)), x).sum().backward()
     assert probe.seen[0] > 0  # the forward's recording hooks
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_chain_snapshots_its_module_state_in_one_foreach_op_and_the_recompute_copies_nothing():

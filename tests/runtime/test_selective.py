@@ -1,14 +1,13 @@
 """Selective recompute (actsave/runtime/selective.py): the outputs of linear layers and
 attention kept, the rest recomputed, gradients bit-identical, no matmul run again."""
-import collections
 import copy
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from support import OpCounter
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import actsave
 from actsave import ConfigError
@@ -66,16 +65,6 @@ class LlamaBlock(nn.Module):
         x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
         h = self.norm2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def stack(block, n: int = 3, seed: int = 0):
