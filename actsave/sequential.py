@@ -44,7 +44,7 @@ from .runtime.nested import nested_call
 from .runtime.recompute_options import DEFAULT_RECOMPUTE
 from .runtime.state import ChainState
 from .offload import current_tape
-from .runtime.store import CallerTensors, KeepPolicy, modifies_input, should_encode
+from .runtime.keep_rules import CallerTensors, KeepPolicy, modifies_input, should_encode
 from .text import format_table
 
 
@@ -499,7 +499,7 @@ class CheckpointedSequential(nn.Sequential):
 
 def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:
     """The bytes of a segment's tensor ``input`` if it is kept by reference (its caller
-    holds it: store.should_encode), counted as a codec counts a tensor; else 0 (for
+    holds it: keep_rules.should_encode), counted as a codec counts a tensor; else 0 (for
     other inputs too: describe() reports tensor inputs only)."""
     if not isinstance(input, torch.Tensor) or should_encode(input, made_by):
         return 0

@@ -31,7 +31,7 @@ from .runtime import graph_codecs
 from .runtime.function import checkpoint_in_graph
 from .runtime.keep_modes import BlockOption, call_block
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
-from .runtime.store import KeepPolicy, modifies_input
+from .runtime.keep_rules import KeepPolicy, modifies_input
 
 # The child name torch's own checkpoint_wrapper uses: torch.distributed.checkpoint's
 # state-dict helpers already strip it from fully qualified names.

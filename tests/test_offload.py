@@ -864,7 +864,7 @@ from actsave.devices import host_is_separate  # noqa: E402
 from actsave.planning.memory_model import effective_option  # noqa: E402
 from actsave.planning.plans import keep_options  # noqa: E402
 from actsave.codecs import IDENTITY  # noqa: E402
-from actsave.runtime.store import EXACT, KeepPolicy  # noqa: E402
+from actsave.runtime.keep_rules import EXACT, KeepPolicy  # noqa: E402
 
 
 def wide_relu_chain():

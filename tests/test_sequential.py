@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 import actsave
 from actsave import CheckpointedSequential, ConfigError, RecomputeError
 from actsave.planning.segments import plan_segments, split_starts
-from actsave.runtime.store import EXACT, KeepPolicy
+from actsave.runtime.keep_rules import EXACT, KeepPolicy
 
 SEGMENT_SPECS = [1, 2, 3, "sqrt", "balanced", [0, 1, 3, 7], [1, 6, 11, 16], 20]
 
@@ -279,7 +279,7 @@ def test_an_input_made_by_a_frozen_prefix_follows_its_codec_and_offload(offload)
     assert row[4:6] == ["input", "int8"] and row[-1] == str(expected)
     out.sum().backward()
     assert actsave.stored_bytes() == {"device": 0, "host": 0}
-    # The planner's profile asks the same question (store.should_encode).
+    # The planner's profile asks the same question (keep_rules.should_encode).
     prof = actsave.profile(model, (x,))
     assert [layer.input_encodable for layer in prof.layers] == [False] + [True] * 7
     assert prof.layers[4].kept_bytes["int8"] == expected

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import actsave
 from actsave import Checkpoint, CheckpointedSequential, ConfigError, checkpoint, wrap
-from actsave.runtime.store import KeepPolicy
+from actsave.runtime.keep_rules import KeepPolicy
 
 
 # --- checkpoint(function, *args, **kwargs) ------------------------------------------

@@ -46,7 +46,7 @@ from torch import nn
 from .._torch import is_sharded
 from ..errors import ConfigError
 from ..meta import device_of
-from ..runtime.store import should_encode
+from ..runtime.keep_rules import should_encode
 from . import plans, profiler
 from .segments import split_starts
 
@@ -156,7 +156,7 @@ def _plan_key(input: torch.Tensor, device, layers: list, policies: tuple) -> tup
 
 def _meta_stand_in(x: torch.Tensor) -> torch.Tensor:
     """A meta tensor that actsave treats as it treats ``x``: same shape, strides and
-    dtype; a leaf unless a codec would encode ``x`` (store.should_encode)."""
+    dtype; a leaf unless a codec would encode ``x`` (keep_rules.should_encode)."""
     stand_in = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
     if not should_encode(x):
         return stand_in.requires_grad_(x.requires_grad)

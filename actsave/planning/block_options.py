@@ -44,7 +44,7 @@ from ..errors import ConfigError
 from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.selective import DEFAULT_KEPT_OPS
-from ..runtime.store import KeepPolicy
+from ..runtime.keep_rules import KeepPolicy
 from .instrumented_step import TensorSpec, isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import CostModel

@@ -55,7 +55,7 @@ from .._torch import pytree
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS
 from ..devices import host_is_separate
 from ..errors import ConfigError
-from ..runtime.store import modifies_input, should_encode
+from ..runtime.keep_rules import modifies_input, should_encode
 from ..text import format_table, mib, ms
 from .block_options import BlockMeasurer, candidate_options, model_terms
 from .block_solver import BlockTable, fastest, predicted_peak, smallest

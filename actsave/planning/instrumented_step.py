@@ -32,7 +32,7 @@ from ..runtime import relu_signs
 from ..runtime.kept_saves import stored_once_key
 from ..runtime.layers import modules_under
 from ..runtime.pool_decisions import PoolWatch, Window
-from ..runtime.store import CallerTensors, should_encode
+from ..runtime.keep_rules import CallerTensors, should_encode
 from .live_bytes import LiveBytes, allocation_bytes
 
 
@@ -539,7 +539,7 @@ class TensorSpec:
     dtype: torch.dtype
     storage_bytes: int
     requires_grad: bool
-    encodable: bool  # whether actsave would encode or offload it: store.should_encode
+    encodable: bool  # whether actsave would encode or offload it: keep_rules.should_encode
 
     @classmethod
     def of(cls, t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> "TensorSpec":

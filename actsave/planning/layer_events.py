@@ -65,7 +65,7 @@ class LayerEvents:
         self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
         self.backward_s_before = np.concatenate(([0.0], np.cumsum(column("backward_s"))))
         # A checkpoint whose first layer changes its input in place keeps a copy of the
-        # input (runtime/store.py), and its recompute, where the input needs a gradient,
+        # input (runtime/keep_rules.py, modifies_input), and its recompute, where the input needs a gradient,
         # runs on one more copy (Q).
         self.kept_copy = np.array([layer.dense_input_bytes if layer.modifies_input else 0 for layer in layers],
                                   dtype=np.float64)

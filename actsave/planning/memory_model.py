@@ -156,7 +156,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..devices import host_is_separate
-from ..runtime.store import KeepPolicy, kept_as
+from ..runtime.keep_rules import KeepPolicy, kept_as
 from . import nested_model
 from .profiler import LayerProfile, Profile
 from .planned_segment import Kind
@@ -171,7 +171,7 @@ _MAX_CARRIES = 64
 def effective_option(option: KeepPolicy, layer: LayerProfile, device: str) -> KeepPolicy:
     """What a segment starting at ``layer`` keeps its input by, asked for ``option``:
     an input should_encode refuses is kept by reference, on the device, whatever the
-    option (store.kept_as); without separate host memory an offloaded input still takes
+    option (keep_rules.kept_as); without separate host memory an offloaded input still takes
     its bytes."""
     kept = kept_as(option, layer.input_encodable)
     return kept if host_is_separate(device) else KeepPolicy(kept.codec, False)

@@ -116,7 +116,7 @@ def recomputed_part(model, s: int, stops: np.ndarray, first: bool, input_held: b
     layer's input and rise at a time; its ``after`` is what its own backward holds
     beyond its E(part): R and the private copy an in-place first layer recomputes from.
     Where its first layer changes its input in place, what it keeps is a copy, even of
-    an input held elsewhere (runtime/store.py), and a later part's input, changed
+    an input held elsewhere (runtime/keep_rules.py), and a later part's input, changed
     beside it, is one more tensor as that layer runs, unless held."""
     copy = float(model.kept_copy[s])
     held_elsewhere = first or input_held

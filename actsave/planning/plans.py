@@ -29,7 +29,7 @@ from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, 
 from ..devices import host_is_separate
 from ..errors import ConfigError, InternalError
 from ..runtime.nested import Range
-from ..runtime.store import EXACT, KeepPolicy, kept_as
+from ..runtime.keep_rules import EXACT, KeepPolicy, kept_as
 from ..text import format_table, mib, ms
 from .memory_model import CostModel
 from .profiler import Profile
@@ -393,7 +393,7 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     """The plan of ``CheckpointedSequential(segments="balanced")``: where segments
     start when a segment starting at layer i keeps its input as ``options[i]`` says
     (an input the caller holds, or a non-float one, is kept by reference whatever it
-    says: runtime/store.py's kept_as). The smallest predicted peak over single-level plans (each layer recomputed
+    says: runtime/keep_rules.py's kept_as). The smallest predicted peak over single-level plans (each layer recomputed
     at most once), so a codec or offload that makes kept inputs cheaper buys more,
     shorter segments; among the plans with that peak, the fastest, which on a profile
     without times (meta tensors) is the one that recomputes the fewest layers."""

@@ -31,7 +31,7 @@ from ..devices import host_is_separate
 from ..errors import ConfigError
 from ..meta import on_meta, simulating
 from ..runtime.layers import repeated_modules
-from ..runtime.store import EXACT, KeepPolicy, modifies_input
+from ..runtime.keep_rules import EXACT, KeepPolicy, modifies_input
 from ..text import format_table, mib, ms
 from .codec_costs import CodecCosts
 from .fsdp_gathers import gathered_bytes, with_plain_step_gathers
@@ -67,7 +67,7 @@ class LayerProfile:
     pool_restore_bytes: int  # the larger of keeping them (forward) and restoring them (recompute)
     gathered_bytes: int  # FSDP2's parameters gathered for its forward (fsdp_gathers.py); 0 without FSDP2
     modifies_input: bool
-    input_encodable: bool  # False: kept by reference whatever the codec (the caller's, not float: store.should_encode)
+    input_encodable: bool  # False: kept by reference whatever the codec (the caller's, not float: keep_rules.should_encode)
     kept_bytes: dict
     encode_rise: dict
     decode_rise: dict
@@ -106,7 +106,7 @@ class LayerProfile:
     def kept_input_bytes(self, option: KeepPolicy, chain_input: bool) -> int:
         """K: what a checkpointed segment starting at this layer keeps of its input by
         ``option``, wherever that is. The exact codec keeps a private copy for an
-        in-place first layer (runtime/store.py), else the input itself, nothing extra
+        in-place first layer (runtime/keep_rules.py, modifies_input), else the input itself, nothing extra
         for the chain input (held by the caller)."""
         if option.lossy:
             return self.kept_bytes[option.codec.name]

@@ -19,7 +19,7 @@ from .live_bytes import allocation_bytes
 class StoredTensor:
     """One tensor of the profiled step's saves as a stored segment whose saves a lossy
     codec keeps stores it (runtime/kept_saves.py): a floating-point save autograd
-    made (store.should_encode) by the codec, once per ``stored_once_key``, else held as
+    made (keep_rules.should_encode) by the codec, once per ``stored_once_key``, else held as
     it is, once per storage. A ReLU output keeps its decisions, one bit per element,
     where the segment made it: where its first save is in the segment (relu_signs.py,
     made_by_segment_relu; an earlier save means it is the segment's input)."""

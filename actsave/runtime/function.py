@@ -88,7 +88,8 @@ from .layers import known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState, TouchedState
-from .store import EXACT, CallerTensors, KeepPolicy, KeptInputs, account, input_tensors
+from .keep_rules import EXACT, CallerTensors, KeepPolicy
+from .store import KeptInputs, account, input_tensors
 
 _local = threading.local()
 
@@ -436,7 +437,7 @@ def checkpointed_call(
     compiled graph ]). ``private_copy`` makes the kept inputs private copies, for
     functions that modify their inputs in place. ``options`` say how to recompute
     (recompute_options.py). ``made_by``: the inputs are a chain's activations, made by
-    its layers before (store.should_encode). ``eager_because``: why a call Dynamo
+    its layers before (keep_rules.should_encode). ``eager_because``: why a call Dynamo
     meets runs eagerly, for its warning. ``prepared``: the modules under the function's
     layers and their state as the forward starts, from state.ChainState (eager calls
     only). See NOTE [ Segment checkpoint mechanism ].

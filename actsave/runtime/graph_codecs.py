@@ -94,7 +94,7 @@ from ..triton_kernels import general_path
 from . import relu_signs
 from .layers import modules_under
 from .pool_decisions import Window
-from .store import KeepPolicy
+from .keep_rules import KeepPolicy
 
 _KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
 _STORED = "actsave_stored_by"  # that of a stored segment's ops
@@ -161,7 +161,7 @@ def inputs_copied(args: tuple, kwargs: dict, policy: KeepPolicy) -> tuple:
     grad) copied, the copies annotated as kept by ``policy``'s codec: of a wrapped
     block's saves, the hooks encode those only. A copy is the graph's own tensor,
     encoded even where the activation reached the graph as one of its inputs, which the
-    hooks are never given (see the NOTE). Unlike store.should_encode this takes a leaf
+    hooks are never given (see the NOTE). Unlike keep_rules.should_encode this takes a leaf
     that requires grad too: Dynamo neither tells leaves from other inputs nor guards
     on it."""
     with _torch.annotated({_COPY: policy.codec.name}):

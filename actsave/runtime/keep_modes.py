@@ -39,7 +39,7 @@ from .function import checkpoint_in_graph, checkpointed_call, warn_eager_under_c
 from .kept_saves import call_with_kept_saves
 from .recompute_options import RecomputeOptions
 from .selective import DEFAULT_KEPT_OPS, KeptOps, aten_ops_of, selective_call
-from .store import EXACT, KeepPolicy
+from .keep_rules import EXACT, KeepPolicy
 
 KEEP_MODES = ("inputs", "selective", "saves", "linear_inputs")
 KeepSpec = Union[str, KeptOps]

@@ -1,5 +1,5 @@
 """Saves kept instead of recomputed: a call run once, every tensor its autograd saves
-kept by a :class:`~actsave.runtime.store.KeepPolicy`, by its codec and, with
+kept by a :class:`~actsave.runtime.keep_rules.KeepPolicy`, by its codec and, with
 ``offload``, in host memory. The entry point: :func:`call_with_kept_saves`.
 
 Its users:
@@ -22,7 +22,7 @@ What each save autograd makes during the call becomes (_SavesStore.pack):
 
 - Held as it is, on the device: the leaves and their views (parameters, ``weight.t()``,
   the batch, BatchNorm's running and batch statistics), integer and bool tensors, empty
-  ones: what store.should_encode refuses. Keeping them otherwise would copy what lives
+  ones: what keep_rules.should_encode refuses. Keeping them otherwise would copy what lives
   anyway. With ``scope="linear_inputs"``, also every save that is not a Linear input:
   autograd's own, exact.
 - Kept by a lossy codec: every other floating-point save (``scope="all"``), or those
@@ -100,7 +100,8 @@ from ..offload import OffloadedTensors, current_tape
 from . import relu_signs
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolWatch, Window
-from .store import KeepPolicy, account, input_tensors, should_encode
+from .keep_rules import KeepPolicy, should_encode
+from .store import account, input_tensors
 
 SCOPES = ("all", "linear_inputs")
 

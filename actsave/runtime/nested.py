@@ -44,7 +44,8 @@ from .function import (
 from .layers import LayerChain, repeated_modules
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .state import ReplayState
-from .store import EXACT, KeptInputs, modifies_input
+from .keep_rules import EXACT, modifies_input
+from .store import KeptInputs
 
 
 @dataclass(frozen=True)

@@ -519,7 +519,7 @@ def selective_call(function: Callable, args: tuple, kwargs: dict, ops: KeptOps, 
     inputs exactly and the outputs of the calls ``ops`` names (NOTE [ Selective
     recompute ]). Returns ``(output, kept_bytes)`` as
     :func:`~actsave.runtime.function.checkpointed_call` does."""
-    from .store import EXACT
+    from .keep_rules import EXACT
 
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0

@@ -35,7 +35,7 @@ from actsave.planning import memory_model, plans
 from actsave.planning.fsdp_gathers import with_plain_step_gathers
 from actsave.planning.planned_segment import PlannedSegment
 from actsave.planning.segments import segment_starts
-from actsave.runtime.store import EXACT, KeepPolicy
+from actsave.runtime.keep_rules import EXACT, KeepPolicy
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

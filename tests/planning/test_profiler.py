@@ -109,7 +109,8 @@ def test_profile_and_plan_print_as_tables():
 # --- the runtime and the profile on one rule ------------------------------------------
 
 from actsave.planning.memory_model import effective_option  # noqa: E402
-from actsave.runtime.store import CallerTensors, KeepPolicy, _KeptTensor, should_encode  # noqa: E402
+from actsave.runtime.keep_rules import CallerTensors, KeepPolicy, should_encode  # noqa: E402
+from actsave.runtime.store import _KeptTensor  # noqa: E402
 
 
 class _WeightView(nn.Module):

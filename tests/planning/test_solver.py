@@ -16,7 +16,7 @@ from torch import nn
 import actsave
 from actsave import CheckpointedSequential
 from actsave.planning import nested_solver, plans, solver
-from actsave.runtime.store import KeepPolicy
+from actsave.runtime.keep_rules import KeepPolicy
 
 STORED = "stored"  # in all_plans' options: a stored (not checkpointed) segment before the last
 

@@ -5,7 +5,7 @@ from torch import nn
 
 import actsave
 from actsave.runtime.function import checkpointed_call
-from actsave.runtime.store import EXACT
+from actsave.runtime.keep_rules import EXACT
 
 
 def chain():

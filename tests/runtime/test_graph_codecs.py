@@ -14,7 +14,7 @@ from torch.autograd.graph import saved_tensors_hooks
 import actsave
 from actsave import _torch
 from actsave.runtime import graph_codecs
-from actsave.runtime.store import EXACT, KeepPolicy
+from actsave.runtime.keep_rules import EXACT, KeepPolicy
 from support import ResidualBlock, ResidualNet
 
 INT8 = KeepPolicy.resolve("int8")

@@ -18,7 +18,7 @@ from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, get_codec
 from actsave.offload import HostCopyEngine, PrefetchTape, current_tape, host_pool
 from actsave.runtime import kept_saves, pool_decisions
 from actsave.runtime.kept_saves import call_with_kept_saves
-from actsave.runtime.store import KeepPolicy
+from actsave.runtime.keep_rules import KeepPolicy
 
 
 def last_segment_only(*layers, compress="int8") -> CheckpointedSequential:

@@ -8,7 +8,8 @@ import torch
 import actsave
 from actsave import ConfigError
 from actsave.codecs import sqnr_db
-from actsave.runtime.store import EXACT, CallerTensors, KeepPolicy, KeptInputs, should_encode
+from actsave.runtime.keep_rules import EXACT, CallerTensors, KeepPolicy, should_encode
+from actsave.runtime.store import KeptInputs
 from support import codes_and_scales
 
 

@@ -1,0 +1,113 @@
+"""Which tensors a checkpoint may keep by a codec or on the host, and how it keeps
+them: the keep rules that the runtime (store.py, kept_saves.py, keep_modes.py) and
+the planner (its profile, cost model and plans) both ask, so that they agree.
+
+- :class:`KeepPolicy` (a codec and whether offloaded), resolved once; :data:`EXACT`.
+- :func:`should_encode`: a floating-point tensor nobody else holds; the caller's
+  tensors (:class:`CallerTensors`) are kept by reference (NOTE [ Inputs kept by
+  reference ], :func:`kept_as`).
+- :func:`modifies_input`: a first layer that changes its input in place (a private copy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .._torch import leaf_base
+from ..codecs import IDENTITY, Codec, get_codec
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KeepPolicy:
+    """How one segment keeps its input: the codec, and whether it goes to the host.
+
+    No field has a default: Dynamo (torch 2.11) inlines the constructor where a traced
+    forward builds a policy, binds its defaults, and cannot wrap a codec held only there
+    (a graph break per layer; :data:`EXACT` is the exact policy)."""
+
+    codec: Codec
+    offload: bool
+
+    @classmethod
+    def resolve(cls, compress=None, offload=False) -> "KeepPolicy":
+        if not isinstance(offload, bool):
+            raise ConfigError(f"offload={offload!r} must be True or False")
+        return cls(codec=get_codec(compress), offload=offload)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether a recompute from what this policy keeps differs from the forward."""
+        return not self.codec.lossless
+
+    def describe(self) -> tuple:
+        return (self.codec.name, "host" if self.offload else "-")
+
+
+EXACT = KeepPolicy(IDENTITY, False)
+
+
+class CallerTensors:
+    """The tensors the caller of a chain of layers holds whatever actsave keeps: the
+    chain's input, and the parameters and buffers of its layers (``module``)."""
+
+    def __init__(self, chain_input, module: nn.Module):
+        self._input = leaf_base(chain_input) if isinstance(chain_input, torch.Tensor) else None
+        self._module = module
+        self._buffers = None  # ids, gathered at the first question (frozen layers only)
+
+    def hold(self, leaf: torch.Tensor) -> bool:
+        """Whether ``leaf`` (a leaf tensor) is one of them."""
+        if leaf is self._input or leaf.requires_grad or isinstance(leaf, nn.Parameter):
+            return True  # a leaf that needs grad is the caller's: autograd makes none
+        if self._buffers is None:
+            self._buffers = {id(b) for b in self._module.buffers()}
+        return id(leaf) in self._buffers
+
+
+def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> bool:
+    """Whether a codec (and offload) applies to ``t``, a kept input: a floating-point
+    tensor that nobody else holds.
+
+    That is a tensor autograd produced, not a view of a leaf. ``made_by``: ``t`` is
+    the input of a segment after the first of a chain, the output of the layers before
+    it; then a tensor that needs no grad (made by layers whose parameters need none: a
+    frozen prefix, as in fine-tuning) is one too, unless it is, or is a view of, one of
+    the tensors the chain's caller holds (the chain input, a parameter, a buffer). The
+    planner's profile asks the same question of each layer input (LayerProfile.input_encodable)."""
+    # The caller's tensors (parameters, the batch) and their views (``weight.t()``) are
+    # held elsewhere anyway: encoding or offloading them would add memory, copies and
+    # error, and free nothing. A tensor that needs no grad looks like a leaf, so
+    # outside a chain, where its maker is unknown (a mask or rotary table made under
+    # no_grad, shared by every block), it is taken for one. Integer and bool tensors
+    # are never quantized.
+    if not t.is_floating_point():
+        return False
+    leaf = leaf_base(t)
+    return leaf is None or (made_by is not None and not made_by.hold(leaf))
+
+
+# NOTE [ Inputs kept by reference ]
+# A kept input that should_encode refuses (the caller's tensors and their views, a
+# non-float tensor) is kept as it is, on the device, whatever the policy asks: a codec
+# or offload would add memory, copies and error and free nothing. The runtime
+# (_KeptTensor) and the planner (memory_model.effective_option, the cost model's
+# allowed options, plans.balanced and plans.predict) ask kept_as; the planner's
+# LayerProfile.input_encodable is should_encode's answer for the layer's input.
+def kept_as(policy: KeepPolicy, encodable: bool) -> KeepPolicy:
+    """What a kept input is stored by when ``policy`` is asked for it and should_encode
+    answered ``encodable``: NOTE [ Inputs kept by reference ]."""
+    return policy if encodable else EXACT
+
+
+def modifies_input(function) -> bool:
+    """Whether ``function`` (a layer, or the first layer of a segment) changes its
+    input in place, so that a segment starting with it keeps a private copy of its
+    input: ``nn.ReLU(inplace=True)`` and friends say so with ``inplace = True``."""
+    return getattr(function, "inplace", False) is True
+
+
+__all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "kept_as", "modifies_input"]
