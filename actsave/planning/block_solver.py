@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .block_options import OptionTerms
-
 
 @dataclass(frozen=True)
 class BlockTable:

@@ -58,13 +58,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-import weakref
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from .._torch import ATTENTION, FunctionTap, aten_overloads, leaf_base, pytree, storage_identity, version
+from .._torch import ATTENTION, aten_overloads, leaf_base, pytree, storage_identity, version
 from ..errors import ConfigError, RecomputeError
 from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
 from .layers import known_layers
