@@ -83,12 +83,19 @@ def test_random_operators_on_meta_tensors_draw_nothing():
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def test_a_plan_in_another_thread_leaves_this_threads_batchnorm_and_random_numbers_alone():
+def plan_paused_in_another_thread():
+    """A chain whose first step (its plan) another thread has begun and is paused
+    in: the pause, the model, its batch and the thread's join."""
     pause = Pause()
     model = actsave.CheckpointedSequential(*bn_relu_chain(pause))
     x = torch.randn(4, 8)
     join = run_in_thread(lambda: model(x).sum().backward())
     assert pause.inside.wait(WAIT_S)
+    return pause, model, x, join
+
+
+def test_a_plan_in_another_thread_leaves_this_threads_batchnorm_and_random_numbers_alone():
+    pause, model, x, join = plan_paused_in_another_thread()
     # The other thread is inside its meta step now.
     torch.manual_seed(7)
     bn, _, during = batchnorm_and_draws()
@@ -152,11 +159,7 @@ def test_a_plan_in_another_thread_runs_this_threads_compiled_code_compiled():
 
 
 def test_a_model_called_on_another_thread_while_it_plans_says_so():
-    pause = Pause()
-    model = actsave.CheckpointedSequential(*bn_relu_chain(pause))
-    x = torch.randn(4, 8)
-    join = run_in_thread(lambda: model(x).sum().backward())
-    assert pause.inside.wait(WAIT_S)
+    pause, model, x, join = plan_paused_in_another_thread()
     try:
         with pytest.raises(actsave.ConfigError, match="while another thread plans its segments"):
             model(x)
