@@ -270,7 +270,7 @@ class CostModel(StoredTerms):
         """R(a, b, o) less the sign bits (lossy options) and the snapshot before b, for
         a segment that keeps anything (``saves``): the part of R that does not depend on
         the end, so that for every end b, R(a, b, o) - R(a', b, o) is the same
-        (solver._Sweep orders prefixes by it). Exact in float64: every term is a whole
+        (pareto.Sweep orders prefixes by it). Exact in float64: every term is a whole
         number of bytes or of bits / 8."""
         signs_before_start = self.signs_before[a] if self.options[o].lossy else 0.0
         return self.kept_input[o, a] - signs_before_start - self.state_before[a] - self._reused(o, a, input_held)
@@ -311,7 +311,7 @@ class CostModel(StoredTerms):
 
     def seconds_less_end(self, o: int, a) -> np.ndarray:
         """t(a, b, o) less the forward time before b, for an option kept on the device:
-        the part of t that does not depend on the end (solver._Sweep orders prefixes
+        the part of t that does not depend on the end (pareto.Sweep orders prefixes
         by it; the time DP adds the forward time before b to it)."""
         return self.codec_s[o, a] - self.forward_s_before[a]
 

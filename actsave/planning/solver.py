@@ -53,7 +53,7 @@ Dynamic program
     vectorized over the candidates C. Stored middle segments widen the frontiers (a
     prefix may keep more bytes to recompute less), to tens of thousands of live
     labels on long chains at tight budgets; once more than _SWEPT labels extend, each
-    option kept on the device reads only those a _Sweep leaves (its staircase, far
+    option kept on the device reads only those a Sweep (pareto.py) leaves (its staircase, far
     fewer), its W + C gathered from a table of every segment built once per option
     and carry (CostModel.working_set). Measured planning times: docs/results.md,
     "Planning time" (tests/planning/test_solver.py prints them for 1,000 layers).
@@ -68,6 +68,7 @@ import numpy as np
 from . import nested_model
 from .memory_model import CostModel
 from .nested_solver import NestedTable, exact_options
+from .pareto import BITS, Batch, Labels, Sweep, Window, held_pareto
 from .planned_segment import PlannedSegment
 
 
@@ -177,30 +178,7 @@ _STORED = -2
 _ROOT = -1  # the option column of the empty plan
 
 
-class _Labels:
-    """A growable table of prefix plans: kept bytes P, time T, whether the last segment
-    is a stored middle one whose saves hold the next segment's input (held), and how
-    each was made."""
-
-    _COLUMNS = {"p": np.float64, "t": np.float64, "held": np.bool_, "position": np.int64, "option": np.int64,
-                "previous": np.int64, "nested_room": np.float64, "live": np.bool_}
-
-    def __init__(self, capacity: int = 1024):
-        self.size = 0
-        self._data = {name: np.empty(capacity, dtype) for name, dtype in self._COLUMNS.items()}
-
-    def append(self, **columns) -> None:
-        count = len(columns["p"])
-        if self.size + count > len(self._data["p"]):
-            grown = max(2 * len(self._data["p"]), self.size + count)
-            for name, old in self._data.items():
-                self._data[name] = np.resize(old, grown)
-        for name, values in columns.items():
-            self._data[name][self.size:self.size + count] = values
-        self.size += count
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self._data[name][:self.size]
+_SWEPT = 2048  # more labels extending than this: a Sweep reads fewer (below, its upkeep costs more)
 
 
 class _Prefixes:
@@ -231,7 +209,7 @@ class _Prefixes:
             # from a needs beyond P, a bound that grows with b as _sources requires.
             least = np.min([nested.least_working_set(o) for o in exact_options(model)], axis=0) + carry
             self.nested_floor = np.minimum.accumulate(least[..., ::-1], axis=-1)[..., ::-1]
-        self.labels = _Labels()
+        self.labels = Labels()
         self.labels.append(p=np.zeros(1), t=np.zeros(1), held=np.zeros(1, dtype=bool),
                            position=np.zeros(1, dtype=np.int64),
                            option=np.full(1, _ROOT), previous=np.full(1, -1), nested_room=np.full(1, np.nan),
@@ -239,7 +217,7 @@ class _Prefixes:
         # (time, label whose plan ends with the stored segment, its stored codec)
         self.best = (math.inf, -1, 0)
         self.alive = np.arange(1)  # the labels that may still extend (_extend_to)
-        self.sweeps = {}  # option -> _Sweep, from the first b where more than _SWEPT labels extend
+        self.sweeps = {}  # option -> Sweep, from the first b where more than _SWEPT labels extend
 
     def fastest(self) -> Optional[tuple]:
         """(extra seconds, segments) of the fastest plan, or None when none fits."""
@@ -264,7 +242,7 @@ class _Prefixes:
         new_p, new_t, new_held, option, previous, room = self._candidates(b, source)
         completable = np.nonzero((new_p + self.rest[new_held.astype(np.int64), b] <= self.headroom)
                                  & (new_t < self.best[0]))[0]
-        keep = completable[_held_pareto(new_p[completable], new_t[completable], new_held[completable],
+        keep = completable[held_pareto(new_p[completable], new_t[completable], new_held[completable],
                                         self.model.reused_input[b])]
         labels, first = self.labels, self.labels.size
         labels.append(p=new_p[keep], t=new_t[keep], held=new_held[keep], position=np.full(keep.size, b),
@@ -291,34 +269,34 @@ class _Prefixes:
     def _candidates(self, b: int, source: np.ndarray) -> tuple:
         """(P, T, bit, option, previous label, nested room) of the extensions to b of
         the labels ``source`` (in order of position) that may be on the frontier:
-        every allowed one, less those a _Sweep shows beaten. In the order of a stable
+        every allowed one, less those a Sweep shows beaten. In the order of a stable
         Pareto sort's ties: stored middle segments, each option, nested segments;
         within each, by label."""
         model, labels, parts, everyone = self.model, self.labels, [], None
-        window = _Window(model, int(labels["position"][source[0]]), b, self.carry)
+        window = Window(model, int(labels["position"][source[0]]), b, self.carry)
         if model.store_middle:
             parts.append(self._stored_middle_extensions(window))
         for o in range(len(model.options)):
             if not model.options[o].offload and source.size > _SWEPT and o not in self.sweeps:
-                self.sweeps[o] = _Sweep(model, o)
+                self.sweeps[o] = Sweep(model, o)
                 self.sweeps[o].add(labels, source)
             if o in self.sweeps:
                 batch, (ok, times) = self._swept(o, window)
             else:
-                batch = everyone = everyone or _Batch(labels, source, window)
+                batch = everyone = everyone or Batch(labels, source, window)
                 ok, times = self._usable(o, batch)
             parts.append(batch.extensions(ok, window.kept(o), times, False, o))
         if self.nested is not None:  # after the plain options, so that they win ties
-            batch = everyone or _Batch(labels, source, window)
+            batch = everyone or Batch(labels, source, window)
             for o in exact_options(model):
-                outside = nested_model.held_outside(model, o, window.starts[None], b, _BITS)
+                outside = nested_model.held_outside(model, o, window.starts[None], b, BITS)
                 room = self.headroom - batch.p - outside[batch.at] - self.carry
                 seconds = model.seconds(o, window.starts, b)[batch.at[1]] + self.nested.time(batch.positions, b, room)
                 ok = self._near(batch) & np.isfinite(seconds)
                 parts.append(batch.extensions(ok, window.kept(o), batch.t + seconds, False, o, room))
         return tuple(np.concatenate(columns) for columns in zip(*parts))
 
-    def _swept(self, o: int, window: "_Window") -> tuple:
+    def _swept(self, o: int, window: "Window") -> tuple:
         """(batch, (ok, T)) of the labels whose extension to b by option o (kept on the
         device) may be on the frontier: those of its sweep's staircase where each
         extends and keeps anything, else those one pass over the sweep finds; and
@@ -327,25 +305,25 @@ class _Prefixes:
         labels, sweep, b = self.labels, self.sweeps[o], window.b
         keeps_nothing = self._alive_from(self.model.last_saver[b - 1] + 1)
         staircase = sweep.staircase(labels["live"])
-        batch = _Batch(labels, np.concatenate((staircase, keeps_nothing)), window)
+        batch = Batch(labels, np.concatenate((staircase, keeps_nothing)), window)
         found = self._usable(o, batch)
         on_staircase = slice(staircase.size)
         if not (found[0][on_staircase] & self.model.saves(batch.positions[on_staircase], b)).all():
-            everyone = _Batch(labels, sweep.everyone(labels["live"]), window)
+            everyone = Batch(labels, sweep.everyone(labels["live"]), window)
             chosen = sweep.undominated(*self._usable(o, everyone, saving=True))
-            batch = _Batch(labels, np.concatenate((chosen, keeps_nothing)), window)
+            batch = Batch(labels, np.concatenate((chosen, keeps_nothing)), window)
             found = self._usable(o, batch)
         return batch, found
 
-    def _near(self, batch: "_Batch"):
+    def _near(self, batch: "Batch"):
         """Whether a checkpointed segment from each label to b holds at most ``longest``
         layers."""
         return (batch.positions >= batch.window.b - self.longest) if self.longest < self.model.n else True
 
-    def _usable(self, o: int, batch: "_Batch", saving: bool = False) -> tuple:
+    def _usable(self, o: int, batch: "Batch", saving: bool = False) -> tuple:
         """(ok, T) of extending each label of ``batch`` to b with option o: whether it
         is allowed and fits (and, with ``saving``, keeps anything), and its time; for
-        an option kept on the device, T + t by _Sweep's terms (the time before the
+        an option kept on the device, T + t by Sweep's terms (the time before the
         start, then the end's), so that its order is the sweep's."""
         model, b = self.model, batch.window.b
         ok = self._near(batch) & (batch.p + batch.window.working_set(o)[batch.at] <= self.headroom)
@@ -357,18 +335,18 @@ class _Prefixes:
             times = batch.t + model.seconds(o, batch.window.starts, b)[batch.at[1]]
         return ok, times
 
-    def _stored_middle_extensions(self, window: "_Window") -> tuple:
+    def _stored_middle_extensions(self, window: "Window") -> tuple:
         """The extensions to b by a stored middle segment: from the labels at the
         positions whose first join is at or after b (CostModel.stored_middle_reach)."""
         model, b, reach = self.model, window.b, self.model.stored_middle_reach
         reaching = window.starts[reach[window.starts] >= b]
         chosen = self._alive_from(reaching[0] if reaching.size else b)
-        batch = _Batch(self.labels, chosen[reach[self.labels["position"][chosen]] >= b], window)
+        batch = Batch(self.labels, chosen[reach[self.labels["position"][chosen]] >= b], window)
         starts = window.starts[None]
-        working = model.stored_middle_working_set(starts, b, window.carry, _BITS)[..., 0]
+        working = model.stored_middle_working_set(starts, b, window.carry, BITS)[..., 0]
         ok = batch.p + working[batch.at] <= self.headroom
         holds = model.stored_middle_holds_output(window.starts, b)[batch.at[1]]
-        return batch.extensions(ok, model.stored_middle_kept(starts, b, _BITS), batch.t, holds, _STORED)
+        return batch.extensions(ok, model.stored_middle_kept(starts, b, BITS), batch.t, holds, _STORED)
 
     def _alive_from(self, position: int) -> np.ndarray:
         """The labels that may extend, at ``position`` or later (labels are made in
@@ -411,190 +389,3 @@ class _Prefixes:
                 nested.append(None if math.isnan(room) else self.nested.tree(start, stop, room))
             label = previous
         return segments[::-1], nested[::-1]
-
-
-_BITS = np.array([[False], [True]])  # the held bit as a column: tables are [bit, start]
-
-
-class _Window:
-    """The starts [lo, b) of the labels that may extend to b, and the terms of the
-    segments [start, b) over them as [bit, start - lo] tables, each built once."""
-
-    def __init__(self, model: CostModel, lo: int, b: int, carry: float):
-        self.model, self.lo, self.b, self.carry = model, lo, b, np.array([carry])
-        self.starts = np.arange(lo, b)
-        self._working_sets = {}
-
-    def working_set(self, o: int) -> np.ndarray:
-        """W + C of option o."""
-        if o not in self._working_sets:
-            self._working_sets[o] = self.model.working_set(o, self.starts[None], self.b, self.carry, _BITS)[..., 0]
-        return self._working_sets[o]
-
-    def kept(self, o: int) -> np.ndarray:
-        """R of option o."""
-        return np.broadcast_to(self.model.kept(o, self.starts[None], self.b, _BITS), (2, self.starts.size))
-
-
-class _Batch:
-    """Labels extending to b and what a segment from each reads: P, T, the held bit,
-    the position, and ``at`` = (bit, position - lo) into the window's tables (a
-    segment's terms depend on a label only through its start and bit)."""
-
-    def __init__(self, labels: _Labels, chosen: np.ndarray, window: _Window):
-        self.chosen, self.window = chosen, window
-        self.p, self.t, self.held = labels["p"][chosen], labels["t"][chosen], labels["held"][chosen]
-        self.positions = labels["position"][chosen]
-        self.at = (self.held.astype(np.int64), self.positions - window.lo)
-
-    def extensions(self, ok, kept, times, holds, option: int, room=None) -> tuple:
-        """(P, T, bit, option, previous label, nested room) of the extensions ``ok``
-        (a mask over the labels): P + ``kept`` (a [bit, start] table), ``times`` their
-        T, ``holds`` their new bit."""
-        ok = np.nonzero(ok)[0]
-        kept = np.broadcast_to(kept, (2, self.window.starts.size))
-        return (self.p[ok] + kept[self.at[0][ok], self.at[1][ok]], times[ok],
-                np.broadcast_to(holds, self.p.shape)[ok], np.full(ok.size, option), self.chosen[ok],
-                np.full(ok.size, np.nan) if room is None else room[ok])
-
-
-_SWEPT = 2048  # more labels extending than this: a _Sweep reads fewer (below, its upkeep costs more)
-
-
-class _Sweep:
-    """The labels that may extend by one option o kept on the device, in the order of
-    their extensions: P + R(a, b, o) = (P + CostModel.kept_from_start(o, a)) + a term
-    of b alone, exactly (whole bytes), and T + t(a, b, o) = (T +
-    CostModel.seconds_less_end(o, a)) + the forward time before b, a sum whose order
-    adding the same term keeps. So one order, by those keys (then by label), serves
-    every b, kept up to date as labels come and go instead of sorted at each b.
-
-    An extension whose T is no less than that of an earlier feasible one is beaten or
-    equalled by it (no smaller P, both unheld; of equal ones the earlier, smaller
-    label stays, as in _sorted_pareto): it cannot be on the frontier. The staircase
-    of the keys (the labels whose T key is below every earlier one's) changes only as
-    labels come and go; where each of its labels is live and its extension feasible,
-    the extensions that may be on the frontier are among the staircase's, and no
-    other label is read. Else one pass of running minima over every live label finds
-    them. On long chains at tight budgets the staircase is a small fraction of the
-    live labels (docs/results.md, "Figures behind the code's rules";
-    tests/planning/test_solver.py prints the time)."""
-
-    def __init__(self, model: CostModel, o: int):
-        self.model, self.o = model, o
-        self.labels, self.p_keys, self.t_keys = np.empty(0, dtype=np.int64), np.empty(0), np.empty(0)
-        self.staircase_at = np.empty(0, dtype=np.int64)  # indices into labels
-
-    def add(self, labels: _Labels, new: np.ndarray) -> None:
-        """Merge the labels ``new`` (increasing) in, where option o is allowed at their
-        position."""
-        new = new[self.model.allowed[self.o, labels["position"][new]]]
-        positions, held = labels["position"][new], labels["held"][new]
-        p_keys = labels["p"][new] + self.model.kept_from_start(self.o, positions, held)
-        t_keys = labels["t"][new] + self.model.seconds_less_end(self.o, positions)
-        order = np.argsort(p_keys, kind="stable")  # equal keys by label
-        at = np.searchsorted(self.p_keys, p_keys[order], side="right")
-        # Where each old and each new label lands: the new ones after the old of equal key.
-        new_at = at + np.arange(at.size)
-        old_at = np.ones(self.labels.size + at.size, dtype=bool)
-        old_at[new_at] = False
-        merged = []
-        for column, values in ((self.labels, new), (self.p_keys, p_keys), (self.t_keys, t_keys)):
-            both = np.empty(old_at.size, dtype=column.dtype)
-            both[old_at], both[new_at] = column, values[order]
-            merged.append(both)
-        # The new labels may join the staircase; no label off it comes back on.
-        on = self.staircase_at
-        candidates = np.sort(np.concatenate((on + np.searchsorted(at, on, side="right"), new_at)))
-        self.labels, self.p_keys, self.t_keys = merged
-        self.staircase_at = candidates[_below_every_earlier(self.t_keys[candidates])]
-
-    def staircase(self, live: np.ndarray) -> np.ndarray:
-        """The labels of the staircase, increasing; ``live``: a flag per label, whether
-        it still extends."""
-        if not live[self.labels[self.staircase_at]].all():
-            self._leave(live)
-        return np.sort(self.labels[self.staircase_at])
-
-    def everyone(self, live: np.ndarray) -> np.ndarray:
-        """Every label that still extends, in key order."""
-        self._leave(live)
-        return self.labels
-
-    def undominated(self, ok: np.ndarray, times: np.ndarray) -> np.ndarray:
-        """Of :meth:`everyone`, given whether each extension is allowed, fits and keeps
-        anything (``ok``) and its T, those below every earlier one, increasing."""
-        return np.sort(self.labels[_below_every_earlier(np.where(ok, times, np.inf))])
-
-    def _leave(self, live: np.ndarray) -> None:
-        """Drop the labels that no longer extend (for good: _Prefixes._sources)."""
-        stay = live[self.labels]
-        if not stay.all():
-            self.labels, self.p_keys, self.t_keys = self.labels[stay], self.p_keys[stay], self.t_keys[stay]
-            self.staircase_at = np.nonzero(_below_every_earlier(self.t_keys))[0]
-
-
-def _below_every_earlier(values: np.ndarray) -> np.ndarray:
-    """Whether each value is below every one before it."""
-    least = np.minimum.accumulate(values)
-    return least < np.concatenate(([np.inf], least[:-1]))
-
-
-_SAMPLED = 1024  # pairs whose frontier screens the rest before the full sort
-
-
-def _held_pareto(p: np.ndarray, t: np.ndarray, held: np.ndarray, reused: float) -> np.ndarray:
-    """Indices of the labels at one position that may lead to a faster plan. A held
-    label (its stored middle segment holds the next input, ``reused`` bytes) needs
-    at most as much headroom from here as an unheld one of the same P, and at least
-    that less ``reused``: it beats an unheld label of no smaller P and T, and is
-    beaten by an unheld one at least ``reused`` smaller in P and no larger in T,
-    strictly smaller in one (so that of two labels beating each other, one stays)."""
-    unheld, holding = np.nonzero(~held)[0], np.nonzero(held)[0]
-    unheld = unheld[_pareto(p[unheld], t[unheld])]
-    holding = holding[_pareto(p[holding], t[holding])]
-    unheld = unheld[~_beaten(p[holding], t[holding], p[unheld], t[unheld], strictly=False)]
-    holding = holding[~_beaten(p[unheld] + reused, t[unheld], p[holding], t[holding], strictly=True)]
-    return np.concatenate((unheld, holding))
-
-
-def _beaten(by_p: np.ndarray, by_t: np.ndarray, p: np.ndarray, t: np.ndarray, strictly: bool) -> np.ndarray:
-    """Whether some pair (by_p, by_t) is no larger than each (p, t) in both (and, if
-    ``strictly``, smaller in one)."""
-    if not by_p.size:
-        return np.zeros(p.size, dtype=bool)
-    order = np.argsort(by_p, kind="stable")
-    least_t = np.minimum.accumulate(by_t[order])  # the least T among the pairs up to each P
-    at_most = np.searchsorted(by_p[order], p, side="right") - 1
-    beaten = (at_most >= 0) & (least_t[np.maximum(at_most, 0)] <= t)
-    if strictly:
-        below = np.searchsorted(by_p[order], p, side="left") - 1
-        smaller_t = (at_most >= 0) & (least_t[np.maximum(at_most, 0)] < t)
-        smaller_p = (below >= 0) & (least_t[np.maximum(below, 0)] <= t)
-        beaten = smaller_t | smaller_p
-    return beaten
-
-
-def _pareto(p: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Indices of the pairs that no other pair beats in both P and T (of equal pairs,
-    one). Many pairs: first the frontier of a sample drops every pair it beats or
-    equals, so that only the few left are sorted (the same frontier: each pair dropped
-    is beaten or equalled by a sample pair, which stays)."""
-    if len(p) <= 2 * _SAMPLED:
-        return _sorted_pareto(p, t)
-    sample = np.unique(np.concatenate((np.linspace(0, len(p) - 1, _SAMPLED).astype(np.int64),
-                                       [np.argmin(p), np.argmin(t)])))
-    front = sample[_sorted_pareto(p[sample], t[sample])]  # P increasing, T decreasing
-    front = front[np.argsort(p[front], kind="stable")]
-    at = np.searchsorted(p[front], p, side="right") - 1  # the sample frontier's last pair with P <= p
-    beaten = (at >= 0) & (t[front[np.maximum(at, 0)]] <= t)
-    # Each front pair equals itself (the front's P are distinct), so none is left
-    # unbeaten: the two index sets are disjoint.
-    rest = np.concatenate((np.nonzero(~beaten)[0], front))
-    return rest[_sorted_pareto(p[rest], t[rest])]
-
-
-def _sorted_pareto(p: np.ndarray, t: np.ndarray) -> np.ndarray:
-    order = np.lexsort((t, p))
-    best_before = np.minimum.accumulate(np.concatenate(([np.inf], t[order][:-1])))
-    return order[t[order] < best_before]

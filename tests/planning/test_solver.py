@@ -15,7 +15,7 @@ from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential
-from actsave.planning import nested_solver, plans, solver
+from actsave.planning import nested_solver, pareto, plans, solver
 from actsave.runtime.keep_rules import KeepPolicy
 
 STORED = "stored"  # in all_plans' options: a stored (not checkpointed) segment before the last
@@ -51,7 +51,7 @@ def views_chain() -> list:
 @pytest.fixture(params=["direct", "swept"])
 def reading(request, monkeypatch):
     """The time DP reading every label at each b ("direct"), or through its sweeps
-    from the first b ("swept"; solver._Sweep, else used from _SWEPT labels on)."""
+    from the first b ("swept"; pareto.Sweep, else used from _SWEPT labels on)."""
     if request.param == "swept":
         monkeypatch.setattr(solver, "_SWEPT", 0)
     return request.param
@@ -90,7 +90,7 @@ def test_the_frontier_keeps_a_held_label_that_an_unheld_one_beats_by_less_than_t
     p = np.array([10.0, 12.0, 15.0, 13.0, 14.0])
     t = np.array([1.0, 1.0, 1.0, 2.0, 1.0])
     held = np.array([False, True, True, False, True])
-    kept = sorted(solver._held_pareto(p, t, held, reused=4.0).tolist())
+    kept = sorted(pareto.held_pareto(p, t, held, reused=4.0).tolist())
     # (12, 1) stays: it may fit where (10, 1) does not; (13, 2) goes, beaten by (12, 1)
     # held; (15, 1) and (14, 1) need no less than (10, 1), and one of (14, 1) held and
     # (10, 1) unheld, which need the same, stays.
@@ -166,7 +166,7 @@ def test_sweeps_find_the_plans_that_reading_every_label_finds(monkeypatch):
     everything = plans.predict(prof, [0]).predicted_peak_bytes
     smallest = actsave.plan(prof, None, objective="memory", allow=lossy).predicted_peak_bytes
     read = {"labels": 0}
-    undominated = solver._Sweep.undominated
+    undominated = pareto.Sweep.undominated
 
     def counting(sweep, ok, times):
         read["labels"] += ok.size
@@ -177,7 +177,7 @@ def test_sweeps_find_the_plans_that_reading_every_label_finds(monkeypatch):
         monkeypatch.setattr(solver, "_SWEPT", 10**9)
         direct = actsave.plan(prof, budget, allow=lossy)
         monkeypatch.setattr(solver, "_SWEPT", 0)
-        monkeypatch.setattr(solver._Sweep, "undominated", counting)
+        monkeypatch.setattr(pareto.Sweep, "undominated", counting)
         swept = actsave.plan(prof, budget, allow=lossy)
         assert (swept.starts, swept.codecs, swept.stored, swept.stored_codec) == (
             direct.starts, direct.codecs, direct.stored, direct.stored_codec)
