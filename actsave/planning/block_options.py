@@ -108,11 +108,14 @@ def model_terms(model: CostModel, a: int, option: Optional[BlockOption], held: b
         return None
     kept = float(model.kept(o, a, a + 1, held))
     fetched = float(model.fetched(o, a, a + 1))
-    # The model charges the carry to every backward event: W(C) - C is the rest.
-    zero = model.segment_working_set(o, a, a + 1, 0.0, held)
-    big = 2.0 * (zero + 1.0)
+    # The model charges the carry C to every backward event, W(C) = max(events + C,
+    # encode), and allows an offloaded option only where C covers its fetch F: read at
+    # C = F, and at a C above every event for the events alone. A plan's carry is never
+    # below F (block_solver.py), so max(W(F), events + C) is W(C) at every carry it uses.
+    at_fetch = model.segment_working_set(o, a, a + 1, fetched, held)
+    big = 2.0 * (at_fetch + 1.0)
     backward = model.segment_working_set(o, a, a + 1, big, held) - big
-    return OptionTerms(option, kept, zero, backward, fetched, float(model.seconds(o, a, a + 1)), False)
+    return OptionTerms(option, kept, at_fetch, backward, fetched, float(model.seconds(o, a, a + 1)), False)
 
 
 @dataclass(frozen=True)

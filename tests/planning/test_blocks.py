@@ -337,3 +337,23 @@ def test_a_selective_block_keeps_less_than_a_plain_one_and_more_than_its_input()
     for row, labels in zip(table.options, table.labels):
         kept = {("plain" if option is None else option.keep): pair[0].kept for pair, option in zip(row, labels)}
         assert kept["inputs"] < kept["selective"] < kept["plain"]
+
+
+def test_an_offloaded_block_is_priced_within_the_carry_its_fetch_needs():
+    # On a GPU, keeping a block's input on the host is an option: the model charges its
+    # fetch F as the carry, so its terms read at any carry from F up are the model's own.
+    from actsave.planning import blocks, block_options
+    from actsave.planning.memory_model import CostModel
+    from actsave.runtime.keep_rules import KeepPolicy
+    from planning.chains import with_host_copies
+    plain, x = AttentionNet(depth=3), torch.randn(2, 32, 64)
+    calls = blocks.record_calls(plain, [(f"blocks.{i}", b) for i, b in enumerate(plain.blocks)], (x,))
+    chain = blocks.block_chain(calls)
+    profile = with_host_copies(blocks.chain_profile(chain, calls, blocks.measure_outside(plain, calls, (x,))))
+    offload = KeepPolicy.resolve(None, True)
+    model = CostModel(profile, [offload], stored_codecs=("none",), store_middle=True)
+    for a in (1, 2):
+        terms = block_options.model_terms(model, a, block_options.BlockOption("inputs", offload), held=False)
+        assert terms.fetched > 0
+        for carry in (terms.fetched, 3 * terms.fetched):
+            assert terms.working_set(carry) == model.segment_working_set(0, a, a + 1, carry)
