@@ -170,7 +170,7 @@ class Checkpoint(nn.Module):
 
     def extra_repr(self) -> str:
         recompute = self.recompute.describe()
-        keep = "" if self.option.keep == "inputs" else f", keep={self.option.describe().split()[0]!r}"
+        keep = "" if self.option.keep == "inputs" else f", keep={self.option.keep!r}"
         return (f"compress={self.policy.codec.name!r}, offload={self.policy.offload}{keep}"
                 + (", " + recompute if recompute else ""))
 

@@ -44,7 +44,7 @@ from ..errors import ConfigError
 from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.selective import DEFAULT_KEPT_OPS
-from ..runtime.keep_rules import KeepPolicy
+from ..runtime.keep_rules import KeepPolicy, modifies_input
 from .instrumented_step import TensorSpec, isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import CostModel
@@ -63,7 +63,6 @@ class OptionTerms:
     """One option of one block in the peak formula's terms (module docstring), for a
     block whose input a plain block before it holds (``held``) or not."""
 
-    option: Optional[BlockOption]  # None: plain
     kept: float  # R: device bytes kept from its forward to its backward
     forward_event: float  # its largest forward event, beside X and the R before it
     backward_event: float  # its largest backward event, less the carry
@@ -102,7 +101,7 @@ def model_terms(model: CostModel, a: int, option: Optional[BlockOption], held: b
     if option is None:
         working, kept = model.segment_stored_middle(a, a + 1, 0.0, held)
         holds = bool(model.stored_middle_holds_output(a, a + 1))
-        return OptionTerms(None, kept, working, working, 0.0, 0.0, holds)
+        return OptionTerms(kept, working, working, 0.0, 0.0, holds)
     o = model.options.index(option.policy)
     if not model.allowed[o, a]:
         return None
@@ -115,7 +114,7 @@ def model_terms(model: CostModel, a: int, option: Optional[BlockOption], held: b
     at_fetch = model.segment_working_set(o, a, a + 1, fetched, held)
     big = 2.0 * (at_fetch + 1.0)
     backward = model.segment_working_set(o, a, a + 1, big, held) - big
-    return OptionTerms(option, kept, at_fetch, backward, fetched, float(model.seconds(o, a, a + 1)), False)
+    return OptionTerms(kept, at_fetch, backward, fetched, float(model.seconds(o, a, a + 1)), False)
 
 
 @dataclass(frozen=True)
@@ -147,7 +146,7 @@ class BlockMeasurer:
             kept -= x_bytes  # the caller holds it (X), or the plain block before does
         forward = (0.0 if a == 0 or held else x_bytes) + measured.forward_rise
         backward = model.held_in_backward + float(model.grad[a + 1]) + kept + measured.backward_rise
-        return OptionTerms(option, kept, forward, backward, measured.fetched, measured.seconds, False)
+        return OptionTerms(kept, forward, backward, measured.fetched, measured.seconds, False)
 
     def _measured(self, a: int, option: BlockOption) -> Optional[_Measured]:
         layer, spec = self.layers[a], self.inputs[a]
@@ -176,7 +175,7 @@ class BlockMeasurer:
                 x = _input_from(source, spec)
                 storage = weakref.ref(x.untyped_storage())
                 with tracker.span() as forward:
-                    y, kept = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, _inplace(layer))
+                    y, kept = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))
                 del x
                 input_kept = storage() is not None
                 output_bytes = allocation_bytes(y.untyped_storage().nbytes(), self.device)
@@ -202,7 +201,10 @@ class BlockMeasurer:
         x = _input_from(_source_like(spec, self.device), spec)
         synchronize(self.device)
         start = time.perf_counter()
-        y = layer(x) if option is None else call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, _inplace(layer))[0]
+        if option is None:
+            y = layer(x)
+        else:
+            y = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))[0]
         torch.autograd.backward(y, torch.ones_like(y))
         synchronize(self.device)
         return time.perf_counter() - start
@@ -220,10 +222,6 @@ def _input_from(source: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     profiled input was one (a codec encodes such an input, not a leaf), allocated
     where it is called (inside a byte count)."""
     return source * 1 if spec.encodable and source.requires_grad else source.clone()
-
-
-def _inplace(layer: nn.Module) -> bool:
-    return getattr(layer, "inplace", False) is True
 
 
 def _signature(layer: nn.Module) -> tuple:

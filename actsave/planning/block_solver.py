@@ -6,17 +6,21 @@ so a partial plan of the first blocks is a label (P: the bytes its blocks keep, 
 seconds they add, held: whether the last is a plain block whose saves hold the next
 one's input), extended by each option that fits: ``P + W_j <= headroom``. A label that
 keeps more and takes no less time than another with the same ``held`` is never better:
-each block's frontier is the labels no other beats (a Pareto set, as solver.py's). An
-offloaded block's prefetch may be in flight beside any later block's backward, so each
-candidate carry C (0 and each F an option fetches) gets its own program, with the
-options whose F fits it and C charged to every backward event; the fastest plan over
-them wins. The least peak comes from the same program with labels (P, the largest event
+each block's frontier is the labels no other beats (a Pareto set, pareto.py's as for
+solver.py). An offloaded block's prefetch may be in flight beside any later block's
+backward, so each candidate carry C (0 and each F an option fetches) gets its own
+program, with the options whose F fits it and C charged to every backward event; the
+fastest plan over them wins. The least peak comes from the same program with labels (P, the largest event
 so far) in place of (P, T).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+import numpy as np
+
+from .pareto import sorted_pareto
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class BlockTable:
     loss: tuple
     chain_input: float
     base_seconds: float
-    labels: tuple = ()
+    labels: tuple
 
     def carries(self) -> list:
         return sorted({0.0} | {t.fetched for block in self.options for pair in block for t in pair
@@ -127,13 +131,10 @@ def _least_peak_with_carry(table: BlockTable, carry: float) -> float:
 
 
 def _pareto(labels: list) -> list:
-    """The labels no other keeps less than and is faster than (ties: the first)."""
-    kept_labels, fastest_yet = [], float("inf")
-    for label in sorted(labels, key=lambda label: label[:2]):
-        if label[1] < fastest_yet:
-            kept_labels.append(label)
-            fastest_yet = label[1]
-    return kept_labels
+    """The labels no other keeps less than and is faster than (ties: the first), by
+    their first two fields, in order of the first."""
+    keep = sorted_pareto(np.array([label[0] for label in labels]), np.array([label[1] for label in labels]))
+    return [labels[i] for i in keep]
 
 
 __all__ = ["BlockTable", "Chosen", "fastest", "smallest", "predicted_peak"]

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -483,7 +483,9 @@ class BlockPlanner:
         self.chain = block_chain(self.calls)
         self.profile = chain_profile(self.chain, self.calls, outside)
         self.fixed = max(outside.before_peak, outside.after_peak)  # what the step needs outside the blocks
-        self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs)
+        self._measurer = BlockMeasurer(self.chain, [TensorSpec.of(call.hidden) for _, _, call in self.calls],
+                                       self.profile.device, self.profile.timed)
+        self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs, self._measurer)
         self._least = smallest(self.table)
 
     @property
@@ -499,8 +501,7 @@ class BlockPlanner:
         """The fastest plan whose predicted peak fits ``budget``; ConfigError below the
         smallest, naming the levers searched and the codecs that would lower it."""
         if budget < self.smallest_peak_bytes:
-            raise ConfigError(_infeasible(budget, self.fixed, self._least.peak, self.levers, self.codecs,
-                                          self._codecs_usable, self.chain, self.calls, self.profile, self.min_sqnr_db))
+            raise ConfigError(self._infeasible(budget))
         chosen = fastest(self.table, budget)
         return BlockPlan(
             blocks=tuple(fqn for fqn, _, _ in self.calls),
@@ -514,15 +515,36 @@ class BlockPlanner:
             modules=tuple(module for _, module, _ in self.calls),
         )
 
+    def _infeasible(self, budget) -> str:
+        """The error of a budget no block plan fits (plans.infeasible_message), each lossy
+        codec not allowed priced by the same program with it allowed too (the options
+        measured once, for every codec)."""
+        lower = {}
+        if self._codecs_usable:
+            for codec in LOSSY_CODECS:
+                if codec in self.codecs or (self.min_sqnr_db is not None
+                                            and EXPECTED_GRADIENT_SQNR_DB[codec] < self.min_sqnr_db):
+                    continue
+                with_codec = (*self.codecs, codec)
+                table = _table(self.chain, self.calls, self.profile, self.levers, with_codec, self._measurer)
+                lower[codec] = max(self.fixed, smallest(table).peak)
+        named = self.levers + tuple(lever for lever in LEVER_CODECS if lever in self.codecs)
+        return infeasible_message("block plan", budget, named, self.min_sqnr_db, max(self.fixed, self._least.peak),
+                                  "one option per block, outside work included", lower)
 
-def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, codecs: tuple) -> BlockTable:
-    """Every block's options priced (block_options.py), plain first, and the loss."""
-    device = profile.device
-    policies = sorted({option.policy for option in candidate_options(levers, codecs, device) if option.keep == "inputs"},
+
+def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, codecs: tuple,
+           measurer: Optional[BlockMeasurer] = None) -> BlockTable:
+    """Every block's options priced (block_options.py), plain first, and the loss;
+    ``measurer``: one that may have measured some already."""
+    candidates = candidate_options(levers, codecs, profile.device)
+    policies = sorted({option.policy for option in candidates if option.keep == "inputs"},
                       key=lambda policy: (policy.codec.name, policy.offload))
     model = CostModel(profile, policies, stored_codecs=("none",), store_middle=True)
-    measurer = BlockMeasurer(chain, [TensorSpec.of(call.hidden) for _, _, call in calls], device, profile.timed)
-    options = [None, *candidate_options(levers, codecs, device)]
+    if measurer is None:
+        measurer = BlockMeasurer(chain, [TensorSpec.of(call.hidden) for _, _, call in calls], profile.device,
+                                 profile.timed)
+    options = [None, *candidates]
     rows, labels = [], []
     for a in range(len(calls)):
         row, names = [], []
@@ -542,20 +564,6 @@ def _terms(model: CostModel, measurer: BlockMeasurer, a: int, option, held: bool
     if option is None or option.keep == "inputs":
         return model_terms(model, a, option, held)
     return measurer.terms(model, a, option, held)
-
-
-def _infeasible(budget, fixed, least, levers, codecs, codecs_usable, chain, calls, profile, min_sqnr_db) -> str:
-    """The error of a budget no block plan fits (plans.infeasible_message), each lossy
-    codec not allowed priced by the same program with it allowed too."""
-    lower = {}
-    if codecs_usable:
-        for codec in LOSSY_CODECS:
-            if codec in codecs or (min_sqnr_db is not None and EXPECTED_GRADIENT_SQNR_DB[codec] < min_sqnr_db):
-                continue
-            lower[codec] = max(fixed, smallest(_table(chain, calls, profile, levers, (*codecs, codec))).peak)
-    named = levers + tuple(lever for lever, codec in LEVER_CODECS.items() if codec in codecs and lever == codec)
-    return infeasible_message("block plan", budget, named, min_sqnr_db, max(fixed, least),
-                              "one option per block, outside work included", lower)
 
 
 def _levers_for(calls: list, allow: Sequence[str] | None, min_sqnr_db) -> tuple:

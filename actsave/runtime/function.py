@@ -151,6 +151,7 @@ class _Frame:
             modules, snapshot = prepared
         else:
             modules, snapshot = (None if layers is None else modules_under(layers)), None
+        self.layers, self.modules = layers, modules  # None where the function's layers are not known
         self.touched = TouchedState.of(layers, modules, snapshot)  # NOTE [ State a forward reads and mutates ]
         self.code = LayerCode(function, layers, modules, kept.lossy)  # NOTE [ Decisions in compiled layers ]
         self.slots = []  # weak references, in the order the forward saved
@@ -339,7 +340,9 @@ class _Frame:
             )
         slot = self.slots[index]() if index < count else None
         detached = _detached(tensor)
-        if slot is not None and slot.kept is None:  # None: autograd already freed the node that saved it
+        # No slot: autograd freed the node that saved it; a kept one: the frame holds the
+        # tensor itself (selective.py), which the recompute does not replace.
+        if slot is not None and slot.kept is None:
             if lossy and slot.relu_signs is not None:
                 relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
             if lossy and slot.pool_decisions is not None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from ..errors import ConfigError
 from .function import checkpoint_in_graph, checkpointed_call, warn_eager_under_compile
@@ -74,11 +75,6 @@ class BlockOption:
         return cls(keep, policy, ops)
 
     @property
-    def recomputes(self) -> bool:
-        """Whether its backward recomputes anything."""
-        return self.keep in ("inputs", "selective")
-
-    @property
     def lossy(self) -> bool:
         return self.policy.lossy
 
@@ -97,9 +93,6 @@ class BlockOption:
         if self.policy.offload:
             words.append("host")
         return " ".join(words)
-
-
-INPUTS = BlockOption("inputs", EXACT)
 
 
 def call_block(option: BlockOption, function: Callable, args: tuple, kwargs: dict, options: RecomputeOptions,
@@ -131,7 +124,8 @@ def _under_compile(option: BlockOption, function, args, kwargs, options, private
     if option.keep == "selective":
         ops = aten_ops_of(option.ops)
         if ops is not None:
-            context = functools.partial(_selective_contexts, ops)
+            # torch's selective checkpoint saving the outputs of ``ops`` and recomputing the rest.
+            context = functools.partial(create_selective_checkpoint_contexts, list(ops))
             return checkpoint_in_graph(function, args, kwargs, options, context_fn=context), None
         why = f"the kept calls {option.ops.names()} have no aten operators actsave knows to save in a graph"
     else:
@@ -145,15 +139,4 @@ def _eagerly(option, function, args, kwargs, options, private_copy, why: str) ->
     return _eager(option, function, args, kwargs, options, private_copy)
 
 
-def _selective_contexts(ops: frozenset):
-    """torch's selective checkpoint contexts whose policy saves the outputs of ``ops``
-    (aten overloads) and recomputes the rest: the compiled form of a selective block."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-__all__ = ["BlockOption", "INPUTS", "KEEP_MODES", "KeepSpec", "call_block"]
+__all__ = ["BlockOption", "KEEP_MODES", "KeepSpec", "call_block"]

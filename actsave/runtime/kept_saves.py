@@ -12,7 +12,7 @@ Its users:
   rules"). So a lossy codec set at the last segment's first layer stores those saves
   too, as ActNN stores every activation; without it the codec could cut at most the
   other half of the peak. Offload does not apply there: its backward needs them at once.
-- A block kept instead of recomputed (issue 48): it runs once, and its saves are kept
+- A block kept instead of recomputed: it runs once, and its saves are kept
   by int8 or fp8 (all of them, or only the inputs of its Linear layers, as COAT and
   DeepSeek-V3 keep them), or on the host, copied while the next blocks run forward and
   brought back ahead of its backward.
@@ -340,7 +340,10 @@ class _SavesStore:
 
     def __init__(self, policy: KeepPolicy, scope: str, function: Callable, inputs: list):
         self.codec, self.offload, self.everything = policy.codec, policy.offload, scope == "all"
-        layers = known_layers(function)  # NOTE [ Known layers ]
+        # The modules are walked only where something watches them: the max pools of a
+        # lossy codec keeping every save, or the Linear layers whose inputs it keeps.
+        watches = not self.everything or policy.lossy
+        layers = known_layers(function) if watches else None  # NOTE [ Known layers ]
         modules = None if layers is None else modules_under(layers)
         self.pools = PoolWatch.among(modules) if self.everything and policy.lossy else PoolWatch([])
         self.linears = None if self.everything else _LinearInputs(modules, self._linear_input)

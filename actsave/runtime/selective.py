@@ -57,17 +57,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from .._torch import ATTENTION, aten_overloads, leaf_base, pytree, storage_identity, version
+from .._torch import ATTENTION, aten_overloads, leaf_base, storage_identity, version
 from ..errors import ConfigError, RecomputeError
 from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
-from .layers import known_layers
+from .keep_rules import EXACT
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
+from .store import input_tensors
 
 # The functions a policy may name: called through their module, which the tap replaces.
 TAPPED_FUNCTIONS = {"scaled_dot_product_attention": ATTENTION}
@@ -191,22 +193,19 @@ class SelectiveFrame(_Frame):
     def __init__(self, *frame_args, ops: KeptOps = DEFAULT_KEPT_OPS):
         super().__init__(*frame_args)
         self.ops = ops
-        layers = known_layers(self.function)
-        if ops.modules and layers is None:
+        if ops.modules and self.layers is None:
             raise ConfigError(
                 f"a selective checkpoint of {_name(self.function)} keeps the outputs of {ops.names()}, but actsave "
                 "finds the modules a function runs only where it is a module (or nn.Sequential): checkpoint the "
                 "module itself, or keep functions only (KeptOps(modules=()))")
-        self._watched = [] if layers is None else [
-            m for layer in layers for m in layer.modules() if isinstance(m, ops.modules)]
+        self._watched = [m for _, m in self.modules or () if isinstance(m, ops.modules)]
         self.calls = []  # _Call, in forward order
         self._open = None  # the outermost kept call running, in the forward
         self._depth = 0  # kept calls open (nested ones inside the outermost)
         self._pending = []  # (slot, tensor) saved inside the open call
         self._outputs = {}  # storage identity -> the kept call whose output it is
         self._recomputed = []  # indices of the saves the recompute fills
-        args, kwargs = self._forward_inputs
-        self._input_storages = {storage_identity(t) for t in _tensor_arguments(args, kwargs)}  # kept anyway
+        self._input_storages = {storage_identity(t) for t in input_tensors(*self._forward_inputs)}  # kept anyway
 
     # ------------------------------------------------------------- forward
 
@@ -219,7 +218,7 @@ class SelectiveFrame(_Frame):
     def _watching(self):
         handles = []
         for module in self._watched:
-            handles.append(module.register_forward_pre_hook(self._before_module, with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             handles.append(module.register_forward_hook(self._after_module))
         try:
             with contextlib.ExitStack() as stack:
@@ -229,9 +228,6 @@ class SelectiveFrame(_Frame):
         finally:
             for handle in handles:
                 handle.remove()
-
-    def _before_module(self, module, args, kwargs):
-        self._enter(module, args, kwargs)
 
     def _after_module(self, module, args, output):
         self._exit(output)
@@ -250,7 +246,7 @@ class SelectiveFrame(_Frame):
         self._depth += 1
         if self._depth > 1 or not self.in_forward:
             return
-        tensors = _tensor_arguments(args, kwargs)
+        tensors = input_tensors(args, kwargs)
         arguments = [(position, storage_identity(t), t.storage_offset()) for position, t in enumerate(tensors)]
         self._open = _Call(target, len(self.slots), arguments)
         if _may_draw(target, args, kwargs):
@@ -293,7 +289,7 @@ class SelectiveFrame(_Frame):
             call.skipped = call.output is not None and version(call.output) == call.version
             if not call.skipped:
                 self._recompute_saves_of(call)
-        self._recomputed = [i for i, ref in enumerate(self.slots) if self._recomputed_slot(i, ref)]
+        self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
         if self.slots and not any(call.skipped for call in self.calls):
             _warn_once(self.ops, _name(self.function), changed=bool(self.calls))
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
@@ -308,16 +304,12 @@ class SelectiveFrame(_Frame):
             if slot is not None:
                 slot.kept = None
 
-    def _recomputed_slot(self, index: int, ref) -> bool:
-        slot = ref()
-        return slot is not None and slot.kept is None
-
     def _kept_besides(self) -> int:
         """The bytes of the kept tensors and outputs, each storage once, beyond the
         inputs (kept by the inputs' policy) and what others hold (parameters)."""
         kept = [call.output for call in self.calls if call.output is not None]
-        kept += [ref().kept.tensor for ref in self.slots if ref() is not None and ref().kept is not None
-                 and not ref().kept.held]
+        slots = [ref() for ref in self.slots]
+        kept += [slot.kept.tensor for slot in slots if slot is not None and slot.kept is not None and not slot.kept.held]
         seen, total = set(self._input_storages), 0
         for t in kept:
             identity = storage_identity(t)
@@ -387,7 +379,7 @@ class _Skipper:
                 return run(*args, **kwargs)
             finally:
                 self.depth -= 1
-        self._fill_views(call, _tensor_arguments(args, kwargs))
+        self._fill_views(call, input_tensors(args, kwargs))
         if call.rng_after is not None:  # it drew in the forward: later calls draw after it
             call.rng_after.restore()
         return _RequiresGrad.apply(_GRAPH_ANCHOR, call.output) if call.requires_grad else call.output
@@ -485,12 +477,13 @@ def _held_elsewhere(tensor: torch.Tensor) -> bool:
     return base is not None and (base.requires_grad or isinstance(base, nn.Parameter))
 
 
-def _tensor_arguments(args: tuple, kwargs: dict) -> list:
-    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+def _recomputed(slot) -> bool:
+    """Whether the recompute fills this save (a live one not kept)."""
+    return slot is not None and slot.kept is None
 
 
 def _described(target) -> str:
-    return target if isinstance(target, str) else f"{type(target).__name__}"
+    return target if isinstance(target, str) else type(target).__name__
 
 
 _warned = set()
@@ -518,16 +511,10 @@ def selective_call(function: Callable, args: tuple, kwargs: dict, ops: KeptOps, 
     inputs exactly and the outputs of the calls ``ops`` names (NOTE [ Selective
     recompute ]). Returns ``(output, kept_bytes)`` as
     :func:`~actsave.runtime.function.checkpointed_call` does."""
-    from .keep_rules import EXACT
-
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
-
-    def make_frame(*frame_args):
-        return SelectiveFrame(*frame_args, ops=ops)
-
     return _checkpointed_call(function, args, kwargs, EXACT, private_copy, options, prepared=prepared,
-                              make_frame=make_frame)
+                              make_frame=functools.partial(SelectiveFrame, ops=ops))
 
 
 __all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "SelectiveFrame", "aten_ops_of", "selective_call", "TAPPED_FUNCTIONS"]

@@ -264,11 +264,6 @@ class TouchedState:
         """Drop the snapshot: no recompute will read it again."""
         self._snapshot = {}
 
-    def mutated_layers(self) -> set:
-        """The indices of the known layers that own state the forward mutated (none
-        where the layers are not known)."""
-        return set()
-
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         """``[(module, buffer name)]``, each once, that the forward mutated (so far,
         while it runs: a backward inside the forward recomputes too)."""
@@ -372,9 +367,6 @@ class _LayerState(TouchedState):
                     mutated.setdefault(index, []).append((module, name))
         return mutated
 
-    def mutated_layers(self) -> set:
-        return set(self._mutated_now())
-
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         return [buffer for index, buffers in self._mutated_now().items() if layers is None or index in layers
                 for buffer in buffers]
@@ -464,9 +456,9 @@ def snapshot_of(modules) -> dict:
 
 class ChainState:
     """The module state of a chain's checkpointed segments as the chain's forward
-    starts, snapshotted in one copies_of call for all of them instead of one per
-    segment (host work: one call where a deep chain made dozens), and handed to each
-    segment's frame (TouchedState.of). Each segment's modules are walked once, here,
+    starts, snapshotted in one copies_of call for all of them rather than one per
+    segment (host work per call: a deep chain has dozens of segments), and handed to
+    each segment's frame (TouchedState.of). Each segment's modules are walked once, here,
     and handed over too. Right only where no module is under two segments: a later
     occurrence's state is what the earlier one leaves, known only then; such a chain
     (and a lone segment) gets nothing here, and each frame snapshots as it starts."""
@@ -478,18 +470,18 @@ class ChainState:
         every = [module for modules in owners for module in modules]
         shared = len({id(module) for module in every}) != len(every)
         taken = snapshot_of(every) if len(segments) > 1 and not shared else None
-        self._parts = []
-        for modules, mine in zip(walked, owners):
-            part = None
-            if taken is not None:
-                keys = {id(module) for module in mine}
-                part = {key: value for key, value in taken.items() if id(key[0]) in keys}
-            self._parts.append((modules, part))
+        parts = [None] * len(segments)
+        if taken is not None:
+            segment_of = {id(module): i for i, mine in enumerate(owners) for module in mine}
+            parts = [{} for _ in segments]
+            for key, value in taken.items():
+                parts[segment_of[id(key[0])]][key] = value
+        self._parts = iter(zip(walked, parts))
 
     def next(self) -> tuple:
         """``(modules, snapshot)`` of the next checkpointed segment (snapshot None: the
         frame takes its own)."""
-        return self._parts.pop(0)
+        return next(self._parts)
 
 
 _KINDS = ("parameters", "buffers")
