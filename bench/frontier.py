@@ -1,4 +1,4 @@
-"""The time-memory frontier (issue 48, item 3): step time against measured activation
+"""The time-memory frontier: step time against measured activation
 peak, one curve per system, so that a user can read off, for the memory they have,
 which system runs their step fastest.
 
@@ -64,8 +64,9 @@ unless ``--record`` (bench/results/) or ``--out``. ``--replot`` draws the PNG ag
 from the CSV.
 
 Default sizes on a CPU: ResNet-164 b8 32x32; 8 blocks of width 256, 4 heads, batch 4
-of 256 tokens, vocabulary 1024 (512 tokens, what the issue suggests, took 1.2 s a GPT
-step on one core, 0.5 s at 256: a run of every case would take about twice as long).
+of 256 tokens, vocabulary 1024 (256 tokens rather than 512: a GPT step is host-bound
+on a CPU and its time grows with them, so every case at 512 would take about twice as
+long).
 On CUDA, the GPU speed stage's sizes (bench/gpu_speed.py): ResNet-164 b512 32x32 fp32
 and 16 GPT blocks of width 2048, sequence 2048, batch 4, bf16; ``--cases`` adds the
 Llamas at the GPT's size. The CPU's numbers are host-bound and say nothing about a
@@ -75,7 +76,7 @@ The torch.compile systems each compile with a backend of their own
 (``BudgetedBackend``): with one backend, Dynamo reused the first budget's graph for
 the others.
 
-    python bench/frontier.py                          # CPU, every case: 11 minutes on 2 shared cores
+    python bench/frontier.py                          # CPU, every case (its time: docs/results.md)
     python bench/frontier.py --cases gpt --compile    # + torch.compile's memory budgets
     python bench/frontier.py --device cuda            # the GPU stage (gpu_check.py --only frontier)
     python bench/frontier.py --smoke                  # tiny, for the tests
@@ -121,8 +122,8 @@ BENCH = "frontier"
 MiB = 2**20
 
 # actsave's planned curves: name -> the levers ``allow`` names. Data, so that a lever
-# the planner gains (a per-op "selective" option inside blocks) is one more line; a
-# set the planner rejects as unknown is skipped with a note. "recompute" is the exact
+# the planner gains is one more line; a set the planner rejects as unknown is skipped
+# with a note. "recompute" is the exact
 # set on the device (the planner's default on a CPU; on CUDA the default adds offload).
 LEVER_SETS = {
     "recompute": ("recompute",),
@@ -456,7 +457,7 @@ class BudgetedBackend:
     Dynamo guards on the backend, so each budget's shell compiles a graph of its own.
     With one backend for all, shells of one class share Dynamo's cache (the inlined
     modules are guarded by their structure, not their identity): the second and third
-    budgets ran the first's graph (measured, GPT-4 w128: one graph for three shells).
+    budgets would run the first's graph.
     ``compiles`` counts the graphs it compiled."""
 
     def __init__(self, name: str, budget: float):

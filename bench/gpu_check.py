@@ -39,12 +39,12 @@ lease:
                           kernels' GB/s. About 5 minutes (estimated from step counts).
   frontier           440  bench/frontier.py --device cuda: step time against measured
                           activation peak of plain torch, torch's checkpointing and
-                          actsave's plans at 8 budgets per lever set (recompute, int8,
-                          offload), ResNet-164 b512 and the 16-block GPT above,
-                          interleaved; actsave within each torch point's peak. Not run on
-                          a GPU yet; on a CPU its default run (smaller) took about 11
-                          minutes, most of it planning and host-bound steps. It writes
-                          after each case, so a run cut at its limit keeps the ResNet's.
+                          actsave's plans at 8 budgets per lever set
+                          (frontier.DEFAULT_LEVER_SETS), ResNet-164 b512 and the 16-block
+                          GPT above, interleaved; actsave within each torch point's peak.
+                          Its CPU run's time: docs/results.md, "The time-memory frontier".
+                          It writes after each case, so a run cut at its limit keeps the
+                          ResNet's.
 
     python bench/gpu_check.py --only speed
     python bench/gpu_check.py --only frontier

@@ -504,9 +504,9 @@ def _run_forward(layers: list, x: torch.Tensor) -> None:
 
 
 # Timed steps of a profile; each layer's forward and backward time is the median of
-# them. One step alone let a stray delay (the first call of a kernel, another process
-# on a shared machine) price a layer's recompute at many times its cost, and a plan
-# follow it.
+# them: a single step is at the mercy of a stray delay (the first call of a kernel,
+# another process on a shared machine), which would price a layer's recompute at many
+# times its cost, and a plan would follow it.
 TIMED_STEPS = 3
 
 

@@ -19,7 +19,7 @@ that graph and its backward:
   of the backward one; one made inside a stored segment under C is stored by C, as
   eager actsave stores the last segment's saves (kept_saves.py). Other saves
   stay as they are. AOTAutograd hands no graph input to the hooks (the batch, the
-  parameters): held by the caller, encoding them would free nothing (store.py,
+  parameters): held by the caller, encoding them would free nothing (keep_rules.py,
   should_encode).
 - The codec's torch reference is what is traced, whichever backend runs eagerly
   (codecs/backend.py; a Triton launcher cannot run on the fake tensors a trace

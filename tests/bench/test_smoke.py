@@ -388,7 +388,7 @@ def test_rotor_compare_writes_every_solver_at_every_budget(tmp_path):
     # Never above, but where the last segment's saves are kept by a codec: there a
     # residual block's backward can hold more decoded saves at once than the largest one
     # autograd node decodes, which the model counts (docs/limits.md, "Codec-stored
-    # saves"): up to 1.1% above, measured at ResNet-20's smallest budget.
+    # saves", which gives the measured figure).
     coded = {(r["provider"], r["x_value"]) for r in rows if r["metric"] == "pred_step_time"
              and json.loads(r["config_json"]).get("stored_codec", "none") != "none"}
     assert all(0.97 <= measured[key] / predicted[key] <= (1.015 if key in coded else 1.0) for key in measured), (
@@ -958,7 +958,7 @@ def test_results_record_the_commit_a_command_names_over_a_stale_checkouts(monkey
     assert recorded() == "845e05b25954954e3496920141d81b64606a3688"
 
 
-# The time-memory frontier (issue 48, item 3).
+# The time-memory frontier (bench/frontier.py).
 
 
 @pytest.fixture(scope="module")

@@ -93,8 +93,8 @@ def test_an_infeasible_exact_budget_names_the_codecs_that_fit_and_from_what_budg
 
 
 def test_an_infeasible_budget_names_the_smallest_budget_its_search_reaches_nested_included():
-    # The error named the smallest single-level budget, and a budget below it then
-    # planned (nested).
+    # The error names the smallest budget the search reaches, nested plans included:
+    # that budget plans, and one byte less does not.
     prof = actsave.profile(nn.Sequential(*deep_mlp(16, 64)), (torch.randn(256, 64),))
     plain = plans.predict(prof, [0]).predicted_peak_bytes
     with pytest.raises(ConfigError, match=r"\(nested checkpoints included\)") as error:

@@ -1,6 +1,6 @@
 """Planning in one thread leaves every other thread alone: the balanced plan's meta step
 touches only its own model, forks no generator and runs no compiled code eagerly but
-its own (issue 47, item 4)."""
+its own."""
 import threading
 
 import pytest

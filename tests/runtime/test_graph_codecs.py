@@ -198,8 +198,8 @@ def test_a_model_that_fails_on_meta_tensors_runs_every_lossy_block_eagerly_and_n
 
 def test_a_roots_flag_is_its_threads_and_compiled_code_follows_it():
     # Set at a root's break for the blocks Dynamo traces on that thread only; Dynamo
-    # must guard on it (it took a threading.local subclass's class attribute for a
-    # constant).
+    # must guard on it (it would take a threading.local subclass's class attribute for
+    # a constant).
     policy = KeepPolicy.resolve("int8", False)
     compiled = torch.compile(lambda x: x + 1 if graph_codecs.blocks_in_graph(policy, None) else x - 1,
                              backend="eager")

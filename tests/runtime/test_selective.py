@@ -131,7 +131,7 @@ class InPlaceResidual(nn.Module):
 
 def test_an_output_changed_in_place_after_its_call_is_recomputed_not_kept():
     torch.manual_seed(0)
-    plain, model = InPlaceResidual(), None
+    plain = InPlaceResidual()
     model = copy.deepcopy(plain)
     x = torch.randn(4, 16)
     plain(x.requires_grad_()).sum().backward()

@@ -33,7 +33,7 @@ def test_a_recompute_on_meta_tensors_sets_no_rng_state():
     after = torch.rand(4)
     torch.manual_seed(3)
     assert torch.equal(drawn, torch.rand(4)) and torch.equal(after, torch.rand(4))
-    # A real input among them replays as before.
+    # A real input among them: the CPU generator is replayed.
     assert ReplayState.capture([torch.empty(2, device="meta"), torch.zeros(1)]).cpu_rng is not None
 
 
@@ -223,7 +223,7 @@ def assert_same_training(plain: nn.Module, model: nn.Module, steps: int = 3, x=N
 
 @pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
 def test_a_buffer_read_then_updated_is_read_as_the_forward_read_it(how):
-    # torch.utils.checkpoint recomputes from the updated mean: gradients 1.77 off.
+    # torch.utils.checkpoint recomputes from the updated mean, so its gradients are wrong.
     plain = nn.Sequential(*center_chain())
     if how == "sequential":
         model = actsave.CheckpointedSequential(*center_chain(), segments=[0, 3])
@@ -246,7 +246,7 @@ def fake_quantized_chain():
 
 def test_quantization_aware_training_keeps_gradients_and_observer_state_bit_identical():
     # FakeQuantize updates its observer's moving min and max, then quantizes with the
-    # scale taken from them: 12% off gradients where the recompute read the updated ones.
+    # scale taken from them: a recompute that read the updated ones would get other gradients.
     plain = nn.Sequential(*fake_quantized_chain())
     model = actsave.CheckpointedSequential(*fake_quantized_chain(), segments=[0, 3, 6])
     assert_same_training(plain, model, x=lambda step: torch.randn(4, 8) * (step + 1))
@@ -272,8 +272,8 @@ def test_a_block_placed_twice_is_recomputed_from_the_state_each_occurrence_saw()
 
 
 def test_spectral_norm_recomputes_from_the_vectors_the_forward_started_from():
-    # Its power iteration reads and updates u and v: bit-identical now, not one
-    # iteration further on.
+    # Its power iteration reads and updates u and v: the recompute starts from the u
+    # and v the forward started from, not one iteration further on.
     model, twin = mutating_models()["spectral_norm"], mutating_models()["spectral_norm"]
     x = torch.randn(8, 4)
     model(x).sum().backward()
