@@ -3,9 +3,9 @@
 actsave needs a few things PyTorch does not publish: whether saved-tensor hooks are
 set, a storage's identity, tensors' version counters and view bases, modules' own
 parameter and buffer tables (to swap a tensor for a scratch or meta copy without
-registering it), the autograd node type of a ReLU and the node a backward runs, the
-dispatch-mode and pytree utilities, the module ``torch.compile`` returns, FSDP2's
-per-unit state (the handles of its forward hooks), storages' in-place resizes
+registering it), the autograd node type of a ReLU, the node a backward runs and
+whether that backward keeps its graph, the dispatch-mode and pytree utilities, the
+module ``torch.compile`` returns, FSDP2's per-unit state (the handles of its forward hooks), storages' in-place resizes
 (``UntypedStorage.resize_``, which no dispatch mode sees), and the function by which
 Dynamo decides whether compiled code runs compiled (to run it eagerly on one thread).
 They are read here and nowhere else, so that a PyTorch release that moves one breaks
@@ -48,6 +48,8 @@ _top_saved_tensors_hooks = _require(
 )
 _current_autograd_node = _require(getattr(torch._C, "_current_autograd_node", None),
                                   "torch._C._current_autograd_node")
+# Optional: without it every backward counts as keeping its graph (backward_keeps_graph).
+_graph_task_keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 _require(getattr(torch.Tensor, "_version", None), "Tensor._version")
 _require(getattr(torch.nn.Module(), "_buffers", None), "Module._buffers")
 _require(getattr(torch.nn.Module(), "_modules", None), "Module._modules")
@@ -82,6 +84,13 @@ def current_autograd_node():
     """The autograd node whose backward runs on this thread now (None outside one): in
     an unpack hook, the node that unpacks its saved tensors."""
     return _current_autograd_node()
+
+
+def backward_keeps_graph() -> bool:
+    """Whether the backward running on this thread keeps its graph (``retain_graph`` or
+    ``create_graph``), so that a saved tensor it unpacks may be unpacked again by a later
+    backward. True outside a backward, and where this PyTorch cannot tell."""
+    return True if _graph_task_keeps_graph is None else _graph_task_keeps_graph()
 
 
 def default_device() -> torch.device:

@@ -30,11 +30,19 @@ NOTE [ Lifetime of kept inputs ]
 - Kept inputs live from the forward until the first recompute of their segment;
   after it the recomputed tensors are held by their placeholders, so the inputs are
   released at once (backward memory of a segment is its recomputed activations only).
-- A recomputed tensor lives as long as the graph node that saved its placeholder: a
-  ``WeakKeyDictionary`` keyed by the placeholder drops it when autograd frees the
-  node's saved tensors (after that node's backward, unless ``retain_graph=True``).
-  So a second backward with ``retain_graph=True`` finds every tensor still there and
-  needs no second recompute: each layer runs at most once more in backward.
+- A recomputed tensor waits for its node in a ``WeakKeyDictionary`` keyed by the
+  placeholder, and is handed to that node when it unpacks the placeholder:
+  - In a backward that frees the graph (the default), the frame lets go of it there.
+    The node then owns it alone and frees it as soon as
+    it is done with it, inside its backward, as torch's checkpoint does. Held to the
+    end of the node instead, a matmul's input outlived its last read on CUDA, where
+    the matmul's backward allocates once more after it: one activation more at the
+    peak. A second unpack of the same placeholder in that backward
+    (``ctx.saved_tensors`` read twice) raises, as torch's checkpoint does.
+  - In a backward that keeps the graph (``retain_graph`` or ``create_graph``), the
+    frame keeps it as long as the node that saved its placeholder, so a later backward
+    finds every tensor still there and needs no second recompute: each layer runs at
+    most once more in backward.
 - A call whose function saved nothing (no input or parameter needs grad) releases its
   kept inputs before returning. A graph that is dropped without backward frees the
   placeholders, the hooks, the frame and with it the kept inputs; ``weakref.finalize``
@@ -80,7 +88,7 @@ from typing import Callable, Optional
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from .._torch import TorchDispatchMode, pytree
+from .._torch import TorchDispatchMode, backward_keeps_graph, pytree
 from ..errors import RecomputeError
 from . import graph_codecs, relu_signs
 from .compiled_layers import LayerCode
@@ -157,6 +165,7 @@ class _Frame:
         self.slots = []  # weak references, in the order the forward saved
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
+        self.handed_out = weakref.WeakSet()  # slots whose tensor the frame let go of
         self.is_recomputed = False
         self.keeps_decisions = kept.lossy  # once: pack runs for every saved tensor
         self._relu_saves = relu_signs.FirstSaves()
@@ -221,7 +230,22 @@ class _Frame:
             return self._unpack_in_forward(slot)
         if not self.is_recomputed:
             self._recompute()
-        return self.recomputed[slot]
+        return self.hand_out(slot)
+
+    def hand_out(self, slot: _Slot) -> torch.Tensor:
+        """The recomputed tensor behind ``slot``, for the node unpacking it: kept or let
+        go of as NOTE [ Lifetime of kept inputs ] says."""
+        if backward_keeps_graph():
+            return self.recomputed[slot]
+        tensor = self.recomputed.pop(slot, None)
+        if tensor is None:
+            raise RecomputeError(
+                f"a tensor that {_name(self.function)} saved for backward was unpacked a second time "
+                "in a backward that frees the graph, after the first unpack had handed it over (as "
+                "torch's checkpoint does, so that it is freed as soon as its node is done with it). "
+                "Read ctx.saved_tensors once per backward, or backward with retain_graph=True.")
+        self.handed_out.add(slot)
+        return tensor
 
     def _recompute(self) -> None:
         try:

@@ -135,9 +135,9 @@ class _NestedFrame(_Frame):
     def unpack(self, slot) -> torch.Tensor:
         if self.in_forward:
             return self._unpack_in_forward(slot)
-        if slot not in self.recomputed:
+        if slot not in self.recomputed and slot not in self.handed_out:
             self._recompute_for(slot.index)
-        return self.recomputed[slot]
+        return self.hand_out(slot)
 
     def _owner(self, r: Range, index: int):
         """The part of ``r`` whose layers saved placeholder ``index``."""

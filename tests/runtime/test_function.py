@@ -2,6 +2,7 @@
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import actsave
 from actsave.runtime.function import checkpointed_call
@@ -79,7 +80,51 @@ def test_recompute_runs_once_even_for_several_backwards():
     assert len(calls) == 2  # forward, one recompute
 
 
-# --- a backward inside the checkpointed function (issue 17, item 3) -------------------
+class _ProbeSaved(torch.autograd.Function):
+    """Saves its input; its backward notes whether that tensor's storage is still held
+    once the backward lets go of it."""
+
+    held_after_use = []
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        storage = StorageWeakRef(saved.untyped_storage())
+        del saved
+        _ProbeSaved.held_after_use.append(not storage.expired())
+        return grad * 2
+
+
+def _probed(x):
+    return _ProbeSaved.apply(torch.sin(x))  # the sine is recomputed, then saved by the probe
+
+
+def test_a_recomputed_tensor_is_freed_as_soon_as_the_node_that_unpacks_it_lets_go():
+    # NOTE [ Lifetime of kept inputs ]: held to the end of the node, it cost one
+    # activation at the peak of a CUDA matmul's backward.
+    _ProbeSaved.held_after_use.clear()
+    x = torch.randn(3, 4, requires_grad=True)
+    actsave.checkpoint(_probed, x).sum().backward()
+    assert _ProbeSaved.held_after_use == [False]
+    assert torch.equal(x.grad, 2 * torch.cos(x))
+
+
+def test_a_backward_that_keeps_the_graph_keeps_recomputed_tensors_for_the_next():
+    _ProbeSaved.held_after_use.clear()
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = actsave.checkpoint(_probed, x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert _ProbeSaved.held_after_use == [True, False]
+    assert torch.equal(x.grad, 4 * torch.cos(x))
+
+
+# --- a backward inside the checkpointed function ------------------------------------
 # NOTE [ Backward inside a checkpointed forward ] in actsave/function.py.
 
 
@@ -138,7 +183,7 @@ def test_higher_order_nesting_gives_torchs_gradient(compose):
     assert torch.equal(got, input_grad(compose(no_checkpoint, f), x))
 
 
-# --- identity of inputs that need no grad (issue 17, item 7) ---------------------------
+# --- identity of inputs that need no grad ------------------------------------------
 
 
 class SavesSecondInput(torch.autograd.Function):
