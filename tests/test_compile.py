@@ -111,7 +111,7 @@ def test_inductor_compiled_block_then_wrapped_has_eager_gradients():
     assert_same_gradients(grads_of_a_step(plain, x), got, None)
 
 
-# --- compiled blocks, then checkpointed: compiled once, no warnings (issue 35, item 1) ---
+# --- compiled blocks, then checkpointed: compiled once, no warnings ---
 
 class ReluBlock(nn.Module):
     """A block that ends in a ReLU, so that int8 keeps its decision bits."""
@@ -274,7 +274,7 @@ def test_a_compiled_function_in_a_lossy_checkpoint_runs_its_eager_code_where_it_
     assert len([w for w in raised if "Decisions in compiled layers" in str(w.message)]) == 1
 
 
-# --- a compiled model that contains actsave (issue 35, item 2) ---------------------------
+# --- a compiled model that contains actsave ---------------------------
 
 def compiled_for_counting(model: nn.Module, in_place: bool = False) -> tuple:
     """``torch.compile(model)`` with aot_eager (or ``model.compile(...)`` and
@@ -387,7 +387,7 @@ def test_a_compiled_checkpointed_sequential_that_keeps_on_the_host_or_keeps_deci
     assert model._orig_mod.describe() == eager.describe()  # kept bytes reported, as eagerly
 
 
-# --- codecs in the compiled graph (issue 35, item 3) --------------------------------------
+# --- codecs in the compiled graph --------------------------------------
 
 def kept_after_forward(model: nn.Module, x: torch.Tensor) -> int:
     """The bytes a forward leaves allocated for its backward, its output left out, as

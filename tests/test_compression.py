@@ -118,7 +118,7 @@ def test_unsigned_grids_lift_post_activation_cnns(codec, monkeypatch):
 
 
 def conv_bn_relu_chain(inplace: bool):
-    """Issue 13's chain: 16 x (Conv2d(16, 16, 3), BatchNorm2d, ReLU), flat, then a Linear
+    """A conv-BN-ReLU chain: 16 x (Conv2d(16, 16, 3), BatchNorm2d, ReLU), flat, then a Linear
     head (the convs without bias: see the module docstring)."""
     def build():
         torch.manual_seed(0)

@@ -268,8 +268,8 @@ def frozen_prefix_chain(**options):
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_an_input_made_by_a_frozen_prefix_follows_its_codec_and_offload(offload):
-    # Issue 34: it was held exactly (32 x 64 fp32, 8,192 B) under int8, and on the
-    # device under offload, while describe() said int8.
+    # It is the chain's activation, so it is kept as describe() says: by int8, and on
+    # the host under offload (not exactly, 32 x 64 fp32, 8,192 B, on the device).
     model = frozen_prefix_chain(segments=[0, 4, 6], compress={4: "int8"}, offload={4: offload})
     x = torch.randn(32, 64)
     out = model(x)
@@ -440,7 +440,7 @@ def test_from_sequential_shares_modules():
     assert model.segments == 2
 
 
-# --- per-layer options follow their module (issue 16, item 1) ----------------------
+# --- per-layer options follow their module ----------------------
 
 
 def codecs_by_layer(model) -> list:
@@ -524,8 +524,8 @@ def test_non_module_layer_is_refused():
 
 @pytest.mark.parametrize("container", [nn.Sequential, nn.ModuleList, CheckpointedSequential])
 def test_one_container_is_refused_rather_than_run_as_one_layer_that_saves_nothing(container):
-    # Issue 34: CheckpointedSequential(seq) was one layer, its only segment never
-    # checkpointed: estimate() equal to plain's, and no warning.
+    # CheckpointedSequential(seq) would be one layer whose only segment is never
+    # checkpointed (estimate() equal to plain's): it is refused, saying so.
     layers = list(mixed_chain())
 
     def made():
@@ -605,9 +605,9 @@ def out_of_place(model):
 
 
 def test_describe_and_the_balanced_plan_say_where_each_input_is_kept_in_the_same_words():
-    # Issue 34: describe() showed the batch, which the caller holds and actsave keeps by
-    # reference, as "input int8 host 8192", and the balanced plan said "device" where
-    # describe() said "host".
+    # The batch, which the caller holds and actsave keeps by reference, is not shown as
+    # kept by a codec or on the host, and the balanced plan and describe() name the
+    # same place for each input.
     torch.manual_seed(0)
     model = CheckpointedSequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.ReLU())],
                                    compress="int8", offload=True)

@@ -170,8 +170,8 @@ def test_wrap_warns_when_nothing_matches_but_not_when_called_again():
 
 
 def test_wrapping_again_applies_the_new_options():
-    # Issue 34: a second wrap(model, Block, compress="int8") kept the first call's
-    # options, silently (gradients bit-equal to plain).
+    # A second wrap(model, Block, compress="int8") applies its options; keeping the first
+    # call's would be silent (gradients bit-equal to plain).
     model = wrap(ResidualNet(width=64), ResidualBlock)
     wrap(model, ResidualBlock, compress="int8", offload=True, preserve_rng_state=False)
     assert all(block.policy == KeepPolicy.resolve("int8", True) and not block.recompute.preserve_rng_state

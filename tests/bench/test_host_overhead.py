@@ -5,7 +5,7 @@ These counts do not vary from run to run, so a change that adds operators, launc
 or syncs per step fails here; times are never asserted.
 
 Budgets are written three ways:
-- the speed issue's target, as a ratio to torch.utils.checkpoint's count (aten ops of
+- the host-work target, as a ratio to torch.utils.checkpoint's count (aten ops of
   the default mode <= 1.05x torch_ckpt's, on ResNet-164 and the GPT stack);
 - formulas from the model's structure where one exists (Triton launches, syncs);
 - ceilings at today's counts, as ratios to torch_ckpt's (ATEN_OPS_CEILING): lower them
@@ -166,7 +166,7 @@ def test_triton_launches_of_the_gpt_follow_its_blocks(measured):
         assert counts[provider].triton_launches == 0
 
 
-# The speed issue's target: the default mode's step runs at most 5% more aten
+# The host-work target: the default mode's step runs at most 5% more aten
 # operators than torch.utils.checkpoint's, on ResNet-164 (checkpoint_sequential's
 # sqrt split against the balanced plan, which recomputes a few more blocks for a lower
 # peak) and the GPT stack (a checkpoint per block). ResNet-56, held by the ceilings
@@ -187,7 +187,7 @@ def test_default_mode_runs_at_most_5_percent_more_aten_ops_than_torch_checkpoint
 
 # Ceilings on aten ops per step as multiples of torch_ckpt's in the same run (torch
 # 2.13, CPU, codecs and decisions by their Triton kernels as on a GPU): the ratios
-# measured once the speed issue's host work was removed, plus 0.005. Lower a figure
+# measured once the default mode's extra host work was removed, plus 0.005. Lower a figure
 # when the runtime removes host work.
 ATEN_OPS_CEILING = {
     "resnet56": {"torch": 0.567, "actsave_none": 1.073, "actsave_int8": 1.424, "actsave_fp8": 1.424,

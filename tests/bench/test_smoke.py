@@ -98,7 +98,7 @@ def test_max_depth_rows_say_how_they_were_found(resnet_run):
 
 
 def test_meta_estimates_agree_with_measured_steps(resnet_run):
-    # The issue's bar for trusting the real-scale stage: within 2% (measured: 0.03%).
+    # The bar for trusting the real-scale stage: within 2%.
     *_, rows = resnet_run
     pairs = [(value(rows, r["provider"], "peak_act_mem", r["x_value"]), float(r["p50"]))
              for r in rows if r["metric"] == "est_act_mem"]
@@ -708,7 +708,7 @@ def test_the_step_profile_reports_each_mode(tmp_path):
                                                           f"{slug}-profile-torch_ckpt-b2.txt"]
 
 
-# Where results go and what the picture shows (issue 34).
+# Where results go and what the picture shows.
 
 
 def test_every_provider_has_a_display_name_and_a_style_of_its_own(monkeypatch):

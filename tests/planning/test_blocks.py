@@ -138,7 +138,7 @@ def test_codecs_buy_a_budget_exact_checkpoints_cannot_reach(llama8):
         actsave.plan_blocks(plain, decoder_block("llama"), 1, batch, allow=("recompute",))
     exact_smallest = int(re.search(r"smallest feasible budget is ([\d,]+) bytes", str(error.value))
                          .group(1).replace(",", ""))
-    # Lossy codecs are opt-in (issue 34): below the exact smallest the default levers
+    # Lossy codecs are opt-in: below the exact smallest the default levers
     # raise, naming the codec that fits and from what budget.
     with pytest.raises(ConfigError, match=r"'int8' \(expected gradient SQNR 33 dB\) to ([\d,]+) bytes.*"
                                           r"This budget fits with allow=\('recompute', 'selective', 'int8'\)") as error:

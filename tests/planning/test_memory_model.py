@@ -130,7 +130,7 @@ def cuda_activation_peak(model: nn.Module, x: torch.Tensor) -> int:
 
 @pytest.mark.cuda
 def test_cuda_plans_that_offload_measure_within_10_percent_of_their_prediction_and_never_above():
-    # On CUDA offload is a lever (issue 15, item 6). Linear, GELU, LayerNorm, ReLU,
+    # On CUDA offload is a lever. Linear, GELU, LayerNorm, ReLU,
     # Tanh and residual layers: no transient workspaces (cuBLAS's persist from the
     # warm-up), so the allocator's peak is the model's. Not yet run on a GPU; CPU plans
     # measure 0.97-1.00 (test_rotor_comparison.py), and the model charges a prefetch

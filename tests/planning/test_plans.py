@@ -57,9 +57,8 @@ def smallest_in(error: ConfigError, what: str = r"the smallest feasible budget i
 
 @pytest.mark.parametrize("strategy, share", [("memory", None), ("auto", 0.5), ("auto", 0.4)])
 def test_planned_segments_are_exact_unless_a_codec_is_allowed(strategy, share):
-    # Issue 34: a budget picked lossy codecs nobody asked for (before: int8 in 1 or 2
-    # segments of this 26-layer CNN at 40% and 50% of plain's peak, fp8 for the
-    # smallest peak), although the README calls "auto" exact.
+    # A budget never picks a lossy codec nobody asked for: "auto" is exact (README),
+    # at 40% and 50% of plain's peak of this 26-layer CNN and at its smallest peak.
     layers, x = conv_chain(), torch.randn(8, 16, 16, 16)
     plain = nn.Sequential(*layers)
     budget = None if share is None else int(share * plans.predict(actsave.profile(plain, (x,)), [0]).predicted_peak_bytes)
@@ -132,7 +131,7 @@ def test_min_sqnr_and_allow_choose_the_codecs():
         levers.setdefault("allow", EVERY_CODEC)
         return {c for p in (actsave.plan(prof, None, objective="memory", **levers),) for c in p.codecs}
 
-    # Lossy codecs are opt-in (issue 34): the default levers are exact.
+    # Lossy codecs are opt-in: the default levers are exact.
     assert codecs(allow=plans.DEFAULT_ALLOW) == {"none"} and actsave.plan(prof, None, objective="memory").codecs \
         == actsave.plan(prof, None, objective="memory", allow=("recompute",)).codecs
     assert codecs() - {"none"}, "at the smallest peak some inputs are compressed"
@@ -198,8 +197,8 @@ def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
         CheckpointedSequential(*deep_mlp(2), segments="sqrt", budget=2**20)
     with pytest.raises(ConfigError, match="^allow= plan .* not segments=2"):
         CheckpointedSequential(*deep_mlp(2), segments=2, allow=("recompute",))
-    # Issue 34: loss= is an argument of the default segments' class, yet they plan no
-    # step to run it in; the error says which segments use it and how.
+    # loss= is an argument of the class, but the default segments plan no step to run it
+    # in; the error says which segments use it and how.
     with pytest.raises(ConfigError, match="^loss= plan .* not segments='balanced': .* pass segments='auto', "
                                           "budget= and example_inputs= \\(and loss="):
         CheckpointedSequential(*deep_mlp(2), loss=lambda y: y.sum())
@@ -272,8 +271,8 @@ def test_auto_segments_given_the_loss_fit_a_budget_that_a_plan_without_it_overru
 
 
 def test_a_deep_plan_prints_a_summary_unless_asked_for_every_segment():
-    # Issue 34: the plan of a 600-layer model printed one line per segment (about 600),
-    # and a plan made on meta tensors printed "step 0.000 ms".
+    # A plan of hundreds of segments prints a summary, not a line per segment, and a
+    # plan made on meta tensors prints no step time ("step 0.000 ms").
     layers = [m for _ in range(100) for m in (nn.Linear(64, 64), nn.ReLU())]
     prof = actsave.profile(nn.Sequential(*layers), (torch.empty(32, 64, device="meta"),))
     plan = actsave.plan(prof, None, objective="memory")

@@ -35,7 +35,7 @@ def test_only_relu_outputs_are_recognised():
     assert not is_relu_output(torch.nn.functional.leaky_relu(x)) and not is_relu_output(x)
 
 
-# --- an in-place ReLU at a segment start (issue 13, item 1) ----------------------------
+# --- an in-place ReLU at a segment start ------------------------------------------
 
 
 def conv_bn_relu_chain(inplace: bool, blocks: int = 3) -> list:

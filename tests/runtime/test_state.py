@@ -60,7 +60,7 @@ def test_replay_restores_the_default_device_of_the_forward():
 
 
 def test_checkpoint_made_under_a_device_context_recomputes_there():
-    # torch.arange without device= inside `with torch.device(...)`: issue 17, item 4.
+    # torch.arange without device= inside `with torch.device(...)` must recompute there too.
     x = torch.randn(5, requires_grad=True)
     with torch.device("meta"):
         meta_x = torch.randn(5, requires_grad=True)
@@ -73,7 +73,7 @@ def test_checkpoint_made_under_a_device_context_recomputes_there():
     assert torch.equal(x.grad, torch.arange(5.0))
 
 
-# --- state a forward reads and mutates (issue 17, items 8 and 9) ----------------------
+# --- state a forward reads and mutates -----------------------------------------------
 
 
 class EMA(nn.Module):

@@ -77,8 +77,8 @@ def test_unsigned_kept_input_restores_closer_with_the_same_bytes():
 
 
 def test_a_chain_activation_that_needs_no_grad_is_encoded_the_callers_tensors_are_not():
-    # Issue 34: an activation made by a frozen prefix has no grad_fn, so it looked like
-    # a leaf and was held exactly whatever its codec and offload.
+    # An activation made by a frozen prefix has no grad_fn; it is still the chain's, not
+    # the caller's, so it follows its codec and offload (a leaf would be held exactly).
     frozen = torch.nn.Linear(8, 8).requires_grad_(False)
     owner = torch.nn.Sequential(frozen)
     owner.register_buffer("table", torch.randn(8, 8))
