@@ -54,11 +54,12 @@ def simulating(device):
         _local.device = previous
 
 
-# NOTE [ Attention on a simulated device ]: scaled_dot_product_attention picks its
-# kernel by the tensors' device, and meta tensors have none that it knows: they take
-# the math path, which keeps the T x T attention weights for backward (a multiple of a
-# long sequence's real peak: docs/results.md, "Meta steps"). The fused kernels keep
-# the output and one log-sum-exp per row instead. So a meta step that stands for a
+# NOTE [ Attention on a simulated device ]
+# scaled_dot_product_attention picks its kernel by the tensors' device, and meta
+# tensors have none that it knows: they take the math path, which keeps the T x T
+# attention weights for backward (a multiple of a long sequence's real peak:
+# docs/results.md, "Meta steps"). The fused kernels keep the output and one
+# log-sum-exp per row instead. So a meta step that stands for a
 # device calls the kernel that device would take, whose meta kernel gives what it
 # allocates and keeps (devices.fused_attention says which kernels a device has):
 # - CUDA: flash for fp16 and bf16 without a mask, head sizes up to 256; else

@@ -94,7 +94,7 @@ def test_gradient_sqnr_floors(model, shape, codec, floor):
 
 
 # A segment per block or two, so that every kept input is a block output, a ReLU output,
-# stored on the codec's unsigned grid (codecs, NOTE [unsigned grids]); the last segment
+# stored on the codec's unsigned grid (codecs, NOTE [ Unsigned grids ]); the last segment
 # is the head. Batch 8. Measured over seeds 5, 6 and 10-13: int8 38.8-42.9, e4m3
 # 26.9-32.5, e5m2 20.7-26.2; with the signed grids at seeds 10 / 11: int8 34.2 / 39.1,
 # e4m3 23.6 / 24.7, e5m2 18.7 / 18.3.

@@ -62,12 +62,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def channel_size(shape) -> int:
     """Elements of one channel of one sample in a tensor of ``shape`` (N, C, ...): the
-    ``channel_size`` of NOTE [channel means] in _channel_means.py."""
+    ``channel_size`` of NOTE [ Channel means ] in _channel_means.py."""
     return max(math.prod(shape[2:]), 1)
 
 
 # Signed formats, then their unsigned variants for tensors known to be non-negative
-# (NOTE [unsigned grids] in _scale.py): one more bit of resolution, same bytes.
+# (NOTE [ Unsigned grids ] in _scale.py): one more bit of resolution, same bytes.
 SIGNED_FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 UNSIGNED_VARIANT = {"int8": "uint8", "fp8_e4m3": "fp8_ue4m4", "fp8_e5m2": "fp8_ue5m3"}
 FORMATS = (*SIGNED_FORMATS, *UNSIGNED_VARIANT.values())
@@ -81,7 +81,7 @@ class Kernel(NamedTuple):
     ``reference`` is its specification in torch and gives the same bits. Both take
     the same arguments, ``format_args`` (fp8's ``fmt``, int8's ``unsigned``) included: ``encode(x,
     **format_args, group_size=..., means=None)`` returns ``(codes, scales)``, ``means``
-    being per-channel values to subtract first (NOTE [channel means] in _channel_means.py);
+    being per-channel values to subtract first (NOTE [ Channel means ] in _channel_means.py);
     ``decode(codes, scales, **format_args, dtype=..., group_size=..., means=None,
     channel_size=1)`` a 1-D tensor of ``dtype``, the means added back. ``constexprs``
     are the format's constexprs the launcher passes to ``jit`` (the launch adds the

@@ -2,7 +2,8 @@
 encoder scales them, and added back by the decoder, in the kernels and in the
 references alike.
 
-NOTE [channel means]: an encoder may be given one fp32 mean per channel (dim 1 of an
+NOTE [ Channel means ]
+An encoder may be given one fp32 mean per channel (dim 1 of an
 N, C, ... tensor) to subtract from each value as it is loaded, correctly rounded,
 before anything else; the group's scale and codes are those of the centered values,
 and the non-finite codes mark the input's own inf and NaN (a mean that takes a finite
@@ -47,7 +48,7 @@ def quotient(n, divisor, magic, shift, INDEX_64: tl.constexpr):
 @triton.jit
 def channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic, size_shift,
                      count_magic, count_shift, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr):
-    """Each element's channel mean (NOTE [channel means]): element i of a contiguous N, C,
+    """Each element's channel mean (NOTE [ Channel means ]): element i of a contiguous N, C,
     ... tensor is in channel (i // channel_size) % channels. RUN_CHANNELS is how many
     channels one run may span: 1 (channel_size is a multiple of RUN: one mean per run),
     2 (channel_size >= RUN: the run's first channel, then from the element where the
@@ -84,7 +85,7 @@ def largest_finite(out_ptrs):
 
 
 class ChannelMeans(NamedTuple):
-    """A kernel's NOTE [channel means] arguments, checked: the means (fp32, one per
+    """A kernel's NOTE [ Channel means ] arguments, checked: the means (fp32, one per
     channel; a stand-in, unread, where there are none), the elements per channel of
     one sample, the channel count, and whether there are means at all."""
 
@@ -94,7 +95,7 @@ class ChannelMeans(NamedTuple):
     centered: bool
 
     def kernel_arguments(self, run) -> dict:
-        """For a kernel whose threads own runs of ``run`` elements (NOTE [tile])."""
+        """For a kernel whose threads own runs of ``run`` elements (NOTE [ Tile ])."""
         size_magic, size_shift = magic_number(self.channel_size)
         count_magic, count_shift = magic_number(self.channels)
         return {"means_ptr": self.means, "channel_size": self.channel_size, "channels": self.channels,

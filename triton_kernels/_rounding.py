@@ -1,7 +1,8 @@
 """Rounding half to even, exact on every backend, and the bit-level helpers it is
 written with.
 
-NOTE [round half to even]: every rounding (int8 codes, fp8 codes, fp32 -> bf16
+NOTE [ Round half to even ]
+Every rounding (int8 codes, fp8 codes, fp32 -> bf16
 output) is to nearest, ties to even, and exact on every backend. Triton's interpreter
 has no ``rint`` and mis-rounds fp32 -> fp8 / bf16 casts, so the kernels round with
 IEEE adds (which round half to even) and integer bits: int8 codes by adding 1.5 *
@@ -21,7 +22,7 @@ import triton.language as tl
 
 @triton.jit
 def integer_code_bits(scaled, UNSIGNED: tl.constexpr):
-    """NOTE [round half to even] of finite values onto the integers, within +-255.5: an
+    """NOTE [ Round half to even ] of finite values onto the integers, within +-255.5: an
     fp32 add rounds half to even, and adding 1.5 * 2**23 (or 2**23, values >= 0 on
     the unsigned grid, negative ones saturating at 0) leaves the sum in a binade whose
     step is 1, so that its low byte is the code's two's complement byte (or the code
@@ -33,7 +34,7 @@ def integer_code_bits(scaled, UNSIGNED: tl.constexpr):
 
 @triton.jit
 def shift_right_rne(m, shift):
-    """NOTE [round half to even]: m / 2**shift rounded half to even, for int32 m >= 0,
+    """NOTE [ Round half to even ]: m / 2**shift rounded half to even, for int32 m >= 0,
     1 <= shift <= 31 and m + 2**(shift - 1) < 2**31. Adding one half minus one unit,
     plus the lowest kept bit, carries into the kept bits exactly when the dropped ones
     are above one half, or are one half and the kept value is odd."""

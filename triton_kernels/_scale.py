@@ -1,7 +1,8 @@
 """A group's scale: how a group's values map onto a codec's codes and back, the groups
 that hold inf or NaN, and the unsigned grids of non-negative tensors.
 
-NOTE [scale rule]: ``scale = absmax / code_max`` over the group's finite values,
+NOTE [ Scale rule ]
+``scale = absmax / code_max`` over the group's finite values,
 divided correctly rounded. Where ``code_max * scale`` would overflow (an absmax next
 to the fp32 maximum), the scale steps one ulp toward zero so that no finite input
 decodes to inf: the division errs by at most half an ulp, so one step is enough, and
@@ -21,22 +22,24 @@ taken after a scaling by 2**64, exact on both sides: ``t = (x * 2**64) * (code_m
 0 has multiplier 0 and codes +0 (for -0.0 too), so an all-zero group decodes to exact
 zeros.
 
-NOTE [non-finite groups]: ``-inf`` is a legitimate activation (causal and vocabulary
+NOTE [ Non-finite groups ]
+``-inf`` is a legitimate activation (causal and vocabulary
 masks), so it must neither become finite garbage nor spoil its group, and NaN must
 stay NaN (AMP loss scalers look for it). In a flagged group each codec reserves three
 codes (``NonFiniteCodes``) that decode to exactly +inf, -inf and NaN; the group's
 finite values are scaled onto the codes one step below them and keep their
 precision, the scale coming from them alone (int8 gives up its 127th step: 0.07 dB).
 Unflagged groups never give these codes those meanings, so their bits are those of
-the plain rule (NOTE [scale rule]), and no byte is added.
+the plain rule (NOTE [ Scale rule ]), and no byte is added.
 
-NOTE [unsigned grids]: a tensor the caller knows to be non-negative (a ReLU output)
+NOTE [ Unsigned grids ]
+A tensor the caller knows to be non-negative (a ReLU output)
 can spend the sign bit on precision: each codec has an unsigned variant (int8 codes
 0..255, fp8 e4m3 -> ue4m4, e5m2 -> ue5m3) whose scale maps the absmax onto the
 unsigned grid's top, one more bit of resolution (about 6 dB of round-trip SQNR).
 The grid is the caller's choice, recorded beside the codes, never detected from the
 data (that would need a device sync or a per-group flag). A negative value given to
-an unsigned variant saturates to 0. A flagged group (NOTE [non-finite groups]) is
+an unsigned variant saturates to 0. A flagged group (NOTE [ Non-finite groups ]) is
 encoded exactly as by the signed codec, its codes stored as their byte, so the
 non-finite rule is written once; decoding reads the flag first.
 """
@@ -49,13 +52,13 @@ import triton.language as tl
 from . import on_general_path
 from ._channel_means import add_channel_means_ref_
 
-# NOTE [scale rule]: below this absmax, the multiplier is taken after scaling by PRESCALE.
+# NOTE [ Scale rule ]: below this absmax, the multiplier is taken after scaling by PRESCALE.
 TINY_ABSMAX = tl.constexpr(2.0**-64)
 PRESCALE = tl.constexpr(2.0**64)
 
 
 class NonFiniteCodes(NamedTuple):
-    """A codec's NOTE [non-finite groups]: the largest finite code magnitude in a
+    """A codec's NOTE [ Non-finite groups ]: the largest finite code magnitude in a
     flagged group, and the codes of +inf, -inf and NaN there."""
 
     finite_max: float
@@ -75,7 +78,7 @@ class NonFiniteCodes(NamedTuple):
 
 @triton.jit
 def plain_group_scale(magnitudes, CODE_MAX: tl.constexpr):
-    """NOTE [scale rule] for the rows of a plain tile (NOTE [plain tiles]), [groups]: the
+    """NOTE [ Scale rule ] for the rows of a plain tile (NOTE [ Plain tiles ]), [groups]: the
     scale and the multiplier, the bits of group_scale's without its step, pre-scale
     and flag, none of which applies."""
     code_max = tl.full(magnitudes.shape, CODE_MAX, tl.float32)
@@ -85,13 +88,13 @@ def plain_group_scale(magnitudes, CODE_MAX: tl.constexpr):
 @triton.jit
 def none_flagged(scale):
     """Whether no group of the tile, given its [groups] scales, is flagged (NOTE
-    [non-finite groups]; a scalar)."""
+    [ Non-finite groups ]; a scalar)."""
     return tl.min(scale.to(tl.int32, bitcast=True), axis=0) >= 0
 
 
 @triton.jit
 def group_scale(x, CODE_MAX, NON_FINITE_CODE_MAX):
-    """NOTE [scale rule] per row of a [groups, runs, RUN] fp32 block: the signed scale,
+    """NOTE [ Scale rule ] per row of a [groups, runs, RUN] fp32 block: the signed scale,
     [groups]; the block's finite values times their row's multiplier, 0 elsewhere; and
     per row, [groups, 1, 1], whether it is flagged and whether its multiplier is nonzero."""
     finite = tl.abs(x) < float("inf")
@@ -121,13 +124,13 @@ def negated(x):
 @triton.jit
 def is_flagged(scale):
     """Per row of a [groups] scale, as [groups, 1, 1]: whether the group holds inf or NaN
-    (NOTE [non-finite groups]: the sign bit of its scale)."""
+    (NOTE [ Non-finite groups ]: the sign bit of its scale)."""
     return (scale.to(tl.int32, bitcast=True) < 0)[:, None, None]
 
 
 @triton.jit
 def with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE):
-    """codes with those of NOTE [non-finite groups] where x is +inf, -inf or NaN."""
+    """codes with those of NOTE [ Non-finite groups ] where x is +inf, -inf or NaN."""
     codes = tl.where(x == float("inf"), POS_INF_CODE, codes)
     codes = tl.where(x == float("-inf"), NEG_INF_CODE, codes)
     return tl.where(x != x, NAN_CODE, codes)
@@ -148,8 +151,8 @@ def plain_dequantize(values, scale, means, out_max, CENTERED: tl.constexpr):
 def dequantize(values, codes, scale, means, out_max, POS_INF_CODE, NEG_INF_CODE, NAN_CODE,
                CENTERED: tl.constexpr):
     """values * |scale| per row in fp32, plus ``means`` (each element's channel mean)
-    saturated at +-out_max where CENTERED (NOTE [channel means]), and in flagged rows
-    the non-finite codes' values (NOTE [non-finite groups])."""
+    saturated at +-out_max where CENTERED (NOTE [ Channel means ]), and in flagged rows
+    the non-finite codes' values (NOTE [ Non-finite groups ])."""
     y = values * tl.abs(scale)[:, None, None]
     if CENTERED:
         y = tl.minimum(tl.maximum(y + means, -out_max), out_max)
@@ -167,7 +170,7 @@ def _per_element(scales, group_size, numel):
 
 
 def group_scale_ref(flat, group_size, code_max, non_finite):
-    """NOTE [scale rule] for a flat fp32 tensor: per group, the signed scale, the
+    """NOTE [ Scale rule ] for a flat fp32 tensor: per group, the signed scale, the
     multiplier (NaN where the finite absmax is 0: see scaled_ref) and the pre-scale
     (None where no group needs one). Zero padding is finite and leaves the absmax
     unchanged. One per-element temporary, so that the encoders' peak is their
@@ -208,7 +211,7 @@ def any_flagged_ref(scales):
 
 
 def scaled_ref(flat, multipliers, prescales, group_size, in_place=False):
-    """NOTE [scale rule]: each finite value times its group's pre-scale (if any) and then
+    """NOTE [ Scale rule ]: each finite value times its group's pre-scale (if any) and then
     its multiplier, and +0 for the others and throughout a group whose finite absmax is
     0; ``in_place`` overwrites ``flat`` (a reference's own copy) and allocates no more
     than one per-element factor at a time."""
@@ -234,8 +237,8 @@ def with_non_finite_codes_ref(codes, flat, non_finite):
 def dequantize_ref(values, codes, scales, non_finite, dtype, group_size, means):
     """values * |their group's scale| in fp32, plus their channel's mean saturated at
     dtype's largest finite value where ``means`` (a :class:`ChannelMeans`) has them
-    (NOTE [channel means]), the non-finite codes of flagged groups decoded (NOTE
-    [non-finite groups]), then rounded half to even to dtype."""
+    (NOTE [ Channel means ]), the non-finite codes of flagged groups decoded (NOTE
+    [ Non-finite groups ]), then rounded half to even to dtype."""
     y = values * _per_element(scales, group_size, values.numel()).abs()
     if means.centered and y.numel():
         add_channel_means_ref_(y, means, torch.finfo(dtype).max)

@@ -4,26 +4,28 @@ Both codecs cut a flattened tensor into contiguous groups of ``group_size`` elem
 (the last one may be partial) and store one fp32 scale per group. This module holds
 how their kernels walk the groups: the tile a program owns, the loads every encoder and
 decoder starts with, the path of plain tiles, and the host-side checks and launch
-grid. The rules of the values live beside it: _scale.py (NOTE [scale rule], NOTE
-[non-finite groups], NOTE [unsigned grids]), _channel_means.py (NOTE [channel means])
-and _rounding.py (NOTE [round half to even]).
+grid. The rules of the values live beside it: _scale.py (NOTE [ Scale rule ], NOTE
+[ Non-finite groups ], NOTE [ Unsigned grids ]), _channel_means.py (NOTE [ Channel means ])
+and _rounding.py (NOTE [ Round half to even ]).
 
-NOTE [tile]: each program owns GROUPS_PER_PROGRAM whole groups (its Tile's elements)
+NOTE [ Tile ]
+Each program owns GROUPS_PER_PROGRAM whole groups (its Tile's elements)
 as a ``[groups, GROUP_SIZE // RUN, RUN]`` block and reduces along its rows. A run is
 RUN contiguous elements that one thread owns: one 16-byte vector of codes when
 encoding (16 codes), of values when decoding (4 fp32 or 8 halves, whose codes are
 then one 4- or 8-byte load, as coalesced). Triton gives each memory access a layout
 of at most 16 bytes per thread for a store; one run size for both streams is one
 layout, with no conversion through shared memory between them. What depends on the
-run only (a channel, NOTE [channel means]) is worked out once per thread. Offsets
+run only (a channel, NOTE [ Channel means ]) is worked out once per thread. Offsets
 are int32 where every offset of the launch is below 2**31 (``needs_int64``), else
 int64.
 
-NOTE [plain tiles]: most tiles hold only groups whose values are finite, with an
+NOTE [ Plain tiles ]
+Most tiles hold only groups whose values are finite, with an
 absmax below 2**127 and either 0 or at least 2**-64 (and, for an encoder that
 subtracts channel means, lie wholly inside the tensor, a partial tile's padding being
-centered too). There NOTE [scale rule] needs no step, no pre-scale and no flag, and
-NOTE [non-finite groups] no code, so the kernels take a path without them: an
+centered too). There NOTE [ Scale rule ] needs no step, no pre-scale and no flag, and
+NOTE [ Non-finite groups ] no code, so the kernels take a path without them: an
 encoder decides from its rows' magnitudes (``row_magnitudes``, ``plain_tile``), a
 decoder from its scales' signs (``none_flagged``), once per program, by a branch on a
 reduction over the tile; every other tile takes the general path. Both give the
@@ -44,13 +46,13 @@ from ._scale import TINY_ABSMAX
 # compression; above 4096 a single group outgrows a program's tile (below).
 MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 4096
 # Compile options of every launch (and of the ahead-of-time builds that check them).
-# No FMA fusion: a decoder's add of a channel mean after its multiply (NOTE [channel
-# means]) must round twice, as torch does.
+# No FMA fusion: a decoder's add of a channel mean after its multiply (NOTE [ Channel
+# means ]) must round twice, as torch does.
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
 class Tile(NamedTuple):
-    """A program's share of a launch (NOTE [tile]): its elements and its warps."""
+    """A program's share of a launch (NOTE [ Tile ]): its elements and its warps."""
 
     elements: int
     warps: int
@@ -73,7 +75,7 @@ CUDA_TILE, INTERPRETER_TILE = Tile(elements=2048, warps=4), Tile(elements=4096, 
 LARGEST_TILE_ELEMENTS = 16384
 # The widest global load and store a thread issues (ld/st.global.v4.b32).
 VECTOR_BYTES = 16
-# NOTE [plain tiles]: below this absmax no scale needs the scale rule's step.
+# NOTE [ Plain tiles ]: below this absmax no scale needs the scale rule's step.
 PLAIN_ABSMAX_LIMIT = tl.constexpr(2.0**127)
 
 
@@ -85,7 +87,7 @@ def group_tile(numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr
                INDEX_64: tl.constexpr):
     """This program's groups and their mask; the first element of each run of its groups,
     as [groups, GROUP_SIZE // RUN, 1]; the element offsets, [groups, GROUP_SIZE // RUN, RUN],
-    and their mask. A run is RUN contiguous elements that one thread owns (NOTE [tile]).
+    and their mask. A run is RUN contiguous elements that one thread owns (NOTE [ Tile ]).
     Offsets are int64 where INDEX_64, else int32 (the launch knows which fit)."""
     program = tl.program_id(0)
     if INDEX_64:
@@ -136,7 +138,7 @@ def row_magnitudes(x, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def plain_tile(magnitudes):
-    """NOTE [plain tiles]: whether every row of the tile, given its row_magnitudes, is
+    """NOTE [ Plain tiles ]: whether every row of the tile, given its row_magnitudes, is
     finite with an absmax below 2**127 and either 0 or at least 2**-64 (a scalar)."""
     plain = (magnitudes < PLAIN_ABSMAX_LIMIT) & ((magnitudes >= TINY_ABSMAX) | (magnitudes == 0.0))
     return tl.min(plain.to(tl.int32), axis=0) > 0
@@ -149,8 +151,8 @@ def load_encoder_tile(x_ptr, means_ptr, numel, channel_size, channels, size_magi
                       RUN: tl.constexpr):
     """What every encoder starts with, for this program's tile: ``(groups, their mask,
     offsets, their mask, x as fp32, x less its channel means where CENTERED (NOTE
-    [channel means]), each row's magnitudes, whether the tile is plain: NOTE [plain
-    tiles])``. A partial tile's padding is centered too, so a centered tile is plain
+    [ Channel means ]), each row's magnitudes, whether the tile is plain: NOTE [ Plain
+    tiles ])``. A partial tile's padding is centered too, so a centered tile is plain
     only when it is whole."""
     groups, groups_in_bounds, runs, offsets, in_bounds = group_tile(numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN,
                                                                     INDEX_64)
@@ -234,7 +236,7 @@ def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
     """One launch of a group kernel over numel elements, on its tensors' device; none
     for an empty tensor, nor for meta tensors: they hold no data, and the launcher's
     allocations are what actsave.estimate simulates a CUDA step by. ``run`` is the
-    elements each thread owns contiguously (NOTE [tile]), ``means`` the kernel's
+    elements each thread owns contiguously (NOTE [ Tile ]), ``means`` the kernel's
     :class:`ChannelMeans`, ``arguments`` its other arguments by name."""
     if numel == 0 or tensors[0].device.type == "meta":
         return
@@ -252,7 +254,7 @@ def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
 
 def needs_int64(numel):
     """Whether a launch over numel elements indexes in int64: where an offset in its last
-    program's tile could reach 2**31 (the magic-number quotients of NOTE [channel means]
+    program's tile could reach 2**31 (the magic-number quotients of NOTE [ Channel means ]
     need offsets below it too)."""
     return numel + LARGEST_TILE_ELEMENTS > 2**31
 
@@ -267,7 +269,7 @@ def run_elements(dtype):
 
 def centered_input_ref(x, group_size, means):
     """``(source, centered)``: ``x`` flat in fp32, and those values less their channel's
-    mean (NOTE [channel means]; ``means`` as :func:`channel_means` takes it). Where no
+    mean (NOTE [ Channel means ]; ``means`` as :func:`channel_means` takes it). Where no
     mean is subtracted ``centered`` is ``source`` itself; otherwise it is a new tensor,
     the reference's own, which it may overwrite."""
     source = flat_input(x, group_size).to(torch.float32)

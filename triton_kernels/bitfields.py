@@ -3,7 +3,7 @@ checkpoint keeps (ReLU signs, 1 bit: actsave/runtime/relu_signs.py; max-pool win
 offsets, 1-8 bits: actsave/runtime/pool_decisions.py), written by the kernels of
 decisions/ and their torch references.
 
-NOTE [ bit fields ]
+NOTE [ Bit fields ]
 Field ``j`` of a byte holds element ``j`` of its group of ``8 // bits`` elements, in
 bits ``j * bits`` upward; ``n`` fields take ``ceil(n * bits / 8)`` bytes, and the bits
 past the last field of the last byte are 0. A field is 1, 2, 4 or 8 bits wide, so

@@ -4,16 +4,16 @@ Format: the tensor is flattened row-major and cut into groups of ``group_size``
 elements (a power of two; the last group may be partial). Each group stores
 ``scale = absmax / FP8_MAX`` (fp32; 448 for e4m3, 57344 for e5m2) and one byte per
 element: the bit pattern of ``x * (FP8_MAX / absmax)``, the group's multiplier taken
-once (NOTE [scale rule]: no value passes +-FP8_MAX), in ``torch.float8_e4m3fn`` (1 sign,
+once (NOTE [ Scale rule ]: no value passes +-FP8_MAX), in ``torch.float8_e4m3fn`` (1 sign,
 4 exponent, 3 mantissa bits, no inf) or ``torch.float8_e5m2`` (1, 5, 2), rounded half
 to even. Decoding is ``fp8_value(code) * scale`` in fp32,
-rounded half to even to the requested dtype. NOTE [scale rule] in ``_scale`` keeps
+rounded half to even to the requested dtype. NOTE [ Scale rule ] in ``_scale`` keeps
 a scale near the fp32 maximum from decoding to inf, and flags, by the scale's sign
 bit, a group holding inf or NaN; there +-inf and NaN take the codes of ``_Fp8Format.non_finite`` (NOTE
-[non-finite groups]) and the scale maps the finite absmax onto the largest magnitude
+[ Non-finite groups ]) and the scale maps the finite absmax onto the largest magnitude
 left below them.
 
-Unsigned variants (NOTE [unsigned grids]), for tensors known to be non-negative: "ue4m4"
+Unsigned variants (NOTE [ Unsigned grids ]), for tensors known to be non-negative: "ue4m4"
 (4 exponent, 4 mantissa bits, no sign: e4m3's binades, min normal 2**-6, largest 496)
 and "ue5m3" (e5m2's binades, min normal 2**-14, largest 122880). Every one of their 256
 codes is finite; codes ascend with the value, code ``2**mantissa_bits`` being the
@@ -23,9 +23,9 @@ below its specials gives the ue4m4 (ue5m3) code of the same value.
 
 The scale itself is stored, so that decoding is one multiply; encoding multiplies by
 the group's multiplier, one correctly rounded division per group rather than one per
-value (NOTE [scale rule]). The kernels encode and decode fp8 on the bits, with
+value (NOTE [ Scale rule ]). The kernels encode and decode fp8 on the bits, with
 integer arithmetic and exact or half-to-even fp32 adds and multiplies, never an fp8
-cast (the interpreter's fp32 -> fp8 cast mis-rounds, NOTE [round half to even]; this
+cast (the interpreter's fp32 -> fp8 cast mis-rounds, NOTE [ Round half to even ]; this
 also runs on GPUs without fp8 hardware).
 ``encode_fp8_ref`` / ``decode_fp8_ref`` are the specification, written with torch's
 own fp8 casts; the kernels match them bit for bit.
@@ -77,7 +77,7 @@ class _Fp8Format:
     mantissa_bits: int
     min_normal_exponent: int  # log2 of the smallest normal value
     first_special_code: int  # the magnitude codes from here up are inf or NaN
-    non_finite: NonFiniteCodes  # NOTE [non-finite groups]
+    non_finite: NonFiniteCodes  # NOTE [ Non-finite groups ]
 
     def encode_constexprs(self) -> dict:
         return {"FP8_MAX": self.max_value, "MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
@@ -91,7 +91,7 @@ class _Fp8Format:
 
 @dataclass(frozen=True)
 class _UnsignedFp8Format:
-    """An unsigned 8-bit float (NOTE [unsigned grids]): no sign, no inf or NaN code,
+    """An unsigned 8-bit float (NOTE [ Unsigned grids ]): no sign, no inf or NaN code,
     the binades of ``signed``, whose encoding its flagged groups use."""
 
     mantissa_bits: int
@@ -147,15 +147,15 @@ def _fp8_format(torch_dtype):
 # mantissa bit wins, about 6 dB of round-trip SQNR (docs/results.md, "Figures behind
 # the code's rules"). Both are offered, as on GPUs with fp8.
 FP8_FORMATS = {"e4m3": _fp8_format(torch.float8_e4m3fn), "e5m2": _fp8_format(torch.float8_e5m2)}
-# One more mantissa bit in place of the sign (NOTE [unsigned grids]).
+# One more mantissa bit in place of the sign (NOTE [ Unsigned grids ]).
 UNSIGNED_FP8_FORMATS = {"ue4m4": _UnsignedFp8Format(4, FP8_FORMATS["e4m3"]),
                         "ue5m3": _UnsignedFp8Format(3, FP8_FORMATS["e5m2"])}
 
 
 @triton.jit
 def _float32_to_fp8_bits(scaled, signed_zero, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
-    """fp8 bit pattern of a finite fp32, rounded half to even (NOTE [round half to
-    even]); no value passes the largest finite one (NOTE [scale rule]). A zero keeps
+    """fp8 bit pattern of a finite fp32, rounded half to even (NOTE [ Round half to
+    even ]); no value passes the largest finite one (NOTE [ Scale rule ]). A zero keeps
     its sign only where ``signed_zero`` (per row: a group whose multiplier is nonzero)."""
     sign = (scaled.to(tl.int32, bitcast=True) >> 24) & tl.where(signed_zero, 0x80, 0)
     return sign | _fp8_magnitude_code(tl.abs(scaled), MANT_BITS, MIN_NORMAL_EXP)
@@ -175,8 +175,8 @@ def _fp8_bits_of_product(x, multiplier, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP:
 def _fp8_magnitude_code(magnitude, MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
     """The sign-less code of a finite fp32 magnitude (>= 0, or -0.0) on a float grid
     of MANT_BITS mantissa bits whose smallest normal is 2**MIN_NORMAL_EXP, rounded half
-    to even (NOTE [round half to even]); the magnitude rounds to a value of the grid
-    (NOTE [scale rule]). A code is its exponent field (1 for the smallest normal's
+    to even (NOTE [ Round half to even ]); the magnitude rounds to a value of the grid
+    (NOTE [ Scale rule ]). A code is its exponent field (1 for the smallest normal's
     binade, 0 below) over MANT_BITS mantissa bits.
 
     From the smallest normal up, fp32's significand is rounded to MANT_BITS bits on its
@@ -221,11 +221,11 @@ def _encode_fp8_general(centered, x, FP8_MAX: tl.constexpr, NON_FINITE_CODE_MAX:
                         MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, UNSIGNED: tl.constexpr,
                         U_MANT_BITS: tl.constexpr, POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr,
                         NAN_CODE: tl.constexpr):
-    """The scales and codes of a tile that is not plain (NOTE [plain tiles]): every rule
-    of NOTE [scale rule] and NOTE [non-finite groups]."""
+    """The scales and codes of a tile that is not plain (NOTE [ Plain tiles ]): every rule
+    of NOTE [ Scale rule ] and NOTE [ Non-finite groups ]."""
     scale, scaled, flagged, nonzero = group_scale(centered, FP8_MAX, NON_FINITE_CODE_MAX)
     codes = _float32_to_fp8_bits(scaled, nonzero, MANT_BITS, MIN_NORMAL_EXP)
-    if UNSIGNED:  # NOTE [unsigned grids]: flagged groups keep the signed codes
+    if UNSIGNED:  # NOTE [ Unsigned grids ]: flagged groups keep the signed codes
         codes = tl.where(flagged, codes, _fp8_magnitude_code(tl.maximum(scaled, 0.0), U_MANT_BITS, MIN_NORMAL_EXP))
     return scale, with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
 
@@ -274,7 +274,7 @@ def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel
         count_shift, CENTERED, RUN_CHANNELS, INDEX_64, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
     codes = codes.to(tl.int32)
     out_max = largest_finite(out_ptr)
-    if none_flagged(scale):  # NOTE [plain tiles]
+    if none_flagged(scale):  # NOTE [ Plain tiles ]
         if UNSIGNED:
             values = _unsigned_fp8_values(codes, U_MANT_BITS, MIN_NORMAL_EXP)
         else:
@@ -299,8 +299,8 @@ def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
     TRITON_INTERPRET=1 or CUDA) into (uint8 fp8 bit patterns of shape (numel,), fp32
     scales of shape (n_groups,)); fmt is "e4m3" or "e5m2", or "ue4m4" or "ue5m3" for
-    a non-negative tensor (NOTE [unsigned grids]). ``means``, fp32 of shape
-    (x.shape[1],), are subtracted per channel first (NOTE [channel means]). Raises
+    a non-negative tensor (NOTE [ Unsigned grids ]). ``means``, fp32 of shape
+    (x.shape[1],), are subtracted per channel first (NOTE [ Channel means ]). Raises
     ValueError for other formats, dtypes, group sizes or means."""
     spec = _format(fmt)
     flat = flat_input(x, group_size)
@@ -313,8 +313,8 @@ def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
 def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=None, channel_size=1):
     """Decode ``encode_fp8``'s output into a 1-D tensor of ``dtype``; reshape it to
     the original shape. ``means``, those the encoder took, are added back, the
-    tensor's channels holding ``channel_size`` elements per sample (NOTE [channel
-    means])."""
+    tensor's channels holding ``channel_size`` elements per sample (NOTE [ Channel
+    means ])."""
     spec = _format(fmt)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
@@ -334,13 +334,13 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     signed = getattr(spec, "signed", spec)
     source, flat = centered_input_ref(x, group_size, means)
     scales, multipliers, prescales = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
-    # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [scale rule]).
+    # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [ Scale rule ]).
     scaled = scaled_ref(flat, multipliers, prescales, group_size, in_place=flat is not source)  # flat: not read again
     if spec is signed or any_flagged_ref(scales):
         codes = scaled.to(signed.torch_dtype).view(torch.uint8)
     if spec is not signed:
         unsigned_codes = _unsigned_codes_ref_(scaled, spec)
-        # Flagged groups keep the signed codes (NOTE [unsigned grids]).
+        # Flagged groups keep the signed codes (NOTE [ Unsigned grids ]).
         codes = torch.where(is_flagged_ref(scales, group_size, source.numel()), codes, unsigned_codes) \
             if any_flagged_ref(scales) else unsigned_codes
     return with_non_finite_codes_ref(codes, source, signed.non_finite), scales
@@ -348,7 +348,7 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
 
 def _unsigned_codes_ref_(scaled, spec):
     """Codes of finite fp32 values on an unsigned grid, saturated at 0 (none passes the
-    grid's top: NOTE [scale rule]), rounded half to even; ``scaled`` is overwritten (in
+    grid's top: NOTE [ Scale rule ]), rounded half to even; ``scaled`` is overwritten (in
     place, and the one temporary freed before the codes are made, so that encoding
     allocates no more than the signed path, which the planner profiles). The exponent e
     of a value (that of its leading bit, at least the smallest normal's) sets the step

@@ -4,14 +4,14 @@ Format: the tensor is flattened row-major and cut into groups of ``group_size``
 elements (a power of two; the last group may be partial). Each group stores
 ``scale = absmax / 127`` (fp32) and one int8 code per element,
 ``code = round_half_even(x * (127 / absmax))``, the group's multiplier ``127 / absmax``
-taken once (NOTE [scale rule] in ``_scale``: no code passes +-127); the grid is
+taken once (NOTE [ Scale rule ] in ``_scale``: no code passes +-127); the grid is
 symmetric. Decoding is ``code * scale`` in fp32, rounded half to even to the
-requested dtype. NOTE [scale rule] also keeps a scale near the fp32 maximum from
+requested dtype. NOTE [ Scale rule ] also keeps a scale near the fp32 maximum from
 decoding to inf, and flags, by the scale's sign bit, a group holding inf or NaN:
 there ``scale = finite absmax / 126``, finite codes stay within +-126, and 127, -127
-and -128 stand for +inf, -inf and NaN (NOTE [non-finite groups]).
+and -128 stand for +inf, -inf and NaN (NOTE [ Non-finite groups ]).
 
-The unsigned variant (``unsigned=True``, NOTE [unsigned grids]) is for tensors known
+The unsigned variant (``unsigned=True``, NOTE [ Unsigned grids ]) is for tensors known
 to be non-negative: ``scale = absmax / 255`` and uint8 codes
 ``round_half_even(max(x * (255 / absmax), 0))``; a group holding inf or NaN keeps the
 signed encoding above, its int8 codes stored as their byte.
@@ -54,14 +54,14 @@ from ._tile import (
 )
 
 # Symmetric absmax rather than asymmetric (scale + zero point). Asymmetric gains most,
-# about one bit (6 dB), on one-signed data, which the unsigned grid (NOTE [unsigned
-# grids]) covers for ReLU outputs, and less elsewhere; it needs a second fp32 per
+# about one bit (6 dB), on one-signed data, which the unsigned grid (NOTE [ Unsigned
+# grids ]) covers for ReLU outputs, and less elsewhere; it needs a second fp32 per
 # group (6.25% overhead instead of 3.1%) and a decode `code * scale + offset` that GPUs
 # may fuse into an FMA and round differently from torch. Symmetric decodes with a
 # single correctly rounded multiply, so it is bit-exact everywhere (the SQNR of each:
 # docs/results.md, "Figures behind the code's rules").
 INT8_MAX = 127
-UINT8_MAX = 255  # NOTE [unsigned grids]
+UINT8_MAX = 255  # NOTE [ Unsigned grids ]
 # In a group holding inf or NaN, 127 and -127 mean +-inf (the sign stays the code's)
 # and -128, unused elsewhere, NaN; finite values keep 126 of their 127 steps (0.07 dB).
 NON_FINITE_CODES = NonFiniteCodes(finite_max=126.0, pos_inf=127, neg_inf=-127, nan=-128)
@@ -84,11 +84,11 @@ def _code_dtype(unsigned):
 def _encode_int8_general(centered, x, CODE_MAX: tl.constexpr, UNSIGNED: tl.constexpr,
                          NON_FINITE_CODE_MAX: tl.constexpr, POS_INF_CODE: tl.constexpr,
                          NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr):
-    """The scales and code bits of a tile that is not plain (NOTE [plain tiles]): every
-    rule of NOTE [scale rule] and NOTE [non-finite groups]."""
+    """The scales and code bits of a tile that is not plain (NOTE [ Plain tiles ]): every
+    rule of NOTE [ Scale rule ] and NOTE [ Non-finite groups ]."""
     scale, scaled, flagged, _ = group_scale(centered, CODE_MAX, NON_FINITE_CODE_MAX)
     codes = integer_code_bits(scaled, False)
-    if UNSIGNED:  # flagged groups keep the signed codes (NOTE [unsigned grids])
+    if UNSIGNED:  # flagged groups keep the signed codes (NOTE [ Unsigned grids ])
         codes = tl.where(flagged, codes, integer_code_bits(scaled, True))
     return scale, with_non_finite_codes(codes, x, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
 
@@ -130,7 +130,7 @@ def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channe
         codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic,
         count_shift, CENTERED, RUN_CHANNELS, INDEX_64, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
     out_max = largest_finite(out_ptr)
-    if none_flagged(scale):  # NOTE [plain tiles]
+    if none_flagged(scale):  # NOTE [ Plain tiles ]
         y = plain_dequantize(codes.to(tl.float32), scale, means, out_max, CENTERED)
     else:
         signed_codes = codes.to(tl.int32)
@@ -145,7 +145,7 @@ def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
     TRITON_INTERPRET=1 or CUDA) into (codes of shape (numel,), fp32 scales of shape
     (n_groups,)): int8 codes, or uint8 ones on the unsigned grid. ``means``, fp32 of
-    shape (x.shape[1],), are subtracted per channel first (NOTE [channel means]).
+    shape (x.shape[1],), are subtracted per channel first (NOTE [ Channel means ]).
     Raises ValueError for other dtypes, group sizes or means."""
     flat = flat_input(x, group_size)
     codes, scales = empty_encoding(flat, group_size, _code_dtype(unsigned))
@@ -159,7 +159,7 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
     """Decode ``encode_int8``'s output (same ``unsigned``) into a 1-D tensor of
     ``dtype``; reshape it to the original shape. ``means``, those the encoder took,
     are added back, the tensor's channels holding ``channel_size`` elements per sample
-    (NOTE [channel means])."""
+    (NOTE [ Channel means ])."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
     launch(_decode_int8_kernel, codes.numel(), group_size, run_elements(dtype),
@@ -173,7 +173,7 @@ def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None
     source, flat = centered_input_ref(x, group_size, means)
     scales, multipliers, prescales = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX,
                                                      NON_FINITE_CODES)
-    # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [scale rule]).
+    # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [ Scale rule ]).
     scaled = scaled_ref(flat, multipliers, prescales, group_size, in_place=flat is not source)  # flat: not read again
     if not unsigned:
         codes = scaled.round_().to(torch.int8)

@@ -11,7 +11,7 @@ A codec turns a tensor into a :class:`Packed` value and back.
 A tensor the caller knows to be non-negative (``encode(x, non_negative=True)``: the
 runtime passes it for ReLU outputs, judged by their autograd node, with no device
 sync) is stored on the codec's unsigned grid, the same 8 bits spent without a sign:
-int8 codes 0..255, fp8 e4m3 -> ue4m4, e5m2 -> ue5m3 (NOTE [unsigned grids] in
+int8 codes 0..255, fp8 e4m3 -> ue4m4, e5m2 -> ue5m3 (NOTE [ Unsigned grids ] in
 ``triton_kernels/_scale.py``). One more bit of resolution, about 6 dB of
 round-trip SQNR (a bit halves the step). Where kept inputs are ReLU outputs
 (torchvision-layout ResNets, whose block outputs are) the worst parameter gradient

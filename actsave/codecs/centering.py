@@ -14,7 +14,7 @@ BatchNorm), most of the bits go to the offset. So a signed 4-D or 5-D tensor
 (PyTorch's N, C, ... layout: dim 1 is the channel) is stored as ``x - m_c`` with
 ``m_c`` its channel means, kept exactly beside the codes (one fp32 per channel), and
 decoded as ``decode(codes) + m_c``. The kernels do both, in fp32, as they load and
-store (NOTE [channel means] in triton_kernels/_channel_means.py).
+store (NOTE [ Channel means ] in triton_kernels/_channel_means.py).
 
 Centered, a pre-activation ResNet's worst parameter gradient and that of a
 conv-BN-ReLU chain whose last segment saves BatchNorm inputs gain under every lossy

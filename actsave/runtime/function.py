@@ -172,8 +172,8 @@ class _Frame:
         # NOTE [ Max-pool decisions ]: only a lossy recompute needs them.
         self.pools = PoolWatch.among(modules) if self.keeps_decisions else None
         # The caller's inputs, held only while the forward runs (the caller holds them
-        # then anyway): a backward inside the forward recomputes from them, exactly.
-        # NOTE [ Backward inside a checkpointed forward ]
+        # then anyway): a backward inside the forward recomputes from them, exactly
+        # (NOTE [ Backward inside a checkpointed forward ]).
         self._forward_inputs = (args, kwargs)
         self._recomputed_in_forward = weakref.WeakKeyDictionary()
         # Decisions made before this segment: the previous segment's ReLU keeps them.
@@ -284,7 +284,7 @@ class _Frame:
         return 0
 
     def _unpack_in_forward(self, slot: _Slot) -> torch.Tensor:
-        # NOTE [ Backward inside a checkpointed forward ]
+        # See NOTE [ Backward inside a checkpointed forward ].
         # The function runs a backward of its own (``autograd.grad`` for a gradient
         # penalty, higher-order derivatives) through what it saved so far. Recompute
         # that prefix, exactly, from the caller's inputs; keep nothing of it for the

@@ -95,7 +95,7 @@ class Window:
     @property
     def bits(self) -> int:
         """Bits per offset: the fewest of 1, 2, 4, 8 that hold ``size`` values (whole
-        offsets per byte keep packing to shifts; NOTE [ bit fields ])."""
+        offsets per byte keep packing to shifts; NOTE [ Bit fields ])."""
         return field_bits(self.size)
 
     def output_size(self, input_size: tuple) -> tuple:

@@ -40,7 +40,7 @@ def is_relu_output(tensor: torch.Tensor) -> bool:
 def known_non_negative(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is known, without reading it, to hold no negative value: it
     is a ReLU output (then >= 0 or NaN), so a codec may store it on an unsigned grid
-    (codecs, NOTE [unsigned grids]). An in-place change after the ReLU gives the
+    (codecs, NOTE [ Unsigned grids ]). An in-place change after the ReLU gives the
     tensor another autograd node, and it is no longer known; so is a view of it."""
     return is_relu_output(tensor)
 
@@ -110,7 +110,7 @@ def _dead_ref():
 
 def pack_signs(output: torch.Tensor) -> torch.Tensor:
     """One bit per element of a ReLU output: 1 where backward passes the gradient
-    (NOTE [ bit fields ], row-major). One kernel launch on CUDA
+    (NOTE [ Bit fields ], row-major). One kernel launch on CUDA
     (triton_kernels/decisions/relu_signs.py)."""
     kernel = decision_table()["relu_signs", "pack"]
     return implementation(kernel, output)(output)  # the reference detaches what it reads

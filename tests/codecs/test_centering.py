@@ -127,7 +127,7 @@ def test_inf_and_nan_come_back_and_spoil_only_their_channel_mean(codec):
 @pytest.mark.parametrize("codec", LOSSY_CODECS)
 def test_finite_float16_values_stay_finite_at_the_edge_of_their_range(codec):
     # The mean carries some decoded values past the largest finite one: decoding
-    # saturates there (NOTE [channel means]).
+    # saturates there (NOTE [ Channel means ]).
     largest = torch.finfo(torch.float16).max
     x = torch.full((2, 2, 4, 4), largest, dtype=torch.float16)
     x[:, 1], x[0, 0, 0, :2] = -largest, largest / 3

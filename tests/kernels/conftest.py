@@ -147,7 +147,7 @@ def _round_trip(codec, x, group_size):
 
 
 def _assert_non_finite_kept(codec, x, group_size):
-    """NOTE [non-finite groups]: a group's scale is negative exactly when it holds inf
+    """NOTE [ Non-finite groups ]: a group's scale is negative exactly when it holds inf
     or NaN; +-inf decode to the same +-inf, NaN to NaN, finite values to finite ones."""
     scales, decoded = _round_trip(codec, x, group_size)
     finite = x.isfinite()

@@ -1,4 +1,4 @@
-"""NOTE [channel means] (triton_kernels/_channel_means.py): an encoder given one mean per
+"""NOTE [ Channel means ] (triton_kernels/_channel_means.py): an encoder given one mean per
 channel subtracts it as it loads, and the decoder adds it back as it stores. For every
 signed format, read from the kernel table: the kernels against their references bit
 for bit, and the references against the rule."""
@@ -43,7 +43,7 @@ CASES = {
     "zero_means": lambda: (_channels_input((2, 3, 4, 4)), torch.zeros(3)),
     "sliced": lambda: (_channels_input((4, 6, 9, 9))[::2, 1:4, 2:7], torch.randn(3)),
     # A thread's run of 16 (encoding) or 4 to 8 (decoding) elements spans several channels,
-    # or lies in one, or crosses into the next (NOTE [channel means]).
+    # or lies in one, or crosses into the next (NOTE [ Channel means ]).
     "3x3": lambda: (_channels_input((3, 5, 3, 3)), torch.randn(5)),
     "many_channels_2x2": lambda: (_channels_input((2, 70, 2, 2)), torch.randn(70)),
     "8x8": lambda: (_channels_input((2, 16, 8, 8)), torch.randn(16)),

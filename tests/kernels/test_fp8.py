@@ -174,7 +174,7 @@ def test_finite_values_beside_neg_inf_keep_their_precision(fmt, codec, sqnr_besi
 
 @pytest.mark.parametrize("beside", [0.0, float("-inf")], ids=["finite_group", "beside_neg_inf"])
 def test_dtype_maximum_decodes_finite(fmt, codec, dtype, beside, group_size, round_trip):
-    # FP8_MAX * (float32 max / FP8_MAX) could round above the maximum (NOTE [scale rule]).
+    # FP8_MAX * (float32 max / FP8_MAX) could round above the maximum (NOTE [ Scale rule ]).
     finfo = torch.finfo(dtype)
     x = torch.tensor([finfo.max, -finfo.max, finfo.max / 3, beside] * (group_size // 4), dtype=dtype)
     _, decoded = round_trip(codec, x, group_size)
@@ -238,7 +238,7 @@ def test_cuda_kernel_matches_reference_on_every_input_case(input_case, group_siz
     assert_matches_reference(kernel, reference, input_case.cuda(), group_size)
 
 
-# ----------------------------------------------------------------- unsigned grids (NOTE [unsigned grids])
+# ----------------------------------------------------------------- unsigned grids (NOTE [ Unsigned grids ])
 
 
 @pytest.fixture(params=sorted(UNSIGNED_FP8_FORMATS))

@@ -193,7 +193,7 @@ def test_cuda_groups_beyond_2_pow_31_elements_match_reference(assert_same_bits):
     assert_same_bits(decoded[start:].cpu(), decode_int8_ref(ref_codes, ref_scales, torch.bfloat16))
 
 
-# ----------------------------------------------------------------- unsigned grid (NOTE [unsigned grids])
+# ----------------------------------------------------------------- unsigned grid (NOTE [ Unsigned grids ])
 
 UNSIGNED_KERNEL = (partial(encode_int8, unsigned=True), partial(decode_int8, unsigned=True))
 UNSIGNED_REFERENCE = (partial(encode_int8_ref, unsigned=True), partial(decode_int8_ref, unsigned=True))
@@ -237,7 +237,7 @@ def test_unsigned_codes_round_half_to_even_and_saturate_negatives(unsigned_codec
 
 
 def test_unsigned_flagged_group_stores_the_signed_codes(unsigned_codec):
-    """NOTE [non-finite groups] is the signed codec's: int8 codes, stored as bytes."""
+    """NOTE [ Non-finite groups ] is the signed codec's: int8 codes, stored as bytes."""
     x = torch.tensor([126.0, 63.0, float("inf"), float("-inf"), float("nan"), 0.0, 1.0, -2.0] * 2)
     codes, scales = unsigned_codec[0](x, 16)
     signed_codes, signed_scales = encode_int8_ref(x, 16)

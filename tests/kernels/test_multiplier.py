@@ -1,4 +1,4 @@
-"""NOTE [scale rule] (triton_kernels/_scale.py): encoding multiplies each value by its
+"""NOTE [ Scale rule ] (triton_kernels/_scale.py): encoding multiplies each value by its
 group's multiplier, code_max / absmax, taken once per group (after a scaling by 2**64
 where absmax < 2**-64). For every format of the kernel table, the Triton kernel and its
 reference alike."""
@@ -25,7 +25,7 @@ def _code_max(fmt):
 def _groups_across_the_exponent_range(fmt, group_size, dtype):
     """A tile of groups (4096 values) per binade: magnitudes in [2**e, 2**(e + 1)), e
     from the dtype's smallest subnormal to its largest binade, so that the tiles fall
-    on both sides of 2**-64 (the pre-scale) and of 2**127 (NOTE [plain tiles]); signs
+    on both sides of 2**-64 (the pre-scale) and of 2**127 (NOTE [ Plain tiles ]); signs
     random, none for the unsigned grids."""
     finfo = torch.finfo(dtype)
     smallest, largest = int(torch.tensor(finfo.smallest_normal * finfo.eps).log2()), int(torch.tensor(finfo.max).log2())

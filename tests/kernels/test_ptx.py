@@ -4,8 +4,8 @@ and resource usage, without a GPU (docs/architecture.md, "Testing without a GPU"
 Each kernel x input (or output) dtype x codec is compiled as the JIT compiles it for
 16-byte aligned tensors (pointers divisible by 16), for an element count that is a
 multiple of 16 (int32, and int64 as for tensors of 2**31 elements and more), and, on
-sm_90, for one that is not; the signed formats also with channel means (NOTE [channel
-means]) for each way a thread's run of elements can meet channels. All builds run once
+sm_90, for one that is not; the signed formats also with channel means (NOTE [ Channel
+means ]) for each way a thread's run of elements can meet channels. All builds run once
 per session, in one subprocess.
 """
 from collections import Counter
@@ -27,7 +27,7 @@ DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}  # Triton type -> bytes per element
 CODE_POINTERS = {"int8": "*i8", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8", "uint8": "*u8", "fp8_ue4m4": "*u8",
                  "fp8_ue5m3": "*u8"}
 # (arch, numel's Triton type, numel a multiple of 16, RUN_CHANNELS or None without channel
-# means): what a launch can specialize on. RUN_CHANNELS (NOTE [channel means]) is 1 where
+# means): what a launch can specialize on. RUN_CHANNELS (NOTE [ Channel means ]) is 1 where
 # channel_size is a multiple of a thread's run (32x32, 16x16, 8x8 maps), 2 where a run may
 # cross into the next channel (14x14, 7x7), 0 where it may span several (3x3, 1x1).
 TARGETS = {
@@ -44,7 +44,7 @@ KERNELS = [f"{codec}-{direction}-{dtype}" for codec, direction, dtype in product
 BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS, TARGETS)
           if TARGETS[target][3] is None or kernel.split("-")[0] in SIGNED_FORMATS]
 # The elements one thread owns: the [groups, runs, RUN] tile spread evenly over the
-# program's threads, a run of RUN contiguous elements at a time (NOTE [tile]).
+# program's threads, a run of RUN contiguous elements at a time (NOTE [ Tile ]).
 ELEMENTS_PER_THREAD = CUDA_TILE.elements // (CUDA_TILE.warps * 32)
 
 
@@ -97,11 +97,11 @@ def test_arithmetic_is_correctly_rounded_ieee(builds, build):
     """What bit-exactness with the torch references rests on: divisions correctly
     rounded (plain `/` is div.full, an approximation), no flush of subnormals to zero,
     no multiply-add fused into one rounding. Encoding divides twice per group, for the
-    scale and for the multiplier, and multiplies each value (NOTE [scale rule]): a
+    scale and for the multiplier, and multiplies each value (NOTE [ Scale rule ]): a
     thread, whose run lies in one group, holds two divisions in each of its two paths
-    (NOTE [plain tiles]), not one per value."""
+    (NOTE [ Plain tiles ]), not one per value."""
     ptx = builds[build]["ptx"]
-    # Integer divisions (an element's channel, NOTE [channel means]) are exact.
+    # Integer divisions (an element's channel, NOTE [ Channel means ]) are exact.
     divisions = re.findall(r"\bdiv\.[\w.]*f32\b", ptx)
     assert set(divisions) <= {"div.rn.f32"}, divisions
     assert not re.findall(r"\bdiv\.[\w.]*f(16|64)\b", ptx)
@@ -129,7 +129,7 @@ def test_no_local_memory(builds, build):
 
 
 def _expected_aligned_accesses(direction, dtype, run_channels):
-    """A thread owns runs of contiguous elements (NOTE [tile]), each run in its own group.
+    """A thread owns runs of contiguous elements (NOTE [ Tile ]), each run in its own group.
     An encoder's run is 16 elements: its codes are one 16-byte store (st.global.v4.b32)
     and its values 16-byte loads (ld.global.v4.b32); a decoder's run is 4 fp32 or 8 half
     values, one 16-byte store, and its codes a 4- or 8-byte load. That narrower load is
@@ -138,8 +138,8 @@ def _expected_aligned_accesses(direction, dtype, run_channels):
     between the two through shared memory. The scales are one fp32 per group: one
     4-byte access per run, which moves 1/128 of the bytes at groups of 128; a decoder
     reads its tile's scales once more, one per thread, for its check that none is
-    flagged (NOTE [plain tiles]), as Triton lays that reduction out. Channel
-    means (NOTE [channel means]) are read where a run needs them: one per run
+    flagged (NOTE [ Plain tiles ]), as Triton lays that reduction out. Channel
+    means (NOTE [ Channel means ]) are read where a run needs them: one per run
     (RUN_CHANNELS 1), two (2), or one per element (0); a few hundred bytes in all,
     which the caches serve."""
     run = _run(direction, dtype)
@@ -164,7 +164,7 @@ def test_streams_move_in_16_byte_vectors(builds, build):
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if TARGETS[b.split("-")[-1]][1] == "i32"])
 def test_no_64_bit_integer_division_where_offsets_fit_int32(builds, build):
-    """An element's channel (NOTE [channel means]) is found by multiplying by a magic
+    """An element's channel (NOTE [ Channel means ]) is found by multiplying by a magic
     number, not by a 64-bit division (a subroutine of dozens of instructions) per
     element; int64 offsets are for tensors of 2**31 elements and more only."""
     assert not re.findall(r"\b(div|rem)\.[su]64\b", builds[build]["ptx"])

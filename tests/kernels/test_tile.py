@@ -1,4 +1,4 @@
-"""The tile a program owns (triton_kernels/_tile.py, NOTE [tile]): a GPU launches in
+"""The tile a program owns (triton_kernels/_tile.py, NOTE [ Tile ]): a GPU launches in
 programs of CUDA_TILE, the interpreter in programs of INTERPRETER_TILE, and the bits
 must not depend on which."""
 import pytest

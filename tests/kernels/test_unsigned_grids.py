@@ -1,4 +1,4 @@
-"""What every unsigned grid (NOTE [unsigned grids]: uint8, fp8 ue4m4, ue5m3) shares,
+"""What every unsigned grid (NOTE [ Unsigned grids ]: uint8, fp8 ue4m4, ue5m3) shares,
 for the Triton kernel and its torch reference alike, read from the kernel table."""
 from functools import partial
 

@@ -56,7 +56,7 @@ def _kept_packed(tensor, codec="int8"):
 
 
 def test_a_relu_output_is_kept_on_the_unsigned_grid():
-    # Known by its autograd node, without reading it (codecs, NOTE [unsigned grids]).
+    # Known by its autograd node, without reading it (codecs, NOTE [ Unsigned grids ]).
     x = torch.randn(4, 64, requires_grad=True)
     assert _kept_packed(torch.relu(x)).unsigned
     assert _kept_packed(torch.relu(x), "fp8_e5m2").unsigned

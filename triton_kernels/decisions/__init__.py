@@ -1,6 +1,6 @@
 """Fused kernels for the decisions a lossy recompute keeps: ReLU signs and max-pool
 window offsets (actsave/runtime/relu_signs.py, pool_decisions.py, NOTE [ Max-pool
-decisions ]), packed as NOTE [ bit fields ] in bitfields.py says.
+decisions ]), packed as NOTE [ Bit fields ] in bitfields.py says.
 
 The ``*_ref`` functions are the specification in torch; the kernels match them bit for
 bit. The kernels touch values only as their bits (a float viewed as the integer of its

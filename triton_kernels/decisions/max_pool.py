@@ -342,7 +342,7 @@ class _PoolTables(NamedTuple):
     starts: torch.Tensor  # L * (window start's part of the offset) per output position
     corner: torch.Tensor  # int64 flat index of each window's first element per output position
     winners: torch.Tensor  # int64 [256, 8 // bits]: the flat index step of each field of a byte
-    shifts: torch.Tensor  # of each field of a byte (NOTE [ bit fields ]), in the plan's dtype
+    shifts: torch.Tensor  # of each field of a byte (NOTE [ Bit fields ]), in the plan's dtype
 
 
 @lru_cache(maxsize=64)
@@ -378,7 +378,7 @@ def encode_max_pool_ref(indices: torch.Tensor, input_size: tuple, kernel_size: t
                         padding: tuple, dilation: tuple) -> torch.Tensor:
     """The specification of :func:`encode_max_pool`: ``offset = sum_d window_inner_d *
     (i_d - start_d) / dilation_d`` over the spatial dimensions d, ``i_d`` the winner's
-    coordinate and ``start_d`` its window's first, packed as NOTE [ bit fields ]."""
+    coordinate and ``start_d`` its window's first, packed as NOTE [ Bit fields ]."""
     key = _geometry_key(indices, input_size, kernel_size, stride, padding, dilation)
     plan = decisions_plan(*key)
     tables = None if indices.device.type == "meta" else decisions_tables(*key, indices.device)

@@ -1,6 +1,6 @@
 """What the decision kernels share (relu_signs.py, max_pool.py): the tile of packed
 bytes a program owns and the launch options, the fields packed into bytes and unpacked
-(NOTE [ bit fields ] in bitfields.py), the checks a launcher makes of its inputs, and
+(NOTE [ Bit fields ] in bitfields.py), the checks a launcher makes of its inputs, and
 the byte table of the references (NOTE [ Cheap references ]).
 
 A program owns ``packed_rows(bits, wide_bytes)`` packed bytes, the rows of its tile;
@@ -59,7 +59,7 @@ def field_positions(rows, PER_BYTE: tl.constexpr):
 
 @triton.jit
 def pack_fields(fields, BITS: tl.constexpr):
-    """NOTE [ bit fields ]: [rows, 8 // BITS] fields, each below 2**BITS, as [rows]
+    """NOTE [ Bit fields ]: [rows, 8 // BITS] fields, each below 2**BITS, as [rows]
     bytes (int32), field j in bits j * BITS upward. The fields' bits are disjoint, so
     their sum is their OR."""
     shifts = tl.arange(0, 8 // BITS) * BITS
@@ -132,6 +132,6 @@ def check_packed(packed: torch.Tensor, count: int, bits: int) -> None:
 
 @lru_cache(maxsize=None)
 def field_table(bits: int, device: torch.device) -> torch.Tensor:
-    """[256, 8 // bits] uint8: the fields of each byte value (NOTE [ bit fields ])."""
+    """[256, 8 // bits] uint8: the fields of each byte value (NOTE [ Bit fields ])."""
     codes = torch.arange(256, device=device)
     return ((codes[:, None] >> torch.arange(0, 8, bits, device=device)) & (2 ** bits - 1)).to(torch.uint8)
