@@ -1,0 +1,212 @@
+"""The house's written rules hold in the code: every NOTE reference names one NOTE, every
+path docs/architecture.md gives exists, and imports go the one way that doc states."""
+import ast
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "actsave"
+SEARCHED = ("actsave", "triton_kernels", "bench", "tests", "docs", "examples", "README.md")
+
+# A NOTE is defined by a line holding it alone, ``NOTE [ Name ]`` (after a ``#`` in
+# code), its text below; anything else that names it refers to it. A reference may
+# wrap across comment lines. ``...`` stands for any name in prose about NOTEs.
+_DEFINITION = re.compile(r"^[ \t]*(?:#[ \t]*)?NOTE \[ (\S[^\]]*\S) \][ \t]*$", re.M)
+_REFERENCE = re.compile(r"NOTE\s+\[([^\]]+)\]")
+_PLACEHOLDERS = {"..."}
+
+
+def _searched_files() -> list:
+    files = []
+    for name in SEARCHED:
+        path = ROOT / name
+        files += [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".py", ".md"))
+    return [f for f in files if f != Path(__file__).resolve()]  # this file's NOTEs are fixtures
+
+
+def note_name(text: str) -> str:
+    """A NOTE's name as written between its brackets, a wrap's comment markers and
+    spaces folded."""
+    return " ".join(text.replace("#", " ").split())
+
+
+def notes(files) -> tuple:
+    """``(definitions, references)``: each name -> the places (file:line) naming it."""
+    definitions, references = {}, {}
+    for path in files:
+        text = path.read_text()
+        where = lambda m: f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"  # noqa: E731
+        for m in _DEFINITION.finditer(text):
+            definitions.setdefault(m.group(1), []).append(where(m))
+        for m in _REFERENCE.finditer(text):
+            references.setdefault(note_name(m.group(1)), []).append(where(m))
+    return definitions, references
+
+
+def note_problems(files) -> list:
+    """What is wrong with the NOTEs of ``files``: a name defined twice, a reference
+    that names no definition, a name written other than ``NOTE [ Name ]``."""
+    definitions, references = notes(files)
+    problems = [f"NOTE [ {name} ] is defined {len(places)} times: {places}"
+                for name, places in definitions.items() if len(places) > 1]
+    problems += [f"NOTE [ {name} ] is referred to at {places} but defined nowhere"
+                 for name, places in references.items() if name not in definitions and name not in _PLACEHOLDERS]
+    problems += [f"NOTE [ {name} ] at {places}: a name starts with a capital letter"
+                 for name, places in definitions.items() if not name[0].isupper() and not name[0].isdigit()
+                 and not name.startswith("torch")]
+    return problems
+
+
+def test_every_note_reference_names_one_definition():
+    assert note_problems(_searched_files()) == []
+
+
+def test_the_note_check_finds_a_dangling_reference_and_a_second_definition(tmp_path):
+    code = tmp_path / "code.py"
+    code.write_text("# NOTE [ Rule ]\n# The rule.\n\nx = 1  # NOTE [ Rule ] holds; NOTE [ Gone ] does not\n")
+    other = tmp_path / "other.py"
+    other.write_text("# NOTE [ Rule ]\n# Again.\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        problems = note_problems([code, other])
+    finally:
+        ROOT = saved
+    assert any("NOTE [ Rule ] is defined 2 times" in p for p in problems)
+    assert any("NOTE [ Gone ] is referred to at ['code.py:4'] but defined nowhere" in p for p in problems)
+
+
+# ----------------------------------------------------------------- docs/architecture.md
+
+_TREE_ENTRY = re.compile(r"^( *)([\w.]+/?(?:, [\w.]+)*)(?:\s{2,}|$)")
+_QUOTED_PATH = re.compile(r"`([\w./]+(?:\.py|\.md|/))`")
+
+
+def tree_paths(doc: str) -> list:
+    """The paths of the layout tree (the first fenced block): each entry under the
+    last directory above it at a smaller indent; ``a.py, b.py`` names two."""
+    block = doc.split("```")[1]
+    paths, parents = [], []  # parents: (indent, directory path)
+    for line in block.splitlines():
+        m = _TREE_ENTRY.match(line)
+        if not m or not line.strip():
+            continue
+        indent = len(m.group(1))
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        base = parents[-1][1] if parents else ""
+        for name in m.group(2).split(", "):
+            paths.append(base + name)
+            if name.endswith("/"):
+                parents.append((indent, base + name))
+    return paths
+
+
+def quoted_paths(doc: str) -> list:
+    """Paths quoted in the doc's prose and tables (```runtime/function.py```), relative
+    to the package or to the repository."""
+    return _QUOTED_PATH.findall(doc.split("```", 2)[2])
+
+
+def repository_paths() -> set:
+    """Every file and folder (with a trailing ``/``) under the root, relative to it,
+    hidden folders (.git, virtual environments) left out."""
+    found = set()
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d != "__pycache__"]
+        here = Path(folder).relative_to(ROOT).as_posix()
+        prefix = "" if here == "." else here + "/"
+        found.update(prefix + d + "/" for d in subfolders)
+        found.update(prefix + f for f in files)
+    return found
+
+
+def missing_paths(doc: str) -> list:
+    """The tree's paths that do not exist, and the quoted ones that name no file or
+    folder of the repository (from its root, the package's, or as a path's last part:
+    ``_rounding.py``)."""
+    every = repository_paths()
+
+    def known(path):
+        return path in every or f"actsave/{path}" in every or any(p.endswith("/" + path) for p in every)
+    return [p for p in tree_paths(doc) if p not in every] + [p for p in quoted_paths(doc) if not known(p)]
+
+
+def test_every_path_in_the_architecture_doc_exists():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert len(tree_paths(doc)) > 50  # the tree was read
+    assert missing_paths(doc) == []
+
+
+def test_the_path_check_finds_a_renamed_file():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    renamed = doc.replace("    nested.py ", "    nesting.py", 1).replace("`runtime/function.py`", "`runtime/functions.py`")
+    assert missing_paths(renamed) == ["actsave/runtime/nesting.py"] + ["runtime/functions.py"] * doc.count("`runtime/function.py`")
+
+
+# ----------------------------------------------------------------- imports go one way
+
+# docs/architecture.md: "triton_kernels imports nothing from actsave; runtime imports
+# nothing from planning; codecs imports nothing from runtime or planning."
+FORBIDDEN = {
+    "triton_kernels": ("actsave",),
+    "actsave.runtime": ("actsave.planning",),
+    "actsave.codecs": ("actsave.runtime", "actsave.planning"),
+}
+
+
+def module_name(path: Path) -> str:
+    """The dotted name a file of the package (or of triton_kernels/) imports as."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path) -> set:
+    """The modules a file imports, relative imports resolved (triton_kernels/ as the
+    package it is installed as, actsave.triton_kernels, counts as triton_kernels)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return found
+
+
+def import_violations(files) -> list:
+    problems = []
+    for path in files:
+        name = module_name(path)
+        for owner, banned in FORBIDDEN.items():
+            if name == owner or name.startswith(owner + "."):
+                problems += [f"{name} imports {target}" for target in sorted(imported(path))
+                             if any(target == b or target.startswith(b + ".") for b in banned)]
+    return problems
+
+
+@pytest.mark.parametrize("owner", sorted(FORBIDDEN))
+def test_imports_go_one_way(owner):
+    files = sorted((ROOT / owner.replace(".", "/")).rglob("*.py"))
+    assert files
+    assert import_violations(files) == []
+
+
+def test_the_import_check_finds_a_runtime_module_that_imports_planning(tmp_path):
+    fake = ROOT / "actsave" / "runtime" / "_house_rules_probe.py"
+    fake.write_text("from ..planning import plans\n")
+    try:
+        assert import_violations([fake]) == ["actsave.runtime._house_rules_probe imports actsave.planning",
+                                             "actsave.runtime._house_rules_probe imports actsave.planning.plans"]
+    finally:
+        fake.unlink()
