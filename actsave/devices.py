@@ -7,6 +7,7 @@ Every ``device`` argument is anything ``torch.device`` takes.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -14,14 +15,39 @@ import torch
 
 # NOTE [ Separate host memory ]
 # Offload moves bytes off the device only where the host's memory is not the device's:
-# on CUDA. On the CPU the pool's buffers are the device's own memory. The runtime
-# offloads there all the same (the whole schedule runs, and is tested, without a GPU)
-# and counts what it offloaded as "host" in stored_bytes(); the planner and the byte
-# counter (planning/live_bytes.py) count those bytes on the device, the planner offers
-# no offload lever and times no host copies there.
+# on CUDA. On the CPU the pool's buffers would be the device's own memory: a copy there
+# frees nothing and costs a copy each way. So there offload=True keeps tensors where
+# they are, as without it, and the first such call warns (keep_rules.placed); the
+# planner offers no offload lever and times no host copies there.
+# The tests run the whole offload schedule on CPU tensors all the same, with the pool
+# standing for a host tier (host_tier_simulated): what it offloads is counted as "host"
+# in stored_bytes(), while the byte counter (planning/live_bytes.py) counts it on the
+# device, where it is.
+_host_tier_simulated = [False]  # one flag for every thread, as a test's threads share it
+
+
 def host_is_separate(device) -> bool:
     """Whether offload moves bytes off ``device``: NOTE [ Separate host memory ]."""
     return torch.device(device).type == "cuda"
+
+
+def offloads_from(device) -> bool:
+    """Whether offload=True copies tensors of ``device`` to the host pool: where the host
+    is separate, for meta tensors (to meta buffers: they stand for no memory), and on
+    any device while the tests simulate a host tier."""
+    return host_is_separate(device) or torch.device(device).type == "meta" or _host_tier_simulated[0]
+
+
+@contextlib.contextmanager
+def host_tier_simulated(on: bool = True):
+    """For tests: while open, offload=True copies CPU tensors to the host pool as it
+    does CUDA ones (``on=False``: as a user's CPU model does not). NOTE [ Separate host
+    memory ]."""
+    before, _host_tier_simulated[0] = _host_tier_simulated[0], on
+    try:
+        yield
+    finally:
+        _host_tier_simulated[0] = before
 
 
 # The CUDA caching allocator hands out multiples of 512 bytes (MemTracker uses the same

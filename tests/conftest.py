@@ -13,6 +13,17 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from actsave import devices  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def host_tier_on_cpu():
+    """Offload runs its whole schedule on CPU tensors in the tests, the pool standing
+    for a host tier (NOTE [ Separate host memory ]); a test of what a user's CPU model
+    does opens ``devices.host_tier_simulated(False)``."""
+    with devices.host_tier_simulated():
+        yield
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -1,10 +1,14 @@
 import re
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
+import actsave
 from actsave import devices
+from actsave.runtime import keep_rules
 from actsave.planning.live_bytes import allocation_bytes
 
 PACKAGES = [Path(__file__).resolve().parents[1] / name for name in ("actsave", "triton_kernels")]
@@ -32,3 +36,43 @@ def test_only_cuda_runs_triton_by_default():
         assert not devices.runs_triton_by_default(device)
         devices.synchronize(device)  # nothing queued: returns
     assert devices.runs_triton_by_default("cuda:0")
+
+
+def test_offload_on_a_cpu_model_keeps_nothing_on_the_host_and_warns_once(monkeypatch):
+    # NOTE [ Separate host memory ]: on a CPU the host's memory is the device's, so a
+    # copy there would free nothing; the chain keeps what it keeps without offload.
+    monkeypatch.setattr(keep_rules, "_offload_warned", [False])
+    layers = [m for _ in range(6) for m in (nn.Linear(32, 32), nn.ReLU())]
+    x = torch.randn(16, 32)
+    with devices.host_tier_simulated(False), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for offload in (False, True, True):
+            for compress in (None, "int8"):
+                model = actsave.CheckpointedSequential(*layers, segments=3, compress=compress, offload=offload)
+                model(x).sum().backward()
+                out = model(x)
+                kept = actsave.stored_bytes()
+                assert kept["host"] == 0 and kept["device"] > 0, (offload, compress, kept)
+                del out
+        block = actsave.Checkpoint(nn.Sequential(nn.Linear(32, 32), nn.GELU()), keep="saves", offload=True)
+        out = block(x.requires_grad_())
+        assert actsave.stored_bytes()["host"] == 0
+        del out
+    offload_warnings = [w for w in caught if "offload=True keeps cpu tensors where they are" in str(w.message)]
+    assert len(offload_warnings) == 1
+    assert "on a CPU, compress= (int8, fp8) keeps less" in str(offload_warnings[0].message)
+
+
+def test_offload_on_a_cpu_model_computes_what_it_computes_without():
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.Linear(32, 32), nn.ReLU())]
+    x = torch.randn(16, 32)
+    grads = []
+    with devices.host_tier_simulated(False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for offload in (False, True):
+            model = actsave.CheckpointedSequential(*layers, segments=3, offload=offload)
+            model.zero_grad()
+            model(x).sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -7,9 +7,12 @@ the planner (its profile, cost model and plans) both ask, so that they agree.
   tensors (:class:`CallerTensors`) are kept by reference (NOTE [ Inputs kept by
   reference ], :func:`kept_as`).
 - :func:`modifies_input`: a first layer that changes its input in place (a private copy).
+- :func:`placed`: a policy as it applies on a device (no offload where the host's
+  memory is the device's).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,7 +21,9 @@ from torch import nn
 
 from .._torch import leaf_base
 from ..codecs import IDENTITY, Codec, get_codec
+from ..devices import offloads_from
 from ..errors import ConfigError
+from ..meta import simulated_device
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,27 @@ def kept_as(policy: KeepPolicy, encodable: bool) -> KeepPolicy:
     return policy if encodable else EXACT
 
 
+_offload_warned = [False]  # NOTE [ Separate host memory ]: one warning a process
+
+
+def placed(policy: KeepPolicy, tensor: torch.Tensor) -> KeepPolicy:
+    """``policy`` as it applies to ``tensor``: offload only where it moves the tensor off
+    its device (NOTE [ Separate host memory ]); elsewhere it stays where it is, and the
+    first such call of the process warns. A meta tensor follows the device it stands
+    for in a simulated step (meta.py), and outside one is offloaded to meta buffers."""
+    device = tensor.device if tensor.device.type != "meta" else simulated_device() or tensor.device
+    if not policy.offload or offloads_from(device):
+        return policy
+    if not _offload_warned[0]:
+        _offload_warned[0] = True
+        warnings.warn(
+            f"actsave: offload=True keeps {torch.device(device).type} tensors where they are: offload moves "
+            "tensors to host memory, and there the host's memory is the device's own, so a copy would free "
+            "nothing. It takes effect for CUDA tensors; on a CPU, compress= (int8, fp8) keeps less.",
+            UserWarning, stacklevel=2)
+    return KeepPolicy(policy.codec, False)
+
+
 def modifies_input(function) -> bool:
     """Whether ``function`` (a layer, or the first layer of a segment) changes its
     input in place, so that a segment starting with it keeps a private copy of its
@@ -110,4 +136,4 @@ def modifies_input(function) -> bool:
     return getattr(function, "inplace", False) is True
 
 
-__all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "kept_as", "modifies_input"]
+__all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "kept_as", "placed", "modifies_input"]

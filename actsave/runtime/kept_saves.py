@@ -93,14 +93,14 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .._torch import saved_tensor_hooks_active, storage_identity, version, version_counter_of
+from .._torch import default_device, saved_tensor_hooks_active, storage_identity, version, version_counter_of
 from ..codecs import Codec, Packed
 from ..errors import ConfigError, RecomputeError
 from ..offload import OffloadedTensors, current_tape
 from . import relu_signs
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolWatch, Window
-from .keep_rules import KeepPolicy, should_encode
+from .keep_rules import KeepPolicy, placed, should_encode
 from .store import account, input_tensors
 
 SCOPES = ("all", "linear_inputs")
@@ -339,6 +339,7 @@ class _SavesStore:
     saves ]."""
 
     def __init__(self, policy: KeepPolicy, scope: str, function: Callable, inputs: list):
+        policy = placed(policy, inputs[0] if inputs else torch.empty(0, device=default_device()))
         self.codec, self.offload, self.everything = policy.codec, policy.offload, scope == "all"
         # The modules are walked only where something watches them: the max pools of a
         # lossy codec keeping every save, or the Linear layers whose inputs it keeps.

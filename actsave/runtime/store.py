@@ -16,7 +16,7 @@ from .._torch import pytree, version
 from ..codecs import Packed
 from ..errors import RecomputeError
 from ..offload import OffloadedTensors, current_tape
-from .keep_rules import CallerTensors, KeepPolicy, kept_as, should_encode
+from .keep_rules import CallerTensors, KeepPolicy, kept_as, placed, should_encode
 from .relu_signs import known_non_negative
 
 
@@ -135,7 +135,7 @@ class _KeptTensor:
     def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool,
                  made_by: Optional[CallerTensors] = None):
         self.requires_grad = tensor.requires_grad
-        kept = kept_as(policy, should_encode(tensor, made_by))
+        kept = placed(kept_as(policy, should_encode(tensor, made_by)), tensor)
         self.codec = kept.codec
         # A tensor that needs no grad is kept as the very object (torch's checkpoint
         # gives the same object back to a custom Function that saved it).
