@@ -23,7 +23,7 @@ except ModuleNotFoundError as error:
         "again") from error
 del _importlib
 from .codecs import available_codecs
-from .errors import ActsaveError, ConfigError, RecomputeError
+from .errors import ActsaveError, ConfigError, OffloadPoolExhausted, RecomputeError
 from .planning.estimate import MemoryEstimate, estimate
 from .codecs.backend import backend, get_backend, set_backend
 from .planning.plans import Plan, plan
@@ -58,5 +58,6 @@ __all__ = [
     "ActsaveError",
     "ConfigError",
     "RecomputeError",
+    "OffloadPoolExhausted",
     "__version__",
 ]

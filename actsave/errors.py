@@ -18,6 +18,11 @@ class RecomputeError(ActsaveError):
     than produce wrong gradients."""
 
 
+class OffloadPoolExhausted(ActsaveError):
+    """The host pool that offloaded tensors go to would have to exceed its capacity
+    (``actsave.offload.set_host_pool_capacity``) to lend another buffer."""
+
+
 class InternalError(ActsaveError):
     """actsave broke one of its own guarantees (a bug, not a wrong argument): the
     message says which. Please report it with the message."""

@@ -199,7 +199,7 @@ def count_models(models: dict, batch: tuple, device: torch.device) -> dict:
     """``{name: StepCounts}`` of one step of each model, after one step under the same
     backend that is not counted (first launches set things up)."""
     counts = {}
-    with actsave.backend(count_backend()):
+    with actsave.set_backend(count_backend()):
         for name, model in models.items():
             train_step(model, batch)
             model.zero_grad(set_to_none=False)

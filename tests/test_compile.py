@@ -591,7 +591,7 @@ def test_a_graphs_codec_traces_its_torch_reference_whichever_backend_runs_eagerl
     # compile of a wrapped int8 model failed. Forcing "triton" here (the interpreter on
     # this CPU) takes the same path (NOTE [ Codecs in a compiled graph ]).
     plain, x = ResidualNet(depth=4, width=64, dropout=0.0), torch.randn(32, 64)
-    with actsave.backend(backend):
+    with actsave.set_backend(backend):
         eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8")
         model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
         expected = flat_gradients(plain, x)

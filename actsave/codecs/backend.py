@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from typing import Callable
 
 import torch
@@ -35,17 +36,32 @@ _selected = "auto"
 # ``forced``: a backend forced on this thread (forced_here). A plain threading.local read
 # by getattr with a default, on which Dynamo guards, were it to trace implementation().
 _this_thread = threading.local()
-_scopes_lock = threading.Lock()
-_scopes = [None, 0]  # the thread whose backend() blocks are open, and how many
+_set_by = None  # the thread that set the backend last
 
 
-def set_backend(name: str) -> None:
+def set_backend(name: str) -> contextlib.ExitStack:
     """Choose the codec implementation for every later call, on every thread: one of
-    :data:`BACKENDS`. A process setting: choose it before threads train."""
-    global _selected
+    :data:`BACKENDS`. A process setting: choose it before threads train.
+
+    Takes effect at once; ``with set_backend(name): ...`` also restores the previous
+    choice on exit, and raises ConfigError there instead where another thread chose
+    meanwhile (restoring would undo its choice), as the offload setters do."""
+    global _selected, _set_by
     if name not in BACKENDS:
         raise ConfigError(f"backend {name!r} is not one of {list(BACKENDS)}")
-    _selected = name
+    previous, _selected = _selected, name
+    _set_by = me = threading.get_ident()
+
+    def undo():
+        if _set_by != me:
+            raise ConfigError(
+                "another thread chose the codec backend while this thread's `with set_backend(...)` block was "
+                "open: the backend is the process's setting, and restoring it would undo that thread's choice. "
+                "Call actsave.set_backend(...) once, before the threads start")
+        set_backend(previous)
+    stack = contextlib.ExitStack()  # the choice is made; a with-statement undoes it on exit
+    stack.callback(undo)
+    return stack
 
 
 def get_backend() -> str:
@@ -53,30 +69,13 @@ def get_backend() -> str:
     return _selected
 
 
-@contextlib.contextmanager
-def backend(name: str):
-    """Use backend ``name`` inside the ``with`` block and restore the previous one. The
-    choice is the process's (:func:`set_backend`), so blocks open on two threads at
-    once would each restore what the other chose: the second to open raises
-    ConfigError instead."""
-    me = threading.get_ident()
-    with _scopes_lock:
-        if _scopes[1] and _scopes[0] != me:
-            raise ConfigError(
-                f"actsave.backend({name!r}) was entered on one thread while another thread's backend() block is "
-                "open: the backend is the process's setting, and each block would restore the other's choice on "
-                "exit. Call actsave.set_backend(...) once, before the threads start")
-        _scopes[0], _scopes[1] = me, _scopes[1] + 1
-    try:
-        previous = _selected
-        set_backend(name)
-        try:
-            yield
-        finally:
-            set_backend(previous)
-    finally:
-        with _scopes_lock:
-            _scopes[1] -= 1
+def backend(name: str) -> contextlib.ExitStack:
+    """Deprecated: ``with actsave.set_backend(name):`` does the same (one way to set the
+    backend, returning the handle the offload setters return)."""
+    warnings.warn("actsave.backend(name) is deprecated and will be removed in the next release: use "
+                  "`with actsave.set_backend(name):`, which restores the previous backend on exit",
+                  DeprecationWarning, stacklevel=2)
+    return set_backend(name)
 
 
 @contextlib.contextmanager

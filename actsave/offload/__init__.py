@@ -14,26 +14,15 @@ Limits: CPU and CUDA tensors (and meta ones) only.
 - offloaded.py: offloaded tensors, alone or as a group in one buffer;
 - prefetch_tape.py: the prefetch tape and its depth.
 """
-from .copy_engines import CopyEngine, CudaCopyEngine, HostCopyEngine, copy_engine_for
-from .offloaded import OffloadedTensor, OffloadedTensors
-from .pool import HostPool, OffloadPoolExhausted, host_pool, host_pool_for, is_host_memory, set_host_pool_capacity
-from .prefetch_tape import PrefetchTape, TapeItem, current_tape, prefetch_depth, set_prefetch_depth
+from ..errors import OffloadPoolExhausted
+from .copy_engines import CopyEngine, CudaCopyEngine, HostCopyEngine, copy_engine_for  # noqa: F401
+from .offloaded import OffloadedTensor, OffloadedTensors  # noqa: F401
+from .pool import HostPool, host_pool, host_pool_for, is_host_memory, set_host_pool_capacity  # noqa: F401
+from .prefetch_tape import PrefetchTape, TapeItem, current_tape, prefetch_depth, set_prefetch_depth  # noqa: F401
 
+# What a user calls (docs/api.md); the runtime's names above stay importable from here.
 __all__ = [
-    "CopyEngine",
-    "CudaCopyEngine",
-    "HostCopyEngine",
-    "HostPool",
     "OffloadPoolExhausted",
-    "OffloadedTensor",
-    "OffloadedTensors",
-    "PrefetchTape",
-    "TapeItem",
-    "copy_engine_for",
-    "current_tape",
-    "host_pool",
-    "host_pool_for",
-    "is_host_memory",
     "prefetch_depth",
     "set_host_pool_capacity",
     "set_prefetch_depth",

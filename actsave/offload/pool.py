@@ -21,12 +21,8 @@ from typing import Optional
 
 import torch
 
-from ..errors import ActsaveError, ConfigError
+from ..errors import ActsaveError, ConfigError, OffloadPoolExhausted
 from ._settings import is_count, undone_on_exit
-
-
-class OffloadPoolExhausted(ActsaveError):
-    """The host pool would have to exceed its capacity to lend a buffer."""
 
 
 # Pinning locks whole pages, so a size class below a page would save no pinned memory.

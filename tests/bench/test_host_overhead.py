@@ -93,7 +93,7 @@ def test_the_counters_catch_a_sync_and_a_launch(counts):
     def forward():
         y = (x * 2).relu()
         y[y > 1].sum().item()  # a mask index and a read back: two syncs on CUDA
-        with actsave.backend("triton"):
+        with actsave.set_backend("triton"):
             actsave.checkpoint(torch.nn.functional.gelu, y, compress="int8")  # one encode
         return y.sum()
 

@@ -33,9 +33,9 @@ def test_meta_tensors_take_the_implementation_of_the_simulated_device():
 
 def test_backend_context_restores_the_previous_choice():
     assert get_backend() == "auto"
-    with actsave.backend("triton"):
+    with actsave.set_backend("triton"):
         assert get_backend() == "triton"
-        with actsave.backend("torch"):
+        with actsave.set_backend("torch"):
             assert implementation(kernel_table()["fp8_e4m3", "encode"], torch.zeros(1)).__name__ == "encode_fp8_ref"
         assert implementation(kernel_table()["fp8_e4m3", "encode"], torch.zeros(1)).__name__ == "encode_fp8"
     assert get_backend() == "auto"
@@ -63,26 +63,44 @@ def test_what_a_trace_forces_is_its_threads_alone():
     # runtime/graph_codecs.py traces the torch references on their general path; other
     # threads' codecs meanwhile run as the process chose.
     encode = kernel_table()["int8", "encode"]
-    with actsave.backend("triton"), forced_here("torch"), general_path():
+    with actsave.set_backend("triton"), forced_here("torch"), general_path():
         assert implementation(encode, torch.zeros(1)).__name__ == "encode_int8_ref" and on_general_path()
         assert on_another_thread(lambda: (implementation(encode, torch.zeros(1)).__name__, on_general_path())) \
             == ("encode_int8", False)
 
 
-def test_backend_blocks_open_on_two_threads_at_once_are_refused():
-    with actsave.backend("torch"):
-        with pytest.raises(ConfigError, match="another thread's backend\\(\\) block is open"):
-            on_another_thread(lambda: actsave.backend("triton").__enter__())
-        assert get_backend() == "torch"
-    assert get_backend() == "auto"
-    with actsave.backend("torch"):  # one thread after the other is fine
+def test_a_with_block_that_another_thread_changed_meanwhile_raises_at_its_end():
+    # The backend is the process's: restoring the previous one would undo the other
+    # thread's choice, as the offload setters say too.
+    with pytest.raises(ConfigError, match="another thread chose the codec backend"):
+        with actsave.set_backend("torch"):
+            on_another_thread(lambda: actsave.set_backend("triton"))
+    assert get_backend() == "triton"
+    actsave.set_backend("auto")
+    with actsave.set_backend("torch"):  # one thread after the other is fine
         pass
     assert on_another_thread(lambda: _in_a_backend_block("torch")) == "torch"
+    assert get_backend() == "auto"
 
 
 def _in_a_backend_block(name):
-    with actsave.backend(name):
+    with actsave.set_backend(name):
         return get_backend()
+
+
+def test_set_backend_returns_the_handle_the_offload_setters_return():
+    handle = actsave.set_backend("torch")
+    assert get_backend() == "torch" and type(handle) is type(actsave.offload.set_prefetch_depth(1))
+    actsave.offload.set_prefetch_depth(1)
+    handle.close()
+    assert get_backend() == "auto"
+
+
+def test_the_old_backend_context_warns_and_still_restores():
+    with pytest.warns(DeprecationWarning, match="use `with actsave.set_backend\\(name\\):`"):
+        with actsave.backend("torch"):
+            assert get_backend() == "torch"
+    assert get_backend() == "auto"
 
 
 def test_unknown_backend_is_refused():
@@ -92,7 +110,7 @@ def test_unknown_backend_is_refused():
 
 def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_enable_it(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with actsave.backend("triton"), pytest.raises(actsave.ActsaveError, match="TRITON_INTERPRET=1"):
+    with actsave.set_backend("triton"), pytest.raises(actsave.ActsaveError, match="TRITON_INTERPRET=1"):
         implementation(kernel_table()["int8", "encode"], torch.zeros(1))
 
 
@@ -109,7 +127,7 @@ def test_forced_triton_trains_bit_identically_to_torch(codec, dtype):
     grads = {}
     for name in ("torch", "triton"):
         model = CheckpointedSequential(*small_cnn(), segments=[0, 2, 4, 5], compress=codec).to(dtype)
-        with actsave.backend(name):
+        with actsave.set_backend(name):
             model(x * 1).float().square().sum().backward()
         grads[name] = [p.grad for p in model.parameters()]
     for a, b in zip(grads["torch"], grads["triton"]):

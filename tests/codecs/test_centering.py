@@ -4,7 +4,7 @@ non-finite and extreme values come back as the codecs promise."""
 import pytest
 import torch
 
-from actsave import backend
+from actsave import set_backend
 from actsave.codecs import GROUP_SIZE, LOSSY_CODECS, Packed, get_codec, sqnr_db
 from actsave.codecs.centering import MAX_OFFSET, channel_offsets
 from actsave.planning.live_bytes import LiveBytes
@@ -61,7 +61,7 @@ def test_centering_makes_no_copy_of_the_tensor(codec, dtype, implementation):
     # its replacement the decode's by as much.
     x = offset_channels(8, 16, 16, 16).to(dtype)
     flat = x.reshape(-1)  # 1-D: not centered
-    with backend(implementation):
+    with set_backend(implementation):
         assert encode_rise(codec, x) <= encode_rise(codec, flat) + 4 * 16
         assert decode_rise(codec, x) <= decode_rise(codec, flat)
 

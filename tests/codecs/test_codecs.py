@@ -39,7 +39,7 @@ def test_identity_keeps_the_layout(layout):
 def test_a_lossy_codec_decodes_into_the_inputs_layout_the_bits_of_its_contiguous_copy(layout, codec, backend):
     # NOTE [ Kept layouts ]: the codes stay row-major; decode gives the strides back.
     x = DENSE_LAYOUTS[layout]()
-    with actsave.backend(backend):
+    with actsave.set_backend(backend):
         packed = get_codec(codec).encode(x)
         decoded = get_codec(codec).decode(packed)
         from_contiguous = get_codec(codec).decode(get_codec(codec).encode(x.contiguous()))

@@ -300,7 +300,7 @@ def test_forced_triton_pools_at_the_same_decisions_in_one_launch_each(monkeypatc
     real = _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda kernel, *a, **k: launched.append(_launch.kernel_name(kernel))
                         or real(kernel, *a, **k))
-    with actsave.backend("triton"):
+    with actsave.set_backend("triton"):
         by_kernels = lossy_gradients("int8")
     assert all(torch.equal(a, b) for a, b in zip(by_kernels, lossy_gradients("int8")))
     # POOL_SEGMENTS recompute every pool; the last pool's recompute stops at its indices

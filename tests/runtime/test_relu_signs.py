@@ -82,7 +82,7 @@ def test_forced_triton_keeps_the_same_decisions_in_one_launch_each(monkeypatch):
                         or real(kernel, *a, **k))
     grads = {}
     for name in ("torch", "triton"):
-        with actsave.backend(name):
+        with actsave.set_backend(name):
             grads[name] = lossy_gradients(False, [0, 4, 7], "int8")
     assert all(torch.equal(a, b) for a, b in zip(grads["torch"], grads["triton"]))
     packs, restores = calls.count("pack_signs") // 2, calls.count("restore_decisions_") // 2
