@@ -96,6 +96,8 @@ class CheckpointedSequential(nn.Sequential):
             codecs (``"int8"``, ``"fp8"``, ...). Default ``("recompute",
             "offload")``: exact. A budget no exact plan fits raises an error that
             names the codecs that would fit it and from what budget.
+        min_sqnr_db: for the planned strategies, leave out the codecs of ``allow``
+            whose expected gradient SQNR is below it, as for :func:`actsave.plan`.
 
     Indexing, ``len``, iteration, ``append`` and ``state_dict`` keys are those of the
     ``nn.Sequential`` built from the same modules. Per-layer options follow their module
@@ -118,12 +120,13 @@ class CheckpointedSequential(nn.Sequential):
     """
 
     def __init__(self, *modules, segments: SegmentsSpec = BALANCED, compress=None, offload=False,
-                 budget=None, example_inputs=None, loss=None, allow=None):
+                 budget=None, example_inputs=None, loss=None, allow=None, min_sqnr_db=None):
         _check_modules(modules)
         super().__init__(*modules)
         segments = normalized_segments(segments)
         planned = isinstance(segments, str) and segments in PLANNED_STRATEGIES
-        _check_planning_arguments(segments, planned, budget, example_inputs, loss, compress, offload, allow)
+        _check_planning_arguments(segments, planned, budget, example_inputs, loss, compress, offload, allow,
+                                  min_sqnr_db)
         if not planned and segments != BALANCED:
             segment_starts(len(self), segments)  # validate now, not at the first forward
         self.segments = segments
@@ -148,7 +151,7 @@ class CheckpointedSequential(nn.Sequential):
         self._decisions_by_input = {}  # graph_codecs.decisions_made, per input and plan
         self.applied_plan = None  # the last plan applied; later per-layer changes are not in it
         if planned:
-            self.apply_plan(_planned(self, segments, budget, example_inputs, loss, allow))
+            self.apply_plan(_planned(self, segments, budget, example_inputs, loss, allow, min_sqnr_db))
 
     @classmethod
     def from_sequential(cls, sequential: nn.Sequential, **options) -> "CheckpointedSequential":
@@ -540,10 +543,10 @@ def _check_modules(modules: tuple) -> None:
 
 
 def _check_planning_arguments(segments, planned: bool, budget, example_inputs, loss, compress, offload,
-                              allow) -> None:
+                              allow, min_sqnr_db) -> None:
     if not planned:
         given = [name for name, value in (("budget", budget), ("example_inputs", example_inputs), ("loss", loss),
-                                          ("allow", allow)) if value is not None]
+                                          ("allow", allow), ("min_sqnr_db", min_sqnr_db)) if value is not None]
         if given:
             # segments="balanced" plans on meta tensors, with no step to run a loss in;
             # fixed segments plan nothing: these would change nothing, silently.
@@ -567,10 +570,12 @@ def _check_planning_arguments(segments, planned: bool, budget, example_inputs, l
         )
 
 
-def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs, loss, allow) -> "plans.Plan":
+def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs, loss, allow,
+             min_sqnr_db) -> "plans.Plan":
     objective = "memory" if strategy == "memory" else "time"
     levers = plans.DEFAULT_ALLOW if allow is None else allow
-    return plans.plan(profiler.profile(model, example_inputs, loss=loss), budget, objective=objective, allow=levers)
+    return plans.plan(profiler.profile(model, example_inputs, loss=loss), budget, min_sqnr_db=min_sqnr_db,
+                      objective=objective, allow=levers)
 
 
 def _split_per_layer(value, default) -> tuple:

@@ -179,7 +179,7 @@ FilterSpec = Union[Callable[[nn.Module, str], bool], type, tuple]
 
 
 def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, offload=False, *, keep="inputs",
-         budget=None, example_inputs=None, allow=None, min_sqnr_db=None, preserve_rng_state=True,
+         budget=None, example_inputs=None, loss=None, allow=None, min_sqnr_db=None, preserve_rng_state=True,
          determinism_check="default", debug=False, early_stop=True) -> nn.Module:
     """Replace, in place, each submodule of ``model`` that ``filter_fn`` selects by a
     :class:`Checkpoint` of it, and return ``model``.
@@ -198,7 +198,7 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     or kept plain, and keeps its input exactly or by a codec, as
     :func:`plan_blocks` chooses: the fastest plan whose predicted peak activation
     memory of the whole training step fits ``budget`` (see :func:`plan_blocks`, which
-    takes ``allow`` and ``min_sqnr_db`` too; ``compress`` and ``offload`` are then
+    takes ``loss``, ``allow`` and ``min_sqnr_db`` too; ``compress`` and ``offload`` are then
     chosen, not given). ``filter_fn`` may also be a :class:`BlockPlan` from
     :func:`plan_blocks`, to apply a plan made (and printed) before::
 
@@ -221,11 +221,12 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     _check_model(model, "wrap replaces submodules of a model in place")
     options = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
     planned = budget is not None or isinstance(filter_fn, BlockPlan)
-    if planned or example_inputs is not None or allow is not None or min_sqnr_db is not None:
-        _check_planned_arguments(filter_fn, compress, offload, keep, budget, example_inputs, allow, min_sqnr_db)
+    planning = {"example_inputs": example_inputs, "loss": loss, "allow": allow, "min_sqnr_db": min_sqnr_db}
+    if planned or any(value is not None for value in planning.values()):
+        _check_planned_arguments(filter_fn, compress, offload, keep, budget, planning)
     if planned:
         plan = filter_fn if isinstance(filter_fn, BlockPlan) else plan_blocks(
-            model, filter_fn, budget, example_inputs, allow=allow, min_sqnr_db=min_sqnr_db)
+            model, filter_fn, budget, example_inputs, loss=loss, allow=allow, min_sqnr_db=min_sqnr_db)
         _apply(model, plan, options)
         return model
     matches = _as_predicate(filter_fn)
@@ -247,7 +248,7 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     return model
 
 
-def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs, *, allow=None,
+def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs, *, loss=None, allow=None,
                 min_sqnr_db=None) -> BlockPlan:
     """Choose, for each block of ``model`` that ``filter_fn`` selects, whether
     :func:`wrap` checkpoints it and how its checkpoint keeps its input: the fastest
@@ -276,9 +277,15 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
             within it (tests/planning/test_blocks.py).
         example_inputs: a batch as training will use: a dict of keyword arguments
             (``model(**example_inputs)``), a tuple of positional arguments, or one
-            tensor. The loss is the model's output if a tensor, else its ``loss``
-            (Hugging Face: pass ``labels``), else its first item; a non-scalar loss
-            is backpropagated from ones.
+            tensor. The loss is ``loss(output)`` with a ``loss`` function, else the
+            model's output if a tensor, else its ``loss`` (Hugging Face: pass
+            ``labels``), else its first item; a non-scalar loss is backpropagated
+            from ones.
+        loss: the training step's loss as a function of the model's output
+            (``lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())``
+            with example targets), where the model does not return it: the profiled
+            step runs it, so the plan counts its memory (a cross-entropy keeps a
+            logits-sized log-softmax), as ``CheckpointedSequential``'s ``loss`` does.
         allow: the levers, as for :func:`actsave.plan`: ``"recompute"``, codecs
             (``"int8"``, ``"fp8"``, ...) and, on CUDA only, ``"offload"``. Default: the
             exact ones the device has (recompute, and offload on CUDA): a lossy codec
@@ -306,7 +313,7 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
         raise ConfigError(f"blocks {wrapped} are wrapped already: a block plan profiles the plain blocks; plan the "
                           "model before wrapping it")
     return plan_block_stack(model, [(block.fqn, block.module) for block in blocks], budget, example_inputs,
-                            allow, min_sqnr_db)
+                            allow, min_sqnr_db, loss)
 
 
 def _check_model(model, purpose: str) -> None:
@@ -315,14 +322,15 @@ def _check_model(model, purpose: str) -> None:
                           "(for a function, use actsave.checkpoint(function, *args))")
 
 
-def _check_planned_arguments(filter_fn, compress, offload, keep, budget, example_inputs, allow, min_sqnr_db) -> None:
+def _check_planned_arguments(filter_fn, compress, offload, keep, budget, planning: dict) -> None:
+    """``planning``: the planning arguments besides ``budget`` (name -> value)."""
     if isinstance(filter_fn, BlockPlan):
-        if budget is not None or example_inputs is not None or allow is not None or min_sqnr_db is not None:
-            raise ConfigError("wrap(model, plan) applies a plan made already: give budget, example_inputs, allow "
-                              "and min_sqnr_db to plan_blocks, not here")
+        if budget is not None or any(value is not None for value in planning.values()):
+            raise ConfigError("wrap(model, plan) applies a plan made already: give budget, example_inputs, loss, "
+                              "allow and min_sqnr_db to plan_blocks, not here")
     elif budget is None:
-        raise ConfigError("example_inputs, allow and min_sqnr_db are for planning the blocks: give budget (peak "
-                          "activation bytes of one training step) too, or leave them out")
+        raise ConfigError("example_inputs, loss, allow and min_sqnr_db are for planning the blocks: give budget "
+                          "(peak activation bytes of one training step) too, or leave them out")
     if compress is not None or offload is not False or keep != "inputs":
         raise ConfigError(f"compress={compress!r}, offload={offload!r}, keep={keep!r}: with a block plan, each "
                           "block's keep option is planned; limit the levers with allow=(...) and min_sqnr_db instead")

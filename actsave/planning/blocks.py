@@ -44,7 +44,7 @@ shapes, and for one call of each block per step (Hugging Face: ``use_cache=False
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -68,19 +68,20 @@ from .profiler import LayerProfile, Profile, profile
 # ------------------------------------------------------------------ the example step
 
 
-def run_step(model: nn.Module, example_inputs) -> torch.Tensor:
+def run_step(model: nn.Module, example_inputs, loss: Optional[Callable] = None) -> torch.Tensor:
     """The forward of the training step a block plan is for: ``model(**example_inputs)``
     for a dict, ``model(*example_inputs)`` for a tuple or list, ``model(example_inputs)``
-    for a tensor; returns the loss, the tensor the backward starts from: the output
-    itself if a tensor, else its ``loss`` (a Hugging Face ``ModelOutput``, a dict), else
-    its first item. Nothing else of the output is kept."""
+    for a tensor; returns the loss, the tensor the backward starts from: ``loss(output)``
+    where a loss function is given, else the output itself if a tensor, else its
+    ``loss`` (a Hugging Face ``ModelOutput``, a dict), else its first item. Nothing
+    else of the output is kept."""
     if isinstance(example_inputs, dict):
         output = model(**example_inputs)
     elif isinstance(example_inputs, (tuple, list)):
         output = model(*example_inputs)
     else:
         output = model(example_inputs)
-    return _loss_of(output)
+    return _loss_of(output if loss is None else loss(output))
 
 
 def _loss_of(output) -> torch.Tensor:
@@ -191,13 +192,13 @@ def _first_tensor_leaf(call: _Call, fqn: str) -> int:
     return index
 
 
-def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs) -> list:
+def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs, loss: Optional[Callable] = None) -> list:
     """Run the example step's forward (only) and return the blocks' calls, in the order
     they ran (:func:`_chained_calls`)."""
     recorder = _CallRecorder(blocks)
     try:
         with isolated_steps(model), torch.enable_grad():
-            run_step(model, example_inputs)
+            run_step(model, example_inputs, loss)
     finally:
         recorder.remove()
     calls = _chained_calls(recorder)
@@ -333,7 +334,7 @@ def _storage_bytes(t: torch.Tensor, device) -> int:
     return allocation_bytes(t.untyped_storage().nbytes(), device)
 
 
-def measure_outside(model: nn.Module, calls: list, example_inputs) -> Outside:
+def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Optional[Callable] = None) -> Outside:
     """One plain training step of ``model``, its live bytes counted as the planner's
     profile counts them: what it allocates before, around and after the blocks."""
     first_call, last_fqn = calls[0][2], calls[-1][0]
@@ -347,7 +348,7 @@ def measure_outside(model: nn.Module, calls: list, example_inputs) -> Outside:
         try:
             with tracker, torch.enable_grad():
                 phases.start()
-                loss = run_step(model, example_inputs)
+                loss = run_step(model, example_inputs, loss_fn)
                 loss_bytes = _storage_bytes(loss, device)
                 if not phases.loss_hooked:
                     raise ConfigError(f"the output of the last block, {last_fqn}, needs no gradient: there is no "
@@ -461,11 +462,11 @@ BLOCK_LEVERS = ("selective",)
 
 
 def plan_block_stack(model: nn.Module, blocks: Sequence[tuple], budget, example_inputs,
-                     allow: Sequence[str], min_sqnr_db: float | None) -> BlockPlan:
+                     allow: Sequence[str], min_sqnr_db: float | None, loss: Optional[Callable] = None) -> BlockPlan:
     """The fastest :class:`BlockPlan` for ``blocks`` ((fqn, module) of each selected
     block) whose predicted peak fits ``budget`` (module docstring; NOTE [ Block options
     priced ] in block_options.py)."""
-    return BlockPlanner(model, blocks, example_inputs, allow, min_sqnr_db).plan(budget)
+    return BlockPlanner(model, blocks, example_inputs, allow, min_sqnr_db, loss).plan(budget)
 
 
 class BlockPlanner:
@@ -475,11 +476,11 @@ class BlockPlanner:
     once."""
 
     def __init__(self, model: nn.Module, blocks: Sequence[tuple], example_inputs, allow: Sequence[str] = None,
-                 min_sqnr_db: float | None = None):
-        self.calls = record_calls(model, blocks, example_inputs)
+                 min_sqnr_db: float | None = None, loss: Optional[Callable] = None):
+        self.calls = record_calls(model, blocks, example_inputs, loss)
         self.levers, self.codecs, self._codecs_usable = _levers_for(self.calls, allow, min_sqnr_db)
         self.min_sqnr_db = min_sqnr_db
-        outside = measure_outside(model, self.calls, example_inputs)
+        outside = measure_outside(model, self.calls, example_inputs, loss)
         self.chain = block_chain(self.calls)
         self.profile = chain_profile(self.chain, self.calls, outside)
         self.fixed = max(outside.before_peak, outside.after_peak)  # what the step needs outside the blocks

@@ -21,8 +21,9 @@ from actsave.planning.instrumented_step import backward_from
 LOSSY_SQNR_FLOOR_DB = 30.0
 
 
-def step_peak_bytes(model: nn.Module, example_inputs) -> int:
-    """MemTracker peak of one training step, less parameters, buffers and gradients."""
+def step_peak_bytes(model: nn.Module, example_inputs, loss=None) -> int:
+    """MemTracker peak of one training step (``loss``: of the output, as plan_blocks
+    takes it), less parameters, buffers and gradients."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     static = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -31,7 +32,7 @@ def step_peak_bytes(model: nn.Module, example_inputs) -> int:
     inputs = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
     tracker.track_external(model, *inputs)
     with tracker:
-        backward_from(run_step(model, example_inputs))
+        backward_from(run_step(model, example_inputs, loss))
     return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - static
 
 
@@ -227,6 +228,7 @@ def test_blocks_that_do_not_run_one_after_another_are_refused(model, message):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(budget=2**20), "example_inputs is required"),
     (dict(example_inputs=(torch.randn(4, 8),)), "give budget"),
+    (dict(loss=lambda y: y.sum()), "example_inputs, loss, allow and min_sqnr_db are for planning the blocks"),
     (dict(budget=0, example_inputs=(torch.randn(4, 8),)), "budget=0 must be a positive number"),
     (dict(budget=2**20, example_inputs=(torch.randn(4, 8),), compress="int8"), "limit the levers with allow"),
     (dict(budget=2**20, example_inputs=(torch.randn(4, 8),), offload=True), "limit the levers with allow"),
@@ -244,8 +246,10 @@ def test_a_plan_applies_only_to_the_model_it_was_made_for():
     plan = actsave.plan_blocks(model, ResidualBlock, 2**20, (x,))
     with pytest.raises(ConfigError, match="this plan is for other blocks"):
         actsave.wrap(ResidualNet(), plan)
-    with pytest.raises(ConfigError, match="give budget, example_inputs"):
+    with pytest.raises(ConfigError, match="give budget, example_inputs, loss"):
         actsave.wrap(model, plan, budget=2**20)
+    with pytest.raises(ConfigError, match="give budget, example_inputs, loss"):
+        actsave.wrap(model, plan, loss=lambda y: y.sum())
     with pytest.raises(ConfigError, match="are wrapped already"):
         actsave.plan_blocks(actsave.wrap(ResidualNet(), ResidualBlock), ResidualBlock, 2**20, (x,))
 
@@ -263,6 +267,45 @@ def test_an_output_without_a_loss_is_refused():
 
     with pytest.raises(ConfigError, match="no loss to backpropagate"):
         actsave.plan_blocks(Features(), ResidualBlock, 2**20, (torch.randn(4, 8),))
+
+
+def test_a_loss_function_runs_in_the_profiled_step_and_its_memory_is_counted():
+    # A model that returns logits: its step's loss is the caller's, as with
+    # CheckpointedSequential(loss=...). The plan counts the step that runs it (a
+    # cross-entropy's log-softmax and its backward), not a backward from ones.
+    model, x = ResidualNet(depth=4, width=64, classes=256), torch.randn(32, 64)
+    targets = torch.randint(0, 256, (32,))
+    loss = lambda logits: nn.functional.cross_entropy(logits, targets)  # noqa: E731
+    without = actsave.plan_blocks(model, ResidualBlock, 2**30, (x,))
+    with_loss = actsave.plan_blocks(model, ResidualBlock, 2**30, (x,), loss=loss)
+    measured = step_peak_bytes(model, (x,), loss)
+    assert abs(with_loss.plain_peak_bytes - measured) <= 0.03 * measured
+    assert abs(without.plain_peak_bytes - measured) > 0.03 * measured
+    planned = actsave.wrap(copy.deepcopy(model), ResidualBlock, budget=with_loss.smallest_peak_bytes,
+                           example_inputs=(x,), loss=loss)
+    grads = []
+    for m in (model, planned):
+        m.zero_grad()
+        torch.manual_seed(1)  # the blocks' dropout
+        loss(m(x)).backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_loss_function_makes_a_model_without_a_loss_output_plannable():
+    class Features(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(ResidualBlock() for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return {"features": x}
+
+    plan = actsave.plan_blocks(Features(), ResidualBlock, 2**20, (torch.randn(4, 8),),
+                               loss=lambda output: output["features"].square().sum())
+    assert len(plan.options) == 2
 
 
 # --- per-op options inside the blocks (NOTE [ Block options priced ]) -------------------

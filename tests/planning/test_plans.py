@@ -270,6 +270,24 @@ def test_auto_segments_given_the_loss_fit_a_budget_that_a_plan_without_it_overru
     assert fitted, "every overrun budget was refused: no plan given the loss was measured"
 
 
+def test_checkpointed_sequential_takes_min_sqnr_db_as_the_planners_do():
+    # One set of planning arguments: budget, example_inputs, loss, allow, min_sqnr_db.
+    layers, x = deep_mlp(), torch.randn(128, 64)
+    prof = actsave.profile(nn.Sequential(*layers), (x,))
+    budget = actsave.plan(prof, None, objective="memory", allow=EVERY_CODEC).predicted_peak_bytes
+    for floor in (None, 30, 40):
+        model = CheckpointedSequential(*layers, segments="memory", example_inputs=(x,), allow=EVERY_CODEC,
+                                       min_sqnr_db=floor)
+        expected = actsave.plan(actsave.profile(model, (x,)), None, objective="memory", allow=EVERY_CODEC,
+                                min_sqnr_db=floor)
+        assert model.applied_plan.codecs == expected.codecs
+    assert set(CheckpointedSequential(*layers, segments="memory", example_inputs=(x,), allow=EVERY_CODEC,
+                                      min_sqnr_db=40).applied_plan.codecs) == {"none"}
+    assert budget > 0
+    with pytest.raises(ConfigError, match="^min_sqnr_db= plan .* not segments=2"):
+        CheckpointedSequential(*layers, segments=2, min_sqnr_db=30)
+
+
 def test_a_deep_plan_prints_a_summary_unless_asked_for_every_segment():
     # A plan of hundreds of segments prints a summary, not a line per segment, and a
     # plan made on meta tensors prints no step time ("step 0.000 ms").
