@@ -60,6 +60,11 @@ def on_general_path() -> bool:
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+# NOTE [ Channel means ] in _channel_means.py: the largest mean magnitude subtracted;
+# beyond it, or not finite, a channel's mean is taken as 0.
+MAX_MEAN = 2.0**100
+
+
 def channel_size(shape) -> int:
     """Elements of one channel of one sample in a tensor of ``shape`` (N, C, ...): the
     ``channel_size`` of NOTE [ Channel means ] in _channel_means.py."""

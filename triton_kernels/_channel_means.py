@@ -6,9 +6,12 @@ NOTE [ Channel means ]
 An encoder may be given one fp32 mean per channel (dim 1 of an
 N, C, ... tensor) to subtract from each value as it is loaded, correctly rounded,
 before anything else; the group's scale and codes are those of the centered values,
-and the non-finite codes mark the input's own inf and NaN (a mean that takes a finite
-value past fp32's range, which actsave never passes, leaves it a code of 0 in a
-flagged group, in kernel and reference alike). The decoder given the same means adds
+and the non-finite codes mark the input's own inf and NaN. A mean that is not finite
+(its channel holds an inf or a NaN) or beyond +-MAX_MEAN is taken as 0, as it is
+loaded: so the caller passes the means as a mean reduction gives them, with no pass of
+its own over them (each a launch on a GPU), and inf and NaN come back as they went in.
+MAX_MEAN, 2**100, is below half an ulp of fp32's largest binade (2**103), so ``x - m``
+and ``x + m`` stay finite for every finite x. The decoder given the same means adds
 each back to ``value(code) * |scale|`` in fp32, a second correctly rounded operation
 (launches disable Triton's FMA fusion, ``COMPILE_OPTIONS`` in _tile.py), and saturates
 the sum at the output dtype's largest finite value: a finite value near it may come
@@ -28,8 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import channel_size
+from . import MAX_MEAN, channel_size
 from ._division import divide, int32_bits, multiplier_and_shift
+
+_MAX_MEAN = tl.constexpr(MAX_MEAN)
 
 
 # ----------------------------------------------------------------- Triton helpers
@@ -68,7 +73,7 @@ def channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels
             following = tl.where(first + 1 == channels, 0, first + 1)
             in_first = offsets - runs < channel_size - into_channel
             means = tl.where(in_first, means, tl.load(means_ptr + following))
-    return means
+    return tl.where(tl.abs(means) <= _MAX_MEAN, means, 0.0)  # not finite, or too large: 0
 
 
 @triton.jit
@@ -148,8 +153,10 @@ def _checked_means(means, channel_size, numel, device):
 
 
 def per_channel_ref(flat, means):
-    """flat viewed as (samples, channels, channel_size) and the means to broadcast on it."""
-    return flat.view(-1, means.channels, means.channel_size), means.means.view(1, -1, 1)
+    """flat viewed as (samples, channels, channel_size) and the means to broadcast on it,
+    each taken as 0 where not finite or beyond MAX_MEAN (NOTE [ Channel means ])."""
+    taken = torch.where(means.means.abs() <= MAX_MEAN, means.means, 0.0)
+    return flat.view(-1, means.channels, means.channel_size), taken.view(1, -1, 1)
 
 
 def add_channel_means_ref_(y, means, largest):

@@ -33,8 +33,10 @@ none of them (per-group means do worse than none there).
   rounding step past that value. A mean is subtracted only when ``|m| <= 2**100``,
   below half an ulp of fp32's largest binade (2**103), so ``x - m`` stays finite too.
 - A channel whose mean is not finite (it holds an inf or a NaN) or beyond 2**100 is
-  not centered (mean 0), so ``inf`` and NaN come back as they went in.
-- Cost: one read of the tensor for the means. The kernels subtract them as they load
+  not centered (mean 0), so ``inf`` and NaN come back as they went in. The kernels
+  (and references) take such a mean as 0 as they load it: the means are kept as the
+  reduction gives them, with no pass of their own (NOTE [ Channel means ]).
+- Cost: one read of the tensor for the means (one reduction). The kernels subtract them as they load
   and add them back as they store, so no centered copy is made: a copy would be live
   beside the tensor while it is encoded and raise the peak of a chain whose saves a
   lossy codec stores (tests/planning/test_memory_model.py). The planner's profile
@@ -46,19 +48,16 @@ from typing import Optional
 
 import torch
 
+from ..triton_kernels import MAX_MEAN as MAX_OFFSET  # noqa: F401  (the rule's one home)
 from ..triton_kernels import SUPPORTED_DTYPES
-
-# Largest channel mean that is subtracted: see the NOTE (finite values stay finite).
-MAX_OFFSET = 2.0**100
 _CENTERED_RANKS = (4, 5)  # N, C, spatial...: conv activations, whose dim 1 is the channel
 
 
 def channel_offsets(x: torch.Tensor) -> Optional[torch.Tensor]:
     """The per-channel means to subtract from ``x`` (float32, shape ``(C,)``), or None
     where ``x`` is not centered: not a 4-D or 5-D float tensor the kernels take, or
-    empty. Reads no value back to the host."""
+    empty. One reduction, read back by nothing on the host; a mean that is not finite or
+    beyond MAX_OFFSET is taken as 0 by the kernels that read it (NOTE [ Channel means ])."""
     if x.dim() not in _CENTERED_RANKS or x.dtype not in SUPPORTED_DTYPES or x.numel() == 0:
         return None
-    means = torch.mean(x, dim=[0, *range(2, x.dim())], dtype=torch.float32)
-    # A Python 0.0, not a zeros tensor: on CUDA that is one launch less per encode.
-    return torch.where(means.abs() <= MAX_OFFSET, means, 0.0)
+    return torch.mean(x, dim=[0, *range(2, x.dim())], dtype=torch.float32)
