@@ -25,6 +25,7 @@ by an invariant ], exact below 2**31), worked out once per run where a run meets
 >= RUN; one where channel_size is a multiple of RUN), else once per element; int64
 offsets divide.
 """
+import functools
 from typing import NamedTuple
 
 import torch
@@ -109,6 +110,7 @@ class ChannelMeans(NamedTuple):
                 "RUN_CHANNELS": 1 if self.channel_size % run == 0 else 2 if self.channel_size >= run else 0}
 
 
+@functools.lru_cache(maxsize=1024)  # a few sizes a model: each worked out once, not twice a launch
 def magic_number(divisor):
     """``(magic, shift)`` such that ``n // divisor == (2n * m) >> (32 + shift)`` for every
     0 <= n < 2**31, ``m`` being ``magic``'s uint32 bit pattern, returned as the int32 of

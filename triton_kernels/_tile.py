@@ -190,6 +190,13 @@ def load_decoder_tile(codes_ptr, scales_ptr, means_ptr, numel, channel_size, cha
 # ----------------------------------------------------------------- host helpers
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up, for the host's sizes and grids. Not ``triton.cdiv``: that is
+    a constexpr function (Triton 3.9), whose call unwraps its arguments, several
+    microseconds a call on the host, three calls a codec call."""
+    return -(-a // b)
+
+
 def check_group_size(group_size):
     if not (isinstance(group_size, int) and MIN_GROUP_SIZE <= group_size <= MAX_GROUP_SIZE
             and group_size & (group_size - 1) == 0):
@@ -218,7 +225,7 @@ def flat_codes(codes, scales, code_dtype, dtype, group_size):
     check_float_dtype(dtype, "the decoded dtype")
     if codes.dtype != code_dtype:
         raise ValueError(f"codes must be {code_dtype}, got {codes.dtype}")
-    n_groups = triton.cdiv(codes.numel(), group_size)
+    n_groups = ceil_div(codes.numel(), group_size)
     if scales.dtype != torch.float32 or scales.numel() != n_groups:
         raise ValueError(f"{codes.numel()} codes in groups of {group_size} need {n_groups} "
                          f"float32 scales, got {scales.numel()} {scales.dtype} scales")
@@ -228,7 +235,7 @@ def flat_codes(codes, scales, code_dtype, dtype, group_size):
 def empty_encoding(flat, group_size, code_dtype):
     """Uninitialised codes (one byte per element, unpadded) and per-group scales."""
     codes = torch.empty(flat.numel(), dtype=code_dtype, device=flat.device)
-    scales = torch.empty(triton.cdiv(flat.numel(), group_size), dtype=torch.float32, device=flat.device)
+    scales = torch.empty(ceil_div(flat.numel(), group_size), dtype=torch.float32, device=flat.device)
     return codes, scales
 
 
@@ -244,7 +251,7 @@ def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
     tile = INTERPRETER_TILE if interpreted else CUDA_TILE
     groups_per_program = max(1, tile.elements // group_size)
     run = min(run, group_size)
-    grid = (triton.cdiv(triton.cdiv(numel, group_size), groups_per_program),)
+    grid = (ceil_div(ceil_div(numel, group_size), groups_per_program),)
     # Through the package's one launch helper: a kernel that fails to compile on the
     # user's GPU raises an error naming it and the fallback (_launch.py).
     _launch.launch(kernel, grid, *tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
