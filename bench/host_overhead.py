@@ -34,13 +34,22 @@ harness/counts.py (they cost host time). Codecs run their Triton kernels there, 
 a GPU (the interpreter on CPU; aten ops inside a launch are not counted), so the aten
 operators are those a GPU step runs around the kernels.
 
+Launchers: then the Python work of each codec and decision launcher per call, with a
+stub in place of the package's one launch helper (triton_kernels/_launch.py): the
+checks, sizes, grid, channel means and argument binding the host does before each
+kernel, what a GPU waits for when the host is behind. Minimum over rounds of the mean
+per call, microseconds; CPU tensors of a small kept input's shape (a CPU's tensor work
+is tiny there), CUDA ones of a ResNet-164 b64 kept input's.
+
     python bench/host_overhead.py [--models resnet164,gpt8] [--providers torch,actsave_int8]
                                   [--rounds 20] [--device cpu] [--smoke]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import os
 import re
 import statistics
@@ -56,7 +65,10 @@ if not torch.cuda.is_available():
 
 import actsave  # noqa: E402
 from actsave.devices import synchronize  # noqa: E402
+from actsave.codecs import get_codec  # noqa: E402
+from actsave.runtime import relu_signs  # noqa: E402
 from actsave.text import format_table  # noqa: E402
+from actsave.triton_kernels import _launch  # noqa: E402
 
 import harness  # noqa: E402  (bench/ is on sys.path when this script runs)
 from harness.counts import count_step  # noqa: E402
@@ -265,6 +277,58 @@ def notes(result: CaseResult, device: torch.device) -> list:
     return lines
 
 
+LAUNCHER_SHAPES = {"cpu": (2, 16, 4, 4), "cuda": (64, 16, 32, 32)}  # a kept input: N, C, H, W
+
+
+@contextlib.contextmanager
+def stub_launches():
+    """Every launch of the package's launchers does nothing while open."""
+    real, _launch.launch = _launch.launch, lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _launch.launch = real
+
+
+def microseconds_per_call(function: Callable, calls: int, rounds: int = 5) -> float:
+    function()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            function()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def launcher_host_work(device: torch.device, calls: int) -> list:
+    """``[(launcher, microseconds per call)]``: each launcher's Python work before its
+    launch (module docstring, "Launchers")."""
+    x = torch.randn(LAUNCHER_SHAPES[device.type], device=device)
+    relu, flat = x.relu(), x.flatten()
+    measured = []
+    with actsave.set_backend("triton"), stub_launches():
+        for name in ("int8", "fp8_e4m3"):
+            codec = get_codec(name)
+            for layout, tensor, non_negative in (("centered", x, False), ("unsigned", relu, True),
+                                                 ("flat", flat, False)):
+                packed = codec.encode(tensor, non_negative=non_negative)
+                encode = functools.partial(codec.encode, tensor, non_negative=non_negative)
+                measured.append((f"{name} encode, {layout}", microseconds_per_call(encode, calls)))
+                measured.append((f"{name} decode, {layout}",
+                                 microseconds_per_call(functools.partial(codec.decode, packed), calls)))
+        bits = relu_signs.pack_signs(relu)
+        measured.append(("ReLU signs packed", microseconds_per_call(functools.partial(relu_signs.pack_signs, relu),
+                                                                    calls)))
+        measured.append(("ReLU signs restored", microseconds_per_call(
+            functools.partial(relu_signs.restore_decisions_, relu.clone(), bits), calls)))
+    return measured
+
+
+def launcher_table(measured: list) -> str:
+    return format_table([("launcher", "us per call")] + [(name, f"{us:.1f}") for name, us in measured])
+
+
 def csv_rows(result: CaseResult, metadata: dict, run_config: dict) -> list:
     case, rows = result.case, []
     for name, seconds in result.times.items():
@@ -288,7 +352,7 @@ def _description(case: Case, name: str) -> str:
     return harness.PROVIDERS[name].description
 
 
-SMOKE = {"models": "resnet11,gpt1", "rounds": 2, "warmup": 1}
+SMOKE = {"models": "resnet11,gpt1", "rounds": 2, "warmup": 1, "calls": 20}
 
 
 def parse_arguments(argv) -> argparse.Namespace:
@@ -335,6 +399,9 @@ def main(argv=None) -> list:
         results.append(result)
         rows += csv_rows(result, metadata, {"rounds": args.rounds, "warmup": args.warmup, "clock": clock,
                                             "threads": torch.get_num_threads(), "count_backend": count_backend()})
+    shape = "x".join(map(str, LAUNCHER_SHAPES[args.device.type]))
+    print(f"\nPython work per launcher call before its launch, stub launcher, {shape} fp32 (microseconds)")
+    print(launcher_table(launcher_host_work(args.device, SMOKE["calls"] if args.smoke else 2000)))
     harness.write_csv(rows, args.out)
     print("\n" + harness.wrote(args.out))
     return results

@@ -148,6 +148,10 @@ def test_host_overhead_reports_time_and_counts_of_every_mode(tmp_path):
         if r["metric"] == "triton_launches":
             assert (float(r["p50"]) > 0) == ("int8" in r["provider"] or "fp8" in r["provider"])
     assert "x torch_ckpt" in stdout and "operators seen on 1 thread(s)" in stdout
+    # Each launcher's Python work per call, with a stub launcher.
+    launchers = stdout.split("Python work per launcher call before its launch")[1]
+    for name in ("int8 encode, centered", "fp8_e4m3 decode, flat", "ReLU signs packed", "ReLU signs restored"):
+        assert re.search(rf"{re.escape(name)} +\d+\.\d", launchers), name
 
 
 def test_gpu_speed_runs_every_phase_at_smoke_scale(tmp_path):
