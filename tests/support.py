@@ -195,3 +195,17 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
+
+
+def random_bits(shape, dtype):
+    """Every bit pattern is fair game, NaN payloads and negative zeros included."""
+    numel = torch.Size(shape).numel()
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
+
+
+def same_bits(a, b):
+    """Same dtype, shape and bits (NaN payloads, negative zeros), any layout."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )

@@ -9,7 +9,7 @@ import torch
 import actsave
 from actsave import ConfigError
 from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, IDENTITY, LOSSY_CODECS, Packed, available_codecs, get_codec
-from support import DENSE_LAYOUTS, NOT_DENSE
+from support import DENSE_LAYOUTS, NOT_DENSE, same_bits
 
 CPU_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "cpu.csv"
 
@@ -68,11 +68,6 @@ def test_the_strides_travel_with_the_metadata():
     packed = get_codec("int8").encode(DENSE_LAYOUTS["channels_last"]())
     again = Packed.assemble(packed.tensors(), packed.metadata())
     assert again.strides == packed.strides and again.metadata() == packed.metadata()
-
-
-def same_bits(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", ["int4", "", 8, object()])

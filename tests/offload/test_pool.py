@@ -1,0 +1,157 @@
+"""The pinned host pool: size classes, reuse, capacity, and buffers held until their
+last copy is done."""
+import random
+import threading
+
+import pytest
+import torch
+
+from actsave import ActsaveError, ConfigError
+from actsave.offload import (
+    HostPool,
+    OffloadPoolExhausted,
+    host_pool,
+    set_host_pool_capacity,
+)
+
+from offload.helpers import KiB, FakeEvent
+
+
+@pytest.mark.parametrize("nbytes, size", [
+    (0, 4 * KiB), (1, 4 * KiB), (4 * KiB, 4 * KiB), (4 * KiB + 1, 8 * KiB), (3 << 20, 4 << 20),
+])
+def test_size_classes_are_powers_of_two_of_at_least_a_page(nbytes, size):
+    assert HostPool.size_class(nbytes) == size
+
+
+def test_released_buffer_is_lent_again_for_the_same_size_class():
+    pool = HostPool()
+    first = pool.acquire(5000)
+    assert first.dtype == torch.uint8 and first.numel() == 8 * KiB
+    pool.release(first)
+    again = pool.acquire(7000)
+    assert again.data_ptr() == first.data_ptr()
+    assert pool.allocations == 1 and pool.reserved_bytes == 8 * KiB
+
+
+def test_steady_state_allocates_nothing_new():
+    pool = HostPool()
+    rng = random.Random(0)
+    classes = [(4 * KiB + 1, 8 * KiB), (8 * KiB + 1, 16 * KiB), (64 * KiB + 1, 128 * KiB)]
+
+    def one_step():
+        buffers = [pool.acquire(rng.randint(*bounds)) for bounds in classes for _ in range(2)]
+        for buffer in buffers:
+            pool.release(buffer)
+
+    one_step()  # warm-up
+    allocations, reserved = pool.allocations, pool.reserved_bytes
+    for _ in range(1000):
+        one_step()
+    assert (pool.allocations, pool.reserved_bytes) == (allocations, reserved)
+    assert (allocations, reserved) == (6, 2 * (8 + 16 + 128) * KiB)
+    assert pool.in_use_bytes == 0
+
+
+def test_exhaustion_says_what_was_asked_what_is_held_and_what_to_do():
+    pool = HostPool(capacity_bytes=12 * KiB)
+    held = pool.acquire(8 * KiB)
+    with pytest.raises(OffloadPoolExhausted) as error:
+        pool.acquire(5000)
+    message = str(error.value)
+    facts = ("5,000 bytes", "8,192-byte buffer", "reserves 8,192", "12,288-byte capacity",
+             "8,192 bytes of them in use", "set_host_pool_capacity", "offload fewer layers")
+    for fact in facts:
+        assert fact in message
+    assert isinstance(error.value, ActsaveError)
+    pool.release(held)
+    assert pool.acquire(5000).data_ptr() == held.data_ptr()  # its own class still fits
+
+
+def test_buffer_is_not_lent_again_before_its_last_copy_finishes():
+    pool = HostPool()
+    buffer = pool.acquire(4 * KiB)
+    copy = FakeEvent(done=False)
+    pool.release(buffer, after=copy)
+    assert pool.in_use_bytes == 4 * KiB
+    assert pool.acquire(4 * KiB).data_ptr() != buffer.data_ptr()
+    copy.done = True
+    assert pool.acquire(4 * KiB).data_ptr() == buffer.data_ptr()
+
+
+def test_at_capacity_the_pool_waits_for_copies_instead_of_failing():
+    pool = HostPool(capacity_bytes=4 * KiB)
+    buffer = pool.acquire(4 * KiB)
+    copy = FakeEvent(done=False)
+    pool.release(buffer, after=copy)
+    assert pool.acquire(4 * KiB).data_ptr() == buffer.data_ptr()
+    assert copy.done  # synchronized
+    assert pool.allocations == 1
+
+
+def test_a_finalizer_may_return_a_buffer_while_acquire_holds_the_lock():
+    # A garbage collection can start at any allocation inside acquire() and run the
+    # finalizer of a dropped OffloadedTensor, which releases its buffer.
+    pool = HostPool()
+    collected = pool.acquire(4 * KiB)
+    copy = FakeEvent(done=False)
+    copy.query = lambda: pool.release(collected) or True  # runs inside acquire()
+    pool.release(pool.acquire(8 * KiB), after=copy)
+    thread = threading.Thread(target=pool.acquire, args=(8 * KiB,), daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "acquire() deadlocked on a release from inside it"
+    assert pool.in_use_bytes == 8 * KiB and pool.acquire(4 * KiB).data_ptr() == collected.data_ptr()
+
+
+def test_releasing_a_buffer_twice_or_to_another_pool_is_an_error():
+    pool, other = HostPool(), HostPool()
+    buffer = pool.acquire(10)
+    with pytest.raises(ActsaveError, match="not on loan from this host pool"):
+        other.release(buffer)
+    pool.release(buffer)
+    with pytest.raises(ActsaveError, match="released already"):
+        pool.release(buffer)
+
+
+def test_threads_share_a_pool():
+    pool = HostPool()
+    errors = []
+
+    def borrow(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(200):
+                buffers = [pool.acquire(rng.choice([100, 5000, 20000])) for _ in range(3)]
+                for buffer in buffers:
+                    buffer.fill_(seed)  # a buffer lent twice at once would be caught below
+                assert all(bool((buffer == seed).all()) for buffer in buffers)
+                for buffer in buffers:
+                    pool.release(buffer)
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=borrow, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert pool.in_use_bytes == 0
+    assert pool.allocations <= 3 * 4 * 3  # classes x threads x buffers a thread holds
+
+
+@pytest.mark.parametrize("capacity", [-1, 1.5, "1GiB", True])
+def test_capacity_must_be_none_or_bytes(capacity):
+    with pytest.raises(ConfigError, match="must be None .no limit. or a number of bytes"):
+        HostPool(capacity_bytes=capacity)
+
+
+def test_set_host_pool_capacity_sets_the_default_pool_and_restores_in_a_with():
+    before = host_pool().capacity_bytes
+    with set_host_pool_capacity(1 << 20):
+        assert host_pool().capacity_bytes == 1 << 20
+    assert host_pool().capacity_bytes == before
+    with pytest.raises(ConfigError):
+        set_host_pool_capacity(-5)
+    assert host_pool().capacity_bytes == before
