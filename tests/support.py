@@ -1,8 +1,10 @@
 """Models and comparisons shared by the tests."""
 import collections
 import copy
+import csv
 import functools
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -209,3 +211,34 @@ def same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
     )
+
+
+# ----------------------------------------------------------------- bench runs
+
+CSV_COLUMNS = [
+    "bench", "case", "provider", "metric", "unit", "x_name", "x_value", "p20", "p50", "p80",
+    "n_reps", "config_json", "device_name", "torch_version", "triton_version",
+    "actsave_version", "git_sha", "timestamp_utc",
+]
+
+
+def run_script(script: str, *args: str) -> str:
+    """A bench script's stdout, run as a user runs it, at smoke scale; it must succeed."""
+    result = subprocess.run(
+        [sys.executable, str(BENCH / script), "--smoke", *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def read_rows(path: Path) -> tuple:
+    """``(columns, rows)`` of a results CSV."""
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def value(rows: list, provider: str, metric: str, depth: str) -> float:
+    """The median of the one row of ``provider`` and ``metric`` at ``depth``."""
+    (row,) = [r for r in rows if (r["provider"], r["metric"], r["x_value"]) == (provider, metric, depth)]
+    return float(row["p50"])

@@ -163,7 +163,7 @@ def allocator_peak(step) -> int:
     it frees and refills each unit's gathered parameters) included. MemTracker tracks
     a storage from the op that makes it until it dies, so it counts such a storage
     whole for as long as it lives. On plain tensors the allocator and LiveBytes agree
-    (tests/bench/test_smoke.py)."""
+    (tests/bench/test_harness.py)."""
     return allocator_rise(step)[0]
 
 

@@ -2,7 +2,8 @@
 host-device syncs of one step of each provider of bench/host_overhead.py, counted by
 bench/harness/counts.py on small models on CPU (ResNet-56 b2 8x8, a 4-block GPT).
 These counts do not vary from run to run, so a change that adds operators, launches
-or syncs per step fails here; times are never asserted.
+or syncs per step fails here; times are never asserted. Last, the script itself at
+smoke scale: what it reports.
 
 Budgets are written three ways:
 - the host-work target, as a ratio to torch.utils.checkpoint's count (aten ops of
@@ -12,11 +13,13 @@ Budgets are written three ways:
   when host work is removed, never raise them without saying why in the commit.
 """
 import importlib
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support import CSV_COLUMNS, read_rows, run_script
 
 import actsave
 from actsave.triton_kernels import kernel_table
@@ -215,3 +218,31 @@ def test_interleaved_rounds_rotate_their_order_when_asked(host_overhead, rotate)
     assert {name: len(seconds) for name, seconds in times.items()} == {"a": 6, "b": 6, "c": 6}
     rounds = ["".join(ran[i:i + 3]) for i in range(0, len(ran), 3)]
     assert rounds == (["abc", "bca", "cab"] * 2 if rotate else ["abc"] * 6)
+
+
+def test_host_overhead_reports_time_and_counts_of_every_mode(tmp_path):
+    out = tmp_path / "cpu.csv"
+    stdout = run_script("host_overhead.py", "--out", str(out))
+    columns, rows = read_rows(out)
+    assert columns == CSV_COLUMNS and {r["bench"] for r in rows} == {"host_overhead"}
+    assert {r["case"] for r in rows} == {"cifar_resnet(11) b2 8x8 fp32", "gpt(1) w64 h4 v128 t16 b2 float32"}
+    providers = {"torch", "torch_ckpt", "actsave_none", "actsave_int8", "actsave_fp8", "actsave_offload",
+                 "actsave_int8_offload"}
+    metrics = {"time", "time_vs_torch_ckpt", "time_vs_default", "aten_ops", "aten_ops_backward", "triton_launches",
+               "syncs"}
+    assert {(r["case"], r["provider"], r["metric"]) for r in rows} == {
+        (case, p, m) for case in {r["case"] for r in rows} for p in providers for m in metrics}
+    for r in rows:
+        if r["metric"] == "time":
+            assert r["n_reps"] == "2" and float(r["p50"]) > 0
+        if r["metric"] == "time_vs_torch_ckpt" and r["provider"] == "torch_ckpt":
+            assert float(r["p20"]) == float(r["p80"]) == 1.0
+        if r["metric"] == "syncs":
+            assert float(r["p50"]) == 0
+        if r["metric"] == "triton_launches":
+            assert (float(r["p50"]) > 0) == ("int8" in r["provider"] or "fp8" in r["provider"])
+    assert "x torch_ckpt" in stdout and "operators seen on 1 thread(s)" in stdout
+    # Each launcher's Python work per call, with a stub launcher.
+    launchers = stdout.split("Python work per launcher call before its launch")[1]
+    for name in ("int8 encode, centered", "fp8_e4m3 decode, flat", "ReLU signs packed", "ReLU signs restored"):
+        assert re.search(rf"{re.escape(name)} +\d+\.\d", launchers), name
