@@ -109,7 +109,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
 from actsave._torch import aten_overloads  # noqa: E402
 from actsave.planning import plans as actsave_plans  # noqa: E402
-from actsave.planning.blocks import BlockPlanner, run_step  # noqa: E402
+from actsave.planning.block_step import run_step  # noqa: E402
+from actsave.planning.blocks import BlockPlanner  # noqa: E402
 from actsave.text import format_table  # noqa: E402
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, checkpoint_sequential,  # noqa: E402
                                     create_selective_checkpoint_contexts)

@@ -7,7 +7,7 @@ masks) and after them (final norm, head, loss).
     print(plan)                     # per block: kept plain, or checkpointed and how
     actsave.wrap(model, plan)       # or in one call: wrap(model, ..., budget=B, example_inputs=batch)
 
-How (the steps of :func:`plan_block_stack`):
+How (the steps of :func:`plan_block_stack`; 1 and 2 in block_step.py):
 
 1. A forward of the example step records each selected block's call: its arguments,
    and which of them is the hidden state. The blocks must each run once, in turn, each
@@ -29,8 +29,8 @@ Budget: the peak activation memory of the whole training step, as the planner's
 ``budget`` (memory_model.py, "Budget"): every byte the step allocates beyond parameters,
 buffers, gradients (allocated before the step) and optimizer state, the example
 inputs included. The step is ``loss = model(**example_inputs).loss; loss.backward()``
-(see :func:`run_step` for other outputs). The parts outside the blocks are measured
-on the example step and taken as fixed: the peak before the first block
+(see :func:`block_step.run_step` for other outputs). The parts outside the blocks
+are measured on the example step and taken as fixed: the peak before the first block
 (``Outside.before_peak``) and after the first block's input gradient
 (``Outside.after_peak``), and the loss's rise above what the blocks hold.
 
@@ -46,322 +46,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
-from .._torch import pytree
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS
 from ..devices import host_is_separate
 from ..errors import ConfigError
-from ..runtime.keep_rules import modifies_input, should_encode
+from ..runtime.keep_rules import should_encode
 from ..text import format_table, mib, ms
 from .block_options import BlockMeasurer, candidate_options, model_terms
+from .block_step import BlockCall, Outside, measure_outside, record_calls
 from .block_solver import BlockTable, fastest, predicted_peak, smallest
-from .instrumented_step import TensorSpec, backward_from, isolated_steps
-from .live_bytes import LiveBytes, allocation_bytes
+from .instrumented_step import TensorSpec
 from .memory_model import CostModel
 from .plans import DEFAULT_ALLOW, LEVER_CODECS, infeasible_message, keep_options
 from .profiler import LayerProfile, Profile, profile
-
-# ------------------------------------------------------------------ the example step
-
-
-def run_step(model: nn.Module, example_inputs, loss: Optional[Callable] = None) -> torch.Tensor:
-    """The forward of the training step a block plan is for: ``model(**example_inputs)``
-    for a dict, ``model(*example_inputs)`` for a tuple or list, ``model(example_inputs)``
-    for a tensor; returns the loss, the tensor the backward starts from: ``loss(output)``
-    where a loss function is given, else the output itself if a tensor, else its
-    ``loss`` (a Hugging Face ``ModelOutput``, a dict), else its first item. Nothing
-    else of the output is kept."""
-    if isinstance(example_inputs, dict):
-        output = model(**example_inputs)
-    elif isinstance(example_inputs, (tuple, list)):
-        output = model(*example_inputs)
-    else:
-        output = model(example_inputs)
-    return _loss_of(output if loss is None else loss(output))
-
-
-def _loss_of(output) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if loss is None and isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-        raise ConfigError(
-            f"the model returned a {type(output).__name__} with no loss to backpropagate: a block plan is "
-            "for a training step, so give example_inputs that make the model return a loss that needs a "
-            "gradient (a tensor, an output with .loss, e.g. labels for a Hugging Face model, or a tuple "
-            "whose first item is the loss)")
-    return loss
-
-
-def input_tensors(example_inputs) -> list:
-    """The tensors of ``example_inputs``: held by the caller, counted in the budget."""
-    return [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-
-
-# ------------------------------------------------------------- 1. the blocks' calls
-
-
-class _Call:
-    """One recorded call of a block: the leaves of ``(args, kwargs)``, how to rebuild
-    them, which leaf is the hidden state, and the hidden-state output."""
-
-    def __init__(self, args: tuple, kwargs: dict):
-        self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
-        self.hidden_leaf: int | None = None
-        self.output: torch.Tensor | None = None
-
-    def leaf_index(self, t: torch.Tensor) -> int | None:
-        return next((k for k, leaf in enumerate(self.leaves) if leaf is t), None)
-
-    @property
-    def hidden(self) -> torch.Tensor:
-        return self.leaves[self.hidden_leaf]
-
-
-def _hidden_output(output, fqn: str) -> torch.Tensor:
-    """A block's hidden-state output: the output itself, or its first item (the tuples
-    of older Hugging Face blocks)."""
-    if isinstance(output, (tuple, list)) and output:
-        output = output[0]
-    if not isinstance(output, torch.Tensor):
-        raise ConfigError(f"block {fqn} returned a {type(output).__name__}; a block plan needs blocks that "
-                          "return the hidden state (a tensor, or a tuple whose first item is it)")
-    return output
-
-
-class _CallRecorder:
-    """Forward hooks that record each block's calls, in the order the blocks run."""
-
-    def __init__(self, blocks: Sequence[tuple]):
-        self.calls = {fqn: [] for fqn, _ in blocks}
-        self.order = []  # fqn of each call, in order
-        self._handles = []
-        for fqn, module in blocks:
-            # First of the pre-hooks: the arguments as the caller passed them, before a
-            # hook such as FSDP2's hands the block new tensor objects.
-            self._handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, fqn=fqn: self._enter(fqn, args, kwargs), with_kwargs=True, prepend=True))
-            self._handles.append(module.register_forward_hook(
-                lambda m, args, output, fqn=fqn: self._exit(fqn, output)))
-
-    def _enter(self, fqn: str, args: tuple, kwargs: dict) -> None:
-        self.calls[fqn].append(_Call(args, kwargs))
-        self.order.append(fqn)
-
-    def _exit(self, fqn: str, output) -> None:
-        self.calls[fqn][-1].output = _hidden_output(output, fqn)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def _chained_calls(recorder: _CallRecorder) -> list:
-    """Each block's one call, in the order they ran, with its hidden-state argument
-    found: the one that is the previous block's output. Raises ConfigError unless the
-    blocks ran once each, one after another, each on the previous one's output."""
-    ran = {fqn: len(calls) for fqn, calls in recorder.calls.items()}
-    if any(count != 1 for count in ran.values()):
-        raise ConfigError(f"a block plan needs each selected block to run exactly once in the example step; "
-                          f"calls per block: {ran}. Select the blocks the model's forward calls once each")
-    calls = [recorder.calls[fqn][0] for fqn in recorder.order]
-    for previous_fqn, previous, fqn, call in zip(recorder.order, calls, recorder.order[1:], calls[1:]):
-        call.hidden_leaf = call.leaf_index(previous.output)
-        if call.hidden_leaf is None:
-            raise ConfigError(
-                f"block {fqn} is not called on the output of block {previous_fqn}, which ran just before it: a "
-                "block plan needs blocks that run one after another, each on the previous one's hidden "
-                "state (work between them, or blocks in parallel branches, cannot be planned per block)")
-    first = calls[0]
-    first.hidden_leaf = calls[1].hidden_leaf if len(calls) > 1 else _first_tensor_leaf(first, recorder.order[0])
-    if not isinstance(first.hidden, torch.Tensor):
-        raise ConfigError(f"block {recorder.order[0]} gets no tensor where the next blocks get the hidden state")
-    return calls
-
-
-def _first_tensor_leaf(call: _Call, fqn: str) -> int:
-    index = next((k for k, leaf in enumerate(call.leaves) if isinstance(leaf, torch.Tensor)), None)
-    if index is None:
-        raise ConfigError(f"block {fqn} was called with no tensor argument: there is no hidden state to plan for")
-    return index
-
-
-def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs, loss: Optional[Callable] = None) -> list:
-    """Run the example step's forward (only) and return the blocks' calls, in the order
-    they ran (:func:`_chained_calls`)."""
-    recorder = _CallRecorder(blocks)
-    try:
-        with isolated_steps(model), torch.enable_grad():
-            run_step(model, example_inputs, loss)
-    finally:
-        recorder.remove()
-    calls = _chained_calls(recorder)
-    for call in calls:  # the outputs were for the chaining check only
-        call.output = None
-    return [(fqn, dict(blocks)[fqn], call) for fqn, call in zip(recorder.order, calls)]
-
-
-class _Argument(NamedTuple):
-    """Stands, among a recorded call's leaves, for a tensor kept as a buffer."""
-
-    buffer: str
-
-
-class BlockCall(nn.Module):
-    """A block as a layer of a chain: called on the hidden state alone, it calls the
-    block with the other arguments of its recorded call. Their tensors are buffers of
-    this module (not in its state dict), so that the profile counts them as held by
-    the caller, as the model's own loop holds them."""
-
-    def __init__(self, block: nn.Module, call: _Call):
-        super().__init__()
-        self.block = block
-        self.inplace = modifies_input(block)  # a segment starting here keeps a copy, as Checkpoint(block) does
-        self._spec, self._hidden_leaf = call.spec, call.hidden_leaf
-        self._leaves = []
-        for k, leaf in enumerate(call.leaves):
-            if isinstance(leaf, torch.Tensor) and k != call.hidden_leaf:
-                self.register_buffer(f"argument_{k}", leaf.detach(), persistent=False)
-                leaf = _Argument(f"argument_{k}")
-            self._leaves.append(leaf)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        leaves = [hidden if k == self._hidden_leaf else
-                  self._buffers[leaf.buffer] if isinstance(leaf, _Argument) else leaf
-                  for k, leaf in enumerate(self._leaves)]
-        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        return _hidden_output(self.block(*args, **kwargs), type(self.block).__name__)
-
-
-# ------------------------------------------------------ 2. the step outside the blocks
-
-
-@dataclass(frozen=True)
-class Outside:
-    """What the example step allocates outside the blocks, in bytes, the example inputs
-    included, as measured on the plain model. Fixed whatever the plan: the blocks'
-    plan does not change what the model does around them."""
-
-    before_peak: int  # the peak before the first block starts: embeddings, masks, position embeddings
-    held: int  # what the step holds while the blocks run, beside the first block's input
-    loss_rise: int  # the rise above the bytes live when the last block ends, until its output's gradient
-    loss_bytes: int  # the loss
-    loss_leaves: int  # live from the loss's backward through the blocks' (the loss, its gradient, a tied weight's)
-    after_peak: int  # the peak after the first block's input gradient arrives: the embeddings' backward
-
-
-class _Phases:
-    """Hooks that split the example step into the work before the blocks, the blocks,
-    the loss (from the last block's end to its output's gradient) and the work after
-    the blocks' backward, and measure each outside part with ``tracker``."""
-
-    def __init__(self, tracker: LiveBytes, calls: list):
-        self.tracker = tracker
-        self.before_rise = self.held = self.chain_input = self.loss_rise = self.after_start = self.after_rise = 0
-        self.blocks_end = self.loss_leaves = 0
-        self.loss_hooked = self.after_measured = False
-        self._first_hidden_leaf = calls[0][2].hidden_leaf
-        self._arguments = []  # the blocks' other tensor arguments, held until the loss has run
-        self._span = None
-        self._handles = [module.register_forward_pre_hook(
-            lambda m, args, kwargs, hidden_leaf=call.hidden_leaf: self._hold_arguments(args, kwargs, hidden_leaf),
-            with_kwargs=True) for _, module, call in calls]
-        self._handles += [calls[0][1].register_forward_pre_hook(self._first_starts, with_kwargs=True),
-                          calls[-1][1].register_forward_hook(self._last_ends)]
-
-    def _open(self) -> None:
-        context = self.tracker.span()
-        self._span = (context, context.__enter__())
-
-    def _close(self) -> int:
-        context, rise = self._span
-        context.__exit__(None, None, None)
-        self._span = None
-        return rise[0]
-
-    def start(self) -> None:
-        self._open()
-
-    def _first_starts(self, module, args, kwargs) -> None:
-        self.before_rise = self._close()
-        hidden = pytree.tree_leaves((args, kwargs))[self._first_hidden_leaf]
-        self.held, self.chain_input = self.tracker.live, _storage_bytes(hidden, self.tracker.device)
-        if hidden.requires_grad:
-            self._handles.append(hidden.register_hook(self._blocks_backward_ends))
-
-    def _last_ends(self, module, args, output) -> None:
-        hidden = _hidden_output(output, type(module).__name__)
-        if hidden.requires_grad:
-            self.blocks_end = self.tracker.live - _storage_bytes(hidden, self.tracker.device)
-            self._open()
-            self._handles.append(hidden.register_hook(self._loss_ends))
-            self.loss_hooked = True
-
-    def _hold_arguments(self, args: tuple, kwargs: dict, hidden_leaf: int) -> None:
-        # A checkpointed block keeps its arguments until its backward; the plain model
-        # may free some (a mask no block saves) as its forward returns, before the loss.
-        # Held here, the loss is measured as it runs with any block checkpointed.
-        self._arguments += [t for k, t in enumerate(pytree.tree_leaves((args, kwargs)))
-                            if isinstance(t, torch.Tensor) and k != hidden_leaf]
-
-    def _loss_ends(self, grad) -> None:
-        self.loss_rise = self._close()
-        # The loss's backward may leave more than the gradient it hands the blocks: a
-        # weight tied to the embeddings' holds its gradient until theirs adds to it.
-        # (The last block's output is not counted in blocks_end: the loss frees it.)
-        left = self.tracker.live - self.blocks_end - _storage_bytes(grad, self.tracker.device)
-        self.loss_leaves = max(left, 0)
-        self._arguments.clear()
-
-    def _blocks_backward_ends(self, grad) -> None:
-        self.after_start, self.after_measured = self.tracker.live, True
-        self._open()
-
-    def finish(self) -> None:
-        if self._span is not None:
-            self.after_rise = self._close()
-        for handle in self._handles:
-            handle.remove()
-
-
-def _storage_bytes(t: torch.Tensor, device) -> int:
-    return allocation_bytes(t.untyped_storage().nbytes(), device)
-
-
-def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Optional[Callable] = None) -> Outside:
-    """One plain training step of ``model``, its live bytes counted as the planner's
-    profile counts them: what it allocates before, around and after the blocks."""
-    first_call, last_fqn = calls[0][2], calls[-1][0]
-    device = first_call.hidden.device
-    batch = input_tensors(example_inputs)
-    batch_bytes = sum(_storage_bytes(t, device) for t in {id(t.untyped_storage()): t for t in batch}.values())
-    with isolated_steps(model):
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), *grads, *batch])
-        phases = _Phases(tracker, calls)
-        try:
-            with tracker, torch.enable_grad():
-                phases.start()
-                loss = run_step(model, example_inputs, loss_fn)
-                loss_bytes = _storage_bytes(loss, device)
-                if not phases.loss_hooked:
-                    raise ConfigError(f"the output of the last block, {last_fqn}, needs no gradient: there is no "
-                                      "backward through the blocks to plan for")
-                backward_from(loss)
-                del loss
-        finally:
-            phases.finish()
-    return Outside(before_peak=batch_bytes + phases.before_rise,
-                   held=batch_bytes + phases.held - phases.chain_input,
-                   loss_rise=phases.loss_rise, loss_bytes=loss_bytes, loss_leaves=phases.loss_leaves,
-                   after_peak=batch_bytes + phases.after_start + phases.after_rise if phases.after_measured else 0)
-
 
 # ------------------------------------------------------------- 3. the chain's profile
 

@@ -15,7 +15,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import actsave
 from actsave import ConfigError
-from actsave.planning.blocks import run_step
+from actsave.planning.block_step import run_step
 from actsave.planning.instrumented_step import backward_from
 
 LOSSY_SQNR_FLOOR_DB = 30.0
