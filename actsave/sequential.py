@@ -38,7 +38,8 @@ from .checks import integral
 from .runtime.kept_saves import call_with_kept_saves
 from .errors import ConfigError
 from .runtime import graph_codecs
-from .runtime.function import checkpoint_in_graph, checkpointed_call, warn_eager_under_compile
+from .runtime.compiled_calls import checkpoint_in_graph, warn_eager_under_compile
+from .runtime.function import checkpointed_call
 from .runtime.layers import LayerChain
 from .runtime.nested import nested_call
 from .runtime.recompute_options import DEFAULT_RECOMPUTE
@@ -279,7 +280,7 @@ class CheckpointedSequential(nn.Sequential):
         """Whether a layer is set to keep by a lossy codec (read as :meth:`_keeps_on_host`)."""
         return any(not codec.lossless for codec in (self._default_compress, *self._layer_compress.values()))
 
-    @torch.compiler.disable  # NOTE [ torch.compile ] in runtime/function.py
+    @torch.compiler.disable  # NOTE [ torch.compile ] in runtime/compiled_calls.py
     def _eager_forward_under_compile(self, input, layers: list):
         """The forward under torch.compile where a layer keeps on the host: run eagerly,
         as without torch.compile, so that offload applies as it does there, in one

@@ -28,7 +28,7 @@ from .checks import real_number
 from .errors import ConfigError
 from .planning.blocks import BlockPlan, plan_block_stack
 from .runtime import graph_codecs
-from .runtime.function import checkpoint_in_graph
+from .runtime.compiled_calls import checkpoint_in_graph
 from .runtime.keep_modes import BlockOption, call_block
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
 from .runtime.keep_rules import KeepPolicy, modifies_input

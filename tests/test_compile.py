@@ -3,7 +3,7 @@
 Two compositions:
 - compile outside: ``torch.compile(model)`` over a CheckpointedSequential or over
   ``wrap()``-ed blocks. An exact checkpointed call becomes torch's checkpoint in the
-  graph (NOTE [ Checkpoints in a compiled graph ] in runtime/function.py): the forward
+  graph (NOTE [ Checkpoints in a compiled graph ] in runtime/compiled_calls.py): the forward
   is one graph (a CheckpointedSequential breaks once, before any compute, where it
   looks up its segments) and the compiled backward recomputes each segment. A call
   that keeps its input by a codec or on the host runs eagerly: a CheckpointedSequential
@@ -29,7 +29,7 @@ from torch import nn
 import actsave
 from actsave import _torch
 from actsave.planning import plans
-from actsave.runtime import compiled_layers, function, graph_codecs
+from actsave.runtime import compiled_calls, compiled_layers, graph_codecs
 from actsave.runtime.nested import Range
 from support import ResidualBlock, ResidualNet, load_bench_module, sqnr_db
 
@@ -364,7 +364,7 @@ def test_a_compiled_checkpointed_sequential_that_keeps_on_the_host_or_keeps_deci
     """Its forward runs eagerly at the one break where the segments are looked up, as
     without torch.compile: the same gradients, the same kept bytes, one warning, no
     recompile; not a break at each segment (N segments were N + 1 breaks before)."""
-    monkeypatch.setattr(function, "_warned_eager_under_compile", False)  # once per process
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)  # once per process
     options = {"segments": 3, **options}
     x = torch.randn(4, 8)
     eager = actsave.CheckpointedSequential(*layers(), **options)
@@ -572,7 +572,7 @@ def test_compiled_wrapped_blocks_keep_by_a_codec_where_one_runs_eagerly_or_each_
     # The ReLU block runs eagerly at a break of its own, and Dynamo runs a loop with a
     # break in it eagerly: the other blocks compile one by one, their inputs graph
     # inputs, whose copies they encode (NOTE [ Codecs in a compiled graph ]).
-    monkeypatch.setattr(function, "_warned_eager_under_compile", False)
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
     plain = ResidualBlocks(graph_breaks)
     model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
     with warnings.catch_warnings(record=True) as raised, compiles_counted() as compiles:
@@ -635,7 +635,7 @@ def test_compiled_attention_on_the_cpu_keeps_by_a_codec_in_the_graph():
 
 
 def test_without_the_private_torch_pieces_a_compiled_codec_runs_eagerly_and_names_them(monkeypatch):
-    monkeypatch.setattr(function, "_warned_eager_under_compile", False)
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
     monkeypatch.setattr(graph_codecs, "missing_pieces", lambda: "this PyTorch lacks torch.fx.traceback.annotate")
     x = torch.randn(8, 64)
     eager = actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8")
@@ -701,7 +701,7 @@ def test_hooks_a_failed_forward_left_set_are_unset_at_the_next_one():
 
 
 def test_under_other_saved_tensor_hooks_a_compiled_codec_runs_eagerly_and_says_why(monkeypatch):
-    monkeypatch.setattr(function, "_warned_eager_under_compile", False)
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
     x = torch.randn(8, 64)
     eager = actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8")
     model = torch.compile(actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8"),
@@ -713,7 +713,7 @@ def test_under_other_saved_tensor_hooks_a_compiled_codec_runs_eagerly_and_says_w
 
 
 def test_a_compiled_wrapped_block_that_makes_decisions_runs_eagerly_and_says_why_once(monkeypatch):
-    monkeypatch.setattr(function, "_warned_eager_under_compile", False)
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
     plain, x = ResidualNet(depth=3, activation=torch.relu), torch.randn(4, 8)
     eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8")
     model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)

@@ -114,7 +114,7 @@ def test_save_pretrained_of_a_wrapped_model_loads_into_a_plain_model(name, tmp_p
 
 @pytest.mark.parametrize("name, compress", [("gpt2", None), ("gpt2", "int8"), ("llama", None)])
 def test_blocks_compiled_then_wrapped_compile_once_and_warn_nothing(name, compress):
-    # The recipe for compiled blocks (NOTE [ torch.compile ] in runtime/function.py):
+    # The recipe for compiled blocks (NOTE [ torch.compile ] in runtime/compiled_calls.py):
     # compile each block, then wrap. The steps after the first reuse the graphs the
     # compiled blocks make without actsave, and nothing warns.
     def three_steps(model) -> tuple:

@@ -172,7 +172,7 @@ def _chain_layers(model) -> list:
     if len(model) == 0:
         raise ConfigError("model is an empty nn.Sequential: profile needs a chain with at least one layer")
     # A layer compiled by torch.compile is profiled as its eager module, as the runtime
-    # recomputes it: NOTE [ torch.compile ] in runtime/function.py.
+    # recomputes it: NOTE [ torch.compile ] in runtime/compiled_calls.py.
     # Every position of the chain, a module placed twice included (named_children()
     # yields each module once).
     return [(name, uncompiled(layer)) for name, layer in named_children_of(model)]

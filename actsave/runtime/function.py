@@ -81,20 +81,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 import weakref
 from typing import Callable, Optional
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from .._torch import TorchDispatchMode, backward_keeps_graph, pytree
+from .._torch import backward_keeps_graph, pytree
 from ..errors import RecomputeError
-from . import graph_codecs, relu_signs
+from . import compiled_calls, relu_signs
 from .compiled_layers import LayerCode
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
-from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
+from .recompute_options import DEFAULT_RECOMPUTE, OperatorLog, RecomputeOptions
 from .state import ReplayState, TouchedState
 from .keep_rules import EXACT, CallerTensors, KeepPolicy
 from .store import KeptInputs, account, input_tensors
@@ -149,7 +148,7 @@ class _Frame:
                  prepared: Optional[tuple] = None):
         self.function = function
         self.options = options
-        self.operators = {}  # debug=True: "forward"/"recompute" -> operator names (_OperatorLog)
+        self.operators = {}  # debug=True: "forward"/"recompute" -> operator names (OperatorLog)
         self.kept = kept
         self.replay = replay
         # Built as the forward starts: the modules under known layers are read now,
@@ -383,7 +382,7 @@ class _Frame:
         """With ``debug=True``, a mode that records the operators ``stage`` runs."""
         if not self.options.debug:
             return contextlib.nullcontext()
-        log = _OperatorLog()
+        log = OperatorLog()
         self.operators[stage] = log.names
         return log
 
@@ -396,18 +395,6 @@ class _Frame:
             names = self.operators.get(stage, [])
             parts.append(f"Operators the {stage} ran ({len(names)}):\n  " + "\n  ".join(names))
         return RecomputeError("\n\n".join(parts))
-
-
-class _OperatorLog(TorchDispatchMode):
-    """The names of the operators run inside it (``aten.mul.Tensor``): debug=True."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _shown(signature: tuple) -> tuple:
@@ -471,96 +458,14 @@ def checkpointed_call(
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
-    if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
-        if compiles_in_graph(policy):
-            return checkpoint_in_graph(function, args, kwargs, options), None
-        return _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by,
-                                                eager_because)
+    if torch.compiler.is_compiling():  # NOTE [ torch.compile ] in compiled_calls.py
+        if compiled_calls.compiles_in_graph(policy):
+            return compiled_calls.checkpoint_in_graph(function, args, kwargs, options), None
+        return compiled_calls.checkpointed_call_under_compile(_checkpointed_call, function, args, kwargs, policy,
+                                                              private_copy, options, made_by, eager_because)
     return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by, prepared)
 
 
-# NOTE [ Checkpoints in a compiled graph ]
-# Where Dynamo traces a checkpointed call (torch.compile over a CheckpointedSequential
-# or over a model with wrapped blocks), an exact one becomes torch's own checkpoint:
-# Dynamo turns torch.utils.checkpoint into a higher-order op whose region the compiled
-# backward recomputes, so the forward stays one graph. The region is the same as
-# actsave's (the segment, the block); the compiled graph, not actsave, then decides
-# what the region saves, so no kept bytes are reported (None). A call that keeps its
-# input by a codec or on the host runs eagerly instead (a graph break, with one
-# warning): the offload copies are not ops a compiled graph can hold, and a codec is
-# held only where a whole CheckpointedSequential, or the root of a model whose blocks
-# wrap() checkpointed, sets saved-tensor hooks around the graph (NOTE [ Codecs in a
-# compiled graph ] in graph_codecs.py), which a single call could do only at a break
-# of its own. A CheckpointedSequential with a layer set to keep on the host, or whose
-# lossy segments make decisions, runs its whole forward eagerly instead, as one graph
-# break (sequential.py), however many segments keep so.
-def compiles_in_graph(policy: KeepPolicy) -> bool:
-    """Whether a checkpoint keeping its input by ``policy`` becomes torch's checkpoint
-    in a compiled graph: it keeps it exactly, on the device. Judged by value: a
-    deep-copied model has codec objects of its own."""
-    return not policy.lossy and not policy.offload
-
-
-def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions, context_fn=None):
-    """``function(*args, **kwargs)`` as torch's non-reentrant checkpoint with the
-    same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ].
-    ``context_fn``: torch's, for a selective checkpoint (keep_modes.py)."""
-    extra = {} if context_fn is None else {"context_fn": context_fn}
-    return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=options.preserve_rng_state,
-        determinism_check=options.determinism_check, debug=options.debug, **extra, **kwargs)
-
-
-_warned_eager_under_compile = False
-
-
-def warn_eager_under_compile(what: str, breaks: str, why: str) -> None:
-    """The one warning per process that actsave runs ``what`` eagerly under
-    torch.compile, with ``breaks`` (where the graph breaks), ``why``, and what to do
-    instead."""
-    global _warned_eager_under_compile
-    if _warned_eager_under_compile:
-        return
-    _warned_eager_under_compile = True
-    warnings.warn(
-        f"actsave: {what} runs eagerly under torch.compile ({breaks}): {why}. Exact checkpoints compile "
-        "(NOTE [ Checkpoints in a compiled graph ]); or compile the blocks and then checkpoint them, which keeps "
-        "codecs, decisions and offload.", stacklevel=4)
-
-
-@torch.compiler.disable
-def _checkpointed_call_under_compile(function, args, kwargs, policy, private_copy, options, made_by, eager_because):
-    kept = " and ".join(([] if policy.codec.lossless else [f"by {policy.codec.name}"])
-                        + (["on the host"] if policy.offload else []))
-    why = eager_because or ("offload is not an op a compiled graph holds" if policy.offload else
-                            "a codec is held in a compiled graph only inside a CheckpointedSequential or wrapped "
-                            "blocks, whose saved-tensor hooks are set around the graph")
-    warn_eager_under_compile(f"a checkpoint that keeps its input {kept}", "a graph break at each such call", why)
-    with graph_codecs.hooks_paused():
-        return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by)
-
-
-# NOTE [ torch.compile ]
-# Dynamo must not trace actsave's checkpointed call. It would inline the bookkeeping
-# and guard on global state that the same frame changes (every kept input registers a
-# weakref.finalize, and Dynamo guards on the finalize registry's size), and a forward
-# it traced with the saved-tensor hooks active saves other tensors than the eager
-# recompute does. So a call Dynamo meets becomes torch's checkpoint where it is exact
-# (NOTE [ Checkpoints in a compiled graph ]), and is otherwise disabled: a graph break
-# that runs eagerly, forward and recompute alike. checkpointed_call routes every call
-# Dynamo meets so, before the eager path: that path carries no disable wrapper of its
-# own, whose entry and exit every eager segment would pay in host time. To keep
-# codecs and offload with compiled code, compile the layers and then checkpoint them:
-# forward and recompute then run the same code (NOTE [ Decisions in compiled layers ]
-# says when that is the eager code).
-#
-# Compiled layers run eagerly in the planner's steps, on the planning thread only
-# (isolated_steps in planning/instrumented_step.py; _torch.py,
-# NOTE [ Compiled code run eagerly on one thread ]), and torch.compile's modules are
-# profiled as their eager ones: those steps run on meta tensors under module hooks,
-# where Dynamo would compile graphs no training step uses, recompile at each layer
-# until its limit and warn of the hooks. The plan then counts the eager code's saves,
-# which a compiled layer's may differ from.
 def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None, prepared=None,
                        make_frame: Callable = None):
     """The eager checkpointed call; ``make_frame``: the frame's constructor, _Frame's

@@ -36,7 +36,8 @@ import torch
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from ..errors import ConfigError
-from .function import checkpoint_in_graph, checkpointed_call, warn_eager_under_compile
+from .compiled_calls import checkpoint_in_graph, warn_eager_under_compile
+from .function import checkpointed_call
 from .kept_saves import call_with_kept_saves
 from .recompute_options import RecomputeOptions
 from .selective import DEFAULT_KEPT_OPS, KeptOps, aten_ops_of, selective_call

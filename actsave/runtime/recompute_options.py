@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 
 from torch.utils.checkpoint import noop_context_fn
 
+from .._torch import TorchDispatchMode
 from ..errors import ConfigError
 
 DETERMINISM_CHECKS = ("default", "none")
@@ -98,3 +99,16 @@ def check_torch_only_keywords(use_reentrant, context_fn) -> None:
 
 
 __all__ = ["RecomputeOptions", "DEFAULT_RECOMPUTE", "DETERMINISM_CHECKS", "check_torch_only_keywords"]
+
+
+class OperatorLog(TorchDispatchMode):
+    """The names of the operators run inside it (``aten.mul.Tensor``): what ``debug=True``
+    records of the forward and of the recompute."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,102 @@
+"""Checkpointed calls that Dynamo meets: an exact one becomes torch's checkpoint in the
+compiled graph, any other runs eagerly at a graph break of its own, with one warning.
+function.py's checkpointed_call routes each call here before its eager path.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from . import graph_codecs
+from .keep_rules import KeepPolicy
+from .recompute_options import RecomputeOptions
+
+
+# NOTE [ torch.compile ]
+# Dynamo must not trace actsave's checkpointed call. It would inline the bookkeeping
+# and guard on global state that the same frame changes (every kept input registers a
+# weakref.finalize, and Dynamo guards on the finalize registry's size), and a forward
+# it traced with the saved-tensor hooks active saves other tensors than the eager
+# recompute does. So a call Dynamo meets becomes torch's checkpoint where it is exact
+# (NOTE [ Checkpoints in a compiled graph ]), and is otherwise disabled: a graph break
+# that runs eagerly, forward and recompute alike. checkpointed_call routes every call
+# Dynamo meets so, before the eager path: that path carries no disable wrapper of its
+# own, whose entry and exit every eager segment would pay in host time. To keep
+# codecs and offload with compiled code, compile the layers and then checkpoint them:
+# forward and recompute then run the same code (NOTE [ Decisions in compiled layers ]
+# says when that is the eager code).
+#
+# Compiled layers run eagerly in the planner's steps, on the planning thread only
+# (isolated_steps in planning/instrumented_step.py; _torch.py,
+# NOTE [ Compiled code run eagerly on one thread ]), and torch.compile's modules are
+# profiled as their eager ones: those steps run on meta tensors under module hooks,
+# where Dynamo would compile graphs no training step uses, recompile at each layer
+# until its limit and warn of the hooks. The plan then counts the eager code's saves,
+# which a compiled layer's may differ from.
+
+
+# NOTE [ Checkpoints in a compiled graph ]
+# Where Dynamo traces a checkpointed call (torch.compile over a CheckpointedSequential
+# or over a model with wrapped blocks), an exact one becomes torch's own checkpoint:
+# Dynamo turns torch.utils.checkpoint into a higher-order op whose region the compiled
+# backward recomputes, so the forward stays one graph. The region is the same as
+# actsave's (the segment, the block); the compiled graph, not actsave, then decides
+# what the region saves, so no kept bytes are reported (None). A call that keeps its
+# input by a codec or on the host runs eagerly instead (a graph break, with one
+# warning): the offload copies are not ops a compiled graph can hold, and a codec is
+# held only where a whole CheckpointedSequential, or the root of a model whose blocks
+# wrap() checkpointed, sets saved-tensor hooks around the graph (NOTE [ Codecs in a
+# compiled graph ] in graph_codecs.py), which a single call could do only at a break
+# of its own. A CheckpointedSequential with a layer set to keep on the host, or whose
+# lossy segments make decisions, runs its whole forward eagerly instead, as one graph
+# break (sequential.py), however many segments keep so.
+def compiles_in_graph(policy: KeepPolicy) -> bool:
+    """Whether a checkpoint keeping its input by ``policy`` becomes torch's checkpoint
+    in a compiled graph: it keeps it exactly, on the device. Judged by value: a
+    deep-copied model has codec objects of its own."""
+    return not policy.lossy and not policy.offload
+
+
+def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions, context_fn=None):
+    """``function(*args, **kwargs)`` as torch's non-reentrant checkpoint with the
+    same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ].
+    ``context_fn``: torch's, for a selective checkpoint (keep_modes.py)."""
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=options.preserve_rng_state,
+        determinism_check=options.determinism_check, debug=options.debug, **extra, **kwargs)
+
+
+_warned_eager_under_compile = False
+
+
+def warn_eager_under_compile(what: str, breaks: str, why: str) -> None:
+    """The one warning per process that actsave runs ``what`` eagerly under
+    torch.compile, with ``breaks`` (where the graph breaks), ``why``, and what to do
+    instead."""
+    global _warned_eager_under_compile
+    if _warned_eager_under_compile:
+        return
+    _warned_eager_under_compile = True
+    warnings.warn(
+        f"actsave: {what} runs eagerly under torch.compile ({breaks}): {why}. Exact checkpoints compile "
+        "(NOTE [ Checkpoints in a compiled graph ]); or compile the blocks and then checkpoint them, which keeps "
+        "codecs, decisions and offload.", stacklevel=4)
+
+
+@torch.compiler.disable
+def checkpointed_call_under_compile(eager_call: Callable, function, args, kwargs, policy, private_copy, options,
+                                    made_by, eager_because):
+    """A checkpointed call Dynamo met that does not compile (NOTE [ Checkpoints in a
+    compiled graph ]): ``eager_call`` (function.py's eager path) at a graph break of
+    its own, with the one warning."""
+    kept = " and ".join(([] if policy.codec.lossless else [f"by {policy.codec.name}"])
+                        + (["on the host"] if policy.offload else []))
+    why = eager_because or ("offload is not an op a compiled graph holds" if policy.offload else
+                            "a codec is held in a compiled graph only inside a CheckpointedSequential or wrapped "
+                            "blocks, whose saved-tensor hooks are set around the graph")
+    warn_eager_under_compile(f"a checkpoint that keeps its input {kept}", "a graph break at each such call", why)
+    with graph_codecs.hooks_paused():
+        return eager_call(function, args, kwargs, policy, private_copy, options, made_by)
