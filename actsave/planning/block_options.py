@@ -45,7 +45,8 @@ from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.selective import DEFAULT_KEPT_OPS
 from ..runtime.keep_rules import KeepPolicy, modifies_input
-from .instrumented_step import TensorSpec, isolated_steps
+from .instrumented_step import TensorSpec
+from .step_isolation import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import CostModel
 

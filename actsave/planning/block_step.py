@@ -14,7 +14,8 @@ from torch import nn
 from .._torch import pytree
 from ..errors import ConfigError
 from ..runtime.keep_rules import modifies_input
-from .instrumented_step import backward_from, isolated_steps
+from .instrumented_step import backward_from
+from .step_isolation import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 
 

@@ -35,9 +35,9 @@ from ..runtime.keep_rules import EXACT, KeepPolicy, modifies_input
 from ..text import format_table, mib, ms
 from .codec_costs import CodecCosts
 from .fsdp_gathers import gathered_bytes, with_plain_step_gathers
-from .instrumented_step import (CountedStep, isolated_steps, measure_memory, measure_no_grad_rises, measure_times,
-                                own_saves)
+from .instrumented_step import CountedStep, measure_memory, measure_no_grad_rises, measure_times, own_saves
 from .live_bytes import allocation_bytes
+from .step_isolation import isolated_steps
 from .stored_saves import StoredSaves, price_stored_saves
 
 

@@ -29,7 +29,7 @@ from .recompute_options import RecomputeOptions
 # says when that is the eager code).
 #
 # Compiled layers run eagerly in the planner's steps, on the planning thread only
-# (isolated_steps in planning/instrumented_step.py; _torch.py,
+# (isolated_steps in planning/step_isolation.py; _torch.py,
 # NOTE [ Compiled code run eagerly on one thread ]), and torch.compile's modules are
 # profiled as their eager ones: those steps run on meta tensors under module hooks,
 # where Dynamo would compile graphs no training step uses, recompile at each layer

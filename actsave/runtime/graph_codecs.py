@@ -292,7 +292,7 @@ def _max_pool_in(modules) -> bool:
 def _on_meta_watching_saves(model: nn.Module, pack):
     """While active, ``model`` runs on meta tensors with grad, its saves handed to
     ``pack``; as the planner's meta steps (NOTE [ Steps other threads do not see ] in
-    planning/instrumented_step.py), compiled layers run their eager code on this thread
+    planning/step_isolation.py), compiled layers run their eager code on this thread
     and no generator is forked: random operators on fake meta tensors draw nothing.
     Yields the function that makes the model's inputs from real tensors (their shapes,
     strides and dtypes): fake meta tensors (NOTE [ Fake tensors in a probe ])."""

@@ -79,7 +79,7 @@ class ReplayState:
         meta device (a planner's meta step) replay no RNG state: random operators on
         meta tensors draw nothing, and replaying one would set the process's generator,
         which other threads draw from (NOTE [ Steps other threads do not see ] in
-        planning/instrumented_step.py)."""
+        planning/step_isolation.py)."""
         if tensors and tensors[0].is_meta and all(t.is_meta for t in tensors):  # cheap for real ones
             preserve_rng_state = False
         accelerators = sorted({(t.device.type, t.device.index or 0) for t in tensors
