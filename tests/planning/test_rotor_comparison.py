@@ -169,12 +169,18 @@ def test_actsave_is_no_slower_than_rotors_single_level_optimum_elsewhere(name):
 def test_on_random_chains_rotor_charges_more_and_actsave_is_no_slower_than_its_single_level_optimum(layers):
     prof = actsave.profile(nn.Sequential(*chain(*layers)), (torch.randn(64, 32),))
     sweep = Sweep(prof, points=8)
+    # Rotor's model has no snapshot of the state a forward mutates (BatchNorm's running
+    # statistics: memory_model.py's M), which actsave's plans keep: it charges a plan
+    # more than actsave does but for that snapshot, and its plans fit actsave's budget
+    # B once they fit B less every layer's snapshot.
+    state = sum(layer.mutated_state_bytes for layer in prof.layers)
+    state_units = -(-state // sweep.unit)
     for budget, seconds, chosen in sweep.rows:
         units = budget // sweep.unit
-        assert at_most(seconds, sweep.single.step_time(units)), budget
+        assert at_most(seconds, sweep.single.step_time(units - state_units)), budget
         if chosen is not None:
             plan_seconds, plan_peak = simulate(sweep.chain, rotor_plan_of(chosen))
-            assert plan_peak * sweep.unit >= chosen.predicted_peak_bytes
+            assert plan_peak * sweep.unit + state >= chosen.predicted_peak_bytes
             assert at_most(sweep.full.step_time(plan_peak), plan_seconds), budget
 
 
