@@ -26,7 +26,8 @@ from .codecs import available_codecs
 from .errors import ActsaveError, ConfigError, OffloadPoolExhausted, RecomputeError
 from .planning.estimate import MemoryEstimate, estimate
 from .codecs.backend import backend, get_backend, set_backend
-from .planning.plans import Plan, plan
+from .planning.plan_record import Plan
+from .planning.plans import plan
 from .planning.profiler import Profile, profile
 from .sequential import CheckpointedSequential
 from .runtime.store import stored_bytes

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .planning import plans, profiler
+from .planning import plan_record, plans, profiler
 from .planning.balanced_cache import BalancedPlans
 from .planning.segments import (BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, normalized_segments,
                                 segment_starts, segments_from, split_starts)
@@ -336,7 +336,7 @@ class CheckpointedSequential(nn.Sequential):
         return None
 
     @property
-    def balanced_plan(self) -> Optional["plans.Plan"]:
+    def balanced_plan(self) -> Optional["plan_record.Plan"]:
         """With ``segments="balanced"``: the :class:`~actsave.Plan` behind the segments
         of the last training call (its predicted peak included); None before the first
         call, or when that input fell back to ``"sqrt"``."""
@@ -361,11 +361,11 @@ class CheckpointedSequential(nn.Sequential):
         for module in self._selected(layer):
             self._layer_offload[module] = flag
 
-    def apply_plan(self, plan: "plans.Plan") -> None:
+    def apply_plan(self, plan: "plan_record.Plan") -> None:
         """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, for each
         checkpointed segment its codec and offload, and the codec of the stored
         segment's saves. Replaces the segments and every per-layer option set before."""
-        if not isinstance(plan, plans.Plan):
+        if not isinstance(plan, plan_record.Plan):
             raise ConfigError(
                 f"plan={plan!r}: apply_plan expects an actsave Plan (from actsave.plan), got {type(plan).__name__}")
         if plan.n_layers != len(self):
@@ -395,7 +395,7 @@ class CheckpointedSequential(nn.Sequential):
         plan = self._current_plan()
         return {start: r for start, r in zip(plan.starts, plan.nested) if r is not None} if plan else {}
 
-    def _current_plan(self) -> Optional["plans.Plan"]:
+    def _current_plan(self) -> Optional["plan_record.Plan"]:
         plan = self.applied_plan
         return plan if plan is not None and self.segments == list(plan.starts) else None
 
@@ -452,7 +452,7 @@ class CheckpointedSequential(nn.Sequential):
         if segment.start in self._last_by_reference:
             # The caller's tensor itself: only the decisions kept beside it are actsave's.
             return "none", "by reference", str(kept - self._last_by_reference[segment.start])
-        where = plans.where_kept(policy.offload) if segment.checkpointed else "-"
+        where = plan_record.where_kept(policy.offload) if segment.checkpointed else "-"
         return policy.codec.name, where, "" if kept is None else str(kept)
 
     def _segment_policy(self, segment: Segment, layers: list) -> KeepPolicy:
@@ -572,7 +572,7 @@ def _check_planning_arguments(segments, planned: bool, budget, example_inputs, l
 
 
 def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs, loss, allow,
-             min_sqnr_db) -> "plans.Plan":
+             min_sqnr_db) -> "plan_record.Plan":
     objective = "memory" if strategy == "memory" else "time"
     levers = plans.DEFAULT_ALLOW if allow is None else allow
     return plans.plan(profiler.profile(model, example_inputs, loss=loss), budget, min_sqnr_db=min_sqnr_db,

@@ -47,7 +47,7 @@ from .._torch import is_sharded
 from ..errors import ConfigError
 from ..meta import device_of
 from ..runtime.keep_rules import should_encode
-from . import plans, profiler
+from . import plan_record, plans, profiler
 from .segments import split_starts
 
 _PLANS_KEPT = 16  # balanced plans cached per model, one per distinct input
@@ -104,7 +104,7 @@ class BalancedPlans:
         finally:
             self._planning = None
 
-    def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["plans.Plan"]:
+    def _plan(self, model: nn.Module, input: torch.Tensor, device, policies: tuple) -> Optional["plan_record.Plan"]:
         try:
             _check_simulable(model)
             # Stored saves are priced by codec only where the last segment's policy is lossy.
@@ -124,7 +124,7 @@ class BalancedPlans:
                 "this warning.", stacklevel=_user_stacklevel())
 
     @property
-    def last_plan(self) -> Optional["plans.Plan"]:
+    def last_plan(self) -> Optional["plan_record.Plan"]:
         return None if self._last is None else self._last[1]
 
     def describe_last(self) -> tuple:

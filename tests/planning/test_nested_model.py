@@ -9,7 +9,7 @@ from support import deep_mlp, mixed_chain, peak_activation_bytes, train_step, tw
 
 import actsave
 from actsave import CheckpointedSequential, ConfigError
-from actsave.planning import plans
+from actsave.planning import plan_record, plans
 from actsave.runtime.nested import Range
 
 
@@ -161,4 +161,4 @@ def test_plans_that_cannot_nest_are_refused(change, message):
     fields = dict(n_layers=6, starts=(0, 4), codecs=("none",), offload=(False,), predicted_peak_bytes=0,
                   predicted_step_seconds=0.0, peak_segment=0, nested=(Range(0, 4),))
     with pytest.raises(ConfigError, match=message):
-        plans.Plan(**{**fields, **change})
+        plan_record.Plan(**{**fields, **change})

@@ -15,7 +15,7 @@ from torch import nn
 import actsave
 from actsave import CheckpointedSequential, ConfigError
 from actsave.errors import InternalError
-from actsave.planning import memory_model, plans
+from actsave.planning import memory_model, plan_record, plans
 
 
 def test_generous_budget_keeps_everything_and_trains_exactly():
@@ -212,7 +212,7 @@ def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
 ])
 def test_bad_stored_flags_say_what_to_do(stored, codecs, offload, message):
     with pytest.raises(ConfigError, match=message):
-        plans.Plan(4, (0, 1, 2), codecs, offload, 0, 0.0, 0, stored=stored)
+        plan_record.Plan(4, (0, 1, 2), codecs, offload, 0, 0.0, 0, stored=stored)
 
 
 def test_store_middle_false_plans_as_before_and_true_is_never_slower(small_profile):

@@ -1,0 +1,183 @@
+"""What a chain's plan is (:class:`Plan`): where segments start, how each keeps its
+input, what it predicts, and how it prints. Made by plans.py's plan(), balanced() and
+predict(), applied by CheckpointedSequential.apply_plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..checks import integral
+from ..codecs import get_codec
+from ..errors import ConfigError
+from ..runtime.nested import Range
+from ..runtime.keep_rules import KeepPolicy
+from ..text import format_table, mib, ms
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where segments start and how each checkpointed segment keeps its input, with
+    the model's predictions. Apply it with ``CheckpointedSequential.apply_plan``.
+
+    ``starts[j]`` is the first layer of segment j (``starts[0] == 0``). The last
+    segment is stored (run plainly, never recomputed), and so is segment j < last
+    where ``stored[j]``; the others are checkpointed, segment j keeping its input by
+    ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``. A stored segment
+    before the last keeps autograd's saves as they are (its codec is "none", its
+    offload False); the last keeps them by ``stored_codec`` ("none": as they are; a
+    lossy codec stores each as runtime/kept_saves.py says). ``stored`` defaults
+    to no segment but the last (one False per segment before it). ``nested[j]``, for
+    a checkpointed segment j kept exactly on the device, may cut its recompute into
+    checkpoints of its own: a :class:`~actsave.runtime.nested.Range` over its layers
+    (indices from 0 at the segment's first layer; NOTE [ Nested recompute ]), or None
+    for a plain recompute; ``nested`` defaults to None for every segment before the last.
+    ``predicted_peak_bytes`` is peak activation memory (see the module docstring);
+    ``peak_segment`` is the segment whose events set it.
+    """
+
+    n_layers: int
+    starts: tuple
+    codecs: tuple
+    offload: tuple
+    predicted_peak_bytes: int
+    predicted_step_seconds: float
+    peak_segment: int
+    budget: Optional[int] = None
+    stored_codec: str = "none"
+    stored: tuple = ()
+    nested: tuple = ()
+
+    def __post_init__(self):
+        n_layers = integral(self.n_layers)
+        if n_layers is None or n_layers < 1:
+            raise ConfigError(f"plan n_layers={self.n_layers!r} must be a positive integer")
+        try:
+            starts = [integral(start) for start in self.starts]
+        except TypeError:  # not iterable
+            starts = [None]
+        if None in starts:
+            raise ConfigError(f"plan starts={self.starts!r} must be a sequence of layer indices (integers)")
+        increasing = all(a < b for a, b in zip(starts, starts[1:]))
+        if not starts or starts[0] != 0 or not increasing or starts[-1] >= n_layers:
+            raise ConfigError(
+                f"plan starts={self.starts!r} must increase from 0 and stay below {self.n_layers}")
+        checkpointed = len(starts) - 1
+        if not isinstance(self.codecs, (tuple, list)) or not isinstance(self.offload, (tuple, list)):
+            raise ConfigError(f"plan codecs={self.codecs!r} and offload={self.offload!r} must be tuples, one "
+                              "item per checkpointed segment")
+        if len(self.codecs) != checkpointed or len(self.offload) != checkpointed:
+            raise ConfigError(
+                f"a plan with {len(starts)} segments needs {checkpointed} codecs and offload flags "
+                f"(one per checkpointed segment), got {len(self.codecs)} and {len(self.offload)}"
+            )
+        for codec in (*self.codecs, self.stored_codec):
+            get_codec(codec)
+        if not all(isinstance(flag, bool) for flag in self.offload):
+            raise ConfigError(f"plan offload={self.offload!r} must hold True or False for each checkpointed segment")
+        self._check_stored(checkpointed)
+        self._check_nested(checkpointed)
+
+    def _check_stored(self, before_last: int) -> None:
+        """Validate ``stored`` (one flag per segment before the last; () for none) and
+        fill it in: a stored segment has no codec or offload, autograd keeps its saves."""
+        stored = () if self.stored is None else self.stored
+        if not isinstance(stored, (tuple, list)) or not all(isinstance(flag, bool) for flag in stored):
+            raise ConfigError(f"plan stored={self.stored!r} must be a tuple of True or False, one per segment "
+                              "before the last (True: run it plainly, autograd keeping its saves)")
+        if not stored:
+            stored = (False,) * before_last
+        if len(stored) != before_last:
+            raise ConfigError(f"a plan with {before_last + 1} segments needs {before_last} stored flags (one per "
+                              f"segment before the last), got {len(stored)}")
+        for j, flag in enumerate(stored):
+            if flag and (get_codec(self.codecs[j]).name != "none" or self.offload[j]):
+                raise ConfigError(
+                    f"plan segment {j} is stored (stored[{j}] is True) but has codec {self.codecs[j]!r} and offload "
+                    f"{self.offload[j]!r}: a stored segment keeps autograd's saves as they are, so give it codec "
+                    "'none' and offload False")
+        object.__setattr__(self, "stored", tuple(stored))
+
+    def _check_nested(self, before_last: int) -> None:
+        """Validate ``nested`` (one Range or None per segment before the last; () for
+        none) and fill it in: only an exact checkpointed segment on the device nests."""
+        nested = () if self.nested is None else tuple(self.nested)
+        if not nested:
+            nested = (None,) * before_last
+        if len(nested) != before_last or not all(r is None or isinstance(r, Range) for r in nested):
+            raise ConfigError(f"plan nested={self.nested!r} must hold one Range or None per segment before the "
+                              f"last ({before_last})")
+        stops = [*self.starts[1:], self.n_layers]
+        for j, r in enumerate(nested):
+            if r is None:
+                continue
+            length = stops[j] - self.starts[j]
+            if self.stored[j] or get_codec(self.codecs[j]).name != "none" or self.offload[j]:
+                what = "stored" if self.stored[j] else f"kept by codec {self.codecs[j]!r}, offload {self.offload[j]}"
+                raise ConfigError(
+                    f"plan segment {j} nests checkpoints (nested[{j}] is a Range) but is {what}: only an exact "
+                    "checkpointed segment on the device nests; give it codec 'none', offload False and stored "
+                    "False, or nested None")
+            if r.start != 0 or r.stop != length or not r.recomputed:
+                raise ConfigError(f"plan nested[{j}]={r} must be a recomputed Range over the segment's {length} "
+                                  f"layers, Range(0, {length}, inner=...)")
+        object.__setattr__(self, "nested", nested)
+
+    @property
+    def segments(self) -> list:
+        """[(start, stop, KeepPolicy of a checkpointed segment, or None for a stored one)]"""
+        stops = [*self.starts[1:], self.n_layers]
+        options = [None if stored else KeepPolicy.resolve(c, f)
+                   for c, f, stored in zip(self.codecs, self.offload, self.stored)] + [None]
+        return list(zip(self.starts, stops, options))
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def table(self, every_segment: bool = False) -> str:
+        """The plan as text: a line of its predictions, then its segments. Runs of
+        consecutive segments kept alike print as one row (a deep chain's plan has
+        hundreds of segments) unless ``every_segment``; the peak segment has its own."""
+        budget = "none" if self.budget is None else f"{mib(self.budget)} MiB"
+        # A profile of meta tensors measures no time: its plans predict none.
+        step = "no step time (profiled on meta tensors)" if self.predicted_step_seconds == 0 else \
+            f"step {ms(self.predicted_step_seconds)} ms"
+        header = (f"plan for {self.n_layers} layers: {len(self.starts)} segments; predicted peak activation "
+                  f"memory {mib(self.predicted_peak_bytes)} MiB (budget {budget}), {step}")
+        rows = [self._segment_row(j) for j in range(len(self.starts))]
+        groups = [[row] for row in rows] if every_segment else _runs(rows)
+        table = [["segment", "layers", "input kept", "where", ""]]
+        for group in groups:
+            first, last = group[0], group[-1]
+            segments = first[0] if len(group) == 1 else f"{first[0]}-{last[0]} ({len(group)})"
+            table.append([segments, f"{first[1]}-{last[2]}", *first[3:]])
+        return header + "\n" + format_table(table)
+
+    def _segment_row(self, j: int) -> tuple:
+        """(segment, first layer, last layer, input kept, where, peak marker) of segment j."""
+        start, stop, option = self.segments[j]
+        nested = j < len(self.nested) and self.nested[j] is not None
+        if option is None:
+            last = j == len(self.starts) - 1
+            saves = "" if self.stored_codec == "none" or not last else f", saves {self.stored_codec}"
+            kept, where = "stored (no recompute)" + saves, ""
+        else:
+            kept = f"{option.codec.name}, nested" if nested else option.codec.name
+            where = where_kept(option.offload)
+        return (str(j), str(start), str(stop - 1), kept, where, "<- peak" if j == self.peak_segment else "")
+
+
+def where_kept(offload: bool) -> str:
+    """The word for where a kept input lives, in plans and ``describe()`` alike."""
+    return "host" if offload else "device"
+
+
+def _runs(rows: list) -> list:
+    """``rows`` (from Plan._segment_row) in runs of consecutive rows kept alike, the
+    peak's row alone."""
+    runs = []
+    for row in rows:
+        if runs and not row[5] and not runs[-1][-1][5] and runs[-1][-1][3:5] == row[3:5]:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
