@@ -28,7 +28,7 @@ from .live_bytes import allocation_bytes
 # 2. RNG: no generator is forked. Random operators on meta tensors draw nothing (the
 #    CPU generator's state is unchanged by dropout, randn, bernoulli_ and attention
 #    dropout on meta tensors: tests/planning/test_threads.py), and a recompute on meta
-#    tensors replays no state (runtime/state.py, ReplayState.capture). A step on a real
+#    tensors replays no state (runtime/replay.py, ReplayState.capture). A step on a real
 #    device (profile() of a real model, the block planner's example step) draws from
 #    the generators as a training step does, and advances them: restoring them after
 #    (torch.random.fork_rng) would undo whatever another thread drew meanwhile, since

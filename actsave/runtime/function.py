@@ -94,7 +94,8 @@ from .compiled_layers import LayerCode
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, OperatorLog, RecomputeOptions
-from .state import ReplayState, TouchedState
+from .replay import ReplayState
+from .state import TouchedState
 from .keep_rules import EXACT, CallerTensors, KeepPolicy
 from .store import KeptInputs, account, input_tensors
 

@@ -43,7 +43,7 @@ from .function import (
 )
 from .layers import LayerChain, repeated_modules
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
-from .state import ReplayState
+from .replay import ReplayState
 from .keep_rules import EXACT, modifies_input
 from .store import KeptInputs
 

@@ -69,6 +69,7 @@ from ..errors import ConfigError, RecomputeError
 from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
 from .keep_rules import EXACT
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
+from .replay import RandomState
 from .store import input_tensors
 
 # The functions a policy may name: called through their module, which the tap replaces.
@@ -250,7 +251,7 @@ class SelectiveFrame(_Frame):
         arguments = [(position, storage_identity(t), t.storage_offset()) for position, t in enumerate(tensors)]
         self._open = _Call(target, len(self.slots), arguments)
         if _may_draw(target, args, kwargs):
-            self._open.rng_before = _RandomState.capture(tensors)
+            self._open.rng_before = RandomState.capture(tensors)
 
     def _exit(self, output) -> None:
         self._depth -= 1
@@ -438,36 +439,6 @@ def _may_draw(target, args: tuple, kwargs: dict) -> bool:
     return not isinstance(target, (nn.Linear, nn.modules.conv._ConvNd))
 
 
-class _RandomState:
-    """The CPU generator's state and those of the accelerators a call's tensors are on."""
-
-    __slots__ = ("cpu", "devices")
-
-    def __init__(self, cpu: torch.Tensor, devices: tuple):
-        self.cpu, self.devices = cpu, devices
-
-    @classmethod
-    def capture(cls, tensors: list) -> "_RandomState":
-        devices = sorted({(t.device.type, t.device.index or 0) for t in tensors
-                          if t.device.type not in ("cpu", "meta")})
-        return cls(torch.get_rng_state(), tuple(
-            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index in devices))
-
-    def again(self) -> "_RandomState":
-        """The same generators' states now."""
-        return _RandomState(torch.get_rng_state(), tuple(
-            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index, _ in self.devices))
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        for kind, index, state in self.devices:
-            torch.get_device_module(kind).set_rng_state(state, index)
-
-    def __eq__(self, other) -> bool:
-        return torch.equal(self.cpu, other.cpu) and all(
-            torch.equal(a[2], b[2]) for a, b in zip(self.devices, other.devices))
-
-    __hash__ = None
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ from torch import nn
 
 import actsave
 
-from actsave.runtime.state import ReplayState
+from actsave.runtime.replay import ReplayState
 
 
 def test_replay_gives_the_same_random_numbers_and_leaves_the_caller_rng_alone():

@@ -1,0 +1,148 @@
+"""What a recompute replays of the process's state as the forward found it: the RNG,
+autocast and the default device (:class:`ReplayState`), and the generators' states
+around one call a selective recompute skips (:class:`RandomState`).
+
+- RNG: the CPU generator and those of every accelerator the inputs live on are
+  captured before the forward and replayed in the recompute (same Dropout masks),
+  inside ``fork_rng`` so the caller's generators do not move. With
+  ``preserve_rng_state=False`` (recompute_options.py) neither happens, as in torch;
+  nor for inputs on the meta device, where nothing draws. The generators are the
+  process's: see :meth:`ReplayState.replayed` for what another thread sees.
+- Autocast: whether it was on, its dtype and cache setting, for the CPU and for the
+  inputs' device types. Backward may run outside the ``autocast`` block; the
+  recompute re-enters the forward's state.
+- The default device (``with torch.device(...)`` or ``torch.set_default_device``):
+  factory calls without ``device=`` (``torch.arange(n)``) must make their tensors
+  where the forward made them, though backward runs outside that block.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .._torch import default_device
+
+
+@dataclass(frozen=True)
+class _AutocastState:
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, device_type: str) -> "_AutocastState":
+        return cls(
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled(),
+        )
+
+    def context(self):
+        return torch.autocast(
+            self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache_enabled
+        )
+
+    def is_current(self) -> bool:
+        """Whether autocast is in this state now (then there is nothing to enter)."""
+        return self == _AutocastState.capture(self.device_type)
+
+
+@dataclass(frozen=True)
+class ReplayState:
+    """RNG and autocast state at the start of a checkpointed forward."""
+
+    cpu_rng: Optional[torch.Tensor]  # None: preserve_rng_state=False, no RNG replay
+    device_type: str  # the inputs' accelerator type, or "cpu" when there is none
+    devices: tuple  # indices of the accelerators the inputs live on
+    device_rngs: tuple
+    autocast: tuple
+    default_device: torch.device
+
+    @classmethod
+    def capture(cls, tensors, preserve_rng_state: bool = True) -> "ReplayState":
+        """The state now, for a forward whose inputs are ``tensors``. Inputs all on the
+        meta device (a planner's meta step) replay no RNG state: random operators on
+        meta tensors draw nothing, and replaying one would set the process's generator,
+        which other threads draw from (NOTE [ Steps other threads do not see ] in
+        planning/step_isolation.py)."""
+        if tensors and tensors[0].is_meta and all(t.is_meta for t in tensors):  # cheap for real ones
+            preserve_rng_state = False
+        accelerators = sorted({(t.device.type, t.device.index or 0) for t in tensors
+                               if t.device.type not in ("cpu", "meta")})
+        device_type = accelerators[0][0] if accelerators else "cpu"
+        devices = tuple(index for kind, index in accelerators if kind == device_type)
+        module = torch.get_device_module(device_type) if devices else None
+        autocast_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
+        return cls(
+            cpu_rng=torch.get_rng_state() if preserve_rng_state else None,
+            device_type=device_type,
+            devices=devices,
+            device_rngs=tuple(module.get_rng_state(i) for i in devices) if module and preserve_rng_state else (),
+            autocast=tuple(_AutocastState.capture(kind) for kind in autocast_types),
+            default_device=default_device(),
+        )
+
+    @contextlib.contextmanager
+    def replayed(self):
+        """Run the body with the captured RNG, autocast state and default device; the
+        caller's RNG state is restored afterwards. Without a captured RNG state
+        (``preserve_rng_state=False``, meta inputs) the body draws from the caller's
+        generators and advances them, as torch's checkpoint does.
+
+        The generators are the process's, shared by its threads (PyTorch has no
+        per-thread default generator): while the body runs they hold the forward's
+        state, and restoring the caller's afterwards drops whatever another thread drew
+        meanwhile, as torch.utils.checkpoint does (docs/limits.md, "Threads")."""
+        replays_rng = self.cpu_rng is not None
+        with torch.random.fork_rng(devices=list(self.devices), device_type=self.device_type, enabled=replays_rng):
+            if replays_rng:
+                torch.set_rng_state(self.cpu_rng)
+            if self.devices and replays_rng:
+                module = torch.get_device_module(self.device_type)
+                for index, state in zip(self.devices, self.device_rngs):
+                    module.set_rng_state(state, index)
+            with contextlib.ExitStack() as stack:
+                if default_device() != self.default_device:
+                    stack.enter_context(self.default_device)
+                for autocast in self.autocast:
+                    if not autocast.is_current():
+                        stack.enter_context(autocast.context())
+                yield
+
+
+class RandomState:
+    """The CPU generator's state and those of the accelerators a call's tensors are on:
+    what a selective recompute sets as a call it skips left them (selective.py)."""
+
+    __slots__ = ("cpu", "devices")
+
+    def __init__(self, cpu: torch.Tensor, devices: tuple):
+        self.cpu, self.devices = cpu, devices
+
+    @classmethod
+    def capture(cls, tensors: list) -> "RandomState":
+        devices = sorted({(t.device.type, t.device.index or 0) for t in tensors
+                          if t.device.type not in ("cpu", "meta")})
+        return cls(torch.get_rng_state(), tuple(
+            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index in devices))
+
+    def again(self) -> "RandomState":
+        """The same generators' states now."""
+        return RandomState(torch.get_rng_state(), tuple(
+            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index, _ in self.devices))
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for kind, index, state in self.devices:
+            torch.get_device_module(kind).set_rng_state(state, index)
+
+    def __eq__(self, other) -> bool:
+        return torch.equal(self.cpu, other.cpu) and all(
+            torch.equal(a[2], b[2]) for a, b in zip(self.devices, other.devices))
+
+    __hash__ = None
