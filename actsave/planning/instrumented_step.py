@@ -29,10 +29,9 @@ from ..devices import synchronize
 from ..errors import ConfigError
 from ..meta import fast_meta, plans_at_first_call
 from ..runtime import relu_signs
-from ..runtime.kept_saves import stored_once_key
 from ..runtime.layers import modules_under
 from ..runtime.pool_decisions import PoolWatch, Window
-from ..runtime.keep_rules import CallerTensors, should_encode
+from ..runtime.keep_rules import CallerTensors, should_encode, stored_once_key
 from .live_bytes import LiveBytes, allocation_bytes
 
 

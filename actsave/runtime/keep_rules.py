@@ -9,6 +9,7 @@ the planner (its profile, cost model and plans) both ask, so that they agree.
 - :func:`modifies_input`: a first layer that changes its input in place (a private copy).
 - :func:`placed`: a policy as it applies on a device (no offload where the host's
   memory is the device's).
+- :func:`stored_once_key`: which saves of one forward share one stored copy.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._torch import leaf_base
+from .._torch import leaf_base, storage_identity
 from ..codecs import IDENTITY, Codec, get_codec
 from ..devices import offloads_from
 from ..errors import ConfigError
@@ -129,6 +130,19 @@ def placed(policy: KeepPolicy, tensor: torch.Tensor) -> KeepPolicy:
     return KeepPolicy(policy.codec, False)
 
 
+def stored_once_key(tensor: torch.Tensor):
+    """What makes saves of one forward share one stored copy: equal keys (the same
+    elements of one storage, contiguous: a tensor saved twice, or a contiguous view of
+    it); None for a non-contiguous tensor, stored anew at each save. The runtime keeps
+    a stored segment's saves by it (kept_saves.py), and the planner's profile counts
+    them by it (planning/instrumented_step.py)."""
+    if not tensor.is_contiguous():
+        return None
+    # The storage object's address, not its data pointer: meta tensors (actsave.estimate)
+    # all have data pointer 0.
+    return (storage_identity(tensor), tensor.storage_offset(), tensor.numel(), tensor.dtype)
+
+
 def modifies_input(function) -> bool:
     """Whether ``function`` (a layer, or the first layer of a segment) changes its
     input in place, so that a segment starting with it keeps a private copy of its
@@ -136,4 +150,5 @@ def modifies_input(function) -> bool:
     return getattr(function, "inplace", False) is True
 
 
-__all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "kept_as", "placed", "modifies_input"]
+__all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "kept_as", "placed", "stored_once_key",
+           "modifies_input"]
