@@ -254,17 +254,20 @@ def test_a_plan_applies_only_to_the_model_it_was_made_for():
         actsave.plan_blocks(actsave.wrap(ResidualNet(), ResidualBlock), ResidualBlock, 2**20, (x,))
 
 
+class Features(nn.Module):
+    """Two blocks returning a dict with no loss in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(ResidualBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return {"features": x}
+
+
 def test_an_output_without_a_loss_is_refused():
-    class Features(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(ResidualBlock() for _ in range(2))
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return {"features": x}
-
     with pytest.raises(ConfigError, match="no loss to backpropagate"):
         actsave.plan_blocks(Features(), ResidualBlock, 2**20, (torch.randn(4, 8),))
 
@@ -293,16 +296,6 @@ def test_a_loss_function_runs_in_the_profiled_step_and_its_memory_is_counted():
 
 
 def test_a_loss_function_makes_a_model_without_a_loss_output_plannable():
-    class Features(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(ResidualBlock() for _ in range(2))
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return {"features": x}
-
     plan = actsave.plan_blocks(Features(), ResidualBlock, 2**20, (torch.randn(4, 8),),
                                loss=lambda output: output["features"].square().sum())
     assert len(plan.options) == 2
