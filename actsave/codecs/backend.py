@@ -23,6 +23,7 @@ import torch
 from ..devices import runs_triton_by_default
 from ..errors import ActsaveError, ConfigError
 from ..meta import device_of
+from ..settings import SetBy
 from ..triton_kernels import Kernel
 
 BACKENDS = ("auto", "triton", "torch")
@@ -36,7 +37,7 @@ _selected = "auto"
 # ``forced``: a backend forced on this thread (forced_here). A plain threading.local read
 # by getattr with a default, on which Dynamo guards, were it to trace implementation().
 _this_thread = threading.local()
-_set_by = None  # the thread that set the backend last
+_set_by = SetBy()
 
 
 def set_backend(name: str) -> contextlib.ExitStack:
@@ -46,22 +47,15 @@ def set_backend(name: str) -> contextlib.ExitStack:
     Takes effect at once; ``with set_backend(name): ...`` also restores the previous
     choice on exit, and raises ConfigError there instead where another thread chose
     meanwhile (restoring would undo its choice), as the offload setters do."""
-    global _selected, _set_by
+    global _selected
     if name not in BACKENDS:
         raise ConfigError(f"backend {name!r} is not one of {list(BACKENDS)}")
     previous, _selected = _selected, name
-    _set_by = me = threading.get_ident()
-
-    def undo():
-        if _set_by != me:
-            raise ConfigError(
-                "another thread chose the codec backend while this thread's `with set_backend(...)` block was "
-                "open: the backend is the process's setting, and restoring it would undo that thread's choice. "
-                "Call actsave.set_backend(...) once, before the threads start")
-        set_backend(previous)
-    stack = contextlib.ExitStack()  # the choice is made; a with-statement undoes it on exit
-    stack.callback(undo)
-    return stack
+    return _set_by.changed(
+        lambda: set_backend(previous),
+        "another thread chose the codec backend while this thread's `with set_backend(...)` block was open: the "
+        "backend is the process's setting, and restoring it would undo that thread's choice. Call "
+        "actsave.set_backend(...) once, before the threads start")
 
 
 def get_backend() -> str:

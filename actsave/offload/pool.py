@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 
 from ..errors import ActsaveError, ConfigError, OffloadPoolExhausted
-from ._settings import is_count, undone_on_exit
+from ..settings import undone_on_exit
+from ._settings import is_count
 
 
 # Pinning locks whole pages, so a size class below a page would save no pinned memory.

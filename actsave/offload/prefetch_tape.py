@@ -11,7 +11,8 @@ import weakref
 from typing import Optional, Protocol
 
 from ..errors import ConfigError
-from ._settings import is_count, undone_on_exit
+from ..settings import SetBy
+from ._settings import is_count
 
 
 class TapeItem(Protocol):
@@ -31,7 +32,7 @@ class TapeItem(Protocol):
 # The process's setting, not a thread's: a tape is used on autograd's device threads
 # too (a backward on CUDA), which follow the depth set on the thread that trains.
 _prefetch_depth = 1
-_set_by = None  # the thread that set it last
+_set_by = SetBy()
 
 
 def prefetch_depth() -> int:
@@ -49,18 +50,13 @@ def set_prefetch_depth(depth: int) -> contextlib.ExitStack:
     depth meanwhile (restoring would undo its choice). Each item ahead holds its device
     memory early, so depth trades device memory for slack in the copies.
     """
-    global _prefetch_depth, _set_by
+    global _prefetch_depth
     previous, _prefetch_depth = _prefetch_depth, _checked_depth(depth)
-    _set_by = me = threading.get_ident()
-
-    def undo():
-        if _set_by != me:
-            raise ConfigError(
-                "another thread set the prefetch depth while this thread's `with set_prefetch_depth(...)` block "
-                "was open: the depth is the process's setting, and restoring it would undo that thread's choice. "
-                "Call set_prefetch_depth(n) once, before the threads start")
-        set_prefetch_depth(previous)
-    return undone_on_exit(undo)
+    return _set_by.changed(
+        lambda: set_prefetch_depth(previous),
+        "another thread set the prefetch depth while this thread's `with set_prefetch_depth(...)` block was "
+        "open: the depth is the process's setting, and restoring it would undo that thread's choice. Call "
+        "set_prefetch_depth(n) once, before the threads start")
 
 
 def _checked_depth(depth) -> int:
