@@ -5,8 +5,9 @@ set, a storage's identity, tensors' version counters and view bases, modules' ow
 parameter and buffer tables (to swap a tensor for a scratch or meta copy without
 registering it), the autograd node type of a ReLU, the node a backward runs and
 whether that backward keeps its graph, the dispatch-mode and pytree utilities, the
-module ``torch.compile`` returns, FSDP2's per-unit state (the handles of its forward hooks), storages' in-place resizes
-(``UntypedStorage.resize_``, which no dispatch mode sees), and the function by which
+module ``torch.compile`` returns, FSDP2's per-unit state (the handles of its forward
+hooks), storages' in-place resizes (``UntypedStorage.resize_``, which no dispatch
+mode sees), and the function by which
 Dynamo decides whether compiled code runs compiled (to run it eagerly on one thread).
 They are read here and nowhere else, so that a PyTorch release that moves one breaks
 this file with a clear error, not the library at a distance.

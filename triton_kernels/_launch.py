@@ -28,8 +28,8 @@ class KernelLaunchError(RuntimeError):
         super().__init__(
             f"the Triton kernel {kernel} failed to compile or launch on {device}: "
             f"{type(error).__name__}: {error}. The torch references compute the same bits "
-            "without Triton (slower): call actsave.set_backend('torch') (or use the "
-            "actsave.backend('torch') context manager) to use them, and please report this "
+            "without Triton (slower): call actsave.set_backend('torch') (`with "
+            "actsave.set_backend('torch'):` for a block) to use them, and please report this "
             "with your GPU, driver, torch and triton versions.")
 
 

@@ -48,8 +48,8 @@ from typing import Optional
 
 import torch
 
-from ..triton_kernels import MAX_MEAN as MAX_OFFSET  # noqa: F401  (the rule's one home)
 from ..triton_kernels import SUPPORTED_DTYPES
+
 _CENTERED_RANKS = (4, 5)  # N, C, spatial...: conv activations, whose dim 1 is the channel
 
 
@@ -57,7 +57,7 @@ def channel_offsets(x: torch.Tensor) -> Optional[torch.Tensor]:
     """The per-channel means to subtract from ``x`` (float32, shape ``(C,)``), or None
     where ``x`` is not centered: not a 4-D or 5-D float tensor the kernels take, or
     empty. One reduction, read back by nothing on the host; a mean that is not finite or
-    beyond MAX_OFFSET is taken as 0 by the kernels that read it (NOTE [ Channel means ])."""
+    beyond triton_kernels.MAX_MEAN is taken as 0 by the kernels that read it (NOTE [ Channel means ])."""
     if x.dim() not in _CENTERED_RANKS or x.dtype not in SUPPORTED_DTYPES or x.numel() == 0:
         return None
     return torch.mean(x, dim=[0, *range(2, x.dim())], dtype=torch.float32)

@@ -33,12 +33,12 @@ NOTE [ Lifetime of kept inputs ]
 - A recomputed tensor waits for its node in a ``WeakKeyDictionary`` keyed by the
   placeholder, and is handed to that node when it unpacks the placeholder:
   - In a backward that frees the graph (the default), the frame lets go of it there.
-    The node then owns it alone and frees it as soon as
-    it is done with it, inside its backward, as torch's checkpoint does. Held to the
-    end of the node instead, a matmul's input outlived its last read on CUDA, where
-    the matmul's backward allocates once more after it: one activation more at the
-    peak. A second unpack of the same placeholder in that backward
-    (``ctx.saved_tensors`` read twice) raises, as torch's checkpoint does.
+    The node then owns it alone and frees it as soon as it is done with it, inside
+    its backward, as torch's checkpoint does. Held to the end of the node instead, a
+    matmul's input outlived its last read on CUDA, where the matmul's backward
+    allocates once more after it: one activation more at the peak. A second unpack
+    of the same placeholder in that backward (``ctx.saved_tensors`` read twice)
+    raises, as torch's checkpoint does.
   - In a backward that keeps the graph (``retain_graph`` or ``create_graph``), the
     frame keeps it as long as the node that saved its placeholder, so a later backward
     finds every tensor still there and needs no second recompute: each layer runs at
@@ -113,13 +113,14 @@ class _Slot:
     (store.py). ``kept``: the tensor itself, where the frame keeps it instead of
     recomputing it (selective.py), with the version it was saved at."""
 
-    __slots__ = ("index", "relu_signs", "pool_decisions", "kept", "__weakref__")
+    __slots__ = ("index", "relu_signs", "pool_decisions", "kept", "handed_out", "__weakref__")
 
     def __init__(self, index: int):
         self.index = index
         self.relu_signs = None
         self.pool_decisions = None
         self.kept = None
+        self.handed_out = False  # the frame let go of its recomputed tensor (_Frame.hand_out)
 
 
 class _Cursor:
@@ -165,7 +166,6 @@ class _Frame:
         self.slots = []  # weak references, in the order the forward saved
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
-        self.handed_out = weakref.WeakSet()  # slots whose tensor the frame let go of
         self.is_recomputed = False
         self.keeps_decisions = kept.lossy  # once: pack runs for every saved tensor
         self._relu_saves = relu_signs.FirstSaves()
@@ -244,7 +244,7 @@ class _Frame:
                 "in a backward that frees the graph, after the first unpack had handed it over (as "
                 "torch's checkpoint does, so that it is freed as soon as its node is done with it). "
                 "Read ctx.saved_tensors once per backward, or backward with retain_graph=True.")
-        self.handed_out.add(slot)
+        slot.handed_out = True
         return tensor
 
     def _recompute(self) -> None:

@@ -112,18 +112,21 @@ def kept_as(policy: KeepPolicy, encodable: bool) -> KeepPolicy:
 _offload_warned = [False]  # NOTE [ Separate host memory ]: one warning a process
 
 
-def placed(policy: KeepPolicy, tensor: torch.Tensor) -> KeepPolicy:
-    """``policy`` as it applies to ``tensor``: offload only where it moves the tensor off
-    its device (NOTE [ Separate host memory ]); elsewhere it stays where it is, and the
-    first such call of the process warns. A meta tensor follows the device it stands
-    for in a simulated step (meta.py), and outside one is offloaded to meta buffers."""
-    device = tensor.device if tensor.device.type != "meta" else simulated_device() or tensor.device
-    if not policy.offload or offloads_from(device):
+def placed(policy: KeepPolicy, device: torch.device) -> KeepPolicy:
+    """``policy`` as it applies to tensors on ``device``: offload only where it moves
+    them off the device (NOTE [ Separate host memory ]); elsewhere they stay where they
+    are, and the first such call of the process warns. Meta tensors follow the device
+    they stand for in a simulated step (meta.py), and outside one go to meta buffers."""
+    if not policy.offload:
+        return policy
+    if device.type == "meta":
+        device = simulated_device() or device
+    if offloads_from(device):
         return policy
     if not _offload_warned[0]:
         _offload_warned[0] = True
         warnings.warn(
-            f"actsave: offload=True keeps {torch.device(device).type} tensors where they are: offload moves "
+            f"actsave: offload=True keeps {device.type} tensors where they are: offload moves "
             "tensors to host memory, and there the host's memory is the device's own, so a copy would free "
             "nothing. It takes effect for CUDA tensors; on a CPU, compress= (int8, fp8) keeps less.",
             UserWarning, stacklevel=2)

@@ -138,7 +138,7 @@ class _SavesStore:
     saves ]."""
 
     def __init__(self, policy: KeepPolicy, scope: str, function: Callable, inputs: list):
-        policy = placed(policy, inputs[0] if inputs else torch.empty(0, device=default_device()))
+        policy = placed(policy, inputs[0].device if inputs else default_device())
         self.codec, self.offload, self.everything = policy.codec, policy.offload, scope == "all"
         # The modules are walked only where something watches them: the max pools of a
         # lossy codec keeping every save, or the Linear layers whose inputs it keeps.

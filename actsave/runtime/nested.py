@@ -135,7 +135,7 @@ class _NestedFrame(_Frame):
     def unpack(self, slot) -> torch.Tensor:
         if self.in_forward:
             return self._unpack_in_forward(slot)
-        if slot not in self.recomputed and slot not in self.handed_out:
+        if slot not in self.recomputed and not slot.handed_out:
             self._recompute_for(slot.index)
         return self.hand_out(slot)
 

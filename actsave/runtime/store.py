@@ -135,7 +135,7 @@ class _KeptTensor:
     def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool,
                  made_by: Optional[CallerTensors] = None):
         self.requires_grad = tensor.requires_grad
-        kept = placed(kept_as(policy, should_encode(tensor, made_by)), tensor)
+        kept = placed(kept_as(policy, should_encode(tensor, made_by)), tensor.device)
         self.codec = kept.codec
         # A tensor that needs no grad is kept as the very object (torch's checkpoint
         # gives the same object back to a custom Function that saved it).

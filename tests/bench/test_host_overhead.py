@@ -190,8 +190,7 @@ def test_default_mode_runs_at_most_5_percent_more_aten_ops_than_torch_checkpoint
 
 # Ceilings on aten ops per step as multiples of torch_ckpt's in the same run (torch
 # 2.13, CPU, codecs and decisions by their Triton kernels as on a GPU): the ratios
-# measured once the channel means' rule moved into the kernels, plus 0.005. Lower a
-# figure when the runtime removes host work.
+# measured now, plus 0.005. Lower a figure when the runtime removes host work.
 ATEN_OPS_CEILING = {
     "resnet56": {"torch": 0.567, "actsave_none": 1.062, "actsave_int8": 1.376, "actsave_fp8": 1.376,
                  "actsave_offload": 1.096, "actsave_int8_offload": 1.652},

@@ -6,7 +6,8 @@ import torch
 
 from actsave import set_backend
 from actsave.codecs import GROUP_SIZE, LOSSY_CODECS, Packed, get_codec, sqnr_db
-from actsave.codecs.centering import MAX_OFFSET, channel_offsets
+from actsave.codecs.centering import channel_offsets
+from actsave.triton_kernels import MAX_MEAN as MAX_OFFSET
 from actsave.planning.live_bytes import LiveBytes
 
 
