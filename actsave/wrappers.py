@@ -53,8 +53,9 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, keep="in
         function: any callable; runs once in the forward and again in backward.
         *args, **kwargs: passed to ``function``, except the keywords below, which are
             ``checkpoint``'s own (as in torch: ``function`` cannot receive them).
-        compress: codec of what is kept (the tensor arguments, or with
-            ``keep="saves"`` what autograd saves): ``None`` (exact) or a name from
+        compress: codec of what is kept (the tensor arguments; with
+            ``keep="selective"`` also the outputs it keeps; with ``keep="saves"``
+            what autograd saves): ``None`` (exact) or a name from
             :func:`actsave.available_codecs`.
         offload: keep it in host memory until backward.
         keep: what is kept for backward (runtime/keep_modes.py, NOTE [ Keep modes ]):

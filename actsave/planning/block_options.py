@@ -5,7 +5,8 @@ every option a plan may choose (runtime/keep_modes.py, NOTE [ Keep modes ]).
 NOTE [ Block options priced ]
 A block plan chooses for each block one option: plain (its saves as autograd keeps
 them); its inputs kept, exactly, by a codec or on the host (a checkpoint); selective
-(its inputs and the outputs of its linear layers and attention kept); its saves kept by
+(its inputs and the outputs of its linear layers and attention kept, exactly, by a
+codec or on the host); its saves kept by
 a codec (all of them, or its linear layers' inputs only) or on the host, with no
 recompute. Each is priced by what it does to the peak formula of memory_model.py,
 ``X + max_j (R_0 + ... + R_{j-1} + W_j)``, with segments of one block each:
@@ -13,7 +14,8 @@ recompute. Each is priced by what it does to the peak formula of memory_model.py
 - plain and inputs kept: the cost model's own terms of the one-block segment (a stored
   middle segment, a checkpointed one), from the chain's profiled step, as any chain
   plan prices them;
-- the others, measured: the block runs once with the option, alone, on an input like
+- the others (selective, alone or with a codec or offload of what it keeps; saves
+  kept), measured: the block runs once with the option, alone, on an input like
   the profiled step's, its live bytes counted as the profile counts them
   (live_bytes.py): R is what stays allocated after its forward beside its output (its
   input too where the option keeps it: a selective block keeps it, a codec encodes it
@@ -45,6 +47,7 @@ from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.selective import DEFAULT_KEPT_OPS
 from ..runtime.keep_rules import KeepPolicy, modifies_input
+from ..runtime.store import stored_bytes
 from .instrumented_step import TensorSpec
 from .step_isolation import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
@@ -86,7 +89,8 @@ def candidate_options(levers: Sequence[str], codecs: Sequence[str], device) -> l
         options += [BlockOption("inputs", KeepPolicy.resolve(codec, place)) for codec in ("none", *codecs)
                     for place in places]
     if "selective" in levers:
-        options.append(BlockOption("selective", KeepPolicy.resolve(), DEFAULT_KEPT_OPS))
+        options += [BlockOption("selective", KeepPolicy.resolve(codec, place), DEFAULT_KEPT_OPS)
+                    for codec in ("none", *codecs) for place in places]
     for codec in codecs:
         for place in places:
             options.append(BlockOption("saves", KeepPolicy.resolve(codec, place)))
@@ -175,8 +179,10 @@ class BlockMeasurer:
             with tracker:
                 x = _input_from(source, spec)
                 storage = weakref.ref(x.untyped_storage())
+                host_before = stored_bytes()["host"]
                 with tracker.span() as forward:
-                    y, kept = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))
+                    y, _ = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))
+                fetched = float(stored_bytes()["host"] - host_before)  # what its backward brings back
                 del x
                 input_kept = storage() is not None
                 output_bytes = allocation_bytes(y.untyped_storage().nbytes(), self.device)
@@ -185,7 +191,6 @@ class BlockMeasurer:
                 with tracker.span() as backward:
                     torch.autograd.backward(y, gradient)
                 del y, gradient
-        fetched = float(kept.get("host", 0)) if isinstance(kept, dict) else 0.0
         return float(held), input_kept, float(forward[0]), float(backward[0]), fetched
 
     def _seconds(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> float:

@@ -162,12 +162,13 @@ class _Frame:
             modules, snapshot = (None if layers is None else modules_under(layers)), None
         self.layers, self.modules = layers, modules  # None where the function's layers are not known
         self.touched = TouchedState.of(layers, modules, snapshot)  # NOTE [ State a forward reads and mutates ]
-        self.code = LayerCode(function, layers, modules, kept.lossy)  # NOTE [ Decisions in compiled layers ]
+        lossy = self._lossy_recompute(kept)
+        self.code = LayerCode(function, layers, modules, lossy)  # NOTE [ Decisions in compiled layers ]
         self.slots = []  # weak references, in the order the forward saved
         self.signatures = []
         self.recomputed = weakref.WeakKeyDictionary()
         self.is_recomputed = False
-        self.keeps_decisions = kept.lossy  # once: pack runs for every saved tensor
+        self.keeps_decisions = lossy  # once: pack runs for every saved tensor
         self._relu_saves = relu_signs.FirstSaves()
         # NOTE [ Max-pool decisions ]: only a lossy recompute needs them.
         self.pools = PoolWatch.among(modules) if self.keeps_decisions else None
@@ -185,6 +186,11 @@ class _Frame:
             self._input_nodes = {}
         self.decision_bytes = 0  # ReLU signs and max-pool decisions kept
         self._state_account = None  # the entry in stored_bytes of what account_kept counted
+
+    def _lossy_recompute(self, kept: KeptInputs) -> bool:
+        """Whether the recompute runs on values other than the forward's: inputs kept by
+        a lossy codec (and in selective.py, outputs)."""
+        return kept.lossy
 
     @property
     def in_forward(self) -> bool:
@@ -251,7 +257,7 @@ class _Frame:
         try:
             self.touched.check_unchanged(_name(self.function))
             count, exact = self._recomputed_saves()
-            self._replay(self.kept.restore, self.recomputed, count, lossy=self.kept.lossy, exact_count=exact,
+            self._replay(self.kept.restore, self.recomputed, count, lossy=self.keeps_decisions, exact_count=exact,
                          last=True)
         finally:
             self.release()

@@ -10,8 +10,10 @@ it and what to make again:
   (function.py). ``compress`` and ``offload`` apply to the inputs.
 - ``"selective"``, or a :class:`~actsave.runtime.selective.KeptOps` naming what to keep:
   its inputs and the outputs of its expensive calls (linear layers and attention by
-  default); only the cheap ops are recomputed (selective.py). Exact: the kept tensors
-  stay as they are, on the device.
+  default); only the cheap ops are recomputed (selective.py). Exact, the kept tensors
+  as they are, on the device; with ``compress`` and ``offload``, its inputs are kept so,
+  and the outputs it keeps too (kept_outputs.py, NOTE [ Stored kept outputs ]):
+  selective + fp8 of what it keeps.
 - ``"saves"``: everything autograd saves, nothing recomputed (the block runs once), as
   ``compress`` and ``offload`` store it (kept_saves.py). Exact and on the device, it is
   the plain block.
@@ -70,9 +72,6 @@ class BlockOption:
             raise ConfigError(f"keep={keep!r} is not one of {list(KEEP_MODES)} or an actsave.KeptOps: 'inputs' "
                               "recomputes everything, 'selective' all but linear layers and attention, 'saves' and "
                               "'linear_inputs' nothing (NOTE [ Keep modes ])")
-        if keep == "selective" and policy != EXACT:
-            raise ConfigError(f"keep='selective' keeps its tensors exactly, on the device: compress={compress!r}, "
-                              f"offload={offload!r} are for keep='inputs', 'saves' or 'linear_inputs'")
         return cls(keep, policy, ops)
 
     @property
@@ -110,7 +109,7 @@ def call_block(option: BlockOption, function: Callable, args: tuple, kwargs: dic
 
 def _eager(option: BlockOption, function, args, kwargs, options, private_copy) -> tuple:
     if option.keep == "selective":
-        return selective_call(function, args, kwargs, option.ops, options, private_copy)
+        return selective_call(function, args, kwargs, option.ops, options, private_copy, policy=option.policy)
     if option.is_plain or not torch.is_grad_enabled():
         return function(*args, **kwargs), None  # autograd keeps the saves
     return call_with_kept_saves(function, args, kwargs, option.policy, scope=_SCOPES[option.keep])
@@ -122,13 +121,15 @@ _SCOPES = {"saves": "all", "linear_inputs": "linear_inputs"}
 def _under_compile(option: BlockOption, function, args, kwargs, options, private_copy) -> tuple:
     if option.is_plain:
         return function(*args, **kwargs), None
-    if option.keep == "selective":
+    if option.keep == "selective" and option.policy == EXACT:
         ops = aten_ops_of(option.ops)
         if ops is not None:
             # torch's selective checkpoint saving the outputs of ``ops`` and recomputing the rest.
             context = functools.partial(create_selective_checkpoint_contexts, list(ops))
             return checkpoint_in_graph(function, args, kwargs, options, context_fn=context), None
         why = f"the kept calls {option.ops.names()} have no aten operators actsave knows to save in a graph"
+    elif option.keep == "selective":
+        why = "what it keeps is stored by a codec or on the host as its forward ends, which a graph does not do"
     else:
         why = "its saves are kept by a codec or on the host through saved-tensor hooks, which a graph does not hold"
     return _eagerly(option, function, args, kwargs, options, private_copy, why)

@@ -45,8 +45,10 @@ Rules that keep it exact:
   ``nn.Sequential`` does (its version is checked as it is read).
 - Only the backward's recompute skips: a backward inside the forward (NOTE [ Backward
   inside a checkpointed forward ]) recomputes every save, as a checkpoint does.
-- Its inputs are kept exactly, on the device; codecs and offload of what it keeps are
-  the kept saves' (kept_saves.py), not this module's.
+- With ``compress`` or ``offload``, its inputs are kept as a checkpoint's are, and the
+  rest of what it keeps is stored so as its forward ends (kept_outputs.py, NOTE [
+  Stored kept outputs ]): the recompute then runs on decoded values, and the forward's
+  ReLU and max-pool decisions are kept as in any lossy recompute.
 
 What it keeps, beside its inputs: every kept call's output (what torchtitan's policy
 saves, the outputs of matmuls and attention) and the tensors its calls saved that are
@@ -64,10 +66,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .._torch import ATTENTION, aten_overloads, leaf_base, storage_identity, version
+from .._torch import ATTENTION, aten_overloads, default_device, leaf_base, storage_identity, version
 from ..errors import ConfigError, RecomputeError
 from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
-from .keep_rules import EXACT
+from .keep_rules import EXACT, KeepPolicy, placed
+from .kept_outputs import StoredKept, store_kept
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
 from .replay import RandomState
 from .store import input_tensors
@@ -144,18 +147,23 @@ class _Call:
     arguments' storages and offsets, and its output, which the recompute returns in its
     place."""
 
-    __slots__ = ("target", "start", "stop", "arguments", "output", "version", "requires_grad", "views",
+    __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
                  "skipped", "rng_before", "rng_after")
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
         self.arguments = arguments  # [(position, storage identity, storage offset)] of the tensor arguments
         self.output, self.version, self.requires_grad = None, None, False
+        self.stored = None  # the output as its policy stores it (kept_outputs.py), which then holds no output
         # The generators' states around a call that may draw random numbers (attention's
         # dropout), where it did: the recompute skips it, and must leave them as it did.
         self.rng_before = self.rng_after = None
         self.views = {}  # slot index -> (argument position, size, stride, offset from the argument's)
         self.skipped = False  # whether the recompute skips it: set as the forward ends
+
+    def kept_output(self) -> torch.Tensor:
+        """The forward's output, as kept or stored."""
+        return self.output if self.stored is None else self.stored.read()
 
     def view_of_argument(self, tensor: torch.Tensor) -> Optional[tuple]:
         """``(position, size, stride, relative offset)`` where ``tensor`` is a view of
@@ -168,31 +176,42 @@ class _Call:
 
 
 class _Kept:
-    """A save kept as it is in its placeholder, with the version it was saved at and
-    the autograd node that made it (for the error); ``held``: whether someone else
-    holds it anyway (a parameter or a view of one)."""
+    """A save kept in its placeholder: the tensor itself, or as its policy stored it
+    (``stored``, kept_outputs.py); with the version it was saved at and the autograd
+    node that made it (for the error); ``held``: whether someone else holds it anyway
+    (a parameter or a view of one)."""
 
-    __slots__ = ("tensor", "version", "held", "made_by")
+    __slots__ = ("tensor", "stored", "version", "held", "made_by", "shape")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor, self.version, self.held = _detached(tensor), version(tensor), _held_elsewhere(tensor)
+        self.stored, self.shape = None, tensor.shape
         self.made_by = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "a leaf"
 
+    def store(self, stored) -> None:
+        """From now on ``stored`` (a kept_outputs.StoredTensor) stands for the tensor."""
+        self.stored, self.tensor = stored, None
+
     def read(self) -> torch.Tensor:
-        if version(self.tensor) != self.version:
+        counter = self.tensor if self.stored is None else self.stored.counter
+        if counter is not None and version(counter) != self.version:
             raise RecomputeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a tensor of shape {list(self.tensor.shape)} made by {self.made_by}, which a selective "
-                f"checkpoint kept, is at version {version(self.tensor)}; expected version {self.version} instead. "
+                f"operation: a tensor of shape {list(self.shape)} made by {self.made_by}, which a selective "
+                f"checkpoint kept, is at version {version(counter)}; expected version {self.version} instead. "
                 "Change it after the backward, or change a copy (nn.Sequential raises the same).")
-        return self.tensor
+        return self.tensor if self.stored is None else self.stored.read()
 
 
 class SelectiveFrame(_Frame):
     """A checkpointed call recomputed selectively: NOTE [ Selective recompute ]."""
 
-    def __init__(self, *frame_args, ops: KeptOps = DEFAULT_KEPT_OPS):
-        super().__init__(*frame_args)
+    def __init__(self, function, kept, replay, args, kwargs, *frame_args, ops: KeptOps = DEFAULT_KEPT_OPS):
+        inputs = input_tensors(args, kwargs)
+        device = inputs[0].device if inputs else default_device()
+        self.policy = placed(kept.policy, device)  # what it keeps beside its inputs is stored so
+        self.stored = StoredKept([])
+        super().__init__(function, kept, replay, args, kwargs, *frame_args)
         self.ops = ops
         if ops.modules and self.layers is None:
             raise ConfigError(
@@ -296,6 +315,25 @@ class SelectiveFrame(_Frame):
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
             self.calls = []
         self._outputs = {}
+        if self.policy != EXACT:
+            self._store()
+
+    def _store(self) -> None:
+        """Store what it keeps as its policy says: NOTE [ Stored kept outputs ]."""
+        calls = [call for call in self.calls if call.skipped and call.output is not None]
+        kept = [slot.kept for slot in map(_live, self.slots) if slot is not None and slot.kept is not None
+                and not slot.kept.held]
+        self.stored = store_kept(self.policy, [call.output for call in calls], [k.tensor for k in kept],
+                                 self._input_storages)
+        for call, stored in zip(calls, self.stored.tensors):
+            if stored is not None:
+                call.stored, call.output = stored, None
+        for k, stored in zip(kept, self.stored.tensors[len(calls):]):
+            if stored is not None:
+                k.store(stored)
+
+    def _lossy_recompute(self, kept) -> bool:
+        return kept.lossy or self.policy.lossy
 
     def _recompute_saves_of(self, call: _Call) -> None:
         """A call run again in the recompute saves its own tensors anew."""
@@ -305,12 +343,16 @@ class SelectiveFrame(_Frame):
             if slot is not None:
                 slot.kept = None
 
+    def account_kept(self) -> int:
+        return super().account_kept() + self.stored.nbytes  # the stored entries count themselves
+
     def _kept_besides(self) -> int:
-        """The bytes of the kept tensors and outputs, each storage once, beyond the
-        inputs (kept by the inputs' policy) and what others hold (parameters)."""
+        """The bytes of the tensors and outputs kept as they are, each storage once,
+        beyond the inputs (kept by the inputs' policy) and what others hold (parameters)."""
         kept = [call.output for call in self.calls if call.output is not None]
         slots = [ref() for ref in self.slots]
-        kept += [slot.kept.tensor for slot in slots if slot is not None and slot.kept is not None and not slot.kept.held]
+        kept += [slot.kept.tensor for slot in slots if slot is not None and slot.kept is not None
+                 and slot.kept.tensor is not None and not slot.kept.held]
         seen, total = set(self._input_storages), 0
         for t in kept:
             identity = storage_identity(t)
@@ -326,6 +368,10 @@ class SelectiveFrame(_Frame):
             return slot.kept.read()
         return super().unpack(slot)
 
+    def _recompute(self) -> None:
+        self.stored.fetch()  # first: the tape then prefetches the inputs and the blocks before behind it
+        super()._recompute()
+
     def _recomputed_saves(self) -> tuple:
         # The early stop: after the last save the recompute fills.
         return self._recomputed[-1] + 1, False
@@ -338,6 +384,7 @@ class SelectiveFrame(_Frame):
     def release(self) -> None:
         super().release()
         self.calls = []  # the outputs: autograd holds what its nodes still need
+        self.stored = StoredKept([])  # the kept saves hold what they store
 
 
 class _Skipper:
@@ -383,7 +430,8 @@ class _Skipper:
         self._fill_views(call, input_tensors(args, kwargs))
         if call.rng_after is not None:  # it drew in the forward: later calls draw after it
             call.rng_after.restore()
-        return _RequiresGrad.apply(_GRAPH_ANCHOR, call.output) if call.requires_grad else call.output
+        output = call.kept_output()
+        return _RequiresGrad.apply(_GRAPH_ANCHOR, output) if call.requires_grad else output
 
     def _matching(self, target) -> _Call:
         calls, frame = self.frame.calls, self.frame
@@ -448,6 +496,10 @@ def _held_elsewhere(tensor: torch.Tensor) -> bool:
     return base is not None and (base.requires_grad or isinstance(base, nn.Parameter))
 
 
+def _live(ref):
+    return ref()
+
+
 def _recomputed(slot) -> bool:
     """Whether the recompute fills this save (a live one not kept)."""
     return slot is not None and slot.kept is None
@@ -477,14 +529,15 @@ def _warn_once(ops: KeptOps, function_name: str, changed: bool) -> None:
 
 
 def selective_call(function: Callable, args: tuple, kwargs: dict, ops: KeptOps, options, private_copy: bool = False,
-                   prepared: Optional[tuple] = None) -> tuple:
+                   prepared: Optional[tuple] = None, policy: KeepPolicy = EXACT) -> tuple:
     """Run ``function(*args, **kwargs)`` checkpointed, recomputed selectively: keep its
-    inputs exactly and the outputs of the calls ``ops`` names (NOTE [ Selective
-    recompute ]). Returns ``(output, kept_bytes)`` as
-    :func:`~actsave.runtime.function.checkpointed_call` does."""
+    inputs and the outputs of the calls ``ops`` names, exactly or as ``policy`` stores
+    them (NOTE [ Selective recompute ], NOTE [ Stored kept outputs ]). Returns
+    ``(output, kept_bytes)`` as :func:`~actsave.runtime.function.checkpointed_call`
+    does."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
-    return _checkpointed_call(function, args, kwargs, EXACT, private_copy, options, prepared=prepared,
+    return _checkpointed_call(function, args, kwargs, policy, private_copy, options, prepared=prepared,
                               make_frame=functools.partial(SelectiveFrame, ops=ops))
 
 

@@ -255,6 +255,7 @@ class KeptInputs:
     def __init__(self, args: tuple, kwargs: dict, policy: KeepPolicy, private_copy: bool,
                  made_by: Optional[CallerTensors] = None):
         leaves, self._spec = flatten_inputs(args, kwargs)
+        self.policy = policy
         self._leaves = [
             _KeptTensor(leaf, policy, private_copy, made_by) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves

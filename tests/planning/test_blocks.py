@@ -393,3 +393,17 @@ def test_an_offloaded_block_is_priced_within_the_carry_its_fetch_needs():
         assert terms.fetched > 0
         for carry in (terms.fetched, 3 * terms.fetched):
             assert terms.working_set(carry) == model.segment_working_set(0, a, a + 1, carry)
+
+
+def test_a_selective_block_whose_kept_outputs_a_codec_stores_keeps_less_than_the_exact_one():
+    # Selective + int8 of what it keeps (kept_outputs.py) is an option of its own where
+    # int8 is allowed; its R, measured, is below exact selective's and above int8 inputs'.
+    from actsave.planning import blocks
+    plain, x = AttentionNet(depth=3), torch.randn(2, 32, 64)
+    calls = blocks.record_calls(plain, [(f"blocks.{i}", b) for i, b in enumerate(plain.blocks)], (x,))
+    chain = blocks.block_chain(calls)
+    profile = blocks.chain_profile(chain, calls, blocks.measure_outside(plain, calls, (x,)))
+    table = blocks._table(chain, calls, profile, ("recompute", "selective"), ("int8",))
+    for row, labels in zip(table.options, table.labels):
+        kept = {("plain" if option is None else option.describe()): pair[0].kept for pair, option in zip(row, labels)}
+        assert kept["inputs int8"] < kept["selective int8"] < kept["selective"] / 2
