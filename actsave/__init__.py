@@ -32,7 +32,7 @@ from .planning.profiler import Profile, profile
 from .sequential import CheckpointedSequential
 from .runtime.store import stored_bytes
 from .planning.blocks import BlockPlan
-from .runtime.selective import KeptOps
+from .runtime.kept_ops import KeptOps
 from .wrappers import Checkpoint, checkpoint, plan_blocks, wrap
 
 __version__ = "0.1.0"

@@ -45,7 +45,7 @@ from ..devices import host_is_separate, synchronize
 from ..errors import ConfigError
 from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
-from ..runtime.selective import DEFAULT_KEPT_OPS
+from ..runtime.kept_ops import DEFAULT_KEPT_OPS
 from ..runtime.keep_rules import KeepPolicy, modifies_input
 from ..runtime.store import stored_bytes
 from .instrumented_step import TensorSpec

@@ -8,7 +8,7 @@ it and what to make again:
 
 - ``"inputs"`` (the default): its inputs; everything else is recomputed in backward
   (function.py). ``compress`` and ``offload`` apply to the inputs.
-- ``"selective"``, or a :class:`~actsave.runtime.selective.KeptOps` naming what to keep:
+- ``"selective"``, or a :class:`~actsave.runtime.kept_ops.KeptOps` naming what to keep:
   its inputs and the outputs of its expensive calls (linear layers and attention by
   default); only the cheap ops are recomputed (selective.py). Exact, the kept tensors
   as they are, on the device; with ``compress`` and ``offload``, its inputs are kept so,
@@ -42,7 +42,8 @@ from .compiled_calls import checkpoint_in_graph, warn_eager_under_compile
 from .function import checkpointed_call
 from .kept_saves import call_with_kept_saves
 from .recompute_options import RecomputeOptions
-from .selective import DEFAULT_KEPT_OPS, KeptOps, aten_ops_of, selective_call
+from .kept_ops import DEFAULT_KEPT_OPS, KeptOps, aten_ops_of
+from .selective import selective_call
 from .keep_rules import EXACT, KeepPolicy
 
 KEEP_MODES = ("inputs", "selective", "saves", "linear_inputs")

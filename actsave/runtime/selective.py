@@ -58,7 +58,6 @@ autograd holds them, as it holds any save, until their node's backward.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import warnings
 from typing import Callable, Optional
@@ -66,80 +65,15 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .._torch import ATTENTION, aten_overloads, default_device, leaf_base, storage_identity, version
+from .._torch import default_device, leaf_base, storage_identity, version
 from ..errors import ConfigError, RecomputeError
 from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
 from .keep_rules import EXACT, KeepPolicy, placed
+from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps
 from .kept_outputs import StoredKept, store_kept
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
 from .replay import RandomState
 from .store import input_tensors
-
-# The functions a policy may name: called through their module, which the tap replaces.
-TAPPED_FUNCTIONS = {"scaled_dot_product_attention": ATTENTION}
-
-
-@dataclasses.dataclass(frozen=True)
-class KeptOps:
-    """What a selective recompute keeps instead of recomputing: the outputs of the
-    calls of ``modules`` (``nn.Module`` subclasses) and of ``functions`` (names from
-    :data:`TAPPED_FUNCTIONS`) inside the checkpointed call (NOTE [ Selective
-    recompute ]). The default keeps linear layers and attention, the expensive ops of a
-    transformer block, as torchtitan's op list does (its matmuls and attention)."""
-
-    modules: tuple = (nn.Linear,)
-    functions: tuple = ("scaled_dot_product_attention",)
-
-    def __post_init__(self):
-        modules = (self.modules,) if isinstance(self.modules, type) else tuple(self.modules)
-        functions = (self.functions,) if isinstance(self.functions, str) else tuple(self.functions)
-        bad = [m for m in modules if not (isinstance(m, type) and issubclass(m, nn.Module))]
-        if bad:
-            raise ConfigError(f"KeptOps(modules={bad!r}): modules are nn.Module subclasses whose calls keep their "
-                              "outputs (nn.Linear, nn.Conv2d, ...), the classes, not instances")
-        unknown = [f for f in functions if f not in TAPPED_FUNCTIONS]
-        if unknown:
-            raise ConfigError(
-                f"KeptOps(functions={unknown!r}): actsave keeps the outputs of module calls and of the functions "
-                f"{sorted(TAPPED_FUNCTIONS)}, not of aten operators (aten.mm.default): name the module type that "
-                "makes the matmul (nn.Linear) or one of those functions")
-        object.__setattr__(self, "modules", modules)
-        object.__setattr__(self, "functions", functions)
-
-    def names(self) -> list:
-        return [m.__name__ for m in self.modules] + list(self.functions)
-
-
-DEFAULT_KEPT_OPS = KeptOps()
-
-
-def aten_ops_of(ops: KeptOps) -> Optional[frozenset]:
-    """The aten overloads whose outputs torch's selective checkpoint saves for the calls
-    ``ops`` names, in a compiled graph (keep_modes.py); None where a named module type
-    has none known here."""
-    found = set()
-    for module_type in ops.modules:
-        overloads = next((names for known, names in _ATEN_OPS.items() if issubclass(module_type, known)), None)
-        if overloads is None:
-            return None
-        found |= overloads
-    for name in ops.functions:
-        found |= _ATEN_OPS[name]
-    return frozenset(found)
-
-
-# A kept call's work as the aten operators a compiled graph runs: a linear layer's
-# matmul (addmm with a bias, mm without; 3-D inputs are folded to 2-D first), a
-# convolution, attention's fused kernels (each device's) and the math path's matmuls.
-_ATEN_OPS = {
-    nn.Linear: aten_overloads("mm.default", "addmm.default"),
-    nn.modules.conv._ConvNd: aten_overloads("convolution.default"),
-    "scaled_dot_product_attention": aten_overloads(
-        "_scaled_dot_product_flash_attention.default", "_scaled_dot_product_efficient_attention.default",
-        "_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_flash_attention_for_cpu.default",
-        "bmm.default"),
-}
-
 
 class _Call:
     """One outermost kept call of the forward: what it is (a module, or a function's
@@ -541,4 +475,4 @@ def selective_call(function: Callable, args: tuple, kwargs: dict, ops: KeptOps, 
                               make_frame=functools.partial(SelectiveFrame, ops=ops))
 
 
-__all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "SelectiveFrame", "aten_ops_of", "selective_call", "TAPPED_FUNCTIONS"]
+__all__ = ["SelectiveFrame", "selective_call"]

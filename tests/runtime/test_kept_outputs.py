@@ -13,7 +13,8 @@ from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, get_codec
 from actsave.errors import RecomputeError
 from actsave.runtime.keep_rules import KeepPolicy
 from actsave.runtime.recompute_options import DEFAULT_RECOMPUTE
-from actsave.runtime.selective import KeptOps, selective_call
+from actsave.runtime.kept_ops import KeptOps
+from actsave.runtime.selective import selective_call
 
 KINDS = {"gpt": (GPTBlock, ()), "llama": (LlamaBlock, rope())}
 ACTIVATION = 2 * 16 * 32 * 4  # bytes of one (2, 16, 32) fp32 activation

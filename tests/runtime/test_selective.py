@@ -13,7 +13,8 @@ from torch import nn
 import actsave
 from actsave import ConfigError
 from actsave.runtime.recompute_options import DEFAULT_RECOMPUTE
-from actsave.runtime.selective import KeptOps, selective_call
+from actsave.runtime.kept_ops import KeptOps
+from actsave.runtime.selective import selective_call
 
 
 def run(blocks, x, selective: bool, ops=KeptOps(), extra=()):
