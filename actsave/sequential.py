@@ -7,8 +7,8 @@ the last segment is not checkpointed: backward starts there, so its activations 
 needed at once. An applied plan (:meth:`CheckpointedSequential.apply_plan`) may store
 other segments too (``Plan.stored``): they run plainly, autograd keeping their saves
 until their backward, where that is faster within the budget. Per-layer options
-(``compress``, ``offload``) are stored by child name and apply to what a segment keeps, so they act on the layers where segments
-start: a checkpointed segment keeps its input; the last keeps what autograd saves,
+(``compress``, ``offload``; layer_settings.py) apply to what a segment keeps, so they
+act on the layers where segments start: a checkpointed segment keeps its input; the last keeps what autograd saves,
 which a lossy codec stores too (runtime/kept_saves.py; offload does not apply there).
 ``describe()`` shows which. Where segments start, for each value of ``segments``, is
 planning/segments.py's (under a lossy codec an even split's boundaries move onto ReLU
@@ -33,23 +33,22 @@ from .planning import plan_record, plans, profiler
 from .planning.balanced_cache import BalancedPlans
 from .planning.segments import (BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, normalized_segments,
                                 segment_starts, segments_from, split_starts)
-from ._torch import is_sharded, named_children_of, untraced_frame
+from ._torch import is_sharded, named_children_of
 from .checks import integral
+from .layer_settings import LayerSettings
 from .runtime.kept_saves import call_with_kept_saves
 from .errors import ConfigError
-from .runtime import graph_codecs
-from .runtime.compiled_calls import checkpoint_in_graph, warn_eager_under_compile
+from .runtime.compiled_chain import CompiledForwards
 from .runtime.function import checkpointed_call
-from .runtime.layers import LayerChain
+from .runtime.layers import LayerRun
 from .runtime.nested import nested_call
-from .runtime.recompute_options import DEFAULT_RECOMPUTE
 from .runtime.state import ChainState
 from .offload import current_tape
 from .runtime.keep_rules import CallerTensors, KeepPolicy, modifies_input, should_encode
 from .text import format_table
 
 
-class CheckpointedSequential(nn.Sequential):
+class CheckpointedSequential(CompiledForwards, nn.Sequential):
     """Drop-in ``nn.Sequential`` that trades recompute (and, per layer, compression or
     host offload of what it keeps) for activation memory.
 
@@ -134,14 +133,7 @@ class CheckpointedSequential(nn.Sequential):
         self._balanced = BalancedPlans()
         default_compress, layer_compress = _split_per_layer(compress, default=None)
         default_offload, layer_offload = _split_per_layer(offload, default=False)
-        # Settings are resolved once, here and in set_compression/set_offload: every
-        # forward reads them per layer.
-        default = KeepPolicy.resolve(default_compress, default_offload)
-        self._default_compress, self._default_offload = default.codec, default.offload
-        # Per-layer options are keyed by the module object, not its child name:
-        # nn.Sequential renumbers names on insert and delete, and the user chose the layer.
-        # (A module placed twice in the chain has one setting.)
-        self._layer_compress, self._layer_offload = {}, {}
+        self._settings = LayerSettings(KeepPolicy.resolve(default_compress, default_offload))
         for layer, codec in layer_compress.items():
             self.set_compression(layer, codec)
         for layer, flag in layer_offload.items():
@@ -189,20 +181,15 @@ class CheckpointedSequential(nn.Sequential):
         per-layer setting of that kind carries over). Explicit segments (a list or a
         count) belong to this chain, so a new chain gets the default then."""
         strategy = self.segments if self.segments in (BALANCED, "sqrt") else BALANCED
-        chain = cls(layers, **{"segments": strategy, "compress": self._default_compress,
-                               "offload": self._default_offload, **options})
-        kept = set(chain)
-        if "compress" not in options:
-            chain._layer_compress = {m: c for m, c in self._layer_compress.items() if m in kept}
-        if "offload" not in options:
-            chain._layer_offload = {m: f for m, f in self._layer_offload.items() if m in kept}
+        default = self._settings.default
+        chain = cls(layers, **{"segments": strategy, "compress": default.codec, "offload": default.offload,
+                               **options})
+        self._settings.carry_to(chain._settings, set(chain), "compress" not in options, "offload" not in options)
         return chain
 
     def _forget_absent_layers(self) -> None:
         """Drop the settings of modules no longer in the chain (replaced or deleted)."""
-        present = set(self)
-        self._layer_compress = {m: c for m, c in self._layer_compress.items() if m in present}
-        self._layer_offload = {m: f for m, f in self._layer_offload.items() if m in present}
+        self._settings.keep_only(set(self))
 
     def forward(self, input):
         if not torch.is_grad_enabled():
@@ -211,9 +198,9 @@ class CheckpointedSequential(nn.Sequential):
         if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
             # Each disabled method called here is a graph break (called from a method
             # Dynamo inlined, a break would count twice).
-            if self._keeps_on_host():
+            if self._settings.keeps_on_host():
                 return self._eager_forward_under_compile(input, layers)
-            if not self._keeps_by_codec():
+            if not self._settings.keeps_by_codec():
                 return self._traced_forward(input, layers, self._starts_for(input, layers))
             return self._forward_with_graph_codecs(input, layers)
         return self._eager_forward(input, layers, self._starts_for(input, layers))
@@ -222,12 +209,12 @@ class CheckpointedSequential(nn.Sequential):
         self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, False
         tape = current_tape()
         caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)
-        segments = segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges())
+        segments = self._segments(starts, len(layers))
         # The checkpointed segments' module state, snapshotted together as the forward starts.
         state = ChainState([layers[s.start:s.stop] for s in segments if s.checkpointed and s.nested is None])
         for segment in segments:
             tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
-            run = _Chain(layers[segment.start:segment.stop])
+            run = LayerRun(layers[segment.start:segment.stop])
             policy = self._segment_policy(segment, layers)
             private_copy = modifies_input(layers[segment.start])
             made_by = caller if segment.start > 0 else None
@@ -248,93 +235,6 @@ class CheckpointedSequential(nn.Sequential):
                 self._last_by_reference[segment.start] = held
         return input
 
-    def _traced_forward(self, input, layers: list, starts: list):
-        """The forward as Dynamo traces it (NOTE [ Checkpoints in a compiled graph ] in
-        runtime/function.py), no layer keeping on the host: each checkpointed segment as
-        torch's checkpoint of the same layers, a nested one as one checkpoint of its
-        layers; each segment kept by a codec annotated for actsave's graph hooks (NOTE
-        [ Codecs in a compiled graph ] in runtime/graph_codecs.py); no offload tape and
-        no kept-bytes ledger, which the compiled graph replaces."""
-        self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, True
-        segments = segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges())
-        for segment, next_segment in zip(segments, segments[1:] + [None]):
-            run = _Chain(layers[segment.start:segment.stop])
-            policy = self._segment_policy(segment, layers)
-            with graph_codecs.annotation(policy, segment.checkpointed):
-                if segment.checkpointed:
-                    input = checkpoint_in_graph(run, (input,), {}, DEFAULT_RECOMPUTE)
-                else:
-                    input = run(input)
-            if policy.lossy and next_segment is not None and not next_segment.checkpointed \
-                    and not self._segment_policy(next_segment, layers).lossy:
-                input = graph_codecs.output_copied(input)
-        return input
-
-    def _keeps_on_host(self) -> bool:
-        """Whether a layer is set to keep on the host, which a compiled graph cannot
-        hold; read as Dynamo traces the forward, before any planning, so it asks the
-        settings, not the segments of a plan."""
-        return any((self._default_offload, *self._layer_offload.values()))
-
-    def _keeps_by_codec(self) -> bool:
-        """Whether a layer is set to keep by a lossy codec (read as :meth:`_keeps_on_host`)."""
-        return any(not codec.lossless for codec in (self._default_compress, *self._layer_compress.values()))
-
-    @torch.compiler.disable  # NOTE [ torch.compile ] in runtime/compiled_calls.py
-    def _eager_forward_under_compile(self, input, layers: list):
-        """The forward under torch.compile where a layer keeps on the host: run eagerly,
-        as without torch.compile, so that offload applies as it does there, in one
-        graph break however many segments keep so (one warning per process)."""
-        warn_eager_under_compile("a CheckpointedSequential that keeps inputs on the host",
-                                 "one graph break, at its forward", "offload is not an op a compiled graph holds")
-        return self._eager_forward(input, layers, self._starts_for(input, layers))
-
-    # The forward's one graph break: NOTE [ Codecs in a compiled graph ] in
-    # runtime/graph_codecs.py.
-    @untraced_frame
-    def _forward_with_graph_codecs(self, input, layers: list):
-        """The forward under torch.compile where a layer keeps by a codec."""
-        eager_output, starts = self._codecs_in_graph_on(input, layers)
-        if eager_output is not None:
-            return eager_output
-        try:
-            return self._traced_forward(input, layers, starts)
-        finally:
-            graph_codecs.hooks_off()
-
-    @torch.compiler.disable  # planning and probing run eagerly
-    def _codecs_in_graph_on(self, input, layers: list) -> tuple:
-        """Where a layer keeps by a codec: the segments looked up, then actsave's graph
-        hooks set and ``(None, starts)`` returned; or, where the graph cannot hold what
-        eager actsave keeps, the forward run eagerly and ``(output, starts)`` returned
-        (one warning per process, naming why)."""
-        starts = self._starts_for(input, layers)
-        why = self._why_codecs_run_eagerly(input, layers, starts)
-        if why is None:
-            if graph_codecs.hooks_on():
-                return None, starts
-            why = "other saved-tensor hooks are set, which the compiled graph would not apply"
-        warn_eager_under_compile("a CheckpointedSequential that keeps inputs by a codec",
-                                 "one graph break, at its forward", why)
-        return self._eager_forward(input, layers, starts), starts
-
-    def _why_codecs_run_eagerly(self, input, layers: list, starts: list) -> Optional[str]:
-        """Why the segments of ``starts`` cannot keep by their codecs in a compiled
-        graph, or None (NOTE [ Codecs in a compiled graph ])."""
-        missing = graph_codecs.missing_pieces()
-        if missing is not None:
-            return missing
-        segments = list(segments_from(starts, len(layers), self._stored_starts(), self._nested_ranges()))
-        key = (tuple(input.shape), input.stride(), input.dtype, tuple(starts),
-               tuple(self._segment_policy(s, layers) for s in segments), tuple(layer.training for layer in layers))
-        if key not in self._decisions_by_input:
-            self._decisions_by_input[key] = graph_codecs.decisions_made(
-                [(layers[s.start:s.stop], self._segment_policy(s, layers)) for s in segments], input)
-        decisions = self._decisions_by_input[key]
-        if decisions is not None:
-            return f"a segment kept by a codec makes {decisions}, which a recompute in the graph cannot keep"
-        return None
-
     @property
     def balanced_plan(self) -> Optional["plan_record.Plan"]:
         """With ``segments="balanced"``: the :class:`~actsave.Plan` behind the segments
@@ -351,15 +251,11 @@ class CheckpointedSequential(nn.Sequential):
     def set_compression(self, layer, codec) -> None:
         """Set the codec of what is kept at ``layer`` (an index, child name or slice):
         the segment input there, or the last segment's saves when it starts there."""
-        codec = KeepPolicy.resolve(compress=codec).codec
-        for module in self._selected(layer):
-            self._layer_compress[module] = codec
+        self._settings.set_codec(self._selected(layer), KeepPolicy.resolve(compress=codec).codec)
 
     def set_offload(self, layer, flag: bool) -> None:
         """Keep the input at ``layer`` (an index, child name or slice) on the host or not."""
-        KeepPolicy.resolve(offload=flag)
-        for module in self._selected(layer):
-            self._layer_offload[module] = flag
+        self._settings.set_offload(self._selected(layer), KeepPolicy.resolve(offload=flag).offload)
 
     def apply_plan(self, plan: "plan_record.Plan") -> None:
         """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, for each
@@ -382,6 +278,11 @@ class CheckpointedSequential(nn.Sequential):
         self.set_compression(plan.starts[-1], plan.stored_codec)  # the stored segment's saves
         self.segments = list(plan.starts)
         self.applied_plan = plan
+
+    def _segments(self, starts: list, n_layers: int) -> list:
+        """The segments from ``starts``, stored and nested as the applied plan says
+        while the segments are still its own."""
+        return segments_from(starts, n_layers, self._stored_starts(), self._nested_ranges())
 
     def _stored_starts(self) -> frozenset:
         """The starts of the applied plan's stored segments before the last, while the
@@ -420,11 +321,10 @@ class CheckpointedSequential(nn.Sequential):
         if self.segments == BALANCED:
             header, starts = self._balanced.describe_last()
         else:
-            header, starts = None, split_starts(list(self), self.segments, self._layer_policies(self))
+            header, starts = None, split_starts(list(self), self.segments, self._settings.policies(self))
         if starts is None:
             return header
-        for number, segment in enumerate(segments_from(starts, len(self), self._stored_starts(),
-                                                        self._nested_ranges())):
+        for number, segment in enumerate(self._segments(starts, len(self))):
             keeps = ("input, nested" if segment.nested else "input") if segment.checkpointed else "saves"
             for i in range(segment.start, segment.stop):
                 row = (str(i), names[i], type(self[i]).__name__, str(number))
@@ -433,7 +333,7 @@ class CheckpointedSequential(nn.Sequential):
                 rows.append(row + ("",) * (len(rows[0]) - len(row)))
         lines = [header, format_table(rows)] if header is not None else [format_table(rows)]
         if self._last_traced:
-            codecs = " (those set to keep by a codec encoded in it)" if self._keeps_by_codec() else ""
+            codecs = " (those set to keep by a codec encoded in it)" if self._settings.keeps_by_codec() else ""
             lines.append(f"The last training call ran in a compiled graph, which chose what each segment "
                          f"saves{codecs}: no kept bytes (NOTE [ Checkpoints in a compiled graph ]). A plan "
                          "predicts the eager code's peak; a compiled backward may hold more at once: "
@@ -461,21 +361,14 @@ class CheckpointedSequential(nn.Sequential):
         (planning/balanced_cache.py, NOTE [ Balanced segments ])."""
         if not segment.checkpointed and self.segments == BALANCED:
             return plans.balanced_last_policy()
-        return self._layer_policy(layers[segment.start])
+        return self._settings.policy(layers[segment.start])
 
     @torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]
     def _starts_for(self, input, layers: list) -> list:
-        policies = self._layer_policies(layers)
+        policies = self._settings.policies(layers)
         if self.segments != BALANCED:
             return split_starts(layers, self.segments, policies)
         return self._balanced.starts(self, input, layers, policies)
-
-    def _layer_policies(self, layers) -> tuple:
-        return tuple(self._layer_policy(layer) for layer in layers)
-
-    def _layer_policy(self, layer: nn.Module) -> KeepPolicy:
-        return KeepPolicy(self._layer_compress.get(layer, self._default_compress),
-                          self._layer_offload.get(layer, self._default_offload))
 
     def _selected(self, layer) -> list:
         """The modules ``layer`` (an index, child name or slice) names now."""
@@ -509,14 +402,6 @@ def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:
         return 0
     return input.numel() * input.element_size()
 
-
-
-class _Chain(LayerChain):
-    """Calls a run of layers in order; the function a checkpointed segment recomputes."""
-
-    def __init__(self, layers: list):
-        self.layers = layers
-        self.__qualname__ = "segment(" + ", ".join(type(m).__name__ for m in layers) + ")"
 
 
 def _check_modules(modules: tuple) -> None:

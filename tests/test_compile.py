@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import actsave
-from actsave import _torch
+from actsave import _torch, _torch_graphs
 from actsave.planning import plans
 from actsave.runtime import compiled_calls, compiled_layers, graph_codecs
 from actsave.runtime.nested import Range
@@ -648,7 +648,7 @@ def test_without_the_private_torch_pieces_a_compiled_codec_runs_eagerly_and_name
 
 
 def test_without_the_private_torch_pieces_exact_segments_still_compile(monkeypatch):
-    monkeypatch.setattr(_torch, "_annotate", None)
+    monkeypatch.setattr(_torch_graphs, "_annotate", None)
     x = torch.randn(8, 64)
     eager = actsave.CheckpointedSequential(*gelu_chain(), segments=4)
     model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*gelu_chain(), segments=4))

@@ -138,7 +138,7 @@ def balanced_starts_unsharded(scenario: Scenario) -> tuple:
                 for layer in body]
     profile = dataclasses.replace(profile, layers=tuple(with_plain_step_gathers(
         [dataclasses.replace(layer, gathered_bytes=g) for layer, g in zip(profile.layers, gathered)])))
-    plan = plans.balanced(profile, list(body._layer_policies(list(body))))
+    plan = plans.balanced(profile, list(body._settings.policies(list(body))))
     return plan.starts, FSDP2_LINE in body.describe()
 
 

@@ -1,4 +1,4 @@
-"""The helpers of actsave/_torch.py that do more than name a private API."""
+"""The helpers of actsave/_torch.py and _torch_graphs.py that do more than name a private API."""
 import operator
 import threading
 import time
@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-from actsave import _torch
-from actsave._torch import _give_rng_state_its_backward_name, copies_of, default_device
+from actsave import _torch, _torch_graphs
+from actsave._torch import copies_of, default_device
+from actsave._torch_graphs import _give_rng_state_its_backward_name
 
 
 def bits(t):
@@ -83,12 +84,12 @@ def test_a_cpu_rng_state_takes_the_name_of_its_backward_input():
 def test_a_probe_makes_fake_meta_tensors_and_plain_ones_without_fake_tensor_mode(monkeypatch):
     # NOTE [ Fake tensors in a probe ]: code written to be traced checks for a fake tensor.
     is_tracing = pytest.importorskip("transformers.utils.import_utils").is_tracing  # Hugging Face's mask code asks
-    with _torch.fake_tensors() as fake:
+    with _torch_graphs.fake_tensors() as fake:
         probe = fake(torch.empty(2, 3, device="meta"))
         assert probe.device.type == "meta" and probe.shape == (2, 3) and is_tracing(probe)
-    monkeypatch.setattr(_torch, "_FakeTensorMode", None)
+    monkeypatch.setattr(_torch_graphs, "_FakeTensorMode", None)
     meta = torch.empty(2, 3, device="meta")
-    with _torch.fake_tensors() as fake:
+    with _torch_graphs.fake_tensors() as fake:
         assert fake(meta) is meta and not is_tracing(meta)
 
 
@@ -203,7 +204,7 @@ def test_an_untraced_frame_breaks_its_traced_caller_once_and_compiles_what_it_ca
 
     def own(x):
         return inner(x) * 2
-    untraced = _torch.untraced_frame(own)
+    untraced = _torch_graphs.untraced_frame(own)
 
     def outer(x):
         return untraced(x.cos()) - 1

@@ -446,7 +446,7 @@ def test_from_sequential_shares_modules():
 def codecs_by_layer(model) -> list:
     """The codec column of describe(), one entry per layer (segments=[0, 1, ..., n-1])."""
     model.segments = list(range(len(model)))
-    return [model._layer_policy(layer).codec.name for layer in model]
+    return [model._settings.policy(layer).codec.name for layer in model]
 
 
 def four_linears(compress=None):
@@ -457,7 +457,7 @@ def four_linears(compress=None):
 
 
 def offloads_by_layer(model) -> list:
-    return [model._layer_policy(layer).offload for layer in model]
+    return [model._settings.policy(layer).offload for layer in model]
 
 
 def test_options_follow_their_layer_through_insert_append_and_delete():
@@ -471,7 +471,7 @@ def test_options_follow_their_layer_through_insert_append_and_delete():
     assert codecs_by_layer(model) == ["none", "none", "none", "int8", "none"]
     assert model[3] is chosen
     model[3] = nn.Linear(4, 4)  # a replaced layer takes the defaults
-    assert codecs_by_layer(model) == ["none"] * 5 and not model._layer_compress
+    assert codecs_by_layer(model) == ["none"] * 5 and not model._settings.layers_set("codec")
 
 
 def test_slices_and_from_sequential_keep_the_options():

@@ -13,7 +13,7 @@ that graph and its backward:
   copies its partitioner recomputes.
 - While the graph is compiled and run, actsave's saved-tensor hooks are set, as
   GraphModules that AOTAutograd inlines (NOTE [ Saved-tensor hooks in a compiled
-  graph ] in _torch.py). For each saved intermediate the hook looks at the graphs:
+  graph ] in _torch_graphs.py). For each saved intermediate the hook looks at the graphs:
   one whose backward users are a region recomputed under codec C is that segment's
   kept input, encoded by C at the end of the forward graph and decoded at the start
   of the backward one; one made inside a stored segment under C is stored by C, as
@@ -32,7 +32,7 @@ that graph and its backward:
   ReLU and max pool again from the decoded input (eager actsave restores the
   forward's: relu_signs.py, pool_decisions.py). Where a lossy segment makes such
   decisions, found on fake meta tensors at the first compiled call of each input
-  (:func:`decisions_made`; NOTE [ Fake tensors in a probe ] in _torch.py), the
+  (:func:`decisions_made`; NOTE [ Fake tensors in a probe ] in _torch_graphs.py), the
   forward runs eagerly instead, with one warning:
   without the decisions a conv-BN-ReLU network's BatchNorm gradients lose most of
   their precision (docs/results.md, "Other figures").
@@ -41,7 +41,7 @@ that graph and its backward:
   hooks set when it runs. So the hooks are set outside the frame that is compiled with
   them, and unset after it returns. A CheckpointedSequential does both in one graph
   break, before any compute: its forward calls a function Dynamo does not trace but
-  whose callees it compiles (``_torch.untraced_frame``), which looks up the segments,
+  whose callees it compiles (``_torch_graphs.untraced_frame``), which looks up the segments,
   sets the hooks, calls the traced forward, which Dynamo compiles as a frame of its
   own, and unsets them when that returns or raises. One break, one graph.
 - A lossy segment's output that an exact stored segment saves (its first layer's
@@ -86,7 +86,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from .. import _torch
+from .. import _torch, _torch_graphs
 from ..codecs import Packed, get_codec
 from ..codecs.backend import forced_here
 from ..meta import on_meta
@@ -106,7 +106,7 @@ _COPY = "actsave_copy_kept_by"  # that of the copies of a block's inputs, the sa
 
 def missing_pieces() -> Optional[str]:
     """None where this torch can hold codecs in a compiled graph, else why not."""
-    missing = _torch.graph_hooks_missing()
+    missing = _torch_graphs.graph_hooks_missing()
     return None if missing is None else f"this PyTorch ({torch.__version__}) lacks {missing}"
 
 
@@ -115,12 +115,12 @@ def annotation(policy: KeepPolicy, checkpointed: bool):
     an exact one, which compiles on a torch without the pieces codecs need too."""
     if policy.codec.lossless:
         return contextlib.nullcontext()
-    return _torch.annotated({_KEPT if checkpointed else _STORED: policy.codec.name})
+    return _torch_graphs.annotated({_KEPT if checkpointed else _STORED: policy.codec.name})
 
 
 def block_annotation(policy: KeepPolicy):
     """The context a wrapped block's checkpoint is traced in."""
-    return _torch.annotated({_BLOCK: policy.codec.name})
+    return _torch_graphs.annotated({_BLOCK: policy.codec.name})
 
 
 # The copies are an operator of actsave's own: Inductor removes a clone that nothing
@@ -164,7 +164,7 @@ def inputs_copied(args: tuple, kwargs: dict, policy: KeepPolicy) -> tuple:
     hooks are never given (see the NOTE). Unlike keep_rules.should_encode this takes a leaf
     that requires grad too: Dynamo neither tells leaves from other inputs nor guards
     on it."""
-    with _torch.annotated({_COPY: policy.codec.name}):
+    with _torch_graphs.annotated({_COPY: policy.codec.name}):
         return _torch.pytree.tree_map_only(torch.Tensor, _copied, (args, kwargs))
 
 
@@ -194,7 +194,7 @@ def _reference_traced():
 
 
 def _pack(value: torch.Tensor):
-    traced = _torch.saved_node_being_traced()
+    traced = _torch_graphs.saved_node_being_traced()
     name = _codec_of(*traced) if traced is not None and value.is_floating_point() else None
     if name is None:
         return value
@@ -206,7 +206,7 @@ def _pack(value: torch.Tensor):
 def _unpack(stored):
     if isinstance(stored, torch.Tensor):
         return stored
-    node, backward = _torch.saved_node_being_traced()
+    node, backward = _torch_graphs.saved_node_being_traced()
     like = node.meta["val"]
     data, scales, offsets = stored
     with _reference_traced():
@@ -226,7 +226,7 @@ def _the_hooks() -> tuple:
     if _hooks is None:
         with _hooks_lock:
             if _hooks is None:
-                _hooks = (_torch.graph_hook(_pack), _torch.graph_hook(_unpack))
+                _hooks = (_torch_graphs.graph_hook(_pack), _torch_graphs.graph_hook(_unpack))
     return _hooks
 
 
@@ -238,10 +238,10 @@ def hooks_on() -> bool:
     """Set actsave's graph hooks, first unsetting those a failed forward left on top;
     False (nothing set) where other saved-tensor hooks are set."""
     if _ours_on_top():
-        _torch.pop_saved_tensor_hooks()
+        _torch_graphs.pop_saved_tensor_hooks()
     if _torch.saved_tensor_hooks_active():
         return False
-    _torch.push_saved_tensor_hooks(*_the_hooks())
+    _torch_graphs.push_saved_tensor_hooks(*_the_hooks())
     return True
 
 
@@ -250,7 +250,7 @@ def hooks_on() -> bool:
 def hooks_off() -> None:
     """Unset actsave's graph hooks where they are on top."""
     if _ours_on_top():
-        _torch.pop_saved_tensor_hooks()
+        _torch_graphs.pop_saved_tensor_hooks()
 
 
 def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
@@ -297,7 +297,7 @@ def _on_meta_watching_saves(model: nn.Module, pack):
     Yields the function that makes the model's inputs from real tensors (their shapes,
     strides and dtypes): fake meta tensors (NOTE [ Fake tensors in a probe ])."""
     with on_meta(model), saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
-            _torch.compiled_code_eager(), _torch.fake_tensors() as fake:
+            _torch.compiled_code_eager(), _torch_graphs.fake_tensors() as fake:
         yield lambda t: fake(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
 
 
@@ -366,7 +366,7 @@ def blocks_in_graph(policy: KeepPolicy, eager_because: Optional[str]) -> bool:
     return _set_for_blocks() and policy.lossy and not policy.offload and eager_because is None
 
 
-@_torch.untraced_frame  # the root's one graph break (see the NOTE)
+@_torch_graphs.untraced_frame  # the root's one graph break (see the NOTE)
 def _forward_with_graph_codecs(root: RootForward, args: tuple, kwargs: dict):
     set_here = _blocks_on(root.model, args, kwargs)
     try:
@@ -420,12 +420,12 @@ def hooks_paused():
     not see ours (they would take them for a caller's: kept_saves.py)."""
     paused = _ours_on_top()
     if paused:
-        _torch.pop_saved_tensor_hooks()
+        _torch_graphs.pop_saved_tensor_hooks()
     try:
         yield
     finally:
         if paused:
-            _torch.push_saved_tensor_hooks(*_the_hooks())
+            _torch_graphs.push_saved_tensor_hooks(*_the_hooks())
 
 
 def _keeps_by_codec(module: nn.Module) -> bool:

@@ -45,6 +45,15 @@ class LayerChain:
         return x
 
 
+class LayerRun(LayerChain):
+    """Calls a run of layers in order: the function a CheckpointedSequential's segment
+    runs and recomputes, named by its layers' types (in errors)."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.__qualname__ = "segment(" + ", ".join(type(m).__name__ for m in layers) + ")"
+
+
 def known_layers(function) -> Optional[tuple]:
     """The top-level modules ``function`` runs, or None where actsave cannot tell
     (NOTE [ Known layers ])."""
@@ -88,4 +97,4 @@ def repeated_modules(layers) -> list:
     return list(repeated.values())
 
 
-__all__ = ["LayerChain", "known_layers", "modules_under", "repeated_modules"]
+__all__ = ["LayerChain", "LayerRun", "known_layers", "modules_under", "repeated_modules"]

@@ -12,7 +12,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 import actsave
-from actsave import _torch
+from actsave import _torch, _torch_graphs
 from actsave.runtime import graph_codecs
 from actsave.runtime.keep_rules import EXACT, KeepPolicy
 from support import ResidualBlock, ResidualNet
@@ -107,7 +107,7 @@ def test_called_eagerly_the_hooks_keep_every_tensor_as_it_is():
 def no_hooks_left():
     yield
     while _torch.top_saved_tensor_hooks() == graph_codecs._the_hooks():
-        _torch.pop_saved_tensor_hooks()
+        _torch_graphs.pop_saved_tensor_hooks()
 
 
 def test_wrap_sets_a_lossy_model_roots_forward_once_and_eager_steps_probe_nothing():

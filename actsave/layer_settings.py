@@ -1,0 +1,69 @@
+"""A CheckpointedSequential's per-layer settings: the codec and the offload of what is
+kept where a segment starts (its input; the last segment's saves), one
+:class:`LayerSettings` per chain.
+
+Settings are keyed by the module object, not its child name: ``nn.Sequential``
+renumbers names on insert and delete, and the user chose the layer. A module placed
+twice in the chain has one setting. They are resolved once, as they are set: every
+forward reads them per layer.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from torch import nn
+
+from .codecs import Codec
+from .runtime.keep_rules import KeepPolicy
+
+
+class LayerSettings:
+    """The chain's ``default`` policy, and per module the codec and offload set on it."""
+
+    def __init__(self, default: KeepPolicy):
+        self.default = default
+        self._codecs = {}  # module -> Codec
+        self._offload = {}  # module -> bool
+
+    def set_codec(self, modules: Iterable[nn.Module], codec: Codec) -> None:
+        for module in modules:
+            self._codecs[module] = codec
+
+    def set_offload(self, modules: Iterable[nn.Module], flag: bool) -> None:
+        for module in modules:
+            self._offload[module] = flag
+
+    def policy(self, layer: nn.Module) -> KeepPolicy:
+        """How what is kept at ``layer`` is kept: its settings, else the default."""
+        return KeepPolicy(self._codecs.get(layer, self.default.codec), self._offload.get(layer, self.default.offload))
+
+    def policies(self, layers) -> tuple:
+        return tuple(self.policy(layer) for layer in layers)
+
+    def layers_set(self, kind: str) -> set:
+        """The modules with a codec (``kind="codec"``) or an offload (``"offload"``) set on them."""
+        return set(self._codecs if kind == "codec" else self._offload)
+
+    def keeps_on_host(self) -> bool:
+        """Whether the default or a layer keeps on the host (whatever the segments)."""
+        return any((self.default.offload, *self._offload.values()))
+
+    def keeps_by_codec(self) -> bool:
+        """Whether the default or a layer keeps by a lossy codec (whatever the segments)."""
+        return any(not codec.lossless for codec in (self.default.codec, *self._codecs.values()))
+
+    def keep_only(self, present: set) -> None:
+        """Forget the settings of modules no longer in the chain (replaced or deleted)."""
+        self._codecs = {m: c for m, c in self._codecs.items() if m in present}
+        self._offload = {m: f for m, f in self._offload.items() if m in present}
+
+    def carry_to(self, other: "LayerSettings", present: set, codecs: bool, offload: bool) -> None:
+        """Give ``other`` (a chain over some of these modules, ``present``) the codecs
+        and/or offload set here on them."""
+        if codecs:
+            other._codecs = {m: c for m, c in self._codecs.items() if m in present}
+        if offload:
+            other._offload = {m: f for m, f in self._offload.items() if m in present}
+
+
+__all__ = ["LayerSettings"]
