@@ -49,5 +49,10 @@ def kept_strides(t: torch.Tensor) -> Optional[tuple]:
     """The strides a copy of ``t`` kept for the backward comes back with (NOTE [ Kept
     layouts ]); None where those are contiguous strides, which a plain view of the
     copy's elements has."""
+    if t.is_contiguous() and min(t.shape, default=2) > 1:
+        # Every dimension's stride is then the contiguous one (only a size-1 or empty
+        # dimension's may be any): the common case, without the loop below (host work
+        # in every codec call).
+        return None
     strides = t.stride() if is_dense(t) else torch.empty_like(t, device="meta").stride()
     return None if strides == contiguous_strides(t.shape) else strides
