@@ -69,6 +69,13 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def convolution_workspaces(device) -> bool:
+    """Whether convolutions on ``device`` take workspaces from its allocator that no
+    tensor holds (cuDNN's), which meta kernels do not ask for: NOTE [ Workspaces an
+    estimate leaves out ] in planning/estimate.py."""
+    return torch.device(device).type == "cuda"
+
+
 def runs_triton_by_default(device) -> bool:
     """Whether backend "auto" runs the Triton kernels for tensors on ``device``
     (elsewhere the torch references run; codecs/backend.py)."""

@@ -75,6 +75,19 @@ def test_cuda_rounds_allocations_and_needs_no_gpu():
     assert cuda.activation_peak_bytes % 512 == 0 and cuda.activation_peak_bytes > cpu.activation_peak_bytes
 
 
+def test_a_cuda_estimate_states_the_convolution_workspaces_it_leaves_out():
+    # NOTE [ Workspaces an estimate leaves out ]: 3.4x the largest tensor a convolution
+    # reads or writes, here the stem's 64-channel output of 8 x 64 x 32 x 32 fp32 (2 MiB).
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 8, 3, stride=2, padding=1))
+    cuda = actsave.estimate(model, (8, 3, 32, 32), device="cuda")
+    assert cuda.workspace_bytes_left_out == int(3.4 * 8 * 64 * 32 * 32 * 4)
+    assert re.search(r"not counted: cuDNN workspaces, about\s+6\.8 MiB", str(cuda))
+    # Not on a CPU (no cuDNN), nor for a model without convolutions.
+    assert actsave.estimate(model, (8, 3, 32, 32), device="cpu").workspace_bytes_left_out == 0
+    assert actsave.estimate(nn.Sequential(*deep_mlp(3)), (4, 64), device="cuda").workspace_bytes_left_out == 0
+    assert "not counted" not in str(actsave.estimate(model, (8, 3, 32, 32), device="cpu"))
+
+
 class Attention(nn.Module):
     """Causal self-attention over (batch, heads, tokens, head size) with a projection
     before it, so that its input's gradient is a leaf's (``mask`` given: masked)."""
