@@ -13,7 +13,12 @@ recompute. Each is priced by what it does to the peak formula of memory_model.py
 
 - plain and inputs kept: the cost model's own terms of the one-block segment (a stored
   middle segment, a checkpointed one), from the chain's profiled step, as any chain
-  plan prices them;
+  plan prices them; but for a checkpoint kept on the device, the seconds measured as
+  the other options' are (below): its recompute stops after its last save (the early
+  stop: a transformer block's last matmul and residual add are not run again), which
+  the profile's forward time of the block does not tell. An offloaded one keeps the
+  model's seconds: its copies hide behind the next blocks, which a block timed alone
+  does not have;
 - the others (selective, alone or with a codec or offload of what it keeps; saves
   kept), measured: the block runs once with the option, alone, on an input like
   the profiled step's, its live bytes counted as the profile counts them
@@ -152,6 +157,16 @@ class BlockMeasurer:
         forward = (0.0 if a == 0 or held else x_bytes) + measured.forward_rise
         backward = model.held_in_backward + float(model.grad[a + 1]) + kept + measured.backward_rise
         return OptionTerms(kept, forward, backward, measured.fetched, measured.seconds, False)
+
+    def seconds(self, a: int, option: BlockOption) -> float:
+        """What ``option`` adds to the step at block ``a``, measured (as :meth:`terms`
+        measures it) without its bytes: for a checkpoint, whose bytes the cost model
+        gives."""
+        layer, spec = self.layers[a], self.inputs[a]
+        key = (_signature(layer), spec, option, "seconds")
+        if key not in self._cache:
+            self._cache[key] = self._seconds(layer, spec, option)
+        return self._cache[key]
 
     def _measured(self, a: int, option: BlockOption) -> Optional[_Measured]:
         layer, spec = self.layers[a], self.inputs[a]

@@ -264,7 +264,11 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
 
 def _terms(model: CostModel, measurer: BlockMeasurer, a: int, option, held: bool):
     if option is None or option.keep == "inputs":
-        return model_terms(model, a, option, held)
+        terms = model_terms(model, a, option, held)
+        if terms is not None and option is not None and measurer.timed and not option.policy.offload:
+            # Its time measured as the other options' (NOTE [ Block options priced ]).
+            terms = dataclasses.replace(terms, seconds=measurer.seconds(a, option))
+        return terms
     return measurer.terms(model, a, option, held)
 
 
