@@ -5,7 +5,7 @@ Segments are planned from ``segments`` each time the chain runs, so ``append`` a
 friends need no bookkeeping. As in ``torch.utils.checkpoint.checkpoint_sequential``,
 the last segment is not checkpointed: backward starts there, so its activations are
 needed at once. An applied plan (:meth:`CheckpointedSequential.apply_plan`) may store
-other segments too (``Plan.stored``): they run plainly, autograd keeping their saves
+other segments too (``Plan.plain``): they run plainly, autograd keeping their saves
 until their backward, where that is faster within the budget. Per-layer options
 (``compress``, ``offload``; layer_settings.py) apply to what a segment keeps, so they
 act on the layers where segments start: a checkpointed segment keeps its input; the last keeps what autograd saves,
@@ -275,7 +275,7 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
             if option is not None:  # a stored segment runs plainly: nothing to set
                 self.set_compression(start, option.codec)
                 self.set_offload(start, option.offload)
-        self.set_compression(plan.starts[-1], plan.stored_codec)  # the stored segment's saves
+        self.set_compression(plan.starts[-1], plan.saves_codec)  # the last segment's saves
         self.segments = list(plan.starts)
         self.applied_plan = plan
 
@@ -288,7 +288,7 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
         """The starts of the applied plan's stored segments before the last, while the
         segments are still that plan's (setting ``segments`` again drops them)."""
         plan = self._current_plan()
-        return frozenset(start for start, flag in zip(plan.starts, plan.stored) if flag) if plan else frozenset()
+        return frozenset(start for start, flag in zip(plan.starts, plan.plain) if flag) if plan else frozenset()
 
     def _nested_ranges(self) -> dict:
         """{start: Range} of the applied plan's nested segments, while the segments
@@ -302,9 +302,10 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
 
     def describe(self) -> str:
         """A per-layer table: segment, what it keeps (a checkpointed segment its
-        ``input``, the last segment what autograd ``saves``), codec, where, and bytes
-        actsave kept at the last training call (with ReLU and max-pool decisions; none
-        when the exact last segment's saves are autograd's own).
+        ``input``, the last segment what autograd ``saves``), codec, where, and the bytes
+        actsave stored at the last training call, as :func:`actsave.stored_bytes`
+        counts them (with ReLU and max-pool decisions; none when the exact last
+        segment's saves are autograd's own).
 
         Codec and where are the layer's settings, in the words of a printed
         :class:`~actsave.Plan`: ``device``, or ``host`` with offload. An input its
@@ -316,7 +317,7 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
         that a plan's predicted peak is the eager code's).
         FSDP2-sharded parameters get a last line too: what of FSDP2's own bytes the
         plan counts, and what it does not."""
-        rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "kept bytes")]
+        rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "stored bytes")]
         names = list(self._modules)
         if self.segments == BALANCED:
             header, starts = self._balanced.describe_last()
@@ -335,7 +336,7 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
         if self._last_traced:
             codecs = " (those set to keep by a codec encoded in it)" if self._settings.keeps_by_codec() else ""
             lines.append(f"The last training call ran in a compiled graph, which chose what each segment "
-                         f"saves{codecs}: no kept bytes (NOTE [ Checkpoints in a compiled graph ]). A plan "
+                         f"saves{codecs}: no stored bytes (NOTE [ Checkpoints in a compiled graph ]). A plan "
                          "predicts the eager code's peak; a compiled backward may hold more at once: "
                          "docs/limits.md, \"torch.compile\".")
         if any(is_sharded(p) for p in self.parameters()):
@@ -346,7 +347,7 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
         return "\n".join(lines)
 
     def _describe_kept(self, segment: Segment, layers: list) -> tuple:
-        """(codec, where, kept bytes) of describe()'s row for ``segment``."""
+        """(codec, where, stored bytes) of describe()'s row for ``segment``."""
         policy = self._segment_policy(segment, layers)
         kept = self._last_kept_bytes.get(segment.start)
         if segment.start in self._last_by_reference:

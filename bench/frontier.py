@@ -547,7 +547,7 @@ def describe_plan(plan) -> str:
     nested = sum(r is not None for r in plan.nested)
     return (f"{len(plan.starts)} segments, {len(checkpointed)} checkpointed" + (f" ({ways})" if ways else "")
             + (f", {nested} nested" if nested else "")
-            + (f", stored saves {plan.stored_codec}" if plan.stored_codec != "none" else ""))
+            + (f", last saves {plan.saves_codec}" if plan.saves_codec != "none" else ""))
 
 
 def lever_sets(device: torch.device, names) -> dict:

@@ -201,7 +201,7 @@ def plan_nesting(plan: Optional[actsave.Plan]) -> Optional[int]:
     def levels(r) -> int:
         return 1 + max((levels(part) for part in r.inner if part.recomputed), default=0)
 
-    checkpointed = len(plan.starts) - 1 - sum(plan.stored)
+    checkpointed = len(plan.starts) - 1 - sum(plan.plain)
     return max((levels(r) for r in plan.nested if r is not None), default=min(checkpointed, 1))
 
 
@@ -402,7 +402,7 @@ def sweep_csv_rows(rows: list, case: str, config: dict, metadata: dict) -> list:
     for r in rows:
         x = r["budget"] / 2**20
         for provider, (time_key, peak_key) in SOLVERS.items():
-            stored = None if r["auto_plan"] is None else r["auto_plan"].stored_codec
+            stored = None if r["auto_plan"] is None else r["auto_plan"].saves_codec
             details = {"actsave_auto": {"codecs": r["auto_codecs"], "nesting": r["auto_nesting"], "stored_codec": stored},
                        "actsave_recompute": {"nesting": r["recompute_nesting"]},
                        "rotor": {"nesting": r["rotor_nesting"], "early_stored_runs": r["rotor_early_stored"]}}

@@ -1,7 +1,7 @@
 """What stored middle segments buy the planner (issue 36, item 4).
 
 A stored middle segment is one before the last that runs plainly, autograd keeping
-its saves (``actsave.plan(..., store_middle=True)``, the default). For each chain:
+its saves (``actsave.plan(..., plain_middle=True)``, the default). For each chain:
 one profile (per-layer median times of --profiles profiled steps, as
 bench/rotor_compare.py), then, on that profile, the smallest feasible peak with and
 without stored middle segments, and at --points budgets from the larger of those to
@@ -43,7 +43,7 @@ def chains(smoke: bool) -> dict:
 
 def step_seconds(prof, budget: int, allow: tuple, store_middle: bool):
     try:
-        return actsave.plan(prof, budget, allow=allow, store_middle=store_middle).predicted_step_seconds
+        return actsave.plan(prof, budget, allow=allow, plain_middle=store_middle).predicted_step_seconds
     except actsave.ConfigError:  # infeasible at this budget
         return None
 
@@ -51,7 +51,7 @@ def step_seconds(prof, budget: int, allow: tuple, store_middle: bool):
 def compare(prof, allow: tuple, points: int) -> tuple:
     """(smallest peak with, without; largest time win; its budget; plain's peak)."""
     plain = plans.predict(prof, [0]).predicted_peak_bytes
-    smallest = [actsave.plan(prof, None, objective="memory", allow=allow, store_middle=flag).predicted_peak_bytes
+    smallest = [actsave.plan(prof, None, objective="memory", allow=allow, plain_middle=flag).predicted_peak_bytes
                 for flag in (True, False)]
     low, best, at = max(smallest), 0.0, None
     for i in range(points):

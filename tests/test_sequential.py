@@ -490,7 +490,7 @@ def test_describe_lists_every_layer_with_its_segment_and_kept_bytes():
     model = as_checkpointed(mixed_chain(), segments=4)
     model(torch.randn(8, 16, requires_grad=True)).sum().backward()
     lines = model.describe().splitlines()
-    assert lines[0].split() == ["layer", "name", "type", "segment", "keeps", "codec", "where", "kept", "bytes"]
+    assert lines[0].split() == ["layer", "name", "type", "segment", "keeps", "codec", "where", "stored", "bytes"]
     assert len(lines) == 1 + len(model)
     # The batch is the caller's: kept by reference, none of actsave's bytes but the
     # snapshot of the segment's BatchNorm (NOTE [ State a forward reads and mutates ]).
@@ -613,11 +613,11 @@ def test_describe_and_the_balanced_plan_say_where_each_input_is_kept_in_the_same
                                    compress="int8", offload=True)
     model(torch.randn(32, 64)).sum().backward()
     lines = model.describe().splitlines()
-    assert lines[1].split()[4:] == ["keeps", "codec", "where", "kept", "bytes"]
+    assert lines[1].split()[4:] == ["keeps", "codec", "where", "stored", "bytes"]
     kept = {int(row[0]): row[4:] for row in map(str.split, lines[2:]) if len(row) > 4}
     assert kept[0] == ["input", "none", "by", "reference", "0"]
     plan_rows = [row.split() for row in model.balanced_plan.table(every_segment=True).splitlines()[2:]]
-    checkpointed = {int(row[1].split("-")[0]): row[2:4] for row in plan_rows if row[2] != "stored"}
+    checkpointed = {int(row[1].split("-")[0]): row[2:4] for row in plan_rows if row[2] != "plain"}
     assert len(checkpointed) > 2 and checkpointed.pop(0) == ["none", "device"]
     assert all(kept[start][1:3] == where for start, where in checkpointed.items()), (kept, checkpointed)
     assert {tuple(where) for where in checkpointed.values()} == {("int8", "host")}

@@ -3,6 +3,8 @@ input, what it predicts, and how it prints. Made by plans.py's plan(), balanced(
 predict(), applied by CheckpointedSequential.apply_plan."""
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,13 +22,15 @@ class Plan:
     the model's predictions. Apply it with ``CheckpointedSequential.apply_plan``.
 
     ``starts[j]`` is the first layer of segment j (``starts[0] == 0``). The last
-    segment is stored (run plainly, never recomputed), and so is segment j < last
-    where ``stored[j]``; the others are checkpointed, segment j keeping its input by
-    ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``. A stored segment
+    segment is plain (run plainly, never recomputed), and so is segment j < last
+    where ``plain[j]``; the others are checkpointed, segment j keeping its input by
+    ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``. A plain segment
     before the last keeps autograd's saves as they are (its codec is "none", its
-    offload False); the last keeps them by ``stored_codec`` ("none": as they are; a
-    lossy codec stores each as runtime/kept_saves.py says). ``stored`` defaults
-    to no segment but the last (one False per segment before it). ``nested[j]``, for
+    offload False); the last keeps them by ``saves_codec`` ("none": as they are; a
+    lossy codec stores each as runtime/kept_saves.py says). ``plain`` defaults
+    to no segment but the last (one False per segment before it). The names
+    ``stored`` and ``stored_codec`` (constructor keywords, attributes) are deprecated
+    spellings of ``plain`` and ``saves_codec``. ``nested[j]``, for
     a checkpointed segment j kept exactly on the device, may cut its recompute into
     checkpoints of its own: a :class:`~actsave.runtime.nested.Range` over its layers
     (indices from 0 at the segment's first layer; NOTE [ Nested recompute ]), or None
@@ -43,8 +47,8 @@ class Plan:
     predicted_step_seconds: float
     peak_segment: int
     budget: Optional[int] = None
-    stored_codec: str = "none"
-    stored: tuple = ()
+    saves_codec: str = "none"
+    plain: tuple = ()
     nested: tuple = ()
 
     def __post_init__(self):
@@ -70,32 +74,32 @@ class Plan:
                 f"a plan with {len(starts)} segments needs {checkpointed} codecs and offload flags "
                 f"(one per checkpointed segment), got {len(self.codecs)} and {len(self.offload)}"
             )
-        for codec in (*self.codecs, self.stored_codec):
+        for codec in (*self.codecs, self.saves_codec):
             get_codec(codec)
         if not all(isinstance(flag, bool) for flag in self.offload):
             raise ConfigError(f"plan offload={self.offload!r} must hold True or False for each checkpointed segment")
-        self._check_stored(checkpointed)
+        self._check_plain(checkpointed)
         self._check_nested(checkpointed)
 
-    def _check_stored(self, before_last: int) -> None:
-        """Validate ``stored`` (one flag per segment before the last; () for none) and
-        fill it in: a stored segment has no codec or offload, autograd keeps its saves."""
-        stored = () if self.stored is None else self.stored
-        if not isinstance(stored, (tuple, list)) or not all(isinstance(flag, bool) for flag in stored):
-            raise ConfigError(f"plan stored={self.stored!r} must be a tuple of True or False, one per segment "
+    def _check_plain(self, before_last: int) -> None:
+        """Validate ``plain`` (one flag per segment before the last; () for none) and
+        fill it in: a plain segment has no codec or offload, autograd keeps its saves."""
+        plain = () if self.plain is None else self.plain
+        if not isinstance(plain, (tuple, list)) or not all(isinstance(flag, bool) for flag in plain):
+            raise ConfigError(f"plan plain={self.plain!r} must be a tuple of True or False, one per segment "
                               "before the last (True: run it plainly, autograd keeping its saves)")
-        if not stored:
-            stored = (False,) * before_last
-        if len(stored) != before_last:
-            raise ConfigError(f"a plan with {before_last + 1} segments needs {before_last} stored flags (one per "
-                              f"segment before the last), got {len(stored)}")
-        for j, flag in enumerate(stored):
+        if not plain:
+            plain = (False,) * before_last
+        if len(plain) != before_last:
+            raise ConfigError(f"a plan with {before_last + 1} segments needs {before_last} plain flags (one per "
+                              f"segment before the last), got {len(plain)}")
+        for j, flag in enumerate(plain):
             if flag and (get_codec(self.codecs[j]).name != "none" or self.offload[j]):
                 raise ConfigError(
-                    f"plan segment {j} is stored (stored[{j}] is True) but has codec {self.codecs[j]!r} and offload "
-                    f"{self.offload[j]!r}: a stored segment keeps autograd's saves as they are, so give it codec "
+                    f"plan segment {j} is plain (plain[{j}] is True) but has codec {self.codecs[j]!r} and offload "
+                    f"{self.offload[j]!r}: a plain segment keeps autograd's saves as they are, so give it codec "
                     "'none' and offload False")
-        object.__setattr__(self, "stored", tuple(stored))
+        object.__setattr__(self, "plain", tuple(plain))
 
     def _check_nested(self, before_last: int) -> None:
         """Validate ``nested`` (one Range or None per segment before the last; () for
@@ -111,11 +115,11 @@ class Plan:
             if r is None:
                 continue
             length = stops[j] - self.starts[j]
-            if self.stored[j] or get_codec(self.codecs[j]).name != "none" or self.offload[j]:
-                what = "stored" if self.stored[j] else f"kept by codec {self.codecs[j]!r}, offload {self.offload[j]}"
+            if self.plain[j] or get_codec(self.codecs[j]).name != "none" or self.offload[j]:
+                what = "plain" if self.plain[j] else f"kept by codec {self.codecs[j]!r}, offload {self.offload[j]}"
                 raise ConfigError(
                     f"plan segment {j} nests checkpoints (nested[{j}] is a Range) but is {what}: only an exact "
-                    "checkpointed segment on the device nests; give it codec 'none', offload False and stored "
+                    "checkpointed segment on the device nests; give it codec 'none', offload False and plain "
                     "False, or nested None")
             if r.start != 0 or r.stop != length or not r.recomputed:
                 raise ConfigError(f"plan nested[{j}]={r} must be a recomputed Range over the segment's {length} "
@@ -124,10 +128,10 @@ class Plan:
 
     @property
     def segments(self) -> list:
-        """[(start, stop, KeepPolicy of a checkpointed segment, or None for a stored one)]"""
+        """[(start, stop, KeepPolicy of a checkpointed segment, or None for a plain one)]"""
         stops = [*self.starts[1:], self.n_layers]
-        options = [None if stored else KeepPolicy.resolve(c, f)
-                   for c, f, stored in zip(self.codecs, self.offload, self.stored)] + [None]
+        options = [None if plain else KeepPolicy.resolve(c, f)
+                   for c, f, plain in zip(self.codecs, self.offload, self.plain)] + [None]
         return list(zip(self.starts, stops, options))
 
     def __str__(self) -> str:
@@ -158,12 +162,50 @@ class Plan:
         nested = j < len(self.nested) and self.nested[j] is not None
         if option is None:
             last = j == len(self.starts) - 1
-            saves = "" if self.stored_codec == "none" or not last else f", saves {self.stored_codec}"
-            kept, where = "stored (no recompute)" + saves, ""
+            saves = "" if self.saves_codec == "none" or not last else f", saves {self.saves_codec}"
+            kept, where = "plain (no recompute)" + saves, ""
         else:
             kept = f"{option.codec.name}, nested" if nested else option.codec.name
             where = where_kept(option.offload)
         return (str(j), str(start), str(stop - 1), kept, where, "<- peak" if j == self.peak_segment else "")
+
+
+# The names Plan had for ``plain`` and ``saves_codec``, which meant "run plainly" where
+# stored_bytes() means "held for backward": accepted, with a DeprecationWarning, for
+# one release (constructor keywords and attributes alike).
+_RENAMED = {"stored": "plain", "stored_codec": "saves_codec"}
+_fields_init = Plan.__init__
+
+
+@functools.wraps(_fields_init)
+def _init_taking_old_names(self, *args, **kwargs):
+    for old, new in _RENAMED.items():
+        if old in kwargs:
+            if new in kwargs:
+                raise ConfigError(f"Plan got both {old}= and {new}=: {old} is the deprecated name of {new}; pass {new}")
+            warn_renamed(f"Plan({old}=...)", f"Plan({new}=...)")
+            kwargs[new] = kwargs.pop(old)
+    _fields_init(self, *args, **kwargs)
+
+
+def _renamed_attribute(old: str, new: str) -> property:
+    def read(self):
+        warn_renamed(f"Plan.{old}", f"Plan.{new}")
+        return getattr(self, new)
+    return property(read, doc=f"Deprecated: :attr:`{new}`.")
+
+
+Plan.__init__ = _init_taking_old_names
+for _old, _new in _RENAMED.items():
+    setattr(Plan, _old, _renamed_attribute(_old, _new))
+
+
+def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn that ``old`` is ``new``'s deprecated name, at the caller ``stacklevel`` - 1
+    frames above the function that calls this."""
+    warnings.warn(f"actsave: {old} is deprecated and will be removed in the next release: use {new} (the same "
+                  "thing; \"plain\" names a segment run plainly, \"stored\" what is held for backward)",
+                  DeprecationWarning, stacklevel=stacklevel)
 
 
 def where_kept(offload: bool) -> str:

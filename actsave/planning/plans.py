@@ -33,7 +33,7 @@ from ..runtime.keep_rules import EXACT, KeepPolicy, kept_as
 from ..text import mib
 from .memory_model import CostModel
 from .profiler import Profile
-from .plan_record import Plan
+from .plan_record import Plan, warn_renamed
 from .planned_segment import PlannedSegment
 from .solver import fastest_within, smallest_headroom, smallest_nested_headroom
 
@@ -48,8 +48,8 @@ OBJECTIVES = ("time", "memory")
 
 def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] = None,
          allow: Sequence[str] = DEFAULT_ALLOW, objective: str = "time",
-         max_checkpointed_layers: Optional[int] = None, compress_stored: bool = True,
-         store_middle: bool = True) -> Plan:
+         max_checkpointed_layers: Optional[int] = None, compress_saves: bool = True,
+         plain_middle: bool = True, **renamed) -> Plan:
     """Choose segments and keep options for the profiled chain.
 
     Args:
@@ -72,14 +72,16 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
             (None: any number). 1 for layers that can only be checkpointed one by one,
             as the blocks of :func:`actsave.plan_blocks` (a checkpoint cannot span
             blocks that the model's own loop calls).
-        compress_stored: whether the stored (last, never recomputed) segment may keep
+        compress_saves: whether the last segment (plain: never recomputed) may keep
             autograd's saves by one of the lossy codecs ``allow`` and ``min_sqnr_db``
-            permit (:attr:`Plan.stored_codec`), where the profile recorded its saves.
-            False where the stored segment runs plain, as the blocks of
+            permit (:attr:`Plan.saves_codec`), where the profile recorded its saves.
+            False where they stay as autograd keeps them, as the blocks of
             :func:`actsave.plan_blocks`.
-        store_middle: whether segments before the last may be stored too (run
-            plainly, autograd keeping their saves: :attr:`Plan.stored`), where that is
+        plain_middle: whether segments before the last may be plain too (run
+            plainly, autograd keeping their saves: :attr:`Plan.plain`), where that is
             faster within the budget than checkpointing them.
+        compress_stored, store_middle: deprecated names of ``compress_saves`` and
+            ``plain_middle``.
 
     Raises :class:`~actsave.ConfigError` when no plan fits, stating the smallest
     budget this search finds a plan within (nested checkpoints included where it
@@ -92,7 +94,9 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         attention, cuDNN workspaces) shift the peak; keep a margin in ``budget``.
     """
     _check_plan_arguments(profile, budget, objective, max_checkpointed_layers)
-    for name, flag in (("compress_stored", compress_stored), ("store_middle", store_middle)):
+    compress_saves, plain_middle = _renamed_keywords("plan", renamed, compress_saves=compress_saves,
+                                                     plain_middle=plain_middle)
+    for name, flag in (("compress_saves", compress_saves), ("plain_middle", plain_middle)):
         if not isinstance(flag, bool):
             raise ConfigError(f"{name}={flag!r} must be True or False")
     keep_options(allow, min_sqnr_db, profile.device)  # checks allow and min_sqnr_db
@@ -101,7 +105,7 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
     # nesting would look free), for either objective, so that "the smallest" is one
     # figure: objective="memory"'s peak is the one an infeasible budget's error states.
     # A chain that runs a module in two layers is not nested: runtime/nested.py.
-    search = Search(profile, tuple(allow), min_sqnr_db, longest, compress_stored, store_middle,
+    search = Search(profile, tuple(allow), min_sqnr_db, longest, compress_saves, plain_middle,
                     nest=profile.timed and not profile.repeats_modules)
     model = search.model()
     found = None
@@ -240,7 +244,7 @@ def balanced(profile: Profile, options: Sequence[KeepPolicy]) -> Plan:
     # offloaded on a CPU goes to the host pool there too, though the model prices its
     # bytes as the device's (memory_model.effective_option).
     offload = tuple(kept_as(options[start], profile.layers[start].input_encodable).offload and not stored
-                    for start, stored in zip(chosen.starts, chosen.stored))
+                    for start, stored in zip(chosen.starts, chosen.plain))
     return dataclasses.replace(chosen, offload=offload)
 
 
@@ -251,8 +255,8 @@ def _plan_of(model: CostModel, segments: list, nested: list, budget: Optional[in
     before_last = [model.options[s.option] if s.is_checkpointed else EXACT for s in segments[:-1]]
     draft = Plan(model.n, tuple(s.start for s in segments), tuple(o.codec.name for o in before_last),
                  tuple(o.offload for o in before_last), 0, 0.0, 0, budget,
-                 stored_codec=model.stored_codecs[segments[-1].codec],
-                 stored=tuple(s.is_stored for s in segments[:-1]), nested=tuple(nested))
+                 saves_codec=model.stored_codecs[segments[-1].codec],
+                 plain=tuple(s.is_stored for s in segments[:-1]), nested=tuple(nested))
     plan = _with_predictions(draft, model, segments)
     if not plan.predicted_peak_bytes <= bound:
         raise InternalError(
@@ -316,37 +320,58 @@ def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=No
 
 def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[str]] = None,
             offload: Optional[Sequence[bool]] = None, budget: Optional[int] = None,
-            stored_codec: str = "none", stored: Optional[Sequence[bool]] = None,
-            nested: Optional[Sequence[Optional[Range]]] = None) -> Plan:
+            saves_codec: str = "none", plain: Optional[Sequence[bool]] = None,
+            nested: Optional[Sequence[Optional[Range]]] = None, **renamed) -> Plan:
     """The :class:`Plan` for given segment starts (and per segment before the last its
-    codec and offload, default exact, on the device, and whether it is stored, default
+    codec and offload, default exact, on the device, and whether it is plain, default
     not, and the Range that nests its recompute's checkpoints, default None; the codec
     of the last segment's saves, default as they are), with the model's
-    predictions: to
+    predictions (``stored_codec`` and ``stored``: deprecated names of ``saves_codec``
+    and ``plain``): to
     compare any segmentation, "sqrt"'s say, with a planned one. Each segment is
     evaluated from its own layers' events (CostModel.predict), not from the tables the
     dynamic programs read."""
+    saves_codec, plain = _renamed_keywords("predict", renamed, saves_codec=saves_codec, plain=plain)
     starts = list(starts)
     checkpointed = len(starts) - 1
     codecs = ["none"] * checkpointed if codecs is None else [get_codec(c).name for c in codecs]
     offload = [False] * checkpointed if offload is None else list(offload)
     draft = Plan(len(profile.layers), tuple(starts), tuple(codecs), tuple(offload), 0, 0.0, 0, budget,
-                 stored_codec=get_codec(stored_codec).name, stored=() if stored is None else tuple(stored),
+                 saves_codec=get_codec(saves_codec).name, plain=() if plain is None else tuple(plain),
                  nested=() if nested is None else tuple(nested))
-    if draft.stored_codec != "none" and profile.stored_saves is None:
-        raise ConfigError(f"stored_codec={stored_codec!r}: this profile records no stored saves (profiled with "
-                          "stored_saves=False), so its stored segment can only be predicted exact; pass "
-                          "stored_codec='none', or profile with stored_saves=True")
+    if draft.saves_codec != "none" and profile.stored_saves is None:
+        raise ConfigError(f"saves_codec={saves_codec!r}: this profile records no saves of a last segment (profiled "
+                          "with stored_saves=False), so they can only be predicted exact; pass "
+                          "saves_codec='none', or profile with stored_saves=True")
     policies = [None if option is None else kept_as(option, profile.layers[a].input_encodable)
                 for a, _, option in draft.segments[:-1]]
     options = sorted(set(policies) - {None}, key=lambda option: (option.codec.name, option.offload))
     segments = [PlannedSegment.stored(a, b) if policy is None
                 else PlannedSegment.checkpointed(a, b, options.index(policy))
                 for (a, b, _), policy in zip(draft.segments, policies)]
-    stored_codecs = ["none"] if draft.stored_codec == "none" else ["none", draft.stored_codec]
+    stored_codecs = ["none"] if draft.saves_codec == "none" else ["none", draft.saves_codec]
     model = CostModel(profile, options, stored_codecs=stored_codecs)
     last = PlannedSegment.stored_last(draft.starts[-1], draft.n_layers, len(stored_codecs) - 1)
     return _with_predictions(draft, model, [*segments, last])
+
+
+# Keywords renamed so that "plain" names a segment run plainly and "stored" what is held
+# for backward: the old names work, with a DeprecationWarning, for one release.
+_RENAMED_KEYWORDS = {"compress_stored": "compress_saves", "store_middle": "plain_middle",
+                     "stored_codec": "saves_codec", "stored": "plain"}
+
+
+def _renamed_keywords(function: str, given: dict, **values) -> tuple:
+    """``values`` (the new keywords' values, by name, in order), each replaced by its old
+    name's value where ``given`` (the call's other keywords) holds that; any other
+    keyword in ``given`` is refused as Python refuses an unknown one."""
+    for old, value in given.items():
+        new = _RENAMED_KEYWORDS.get(old)
+        if new not in values:
+            raise TypeError(f"{function}() got an unexpected keyword argument {old!r}")
+        warn_renamed(f"{function}({old}=...)", f"{function}({new}=...)", stacklevel=4)
+        values[new] = value
+    return tuple(values.values())
 
 
 __all__ = ["plan", "balanced", "predict", "keep_options", "Plan", "EXPECTED_GRADIENT_SQNR_DB", "DEFAULT_ALLOW",

@@ -143,7 +143,7 @@ def test_triton_launches_of_the_resnet_follow_its_segments(counts, measured):
         plan = model.balanced_plan
         stops = [*plan.starts[1:], plan.n_layers]
         kept = [(start, stop) for j, (start, stop) in enumerate(zip(plan.starts[:-1], stops))
-                if start > 0 and not plan.stored[j]]
+                if start > 0 and not plan.plain[j]]
         relus = _relu_ops_per_layer(counts, model, batch[0])
         decisions = sum(sum(relus[start:stop]) for start, stop in kept)
         launched = step_counts[provider].launches_by_kernel

@@ -118,7 +118,7 @@ class RotorTable:
     checkpointed run followed by such a plan; every other range is stored whole).
     With ``stored_anywhere`` too, stored runs may also come before the last (the
     choices of Opt(s, n-1, m) are then "store s, then any such plan of s+1 .. n-1" or
-    a checkpointed run followed by such a plan), as actsave's Plan.stored allows."""
+    a checkpointed run followed by such a plan), as actsave's Plan.plain allows."""
 
     def __init__(self, chain: RotorChain, memory: int, single_level: bool = False, stored_anywhere: bool = False):
         self.chain, self.memory, self.single_level = chain, int(memory), single_level

@@ -243,7 +243,7 @@ def test_the_solvers_tables_and_predict_agree_on_random_plans(name, gathered):
         peak, seconds = as_the_solvers_see_it(prof, model, segments)
         policies = [EXACT if o is None else model.options[o] for o in options]
         plan = plans.predict(prof, starts, [p.codec.name for p in policies], [p.offload for p in policies],
-                             stored_codec=model.stored_codecs[stored], stored=[o is None for o in options])
+                             saves_codec=model.stored_codecs[stored], plain=[o is None for o in options])
         assert plan.predicted_peak_bytes == peak
         assert math.isclose(plan.predicted_step_seconds, seconds, rel_tol=1e-12)
 
@@ -295,7 +295,7 @@ def test_a_stored_segment_with_compressed_saves_is_predicted_and_trains_within_t
     prof = actsave.profile(model, (x,))
     for stored_codec in ("int8", "fp8_e4m3"):
         for starts, codecs in (([0, 6, 10], ["none", "int8"]), ([0, 4], ["none"]), ([0], [])):
-            plan = plans.predict(prof, starts, codecs, stored_codec=stored_codec)
+            plan = plans.predict(prof, starts, codecs, saves_codec=stored_codec)
             model.apply_plan(plan)
             measured = peak_activation_bytes(model, x)
             # Measured: 0.993 to 1.000 of the prediction.
@@ -319,7 +319,7 @@ def test_compressed_stored_saves_bound_the_measured_peak_on_bench_chains(name):
     n = len(model)
     for starts in ([0], [0, n // 2], [0, n - 2]):
         for codec in ("int8", "fp8_e5m2"):
-            plan = plans.predict(prof, starts, ["int8"] * (len(starts) - 1), stored_codec=codec)
+            plan = plans.predict(prof, starts, ["int8"] * (len(starts) - 1), saves_codec=codec)
             model.apply_plan(plan)
             measured = peak_activation_bytes(model, x)
             # Measured: 0.80 of the prediction for the GPT stored whole (its encodings'
@@ -344,12 +344,12 @@ def test_compressed_stored_saves_count_max_pool_indices_as_their_decisions():
     n = len(model)
     for starts in ([0], [0, 2], [0, n // 2]):
         for codec in ("int8", "fp8_e5m2"):
-            plan = plans.predict(prof, starts, ["int8"] * (len(starts) - 1), stored_codec=codec)
+            plan = plans.predict(prof, starts, ["int8"] * (len(starts) - 1), saves_codec=codec)
             model.apply_plan(plan)
             measured = peak_activation_bytes(model, x)
             tight = {(0,): 0.8, (0, 2): 0.85}.get(tuple(starts), 0.97)
             assert tight * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, (starts, codec)
-    whole = plans.predict(prof, [0], [], stored_codec="int8").predicted_peak_bytes
+    whole = plans.predict(prof, [0], [], saves_codec="int8").predicted_peak_bytes
     assert whole < 0.5 * plans.predict(prof, [0], []).predicted_peak_bytes
 
 
@@ -360,19 +360,19 @@ def test_plan_compresses_the_stored_segment_only_where_the_budget_needs_it():
     x = torch.randn(128, 64)
     prof = actsave.profile(model, (x,))
     levers = {"allow": ("recompute", "int8"), "max_checkpointed_layers": 1}
-    exact_only = actsave.plan(prof, None, objective="memory", compress_stored=False, **levers)
+    exact_only = actsave.plan(prof, None, objective="memory", compress_saves=False, **levers)
     smallest = actsave.plan(prof, None, objective="memory", **levers)
-    assert smallest.stored_codec == "int8"
+    assert smallest.saves_codec == "int8"
     assert smallest.predicted_peak_bytes < exact_only.predicted_peak_bytes
     budget = (smallest.predicted_peak_bytes + exact_only.predicted_peak_bytes) // 2
     tight = actsave.plan(prof, budget, **levers)
-    assert tight.stored_codec == "int8" and "saves int8" in str(tight)
+    assert tight.saves_codec == "int8" and "saves int8" in str(tight)
     model.apply_plan(tight)
     assert peak_activation_bytes(model, x) <= tight.predicted_peak_bytes <= budget
     with pytest.raises(ConfigError, match="no plan fits"):
-        actsave.plan(prof, budget, compress_stored=False, **levers)
+        actsave.plan(prof, budget, compress_saves=False, **levers)
     # Where the budget holds the exact saves, they stay exact: the codec only costs time.
-    assert actsave.plan(prof, plans.predict(prof, [0]).predicted_peak_bytes, **levers).stored_codec == "none"
+    assert actsave.plan(prof, plans.predict(prof, [0]).predicted_peak_bytes, **levers).saves_codec == "none"
 
 
 @pytest.mark.parametrize("name", BENCH_LIKE_CHAINS)
@@ -391,7 +391,7 @@ def test_stored_middle_segments_are_predicted_and_train_exactly(name):
         stored = rng.choice([[True, False, False, False], [False, True, False, False], [False, False, True, False],
                              [True, False, True, False], [True, True, False, False], [False, False, True, True]])
         codecs = ["none" if flag else rng.choice(["none", "int8"]) for flag in stored]
-        plan = plans.predict(prof, starts, codecs, stored=stored)
+        plan = plans.predict(prof, starts, codecs, plain=stored)
         model.apply_plan(plan)
         measured = peak_activation_bytes(model, x)
         assert 0.9 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, (starts, stored)
@@ -417,7 +417,7 @@ def test_a_tensor_a_stored_segment_saves_at_its_end_is_counted_once(starts, stor
                                           [64, 128, 64, 128, 64, 32]))
     x = torch.randn(128, 32)
     prof = actsave.profile(model, (x,))
-    plan = plans.predict(prof, starts, codecs, stored=stored, stored_codec=stored_codec)
+    plan = plans.predict(prof, starts, codecs, plain=stored, saves_codec=stored_codec)
     model.apply_plan(plan)
     measured = peak_activation_bytes(model, x)
     assert 0.95 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes

@@ -153,7 +153,7 @@ def test_nesting_fits_below_the_smallest_single_level_peak_and_trains_exactly():
 
 @pytest.mark.parametrize("change, message", [
     (dict(codecs=("int8",)), "only an exact checkpointed segment"),
-    (dict(stored=(True,)), "only an exact checkpointed segment"),
+    (dict(plain=(True,)), "only an exact checkpointed segment"),
     (dict(nested=(Range(0, 3),)), "over the segment's 4 layers"),
     (dict(nested=(Range(0, 4), None)), "one Range or None per segment"),
 ])

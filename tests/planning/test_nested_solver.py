@@ -126,7 +126,7 @@ def test_a_nested_segment_after_a_stored_one_that_holds_its_input_counts_it_once
     model, x = CheckpointedSequential(*layers), torch.randn(64, 32)
     prof = actsave.profile(model, (x,))
     nested = Range(0, 3, inner=(Range(0, 2, inner=()), Range(2, 3, recomputed=False)))
-    plan = plans.predict(prof, [0, 3, 6, 9], stored=[False, True, False], nested=[None, None, nested])
+    plan = plans.predict(prof, [0, 3, 6, 9], plain=[False, True, False], nested=[None, None, nested])
     model.apply_plan(plan)
     # Counted twice, x_6 (64 x 16 floats) made the prediction 4,096 B too high. The
     # prediction may run a few hundred bytes high: the model frees a layer's recomputed
@@ -150,7 +150,7 @@ def test_the_planner_nests_after_stored_segments_that_hold_the_input_and_its_pla
             plan = actsave.plan(prof, int(budget), allow=("recompute",))  # raises InternalError above budget
         except actsave.ConfigError:
             continue
-        if any(stored and nested is not None for stored, nested in zip(plan.stored, plan.nested[1:])):
+        if any(stored and nested is not None for stored, nested in zip(plan.plain, plan.nested[1:])):
             model.apply_plan(plan)
             ratios.append(peak_activation_bytes(model, x) / plan.predicted_peak_bytes)
     assert ratios and all(0.97 <= ratio <= 1.0 for ratio in ratios), ratios

@@ -63,7 +63,7 @@ def test_planned_segments_are_exact_unless_a_codec_is_allowed(strategy, share):
     plain = nn.Sequential(*layers)
     budget = None if share is None else int(share * plans.predict(actsave.profile(plain, (x,)), [0]).predicted_peak_bytes)
     model = CheckpointedSequential(*twin(plain), segments=strategy, budget=budget, example_inputs=(x,))
-    assert set(model.applied_plan.codecs) <= {"none"} and model.applied_plan.stored_codec == "none"
+    assert set(model.applied_plan.codecs) <= {"none"} and model.applied_plan.saves_codec == "none"
     assert_same_training(plain, model, x)
     if strategy == "memory":
         # More levers never raise the smallest peak (here nested exact checkpoints reach
@@ -204,26 +204,26 @@ def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
         CheckpointedSequential(*deep_mlp(2), loss=lambda y: y.sum())
 
 
-@pytest.mark.parametrize("stored, codecs, offload, message", [
-    ((True,), ("none", "none"), (False, False), "needs 2 stored flags"),
+@pytest.mark.parametrize("plain, codecs, offload, message", [
+    ((True,), ("none", "none"), (False, False), "needs 2 plain flags"),
     ((1, 0), ("none", "none"), (False, False), "must be a tuple of True or False"),
-    ((True, False), ("int8", "none"), (False, False), "segment 0 is stored .* give it codec 'none'"),
-    ((False, True), ("none", "none"), (False, True), "segment 1 is stored .* offload False"),
+    ((True, False), ("int8", "none"), (False, False), "segment 0 is plain .* give it codec 'none'"),
+    ((False, True), ("none", "none"), (False, True), "segment 1 is plain .* offload False"),
 ])
-def test_bad_stored_flags_say_what_to_do(stored, codecs, offload, message):
+def test_bad_plain_flags_say_what_to_do(plain, codecs, offload, message):
     with pytest.raises(ConfigError, match=message):
-        plan_record.Plan(4, (0, 1, 2), codecs, offload, 0, 0.0, 0, stored=stored)
+        plan_record.Plan(4, (0, 1, 2), codecs, offload, 0, 0.0, 0, plain=plain)
 
 
-def test_store_middle_false_plans_as_before_and_true_is_never_slower(small_profile):
+def test_plain_middle_false_plans_as_before_and_true_is_never_slower(small_profile):
     everything = plans.predict(small_profile, [0]).predicted_peak_bytes
     smallest = actsave.plan(small_profile, None, objective="memory").predicted_peak_bytes
     for budget in (smallest, (smallest + everything) // 2, everything):
-        last_only = actsave.plan(small_profile, budget, store_middle=False)
-        assert not any(last_only.stored)
+        last_only = actsave.plan(small_profile, budget, plain_middle=False)
+        assert not any(last_only.plain)
         assert actsave.plan(small_profile, budget).predicted_step_seconds <= last_only.predicted_step_seconds
-    with pytest.raises(ConfigError, match="store_middle=1 must be True or False"):
-        actsave.plan(small_profile, everything, store_middle=1)
+    with pytest.raises(ConfigError, match="plain_middle=1 must be True or False"):
+        actsave.plan(small_profile, everything, plain_middle=1)
 
 
 def test_plan_refuses_a_plan_its_own_prediction_does_not_fit(small_profile):
@@ -315,5 +315,30 @@ def test_the_runtime_and_a_balanced_plan_keep_the_last_segment_alike():
     last = plans.balanced_last_policy()
     stored_rows = [line.split() for line in model.describe().splitlines()[2:] if line.split()[4:5] == ["saves"]]
     assert [row[5] for row in stored_rows] == [last.codec.name]  # the runtime's
-    assert model.balanced_plan.stored_codec == last.codec.name  # the plan's
+    assert model.balanced_plan.saves_codec == last.codec.name  # the plan's
     assert not last.lossy
+
+
+def test_the_old_names_of_plain_segments_still_work_and_warn(small_profile):
+    # Plan.stored / stored_codec and plan(store_middle=, compress_stored=) were renamed
+    # plain / saves_codec / plain_middle / compress_saves: "stored" means held for
+    # backward (stored_bytes()). The old names work for one release, with a warning.
+    budget = actsave.plan(small_profile, None, objective="memory").predicted_peak_bytes * 2
+    new = actsave.plan(small_profile, budget, plain_middle=False, compress_saves=False)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = actsave.plan(small_profile, budget, store_middle=False, compress_stored=False)
+    messages = [str(w.message) for w in caught]
+    assert any("plan(store_middle=...) is deprecated" in m and "plan(plain_middle=...)" in m for m in messages)
+    assert any("plan(compress_stored=...) is deprecated" in m for m in messages)
+    assert old == new
+    with pytest.warns(DeprecationWarning, match=r"Plan.stored is deprecated"):
+        assert old.stored == new.plain
+    with pytest.warns(DeprecationWarning, match=r"Plan.stored_codec is deprecated"):
+        assert old.stored_codec == new.saves_codec == "none"
+    with pytest.warns(DeprecationWarning, match=r"Plan\(stored=...\)"):
+        made = plan_record.Plan(4, (0, 2), ("none",), (False,), 0, 0.0, 0, stored=(True,))
+    assert made.plain == (True,)
+    with pytest.raises(ConfigError, match="both stored= and plain="):
+        plan_record.Plan(4, (0, 2), ("none",), (False,), 0, 0.0, 0, stored=(True,), plain=(True,))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stored_middle'"):
+        actsave.plan(small_profile, budget, stored_middle=False)

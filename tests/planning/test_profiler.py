@@ -92,9 +92,9 @@ def test_a_profile_without_stored_saves_plans_the_stored_segment_exact():
     prof = actsave.profile(model, (x,), stored_saves=False)
     assert prof.stored_saves is None and actsave.profile(model, (x,)).stored_saves is not None
     # One-layer segments: with its saves recorded, the smallest plan stores them by int8.
-    assert actsave.plan(prof, None, objective="memory", max_checkpointed_layers=1).stored_codec == "none"
-    with pytest.raises(ConfigError, match="records no stored saves"):
-        plans.predict(prof, [0], stored_codec="int8")
+    assert actsave.plan(prof, None, objective="memory", max_checkpointed_layers=1).saves_codec == "none"
+    with pytest.raises(ConfigError, match="records no saves of a last segment"):
+        plans.predict(prof, [0], saves_codec="int8")
 
 
 def test_profile_and_plan_print_as_tables():
@@ -103,7 +103,7 @@ def test_profile_and_plan_print_as_tables():
     assert lines[0].split()[:5] == ["layer", "name", "type", "out", "MiB"] and len(lines) == 1 + 8 + 1
     plan = actsave.plan(prof, None, objective="memory")
     text = str(plan)
-    assert "predicted peak activation memory" in text and "stored (no recompute)" in text and "<- peak" in text
+    assert "predicted peak activation memory" in text and "plain (no recompute)" in text and "<- peak" in text
 
 
 # --- the runtime and the profile on one rule ------------------------------------------

@@ -65,7 +65,7 @@ def test_rotor_simulates_every_plan_as_actsave_predicts_it_where_the_models_coin
     rotor_chain = rotor_chain_from_profile(prof, unit)
     for starts in single_level_starts(len(prof.layers)):
         for stored in itertools.product([False, True], repeat=len(starts) - 1):
-            predicted = plans.predict(prof, starts, stored=stored)
+            predicted = plans.predict(prof, starts, plain=stored)
             seconds, peak = simulate(rotor_chain, rotor_plan_of(predicted))
             assert peak * unit == predicted.predicted_peak_bytes, (starts, stored)
             assert math.isclose(seconds, predicted.predicted_step_seconds, rel_tol=1e-12), (starts, stored)
@@ -135,7 +135,7 @@ def test_actsave_is_rotors_single_level_optimum_where_the_models_coincide(activa
     feasible = 0
     for budget, seconds, chosen in sweep.rows:
         units = budget // sweep.unit
-        if chosen is None or not any(chosen.stored):
+        if chosen is None or not any(chosen.plain):
             assert math.isclose(seconds, sweep.single.step_time(units), rel_tol=1e-9), budget
         assert at_most(seconds, sweep.single.step_time(units)), budget
         assert math.isclose(seconds, sweep.single_anywhere.step_time(units), rel_tol=1e-9), budget
@@ -195,7 +195,7 @@ def _assert_measured_within_3_percent(model: CheckpointedSequential, x: torch.Te
         plan = actsave.plan(prof, int(smallest + share * (everything - smallest)), allow=RECOMPUTE_ONLY)
         model.apply_plan(plan)
         ratio = peak_activation_bytes(model, x) / plan.predicted_peak_bytes
-        assert 0.97 <= ratio <= 1.0, (share, plan.starts, plan.stored, plan.nested, ratio)
+        assert 0.97 <= ratio <= 1.0, (share, plan.starts, plan.plain, plan.nested, ratio)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

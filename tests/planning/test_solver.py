@@ -38,7 +38,7 @@ def predicted(prof, starts: list, chosen: tuple, stored_codec: str):
     middle = [o == STORED for o in chosen]
     policies = [KeepPolicy.resolve() if flag else o for o, flag in zip(chosen, middle)]
     return plans.predict(prof, starts, [o.codec.name for o in policies], [o.offload for o in policies],
-                         stored_codec=stored_codec, stored=middle)
+                         saves_codec=stored_codec, plain=middle)
 
 
 def views_chain() -> list:
@@ -72,7 +72,7 @@ def test_dynamic_program_agrees_with_brute_force(device, n, kinds, reading):
         prof = with_host_copies(prof)
     options = [*plans.keep_options(plans.DEFAULT_ALLOW, None, device), STORED]
     every_plan = [predicted(prof, starts, chosen, stored) for starts, chosen, stored in all_plans(n, options)]
-    assert any(any(p.stored) for p in every_plan if p.predicted_step_seconds == min(
+    assert any(any(p.plain) for p in every_plan if p.predicted_step_seconds == min(
         q.predicted_step_seconds for q in every_plan if q.predicted_peak_bytes <= p.predicted_peak_bytes))
     smallest = min(p.predicted_peak_bytes for p in every_plan)
     assert actsave.plan(prof, None, objective="memory").predicted_peak_bytes == smallest
@@ -179,8 +179,8 @@ def test_sweeps_find_the_plans_that_reading_every_label_finds(monkeypatch):
         monkeypatch.setattr(solver, "_SWEPT", 0)
         monkeypatch.setattr(pareto.Sweep, "undominated", counting)
         swept = actsave.plan(prof, budget, allow=lossy)
-        assert (swept.starts, swept.codecs, swept.stored, swept.stored_codec) == (
-            direct.starts, direct.codecs, direct.stored, direct.stored_codec)
+        assert (swept.starts, swept.codecs, swept.plain, swept.saves_codec) == (
+            direct.starts, direct.codecs, direct.plain, direct.saves_codec)
         assert swept.predicted_step_seconds == direct.predicted_step_seconds
     assert read["labels"] > 0  # some b fell back to one pass over every label
 
