@@ -1,6 +1,6 @@
 """Which code a checkpointed call runs its compiled layers by (runtime/compiled_layers.py,
 NOTE [ Decisions in compiled layers ]); the gradients this buys are in
-tests/test_compile.py."""
+tests/compile/."""
 import contextlib
 import warnings
 

@@ -1,6 +1,6 @@
 """actsave/runtime/graph_codecs.py: which segments make decisions a compiled recompute
 cannot keep, and the saved-tensor hooks set and unset around a compiled forward (NOTE [
-Codecs in a compiled graph ]). The compiled models themselves: tests/test_compile.py."""
+Codecs in a compiled graph ]). The compiled models themselves: tests/compile/."""
 import copy
 import inspect
 import io

@@ -1,0 +1,207 @@
+"""Codecs in the compiled graph: segments and blocks kept by a codec inside one graph, at
+one break where actsave's graph hooks are set."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import actsave
+from actsave import _torch_graphs
+from actsave.runtime import compiled_calls, graph_codecs
+from support import ResidualBlock, ResidualNet, load_bench_module, sqnr_db
+from compile.steps import (
+    BACKEND, assert_codecs_in_the_graph, assert_keeps_as_eager_actsave, compiled_for_counting, compiles_counted,
+    flat_gradients, gelu_chain, grads_of_a_step, kept_after_forward
+)
+
+
+
+@pytest.mark.parametrize("segments", [4, "balanced"])
+def test_a_compiled_checkpointed_sequential_keeps_its_inputs_by_a_codec_in_the_graph(segments):
+    x = torch.randn(32, 64)
+    assert_codecs_in_the_graph(lambda: actsave.CheckpointedSequential(*gelu_chain(), segments=segments,
+                                                                      compress="int8"),
+                               x, nn.Sequential(*gelu_chain()))
+
+
+def test_a_compiled_stored_segment_keeps_its_saves_by_its_codec_too():
+    # segments=4 sets int8 on every layer, the last segment's too: its saves are stored
+    # by int8 (kept_saves.py eagerly), so that int8 keeps under a quarter of
+    # fp32's bytes and scales, as eagerly (27,840 against 64,320 bytes).
+    x = torch.randn(32, 64)
+    exact = torch.compile(actsave.CheckpointedSequential(*gelu_chain(), segments=4), backend=BACKEND)
+    int8 = torch.compile(actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8"),
+                         backend=BACKEND)
+    for model in (exact, int8):
+        grads_of_a_step(model, x)
+    assert kept_after_forward(int8, x) < 0.3 * kept_after_forward(exact, x)
+
+
+def test_describe_says_a_compiled_call_encoded_the_kept_inputs_in_the_graph():
+    model = actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8")
+    grads_of_a_step(torch.compile(model, backend=BACKEND), torch.randn(8, 64))
+    assert "(those set to keep by a codec encoded in it)" in model.describe()
+
+
+def test_compiled_wrapped_blocks_keep_their_inputs_by_a_codec_in_the_graph():
+    # Each block ends in a saved copy: the next block's kept input, encoded, and the
+    # head's input, kept exactly as eagerly (NOTE [ Codecs in a compiled graph ]).
+    plain = ResidualNet(depth=4, width=64, dropout=0.0)
+    assert_codecs_in_the_graph(lambda: actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"),
+                               torch.randn(32, 64), plain)
+
+
+@pytest.mark.parametrize("how", ["model.compile()", "an nn.Sequential root", "a wrapped root inside another"])
+def test_wrapped_blocks_keep_by_a_codec_in_the_graph_at_one_break_however_the_root_is_compiled(how):
+    # Module.compile() and torch.compile of an nn.Sequential trace the root's
+    # Module.__call__, which calls its RootForward; a wrapped root inside another is
+    # traced as the outer one's code (NOTE [ Codecs in a compiled graph ]).
+    plain = ResidualNet(depth=4, width=64, dropout=0.0)
+    if how == "an nn.Sequential root":
+        plain = nn.Sequential(*plain.blocks, plain.head)
+    elif how == "a wrapped root inside another":
+        plain = nn.Sequential(ResidualBlock(64, dropout=0.0), plain)
+
+    def make():
+        model = copy.deepcopy(plain)
+        if how == "a wrapped root inside another":
+            actsave.wrap(model[1], ResidualBlock, compress="int8")
+        return actsave.wrap(model, ResidualBlock, compress="int8")
+    assert_codecs_in_the_graph(make, torch.randn(32, 64), plain, in_place=how == "model.compile()")
+
+
+def test_compiled_wrapped_attention_blocks_keep_by_a_codec_in_the_graph():
+    models = load_bench_module("models")
+    torch.manual_seed(0)
+    plain = models.gpt(4, width=64, heads=2, vocab_size=64, max_seq_len=16)
+    assert_codecs_in_the_graph(
+        lambda: actsave.wrap(copy.deepcopy(plain), models.TransformerBlock, compress="int8"),
+        torch.randint(0, 64, (4, 16)), plain)
+
+
+def test_a_compiled_hugging_face_llama_keeps_its_wrapped_blocks_by_a_codec_in_the_graph():
+    # Its mask code reads a value (Tensor.item()) unless the tensor is fake: the probe
+    # runs on fake tensors (NOTE [ Fake tensors in a probe ]), so the blocks' codec
+    # goes in the graph instead of running eagerly at a break per block.
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config).train()
+    Logits = load_bench_module("compile_memory").Logits  # the causal LM as a map from ids to logits
+    assert_codecs_in_the_graph(
+        lambda: Logits(actsave.wrap(copy.deepcopy(plain), LlamaDecoderLayer, compress="int8")),
+        torch.randint(1, 64, (2, 16)), Logits(plain))
+
+
+class ResidualBlocks(nn.Module):
+    """Residual blocks, the second with a ReLU, and a graph break after each where asked."""
+
+    def __init__(self, graph_breaks: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(ResidualBlock(64, activation=activation, dropout=0.0)
+                                    for activation in (torch.tanh, torch.relu, torch.tanh, torch.tanh))
+        self.head = nn.Linear(64, 2)
+        self.graph_breaks = graph_breaks
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if self.graph_breaks:
+                torch._dynamo.graph_break()
+        return self.head(x)
+
+
+@pytest.mark.parametrize("graph_breaks", [False, True], ids=["one loop", "a break in the loop"])
+def test_compiled_wrapped_blocks_keep_by_a_codec_where_one_runs_eagerly_or_each_compiles_alone(
+        monkeypatch, graph_breaks):
+    # The ReLU block runs eagerly at a break of its own, and Dynamo runs a loop with a
+    # break in it eagerly: the other blocks compile one by one, their inputs graph
+    # inputs, whose copies they encode (NOTE [ Codecs in a compiled graph ]).
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
+    plain = ResidualBlocks(graph_breaks)
+    model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
+    with warnings.catch_warnings(record=True) as raised, compiles_counted() as compiles:
+        warnings.simplefilter("always")
+        compiles_after = assert_keeps_as_eager_actsave(
+            model, actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), plain, torch.randn(32, 64),
+            compiles)
+    assert len([w for w in raised if "makes ReLU decisions" in str(w.message)]) == 1
+    assert compiles_after[0] >= 1 and compiles_after == compiles_after[:1] * 3
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_a_graphs_codec_traces_its_torch_reference_whichever_backend_runs_eagerly(backend):
+    # Seen on an H200 (torch 2.11): on CUDA the "auto" backend picked the Triton
+    # launcher inside the traced pack hook, which cannot run on fake tensors, and every
+    # compile of a wrapped int8 model failed. Forcing "triton" here (the interpreter on
+    # this CPU) takes the same path (NOTE [ Codecs in a compiled graph ]).
+    plain, x = ResidualNet(depth=4, width=64, dropout=0.0), torch.randn(32, 64)
+    with actsave.set_backend(backend):
+        eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8")
+        model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
+        expected = flat_gradients(plain, x)
+        eager_db, compiled_db = (sqnr_db(expected, flat_gradients(m, x)) for m in (eager, model))
+    assert abs(compiled_db - eager_db) <= 1.0 and compiled_db < 200
+    assert kept_after_forward(model, x) <= 1.05 * kept_after_forward(eager, x)
+
+
+def test_inductor_compiled_wrapped_blocks_keep_by_a_codec_in_the_graph():
+    # Inductor drops a clone nothing needs, and with it the copy a block's codec keeps:
+    # the copies are actsave's own operator (graph_codecs._copy). One C++ build.
+    plain, x = ResidualNet(depth=2, width=64, dropout=0.0), torch.randn(32, 64)
+    eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8")
+    model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend="inductor")
+    expected = flat_gradients(plain, x)
+    eager_db, compiled_db = (sqnr_db(expected, flat_gradients(m, x)) for m in (eager, model))
+    assert abs(compiled_db - eager_db) <= 1.0 and compiled_db < 200
+
+
+def test_compiled_segments_keep_by_each_layer_codec_and_exact_ones_exactly():
+    def make():
+        model = actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8")
+        for layer in range(4, 8):
+            model.set_compression(layer, "fp8_e4m3")
+        for layer in range(8, 16):
+            model.set_compression(layer, None)
+        return model
+    assert_codecs_in_the_graph(make, torch.randn(32, 64), nn.Sequential(*gelu_chain()))
+
+
+def test_compiled_attention_on_the_cpu_keeps_by_a_codec_in_the_graph():
+    # The CPU's fused attention is a seeded op: its checkpointed recompute saves an RNG
+    # state (NOTE [ RNG states under graph hooks ] in actsave/_torch.py).
+    gpt = load_bench_module("models").gpt
+
+    def blocks():
+        torch.manual_seed(0)
+        return gpt(4, width=64, heads=2, vocab_size=64, max_seq_len=16)
+    assert_codecs_in_the_graph(lambda: actsave.CheckpointedSequential(*blocks(), segments=3, compress="int8"),
+                               torch.randint(0, 64, (4, 16)), blocks())
+
+
+def test_without_the_private_torch_pieces_a_compiled_codec_runs_eagerly_and_names_them(monkeypatch):
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
+    monkeypatch.setattr(graph_codecs, "missing_pieces", lambda: "this PyTorch lacks torch.fx.traceback.annotate")
+    x = torch.randn(8, 64)
+    eager = actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8")
+    model = torch.compile(actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8"),
+                          backend=BACKEND)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+    assert len([w for w in raised if "lacks torch.fx.traceback.annotate" in str(w.message)]) == 1
+
+
+def test_without_the_private_torch_pieces_exact_segments_still_compile(monkeypatch):
+    monkeypatch.setattr(_torch_graphs, "_annotate", None)
+    x = torch.randn(8, 64)
+    eager = actsave.CheckpointedSequential(*gelu_chain(), segments=4)
+    model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*gelu_chain(), segments=4))
+    torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+    assert len(graphs) == 1

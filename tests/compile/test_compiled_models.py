@@ -1,0 +1,239 @@
+"""A compiled model that contains actsave: one graph with torch's checkpoints, eager at one
+break where it keeps on the host or keeps decisions, failures that leave no hooks set."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import actsave
+from actsave import _torch
+from actsave.planning import plans
+from actsave.runtime import compiled_calls, graph_codecs
+from actsave.runtime.nested import Range
+from support import ResidualBlock, ResidualNet
+from compile.steps import (
+    BACKEND, activation_bytes_saved, chain, checkpoints_in, compiled_for_counting, compiles_counted, dropout_free_chain,
+    gelu_chain, grads_of_a_step, relu_chain
+)
+
+
+
+@pytest.mark.parametrize("segments", ["balanced", 4])
+def test_a_compiled_checkpointed_sequential_is_one_graph_that_recomputes_its_segments(segments):
+    eager = actsave.CheckpointedSequential(*dropout_free_chain(), segments=segments)
+    model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*dropout_free_chain(), segments=segments))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for _ in range(3):
+        x = torch.randn(16, 32)
+        got, expected = grads_of_a_step(model, x), grads_of_a_step(eager, x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+    # One break, where the segments are looked up; one graph; a checkpoint per
+    # checkpointed segment of the same plan.
+    assert (sum(counters["graph_break"].values()), len(graphs)) == (1, 1)
+    starts = eager.balanced_plan.starts if segments == "balanced" else (0, 4, 8, 12)
+    assert checkpoints_in(graphs) == len(starts) - 1 >= 2
+    plain = torch.compile(nn.Sequential(*dropout_free_chain()), backend=BACKEND)
+    x = torch.randn(16, 32)
+    assert activation_bytes_saved(model, x) < activation_bytes_saved(plain, x) / 2
+
+
+def test_compiled_wrapped_blocks_are_one_graph_with_a_checkpoint_each():
+    plain, x = ResidualNet(depth=4), torch.randn(4, 8)
+    eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock)
+    model, graphs = compiled_for_counting(actsave.wrap(copy.deepcopy(plain), ResidualBlock))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for seed in (1, 2, 3):  # Dropout: the checkpoint replays the forward's RNG in the graph
+        torch.testing.assert_close(grads_of_a_step(model, x, seed), grads_of_a_step(eager, x, seed))
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+    assert (sum(counters["graph_break"].values()), len(graphs), checkpoints_in(graphs)) == (0, 1, 4)
+
+
+@pytest.mark.parametrize("layers, options", [(chain, {"offload": True}), (relu_chain, {"compress": "int8"}),
+                                             (relu_chain, {"compress": "int8", "segments": "balanced"})],
+                         ids=["offload", "int8 with ReLU decisions", "int8 with ReLU decisions, balanced"])
+def test_a_compiled_checkpointed_sequential_that_keeps_on_the_host_or_keeps_decisions_runs_eagerly_at_one_break(
+        monkeypatch, layers, options):
+    """Its forward runs eagerly at the one break where the segments are looked up, as
+    without torch.compile: the same gradients, the same kept bytes, one warning, no
+    recompile; not a break at each segment (N segments were N + 1 breaks before)."""
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)  # once per process
+    options = {"segments": 3, **options}
+    x = torch.randn(4, 8)
+    eager = actsave.CheckpointedSequential(*layers(), **options)
+    model, graphs = compiled_for_counting(actsave.CheckpointedSequential(*layers(), **options))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiles_after = []
+    with warnings.catch_warnings(record=True) as raised, compiles_counted() as compiles:
+        warnings.simplefilter("always")
+        for seed in (1, 2, 3):
+            torch.testing.assert_close(grads_of_a_step(model, x, seed), grads_of_a_step(eager, x, seed))
+            for m in (model, eager):
+                m.zero_grad(set_to_none=True)
+            compiles_after.append(len(compiles))
+    why = "offload is not an op" if "offload" in options else "makes ReLU decisions"
+    assert len([w for w in raised if "runs eagerly under torch.compile" in str(w.message)
+                and why in str(w.message)]) == 1
+    assert sum(counters["graph_break"].values()) == 1
+    assert compiles_after[0] >= 1 and compiles_after == compiles_after[:1] * 3  # nothing compiled after step 1
+    assert model._orig_mod.describe() == eager.describe()  # kept bytes reported, as eagerly
+
+class FailsOnce(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("failed on purpose")
+        return x
+
+
+@pytest.mark.parametrize("kind", ["CheckpointedSequential", "wrap"])
+def test_a_compiled_forward_that_raises_leaves_no_hooks_set(kind):
+    # NOTE [ Codecs in a compiled graph ]: a CheckpointedSequential and a wrapped
+    # model's root forward unset them as the compiled forward raises.
+    failing = FailsOnce()
+    if kind == "wrap":
+        chain = actsave.wrap(nn.Sequential(*gelu_chain(), failing), nn.Linear, compress="int8")
+    else:
+        chain = actsave.CheckpointedSequential(*gelu_chain(), failing, segments=4, compress="int8")
+    model = torch.compile(chain, backend=BACKEND)
+    x = torch.randn(8, 64)
+    grads_of_a_step(model, x)
+    failing.fail = True
+    with pytest.raises(RuntimeError, match="failed on purpose"):
+        model(x)
+    assert _torch.top_saved_tensor_hooks() is None
+    failing.fail = False
+    grads_of_a_step(model, x)
+    assert _torch.top_saved_tensor_hooks() is None
+
+
+def test_hooks_a_failed_forward_left_set_are_unset_at_the_next_one():
+    # What unsets them where nothing else did: hooks_on pops its own hooks from the top.
+    assert graph_codecs.hooks_on()
+    try:
+        assert graph_codecs.hooks_on()  # ours on top: popped, then set again
+        assert _torch.top_saved_tensor_hooks() == graph_codecs._the_hooks()
+        graph_codecs.hooks_off()
+        assert _torch.top_saved_tensor_hooks() is None
+    finally:
+        graph_codecs.hooks_off()
+
+
+def test_under_other_saved_tensor_hooks_a_compiled_codec_runs_eagerly_and_says_why(monkeypatch):
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
+    x = torch.randn(8, 64)
+    eager = actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8")
+    model = torch.compile(actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8"),
+                          backend=BACKEND)
+    with warnings.catch_warnings(record=True) as raised, torch.autograd.graph.save_on_cpu():
+        warnings.simplefilter("always")
+        torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+    assert len([w for w in raised if "other saved-tensor hooks are set" in str(w.message)]) == 1
+
+
+def test_a_compiled_wrapped_block_that_makes_decisions_runs_eagerly_and_says_why_once(monkeypatch):
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
+    plain, x = ResidualNet(depth=3, activation=torch.relu), torch.randn(4, 8)
+    eager = actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8")
+    model = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        for seed in (1, 2):
+            torch.testing.assert_close(grads_of_a_step(model, x, seed), grads_of_a_step(eager, x, seed))
+            for m in (model, eager):
+                m.zero_grad(set_to_none=True)
+    assert len([w for w in raised if "a graph break at each such call" in str(w.message)
+                and "makes ReLU decisions" in str(w.message)]) == 1
+
+
+def test_a_deep_copied_checkpointed_sequential_compiles_its_exact_segments_too():
+    # copy.deepcopy gives the copy codec objects of its own: exactness is judged by value.
+    model, graphs = compiled_for_counting(copy.deepcopy(actsave.CheckpointedSequential(*dropout_free_chain(),
+                                                                                        segments=4)))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    grads_of_a_step(model, torch.randn(16, 32))
+    assert (sum(counters["graph_break"].values()), checkpoints_in(graphs)) == (1, 3)
+
+
+class DataDependent(nn.Module):
+    """A layer whose Python branches on a tensor's value: a graph break in its forward."""
+
+    def forward(self, x):
+        return x * 2 if x.abs().sum().item() < 1e9 else x
+
+
+def test_a_layer_dynamo_cannot_trace_breaks_the_graph_and_trains_as_eager_actsave():
+    def layers():
+        torch.manual_seed(0)
+        return [nn.Linear(16, 16), nn.GELU(), DataDependent(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)]
+    eager = actsave.CheckpointedSequential(*layers(), segments=3)
+    model = torch.compile(actsave.CheckpointedSequential(*layers(), segments=3), backend=BACKEND)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+
+
+def test_describe_says_a_compiled_call_reports_no_kept_bytes():
+    model = actsave.CheckpointedSequential(*dropout_free_chain(), segments=4)
+    grads_of_a_step(torch.compile(model, backend=BACKEND), torch.randn(16, 32))
+    assert "ran in a compiled graph" in model.describe()
+    assert "a compiled backward may hold more" in model.describe()  # than the plan's prediction
+    grads_of_a_step(model, torch.randn(16, 32))
+    assert "compiled" not in model.describe() and "device        2048" in model.describe()
+
+
+def test_a_nested_segment_compiles_as_one_checkpoint_with_eager_gradients():
+    # Its inner cuts apply eagerly only (docs/limits.md, "torch.compile").
+    def planned() -> actsave.CheckpointedSequential:
+        model = actsave.CheckpointedSequential(*dropout_free_chain())
+        inner = (Range(0, 6), Range(6, 12, recomputed=False))
+        plan = plans.predict(actsave.profile(model, (torch.randn(16, 32),)), [0, 12],
+                             nested=[Range(0, 12, inner=inner)])
+        model.apply_plan(plan)
+        return model
+    eager = planned()
+    assert "input, nested" in eager.describe()
+    model, graphs = compiled_for_counting(planned())
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    x = torch.randn(16, 32)
+    torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x), rtol=1e-5, atol=1e-6)
+    assert (sum(counters["graph_break"].values()), checkpoints_in(graphs)) == (1, 1)
+
+
+class LinearBlock(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def linear_stack(n: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(LinearBlock() for _ in range(n)))
+
+
+def test_compiled_selective_blocks_are_one_graph_of_torch_selective_checkpoints():
+    # keep="selective" is torch's selective checkpoint in the graph, saving the linear
+    # layers' matmuls (NOTE [ Keep modes ]): one graph, no break, eager's gradients.
+    eager = actsave.wrap(linear_stack(), LinearBlock, keep="selective")
+    model, graphs = compiled_for_counting(actsave.wrap(linear_stack(), LinearBlock, keep="selective"))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    x = torch.randn(4, 8, 16)
+    torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+    assert (sum(counters["graph_break"].values()), len(graphs), checkpoints_in(graphs)) == (0, 1, 3)
