@@ -35,7 +35,6 @@ Limits:
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -100,12 +99,12 @@ class MemoryEstimate:
 
 # NOTE [ Workspaces an estimate leaves out ]
 # cuDNN's convolutions take workspaces from the caching allocator: memory no tensor
-# holds, which meta kernels do not ask for, so the estimate cannot count it. Measured on
-# an H100 and an H200 (docs/limits.md, "Meta estimates"), every mode of ResNet-164 peaked
-# above its estimate by 3.1-3.4x the largest tensor a convolution reads or writes (49-54
-# MiB at batch 64, 432 MiB at batch 512). An estimate for CUDA of a model that runs
-# convolutions states that size, 3.4x that tensor, as left out: a rough figure beside
-# the peaks, not added to them.
+# holds, which meta kernels do not ask for, so the estimate cannot count it. The gap a
+# GPU measured scales with the largest tensor a convolution reads or writes (the
+# factor and the runs behind it: docs/limits.md, "Meta estimates"). An estimate for
+# CUDA of a model that runs convolutions states that factor times that tensor as left
+# out: a rough figure beside the peaks, not added to them, since it is not this step's
+# measurement.
 _WORKSPACE_PER_CONVOLUTION_TENSOR = 3.4
 
 
@@ -144,7 +143,7 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
             with fast_meta(), torch.enable_grad():
                 model(*inputs)  # outside the measured step (module docstring)
         tracker = LiveBytes(device, known=(state, inputs))
-        convolutions = _LargestConvolutionTensor(model) if convolution_workspaces(device) else contextlib.nullcontext()
+        convolutions = _LargestConvolutionTensor(model, watched=convolution_workspaces(device))
         with tracker, peak_stored_bytes() as stored, convolutions:
             host_before = stored["host"]
             outputs = model(*inputs)
@@ -160,16 +159,16 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
         optimizer_bytes=OPTIMIZER_STATES[optimizer] * sum(_bytes(p, device) for p in trained),
         device=str(device),
         host_peak_bytes=stored["host"] - host_before,
-        workspace_bytes_left_out=int(_WORKSPACE_PER_CONVOLUTION_TENSOR * getattr(convolutions, "largest", 0)),
+        workspace_bytes_left_out=int(_WORKSPACE_PER_CONVOLUTION_TENSOR * convolutions.largest),
     )
 
 
 class _LargestConvolutionTensor:
     """While open: the bytes of the largest tensor a convolution of ``model`` reads or
-    writes (``largest``), from hooks on its convolution modules."""
+    writes (``largest``), from hooks on its convolution modules; 0 unless ``watched``."""
 
-    def __init__(self, model: nn.Module):
-        self._convolutions = [m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    def __init__(self, model: nn.Module, watched: bool):
+        self._convolutions = [m for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)] if watched else []
         self.largest = 0
 
     def __enter__(self):

@@ -37,7 +37,7 @@ import torch
 from .._torch import storage_identity, version_counter_of
 from ..layouts import is_dense
 from ..offload import current_tape
-from .keep_rules import KeepPolicy
+from .keep_rules import KeepPolicy, placed
 from .kept_entries import _Encoded, _ExactStorage, _HostGroup
 
 
@@ -105,8 +105,11 @@ def store_kept(policy: KeepPolicy, outputs: list, tensors: list, left: set) -> S
     """Store what a selective frame keeps (NOTE [ Stored kept outputs ]): ``outputs``,
     the kept calls' outputs its recompute reads; ``tensors``, the other tensors it
     keeps; ``left``, the identities of the storages held anyway (its inputs')."""
-    groups = {}  # storage identity -> positions of the tensors of it
     kept = [*outputs, *tensors]
+    if not kept:
+        return StoredKept([])
+    policy = placed(policy, kept[0].device)  # offload only where it moves them off the device
+    groups = {}  # storage identity -> positions of the tensors of it
     for position, tensor in enumerate(kept):
         identity = storage_identity(tensor)
         if identity not in left:

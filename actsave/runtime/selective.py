@@ -65,10 +65,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .._torch import default_device, leaf_base, storage_identity, version
+from .._torch import leaf_base, storage_identity, version
 from ..errors import ConfigError, RecomputeError
 from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
-from .keep_rules import EXACT, KeepPolicy, placed
+from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps
 from .kept_outputs import StoredKept, store_kept
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
@@ -140,12 +140,10 @@ class _Kept:
 class SelectiveFrame(_Frame):
     """A checkpointed call recomputed selectively: NOTE [ Selective recompute ]."""
 
-    def __init__(self, function, kept, replay, args, kwargs, *frame_args, ops: KeptOps = DEFAULT_KEPT_OPS):
-        inputs = input_tensors(args, kwargs)
-        device = inputs[0].device if inputs else default_device()
-        self.policy = placed(kept.policy, device)  # what it keeps beside its inputs is stored so
+    def __init__(self, function, kept, *frame_args, ops: KeptOps = DEFAULT_KEPT_OPS):
+        self.policy = kept.policy  # what it keeps beside its inputs is stored so
         self.stored = StoredKept([])
-        super().__init__(function, kept, replay, args, kwargs, *frame_args)
+        super().__init__(function, kept, *frame_args)
         self.ops = ops
         if ops.modules and self.layers is None:
             raise ConfigError(
@@ -255,8 +253,8 @@ class SelectiveFrame(_Frame):
     def _store(self) -> None:
         """Store what it keeps as its policy says: NOTE [ Stored kept outputs ]."""
         calls = [call for call in self.calls if call.skipped and call.output is not None]
-        kept = [slot.kept for slot in map(_live, self.slots) if slot is not None and slot.kept is not None
-                and not slot.kept.held]
+        slots = [ref() for ref in self.slots]
+        kept = [slot.kept for slot in slots if slot is not None and slot.kept is not None and not slot.kept.held]
         self.stored = store_kept(self.policy, [call.output for call in calls], [k.tensor for k in kept],
                                  self._input_storages)
         for call, stored in zip(calls, self.stored.tensors):
@@ -428,10 +426,6 @@ def _held_elsewhere(tensor: torch.Tensor) -> bool:
     parameter (a leaf that requires grad; ``weight.t()`` a Linear saves)."""
     base = leaf_base(tensor)
     return base is not None and (base.requires_grad or isinstance(base, nn.Parameter))
-
-
-def _live(ref):
-    return ref()
 
 
 def _recomputed(slot) -> bool:
