@@ -13,7 +13,9 @@ from typing import Iterable
 
 from torch import nn
 
+from .checks import integral
 from .codecs import Codec
+from .errors import ConfigError
 from .runtime.keep_rules import KeepPolicy
 
 
@@ -66,4 +68,21 @@ class LayerSettings:
             other._offload = {m: f for m, f in self._offload.items() if m in present}
 
 
-__all__ = ["LayerSettings"]
+def modules_named(chain: nn.Sequential, layer) -> list:
+    """The modules ``layer`` (an index, child name or slice of ``chain``) names now."""
+    if isinstance(layer, slice):
+        return list(chain)[layer]
+    names = list(chain._modules)
+    if isinstance(layer, str) and layer in chain._modules:
+        return [chain._modules[layer]]
+    index = integral(layer)
+    if index is not None and -len(names) <= index < len(names):
+        return [chain._modules[names[index]]]
+    raise ConfigError(
+        f"layer {layer!r} is not in this CheckpointedSequential; use an index in "
+        f"[0, {len(names) - 1}], a child name (one of {names[:8]}"
+        f"{'...' if len(names) > 8 else ''}) or a slice"
+    )
+
+
+__all__ = ["LayerSettings", "modules_named"]

@@ -30,25 +30,18 @@ import torch
 from torch import nn
 
 from .planning import plan_record, plans, profiler
-from .planning.balanced_cache import BalancedPlans
-from .planning.segments import (BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, normalized_segments,
-                                segment_starts, segments_from, split_starts)
+from .planning.chain_segments import ChainSegments
+from .planning.segments import BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, normalized_segments, segment_starts
 from ._torch import is_sharded, named_children_of
-from .checks import integral
-from .layer_settings import LayerSettings
-from .runtime.kept_saves import call_with_kept_saves
+from .layer_settings import LayerSettings, modules_named
 from .errors import ConfigError
-from .runtime.compiled_chain import CompiledForwards
-from .runtime.function import checkpointed_call
-from .runtime.layers import LayerRun
-from .runtime.nested import nested_call
-from .runtime.state import ChainState
-from .offload import current_tape
-from .runtime.keep_rules import CallerTensors, KeepPolicy, modifies_input, should_encode
+from .runtime import compiled_chain
+from .runtime.chain import ChainCall, run_eagerly, segments_and_policies, starts_for_call
+from .runtime.keep_rules import KeepPolicy
 from .text import format_table
 
 
-class CheckpointedSequential(CompiledForwards, nn.Sequential):
+class CheckpointedSequential(nn.Sequential):
     """Drop-in ``nn.Sequential`` that trades recompute (and, per layer, compression or
     host offload of what it keeps) for activation memory.
 
@@ -129,8 +122,7 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
                                   min_sqnr_db)
         if not planned and segments != BALANCED:
             segment_starts(len(self), segments)  # validate now, not at the first forward
-        self.segments = segments
-        self._balanced = BalancedPlans()
+        self._segment_source = ChainSegments(segments)
         default_compress, layer_compress = _split_per_layer(compress, default=None)
         default_offload, layer_offload = _split_per_layer(offload, default=False)
         self._settings = LayerSettings(KeepPolicy.resolve(default_compress, default_offload))
@@ -138,11 +130,8 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
             self.set_compression(layer, codec)
         for layer, flag in layer_offload.items():
             self.set_offload(layer, flag)
-        self._last_kept_bytes = {}  # segment start -> bytes kept at the last training call
-        self._last_by_reference = {}  # segment start -> bytes of the input its caller held then
-        self._last_traced = False  # whether the last training call ran in a compiled graph
+        self._last_call = ChainCall()  # what the last training call kept (describe())
         self._decisions_by_input = {}  # graph_codecs.decisions_made, per input and plan
-        self.applied_plan = None  # the last plan applied; later per-layer changes are not in it
         if planned:
             self.apply_plan(_planned(self, segments, budget, example_inputs, loss, allow, min_sqnr_db))
 
@@ -159,37 +148,21 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
         # Every position, a module placed twice included (named_children() yields it once).
         layers = OrderedDict(named_children_of(sequential))
         if isinstance(sequential, CheckpointedSequential):
-            return sequential._with_options(layers, cls, **options)
+            return _with_options(sequential, layers, cls, **options)
         return cls(layers, **options)
 
     def __getitem__(self, index):
         if isinstance(index, slice):  # the slice's layers keep their options
-            return self._with_options(OrderedDict(list(self._modules.items())[index]), type(self))
+            return _with_options(self, OrderedDict(list(self._modules.items())[index]), type(self))
         return super().__getitem__(index)
 
     def __setitem__(self, index, module: nn.Module) -> None:
         super().__setitem__(index, module)
-        self._forget_absent_layers()
+        self._settings.keep_only(set(self))  # the replaced module's settings go
 
     def __delitem__(self, index) -> None:
         super().__delitem__(index)
-        self._forget_absent_layers()
-
-    def _with_options(self, layers: OrderedDict, cls, **options) -> "CheckpointedSequential":
-        """``cls`` over ``layers`` (modules of this one) with this one's options; those
-        given in ``options`` replace them (``compress`` or ``offload`` given: no
-        per-layer setting of that kind carries over). Explicit segments (a list or a
-        count) belong to this chain, so a new chain gets the default then."""
-        strategy = self.segments if self.segments in (BALANCED, "sqrt") else BALANCED
-        default = self._settings.default
-        chain = cls(layers, **{"segments": strategy, "compress": default.codec, "offload": default.offload,
-                               **options})
-        self._settings.carry_to(chain._settings, set(chain), "compress" not in options, "offload" not in options)
-        return chain
-
-    def _forget_absent_layers(self) -> None:
-        """Drop the settings of modules no longer in the chain (replaced or deleted)."""
-        self._settings.keep_only(set(self))
+        self._settings.keep_only(set(self))  # the deleted modules' settings go
 
     def forward(self, input):
         if not torch.is_grad_enabled():
@@ -199,48 +172,34 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
             # Each disabled method called here is a graph break (called from a method
             # Dynamo inlined, a break would count twice).
             if self._settings.keeps_on_host():
-                return self._eager_forward_under_compile(input, layers)
+                return compiled_chain.eager_forward_under_compile(self, input, layers)
             if not self._settings.keeps_by_codec():
-                return self._traced_forward(input, layers, self._starts_for(input, layers))
-            return self._forward_with_graph_codecs(input, layers)
-        return self._eager_forward(input, layers, self._starts_for(input, layers))
+                return compiled_chain.traced_forward(self, input, layers, starts_for_call(self, input, layers))
+            return compiled_chain.forward_with_graph_codecs(self, input, layers)
+        return run_eagerly(self, input, layers, starts_for_call(self, input, layers))
 
-    def _eager_forward(self, input, layers: list, starts: list):
-        self._last_kept_bytes, self._last_by_reference, self._last_traced = {}, {}, False
-        tape = current_tape()
-        caller = CallerTensors(input, self)  # what the later segments' inputs are not (should_encode)
-        segments = self._segments(starts, len(layers))
-        # The checkpointed segments' module state, snapshotted together as the forward starts.
-        state = ChainState([layers[s.start:s.stop] for s in segments if s.checkpointed and s.nested is None])
-        for segment in segments:
-            tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
-            run = LayerRun(layers[segment.start:segment.stop])
-            policy = self._segment_policy(segment, layers)
-            private_copy = modifies_input(layers[segment.start])
-            made_by = caller if segment.start > 0 else None
-            held = _held_by_caller(input, made_by) if segment.checkpointed else 0
-            if segment.nested is not None:
-                input, kept = nested_call(run.layers, segment.nested, input, private_copy)
-            elif segment.checkpointed:
-                input, kept = checkpointed_call(run, (input,), {}, policy, private_copy, made_by=made_by,
-                                                prepared=state.next())
-            elif not policy.codec.lossless:
-                # Offload does not apply here: backward needs these saves at once.
-                input, kept = call_with_kept_saves(run, (input,), {}, KeepPolicy(policy.codec, False))
-                kept = None if kept is None else kept["device"]
-            else:
-                input, kept = run(input), None  # autograd holds the saves
-            self._last_kept_bytes[segment.start] = kept
-            if held:
-                self._last_by_reference[segment.start] = held
-        return input
+    @property
+    def segments(self) -> SegmentsSpec:
+        """The ``segments=`` value the chain runs by (an applied plan's starts after
+        :meth:`apply_plan`); set it to re-cut the chain."""
+        return self._segment_source.spec
+
+    @segments.setter
+    def segments(self, value: SegmentsSpec) -> None:
+        self._segment_source.spec = value
+
+    @property
+    def applied_plan(self) -> Optional["plan_record.Plan"]:
+        """The last plan :meth:`apply_plan` applied (None before); per-layer changes
+        made after it are not in it."""
+        return self._segment_source.applied_plan
 
     @property
     def balanced_plan(self) -> Optional["plan_record.Plan"]:
         """With ``segments="balanced"``: the :class:`~actsave.Plan` behind the segments
         of the last training call (its predicted peak included); None before the first
         call, or when that input fell back to ``"sqrt"``."""
-        return self._balanced.last_plan
+        return self._segment_source.balanced.last_plan
 
     @property
     def plans_at_first_call(self) -> bool:
@@ -251,11 +210,11 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
     def set_compression(self, layer, codec) -> None:
         """Set the codec of what is kept at ``layer`` (an index, child name or slice):
         the segment input there, or the last segment's saves when it starts there."""
-        self._settings.set_codec(self._selected(layer), KeepPolicy.resolve(compress=codec).codec)
+        self._settings.set_codec(modules_named(self, layer), KeepPolicy.resolve(compress=codec).codec)
 
     def set_offload(self, layer, flag: bool) -> None:
         """Keep the input at ``layer`` (an index, child name or slice) on the host or not."""
-        self._settings.set_offload(self._selected(layer), KeepPolicy.resolve(offload=flag).offload)
+        self._settings.set_offload(modules_named(self, layer), KeepPolicy.resolve(offload=flag).offload)
 
     def apply_plan(self, plan: "plan_record.Plan") -> None:
         """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, for each
@@ -276,29 +235,7 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
                 self.set_compression(start, option.codec)
                 self.set_offload(start, option.offload)
         self.set_compression(plan.starts[-1], plan.saves_codec)  # the last segment's saves
-        self.segments = list(plan.starts)
-        self.applied_plan = plan
-
-    def _segments(self, starts: list, n_layers: int) -> list:
-        """The segments from ``starts``, stored and nested as the applied plan says
-        while the segments are still its own."""
-        return segments_from(starts, n_layers, self._stored_starts(), self._nested_ranges())
-
-    def _stored_starts(self) -> frozenset:
-        """The starts of the applied plan's stored segments before the last, while the
-        segments are still that plan's (setting ``segments`` again drops them)."""
-        plan = self._current_plan()
-        return frozenset(start for start, flag in zip(plan.starts, plan.plain) if flag) if plan else frozenset()
-
-    def _nested_ranges(self) -> dict:
-        """{start: Range} of the applied plan's nested segments, while the segments
-        are still that plan's."""
-        plan = self._current_plan()
-        return {start: r for start, r in zip(plan.starts, plan.nested) if r is not None} if plan else {}
-
-    def _current_plan(self) -> Optional["plan_record.Plan"]:
-        plan = self.applied_plan
-        return plan if plan is not None and self.segments == list(plan.starts) else None
+        self._segment_source.apply(plan)
 
     def describe(self) -> str:
         """A per-layer table: segment, what it keeps (a checkpointed segment its
@@ -319,21 +256,19 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
         plan counts, and what it does not."""
         rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "stored bytes")]
         names = list(self._modules)
-        if self.segments == BALANCED:
-            header, starts = self._balanced.describe_last()
-        else:
-            header, starts = None, split_starts(list(self), self.segments, self._settings.policies(self))
+        layers = list(self)
+        header, starts = self._segment_source.last_starts(layers, self._settings.policies(layers))
         if starts is None:
             return header
-        for number, segment in enumerate(self._segments(starts, len(self))):
+        for number, (segment, policy) in enumerate(zip(*segments_and_policies(self, starts, layers))):
             keeps = ("input, nested" if segment.nested else "input") if segment.checkpointed else "saves"
             for i in range(segment.start, segment.stop):
                 row = (str(i), names[i], type(self[i]).__name__, str(number))
                 if i == segment.start:
-                    row += (keeps, *self._describe_kept(segment, list(self)))
+                    row += (keeps, *_kept_columns(self._last_call, segment, policy))
                 rows.append(row + ("",) * (len(rows[0]) - len(row)))
         lines = [header, format_table(rows)] if header is not None else [format_table(rows)]
-        if self._last_traced:
+        if self._last_call.traced:
             codecs = " (those set to keep by a codec encoded in it)" if self._settings.keeps_by_codec() else ""
             lines.append(f"The last training call ran in a compiled graph, which chose what each segment "
                          f"saves{codecs}: no stored bytes (NOTE [ Checkpoints in a compiled graph ]). A plan "
@@ -346,63 +281,32 @@ class CheckpointedSequential(CompiledForwards, nn.Sequential):
                          "staging buffers (NOTE [ Gathered parameters ]): docs/limits.md, \"FSDP2 and DDP\".")
         return "\n".join(lines)
 
-    def _describe_kept(self, segment: Segment, layers: list) -> tuple:
-        """(codec, where, stored bytes) of describe()'s row for ``segment``."""
-        policy = self._segment_policy(segment, layers)
-        kept = self._last_kept_bytes.get(segment.start)
-        if segment.start in self._last_by_reference:
-            # The caller's tensor itself: only the decisions kept beside it are actsave's.
-            return "none", "by reference", str(kept - self._last_by_reference[segment.start])
-        where = plan_record.where_kept(policy.offload) if segment.checkpointed else "-"
-        return policy.codec.name, where, "" if kept is None else str(kept)
-
-    def _segment_policy(self, segment: Segment, layers: list) -> KeepPolicy:
-        """How ``segment`` keeps what it keeps: its first layer's settings, except that
-        a balanced plan's last segment stores autograd's saves as they are
-        (planning/balanced_cache.py, NOTE [ Balanced segments ])."""
-        if not segment.checkpointed and self.segments == BALANCED:
-            return plans.balanced_last_policy()
-        return self._settings.policy(layers[segment.start])
-
-    @torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]
-    def _starts_for(self, input, layers: list) -> list:
-        policies = self._settings.policies(layers)
-        if self.segments != BALANCED:
-            return split_starts(layers, self.segments, policies)
-        return self._balanced.starts(self, input, layers, policies)
-
-    def _selected(self, layer) -> list:
-        """The modules ``layer`` (an index, child name or slice) names now."""
-        modules = list(self)
-        if isinstance(layer, slice):
-            return modules[layer]
-        return [self._modules[self._child_name(layer)]]
-
-    def _child_name(self, layer) -> str:
-        names = list(self._modules)
-        if isinstance(layer, str) and layer in self._modules:
-            return layer
-        index = integral(layer)
-        if index is not None and -len(names) <= index < len(names):
-            return names[index]
-        raise ConfigError(
-            f"layer {layer!r} is not in this CheckpointedSequential; use an index in "
-            f"[0, {len(names) - 1}], a child name (one of {names[:8]}"
-            f"{'...' if len(names) > 8 else ''}) or a slice"
-        )
-
     def extra_repr(self) -> str:
         return f"segments={self.segments!r}"
 
 
-def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:
-    """The bytes of a segment's tensor ``input`` if it is kept by reference (its caller
-    holds it: keep_rules.should_encode), counted as a codec counts a tensor; else 0 (for
-    other inputs too: describe() reports tensor inputs only)."""
-    if not isinstance(input, torch.Tensor) or should_encode(input, made_by):
-        return 0
-    return input.numel() * input.element_size()
+def _kept_columns(call: ChainCall, segment: Segment, policy: KeepPolicy) -> tuple:
+    """(codec, where, stored bytes) of describe()'s row for ``segment``, kept by ``policy``
+    at the last training call, ``call``."""
+    kept = call.kept.get(segment.start)
+    if segment.start in call.by_reference:
+        # The caller's tensor itself: only the decisions kept beside it are actsave's.
+        return "none", "by reference", str(kept - call.by_reference[segment.start])
+    where = plan_record.where_kept(policy.offload) if segment.checkpointed else "-"
+    return policy.codec.name, where, "" if kept is None else str(kept)
 
+
+def _with_options(chain: CheckpointedSequential, layers: OrderedDict, cls, **options) -> CheckpointedSequential:
+    """``cls`` over ``layers`` (modules of ``chain``) with its options; those
+    given in ``options`` replace them (``compress`` or ``offload`` given: no
+    per-layer setting of that kind carries over). Explicit segments (a list or a
+    count) belong to ``chain``, so a new chain gets the default then."""
+    strategy = chain.segments if chain.segments in (BALANCED, "sqrt") else BALANCED
+    default = chain._settings.default
+    built = cls(layers, **{"segments": strategy, "compress": default.codec, "offload": default.offload,
+                           **options})
+    chain._settings.carry_to(built._settings, set(built), "compress" not in options, "offload" not in options)
+    return built
 
 
 def _check_modules(modules: tuple) -> None:

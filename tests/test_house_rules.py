@@ -3,6 +3,7 @@ path docs/architecture.md gives exists, and imports go the one way that doc stat
 import ast
 import os
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,22 @@ def test_the_import_check_finds_a_runtime_module_that_imports_planning(tmp_path)
                                              "actsave.runtime._house_rules_probe imports actsave.planning.plans"]
     finally:
         fake.unlink()
+
+
+# ----------------------------------------------------------------- the chain class
+
+
+def methods_of(cls) -> list:
+    """The names ``cls`` defines in actsave's classes of its MRO: functions, properties
+    and class or static methods (not what torch's nn.Sequential defines)."""
+    kinds = (types.FunctionType, property, classmethod, staticmethod)
+    return sorted({name for klass in cls.__mro__ if klass.__module__.startswith("actsave")
+                   for name, value in vars(klass).items() if isinstance(value, kinds)})
+
+
+def test_checkpointed_sequential_is_the_container_and_its_forward():
+    # Its other jobs live beside it: per-layer settings (layer_settings.py), where
+    # segments come from (planning/chain_segments.py), the forward's modes
+    # (runtime/chain.py, runtime/compiled_chain.py), describe()'s columns.
+    from actsave import CheckpointedSequential
+    assert len(methods_of(CheckpointedSequential)) <= 15, methods_of(CheckpointedSequential)

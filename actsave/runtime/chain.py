@@ -1,0 +1,101 @@
+"""A chain's segments run eagerly, one after another (CheckpointedSequential's forward
+outside a compiled graph): a checkpointed segment keeps its input (function.py), a
+nested one recomputes in stages (nested.py), a plain one kept by a lossy codec stores
+its saves (kept_saves.py), an exact plain one leaves them to autograd. What each kept is
+recorded for describe() (:class:`ChainCall`).
+
+What these read of the chain (``chain`` below, a CheckpointedSequential): its segments'
+source ``chain._segment_source`` (planning's ChainSegments: where segments start, the
+segments, their policies) and its settings ``chain._settings``; they leave the record
+of its call in ``chain._last_call``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..offload import current_tape
+from .function import checkpointed_call
+from .keep_rules import CallerTensors, KeepPolicy, modifies_input, should_encode
+from .kept_saves import call_with_kept_saves
+from .layers import LayerRun
+from .nested import nested_call
+from .state import ChainState
+
+
+@torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]
+def starts_for_call(chain, input, layers: list) -> list:
+    """Where the segments of ``chain``'s call on ``input`` start."""
+    return chain._segment_source.starts_for(chain, input, layers, chain._settings.policies(layers))
+
+
+def run_eagerly(chain, input, layers: list, starts: list):
+    """``chain``'s forward outside a compiled graph, its record kept for describe()."""
+    segments, policies = segments_and_policies(chain, starts, layers)
+    output, chain._last_call = run_chain(chain, input, layers, segments, policies)
+    return output
+
+
+def segments_and_policies(chain, starts: list, layers: list) -> tuple:
+    """``(segments, their policies)`` of ``chain``'s call whose segments start at ``starts``."""
+    source = chain._segment_source
+    segments = source.segments(starts, len(layers))
+    return segments, [source.policy(segment, layers, chain._settings) for segment in segments]
+
+
+@dataclass
+class ChainCall:
+    """What a chain's training call kept, by segment start: the bytes stored
+    (``kept``; None where autograd holds the saves) and those of an input its caller
+    holds (``by_reference``); and whether the call ran in a compiled graph (``traced``),
+    which keeps no such record."""
+
+    kept: dict = field(default_factory=dict)
+    by_reference: dict = field(default_factory=dict)
+    traced: bool = False
+
+
+def run_chain(chain: nn.Module, input, layers: list, segments: list, policies: list) -> tuple:
+    """``(output, ChainCall)``: ``chain``'s ``layers`` run on ``input`` as ``segments``
+    (planning/segments.py's ``Segment``), each keeping by its policy in ``policies``."""
+    call = ChainCall()
+    tape = current_tape()
+    caller = CallerTensors(input, chain)  # what the later segments' inputs are not (should_encode)
+    # The checkpointed segments' module state, snapshotted together as the forward starts.
+    state = ChainState([layers[s.start:s.stop] for s in segments if s.checkpointed and s.nested is None])
+    for segment, policy in zip(segments, policies):
+        tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
+        run = LayerRun(layers[segment.start:segment.stop])
+        private_copy = modifies_input(layers[segment.start])
+        made_by = caller if segment.start > 0 else None
+        held = _held_by_caller(input, made_by) if segment.checkpointed else 0
+        if segment.nested is not None:
+            input, kept = nested_call(run.layers, segment.nested, input, private_copy)
+        elif segment.checkpointed:
+            input, kept = checkpointed_call(run, (input,), {}, policy, private_copy, made_by=made_by,
+                                            prepared=state.next())
+        elif not policy.codec.lossless:
+            # Offload does not apply here: backward needs these saves at once.
+            input, kept = call_with_kept_saves(run, (input,), {}, KeepPolicy(policy.codec, False))
+            kept = None if kept is None else kept["device"]
+        else:
+            input, kept = run(input), None  # autograd holds the saves
+        call.kept[segment.start] = kept
+        if held:
+            call.by_reference[segment.start] = held
+    return input, call
+
+
+def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:
+    """The bytes of a segment's tensor ``input`` if it is kept by reference (its caller
+    holds it: keep_rules.should_encode), counted as a codec counts a tensor; else 0 (for
+    other inputs too: describe() reports tensor inputs only)."""
+    if not isinstance(input, torch.Tensor) or should_encode(input, made_by):
+        return 0
+    return input.numel() * input.element_size()
+
+
+__all__ = ["ChainCall", "run_chain", "run_eagerly", "segments_and_policies", "starts_for_call"]
