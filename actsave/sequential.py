@@ -180,8 +180,9 @@ class CheckpointedSequential(nn.Sequential):
 
     @property
     def segments(self) -> SegmentsSpec:
-        """The ``segments=`` value the chain runs by (an applied plan's starts after
-        :meth:`apply_plan`); set it to re-cut the chain."""
+        """The ``segments=`` value the chain runs by: an applied plan's starts while it
+        is applied. Setting other segments re-cuts the chain and drops the plan (its
+        plain and nested segments with it; ``applied_plan`` is None again)."""
         return self._segment_source.spec
 
     @segments.setter
@@ -190,8 +191,9 @@ class CheckpointedSequential(nn.Sequential):
 
     @property
     def applied_plan(self) -> Optional["plan_record.Plan"]:
-        """The last plan :meth:`apply_plan` applied (None before); per-layer changes
-        made after it are not in it."""
+        """The plan :meth:`apply_plan` applied, the source of the segments while it is
+        (None before, and after ``segments`` is set to others); per-layer changes made
+        after it are not in it."""
         return self._segment_source.applied_plan
 
     @property

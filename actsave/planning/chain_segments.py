@@ -7,8 +7,6 @@ balanced plan's last segment (plans.balanced_last_policy).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import nn
 
 from ..runtime.keep_rules import KeepPolicy
@@ -18,15 +16,30 @@ from .segments import BALANCED, Segment, SegmentsSpec, segments_from, split_star
 
 
 class ChainSegments:
-    """A chain's ``segments=`` value and the plan applied to it (module docstring)."""
+    """A chain's ``segments=`` value, or the plan applied to it (module docstring).
+
+    The applied plan is the one source of its segments while it is applied: its
+    starts are the ``segments`` value, and which segments run plainly and which nest
+    their recompute are read from it, not held beside it. Setting other segments drops
+    it. Per-layer codecs and offload are the chain's settings (apply_plan sets them
+    from the plan), so a layer's setting changed after the plan applies as it says."""
 
     def __init__(self, spec: SegmentsSpec):
-        self.spec = spec
-        self.applied_plan = None  # the last plan applied; later per-layer changes are not in it
+        self._spec = spec
+        self.applied_plan = None  # per-layer changes made after it are not in it
         self.balanced = BalancedPlans()
 
+    @property
+    def spec(self) -> SegmentsSpec:
+        return list(self.applied_plan.starts) if self.applied_plan is not None else self._spec
+
+    @spec.setter
+    def spec(self, value: SegmentsSpec) -> None:
+        if self.applied_plan is not None and isinstance(value, list) and value == list(self.applied_plan.starts):
+            return  # the plan's own segments: nothing changes
+        self.applied_plan, self._spec = None, value
+
     def apply(self, plan: "plan_record.Plan") -> None:
-        self.spec = list(plan.starts)
         self.applied_plan = plan
 
     def starts_for(self, chain: nn.Module, input, layers: list, policies: tuple) -> list:
@@ -37,9 +50,8 @@ class ChainSegments:
         return self.balanced.starts(chain, input, layers, policies)
 
     def segments(self, starts: list, n_layers: int) -> list:
-        """The segments from ``starts``, stored and nested as the applied plan says
-        while the segments are still its own (setting ``segments`` again drops them)."""
-        plan = self._current_plan()
+        """The segments from ``starts``, plain and nested as the applied plan says."""
+        plan = self.applied_plan
         if plan is None:
             return segments_from(starts, n_layers)
         stored = frozenset(start for start, flag in zip(plan.starts, plan.plain) if flag)
@@ -60,10 +72,6 @@ class ChainSegments:
         if self.spec == BALANCED:
             return self.balanced.describe_last()
         return None, split_starts(layers, self.spec, policies)
-
-    def _current_plan(self) -> Optional["plan_record.Plan"]:
-        plan = self.applied_plan
-        return plan if plan is not None and self.spec == list(plan.starts) else None
 
 
 __all__ = ["ChainSegments"]
