@@ -100,14 +100,15 @@ class ChannelMeans(NamedTuple):
     channels: int
     centered: bool
 
-    def kernel_arguments(self, run) -> dict:
-        """For a kernel whose threads own runs of ``run`` elements (NOTE [ Tile ])."""
-        size_magic, size_shift = magic_number(self.channel_size)
-        count_magic, count_shift = magic_number(self.channels)
-        return {"means_ptr": self.means, "channel_size": self.channel_size, "channels": self.channels,
-                "size_magic": size_magic, "size_shift": size_shift, "count_magic": count_magic,
-                "count_shift": count_shift, "CENTERED": self.centered,
-                "RUN_CHANNELS": 1 if self.channel_size % run == 0 else 2 if self.channel_size >= run else 0}
+
+def channel_arguments(channel_size: int, channels: int, centered: bool, run: int) -> dict:
+    """A kernel's NOTE [ Channel means ] arguments but the means themselves, for a
+    kernel whose threads own runs of ``run`` elements (NOTE [ Tile ])."""
+    size_magic, size_shift = magic_number(channel_size)
+    count_magic, count_shift = magic_number(channels)
+    return {"channel_size": channel_size, "channels": channels, "size_magic": size_magic, "size_shift": size_shift,
+            "count_magic": count_magic, "count_shift": count_shift, "CENTERED": centered,
+            "RUN_CHANNELS": 1 if channel_size % run == 0 else 2 if channel_size >= run else 0}
 
 
 @functools.lru_cache(maxsize=1024)  # a few sizes a model: each worked out once, not twice a launch

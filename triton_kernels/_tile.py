@@ -32,6 +32,7 @@ reduction over the tile; every other tile takes the general path. Both give the
 references' bits, and a plain tile pays for the rules it does not need with that
 reduction alone.
 """
+import functools
 from typing import NamedTuple
 
 import torch
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from . import SUPPORTED_DTYPES, _launch
-from ._channel_means import channel_means, channel_means_of, per_channel_ref
+from ._channel_means import channel_arguments, channel_means, channel_means_of, per_channel_ref
 from ._scale import TINY_ABSMAX
 
 # Below 8 elements the fp32 scale is at least a third of what is stored, which defeats
@@ -247,16 +248,27 @@ def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
     :class:`ChannelMeans`, ``arguments`` its other arguments by name."""
     if numel == 0 or tensors[0].device.type == "meta":
         return
-    interpreted = tensors[0].device.type == "cpu"
+    grid, constants = _launch_constants(numel, group_size, run, means.channel_size, means.channels, means.centered,
+                                        tensors[0].device.type == "cpu")
+    # Through the package's one launch helper: a kernel that fails to compile on the
+    # user's GPU raises an error naming it and the fallback (_launch.py).
+    _launch.launch(kernel, grid, *tensors, means_ptr=means.means, **constants, **arguments)
+
+
+# A launch's grid and scalar arguments depend on its shape alone: worked out once per
+# shape (a model has a few), not at every call, whose host work a GPU waits for
+# (docs/performance.md, "Rules of the hot path").
+@functools.lru_cache(maxsize=4096)
+def _launch_constants(numel, group_size, run, channel_size, channels, centered, interpreted) -> tuple:
+    """``(grid, arguments)``: a launch's grid and its arguments but the tensors and the
+    format's constants (shared: read, never changed)."""
     tile = INTERPRETER_TILE if interpreted else CUDA_TILE
     groups_per_program = max(1, tile.elements // group_size)
     run = min(run, group_size)
     grid = (ceil_div(ceil_div(numel, group_size), groups_per_program),)
-    # Through the package's one launch helper: a kernel that fails to compile on the
-    # user's GPU raises an error naming it and the fallback (_launch.py).
-    _launch.launch(kernel, grid, *tensors, numel=numel, **means.kernel_arguments(run), GROUP_SIZE=group_size,
-                   GROUPS_PER_PROGRAM=groups_per_program, RUN=run, INDEX_64=needs_int64(numel),
-                   INTERPRETED=interpreted, **tile.options(), **arguments)
+    return grid, {"numel": numel, **channel_arguments(channel_size, channels, centered, run),
+                  "GROUP_SIZE": group_size, "GROUPS_PER_PROGRAM": groups_per_program, "RUN": run,
+                  "INDEX_64": needs_int64(numel), "INTERPRETED": interpreted, **tile.options()}
 
 
 def needs_int64(numel):

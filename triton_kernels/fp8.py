@@ -30,6 +30,7 @@ also runs on GPUs without fp8 hardware).
 ``encode_fp8_ref`` / ``decode_fp8_ref`` are the specification, written with torch's
 own fp8 casts; the kernels match them bit for bit.
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -79,10 +80,13 @@ class _Fp8Format:
     first_special_code: int  # the magnitude codes from here up are inf or NaN
     non_finite: NonFiniteCodes  # NOTE [ Non-finite groups ]
 
+    # Each built once, not at each launch (shared: read, never changed).
+    @functools.cache
     def encode_constexprs(self) -> dict:
         return {"FP8_MAX": self.max_value, "MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
                 **_signed_grid_only(self), **self.non_finite.encode_constexprs()}
 
+    @functools.cache
     def decode_constexprs(self) -> dict:
         return {"MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
                 "FIRST_SPECIAL": self.first_special_code, **_signed_grid_only(self),
@@ -107,9 +111,11 @@ class _UnsignedFp8Format:
         top_exponent = (255 >> self.mantissa_bits) - 1 + self.min_normal_exponent
         return float((2 ** (self.mantissa_bits + 1) - 1) * 2.0 ** (top_exponent - self.mantissa_bits))
 
+    @functools.cache
     def encode_constexprs(self) -> dict:
         return {**self.signed.encode_constexprs(), "FP8_MAX": self.max_value, **self._unsigned()}
 
+    @functools.cache
     def decode_constexprs(self) -> dict:
         return {**self.signed.decode_constexprs(), **self._unsigned()}
 

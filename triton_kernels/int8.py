@@ -19,6 +19,8 @@ signed encoding above, its int8 codes stored as their byte.
 At ``group_size=128`` that is 8.25 bits per element. ``encode_int8_ref`` /
 ``decode_int8_ref`` are the specification; the Triton kernels match them bit for bit.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -66,12 +68,14 @@ UINT8_MAX = 255  # NOTE [ Unsigned grids ]
 # and -128, unused elsewhere, NaN; finite values keep 126 of their 127 steps (0.07 dB).
 NON_FINITE_CODES = NonFiniteCodes(finite_max=126.0, pos_inf=127, neg_inf=-127, nan=-128)
 
+@functools.cache  # built once, not at each launch (shared: read, never changed)
 def encode_constexprs(unsigned: bool) -> dict:
     """The encode kernel's format constexprs, for the signed or the unsigned grid."""
     return {"CODE_MAX": UINT8_MAX if unsigned else INT8_MAX, "UNSIGNED": unsigned,
             **NON_FINITE_CODES.encode_constexprs()}
 
 
+@functools.cache
 def decode_constexprs(unsigned: bool) -> dict:
     return {"UNSIGNED": unsigned, **NON_FINITE_CODES.decode_constexprs()}
 

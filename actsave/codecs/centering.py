@@ -50,7 +50,9 @@ import torch
 
 from ..triton_kernels import SUPPORTED_DTYPES
 
-_CENTERED_RANKS = (4, 5)  # N, C, spatial...: conv activations, whose dim 1 is the channel
+# N, C, spatial...: conv activations, whose dim 1 is the channel; by rank, the
+# dimensions a channel's mean reduces over.
+_REDUCED_DIMS = {4: (0, 2, 3), 5: (0, 2, 3, 4)}
 
 
 def channel_offsets(x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -58,6 +60,7 @@ def channel_offsets(x: torch.Tensor) -> Optional[torch.Tensor]:
     where ``x`` is not centered: not a 4-D or 5-D float tensor the kernels take, or
     empty. One reduction, read back by nothing on the host; a mean that is not finite or
     beyond triton_kernels.MAX_MEAN is taken as 0 by the kernels that read it (NOTE [ Channel means ])."""
-    if x.dim() not in _CENTERED_RANKS or x.dtype not in SUPPORTED_DTYPES or x.numel() == 0:
+    reduced = _REDUCED_DIMS.get(x.dim())
+    if reduced is None or x.dtype not in SUPPORTED_DTYPES or x.numel() == 0:
         return None
-    return torch.mean(x, dim=[0, *range(2, x.dim())], dtype=torch.float32)
+    return torch.mean(x, dim=reduced, dtype=torch.float32)
