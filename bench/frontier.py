@@ -532,6 +532,22 @@ class Planner:
                       planner_plain_step=planner_plain, plan=describe_plan(plan))
 
 
+def compiled_at_peer(planner: Planner, peer: System, device: torch.device, backend_name: str) -> System:
+    """actsave's exact plan within a compiled peer's measured peak, compiled by the
+    peer's backend: the plan, not a memory budget, chooses what each block keeps (the
+    backend runs at compile's default budget, 1.0; one backend object per system, as
+    for the peers)."""
+    [(lever_name, allow)] = lever_sets(device, ("exact",)).items()
+    system = planner.system(f"actsave {lever_name}, compiled, at {peer.name}'s peak",
+                            f"actsave {lever_name} compiled at a compiled peer's peak", peer.name, peer.peak, allow,
+                            f"{lever_name}, compiled")
+    system.compiled_by = BudgetedBackend(backend_name, 1.0)
+    system.model = torch.compile(system.model, backend=system.compiled_by)
+    system.peer = peer.name
+    system.note = f"backend {backend_name}"
+    return system
+
+
 def _chain_levers(allow: tuple) -> tuple:
     return tuple(lever for lever in allow if lever not in BLOCK_ONLY_LEVERS)
 
@@ -671,6 +687,8 @@ def run_case(case: Case, args, device: torch.device, log) -> CaseResult:
                 continue
             system.peer = peer.name
             planned.append(system)
+    for peer in [s for s in peers if s.compiled_by is not None]:
+        planned.append(compiled_at_peer(planner, peer, device, args.compile_backend))
     log(f"{case.name}: {len(planned)} actsave plans made ({time.monotonic() - started:.0f} s); warming them up")
     planned = warm_up(case, planned, args.warmup, log)
     for system in planned:
@@ -817,6 +835,7 @@ FAMILY_STYLES = {
     "actsave int8+offload": ("tab:pink", "^", "--"),
     "actsave exact at a peer's peak": ("tab:green", "d", ""),
     "actsave int8+offload at a peer's peak": ("tab:pink", "d", ""),
+    "actsave exact compiled at a compiled peer's peak": ("tab:olive", "D", ""),
 }
 
 

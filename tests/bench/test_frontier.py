@@ -61,6 +61,10 @@ def test_frontier_compiles_each_memory_budget_into_a_graph_of_its_own(tmp_path):
     assert [r["point"] for r in compiled] == ["budget 0.1", "budget 0.3", "budget 0.5"]
     assert all(r["note"] == "backend aot_eager" and float(r["peak_vs_plain"]) < 1 for r in compiled)
     assert {r["peer"] for r in rows if r["peer"]} >= {r["system"] for r in compiled}
+    # actsave's exact plan within each compiled peer's peak, compiled by the same backend.
+    actsave_compiled = [r for r in rows if r["family"] == "actsave exact compiled at a compiled peer's peak"]
+    assert sorted(r["peer"] for r in actsave_compiled) == sorted(r["system"] for r in compiled)
+    assert all(r["note"] == "backend aot_eager" and r["levers"] == "exact, compiled" for r in actsave_compiled)
 
 
 def test_frontier_skips_a_lever_set_the_planner_rejects(tmp_path, monkeypatch, capsys):
