@@ -125,7 +125,8 @@ def restore_decisions_(recomputed: torch.Tensor, bits: torch.Tensor) -> None:
     """Make a recomputed ReLU output decide as the forward did, in place: zero where
     the forward blocked, the smallest positive normal where the forward passed but the
     recompute gave zero (a ReLU output is >= 0 or NaN: the kernel's ``max(y, tiny)``
-    lifts exactly the zeros, and keeps NaN). One kernel launch on CUDA."""
+    lifts exactly the zeros, and keeps NaN). One kernel launch on CUDA. ``recomputed`` is
+    a tensor autograd does not track (the recompute's ``.data``, a decoded tensor): the
+    change is no op of a graph, and its version counter is not the saved tensor's."""
     kernel = decision_table()["relu_signs", "restore"]
-    with torch.no_grad():
-        implementation(kernel, recomputed)(recomputed, bits)
+    implementation(kernel, recomputed)(recomputed, bits)

@@ -95,7 +95,8 @@ _RELU_LAUNCHES = {dtype: Launch(view, 1, packed_rows(1, dtype.itemsize),
 def pack_relu_signs(y: torch.Tensor) -> torch.Tensor:
     """The decisions of a ReLU output ``y``, one bit per element (uint8, 1-D,
     ``ceil(numel / 8)`` bytes): ``not (y <= 0)``, row-major."""
-    y = y.detach()
+    if y.requires_grad:  # a ReLU output as autograd saves it: read without a graph
+        y = y.detach()
     launch = _RELU_LAUNCHES.get(y.dtype)
     if launch is None or not launchable(y):
         return pack_relu_signs_ref(y)
@@ -112,7 +113,8 @@ def restore_relu_signs_(y: torch.Tensor, bits: torch.Tensor) -> None:
     """Correct a recomputed ReLU output ``y`` in place to the decisions ``bits`` (as
     :func:`pack_relu_signs` gives them): 0 where the forward blocked; where it passed,
     ``max(y, torch.finfo(y.dtype).tiny)``, NaN staying NaN."""
-    y = y.detach()
+    if y.requires_grad:  # changed in place without a graph
+        y = y.detach()
     launch = _RELU_LAUNCHES.get(y.dtype)
     if launch is None or bits.dtype != torch.uint8 or not launchable(y, bits):
         return restore_relu_signs_ref_(y, bits)
