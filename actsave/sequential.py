@@ -169,8 +169,8 @@ class CheckpointedSequential(nn.Sequential):
             return super().forward(input)
         layers = list(self)
         if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
-            # Each disabled method called here is a graph break (called from a method
-            # Dynamo inlined, a break would count twice).
+            # Each compiler-disabled function called here is one graph break
+            # (tests/compile count them).
             if self._settings.keeps_on_host():
                 return compiled_chain.eager_forward_under_compile(self, input, layers)
             if not self._settings.keeps_by_codec():
