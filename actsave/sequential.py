@@ -220,7 +220,7 @@ class CheckpointedSequential(nn.Sequential):
 
     def apply_plan(self, plan: "plan_record.Plan") -> None:
         """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, for each
-        checkpointed segment its codec and offload, and the codec of the stored
+        checkpointed segment its codec and offload, and the codec of the plain
         segment's saves. Replaces the segments and every per-layer option set before."""
         if not isinstance(plan, plan_record.Plan):
             raise ConfigError(
@@ -233,7 +233,7 @@ class CheckpointedSequential(nn.Sequential):
         self.set_compression(slice(None), None)
         self.set_offload(slice(None), False)
         for start, _, option in plan.segments[:-1]:
-            if option is not None:  # a stored segment runs plainly: nothing to set
+            if option is not None:  # a plain segment runs plainly: nothing to set
                 self.set_compression(start, option.codec)
                 self.set_offload(start, option.offload)
         self.set_compression(plan.starts[-1], plan.saves_codec)  # the last segment's saves

@@ -5,13 +5,13 @@ steps), then sweep budgets in the dynamic programs only.
 Per budget (peak activation bytes, the planner's budget): the predicted step time and
 peak of ``"auto"`` (actsave.plan with the levers recompute, int8, fp8 and offload,
 AUTO_LEVERS; no offload on CPU), of actsave with recompute only, and the step time of the rotor
-reference (tests/planning/rotor_reference.py, Beaumont et al. 2019: stored segments
+reference (tests/planning/rotor_reference.py, Beaumont et al. 2019: plain segments
 anywhere, nested recomputes; recompute only) on the same profile mapped into rotor's
 model by tests/planning/rotor_profile.py. Rotor's sizes are in units of --unit-kib;
 rounded up they give an upper bound of rotor's optimum (its plan fits in bytes),
 rounded down a lower bound; "auto <= rotor" is judged against the lower bound. Also
 rotor restricted to the plans actsave can express (single level, the last segment
-stored), in rotor's model: the difference to rotor is what nesting and stored
+stored), in rotor's model: the difference to rotor is what nesting and plain
 segments mid-chain buy in rotor's own model. Times are the per-layer medians of
 --profiles profiled steps, the same for every solver.
 

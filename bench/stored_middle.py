@@ -1,10 +1,10 @@
-"""What stored middle segments buy the planner (issue 36, item 4).
+"""What plain middle segments buy the planner (issue 36, item 4).
 
-A stored middle segment is one before the last that runs plainly, autograd keeping
+A plain middle segment is one before the last that runs plainly, autograd keeping
 its saves (``actsave.plan(..., plain_middle=True)``, the default). For each chain:
 one profile (per-layer median times of --profiles profiled steps, as
 bench/rotor_compare.py), then, on that profile, the smallest feasible peak with and
-without stored middle segments, and at --points budgets from the larger of those to
+without plain middle segments, and at --points budgets from the larger of those to
 plain's peak, the predicted step time of each plan. Printed: the smallest peaks, and
 the largest predicted time win of allowing them (time without / time with - 1) and
 the budget where it is. Predictions of the memory model, so both sides read the same
@@ -41,9 +41,9 @@ def chains(smoke: bool) -> dict:
     }
 
 
-def step_seconds(prof, budget: int, allow: tuple, store_middle: bool):
+def step_seconds(prof, budget: int, allow: tuple, plain_middle: bool):
     try:
-        return actsave.plan(prof, budget, allow=allow, plain_middle=store_middle).predicted_step_seconds
+        return actsave.plan(prof, budget, allow=allow, plain_middle=plain_middle).predicted_step_seconds
     except actsave.ConfigError:  # infeasible at this budget
         return None
 

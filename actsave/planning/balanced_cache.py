@@ -21,7 +21,7 @@ raises.
 The last segment of a balanced plan stores autograd's saves exactly, whatever its
 first layer's codec: the plan keeps that segment short, and there compressing the
 saves costs more in decode temporaries than it frees (docs/results.md, "Other
-figures"), and the memory model prices the stored segment as exact. One function
+figures"), and the memory model prices the plain segment as exact. One function
 says so to the runtime, the profile and the plan: plans.balanced_last_policy. On a
 CPU device host memory is the device's, so offload is planned there as if the inputs
 stayed (they do, in the pool: devices.py, NOTE [ Separate host memory ]).

@@ -11,7 +11,7 @@ a codec (all of them, or its linear layers' inputs only) or on the host, with no
 recompute. Each is priced by what it does to the peak formula of memory_model.py,
 ``X + max_j (R_0 + ... + R_{j-1} + W_j)``, with segments of one block each:
 
-- plain and inputs kept: the cost model's own terms of the one-block segment (a stored
+- plain and inputs kept: the cost model's own terms of the one-block segment (a plain
   middle segment, a checkpointed one), from the chain's profiled step, as any chain
   plan prices them; but for a checkpoint kept on the device, the seconds measured as
   the other options' are (below): its recompute stops after its last save (the early
@@ -109,8 +109,8 @@ def model_terms(model: CostModel, a: int, option: Optional[BlockOption], held: b
     """The cost model's terms of block ``a`` kept plain (``option`` None) or keeping its
     inputs as ``option.policy`` says; None where the model does not allow it there."""
     if option is None:
-        working, kept = model.segment_stored_middle(a, a + 1, 0.0, held)
-        holds = bool(model.stored_middle_holds_output(a, a + 1))
+        working, kept = model.segment_plain_middle(a, a + 1, 0.0, held)
+        holds = bool(model.plain_middle_holds_output(a, a + 1))
         return OptionTerms(kept, working, working, 0.0, 0.0, holds)
     o = model.options.index(option.policy)
     if not model.allowed[o, a]:

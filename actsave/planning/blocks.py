@@ -75,7 +75,7 @@ def block_chain(calls: list) -> nn.Sequential:
 def chain_profile(chain: nn.Sequential, calls: list, outside: Outside) -> Profile:
     """The profile of the blocks as a chain, then the loss as its last layer; the chain
     input's bytes include what the step holds beside it."""
-    blocks = profile(chain, (calls[0][2].hidden,), stored_saves=False)  # blocks in the stored segment run plain
+    blocks = profile(chain, (calls[0][2].hidden,), stored_saves=False)  # blocks in the plain segment run plain
     return dataclasses.replace(
         blocks,
         layers=blocks.layers + (_loss_layer(blocks, outside),),
@@ -242,7 +242,7 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
     candidates = candidate_options(levers, codecs, profile.device)
     policies = sorted({option.policy for option in candidates if option.keep == "inputs"},
                       key=lambda policy: (policy.codec.name, policy.offload))
-    model = CostModel(profile, policies, stored_codecs=("none",), store_middle=True)
+    model = CostModel(profile, policies, stored_codecs=("none",), plain_middle=True)
     if measurer is None:
         measurer = BlockMeasurer(chain, [TensorSpec.of(call.hidden) for _, _, call in calls], profile.device,
                                  profile.timed)
@@ -257,7 +257,7 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
                 names.append(option)
         rows.append(tuple(row))
         labels.append(tuple(names))
-    loss = tuple(model.stored_working_set(len(calls), 0, held) for held in (False, True))
+    loss = tuple(model.plain_working_set(len(calls), 0, held) for held in (False, True))
     base = float(model.forward_s_before[-1] + model.backward_s_before[-1])
     return BlockTable(tuple(rows), loss, float(model.chain_input), base, tuple(labels))
 

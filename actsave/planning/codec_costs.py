@@ -3,7 +3,7 @@
 decoding, the seconds of each, and on CUDA of the copies to pinned host memory and
 back; and the rises of keeping and restoring a ReLU output's or a max pool's
 decisions. The profile (profiler.py) reads them for each layer input, and
-stored_saves.py for each save of a stored segment.
+stored_saves.py for each save of a plain segment.
 """
 from __future__ import annotations
 

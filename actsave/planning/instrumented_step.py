@@ -6,7 +6,7 @@ The byte-counting step (:func:`measure_memory`) counts every storage allocated
 (live_bytes.py) and attributes every tensor saved for backward to the layer running
 (:class:`_SaveLedger`): per layer, the rises of live bytes in forward and backward,
 the storages first saved, the ReLU outputs and max pools whose decisions a lossy
-checkpoint keeps, and each save as a stored segment's codec would store it
+checkpoint keeps, and each save as a plain segment's codec would store it
 (:class:`_SavesAsStored`, priced by stored_saves.py). A layer's input is described
 by a :class:`TensorSpec`, enough to make another like it for the codec costs
 (codec_costs.py). step_isolation.py makes such steps leave no trace on the model.
@@ -135,7 +135,7 @@ class _SaveLedger:
 
 
 class StoredEntry:
-    """A tensor as a stored segment's codec would store it: what it is, whether the
+    """A tensor as a plain segment's codec would store it: what it is, whether the
     codec encodes it, whether it is a ReLU output, a max pool's indices (``pool``,
     stored as its window decisions: runtime/kept_saves.py), the first and last
     layer saving it."""

@@ -3,7 +3,7 @@ docstring): the profile's per-layer terms as arrays (:class:`LayerEvents`), for 
 segment starting at a each layer's forward, recompute, backward and loss events
 (:class:`Events`), and for every segment [a, b) the largest of them (:class:`Tables`,
 where a recompute stops at its last save: :func:`until_last_save`). Both segment
-kinds' terms are built on these: stored_model.py and memory_model.py (CostModel).
+kinds' terms are built on these: plain_model.py and memory_model.py (CostModel).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class LayerEvents:
     O, L, fwd_i, bwd_i, Saved, U, S, M, Q, the times), the events of the layers from each
     start (:meth:`events_from`) and, for the solvers, the largest of them over every
     segment [a, b) (:attr:`tables`, built on first use). Every segment kind's terms
-    (stored_model.py, memory_model.py) are built on these."""
+    (plain_model.py, memory_model.py) are built on these."""
 
     def __init__(self, prof: Profile):
         layers = prof.layers
@@ -45,8 +45,8 @@ class LayerEvents:
         spans = [layer.input_saved_by or (n, -1) for layer in layers]  # (n, -1): saved by no layer
         self.input_first = np.array([first for first, _ in spans])
         self.input_last = np.array([last for _, last in spans])
-        # A stored middle segment ending at a may hold x_a in its saves (memory_model.py,
-        # "A tensor at a stored boundary"): x_a where a layer before a saves it, and the
+        # A plain middle segment ending at a may hold x_a in its saves (memory_model.py,
+        # "A tensor at a plain boundary"): x_a where a layer before a saves it, and the
         # part of it that Saved(a, .) counts (a layer from a on saves it too).
         layer_index = np.arange(n)
         self.reused_input = np.where(self.input_first < layer_index, self.input, 0.0)
@@ -89,12 +89,12 @@ class LayerEvents:
         unsaved = self._unsaved(a, i)
         unsaved_input = 0.0 if a == 0 else self.input[a]  # the chain input is in X
         caller_held = self._held_by_caller(a, i)
-        stored_forward = (np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + caller_held
+        plain_forward = (np.concatenate(([unsaved_input], saved[:-1] + unsaved[1:])) + caller_held
                           + self.forward_rise[a:])
         before_recompute = self._held_before_layers(a, saved, unsaved) + self._gathered_between(a, i)
         backward = self._backward_events(a, saved, i)
         return Events(saved=saved,
-                       stored_forward=stored_forward,
+                       plain_forward=plain_forward,
                        caller_held=caller_held,
                        loss=self._loss_event(a, saved[-1]),
                        backward=backward,
@@ -137,7 +137,7 @@ class LayerEvents:
         return np.where(self.saved_within(i, a, i - 1), 0.0, self.input[i])
 
     def _loss_event(self, s: int, saved_by_all: float) -> float:
-        """Saved(s, n-1) + U(n) + L: the stored segment [s, n) while the loss runs."""
+        """Saved(s, n-1) + U(n) + L: the plain segment [s, n) while the loss runs."""
         output_saved = self.output_first <= self.n - 1 and self.output_last >= s
         return saved_by_all + (0.0 if output_saved else self.output) + self.loss_rise
 
@@ -157,26 +157,26 @@ class LayerEvents:
         """The largest events of every segment [a, b), from each start's events by
         running maxima over the ends."""
         n = self.n
-        recompute, lossy_recompute, backward, checkpointed_backward, stored_forward, saved = (
+        recompute, lossy_recompute, backward, checkpointed_backward, plain_forward, saved = (
             np.full((n, n), np.inf) for _ in range(6))
-        stored_peak, held_stored_peak = np.empty(n), np.empty(n)
-        held_stored_forward = stored_forward.copy()
+        plain_peak, held_plain_peak = np.empty(n), np.empty(n)
+        held_plain_forward = plain_forward.copy()
         for a in range(n):
             events = self.events_from(a)
-            stored_peak[a] = events.stored_peak
+            plain_peak[a] = events.plain_peak
             held = events.without_input(self.reused_input[a], self.reused_saved[a]) if self.reused_input[a] else events
-            held_stored_peak[a] = held.stored_peak
-            held_stored_forward[a, a + 1:] = np.maximum.accumulate(held.stored_forward)[:n - 1 - a]
+            held_plain_peak[a] = held.plain_peak
+            held_plain_forward[a, a + 1:] = np.maximum.accumulate(held.plain_forward)[:n - 1 - a]
             last = self.last_saver[a:n - 1] - a  # for ends b = a+1 .. n-1
             recompute[a, a + 1:] = until_last_save(events.recompute, events.recompute_to_last_save, last)
             lossy_recompute[a, a + 1:] = until_last_save(events.recompute + self.restore[a:],
                                                           events.recompute_to_last_save + self.restore[a:], last)
             backward[a, a + 1:] = np.maximum.accumulate(events.backward)[:n - 1 - a]
             checkpointed_backward[a, a + 1:] = np.maximum.accumulate(events.checkpointed_backward)[:n - 1 - a]
-            stored_forward[a, a + 1:] = np.maximum.accumulate(events.stored_forward)[:n - 1 - a]
+            plain_forward[a, a + 1:] = np.maximum.accumulate(events.plain_forward)[:n - 1 - a]
             saved[a, a + 1:] = events.saved[:n - 1 - a]
-        return Tables(recompute, lossy_recompute, backward, checkpointed_backward, stored_forward,
-                      held_stored_forward, saved, stored_peak, held_stored_peak)
+        return Tables(recompute, lossy_recompute, backward, checkpointed_backward, plain_forward,
+                      held_plain_forward, saved, plain_peak, held_plain_peak)
 
     @property
     def backward(self) -> np.ndarray:
@@ -188,44 +188,44 @@ class Events(NamedTuple):
     """The option-independent events of the layers i = a .. n-1 of a segment starting
     at a, one array each (index i - a), in the terms of memory_model.py's docstring."""
 
-    saved: np.ndarray  # Saved(a, i): a stored middle segment [a, i+1) keeps these
-    stored_forward: np.ndarray  # Saved(a, i-1) + U(i) + [x_a] + fwd_i: a stored segment's forward
+    saved: np.ndarray  # Saved(a, i): a plain middle segment [a, i+1) keeps these
+    plain_forward: np.ndarray  # Saved(a, i-1) + U(i) + [x_a] + fwd_i: a plain segment's forward
     caller_held: np.ndarray  # [x_a]: the segment's input, held by the caller and no save
-    loss: float  # Saved(a, n-1) + U(n) + L: the stored segment's loss
+    loss: float  # Saved(a, n-1) + U(n) + L: the plain segment's loss
     backward: np.ndarray  # O + Saved(a, i) + g_{i+1} + bwd_i
     checkpointed_backward: np.ndarray  # the same in a checkpointed segment: + G'(a, i-1)
     recompute: np.ndarray  # Saved'(a, i-1) + U(i) + G(a, i-1) + fwd_i: the option adds its held bytes
     recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
 
     @property
-    def stored_peak(self) -> float:
-        """W_stored(a): the largest event of the stored segment [a, n)."""
-        return float(max(self.stored_forward.max(), self.loss, self.backward.max()))
+    def plain_peak(self) -> float:
+        """W_plain(a): the largest event of the plain segment [a, n)."""
+        return float(max(self.plain_forward.max(), self.loss, self.backward.max()))
 
     def without_input(self, first: float, saved: float) -> "Events":
-        """The stored segment's events when the stored middle segment before holds x_a:
+        """The plain segment's events when the plain middle segment before holds x_a:
         ``first`` (x_a) off its first forward event (U(a)) and those where the caller
         holds it ([x_a]), ``saved`` (x_a where Saved(a, .) counts it, else 0) off Saved
         and every other event counting it."""
-        forward = self.stored_forward - np.where(self.caller_held > 0, first, saved)
-        forward[0] = self.stored_forward[0] - first
-        return self._replace(saved=self.saved - saved, stored_forward=forward, loss=self.loss - saved,
+        forward = self.plain_forward - np.where(self.caller_held > 0, first, saved)
+        forward[0] = self.plain_forward[0] - first
+        return self._replace(saved=self.saved - saved, plain_forward=forward, loss=self.loss - saved,
                              backward=self.backward - saved, checkpointed_backward=self.checkpointed_backward - saved)
 
 
 class Tables(NamedTuple):
     """[a, b]: the largest event of the segment [a, b) (inf below the diagonal); [s]:
-    of the stored segment [s, n), its saves as they are."""
+    of the plain segment [s, n), its saves as they are."""
 
     recompute: np.ndarray  # -inf where nothing is recomputed
     lossy_recompute: np.ndarray  # with the ReLU restores of a lossy codec
     backward: np.ndarray
     checkpointed_backward: np.ndarray  # with the gathered parameters a recompute holds
-    stored_forward: np.ndarray  # the largest forward event of a stored middle segment
-    held_stored_forward: np.ndarray  # the same after a stored middle segment whose saves hold x_a
-    saved: np.ndarray  # Saved(a, b-1): what a stored middle segment keeps
-    stored_peak: np.ndarray  # [s]: W_stored(s)
-    held_stored_peak: np.ndarray  # [s]: the same after a stored middle segment whose saves hold x_s
+    plain_forward: np.ndarray  # the largest forward event of a plain middle segment
+    held_plain_forward: np.ndarray  # the same after a plain middle segment whose saves hold x_a
+    saved: np.ndarray  # Saved(a, b-1): what a plain middle segment keeps
+    plain_peak: np.ndarray  # [s]: W_plain(s)
+    held_plain_peak: np.ndarray  # [s]: the same after a plain middle segment whose saves hold x_s
 
 
 def until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:

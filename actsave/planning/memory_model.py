@@ -16,7 +16,7 @@ Budget
 Memory model
     Segment j holds layers [a, b). The last segment is stored (plain autograd); each
     of the others is checkpointed with an option o = (codec, offload), or stored too
-    (a stored middle segment). Backward runs the
+    (a plain middle segment). Backward runs the
     segments in reverse, so everything segment j allocates, forward or backward,
     happens while only the segments before it hold their kept bytes R:
 
@@ -40,7 +40,7 @@ Memory model
         recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + G(a, i-1)
                     + fwd_i (+ restore_i)
         backward    O + Saved(a, i) + G'(a, i-1) + g_{i+1} + bwd_i
-    stored middle [a, b), b < n: R = Saved(a, b-1), autograd's saves, kept from its
+    plain middle [a, b), b < n: R = Saved(a, b-1), autograd's saves, kept from its
     forward to its backward (which recomputes nothing)
         forward     Saved(a, i-1) + U(i) + [x_a] + fwd_i
         backward    O + Saved(a, i) + g_{i+1} + bwd_i + C
@@ -102,15 +102,15 @@ Memory model
     Offload (CUDA only: on a CPU model host memory is device memory) brings an
     input back early, when the next offloaded segment's recompute prefetches it. The
     model charges C, the largest F of an offloaded segment of the plan, to every
-    backward-time event of every checkpointed or stored middle segment (a prefetch
-    may be in flight across a stored middle segment's backward), and the dynamic programs run
+    backward-time event of every checkpointed or plain middle segment (a prefetch
+    may be in flight across a plain middle segment's backward), and the dynamic programs run
     for every candidate C: each distinct F, or, where a lossy codec's offloaded bits
     make more than _MAX_CARRIES distinct sizes (F depends on both ends of a
     segment), the largest F below each point of a geometric grid over them. On the
     grid a plan's charge exceeds its own C by less than the grid's step, so its
     peak is within that of the optimum (tests/planning/test_memory_model.py).
 
-    A tensor at a stored boundary: where a stored middle segment [a', b) saves x_b,
+    A tensor at a plain boundary: where a plain middle segment [a', b) saves x_b,
     the next segment's input (a layer of [a', b) saves its storage: Tanh, Sigmoid and
     ReLU save their outputs), R of [a', b) holds x_b until its backward, after every
     later segment's, and the next segment counts it nowhere else (one storage):
@@ -133,16 +133,16 @@ Memory model
 
 Time model
     step = sum_i (forward_i + backward_i) + sum over checkpointed segments t(a,b,o)
-    (a stored segment adds nothing),
+    (a plain segment adds nothing),
     t = sum_{a<=i<b} forward_i + encode and decode time (lossy) + the host copies not
     hidden behind the segment's forward (copy out) and its recompute and backward
-    (copy back; offload). Sign bits and the early stop are ignored. A stored segment
+    (copy back; offload). Sign bits and the early stop are ignored. A plain segment
     whose saves a codec keeps adds, for each of its stored tensors, one encoding, and
     for each save one decoding, each the seconds the codec took on a sample of that
     shape (stored_saves.py, StoredSaves).
 
 Each term is written once (:class:`CostModel`: the checkpointed segments' terms, on
-the stored segments' of stored_model.py and the option-independent events of
+the plain segments' of plain_model.py and the option-independent events of
 layer_events.py) and read two ways: by the solvers
 (solver.py) for every segment at once, from tables of each segment's largest events,
 and by :meth:`CostModel.predict` for one plan, each segment from its own events.
@@ -160,7 +160,7 @@ from ..runtime.keep_rules import KeepPolicy, kept_as
 from . import nested_model
 from .profiler import LayerProfile, Profile
 from .planned_segment import Kind
-from .stored_model import StoredTerms
+from .plain_model import PlainTerms
 
 # Offloaded ReLU bits make a segment's fetch size depend on both its ends, so the sizes
 # an offloaded segment may fetch number up to n^2 / 2. Beyond this many, the carries
@@ -177,9 +177,9 @@ def effective_option(option: KeepPolicy, layer: LayerProfile, device: str) -> Ke
     return kept if host_is_separate(device) else KeepPolicy(kept.codec, False)
 
 
-class CostModel(StoredTerms):
+class CostModel(PlainTerms):
     """The module docstring's memory and time model over the layers as numpy arrays:
-    the checkpointed segments' terms here, on the stored segments' (stored_model.py)
+    the checkpointed segments' terms here, on the plain segments' (plain_model.py)
     and the option-independent events (layer_events.py).
 
     Each term is written once, in one method, for a start a and every layer i >= a
@@ -199,12 +199,12 @@ class CostModel(StoredTerms):
     """
 
     def __init__(self, prof: Profile, options: list, fixed: Optional[Sequence[KeepPolicy]] = None,
-                 stored_codecs: Sequence[str] = ("none",), store_middle: bool = False):
+                 stored_codecs: Sequence[str] = ("none",), plain_middle: bool = False):
         """``options``: the keep options the plans may use. ``fixed``: one option per
         layer instead, the only one a segment starting there may use.
-        ``stored_codecs``, ``store_middle``: as StoredTerms (:meth:`predict` prices
-        stored middle segments either way)."""
-        super().__init__(prof, stored_codecs, store_middle)
+        ``stored_codecs``, ``plain_middle``: as PlainTerms (:meth:`predict` prices
+        plain middle segments either way)."""
+        super().__init__(prof, stored_codecs, plain_middle)
         if fixed is not None:
             fixed = [effective_option(option, layer, prof.device) for option, layer in zip(fixed, prof.layers)]
             options = sorted(set(fixed), key=lambda option: (option.codec.name, option.offload))
@@ -253,8 +253,8 @@ class CostModel(StoredTerms):
 
     def kept(self, o: int, a, b, input_held=False) -> np.ndarray:
         """R(a, b, o): the device bytes the segment keeps from its forward to its
-        recompute; ``input_held`` (broadcastable): after a stored middle segment whose
-        saves hold x_a, where K is x_a itself the stored segment holds it. Offloaded,
+        recompute; ``input_held`` (broadcastable): after a plain middle segment whose
+        saves hold x_a, where K is x_a itself the plain segment holds it. Offloaded,
         only the snapshot M of mutated module state stays on the device."""
         saves = self.saves(a, b)
         if self.options[o].offload:
@@ -276,7 +276,7 @@ class CostModel(StoredTerms):
         return self.kept_input[o, a] - signs_before_start - self.state_before[a] - self._reused(o, a, input_held)
 
     def _reused(self, o: int, a, input_held) -> np.ndarray:
-        """The bytes of K that a stored middle segment before a holds (its saves hold
+        """The bytes of K that a plain middle segment before a holds (its saves hold
         x_a, ``input_held``) and option o keeps as x_a itself: counted there only."""
         return np.where(input_held & self.shares_input[o, a], self.reused_input[a], 0.0)
 
@@ -289,7 +289,7 @@ class CostModel(StoredTerms):
         """W(a, b, o) + C for each C in ``carries`` (the last axis of the result), given
         the segment's largest recompute event less what the option holds (``recompute``,
         -inf when nothing is recomputed) and its largest backward event; inf where the
-        option may not be used. ``input_held``: after a stored middle segment whose
+        option may not be used. ``input_held``: after a plain middle segment whose
         saves hold x_a, counted there: where K is x_a itself, not in K nor in the
         backward's Saved(a, i); with a lossy codec, not in the encode event."""
         option, fetched = self.options[o], self.fetched(o, a, b)
@@ -330,7 +330,7 @@ class CostModel(StoredTerms):
     def working_set(self, o: int, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
         """W(a, b, o) + C for each prefetch bound C in ``carries`` (the last axis of the
         result), for broadcastable arrays of starts and ends (and ``input_held``: after
-        a stored middle segment whose saves hold x_a); inf where not allowed."""
+        a plain middle segment whose saves hold x_a); inf where not allowed."""
         if np.size(carries) == 1:  # the time DP's case, and every plan without offload
             held = np.asarray(input_held).astype(np.int64)
             return self._working_sets_within(o, float(carries[0]))[held, a, b][..., None]
@@ -392,13 +392,13 @@ class CostModel(StoredTerms):
         seconds = self.forward_s_before[-1] + self.backward_s_before[-1]
         seconds += sum(float(self.seconds(o, a, b)) if r is None else nested_model.seconds(self, o, a, r)
                        for a, b, o, r in checkpointed)
-        seconds += self.stored_seconds(segments[-1].start, segments[-1].codec)
+        seconds += self.plain_seconds(segments[-1].start, segments[-1].codec)
         kept_before, peak, peak_segment, input_held = 0.0, -math.inf, 0, False
         for j, (a, b, kind, o, k) in enumerate(segments):
             if kind is Kind.STORED:
-                working, kept = self.segment_stored_middle(a, b, carry, input_held)
+                working, kept = self.segment_plain_middle(a, b, carry, input_held)
             elif kind is Kind.STORED_LAST:
-                working, kept = self.stored_working_set(a, k, input_held), 0.0
+                working, kept = self.plain_working_set(a, k, input_held), 0.0
             elif nested[j] is not None:
                 working = nested_model.working_set(self, o, a, b, nested[j], carry, input_held)
                 kept = float(self.kept(o, a, b, input_held))
@@ -408,5 +408,5 @@ class CostModel(StoredTerms):
             if kept_before + working > peak:
                 peak, peak_segment = kept_before + working, j
             kept_before += kept
-            input_held = kind is Kind.STORED and bool(self.stored_middle_holds_output(a, b))
+            input_held = kind is Kind.STORED and bool(self.plain_middle_holds_output(a, b))
         return self.chain_input + peak, seconds, peak_segment

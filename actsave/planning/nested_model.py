@@ -36,8 +36,8 @@ the part starts and dropped as it ends: M(s, e) in the part's pass.
 
 A top-level nested segment's working set is W = O + K + Q + C + E(top), O, K, Q and
 C as for any checkpointed segment (memory_model.py), and it keeps R = K until its
-recompute; after a stored middle segment whose saves hold x_a, K (x_a itself) is
-counted there (memory_model.py, "A tensor at a stored boundary"), and its first
+recompute; after a plain middle segment whose saves hold x_a, K (x_a itself) is
+counted there (memory_model.py, "A tensor at a plain boundary"), and its first
 part's saves of x_a are K's storage.
 
 Time: every recomputed range's pass runs the forward of its layers once more, so a
@@ -67,7 +67,7 @@ class Part(NamedTuple):
 
 def held_outside(model, o: int, a, b, input_held=False) -> np.ndarray:
     """O + K + Q of the nested segment [a, b) kept by option o, for broadcastable
-    starts, ends and ``input_held`` (after a stored middle segment whose saves hold
+    starts, ends and ``input_held`` (after a plain middle segment whose saves hold
     x_a, which holds K then: CostModel.kept): what its top range's events come on top
     of, less the carry. Its first part's saves of x_a are the same storage as K
     (Part.kept), so neither counts x_a again. The snapshot M of module state, in R, is
@@ -99,7 +99,7 @@ def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None, last
     events = model.events_from(s) if events is None else events
     at = stops - s - 1
     own_input = own_input_saved(model, s, stops) if first else 0.0
-    forward = events.recompute if first else events.stored_forward - events.caller_held
+    forward = events.recompute if first else events.plain_forward - events.caller_held
     during_pass = np.maximum.accumulate(forward)[at]
     if last:
         to_last_save = forward - model.forward_rise[s:] + model.rise_to_last_save[s:]

@@ -154,7 +154,7 @@ class NestedTable:
     def least_working_set(self, o: int) -> np.ndarray:
         """[bit, a, b]: the least W (less C) of a nested segment [a, b) kept by option
         o: O + K + Q + the fewest bytes its recompute nests within (inf where none);
-        bit 1 after a stored middle segment whose saves hold x_a (nested_model.held_outside)."""
+        bit 1 after a plain middle segment whose saves hold x_a (nested_model.held_outside)."""
         return self._least_working_sets[o]
 
     @cached_property

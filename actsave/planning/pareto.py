@@ -13,7 +13,7 @@ from .memory_model import CostModel
 
 class Labels:
     """A growable table of prefix plans: kept bytes P, time T, whether the last segment
-    is a stored middle one whose saves hold the next segment's input (held), and how
+    is a plain middle one whose saves hold the next segment's input (held), and how
     each was made."""
 
     _COLUMNS = {"p": np.float64, "t": np.float64, "held": np.bool_, "position": np.int64, "option": np.int64,
@@ -166,7 +166,7 @@ _SAMPLED = 1024  # pairs whose frontier screens the rest before the full sort
 
 def held_pareto(p: np.ndarray, t: np.ndarray, held: np.ndarray, reused: float) -> np.ndarray:
     """Indices of the labels at one position that may lead to a faster plan. A held
-    label (its stored middle segment holds the next input, ``reused`` bytes) needs
+    label (its plain middle segment holds the next input, ``reused`` bytes) needs
     at most as much headroom from here as an unheld one of the same P, and at least
     that less ``reused``: it beats an unheld label of no smaller P and T, and is
     beaten by an unheld one at least ``reused`` smaller in P and no larger in T,

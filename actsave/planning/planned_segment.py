@@ -6,7 +6,7 @@ it was planned on.
 NOTE [ Planned segments ]
     A plan is a list of PlannedSegments covering [0, n) in order. Every one but the
     last is CHECKPOINTED (``option``: an index into CostModel.options) or STORED (a
-    stored middle segment: autograd keeps its saves as they are). The last is
+    plain middle segment: autograd keeps its saves as they are). The last is
     STORED_LAST, whose saves ``codec`` keeps (an index into CostModel.stored_codecs;
     0: as they are). The dynamic programs' label tables hold the kind and option as
     integers (solver.py, _STORED); segments are made only where a plan leaves them.
@@ -21,7 +21,7 @@ class Kind(enum.Enum):
     """Which of the memory model's segments a planned segment is (memory_model.py)."""
 
     CHECKPOINTED = "checkpointed"
-    STORED = "stored"  # a stored middle segment
+    STORED = "stored"  # a plain middle segment
     STORED_LAST = "stored_last"
 
 
@@ -52,5 +52,5 @@ class PlannedSegment(NamedTuple):
 
     @property
     def is_stored(self) -> bool:
-        """A stored middle segment (not the last)."""
+        """A plain middle segment (not the last)."""
         return self.kind is Kind.STORED

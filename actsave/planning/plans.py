@@ -133,18 +133,18 @@ class Search:
     min_sqnr_db: Optional[float]
     longest: Optional[int]
     compress_stored: bool
-    store_middle: bool
+    plain_middle: bool
     nest: bool  # objective "time": exact segments may nest checkpoints
     suggest_codecs: bool = True  # False where codecs cannot be used (blocks.py)
 
     def model(self) -> CostModel:
         """The model searched: the levers' keep options for checkpointed segments, and
-        for the stored segment's saves the lossy codecs among them where ``compress_stored``."""
+        for the plain segment's saves the lossy codecs among them where ``compress_stored``."""
         options = keep_options(self.allow, self.min_sqnr_db, self.profile.device)
         stored_codecs = ["none"]
         if self.compress_stored and self.profile.stored_saves is not None:
             stored_codecs += sorted({option.codec.name for option in options if option.lossy})
-        return CostModel(self.profile, options, stored_codecs=stored_codecs, store_middle=self.store_middle)
+        return CostModel(self.profile, options, stored_codecs=stored_codecs, plain_middle=self.plain_middle)
 
     def smallest_budget(self, model: CostModel, start=None) -> tuple:
         """(the smallest budget this search finds a plan within for ``model``, the

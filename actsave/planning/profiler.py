@@ -13,7 +13,7 @@ meta tensors (a meta ``x``).
 
 This module holds the records (:class:`Profile`, :class:`LayerProfile`) and
 :func:`profile`, which fills them from the measured steps (instrumented_step.py), the
-codec costs (codec_costs.py) and the stored segment's saves as priced
+codec costs (codec_costs.py) and the plain segment's saves as priced
 (stored_saves.py).
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ class Profile:
     # the output's gradient arrives: the loss's forward and backward (profile's
     # ``loss``), or without one the output gradient of ones. 0: not measured.
     loss_rise: int = 0
-    stored_saves: Optional[StoredSaves] = None  # None: not recorded; the stored segment's saves stay exact
+    stored_saves: Optional[StoredSaves] = None  # None: not recorded; the plain segment's saves stay exact
     # Whether a module runs in more than one layer (a block placed twice): such a chain's
     # plans do not nest checkpoints (runtime/nested.py, _refuse_repeated_modules).
     repeats_modules: bool = False
@@ -253,9 +253,9 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
     ``Profile.loss_rise``, the memory model's loss event. Without it the backward
     starts from a full-size output gradient of ones.
 
-    ``stored_saves``: whether to derive what the stored segment's saves cost under each
+    ``stored_saves``: whether to derive what the plain segment's saves cost under each
     lossy codec (``Profile.stored_saves``, for :func:`plan`'s ``compress_stored``), from
-    a sample of each save's shape; False leaves it None, for plans whose stored
+    a sample of each save's shape; False leaves it None, for plans whose plain
     segment keeps its saves as they are (:func:`balanced`).
 
     Sizes only, at any scale: give ``x`` on the meta device (``torch.empty(128, 3, 32,

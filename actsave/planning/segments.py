@@ -28,7 +28,7 @@ PLANNED_STRATEGIES = ("auto", "speed", "memory")  # need a profiled step: see Ch
 @dataclass(frozen=True)
 class Segment:
     """Layers ``start`` to ``stop - 1``; ``checkpointed`` is False for the last one and
-    the stored segments of an applied plan."""
+    the plain segments of an applied plan."""
 
     start: int
     stop: int

@@ -2,9 +2,9 @@
 
 Dynamic program
     Time-optimal, left to right. A label (P, T, z) at position b is a plan of layers
-    [0, b) in checkpointed (and, where the model allows, stored middle) segments:
-    P = the bytes they keep, T = their time, z = 1 where the last is a stored middle
-    segment whose saves hold x_b (memory_model.py, "A tensor at a stored boundary":
+    [0, b) in checkpointed (and, where the model allows, plain middle) segments:
+    P = the bytes they keep, T = their time, z = 1 where the last is a plain middle
+    segment whose saves hold x_b (memory_model.py, "A tensor at a plain boundary":
     the next segment's terms, written W_z, R_z, leave x_b out). The Pareto frontier
     L(b) stays small. With L(0) = {(0, 0, 0)},
 
@@ -13,11 +13,11 @@ Dynamic program
                (o ranging over the keep options and "stored": R = Saved(a, b-1),
                t = 0, W + C its largest event, memory_model.py; z' = 1 for
                "stored" where Saved(a, b-1) holds x_b, else 0)
-        best = min { T + t_stored(s, k) : s < n, k, (P, T, z) in L(s),
-                     P + W_stored,z(s, k) <= budget - X }
+        best = min { T + t_plain(s, k) : s < n, k, (P, T, z) in L(s),
+                     P + W_plain,z(s, k) <= budget - X }
 
-    k: how the stored segment keeps autograd's saves (as they are, or by a lossy
-    codec: memory_model.py), t_stored its encode and decode time.
+    k: how the plain segment keeps autograd's saves (as they are, or by a lossy
+    codec: memory_model.py), t_plain its encode and decode time.
 
     Feasibility depends on a label only through P and z, and time is additive.
     Every term with z = 1 is that with z = 0 less between 0 and x_b, so (P, T, 1)
@@ -25,11 +25,11 @@ Dynamic program
     (P + x_b, T, 1): a label beaten so never leads to a better plan, and the
     frontier drops only those: the DP is exact for the model.
     Smallest peak ("memory" objective, and :func:`balanced`), right to left, one
-    number per start, z and candidate C: h_z(a) = min(min_k W_stored,z(a, k),
+    number per start, z and candidate C: h_z(a) = min(min_k W_plain,z(a, k),
     min_{b,o} max(W_z(a,b,o) + C, R_z(a,b,o) + h_z'(b))) (o again including
     "stored"), peak = X + h_0(0); then the fastest plan within that peak,
     the time dynamic program run only for the candidates whose h_0(0) fits. With every
-    time 0 (a meta profile) the first plan found is kept: the one whose stored
+    time 0 (a meta profile) the first plan found is kept: the one whose plain
     segment starts earliest, so the fewest layers are recomputed.
 
     Nested segments (objective "time"): an exact checkpointed segment whose
@@ -40,8 +40,8 @@ Dynamic program
     (_Prefixes._sources) take the least bytes a nested segment needs
     (NestedTable.least_bytes), so nesting completions are not pruned.
 
-    Stored middle segments end at the first join after their start
-    (CostModel.stored_middle_reach: a boundary where two stored segments are one,
+    Plain middle segments end at the first join after their start
+    (CostModel.plain_middle_reach: a boundary where two plain segments are one,
     in a chain of layers that save their outputs every boundary), as the plans of
     longer ones are the same plans split there; the plan found joins them again.
 
@@ -50,7 +50,7 @@ Dynamic program
     live label at each b, O(n^2 L |O|) with L the mean frontier size, vectorized
     over labels, each segment's terms read once per start; a label leaves for good
     once a segment from it to b cannot fit. The memory DP is O(n^2 |O| |C|),
-    vectorized over the candidates C. Stored middle segments widen the frontiers (a
+    vectorized over the candidates C. Plain middle segments widen the frontiers (a
     prefix may keep more bytes to recompute less), to tens of thousands of live
     labels on long chains at tight budgets; once more than _SWEPT labels extend, each
     option kept on the device reads only those a Sweep (pareto.py) leaves (its staircase, far
@@ -111,7 +111,7 @@ def smallest_nested_headroom(model: CostModel, longest: Optional[int] = None,
 def _smallest_headrooms(model: CostModel, longest: Optional[int] = None,
                         nested: Optional[NestedTable] = None) -> tuple:
     """(carries, h): h[z, a, c] the docstring's right-to-left recurrence h_z(a), for
-    every candidate C at once (the last axis), z = 1 after a stored middle segment
+    every candidate C at once (the last axis), z = 1 after a plain middle segment
     whose saves hold x_a, over checkpointed segments [a, b) of at most ``longest``
     layers, and, with ``nested``, nested segments within its grid. Computed once per
     model and ``longest`` (once per table with ``nested``)."""
@@ -119,9 +119,9 @@ def _smallest_headrooms(model: CostModel, longest: Optional[int] = None,
     if longest not in computed:
         n, carries = model.n, model.carries()
         h = np.stack([np.repeat(peaks.min(axis=0)[:, None], len(carries), axis=1)
-                      for peaks in (model.stored_peaks, model.held_stored_peaks)])
+                      for peaks in (model.plain_peaks, model.held_plain_peaks)])
         for a in reversed(range(n - 1)):
-            # Where no stored middle segment before a can hold x_a, h_1(a) = h_0(a).
+            # Where no plain middle segment before a can hold x_a, h_1(a) = h_0(a).
             h[:, a] = _headroom_from(model, a, np.array([[False], [True]]) if model.reused_input[a]
                                      else np.array([[False]]), longest, carries, h, nested)
         computed[longest] = carries, h
@@ -133,7 +133,7 @@ def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional
     """[z, c]: h_z(a) for each z in ``bits`` (a column) and every carry, from h of the
     positions after a; with ``nested``, segments may nest within its grid."""
     rows = bits[:, 0].astype(np.int64)
-    n, best = model.n, h[rows, a]  # the stored segment [a, n)
+    n, best = model.n, h[rows, a]  # the plain segment [a, n)
     b = np.arange(a + 1, n if longest is None else min(n, a + 1 + longest))
     # (o, W + C) of each checkpointed segment [a, b): plain, then nested within the grid
     checkpointed = [(o, model.working_set(o, a, b, carries, bits)) for o in np.nonzero(model.allowed[:, a])[0]]
@@ -144,11 +144,11 @@ def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional
         kept = np.broadcast_to(model.kept(o, a, b, bits), (len(bits), b.size))
         through = np.maximum(working, kept[..., None] + h[0, b])
         best = np.minimum(best, through.min(axis=1))
-    if model.store_middle:  # any number of layers, up to the first join (CostModel.stored_middle_reach)
-        b = np.arange(a + 1, model.stored_middle_reach[a] + 1)
-        rest = np.where(model.stored_middle_holds_output(a, b)[:, None], h[1, b], h[0, b])
-        through = np.maximum(model.stored_middle_working_set(a, b, carries, bits),
-                             model.stored_middle_kept(a, b, bits)[..., None] + rest)
+    if model.plain_middle:  # any number of layers, up to the first join (CostModel.plain_middle_reach)
+        b = np.arange(a + 1, model.plain_middle_reach[a] + 1)
+        rest = np.where(model.plain_middle_holds_output(a, b)[:, None], h[1, b], h[0, b])
+        through = np.maximum(model.plain_middle_working_set(a, b, carries, bits),
+                             model.plain_middle_kept(a, b, bits)[..., None] + rest)
         best = np.minimum(best, through.min(axis=1))
     return best
 
@@ -171,7 +171,7 @@ def fastest_within(model: CostModel, headroom: float, longest: Optional[int] = N
     return None if best is None else best[1:]
 
 
-# The option column of a label whose last segment is a stored middle one: labels keep
+# The option column of a label whose last segment is a plain middle one: labels keep
 # kinds and options as integers, PlannedSegments are made from them only for the plan
 # found (_Prefixes._segments_from).
 _STORED = -2
@@ -188,8 +188,8 @@ class _Prefixes:
     layers, so T differs only by codec and copy costs and frontiers stay small.
 
     Each label at b extends a label at a < b by the segment [a, b) with option o,
-    allowed when P + W(a,b,o) + C <= headroom; a plan ends with the stored segment
-    at s when P + W_stored(s, k) <= headroom for a stored codec k: L(b) and "best" of
+    allowed when P + W(a,b,o) + C <= headroom; a plan ends with the plain segment
+    at s when P + W_plain(s, k) <= headroom for a stored codec k: L(b) and "best" of
     the module docstring.
     With ``longest``, only from labels at a >= b - longest.
 
@@ -214,7 +214,7 @@ class _Prefixes:
                            position=np.zeros(1, dtype=np.int64),
                            option=np.full(1, _ROOT), previous=np.full(1, -1), nested_room=np.full(1, np.nan),
                            live=np.ones(1, dtype=bool))
-        # (time, label whose plan ends with the stored segment, its stored codec)
+        # (time, label whose plan ends with the plain segment, its stored codec)
         self.best = (math.inf, -1, 0)
         self.alive = np.arange(1)  # the labels that may still extend (_extend_to)
         self.sweeps = {}  # option -> Sweep, from the first b where more than _SWEPT labels extend
@@ -252,7 +252,7 @@ class _Prefixes:
 
     def _sources(self, b: int) -> np.ndarray:
         """The labels that may extend to b. W >= the backward events + C whatever the
-        option (less x_a where a stored middle segment before holds it): a cheap test
+        option (less x_a where a plain middle segment before holds it): a cheap test
         drops most labels. The bound grows with b (a running maximum) and the best
         time only falls, so a label that fails it now fails it for every later b: it
         leaves ``alive`` for good."""
@@ -270,12 +270,12 @@ class _Prefixes:
         """(P, T, bit, option, previous label, nested room) of the extensions to b of
         the labels ``source`` (in order of position) that may be on the frontier:
         every allowed one, less those a Sweep shows beaten. In the order of a stable
-        Pareto sort's ties: stored middle segments, each option, nested segments;
+        Pareto sort's ties: plain middle segments, each option, nested segments;
         within each, by label."""
         model, labels, parts, everyone = self.model, self.labels, [], None
         window = Window(model, int(labels["position"][source[0]]), b, self.carry)
-        if model.store_middle:
-            parts.append(self._stored_middle_extensions(window))
+        if model.plain_middle:
+            parts.append(self._plain_middle_extensions(window))
         for o in range(len(model.options)):
             if not model.options[o].offload and source.size > _SWEPT and o not in self.sweeps:
                 self.sweeps[o] = Sweep(model, o)
@@ -335,18 +335,18 @@ class _Prefixes:
             times = batch.t + model.seconds(o, batch.window.starts, b)[batch.at[1]]
         return ok, times
 
-    def _stored_middle_extensions(self, window: "Window") -> tuple:
-        """The extensions to b by a stored middle segment: from the labels at the
-        positions whose first join is at or after b (CostModel.stored_middle_reach)."""
-        model, b, reach = self.model, window.b, self.model.stored_middle_reach
+    def _plain_middle_extensions(self, window: "Window") -> tuple:
+        """The extensions to b by a plain middle segment: from the labels at the
+        positions whose first join is at or after b (CostModel.plain_middle_reach)."""
+        model, b, reach = self.model, window.b, self.model.plain_middle_reach
         reaching = window.starts[reach[window.starts] >= b]
         chosen = self._alive_from(reaching[0] if reaching.size else b)
         batch = Batch(self.labels, chosen[reach[self.labels["position"][chosen]] >= b], window)
         starts = window.starts[None]
-        working = model.stored_middle_working_set(starts, b, window.carry, BITS)[..., 0]
+        working = model.plain_middle_working_set(starts, b, window.carry, BITS)[..., 0]
         ok = batch.p + working[batch.at] <= self.headroom
-        holds = model.stored_middle_holds_output(window.starts, b)[batch.at[1]]
-        return batch.extensions(ok, model.stored_middle_kept(starts, b, BITS), batch.t, holds, _STORED)
+        holds = model.plain_middle_holds_output(window.starts, b)[batch.at[1]]
+        return batch.extensions(ok, model.plain_middle_kept(starts, b, BITS), batch.t, holds, _STORED)
 
     def _alive_from(self, position: int) -> np.ndarray:
         """The labels that may extend, at ``position`` or later (labels are made in
@@ -355,16 +355,16 @@ class _Prefixes:
         return self.alive[np.searchsorted(self.alive, first):]
 
     def _finish_at(self, s: int, at: np.ndarray) -> None:
-        """End the plans of labels ``at`` (position s) with the stored segment [s, n),
+        """End the plans of labels ``at`` (position s) with the plain segment [s, n),
         its saves kept by each stored codec k in turn (as they are first, so that it
         wins ties)."""
         held = self.labels["held"][at]
         for k in range(len(self.model.stored_codecs)):
-            peak = np.where(held, self.model.held_stored_peaks[k, s], self.model.stored_peaks[k, s])
+            peak = np.where(held, self.model.held_plain_peaks[k, s], self.model.plain_peaks[k, s])
             fits = at[self.labels["p"][at] + peak <= self.headroom]
             if fits.size:
                 best = fits[np.argmin(self.labels["t"][fits])]
-                seconds = float(self.labels["t"][best]) + self.model.stored_time[k, s]
+                seconds = float(self.labels["t"][best]) + self.model.plain_time[k, s]
                 if seconds < self.best[0]:
                     self.best = (seconds, int(best), k)
 
@@ -373,14 +373,14 @@ class _Prefixes:
         stored codec ``stored``, and the Range of each segment before the last that
         nests, else None (CostModel.predict). Here the labels' integer columns become
         PlannedSegments (NOTE [ Planned segments ])."""
-        labels, reach = self.labels, self.model.stored_middle_reach
+        labels, reach = self.labels, self.model.plain_middle_reach
         segments = [PlannedSegment.stored_last(int(labels["position"][label]), self.model.n, stored)]
         nested = []
         while labels["previous"][label] >= 0:
             previous = int(labels["previous"][label])
             start, stop = int(labels["position"][previous]), int(labels["position"][label])
             option = int(labels["option"][label])
-            if option == _STORED and segments[-1].is_stored and reach[stop - 1] == stop:  # one stored segment
+            if option == _STORED and segments[-1].is_stored and reach[stop - 1] == stop:  # one plain segment
                 segments[-1] = PlannedSegment.stored(start, segments[-1].stop)
             else:
                 segments.append(PlannedSegment.stored(start, stop) if option == _STORED

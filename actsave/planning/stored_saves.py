@@ -1,4 +1,4 @@
-"""What a stored segment's saves cost under each lossy codec (:class:`StoredSaves`),
+"""What a plain segment's saves cost under each lossy codec (:class:`StoredSaves`),
 priced from the byte-counting step's record of its saves (instrumented_step.py,
 ``_SavesAsStored``) and each save shape's codec costs (codec_costs.py), with no step
 of its own. The memory model's stored events read it (memory_model.py).
@@ -17,7 +17,7 @@ from .live_bytes import allocation_bytes
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """One tensor of the profiled step's saves as a stored segment whose saves a lossy
+    """One tensor of the profiled step's saves as a plain segment whose saves a lossy
     codec keeps stores it (runtime/kept_saves.py): a floating-point save autograd
     made (keep_rules.should_encode) by the codec, once per ``stored_once_key``, else held as
     it is, once per storage. A ReLU output keeps its decisions, one bit per element,
@@ -33,7 +33,7 @@ class StoredTensor:
 
 @dataclass(frozen=True)
 class StoredSaves:
-    """A stored segment's saves kept by each lossy codec, derived from the profiled step
+    """A plain segment's saves kept by each lossy codec, derived from the profiled step
     (no step of its own): the tensors as stored, and per layer what encoding and decoding
     its saves adds. Byte and second values come from encoding and decoding a sample of
     each save's shape (as for layer inputs); the memory model's stored events read them
@@ -55,7 +55,7 @@ class StoredSaves:
 
 
 def price_stored_saves(found: CountedStep, costs: CodecCosts) -> StoredSaves:
-    """What a stored segment's saves cost under each lossy codec, from the profiled
+    """What a plain segment's saves cost under each lossy codec, from the profiled
     step's record of them and each save shape's codec costs (no step of its own).
 
     Encoding runs as a save is made (at most once per stored tensor), one at a time: a

@@ -8,7 +8,7 @@ that graph and its backward:
 
 - Each checkpointed segment is torch's checkpoint in the graph (NOTE [ Checkpoints in
   a compiled graph ] in function.py), its region annotated with its codec's name
-  (``node.meta["custom"]``); a stored segment that keeps by a codec is annotated as
+  (``node.meta["custom"]``); a plain segment that keeps by a codec is annotated as
   stored. The annotation follows the ops into AOTAutograd's graphs and into the
   copies its partitioner recomputes.
 - While the graph is compiled and run, actsave's saved-tensor hooks are set, as
@@ -16,7 +16,7 @@ that graph and its backward:
   graph ] in _torch_graphs.py). For each saved intermediate the hook looks at the graphs:
   one whose backward users are a region recomputed under codec C is that segment's
   kept input, encoded by C at the end of the forward graph and decoded at the start
-  of the backward one; one made inside a stored segment under C is stored by C, as
+  of the backward one; one made inside a plain segment under C is stored by C, as
   eager actsave stores the last segment's saves (kept_saves.py). Other saves
   stay as they are. AOTAutograd hands no graph input to the hooks (the batch, the
   parameters): held by the caller, encoding them would free nothing (keep_rules.py,
@@ -44,13 +44,13 @@ that graph and its backward:
   whose callees it compiles (``_torch_graphs.untraced_frame``), which looks up the segments,
   sets the hooks, calls the traced forward, which Dynamo compiles as a frame of its
   own, and unsets them when that returns or raises. One break, one graph.
-- A lossy segment's output that an exact stored segment saves (its first layer's
-  input) is kept exactly eagerly, as the stored segment's own save. In the graph the
+- A lossy segment's output that an exact plain segment saves (its first layer's
+  input) is kept exactly eagerly, as the plain segment's own save. In the graph the
   partitioner would recompute it instead, from the encoded input (it must keep that
   anyway), so that the stored layer's weight gradient would come out lossy too. So
   such a segment's output is copied after its
   checkpoint by an operator of actsave's own (:func:`output_copied`), which no
-  partitioner recomputes; the stored segment's backward reads that copy, exactly.
+  partitioner recomputes; the plain segment's backward reads that copy, exactly.
 - Blocks that ``wrap`` checkpointed (wrappers.py) do the same from the model's root,
   whose forward is the model's own code: ``wrap`` sets the root's ``forward`` (on the
   instance, as accelerate's hooks do; :class:`RootForward`) to a callable that, under
@@ -97,7 +97,7 @@ from .pool_decisions import Window
 from .keep_rules import KeepPolicy
 
 _KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
-_STORED = "actsave_stored_by"  # that of a stored segment's ops
+_STORED = "actsave_stored_by"  # that of a plain segment's ops
 # That of a wrapped block's checkpoint: not _KEPT, so that no region input of a block
 # is encoded as a segment's is; of a block's saves only its input copies are (_COPY).
 _BLOCK = "actsave_block_kept_by"
@@ -179,7 +179,7 @@ def _codec_of(node, backward) -> Optional[str]:
         return None
     # Its users are the region's recompute and the backward of the region's first ops,
     # which carry the region's annotation too. A save read by regions of two codecs, or
-    # also by another op (a stored segment's, which eagerly keeps it exactly), stays exact.
+    # also by another op (a plain segment's, which eagerly keeps it exactly), stays exact.
     names = {(user.meta.get("custom") or {}).get(_KEPT) for user in placeholder.users}
     return names.pop() if len(names) == 1 else None
 

@@ -137,7 +137,7 @@ def stored_once_key(tensor: torch.Tensor):
     """What makes saves of one forward share one stored copy: equal keys (the same
     elements of one storage, contiguous: a tensor saved twice, or a contiguous view of
     it); None for a non-contiguous tensor, stored anew at each save. The runtime keeps
-    a stored segment's saves by it (kept_saves.py), and the planner's profile counts
+    a plain segment's saves by it (kept_saves.py), and the planner's profile counts
     them by it (planning/instrumented_step.py)."""
     if not tensor.is_contiguous():
         return None

@@ -10,7 +10,7 @@ def test_stored_middle_compares_the_plans_with_and_without_them():
     assert [line.split()[3] for line in lines] == ["recompute", "recompute+int8+fp8"]
     for line in lines:
         smallest = re.search(r"with / without +([\d.]+) / +([\d.]+) MiB", line)
-        # Allowing stored middle segments can only widen the search.
+        # Allowing plain middle segments can only widen the search.
         assert smallest and float(smallest.group(1)) <= float(smallest.group(2)), line
         win = re.search(r"largest time win ([+-][\d.]+)%", line)
         assert win and float(win.group(1)) >= 0, line

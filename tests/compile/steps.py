@@ -142,7 +142,7 @@ def assert_keeps_as_eager_actsave(model, eager, plain: nn.Module, x: torch.Tenso
     """Over three steps of compiled ``model`` and ``eager`` actsave: the gradients'
     SQNR against ``plain`` within 1 dB of eager's (lossy both), no saved-tensor hooks
     left set, and then no more bytes kept after forward than eager's plus 5% (the
-    partitioner may keep fewer: of a stored segment it saves what it chooses, and a
+    partitioner may keep fewer: of a plain segment it saves what it chooses, and a
     compiled checkpoint keeps no RNG state where its region draws none). Returns how
     many frames Dynamo had compiled after each step (``compiles``:
     :func:`compiles_counted`'s list)."""

@@ -129,13 +129,13 @@ def test_a_lossy_checkpoint_runs_compiled_blocks_whose_eager_code_keeps_decision
     gradients lost most of their precision (12.8 dB worst here, 3 dB on a ResNet-56:
     docs/limits.md). Such blocks run their eager code in lossy checkpoints, forward and
     recompute, with one warning; exact segments (the first, which keeps the chain input
-    by reference, and the stored last) stay compiled."""
+    by reference, and the plain last) stay compiled."""
     monkeypatch.setattr(compiled_layers, "_warned", False)  # once per process
     monkeypatch.setattr(compiled_layers, "_KEEPS_DECISIONS", {})
     x = torch.randn(4, 8, 8, 8)
     model = actsave.CheckpointedSequential(*[compiled(block, how) for block in conv_bn_relu_blocks()],
                                            segments=4, compress="int8")
-    model.set_compression(6, None)  # the stored last segment keeps autograd's saves
+    model.set_compression(6, None)  # the plain last segment keeps autograd's saves
     plain = nn.Sequential(*conv_bn_relu_blocks())
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")

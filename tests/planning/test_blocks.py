@@ -387,7 +387,7 @@ def test_an_offloaded_block_is_priced_within_the_carry_its_fetch_needs():
     chain = blocks.block_chain(calls)
     profile = with_host_copies(blocks.chain_profile(chain, calls, blocks.measure_outside(plain, calls, (x,))))
     offload = KeepPolicy.resolve(None, True)
-    model = CostModel(profile, [offload], stored_codecs=("none",), store_middle=True)
+    model = CostModel(profile, [offload], stored_codecs=("none",), plain_middle=True)
     for a in (1, 2):
         terms = block_options.model_terms(model, a, block_options.BlockOption("inputs", offload), held=False)
         assert terms.fetched > 0

@@ -191,8 +191,8 @@ def test_offloaded_relu_bits_on_a_carry_grid_stay_within_one_fetch_of_the_exact_
 
 def as_the_solvers_see_it(prof: actsave.Profile, model: memory_model.CostModel, segments: list) -> tuple:
     """(peak, seconds) of a plan (PlannedSegments) by the dynamic programs'
-    arithmetic: W from the tables (working_set, stored_peaks), kept bytes summed left
-    to right, C the plan's largest fetch. After a stored middle segment whose saves
+    arithmetic: W from the tables (working_set, plain_peaks), kept bytes summed left
+    to right, C the plan's largest fetch. After a plain middle segment whose saves
     hold the next segment's input, the next segment's terms leave it out (input_held)."""
     checkpointed = [(s.start, s.stop, s.option) for s in segments[:-1] if s.is_checkpointed]
     carry = max((float(model.fetched(o, a, b)) for a, b, o in checkpointed if model.options[o].offload), default=0.0)
@@ -200,17 +200,17 @@ def as_the_solvers_see_it(prof: actsave.Profile, model: memory_model.CostModel, 
     for segment in segments[:-1]:
         a, b, o = segment.start, segment.stop, segment.option
         if segment.is_stored:
-            peak = max(peak, kept + model.stored_middle_working_set(a, b, np.array([carry]), held)[0])
-            kept += float(model.stored_middle_kept(a, b, held))
-            held = bool(model.stored_middle_holds_output(a, b))
+            peak = max(peak, kept + model.plain_middle_working_set(a, b, np.array([carry]), held)[0])
+            kept += float(model.plain_middle_kept(a, b, held))
+            held = bool(model.plain_middle_holds_output(a, b))
             continue
         peak = max(peak, kept + model.working_set(o, a, b, np.array([carry]), held)[0])
         kept += float(model.kept(o, a, b, held))
         held = False
     stored_start, stored = segments[-1].start, segments[-1].codec
-    peaks = model.held_stored_peaks if held else model.stored_peaks
+    peaks = model.held_plain_peaks if held else model.plain_peaks
     peak = max(peak, kept + peaks[stored, stored_start])
-    seconds = sum(layer.forward_s + layer.backward_s for layer in prof.layers) + model.stored_time[stored, stored_start]
+    seconds = sum(layer.forward_s + layer.backward_s for layer in prof.layers) + model.plain_time[stored, stored_start]
     return model.chain_input + peak, seconds + sum(float(model.seconds(o, a, b)) for a, b, o in checkpointed)
 
 
@@ -249,7 +249,7 @@ def test_the_solvers_tables_and_predict_agree_on_random_plans(name, gathered):
 
 
 def stored_working_set_term_by_term(prof: actsave.Profile, s: int, codec: str) -> float:
-    """W_stored(s, k), k a lossy codec, from the memory model's docstring, one layer
+    """W_plain(s, k), k a lossy codec, from the memory model's docstring, one layer
     and one stored tensor at a time."""
     stored, n = prof.stored_saves, len(prof.layers)
 
@@ -284,7 +284,7 @@ def test_the_stored_codec_tables_follow_the_docstring_term_by_term(name):
     model = memory_model.CostModel(prof, [], stored_codecs=["none", *LOSSY_CODECS])
     for k, codec in enumerate(model.stored_codecs[1:], start=1):
         for s in range(len(prof.layers)):
-            assert model.stored_peaks[k, s] == pytest.approx(stored_working_set_term_by_term(prof, s, codec),
+            assert model.plain_peaks[k, s] == pytest.approx(stored_working_set_term_by_term(prof, s, codec),
                                                              rel=1e-12)
 
 
@@ -300,7 +300,7 @@ def test_a_stored_segment_with_compressed_saves_is_predicted_and_trains_within_t
             measured = peak_activation_bytes(model, x)
             # Measured: 0.993 to 1.000 of the prediction.
             assert 0.95 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
-            if starts == [0]:  # a long stored segment: the codec frees more than its decodes take
+            if starts == [0]:  # a long plain segment: the codec frees more than its decodes take
                 assert plan.predicted_peak_bytes < plans.predict(prof, starts, codecs).predicted_peak_bytes
         # The last plan stores every save by the codec: gradients within its SQNR floor.
         for module in (plain, model):
@@ -329,7 +329,7 @@ def test_compressed_stored_saves_bound_the_measured_peak_on_bench_chains(name):
 
 
 def test_compressed_stored_saves_count_max_pool_indices_as_their_decisions():
-    # Under a codec the stored segment keeps each max pool's int64 indices as its window
+    # Under a codec the plain segment keeps each max pool's int64 indices as its window
     # decisions (4 bits per output for 3x3) and restores them in backward. Counted at
     # 8 bytes per output, the prediction was 1.8x the measured peak stored whole.
     # Stored whole or from layer 2, the predicted peak is the backward's, where the model
@@ -377,7 +377,7 @@ def test_plan_compresses_the_stored_segment_only_where_the_budget_needs_it():
 
 @pytest.mark.parametrize("name", BENCH_LIKE_CHAINS)
 def test_stored_middle_segments_are_predicted_and_train_exactly(name):
-    # A stored segment before the last runs plainly: autograd keeps its saves until
+    # A plain segment before the last runs plainly: autograd keeps its saves until
     # its backward, which recomputes nothing; gradients are those of the plain model.
     chain_model, x = bench_like_chain(name)
     model = CheckpointedSequential.from_sequential(chain_model)
@@ -387,7 +387,7 @@ def test_stored_middle_segments_are_predicted_and_train_exactly(name):
     expected = output_and_gradients(reference, x)
     for _ in range(4):
         starts = [0, *sorted(rng.sample(range(1, n), min(4, n - 1)))]
-        # Adjacent stored segments (the last included) run as one.
+        # Adjacent plain segments (the last included) run as one.
         stored = rng.choice([[True, False, False, False], [False, True, False, False], [False, False, True, False],
                              [True, False, True, False], [True, True, False, False], [False, False, True, True]])
         codecs = ["none" if flag else rng.choice(["none", "int8"]) for flag in stored]
@@ -403,13 +403,13 @@ def test_stored_middle_segments_are_predicted_and_train_exactly(name):
     ([0, 6, 8, 10], [True, False, False], ["none", "none", "none"], "none"),  # then checkpointed, K = x_6
     ([0, 6, 8, 10], [True, False, False], ["none", "int8", "none"], "none"),  # then encoded from x_6
     ([0, 6, 8, 10], [True, True, False], ["none", "none", "none"], "none"),  # then stored
-    ([0, 4, 10], [True, True], ["none", "none"], "none"),  # then stored, then the stored segment
+    ([0, 4, 10], [True, True], ["none", "none"], "none"),  # then stored, then the plain segment
     ([0, 6, 10], [True, False], ["none", "none"], "none"),
-    ([0, 10], [True], ["none"], "none"),  # then the stored segment, its saves as they are
+    ([0, 10], [True], ["none"], "none"),  # then the plain segment, its saves as they are
     ([0, 10], [True], ["none"], "int8"),  # or by a codec
 ])
 def test_a_tensor_a_stored_segment_saves_at_its_end_is_counted_once(starts, stored, codecs, stored_codec):
-    # Tanh, Sigmoid and ReLU save their outputs: a stored segment ending after one holds
+    # Tanh, Sigmoid and ReLU save their outputs: a plain segment ending after one holds
     # the next segment's input, which the next segment keeps, saves or takes as input:
     # one storage, counted on the stored side only. Measured = predicted for each plan;
     # counted on both sides, the prediction was up to 26% above the measured peak.
@@ -423,20 +423,20 @@ def test_a_tensor_a_stored_segment_saves_at_its_end_is_counted_once(starts, stor
     assert 0.95 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
 
 
-def stored_middle_terms(model: memory_model.CostModel, segments: list, held: bool) -> tuple:
-    """(W, R, bit) of consecutive stored middle segments [(a, b), (b, c), ...] after a
+def plain_middle_terms(model: memory_model.CostModel, segments: list, held: bool) -> tuple:
+    """(W, R, bit) of consecutive plain middle segments [(a, b), (b, c), ...] after a
     prefix with bit ``held``, by the solvers' arithmetic."""
     working, kept, carry = -math.inf, 0.0, np.array([0.0])
     for a, b in segments:
-        working = max(working, kept + model.stored_middle_working_set(a, b, carry, held)[0])
-        kept += float(model.stored_middle_kept(a, b, held))
-        held = bool(model.stored_middle_holds_output(a, b))
+        working = max(working, kept + model.plain_middle_working_set(a, b, carry, held)[0])
+        kept += float(model.plain_middle_kept(a, b, held))
+        held = bool(model.plain_middle_holds_output(a, b))
     return working, kept, held
 
 
 @pytest.mark.parametrize("name", [*BENCH_LIKE_CHAINS, "views"])
 def test_two_stored_middle_segments_are_one_exactly_at_the_joins(name):
-    # The solvers end a stored middle segment at the first join (stored_middle_reach)
+    # The solvers end a plain middle segment at the first join (plain_middle_reach)
     # and go on from there: the same plans, if the model splits it there at no cost.
     if name == "views":  # a ReLU's output, which it saves, on through two views
         torch.manual_seed(0)
@@ -445,14 +445,14 @@ def test_two_stored_middle_segments_are_one_exactly_at_the_joins(name):
         x = torch.randn(32, 32)
     else:
         chain_model, x = bench_like_chain(name)
-    model = memory_model.CostModel(actsave.profile(chain_model, (x,)), [], store_middle=True)
+    model = memory_model.CostModel(actsave.profile(chain_model, (x,)), [], plain_middle=True)
     n = model.n
-    joins = {b for b in range(1, n) if model.stored_middle_reach[b - 1] == b}
+    joins = {b for b in range(1, n) if model.plain_middle_reach[b - 1] == b}
     split_costs_more = 0
     for a, b, c in itertools.combinations(range(n), 3):
         for held in {False, bool(model.reused_input[a])}:
-            whole = stored_middle_terms(model, [(a, c)], held)
-            split = stored_middle_terms(model, [(a, b), (b, c)], held)
+            whole = plain_middle_terms(model, [(a, c)], held)
+            split = plain_middle_terms(model, [(a, b), (b, c)], held)
             if b in joins:
                 assert split == whole, (a, b, c, held)
             split_costs_more += split != whole
@@ -471,7 +471,7 @@ def output_and_gradients(model: nn.Module, x: torch.Tensor) -> list:
 
 
 def test_the_caller_holds_a_stored_segments_input_through_its_forward():
-    # The stored segment [3, 10) starts with a ReLU, which saves its output, not its
+    # The plain segment [3, 10) starts with a ReLU, which saves its output, not its
     # input: the input is held by the caller (sequential.py) until the forward
     # returns, not freed after the ReLU. Counted as freed, this plan measured 384 B
     # above its prediction (found by the rotor comparison's hypothesis test).

@@ -27,7 +27,7 @@ def mixed_table() -> NestedTable:
     layers, x = list(mixed_chain(width=64, repeats=4)), torch.randn(256, 64)
     prof = actsave.profile(CheckpointedSequential(*layers), (x,))
     model = CostModel(prof, plans.keep_options(("recompute",), None, "cpu"))
-    return NestedTable(model, 0.6 * model.stored_peaks[0, 0])
+    return NestedTable(model, 0.6 * model.plain_peaks[0, 0])
 
 
 def trees(start: int, stop: int, top: bool = True):
@@ -118,8 +118,8 @@ def test_a_limit_on_checkpointed_layers_plans_single_level():
 
 
 def test_a_nested_segment_after_a_stored_one_that_holds_its_input_counts_it_once():
-    # A stored middle segment whose saves hold the next segment's input keeps it to its
-    # backward (memory_model.py, "A tensor at a stored boundary"); a nested segment
+    # A plain middle segment whose saves hold the next segment's input keeps it to its
+    # backward (memory_model.py, "A tensor at a plain boundary"); a nested segment
     # there keeps that storage as K, and its first part's saves hold it again.
     layers = chain(["layernorm", "sigmoid", "sigmoid", "gelu", "tanh", "relu", "residual", "layernorm"],
                    [64, 32, 16, 128, 64, 128, 32, 64])

@@ -2,8 +2,8 @@
 recompute allowed, through the mapping of rotor_profile.py.
 
 Where the two memory models coincide (chains whose every layer saves its own output),
-rotor simulates every actsave plan exactly as actsave predicts it, stored segments
-before the last included (a tensor a stored segment saves and the next segment keeps
+rotor simulates every actsave plan exactly as actsave predicts it, plain segments
+before the last included (a tensor a plain segment saves and the next segment keeps
 or takes as input counted once by both: memory_model.py, "A tensor at a stored
 boundary"); its plans are a superset of actsave's, so actsave's time is never below
 rotor's, and actsave's time equals rotor's optimum over the plans actsave expresses,

@@ -24,7 +24,7 @@ STORED = "stored"  # in all_plans' options: a stored (not checkpointed) segment 
 def all_plans(n: int, options: list):
     """(starts, option of each segment before the last, codec of the last segment's
     saves) of every plan: the last segment may use the lossy codecs of ``options``
-    (None: an option that stands for any; STORED: a stored middle segment)."""
+    (None: an option that stands for any; STORED: a plain middle segment)."""
     lossy = {o.codec.name for o in options if isinstance(o, KeepPolicy) and o.lossy}
     stored_codecs = ["none", *sorted(lossy)]
     for inner in itertools.chain.from_iterable(itertools.combinations(range(1, n), k) for k in range(n)):
@@ -43,7 +43,7 @@ def predicted(prof, starts: list, chosen: tuple, stored_codec: str):
 
 def views_chain() -> list:
     """A ReLU's output (which it saves) passed on through two views: at boundaries 2
-    and 3 two stored segments are not one (CostModel.stored_middle_reach)."""
+    and 3 two plain segments are not one (CostModel.plain_middle_reach)."""
     torch.manual_seed(0)
     return [nn.Linear(32, 64), nn.ReLU(), nn.Unflatten(1, (8, 8)), nn.Flatten(), nn.Tanh(), nn.Linear(64, 32)]
 
@@ -57,8 +57,8 @@ def reading(request, monkeypatch):
     return request.param
 
 
-# Tanh, Sigmoid and ReLU save their outputs: a stored segment ending after one holds the
-# next segment's input (memory_model.py, "A tensor at a stored boundary").
+# Tanh, Sigmoid and ReLU save their outputs: a plain segment ending after one holds the
+# next segment's input (memory_model.py, "A tensor at a plain boundary").
 @pytest.mark.parametrize("device, n, kinds", [("cpu", 6, ["gelu", "relu", "residual"]),
                                               ("cpu", 6, ["tanh", "sigmoid", "relu"]),
                                               ("cpu", 6, "views"),
@@ -85,7 +85,7 @@ def test_dynamic_program_agrees_with_brute_force(device, n, kinds, reading):
 
 
 def test_the_frontier_keeps_a_held_label_that_an_unheld_one_beats_by_less_than_the_held_input():
-    # A held label (its stored segment holds the next input, 4 bytes) needs up to 4
+    # A held label (its plain segment holds the next input, 4 bytes) needs up to 4
     # bytes less headroom from here than an unheld label of the same P.
     p = np.array([10.0, 12.0, 15.0, 13.0, 14.0])
     t = np.array([1.0, 1.0, 1.0, 2.0, 1.0])
@@ -104,7 +104,7 @@ def test_dynamic_program_with_short_checkpointed_segments_agrees_with_brute_forc
     model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
     prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
     options = [*plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu"), STORED]
-    # A stored segment before the last may hold any number of layers.
+    # A plain segment before the last may hold any number of layers.
     every_plan = [predicted(prof, starts, chosen, stored) for starts, chosen, stored in all_plans(n, options)
                   if all(b - a <= longest or o == STORED for a, b, o in zip(starts[:-1], starts[1:], chosen))]
     smallest = actsave.plan(prof, None, objective="memory", max_checkpointed_layers=longest)
@@ -152,7 +152,7 @@ def with_fixed_times(prof: actsave.Profile, rng: random.Random) -> actsave.Profi
 def test_sweeps_find_the_plans_that_reading_every_label_finds(monkeypatch):
     # 130 layers of every kind (Flatten-free, so that every segment keeps its input;
     # views_chain covers the others above; more than nested_solver.MAX_LAYERS, so
-    # single-level), lossy options and stored middle segments: at each budget the
+    # single-level), lossy options and plain middle segments: at each budget the
     # sweeps read a few labels, and the plan is the same. The times are fixed, not
     # measured: which labels the sweeps read, and so whether any b falls back to
     # one pass over every label, depends on them.

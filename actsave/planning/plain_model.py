@@ -1,6 +1,6 @@
-"""The terms of the memory model's stored segments (memory_model.py, module
+"""The terms of the memory model's plain segments (memory_model.py, module
 docstring): the last segment, its saves kept by autograd as they are or by a lossy
-codec (runtime/kept_saves.py), and stored middle segments, which run plainly
+codec (runtime/kept_saves.py), and plain middle segments, which run plainly
 and keep autograd's saves from their forward to their backward.
 """
 from __future__ import annotations
@@ -15,37 +15,37 @@ from .layer_events import Events, LayerEvents
 from .profiler import Profile
 
 
-class StoredTerms(LayerEvents):
-    """The terms of the stored segments (memory_model.py): the last, [s, n), its saves
-    kept as they are or by a lossy codec k (W_stored(s, k), its seconds), and stored
+class PlainTerms(LayerEvents):
+    """The terms of the plain segments (memory_model.py): the last, [s, n), its saves
+    kept as they are or by a lossy codec k (W_plain(s, k), its seconds), and plain
     middle ones (R = Saved(a, b-1), W + C, whether their saves hold the next segment's
-    input): for one plan, from its own events (:meth:`stored_working_set`,
-    :meth:`segment_stored_middle`), and for the solvers, every start or segment at
-    once from the tables (:attr:`stored_peaks`, :meth:`stored_middle_working_set`)."""
+    input): for one plan, from its own events (:meth:`plain_working_set`,
+    :meth:`segment_plain_middle`), and for the solvers, every start or segment at
+    once from the tables (:attr:`plain_peaks`, :meth:`plain_middle_working_set`)."""
 
-    def __init__(self, prof: Profile, stored_codecs: Sequence[str] = ("none",), store_middle: bool = False):
-        """``stored_codecs``: how the stored segment may keep autograd's saves, "none"
+    def __init__(self, prof: Profile, stored_codecs: Sequence[str] = ("none",), plain_middle: bool = False):
+        """``stored_codecs``: how the plain segment may keep autograd's saves, "none"
         (as they are) first, then lossy codec names (the profile's StoredSaves).
-        ``store_middle``: whether the solvers may store segments before the last
+        ``plain_middle``: whether the solvers may run segments before the last plainly
         (a plan's prediction prices them either way)."""
         super().__init__(prof)
-        self.store_middle = store_middle
+        self.plain_middle = plain_middle
         self.stored_codecs = list(stored_codecs)
         if self.stored_codecs[0] != "none":
             raise InternalError(f"stored_codecs={stored_codecs!r} must start with 'none'")
         if len(self.stored_codecs) > 1 and prof.stored_saves is None:
-            raise InternalError("this profile records no stored saves: its stored segment can only be exact")
+            raise InternalError("this profile records no stored saves: its plain segment can only be exact")
         self._stored_by_codec = [_CodedSaves(prof, codec) for codec in self.stored_codecs[1:]]
-        self.stored_middle_reach = self._stored_middle_reach()
+        self.plain_middle_reach = self._plain_middle_reach()
 
-    def _stored_middle_reach(self) -> np.ndarray:
-        """[a]: the farthest end a stored middle segment from a needs: the first boundary
-        b > a where two stored segments [., b) [b, .) are one (else n - 1).
+    def _plain_middle_reach(self) -> np.ndarray:
+        """[a]: the farthest end a plain middle segment from a needs: the first boundary
+        b > a where two plain segments [., b) [b, .) are one (else n - 1).
 
         They are where Saved is additive across b: no storage is saved on both sides
         but x_b's (held by the first, left out by the second: memory_model.py, "A tensor
-        at a stored boundary"), and x_b's storage is not x_{b+1}'s too (a view), which the second
-        would count again as U(b+1). There the stored middle segment [a, c), c > b,
+        at a plain boundary"), and x_b's storage is not x_{b+1}'s too (a view), which the second
+        would count again as U(b+1). There the plain middle segment [a, c), c > b,
         has the events, R and bit of [a, b) then [b, c): the solvers stop at b and
         go on with [b, c), the same plans in fewer steps."""
         n = self.n
@@ -68,27 +68,27 @@ class StoredTerms(LayerEvents):
         reach[found] = join_at[later[found]]
         return reach
 
-    def stored_working_set(self, s: int, k: int = 0, input_held: bool = False) -> float:
-        """W_stored(s, k): the largest event of the stored segment [s, n), its saves kept
-        by ``stored_codecs[k]``; ``input_held``: after a stored middle segment whose
+    def plain_working_set(self, s: int, k: int = 0, input_held: bool = False) -> float:
+        """W_plain(s, k): the largest event of the plain segment [s, n), its saves kept
+        by ``stored_codecs[k]``; ``input_held``: after a plain middle segment whose
         saves hold x_s."""
         if k == 0:
-            return self._stored_events_from(s, input_held).stored_peak
-        return float(self._coded_stored_working_sets(k, np.array([s]), input_held)[0])
+            return self._plain_events_from(s, input_held).plain_peak
+        return float(self._coded_plain_working_sets(k, np.array([s]), input_held)[0])
 
-    def _stored_events_from(self, a: int, input_held: bool) -> Events:
-        """events_from(a), with ``input_held`` as a stored segment reads them: x_a,
-        held by the stored middle segment before, taken off its first forward event
+    def _plain_events_from(self, a: int, input_held: bool) -> Events:
+        """events_from(a), with ``input_held`` as a plain segment reads them: x_a,
+        held by the plain middle segment before, taken off its first forward event
         and, where Saved(a, .) counts it, off every event and Saved."""
         events = self.events_from(a)
         if not input_held:
             return events
         return events.without_input(self.reused_input[a], self.reused_saved[a])
 
-    def _coded_stored_working_sets(self, k: int, starts: np.ndarray, input_held: bool = False) -> np.ndarray:
-        """W_stored(s, k) for each s in ``starts``, k > 0 (a lossy codec): memory_model.py's
+    def _coded_plain_working_sets(self, k: int, starts: np.ndarray, input_held: bool = False) -> np.ndarray:
+        """W_plain(s, k) for each s in ``starts``, k > 0 (a lossy codec): memory_model.py's
         events, broadcast over starts (rows) and layers i (columns);
-        ``input_held``: after a stored middle segment whose saves hold x_s, which the
+        ``input_held``: after a plain middle segment whose saves hold x_s, which the
         segment's events then leave out (as its input, the caller's or a save as it is)."""
         coded, n = self._stored_by_codec[k - 1], self.n
         s, i = starts[:, None], np.arange(n)[None, :]
@@ -110,69 +110,69 @@ class StoredTerms(LayerEvents):
         loss = saved[:, -1] + np.where(output_held_at_end, 0.0, self.output) + self.loss_rise
         return np.maximum(events, loss)
 
-    def stored_seconds(self, s: int, k: int) -> float:
-        """What keeping the saves of the stored segment [s, n) by ``stored_codecs[k]``
+    def plain_seconds(self, s: int, k: int) -> float:
+        """What keeping the saves of the plain segment [s, n) by ``stored_codecs[k]``
         adds to the step (0 for "none")."""
         return 0.0 if k == 0 else float(self._stored_by_codec[k - 1].seconds_from[s])
 
     @cached_property
-    def stored_peaks(self) -> np.ndarray:
-        """[k, s]: W_stored(s, k) for every stored codec k and start s."""
+    def plain_peaks(self) -> np.ndarray:
+        """[k, s]: W_plain(s, k) for every stored codec k and start s."""
         codecs = range(1, len(self.stored_codecs))
-        return np.array([self.tables.stored_peak, *(self._coded_stored_working_sets(k, np.arange(self.n))
+        return np.array([self.tables.plain_peak, *(self._coded_plain_working_sets(k, np.arange(self.n))
                                                     for k in codecs)])
 
     @cached_property
-    def held_stored_peaks(self) -> np.ndarray:
-        """[k, s]: W_stored(s, k) after a stored middle segment whose saves hold x_s
-        (where none can, as stored_peaks)."""
+    def held_plain_peaks(self) -> np.ndarray:
+        """[k, s]: W_plain(s, k) after a plain middle segment whose saves hold x_s
+        (where none can, as plain_peaks)."""
         codecs = range(1, len(self.stored_codecs))
-        return np.array([self.tables.held_stored_peak, *(self._coded_stored_working_sets(k, np.arange(self.n),
+        return np.array([self.tables.held_plain_peak, *(self._coded_plain_working_sets(k, np.arange(self.n),
                                                                                           input_held=True)
                                                          for k in codecs)])
 
     @cached_property
-    def stored_time(self) -> np.ndarray:
-        """[k, s]: stored_seconds(s, k)."""
+    def plain_time(self) -> np.ndarray:
+        """[k, s]: plain_seconds(s, k)."""
         return np.array([np.zeros(self.n), *(coded.seconds_from[:self.n] for coded in self._stored_by_codec)])
 
-    def stored_middle_holds_output(self, a, b) -> np.ndarray:
-        """Whether the saves of the stored middle segment [a, b), Saved(a, b-1), hold
+    def plain_middle_holds_output(self, a, b) -> np.ndarray:
+        """Whether the saves of the plain middle segment [a, b), Saved(a, b-1), hold
         x_b, the next segment's input (a layer of [a, b) saves its storage)."""
         return self.saved_within(b, a, b - 1)
 
-    def stored_middle_working_set(self, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
-        """W of the stored middle segment [a, b) + C on its backward events, for each C
+    def plain_middle_working_set(self, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
+        """W of the plain middle segment [a, b) + C on its backward events, for each C
         in ``carries`` (the last axis), for broadcastable arrays of starts and ends (and
-        ``input_held``: after a stored middle segment whose saves hold x_a)."""
+        ``input_held``: after a plain middle segment whose saves hold x_a)."""
         tables = self.tables
-        forward = np.where(input_held, tables.held_stored_forward[a, b], tables.stored_forward[a, b])
+        forward = np.where(input_held, tables.held_plain_forward[a, b], tables.plain_forward[a, b])
         backward = tables.backward[a, b] - np.where(input_held, self.reused_saved[a], 0.0)
-        return _stored_middle_events(forward, backward, carries)
+        return _plain_middle_events(forward, backward, carries)
 
-    def stored_middle_kept(self, a, b, input_held=False) -> np.ndarray:
-        """R of the stored middle segment [a, b): Saved(a, b-1), for broadcastable
-        arrays of starts and ends (less x_a where ``input_held``: the stored middle
+    def plain_middle_kept(self, a, b, input_held=False) -> np.ndarray:
+        """R of the plain middle segment [a, b): Saved(a, b-1), for broadcastable
+        arrays of starts and ends (less x_a where ``input_held``: the plain middle
         segment before holds it)."""
         return self.tables.saved[a, b] - np.where(input_held, self.reused_saved[a], 0.0)
 
-    def segment_stored_middle(self, a: int, b: int, carry: float, input_held: bool = False) -> tuple:
-        """(W + C, R) of the stored middle segment [a, b), from its own layers' events
-        (``input_held``: after a stored middle segment whose saves hold x_a)."""
-        events, stop = self._stored_events_from(a, input_held), b - a
-        working = _stored_middle_events(events.stored_forward[:stop].max(), events.backward[:stop].max(),
+    def segment_plain_middle(self, a: int, b: int, carry: float, input_held: bool = False) -> tuple:
+        """(W + C, R) of the plain middle segment [a, b), from its own layers' events
+        (``input_held``: after a plain middle segment whose saves hold x_a)."""
+        events, stop = self._plain_events_from(a, input_held), b - a
+        working = _plain_middle_events(events.plain_forward[:stop].max(), events.backward[:stop].max(),
                                         np.array([carry]))[0]
         return float(working), float(events.saved[stop - 1])
 
 
-def _stored_middle_events(forward, backward, carries: np.ndarray) -> np.ndarray:
-    """A stored middle segment's largest event, given its largest forward and backward
+def _plain_middle_events(forward, backward, carries: np.ndarray) -> np.ndarray:
+    """A plain middle segment's largest event, given its largest forward and backward
     events, for each C in ``carries`` (the last axis): C is charged to the backward."""
     return np.maximum(np.expand_dims(forward, -1), np.expand_dims(backward, -1) + carries)
 
 
 class _CodedSaves:
-    """The terms of a stored segment whose saves one lossy codec keeps (memory_model.py:
+    """The terms of a plain segment whose saves one lossy codec keeps (memory_model.py:
     Saved_k, U_k, O_k, enc_k, dec_k), from the profile's StoredSaves."""
 
     def __init__(self, prof: Profile, codec: str):
