@@ -395,9 +395,9 @@ class CostModel(PlainTerms):
         seconds += self.plain_seconds(segments[-1].start, segments[-1].codec)
         kept_before, peak, peak_segment, input_held = 0.0, -math.inf, 0, False
         for j, (a, b, kind, o, k) in enumerate(segments):
-            if kind is Kind.STORED:
+            if kind is Kind.PLAIN:
                 working, kept = self.segment_plain_middle(a, b, carry, input_held)
-            elif kind is Kind.STORED_LAST:
+            elif kind is Kind.PLAIN_LAST:
                 working, kept = self.plain_working_set(a, k, input_held), 0.0
             elif nested[j] is not None:
                 working = nested_model.working_set(self, o, a, b, nested[j], carry, input_held)
@@ -408,5 +408,5 @@ class CostModel(PlainTerms):
             if kept_before + working > peak:
                 peak, peak_segment = kept_before + working, j
             kept_before += kept
-            input_held = kind is Kind.STORED and bool(self.plain_middle_holds_output(a, b))
+            input_held = kind is Kind.PLAIN and bool(self.plain_middle_holds_output(a, b))
         return self.chain_input + peak, seconds, peak_segment

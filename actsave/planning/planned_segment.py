@@ -5,11 +5,11 @@ it was planned on.
 
 NOTE [ Planned segments ]
     A plan is a list of PlannedSegments covering [0, n) in order. Every one but the
-    last is CHECKPOINTED (``option``: an index into CostModel.options) or STORED (a
+    last is CHECKPOINTED (``option``: an index into CostModel.options) or PLAIN (a
     plain middle segment: autograd keeps its saves as they are). The last is
-    STORED_LAST, whose saves ``codec`` keeps (an index into CostModel.stored_codecs;
+    PLAIN_LAST, whose saves ``codec`` keeps (an index into CostModel.stored_codecs;
     0: as they are). The dynamic programs' label tables hold the kind and option as
-    integers (solver.py, _STORED); segments are made only where a plan leaves them.
+    integers (solver.py, _PLAIN); segments are made only where a plan leaves them.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ class Kind(enum.Enum):
     """Which of the memory model's segments a planned segment is (memory_model.py)."""
 
     CHECKPOINTED = "checkpointed"
-    STORED = "stored"  # a plain middle segment
-    STORED_LAST = "stored_last"
+    PLAIN = "plain"  # a plain middle segment
+    PLAIN_LAST = "plain_last"
 
 
 class PlannedSegment(NamedTuple):
@@ -32,25 +32,25 @@ class PlannedSegment(NamedTuple):
     stop: int
     kind: Kind
     option: Optional[int] = None  # CHECKPOINTED: its keep option's index
-    codec: int = 0  # STORED_LAST: its saves' stored codec's index
+    codec: int = 0  # PLAIN_LAST: its saves' stored codec's index
 
     @classmethod
     def checkpointed(cls, start: int, stop: int, option: int) -> "PlannedSegment":
         return cls(start, stop, Kind.CHECKPOINTED, option=option)
 
     @classmethod
-    def stored(cls, start: int, stop: int) -> "PlannedSegment":
-        return cls(start, stop, Kind.STORED)
+    def plain(cls, start: int, stop: int) -> "PlannedSegment":
+        return cls(start, stop, Kind.PLAIN)
 
     @classmethod
-    def stored_last(cls, start: int, stop: int, codec: int = 0) -> "PlannedSegment":
-        return cls(start, stop, Kind.STORED_LAST, codec=codec)
+    def plain_last(cls, start: int, stop: int, codec: int = 0) -> "PlannedSegment":
+        return cls(start, stop, Kind.PLAIN_LAST, codec=codec)
 
     @property
     def is_checkpointed(self) -> bool:
         return self.kind is Kind.CHECKPOINTED
 
     @property
-    def is_stored(self) -> bool:
+    def is_plain(self) -> bool:
         """A plain middle segment (not the last)."""
-        return self.kind is Kind.STORED
+        return self.kind is Kind.PLAIN

@@ -256,7 +256,7 @@ def _plan_of(model: CostModel, segments: list, nested: list, budget: Optional[in
     draft = Plan(model.n, tuple(s.start for s in segments), tuple(o.codec.name for o in before_last),
                  tuple(o.offload for o in before_last), 0, 0.0, 0, budget,
                  saves_codec=model.stored_codecs[segments[-1].codec],
-                 plain=tuple(s.is_stored for s in segments[:-1]), nested=tuple(nested))
+                 plain=tuple(s.is_plain for s in segments[:-1]), nested=tuple(nested))
     plan = _with_predictions(draft, model, segments)
     if not plan.predicted_peak_bytes <= bound:
         raise InternalError(
@@ -346,12 +346,12 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
     policies = [None if option is None else kept_as(option, profile.layers[a].input_encodable)
                 for a, _, option in draft.segments[:-1]]
     options = sorted(set(policies) - {None}, key=lambda option: (option.codec.name, option.offload))
-    segments = [PlannedSegment.stored(a, b) if policy is None
+    segments = [PlannedSegment.plain(a, b) if policy is None
                 else PlannedSegment.checkpointed(a, b, options.index(policy))
                 for (a, b, _), policy in zip(draft.segments, policies)]
     stored_codecs = ["none"] if draft.saves_codec == "none" else ["none", draft.saves_codec]
     model = CostModel(profile, options, stored_codecs=stored_codecs)
-    last = PlannedSegment.stored_last(draft.starts[-1], draft.n_layers, len(stored_codecs) - 1)
+    last = PlannedSegment.plain_last(draft.starts[-1], draft.n_layers, len(stored_codecs) - 1)
     return _with_predictions(draft, model, [*segments, last])
 
 

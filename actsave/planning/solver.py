@@ -10,9 +10,9 @@ Dynamic program
 
         L(b) = Pareto { (P + R_z(a,b,o), T + t(a,b,o), z'(a,b,o)) : a < b, o,
                         (P, T, z) in L(a), P + W_z(a,b,o) + C <= budget - X }
-               (o ranging over the keep options and "stored": R = Saved(a, b-1),
+               (o ranging over the keep options and "plain": R = Saved(a, b-1),
                t = 0, W + C its largest event, memory_model.py; z' = 1 for
-               "stored" where Saved(a, b-1) holds x_b, else 0)
+               "plain" where Saved(a, b-1) holds x_b, else 0)
         best = min { T + t_plain(s, k) : s < n, k, (P, T, z) in L(s),
                      P + W_plain,z(s, k) <= budget - X }
 
@@ -27,7 +27,7 @@ Dynamic program
     Smallest peak ("memory" objective, and :func:`balanced`), right to left, one
     number per start, z and candidate C: h_z(a) = min(min_k W_plain,z(a, k),
     min_{b,o} max(W_z(a,b,o) + C, R_z(a,b,o) + h_z'(b))) (o again including
-    "stored"), peak = X + h_0(0); then the fastest plan within that peak,
+    "plain"), peak = X + h_0(0); then the fastest plan within that peak,
     the time dynamic program run only for the candidates whose h_0(0) fits. With every
     time 0 (a meta profile) the first plan found is kept: the one whose plain
     segment starts earliest, so the fewest layers are recomputed.
@@ -174,7 +174,7 @@ def fastest_within(model: CostModel, headroom: float, longest: Optional[int] = N
 # The option column of a label whose last segment is a plain middle one: labels keep
 # kinds and options as integers, PlannedSegments are made from them only for the plan
 # found (_Prefixes._segments_from).
-_STORED = -2
+_PLAIN = -2
 _ROOT = -1  # the option column of the empty plan
 
 
@@ -346,7 +346,7 @@ class _Prefixes:
         working = model.plain_middle_working_set(starts, b, window.carry, BITS)[..., 0]
         ok = batch.p + working[batch.at] <= self.headroom
         holds = model.plain_middle_holds_output(window.starts, b)[batch.at[1]]
-        return batch.extensions(ok, model.plain_middle_kept(starts, b, BITS), batch.t, holds, _STORED)
+        return batch.extensions(ok, model.plain_middle_kept(starts, b, BITS), batch.t, holds, _PLAIN)
 
     def _alive_from(self, position: int) -> np.ndarray:
         """The labels that may extend, at ``position`` or later (labels are made in
@@ -374,16 +374,16 @@ class _Prefixes:
         nests, else None (CostModel.predict). Here the labels' integer columns become
         PlannedSegments (NOTE [ Planned segments ])."""
         labels, reach = self.labels, self.model.plain_middle_reach
-        segments = [PlannedSegment.stored_last(int(labels["position"][label]), self.model.n, stored)]
+        segments = [PlannedSegment.plain_last(int(labels["position"][label]), self.model.n, stored)]
         nested = []
         while labels["previous"][label] >= 0:
             previous = int(labels["previous"][label])
             start, stop = int(labels["position"][previous]), int(labels["position"][label])
             option = int(labels["option"][label])
-            if option == _STORED and segments[-1].is_stored and reach[stop - 1] == stop:  # one plain segment
-                segments[-1] = PlannedSegment.stored(start, segments[-1].stop)
+            if option == _PLAIN and segments[-1].is_plain and reach[stop - 1] == stop:  # one plain segment
+                segments[-1] = PlannedSegment.plain(start, segments[-1].stop)
             else:
-                segments.append(PlannedSegment.stored(start, stop) if option == _STORED
+                segments.append(PlannedSegment.plain(start, stop) if option == _PLAIN
                                 else PlannedSegment.checkpointed(start, stop, option))
                 room = float(labels["nested_room"][label])
                 nested.append(None if math.isnan(room) else self.nested.tree(start, stop, room))

@@ -199,7 +199,7 @@ def as_the_solvers_see_it(prof: actsave.Profile, model: memory_model.CostModel, 
     kept, peak, held = 0.0, -math.inf, False
     for segment in segments[:-1]:
         a, b, o = segment.start, segment.stop, segment.option
-        if segment.is_stored:
+        if segment.is_plain:
             peak = max(peak, kept + model.plain_middle_working_set(a, b, np.array([carry]), held)[0])
             kept += float(model.plain_middle_kept(a, b, held))
             held = bool(model.plain_middle_holds_output(a, b))
@@ -238,8 +238,8 @@ def test_the_solvers_tables_and_predict_agree_on_random_plans(name, gathered):
         starts = [0, *sorted(rng.sample(range(1, n), rng.randint(0, min(6, n - 1))))]
         options = [rng.choice([*np.nonzero(model.allowed[:, a])[0].tolist(), None]) for a in starts[:-1]]
         stored = rng.randrange(len(model.stored_codecs))
-        segments = [PlannedSegment.stored(a, b) if o is None else PlannedSegment.checkpointed(a, b, o)
-                    for a, b, o in zip(starts, starts[1:], options)] + [PlannedSegment.stored_last(starts[-1], n, stored)]
+        segments = [PlannedSegment.plain(a, b) if o is None else PlannedSegment.checkpointed(a, b, o)
+                    for a, b, o in zip(starts, starts[1:], options)] + [PlannedSegment.plain_last(starts[-1], n, stored)]
         peak, seconds = as_the_solvers_see_it(prof, model, segments)
         policies = [EXACT if o is None else model.options[o] for o in options]
         plan = plans.predict(prof, starts, [p.codec.name for p in policies], [p.offload for p in policies],

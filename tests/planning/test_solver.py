@@ -18,13 +18,13 @@ from actsave import CheckpointedSequential
 from actsave.planning import nested_solver, pareto, plans, solver
 from actsave.runtime.keep_rules import KeepPolicy
 
-STORED = "stored"  # in all_plans' options: a stored (not checkpointed) segment before the last
+PLAIN = "plain"  # in all_plans' options: a plain (not checkpointed) segment before the last
 
 
 def all_plans(n: int, options: list):
     """(starts, option of each segment before the last, codec of the last segment's
     saves) of every plan: the last segment may use the lossy codecs of ``options``
-    (None: an option that stands for any; STORED: a plain middle segment)."""
+    (None: an option that stands for any; PLAIN: a plain middle segment)."""
     lossy = {o.codec.name for o in options if isinstance(o, KeepPolicy) and o.lossy}
     stored_codecs = ["none", *sorted(lossy)]
     for inner in itertools.chain.from_iterable(itertools.combinations(range(1, n), k) for k in range(n)):
@@ -35,7 +35,7 @@ def all_plans(n: int, options: list):
 
 def predicted(prof, starts: list, chosen: tuple, stored_codec: str):
     """plans.predict of one of all_plans' plans."""
-    middle = [o == STORED for o in chosen]
+    middle = [o == PLAIN for o in chosen]
     policies = [KeepPolicy.resolve() if flag else o for o, flag in zip(chosen, middle)]
     return plans.predict(prof, starts, [o.codec.name for o in policies], [o.offload for o in policies],
                          saves_codec=stored_codec, plain=middle)
@@ -70,7 +70,7 @@ def test_dynamic_program_agrees_with_brute_force(device, n, kinds, reading):
     prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
     if device == "cuda":
         prof = with_host_copies(prof)
-    options = [*plans.keep_options(plans.DEFAULT_ALLOW, None, device), STORED]
+    options = [*plans.keep_options(plans.DEFAULT_ALLOW, None, device), PLAIN]
     every_plan = [predicted(prof, starts, chosen, stored) for starts, chosen, stored in all_plans(n, options)]
     assert any(any(p.plain) for p in every_plan if p.predicted_step_seconds == min(
         q.predicted_step_seconds for q in every_plan if q.predicted_peak_bytes <= p.predicted_peak_bytes))
@@ -103,10 +103,10 @@ def test_dynamic_program_with_short_checkpointed_segments_agrees_with_brute_forc
     n = 6
     model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:n])
     prof = actsave.profile(model, (torch.randn(32, 32) * 1,))
-    options = [*plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu"), STORED]
+    options = [*plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu"), PLAIN]
     # A plain segment before the last may hold any number of layers.
     every_plan = [predicted(prof, starts, chosen, stored) for starts, chosen, stored in all_plans(n, options)
-                  if all(b - a <= longest or o == STORED for a, b, o in zip(starts[:-1], starts[1:], chosen))]
+                  if all(b - a <= longest or o == PLAIN for a, b, o in zip(starts[:-1], starts[1:], chosen))]
     smallest = actsave.plan(prof, None, objective="memory", max_checkpointed_layers=longest)
     assert smallest.predicted_peak_bytes == min(p.predicted_peak_bytes for p in every_plan)
     assert smallest.predicted_peak_bytes > actsave.plan(prof, None, objective="memory").predicted_peak_bytes
