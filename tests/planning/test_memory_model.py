@@ -376,7 +376,7 @@ def test_plan_compresses_the_stored_segment_only_where_the_budget_needs_it():
 
 
 @pytest.mark.parametrize("name", BENCH_LIKE_CHAINS)
-def test_stored_middle_segments_are_predicted_and_train_exactly(name):
+def test_plain_middle_segments_are_predicted_and_train_exactly(name):
     # A plain segment before the last runs plainly: autograd keeps its saves until
     # its backward, which recomputes nothing; gradients are those of the plain model.
     chain_model, x = bench_like_chain(name)
@@ -435,7 +435,7 @@ def plain_middle_terms(model: memory_model.CostModel, segments: list, held: bool
 
 
 @pytest.mark.parametrize("name", [*BENCH_LIKE_CHAINS, "views"])
-def test_two_stored_middle_segments_are_one_exactly_at_the_joins(name):
+def test_two_plain_middle_segments_are_one_exactly_at_the_joins(name):
     # The solvers end a plain middle segment at the first join (plain_middle_reach)
     # and go on from there: the same plans, if the model splits it there at no cost.
     if name == "views":  # a ReLU's output, which it saves, on through two views

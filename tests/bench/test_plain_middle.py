@@ -1,12 +1,12 @@
-"""bench/stored_middle.py at smoke scale."""
+"""bench/plain_middle.py at smoke scale."""
 import re
 
 
 from support import run_script
 
 
-def test_stored_middle_compares_the_plans_with_and_without_them():
-    lines = run_script("stored_middle.py").splitlines()
+def test_plain_middle_compares_the_plans_with_and_without_them():
+    lines = run_script("plain_middle.py").splitlines()
     assert [line.split()[3] for line in lines] == ["recompute", "recompute+int8+fp8"]
     for line in lines:
         smallest = re.search(r"with / without +([\d.]+) / +([\d.]+) MiB", line)

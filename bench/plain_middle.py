@@ -10,8 +10,8 @@ the largest predicted time win of allowing them (time without / time with - 1) a
 the budget where it is. Predictions of the memory model, so both sides read the same
 profile; a loaded machine moves both together.
 
-    python bench/stored_middle.py            # the bench chains, CPU, one thread
-    python bench/stored_middle.py --smoke    # one small chain, a few budgets
+    python bench/plain_middle.py            # the bench chains, CPU, one thread
+    python bench/plain_middle.py --smoke    # one small chain, a few budgets
 """
 import argparse
 import sys
