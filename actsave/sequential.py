@@ -220,8 +220,8 @@ class CheckpointedSequential(nn.Sequential):
 
     def apply_plan(self, plan: "plan_record.Plan") -> None:
         """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, for each
-        checkpointed segment its codec and offload, and the codec of the plain
-        segment's saves. Replaces the segments and every per-layer option set before."""
+        checkpointed segment its codec and offload, and for each plain one the codec
+        of its saves. Replaces the segments and every per-layer option set before."""
         if not isinstance(plan, plan_record.Plan):
             raise ConfigError(
                 f"plan={plan!r}: apply_plan expects an actsave Plan (from actsave.plan), got {type(plan).__name__}")
@@ -232,11 +232,12 @@ class CheckpointedSequential(nn.Sequential):
             )
         self.set_compression(slice(None), None)
         self.set_offload(slice(None), False)
-        for start, _, option in plan.segments[:-1]:
-            if option is not None:  # a plain segment runs plainly: nothing to set
+        for (start, _, option), saves_codec in zip(plan.segments, plan.saves_codecs):
+            if option is None:  # a plain segment: the codec of its saves
+                self.set_compression(start, saves_codec)
+            else:
                 self.set_compression(start, option.codec)
                 self.set_offload(start, option.offload)
-        self.set_compression(plan.starts[-1], plan.saves_codec)  # the last segment's saves
         self._segment_source.apply(plan)
 
     def describe(self) -> str:

@@ -561,8 +561,10 @@ def describe_plan(plan) -> str:
     kept = collections.Counter(option.codec.name + (" on host" if option.offload else "") for option in checkpointed)
     ways = ", ".join(f"{way} {count}" for way, count in sorted(kept.items()))
     nested = sum(r is not None for r in plan.nested)
+    coded = collections.Counter(codec for codec in plan.saves_codecs[:-1] if codec not in (None, "none"))
     return (f"{len(plan.starts)} segments, {len(checkpointed)} checkpointed" + (f" ({ways})" if ways else "")
             + (f", {nested} nested" if nested else "")
+            + "".join(f", {count} plain saves {codec}" for codec, count in sorted(coded.items()))
             + (f", last saves {plan.saves_codec}" if plan.saves_codec != "none" else ""))
 
 

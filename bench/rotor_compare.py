@@ -402,8 +402,12 @@ def sweep_csv_rows(rows: list, case: str, config: dict, metadata: dict) -> list:
     for r in rows:
         x = r["budget"] / 2**20
         for provider, (time_key, peak_key) in SOLVERS.items():
-            stored = None if r["auto_plan"] is None else r["auto_plan"].saves_codec
-            details = {"actsave_auto": {"codecs": r["auto_codecs"], "nesting": r["auto_nesting"], "stored_codec": stored},
+            plan = r["auto_plan"]
+            stored = None if plan is None else plan.saves_codec
+            # The codecs keeping plain segments' saves, the last one's and those before it.
+            saved_by = None if plan is None else sorted({c for c in plan.saves_codecs if c not in (None, "none")})
+            details = {"actsave_auto": {"codecs": r["auto_codecs"], "nesting": r["auto_nesting"], "stored_codec": stored,
+                                        "plain_saves_codecs": saved_by},
                        "actsave_recompute": {"nesting": r["recompute_nesting"]},
                        "rotor": {"nesting": r["rotor_nesting"], "early_stored_runs": r["rotor_early_stored"]}}
             out.append(csv_row(case, provider, "pred_step_time", x, r[time_key] * 1e3,

@@ -14,10 +14,10 @@ Budget
     second training step on.
 
 Memory model
-    Segment j holds layers [a, b). The last segment is stored (plain autograd); each
-    of the others is checkpointed with an option o = (codec, offload), or stored too
-    (a plain middle segment). Backward runs the
-    segments in reverse, so everything segment j allocates, forward or backward,
+    Segment j holds layers [a, b). The last segment is plain (never recomputed; its
+    saves as autograd keeps them or by a lossy codec); each of the others is
+    checkpointed with an option o = (codec, offload), or plain too (a plain middle
+    segment, its saves kept likewise). Backward runs the segments in reverse, so everything segment j allocates, forward or backward,
     happens while only the segments before it hold their kept bytes R:
 
         peak = X + max_j ( R_0 + ... + R_{j-1} + W_j )
@@ -44,14 +44,21 @@ Memory model
     forward to its backward (which recomputes nothing)
         forward     Saved(a, i-1) + U(i) + [x_a] + fwd_i
         backward    O + Saved(a, i) + g_{i+1} + bwd_i + C
-    stored [s, n)
+    plain last [s, n)
         forward     Saved(s, i-1) + U(i) + [x_s] + fwd_i
         loss        Saved(s, n-1) + U(n) + L
         backward    O + Saved(s, i) + g_{i+1} + bwd_i
-    stored [s, n), saves kept by lossy codec k (runtime/kept_saves.py)
+    plain last [s, n), saves kept by lossy codec k (runtime/kept_saves.py)
         forward     Saved_k(s, i) + U_k(i) + [x_s] + max(fwd_i, enc_k(i))
         loss        Saved_k(s, n-1) + U_k(n) + L
         backward    O_k + Saved_k(s, i) + g_{i+1} + max(bwd_i + D(i), dec_k(i))
+    plain middle [a, b), saves kept by lossy codec k: R = Saved_k(a, b-1); the
+    events of the plain last [a, n) kept by k at layers a .. b-1, C on the backward
+    ones. Its saves hold no tensor as it is for the next segment (they are encoded),
+    so the next segment counts its input; where a save is held as it is (a tensor the
+    codec does not take), that counts it twice, above the step. Each segment encodes
+    the tensors its layers save, a tensor saved on both sides of a boundary once on
+    each side, as the runtime does (one store per segment).
 
     O: the output and its gradient, which the caller holds through the backward.
     L: the rise from the end of the forward until the output's gradient arrives
@@ -393,9 +400,13 @@ class CostModel(PlainTerms):
         seconds += sum(float(self.seconds(o, a, b)) if r is None else nested_model.seconds(self, o, a, r)
                        for a, b, o, r in checkpointed)
         seconds += self.plain_seconds(segments[-1].start, segments[-1].codec)
+        seconds += sum(float(self.coded_middle_seconds(s.codec, s.start, s.stop)) for s in segments[:-1]
+                       if s.is_plain and s.codec)
         kept_before, peak, peak_segment, input_held = 0.0, -math.inf, 0, False
         for j, (a, b, kind, o, k) in enumerate(segments):
-            if kind is Kind.PLAIN:
+            if kind is Kind.PLAIN and k:
+                working, kept = self.segment_coded_middle(a, b, k, carry, input_held)
+            elif kind is Kind.PLAIN:
                 working, kept = self.segment_plain_middle(a, b, carry, input_held)
             elif kind is Kind.PLAIN_LAST:
                 working, kept = self.plain_working_set(a, k, input_held), 0.0
@@ -408,5 +419,5 @@ class CostModel(PlainTerms):
             if kept_before + working > peak:
                 peak, peak_segment = kept_before + working, j
             kept_before += kept
-            input_held = kind is Kind.PLAIN and bool(self.plain_middle_holds_output(a, b))
+            input_held = kind is Kind.PLAIN and not k and bool(self.plain_middle_holds_output(a, b))
         return self.chain_input + peak, seconds, peak_segment

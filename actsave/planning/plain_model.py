@@ -18,10 +18,12 @@ from .profiler import Profile
 class PlainTerms(LayerEvents):
     """The terms of the plain segments (memory_model.py): the last, [s, n), its saves
     kept as they are or by a lossy codec k (W_plain(s, k), its seconds), and plain
-    middle ones (R = Saved(a, b-1), W + C, whether their saves hold the next segment's
-    input): for one plan, from its own events (:meth:`plain_working_set`,
-    :meth:`segment_plain_middle`), and for the solvers, every start or segment at
-    once from the tables (:attr:`plain_peaks`, :meth:`plain_middle_working_set`)."""
+    middle ones, their saves as they are (R = Saved(a, b-1), W + C, whether they hold
+    the next segment's input) or by k (R = Saved_k(a, b-1), W + C, seconds): for one
+    plan, from its own events (:meth:`plain_working_set`, :meth:`segment_plain_middle`,
+    :meth:`segment_coded_middle`), and for the solvers, every start or segment at once
+    from the tables (:attr:`plain_peaks`, :meth:`plain_middle_working_set`,
+    :meth:`coded_middle_working_set`)."""
 
     def __init__(self, prof: Profile, stored_codecs: Sequence[str] = ("none",), plain_middle: bool = False):
         """``stored_codecs``: how the plain segment may keep autograd's saves, "none"
@@ -86,13 +88,27 @@ class PlainTerms(LayerEvents):
         return events.without_input(self.reused_input[a], self.reused_saved[a])
 
     def _coded_plain_working_sets(self, k: int, starts: np.ndarray, input_held: bool = False) -> np.ndarray:
-        """W_plain(s, k) for each s in ``starts``, k > 0 (a lossy codec): memory_model.py's
-        events, broadcast over starts (rows) and layers i (columns);
-        ``input_held``: after a plain middle segment whose saves hold x_s, which the
-        segment's events then leave out (as its input, the caller's or a save as it is)."""
+        """W_plain(s, k) for each s in ``starts``, k > 0 (a lossy codec): the largest
+        of the coded events of the layers from s (:meth:`_coded_events`) and the loss
+        event."""
+        coded = self._stored_by_codec[k - 1]
+        forward, backward, saved = self._coded_events(k, starts, input_held)
+        events = np.maximum(forward, backward).max(axis=1)
+        output_held_at_end = (coded.output_first <= self.n - 1) & (coded.output_last >= starts)
+        loss = saved[:, -1] + np.where(output_held_at_end, 0.0, self.output) + self.loss_rise
+        return np.maximum(events, loss)
+
+    def _coded_events(self, k: int, starts: np.ndarray, input_held=False) -> tuple:
+        """(forward, backward, Saved_k): [s, i], for each s in ``starts`` (rows) and
+        layer i (columns), the events of layer i in a plain segment from s whose saves
+        lossy codec k keeps (memory_model.py; -inf for i < s; the backward's without
+        the carry C) and Saved_k(s, i). ``input_held``: after a plain middle segment
+        whose saves hold x_s, which the segment's events then leave out (as its
+        input, the caller's or a save as it is). A plain middle segment [a, b) reads
+        layers a .. b-1 of row a, the last one every layer of its row."""
         coded, n = self._stored_by_codec[k - 1], self.n
         s, i = starts[:, None], np.arange(n)[None, :]
-        reused = self.reused_input[s] if input_held else np.zeros((len(starts), 1))
+        reused = np.where(input_held, self.reused_input[s], 0.0)
         input_as_is = (coded.input_first[s] <= i) & (coded.input_last[s] >= s)  # x_s held by a save as it is
         saved = coded.saved_table()[starts] - np.where(input_as_is, reused, 0.0)  # [s, i] = Saved_k(s, i), i >= s
         held = (coded.input_first[i] <= i - 1) & (coded.input_last[i] >= s)
@@ -105,10 +121,7 @@ class PlainTerms(LayerEvents):
         output_held = (coded.output_first <= i) & (coded.output_last >= s)
         backward = (self.held_in_backward - np.where(output_held, self.output, 0.0) + saved + self.grad[i + 1]
                     + np.maximum(self.backward_rise[i] + coded.decoded[i], coded.decode_rise[i]))
-        events = np.where(i >= s, np.maximum(forward, backward), -np.inf).max(axis=1)
-        output_held_at_end = (coded.output_first <= n - 1) & (coded.output_last >= starts)
-        loss = saved[:, -1] + np.where(output_held_at_end, 0.0, self.output) + self.loss_rise
-        return np.maximum(events, loss)
+        return np.where(i >= s, forward, -np.inf), np.where(i >= s, backward, -np.inf), saved
 
     def plain_seconds(self, s: int, k: int) -> float:
         """What keeping the saves of the plain segment [s, n) by ``stored_codecs[k]``
@@ -156,6 +169,54 @@ class PlainTerms(LayerEvents):
         segment before holds it)."""
         return self.tables.saved[a, b] - np.where(input_held, self.reused_saved[a], 0.0)
 
+    @property
+    def coded_middle(self) -> bool:
+        """Whether the solvers may keep a plain middle segment's saves by a lossy codec
+        (memory_model.py, "plain middle [a, b), saves kept by lossy codec k")."""
+        return self.plain_middle and len(self.stored_codecs) > 1
+
+    @cached_property
+    def _coded_middle_tables(self) -> np.ndarray:
+        """[k - 1, term, bit, a, i]: for each lossy codec k, a plain segment's largest
+        forward event (term 0) and backward event less C (term 1) over layers a .. i,
+        and Saved_k(a, i) (term 2), without (bit 0) and with (bit 1) ``input_held``."""
+        every = np.arange(self.n)
+        tables = []
+        for k in range(1, len(self.stored_codecs)):
+            terms = [self._coded_events(k, every, held) for held in (False, True)]
+            tables.append([[np.maximum.accumulate(term[kind], axis=1) if kind < 2 else term[kind]
+                            for term in terms] for kind in range(3)])
+        return np.array(tables)
+
+    def coded_middle_working_set(self, k: int, a, b, carries: np.ndarray, input_held=False) -> np.ndarray:
+        """W + C of the plain middle segment [a, b) whose saves lossy codec k keeps, for
+        each C in ``carries`` (the last axis), for broadcastable arrays of starts and
+        ends (and ``input_held``: after a plain middle segment whose saves hold x_a)."""
+        bit = np.asarray(input_held).astype(np.int64)
+        table = self._coded_middle_tables[k - 1]
+        return _plain_middle_events(table[0][bit, a, b - 1], table[1][bit, a, b - 1], carries)
+
+    def coded_middle_backward(self, k: int, a, b, input_held=False) -> np.ndarray:
+        """The largest backward event of that segment, less C: a bound below W + C."""
+        return self._coded_middle_tables[k - 1][1][np.asarray(input_held).astype(np.int64), a, b - 1]
+
+    def coded_middle_kept(self, k: int, a, b, input_held=False) -> np.ndarray:
+        """R of that segment: Saved_k(a, b-1), its saves as codec k keeps them."""
+        return self._coded_middle_tables[k - 1][2][np.asarray(input_held).astype(np.int64), a, b - 1]
+
+    def coded_middle_seconds(self, k: int, a, b) -> np.ndarray:
+        """What keeping the saves of the plain middle segment [a, b) by codec k adds to
+        the step: encoding them and decoding them."""
+        return self._stored_by_codec[k - 1].seconds_between(a, b)
+
+    def segment_coded_middle(self, a: int, b: int, k: int, carry: float, input_held: bool = False) -> tuple:
+        """(W + C, R) of the plain middle segment [a, b) whose saves lossy codec k
+        keeps, from its own layers' events (``input_held``: after a plain middle
+        segment whose saves hold x_a)."""
+        forward, backward, saved = (term[0] for term in self._coded_events(k, np.array([a]), input_held))
+        working = _plain_middle_events(forward[a:b].max(), backward[a:b].max(), np.array([carry]))[0]
+        return float(working), float(saved[b - 1])
+
     def segment_plain_middle(self, a: int, b: int, carry: float, input_held: bool = False) -> tuple:
         """(W + C, R) of the plain middle segment [a, b), from its own layers' events
         (``input_held``: after a plain middle segment whose saves hold x_a)."""
@@ -190,11 +251,21 @@ class _CodedSaves:
         self.input_first = np.array([first for first, _ in spans])
         self.input_last = np.array([last for _, last in spans])
         self.output_first, self.output_last = stored.output_held_by or (n, -1)
-        # Each stored tensor is encoded once (at its first save in the segment), each
-        # save decoded once.
-        encoded_by_last = np.bincount(self.last, weights=[t.encode_s[codec] for t in tensors], minlength=n)
+        # Each stored tensor is encoded once per segment whose layers save it (at its
+        # first save there), each save decoded once: a segment [a, b) encodes the
+        # tensors with last >= a and first < b, and decodes the saves of its layers.
+        encode_s = np.array([t.encode_s[codec] for t in tensors], dtype=np.float64)
         decode_s = np.array([seconds[codec] for seconds in stored.decode_s], dtype=np.float64)
-        self.seconds_from = np.append(np.cumsum((encoded_by_last + decode_s)[::-1])[::-1], 0.0)
+        self._encoded_last_from = _from(np.bincount(self.last, weights=encode_s, minlength=n))  # [x]: last >= x
+        self._encoded_first_from = _from(np.bincount(self.first, weights=encode_s, minlength=n))  # first >= x
+        self._decoded_from = _from(decode_s)
+        self.seconds_from = self._encoded_last_from + self._decoded_from
+
+    def seconds_between(self, a, b) -> np.ndarray:
+        """The encode and decode seconds of a plain segment [a, b) (b = n: the last),
+        for broadcastable arrays of starts and ends."""
+        return (self._encoded_last_from[a] - self._encoded_first_from[b]
+                + self._decoded_from[a] - self._decoded_from[b])
 
     @cached_property
     def _table(self) -> np.ndarray:
@@ -213,3 +284,8 @@ class _CodedSaves:
         """[s, i] = Saved_k(s, i) for i >= s: the stored tensors whose saving layers meet
         [s, i], each counted once (undefined for i < s)."""
         return self._table
+
+
+def _from(values: np.ndarray) -> np.ndarray:
+    """[x] = the sum of ``values[x:]``, for x = 0 .. len(values)."""
+    return np.append(np.cumsum(values[::-1])[::-1], 0.0)

@@ -25,9 +25,10 @@ class Plan:
     segment is plain (run plainly, never recomputed), and so is segment j < last
     where ``plain[j]``; the others are checkpointed, segment j keeping its input by
     ``codecs[j]`` ("none" = exact) in host memory if ``offload[j]``. A plain segment
-    before the last keeps autograd's saves as they are (its codec is "none", its
-    offload False); the last keeps them by ``saves_codec`` ("none": as they are; a
-    lossy codec stores each as runtime/kept_saves.py says). ``plain`` defaults
+    keeps autograd's saves on the device, as they are or by a lossy codec, which
+    stores each as runtime/kept_saves.py says: segment j < last by ``codecs[j]`` (its
+    offload False), the last by ``saves_codec`` ("none": as they are; both together:
+    :attr:`saves_codecs`). ``plain`` defaults
     to no segment but the last (one False per segment before it). The names
     ``stored`` and ``stored_codec`` (constructor keywords, attributes) are deprecated
     spellings of ``plain`` and ``saves_codec``. ``nested[j]``, for
@@ -83,7 +84,7 @@ class Plan:
 
     def _check_plain(self, before_last: int) -> None:
         """Validate ``plain`` (one flag per segment before the last; () for none) and
-        fill it in: a plain segment has no codec or offload, autograd keeps its saves."""
+        fill it in: a plain segment's codec keeps its saves, on the device."""
         plain = () if self.plain is None else self.plain
         if not isinstance(plain, (tuple, list)) or not all(isinstance(flag, bool) for flag in plain):
             raise ConfigError(f"plan plain={self.plain!r} must be a tuple of True or False, one per segment "
@@ -94,11 +95,11 @@ class Plan:
             raise ConfigError(f"a plan with {before_last + 1} segments needs {before_last} plain flags (one per "
                               f"segment before the last), got {len(plain)}")
         for j, flag in enumerate(plain):
-            if flag and (get_codec(self.codecs[j]).name != "none" or self.offload[j]):
+            if flag and self.offload[j]:
                 raise ConfigError(
-                    f"plan segment {j} is plain (plain[{j}] is True) but has codec {self.codecs[j]!r} and offload "
-                    f"{self.offload[j]!r}: a plain segment keeps autograd's saves as they are, so give it codec "
-                    "'none' and offload False")
+                    f"plan segment {j} is plain (plain[{j}] is True) but has offload True: a plain segment keeps "
+                    "autograd's saves on the device (as they are, or by its codec), which its backward reads at "
+                    "once, so give it offload False")
         object.__setattr__(self, "plain", tuple(plain))
 
     def _check_nested(self, before_last: int) -> None:
@@ -125,6 +126,13 @@ class Plan:
                 raise ConfigError(f"plan nested[{j}]={r} must be a recomputed Range over the segment's {length} "
                                   f"layers, Range(0, {length}, inner=...)")
         object.__setattr__(self, "nested", nested)
+
+    @property
+    def saves_codecs(self) -> tuple:
+        """Per segment, the codec name that keeps a plain segment's saves ("none": as
+        autograd keeps them), None for a checkpointed one."""
+        before_last = (get_codec(c).name if plain else None for c, plain in zip(self.codecs, self.plain))
+        return (*before_last, self.saves_codec)
 
     @property
     def segments(self) -> list:
@@ -161,9 +169,8 @@ class Plan:
         start, stop, option = self.segments[j]
         nested = j < len(self.nested) and self.nested[j] is not None
         if option is None:
-            last = j == len(self.starts) - 1
-            saves = "" if self.saves_codec == "none" or not last else f", saves {self.saves_codec}"
-            kept, where = "plain (no recompute)" + saves, ""
+            codec = self.saves_codecs[j]
+            kept, where = "plain (no recompute)" + ("" if codec == "none" else f", saves {codec}"), ""
         else:
             kept = f"{option.codec.name}, nested" if nested else option.codec.name
             where = where_kept(option.offload)

@@ -6,10 +6,10 @@ it was planned on.
 NOTE [ Planned segments ]
     A plan is a list of PlannedSegments covering [0, n) in order. Every one but the
     last is CHECKPOINTED (``option``: an index into CostModel.options) or PLAIN (a
-    plain middle segment: autograd keeps its saves as they are). The last is
-    PLAIN_LAST, whose saves ``codec`` keeps (an index into CostModel.stored_codecs;
-    0: as they are). The dynamic programs' label tables hold the kind and option as
-    integers (solver.py, _PLAIN); segments are made only where a plan leaves them.
+    plain middle segment). The last is PLAIN_LAST. A plain segment's saves are kept
+    by ``codec``, an index into CostModel.stored_codecs (0: as autograd keeps them).
+    The dynamic programs' label tables hold the kind and option as integers
+    (solver.py, _PLAIN); segments are made only where a plan leaves them.
 """
 from __future__ import annotations
 
@@ -32,15 +32,15 @@ class PlannedSegment(NamedTuple):
     stop: int
     kind: Kind
     option: Optional[int] = None  # CHECKPOINTED: its keep option's index
-    codec: int = 0  # PLAIN_LAST: its saves' stored codec's index
+    codec: int = 0  # PLAIN, PLAIN_LAST: its saves' stored codec's index
 
     @classmethod
     def checkpointed(cls, start: int, stop: int, option: int) -> "PlannedSegment":
         return cls(start, stop, Kind.CHECKPOINTED, option=option)
 
     @classmethod
-    def plain(cls, start: int, stop: int) -> "PlannedSegment":
-        return cls(start, stop, Kind.PLAIN)
+    def plain(cls, start: int, stop: int, codec: int = 0) -> "PlannedSegment":
+        return cls(start, stop, Kind.PLAIN, codec=codec)
 
     @classmethod
     def plain_last(cls, start: int, stop: int, codec: int = 0) -> "PlannedSegment":

@@ -72,14 +72,14 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
             (None: any number). 1 for layers that can only be checkpointed one by one,
             as the blocks of :func:`actsave.plan_blocks` (a checkpoint cannot span
             blocks that the model's own loop calls).
-        compress_saves: whether the last segment (plain: never recomputed) may keep
+        compress_saves: whether plain segments (never recomputed) may keep
             autograd's saves by one of the lossy codecs ``allow`` and ``min_sqnr_db``
-            permit (:attr:`Plan.saves_codec`), where the profile recorded its saves.
-            False where they stay as autograd keeps them, as the blocks of
-            :func:`actsave.plan_blocks`.
+            permit (:attr:`Plan.saves_codecs`), where the profile recorded its saves:
+            the last, and with ``plain_middle`` the others. False where they stay as
+            autograd keeps them, as the blocks of :func:`actsave.plan_blocks`.
         plain_middle: whether segments before the last may be plain too (run
-            plainly, autograd keeping their saves: :attr:`Plan.plain`), where that is
-            faster within the budget than checkpointing them.
+            plainly, never recomputed: :attr:`Plan.plain`), where that is faster
+            within the budget than checkpointing them.
         compress_stored, store_middle: deprecated names of ``compress_saves`` and
             ``plain_middle``.
 
@@ -252,7 +252,8 @@ def _plan_of(model: CostModel, segments: list, nested: list, budget: Optional[in
     """The Plan of a dynamic program's PlannedSegments and nested Ranges
     (fastest_within), with the model's predictions, which must fit the peak ``bound``
     the program planned for."""
-    before_last = [model.options[s.option] if s.is_checkpointed else EXACT for s in segments[:-1]]
+    before_last = [model.options[s.option] if s.is_checkpointed else KeepPolicy.resolve(model.stored_codecs[s.codec])
+                   for s in segments[:-1]]
     draft = Plan(model.n, tuple(s.start for s in segments), tuple(o.codec.name for o in before_last),
                  tuple(o.offload for o in before_last), 0, 0.0, 0, budget,
                  saves_codec=model.stored_codecs[segments[-1].codec],
@@ -339,19 +340,21 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
     draft = Plan(len(profile.layers), tuple(starts), tuple(codecs), tuple(offload), 0, 0.0, 0, budget,
                  saves_codec=get_codec(saves_codec).name, plain=() if plain is None else tuple(plain),
                  nested=() if nested is None else tuple(nested))
-    if draft.saves_codec != "none" and profile.stored_saves is None:
-        raise ConfigError(f"saves_codec={saves_codec!r}: this profile records no saves of a last segment (profiled "
-                          "with stored_saves=False), so they can only be predicted exact; pass "
-                          "saves_codec='none', or profile with stored_saves=True")
+    saves_codecs = draft.saves_codecs
+    if set(saves_codecs) - {None, "none"} and profile.stored_saves is None:
+        raise ConfigError(f"saves codecs {saves_codecs!r}: this profile records no saves of a plain segment "
+                          "(profiled with stored_saves=False), so they can only be predicted exact; pass "
+                          "saves_codec='none' (and codec 'none' for each plain segment), or profile with "
+                          "stored_saves=True")
     policies = [None if option is None else kept_as(option, profile.layers[a].input_encodable)
                 for a, _, option in draft.segments[:-1]]
     options = sorted(set(policies) - {None}, key=lambda option: (option.codec.name, option.offload))
-    segments = [PlannedSegment.plain(a, b) if policy is None
+    stored_codecs = ["none", *sorted(set(saves_codecs) - {None, "none"})]
+    segments = [PlannedSegment.plain(a, b, stored_codecs.index(codec)) if policy is None
                 else PlannedSegment.checkpointed(a, b, options.index(policy))
-                for (a, b, _), policy in zip(draft.segments, policies)]
-    stored_codecs = ["none"] if draft.saves_codec == "none" else ["none", draft.saves_codec]
+                for (a, b, _), policy, codec in zip(draft.segments, policies, saves_codecs)]
     model = CostModel(profile, options, stored_codecs=stored_codecs)
-    last = PlannedSegment.plain_last(draft.starts[-1], draft.n_layers, len(stored_codecs) - 1)
+    last = PlannedSegment.plain_last(draft.starts[-1], draft.n_layers, stored_codecs.index(draft.saves_codec))
     return _with_predictions(draft, model, [*segments, last])
 
 

@@ -10,9 +10,11 @@ Dynamic program
 
         L(b) = Pareto { (P + R_z(a,b,o), T + t(a,b,o), z'(a,b,o)) : a < b, o,
                         (P, T, z) in L(a), P + W_z(a,b,o) + C <= budget - X }
-               (o ranging over the keep options and "plain": R = Saved(a, b-1),
+               (o ranging over the keep options, "plain": R = Saved(a, b-1),
                t = 0, W + C its largest event, memory_model.py; z' = 1 for
-               "plain" where Saved(a, b-1) holds x_b, else 0)
+               "plain" where Saved(a, b-1) holds x_b, else 0; and "plain, saves
+               kept by lossy codec k": R = Saved_k(a, b-1), t its encodes and
+               decodes, z' = 0, where the plain segment's saves may be coded)
         best = min { T + t_plain(s, k) : s < n, k, (P, T, z) in L(s),
                      P + W_plain,z(s, k) <= budget - X }
 
@@ -44,6 +46,10 @@ Dynamic program
     (CostModel.plain_middle_reach: a boundary where two plain segments are one,
     in a chain of layers that save their outputs every boundary), as the plans of
     longer ones are the same plans split there; the plan found joins them again.
+    Those whose saves a codec keeps are not additive (a tensor saved across a
+    boundary is encoded on each side): every one is read, from every label. The
+    bound that drops labels for good reads their backward events too (encoded saves
+    hold less than Saved).
 
     Cost: the option-independent maxima of W for every segment are six n x n
     tables (O(n^2) time and memory, built row by row); the time DP extends every
@@ -150,6 +156,12 @@ def _headroom_from(model: CostModel, a: int, bits: np.ndarray, longest: Optional
         through = np.maximum(model.plain_middle_working_set(a, b, carries, bits),
                              model.plain_middle_kept(a, b, bits)[..., None] + rest)
         best = np.minimum(best, through.min(axis=1))
+    if model.coded_middle:  # saves kept by a lossy codec: they hold no next input as it is
+        b = np.arange(a + 1, n)
+        for k in range(1, len(model.stored_codecs)):
+            through = np.maximum(model.coded_middle_working_set(k, a, b, carries, bits),
+                                 model.coded_middle_kept(k, a, b, bits)[..., None] + h[0, b])
+            best = np.minimum(best, through.min(axis=1))
     return best
 
 
@@ -171,7 +183,8 @@ def fastest_within(model: CostModel, headroom: float, longest: Optional[int] = N
     return None if best is None else best[1:]
 
 
-# The option column of a label whose last segment is a plain middle one: labels keep
+# The option column of a label whose last segment is a plain middle one, its saves
+# kept by stored codec k: _PLAIN - k (as autograd keeps them: _PLAIN). Labels keep
 # kinds and options as integers, PlannedSegments are made from them only for the plan
 # found (_Prefixes._segments_from).
 _PLAIN = -2
@@ -258,7 +271,10 @@ class _Prefixes:
         leaves ``alive`` for good."""
         labels, model, alive = self.labels, self.model, self.alive
         a, held = labels["position"][alive], labels["held"][alive]
-        lowest = labels["p"][alive] + model.backward[a, b] - np.where(held, model.reused_saved[a], 0.0) + self.carry
+        backward = model.backward[a, b] - np.where(held, model.reused_saved[a], 0.0)
+        for k in range(1, len(model.stored_codecs)) if model.coded_middle else ():  # encoded saves hold less
+            backward = np.minimum(backward, model.coded_middle_backward(k, a, b, held))
+        lowest = labels["p"][alive] + backward + self.carry
         if self.nested is not None:  # a nested segment's backward holds less: its own floor
             lowest = np.minimum(lowest, labels["p"][alive] + self.nested_floor[held.astype(np.int64), a, b])
         extends = (lowest <= self.headroom) & (labels["t"][alive] < self.best[0])
@@ -276,6 +292,9 @@ class _Prefixes:
         window = Window(model, int(labels["position"][source[0]]), b, self.carry)
         if model.plain_middle:
             parts.append(self._plain_middle_extensions(window))
+        if model.coded_middle:
+            everyone = Batch(labels, source, window)
+            parts += [self._coded_middle_extensions(everyone, k) for k in range(1, len(model.stored_codecs))]
         for o in range(len(model.options)):
             if not model.options[o].offload and source.size > _SWEPT and o not in self.sweeps:
                 self.sweeps[o] = Sweep(model, o)
@@ -348,6 +367,15 @@ class _Prefixes:
         holds = model.plain_middle_holds_output(window.starts, b)[batch.at[1]]
         return batch.extensions(ok, model.plain_middle_kept(starts, b, BITS), batch.t, holds, _PLAIN)
 
+    def _coded_middle_extensions(self, batch: "Batch", k: int) -> tuple:
+        """The extensions to b by a plain middle segment whose saves stored codec k
+        keeps, from every label of ``batch``: its saves hold no next input as it is."""
+        model, starts, b = self.model, batch.window.starts[None], batch.window.b
+        working = model.coded_middle_working_set(k, starts, b, batch.window.carry, BITS)[..., 0]
+        ok = batch.p + working[batch.at] <= self.headroom
+        times = batch.t + model.coded_middle_seconds(k, batch.positions, b)
+        return batch.extensions(ok, model.coded_middle_kept(k, starts, b, BITS), times, False, _PLAIN - k)
+
     def _alive_from(self, position: int) -> np.ndarray:
         """The labels that may extend, at ``position`` or later (labels are made in
         order of position)."""
@@ -380,10 +408,11 @@ class _Prefixes:
             previous = int(labels["previous"][label])
             start, stop = int(labels["position"][previous]), int(labels["position"][label])
             option = int(labels["option"][label])
-            if option == _PLAIN and segments[-1].is_plain and reach[stop - 1] == stop:  # one plain segment
+            exact_plain = option == _PLAIN and segments[-1].is_plain and segments[-1].codec == 0
+            if exact_plain and reach[stop - 1] == stop:  # one plain segment
                 segments[-1] = PlannedSegment.plain(start, segments[-1].stop)
             else:
-                segments.append(PlannedSegment.plain(start, stop) if option == _PLAIN
+                segments.append(PlannedSegment.plain(start, stop, _PLAIN - option) if option <= _PLAIN
                                 else PlannedSegment.checkpointed(start, stop, option))
                 room = float(labels["nested_room"][label])
                 nested.append(None if math.isnan(room) else self.nested.tree(start, stop, room))

@@ -10,6 +10,7 @@ from torch import nn
 import actsave
 from actsave import _torch_graphs
 from actsave.runtime import compiled_calls, graph_codecs
+from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB
 from support import ResidualBlock, ResidualNet, load_bench_module, sqnr_db
 from compile.steps import (
     BACKEND, assert_codecs_in_the_graph, assert_keeps_as_eager_actsave, compiled_for_counting, compiles_counted,
@@ -37,6 +38,26 @@ def test_a_compiled_stored_segment_keeps_its_saves_by_its_codec_too():
     for model in (exact, int8):
         grads_of_a_step(model, x)
     assert kept_after_forward(int8, x) < 0.3 * kept_after_forward(exact, x)
+
+
+def test_a_compiled_plain_middle_segment_keeps_its_saves_by_its_codec_too():
+    # A plan's plain segment before a checkpointed one, its saves kept by int8: a
+    # quarter of the exact plan's bytes there (the partitioner chooses which saves,
+    # so the gradients' error is not eager actsave's: lossy, within int8's floor).
+    x, plain = torch.randn(32, 64), nn.Sequential(*gelu_chain())
+    kept, gradients = {}, {}
+    for codec in ("none", "int8"):
+        model = actsave.CheckpointedSequential(*gelu_chain())
+        model.apply_plan(actsave.Plan(16, (0, 6, 10), (codec, "none"), (False, False), 0, 0.0, 0,
+                                      plain=(True, False)))
+        compiled = torch.compile(model, backend=BACKEND)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no eager fallback
+            gradients[codec] = flat_gradients(compiled, x)
+        kept[codec] = kept_after_forward(compiled, x)
+    assert kept["int8"] < 0.6 * kept["none"]
+    assert torch.equal(gradients["none"], flat_gradients(plain, x))
+    assert EXPECTED_GRADIENT_SQNR_DB["int8"] <= sqnr_db(gradients["none"], gradients["int8"]) < 200
 
 
 def test_describe_says_a_compiled_call_encoded_the_kept_inputs_in_the_graph():

@@ -207,8 +207,8 @@ def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
 @pytest.mark.parametrize("plain, codecs, offload, message", [
     ((True,), ("none", "none"), (False, False), "needs 2 plain flags"),
     ((1, 0), ("none", "none"), (False, False), "must be a tuple of True or False"),
-    ((True, False), ("int8", "none"), (False, False), "segment 0 is plain .* give it codec 'none'"),
     ((False, True), ("none", "none"), (False, True), "segment 1 is plain .* offload False"),
+    ((True, False), ("int8", "none"), (True, False), "segment 0 is plain .* offload False"),
 ])
 def test_bad_plain_flags_say_what_to_do(plain, codecs, offload, message):
     with pytest.raises(ConfigError, match=message):
