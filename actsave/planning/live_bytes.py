@@ -48,6 +48,7 @@ class LiveBytes(TorchDispatchMode):
         self.device = torch.device(device)
         self.live = 0
         self.peak = 0
+        self._marks = []  # one-item lists: the highest count since each was set (mark)
         self._lock = threading.Lock()  # storages may die on autograd's worker threads
         # storage -> [the bytes it is counted at], or None where it is not counted
         self._seen = weakref.WeakKeyDictionary()
@@ -91,6 +92,13 @@ class LiveBytes(TorchDispatchMode):
 
     def _uncount(self, counted: list) -> None:
         self._add(-counted[0])
+        counted[0] = 0  # gone from the count: counted_bytes reads it so
+
+    def counted_bytes(self, storage) -> list:
+        """A one-item list holding the bytes ``storage`` is counted at, 0 once it is
+        gone from the count (or where it is not counted)."""
+        counted = self._seen.get(storage)
+        return counted if counted is not None else [0]
 
     def _resized(self, storage, before: int, after: int) -> None:
         counted = self._seen.get(storage)
@@ -103,6 +111,21 @@ class LiveBytes(TorchDispatchMode):
         with self._lock:
             self.live += nbytes
             self.peak = max(self.peak, self.live)
+            for mark in self._marks:
+                mark[0] = max(mark[0], self.live)
+
+    def mark(self, less: int = 0) -> list:
+        """A one-item list that holds the highest count from now (less ``less``
+        bytes about to go) until :meth:`unmark`: a stretch's peak where stretches need
+        not nest, as :meth:`span`'s do."""
+        with self._lock:
+            mark = [self.live - less]
+            self._marks.append(mark)
+        return mark
+
+    def unmark(self, mark: list) -> None:
+        with self._lock:
+            self._marks.remove(mark)
 
     @contextlib.contextmanager
     def span(self):

@@ -51,7 +51,7 @@ Memory model
     plain last [s, n), saves kept by lossy codec k (runtime/kept_saves.py)
         forward     Saved_k(s, i) + U_k(i) + [x_s] + max(fwd_i, enc_k(i))
         loss        Saved_k(s, n-1) + U_k(n) + L
-        backward    O_k + Saved_k(s, i) + g_{i+1} + max(bwd_i + D(i), dec_k(i))
+        backward    O_k + Saved_k(s, i) + g_{i+1} + max(bwd_k(i), dec_k(i))
     plain middle [a, b), saves kept by lossy codec k: R = Saved_k(a, b-1); the
     events of the plain last [a, n) kept by k at layers a .. b-1, C on the backward
     ones. Its saves hold no tensor as it is for the next segment (they are encoded),
@@ -77,8 +77,11 @@ Memory model
     i's rise while it encodes a save, the rise as that save was made plus the
     encoding's temporaries. dec_k(i): its backward's rise while an
     autograd node decodes its saves, the rise as the node started plus the decoded
-    saves and one decoding's temporaries (the ReLU decisions restored); D(i): the most
-    bytes one node of layer i decodes, alive while it runs. The layer's new encodings
+    saves and one decoding's temporaries (the ReLU decisions restored); bwd_k(i): its
+    backward's rise with each node's decoded saves alive to the next such node. The
+    profiled rises are net of the saves the step freed as their nodes finished, whole,
+    where the codec frees only their encodings: both add back the rest of those freed
+    so far in the layer's backward (stored_saves.py). The layer's new encodings
     are counted, in Saved_k, from its start, and the tensors they encode as if they
     stayed to its end (as in the profiled step): the stored events bound the codec's
     step from above, by the saves' full size at most.

@@ -120,7 +120,7 @@ class PlainTerms(LayerEvents):
         forward = saved + unsaved + caller_held + np.maximum(self.forward_rise[i], coded.encode_rise[i])
         output_held = (coded.output_first <= i) & (coded.output_last >= s)
         backward = (self.held_in_backward - np.where(output_held, self.output, 0.0) + saved + self.grad[i + 1]
-                    + np.maximum(self.backward_rise[i] + coded.decoded[i], coded.decode_rise[i]))
+                    + np.maximum(coded.backward_rise[i], coded.decode_rise[i]))
         return np.where(i >= s, forward, -np.inf), np.where(i >= s, backward, -np.inf), saved
 
     def plain_seconds(self, s: int, k: int) -> float:
@@ -234,7 +234,7 @@ def _plain_middle_events(forward, backward, carries: np.ndarray) -> np.ndarray:
 
 class _CodedSaves:
     """The terms of a plain segment whose saves one lossy codec keeps (memory_model.py:
-    Saved_k, U_k, O_k, enc_k, dec_k), from the profile's StoredSaves."""
+    Saved_k, U_k, O_k, enc_k, dec_k, bwd_k), from the profile's StoredSaves."""
 
     def __init__(self, prof: Profile, codec: str):
         n, stored = len(prof.layers), prof.stored_saves
@@ -246,7 +246,7 @@ class _CodedSaves:
         self.signs = np.array([t.sign_bytes for t in tensors], dtype=np.float64)
         self.encode_rise = np.array([rises[codec] for rises in stored.encode_rise], dtype=np.float64)
         self.decode_rise = np.array([rises[codec] for rises in stored.decode_rise], dtype=np.float64)
-        self.decoded = np.array(stored.decoded_bytes, dtype=np.float64)
+        self.backward_rise = np.array([rises[codec] for rises in stored.backward_rise], dtype=np.float64)
         spans = [span or (n, -1) for span in stored.input_held_by]  # (n, -1): held by no save
         self.input_first = np.array([first for first, _ in spans])
         self.input_last = np.array([last for _, last in spans])

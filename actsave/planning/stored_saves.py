@@ -48,7 +48,10 @@ class StoredSaves:
     # saves}: the rise as the node started in the profiled step, plus the node's saves
     # decoded and one decoding's temporaries.
     decode_rise: tuple
-    decoded_bytes: tuple  # per layer, the most bytes one of its nodes decodes (alive while it runs)
+    # Per layer, {codec: its backward's rise, its nodes' decoded saves included}: the
+    # profiled rise of each stretch of it, plus what the codec would not have freed of
+    # the saves the step freed before the stretch ended, plus its node's decoded saves.
+    backward_rise: tuple
     decode_s: tuple  # per layer, {codec: seconds decoding its saves, once per save}
     input_held_by: tuple  # per layer, (first, last) layer holding its input's storage as a save as it is, or None
     output_held_by: Optional[tuple]  # the same for the chain output
@@ -63,14 +66,18 @@ def price_stored_saves(found: CountedStep, costs: CodecCosts) -> StoredSaves:
     charged r plus its encoding's temporaries; the packed bytes are in Saved_k. In
     backward each autograd node decodes its saves as it starts, and they live until
     it ends: a node that started at a rise of d is charged d plus its decoded saves
-    and one decoding's temporaries, and the whole layer's rise is charged the most one
-    node decodes (memory_model.py). Both hold the profiled step's tensors as if the
-    codec freed none, so they bound the codec's step from above. A ReLU output's
+    and one decoding's temporaries, and the stretch of the layer's backward from it
+    to the next such node its highest rise plus its decoded saves (memory_model.py).
+    Both hold the profiled step's tensors as if the codec freed none, so they bound
+    the codec's step from above; but where the step freed a save the codec encodes
+    (its last node done), it freed the whole tensor, and the codec only its encoding:
+    what that leaves is added back, from the saves freed before the node started
+    (decoding) or before its stretch ended (the stretch's rise). A ReLU output's
     decisions are counted as restored at every decode; a max pool's indices are kept
     as its window decisions, whatever the codec, and restored to int64 at decode."""
     recorded, n = found.as_stored, len(found.inputs)
     encode_rise, decode_rise = ([dict.fromkeys(LOSSY_CODECS, 0) for _ in range(n)] for _ in range(2))
-    decode_s, decoded_bytes = [dict.fromkeys(LOSSY_CODECS, 0.0) for _ in range(n)], [0] * n
+    decode_s = [dict.fromkeys(LOSSY_CODECS, 0.0) for _ in range(n)]
     for key, layer, rise in recorded.saves:
         entry = recorded.entries[key]
         if entry.coded:
@@ -78,23 +85,37 @@ def price_stored_saves(found: CountedStep, costs: CodecCosts) -> StoredSaves:
                 encoding = rise + _encode_extra(entry, codec, costs)
                 encode_rise[layer][codec] = max(encode_rise[layer][codec], encoding)
                 decode_s[layer][codec] += 0.0 if entry.pool is not None else costs.of(entry.spec)[codec].decode_s
-    for saves, started_at in recorded.nodes:
-        layer = recorded.saves[saves[0]][1]
-        entries = [recorded.entries[recorded.saves[save][0]] for save in saves]
+    tensors = {key: _stored_tensor(entry, costs) for key, entry in recorded.entries.items()}
+
+    def unfreed(span: tuple, codec: str) -> int:
+        """Of the storages the step freed in ``span`` (a range of recorded.freed), what
+        their encodings by ``codec`` would not have freed."""
+        return sum(max(0, nbytes - sum(tensors[key].kept_bytes[codec] for key in keys))
+                   for nbytes, keys in recorded.freed[span[0]:span[1]])
+
+    # Each layer's own rise where no stretch of it was seen (no saves, or its backward
+    # began elsewhere).
+    backward_rise = [dict.fromkeys(LOSSY_CODECS, rise) for rise in found.backward_rise]
+    for stretch in recorded.stretches:
+        layer = stretch.layer
+        entries = [recorded.entries[recorded.saves[save][0]] for save in stretch.saves]
         entries = [entry for entry in entries if entry.coded]
         dense = [allocation_bytes(entry.spec.dense_bytes, costs.device) for entry in entries]
-        decoded_bytes[layer] = max(decoded_bytes[layer], sum(dense))
-        # A node whose start was not seen (its layer's backward began elsewhere) is
-        # charged the layer's whole backward rise.
-        started_at = found.backward_rise[layer] if started_at is None else started_at
+        # A stretch whose layer's start was not seen (its backward began elsewhere) is
+        # charged the layer's whole backward rise, and every save freed in it.
+        started_at = found.backward_rise[layer] if stretch.started_at is None else stretch.started_at
+        highest = found.backward_rise[layer] if stretch.highest is None else stretch.highest
         for codec in LOSSY_CODECS:
-            temporaries = max((_decode_rise(entry, codec, costs) - size for entry, size in zip(entries, dense)),
-                              default=0)
-            decode_rise[layer][codec] = max(decode_rise[layer][codec], started_at + sum(dense) + temporaries)
+            left = unfreed(stretch.freed_before, codec)
+            if stretch.decodes:
+                temporaries = max((_decode_rise(entry, codec, costs) - size for entry, size in zip(entries, dense)),
+                                  default=0)
+                decode_rise[layer][codec] = max(decode_rise[layer][codec], started_at + left + sum(dense) + temporaries)
+            backward_rise[layer][codec] = max(backward_rise[layer][codec], highest + left + sum(dense))
     return StoredSaves(
-        tensors=tuple(_stored_tensor(entry, costs) for entry in recorded.entries.values()),
-        encode_rise=tuple(encode_rise), decode_rise=tuple(decode_rise), decoded_bytes=tuple(decoded_bytes),
-        decode_s=tuple(decode_s),
+        tensors=tuple(tensors.values()),
+        encode_rise=tuple(encode_rise), decode_rise=tuple(decode_rise),
+        backward_rise=tuple(backward_rise), decode_s=tuple(decode_s),
         input_held_by=tuple(span if as_it_is else None
                             for as_it_is, span in zip(found.inputs_saved_as_they_are, found.input_saved_by)),
         output_held_by=None if found.output_encodable else found.output_saved_by,
