@@ -1,14 +1,16 @@
 """What plain middle segments buy the planner (issue 36, item 4).
 
-A plain middle segment is one before the last that runs plainly, autograd keeping
-its saves (``actsave.plan(..., plain_middle=True)``, the default). For each chain:
-one profile (per-layer median times of --profiles profiled steps, as
-bench/rotor_compare.py), then, on that profile, the smallest feasible peak with and
-without plain middle segments, and at --points budgets from the larger of those to
-plain's peak, the predicted step time of each plan. Printed: the smallest peaks, and
-the largest predicted time win of allowing them (time without / time with - 1) and
-the budget where it is. Predictions of the memory model, so both sides read the same
-profile; a loaded machine moves both together.
+A plain middle segment is one before the last that runs plainly, never recomputed,
+its saves as autograd keeps them or, with a lossy codec allowed, by the codec
+(``actsave.plan(..., plain_middle=True)``, the default). For each chain: one profile
+(per-layer median times of --profiles profiled steps, as bench/rotor_compare.py),
+then, on that profile, the smallest feasible peak with and without plain middle
+segments, and at --points budgets from the larger of those to plain's peak, the
+predicted step time of each plan. Printed: the smallest peaks, the largest
+predicted time win of allowing them (time without / time with - 1) and the budget
+where it is, and with codecs, at how many budgets the plan keeps a middle segment's
+saves by one. Predictions of the memory model, so both sides read the same profile;
+a loaded machine moves both together.
 
     python bench/plain_middle.py            # the bench chains, CPU, one thread
     python bench/plain_middle.py --smoke    # one small chain, a few budgets
@@ -41,25 +43,30 @@ def chains(smoke: bool) -> dict:
     }
 
 
-def step_seconds(prof, budget: int, allow: tuple, plain_middle: bool):
+def planned(prof, budget: int, allow: tuple, plain_middle: bool):
     try:
-        return actsave.plan(prof, budget, allow=allow, plain_middle=plain_middle).predicted_step_seconds
+        return actsave.plan(prof, budget, allow=allow, plain_middle=plain_middle)
     except actsave.ConfigError:  # infeasible at this budget
         return None
 
 
 def compare(prof, allow: tuple, points: int) -> tuple:
-    """(smallest peak with, without; largest time win; its budget; plain's peak)."""
+    """(smallest peak with, without; largest time win; its budget; plain's peak; the
+    budgets where a middle segment's saves are kept by a codec)."""
     plain = plans.predict(prof, [0]).predicted_peak_bytes
     smallest = [actsave.plan(prof, None, objective="memory", allow=allow, plain_middle=flag).predicted_peak_bytes
                 for flag in (True, False)]
-    low, best, at = max(smallest), 0.0, None
+    low, best, at, coded = max(smallest), 0.0, None, 0
     for i in range(points):
         budget = int(low + (plain - low) * i / (points - 1))
-        with_, without = (step_seconds(prof, budget, allow, flag) for flag in (True, False))
-        if with_ and without and without / with_ - 1 > best:
-            best, at = without / with_ - 1, budget
-    return (*smallest, best, at, plain)
+        with_, without = (planned(prof, budget, allow, flag) for flag in (True, False))
+        if with_ is None or without is None:
+            continue
+        coded += any(codec not in (None, "none") for codec in with_.saves_codecs[:-1])
+        win = without.predicted_step_seconds / with_.predicted_step_seconds - 1
+        if win > best:
+            best, at = win, budget
+    return (*smallest, best, at, plain, coded)
 
 
 def main(argv=None) -> None:
@@ -73,10 +80,11 @@ def main(argv=None) -> None:
     for name, (model, x) in chains(args.smoke).items():
         prof = median_times([actsave.profile(model, (x,)) for _ in range(1 if args.smoke else args.profiles)])
         for levers, allow in LEVERS.items():
-            with_, without, win, at, plain = compare(prof, allow, points)
+            with_, without, win, at, plain, coded = compare(prof, allow, points)
             where = "" if at is None else f" at {at / 2**20:.2f} MiB (plain {plain / 2**20:.2f})"
+            by_codec = f"; middle saves by a codec at {coded} of {points} budgets" if len(allow) > 1 else ""
             print(f"{name:24s} {levers:20s} smallest peak with / without {with_ / 2**20:8.3f} / "
-                  f"{without / 2**20:8.3f} MiB; largest time win {win:+.2%}{where}", flush=True)
+                  f"{without / 2**20:8.3f} MiB; largest time win {win:+.2%}{where}{by_codec}", flush=True)
 
 
 if __name__ == "__main__":

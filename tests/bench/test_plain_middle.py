@@ -14,3 +14,4 @@ def test_plain_middle_compares_the_plans_with_and_without_them():
         assert smallest and float(smallest.group(1)) <= float(smallest.group(2)), line
         win = re.search(r"largest time win ([+-][\d.]+)%", line)
         assert win and float(win.group(1)) >= 0, line
+    assert re.search(r"middle saves by a codec at \d+ of 3 budgets$", lines[1]), lines[1]
