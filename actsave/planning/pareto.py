@@ -16,8 +16,10 @@ class Labels:
     is a plain middle one whose saves hold the next segment's input (held), and how
     each was made."""
 
+    # live: whether it may still extend by a checkpointed or exact plain segment;
+    # coded_live: by a plain segment whose saves a codec keeps (solver._Prefixes._sources).
     _COLUMNS = {"p": np.float64, "t": np.float64, "held": np.bool_, "position": np.int64, "option": np.int64,
-                "previous": np.int64, "nested_room": np.float64, "live": np.bool_}
+                "previous": np.int64, "nested_room": np.float64, "live": np.bool_, "coded_live": np.bool_}
 
     def __init__(self, capacity: int = 1024):
         self.size = 0
@@ -82,13 +84,50 @@ class Batch:
                 np.full(ok.size, np.nan) if room is None else room[ok])
 
 
+class OptionKeys:
+    """A Sweep's keys for checkpointed segments of option o kept on the device:
+    R(a, b, o) = CostModel.kept_from_start(o, a) + a term of b alone, exactly (whole
+    bytes), and t(a, b, o) = CostModel.seconds_less_end(o, a) + the forward time
+    before b; where o is allowed."""
+
+    def __init__(self, model: CostModel, o: int):
+        self.model, self.o = model, o
+
+    def allowed(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
+        return self.model.allowed[self.o, positions]
+
+    def kept(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
+        return self.model.kept_from_start(self.o, positions, held)
+
+    def seconds(self, positions: np.ndarray) -> np.ndarray:
+        return self.model.seconds_less_end(self.o, positions)
+
+
+class CodedKeys:
+    """A Sweep's keys for plain middle segments whose saves stored codec k keeps:
+    R(a, b) and t(a, b) are CostModel.coded_middle_keys(k, a) plus terms of b alone
+    (exactly for R), where that holds for every b (CostModel.coded_middle_separable)."""
+
+    def __init__(self, model: CostModel, k: int):
+        self.model, self.k = model, k
+
+    def allowed(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
+        return self.model.coded_middle_separable[self.k - 1, held.astype(np.int64), positions]
+
+    def kept(self, positions: np.ndarray, held: np.ndarray) -> np.ndarray:
+        return self.model.coded_middle_keys(self.k, positions, held)[0]
+
+    def seconds(self, positions: np.ndarray) -> np.ndarray:
+        return self.model.coded_middle_keys(self.k, positions)[1]
+
+
 class Sweep:
-    """The labels that may extend by one option o kept on the device, in the order of
-    their extensions: P + R(a, b, o) = (P + CostModel.kept_from_start(o, a)) + a term
-    of b alone, exactly (whole bytes), and T + t(a, b, o) = (T +
-    CostModel.seconds_less_end(o, a)) + the forward time before b, a sum whose order
-    adding the same term keeps. So one order, by those keys (then by label), serves
-    every b, kept up to date as labels come and go instead of sorted at each b.
+    """The labels that may extend by one kind of segment (``keys``: OptionKeys,
+    CodedKeys), in the order of their extensions: P + R(a, b) = (P + keys.kept(a)) + a
+    term of b alone, exactly (whole bytes), and T + t(a, b) = (T + keys.seconds(a)) +
+    a term of b alone, a sum whose order adding the same term keeps. So one order, by
+    those keys (then by label), serves every b, kept up to date as labels come and go
+    instead of sorted at each b.
 
     An extension whose T is no less than that of an earlier feasible one is beaten or
     equalled by it (no smaller P, both unheld; of equal ones the earlier, smaller
@@ -101,18 +140,17 @@ class Sweep:
     live labels (docs/results.md, "Figures behind the code's rules";
     tests/planning/test_solver.py prints the time)."""
 
-    def __init__(self, model: CostModel, o: int):
-        self.model, self.o = model, o
+    def __init__(self, keys):
+        self.keys = keys
         self.labels, self.p_keys, self.t_keys = np.empty(0, dtype=np.int64), np.empty(0), np.empty(0)
         self.staircase_at = np.empty(0, dtype=np.int64)  # indices into labels
 
     def add(self, labels: Labels, new: np.ndarray) -> None:
-        """Merge the labels ``new`` (increasing) in, where option o is allowed at their
-        position."""
-        new = new[self.model.allowed[self.o, labels["position"][new]]]
+        """Merge the labels ``new`` (increasing) in, where the keys allow them."""
+        new = new[self.keys.allowed(labels["position"][new], labels["held"][new])]
         positions, held = labels["position"][new], labels["held"][new]
-        p_keys = labels["p"][new] + self.model.kept_from_start(self.o, positions, held)
-        t_keys = labels["t"][new] + self.model.seconds_less_end(self.o, positions)
+        p_keys = labels["p"][new] + self.keys.kept(positions, held)
+        t_keys = labels["t"][new] + self.keys.seconds(positions)
         order = np.argsort(p_keys, kind="stable")  # equal keys by label
         at = np.searchsorted(self.p_keys, p_keys[order], side="right")
         # Where each old and each new label lands: the new ones after the old of equal key.

@@ -209,6 +209,34 @@ class PlainTerms(LayerEvents):
         the step: encoding them and decoding them."""
         return self._stored_by_codec[k - 1].seconds_between(a, b)
 
+    def coded_middle_keys(self, k: int, a, input_held=False) -> tuple:
+        """(R, t) of the plain middle segments [a, b) kept by codec k less the parts of
+        b alone (:meth:`coded_middle_ends`): R(a, b) = Saved_k(a, b-1) is the tensors
+        saved at or before b-1 less those last saved before a, exact in whole bytes,
+        and t the encodes of the tensors last saved from a on less those first saved
+        from b on, with the decodes of [a, b). pareto.Sweep orders labels by them."""
+        bit = np.asarray(input_held).astype(np.int64)
+        kept = self._coded_middle_tables[k - 1][2]
+        key = kept[bit, a, a] - kept[0, 0, a]  # R(a, b) - R(0, b) at b = a + 1
+        return key, self._stored_by_codec[k - 1].seconds_from_start(a)
+
+    def coded_middle_ends(self, k: int, b) -> tuple:
+        """The parts of b alone of (R, t) of those segments (:meth:`coded_middle_keys`)."""
+        return self._coded_middle_tables[k - 1][2][0, 0, b - 1], self._stored_by_codec[k - 1].seconds_to_end(b)
+
+    @cached_property
+    def coded_middle_separable(self) -> np.ndarray:
+        """[k - 1, bit, a]: whether R(a, b) of codec k is its key plus its end's for every
+        b > a (not where a save holds x_a as it is from a later layer on, and the plain
+        segment before holds x_a: the part taken off then starts with that layer)."""
+        n, i = self.n, np.arange(self.n)[None, :]
+        separable = []
+        for kept in self._coded_middle_tables[:, 2]:
+            rows = kept - kept[0, 0][None, None, :]  # [bit, a, i]: R(a, i + 1) - R(0, i + 1)
+            at_start = rows[:, i[0], i[0]][:, :, None]
+            separable.append(np.where(i[None] >= i[0][None, :, None], rows == at_start, True).all(axis=2))
+        return np.array(separable).reshape(len(separable), 2, n)
+
     def segment_coded_middle(self, a: int, b: int, k: int, carry: float, input_held: bool = False) -> tuple:
         """(W + C, R) of the plain middle segment [a, b) whose saves lossy codec k
         keeps, from its own layers' events (``input_held``: after a plain middle
@@ -264,8 +292,16 @@ class _CodedSaves:
     def seconds_between(self, a, b) -> np.ndarray:
         """The encode and decode seconds of a plain segment [a, b) (b = n: the last),
         for broadcastable arrays of starts and ends."""
-        return (self._encoded_last_from[a] - self._encoded_first_from[b]
-                + self._decoded_from[a] - self._decoded_from[b])
+        return self.seconds_from_start(a) - self.seconds_to_end(b)
+
+    def seconds_from_start(self, a) -> np.ndarray:
+        """seconds_between(a, b) + seconds_to_end(b): encodes of the tensors last saved
+        from a on, decodes from a on."""
+        return self._encoded_last_from[a] + self._decoded_from[a]
+
+    def seconds_to_end(self, b) -> np.ndarray:
+        """Encodes of the tensors first saved from b on, decodes from b on."""
+        return self._encoded_first_from[b] + self._decoded_from[b]
 
     @cached_property
     def _table(self) -> np.ndarray:

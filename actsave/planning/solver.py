@@ -47,9 +47,11 @@ Dynamic program
     in a chain of layers that save their outputs every boundary), as the plans of
     longer ones are the same plans split there; the plan found joins them again.
     Those whose saves a codec keeps are not additive (a tensor saved across a
-    boundary is encoded on each side): every one is read, from every label. The
-    bound that drops labels for good reads their backward events too (encoded saves
-    hold less than Saved).
+    boundary is encoded on each side): every one is read. Their R and t are a key of
+    the start plus a term of the end, as a checkpoint's, so they have a Sweep of their
+    own; and a bound of their own that drops labels for good (the backward events of
+    encoded saves, which hold less than Saved), so that a label only they can extend
+    leaves the checkpoints' sweeps (Labels' ``live`` and ``coded_live``).
 
     Cost: the option-independent maxima of W for every segment are six n x n
     tables (O(n^2) time and memory, built row by row); the time DP extends every
@@ -74,7 +76,7 @@ import numpy as np
 from . import nested_model
 from .memory_model import CostModel
 from .nested_solver import NestedTable, exact_options
-from .pareto import BITS, Batch, Labels, Sweep, Window, held_pareto
+from .pareto import BITS, Batch, CodedKeys, Labels, OptionKeys, Sweep, Window, held_pareto
 from .planned_segment import PlannedSegment
 
 
@@ -226,11 +228,16 @@ class _Prefixes:
         self.labels.append(p=np.zeros(1), t=np.zeros(1), held=np.zeros(1, dtype=bool),
                            position=np.zeros(1, dtype=np.int64),
                            option=np.full(1, _ROOT), previous=np.full(1, -1), nested_room=np.full(1, np.nan),
-                           live=np.ones(1, dtype=bool))
+                           live=np.ones(1, dtype=bool), coded_live=np.ones(1, dtype=bool))
         # (time, label whose plan ends with the plain segment, its stored codec)
         self.best = (math.inf, -1, 0)
-        self.alive = np.arange(1)  # the labels that may still extend (_extend_to)
-        self.sweeps = {}  # option -> Sweep, from the first b where more than _SWEPT labels extend
+        # The labels that may still extend (_sources): by a checkpointed or exact plain
+        # segment, and by a plain one whose saves a codec keeps.
+        self.alive = np.arange(1)
+        self.coded_alive = np.arange(1) if model.coded_middle else np.arange(0)
+        # option (_PLAIN - k for plain middle segments kept by codec k) -> Sweep, from the
+        # first b where more than _SWEPT labels extend
+        self.sweeps = {}
 
     def fastest(self) -> Optional[tuple]:
         """(extra seconds, segments) of the fastest plan, or None when none fits."""
@@ -239,9 +246,11 @@ class _Prefixes:
             frontier = self._extend_to(b)
             self._finish_at(b, frontier)
             self.alive = np.concatenate((self.alive, frontier))
+            if self.model.coded_middle:
+                self.coded_alive = np.concatenate((self.coded_alive, frontier))
             for sweep in self.sweeps.values():
                 sweep.add(self.labels, frontier)
-            if not self.alive.size:  # no label extends any further
+            if not (self.alive.size or self.coded_alive.size):  # no label extends any further
                 break
         if self.best[1] < 0:
             return None
@@ -249,10 +258,10 @@ class _Prefixes:
 
     def _extend_to(self, b: int) -> np.ndarray:
         """Add the frontier at b; return its label indices."""
-        source = self._sources(b)
-        if not source.size:
+        source, coded_source = self._sources(b)
+        if not (source.size or coded_source.size):
             return source
-        new_p, new_t, new_held, option, previous, room = self._candidates(b, source)
+        new_p, new_t, new_held, option, previous, room = self._candidates(b, source, coded_source)
         completable = np.nonzero((new_p + self.rest[new_held.astype(np.int64), b] <= self.headroom)
                                  & (new_t < self.best[0]))[0]
         keep = completable[held_pareto(new_p[completable], new_t[completable], new_held[completable],
@@ -260,44 +269,57 @@ class _Prefixes:
         labels, first = self.labels, self.labels.size
         labels.append(p=new_p[keep], t=new_t[keep], held=new_held[keep], position=np.full(keep.size, b),
                       option=option[keep], previous=previous[keep], nested_room=room[keep],
-                      live=np.ones(keep.size, dtype=bool))
+                      live=np.ones(keep.size, dtype=bool), coded_live=np.ones(keep.size, dtype=bool))
         return np.arange(first, labels.size)
 
-    def _sources(self, b: int) -> np.ndarray:
-        """The labels that may extend to b. W >= the backward events + C whatever the
-        option (less x_a where a plain middle segment before holds it): a cheap test
-        drops most labels. The bound grows with b (a running maximum) and the best
-        time only falls, so a label that fails it now fails it for every later b: it
-        leaves ``alive`` for good."""
+    def _sources(self, b: int) -> tuple:
+        """(labels that may extend to b by a checkpointed or exact plain segment, those
+        that may by a plain one whose saves a codec keeps). W >= the backward events + C
+        whatever the option (less x_a where a plain middle segment before holds it),
+        those of its encoded saves for the latter: a cheap test drops most labels. The
+        bound grows with b (a running maximum) and the best time only falls, so a label
+        that fails it now fails it for every later b: it leaves ``alive`` (or
+        ``coded_alive``) for good."""
         labels, model, alive = self.labels, self.model, self.alive
         a, held = labels["position"][alive], labels["held"][alive]
-        backward = model.backward[a, b] - np.where(held, model.reused_saved[a], 0.0)
-        for k in range(1, len(model.stored_codecs)) if model.coded_middle else ():  # encoded saves hold less
-            backward = np.minimum(backward, model.coded_middle_backward(k, a, b, held))
-        lowest = labels["p"][alive] + backward + self.carry
+        lowest = labels["p"][alive] + model.backward[a, b] - np.where(held, model.reused_saved[a], 0.0) + self.carry
         if self.nested is not None:  # a nested segment's backward holds less: its own floor
             lowest = np.minimum(lowest, labels["p"][alive] + self.nested_floor[held.astype(np.int64), a, b])
-        extends = (lowest <= self.headroom) & (labels["t"][alive] < self.best[0])
-        labels["live"][alive[~extends]] = False
-        self.alive = alive[extends]
-        return self.alive
-
-    def _candidates(self, b: int, source: np.ndarray) -> tuple:
-        """(P, T, bit, option, previous label, nested room) of the extensions to b of
-        the labels ``source`` (in order of position) that may be on the frontier:
-        every allowed one, less those a Sweep shows beaten. In the order of a stable
-        Pareto sort's ties: plain middle segments, each option, nested segments;
-        within each, by label."""
-        model, labels, parts, everyone = self.model, self.labels, [], None
-        window = Window(model, int(labels["position"][source[0]]), b, self.carry)
-        if model.plain_middle:
-            parts.append(self._plain_middle_extensions(window))
+        self.alive = self._still(alive, lowest, "live")
         if model.coded_middle:
-            everyone = Batch(labels, source, window)
-            parts += [self._coded_middle_extensions(everyone, k) for k in range(1, len(model.stored_codecs))]
+            alive = self.coded_alive
+            a, held = labels["position"][alive], labels["held"][alive]
+            backward = np.min([model.coded_middle_backward(k, a, b, held) for k in range(1, len(model.stored_codecs))],
+                              axis=0)
+            self.coded_alive = self._still(alive, labels["p"][alive] + backward + self.carry, "coded_live")
+        return self.alive, self.coded_alive
+
+    def _still(self, alive: np.ndarray, lowest: np.ndarray, flag: str) -> np.ndarray:
+        """Of ``alive``, those whose bound ``lowest`` fits and whose time may still beat
+        the best; the others' ``flag`` goes for good."""
+        extends = (lowest <= self.headroom) & (self.labels["t"][alive] < self.best[0])
+        self.labels[flag][alive[~extends]] = False
+        return alive[extends]
+
+    def _candidates(self, b: int, source: np.ndarray, coded_source: np.ndarray) -> tuple:
+        """(P, T, bit, option, previous label, nested room) of the extensions to b of
+        the labels ``source`` and ``coded_source`` (_sources; in order of position)
+        that may be on the frontier: every allowed one, less those a Sweep shows
+        beaten. In the order of a stable Pareto sort's ties: plain middle segments
+        (exact, then kept by each codec), each option, nested segments; within each,
+        by label."""
+        model, labels, parts, everyone = self.model, self.labels, [], None
+        lowest = min(labels["position"][sources[0]] for sources in (source, coded_source) if sources.size)
+        window = Window(model, int(lowest), b, self.carry)
+        if coded_source.size:
+            parts += [self._coded_middle_extensions(coded_source, window, k) for k in range(1, len(model.stored_codecs))]
+        if not source.size:
+            return tuple(np.concatenate(columns) for columns in zip(*parts))
+        if model.plain_middle:
+            parts.insert(0, self._plain_middle_extensions(window))
         for o in range(len(model.options)):
             if not model.options[o].offload and source.size > _SWEPT and o not in self.sweeps:
-                self.sweeps[o] = Sweep(model, o)
+                self.sweeps[o] = Sweep(OptionKeys(model, o))
                 self.sweeps[o].add(labels, source)
             if o in self.sweeps:
                 batch, (ok, times) = self._swept(o, window)
@@ -367,14 +389,48 @@ class _Prefixes:
         holds = model.plain_middle_holds_output(window.starts, b)[batch.at[1]]
         return batch.extensions(ok, model.plain_middle_kept(starts, b, BITS), batch.t, holds, _PLAIN)
 
-    def _coded_middle_extensions(self, batch: "Batch", k: int) -> tuple:
+    def _coded_middle_extensions(self, source: np.ndarray, window: "Window", k: int) -> tuple:
         """The extensions to b by a plain middle segment whose saves stored codec k
-        keeps, from every label of ``batch``: its saves hold no next input as it is."""
-        model, starts, b = self.model, batch.window.starts[None], batch.window.b
-        working = model.coded_middle_working_set(k, starts, b, batch.window.carry, BITS)[..., 0]
+        keeps (its saves hold no next input as it is), from the labels ``source``: all
+        of them, or once more than _SWEPT extend, those its Sweep leaves."""
+        labels, option = self.labels, _PLAIN - k
+        if source.size > _SWEPT and option not in self.sweeps:
+            self.sweeps[option] = Sweep(CodedKeys(self.model, k))
+            self.sweeps[option].add(labels, source)
+        if option in self.sweeps:
+            batch, (ok, times) = self._coded_swept(source, window, k)
+        else:
+            batch = Batch(labels, source, window)
+            ok, times = self._coded_usable(batch, k)
+        kept = self.model.coded_middle_kept(k, window.starts[None], window.b, BITS)
+        return batch.extensions(ok, kept, times, False, option)
+
+    def _coded_swept(self, source: np.ndarray, window: "Window", k: int) -> tuple:
+        """(batch, (ok, T)) as _swept, for the plain middle segments kept by codec k:
+        its sweep's staircase, or one pass over the sweep where some staircase label's
+        segment does not fit; and the labels outside the sweep (whose R is not its
+        keys': CostModel.coded_middle_separable), every one."""
+        labels, sweep = self.labels, self.sweeps[_PLAIN - k]
+        outside = source[~sweep.keys.allowed(labels["position"][source], labels["held"][source])]
+        staircase = sweep.staircase(labels["coded_live"])
+        batch = Batch(labels, np.concatenate((staircase, outside)), window)
+        found = self._coded_usable(batch, k)
+        if not found[0][:staircase.size].all():
+            everyone = Batch(labels, sweep.everyone(labels["coded_live"]), window)
+            chosen = sweep.undominated(*self._coded_usable(everyone, k))
+            batch = Batch(labels, np.concatenate((chosen, outside)), window)
+            found = self._coded_usable(batch, k)
+        return batch, found
+
+    def _coded_usable(self, batch: "Batch", k: int) -> tuple:
+        """(ok, T) of extending each label of ``batch`` to b by a plain middle segment
+        kept by codec k: whether it fits, and its time by the sweep's terms (the key of
+        its start, less its end's), so that its order is the sweep's."""
+        model, window = self.model, batch.window
+        working = model.coded_middle_working_set(k, window.starts[None], window.b, window.carry, BITS)[..., 0]
         ok = batch.p + working[batch.at] <= self.headroom
-        times = batch.t + model.coded_middle_seconds(k, batch.positions, b)
-        return batch.extensions(ok, model.coded_middle_kept(k, starts, b, BITS), times, False, _PLAIN - k)
+        times = (batch.t + model.coded_middle_keys(k, batch.positions)[1]) - model.coded_middle_ends(k, window.b)[1]
+        return ok, times
 
     def _alive_from(self, position: int) -> np.ndarray:
         """The labels that may extend, at ``position`` or later (labels are made in

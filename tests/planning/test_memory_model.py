@@ -323,6 +323,24 @@ def test_a_stored_segment_with_compressed_saves_is_predicted_and_trains_within_t
             assert sqnr_db(reference.grad, approximation.grad) >= floor
 
 
+@pytest.mark.parametrize("name", BENCH_LIKE_CHAINS)
+def test_coded_plain_middle_terms_are_a_key_of_the_start_plus_a_term_of_the_end(name):
+    # What pareto.Sweep orders labels by (CodedKeys): exactly for R, where separable.
+    chain_model, x = bench_like_chain(name)
+    prof = actsave.profile(chain_model, (x,))
+    model = memory_model.CostModel(prof, [], stored_codecs=["none", "int8", "fp8_e4m3"], plain_middle=True)
+    n = model.n
+    for k in (1, 2):
+        for held in (False, True):
+            for a in range(n - 1):
+                b = np.arange(a + 1, n)
+                (key, t_key), (end, t_end) = model.coded_middle_keys(k, a, held), model.coded_middle_ends(k, b)
+                kept = model.coded_middle_kept(k, a, b, held)
+                assert model.coded_middle_separable[k - 1, int(held), a] == np.array_equal(kept, key + end)
+                assert np.allclose(model.coded_middle_seconds(k, a, b), t_key - t_end, rtol=1e-12, atol=0)
+    assert model.coded_middle_separable.all()  # no save holds a segment input as it is from a later layer
+
+
 def test_plain_middle_segments_with_compressed_saves_are_predicted_and_train_within_the_codec_floor():
     plain = nn.Sequential(*deep_mlp(8, 64))
     model = CheckpointedSequential.from_sequential(twin(plain))
