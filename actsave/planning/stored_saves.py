@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 from ..codecs import LOSSY_CODECS
 from .codec_costs import CodecCosts
 from .instrumented_step import CountedStep, StoredEntry
@@ -76,7 +78,7 @@ def price_stored_saves(found: CountedStep, costs: CodecCosts) -> StoredSaves:
     decisions are counted as restored at every decode; a max pool's indices are kept
     as its window decisions, whatever the codec, and restored to int64 at decode."""
     recorded, n = found.as_stored, len(found.inputs)
-    encode_rise, decode_rise = ([dict.fromkeys(LOSSY_CODECS, 0) for _ in range(n)] for _ in range(2))
+    encode_rise = [dict.fromkeys(LOSSY_CODECS, 0) for _ in range(n)]
     decode_s = [dict.fromkeys(LOSSY_CODECS, 0.0) for _ in range(n)]
     for key, layer, rise in recorded.saves:
         entry = recorded.entries[key]
@@ -86,32 +88,7 @@ def price_stored_saves(found: CountedStep, costs: CodecCosts) -> StoredSaves:
                 encode_rise[layer][codec] = max(encode_rise[layer][codec], encoding)
                 decode_s[layer][codec] += 0.0 if entry.pool is not None else costs.of(entry.spec)[codec].decode_s
     tensors = {key: _stored_tensor(entry, costs) for key, entry in recorded.entries.items()}
-
-    def unfreed(span: tuple, codec: str) -> int:
-        """Of the storages the step freed in ``span`` (a range of recorded.freed), what
-        their encodings by ``codec`` would not have freed."""
-        return sum(max(0, nbytes - sum(tensors[key].kept_bytes[codec] for key in keys))
-                   for nbytes, keys in recorded.freed[span[0]:span[1]])
-
-    # Each layer's own rise where no stretch of it was seen (no saves, or its backward
-    # began elsewhere).
-    backward_rise = [dict.fromkeys(LOSSY_CODECS, rise) for rise in found.backward_rise]
-    for stretch in recorded.stretches:
-        layer = stretch.layer
-        entries = [recorded.entries[recorded.saves[save][0]] for save in stretch.saves]
-        entries = [entry for entry in entries if entry.coded]
-        dense = [allocation_bytes(entry.spec.dense_bytes, costs.device) for entry in entries]
-        # A stretch whose layer's start was not seen (its backward began elsewhere) is
-        # charged the layer's whole backward rise, and every save freed in it.
-        started_at = found.backward_rise[layer] if stretch.started_at is None else stretch.started_at
-        highest = found.backward_rise[layer] if stretch.highest is None else stretch.highest
-        for codec in LOSSY_CODECS:
-            left = unfreed(stretch.freed_before, codec)
-            if stretch.decodes:
-                temporaries = max((_decode_rise(entry, codec, costs) - size for entry, size in zip(entries, dense)),
-                                  default=0)
-                decode_rise[layer][codec] = max(decode_rise[layer][codec], started_at + left + sum(dense) + temporaries)
-            backward_rise[layer][codec] = max(backward_rise[layer][codec], highest + left + sum(dense))
+    decode_rise, backward_rise = _backward_rises(found, costs, tensors)
     return StoredSaves(
         tensors=tuple(tensors.values()),
         encode_rise=tuple(encode_rise), decode_rise=tuple(decode_rise),
@@ -164,3 +141,35 @@ def _decode_rise(entry: StoredEntry, codec: str, costs: CodecCosts) -> int:
         rise = max(rise, dense + costs.relu_restore_rise(math.prod(entry.spec.shape)))
     return rise
 
+
+def _backward_rises(found: CountedStep, costs: CodecCosts, tensors: dict) -> tuple:
+    """(decode_rise, backward_rise) of StoredSaves: per layer, {codec: the rise}, from
+    the stretches of the layers' backward (instrumented_step.py, _SavesAsStored);
+    ``tensors``: the StoredTensor of each entry, by key."""
+    recorded = found.as_stored
+    decode_rise = [dict.fromkeys(LOSSY_CODECS, 0) for _ in found.backward_rise]
+    # [codec][j]: what the codec would not have freed of the first j storages the step freed.
+    unfreed = {codec: np.cumsum([0] + [max(0, nbytes - sum(tensors[key].kept_bytes[codec] for key in keys))
+                                       for nbytes, keys in recorded.freed])
+               for codec in LOSSY_CODECS}
+    # Each layer's own rise where no stretch of it was seen (no saves, or its backward
+    # began elsewhere).
+    backward_rise = [dict.fromkeys(LOSSY_CODECS, rise) for rise in found.backward_rise]
+    for stretch in recorded.stretches:
+        layer = stretch.layer
+        entries = [recorded.entries[recorded.saves[save][0]] for save in stretch.saves]
+        entries = [entry for entry in entries if entry.coded]
+        dense = [allocation_bytes(entry.spec.dense_bytes, costs.device) for entry in entries]
+        # A stretch whose layer's start was not seen (its backward began elsewhere) is
+        # charged the layer's whole backward rise.
+        started_at = found.backward_rise[layer] if stretch.started_at is None else stretch.started_at
+        highest = found.backward_rise[layer] if stretch.highest is None else stretch.highest
+        first, last = stretch.freed_before
+        for codec in LOSSY_CODECS:
+            left = int(unfreed[codec][last] - unfreed[codec][first])
+            if stretch.decodes:
+                temporaries = max((_decode_rise(entry, codec, costs) - size for entry, size in zip(entries, dense)),
+                                  default=0)
+                decode_rise[layer][codec] = max(decode_rise[layer][codec], started_at + left + sum(dense) + temporaries)
+            backward_rise[layer][codec] = max(backward_rise[layer][codec], highest + left + sum(dense))
+    return decode_rise, backward_rise
