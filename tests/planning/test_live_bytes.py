@@ -42,3 +42,26 @@ def test_resizes_are_observed_only_while_a_tracker_is_active_and_by_each():
             made_inside.untyped_storage().resize_(0)
         assert (outer.live, inner.live) == (300, 0)
     assert "resize_" not in vars(torch.UntypedStorage)  # the inherited method again
+
+
+def test_a_mark_holds_the_highest_count_of_its_own_stretch_and_a_storage_says_what_is_counted_of_it():
+    # Marks need not nest (instrumented_step.py cuts a backward into stretches at
+    # frees, inside the byte count's per-layer spans).
+    tracker = LiveBytes("cpu")
+    with tracker:
+        first = torch.zeros(1024, dtype=torch.uint8)
+        counted = tracker.counted_bytes(first.untyped_storage())
+        assert counted == [1024] and tracker.counted_bytes(torch.empty(0).untyped_storage()) == [0]
+        outer = tracker.mark()
+        second = torch.zeros(2048, dtype=torch.uint8)
+        del second
+        inner = tracker.mark(less=1024)  # as if ``first`` were about to go
+        del first
+        assert counted == [0]  # gone from the count
+        third = torch.zeros(512, dtype=torch.uint8)
+        tracker.unmark(outer)
+        assert outer == [3072]
+        del third
+        tracker.unmark(inner)
+        assert inner == [512]
+        assert tracker.peak == 3072
