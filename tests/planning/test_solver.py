@@ -240,14 +240,15 @@ def test_sweeps_find_the_plans_that_reading_every_label_finds(monkeypatch):
 def test_dynamic_program_time_for_1000_layers_is_printed(capsys):
     prof = actsave.profile(nn.Sequential(*deep_mlp(500, 16)), (torch.randn(8, 16),))
     everything = plans.predict(prof, [0]).predicted_peak_bytes
-    lines = []
-    for share in (1.0, 0.3, 0.1):
+    for allow in (plans.DEFAULT_ALLOW, ("recompute", "int8")):  # int8: plain segments kept by it too
+        lines = []
+        for share in (1.0, 0.3, 0.1):
+            start = time.perf_counter()
+            plan = actsave.plan(prof, int(share * everything), allow=allow)
+            lines.append(f"{share:.0%} of the no-checkpoint peak: {time.perf_counter() - start:.3f} s, "
+                         f"{len(plan.starts)} segments")
         start = time.perf_counter()
-        plan = actsave.plan(prof, int(share * everything))
-        lines.append(f"{share:.0%} of the no-checkpoint peak: {time.perf_counter() - start:.3f} s, "
-                     f"{len(plan.starts)} segments")
-    start = time.perf_counter()
-    actsave.plan(prof, None, objective="memory")
-    lines.append(f"smallest peak: {time.perf_counter() - start:.3f} s")
-    with capsys.disabled():
-        print("\nplanning 1,000 layers: " + "; ".join(lines))
+        actsave.plan(prof, None, objective="memory", allow=allow)
+        lines.append(f"smallest peak: {time.perf_counter() - start:.3f} s")
+        with capsys.disabled():
+            print(f"\nplanning 1,000 layers, allow={allow}: " + "; ".join(lines))
