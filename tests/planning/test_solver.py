@@ -15,7 +15,7 @@ from torch import nn
 
 import actsave
 from actsave import CheckpointedSequential
-from actsave.planning import nested_solver, pareto, plans, solver
+from actsave.planning import nested_solver, pareto, plain_model, plans, solver
 from actsave.runtime.keep_rules import KeepPolicy
 
 PLAIN = "plain"  # in all_plans' options: a plain (not checkpointed) segment before the last
@@ -235,6 +235,37 @@ def test_sweeps_find_the_plans_that_reading_every_label_finds(monkeypatch):
         assert swept.predicted_peak_bytes <= budget
         assert swept.predicted_step_seconds == direct.predicted_step_seconds
     assert read["labels"] > 0  # some b fell back to one pass over every label
+
+
+def test_coded_sweeps_read_the_labels_they_cannot_order_directly(monkeypatch):
+    # Where a coded plain segment's R is not its sweep's key plus its end's
+    # (CostModel.coded_middle_separable), its labels are read outside the sweep. Taken
+    # as not separable at every other start, the sweeps must find as fast a plan as
+    # reading every label.
+    model = CheckpointedSequential(*chain(["gelu", "relu", "tanh"] * 4, [512, 512, 16] * 4))
+    rng = random.Random(1)
+    prof = with_fixed_codec_times(with_fixed_times(actsave.profile(model, (torch.randn(64, 32) * 1,)), rng), rng)
+    separable = plain_model.PlainTerms.coded_middle_separable
+
+    def every_other(terms):
+        mask = separable.func(terms).copy()
+        mask[..., 1::2] = False
+        return mask
+    monkeypatch.setattr(plain_model.PlainTerms, "coded_middle_separable", property(every_other))
+    levers = {"allow": ("recompute", "int8"), "max_checkpointed_layers": len(model)}
+    everything = plans.predict(prof, [0]).predicted_peak_bytes
+    smallest = actsave.plan(prof, None, objective="memory", **levers).predicted_peak_bytes
+    coded = 0
+    for share in (0.0, 0.1, 0.3, 0.6):
+        budget = int(smallest + share * (everything - smallest))
+        monkeypatch.setattr(solver, "_SWEPT", 10**9)
+        direct = actsave.plan(prof, budget, **levers)
+        monkeypatch.setattr(solver, "_SWEPT", 0)
+        swept = actsave.plan(prof, budget, **levers)
+        assert swept.predicted_peak_bytes <= budget
+        assert math.isclose(swept.predicted_step_seconds, direct.predicted_step_seconds, rel_tol=1e-12)
+        coded += "int8" in direct.saves_codecs[:-1]
+    assert coded  # plans keep middle segments by int8 here
 
 
 def test_dynamic_program_time_for_1000_layers_is_printed(capsys):
