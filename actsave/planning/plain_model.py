@@ -88,14 +88,23 @@ class PlainTerms(LayerEvents):
         return events.without_input(self.reused_input[a], self.reused_saved[a])
 
     def _coded_plain_working_sets(self, k: int, starts: np.ndarray, input_held: bool = False) -> np.ndarray:
-        """W_plain(s, k) for each s in ``starts``, k > 0 (a lossy codec): the largest
-        of the coded events of the layers from s (:meth:`_coded_events`) and the loss
-        event."""
-        coded = self._stored_by_codec[k - 1]
+        """W_plain(s, k) for each s in ``starts``, k > 0 (a lossy codec), from the
+        coded events of the layers from s alone (:meth:`_coded_events`): one plan's."""
         forward, backward, saved = self._coded_events(k, starts, input_held)
-        events = np.maximum(forward, backward).max(axis=1)
+        return self._with_loss_event(k, starts, np.maximum(forward, backward).max(axis=1), saved[:, -1])
+
+    def _coded_plain_peaks(self, k: int, input_held: bool) -> np.ndarray:
+        """W_plain(s, k) for every start s, from the tables the solvers read."""
+        table, bit = self._coded_tables[k - 1], int(input_held)
+        events = np.maximum(table[0][bit, :, -1], table[1][bit, :, -1])
+        return self._with_loss_event(k, np.arange(self.n), events, table[2][bit, :, -1])
+
+    def _with_loss_event(self, k: int, starts: np.ndarray, events: np.ndarray, saved_by_all: np.ndarray) -> np.ndarray:
+        """The larger of ``events`` and the loss event of the plain segment from each
+        of ``starts`` whose saves (``saved_by_all``: Saved_k(s, n-1)) codec k keeps."""
+        coded = self._stored_by_codec[k - 1]
         output_held_at_end = (coded.output_first <= self.n - 1) & (coded.output_last >= starts)
-        loss = saved[:, -1] + np.where(output_held_at_end, 0.0, self.output) + self.loss_rise
+        loss = saved_by_all + np.where(output_held_at_end, 0.0, self.output) + self.loss_rise
         return np.maximum(events, loss)
 
     def _coded_events(self, k: int, starts: np.ndarray, input_held=False) -> tuple:
@@ -132,17 +141,14 @@ class PlainTerms(LayerEvents):
     def plain_peaks(self) -> np.ndarray:
         """[k, s]: W_plain(s, k) for every stored codec k and start s."""
         codecs = range(1, len(self.stored_codecs))
-        return np.array([self.tables.plain_peak, *(self._coded_plain_working_sets(k, np.arange(self.n))
-                                                    for k in codecs)])
+        return np.array([self.tables.plain_peak, *(self._coded_plain_peaks(k, False) for k in codecs)])
 
     @cached_property
     def held_plain_peaks(self) -> np.ndarray:
         """[k, s]: W_plain(s, k) after a plain middle segment whose saves hold x_s
         (where none can, as plain_peaks)."""
         codecs = range(1, len(self.stored_codecs))
-        return np.array([self.tables.held_plain_peak, *(self._coded_plain_working_sets(k, np.arange(self.n),
-                                                                                          input_held=True)
-                                                         for k in codecs)])
+        return np.array([self.tables.held_plain_peak, *(self._coded_plain_peaks(k, True) for k in codecs)])
 
     @cached_property
     def plain_time(self) -> np.ndarray:
@@ -176,10 +182,11 @@ class PlainTerms(LayerEvents):
         return self.plain_middle and len(self.stored_codecs) > 1
 
     @cached_property
-    def _coded_middle_tables(self) -> np.ndarray:
+    def _coded_tables(self) -> np.ndarray:
         """[k - 1, term, bit, a, i]: for each lossy codec k, a plain segment's largest
         forward event (term 0) and backward event less C (term 1) over layers a .. i,
-        and Saved_k(a, i) (term 2), without (bit 0) and with (bit 1) ``input_held``."""
+        and Saved_k(a, i) (term 2), without (bit 0) and with (bit 1) ``input_held``:
+        for the plain segment [a, n) (i = n - 1) and a plain middle one [a, i + 1)."""
         every = np.arange(self.n)
         tables = []
         for k in range(1, len(self.stored_codecs)):
@@ -193,16 +200,16 @@ class PlainTerms(LayerEvents):
         each C in ``carries`` (the last axis), for broadcastable arrays of starts and
         ends (and ``input_held``: after a plain middle segment whose saves hold x_a)."""
         bit = np.asarray(input_held).astype(np.int64)
-        table = self._coded_middle_tables[k - 1]
+        table = self._coded_tables[k - 1]
         return _plain_middle_events(table[0][bit, a, b - 1], table[1][bit, a, b - 1], carries)
 
     def coded_middle_backward(self, k: int, a, b, input_held=False) -> np.ndarray:
         """The largest backward event of that segment, less C: a bound below W + C."""
-        return self._coded_middle_tables[k - 1][1][np.asarray(input_held).astype(np.int64), a, b - 1]
+        return self._coded_tables[k - 1][1][np.asarray(input_held).astype(np.int64), a, b - 1]
 
     def coded_middle_kept(self, k: int, a, b, input_held=False) -> np.ndarray:
         """R of that segment: Saved_k(a, b-1), its saves as codec k keeps them."""
-        return self._coded_middle_tables[k - 1][2][np.asarray(input_held).astype(np.int64), a, b - 1]
+        return self._coded_tables[k - 1][2][np.asarray(input_held).astype(np.int64), a, b - 1]
 
     def coded_middle_seconds(self, k: int, a, b) -> np.ndarray:
         """What keeping the saves of the plain middle segment [a, b) by codec k adds to
@@ -216,13 +223,13 @@ class PlainTerms(LayerEvents):
         and t the encodes of the tensors last saved from a on less those first saved
         from b on, with the decodes of [a, b). pareto.Sweep orders labels by them."""
         bit = np.asarray(input_held).astype(np.int64)
-        kept = self._coded_middle_tables[k - 1][2]
+        kept = self._coded_tables[k - 1][2]
         key = kept[bit, a, a] - kept[0, 0, a]  # R(a, b) - R(0, b) at b = a + 1
         return key, self._stored_by_codec[k - 1].seconds_from_start(a)
 
     def coded_middle_ends(self, k: int, b) -> tuple:
         """The parts of b alone of (R, t) of those segments (:meth:`coded_middle_keys`)."""
-        return self._coded_middle_tables[k - 1][2][0, 0, b - 1], self._stored_by_codec[k - 1].seconds_to_end(b)
+        return self._coded_tables[k - 1][2][0, 0, b - 1], self._stored_by_codec[k - 1].seconds_to_end(b)
 
     @cached_property
     def coded_middle_separable(self) -> np.ndarray:
@@ -231,7 +238,7 @@ class PlainTerms(LayerEvents):
         segment before holds x_a: the part taken off then starts with that layer)."""
         n, i = self.n, np.arange(self.n)[None, :]
         separable = []
-        for kept in self._coded_middle_tables[:, 2]:
+        for kept in self._coded_tables[:, 2]:
             rows = kept - kept[0, 0][None, None, :]  # [bit, a, i]: R(a, i + 1) - R(0, i + 1)
             at_start = rows[:, i[0], i[0]][:, :, None]
             separable.append(np.where(i[None] >= i[0][None, :, None], rows == at_start, True).all(axis=2))
