@@ -14,7 +14,7 @@ each layer runs once on meta tensors (profiler.profile: sizes only, no data, no
 device memory, no times) and plans.balanced takes the smallest predicted device
 peak with at most one extra forward. The plan is cached per such input, so a new
 shape plans anew. The meta step touches its own model and thread only
-(instrumented_step.py, NOTE [ Steps other threads do not see ]); the model itself is
+(step_isolation.py, NOTE [ Steps other threads do not see ]); the model itself is
 meta copies while it runs, so a call of the same model on another thread meanwhile
 raises.
 

@@ -53,7 +53,7 @@ from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
 from ..runtime.keep_rules import KeepPolicy, modifies_input
 from ..runtime.store import stored_bytes
-from .instrumented_step import TensorSpec
+from .tensor_specs import TensorSpec
 from .step_isolation import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import CostModel

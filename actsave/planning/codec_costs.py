@@ -17,7 +17,8 @@ from ..codecs import LOSSY_CODECS, get_codec
 from ..devices import host_is_separate
 from ..runtime import relu_signs
 from ..runtime.pool_decisions import pool_at_
-from .instrumented_step import PoolSample, TensorSpec, timer
+from .instrumented_step import timer
+from .tensor_specs import PoolSample, TensorSpec
 from .live_bytes import LiveBytes, allocation_bytes
 
 

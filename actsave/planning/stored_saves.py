@@ -1,6 +1,6 @@
 """What a plain segment's saves cost under each lossy codec (:class:`StoredSaves`),
 priced from the byte-counting step's record of its saves (instrumented_step.py,
-``_SavesAsStored``) and each save shape's codec costs (codec_costs.py), with no step
+``SavesAsStored``) and each save shape's codec costs (codec_costs.py), with no step
 of its own. The memory model's stored events read it (memory_model.py).
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ import numpy as np
 
 from ..codecs import LOSSY_CODECS
 from .codec_costs import CodecCosts
-from .instrumented_step import CountedStep, StoredEntry
+from .instrumented_step import CountedStep
+from .saves_as_stored import StoredEntry
 from .live_bytes import allocation_bytes
 
 
@@ -144,7 +145,7 @@ def _decode_rise(entry: StoredEntry, codec: str, costs: CodecCosts) -> int:
 
 def _backward_rises(found: CountedStep, costs: CodecCosts, tensors: dict) -> tuple:
     """(decode_rise, backward_rise) of StoredSaves: per layer, {codec: the rise}, from
-    the stretches of the layers' backward (instrumented_step.py, _SavesAsStored);
+    the stretches of the layers' backward (saves_as_stored.py, SavesAsStored);
     ``tensors``: the StoredTensor of each entry, by key."""
     recorded = found.as_stored
     decode_rise = [dict.fromkeys(LOSSY_CODECS, 0) for _ in found.backward_rise]

@@ -138,7 +138,7 @@ def stored_once_key(tensor: torch.Tensor):
     elements of one storage, contiguous: a tensor saved twice, or a contiguous view of
     it); None for a non-contiguous tensor, stored anew at each save. The runtime keeps
     a plain segment's saves by it (kept_saves.py), and the planner's profile counts
-    them by it (planning/instrumented_step.py)."""
+    them by it (planning/saves_as_stored.py)."""
     if not tensor.is_contiguous():
         return None
     # The storage object's address, not its data pointer: meta tensors (actsave.estimate)

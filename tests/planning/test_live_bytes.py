@@ -45,7 +45,7 @@ def test_resizes_are_observed_only_while_a_tracker_is_active_and_by_each():
 
 
 def test_a_mark_holds_the_highest_count_of_its_own_stretch_and_a_storage_says_what_is_counted_of_it():
-    # Marks need not nest (instrumented_step.py cuts a backward into stretches at
+    # Marks need not nest (saves_as_stored.py cuts a backward into stretches at
     # frees, inside the byte count's per-layer spans).
     tracker = LiveBytes("cpu")
     with tracker:
