@@ -1,5 +1,6 @@
 """The house's written rules hold in the code: every NOTE reference names one NOTE, every
-path docs/architecture.md gives exists, and imports go the one way that doc states."""
+path docs/architecture.md gives exists, imports go the one way that doc states, and no
+library file is over 500 lines."""
 import ast
 import os
 import re
@@ -230,3 +231,30 @@ def test_checkpointed_sequential_is_the_container_and_its_forward():
     # (runtime/chain.py, runtime/compiled_chain.py), describe()'s columns.
     from actsave import CheckpointedSequential
     assert len(methods_of(CheckpointedSequential)) <= 15, methods_of(CheckpointedSequential)
+
+
+# ----------------------------------------------------------------- file sizes
+
+# A library file past this many lines holds more than one concept: split it by concept
+# (the way planning/pareto.py left solver.py), not by squeezing its comments.
+MAX_LIBRARY_LINES = 500
+
+
+def long_files(files, root: Path = ROOT) -> list:
+    """``[(path under root, lines)]`` of the files over MAX_LIBRARY_LINES."""
+    sized = ((path, len(path.read_text().splitlines())) for path in files)
+    return [(str(path.relative_to(root)), n) for path, n in sized if n > MAX_LIBRARY_LINES]
+
+
+def test_no_library_file_is_over_the_line_limit():
+    files = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "triton_kernels").rglob("*.py"))
+    assert len(files) > 50
+    assert long_files(files) == []
+
+
+def test_the_size_check_finds_a_long_file(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * (MAX_LIBRARY_LINES + 1))
+    short = tmp_path / "short.py"
+    short.write_text("x = 1\n" * MAX_LIBRARY_LINES)
+    assert long_files([long, short], root=tmp_path) == [("long.py", MAX_LIBRARY_LINES + 1)]
