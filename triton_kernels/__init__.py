@@ -99,6 +99,15 @@ class Kernel(NamedTuple):
     jit: Any
     constexprs: Mapping[str, Any]
 
+    @property
+    def interpreted(self) -> bool:
+        """Whether ``jit`` runs under Triton's interpreter (CPU tensors), as Triton chose
+        when it defined the kernel, from TRITON_INTERPRET then: the variable's value
+        now does not matter."""
+        import triton  # imported already: the table holding this kernel imported it
+
+        return not isinstance(self.jit, triton.JITFunction)
+
 
 @lru_cache(maxsize=None)
 def kernel_table() -> Mapping[Tuple[str, str], Kernel]:

@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import torch
+import triton
 from torch import nn
 
 import actsave
@@ -108,10 +109,14 @@ def test_unknown_backend_is_refused():
         actsave.set_backend("cuda")
 
 
-def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_enable_it(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_forcing_triton_on_cpu_without_the_interpreter_says_how_to_enable_it():
+    # A kernel Triton defined with its interpreter off (TRITON_INTERPRET unset when
+    # its module was imported): made here from the interpreted one's function.
+    interpreted = kernel_table()["int8", "encode"]
+    compiled = interpreted._replace(jit=triton.JITFunction(interpreted.jit.fn))
+    assert interpreted.interpreted and not compiled.interpreted
     with actsave.set_backend("triton"), pytest.raises(actsave.ActsaveError, match="TRITON_INTERPRET=1"):
-        implementation(kernel_table()["int8", "encode"], torch.zeros(1))
+        implementation(compiled, torch.zeros(1))
 
 
 def small_cnn():
