@@ -57,12 +57,12 @@ from ..errors import ConfigError
 from ..runtime.keep_rules import should_encode
 from ..text import format_table, mib, ms
 from .block_options import BlockMeasurer, candidate_options, model_terms
-from .block_step import BlockCall, Outside, measure_outside, record_calls
 from .block_solver import BlockTable, fastest, predicted_peak, smallest
-from .tensor_specs import TensorSpec
+from .block_step import BlockCall, Outside, measure_outside, record_calls
 from .memory_model import CostModel
 from .plans import DEFAULT_ALLOW, LEVER_CODECS, infeasible_message, keep_options
 from .profiler import LayerProfile, Profile, profile
+from .tensor_specs import TensorSpec
 
 # ------------------------------------------------------------- 3. the chain's profile
 

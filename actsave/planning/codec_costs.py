@@ -18,8 +18,8 @@ from ..devices import host_is_separate
 from ..runtime import relu_signs
 from ..runtime.pool_decisions import pool_at_
 from .instrumented_step import timer
-from .tensor_specs import PoolSample, TensorSpec
 from .live_bytes import LiveBytes, allocation_bytes
+from .tensor_specs import PoolSample, TensorSpec
 
 
 class _KeepCost(NamedTuple):

@@ -14,8 +14,8 @@ import numpy as np
 from ..codecs import LOSSY_CODECS
 from .codec_costs import CodecCosts
 from .instrumented_step import CountedStep
-from .saves_as_stored import StoredEntry
 from .live_bytes import allocation_bytes
+from .saves_as_stored import StoredEntry
 
 
 @dataclass(frozen=True)
