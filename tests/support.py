@@ -171,6 +171,27 @@ def peak_activation_bytes(model: nn.Module, x: torch.Tensor, loss=None) -> int:
     return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - static
 
 
+def cuda_activation_peak(model: nn.Module, x: torch.Tensor) -> int:
+    """What peak_activation_bytes measures, from CUDA's allocator: the peak of one step
+    beyond what was allocated before it (parameters, gradients, buffers), plus the
+    batch in 512-byte blocks. After a warm-up step, which allocates what persists
+    (cuBLAS workspaces, pinned host buffers)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def step():
+        out = model(x)
+        out.backward(torch.ones_like(out))
+
+    step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before + -(-x.untyped_storage().nbytes() // 512) * 512
+
+
 @functools.cache
 def load_bench_module(name: str):
     """A script or package of bench/, loaded from its file (pytest runs with

@@ -26,7 +26,7 @@ from planning.chains import (
     random_chains,
     with_host_copies,
 )
-from support import deep_mlp, mixed_chain, peak_activation_bytes, train_step, twin
+from support import cuda_activation_peak, deep_mlp, mixed_chain, peak_activation_bytes, train_step, twin
 from torch import nn
 
 import actsave
@@ -106,27 +106,6 @@ def test_a_profile_of_the_steps_loss_predicts_the_peak_of_the_step_with_that_los
         assert 0.9 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes
         # Without the loss in the profile, the model misses its memory.
         assert measured > plans.predict(without_loss, starts, codecs).predicted_peak_bytes
-
-
-def cuda_activation_peak(model: nn.Module, x: torch.Tensor) -> int:
-    """What peak_activation_bytes measures, from CUDA's allocator: the peak of one step
-    beyond what was allocated before it (parameters, gradients, buffers), plus the
-    batch in 512-byte blocks. After a warm-up step, which allocates what persists
-    (cuBLAS workspaces, pinned host buffers)."""
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-
-    def step():
-        out = model(x)
-        out.backward(torch.ones_like(out))
-
-    step()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before + -(-x.untyped_storage().nbytes() // 512) * 512
 
 
 @pytest.mark.cuda
