@@ -76,6 +76,12 @@ def convolution_workspaces(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def allocator_statistics(device) -> bool:
+    """Whether a measured step reads the allocator's own count of ``device``'s bytes
+    (torch.cuda's statistics): NOTE [ Allocator rises ] in planning/allocator_rises.py."""
+    return torch.device(device).type == "cuda"
+
+
 def runs_triton_by_default(device) -> bool:
     """Whether backend "auto" runs the Triton kernels for tensors on ``device``
     (elsewhere the torch references run; codecs/backend.py)."""

@@ -53,10 +53,11 @@ from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
 from ..runtime.keep_rules import KeepPolicy, modifies_input
 from ..runtime.store import stored_bytes
-from .tensor_specs import TensorSpec
-from .step_isolation import isolated_steps
+from .allocator_rises import AllocatorRises
 from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import CostModel
+from .step_isolation import isolated_steps
+from .tensor_specs import TensorSpec
 
 # The repeats of each measured option's timed step (and the plain block's), interleaved
 # after one that warms up: the median difference is what the option adds.
@@ -190,12 +191,12 @@ class BlockMeasurer:
             source = _source_like(spec, self.device)
             known = [*layer.parameters(), *layer.buffers(), source,
                      *(p.grad for p in layer.parameters() if p.grad is not None)]
-            tracker = LiveBytes(self.device, known=known)
+            tracker, allocator = LiveBytes(self.device, known=known), AllocatorRises(self.device)
             with tracker:
                 x = _input_from(source, spec)
                 storage = weakref.ref(x.untyped_storage())
                 host_before = stored_bytes()["host"]
-                with tracker.span() as forward:
+                with tracker.span() as forward, allocator.span() as forward_counted:
                     y, _ = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))
                 fetched = float(stored_bytes()["host"] - host_before)  # what its backward brings back
                 del x
@@ -203,10 +204,12 @@ class BlockMeasurer:
                 output_bytes = allocation_bytes(y.untyped_storage().nbytes(), self.device)
                 held = tracker.live - output_bytes
                 gradient = torch.ones_like(y)
-                with tracker.span() as backward:
+                with tracker.span() as backward, allocator.span() as backward_counted:
                     torch.autograd.backward(y, gradient)
                 del y, gradient
-        return float(held), input_kept, float(forward[0]), float(backward[0]), fetched
+        # A rise is the larger of the live storages' and the allocator's: NOTE [ Allocator rises ].
+        return (float(held), input_kept, float(max(forward[0], forward_counted[0])),
+                float(max(backward[0], backward_counted[0])), fetched)
 
     def _seconds(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> float:
         """The option's step less the plain block's, medians of interleaved runs."""

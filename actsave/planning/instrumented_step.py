@@ -18,7 +18,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from ..runtime import relu_signs
 from ..runtime.layers import modules_under
 from ..runtime.pool_decisions import PoolWatch
 from ..runtime.keep_rules import CallerTensors, should_encode
+from .allocator_rises import AllocatorRises, larger_of_each
 from .live_bytes import LiveBytes, allocation_bytes
 from .saves_as_stored import SavesAsStored
 from .tensor_specs import PoolSample, TensorSpec
@@ -163,6 +164,14 @@ class CountedStep:
         self.output_grad_bytes = allocation_bytes(output.numel() * output.element_size(), device)
         self.as_stored = ledger.as_stored
         self.output_encodable = should_encode(output)
+
+    def take_larger_rises(self, allocator: "AllocatorStep") -> None:
+        """Each span's rise becomes the larger of the live storages' and the
+        allocator's (NOTE [ Allocator rises ])."""
+        self.forward_rise = larger_of_each(self.forward_rise, allocator.forward_rise)
+        self.rise_to_last_save = larger_of_each(self.rise_to_last_save, allocator.rise_to_last_save)
+        self.backward_rise = larger_of_each(self.backward_rise, allocator.backward_rise)
+        self.loss_rise = max(self.loss_rise, allocator.loss_rise)
 
 
 def _span(entry: Optional[list]) -> Optional[tuple]:
@@ -322,13 +331,52 @@ def measure_no_grad_rises(layers: list, x: torch.Tensor, model: nn.Module, devic
     changes."""
     h = x.detach().clone()
     tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), h])
+    with tracker:
+        return _no_grad_forward(layers, h, tracker.span)
+
+
+def _no_grad_forward(layers: list, h: torch.Tensor, meter) -> list:
+    """Each layer's value of ``meter`` in a forward from ``h`` under no_grad."""
     rises = []
-    with tracker, torch.no_grad():
+    with torch.no_grad():
         for i, (_, layer) in enumerate(layers):
-            with tracker.span() as rise:
+            with meter() as rise:
                 h = _checked_output(layer(h), i)
             rises.append(rise[0])
     return rises
+
+
+class AllocatorStep(NamedTuple):
+    """The allocator's rises over the spans of a training step and a forward under
+    no_grad, as CountedStep's and measure_no_grad_rises' (NOTE [ Allocator rises ])."""
+
+    forward_rise: list
+    rise_to_last_save: list
+    backward_rise: list
+    loss_rise: int
+    no_grad_rise: list
+
+
+def measure_allocator_rises(layers: list, x: torch.Tensor, loss=None) -> Optional[AllocatorStep]:
+    """The allocator's rises of a training step and a no_grad forward on ``x``'s
+    device, or None where its count is not read (NOTE [ Allocator rises ]); each
+    layer's forward also up to its last save, where a recompute ending there stops."""
+    rises = AllocatorRises(x.device)
+    if not rises.readable:
+        return None
+    running, at_last_save = [0], [0] * len(layers)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        at_last_save[running[0]] = rises.rise_so_far()
+        return _detached(t)
+
+    def before_layer(i: int, _) -> None:
+        running[0] = i
+
+    with saved_tensors_hooks(pack, _as_is):  # the loss's saves are its own: _backward_from_loss
+        forward, backward, loss_rise, _ = _run_step(layers, x, rises.span, before_layer, loss=loss)
+    no_grad = _no_grad_forward(layers, x.detach().clone(), rises.span)
+    return AllocatorStep(forward, at_last_save, backward, loss_rise, no_grad)
 
 
 def _run_forward(layers: list, x: torch.Tensor) -> None:

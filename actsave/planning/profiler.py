@@ -33,9 +33,11 @@ from ..meta import on_meta, simulating
 from ..runtime.layers import repeated_modules
 from ..runtime.keep_rules import EXACT, KeepPolicy, modifies_input
 from ..text import format_table, mib, ms
+from .allocator_rises import larger_of_each
 from .codec_costs import CodecCosts
 from .fsdp_gathers import gathered_bytes, with_plain_step_gathers
-from .instrumented_step import CountedStep, measure_memory, measure_no_grad_rises, measure_times, own_saves
+from .instrumented_step import (CountedStep, measure_allocator_rises, measure_memory, measure_no_grad_rises,
+                               measure_times, own_saves)
 from .live_bytes import allocation_bytes
 from .step_isolation import isolated_steps
 from .stored_saves import StoredSaves, price_stored_saves
@@ -280,6 +282,10 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
         mutated = [state.mutated_bytes(layer, device) for _, layer in layers]
         no_grad_rises = measure_no_grad_rises(layers, x, model, device)
         times = ([0.0] * len(layers),) * 2 if sizes_only else measure_times(layers, x, loss)
+        allocator = None if sizes_only else measure_allocator_rises(layers, x, loss)  # after the timed steps
+        if allocator is not None:  # NOTE [ Allocator rises ]
+            found.take_larger_rises(allocator)
+            no_grad_rises = larger_of_each(no_grad_rises, allocator.no_grad_rise)
         costs = CodecCosts(x.device, device)
         profiles = [_layer_profile(i, name, layer, found, no_grad_rises, times, costs, gathered[i], mutated[i])
                     for i, (name, layer) in enumerate(layers)]
