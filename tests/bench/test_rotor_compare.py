@@ -38,3 +38,15 @@ def test_rotor_compare_writes_every_solver_at_every_budget(tmp_path):
     (depth,) = [r for r in rows if r["metric"] == "max_depth"]
     search = json.loads(depth["config_json"])
     assert search["measured_peak_MiB"] <= 2.0 and search["does_not_fit"] > float(depth["p50"])
+    # The codecs keeping plain segments' saves, a column of every actsave_auto row: lossy
+    # codecs only, the last segment's among them (at smoke scale on a CPU, where the
+    # codecs run their torch references, no plan keeps saves by one: the lists are empty).
+    auto = [json.loads(r["config_json"]) for r in rows if r["metric"] == "pred_step_time"
+            and r["provider"] == "actsave_auto"]
+    assert auto and all(("plain_saves_codecs" in config) for config in auto)
+    for config in auto:
+        saved_by, last = config["plain_saves_codecs"], config["stored_codec"]
+        if saved_by is None:  # no plan fits
+            continue
+        assert set(saved_by) <= {"int8", "fp8_e4m3", "fp8_e5m2"} and saved_by == sorted(saved_by), config
+        assert last in (None, "none") or last in saved_by, config
