@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._torch import leaf_base, storage_identity
+from .._torch import leaf_base, storage_identity, version
 from ..codecs import IDENTITY, Codec, get_codec
 from ..devices import offloads_from
 from ..errors import ConfigError
@@ -135,15 +135,17 @@ def placed(policy: KeepPolicy, device: torch.device) -> KeepPolicy:
 
 def stored_once_key(tensor: torch.Tensor):
     """What makes saves of one forward share one stored copy: equal keys (the same
-    elements of one storage, contiguous: a tensor saved twice, or a contiguous view of
-    it); None for a non-contiguous tensor, stored anew at each save. The runtime keeps
-    a plain segment's saves by it (kept_saves.py), and the planner's profile counts
-    them by it (planning/saves_as_stored.py)."""
+    elements of one storage, contiguous, unchanged since: a tensor saved twice, or a
+    contiguous view of it); None for a non-contiguous tensor, stored anew at each save.
+    The runtime keeps a plain segment's saves by it (kept_saves.py), and the planner's
+    profile counts them by it (planning/saves_as_stored.py)."""
     if not tensor.is_contiguous():
         return None
     # The storage object's address, not its data pointer: meta tensors (actsave.estimate)
-    # all have data pointer 0.
-    return (storage_identity(tensor), tensor.storage_offset(), tensor.numel(), tensor.dtype)
+    # all have data pointer 0. The version: a tensor changed in place between two saves
+    # holds other values at the second (h saved, h.tanh_(), h saved again), so the copy
+    # stored at the first must not stand for it.
+    return (storage_identity(tensor), tensor.storage_offset(), tensor.numel(), tensor.dtype, version(tensor))
 
 
 def modifies_input(function) -> bool:
