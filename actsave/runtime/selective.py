@@ -410,13 +410,21 @@ def _forward_replaced(module: nn.Module, forward: Callable):
             del module.forward
 
 
+# torch's own layers whose forward draws no random number. Exactly these types: a
+# subclass may draw (a LoRA Linear's input dropout, a parametrization adding noise to
+# the weight, which makes a ParametrizedLinear), and a kept call skipped in the
+# recompute must then still advance the generator as its forward did.
+_DRAW_NOTHING = frozenset({nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                           nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d})
+
+
 def _may_draw(target, args: tuple, kwargs: dict) -> bool:
     """Whether a kept call may draw random numbers: attention with dropout, a module of
-    a type that is not a linear layer or a convolution (it may hold a Dropout)."""
+    any type but torch's own linear layers and convolutions (it may hold a Dropout)."""
     if isinstance(target, str):
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         return bool(dropout)
-    return not isinstance(target, (nn.Linear, nn.modules.conv._ConvNd))
+    return type(target) not in _DRAW_NOTHING
 
 
 
