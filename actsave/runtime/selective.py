@@ -42,7 +42,9 @@ Rules that keep it exact:
   the value the call returned: that call is not skipped but run again, from its
   recomputed arguments, and what it saved is recomputed.
 - A kept tensor changed in place before backward raises autograd's error, as
-  ``nn.Sequential`` does (its version is checked as it is read).
+  ``nn.Sequential`` does (its version is checked as it is read); so does a kept output
+  changed after the forward returned (its caller's ``out.mul_(2)``), which the
+  recompute would otherwise read changed where the call would make it anew.
 - Only the backward's recompute skips: a backward inside the forward (NOTE [ Backward
   inside a checkpointed forward ]) recomputes every save, as a checkpoint does.
 - With ``compress`` or ``offload``, its inputs are kept as a checkpoint's are, and the
@@ -359,6 +361,13 @@ class _Skipper:
                 return run(*args, **kwargs)
             finally:
                 self.depth -= 1
+        if call.output is not None and version(call.output) != call.version:
+            raise RecomputeError(
+                f"the output of {_described(call.target)}, which a selective checkpoint of "
+                f"{_name(self.frame.function)} keeps instead of running it again, was changed in place after the "
+                f"checkpointed forward returned (version {version(call.output)}, expected {call.version}): the "
+                "recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
+                "which recomputes it.")
         self._fill_views(call, input_tensors(args, kwargs))
         if call.rng_after is not None:  # it drew in the forward: later calls draw after it
             call.rng_after.restore()

@@ -204,3 +204,25 @@ def test_a_kept_linear_of_a_subclass_that_draws_replays_the_generator_exactly(ma
         (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
     for a, b in zip(plain.parameters(), selective.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+class _ReturnsItsLinearOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, self.ln(h + 1)
+
+
+def test_a_kept_output_changed_in_place_after_the_forward_raises_in_the_recompute_that_reads_it():
+    # The recompute of ln's saves reads fc's kept output: changed by the caller, it is not
+    # what fc returned, so it is refused (before, the recompute read the changed values:
+    # silently wrong gradients), where nn.Sequential, which saves h + 1, is unaffected.
+    model = actsave.Checkpoint(_ReturnsItsLinearOutput(), keep="selective")
+    h, y = model(torch.randn(4, 8, requires_grad=True))
+    with torch.no_grad():
+        h.mul_(10)
+    with pytest.raises(actsave.RecomputeError, match="changed in place after the checkpointed forward returned"):
+        y.sum().backward()
