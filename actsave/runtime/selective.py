@@ -172,8 +172,12 @@ class SelectiveFrame(_Frame):
     def _watching(self):
         handles = []
         for module in self._watched:
+            # The call's arguments as its forward gets them (after the user's pre-hooks),
+            # and its output as its forward returns it (before the user's hooks): the
+            # recompute returns that output in place of the forward, and nn.Module runs
+            # the user's hooks on it again, as in the forward.
             handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
-            handles.append(module.register_forward_hook(self._after_module))
+            handles.append(module.register_forward_hook(self._after_module, prepend=True))
         try:
             with contextlib.ExitStack() as stack:
                 for name in self.ops.functions:

@@ -226,3 +226,28 @@ def test_a_kept_output_changed_in_place_after_the_forward_raises_in_the_recomput
         h.mul_(10)
     with pytest.raises(actsave.RecomputeError, match="changed in place after the checkpointed forward returned"):
         y.sum().backward()
+
+
+class _LinearThenNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.ln(self.fc(x) + x)
+
+
+@pytest.mark.parametrize("hook", [lambda module, args, out: out * 2, lambda module, args, out: out.mul_(2)],
+                         ids=["returns-a-new-output", "changes-it-in-place"])
+def test_a_forward_hook_on_a_kept_module_applies_once(hook):
+    # The recompute returns what the module's forward returned and nn.Module runs the
+    # hook on it again: recording the output after the hook applied it twice.
+    torch.manual_seed(0)
+    plain = _LinearThenNorm()
+    selective = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
+    for model, inner in ((plain, plain), (selective, selective.module)):
+        inner.fc.register_forward_hook(hook)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        model(x).pow(3).sum().backward()
+    for a, b in zip(plain.parameters(), selective.parameters()):
+        assert torch.equal(a.grad, b.grad)
