@@ -33,7 +33,9 @@ class LayerEvents:
 
         self.input = column("input_bytes")
         self.grad = np.append(column("input_grad_bytes"), 0.0)  # g_0 .. g_n; g_n is in held_in_backward
-        self.held_in_backward = prof.output_bytes + prof.output_grad_bytes
+        # O, and the gradients pending between two uses of a parameter (profiler.py, NOTE
+        # [ Gradients pending between two uses ]).
+        self.held_in_backward = prof.output_bytes + prof.output_grad_bytes + prof.pending_gradient_bytes
         self.loss_rise = prof.loss_rise
         self.output = prof.output_bytes
         self.output_first, self.output_last = prof.output_saved_by or (n, -1)

@@ -138,6 +138,9 @@ class Profile:
     # Whether a module runs in more than one layer (a block placed twice): such a chain's
     # plans do not nest checkpoints (runtime/nested.py, _refuse_repeated_modules).
     repeats_modules: bool = False
+    # The gradients of parameters that more than one layer uses (a block placed twice,
+    # weights tied across layers): NOTE [ Gradients pending between two uses ].
+    pending_gradient_bytes: int = 0
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -302,7 +305,30 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             loss_rise=found.loss_rise,
             stored_saves=price_stored_saves(found, costs) if stored_saves else None,
             repeats_modules=bool(repeated_modules([layer for _, layer in layers])),
+            pending_gradient_bytes=_pending_gradient_bytes([layer for _, layer in layers], device),
         )
+
+
+# NOTE [ Gradients pending between two uses ]
+# A parameter that two layers use gets one gradient from each. Autograd's engine holds
+# the later use's (the first computed) in the input buffer of the parameter's
+# accumulation until the earlier use's arrives: through the backward, and the
+# recomputes, of every segment between the two. The plain step's rises see it only
+# where it is made, so the model charges these gradients to every backward-time event
+# (layer_events.py's held_in_backward): an upper bound, exact where the two uses are
+# the chain's ends.
+
+
+def _pending_gradient_bytes(layers: list, device) -> int:
+    """The gradient bytes of the parameters that more than one of ``layers`` uses, each
+    parameter once: NOTE [ Gradients pending between two uses ]."""
+    users = {}
+    for index, layer in enumerate(layers):
+        for parameter in layer.parameters():
+            if parameter.requires_grad:
+                users.setdefault(id(parameter), (parameter, set()))[1].add(index)
+    return sum(allocation_bytes(parameter.numel() * parameter.element_size(), device)
+               for parameter, used_by in users.values() if len(used_by) > 1)
 
 
 def _without_history(x: torch.Tensor) -> torch.Tensor:
