@@ -149,7 +149,6 @@ class _Frame:
                  options: RecomputeOptions = DEFAULT_RECOMPUTE, inputs: Optional[list] = None,
                  prepared: Optional[tuple] = None):
         self.function = function
-        self.options = options
         self.operators = {}  # debug=True: "forward"/"recompute" -> operator names (OperatorLog)
         self.kept = kept
         self.replay = replay
@@ -161,6 +160,7 @@ class _Frame:
         else:
             modules, snapshot = (None if layers is None else modules_under(layers)), None
         self.layers, self.modules = layers, modules  # None where the function's layers are not known
+        self.options = options.for_modules(modules)
         self.touched = TouchedState.of(layers, modules, snapshot)  # NOTE [ State a forward reads and mutates ]
         lossy = self._lossy_recompute(kept)
         self.code = LayerCode(function, layers, modules, lossy)  # NOTE [ Decisions in compiled layers ]

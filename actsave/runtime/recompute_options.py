@@ -22,20 +22,38 @@ Code migrated from ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=
   recompute run (a TorchDispatchMode, only then) and lists both in the RecomputeError
   raised when they do not match.
 - ``early_stop`` (default ``True``): stop the recompute once the last saved tensor is
-  recomputed; ``False`` runs the function to its end.
+  recomputed; ``False`` runs the function to its end. A checkpoint whose modules hold
+  one that fills a tensor after saving it runs to its end whatever the keyword says
+  (NOTE [ Saves filled after they are saved ]).
 - ``context_fn``: refused (only torch's ``noop_context_fn`` or ``None`` pass): actsave
   has no selective checkpointing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
+from torch import nn
 from torch.utils.checkpoint import noop_context_fn
 
 from .._torch import TorchDispatchMode
 from ..errors import ConfigError
 
 DETERMINISM_CHECKS = ("default", "none")
+
+
+# NOTE [ Saves filled after they are saved ]
+# The early stop ends a recompute as its last save is made, inside the op that saves
+# it. An op that saves a tensor and then fills it never fills it then: RReLU in
+# training saves its noise tensor and then draws into it (``rrelu_with_noise``), so a
+# recompute stopped there leaves the noise uninitialized and the gradients wrong
+# (torch's non-reentrant checkpoint does the same). So a checkpoint whose modules hold
+# a training RReLU runs its recompute to the end (its peak may then pass a plan's
+# prediction by what runs after the last save). An op called as a function, with no
+# module to find, is not seen: pass ``early_stop=False`` for such a function.
+
+
+def _fills_a_save(module: nn.Module) -> bool:
+    return type(module) is nn.RReLU and module.training
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,13 @@ class RecomputeOptions:
                 "'none' skips the check"
             )
         return cls(preserve_rng_state, determinism_check, debug, early_stop)
+
+    def for_modules(self, modules) -> "RecomputeOptions":
+        """These options for a checkpoint of ``modules`` (``(name, module)`` pairs, None
+        where not known): NOTE [ Saves filled after they are saved ]."""
+        if self.early_stop and modules and any(_fills_a_save(module) for _, module in modules):
+            return replace(self, early_stop=False)
+        return self
 
     @property
     def checks_saves(self) -> bool:

@@ -207,3 +207,25 @@ def test_saved_input_that_needs_no_grad_comes_back_as_the_same_object():
     actsave.checkpoint(SavesSecondInput.apply, a, b).sum().backward()
     assert SavesSecondInput.seen[0] is b  # as under torch.utils.checkpoint
     assert torch.equal(a.grad, b)
+
+
+@pytest.mark.parametrize("wrapped", ["chain", "checkpoint"])
+def test_a_training_rrelu_at_a_segments_end_is_recomputed_to_the_end(wrapped):
+    # RReLU saves its noise and then draws into it: a recompute stopped at that save
+    # (the early stop) left the noise uninitialized and every gradient before it wrong.
+    def layers():
+        torch.manual_seed(0)
+        return [nn.Linear(8, 8), nn.RReLU(), nn.Linear(8, 8)]
+
+    def step(model):
+        torch.manual_seed(5)
+        model(torch.randn(4, 8)).square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    plain = step(nn.Sequential(*layers()))
+    if wrapped == "chain":
+        model = actsave.CheckpointedSequential(*layers(), segments=[0, 2])
+    else:
+        first, rrelu, last = layers()
+        model = nn.Sequential(actsave.Checkpoint(nn.Sequential(first, rrelu)), last)
+    assert all(torch.equal(a, b) for a, b in zip(plain, step(model)))
