@@ -293,8 +293,9 @@ def _kept_columns(call: ChainCall, segment: Segment, policy: KeepPolicy) -> tupl
     at the last training call, ``call``."""
     kept = call.kept.get(segment.start)
     if segment.start in call.by_reference:
-        # The caller's tensor itself: only the decisions kept beside it are actsave's.
-        return "none", "by reference", str(kept - call.by_reference[segment.start])
+        # The caller's tensor itself: only the decisions kept beside it are actsave's
+        # (none at all where the segment saved nothing: it kept no input either).
+        return "none", "by reference", str(max(kept - call.by_reference[segment.start], 0))
     where = plan_record.where_kept(policy.offload) if segment.checkpointed else "-"
     return policy.codec.name, where, "" if kept is None else str(kept)
 

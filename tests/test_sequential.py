@@ -643,3 +643,21 @@ def test_from_sequential_keeps_every_position_of_a_repeated_block():
     seq = nn.Sequential(*repeated_block_chain())
     model = CheckpointedSequential.from_sequential(seq)
     assert len(model) == 7 and list(model.state_dict()) == list(seq.state_dict())
+
+
+def test_describe_shows_no_negative_bytes_for_a_first_segment_that_saves_nothing():
+    # Its layer needs no gradient (a weight held as a buffer, an input that needs none):
+    # the checkpoint keeps nothing, the batch by reference included.
+    class FrozenLinear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("weight", torch.randn(64, 64))
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight)
+
+    model = CheckpointedSequential(FrozenLinear(), nn.GELU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64),
+                                   segments=[0, 1, 3])
+    model(torch.randn(50, 64)).sum().backward()
+    rows = [row.split() for row in model.describe().splitlines()[2:]]
+    assert rows[0][4:] == ["input", "none", "by", "reference", "0"]
