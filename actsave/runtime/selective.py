@@ -207,7 +207,9 @@ class SelectiveFrame(_Frame):
         tensors = input_tensors(args, kwargs)
         arguments = [(position, storage_identity(t), t.storage_offset()) for position, t in enumerate(tensors)]
         self._open = _Call(target, len(self.slots), arguments)
-        if _may_draw(target, args, kwargs):
+        # Without preserve_rng_state the recompute draws from the generators as they are
+        # (torch's meaning): setting them to a forward-time state would rewind them.
+        if self.options.preserve_rng_state and _may_draw(target, args, kwargs):
             self._open.rng_before = RandomState.capture(tensors)
 
     def _exit(self, output) -> None:

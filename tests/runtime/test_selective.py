@@ -251,3 +251,30 @@ def test_a_forward_hook_on_a_kept_module_applies_once(hook):
         model(x).pow(3).sum().backward()
     for a, b in zip(plain.parameters(), selective.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+class _DropoutAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.ln = nn.Linear(8, 24), nn.LayerNorm(8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln(x)).chunk(3, -1)
+        attended = torch.tanh(x + F.scaled_dot_product_attention(q[None], k[None], v[None], dropout_p=0.5)[0])
+        return attended + 0.1 * torch.randn_like(x)  # drawn after the attention; nothing saved after it
+
+
+def test_without_preserve_rng_state_a_selective_recompute_leaves_the_generator_where_the_forward_did():
+    # Nothing it recomputes draws (the attention is kept): the generator stays where the
+    # forward left it, as without a checkpoint. It rewound it to the forward's state after
+    # the attention, so the next step drew this step's noise again.
+    def next_draw(make):
+        torch.manual_seed(0)
+        model = make()
+        torch.manual_seed(1)
+        model(torch.randn(6, 8, requires_grad=True)).pow(2).sum().backward()
+        return torch.rand(3)
+
+    plain = next_draw(_DropoutAttention)
+    selective = next_draw(lambda: actsave.Checkpoint(_DropoutAttention(), keep="selective", preserve_rng_state=False))
+    assert torch.equal(plain, selective)
