@@ -88,7 +88,8 @@ class _Call:
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
-        self.arguments = arguments  # [(position, storage identity, storage offset)] of the tensor arguments
+        # [(position, storage identity, storage offset, strides)] of the tensor arguments
+        self.arguments = arguments
         self.output, self.version, self.requires_grad = None, None, False
         self.stored = None  # the output as its policy stores it (kept_outputs.py), which then holds no output
         # The generators' states around a call that may draw random numbers (attention's
@@ -105,7 +106,7 @@ class _Call:
         """``(position, size, stride, relative offset)`` where ``tensor`` is a view of
         one of the call's tensor arguments' storage, else None."""
         identity = storage_identity(tensor)
-        for position, argument_storage, offset in self.arguments:
+        for position, argument_storage, offset, _ in self.arguments:
             if identity == argument_storage:
                 return position, tuple(tensor.shape), tensor.stride(), tensor.storage_offset() - offset
         return None
@@ -205,7 +206,8 @@ class SelectiveFrame(_Frame):
         if self._depth > 1 or not self.in_forward:
             return
         tensors = input_tensors(args, kwargs)
-        arguments = [(position, storage_identity(t), t.storage_offset()) for position, t in enumerate(tensors)]
+        arguments = [(position, storage_identity(t), t.storage_offset(), t.stride())
+                     for position, t in enumerate(tensors)]
         self._open = _Call(target, len(self.slots), arguments)
         # Without preserve_rng_state the recompute draws from the generators as they are
         # (torch's meaning): setting them to a forward-time state would rewind them.
@@ -404,9 +406,19 @@ class _Skipper:
             view = call.views.get(index)
             if view is not None:
                 position, size, stride, offset = view
-                argument = arguments[position]
+                argument = _in_layout(arguments[position], call.arguments[position][3])
                 made = argument.as_strided(size, stride, argument.storage_offset() + offset)
                 self.frame._fill(index, made, self.into, self.count, lossy=False)
+
+
+def _in_layout(argument: torch.Tensor, strides: tuple) -> torch.Tensor:
+    """``argument`` with ``strides``, its forward counterpart's, so that the forward's views
+    of it can be made again: a copy where it came back otherwise (a kept input that was
+    a strided slice comes back dense from a codec or the host: NOTE [ Kept layouts ])."""
+    if argument.stride() == strides:
+        return argument
+    restored = torch.empty_strided(argument.shape, strides, dtype=argument.dtype, device=argument.device)
+    return restored.copy_(argument)
 
 
 @contextlib.contextmanager
