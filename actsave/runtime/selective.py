@@ -160,6 +160,7 @@ class SelectiveFrame(_Frame):
         self._pending = []  # (slot, tensor) saved inside the open call
         self._outputs = {}  # storage identity -> the kept call whose output it is
         self._recomputed = []  # indices of the saves the recompute fills
+        self._differentiated = False  # a backward of its own ran inside its forward
         self._input_storages = {storage_identity(t) for t in input_tensors(*self._forward_inputs)}  # kept anyway
 
     # ------------------------------------------------------------- forward
@@ -247,13 +248,17 @@ class SelectiveFrame(_Frame):
     def end_forward(self) -> None:
         super().end_forward()
         for call in self.calls:
-            # An output changed in place after its call is not what the call returned.
-            call.skipped = call.output is not None and version(call.output) == call.version
+            # An output changed in place after its call is not what the call returned. A
+            # forward that runs a backward of its own runs it again in the recompute,
+            # through every call: none may be skipped.
+            call.skipped = (not self._differentiated and call.output is not None
+                            and version(call.output) == call.version)
             if not call.skipped:
                 self._recompute_saves_of(call)
         self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
         if self.slots and not any(call.skipped for call in self.calls):
-            _warn_once(self.ops, _name(self.function), changed=bool(self.calls))
+            reason = "differentiated" if self._differentiated else "changed" if self.calls else "none ran"
+            _warn_once(self.ops, _name(self.function), reason)
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
             self.calls = []
         self._outputs = {}
@@ -306,6 +311,8 @@ class SelectiveFrame(_Frame):
     # ------------------------------------------------------------ backward
 
     def unpack(self, slot: _Slot) -> torch.Tensor:
+        if self.in_forward:  # NOTE [ Backward inside a checkpointed forward ]
+            self._differentiated = True
         if slot.kept is not None:
             return slot.kept.read()
         return super().unpack(slot)
@@ -475,15 +482,21 @@ def _described(target) -> str:
 _warned = set()
 
 
-def _warn_once(ops: KeptOps, function_name: str, changed: bool) -> None:
-    key = (ops, function_name, changed)
+def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
+    """Warn once per (ops, function, reason) that a selective checkpoint kept nothing;
+    ``reason``: "changed", "differentiated" or "none ran"."""
+    key = (ops, function_name, reason)
     if key in _warned:
         return
     _warned.add(key)
-    if changed:
+    if reason == "changed":
         why = (f"every output of its calls of {ops.names()} was changed in place after the call (an in-place "
                "residual: out += x), so those calls run again, and it recomputes everything, as a plain checkpoint "
                "does. Make the op after the call out of place (out = out + x) to keep its output")
+    elif reason == "differentiated":
+        why = ("its forward runs a backward of its own (autograd.grad: a gradient penalty), which the recompute "
+               "runs again through every call, so it recomputes everything, as a plain checkpoint does. Use "
+               "keep='inputs' for it")
     else:
         why = (f"no call of {ops.names()} ran in its forward, so it recomputes everything, as a plain checkpoint "
                "does. Name the module types that make its matmuls (KeptOps(modules=(nn.Linear, MyProjection))) "

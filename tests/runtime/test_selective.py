@@ -308,3 +308,31 @@ def test_a_strided_slice_input_comes_back_dense_and_its_views_are_made_again(kee
         assert all(torch.equal(a, b) for a, b in zip(plain, selective))
     else:
         assert min(sqnr_db(a, b) for a, b in zip(plain, selective)) > 25
+
+
+class _GradientPenalty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc2(torch.tanh(self.fc1(x)))
+        (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        return y + torch.tanh(g)
+
+
+def test_a_forward_that_runs_a_backward_of_its_own_is_recomputed_whole_and_exactly():
+    # Its recompute runs that backward again, through every call: a skipped Linear (its
+    # output not connected to x) made autograd.grad raise.
+    torch.manual_seed(0)
+    plain = _GradientPenalty()
+    selective = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
+    grads = []
+    for model in (plain, selective):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).sum().backward()
+        grads.append([*(p.grad for p in model.parameters()), x.grad])
+    assert any("runs a backward of its own" in str(w.message) for w in caught)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
