@@ -39,7 +39,8 @@ Memory model
         decode      O + R + F + g_b + dec(a, o)                        lossy codecs
         recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + G(a, i-1)
                     + fwd_i (+ restore_i)
-        backward    O + Saved(a, i) + G'(a, i-1) + g_{i+1} + bwd_i
+        backward    O + Saved(a, i) + G'(a, i-1) + g_{i+1} + bwd_i (+ D + F at a = 0:
+                    Saved leaves out the chain input, and the recompute saves its copy)
     plain middle [a, b), b < n: R = Saved(a, b-1), autograd's saves, kept from its
     forward to its backward (which recomputes nothing)
         forward     Saved(a, i-1) + U(i) + [x_a] + fwd_i
@@ -307,6 +308,9 @@ class CostModel(PlainTerms):
         option, fetched = self.options[o], self.fetched(o, a, b)
         kept = self.kept(o, a, b, input_held)
         backward = backward - np.where(input_held & self.shares_input[o, a], self.reused_saved[a], 0.0)
+        # The plain step's saves leave out the chain input (the caller's): a recompute
+        # from a copy of it (decoded, or fetched back) saves that copy, to the backward.
+        backward = backward + np.where(np.asarray(a) == 0, self.decoded[o, a] + fetched, 0.0)
         held = self.held_in_backward + kept + fetched + self.decoded[o, a] + self.private_copy[a] + self.grad[b]
         # After the recompute, autograd's saves of the snapshot (BatchNorm's statistics)
         # stay to their layers' backward: at most M.
