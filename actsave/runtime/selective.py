@@ -73,8 +73,8 @@ from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _na
 from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps
 from .kept_outputs import StoredKept, store_kept
-from .nested import _GRAPH_ANCHOR, _RequiresGrad
 from .replay import RandomState
+from .selective_replay import Skipper
 from .store import input_tensors
 
 class _Call:
@@ -328,120 +328,12 @@ class SelectiveFrame(_Frame):
     def _skipping(self, cursor: _Cursor, into, count: int, last: bool):
         if not last or not self.calls:
             return contextlib.nullcontext()
-        return _Skipper(self, cursor, into, count).active()
+        return Skipper(self, cursor, into, count).active()
 
     def release(self) -> None:
         super().release()
         self.calls = []  # the outputs: autograd holds what its nodes still need
         self.stored = StoredKept([])  # the kept saves hold what they store
-
-
-class _Skipper:
-    """The backward's recompute of a selective frame: each kept call, matched in order,
-    returns its forward output and fills its placeholders instead of running."""
-
-    def __init__(self, frame: SelectiveFrame, cursor: _Cursor, into, count: int):
-        self.frame, self.cursor, self.into, self.count = frame, cursor, into, count
-        self.next = 0
-        self.depth = 0
-
-    @contextlib.contextmanager
-    def active(self):
-        with contextlib.ExitStack() as stack:
-            for module in self.frame._watched:
-                stack.enter_context(_forward_replaced(module, self._module_call(module)))
-            for name in self.frame.ops.functions:
-                stack.enter_context(TAPPED_FUNCTIONS[name].handled(self._function_call(name)))
-            yield
-
-    def _module_call(self, module: nn.Module) -> Callable:
-        run = module.forward
-
-        def call(*args, **kwargs):
-            return self._skip_or_run(module, run, args, kwargs)
-        return call
-
-    def _function_call(self, name: str) -> Callable:
-        def call(call_next, *args, **kwargs):
-            return self._skip_or_run(name, call_next, args, kwargs)
-        return call
-
-    def _skip_or_run(self, target, run: Callable, args: tuple, kwargs: dict):
-        if self.depth:  # inside a call run again: its inner calls run too
-            return run(*args, **kwargs)
-        call = self._matching(target)
-        if not call.skipped:
-            self.depth += 1
-            try:
-                return run(*args, **kwargs)
-            finally:
-                self.depth -= 1
-        if call.output is not None and version(call.output) != call.version:
-            raise RecomputeError(
-                f"the output of {_described(call.target)}, which a selective checkpoint of "
-                f"{_name(self.frame.function)} keeps instead of running it again, was changed in place after the "
-                f"checkpointed forward returned (version {version(call.output)}, expected {call.version}): the "
-                "recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
-                "which recomputes it.")
-        self._fill_views(call, input_tensors(args, kwargs))
-        if call.rng_after is not None:  # it drew in the forward: later calls draw after it
-            call.rng_after.restore()
-        output = call.kept_output()
-        return _RequiresGrad.apply(_GRAPH_ANCHOR, output) if call.requires_grad else output
-
-    def _matching(self, target) -> _Call:
-        calls, frame = self.frame.calls, self.frame
-        if self.next >= len(calls) or calls[self.next].target is not target:
-            expected = "nothing" if self.next >= len(calls) else _described(calls[self.next].target)
-            raise frame._mismatch(
-                f"the recompute of {_name(frame.function)} called {_described(target)} where the forward called "
-                f"{expected} (kept call {self.next}): the function does not do the same work twice. Make it "
-                "deterministic or do not checkpoint it.")
-        self.next += 1
-        return calls[self.next - 1]
-
-    def _fill_views(self, call: _Call, arguments: list) -> None:
-        """Fill the call's views of its arguments, made of the recomputed ones; move the
-        cursor past its saves (the early stop may end the recompute at one of them)."""
-        if self.cursor.position != call.start:
-            raise self.frame._mismatch(
-                f"the recompute of {_name(self.frame.function)} saved {self.cursor.position} tensors before "
-                f"{_described(call.target)} where the forward saved {call.start}: the function does not do the "
-                "same work twice. Make it deterministic or do not checkpoint it.")
-        for index in range(call.start, call.stop):
-            self.cursor.position = index + 1
-            view = call.views.get(index)
-            if view is not None:
-                position, size, stride, offset = view
-                argument = _in_layout(arguments[position], call.arguments[position][3])
-                made = argument.as_strided(size, stride, argument.storage_offset() + offset)
-                self.frame._fill(index, made, self.into, self.count, lossy=False)
-
-
-def _in_layout(argument: torch.Tensor, strides: tuple) -> torch.Tensor:
-    """``argument`` with ``strides``, its forward counterpart's, so that the forward's views
-    of it can be made again: a copy where it came back otherwise (a kept input that was
-    a strided slice comes back dense from a codec or the host: NOTE [ Kept layouts ])."""
-    if argument.stride() == strides:
-        return argument
-    restored = torch.empty_strided(argument.shape, strides, dtype=argument.dtype, device=argument.device)
-    return restored.copy_(argument)
-
-
-@contextlib.contextmanager
-def _forward_replaced(module: nn.Module, forward: Callable):
-    """``module.forward`` set on the instance while active; what the instance had
-    before (its class's, or one set on it) back after."""
-    had = "forward" in vars(module)
-    previous = vars(module).get("forward")
-    module.forward = forward
-    try:
-        yield
-    finally:
-        if had:
-            module.forward = previous
-        else:
-            del module.forward
 
 
 # torch's own layers whose forward draws no random number. Exactly these types: a
@@ -474,9 +366,6 @@ def _recomputed(slot) -> bool:
     """Whether the recompute fills this save (a live one not kept)."""
     return slot is not None and slot.kept is None
 
-
-def _described(target) -> str:
-    return target if isinstance(target, str) else type(target).__name__
 
 
 _warned = set()
