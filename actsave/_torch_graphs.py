@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import operator
 from typing import Optional
 
 import torch
+
+from .errors import ConfigError
 
 
 # NOTE [ Saved-tensor hooks in a compiled graph ]
@@ -165,3 +168,21 @@ def fake_tensors():
         return
     with _FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode.from_tensor
+
+
+def traced_shape(like: torch.Tensor, codes: torch.Tensor) -> tuple:
+    """The shape of the saved node ``like`` in terms the backward's trace follows. A
+    size Dynamo made dynamic (a batch that changed between calls) is a symbol of the
+    forward's graph, unknown to the backward's: one such size is the codes' count (one
+    per element) over the others; more than one cannot be told apart."""
+    dynamic = [i for i, size in enumerate(like.shape) if not isinstance(size, int)]
+    if not dynamic:
+        return tuple(like.shape)
+    if len(dynamic) > 1:
+        raise ConfigError(
+            f"a tensor a codec keeps in a compiled graph has {len(dynamic)} dynamic sizes ({tuple(like.shape)}): "
+            "actsave can rebuild one from the codes. Compile with dynamic=False, or mark all but one size static "
+            "(torch._dynamo.mark_static), or run the codec eagerly (no torch.compile around it)")
+    shape = list(like.shape)
+    shape[dynamic[0]] = codes.numel() // math.prod(size for size in shape if isinstance(size, int))
+    return tuple(shape)

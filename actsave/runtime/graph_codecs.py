@@ -210,8 +210,9 @@ def _unpack(stored):
     like = node.meta["val"]
     data, scales, offsets = stored
     with _reference_traced():
-        return get_codec(_codec_of(node, backward)).decode(Packed(data, scales, like.shape, like.dtype,
-                                                                  offsets=offsets))
+        shape = _torch_graphs.traced_shape(like, data)
+        return get_codec(_codec_of(node, backward)).decode(Packed(data, scales, shape, like.dtype, offsets=offsets))
+
 
 
 _hooks = None
