@@ -230,8 +230,8 @@ def test_without_the_private_torch_pieces_exact_segments_still_compile(monkeypat
 
 def test_compiled_wrapped_blocks_keep_by_a_codec_when_the_batch_changes():
     # The recompile after a new batch size makes that size dynamic: the backward's trace
-    # rebuilds the saved shape from the codes (_torch_graphs.traced_shape); it raised
-    # "is not tracked with proxy" before.
+    # rebuilds the saved shape from the codes (_torch_graphs.traced_shape): the
+    # forward's symbol is unknown to it.
     torch.manual_seed(0)
     plain = ResidualNet(depth=3, width=32, dropout=0.0)
     compiled = torch.compile(actsave.wrap(copy.deepcopy(plain), ResidualBlock, compress="int8"), backend=BACKEND)

@@ -174,7 +174,7 @@ def test_larger_of_each_takes_each_spans_larger_rise():
 
 @pytest.mark.cuda
 def test_cuda_plans_of_a_convolution_chain_measure_within_3_percent_of_their_prediction():
-    # cuDNN's workspaces are what a plan missed before the allocator's count was read
+    # cuDNN's workspaces are memory no tensor holds: the allocator's count prices them
     # (docs/results.md, "Memory no tensor holds, on a CPU", has the H200's figures).
     bench_models = load_bench_module("models.py")
     model = CheckpointedSequential(*bench_models.cifar_resnet(56)).cuda()

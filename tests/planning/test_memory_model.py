@@ -363,9 +363,8 @@ def test_codec_kept_saves_bound_the_measured_peak_on_bench_chains(name):
         plan = plans.predict(prof, starts, ["int8"] * (len(starts) - 1), plain=flags, saves_codec=codec)
         model.apply_plan(plan)
         measured = peak_activation_bytes(model, x)
-        # Measured: 0.93 to 0.97 of the prediction for the GPT (its encodings'
-        # temporaries charged at the rise of the plain step, whose saves the codec
-        # frees), 0.99 to 1.00 elsewhere.
+        # An upper bound: the GPT's encodings' temporaries are charged at the rise of
+        # the plain step, whose saves the codec frees (docs/limits.md, "Codec-stored saves").
         assert 0.9 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, (starts, flags, codec)
 
 
@@ -544,8 +543,8 @@ def test_the_caller_holds_a_stored_segments_input_through_its_forward():
 @pytest.mark.parametrize("width", [48, 256])
 def test_a_parameter_two_layers_use_holds_its_pending_gradient_in_every_backward_event(width):
     # The later use's weight gradient waits in autograd's buffer until the earlier use's
-    # arrives, across every segment between them: before it was counted, the plan at the
-    # smallest budget measured about one weight gradient above its prediction.
+    # arrives, across every segment between them: the plan at the smallest budget holds
+    # it at its peak.
     torch.manual_seed(0)
     shared = nn.Linear(width, width)
     model = CheckpointedSequential(shared, nn.GELU(), nn.Linear(width, width), nn.GELU(), shared, nn.GELU())
@@ -561,7 +560,7 @@ def test_a_parameter_two_layers_use_holds_its_pending_gradient_in_every_backward
 def test_a_lossy_first_segment_of_a_non_leaf_chain_input_counts_the_copy_its_recompute_saves():
     # The chain input made by a module before the chain (an embedding): the plain step's
     # saves leave it out (the caller's), but the recompute's first layer saves the
-    # decoded copy, which the backward holds: predicted one input too low before.
+    # decoded copy, which the backward holds: one input the model counts there.
     torch.manual_seed(0)
     layers = [m for _ in range(4) for m in (nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128), nn.GELU(),
                                              nn.LayerNorm(128), nn.Tanh(), nn.Dropout(0.1), nn.Sigmoid())]

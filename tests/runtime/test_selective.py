@@ -218,8 +218,8 @@ class _ReturnsItsLinearOutput(nn.Module):
 
 def test_a_kept_output_changed_in_place_after_the_forward_raises_in_the_recompute_that_reads_it():
     # The recompute of ln's saves reads fc's kept output: changed by the caller, it is not
-    # what fc returned, so it is refused (before, the recompute read the changed values:
-    # silently wrong gradients), where nn.Sequential, which saves h + 1, is unaffected.
+    # what fc returned, and reading it would give wrong gradients, so it is refused
+    # (nn.Sequential, which saves h + 1, is unaffected).
     model = actsave.Checkpoint(_ReturnsItsLinearOutput(), keep="selective")
     h, y = model(torch.randn(4, 8, requires_grad=True))
     with torch.no_grad():
@@ -241,7 +241,7 @@ class _LinearNormResidual(nn.Module):
                          ids=["returns-a-new-output", "changes-it-in-place"])
 def test_a_forward_hook_on_a_kept_module_applies_once(hook):
     # The recompute returns what the module's forward returned and nn.Module runs the
-    # hook on it again: recording the output after the hook applied it twice.
+    # hook on it again: so the output is recorded before the hook, which applies once.
     torch.manual_seed(0)
     plain = _LinearNormResidual()
     selective = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
@@ -266,8 +266,8 @@ class _DropoutAttention(nn.Module):
 
 def test_without_preserve_rng_state_a_selective_recompute_leaves_the_generator_where_the_forward_did():
     # Nothing it recomputes draws (the attention is kept): the generator stays where the
-    # forward left it, as without a checkpoint. It rewound it to the forward's state after
-    # the attention, so the next step drew this step's noise again.
+    # forward left it, as without a checkpoint; set back to its state after the attention,
+    # the next step would draw this step's noise again.
     def next_draw(make):
         torch.manual_seed(0)
         model = make()
@@ -284,7 +284,7 @@ def test_without_preserve_rng_state_a_selective_recompute_leaves_the_generator_w
 def test_a_strided_slice_input_comes_back_dense_and_its_views_are_made_again(keeps):
     # The block's input is a column slice of a fused projection (chunk): a codec or the
     # host gives it back dense, and the Linear's saved view of it is made again in the
-    # forward's strides (it raised "out of bounds for storage" before).
+    # forward's strides (made on the dense tensor, it would be out of bounds).
     def grads(make):
         torch.manual_seed(0)
         pre, block = nn.Linear(16, 32), make(_LinearNormResidual())
@@ -314,7 +314,7 @@ class _GradientPenalty(nn.Module):
 
 def test_a_forward_that_runs_a_backward_of_its_own_is_recomputed_whole_and_exactly():
     # Its recompute runs that backward again, through every call: a skipped Linear (its
-    # output not connected to x) made autograd.grad raise.
+    # output not connected to x) would make autograd.grad raise.
     torch.manual_seed(0)
     plain = _GradientPenalty()
     selective = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
