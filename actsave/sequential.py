@@ -93,7 +93,10 @@ class CheckpointedSequential(nn.Sequential):
             whose expected gradient SQNR is below it, as for :func:`actsave.plan`.
 
     Indexing, ``len``, iteration, ``append`` and ``state_dict`` keys are those of the
-    ``nn.Sequential`` built from the same modules. Per-layer options follow their module
+    ``nn.Sequential`` built from the same modules; ``chain + other`` and ``chain * k``
+    are ``nn.Sequential``'s own and build a plain ``nn.Sequential`` (for a
+    CheckpointedSequential, ``extend`` or ``CheckpointedSequential(*chain, *other)``).
+    Per-layer options follow their module
     through ``insert``, ``append``, deletion and slicing (a slice keeps its layers'
     options and the defaults; explicit segments, which are indices of this chain, become
     ``"balanced"`` there). With ``compress=None`` outputs and
@@ -171,9 +174,10 @@ class CheckpointedSequential(nn.Sequential):
         if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
             # Each compiler-disabled function called here is one graph break
             # (tests/compile count them).
-            if self._settings.keeps_on_host():
+            source = self._segment_source
+            if self._settings.keeps_on_host() or source.plan_keeps(offload=True):
                 return compiled_chain.eager_forward_under_compile(self, input, layers)
-            if not self._settings.keeps_by_codec():
+            if not (self._settings.keeps_by_codec() or source.plan_keeps(lossy=True)):
                 return compiled_chain.traced_forward(self, input, layers, starts_for_call(self, input, layers))
             return compiled_chain.forward_with_graph_codecs(self, input, layers)
         return run_eagerly(self, input, layers, starts_for_call(self, input, layers))
@@ -187,6 +191,14 @@ class CheckpointedSequential(nn.Sequential):
 
     @segments.setter
     def segments(self, value: SegmentsSpec) -> None:
+        value = normalized_segments(value)
+        if isinstance(value, str) and value in PLANNED_STRATEGIES:
+            raise ConfigError(
+                f"segments={value!r} plans from a profiled step, which setting the attribute cannot run: build "
+                f"the chain with segments={value!r}, budget= and example_inputs=, or apply a plan "
+                "(model.apply_plan(actsave.plan(actsave.profile(model, (x,)), budget)))")
+        if value != BALANCED:
+            segment_starts(len(self), value)  # validate now, not at the next forward
         self._segment_source.spec = value
 
     @property
@@ -212,16 +224,24 @@ class CheckpointedSequential(nn.Sequential):
     def set_compression(self, layer, codec) -> None:
         """Set the codec of what is kept at ``layer`` (an index, child name or slice):
         the segment input there, or the last segment's saves when it starts there."""
-        self._settings.set_codec(modules_named(self, layer), KeepPolicy.resolve(compress=codec).codec)
+        modules = modules_named(self, layer)
+        self._settings.set_codec(modules, KeepPolicy.resolve(compress=codec).codec)
+        self._segment_source.settings_changed(modules)
 
     def set_offload(self, layer, flag: bool) -> None:
         """Keep the input at ``layer`` (an index, child name or slice) on the host or not."""
-        self._settings.set_offload(modules_named(self, layer), KeepPolicy.resolve(offload=flag).offload)
+        modules = modules_named(self, layer)
+        self._settings.set_offload(modules, KeepPolicy.resolve(offload=flag).offload)
+        self._segment_source.settings_changed(modules)
 
     def apply_plan(self, plan: "plan_record.Plan") -> None:
         """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, for each
         checkpointed segment its codec and offload, and for each plain one the codec
-        of its saves. Replaces the segments and every per-layer option set before."""
+        of its saves, by position (a module placed twice may keep by two codecs).
+        Replaces the segments and every per-layer option set before. The plan is for
+        the layers as they are now: once one is inserted, deleted or replaced, the
+        chain raises at its next call until a plan for its layers is applied or other
+        ``segments`` are set (NOTE [ An applied plan ])."""
         if not isinstance(plan, plan_record.Plan):
             raise ConfigError(
                 f"plan={plan!r}: apply_plan expects an actsave Plan (from actsave.plan), got {type(plan).__name__}")
@@ -238,7 +258,7 @@ class CheckpointedSequential(nn.Sequential):
             else:
                 self.set_compression(start, option.codec)
                 self.set_offload(start, option.offload)
-        self._segment_source.apply(plan)
+        self._segment_source.apply(plan, list(self))
 
     def describe(self) -> str:
         """A per-layer table: segment, what it keeps (a checkpointed segment its

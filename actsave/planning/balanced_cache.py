@@ -62,7 +62,7 @@ class BalancedPlans:
 
     def __init__(self):
         self._plans = {}  # key -> Plan, or None where the meta step failed ("sqrt")
-        self._last = None  # (the input as text, its plan)
+        self._last = None  # (the input as text, its plan, the layers it was for)
         self._warned = False
         self._planning = None  # the thread running this model's meta step, if any
 
@@ -70,7 +70,7 @@ class BalancedPlans:
         self._check_not_planning_elsewhere(model)
         if not isinstance(input, torch.Tensor):
             self._warn_once(f"its input is a {type(input).__name__}; the planner follows one tensor")
-            self._last = (type(input).__name__, None)
+            self._last = (type(input).__name__, None, tuple(layers))
             return split_starts(layers, "sqrt", policies)
         device = device_of(input)
         key = _plan_key(input, device, layers, policies)
@@ -79,7 +79,7 @@ class BalancedPlans:
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = self._planned_here(model, input, device, policies)
         plan = self._plans[key]
-        self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan)
+        self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan, tuple(layers))
         return list(plan.starts) if plan is not None else split_starts(layers, "sqrt", policies)
 
     def _check_not_planning_elsewhere(self, model: nn.Module) -> None:
@@ -127,11 +127,14 @@ class BalancedPlans:
     def last_plan(self) -> Optional["plan_record.Plan"]:
         return None if self._last is None else self._last[1]
 
-    def describe_last(self) -> tuple:
-        """(a line on the last balanced plan, its starts or None before any)."""
+    def describe_last(self, layers: list) -> tuple:
+        """(a line on the last balanced plan, its starts or None before any call, or
+        where ``layers`` are no longer those of the last call)."""
         if self._last is None:
             return "segments='balanced': chosen at the first training call", None
-        input, plan = self._last
+        input, plan, called = self._last
+        if len(called) != len(layers) or any(a is not b for a, b in zip(called, layers)):
+            return "segments='balanced': chosen at the next training call (the layers changed since the last)", None
         if plan is None:
             return f"segments='balanced' fell back to 'sqrt' for input {input}", None
         return (f"segments='balanced' for input {input}: predicted peak activation memory "

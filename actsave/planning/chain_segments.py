@@ -2,13 +2,17 @@
 chain: its ``segments=`` value (``"sqrt"``, a count, a list of starts), a balanced plan
 per input (balanced_cache.py), or the plan applied to it (``apply_plan``), whose
 segments also say which run plainly and which nest their recompute. And how each
-segment keeps what it keeps: the settings of the layer where it starts, except a
-balanced plan's last segment (plans.balanced_last_policy).
+segment keeps what it keeps: the applied plan's option for it, else the settings of the
+layer where it starts, except a balanced plan's last segment
+(plans.balanced_last_policy).
 """
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
+from ..errors import ConfigError
 from ..runtime.keep_rules import KeepPolicy
 from . import plan_record, plans
 from .balanced_cache import BalancedPlans
@@ -18,15 +22,24 @@ from .segments import BALANCED, Segment, SegmentsSpec, segments_from, split_star
 class ChainSegments:
     """A chain's ``segments=`` value, or the plan applied to it (module docstring).
 
+    NOTE [ An applied plan ]
     The applied plan is the one source of its segments while it is applied: its
     starts are the ``segments`` value, and which segments run plainly and which nest
-    their recompute are read from it, not held beside it. Setting other segments drops
-    it. Per-layer codecs and offload are the chain's settings (apply_plan sets them
-    from the plan), so a layer's setting changed after the plan applies as it says."""
+    their recompute, and how each keeps what it keeps, are read from it, not held
+    beside it. Its options belong to positions, as the planner priced them: a module
+    placed twice may keep by two codecs, where per-layer settings, keyed by module,
+    hold one. A layer's setting changed after the plan (set_compression, set_offload)
+    applies as it says, at every position of that module. The plan is for the layers
+    it was applied to: once they change (a layer inserted, deleted or replaced) its
+    positions would fall on other layers, so the chain raises until a plan for its
+    layers is applied or other segments are set, which drops it."""
 
     def __init__(self, spec: SegmentsSpec):
         self._spec = spec
-        self.applied_plan = None  # per-layer changes made after it are not in it
+        self.applied_plan = None
+        self._applied_to = ()  # weak references to the layers the plan was applied to
+        self._plan_policies = {}  # segment start -> KeepPolicy, from the plan
+        self._set_since_plan = weakref.WeakSet()  # modules whose settings changed after it
         self.balanced = BalancedPlans()
 
     @property
@@ -37,14 +50,45 @@ class ChainSegments:
     def spec(self, value: SegmentsSpec) -> None:
         if self.applied_plan is not None and isinstance(value, list) and value == list(self.applied_plan.starts):
             return  # the plan's own segments: nothing changes
-        self.applied_plan, self._spec = None, value
+        self.applied_plan, self._spec, self._applied_to, self._plan_policies = None, value, (), {}
 
-    def apply(self, plan: "plan_record.Plan") -> None:
+    def apply(self, plan: "plan_record.Plan", layers: list) -> None:
+        """Run by ``plan``, made for ``layers`` (NOTE [ An applied plan ])."""
         self.applied_plan = plan
+        self._applied_to = tuple(weakref.ref(layer) for layer in layers)
+        self._plan_policies = {start: KeepPolicy.resolve(codec) if option is None else option
+                               for (start, _, option), codec in zip(plan.segments, plan.saves_codecs)}
+        self._set_since_plan = weakref.WeakSet()
+
+    def settings_changed(self, modules) -> None:
+        """Note that ``modules``' settings changed: where a segment starts at one, its
+        setting, not the applied plan, says how it keeps."""
+        self._set_since_plan.update(modules)
+
+    def plan_keeps(self, lossy: bool = False, offload: bool = False) -> bool:
+        """Whether a segment of the applied plan keeps by a lossy codec (``lossy``) or
+        on the host (``offload``)."""
+        return any((lossy and policy.lossy) or (offload and policy.offload) for policy in self._plan_policies.values())
+
+    def check_current(self, layers: list) -> None:
+        """Raise where the applied plan was made for other layers (NOTE [ An applied plan ])."""
+        if self.applied_plan is None:
+            return
+        applied = self._applied_to
+        if len(applied) == len(layers) and all(ref() is layer for ref, layer in zip(applied, layers)):
+            return
+        changed = next((i for i, (ref, layer) in enumerate(zip(applied, layers)) if ref() is not layer),
+                       min(len(applied), len(layers)))
+        raise ConfigError(
+            f"this CheckpointedSequential changed after its plan was applied (the plan is for {len(applied)} "
+            f"layers, the chain has {len(layers)}; the first that differs is layer {changed}): the plan's "
+            "segments and options would fall on other layers. Apply a plan made for the chain as it is now "
+            "(actsave.plan(actsave.profile(model, (x,)), budget)), or set model.segments, which drops the plan")
 
     def starts_for(self, chain: nn.Module, input, layers: list, policies: tuple) -> list:
         """Where the segments of ``chain``'s call on ``input`` start (a balanced plan is
         made at the first call of each input)."""
+        self.check_current(layers)
         if self.spec != BALANCED:
             return split_starts(layers, self.spec, policies)
         return self.balanced.starts(chain, input, layers, policies)
@@ -59,18 +103,23 @@ class ChainSegments:
         return segments_from(starts, n_layers, stored, nested)
 
     def policy(self, segment: Segment, layers: list, settings) -> KeepPolicy:
-        """How ``segment`` keeps what it keeps: its first layer's settings, except that
-        a balanced plan's last segment stores autograd's saves as they are
-        (planning/balanced_cache.py, NOTE [ Balanced segments ])."""
+        """How ``segment`` keeps what it keeps: as the applied plan says, unless its
+        first layer's settings changed since (NOTE [ An applied plan ]); else by those
+        settings, except that a balanced plan's last segment stores autograd's saves as
+        they are (planning/balanced_cache.py, NOTE [ Balanced segments ])."""
+        first = layers[segment.start]
+        if self.applied_plan is not None and first not in self._set_since_plan:
+            return self._plan_policies[segment.start]
         if not segment.checkpointed and self.spec == BALANCED:
             return plans.balanced_last_policy()
-        return settings.policy(layers[segment.start])
+        return settings.policy(first)
 
     def last_starts(self, layers: list, policies: tuple) -> tuple:
         """``(a line on the balanced plan or None, the starts of the last training
         call or None before any)``, for describe()."""
+        self.check_current(layers)
         if self.spec == BALANCED:
-            return self.balanced.describe_last()
+            return self.balanced.describe_last(layers)
         return None, split_starts(layers, self.spec, policies)
 
 

@@ -1,5 +1,6 @@
 """Where a CheckpointedSequential's segments come from (planning/chain_segments.py): its
 segments= value, or the plan applied to it, the one source of its segments while applied."""
+import pytest
 import torch
 from support import deep_mlp
 
@@ -26,3 +27,68 @@ def test_the_applied_plan_is_the_one_source_of_segments_until_others_are_set():
     assert model.applied_plan is None and model.segments == [0, 8]
     model.segments = list(starts)  # the plan's starts again, without the plan: no plain middle
     assert model.applied_plan is None and kept_by_segment(model) == ["input", "input", "saves"]
+
+
+def _describe_rows(model) -> dict:
+    """describe()'s rows where a segment starts: {layer: (keeps, codec, stored bytes)}."""
+    rows = [line.split() for line in model.describe().splitlines()]
+    return {int(row[0]): (row[4], row[5], row[-1]) for row in rows if len(row) > 6 and row[0].isdigit()}
+
+
+def test_a_module_placed_twice_keeps_by_the_option_the_plan_gives_each_position():
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(64, 64)
+    model = CheckpointedSequential(*[m for _ in range(6) for m in (shared, torch.nn.GELU())])
+    x = torch.randn(32, 64, requires_grad=True)
+    # Segments start at the shared Linear at 2, 4 and 8 (the last): int8 at 2 only.
+    plan = plans.predict(actsave.profile(model, (x,)), [0, 2, 4, 8], codecs=["none", "int8", "none"])
+    model.apply_plan(plan)
+    model(x).sum().backward()
+    rows = _describe_rows(model)
+    exact_input = 32 * 64 * 4
+    assert rows[2][1] == "int8" and int(rows[2][2]) < exact_input / 3
+    assert rows[4][1:] == ("none", str(exact_input))
+    # A setting made after the plan applies at every position of its module.
+    model.set_compression(2, None)
+    model(x).sum().backward()
+    assert _describe_rows(model)[2][1:] == ("none", str(exact_input))
+
+
+@pytest.mark.parametrize("change", ["insert", "append", "delete", "replace"])
+def test_a_plan_applied_to_a_chain_raises_once_its_layers_change(change):
+    model = CheckpointedSequential(*deep_mlp(4))
+    x = torch.randn(8, 64)
+    model.apply_plan(plans.predict(actsave.profile(model, (x,)), [0, 2, 5], codecs=["none", "int8"]))
+    if change == "insert":
+        model.insert(0, torch.nn.Identity())
+    elif change == "append":
+        model.append(torch.nn.Identity())
+    elif change == "delete":
+        del model[6:]
+    else:
+        model[3] = torch.nn.Tanh()
+    for call in (lambda: model(x), model.describe):
+        with pytest.raises(actsave.ConfigError, match="changed after its plan was applied.*set model.segments"):
+            call()
+    model.segments = "balanced"  # drops the plan
+    assert model.applied_plan is None
+    model(x.requires_grad_()).sum().backward()
+
+
+def test_describe_after_the_layers_change_waits_for_the_next_balanced_plan():
+    model = CheckpointedSequential(*deep_mlp(6))
+    model(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    del model[2:]
+    assert model.describe() == ("segments='balanced': chosen at the next training call (the layers changed since "
+                                "the last)")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("auto", "segments='auto' plans from a profiled step"),
+    ([7], r"segments=\[7\] must be"),
+])
+def test_setting_segments_checks_them_at_once(value, message):
+    model = CheckpointedSequential(*deep_mlp(2))
+    with pytest.raises(actsave.ConfigError, match=message):
+        model.segments = value
+    assert model.segments == "balanced"
