@@ -22,6 +22,11 @@ def integral(value) -> Optional[int]:
         return None
 
 
+def byte_count(value) -> bool:
+    """Whether ``value`` can be a budget: a real number of bytes above 0 and finite."""
+    return real_number(value) and 0 < float(value) < math.inf
+
+
 def real_number(value) -> bool:
     """Whether ``value`` is a real number other than a bool and NaN (``numpy`` scalars
     included)."""

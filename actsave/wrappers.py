@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ._torch import uncompiled
-from .checks import real_number
+from .checks import byte_count
 from .errors import ConfigError
 from .planning.blocks import BlockPlan, plan_block_stack
 from .runtime import graph_codecs
@@ -299,8 +299,8 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
     CPU model (host memory is its memory).
     """
     _check_model(model, "plan_blocks plans the blocks of a model")
-    if budget is None or not real_number(budget) or not budget > 0:
-        raise ConfigError(f"budget={budget!r} must be a positive number of bytes: the peak activation memory of "
+    if budget is None or not byte_count(budget):
+        raise ConfigError(f"budget={budget!r} must be a positive, finite number of bytes: the peak activation memory of "
                           "one training step")
     if example_inputs is None:
         raise ConfigError("example_inputs is required with budget: a batch as training will use (a dict of the "

@@ -102,9 +102,9 @@ BAD_CALLS = {
     # plan(profile, budget, min_sqnr_db, allow, objective)
     "plan-profile": (lambda: actsave.plan(None, 10**6), ["profile=None", "actsave.profile"]),
     "plan-budget-str": (lambda: actsave.plan(profiled(), "1e6", objective="memory"),
-                        ["budget='1e6'", "positive number of bytes"]),
+                        ["budget='1e6'", "positive, finite number of bytes"]),
     "plan-budget-bool": (lambda: actsave.plan(profiled(), True, objective="memory"),
-                         ["budget=True", "positive number of bytes"]),
+                         ["budget=True", "positive, finite number of bytes"]),
     "plan-min_sqnr_db-nan": (lambda: actsave.plan(profiled(), None, min_sqnr_db=float("nan"), objective="memory"),
                              ["min_sqnr_db=nan", "number of dB or None"]),
     "plan-allow-none": (lambda: actsave.plan(profiled(), None, allow=None, objective="memory"),

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..checks import integral, real_number
+from ..checks import byte_count, integral, real_number
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
 from ..devices import host_is_separate
 from ..errors import ConfigError, InternalError
@@ -315,8 +315,8 @@ def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=No
             raise ConfigError("budget (peak activation bytes) is required for the fastest plan; pass "
                               "objective='memory' for the smallest peak without a budget")
         return
-    if not real_number(budget) or not budget > 0:
-        raise ConfigError(f"budget={budget!r} must be a positive number of bytes (peak activation memory)")
+    if not byte_count(budget):
+        raise ConfigError(f"budget={budget!r} must be a positive, finite number of bytes (peak activation memory)")
 
 
 def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[str]] = None,

@@ -159,7 +159,8 @@ def small_profile():
 
 @pytest.mark.parametrize("arguments, message", [
     (dict(budget=None), "budget .* is required"),
-    (dict(budget=-5), "budget=-5 must be a positive number of bytes"),
+    (dict(budget=-5), "budget=-5 must be a positive, finite number of bytes"),
+    (dict(budget=float("inf")), "budget=inf must be a positive, finite number of bytes"),
     (dict(budget=True), "budget=True must be"),
     (dict(budget="1GB"), "budget='1GB' must be"),
     (dict(budget=2**30, objective="fast"), "objective='fast' must be one of"),
