@@ -101,12 +101,37 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, keep="in
     return output
 
 
+class _yields_to_wrapped(property):
+    """A read-only property of :class:`Checkpoint` that gives the wrapped module's
+    attribute of the same name where the module has one (Checkpoint's docstring)."""
+
+    def __get__(self, wrapper, owner=None):
+        if wrapper is None:
+            return self
+        wrapped = wrapper._modules.get(_WRAPPED)
+        name = self.fget.__name__
+        if wrapped is not None and _has_own(wrapped, name):
+            return getattr(wrapped, name)
+        return self.fget(wrapper)
+
+
+def _has_own(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` has an attribute ``name`` (a child, parameter, buffer, instance
+    or class attribute), without calling a property to find out."""
+    return (name in module.__dict__ or name in module._modules or name in module._parameters
+            or name in module._buffers or hasattr(type(module), name))
+
+
 class Checkpoint(nn.Module):
     """Wraps ``module`` so that its forward keeps only its inputs for backward.
 
     ``state_dict`` keys are those of ``module`` itself: a checkpoint saved with the
     wrapper loads without it and the other way round. Attributes not found on the
-    wrapper are looked up on ``module``.
+    wrapper are looked up on ``module``, and so are the wrapper's own public names
+    (``module``, ``option``, ``recompute``, ``policy``, ``inputs_policy``,
+    ``eager_because``) where ``module`` has an attribute of that name: the wrapper
+    hides nothing of the module it wraps (``model.get_parameter`` walks a state dict
+    name, ``block.module.weight``, through them).
 
     ``compress``, ``offload``, ``keep``, ``preserve_rng_state``, ``determinism_check``,
     ``debug`` and ``early_stop`` mean what they mean for :func:`checkpoint`; ``option``
@@ -123,41 +148,62 @@ class Checkpoint(nn.Module):
         if not isinstance(module, nn.Module):
             raise ConfigError(f"Checkpoint wraps an nn.Module instance; module={module!r} is a "
                               f"{type(module).__name__} (for a function, use actsave.checkpoint(function, *args))")
-        self.option = BlockOption.resolve(keep, compress, offload)
-        self.recompute = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
+        self._option = BlockOption.resolve(keep, compress, offload)
+        self._recompute = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
         self.add_module(_WRAPPED, module)
         # Why a compiled forward runs this block eagerly, though its codec could be in
         # the graph; set at the root's first break (NOTE [ Codecs in a compiled graph ]).
-        self.eager_because: Optional[str] = None
+        self._eager_because: Optional[str] = None
         self.register_state_dict_post_hook(_strip_wrapper_prefix)
         self.register_load_state_dict_pre_hook(_add_wrapper_prefix)
 
-    @property
+    @_yields_to_wrapped
     def module(self) -> nn.Module:
         """The wrapped module."""
         return self._modules[_WRAPPED]
 
-    @property
+    @_yields_to_wrapped
+    def option(self) -> BlockOption:
+        """What it keeps and how (``keep``, ``compress``, ``offload``, resolved)."""
+        return self._option
+
+    @_yields_to_wrapped
+    def recompute(self) -> RecomputeOptions:
+        """How it recomputes (``preserve_rng_state``, ``determinism_check``, ``debug``,
+        ``early_stop``, resolved)."""
+        return self._recompute
+
+    @_yields_to_wrapped
     def policy(self) -> KeepPolicy:
         """The codec and offload of what it keeps (``option.policy``)."""
-        return self.option.policy
+        return self._option.policy
 
-    @property
+    @_yields_to_wrapped
     def inputs_policy(self) -> Optional[KeepPolicy]:
         """How it keeps its inputs where it keeps only them (``keep="inputs"``), else
         None: what a compiled graph's codec hooks read (runtime/graph_codecs.py)."""
-        return self.option.policy if self.option.keep == "inputs" else None
+        return self._kept_inputs_policy
+
+    @_yields_to_wrapped
+    def eager_because(self) -> Optional[str]:
+        """Why a compiled forward runs it eagerly, or None (class docstring)."""
+        return self._eager_because
+
+    @property
+    def _kept_inputs_policy(self) -> Optional[KeepPolicy]:
+        # inputs_policy, under a name no wrapped module's attribute takes.
+        return self._option.policy if self._option.keep == "inputs" else None
 
     def forward(self, *args, **kwargs):
-        policy = self.inputs_policy
+        policy, wrapped = self._kept_inputs_policy, self._modules[_WRAPPED]
         if torch.compiler.is_compiling() and policy is not None and graph_codecs.blocks_in_graph(
-                policy, self.eager_because):
+                policy, self._eager_because):
             args, kwargs = graph_codecs.inputs_copied(args, kwargs, policy)
             with graph_codecs.block_annotation(policy):
-                output = checkpoint_in_graph(self.module, args, kwargs, self.recompute)
+                output = checkpoint_in_graph(wrapped, args, kwargs, self._recompute)
             return graph_codecs.output_copied(output)
-        output, _ = call_block(self.option, self.module, args, kwargs, self.recompute, modifies_input(self.module),
-                               eager_because=self.eager_because)
+        output, _ = call_block(self._option, wrapped, args, kwargs, self._recompute, modifies_input(wrapped),
+                               eager_because=self._eager_because)
         return output
 
     def __getattr__(self, name: str):
@@ -170,9 +216,10 @@ class Checkpoint(nn.Module):
             return getattr(wrapped, name)
 
     def extra_repr(self) -> str:
-        recompute = self.recompute.describe()
-        keep = "" if self.option.keep == "inputs" else f", keep={self.option.keep!r}"
-        return (f"compress={self.policy.codec.name!r}, offload={self.policy.offload}{keep}"
+        recompute = self._recompute.describe()
+        policy = self._option.policy
+        keep = "" if self._option.keep == "inputs" else f", keep={self._option.keep!r}"
+        return (f"compress={policy.codec.name!r}, offload={policy.offload}{keep}"
                 + (", " + recompute if recompute else ""))
 
 
@@ -239,7 +286,7 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
         elif matches(uncompiled(block.module.module), block.fqn):
             # Wrapped by an earlier call and selected again: this call's options win,
             # as they would for a module wrapped now (never the old ones, silently).
-            block.module.option, block.module.recompute = option, options
+            block.module._option, block.module._recompute = option, options
     if option.keep == "inputs" and option.lossy:
         graph_codecs.watch_root(model)
     if not blocks:
@@ -390,7 +437,7 @@ def matching_blocks(model: nn.Module, matches, prefix: str = "") -> list:
 def _checkpoint_of(module: nn.Module, option: BlockOption, options: RecomputeOptions) -> Checkpoint:
     """``Checkpoint(module)`` with its settings resolved already."""
     wrapper = Checkpoint(module)
-    wrapper.option, wrapper.recompute = option, options
+    wrapper._option, wrapper._recompute = option, options
     return wrapper
 
 

@@ -105,6 +105,32 @@ def test_checkpoint_forwards_attribute_lookups_to_the_module():
         wrapped.no_such_attribute
 
 
+class _NamedLikeTheWrapper(nn.Module):
+    """A block whose child takes a name of Checkpoint's own: ``module``, ``option``..."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        setattr(self, name, nn.Linear(8, 8))
+
+    def forward(self, x):
+        return torch.tanh(getattr(self, self.name)(x))
+
+
+@pytest.mark.parametrize("name", ["module", "option", "recompute", "policy", "inputs_policy", "eager_because"])
+def test_checkpoint_hides_no_attribute_of_the_module_it_wraps(name):
+    plain = nn.Sequential(_NamedLikeTheWrapper(name), _NamedLikeTheWrapper(name))
+    model = twin(plain)
+    actsave.wrap(model, _NamedLikeTheWrapper, compress="int8")
+    block = model[0]._checkpoint_wrapped_module
+    assert isinstance(getattr(model[0], name), nn.Linear) and getattr(model[0], name) is getattr(block, name)
+    for key in plain.state_dict():  # a state dict's names walk through the wrapper
+        assert model.get_parameter(key).shape == plain.get_parameter(key).shape
+    out = model(torch.randn(4, 8, requires_grad=True))
+    assert actsave.stored_bytes()["device"] > 0  # still checkpointed, its input kept by int8
+    out.sum().backward()
+
+
 def test_checkpoint_rejects_what_is_not_a_module():
     with pytest.raises(ConfigError, match="Checkpoint wraps an nn.Module"):
         Checkpoint(torch.relu)

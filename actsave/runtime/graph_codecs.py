@@ -404,8 +404,8 @@ def _blocks_on(model, args, kwargs) -> bool:
 def _set_eager_because(checkpoints: list, why) -> None:
     # Only where it changes: Dynamo guards on what the traced blocks read.
     for checkpoint in checkpoints:
-        if checkpoint.eager_because != why(checkpoint):
-            checkpoint.eager_because = why(checkpoint)
+        if checkpoint._eager_because != why(checkpoint):
+            checkpoint._eager_because = why(checkpoint)
 
 
 @torch.compiler.disable
@@ -431,8 +431,8 @@ def hooks_paused():
 
 def _keeps_by_codec(module: nn.Module) -> bool:
     """Whether ``module`` is a wrapped block that keeps its inputs by a lossy codec."""
-    policy = getattr(module, "inputs_policy", None)
-    return isinstance(policy, KeepPolicy) and hasattr(module, "eager_because") and policy.lossy
+    policy = getattr(module, "_kept_inputs_policy", None)
+    return isinstance(policy, KeepPolicy) and hasattr(module, "_eager_because") and policy.lossy
 
 
 def _tensors_in(args, kwargs) -> list:
