@@ -151,8 +151,11 @@ def stored_once_key(tensor: torch.Tensor):
 def modifies_input(function) -> bool:
     """Whether ``function`` (a layer, or the first layer of a segment) changes its
     input in place, so that a segment starting with it keeps a private copy of its
-    input: ``nn.ReLU(inplace=True)`` and friends say so with ``inplace = True``."""
-    return getattr(function, "inplace", False) is True
+    input: ``nn.ReLU(inplace=True)`` and friends say so with ``inplace = True``, and
+    an ``nn.Sequential`` whose first layer does (its input is that layer's)."""
+    if getattr(function, "inplace", False) is True:
+        return True
+    return isinstance(function, nn.Sequential) and len(function) > 0 and modifies_input(function[0])
 
 
 __all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "kept_as", "placed", "stored_once_key",
