@@ -3,6 +3,7 @@ byte-counting step (instrumented_step.py's ledger runs :class:`SavesAsStored` be
 it); stored_saves.py prices what it finds under each codec."""
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Optional
 
@@ -10,7 +11,7 @@ import torch
 
 from .._torch import current_autograd_node
 from ..runtime import relu_signs
-from ..runtime.keep_rules import should_encode, stored_once_key
+from ..runtime.keep_rules import lossy_codec_stores, stored_once_key
 from .live_bytes import LiveBytes, allocation_bytes
 from .tensor_specs import PoolSample, TensorSpec
 
@@ -24,7 +25,9 @@ class StoredEntry:
     __slots__ = ("first", "last", "pool", "relu", "spec")
 
     def __init__(self, t: torch.Tensor, layer: int, pool: Optional[PoolSample] = None):
-        self.spec, self.relu, self.pool = TensorSpec.of(t), relu_signs.keeps_decisions(t, {}), pool
+        # Encodable: whether a lossy codec keeping saves encodes it (else it holds it as it is).
+        self.spec = dataclasses.replace(TensorSpec.of(t), encodable=lossy_codec_stores(t))
+        self.relu, self.pool = relu_signs.keeps_decisions(t, {}), pool
         self.first = self.last = layer
 
     @property
@@ -104,7 +107,7 @@ class SavesAsStored:
         is that max pool's indices, stored anew at each save."""
         if pool is not None:
             key = ("pool indices", len(self.saves))
-        elif should_encode(t):
+        elif lossy_codec_stores(t):
             key = stored_once_key(t) or ("stored anew", len(self.saves))
         elif id(t.untyped_storage()) in self._ignored:
             return None

@@ -96,6 +96,28 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
     return leaf is None or (made_by is not None and not made_by.hold(leaf))
 
 
+# NOTE [ Saves a lossy codec leaves exact ]
+# A lossy codec scales each group of elements by its largest magnitude, so an element
+# far below it decodes to 0 (int8: below 1/254 of it). For an activation that is noise;
+# for a statistic a norm or a softmax saved, one element per row (a row's norm, the
+# rsqrt of its variance, a max or a sum), it is a divisor or a scale: decoded to 0 it
+# makes the gradient inf or NaN (F.normalize beside all-zero padding rows, RMSNorm beside
+# one massive activation). So the saves a lossy codec keeps (runtime/kept_saves.py)
+# leave exact, held as they are, those whose last dimension is 1 and those broadcast
+# along a dimension (a stride of 0: ``norm.expand_as(x)``), whose storage is a fraction
+# of the elements they stand for: they cost little memory kept exactly, and an encoding
+# of a broadcast view would store every repeat. The planner's count of a plain
+# segment's saves asks the same (planning/saves_as_stored.py).
+def lossy_codec_stores(t: torch.Tensor) -> bool:
+    """Whether a lossy codec keeping saves encodes ``t``, a save: what should_encode
+    takes, but per-row statistics and broadcast views (NOTE [ Saves a lossy codec leaves
+    exact ])."""
+    if not should_encode(t) or t.dim() == 0:
+        return False
+    broadcast = any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+    return t.shape[-1] != 1 and not broadcast
+
+
 # NOTE [ Inputs kept by reference ]
 # A kept input that should_encode refuses (the caller's tensors and their views, a
 # non-float tensor) is kept as it is, on the device, whatever the policy asks: a codec
@@ -158,5 +180,5 @@ def modifies_input(function) -> bool:
     return isinstance(function, nn.Sequential) and len(function) > 0 and modifies_input(function[0])
 
 
-__all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "kept_as", "placed", "stored_once_key",
-           "modifies_input"]
+__all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "lossy_codec_stores", "kept_as", "placed",
+           "stored_once_key", "modifies_input"]

@@ -100,7 +100,7 @@ from . import relu_signs
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolWatch
 from .kept_entries import _Encoded, _Entry, _ExactStorage, _HostGroup, _PoolIndices, _Saved
-from .keep_rules import KeepPolicy, placed, should_encode, stored_once_key
+from .keep_rules import KeepPolicy, lossy_codec_stores, placed, should_encode, stored_once_key
 from .store import input_tensors
 
 SCOPES = ("all", "linear_inputs")
@@ -166,7 +166,8 @@ class _SavesStore:
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
         if pool is not None:
             return self._kept(_PoolIndices(tensor, *pool), tensor)
-        if not should_encode(tensor) or tensor.numel() == 0:
+        stores = should_encode if self.codec.lossless else lossy_codec_stores
+        if tensor.numel() == 0 or not stores(tensor):
             return _Saved.held(tensor)
         if not self.everything and not self._is_linear_input(tensor):
             return self._held_for_now(tensor)

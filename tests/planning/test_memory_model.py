@@ -368,6 +368,28 @@ def test_codec_kept_saves_bound_the_measured_peak_on_bench_chains(name):
         assert 0.9 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, (starts, flags, codec)
 
 
+class _RowNorms(nn.Module):
+    """F.normalize then an RMSNorm in Python: saves a broadcast norm and a row statistic."""
+
+    def forward(self, x):
+        x = nn.functional.normalize(x, dim=-1)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_per_row_statistics_a_codec_holds_exactly_are_priced_as_held():
+    # NOTE [ Saves a lossy codec leaves exact ]: the planner's count holds them as the
+    # runtime does, their storage as it is.
+    torch.manual_seed(0)
+    model = CheckpointedSequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), _RowNorms(), nn.GELU())])
+    x = torch.randn(256, 64)
+    prof = actsave.profile(model, (x,))
+    for starts, flags, codec in (([0], None, "int8"), ([0, 6], [True], "none"), ([0, 3], None, "fp8_e4m3")):
+        plan = plans.predict(prof, starts, ["int8"] * (len(starts) - 1), plain=flags, saves_codec=codec)
+        model.apply_plan(plan)
+        measured = peak_activation_bytes(model, x)
+        assert 0.99 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, (starts, codec)  # to the byte here
+
+
 def test_compressed_stored_saves_count_max_pool_indices_as_their_decisions():
     # Under a codec the plain segment keeps each max pool's int64 indices as its window
     # decisions (4 bits per output for 3x3) and restores them in backward. Counted at

@@ -51,6 +51,36 @@ def test_parameters_and_batchnorm_statistics_are_held_as_they_are():
     assert actsave.stored_bytes() == {"device": 0, "host": 0}
 
 
+class _RowNorms(nn.Module):
+    """F.normalize (its norm saved broadcast, ``expand_as``) then an RMSNorm written in
+    Python (the rsqrt of each row's variance saved, last dimension 1)."""
+
+    def forward(self, x):
+        x = nn.functional.normalize(x, dim=-1)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_per_row_statistics_are_held_exactly_beside_padding_rows(codec):
+    # All-zero padding rows in a group with real ones: their saved norms, encoded, decode
+    # to 0, and the divisions' gradients came back -inf and NaN.
+    torch.manual_seed(0)
+    embed, block = nn.Linear(16, 32, bias=False), nn.Sequential(_RowNorms(), nn.Linear(32, 32))
+    tokens = torch.randn(64, 16)
+    tokens[46:] = 0
+    mask = (tokens.abs().sum(-1, keepdim=True) > 0).float()
+    grads = []
+    for compress in (None, codec):
+        embed.zero_grad(), block.zero_grad()
+        h = embed(tokens)
+        out = block(h) if compress is None else actsave.checkpoint(block, h, keep="saves", compress=compress)
+        ((out * mask) ** 2).sum().backward()
+        grads.append([p.grad.clone() for p in (embed.weight, *block.parameters())])
+    for reference, approximation in zip(*grads):
+        assert approximation.isfinite().all()
+        assert sqnr_db(reference, approximation) >= EXPECTED_GRADIENT_SQNR_DB[codec]
+
+
 def test_a_relu_output_and_its_view_are_stored_once():
     torch.manual_seed(0)
     model = last_segment_only(nn.ReLU(), nn.Linear(128, 4))  # the Linear saves a (6, 128) view
