@@ -95,7 +95,7 @@ from .layers import known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, OperatorLog, RecomputeOptions
 from .replay import ReplayState
-from .state import TouchedState
+from .state import RecomputeStop, TouchedState
 from .keep_rules import EXACT, CallerTensors, KeepPolicy
 from .store import KeptInputs, account, input_tensors
 
@@ -423,7 +423,7 @@ def _identity(tensor):
     return tensor
 
 
-class _AllSlotsFilled(Exception):
+class _AllSlotsFilled(RecomputeStop):
     """Raised inside the recompute to stop it once every placeholder is filled."""
 
 

@@ -57,7 +57,8 @@ class TouchedState:
     - A module whose tensors moved has all of its buffers snapshotted, not the moved
       ones only: BatchNorm's kernel updates its running statistics without moving their
       versions (only ``num_batches_tracked`` moves). Buffers only: a parameter is the
-      caller's to change (and a copy of one would take its gradient). One rule for
+      caller's to change (and a copy of one would take its gradient); one the forward
+      changes is checked instead (NOTE [ Parameters a forward changes ]). One rule for
       every module, BatchNorm included, with no list of module types.
     - Everything else noted must be unchanged when the recompute starts: a weight
       changed in place between forward and backward (a GAN's optimizer step before
@@ -77,6 +78,7 @@ class TouchedState:
         self._checked = []  # (weakref, version, label) taken at end_forward
         self._snapshot = {}  # (module, buffer name) -> the buffer's value as the forward started
         self._unreplayable = None  # (module, buffer name) the forward registered or removed: not replayed
+        self._moved_parameters = []  # (layer index or None, module, name): parameters the forward changed
 
     @staticmethod
     def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None) -> "TouchedState":
@@ -138,8 +140,9 @@ class TouchedState:
         indices are in ``layers``; all of them by default) hold the values the forward
         started from: the snapshot itself where this is the ``last`` recompute of those
         layers (its updates go to the snapshot, which it then lets go of), else a copy
-        of it (one foreach copy per dtype). The buffers are put back as it ends.
-        NOTE [ State a forward reads and mutates ]"""
+        of it (one foreach copy per dtype). The buffers are put back as it ends, and a
+        parameter the forward changed must be as the forward left it (NOTE [ Parameters
+        a forward changes ]). NOTE [ State a forward reads and mutates ]"""
         present = []
         for module, name in self._mutated_buffers(layers):
             table = own_tensors(module, "buffers")
@@ -150,8 +153,14 @@ class TouchedState:
             values = copies_of(values)
         for (table, name, _, _), value in zip(present, values):
             table[name] = value
+        guarded = _GuardedParameters(self._moved_parameters, layers)
         try:
-            yield
+            try:
+                yield
+            except RecomputeStop:  # stopped early, as it should: its state is checked as at the end
+                guarded.check()
+                raise
+            guarded.check()
         finally:
             for table, name, original, _ in present:
                 table[name] = original
@@ -195,6 +204,55 @@ class TouchedState:
         self._read = {}
 
 
+class RecomputeStop(Exception):
+    """Raised inside a recompute to end it early (runtime/function.py): the module state
+    is checked as where it runs to the function's end (TouchedState.as_in_forward)."""
+
+
+# NOTE [ Parameters a forward changes ]
+# A forward may change a parameter in place under no_grad: Embedding's max_norm
+# renormalizes the rows it looks up, a user's block clips its own weight. Parameters are
+# not snapshotted (every forward would copy every weight), so the recompute starts from
+# a parameter as the forward left it and changes it again. That is exact where the
+# change leaves the values as they were (max_norm's rows are already within the norm),
+# and nothing else is: the recompute would read other values than the forward, and the
+# parameter would change twice (torch.utils.checkpoint does both, silently). So the
+# parameters the forward changed, and only those, are copied as a recompute starts and
+# compared as it ends (or stops early): changed again to other values, they are put
+# back as the forward left them and the recompute raises. Where the layers are known
+# the change is seen whichever module made it; under global hooks (a function of
+# unknown layers) a change is seen where a module makes it to its own parameters during
+# its own call.
+class _GuardedParameters:
+    """The parameters a forward changed in place, as a recompute starts: a recompute
+    that changes them again must change them to the same values (``max_norm``'s
+    renormalization does), or it read values the forward did not (NOTE [ Parameters a
+    forward changes ])."""
+
+    def __init__(self, moved: list, layers: Optional[range]):
+        self._entries = []
+        for index, module, name in moved:
+            parameter = own_tensors(module, "parameters").get(name)
+            if parameter is not None and (layers is None or index is None or index in layers):
+                self._entries.append((module, name, parameter, parameter.detach().clone()))
+
+    def check(self) -> None:
+        changed = [(module, name) for module, name, parameter, value in self._entries
+                   if not torch.equal(parameter, value)]
+        if not changed:
+            return
+        with torch.no_grad():
+            for _, _, parameter, value in self._entries:
+                parameter.copy_(value)
+        module, name = changed[0]
+        raise RecomputeError(
+            f"a checkpointed forward changed parameter '{name}' of {type(module).__name__} in place, and its "
+            "recompute changed it again, to other values: the recompute read values the forward did not, so its "
+            "gradients would be wrong (the parameter is put back as the forward left it). Change the parameter "
+            "outside the checkpointed call (before its forward, or after the backward), or do not checkpoint "
+            "this module.")
+
+
 class _LayerState(TouchedState):
     """The state under known layers, read before and after the forward (NOTE [ State a
     forward reads and mutates ], NOTE [ Known layers ])."""
@@ -232,7 +290,8 @@ class _LayerState(TouchedState):
             self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
-        mutated = self._mutated_by_layer(self._moved())
+        moved, self._moved_parameters = self._changes()
+        mutated = self._mutated_by_layer(moved)
         mutated_ids = {id(own_tensors(module, "buffers")[name]) for buffers in mutated.values()
                        for module, name in buffers}
         state = [(weakref.ref(tensor), (kind[:-1], name, type(module)))
@@ -245,15 +304,18 @@ class _LayerState(TouchedState):
                                    for module, count in self._buffer_counts if _count_buffers(module) != count), None)
         self._before, self._state_ids, self._buffer_counts = [], set(), []
 
-    def _moved(self) -> dict:
-        """``{module: the first layer index it is under}`` of the modules whose state
-        moved since the forward started: a tensor changed in place, or replaced."""
-        moved = {}
+    def _changes(self) -> tuple:
+        """``({module: the first layer index it is under}, [(layer index, module,
+        parameter name)])``: the modules whose state moved since the forward started (a
+        tensor changed in place, or replaced), and the parameters that did."""
+        moved, parameters = {}, []
         for index, module, kind, name, tensor, was in self._before:
             now = own_tensors(module, kind).get(name)
             if now is not tensor or (now is not None and version(now) != was):
                 moved.setdefault(module, index)
-        return moved
+                if kind == "parameters":
+                    parameters.append((index, module, name))
+        return moved, parameters
 
     @staticmethod
     def _mutated_by_layer(moved: dict) -> dict:
@@ -271,7 +333,7 @@ class _LayerState(TouchedState):
                 for buffer in buffers]
 
     def _mutated_now(self) -> dict:
-        return self._mutated if not self._before else self._mutated_by_layer(self._moved())
+        return self._mutated if not self._before else self._mutated_by_layer(self._changes()[0])
 
 
 class _HookedState(TouchedState):
@@ -332,8 +394,11 @@ class _HookedState(TouchedState):
                 break
         else:
             return
-        moved = any(versions.get((kind, name), version(tensor)) != version(tensor)
-                    for kind, name, tensor in _own_state(module))
+        changed = [(kind, name) for kind, name, tensor in _own_state(module)
+                   if versions.get((kind, name), version(tensor)) != version(tensor)]
+        self._moved_parameters += [(None, module, name) for kind, name in changed
+                                   if kind == "parameters" and (None, module, name) not in self._moved_parameters]
+        moved = bool(changed)
         if moved:
             # All of the module's buffers: NOTE [ State a forward reads and mutates ].
             self._moved_modules.add(id(module))
