@@ -45,9 +45,10 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, keep="in
 
     The drop-in for ``torch.utils.checkpoint.checkpoint(function, *args,
     use_reentrant=False, **kwargs)``, with the kept tensor arguments optionally
-    compressed (``compress``) or offloaded (``offload``). RNG and autocast state are
-    replayed in the recompute, and module state (BatchNorm's running statistics) is
-    updated once and recomputed as the forward read it.
+    compressed (``compress``) or offloaded (``offload``). RNG and autocast state and
+    each module's train/eval mode are replayed in the recompute, and module state
+    (BatchNorm's running statistics) is updated once and recomputed as the forward
+    read it.
 
     Args:
         function: any callable; runs once in the forward and again in backward.

@@ -79,6 +79,7 @@ class TouchedState:
         self._snapshot = {}  # (module, buffer name) -> the buffer's value as the forward started
         self._unreplayable = None  # (module, buffer name) the forward registered or removed: not replayed
         self._moved_parameters = []  # (layer index or None, module, name): parameters the forward changed
+        self._modes = {}  # module -> its ``training`` flag as the forward first ran it
 
     @staticmethod
     def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None) -> "TouchedState":
@@ -154,6 +155,9 @@ class TouchedState:
         for (table, name, _, _), value in zip(present, values):
             table[name] = value
         guarded = _GuardedParameters(self._moved_parameters, layers)
+        switched = [module for module, training in self._modes.items() if module.training is not training]
+        for module in switched:  # NOTE [ Train and eval in a recompute ]
+            module.training = not module.training
         try:
             try:
                 yield
@@ -162,6 +166,8 @@ class TouchedState:
                 raise
             guarded.check()
         finally:
+            for module in switched:
+                module.training = not module.training
             for table, name, original, _ in present:
                 table[name] = original
             if last:
@@ -208,6 +214,15 @@ class RecomputeStop(Exception):
     """Raised inside a recompute to end it early (runtime/function.py): the module state
     is checked as where it runs to the function's end (TouchedState.as_in_forward)."""
 
+
+# NOTE [ Train and eval in a recompute ]
+# A module's ``training`` flag decides what its forward does (Dropout draws or not,
+# BatchNorm uses the batch's statistics or its running ones, a block branches on it),
+# and a caller may switch it between the forward and the backward (``model.eval()`` for
+# an evaluation between the two). The recompute must do the forward's work, so each
+# module it runs has the flag the forward ran it with, and the caller's flag back as it
+# ends (torch.utils.checkpoint recomputes in the new mode: wrong gradients, or an error
+# where the saves' shapes change).
 
 # NOTE [ Parameters a forward changes ]
 # A forward may change a parameter in place under no_grad: Embedding's max_norm
@@ -282,6 +297,7 @@ class _LayerState(TouchedState):
         else:
             self._snapshot, self._given = self._given, None
         self._buffer_counts = [(module, _count_buffers(module)) for _, module in self._modules]
+        self._modes = {module: module.training for _, module in self._modules}
         yield
 
     def note_saved(self, tensor: torch.Tensor) -> None:
@@ -383,6 +399,7 @@ class _HookedState(TouchedState):
             self._note(tensor, (kind[:-1], name, type(module)))
         if id(module) not in self._moved_modules and not self._snapshotted(module):
             self._take_snapshot([module])
+        self._modes.setdefault(module, module.training)
         self._calls.append((module, versions))
 
     def _after_module(self, module, args, output) -> None:

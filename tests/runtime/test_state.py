@@ -281,6 +281,44 @@ def test_a_parameter_the_recompute_changes_to_the_same_values_trains_exactly(kee
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
 
 
+class _ByMode(nn.Module):
+    """Linear, then what its ``training`` flag decides (``kind``), then tanh and Linear."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind, self.first, self.last = kind, nn.Linear(8, 16), nn.Linear(16, 8)
+        self.mode_dependent = nn.BatchNorm1d(16) if kind == "batchnorm" else nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.first(x)
+        h = h * (0.5 if self.training else 1.0) * h if self.kind == "branch" else self.mode_dependent(h)
+        return self.last(torch.tanh(h))
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "dropout", "branch"])
+@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
+def test_the_recompute_runs_each_module_in_the_mode_its_forward_ran_in(kind, how):
+    # model.eval() between forward and backward: torch.utils.checkpoint recomputes in
+    # eval mode (wrong gradients for the branch, an error for BatchNorm and Dropout).
+    def step(checkpointed: bool):
+        torch.manual_seed(0)
+        block = _ByMode(kind)
+        x = torch.randn(4, 8, requires_grad=True)
+        if not checkpointed:
+            out = block(x)
+        elif how == "sequential":
+            out = actsave.CheckpointedSequential(block, nn.Identity(), segments=[0, 1])(x)
+        else:
+            out = actsave.checkpoint(block if how == "checkpoint_module" else (lambda t: block(t)), x)
+        block.eval()
+        out.pow(2).sum().backward()
+        assert not any(module.training for module in block.modules())  # the caller's mode, after
+        return [x.grad, *(p.grad for p in block.parameters()), *block.buffers()]
+
+    for plain, checkpointed in zip(step(False), step(True)):
+        assert torch.equal(plain, checkpointed)
+
+
 def fake_quantized_chain():
     from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver
     torch.manual_seed(0)
