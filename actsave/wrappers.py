@@ -70,7 +70,8 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, keep="in
         use_reentrant: ``None`` or ``False``; actsave is non-reentrant, and ``True``
             raises :class:`~actsave.ConfigError`.
         preserve_rng_state: ``True`` (default): the recompute replays the forward's
-            RNG state (same Dropout masks). ``False``: no RNG state is captured or
+            RNG state (same Dropout masks), that of a ``torch.Generator`` passed as an
+            argument too. ``False``: no RNG state is captured or
             replayed, as in torch; the recompute draws from the generators as they are
             at backward time and advances them, so random masks differ from the
             forward's. Only for functions that draw no random numbers.

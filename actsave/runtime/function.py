@@ -94,7 +94,7 @@ from .compiled_layers import LayerCode
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, OperatorLog, RecomputeOptions
-from .replay import ReplayState
+from .replay import ReplayState, passed_generators
 from .state import RecomputeStop, TouchedState
 from .keep_rules import EXACT, CallerTensors, KeepPolicy
 from .store import KeptInputs, account, input_tensors
@@ -480,7 +480,7 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy, options, ma
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         policy = EXACT
     inputs = input_tensors(args, kwargs)
-    replay = ReplayState.capture(inputs, options.preserve_rng_state)
+    replay = ReplayState.capture(inputs, options.preserve_rng_state, passed_generators(args, kwargs))
     kept = KeptInputs(args, kwargs, policy, private_copy, made_by)
     frame = (make_frame or _Frame)(function, kept, replay, args, kwargs, options, inputs, prepared)
     try:

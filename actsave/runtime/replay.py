@@ -62,14 +62,15 @@ class ReplayState:
     device_rngs: tuple
     autocast: tuple
     default_device: torch.device
+    passed: tuple = ()  # (generator, its state) of each torch.Generator passed to the call
 
     @classmethod
-    def capture(cls, tensors, preserve_rng_state: bool = True) -> "ReplayState":
-        """The state now, for a forward whose inputs are ``tensors``. Inputs all on the
-        meta device (a planner's meta step) replay no RNG state: random operators on
-        meta tensors draw nothing, and replaying one would set the process's generator,
-        which other threads draw from (NOTE [ Steps other threads do not see ] in
-        planning/step_isolation.py)."""
+    def capture(cls, tensors, preserve_rng_state: bool = True, generators=()) -> "ReplayState":
+        """The state now, for a forward whose inputs are ``tensors`` and which is passed
+        ``generators`` (passed_generators). Inputs all on the meta device (a planner's
+        meta step) replay no RNG state: random operators on meta tensors draw nothing,
+        and replaying one would set the process's generator, which other threads draw
+        from (NOTE [ Steps other threads do not see ] in planning/step_isolation.py)."""
         if tensors and tensors[0].is_meta and all(t.is_meta for t in tensors):  # cheap for real ones
             preserve_rng_state = False
         accelerators = sorted({(t.device.type, t.device.index or 0) for t in tensors
@@ -85,6 +86,7 @@ class ReplayState:
             device_rngs=tuple(module.get_rng_state(i) for i in devices) if module and preserve_rng_state else (),
             autocast=tuple(_AutocastState.capture(kind) for kind in autocast_types),
             default_device=default_device(),
+            passed=tuple((g, g.get_state()) for g in generators) if preserve_rng_state else (),
         )
 
     @contextlib.contextmanager
@@ -99,7 +101,8 @@ class ReplayState:
         state, and restoring the caller's afterwards drops whatever another thread drew
         meanwhile, as torch.utils.checkpoint does (docs/limits.md, "Threads")."""
         replays_rng = self.cpu_rng is not None
-        with torch.random.fork_rng(devices=list(self.devices), device_type=self.device_type, enabled=replays_rng):
+        with torch.random.fork_rng(devices=list(self.devices), device_type=self.device_type, enabled=replays_rng), \
+                _passed_generators_replayed(self.passed):
             if replays_rng:
                 torch.set_rng_state(self.cpu_rng)
             if self.devices and replays_rng:
@@ -113,6 +116,29 @@ class ReplayState:
                     if not autocast.is_current():
                         stack.enter_context(autocast.context())
                 yield
+
+
+def passed_generators(args: tuple, kwargs: dict) -> list:
+    """The ``torch.Generator`` s passed to a call as arguments (``torch.rand(...,
+    generator=g)`` inside it draws from one), whose state a recompute replays as it does
+    the process's generators. Arguments themselves, not inside containers: a call's
+    arguments are walked for them at every call."""
+    found = [a for a in args if isinstance(a, torch.Generator)]
+    return found + [v for v in kwargs.values() if isinstance(v, torch.Generator)] if kwargs else found
+
+
+@contextlib.contextmanager
+def _passed_generators_replayed(passed: tuple):
+    """Each of ``passed``'s generators in its captured state while the body runs, and
+    in the caller's afterwards."""
+    now = [generator.get_state() for generator, _ in passed]
+    for generator, state in passed:
+        generator.set_state(state)
+    try:
+        yield
+    finally:
+        for (generator, _), state in zip(passed, now):
+            generator.set_state(state)
 
 
 class RandomState:

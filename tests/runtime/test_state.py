@@ -37,6 +37,25 @@ def test_a_recompute_on_meta_tensors_sets_no_rng_state():
     assert ReplayState.capture([torch.empty(2, device="meta"), torch.zeros(1)]).cpu_rng is not None
 
 
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_a_generator_passed_to_the_call_is_replayed_and_left_as_the_forward_left_it(as_keyword):
+    # torch.utils.checkpoint draws anew from it in the recompute: other noise, wrong gradients.
+    linear = nn.Linear(8, 8)
+
+    def noisy(x, generator):
+        return linear(x) * torch.rand(4, 8, generator=generator)
+
+    def step(call):
+        generator, x = torch.Generator().manual_seed(7), torch.ones(4, 8, requires_grad=True)
+        out = call(noisy, x, generator=generator) if as_keyword else call(noisy, x, generator)
+        out.pow(2).sum().backward()
+        return x.grad, generator.get_state()
+
+    plain = step(lambda function, *args, **kwargs: function(*args, **kwargs))
+    for expected, got in zip(plain, step(actsave.checkpoint)):
+        assert torch.equal(expected, got)
+
+
 def test_replay_restores_autocast_state_of_the_forward():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         state = ReplayState.capture([torch.zeros(1)])
