@@ -1,6 +1,6 @@
 """The house's written rules hold in the code: every NOTE reference names one NOTE, every
-path docs/architecture.md gives exists, imports go the one way that doc states, and no
-library file is over 500 lines."""
+path docs/architecture.md gives exists, every public name is in docs/api.md, imports go
+the one way that doc states, and no library file is over 500 lines."""
 import ast
 import os
 import re
@@ -147,6 +147,24 @@ def test_the_path_check_finds_a_renamed_file():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     renamed = doc.replace("    nested.py ", "    nesting.py", 1).replace("`runtime/function.py`", "`runtime/functions.py`")
     assert missing_paths(renamed) == ["actsave/runtime/nesting.py"] + ["runtime/functions.py"] * doc.count("`runtime/function.py`")
+
+
+def undocumented(names, doc: str) -> list:
+    """The public names that ``doc`` never quotes (as ``name`` or ``name(...)``)."""
+    return [name for name in names if not re.search(r"`" + re.escape(name) + r"[`(.\[]", doc)]
+
+
+def test_every_public_name_is_in_the_api_doc():
+    import actsave
+    import actsave.offload
+    doc = (ROOT / "docs" / "api.md").read_text()
+    assert undocumented([*actsave.__all__, *actsave.offload.__all__], doc) == []
+
+
+def test_the_api_doc_check_finds_a_name_left_out():
+    doc = (ROOT / "docs" / "api.md").read_text()
+    assert undocumented(["MemoryEstimate", "Profile"], doc.replace("`MemoryEstimate`", "an estimate")) == [
+        "MemoryEstimate"]
 
 
 # ----------------------------------------------------------------- imports go one way
