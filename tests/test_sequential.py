@@ -1,6 +1,8 @@
 """CheckpointedSequential: exact recompute, nn.Sequential compatibility, memory, errors."""
+import gc
 import math
 import warnings
+import weakref
 from collections import OrderedDict
 
 import pytest
@@ -349,6 +351,16 @@ def test_balanced_plans_once_per_input():
         model(torch.randn(8, 16)).sum().backward()
     assert len(profiles) == 3
     assert model.describe().splitlines()[0].startswith("segments='balanced' for input (8, 16) torch.float32 on cpu")
+
+
+def test_plans_for_layers_since_replaced_keep_no_module_alive():
+    model = CheckpointedSequential(*mixed_chain())
+    model(torch.randn(8, 16)).sum().backward()
+    replaced = weakref.ref(model[0])
+    model[0] = nn.Linear(16, 16)
+    model(torch.randn(8, 16)).sum().backward()  # plans anew for the new layers
+    gc.collect()
+    assert replaced() is None
 
 
 class ItemLayer(nn.Module):

@@ -13,7 +13,8 @@ device peak stops growing with depth. At the first training call for an input
 each layer runs once on meta tensors (profiler.profile: sizes only, no data, no
 device memory, no times) and plans.balanced takes the smallest predicted device
 peak with at most one extra forward. The plan is cached per such input, so a new
-shape plans anew. The meta step touches its own model and thread only
+shape plans anew; once the layers change, the plans made for the old ones go (they
+held those modules alive, and no call would use them again). The meta step touches its own model and thread only
 (step_isolation.py, NOTE [ Steps other threads do not see ]); the model itself is
 meta copies while it runs, so a call of the same model on another thread meanwhile
 raises.
@@ -61,16 +62,19 @@ class BalancedPlans:
     segments ]): the last few, and the one used last, for describe()."""
 
     def __init__(self):
-        self._plans = {}  # key -> Plan, or None where the meta step failed ("sqrt")
-        self._last = None  # (the input as text, its plan, the layers it was for)
+        self._plans = {}  # key -> Plan, or None where the meta step failed ("sqrt"), for self._layers
+        self._layers = ()  # the layers of the last call, which the plans are for
+        self._last = None  # (the input as text, its plan), of the last call
         self._warned = False
         self._planning = None  # the thread running this model's meta step, if any
 
     def starts(self, model: nn.Module, input, layers: list, policies: tuple) -> list:
         self._check_not_planning_elsewhere(model)
+        if self._layers != tuple(layers):  # compared by identity, element by element
+            self._plans, self._layers = {}, tuple(layers)
         if not isinstance(input, torch.Tensor):
             self._warn_once(f"its input is a {type(input).__name__}; the planner follows one tensor")
-            self._last = (type(input).__name__, None, tuple(layers))
+            self._last = (type(input).__name__, None)
             return split_starts(layers, "sqrt", policies)
         device = device_of(input)
         key = _plan_key(input, device, layers, policies)
@@ -79,7 +83,7 @@ class BalancedPlans:
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = self._planned_here(model, input, device, policies)
         plan = self._plans[key]
-        self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan, tuple(layers))
+        self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan)
         return list(plan.starts) if plan is not None else split_starts(layers, "sqrt", policies)
 
     def _check_not_planning_elsewhere(self, model: nn.Module) -> None:
@@ -132,8 +136,8 @@ class BalancedPlans:
         where ``layers`` are no longer those of the last call)."""
         if self._last is None:
             return "segments='balanced': chosen at the first training call", None
-        input, plan, called = self._last
-        if len(called) != len(layers) or any(a is not b for a, b in zip(called, layers)):
+        input, plan = self._last
+        if self._layers != tuple(layers):
             return "segments='balanced': chosen at the next training call (the layers changed since the last)", None
         if plan is None:
             return f"segments='balanced' fell back to 'sqrt' for input {input}", None
@@ -154,7 +158,7 @@ def _plan_key(input: torch.Tensor, device, layers: list, policies: tuple) -> tup
     """What a balanced plan depends on (NOTE [ Balanced segments ])."""
     autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
     return (tuple(input.shape), input.stride(), input.dtype, should_encode(input), device,
-            tuple(layers), tuple(layer.training for layer in layers), policies, autocast)
+            tuple(layer.training for layer in layers), policies, autocast)
 
 
 def _meta_stand_in(x: torch.Tensor) -> torch.Tensor:
