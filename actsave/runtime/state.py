@@ -21,6 +21,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from .._torch import copies_of, leaf_base, own_tensors, version
 from ..errors import RecomputeError
+from .guarded_parameters import GuardedParameters
 from .layers import modules_under
 
 
@@ -154,7 +155,7 @@ class TouchedState:
             values = copies_of(values)
         for (table, name, _, _), value in zip(present, values):
             table[name] = value
-        guarded = _GuardedParameters(self._moved_parameters, layers)
+        guarded = GuardedParameters(self._moved_parameters, layers)
         switched = [module for module, training in self._modes.items() if module.training is not training]
         for module in switched:  # NOTE [ Train and eval in a recompute ]
             module.training = not module.training
@@ -223,50 +224,6 @@ class RecomputeStop(Exception):
 # module it runs has the flag the forward ran it with, and the caller's flag back as it
 # ends (torch.utils.checkpoint recomputes in the new mode: wrong gradients, or an error
 # where the saves' shapes change).
-
-# NOTE [ Parameters a forward changes ]
-# A forward may change a parameter in place under no_grad: Embedding's max_norm
-# renormalizes the rows it looks up, a user's block clips its own weight. Parameters are
-# not snapshotted (every forward would copy every weight), so the recompute starts from
-# a parameter as the forward left it and changes it again. That is exact where the
-# change leaves the values as they were (max_norm's rows are already within the norm),
-# and nothing else is: the recompute would read other values than the forward, and the
-# parameter would change twice (torch.utils.checkpoint does both, silently). So the
-# parameters the forward changed, and only those, are copied as a recompute starts and
-# compared as it ends (or stops early): changed again to other values, they are put
-# back as the forward left them and the recompute raises. Where the layers are known
-# the change is seen whichever module made it; under global hooks (a function of
-# unknown layers) a change is seen where a module makes it to its own parameters during
-# its own call.
-class _GuardedParameters:
-    """The parameters a forward changed in place, as a recompute starts: a recompute
-    that changes them again must change them to the same values (``max_norm``'s
-    renormalization does), or it read values the forward did not (NOTE [ Parameters a
-    forward changes ])."""
-
-    def __init__(self, moved: list, layers: Optional[range]):
-        self._entries = []
-        for index, module, name in moved:
-            parameter = own_tensors(module, "parameters").get(name)
-            if parameter is not None and (layers is None or index is None or index in layers):
-                self._entries.append((module, name, parameter, parameter.detach().clone()))
-
-    def check(self) -> None:
-        changed = [(module, name) for module, name, parameter, value in self._entries
-                   if not torch.equal(parameter, value)]
-        if not changed:
-            return
-        with torch.no_grad():
-            for _, _, parameter, value in self._entries:
-                parameter.copy_(value)
-        module, name = changed[0]
-        raise RecomputeError(
-            f"a checkpointed forward changed parameter '{name}' of {type(module).__name__} in place, and its "
-            "recompute changed it again, to other values: the recompute read values the forward did not, so its "
-            "gradients would be wrong (the parameter is put back as the forward left it). Change the parameter "
-            "outside the checkpointed call (before its forward, or after the backward), or do not checkpoint "
-            "this module.")
-
 
 class _LayerState(TouchedState):
     """The state under known layers, read before and after the forward (NOTE [ State a
