@@ -156,9 +156,10 @@ class TouchedState:
         for (table, name, _, _), value in zip(present, values):
             table[name] = value
         guarded = GuardedParameters(self._moved_parameters, layers)
-        switched = [module for module, training in self._modes.items() if module.training is not training]
-        for module in switched:  # NOTE [ Train and eval in a recompute ]
-            module.training = not module.training
+        switched = [(module, module.training) for module, training in self._modes.items()
+                    if module.training is not training]
+        for module, training in switched:  # NOTE [ Train and eval in a recompute ]
+            module.training = not training
         try:
             try:
                 yield
@@ -167,8 +168,8 @@ class TouchedState:
                 raise
             guarded.check()
         finally:
-            for module in switched:
-                module.training = not module.training
+            for module, training in switched:
+                module.training = training
             for table, name, original, _ in present:
                 table[name] = original
             if last:
@@ -254,7 +255,7 @@ class _LayerState(TouchedState):
         else:
             self._snapshot, self._given = self._given, None
         self._buffer_counts = [(module, _count_buffers(module)) for _, module in self._modules]
-        self._modes = {module: module.training for _, module in self._modules}
+        self._modes = {module: module.training for _, module in self._modules}  # as it starts: end_forward
         yield
 
     def note_saved(self, tensor: torch.Tensor) -> None:
@@ -263,6 +264,8 @@ class _LayerState(TouchedState):
             self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
+        # The modes the forward ran its modules in: known where no call changed them.
+        self._modes = {module: training for module, training in self._modes.items() if module.training is training}
         moved, self._moved_parameters = self._changes()
         mutated = self._mutated_by_layer(moved)
         mutated_ids = {id(own_tensors(module, "buffers")[name]) for buffers in mutated.values()
@@ -280,13 +283,15 @@ class _LayerState(TouchedState):
     def _changes(self) -> tuple:
         """``({module: the first layer index it is under}, [(layer index, module,
         parameter name)])``: the modules whose state moved since the forward started (a
-        tensor changed in place, or replaced), and the parameters that did."""
+        tensor changed in place, or replaced), and the parameters changed in place (one
+        replaced is not the forward's change of it: FSDP2 puts gathered ones in place)."""
         moved, parameters = {}, []
         for index, module, kind, name, tensor, was in self._before:
             now = own_tensors(module, kind).get(name)
-            if now is not tensor or (now is not None and version(now) != was):
+            in_place = now is tensor and version(now) != was
+            if now is not tensor or in_place:
                 moved.setdefault(module, index)
-                if kind == "parameters":
+                if kind == "parameters" and in_place:
                     parameters.append((index, module, name))
         return moved, parameters
 
