@@ -8,10 +8,9 @@ layer where it starts, except a balanced plan's last segment
 """
 from __future__ import annotations
 
-import weakref
-
 from torch import nn
 
+from .._torch import uncompiled
 from ..errors import ConfigError
 from ..runtime.keep_rules import KeepPolicy
 from . import plan_record, plans
@@ -36,10 +35,13 @@ class ChainSegments:
 
     def __init__(self, spec: SegmentsSpec):
         self._spec = spec
+        # The layers the plan was applied to and those whose settings changed since, held
+        # strongly (until the plan goes): copies and pickles of the chain keep them as its
+        # layers, and changed layers keep the chain raising until the plan goes anyway.
         self.applied_plan = None
-        self._applied_to = ()  # weak references to the layers the plan was applied to
+        self._applied_to = ()
         self._plan_policies = {}  # segment start -> KeepPolicy, from the plan
-        self._set_since_plan = weakref.WeakSet()  # modules whose settings changed after it
+        self._set_since_plan = set()
         self.balanced = BalancedPlans()
 
     @property
@@ -51,14 +53,15 @@ class ChainSegments:
         if self.applied_plan is not None and isinstance(value, list) and value == list(self.applied_plan.starts):
             return  # the plan's own segments: nothing changes
         self.applied_plan, self._spec, self._applied_to, self._plan_policies = None, value, (), {}
+        self._set_since_plan = set()
 
     def apply(self, plan: "plan_record.Plan", layers: list) -> None:
         """Run by ``plan``, made for ``layers`` (NOTE [ An applied plan ])."""
         self.applied_plan = plan
-        self._applied_to = tuple(weakref.ref(layer) for layer in layers)
+        self._applied_to = tuple(uncompiled(layer) for layer in layers)
         self._plan_policies = {start: KeepPolicy.resolve(codec) if option is None else option
                                for (start, _, option), codec in zip(plan.segments, plan.saves_codecs)}
-        self._set_since_plan = weakref.WeakSet()
+        self._set_since_plan = set()
 
     def settings_changed(self, modules) -> None:
         """Note that ``modules``' settings changed: where a segment starts at one, its
@@ -75,9 +78,10 @@ class ChainSegments:
         if self.applied_plan is None:
             return
         applied = self._applied_to
-        if len(applied) == len(layers) and all(ref() is layer for ref, layer in zip(applied, layers)):
+        # A layer compiled since (torch.compile(layer)) is the same layer.
+        if len(applied) == len(layers) and all(a is uncompiled(b) for a, b in zip(applied, layers)):
             return
-        changed = next((i for i, (ref, layer) in enumerate(zip(applied, layers)) if ref() is not layer),
+        changed = next((i for i, (a, b) in enumerate(zip(applied, layers)) if a is not uncompiled(b)),
                        min(len(applied), len(layers)))
         raise ConfigError(
             f"this CheckpointedSequential changed after its plan was applied (the plan is for {len(applied)} "

@@ -1,5 +1,8 @@
 """Where a CheckpointedSequential's segments come from (planning/chain_segments.py): its
 segments= value, or the plan applied to it, the one source of its segments while applied."""
+import copy
+import pickle
+
 import pytest
 import torch
 from support import deep_mlp
@@ -73,6 +76,20 @@ def test_a_plan_applied_to_a_chain_raises_once_its_layers_change(change):
     model.segments = "balanced"  # drops the plan
     assert model.applied_plan is None
     model(x.requires_grad_()).sum().backward()
+
+
+def test_a_plan_stays_applied_through_copies_pickles_and_a_layer_compiled_in_place():
+    model = CheckpointedSequential(*deep_mlp(4))
+    x = torch.randn(8, 64)
+    model.apply_plan(plans.predict(actsave.profile(model, (x,)), [0, 2, 5], codecs=["none", "int8"]))
+    model.set_compression(2, None)  # a setting changed after the plan travels too
+    for copy_of in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+        copied = copy_of(model)
+        assert copied.applied_plan == model.applied_plan
+        assert _describe_rows(copied) == _describe_rows(model)  # same layers, same options: no ConfigError
+        copied(x.clone().requires_grad_()).sum().backward()
+    model[3] = torch.compile(model[3])  # the same layer
+    assert model.applied_plan is not None and "segment" in model.describe()
 
 
 def test_describe_after_the_layers_change_waits_for_the_next_balanced_plan():
