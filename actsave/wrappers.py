@@ -191,13 +191,18 @@ class Checkpoint(nn.Module):
         """Why a compiled forward runs it eagerly, or None (class docstring)."""
         return self._eager_because
 
+    # The library reads module and inputs_policy under these names, which no wrapped
+    # module's attribute takes (the public ones yield to the module's).
+    @property
+    def _wrapped(self) -> nn.Module:
+        return self._modules[_WRAPPED]
+
     @property
     def _kept_inputs_policy(self) -> Optional[KeepPolicy]:
-        # inputs_policy, under a name no wrapped module's attribute takes.
         return self._option.policy if self._option.keep == "inputs" else None
 
     def forward(self, *args, **kwargs):
-        policy, wrapped = self._kept_inputs_policy, self._modules[_WRAPPED]
+        policy, wrapped = self._kept_inputs_policy, self._wrapped
         if torch.compiler.is_compiling() and policy is not None and graph_codecs.blocks_in_graph(
                 policy, self._eager_because):
             args, kwargs = graph_codecs.inputs_copied(args, kwargs, policy)
@@ -285,7 +290,7 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     for block in blocks:
         if not block.wrapped:
             block.replace(_checkpoint_of(block.module, option, options))
-        elif matches(uncompiled(block.module.module), block.fqn):
+        elif matches(uncompiled(block.module._wrapped), block.fqn):
             # Wrapped by an earlier call and selected again: this call's options win,
             # as they would for a module wrapped now (never the old ones, silently).
             block.module._option, block.module._recompute = option, options

@@ -142,6 +142,8 @@ def test_checkpoint_hides_no_attribute_of_the_module_it_wraps(name):
     out = model(torch.randn(4, 8, requires_grad=True))
     assert actsave.stored_bytes()["device"] > 0  # still checkpointed, its input kept by int8
     out.sum().backward()
+    actsave.wrap(model, _NamedLikeTheWrapper)  # selected again: this call's options win
+    assert model[0]._option.policy.codec.name == "none"
 
 
 def test_checkpoint_rejects_what_is_not_a_module():

@@ -449,7 +449,7 @@ def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
     """``{checkpoint: why it runs eagerly}`` for the blocks among ``checkpoints`` that
     make decisions a compiled recompute cannot keep (:func:`decisions_made`'s
     reasons): the model's forward on meta tensors, its checkpointed blocks run plainly."""
-    why = {c: "max-pool decisions" for c in checkpoints if _max_pool_in(c.module.modules())}
+    why = {c: "max-pool decisions" for c in checkpoints if _max_pool_in(c._wrapped.modules())}
     running = []  # (checkpoint, its inputs' autograd nodes)
 
     def pack(t):
@@ -477,7 +477,7 @@ def _run_plainly(checkpoints: list):
     sees the block's own saves (an instance attribute ``forward`` comes before the
     class's method and is not registered as a submodule)."""
     for checkpoint in checkpoints:
-        object.__setattr__(checkpoint, "forward", checkpoint.module)
+        object.__setattr__(checkpoint, "forward", checkpoint._wrapped)
     try:
         yield
     finally:
@@ -491,5 +491,5 @@ def _block_watch(checkpoint, running: list) -> tuple:
 
     def leave(module, args, kwargs, output):
         running.pop()
-    return (checkpoint.module.register_forward_pre_hook(enter, with_kwargs=True),
-            checkpoint.module.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    return (checkpoint._wrapped.register_forward_pre_hook(enter, with_kwargs=True),
+            checkpoint._wrapped.register_forward_hook(leave, with_kwargs=True, always_call=True))
