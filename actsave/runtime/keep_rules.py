@@ -104,18 +104,20 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
 # makes the gradient inf or NaN (F.normalize beside all-zero padding rows, RMSNorm beside
 # one massive activation). So the saves a lossy codec keeps (runtime/kept_saves.py)
 # leave exact, held as they are, those whose last dimension is 1 and those broadcast
-# along a dimension (a stride of 0: ``norm.expand_as(x)``), whose storage is a fraction
-# of the elements they stand for: they cost little memory kept exactly, and an encoding
-# of a broadcast view would store every repeat. The planner's count of a plain
+# along a dimension (a stride of 0: ``norm.expand_as(x)``), where their storage holds no
+# more than their elements: they cost little memory kept exactly, and an encoding of a
+# broadcast view would store every repeat. A view into a larger storage (``y[..., :1]``)
+# is encoded as before: held, it would keep all of ``y``. The planner's count of a plain
 # segment's saves asks the same (planning/saves_as_stored.py).
 def lossy_codec_stores(t: torch.Tensor) -> bool:
     """Whether a lossy codec keeping saves encodes ``t``, a save: what should_encode
-    takes, but per-row statistics and broadcast views (NOTE [ Saves a lossy codec leaves
-    exact ])."""
-    if not should_encode(t) or t.dim() == 0:
+    takes, but per-row statistics and broadcast views of their own storage (NOTE [ Saves
+    a lossy codec leaves exact ])."""
+    if not should_encode(t):
         return False
     broadcast = any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
-    return t.shape[-1] != 1 and not broadcast
+    statistic = t.dim() == 0 or t.shape[-1] == 1 or broadcast
+    return not statistic or t.untyped_storage().nbytes() > t.numel() * t.element_size()
 
 
 # NOTE [ Inputs kept by reference ]

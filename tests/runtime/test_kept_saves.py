@@ -81,6 +81,23 @@ def test_per_row_statistics_are_held_exactly_beside_padding_rows(codec):
         assert sqnr_db(reference, approximation) >= EXPECTED_GRADIENT_SQNR_DB[codec]
 
 
+class _FirstColumnGate(nn.Module):
+    """``x * sigmoid(x)[..., :1]``: saves a last-dimension-1 view of a wider tensor."""
+
+    def forward(self, x):
+        gate = torch.sigmoid(x)
+        self.gate = weakref.ref(gate)
+        return x * gate[..., :1]
+
+
+def test_a_narrow_view_of_a_wide_save_is_encoded_not_held_with_its_storage():
+    gate = _FirstColumnGate()
+    x = torch.randn(64, 32, requires_grad=True)
+    out = actsave.checkpoint(gate, x * 1, keep="saves", compress="int8")
+    assert gate.gate() is None  # nothing holds the wide sigmoid output: its saves are encoded
+    out.sum().backward()
+
+
 def test_a_relu_output_and_its_view_are_stored_once():
     torch.manual_seed(0)
     model = last_segment_only(nn.ReLU(), nn.Linear(128, 4))  # the Linear saves a (6, 128) view
