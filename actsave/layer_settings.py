@@ -46,13 +46,13 @@ class LayerSettings:
         """The modules with a codec (``kind="codec"``) or an offload (``"offload"``) set on them."""
         return set(self._codecs if kind == "codec" else self._offload)
 
-    def keeps_on_host(self) -> bool:
-        """Whether the default or a layer keeps on the host (whatever the segments)."""
-        return any((self.default.offload, *self._offload.values()))
+    def keeps_on_host(self, layers) -> bool:
+        """Whether one of ``layers`` keeps on the host (whatever the segments)."""
+        return any(self.policy(layer).offload for layer in layers)
 
-    def keeps_by_codec(self) -> bool:
-        """Whether the default or a layer keeps by a lossy codec (whatever the segments)."""
-        return any(not codec.lossless for codec in (self.default.codec, *self._codecs.values()))
+    def keeps_by_codec(self, layers) -> bool:
+        """Whether one of ``layers`` keeps by a lossy codec (whatever the segments)."""
+        return any(self.policy(layer).lossy for layer in layers)
 
     def keep_only(self, present: set) -> None:
         """Forget the settings of modules no longer in the chain (replaced or deleted)."""

@@ -134,7 +134,7 @@ class CheckpointedSequential(nn.Sequential):
         for layer, flag in layer_offload.items():
             self.set_offload(layer, flag)
         self._last_call = ChainCall()  # what the last training call kept (describe())
-        self._decisions_by_input = {}  # graph_codecs.decisions_made, per input and plan
+        self._decisions_by_input = ((), {})  # graph_codecs.decisions_made, per input and plan: compiled_chain.py
         if planned:
             self.apply_plan(_planned(self, segments, budget, example_inputs, loss, allow, min_sqnr_db))
 
@@ -175,9 +175,9 @@ class CheckpointedSequential(nn.Sequential):
             # Each compiler-disabled function called here is one graph break
             # (tests/compile count them).
             source = self._segment_source
-            if self._settings.keeps_on_host() or source.plan_keeps(offload=True):
+            if self._settings.keeps_on_host(layers) or source.plan_keeps(offload=True):
                 return compiled_chain.eager_forward_under_compile(self, input, layers)
-            if not (self._settings.keeps_by_codec() or source.plan_keeps(lossy=True)):
+            if not (self._settings.keeps_by_codec(layers) or source.plan_keeps(lossy=True)):
                 return compiled_chain.traced_forward(self, input, layers, starts_for_call(self, input, layers))
             return compiled_chain.forward_with_graph_codecs(self, input, layers)
         return run_eagerly(self, input, layers, starts_for_call(self, input, layers))
@@ -292,7 +292,7 @@ class CheckpointedSequential(nn.Sequential):
                 rows.append(row + ("",) * (len(rows[0]) - len(row)))
         lines = [header, format_table(rows)] if header is not None else [format_table(rows)]
         if self._last_call.traced:
-            codecs = " (those set to keep by a codec encoded in it)" if self._settings.keeps_by_codec() else ""
+            codecs = " (those set to keep by a codec encoded in it)" if self._settings.keeps_by_codec(layers) else ""
             lines.append(f"The last training call ran in a compiled graph, which chose what each segment "
                          f"saves{codecs}: no stored bytes (NOTE [ Checkpoints in a compiled graph ]). A plan "
                          "predicts the eager code's peak; a compiled backward may hold more at once: "

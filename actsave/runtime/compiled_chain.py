@@ -5,7 +5,7 @@ graph break where the graph cannot hold what eager actsave keeps (NOTE [ Checkpo
 in a compiled graph ] in function.py).
 
 What these read of the chain: chain.py's module docstring; and its per-input cache
-``chain._decisions_by_input``.
+``chain._decisions_by_input``: (the layers it is for, {input: decisions found}).
 """
 from __future__ import annotations
 
@@ -93,10 +93,14 @@ def _why_codecs_run_eagerly(chain, input, layers: list, starts: list) -> Optiona
     segments, policies = segments_and_policies(chain, starts, layers)
     key = (tuple(input.shape), input.stride(), input.dtype, tuple(starts), tuple(policies),
            tuple(layer.training for layer in layers))
-    if key not in chain._decisions_by_input:
-        chain._decisions_by_input[key] = graph_codecs.decisions_made(
+    found_for, found = chain._decisions_by_input
+    if found_for != tuple(layers):  # a layer inserted, replaced or deleted: look again
+        found = {}
+        chain._decisions_by_input = (tuple(layers), found)
+    if key not in found:
+        found[key] = graph_codecs.decisions_made(
             [(layers[s.start:s.stop], policy) for s, policy in zip(segments, policies)], input)
-    decisions = chain._decisions_by_input[key]
+    decisions = found[key]
     if decisions is not None:
         return f"a segment kept by a codec makes {decisions}, which a recompute in the graph cannot keep"
     return None

@@ -321,7 +321,7 @@ _this_thread.set_for_blocks = False
 
 def _set_for_blocks() -> bool:
     return getattr(_this_thread, "set_for_blocks", False)
-_probed = weakref.WeakKeyDictionary()  # root -> {input key: {checkpoint: why eager}}
+_probed = weakref.WeakKeyDictionary()  # root -> (its modules, {input key: {checkpoint: why eager}})
 
 
 class RootForward:
@@ -381,13 +381,17 @@ def _forward_with_graph_codecs(root: RootForward, args: tuple, kwargs: dict):
 def _blocks_on(model, args, kwargs) -> bool:
     """Probe ``model``'s lossy blocks for decisions (once per input) and set the graph
     hooks; whether this call set them."""
-    checkpoints = [m for m in model.modules() if _keeps_by_codec(m)]
+    modules = tuple(model.modules())
+    checkpoints = [m for m in modules if _keeps_by_codec(m)]
     if not checkpoints:
         return False
     why = missing_pieces()
     if why is None:
         key = _input_key(args, kwargs, model)
-        known = _probed.setdefault(model, {})
+        probed_for, known = _probed.get(model, ((), {}))
+        if probed_for != modules:  # a module added, replaced or removed: probe again
+            known = {}
+            _probed[model] = (modules, known)
         if key not in known:
             known[key] = _probe_blocks(model, checkpoints, args, kwargs)
         _set_eager_because(checkpoints, known[key].get)

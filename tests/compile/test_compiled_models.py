@@ -157,6 +157,55 @@ def test_a_compiled_wrapped_block_that_makes_decisions_runs_eagerly_and_says_why
                 and "makes ReLU decisions" in str(w.message)]) == 1
 
 
+def _relu_warnings(raised) -> int:
+    return len([w for w in raised if "makes ReLU decisions" in str(w.message)])
+
+
+def test_a_compiled_chain_looks_for_decisions_again_once_its_layers_change(monkeypatch):
+    # The answer found for the GELUs (none: the codec in the graph) must not stand for
+    # the ReLUs put in their place, whose decisions a recompute in the graph would lose.
+    x = torch.randn(8, 64)
+    chain = actsave.CheckpointedSequential(*gelu_chain(), segments=4, compress="int8")
+    model = torch.compile(chain, backend=BACKEND)
+    grads_of_a_step(model, x)
+    for i, layer in enumerate(list(chain)):
+        if isinstance(layer, nn.GELU):
+            chain[i] = nn.ReLU()
+    chain.zero_grad(set_to_none=True)
+    eager = copy.deepcopy(chain)
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+    assert _relu_warnings(raised) == 1
+
+
+def test_a_compiled_wrapped_model_probes_its_blocks_again_once_a_module_changes(monkeypatch):
+    plain, x = ResidualNet(depth=2, activation=F.gelu, dropout=0.0), torch.randn(4, 8)
+    wrapped = actsave.wrap(plain, ResidualBlock, compress="int8")
+    model = torch.compile(wrapped, backend=BACKEND)
+    grads_of_a_step(model, x)
+    assert [block.eager_because for block in wrapped.blocks] == [None, None]
+    torch.manual_seed(1)
+    wrapped.blocks[1] = actsave.Checkpoint(ResidualBlock(activation=nn.ReLU(), dropout=0.0), compress="int8")
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        grads_of_a_step(model, x)
+    # The new block runs eagerly, keeping its ReLU decisions; the GELU block stays in the graph.
+    assert wrapped.blocks[0].eager_because is None and "ReLU decisions" in wrapped.blocks[1].eager_because
+    assert _relu_warnings(raised) == 1
+
+
+def test_a_compiled_chain_whose_layers_all_keep_on_the_device_compiles(monkeypatch):
+    # Built with offload=True, then every layer set back: no layer keeps on the host.
+    chain = actsave.CheckpointedSequential(*dropout_free_chain(), segments=4, offload=True)
+    chain.set_offload(slice(None), False)
+    model, graphs = compiled_for_counting(chain)
+    grads_of_a_step(model, torch.randn(16, 32))
+    assert len(graphs) == 1 and chain._last_call.traced
+
+
 def test_a_deep_copied_checkpointed_sequential_compiles_its_exact_segments_too():
     # copy.deepcopy gives the copy codec objects of its own: exactness is judged by value.
     model, graphs = compiled_for_counting(copy.deepcopy(actsave.CheckpointedSequential(*dropout_free_chain(),
