@@ -40,7 +40,8 @@ class HostPool:
     offloads the same shapes every time, so after the first step every request finds
     a buffer of its class and no new pinned memory is allocated.
 
-    ``capacity_bytes``: the most bytes the pool may reserve (``None``: no limit).
+    ``capacity_bytes``: the most bytes the pool may reserve (``None``: no limit). At
+    it, idle buffers of other classes are freed to make room, the largest first.
     ``pin``: pin the buffers (``None``: when CUDA is available). ``device``: ``"cpu"``,
     or ``"meta"`` for the buffers of simulated steps. Thread-safe: autograd's worker
     threads return buffers while the forward takes them.
@@ -112,6 +113,8 @@ class HostPool:
             if not self._idle[size] and not self._fits(size):
                 # Buffers still used by a copy are free within microseconds: wait, not fail.
                 self._take_back(_wait_until_finished)
+                if not self._idle[size]:
+                    self._free_idle_for(size)
             buffer = self._idle[size].pop() if self._idle[size] else self._allocate(size, nbytes)
             self._lent[id(buffer)] = size
         return buffer
@@ -143,6 +146,16 @@ class HostPool:
             else:
                 still_in_copy.append((event, buffer))
         self._in_copy = still_in_copy
+
+    def _free_idle_for(self, size: int) -> None:
+        """Free idle buffers of other classes, the largest first, until a new buffer of
+        ``size`` fits: they were made for other shapes (a larger batch before a smaller
+        last one), and counted against the capacity though nothing uses them."""
+        for size_class in sorted(self._idle, reverse=True):
+            idle = self._idle[size_class] if size_class != size else []
+            while idle and not self._fits(size):
+                idle.pop()
+                self._reserved -= size_class
 
     def _fits(self, size: int) -> bool:
         return self._capacity is None or self._reserved + size <= self._capacity

@@ -68,6 +68,19 @@ def test_exhaustion_says_what_was_asked_what_is_held_and_what_to_do():
     assert pool.acquire(5000).data_ptr() == held.data_ptr()  # its own class still fits
 
 
+def test_at_capacity_idle_buffers_of_other_classes_make_room():
+    # A smaller last batch after larger ones: its class has no idle buffer, and the idle
+    # larger ones, counted against the capacity, are no use to it.
+    pool = HostPool(capacity_bytes=48 * KiB)
+    for nbytes in (32 * KiB, 16 * KiB):
+        pool.release(pool.acquire(nbytes))
+    assert pool.reserved_bytes == 48 * KiB and pool.in_use_bytes == 0
+    small = pool.acquire(8 * KiB)
+    assert small.numel() == 8 * KiB and pool.reserved_bytes == 24 * KiB  # the 32 KiB buffer went
+    assert pool.acquire(16 * KiB).numel() == 16 * KiB  # the idle 16 KiB one, lent again
+    assert pool.allocations == 3
+
+
 def test_buffer_is_not_lent_again_before_its_last_copy_finishes():
     pool = HostPool()
     buffer = pool.acquire(4 * KiB)
