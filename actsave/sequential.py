@@ -387,6 +387,17 @@ def _check_planning_arguments(segments, planned: bool, budget, example_inputs, l
 
 def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inputs, loss, allow,
              min_sqnr_db) -> "plan_record.Plan":
+    if any(is_sharded(p) for p in model.parameters()):
+        # Each rank would plan from its own measured times, and a segment's recompute
+        # gathers its units (collectives): two ranks with other segments gather in
+        # other orders and hang. The measured step also runs the layers outside the
+        # root's FSDP2 hooks, which FSDP2 refuses afterwards.
+        raise ConfigError(
+            f"segments={strategy!r} plans from a measured step, which is not supported on FSDP2-sharded layers: "
+            "each rank would measure its own times and could choose other segments, whose recomputes gather "
+            "parameters in another order. Use the default segments='balanced' (planned on meta tensors alike on "
+            "every rank, FSDP2's gathered parameters counted), or plan before sharding and apply_plan on every "
+            "rank the plan made on one (docs/limits.md, \"FSDP2 and DDP\")")
     objective = "memory" if strategy == "memory" else "time"
     levers = plans.DEFAULT_ALLOW if allow is None else allow
     return plans.plan(profiler.profile(model, example_inputs, loss=loss), budget, min_sqnr_db=min_sqnr_db,

@@ -111,3 +111,14 @@ def test_a_plan_predicts_a_sharded_steps_peak_within_5_percent(mesh, segments):
     assert predicted <= measured <= 1.05 * predicted
     assert measured - predicted < unit / 8  # no unit uncounted
     assert "a balanced plan counts the parameters FSDP2 gathers" in model.describe()
+
+
+@pytest.mark.parametrize("segments", ["auto", "memory"])
+def test_segments_planned_from_a_measured_step_are_refused_on_sharded_layers(mesh, segments):
+    # Each rank would plan from its own times, and a recompute gathers its units: ranks
+    # with other segments gather in other orders and hang (seen on two gloo ranks).
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU()]
+    shard(nn.Sequential(*layers), [layers[0], layers[2]], mesh)
+    with pytest.raises(actsave.ConfigError, match="not supported on FSDP2-sharded layers.*segments='balanced'"):
+        actsave.CheckpointedSequential(*layers, segments=segments, budget=2**20, example_inputs=(torch.randn(8, 32),))
