@@ -255,6 +255,17 @@ def test_a_buffer_read_then_updated_is_read_as_the_forward_read_it(how):
     assert_same_training(plain, model)
 
 
+def checkpointed_as(how: str, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``block(x)`` checkpointed ``how``: as a CheckpointedSequential's checkpointed
+    segment, or by ``actsave.checkpoint`` of the module (known layers) or of a function
+    that calls it (global hooks); ``"plain"``: not checkpointed."""
+    if how == "plain":
+        return block(x)
+    if how == "sequential":
+        return actsave.CheckpointedSequential(block, nn.Identity(), segments=[0, 1])(x)
+    return actsave.checkpoint(block if how == "checkpoint_module" else (lambda t: block(t)), x)
+
+
 class _ShrinksItsWeight(nn.Module):
     """Scales its weight in place in its forward, then uses it."""
 
@@ -275,10 +286,7 @@ def test_a_parameter_the_forward_changes_again_in_the_recompute_raises_and_is_pu
     block = _ShrinksItsWeight()
     weight = block.weight.detach().clone()
     x = torch.randn(4, 8, requires_grad=True)
-    if how == "sequential":
-        out = actsave.CheckpointedSequential(block, nn.Linear(8, 1), segments=[0, 1])(x)
-    else:
-        out = actsave.checkpoint(block if how == "checkpoint_module" else (lambda t: block(t)), x)
+    out = checkpointed_as(how, block, x)
     with pytest.raises(actsave.RecomputeError, match="changed parameter 'weight' of _ShrinksItsWeight in place.*again"):
         out.sum().backward()
     assert torch.equal(block.weight, weight * 0.9)  # as after one forward
@@ -339,12 +347,7 @@ def test_the_recompute_runs_each_module_in_the_mode_its_forward_ran_in(kind, how
         torch.manual_seed(0)
         block = _ByMode(kind)
         x = torch.randn(4, 8, requires_grad=True)
-        if not checkpointed:
-            out = block(x)
-        elif how == "sequential":
-            out = actsave.CheckpointedSequential(block, nn.Identity(), segments=[0, 1])(x)
-        else:
-            out = actsave.checkpoint(block if how == "checkpoint_module" else (lambda t: block(t)), x)
+        out = checkpointed_as(how if checkpointed else "plain", block, x)
         block.eval()
         out.pow(2).sum().backward()
         assert not any(module.training for module in block.modules())  # the caller's mode, after
@@ -375,12 +378,7 @@ def test_a_mode_the_forward_itself_sets_is_the_one_its_recompute_runs_in(how):
         torch.manual_seed(0)
         block = _EvaluatesItsNormOnce()
         x = torch.randn(4, 8, requires_grad=True)
-        if not checkpointed:
-            out = block(x)
-        elif how == "sequential":
-            out = actsave.CheckpointedSequential(block, nn.Identity(), segments=[0, 1])(x)
-        else:
-            out = actsave.checkpoint(block if how == "checkpoint_module" else (lambda t: block(t)), x)
+        out = checkpointed_as(how if checkpointed else "plain", block, x)
         out.pow(2).sum().backward()
         modes = torch.tensor([module.training for module in block.modules()])
         return [x.grad, *(p.grad for p in block.parameters()), *block.buffers(), modes]
