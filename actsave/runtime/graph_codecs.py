@@ -321,7 +321,7 @@ _this_thread.set_for_blocks = False
 
 def _set_for_blocks() -> bool:
     return getattr(_this_thread, "set_for_blocks", False)
-_probed = weakref.WeakKeyDictionary()  # root -> (its modules, {input key: {checkpoint: why eager}})
+_probed = weakref.WeakKeyDictionary()  # root -> (its submodules, {input key: {checkpoint: why eager}})
 
 
 class RootForward:
@@ -381,7 +381,7 @@ def _forward_with_graph_codecs(root: RootForward, args: tuple, kwargs: dict):
 def _blocks_on(model, args, kwargs) -> bool:
     """Probe ``model``'s lossy blocks for decisions (once per input) and set the graph
     hooks; whether this call set them."""
-    modules = tuple(model.modules())
+    modules = tuple(model.modules())[1:]  # not the root: _probed's key, which its value must not hold
     checkpoints = [m for m in modules if _keeps_by_codec(m)]
     if not checkpoints:
         return False

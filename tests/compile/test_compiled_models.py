@@ -1,7 +1,9 @@
 """A compiled model that contains actsave: one graph with torch's checkpoints, eager at one
 break where it keeps on the host or keeps decisions, failures that leave no hooks set."""
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -195,6 +197,17 @@ def test_a_compiled_wrapped_model_probes_its_blocks_again_once_a_module_changes(
     # The new block runs eagerly, keeping its ReLU decisions; the GELU block stays in the graph.
     assert wrapped.blocks[0].eager_because is None and "ReLU decisions" in wrapped.blocks[1].eager_because
     assert _relu_warnings(raised) == 1
+
+
+def test_a_compiled_wrapped_model_is_freed_once_dropped():
+    # The probe's record of a root is keyed by the root, weakly: it must not hold it.
+    wrapped = actsave.wrap(ResidualNet(depth=2, activation=F.gelu, dropout=0.0), ResidualBlock, compress="int8")
+    grads_of_a_step(torch.compile(wrapped, backend=BACKEND), torch.randn(4, 8))
+    alive = weakref.ref(wrapped)
+    del wrapped
+    torch._dynamo.reset()
+    gc.collect()
+    assert alive() is None
 
 
 def test_a_compiled_chain_whose_layers_all_keep_on_the_device_compiles(monkeypatch):
