@@ -13,6 +13,7 @@ the planner (its profile, cost model and plans) both ask, so that they agree.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -105,9 +106,9 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
 # one massive activation). So the saves a lossy codec keeps (runtime/kept_saves.py)
 # leave exact, held as they are, those whose last dimension is 1 and those broadcast
 # along a dimension (a stride of 0: ``norm.expand_as(x)``), where their storage holds no
-# more than their elements: they cost little memory kept exactly, and an encoding of a
-# broadcast view would store every repeat. A view into a larger storage (``y[..., :1]``)
-# is encoded as before: held, it would keep all of ``y``. The planner's count of a plain
+# more than the elements they read: they cost little memory kept exactly, and an
+# encoding of a broadcast view would store every repeat. A view into a larger storage
+# (``y[..., :1]``, expanded or not) is encoded as before: held, it would keep all of ``y``. The planner's count of a plain
 # segment's saves asks the same (planning/saves_as_stored.py).
 def lossy_codec_stores(t: torch.Tensor) -> bool:
     """Whether a lossy codec keeping saves encodes ``t``, a save: what should_encode
@@ -117,7 +118,9 @@ def lossy_codec_stores(t: torch.Tensor) -> bool:
         return False
     broadcast = any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
     statistic = t.dim() == 0 or t.shape[-1] == 1 or broadcast
-    return not statistic or t.untyped_storage().nbytes() > t.numel() * t.element_size()
+    # The elements it reads: a broadcast dimension reads one of its size.
+    distinct = math.prod(size for stride, size in zip(t.stride(), t.shape) if stride != 0)
+    return not statistic or t.untyped_storage().nbytes() > distinct * t.element_size()
 
 
 # NOTE [ Inputs kept by reference ]

@@ -82,16 +82,23 @@ def test_per_row_statistics_are_held_exactly_beside_padding_rows(codec):
 
 
 class _FirstColumnGate(nn.Module):
-    """``x * sigmoid(x)[..., :1]``: saves a last-dimension-1 view of a wider tensor."""
+    """``x * sigmoid(x)[..., :1]``: saves a last-dimension-1 view of a wider tensor, or
+    that view broadcast to ``x``'s shape (``expand``)."""
+
+    def __init__(self, expand: bool):
+        super().__init__()
+        self.expand = expand
 
     def forward(self, x):
         gate = torch.sigmoid(x)
         self.gate = weakref.ref(gate)
-        return x * gate[..., :1]
+        column = gate[..., :1]
+        return x * (column.expand_as(x) if self.expand else column)
 
 
-def test_a_narrow_view_of_a_wide_save_is_encoded_not_held_with_its_storage():
-    gate = _FirstColumnGate()
+@pytest.mark.parametrize("expand", [False, True])
+def test_a_narrow_view_of_a_wide_save_is_encoded_not_held_with_its_storage(expand):
+    gate = _FirstColumnGate(expand)
     x = torch.randn(64, 32, requires_grad=True)
     out = actsave.checkpoint(gate, x * 1, keep="saves", compress="int8")
     assert gate.gate() is None  # nothing holds the wide sigmoid output: its saves are encoded
