@@ -20,19 +20,20 @@ from ..errors import RecomputeError
 # what the forward read; otherwise it reads other values, and the parameter changes
 # twice (torch.utils.checkpoint does both, silently). So the parameters the forward
 # changed, and only those, are copied as a recompute starts and compared as it ends (or
-# stops early), and put back as the forward left them. Changed by more than a few
-# roundings, the recompute raises; by rounding alone it goes on (max_norm renormalizes a
-# row whose norm came out an ulp above the limit by an ulp again). Where the layers are
+# stops early), and put back as the forward left them. Changed by more than 4 units of
+# rounding (relative: 4 eps), the recompute raises; by rounding alone it goes on (max_norm
+# renormalizes a row whose norm came out an ulp above the limit by an ulp or two again).
+# bfloat16's eps is 2^-7, so there a change under 3% passes. Where the layers are
 # known the change is seen whichever module made it; under global hooks (a function of
 # unknown layers) a change is seen where a module makes it to its own parameters during
 # its own call; a parameter replaced (FSDP2 puts gathered ones in place) is not a change.
 def _rounding_apart(now: torch.Tensor, then: torch.Tensor) -> bool:
-    """Whether ``now`` is ``then`` within a few roundings of its dtype: the change of an
+    """Whether ``now`` is ``then`` within 4 units of its dtype's rounding: the change of an
     operation that leaves its result as it is but for rounding (max_norm's renormalization
     of a row whose norm came out one ulp above the limit)."""
     if not now.is_floating_point():
         return False
-    return torch.allclose(now, then, rtol=16 * torch.finfo(now.dtype).eps, atol=0.0, equal_nan=True)
+    return torch.allclose(now, then, rtol=4 * torch.finfo(now.dtype).eps, atol=0.0, equal_nan=True)
 
 
 class GuardedParameters:

@@ -80,7 +80,7 @@ class TouchedState:
         self._snapshot = {}  # (module, buffer name) -> the buffer's value as the forward started
         self._unreplayable = None  # (module, buffer name) the forward registered or removed: not replayed
         self._moved_parameters = []  # (layer index or None, module, name): parameters the forward changed
-        self._modes = {}  # module -> its ``training`` flag as the forward first ran it
+        self._modes = {}  # module -> its training flag as the forward ran it (NOTE [ Train and eval in a recompute ])
 
     @staticmethod
     def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None) -> "TouchedState":
@@ -156,10 +156,9 @@ class TouchedState:
         for (table, name, _, _), value in zip(present, values):
             table[name] = value
         guarded = GuardedParameters(self._moved_parameters, layers)
-        switched = [(module, module.training) for module, training in self._modes.items()
-                    if module.training is not training]
-        for module, training in switched:  # NOTE [ Train and eval in a recompute ]
-            module.training = not training
+        callers = [(module, module.training) for module in self._modes]  # NOTE [ Train and eval in a recompute ]
+        for module, training in self._modes.items():
+            module.training = training
         try:
             try:
                 yield
@@ -168,7 +167,7 @@ class TouchedState:
                 raise
             guarded.check()
         finally:
-            for module, training in switched:
+            for module, training in callers:
                 module.training = training
             for table, name, original, _ in present:
                 table[name] = original
@@ -222,9 +221,14 @@ class RecomputeStop(Exception):
 # BatchNorm uses the batch's statistics or its running ones, a block branches on it),
 # and a caller may switch it between the forward and the backward (``model.eval()`` for
 # an evaluation between the two). The recompute must do the forward's work, so each
-# module it runs has the flag the forward ran it with, and the caller's flag back as it
-# ends (torch.utils.checkpoint recomputes in the new mode: wrong gradients, or an error
-# where the saves' shapes change).
+# module it runs has the flag the forward ran it with, and every module the forward ran
+# gets the caller's flag back as the recompute ends, or stops early before the code that
+# would have set it back (torch.utils.checkpoint recomputes in the new mode: wrong
+# gradients, or an error where the saves' shapes change). Under global hooks the flag is
+# noted as each module's first call starts. Under known layers, read without hooks, it
+# is the flag the forward left: the one it ran with, unless the forward itself changed it
+# after running the module (used in train mode, then put in eval), where the recompute
+# runs it in the mode set after (docs/limits.md, "The in-place check").
 
 class _LayerState(TouchedState):
     """The state under known layers, read before and after the forward (NOTE [ State a
@@ -255,7 +259,6 @@ class _LayerState(TouchedState):
         else:
             self._snapshot, self._given = self._given, None
         self._buffer_counts = [(module, _count_buffers(module)) for _, module in self._modules]
-        self._modes = {module: module.training for _, module in self._modules}  # as it starts: end_forward
         yield
 
     def note_saved(self, tensor: torch.Tensor) -> None:
@@ -264,8 +267,7 @@ class _LayerState(TouchedState):
             self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
-        # The modes the forward ran its modules in: known where no call changed them.
-        self._modes = {module: training for module, training in self._modes.items() if module.training is training}
+        self._modes = {module: module.training for _, module in self._modules}  # as the forward left them
         moved, self._moved_parameters = self._changes()
         mutated = self._mutated_by_layer(moved)
         mutated_ids = {id(own_tensors(module, "buffers")[name]) for buffers in mutated.values()

@@ -387,6 +387,36 @@ def test_a_mode_the_forward_itself_sets_is_the_one_its_recompute_runs_in(how):
         assert torch.equal(plain, checkpointed)
 
 
+class _EvaluatesItsNormForOneCall(nn.Module):
+    """Runs its BatchNorm in eval mode for one call, then puts it back in train mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        self.norm.eval()
+        y = torch.tanh(self.norm(self.first(x)))
+        self.norm.train()
+        return y
+
+
+@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
+def test_a_recompute_that_stops_before_the_forward_restores_a_mode_gives_the_callers_back(how):
+    # The early stop ends the recompute after its last save, before norm.train() runs.
+    block = _EvaluatesItsNormForOneCall()
+    checkpointed_as(how, block, torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert block.norm.training
+
+
+def test_a_bfloat16_parameter_the_recompute_changes_again_raises_too():
+    torch.manual_seed(0)
+    block = _ShrinksItsWeight().to(torch.bfloat16)
+    out = actsave.checkpoint(block, torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True))
+    with pytest.raises(actsave.RecomputeError, match="changed parameter 'weight'"):
+        out.float().sum().backward()
+
+
 def fake_quantized_chain():
     from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver
     torch.manual_seed(0)
