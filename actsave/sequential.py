@@ -393,7 +393,8 @@ def _planned(model: "CheckpointedSequential", strategy: str, budget, example_inp
         # other orders and hang. The measured step also runs the layers outside the
         # root's FSDP2 hooks, which FSDP2 refuses afterwards.
         raise ConfigError(
-            f"segments={strategy!r} plans from a measured step, which is not supported on FSDP2-sharded layers: "
+            f"segments={strategy!r} plans from a measured step, which is not supported on sharded (DTensor) "
+            "layers such as FSDP2 makes: "
             "each rank would measure its own times and could choose other segments, whose recomputes gather "
             "parameters in another order. Use the default segments='balanced' (planned on meta tensors alike on "
             "every rank, FSDP2's gathered parameters counted), or plan before sharding and apply_plan on every "

@@ -41,7 +41,8 @@ class HostPool:
     a buffer of its class and no new pinned memory is allocated.
 
     ``capacity_bytes``: the most bytes the pool may reserve (``None``: no limit). At
-    it, idle buffers of other classes are freed to make room, the largest first.
+    it, idle buffers of other classes are freed to make room, the largest first; a freed
+    pinned buffer goes back to PyTorch's pinned-memory cache, which may keep it.
     ``pin``: pin the buffers (``None``: when CUDA is available). ``device``: ``"cpu"``,
     or ``"meta"`` for the buffers of simulated steps. Thread-safe: autograd's worker
     threads return buffers while the forward takes them.
@@ -150,7 +151,11 @@ class HostPool:
     def _free_idle_for(self, size: int) -> None:
         """Free idle buffers of other classes, the largest first, until a new buffer of
         ``size`` fits: they were made for other shapes (a larger batch before a smaller
-        last one), and counted against the capacity though nothing uses them."""
+        last one), and counted against the capacity though nothing uses them. Nothing
+        is freed where freeing them all would not make room (the request fails)."""
+        idle = sum(size_class * len(buffers) for size_class, buffers in self._idle.items() if size_class != size)
+        if self._capacity is not None and self._reserved - idle + size > self._capacity:
+            return
         for size_class in sorted(self._idle, reverse=True):
             idle = self._idle[size_class] if size_class != size else []
             while idle and not self._fits(size):

@@ -81,6 +81,17 @@ def test_at_capacity_idle_buffers_of_other_classes_make_room():
     assert pool.allocations == 3
 
 
+
+def test_idle_buffers_stay_where_freeing_them_would_not_make_room():
+    pool = HostPool(capacity_bytes=48 * KiB)
+    held = pool.acquire(32 * KiB)
+    pool.release(pool.acquire(16 * KiB))
+    with pytest.raises(OffloadPoolExhausted):
+        pool.acquire(32 * KiB)  # 32 lent + 32 new > 48, whatever goes
+    assert pool.reserved_bytes == 48 * KiB  # the idle 16 KiB buffer kept for its class
+    pool.release(held)
+
+
 def test_buffer_is_not_lent_again_before_its_last_copy_finishes():
     pool = HostPool()
     buffer = pool.acquire(4 * KiB)

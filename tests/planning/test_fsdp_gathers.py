@@ -120,5 +120,5 @@ def test_segments_planned_from_a_measured_step_are_refused_on_sharded_layers(mes
     torch.manual_seed(0)
     layers = [nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU()]
     shard(nn.Sequential(*layers), [layers[0], layers[2]], mesh)
-    with pytest.raises(actsave.ConfigError, match="not supported on FSDP2-sharded layers.*segments='balanced'"):
+    with pytest.raises(actsave.ConfigError, match="not supported on sharded .DTensor. layers.*segments='balanced'"):
         actsave.CheckpointedSequential(*layers, segments=segments, budget=2**20, example_inputs=(torch.randn(8, 32),))
