@@ -35,13 +35,7 @@ class ChainSegments:
 
     def __init__(self, spec: SegmentsSpec):
         self._spec = spec
-        # The layers the plan was applied to and those whose settings changed since, held
-        # strongly (until the plan goes): copies and pickles of the chain keep them as its
-        # layers, and changed layers keep the chain raising until the plan goes anyway.
-        self.applied_plan = None
-        self._applied_to = ()
-        self._plan_policies = {}  # segment start -> KeepPolicy, from the plan
-        self._set_since_plan = set()
+        self._hold(None, ())
         self.balanced = BalancedPlans()
 
     @property
@@ -52,16 +46,24 @@ class ChainSegments:
     def spec(self, value: SegmentsSpec) -> None:
         if self.applied_plan is not None and isinstance(value, list) and value == list(self.applied_plan.starts):
             return  # the plan's own segments: nothing changes
-        self.applied_plan, self._spec, self._applied_to, self._plan_policies = None, value, (), {}
-        self._set_since_plan = set()
+        self._spec = value
+        self._hold(None, ())
 
     def apply(self, plan: "plan_record.Plan", layers: list) -> None:
         """Run by ``plan``, made for ``layers`` (NOTE [ An applied plan ])."""
+        self._hold(plan, layers)
+
+    def _hold(self, plan: "plan_record.Plan | None", layers) -> None:
+        """Hold ``plan`` (None: none) as the one applied to ``layers``. The layers, and
+        those whose settings change after it, are held strongly until the plan goes:
+        copies and pickles of the chain keep them as its layers, and changed layers keep
+        the chain raising until the plan goes anyway."""
         self.applied_plan = plan
         self._applied_to = tuple(uncompiled(layer) for layer in layers)
-        self._plan_policies = {start: KeepPolicy.resolve(codec) if option is None else option
-                               for (start, _, option), codec in zip(plan.segments, plan.saves_codecs)}
-        self._set_since_plan = set()
+        self._plan_policies = {} if plan is None else {  # segment start -> KeepPolicy
+            start: KeepPolicy.resolve(codec) if option is None else option
+            for (start, _, option), codec in zip(plan.segments, plan.saves_codecs)}
+        self._set_since_plan = set()  # modules whose settings changed after it
 
     def settings_changed(self, modules) -> None:
         """Note that ``modules``' settings changed: where a segment starts at one, its

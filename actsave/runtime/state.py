@@ -157,8 +157,7 @@ class TouchedState:
             table[name] = value
         guarded = GuardedParameters(self._moved_parameters, layers)
         callers = [(module, module.training) for module in self._modes]  # NOTE [ Train and eval in a recompute ]
-        for module, training in self._modes.items():
-            module.training = training
+        _set_modes(self._modes.items())
         try:
             try:
                 yield
@@ -167,8 +166,7 @@ class TouchedState:
                 raise
             guarded.check()
         finally:
-            for module, training in callers:
-                module.training = training
+            _set_modes(callers)
             for table, name, original, _ in present:
                 table[name] = original
             if last:
@@ -209,6 +207,15 @@ class TouchedState:
                 checked.append((ref, version(tensor), label))
         self._checked = checked
         self._read = {}
+
+
+def _set_modes(modes) -> None:
+    """Give each module of ``modes`` (``(module, training)`` pairs) its flag, writing
+    only those that differ: nn.Module's __setattr__ is slow, and a recompute's modules
+    mostly have their flag already."""
+    for module, training in modes:
+        if module.training is not training:
+            module.training = training
 
 
 class RecomputeStop(Exception):
