@@ -30,7 +30,7 @@ from .planning.plan_record import Plan
 from .planning.plans import plan
 from .planning.profiler import Profile, profile
 from .sequential import CheckpointedSequential
-from .runtime.store import stored_bytes
+from .runtime.store import kept_bytes, stored_bytes
 from .planning.blocks import BlockPlan
 from .runtime.kept_ops import KeptOps
 from .wrappers import Checkpoint, checkpoint, plan_blocks, wrap
@@ -45,6 +45,7 @@ __all__ = [
     "plan_blocks",
     "BlockPlan",
     "KeptOps",
+    "kept_bytes",
     "stored_bytes",
     "profile",
     "plan",

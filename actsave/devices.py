@@ -21,7 +21,7 @@ import torch
 # planner offers no offload lever and times no host copies there.
 # The tests run the whole offload schedule on CPU tensors all the same, with the pool
 # standing for a host tier (host_tier_simulated): what it offloads is counted as "host"
-# in stored_bytes(), while the byte counter (planning/live_bytes.py) counts it on the
+# in kept_bytes(), while the byte counter (planning/live_bytes.py) counts it on the
 # device, where it is.
 _host_tier_simulated = [False]  # one flag for every thread, as a test's threads share it
 

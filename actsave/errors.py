@@ -1,4 +1,6 @@
-"""Exceptions actsave raises. Every message says what was wrong and what to do."""
+"""Exceptions actsave raises, and its deprecation warnings. Every message says what was
+wrong and what to do."""
+import warnings
 
 
 class ActsaveError(RuntimeError):
@@ -26,3 +28,11 @@ class OffloadPoolExhausted(ActsaveError):
 class InternalError(ActsaveError):
     """actsave broke one of its own guarantees (a bug, not a wrong argument): the
     message says which. Please report it with the message."""
+
+
+def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn that ``old`` is deprecated for ``new`` (the same thing, or the call that does
+    it), at the caller ``stacklevel`` - 1 frames above the function that calls this. A
+    renamed public name keeps working for one release, through this warning."""
+    warnings.warn(f"actsave: {old} is deprecated and will be removed in the next release: use {new}",
+                  DeprecationWarning, stacklevel=stacklevel)

@@ -262,9 +262,9 @@ class CheckpointedSequential(nn.Sequential):
 
     def describe(self) -> str:
         """A per-layer table: segment, what it keeps (a checkpointed segment its
-        ``input``, the last segment what autograd ``saves``), codec, where, and the bytes
-        actsave stored at the last training call, as :func:`actsave.stored_bytes`
-        counts them (with ReLU and max-pool decisions; none when the exact last
+        ``input``, a plain one what autograd ``saves``), codec, where, and the bytes
+        actsave kept at the last training call, as :func:`actsave.kept_bytes`
+        counts them (with ReLU and max-pool decisions; none when an exact plain
         segment's saves are autograd's own).
 
         Codec and where are the layer's settings, in the words of a printed
@@ -277,7 +277,7 @@ class CheckpointedSequential(nn.Sequential):
         that a plan's predicted peak is the eager code's).
         FSDP2-sharded parameters get a last line too: what of FSDP2's own bytes the
         plan counts, and what it does not."""
-        rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "stored bytes")]
+        rows = [("layer", "name", "type", "segment", "keeps", "codec", "where", "kept bytes")]
         names = list(self._modules)
         layers = list(self)
         header, starts = self._segment_source.last_starts(layers, self._settings.policies(layers))
@@ -294,7 +294,7 @@ class CheckpointedSequential(nn.Sequential):
         if self._last_call.traced:
             codecs = " (those set to keep by a codec encoded in it)" if self._settings.keeps_by_codec(layers) else ""
             lines.append(f"The last training call ran in a compiled graph, which chose what each segment "
-                         f"saves{codecs}: no stored bytes (NOTE [ Checkpoints in a compiled graph ]). A plan "
+                         f"saves{codecs}: no kept bytes (NOTE [ Checkpoints in a compiled graph ]). A plan "
                          "predicts the eager code's peak; a compiled backward may hold more at once: "
                          "docs/limits.md, \"torch.compile\".")
         if any(is_sharded(p) for p in self.parameters()):
@@ -309,14 +309,15 @@ class CheckpointedSequential(nn.Sequential):
 
 
 def _kept_columns(call: ChainCall, segment: Segment, policy: KeepPolicy) -> tuple:
-    """(codec, where, stored bytes) of describe()'s row for ``segment``, kept by ``policy``
+    """(codec, where, kept bytes) of describe()'s row for ``segment``, kept by ``policy``
     at the last training call, ``call``."""
     kept = call.kept.get(segment.start)
     if segment.start in call.by_reference:
         # The caller's tensor itself: only the decisions kept beside it are actsave's
         # (none at all where the segment saved nothing: it kept no input either).
         return "none", "by reference", str(max(kept - call.by_reference[segment.start], 0))
-    where = plan_record.where_kept(policy.offload) if segment.checkpointed else "-"
+    # A plain segment's saves stay on the device: its backward reads them at once.
+    where = plan_record.where_kept(policy.offload and segment.checkpointed)
     return policy.codec.name, where, "" if kept is None else str(kept)
 
 

@@ -4,7 +4,7 @@ A ResNet (bench/models.py) is cut into the same segments (``segments="sqrt"``) t
 keeping its segment inputs on the device, and offloading them (``offload=True``),
 with no codec and with int8. Per pair:
 
-- ``copy``: the offloaded bytes (``actsave.stored_bytes()["host"]`` at the end of a
+- ``copy``: the offloaded bytes (``actsave.kept_bytes()["host"]`` at the end of a
   forward) copied device -> pinned host and back alone, on a side stream, as one
   buffer (segment inputs are megabytes, where PCIe runs at full speed);
 - ``step`` and ``step_offload``: a training step without and with offload, timed in
@@ -68,7 +68,7 @@ def copy_ms(nbytes: int, device: torch.device, repeats: int) -> float:
 def offloaded_bytes(model, batch: tuple) -> int:
     """What a forward of ``model`` leaves in host memory for its backward."""
     loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
-    host = actsave.stored_bytes()["host"]
+    host = actsave.kept_bytes()["host"]
     loss.backward()
     return host
 

@@ -56,7 +56,7 @@ def main():
         y = torch.randint(0, 10, (sizes["batch"],), device=device)
         x = colours[y] + torch.randn(sizes["batch"], 3, 32, 32, device=device)
         loss = F.cross_entropy(model(x), y)
-        kept = actsave.stored_bytes()  # what actsave holds for backward, at the end of the forward
+        kept = actsave.kept_bytes()  # what actsave holds for backward, at the end of the forward
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -250,7 +250,7 @@ def train_distributed(scenario: Scenario, rank: int) -> dict:
         "params": [_full(p) for p in model.parameters()],
         # FSDP2 registers the sharded DTensors again once a unit is resharded.
         "resharded": all(type(p).__name__ == "DTensor" for p in model.parameters()),
-        "stored_bytes": actsave.stored_bytes(),
+        "kept_bytes": actsave.kept_bytes(),
     }
 
 

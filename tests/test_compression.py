@@ -164,14 +164,14 @@ def stem_then(model, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype, ratio", [(torch.float32, 0.27), (torch.bfloat16, 0.53)])
 @pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "fp8_e5m2"])
-def test_stored_bytes_ratio_of_kept_inputs(codec, dtype, ratio):
-    # The exact last segment's saves are autograd's, not in stored_bytes: compare the
+def test_kept_bytes_ratio_of_kept_inputs(codec, dtype, ratio):
+    # The exact last segment's saves are autograd's, not in kept_bytes: compare the
     # kept inputs alone (the last segment's saves are checked below).
     checkpointed_starts = [s.start for s in plan_segments(33, "sqrt") if s.checkpointed]
     kept = {}
     for compress in (None, {start: codec for start in checkpointed_starts}):
         out = stem_then(CheckpointedSequential(*mlp(), segments="sqrt", compress=compress).to(dtype), dtype)
-        kept[compress is None] = actsave.stored_bytes()["device"]
+        kept[compress is None] = actsave.kept_bytes()["device"]
         del out
     assert kept[False] <= ratio * kept[True]  # measured 0.258 (fp32), 0.516 (bf16)
 
@@ -188,21 +188,21 @@ def test_last_segment_saves_are_stored_by_the_codec(codec, dtype):
     out = stem_then(CheckpointedSequential(*mlp(), segments="sqrt", compress=codec).to(dtype), dtype)
     # Each of its 8 layers saves its input (GELU and Linear alike); weight.t() is a view
     # of a parameter and stays as it is.
-    assert actsave.stored_bytes()["device"] == KEPT_INPUTS + 8 * codes_and_scales(ELEMENTS)
+    assert actsave.kept_bytes()["device"] == KEPT_INPUTS + 8 * codes_and_scales(ELEMENTS)
     del out
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
-def test_stored_bytes_add_one_bit_per_relu_output():
+def test_kept_bytes_add_one_bit_per_relu_output():
     out = stem_then(CheckpointedSequential(*mlp(nn.ReLU), segments="sqrt", compress="int8"))
     relu_bits = ELEMENTS // 8
     # 12 ReLUs (odd layers 1-23) in the recomputed segments keep 1 bit per output.
     # The last segment (ReLU at 25, 27, 29, 31) stores each ReLU output once, with its
     # bits, though the next Linear saves it too; the segment input is saved by no one.
     last_segment = 4 * (codes_and_scales(ELEMENTS) + relu_bits)
-    assert actsave.stored_bytes()["device"] == KEPT_INPUTS + 12 * relu_bits + last_segment
+    assert actsave.kept_bytes()["device"] == KEPT_INPUTS + 12 * relu_bits + last_segment
     del out
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 def peak_activation_bytes(model) -> int:
@@ -252,7 +252,7 @@ def test_integer_and_bool_inputs_are_kept_as_they_are():
     index, mask = torch.tensor([0, 2, 4]), torch.tensor([True, False, True, True])
     out = checkpoint(select, x * 1, index, mask, compress="int8")
     expected = 6 * 4 + 4 * 1 + 3 * 8 + 4  # int8 codes and one scale, then index and mask as they are
-    assert actsave.stored_bytes()["device"] == expected
+    assert actsave.kept_bytes()["device"] == expected
     out.sum().backward()
 
 

@@ -51,12 +51,12 @@ def test_offload_on_a_cpu_model_keeps_nothing_on_the_host_and_warns_once(monkeyp
                 model = actsave.CheckpointedSequential(*layers, segments=3, compress=compress, offload=offload)
                 model(x).sum().backward()
                 out = model(x)
-                kept = actsave.stored_bytes()
+                kept = actsave.kept_bytes()
                 assert kept["host"] == 0 and kept["device"] > 0, (offload, compress, kept)
                 del out
         block = actsave.Checkpoint(nn.Sequential(nn.Linear(32, 32), nn.GELU()), keep="saves", offload=True)
         out = block(x.requires_grad_())
-        assert actsave.stored_bytes()["host"] == 0
+        assert actsave.kept_bytes()["host"] == 0
         del out
     offload_warnings = [w for w in caught if "offload=True keeps cpu tensors where they are" in str(w.message)]
     assert len(offload_warnings) == 1

@@ -76,7 +76,7 @@ def results_of(outcomes: list, scenario: Scenario) -> list:
 def assert_matches_reference(scenario: Scenario, results: list) -> None:
     reference = train_reference(scenario)
     for rank, result in enumerate(results):
-        assert result["stored_bytes"] == {"device": 0, "host": 0}, f"rank {rank} kept inputs alive"
+        assert result["kept_bytes"] == {"device": 0, "host": 0}, f"rank {rank} kept inputs alive"
         grads = result["grads"]
         assert [g is None for g in grads] == [g is None for g in reference["grads"]]
         if scenario.compress is None:

@@ -104,7 +104,7 @@ def test_autograd_grad_on_parameters_and_inputs():
     for a, b in zip(grads(plain), grads(model)):
         assert torch.equal(a, b)
     assert all(p.grad is None for p in model.parameters())
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 def test_gradient_accumulation_over_micro_batches():
@@ -137,28 +137,28 @@ def test_nothing_is_kept_or_recomputed_without_grad(mode):
     counter = CallCounter(model)
     with mode():
         model(torch.randn(8, 16))
-        assert actsave.stored_bytes() == {"device": 0, "host": 0}
+        assert actsave.kept_bytes() == {"device": 0, "host": 0}
     assert set(counter.counts.values()) == {1}
 
 
-def test_stored_bytes_counts_kept_inputs_until_backward():
+def test_kept_bytes_counts_kept_inputs_until_backward():
     model = as_checkpointed(mixed_chain(), segments=4)
     out = model(torch.randn(8, 16, requires_grad=True))
     # Three checkpointed segments, each keeping one 8x16 float32 input and the snapshot
     # of the BatchNorm it runs (two 16-float statistics, an int64 count): NOTE [ State a
     # forward reads and mutates ].
     snapshot = 2 * 16 * 4 + 8
-    assert actsave.stored_bytes() == {"device": 3 * (8 * 16 * 4 + snapshot), "host": 0}
+    assert actsave.kept_bytes() == {"device": 3 * (8 * 16 * 4 + snapshot), "host": 0}
     out.sum().backward()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
-def test_stored_bytes_is_zero_when_the_graph_is_dropped_without_backward():
+def test_kept_bytes_is_zero_when_the_graph_is_dropped_without_backward():
     model = as_checkpointed(mixed_chain(), segments=4)
     out = model(torch.randn(8, 16, requires_grad=True))
-    assert actsave.stored_bytes()["device"] > 0
+    assert actsave.kept_bytes()["device"] > 0
     del out
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 class AlternatingWidth(nn.Module):
@@ -276,11 +276,11 @@ def test_an_input_made_by_a_frozen_prefix_follows_its_codec_and_offload(offload)
     x = torch.randn(32, 64)
     out = model(x)
     expected = codes_and_scales(32 * 64)
-    assert actsave.stored_bytes() == ({"device": 0, "host": expected} if offload else {"device": expected, "host": 0})
+    assert actsave.kept_bytes() == ({"device": 0, "host": expected} if offload else {"device": expected, "host": 0})
     row = model.describe().splitlines()[1 + 4].split()
     assert row[4:6] == ["input", "int8"] and row[-1] == str(expected)
     out.sum().backward()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
     # The planner's profile asks the same question (keep_rules.should_encode).
     prof = actsave.profile(model, (x,))
     assert [layer.input_encodable for layer in prof.layers] == [False] + [True] * 7
@@ -502,7 +502,7 @@ def test_describe_lists_every_layer_with_its_segment_and_kept_bytes():
     model = as_checkpointed(mixed_chain(), segments=4)
     model(torch.randn(8, 16, requires_grad=True)).sum().backward()
     lines = model.describe().splitlines()
-    assert lines[0].split() == ["layer", "name", "type", "segment", "keeps", "codec", "where", "stored", "bytes"]
+    assert lines[0].split() == ["layer", "name", "type", "segment", "keeps", "codec", "where", "kept", "bytes"]
     assert len(lines) == 1 + len(model)
     # The batch is the caller's: kept by reference, none of actsave's bytes but the
     # snapshot of the segment's BatchNorm (NOTE [ State a forward reads and mutates ]).
@@ -512,7 +512,7 @@ def test_describe_lists_every_layer_with_its_segment_and_kept_bytes():
     assert second[4:7] == ["input", "none", "device"] and int(second[7]) > 0
     last_start = plan_segments(len(model), 4)[-1].start
     # The exact last segment's saves are autograd's own: no bytes of actsave's.
-    assert lines[1 + last_start].split()[4:] == ["saves", "none", "-"]
+    assert lines[1 + last_start].split()[4:] == ["saves", "none", "device"]
 
 
 # --- bad input -------------------------------------------------------------------------
@@ -616,7 +616,7 @@ def out_of_place(model):
     return model
 
 
-def test_describe_and_the_balanced_plan_say_where_each_input_is_kept_in_the_same_words():
+def test_describe_and_the_balanced_plan_say_what_each_segment_keeps_in_the_same_words():
     # The batch, which the caller holds and actsave keeps by reference, is not shown as
     # kept by a codec or on the host, and the balanced plan and describe() name the
     # same place for each input.
@@ -625,14 +625,14 @@ def test_describe_and_the_balanced_plan_say_where_each_input_is_kept_in_the_same
                                    compress="int8", offload=True)
     model(torch.randn(32, 64)).sum().backward()
     lines = model.describe().splitlines()
-    assert lines[1].split()[4:] == ["keeps", "codec", "where", "stored", "bytes"]
+    assert lines[1].split()[4:] == ["keeps", "codec", "where", "kept", "bytes"]
     kept = {int(row[0]): row[4:] for row in map(str.split, lines[2:]) if len(row) > 4}
     assert kept[0] == ["input", "none", "by", "reference", "0"]
     plan_rows = [row.split() for row in model.balanced_plan.table(every_segment=True).splitlines()[2:]]
-    checkpointed = {int(row[1].split("-")[0]): row[2:4] for row in plan_rows if row[2] != "plain"}
-    assert len(checkpointed) > 2 and checkpointed.pop(0) == ["none", "device"]
-    assert all(kept[start][1:3] == where for start, where in checkpointed.items()), (kept, checkpointed)
-    assert {tuple(where) for where in checkpointed.values()} == {("int8", "host")}
+    by_start = {int(row[1].split("-")[0]): row[2:5] for row in plan_rows}  # keeps, codec, where
+    assert len(by_start) > 2 and by_start.pop(0) == ["input", "none", "device"]
+    assert all(kept[start][:3] == row for start, row in by_start.items()), (kept, by_start)
+    assert {tuple(row) for row in by_start.values()} == {("input", "int8", "host"), ("saves", "none", "device")}
 
 
 def repeated_block_chain():

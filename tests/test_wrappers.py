@@ -41,9 +41,9 @@ def test_functional_checkpoint_reaches_parameters_a_closure_uses():
     fc = nn.Linear(4, 4)
     x = torch.randn(3, 4)  # no input needs grad: only the closed-over parameters do
     loss = checkpoint(lambda t: torch.tanh(fc(t)), x).sum()
-    assert actsave.stored_bytes()["device"] == x.numel() * 4  # held by reference, counted
+    assert actsave.kept_bytes()["device"] == x.numel() * 4  # held by reference, counted
     grads = torch.autograd.grad(loss, list(fc.parameters()))
-    assert actsave.stored_bytes()["device"] == 0
+    assert actsave.kept_bytes()["device"] == 0
     expected = torch.autograd.grad(torch.tanh(fc(x)).sum(), list(fc.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(grads, expected))
 
@@ -51,7 +51,7 @@ def test_functional_checkpoint_reaches_parameters_a_closure_uses():
 def test_functional_checkpoint_keeps_nothing_when_nothing_needs_grad():
     out = checkpoint(torch.tanh, torch.randn(3, 4))
     assert not out.requires_grad
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 def test_input_modified_in_place_after_forward_raises_at_backward():
@@ -140,7 +140,7 @@ def test_checkpoint_hides_no_attribute_of_the_module_it_wraps(name):
     for key in plain.state_dict():  # a state dict's names walk through the wrapper
         assert model.get_parameter(key).shape == plain.get_parameter(key).shape
     out = model(torch.randn(4, 8, requires_grad=True))
-    assert actsave.stored_bytes()["device"] > 0  # still checkpointed, its input kept by int8
+    assert actsave.kept_bytes()["device"] > 0  # still checkpointed, its input kept by int8
     out.sum().backward()
     actsave.wrap(model, _NamedLikeTheWrapper)  # selected again: this call's options win
     assert model[0]._option.policy.codec.name == "none"
@@ -158,7 +158,7 @@ def test_checkpoint_inside_a_checkpointed_segment_is_exact():
     model[6] = Checkpoint(model[6])  # in-place ReLU inside an outer segment
     model = CheckpointedSequential.from_sequential(model, segments=2)
     assert_same_training(plain, model, torch.randn(8, 16))
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 # --- wrap(model, filter_fn) ----------------------------------------------------------
@@ -219,7 +219,7 @@ def test_wrapping_again_applies_the_new_options():
                for block in model.blocks)
     out = model(torch.randn(16, 64))
     # The inputs of blocks 1 and 2 in 8 bits on the host; block 0's, the batch, by reference.
-    assert actsave.stored_bytes() == {"device": 16 * 64 * 4, "host": 2 * codes_and_scales(16 * 64)}
+    assert actsave.kept_bytes() == {"device": 16 * 64 * 4, "host": 2 * codes_and_scales(16 * 64)}
     out.sum().backward()
     # A Checkpoint the filter does not select keeps its options.
     wrap(model, lambda module, fqn: fqn == "blocks.0", compress="fp8")
@@ -418,4 +418,4 @@ def test_blocks_that_keep_their_saves_recompute_nothing(keep, compress):
     if compress is None:
         for p, q in zip(plain.parameters(), model.parameters()):
             assert torch.equal(p.grad, q.grad)
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}

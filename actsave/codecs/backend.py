@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from typing import Callable
 
 import torch
 
 from ..devices import runs_triton_by_default
-from ..errors import ActsaveError, ConfigError
+from ..errors import ActsaveError, ConfigError, warn_renamed
 from ..meta import device_of
 from ..settings import SetBy
 from ..triton_kernels import Kernel
@@ -65,9 +64,8 @@ def get_backend() -> str:
 def backend(name: str) -> contextlib.ExitStack:
     """Deprecated: ``with actsave.set_backend(name):`` does the same (one way to set the
     backend, returning the handle the offload setters return)."""
-    warnings.warn("actsave.backend(name) is deprecated and will be removed in the next release: use "
-                  "`with actsave.set_backend(name):`, which restores the previous backend on exit",
-                  DeprecationWarning, stacklevel=2)
+    warn_renamed("actsave.backend(name)",
+                 "`with actsave.set_backend(name):`, which restores the previous backend on exit")
     return set_backend(name)
 
 

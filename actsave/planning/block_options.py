@@ -52,7 +52,7 @@ from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
 from ..runtime.keep_rules import KeepPolicy, modifies_input
-from ..runtime.store import stored_bytes
+from ..runtime.store import kept_bytes
 from .allocator_rises import AllocatorRises
 from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import CostModel
@@ -195,10 +195,10 @@ class BlockMeasurer:
             with tracker:
                 x = _input_from(source, spec)
                 storage = weakref.ref(x.untyped_storage())
-                host_before = stored_bytes()["host"]
+                host_before = kept_bytes()["host"]
                 with tracker.span() as forward, allocator.span() as forward_counted:
                     y, _ = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))
-                fetched = float(stored_bytes()["host"] - host_before)  # what its backward brings back
+                fetched = float(kept_bytes()["host"] - host_before)  # what its backward brings back
                 del x
                 input_kept = storage() is not None
                 output_bytes = allocation_bytes(y.untyped_storage().nbytes(), self.device)

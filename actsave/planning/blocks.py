@@ -151,7 +151,7 @@ class BlockPlan:
 def _described(option) -> list:
     """(keeps, recomputes, codec, where) of a block's row in a printed plan."""
     if option is None:
-        return ["saves (plain)", "nothing", "none", "device"]
+        return ["saves", "nothing", "none", "device"]  # plain: autograd's saves as they are
     keeps = {"inputs": "inputs", "selective": "inputs, linear and attention outputs", "saves": "saves",
              "linear_inputs": "saves (linear inputs by the codec)"}[option.keep]
     recomputes = {"inputs": "everything", "selective": "norms, activations"}.get(option.keep, "nothing")

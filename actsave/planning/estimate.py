@@ -46,7 +46,7 @@ from ..checks import integral
 from ..devices import convolution_workspaces
 from ..errors import ConfigError
 from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
-from ..runtime.store import peak_stored_bytes
+from ..runtime.store import peak_kept_bytes
 from .instrumented_step import backward_from, checked_loss
 from .live_bytes import LiveBytes, allocation_bytes
 
@@ -63,7 +63,7 @@ class MemoryEstimate:
     optimizer state (the input batch included). ``total_peak_bytes`` adds those, all
     resident for the whole step. ``host_peak_bytes`` is the peak of what actsave holds
     in host memory (offloaded inputs and their ReLU and max-pool decisions, as
-    :func:`actsave.stored_bytes` counts them; the pinned pool rounds each buffer up to
+    :func:`actsave.kept_bytes` counts them; the pinned pool rounds each buffer up to
     a power of two); none of it is on the device. ``workspace_bytes_left_out``: on
     CUDA, for a model that runs convolutions, the rough size of cuDNN's workspaces, which
     no peak here counts (NOTE [ Workspaces an estimate leaves out ]); 0 elsewhere.
@@ -144,7 +144,7 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
                 model(*inputs)  # outside the measured step (module docstring)
         tracker = LiveBytes(device, known=(state, inputs))
         convolutions = _LargestConvolutionTensor(model, watched=convolution_workspaces(device))
-        with tracker, peak_stored_bytes() as stored, convolutions:
+        with tracker, peak_kept_bytes() as stored, convolutions:
             host_before = stored["host"]
             outputs = model(*inputs)
             if loss is None:

@@ -4,13 +4,12 @@ predict(), applied by CheckpointedSequential.apply_plan."""
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 from ..checks import integral
 from ..codecs import get_codec
-from ..errors import ConfigError
+from ..errors import ConfigError, warn_renamed
 from ..runtime.nested import Range
 from ..runtime.keep_rules import KeepPolicy
 from ..text import format_table, mib, ms
@@ -157,7 +156,7 @@ class Plan:
                   f"memory {mib(self.predicted_peak_bytes)} MiB (budget {budget}), {step}")
         rows = [self._segment_row(j) for j in range(len(self.starts))]
         groups = [[row] for row in rows] if every_segment else _runs(rows)
-        table = [["segment", "layers", "input kept", "where", ""]]
+        table = [["segment", "layers", "keeps", "codec", "where", ""]]
         for group in groups:
             first, last = group[0], group[-1]
             segments = first[0] if len(group) == 1 else f"{first[0]}-{last[0]} ({len(group)})"
@@ -165,21 +164,21 @@ class Plan:
         return header + "\n" + format_table(table)
 
     def _segment_row(self, j: int) -> tuple:
-        """(segment, first layer, last layer, input kept, where, peak marker) of segment j."""
+        """(segment, first layer, last layer, keeps, codec, where, peak marker) of
+        segment j, in describe()'s words: a checkpointed segment keeps its ``input``,
+        a plain one autograd's ``saves`` (by its codec, on the device)."""
         start, stop, option = self.segments[j]
         nested = j < len(self.nested) and self.nested[j] is not None
         if option is None:
-            codec = self.saves_codecs[j]
-            kept, where = "plain (no recompute)" + ("" if codec == "none" else f", saves {codec}"), ""
+            keeps, codec, where = "saves", self.saves_codecs[j], where_kept(False)
         else:
-            kept = f"{option.codec.name}, nested" if nested else option.codec.name
-            where = where_kept(option.offload)
-        return (str(j), str(start), str(stop - 1), kept, where, "<- peak" if j == self.peak_segment else "")
+            keeps, codec, where = "input, nested" if nested else "input", option.codec.name, where_kept(option.offload)
+        return (str(j), str(start), str(stop - 1), keeps, codec, where, "<- peak" if j == self.peak_segment else "")
 
 
-# The names Plan had for ``plain`` and ``saves_codec``, which meant "run plainly" where
-# stored_bytes() means "held for backward": accepted, with a DeprecationWarning, for
-# one release (constructor keywords and attributes alike).
+# The names Plan had for ``plain`` and ``saves_codec``, which said "stored" for "run
+# plainly", where actsave's word for "held for backward" is "kept": accepted, with a
+# DeprecationWarning, for one release (constructor keywords and attributes alike).
 _RENAMED = {"stored": "plain", "stored_codec": "saves_codec"}
 _fields_init = Plan.__init__
 
@@ -207,14 +206,6 @@ for _old, _new in _RENAMED.items():
     setattr(Plan, _old, _renamed_attribute(_old, _new))
 
 
-def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
-    """Warn that ``old`` is ``new``'s deprecated name, at the caller ``stacklevel`` - 1
-    frames above the function that calls this."""
-    warnings.warn(f"actsave: {old} is deprecated and will be removed in the next release: use {new} (the same "
-                  "thing; \"plain\" names a segment run plainly, \"stored\" what is held for backward)",
-                  DeprecationWarning, stacklevel=stacklevel)
-
-
 def where_kept(offload: bool) -> str:
     """The word for where a kept input lives, in plans and ``describe()`` alike."""
     return "host" if offload else "device"
@@ -225,7 +216,7 @@ def _runs(rows: list) -> list:
     peak's row alone."""
     runs = []
     for row in rows:
-        if runs and not row[5] and not runs[-1][-1][5] and runs[-1][-1][3:5] == row[3:5]:
+        if runs and not row[6] and not runs[-1][-1][6] and runs[-1][-1][3:6] == row[3:6]:
             runs[-1].append(row)
         else:
             runs.append([row])

@@ -27,13 +27,13 @@ from typing import Optional, Sequence
 from ..checks import byte_count, integral, real_number
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
 from ..devices import host_is_separate
-from ..errors import ConfigError, InternalError
+from ..errors import ConfigError, InternalError, warn_renamed
 from ..runtime.nested import Range
 from ..runtime.keep_rules import EXACT, KeepPolicy, kept_as
 from ..text import mib
 from .memory_model import CostModel
 from .profiler import Profile
-from .plan_record import Plan, warn_renamed
+from .plan_record import Plan
 from .planned_segment import PlannedSegment
 from .solver import fastest_within, smallest_headroom, smallest_nested_headroom
 

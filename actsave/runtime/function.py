@@ -46,7 +46,7 @@ NOTE [ Lifetime of kept inputs ]
 - A call whose function saved nothing (no input or parameter needs grad) releases its
   kept inputs before returning. A graph that is dropped without backward frees the
   placeholders, the hooks, the frame and with it the kept inputs; ``weakref.finalize``
-  keeps :func:`actsave.stored_bytes` exact in every case.
+  keeps :func:`actsave.kept_bytes` exact in every case.
 - With a lossy codec, the forward's ReLU decisions are kept too, one bit per element
   of each ReLU output (relu_signs.py), and its max pools' window decisions, a few bits
   per pooled element (pool_decisions.py), attached to the kept inputs: in the same
@@ -185,7 +185,7 @@ class _Frame:
         else:
             self._input_nodes = {}
         self.decision_bytes = 0  # ReLU signs and max-pool decisions kept
-        self._state_account = None  # the entry in stored_bytes of what account_kept counted
+        self._state_account = None  # the entry in kept_bytes of what account_kept counted
 
     def _lossy_recompute(self, kept: KeptInputs) -> bool:
         """Whether the recompute runs on values other than the forward's: inputs kept by
@@ -278,7 +278,7 @@ class _Frame:
 
     def account_kept(self) -> int:
         """As the forward ends: count what the frame keeps beyond its inputs and their
-        decisions in stored_bytes, until released, and return its bytes: the snapshot
+        decisions in kept_bytes, until released, and return its bytes: the snapshot
         of the module state the forward mutated (NOTE [ State a forward reads and
         mutates ]), and what a subclass keeps besides (selective.py: kept outputs)."""
         nbytes = self.touched.snapshot_bytes + self._kept_besides()

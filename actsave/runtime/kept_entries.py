@@ -50,7 +50,7 @@ class _Saved:
 
 class _Entry:
     """Tensors kept for one or more saves: on the device, counted there in
-    stored_bytes while they are, until the forward ends; with offload then parts of the
+    kept_bytes while they are, until the forward ends; with offload then parts of the
     call's host group (_HostGroup), which counts them. Held only by the saves."""
 
     __slots__ = ("_tensors", "_group", "_first", "_count", "nbytes", "_counted", "__weakref__")

@@ -54,7 +54,7 @@ What each save autograd makes during the call becomes (_SavesStore.pack):
 
 Where the kept saves are, and when they go (_Entry, _HostGroup):
 
-- Without offload, on the device, counted in ``stored_bytes()["device"]``; each freed
+- Without offload, on the device, counted in ``kept_bytes()["device"]``; each freed
   with the last node that saved it (held weakly: autograd holds them).
 - With offload, on the device until the call's forward ends, then host memory: all of
   them as one OffloadedTensors group (one buffer, one copy each way), one item of the
@@ -62,7 +62,7 @@ Where the kept saves are, and when they go (_Entry, _HostGroup):
   the tape (``segment_may_start``, unless its caller did), so that the device memory
   of what was offloaded before it goes; its own copy starts as its forward ends, so
   its device memory goes one block later (``free_later``; NOTE [ Offload stream
-  ordering ], rule 2). Counted in ``stored_bytes()["host"]``, then ``["device"]`` from
+  ordering ], rule 2). Counted in ``kept_bytes()["host"]``, then ``["device"]`` from
   the first unpack of any of its saves, which fetches the group (and the tape
   prefetches the items registered before it: the blocks whose backward comes next).
   Released when the last node that saved them is freed: after its backward (so at the
@@ -247,7 +247,7 @@ class _SavesStore:
                 saved.keep(self._entry(saved.value, non_negative, keep_signs), saved.value)
 
     def end_forward(self) -> dict:
-        """What the forward kept, as counted in stored_bytes (NOTE [ Kept saves ]); with
+        """What the forward kept, as counted in kept_bytes (NOTE [ Kept saves ]); with
         offload, sends it to the host as one group."""
         self.forget()
         entries = [entry for entry in (ref() for ref in self._made) if entry is not None]
@@ -277,7 +277,7 @@ def call_with_kept_saves(function: Callable, args: tuple, kwargs: dict, policy: 
 
     Returns ``(output, kept_bytes)``: the output, untouched, and ``{"device": int,
     "host": int}``, the bytes kept for its backward as the forward ends, counted so in
-    :func:`actsave.stored_bytes` (encoded saves and their decisions; with offload, the
+    :func:`actsave.kept_bytes` (encoded saves and their decisions; with offload, the
     host group: ``"device"`` is then 0); both 0 under ``torch.no_grad()``. None where
     actsave keeps nothing and autograd holds the saves: the exact codec without
     offload (a plain call), or other saved-tensor hooks active (left to them).

@@ -25,7 +25,7 @@ So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
   window), packed in 1, 2, 4 or 8 bits: 4 bits for a 3x3 window, 1/8 of the fp32
   pooled output, where the int64 indices would be twice its size.
 - Where and how long: attached to the kept inputs (store.py), so offloaded with them,
-  released with them after the recompute; counted by :func:`actsave.stored_bytes` and
+  released with them after the recompute; counted by :func:`actsave.kept_bytes` and
   the planner (planning/instrumented_step.py) like ReLU bits.
 - The recompute writes the forward's indices into the indices it saves, in place
   (the backward scatters at the forward's choice; a ``return_indices=True`` caller

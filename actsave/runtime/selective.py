@@ -54,7 +54,7 @@ Rules that keep it exact:
 
 What it keeps, beside its inputs: every kept call's output (what torchtitan's policy
 saves, the outputs of matmuls and attention) and the tensors its calls saved that are
-not views of their arguments; counted in stored_bytes() until the recompute, after which
+not views of their arguments; counted in kept_bytes() until the recompute, after which
 autograd holds them, as it holds any save, until their node's backward.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Kept segment inputs: what a checkpointed segment holds between its forward and
-its recompute, and the ledger behind :func:`actsave.stored_bytes`.
+its recompute, and the ledger behind :func:`actsave.kept_bytes`.
 
 See NOTE [ Lifetime of kept inputs ] in function.py for when entries are released.
 """
@@ -14,7 +14,7 @@ import torch
 
 from .._torch import pytree, version
 from ..codecs import Packed
-from ..errors import RecomputeError
+from ..errors import RecomputeError, warn_renamed
 from ..offload import OffloadedTensors, current_tape
 from .keep_rules import CallerTensors, KeepPolicy, kept_as, placed, should_encode
 from .relu_signs import known_non_negative
@@ -56,13 +56,13 @@ _LEDGER = _Ledger()
 
 
 def account(owner, nbytes: int, where: str = "device") -> weakref.finalize:
-    """Count ``nbytes`` in :func:`stored_bytes` for as long as ``owner`` lives, or
+    """Count ``nbytes`` in :func:`kept_bytes` for as long as ``owner`` lives, or
     until the returned finalizer is called."""
     _LEDGER.add(where, nbytes)
     return weakref.finalize(owner, _LEDGER.add, where, -nbytes)
 
 
-def stored_bytes() -> dict:
+def kept_bytes() -> dict:
     """Bytes actsave currently holds for backward: ``{"device": int, "host": int}``.
 
     Counts the kept segment inputs, their ReLU sign bits and max-pool decisions, and
@@ -75,9 +75,15 @@ def stored_bytes() -> dict:
     return _LEDGER.snapshot()
 
 
-def peak_stored_bytes():
+def stored_bytes() -> dict:
+    """Deprecated: :func:`kept_bytes` (actsave's word for "held for backward" is "kept")."""
+    warn_renamed("actsave.stored_bytes()", "actsave.kept_bytes()")
+    return kept_bytes()
+
+
+def peak_kept_bytes():
     """Context manager yielding a ``{"device": int, "host": int}`` dict that holds,
-    as the block runs and after it, the peaks of :func:`stored_bytes` since it began."""
+    as the block runs and after it, the peaks of :func:`kept_bytes` since it began."""
     return _LEDGER.watch()
 
 
@@ -224,7 +230,7 @@ class _Attached:
 
 
 class _GrowingAccount:
-    """Bytes counted in :func:`stored_bytes` that come one by one (a segment's
+    """Bytes counted in :func:`kept_bytes` that come one by one (a segment's
     decisions, as its forward makes them) and go all at once: on :meth:`settle`, or
     when ``owner`` is collected. One ledger entry for all of them."""
 
@@ -368,4 +374,4 @@ def input_tensors(args: tuple, kwargs: dict) -> list:
     return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
-__all__ = ["KeptInputs", "stored_bytes", "peak_stored_bytes", "account", "input_tensors"]
+__all__ = ["KeptInputs", "kept_bytes", "stored_bytes", "peak_kept_bytes", "account", "input_tensors"]

@@ -35,7 +35,7 @@ step. ``peak_act_mem`` subtracts what was resident when the step began: paramete
 buffers, gradients and the batch (there is no optimizer state). ``est_act_mem`` is
 the same quantity predicted on meta tensors. ``kept_bytes`` is what actsave holds
 for backward at the end of forward (actsave providers only:
-:func:`actsave.stored_bytes`, device and host). ``time`` is timed without the memory
+:func:`actsave.kept_bytes`, device and host). ``time`` is timed without the memory
 tracker; ``time_ratio`` and ``grad_sqnr`` are against the ``torch`` provider of the
 same run, which is therefore always measured.
 

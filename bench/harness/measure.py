@@ -39,15 +39,15 @@ def training_step(model: nn.Module, batch: tuple) -> int:
     """Forward, cross-entropy loss, backward. Returns the bytes actsave keeps for
     backward at the end of the forward."""
     inputs, targets = batch
-    before = _actsave_stored_bytes()
+    before = _actsave_kept_bytes()
     logits = model(inputs)
-    kept = _actsave_stored_bytes() - before
+    kept = _actsave_kept_bytes() - before
     step_loss(logits, targets).backward()
     return kept
 
 
-def _actsave_stored_bytes() -> int:
-    stored = actsave.stored_bytes()
+def _actsave_kept_bytes() -> int:
+    stored = actsave.kept_bytes()
     return stored["device"] + stored["host"]
 
 

@@ -32,7 +32,7 @@ def step(model, seed=1):
     torch.manual_seed(seed)
     x = torch.randn(8, 16, requires_grad=True)
     out = model(x * 1)
-    kept = actsave.stored_bytes()
+    kept = actsave.kept_bytes()
     out.square().sum().backward()
     return kept, x.grad
 
@@ -45,7 +45,7 @@ def test_offloaded_training_is_bit_identical_and_leaves_nothing():
     assert kept == {"device": 0, "host": 5 * 8 * 16 * 4}  # 5 checkpointed segments of 6
     assert torch.equal(grad, grad_plain)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
     assert host_pool().in_use_bytes == 0
 
 
@@ -120,7 +120,7 @@ def test_offloaded_channels_last_inputs_are_recomputed_channels_last_with_identi
     for net in (plain, model):
         leaf = x.clone().requires_grad_(True)
         out = net(leaf * 1)
-        kept.append(actsave.stored_bytes())
+        kept.append(actsave.kept_bytes())
         out.square().sum().backward()
         grads.append(leaf.grad)
     assert kept[1]["host"] == 2 * 4 * 8 * 6 * 6 * 4  # the inputs of the two checkpointed segments
@@ -150,7 +150,7 @@ def test_an_exception_leaves_no_buffer_claimed(when):
         step(model)
     gc.collect()  # the traceback held the partial graph
     assert host_pool().in_use_bytes == 0
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 def test_offloaded_input_modified_in_place_during_forward_is_refused():
@@ -253,7 +253,7 @@ def test_a_cpu_step_offloads_what_the_planner_counts_on_the_device():
     model = CheckpointedSequential(*wide_relu_chain(), segments=6, offload=True)
     x = torch.randn(32, 64, requires_grad=True)
     out = model(x * 1)
-    assert actsave.stored_bytes() == {"device": 0, "host": 5 * 32 * 64 * 4}
+    assert actsave.kept_bytes() == {"device": 0, "host": 5 * 32 * 64 * 4}
     out.sum().backward()
     assert not host_is_separate(x.device)
     layer = actsave.profile(torch.nn.Sequential(*wide_relu_chain()), x.detach()).layers[2]

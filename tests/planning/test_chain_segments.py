@@ -33,7 +33,7 @@ def test_the_applied_plan_is_the_one_source_of_segments_until_others_are_set():
 
 
 def _describe_rows(model) -> dict:
-    """describe()'s rows where a segment starts: {layer: (keeps, codec, stored bytes)}."""
+    """describe()'s rows where a segment starts: {layer: (keeps, codec, kept bytes)}."""
     rows = [line.split() for line in model.describe().splitlines()]
     return {int(row[0]): (row[4], row[5], row[-1]) for row in rows if len(row) > 6 and row[0].isdigit()}
 

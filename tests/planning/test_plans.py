@@ -322,8 +322,9 @@ def test_the_runtime_and_a_balanced_plan_keep_the_last_segment_alike():
 
 def test_the_old_names_of_plain_segments_still_work_and_warn(small_profile):
     # Plan.stored / stored_codec and plan(store_middle=, compress_stored=) were renamed
-    # plain / saves_codec / plain_middle / compress_saves: "stored" means held for
-    # backward (stored_bytes()). The old names work for one release, with a warning.
+    # plain / saves_codec / plain_middle / compress_saves: the old names said "stored" for
+    # run plainly, where actsave's word for held for backward is "kept" (kept_bytes()).
+    # They work for one release, with a warning.
     budget = actsave.plan(small_profile, None, objective="memory").predicted_peak_bytes * 2
     new = actsave.plan(small_profile, budget, plain_middle=False, compress_saves=False)
     with pytest.warns(DeprecationWarning) as caught:

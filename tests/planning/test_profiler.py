@@ -106,7 +106,9 @@ def test_profile_and_plan_print_as_tables():
     assert lines[0].split()[:5] == ["layer", "name", "type", "out", "MiB"] and len(lines) == 1 + 8 + 1
     plan = actsave.plan(prof, None, objective="memory")
     text = str(plan)
-    assert "predicted peak activation memory" in text and "plain (no recompute)" in text and "<- peak" in text
+    rows = [line.split() for line in text.splitlines()[1:]]
+    assert "predicted peak activation memory" in text and rows[0] == ["segment", "layers", "keeps", "codec", "where"]
+    assert rows[-1][2:] == ["saves", "none", "device"] and "<- peak" in text  # the last segment, plain
 
 
 # --- the runtime and the profile on one rule ------------------------------------------

@@ -17,9 +17,9 @@ def chain():
 def test_returns_output_and_kept_bytes():
     x = torch.randn(3, 4, requires_grad=True)
     out, kept = checkpointed_call(chain(), (x,), {}, EXACT)
-    assert kept == x.numel() * 4 == actsave.stored_bytes()["device"]
+    assert kept == x.numel() * 4 == actsave.kept_bytes()["device"]
     out.sum().backward()
-    assert actsave.stored_bytes()["device"] == 0
+    assert actsave.kept_bytes()["device"] == 0
 
 
 def test_no_grad_runs_plainly():
@@ -40,7 +40,7 @@ def test_failed_recompute_releases_what_it_kept():
     out, _ = checkpointed_call(flaky, (torch.randn(3, 4, requires_grad=True),), {}, EXACT)
     with pytest.raises(ValueError, match="boom in recompute"):
         out.sum().backward()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 def test_exception_in_forward_leaves_nothing_kept():
@@ -50,7 +50,7 @@ def test_exception_in_forward_leaves_nothing_kept():
 
     with pytest.raises(ValueError, match="boom in forward"):
         checkpointed_call(broken, (torch.randn(3, 4, requires_grad=True),), {}, EXACT)
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 def test_partial_backward_then_full_backward_with_retained_graph():
@@ -153,7 +153,7 @@ def input_grad(f, x):
 def test_autograd_grad_inside_the_function_gives_torchs_gradient():
     x = torch.randn(6)
     assert torch.equal(input_grad(checkpointed(gradient_penalty), x), input_grad(gradient_penalty, x))
-    assert actsave.stored_bytes()["device"] == 0
+    assert actsave.kept_bytes()["device"] == 0
 
 
 def test_autograd_grad_inside_a_lossy_checkpoint_is_exact_in_the_forward():

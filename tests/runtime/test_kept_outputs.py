@@ -31,7 +31,7 @@ def gradients(blocks, x, policy=None, extra=()):
         else:
             y, k = selective_call(block, (y, *extra), {}, KeptOps(), DEFAULT_RECOMPUTE, policy=policy)
             kept.append(k)
-    stored = actsave.stored_bytes()
+    stored = actsave.kept_bytes()
     with OpCounter() as backward:
         y.square().sum().backward()
     return [p.grad for p in blocks.parameters()], kept, stored, backward.counts
@@ -50,7 +50,7 @@ def test_offloaded_kept_outputs_give_bit_identical_gradients_and_leave_the_devic
     assert stored["device"] == ACTIVATION + (3 * 2 * 16 * 8 * 4 if kind == "llama" else 0)
     assert stored["host"] == sum(kept) - stored["device"]
     assert backward["aten.mm.default"] > 0 and backward["aten.addmm.default"] == 0  # no Linear ran again
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "fp8_e5m2"])
@@ -68,7 +68,7 @@ def test_encoded_kept_outputs_keep_less_within_the_codecs_gradient_floor(kind, c
     assert kept[1] < exact[1] / 3
     assert stored["host" if offload else "device"] >= sum(kept[1:])
     assert backward["aten.addmm.default"] == 0
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 def test_views_of_one_output_are_stored_once_and_come_back_as_the_views_they_were():
@@ -81,7 +81,7 @@ def test_views_of_one_output_are_stored_once_and_come_back_as_the_views_they_wer
     # The exact count counts each storage once (qkv's output, which attention's q, k, v
     # view; fc1's output, which GELU saves): so does the host copy, byte for byte.
     assert offloaded == exact
-    assert actsave.stored_bytes() == {"device": 0, "host": exact}  # its input (made by x * 1) too
+    assert actsave.kept_bytes() == {"device": 0, "host": exact}  # its input (made by x * 1) too
 
 
 class ChangesItsOutputAfterwards(nn.Module):

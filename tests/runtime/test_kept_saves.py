@@ -46,9 +46,9 @@ def test_parameters_and_batchnorm_statistics_are_held_as_they_are():
     conv_in, activation = 2 * 4 * 8 * 8, 2 * 8 * 8 * 8
     expected = (codes_and_scales(conv_in) + channel_means(4) + 2 * codes_and_scales(activation)
                 + channel_means(8) + activation // 8)
-    assert actsave.stored_bytes()["device"] == expected
+    assert actsave.kept_bytes()["device"] == expected
     out.sum().backward()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 class _RowNorms(nn.Module):
@@ -109,7 +109,7 @@ def test_a_relu_output_and_its_view_are_stored_once():
     torch.manual_seed(0)
     model = last_segment_only(nn.ReLU(), nn.Linear(128, 4))  # the Linear saves a (6, 128) view
     out = model(torch.randn(2, 3, 128, requires_grad=True) * 1)
-    assert actsave.stored_bytes()["device"] == codes_and_scales(768) + 768 // 8
+    assert actsave.kept_bytes()["device"] == codes_and_scales(768) + 768 // 8
     out.sum().backward()
 
 
@@ -121,7 +121,7 @@ class Product(nn.Module):
 @pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: what actsave.estimate runs
 def test_distinct_saves_of_one_shape_are_stored_apart(device):
     out = last_segment_only(Product())(torch.ones(4, 128, device=device, requires_grad=True) * 1)
-    assert actsave.stored_bytes()["device"] == 2 * codes_and_scales(512)
+    assert actsave.kept_bytes()["device"] == 2 * codes_and_scales(512)
     del out
 
 
@@ -157,7 +157,7 @@ def test_an_exception_in_the_forward_keeps_nothing():
     model = last_segment_only(nn.Linear(8, 8), nn.ReLU(), Boom())
     with pytest.raises(RuntimeError, match="boom"):
         model(torch.randn(4, 8, requires_grad=True) * 1)
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 @pytest.mark.parametrize("outer", ["torch_checkpoint", "save_on_cpu"])
@@ -201,15 +201,15 @@ def test_relu_outputs_are_stored_on_the_unsigned_grid():
 
 
 def pooled_step() -> tuple:
-    """(stored bytes after the forward, parameter gradients) of a last segment with a
+    """(kept bytes after the forward, parameter gradients) of a last segment with a
     max pool, under int8."""
     torch.manual_seed(0)
     model = last_segment_only(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Flatten(),
                               nn.Linear(8 * 4 * 4, 2))
     out = model(torch.randn(2, 3, 8, 8, requires_grad=True) * 1)
-    stored = actsave.stored_bytes()["device"]
+    stored = actsave.kept_bytes()["device"]
     out.sum().backward()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
     return stored, [p.grad for p in model.parameters()]
 
 
@@ -255,7 +255,7 @@ def test_saves_unchanged_since_the_forward_unpack_as_before():
     model = last_segment_only(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     x = torch.randn(8, 16, requires_grad=True)
     model(x * 1).sum().backward()
-    assert x.grad is not None and actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert x.grad is not None and actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 # --- call_with_kept_saves: a block kept instead of recomputed ---------------------------
@@ -313,7 +313,7 @@ def gradients(blocks, x, policy, scope="all", backwards=1) -> list:
 
 
 def assert_nothing_held():
-    assert actsave.stored_bytes() == NOTHING
+    assert actsave.kept_bytes() == NOTHING
     assert host_pool().in_use_bytes == 0
 
 
@@ -347,7 +347,7 @@ def test_a_lossy_codec_keeps_gradients_within_its_floor_and_offload_changes_no_b
 def test_the_exact_codec_on_the_device_is_a_plain_call():
     blocks, x = transformer_blocks(), torch.randn(4, 6, 32, requires_grad=True)
     out, kept = call_with_kept_saves(blocks[0], (x,), {}, keep())
-    assert kept is None and out.grad_fn is not None and actsave.stored_bytes() == NOTHING
+    assert kept is None and out.grad_fn is not None and actsave.kept_bytes() == NOTHING
     with torch.no_grad():
         assert call_with_kept_saves(blocks[0], (x,), {}, keep("int8"))[1] == NOTHING
 
@@ -381,7 +381,7 @@ def test_linear_inputs_alone_are_kept_by_the_codec(offload, as_callable):
     assert codec.encoded == [((8, 64), False), ((8, 256), False)]
     expected = codes_and_scales(8 * 64) + codes_and_scales(8 * 256)
     where = "host" if offload else "device"
-    assert kept == actsave.stored_bytes() == {**NOTHING, where: expected}
+    assert kept == actsave.kept_bytes() == {**NOTHING, where: expected}
     out.sum().backward()
     assert_nothing_held()
 
@@ -390,7 +390,7 @@ def test_offload_with_the_exact_codec_and_linear_inputs_sends_those_alone():
     block = linear_gelu_linear()
     out, kept = call_with_kept_saves(block, (torch.randn(8, 64, requires_grad=True) * 1,), {}, keep(offload=True),
                                      "linear_inputs")
-    assert kept == actsave.stored_bytes() == {"device": 0, "host": (8 * 64 + 8 * 256) * 4}
+    assert kept == actsave.kept_bytes() == {"device": 0, "host": (8 * 64 + 8 * 256) * 4}
     out.sum().backward()
     assert_nothing_held()
 
@@ -433,7 +433,7 @@ def test_views_of_one_storage_cross_the_bus_once():
     function(plain, scale=2.0).backward()
     kept_x = x.clone().requires_grad_()
     out, kept = call_with_kept_saves(function, (kept_x,), {"scale": 2.0}, keep(offload=True))
-    assert kept == actsave.stored_bytes() == {"device": 0, "host": 6 * 8 * 4}
+    assert kept == actsave.kept_bytes() == {"device": 0, "host": 6 * 8 * 4}
     out.backward()
     assert torch.equal(plain.grad, kept_x.grad)
     assert_nothing_held()
@@ -444,7 +444,7 @@ def test_offloaded_saves_leave_the_device_when_the_tape_lets_them_go():
     block[0].register_forward_hook(lambda module, args, out: outputs.append(out.untyped_storage()))
     out, kept = call_with_kept_saves(block, (torch.randn(8, 64, requires_grad=True),), {}, keep(offload=True))
     gelu_input = weakref.ref(outputs.pop())  # what GELU saved
-    assert kept == actsave.stored_bytes() == {"device": 0, "host": 2 * 8 * 256 * 4}  # both GELU's sides
+    assert kept == actsave.kept_bytes() == {"device": 0, "host": 2 * 8 * 256 * 4}  # both GELU's sides
     tape = current_tape()
     tape.segment_starts()  # the next block starts: the group's copy overlaps it...
     assert gelu_input() is not None
@@ -515,7 +515,7 @@ POLICIES = {"int8": keep("int8"), "int8_host": keep("int8", offload=True), "exac
 def test_memory_is_released_after_backward_and_with_a_graph_dropped_unused(policy, scope):
     blocks, x = transformer_blocks(), torch.randn(4, 6, 32, requires_grad=True)
     out = kept_forward(blocks, x * 1, POLICIES[policy], scope)
-    assert sum(actsave.stored_bytes().values()) > 0
+    assert sum(actsave.kept_bytes().values()) > 0
     out.sum().backward()
     assert_nothing_held()
     out = kept_forward(blocks, x * 1, POLICIES[policy], scope)
@@ -561,7 +561,7 @@ def test_saves_are_left_to_saved_tensor_hooks_already_active(policy):
     blocks, x = transformer_blocks(), torch.randn(4, 6, 32, requires_grad=True)
     with torch.autograd.graph.save_on_cpu():
         out, kept = call_with_kept_saves(blocks[0], (x * 1,), {}, POLICIES[policy])
-    assert kept is None and actsave.stored_bytes() == NOTHING
+    assert kept is None and actsave.kept_bytes() == NOTHING
     out.sum().backward()
 
 

@@ -75,9 +75,9 @@ def test_keeps_only_the_input_until_backward_and_releases_everything():
     x = torch.randn(4, 8, requires_grad=True)
     tree = R(0, 6, inner=(R(0, 3), R(3, 6, recomputed=False)))
     out, kept = nested_call(layers, tree, x * 1)
-    assert kept == x.numel() * 4 == actsave.stored_bytes()["device"]
+    assert kept == x.numel() * 4 == actsave.kept_bytes()["device"]
     out.sum().backward()
-    assert actsave.stored_bytes()["device"] == 0
+    assert actsave.kept_bytes()["device"] == 0
 
 
 def test_a_second_backward_with_retain_graph_recomputes_nothing():

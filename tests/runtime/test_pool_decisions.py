@@ -186,20 +186,20 @@ def test_exact_checkpoints_keep_no_decisions_and_stay_bit_identical():
     assert all(torch.equal(a, b) for a, b in zip(step_gradients(model), plain))
 
 
-def forward_stored_bytes(codec, offload=False) -> dict:
+def forward_kept_bytes(codec, offload=False) -> dict:
     model = CheckpointedSequential(*pooled_chain(), segments=POOL_SEGMENTS, compress=codec, offload=offload)
     out = model(torch.randn(8, 3, 16, 16))
-    stored = actsave.stored_bytes()
+    stored = actsave.kept_bytes()
     out.sum().backward()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}  # released after the recompute
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}  # released after the recompute
     return stored
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_stored_bytes_count_the_decisions_where_the_inputs_are(offload, monkeypatch):
-    kept = forward_stored_bytes("int8", offload)
+def test_kept_bytes_count_the_decisions_where_the_inputs_are(offload, monkeypatch):
+    kept = forward_kept_bytes("int8", offload)
     without_pool_decisions(monkeypatch)
-    without = forward_stored_bytes("int8", offload)
+    without = forward_kept_bytes("int8", offload)
     # Every pool is recomputed: 3x3 windows (4 bits) to 8x8 on 8 x 8 planes and to 4x4
     # on 8 x 16 planes, 2x2 windows (2 bits) to 2x2 on 8 x 16 planes.
     decisions = 8 * 8 * 8 * 8 * 4 // 8 + 8 * 16 * 4 * 4 * 4 // 8 + 8 * 16 * 2 * 2 * 2 // 8

@@ -41,10 +41,10 @@ def test_gradients_are_bit_identical_to_plain_and_no_matmul_or_attention_runs_ag
     # The backward's matmuls are mm only where the forward used addmm.
     assert backward.counts["aten.addmm.default"] == 0
     assert not any("scaled_dot_product" in op and "backward" not in op for op in backward.counts)
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
-def test_it_keeps_less_than_the_plain_saves_and_counts_it_in_stored_bytes():
+def test_it_keeps_less_than_the_plain_saves_and_counts_it_in_kept_bytes():
     torch.manual_seed(0)
     block = GPTBlock()
     x = torch.randn(2, 16, 32, requires_grad=True)
@@ -53,9 +53,9 @@ def test_it_keeps_less_than_the_plain_saves_and_counts_it_in_stored_bytes():
     # outputs, and the input (1): 11 activations of 4 KiB and 512 B.
     activation = 2 * 16 * 32 * 4
     assert kept == 11 * activation + 2 * 4 * 16 * 4
-    assert actsave.stored_bytes()["device"] == kept
+    assert actsave.kept_bytes()["device"] == kept
     out.sum().backward()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 class InPlaceResidual(nn.Module):

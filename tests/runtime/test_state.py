@@ -463,20 +463,20 @@ def test_spectral_norm_recomputes_from_the_vectors_the_forward_started_from():
         assert torch.equal(p.grad, q.grad)
 
 
-def test_the_snapshot_is_held_from_the_forward_to_the_recompute_and_counted_in_stored_bytes():
+def test_the_snapshot_is_held_from_the_forward_to_the_recompute_and_counted_in_kept_bytes():
     model = nn.Sequential(nn.Linear(8, 8), Center(), nn.Tanh())
     x = torch.randn(4, 8, requires_grad=True)
     out = actsave.checkpoint(model, x)
     # The kept input (the caller's, held by reference) and the snapshot of the mean.
-    assert actsave.stored_bytes() == {"device": 4 * 8 * 4 + 8 * 4, "host": 0}
+    assert actsave.kept_bytes() == {"device": 4 * 8 * 4 + 8 * 4, "host": 0}
     out.sum().backward()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
 def test_a_module_without_mutated_state_keeps_no_snapshot():
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()).eval()  # eval: no update
     out = actsave.checkpoint(model, torch.randn(4, 8, requires_grad=True))
-    assert actsave.stored_bytes() == {"device": 4 * 8 * 4, "host": 0}  # the kept input only
+    assert actsave.kept_bytes() == {"device": 4 * 8 * 4, "host": 0}  # the kept input only
     out.sum().backward()
 
 

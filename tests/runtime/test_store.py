@@ -1,4 +1,4 @@
-"""Kept inputs and the stored_bytes() ledger."""
+"""Kept inputs and the kept_bytes() ledger."""
 import gc
 import inspect
 
@@ -16,23 +16,30 @@ from support import codes_and_scales
 def test_kept_inputs_count_tensors_and_keep_other_values():
     x = torch.randn(4, 4, requires_grad=True) * 1
     kept = KeptInputs((x, 3, "s"), {"mask": None, "bias": torch.ones(2, dtype=torch.float64)}, EXACT, False)
-    assert kept.nbytes == 4 * 4 * 4 + 2 * 8 == actsave.stored_bytes()["device"]
+    assert kept.nbytes == 4 * 4 * 4 + 2 * 8 == actsave.kept_bytes()["device"]
     with torch.enable_grad():
         (y, n, s), kwargs = kept.restore()
     assert torch.equal(y, x) and y.requires_grad and y.grad_fn is None
     assert (n, s, kwargs["mask"]) == (3, "s", None)
     kept.release()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
     with pytest.raises(actsave.RecomputeError, match="already released"):
         kept.restore()
 
 
 def test_ledger_is_settled_when_kept_inputs_are_garbage_collected():
     kept = KeptInputs((torch.randn(8),), {}, EXACT, False)
-    assert actsave.stored_bytes()["device"] == 32
+    assert actsave.kept_bytes()["device"] == 32
     del kept
     gc.collect()
-    assert actsave.stored_bytes() == {"device": 0, "host": 0}
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+def test_stored_bytes_is_kept_bytes_under_its_old_name_with_a_warning():
+    kept = KeptInputs((torch.randn(8),), {}, EXACT, False)
+    with pytest.warns(DeprecationWarning, match=r"actsave.stored_bytes\(\) is deprecated .* use actsave.kept_bytes\(\)"):
+        assert actsave.stored_bytes() == actsave.kept_bytes() == {"device": 32, "host": 0}
+    kept.release()
 
 
 def test_private_copy_is_unaffected_by_later_in_place_changes():
