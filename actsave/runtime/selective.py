@@ -16,9 +16,13 @@ which placeholders its saves took and its output, which the frame keeps. Then:
   is its Linear's output; attention's q, k, v are views of the qkv projection's) is
   kept as it is, the tensor itself in its placeholder: it costs nothing more.
 - A save made inside a kept call is kept as it is (attention's output and log-sum-exp,
-  a weight's transpose), unless it is a view of one of the call's tensor arguments
-  (a Linear's input, attention's q, k, v): then the recompute makes the same view of
-  the argument it recomputes, with the same sizes, strides and offset.
+  a weight's transpose), unless it is a view that reads only elements of one of the
+  call's tensor arguments (a Linear's input, attention's q, k, v): then the recompute
+  makes the same view of the argument it recomputes, with the same sizes, strides and
+  offset. Only of that argument: q, k and v may be slices of one storage, and the
+  recomputed (or decoded) argument may come back as a copy of its own elements, so a
+  save is matched to the argument it is, else to a dense argument whose span holds it,
+  else kept as it is.
 - Every other save (a norm's input and statistics, an activation's input that no kept
   call made, a product's factors) is recomputed, as in any checkpoint.
 
@@ -33,6 +37,9 @@ recomputed save (the early stop); a call with nothing recomputed is not recomput
 all, and its kept tensors are read as they are.
 
 Rules that keep it exact:
+- A kept call that changed one of its arguments in place (``nn.ReLU(inplace=True)``
+  named in KeptOps) is run again: skipped, the argument the recompute made would stay
+  unchanged.
 - A kept call that drew random numbers in the forward (attention with dropout, a
   module named that holds a Dropout) is skipped in the recompute, which replays the
   forward's RNG: the generators are set as that call left them, so the calls after it
@@ -40,7 +47,8 @@ Rules that keep it exact:
   read in the forward).
 - A kept output changed in place after its call (``out = proj(x); out += x``) is not
   the value the call returned: that call is not skipped but run again, from its
-  recomputed arguments, and what it saved is recomputed.
+  recomputed arguments, and what it saved is recomputed. A call run again keeps
+  nothing: neither its output nor the saves made of it outside it.
 - A kept tensor changed in place before backward raises autograd's error, as
   ``nn.Sequential`` does (its version is checked as it is read); so does a kept output
   changed after the forward returned (its caller's ``out.mul_(2)``), which the
@@ -69,6 +77,7 @@ from torch import nn
 
 from .._torch import leaf_base, storage_identity, version
 from ..errors import ConfigError, RecomputeError
+from ..layouts import is_dense
 from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
 from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps
@@ -84,11 +93,11 @@ class _Call:
     place."""
 
     __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
-                 "skipped", "rng_before", "rng_after")
+                 "skipped", "mutates", "rng_before", "rng_after")
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
-        # [(position, storage identity, storage offset, strides)] of the tensor arguments
+        # [_Argument] of the tensor arguments, as the call got them
         self.arguments = arguments
         self.output, self.version, self.requires_grad = None, None, False
         self.stored = None  # the output as its policy stores it (kept_outputs.py), which then holds no output
@@ -97,19 +106,59 @@ class _Call:
         self.rng_before = self.rng_after = None
         self.views = {}  # slot index -> (argument position, size, stride, offset from the argument's)
         self.skipped = False  # whether the recompute skips it: set as the forward ends
+        self.mutates = False  # whether it changed an argument in place (then it runs again)
 
     def kept_output(self) -> torch.Tensor:
         """The forward's output, as kept or stored."""
         return self.output if self.stored is None else self.stored.read()
 
     def view_of_argument(self, tensor: torch.Tensor) -> Optional[tuple]:
-        """``(position, size, stride, relative offset)`` where ``tensor`` is a view of
-        one of the call's tensor arguments' storage, else None."""
-        identity = storage_identity(tensor)
-        for position, argument_storage, offset, _ in self.arguments:
-            if identity == argument_storage:
-                return position, tuple(tensor.shape), tensor.stride(), tensor.storage_offset() - offset
+        """``(position, size, stride, relative offset)`` where ``tensor`` reads only
+        elements of one of the call's tensor arguments, else None (NOTE [ Selective
+        recompute ])."""
+        identity, offset = storage_identity(tensor), tensor.storage_offset()
+        shape, stride = tuple(tensor.shape), tensor.stride()
+        sharing = [a for a in self.arguments if a.storage == identity]
+        for a in sharing:  # the argument itself first: q, k and v may be slices of one storage
+            if (a.offset, a.shape, a.stride) == (offset, shape, stride):
+                return a.position, shape, stride, 0
+        first, last = _span(offset, shape, stride)
+        for a in sharing:
+            if a.holds(first, last):
+                return a.position, shape, stride, offset - a.offset
         return None
+
+    def mutated_an_argument(self) -> bool:
+        """Whether the call changed one of its tensor arguments in place: it is run
+        again in the recompute, where its argument must change again."""
+        return any(version(a.tensor) != a.version for a in self.arguments if a.tensor is not None)
+
+
+class _Argument:
+    """A kept call's tensor argument as the call got it: its position among the
+    call's tensors, storage, offset, shape, strides and version (with the tensor, until
+    the call ends)."""
+
+    __slots__ = ("position", "storage", "offset", "shape", "stride", "tensor", "version")
+
+    def __init__(self, position: int, tensor: torch.Tensor):
+        self.position, self.storage, self.offset = position, storage_identity(tensor), tensor.storage_offset()
+        self.shape, self.stride = tuple(tensor.shape), tensor.stride()
+        self.tensor, self.version = tensor, version(tensor)
+
+    def holds(self, first: int, last: int) -> bool:
+        """Whether the storage elements ``first`` to ``last`` are all the argument's own
+        (asked while the call runs, with the tensor)."""
+        return is_dense(self.tensor) and self.offset <= first and last < self.offset + self.tensor.numel()
+
+
+def _span(offset: int, shape: tuple, stride: tuple) -> tuple:
+    """The first and last storage elements a view reads (last < first when empty)."""
+    if 0 in shape:
+        return offset, offset - 1
+    low = sum((n - 1) * s for n, s in zip(shape, stride) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, stride) if s > 0)
+    return offset + low, offset + high
 
 
 class _Kept:
@@ -159,6 +208,7 @@ class SelectiveFrame(_Frame):
         self._depth = 0  # kept calls open (nested ones inside the outermost)
         self._pending = []  # (slot, tensor) saved inside the open call
         self._outputs = {}  # storage identity -> the kept call whose output it is
+        self._outside = {}  # slot index -> the kept call whose output it saved, outside any call
         self._recomputed = []  # indices of the saves the recompute fills
         self._differentiated = False  # a backward of its own ran inside its forward
         self._input_storages = {storage_identity(t) for t in input_tensors(*self._forward_inputs)}  # kept anyway
@@ -207,9 +257,7 @@ class SelectiveFrame(_Frame):
         if self._depth > 1 or not self.in_forward:
             return
         tensors = input_tensors(args, kwargs)
-        arguments = [(position, storage_identity(t), t.storage_offset(), t.stride())
-                     for position, t in enumerate(tensors)]
-        self._open = _Call(target, len(self.slots), arguments)
+        self._open = _Call(target, len(self.slots), [_Argument(i, t) for i, t in enumerate(tensors)])
         # Without preserve_rng_state the recompute draws from the generators as they are
         # (torch's meaning): setting them to a forward-time state would rewind them.
         if self.options.preserve_rng_state and _may_draw(target, args, kwargs):
@@ -235,6 +283,9 @@ class SelectiveFrame(_Frame):
             else:
                 slot.kept = _Kept(tensor)  # a weight's transpose, attention's statistics
         self._pending = []
+        call.mutates = call.mutated_an_argument()
+        for argument in call.arguments:
+            argument.tensor = None  # the recompute makes its own; this one is autograd's to free
         self.calls.append(call)
 
     def pack(self, tensor: torch.Tensor) -> _Slot:
@@ -242,7 +293,8 @@ class SelectiveFrame(_Frame):
         if self._open is not None and self.in_forward:
             self._pending.append((slot, tensor))
         elif self.in_forward and storage_identity(tensor) in self._outputs:
-            slot.kept = _Kept(tensor)
+            slot.kept = _Kept(tensor)  # kept anyway, as the call's output, where the call is skipped
+            self._outside[slot.index] = self._outputs[storage_identity(tensor)]
         return slot
 
     def end_forward(self) -> None:
@@ -251,17 +303,21 @@ class SelectiveFrame(_Frame):
             # An output changed in place after its call is not what the call returned. A
             # forward that runs a backward of its own runs it again in the recompute,
             # through every call: none may be skipped.
-            call.skipped = (not self._differentiated and call.output is not None
+            call.skipped = (not self._differentiated and call.output is not None and not call.mutates
                             and version(call.output) == call.version)
             if not call.skipped:
                 self._recompute_saves_of(call)
+        for index, call in self._outside.items():
+            slot = self.slots[index]()
+            if not call.skipped and slot is not None:
+                slot.kept = None  # its call runs again: the recompute makes it anew
         self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
         if self.slots and not any(call.skipped for call in self.calls):
             reason = "differentiated" if self._differentiated else "changed" if self.calls else "none ran"
             _warn_once(self.ops, _name(self.function), reason)
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
             self.calls = []
-        self._outputs = {}
+        self._outputs, self._outside = {}, {}
         if self.policy != EXACT:
             self._store()
 
@@ -283,8 +339,9 @@ class SelectiveFrame(_Frame):
         return kept.lossy or self.policy.lossy
 
     def _recompute_saves_of(self, call: _Call) -> None:
-        """A call run again in the recompute saves its own tensors anew."""
-        call.views = {}
+        """A call run again in the recompute saves its own tensors anew, and its output
+        is not kept."""
+        call.views, call.output = {}, None
         for index in range(call.start, call.stop):
             slot = self.slots[index]()
             if slot is not None:

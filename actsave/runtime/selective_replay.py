@@ -98,7 +98,7 @@ class Skipper:
             view = call.views.get(index)
             if view is not None:
                 position, size, stride, offset = view
-                argument = _in_layout(arguments[position], call.arguments[position][3])
+                argument = _in_layout(arguments[position], call.arguments[position].stride)
                 made = argument.as_strided(size, stride, argument.storage_offset() + offset)
                 self.frame._fill(index, made, self.into, self.count, lossy=False)
 

@@ -301,6 +301,95 @@ def test_a_strided_slice_input_comes_back_dense_and_its_views_are_made_again(kee
         assert min(sqnr_db(a, b) for a, b in zip(plain, selective)) > 25
 
 
+class _SlicedAttention(nn.Module):
+    """Attention on q, k, v that are slices of one non-dense input, which it halves in
+    place first (so a selective checkpoint keeps a private copy of it)."""
+    inplace = True
+
+    def __init__(self, split: bool):
+        super().__init__()
+        self.out, self.split = nn.Linear(32, 32), split
+
+    def forward(self, x):
+        x.mul_(0.5)
+        if self.split:
+            q, k, v = x.split(32, -1)
+        else:  # overlapping windows of one storage: k and v lie in q's strides' gaps
+            q, k, v = x[:, ::2, :32], x[:, :8, 32:64], x[:, :8, 64:96]
+        q, k, v = (t.unflatten(-1, (4, 8)).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v)
+        return self.out(a.transpose(1, 2).flatten(2))
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "windows"])
+@pytest.mark.parametrize("compress", [None, "int8"])
+def test_views_of_arguments_that_share_a_storage_are_made_again_of_their_own_argument(split, compress):
+    # q, k and v are slices of one storage, and the recompute's input is a dense copy:
+    # k and v made again as offsets from q read past it (NaN, or out of bounds).
+    def grads(make):
+        torch.manual_seed(1)
+        pre, block = nn.Linear(32, 128), _SlicedAttention(split)
+        x = pre(torch.randn(2, 16, 32))[..., :96]  # a non-dense slice
+        make(block)(x).pow(2).sum().backward()
+        return [p.grad for p in (*pre.parameters(), *block.parameters())]
+
+    plain = grads(lambda block: block)
+    selective = grads(lambda block: actsave.Checkpoint(block, keep="selective", compress=compress))
+    if compress is None:
+        assert all(torch.equal(a, b) for a, b in zip(plain, selective))
+    else:
+        assert min(sqnr_db(a, b) for a, b in zip(plain, selective)) > 33  # int8's floor
+
+
+class _InPlaceActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.act, self.lin = nn.LayerNorm(16), nn.ReLU(inplace=True), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.norm(x) * 2
+        self.act(h)  # changes h in place, and the Linear reads it
+        return self.lin(h)
+
+
+def test_a_kept_call_that_changes_its_argument_in_place_runs_again():
+    torch.manual_seed(0)
+    plain, x = _InPlaceActivation(), torch.randn(2, 8, 16)
+    model = copy.deepcopy(plain)
+    plain(x.clone().requires_grad_()).pow(2).sum().backward()
+    keep = actsave.KeptOps(modules=(nn.Linear, nn.ReLU))
+    actsave.Checkpoint(model, keep=keep)(x.clone().requires_grad_()).pow(2).sum().backward()
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class _ChangesEveryKeptOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        h += 1.0
+        y = self.down(F.gelu(h))
+        y += x
+        return y
+
+
+def test_a_call_run_again_keeps_neither_its_output_nor_the_saves_made_of_it():
+    # Every kept output changes in place after its call, so every call runs again: the
+    # checkpoint keeps what keep="inputs" keeps (and warns that it kept nothing).
+    x = torch.randn(8, 16, requires_grad=True)
+    held = {}
+    for keep in ("inputs", "selective"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = actsave.Checkpoint(_ChangesEveryKeptOutput(), keep=keep)(x * 1)
+        held[keep] = actsave.kept_bytes()["device"]
+        out.sum().backward()
+    assert held["selective"] == held["inputs"] == 8 * 16 * 4
+
+
 class _GradientPenalty(nn.Module):
     def __init__(self):
         super().__init__()
