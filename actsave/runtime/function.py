@@ -93,7 +93,7 @@ from . import compiled_calls, relu_signs
 from .compiled_layers import LayerCode
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolDecisions, PoolWatch
-from .recompute_options import DEFAULT_RECOMPUTE, OperatorLog, RecomputeOptions
+from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mismatch
 from .replay import ReplayState, passed_generators
 from .state import RecomputeStop, TouchedState
 from .keep_rules import EXACT, CallerTensors, KeepPolicy
@@ -386,22 +386,10 @@ class _Frame:
         return detached
 
     def logged(self, stage: str):
-        """With ``debug=True``, a mode that records the operators ``stage`` runs."""
-        if not self.options.debug:
-            return contextlib.nullcontext()
-        log = OperatorLog()
-        self.operators[stage] = log.names
-        return log
+        return logged(self.options, self.operators, stage)
 
     def _mismatch(self, message: str) -> RecomputeError:
-        if not self.options.debug:
-            return RecomputeError(message)
-        parts = [message, "debug=True: the operators the forward and the recompute ran, in order; look "
-                          "where the lists part (the recompute stops at a mismatch, or after its last save)."]
-        for stage in ("forward", "recompute"):
-            names = self.operators.get(stage, [])
-            parts.append(f"Operators the {stage} ran ({len(names)}):\n  " + "\n  ".join(names))
-        return RecomputeError("\n\n".join(parts))
+        return mismatch(self.options, self.operators, message)
 
 
 def _shown(signature: tuple) -> tuple:

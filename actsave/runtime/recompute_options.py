@@ -30,13 +30,14 @@ Code migrated from ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields, replace
 
 from torch import nn
 from torch.utils.checkpoint import noop_context_fn
 
 from .._torch import TorchDispatchMode
-from ..errors import ConfigError
+from ..errors import ConfigError, RecomputeError
 
 DETERMINISM_CHECKS = ("default", "none")
 
@@ -123,7 +124,8 @@ def check_torch_only_keywords(use_reentrant, context_fn) -> None:
         )
 
 
-__all__ = ["RecomputeOptions", "DEFAULT_RECOMPUTE", "DETERMINISM_CHECKS", "check_torch_only_keywords"]
+__all__ = ["RecomputeOptions", "DEFAULT_RECOMPUTE", "DETERMINISM_CHECKS", "check_torch_only_keywords", "logged",
+           "mismatch"]
 
 
 class OperatorLog(TorchDispatchMode):
@@ -137,3 +139,26 @@ class OperatorLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def logged(options: RecomputeOptions, operators: dict, stage: str):
+    """With ``debug=True``, a mode that records the operators ``stage`` runs in
+    ``operators[stage]``."""
+    if not options.debug:
+        return contextlib.nullcontext()
+    log = OperatorLog()
+    operators[stage] = log.names
+    return log
+
+
+def mismatch(options: RecomputeOptions, operators: dict, message: str) -> RecomputeError:
+    """The error of a recompute that did not do the forward's work; with ``debug=True``
+    it lists the operators each ran (``operators``, from :func:`logged`)."""
+    if not options.debug:
+        return RecomputeError(message)
+    parts = [message, "debug=True: the operators the forward and the recompute ran, in order; look "
+                      "where the lists part (the recompute stops at a mismatch, or after its last save)."]
+    for stage in ("forward", "recompute"):
+        names = operators.get(stage, [])
+        parts.append(f"Operators the {stage} ran ({len(names)}):\n  " + "\n  ".join(names))
+    return RecomputeError("\n\n".join(parts))
