@@ -87,7 +87,7 @@ from typing import Callable, Optional
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from .._torch import backward_keeps_graph, pytree
+from .._torch import backward_keeps_graph, pytree, version
 from ..errors import RecomputeError
 from . import compiled_calls, relu_signs
 from .compiled_layers import LayerCode
@@ -113,7 +113,7 @@ class _Slot:
     (store.py). ``kept``: the tensor itself, where the frame keeps it instead of
     recomputing it (selective.py), with the version it was saved at."""
 
-    __slots__ = ("index", "relu_signs", "pool_decisions", "kept", "handed_out", "__weakref__")
+    __slots__ = ("index", "relu_signs", "pool_decisions", "kept", "handed_out", "filled_at", "__weakref__")
 
     def __init__(self, index: int):
         self.index = index
@@ -121,6 +121,7 @@ class _Slot:
         self.pool_decisions = None
         self.kept = None
         self.handed_out = False  # the frame let go of its recomputed tensor (_Frame.hand_out)
+        self.filled_at = None  # the version its recomputed tensor was saved at
 
 
 class _Cursor:
@@ -242,7 +243,7 @@ class _Frame:
         """The recomputed tensor behind ``slot``, for the node unpacking it: kept or let
         go of as NOTE [ Lifetime of kept inputs ] says."""
         if backward_keeps_graph():
-            return self.recomputed[slot]
+            return self._unchanged(slot, self.recomputed[slot])
         tensor = self.recomputed.pop(slot, None)
         if tensor is None:
             raise RecomputeError(
@@ -251,6 +252,18 @@ class _Frame:
                 "torch's checkpoint does, so that it is freed as soon as its node is done with it). "
                 "Read ctx.saved_tensors once per backward, or backward with retain_graph=True.")
         slot.handed_out = True
+        return self._unchanged(slot, tensor)
+
+    def _unchanged(self, slot: _Slot, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, saved by the recompute for ``slot``, if unchanged in place since:
+        autograd's check, which placeholders bypass. The recompute runs the forward's
+        code, so such a change is the forward's, where nn.Sequential raises too."""
+        if version(tensor) != slot.filled_at:
+            raise RecomputeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: {_name(self.function)} changed a tensor of shape {list(tensor.shape)} in place after "
+                f"saving it for backward (version {version(tensor)}; expected version {slot.filled_at}), as "
+                "nn.Sequential would raise too. Change a copy (out-of-place: y = y * 2, not y.mul_(2)).")
         return tensor
 
     def _recompute(self) -> None:
@@ -377,7 +390,7 @@ class _Frame:
                 relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
             if lossy and slot.pool_decisions is not None:
                 self.pools.restored(tensor.data, slot.pool_decisions)
-            into[slot] = detached
+            into[slot], slot.filled_at = detached, version(detached)
         if index == count - 1 and self.options.early_stop:
             # Early stop: what runs after the last saved tensor (at least the output of
             # the op that saved it) is not needed. Saves time and one activation of

@@ -25,8 +25,8 @@ Code migrated from ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=
   recomputed; ``False`` runs the function to its end. A checkpoint whose modules hold
   one that fills a tensor after saving it runs to its end whatever the keyword says
   (NOTE [ Saves filled after they are saved ]).
-- ``context_fn``: refused (only torch's ``noop_context_fn`` or ``None`` pass): actsave
-  has no selective checkpointing.
+- ``context_fn``: refused (only torch's ``noop_context_fn`` or ``None`` pass): actsave's
+  selective checkpoint is ``keep="selective"`` (selective.py), not a context.
 """
 from __future__ import annotations
 

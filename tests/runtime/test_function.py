@@ -229,3 +229,30 @@ def test_a_training_rrelu_at_a_segments_end_is_recomputed_to_the_end(wrapped):
         first, rrelu, last = layers()
         model = nn.Sequential(actsave.Checkpoint(nn.Sequential(first, rrelu)), last)
     assert all(torch.equal(a, b) for a, b in zip(plain, step(model)))
+
+
+class _ChangesASave(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        gate = torch.sigmoid(self.lin(x))  # sigmoid saves its output
+        gate.mul_(2)  # and then it changes: nn.Sequential's backward raises
+        return gate * x
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda m: m,
+    lambda m: actsave.Checkpoint(m),
+    lambda m: actsave.Checkpoint(m, keep="selective"),
+    lambda m: actsave.Checkpoint(m, compress="int8"),
+    lambda m: actsave.CheckpointedSequential(m, nn.Identity(), segments=[0, 1]),
+], ids=["plain", "inputs", "selective", "int8", "chain"])
+def test_a_save_the_forward_changes_in_place_raises_as_nn_sequential_does(wrap):
+    # The recompute runs the same change after its save: the placeholder bypasses
+    # autograd's version check, which the unpack makes instead of a wrong gradient.
+    model = wrap(_ChangesASave())
+    out = model(torch.randn(8, 16, requires_grad=True))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.pow(2).sum().backward()
