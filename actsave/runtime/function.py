@@ -121,7 +121,7 @@ class _Slot:
         self.pool_decisions = None
         self.kept = None
         self.handed_out = False  # the frame let go of its recomputed tensor (_Frame.hand_out)
-        self.filled_at = None  # the version its recomputed tensor was saved at
+        self.filled_at = None  # its recomputed tensor's version as saved (None: traced, as Dynamo's are)
 
 
 class _Cursor:
@@ -258,7 +258,7 @@ class _Frame:
         """``tensor``, saved by the recompute for ``slot``, if unchanged in place since:
         autograd's check, which placeholders bypass. The recompute runs the forward's
         code, so such a change is the forward's, where nn.Sequential raises too."""
-        if version(tensor) != slot.filled_at:
+        if slot.filled_at is not None and version(tensor) != slot.filled_at:
             raise RecomputeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
                 f"operation: {_name(self.function)} changed a tensor of shape {list(tensor.shape)} in place after "
@@ -390,7 +390,7 @@ class _Frame:
                 relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
             if lossy and slot.pool_decisions is not None:
                 self.pools.restored(tensor.data, slot.pool_decisions)
-            into[slot], slot.filled_at = detached, version(detached)
+            into[slot], slot.filled_at = detached, None if torch.compiler.is_compiling() else version(detached)
         if index == count - 1 and self.options.early_stop:
             # Early stop: what runs after the last saved tensor (at least the output of
             # the op that saved it) is not needed. Saves time and one activation of
