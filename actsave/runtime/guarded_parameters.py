@@ -1,13 +1,15 @@
-"""Parameters a checkpointed forward changed in place, checked across each recompute
-(NOTE [ Parameters a forward changes ]); state.py notes which, and TouchedState.as_in_forward
-guards them."""
+"""Parameters across a recompute: those a checkpointed forward changed in place, checked
+across it (NOTE [ Parameters a forward changes ]), and every parameter it read, which the
+recompute must find as it was (NOTE [ Parameters a recompute reads ]); state.py notes
+them, and TouchedState checks them and guards its recompute."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
-from .._torch import own_tensors
+from .._torch import is_sharded, own_tensors, storage_identity
 from ..errors import RecomputeError
 
 
@@ -68,4 +70,70 @@ class GuardedParameters:
             "this module.")
 
 
-__all__ = ["GuardedParameters"]
+# NOTE [ Parameters a recompute reads ]
+# A recompute reads each module's parameters as they are at backward, where autograd's
+# graph holds the tensors the forward read. Between the two they may differ without an
+# in-place change, which the version check sees (NOTE [ State a forward reads and
+# mutates ]): the module may hold another tensor (torch.func.functional_call over the
+# checkpoint, load_state_dict(assign=True), a new nn.Parameter), or the same one other
+# storage or another dtype (``p.data = ...``, ``model.double()``); or a parameter may be
+# frozen or unfrozen. torch's checkpoint recomputes with them and gives wrong gradients,
+# silently (or, where the shapes differ, an error about determinism). So the forward's
+# parameters are noted as it ends, with storage, dtype and requires_grad:
+# - another tensor, storage or dtype raises RecomputeError as the recompute starts;
+#   a sharded one (a DTensor) is not compared, then or now: FSDP2 swaps its shard and
+#   the gathered parameter in and out around each module call, the recompute's too;
+# - requires_grad is set as the forward had it while the recompute runs (it decides
+#   what the recompute saves, as it decided what the forward's graph holds), and put
+#   back after.
+class ForwardParameters:
+    """The parameters of the modules a checkpointed forward ran, as it ran them (NOTE [
+    Parameters a recompute reads ])."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self):
+        self._entries = {}  # (module, name) -> (tensor, storage identity, dtype, requires_grad)
+
+    def note(self, module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+        """Note parameter ``name`` of ``module`` as the forward reads it (its first read)."""
+        if (module, name) not in self._entries and not is_sharded(tensor):
+            self._entries[(module, name)] = (tensor, storage_identity(tensor), tensor.dtype, tensor.requires_grad)
+
+    def settle(self) -> None:
+        """As the forward ends: forget a parameter the forward itself replaced."""
+        self._entries = {key: entry for key, entry in self._entries.items()
+                         if own_tensors(key[0], "parameters").get(key[1]) is entry[0]}
+
+    def check(self, function_name: str) -> None:
+        """Raise if a module now holds another parameter than the forward read."""
+        for (module, name), (tensor, storage, dtype, _) in self._entries.items():
+            now = own_tensors(module, "parameters").get(name)
+            if now is tensor and storage_identity(now) == storage and now.dtype == dtype:
+                continue
+            if now is not None and is_sharded(now):  # FSDP2's shard, until its pre-forward gathers it
+                continue
+            what = "another tensor" if now is not tensor else \
+                f"other storage ({dtype} then, {now.dtype} now)" if now.dtype != dtype else "other storage"
+            raise RecomputeError(
+                f"parameter '{name}' of {type(module).__name__} is {what} than the checkpointed {function_name} "
+                "read in its forward (torch.func.functional_call over the checkpoint, load_state_dict(assign=True), "
+                "a new nn.Parameter, p.data = ..., or model.to(dtype) between forward and backward): its recompute "
+                "would read other values, so its gradients would be wrong. Change the model after the backward, or "
+                "call functional_call inside the checkpointed function (actsave.checkpoint(lambda x: "
+                "functional_call(model, params, x), x)).")
+
+    @contextlib.contextmanager
+    def flags_as_in_forward(self):
+        """While active, each parameter's requires_grad is the forward's."""
+        flipped = [tensor for tensor, _, _, flag in self._entries.values() if tensor.requires_grad != flag]
+        for tensor in flipped:
+            tensor.requires_grad_(not tensor.requires_grad)
+        try:
+            yield
+        finally:
+            for tensor in flipped:
+                tensor.requires_grad_(not tensor.requires_grad)
+
+
+__all__ = ["GuardedParameters", "ForwardParameters"]

@@ -21,7 +21,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from .._torch import copies_of, leaf_base, own_tensors, version
 from ..errors import RecomputeError
-from .guarded_parameters import GuardedParameters
+from .guarded_parameters import ForwardParameters, GuardedParameters
 from .layers import modules_under
 
 
@@ -81,6 +81,7 @@ class TouchedState:
         self._unreplayable = None  # (module, buffer name) the forward registered or removed: not replayed
         self._moved_parameters = []  # (layer index or None, module, name): parameters the forward changed
         self._modes = {}  # module -> its training flag as the forward ran it (NOTE [ Train and eval in a recompute ])
+        self._parameters = ForwardParameters()  # NOTE [ Parameters a recompute reads ]
 
     @staticmethod
     def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None) -> "TouchedState":
@@ -115,6 +116,7 @@ class TouchedState:
         """Raise, as autograd would, if a tensor the forward read changed in place; and
         if the forward registered or removed a buffer, which the snapshot cannot give
         back as it was."""
+        self._parameters.check(function_name)
         if self._unreplayable is not None:
             module, name = self._unreplayable
             raise RecomputeError(
@@ -160,7 +162,8 @@ class TouchedState:
         _set_modes(self._modes.items())
         try:
             try:
-                yield
+                with self._parameters.flags_as_in_forward():
+                    yield
             except RecomputeStop:  # stopped early, as it should: its state is checked as at the end
                 guarded.check()
                 raise
@@ -282,6 +285,10 @@ class _LayerState(TouchedState):
         state = [(weakref.ref(tensor), (kind[:-1], name, type(module)))
                  for _, module, kind, name, tensor, _ in self._before
                  if own_tensors(module, kind).get(name) is tensor]
+        for _, module, kind, name, tensor, _ in self._before:
+            if kind == "parameters":
+                self._parameters.note(module, name, tensor)
+        self._parameters.settle()
         self._take_versions(mutated_ids, state)
         self._mutated = mutated
         self._keep_snapshot_of(buffer for buffers in mutated.values() for buffer in buffers)
@@ -350,6 +357,7 @@ class _HookedState(TouchedState):
                    if own_tensors(module, kind).get(name) is not None}
         self._take_versions(mutated)
         self._keep_snapshot_of((module, name) for module, _, name in self._mutated)
+        self._parameters.settle()
         self._calls = []
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
@@ -368,6 +376,8 @@ class _HookedState(TouchedState):
         for kind, name, tensor in _own_state(module):
             versions[(kind, name)] = version(tensor)
             self._note(tensor, (kind[:-1], name, type(module)))
+            if kind == "parameters":
+                self._parameters.note(module, name, tensor)
         if id(module) not in self._moved_modules and not self._snapshotted(module):
             self._take_snapshot([module])
         self._modes.setdefault(module, module.training)

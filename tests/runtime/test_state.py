@@ -179,6 +179,64 @@ def test_weight_a_function_closes_over_is_checked_too():
         out.sum().backward()
 
 
+def _replace_weight(model):  # load_state_dict(assign=True), a new nn.Parameter
+    model[0].weight = nn.Parameter(model[0].weight.detach() * 2)
+
+
+def _swap_weight_data(model):  # an EMA swap: p.data = ...
+    model[0].weight.data = model[0].weight.data * 2
+
+
+def _to_double(model):
+    model.double()
+
+
+@pytest.mark.parametrize("change", [_replace_weight, _swap_weight_data, _to_double])
+@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
+def test_a_parameter_replaced_between_forward_and_backward_raises_naming_it(change, how):
+    # No in-place change, so no version moves: torch's checkpoint recomputes with the
+    # new values and gives other gradients, silently (NOTE [ Parameters a recompute reads ]).
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    out = checkpointed_as(how, model, torch.randn(3, 4, requires_grad=True))
+    change(model)
+    with pytest.raises(actsave.RecomputeError, match="parameter 'weight' of Linear is (another tensor|other storage)"):
+        out.sum().backward()
+
+
+def test_functional_call_over_a_checkpoint_raises_and_inside_it_trains_as_plain():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    params = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+    x = torch.randn(3, 4)
+    out = torch.func.functional_call(actsave.Checkpoint(model), {f"_wrapped.{k}": v for k, v in params.items()}, (x,))
+    with pytest.raises(actsave.RecomputeError, match="functional_call"):
+        out.sum().backward()
+    expected = torch.autograd.grad(torch.func.functional_call(model, params, (x,)).sum(), list(params.values()))
+    inside = actsave.checkpoint(lambda t: torch.func.functional_call(model, params, (t,)), x)
+    assert all(torch.equal(a, b) for a, b in zip(expected, torch.autograd.grad(inside.sum(), list(params.values()))))
+
+
+@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
+def test_parameters_frozen_or_unfrozen_between_forward_and_backward_recompute_as_the_forward_ran(how):
+    # The recompute saves what the forward saved only with the forward's requires_grad:
+    # with square layers torch's checkpoint saves other tensors of the same shapes and
+    # gives a wrong input gradient, silently.
+    def step(checkpointed: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        model[0].requires_grad_(False)
+        x = torch.randn(4, 16, requires_grad=True)
+        out = checkpointed_as(how if checkpointed else "plain", model, x)
+        model[0].requires_grad_(True)
+        model[2].requires_grad_(False)
+        out.pow(2).sum().backward()
+        assert model[0].weight.requires_grad and not model[2].weight.requires_grad  # the caller's, after
+        return [x.grad, model[0].weight.grad, model[2].weight.grad]
+
+    for plain, checkpointed in zip(step(False), step(True)):
+        assert (plain is None and checkpointed is None) or torch.equal(plain, checkpointed)
+
+
 def test_a_recompute_runs_on_copies_of_the_state_its_forward_mutated_and_puts_the_originals_back():
     # One copy of each mutated buffer per recompute pass, made together as it starts
     # (one foreach op per dtype), not a clone per buffer per module call; the
