@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import (CallCounter, assert_same_training, codes_and_scales, mixed_chain, peak_activation_bytes,
-                     train_step, twin)
+                     sqnr_db, train_step, twin)
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint_sequential
@@ -43,6 +43,30 @@ def test_segment_starting_in_place_works_where_torch_checkpoint_raises():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         train_step(lambda inp: checkpoint_sequential(twin(plain), 20, inp, use_reentrant=False), x)
     assert_same_training(plain, as_checkpointed(plain, segments=20), x)
+
+
+def identity_then_in_place_chain():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):  # a norm left out as nn.Identity, then an in-place activation
+        layers += [nn.Linear(32, 32), nn.Identity(), nn.ReLU(inplace=True)]
+    return nn.Sequential(*layers, nn.Linear(32, 32), nn.Flatten(), nn.ReLU(inplace=True), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("segments", ["balanced", [0, 1, 4, 7, 10, 13, 16, 19], [0, 19]], ids=str)
+@pytest.mark.parametrize("compress", [None, "int8"])
+def test_a_segment_starting_with_layers_that_hand_their_input_to_an_in_place_one_keeps_a_copy(segments, compress):
+    # The in-place ReLU changes the Identity's (the Flatten's) input, the segment's:
+    # the balanced plan starts segments there by itself.
+    plain = identity_then_in_place_chain()
+    model = as_checkpointed(plain, segments=segments, compress=compress)
+    if compress is None:
+        assert_same_training(plain, model, torch.randn(8, 32))
+    else:
+        x = torch.randn(8, 32)
+        plain(x.clone().requires_grad_()).sum().backward()
+        model(x.clone().requires_grad_()).sum().backward()
+        assert min(sqnr_db(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters())) > 33
 
 
 def test_autocast_state_is_replayed_in_recompute():

@@ -31,7 +31,7 @@ from ..devices import host_is_separate
 from ..errors import ConfigError
 from ..meta import on_meta, simulating
 from ..runtime.layers import repeated_modules
-from ..runtime.keep_rules import EXACT, KeepPolicy, modifies_input
+from ..runtime.keep_rules import EXACT, KeepPolicy, starts_in_place
 from ..text import format_table, mib, ms
 from .allocator_rises import larger_of_each
 from .codec_costs import CodecCosts
@@ -193,7 +193,7 @@ def _single_input(example_inputs) -> torch.Tensor:
 
 
 def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_grad_rises: list, times: tuple,
-                   costs: CodecCosts, gathered: int, mutated: int) -> LayerProfile:
+                   costs: CodecCosts, gathered: int, mutated: int, in_place: bool) -> LayerProfile:
     spec, device = found.inputs[i], costs.device
     keep_costs = costs.of(spec)
 
@@ -221,7 +221,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_g
         pool_decision_bytes=found.pool_decision_bytes[i],
         pool_restore_bytes=costs.pool_restore_rise(found.pools[i]),
         gathered_bytes=gathered,
-        modifies_input=modifies_input(layer),
+        modifies_input=in_place,
         input_encodable=spec.encodable,
         kept_bytes=by_codec("kept"),
         encode_rise=by_codec("encode_rise"),
@@ -290,7 +290,9 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             found.take_larger_rises(allocator)
             no_grad_rises = larger_of_each(no_grad_rises, allocator.no_grad_rise)
         costs = CodecCosts(x.device, device)
-        profiles = [_layer_profile(i, name, layer, found, no_grad_rises, times, costs, gathered[i], mutated[i])
+        modules = [layer for _, layer in layers]
+        profiles = [_layer_profile(i, name, layer, found, no_grad_rises, times, costs, gathered[i], mutated[i],
+                                   starts_in_place(modules, i))
                     for i, (name, layer) in enumerate(layers)]
         return Profile(
             # A meta step runs without FSDP2's hooks: NOTE [ Gathered parameters ].

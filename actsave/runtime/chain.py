@@ -19,7 +19,7 @@ from torch import nn
 
 from ..offload import current_tape
 from .function import checkpointed_call
-from .keep_rules import CallerTensors, KeepPolicy, modifies_input, should_encode
+from .keep_rules import CallerTensors, KeepPolicy, should_encode, starts_in_place
 from .kept_saves import call_with_kept_saves
 from .layers import LayerRun
 from .nested import nested_call
@@ -69,7 +69,7 @@ def run_chain(chain: nn.Module, input, layers: list, segments: list, policies: l
     for segment, policy in zip(segments, policies):
         tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
         run = LayerRun(layers[segment.start:segment.stop])
-        private_copy = modifies_input(layers[segment.start])
+        private_copy = starts_in_place(layers, segment.start)
         made_by = caller if segment.start > 0 else None
         held = _held_by_caller(input, made_by) if segment.checkpointed else 0
         if segment.nested is not None:

@@ -6,13 +6,15 @@ the planner (its profile, cost model and plans) both ask, so that they agree.
 - :func:`should_encode`: a floating-point tensor nobody else holds; the caller's
   tensors (:class:`CallerTensors`) are kept by reference (NOTE [ Inputs kept by
   reference ], :func:`kept_as`).
-- :func:`modifies_input`: a first layer that changes its input in place (a private copy).
+- :func:`modifies_input`, :func:`starts_in_place`: a first layer that changes its input
+  in place, itself or after layers that hand it on (a private copy).
 - :func:`placed`: a policy as it applies on a device (no offload where the host's
   memory is the device's).
 - :func:`stored_once_key`: which saves of one forward share one stored copy.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -179,11 +181,26 @@ def modifies_input(function) -> bool:
     """Whether ``function`` (a layer, or the first layer of a segment) changes its
     input in place, so that a segment starting with it keeps a private copy of its
     input: ``nn.ReLU(inplace=True)`` and friends say so with ``inplace = True``, and
-    an ``nn.Sequential`` whose first layer does (its input is that layer's)."""
+    an ``nn.Sequential`` that starts so (its input is its first layers')."""
     if getattr(function, "inplace", False) is True:
         return True
-    return isinstance(function, nn.Sequential) and len(function) > 0 and modifies_input(function[0])
+    return isinstance(function, nn.Sequential) and starts_in_place(function, 0)
+
+
+# Layers that hand their input on as it is, or as a view of it: what the layer after one
+# changes in place is the segment's input.
+_PASSING_ON = (nn.Identity, nn.Flatten, nn.Unflatten)
+
+
+def starts_in_place(layers, start: int) -> bool:
+    """Whether a segment of ``layers`` starting at ``start`` changes its input in place
+    (:func:`modifies_input`): its first layer does, or hands its input on (nn.Identity,
+    nn.Flatten: ``_PASSING_ON``) to a layer that does."""
+    for layer in itertools.islice(layers, start, None):
+        if not isinstance(layer, _PASSING_ON):
+            return modifies_input(layer)
+    return False
 
 
 __all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "lossy_codec_stores", "kept_as", "placed",
-           "stored_once_key", "modifies_input"]
+           "stored_once_key", "modifies_input", "starts_in_place"]

@@ -44,7 +44,7 @@ from .function import (
 from .layers import LayerChain, repeated_modules
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .replay import ReplayState
-from .keep_rules import EXACT, modifies_input
+from .keep_rules import EXACT, starts_in_place
 from .store import KeptInputs
 
 
@@ -195,7 +195,7 @@ class _NestedFrame(_Frame):
 
     def _keep_and_skip(self, part: Range, x: torch.Tensor, stop: bool) -> torch.Tensor:
         """Keep ``part``'s input for its own pass; run it without saving."""
-        inputs = KeptInputs((x,), {}, EXACT, modifies_input(self.layers[part.start]))
+        inputs = KeptInputs((x,), {}, EXACT, starts_in_place(self.layers, part.start))
         self._inputs[part] = inputs
         if stop:
             raise _AllSlotsFilled
