@@ -5,6 +5,7 @@ eager on this thread alone (NOTE [ Steps other threads do not see ])."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -45,7 +46,8 @@ from .live_bytes import allocation_bytes
 def isolated_steps(model: nn.Module):
     """While active, training steps of ``model`` leave no trace on it: on exit each
     parameter's gradient is put back as it was, and every buffer is untouched (the
-    steps run on copies: :class:`ModuleState`, which it yields). Inside, every gradient
+    steps run on copies: :class:`ModuleState`, which it yields), and so is a parameter
+    the forward renormalizes (``max_norm``: _ChangingParameters). Inside, every gradient
     starts allocated (zeros), as from the second training step on: each layer's new
     gradients are then transients accumulated into them, not gradient memory kept; and
     compiled code run on this thread runs eagerly, so that a step on meta tensors
@@ -56,12 +58,40 @@ def isolated_steps(model: nn.Module):
     grads = [(p, p.grad) for p in model.parameters()]
     for p, _ in grads:
         p.grad = torch.zeros_like(p) if p.requires_grad else None
+    changing = _ChangingParameters(model)
     try:
         with ModuleState(model) as state, compiled_code_eager():
             yield state
     finally:
         for p, grad in grads:
             p.grad = grad
+        changing.put_back()
+
+
+class _ChangingParameters:
+    """The parameters a model's forward may change in place, copied as the steps start
+    and put back as they end: those of a module with ``max_norm`` (nn.Embedding and
+    EmbeddingBag renormalize the rows they look up). Other parameters are not copied
+    (that would double the model's memory): one the steps changed all the same is
+    named in a warning."""
+
+    def __init__(self, model: nn.Module):
+        self._versions = [(name, p, version(p)) for name, p in model.named_parameters()]
+        self._copies = {p: p.detach().clone() for module in model.modules()
+                        if getattr(module, "max_norm", None) is not None
+                        for p in own_tensors(module, "parameters").values() if p is not None}
+
+    def put_back(self) -> None:
+        changed = [(name, p) for name, p, was in self._versions if version(p) != was]
+        with torch.no_grad():
+            for _, p in changed:
+                if p in self._copies:
+                    p.copy_(self._copies[p])
+        left = [name for name, p in changed if p not in self._copies]
+        if left:
+            warnings.warn(f"actsave: the planner's example steps changed parameter(s) {left} in place (the "
+                          "model's forward changes them), and they are not put back: plan before loading the "
+                          "weights you train, or on a copy of the model.", stacklevel=4)
 
 
 class ModuleState:

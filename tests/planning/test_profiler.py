@@ -44,6 +44,24 @@ def test_profile_measures_saved_storages_once_and_leaves_no_trace():
     assert relu.modifies_input and relu.relu_sign_bytes == 16 * 32 // 8
 
 
+class _ClipsItsWeight(nn.Linear):
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-0.1, 0.1)  # a forward that changes its own parameter
+        return super().forward(x)
+
+
+def test_profile_puts_back_the_rows_an_embedding_renormalizes_and_names_other_changed_parameters():
+    torch.manual_seed(0)
+    model = CheckpointedSequential(nn.Embedding(50, 32, max_norm=1.0), nn.Linear(32, 32), nn.Tanh())
+    weight = model[0].weight.detach().clone()
+    actsave.profile(model, (torch.arange(20).view(4, 5),))  # renormalizes rows 0 to 19
+    assert torch.equal(model[0].weight, weight)
+    clipping = CheckpointedSequential(nn.Linear(8, 8), _ClipsItsWeight(8, 8), nn.Tanh())
+    with pytest.warns(UserWarning, match=r"changed parameter\(s\) \['1.weight'\] in place"):
+        actsave.profile(clipping, (torch.randn(4, 8),))
+
+
 def test_profile_measures_each_layers_rise_with_grad_and_under_no_grad():
     # A residual block, x + Linear(ReLU(Linear(x))): with grad the ReLU's output is saved
     # (for the ReLU and the second Linear) and the block peaks at three activations of
