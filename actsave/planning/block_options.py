@@ -205,7 +205,7 @@ class BlockMeasurer:
                 held = tracker.live - output_bytes
                 gradient = torch.ones_like(y)
                 with tracker.span() as backward, allocator.span() as backward_counted:
-                    torch.autograd.backward(y, gradient)
+                    _backward(y, gradient)
                 del y, gradient
         # A rise is the larger of the live storages' and the allocator's: NOTE [ Allocator rises ].
         return (float(held), input_kept, float(max(forward[0], forward_counted[0])),
@@ -229,9 +229,16 @@ class BlockMeasurer:
             y = layer(x)
         else:
             y = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))[0]
-        torch.autograd.backward(y, torch.ones_like(y))
+        _backward(y, torch.ones_like(y))
         synchronize(self.device)
         return time.perf_counter() - start
+
+
+def _backward(y: torch.Tensor, gradient: torch.Tensor) -> None:
+    """The block's backward from ``y``; none where nothing in it needs a gradient (a
+    frozen first block: its input and parameters need none, so it saves nothing)."""
+    if y.requires_grad:
+        torch.autograd.backward(y, gradient)
 
 
 def _source_like(spec: TensorSpec, device) -> torch.Tensor:

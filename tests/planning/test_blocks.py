@@ -180,6 +180,18 @@ def test_the_smallest_feasible_budget_is_stated_and_feasible():
     assert step_peak_bytes(model, (x,)) <= smallest
 
 
+def test_a_frozen_first_block_saves_nothing_and_the_rest_are_planned():
+    # Partial fine-tuning: the first block's input and parameters need no gradient, so
+    # it has no backward; the planner measured one and raised autograd's error.
+    plain = ResidualNet(depth=4, width=64)
+    x = torch.randn(128, 64)
+    full = step_peak_bytes(copy.deepcopy(plain), (x,))  # MemTracker hooks every parameter: all trainable
+    plain.blocks[0].requires_grad_(False)
+    model, plan = planned_copy(plain, ResidualBlock, int(0.6 * full), (x,))
+    assert plan.predicted_peak_bytes <= 0.6 * full and len(plan.checkpointed) > 0
+    assert_gradients_match(plain, model, plan, (x,))
+
+
 def test_a_plan_predicts_the_blocks_time_it_adds_to_a_step():
     # The planner's time of the blocks' part of the step (no clock is asserted: both
     # figures come from the same profile). Kept plain, a plan adds nothing; every
