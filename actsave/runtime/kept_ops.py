@@ -38,8 +38,9 @@ class KeptOps:
         if unknown:
             raise ConfigError(
                 f"KeptOps(functions={unknown!r}): actsave keeps the outputs of module calls and of the functions "
-                f"{sorted(TAPPED_FUNCTIONS)}, not of aten operators (aten.mm.default): name the module type that "
-                "makes the matmul (nn.Linear) or one of those functions")
+                f"{sorted(TAPPED_FUNCTIONS)} only, not of other functions (F.linear) nor of aten operators "
+                "(aten.mm.default): name the module type whose calls make them (modules=(nn.Linear,)) or one of "
+                "those functions")
         object.__setattr__(self, "modules", modules)
         object.__setattr__(self, "functions", functions)
 

@@ -117,7 +117,8 @@ def test_a_block_without_the_named_ops_warns_once_and_recomputes_everything():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(functions=("aten.mm.default",)), "not of aten operators"),
+    (dict(functions=("aten.mm.default",)), "nor of aten operators"),
+    (dict(functions=("linear",)), r"not of other functions \(F.linear\).*modules=\(nn.Linear,\)"),
     (dict(modules=(nn.Linear(2, 2),)), "the classes, not instances"),
 ])
 def test_bad_policies_say_what_to_name(bad, match):
