@@ -23,7 +23,7 @@ except ModuleNotFoundError as error:
         "again") from error
 del _importlib
 from .codecs import available_codecs
-from .errors import ActsaveError, ConfigError, OffloadPoolExhausted, RecomputeError
+from .errors import ActsaveError, ConfigError, KernelLaunchError, OffloadPoolExhausted, RecomputeError
 from .planning.estimate import MemoryEstimate, estimate
 from .codecs.backend import backend, get_backend, set_backend
 from .planning.plan_record import Plan
@@ -61,5 +61,6 @@ __all__ = [
     "ConfigError",
     "RecomputeError",
     "OffloadPoolExhausted",
+    "KernelLaunchError",
     "__version__",
 ]

@@ -2,6 +2,10 @@
 wrong and what to do."""
 import warnings
 
+# Raised by a Triton launch (triton_kernels/_launch.py): a RuntimeError, not an
+# ActsaveError, since the kernels import nothing of actsave. Exported here with the rest.
+from .triton_kernels._launch import KernelLaunchError
+
 
 class ActsaveError(RuntimeError):
     """Base class of every error actsave raises on purpose."""
@@ -36,3 +40,7 @@ def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
     renamed public name keeps working for one release, through this warning."""
     warnings.warn(f"actsave: {old} is deprecated and will be removed in the next release: use {new}",
                   DeprecationWarning, stacklevel=stacklevel)
+
+
+__all__ = ["ActsaveError", "ConfigError", "RecomputeError", "OffloadPoolExhausted", "InternalError",
+           "KernelLaunchError", "warn_renamed"]

@@ -5,7 +5,7 @@ import torch
 
 from actsave.triton_kernels import _launch, decisions, int8
 from actsave.triton_kernels.decisions import relu_signs
-from actsave.triton_kernels._launch import KernelLaunchError
+from actsave import KernelLaunchError
 
 
 class CompileFailure(Exception):
