@@ -282,13 +282,12 @@ class _LayerState(TouchedState):
         mutated = self._mutated_by_layer(moved)
         mutated_ids = {id(own_tensors(module, "buffers")[name]) for buffers in mutated.values()
                        for module, name in buffers}
-        state = [(weakref.ref(tensor), (kind[:-1], name, type(module)))
-                 for _, module, kind, name, tensor, _ in self._before
-                 if own_tensors(module, kind).get(name) is tensor]
+        state = []
         for _, module, kind, name, tensor, _ in self._before:
-            if kind == "parameters":
-                self._parameters.note(module, name, tensor)
-        self._parameters.settle()
+            if own_tensors(module, kind).get(name) is tensor:  # not replaced by the forward
+                state.append((weakref.ref(tensor), (kind[:-1], name, type(module))))
+                if kind == "parameters":
+                    self._parameters.note(module, name, tensor)
         self._take_versions(mutated_ids, state)
         self._mutated = mutated
         self._keep_snapshot_of(buffer for buffers in mutated.values() for buffer in buffers)
