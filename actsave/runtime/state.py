@@ -177,8 +177,8 @@ class TouchedState:
                     self._snapshot.pop(key, None)
 
     def release(self) -> None:
-        """Drop the snapshot: no recompute will read it again."""
-        self._snapshot = {}
+        """Drop the snapshot and the forward's parameters: no recompute will read them."""
+        self._snapshot, self._parameters = {}, ForwardParameters()
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         """``[(module, buffer name)]``, each once, that the forward mutated (so far,
