@@ -177,6 +177,8 @@ class BlockMeasurer:
         return self._cache[key]
 
     def _measure(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> Optional[_Measured]:
+        if option.keep == "linear_inputs" and not any(isinstance(m, nn.Linear) for m in layer.modules()):
+            return None  # no Linear input to keep: the option is plain's, and would warn so
         try:
             kept, input_kept, forward, backward, fetched = self._bytes(layer, spec, option)
         except ConfigError:  # an option the block cannot run with (selective of a function)

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 import weakref
 from typing import Callable, Optional
 
@@ -114,6 +115,7 @@ class _LinearInputs:
     def __init__(self, modules: Optional[list], note: Callable):
         self._linears = None if modules is None else [m for _, m in modules if isinstance(m, nn.Linear)]
         self._note, self._thread = note, threading.get_ident()
+        self.ran = False  # whether a Linear ran: else the codec kept nothing (warn_none_ran)
 
     @contextlib.contextmanager
     def watching(self):
@@ -130,7 +132,22 @@ class _LinearInputs:
     def _before(self, module: nn.Module, args: tuple) -> None:
         if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor) \
                 and threading.get_ident() == self._thread:
+            self.ran = True
             self._note(args[0])
+
+    @staticmethod
+    def warn_none_ran(function: Callable) -> None:
+        """Warn, once per function, that it ran no nn.Linear, so its codec kept nothing."""
+        name = getattr(function, "__qualname__", None) or type(function).__name__
+        if name not in _WARNED_NO_LINEAR:
+            _WARNED_NO_LINEAR.add(name)
+            warnings.warn(
+                f"actsave: keep='linear_inputs' on {name} kept nothing by its codec: no nn.Linear ran in its forward "
+                "(Hugging Face's GPT-2 projects with transformers' Conv1D, for one), so autograd kept every save as "
+                "it is, as plain does. Use keep='saves' to keep them all by the codec.", stacklevel=5)
+
+
+_WARNED_NO_LINEAR = set()  # names of functions warned about
 
 
 class _SavesStore:
@@ -298,6 +315,8 @@ def call_with_kept_saves(function: Callable, args: tuple, kwargs: dict, policy: 
     except BaseException:
         store.forget()
         raise
+    if store.linears is not None and not store.linears.ran:
+        _LinearInputs.warn_none_ran(function)
     return output, store.end_forward()
 
 

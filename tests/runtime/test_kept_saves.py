@@ -386,6 +386,29 @@ def test_linear_inputs_alone_are_kept_by_the_codec(offload, as_callable):
     assert_nothing_held()
 
 
+class _Conv1D(nn.Module):
+    """A projection that is not an nn.Linear (transformers' GPT-2 Conv1D: addmm)."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(n_in, n_out) * 0.1), nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight)
+
+
+def test_linear_inputs_without_a_linear_keep_nothing_and_say_so_once(monkeypatch):
+    monkeypatch.setattr(kept_saves, "_WARNED_NO_LINEAR", set())
+    block = nn.Sequential(_Conv1D(64, 64), nn.GELU(), _Conv1D(64, 64))
+    with pytest.warns(UserWarning, match="keep='linear_inputs' on Sequential kept nothing by its codec") as caught:
+        for _ in range(2):
+            out, kept = call_with_kept_saves(block, (torch.randn(8, 64, requires_grad=True) * 1,), {},
+                                             KeepPolicy(get_codec("int8"), False), "linear_inputs")
+            assert kept == NOTHING
+            out.sum().backward()
+    assert len([w for w in caught if "linear_inputs" in str(w.message)]) == 1
+
+
 def test_offload_with_the_exact_codec_and_linear_inputs_sends_those_alone():
     block = linear_gelu_linear()
     out, kept = call_with_kept_saves(block, (torch.randn(8, 64, requires_grad=True) * 1,), {}, keep(offload=True),
