@@ -1,15 +1,16 @@
 """Parameters across a recompute: those a checkpointed forward changed in place, checked
-across it (NOTE [ Parameters a forward changes ]), and every parameter it read, which the
-recompute must find as it was (NOTE [ Parameters a recompute reads ]); state.py notes
-them, and TouchedState checks them and guards its recompute."""
+across it (NOTE [ Parameters a forward changes ]), and the requires_grad of every one it
+ran with, which the recompute runs with too (NOTE [ Parameters a recompute reads ]);
+state.py notes them, and TouchedState guards its recompute with them."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Optional
 
 import torch
 
-from .._torch import is_sharded, own_tensors, storage_identity
+from .._torch import own_tensors
 from ..errors import RecomputeError
 
 
@@ -72,61 +73,38 @@ class GuardedParameters:
 
 # NOTE [ Parameters a recompute reads ]
 # A recompute reads each module's parameters as they are at backward, where autograd's
-# graph holds the tensors the forward read. Between the two they may differ without an
-# in-place change, which the version check sees (NOTE [ State a forward reads and
-# mutates ]): the module may hold another tensor (torch.func.functional_call over the
-# checkpoint, load_state_dict(assign=True), a new nn.Parameter), or the same one other
-# storage or another dtype (``p.data = ...``, ``model.double()``); or a parameter may be
-# frozen or unfrozen. torch's checkpoint recomputes with them and gives wrong gradients,
-# silently (or, where the shapes differ, an error about determinism). So the forward's
-# parameters are noted as it ends, with storage, dtype and requires_grad:
-# - another tensor, storage or dtype raises RecomputeError as the recompute starts;
-#   a sharded one (a DTensor) is not compared, then or now: FSDP2 swaps its shard and
-#   the gathered parameter in and out around each module call, the recompute's too;
-# - requires_grad is set as the forward had it while the recompute runs (it decides
-#   what the recompute saves, as it decided what the forward's graph holds), and put
-#   back after.
+# graph holds the tensors the forward read. A parameter frozen or unfrozen in between
+# changes what the recompute saves (a Linear saves its input only where its weight needs
+# a gradient): torch's checkpoint then saves other tensors, of the same shapes where the
+# layers are square, and gives wrong gradients silently. So each parameter's
+# requires_grad is noted as the forward ends, and set so while the recompute runs, then
+# put back. Held by weak reference, and once per tensor (a weight tied across modules is
+# one tensor: flipped twice, it would end as it started).
+# A parameter replaced in between (another tensor, other storage: functional_call over
+# the checkpoint, load_state_dict(assign=True), ``p.data = ...``) is not checked: FSDP1
+# with use_orig_params, ZeRO-3 style gathering and FSDP2 replace parameters between a
+# forward and its recompute as a matter of course, and put the gathered ones back in
+# place before each module runs. The recompute reads what the module holds then, as
+# torch's checkpoint does (docs/limits.md, "Parameters replaced before backward").
 class ForwardParameters:
-    """The parameters of the modules a checkpointed forward ran, as it ran them (NOTE [
+    """The requires_grad of the parameters a checkpointed forward ran with (NOTE [
     Parameters a recompute reads ])."""
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_flags",)
 
     def __init__(self):
-        self._entries = {}  # (module, name) -> (tensor, storage identity, dtype, requires_grad)
+        self._flags = {}  # id(tensor) -> (weak reference to it, requires_grad)
 
-    def note(self, module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
-        """Note parameter ``name`` of ``module`` as the forward reads it (its first read)."""
-        if (module, name) not in self._entries and not is_sharded(tensor):
-            self._entries[(module, name)] = (tensor, storage_identity(tensor), tensor.dtype, tensor.requires_grad)
-
-    def settle(self) -> None:
-        """As the forward ends: forget a parameter the forward itself replaced."""
-        self._entries = {key: entry for key, entry in self._entries.items()
-                         if own_tensors(key[0], "parameters").get(key[1]) is entry[0]}
-
-    def check(self, function_name: str) -> None:
-        """Raise if a module now holds another parameter than the forward read."""
-        for (module, name), (tensor, storage, dtype, _) in self._entries.items():
-            now = own_tensors(module, "parameters").get(name)
-            if now is tensor and storage_identity(now) == storage and now.dtype == dtype:
-                continue
-            if now is not None and is_sharded(now):  # FSDP2's shard, until its pre-forward gathers it
-                continue
-            what = "another tensor" if now is not tensor else \
-                f"other storage ({dtype} then, {now.dtype} now)" if now.dtype != dtype else "other storage"
-            raise RecomputeError(
-                f"parameter '{name}' of {type(module).__name__} is {what} than the checkpointed {function_name} "
-                "read in its forward (torch.func.functional_call over the checkpoint, load_state_dict(assign=True), "
-                "a new nn.Parameter, p.data = ..., or model.to(dtype) between forward and backward): its recompute "
-                "would read other values, so its gradients would be wrong. Change the model after the backward, or "
-                "call functional_call inside the checkpointed function (actsave.checkpoint(lambda x: "
-                "functional_call(model, params, x), x)).")
+    def note(self, tensor: torch.Tensor) -> None:
+        """Note a parameter as the forward ran with it (its first note counts)."""
+        if id(tensor) not in self._flags:
+            self._flags[id(tensor)] = (weakref.ref(tensor), tensor.requires_grad)
 
     @contextlib.contextmanager
     def flags_as_in_forward(self):
         """While active, each parameter's requires_grad is the forward's."""
-        flipped = [tensor for tensor, _, _, flag in self._entries.values() if tensor.requires_grad != flag]
+        flipped = [tensor for tensor, flag in ((ref(), flag) for ref, flag in self._flags.values())
+                   if tensor is not None and tensor.requires_grad != flag]
         for tensor in flipped:
             tensor.requires_grad_(not tensor.requires_grad)
         try:

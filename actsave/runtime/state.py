@@ -116,7 +116,6 @@ class TouchedState:
         """Raise, as autograd would, if a tensor the forward read changed in place; and
         if the forward registered or removed a buffer, which the snapshot cannot give
         back as it was."""
-        self._parameters.check(function_name)
         if self._unreplayable is not None:
             module, name = self._unreplayable
             raise RecomputeError(
@@ -287,7 +286,7 @@ class _LayerState(TouchedState):
             if own_tensors(module, kind).get(name) is tensor:  # not replaced by the forward
                 state.append((weakref.ref(tensor), (kind[:-1], name, type(module))))
                 if kind == "parameters":
-                    self._parameters.note(module, name, tensor)
+                    self._parameters.note(tensor)
         self._take_versions(mutated_ids, state)
         self._mutated = mutated
         self._keep_snapshot_of(buffer for buffers in mutated.values() for buffer in buffers)
@@ -356,7 +355,6 @@ class _HookedState(TouchedState):
                    if own_tensors(module, kind).get(name) is not None}
         self._take_versions(mutated)
         self._keep_snapshot_of((module, name) for module, _, name in self._mutated)
-        self._parameters.settle()
         self._calls = []
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
@@ -376,7 +374,7 @@ class _HookedState(TouchedState):
             versions[(kind, name)] = version(tensor)
             self._note(tensor, (kind[:-1], name, type(module)))
             if kind == "parameters":
-                self._parameters.note(module, name, tensor)
+                self._parameters.note(tensor)
         if id(module) not in self._moved_modules and not self._snapshotted(module):
             self._take_snapshot([module])
         self._modes.setdefault(module, module.training)
