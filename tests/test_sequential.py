@@ -48,8 +48,10 @@ def test_segment_starting_in_place_works_where_torch_checkpoint_raises():
 def identity_then_in_place_chain():
     torch.manual_seed(0)
     layers = []
-    for _ in range(6):  # a norm left out as nn.Identity, then an in-place activation
-        layers += [nn.Linear(32, 32), nn.Identity(), nn.ReLU(inplace=True)]
+    # A norm left out as nn.Identity (or a dropout of p=0, in a Sequential), then an
+    # in-place activation.
+    for between in [nn.Identity, lambda: nn.Dropout(0.0), lambda: nn.Sequential(nn.Identity())] * 2:
+        layers += [nn.Linear(32, 32), between(), nn.ReLU(inplace=True)]
     return nn.Sequential(*layers, nn.Linear(32, 32), nn.Flatten(), nn.ReLU(inplace=True), nn.Linear(32, 4))
 
 

@@ -187,19 +187,27 @@ def modifies_input(function) -> bool:
     return isinstance(function, nn.Sequential) and starts_in_place(function, 0)
 
 
-# Layers that hand their input on as it is, or as a view of it: what the layer after one
-# changes in place is the segment's input.
-_PASSING_ON = (nn.Identity, nn.Flatten, nn.Unflatten)
-
-
 def starts_in_place(layers, start: int) -> bool:
     """Whether a segment of ``layers`` starting at ``start`` changes its input in place
-    (:func:`modifies_input`): its first layer does, or hands its input on (nn.Identity,
-    nn.Flatten: ``_PASSING_ON``) to a layer that does."""
+    (:func:`modifies_input`): its first layer does, or hands its input on
+    (:func:`_passes_on`) to a layer that does."""
     for layer in itertools.islice(layers, start, None):
-        if not isinstance(layer, _PASSING_ON):
+        if not _passes_on(layer):
             return modifies_input(layer)
     return False
+
+
+def _passes_on(layer) -> bool:
+    """Whether ``layer`` hands its input on as it is, or as a view of it, so that what
+    the layer after it changes in place is its input: nn.Identity, nn.Flatten and
+    nn.Unflatten; a dropout that drops nothing (p=0, or in eval mode); an nn.Sequential
+    of such layers. (A module of another type that returns its input says so with
+    ``inplace = True``.)"""
+    if isinstance(layer, (nn.Identity, nn.Flatten, nn.Unflatten)):
+        return True
+    if isinstance(layer, nn.modules.dropout._DropoutNd):
+        return layer.p == 0 or not layer.training
+    return isinstance(layer, nn.Sequential) and all(_passes_on(inner) for inner in layer)
 
 
 __all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "lossy_codec_stores", "kept_as", "placed",

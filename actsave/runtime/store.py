@@ -170,7 +170,8 @@ class _KeptTensor:
                 f"a checkpointed input was modified in place {where}, so the segment "
                 "cannot be recomputed from it. Do not modify it in place (for an "
                 "in-place first layer, set inplace=False or mark it with an "
-                "`inplace = True` attribute so actsave keeps a private copy)."
+                "`inplace = True` attribute so actsave keeps a private copy; so too a "
+                "first layer of your own that returns its input to an in-place one)."
             )
 
     def end_forward(self) -> None:
