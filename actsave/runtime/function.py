@@ -375,11 +375,11 @@ class _Frame:
         return it detached, as both graphs hold it."""
         if self.options.checks_saves and index < count and _signature(tensor) != self.signatures[index]:
             raise self._mismatch(
-                f"the recompute of {_name(self.function)} saved a tensor of "
-                f"shape/dtype/device {_shown(_signature(tensor))} where the forward saved "
-                f"{_shown(self.signatures[index])}: the function is not deterministic in its "
-                "shapes or dtypes, so its gradients would be wrong. Make it deterministic "
-                "or do not checkpoint it (determinism_check='none' skips this check)."
+                f"the recompute of {_name(self.function)} saved a tensor of shape/dtype/device "
+                f"{_shown(_signature(tensor))} where the forward saved {_shown(self.signatures[index])}: the "
+                "function is not deterministic in its shapes or dtypes, so its gradients would be wrong (state it "
+                "appends to runs again: Hugging Face's use_cache=True, pass use_cache=False to train). Make it "
+                "deterministic or do not checkpoint it (determinism_check='none' skips this check)."
             )
         slot = self.slots[index]() if index < count else None
         detached = _detached(tensor)

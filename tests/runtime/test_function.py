@@ -256,3 +256,18 @@ def test_a_save_the_forward_changes_in_place_raises_as_nn_sequential_does(wrap):
     out = model(torch.randn(8, 16, requires_grad=True))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.pow(2).sum().backward()
+
+
+def test_a_cache_the_forward_appends_to_is_named_in_the_recompute_error():
+    # Hugging Face's use_cache=True in training: the recompute appends again, and the
+    # attention then reads twice the keys.
+    cache, lin = [], nn.Linear(8, 8)
+
+    def attend(x):
+        cache.append(lin(x))
+        keys = torch.cat(cache)
+        return (x @ keys.t()).softmax(-1) @ keys
+
+    out, _ = checkpointed_call(attend, (torch.randn(4, 8, requires_grad=True),), {}, EXACT)
+    with pytest.raises(actsave.RecomputeError, match="use_cache=False"):
+        out.sum().backward()
