@@ -240,31 +240,31 @@ class _Frame:
         return self.hand_out(slot)
 
     def hand_out(self, slot: _Slot) -> torch.Tensor:
-        """The recomputed tensor behind ``slot``, for the node unpacking it: kept or let
-        go of as NOTE [ Lifetime of kept inputs ] says."""
+        """The recomputed tensor behind ``slot``, for the node unpacking it: kept or let go
+        of as NOTE [ Lifetime of kept inputs ] says, checked as autograd checks a save."""
         if backward_keeps_graph():
-            return self._unchanged(slot, self.recomputed[slot])
-        tensor = self.recomputed.pop(slot, None)
-        if tensor is None:
-            raise RecomputeError(
-                f"a tensor that {_name(self.function)} saved for backward was unpacked a second time "
-                "in a backward that frees the graph, after the first unpack had handed it over (as "
-                "torch's checkpoint does, so that it is freed as soon as its node is done with it). "
-                "Read ctx.saved_tensors once per backward, or backward with retain_graph=True.")
-        slot.handed_out = True
-        return self._unchanged(slot, tensor)
-
-    def _unchanged(self, slot: _Slot, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor``, saved by the recompute for ``slot``, if unchanged in place since:
-        autograd's check, which placeholders bypass. The recompute runs the forward's
-        code, so such a change is the forward's, where nn.Sequential raises too."""
+            tensor = self.recomputed[slot]
+        else:
+            tensor = self.recomputed.pop(slot, None)
+            if tensor is None:
+                raise RecomputeError(
+                    f"a tensor that {_name(self.function)} saved for backward was unpacked a second time "
+                    "in a backward that frees the graph, after the first unpack had handed it over (as "
+                    "torch's checkpoint does, so that it is freed as soon as its node is done with it). "
+                    "Read ctx.saved_tensors once per backward, or backward with retain_graph=True.")
+            slot.handed_out = True
         if slot.filled_at is not None and version(tensor) != slot.filled_at:
-            raise RecomputeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: {_name(self.function)} changed a tensor of shape {list(tensor.shape)} in place after "
-                f"saving it for backward (version {version(tensor)}; expected version {slot.filled_at}), as "
-                "nn.Sequential would raise too. Change a copy (out-of-place: y = y * 2, not y.mul_(2)).")
+            raise self._changed(slot, tensor)
         return tensor
+
+    def _changed(self, slot: _Slot, tensor: torch.Tensor) -> RecomputeError:
+        """``tensor``, saved by the recompute for ``slot``, changed in place since: the forward's
+        change (the recompute runs its code), where autograd raises, which placeholders bypass."""
+        return RecomputeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: {_name(self.function)} changed a tensor of shape {list(tensor.shape)} in place after "
+            f"saving it for backward (version {version(tensor)}; expected version {slot.filled_at}), as "
+            "nn.Sequential would raise too. Change a copy (out-of-place: y = y * 2, not y.mul_(2)).")
 
     def _recompute(self) -> None:
         try:

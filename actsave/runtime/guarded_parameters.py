@@ -100,6 +100,10 @@ class ForwardParameters:
         if id(tensor) not in self._flags:
             self._flags[id(tensor)] = (weakref.ref(tensor), tensor.requires_grad)
 
+    def note_all(self, tensors) -> None:
+        """Note ``tensors``, parameters as the forward ended (each once)."""
+        self._flags.update({id(t): (weakref.ref(t), t.requires_grad) for t in tensors})
+
     @contextlib.contextmanager
     def flags_as_in_forward(self):
         """While active, each parameter's requires_grad is the forward's."""

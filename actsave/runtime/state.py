@@ -281,12 +281,9 @@ class _LayerState(TouchedState):
         mutated = self._mutated_by_layer(moved)
         mutated_ids = {id(own_tensors(module, "buffers")[name]) for buffers in mutated.values()
                        for module, name in buffers}
-        state = []
-        for _, module, kind, name, tensor, _ in self._before:
-            if own_tensors(module, kind).get(name) is tensor:  # not replaced by the forward
-                state.append((weakref.ref(tensor), (kind[:-1], name, type(module))))
-                if kind == "parameters":
-                    self._parameters.note(tensor)
+        held = [entry for entry in self._before if own_tensors(entry[1], entry[2]).get(entry[3]) is entry[4]]
+        state = [(weakref.ref(tensor), (kind[:-1], name, type(module))) for _, module, kind, name, tensor, _ in held]
+        self._parameters.note_all(entry[4] for entry in held if entry[2] == "parameters")
         self._take_versions(mutated_ids, state)
         self._mutated = mutated
         self._keep_snapshot_of(buffer for buffers in mutated.values() for buffer in buffers)
