@@ -1,6 +1,6 @@
 """The house's written rules hold in the code: every NOTE reference names one NOTE, every
 path docs/architecture.md gives exists, every public name is in docs/api.md, imports go
-the one way that doc states, and no library file is over 500 lines."""
+the one way that doc states with no cycle, and no library file is over 500 lines."""
 import ast
 import os
 import re
@@ -230,6 +230,78 @@ def test_the_import_check_finds_a_runtime_module_that_imports_planning(tmp_path)
                                              "actsave.runtime._house_rules_probe imports actsave.planning.plans"]
     finally:
         fake.unlink()
+
+
+def top_level_imports(path: Path, modules: set) -> set:
+    """The modules of ``modules`` that a file imports as it loads: its module-level
+    imports (an import inside a function or under TYPE_CHECKING runs later, or never)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.If, ast.Try)):
+                visit(node.body + node.orelse + [n for h in getattr(node, "handlers", []) for n in h.body])
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                found.update(f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names)
+
+    visit(ast.parse(path.read_text()).body)
+    return {target for target in found if target in modules and target != name}
+
+
+def import_cycles(files) -> list:
+    """The cycles (as sorted module lists) among the modules of ``files`` imported as
+    they load: strongly connected components of more than one module."""
+    by_name = {module_name(path): path for path in files}
+    graph = {name: top_level_imports(path, set(by_name)) for name, path in by_name.items()}
+    order, low, stack, cycles = {}, {}, [], []
+
+    def visit(v):
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in graph:
+        if name not in order:
+            visit(name)
+    return cycles
+
+
+def package_files() -> list:
+    return sorted(path for path in (ROOT / "actsave").rglob("*.py") if "triton_kernels" not in path.parts)
+
+
+def test_no_module_of_the_package_imports_itself_back_as_it_loads():
+    assert import_cycles(package_files()) == []
+
+
+def test_the_cycle_check_finds_two_modules_that_import_each_other():
+    probes = [ROOT / "actsave" / "runtime" / f"_house_rules_cycle_{i}.py" for i in (0, 1)]
+    probes[0].write_text("from . import _house_rules_cycle_1\n")
+    probes[1].write_text("from ._house_rules_cycle_0 import x\n\n\ndef later():\n    from .. import sequential\n")
+    try:
+        assert import_cycles(package_files()) == [["actsave.runtime._house_rules_cycle_0",
+                                                   "actsave.runtime._house_rules_cycle_1"]]
+    finally:
+        for probe in probes:
+            probe.unlink()
 
 
 # ----------------------------------------------------------------- the chain class
