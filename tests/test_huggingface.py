@@ -144,3 +144,24 @@ def test_blocks_compiled_then_wrapped_compile_once_and_warn_nothing(name, compre
     else:
         flat = [torch.cat([g.flatten() for g in gs if g is not None]) for gs in (grads_plain, grads)]
         assert sqnr_db(*flat) >= INT8_SQNR_FLOOR_DB
+
+
+@pytest.mark.parametrize("keep", ["inputs", "selective"])
+def test_a_cache_passed_in_training_warns_once_naming_use_cache(monkeypatch, keep):
+    # The config's default, use_cache=True: the recompute appends to the cache again,
+    # and with this padded batch a full recompute raises, naming use_cache (docs/limits.md,
+    # "The recompute check"); a selective one skips attention and doubles the cache.
+    monkeypatch.setattr(actsave.runtime.keep_modes, "_WARNED_OF_A_CACHE", set())
+    config = llama_config()
+    config.use_cache = True
+    torch.manual_seed(0)
+    model = actsave.wrap(transformers.AutoModelForCausalLM.from_config(config).train(), LlamaDecoderLayer, keep=keep)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            try:
+                training_step(model, padded_batch())
+                assert keep == "selective"
+            except actsave.RecomputeError as error:
+                assert keep == "inputs" and "use_cache=False" in str(error)
+    assert len([w for w in raised if "Hugging Face cache while training" in str(w.message)]) == 1

@@ -31,6 +31,7 @@ eagerly at a graph break, with one warning that says why.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -100,6 +101,8 @@ def call_block(option: BlockOption, function: Callable, args: tuple, kwargs: dic
                private_copy: bool = False, eager_because: Optional[str] = None) -> tuple:
     """``function(*args, **kwargs)`` keeping what ``option`` says; ``(output, kept
     bytes)`` as :func:`~actsave.runtime.function.checkpointed_call` returns them."""
+    if option.keep in ("inputs", "selective") and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        _warn_of_a_cache(function, (*args, *kwargs.values()))
     if option.keep == "inputs":
         return checkpointed_call(function, args, kwargs, option.policy, private_copy, options,
                                  eager_because=eager_because)
@@ -117,6 +120,24 @@ def _eager(option: BlockOption, function, args, kwargs, options, private_copy) -
 
 
 _SCOPES = {"saves": "all", "linear_inputs": "linear_inputs"}
+
+# Hugging Face's key-value cache, passed to a block in training (use_cache=True): its
+# recompute appends to it again (docs/limits.md, "The recompute check"). Warned once
+# per block type.
+_WARNED_OF_A_CACHE = set()
+
+
+def _warn_of_a_cache(function: Callable, values: tuple) -> None:
+    for value in values:
+        if any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__):
+            name = getattr(function, "__qualname__", None) or type(function).__name__
+            if name not in _WARNED_OF_A_CACHE:
+                _WARNED_OF_A_CACHE.add(name)
+                warnings.warn(f"actsave: {name} is checkpointed with a Hugging Face cache while training "
+                              "(use_cache=True): its recompute appends the keys and values to the cache again, and "
+                              "with padding raises. Pass use_cache=False to train, as "
+                              "gradient_checkpointing_enable() does.", stacklevel=4)
+            return
 
 
 def _under_compile(option: BlockOption, function, args, kwargs, options, private_copy) -> tuple:
