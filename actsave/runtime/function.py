@@ -4,12 +4,11 @@ backward.
 NOTE [ Segment checkpoint mechanism ]
 A checkpointed call runs its function once, with grad enabled, inside
 ``torch.autograd.graph.saved_tensors_hooks``. The autograd graph is the real one;
-only the tensors its nodes save are swapped for placeholders (``_Slot``). The
+only the tensors its nodes save are swapped for placeholders (placeholders.py). The
 segment's inputs are kept by actsave itself (store.py), exact or compressed. When
 backward first unpacks a placeholder, the segment runs again from the kept inputs
 (same RNG, autocast and default device, state the forward mutated left alone:
-state.py) and the tensors it
-saves, in the same order, fill the placeholders.
+state.py) and the tensors it saves, in the same order, fill the placeholders.
 
 Why this and not a custom ``torch.autograd.Function`` per segment: a Function only
 sees the tensors passed to it. Gradients of parameters a function closes over would
@@ -92,6 +91,7 @@ from ..errors import RecomputeError
 from . import compiled_calls, relu_signs
 from .compiled_layers import LayerCode
 from .layers import known_layers, modules_under
+from .placeholders import Cursor, Slot
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mismatch
 from .replay import ReplayState, passed_generators
@@ -104,38 +104,6 @@ _local = threading.local()
 
 def _recompute_depth() -> int:
     return getattr(_local, "recompute_depth", 0)
-
-
-class _Slot:
-    """What autograd stores in place of a tensor the segment saved. When the recompute
-    is lossy, ``relu_signs`` hold the forward's ReLU decisions (relu_signs.py) and
-    ``pool_decisions`` a max pool's (pool_decisions.py), attached to the kept inputs
-    (store.py). ``kept``: the tensor itself, where the frame keeps it instead of
-    recomputing it (selective.py), with the version it was saved at."""
-
-    __slots__ = ("index", "relu_signs", "pool_decisions", "kept", "handed_out", "filled_at", "__weakref__")
-
-    def __init__(self, index: int):
-        self.index = index
-        self.relu_signs = None
-        self.pool_decisions = None
-        self.kept = None
-        self.handed_out = False  # the frame let go of its recomputed tensor (_Frame.hand_out)
-        self.filled_at = None  # its recomputed tensor's version as saved (None: traced, as Dynamo's are)
-
-
-class _Cursor:
-    """Which save of the forward a recompute's next save stands for; a selective
-    recompute moves it past the saves of a call it skips (selective.py)."""
-
-    __slots__ = ("position",)
-
-    def __init__(self):
-        self.position = 0
-
-    def take(self) -> int:
-        self.position += 1
-        return self.position - 1
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -197,16 +165,16 @@ class _Frame:
     def in_forward(self) -> bool:
         return self._forward_inputs is not None
 
-    def pack(self, tensor: torch.Tensor) -> _Slot:
+    def pack(self, tensor: torch.Tensor) -> Slot:
         self.touched.note_saved(tensor)
-        slot = _Slot(len(self.slots))
+        slot = Slot(len(self.slots))
         if self.keeps_decisions:
             self._keep_decisions(tensor, slot)
         self.slots.append(weakref.ref(slot))
         self.signatures.append(_signature(tensor))
         return slot
 
-    def _keep_decisions(self, tensor: torch.Tensor, slot: _Slot) -> None:
+    def _keep_decisions(self, tensor: torch.Tensor, slot: Slot) -> None:
         """Attach the decisions a lossy recompute must take from the forward."""
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
         if pool is not None:
@@ -232,14 +200,14 @@ class _Frame:
         self._recomputed_in_forward = weakref.WeakKeyDictionary()
         self._input_nodes = {}  # ids may be reused once the inputs are gone
 
-    def unpack(self, slot: _Slot) -> torch.Tensor:
+    def unpack(self, slot: Slot) -> torch.Tensor:
         if self.in_forward:
             return self._unpack_in_forward(slot)
         if not self.is_recomputed:
             self._recompute()
         return self.hand_out(slot)
 
-    def hand_out(self, slot: _Slot) -> torch.Tensor:
+    def hand_out(self, slot: Slot) -> torch.Tensor:
         """The recomputed tensor behind ``slot``, for the node unpacking it: kept or let go
         of as NOTE [ Lifetime of kept inputs ] says, checked as autograd checks a save."""
         if backward_keeps_graph():
@@ -257,7 +225,7 @@ class _Frame:
             raise self._changed(slot, tensor)
         return tensor
 
-    def _changed(self, slot: _Slot, tensor: torch.Tensor) -> RecomputeError:
+    def _changed(self, slot: Slot, tensor: torch.Tensor) -> RecomputeError:
         """``tensor``, saved by the recompute for ``slot``, changed in place since: the forward's
         change (the recompute runs its code), where autograd raises, which placeholders bypass."""
         return RecomputeError(
@@ -302,7 +270,7 @@ class _Frame:
     def _kept_besides(self) -> int:
         return 0
 
-    def _unpack_in_forward(self, slot: _Slot) -> torch.Tensor:
+    def _unpack_in_forward(self, slot: Slot) -> torch.Tensor:
         # See NOTE [ Backward inside a checkpointed forward ].
         # The function runs a backward of its own (``autograd.grad`` for a gradient
         # penalty, higher-order derivatives) through what it saved so far. Recompute
@@ -331,7 +299,7 @@ class _Frame:
         ``last``: no recompute follows, so it may use up the module state's snapshot.
         ``exact_count``: the forward is over, so a recompute run to its end
         (``early_stop=False``) must save exactly ``count`` tensors."""
-        cursor = _Cursor()
+        cursor = Cursor()
 
         def fill(tensor):
             # The recompute's own graph holds the tensor as it is too, for a backward the
@@ -356,7 +324,7 @@ class _Frame:
                 "same shapes) or do not checkpoint it."
             )
 
-    def _skipping(self, cursor: _Cursor, into, count: int, last: bool):
+    def _skipping(self, cursor: Cursor, into, count: int, last: bool):
         """What a recompute skips, filling the saves of what it skips itself: nothing
         here (selective.py skips the calls whose outputs it kept)."""
         return contextlib.nullcontext()

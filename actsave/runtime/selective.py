@@ -78,7 +78,8 @@ from torch import nn
 from .._torch import leaf_base, storage_identity, version
 from ..errors import ConfigError, RecomputeError
 from ..layouts import is_dense
-from .function import _Cursor, _detached, _Frame, _Slot, _checkpointed_call, _name
+from .function import _detached, _Frame, _checkpointed_call, _name
+from .placeholders import Cursor, Slot
 from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps
 from .kept_outputs import StoredKept, store_kept
@@ -288,7 +289,7 @@ class SelectiveFrame(_Frame):
             argument.tensor = None  # the recompute makes its own; this one is autograd's to free
         self.calls.append(call)
 
-    def pack(self, tensor: torch.Tensor) -> _Slot:
+    def pack(self, tensor: torch.Tensor) -> Slot:
         slot = super().pack(tensor)
         if self._open is not None and self.in_forward:
             self._pending.append((slot, tensor))
@@ -367,7 +368,7 @@ class SelectiveFrame(_Frame):
 
     # ------------------------------------------------------------ backward
 
-    def unpack(self, slot: _Slot) -> torch.Tensor:
+    def unpack(self, slot: Slot) -> torch.Tensor:
         if self.in_forward:  # NOTE [ Backward inside a checkpointed forward ]
             self._differentiated = True
         if slot.kept is not None:
@@ -382,7 +383,7 @@ class SelectiveFrame(_Frame):
         # The early stop: after the last save the recompute fills.
         return self._recomputed[-1] + 1, False
 
-    def _skipping(self, cursor: _Cursor, into, count: int, last: bool):
+    def _skipping(self, cursor: Cursor, into, count: int, last: bool):
         if not last or not self.calls:
             return contextlib.nullcontext()
         return Skipper(self, cursor, into, count).active()

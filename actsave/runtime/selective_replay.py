@@ -12,7 +12,8 @@ from torch import nn
 
 from .._torch import version
 from ..errors import RecomputeError
-from .function import _Cursor, _name
+from .function import _name
+from .placeholders import Cursor
 from .kept_ops import TAPPED_FUNCTIONS
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
 from .store import input_tensors
@@ -25,7 +26,7 @@ class Skipper:
     """The backward's recompute of a selective frame: each kept call, matched in order,
     returns its forward output and fills its placeholders instead of running."""
 
-    def __init__(self, frame: SelectiveFrame, cursor: _Cursor, into, count: int):
+    def __init__(self, frame: SelectiveFrame, cursor: Cursor, into, count: int):
         self.frame, self.cursor, self.into, self.count = frame, cursor, into, count
         self.next = 0
         self.depth = 0
