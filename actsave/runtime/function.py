@@ -335,7 +335,7 @@ class _Frame:
         ``state`` (the module state as the forward saw it: TouchedState.as_in_forward,
         or a caller's context that sets it part by part), ``fill`` taking each save."""
         with _recomputing(), torch.enable_grad(), replay.replayed(), state, self.code.running(), \
-                saved_tensors_hooks(fill, _identity):
+                saved_tensors_hooks(_weakly(fill), _identity):
             yield
 
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:
@@ -390,6 +390,15 @@ def _recompute_input(tensor: torch.Tensor) -> torch.Tensor:
 
 def _identity(tensor):
     return tensor
+
+
+def _weakly(fill: Callable) -> Callable:
+    # The recompute's graph holds its pack hook as long as its nodes live, and state the
+    # function appends to (a Hugging Face cache) may hold them past the backward; a hook
+    # that held the frame would close a cycle through autograd's graph, which Python's
+    # collector does not see. So, as torch's checkpoint: the frame is referenced weakly.
+    ref = weakref.WeakMethod(fill) if hasattr(fill, "__self__") else weakref.ref(fill)
+    return lambda tensor: ref()(tensor)
 
 
 class _AllSlotsFilled(RecomputeStop):

@@ -1,4 +1,7 @@
 """The checkpoint frame: what is kept, when it is released, failure paths."""
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -271,3 +274,34 @@ def test_a_cache_the_forward_appends_to_is_named_in_the_recompute_error():
     out, _ = checkpointed_call(attend, (torch.randn(4, 8, requires_grad=True),), {}, EXACT)
     with pytest.raises(actsave.RecomputeError, match="use_cache=False"):
         out.sum().backward()
+
+
+class _Cache:
+    def __init__(self):
+        self.values = []
+
+
+class _AppendsToACache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        cache.values.append(torch.tanh(self.lin(x)))  # tanh saves its output
+        return cache.values[-1] * x
+
+
+@pytest.mark.parametrize("options", [dict(), dict(keep="selective"), dict(compress="int8"),
+                                     dict(keep="saves", compress="int8")], ids=["inputs", "selective", "int8", "saves"])
+def test_a_cache_the_recompute_appends_to_is_freed_with_the_step(options):
+    # The cache, an argument the checkpoint keeps, holds what the recompute appends, and
+    # so the recompute's graph and its pack hooks: were those to hold the frame, the
+    # cycle (through autograd's graph, which Python's collector does not see) would keep
+    # the cache and the step's kept inputs for good. torch's checkpoint frees them.
+    block, cache = actsave.Checkpoint(_AppendsToACache(), **options), _Cache()
+    block(torch.randn(4, 8, requires_grad=True), cache).sum().backward()
+    freed = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert freed() is None
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
