@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .._torch import pytree, version
+from .._torch import pytree, storage_identity, version
 from ..codecs import Packed
 from ..errors import RecomputeError, warn_renamed
 from ..offload import OffloadedTensors, current_tape
@@ -139,9 +139,11 @@ class _KeptTensor:
     recompute asks for it back."""
 
     def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool,
-                 made_by: Optional[CallerTensors] = None):
-        self.requires_grad = tensor.requires_grad
-        kept = placed(kept_as(policy, should_encode(tensor, made_by)), tensor.device)
+                 made_by: Optional[CallerTensors] = None, encodable: Optional[bool] = None,
+                 requires_grad: Optional[bool] = None):
+        self.requires_grad = tensor.requires_grad if requires_grad is None else requires_grad
+        encodable = should_encode(tensor, made_by) if encodable is None else encodable
+        kept = placed(kept_as(policy, encodable), tensor.device)
         self.codec = kept.codec
         # A tensor that needs no grad is kept as the very object (torch's checkpoint
         # gives the same object back to a custom Function that saved it).
@@ -201,6 +203,63 @@ class _KeptTensor:
         self.storage.release()
         self._watched = None
         self._release()
+
+
+class _KeptAliases:
+    """Tensor inputs whose memory overlaps (the same tensor twice, a tensor and a view
+    of it), kept as one span of their storage, so that the recompute's inputs share
+    memory as the forward's did: a function that changes one in place changes the
+    others for the recompute as for the forward. Kept separately, a private copy or a
+    codec would give each its own memory, and the recompute other values."""
+
+    def __init__(self, members: list, policy: KeepPolicy, private_copy: bool, made_by: Optional[CallerTensors]):
+        self._layouts = [(m.size(), m.stride(), m.storage_offset()) for m in members]
+        self._requires_grad = [m.requires_grad for m in members]
+        self._start = min(m.storage_offset() for m in members)
+        end = max(_end(m) for m in members)
+        span = members[0].detach().as_strided((end - self._start,), (1,), self._start)
+        encodable = all(should_encode(m, made_by) for m in members)
+        self.kept = _KeptTensor(span, policy, private_copy, encodable=encodable,
+                                requires_grad=any(self._requires_grad))
+
+    def restore(self) -> list:
+        """The members, in order: views of one restored span."""
+        span = self.kept.restore()
+        shift = span.storage_offset() - self._start
+        views = [span.as_strided(size, stride, offset + shift) for size, stride, offset in self._layouts]
+        return [v if grad else v.detach() for v, grad in zip(views, self._requires_grad)]
+
+
+class _AliasOf:
+    """A leaf of the call's arguments that is member ``index`` of ``aliases``."""
+
+    __slots__ = ("aliases", "index")
+
+    def __init__(self, aliases: _KeptAliases, index: int):
+        self.aliases, self.index = aliases, index
+
+
+def _end(t: torch.Tensor) -> int:
+    """One past the last storage element ``t`` reads."""
+    return t.storage_offset() + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def _overlapping(tensors: list) -> list:
+    """Lists of the positions in ``tensors`` whose memory overlaps another's (same
+    storage, element ranges that meet), each of two or more; dense strided tensors
+    of one dtype only, others are never grouped."""
+    spans = sorted((storage_identity(t), t.storage_offset(), _end(t), i) for i, t in enumerate(tensors)
+                   if t.layout == torch.strided and not t.is_nested and t.numel() > 0 and all(n >= 0 for n in t.stride()))
+    groups, group_end = [], None
+    for storage, start, end, i in spans:
+        if groups and storage == groups[-1][0] and start < group_end:
+            groups[-1][1].append(i)
+            group_end = max(group_end, end)
+        else:
+            groups.append((storage, [i]))
+            group_end = end
+    return [members for _, members in groups
+            if len(members) > 1 and len({tensors[i].dtype for i in members}) == 1]
 
 
 class _Attached:
@@ -263,11 +322,9 @@ class KeptInputs:
                  made_by: Optional[CallerTensors] = None):
         leaves, self._spec = flatten_inputs(args, kwargs)
         self.policy = policy
-        self._leaves = [
-            _KeptTensor(leaf, policy, private_copy, made_by) if isinstance(leaf, torch.Tensor) else leaf
-            for leaf in leaves
-        ]
+        self._leaves = _kept_leaves(leaves, policy, private_copy, made_by)
         self._tensors = [leaf for leaf in self._leaves if isinstance(leaf, _KeptTensor)]
+        self._tensors += list({id(a.aliases): a.aliases.kept for a in self._leaves if isinstance(a, _AliasOf)}.values())
         self._attached = []
         self._attached_bytes = None  # their _GrowingAccount, from the first attach
         self._decisions = None  # the attached tensors once on the host, one group
@@ -343,8 +400,16 @@ class KeptInputs:
             )
         if self._tape is not None:
             self._tape.before_use(self)
-        leaves = [leaf.restore() if isinstance(leaf, _KeptTensor) else leaf for leaf in self._leaves]
-        return unflatten_inputs(leaves, self._spec)
+        restored = {}  # each group of aliases restored once: _KeptAliases -> its members
+
+        def restore(leaf):
+            if isinstance(leaf, _AliasOf):
+                if leaf.aliases not in restored:
+                    restored[leaf.aliases] = leaf.aliases.restore()
+                return restored[leaf.aliases][leaf.index]
+            return leaf.restore() if isinstance(leaf, _KeptTensor) else leaf
+
+        return unflatten_inputs([restore(leaf) for leaf in self._leaves], self._spec)
 
     def release(self) -> None:
         for t in (*self.tensors, *self._attached):
@@ -354,6 +419,24 @@ class KeptInputs:
         if self._attached_bytes is not None:
             self._attached_bytes.settle()
         self.released = True
+
+
+def _kept_leaves(leaves: list, policy: KeepPolicy, private_copy: bool, made_by: Optional[CallerTensors]) -> list:
+    """Each leaf of a call's arguments as kept: a tensor by itself (_KeptTensor) or, where
+    its memory overlaps another's, as a member of their group (_AliasOf); others as they are."""
+    kept = list(leaves)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    grouped = set()
+    for members in _overlapping([leaves[i] for i in positions]) if len(positions) > 1 else ():
+        at = [positions[m] for m in members]
+        aliases = _KeptAliases([leaves[i] for i in at], policy, private_copy, made_by)
+        for index, i in enumerate(at):
+            kept[i] = _AliasOf(aliases, index)
+        grouped.update(at)
+    for i in positions:
+        if i not in grouped:
+            kept[i] = _KeptTensor(leaves[i], policy, private_copy, made_by)
+    return kept
 
 
 def flatten_inputs(args: tuple, kwargs: dict) -> tuple:
