@@ -129,11 +129,11 @@ class Checkpoint(nn.Module):
 
     ``state_dict`` keys are those of ``module`` itself: a checkpoint saved with the
     wrapper loads without it and the other way round. Attributes not found on the
-    wrapper are looked up on ``module``, and so are the wrapper's own public names
-    (``module``, ``option``, ``recompute``, ``policy``, ``inputs_policy``,
-    ``eager_because``) where ``module`` has an attribute of that name: the wrapper
-    hides nothing of the module it wraps (``model.get_parameter`` walks a state dict
-    name, ``block.module.weight``, through them).
+    wrapper are looked up on ``module`` (and set on it, where it has them), and so are
+    the wrapper's own public names (``module``, ``option``, ``recompute``, ``policy``,
+    ``inputs_policy``, ``eager_because``) where ``module`` has an attribute of that
+    name: the wrapper hides nothing of the module it wraps (``model.get_parameter``
+    walks a state dict name, ``block.module.weight``, through them).
 
     ``compress``, ``offload``, ``keep``, ``preserve_rng_state``, ``determinism_check``,
     ``debug`` and ``early_stop`` mean what they mean for :func:`checkpoint`; ``option``
@@ -221,6 +221,17 @@ class Checkpoint(nn.Module):
             if wrapped is None:  # still inside __init__
                 raise
             return getattr(wrapped, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        # An attribute the module has is set on the module (``block.fc = LoRA(block.fc)``
+        # after wrap): set on the wrapper, it would shadow the module's, which the
+        # forward never reads. The wrapper's own attributes and methods stay its own.
+        wrapped = self.__dict__.get("_modules", {}).get(_WRAPPED)
+        yields = isinstance(getattr(type(self), name, None), _yields_to_wrapped)
+        if wrapped is not None and (yields or not _has_own(self, name)) and _has_own(wrapped, name):
+            setattr(wrapped, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def extra_repr(self) -> str:
         recompute = self._recompute.describe()

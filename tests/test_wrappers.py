@@ -419,3 +419,32 @@ def test_blocks_that_keep_their_saves_recompute_nothing(keep, compress):
         for p, q in zip(plain.parameters(), model.parameters()):
             assert torch.equal(p.grad, q.grad)
     assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+class _LoRA(nn.Module):
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base, self.down, self.up = base, nn.Linear(8, 2, bias=False), nn.Linear(2, 8, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_an_attribute_of_the_module_set_through_the_checkpoint_is_set_on_the_module():
+    # LoRA put in after wrap, as a user writes it: set on the wrapper, the adapter
+    # would never run and its parameters get no gradient.
+    plain = nn.Sequential(ResidualBlock(), ResidualBlock())
+    model = twin(plain)
+    actsave.wrap(model, ResidualBlock)
+    for blocks in (plain, model):
+        torch.manual_seed(0)
+        blocks[0].fc = _LoRA(blocks[0].fc)
+        blocks[1].activation = torch.sigmoid  # an attribute that is not a module
+    x = torch.randn(4, 8)
+    for blocks in (plain, model):
+        torch.manual_seed(1)
+        blocks(x).sum().backward()
+    assert isinstance(model[0].module.fc, _LoRA) and "fc" not in model[0]._modules
+    assert "activation" not in model[1].__dict__ and model[1].module.activation is torch.sigmoid
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
