@@ -7,10 +7,13 @@ NOTE [ Selective recompute ]
 The forward is a checkpointed call's (function.py, NOTE [ Segment checkpoint
 mechanism ]): every save a placeholder, the call's inputs kept. What :class:`KeptOps`
 names (module types, ``nn.Linear`` by default, and functions called through their
-module, ``F.scaled_dot_product_attention`` by default) is watched as it runs: per-module
-hooks on the modules of those types under the call's known layers (layers.py), a tap on
-the function (_torch.ATTENTION). Of each outermost such *call* the forward records
-which placeholders its saves took and its output, which the frame keeps. Then:
+module, ``F.scaled_dot_product_attention`` by default) is watched as it runs: the
+forward of each module of those types under the call's known layers (layers.py), set
+on the instance, a tap on the function (_torch.ATTENTION). Of each outermost such *call*
+the forward records which placeholders its saves took and its output, which the frame
+keeps. A module's call is its forward only, the one the recompute skips: its pre-hooks
+and hooks, global (``register_module_forward_hook``) and its own, run around it in the
+forward and again in the recompute, on the kept output, once each. Then:
 
 - A save made outside a kept call whose storage is a kept call's output (GELU's input
   is its Linear's output; attention's q, k, v are views of the qkv projection's) is
@@ -84,7 +87,7 @@ from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState
-from .selective_replay import Skipper
+from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
 
 class _Call:
@@ -223,31 +226,32 @@ class SelectiveFrame(_Frame):
 
     @contextlib.contextmanager
     def _watching(self):
-        handles = []
-        for module in self._watched:
-            # The call's arguments as its forward gets them (after the user's pre-hooks),
-            # and its output as its forward returns it (before the user's hooks): the
-            # recompute returns that output in place of the forward, and nn.Module runs
-            # the user's hooks on it again, as in the forward.
-            handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
-            handles.append(module.register_forward_hook(self._after_module, prepend=True))
-        try:
-            with contextlib.ExitStack() as stack:
-                for name in self.ops.functions:
-                    stack.enter_context(TAPPED_FUNCTIONS[name].handled(self._recorded_function(name)))
-                yield
-        finally:
-            for handle in handles:
-                handle.remove()
+        with contextlib.ExitStack() as stack:
+            for module in self._watched:
+                # Its forward itself is wrapped, not hooked: the call is what the recompute's
+                # Skipper replaces, the module's forward, whose arguments come after every
+                # pre-hook and whose output comes before every hook. nn.Module runs the hooks
+                # around it, global ones first, in the forward and again in the recompute.
+                stack.enter_context(forward_replaced(module, self._recorded_forward(module)))
+            for name in self.ops.functions:
+                stack.enter_context(TAPPED_FUNCTIONS[name].handled(self._recorded(name)))
+            yield
 
-    def _after_module(self, module, args, output):
-        self._exit(output)
+    def _recorded_forward(self, module: nn.Module) -> Callable:
+        """``module``'s forward, recording each call of it as a kept call."""
+        run, recorded = module.forward, self._recorded(module)
 
-    def _recorded_function(self, name: str) -> Callable:
+        @functools.wraps(run)
+        def forward(*args, **kwargs):
+            return recorded(run, *args, **kwargs)
+        return forward
+
+    def _recorded(self, target) -> Callable:
+        """A kept call of ``target`` (a module, or a function's name) that records it."""
         def recorded(call_next, *args, **kwargs):
             if not self.in_forward:  # a recompute inside the forward runs it plainly
                 return call_next(*args, **kwargs)
-            self._enter(name, args, kwargs)
+            self._enter(target, args, kwargs)
             output = call_next(*args, **kwargs)
             self._exit(output)
             return output

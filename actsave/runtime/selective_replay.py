@@ -5,6 +5,7 @@ running, and the views it saved of its arguments are made again of the recompute
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -35,7 +36,7 @@ class Skipper:
     def active(self):
         with contextlib.ExitStack() as stack:
             for module in self.frame._watched:
-                stack.enter_context(_forward_replaced(module, self._module_call(module)))
+                stack.enter_context(forward_replaced(module, self._module_call(module)))
             for name in self.frame.ops.functions:
                 stack.enter_context(TAPPED_FUNCTIONS[name].handled(self._function_call(name)))
             yield
@@ -43,6 +44,7 @@ class Skipper:
     def _module_call(self, module: nn.Module) -> Callable:
         run = module.forward
 
+        @functools.wraps(run)
         def call(*args, **kwargs):
             return self._skip_or_run(module, run, args, kwargs)
         return call
@@ -115,7 +117,7 @@ def _in_layout(argument: torch.Tensor, strides: tuple) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _forward_replaced(module: nn.Module, forward: Callable):
+def forward_replaced(module: nn.Module, forward: Callable):
     """``module.forward`` set on the instance while active; what the instance had
     before (its class's, or one set on it) back after."""
     had = "forward" in vars(module)
@@ -134,4 +136,4 @@ def _described(target) -> str:
     return target if isinstance(target, str) else type(target).__name__
 
 
-__all__ = ["Skipper"]
+__all__ = ["Skipper", "forward_replaced"]

@@ -238,20 +238,48 @@ class _LinearNormResidual(nn.Module):
         return self.ln(self.fc(x)) + x
 
 
-@pytest.mark.parametrize("hook", [lambda module, args, out: out * 2, lambda module, args, out: out.mul_(2)],
-                         ids=["returns-a-new-output", "changes-it-in-place"])
-def test_a_forward_hook_on_a_kept_module_applies_once(hook):
-    # The recompute returns what the module's forward returned and nn.Module runs the
-    # hook on it again: so the output is recorded before the hook, which applies once.
+def _registered(where: str, kind: str, hook, module: nn.Module):
+    """``hook`` registered as a forward hook or pre-hook (``kind``) on ``module`` itself, or
+    for every module (``where="global"``) acting on the Linear layers only."""
+    if where == "local":
+        return getattr(module, f"register_{kind}")(hook)
+    on_linear = lambda m, *rest: hook(m, *rest) if isinstance(m, nn.Linear) else None  # noqa: E731
+    return getattr(torch.nn.modules.module, f"register_module_{kind}")(on_linear)
+
+
+def _gradients_with_hook(where: str, kind: str, hook) -> list:
+    """The gradients of _LinearNormResidual, plain and selective, with ``hook`` registered
+    around each run (removed after it, a global one too)."""
     torch.manual_seed(0)
     plain = _LinearNormResidual()
     selective = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
     for model, inner in ((plain, plain), (selective, selective.module)):
-        inner.fc.register_forward_hook(hook)
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        model(x).pow(3).sum().backward()
-    for a, b in zip(plain.parameters(), selective.parameters()):
-        assert torch.equal(a.grad, b.grad)
+        handle = _registered(where, kind, hook, inner.fc)
+        try:
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            model(x).pow(3).sum().backward()
+        finally:
+            handle.remove()
+    return [(a.grad, b.grad) for a, b in zip(plain.parameters(), selective.parameters())]
+
+
+@pytest.mark.parametrize("where", ["local", "global"])
+@pytest.mark.parametrize("hook", [lambda module, args, out: out * 1.5 + 0.1, lambda module, args, out: torch.sin(out),
+                                  lambda module, args, out: out.mul_(2)],
+                         ids=["returns-a-new-output", "saves-its-output", "changes-it-in-place"])
+def test_a_forward_hook_on_a_kept_module_applies_once(where, hook):
+    # The recompute returns what the module's forward returned and nn.Module runs the
+    # hooks on it again, global ones (which it runs before the module's own) as well:
+    # so the output is recorded before every hook, which applies once.
+    for a, b in _gradients_with_hook(where, "forward_hook", hook):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("where", ["local", "global"])
+def test_a_forward_pre_hook_on_a_kept_module_applies_once(where):
+    # The forward's arguments come after every pre-hook, in the forward as in the recompute.
+    for a, b in _gradients_with_hook(where, "forward_pre_hook", lambda module, args: (args[0] * 1.5 + 0.1,)):
+        assert torch.equal(a, b)
 
 
 class _DropoutAttention(nn.Module):
