@@ -33,9 +33,9 @@ that graph and its backward:
   forward's: relu_signs.py, pool_decisions.py). Where a lossy segment makes such
   decisions, found on fake meta tensors at the first compiled call of each input
   (:func:`decisions_made`; NOTE [ Fake tensors in a probe ] in _torch_graphs.py), the
-  forward runs eagerly instead, with one warning:
-  without the decisions a conv-BN-ReLU network's BatchNorm gradients lose most of
-  their precision (docs/results.md, "Other figures").
+  forward runs eagerly instead, with one warning: without the decisions a
+  conv-BN-ReLU network's BatchNorm gradients lose most of their precision
+  (docs/results.md, "Other figures").
 - Dynamo does not trace entering saved-tensor hooks (graph break gb0008), AOTAutograd
   inlines the hooks set when it compiles, and each compiled frame is guarded on the
   hooks set when it runs. So the hooks are set outside the frame that is compiled with
@@ -48,9 +48,9 @@ that graph and its backward:
   input) is kept exactly eagerly, as the plain segment's own save. In the graph the
   partitioner would recompute it instead, from the encoded input (it must keep that
   anyway), so that the stored layer's weight gradient would come out lossy too. So
-  such a segment's output is copied after its
-  checkpoint by an operator of actsave's own (:func:`output_copied`), which no
-  partitioner recomputes; the plain segment's backward reads that copy, exactly.
+  such a segment's output is copied after its checkpoint by an operator of actsave's
+  own (:func:`output_copied`), which no partitioner recomputes; the plain segment's
+  backward reads that copy, exactly.
 - Blocks that ``wrap`` checkpointed (wrappers.py) do the same from the model's root,
   whose forward is the model's own code: ``wrap`` sets the root's ``forward`` (on the
   instance, as accelerate's hooks do; :class:`RootForward`) to a callable that, under
@@ -137,11 +137,7 @@ def _(t):
     return torch.empty_like(t)
 
 
-def _copy_backward(ctx, grad):
-    return grad
-
-
-_copy.register_autograd(_copy_backward)
+_copy.register_autograd(lambda ctx, grad: grad)
 
 
 def output_copied(output):
@@ -212,7 +208,6 @@ def _unpack(stored):
     with _reference_traced():
         shape = _torch_graphs.traced_shape(like, data)
         return get_codec(_codec_of(node, backward)).decode(Packed(data, scales, shape, like.dtype, offsets=offsets))
-
 
 
 _hooks = None
@@ -317,11 +312,11 @@ _this_thread = threading.local()
 # Set on the importing thread now: a guard on an attribute that is missing fails once
 # it is set, and the root's frame would be traced again at its second call.
 _this_thread.set_for_blocks = False
+_probed = weakref.WeakKeyDictionary()  # root -> (its submodules, {input key: {checkpoint: why eager}})
 
 
 def _set_for_blocks() -> bool:
     return getattr(_this_thread, "set_for_blocks", False)
-_probed = weakref.WeakKeyDictionary()  # root -> (its submodules, {input key: {checkpoint: why eager}})
 
 
 class RootForward:
@@ -335,8 +330,14 @@ class RootForward:
     the model deep-copies and pickles with it."""
 
     def __init__(self, model: nn.Module, previous=None):
-        self.model = model
+        # The model holds this: a strong reference back, a cycle that only a collection frees.
+        self._model = weakref.ref(model)
         self.previous = previous  # the instance's forward before, or None: the class's
+
+    model = property(lambda self: self._model(), doc="The model whose forward this is.")
+
+    def __reduce__(self):  # copied and pickled with the model, around the copy
+        return RootForward, (self.model, self.previous)
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling() and not _set_for_blocks():  # not inside a root that set them

@@ -2,9 +2,11 @@
 cannot keep, and the saved-tensor hooks set and unset around a compiled forward (NOTE [
 Codecs in a compiled graph ]). The compiled models themselves: tests/compile/."""
 import copy
+import gc
 import inspect
 import io
 import threading
+import weakref
 
 import pytest
 import torch
@@ -175,6 +177,20 @@ def test_a_copied_wrapped_model_calls_its_own_forward(how):
         x = torch.randn(4, 8)
         torch.testing.assert_close(copied(x), ResidualNet.forward(copied, x))
         assert not torch.equal(copied(x), model(x))
+
+
+def test_a_wrapped_model_is_freed_with_its_last_reference():
+    # Its forward (a RootForward on the instance) refers back to it weakly: a cycle
+    # would hold the model's parameters, on a GPU its memory, until a garbage collection.
+    gc.disable()
+    try:
+        model = actsave.wrap(ResidualNet(depth=2), ResidualBlock, compress="int8")
+        model(torch.randn(4, 8)).sum().backward()
+        weight = weakref.ref(model.head.weight)
+        del model
+        assert weight() is None
+    finally:
+        gc.enable()
 
 
 def test_a_model_that_fails_on_meta_tensors_runs_every_lossy_block_eagerly_and_names_why():
