@@ -18,9 +18,10 @@ from typing import Optional
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.nn.parameter import is_lazy
 
 from .._torch import copies_of, leaf_base, own_tensors, version
-from ..errors import RecomputeError
+from ..errors import ConfigError, RecomputeError
 from .guarded_parameters import ForwardParameters, GuardedParameters
 from .layers import modules_under
 
@@ -335,7 +336,7 @@ class _HookedState(TouchedState):
         super().__init__()
         self._mutated = {}  # (module, kind, name) -> None: state changed by its module
         self._moved_modules = set()  # ids of the modules whose calls moved their state
-        self._calls = []  # (module, {(kind, name): version}) of module calls running
+        self._calls = []  # (module, {(kind, name): (tensor, version)}) of module calls running
 
     @contextlib.contextmanager
     def recording(self):
@@ -366,32 +367,27 @@ class _HookedState(TouchedState):
     def _before_module(self, module, args) -> None:
         if threading.get_ident() != self._thread:
             return
-        versions = {}
+        held = {}
         for kind, name, tensor in _own_state(module):
-            versions[(kind, name)] = version(tensor)
+            held[(kind, name)] = (tensor, version(tensor))
             self._note(tensor, (kind[:-1], name, type(module)))
             if kind == "parameters":
                 self._parameters.note(tensor)
         if id(module) not in self._moved_modules and not self._snapshotted(module):
             self._take_snapshot([module])
         self._modes.setdefault(module, module.training)
-        self._calls.append((module, versions))
+        self._calls.append((module, held))
 
     def _after_module(self, module, args, output) -> None:
         if threading.get_ident() != self._thread:
             return
         while self._calls:  # a module that raised left its entry behind
-            called, versions = self._calls.pop()
+            called, held = self._calls.pop()
             if called is module:
                 break
         else:
             return
-        changed = [(kind, name) for kind, name, tensor in _own_state(module)
-                   if versions.get((kind, name), version(tensor)) != version(tensor)]
-        self._moved_parameters += [(None, module, name) for kind, name in changed
-                                   if kind == "parameters" and (None, module, name) not in self._moved_parameters]
-        moved = bool(changed)
-        if moved:
+        if self._moved(module, held):
             # All of the module's buffers: NOTE [ State a forward reads and mutates ].
             self._moved_modules.add(id(module))
             for name in own_tensors(module, "buffers"):
@@ -401,12 +397,33 @@ class _HookedState(TouchedState):
             for name in own_tensors(module, "buffers"):
                 self._snapshot.pop((module, name), None)
 
+    def _moved(self, module, held: dict) -> bool:
+        """Whether the call that found ``module``'s state ``held`` changed it in place or
+        replaced a buffer (``self.mean = ...``: a new tensor's version is no change), as
+        _LayerState._changes reads it; notes the parameters changed in place."""
+        moved = False
+        for (kind, name), (tensor, was) in held.items():
+            now = own_tensors(module, kind).get(name)
+            in_place = now is tensor and version(now) != was
+            replaced = kind == "buffers" and now is not tensor
+            if kind == "parameters" and in_place and (None, module, name) not in self._moved_parameters:
+                self._moved_parameters.append((None, module, name))
+            if replaced:  # the recompute reads the snapshot of it, not it: nothing to check
+                self._forget(tensor)
+            moved = moved or in_place or replaced
+        return moved
+
+    def _forget(self, tensor: torch.Tensor) -> None:
+        noted = self._read.get(id(tensor))
+        if noted is not None and noted[0]() is tensor:
+            del self._read[id(tensor)]
+
 
 def snapshot_of(modules) -> dict:
     """``{(module, buffer name): a copy}`` of every buffer of ``modules``, made together
     (copies_of): what a forward starting now snapshots."""
     entries = [((module, name), buffer) for module in modules
-               for name, buffer in own_tensors(module, "buffers").items() if buffer is not None]
+               for kind, name, buffer in _own_state(module) if kind == "buffers"]
     return dict(zip((key for key, _ in entries), copies_of([buffer for _, buffer in entries])))
 
 
@@ -464,8 +481,17 @@ def _describe(label: tuple) -> str:
 
 
 def _own_state(module: torch.nn.Module):
+    """``(kind, name, tensor)`` of each parameter and buffer of ``module`` that is set.
+    Raises for one a lazy module has not initialized: its first forward draws random
+    numbers to initialize it that a recompute, from the forward's RNG, would not draw."""
     for kind in _KINDS:
         for name, tensor in own_tensors(module, kind).items():
+            if is_lazy(tensor):
+                raise ConfigError(
+                    f"{type(module).__name__}'s {kind[:-1]} '{name}' is not initialized yet: a lazy module "
+                    "initializes in its first forward, which a checkpoint cannot recompute as it ran (the "
+                    "recompute would not draw the random numbers the initialization drew). Run one forward "
+                    "of the model before checkpointing it (a batch under torch.no_grad() will do).")
             if tensor is not None:
                 yield kind, name, tensor
 

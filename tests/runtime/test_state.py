@@ -560,3 +560,93 @@ def test_a_forward_that_registers_a_buffer_cannot_be_replayed_and_raises_naming_
     # Registered before checkpointing, it replays.
     out = actsave.checkpoint(model, torch.randn(4, 8))
     out.sum().backward()
+
+
+# --- a buffer the forward replaces, lazy modules -----------------------------------
+
+
+class ReassignedCenter(Center):
+    """Center whose forward replaces its buffer by a new tensor (``self.mu = ...``, the
+    out-of-place EMA) rather than changing it in place."""
+
+    def forward(self, x):
+        y = x - self.mu
+        self.mu = (0.5 * self.mu + 0.5 * x.mean(0)).detach()
+        return y
+
+
+def reassigned_center_chain():
+    torch.manual_seed(0)
+    return [nn.Linear(8, 8), ReassignedCenter(), nn.Tanh(), nn.Linear(8, 1)]
+
+
+def checkpointed_model(how: str, chain) -> nn.Module:
+    """``chain()``'s layers with the first three checkpointed ``how`` (as
+    checkpointed_as), the last one plain."""
+    if how == "sequential":
+        return actsave.CheckpointedSequential(*chain(), segments=[0, 3])
+    inner, head = nn.Sequential(*chain()[:3]), chain()[3]
+    model = nn.Sequential(inner, head)
+    model.forward = lambda x: head(checkpointed_as(how, inner, x))
+    return model
+
+
+@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
+def test_a_buffer_read_then_replaced_is_read_as_the_forward_read_it(how):
+    # Under global hooks (checkpoint_lambda) a replaced buffer's new tensor is at the
+    # version the old one was at: its identity, not its version, says it changed.
+    plain = nn.Sequential(*reassigned_center_chain())
+    assert_same_training(plain, checkpointed_model(how, reassigned_center_chain))
+
+
+@pytest.mark.parametrize("how", ["checkpoint_module", "checkpoint_lambda"])
+def test_a_buffer_the_forward_replaced_may_change_before_the_backward(how):
+    # The recompute reads the snapshot of the old tensor, not the old tensor: it is not
+    # checked unchanged.
+    grads = []
+    for kind in ("plain", how):
+        block = nn.Sequential(*reassigned_center_chain()[:3])
+        old = block[1].mu
+        out = checkpointed_as(kind, block, torch.randn(4, 8) + 3)
+        old.add_(1)
+        out.sum().backward()
+        grads.append(block[0].weight.grad)
+    assert block[1].mu is not old and torch.equal(*grads)
+
+
+def lazy_block():
+    return nn.Sequential(nn.LazyLinear(8), nn.LazyBatchNorm1d(), nn.Dropout(0.5), nn.Tanh())
+
+
+@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
+def test_a_lazy_module_is_refused_until_one_forward_initializes_it_and_then_trains_as_plain(how):
+    # Its initialization draws random numbers in the forward that the recompute would
+    # not draw: the Dropout after it would drop other elements (torch.utils.checkpoint's
+    # gradients are wrong).
+    def steps(kind, block):
+        with torch.no_grad():
+            block(torch.randn(5, 6))  # initializes it: shapes, random weights
+        grads = []
+        for _ in range(3):
+            x = torch.randn(5, 6, requires_grad=True)
+            checkpointed_as(kind, block, x).pow(2).sum().backward()
+            grads += [x.grad, *(p.grad for p in block.parameters())]
+        return grads + list(block.state_dict().values())
+
+    torch.manual_seed(0)
+    plain = steps("plain", lazy_block())
+    torch.manual_seed(0)
+    block = lazy_block()
+    with pytest.raises(actsave.ConfigError, match=r"LazyLinear's parameter 'weight' is not initialized yet.*"
+                                                  r"Run one forward of the model before checkpointing it"):
+        checkpointed_as(how, block, torch.ones(5, 6, requires_grad=True))  # draws nothing
+    for want, got in zip(plain, steps(how, block), strict=True):
+        assert torch.equal(want, got)
+
+
+def test_a_chain_of_segments_with_a_lazy_norm_is_refused_naming_it():
+    # The chain snapshots its segments' buffers together as it starts (ChainState).
+    chain = actsave.CheckpointedSequential(nn.Linear(6, 8), nn.LazyBatchNorm1d(), nn.Linear(8, 8),
+                                           nn.LazyBatchNorm1d(), nn.Tanh(), segments=[0, 2, 4])
+    with pytest.raises(actsave.ConfigError, match="LazyBatchNorm1d's parameter 'weight' is not initialized yet"):
+        chain(torch.randn(5, 6, requires_grad=True))
