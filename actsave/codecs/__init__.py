@@ -55,7 +55,7 @@ from ..errors import ConfigError
 from ..layouts import kept_strides
 from .backend import implementation
 from .centering import channel_offsets
-from ..triton_kernels import DEFAULT_GROUP_SIZE, UNSIGNED_VARIANT, channel_size, kernel_table
+from ..triton_kernels import DEFAULT_GROUP_SIZE, SUPPORTED_DTYPES, UNSIGNED_VARIANT, channel_size, kernel_table
 
 # Elements per fp32 scale: the kernels' default, justified where it is defined.
 GROUP_SIZE = DEFAULT_GROUP_SIZE
@@ -187,10 +187,15 @@ class GroupCodec(Codec):
 
 
 def _as_kernels_read(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernels read it: row-major (a copy where ``x`` is not contiguous,
-    which the kernels would otherwise make themselves), float64 as float32. Its channel
-    means are those of ``x``'s contiguous copy, bit for bit: a mean reduced in another
-    memory order may round otherwise."""
+    """``x`` as the kernels read it: its values in memory, row-major (a copy where ``x``
+    is not contiguous, which the kernels would otherwise make themselves), float64 as
+    float32. Its channel means are those of ``x``'s contiguous copy, bit for bit: a mean
+    reduced in another memory order may round otherwise."""
+    # A tensor with the negative bit set (``torch._neg_view``, the ``.imag`` of a
+    # ``conj()`` view) holds the negation of what memory says, and contiguous() keeps
+    # the bit: the kernels read memory, so it is resolved first (a copy, only there).
+    # The conjugate bit concerns complex tensors, which no codec takes.
+    x = x.resolve_neg()
     if x.dtype == torch.float64:
         return x.to(torch.float32, memory_format=torch.contiguous_format)
     return x.contiguous()
@@ -199,6 +204,19 @@ def _as_kernels_read(x: torch.Tensor) -> torch.Tensor:
 def _copied_with_strides(values: torch.Tensor, strides: tuple, dtype: torch.dtype) -> torch.Tensor:
     """``values`` copied into a new tensor of ``dtype`` with ``strides``: one copy."""
     return torch.empty_strided(values.shape, strides, dtype=dtype, device=values.device).copy_(values)
+
+
+# The dtypes a lossy codec stores: the kernels' own, and float64 through float32.
+ENCODED_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
+
+
+def encodable(t: torch.Tensor) -> bool:
+    """Whether a lossy codec takes ``t``: a dense tensor (strided layout, not nested)
+    of one of :data:`ENCODED_DTYPES`. Sparse and nested tensors have no row-major
+    memory of their shape for the kernels to read, and the kernels read no float8
+    type; the runtime keeps such tensors exactly, as it keeps integer ones
+    (runtime/keep_rules.should_encode)."""
+    return t.dtype in ENCODED_DTYPES and t.layout == torch.strided and not t.is_nested
 
 
 IDENTITY = IdentityCodec()

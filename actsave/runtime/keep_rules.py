@@ -3,7 +3,7 @@ them: the keep rules that the runtime (store.py, kept_saves.py, keep_modes.py) a
 the planner (its profile, cost model and plans) both ask, so that they agree.
 
 - :class:`KeepPolicy` (a codec and whether offloaded), resolved once; :data:`EXACT`.
-- :func:`should_encode`: a floating-point tensor nobody else holds; the caller's
+- :func:`should_encode`: a dense tensor of a codec's dtypes nobody else holds; the caller's
   tensors (:class:`CallerTensors`) are kept by reference (NOTE [ Inputs kept by
   reference ], :func:`kept_as`).
 - :func:`modifies_input`, :func:`starts_in_place`: a first layer that changes its input
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .._torch import leaf_base, storage_identity, version
-from ..codecs import IDENTITY, Codec, get_codec
+from ..codecs import IDENTITY, Codec, encodable, get_codec
 from ..devices import offloads_from
 from ..errors import ConfigError
 from ..meta import simulated_device
@@ -78,22 +78,25 @@ class CallerTensors:
 
 
 def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> bool:
-    """Whether a codec (and offload) applies to ``t``, a kept input: a floating-point
-    tensor that nobody else holds.
+    """Whether a codec (and offload) applies to ``t``, a kept input: a dense tensor of
+    a codec's dtypes that nobody else holds.
 
     That is a tensor autograd produced, not a view of a leaf. ``made_by``: ``t`` is
     the input of a segment after the first of a chain, the output of the layers before
     it; then a tensor that needs no grad (made by layers whose parameters need none: a
     frozen prefix, as in fine-tuning) is one too, unless it is, or is a view of, one of
     the tensors the chain's caller holds (the chain input, a parameter, a buffer). The
-    planner's profile asks the same question of each layer input (LayerProfile.input_encodable)."""
+    planner's profile asks the same question of each layer input (LayerProfile.input_encodable).
+
+    Only what a codec takes (codecs.encodable: a dense float32, bfloat16, float16 or
+    float64 tensor) is encoded or offloaded; integer, bool and float8 tensors, sparse
+    and nested ones are kept as they are, exactly, whatever the policy."""
     # The caller's tensors (parameters, the batch) and their views (``weight.t()``) are
     # held elsewhere anyway: encoding or offloading them would add memory, copies and
     # error, and free nothing. A tensor that needs no grad looks like a leaf, so
     # outside a chain, where its maker is unknown (a mask or rotary table made under
-    # no_grad, shared by every block), it is taken for one. Integer and bool tensors
-    # are never quantized.
-    if not t.is_floating_point():
+    # no_grad, shared by every block), it is taken for one.
+    if not encodable(t):
         return False
     leaf = leaf_base(t)
     return leaf is None or (made_by is not None and not made_by.hold(leaf))
@@ -102,27 +105,48 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
 # NOTE [ Saves a lossy codec leaves exact ]
 # A lossy codec scales each group of elements by its largest magnitude, so an element
 # far below it decodes to 0 (int8: below 1/254 of it). For an activation that is noise;
-# for a statistic a norm or a softmax saved, one element per row (a row's norm, the
-# rsqrt of its variance, a max or a sum), it is a divisor or a scale: decoded to 0 it
-# makes the gradient inf or NaN (F.normalize beside all-zero padding rows, RMSNorm beside
-# one massive activation). So the saves a lossy codec keeps (runtime/kept_saves.py)
-# leave exact, held as they are, those whose last dimension is 1 and those broadcast
-# along a dimension (a stride of 0: ``norm.expand_as(x)``), where their storage holds no
-# more than the elements they read: they cost little memory kept exactly, and an
-# encoding of a broadcast view would store every repeat. A view into a larger storage
-# (``y[..., :1]``, expanded or not) is encoded as before: held, it would keep all of ``y``. The planner's count of a plain
-# segment's saves asks the same (planning/saves_as_stored.py).
+# for a tensor a backward divides by it is inf or NaN in the gradient. So the saves a
+# lossy codec keeps (runtime/kept_saves.py) leave two kinds exact, held as they are:
+# - Statistics a norm or a softmax saved, one element per row (a row's norm, the rsqrt
+#   of its variance, a max or a sum): those whose last dimension is 1 and those
+#   broadcast along a dimension (a stride of 0: ``norm.expand_as(x)``), where their
+#   storage holds no more than the elements they read (F.normalize beside all-zero
+#   padding rows, RMSNorm beside one massive activation). They cost little memory kept
+#   exactly, and an encoding of a broadcast view would store every repeat. A view into
+#   a larger storage (``y[..., :1]``, expanded or not) is encoded as before: held, it
+#   would keep all of ``y``.
+# - The result of a node whose backward divides by it (_DIVIDES_BY_RESULT: a sqrt, a
+#   norm, a standard deviation, a distance; ``torch.sqrt(x * x + eps)``, a smooth |x|,
+#   has elements far below its largest), known by its autograd node as it is saved;
+#   its other saves share the copy held. A node that divides by an input it saves
+#   (``log(p)``, ``a / b``, ``x ** -0.5``) is not known so: a save hook is told the
+#   tensor, not the node that saves it, and that node's output does not exist yet
+#   (``torch.log_softmax`` saves its own output and divides by nothing: the form to
+#   write a log of probabilities in).
+# The planner's count of a plain segment's saves asks the same (planning/saves_as_stored.py).
+_DIVIDES_BY_RESULT = frozenset({
+    "SqrtBackward0", "StdBackward0", "StdMeanBackward0", "NormBackward0", "NormBackward1", "NormBackward2",
+    "NormBackward3", "LinalgVectorNormBackward0", "DistBackward0", "CdistBackward0", "PdistBackward0",
+    "EuclideanDistBackward0", "HypotBackward0", "WeightNormInterfaceBackward0"})
+
+
 def lossy_codec_stores(t: torch.Tensor) -> bool:
     """Whether a lossy codec keeping saves encodes ``t``, a save: what should_encode
-    takes, but per-row statistics and broadcast views of their own storage (NOTE [ Saves
-    a lossy codec leaves exact ])."""
-    if not should_encode(t):
+    takes, but per-row statistics, broadcast views of their own storage and results a
+    backward divides by (NOTE [ Saves a lossy codec leaves exact ])."""
+    if not should_encode(t) or _divisor_result(t):
         return False
     broadcast = any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
     statistic = t.dim() == 0 or t.shape[-1] == 1 or broadcast
     # The elements it reads: a broadcast dimension reads one of its size.
     distinct = math.prod(size for stride, size in zip(t.stride(), t.shape) if stride != 0)
     return not statistic or t.untyped_storage().nbytes() > distinct * t.element_size()
+
+
+def _divisor_result(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the output of an autograd node whose backward divides by it."""
+    node = t.grad_fn
+    return node is not None and node.name() in _DIVIDES_BY_RESULT
 
 
 # NOTE [ Inputs kept by reference ]
@@ -173,8 +197,11 @@ def stored_once_key(tensor: torch.Tensor):
     # The storage object's address, not its data pointer: meta tensors (actsave.estimate)
     # all have data pointer 0. The version: a tensor changed in place between two saves
     # holds other values at the second (h saved, h.tanh_(), h saved again), so the copy
-    # stored at the first must not stand for it.
-    return (storage_identity(tensor), tensor.storage_offset(), tensor.numel(), tensor.dtype, version(tensor))
+    # stored at the first must not stand for it. The negative bit: a view with it set
+    # (``torch._neg_view(h)``, the ``.imag`` of a ``conj()`` view) reads the same
+    # memory as its negation.
+    return (storage_identity(tensor), tensor.storage_offset(), tensor.numel(), tensor.dtype, version(tensor),
+            tensor.is_neg())
 
 
 def modifies_input(function) -> bool:

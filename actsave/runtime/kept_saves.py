@@ -21,11 +21,13 @@ NOTE [ Kept saves ]
 What each save autograd makes during the call becomes (_SavesStore.pack):
 
 - Held as it is, on the device: the leaves and their views (parameters, ``weight.t()``,
-  the batch, BatchNorm's running and batch statistics), integer and bool tensors, empty
-  ones: what keep_rules.should_encode refuses. Keeping them otherwise would copy what lives
-  anyway. With ``scope="linear_inputs"``, also every save that is not a Linear input:
-  autograd's own, exact.
-- Kept by a lossy codec: every other floating-point save (``scope="all"``), or those
+  the batch, BatchNorm's running and batch statistics), integer, bool and float8
+  tensors, sparse and nested ones, empty ones: what keep_rules.should_encode refuses.
+  Keeping them otherwise would copy what lives anyway, or what no codec reads. With
+  ``scope="linear_inputs"``, also every save that is not a Linear input: autograd's
+  own, exact.
+- Kept by a lossy codec: every other floating-point save (``scope="all"``), but the
+  statistics and divisors NOTE [ Saves a lossy codec leaves exact ] holds, or those
   whose storage is an ``nn.Linear``'s input (``scope="linear_inputs"``). Encoded as it
   is saved, so that the exact tensor may go at once; stored once per contiguous range
   of a storage (stored_once_key: a tensor saved twice, the 2-D view a Linear saves of
@@ -42,7 +44,8 @@ What each save autograd makes during the call becomes (_SavesStore.pack):
 - Kept exactly, with offload and the exact codec: the saves of the lossy case, each
   storage once, however many of its views were saved (a tensor, its transposes and
   slices: the span of bytes they cover crosses the bus once, and each comes back as
-  the view it was).
+  the view it was). A view with the negative bit set is held as it is: its values are
+  not its bytes (_copied_as_bytes).
 - Linear inputs (``scope="linear_inputs"``; DeepSeek-V3: "cache the inputs of Linear
   layers in fp8"): found by forward pre-hooks on the ``nn.Linear`` modules under the
   function's known layers (layers.py, NOTE [ Known layers ]; a global one for another
@@ -183,7 +186,7 @@ class _SavesStore:
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
         if pool is not None:
             return self._kept(_PoolIndices(tensor, *pool), tensor)
-        stores = should_encode if self.codec.lossless else lossy_codec_stores
+        stores = _copied_as_bytes if self.codec.lossless else lossy_codec_stores
         if tensor.numel() == 0 or not stores(tensor):
             return _Saved.held(tensor)
         if not self.everything and not self._is_linear_input(tensor):
@@ -279,6 +282,14 @@ class _SavesStore:
         # each is freed with the last node that saved it; ids may be reused from now.
         self._seen, self._storages, self._linear_storages, self._pending = {}, {}, {}, {}
         self._input_nodes = {}
+
+
+def _copied_as_bytes(tensor: torch.Tensor) -> bool:
+    """Whether exact offload keeps ``tensor``, a save, as the bytes of its storage
+    (_ExactStorage): what should_encode takes, but a view with the negative bit set
+    (``torch._neg_view``, the ``.imag`` of a ``conj()`` view), whose values are the
+    negation of those bytes; it is held as it is."""
+    return should_encode(tensor) and not tensor.is_neg()
 
 
 def _dead_ref():

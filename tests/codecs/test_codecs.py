@@ -47,6 +47,24 @@ def test_a_lossy_codec_decodes_into_the_inputs_layout_the_bits_of_its_contiguous
     assert decoded.stride() == x.stride() and same_bits(decoded, from_contiguous)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
+@pytest.mark.parametrize("make", [lambda: torch.randn(4, 256), lambda: torch.randn(256, 4).t(),
+                                  lambda: torch.randn(4, 256, dtype=torch.float64)],
+                         ids=["contiguous", "transposed", "float64"])
+def test_a_tensor_with_the_negative_bit_stores_the_bits_of_its_values(make, codec, backend):
+    # torch._neg_view (publicly the .imag of a conj() view) negates what memory holds;
+    # the kernels read memory, and stored the values' negation.
+    base = make()
+    negated = torch._neg_view(base)
+    with actsave.set_backend(backend):
+        packed, resolved = get_codec(codec).encode(negated), get_codec(codec).encode(negated.resolve_neg())
+        decoded = get_codec(codec).decode(packed)
+    for name, tensor in resolved.tensors().items():
+        assert same_bits(packed.tensors()[name], tensor)
+    assert not decoded.is_neg() and same_bits(decoded, get_codec(codec).decode(resolved))
+
+
 @pytest.mark.parametrize("codec", LOSSY_CODECS)
 def test_a_contiguous_input_records_no_strides_and_decodes_as_a_view(codec):
     packed = get_codec(codec).encode(torch.randn(2, 3, 4, 5))

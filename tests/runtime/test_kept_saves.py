@@ -105,6 +105,54 @@ def test_a_narrow_view_of_a_wide_save_is_encoded_not_held_with_its_storage(expan
     out.sum().backward()
 
 
+class _SmoothAbs(nn.Module):
+    """``sqrt(x * x + eps)``: its backward divides by the sqrt's result."""
+
+    def forward(self, x):
+        return torch.sqrt(x * x + 1e-12)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_a_result_its_backward_divides_by_is_held_exactly(codec):
+    # Outputs of a wide range: the small magnitudes in a group with a large one decoded
+    # to 0, and their gradients came back inf and NaN (int8).
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), _SmoothAbs()]
+    with torch.no_grad():
+        layers[2].weight.mul_(8)
+    x = torch.randn(8, 32, requires_grad=True)
+    last_segment_only(*layers, compress=codec)(x * 1).sum().backward()
+    assert x.grad.isfinite().all() and all(p.grad.isfinite().all() for layer in layers for p in layer.parameters())
+
+
+def _negated_twin(x, w1, w2):
+    """Saves ``y`` and its negation as a view of the same memory (the negative bit)."""
+    y = torch.tanh(x)
+    return (y @ w1).sum() + (torch._neg_view(y) @ w2).sum()
+
+
+@pytest.mark.parametrize("policy", [KeepPolicy.resolve("int8"), KeepPolicy.resolve(offload=True)],
+                         ids=["int8", "exact offload"])
+def test_a_view_with_the_negative_bit_is_kept_as_its_values(policy):
+    # A lossy codec stored y once for both saves, an exact offload copied the bytes of y:
+    # the negated save came back as y (the second weight's gradient at -6 dB).
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, requires_grad=True)
+    w1, w2 = torch.randn(16, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    grads = []
+    for kept in (None, policy):
+        x.grad = w1.grad = w2.grad = None
+        out = _negated_twin(x, w1, w2) if kept is None else call_with_kept_saves(_negated_twin, (x, w1, w2), {},
+                                                                                 kept)[0]
+        out.backward()
+        grads.append((x.grad.clone(), w1.grad.clone(), w2.grad.clone()))
+    for expected, got in zip(*grads):
+        if policy.lossy:
+            assert sqnr_db(expected, got) >= EXPECTED_GRADIENT_SQNR_DB["int8"]
+        else:
+            assert torch.equal(expected, got)
+
+
 def test_a_relu_output_and_its_view_are_stored_once():
     torch.manual_seed(0)
     model = last_segment_only(nn.ReLU(), nn.Linear(128, 4))  # the Linear saves a (6, 128) view
