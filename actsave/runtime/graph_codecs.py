@@ -87,7 +87,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from .. import _torch, _torch_graphs
-from ..codecs import Packed, get_codec
+from ..codecs import Packed, encodable, get_codec
 from ..codecs.backend import forced_here
 from ..meta import on_meta
 from ..triton_kernels import general_path
@@ -149,12 +149,12 @@ def output_copied(output):
 
 
 def _copied(t: torch.Tensor) -> torch.Tensor:
-    return _copy(t) if t.is_floating_point() and t.requires_grad else t
+    return _copy(t) if encodable(t) and t.requires_grad else t
 
 
 def inputs_copied(args: tuple, kwargs: dict, policy: KeepPolicy) -> tuple:
-    """``(args, kwargs)`` with each activation among them (a float tensor that requires
-    grad) copied, the copies annotated as kept by ``policy``'s codec: of a wrapped
+    """``(args, kwargs)`` with each activation among them (a tensor a codec takes that
+    requires grad) copied, the copies annotated as kept by ``policy``'s codec: of a wrapped
     block's saves, the hooks encode those only. A copy is the graph's own tensor,
     encoded even where the activation reached the graph as one of its inputs, which the
     hooks are never given (see the NOTE). Unlike keep_rules.should_encode this takes a leaf
@@ -191,7 +191,7 @@ def _reference_traced():
 
 def _pack(value: torch.Tensor):
     traced = _torch_graphs.saved_node_being_traced()
-    name = _codec_of(*traced) if traced is not None and value.is_floating_point() else None
+    name = _codec_of(*traced) if traced is not None and encodable(value) else None
     if name is None:
         return value
     with _reference_traced():

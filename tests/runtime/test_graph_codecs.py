@@ -179,6 +179,14 @@ def test_a_copied_wrapped_model_calls_its_own_forward(how):
         assert not torch.equal(copied(x), model(x))
 
 
+def test_in_a_graph_only_what_a_codec_takes_is_copied_for_it():
+    # As eagerly (keep_rules.should_encode): no codec reads a float8 tensor.
+    kinds = [torch.float32, torch.float8_e4m3fn]
+    args = [torch.zeros(4, dtype=dtype).requires_grad_() for dtype in kinds]
+    (copied, kept), _ = graph_codecs.inputs_copied(tuple(args), {}, INT8)
+    assert copied is not args[0] and kept is args[1]
+
+
 def test_a_wrapped_model_is_freed_with_its_last_reference():
     # Its forward (a RootForward on the instance) refers back to it weakly: a cycle
     # would hold the model's parameters, on a GPU its memory, until a garbage collection.
