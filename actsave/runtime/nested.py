@@ -28,8 +28,10 @@ exact inputs, so no ReLU or max-pool decisions need keeping.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -91,17 +93,23 @@ class _Layers(LayerChain):
     """Calls the layers in order; in the first forward, records each layer's boundary
     (NOTE [ Nested recompute ])."""
 
-    def __init__(self, layers: Sequence, frame: _NestedFrame):
-        self.layers, self.frame = list(layers), frame
+    def __init__(self, layers: Sequence, frame: Optional[_NestedFrame]):
+        self.layers = list(layers)
+        # The frame holds this as its function, so a reference back is weak: a strong one
+        # would close a cycle that only Python's collector frees, and a graph dropped
+        # without backward would hold the kept inputs until it runs (NOTE [ Lifetime of
+        # kept inputs ]). Whoever calls this holds the frame while it runs.
+        self._frame = None if frame is None else weakref.ref(frame)
         self.__qualname__ = "nested segment(" + ", ".join(type(m).__name__ for m in self.layers) + ")"
 
     def __call__(self, x):
+        frame = None if self._frame is None else self._frame()
         for i, layer in enumerate(self.layers):
-            if self.frame is not None:
-                self.frame.note_layer_start(i, x)
+            if frame is not None:
+                frame.note_layer_start(i, x)
             x = layer(x)
-        if self.frame is not None:
-            self.frame.note_layer_start(len(self.layers), x)
+        if frame is not None:
+            frame.note_layer_start(len(self.layers), x)
         return x
 
 
@@ -114,26 +122,27 @@ class _NestedFrame(_Frame):
         self.slot_at, self.grad_at = [], []  # per layer start (and the end): slots saved before, requires_grad
         self.replay_at = {}  # start of a recomputed range -> the state its pass replays
         self._starts = {r.start for r in top.walk() if r.recomputed and r is not top}
-        self._recording = True
         self._inputs = {}  # recomputed range -> its input, kept by its parent's pass
         self._passed = set()
         self._recomputed_ranges = {r for r in top.walk() if r.recomputed}
+        self._backward_inside = set()  # layers that ran a backward inside their forward
         super().__init__(_Layers(layers, self), kept, replay, (x,), {}, options)
 
     def note_layer_start(self, i: int, x: torch.Tensor) -> None:
-        if not self._recording:  # a recompute inside the forward: NOTE [ Backward inside a checkpointed forward ]
+        # Only the forward's own run records. A backward inside the forward runs the
+        # layers again, in a recompute of the prefix saved so far (NOTE [ Backward inside
+        # a checkpointed forward ]); its boundaries are not the forward's. (The forward
+        # never runs inside a recompute: nested_call makes that a plain checkpoint.)
+        if not self.in_forward or _recompute_depth() > 0:
             return
         self.slot_at.append(len(self.slots))
         self.grad_at.append(isinstance(x, torch.Tensor) and x.requires_grad)
         if i in self._starts:
             self.replay_at[i] = ReplayState.capture([x], self.options.preserve_rng_state)
 
-    def end_forward(self) -> None:
-        self._recording = False
-        super().end_forward()
-
     def unpack(self, slot) -> torch.Tensor:
         if self.in_forward:
+            self._backward_inside.add(len(self.slot_at) - 1)  # the layer running now
             return self._unpack_in_forward(slot)
         if slot not in self.recomputed and not slot.handed_out:
             self._recompute_for(slot.index)
@@ -199,13 +208,25 @@ class _NestedFrame(_Frame):
         self._inputs[part] = inputs
         if stop:
             raise _AllSlotsFilled
-        with torch.no_grad():
-            for layer in self.layers[part.start:part.stop]:
-                x = layer(x)
+        self._filling = None  # what its layers save is never unpacked
+        for i in range(part.start, part.stop):
+            x = self._run_for_output(i, x)
         inputs.end_forward(self.function.__qualname__)
         if isinstance(x, torch.Tensor) and part.stop < len(self.layers) and self.grad_at[part.stop]:
             x = _RequiresGrad.apply(_GRAPH_ANCHOR, x)
         return x
+
+    def _run_for_output(self, i: int, x):
+        """Layer ``i`` run for its output only: without grad, unless it ran a backward
+        inside its forward (``autograd.grad`` for a gradient penalty), which needs grad
+        as it did there; its graph is dropped as it returns."""
+        if i not in self._backward_inside:
+            with torch.no_grad():
+                return self.layers[i](x)
+        if isinstance(x, torch.Tensor) and self.grad_at[i]:
+            x = _RequiresGrad.apply(_GRAPH_ANCHOR, x)
+        y = self.layers[i](x)
+        return _detached(y) if isinstance(y, torch.Tensor) else y
 
     def _run_stored(self, part: Range, handed: list, stop_after) -> torch.Tensor:
         """Run ``part`` on the input ``handed`` over, with grad, filling its

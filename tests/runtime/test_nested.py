@@ -1,9 +1,12 @@
 """Nested recompute (runtime/nested.py): exact gradients, RNG and module state as in a
 plain step, each layer's recompute count, what is kept, and bad ranges."""
+import gc
+
 import pytest
 import torch
 from support import mixed_chain, twin
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import actsave
 from actsave import ConfigError
@@ -117,3 +120,65 @@ def test_a_nested_segment_refuses_a_module_placed_in_two_of_its_layers():
     with pytest.raises(actsave.ConfigError, match="cannot hold one module in two of its layers"):
         nested_call([block, nn.ReLU(), block], Range(0, 3, inner=(Range(0, 1), Range(1, 3, recomputed=False))),
                     torch.randn(4, 8, requires_grad=True))
+
+
+@pytest.fixture
+def no_collector():
+    """Python's cycle collector off: what a test frees, reference counting frees."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_a_graph_dropped_without_backward_frees_what_it_kept_at_once(no_collector):
+    # BatchNorm: a snapshot of its running statistics is kept beside the input.
+    layers = list(mixed_chain(width=16, repeats=4))
+    for _ in range(3):  # a validation pass without no_grad, a skipped step
+        out, kept = nested_call(layers, TREES["two levels"], torch.randn(32, 16, requires_grad=True))
+        assert kept > 0
+        del out
+        assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+def test_inside_torch_checkpoint_a_backward_frees_what_it_kept_at_once(no_collector):
+    # torch's recompute runs the nested call again, up to the square, whose save is
+    # torch's: that frame's graph is dropped without a backward through it.
+    layers = list(mixed_chain(width=16, repeats=4))
+    x = torch.randn(32, 16, requires_grad=True)
+    for _ in range(3):
+        out = checkpoint(lambda x: nested_call(layers, TREES["one level"], x)[0].square(), x, use_reentrant=False)
+        out.sum().backward()
+        del out
+        assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+class GradientFeature(nn.Module):
+    """Runs a backward inside its forward: its output adds the gradient of its
+    activation's sum to its input (as a gradient penalty takes a gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.tanh(self.linear(x))
+        g, = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return y + 0.1 * g
+
+
+@pytest.mark.parametrize("tree", [
+    R(0, 6, inner=(R(0, 2), R(2, 4, recomputed=False), R(4, 6))),  # in a stored range
+    R(0, 6, inner=(R(0, 3), R(3, 6, recomputed=False))),  # in a recomputed one
+    R(0, 6, inner=(R(0, 4, inner=(R(0, 2, recomputed=False), R(2, 4))), R(4, 6, recomputed=False))),  # deeper
+], ids=["stored", "recomputed", "two levels"])
+def test_a_layer_that_runs_a_backward_in_its_forward_trains_as_in_a_plain_step(tree):
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Tanh(), GradientFeature(), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()]
+    plain = twin(nn.Sequential(*layers))
+    x = torch.randn(4, 8)
+    assert torch.equal(step(layers, x, tree), step(list(plain), x))
+    for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
