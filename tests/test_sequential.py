@@ -700,3 +700,26 @@ def test_describe_shows_no_negative_bytes_for_a_first_segment_that_saves_nothing
     model(x).sum().backward()
     (first,) = [row.split() for row in model.describe().splitlines() if "FrozenLinear" in row]
     assert first[4:] == ["input", "none", "by", "reference", "0"]
+
+
+def test_a_codec_set_after_a_plan_nested_its_segment_applies_and_the_segment_recomputes_in_one_stage():
+    # A nested recompute keeps its inputs exactly on the device, so the setting wins
+    # over the nesting: the segment runs as a one-stage segment with that codec would,
+    # and describe() says so.
+    from actsave.runtime.nested import Range
+
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (nn.Linear(16, 16), nn.GELU())] + [nn.Linear(16, 16)]
+    nested = CheckpointedSequential(*twin(nn.Sequential(*layers)))
+    nested.apply_plan(actsave.Plan(n_layers=9, starts=(0, 2, 8), codecs=("none", "none"), offload=(False, False),
+                                   predicted_peak_bytes=0, predicted_step_seconds=0.0, peak_segment=0,
+                                   nested=(None, Range(0, 6, inner=(Range(0, 3), Range(3, 6, recomputed=False))))))
+    one_stage = CheckpointedSequential(*twin(nn.Sequential(*layers)), segments=[0, 2, 8])
+    x = torch.randn(8, 16)
+    for model in (nested, one_stage):
+        model.set_compression(2, "int8")
+        model(x).square().sum().backward()
+    assert nested._last_call.kept == one_stage._last_call.kept
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(nested.parameters(), one_stage.parameters()))
+    (row,) = [row.split() for row in nested.describe().splitlines() if row.split()[:1] == ["2"]]
+    assert row[4:7] == ["input", "int8", "device"]

@@ -11,7 +11,7 @@ of its call in ``chain._last_call``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -19,7 +19,7 @@ from torch import nn
 
 from ..offload import current_tape
 from .function import checkpointed_call
-from .keep_rules import CallerTensors, KeepPolicy, should_encode, starts_in_place
+from .keep_rules import EXACT, CallerTensors, KeepPolicy, should_encode, starts_in_place
 from .kept_saves import call_with_kept_saves
 from .layers import LayerRun
 from .nested import nested_call
@@ -43,7 +43,19 @@ def segments_and_policies(chain, starts: list, layers: list) -> tuple:
     """``(segments, their policies)`` of ``chain``'s call whose segments start at ``starts``."""
     source = chain._segment_source
     segments = source.segments(starts, len(layers))
-    return segments, [source.policy(segment, layers, chain._settings) for segment in segments]
+    policies = [source.policy(segment, layers, chain._settings) for segment in segments]
+    return [_as_kept(segment, policy) for segment, policy in zip(segments, policies)], policies
+
+
+def _as_kept(segment, policy: KeepPolicy):
+    """``segment`` as it runs when it keeps by ``policy``. A nested recompute keeps
+    every input exactly on the device (NOTE [ Nested recompute ]), so a segment whose
+    first layer was set to keep by a codec or on the host after the plan nested it
+    (set_compression, set_offload: NOTE [ An applied plan ]) keeps as set and
+    recomputes in one stage, as a compiled graph runs it and describe() shows it."""
+    if segment.nested is None or (policy.codec.name == EXACT.codec.name and not policy.offload):
+        return segment
+    return replace(segment, nested=None)
 
 
 @dataclass
