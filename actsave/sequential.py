@@ -226,13 +226,13 @@ class CheckpointedSequential(nn.Sequential):
         the segment input there, or the last segment's saves when it starts there."""
         modules = modules_named(self, layer)
         self._settings.set_codec(modules, KeepPolicy.resolve(compress=codec).codec)
-        self._segment_source.settings_changed(modules)
+        self._segment_source.settings_changed(modules, "codec")
 
     def set_offload(self, layer, flag: bool) -> None:
         """Keep the input at ``layer`` (an index, child name or slice) on the host or not."""
         modules = modules_named(self, layer)
         self._settings.set_offload(modules, KeepPolicy.resolve(offload=flag).offload)
-        self._segment_source.settings_changed(modules)
+        self._segment_source.settings_changed(modules, "offload")
 
     def apply_plan(self, plan: "plan_record.Plan") -> None:
         """Run as ``plan`` (from :func:`actsave.plan`) says: its segments, for each

@@ -28,7 +28,9 @@ class ChainSegments:
     beside it. Its options belong to positions, as the planner priced them: a module
     placed twice may keep by two codecs, where per-layer settings, keyed by module,
     hold one. A layer's setting changed after the plan (set_compression, set_offload)
-    applies as it says, at every position of that module. The plan is for the layers
+    applies as it says, at every position of that module, and changes only what it
+    sets: set_offload leaves each position's codec as the plan has it, set_compression
+    each position's offload. The plan is for the layers
     it was applied to: once they change (a layer inserted, deleted or replaced) its
     positions would fall on other layers, so the chain raises until a plan for its
     layers is applied or other segments are set, which drops it."""
@@ -63,12 +65,13 @@ class ChainSegments:
         self._plan_policies = {} if plan is None else {  # segment start -> KeepPolicy
             start: KeepPolicy.resolve(codec) if option is None else option
             for (start, _, option), codec in zip(plan.segments, plan.saves_codecs)}
-        self._set_since_plan = set()  # modules whose settings changed after it
+        self._set_since_plan = {}  # module -> the kinds of its settings set after it ("codec", "offload")
 
-    def settings_changed(self, modules) -> None:
-        """Note that ``modules``' settings changed: where a segment starts at one, its
-        setting, not the applied plan, says how it keeps."""
-        self._set_since_plan.update(modules)
+    def settings_changed(self, modules, kind: str) -> None:
+        """Note that ``modules``' setting of ``kind`` ("codec" or "offload") changed:
+        where a segment starts at one, that setting, not the applied plan, says it."""
+        for module in modules:
+            self._set_since_plan.setdefault(module, set()).add(kind)
 
     def plan_keeps(self, lossy: bool = False, offload: bool = False) -> bool:
         """Whether a segment of the applied plan keeps by a lossy codec (``lossy``) or
@@ -109,13 +112,18 @@ class ChainSegments:
         return segments_from(starts, n_layers, stored, nested)
 
     def policy(self, segment: Segment, layers: list, settings) -> KeepPolicy:
-        """How ``segment`` keeps what it keeps: as the applied plan says, unless its
-        first layer's settings changed since (NOTE [ An applied plan ]); else by those
+        """How ``segment`` keeps what it keeps: as the applied plan says, but for what its
+        first layer's settings set since (NOTE [ An applied plan ]); else by those
         settings, except that a balanced plan's last segment stores autograd's saves as
         they are (planning/balanced_cache.py, NOTE [ Balanced segments ])."""
         first = layers[segment.start]
-        if self.applied_plan is not None and first not in self._set_since_plan:
-            return self._plan_policies[segment.start]
+        if self.applied_plan is not None:
+            planned, set_since = self._plan_policies[segment.start], self._set_since_plan.get(first)
+            if set_since is None:
+                return planned
+            own = settings.policy(first)
+            return KeepPolicy(own.codec if "codec" in set_since else planned.codec,
+                              own.offload if "offload" in set_since else planned.offload)
         if not segment.checkpointed and self.spec == BALANCED:
             return plans.balanced_last_policy()
         return settings.policy(first)

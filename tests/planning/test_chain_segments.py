@@ -57,6 +57,30 @@ def test_a_module_placed_twice_keeps_by_the_option_the_plan_gives_each_position(
     assert _describe_rows(model)[2][1:] == ("none", str(exact_input))
 
 
+def _shared_at_2_4_and_8(x):
+    """A chain whose shared Linear starts segments at 2 (int8), 4 (exact) and 8 (the
+    last, plain), with the plan applied and one step run."""
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(64, 64)
+    model = CheckpointedSequential(*[m for _ in range(6) for m in (shared, torch.nn.GELU())])
+    model.apply_plan(plans.predict(actsave.profile(model, (x,)), [0, 2, 4, 8], codecs=["none", "int8", "none"]))
+    model(x).sum().backward()
+    return model
+
+
+def test_a_setter_after_the_plan_changes_only_what_it_sets_at_each_position_of_a_module():
+    x = torch.randn(32, 64, requires_grad=True)
+    model = _shared_at_2_4_and_8(x)
+    planned = _describe_rows(model)
+    assert planned[2][1] == "int8" and planned[4][1] == "none"
+    model.set_offload(4, False)  # the offload the plan has: no codec asked for
+    model(x).sum().backward()
+    assert _describe_rows(model) == planned
+    model.set_compression(4, "int8")  # a codec: at every position of the module
+    model(x).sum().backward()
+    assert _describe_rows(model)[4][1] == "int8" and _describe_rows(model)[2] == planned[2]
+
+
 @pytest.mark.parametrize("change", ["insert", "append", "delete", "replace"])
 def test_a_plan_applied_to_a_chain_raises_once_its_layers_change(change):
     model = CheckpointedSequential(*deep_mlp(4))
