@@ -9,12 +9,18 @@ kept input costs under each layer's codec and offload setting: a kept input that
 codec makes 4x cheaper buys about twice as many, shorter segments, and an offloaded
 one costs the device almost nothing, so segments can shrink to one layer and the
 device peak stops growing with depth. At the first training call for an input
-(shape, strides, dtype, device, and the layers, their settings and training modes),
-each layer runs once on meta tensors (profiler.profile: sizes only, no data, no
-device memory, no times) and plans.balanced takes the smallest predicted device
-peak with at most one extra forward. The plan is cached per such input, so a new
-shape plans anew; once the layers change, the plans made for the old ones go (they
-held those modules alive, and no call would use them again). The meta step touches its own model and thread only
+(shape, strides, dtype, device, and the layers, their settings, training modes and
+which of their parameters require grad), each layer runs once on meta tensors
+(profiler.profile: sizes only, no data, no device memory, no times) and
+plans.balanced takes the smallest predicted device peak with at most one extra
+forward. The plan is cached per such input, so a new shape plans anew; once the
+layers change, the plans made for the old ones go (they held those modules alive,
+and no call would use them again). What autograd saves depends on which parameters
+require grad, so a chain whose frozen prefix is unfrozen (gradual unfreezing) plans
+again; those flags are read at every call from the parameters the layers had at
+their first call, held weakly (no walk of the module tree per call): a parameter
+replaced is followed once the old one is freed, one a layer gains later is not. The
+meta step touches its own model and thread only
 (step_isolation.py, NOTE [ Steps other threads do not see ]); the model itself is
 meta copies while it runs, so a call of the same model on another thread meanwhile
 raises.
@@ -36,9 +42,11 @@ first call: measure from the second step, as training-step measurements do anywa
 """
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -51,6 +59,8 @@ from ..runtime.keep_rules import should_encode
 from . import plan_record, plans, profiler
 from .segments import split_starts
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DEREFERENCE = weakref.ref.__call__
 _PLANS_KEPT = 16  # balanced plans cached per model, one per distinct input
 # Held while a model's plans are marked as being made on a thread (a moment): one for
 # every model, so that a model holds no lock (models deep-copy and pickle).
@@ -64,6 +74,7 @@ class BalancedPlans:
     def __init__(self):
         self._plans = {}  # key -> Plan, or None where the meta step failed ("sqrt"), for self._layers
         self._layers = ()  # the layers of the last call, which the plans are for
+        self._parameters = None  # weak references to their parameters, made at a call
         self._last = None  # (the input as text, its plan), of the last call
         self._warned = False
         self._planning = None  # the thread running this model's meta step, if any
@@ -71,13 +82,15 @@ class BalancedPlans:
     def starts(self, model: nn.Module, input, layers: list, policies: tuple) -> list:
         self._check_not_planning_elsewhere(model)
         if self._layers != tuple(layers):  # compared by identity, element by element
-            self._plans, self._layers = {}, tuple(layers)
+            self._plans, self._layers, self._parameters = {}, tuple(layers), None
+        if self._parameters is None:
+            self._parameters = _parameter_refs(layers)
         if not isinstance(input, torch.Tensor):
             self._warn_once(f"its input is a {type(input).__name__}; the planner follows one tensor")
             self._last = (type(input).__name__, None)
             return split_starts(layers, "sqrt", policies)
         device = device_of(input)
-        key = _plan_key(input, device, layers, policies)
+        key = (_plan_key(input, device, layers, policies), self._requires_grad())
         if key not in self._plans:
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
@@ -85,6 +98,19 @@ class BalancedPlans:
         plan = self._plans[key]
         self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan)
         return list(plan.starts) if plan is not None else split_starts(layers, "sqrt", policies)
+
+    def __getstate__(self) -> dict:
+        # Weak references neither pickle nor deep-copy (a copy's would read the
+        # original's parameters): made again from the layers at the next call.
+        return {**self.__dict__, "_parameters": None}
+
+    def _requires_grad(self) -> tuple:
+        """Whether each parameter of the layers requires grad (NOTE [ Balanced segments ])."""
+        try:  # loops in C: this runs at every call
+            return tuple(map(_REQUIRES_GRAD, map(_DEREFERENCE, self._parameters)))
+        except AttributeError:  # None.requires_grad: a parameter was replaced and freed
+            self._parameters = _parameter_refs(self._layers)
+            return self._requires_grad()
 
     def _check_not_planning_elsewhere(self, model: nn.Module) -> None:
         """Raise where another thread is in this model's meta step: the model's
@@ -159,6 +185,10 @@ def _plan_key(input: torch.Tensor, device, layers: list, policies: tuple) -> tup
     autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
     return (tuple(input.shape), input.stride(), input.dtype, should_encode(input), device,
             tuple(layer.training for layer in layers), policies, autocast)
+
+
+def _parameter_refs(layers) -> tuple:
+    return tuple(weakref.ref(p) for layer in layers for p in layer.parameters())
 
 
 def _meta_stand_in(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""segments="balanced": the plans cached per input (planning/balanced_cache.py, NOTE [
+Balanced segments ]). Its other tests, of the chain's training, are in test_sequential.py."""
+import copy
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from actsave import CheckpointedSequential
+
+
+def _linear_gelu_chain(blocks: int = 24, width: int = 64) -> CheckpointedSequential:
+    torch.manual_seed(0)
+    return CheckpointedSequential(*[m for _ in range(blocks) for m in (nn.Linear(width, width), nn.GELU())])
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).sum().backward()
+
+
+def _freeze(layers, frozen: bool) -> None:
+    for layer in layers:
+        layer.requires_grad_(not frozen)
+
+
+def test_unfreezing_a_frozen_prefix_plans_again():
+    # Gradual unfreezing: a plan made while 40 of 48 layers were frozen keeps less
+    # (their inputs need no gradient) than the chain needs once they train.
+    x = torch.randn(64, 64)
+    model = _linear_gelu_chain()
+    _freeze(model[:40], True)
+    _step(model, x)
+    frozen_plan = model.balanced_plan
+    _freeze(model[:40], False)
+    _step(model, x)
+    fresh = _linear_gelu_chain()
+    _step(fresh, x)
+    assert model.balanced_plan.starts == fresh.balanced_plan.starts != frozen_plan.starts
+    assert model.balanced_plan.predicted_peak_bytes == fresh.balanced_plan.predicted_peak_bytes
+
+
+def test_a_parameter_replaced_in_a_layer_is_followed_and_not_kept_alive():
+    x = torch.randn(64, 64)
+    model = _linear_gelu_chain(blocks=4)
+    _step(model, x)
+    trained = model.balanced_plan
+    old = weakref.ref(model[0].weight)
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone(), requires_grad=False)
+    gc.collect()
+    assert old() is None
+    _step(model, x)
+    assert model.balanced_plan is not trained  # planned for the frozen weight
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"])
+def test_a_copied_chain_follows_its_own_parameters(copy_of):
+    x = torch.randn(64, 64)
+    model = _linear_gelu_chain()
+    _freeze(model[:40], True)
+    _step(model, x)
+    copied = copy_of(model)
+    _freeze(copied[:40], False)  # the copy's, not the original's
+    _step(copied, x)
+    _step(model, x)
+    fresh = _linear_gelu_chain()
+    _step(fresh, x)
+    assert copied.balanced_plan.starts == fresh.balanced_plan.starts != model.balanced_plan.starts
