@@ -4,6 +4,7 @@ of a chain (:class:`BlockCall`); and what one plain training step holds outside 
 blocks, measured as the planner's profile counts bytes (:class:`Outside`)."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -62,10 +63,12 @@ def input_tensors(example_inputs) -> list:
 
 
 class _Call:
-    """One recorded call of a block: the leaves of ``(args, kwargs)``, how to rebuild
-    them, which leaf is the hidden state, and the hidden-state output."""
+    """One recorded call of a block: the block's ``forward``, the leaves of ``(args,
+    kwargs)``, how to rebuild them, which leaf is the hidden state, and the
+    hidden-state output."""
 
-    def __init__(self, args: tuple, kwargs: dict):
+    def __init__(self, forward: Callable, args: tuple, kwargs: dict):
+        self.forward = forward
         self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
         self.hidden_leaf: int | None = None
         self.output: torch.Tensor | None = None
@@ -100,12 +103,12 @@ class _CallRecorder:
             # First of the pre-hooks: the arguments as the caller passed them, before a
             # hook such as FSDP2's hands the block new tensor objects.
             self._handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, fqn=fqn: self._enter(fqn, args, kwargs), with_kwargs=True, prepend=True))
+                lambda m, args, kwargs, fqn=fqn: self._enter(fqn, m, args, kwargs), with_kwargs=True, prepend=True))
             self._handles.append(module.register_forward_hook(
                 lambda m, args, output, fqn=fqn: self._exit(fqn, output)))
 
-    def _enter(self, fqn: str, args: tuple, kwargs: dict) -> None:
-        self.calls[fqn].append(_Call(args, kwargs))
+    def _enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.calls[fqn].append(_Call(module.forward, args, kwargs))
         self.order.append(fqn)
 
     def _exit(self, fqn: str, output) -> None:
@@ -118,8 +121,10 @@ class _CallRecorder:
 
 def _chained_calls(recorder: _CallRecorder) -> list:
     """Each block's one call, in the order they ran, with its hidden-state argument
-    found: the one that is the previous block's output. Raises ConfigError unless the
-    blocks ran once each, one after another, each on the previous one's output."""
+    found: the one that is the previous block's output; the first block's, the
+    argument the second block gets it as (:func:`_same_argument`). Raises ConfigError
+    unless the blocks ran once each, one after another, each on the previous one's
+    output."""
     ran = {fqn: len(calls) for fqn, calls in recorder.calls.items()}
     if any(count != 1 for count in ran.values()):
         raise ConfigError(f"a block plan needs each selected block to run exactly once in the example step; "
@@ -132,11 +137,57 @@ def _chained_calls(recorder: _CallRecorder) -> list:
                 f"block {fqn} is not called on the output of block {previous_fqn}, which ran just before it: a "
                 "block plan needs blocks that run one after another, each on the previous one's hidden "
                 "state (work between them, or blocks in parallel branches, cannot be planned per block)")
-    first = calls[0]
-    first.hidden_leaf = calls[1].hidden_leaf if len(calls) > 1 else _first_tensor_leaf(first, recorder.order[0])
-    if not isinstance(first.hidden, torch.Tensor):
-        raise ConfigError(f"block {recorder.order[0]} gets no tensor where the next blocks get the hidden state")
+    first, first_fqn = calls[0], recorder.order[0]
+    first.hidden_leaf = _same_argument(first, calls[1]) if len(calls) > 1 else _first_tensor_leaf(first, first_fqn)
+    if first.hidden_leaf is None or not isinstance(first.hidden, torch.Tensor):
+        raise ConfigError(f"block {first_fqn} gets no tensor where the next blocks get the hidden state (block "
+                          f"{recorder.order[1]} gets it as its {_argument_text(calls[1])})")
     return calls
+
+
+def _same_argument(call: _Call, second: _Call) -> int | None:
+    """The leaf of ``call`` (the first block's) passed as the argument that ``second``
+    (the second block's) passes its hidden state as, or None: the same parameter of the
+    block's forward (by name, however the caller ordered or passed it), else the same
+    place in the call as written (a first block whose forward names it otherwise).
+    Never by leaf index alone: keyword arguments in another order, or one more before
+    it, move every leaf."""
+    for places in (_bound_places, _written_places):
+        wanted = places(second).get(second.hidden_leaf)
+        index = next((k for k, place in places(call).items() if place == wanted), None)
+        if index is not None:
+            return index
+    return None
+
+
+def _argument_text(call: _Call) -> str:
+    """Where ``call`` passes its hidden state, in words: "keyword argument 'x'" or
+    "positional argument 0", and the path within it if it is nested."""
+    path = _written_places(call)[call.hidden_leaf]
+    argument = f"keyword argument {path[1].key!r}" if path[0].idx == 1 else f"positional argument {path[1].idx}"
+    return argument + (f" at {pytree.keystr(path[2:])}" if len(path) > 2 else "")
+
+
+def _written_places(call: _Call) -> dict:
+    """{leaf index: its path in ``(args, kwargs)``}: keywords by name, positions by index."""
+    paths = [path for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(call.leaves, call.spec))[0]]
+    return dict(enumerate(paths))
+
+
+def _bound_places(call: _Call) -> dict:
+    """{leaf index: (the block's forward parameter it was bound to, its path within
+    it)}; empty where the signature cannot be read or bound."""
+    args, kwargs = pytree.tree_unflatten(call.leaves, call.spec)
+    try:
+        bound = inspect.signature(call.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
+    places = {}
+    for path, leaf in pytree.tree_flatten_with_path(dict(bound.arguments))[0]:
+        index = call.leaf_index(leaf) if isinstance(leaf, torch.Tensor) else None
+        if index is not None:
+            places.setdefault(index, path)
+    return places
 
 
 def _first_tensor_leaf(call: _Call, fqn: str) -> int:

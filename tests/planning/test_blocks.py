@@ -237,6 +237,74 @@ def test_blocks_that_do_not_run_one_after_another_are_refused(model, message):
         actsave.plan_blocks(model, ResidualBlock, 2**20, (torch.randn(4, 8),))
 
 
+class MaskedBlock(nn.Module):
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, hidden_states=None, attention_mask=None):
+        return hidden_states + self.down(torch.nn.functional.gelu(self.up(hidden_states))) * attention_mask
+
+
+class OtherNames(MaskedBlock):
+    def forward(self, x=None, mask=None):
+        return super().forward(x, mask)
+
+
+class MaskedNet(nn.Module):
+    """Four blocks called on the hidden state and a mask (batch, sequence, 1) that
+    needs no gradient: the first as ``first_call`` says, the others as ``block(h,
+    mask)`` with ``positions``, else ``block(hidden_states=h, attention_mask=mask)``."""
+
+    def __init__(self, first_call: str = "keywords", first=MaskedBlock, positions: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first_call, self.positions = first_call, positions
+        self.embed, self.head = nn.Linear(4, 64), nn.Linear(64, 1)
+        self.blocks = nn.ModuleList([first(), *(MaskedBlock() for _ in range(3))])
+
+    def forward(self, x):
+        h, mask = self.embed(x), (x[..., :1] > -5).float()
+        args, kwargs = self._first_arguments(h, mask)
+        h = self.blocks[0](*args, **kwargs)
+        for block in self.blocks[1:]:
+            h = block(h, mask) if self.positions else block(hidden_states=h, attention_mask=mask)
+        return self.head(h).pow(2).mean()
+
+    def _first_arguments(self, h, mask) -> tuple:
+        return {"keywords": ((), dict(hidden_states=h, attention_mask=mask)),
+                "keywords in another order": ((), dict(attention_mask=mask, hidden_states=h)),
+                "positions": ((h, mask), {}),
+                "other names": ((), dict(mask=mask, x=h))}[self.first_call]
+
+
+@pytest.mark.parametrize("first_call, first, positions", [
+    ("keywords", MaskedBlock, False),
+    ("keywords in another order", MaskedBlock, False),
+    ("positions", MaskedBlock, False),  # the same parameter, by name
+    ("positions", OtherNames, True),  # named otherwise: the same place in the call
+])
+def test_the_first_blocks_hidden_state_is_the_argument_the_next_blocks_get_it_as(first_call, first, positions):
+    # Not by leaf index: with the keywords in another order the mask would be profiled
+    # as the hidden state, and taken for a tensor argument a codec would encode, every
+    # codec left out of the plan.
+    from actsave.planning.block_step import record_calls
+    model, x = MaskedNet(first_call, first, positions), torch.randn(8, 32, 4)
+    calls = record_calls(model, [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], x)
+    assert [tuple(call.hidden.shape) for _, _, call in calls] == [(8, 32, 64)] * 4
+    allow = ("recompute", "int8")
+    least = actsave.plan_blocks(model, MaskedBlock, 2**40, x, allow=allow).smallest_peak_bytes
+    plan = actsave.plan_blocks(model, MaskedBlock, least, x, allow=allow)
+    assert any(option is not None and option.lossy for option in plan.options)
+
+
+def test_a_first_block_that_gets_no_argument_where_the_next_get_the_hidden_state_is_refused():
+    model = MaskedNet("other names", first=OtherNames)
+    with pytest.raises(ConfigError, match="block blocks.0 gets no tensor where the next blocks get the hidden state "
+                                          r"\(block blocks.1 gets it as its keyword argument 'hidden_states'\)"):
+        actsave.plan_blocks(model, MaskedBlock, 2**40, torch.randn(8, 32, 4))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(budget=2**20), "example_inputs is required"),
     (dict(example_inputs=(torch.randn(4, 8),)), "give budget"),
