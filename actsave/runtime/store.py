@@ -207,27 +207,34 @@ class _KeptTensor:
 
 class _KeptAliases:
     """Tensor inputs whose memory overlaps (the same tensor twice, a tensor and a view
-    of it), kept as one span of their storage, so that the recompute's inputs share
-    memory as the forward's did: a function that changes one in place changes the
-    others for the recompute as for the forward. Kept separately, a private copy or a
-    codec would give each its own memory, and the recompute other values."""
+    of it), kept together, so that the recompute's inputs share memory as the
+    forward's did: a function that changes one in place changes the others for the
+    recompute as for the forward. Kept separately, a private copy or a codec would give
+    each its own memory, and the recompute other values. Members of one layout (the
+    same view twice) are kept once, as it; others as one span of their storage, which
+    _groups_kept_together takes only where it is not much larger than they are."""
 
     def __init__(self, members: list, policy: KeepPolicy, private_copy: bool, made_by: Optional[CallerTensors]):
-        self._layouts = [(m.size(), m.stride(), m.storage_offset()) for m in members]
         self._requires_grad = [m.requires_grad for m in members]
+        layouts = [(m.size(), m.stride(), m.storage_offset()) for m in members]
+        self._layouts = None if len(set(layouts)) == 1 else layouts  # None: one layout, kept as it is
         self._start = min(m.storage_offset() for m in members)
-        end = max(_end(m) for m in members)
-        span = members[0].detach().as_strided((end - self._start,), (1,), self._start)
+        kept = members[0].detach()
+        if self._layouts is not None:
+            kept = kept.as_strided((max(_end(m) for m in members) - self._start,), (1,), self._start)
         encodable = all(should_encode(m, made_by) for m in members)
-        self.kept = _KeptTensor(span, policy, private_copy, encodable=encodable,
+        self.kept = _KeptTensor(kept, policy, private_copy, encodable=encodable,
                                 requires_grad=any(self._requires_grad))
 
     def restore(self) -> list:
-        """The members, in order: views of one restored span."""
-        span = self.kept.restore()
-        shift = span.storage_offset() - self._start
-        views = [span.as_strided(size, stride, offset + shift) for size, stride, offset in self._layouts]
-        return [v if grad else v.detach() for v, grad in zip(views, self._requires_grad)]
+        """The members, in order: the restored tensor, or views of the restored span."""
+        restored = self.kept.restore()
+        if self._layouts is None:
+            views = [restored] * len(self._requires_grad)
+        else:
+            shift = restored.storage_offset() - self._start
+            views = [restored.as_strided(size, stride, offset + shift) for size, stride, offset in self._layouts]
+        return [v.detach() if v.requires_grad and not grad else v for v, grad in zip(views, self._requires_grad)]
 
 
 class _AliasOf:
@@ -248,8 +255,8 @@ def _overlapping(tensors: list) -> list:
     """Lists of the positions in ``tensors`` whose memory overlaps another's (same
     storage, element ranges that meet), each of two or more; dense strided tensors
     of one dtype only, others are never grouped."""
-    spans = sorted((storage_identity(t), t.storage_offset(), _end(t), i) for i, t in enumerate(tensors)
-                   if t.layout == torch.strided and not t.is_nested and t.numel() > 0 and all(n >= 0 for n in t.stride()))
+    spans = sorted((storage, t.storage_offset(), _end(t), i) for i, t in enumerate(tensors)
+                   if (storage := _storage_of(t)) is not None)
     groups, group_end = [], None
     for storage, start, end, i in spans:
         if groups and storage == groups[-1][0] and start < group_end:
@@ -260,6 +267,33 @@ def _overlapping(tensors: list) -> list:
             group_end = end
     return [members for _, members in groups
             if len(members) > 1 and len({tensors[i].dtype for i in members}) == 1]
+
+
+def _storage_of(t: torch.Tensor) -> Optional[int]:
+    """``t``'s storage (storage_identity) where its memory can be grouped: a dense
+    strided tensor with storage (not a vmap or grad transform's wrapper) and no
+    negative stride; else None."""
+    if t.layout != torch.strided or t.is_nested or t.numel() == 0 or any(n < 0 for n in t.stride()):
+        return None
+    try:
+        return storage_identity(t)
+    except (NotImplementedError, RuntimeError):  # functorch's wrappers have no storage to read
+        return None
+
+
+def _groups_kept_together(members: list) -> list:
+    """Of ``members`` (tensors whose element ranges meet), the lists of positions kept
+    together (_KeptAliases): all, where the span of storage they cover is at most twice
+    their elements (slices of one tensor, a tensor and its view); else those of one
+    layout (the same view twice): two columns of a wide matrix share no element, and
+    their span would keep every column between them."""
+    span = max(_end(m) for m in members) - min(m.storage_offset() for m in members)
+    if span <= 2 * sum(m.numel() for m in members):
+        return [list(range(len(members)))]
+    layouts = {}
+    for i, m in enumerate(members):
+        layouts.setdefault((m.storage_offset(), tuple(m.shape), m.stride()), []).append(i)
+    return [group for group in layouts.values() if len(group) > 1]
 
 
 class _Attached:
@@ -428,11 +462,12 @@ def _kept_leaves(leaves: list, policy: KeepPolicy, private_copy: bool, made_by: 
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     grouped = set()
     for members in _overlapping([leaves[i] for i in positions]) if len(positions) > 1 else ():
-        at = [positions[m] for m in members]
-        aliases = _KeptAliases([leaves[i] for i in at], policy, private_copy, made_by)
-        for index, i in enumerate(at):
-            kept[i] = _AliasOf(aliases, index)
-        grouped.update(at)
+        for group in _groups_kept_together([leaves[positions[m]] for m in members]):
+            at = [positions[members[g]] for g in group]
+            aliases = _KeptAliases([leaves[i] for i in at], policy, private_copy, made_by)
+            for index, i in enumerate(at):
+                kept[i] = _AliasOf(aliases, index)
+            grouped.update(at)
     for i in positions:
         if i not in grouped:
             kept[i] = _KeptTensor(leaves[i], policy, private_copy, made_by)

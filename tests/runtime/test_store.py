@@ -176,3 +176,42 @@ def test_inputs_that_share_memory_are_kept_once(compress):
         (a, b, c, d), _ = together.restore()
     assert b.data_ptr() == a.data_ptr() == c.data_ptr() and torch.equal(b, a.t()) and torch.equal(c, a[::2])
     together.release()
+
+
+def test_the_same_column_twice_shares_memory_in_the_recompute_and_is_kept_once():
+    # A strided view whose span covers the whole matrix: kept once, as it is (its own
+    # private copy: the block changes its first argument in place), not as that span.
+    def step(wrap):
+        block, x = _AddsThenMultiplies(), torch.randn(6, 64, requires_grad=True)
+        column = (x * 1.0)[:, 3]
+        out = wrap(block)(column, column)
+        kept = actsave.kept_bytes()["device"]
+        out.sum().backward()
+        return kept, x.grad, block.w.grad
+
+    torch.manual_seed(0)
+    _, *plain = step(lambda m: m)
+    torch.manual_seed(0)
+    kept, *checkpointed = step(actsave.Checkpoint)
+    assert kept == 6 * 4  # a private copy of the column, once
+    assert all(torch.equal(p, c) for p, c in zip(plain, checkpointed))
+
+
+@pytest.mark.parametrize("compress", [None, "int8"])
+def test_columns_that_share_no_element_are_kept_each_alone(compress):
+    # Their span would be every column between them.
+    h = torch.randn(4096, 64, requires_grad=True) * 1
+    kept = KeptInputs((h[:, 0], h[:, 1]), {}, KeepPolicy.resolve(compress, False), False)
+    alone = KeptInputs((h[:, 0],), {}, KeepPolicy.resolve(compress, False), False)
+    assert kept.nbytes == 2 * alone.nbytes < h.numel()
+    kept.release(), alone.release()
+
+
+def test_a_checkpoint_with_two_tensor_arguments_runs_under_vmap():
+    # vmap's batched tensors have no storage to group by.
+    def f(a, b):
+        return torch.tanh(a) * b
+
+    x = torch.randn(4, 8)
+    out = torch.func.vmap(lambda x: actsave.checkpoint(f, x, x * 2))(x)
+    assert torch.equal(out, f(x, x * 2))
