@@ -226,12 +226,28 @@ class Checkpoint(nn.Module):
         # An attribute the module has is set on the module (``block.fc = LoRA(block.fc)``
         # after wrap): set on the wrapper, it would shadow the module's, which the
         # forward never reads. The wrapper's own attributes and methods stay its own.
-        wrapped = self.__dict__.get("_modules", {}).get(_WRAPPED)
-        yields = isinstance(getattr(type(self), name, None), _yields_to_wrapped)
-        if wrapped is not None and (yields or not _has_own(self, name)) and _has_own(wrapped, name):
-            setattr(wrapped, name, value)
+        module = self._module_having(name)
+        if module is not None:
+            setattr(module, name, value)
         else:
             super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        module = self._module_having(name)
+        if module is not None:
+            delattr(module, name)
+        else:
+            super().__delattr__(name)
+
+    def _module_having(self, name: str) -> Optional[nn.Module]:
+        """The wrapped module (under torch.compile's wrapper, the module compiled) where
+        it has ``name`` and the wrapper has not, or yields it (_yields_to_wrapped)."""
+        wrapped = self.__dict__.get("_modules", {}).get(_WRAPPED)
+        if wrapped is None:  # inside __init__
+            return None
+        module = uncompiled(wrapped)
+        yields = isinstance(getattr(type(self), name, None), _yields_to_wrapped)
+        return module if (yields or not _has_own(self, name)) and _has_own(module, name) else None
 
     def extra_repr(self) -> str:
         recompute = self._recompute.describe()

@@ -448,3 +448,14 @@ def test_an_attribute_of_the_module_set_through_the_checkpoint_is_set_on_the_mod
     assert "activation" not in model[1].__dict__ and model[1].module.activation is torch.sigmoid
     assert list(model.state_dict()) == list(plain.state_dict())
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
+
+
+def test_an_attribute_set_through_the_checkpoint_of_a_compiled_block_is_set_on_the_block():
+    block = ResidualBlock()
+    wrapped = Checkpoint(torch.compile(block, backend="eager"))
+    wrapped.fc = _LoRA(block.fc)
+    assert isinstance(block.fc, _LoRA) and "fc" not in wrapped._modules
+    wrapped.activation = torch.sigmoid
+    assert block.activation is torch.sigmoid and "activation" not in vars(wrapped)
+    del wrapped.activation
+    assert "activation" not in vars(block)
