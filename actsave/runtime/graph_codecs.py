@@ -55,19 +55,19 @@ that graph and its backward:
   whose forward is the model's own code: ``wrap`` sets the root's ``forward`` (on the
   instance, as accelerate's hooks do; :class:`RootForward`) to a callable that, under
   torch.compile only, calls the model's forward from such a function: one break, one
-  graph. There the model is first probed on meta tensors for the blocks whose
-  decisions a graph cannot keep; each of those, and each block that keeps on the
-  host, runs eagerly at a break of its own. A wrapped root inside another's forward
-  is traced as part of it, with no break: the outer one's probe ran its blocks too.
-  What reads a block's output is not known there, so every block's output in the
-  graph is copied so, which an exact reader's backward reads exactly. And the block's
-  activation inputs are copied before its checkpoint, the copies being the only saves
-  its codec keeps (:func:`inputs_copied`): what eager actsave would encode (store.
-  should_encode; a leaf that requires grad too, which eager actsave keeps by
-  reference), and a tensor of the graph's own even where Dynamo compiles each block
-  alone (a graph break in the model's loop over blocks makes it run that loop eagerly)
-  and the activation arrives as a graph input, which AOTAutograd never hands to the
-  hooks. Two copies per block: the price of not knowing the model's code.
+  graph. There the model is first probed on meta tensors for the blocks whose decisions
+  a graph cannot keep; each of those, and each block that keeps on the host, runs
+  eagerly at a break of its own. A wrapped root inside another's forward is traced as
+  part of it, with no break: the outer one's probe ran its blocks too. What reads a
+  block's output is not known there, so every block's output in the graph is copied so,
+  which an exact reader's backward reads exactly. And the block's activation inputs are
+  copied before its checkpoint, the copies being the only saves its codec keeps
+  (:func:`inputs_copied`): what eager actsave would encode (keep_rules.should_encode; a
+  leaf that requires grad too, which eager actsave keeps by reference), and a tensor of
+  the graph's own even where Dynamo compiles each block alone (a graph break in the
+  model's loop over blocks makes it run that loop eagerly) and the activation arrives as
+  a graph input, which AOTAutograd never hands to the hooks. Two copies per block: the
+  price of not knowing the model's code.
 - Where other saved-tensor hooks are set when the forward starts (an outer
   checkpoint, ``save_on_cpu``, the caller's), the compiled graph would apply ours
   instead of theirs: the forward runs eagerly, as without compile.
@@ -95,6 +95,7 @@ from . import relu_signs
 from .layers import modules_under
 from .pool_decisions import Window
 from .keep_rules import KeepPolicy
+from .store import input_tensors
 
 _KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
 _STORED = "actsave_stored_by"  # that of a plain segment's ops
@@ -182,9 +183,7 @@ def _codec_of(node, backward) -> Optional[str]:
 
 @contextlib.contextmanager
 def _reference_traced():
-    """What the hooks trace: the codec's torch reference on its general path (see the
-    NOTE), whichever backend runs eagerly; on this thread only, which traces (other
-    threads' codecs run as chosen meanwhile)."""
+    """What the hooks trace, on this thread: the codec's torch reference on its general path (see the NOTE)."""
     with forced_here("torch"), general_path():
         yield
 
@@ -334,7 +333,12 @@ class RootForward:
         self._model = weakref.ref(model)
         self.previous = previous  # the instance's forward before, or None: the class's
 
-    model = property(lambda self: self._model(), doc="The model whose forward this is.")
+    @property
+    def model(self) -> nn.Module:  # the model whose forward this is
+        model = self._model()
+        if model is None:
+            raise ReferenceError("actsave: this forward's model was freed; hold the model, not its forward alone")
+        return model
 
     def __reduce__(self):  # copied and pickled with the model, around the copy
         return RootForward, (self.model, self.previous)
@@ -440,10 +444,6 @@ def _keeps_by_codec(module: nn.Module) -> bool:
     return isinstance(policy, KeepPolicy) and hasattr(module, "_eager_because") and policy.lossy
 
 
-def _tensors_in(args, kwargs) -> list:
-    return [t for t in _torch.pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-
-
 def _input_key(args, kwargs, model) -> tuple:
     leaves = _torch.pytree.tree_leaves((args, kwargs))
     return (tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in leaves),
@@ -492,7 +492,7 @@ def _run_plainly(checkpoints: list):
 
 def _block_watch(checkpoint, running: list) -> tuple:
     def enter(module, args, kwargs):
-        running.append((checkpoint, relu_signs.input_nodes(_tensors_in(args, kwargs))))
+        running.append((checkpoint, relu_signs.input_nodes(input_tensors(args, kwargs))))
 
     def leave(module, args, kwargs, output):
         running.pop()

@@ -240,3 +240,10 @@ def test_a_roots_flag_is_its_threads_and_compiled_code_follows_it():
     finally:
         graph_codecs._this_thread.set_for_blocks = False
     assert compiled(x).item() == -1
+
+
+def test_the_forward_of_a_freed_wrapped_model_says_so():
+    forward = actsave.wrap(ResidualNet(depth=2), ResidualBlock, compress="int8").forward
+    gc.collect()
+    with pytest.raises(ReferenceError, match="hold the model"):
+        forward(torch.randn(4, 8))
