@@ -94,7 +94,7 @@ from ..triton_kernels import general_path
 from . import relu_signs
 from .layers import modules_under
 from .pool_decisions import Window
-from .keep_rules import KeepPolicy
+from .keep_rules import KeepPolicy, traced_save_stored
 from .store import input_tensors
 
 _KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
@@ -168,9 +168,9 @@ def inputs_copied(args: tuple, kwargs: dict, policy: KeepPolicy) -> tuple:
 def _codec_of(node, backward) -> Optional[str]:
     """The codec that keeps the saved ``node``, or None: see the NOTE."""
     made_in = node.meta.get("custom") or {}
-    for kept_by in (_STORED, _COPY):
+    for kept_by in (_STORED, _COPY):  # a plain segment's saves stored as eager kept_saves stores them
         if kept_by in made_in:
-            return made_in[kept_by]
+            return made_in[kept_by] if kept_by == _COPY or traced_save_stored(node.meta["val"], node.target) else None
     placeholder = next((n for n in backward.find_nodes(op="placeholder") if n.name == node.name), None)
     if placeholder is None:
         return None

@@ -128,6 +128,9 @@ _DIVIDES_BY_RESULT = frozenset({
     "SqrtBackward0", "StdBackward0", "StdMeanBackward0", "NormBackward0", "NormBackward1", "NormBackward2",
     "NormBackward3", "LinalgVectorNormBackward0", "DistBackward0", "CdistBackward0", "PdistBackward0",
     "EuclideanDistBackward0", "HypotBackward0", "WeightNormInterfaceBackward0"})
+_DIVIDES_BY_RESULT_OP = frozenset({  # the aten operators of those nodes, in a traced graph
+    "sqrt", "std", "norm", "linalg_vector_norm", "dist", "_cdist_forward", "_pdist_forward", "_euclidean_dist",
+    "hypot", "_weight_norm_interface"})
 
 
 def lossy_codec_stores(t: torch.Tensor) -> bool:
@@ -136,11 +139,23 @@ def lossy_codec_stores(t: torch.Tensor) -> bool:
     backward divides by (NOTE [ Saves a lossy codec leaves exact ])."""
     if not should_encode(t) or _divisor_result(t):
         return False
-    broadcast = any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
-    statistic = t.dim() == 0 or t.shape[-1] == 1 or broadcast
     # The elements it reads: a broadcast dimension reads one of its size.
     distinct = math.prod(size for stride, size in zip(t.stride(), t.shape) if stride != 0)
-    return not statistic or t.untyped_storage().nbytes() > distinct * t.element_size()
+    return not _statistic(t) or t.untyped_storage().nbytes() > distinct * t.element_size()
+
+
+def traced_save_stored(value: torch.Tensor, target) -> bool:
+    """lossy_codec_stores for a save of a compiled graph (graph_codecs.py): ``value``,
+    its traced tensor, made by the operator ``target``. A traced save has no autograd
+    node, so a result a backward divides by is known by its operator; and it is the
+    graph's own tensor, so every statistic stays exact."""
+    return encodable(value) and not _statistic(value) and getattr(target, "_opname", None) not in _DIVIDES_BY_RESULT_OP
+
+
+def _statistic(t: torch.Tensor) -> bool:
+    """A 0-d save, one whose last dimension is 1, or one broadcast along a dimension."""
+    broadcast = any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+    return t.dim() == 0 or t.shape[-1] == 1 or broadcast
 
 
 def _divisor_result(t: torch.Tensor) -> bool:
