@@ -134,9 +134,10 @@ def _warn_of_a_cache(function: Callable, values: tuple) -> None:
             if name not in _WARNED_OF_A_CACHE:
                 _WARNED_OF_A_CACHE.add(name)
                 warnings.warn(f"actsave: {name} is checkpointed with a Hugging Face cache while training "
-                              "(use_cache=True): its recompute appends the keys and values to the cache again, and "
-                              "with padding raises. Pass use_cache=False to train, as "
-                              "gradient_checkpointing_enable() does.", stacklevel=4)
+                              "(use_cache=True): its recompute appends the keys and values to the cache again, "
+                              "with padding raises, and a forward dropped without backward is never freed (the "
+                              "cache holds its graph, as under torch.utils.checkpoint). Pass use_cache=False to "
+                              "the model's call to train, as gradient_checkpointing_enable() does.", stacklevel=4)
             return
 
 

@@ -83,8 +83,9 @@ class Skipper:
             expected = "nothing" if self.next >= len(calls) else _described(calls[self.next].target)
             raise frame._mismatch(
                 f"the recompute of {_name(frame.function)} called {_described(target)} where the forward called "
-                f"{expected} (kept call {self.next}): the function does not do the same work twice. Make it "
-                "deterministic or do not checkpoint it.")
+                f"{expected} (kept call {self.next}): the function does not do the same work twice (state it "
+                "reads and appends to runs again: Hugging Face's use_cache=True, pass use_cache=False to train). "
+                "Make it deterministic or do not checkpoint it.")
         self.next += 1
         return calls[self.next - 1]
 
