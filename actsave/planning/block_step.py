@@ -15,7 +15,7 @@ from torch import nn
 from .._torch import pytree
 from ..errors import ConfigError
 from ..runtime.keep_rules import modifies_input
-from .instrumented_step import backward_from
+from .instrumented_step import backward_from, checked_loss
 from .step_isolation import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 
@@ -27,7 +27,8 @@ def run_step(model: nn.Module, example_inputs, loss: Optional[Callable] = None) 
     """The forward of the training step a block plan is for: ``model(**example_inputs)``
     for a dict, ``model(*example_inputs)`` for a tuple or list, ``model(example_inputs)``
     for a tensor; returns the loss, the tensor the backward starts from: ``loss(output)``
-    where a loss function is given, else the output itself if a tensor, else its
+    where a loss function is given (a one-element tensor that requires grad:
+    instrumented_step.checked_loss), else the output itself if a tensor, else its
     ``loss`` (a Hugging Face ``ModelOutput``, a dict), else its first item. Nothing
     else of the output is kept."""
     if isinstance(example_inputs, dict):
@@ -36,7 +37,7 @@ def run_step(model: nn.Module, example_inputs, loss: Optional[Callable] = None) 
         output = model(*example_inputs)
     else:
         output = model(example_inputs)
-    return _loss_of(output if loss is None else loss(output))
+    return _loss_of(output) if loss is None else checked_loss(loss, output)
 
 
 def _loss_of(output) -> torch.Tensor:
@@ -142,7 +143,27 @@ def _chained_calls(recorder: _CallRecorder) -> list:
     if first.hidden_leaf is None or not isinstance(first.hidden, torch.Tensor):
         raise ConfigError(f"block {first_fqn} gets no tensor where the next blocks get the hidden state (block "
                           f"{recorder.order[1]} gets it as its {_argument_text(calls[1])})")
+    _check_one_hidden_parameter(recorder.order, calls)
     return calls
+
+
+def _check_one_hidden_parameter(order: list, calls: list) -> None:
+    """Raise where a block takes the previous block's output as another parameter than
+    a block of its type takes its hidden state as: BART's first decoder layer gets the
+    encoder's output as ``encoder_hidden_states``, for its cross-attention. Those are
+    two chains, not one (the decoder's hidden state starts from its embeddings)."""
+    seen = {}  # block type -> (the first block of it, its hidden state's parameter)
+    for fqn, call in zip(order, calls):
+        path = _bound_places(call).get(call.hidden_leaf)
+        if not path:  # its forward's signature could not be bound
+            continue
+        name = getattr(path[0], "key", None)
+        kind_fqn, kind_name = seen.setdefault(type(getattr(call.forward, "__self__", None)), (fqn, name))
+        if name != kind_name:
+            raise ConfigError(
+                f"blocks {kind_fqn} and {fqn}, of one type, take the previous block's output as different arguments "
+                f"({kind_name!r} and {name!r}): the blocks are not one chain (an encoder's output going into a "
+                "decoder's cross-attention, say). Plan each stack of blocks on its own")
 
 
 def _same_argument(call: _Call, second: _Call) -> int | None:

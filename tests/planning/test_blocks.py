@@ -228,13 +228,42 @@ class Shared(nn.Module):
         return self.block(self.block(x))
 
 
+class CrossAttending(nn.Module):
+    """A block that also reads an encoder's output (BART's decoder layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        return hidden_states + torch.tanh(self.fc(hidden_states) * encoder_hidden_states)
+
+
+class EncoderDecoder(nn.Module):
+    """An encoder whose last output goes straight into the first decoder block's
+    cross-attention: the decoder's hidden state starts from its own embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.ModuleList(ResidualBlock() for _ in range(2))
+        self.embed, self.decoder = nn.Linear(8, 8), nn.ModuleList(CrossAttending() for _ in range(2))
+
+    def forward(self, x):
+        memory = self.encoder[1](self.encoder[0](x))
+        y = self.embed(x)
+        for block in self.decoder:
+            y = block(encoder_hidden_states=memory, hidden_states=y) if block is self.decoder[0] else block(y, memory)
+        return y
+
+
 @pytest.mark.parametrize("model, message", [
     (Parallel(), "block b is not called on the output of block a"),
     (Shared(), "each selected block to run exactly once"),
+    (EncoderDecoder(), "take the previous block's output as different arguments"),
 ])
 def test_blocks_that_do_not_run_one_after_another_are_refused(model, message):
     with pytest.raises(ConfigError, match=message):
-        actsave.plan_blocks(model, ResidualBlock, 2**20, (torch.randn(4, 8),))
+        actsave.plan_blocks(model, (ResidualBlock, CrossAttending), 2**20, (torch.randn(4, 8),))
 
 
 class MaskedBlock(nn.Module):
