@@ -69,10 +69,19 @@ class LayerSettings:
 
 
 def modules_named(chain: nn.Sequential, layer) -> list:
-    """The modules ``layer`` (an index, child name or slice of ``chain``) names now."""
-    if isinstance(layer, slice):
-        return list(chain)[layer]
+    """The modules ``layer`` (an index, child name or slice of ``chain``) names now; a
+    slice that names none is refused, as an index out of range is (setting nothing is
+    never what was meant)."""
     names = list(chain._modules)
+    if isinstance(layer, slice):
+        modules = list(chain)[layer]
+        if not modules:
+            raise ConfigError(f"layer {layer!r} selects no layer of this CheckpointedSequential of {len(names)} "
+                              f"layers; use a slice that selects at least one of the layers [0, {len(names) - 1}]")
+        return modules
+    if isinstance(layer, nn.Module):
+        raise ConfigError(f"layer {layer!r} is a module, which is not accepted as a layer key; use its index in "
+                          f"the chain or its child name (one of {names[:8]}{'...' if len(names) > 8 else ''})")
     if isinstance(layer, str) and layer in chain._modules:
         return [chain._modules[layer]]
     index = integral(layer)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ._torch import uncompiled
-from .checks import byte_count
+from .checks import byte_count, filter_predicate, nothing_selected, refuse_module_class
 from .errors import ConfigError
 from .planning.blocks import BlockPlan, plan_block_stack
 from .runtime import graph_codecs
@@ -82,8 +82,8 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, keep="in
             list them in the RecomputeError raised when the two do not match.
         early_stop: ``True`` (default): stop the recompute after its last saved
             tensor; ``False``: run ``function`` to its end.
-        context_fn: not supported (selective checkpointing); only ``None`` or torch's
-            ``noop_context_fn`` are accepted. Checkpoint smaller pieces instead.
+        context_fn: only ``None`` or torch's ``noop_context_fn``; for selective
+            checkpointing use ``keep="selective"`` or ``keep=KeptOps(...)``.
 
     .. warning::
         ``function`` runs again in backward and must do the same work: a recompute
@@ -93,6 +93,7 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, keep="in
         and backward raises, as plain autograd does). With a lossy ``compress`` the
         gradients are approximate (see the README's SQNR figures).
     """
+    refuse_module_class(function, "function", "checkpoint calls function(*args), which would build a new module")
     if not callable(function):
         raise ConfigError(f"function={function!r} is not callable; pass the function (or module) to "
                           "checkpoint first, then its arguments: checkpoint(function, *args, **kwargs)")
@@ -147,6 +148,7 @@ class Checkpoint(nn.Module):
     def __init__(self, module: nn.Module, compress=None, offload=False, *, keep="inputs", preserve_rng_state=True,
                  determinism_check="default", debug=False, early_stop=True):
         super().__init__()
+        refuse_module_class(module, "module", "Checkpoint wraps a module (a function: actsave.checkpoint)")
         if not isinstance(module, nn.Module):
             raise ConfigError(f"Checkpoint wraps an nn.Module instance; module={module!r} is a "
                               f"{type(module).__name__} (for a function, use actsave.checkpoint(function, *args))")
@@ -311,7 +313,7 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
             model, filter_fn, budget, example_inputs, loss=loss, allow=allow, min_sqnr_db=min_sqnr_db)
         _apply(model, plan, options)
         return model
-    matches = _as_predicate(filter_fn)
+    matches = filter_predicate(filter_fn)
     option = BlockOption.resolve(keep, compress, offload)
     blocks = matching_blocks(model, matches)
     for block in blocks:
@@ -324,9 +326,8 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     if option.keep == "inputs" and option.lossy:
         graph_codecs.watch_root(model)
     if not blocks:
-        warnings.warn(f"actsave.wrap: filter_fn={filter_fn!r} selected no submodule of the "
-                      f"{type(model).__name__}, so nothing is checkpointed; check the class or predicate "
-                      "(it is called with each submodule and its fully qualified name)", stacklevel=2)
+        warnings.warn(f"actsave.wrap: {nothing_selected(model, filter_fn, matches)}; nothing is checkpointed",
+                      stacklevel=2)
     return model
 
 
@@ -386,10 +387,10 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
     if example_inputs is None:
         raise ConfigError("example_inputs is required with budget: a batch as training will use (a dict of the "
                           "model's keyword arguments, a tuple of positional ones, or a tensor), to profile one step")
-    blocks = matching_blocks(model, _as_predicate(filter_fn))
+    matches = filter_predicate(filter_fn)
+    blocks = matching_blocks(model, matches)
     if not blocks:
-        raise ConfigError(f"filter_fn={filter_fn!r} selected no submodule of the {type(model).__name__}: there "
-                          "are no blocks to plan; check the class or predicate")
+        raise ConfigError(f"{nothing_selected(model, filter_fn, matches)}: there are no blocks to plan")
     wrapped = [block.fqn for block in blocks if block.wrapped]
     if wrapped:
         raise ConfigError(f"blocks {wrapped} are wrapped already: a block plan profiles the plain blocks; plan the "
@@ -473,18 +474,6 @@ def _checkpoint_of(module: nn.Module, option: BlockOption, options: RecomputeOpt
     wrapper = Checkpoint(module)
     wrapper._option, wrapper._recompute = option, options
     return wrapper
-
-
-def _as_predicate(filter_fn: FilterSpec):
-    classes = filter_fn if isinstance(filter_fn, tuple) else (filter_fn,)
-    if classes and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        return lambda module, fqn: isinstance(module, classes)
-    if callable(filter_fn) and not isinstance(filter_fn, (type, tuple, nn.Module)):
-        return filter_fn
-    raise ConfigError(
-        f"filter_fn={filter_fn!r} must be callable(module, fqn) -> bool, an nn.Module "
-        "subclass (the class, not an instance), or a non-empty tuple of nn.Module subclasses"
-    )
 
 
 def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata):

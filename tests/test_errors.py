@@ -25,6 +25,30 @@ def x():
     return torch.randn(2, 4, requires_grad=True)
 
 
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, a):
+        return a + torch.relu(self.linear(a))
+
+
+def blocks() -> nn.Sequential:
+    return nn.Sequential(Block(), Block(), nn.Linear(4, 2))
+
+
+def plan_blocks(**options):
+    return actsave.plan_blocks(blocks(), Block, 10**7, (torch.randn(2, 4),), **options)
+
+
+def keyed_by_module(layers):
+    """A codec set on a layer given as the module itself, not its index or name."""
+    if isinstance(layers, CheckpointedSequential):
+        return layers.set_compression(layers[2], "int8")
+    return CheckpointedSequential(*layers, compress={layers[0]: "int8"})
+
+
 _PROFILE = []
 
 
@@ -42,7 +66,9 @@ BAD_CALLS = {
     "checkpoint-use_reentrant-true": (lambda: actsave.checkpoint(torch.sin, x(), use_reentrant=True),
                                       ["use_reentrant=True", "use_reentrant=False"]),
     "checkpoint-context_fn": (lambda: actsave.checkpoint(torch.sin, x(), context_fn=lambda: (None, None)),
-                              ["context_fn=", "not supported"]),
+                              ["context_fn=", "not supported", "keep='selective'", "KeptOps"]),
+    "checkpoint-function-class": (lambda: actsave.checkpoint(nn.Linear, x()),
+                                  ["function=", "nn.Module class", "nn.Module instance"]),
     "checkpoint-determinism_check": (lambda: actsave.checkpoint(torch.sin, x(), determinism_check=None),
                                      ["determinism_check=None", "'default'", "'none'"]),
     "checkpoint-compress": (lambda: actsave.checkpoint(torch.sin, x(), compress="int4"), ["compress='int4'", "int8"]),
@@ -60,6 +86,21 @@ BAD_CALLS = {
     "wrap-filter-empty-tuple": (lambda: actsave.wrap(chain(), ()), ["filter_fn=()", "non-empty tuple"]),
     "wrap-filter-instance": (lambda: actsave.wrap(chain(), nn.Linear(2, 2)), ["filter_fn=", "not an instance"]),
     "wrap-filter-none": (lambda: actsave.wrap(chain(), None), ["filter_fn=None", "callable(module, fqn)"]),
+    "wrap-filter-one-argument": (lambda: actsave.wrap(chain(), lambda module: True),
+                                 ["filter_fn=", "filter_fn(module, fqn)", "lambda module, fqn"]),
+    "wrap-budget-loss-not-scalar": (lambda: actsave.wrap(blocks(), Block, budget=10**7, example_inputs=(x(),),
+                                                         loss=lambda out: out), ["shape (2, 2)", "one-element"]),
+    # plan_blocks(model, filter_fn, budget, example_inputs, loss=, allow=)
+    "plan_blocks-loss-float": (lambda: plan_blocks(loss=lambda out: 1.0), ["gave a float", "one-element tensor"]),
+    "plan_blocks-loss-detached": (lambda: plan_blocks(loss=lambda out: out.detach().sum()),
+                                  ["needs no grad", "requires grad"]),
+    "plan_blocks-loss-tuple": (lambda: plan_blocks(loss=lambda out: (out.sum(), out.mean())), ["gave a tuple"]),
+    "plan_blocks-loss-class": (lambda: plan_blocks(loss=nn.MSELoss), ["loss=", "is a class", "model's output"]),
+    "plan_blocks-allow": (lambda: plan_blocks(allow=("Selective",)), ["['Selective']", "'selective'"]),
+    # KeptOps(modules, functions)
+    "KeptOps-modules-str": (lambda: actsave.KeptOps(modules="Linear"), ["modules='Linear'", "tuple", "classes"]),
+    "KeptOps-modules-none": (lambda: actsave.KeptOps(modules=None), ["modules=None", "() for none"]),
+    "KeptOps-functions-none": (lambda: actsave.KeptOps(functions=None), ["functions=None", "() for none"]),
     "wrap-determinism_check": (lambda: actsave.wrap(chain(), nn.Linear, determinism_check="strict"),
                                ["determinism_check='strict'", "'default'"]),
     # CheckpointedSequential
@@ -73,12 +114,20 @@ BAD_CALLS = {
                                      ["segments=-1", "1 <= k <= 3"]),
     "sequential-segments-float-start": (lambda: CheckpointedSequential(*chain(), segments=[0, 1.0]),
                                         ["segments=[0, 1.0]", "layer indices"]),
+    "sequential-segments-set": (lambda: CheckpointedSequential(*chain(), segments={2, 1}),
+                                ["segments={1, 2}", "no order", "[1, 2]"]),
+    "sequential-segments-plan": (lambda: CheckpointedSequential(*chain(), segments=actsave.plan(
+        profiled(), objective="memory")), ["not a Plan", ".apply_plan(plan)"]),
+    "sequential-compress-module-key": (lambda: keyed_by_module(chain()), ["is a module", "index", "child name"]),
     "sequential-layer-not-module": (lambda: CheckpointedSequential("relu"), ["layer 0", "nn.Module"]),
     "sequential-compress": (lambda: CheckpointedSequential(*chain(), compress=8), ["compress=8", "int8"]),
     "sequential-offload": (lambda: CheckpointedSequential(*chain(), offload="yes"), ["offload='yes'", "True or False"]),
     "sequential-budget-unplanned": (lambda: CheckpointedSequential(*chain(), budget=10), ["budget=", "'memory'"]),
     "from_sequential": (lambda: CheckpointedSequential.from_sequential("model"), ["sequential='model'", "nn.Sequential"]),
     "set_compression-layer": (lambda: checkpointed().set_compression(1.0, "int8"), ["layer 1.0", "index in [0, 2]"]),
+    "set_compression-module": (lambda: keyed_by_module(checkpointed()), ["is a module", "index", "child name"]),
+    "set_compression-empty-slice": (lambda: checkpointed().set_compression(slice(5, 2), "int8"),
+                                    ["slice(5, 2, None)", "selects no layer"]),
     "set_offload-flag": (lambda: checkpointed().set_offload(0, "yes"), ["offload='yes'", "True or False"]),
     "apply_plan": (lambda: checkpointed().apply_plan(None), ["plan=None", "actsave.plan"]),
     # estimate(model, input_shapes, device, optimizer)
@@ -95,6 +144,16 @@ BAD_CALLS = {
     "profile-model-str": (lambda: actsave.profile("model", (torch.randn(2, 4),)), ["model='model'", "nn.Sequential"]),
     "profile-model-empty": (lambda: actsave.profile(nn.Sequential(), (torch.randn(2, 4),)), ["model", "one layer"]),
     "profile-inputs-shape": (lambda: actsave.profile(chain(), (2, 4)), ["example_inputs", "(x,)"]),
+    "profile-inputs-numpy": (lambda: actsave.profile(chain(), (np.ones((2, 4), "float32"),)),
+                             ["(x,)", "numpy.ndarray", "torch.as_tensor"]),
+    "profile-loss-str": (lambda: actsave.profile(chain(), (torch.randn(2, 4),), loss="cross_entropy"),
+                         ["loss='cross_entropy'", "not callable", "function of the model's output"]),
+    "profile-loss-module": (lambda: actsave.profile(chain(), (torch.randn(2, 4),), loss=nn.MSELoss()),
+                            ["loss=MSELoss()", "targets too", "function of the model's output"]),
+    "profile-stored_saves": (lambda: actsave.profile(chain(), (torch.randn(2, 4),), stored_saves="no"),
+                             ["stored_saves='no'", "True or False"]),
+    "estimate-loss-str": (lambda: actsave.estimate(chain(), (2, 4), device="cpu", loss="mse"),
+                          ["loss='mse'", "function of the model's output"]),
     "profile-device-float": (lambda: actsave.profile(chain(), (torch.randn(2, 4),), device=1.5),
                              ["device=1.5", "'cuda'"]),
     "profile-device-bad-name": (lambda: actsave.profile(chain(), (torch.randn(2, 4),), device="gpu"),
@@ -110,6 +169,10 @@ BAD_CALLS = {
     "plan-allow-none": (lambda: actsave.plan(profiled(), None, allow=None, objective="memory"),
                         ["allow=None", "'recompute'"]),
     "plan-allow-int": (lambda: actsave.plan(profiled(), None, allow=5, objective="memory"), ["allow=5", "'recompute'"]),
+    "plan-budget-fraction": (lambda: actsave.plan(profiled(), 2.5, objective="memory"), ["budget=2.5 bytes"]),
+    "plan-renamed-with-new": (lambda: actsave.plan(profiled(), None, objective="memory", compress_stored=True,
+                                                   compress_saves=False),
+                              ["compress_stored=True", "compress_saves=False", "deprecated name"]),
     "plan-objective": (lambda: actsave.plan(profiled(), 10**6, objective="fast"), ["objective='fast'", "'memory'"]),
     # Plan(...)
     "Plan-n_layers": (lambda: actsave.Plan("3", (0,), (), (), 0, 0.0, 0), ["n_layers='3'", "positive integer"]),
@@ -149,3 +212,12 @@ def test_integral_numbers_of_any_type_are_integers():
 def test_wrap_that_selects_nothing_warns():
     with pytest.warns(UserWarning, match="selected no submodule"):
         actsave.wrap(chain(), nn.Conv2d)
+
+
+def test_wrap_of_a_model_that_only_itself_matches_says_so():
+    with pytest.warns(UserWarning, match=r"only the model itself.*actsave\.Checkpoint\(model\)"):
+        actsave.wrap(Block(), Block)
+
+
+def test_a_memory_plan_needs_no_budget():
+    assert actsave.plan(profiled(), objective="memory").budget is None

@@ -270,3 +270,7 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     if error == 0:
         return math.inf
     return (20 * torch.log10(torch.linalg.vector_norm(reference) / error)).item()
+
+
+__all__ = ["Codec", "Packed", "GROUP_SIZE", "IDENTITY", "EXPECTED_GRADIENT_SQNR_DB", "LOSSY_CODECS", "available_codecs",
+           "encodable", "get_codec", "sqnr_db"]

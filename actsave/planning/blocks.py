@@ -51,6 +51,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..checks import check_loss_function
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS
 from ..devices import host_is_separate
 from ..errors import ConfigError
@@ -178,6 +179,7 @@ class BlockPlanner:
 
     def __init__(self, model: nn.Module, blocks: Sequence[tuple], example_inputs, allow: Sequence[str] = None,
                  min_sqnr_db: float | None = None, loss: Optional[Callable] = None):
+        check_loss_function(loss)
         self.calls = record_calls(model, blocks, example_inputs, loss)
         self.levers, self.codecs, self._codecs_usable = _levers_for(self.calls, allow, min_sqnr_db)
         self.min_sqnr_db = min_sqnr_db
@@ -289,7 +291,7 @@ def _levers_for(calls: list, allow: Sequence[str] | None, min_sqnr_db) -> tuple:
             f"allow={tuple(allow)} names 'offload', but the blocks run on {device}, whose memory is the host's: "
             "offload would move nothing off the device. Leave 'offload' out of allow (or plan on a CUDA device)")
     chain_levers = [lever for lever in allow if lever not in BLOCK_LEVERS] if not isinstance(allow, str) else allow
-    keep_options(chain_levers, min_sqnr_db, device)  # checks allow and min_sqnr_db
+    keep_options(chain_levers, min_sqnr_db, device, BLOCK_LEVERS)  # checks allow and min_sqnr_db
     encoded = any(should_encode(leaf) for _, _, call in calls
                   for k, leaf in enumerate(call.leaves)
                   if isinstance(leaf, torch.Tensor) and k != call.hidden_leaf)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .._torch import pytree
-from ..checks import integral
+from ..checks import check_loss_function, integral
 from ..devices import convolution_workspaces
 from ..errors import ConfigError
 from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
@@ -80,6 +80,8 @@ class MemoryEstimate:
 
     @property
     def total_peak_bytes(self) -> int:
+        """The step's peak on the device: the activation peak plus parameters, buffers,
+        gradients and optimizer state, all resident for the whole step."""
         return self.activation_peak_bytes + self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
 
     def __str__(self) -> str:
@@ -136,6 +138,7 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
     device = _checked_device(device)
     if not (optimizer is None or isinstance(optimizer, str)) or optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"optimizer={optimizer!r} is not one of {list(OPTIMIZER_STATES)}")
+    check_loss_function(loss)
     specs = _input_specs(input_shapes, _default_dtype(model))
     with on_meta(model) as state, simulating(device):
         inputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]

@@ -25,6 +25,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from .._torch import storage_resizes_observed
+from ..checks import LOSS_RULE
 from ..devices import synchronize
 from ..errors import ConfigError
 from ..meta import fast_meta, plans_at_first_call
@@ -259,13 +260,11 @@ def _backward_from_loss(output: torch.Tensor, loss) -> None:
 
 def checked_loss(loss, output) -> torch.Tensor:
     """``loss(output)``, the value a training step's backward starts from: a
-    one-element tensor that requires grad (``profile`` and ``estimate`` alike), else a
-    ConfigError that says what to return."""
+    one-element tensor that requires grad (``profile``, ``estimate`` and ``plan_blocks``
+    alike), else a ConfigError that says what to return."""
     value = loss(output)
     if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.requires_grad):
-        raise ConfigError(f"loss(output) gave {_shown_value(value)}: it must return a one-element tensor that "
-                          "requires grad, computed from the output (e.g. lambda out: F.cross_entropy(out, "
-                          "torch.zeros(out.shape[0], dtype=torch.long, device=out.device)))")
+        raise ConfigError(f"loss(output) gave {_shown_value(value)}: {LOSS_RULE}")
     return value
 
 

@@ -20,11 +20,12 @@ step. The plan is for the batch shape profiled.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..checks import byte_count, integral, real_number
+from ..checks import byte_count, flag, integral, real_number
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
 from ..devices import host_is_separate
 from ..errors import ConfigError, InternalError, warn_renamed
@@ -46,7 +47,7 @@ DEFAULT_ALLOW = ("recompute", "offload")
 OBJECTIVES = ("time", "memory")
 
 
-def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] = None,
+def plan(profile: Profile, budget: Optional[int] = None, min_sqnr_db: Optional[float] = None,
          allow: Sequence[str] = DEFAULT_ALLOW, objective: str = "time",
          max_checkpointed_layers: Optional[int] = None, compress_saves: bool = True,
          plain_middle: bool = True, **renamed) -> Plan:
@@ -54,7 +55,8 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
 
     Args:
         profile: from :func:`profile`.
-        budget: peak activation memory in bytes (module docstring, "Budget").
+        budget: peak activation memory in bytes (module docstring, "Budget");
+            None only with ``objective="memory"``.
         min_sqnr_db: codecs whose expected gradient SQNR
             (:data:`EXPECTED_GRADIENT_SQNR_DB`) is below it are not used.
         allow: the levers: "recompute" (checkpoint segments; the others need it),
@@ -94,11 +96,10 @@ def plan(profile: Profile, budget: Optional[int], min_sqnr_db: Optional[float] =
         attention, cuDNN workspaces) shift the peak; keep a margin in ``budget``.
     """
     _check_plan_arguments(profile, budget, objective, max_checkpointed_layers)
-    compress_saves, plain_middle = _renamed_keywords("plan", renamed, compress_saves=compress_saves,
+    compress_saves, plain_middle = _renamed_keywords(plan, renamed, compress_saves=compress_saves,
                                                      plain_middle=plain_middle)
-    for name, flag in (("compress_saves", compress_saves), ("plain_middle", plain_middle)):
-        if not isinstance(flag, bool):
-            raise ConfigError(f"{name}={flag!r} must be True or False")
+    flag(compress_saves, "compress_saves")
+    flag(plain_middle, "plain_middle")
     keep_options(allow, min_sqnr_db, profile.device)  # checks allow and min_sqnr_db
     longest = max_checkpointed_layers
     # Nested checkpoints are searched where the profile has times (on meta tensors
@@ -203,7 +204,8 @@ def infeasible_message(what: str, budget, levers: tuple, min_sqnr_db, smallest: 
     (``reach``: how it was searched), and the lossy codecs not allowed that lower it
     (``lower``: codec -> its smallest budget), with the one that fits this budget."""
     named = f"allow={levers}" + ("" if min_sqnr_db is None else f" and min_sqnr_db={min_sqnr_db}")
-    message = (f"no {what} fits budget={int(budget):,} bytes ({mib(budget)} MiB) with {named}: the smallest "
+    # The budget as given: a real number of bytes, a fraction included (never rounded).
+    message = (f"no {what} fits budget={budget:,} bytes ({mib(budget)} MiB) with {named}: the smallest "
                f"feasible budget is {int(smallest):,} bytes ({mib(smallest)} MiB) ({reach}).")
     lower = {codec: b for codec, b in lower.items() if b < smallest}
     if lower:
@@ -275,16 +277,19 @@ def _with_predictions(draft: Plan, model: CostModel, segments: list) -> Plan:
                                peak_segment=peak_segment)
 
 
-def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str) -> list:
+def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str, more_levers: tuple = ()) -> list:
     """The KeepPolicys ``allow`` and ``min_sqnr_db`` permit on ``device`` (empty:
-    nothing may be checkpointed)."""
+    nothing may be checkpointed). ``more_levers``: those a caller's planner takes besides
+    :data:`LEVERS` (the block planner's), left out of ``allow`` already and named in
+    its errors."""
     if min_sqnr_db is not None and not real_number(min_sqnr_db):
         raise ConfigError(f"min_sqnr_db={min_sqnr_db!r} must be a number of dB or None")
+    valid = [*LEVERS, *more_levers]
     if isinstance(allow, str) or not isinstance(allow, Iterable) or not all(isinstance(lever, str) for lever in allow):
-        raise ConfigError(f"allow={allow!r} must be a tuple of lever names, some of {list(LEVERS)}")
+        raise ConfigError(f"allow={allow!r} must be a tuple of lever names, some of {valid}")
     unknown = [lever for lever in allow if lever not in LEVERS]
     if unknown:
-        raise ConfigError(f"allow names unknown levers {unknown}; use some of {list(LEVERS)}")
+        raise ConfigError(f"allow names unknown levers {unknown}; use some of {valid}")
     if "recompute" not in allow:
         if allow:
             raise ConfigError(
@@ -332,7 +337,7 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
     compare any segmentation, "sqrt"'s say, with a planned one. Each segment is
     evaluated from its own layers' events (CostModel.predict), not from the tables the
     dynamic programs read."""
-    saves_codec, plain = _renamed_keywords("predict", renamed, saves_codec=saves_codec, plain=plain)
+    saves_codec, plain = _renamed_keywords(predict, renamed, saves_codec=saves_codec, plain=plain)
     starts = list(starts)
     checkpointed = len(starts) - 1
     codecs = ["none"] * checkpointed if codecs is None else [get_codec(c).name for c in codecs]
@@ -364,15 +369,21 @@ _RENAMED_KEYWORDS = {"compress_stored": "compress_saves", "store_middle": "plain
                      "stored_codec": "saves_codec", "stored": "plain"}
 
 
-def _renamed_keywords(function: str, given: dict, **values) -> tuple:
-    """``values`` (the new keywords' values, by name, in order), each replaced by its old
-    name's value where ``given`` (the call's other keywords) holds that; any other
-    keyword in ``given`` is refused as Python refuses an unknown one."""
+def _renamed_keywords(function, given: dict, **values) -> tuple:
+    """``values`` (the new keywords' values of ``function``'s call, by name, in order),
+    each replaced by its old name's value where ``given`` (the call's other keywords)
+    holds that; any other keyword in ``given`` is refused as Python refuses an unknown
+    one. An old name and its new one given other values is refused: which one was meant
+    is unknown (a new one left at its default is taken as not given)."""
+    name, defaults = function.__name__, inspect.signature(function).parameters
     for old, value in given.items():
         new = _RENAMED_KEYWORDS.get(old)
         if new not in values:
-            raise TypeError(f"{function}() got an unexpected keyword argument {old!r}")
-        warn_renamed(f"{function}({old}=...)", f"{function}({new}=...)", stacklevel=4)
+            raise TypeError(f"{name}() got an unexpected keyword argument {old!r}")
+        if values[new] != defaults[new].default and values[new] != value:
+            raise ConfigError(f"{name}() got both {old}={value!r} and {new}={values[new]!r}: {old} is the "
+                              f"deprecated name of {new}; pass {new} alone")
+        warn_renamed(f"{name}({old}=...)", f"{name}({new}=...)", stacklevel=4)
         values[new] = value
     return tuple(values.values())
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .._torch import named_children_of, uncompiled
+from ..checks import check_loss_function, flag
 from ..codecs import LOSSY_CODECS
 from ..devices import host_is_separate
 from ..errors import ConfigError
@@ -185,11 +186,19 @@ def _chain_layers(model) -> list:
 
 def _single_input(example_inputs) -> torch.Tensor:
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-    if not isinstance(inputs, (tuple, list)) or len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
-        raise ConfigError(
-            f"example_inputs must be (x,), the one tensor the chain takes, got {type(example_inputs).__name__}"
-        )
-    return inputs[0]
+    if isinstance(inputs, (tuple, list)) and len(inputs) == 1 and isinstance(inputs[0], torch.Tensor):
+        return inputs[0]
+    given = _type_name(example_inputs)
+    if isinstance(inputs, (tuple, list)):
+        given += f" of {len(inputs)} ({', '.join(_type_name(item) for item in inputs)})"
+    raise ConfigError(f"example_inputs must be (x,), the one tensor the chain takes, got {given}; an array "
+                      "becomes a tensor by torch.as_tensor(array)")
+
+
+def _type_name(value) -> str:
+    """``value``'s type as code names it: ``numpy.ndarray``, ``int``."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_grad_rises: list, times: tuple,
@@ -271,6 +280,8 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
     ``objective="memory"``. ``segments="balanced"`` measures a chain so.
     """
     layers = _chain_layers(model)
+    check_loss_function(loss)
+    flag(stored_saves, "stored_saves")
     x = _without_history(_single_input(example_inputs))
     device = _profiled_device(x, device)
     sizes_only = x.device.type == "meta"

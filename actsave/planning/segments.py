@@ -18,6 +18,7 @@ from torch import nn
 from ..checks import integral
 from ..errors import ConfigError
 from ..runtime.nested import Range
+from .plan_record import Plan
 
 SegmentsSpec = Union[int, str, Iterable[int]]
 BALANCED = "balanced"  # balanced_cache.py, NOTE [ Balanced segments ]
@@ -135,9 +136,17 @@ def _explicit_starts(n_layers: int, segments) -> list:
 
 def normalized_segments(segments):
     """``segments`` as an ``int``, a list of starts or a name: one value to compare and
-    print, whatever integral or iterable type the caller used (a numpy array, a range)."""
+    print, whatever integral or iterable type the caller used (a numpy array, a range).
+    A set is refused (its order is not the layers'), and so is a Plan, which is applied,
+    not passed as segments."""
     if isinstance(segments, (str, bool)):
         return segments
+    if isinstance(segments, Plan):
+        raise ConfigError("segments= takes where segments start, not a Plan: build the CheckpointedSequential, "
+                          "then call .apply_plan(plan) on it (its segments, codecs and offload)")
+    if isinstance(segments, (set, frozenset)):
+        raise ConfigError(f"segments={segments!r} is a set, which has no order: pass the layer indices where "
+                          f"segments start as a sorted list ({sorted(segments)!r})")
     k = integral(segments)
     if k is not None:
         return k

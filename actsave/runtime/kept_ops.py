@@ -16,6 +16,18 @@ from ..errors import ConfigError
 TAPPED_FUNCTIONS = {"scaled_dot_product_attention": ATTENTION}
 
 
+def _as_tuple(name: str, value, single: type, items: str) -> tuple:
+    """``KeptOps``' ``name`` argument as a tuple: one ``single`` alone, or an iterable of
+    them; a string of module names, None or a non-iterable is refused (``items``: what
+    the tuple holds)."""
+    if isinstance(value, single):
+        return (value,)
+    if isinstance(value, str) or value is None or not hasattr(value, "__iter__"):
+        raise ConfigError(f"KeptOps({name}={value!r}): pass a tuple of {items}, () for none"
+                          + (", the classes, not their names" if isinstance(value, str) else ""))
+    return tuple(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class KeptOps:
     """What a selective recompute keeps instead of recomputing: the outputs of the
@@ -28,8 +40,9 @@ class KeptOps:
     functions: tuple = ("scaled_dot_product_attention",)
 
     def __post_init__(self):
-        modules = (self.modules,) if isinstance(self.modules, type) else tuple(self.modules)
-        functions = (self.functions,) if isinstance(self.functions, str) else tuple(self.functions)
+        modules = _as_tuple("modules", self.modules, type, "nn.Module subclasses (modules=(nn.Linear,))")
+        functions = _as_tuple("functions", self.functions, str, "function names (functions=('scaled_dot_product_"
+                              "attention',))")
         bad = [m for m in modules if not (isinstance(m, type) and issubclass(m, nn.Module))]
         if bad:
             raise ConfigError(f"KeptOps(modules={bad!r}): modules are nn.Module subclasses whose calls keep their "
@@ -45,6 +58,8 @@ class KeptOps:
         object.__setattr__(self, "functions", functions)
 
     def names(self) -> list:
+        """The names of what it keeps the outputs of: its module classes', then its
+        functions'."""
         return [m.__name__ for m in self.modules] + list(self.functions)
 
 

@@ -116,11 +116,12 @@ def check_torch_only_keywords(use_reentrant, context_fn) -> None:
         raise ConfigError(f"use_reentrant={use_reentrant!r} must be False or None (actsave is non-reentrant)")
     if context_fn is not None and context_fn is not noop_context_fn:
         raise ConfigError(
-            f"context_fn={context_fn!r} is not supported: actsave has no selective checkpointing "
-            "(torch's create_selective_checkpoint_contexts) and runs the forward and the "
-            "recompute under the caller's contexts. To keep the outputs of some operations, "
-            "checkpoint smaller pieces instead (actsave.checkpoint on the cheap-to-recompute part, "
-            "actsave.wrap(model, filter_fn) on chosen submodules) and leave the rest un-checkpointed."
+            f"context_fn={context_fn!r} is not supported: actsave runs the forward and the recompute "
+            "under the caller's contexts. For selective checkpointing (torch's "
+            "create_selective_checkpoint_contexts) use keep='selective', which keeps the outputs of "
+            "linear layers and attention, or keep=actsave.KeptOps(modules=..., functions=...) to "
+            "name the calls whose outputs are kept (for a model's blocks, actsave.wrap(model, Block, "
+            "keep='selective')); drop context_fn."
         )
 
 
