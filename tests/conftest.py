@@ -4,6 +4,7 @@ Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel, so it mus
 set before anything imports triton: without CUDA the kernels then run on CPU tensors
 under Triton's interpreter and are compared bit for bit with their torch references.
 """
+import gc
 import os
 
 import torch
@@ -23,6 +24,15 @@ def host_tier_on_cpu():
     does opens ``devices.host_tier_simulated(False)``."""
     with devices.host_tier_simulated():
         yield
+
+
+@pytest.fixture
+def no_collector():
+    """Python's cycle collector off: what a test frees, reference counting frees."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,5 @@
 """Nested recompute (runtime/nested.py): exact gradients, RNG and module state as in a
 plain step, each layer's recompute count, what is kept, and bad ranges."""
-import gc
 
 import pytest
 import torch
@@ -120,17 +119,6 @@ def test_a_nested_segment_refuses_a_module_placed_in_two_of_its_layers():
     with pytest.raises(actsave.ConfigError, match="cannot hold one module in two of its layers"):
         nested_call([block, nn.ReLU(), block], Range(0, 3, inner=(Range(0, 1), Range(1, 3, recomputed=False))),
                     torch.randn(4, 8, requires_grad=True))
-
-
-@pytest.fixture
-def no_collector():
-    """Python's cycle collector off: what a test frees, reference counting frees."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def test_a_graph_dropped_without_backward_frees_what_it_kept_at_once(no_collector):
