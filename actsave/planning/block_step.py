@@ -249,6 +249,7 @@ class BlockCall(nn.Module):
         super().__init__()
         self.block = block
         self.inplace = modifies_input(block)  # a segment starting here keeps a copy, as Checkpoint(block) does
+        self.__qualname__ = type(block).__qualname__  # the name a checkpoint's messages give it
         self._spec, self._hidden_leaf = call.spec, call.hidden_leaf
         self._leaves = []
         for k, leaf in enumerate(call.leaves):

@@ -233,8 +233,12 @@ class BlockPlanner:
                 table = _table(self.chain, self.calls, self.profile, self.levers, with_codec, self._measurer)
                 lower[codec] = max(self.fixed, smallest(table).peak)
         named = self.levers + tuple(lever for lever in LEVER_CODECS if lever in self.codecs)
-        return infeasible_message("block plan", budget, named, self.min_sqnr_db, max(self.fixed, self._least.peak),
-                                  "one option per block, outside work included", lower)
+        message = infeasible_message("block plan", budget, named, self.min_sqnr_db, max(self.fixed, self._least.peak),
+                                     "one option per block, outside work included", lower)
+        if not self._codecs_usable:
+            message += (" (Codecs and offload are left out: a block gets a tensor argument besides its hidden state "
+                        "that autograd made, which a checkpoint would keep encoded and the plan does not count.)")
+        return message
 
 
 def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, codecs: tuple,

@@ -517,3 +517,48 @@ def test_a_selective_block_whose_kept_outputs_a_codec_stores_keeps_less_than_the
     for row, labels in zip(table.options, table.labels):
         kept = {("plain" if option is None else option.describe()): pair[0].kept for pair, option in zip(row, labels)}
         assert kept["inputs int8"] < kept["selective int8"] < kept["selective"] / 2
+
+
+class Conditioned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, condition):
+        return x + torch.tanh(self.fc(x) * condition)
+
+
+class ConditionedNet(nn.Module):
+    """Blocks that each get, beside the hidden state, a tensor autograd made."""
+
+    def __init__(self):
+        super().__init__()
+        self.condition = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Conditioned() for _ in range(3))
+
+    def forward(self, x):
+        condition = self.condition(x)
+        for block in self.blocks:
+            x = block(x, condition)
+        return x
+
+
+def test_a_budget_no_plan_fits_says_why_the_codecs_allowed_were_left_out():
+    with pytest.raises(ConfigError, match="Codecs and offload are left out: a block gets a tensor argument"):
+        actsave.plan_blocks(ConditionedNet(), Conditioned, 1, (torch.randn(4, 8),), allow=("recompute", "int8"))
+
+
+class NoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 8)
+
+    def forward(self, x):
+        return x + torch.tanh(x @ self.weight)
+
+
+def test_the_planners_warnings_name_the_block_not_the_planners_wrapper():
+    with pytest.warns(UserWarning) as raised:
+        actsave.plan_blocks(nn.Sequential(NoLinear(), NoLinear()), NoLinear, 2**30, (torch.randn(4, 8),))
+    kept_nothing = [str(w.message) for w in raised if "kept nothing" in str(w.message)]
+    assert kept_nothing and all("NoLinear" in m and "BlockCall" not in m for m in kept_nothing)
