@@ -97,6 +97,7 @@ BAD_CALLS = {
     "plan_blocks-loss-tuple": (lambda: plan_blocks(loss=lambda out: (out.sum(), out.mean())), ["gave a tuple"]),
     "plan_blocks-loss-class": (lambda: plan_blocks(loss=nn.MSELoss), ["loss=", "is a class", "model's output"]),
     "plan_blocks-allow": (lambda: plan_blocks(allow=("Selective",)), ["['Selective']", "'selective'"]),
+    "plan_blocks-allow-not-a-tuple": (lambda: plan_blocks(allow=5), ["allow=5 must be a tuple of lever names"]),
     # KeptOps(modules, functions)
     "KeptOps-modules-str": (lambda: actsave.KeptOps(modules="Linear"), ["modules='Linear'", "tuple", "classes"]),
     "KeptOps-modules-none": (lambda: actsave.KeptOps(modules=None), ["modules=None", "() for none"]),

@@ -44,7 +44,7 @@ shapes, and for one call of each block per step (Hugging Face: ``use_cache=False
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -288,13 +288,15 @@ def _levers_for(calls: list, allow: Sequence[str] | None, min_sqnr_db) -> tuple:
     profile does not count."""
     device = calls[0][2].hidden.device
     separate_host = host_is_separate(device)
+    if isinstance(allow, str) or not isinstance(allow, (Iterable, type(None))):
+        keep_options(allow, min_sqnr_db, device, BLOCK_LEVERS)  # raises: allow is a tuple of lever names
     if allow is None:
         allow = [lever for lever in (*DEFAULT_ALLOW, *BLOCK_LEVERS) if separate_host or lever != "offload"]
-    elif not isinstance(allow, str) and "offload" in allow and not separate_host:
+    elif "offload" in allow and not separate_host:
         raise ConfigError(
             f"allow={tuple(allow)} names 'offload', but the blocks run on {device}, whose memory is the host's: "
             "offload would move nothing off the device. Leave 'offload' out of allow (or plan on a CUDA device)")
-    chain_levers = [lever for lever in allow if lever not in BLOCK_LEVERS] if not isinstance(allow, str) else allow
+    chain_levers = [lever for lever in allow if lever not in BLOCK_LEVERS]
     keep_options(chain_levers, min_sqnr_db, device, BLOCK_LEVERS)  # checks allow and min_sqnr_db
     encoded = any(should_encode(leaf) for _, _, call in calls
                   for k, leaf in enumerate(call.leaves)
