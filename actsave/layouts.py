@@ -15,6 +15,14 @@ comes back with the strides ``torch.empty_like`` gives it, those ``clone()`` kee
 A convolution chooses its algorithm, and so its rounding, by its input's memory format:
 a recompute given its input in another layout than the forward's would give other
 gradients, where exact modes promise bit-identical ones.
+
+A kept segment input is given to its recompute with the strides themselves, gaps
+included (:func:`gapped_strides`, :func:`in_strides`; a private copy:
+:func:`copied_in_layout`), whatever kept it: ``F.linear`` folds a 3-D strided slice
+(``q`` of ``qkv.chunk(3, -1)``) otherwise than its dense copy and saves other tensors,
+so a recompute given the dense copy fills the placeholders with them (exact offload
+gave wrong gradients). The copy back into the gaps is one device copy more, of the
+span the slice reads, in the recompute only.
 """
 from __future__ import annotations
 
@@ -56,3 +64,30 @@ def kept_strides(t: torch.Tensor) -> Optional[tuple]:
         return None
     strides = t.stride() if is_dense(t) else torch.empty_like(t, device="meta").stride()
     return None if strides == contiguous_strides(t.shape) else strides
+
+
+def gapped_strides(t: torch.Tensor) -> Optional[tuple]:
+    """``t``'s strides where a dense copy would not have them (a strided slice), else
+    None (a dense tensor, kept in its layout; a broadcast one, which no copy has; a
+    sparse or nested one, which has no strides to keep)."""
+    if t.layout != torch.strided or t.is_nested or is_dense(t) or any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        return None
+    return t.stride()
+
+
+def in_strides(t: torch.Tensor, strides: Optional[tuple]) -> torch.Tensor:
+    """``t`` with ``strides`` (from :func:`gapped_strides`): itself where it has them or
+    they are None, else a copy with them."""
+    if strides is None or t.stride() == strides:
+        return t
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def copied_in_layout(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with ``t``'s strides, a gap left where ``t`` has one (its memory
+    the span ``t`` reads); a broadcast tensor, whose strides a copy cannot have, is
+    copied as ``clone()`` copies it."""
+    strides = gapped_strides(t)
+    if strides is None:
+        return t.clone()
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)

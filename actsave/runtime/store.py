@@ -14,6 +14,7 @@ import torch
 
 from .._torch import pytree, storage_identity, version
 from ..codecs import Packed
+from ..layouts import copied_in_layout, gapped_strides, in_strides
 from ..errors import RecomputeError, warn_renamed
 from ..offload import OffloadedTensors, current_tape
 from .keep_rules import CallerTensors, KeepPolicy, kept_as, placed, should_encode
@@ -149,8 +150,9 @@ class _KeptTensor:
         # gives the same object back to a custom Function that saved it).
         source = tensor.detach() if tensor.requires_grad else tensor
         if private_copy and self.codec.aliases_input:
-            source = source.clone()
+            source = copied_in_layout(source)
         self.modified_in_place = private_copy  # by the function's first layer
+        self._strides = gapped_strides(tensor)  # NOTE [ Kept layouts ]: a slice comes back a slice
         packed = self.codec.encode(source, non_negative=known_non_negative(tensor))
         self.nbytes = packed.nbytes
         self.storage = _OnHost(packed) if kept.offload else _OnDevice(packed)
@@ -184,7 +186,7 @@ class _KeptTensor:
 
     def restore(self) -> torch.Tensor:
         self.check_unmodified("after the forward that kept it")
-        x = self.codec.decode(self.storage.fetch())
+        x = in_strides(self.codec.decode(self.storage.fetch()), self._strides)
         if not self.requires_grad:
             return x
         # A leaf of the recompute's own. The value decoded is ours alone (a decoding,
@@ -196,7 +198,7 @@ class _KeptTensor:
         if self.modified_in_place:
             # A leaf that requires grad cannot be modified in place; a segment that
             # starts with an in-place layer needs a non-leaf input.
-            x = x.clone()
+            x = copied_in_layout(x)
         return x
 
     def release(self) -> None:

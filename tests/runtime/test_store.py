@@ -215,3 +215,31 @@ def test_a_checkpoint_with_two_tensor_arguments_runs_under_vmap():
     x = torch.randn(4, 8)
     out = torch.func.vmap(lambda x: actsave.checkpoint(f, x, x * 2))(x)
     assert torch.equal(out, f(x, x * 2))
+
+
+class _ScalesThenProjects(torch.nn.Module):
+    def __init__(self, inplace: bool):
+        super().__init__()
+        self.inplace = inplace  # changes its input in place: kept by a private copy
+        self.w, self.proj = torch.nn.Parameter(torch.tensor(2.0)), torch.nn.Linear(16, 16)
+
+    def forward(self, a):
+        a = a.mul_(self.w) if self.inplace else a * self.w
+        return torch.tanh(self.proj(a))
+
+
+@pytest.mark.parametrize("options", [dict(inplace=True), dict(offload=True), dict(inplace=True, offload=True)],
+                         ids=["private copy", "offload", "both"])
+def test_a_strided_slice_is_recomputed_in_its_own_strides(options):
+    # q of qkv.chunk(3, -1): F.linear folds a 3-D slice otherwise than its dense copy,
+    # and saves other tensors (NOTE [ Kept layouts ]).
+    def step(wrap):
+        torch.manual_seed(0)
+        block, x = _ScalesThenProjects(options.get("inplace", False)), torch.randn(4, 4, 32, requires_grad=True)
+        out = wrap(block)((x * 1.0)[..., :16])
+        (out * torch.linspace(-1, 1, 16)).sum().backward()
+        return out.detach(), x.grad, block.w.grad, block.proj.weight.grad
+
+    plain = step(lambda m: m)
+    kept = step(lambda m: actsave.Checkpoint(m, offload=options.get("offload", False)))
+    assert all(torch.equal(p, k) for p, k in zip(plain, kept))
