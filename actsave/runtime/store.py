@@ -6,17 +6,19 @@ See NOTE [ Lifetime of kept inputs ] in function.py for when entries are release
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from typing import Optional
 
 import torch
 
-from .._torch import pytree, storage_identity, version
+from .._torch import pytree, version
 from ..codecs import Packed
 from ..layouts import copied_in_layout, gapped_strides, in_strides
 from ..errors import RecomputeError, warn_renamed
 from ..offload import OffloadedTensors, current_tape
+from .kept_aliases import AliasOf, kept_leaves
 from .keep_rules import CallerTensors, KeepPolicy, kept_as, placed, should_encode
 from .relu_signs import known_non_negative
 
@@ -207,97 +209,6 @@ class _KeptTensor:
         self._release()
 
 
-class _KeptAliases:
-    """Tensor inputs whose memory overlaps (the same tensor twice, a tensor and a view
-    of it), kept together, so that the recompute's inputs share memory as the
-    forward's did: a function that changes one in place changes the others for the
-    recompute as for the forward. Kept separately, a private copy or a codec would give
-    each its own memory, and the recompute other values. Members of one layout (the
-    same view twice) are kept once, as it; others as one span of their storage, which
-    _groups_kept_together takes only where it is not much larger than they are."""
-
-    def __init__(self, members: list, policy: KeepPolicy, private_copy: bool, made_by: Optional[CallerTensors]):
-        self._requires_grad = [m.requires_grad for m in members]
-        layouts = [(m.size(), m.stride(), m.storage_offset()) for m in members]
-        self._layouts = None if len(set(layouts)) == 1 else layouts  # None: one layout, kept as it is
-        self._start = min(m.storage_offset() for m in members)
-        kept = members[0].detach()
-        if self._layouts is not None:
-            kept = kept.as_strided((max(_end(m) for m in members) - self._start,), (1,), self._start)
-        encodable = all(should_encode(m, made_by) for m in members)
-        self.kept = _KeptTensor(kept, policy, private_copy, encodable=encodable,
-                                requires_grad=any(self._requires_grad))
-
-    def restore(self) -> list:
-        """The members, in order: the restored tensor, or views of the restored span."""
-        restored = self.kept.restore()
-        if self._layouts is None:
-            views = [restored] * len(self._requires_grad)
-        else:
-            shift = restored.storage_offset() - self._start
-            views = [restored.as_strided(size, stride, offset + shift) for size, stride, offset in self._layouts]
-        return [v.detach() if v.requires_grad and not grad else v for v, grad in zip(views, self._requires_grad)]
-
-
-class _AliasOf:
-    """A leaf of the call's arguments that is member ``index`` of ``aliases``."""
-
-    __slots__ = ("aliases", "index")
-
-    def __init__(self, aliases: _KeptAliases, index: int):
-        self.aliases, self.index = aliases, index
-
-
-def _end(t: torch.Tensor) -> int:
-    """One past the last storage element ``t`` reads."""
-    return t.storage_offset() + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-
-
-def _overlapping(tensors: list) -> list:
-    """Lists of the positions in ``tensors`` whose memory overlaps another's (same
-    storage, element ranges that meet), each of two or more; dense strided tensors
-    of one dtype only, others are never grouped."""
-    spans = sorted((storage, t.storage_offset(), _end(t), i) for i, t in enumerate(tensors)
-                   if (storage := _storage_of(t)) is not None)
-    groups, group_end = [], None
-    for storage, start, end, i in spans:
-        if groups and storage == groups[-1][0] and start < group_end:
-            groups[-1][1].append(i)
-            group_end = max(group_end, end)
-        else:
-            groups.append((storage, [i]))
-            group_end = end
-    return [members for _, members in groups
-            if len(members) > 1 and len({tensors[i].dtype for i in members}) == 1]
-
-
-def _storage_of(t: torch.Tensor) -> Optional[int]:
-    """``t``'s storage (storage_identity) where its memory can be grouped: a dense
-    strided tensor with storage (not a vmap or grad transform's wrapper) and no
-    negative stride; else None."""
-    if t.layout != torch.strided or t.is_nested or t.numel() == 0 or any(n < 0 for n in t.stride()):
-        return None
-    try:
-        return storage_identity(t)
-    except (NotImplementedError, RuntimeError):  # functorch's wrappers have no storage to read
-        return None
-
-
-def _groups_kept_together(members: list) -> list:
-    """Of ``members`` (tensors whose element ranges meet), the lists of positions kept
-    together (_KeptAliases): all, where the span of storage they cover is at most twice
-    their elements (slices of one tensor, a tensor and its view); else those of one
-    layout (the same view twice): two columns of a wide matrix share no element, and
-    their span would keep every column between them."""
-    span = max(_end(m) for m in members) - min(m.storage_offset() for m in members)
-    if span <= 2 * sum(m.numel() for m in members):
-        return [list(range(len(members)))]
-    layouts = {}
-    for i, m in enumerate(members):
-        layouts.setdefault((m.storage_offset(), tuple(m.shape), m.stride()), []).append(i)
-    return [group for group in layouts.values() if len(group) > 1]
-
-
 class _Attached:
     """A tensor made during a segment's forward and needed by its recompute only (the
     forward's ReLU or max-pool decisions), kept beside the segment's inputs, where they
@@ -358,9 +269,10 @@ class KeptInputs:
                  made_by: Optional[CallerTensors] = None):
         leaves, self._spec = flatten_inputs(args, kwargs)
         self.policy = policy
-        self._leaves = _kept_leaves(leaves, policy, private_copy, made_by)
+        keep = functools.partial(_KeptTensor, policy=policy, private_copy=private_copy, made_by=made_by)
+        self._leaves = kept_leaves(leaves, keep, lambda t: should_encode(t, made_by))
         self._tensors = [leaf for leaf in self._leaves if isinstance(leaf, _KeptTensor)]
-        self._tensors += list({id(a.aliases): a.aliases.kept for a in self._leaves if isinstance(a, _AliasOf)}.values())
+        self._tensors += list({id(a.aliases): a.aliases.kept for a in self._leaves if isinstance(a, AliasOf)}.values())
         self._attached = []
         self._attached_bytes = None  # their _GrowingAccount, from the first attach
         self._decisions = None  # the attached tensors once on the host, one group
@@ -436,10 +348,10 @@ class KeptInputs:
             )
         if self._tape is not None:
             self._tape.before_use(self)
-        restored = {}  # each group of aliases restored once: _KeptAliases -> its members
+        restored = {}  # each group of aliases restored once: KeptAliases -> its members
 
         def restore(leaf):
-            if isinstance(leaf, _AliasOf):
+            if isinstance(leaf, AliasOf):
                 if leaf.aliases not in restored:
                     restored[leaf.aliases] = leaf.aliases.restore()
                 return restored[leaf.aliases][leaf.index]
@@ -455,25 +367,6 @@ class KeptInputs:
         if self._attached_bytes is not None:
             self._attached_bytes.settle()
         self.released = True
-
-
-def _kept_leaves(leaves: list, policy: KeepPolicy, private_copy: bool, made_by: Optional[CallerTensors]) -> list:
-    """Each leaf of a call's arguments as kept: a tensor by itself (_KeptTensor) or, where
-    its memory overlaps another's, as a member of their group (_AliasOf); others as they are."""
-    kept = list(leaves)
-    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    grouped = set()
-    for members in _overlapping([leaves[i] for i in positions]) if len(positions) > 1 else ():
-        for group in _groups_kept_together([leaves[positions[m]] for m in members]):
-            at = [positions[members[g]] for g in group]
-            aliases = _KeptAliases([leaves[i] for i in at], policy, private_copy, made_by)
-            for index, i in enumerate(at):
-                kept[i] = _AliasOf(aliases, index)
-            grouped.update(at)
-    for i in positions:
-        if i not in grouped:
-            kept[i] = _KeptTensor(leaves[i], policy, private_copy, made_by)
-    return kept
 
 
 def flatten_inputs(args: tuple, kwargs: dict) -> tuple:
