@@ -3,6 +3,7 @@ it): found among a call's arguments and kept together (:class:`KeptAliases`), so
 the recompute's inputs share memory as the forward's did (store.py keeps each one)."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -16,11 +17,14 @@ class KeptAliases:
     forward's did: a function that changes one in place changes the others for the
     recompute as for the forward. Kept separately, a private copy or a codec would give
     each its own memory, and the recompute other values. Members of one layout (the
-    same view twice) are kept once, as it; others as one span of their storage, which
-    _groups_kept_together takes only where it is not much larger than they are."""
+    same view twice) are kept once, as it; others as one span of their storage. The
+    recompute gets one object where the forward got one twice, and distinct views where
+    it got distinct tensors (a compiled block guards on which)."""
 
     def __init__(self, members: list, keep: Callable, encodable: Callable):
         self._requires_grad = [m.requires_grad for m in members]
+        firsts = {}
+        self._same_as = [firsts.setdefault(id(m), i) for i, m in enumerate(members)]  # the first of each object
         layouts = [(m.size(), m.stride(), m.storage_offset()) for m in members]
         self._layouts = None if len(set(layouts)) == 1 else layouts  # None: one layout, kept as it is
         self._start = min(m.storage_offset() for m in members)
@@ -33,10 +37,11 @@ class KeptAliases:
         """The members, in order: the restored tensor, or views of the restored span."""
         restored = self.kept.restore()
         if self._layouts is None:
-            views = [restored] * len(self._requires_grad)
+            views = [restored if i == 0 else restored.view_as(restored) for i in range(len(self._same_as))]
         else:
             shift = restored.storage_offset() - self._start
             views = [restored.as_strided(size, stride, offset + shift) for size, stride, offset in self._layouts]
+        views = [views[first] for first in self._same_as]
         return [v.detach() if v.requires_grad and not grad else v for v, grad in zip(views, self._requires_grad)]
 
 
@@ -56,8 +61,9 @@ def _end(t: torch.Tensor) -> int:
 
 def _overlapping(tensors: list) -> list:
     """Lists of the positions in ``tensors`` whose memory overlaps another's (same
-    storage, element ranges that meet), each of two or more; dense strided tensors
-    of one dtype only, others are never grouped."""
+    storage, element ranges that meet), each of two or more and of one dtype; dense
+    strided tensors only, others are never grouped (a view of another dtype is kept on
+    its own: docs/limits.md, "Inputs changed in place")."""
     spans = sorted((storage, t.storage_offset(), _end(t), i) for i, t in enumerate(tensors)
                    if (storage := _storage_of(t)) is not None)
     groups, group_end = [], None
@@ -68,8 +74,9 @@ def _overlapping(tensors: list) -> list:
         else:
             groups.append((storage, [i]))
             group_end = end
-    return [members for _, members in groups
-            if len(members) > 1 and len({tensors[i].dtype for i in members}) == 1]
+    by_dtype = [[i for i in members if tensors[i].dtype == dtype]
+                for _, members in groups for dtype in {tensors[i].dtype for i in members}]
+    return [members for members in by_dtype if len(members) > 1]
 
 
 def _storage_of(t: torch.Tensor) -> Optional[int]:
@@ -86,17 +93,33 @@ def _storage_of(t: torch.Tensor) -> Optional[int]:
 
 def _groups_kept_together(members: list) -> list:
     """Of ``members`` (tensors whose element ranges meet), the lists of positions kept
-    together (KeptAliases): all, where the span of storage they cover is at most twice
-    their elements (slices of one tensor, a tensor and its view); else those of one
-    layout (the same view twice): two columns of a wide matrix share no element, and
-    their span would keep every column between them."""
-    span = max(_end(m) for m in members) - min(m.storage_offset() for m in members)
-    if span <= 2 * sum(m.numel() for m in members):
-        return [list(range(len(members)))]
-    layouts = {}
-    for i, m in enumerate(members):
-        layouts.setdefault((m.storage_offset(), tuple(m.shape), m.stride()), []).append(i)
-    return [group for group in layouts.values() if len(group) > 1]
+    together (KeptAliases): those that may share an element, transitively. Two columns
+    of a wide matrix, or ``x[::2]`` and ``x[1::2]``, share none (:func:`_disjoint`): kept
+    apart, as their span would keep every column between them."""
+    group_of = list(range(len(members)))
+
+    def root(i):
+        while group_of[i] != i:
+            i = group_of[i]
+        return i
+    for i in range(len(members)):
+        for j in range(i):
+            if not _disjoint(members[i], members[j]):
+                group_of[root(i)] = root(j)
+    groups = {}
+    for i in range(len(members)):
+        groups.setdefault(root(i), []).append(i)
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one storage) surely share no element: their element
+    ranges do not meet, or every element of each lies at its offset modulo the greatest
+    common divisor of both's strides, and those offsets differ."""
+    if _end(a) <= b.storage_offset() or _end(b) <= a.storage_offset():
+        return True
+    step = math.gcd(*(stride for t in (a, b) for size, stride in zip(t.shape, t.stride()) if size > 1))
+    return step > 1 and (a.storage_offset() - b.storage_offset()) % step != 0
 
 
 def kept_leaves(leaves: list, keep: Callable, encodable: Callable) -> list:

@@ -243,3 +243,38 @@ def test_a_strided_slice_is_recomputed_in_its_own_strides(options):
     plain = step(lambda m: m)
     kept = step(lambda m: actsave.Checkpoint(m, offload=options.get("offload", False)))
     assert all(torch.equal(p, k) for p, k in zip(plain, kept))
+
+
+@pytest.mark.parametrize("aliases", [
+    lambda h: (h[:, 0:2], h[:, 1:3]),  # overlapping columns, a span far larger than they are
+    lambda h: (h[:, 0:4], h[:, 0:4].t()),  # a slice and its transpose
+    lambda h: (h.reshape(-1)[:6], h.reshape(-1)[:6].view(2, 3).view(6), h.reshape(-1)[:6].detach().view(torch.int32)),
+], ids=["overlapping columns", "slice and transpose", "an integer view beside"])
+def test_arguments_that_share_elements_share_them_in_the_recompute(aliases):
+    class AddsThenMultiplies(torch.nn.Module):
+        inplace = True
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, a, b, *others):
+            a.add_(self.w)
+            return (a.sum() * b).sum()
+
+    def step(wrap):
+        torch.manual_seed(0)
+        block, x = AddsThenMultiplies(), torch.randn(8, 64, requires_grad=True)
+        wrap(block)(*aliases(x * 1.0)).backward()
+        return x.grad, block.w.grad
+
+    assert all(torch.equal(p, k) for p, k in zip(step(lambda m: m), step(actsave.Checkpoint)))
+
+
+def test_the_same_view_twice_comes_back_as_one_object_two_views_as_two():
+    h = torch.randn(4, 8, requires_grad=True) * 1
+    kept = KeptInputs((h, h, h.view(4, 8)), {}, EXACT, False)
+    with torch.enable_grad():
+        (a, b, c), _ = kept.restore()
+    assert a is b and c is not a and c.data_ptr() == a.data_ptr()
+    kept.release()
