@@ -519,22 +519,13 @@ def test_a_selective_block_whose_kept_outputs_a_codec_stores_keeps_less_than_the
         assert kept["inputs int8"] < kept["selective int8"] < kept["selective"] / 2
 
 
-class Conditioned(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x, condition):
-        return x + torch.tanh(self.fc(x) * condition)
-
-
 class ConditionedNet(nn.Module):
     """Blocks that each get, beside the hidden state, a tensor autograd made."""
 
     def __init__(self):
         super().__init__()
         self.condition = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(Conditioned() for _ in range(3))
+        self.blocks = nn.ModuleList(CrossAttending() for _ in range(3))
 
     def forward(self, x):
         condition = self.condition(x)
@@ -545,7 +536,7 @@ class ConditionedNet(nn.Module):
 
 def test_a_budget_no_plan_fits_says_why_the_codecs_allowed_were_left_out():
     with pytest.raises(ConfigError, match="Codecs and offload are left out: a block gets a tensor argument"):
-        actsave.plan_blocks(ConditionedNet(), Conditioned, 1, (torch.randn(4, 8),), allow=("recompute", "int8"))
+        actsave.plan_blocks(ConditionedNet(), CrossAttending, 1, (torch.randn(4, 8),), allow=("recompute", "int8"))
 
 
 class NoLinear(nn.Module):
