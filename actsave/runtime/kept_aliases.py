@@ -114,12 +114,32 @@ def _groups_kept_together(members: list) -> list:
 
 def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` (of one storage) surely share no element: their element
-    ranges do not meet, or every element of each lies at its offset modulo the greatest
-    common divisor of both's strides, and those offsets differ."""
+    ranges do not meet; or every element of each lies at its offset modulo the greatest
+    common divisor of both's strides, and those offsets differ; or, modulo the greatest
+    common divisor ``period`` of their outer strides (all but each one's smallest), each
+    one's innermost run lies in an interval the other's misses (``q`` and ``v`` of
+    ``qkv.chunk(3, -1)``)."""
     if _end(a) <= b.storage_offset() or _end(b) <= a.storage_offset():
         return True
     step = math.gcd(*(stride for t in (a, b) for size, stride in zip(t.shape, t.stride()) if size > 1))
-    return step > 1 and (a.storage_offset() - b.storage_offset()) % step != 0
+    if step > 1 and (a.storage_offset() - b.storage_offset()) % step != 0:
+        return True
+    (inner_a, outer_a), (inner_b, outer_b) = _runs(a), _runs(b)
+    period = math.gcd(*outer_a, *outer_b)
+    if period == 0 or inner_a > period or inner_b > period:
+        return False
+    gap = (b.storage_offset() - a.storage_offset()) % period  # where b's run starts, from a's
+    return inner_a <= gap <= period - inner_b
+
+
+def _runs(t: torch.Tensor) -> tuple:
+    """``(the extent of t's innermost dimension in elements, its other strides)``, of
+    its dimensions of more than one element."""
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1)
+    if not dims:
+        return 1, ()
+    (stride, size), outer = dims[0], dims[1:]
+    return (size - 1) * stride + 1, tuple(s for s, _ in outer)
 
 
 def kept_leaves(leaves: list, keep: Callable, encodable: Callable) -> list:

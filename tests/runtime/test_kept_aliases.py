@@ -1,0 +1,46 @@
+"""runtime/kept_aliases.py: which arguments are kept together. The gradients of aliased
+arguments are tested with the kept inputs, in test_store.py."""
+import random
+
+import torch
+
+from actsave.runtime.kept_aliases import _disjoint
+
+
+def _elements(t: torch.Tensor) -> set:
+    offsets = torch.zeros(t.shape, dtype=torch.long) + t.storage_offset()
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        shape = [1] * t.dim()
+        shape[dim] = size
+        offsets = offsets + (torch.arange(size) * stride).view(shape)
+    return set(offsets.flatten().tolist())
+
+
+def _random_view(storage: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    dims = rng.randint(1, 3)
+    shape = [rng.randint(1, 5) for _ in range(dims)]
+    strides = [rng.choice([1, 2, 3, 4, 6, 8, 12, 16, 24, 48]) for _ in range(dims)]
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    return storage.as_strided(shape, strides, rng.randint(0, storage.numel() - extent))
+
+
+def test_views_said_to_share_no_element_share_none():
+    # Soundness, against the sets of storage elements themselves: a pair kept apart
+    # that shares one would miss the other's in-place change in the recompute.
+    rng, storage = random.Random(0), torch.zeros(400)
+    said_disjoint = 0
+    for _ in range(3000):
+        a, b = _random_view(storage, rng), _random_view(storage, rng)
+        if _disjoint(a, b):
+            said_disjoint += 1
+            assert not _elements(a) & _elements(b), (a.shape, a.stride(), a.storage_offset(), b.shape, b.stride(),
+                                                      b.storage_offset())
+    assert said_disjoint > 300  # the test sees the rules at work
+
+
+def test_chunks_and_columns_are_found_apart():
+    qkv = torch.zeros(2, 4, 48)
+    q, k, v = qkv.chunk(3, -1)
+    matrix = torch.zeros(8, 64)
+    assert _disjoint(q, v) and _disjoint(q, k) and _disjoint(matrix[:, 0], matrix[:, 1])
+    assert not _disjoint(matrix[:, 0:2], matrix[:, 1:3]) and not _disjoint(matrix[:, :4], matrix[:, :4].t())
