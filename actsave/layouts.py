@@ -20,9 +20,9 @@ A kept segment input is given to its recompute with the strides themselves, gaps
 included (:func:`gapped_strides`, :func:`in_strides`; a private copy:
 :func:`copied_in_layout`), whatever kept it: ``F.linear`` folds a 3-D strided slice
 (``q`` of ``qkv.chunk(3, -1)``) otherwise than its dense copy and saves other tensors,
-so a recompute given the dense copy fills the placeholders with them (exact offload
-gave wrong gradients). The copy back into the gaps is one device copy more, of the
-span the slice reads, in the recompute only.
+so a recompute given the dense copy would fill the placeholders with them. The copy
+back into the gaps is one device copy more, of the span the slice reads, in the
+recompute only.
 """
 from __future__ import annotations
 
@@ -70,9 +70,10 @@ def gapped_strides(t: torch.Tensor) -> Optional[tuple]:
     """``t``'s strides where a dense copy would not have them (a strided slice), else
     None (a dense tensor, kept in its layout; a broadcast one, which no copy has; a
     sparse or nested one, which has no strides to keep)."""
-    if t.layout != torch.strided or t.is_nested or is_dense(t) or any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+    if t.layout != torch.strided or t.is_nested or is_dense(t):
         return None
-    return t.stride()
+    broadcast = any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+    return None if broadcast else t.stride()
 
 
 def in_strides(t: torch.Tensor, strides: Optional[tuple]) -> torch.Tensor:
@@ -80,7 +81,7 @@ def in_strides(t: torch.Tensor, strides: Optional[tuple]) -> torch.Tensor:
     they are None, else a copy with them."""
     if strides is None or t.stride() == strides:
         return t
-    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+    return copied_with_strides(t, strides)
 
 
 def copied_in_layout(t: torch.Tensor) -> torch.Tensor:
@@ -88,6 +89,10 @@ def copied_in_layout(t: torch.Tensor) -> torch.Tensor:
     the span ``t`` reads); a broadcast tensor, whose strides a copy cannot have, is
     copied as ``clone()`` copies it."""
     strides = gapped_strides(t)
-    if strides is None:
-        return t.clone()
-    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+    return t.clone() if strides is None else copied_with_strides(t, strides)
+
+
+def copied_with_strides(t: torch.Tensor, strides: tuple, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``t``'s values copied into a new tensor with ``strides`` (and ``dtype``, default
+    ``t``'s): one copy."""
+    return torch.empty_strided(t.shape, strides, dtype=dtype or t.dtype, device=t.device).copy_(t)

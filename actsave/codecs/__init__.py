@@ -52,7 +52,7 @@ from typing import ClassVar, Optional
 import torch
 
 from ..errors import ConfigError
-from ..layouts import kept_strides
+from ..layouts import copied_with_strides, kept_strides
 from .backend import implementation
 from .centering import channel_offsets
 from ..triton_kernels import DEFAULT_GROUP_SIZE, SUPPORTED_DTYPES, UNSIGNED_VARIANT, channel_size, kernel_table
@@ -180,7 +180,7 @@ class GroupCodec(Codec):
                       means=packed.offsets, channel_size=channel_size(packed.shape))
         if packed.strides is None:
             return flat.view(packed.shape).to(packed.dtype)
-        return _copied_with_strides(flat.view(packed.shape), packed.strides, packed.dtype)
+        return copied_with_strides(flat.view(packed.shape), packed.strides, packed.dtype)
 
     def _format(self, unsigned: bool) -> str:
         return UNSIGNED_VARIANT[self.name] if unsigned else self.name
@@ -199,11 +199,6 @@ def _as_kernels_read(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float64:
         return x.to(torch.float32, memory_format=torch.contiguous_format)
     return x.contiguous()
-
-
-def _copied_with_strides(values: torch.Tensor, strides: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` copied into a new tensor of ``dtype`` with ``strides``: one copy."""
-    return torch.empty_strided(values.shape, strides, dtype=dtype, device=values.device).copy_(values)
 
 
 # The dtypes a lossy codec stores: the kernels' own, and float64 through float32.

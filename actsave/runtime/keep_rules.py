@@ -113,7 +113,7 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
 #   storage holds no more than the elements they read (F.normalize beside all-zero
 #   padding rows, RMSNorm beside one massive activation). They cost little memory kept
 #   exactly, and an encoding of a broadcast view would store every repeat. A view into
-#   a larger storage (``y[..., :1]``, expanded or not) is encoded as before: held, it
+#   a larger storage (``y[..., :1]``, expanded or not) is encoded: held exactly, it
 #   would keep all of ``y``.
 # - The result of a node whose backward divides by it (_DIVIDES_BY_RESULT: a sqrt, a
 #   norm, a standard deviation, a distance; ``torch.sqrt(x * x + eps)``, a smooth |x|,
