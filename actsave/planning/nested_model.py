@@ -7,13 +7,13 @@ A nested segment [a, b) is exact and on the device; its recompute is cut by a
 means its pass (a forward over its parts) and then the backward of its parts, last
 first. With P_j the bytes kept by r's parts before part j (a recomputed part keeps its
 input, R = x_s, except the first, whose input is r's own and held outside, and one
-after a stored part whose saves hold x_s, processed after it; one whose first layer
-changes its input in place keeps a copy of it, wherever the input is held; a stored
+after a plain part whose saves hold x_s, processed after it; one whose first layer
+changes its input in place keeps a copy of it, wherever the input is held; a plain
 part keeps Saved(s, e-1), less r's input where the first one saves it), r's largest
 event, beyond what is held outside r (its input included), is
 
     E(r) = max_j P_j + max( pass_j + g_d,  after_j )
-      stored part [s, e)       pass_j  = its forward events: Saved(s, i-1) + U(i) + fwd_i
+      plain part [s, e)       pass_j  = its forward events: Saved(s, i-1) + U(i) + fwd_i
                                          (as a recompute, Saved'(s, i-1) + U(i) + fwd_i,
                                          for the first part: its input is held)
                                after_j = its backward events less O: Saved(s, i) +
@@ -24,13 +24,13 @@ event, beyond what is held outside r (its input included), is
 
 where g_d, the gradient arriving at r, is held while r's pass runs, fwd_i is the
 layer's rise in a forward with grad, and nfwd_i its rise under no_grad, which runs
-recomputed parts (the profile measures both). The last stored part of a range ends
+recomputed parts (the profile measures both). The last plain part of a range ends
 the pass at its last save (runtime/nested.py, the early stop), as a single-level
-recompute does (memory_model.py, recompute_to_last_save). A stored part after a
-recomputed one runs as any stored forward does: the pass gives its input the
+recompute does (memory_model.py, recompute_to_last_save). A plain part after a
+recomputed one runs as any plain forward does: the pass gives its input the
 forward's requires_grad without holding it (runtime/nested.py, _RequiresGrad) and
 runs on copies of the snapshot of module state its layers mutate (runtime/state.py),
-runs its stored parts on the snapshot itself (their layers' last run), and its
+runs its plain parts on the snapshot itself (their layers' last run), and its
 recomputed parts, run without grad, on copies of their layers' share of it, made as
 the part starts and dropped as it ends: M(s, e) in the part's pass.
 
@@ -56,7 +56,7 @@ from .layer_events import until_last_save
 
 class Part(NamedTuple):
     """A part [s, e) of a range's pass, for every end e of an array (module docstring):
-    what it keeps for the rest of the pass and its backward (R; a stored part its saves),
+    what it keeps for the rest of the pass and its backward (R; a plain part its saves),
     its largest event during the pass and after it, each beyond the bytes the parts
     before it keep and g_d (a recomputed part's ``after`` less its own E(part))."""
 
@@ -88,11 +88,11 @@ def seconds(model, o: int, a: int, top: Range) -> float:
         before[a + r.stop] - before[a + r.start] for r in top.walk() if r.recomputed and r is not top)
 
 
-def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None, last: bool = False) -> Part:
-    """The stored part [s, e) for each e in ``stops`` (``events``: model.events_from(s),
+def plain_part(model, s: int, stops: np.ndarray, first: bool, events=None, last: bool = False) -> Part:
+    """The plain part [s, e) for each e in ``stops`` (``events``: model.events_from(s),
     where the caller has it). The first part of a range runs as a recompute from the
     range's input, held outside it, so neither its pass nor what it keeps counts it. A
-    later part runs as a stored forward whose input nothing else holds (the pass hands
+    later part runs as a plain forward whose input nothing else holds (the pass hands
     it over): no [x_s] after its first layer. The ``last`` part of its range ends the
     pass at its last save (the early stop), as a single-level recompute does; one that
     saves nothing is priced whole (the pass ends before it, lower)."""
@@ -112,7 +112,7 @@ def stored_part(model, s: int, stops: np.ndarray, first: bool, events=None, last
 def recomputed_part(model, s: int, stops: np.ndarray, first: bool, input_held: bool = False) -> Part:
     """The recomputed part [s, e) for each e in ``stops``: it keeps its input (the
     range's own, held outside, for the first; ``input_held``: held by the saves of the
-    stored part before it, processed after it) and runs under no_grad, holding one
+    plain part before it, processed after it) and runs under no_grad, holding one
     layer's input and rise at a time; its ``after`` is what its own backward holds
     beyond its E(part): R and the private copy an in-place first layer recomputes from.
     Where its first layer changes its input in place, what it keeps is a copy, even of
@@ -144,7 +144,7 @@ def _largest_event(model, a: int, r: Range) -> float:
                 model, a + parts[j - 1].start, s, parts[j - 1].recomputed))
             after = float(terms.after[0]) + _largest_event(model, a, part)
         else:
-            terms = stored_part(model, s, stop, first=j == 0, last=j == len(parts) - 1)
+            terms = plain_part(model, s, stop, first=j == 0, last=j == len(parts) - 1)
             after = float(terms.after[0])
         largest = max(largest, kept_before + float(terms.during_pass[0]) + gradient,
                       kept_before + after)
@@ -153,7 +153,7 @@ def _largest_event(model, a: int, r: Range) -> float:
 
 
 def input_held_before(model, c, s, recomputed) -> np.ndarray:
-    """Whether the part [c, s) before a part starting at s holds x_s: it is stored and
+    """Whether the part [c, s) before a part starting at s holds x_s: it is plain and
     its saves hold it (broadcastable arrays)."""
     return ~np.asarray(recomputed) & model.saved_within(s, c, s - 1)
 

@@ -10,16 +10,16 @@ Recurrence
 
         Inner(c, d)[m]   the least time the recomputed range [c, d) adds beyond its
                          own pass with E([c, d)) <= m units: 0 where it fits as one
-                         stored part (a plain checkpoint), else Multi(c, d)[m]
+                         plain part (a plain checkpoint), else Multi(c, d)[m]
         Multi(c, d)[m]   the same over cuts into two parts or more
         S_y(f, d)[m]     the parts covering [f, d) after the first part of a range
-                         ending at d; y = 1 where the part before f is stored and
+                         ending at d; y = 1 where the part before f is plain and
                          its saves hold x_f
 
     A part [f, e) of a range ending at d (terms of nested_model.Part: R kept, its pass
     event, its event after the pass; g = g_d) is
 
-        stored       feasible where m >= max(pass + g, after); then S_y'(e, d)[m - R],
+        plain        feasible where m >= max(pass + g, after); then S_y'(e, d)[m - R],
                      y' = 1 where its saves hold x_e (nothing more where e = d; the
                      pass event of that last part up to its last save)
         recomputed   e < d, feasible where m >= pass + g; then
@@ -29,7 +29,7 @@ Recurrence
     S_y(f, d) is the least over the parts from f (the first part's terms for Multi,
     which may not end at d). A part's terms depend on where it starts and ends,
     whether it is its range's first, and y, nothing else of the parts before it
-    (nested_model.py: a stored part after a recomputed one holds nothing more), so
+    (nested_model.py: a plain part after a recomputed one holds nothing more), so
     the units left and y are the whole state: the recurrence is exact for the model
     on its grid. With every term rounded up and m rounded down, a plan within
     Inner(c, d)[m] needs at most m units; where every term is a whole number of
@@ -65,23 +65,23 @@ _INFEASIBLE = np.inf
 
 class _StartTerms(NamedTuple):
     """The parts starting at one layer f, for every end e > f (index e - f - 1), in
-    grid units: (R, pass event, after event) of a stored and of a recomputed part,
+    grid units: (R, pass event, after event) of a plain and of a recomputed part,
     each as the first part of its range and as a later one (a recomputed one also
-    after a stored part whose saves hold its input), a stored part's pass event where
-    it is its range's last (the early stop), and whether a stored part's saves hold
+    after a plain part whose saves hold its input), a plain part's pass event where
+    it is its range's last (the early stop), and whether a plain part's saves hold
     the input of the part after it."""
 
-    stored: tuple  # [first, later]: (kept, during_pass, after)
+    plain: tuple  # [first, later]: (kept, during_pass, after)
     recomputed: tuple  # [first, later, later with its input held]: (kept, during_pass, after)
-    last_pass: tuple  # [first, later]: during_pass of a stored part ending its range
-    holds_next_input: np.ndarray  # a stored part's saves hold x_e
+    last_pass: tuple  # [first, later]: during_pass of a plain part ending its range
+    holds_next_input: np.ndarray  # a plain part's saves hold x_e
     held_input_matters: bool  # a layer before f saves x_f, and R differs with y
 
     def of(self, recomputed: bool, first: bool, input_held: bool = False) -> tuple:
-        """The terms of a part that is ``recomputed`` or stored, ``first`` of its range
-        or not, ``input_held`` by the stored part before it or not (module docstring, y)."""
+        """The terms of a part that is ``recomputed`` or plain, ``first`` of its range
+        or not, ``input_held`` by the plain part before it or not (module docstring, y)."""
         if not recomputed:
-            return self.stored[0 if first else 1]
+            return self.plain[0 if first else 1]
         return self.recomputed[0 if first else 1 + input_held]
 
 
@@ -100,7 +100,7 @@ class NestedTable:
         self._terms = [self._start_terms(f) for f in range(n)]
         self.multi = np.full((n, n, 2 * width), _INFEASIBLE)  # [c, d, width + m]
         self._multi_windows = sliding_window_view(self.multi, width, axis=-1)
-        self.single_need = np.full((n, n), width, dtype=np.int64)  # [c, d]: units as one stored part
+        self.single_need = np.full((n, n), width, dtype=np.int64)  # [c, d]: units as one plain part
         for c in range(n - 1):
             _, _, after = self._terms[c].of(recomputed=False, first=True)
             during_pass = self._terms[c].last_pass[0]
@@ -180,11 +180,11 @@ class NestedTable:
         if not ends.size:
             return _StartTerms((), (), (), np.zeros(0, dtype=bool), False)
         events = model.events_from(f)
-        stored = [nested_model.stored_part(model, f, ends, at_start, events) for at_start in (True, False)]
+        plain = [nested_model.plain_part(model, f, ends, at_start, events) for at_start in (True, False)]
         recomputed = [nested_model.recomputed_part(model, f, ends, at_start, held)
                       for at_start, held in ((True, False), (False, False), (False, True))]
-        last = [nested_model.stored_part(model, f, ends, at_start, events, last=True) for at_start in (True, False)]
-        return _StartTerms(tuple(self._part_units(part) for part in stored),
+        last = [nested_model.plain_part(model, f, ends, at_start, events, last=True) for at_start in (True, False)]
+        return _StartTerms(tuple(self._part_units(part) for part in plain),
                            tuple(self._part_units(part) for part in recomputed),
                            tuple(self._units(part.during_pass) for part in last),
                            nested_model.input_held_before(model, f, ends, False),
@@ -211,16 +211,16 @@ class NestedTable:
         each way to go on from a part starting at f within every m, one row per choice
         of that part (_choices)."""
         gradient, terms = int(self._units(self.model.grad[d])), self._terms[f]
-        stored_ends = np.arange(f + 1, d if first else d + 1)
-        kept, during_pass, after = (term[:stored_ends.size] for term in terms.of(recomputed=False, first=first))
+        plain_ends = np.arange(f + 1, d if first else d + 1)
+        kept, during_pass, after = (term[:plain_ends.size] for term in terms.of(recomputed=False, first=first))
         if not first:  # the part ending at d is the range's last
-            during_pass = np.append(during_pass[:-1], terms.last_pass[1][stored_ends.size - 1])
+            during_pass = np.append(during_pass[:-1], terms.last_pass[1][plain_ends.size - 1])
         need = np.maximum(during_pass + gradient, after)
-        y_after = terms.holds_next_input[:stored_ends.size].astype(np.int64)
-        stored_rows = np.where(self.m >= need[:, None], self._shifted(rest, kept, y_after, stored_ends), _INFEASIBLE)
+        y_after = terms.holds_next_input[:plain_ends.size].astype(np.int64)
+        plain_rows = np.where(self.m >= need[:, None], self._shifted(rest, kept, y_after, plain_ends), _INFEASIBLE)
         ends = np.arange(f + 1, d)
         if not ends.size:
-            return [stored_rows] * (1 if first else 2)
+            return [plain_rows] * (1 if first else 2)
         forward = self.model.forward_s_before[ends] - self.model.forward_s_before[f]
         rows = []
         # y = 1 rows are the y = 0 rows where y changes no term (x_f never held, or copied).
@@ -230,12 +230,12 @@ class NestedTable:
                              self._shifted(self._multi_windows[f], after, ends))
             recomputed_rows = np.where(self.m >= (during_pass + gradient)[:, None],
                                        forward[:, None] + inner + self._shifted(rest, kept, 0, ends), _INFEASIBLE)
-            rows.append(np.concatenate((stored_rows, recomputed_rows)))
+            rows.append(np.concatenate((plain_rows, recomputed_rows)))
         return rows if first or len(rows) == 2 else rows * 2
 
     @staticmethod
     def _choices(f: int, d: int, first: bool) -> list:
-        """The parts from f that _cuts' rows stand for, as (end, recomputed): stored,
+        """The parts from f that _cuts' rows stand for, as (end, recomputed): plain,
         then recomputed, each by its end (a cut's first part ends before d)."""
         return [(e, False) for e in range(f + 1, d if first else d + 1)] + [(e, True) for e in range(f + 1, d)]
 

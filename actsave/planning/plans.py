@@ -133,17 +133,17 @@ class Search:
     allow: tuple
     min_sqnr_db: Optional[float]
     longest: Optional[int]
-    compress_stored: bool
+    compress_saves: bool
     plain_middle: bool
     nest: bool  # objective "time": exact segments may nest checkpoints
     suggest_codecs: bool = True  # False where codecs cannot be used (blocks.py)
 
     def model(self) -> CostModel:
         """The model searched: the levers' keep options for checkpointed segments, and
-        for the plain segment's saves the lossy codecs among them where ``compress_stored``."""
+        for the plain segment's saves the lossy codecs among them where ``compress_saves``."""
         options = keep_options(self.allow, self.min_sqnr_db, self.profile.device)
         stored_codecs = ["none"]
-        if self.compress_stored and self.profile.stored_saves is not None:
+        if self.compress_saves and self.profile.stored_saves is not None:
             stored_codecs += sorted({option.codec.name for option in options if option.lossy})
         return CostModel(self.profile, options, stored_codecs=stored_codecs, plain_middle=self.plain_middle)
 
@@ -221,7 +221,7 @@ def infeasible_message(what: str, budget, levers: tuple, min_sqnr_db, smallest: 
 
 
 def balanced_last_policy() -> KeepPolicy:
-    """How a balanced plan's last segment (the stored one) keeps autograd's saves:
+    """How a balanced plan's last segment (the plain one) keeps autograd's saves:
     exactly, whatever its first layer's codec (balanced_cache.py, NOTE [ Balanced
     segments ]). The runtime stores it so, and balanced() prices and plans it so."""
     return EXACT

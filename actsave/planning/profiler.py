@@ -268,7 +268,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
     starts from a full-size output gradient of ones.
 
     ``stored_saves``: whether to derive what the plain segment's saves cost under each
-    lossy codec (``Profile.stored_saves``, for :func:`plan`'s ``compress_stored``), from
+    lossy codec (``Profile.stored_saves``, for :func:`plan`'s ``compress_saves``), from
     a sample of each save's shape; False leaves it None, for plans whose plain
     segment keeps its saves as they are (:func:`balanced`).
 

@@ -5,7 +5,7 @@ prices it, planning/nested_solver.py chooses it).
 NOTE [ Nested recompute ]
 The forward is that of any checkpointed segment (function.py): one frame, every save
 a placeholder, only the segment's input kept. What differs is the recompute. The
-segment's layers are cut into ranges (:class:`Range`), each either *stored*, its
+segment's layers are cut into ranges (:class:`Range`), each either *plain*, its
 saves filled by the pass that runs it, or *recomputed*, a checkpoint of its own: the
 pass keeps only its input (exactly, by reference) and runs it under ``no_grad``; its
 saves are filled by a later pass from that input, when backward first needs one of
@@ -16,7 +16,7 @@ ranges, not their activations; each of them is recomputed once more, later.
 The forward records, at each layer, how many tensors were saved before it (so each
 placeholder belongs to one layer, hence to one range), whether the tensor entering it
 required grad, and at each recomputed range's start the RNG and autocast state
-(state.py). A pass over a range replays the state of its start and runs its stored
+(state.py). A pass over a range replays the state of its start and runs its plain
 ranges with grad enabled, filling their placeholders with the same checks as any
 recompute, and its recomputed ranges under ``no_grad``; the tensor leaving one of
 those is given the forward's ``requires_grad``, so the layers after it save what they
@@ -55,9 +55,9 @@ class Range:
     """Layers ``start`` to ``stop - 1`` of a nested segment (indices into its layers).
 
     ``recomputed``: a checkpoint of its own (its parent's pass keeps only its input),
-    else stored (its parent's pass fills its saves). ``inner``: how a recomputed
+    else plain (its parent's pass fills its saves). ``inner``: how a recomputed
     range's own pass cuts it, contiguous ranges from ``start`` to ``stop``; () runs it
-    as one stored range (a plain checkpoint)."""
+    as one plain range (a plain checkpoint)."""
 
     start: int
     stop: int
@@ -69,7 +69,7 @@ class Range:
             raise ConfigError(f"a nested range [{self.start}, {self.stop}) must hold at least one layer")
         if self.inner:
             if not self.recomputed:
-                raise ConfigError(f"the stored range [{self.start}, {self.stop}) cannot be cut into inner "
+                raise ConfigError(f"the plain range [{self.start}, {self.stop}) cannot be cut into inner "
                                   "ranges: only a recomputed range has a pass of its own")
             bounds = [(r.start, r.stop) for r in self.inner]
             joined = all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
@@ -79,7 +79,7 @@ class Range:
 
     @property
     def parts(self) -> tuple:
-        """What this range's pass runs: its inner ranges, or itself stored."""
+        """What this range's pass runs: its inner ranges, or itself as a plain range."""
         return self.inner or (Range(self.start, self.stop, recomputed=False),)
 
     def walk(self):
@@ -185,14 +185,14 @@ class _NestedFrame(_Frame):
 
     def _run_parts(self, r: Range, x: torch.Tensor) -> None:
         parts = r.parts
-        # The early stop: after the last part the pass needs, a stored one's last
+        # The early stop: after the last part the pass needs, a plain one's last
         # placeholder or a recomputed one's kept input.
         needed = [j for j, p in enumerate(parts) if p.recomputed or self.slot_at[p.stop] > self.slot_at[p.start]]
         last = needed[-1] if needed and self.options.early_stop else None
         for j, part in enumerate(parts):
             # The state the forward mutated, as the forward saw it: a part run without
             # grad runs on copies, dropped as it ends (a later pass runs its layers
-            # again); a stored part's layers run for the last time, on the snapshot.
+            # again); a plain part's layers run for the last time, on the snapshot.
             with self.touched.as_in_forward(last=not part.recomputed, layers=range(part.start, part.stop)):
                 if part.recomputed:
                     x = self._keep_and_skip(part, x, stop=j == last)
@@ -200,7 +200,7 @@ class _NestedFrame(_Frame):
                     # Handed over in a list, so that this frame holds no reference to the
                     # part's input while the part runs (a layer that does not save it frees it).
                     handed, x = [x], None
-                    x = self._run_stored(part, handed, self.slot_at[part.stop] - 1 if j == last else None)
+                    x = self._run_plain(part, handed, self.slot_at[part.stop] - 1 if j == last else None)
 
     def _keep_and_skip(self, part: Range, x: torch.Tensor, stop: bool) -> torch.Tensor:
         """Keep ``part``'s input for its own pass; run it without saving."""
@@ -228,7 +228,7 @@ class _NestedFrame(_Frame):
         y = self.layers[i](x)
         return _detached(y) if isinstance(y, torch.Tensor) else y
 
-    def _run_stored(self, part: Range, handed: list, stop_after) -> torch.Tensor:
+    def _run_plain(self, part: Range, handed: list, stop_after) -> torch.Tensor:
         """Run ``part`` on the input ``handed`` over, with grad, filling its
         placeholders; stop after placeholder ``stop_after`` (None: run it to its end)."""
         x = handed.pop()
