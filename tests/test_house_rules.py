@@ -36,8 +36,10 @@ def note_name(text: str) -> str:
 
 
 def notes(files) -> tuple:
-    """``(definitions, references)``: each name -> the places (file:line) naming it."""
-    definitions, references = {}, {}
+    """``(definitions, references, misspelled)``: each name -> the places (file:line)
+    naming it; misspelled: the places of references whose brackets do not hold the name
+    between spaces (``NOTE [Name]``)."""
+    definitions, references, misspelled = {}, {}, []
     for path in files:
         text = path.read_text()
         where = lambda m: f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"  # noqa: E731
@@ -45,13 +47,15 @@ def notes(files) -> tuple:
             definitions.setdefault(m.group(1), []).append(where(m))
         for m in _REFERENCE.finditer(text):
             references.setdefault(note_name(m.group(1)), []).append(where(m))
-    return definitions, references
+            if not (m.group(1)[0].isspace() and m.group(1)[-1].isspace()):
+                misspelled.append(where(m))
+    return definitions, references, misspelled
 
 
 def note_problems(files) -> list:
     """What is wrong with the NOTEs of ``files``: a name defined twice, a reference
     that names no definition, a name written other than ``NOTE [ Name ]``."""
-    definitions, references = notes(files)
+    definitions, references, misspelled = notes(files)
     problems = [f"NOTE [ {name} ] is defined {len(places)} times: {places}"
                 for name, places in definitions.items() if len(places) > 1]
     problems += [f"NOTE [ {name} ] is referred to at {places} but defined nowhere"
@@ -59,6 +63,8 @@ def note_problems(files) -> list:
     problems += [f"NOTE [ {name} ] at {places}: a name starts with a capital letter"
                  for name, places in definitions.items() if not name[0].isupper() and not name[0].isdigit()
                  and not name.startswith("torch")]
+    problems += [f"a NOTE reference at {place} is not written NOTE [ Name ], with a space inside each bracket"
+                 for place in misspelled]
     return problems
 
 
@@ -79,6 +85,18 @@ def test_the_note_check_finds_a_dangling_reference_and_a_second_definition(tmp_p
         ROOT = saved
     assert any("NOTE [ Rule ] is defined 2 times" in p for p in problems)
     assert any("NOTE [ Gone ] is referred to at ['code.py:4'] but defined nowhere" in p for p in problems)
+
+
+def test_the_note_check_finds_a_reference_in_the_other_spelling(tmp_path):
+    code = tmp_path / "code.py"
+    code.write_text("# NOTE [ Rule ]\n# The rule.\n\nx = 1  # as NOTE [Rule] says\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        problems = note_problems([code])
+    finally:
+        ROOT = saved
+    assert problems == ["a NOTE reference at code.py:4 is not written NOTE [ Name ], with a space inside each bracket"]
 
 
 # ----------------------------------------------------------------- docs/architecture.md
