@@ -5,12 +5,13 @@ the blocks with keyword arguments (attention mask, position ids, Llama's rotary
 ``position_embeddings`` tuple), which ``Checkpoint`` keeps and replays as non-reentrant
 ``torch.utils.checkpoint`` would. The recipe these tests pin down::
 
-    config.use_cache = False          # as HF's gradient_checkpointing_enable() does:
+    config.use_cache = False          # as HF's activation_checkpointing_enable() does:
                                       # a recompute would append to the KV cache again
     model = AutoModelForCausalLM.from_config(config)   # or from_pretrained(...)
     actsave.wrap(model, GPT2Block)    # LlamaDecoderLayer, ...; compress="int8" optional
     # train as usual; state_dict / save_pretrained keys are those of the plain model.
-    # Do not also call model.gradient_checkpointing_enable().
+    # HF's own activation_checkpointing_enable() is not needed; if it is on too,
+    # each wrapped block is still recomputed once.
 """
 import copy
 import warnings

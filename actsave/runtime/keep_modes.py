@@ -137,7 +137,8 @@ def _warn_of_a_cache(function: Callable, values: tuple) -> None:
                               "(use_cache=True): its recompute appends the keys and values to the cache again, "
                               "with padding raises, and a forward dropped without backward is never freed (the "
                               "cache holds its graph, as under torch.utils.checkpoint). Pass use_cache=False to "
-                              "the model's call to train, as gradient_checkpointing_enable() does.", stacklevel=4)
+                              "the model's call to train, as activation_checkpointing_enable() (formerly "
+                              "gradient_checkpointing_enable()) does.", stacklevel=4)
             return
 
 
