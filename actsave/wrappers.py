@@ -18,7 +18,7 @@ saves checked): its segments are chains of layers, for which they are right.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from .runtime.compiled_calls import checkpoint_in_graph
 from .runtime.keep_modes import BlockOption, call_block
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
 from .runtime.keep_rules import KeepPolicy, modifies_input
+from .wrap_selection import matching_blocks
 
 # The child name torch's own checkpoint_wrapper uses: torch.distributed.checkpoint's
 # state-dict helpers already strip it from fully qualified names.
@@ -270,7 +271,9 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
 
     ``filter_fn`` is ``callable(module, fqn) -> bool`` or an ``nn.Module`` subclass
     (or a non-empty tuple of them). ``model`` itself is never wrapped, nor is anything
-    inside a module that is wrapped already. ``state_dict`` keys do not change. The
+    inside a module that is wrapped already. A module placed at several places (shared
+    weights) is asked once, under its first name, and one :class:`Checkpoint` of it
+    takes each place (NOTE [ Shared blocks ]). ``state_dict`` keys do not change. The
     other arguments are given to each :class:`Checkpoint` (see :func:`checkpoint`;
     ``keep="selective"`` keeps each block's linear outputs and attention, recomputing
     its norms and activations only); a
@@ -315,7 +318,7 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
         return model
     matches = filter_predicate(filter_fn)
     option = BlockOption.resolve(keep, compress, offload)
-    blocks = matching_blocks(model, matches)
+    blocks = matching_blocks(model, matches, Checkpoint)
     for block in blocks:
         if not block.wrapped:
             block.replace(_checkpoint_of(block.module, option, options))
@@ -377,7 +380,8 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
 
     Raises :class:`~actsave.ConfigError` when no plan fits (stating the smallest
     feasible budget, and the lossy codecs not allowed that would lower it, to what),
-    when the blocks do not run once each one after another, and for ``"offload"`` on a
+    when the blocks do not run once each one after another (one module at several
+    places, shared weights, included), and for ``"offload"`` on a
     CPU model (host memory is its memory).
     """
     _check_model(model, "plan_blocks plans the blocks of a model")
@@ -388,9 +392,14 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
         raise ConfigError("example_inputs is required with budget: a batch as training will use (a dict of the "
                           "model's keyword arguments, a tuple of positional ones, or a tensor), to profile one step")
     matches = filter_predicate(filter_fn)
-    blocks = matching_blocks(model, matches)
+    blocks = matching_blocks(model, matches, Checkpoint)
     if not blocks:
         raise ConfigError(f"{nothing_selected(model, filter_fn, matches)}: there are no blocks to plan")
+    shared = next((block for block in blocks if len(block.places) > 1), None)
+    if shared is not None:  # NOTE [ Shared blocks ]
+        raise ConfigError(f"blocks {[fqn for *_, fqn in shared.places]} are one module (shared weights): a block plan "
+                          "chooses for each block on its own, and one module takes one choice. Checkpoint every place "
+                          "alike with wrap(model, filter_fn) (compress=, offload= as wanted), without budget")
     wrapped = [block.fqn for block in blocks if block.wrapped]
     if wrapped:
         raise ConfigError(f"blocks {wrapped} are wrapped already: a block plan profiles the plain blocks; plan the "
@@ -422,7 +431,7 @@ def _check_planned_arguments(filter_fn, compress, offload, keep, budget, plannin
 def _apply(model: nn.Module, plan: BlockPlan, options: RecomputeOptions) -> None:
     """Wrap the blocks ``plan`` checkpoints, each with its own keep option."""
     planned = {id(module): option for module, option in zip(plan.modules, plan.options)}
-    blocks = [block for block in matching_blocks(model, lambda module, fqn: id(module) in planned)
+    blocks = [block for block in matching_blocks(model, lambda module, fqn: id(module) in planned, Checkpoint)
               if id(block.module) in planned]
     if len(blocks) != len(planned) or any(block.wrapped for block in blocks):
         raise ConfigError("this plan is for other blocks: apply a plan to the model it was made for, before "
@@ -433,40 +442,6 @@ def _apply(model: nn.Module, plan: BlockPlan, options: RecomputeOptions) -> None
             block.replace(_checkpoint_of(block.module, option, options))
     if any(option is not None and option.keep == "inputs" and option.lossy for option in plan.options):
         graph_codecs.watch_root(model)
-
-
-class Block(NamedTuple):
-    """A submodule :func:`wrap` selected: where it sits in the model, and whether it
-    is a :class:`Checkpoint` already (from an earlier call)."""
-
-    parent: nn.Module
-    name: str  # in ``parent``
-    fqn: str
-    module: nn.Module
-
-    @property
-    def wrapped(self) -> bool:
-        return isinstance(self.module, Checkpoint)
-
-    def replace(self, module: nn.Module) -> None:
-        setattr(self.parent, self.name, module)
-
-
-def matching_blocks(model: nn.Module, matches, prefix: str = "") -> list:
-    """The :class:`Block` s of ``model`` that ``matches(module, fqn)`` selects, in
-    module order: never ``model`` itself, nor anything inside a selected module; a
-    :class:`Checkpoint` counts as selected (by an earlier :func:`wrap`), and nothing
-    inside it is asked. ``torch.compile(module)`` is asked as ``module`` and selected
-    whole: its compiled forward calls the module it was given, so replacing that
-    module inside it would checkpoint nothing."""
-    found = []
-    for name, child in model.named_children():
-        fqn = prefix + name
-        if isinstance(child, Checkpoint) or matches(uncompiled(child), fqn):
-            found.append(Block(model, name, fqn, child))
-        else:
-            found += matching_blocks(child, matches, fqn + ".")
-    return found
 
 
 def _checkpoint_of(module: nn.Module, option: BlockOption, options: RecomputeOptions) -> Checkpoint:

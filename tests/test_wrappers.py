@@ -226,6 +226,74 @@ def test_wrapping_again_applies_the_new_options():
     assert [block.policy.codec.name for block in model.blocks] == ["fp8_e4m3", "int8", "int8"]
 
 
+class _SharedBlockNet(nn.Module):
+    """One residual block with BatchNorm and Dropout placed at three positions (shared
+    weights, as ALBERT's layers), then a head; ``shared=False``: three blocks alike."""
+
+    def __init__(self, width: int = 8, shared: bool = True):
+        super().__init__()
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.BatchNorm1d(width), nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.2))
+        self.blocks = nn.ModuleList([block] * 3 if shared else [twin(block) for _ in range(3)])
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _steps(model: nn.Module, steps: int = 3) -> list:
+    """Each SGD step's input gradient, parameter gradients and buffers, from fixed seeds."""
+    optimizer, seen = torch.optim.SGD(model.parameters(), lr=0.1), []
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 8, requires_grad=True)
+        optimizer.zero_grad()
+        model(x).square().sum().backward()
+        seen.append([x.grad] + [p.grad.clone() for p in model.parameters()] + [b.clone() for b in model.buffers()])
+        optimizer.step()
+    return seen
+
+
+def test_wrap_checkpoints_every_place_of_a_shared_block_with_one_checkpoint():
+    plain = _SharedBlockNet()
+    model, asked = twin(plain), []
+    wrap(model, lambda module, fqn: asked.append(fqn) or isinstance(module, nn.Sequential))
+    assert asked == ["blocks", "blocks.0", "head"]  # asked once, under its first name
+    wrapper = model.blocks[0]
+    assert isinstance(wrapper, Checkpoint) and all(block is wrapper for block in model.blocks)
+    assert list(model.state_dict()) == list(plain.state_dict())
+    assert len(list(model.modules())) == len(list(plain.modules())) + 1
+    assert len(list(model.parameters())) == len(list(plain.parameters()))
+    for seen_plain, seen_wrapped in zip(_steps(plain), _steps(model)):
+        assert all(torch.equal(a, b) for a, b in zip(seen_plain, seen_wrapped))
+    kept = []
+    for net in (model, wrap(_SharedBlockNet(shared=False), nn.Sequential)):
+        out = net(torch.randn(16, 8, requires_grad=True))
+        kept.append(actsave.kept_bytes())
+        out.sum().backward()
+    assert kept[0] == kept[1]  # each call keeps its input, as three blocks' calls do
+
+
+def test_wrapping_a_shared_block_again_keeps_its_one_checkpoint():
+    model = wrap(_SharedBlockNet(), nn.Sequential)
+    wrap(model, nn.Sequential, compress="int8")
+    wrapper = model.blocks[0]
+    assert all(block is wrapper for block in model.blocks) and not isinstance(wrapper.module, Checkpoint)
+    assert wrapper.policy == KeepPolicy.resolve("int8", False)
+
+
+@pytest.mark.parametrize("how", ["plan_blocks", "wrap"])
+def test_a_block_plan_refuses_a_shared_block_and_says_what_to_do(how):
+    model, x = _SharedBlockNet(), torch.randn(16, 8)
+    call = actsave.plan_blocks if how == "plan_blocks" else wrap
+    with pytest.raises(ConfigError, match=r"\['blocks.0', 'blocks.1', 'blocks.2'\] are one module .*"
+                                          r"with wrap\(model, filter_fn\)"):
+        call(model, nn.Sequential, budget=10**7, example_inputs=x)
+    assert all(type(block) is nn.Sequential for block in model.blocks)
+
+
 # --- torch.utils.checkpoint.checkpoint's keywords ------------------------------------
 
 def _dropout_sin(x):
