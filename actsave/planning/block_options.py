@@ -34,6 +34,15 @@ recompute. Each is priced by what it does to the peak formula of memory_model.py
 Blocks alike (the same class, arguments of the same shapes) are measured once. A block
 after a plain one whose saves hold its input (memory_model.py, "A tensor at a stored
 boundary") counts that input there, not again: each option's terms come in both forms.
+
+A block whose next block changes its input in place (declares ``inplace = True``, or
+starts with an in-place layer: runtime/keep_rules.py, modifies_input) is offered no
+selective option (:func:`options_at`): selective keeps the outputs of its linear layers
+and attention as they were, by reference or stored with their versions checked, and
+its own output may be one of them, which the next block changes before the backward
+reads it (the recompute raises RecomputeError). Its other options keep nothing of its
+output beyond what the plain block's saves keep, with autograd's version checks: they
+raise only where the plain block does.
 """
 from __future__ import annotations
 
@@ -104,6 +113,14 @@ def candidate_options(levers: Sequence[str], codecs: Sequence[str], device) -> l
     if offload:
         options.append(BlockOption("saves", KeepPolicy.resolve(None, True)))
     return options
+
+
+def options_at(options: Sequence, layers: Sequence[nn.Module], a: int) -> list:
+    """The ``options`` a plan may choose at block ``a`` of the chain ``layers``: none
+    selective where the next block changes its input in place (module docstring)."""
+    if a + 1 < len(layers) and modifies_input(layers[a + 1]):
+        return [option for option in options if option is None or option.keep != "selective"]
+    return list(options)
 
 
 def model_terms(model: CostModel, a: int, option: Optional[BlockOption], held: bool) -> Optional[OptionTerms]:
@@ -259,11 +276,12 @@ def _input_from(source: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 def _signature(layer: nn.Module) -> tuple:
     """What makes two layers cost alike: their block's class and parameters' shapes,
-    and their other arguments' shapes (blocks.py's BlockCall holds them as buffers)."""
+    their other arguments' shapes (blocks.py's BlockCall holds them as buffers), and
+    which of their other outputs get gradients (NOTE [ Outputs the caller holds ])."""
     block = getattr(layer, "block", layer)
     parameters = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in block.parameters())
     arguments = tuple((name, tuple(b.shape), b.dtype) for name, b in layer.named_buffers(recurse=False))
-    return type(block), parameters, arguments
+    return type(block), parameters, arguments, getattr(layer, "other_gradients", ())
 
 
-__all__ = ["OptionTerms", "BlockMeasurer", "candidate_options", "model_terms"]
+__all__ = ["OptionTerms", "BlockMeasurer", "candidate_options", "model_terms", "options_at"]

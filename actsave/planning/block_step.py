@@ -18,6 +18,7 @@ from ..runtime.keep_rules import modifies_input
 from .instrumented_step import backward_from, checked_loss
 from .step_isolation import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
+from .other_outputs import OtherOutputs, OutputsWatch, with_gradients_of
 
 
 # ------------------------------------------------------------------ the example step
@@ -243,11 +244,15 @@ class BlockCall(nn.Module):
     """A block as a layer of a chain: called on the hidden state alone, it calls the
     block with the other arguments of its recorded call. Their tensors are buffers of
     this module (not in its state dict), so that the profile counts them as held by
-    the caller, as the model's own loop holds them."""
+    the caller, as the model's own loop holds them. It returns the hidden state alone;
+    its backward gives zeros as the gradients of the block's other outputs whose leaves
+    ``other_gradients`` names, as the model's step gives them gradients (NOTE [ Outputs
+    the caller holds ], other_outputs.py)."""
 
-    def __init__(self, block: nn.Module, call: _Call):
+    def __init__(self, block: nn.Module, call: _Call, other_gradients: tuple = ()):
         super().__init__()
         self.block = block
+        self.other_gradients = other_gradients
         self.inplace = modifies_input(block)  # a segment starting here keeps a copy, as Checkpoint(block) does
         self.__qualname__ = type(block).__qualname__  # the name a checkpoint's messages give it
         self._spec, self._hidden_leaf = call.spec, call.hidden_leaf
@@ -263,7 +268,9 @@ class BlockCall(nn.Module):
                   self._buffers[leaf.buffer] if isinstance(leaf, _Argument) else leaf
                   for k, leaf in enumerate(self._leaves)]
         args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        return _hidden_output(self.block(*args, **kwargs), type(self.block).__name__)
+        output = self.block(*args, **kwargs)
+        hidden = _hidden_output(output, type(self.block).__name__)
+        return with_gradients_of(hidden, output, self.other_gradients) if self.other_gradients else hidden
 
 
 # ------------------------------------------------------ 2. the step outside the blocks
@@ -281,6 +288,7 @@ class Outside:
     loss_bytes: int  # the loss
     loss_leaves: int  # live from the loss's backward through the blocks' (the loss, its gradient, a tied weight's)
     after_peak: int  # the peak after the first block's input gradient arrives: the embeddings' backward
+    other_outputs: Optional[OtherOutputs] = None  # the blocks' other outputs: NOTE [ Outputs the caller holds ]
 
 
 class _Phases:
@@ -296,9 +304,14 @@ class _Phases:
         self._first_hidden_leaf = calls[0][2].hidden_leaf
         self._arguments = []  # the blocks' other tensor arguments, held until the loss has run
         self._span = None
+        self.others = OutputsWatch(tracker, len(calls))
         self._handles = [module.register_forward_pre_hook(
-            lambda m, args, kwargs, hidden_leaf=call.hidden_leaf: self._hold_arguments(args, kwargs, hidden_leaf),
-            with_kwargs=True) for _, module, call in calls]
+            lambda m, args, kwargs, a=a, hidden_leaf=call.hidden_leaf: self._block_starts(a, args, kwargs, hidden_leaf),
+            with_kwargs=True) for a, (_, module, call) in enumerate(calls)]
+        self._handles += [module.register_forward_hook(
+            lambda m, args, kwargs, output, a=a: self.others.block_ends(
+                a, (args, kwargs), _hidden_output(output, type(m).__name__), output),
+            with_kwargs=True) for a, (_, module, _) in enumerate(calls)]
         self._handles += [calls[0][1].register_forward_pre_hook(self._first_starts, with_kwargs=True),
                           calls[-1][1].register_forward_hook(self._last_ends)]
 
@@ -325,12 +338,14 @@ class _Phases:
     def _last_ends(self, module, args, output) -> None:
         hidden = _hidden_output(output, type(module).__name__)
         if hidden.requires_grad:
-            self.blocks_end = self.tracker.live - _storage_bytes(hidden, self.tracker.device)
+            # The blocks' other outputs are counted as their blocks keep them, not here.
+            self.blocks_end = self.tracker.live - _storage_bytes(hidden, self.tracker.device) - self.others.live()
             self._open()
             self._handles.append(hidden.register_hook(self._loss_ends))
             self.loss_hooked = True
 
-    def _hold_arguments(self, args: tuple, kwargs: dict, hidden_leaf: int) -> None:
+    def _block_starts(self, a: int, args: tuple, kwargs: dict, hidden_leaf: int) -> None:
+        self.others.block_starts(a)
         # A checkpointed block keeps its arguments until its backward; the plain model
         # may free some (a mask no block saves) as its forward returns, before the loss.
         # Held here, the loss is measured as it runs with any block checkpointed.
@@ -341,20 +356,26 @@ class _Phases:
         self.loss_rise = self._close()
         # The loss's backward may leave more than the gradient it hands the blocks: a
         # weight tied to the embeddings' holds its gradient until theirs adds to it.
-        # (The last block's output is not counted in blocks_end: the loss frees it.)
-        left = self.tracker.live - self.blocks_end - _storage_bytes(grad, self.tracker.device)
-        self.loss_leaves = max(left, 0)
+        # (The last block's output is not counted in blocks_end: the loss frees it.) The
+        # blocks' other outputs, or their gradients, come off when the step ends (finish):
+        # NOTE [ Outputs the caller holds ].
+        self.loss_leaves = self.tracker.live - self.blocks_end - _storage_bytes(grad, self.tracker.device)
+        self.others.loss_ends()
         self._arguments.clear()
 
     def _blocks_backward_ends(self, grad) -> None:
         self.after_start, self.after_measured = self.tracker.live, True
         self._open()
 
-    def finish(self) -> None:
+    def finish(self) -> OtherOutputs:
+        """Ends the measurement: what the step did with the blocks' other outputs."""
         if self._span is not None:
             self.after_rise = self._close()
         for handle in self._handles:
             handle.remove()
+        others = self.others.finish()
+        self.loss_leaves = max(self.loss_leaves - self.others.held_at_loss_end(), 0)
+        return others
 
 
 def _storage_bytes(t: torch.Tensor, device) -> int:
@@ -383,8 +404,9 @@ def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Opti
                 backward_from(loss)
                 del loss
         finally:
-            phases.finish()
+            others = phases.finish()
     return Outside(before_peak=batch_bytes + phases.before_rise,
                    held=batch_bytes + phases.held - phases.chain_input,
                    loss_rise=phases.loss_rise, loss_bytes=loss_bytes, loss_leaves=phases.loss_leaves,
-                   after_peak=batch_bytes + phases.after_start + phases.after_rise if phases.after_measured else 0)
+                   after_peak=batch_bytes + phases.after_start + phases.after_rise if phases.after_measured else 0,
+                   other_outputs=others)

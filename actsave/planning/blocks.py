@@ -14,7 +14,8 @@ How (the steps of :func:`plan_block_stack`; 1 and 2 in block_step.py):
    one's hidden-state output being the next one's hidden-state input.
 2. One plain training step, its live bytes counted (:class:`LiveBytes`, as the
    planner's profile counts them), measures what happens outside the blocks:
-   :class:`Outside`.
+   :class:`Outside`, with what the caller does with the blocks' outputs besides the
+   hidden state (other_outputs.py, NOTE [ Outputs the caller holds ]).
 3. The blocks become a chain: one layer per block (:class:`BlockCall`), called on the
    hidden state alone with the other arguments of its recorded call. The planner
    profiles it (:func:`~actsave.profile`), and a last layer stands for the loss:
@@ -57,10 +58,11 @@ from ..devices import host_is_separate
 from ..errors import ConfigError
 from ..runtime.keep_rules import should_encode
 from ..text import format_table, mib, ms
-from .block_options import BlockMeasurer, candidate_options, model_terms
+from .block_options import BlockMeasurer, candidate_options, model_terms, options_at
 from .block_solver import BlockTable, fastest, predicted_peak, smallest
 from .block_step import BlockCall, Outside, measure_outside, record_calls
 from .memory_model import CostModel
+from .other_outputs import OtherOutputs
 from .plans import DEFAULT_ALLOW, LEVER_CODECS, infeasible_message, keep_options
 from .profiler import LayerProfile, Profile, profile
 from .tensor_specs import TensorSpec
@@ -68,9 +70,13 @@ from .tensor_specs import TensorSpec
 # ------------------------------------------------------------- 3. the chain's profile
 
 
-def block_chain(calls: list) -> nn.Sequential:
-    """The blocks as a chain of :class:`BlockCall` s, called on the hidden state alone."""
-    return nn.Sequential(*(BlockCall(module, call) for _, module, call in calls))
+def block_chain(calls: list, outside: Optional[Outside] = None) -> nn.Sequential:
+    """The blocks as a chain of :class:`BlockCall` s, called on the hidden state alone;
+    with ``outside``, their backward gets the gradients of the other outputs the step
+    gives one (NOTE [ Outputs the caller holds ], other_outputs.py)."""
+    others = None if outside is None else outside.other_outputs
+    return nn.Sequential(*(BlockCall(module, call, () if others is None else others.gradients[a])
+                           for a, (_, module, call) in enumerate(calls)))
 
 
 def chain_profile(chain: nn.Sequential, calls: list, outside: Outside) -> Profile:
@@ -183,13 +189,14 @@ class BlockPlanner:
         self.calls = record_calls(model, blocks, example_inputs, loss)
         self.levers, self.codecs, self._codecs_usable = _levers_for(self.calls, allow, min_sqnr_db)
         self.min_sqnr_db = min_sqnr_db
-        outside = measure_outside(model, self.calls, example_inputs, loss)
-        self.chain = block_chain(self.calls)
-        self.profile = chain_profile(self.chain, self.calls, outside)
-        self.fixed = max(outside.before_peak, outside.after_peak)  # what the step needs outside the blocks
+        self.outside = measure_outside(model, self.calls, example_inputs, loss)
+        self.chain = block_chain(self.calls, self.outside)
+        self.profile = chain_profile(self.chain, self.calls, self.outside)
+        self.fixed = max(self.outside.before_peak, self.outside.after_peak)  # what the step needs outside the blocks
         self._measurer = BlockMeasurer(self.chain, [TensorSpec.of(call.hidden) for _, _, call in self.calls],
                                        self.profile.device, self.profile.timed)
-        self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs, self._measurer)
+        self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs, self._measurer,
+                            self.outside)
         self._least = smallest(self.table)
 
     @property
@@ -230,7 +237,8 @@ class BlockPlanner:
                                             and EXPECTED_GRADIENT_SQNR_DB[codec] < self.min_sqnr_db):
                     continue
                 with_codec = (*self.codecs, codec)
-                table = _table(self.chain, self.calls, self.profile, self.levers, with_codec, self._measurer)
+                table = _table(self.chain, self.calls, self.profile, self.levers, with_codec, self._measurer,
+                               self.outside)
                 lower[codec] = max(self.fixed, smallest(table).peak)
         named = self.levers + tuple(lever for lever in LEVER_CODECS if lever in self.codecs)
         message = infeasible_message("block plan", budget, named, self.min_sqnr_db, max(self.fixed, self._least.peak),
@@ -242,9 +250,11 @@ class BlockPlanner:
 
 
 def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, codecs: tuple,
-           measurer: Optional[BlockMeasurer] = None) -> BlockTable:
+           measurer: Optional[BlockMeasurer] = None, outside: Optional[Outside] = None) -> BlockTable:
     """Every block's options priced (block_options.py), plain first, and the loss;
-    ``measurer``: one that may have measured some already."""
+    ``measurer``: one that may have measured some already; ``outside``: the step's,
+    for the blocks' other outputs its caller holds (NOTE [ Outputs the caller holds ],
+    other_outputs.py), none without it."""
     candidates = candidate_options(levers, codecs, profile.device)
     policies = sorted({option.policy for option in candidates if option.keep == "inputs"},
                       key=lambda policy: (policy.codec.name, policy.offload))
@@ -253,11 +263,13 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
         measurer = BlockMeasurer(chain, [TensorSpec.of(call.hidden) for _, _, call in calls], profile.device,
                                  profile.timed)
     options = [None, *candidates]
+    other_outputs = None if outside is None else outside.other_outputs
     rows, labels = [], []
     for a in range(len(calls)):
         row, names = [], []
-        for option in options:
-            pair = tuple(_terms(model, measurer, a, option, held) for held in (False, True))
+        for option in options_at(options, chain, a):
+            pair = tuple(_with_other_outputs(_terms(model, measurer, a, option, held), other_outputs, a, option)
+                         for held in (False, True))
             if pair[0] is not None or pair[1] is not None:
                 row.append(pair)
                 names.append(option)
@@ -276,6 +288,16 @@ def _terms(model: CostModel, measurer: BlockMeasurer, a: int, option, held: bool
             terms = dataclasses.replace(terms, seconds=measurer.seconds(a, option))
         return terms
     return measurer.terms(model, a, option, held)
+
+
+def _with_other_outputs(terms, others: Optional[OtherOutputs], a: int, option):
+    """``terms`` with block ``a``'s other outputs its caller holds in its R: those its
+    saves do not hold where it is plain, all of them else (NOTE [ Outputs the caller
+    holds ], other_outputs.py)."""
+    if terms is None or others is None:
+        return terms
+    kept = others.kept_unsaved[a] if option is None else others.kept[a]
+    return dataclasses.replace(terms, kept=terms.kept + kept) if kept else terms
 
 
 def _levers_for(calls: list, allow: Sequence[str] | None, min_sqnr_db) -> tuple:

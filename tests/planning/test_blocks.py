@@ -553,3 +553,47 @@ def test_the_planners_warnings_name_the_block_not_the_planners_wrapper():
         actsave.plan_blocks(nn.Sequential(NoLinear(), NoLinear()), NoLinear, 2**30, (torch.randn(4, 8),))
     kept_nothing = [str(w.message) for w in raised if "kept nothing" in str(w.message)]
     assert kept_nothing and all("NoLinear" in m and "BlockCall" not in m for m in kept_nothing)
+
+
+# --- blocks that return more than their hidden state (NOTE [ Outputs the caller holds ]) ---
+
+
+class SkipBlock(nn.Module):
+    """Returns its hidden state and a skip connection, a tensor no node of it saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        inner = torch.relu(self.a(x))
+        return self.b(inner), inner * 2
+
+
+class SkipNet(nn.Module):
+    """A U-Net's shape: the skips held by the caller until a decoder reads them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(SkipBlock() for _ in range(4))
+        self.up = nn.Linear(128, 32)
+
+    def forward(self, x):
+        skips = []
+        for block in self.blocks:
+            x, skip = block(x)
+            skips.append(skip)
+        for skip in reversed(skips):
+            x = x + self.up(skip)
+        return x.square().mean()
+
+
+def test_a_plan_counts_the_other_outputs_of_its_blocks_that_the_caller_holds():
+    plain, x = SkipNet(), torch.randn(128, 32)
+    unbounded = actsave.plan_blocks(copy.deepcopy(plain), SkipBlock, 2**40, (x,))
+    for budget in (unbounded.plain_peak_bytes, unbounded.smallest_peak_bytes):
+        model, plan = planned_copy(plain, SkipBlock, budget, (x,))
+        measured = step_peak_bytes(model, (x,))
+        assert 0.95 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes <= budget, str(plan)
+        assert_gradients_match(plain, model, plan, (x,))

@@ -1,0 +1,69 @@
+"""The options a block plan may choose for each block (block_options.py, NOTE [ Block
+options priced ])."""
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import actsave
+from actsave.planning.blocks import BlockPlanner
+
+WIDTH = 32
+
+
+class ChangesItsInput(nn.Module):
+    """A block whose output is its last Linear's; every block but the first changes its
+    input (the previous block's output) in place first, and says so."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.inplace = not first
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        if self.inplace:
+            x = F.relu(x, inplace=True)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class InPlaceStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(ChangesItsInput(first=i == 0) for i in range(4))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.square().mean()
+
+
+def example() -> torch.Tensor:
+    return torch.randn(8, 16, WIDTH, generator=torch.Generator().manual_seed(0))
+
+
+def test_no_block_is_offered_selective_where_the_next_block_changes_its_output_in_place():
+    model = InPlaceStack()
+    planner = BlockPlanner(model, [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], (example(),),
+                           allow=("recompute", "selective"))
+    offered = [{"plain" if option is None else option.keep for option in labels} for labels in planner.table.labels]
+    assert offered == [{"plain", "inputs"}] * 3 + [{"plain", "inputs", "selective"}]
+
+
+def test_a_plan_of_selective_blocks_before_in_place_ones_trains_exactly():
+    # Selective alone, at the least peak: without the rule, every block is selective,
+    # and the backward raises RecomputeError (the next block changed a kept output).
+    plain, x = InPlaceStack(), example()
+    smallest = actsave.plan_blocks(copy.deepcopy(plain), ChangesItsInput, 2**40, (x,),
+                                   allow=("selective",)).smallest_peak_bytes
+    model = copy.deepcopy(plain)
+    plan = actsave.plan_blocks(model, ChangesItsInput, smallest, (x,), allow=("selective",))
+    actsave.wrap(model, plan)
+    for m in (plain, model):
+        m(x).backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert [option and option.keep for option in plan.options] == [None, None, None, "selective"]

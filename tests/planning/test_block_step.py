@@ -1,0 +1,28 @@
+"""The example step of a block plan (block_step.py): what it holds outside the blocks
+(Outside), and the blocks as layers of a chain (BlockCall)."""
+import torch
+from planning.test_other_outputs import ROWS, WIDE_BYTES, WIDTH, UNetLike, outside_of
+
+from actsave.planning.block_step import record_calls
+from actsave.planning.blocks import block_chain
+
+
+def test_the_loss_leaves_leave_out_the_gradients_of_the_blocks_other_outputs():
+    # The decoder's backward hands each skip a gradient as large as the skip, which the
+    # plan counts in the skip's place until its block's backward (NOTE [ Outputs the
+    # caller holds ]): the loss leaves the loss and its gradient alone.
+    assert outside_of(UNetLike()).loss_leaves < WIDE_BYTES
+
+
+def test_a_blocks_layer_gives_its_other_outputs_the_gradients_the_step_gives_them():
+    model, x = UNetLike(), torch.randn(ROWS, WIDTH)
+    blocks = [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)]
+    calls = record_calls(model, blocks, (x,))
+    chain = block_chain(calls, outside_of(model))
+    assert [layer.other_gradients for layer in chain] == [(0,)] * 3
+    skip_gradients = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda m, args, output: output[1].register_hook(skip_gradients.append) and None)
+    chain(x).sum().backward()
+    assert len(skip_gradients) == 3 and not any(g.any() for g in skip_gradients)
+    assert [layer.other_gradients for layer in block_chain(calls)] == [()] * 3  # without the step's, none
