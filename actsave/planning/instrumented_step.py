@@ -31,6 +31,7 @@ from ..errors import ConfigError
 from ..meta import fast_meta, plans_at_first_call
 from ..runtime import relu_signs
 from ..runtime.layers import modules_under
+from ..runtime.passed_inputs import returns_its_input
 from ..runtime.pool_decisions import PoolWatch
 from ..runtime.keep_rules import CallerTensors, should_encode
 from .allocator_rises import AllocatorRises, larger_of_each
@@ -64,6 +65,7 @@ class _SaveLedger:
         self.layer_input = None
         self.inputs = []  # TensorSpec of each layer input
         self.inputs_saved_as_they_are = []  # whether a lossy codec storing saves would hold each as it is
+        self.passes_on = []  # whether each layer returned its input or a view of it (returns_its_input)
         self.live_before = []  # the tracker's count as each layer starts
         self.input_entries = []  # the entry of each layer input's storage, or None
         self.peak_at_last_save = {}  # layer -> the tracker's peak when it last saved
@@ -86,6 +88,7 @@ class _SaveLedger:
         # Looked up while the input is alive, so the storage id is its own; the entry
         # is read at the end, when later layers may have saved the storage too.
         self.input_entries.append(self.entry_of(self.layer_input))
+        self.passes_on.append(returns_its_input(h, self.layer_input))
         self.layer_input = None
         self.as_stored.watch_backward(i, h)
 
@@ -147,6 +150,7 @@ class CountedStep:
         self.loss_rise = loss_rise
         self.inputs = ledger.inputs
         self.inputs_saved_as_they_are = ledger.inputs_saved_as_they_are
+        self.passes_on = ledger.passes_on
         self.forward_rise, self.backward_rise = forward_rise, backward_rise
         self.rise_to_last_save = [ledger.peak_at_last_save[i] - ledger.live_before[i]
                                   if i in ledger.peak_at_last_save else 0 for i in range(n)]
@@ -214,6 +218,28 @@ class _BackwardSpans:
         for handle in self._handles:
             handle.remove()
         return self.values
+
+
+# NOTE [ Each step on its own input ]
+# Every measured step of a profile starts from its own copy of the example input
+# (step_input), made as the step begins. A first layer that changes its input in place
+# (ReLU(inplace=True)) changes that copy: a step reusing one input would start from the
+# values the last step left (a mul_ compounding), and a non-leaf input would carry the
+# last step's in-place node, whose saves that step's backward freed ("backward through
+# the graph a second time"). The caller's example tensor is never run, so it is left as
+# it was, values and gradient alike.
+
+
+def step_input(x: torch.Tensor) -> torch.Tensor:
+    """A copy of the example input ``x`` for one measured step (NOTE [ Each step on its
+    own input ]), cut from the graph that made ``x``: a leaf where ``x`` is one, on a
+    storage of the same size and layout (a view of a larger batch stays one); else a
+    non-leaf (actsave encodes such inputs, not leaves), as a clone lays it out."""
+    if not x.is_leaf:
+        return x.detach().requires_grad_(x.requires_grad).clone()
+    storage = x.untyped_storage().clone()
+    copy = x.detach().new_empty(0).set_(storage, x.storage_offset(), x.size(), x.stride())
+    return copy.requires_grad_(x.requires_grad)
 
 
 def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_layer=None, loss=None) -> tuple:
@@ -304,10 +330,12 @@ def _checked_output(output, index: int) -> torch.Tensor:
 
 
 def measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device, loss=None) -> CountedStep:
-    """The byte-counting step, with allocations as on ``device``."""
+    """The byte-counting step, with allocations as on ``device``, on a copy of the
+    example input ``x`` (NOTE [ Each step on its own input ])."""
     if any(plans_at_first_call(layer) for _, layer in layers):
         with fast_meta(), torch.enable_grad():
-            _run_forward(layers, x)  # nested plans, made now, not in the measured step
+            _run_forward(layers, step_input(x))  # nested plans, made now, not in the measured step
+    x = step_input(x)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     known = [*model.parameters(), *model.buffers(), *grads, x]
     tracker = LiveBytes(device, known=known)
@@ -373,7 +401,7 @@ def measure_allocator_rises(layers: list, x: torch.Tensor, loss=None) -> Optiona
         running[0] = i
 
     with saved_tensors_hooks(pack, _as_is):  # the loss's saves are its own: _backward_from_loss
-        forward, backward, loss_rise, _ = _run_step(layers, x, rises.span, before_layer, loss=loss)
+        forward, backward, loss_rise, _ = _run_step(layers, step_input(x), rises.span, before_layer, loss=loss)
     no_grad = _no_grad_forward(layers, x.detach().clone(), rises.span)
     return AllocatorStep(forward, at_last_save, backward, loss_rise, no_grad)
 
@@ -391,8 +419,9 @@ TIMED_STEPS = 3
 
 
 def measure_times(layers: list, x: torch.Tensor, loss=None) -> tuple:
-    """Each layer's forward and backward seconds: medians over TIMED_STEPS steps."""
-    runs = [_run_step(layers, x, lambda: timer(x.device), loss=loss)[:2] for _ in range(TIMED_STEPS)]
+    """Each layer's forward and backward seconds: medians over TIMED_STEPS steps, each
+    on its own copy of ``x`` (NOTE [ Each step on its own input ])."""
+    runs = [_run_step(layers, step_input(x), lambda: timer(x.device), loss=loss)[:2] for _ in range(TIMED_STEPS)]
     return tuple([statistics.median(step[part][i] for step in runs) for i in range(len(layers))]
                  for part in (0, 1))
 

@@ -254,7 +254,8 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
     allocated and every tensor saved for backward, by layer) and a step is timed.
     Then each distinct layer-input shape is encoded and decoded by each codec, and on
     CUDA copied to pinned host memory and back. The model's parameter gradients and
-    BatchNorm statistics are left as they were. Its steps draw random numbers as
+    BatchNorm statistics are left as they were, and so is ``x``: each step runs on a
+    copy of it (NOTE [ Each step on its own input ]). Its steps draw random numbers as
     training steps do, and advance the generators (seed after profiling for a
     reproducible run): putting them back would undo what other threads drew
     meanwhile (NOTE [ Steps other threads do not see ]). On meta tensors nothing draws.
@@ -282,7 +283,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
     layers = _chain_layers(model)
     check_loss_function(loss)
     flag(stored_saves, "stored_saves")
-    x = _without_history(_single_input(example_inputs))
+    x = _single_input(example_inputs)  # each step runs on a copy: NOTE [ Each step on its own input ]
     device = _profiled_device(x, device)
     sizes_only = x.device.type == "meta"
     gathered = [gathered_bytes(layer, device) for _, layer in layers]  # before on_meta swaps the shards
@@ -303,13 +304,13 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
         costs = CodecCosts(x.device, device)
         modules = [layer for _, layer in layers]
         profiles = [_layer_profile(i, name, layer, found, no_grad_rises, times, costs, gathered[i], mutated[i],
-                                   starts_in_place(modules, i))
+                                   _starts_in_place(modules, i, found.passes_on))
                     for i, (name, layer) in enumerate(layers)]
         return Profile(
             # A meta step runs without FSDP2's hooks: NOTE [ Gathered parameters ].
             layers=tuple(with_plain_step_gathers(profiles) if sizes_only else profiles),
             saved=tuple(found.saved),
-            input_bytes=allocation_bytes(x.untyped_storage().nbytes(), device),
+            input_bytes=allocation_bytes(found.inputs[0].storage_bytes, device),  # the steps' input
             output_bytes=found.output_bytes,
             output_saved_by=found.output_saved_by,
             output_grad_bytes=found.output_grad_bytes,
@@ -344,12 +345,18 @@ def _pending_gradient_bytes(layers: list, device) -> int:
                for parameter, used_by in users.values() if len(used_by) > 1)
 
 
-def _without_history(x: torch.Tensor) -> torch.Tensor:
-    """``x`` cut from the graph that made it (each profiled step backpropagates into its
-    input), still a non-leaf when it was one: actsave encodes such inputs, not leaves."""
-    if x.is_leaf:
-        return x
-    return x.detach().requires_grad_(x.requires_grad).clone()
+def _starts_in_place(modules: list, start: int, passes_on: list) -> bool:
+    """Whether a segment of ``modules`` starting at ``start`` changes its input in place,
+    or hands it on to layers that do, as the runtime finds it: keep_rules.starts_in_place,
+    or layers the profiled step saw return their input (or a view of it) before such
+    layers (NOTE [ A layer that turns out to pass its input on ], runtime/passed_inputs.py).
+    Either way the runtime holds a copy of the input beside it."""
+    for layer in range(start, len(modules)):
+        if starts_in_place(modules, layer):
+            return True
+        if not passes_on[layer]:
+            return False
+    return False
 
 
 def _profiled_device(x: torch.Tensor, device) -> torch.device:

@@ -53,7 +53,9 @@ NOTE [ Lifetime of kept inputs ]
 - Inputs kept by reference (the exact codec) are version-checked: an in-place change
   after the forward kept them raises instead of recomputing from the wrong values. A
   function that starts with an in-place layer gets a private copy instead
-  (``private_copy``, chosen by the callers from the layer's ``inplace`` flag).
+  (``private_copy``, chosen by the callers from the layer's ``inplace`` flag); a chain
+  segment whose first layer turns out to hand its input on to one changes a copy
+  (NOTE [ A layer that turns out to pass its input on ], passed_inputs.py).
 
 NOTE [ Nested checkpoints ]
 A checkpointed call met while an outer recompute is running (a ``Checkpoint`` inside a
@@ -91,6 +93,7 @@ from ..errors import RecomputeError
 from . import compiled_calls, relu_signs
 from .compiled_layers import LayerCode
 from .layers import known_layers, modules_under
+from .passed_inputs import run_segment
 from .placeholders import Cursor, Slot
 from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mismatch
@@ -312,7 +315,7 @@ class _Frame:
                     self._skipping(cursor, into, count, last):
                 args, kwargs = inputs()  # under enable_grad: see KeptInputs.restore()
                 with self.logged("recompute"):
-                    self.function(*args, **kwargs)
+                    run_segment(self.function, args, kwargs, self.kept.private_copy)
         except _AllSlotsFilled:
             pass
         produced = cursor.position
@@ -463,7 +466,7 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy, options, ma
     frame = (make_frame or _Frame)(function, kept, replay, args, kwargs, options, inputs, prepared)
     try:
         with frame.forward_hooks():
-            output = function(*args, **kwargs)
+            output = run_segment(function, args, kwargs, private_copy)
     except BaseException:
         frame.release()  # now, not when the traceback that holds it is dropped
         raise

@@ -262,3 +262,104 @@ def test_the_profile_measures_the_snapshot_of_mutated_state_and_leaves_every_buf
     assert [layer.mutated_state_bytes for layer in prof.layers] == [0, 2 * 8 * 4 + 8, 0, 0, 0, 0]
     for name, b in chain.named_buffers():
         assert torch.equal(b, before[name]), name
+
+
+class _Doubles(nn.Module):
+    """Changes its input in place, and says so."""
+
+    inplace = True
+
+    def forward(self, x):
+        return x.mul_(2)
+
+
+class _Records(nn.Module):
+    """Notes every input it gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.detach().clone())
+        return x
+
+
+@pytest.mark.parametrize("activation", [True, False], ids=["activation", "batch"])
+def test_each_profiled_step_starts_from_the_example_which_a_first_layer_changing_its_input_leaves_as_it_was(
+        activation):
+    # NOTE [ Each step on its own input ]: an activation's (a non-leaf's) in-place node
+    # is not stacked step on step, and no step starts from the doubling of the last.
+    torch.manual_seed(0)
+    example = torch.randn(4, 8, requires_grad=True) * 1 if activation else torch.randn(4, 8)
+    values = example.detach().clone()
+    records = _Records()
+    actsave.profile(nn.Sequential(_Doubles(), records, nn.Linear(8, 8)), (example,))
+    assert torch.equal(example, values)
+    assert len(records.seen) > 3 and all(torch.equal(seen, 2 * values) for seen in records.seen)
+
+
+def test_profile_leaves_the_gradient_of_a_leaf_example_as_it_was():
+    x = torch.randn(4, 8, requires_grad=True)
+    actsave.profile(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), (x,))
+    assert x.grad is None
+
+
+class _Tap(nn.Module):
+    """A layer of the user's own that returns its input (or a view of it)."""
+
+    def __init__(self, as_view: bool = False):
+        super().__init__()
+        self.as_view = as_view
+
+    def forward(self, x):
+        return x.view(x.shape) if self.as_view else x
+
+
+def test_a_layer_the_step_sees_hand_its_input_to_an_in_place_one_is_profiled_as_changing_it():
+    # NOTE [ A layer that turns out to pass its input on ]: a segment starting there
+    # holds a copy of its input beside it, as a private copy would be held.
+    layers = [nn.Linear(8, 8), _Tap(), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Identity(), _Tap(as_view=True),
+              nn.ReLU(inplace=True), nn.Linear(8, 8), _Tap(), nn.Tanh()]
+    for x in (torch.randn(4, 8), torch.empty(4, 8, device="meta")):
+        prof = actsave.profile(nn.Sequential(*layers), (x,))
+        assert [layer.modifies_input for layer in prof.layers] == [False, True, True, False, True, True, True,
+                                                                   False, False, False]
+
+
+class _ResidualInPlace(nn.Module):
+    """A block that starts by changing its input (its hidden state) in place, and says so."""
+
+    inplace = True
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        x = torch.relu_(x)
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(_ResidualInPlace(width) for _ in range(3))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.square().mean()
+
+
+def test_a_block_plan_whose_first_block_changes_its_hidden_state_in_place_trains_as_plain():
+    # The block plan profiles the blocks from the first one's recorded input, an
+    # activation the first block changes in place.
+    x = torch.randn(4, 6, 16)
+    plain, wrapped = _Stack(), actsave.wrap(_Stack(), _ResidualInPlace, budget=2**30, example_inputs=(x,))
+    for model in (plain, wrapped):
+        model(x).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters()))

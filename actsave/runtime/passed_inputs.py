@@ -1,0 +1,54 @@
+"""A chain segment's layers as a checkpoint runs them, forward and recompute alike
+(function.py): an input that a layer turns out to hand on to in-place layers is left
+as it is, as a private copy would leave it (:func:`run_segment`,
+:func:`returns_its_input`)."""
+from __future__ import annotations
+
+import torch
+
+from ..layouts import copied_in_layout
+from .keep_rules import starts_in_place
+from .layers import LayerRun
+
+
+# NOTE [ A layer that turns out to pass its input on ]
+# A segment whose layers start by changing its input in place keeps a private copy of
+# it (keep_rules.starts_in_place), decided before the forward from the layers' types:
+# an in-place layer, after layers known to hand their input on (nn.Identity). A layer
+# of the user's own that returns its input (a tap recording a statistic) is known to
+# do so only once it has run. So a chain segment without a private copy (LayerRun)
+# runs its layers here, forward and recompute alike: while each layer has returned the
+# segment's input or a view of it (returns_its_input), and the layers after it start
+# in place, they get a copy (copied_in_layout, through autograd) to change instead.
+# The segment's input is left as it is: the exact codec keeps it by reference, and a
+# restored input that needs a gradient is a leaf, which autograd refuses to change in
+# place. Values and gradients are plain PyTorch's (a copy passes its gradient on as it
+# is); the copy costs what a private copy does, and the profile prices it so
+# (planning/profiler.py, _starts_in_place).
+def run_segment(function, args: tuple, kwargs: dict, private_copy: bool):
+    """``function(*args, **kwargs)``, as the forward and every recompute run it: NOTE [
+    A layer that turns out to pass its input on ]."""
+    if private_copy or type(function) is not LayerRun or kwargs or len(args) != 1:
+        return function(*args, **kwargs)
+    layers, x = function.layers, args[0]
+    h, passing = x, isinstance(x, torch.Tensor)
+    for i, layer in enumerate(layers):
+        h = layer(h)
+        if passing:
+            passing = returns_its_input(h, x)
+            if passing and starts_in_place(layers, i + 1):
+                h, passing = copied_in_layout(h), False
+    return h
+
+
+def returns_its_input(output, input: torch.Tensor) -> bool:
+    """Whether a layer given ``input`` returned it, or a view of it (or of what it is a
+    view of), whose in-place change is ``input``'s: NOTE [ A layer that turns out to pass
+    its input on ]."""
+    if output is input:
+        return True
+    base = getattr(output, "_base", None)
+    return base is not None and base is (input if input._base is None else input._base)
+
+
+__all__ = ["run_segment", "returns_its_input"]
