@@ -21,6 +21,7 @@ from ..offload import OffloadedTensors, current_tape
 from .kept_aliases import AliasOf, kept_leaves
 from .keep_rules import CallerTensors, KeepPolicy, kept_as, placed, should_encode
 from .relu_signs import known_non_negative
+from .shared_copies import SHARED, StoredCopy, sharing_key
 
 
 class _Ledger:
@@ -139,7 +140,8 @@ class _OnHost:
 
 class _KeptTensor:
     """One tensor input, stored by a codec (on the device or the host) until the
-    recompute asks for it back."""
+    recompute asks for it back: in a stored copy that other live calls keeping the
+    same tensor share (NOTE [ One stored copy per kept tensor ])."""
 
     def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool,
                  made_by: Optional[CallerTensors] = None, encodable: Optional[bool] = None,
@@ -155,16 +157,19 @@ class _KeptTensor:
             source = copied_in_layout(source)
         self.modified_in_place = private_copy  # by the function's first layer
         self._strides = gapped_strides(tensor)  # NOTE [ Kept layouts ]: a slice comes back a slice
-        packed = self.codec.encode(source, non_negative=known_non_negative(tensor))
-        self.nbytes = packed.nbytes
-        self.storage = _OnHost(packed) if kept.offload else _OnDevice(packed)
+        non_negative = known_non_negative(tensor)
+        shared = not (private_copy and self.codec.aliases_input)  # NOTE [ One stored copy per kept tensor ]
+        key = sharing_key(tensor, kept, non_negative, self.requires_grad) if shared else None
+        self._copy, made = SHARED.held(key, lambda: _stored_copy(kept, source, tensor, non_negative))
+        self.storage = self._copy.storage
+        self.nbytes = self._copy.nbytes if made else 0  # what this call adds to kept_bytes()
         # An aliased input changed in place after this point would be recomputed from
         # the wrong values (or copied to the host half changed): refuse that.
         aliased = self.codec.aliases_input and not private_copy
         self._watched = source if aliased else None
         self._version = version(source)
-        self._restored = False
-        self._release = account(self, self.nbytes, self.storage.where)
+        self._release = weakref.finalize(self, SHARED.let_go, self._copy)
+        self._release.atexit = False  # at interpreter exit CUDA may be gone before a host copy
 
     @property
     def lossy(self) -> bool:
@@ -192,11 +197,11 @@ class _KeptTensor:
         if not self.requires_grad:
             return x
         # A leaf of the recompute's own. The value decoded is ours alone (a decoding,
-        # a device copy, or our detached alias of the input), so the first restore
-        # takes it as it is; a later one (after a backward inside the forward) gets a
+        # a device copy, or our detached alias of the input), so the first restore of
+        # the stored copy takes it as it is; a later one (after a backward inside the
+        # forward, or another call's: NOTE [ One stored copy per kept tensor ]) gets a
         # new alias, not the leaf an earlier recompute's graph holds.
-        x = x.requires_grad_() if not self._restored else x.detach().requires_grad_()
-        self._restored = True
+        x = x.requires_grad_() if self._copy.first_restore() else x.detach().requires_grad_()
         if self.modified_in_place:
             # A leaf that requires grad cannot be modified in place; a segment that
             # starts with an in-place layer needs a non-leaf input.
@@ -204,9 +209,19 @@ class _KeptTensor:
         return x
 
     def release(self) -> None:
-        self.storage.release()
         self._watched = None
         self._release()
+
+
+def _stored_copy(kept: KeepPolicy, source: torch.Tensor, tensor: torch.Tensor, non_negative: bool) -> StoredCopy:
+    """``source`` (``tensor`` as kept, or a private copy of it) stored by the placed
+    policy ``kept``, counted in kept_bytes() until released."""
+    packed = kept.codec.encode(source, non_negative=non_negative)
+    storage = _OnHost(packed) if kept.offload else _OnDevice(packed)
+    by_reference = kept.codec.aliases_input and not kept.offload  # the storage holds the tensor
+    copy = StoredCopy(storage, packed.nbytes, None if by_reference else tensor)
+    copy.settle = account(copy, copy.nbytes, storage.where)
+    return copy
 
 
 class _Attached:
@@ -305,6 +320,8 @@ class KeptInputs:
 
     @property
     def nbytes(self) -> int:
+        """What keeping the inputs added to kept_bytes(): a stored copy another live
+        call shares is that call's (NOTE [ One stored copy per kept tensor ])."""
         return sum(t.nbytes for t in self.tensors)
 
     @property

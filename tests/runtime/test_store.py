@@ -201,10 +201,12 @@ def test_the_same_column_twice_shares_memory_in_the_recompute_and_is_kept_once()
 def test_columns_that_share_no_element_are_kept_each_alone(compress):
     # Their span would be every column between them.
     h = torch.randn(4096, 64, requires_grad=True) * 1
-    kept = KeptInputs((h[:, 0], h[:, 1]), {}, KeepPolicy.resolve(compress, False), False)
     alone = KeptInputs((h[:, 0],), {}, KeepPolicy.resolve(compress, False), False)
-    assert kept.nbytes == 2 * alone.nbytes < h.numel()
-    kept.release(), alone.release()
+    one = alone.nbytes
+    alone.release()
+    kept = KeptInputs((h[:, 0], h[:, 1]), {}, KeepPolicy.resolve(compress, False), False)
+    assert kept.nbytes == 2 * one < h.numel()
+    kept.release()
 
 
 def test_a_checkpoint_with_two_tensor_arguments_runs_under_vmap():
@@ -278,3 +280,91 @@ def test_the_same_view_twice_comes_back_as_one_object_two_views_as_two():
         (a, b, c), _ = kept.restore()
     assert a is b and c is not a and c.data_ptr() == a.data_ptr()
     kept.release()
+
+
+def test_a_tensor_kept_by_reference_by_several_calls_is_counted_once():
+    # NOTE [ One stored copy per kept tensor ]: kept_bytes() never counts more than is held.
+    h, size = torch.randn(64, 64, requires_grad=True) * 1, 64 * 64 * 4
+    calls = [KeptInputs((h, torch.randn(4)), {}, EXACT, False) for _ in range(3)]
+    assert [call.nbytes for call in calls] == [size + 16, 16, 16]
+    assert actsave.kept_bytes()["device"] == size + 3 * 16
+    calls[0].release()  # the others still hold it
+    assert actsave.kept_bytes()["device"] == size + 2 * 16
+    calls[1].release(), calls[2].release()
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+@pytest.mark.parametrize("compress, offload", [("int8", False), ("fp8", False), (None, True), ("int8", True)])
+def test_a_tensor_several_calls_keep_by_a_codec_or_on_the_host_is_stored_once(compress, offload):
+    h, policy = torch.randn(64, 64, requires_grad=True) * 1, KeepPolicy.resolve(compress, offload)
+    where = "host" if offload else "device"
+    alone = KeptInputs((h,), {}, policy, False)
+    with torch.enable_grad():
+        (expected,), _ = alone.restore()
+    one = alone.nbytes
+    alone.release()
+    calls = [KeptInputs((h,), {}, policy, False) for _ in range(3)]
+    assert actsave.kept_bytes()[where] == one and sum(call.nbytes for call in calls) == one
+    assert calls[0].tensors[0].storage is calls[2].tensors[0].storage
+    restored = []
+    for call in reversed(calls):  # in backward order, each released after its recompute
+        with torch.enable_grad():
+            (back,), _ = call.restore()
+        assert torch.equal(back, expected) and back.is_leaf and back.requires_grad
+        restored.append(back)
+        call.release()
+    assert len({id(back) for back in restored}) == 3  # a leaf of its own for each recompute
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_tensor_changed_in_place_between_two_calls_is_stored_anew(offload):
+    h, policy = torch.randn(64, 64, requires_grad=True) * 1, KeepPolicy.resolve("int8", offload)
+    before = h.detach().clone()
+    first = KeptInputs((h,), {}, policy, False)
+    with torch.no_grad():
+        h.mul_(-2)
+    second = KeptInputs((h,), {}, policy, False)
+    assert first.tensors[0].storage is not second.tensors[0].storage and second.nbytes == first.nbytes > 0
+    (was,), _ = first.restore()
+    (now,), _ = second.restore()
+    assert sqnr_db(before, was) > 33 and sqnr_db(before * -2, now) > 33
+    first.release(), second.release()
+
+
+class _CrossAttends(torch.nn.Module):
+    """A decoder block's cross-attention: every block takes the one encoder output."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv = torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)
+
+    def forward(self, y, memory):
+        k, v = self.kv(memory).chunk(2, -1)
+        return y + torch.nn.functional.scaled_dot_product_attention(self.q(y), k, v)
+
+
+def _cross_attention_step(options: dict, blocks: int = 4) -> tuple:
+    torch.manual_seed(0)
+    encoder, decoder = torch.nn.Linear(16, 16), torch.nn.ModuleList(_CrossAttends() for _ in range(blocks))
+    actsave.wrap(decoder, _CrossAttends, **options)
+    memory, y = encoder(torch.randn(2, 64, 16)) * 1.0, torch.randn(2, 4, 16, requires_grad=True)
+    for block in decoder:
+        y = block(y, memory)
+    kept = actsave.kept_bytes()
+    y.square().sum().backward()
+    return kept, [p.grad for p in (*encoder.parameters(), *decoder.parameters())]
+
+
+@pytest.mark.parametrize("options", [{}, {"compress": "int8"}, {"offload": True}, {"compress": "fp8", "offload": True}],
+                         ids=["exact", "int8", "offload", "fp8 offloaded"])
+def test_an_encoder_output_every_block_keeps_is_kept_once_and_changes_no_bit(options, monkeypatch):
+    kept, gradients = _cross_attention_step(options)
+    monkeypatch.setattr("actsave.runtime.store.sharing_key", lambda *args: None, raising=False)  # each its own
+    kept_apart, gradients_apart = _cross_attention_step(options)
+    # The encoder output as stored: 2 x 64 x 16 fp32 values, or their codes and scales.
+    memory = codes_and_scales(2 * 64 * 16) if options.get("compress") else 2 * 64 * 16 * 4
+    where = "host" if options.get("offload") else "device"
+    assert kept_apart[where] - kept[where] == 3 * memory  # stored once for the 4 blocks, not 4 times
+    assert all(torch.equal(a, b) for a, b in zip(gradients, gradients_apart))
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
