@@ -342,7 +342,7 @@ def measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torc
     ledger = _SaveLedger(device, ignored=known, tracker=tracker, caller=CallerTensors(x, model),
                          layers=tuple(layer for _, layer in layers))
     with tracker, storage_resizes_observed(ledger.resized), saved_tensors_hooks(ledger.pack, ledger.unpack), \
-            ledger.pools.watching():
+            ledger.pools.watching(), ledger.as_stored.watching():  # NOTE [ Attention's saves agree ]
         try:
             forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
                                                                        ledger.after_layer, loss)

@@ -11,7 +11,7 @@ import torch
 
 from .._torch import current_autograd_node
 from ..runtime import relu_signs
-from ..runtime.keep_rules import lossy_codec_stores, stored_once_key
+from ..runtime.keep_rules import AttentionSaves, lossy_codec_stores, stored_once_key
 from .live_bytes import LiveBytes, allocation_bytes
 from .tensor_specs import PoolSample, TensorSpec
 
@@ -24,9 +24,9 @@ class StoredEntry:
 
     __slots__ = ("first", "last", "pool", "relu", "spec")
 
-    def __init__(self, t: torch.Tensor, layer: int, pool: Optional[PoolSample] = None):
+    def __init__(self, t: torch.Tensor, layer: int, pool: Optional[PoolSample] = None, encoded: bool = False):
         # Encodable: whether a lossy codec keeping saves encodes it (else it holds it as it is).
-        self.spec = dataclasses.replace(TensorSpec.of(t), encodable=lossy_codec_stores(t))
+        self.spec = dataclasses.replace(TensorSpec.of(t), encodable=encoded)
         self.relu, self.pool = relu_signs.keeps_decisions(t, {}), pool
         self.first = self.last = layer
 
@@ -38,7 +38,8 @@ class StoredEntry:
 
 class SavesAsStored:
     """Follows the byte-counting step's saves as runtime/kept_saves.py would store
-    them under a lossy codec: one entry per stored tensor (stored_saves.py,
+    them under a lossy codec (an attention call's saves exact where the step runs under
+    :meth:`watching`): one entry per stored tensor (stored_saves.py,
     ``StoredTensor``), each save's entry, layer and the layer's rise of live bytes as
     it was saved, and in backward the saves that each autograd node unpacks, which a
     codec decodes together, with the layer's backward rise as the node starts.
@@ -64,6 +65,12 @@ class SavesAsStored:
         self._layer_freed_from = {}  # layer -> len(freed) as its backward (or its first stretch) starts
         self._followed = {}  # id(storage) -> the keys of the entries stored from it
         self._handles = []
+        self.attention = AttentionSaves()  # NOTE [ Attention's saves agree ]
+
+    def watching(self):
+        """Active around the step's forward: the saves its attention calls make, which a
+        lossy codec leaves exact, are known by the calls."""
+        return self.attention.watching()
 
     def watch_backward(self, layer: int, output: torch.Tensor) -> None:
         """Call right after ``layer`` ran: its backward starts at its output's node
@@ -98,6 +105,7 @@ class SavesAsStored:
     def finish(self) -> None:
         """Call as the step's backward ends."""
         self._end()
+        self.attention.forget()
         for handle in self._handles:
             handle.remove()
 
@@ -105,9 +113,10 @@ class SavesAsStored:
         """Note one save of ``t`` by ``layer``, the layer's live bytes having risen by
         ``rise``; returns its index (None: held elsewhere, as the batch). ``pool``: ``t``
         is that max pool's indices, stored anew at each save."""
+        encoded = pool is None and lossy_codec_stores(t) and not self.attention.holds(t)
         if pool is not None:
             key = ("pool indices", len(self.saves))
-        elif lossy_codec_stores(t):
+        elif encoded:
             key = stored_once_key(t) or ("stored anew", len(self.saves))
         elif id(t.untyped_storage()) in self._ignored:
             return None
@@ -115,7 +124,7 @@ class SavesAsStored:
             key = ("as it is", id(t.untyped_storage()))
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = StoredEntry(t, layer, pool)
+            entry = self.entries[key] = StoredEntry(t, layer, pool, encoded)
             if entry.coded:
                 self._follow(t.untyped_storage(), key)
         entry.last = layer

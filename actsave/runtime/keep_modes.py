@@ -13,10 +13,12 @@ it and what to make again:
   default); only the cheap ops are recomputed (selective.py). Exact, the kept tensors
   as they are, on the device; with ``compress`` and ``offload``, its inputs are kept so,
   and the outputs it keeps too (kept_outputs.py, NOTE [ Stored kept outputs ]):
-  selective + fp8 of what it keeps.
+  selective + fp8 of what it keeps. Under a lossy codec attention is recomputed, not
+  kept (NOTE [ Attention's saves agree ]).
 - ``"saves"``: everything autograd saves, nothing recomputed (the block runs once), as
-  ``compress`` and ``offload`` store it (kept_saves.py). Exact and on the device, it is
-  the plain block.
+  ``compress`` and ``offload`` store it (kept_saves.py), but attention's saves, which a
+  lossy codec leaves exact (NOTE [ Attention's saves agree ]). Exact and on the device,
+  it is the plain block.
 - ``"linear_inputs"``: as ``"saves"``, but only the inputs of its linear layers are
   stored by ``compress`` (and offloaded), every other save as autograd keeps it
   (DeepSeek-V3 caches its Linear inputs in fp8).

@@ -6,6 +6,9 @@ the planner (its profile, cost model and plans) both ask, so that they agree.
 - :func:`should_encode`: a dense tensor of a codec's dtypes nobody else holds; the caller's
   tensors (:class:`CallerTensors`) are kept by reference (NOTE [ Inputs kept by
   reference ], :func:`kept_as`).
+- :func:`lossy_codec_stores`, :class:`AttentionSaves`: the saves a lossy codec keeping
+  saves leaves exact (NOTE [ Saves a lossy codec leaves exact ], NOTE [ Attention's
+  saves agree ]).
 - :func:`modifies_input`, :func:`starts_in_place`: a first layer that changes its input
   in place, itself or after layers that hand it on (a private copy).
 - :func:`placed`: a policy as it applies on a device (no offload where the host's
@@ -14,16 +17,18 @@ the planner (its profile, cost model and plans) both ask, so that they agree.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .._torch import leaf_base, storage_identity, version
+from .._torch import ATTENTION, leaf_base, storage_identity, version
 from ..codecs import IDENTITY, Codec, encodable, get_codec
 from ..devices import offloads_from
 from ..errors import ConfigError
@@ -164,6 +169,66 @@ def _divisor_result(t: torch.Tensor) -> bool:
     return node is not None and node.name() in _DIVIDES_BY_RESULT
 
 
+# NOTE [ Attention's saves agree ]
+# An attention backward reads its saves together and subtracts what they give: the
+# probabilities P = exp(q k^T * scale - lse) from q, k and the softmax's log-sum-exp
+# (lse), the row sums D = rowsum(dO * O) from its output O, and dS = P * (dO v^T - D),
+# whose terms cancel, since O = P v and each row of P sums to 1. Near-uniform
+# attention (a block at its initialization: every v_j close to their mean) and sharp
+# attention (P close to one-hot) leave a difference far smaller than its terms. Each
+# save decoded apart breaks those identities: decoded q, k beside the forward's exact
+# lse make rows that do not sum to 1, a decoded O is not P times the decoded v, and the
+# error, a codec's step of the terms, lands on their small difference: several times
+# the error of a recompute from the same decoded q, k and v, which agree. So:
+# - A call that keeps saves by a lossy codec (kept_saves.py, keep="saves" and
+#   "linear_inputs") holds every save an attention call makes exactly: q, k, v, its
+#   output, lse and whatever else its kernel saves (each fused kernel's, CPU's and CUDA's;
+#   the math path's probabilities), known by the call (:class:`AttentionSaves`: a tap
+#   on ``F.scaled_dot_product_attention``, _torch.ATTENTION), not by its node, which a
+#   save hook does not see for q, k and v. A later save of a storage held so (the
+#   output projection's input, a view of the attention's output) is held so too: the
+#   storage lives anyway, and its encoding would add memory and error, freeing nothing.
+# - A selective recompute under a lossy codec recomputes attention from its decoded
+#   q, k, v rather than keeping its output (selective.py, NOTE [ Selective recompute ]).
+# Attention reached otherwise (a name bound before the tap, another kernel) is not
+# known, and its saves are encoded as any others. The planner's count of a plain
+# segment's saves asks the same (planning/saves_as_stored.py).
+class AttentionSaves:
+    """Which saves of a forward an attention call made, or share a storage with one
+    held exactly (NOTE [ Attention's saves agree ]): active on this thread while
+    :meth:`watching`."""
+
+    def __init__(self):
+        self._depth = 0  # attention calls running
+        self._storages = {}  # storage identity -> weak reference to the storage, held exactly
+
+    @contextlib.contextmanager
+    def watching(self):
+        with ATTENTION.handled(self._call):
+            yield
+
+    def _call(self, call_next, *args, **kwargs):
+        self._depth += 1
+        try:
+            return call_next(*args, **kwargs)
+        finally:
+            self._depth -= 1
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``, a save being made, is held exactly: an attention call is making
+        it, or it shares a storage such a save holds (noted as it is asked)."""
+        identity = storage_identity(t)
+        if self._depth:
+            self._storages[identity] = weakref.ref(t.untyped_storage())
+            return True
+        storage = self._storages.get(identity)
+        return storage is not None and storage() is not None
+
+    def forget(self) -> None:
+        """Hold no reference past the forward (identities may be reused from now)."""
+        self._storages = {}
+
+
 # NOTE [ Inputs kept by reference ]
 # A kept input that should_encode refuses (the caller's tensors and their views, a
 # non-float tensor) is kept as it is, on the device, whatever the policy asks: a codec
@@ -252,5 +317,5 @@ def _passes_on(layer) -> bool:
     return isinstance(layer, nn.Sequential) and all(_passes_on(inner) for inner in layer)
 
 
-__all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "lossy_codec_stores", "kept_as", "placed",
-           "stored_once_key", "modifies_input", "starts_in_place"]
+__all__ = ["KeepPolicy", "EXACT", "CallerTensors", "should_encode", "lossy_codec_stores", "AttentionSaves", "kept_as",
+           "placed", "stored_once_key", "modifies_input", "starts_in_place"]

@@ -13,11 +13,13 @@ ends (all of them are made by then):
   once; each comes back as the view it was (size, strides, offset), of one decoded or
   fetched tensor, however many read it.
 - A lossy codec stores the storages of kept calls' outputs (the activations the matmuls
-  and attention made), where every kept tensor of the storage lies inside that output
-  with its dtype: encoded as the output, decoded at the first read, and read again from
-  that decoding while anyone holds it (the recompute, a node's saves). Every other
-  kept tensor stays exact (attention's log-sum-exp and other statistics of a call:
-  small, and an error in them is not an activation's).
+  made), where every kept tensor of the storage lies inside that output with its
+  dtype: encoded as the output, decoded at the first read, and read again from that
+  decoding while anyone holds it (the recompute, a node's saves). Every other kept
+  tensor stays exact (statistics a call saved: small, and an error in them is not an
+  activation's). Attention is not kept under a lossy codec: its decoded output beside
+  its exact log-sum-exp and the recompute's decoded q, k, v would not agree (NOTE [
+  Attention's saves agree ]).
 - With offload, every stored storage goes to the host as one group (kept_entries.py's
   _HostGroup: one copy each way), an item of the forward thread's prefetch tape after
   the block's inputs; the recompute fetches it first, so the tape brings the inputs

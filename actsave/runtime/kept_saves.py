@@ -27,7 +27,8 @@ What each save autograd makes during the call becomes (_SavesStore.pack):
   ``scope="linear_inputs"``, also every save that is not a Linear input: autograd's
   own, exact.
 - Kept by a lossy codec: every other floating-point save (``scope="all"``), but the
-  statistics and divisors NOTE [ Saves a lossy codec leaves exact ] holds, or those
+  statistics and divisors NOTE [ Saves a lossy codec leaves exact ] holds and the saves
+  of attention calls and their storages NOTE [ Attention's saves agree ] holds, or those
   whose storage is an ``nn.Linear``'s input (``scope="linear_inputs"``). Encoded as it
   is saved, so that the exact tensor may go at once; stored once per contiguous range
   of a storage (stored_once_key: a tensor saved twice, the 2-D view a Linear saves of
@@ -37,7 +38,8 @@ What each save autograd makes during the call becomes (_SavesStore.pack):
     otherwise block its gradient. Every ReLU output is stored on the codec's unsigned
     grid (one more bit of resolution).
   - The gradient error does not compound as in a recompute: each save is decoded on its
-    own, so its error reaches only the gradients computed from it.
+    own, so its error reaches only the gradients computed from it. That is why saves a
+    backward reads together, whose terms cancel, are not decoded apart: an attention's.
   - A max pool's indices (int64, twice the size of its fp32 output) are stored as the
     offset of each window's winner, a few bits each (pool_decisions.py): exactly, as
     the backward needs them (``scope="all"``; otherwise held as they are).
@@ -50,10 +52,12 @@ What each save autograd makes during the call becomes (_SavesStore.pack):
   layers in fp8"): found by forward pre-hooks on the ``nn.Linear`` modules under the
   function's known layers (layers.py, NOTE [ Known layers ]; a global one for another
   callable), which note the input's storage. The storage is the unit: every save of
-  it is kept so, one copy, whatever op saves it, before the Linear runs (an
-  attention's output, a ReLU's, converted as the Linear starts) or after. DeepSeek-V3
-  keeps the attention output once, for the projection and the attention's backward.
-  A Linear whose input is reshaped by a copy saves that copy: not kept so.
+  it is kept so, one copy, whatever op saves it, before the Linear runs (a ReLU's
+  output, converted as the Linear starts) or after. Not an attention's output, which
+  DeepSeek-V3 keeps in fp8 for the projection and the attention's backward: the
+  attention holds it exactly, and the projection's save shares it (NOTE [ Attention's
+  saves agree ]). A Linear whose input is reshaped by a copy saves that copy: not kept
+  so.
 
 Where the kept saves are, and when they go (_Entry, _HostGroup):
 
@@ -104,7 +108,7 @@ from . import relu_signs
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolWatch
 from .kept_entries import _Encoded, _Entry, _ExactStorage, _HostGroup, _PoolIndices, _Saved
-from .keep_rules import KeepPolicy, lossy_codec_stores, placed, should_encode, stored_once_key
+from .keep_rules import AttentionSaves, KeepPolicy, lossy_codec_stores, placed, should_encode, stored_once_key
 from .store import input_tensors
 
 SCOPES = ("all", "linear_inputs")
@@ -167,6 +171,7 @@ class _SavesStore:
         modules = None if layers is None else modules_under(layers)
         self.pools = PoolWatch.among(modules) if self.everything and policy.lossy else PoolWatch([])
         self.linears = None if self.everything else _LinearInputs(modules, self._linear_input)
+        self.attention = AttentionSaves() if policy.lossy else None  # NOTE [ Attention's saves agree ]
         self._input_nodes = relu_signs.input_nodes(inputs)
         # Every dict below is keyed by a storage's identity, valid while the reference
         # beside it is alive (then the storage is too, and its address is no other's).
@@ -179,7 +184,8 @@ class _SavesStore:
     @contextlib.contextmanager
     def watching(self):
         linears = contextlib.nullcontext() if self.linears is None else self.linears.watching()
-        with saved_tensors_hooks(self.pack, self.unpack), self.pools.watching(), linears:
+        attention = contextlib.nullcontext() if self.attention is None else self.attention.watching()
+        with saved_tensors_hooks(self.pack, self.unpack), self.pools.watching(), linears, attention:
             yield
 
     def pack(self, tensor: torch.Tensor) -> _Saved:
@@ -189,6 +195,9 @@ class _SavesStore:
         stores = _copied_as_bytes if self.codec.lossless else lossy_codec_stores
         if tensor.numel() == 0 or not stores(tensor):
             return _Saved.held(tensor)
+        if self.attention is not None and self.attention.holds(tensor):
+            # By a detached alias: the attention's output is the output of the node saving it.
+            return _Saved.held(tensor.detach())
         if not self.everything and not self._is_linear_input(tensor):
             return self._held_for_now(tensor)
         return self._kept(self._entry(tensor, *self._decisions(tensor)), tensor)
@@ -282,6 +291,8 @@ class _SavesStore:
         # each is freed with the last node that saved it; ids may be reused from now.
         self._seen, self._storages, self._linear_storages, self._pending = {}, {}, {}, {}
         self._input_nodes = {}
+        if self.attention is not None:
+            self.attention.forget()
 
 
 def _copied_as_bytes(tensor: torch.Tensor) -> bool:

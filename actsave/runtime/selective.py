@@ -61,7 +61,10 @@ Rules that keep it exact:
 - With ``compress`` or ``offload``, its inputs are kept as a checkpoint's are, and the
   rest of what it keeps is stored so as its forward ends (kept_outputs.py, NOTE [
   Stored kept outputs ]): the recompute then runs on decoded values, and the forward's
-  ReLU and max-pool decisions are kept as in any lossy recompute.
+  ReLU and max-pool decisions are kept as in any lossy recompute. Under a lossy codec
+  attention is not kept but run again, from the decoded q, k and v the recompute gives
+  it: its backward reads its output and log-sum-exp together with them, and they must
+  agree (NOTE [ Attention's saves agree ]). Exact, it is kept.
 
 What it keeps, beside its inputs: every kept call's output (what torchtitan's policy
 saves, the outputs of matmuls and attention) and the tensors its calls saved that are
@@ -201,6 +204,9 @@ class SelectiveFrame(_Frame):
         self.stored = StoredKept([])
         super().__init__(function, kept, *frame_args)
         self.ops = ops
+        # NOTE [ Attention's saves agree ]: under a lossy codec attention runs again from its
+        # decoded q, k and v, so that its output and log-sum-exp agree with them.
+        self.functions = tuple(f for f in ops.functions if not (self.policy.lossy and f in _RECOMPUTED_WHEN_LOSSY))
         if ops.modules and self.layers is None:
             raise ConfigError(
                 f"a selective checkpoint of {_name(self.function)} keeps the outputs of {ops.names()}, but actsave "
@@ -233,7 +239,7 @@ class SelectiveFrame(_Frame):
                 # pre-hook and whose output comes before every hook. nn.Module runs the hooks
                 # around it, global ones first, in the forward and again in the recompute.
                 stack.enter_context(forward_replaced(module, self._recorded_forward(module)))
-            for name in self.ops.functions:
+            for name in self.functions:
                 stack.enter_context(TAPPED_FUNCTIONS[name].handled(self._recorded(name)))
             yield
 
@@ -318,7 +324,8 @@ class SelectiveFrame(_Frame):
                 slot.kept = None  # its call runs again: the recompute makes it anew
         self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
         if self.slots and not any(call.skipped for call in self.calls):
-            reason = "differentiated" if self._differentiated else "changed" if self.calls else "none ran"
+            reason = "differentiated" if self._differentiated else "changed" if self.calls else \
+                "none ran" if self.ops.modules or self.functions else "lossy attention"
             _warn_once(self.ops, _name(self.function), reason)
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
             self.calls = []
@@ -398,6 +405,11 @@ class SelectiveFrame(_Frame):
         self.stored = StoredKept([])  # the kept saves hold what they store
 
 
+# The functions whose outputs a selective recompute under a lossy codec does not keep
+# but runs again (NOTE [ Attention's saves agree ]).
+_RECOMPUTED_WHEN_LOSSY = frozenset({"scaled_dot_product_attention"})
+
+
 # torch's own layers whose forward draws no random number. Exactly these types: a
 # subclass may draw (a LoRA Linear's input dropout, a parametrization adding noise to
 # the weight, which makes a ParametrizedLinear), and a kept call skipped in the
@@ -435,7 +447,7 @@ _warned = set()
 
 def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
     """Warn once per (ops, function, reason) that a selective checkpoint kept nothing;
-    ``reason``: "changed", "differentiated" or "none ran"."""
+    ``reason``: "changed", "differentiated", "none ran" or "lossy attention"."""
     key = (ops, function_name, reason)
     if key in _warned:
         return
@@ -444,6 +456,11 @@ def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
         why = (f"every output of its calls of {ops.names()} was changed in place after the call (an in-place "
                "residual: out += x), so those calls run again, and it recomputes everything, as a plain checkpoint "
                "does. Make the op after the call out of place (out = out + x) to keep its output")
+    elif reason == "lossy attention":
+        why = ("it keeps by a lossy codec, under which attention is recomputed from its decoded q, k and v, not "
+               "kept (its output and log-sum-exp must agree with them: NOTE [ Attention's saves agree ]), and it "
+               f"keeps the outputs of nothing else ({ops.names()}), so it recomputes everything, as a plain checkpoint "
+               "does. Name the module types that make its matmuls (KeptOps(modules=(nn.Linear,))), or keep exactly")
     elif reason == "differentiated":
         why = ("its forward runs a backward of its own (autograd.grad: a gradient penalty), which the recompute "
                "runs again through every call, so it recomputes everything, as a plain checkpoint does. Use "

@@ -37,7 +37,7 @@ class Skipper:
         with contextlib.ExitStack() as stack:
             for module in self.frame._watched:
                 stack.enter_context(forward_replaced(module, self._module_call(module)))
-            for name in self.frame.ops.functions:
+            for name in self.frame.functions:
                 stack.enter_context(TAPPED_FUNCTIONS[name].handled(self._function_call(name)))
             yield
 

@@ -5,7 +5,7 @@ import torch
 
 import actsave
 from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, sqnr_db
-from actsave.runtime.keep_rules import lossy_codec_stores, should_encode, stored_once_key
+from actsave.runtime.keep_rules import AttentionSaves, lossy_codec_stores, should_encode, stored_once_key
 
 
 def _dense():
@@ -82,3 +82,49 @@ def test_a_view_with_the_negative_bit_is_not_stored_as_the_tensor_it_reads():
     assert negated.is_neg() and torch.equal(negated, -y)
     assert stored_once_key(negated) != stored_once_key(y)
     assert stored_once_key(negated) == stored_once_key(torch._neg_view(y))
+
+
+def _attention_saves(attention: AttentionSaves, dropout_p: float = 0.0) -> tuple:
+    """Whether each save a lossy codec would store is held: those an attention call
+    makes (with ``dropout_p`` on a CPU: the math path's), and those of the step after
+    it (a product that saves the attention output, an exp, its own output); and the
+    output."""
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) * 1 for _ in range(3))
+    asked = []
+
+    def pack(t):
+        if lossy_codec_stores(t):
+            asked.append(attention.holds(t))
+        return t
+
+    with attention.watching(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        inside, asked[:] = asked[:], []
+        (y * torch.randn(8, requires_grad=True)).exp()
+    return inside, asked, y
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5], ids=["fused", "math"])
+def test_every_save_an_attention_call_makes_is_held_whichever_kernel_runs(dropout_p):
+    # NOTE [ Attention's saves agree ]: known by the call (on a CPU a dropout takes the
+    # math path, which saves its probabilities).
+    inside, _, _ = _attention_saves(AttentionSaves(), dropout_p)
+    assert len(inside) >= 4 and all(inside)  # q, k, v, the output (fused) or the probabilities (math)
+
+
+def test_a_later_save_of_a_storage_an_attention_save_holds_is_held_until_forgotten():
+    attention = AttentionSaves()
+    _, after, y = _attention_saves(attention)
+    assert after == [True, False]  # the fused kernel's output, which it saved; exp's output
+    assert attention.holds(y.view(-1))
+    attention.forget()
+    assert not attention.holds(y)
+
+
+def test_outside_a_watch_no_save_is_an_attentions():
+    attention = AttentionSaves()
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) * 1 for _ in range(3))
+    held = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(attention.holds(t)) or t, lambda t: t):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert held and not any(held)

@@ -12,8 +12,11 @@ from torch import nn
 
 import actsave
 from actsave import ConfigError, devices
+from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, get_codec
+from actsave.runtime.keep_rules import KeepPolicy
 from actsave.runtime.recompute_options import DEFAULT_RECOMPUTE
 from actsave.runtime.kept_ops import KeptOps
+from actsave.runtime import selective
 from actsave.runtime.selective import selective_call
 
 
@@ -445,3 +448,49 @@ def test_a_forward_that_runs_a_backward_of_its_own_is_recomputed_whole_and_exact
         grads.append([*(p.grad for p in model.parameters()), x.grad])
     assert any("runs a backward of its own" in str(w.message) for w in caught)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def sharp_gpt_blocks() -> nn.ModuleList:
+    """Three GPT blocks whose attention is sharp (the query and key weights 3x
+    initialization's: logits of std about 3)."""
+    blocks = stack(GPTBlock)
+    with torch.no_grad():
+        for block in blocks:
+            block.qkv.weight[:64] *= 3
+    return blocks
+
+
+def lossy_gradients(blocks, x, codec, ops=KeptOps()) -> tuple:
+    """Parameter gradients of a step through ``blocks`` (selective under ``codec``, or
+    plain where it is None), and the aten operators its backward ran."""
+    y = x.clone().requires_grad_()
+    for block in blocks:
+        y = block(y) if codec is None else \
+            selective_call(block, (y,), {}, ops, DEFAULT_RECOMPUTE, policy=KeepPolicy.resolve(codec))[0]
+    with OpCounter() as backward:
+        y.square().sum().backward()
+    return [p.grad for p in blocks.parameters()], backward.counts
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_under_a_lossy_codec_attention_runs_again_from_decoded_inputs_within_the_codecs_floor(codec):
+    # NOTE [ Attention's saves agree ]: its output decoded beside its exact log-sum-exp
+    # and the recompute's decoded q, k, v put the worst gradient below the floor here;
+    # recomputed from those q, k, v they agree. The Linear layers stay kept.
+    x = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(3))
+    expected, _ = lossy_gradients(sharp_gpt_blocks(), x, None)
+    got, backward = lossy_gradients(sharp_gpt_blocks(), x, codec)
+    assert min(sqnr_db(e, g) for e, g in zip(expected, got)) >= EXPECTED_GRADIENT_SQNR_DB[get_codec(codec).name]
+    assert any("scaled_dot_product" in op and "backward" not in op for op in backward)
+    assert backward["aten.addmm.default"] == 0
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+def test_a_lossy_selective_that_names_only_attention_warns_that_it_keeps_nothing(monkeypatch):
+    monkeypatch.setattr(selective, "_warned", set())
+    blocks = stack(GPTBlock)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lossy_gradients(blocks, torch.randn(2, 16, 32), "int8", KeptOps(modules=()))
+    messages = [str(w.message) for w in caught if "kept nothing" in str(w.message)]
+    assert len(messages) == 1 and "attention is recomputed from its decoded q, k and v" in messages[0]
