@@ -15,7 +15,7 @@ from torch import nn
 from .._torch import pytree
 from ..errors import ConfigError
 from ..runtime.keep_rules import modifies_input
-from .instrumented_step import backward_from, checked_loss
+from .instrumented_step import backward_from, checked_loss, step_input
 from .step_isolation import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
 from .other_outputs import OtherOutputs, OutputsWatch, with_gradients_of
@@ -67,11 +67,14 @@ def input_tensors(example_inputs) -> list:
 class _Call:
     """One recorded call of a block: the block's ``forward``, the leaves of ``(args,
     kwargs)``, how to rebuild them, which leaf is the hidden state, and the
-    hidden-state output."""
+    hidden-state output. ``copied``: copies of its tensor leaves, taken before a block
+    that changes its input in place ran (NOTE [ The first block's input as it was ])."""
 
-    def __init__(self, forward: Callable, args: tuple, kwargs: dict):
+    def __init__(self, forward: Callable, args: tuple, kwargs: dict, copied: bool = False):
         self.forward = forward
         self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
+        self.copies = {k: step_input(leaf) for k, leaf in enumerate(self.leaves)
+                       if copied and isinstance(leaf, torch.Tensor)}
         self.hidden_leaf: int | None = None
         self.output: torch.Tensor | None = None
 
@@ -110,7 +113,8 @@ class _CallRecorder:
                 lambda m, args, output, fqn=fqn: self._exit(fqn, output)))
 
     def _enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.calls[fqn].append(_Call(module.forward, args, kwargs))
+        first_changing = not self.order and modifies_input(module)  # NOTE [ The first block's input as it was ]
+        self.calls[fqn].append(_Call(module.forward, args, kwargs, copied=first_changing))
         self.order.append(fqn)
 
     def _exit(self, fqn: str, output) -> None:
@@ -219,9 +223,21 @@ def _first_tensor_leaf(call: _Call, fqn: str) -> int:
     return index
 
 
+# NOTE [ The first block's input as it was ]
+# The block chain is profiled from the first block's recorded hidden state. A first
+# block that changes its input in place (modifies_input: ``inplace = True``) changes
+# that very tensor as the example step runs, so the chain would be profiled from the
+# changed values (a ReLU applied twice, a mul_ compounding). So its call records copies
+# of its tensor arguments before it runs (step_input: cut from the graph, a leaf where
+# the argument is one); the hidden state's copy stands in for it, the rest are dropped.
+# Later blocks' hidden states are recorded as they are: found by identity (the previous
+# block's output), and in the chain each block runs on what the block before returns.
+
+
 def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs, loss: Optional[Callable] = None) -> list:
     """Run the example step's forward (only) and return the blocks' calls, in the order
-    they ran (:func:`_chained_calls`)."""
+    they ran (:func:`_chained_calls`); the first one's hidden state as it was before it
+    ran (NOTE [ The first block's input as it was ])."""
     recorder = _CallRecorder(blocks)
     try:
         with isolated_steps(model), torch.enable_grad():
@@ -229,8 +245,11 @@ def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs, loss
     finally:
         recorder.remove()
     calls = _chained_calls(recorder)
-    for call in calls:  # the outputs were for the chaining check only
-        call.output = None
+    first = calls[0]
+    if first.copies:
+        first.leaves[first.hidden_leaf] = first.copies[first.hidden_leaf]
+    for call in calls:  # the outputs were for the chaining check only, the copies for the first hidden state
+        call.output, call.copies = None, {}
     return [(fqn, dict(blocks)[fqn], call) for fqn, call in zip(recorder.order, calls)]
 
 

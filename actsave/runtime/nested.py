@@ -23,7 +23,10 @@ those is given the forward's ``requires_grad``, so the layers after it save what
 saved in the forward. A pass stops once its last placeholder is filled and its last
 input kept (the early stop). Module state the forward mutated (BatchNorm statistics)
 is mutated once, not again by any pass. Passes are exact: a range is recomputed from
-exact inputs, so no ReLU or max-pool decisions need keeping.
+exact inputs, so no ReLU or max-pool decisions need keeping. An input kept by
+reference (the segment's, a recomputed range's) stays as it is where layers that turn
+out to hand it on lead to in-place ones: those change a copy, in the forward and in
+every pass (NOTE [ A layer that turns out to pass its input on ]).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from .function import (
     checkpointed_call,
 )
 from .layers import LayerChain, repeated_modules
+from .passed_inputs import HandedOn
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .replay import ReplayState
 from .keep_rules import EXACT, starts_in_place
@@ -104,10 +108,11 @@ class _Layers(LayerChain):
 
     def __call__(self, x):
         frame = None if self._frame is None else self._frame()
+        watch = HandedOn(self.layers, x)  # NOTE [ A layer that turns out to pass its input on ]
         for i, layer in enumerate(self.layers):
             if frame is not None:
                 frame.note_layer_start(i, x)
-            x = layer(x)
+            x = watch.after(i, layer(x))
         if frame is not None:
             frame.note_layer_start(len(self.layers), x)
         return x
@@ -189,31 +194,37 @@ class _NestedFrame(_Frame):
         # placeholder or a recomputed one's kept input.
         needed = [j for j, p in enumerate(parts) if p.recomputed or self.slot_at[p.stop] > self.slot_at[p.start]]
         last = needed[-1] if needed and self.options.early_stop else None
+        # The pass's input and each input it keeps stay as they are, while layers hand
+        # them on to in-place ones (NOTE [ A layer that turns out to pass its input on ]).
+        watch = HandedOn(self.layers[:r.stop], x)
         for j, part in enumerate(parts):
             # The state the forward mutated, as the forward saw it: a part run without
             # grad runs on copies, dropped as it ends (a later pass runs its layers
             # again); a plain part's layers run for the last time, on the snapshot.
             with self.touched.as_in_forward(last=not part.recomputed, layers=range(part.start, part.stop)):
                 if part.recomputed:
-                    x = self._keep_and_skip(part, x, stop=j == last)
+                    x = self._keep_and_skip(part, x, watch, stop=j == last)
                 else:
                     # Handed over in a list, so that this frame holds no reference to the
                     # part's input while the part runs (a layer that does not save it frees it).
                     handed, x = [x], None
-                    x = self._run_plain(part, handed, self.slot_at[part.stop] - 1 if j == last else None)
+                    x = self._run_plain(part, handed, watch, self.slot_at[part.stop] - 1 if j == last else None)
 
-    def _keep_and_skip(self, part: Range, x: torch.Tensor, stop: bool) -> torch.Tensor:
+    def _keep_and_skip(self, part: Range, x: torch.Tensor, watch: HandedOn, stop: bool) -> torch.Tensor:
         """Keep ``part``'s input for its own pass; run it without saving."""
         inputs = KeptInputs((x,), {}, EXACT, starts_in_place(self.layers, part.start))
         self._inputs[part] = inputs
         if stop:
             raise _AllSlotsFilled
+        watch.watch(x)  # kept by reference
         self._filling = None  # what its layers save is never unpacked
         for i in range(part.start, part.stop):
-            x = self._run_for_output(i, x)
+            x = watch.after(i, self._run_for_output(i, x))
         inputs.end_forward(self.function.__qualname__)
         if isinstance(x, torch.Tensor) and part.stop < len(self.layers) and self.grad_at[part.stop]:
             x = _RequiresGrad.apply(_GRAPH_ANCHOR, x)
+            if watch.passing:  # the kept input, under another name
+                watch.watch(x)
         return x
 
     def _run_for_output(self, i: int, x):
@@ -228,9 +239,10 @@ class _NestedFrame(_Frame):
         y = self.layers[i](x)
         return _detached(y) if isinstance(y, torch.Tensor) else y
 
-    def _run_plain(self, part: Range, handed: list, stop_after) -> torch.Tensor:
+    def _run_plain(self, part: Range, handed: list, watch: HandedOn, stop_after) -> torch.Tensor:
         """Run ``part`` on the input ``handed`` over, with grad, filling its
-        placeholders; stop after placeholder ``stop_after`` (None: run it to its end)."""
+        placeholders; stop after placeholder ``stop_after`` (None: run it to its end);
+        ``watch`` gives in-place layers a copy of an input kept as it is."""
         x = handed.pop()
         for i in range(part.start, part.stop):
             self._filling = (self.slot_at[i], self.slot_at[i + 1], stop_after)
@@ -241,6 +253,7 @@ class _NestedFrame(_Frame):
                     f"{self.function.__qualname__} saved {self._filling[0] - self.slot_at[i]} tensors for backward "
                     f"where the forward saved {self.slot_at[i + 1] - self.slot_at[i]}: it does not do the same "
                     "work twice. Make it deterministic or do not checkpoint it.")
+            x = watch.after(i, x)
         return x
 
     def _fill_next(self, tensor: torch.Tensor):

@@ -19,7 +19,9 @@ from .layers import LayerRun
 # do so only once it has run. So a chain segment without a private copy (LayerRun)
 # runs its layers here, forward and recompute alike: while each layer has returned the
 # segment's input or a view of it (returns_its_input), and the layers after it start
-# in place, they get a copy (copied_in_layout, through autograd) to change instead.
+# in place, they get a copy (copied_in_layout, through autograd) to change instead
+# (HandedOn). A nested segment (nested.py) watches so its input in the forward, and in
+# each pass the pass's input and each input it keeps for an inner range.
 # The segment's input is left as it is: the exact codec keeps it by reference, and a
 # restored input that needs a gradient is a leaf, which autograd refuses to change in
 # place. Values and gradients are plain PyTorch's (a copy passes its gradient on as it
@@ -30,15 +32,38 @@ def run_segment(function, args: tuple, kwargs: dict, private_copy: bool):
     A layer that turns out to pass its input on ]."""
     if private_copy or type(function) is not LayerRun or kwargs or len(args) != 1:
         return function(*args, **kwargs)
-    layers, x = function.layers, args[0]
-    h, passing = x, isinstance(x, torch.Tensor)
-    for i, layer in enumerate(layers):
-        h = layer(h)
-        if passing:
-            passing = returns_its_input(h, x)
-            if passing and starts_in_place(layers, i + 1):
-                h, passing = copied_in_layout(h), False
+    watch = HandedOn(function.layers, args[0])
+    h = args[0]
+    for i, layer in enumerate(function.layers):
+        h = watch.after(i, layer(h))
     return h
+
+
+class HandedOn:
+    """The input of a run of ``layers`` that stays as it is (kept by reference, or
+    restored as a leaf), while the layers hand it on: each layer's output, or a copy of
+    it for in-place layers after it (:meth:`after`). NOTE [ A layer that turns out to
+    pass its input on ]; nested.py watches each range's kept input so."""
+
+    def __init__(self, layers, x):
+        self.layers = layers
+        self.watch(x)
+
+    def watch(self, x) -> None:
+        """Watch ``x`` from here on, in place of the tensor watched so far."""
+        self.input, self.passing = x, isinstance(x, torch.Tensor)
+
+    def after(self, i: int, output):
+        """``output`` of layer ``i``, or a copy of it (through autograd) where it is the
+        input watched, or a view of it, and the layers after ``i`` start in place."""
+        if not self.passing:
+            return output
+        self.passing = returns_its_input(output, self.input)
+        if self.passing and starts_in_place(self.layers, i + 1):
+            output, self.passing = copied_in_layout(output), False
+        if not self.passing:
+            self.input = None  # held no longer than a layer holds its argument
+        return output
 
 
 def returns_its_input(output, input: torch.Tensor) -> bool:
@@ -51,4 +76,4 @@ def returns_its_input(output, input: torch.Tensor) -> bool:
     return base is not None and base is (input if input._base is None else input._base)
 
 
-__all__ = ["run_segment", "returns_its_input"]
+__all__ = ["run_segment", "HandedOn", "returns_its_input"]

@@ -26,3 +26,39 @@ def test_a_blocks_layer_gives_its_other_outputs_the_gradients_the_step_gives_the
     chain(x).sum().backward()
     assert len(skip_gradients) == 3 and not any(g.any() for g in skip_gradients)
     assert [layer.other_gradients for layer in block_chain(calls)] == [()] * 3  # without the step's, none
+
+
+class Doubles(torch.nn.Module):
+    """Doubles its input in place, then a Linear: it says so (``inplace = True``)."""
+
+    inplace = True
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.linear(x.mul_(2))
+
+
+class DoublingStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(WIDTH, WIDTH)
+        self.blocks = torch.nn.ModuleList(Doubles() for _ in range(3))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.square().mean()
+
+
+def test_the_first_blocks_hidden_state_is_recorded_as_it_was_before_the_block_changed_it():
+    model, x = DoublingStack(), torch.randn(ROWS, WIDTH)
+    calls = record_calls(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (x,))
+    hidden = calls[0][2].hidden
+    assert torch.equal(hidden, model.embed(x)) and not hidden.is_leaf and hidden.requires_grad
+    with torch.no_grad():
+        assert torch.equal(block_chain(calls)(hidden.clone()).square().mean(), model(x))

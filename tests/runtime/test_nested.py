@@ -170,3 +170,60 @@ def test_a_layer_that_runs_a_backward_in_its_forward_trains_as_in_a_plain_step(t
     assert torch.equal(step(layers, x, tree), step(list(plain), x))
     for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
         assert torch.equal(mine.grad, theirs.grad)
+
+
+class Tap(nn.Module):
+    """Notes a statistic and returns its input as it is."""
+
+    def forward(self, x):
+        self.mean = x.detach().mean()
+        return x
+
+
+# Over [Tap, Tap, in-place ReLU, Linear] x 3: ranges that start on a tap, whose in-place
+# ReLU would change the input the range keeps by reference (or, in the range's own
+# pass, the leaf it is restored as); a recomputed range of one tap hands its kept input
+# (the segment's, in "tap first") on to the next range.
+TAP_TREES = {
+    "inner range": R(0, 12, inner=(R(0, 4, recomputed=False), R(4, 12))),
+    "tap alone": R(0, 12, inner=(R(0, 4, recomputed=False), R(4, 5), R(5, 12, recomputed=False))),
+    "two levels": R(0, 12, inner=(R(0, 8, inner=(R(0, 4), R(4, 8, recomputed=False))),
+                                  R(8, 12, recomputed=False))),
+    "tap first": R(0, 12, inner=(R(0, 1), R(1, 12, recomputed=False))),
+    "plain": R(0, 12),
+}
+
+
+@pytest.mark.parametrize("name", list(TAP_TREES))
+def test_ranges_starting_on_a_layer_that_hands_its_input_to_in_place_layers_train_as_plain(name):
+    torch.manual_seed(0)
+    layers = [layer for _ in range(3) for layer in (Tap(), Tap(), nn.ReLU(inplace=True), nn.Linear(8, 8))]
+    plain = twin(nn.Sequential(*layers))
+    x = torch.randn(4, 8)
+
+    def run(tree):
+        leaf = x.clone().requires_grad_()
+        h = leaf * 1  # not a leaf: plain PyTorch's ReLU may change it in place
+        out = nested_call(layers, tree, h)[0] if tree is not None else plain(h)
+        out.square().sum().backward()
+        return out, leaf.grad, h
+
+    (out, grad, h), (plain_out, plain_grad, _) = run(TAP_TREES[name]), run(None)
+    assert torch.equal(out, plain_out) and torch.equal(grad, plain_grad)
+    assert torch.equal(h, x)  # the segment's input, kept by reference, is left as it is
+    for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
+    assert actsave.kept_bytes()["device"] == 0
+
+
+def test_an_inner_range_starting_on_a_tap_after_a_linear_trains_as_plain():
+    # The range's own pass restores its input as a leaf that needs a gradient, which
+    # autograd refuses to change in place: the ReLU after the tap changes a copy.
+    torch.manual_seed(0)
+    layers = [layer for _ in range(3) for layer in (nn.Linear(8, 8), Tap(), nn.ReLU(inplace=True))]
+    plain = twin(nn.Sequential(*layers))
+    x = torch.randn(4, 8)
+    tree = R(0, 9, inner=(R(0, 4, recomputed=False), R(4, 9)))
+    assert torch.equal(step(layers, x, tree), step(list(plain), x))
+    for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
