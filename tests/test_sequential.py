@@ -55,6 +55,18 @@ def identity_then_in_place_chain():
     return nn.Sequential(*layers, nn.Linear(32, 32), nn.Flatten(), nn.ReLU(inplace=True), nn.Linear(32, 4))
 
 
+def assert_trains_as_plain(plain, model, compress):
+    """Bit-identical training where ``compress`` is None, else every parameter gradient
+    above int8's floor (33 dB)."""
+    if compress is None:
+        assert_same_training(plain, model, torch.randn(8, 32))
+        return
+    x = torch.randn(8, 32)
+    plain(x.clone().requires_grad_()).sum().backward()
+    model(x.clone().requires_grad_()).sum().backward()
+    assert min(sqnr_db(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters())) > 33
+
+
 @pytest.mark.parametrize("segments", ["balanced", [0, 1, 4, 7, 10, 13, 16, 19], [0, 19]], ids=str)
 @pytest.mark.parametrize("compress", [None, "int8"])
 def test_a_segment_starting_with_layers_that_hand_their_input_to_an_in_place_one_keeps_a_copy(segments, compress):
@@ -62,13 +74,7 @@ def test_a_segment_starting_with_layers_that_hand_their_input_to_an_in_place_one
     # the balanced plan starts segments there by itself.
     plain = identity_then_in_place_chain()
     model = as_checkpointed(plain, segments=segments, compress=compress)
-    if compress is None:
-        assert_same_training(plain, model, torch.randn(8, 32))
-    else:
-        x = torch.randn(8, 32)
-        plain(x.clone().requires_grad_()).sum().backward()
-        model(x.clone().requires_grad_()).sum().backward()
-        assert min(sqnr_db(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters())) > 33
+    assert_trains_as_plain(plain, model, compress)
 
 
 class _Tap(nn.Module):
@@ -101,13 +107,7 @@ def test_a_segment_starting_with_a_layer_that_turns_out_to_return_its_input_to_a
     # keeps no decisions under a lossy codec, whoever made the view: views exact only.)
     plain = tap_then_in_place_chain((False, True) * 3 if compress is None else (False,) * 6)
     model = as_checkpointed(plain, segments=segments, compress=compress)
-    if compress is None:
-        assert_same_training(plain, model, torch.randn(8, 32))
-    else:
-        x = torch.randn(8, 32)
-        plain(x.clone().requires_grad_()).sum().backward()
-        model(x.clone().requires_grad_()).sum().backward()
-        assert min(sqnr_db(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters())) > 33
+    assert_trains_as_plain(plain, model, compress)
     assert any(isinstance(model[start], _Tap) for start in model._last_call.kept)
 
 
