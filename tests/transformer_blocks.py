@@ -1,6 +1,7 @@
 """Small transformer blocks for the tests of selective recompute and what it keeps
 (tests/runtime): a GPT block (LayerNorm, one qkv projection, GELU MLP) and a Llama block
-(RMSNorm, rotary q and k, SwiGLU)."""
+(RMSNorm, rotary q and k, SwiGLU); an attention block alone, and GPT blocks whose
+attention is sharp."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,3 +67,29 @@ def stack(block, n: int = 3, seed: int = 0):
 def rope(t: int = 16, d: int = 8):
     angles = torch.arange(t)[:, None] * torch.arange(d // 2)[None, :] / 10.0
     return torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+
+
+class AttentionBlock(nn.Module):
+    """A norm, q, k and v projected together, fused attention, the output projected:
+    the attention's output is the projection's input."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.norm, self.qkv, self.out = heads, nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        parts = self.qkv(self.norm(x)).split(d, 2)
+        q, k, v = (part.view(b, t, self.heads, d // self.heads).transpose(1, 2) for part in parts)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+def sharp_gpt_blocks() -> nn.ModuleList:
+    """Three GPT blocks whose attention is sharp (the query and key weights 3x
+    initialization's: logits of std about 3)."""
+    blocks = stack(GPTBlock)
+    with torch.no_grad():
+        for block in blocks:
+            block.qkv.weight[:64] *= 3
+    return blocks

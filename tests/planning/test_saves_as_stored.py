@@ -5,9 +5,8 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from transformer_blocks import AttentionBlock
 
 from actsave.codecs import get_codec
 from actsave.planning.live_bytes import LiveBytes
@@ -16,26 +15,11 @@ from actsave.runtime.keep_rules import KeepPolicy
 from actsave.runtime.kept_saves import call_with_kept_saves
 
 
-class _Attention(nn.Module):
-    """A norm, q, k and v projected together, fused attention, the output projected."""
-
-    def __init__(self, d: int = 32, heads: int = 4):
-        super().__init__()
-        self.heads, self.norm, self.qkv, self.out = heads, nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        parts = self.qkv(self.norm(x)).split(d, 2)
-        q, k, v = (part.view(b, t, self.heads, d // self.heads).transpose(1, 2) for part in parts)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
-
-
 def coded_shapes(watching: bool) -> list:
     """The shapes of the saves of one forward of the block that SavesAsStored counts as
     encoded (with its attention watch active or not)."""
     torch.manual_seed(0)
-    block, x = _Attention(), torch.randn(2, 16, 32, requires_grad=True) * 1
+    block, x = AttentionBlock(), torch.randn(2, 16, 32, requires_grad=True) * 1
     tracker = LiveBytes("cpu")
     stored = SavesAsStored(set(), tracker)
     with tracker, saved_tensors_hooks(lambda t: (t.detach(), stored.pack(t, 0, 0)), lambda saved: saved[0]), \
@@ -61,7 +45,7 @@ def test_an_attention_calls_saves_are_counted_as_held_where_the_step_watches_its
     # norm's input and the qkv projection's); without it, the attention's q, k, v and
     # output and the output projection's input too (the planner's step must enter it).
     torch.manual_seed(0)
-    block, codec = _Attention(), _Recording()
+    block, codec = AttentionBlock(), _Recording()
     out, _ = call_with_kept_saves(block, (torch.randn(2, 16, 32, requires_grad=True) * 1,), {},
                                   KeepPolicy(codec, False))
     del out

@@ -10,7 +10,7 @@ import pytest
 import torch
 from support import CallCounter, channel_means, codes_and_scales, sqnr_db
 from torch import nn
-from transformer_blocks import GPTBlock, stack
+from transformer_blocks import AttentionBlock, sharp_gpt_blocks
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import actsave
@@ -714,22 +714,6 @@ def test_a_tensor_changed_in_place_between_two_saves_is_stored_again(scope):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-class _Attention(nn.Module):
-    """A norm, q, k and v projected together, fused attention, the output projected:
-    the attention's output is the projection's input."""
-
-    def __init__(self, d: int = 32, heads: int = 4):
-        super().__init__()
-        self.heads, self.norm, self.qkv, self.out = heads, nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        parts = self.qkv(self.norm(x)).split(d, 2)
-        q, k, v = (part.view(b, t, self.heads, d // self.heads).transpose(1, 2) for part in parts)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
-
-
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
 @pytest.mark.parametrize("scope", kept_saves.SCOPES)
 def test_attention_saves_and_the_storage_of_its_output_are_held_exactly(codec, scope):
@@ -739,7 +723,7 @@ def test_attention_saves_and_the_storage_of_its_output_are_held_exactly(codec, s
     # its input, a view of the attention output, is held exactly with it. Only the
     # qkv projection's input (the norm's output) is encoded.
     torch.manual_seed(0)
-    block, x = _Attention(), torch.randn(2, 16, 32)
+    block, x = AttentionBlock(), torch.randn(2, 16, 32)
     expected = gradients([block], x, None)
     got = gradients([block], x, keep(codec), scope)
     named = dict(zip(["input", *(name for name, _ in block.named_parameters())], zip(expected, got)))
@@ -752,16 +736,6 @@ def test_attention_saves_and_the_storage_of_its_output_are_held_exactly(codec, s
     assert kept["device"] == codes_and_scales(2 * 16 * 32)
     del out
     assert_nothing_held()
-
-
-def sharp_gpt_blocks() -> nn.ModuleList:
-    """Three GPT blocks whose attention is sharp (the query and key weights 3x
-    initialization's: logits of std about 3)."""
-    blocks = stack(GPTBlock)
-    with torch.no_grad():
-        for block in blocks:
-            block.qkv.weight[:64] *= 3
-    return blocks
 
 
 @pytest.mark.parametrize("codec", ["int8", "fp8"])

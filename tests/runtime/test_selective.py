@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support import OpCounter, sqnr_db
-from transformer_blocks import GPTBlock, LlamaBlock, rope, stack
+from transformer_blocks import GPTBlock, LlamaBlock, rope, sharp_gpt_blocks, stack
 from torch import nn
 
 import actsave
@@ -448,16 +448,6 @@ def test_a_forward_that_runs_a_backward_of_its_own_is_recomputed_whole_and_exact
         grads.append([*(p.grad for p in model.parameters()), x.grad])
     assert any("runs a backward of its own" in str(w.message) for w in caught)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
-def sharp_gpt_blocks() -> nn.ModuleList:
-    """Three GPT blocks whose attention is sharp (the query and key weights 3x
-    initialization's: logits of std about 3)."""
-    blocks = stack(GPTBlock)
-    with torch.no_grad():
-        for block in blocks:
-            block.qkv.weight[:64] *= 3
-    return blocks
 
 
 def lossy_gradients(blocks, x, codec, ops=KeptOps()) -> tuple:
