@@ -162,6 +162,8 @@ def _described(option) -> list:
     keeps = {"inputs": "inputs", "selective": "inputs, linear and attention outputs", "saves": "saves",
              "linear_inputs": "saves (linear inputs by the codec)"}[option.keep]
     recomputes = {"inputs": "everything", "selective": "norms, activations"}.get(option.keep, "nothing")
+    if option.keep == "selective" and option.policy.lossy:  # NOTE [ Attention's saves agree ]
+        keeps, recomputes = "inputs, linear outputs", "norms, activations, attention"
     return [keeps, recomputes, option.policy.codec.name, "host" if option.policy.offload else "device"]
 
 

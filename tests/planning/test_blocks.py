@@ -597,3 +597,13 @@ def test_a_plan_counts_the_other_outputs_of_its_blocks_that_the_caller_holds():
         measured = step_peak_bytes(model, (x,))
         assert 0.95 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes <= budget, str(plan)
         assert_gradients_match(plain, model, plan, (x,))
+
+
+def test_a_printed_lossy_selective_block_recomputes_attention_and_an_exact_one_keeps_it():
+    # NOTE [ Attention's saves agree ]: under a codec, attention runs again from decoded q, k, v.
+    from actsave.planning import blocks
+    from actsave.runtime.keep_modes import BlockOption
+    exact = blocks._described(BlockOption.resolve("selective", None, False))
+    lossy = blocks._described(BlockOption.resolve("selective", "int8", False))
+    assert exact[:2] == ["inputs, linear and attention outputs", "norms, activations"]
+    assert lossy[:3] == ["inputs, linear outputs", "norms, activations, attention", "int8"]
