@@ -28,8 +28,10 @@ Cases (``--cases``; sizes per device in ``SIZES``):
 Lever sets (``LEVER_SETS``, data that grows with the planner's levers): exact
 recompute, int8 allowed and, on CUDA only, offload allowed; a set the planner rejects
 (a lever it does not know) is skipped with a note. Then, for each peer point (every
-torch system but plain), actsave planned exactly (``AT_PEER_LEVERS``) with the peer's
-measured peak as its budget: its measured peak and its step against the peer's.
+torch system but plain), actsave planned (``AT_PEER_LEVERS``) with the peer's measured
+peak as its budget, and with half of plain's peak (its peer: plain): its measured peak
+and its step against the peer's, in the main rounds and in ``--pair-rounds`` rounds of
+the two alone (NOTE [ Pair rounds ]).
 
 What is measured, per system, in one process:
 
@@ -173,27 +175,29 @@ SAC_SAVED_OPS = SAC_MATMULS | aten_overloads(
     "_scaled_dot_product_attention_math.default", "_scaled_dot_product_fused_attention_overrideable.default",
     "max.default")
 
-SIZES = {  # profile -> the cases' sizes, the cases run by default, points, rounds, warm-up steps
+SIZES = {  # profile -> the cases' sizes, the cases run by default, points, rounds, warm-up steps, pair rounds
     "cpu": {"resnet": {"depth": 164, "batch": 8, "image": 32},
             "blocks": {"blocks": 8, "width": 256, "heads": 4, "vocab": 1024, "seq_len": 256, "batch": 4,
                        "dtype": "float32"},
-            "cases": ("resnet", "gpt", "llama", "hf_llama"), "points": 8, "rounds": 5, "warmup": 2},
+            "cases": ("resnet", "gpt", "llama", "hf_llama"), "points": 8, "rounds": 5, "warmup": 2,
+            "pair_rounds": 7},
     "cuda": {"resnet": {"depth": 164, "batch": 512, "image": 32},
              "blocks": {"blocks": 16, "width": 2048, "heads": 16, "vocab": 8192, "seq_len": 2048, "batch": 4,
                         "dtype": "bfloat16"},
-             "cases": ("resnet", "gpt"), "points": 8, "rounds": 5, "warmup": 2},
+             "cases": ("resnet", "gpt"), "points": 8, "rounds": 5, "warmup": 2, "pair_rounds": 5},
     "smoke": {"resnet": {"depth": 11, "batch": 2, "image": 8},
               "blocks": {"blocks": 2, "width": 32, "heads": 2, "vocab": 64, "seq_len": 16, "batch": 2,
                          "dtype": "float32"},
-              "cases": ("resnet", "gpt", "llama", "hf_llama"), "points": 3, "rounds": 2, "warmup": 1},
+              "cases": ("resnet", "gpt", "llama", "hf_llama"), "points": 3, "rounds": 2, "warmup": 1,
+              "pair_rounds": 2},
 }
 CASES = ("resnet", "gpt", "llama", "hf_llama")
 
 COLUMNS = (
     "case", "system", "family", "point", "levers", "budget_bytes", "peak_bytes", "pred_peak_bytes", "step_s",
     "pred_step_s", "step_vs_plain", "peak_vs_plain", "planner_step_s", "planner_plain_step_s", "peer",
-    "peak_vs_peer", "step_vs_peer", "plan", "note", "rounds", "device_name", "torch_version", "triton_version",
-    "actsave_version", "git_sha", "timestamp_utc", "config_json",
+    "peak_vs_peer", "step_vs_peer", "step_vs_peer_paired", "plan", "note", "rounds", "device_name",
+    "torch_version", "triton_version", "actsave_version", "git_sha", "timestamp_utc", "config_json",
 )
 
 
@@ -415,6 +419,7 @@ class System:
     saved_a_step: Optional[collections.Counter] = None  # SAC: those of the one step measured for its peak
     peak: Optional[int] = None
     times: list = field(default_factory=list)
+    pair_times: Optional[tuple] = None  # (this system's, its peer's), from their own rounds: NOTE [ Pair rounds ]
     note: str = ""
 
     @property
@@ -678,17 +683,7 @@ def run_case(case: Case, args, device: torch.device, log) -> CaseResult:
             share = (budget - smallest) / (top - smallest) if top > smallest else 1.0
             planned.append(planner.system(f"actsave {lever_name} @ {budget / MiB:.2f} MiB", f"actsave {lever_name}",
                                           f"{share:.0%} of smallest..plain", budget, allow, lever_name))
-    for lever_name, allow in lever_sets(device, AT_PEER_LEVERS).items():
-        for peer in [s for s in peers if s.is_peer]:
-            name = f"actsave {lever_name} at {peer.name}'s peak"
-            try:
-                system = planner.system(name, f"actsave {lever_name} at a peer's peak", peer.name, peer.peak, allow,
-                                        lever_name)
-            except actsave.ConfigError as error:
-                notes.append(f"{name}: no plan fits {peer.peak / MiB:.2f} MiB ({str(error).splitlines()[0][:160]})")
-                continue
-            system.peer = peer.name
-            planned.append(system)
+    planned += at_peer_systems(planner, peers, device, notes)
     for peer in [s for s in peers if s.compiled_by is not None]:
         planned.append(compiled_at_peer(planner, peer, device, args.compile_backend))
     log(f"{case.name}: {len(planned)} actsave plans made ({time.monotonic() - started:.0f} s); warming them up")
@@ -700,6 +695,10 @@ def run_case(case: Case, args, device: torch.device, log) -> CaseResult:
     times = interleaved_times({s.name: step_of(case, s) for s in systems}, args.rounds, device, rotate=True)
     for system in systems:
         system.times = times[system.name]
+    if args.pair_rounds:
+        log(f"{case.name}: timing each pair in {args.pair_rounds} rounds of its own "
+            f"({time.monotonic() - started:.0f} s)")
+        time_pairs(case, systems, args.pair_rounds, device)
     log(f"{case.name}: done in {time.monotonic() - started:.0f} s")
     for system in peers:
         if system.saved_a_step is not None:
@@ -708,6 +707,54 @@ def run_case(case: Case, args, device: torch.device, log) -> CaseResult:
 
 
 # ------------------------------------------------------------------ reports
+
+
+def at_peer_systems(planner: Planner, peers: list, device: torch.device, notes: list) -> list:
+    """actsave planned with each peer's measured peak as its budget (``AT_PEER_LEVERS``),
+    and with half of plain's: the issue's target points, each timed against its peer
+    (plain, for the half) in rounds of their own (NOTE [ Pair rounds ])."""
+    plain = next(s for s in peers if s.family == "plain")
+    targets = [(peer, peer.name, peer.peak) for peer in peers if peer.is_peer]
+    targets.append((plain, "half of plain's peak", plain.peak // 2))
+    systems = []
+    for lever_name, allow in lever_sets(device, AT_PEER_LEVERS).items():
+        for peer, point, budget in targets:
+            name = f"actsave {lever_name} at {point}" if peer is plain else f"actsave {lever_name} at {point}'s peak"
+            try:
+                system = planner.system(name, f"actsave {lever_name} at a peer's peak", point, budget, allow,
+                                        lever_name)
+            except actsave.ConfigError as error:
+                notes.append(f"{name}: no plan fits {budget / MiB:.2f} MiB ({str(error).splitlines()[0][:160]})")
+                continue
+            system.peer = peer.name
+            systems.append(system)
+    return systems
+
+
+# NOTE [ Pair rounds ]
+# Steps timed seconds apart differ by more than the targets' margins on a shared CPU:
+# in one round of some 50 systems, the same plain step read 5-12% apart. So each
+# target point (actsave at a peer's peak, at half of plain's) is also timed against its
+# peer alone, in rounds of their own right after the main ones, the two steps adjacent
+# and their order alternating (AB, BA, ...: neither always runs first); its
+# step_vs_peer_paired is the median of those rounds' ratios. plain and "plain, again"
+# are paired the same way: the noise floor of a pair.
+def time_pairs(case: Case, systems: list, rounds: int, device: torch.device) -> None:
+    """Each target point's ``pair_times`` against its peer, and the noise floor's: NOTE [
+    Pair rounds ]."""
+    by_name = {s.name: s for s in systems}
+    again = next(s for s in systems if s.family == "again")
+    pairs = [(s, by_name[s.peer]) for s in systems if s.peer] + [(again, by_name["plain"])]
+    for system, peer in pairs:
+        steps = {"system": step_of(case, system), "peer": step_of(case, peer)}
+        times = interleaved_times(steps, rounds, device, rotate=True)
+        system.pair_times = (times["system"], times["peer"])
+
+
+def _paired(system: System) -> Optional[float]:
+    if system.pair_times is None:
+        return None
+    return statistics.median(a / b for a, b in zip(*system.pair_times))
 
 
 def _times(result: CaseResult) -> dict:
@@ -741,6 +788,7 @@ def rows_of(result: CaseResult, metadata: dict, run_config: dict) -> list:
             "planner_step_s": s.planner_step, "planner_plain_step_s": s.planner_plain_step,
             "peer": s.peer, "peak_vs_peer": None if peer is None else s.peak / peer.peak,
             "step_vs_peer": None if peer is None else paired_ratio(times, s.name, peer.name),
+            "step_vs_peer_paired": _paired(s),
             "plan": s.plan, "note": "; ".join(filter(None, [s.note, _saved_note(s)])),
             "rounds": len(s.times), **metadata,
             "config_json": json.dumps({**result.case.config, **run_config}, sort_keys=True),
@@ -778,21 +826,25 @@ def at_peer_table(rows: list, with_case: bool = False) -> str:
     """Each peer point against actsave planned within that peer's measured peak."""
     by_system = {(r["case"], r["system"]): r for r in rows}
     lines = [(["case"] if with_case else []) + ["peer", "peer peak MiB", "peer step ms", "actsave levers",
-                                                "actsave peak / peer's", "actsave step / peer's", "actsave plan"]]
+                                                "actsave peak / peer's", "actsave step / peer's",
+                                                "in pair rounds", "actsave plan"]]
     for r in rows:
         if not r["peer"]:
             continue
         peer = by_system[(r["case"], r["peer"])]
+        point = r["peer"] if r["point"] == r["peer"] else f"{r['peer']} ({r['point']})"
         lines.append(([r["case"].split(" ")[0]] if with_case else [])
-                     + [r["peer"], _mib(peer["peak_bytes"]), _ms(peer["step_s"]), r["levers"],
-                        _x(r["peak_vs_peer"]), _x(r["step_vs_peer"]), r["plan"]])
+                     + [point, _mib(peer["peak_bytes"]), _ms(peer["step_s"]), r["levers"],
+                        _x(r["peak_vs_peer"]), _x(r["step_vs_peer"]), _x(r["step_vs_peer_paired"]), r["plan"]])
     return format_table(lines)
 
 
 def noise_line(rows: list) -> str:
     again = next(r for r in rows if r["family"] == "again")
+    paired = again["step_vs_peer_paired"]
+    in_pairs = f"; in pair rounds, {_x(paired)}" if paired not in (None, "") else ""
     return (f"noise floor: plain timed twice in the same rounds, the second copy at {_x(again['step_vs_plain'])} "
-            "the first (median of paired ratios); a difference of that size means nothing")
+            f"the first (median of paired ratios){in_pairs}; a difference of that size means nothing")
 
 
 # ------------------------------------------------------------------ files
@@ -910,6 +962,9 @@ def parse_arguments(argv) -> argparse.Namespace:
                              f"{','.join(DEFAULT_LEVER_SETS)}; "
                              f"{','.join(sorted(CUDA_ONLY))} on CUDA only)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --smoke 2)")
+    parser.add_argument("--pair-rounds", type=int, default=None,
+                        help="rounds of each target point against its peer alone, after the main rounds "
+                             "(NOTE [ Pair rounds ]; default 7 on a CPU, 5 on CUDA, --smoke 2; 0: none)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps per system (default 2; --smoke 1)")
     parser.add_argument("--compile", action="store_true",
                         help="add torch.compile with activation_memory_budget at "
@@ -934,6 +989,7 @@ def parse_arguments(argv) -> argparse.Namespace:
     if args.points < 2:
         parser.error("--points: at least 2 (the smallest feasible peak and plain's)")
     args.rounds = args.rounds or sizes["rounds"]
+    args.pair_rounds = args.pair_rounds if args.pair_rounds is not None else sizes["pair_rounds"]
     args.warmup = args.warmup if args.warmup is not None else sizes["warmup"]
     if args.device.type == "cuda" and not torch.cuda.is_available():
         args.out = None  # main says why it stops; the device's name, in the path, is unknown
@@ -969,7 +1025,7 @@ def main(argv=None) -> int:
 
     metadata = harness.run_metadata(args.device)
     clock = "wall time, synchronized" if args.device.type == "cuda" else "process CPU time"
-    run_config = {"rounds": args.rounds, "warmup": args.warmup, "points": args.points, "clock": clock,
+    run_config = {"rounds": args.rounds, "pair_rounds": args.pair_rounds, "warmup": args.warmup, "points": args.points, "clock": clock,
                   "threads": torch.get_num_threads(), "compile": args.compile_backend if args.compile else None}
     title = f"time-memory frontier on {metadata['device_name']}"
     print(f"{title}, torch {metadata['torch_version']}, at {metadata['git_sha']}; {clock}, "

@@ -41,7 +41,14 @@ def test_frontier_measures_every_system_of_every_case(frontier_run):
             assert float(points[0]["peak_bytes"]) < float(plain["peak_bytes"])  # memory is exact on a CPU
         at_peer = [r for r in mine if r["peer"]]
         assert at_peer and all(float(r["peak_vs_peer"]) > 0 and float(r["step_vs_peer"]) > 0 for r in at_peer)
-        assert {r["peer"] for r in at_peer} <= {r["system"] for r in mine if r["family"] in peers}
+        assert all(float(r["step_vs_peer_paired"]) > 0 for r in at_peer)  # each also timed in rounds of its pair
+        (again,) = [r for r in mine if r["family"] == "again"]
+        assert float(again["step_vs_peer_paired"]) > 0  # the noise floor of a pair
+        assert {r["peer"] for r in at_peer} <= {r["system"] for r in mine if r["family"] in peers} | {"plain"}
+        half = [r for r in at_peer if r["point"] == "half of plain's peak"]
+        assert all(r["peer"] == "plain" and int(r["budget_bytes"]) == int(plain["peak_bytes"]) // 2 for r in half)
+        if case.startswith("cifar"):  # the smoke blocks' smallest plan is above half of plain's peak
+            assert half
         for r in mine:
             if r["family"].startswith("torch SAC"):  # the policy matched ops: it names overloads
                 assert "saved a step: " in r["note"] and "mm.default" in r["note"], r
