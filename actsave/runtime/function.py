@@ -142,8 +142,9 @@ class _Frame:
         self.is_recomputed = False
         self.keeps_decisions = lossy  # once: pack runs for every saved tensor
         self._relu_saves = relu_signs.FirstSaves()
-        # NOTE [ Max-pool decisions ]: only a lossy recompute needs them.
+        # NOTE [ Max-pool decisions ], NOTE [ In-place ReLUs on views ]: only a lossy recompute needs them.
         self.pools = PoolWatch.among(modules) if self.keeps_decisions else None
+        self.relus = relu_signs.InplaceRelus.among(modules) if self.keeps_decisions else None
         # The caller's inputs, held only while the forward runs (the caller holds them
         # then anyway): a backward inside the forward recomputes from them, exactly
         # (NOTE [ Backward inside a checkpointed forward ]).
@@ -191,10 +192,11 @@ class _Frame:
 
     @contextlib.contextmanager
     def forward_hooks(self):
-        """The hooks the forward runs under: saves, module state, max pools (lossy)."""
+        """The hooks the forward runs under: saves, module state, max pools and in-place ReLUs (lossy)."""
         pools = self.pools.watching() if self.keeps_decisions else contextlib.nullcontext()
+        relus = self.relus.watching() if self.keeps_decisions else contextlib.nullcontext()
         with self.code.running(), self.touched.recording(), saved_tensors_hooks(self.pack, self.unpack), pools, \
-                self.logged("forward"):
+                relus, self.logged("forward"):
             yield
 
     def end_forward(self) -> None:

@@ -36,7 +36,8 @@ What each save autograd makes during the call becomes (_SavesStore.pack):
   - ReLU outputs made in the call keep their decisions, one bit per element
     (relu_signs.py): a small positive output that the codec rounds to zero would
     otherwise block its gradient. Every ReLU output is stored on the codec's unsigned
-    grid (one more bit of resolution).
+    grid (one more bit of resolution). An in-place ReLU module on a view is known by
+    watching it (NOTE [ In-place ReLUs on views ]).
   - The gradient error does not compound as in a recompute: each save is decoded on its
     own, so its error reaches only the gradients computed from it. That is why saves a
     backward reads together, whose terms cancel, are not decoded apart: an attention's.
@@ -170,6 +171,8 @@ class _SavesStore:
         layers = known_layers(function) if watches else None  # NOTE [ Known layers ]
         modules = None if layers is None else modules_under(layers)
         self.pools = PoolWatch.among(modules) if self.everything and policy.lossy else PoolWatch([])
+        # NOTE [ In-place ReLUs on views ]: their outputs keep decisions and go on the unsigned grid.
+        self.relus = relu_signs.InplaceRelus.among(modules) if policy.lossy else relu_signs.InplaceRelus([])
         self.linears = None if self.everything else _LinearInputs(modules, self._linear_input)
         self.attention = AttentionSaves() if policy.lossy else None  # NOTE [ Attention's saves agree ]
         self._input_nodes = relu_signs.input_nodes(inputs)
@@ -185,7 +188,8 @@ class _SavesStore:
     def watching(self):
         linears = contextlib.nullcontext() if self.linears is None else self.linears.watching()
         attention = contextlib.nullcontext() if self.attention is None else self.attention.watching()
-        with saved_tensors_hooks(self.pack, self.unpack), self.pools.watching(), linears, attention:
+        with saved_tensors_hooks(self.pack, self.unpack), self.pools.watching(), self.relus.watching(), linears, \
+                attention:
             yield
 
     def pack(self, tensor: torch.Tensor) -> _Saved:

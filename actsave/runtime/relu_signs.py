@@ -15,33 +15,143 @@ ReLU outputs in place to the forward's decisions before anything downstream read
 them (ActNN keeps ReLU masks in one bit for the same reason). Other piecewise
 activations (LeakyReLU, ReLU6, Hardtanh) save their input, not their output, and are
 recomputed as they come. Which saves keep bits: NOTE [ ReLU outputs that keep
-decisions ], keeps_decisions.
+decisions ], keeps_decisions; an in-place ReLU on a view: NOTE [ In-place ReLUs on
+views ], InplaceRelus.
 
 The bit is "not (y <= 0)", the test ``threshold_backward`` applies, so NaN counts as
 passing: non-finite values still reach the gradient.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from typing import Optional
 
 import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.utils.weak import WeakTensorKeyDictionary
 
-from .._torch import is_relu_node
+from .._torch import is_relu_node, version
 from ..codecs.backend import implementation
 from ..triton_kernels import bitfields, decision_table
 
 
 def is_relu_output(tensor: torch.Tensor) -> bool:
-    """Whether autograd is saving ``tensor`` as the output of a ReLU."""
-    return is_relu_node(tensor.grad_fn)
+    """Whether autograd is saving ``tensor`` as the output of a ReLU: by its autograd
+    node, or for an in-place ReLU module on a view, as InplaceRelus saw it (NOTE
+    [ In-place ReLUs on views ])."""
+    return is_relu_node(tensor.grad_fn) or _watched_relu_output(tensor)
+
+
+# NOTE [ In-place ReLUs on views ]
+# An in-place op on a view rebases the view's history: its autograd node is then a view
+# node (AsStridedBackward0, or the view's own op replayed) over the base's CopySlices,
+# which wraps the ReluBackward0 where Python cannot see it, so the node does not say
+# ReLU, and the tensor alone cannot tell ``relu_`` from ``tanh_``. That is so whoever
+# made the view (a Linear on a 3-D input returns one, so does ``x.view(...)`` or
+# ``x[:, :]``); known by its node alone, its decisions would not be kept, and a lossy
+# recompute's ReLU flips on it would go uncorrected. So while a lossy forward runs
+# (a checkpointed segment's, function.py; a kept call's, kept_saves.py), InplaceRelus
+# watches the ``nn.ReLU(inplace=True)`` modules: hooks on those among the known layers
+# (layers.py, NOTE [ Known layers ]), none where there are none, global ones only for
+# a function whose layers are not known; exact modes watch nothing. While one runs, its
+# input object is the ReLU output being saved; once it returns, that view is marked
+# with its version. It stays a ReLU output while its version is that one: an in-place
+# change after the ReLU (of it, or of its base) moves it, and it is no longer known (as
+# a non-view's ReLU node is replaced). The mark holds no autograd node, which could hold
+# the view and so keep the mark alive. The recompute needs no watch: it restores each
+# save the forward kept bits for by its placeholder, and the restore writes through the
+# view into the storage the next layer reads. ``F.relu(x, inplace=True)`` or
+# ``x.relu_()`` called on a view by a module's own code runs no ReLU module, and stays
+# unknown.
+_VIEW_OUTPUTS = WeakTensorKeyDictionary()  # view -> its version as the ReLU left it
+_RUNNING = threading.local()
+
+
+def _running_relus() -> list:
+    """The inputs of this thread's watched in-place ReLU modules running now, innermost last."""
+    if not hasattr(_RUNNING, "inputs"):
+        _RUNNING.inputs = []
+    return _RUNNING.inputs
+
+
+def _watched_relu_output(tensor: torch.Tensor) -> bool:
+    running = getattr(_RUNNING, "inputs", None)
+    if running and running[-1] is tensor:
+        return True
+    if not _VIEW_OUTPUTS or not tensor._is_view():
+        return False
+    return _VIEW_OUTPUTS.get(tensor) == version(tensor)
+
+
+def _is_inplace_relu(module) -> bool:
+    return isinstance(module, nn.ReLU) and module.inplace and type(module).forward is nn.ReLU.forward
+
+
+class InplaceRelus:
+    """Follows the in-place ReLU modules that run on this thread while :meth:`watching`,
+    so that :func:`is_relu_output` knows their outputs on views (NOTE [ In-place ReLUs
+    on views ]). ``relus``: the in-place ReLU modules the watched function can run, when
+    its layers are known (layers.py, NOTE [ Known layers ]): hooks go on those alone,
+    and none at all where there are none. None: global module hooks watch every call."""
+
+    def __init__(self, relus: Optional[list] = None):
+        self._relus = relus
+        self._thread = threading.get_ident()
+
+    @classmethod
+    def among(cls, modules) -> "InplaceRelus":
+        """A watch of the in-place ReLUs among ``modules`` (``(layer index, module)``
+        pairs, as layers.modules_under gives them), or of every module call where they
+        are None."""
+        if modules is None:
+            return cls()
+        return cls([module for _, module in modules if _is_inplace_relu(module)])
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Register the module hooks for the body (none where no in-place ReLU can run)."""
+        if self._relus == []:
+            yield self
+            return
+        self._thread = threading.get_ident()
+        if self._relus is None:
+            handles = [register_module_forward_pre_hook(self._before), register_module_forward_hook(self._after)]
+        else:
+            handles = [hook for relu in self._relus
+                       for hook in (relu.register_forward_pre_hook(self._before, prepend=True),
+                                    relu.register_forward_hook(self._after, prepend=True))]
+        running = _running_relus()
+        depth = len(running)
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+            del running[depth:]  # a ReLU that raised
+
+    def _before(self, module, args) -> None:
+        if threading.get_ident() == self._thread and _is_inplace_relu(module):
+            _running_relus().append(args[0] if args else None)
+
+    def _after(self, module, args, output) -> None:
+        if threading.get_ident() != self._thread or not _is_inplace_relu(module):
+            return
+        running = _running_relus()
+        if running:
+            running.pop()
+        if isinstance(output, torch.Tensor) and output.requires_grad and output._is_view():
+            _VIEW_OUTPUTS[output] = version(output)
 
 
 def known_non_negative(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is known, without reading it, to hold no negative value: it
     is a ReLU output (then >= 0 or NaN), so a codec may store it on an unsigned grid
     (codecs, NOTE [ Unsigned grids ]). An in-place change after the ReLU gives the
-    tensor another autograd node, and it is no longer known; so is a view of it."""
+    tensor another autograd node, and it is no longer known; so is a view of it (an
+    in-place ReLU module on a view: NOTE [ In-place ReLUs on views ])."""
     return is_relu_output(tensor)
 
 
