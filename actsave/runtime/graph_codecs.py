@@ -17,10 +17,11 @@ that graph and its backward:
   one whose backward users are a region recomputed under codec C is that segment's
   kept input, encoded by C at the end of the forward graph and decoded at the start
   of the backward one; one made inside a plain segment under C is stored by C, as
-  eager actsave stores the last segment's saves (kept_saves.py). Other saves
-  stay as they are. AOTAutograd hands no graph input to the hooks (the batch, the
-  parameters): held by the caller, encoding them would free nothing (keep_rules.py,
-  should_encode).
+  eager actsave stores the last segment's saves (kept_saves.py), but for those it
+  leaves exact, attention's among them (NOTE [ Attention's saves agree ]; which
+  saves: graph_saves.py). Other saves stay as they are. AOTAutograd hands no graph
+  input to the hooks (the batch, the parameters): held by the caller, encoding them
+  would free nothing (keep_rules.py, should_encode).
 - The codec's torch reference is what is traced, whichever backend runs eagerly
   (codecs/backend.py; a Triton launcher cannot run on the fake tensors a trace
   hands it): the specification of its bits, one definition for both devices. Inductor
@@ -94,15 +95,10 @@ from ..triton_kernels import general_path
 from . import relu_signs
 from .layers import modules_under
 from .pool_decisions import Window
-from .keep_rules import KeepPolicy, traced_save_stored
+from .graph_saves import BLOCK, COPY, KEPT, STORED, codec_of
+from .keep_rules import KeepPolicy
 from .store import input_tensors
 
-_KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
-_STORED = "actsave_stored_by"  # that of a plain segment's ops
-# That of a wrapped block's checkpoint: not _KEPT, so that no region input of a block
-# is encoded as a segment's is; of a block's saves only its input copies are (_COPY).
-_BLOCK = "actsave_block_kept_by"
-_COPY = "actsave_copy_kept_by"  # that of the copies of a block's inputs, the saves its codec keeps
 
 
 def missing_pieces() -> Optional[str]:
@@ -116,12 +112,12 @@ def annotation(policy: KeepPolicy, checkpointed: bool):
     an exact one, which compiles on a torch without the pieces codecs need too."""
     if policy.codec.lossless:
         return contextlib.nullcontext()
-    return _torch_graphs.annotated({_KEPT if checkpointed else _STORED: policy.codec.name})
+    return _torch_graphs.annotated({KEPT if checkpointed else STORED: policy.codec.name})
 
 
 def block_annotation(policy: KeepPolicy):
     """The context a wrapped block's checkpoint is traced in."""
-    return _torch_graphs.annotated({_BLOCK: policy.codec.name})
+    return _torch_graphs.annotated({BLOCK: policy.codec.name})
 
 
 # The copies are an operator of actsave's own: Inductor removes a clone that nothing
@@ -161,24 +157,8 @@ def inputs_copied(args: tuple, kwargs: dict, policy: KeepPolicy) -> tuple:
     hooks are never given (see the NOTE). Unlike keep_rules.should_encode this takes a leaf
     that requires grad too: Dynamo neither tells leaves from other inputs nor guards
     on it."""
-    with _torch_graphs.annotated({_COPY: policy.codec.name}):
+    with _torch_graphs.annotated({COPY: policy.codec.name}):
         return _torch.pytree.tree_map_only(torch.Tensor, _copied, (args, kwargs))
-
-
-def _codec_of(node, backward) -> Optional[str]:
-    """The codec that keeps the saved ``node``, or None: see the NOTE."""
-    made_in = node.meta.get("custom") or {}
-    for kept_by in (_STORED, _COPY):  # a plain segment's saves stored as eager kept_saves stores them
-        if kept_by in made_in:
-            return made_in[kept_by] if kept_by == _COPY or traced_save_stored(node.meta["val"], node.target) else None
-    placeholder = next((n for n in backward.find_nodes(op="placeholder") if n.name == node.name), None)
-    if placeholder is None:
-        return None
-    # Its users are the region's recompute and the backward of the region's first ops,
-    # which carry the region's annotation too. A save read by regions of two codecs, or
-    # also by another op (a plain segment's, which eagerly keeps it exactly), stays exact.
-    names = {(user.meta.get("custom") or {}).get(_KEPT) for user in placeholder.users}
-    return names.pop() if len(names) == 1 else None
 
 
 @contextlib.contextmanager
@@ -190,7 +170,7 @@ def _reference_traced():
 
 def _pack(value: torch.Tensor):
     traced = _torch_graphs.saved_node_being_traced()
-    name = _codec_of(*traced) if traced is not None and encodable(value) else None
+    name = codec_of(*traced) if traced is not None and encodable(value) else None
     if name is None:
         return value
     with _reference_traced():
@@ -206,7 +186,7 @@ def _unpack(stored):
     data, scales, offsets = stored
     with _reference_traced():
         shape = _torch_graphs.traced_shape(like, data)
-        return get_codec(_codec_of(node, backward)).decode(Packed(data, scales, shape, like.dtype, offsets=offsets))
+        return get_codec(codec_of(node, backward)).decode(Packed(data, scales, shape, like.dtype, offsets=offsets))
 
 
 _hooks = None

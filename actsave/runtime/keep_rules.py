@@ -190,6 +190,9 @@ def _divisor_result(t: torch.Tensor) -> bool:
 #   storage lives anyway, and its encoding would add memory and error, freeing nothing.
 # - A selective recompute under a lossy codec recomputes attention from its decoded
 #   q, k, v rather than keeping its output (selective.py, NOTE [ Selective recompute ]).
+# - In a compiled graph, a plain segment's saves that graph codecs store are judged
+#   by the graph (graph_saves.py, attention_holds): a save made by an op traced from
+#   the attention call, or sharing a storage, by views, with a tensor it took or made.
 # Attention reached otherwise (a name bound before the tap, another kernel) is not
 # known, and its saves are encoded as any others. The planner's count of a plain
 # segment's saves asks the same (planning/saves_as_stored.py).

@@ -1,0 +1,105 @@
+"""Which saves of a compiled graph a codec keeps (NOTE [ Codecs in a compiled graph ] in
+graph_codecs.py): the annotations that mark a segment's ops, read from a saved node and
+its backward users (:func:`codec_of`); and, of a plain segment's saves, those an
+attention call took or made, which stay exact as eager actsave keeps them (NOTE
+[ Attention's saves agree ] in keep_rules.py; :func:`attention_holds`).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+
+from .. import _torch
+from .keep_rules import traced_save_stored
+
+KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
+STORED = "actsave_stored_by"  # that of a plain segment's ops
+# That of a wrapped block's checkpoint: not KEPT, so that no region input of a block
+# is encoded as a segment's is; of a block's saves only its input copies are (COPY).
+BLOCK = "actsave_block_kept_by"
+COPY = "actsave_copy_kept_by"  # that of the copies of a block's inputs, the saves its codec keeps
+
+
+def codec_of(node, backward) -> Optional[str]:
+    """The codec that keeps the saved ``node`` of a forward graph whose backward graph
+    is ``backward``, or None: NOTE [ Codecs in a compiled graph ] in graph_codecs.py."""
+    made_in = node.meta.get("custom") or {}
+    if COPY in made_in:
+        return made_in[COPY]
+    if STORED in made_in:  # a plain segment's saves, stored as eager kept_saves stores them
+        stored = traced_save_stored(node.meta["val"], node.target) and not attention_holds(node)
+        return made_in[STORED] if stored else None
+    placeholder = next((n for n in backward.find_nodes(op="placeholder") if n.name == node.name), None)
+    if placeholder is None:
+        return None
+    # Its users are the region's recompute and the backward of the region's first ops,
+    # which carry the region's annotation too. A save read by regions of two codecs, or
+    # also by another op (a plain segment's, which eagerly keeps it exactly), stays exact.
+    names = {(user.meta.get("custom") or {}).get(KEPT) for user in placeholder.users}
+    return names.pop() if len(names) == 1 else None
+
+
+# Attention's saves in a graph (NOTE [ Attention's saves agree ]): eager actsave knows
+# them by the call (a tap on F.scaled_dot_product_attention) and by the storages its
+# saves hold. A graph has no call, but its nodes remember it: each op traced from
+# F.scaled_dot_product_attention carries it as its innermost source (the fused
+# kernel of each device, its outputs, and the math path's ops, whose probabilities
+# and dropout mask are saved), and the fused kernels are known by their operators
+# too. Storages are known by views: a save is held exactly where it, or a tensor it
+# is a view of, or another view of that, is made by attention or taken by it (q, k
+# and v, views of the projection's output; the output projection's input, a view of
+# attention's output). That also holds a save of such a storage made before the call,
+# which eager actsave, knowing a storage only once attention saved it, encodes: the
+# storage lives anyway.
+_FUSED = frozenset(packet for packet in (
+    _torch.flash_attention, _torch.efficient_attention, _torch.cpu_flash_attention,
+    getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None)) if packet is not None)
+# Operators whose output shares its input's storage that the schema does not call views.
+_ALIASING = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+def attention_holds(node) -> bool:
+    """Whether the saved ``node`` shares its storage with a tensor an attention call
+    took or made, so that a lossy codec keeps it exactly (see above)."""
+    return any(_attention(n) or any(_attention(user) for user in n.users) for n in _views_of(_base(node)))
+
+
+def _attention(node) -> bool:
+    """Whether ``node`` is an op traced from F.scaled_dot_product_attention."""
+    if node.op != "call_function":
+        return False
+    if getattr(node.target, "overloadpacket", None) in _FUSED:
+        return True
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and _attention(node.args[0]):
+        return True
+    sources = node.meta.get("source_fn_stack") or ()
+    return bool(sources) and sources[-1][1] is _torch.ATTENTION.original
+
+
+def _is_view(node) -> bool:
+    target = node.target
+    return node.op == "call_function" and bool(node.args) and isinstance(node.args[0], torch.fx.Node) and (
+        getattr(target, "is_view", False) or target in _ALIASING)
+
+
+def _base(node):
+    """The node whose storage ``node`` views (itself where it is no view)."""
+    while _is_view(node):
+        node = node.args[0]
+    return node
+
+
+def _views_of(base) -> list:
+    """``base`` and every view of it, views of views included."""
+    found, pending = [base], [base]
+    while pending:
+        for user in pending.pop().users:
+            if _is_view(user) and user.args[0] in found and user not in found:
+                found.append(user)
+                pending.append(user)
+    return found
+
+
+__all__ = ["KEPT", "STORED", "BLOCK", "COPY", "codec_of", "attention_holds"]
