@@ -55,7 +55,7 @@ import harness  # noqa: E402  (bench/ is on sys.path when this script runs)
 
 from actsave.text import format_table  # noqa: E402
 from actsave.codecs import LOSSY_CODECS  # noqa: E402
-from actsave.codecs.centering import channel_offsets  # noqa: E402
+from actsave.codecs.centering import channel_sums  # noqa: E402
 from actsave.triton_kernels import UNSIGNED_VARIANT, _tile, channel_size, kernel_table  # noqa: E402
 from actsave.triton_kernels.decisions import relu_signs  # noqa: E402
 
@@ -99,7 +99,7 @@ def case_name(codec: str, layout: str, dtype: str) -> str:
 
 class Codec:
     """The kernels (or references) of a codec's format for one layout, as GroupCodec
-    calls them: means from ``channel_offsets`` where centered, the unsigned variant of
+    calls them: the channels' sums from ``channel_sums`` where centered, the unsigned variant of
     the format for non-negative tensors."""
 
     def __init__(self, codec: str, layout: Layout):
@@ -108,16 +108,16 @@ class Codec:
         self.format = fmt
         self._encode, self._decode = (kernel_table()[fmt, direction] for direction in ("encode", "decode"))
 
-    def means(self, x):
-        return channel_offsets(x) if self.layout.centered else None
+    def sums(self, x):
+        return channel_sums(x) if self.layout.centered else None
 
-    def encode(self, x, means, reference=False):
+    def encode(self, x, sums, reference=False):
         function = self._encode.reference if reference else self._encode.launcher
-        return function(x, **self._encode.format_args, means=means)
+        return function(x, **self._encode.format_args, sums=sums)
 
-    def decode(self, codes, scales, x, means, reference=False):
+    def decode(self, codes, scales, x, sums, reference=False):
         function = self._decode.reference if reference else self._decode.launcher
-        return function(codes, scales, **self._decode.format_args, dtype=x.dtype, means=means,
+        return function(codes, scales, **self._decode.format_args, dtype=x.dtype, sums=sums,
                         channel_size=channel_size(x.shape))
 
 
@@ -126,12 +126,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def check_against_reference(codec: Codec, x: torch.Tensor, means) -> tuple:
+def check_against_reference(codec: Codec, x: torch.Tensor, sums) -> tuple:
     """Encode and decode with the kernels; raise unless they equal the references."""
-    codes, scales = codec.encode(x, means)
-    ref_codes, ref_scales = codec.encode(x, means, reference=True)
-    decoded = codec.decode(codes, scales, x, means)
-    expected = codec.decode(ref_codes, ref_scales, x, means, reference=True)
+    codes, scales = codec.encode(x, sums)
+    ref_codes, ref_scales = codec.encode(x, sums, reference=True)
+    decoded = codec.decode(codes, scales, x, sums)
+    expected = codec.decode(ref_codes, ref_scales, x, sums, reference=True)
     if not (torch.equal(codes, ref_codes) and torch.equal(bits(scales), bits(ref_scales))
             and torch.equal(bits(decoded), bits(expected))):
         raise AssertionError(f"{codec.format} on {x.dtype} {tuple(x.shape)}: kernel differs from reference")
@@ -220,23 +220,23 @@ def measure(codec_name: str, layout_name: str, dtype: torch.dtype, numel: int, c
     codec = Codec(codec_name, LAYOUTS[layout_name])
     torch.manual_seed(0)
     x = codec.layout.make(numel, channels, device, dtype)
-    means = codec.means(x)
-    codes, scales = check_against_reference(codec, x, means)
+    sums = codec.sums(x)
+    codes, scales = check_against_reference(codec, x, sums)
     value_bytes = x.numel() * x.element_size()
-    stored = codes.numel() * codes.element_size() + scales.numel() * 4 + (means.numel() * 4 if means is not None else 0)
+    stored = codes.numel() * codes.element_size() + scales.numel() * 4 + (sums.numel() * 4 if sums is not None else 0)
     row = {"bytes_ratio": stored / value_bytes}
     if timer is None:
         return row
     inputs = copies_beyond_l2(x, timer)
-    encoded = [(x, codes, scales)] + [(c, *codec.encode(c, means)) for c in inputs[1:]]
+    encoded = [(x, codes, scales)] + [(c, *codec.encode(c, sums)) for c in inputs[1:]]
     row["copy_gbps"] = copy_gbps(inputs, timer)
     moved = value_bytes + stored  # each direction reads one side and writes the other
     next_input, next_encoded = rotating(inputs), rotating(encoded)
-    timed(row, "encode", lambda: codec.encode(next_input(), means), moved, timer)
-    timed(row, "decode", lambda: (lambda source, c, s: codec.decode(c, s, source, means))(*next_encoded()), moved,
+    timed(row, "encode", lambda: codec.encode(next_input(), sums), moved, timer)
+    timed(row, "decode", lambda: (lambda source, c, s: codec.decode(c, s, source, sums))(*next_encoded()), moved,
           timer)
-    if codec.layout.centered:  # one read of the tensor, before encoding (channel_offsets)
-        row["means_ms"] = timer(lambda: codec.means(next_input()))[0] * 1e3
+    if codec.layout.centered:  # one read of the tensor, before encoding (channel_sums)
+        row["means_ms"] = timer(lambda: codec.sums(next_input()))[0] * 1e3
     return row
 
 

@@ -85,10 +85,11 @@ class Kernel(NamedTuple):
     ``launcher`` runs ``jit`` (on CUDA, or on CPU under TRITON_INTERPRET=1);
     ``reference`` is its specification in torch and gives the same bits. Both take
     the same arguments, ``format_args`` (fp8's ``fmt``, int8's ``unsigned``) included: ``encode(x,
-    **format_args, group_size=..., means=None)`` returns ``(codes, scales)``, ``means``
-    being per-channel values to subtract first (NOTE [ Channel means ] in _channel_means.py);
+    **format_args, group_size=..., means=None, sums=None)`` returns ``(codes, scales)``,
+    ``means`` being per-channel values to subtract first, or ``sums`` the channels' sums
+    whose means those are (NOTE [ Channel means ] in _channel_means.py);
     ``decode(codes, scales, **format_args, dtype=..., group_size=..., means=None,
-    channel_size=1)`` a 1-D tensor of ``dtype``, the means added back. ``constexprs``
+    channel_size=1, sums=None)`` a 1-D tensor of ``dtype``, the means added back. ``constexprs``
     are the format's constexprs the launcher passes to ``jit`` (the launch adds the
     tile's and ``CENTERED``), for builds ahead of time.
     """

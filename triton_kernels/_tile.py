@@ -146,10 +146,10 @@ def plain_tile(magnitudes):
 
 
 @triton.jit
-def load_encoder_tile(x_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic,
-                      count_shift, CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
-                      INTERPRETED: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
-                      RUN: tl.constexpr):
+def load_encoder_tile(x_ptr, means_ptr, mean_divisor, numel, channel_size, channels, size_magic, size_shift,
+                      count_magic, count_shift, CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr,
+                      INDEX_64: tl.constexpr, INTERPRETED: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                      GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
     """What every encoder starts with, for this program's tile: ``(groups, their mask,
     offsets, their mask, x as fp32, x less its channel means where CENTERED (NOTE
     [ Channel means ]), each row's magnitudes, whether the tile is plain: NOTE [ Plain
@@ -160,8 +160,8 @@ def load_encoder_tile(x_ptr, means_ptr, numel, channel_size, channels, size_magi
     x = load_as_float32(x_ptr + offsets, in_bounds)
     centered = x
     if CENTERED:
-        centered = x - channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
-                                        size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+        centered = x - channel_means_of(runs, offsets, in_bounds, means_ptr, mean_divisor, channel_size, channels,
+                                        size_magic, size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
     magnitudes = row_magnitudes(centered, INTERPRETED)
     plain = plain_tile(magnitudes)
     if CENTERED:
@@ -170,8 +170,8 @@ def load_encoder_tile(x_ptr, means_ptr, numel, channel_size, channels, size_magi
 
 
 @triton.jit
-def load_decoder_tile(codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift,
-                      count_magic, count_shift, CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr,
+def load_decoder_tile(codes_ptr, scales_ptr, means_ptr, mean_divisor, numel, channel_size, channels, size_magic,
+                      size_shift, count_magic, count_shift, CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr,
                       INDEX_64: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
                       RUN: tl.constexpr):
     """What every decoder starts with, for this program's tile: ``(offsets, their
@@ -183,8 +183,8 @@ def load_decoder_tile(codes_ptr, scales_ptr, means_ptr, numel, channel_size, cha
     scale = tl.load(scales_ptr + groups, mask=groups_in_bounds, other=0.0)
     means = 0.0
     if CENTERED:
-        means = channel_means_of(runs, offsets, in_bounds, means_ptr, channel_size, channels, size_magic,
-                                 size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
+        means = channel_means_of(runs, offsets, in_bounds, means_ptr, mean_divisor, channel_size, channels,
+                                 size_magic, size_shift, count_magic, count_shift, RUN_CHANNELS, INDEX_64)
     return offsets, in_bounds, codes, scale, means
 
 
@@ -217,7 +217,21 @@ def flat_input(x, group_size):
     """x checked and flattened row-major into a contiguous 1-D tensor."""
     check_group_size(group_size)
     check_float_dtype(x.dtype, "the tensor to encode")
-    return x.reshape(-1).contiguous()
+    return _flat(x)
+
+
+def kernel_input(x, group_size):
+    """x checked, its values in row-major memory, as an encoder kernel reads them: x
+    itself where it is contiguous, whatever its shape (a view would cost host work and
+    change nothing the kernel reads), else a contiguous copy."""
+    check_group_size(group_size)
+    check_float_dtype(x.dtype, "the tensor to encode")
+    return x if x.is_contiguous() else x.reshape(-1).contiguous()
+
+
+def _flat(t):
+    """t as a contiguous 1-D tensor: itself where it is one (a codec's codes and scales)."""
+    return t if t.dim() == 1 and t.is_contiguous() else t.reshape(-1).contiguous()
 
 
 def flat_codes(codes, scales, code_dtype, dtype, group_size):
@@ -230,7 +244,7 @@ def flat_codes(codes, scales, code_dtype, dtype, group_size):
     if scales.dtype != torch.float32 or scales.numel() != n_groups:
         raise ValueError(f"{codes.numel()} codes in groups of {group_size} need {n_groups} "
                          f"float32 scales, got {scales.numel()} {scales.dtype} scales")
-    return codes.reshape(-1).contiguous(), scales.reshape(-1).contiguous()
+    return _flat(codes), _flat(scales)
 
 
 def empty_encoding(flat, group_size, code_dtype):
@@ -246,10 +260,15 @@ def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
     allocations are what actsave.estimate simulates a CUDA step by. ``run`` is the
     elements each thread owns contiguously (NOTE [ Tile ]), ``means`` the kernel's
     :class:`ChannelMeans`, ``arguments`` its other arguments by name."""
-    if numel == 0 or tensors[0].device.type == "meta":
+    first = tensors[0]
+    if numel == 0 or first.is_meta:
         return
+    # The interpreter runs CPU tensors. The tile is read at each call (CUDA_TILE) and
+    # keys the constants with the shape.
+    interpreted = first.is_cpu
+    tile = INTERPRETER_TILE if interpreted else CUDA_TILE
     grid, constants = _launch_constants(numel, group_size, run, means.channel_size, means.channels, means.centered,
-                                        tensors[0].device.type == "cpu")
+                                        means.divisor, interpreted, tile)
     # Through the package's one launch helper: a kernel that fails to compile on the
     # user's GPU raises an error naming it and the fallback (_launch.py).
     _launch.launch(kernel, grid, *tensors, means_ptr=means.means, **constants, **arguments)
@@ -259,14 +278,13 @@ def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
 # shape (a model has a few), not at every call, whose host work a GPU waits for
 # (docs/performance.md, "Rules of the hot path").
 @functools.lru_cache(maxsize=4096)
-def _launch_constants(numel, group_size, run, channel_size, channels, centered, interpreted) -> tuple:
+def _launch_constants(numel, group_size, run, channel_size, channels, centered, divisor, interpreted, tile) -> tuple:
     """``(grid, arguments)``: a launch's grid and its arguments but the tensors and the
     format's constants (shared: read, never changed)."""
-    tile = INTERPRETER_TILE if interpreted else CUDA_TILE
     groups_per_program = max(1, tile.elements // group_size)
     run = min(run, group_size)
     grid = (ceil_div(ceil_div(numel, group_size), groups_per_program),)
-    return grid, {"numel": numel, **channel_arguments(channel_size, channels, centered, run),
+    return grid, {"numel": numel, **channel_arguments(channel_size, channels, centered, run, divisor),
                   "GROUP_SIZE": group_size, "GROUPS_PER_PROGRAM": groups_per_program, "RUN": run,
                   "INDEX_64": needs_int64(numel), "INTERPRETED": interpreted, **tile.options()}
 
@@ -286,13 +304,13 @@ def run_elements(dtype):
 # ----------------------------------------------------------------- torch references
 
 
-def centered_input_ref(x, group_size, means):
+def centered_input_ref(x, group_size, means, sums=None):
     """``(source, centered)``: ``x`` flat in fp32, and those values less their channel's
-    mean (NOTE [ Channel means ]; ``means`` as :func:`channel_means` takes it). Where no
+    mean (NOTE [ Channel means ]; ``means`` or ``sums`` as :func:`channel_means` takes them). Where no
     mean is subtracted ``centered`` is ``source`` itself; otherwise it is a new tensor,
     the reference's own, which it may overwrite."""
     source = flat_input(x, group_size).to(torch.float32)
-    checked = channel_means(x, means, source)
+    checked = channel_means(x, means, source, sums)
     if not checked.centered or source.numel() == 0:
         return source, source
     values, channel_means_ = per_channel_ref(source, checked)

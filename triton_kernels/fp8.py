@@ -61,7 +61,7 @@ from ._tile import (
     centered_input_ref,
     empty_encoding,
     flat_codes,
-    flat_input,
+    kernel_input,
     launch,
     load_decoder_tile,
     load_encoder_tile,
@@ -237,7 +237,7 @@ def _encode_fp8_general(centered, x, FP8_MAX: tl.constexpr, NON_FINITE_CODE_MAX:
 
 
 @triton.jit
-def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels,
+def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, mean_divisor, numel, channel_size, channels,
                        size_magic, size_shift, count_magic, count_shift,
                        FP8_MAX: tl.constexpr,
                        NON_FINITE_CODE_MAX: tl.constexpr,
@@ -248,8 +248,8 @@ def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_s
                        INTERPRETED: tl.constexpr,
                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds, x, centered, magnitudes, plain = load_encoder_tile(
-        x_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic, count_shift,
-        CENTERED, RUN_CHANNELS, INDEX_64, INTERPRETED, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
+        x_ptr, means_ptr, mean_divisor, numel, channel_size, channels, size_magic, size_shift, count_magic,
+        count_shift, CENTERED, RUN_CHANNELS, INDEX_64, INTERPRETED, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
     if plain:
         scale, multiplier = plain_group_scale(magnitudes, FP8_MAX)
         if UNSIGNED:
@@ -267,7 +267,7 @@ def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_s
 
 
 @triton.jit
-def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel_size, channels,
+def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, mean_divisor, numel, channel_size, channels,
                        size_magic, size_shift, count_magic, count_shift,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr, FIRST_SPECIAL: tl.constexpr,
                        UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
@@ -276,8 +276,8 @@ def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel
                        INTERPRETED: tl.constexpr,
                        GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
     offsets, in_bounds, codes, scale, means = load_decoder_tile(
-        codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic,
-        count_shift, CENTERED, RUN_CHANNELS, INDEX_64, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
+        codes_ptr, scales_ptr, means_ptr, mean_divisor, numel, channel_size, channels, size_magic, size_shift,
+        count_magic, count_shift, CENTERED, RUN_CHANNELS, INDEX_64, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
     codes = codes.to(tl.int32)
     out_max = largest_finite(out_ptr)
     if none_flagged(scale):  # NOTE [ Plain tiles ]
@@ -294,43 +294,47 @@ def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel
     store_rounded(out_ptr + offsets, y, in_bounds, INTERPRETED)
 
 
+_FORMATS = {**FP8_FORMATS, **UNSIGNED_FP8_FORMATS}
+
+
 def _format(fmt):
-    formats = {**FP8_FORMATS, **UNSIGNED_FP8_FORMATS}
-    if fmt not in formats:
-        raise ValueError(f"fmt must be one of {sorted(formats)}, got {fmt!r}")
-    return formats[fmt]
+    if fmt not in _FORMATS:
+        raise ValueError(f"fmt must be one of {sorted(_FORMATS)}, got {fmt!r}")
+    return _FORMATS[fmt]
 
 
-def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
+def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None, sums=None):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
     TRITON_INTERPRET=1 or CUDA) into (uint8 fp8 bit patterns of shape (numel,), fp32
     scales of shape (n_groups,)); fmt is "e4m3" or "e5m2", or "ue4m4" or "ue5m3" for
     a non-negative tensor (NOTE [ Unsigned grids ]). ``means``, fp32 of shape
-    (x.shape[1],), are subtracted per channel first (NOTE [ Channel means ]). Raises
-    ValueError for other formats, dtypes, group sizes or means."""
+    (x.shape[1],), are subtracted per channel first, or the means of ``sums``, the
+    channels' sums (NOTE [ Channel means ]). Raises ValueError for other formats,
+    dtypes, group sizes, means or sums."""
     spec = _format(fmt)
-    flat = flat_input(x, group_size)
-    codes, scales = empty_encoding(flat, group_size, torch.uint8)
-    launch(_encode_fp8_kernel, flat.numel(), group_size, run_elements(codes.dtype), channel_means(x, means, scales),
-           flat, codes, scales, **spec.encode_constexprs())
+    source = kernel_input(x, group_size)
+    codes, scales = empty_encoding(source, group_size, torch.uint8)
+    launch(_encode_fp8_kernel, source.numel(), group_size, run_elements(codes.dtype),
+           channel_means(x, means, scales, sums), source, codes, scales, **spec.encode_constexprs())
     return codes, scales
 
 
-def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=None, channel_size=1):
+def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=None, channel_size=1,
+               sums=None):
     """Decode ``encode_fp8``'s output into a 1-D tensor of ``dtype``; reshape it to
-    the original shape. ``means``, those the encoder took, are added back, the
-    tensor's channels holding ``channel_size`` elements per sample (NOTE [ Channel
-    means ])."""
+    the original shape. ``means`` (or ``sums``), those the encoder took, are added
+    back, the tensor's channels holding ``channel_size`` elements per sample (NOTE
+    [ Channel means ])."""
     spec = _format(fmt)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
     launch(_decode_fp8_kernel, codes.numel(), group_size, run_elements(dtype),
-           decoded_channel_means(codes, means, channel_size, scales), codes, scales, out,
+           decoded_channel_means(codes, means, channel_size, scales, sums), codes, scales, out,
            **spec.decode_constexprs())
     return out
 
 
-def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
+def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None, sums=None):
     """The specification of ``encode_fp8``, in torch. torch's fp8 casts round half to
     even; clamping first makes the saturation explicit, since their handling of values
     beyond the largest finite one differs between formats and versions (torch 2.13 on
@@ -338,7 +342,7 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None):
     lacks, are written on the bits (``_unsigned_codes_ref``)."""
     spec = _format(fmt)
     signed = getattr(spec, "signed", spec)
-    source, flat = centered_input_ref(x, group_size, means)
+    source, flat = centered_input_ref(x, group_size, means, sums)
     scales, multipliers, prescales = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)
     # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [ Scale rule ]).
     scaled = scaled_ref(flat, multipliers, prescales, group_size, in_place=flat is not source)  # flat: not read again
@@ -392,12 +396,13 @@ def _pow2_ref(exponent):
     return exponent.add_(127).bitwise_left_shift_(23).view(torch.float32)
 
 
-def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=None, channel_size=1):
+def decode_fp8_ref(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=None, channel_size=1,
+                   sums=None):
     """The specification of ``decode_fp8``, in torch."""
     spec = _format(fmt)
     signed = getattr(spec, "signed", spec)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
-    means = decoded_channel_means(codes, means, channel_size, scales)
+    means = decoded_channel_means(codes, means, channel_size, scales, sums)
     if spec is signed:
         values = codes.view(signed.torch_dtype).to(torch.float32)
     else:

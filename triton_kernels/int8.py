@@ -48,7 +48,7 @@ from ._tile import (
     centered_input_ref,
     empty_encoding,
     flat_codes,
-    flat_input,
+    kernel_input,
     launch,
     load_decoder_tile,
     load_encoder_tile,
@@ -98,7 +98,7 @@ def _encode_int8_general(centered, x, CODE_MAX: tl.constexpr, UNSIGNED: tl.const
 
 
 @triton.jit
-def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels,
+def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, mean_divisor, numel, channel_size, channels,
                         size_magic, size_shift, count_magic, count_shift,
                         CODE_MAX: tl.constexpr,
                         UNSIGNED: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
@@ -107,8 +107,8 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_
                         INTERPRETED: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
     groups, groups_in_bounds, offsets, in_bounds, x, centered, magnitudes, plain = load_encoder_tile(
-        x_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic, count_shift,
-        CENTERED, RUN_CHANNELS, INDEX_64, INTERPRETED, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
+        x_ptr, means_ptr, mean_divisor, numel, channel_size, channels, size_magic, size_shift, count_magic,
+        count_shift, CENTERED, RUN_CHANNELS, INDEX_64, INTERPRETED, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
     if plain:
         scale, multiplier = plain_group_scale(magnitudes, CODE_MAX)
         codes = integer_code_bits(centered * multiplier[:, None, None], UNSIGNED)
@@ -123,7 +123,7 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, numel, channel_
 
 
 @triton.jit
-def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channel_size, channels,
+def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, mean_divisor, numel, channel_size, channels,
                         size_magic, size_shift, count_magic, count_shift,
                         UNSIGNED: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
@@ -131,8 +131,8 @@ def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channe
                         INTERPRETED: tl.constexpr,
                         GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr, RUN: tl.constexpr):
     offsets, in_bounds, codes, scale, means = load_decoder_tile(
-        codes_ptr, scales_ptr, means_ptr, numel, channel_size, channels, size_magic, size_shift, count_magic,
-        count_shift, CENTERED, RUN_CHANNELS, INDEX_64, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
+        codes_ptr, scales_ptr, means_ptr, mean_divisor, numel, channel_size, channels, size_magic, size_shift,
+        count_magic, count_shift, CENTERED, RUN_CHANNELS, INDEX_64, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
     out_max = largest_finite(out_ptr)
     if none_flagged(scale):  # NOTE [ Plain tiles ]
         y = plain_dequantize(codes.to(tl.float32), scale, means, out_max, CENTERED)
@@ -145,36 +145,37 @@ def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, numel, channe
     store_rounded(out_ptr + offsets, y, in_bounds, INTERPRETED)
 
 
-def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
+def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None, sums=None):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
     TRITON_INTERPRET=1 or CUDA) into (codes of shape (numel,), fp32 scales of shape
     (n_groups,)): int8 codes, or uint8 ones on the unsigned grid. ``means``, fp32 of
-    shape (x.shape[1],), are subtracted per channel first (NOTE [ Channel means ]).
-    Raises ValueError for other dtypes, group sizes or means."""
-    flat = flat_input(x, group_size)
-    codes, scales = empty_encoding(flat, group_size, _code_dtype(unsigned))
-    launch(_encode_int8_kernel, flat.numel(), group_size, run_elements(codes.dtype), channel_means(x, means, scales),
-           flat, codes, scales, **encode_constexprs(unsigned))
+    shape (x.shape[1],), are subtracted per channel first, or the means of ``sums``,
+    the channels' sums (NOTE [ Channel means ]).
+    Raises ValueError for other dtypes, group sizes, means or sums."""
+    source = kernel_input(x, group_size)
+    codes, scales = empty_encoding(source, group_size, _code_dtype(unsigned))
+    launch(_encode_int8_kernel, source.numel(), group_size, run_elements(codes.dtype),
+           channel_means(x, means, scales, sums), source, codes, scales, **encode_constexprs(unsigned))
     return codes, scales
 
 
 def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None,
-                channel_size=1):
+                channel_size=1, sums=None):
     """Decode ``encode_int8``'s output (same ``unsigned``) into a 1-D tensor of
-    ``dtype``; reshape it to the original shape. ``means``, those the encoder took,
-    are added back, the tensor's channels holding ``channel_size`` elements per sample
-    (NOTE [ Channel means ])."""
+    ``dtype``; reshape it to the original shape. ``means`` (or ``sums``), those the
+    encoder took, are added back, the tensor's channels holding ``channel_size``
+    elements per sample (NOTE [ Channel means ])."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
     launch(_decode_int8_kernel, codes.numel(), group_size, run_elements(dtype),
-           decoded_channel_means(codes, means, channel_size, scales), codes, scales, out,
+           decoded_channel_means(codes, means, channel_size, scales, sums), codes, scales, out,
            **decode_constexprs(unsigned))
     return out
 
 
-def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None):
+def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None, sums=None):
     """The specification of ``encode_int8``, in torch (torch.round ties to even)."""
-    source, flat = centered_input_ref(x, group_size, means)
+    source, flat = centered_input_ref(x, group_size, means, sums)
     scales, multipliers, prescales = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX,
                                                      NON_FINITE_CODES)
     # |scaled| <= code_max * (1 + 2**-23): rounding never passes code_max (NOTE [ Scale rule ]).
@@ -194,10 +195,10 @@ def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None
 
 
 def decode_int8_ref(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None,
-                    channel_size=1):
+                    channel_size=1, sums=None):
     """The specification of ``decode_int8``, in torch."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
-    means = decoded_channel_means(codes, means, channel_size, scales)
+    means = decoded_channel_means(codes, means, channel_size, scales, sums)
     values = codes.to(torch.float32)
     if unsigned and any_flagged_ref(scales):  # a flagged group's bytes are int8 codes
         values.add_(is_flagged_ref(scales, group_size, codes.numel()) & (codes > INT8_MAX), alpha=-256)

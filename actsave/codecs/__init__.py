@@ -21,8 +21,8 @@ gains about as much (docs/results.md, "Other figures"); where they are signed
 
 A signed conv activation (4-D or 5-D, channel in dim 1, any float dtype) is stored
 minus its per-channel means, which are kept exactly (:attr:`Packed.offsets`, one fp32
-per channel): the bits go to each channel's spread, not its offset (NOTE [ Channel
-centering ] in ``codecs/centering.py``).
+per channel: the channel's sum, whose mean the kernels work out): the bits go to each
+channel's spread, not its offset (NOTE [ Channel centering ] in ``codecs/centering.py``).
 
 The bits are defined by the torch references of ``actsave.triton_kernels``' kernel
 table; the Triton kernels match them exactly (codecs/backend.py chooses which runs). Decoding
@@ -54,7 +54,7 @@ import torch
 from ..errors import ConfigError
 from ..layouts import copied_with_strides, kept_strides
 from .backend import implementation
-from .centering import channel_offsets
+from .centering import channel_sums
 from ..triton_kernels import DEFAULT_GROUP_SIZE, SUPPORTED_DTYPES, UNSIGNED_VARIANT, channel_size, kernel_table
 
 # Elements per fp32 scale: the kernels' default, justified where it is defined.
@@ -71,7 +71,8 @@ class Packed:
     shape: torch.Size
     dtype: torch.dtype
     unsigned: bool = False  # stored on the codec's unsigned grid (a non-negative tensor)
-    # Per-channel means subtracted before encoding, fp32 (NOTE [ Channel centering ]).
+    # Per-channel sums, fp32, whose means were subtracted before encoding (NOTE
+    # [ Channel centering ]).
     offsets: Optional[torch.Tensor] = None
     # The strides decode gives back, where the input's layout is not contiguous (NOTE
     # [ Kept layouts ]); None otherwise, and for the identity codec, whose data keeps its own.
@@ -162,10 +163,10 @@ class GroupCodec(Codec):
 
     def encode(self, x: torch.Tensor, non_negative: bool = False) -> Packed:
         source = _as_kernels_read(x)
-        offsets = None if non_negative else channel_offsets(source)
+        offsets = None if non_negative else channel_sums(source)
         kernel = kernel_table()[self._format(non_negative), "encode"]
         encode = implementation(kernel, source)
-        codes, scales = encode(source, **kernel.format_args, group_size=GROUP_SIZE, means=offsets)
+        codes, scales = encode(source, **kernel.format_args, group_size=GROUP_SIZE, sums=offsets)
         return Packed(data=codes, scales=scales, shape=x.shape, dtype=x.dtype, unsigned=non_negative,
                       offsets=offsets, strides=kept_strides(x))
 
@@ -177,7 +178,7 @@ class GroupCodec(Codec):
         kernel = kernel_table()[self._format(packed.unsigned), "decode"]
         decode = implementation(kernel, packed.data)
         flat = decode(packed.data, packed.scales, **kernel.format_args, dtype=wide, group_size=GROUP_SIZE,
-                      means=packed.offsets, channel_size=channel_size(packed.shape))
+                      sums=packed.offsets, channel_size=channel_size(packed.shape))
         if packed.strides is None:
             return flat.view(packed.shape).to(packed.dtype)
         return copied_with_strides(flat.view(packed.shape), packed.strides, packed.dtype)

@@ -87,7 +87,7 @@ def implementation(kernel: Kernel, tensor: torch.Tensor) -> Callable:
     use_triton = selected == "triton" or (selected == "auto" and runs_triton_by_default(device_of(tensor)))
     if not use_triton:
         return kernel.reference
-    if tensor.device.type == "cpu" and not kernel.interpreted:
+    if tensor.is_cpu and not kernel.interpreted:
         raise ActsaveError(
             "the 'triton' backend was forced for a CPU tensor, but Triton's interpreter "
             "is off: set the environment variable TRITON_INTERPRET=1 before Python "

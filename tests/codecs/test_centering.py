@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from actsave import set_backend
+from actsave.triton_kernels import _launch
 from actsave.codecs import GROUP_SIZE, LOSSY_CODECS, Packed, get_codec, sqnr_db
-from actsave.codecs.centering import channel_offsets
+from actsave.codecs.centering import channel_sums
 from actsave.triton_kernels import MAX_MEAN as MAX_OFFSET
 from actsave.planning.live_bytes import LiveBytes
+from support import OpCounter
 
 
 def offset_channels(*shape, seed=0):
@@ -16,6 +18,13 @@ def offset_channels(*shape, seed=0):
     generator = torch.Generator().manual_seed(seed)
     means = 4 * torch.randn(shape[1], generator=generator).view(1, -1, *[1] * (len(shape) - 2))
     return torch.randn(*shape, generator=generator) + means
+
+
+def kept_means(packed: Packed) -> torch.Tensor:
+    """The channel means a packed value was stored minus: its kept sums, each over its
+    channel's element count, as the kernels work them out (NOTE [ Channel means ])."""
+    count = torch.Size(packed.shape).numel() // packed.offsets.numel()
+    return packed.offsets / torch.tensor(float(count))
 
 
 def spread_sqnr_db(x, y) -> float:
@@ -29,10 +38,26 @@ def spread_sqnr_db(x, y) -> float:
 def test_conv_activations_are_stored_minus_their_channel_means(codec, shape):
     x = offset_channels(*shape)
     packed = get_codec(codec).encode(x)
-    torch.testing.assert_close(packed.offsets, x.mean(dim=[0, *range(2, x.dim())]))
+    dims = [0, *range(2, x.dim())]
+    # Kept as the channels' sums; the means they give are torch.mean's, bit for bit.
+    assert torch.equal(packed.offsets, x.sum(dim=dims)) and torch.equal(kept_means(packed), x.mean(dim=dims))
     # The same codes without the offsets are what the codec stores of the centered tensor.
-    plain = get_codec(codec).encode((x - packed.offsets.view(1, -1, *[1] * (x.dim() - 2))).reshape(-1))
+    plain = get_codec(codec).encode((x - x.mean(dim=dims).view(1, -1, *[1] * (x.dim() - 2))).reshape(-1))
     assert torch.equal(packed.data, plain.data) and torch.equal(packed.scales, plain.scales)
+
+
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
+def test_a_centered_encode_runs_one_sum_and_its_outputs_on_the_host(codec, monkeypatch):
+    # What the host does before a kernel's launch (stubbed here): the channels' sums, one
+    # operator (a mean is two on a CPU: the sum and a division, which the kernels do:
+    # NOTE [ Channel means ]), and the codes and scales allocated; no view of the input.
+    monkeypatch.setattr(_launch, "launch", lambda *args, **kwargs: None)
+    x = offset_channels(2, 4, 8, 8)
+    with set_backend("triton"):
+        get_codec(codec).encode(x)  # the first call imports the kernels, which run operators
+        with OpCounter() as ops:
+            get_codec(codec).encode(x)
+    assert ops.counts == {"aten.sum.dim_IntList": 1, "aten.empty.memory_format": 2}
 
 
 def encode_rise(codec, x) -> int:
@@ -135,7 +160,7 @@ def test_finite_float16_values_stay_finite_at_the_edge_of_their_range(codec):
     x = torch.full((2, 2, 4, 4), largest, dtype=torch.float16)
     x[:, 1], x[0, 0, 0, :2] = -largest, largest / 3
     packed = get_codec(codec).encode(x)
-    assert (packed.offsets.abs() > largest / 2).all()
+    assert (kept_means(packed).abs() > largest / 2).all()
     assert torch.isfinite(get_codec(codec).decode(packed)).all()
 
 
@@ -148,7 +173,8 @@ def test_finite_values_stay_finite_at_the_edge_of_float32s_range(codec, dtype):
     x[0, 1], x[1, 1] = largest, -largest  # both ends of the range in one channel
     packed = get_codec(codec).encode(x)
     # Kept as the reduction gives it (inf here); the kernels take it as 0 (NOTE [ Channel means ]).
-    assert not packed.offsets[0].abs() <= MAX_OFFSET and packed.offsets[2] == MAX_OFFSET
+    means = kept_means(packed)
+    assert not means[0].abs() <= MAX_OFFSET and means[2] == MAX_OFFSET
     assert torch.isfinite(get_codec(codec).decode(packed)).all()
 
 
@@ -163,8 +189,8 @@ def test_no_allowed_mean_takes_a_finite_value_past_float32(sign):
     assert torch.isfinite(x + offsets.view(1, -1, 1, 1)).all()
 
 
-def test_channel_offsets_reads_nothing_back_on_meta_tensors():
-    offsets = channel_offsets(torch.empty(2, 5, 4, 4, device="meta"))
+def test_channel_sums_read_nothing_back_on_meta_tensors():
+    offsets = channel_sums(torch.empty(2, 5, 4, 4, device="meta"))
     assert offsets.shape == (5,) and offsets.device.type == "meta"
 
 

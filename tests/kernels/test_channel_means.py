@@ -1,7 +1,7 @@
 """NOTE [ Channel means ] (triton_kernels/_channel_means.py): an encoder given one mean per
-channel subtracts it as it loads, and the decoder adds it back as it stores. For every
-signed format, read from the kernel table: the kernels against their references bit
-for bit, and the references against the rule."""
+channel (or the channels' sums) subtracts it as it loads, and the decoder adds it back as
+it stores. For every signed format, read from the kernel table: the kernels against
+their references bit for bit, and the references against the rule."""
 from functools import partial
 
 import pytest
@@ -53,21 +53,25 @@ CASES = {
 }
 
 
-def _assert_kernel_matches_reference(fmt, case, dtype, group_size, device, assert_same_bits):
-    """Codes, scales and the decoded values at every output dtype, means added back."""
+def _assert_kernel_matches_reference(fmt, case, dtype, group_size, device, assert_same_bits, given="means"):
+    """Codes, scales and the decoded values at every output dtype, means added back;
+    ``given="sums"`` passes the case's means times each channel's count as ``sums``,
+    which the kernels divide back, rounding (NOTE [ Channel means ])."""
     torch.manual_seed(0)
     x, means = CASES[case]()
     x = x.to(dtype)
+    offsets = {given: means if given == "means" else means * (x.numel() // means.numel())}
+    on_device = {given: offsets[given].to(device)}
     (encode, decode), (encode_ref, decode_ref) = _pair(fmt, "triton"), _pair(fmt, "reference")
-    codes, scales = encode(x.to(device), group_size=group_size, means=means.to(device))
-    ref_codes, ref_scales = encode_ref(x, group_size=group_size, means=means)
+    codes, scales = encode(x.to(device), group_size=group_size, **on_device)
+    ref_codes, ref_scales = encode_ref(x, group_size=group_size, **offsets)
     assert_same_bits(codes.cpu(), ref_codes)
     assert_same_bits(scales.cpu(), ref_scales)
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
-        decoded = decode(codes, scales, dtype=out_dtype, group_size=group_size, means=means.to(device),
-                         channel_size=channel_size(x.shape))
-        expected = decode_ref(ref_codes, ref_scales, dtype=out_dtype, group_size=group_size, means=means,
-                              channel_size=channel_size(x.shape))
+        decoded = decode(codes, scales, dtype=out_dtype, group_size=group_size, channel_size=channel_size(x.shape),
+                         **on_device)
+        expected = decode_ref(ref_codes, ref_scales, dtype=out_dtype, group_size=group_size,
+                              channel_size=channel_size(x.shape), **offsets)
         assert_same_bits(decoded.cpu(), expected)
 
 
@@ -77,11 +81,38 @@ def test_kernel_matches_reference(fmt, case, dtype, group_size, assert_same_bits
     _assert_kernel_matches_reference(fmt, case, dtype, group_size, "cpu", assert_same_bits)
 
 
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_reference_given_sums(fmt, case, dtype, group_size, assert_same_bits):
+    _assert_kernel_matches_reference(fmt, case, dtype, group_size, "cpu", assert_same_bits, given="sums")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", SIGNED_FORMATS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cuda_kernel_matches_reference(fmt, case, dtype, group_size, assert_same_bits):
-    _assert_kernel_matches_reference(fmt, case, dtype, group_size, "cuda", assert_same_bits)
+@pytest.mark.parametrize("given", ["means", "sums"])
+def test_cuda_kernel_matches_reference(fmt, case, dtype, group_size, assert_same_bits, given):
+    _assert_kernel_matches_reference(fmt, case, dtype, group_size, "cuda", assert_same_bits, given)
+
+
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("case", ["4d", "5d", "3x3", "non_finite"])
+def test_sums_give_the_bits_of_torchs_means(fmt, impl, case, group_size, assert_same_bits):
+    """Each sum over its channel's count, correctly rounded: torch.mean's bits on a CPU,
+    the channel's count not a power of two here (70, 54, 27; 32 beside inf and NaN)."""
+    x, _ = CASES[case]()
+    dims = (0, *range(2, x.dim()))
+    sums, means = torch.sum(x, dims, dtype=torch.float32), torch.mean(x, dims, dtype=torch.float32)
+    encode, decode = _pair(fmt, impl)
+    codes, scales = encode(x, group_size=group_size, sums=sums)
+    expected_codes, expected_scales = encode(x, group_size=group_size, means=means)
+    assert_same_bits(codes, expected_codes)
+    assert_same_bits(scales, expected_scales)
+    assert_same_bits(decode(codes, scales, dtype=torch.float32, group_size=group_size, sums=sums,
+                            channel_size=channel_size(x.shape)),
+                     decode(codes, scales, dtype=torch.float32, group_size=group_size, means=means,
+                            channel_size=channel_size(x.shape)))
 
 
 @pytest.mark.parametrize("fmt", SIGNED_FORMATS)
@@ -140,6 +171,19 @@ def test_encode_rejects_means_that_do_not_fit(impl, means, message):
     encode, _ = _pair("int8", impl)
     with pytest.raises(ValueError, match=message):
         encode(torch.randn(2, 4, 3, 3), group_size=16, means=means)
+    with pytest.raises(ValueError, match=message.replace("means", "sums")):
+        encode(torch.randn(2, 4, 3, 3), group_size=16, sums=means)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_means_and_sums_together_are_refused(impl):
+    encode, decode = _pair("int8", impl)
+    x, offsets = torch.randn(2, 4, 3, 3), torch.zeros(4)
+    with pytest.raises(ValueError, match="means or their sums, not both"):
+        encode(x, group_size=16, means=offsets, sums=offsets)
+    codes, scales = encode(x, group_size=16)
+    with pytest.raises(ValueError, match="means or their sums, not both"):
+        decode(codes, scales, dtype=torch.float32, group_size=16, means=offsets, sums=offsets, channel_size=9)
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])

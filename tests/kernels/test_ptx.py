@@ -69,7 +69,8 @@ def _job(codec, direction, dtype, target):
     return {
         "module": kernel.jit.fn.__module__,  # the subprocess imports it by name
         "kernel": kernel.jit.fn.__name__,
-        "signature": {**pointers, "numel": numel_type, **channels, **dict.fromkeys(constexprs, "constexpr")},
+        "signature": {**pointers, "mean_divisor": "fp32", "numel": numel_type, **channels,
+                      **dict.fromkeys(constexprs, "constexpr")},
         "constexprs": constexprs,
         "arch": arch,
         "divisible_by_16": list(pointers) + (["numel"] if numel_divisible else []),
@@ -99,13 +100,16 @@ def test_arithmetic_is_correctly_rounded_ieee(builds, build):
     no multiply-add fused into one rounding. Encoding divides twice per group, for the
     scale and for the multiplier, and multiplies each value (NOTE [ Scale rule ]): a
     thread, whose run lies in one group, holds two divisions in each of its two paths
-    (NOTE [ Plain tiles ]), not one per value."""
+    (NOTE [ Plain tiles ]), not one per value; and one for each channel mean it loads,
+    a sum over its count (NOTE [ Channel means ])."""
     ptx = builds[build]["ptx"]
     # Integer divisions (an element's channel, NOTE [ Channel means ]) are exact.
     divisions = re.findall(r"\bdiv\.[\w.]*f32\b", ptx)
     assert set(divisions) <= {"div.rn.f32"}, divisions
     assert not re.findall(r"\bdiv\.[\w.]*f(16|64)\b", ptx)
-    assert len(divisions) == (4 if "-encode-" in build else 0)
+    _, direction, dtype, target = build.split("-")
+    means = _means_loaded(direction, dtype, TARGETS[target][3])
+    assert len(divisions) == (4 if direction == "encode" else 0) + means
     assert ".approx" not in ptx and "ftz" not in ptx and "fma" not in ptx
 
 
@@ -144,7 +148,7 @@ def _expected_aligned_accesses(direction, dtype, run_channels):
     which the caches serve."""
     run = _run(direction, dtype)
     runs = ELEMENTS_PER_THREAD // run
-    means = {None: 0, 1: runs, 2: 2 * runs, 0: ELEMENTS_PER_THREAD}[run_channels]
+    means = _means_loaded(direction, dtype, run_channels)
     value_vectors = ELEMENTS_PER_THREAD * DTYPES[dtype] // VECTOR_BYTES
     if direction == "encode":
         return {"ld.global.v4.b32": value_vectors, **({"ld.global.b32": means} if means else {}),
@@ -153,6 +157,13 @@ def _expected_aligned_accesses(direction, dtype, run_channels):
     accesses = Counter({code_load: runs, "st.global.v4.b32": value_vectors})
     accesses["ld.global.b32"] += runs + 1 + means  # scales, the tile's scales for none_flagged, means
     return dict(accesses)
+
+
+def _means_loaded(direction, dtype, run_channels):
+    """Channel means a thread loads (NOTE [ Channel means ]): one per run (RUN_CHANNELS 1),
+    two (2), or one per element (0); none without means."""
+    runs = ELEMENTS_PER_THREAD // _run(direction, dtype)
+    return {None: 0, 1: runs, 2: 2 * runs, 0: ELEMENTS_PER_THREAD}[run_channels]
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if not b.endswith("_ragged")])
