@@ -202,7 +202,8 @@ def _type_name(value) -> str:
 
 
 def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_grad_rises: list, times: tuple,
-                   costs: CodecCosts, gathered: int, mutated: int, in_place: bool) -> LayerProfile:
+                   costs: CodecCosts, gathered: int, mutated: int, in_place: bool,
+                   input_saved_by: Optional[tuple]) -> LayerProfile:
     spec, device = found.inputs[i], costs.device
     keep_costs = costs.of(spec)
 
@@ -219,7 +220,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_g
         input_grad_bytes=allocation_bytes(spec.dense_bytes, device) if spec.requires_grad else 0,
         output_bytes=allocation_bytes(next_spec.storage_bytes, device) if next_spec else found.output_bytes,
         saved_bytes=found.saved_bytes[i],
-        input_saved_by=found.input_saved_by[i],
+        input_saved_by=input_saved_by,
         forward_rise=found.forward_rise[i],
         forward_rise_to_last_save=found.rise_to_last_save[i],
         no_grad_rise=no_grad_rises[i],
@@ -303,8 +304,9 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             no_grad_rises = larger_of_each(no_grad_rises, allocator.no_grad_rise)
         costs = CodecCosts(x.device, device)
         modules = [layer for _, layer in layers]
+        saved_by = _saved_through_passes(found.input_saved_by, found.passes_on)
         profiles = [_layer_profile(i, name, layer, found, no_grad_rises, times, costs, gathered[i], mutated[i],
-                                   _starts_in_place(modules, i, found.passes_on))
+                                   _starts_in_place(modules, i, found.passes_on), saved_by[i])
                     for i, (name, layer) in enumerate(layers)]
         return Profile(
             # A meta step runs without FSDP2's hooks: NOTE [ Gathered parameters ].
@@ -343,6 +345,19 @@ def _pending_gradient_bytes(layers: list, device) -> int:
                 users.setdefault(id(parameter), (parameter, set()))[1].add(index)
     return sum(allocation_bytes(parameter.numel() * parameter.element_size(), device)
                for parameter, used_by in users.values() if len(used_by) > 1)
+
+
+def _saved_through_passes(spans: list, passes_on: list) -> list:
+    """The (first, last) layers whose saves hold each layer's input storage (``spans``,
+    None: none), that of a layer that passed its input on (``passes_on``) joined with
+    its output's: the same storage, which the in-place layers after it change and save
+    (NOTE [ A layer that turns out to pass its input on ])."""
+    spans = list(spans)
+    for i in range(len(spans) - 2, -1, -1):
+        later = spans[i + 1]
+        if passes_on[i] and later is not None:
+            spans[i] = later if spans[i] is None else (min(spans[i][0], later[0]), max(spans[i][1], later[1]))
+    return spans
 
 
 def _starts_in_place(modules: list, start: int, passes_on: list) -> bool:

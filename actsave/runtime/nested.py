@@ -95,10 +95,11 @@ class Range:
 
 class _Layers(LayerChain):
     """Calls the layers in order; in the first forward, records each layer's boundary
-    (NOTE [ Nested recompute ])."""
+    (NOTE [ Nested recompute ]). ``private_copy``: the input is kept as a private copy,
+    so in-place layers may change it (NOTE [ A layer that turns out to pass its input on ])."""
 
-    def __init__(self, layers: Sequence, frame: Optional[_NestedFrame]):
-        self.layers = list(layers)
+    def __init__(self, layers: Sequence, frame: Optional[_NestedFrame], private_copy: bool):
+        self.layers, self.private_copy = list(layers), private_copy
         # The frame holds this as its function, so a reference back is weak: a strong one
         # would close a cycle that only Python's collector frees, and a graph dropped
         # without backward would hold the kept inputs until it runs (NOTE [ Lifetime of
@@ -108,7 +109,7 @@ class _Layers(LayerChain):
 
     def __call__(self, x):
         frame = None if self._frame is None else self._frame()
-        watch = HandedOn(self.layers, x)  # NOTE [ A layer that turns out to pass its input on ]
+        watch = HandedOn(self.layers, None if self.private_copy else x)
         for i, layer in enumerate(self.layers):
             if frame is not None:
                 frame.note_layer_start(i, x)
@@ -131,7 +132,7 @@ class _NestedFrame(_Frame):
         self._passed = set()
         self._recomputed_ranges = {r for r in top.walk() if r.recomputed}
         self._backward_inside = set()  # layers that ran a backward inside their forward
-        super().__init__(_Layers(layers, self), kept, replay, (x,), {}, options)
+        super().__init__(_Layers(layers, self, kept.private_copy), kept, replay, (x,), {}, options)
 
     def note_layer_start(self, i: int, x: torch.Tensor) -> None:
         # Only the forward's own run records. A backward inside the forward runs the
@@ -177,7 +178,7 @@ class _NestedFrame(_Frame):
             # The module state is set part by part (_run_parts).
             with self.replaying(replay, self._fill_next, contextlib.nullcontext()):
                 (x,), _ = kept.restore()
-                self._run_parts(r, x)
+                self._run_parts(r, x, kept.private_copy)
         except _AllSlotsFilled:
             pass
         finally:
@@ -188,15 +189,16 @@ class _NestedFrame(_Frame):
         if self._passed.issuperset(self._recomputed_ranges):
             self.release()  # no pass reads the snapshot of module state again
 
-    def _run_parts(self, r: Range, x: torch.Tensor) -> None:
+    def _run_parts(self, r: Range, x: torch.Tensor, private_copy: bool) -> None:
         parts = r.parts
         # The early stop: after the last part the pass needs, a plain one's last
         # placeholder or a recomputed one's kept input.
         needed = [j for j, p in enumerate(parts) if p.recomputed or self.slot_at[p.stop] > self.slot_at[p.start]]
         last = needed[-1] if needed and self.options.early_stop else None
-        # The pass's input and each input it keeps stay as they are, while layers hand
-        # them on to in-place ones (NOTE [ A layer that turns out to pass its input on ]).
-        watch = HandedOn(self.layers[:r.stop], x)
+        # The pass's input and each input it keeps by reference stay as they are, while
+        # layers hand them on to in-place ones; a private copy is the pass's own to
+        # change (NOTE [ A layer that turns out to pass its input on ]).
+        watch = HandedOn(self.layers[:r.stop], None if private_copy else x)
         for j, part in enumerate(parts):
             # The state the forward mutated, as the forward saw it: a part run without
             # grad runs on copies, dropped as it ends (a later pass runs its layers
@@ -216,7 +218,8 @@ class _NestedFrame(_Frame):
         self._inputs[part] = inputs
         if stop:
             raise _AllSlotsFilled
-        watch.watch(x)  # kept by reference
+        if not inputs.private_copy:
+            watch.watch(x)  # kept by reference
         self._filling = None  # what its layers save is never unpacked
         for i in range(part.start, part.stop):
             x = watch.after(i, self._run_for_output(i, x))
@@ -306,7 +309,7 @@ def nested_call(layers: Sequence, top: Range, x: torch.Tensor, private_copy: boo
     if not torch.is_grad_enabled() or _recompute_depth() > 0:
         # Inside another recompute a plain checkpoint keeps its input by reference anyway
         # (NOTE [ Nested checkpoints ]).
-        return checkpointed_call(_Layers(layers, None), (x,), {}, EXACT, private_copy, options)
+        return checkpointed_call(_Layers(layers, None, private_copy), (x,), {}, EXACT, private_copy, options)
     _refuse_repeated_modules(layers)
     replay = ReplayState.capture([x], options.preserve_rng_state)
     kept = KeptInputs((x,), {}, EXACT, private_copy)

@@ -20,8 +20,10 @@ from .layers import LayerRun
 # runs its layers here, forward and recompute alike: while each layer has returned the
 # segment's input or a view of it (returns_its_input), and the layers after it start
 # in place, they get a copy (copied_in_layout, through autograd) to change instead
-# (HandedOn). A nested segment (nested.py) watches so its input in the forward, and in
-# each pass the pass's input and each input it keeps for an inner range.
+# (HandedOn). A nested segment (nested.py) watches so each input it keeps by reference:
+# its own in the forward, and in each pass the pass's input and each input it keeps for
+# an inner range. One kept as a private copy is watched by no one, here or there: the
+# copy is what the recompute starts from, so the layers may change the input itself.
 # The segment's input is left as it is: the exact codec keeps it by reference, and a
 # restored input that needs a gradient is a leaf, which autograd refuses to change in
 # place. Values and gradients are plain PyTorch's (a copy passes its gradient on as it

@@ -227,3 +227,28 @@ def test_an_inner_range_starting_on_a_tap_after_a_linear_trains_as_plain():
     assert torch.equal(step(layers, x, tree), step(list(plain), x))
     for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
         assert torch.equal(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("name", list(TAP_TREES))
+def test_ranges_that_keep_a_private_copy_run_in_place_on_what_an_identity_hands_on_as_plain(name):
+    # A range starting on nn.Identity before an in-place ReLU keeps a private copy of
+    # its input, so its layers change the input itself, as plain PyTorch does, with no
+    # second copy (the segment's input too: the caller's h changes as in a plain step).
+    torch.manual_seed(0)
+    layers = [layer for _ in range(3) for layer in (nn.Identity(), nn.Identity(), nn.ReLU(inplace=True),
+                                                   nn.Linear(8, 8))]
+    plain = twin(nn.Sequential(*layers))
+    x = torch.randn(4, 8)
+
+    def run(tree):
+        leaf = x.clone().requires_grad_()
+        h = leaf * 1
+        out = nested_call(layers, tree, h, private_copy=True)[0] if tree is not None else plain(h)
+        out.square().sum().backward()
+        return out, leaf.grad, h
+
+    (out, grad, h), (plain_out, plain_grad, plain_h) = run(TAP_TREES[name]), run(None)
+    assert torch.equal(out, plain_out) and torch.equal(grad, plain_grad) and torch.equal(h, plain_h)
+    for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
+    assert actsave.kept_bytes()["device"] == 0
