@@ -13,7 +13,8 @@ recompute. Each is priced by what it does to the peak formula of memory_model.py
 
 - plain and inputs kept: the cost model's own terms of the one-block segment (a plain
   middle segment, a checkpointed one), from the chain's profiled step, as any chain
-  plan prices them; but for a checkpoint kept on the device, the seconds measured as
+  plan prices them, and for a checkpoint its forward too (NOTE [ A checkpointed
+  block's forward ]); but for a checkpoint kept on the device, the seconds measured as
   the other options' are (below): its recompute stops after its last save (the early
   stop: a transformer block's last matmul and residual add are not run again), which
   the profile's forward time of the block does not tell. An offloaded one keeps the
@@ -52,6 +53,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -128,21 +130,47 @@ def model_terms(model: CostModel, a: int, option: Optional[BlockOption], held: b
     inputs as ``option.policy`` says; None where the model does not allow it there."""
     if option is None:
         working, kept = model.segment_plain_middle(a, a + 1, 0.0, held)
+        big = 2.0 * (working + 1.0)
+        backward = model.segment_plain_middle(a, a + 1, big, held)[0] - big
+        forward = float((model.tables.held_plain_forward if held else model.tables.plain_forward)[a, a + 1])
         holds = bool(model.plain_middle_holds_output(a, a + 1))
-        return OptionTerms(kept, working, working, 0.0, 0.0, holds)
+        return OptionTerms(kept, forward, backward, 0.0, 0.0, holds)
     o = model.options.index(option.policy)
     if not model.allowed[o, a]:
         return None
     kept = float(model.kept(o, a, a + 1, held))
     fetched = float(model.fetched(o, a, a + 1))
     # The model charges the carry C to every backward event, W(C) = max(events + C,
-    # encode), and allows an offloaded option only where C covers its fetch F: read at
-    # C = F, and at a C above every event for the events alone. A plan's carry is never
-    # below F (block_solver.py), so max(W(F), events + C) is W(C) at every carry it uses.
-    at_fetch = model.segment_working_set(o, a, a + 1, fetched, held)
-    big = 2.0 * (at_fetch + 1.0)
+    # encode), and allows an offloaded option only where C covers its fetch F: the
+    # events alone are read at a C above every one of them.
+    big = 2.0 * (model.segment_working_set(o, a, a + 1, fetched, held) + 1.0)
     backward = model.segment_working_set(o, a, a + 1, big, held) - big
-    return OptionTerms(kept, at_fetch, backward, fetched, float(model.seconds(o, a, a + 1)), False)
+    forward = _checkpointed_forward(model, o, a, kept, held)
+    return OptionTerms(kept, forward, backward, fetched, float(model.seconds(o, a, a + 1)), False)
+
+
+# NOTE [ A checkpointed block's forward ]
+# The cost model leaves a checkpointed segment's forward events out, each taken to be
+# at most its recompute's (memory_model.py). A block's recompute stops at its last
+# save, where its forward goes on: a block that returns, beside its hidden state, an
+# output made after its last save (one its caller drops) rises in its forward by the
+# temporaries of that output, which no recompute or backward event holds. So a
+# checkpointed block's forward is an event of its own: the encoding of its input (a
+# lossy codec), then its forward with its saves dropped (the rise of the profile's
+# forward under no_grad), beside its input (where no block before counts it) and what
+# the option keeps of it besides that input itself.
+
+
+def _checkpointed_forward(model: CostModel, o: int, a: int, kept: float, held: bool) -> float:
+    """Block ``a``'s forward events under checkpoint option ``o`` (NOTE [ A
+    checkpointed block's forward ]); ``kept``: its R."""
+    caller_input = 0.0 if a == 0 or held else float(model.input[a])
+    beside_input = (float(model.signs(o, a, a + 1) + model.state(a, a + 1)) if model.shares_input[o, a]
+                    else kept)
+    encode = -np.inf
+    if model.options[o].lossy:
+        encode = float(model.encode_event[o, a]) - (float(model.reused_input[a]) if held else 0.0)
+    return max(encode, caller_input + beside_input + float(model.no_grad_rise[a]))
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,24 @@ def input_tensors(example_inputs) -> list:
     return [t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
 
 
+def step_inputs(example_inputs):
+    """A copy of ``example_inputs`` for one step of a block plan, each tensor in it
+    (in dicts, tuples and lists too) copied by instrumented_step.step_input (NOTE
+    [ Each step on its own input ]): a block that changes its input in place changes
+    the copy, and the gradients land on it, never on the caller's tensors. A tensor
+    passed twice is copied once."""
+    copies = {}
+
+    def copied(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) not in copies:
+            copies[id(leaf)] = (leaf, step_input(leaf))  # the leaf held: its id stays its own
+        return copies[id(leaf)][1]
+
+    return pytree.tree_map(copied, example_inputs)
+
+
 # ------------------------------------------------------------- 1. the blocks' calls
 
 
@@ -235,13 +253,14 @@ def _first_tensor_leaf(call: _Call, fqn: str) -> int:
 
 
 def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs, loss: Optional[Callable] = None) -> list:
-    """Run the example step's forward (only) and return the blocks' calls, in the order
-    they ran (:func:`_chained_calls`); the first one's hidden state as it was before it
-    ran (NOTE [ The first block's input as it was ])."""
+    """Run the example step's forward (only), on its own copy of ``example_inputs``
+    (:func:`step_inputs`), and return the blocks' calls, in the order they ran
+    (:func:`_chained_calls`); the first one's hidden state as it was before it ran
+    (NOTE [ The first block's input as it was ])."""
     recorder = _CallRecorder(blocks)
     try:
         with isolated_steps(model), torch.enable_grad():
-            run_step(model, example_inputs, loss)
+            run_step(model, step_inputs(example_inputs), loss)
     finally:
         recorder.remove()
     calls = _chained_calls(recorder)
@@ -402,20 +421,22 @@ def _storage_bytes(t: torch.Tensor, device) -> int:
 
 
 def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Optional[Callable] = None) -> Outside:
-    """One plain training step of ``model``, its live bytes counted as the planner's
-    profile counts them: what it allocates before, around and after the blocks."""
+    """One plain training step of ``model``, on its own copy of ``example_inputs``
+    (:func:`step_inputs`), its live bytes counted as the planner's profile counts them:
+    what it allocates before, around and after the blocks."""
     first_call, last_fqn = calls[0][2], calls[-1][0]
     device = first_call.hidden.device
-    batch = input_tensors(example_inputs)
+    batch = input_tensors(example_inputs)  # the caller's, counted as it holds them
     batch_bytes = sum(_storage_bytes(t, device) for t in {id(t.untyped_storage()): t for t in batch}.values())
+    inputs = step_inputs(example_inputs)  # the step's own copy, standing for them
     with isolated_steps(model):
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), *grads, *batch])
+        tracker = LiveBytes(device, known=[*model.parameters(), *model.buffers(), *grads, *input_tensors(inputs)])
         phases = _Phases(tracker, calls)
         try:
             with tracker, torch.enable_grad():
                 phases.start()
-                loss = run_step(model, example_inputs, loss_fn)
+                loss = run_step(model, inputs, loss_fn)
                 loss_bytes = _storage_bytes(loss, device)
                 if not phases.loss_hooked:
                     raise ConfigError(f"the output of the last block, {last_fqn}, needs no gradient: there is no "

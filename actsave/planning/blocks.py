@@ -294,12 +294,13 @@ def _terms(model: CostModel, measurer: BlockMeasurer, a: int, option, held: bool
 
 def _with_other_outputs(terms, others: Optional[OtherOutputs], a: int, option):
     """``terms`` with block ``a``'s other outputs its caller holds in its R: those its
-    saves do not hold where it is plain, all of them else (NOTE [ Outputs the caller
-    holds ], other_outputs.py)."""
+    saves do not hold where it is plain, all of them else; and in its forward event,
+    earlier blocks' that the caller holds through its forward only (NOTE [ Outputs the
+    caller holds ], other_outputs.py)."""
     if terms is None or others is None:
         return terms
     kept = others.kept_unsaved[a] if option is None else others.kept[a]
-    return dataclasses.replace(terms, kept=terms.kept + kept) if kept else terms
+    return dataclasses.replace(terms, kept=terms.kept + kept, forward_event=terms.forward_event + others.passing[a])
 
 
 def _levers_for(calls: list, allow: Sequence[str] | None, min_sqnr_db) -> tuple:

@@ -12,7 +12,10 @@ tensor outputs that the step allocated (not its inputs or arguments, its hidden 
 parameters, the batch, nor one an earlier block returned): their bytes, which of them
 the block's own saves hold, and which of its other outputs get a gradient. One freed
 before the next block starts (the caller dropped it and no save held it) is not held;
-the last block's are counted even where dropped.
+one freed later, before the last block ends (``x, _ = block(x)`` drops it as the next
+block returns), is held through the forwards of the blocks in between only: it is
+counted in their forward events (``passing``), not kept to the backward. The last
+block's are counted even where dropped.
 
 The plan counts each other one as kept by its block from its forward until its
 backward starts, whatever its option, in its R (memory_model.py): a plain block's saves
@@ -47,11 +50,14 @@ class OtherOutputs:
     """Per block, what the example step does with its other outputs (module NOTE):
     the bytes the caller holds, all of them (``kept``) and those the block's saves do
     not hold (``kept_unsaved``); and the leaves of its other outputs (of ``output[1:]``,
-    flattened) whose gradients the step computes (``gradients``)."""
+    flattened) whose gradients the step computes (``gradients``); and the bytes of
+    earlier blocks' other outputs that the caller holds during its forward and frees
+    before the blocks end (``passing``)."""
 
     kept: tuple
     kept_unsaved: tuple
     gradients: tuple
+    passing: tuple  # per block: the bytes of earlier blocks' other outputs held through its forward only
 
 
 def other_leaves(output) -> list:
@@ -78,14 +84,15 @@ class OutputsWatch:
         self.tracker = tracker
         self.outputs = [[] for _ in range(blocks)]  # per block: its _Output s
         self.gradients = [set() for _ in range(blocks)]  # per block: the leaves given a gradient
+        self.passing = [0] * blocks  # per block: earlier blocks' outputs held through its forward only
         self._saved = [{} for _ in range(blocks)]  # per block: id(counted) -> counted, of each storage it saves
         self._block, self._hooks, self._handles = None, None, []
 
     def block_starts(self, a: int) -> None:
-        """Block ``a`` starts: the previous block's outputs that nothing holds are
-        dropped; the saves of ``a`` are watched until it ends."""
-        if a > 0:
-            self.outputs[a - 1] = [output for output in self.outputs[a - 1] if output.saved or output.counted[0]]
+        """Block ``a`` starts: the earlier blocks' outputs that nothing holds now are
+        dropped, counted in the forwards they were held through; the saves of ``a``
+        are watched until it ends."""
+        self._drop_freed(a)
         self._unwatch()
         self._block, self._hooks = a, saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
@@ -94,6 +101,8 @@ class OutputsWatch:
         """Block ``a`` returned ``output`` (``hidden`` its hidden state), called on
         ``inputs``."""
         self._unwatch()
+        if a == len(self.outputs) - 1:
+            self._drop_freed(a + 1)
         held = [self._counted(t) for t in (hidden, *pytree.tree_leaves(inputs)) if isinstance(t, torch.Tensor)]
         taken = {id(counted) for counted in held if counted[0]}
         taken |= {id(noted.counted) for outputs in self.outputs for noted in outputs}
@@ -106,6 +115,16 @@ class OutputsWatch:
             if counted[0] and id(counted) not in taken:
                 taken.add(id(counted))
                 self.outputs[a].append(_Output(counted, id(counted) in self._saved[a], k))
+
+    def _drop_freed(self, a: int) -> None:
+        """The outputs of blocks before ``a`` freed by now, as no save held them: each
+        block's dropped, counted in the forwards of the blocks between it and ``a``
+        (none for block ``a - 1``'s: it was freed in its own block's forward)."""
+        for j in range(a):
+            freed = [output for output in self.outputs[j] if not (output.saved or output.counted[0])]
+            self.outputs[j] = [output for output in self.outputs[j] if output not in freed]
+            for k in range(j + 1, a):
+                self.passing[k] += sum(output.nbytes for output in freed)
 
     def live(self) -> int:
         """Bytes of the noted outputs still allocated."""
@@ -131,7 +150,8 @@ class OutputsWatch:
         return OtherOutputs(kept=tuple(sum(output.nbytes for output in outputs) for outputs in self.outputs),
                             kept_unsaved=tuple(sum(output.nbytes for output in outputs if not output.saved)
                                                for outputs in self.outputs),
-                            gradients=tuple(tuple(sorted(leaves)) for leaves in self.gradients))
+                            gradients=tuple(tuple(sorted(leaves)) for leaves in self.gradients),
+                            passing=tuple(self.passing))
 
     def _counted(self, t: torch.Tensor) -> list:
         return self.tracker.counted_bytes(t.untyped_storage())

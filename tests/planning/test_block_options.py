@@ -67,3 +67,38 @@ def test_a_plan_of_selective_blocks_before_in_place_ones_trains_exactly():
     for (name, p), q in zip(plain.named_parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad), name
     assert [option and option.keep for option in plan.options] == [None, None, None, "selective"]
+
+
+class LateOutput(nn.Module):
+    """Returns its hidden state and an output it makes after its last save, through a
+    temporary eight times the hidden state's size (NOTE [ A checkpointed block's
+    forward ]): a recompute stops before it, the forward does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        inner = torch.relu(self.a(x))
+        return x + self.b(inner), (inner.unsqueeze(2) * inner.unsqueeze(1)[:, :, :8]).sum(-1)
+
+
+class DropsLateOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(LateOutput() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)[0]
+        return x.square().mean()
+
+
+def test_a_checkpointed_blocks_forward_is_priced_where_it_rises_past_its_last_save():
+    from planning.test_blocks import planned_copy, step_peak_bytes
+    plain, x = DropsLateOutputs(), torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(0))
+    smallest = actsave.plan_blocks(copy.deepcopy(plain), LateOutput, 2**40, (x,)).smallest_peak_bytes
+    model, plan = planned_copy(plain, LateOutput, smallest, (x,))
+    assert plan.checkpointed
+    assert 0.97 * plan.predicted_peak_bytes <= step_peak_bytes(model, (x,)) <= plan.predicted_peak_bytes, str(plan)

@@ -1,8 +1,10 @@
 """The example step of a block plan (block_step.py): what it holds outside the blocks
 (Outside), and the blocks as layers of a chain (BlockCall)."""
+import pytest
 import torch
 from planning.test_other_outputs import ROWS, WIDE_BYTES, WIDTH, UNetLike, outside_of
 
+import actsave
 from actsave.planning.block_step import record_calls
 from actsave.planning.blocks import block_chain
 
@@ -62,3 +64,42 @@ def test_the_first_blocks_hidden_state_is_recorded_as_it_was_before_the_block_ch
     assert torch.equal(hidden, model.embed(x)) and not hidden.is_leaf and hidden.requires_grad
     with torch.no_grad():
         assert torch.equal(block_chain(calls)(hidden.clone()).square().mean(), model(x))
+
+
+class ScalesItsInput(torch.nn.Module):
+    """Scales its input, in place where it says so (``inplace = True``), then a Linear."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.inplace = in_place
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, mask=None):
+        return self.linear(x.mul_(1.5) if self.inplace else x * 1.5) * mask
+
+
+class TakesTheHiddenState(torch.nn.Module):
+    """Hands its input to the first block as it is (an ``inputs_embeds`` model)."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(ScalesItsInput(in_place and i == 0) for i in range(3))
+
+    def forward(self, h, mask, steps):
+        for block in self.blocks:
+            h = block(h, mask=mask)
+        return h.square().mean() + steps.sum()
+
+
+@pytest.mark.parametrize("made", [True, False])
+def test_a_block_plan_leaves_the_callers_example_as_it_was(made):
+    # A leaf that needs a gradient cannot be changed in place, so only one autograd made
+    # goes to a first block that changes its input (NOTE [ Each step on its own input ]).
+    source = torch.randn(ROWS, WIDTH, requires_grad=True)
+    inputs = {"h": source * 1 if made else source, "mask": torch.ones(ROWS, 1), "steps": torch.arange(3)}
+    before = {name: (t.detach().clone(), t._version) for name, t in inputs.items()}
+    actsave.plan_blocks(TakesTheHiddenState(in_place=made), ScalesItsInput, 2**40, inputs)
+    assert all(torch.equal(inputs[name], t) and inputs[name]._version == version
+               for name, (t, version) in before.items())
+    assert source.grad is None

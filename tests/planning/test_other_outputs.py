@@ -74,6 +74,23 @@ def test_other_outputs_the_caller_drops_are_not_held():
     others = outside_of(UNetLike(keep_skips=False)).other_outputs
     assert others.kept == others.kept_unsaved == (0, 0, WIDE_BYTES)
     assert others.gradients == ((),) * 3
+    assert others.passing == (0, 0, 0)
+
+
+class ReassignsSkips(UNetLike):
+    """``x, skip = block(x)``: each skip is dropped as the next block returns."""
+
+    def forward(self, x):
+        for block in self.blocks:
+            x, skip = block(x)
+        return x.square().mean()
+
+
+def test_other_outputs_dropped_a_block_later_are_held_through_that_blocks_forward_only():
+    # Block 0's skip lives through block 1's forward; block 1's until after the blocks end.
+    others = outside_of(ReassignsSkips()).other_outputs
+    assert others.kept == (0, WIDE_BYTES, WIDE_BYTES)
+    assert others.passing == (0, WIDE_BYTES, 0)
 
 
 def test_the_hidden_state_with_gradients_of_other_outputs_is_an_alias_changeable_in_place():
