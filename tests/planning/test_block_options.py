@@ -84,14 +84,21 @@ class LateOutput(nn.Module):
 
 
 class DropsLateOutputs(nn.Module):
-    def __init__(self):
+    """Four LateOutput blocks whose other outputs the caller drops: as each block
+    returns, or with ``a_block_later``, as the next one returns (``x, _ = block(x)``)."""
+
+    def __init__(self, a_block_later: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.blocks = nn.ModuleList(LateOutput() for _ in range(4))
+        self.a_block_later = a_block_later
 
     def forward(self, x):
         for block in self.blocks:
-            x = block(x)[0]
+            if self.a_block_later:
+                x, _ = block(x)
+            else:
+                x = block(x)[0]
         return x.square().mean()
 
 

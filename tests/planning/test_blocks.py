@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from planning.test_block_options import LateOutput
+from planning.test_block_options import DropsLateOutputs, LateOutput
 from support import ResidualBlock, ResidualNet, sqnr_db
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -600,23 +600,10 @@ def test_a_plan_counts_the_other_outputs_of_its_blocks_that_the_caller_holds():
         assert_gradients_match(plain, model, plan, (x,))
 
 
-class DropsOutputsABlockLater(nn.Module):
-    """``x, _ = block(x)``: each block's other output, made after its last save through a
-    large temporary, is dropped as the next block returns."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(LateOutput() for _ in range(4))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x, _ = block(x)
-        return x.square().mean()
-
-
 def test_a_plan_counts_other_outputs_dropped_a_block_later_through_that_blocks_forward():
-    plain, x = DropsOutputsABlockLater(), torch.randn(256, 32)
+    # Each block's other output, made after its last save through a large temporary,
+    # is dropped as the next block returns.
+    plain, x = DropsLateOutputs(a_block_later=True), torch.randn(256, 32)
     unbounded = actsave.plan_blocks(copy.deepcopy(plain), LateOutput, 2**40, (x,))
     for budget in (unbounded.plain_peak_bytes, unbounded.smallest_peak_bytes):
         model, plan = planned_copy(plain, LateOutput, budget, (x,))
