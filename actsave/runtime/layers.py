@@ -25,9 +25,11 @@ no known layers, and global hooks watch the modules it runs.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from .._torch import children_of
 
@@ -97,4 +99,21 @@ def repeated_modules(layers) -> list:
     return list(repeated.values())
 
 
-__all__ = ["LayerChain", "LayerRun", "known_layers", "modules_under", "repeated_modules"]
+@contextlib.contextmanager
+def module_hooks(modules: Optional[list], before, after):
+    """``before`` and ``after`` as forward pre- and post-hooks, for the body, on each of
+    ``modules`` (first among their hooks), or where they are None (a function whose
+    layers are not known: NOTE [ Known layers ]) on every module call."""
+    if modules is None:
+        handles = [register_module_forward_pre_hook(before), register_module_forward_hook(after)]
+    else:
+        handles = [hook for module in modules for hook in (module.register_forward_pre_hook(before, prepend=True),
+                                                          module.register_forward_hook(after, prepend=True))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+__all__ = ["LayerChain", "LayerRun", "known_layers", "modules_under", "repeated_modules", "module_hooks"]

@@ -46,14 +46,11 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 
 from ..codecs.backend import implementation
 from ..triton_kernels import decision_table
 from ..triton_kernels.bitfields import field_bits
+from .layers import module_hooks
 
 # The plain max pools and the number of spatial dimensions each pools over.
 _PLAIN_POOLS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
@@ -188,18 +185,10 @@ class PoolWatch:
     def watching(self):
         """Register the module hooks for the body."""
         self._thread = threading.get_ident()
-        if self._pools is None:
-            handles = [register_module_forward_pre_hook(self._before_module),
-                       register_module_forward_hook(self._after_module)]
-        else:
-            handles = [hook for pool in self._pools
-                       for hook in (pool.register_forward_pre_hook(self._before_module, prepend=True),
-                                    pool.register_forward_hook(self._after_module, prepend=True))]
         try:
-            yield self
+            with module_hooks(self._pools, self._before_module, self._after_module):
+                yield self
         finally:
-            for handle in handles:
-                handle.remove()
             self._calls = []  # a recompute stopped early leaves its pool running
 
     def window_of(self, tensor: torch.Tensor) -> Optional[tuple]:

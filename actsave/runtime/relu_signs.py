@@ -30,12 +30,12 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._torch import is_relu_node, version
 from ..codecs.backend import implementation
 from ..triton_kernels import bitfields, decision_table
+from .layers import module_hooks
 
 
 def is_relu_output(tensor: torch.Tensor) -> bool:
@@ -117,19 +117,12 @@ class InplaceRelus:
             yield self
             return
         self._thread = threading.get_ident()
-        if self._relus is None:
-            handles = [register_module_forward_pre_hook(self._before), register_module_forward_hook(self._after)]
-        else:
-            handles = [hook for relu in self._relus
-                       for hook in (relu.register_forward_pre_hook(self._before, prepend=True),
-                                    relu.register_forward_hook(self._after, prepend=True))]
         running = _running_relus()
         depth = len(running)
         try:
-            yield self
+            with module_hooks(self._relus, self._before, self._after):
+                yield self
         finally:
-            for handle in handles:
-                handle.remove()
             del running[depth:]  # a ReLU that raised
 
     def _before(self, module, args) -> None:
