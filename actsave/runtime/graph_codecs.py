@@ -18,10 +18,10 @@ that graph and its backward:
   kept input, encoded by C at the end of the forward graph and decoded at the start
   of the backward one; one made inside a plain segment under C is stored by C, as
   eager actsave stores the last segment's saves (kept_saves.py), but for those it
-  leaves exact, attention's among them (NOTE [ Attention's saves agree ]; which
-  saves: graph_saves.py). Other saves stay as they are. AOTAutograd hands no graph
-  input to the hooks (the batch, the parameters): held by the caller, encoding them
-  would free nothing (keep_rules.py, should_encode).
+  leaves exact, those that need no gradient and attention's among them (NOTE
+  [ Attention's saves agree ]; which saves: graph_saves.py). Other saves stay as they
+  are. AOTAutograd hands no graph input to the hooks (the batch, the parameters): held
+  by the caller, encoding them would free nothing (keep_rules.py, should_encode).
 - The codec's torch reference is what is traced, whichever backend runs eagerly
   (codecs/backend.py; a Triton launcher cannot run on the fake tensors a trace
   hands it): the specification of its bits, one definition for both devices. Inductor
@@ -232,10 +232,12 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
     """What decisions a segment of ``segments`` (``[(layers, policy)]``, in order) that
     keeps by a lossy codec makes, which a compiled recompute cannot keep: its max pools
     whose decisions eager actsave keeps, or the ReLU outputs it saves, found by running
-    the forward on meta tensors (no compute, no collective); None where it makes none.
+    the forward on meta tensors (no compute, no collective), watching its in-place ReLU
+    modules as eager actsave does (NOTE [ In-place ReLUs on views ]); None where it
+    makes none.
     A forward that fails on meta tensors is said to, so that eager actsave runs it."""
-    lossy = [layers for layers, policy in segments if not policy.codec.lossless]
-    if any(_max_pool_in(module for _, module in modules_under(tuple(layers))) for layers in lossy):
+    lossy = [pair for layers, policy in segments if not policy.codec.lossless for pair in modules_under(tuple(layers))]
+    if _max_pool_in(module for _, module in lossy):
         return "max-pool decisions"
     relu_outputs, segment_inputs = [], None  # segment_inputs: None outside a lossy segment
 
@@ -245,7 +247,7 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
         return t
     holder = nn.ModuleList(layer for layers, _ in segments for layer in layers)
     try:
-        with _on_meta_watching_saves(holder, pack) as probe_input:
+        with _on_meta_watching_saves(holder, pack) as probe_input, relu_signs.InplaceRelus.among(lossy).watching():
             x = probe_input(input)
             if x.is_floating_point():
                 x = x.requires_grad_().clone()
@@ -442,8 +444,10 @@ def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
             why.setdefault(running[-1][0], "ReLU decisions")
         return t
     handles = [hook for c in checkpoints for hook in _block_watch(c, running)]
+    # NOTE [ In-place ReLUs on views ]: the probe sees those outputs as eager actsave does.
+    relus = relu_signs.InplaceRelus.among([(0, m) for c in checkpoints for m in c._wrapped.modules()])
     try:
-        with _on_meta_watching_saves(model, pack) as probe_input, _run_plainly(checkpoints):
+        with _on_meta_watching_saves(model, pack) as probe_input, _run_plainly(checkpoints), relus.watching():
             probed = lambda t: probe_input(t).requires_grad_(t.requires_grad and t.is_floating_point())  # noqa: E731
             probe_args, probe_kwargs = _torch.pytree.tree_map_only(torch.Tensor, probed, (args, kwargs))
             model(*probe_args, **probe_kwargs)

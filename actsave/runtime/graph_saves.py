@@ -1,11 +1,13 @@
 """Which saves of a compiled graph a codec keeps (NOTE [ Codecs in a compiled graph ] in
 graph_codecs.py): the annotations that mark a segment's ops, read from a saved node and
-its backward users (:func:`codec_of`); and, of a plain segment's saves, those an
-attention call took or made, which stay exact as eager actsave keeps them (NOTE
-[ Attention's saves agree ] in keep_rules.py; :func:`attention_holds`).
+its backward users (:func:`codec_of`); and, of a plain segment's saves, those that need
+no gradient and those an attention call took or made, which stay exact as eager actsave
+keeps them (keep_rules.traced_save_stored; NOTE [ Attention's saves agree ] in
+keep_rules.py; :func:`attention_holds`).
 """
 from __future__ import annotations
 
+import collections
 import operator
 from typing import Optional
 
@@ -29,7 +31,8 @@ def codec_of(node, backward) -> Optional[str]:
     if COPY in made_in:
         return made_in[COPY]
     if STORED in made_in:  # a plain segment's saves, stored as eager kept_saves stores them
-        stored = traced_save_stored(node.meta["val"], node.target) and not attention_holds(node)
+        stored = traced_save_stored(node.meta["val"], node.target, _needs_grad(node, backward)) \
+            and not attention_holds(node)
         return made_in[STORED] if stored else None
     placeholder = next((n for n in backward.find_nodes(op="placeholder") if n.name == node.name), None)
     if placeholder is None:
@@ -39,6 +42,60 @@ def codec_of(node, backward) -> Optional[str]:
     # also by another op (a plain segment's, which eagerly keeps it exactly), stays exact.
     names = {(user.meta.get("custom") or {}).get(KEPT) for user in placeholder.users}
     return names.pop() if len(names) == 1 else None
+
+
+# NOTE [ Traced saves that need no gradient ]
+# Whether a save needs a gradient (keep_rules.traced_save_stored asks; eager actsave keeps
+# a tensor that needs none by reference: it is a leaf). Its traced value does not say
+# (under AOTAutograd no fake tensor of the graph requires grad), so the graph tells: the
+# save needs one where its value depends, through floating-point tensors (an integer or
+# bool one carries no gradient), on a forward input whose gradient the backward returns.
+# The backward's outputs are the gradients of the forward's inputs, in their order, None
+# for an input that needs none (a buffer: a rotary table's inv_freq; a batch that needs
+# none) and for an extra input past them (CUDA's RNG seeds); each gradient has its
+# input's shape, and where one does not, they are not taken to line up: every save is
+# then taken to need one. So a save the partitioner chose from tensors that need
+# none (a Llama block's rotary angles, cos and sin made again from them in the backward)
+# stays exact, as eager actsave keeps cos and sin. Ops under no_grad or after a detach
+# of an activation leave no mark in the graph: their saves are taken to need a
+# gradient, and encoded.
+def _needs_grad(node, backward) -> bool:
+    """Whether the saved ``node`` of a forward graph whose backward graph is
+    ``backward`` needs a gradient: NOTE [ Traced saves that need no gradient ]."""
+    with_gradient = _inputs_with_gradients(node.graph, backward)
+    if with_gradient is None:
+        return True
+    seen, pending = {node}, collections.deque([node])
+    while pending:  # breadth first: a layer's parameter is a few nodes from its output
+        current = pending.popleft()
+        if current in with_gradient:
+            return True
+        for source in current.all_input_nodes:
+            if source not in seen and _carries_gradient(source):
+                seen.add(source)
+                pending.append(source)
+    return False
+
+
+def _inputs_with_gradients(forward, backward) -> Optional[set]:
+    """The inputs of ``forward`` whose gradients ``backward`` returns, or None where its
+    outputs do not line up with them (NOTE [ Traced saves that need no gradient ])."""
+    pairs = [(n, g) for n, g in zip(forward.find_nodes(op="placeholder"), backward.output_node().args[0])
+             if isinstance(g, torch.fx.Node)]
+    if any(_shape(n) != _shape(g) for n, g in pairs):
+        return None
+    return {n for n, _ in pairs}
+
+
+def _shape(node):
+    # As text: sizes that are symbols (dynamic shapes) compare so without adding a guard.
+    value = node.meta.get("val")
+    return tuple(map(str, value.shape)) if isinstance(value, torch.Tensor) else None
+
+
+def _carries_gradient(node) -> bool:
+    value = node.meta.get("val")
+    return not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex()
 
 
 # Attention's saves in a graph (NOTE [ Attention's saves agree ]): eager actsave knows

@@ -149,12 +149,17 @@ def lossy_codec_stores(t: torch.Tensor) -> bool:
     return not _statistic(t) or t.untyped_storage().nbytes() > distinct * t.element_size()
 
 
-def traced_save_stored(value: torch.Tensor, target) -> bool:
+def traced_save_stored(value: torch.Tensor, target, needs_grad: bool) -> bool:
     """lossy_codec_stores for a save of a compiled graph (graph_codecs.py): ``value``,
-    its traced tensor, made by the operator ``target``. A traced save has no autograd
-    node, so a result a backward divides by is known by its operator; and it is the
-    graph's own tensor, so every statistic stays exact."""
-    return encodable(value) and not _statistic(value) and getattr(target, "_opname", None) not in _DIVIDES_BY_RESULT_OP
+    its traced tensor, made by the operator ``target``; ``needs_grad``: whether it
+    needs a gradient, which a traced tensor does not say (the graph tells: NOTE
+    [ Traced saves that need no gradient ] in graph_saves.py). One that needs none is
+    kept by reference, as should_encode keeps it (a leaf: a table computed from no
+    input that needs a gradient). A traced save has no autograd node, so a result a
+    backward divides by is known by its operator; and it is the graph's own tensor, so
+    every statistic stays exact."""
+    return needs_grad and encodable(value) and not _statistic(value) and \
+        getattr(target, "_opname", None) not in _DIVIDES_BY_RESULT_OP
 
 
 def _statistic(t: torch.Tensor) -> bool:

@@ -172,6 +172,26 @@ def test_compiled_wrapped_blocks_keep_by_a_codec_where_one_runs_eagerly_or_each_
     assert compiles_after[0] >= 1 and compiles_after == compiles_after[:1] * 3
 
 
+def test_a_compiled_chain_of_in_place_relus_on_views_keeps_their_decisions_as_eager_actsave_does(monkeypatch):
+    # On a 3-D batch each Linear's output is a view, on which nn.ReLU(inplace=True)'s
+    # autograd node says no ReLU: the probe watches the module as eager actsave does
+    # (NOTE [ In-place ReLUs on views ]), and the chain runs eagerly with the decisions.
+    # In the graph, without them, int8 gradients fell to half of eager's dB.
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
+
+    def make():
+        torch.manual_seed(0)
+        return actsave.CheckpointedSequential(
+            *[m for _ in range(3) for m in (nn.Linear(16, 16), nn.ReLU(inplace=True))], segments=[0, 2, 4],
+            compress="int8")
+    x = torch.randn(4, 8, 16)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        compiled = flat_gradients(torch.compile(make(), backend=BACKEND), x)
+    assert len([w for w in raised if "makes ReLU decisions" in str(w.message)]) == 1
+    assert torch.equal(compiled, flat_gradients(make(), x))
+
+
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 def test_a_graphs_codec_traces_its_torch_reference_whichever_backend_runs_eagerly(backend):
     # Seen on an H200 (torch 2.11): on CUDA the "auto" backend picked the Triton

@@ -36,6 +36,31 @@ def test_relu_outputs_of_exact_segments_and_gelu_ones_of_lossy_segments_make_non
     assert graph_codecs.decisions_made(segments, torch.randn(4, 8)) is None
 
 
+def test_an_in_place_relu_module_on_a_view_in_a_lossy_segment_makes_decisions():
+    # On a 3-D input a Linear's output is a view: the in-place ReLU's autograd node then
+    # says no ReLU, and the probe watches the module as eager actsave does (NOTE [ In-place
+    # ReLUs on views ]). An exact segment's is not watched, and makes none.
+    x = torch.randn(2, 3, 8)
+    assert graph_codecs.decisions_made([(linear(nn.ReLU(inplace=True)) + [nn.Linear(8, 8)], INT8)], x) == \
+        "ReLU decisions"
+    assert graph_codecs.decisions_made([(linear(nn.ReLU(inplace=True)), EXACT), (linear(nn.GELU()), INT8)], x) is None
+
+
+class ReluOnAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.relu = nn.Linear(8, 8), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.relu(self.linear(x))
+
+
+def test_a_wrapped_block_with_an_in_place_relu_module_on_a_view_makes_decisions():
+    model = actsave.wrap(nn.Sequential(ReluOnAView(), ReluOnAView()), ReluOnAView, compress="int8")
+    why = graph_codecs._probe_blocks(model, list(model), (torch.randn(2, 3, 8),), {})
+    assert set(why) == set(model) and all("makes ReLU decisions" in reason for reason in why.values())
+
+
 def test_a_max_pool_module_in_a_lossy_segment_makes_decisions():
     segments = [([nn.Conv2d(3, 4, 3), nn.MaxPool2d(2)], INT8)]
     assert graph_codecs.decisions_made(segments, torch.randn(2, 3, 8, 8)) == "max-pool decisions"
