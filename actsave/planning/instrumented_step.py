@@ -53,9 +53,10 @@ class _SaveLedger:
     """Follows the byte-counting step: attributes the tensors autograd saves to the
     layer running, one entry per storage; notes where each layer starts and last
     saves; counts the ReLU outputs a lossy checkpoint keeps bits for (the first save
-    of each, as a frame decides: relu_signs.keeps_decisions) and the max pools it keeps
-    decisions for (found by the same :class:`PoolWatch`, which runs with it, on the
-    chain's own max pools: NOTE [ Steps other threads do not see ])."""
+    of each, as a frame decides: relu_signs.keeps_decisions, its in-place ReLU modules
+    watched as a lossy forward watches them) and the max pools it keeps decisions for
+    (found by the same :class:`PoolWatch`, which runs with it, on the chain's own max
+    pools: NOTE [ Steps other threads do not see ])."""
 
     def __init__(self, device, ignored: list, tracker: LiveBytes, caller: CallerTensors, layers: tuple):
         self.device = device
@@ -72,6 +73,8 @@ class _SaveLedger:
         self.relu_bits = {}  # layer -> [bytes, elements of the largest]
         self.pool_decisions = {}  # layer -> [bytes, [PoolSample of each pool]]
         self.pools = PoolWatch.among(modules_under(layers))
+        # The in-place ReLU modules a lossy forward watches (NOTE [ In-place ReLUs on views ]).
+        self.relus = relu_signs.InplaceRelus.among(modules_under(layers))
         self._ignored = {id(t.untyped_storage()) for t in ignored}
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
         self._relu_saves = relu_signs.FirstSaves()
@@ -342,7 +345,8 @@ def measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torc
     ledger = _SaveLedger(device, ignored=known, tracker=tracker, caller=CallerTensors(x, model),
                          layers=tuple(layer for _, layer in layers))
     with tracker, storage_resizes_observed(ledger.resized), saved_tensors_hooks(ledger.pack, ledger.unpack), \
-            ledger.pools.watching(), ledger.as_stored.watching():  # NOTE [ Attention's saves agree ]
+            ledger.pools.watching(), ledger.relus.watching(), \
+            ledger.as_stored.watching():  # NOTE [ Attention's saves agree ]
         try:
             forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
                                                                        ledger.after_layer, loss)

@@ -18,7 +18,7 @@ from .profiler import Profile
 
 class LayerEvents:
     """The profile's per-layer terms as numpy arrays (memory_model.py's X, x_i, g_i,
-    O, L, fwd_i, bwd_i, Saved, U, S, M, Q, the times), the events of the layers from each
+    O, L, fwd_i, nfwd_i, bwd_i, Saved, U, S, M, Q, the times), the events of the layers from each
     start (:meth:`events_from`) and, for the solvers, the largest of them over every
     segment [a, b) (:attr:`tables`, built on first use). Every segment kind's terms
     (plain_model.py, memory_model.py) are built on these."""
@@ -95,6 +95,9 @@ class LayerEvents:
                           + self.forward_rise[a:])
         before_recompute = self._held_before_layers(a, saved, unsaved) + self._gathered_between(a, i)
         backward = self._backward_events(a, saved, i)
+        # A checkpointed forward holds one layer's input at a time, the segment's own
+        # beside it (NOTE [ A checkpointed segment's forward ], memory_model.py).
+        checkpointed_forward = np.where(i > a, self.input[i], 0.0) + self.no_grad_rise[a:]
         return Events(saved=saved,
                        plain_forward=plain_forward,
                        caller_held=caller_held,
@@ -102,7 +105,8 @@ class LayerEvents:
                        backward=backward,
                        checkpointed_backward=backward + self._gathered_in_backward(a, i),
                        recompute=before_recompute + self.forward_rise[a:],
-                       recompute_to_last_save=before_recompute + self.rise_to_last_save[a:])
+                       recompute_to_last_save=before_recompute + self.rise_to_last_save[a:],
+                       checkpointed_forward=checkpointed_forward)
 
     def _gathered_between(self, a: int, i) -> np.ndarray:
         """The gathered parameters of layers a .. i-1, which a recompute from a keeps
@@ -159,8 +163,8 @@ class LayerEvents:
         """The largest events of every segment [a, b), from each start's events by
         running maxima over the ends."""
         n = self.n
-        recompute, lossy_recompute, backward, checkpointed_backward, plain_forward, saved = (
-            np.full((n, n), np.inf) for _ in range(6))
+        recompute, lossy_recompute, backward, checkpointed_backward, plain_forward, saved, checkpointed_forward = (
+            np.full((n, n), np.inf) for _ in range(7))
         plain_peak, held_plain_peak = np.empty(n), np.empty(n)
         held_plain_forward = plain_forward.copy()
         for a in range(n):
@@ -176,9 +180,10 @@ class LayerEvents:
             backward[a, a + 1:] = np.maximum.accumulate(events.backward)[:n - 1 - a]
             checkpointed_backward[a, a + 1:] = np.maximum.accumulate(events.checkpointed_backward)[:n - 1 - a]
             plain_forward[a, a + 1:] = np.maximum.accumulate(events.plain_forward)[:n - 1 - a]
+            checkpointed_forward[a, a + 1:] = np.maximum.accumulate(events.checkpointed_forward)[:n - 1 - a]
             saved[a, a + 1:] = events.saved[:n - 1 - a]
         return Tables(recompute, lossy_recompute, backward, checkpointed_backward, plain_forward,
-                      held_plain_forward, saved, plain_peak, held_plain_peak)
+                      held_plain_forward, saved, plain_peak, held_plain_peak, checkpointed_forward)
 
     @property
     def backward(self) -> np.ndarray:
@@ -198,6 +203,7 @@ class Events(NamedTuple):
     checkpointed_backward: np.ndarray  # the same in a checkpointed segment: + G'(a, i-1)
     recompute: np.ndarray  # Saved'(a, i-1) + U(i) + G(a, i-1) + fwd_i: the option adds its held bytes
     recompute_to_last_save: np.ndarray  # the same, the layer's rise up to its last save
+    checkpointed_forward: np.ndarray  # [i > a] x_i + nfwd_i: the option adds what the segment holds
 
     @property
     def plain_peak(self) -> float:
@@ -228,6 +234,7 @@ class Tables(NamedTuple):
     saved: np.ndarray  # Saved(a, b-1): what a plain middle segment keeps
     plain_peak: np.ndarray  # [s]: W_plain(s)
     held_plain_peak: np.ndarray  # [s]: the same after a plain middle segment whose saves hold x_s
+    checkpointed_forward: np.ndarray  # the largest forward event of a checkpointed segment
 
 
 def until_last_save(full: np.ndarray, truncated: np.ndarray, last: np.ndarray) -> np.ndarray:

@@ -36,6 +36,7 @@ Memory model
 
     checkpointed [a, b), option o
         encode      x_a + enc(a, o)                                    lossy codecs
+        forward     [x_a] + K' + S + M + [i > a] x_i + nfwd_i
         decode      O + R + F + g_b + dec(a, o)                        lossy codecs
         recompute   O + R + F + D + Q + g_b + Saved'(a, i-1) + U(i) + G(a, i-1)
                     + fwd_i (+ restore_i)
@@ -109,8 +110,8 @@ Memory model
     profile's steps on copies of every buffer made before them: autograd's saves of
     them (BatchNorm's statistics) are not in Saved, as parameters are not, so R counts
     them once, and the segment's backward events M (what autograd saved of it, at most).
-    A checkpointed segment's forward events are left out: each is at most the same
-    layer's recompute event, which also holds the incoming gradient g_b.
+    nfwd_i: layer i's rise in a forward under no_grad; K': K where it is on the device
+    and not x_a itself (NOTE [ A checkpointed segment's forward ]).
 
     Offload (CUDA only: on a CPU model host memory is device memory) brings an
     input back early, when the next offloaded segment's recompute prefetches it. The
@@ -298,10 +299,33 @@ class CostModel(PlainTerms):
         stored = self._stored(o, a, b)
         return stored if self.options[o].offload else np.zeros_like(stored)
 
-    def _working_set(self, o: int, a, b, recompute, backward, carries: np.ndarray, input_held=False) -> np.ndarray:
+    # NOTE [ A checkpointed segment's forward ]
+    # A segment's recompute stops at its last save (runtime/function.py), where its
+    # forward goes on: a layer that makes a large temporary after its last save (or a
+    # layer after the segment's last saving one) rises in the forward by more than any
+    # recompute event holds, and no backward event holds it either. So the forward is an
+    # event of its own, layer by layer: the layer's rise with its saves dropped (the
+    # profile's forward under no_grad: the forward's saves become placeholders), its
+    # input where it is not the segment's, and what the segment holds throughout: its
+    # input, held by the caller (or the plain middle segment before), what the option
+    # keeps of it on the device besides that input itself, the decisions and the
+    # snapshot. Block plans price a block's forward by the same rule (block_options.py,
+    # NOTE [ A checkpointed block's forward ]).
+
+    def held_in_forward(self, o: int, a, b, input_held=False) -> np.ndarray:
+        """[x_a] + K' + S + M: what the checkpointed segment [a, b) holds beside each
+        layer's input and rise in its forward (NOTE [ A checkpointed segment's forward
+        ]); ``input_held``: after a plain middle segment whose saves hold x_a."""
+        caller = np.where(np.asarray(a) > 0, self.input[a] - np.where(input_held, self.reused_input[a], 0.0), 0.0)
+        own = 0.0 if self.options[o].offload else np.where(self.shares_input[o, a], 0.0, self.kept_input[o, a])
+        return caller + own + self.signs(o, a, b) + self.state(a, b)
+
+    def _working_set(self, o: int, a, b, recompute, backward, forward, carries: np.ndarray,
+                     input_held=False) -> np.ndarray:
         """W(a, b, o) + C for each C in ``carries`` (the last axis of the result), given
         the segment's largest recompute event less what the option holds (``recompute``,
-        -inf when nothing is recomputed) and its largest backward event; inf where the
+        -inf when nothing is recomputed), its largest backward event and its largest
+        forward event less what the option holds (``forward``); inf where the
         option may not be used. ``input_held``: after a plain middle segment whose
         saves hold x_a, counted there: where K is x_a itself, not in K nor in the
         backward's Saved(a, i); with a lossy codec, not in the encode event."""
@@ -321,7 +345,9 @@ class CostModel(PlainTerms):
             decode = self.held_in_backward + kept + fetched + self.grad[b] + self.decode_rise[o, a]
             events = np.maximum(events, np.where(self.saves(a, b), decode, -np.inf))
             encode = encode - np.where(input_held, self.reused_input[a], 0.0)
-        w = np.maximum(np.expand_dims(events, -1) + carries, np.expand_dims(encode, -1))
+        # The forward's events come before any prefetch: no carry.
+        in_forward = np.maximum(encode, self.held_in_forward(o, a, b, input_held) + forward)
+        w = np.maximum(np.expand_dims(events, -1) + carries, np.expand_dims(in_forward, -1))
         usable = np.expand_dims(self.allowed[o, a], -1) & (np.expand_dims(fetched, -1) <= carries)
         return np.where(usable, w, np.inf)
 
@@ -352,7 +378,8 @@ class CostModel(PlainTerms):
             return self._working_sets_within(o, float(carries[0]))[held, a, b][..., None]
         tables = self.tables
         recompute = (tables.lossy_recompute if self.options[o].lossy else tables.recompute)[a, b]
-        return self._working_set(o, a, b, recompute, tables.checkpointed_backward[a, b], carries, input_held)
+        return self._working_set(o, a, b, recompute, tables.checkpointed_backward[a, b],
+                                 tables.checkpointed_forward[a, b], carries, input_held)
 
     def _working_sets_within(self, o: int, carry: float) -> np.ndarray:
         """[bit, a, b]: W(a, b, o) + ``carry`` of every segment, without (bit 0) and
@@ -363,7 +390,8 @@ class CostModel(PlainTerms):
             tables, a, b = self.tables, np.arange(self.n)[:, None], np.arange(self.n)[None, :]
             recompute = tables.lossy_recompute if self.options[o].lossy else tables.recompute
             held = np.array([False, True])[:, None, None]
-            table = self._working_set(o, a, b, recompute, tables.checkpointed_backward, np.array([carry]), held)[..., 0]
+            table = self._working_set(o, a, b, recompute, tables.checkpointed_backward, tables.checkpointed_forward,
+                                      np.array([carry]), held)[..., 0]
             computed[o] = carry, np.broadcast_to(table, (2, self.n, self.n))
         return computed[o][1]
 
@@ -392,8 +420,8 @@ class CostModel(PlainTerms):
         whole, to_last_save = events.recompute[:stop] + restore, events.recompute_to_last_save[:stop] + restore
         last = int(self.last_saver[b - 1]) - a
         recompute = max(whole[:last].max(initial=-np.inf), to_last_save[last]) if last >= 0 else -np.inf
-        return float(self._working_set(o, a, b, recompute, events.checkpointed_backward[:stop].max(), np.array([carry]),
-                                       input_held)[0])
+        return float(self._working_set(o, a, b, recompute, events.checkpointed_backward[:stop].max(),
+                                       events.checkpointed_forward[:stop].max(), np.array([carry]), input_held)[0])
 
     def predict(self, segments: list, nested: Sequence = ()) -> tuple:
         """(peak bytes, step seconds, index of the segment setting the peak) of a plan

@@ -35,7 +35,9 @@ recomputed parts, run without grad, on copies of their layers' share of it, made
 the part starts and dropped as it ends: M(s, e) in the part's pass.
 
 A top-level nested segment's working set is W = O + K + Q + C + E(top), O, K, Q and
-C as for any checkpointed segment (memory_model.py), and it keeps R = K until its
+C as for any checkpointed segment (memory_model.py), or its forward's largest event
+where that is larger (NOTE [ A checkpointed segment's forward ]: the forward is one
+pass whatever the cut), and it keeps R = K until its
 recompute; after a plain middle segment whose saves hold x_a, K (x_a itself) is
 counted there (memory_model.py, "A tensor at a plain boundary"), and its first
 part's saves of x_a are K's storage.
@@ -78,7 +80,8 @@ def held_outside(model, o: int, a, b, input_held=False) -> np.ndarray:
 def working_set(model, o: int, a: int, b: int, top: Range, carry: float, input_held: bool = False) -> float:
     """W + C of the nested segment [a, b) kept by option o (exact, on the device),
     its recompute cut as ``top`` (relative to a) says (``input_held``: as held_outside)."""
-    return float(held_outside(model, o, a, b, input_held)) + carry + _largest_event(model, a, top)
+    forward = model.held_in_forward(o, a, b, input_held) + model.events_from(a).checkpointed_forward[:b - a].max()
+    return max(float(forward), float(held_outside(model, o, a, b, input_held)) + carry + _largest_event(model, a, top))
 
 
 def seconds(model, o: int, a: int, top: Range) -> float:

@@ -153,15 +153,18 @@ class NestedTable:
 
     def least_working_set(self, o: int) -> np.ndarray:
         """[bit, a, b]: the least W (less C) of a nested segment [a, b) kept by option
-        o: O + K + Q + the fewest bytes its recompute nests within (inf where none);
+        o: O + K + Q + the fewest bytes its recompute nests within (inf where none), or
+        its forward's largest event where larger (nested_model.working_set);
         bit 1 after a plain middle segment whose saves hold x_a (nested_model.held_outside)."""
         return self._least_working_sets[o]
 
     @cached_property
     def _least_working_sets(self) -> dict:
-        starts, bits = np.arange(self.model.n), np.array([False, True])[:, None, None]
-        return {o: nested_model.held_outside(self.model, o, starts[:, None], starts, bits) + self.least_bytes
-                for o in exact_options(self.model)}
+        model, bits = self.model, np.array([False, True])[:, None, None]
+        a, b = np.arange(model.n)[:, None], np.arange(model.n)
+        return {o: np.maximum(nested_model.held_outside(model, o, a, b, bits) + self.least_bytes,
+                              model.held_in_forward(o, a, b, bits) + model.tables.checkpointed_forward)
+                for o in exact_options(model)}
 
     def tree(self, a: int, b: int, available: float) -> Range:
         """The top Range (relative to a) of the cut that :meth:`time` prices."""

@@ -1,0 +1,28 @@
+"""The profile's measured steps (planning/instrumented_step.py): what they count."""
+import pytest
+import torch
+from torch import nn
+
+from actsave.planning.instrumented_step import measure_memory
+
+
+def linear_relu_chain(inplace: bool) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(64, 64), nn.ReLU(inplace=inplace))])
+
+
+@pytest.mark.parametrize("shape", [(8, 32, 64), (256, 64)], ids=["views", "plain"])
+def test_the_step_counts_the_decisions_of_in_place_relu_modules_as_a_lossy_forward_keeps_them(shape):
+    # A Linear on a 3-D input returns a view, and an in-place ReLU on it hides its ReLU
+    # node (NOTE [ In-place ReLUs on views ]): the lossy forward watches the module and
+    # keeps its bits, so the step counts them, as for ReLU(), and so do the saves a
+    # plain segment's codec stores (saves_as_stored.py).
+    x = torch.randn(*shape)
+    counted = {}
+    for inplace in (False, True):
+        model = linear_relu_chain(inplace)
+        found = measure_memory(list(model.named_children()), x, model, torch.device("cpu"))
+        stored_relus = sum(entry.relu for entry in found.as_stored.entries.values())
+        counted[inplace] = found.relu_sign_bytes, found.relu_elements, stored_relus
+    assert counted[True] == counted[False]
+    assert counted[True][0] == [0, 256 * 64 // 8] * 3 and counted[True][2] == 3
