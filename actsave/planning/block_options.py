@@ -13,11 +13,11 @@ recompute. Each is priced by what it does to the peak formula of memory_model.py
 
 - plain and inputs kept: the cost model's own terms of the one-block segment (a plain
   middle segment, a checkpointed one), from the chain's profiled step, as any chain
-  plan prices them, and for a checkpoint its forward too (NOTE [ A checkpointed
-  block's forward ]); but for a checkpoint kept on the device, the seconds measured as
-  the other options' are (below): its recompute stops after its last save (the early
-  stop: a transformer block's last matmul and residual add are not run again), which
-  the profile's forward time of the block does not tell. An offloaded one keeps the
+  plan prices them, a checkpoint's forward too (NOTE [ A checkpointed segment's
+  forward ] in memory_model.py); but for a checkpoint kept on the device, the seconds
+  measured as the other options' are (below): its recompute stops after its last save
+  (the early stop: a transformer block's last matmul and residual add are not run
+  again), which the profile's forward time of the block does not tell. An offloaded one keeps the
   model's seconds: its copies hide behind the next blocks, which a block timed alone
   does not have;
 - the others (selective, alone or with a codec or offload of what it keeps; saves
@@ -53,7 +53,6 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -145,32 +144,8 @@ def model_terms(model: CostModel, a: int, option: Optional[BlockOption], held: b
     # events alone are read at a C above every one of them.
     big = 2.0 * (model.segment_working_set(o, a, a + 1, fetched, held) + 1.0)
     backward = model.segment_working_set(o, a, a + 1, big, held) - big
-    forward = _checkpointed_forward(model, o, a, kept, held)
+    forward = float(model.forward_working_set(o, a, a + 1, held))
     return OptionTerms(kept, forward, backward, fetched, float(model.seconds(o, a, a + 1)), False)
-
-
-# NOTE [ A checkpointed block's forward ]
-# The cost model leaves a checkpointed segment's forward events out, each taken to be
-# at most its recompute's (memory_model.py). A block's recompute stops at its last
-# save, where its forward goes on: a block that returns, beside its hidden state, an
-# output made after its last save (one its caller drops) rises in its forward by the
-# temporaries of that output, which no recompute or backward event holds. So a
-# checkpointed block's forward is an event of its own: the encoding of its input (a
-# lossy codec), then its forward with its saves dropped (the rise of the profile's
-# forward under no_grad), beside its input (where no block before counts it) and what
-# the option keeps of it besides that input itself.
-
-
-def _checkpointed_forward(model: CostModel, o: int, a: int, kept: float, held: bool) -> float:
-    """Block ``a``'s forward events under checkpoint option ``o`` (NOTE [ A
-    checkpointed block's forward ]); ``kept``: its R."""
-    caller_input = 0.0 if a == 0 or held else float(model.input[a])
-    beside_input = (float(model.signs(o, a, a + 1) + model.state(a, a + 1)) if model.shares_input[o, a]
-                    else kept)
-    encode = -np.inf
-    if model.options[o].lossy:
-        encode = float(model.encode_event[o, a]) - (float(model.reused_input[a]) if held else 0.0)
-    return max(encode, caller_input + beside_input + float(model.no_grad_rise[a]))
 
 
 @dataclass(frozen=True)

@@ -309,8 +309,9 @@ class CostModel(PlainTerms):
     # input where it is not the segment's, and what the segment holds throughout: its
     # input, held by the caller (or the plain middle segment before), what the option
     # keeps of it on the device besides that input itself, the decisions and the
-    # snapshot. Block plans price a block's forward by the same rule (block_options.py,
-    # NOTE [ A checkpointed block's forward ]).
+    # snapshot. A block plan reads a checkpointed block's forward so too
+    # (block_options.py): a block whose caller drops an output made after the block's
+    # last save rises by that output's temporaries there.
 
     def held_in_forward(self, o: int, a, b, input_held=False) -> np.ndarray:
         """[x_a] + K' + S + M: what the checkpointed segment [a, b) holds beside each
@@ -319,6 +320,18 @@ class CostModel(PlainTerms):
         caller = np.where(np.asarray(a) > 0, self.input[a] - np.where(input_held, self.reused_input[a], 0.0), 0.0)
         own = 0.0 if self.options[o].offload else np.where(self.shares_input[o, a], 0.0, self.kept_input[o, a])
         return caller + own + self.signs(o, a, b) + self.state(a, b)
+
+    def forward_working_set(self, o: int, a, b, input_held=False, forward=None) -> np.ndarray:
+        """The checkpointed segment [a, b)'s largest event before its backward: the
+        encoding of its input (a lossy codec) or its forward (NOTE [ A checkpointed
+        segment's forward ]); ``forward``: its largest forward event less what it holds,
+        by default from the tables; ``input_held``: as for :meth:`held_in_forward`."""
+        encode = self.encode_event[o, a]
+        if self.options[o].lossy:
+            encode = encode - np.where(input_held, self.reused_input[a], 0.0)
+        if forward is None:
+            forward = self.tables.checkpointed_forward[a, b]
+        return np.maximum(encode, self.held_in_forward(o, a, b, input_held) + forward)
 
     def _working_set(self, o: int, a, b, recompute, backward, forward, carries: np.ndarray,
                      input_held=False) -> np.ndarray:
@@ -340,13 +353,11 @@ class CostModel(PlainTerms):
         # stay to their layers' backward: at most M.
         backward = backward + np.where(self.saves(a, b), self.state(a, b), 0.0)
         events = np.maximum(held + recompute, backward)  # the sign bits go with the recompute
-        encode = self.encode_event[o, a]
         if option.lossy:
             decode = self.held_in_backward + kept + fetched + self.grad[b] + self.decode_rise[o, a]
             events = np.maximum(events, np.where(self.saves(a, b), decode, -np.inf))
-            encode = encode - np.where(input_held, self.reused_input[a], 0.0)
         # The forward's events come before any prefetch: no carry.
-        in_forward = np.maximum(encode, self.held_in_forward(o, a, b, input_held) + forward)
+        in_forward = self.forward_working_set(o, a, b, input_held, forward)
         w = np.maximum(np.expand_dims(events, -1) + carries, np.expand_dims(in_forward, -1))
         usable = np.expand_dims(self.allowed[o, a], -1) & (np.expand_dims(fetched, -1) <= carries)
         return np.where(usable, w, np.inf)

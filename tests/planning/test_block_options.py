@@ -71,7 +71,7 @@ def test_a_plan_of_selective_blocks_before_in_place_ones_trains_exactly():
 
 class LateOutput(nn.Module):
     """Returns its hidden state and an output it makes after its last save, through a
-    temporary eight times the hidden state's size (NOTE [ A checkpointed block's
+    temporary eight times the hidden state's size (NOTE [ A checkpointed segment's
     forward ]): a recompute stops before it, the forward does not."""
 
     def __init__(self):
