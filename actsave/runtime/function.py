@@ -6,9 +6,12 @@ A checkpointed call runs its function once, with grad enabled, inside
 ``torch.autograd.graph.saved_tensors_hooks``. The autograd graph is the real one;
 only the tensors its nodes save are swapped for placeholders (placeholders.py). The
 segment's inputs are kept by actsave itself (store.py), exact or compressed. When
-backward first unpacks a placeholder, the segment runs again from the kept inputs
-(same RNG, autocast and default device, state the forward mutated left alone:
-state.py) and the tensors it saves, in the same order, fill the placeholders.
+backward first unpacks a placeholder, or reaches the node of an output that is a view,
+the segment runs again from the kept inputs (same RNG, autocast and default device,
+state the forward mutated left alone: state.py) and the tensors it saves, in the same
+order, fill the placeholders. A view's node may allocate before its first unpack (after
+an in-place ReLU on a view: the base's gradient and CopySlices' two copies), where
+plans count the output's gradient alone; other nodes unpack first.
 
 Why this and not a custom ``torch.autograd.Function`` per segment: a Function only
 sees the tensors passed to it. Gradients of parameters a function closes over would
@@ -422,17 +425,9 @@ def _name(function) -> str:
     return getattr(function, "__qualname__", None) or type(function).__name__
 
 
-def checkpointed_call(
-    function: Callable,
-    args: tuple,
-    kwargs: dict,
-    policy: KeepPolicy,
-    private_copy: bool = False,
-    options: RecomputeOptions = DEFAULT_RECOMPUTE,
-    made_by: Optional[CallerTensors] = None,
-    eager_because: Optional[str] = None,
-    prepared: Optional[tuple] = None,
-) -> tuple:
+def checkpointed_call(function: Callable, args: tuple, kwargs: dict, policy: KeepPolicy, private_copy: bool = False,
+                      options: RecomputeOptions = DEFAULT_RECOMPUTE, made_by: Optional[CallerTensors] = None,
+                      eager_because: Optional[str] = None, prepared: Optional[tuple] = None) -> tuple:
     """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
 
     Returns ``(output, kept_bytes)``: the function's output, untouched, and the bytes
@@ -479,4 +474,24 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy, options, ma
     if not frame.slots:  # nothing to backprop through: nothing to keep
         frame.release()
         return output, 0
+    if make_frame is None:  # nested and selective frames recompute by rules of their own
+        _recompute_on_entry(frame, output, inputs)
     return output, kept.nbytes + frame.decision_bytes + frame.account_kept()
+
+
+def _recompute_on_entry(frame: _Frame, output, inputs) -> None:
+    """Recompute ``frame`` as backward reaches the node of an output that is a view, but
+    an input handed on (NOTE [ Segment checkpoint mechanism ]); weakly held."""
+    leaves = (output,) if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)
+    views = [t for t in leaves if isinstance(t, torch.Tensor) and t._is_view()]
+    handed_on = [t.grad_fn for t in inputs] if views else ()
+    ref = weakref.ref(frame)
+
+    def entered(grad_outputs):
+        live = ref()
+        if live is not None and not live.in_forward and not live.is_recomputed:
+            live._recompute()
+
+    for t in views:
+        if t.grad_fn is not None and all(t.grad_fn is not n for n in handed_on):
+            t.grad_fn.register_prehook(entered)
