@@ -99,6 +99,13 @@ def repeated_modules(layers) -> list:
     return list(repeated.values())
 
 
+def modules_among(modules: Optional[list], kind) -> Optional[list]:
+    """The modules of ``modules`` (``(layer index, module)`` pairs, as modules_under gives
+    them) for which ``kind(module)`` holds, for :func:`module_hooks`; None (every module)
+    where ``modules`` is None, the function's layers not being known."""
+    return None if modules is None else [module for _, module in modules if kind(module)]
+
+
 @contextlib.contextmanager
 def module_hooks(modules: Optional[list], before, after):
     """``before`` and ``after`` as forward pre- and post-hooks, for the body, on each of
@@ -116,4 +123,4 @@ def module_hooks(modules: Optional[list], before, after):
             handle.remove()
 
 
-__all__ = ["LayerChain", "LayerRun", "known_layers", "modules_under", "repeated_modules", "module_hooks"]
+__all__ = ["LayerChain", "LayerRun", "known_layers", "modules_under", "repeated_modules", "modules_among", "module_hooks"]

@@ -50,7 +50,7 @@ from torch import nn
 from ..codecs.backend import implementation
 from ..triton_kernels import decision_table
 from ..triton_kernels.bitfields import field_bits
-from .layers import module_hooks
+from .layers import module_hooks, modules_among
 
 # The plain max pools and the number of spatial dimensions each pools over.
 _PLAIN_POOLS = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
@@ -174,12 +174,8 @@ class PoolWatch:
 
     @classmethod
     def among(cls, modules) -> "PoolWatch":
-        """A watch of the plain max pools among ``modules`` (``(layer index, module)``
-        pairs, as layers.modules_under gives them), or of every module call where they
-        are None."""
-        if modules is None:
-            return cls()
-        return cls([module for _, module in modules if Window.of(module) is not None])
+        """A watch of the plain max pools among ``modules`` (layers.modules_among)."""
+        return cls(modules_among(modules, lambda module: Window.of(module) is not None))
 
     @contextlib.contextmanager
     def watching(self):

@@ -35,7 +35,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .._torch import is_relu_node, version
 from ..codecs.backend import implementation
 from ..triton_kernels import bitfields, decision_table
-from .layers import module_hooks
+from .layers import module_hooks, modules_among
 
 
 def is_relu_output(tensor: torch.Tensor) -> bool:
@@ -103,12 +103,8 @@ class InplaceRelus:
 
     @classmethod
     def among(cls, modules) -> "InplaceRelus":
-        """A watch of the in-place ReLUs among ``modules`` (``(layer index, module)``
-        pairs, as layers.modules_under gives them), or of every module call where they
-        are None."""
-        if modules is None:
-            return cls()
-        return cls([module for _, module in modules if _is_inplace_relu(module)])
+        """A watch of the in-place ReLUs among ``modules`` (layers.modules_among)."""
+        return cls(modules_among(modules, _is_inplace_relu))
 
     @contextlib.contextmanager
     def watching(self):
