@@ -91,7 +91,9 @@ class Kernel(NamedTuple):
     ``decode(codes, scales, **format_args, dtype=..., group_size=..., means=None,
     channel_size=1, sums=None)`` a 1-D tensor of ``dtype``, the means added back. ``constexprs``
     are the format's constexprs the launcher passes to ``jit`` (the launch adds the
-    tile's and ``CENTERED``), for builds ahead of time.
+    tile's and ``CENTERED``), for builds ahead of time. ``format_args`` and
+    ``constexprs`` are plain dicts, shared: read, never changed (a codec call unpacks
+    ``format_args``, and a dict unpacks in half a mapping proxy's time).
     """
 
     launcher: Callable
@@ -118,13 +120,13 @@ def kernel_table() -> Mapping[Tuple[str, str], Kernel]:
 
     table = {}
     for name, unsigned in (("int8", False), ("uint8", True)):
-        format_args = MappingProxyType({"unsigned": unsigned})
+        format_args = {"unsigned": unsigned}
         table[name, "encode"] = Kernel(int8.encode_int8, int8.encode_int8_ref, format_args,
                                        int8._encode_int8_kernel, int8.encode_constexprs(unsigned))
         table[name, "decode"] = Kernel(int8.decode_int8, int8.decode_int8_ref, format_args,
                                        int8._decode_int8_kernel, int8.decode_constexprs(unsigned))
     for fmt, spec in {**fp8.FP8_FORMATS, **fp8.UNSIGNED_FP8_FORMATS}.items():
-        format_args = MappingProxyType({"fmt": fmt})
+        format_args = {"fmt": fmt}
         table[f"fp8_{fmt}", "encode"] = Kernel(fp8.encode_fp8, fp8.encode_fp8_ref, format_args,
                                                fp8._encode_fp8_kernel, spec.encode_constexprs())
         table[f"fp8_{fmt}", "decode"] = Kernel(fp8.decode_fp8, fp8.decode_fp8_ref, format_args,

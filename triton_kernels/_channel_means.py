@@ -134,9 +134,9 @@ def channel_means(x, means, stand_in, sums=None):
     """``means`` (or ``sums``, one of them) for encoding ``x``, checked against it; neither
     subtracts none, and then ``stand_in`` (any fp32 tensor on x's device) fills the
     pointer the kernel never reads."""
-    given, name = _given(means, sums)
-    if given is None:
+    if means is None and sums is None:
         return ChannelMeans(stand_in, 1, 1, False)
+    given, name = _given(means, sums)
     shape = x.shape
     channels = shape[1] if len(shape) >= 2 else 0
     if given.shape != (channels,):
@@ -149,14 +149,14 @@ def decoded_channel_means(codes, means, channel_size, stand_in, sums=None):
     """``means`` (or ``sums``) for decoding ``codes`` of a tensor whose channels hold
     ``channel_size`` elements per sample, checked; neither adds none (``stand_in`` as
     for channel_means)."""
-    given, name = _given(means, sums)
-    if given is None:
+    if means is None and sums is None:
         return ChannelMeans(stand_in, 1, 1, False)
+    given, name = _given(means, sums)
     return _checked_means(given, name, channel_size, codes.numel(), codes.device)
 
 
 def _given(means, sums):
-    """``(tensor, its argument's name)`` of whichever of the two is given, or (None, None)."""
+    """``(tensor, its argument's name)`` of whichever of the two is given (one is)."""
     if sums is None:
         return means, "means"
     if means is not None:

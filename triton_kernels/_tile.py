@@ -247,46 +247,62 @@ def flat_codes(codes, scales, code_dtype, dtype, group_size):
     return _flat(codes), _flat(scales)
 
 
-def empty_encoding(flat, group_size, code_dtype):
-    """Uninitialised codes (one byte per element, unpadded) and per-group scales."""
-    codes = torch.empty(flat.numel(), dtype=code_dtype, device=flat.device)
-    scales = torch.empty(ceil_div(flat.numel(), group_size), dtype=torch.float32, device=flat.device)
+def empty_encoding(numel, device, group_size, code_dtype):
+    """Uninitialised codes (one byte per element, unpadded) and per-group scales for
+    ``numel`` values on ``device``."""
+    codes = torch.empty(numel, dtype=code_dtype, device=device)
+    scales = torch.empty(ceil_div(numel, group_size), dtype=torch.float32, device=device)
     return codes, scales
 
 
-def launch(kernel, numel, group_size, run, means, *tensors, **arguments):
+def launch(kernel, numel, group_size, stream_dtype, means, constexprs, *tensors):
     """One launch of a group kernel over numel elements, on its tensors' device; none
     for an empty tensor, nor for meta tensors: they hold no data, and the launcher's
-    allocations are what actsave.estimate simulates a CUDA step by. ``run`` is the
-    elements each thread owns contiguously (NOTE [ Tile ]), ``means`` the kernel's
-    :class:`ChannelMeans`, ``arguments`` its other arguments by name."""
+    allocations are what actsave.estimate simulates a CUDA step by. ``stream_dtype``
+    is the dtype whose 16-byte vectors make a thread's run (NOTE [ Tile ]: the codes
+    when encoding, the values when decoding), ``means`` the kernel's
+    :class:`ChannelMeans`, whose tensor is passed after ``tensors`` (every codec kernel
+    takes its means pointer fourth, after its three tensors), ``constexprs`` the
+    format's (:class:`Constexprs`)."""
     first = tensors[0]
     if numel == 0 or first.is_meta:
         return
     # The interpreter runs CPU tensors. The tile is read at each call (CUDA_TILE) and
-    # keys the constants with the shape.
+    # keys the arguments with the shape.
     interpreted = first.is_cpu
-    tile = INTERPRETER_TILE if interpreted else CUDA_TILE
-    grid, constants = _launch_constants(numel, group_size, run, means.channel_size, means.channels, means.centered,
-                                        means.divisor, interpreted, tile)
+    grid, arguments = _launch_arguments(numel, group_size, stream_dtype, means.channel_size, means.channels,
+                                        means.centered, means.divisor, interpreted,
+                                        INTERPRETER_TILE if interpreted else CUDA_TILE, constexprs)
     # Through the package's one launch helper: a kernel that fails to compile on the
     # user's GPU raises an error naming it and the fallback (_launch.py).
-    _launch.launch(kernel, grid, *tensors, means_ptr=means.means, **constants, **arguments)
+    _launch.launch(kernel, grid, *tensors, means.means, **arguments)
 
 
-# A launch's grid and scalar arguments depend on its shape alone: worked out once per
-# shape (a model has a few), not at every call, whose host work a GPU waits for
-# (docs/performance.md, "Rules of the hot path").
+class Constexprs(dict):
+    """A format's constexprs, by name: built once per format and shared, never changed.
+    Hashed by identity, so that it keys a launch's cached arguments for the price of
+    a pointer (equal contents in two objects key two entries, both right)."""
+
+    __hash__ = object.__hash__
+
+
+# A launch's grid and arguments but its tensors depend on its shape and format alone:
+# worked out once per shape (a model has a few), not at every call, whose host work a
+# GPU waits for (docs/performance.md, "Rules of the hot path"). One dict, so that the
+# call binds one mapping of keywords, not several merged.
 @functools.lru_cache(maxsize=4096)
-def _launch_constants(numel, group_size, run, channel_size, channels, centered, divisor, interpreted, tile) -> tuple:
-    """``(grid, arguments)``: a launch's grid and its arguments but the tensors and the
-    format's constants (shared: read, never changed)."""
+def _launch_arguments(numel, group_size, stream_dtype, channel_size, channels, centered, divisor, interpreted, tile,
+                      constexprs) -> tuple:
+    """``(grid, arguments)``: a launch's grid and its arguments by name but the tensors
+    (shared: read, never changed)."""
     groups_per_program = max(1, tile.elements // group_size)
-    run = min(run, group_size)
+    run = min(run_elements(stream_dtype), group_size)
     grid = (ceil_div(ceil_div(numel, group_size), groups_per_program),)
-    return grid, {"numel": numel, **channel_arguments(channel_size, channels, centered, run, divisor),
-                  "GROUP_SIZE": group_size, "GROUPS_PER_PROGRAM": groups_per_program, "RUN": run,
-                  "INDEX_64": needs_int64(numel), "INTERPRETED": interpreted, **tile.options()}
+    own = {"numel": numel, **channel_arguments(channel_size, channels, centered, run, divisor),
+           "GROUP_SIZE": group_size, "GROUPS_PER_PROGRAM": groups_per_program, "RUN": run,
+           "INDEX_64": needs_int64(numel), "INTERPRETED": interpreted, **tile.options()}
+    assert own.keys().isdisjoint(constexprs), sorted(own.keys() & constexprs.keys())  # none overrides another
+    return grid, {**own, **constexprs}
 
 
 def needs_int64(numel):

@@ -58,6 +58,7 @@ from ._scale import (
     with_non_finite_codes_ref,
 )
 from ._tile import (
+    Constexprs,
     centered_input_ref,
     empty_encoding,
     flat_codes,
@@ -65,7 +66,6 @@ from ._tile import (
     launch,
     load_decoder_tile,
     load_encoder_tile,
-    run_elements,
 )
 
 
@@ -82,15 +82,16 @@ class _Fp8Format:
 
     # Each built once, not at each launch (shared: read, never changed).
     @functools.cache
-    def encode_constexprs(self) -> dict:
-        return {"FP8_MAX": self.max_value, "MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
-                **_signed_grid_only(self), **self.non_finite.encode_constexprs()}
+    def encode_constexprs(self) -> Constexprs:
+        return Constexprs({"FP8_MAX": self.max_value, "MANT_BITS": self.mantissa_bits,
+                           "MIN_NORMAL_EXP": self.min_normal_exponent, **_signed_grid_only(self),
+                           **self.non_finite.encode_constexprs()})
 
     @functools.cache
-    def decode_constexprs(self) -> dict:
-        return {"MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
-                "FIRST_SPECIAL": self.first_special_code, **_signed_grid_only(self),
-                **self.non_finite.decode_constexprs()}
+    def decode_constexprs(self) -> Constexprs:
+        return Constexprs({"MANT_BITS": self.mantissa_bits, "MIN_NORMAL_EXP": self.min_normal_exponent,
+                           "FIRST_SPECIAL": self.first_special_code, **_signed_grid_only(self),
+                           **self.non_finite.decode_constexprs()})
 
 
 @dataclass(frozen=True)
@@ -112,12 +113,12 @@ class _UnsignedFp8Format:
         return float((2 ** (self.mantissa_bits + 1) - 1) * 2.0 ** (top_exponent - self.mantissa_bits))
 
     @functools.cache
-    def encode_constexprs(self) -> dict:
-        return {**self.signed.encode_constexprs(), "FP8_MAX": self.max_value, **self._unsigned()}
+    def encode_constexprs(self) -> Constexprs:
+        return Constexprs({**self.signed.encode_constexprs(), "FP8_MAX": self.max_value, **self._unsigned()})
 
     @functools.cache
-    def decode_constexprs(self) -> dict:
-        return {**self.signed.decode_constexprs(), **self._unsigned()}
+    def decode_constexprs(self) -> Constexprs:
+        return Constexprs({**self.signed.decode_constexprs(), **self._unsigned()})
 
     def _unsigned(self) -> dict:
         return {"UNSIGNED": True, "U_MANT_BITS": self.mantissa_bits}
@@ -295,12 +296,20 @@ def _decode_fp8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, mean_divisor, 
 
 
 _FORMATS = {**FP8_FORMATS, **UNSIGNED_FP8_FORMATS}
+# Each format's (encode, decode) constexprs, by name, for its launchers: a lookup by the
+# name, where the formats' cached methods would hash the frozen dataclass at each call.
+_CONSTEXPRS = {fmt: (spec.encode_constexprs(), spec.decode_constexprs()) for fmt, spec in _FORMATS.items()}
 
 
 def _format(fmt):
     if fmt not in _FORMATS:
         raise ValueError(f"fmt must be one of {sorted(_FORMATS)}, got {fmt!r}")
     return _FORMATS[fmt]
+
+
+def _format_constexprs(fmt):
+    """``(encode, decode)`` constexprs of ``fmt``, checked as :func:`_format` checks it."""
+    return _CONSTEXPRS[fmt] if fmt in _CONSTEXPRS else _format(fmt)
 
 
 def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None, sums=None):
@@ -311,11 +320,12 @@ def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None, sums=None):
     (x.shape[1],), are subtracted per channel first, or the means of ``sums``, the
     channels' sums (NOTE [ Channel means ]). Raises ValueError for other formats,
     dtypes, group sizes, means or sums."""
-    spec = _format(fmt)
+    constexprs, _ = _format_constexprs(fmt)
     source = kernel_input(x, group_size)
-    codes, scales = empty_encoding(source, group_size, torch.uint8)
-    launch(_encode_fp8_kernel, source.numel(), group_size, run_elements(codes.dtype),
-           channel_means(x, means, scales, sums), source, codes, scales, **spec.encode_constexprs())
+    numel = source.numel()
+    codes, scales = empty_encoding(numel, source.device, group_size, torch.uint8)
+    launch(_encode_fp8_kernel, numel, group_size, torch.uint8, channel_means(x, means, scales, sums), constexprs,
+           source, codes, scales)
     return codes, scales
 
 
@@ -325,12 +335,11 @@ def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=N
     the original shape. ``means`` (or ``sums``), those the encoder took, are added
     back, the tensor's channels holding ``channel_size`` elements per sample (NOTE
     [ Channel means ])."""
-    spec = _format(fmt)
+    _, constexprs = _format_constexprs(fmt)
     codes, scales = flat_codes(codes, scales, torch.uint8, dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_fp8_kernel, codes.numel(), group_size, run_elements(dtype),
-           decoded_channel_means(codes, means, channel_size, scales, sums), codes, scales, out,
-           **spec.decode_constexprs())
+    launch(_decode_fp8_kernel, codes.numel(), group_size, dtype,
+           decoded_channel_means(codes, means, channel_size, scales, sums), constexprs, codes, scales, out)
     return out
 
 

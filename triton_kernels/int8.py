@@ -45,6 +45,7 @@ from ._scale import (
     with_non_finite_codes_ref,
 )
 from ._tile import (
+    Constexprs,
     centered_input_ref,
     empty_encoding,
     flat_codes,
@@ -52,7 +53,6 @@ from ._tile import (
     launch,
     load_decoder_tile,
     load_encoder_tile,
-    run_elements,
 )
 
 # Symmetric absmax rather than asymmetric (scale + zero point). Asymmetric gains most,
@@ -69,15 +69,15 @@ UINT8_MAX = 255  # NOTE [ Unsigned grids ]
 NON_FINITE_CODES = NonFiniteCodes(finite_max=126.0, pos_inf=127, neg_inf=-127, nan=-128)
 
 @functools.cache  # built once, not at each launch (shared: read, never changed)
-def encode_constexprs(unsigned: bool) -> dict:
+def encode_constexprs(unsigned: bool) -> Constexprs:
     """The encode kernel's format constexprs, for the signed or the unsigned grid."""
-    return {"CODE_MAX": UINT8_MAX if unsigned else INT8_MAX, "UNSIGNED": unsigned,
-            **NON_FINITE_CODES.encode_constexprs()}
+    return Constexprs({"CODE_MAX": UINT8_MAX if unsigned else INT8_MAX, "UNSIGNED": unsigned,
+                       **NON_FINITE_CODES.encode_constexprs()})
 
 
 @functools.cache
-def decode_constexprs(unsigned: bool) -> dict:
-    return {"UNSIGNED": unsigned, **NON_FINITE_CODES.decode_constexprs()}
+def decode_constexprs(unsigned: bool) -> Constexprs:
+    return Constexprs({"UNSIGNED": unsigned, **NON_FINITE_CODES.decode_constexprs()})
 
 
 def _code_dtype(unsigned):
@@ -153,9 +153,10 @@ def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None, su
     the channels' sums (NOTE [ Channel means ]).
     Raises ValueError for other dtypes, group sizes, means or sums."""
     source = kernel_input(x, group_size)
-    codes, scales = empty_encoding(source, group_size, _code_dtype(unsigned))
-    launch(_encode_int8_kernel, source.numel(), group_size, run_elements(codes.dtype),
-           channel_means(x, means, scales, sums), source, codes, scales, **encode_constexprs(unsigned))
+    numel, code_dtype = source.numel(), _code_dtype(unsigned)
+    codes, scales = empty_encoding(numel, source.device, group_size, code_dtype)
+    launch(_encode_int8_kernel, numel, group_size, code_dtype, channel_means(x, means, scales, sums),
+           encode_constexprs(unsigned), source, codes, scales)
     return codes, scales
 
 
@@ -167,9 +168,9 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
     elements per sample (NOTE [ Channel means ])."""
     codes, scales = flat_codes(codes, scales, _code_dtype(unsigned), dtype, group_size)
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    launch(_decode_int8_kernel, codes.numel(), group_size, run_elements(dtype),
-           decoded_channel_means(codes, means, channel_size, scales, sums), codes, scales, out,
-           **decode_constexprs(unsigned))
+    launch(_decode_int8_kernel, codes.numel(), group_size, dtype,
+           decoded_channel_means(codes, means, channel_size, scales, sums), decode_constexprs(unsigned), codes,
+           scales, out)
     return out
 
 

@@ -61,7 +61,7 @@ from ..triton_kernels import DEFAULT_GROUP_SIZE, SUPPORTED_DTYPES, UNSIGNED_VARI
 GROUP_SIZE = DEFAULT_GROUP_SIZE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Packed:
     """A tensor as a codec stores it: payload, optional per-group scales, and what
     decode needs to give back the original shape, dtype and strides."""
@@ -79,6 +79,13 @@ class Packed:
     strides: Optional[tuple] = None
 
     TENSOR_FIELDS: ClassVar[tuple] = ("data", "scales", "offsets")
+
+    def __init__(self, data, scales, shape, dtype, unsigned=False, offsets=None, strides=None):
+        # The fields above, in their order and with their defaults. Frozen: written
+        # through the instance's __dict__, where a frozen dataclass's own __init__ calls
+        # object.__setattr__ once per field, host work at every codec call.
+        self.__dict__.update(data=data, scales=scales, shape=shape, dtype=dtype, unsigned=unsigned,
+                             offsets=offsets, strides=strides)
 
     def tensors(self) -> dict:
         """``{field: tensor}``, every tensor the value holds (None fields left out):
@@ -167,21 +174,22 @@ class GroupCodec(Codec):
         kernel = kernel_table()[self._format(non_negative), "encode"]
         encode = implementation(kernel, source)
         codes, scales = encode(source, **kernel.format_args, group_size=GROUP_SIZE, sums=offsets)
-        return Packed(data=codes, scales=scales, shape=x.shape, dtype=x.dtype, unsigned=non_negative,
-                      offsets=offsets, strides=kept_strides(x))
+        return Packed(codes, scales, x.shape, x.dtype, non_negative, offsets, kept_strides(x))
 
     def decode(self, packed: Packed) -> torch.Tensor:
         """The tensor ``packed`` stands for, in the input's layout: where that is not
         contiguous (``packed.strides``), the values decoded in row-major order are
         copied into it, one copy more."""
-        wide = torch.float32 if packed.dtype == torch.float64 else packed.dtype
+        dtype, offsets = packed.dtype, packed.offsets
+        wide = torch.float32 if dtype == torch.float64 else dtype
         kernel = kernel_table()[self._format(packed.unsigned), "decode"]
         decode = implementation(kernel, packed.data)
         flat = decode(packed.data, packed.scales, **kernel.format_args, dtype=wide, group_size=GROUP_SIZE,
-                      sums=packed.offsets, channel_size=channel_size(packed.shape))
+                      sums=offsets, channel_size=1 if offsets is None else channel_size(packed.shape))
         if packed.strides is None:
-            return flat.view(packed.shape).to(packed.dtype)
-        return copied_with_strides(flat.view(packed.shape), packed.strides, packed.dtype)
+            values = flat.view(packed.shape)
+            return values if wide is dtype else values.to(dtype)
+        return copied_with_strides(flat.view(packed.shape), packed.strides, dtype)
 
     def _format(self, unsigned: bool) -> str:
         return UNSIGNED_VARIANT[self.name] if unsigned else self.name

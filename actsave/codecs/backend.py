@@ -35,6 +35,9 @@ _selected = "auto"
 # ``forced``: a backend forced on this thread (forced_here). A plain threading.local read
 # by getattr with a default, on which Dynamo guards, were it to trace implementation().
 _this_thread = threading.local()
+# Set on the importing thread now: there getattr finds it rather than raising and
+# catching an AttributeError, host work at every codec call. Other threads read the default.
+_this_thread.forced = None
 _set_by = SetBy()
 
 

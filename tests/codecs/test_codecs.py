@@ -1,5 +1,7 @@
 """Codec registry and the Packed container."""
 import csv
+import dataclasses
+import inspect
 import json
 from pathlib import Path
 
@@ -86,6 +88,21 @@ def test_the_strides_travel_with_the_metadata():
     packed = get_codec("int8").encode(DENSE_LAYOUTS["channels_last"]())
     again = Packed.assemble(packed.tensors(), packed.metadata())
     assert again.strides == packed.strides and again.metadata() == packed.metadata()
+
+
+def test_packed_takes_its_fields_in_order_with_their_defaults_and_stays_frozen():
+    # Packed writes its fields itself (a frozen dataclass's __init__ costs host work).
+    data, shape = torch.zeros(3, dtype=torch.int8), torch.Size([3])
+    assert list(inspect.signature(Packed).parameters) == [f.name for f in dataclasses.fields(Packed)]
+    packed = Packed(data, None, shape, torch.float32)
+    defaults = {f.name: f.default for f in dataclasses.fields(Packed) if f.default is not dataclasses.MISSING}
+    assert defaults == {"unsigned": False, "offsets": None, "strides": None}
+    assert {name: getattr(packed, name) for name in defaults} == defaults
+    assert Packed(data, None, shape, torch.float32, True, data, (1,)) == Packed(
+        data=data, scales=None, shape=shape, dtype=torch.float32, unsigned=True, offsets=data, strides=(1,))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        packed.unsigned = True
+    assert dataclasses.replace(packed, unsigned=True).unsigned and not packed.unsigned
 
 
 @pytest.mark.parametrize("name", ["int4", "", 8, object()])
