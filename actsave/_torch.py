@@ -1,7 +1,7 @@
 """Every private PyTorch API actsave touches, in one place, each behind a feature check.
 
 actsave needs a few things PyTorch does not publish: whether saved-tensor hooks are
-set, a storage's identity, tensors' version counters and view bases, modules' own
+set and whose, a storage's identity, tensors' version counters and view bases, modules' own
 parameter and buffer tables (to swap a tensor for a scratch or meta copy without
 registering it), the autograd node type of a ReLU, the node a backward runs and
 whether that backward keeps its graph, the dispatch-mode and pytree utilities, the
@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch._dynamo  # noqa: F401  (torch.compile imports it too; named here for eval_frame)
@@ -79,6 +79,23 @@ def saved_tensor_hooks_active() -> bool:
     """Whether some ``saved_tensors_hooks`` (an outer checkpoint's, ``save_on_cpu``,
     the caller's) are set on this thread now."""
     return _top_saved_tensors_hooks(False) is not None
+
+
+_TORCH_CHECKPOINT = "torch.utils.checkpoint"  # its private hook classes make its hooks there
+# Optional: without that class there, any hooks count as a checkpoint's (the saves are left to them).
+_checkpoint_hooks_known = hasattr(importlib.import_module(_TORCH_CHECKPOINT), "_recomputation_hook")
+
+
+def saved_tensor_hooks_of_a_checkpoint(ours: Callable[[Callable, Callable], bool]) -> bool:
+    """Whether the innermost ``saved_tensors_hooks`` on this thread are a checkpoint's
+    forward or recompute hooks, whose saves it drops and recomputes: torch.utils.checkpoint's
+    (known by their module) or those ``ours(pack, unpack)`` says are actsave's. False
+    under none, and under any others (the caller's, ``save_on_cpu``)."""
+    hooks = _top_saved_tensors_hooks(False)
+    if hooks is None:
+        return False
+    pack, unpack = hooks
+    return not _checkpoint_hooks_known or getattr(pack, "__module__", None) == _TORCH_CHECKPOINT or ours(pack, unpack)
 
 
 def current_autograd_node():

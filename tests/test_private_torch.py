@@ -241,3 +241,28 @@ def test_version_counter_of_follows_the_tensor_and_its_views_without_holding_its
     view.mul_(2)
     assert counter._version == t._version == 2
     assert torch._C._storage_Use_Count(storage) == uses  # holds none of it
+
+
+def _never_ours(pack, unpack):
+    return False
+
+
+def test_torchs_checkpoint_hooks_are_a_checkpoints_and_the_callers_are_not():
+    # Inside torch.utils.checkpoint's forward and its recompute, and only there: its
+    # hooks are known by the module that makes them, a private detail this pins.
+    seen = []
+
+    def function(x):
+        seen.append(_torch.saved_tensor_hooks_of_a_checkpoint(_never_ours))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # the caller's, innermost
+            seen.append(_torch.saved_tensor_hooks_of_a_checkpoint(_never_ours))
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(function, x, use_reentrant=False).sum().backward()
+    assert seen == [True, False, True, False]  # forward, then recompute
+    assert not _torch.saved_tensor_hooks_of_a_checkpoint(_never_ours)
+    for callers in (torch.autograd.graph.save_on_cpu, torch.autograd.graph.allow_mutation_on_saved_tensors):
+        with callers():
+            assert not _torch.saved_tensor_hooks_of_a_checkpoint(_never_ours)
+            assert _torch.saved_tensor_hooks_of_a_checkpoint(lambda pack, unpack: True)  # what ``ours`` says

@@ -85,9 +85,19 @@ raises autograd's error if the tensor changed in place since (a weight changed b
 forward and backward). A kept tensor is followed by an alias that shares its version
 counter and none of its storage (_torch.version_counter_of).
 
-The saves are left alone when other saved-tensor hooks are active (an outer
-checkpoint, which drops or recomputes them anyway, or the caller's own hooks): the
-innermost hooks would otherwise hide the saves from them.
+Whose saves they are, where saved-tensor hooks are set as the call starts (innermost
+hooks win, torch's rule):
+
+- A checkpoint's forward or recompute hooks (actsave's, function.py; those of
+  torch.utils.checkpoint; _torch.saved_tensor_hooks_of_a_checkpoint): the call sets
+  none and keeps nothing. The checkpoint drops its saves and recomputes them, so
+  keeping them too would only cost memory, and its recompute must see the saves its
+  forward saw.
+- Any others (the caller's, ``save_on_cpu``, ``allow_mutation_on_saved_tensors``):
+  the call's hooks take over inside it, as a checkpoint's do, so what it saves is
+  kept by its policy as without them; what is saved outside the call still goes to
+  theirs. An exact call without offload sets none: its saves go to theirs, as a plain
+  call's.
 """
 from __future__ import annotations
 
@@ -102,10 +112,11 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from .._torch import default_device, saved_tensor_hooks_active, storage_identity
+from .._torch import default_device, saved_tensor_hooks_of_a_checkpoint, storage_identity
 from ..errors import ConfigError
 from ..offload import current_tape
 from . import relu_signs
+from .function import _Frame, _identity
 from .layers import known_layers, modules_under
 from .pool_decisions import PoolWatch
 from .kept_entries import _Encoded, _Entry, _ExactStorage, _HostGroup, _PoolIndices, _Saved
@@ -311,6 +322,12 @@ def _dead_ref():
     return None
 
 
+def _actsave_checkpoints(pack: Callable, unpack: Callable) -> bool:
+    """Whether these saved-tensor hooks are an actsave checkpoint's (function.py): its
+    forward's, bound to its frame, or its recompute's, whose unpack is ``_identity``."""
+    return unpack is _identity or isinstance(getattr(unpack, "__self__", None), _Frame)
+
+
 @torch.compiler.disable  # saved-tensor hooks are a graph break; see NOTE [ torch.compile ]
 def call_with_kept_saves(function: Callable, args: tuple, kwargs: dict, policy: KeepPolicy,
                          scope: str = "all") -> tuple:
@@ -322,14 +339,15 @@ def call_with_kept_saves(function: Callable, args: tuple, kwargs: dict, policy: 
     "host": int}``, the bytes kept for its backward as the forward ends, counted so in
     :func:`actsave.kept_bytes` (encoded saves and their decisions; with offload, the
     host group: ``"device"`` is then 0); both 0 under ``torch.no_grad()``. None where
-    actsave keeps nothing and autograd holds the saves: the exact codec without
-    offload (a plain call), or other saved-tensor hooks active (left to them).
+    actsave keeps nothing: the exact codec without offload (a plain call, autograd
+    holds the saves), or inside a checkpoint's forward or recompute, whose hooks take
+    them (NOTE [ Kept saves ], last paragraph).
     """
     if scope not in SCOPES:
         raise ConfigError(f"scope={scope!r}: keep the saves of {' or '.join(map(repr, SCOPES))}")
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), {"device": 0, "host": 0}
-    if saved_tensor_hooks_active():
+    if saved_tensor_hooks_of_a_checkpoint(_actsave_checkpoints):  # it takes the saves: NOTE [ Kept saves ]
         return function(*args, **kwargs), None
     current_tape().segment_may_start()  # NOTE [ Kept saves ]: what was offloaded before goes
     if policy.codec.lossless and not policy.offload:

@@ -3,12 +3,13 @@ saves stored by its codec: what is stored, what is held as it is, exact ReLU dec
 and other saved-tensor hooks. call_with_kept_saves: a block run once, its saves kept by
 a codec (all of them, or its Linear layers' inputs) or on the host, one group per call
 on the prefetch tape."""
+import contextlib
 import copy
 import weakref
 
 import pytest
 import torch
-from support import CallCounter, channel_means, codes_and_scales, sqnr_db
+from support import CallCounter, channel_means, codes_and_scales, peak_activation_bytes, sqnr_db
 from torch import nn
 from transformer_blocks import AttentionBlock, sharp_gpt_blocks
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -209,8 +210,7 @@ def test_an_exception_in_the_forward_keeps_nothing():
     assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
-@pytest.mark.parametrize("outer", ["torch_checkpoint", "save_on_cpu"])
-def test_saves_are_left_to_other_saved_tensor_hooks(outer):
+def test_a_last_segments_saves_are_left_to_an_outer_checkpoint():
     # An outer checkpoint recomputes the last segment and counts its saves: hiding them
     # behind our hooks would break it. The saves stay exact, as with compress=None there.
     torch.manual_seed(0)
@@ -222,11 +222,7 @@ def test_saves_are_left_to_other_saved_tensor_hooks(outer):
     exact_last.zero_grad()
 
     model = CheckpointedSequential(*layers, segments=[0, 2], compress="int8")
-    if outer == "torch_checkpoint":
-        out = torch_checkpoint(model, x * 1, use_reentrant=False)
-    else:
-        with torch.autograd.graph.save_on_cpu():
-            out = model(x * 1)
+    out = torch_checkpoint(model, x * 1, use_reentrant=False)
     out.sum().backward()
     for e, p in zip(expected, model.parameters()):
         assert torch.equal(e, p.grad)
@@ -628,13 +624,123 @@ def test_retain_graph_runs_backward_twice(policy, scope):
     assert_nothing_held()
 
 
+class _UnderHooks(nn.Module):
+    """``model`` run under the caller's saved-tensor hooks made by ``hooks``."""
+
+    def __init__(self, model: nn.Module, hooks):
+        super().__init__()
+        self.model, self.hooks = model, hooks
+
+    def forward(self, x):
+        with self.hooks():
+            return self.model(x)
+
+
+def gelu_mlp() -> list:
+    torch.manual_seed(0)
+    return [m for _ in range(4) for m in (nn.Linear(128, 128), nn.GELU())]
+
+
+KEPT_SAVES_MODELS = {
+    "saves": lambda: actsave.Checkpoint(nn.Sequential(*gelu_mlp()), keep="saves", compress="int8"),
+    "linear_inputs": lambda: actsave.Checkpoint(nn.Sequential(*gelu_mlp()), keep="linear_inputs", compress="int8"),
+    "last_segment": lambda: last_segment_only(*gelu_mlp()),
+}
+CALLERS_HOOKS = {"identity": lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+                 "save_on_cpu": torch.autograd.graph.save_on_cpu}
+
+
+@pytest.mark.parametrize("hooks", CALLERS_HOOKS)
+@pytest.mark.parametrize("model", KEPT_SAVES_MODELS)
+def test_under_the_callers_saved_tensor_hooks_a_codec_keeps_the_bytes_and_peak_it_keeps_without(model, hooks):
+    x = torch.randn(256, 128)
+    measured = {}
+    for name, make in (("without", contextlib.nullcontext), ("under", CALLERS_HOOKS[hooks])):
+        step = _UnderHooks(KEPT_SAVES_MODELS[model](), make)
+        out = step(x.clone().requires_grad_())
+        kept = actsave.kept_bytes()
+        out.square().sum().backward()
+        gradients = [p.grad.clone() for p in step.parameters()]
+        measured[name] = (kept, peak_activation_bytes(step, x.clone().requires_grad_()), gradients)
+    (kept, peak, expected), (kept_under, peak_under, got) = measured["without"], measured["under"]
+    assert kept["device"] > 0 and (kept_under, peak_under) == (kept, peak)
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    assert_nothing_held()
+
+
+class _CountingHooks(torch.autograd.graph.saved_tensors_hooks):
+    """A caller's identity saved-tensor hooks that count the saves they are given."""
+
+    def __init__(self):
+        self.count = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, tensor):
+        self.count += 1
+        return tensor
+
+
+def hooked_step(block, x, policy, hooks=None) -> tuple:
+    """``(kept, gradients)`` of ``x.sin()`` then ``block`` kept by ``policy``, under
+    ``hooks`` (None: none)."""
+    block, x = copy.deepcopy(block), x.detach().clone().requires_grad_()
+    with hooks or contextlib.nullcontext():  # allow_mutation_on_saved_tensors: backward inside
+        out, kept = call_with_kept_saves(block, (x.sin(),), {}, policy)
+        out.square().sum().backward()
+    return kept, [x.grad] + [p.grad for p in block.parameters()]
+
+
+@pytest.mark.parametrize("hooks", ["counting", "save_on_cpu", "allow_mutation_on_saved_tensors"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_saves_are_left_to_saved_tensor_hooks_already_active(policy):
-    blocks, x = transformer_blocks(), torch.randn(4, 6, 32, requires_grad=True)
-    with torch.autograd.graph.save_on_cpu():
-        out, kept = call_with_kept_saves(blocks[0], (x * 1,), {}, POLICIES[policy])
-    assert kept is None and actsave.kept_bytes() == NOTHING
-    out.sum().backward()
+def test_under_the_callers_saved_tensor_hooks_a_call_keeps_its_saves_as_without_them(policy, hooks):
+    # NOTE [ Kept saves ]: innermost hooks win, as a checkpoint's do. The saves outside
+    # the call (sin's input, square's) still go to the caller's hooks.
+    blocks, x = transformer_blocks(), torch.randn(4, 6, 32)
+    expected_kept, expected = hooked_step(blocks[0], x, POLICIES[policy])
+    callers = _CountingHooks() if hooks == "counting" else getattr(torch.autograd.graph, hooks)()
+    kept, got = hooked_step(blocks[0], x, POLICIES[policy], callers)
+    assert kept == expected_kept and sum(kept.values()) > 0
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    assert hooks != "counting" or callers.count == 2
+    assert_nothing_held()
+
+
+def test_under_the_callers_saved_tensor_hooks_an_exact_call_on_the_device_is_a_plain_call():
+    blocks, x = transformer_blocks(), torch.randn(4, 6, 32)
+    plain, callers = _CountingHooks(), _CountingHooks()
+    with plain:
+        blocks[0](x.requires_grad_().sin()).square()
+    kept, _ = hooked_step(blocks[0], x, keep(), callers)
+    assert kept is None and callers.count == plain.count > 1  # every save is theirs, as plainly
+
+
+@pytest.mark.parametrize("outer", ["torch", "actsave"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_inside_a_checkpoint_a_call_keeps_nothing_and_its_saves_are_recomputed_exactly(outer, policy):
+    # The checkpoint drops the saves and recomputes them: kept too, they would only cost
+    # memory; its forward and recompute must see the same saves, exact.
+    blocks, x = transformer_blocks(), torch.randn(4, 6, 32)
+    checkpoint = (lambda f, h: torch_checkpoint(f, h, use_reentrant=False)) if outer == "torch" else actsave.checkpoint
+    results = {}
+    for name in ("plain", "kept"):
+        block, h, kept = copy.deepcopy(blocks[0]), x.clone().requires_grad_(), []
+
+        def function(h):
+            if name == "plain":
+                return block(h)
+            out, kept_bytes = call_with_kept_saves(block, (h,), {}, POLICIES[policy])
+            kept.append(kept_bytes)
+            return out
+
+        out = checkpoint(function, h * 1)
+        held = actsave.kept_bytes()
+        out.square().sum().backward()
+        results[name] = (held, kept, [h.grad] + [p.grad for p in block.parameters()])
+    (plain_held, _, expected), (held, kept, got) = results["plain"], results["kept"]
+    # The forward's call kept nothing; the recompute's stopped as the last save was made.
+    assert kept == [None] and held == plain_held
+    assert all(torch.equal(e, g) for e, g in zip(expected, got))
+    assert_nothing_held()
 
 
 def test_the_scope_is_checked():
