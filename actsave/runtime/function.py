@@ -246,8 +246,8 @@ class _Frame:
         try:
             self.touched.check_unchanged(_name(self.function))
             count, exact = self._recomputed_saves()
-            self._replay(self.kept.restore, self.recomputed, count, lossy=self.keeps_decisions, exact_count=exact,
-                         last=True)
+            self.touched.reads.restarting(lambda: self._replay(self.kept.restore, self.recomputed, count, last=True,
+                                                               lossy=self.keeps_decisions, exact_count=exact))
         finally:
             self.release()
         self.is_recomputed = True
@@ -349,6 +349,7 @@ class _Frame:
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:
         """Put the recompute's ``index``-th save into ``into`` for its placeholder;
         return it detached, as both graphs hold it."""
+        self.touched.reads.check(index, tensor)  # NOTE [ Buffers read after the forward changed them ]
         if self.options.checks_saves and index < count and _signature(tensor) != self.signatures[index]:
             raise self._mismatch(
                 f"the recompute of {_name(self.function)} saved a tensor of shape/dtype/device "

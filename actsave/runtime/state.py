@@ -24,6 +24,7 @@ from .._torch import copies_of, leaf_base, own_tensors, version
 from ..errors import ConfigError, RecomputeError
 from .guarded_parameters import ForwardParameters, GuardedParameters
 from .layers import modules_under
+from .stale_buffers import StaleReads, changed_buffer, count_buffers, unreplayable
 
 
 class TouchedState:
@@ -52,6 +53,8 @@ class TouchedState:
       are put back as it ends: updated once, by the forward. A module that runs twice
       in one forward (a block placed twice in a chain) reads in the recompute what it
       read each time in the forward, since both runs move the same snapshot in order.
+      (A change Python state keeps the recompute from making again, a flag set by a
+      first-batch initialization: NOTE [ Buffers read after the forward changed them ].)
       A recompute that is not the last one (a backward inside the forward, the passes
       of a nested recompute: nested.py) runs on copies of the snapshot, which it leaves
       as it was for the next. The memory model counts one snapshot of each mutated
@@ -83,6 +86,7 @@ class TouchedState:
         self._moved_parameters = []  # (layer index or None, module, name): parameters the forward changed
         self._modes = {}  # module -> its training flag as the forward ran it (NOTE [ Train and eval in a recompute ])
         self._parameters = ForwardParameters()  # NOTE [ Parameters a recompute reads ]
+        self.reads = StaleReads()  # NOTE [ Buffers read after the forward changed them ]
 
     @staticmethod
     def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None) -> "TouchedState":
@@ -100,6 +104,7 @@ class TouchedState:
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Note a leaf (or a view of one) that the forward saved for backward."""
         base = leaf_base(tensor)
+        self.reads.saved(base)
         if base is not None and not torch.compiler.is_compiling():  # traced with fake tensors: real saves follow
             self._note(base, ("a tensor of shape", list(base.shape)))
 
@@ -118,13 +123,7 @@ class TouchedState:
         if the forward registered or removed a buffer, which the snapshot cannot give
         back as it was."""
         if self._unreplayable is not None:
-            module, name = self._unreplayable
-            raise RecomputeError(
-                f"the checkpointed {function_name} cannot be recomputed as its forward ran: "
-                f"{type(module).__name__} registered or removed buffer '{name}' during the forward, so the "
-                "recompute would find its buffers as the forward left them, not as it found them. Register "
-                "the buffer in the module's __init__ (or run one forward before checkpointing it), or do not "
-                "checkpoint this module.")
+            raise unreplayable(*self._unreplayable, function_name)
         for ref, expected, label in self._checked:
             tensor = ref()
             if tensor is not None and version(tensor) != expected:
@@ -148,15 +147,17 @@ class TouchedState:
         parameter the forward changed must be as the forward left it (NOTE [ Parameters
         a forward changes ]). NOTE [ State a forward reads and mutates ]"""
         present = []
+        last = self.reads.entering(last)  # NOTE [ Buffers read after the forward changed them ]
         for module, name in self._mutated_buffers(layers):
             table = own_tensors(module, "buffers")
             if table.get(name) is not None and (module, name) in self._snapshot:
-                present.append((table, name, table[name], self._snapshot[(module, name)]))
+                present.append((table, name, table[name], self.reads.stand_in((module, name), self._snapshot)))
         values = [snapshot for *_, snapshot in present]
         if not last:
             values = copies_of(values)
         for (table, name, _, _), value in zip(present, values):
             table[name] = value
+        self.reads.installed(values)
         guarded = GuardedParameters(self._moved_parameters, layers)
         callers = [(module, module.training) for module in self._modes]  # NOTE [ Train and eval in a recompute ]
         _set_modes(self._modes.items())
@@ -178,7 +179,7 @@ class TouchedState:
 
     def release(self) -> None:
         """Drop the snapshot and the forward's parameters: no recompute will read them."""
-        self._snapshot, self._parameters = {}, ForwardParameters()
+        self._snapshot, self._parameters, self.reads = {}, ForwardParameters(), StaleReads()
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         """``[(module, buffer name)]``, each once, that the forward mutated (so far,
@@ -188,6 +189,7 @@ class TouchedState:
     def _take_snapshot(self, modules) -> None:
         """Copy the buffers of ``modules`` into the snapshot, together (copies_of)."""
         self._snapshot.update(snapshot_of(modules))
+        self.reads.started(modules)
 
     def _keep_snapshot_of(self, buffers) -> None:
         """Keep the snapshot of ``buffers`` (``(module, name)`` pairs) only."""
@@ -264,15 +266,14 @@ class _LayerState(TouchedState):
                 owners.append(module)
         self._before = before
         self._state_ids = {id(entry[4]) for entry in before}
-        if self._given is None:
-            self._take_snapshot(owners)
-        else:
-            self._snapshot, self._given = self._given, None
-        self._buffer_counts = [(module, _count_buffers(module)) for _, module in self._modules]
+        self._snapshot, self._given = (snapshot_of(owners) if self._given is None else self._given), None
+        self.reads.started(owners)
+        self._buffer_counts = [(module, count_buffers(module)) for _, module in self._modules]
         yield
 
     def note_saved(self, tensor: torch.Tensor) -> None:
         base = leaf_base(tensor)
+        self.reads.saved(base)
         if base is not None and id(base) not in self._state_ids and not torch.compiler.is_compiling():
             self._note(base, ("a tensor of shape", list(base.shape)))
 
@@ -288,8 +289,9 @@ class _LayerState(TouchedState):
         self._take_versions(mutated_ids, state)
         self._mutated = mutated
         self._keep_snapshot_of(buffer for buffers in mutated.values() for buffer in buffers)
-        self._unreplayable = next((_changed_buffer(module, self._before)
-                                   for module, count in self._buffer_counts if _count_buffers(module) != count), None)
+        self._unreplayable = next((changed_buffer(module, self._before)
+                                   for module, count in self._buffer_counts if count_buffers(module) != count), None)
+        self.reads.forward_ended()
         self._before, self._state_ids, self._buffer_counts = [], set(), []
 
     def _changes(self) -> tuple:
@@ -354,6 +356,7 @@ class _HookedState(TouchedState):
         self._take_versions(mutated)
         self._keep_snapshot_of((module, name) for module, _, name in self._mutated)
         self._calls = []
+        self.reads.forward_ended()
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         return [(module, name) for module, _, name in self._mutated]
@@ -458,18 +461,6 @@ class ChainState:
 
 
 _KINDS = ("parameters", "buffers")
-
-
-def _count_buffers(module: torch.nn.Module) -> int:
-    return sum(buffer is not None for buffer in own_tensors(module, "buffers").values())
-
-
-def _changed_buffer(module: torch.nn.Module, before: list) -> tuple:
-    """``(module, name)`` of a buffer the forward registered (set now, absent or None
-    as it started) or removed (the reverse); ``before``: _LayerState's entries."""
-    was = {name for _, owner, kind, name, _, _ in before if owner is module and kind == "buffers"}
-    now = {name for name, buffer in own_tensors(module, "buffers").items() if buffer is not None}
-    return module, next(iter(sorted(was ^ now)), "?")
 
 
 def _describe(label: tuple) -> str:
