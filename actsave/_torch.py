@@ -1,17 +1,16 @@
 """Every private PyTorch API actsave touches, in one place, each behind a feature check.
 
 actsave needs a few things PyTorch does not publish: whether saved-tensor hooks are
-set and whose, a storage's identity, tensors' version counters and view bases, modules' own
-parameter and buffer tables (to swap a tensor for a scratch or meta copy without
+set and whose, a storage's identity, tensors' version counters and view bases, modules'
+own parameter and buffer tables (to swap a tensor for a scratch or meta copy without
 registering it), the autograd node type of a ReLU, the node a backward runs and
-whether that backward keeps its graph, the dispatch-mode and pytree utilities, the
-module ``torch.compile`` returns, FSDP2's per-unit state (the handles of its forward
-hooks), storages' in-place resizes (``UntypedStorage.resize_``, which no dispatch
-mode sees), and the function by which
+whether that backward keeps its graph, the dispatch-mode and pytree utilities, FSDP2's
+per-unit state (the handles of its forward hooks), storages' in-place resizes
+(``UntypedStorage.resize_``, which no dispatch mode sees), and the function by which
 Dynamo decides whether compiled code runs compiled (to run it eagerly on one thread).
-They are read here and nowhere else (those of compiled graphs in _torch_graphs.py),
-so that a PyTorch release that moves one breaks this file with a clear error, not the
-library at a distance.
+They are read here and nowhere else (those of compiled graphs and the module
+``torch.compile`` returns in _torch_graphs.py), so that a PyTorch release that moves one
+breaks this file with a clear error, not the library at a distance.
 
 Tested with PyTorch 2.13 (CI) and written for 2.11 (the GPU image), the minimum in
 pyproject.toml.
@@ -207,26 +206,6 @@ def own_tensors(module: torch.nn.Module, kind: str) -> dict:
     """The module's own table of ``kind`` (``"parameters"`` or ``"buffers"``): the live
     dict, so that a write swaps a tensor in place without registering it anew."""
     return module._parameters if kind == "parameters" else module._buffers
-
-
-_OptimizedModule = _require(getattr(getattr(torch._dynamo, "eval_frame", None), "OptimizedModule", None),
-                            "torch._dynamo.eval_frame.OptimizedModule")
-
-
-def is_compiled(function) -> bool:
-    """Whether calling ``function`` (a module or any callable) runs compiled code:
-    ``torch.compile(module)`` (an OptimizedModule), ``module.compile()`` (its
-    ``_compiled_call_impl``), or ``torch.compile(fn)`` (Dynamo's wrapper, which names
-    the function it wraps ``_torchdynamo_orig_callable``)."""
-    return (isinstance(function, _OptimizedModule) or getattr(function, "_compiled_call_impl", None) is not None
-            or hasattr(function, "_torchdynamo_orig_callable"))
-
-
-def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
-    """The eager module behind ``torch.compile(module)``; any other module as it is
-    (``module.compile()`` compiles in place: run it under :func:`compiled_code_eager`
-    for its eager code)."""
-    return module._orig_mod if isinstance(module, _OptimizedModule) else module
 
 
 def _fsdp_module_class():

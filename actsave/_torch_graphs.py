@@ -1,9 +1,9 @@
 """The private PyTorch APIs of compiled graphs that actsave touches, each behind a
 feature check, as _torch.py keeps every other: AOTAutograd's saved-tensor hooks inlined
 into its graphs (and the context that names the node a hook traces), FX annotations,
-Dynamo's skipped frames and fake tensors. runtime/graph_codecs.py and
-runtime/compiled_chain.py use them; a torch that lacks one keeps codecs out of compiled
-graphs (graph_hooks_missing says which)."""
+Dynamo's skipped frames, fake tensors, the module ``torch.compile`` returns.
+runtime/graph_codecs.py and runtime/compiled_chain.py use the graphs'; a torch that
+lacks one keeps codecs out of compiled graphs (graph_hooks_missing says which)."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ._torch import _require
 from .errors import ConfigError
 
 
@@ -186,3 +187,23 @@ def traced_shape(like: torch.Tensor, codes: torch.Tensor) -> tuple:
     shape = list(like.shape)
     shape[dynamic[0]] = codes.numel() // math.prod(size for size in shape if isinstance(size, int))
     return tuple(shape)
+
+
+_OptimizedModule = _require(getattr(getattr(torch._dynamo, "eval_frame", None), "OptimizedModule", None),
+                            "torch._dynamo.eval_frame.OptimizedModule")
+
+
+def is_compiled(function) -> bool:
+    """Whether calling ``function`` (a module or any callable) runs compiled code:
+    ``torch.compile(module)`` (an OptimizedModule), ``module.compile()`` (its
+    ``_compiled_call_impl``), or ``torch.compile(fn)`` (Dynamo's wrapper, which names
+    the function it wraps ``_torchdynamo_orig_callable``)."""
+    return (isinstance(function, _OptimizedModule) or getattr(function, "_compiled_call_impl", None) is not None
+            or hasattr(function, "_torchdynamo_orig_callable"))
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The eager module behind ``torch.compile(module)``; any other module as it is
+    (``module.compile()`` compiles in place: run it under :func:`compiled_code_eager`
+    for its eager code)."""
+    return module._orig_mod if isinstance(module, _OptimizedModule) else module

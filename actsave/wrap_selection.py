@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from ._torch import uncompiled
+from ._torch_graphs import uncompiled
 
 
 # NOTE [ Shared blocks ]

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from ._torch import uncompiled
+from ._torch_graphs import uncompiled
 from .checks import byte_count, filter_predicate, nothing_selected, refuse_module_class
 from .errors import ConfigError
 from .planning.blocks import BlockPlan, plan_block_stack

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .._torch import uncompiled
+from .._torch_graphs import uncompiled
 from ..errors import ConfigError
 from ..runtime.keep_rules import KeepPolicy
 from . import plan_record, plans

@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._torch import named_children_of, uncompiled
+from .._torch import named_children_of
+from .._torch_graphs import uncompiled
 from ..checks import check_loss_function, flag
 from ..codecs import LOSSY_CODECS
 from ..devices import host_is_separate

@@ -23,7 +23,8 @@ import warnings
 import weakref
 from typing import Optional
 
-from .._torch import compiled_code_eager, is_compiled
+from .._torch import compiled_code_eager
+from .._torch_graphs import is_compiled
 
 # (weak references to a call's layers) -> whether their eager code keeps decisions.
 # A weak reference hashes as its module while alive and keeps that hash after; the

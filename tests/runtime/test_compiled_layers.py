@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from actsave._torch import is_compiled
+from actsave._torch_graphs import is_compiled
 from actsave.runtime import compiled_layers
 from actsave.runtime.compiled_layers import LayerCode
 from actsave.runtime.layers import modules_under
