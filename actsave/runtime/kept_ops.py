@@ -1,7 +1,8 @@
 """What a selective recompute keeps the outputs of (selective.py, NOTE [ Selective
 recompute ]): :class:`KeptOps`, the module types and functions whose calls it does not
-run again, and the aten operators those calls are in a compiled graph, where torch's
-selective checkpoint saves them (keep_modes.py)."""
+run again, which of those calls may draw random numbers (:func:`may_draw`), and the aten
+operators those calls are in a compiled graph, where torch's selective checkpoint saves
+them (keep_modes.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,4 +95,21 @@ _ATEN_OPS = {
 }
 
 
-__all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "TAPPED_FUNCTIONS", "aten_ops_of"]
+# torch's own layers whose forward draws no random number. Exactly these types: a
+# subclass may draw (a LoRA Linear's input dropout, a parametrization adding noise to
+# the weight, which makes a ParametrizedLinear), and a kept call skipped in the
+# recompute must then still advance the generator as its forward did.
+_DRAW_NOTHING = frozenset({nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                           nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d})
+
+
+def may_draw(target, args: tuple, kwargs: dict) -> bool:
+    """Whether a kept call may draw random numbers: attention with dropout, a module of
+    any type but torch's own linear layers and convolutions (it may hold a Dropout)."""
+    if isinstance(target, str):
+        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return bool(dropout)
+    return type(target) not in _DRAW_NOTHING
+
+
+__all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "TAPPED_FUNCTIONS", "aten_ops_of", "may_draw"]

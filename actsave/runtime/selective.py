@@ -58,6 +58,9 @@ Rules that keep it exact:
   recompute would otherwise read changed where the call would make it anew.
 - Only the backward's recompute skips: a backward inside the forward (NOTE [ Backward
   inside a checkpointed forward ]) recomputes every save, as a checkpoint does.
+- Under a ``torch.func`` transform (vmap, jvp) a call's output is the transform's
+  wrapper, which names no storage and holds the forward's graph: it is not kept, and
+  the call runs again in a recompute, as under ``keep="inputs"``.
 - With ``compress`` or ``offload``, its inputs are kept as a checkpoint's are, and the
   rest of what it keeps is stored so as its forward ends (kept_outputs.py, NOTE [
   Stored kept outputs ]): the recompute then runs on decoded values, and the forward's
@@ -87,11 +90,12 @@ from ..layouts import is_dense
 from .function import _detached, _Frame, _checkpointed_call, _name
 from .placeholders import Cursor, Slot
 from .keep_rules import EXACT, KeepPolicy
-from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps
+from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState
 from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
+
 
 class _Call:
     """One outermost kept call of the forward: what it is (a module, or a function's
@@ -149,7 +153,7 @@ class _Argument:
     __slots__ = ("position", "storage", "offset", "shape", "stride", "tensor", "version")
 
     def __init__(self, position: int, tensor: torch.Tensor):
-        self.position, self.storage, self.offset = position, storage_identity(tensor), tensor.storage_offset()
+        self.position, self.storage, self.offset = position, _storage_of(tensor), tensor.storage_offset()
         self.shape, self.stride = tuple(tensor.shape), tensor.stride()
         self.tensor, self.version = tensor, version(tensor)
 
@@ -221,7 +225,8 @@ class SelectiveFrame(_Frame):
         self._outside = {}  # slot index -> the kept call whose output it saved, outside any call
         self._recomputed = []  # indices of the saves the recompute fills
         self._differentiated = False  # a backward of its own ran inside its forward
-        self._input_storages = {storage_identity(t) for t in input_tensors(*self._forward_inputs)}  # kept anyway
+        self._input_storages = {_storage_of(t) for t in input_tensors(*self._forward_inputs)} - {None}  # kept anyway
+        self._transformed = False  # a kept call returned a transform's wrapper, not kept
 
     # ------------------------------------------------------------- forward
 
@@ -271,7 +276,7 @@ class SelectiveFrame(_Frame):
         self._open = _Call(target, len(self.slots), [_Argument(i, t) for i, t in enumerate(tensors)])
         # Without preserve_rng_state the recompute draws from the generators as they are
         # (torch's meaning): setting them to a forward-time state would rewind them.
-        if self.options.preserve_rng_state and _may_draw(target, args, kwargs):
+        if self.options.preserve_rng_state and may_draw(target, args, kwargs):
             self._open.rng_before = RandomState.capture(tensors)
 
     def _exit(self, output) -> None:
@@ -284,7 +289,12 @@ class SelectiveFrame(_Frame):
             after = call.rng_before.again()
             call.rng_after = None if after == call.rng_before else after
             call.rng_before = None
-        if isinstance(output, torch.Tensor):
+        # A transform's wrapper is not kept (NOTE [ Selective recompute ]): its requires_grad is
+        # False where the tensor it wraps has a grad_fn, so _detached would keep it as it is,
+        # and with it the forward's graph, whose saved-tensor hooks hold this frame: a cycle.
+        wrapper = isinstance(output, torch.Tensor) and _storage_of(output) is None
+        self._transformed |= wrapper
+        if isinstance(output, torch.Tensor) and not wrapper:
             call.output, call.version, call.requires_grad = _detached(output), version(output), output.requires_grad
             self._outputs[storage_identity(output)] = call
         for slot, tensor in self._pending:
@@ -323,7 +333,7 @@ class SelectiveFrame(_Frame):
             if not call.skipped and slot is not None:
                 slot.kept = None  # its call runs again: the recompute makes it anew
         self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
-        if self.slots and not any(call.skipped for call in self.calls):
+        if self.slots and not self._transformed and not any(call.skipped for call in self.calls):
             reason = "differentiated" if self._differentiated else "changed" if self.calls else \
                 "none ran" if self.ops.modules or self.functions else "lossy attention"
             _warn_once(self.ops, _name(self.function), reason)
@@ -410,23 +420,14 @@ class SelectiveFrame(_Frame):
 _RECOMPUTED_WHEN_LOSSY = frozenset({"scaled_dot_product_attention"})
 
 
-# torch's own layers whose forward draws no random number. Exactly these types: a
-# subclass may draw (a LoRA Linear's input dropout, a parametrization adding noise to
-# the weight, which makes a ParametrizedLinear), and a kept call skipped in the
-# recompute must then still advance the generator as its forward did.
-_DRAW_NOTHING = frozenset({nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
-                           nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d})
-
-
-def _may_draw(target, args: tuple, kwargs: dict) -> bool:
-    """Whether a kept call may draw random numbers: attention with dropout, a module of
-    any type but torch's own linear layers and convolutions (it may hold a Dropout)."""
-    if isinstance(target, str):
-        dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-        return bool(dropout)
-    return type(target) not in _DRAW_NOTHING
-
-
+def _storage_of(tensor: torch.Tensor) -> Optional[int]:
+    """``tensor``'s storage (storage_identity), or None for a tensor with none to name: a
+    vmap or jvp transform's wrapper (BatchedTensor, TensorWrapper), as kept_aliases.py
+    and shared_copies.py read it. The saves a frame's hooks get are never wrappers."""
+    try:
+        return storage_identity(tensor)
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:
@@ -439,7 +440,6 @@ def _held_elsewhere(tensor: torch.Tensor) -> bool:
 def _recomputed(slot) -> bool:
     """Whether the recompute fills this save (a live one not kept)."""
     return slot is not None and slot.kept is None
-
 
 
 _warned = set()

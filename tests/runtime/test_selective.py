@@ -1,6 +1,7 @@
 """Selective recompute (actsave/runtime/selective.py): the outputs of linear layers and
 attention kept, the rest recomputed, gradients bit-identical, no matmul run again."""
 import copy
+import gc
 import warnings
 
 import pytest
@@ -484,3 +485,31 @@ def test_a_lossy_selective_that_names_only_attention_warns_that_it_keeps_nothing
         lossy_gradients(blocks, torch.randn(2, 16, 32), "int8", KeptOps(modules=()))
     messages = [str(w.message) for w in caught if "kept nothing" in str(w.message)]
     assert len(messages) == 1 and "attention is recomputed from its decoded q, k and v" in messages[0]
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap's loop over CPU attention
+@pytest.mark.parametrize("compress", [None, "int8"])
+def test_under_vmap_and_jvp_it_runs_as_plain_and_under_grad_torch_func_refuses_it_as_torchs_checkpoint(compress):
+    # A kept call's output there is the transform's wrapper (vmap's BatchedTensor, jvp's
+    # TensorWrapper): no storage to name, and it holds the forward's graph. Not kept: the
+    # call runs again in a recompute, as under keep="inputs", and nothing stays held.
+    torch.manual_seed(0)
+    block, mlp = GPTBlock(), nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    options = {"keep": "selective"} if compress is None else {"keep": "selective", "compress": compress}
+    x, v = torch.randn(3, 2, 16, 32), torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(torch.func.vmap(actsave.Checkpoint(block, **options))(x), torch.func.vmap(block)(x))
+        tangents = [torch.func.jvp(f, (v,), (v.flip(0),)) for f in (actsave.Checkpoint(mlp, **options), mlp)]
+    assert all(torch.equal(a, b) for a, b in zip(*tangents))
+    assert not [w for w in caught if "actsave" in str(w.message)]  # it kept what the transform lets it keep
+    with pytest.raises(RuntimeError, match=r"torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor"):
+        torch.func.grad(lambda t: actsave.Checkpoint(mlp, **options)(t).sum())(v)
+    # A backward after jvp recomputes outside it, which saves other tensors: refused as
+    # keep="inputs" and torch's checkpoint refuse it.
+    y, tangent = torch.func.jvp(actsave.Checkpoint(mlp, **options), (v.requires_grad_(),), (v.flip(0),))
+    with pytest.raises(actsave.RecomputeError, match="saved a tensor of shape/dtype/device"):
+        (y.sum() + tangent.sum()).backward()
+    del y, tangent, tangents, caught  # the graphs that hold the calls
+    gc.collect()
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
