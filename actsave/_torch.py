@@ -1,8 +1,8 @@
 """Every private PyTorch API actsave touches, in one place, each behind a feature check.
 
 actsave needs a few things PyTorch does not publish: whether saved-tensor hooks are
-set and whose, a storage's identity, tensors' version counters and view bases, modules'
-own parameter and buffer tables (to swap a tensor for a scratch or meta copy without
+set and whose, a storage's identity, tensors' version counters and view bases, a
+sparse tensor's components, modules' own parameter and buffer tables (to swap a tensor for a scratch or meta copy without
 registering it), the autograd node type of a ReLU, the node a backward runs and
 whether that backward keeps its graph, the dispatch-mode and pytree utilities, FSDP2's
 per-unit state (the handles of its forward hooks), storages' in-place resizes
@@ -123,6 +123,21 @@ def default_device() -> torch.device:
 def storage_identity(tensor: torch.Tensor) -> int:
     """An integer naming ``tensor``'s storage while the storage lives (views share it)."""
     return tensor.untyped_storage()._cdata
+
+
+# The dense tensors a sparse layout keeps its memory in. COO's through the private
+# accessors: the public ones refuse an uncoalesced tensor (an embedding's sparse gradient).
+_SPARSE_COMPONENTS = {torch.sparse_coo: (torch.Tensor._indices, torch.Tensor._values)}
+for _layout, _indices in ((torch.sparse_csr, torch.Tensor.crow_indices), (torch.sparse_bsr, torch.Tensor.crow_indices),
+                          (torch.sparse_csc, torch.Tensor.ccol_indices), (torch.sparse_bsc, torch.Tensor.ccol_indices)):
+    _plain = torch.Tensor.col_indices if _indices is torch.Tensor.crow_indices else torch.Tensor.row_indices
+    _SPARSE_COMPONENTS[_layout] = (_indices, _plain, torch.Tensor.values)
+
+
+def sparse_components(tensor: torch.Tensor) -> Optional[tuple]:
+    """The dense tensors that hold a sparse ``tensor``'s memory, or None for a strided one."""
+    components = _SPARSE_COMPONENTS.get(tensor.layout)
+    return None if components is None else tuple(component(tensor) for component in components)
 
 
 def version(tensor: torch.Tensor) -> int:

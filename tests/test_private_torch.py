@@ -266,3 +266,15 @@ def test_torchs_checkpoint_hooks_are_a_checkpoints_and_the_callers_are_not():
         with callers():
             assert not _torch.saved_tensor_hooks_of_a_checkpoint(_never_ours)
             assert _torch.saved_tensor_hooks_of_a_checkpoint(lambda pack, unpack: True)  # what ``ours`` says
+
+
+def test_a_sparse_tensors_components_are_its_indices_and_values_coalesced_or_not():
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    embedding(torch.tensor([1, 2, 2])).sum().backward()
+    gradient = embedding.weight.grad  # uncoalesced: index 2 twice
+    assert not gradient.is_coalesced()
+    indices, values = _torch.sparse_components(gradient)
+    assert indices.tolist() == [[1, 2, 2]] and values.shape == (3, 4)
+    csr = torch.eye(3).to_sparse_csr()
+    assert [c.tolist() for c in _torch.sparse_components(csr)] == [[0, 1, 2, 3], [0, 1, 2], [1.0, 1.0, 1.0]]
+    assert _torch.sparse_components(torch.zeros(2)) is None

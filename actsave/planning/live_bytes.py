@@ -13,10 +13,28 @@ import weakref
 
 import torch
 
-from .._torch import TorchDispatchMode, pytree, storage_resizes_observed
+from .._torch import TorchDispatchMode, pytree, sparse_components, storage_resizes_observed
 from ..devices import allocation_granule, host_is_separate
 from ..meta import OUTPUT_METADATA
 from ..offload import is_host_memory
+
+
+# NOTE [ Sparse tensors' storages ]
+# A sparse tensor (nn.Embedding(sparse=True)'s gradient) has no storage of its own:
+# its memory is that of its component tensors (COO: indices and values; compressed
+# layouts: the compressed and plain indices and the values), each a dense tensor on a
+# storage of its own, which may be another tensor's (the indices of an embedding's
+# sparse gradient view its input). A sparse tensor is counted by those storages, each
+# once, as a device allocates them.
+
+
+def storages_of(t: torch.Tensor) -> tuple:
+    """The storages holding ``t``'s memory: its own, or a sparse tensor's components'
+    (NOTE [ Sparse tensors' storages ])."""
+    components = sparse_components(t)
+    if components is None:
+        return (t.untyped_storage(),)
+    return tuple(component.untyped_storage() for component in components)
 
 
 def allocation_bytes(nbytes: int, device) -> int:
@@ -39,7 +57,8 @@ class LiveBytes(TorchDispatchMode):
     MemTracker counts them; on CUDA they are not device memory. A counted storage
     resized in place (``storage.resize_``, as FSDP2 frees and refills its gathered
     parameters) is counted at its new size from then on (NOTE [ Storage resizes ]).
-    ``device`` sets the allocation rounding (:func:`allocation_bytes`).
+    A sparse tensor is counted by its components' storages (NOTE [ Sparse tensors'
+    storages ]). ``device`` sets the allocation rounding (:func:`allocation_bytes`).
     :meth:`span` measures the peak of one stretch of work.
     """
 
@@ -55,7 +74,8 @@ class LiveBytes(TorchDispatchMode):
         self._resizes = contextlib.ExitStack()
         for t in pytree.tree_leaves(known):
             if isinstance(t, torch.Tensor):
-                self._seen[t.untyped_storage()] = None
+                for storage in storages_of(t):
+                    self._seen[storage] = None
 
     def __enter__(self):
         self._resizes.enter_context(storage_resizes_observed(self._resized))
@@ -80,7 +100,10 @@ class LiveBytes(TorchDispatchMode):
                 self._track_all(item)
 
     def _track(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
+        for storage in storages_of(t):
+            self._track_storage(storage)
+
+    def _track_storage(self, storage) -> None:
         if storage in self._seen:
             return
         if host_is_separate(self.device) and is_host_memory(storage):  # an offload buffer, off the device

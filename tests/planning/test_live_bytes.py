@@ -65,3 +65,19 @@ def test_a_mark_holds_the_highest_count_of_its_own_stretch_and_a_storage_says_wh
         tracker.unmark(inner)
         assert inner == [512]
         assert tracker.peak == 3072
+
+
+def test_a_sparse_tensor_is_counted_by_the_storages_of_its_indices_and_values():
+    # NOTE [ Sparse tensors' storages ]: as nn.Embedding(sparse=True)'s gradient, whose
+    # indices view the embedding's input (known: not counted).
+    ids = torch.tensor([[1, 5, 7]])
+    tracker = LiveBytes("cpu", known=[ids, torch.ones(2, 2).to_sparse()])  # known sparse tensors too
+    with tracker:
+        values = torch.ones(3, 4)
+        grad = torch.sparse_coo_tensor(ids, values, (10, 4), check_invariants=True)
+        del values
+        assert tracker.live == 3 * 4 * 4  # the values, once; the indices are the input's
+        coalesced = grad.coalesce()  # fresh indices and values
+        assert tracker.live == 2 * 3 * 4 * 4 + 3 * 8
+        del grad, coalesced
+    assert tracker.live == 0

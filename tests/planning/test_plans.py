@@ -16,6 +16,7 @@ import actsave
 from actsave import CheckpointedSequential, ConfigError
 from actsave.errors import InternalError
 from actsave.planning import memory_model, plan_record, plans
+from actsave.planning.live_bytes import LiveBytes
 
 
 def test_generous_budget_keeps_everything_and_trains_exactly():
@@ -345,3 +346,50 @@ def test_the_old_names_of_plain_segments_still_work_and_warn(small_profile):
     with pytest.raises(TypeError, match="unexpected keyword argument 'stored_middle'"):
         actsave.plan(small_profile, budget, stored_middle=False)
 
+
+def _embedding_chain(sparse: bool) -> list:
+    torch.manual_seed(0)
+    return [nn.Embedding(1000, 64, sparse=sparse)] + [m for _ in range(6) for m in (nn.Linear(64, 64), nn.GELU())]
+
+
+def _live_step_peak(model: nn.Module, ids: torch.Tensor) -> int:
+    """The peak of one training step, its input included, by the planner's own count
+    (LiveBytes): MemTracker reads no sparse gradient's storage. As
+    peak_activation_bytes, over gradients already allocated."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    tracker = LiveBytes("cpu", known=(list(model.parameters()), [p.grad for p in model.parameters()], ids))
+    with tracker:
+        out = model(ids)
+        out.backward(torch.ones_like(out))
+    return tracker.peak + ids.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_chain_with_a_sparse_embedding_plans_to_its_measured_peak_and_trains_as_plain(sparse):
+    # Its gradient is a sparse tensor, counted by its indices' and values' storages
+    # (NOTE [ Sparse tensors' storages ] in live_bytes.py): planned as the dense one is.
+    ids = torch.randint(0, 1000, (16, 64))
+    unplanned = plans.predict(actsave.profile(nn.Sequential(*_embedding_chain(sparse)), (ids,)), [0])
+    budget = unplanned.predicted_peak_bytes * 2 // 3
+    model = CheckpointedSequential(*_embedding_chain(sparse), segments="auto", budget=budget, example_inputs=(ids,))
+    assert len(model.segments) > 1
+    measured = _live_step_peak(model, ids)
+    assert model.applied_plan.predicted_peak_bytes == measured <= budget
+    assert sparse or measured == peak_activation_bytes(model, ids)  # the count is MemTracker's where it reads one
+    plain = nn.Sequential(*_embedding_chain(sparse))
+    for m in (plain, model):
+        m.zero_grad(set_to_none=True)
+        m(ids).square().sum().backward()
+    assert torch.equal(plain(ids), model(ids))
+    assert model[0].weight.grad.is_sparse == sparse
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert p.grad.layout == q.grad.layout, name
+        assert all(map(torch.equal, _grad_parts(p), _grad_parts(q))), name
+
+
+def _grad_parts(p: torch.Tensor) -> tuple:
+    if not p.grad.is_sparse:
+        return (p.grad,)
+    grad = p.grad.coalesce()
+    return grad.indices(), grad.values()
