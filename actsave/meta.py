@@ -141,9 +141,49 @@ def on_meta(model: nn.Module):
     parameters stay tied. A parameter FSDP2 sharded becomes a meta copy of the whole
     parameter, as a forward sees it gathered, and FSDP2's forward hooks are paused
     meanwhile: they would gather the real shards over the copies, a collective that
-    a meta step must not make."""
-    with fsdp_forward_hooks_paused(model):
+    a meta step must not make. Anomaly mode checks no gradient for NaN meanwhile (NOTE [
+    Anomaly mode in a meta step ])."""
+    with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active():
         yield from _swapped_for_meta(model)
+
+
+# NOTE [ Anomaly mode in a meta step ]
+# Under torch.autograd.set_detect_anomaly(True) the backward reads every gradient it
+# computes to check it for NaN (``.item()``), which a meta tensor cannot give: a meta
+# step would fail there (a balanced plan falling back to "sqrt"). So while a step runs
+# on meta tensors, anomaly mode stays on but checks no NaN (set_detect_anomaly(True,
+# check_nan=False)): its forward tracebacks are still kept. The mode is the process's,
+# not the thread's, so another thread's backward checks no NaN either while any meta
+# step is open (counted under a lock, as _torch.AttributeSwap counts); the last to end
+# turns the check back on, unless anomaly mode was changed meanwhile.
+class _NanChecksOff:
+    """NOTE [ Anomaly mode in a meta step ]: the NaN check off while one or more
+    :meth:`active` contexts are open, on any threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open = 0
+        self._turned_off = False
+
+    @contextlib.contextmanager
+    def active(self):
+        with self._lock:
+            if not self._open and torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+                torch.autograd.set_detect_anomaly(True, check_nan=False)
+                self._turned_off = True
+            self._open += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open -= 1
+                if not self._open and self._turned_off:
+                    self._turned_off = False
+                    if torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled():
+                        torch.autograd.set_detect_anomaly(True, check_nan=True)
+
+
+_NAN_CHECKS_OFF = _NanChecksOff()
 
 
 def _swapped_for_meta(model: nn.Module):
