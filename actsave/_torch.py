@@ -1,13 +1,13 @@
 """Every private PyTorch API actsave touches, in one place, each behind a feature check.
 
-actsave needs a few things PyTorch does not publish: whether saved-tensor hooks are
-set and whose, a storage's identity, tensors' version counters and view bases, a
-sparse tensor's components, modules' own parameter and buffer tables (to swap a tensor for a scratch or meta copy without
-registering it), the autograd node type of a ReLU, the node a backward runs and
-whether that backward keeps its graph, the dispatch-mode and pytree utilities, FSDP2's
-per-unit state (the handles of its forward hooks), storages' in-place resizes
-(``UntypedStorage.resize_``, which no dispatch mode sees), and the function by which
-Dynamo decides whether compiled code runs compiled (to run it eagerly on one thread).
+actsave needs a few things PyTorch does not publish: which saved-tensor hooks are set, a
+storage's identity, tensors' version counters and view bases, a sparse tensor's
+components, parametrize.cached()'s cache, modules' own parameter and buffer tables (to
+swap a tensor for a copy unregistered), the autograd node type of a ReLU, the node a
+backward runs and whether that backward keeps its graph, the dispatch-mode and pytree
+utilities, FSDP2's per-unit state (the handles of its forward hooks), storages' in-place
+resizes (``UntypedStorage.resize_``, which no dispatch mode sees), and Dynamo's choice
+whether compiled code runs compiled (to run it eagerly on one thread).
 They are read here and nowhere else (those of compiled graphs and the module
 ``torch.compile`` returns in _torch_graphs.py), so that a PyTorch release that moves one
 breaks this file with a clear error, not the library at a distance.
@@ -138,6 +138,13 @@ def sparse_components(tensor: torch.Tensor) -> Optional[tuple]:
     """The dense tensors that hold a sparse ``tensor``'s memory, or None for a strided one."""
     components = _SPARSE_COMPONENTS.get(tensor.layout)
     return None if components is None else tuple(component(tensor) for component in components)
+
+
+def parametrize_cache() -> Optional[dict]:
+    """parametrize.cached()'s cache, keyed by ``(id(module), name)``: a private global,
+    replaced as each cached() block ends; None where this torch keeps it otherwise."""
+    cache = getattr(torch.nn.utils.parametrize, "_cache", None)
+    return cache if isinstance(cache, dict) else None
 
 
 def version(tensor: torch.Tensor) -> int:

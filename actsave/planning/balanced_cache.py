@@ -9,21 +9,24 @@ kept input costs under each layer's codec and offload setting: a kept input that
 codec makes 4x cheaper buys about twice as many, shorter segments, and an offloaded
 one costs the device almost nothing, so segments can shrink to one layer and the
 device peak stops growing with depth. At the first training call for an input
-(shape, strides, dtype, device, and the layers, their settings, training modes and
-which of their parameters require grad), each layer runs once on meta tensors
-(profiler.profile: sizes only, no data, no device memory, no times) and
+(shape, strides, dtype, device, and the layers, their settings, training modes, and
+which of their parameters require grad and in which dtype), each layer runs once on
+meta tensors (profiler.profile: sizes only, no data, no device memory, no times) and
 plans.balanced takes the smallest predicted device peak with at most one extra
 forward. The plan is cached per such input, so a new shape plans anew; once the
 layers change, the plans made for the old ones go (they held those modules alive,
 and no call would use them again). What autograd saves depends on which parameters
 require grad, so a chain whose frozen prefix is unfrozen (gradual unfreezing) plans
-again; those flags are read at every call from the parameters the layers had at
-their first call, held weakly (no walk of the module tree per call): a parameter
-replaced is followed once the old one is freed, one a layer gains later is not. The
-meta step touches its own model and thread only
-(step_isolation.py, NOTE [ Steps other threads do not see ]); the model itself is
-meta copies while it runs, so a call of the same model on another thread meanwhile
-raises.
+again; so does one whose parameters change dtype (``model.float()`` after ``.half()``:
+with token ids in, the input's key stays the same while the activations double). Those
+flags and dtypes are read at every call from the parameters the layers had at their
+first call, held weakly (no walk of the module tree per call): a parameter replaced is
+followed once the old one is freed, one a layer gains later is not. Their devices are
+not read: the plan is for one device, the input's. The meta step touches its own model
+and thread only (step_isolation.py, NOTE [ Steps other threads do not see ]) and leaves
+every module of it holding what it held (NOTE [ Module state a step puts back ]: a flag
+or cache its first forward sets is set by the real step); the model itself is meta
+copies while it runs, so a call of the same model on another thread meanwhile raises.
 
 The last segment of a balanced plan stores autograd's saves exactly, whatever its
 first layer's codec: the plan keeps that segment short, and there compressing the
@@ -43,7 +46,6 @@ first call: measure from the second step, as training-step measurements do anywa
 from __future__ import annotations
 
 import operator
-import sys
 import threading
 import warnings
 import weakref
@@ -58,8 +60,9 @@ from ..meta import device_of
 from ..runtime.keep_rules import should_encode
 from . import plan_record, plans, profiler
 from .segments import split_starts
+from .step_isolation import user_stacklevel
 
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_STATE = operator.attrgetter("requires_grad", "dtype")  # of a parameter, in a plan's key
 _DEREFERENCE = weakref.ref.__call__
 _PLANS_KEPT = 16  # balanced plans cached per model, one per distinct input
 # Held while a model's plans are marked as being made on a thread (a moment): one for
@@ -90,7 +93,7 @@ class BalancedPlans:
             self._last = (type(input).__name__, None)
             return split_starts(layers, "sqrt", policies)
         device = device_of(input)
-        key = (_plan_key(input, device, layers, policies), self._requires_grad())
+        key = (_plan_key(input, device, layers, policies), self._parameter_states())
         if key not in self._plans:
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
@@ -104,13 +107,14 @@ class BalancedPlans:
         # original's parameters): made again from the layers at the next call.
         return {**self.__dict__, "_parameters": None}
 
-    def _requires_grad(self) -> tuple:
-        """Whether each parameter of the layers requires grad (NOTE [ Balanced segments ])."""
+    def _parameter_states(self) -> tuple:
+        """Whether each parameter of the layers requires grad, and its dtype (NOTE [
+        Balanced segments ])."""
         try:  # loops in C: this runs at every call
-            return tuple(map(_REQUIRES_GRAD, map(_DEREFERENCE, self._parameters)))
+            return tuple(map(_STATE, map(_DEREFERENCE, self._parameters)))
         except AttributeError:  # None.requires_grad: a parameter was replaced and freed
             self._parameters = _parameter_refs(self._layers)
-            return self._requires_grad()
+            return self._parameter_states()
 
     def _check_not_planning_elsewhere(self, model: nn.Module) -> None:
         """Raise where another thread is in this model's meta step: the model's
@@ -151,7 +155,7 @@ class BalancedPlans:
             warnings.warn(
                 f"CheckpointedSequential(segments='balanced') uses the 'sqrt' split: {why}. Pass "
                 "segments='sqrt', an int or a list of starts to choose the split yourself and silence "
-                "this warning.", stacklevel=_user_stacklevel())
+                "this warning.", stacklevel=user_stacklevel())
 
     @property
     def last_plan(self) -> Optional["plan_record.Plan"]:
@@ -169,15 +173,6 @@ class BalancedPlans:
             return f"segments='balanced' fell back to 'sqrt' for input {input}", None
         return (f"segments='balanced' for input {input}: predicted peak activation memory "
                 f"{plan.predicted_peak_bytes / 2**20:.2f} MiB", list(plan.starts))
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside actsave and
-    torch (the user's call of the model), however deep the module call went."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("actsave", "torch"):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _plan_key(input: torch.Tensor, device, layers: list, policies: tuple) -> tuple:

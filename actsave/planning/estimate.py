@@ -49,6 +49,7 @@ from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
 from ..runtime.store import peak_kept_bytes
 from .instrumented_step import backward_from, checked_loss
 from .live_bytes import LiveBytes, allocation_bytes
+from .step_isolation import ModuleState, parametrize_cache_set_aside
 
 # Parameter-shaped state tensors each optimizer keeps per trained parameter.
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
@@ -140,7 +141,9 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
         raise ConfigError(f"optimizer={optimizer!r} is not one of {list(OPTIMIZER_STATES)}")
     check_loss_function(loss)
     specs = _input_specs(input_shapes, _default_dtype(model))
-    with on_meta(model) as state, simulating(device):
+    # Inside on_meta: the model's attributes are put back as the step found them (a
+    # tensor cached at the first forward would stay a meta one), on its meta buffers.
+    with on_meta(model) as state, ModuleState(model), parametrize_cache_set_aside(model), simulating(device):
         inputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
         if plans_at_first_call(model):
             with fast_meta(), torch.enable_grad():

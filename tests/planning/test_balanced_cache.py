@@ -68,3 +68,20 @@ def test_a_copied_chain_follows_its_own_parameters(copy_of):
     fresh = _linear_gelu_chain()
     _step(fresh, x)
     assert copied.balanced_plan.starts == fresh.balanced_plan.starts != model.balanced_plan.starts
+
+
+def test_a_chain_plans_again_when_its_parameters_change_dtype():
+    # Token ids in: the input's key is the same after model.float(), the activations twice the bytes.
+    torch.manual_seed(0)
+    layers = [nn.Embedding(100, 64)] + [m for _ in range(6) for m in (nn.Linear(64, 64), nn.GELU())]
+    ids = torch.randint(0, 100, (32, 16))
+    model = CheckpointedSequential(*layers).to(torch.bfloat16)
+    _step(model, ids)
+    half = model.balanced_plan
+    model.float()
+    _step(model, ids)
+    fresh = CheckpointedSequential(*copy.deepcopy(layers)).float()
+    _step(fresh, ids)
+    assert model.balanced_plan is not half
+    assert model.balanced_plan.predicted_peak_bytes == fresh.balanced_plan.predicted_peak_bytes
+    assert model.balanced_plan.predicted_peak_bytes > half.predicted_peak_bytes

@@ -412,6 +412,38 @@ def test_a_loss_function_makes_a_model_without_a_loss_output_plannable():
     assert len(plan.options) == 2
 
 
+def test_a_block_plan_leaves_a_dynamic_rotary_embedding_as_it_was_and_trains_as_plain():
+    # Dynamic RoPE grows its frequencies past max_position_embeddings: the example step
+    # re-registered inv_freq and set max_seq_len_cached; inv_freq was put back, the
+    # length not (NOTE [ Module state a step puts back ]), so training used the wrong
+    # frequencies.
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    def model():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=100, max_position_embeddings=16, use_cache=False,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+
+    ids = torch.randint(1, 100, (2, 32), generator=torch.Generator().manual_seed(1))  # past 16 positions
+    batch = {"input_ids": ids, "labels": ids}
+    planned = model()
+    rotary = planned.model.rotary_emb
+    held = dict(vars(rotary))
+    plan = actsave.plan_blocks(planned, LlamaDecoderLayer, 2**30, batch)
+    assert all(vars(rotary)[name] is value for name, value in held.items()) and vars(rotary).keys() == held.keys()
+    plain = model()
+    actsave.wrap(planned, LlamaDecoderLayer, budget=plan.smallest_peak_bytes, example_inputs=batch)
+    for m in (plain, planned):
+        torch.manual_seed(2)
+        m(**batch).loss.backward()
+    for (name, p), q in zip(plain.named_parameters(), planned.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 # --- per-op options inside the blocks (NOTE [ Block options priced ]) -------------------
 
 

@@ -67,6 +67,23 @@ def test_totals_and_the_model_left_as_it_was():
     assert "total (peak)" in str(estimated)
 
 
+class _CachesAProjection(nn.Module):
+    """Builds a random projection as a plain tensor attribute at its first forward."""
+
+    def forward(self, x):
+        if getattr(self, "projection", None) is None:
+            self.projection = torch.randn(x.shape[-1], x.shape[-1], device=x.device)
+        return x @ self.projection
+
+
+def test_a_tensor_a_layer_caches_at_its_first_forward_is_made_by_the_real_step_not_the_estimate():
+    model = nn.Sequential(nn.Linear(8, 8), _CachesAProjection(), nn.Linear(8, 2))
+    actsave.estimate(model, (4, 8), device="cpu")
+    assert "projection" not in vars(model[1])
+    model(torch.randn(4, 8)).sum().backward()
+    assert model[1].projection.device.type == "cpu"
+
+
 def test_cuda_rounds_allocations_and_needs_no_gpu():
     model = nn.Sequential(nn.Linear(10, 10), nn.Tanh())  # 440 bytes of parameters in two tensors
     cpu = actsave.estimate(model, (3, 10), device="cpu")
