@@ -34,6 +34,7 @@ from ..runtime.layers import modules_under
 from ..runtime.passed_inputs import returns_its_input
 from ..runtime.pool_decisions import PoolWatch
 from ..runtime.keep_rules import CallerTensors, should_encode
+from ..runtime.kept_saves import takes_kept_saves
 from .allocator_rises import AllocatorRises, larger_of_each
 from .live_bytes import LiveBytes, allocation_bytes
 from .saves_as_stored import SavesAsStored
@@ -95,6 +96,7 @@ class _SaveLedger:
         self.layer_input = None
         self.as_stored.watch_backward(i, h)
 
+    @takes_kept_saves
     def pack(self, t: torch.Tensor):
         self.peak_at_last_save[self.layer] = self.tracker.peak
         storage = t.untyped_storage()
@@ -397,6 +399,7 @@ def measure_allocator_rises(layers: list, x: torch.Tensor, loss=None) -> Optiona
         return None
     running, at_last_save = [0], [0] * len(layers)
 
+    @takes_kept_saves
     def pack(t: torch.Tensor) -> torch.Tensor:
         at_last_save[running[0]] = rises.rise_so_far()
         return _detached(t)
@@ -450,6 +453,7 @@ def own_saves() -> saved_tensors_hooks:
     return saved_tensors_hooks(_detached, _as_is)
 
 
+@takes_kept_saves
 def _detached(t: torch.Tensor) -> torch.Tensor:
     return t.detach()  # not ``t`` itself: a saved output holding its own node is a cycle
 

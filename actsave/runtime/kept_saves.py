@@ -92,7 +92,8 @@ hooks win, torch's rule):
   torch.utils.checkpoint; _torch.saved_tensor_hooks_of_a_checkpoint): the call sets
   none and keeps nothing. The checkpoint drops its saves and recomputes them, so
   keeping them too would only cost memory, and its recompute must see the saves its
-  forward saw.
+  forward saw. So do the planner's measuring hooks (:func:`takes_kept_saves`): a
+  profile counts the call's saves as autograd makes them, a price from above.
 - Any others (the caller's, ``save_on_cpu``, ``allow_mutation_on_saved_tensors``):
   the call's hooks take over inside it, as a checkpoint's do, so what it saves is
   kept by its policy as without them; what is saved outside the call still goes to
@@ -322,10 +323,20 @@ def _dead_ref():
     return None
 
 
-def _actsave_checkpoints(pack: Callable, unpack: Callable) -> bool:
+def takes_kept_saves(pack: Callable) -> Callable:
+    """Mark ``pack``, a saved-tensor hook of actsave's that measures what a step saves
+    (the planner's profile), as one a call keeping its saves leaves them to, as to a
+    checkpoint's: the profile counts them as that call's (NOTE [ Kept saves ])."""
+    pack.takes_kept_saves = True
+    return pack
+
+
+def _actsave_takes_them(pack: Callable, unpack: Callable) -> bool:
     """Whether these saved-tensor hooks are an actsave checkpoint's (function.py): its
-    forward's, bound to its frame, or its recompute's, whose unpack is ``_identity``."""
-    return unpack is _identity or isinstance(getattr(unpack, "__self__", None), _Frame)
+    forward's, bound to its frame, or its recompute's, whose unpack is ``_identity``;
+    or a measuring hook marked by :func:`takes_kept_saves`."""
+    return (unpack is _identity or isinstance(getattr(unpack, "__self__", None), _Frame)
+            or getattr(pack, "takes_kept_saves", False))
 
 
 @torch.compiler.disable  # saved-tensor hooks are a graph break; see NOTE [ torch.compile ]
@@ -347,7 +358,7 @@ def call_with_kept_saves(function: Callable, args: tuple, kwargs: dict, policy: 
         raise ConfigError(f"scope={scope!r}: keep the saves of {' or '.join(map(repr, SCOPES))}")
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), {"device": 0, "host": 0}
-    if saved_tensor_hooks_of_a_checkpoint(_actsave_checkpoints):  # it takes the saves: NOTE [ Kept saves ]
+    if saved_tensor_hooks_of_a_checkpoint(_actsave_takes_them):  # it takes the saves: NOTE [ Kept saves ]
         return function(*args, **kwargs), None
     current_tape().segment_may_start()  # NOTE [ Kept saves ]: what was offloaded before goes
     if policy.codec.lossless and not policy.offload:

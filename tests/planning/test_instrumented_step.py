@@ -26,3 +26,26 @@ def test_the_step_counts_the_decisions_of_in_place_relu_modules_as_a_lossy_forwa
         counted[inplace] = found.relu_sign_bytes, found.relu_elements, stored_relus
     assert counted[True] == counted[False]
     assert counted[True][0] == [0, 256 * 64 // 8] * 3 and counted[True][2] == 3
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+@pytest.mark.parametrize("keep", ["saves", "linear_inputs"])
+def test_a_chain_of_calls_keeping_their_saves_plans_within_its_budget(keep):
+    # The profile's hooks take the saves of a call keeping its saves, as a checkpoint's
+    # do (kept_saves.takes_kept_saves): unseen, they were counted as nothing, and a plan
+    # accepted a budget its step then went over.
+    import actsave
+    from support import peak_activation_bytes
+    torch.manual_seed(0)
+    layers = [actsave.Checkpoint(_Residual(128), keep=keep, compress="int8") for _ in range(6)]
+    x, budget = torch.randn(64, 128), 350_000
+    chain = actsave.CheckpointedSequential(*layers, segments="auto", budget=budget, example_inputs=x)
+    assert peak_activation_bytes(chain, x) <= budget
