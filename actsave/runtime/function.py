@@ -173,7 +173,7 @@ class _Frame:
         return self._forward_inputs is not None
 
     def pack(self, tensor: torch.Tensor) -> Slot:
-        self.touched.note_saved(tensor)
+        self.touched.note_saved(tensor, len(self.slots))
         slot = Slot(len(self.slots))
         if self.keeps_decisions:
             self._keep_decisions(tensor, slot)
@@ -349,7 +349,8 @@ class _Frame:
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:
         """Put the recompute's ``index``-th save into ``into`` for its placeholder;
         return it detached, as both graphs hold it."""
-        self.touched.reads.check(index, tensor)  # NOTE [ Buffers read after the forward changed them ]
+        if self.touched.reads.watching:  # NOTE [ Buffers read after the forward changed them ]
+            self.touched.reads.check(index, tensor)
         if self.options.checks_saves and index < count and _signature(tensor) != self.signatures[index]:
             raise self._mismatch(
                 f"the recompute of {_name(self.function)} saved a tensor of shape/dtype/device "

@@ -56,8 +56,10 @@ class StaleReads:
     """
 
     def __init__(self):
-        self._count = 0  # the forward's saves so far: the index of its next one
-        self._started = {}  # id -> (weakref, (module, name), version) of each buffer as its snapshot was taken
+        self.watching = False  # whether a recompute's saves are checked: bool(_reads), read per save
+        # id -> (buffer, (module, name), version) of each buffer as its snapshot was taken,
+        # for the forward only; made at its first save of a buffer from ``_entries``.
+        self._started, self._entries = {}, None
         self._saves = []  # (index, weakref, version, key or None, versions moved) of the leaves saved that need no grad
         self._reads = {}  # save index -> (key, weakref, version, versions moved or None: replaced)
         self._unchanged = set()  # keys of the buffers the forward also saved as it found them
@@ -71,26 +73,40 @@ class StaleReads:
         for module in modules:
             for name, buffer in own_tensors(module, "buffers").items():
                 if buffer is not None:
-                    self._started[id(buffer)] = (weakref.ref(buffer), (module, name), version(buffer))
+                    self._started[id(buffer)] = (buffer, (module, name), version(buffer))
 
-    def saved(self, base: Optional[torch.Tensor]) -> None:
-        """Note the forward's next save; ``base``: the leaf it is or views, or None. A
-        buffer as the forward started is known now (a replaced one may be gone as it ends)."""
-        if base is not None and not base.requires_grad:
-            at, started = version(base), self._started.get(id(base))
-            key, was = (started[1], started[2]) if started is not None and started[0]() is base else (None, at)
-            self._saves.append((self._count, weakref.ref(base), at, key, at - was))
-        self._count += 1
+    def started_from(self, entries: list) -> None:
+        """The same from ``entries``, _LayerState's ``(layer index, module, kind, name,
+        tensor, version)`` as the forward starts, read only if the forward saves a tensor
+        that needs no gradient (most steps save none but BatchNorm's statistics)."""
+        self._entries = entries
+
+    def _buffers_started(self) -> dict:
+        if self._entries is not None:
+            self._started = {id(t): (t, (m, name), at) for _, m, kind, name, t, at in self._entries
+                             if kind == "buffers"}
+            self._entries = None
+        return self._started
+
+    def saved(self, index: int, base: torch.Tensor) -> None:
+        """Note the forward's save ``index``, of ``base``, a leaf that needs no gradient
+        (the caller skips the others: no buffer needs one). A buffer as the forward
+        started is known now (a replaced one may be gone as it ends)."""
+        at, started = version(base), self._buffers_started().get(id(base))
+        key, was = (started[1], started[2]) if started is not None and started[0] is base else (None, at)
+        self._saves.append((index, weakref.ref(base), at, key, at - was))
 
     def forward_ended(self) -> None:
         self._reads, self._unchanged = self._found()
-        self._started, self._saves, self._ended = {}, [], True
+        self.watching = bool(self._reads)
+        self._started, self._entries, self._saves, self._ended = {}, None, [], True
 
     def entering(self, last: bool) -> bool:
         """As a recompute starts: its ``last`` (state.py: it may use up the snapshot),
         False where a save read a changed buffer, for a start over to find the snapshot."""
         if not self._ended:  # a backward inside the forward: the saves so far
             self._reads, self._unchanged = self._found()
+            self.watching = bool(self._reads)
         return last and not self._reads
 
     def stand_in(self, key: tuple, snapshot: dict) -> torch.Tensor:
@@ -155,10 +171,12 @@ class StaleReads:
 
     def _found(self) -> tuple:
         """``(reads, unchanged)`` of the saves so far, against the buffers now."""
+        if not self._saves:
+            return {}, set()
         replaced = {}  # id -> (key, tensor): a buffer the forward set in place of the one it started with
-        for ref, key, _ in self._started.values():
+        for started, key, _ in self._buffers_started().values():
             now = own_tensors(key[0], "buffers").get(key[1])
-            if now is not None and now is not ref():
+            if now is not None and now is not started:
                 replaced[id(now)] = (key, now)
         reads, unchanged = {}, set()
         for index, ref, at, key, moved in self._saves:

@@ -101,10 +101,11 @@ class TouchedState:
         buffers as the body starts."""
         raise NotImplementedError
 
-    def note_saved(self, tensor: torch.Tensor) -> None:
-        """Note a leaf (or a view of one) that the forward saved for backward."""
+    def note_saved(self, tensor: torch.Tensor, index: int) -> None:
+        """Note a leaf (or a view of one) that the forward saved for backward, its save ``index``."""
         base = leaf_base(tensor)
-        self.reads.saved(base)
+        if base is not None and not base.requires_grad:
+            self.reads.saved(index, base)
         if base is not None and not torch.compiler.is_compiling():  # traced with fake tensors: real saves follow
             self._note(base, ("a tensor of shape", list(base.shape)))
 
@@ -267,13 +268,14 @@ class _LayerState(TouchedState):
         self._before = before
         self._state_ids = {id(entry[4]) for entry in before}
         self._snapshot, self._given = (snapshot_of(owners) if self._given is None else self._given), None
-        self.reads.started(owners)
+        self.reads.started_from(before)
         self._buffer_counts = [(module, count_buffers(module)) for _, module in self._modules]
         yield
 
-    def note_saved(self, tensor: torch.Tensor) -> None:
+    def note_saved(self, tensor: torch.Tensor, index: int) -> None:
         base = leaf_base(tensor)
-        self.reads.saved(base)
+        if base is not None and not base.requires_grad:
+            self.reads.saved(index, base)
         if base is not None and id(base) not in self._state_ids and not torch.compiler.is_compiling():
             self._note(base, ("a tensor of shape", list(base.shape)))
 
