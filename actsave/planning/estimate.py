@@ -148,7 +148,7 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
         if plans_at_first_call(model):
             with fast_meta(), torch.enable_grad():
                 model(*inputs)  # outside the measured step (module docstring)
-        tracker = LiveBytes(device, known=(state, inputs))
+        tracker = LiveBytes(device, known=(state, inputs, list(model.buffers())))  # ModuleState's copies too
         convolutions = _LargestConvolutionTensor(model, watched=convolution_workspaces(device))
         with tracker, peak_kept_bytes() as stored, convolutions:
             host_before = stored["host"]
