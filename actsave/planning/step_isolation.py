@@ -64,9 +64,13 @@ from .live_bytes import allocation_bytes
 #   in a meta step, a meta one) is as it was, and so are the tables of buffers and
 #   submodules: a buffer or submodule registered during the steps is gone.
 # - The containers held there, of the exact types dict, OrderedDict, list and set (those
-#   tables, the hook tables, a cache keyed by shape, a list a forward appends to), get
+#   tables, a cache keyed by shape, a list a forward appends to), get
 #   their contents back in place, shallowly, so that what refers to them still does.
-# - But the table of parameters: a sharding framework swaps its entries as part of state
+# - But its hooks (every entry whose name says hook): a hook registered during the steps
+#   stays, as one registered at a first forward does, and one that removed itself is
+#   gone. A hook that installs another once, at the first forward, and notes that
+#   outside the module would otherwise find it installed and never install it again.
+# - And the table of parameters: a sharding framework swaps its entries as part of state
 #   it keeps outside the module (FSDP2 leaves the root's unsharded parameters in it after
 #   a forward, until its backward; put back alone, the next forward would find sharded
 #   ones FSDP2 holds to be unsharded). Its entries are the parameters' copies in a meta
@@ -146,6 +150,14 @@ def user_stacklevel() -> int:
 
 
 _LIBRARIES = ("actsave", "torch", "contextlib")
+
+
+def _is_hooks(name: str) -> bool:
+    """Whether a module's ``__dict__`` entry ``name`` is its hooks' (``_forward_hooks``,
+    ``_is_full_backward_hook``, ...): NOTE [ Module state a step puts back ]."""
+    return "hook" in name
+
+
 _CONTAINERS = (dict, OrderedDict, list, set)  # exact types: NOTE [ Module state a step puts back ]
 _MISSING = object()
 
@@ -171,10 +183,10 @@ class ModuleState:
     def __enter__(self) -> "ModuleState":
         for module in self._model.modules():
             entries = vars(module)
-            self._entries.append((entries, dict(entries)))
+            self._entries.append((entries, {n: v for n, v in entries.items() if not _is_hooks(n)}))
             parameters = own_tensors(module, "parameters")
-            for value in entries.values():
-                if type(value) in _CONTAINERS and value is not parameters:
+            for name, value in entries.items():
+                if type(value) in _CONTAINERS and value is not parameters and not _is_hooks(name):
                     if value:
                         self._contents.append((value, _shallow_copy(value)))
                     else:
@@ -194,7 +206,7 @@ class ModuleState:
             if not _same_contents(container, contents):
                 _refill(container, contents)
         for entries, saved in self._entries:
-            for name in [name for name in entries if name not in saved]:
+            for name in [name for name in entries if name not in saved and not _is_hooks(name)]:
                 del entries[name]
             for name, value in saved.items():
                 if entries.get(name, _MISSING) is not value:

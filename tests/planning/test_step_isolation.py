@@ -77,6 +77,31 @@ def test_a_profiled_step_leaves_every_module_holding_what_it_held(device):
     assert set(layer._buffers) == {"table"} and not hasattr(layer, "added")
 
 
+@pytest.mark.parametrize("planner", ["default segments", "wrap(budget=)"])
+def test_a_hook_a_hook_registers_at_the_first_forward_stays_registered(planner):
+    # Hook tables are not put back: a library that installs a hook once, at the first
+    # forward, and notes that outside the module never installs it again.
+    fired, installed = [], []
+
+    def installer(module, args, output):
+        if not installed:
+            installed.append(module.register_forward_hook(lambda m, a, o: fired.append(1)))
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)]
+    layers[2].register_forward_hook(installer)
+    x = torch.randn(4, 8)
+    if planner == "default segments":
+        model = CheckpointedSequential(*layers)
+    else:
+        model = actsave.wrap(nn.Sequential(*layers), lambda m, name: name in {"0", "1", "2", "3"}, budget=2**30,
+                             example_inputs=(x,))
+    model(x).sum().backward()
+    fired.clear()
+    model(x).sum().backward()
+    assert len(installed) == 1 and len(layers[2]._forward_hooks) == 2 and len(fired) == 1
+
+
 class _ActNorm(nn.Module):
     """Glow's ActNorm: its shift and scale set from the first batch's statistics, once
     (a Python flag)."""
