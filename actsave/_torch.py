@@ -29,6 +29,7 @@ from torch._ops import OpOverload  # noqa: F401  (re-exported)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
 
 from .errors import ActsaveError
+from .settings import CountedChange
 
 MINIMUM_TORCH = "2.11"
 
@@ -323,7 +324,7 @@ def _observed_resize(storage, size):
     return result
 
 
-class AttributeSwap:
+class AttributeSwap(CountedChange):
     """``owner.name`` replaced by ``replacement`` while one or more :meth:`active`
     contexts are open (they nest, on any threads), and put back as it was when the last
     one closes: an attribute ``owner`` inherits (a C base class's method) is deleted
@@ -331,34 +332,23 @@ class AttributeSwap:
 
     The attribute is the process's, so every thread sees ``replacement`` while one is
     open: it must do what ``original`` does for the threads that did not ask for it
-    (meta.py's attention reads its own thread's simulated device). The count of open
-    contexts is kept under a lock, so that two threads opening and closing in any
-    order leave the attribute swapped while either is open and put back after."""
+    (meta.py's attention reads its own thread's simulated device). The open contexts
+    are counted as :class:`~actsave.settings.CountedChange` counts them."""
 
     def __init__(self, owner, name: str, replacement):
+        super().__init__()
         self.owner, self.name, self.replacement = owner, name, replacement
         self.original = _require(getattr(owner, name, None), f"{getattr(owner, '__name__', owner)}.{name}")
         self._own = name in vars(owner)
-        self._open = 0
-        self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def active(self):
-        with self._lock:
-            if not self._open:
-                setattr(self.owner, self.name, self.replacement)
-            self._open += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._open -= 1
-                if not self._open:
-                    if self._own:
-                        setattr(self.owner, self.name, self.original)
-                    else:
-                        delattr(self.owner, self.name)
+    def make(self) -> None:
+        setattr(self.owner, self.name, self.replacement)
 
+    def undo(self) -> None:
+        if self._own:
+            setattr(self.owner, self.name, self.original)
+        else:
+            delattr(self.owner, self.name)
 
 _resize_swap = AttributeSwap(torch.UntypedStorage, "resize_", _observed_resize)
 

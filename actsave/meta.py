@@ -38,6 +38,7 @@ from ._torch import (
     own_tensors,
 )
 from .devices import fused_attention
+from .settings import CountedChange
 
 _local = threading.local()
 
@@ -156,32 +157,24 @@ def on_meta(model: nn.Module):
 # not the thread's, so another thread's backward checks no NaN either while any meta
 # step is open (counted under a lock, as _torch.AttributeSwap counts); the last to end
 # turns the check back on, unless anomaly mode was changed meanwhile.
-class _NanChecksOff:
+class _NanChecksOff(CountedChange):
     """NOTE [ Anomaly mode in a meta step ]: the NaN check off while one or more
     :meth:`active` contexts are open, on any threads."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._open = 0
+        super().__init__()
         self._turned_off = False
 
-    @contextlib.contextmanager
-    def active(self):
-        with self._lock:
-            if not self._open and torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
-                torch.autograd.set_detect_anomaly(True, check_nan=False)
-                self._turned_off = True
-            self._open += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._open -= 1
-                if not self._open and self._turned_off:
-                    self._turned_off = False
-                    if torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled():
-                        torch.autograd.set_detect_anomaly(True, check_nan=True)
+    def make(self) -> None:
+        if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+            torch.autograd.set_detect_anomaly(True, check_nan=False)
+            self._turned_off = True
 
+    def undo(self) -> None:
+        if self._turned_off:
+            self._turned_off = False
+            if torch.is_anomaly_enabled() and not torch.is_anomaly_check_nan_enabled():
+                torch.autograd.set_detect_anomaly(True, check_nan=True)
 
 _NAN_CHECKS_OFF = _NanChecksOff()
 

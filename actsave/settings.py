@@ -1,6 +1,7 @@
 """The process settings a ``with`` statement scopes (``set_backend``,
 ``set_prefetch_depth``, ``set_host_pool_capacity``): each setter takes effect at once
-and returns a handle whose ``with`` form restores the previous value on exit."""
+and returns a handle whose ``with`` form restores the previous value on exit; and the
+process-wide changes actsave makes while any thread needs them (:class:`CountedChange`)."""
 from __future__ import annotations
 
 import contextlib
@@ -40,3 +41,34 @@ class SetBy:
                 raise ConfigError(conflict)
             restore()
         return undone_on_exit(undo)
+
+
+class CountedChange:
+    """A process-wide change made while one or more :meth:`active` contexts are open
+    (they nest, on any threads): :meth:`make` as the first opens, :meth:`undo` as the
+    last closes. The count is kept under a lock, so that two threads opening and closing
+    in any order leave the change made while either is open and undone after."""
+
+    def __init__(self):
+        self._open = 0
+        self._lock = threading.Lock()
+
+    def make(self) -> None:
+        raise NotImplementedError
+
+    def undo(self) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def active(self):
+        with self._lock:
+            if not self._open:
+                self.make()
+            self._open += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open -= 1
+                if not self._open:
+                    self.undo()
