@@ -126,6 +126,15 @@ def storage_identity(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def storage_identity_or_none(tensor: torch.Tensor) -> Optional[int]:
+    """:func:`storage_identity`, or None for a tensor with no storage to read (torch.func's
+    vmap and jvp wrappers: BatchedTensor, TensorWrapper)."""
+    try:
+        return storage_identity(tensor)
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
 # The dense tensors a sparse layout keeps its memory in. COO's through the private
 # accessors: the public ones refuse an uncoalesced tensor (an embedding's sparse gradient).
 _SPARSE_COMPONENTS = {torch.sparse_coo: (torch.Tensor._indices, torch.Tensor._values)}

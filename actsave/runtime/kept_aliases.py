@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._torch import storage_identity
+from .._torch import storage_identity_or_none
 
 
 class KeptAliases:
@@ -85,10 +85,7 @@ def _storage_of(t: torch.Tensor) -> Optional[int]:
     negative stride; else None."""
     if t.layout != torch.strided or t.is_nested or t.numel() == 0 or any(n < 0 for n in t.stride()):
         return None
-    try:
-        return storage_identity(t)
-    except (NotImplementedError, RuntimeError):  # functorch's wrappers have no storage to read
-        return None
+    return storage_identity_or_none(t)  # functorch's wrappers have no storage to read
 
 
 def _groups_kept_together(members: list) -> list:

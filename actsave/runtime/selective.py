@@ -84,7 +84,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .._torch import leaf_base, storage_identity, version
+from .._torch import leaf_base, storage_identity, storage_identity_or_none, version
 from ..errors import ConfigError, RecomputeError
 from ..layouts import is_dense
 from .function import _detached, _Frame, _checkpointed_call, _name
@@ -153,7 +153,8 @@ class _Argument:
     __slots__ = ("position", "storage", "offset", "shape", "stride", "tensor", "version")
 
     def __init__(self, position: int, tensor: torch.Tensor):
-        self.position, self.storage, self.offset = position, _storage_of(tensor), tensor.storage_offset()
+        self.position, self.offset = position, tensor.storage_offset()
+        self.storage = storage_identity_or_none(tensor)  # None: a torch.func transform's wrapper
         self.shape, self.stride = tuple(tensor.shape), tensor.stride()
         self.tensor, self.version = tensor, version(tensor)
 
@@ -225,7 +226,8 @@ class SelectiveFrame(_Frame):
         self._outside = {}  # slot index -> the kept call whose output it saved, outside any call
         self._recomputed = []  # indices of the saves the recompute fills
         self._differentiated = False  # a backward of its own ran inside its forward
-        self._input_storages = {_storage_of(t) for t in input_tensors(*self._forward_inputs)} - {None}  # kept anyway
+        inputs = input_tensors(*self._forward_inputs)
+        self._input_storages = {storage_identity_or_none(t) for t in inputs} - {None}  # kept anyway
         self._transformed = False  # a kept call returned a transform's wrapper, not kept
 
     # ------------------------------------------------------------- forward
@@ -292,7 +294,7 @@ class SelectiveFrame(_Frame):
         # A transform's wrapper is not kept (NOTE [ Selective recompute ]): its requires_grad is
         # False where the tensor it wraps has a grad_fn, so _detached would keep it as it is,
         # and with it the forward's graph, whose saved-tensor hooks hold this frame: a cycle.
-        wrapper = isinstance(output, torch.Tensor) and _storage_of(output) is None
+        wrapper = isinstance(output, torch.Tensor) and storage_identity_or_none(output) is None
         self._transformed |= wrapper
         if isinstance(output, torch.Tensor) and not wrapper:
             call.output, call.version, call.requires_grad = _detached(output), version(output), output.requires_grad
@@ -418,16 +420,6 @@ class SelectiveFrame(_Frame):
 # The functions whose outputs a selective recompute under a lossy codec does not keep
 # but runs again (NOTE [ Attention's saves agree ]).
 _RECOMPUTED_WHEN_LOSSY = frozenset({"scaled_dot_product_attention"})
-
-
-def _storage_of(tensor: torch.Tensor) -> Optional[int]:
-    """``tensor``'s storage (storage_identity), or None for a tensor with none to name: a
-    vmap or jvp transform's wrapper (BatchedTensor, TensorWrapper), as kept_aliases.py
-    and shared_copies.py read it. The saves a frame's hooks get are never wrappers."""
-    try:
-        return storage_identity(tensor)
-    except (NotImplementedError, RuntimeError):
-        return None
 
 
 def _held_elsewhere(tensor: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._torch import storage_identity, version
+from .._torch import storage_identity, storage_identity_or_none, version
 from .keep_rules import KeepPolicy
 
 # NOTE [ One stored copy per kept tensor ]
@@ -105,9 +105,8 @@ def sharing_key(tensor: torch.Tensor, policy: KeepPolicy, non_negative: bool, re
     subclass, or one without a storage to name: vmap's, functorch's)."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
         return None
-    try:
-        storage = storage_identity(tensor)
-    except (NotImplementedError, RuntimeError):
+    storage = storage_identity_or_none(tensor)
+    if storage is None:
         return None
     return (storage, tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype, version(tensor),
             tensor.is_neg(), tensor.is_conj(), policy, non_negative, requires_grad)
