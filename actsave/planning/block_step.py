@@ -167,7 +167,29 @@ def _chained_calls(recorder: _CallRecorder) -> list:
         raise ConfigError(f"block {first_fqn} gets no tensor where the next blocks get the hidden state (block "
                           f"{recorder.order[1]} gets it as its {_argument_text(calls[1])})")
     _check_one_hidden_parameter(recorder.order, calls)
+    _check_no_cache(recorder.order, calls)
     return calls
+
+
+def _check_no_cache(order: list, calls: list) -> None:
+    """Raise where a block got a key/value cache (a Hugging Face ``Cache``): the plan
+    measures each block's options by calling it again with its recorded arguments, and
+    each call would append to that one cache, holding the last call's graph (a backward
+    through it a second time)."""
+    for fqn, call in zip(order, calls):
+        cache = next((leaf for leaf in call.leaves if _is_cache(leaf)), None)
+        if cache is not None:
+            raise ConfigError(
+                f"block {fqn} got a key/value cache ({type(cache).__name__}) in the example step: a block plan "
+                "calls each block again with its arguments, which would append to that cache. Train without one, "
+                "as any checkpointing does: model.config.use_cache = False (Hugging Face), or use_cache=False in "
+                "the example inputs")
+
+
+def _is_cache(value) -> bool:
+    # By name, not by import: transformers is optional (transformers.cache_utils.Cache).
+    return any(base.__name__ == "Cache" and base.__module__.startswith("transformers")
+               for base in type(value).__mro__)
 
 
 def _check_one_hidden_parameter(order: list, calls: list) -> None:

@@ -103,3 +103,21 @@ def test_a_block_plan_leaves_the_callers_example_as_it_was(made):
     assert all(torch.equal(inputs[name], t) and inputs[name]._version == version
                for name, (t, version) in before.items())
     assert source.grad is None
+
+
+def test_a_block_given_a_key_value_cache_is_refused_naming_use_cache():
+    # Each block's options are measured by calling it again with its recorded
+    # arguments: one cache would grow with each call and hold the last one's graph.
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(actsave.ConfigError, match=r"key/value cache \(DynamicCache\).*use_cache = False"):
+        actsave.plan_blocks(model, LlamaDecoderLayer, budget=2**30,
+                            example_inputs={"input_ids": ids, "labels": ids, "use_cache": True})
+    model.config.use_cache = False
+    plan = actsave.plan_blocks(model, LlamaDecoderLayer, budget=2**30, example_inputs={"input_ids": ids, "labels": ids})
+    assert len(plan.options) == 2
