@@ -229,6 +229,11 @@ class _OutputMetadata:
 
     def call(self, func, args: tuple, kwargs: dict):
         """``func(*args, **kwargs)``, replayed from an earlier call where it can be."""
+        if func is _ADD_IN_PLACE and args[1].layout != torch.strided and args[0].layout == torch.strided:
+            # A sparse gradient (nn.Embedding(sparse=True)'s) accumulated into the dense one a
+            # meta step gives each parameter: torch has no meta kernel for the coalesce that
+            # needs, and on meta tensors the sum is the dense tensor as it is.
+            return args[0]
         key = _key(func, args, kwargs)
         if key is None:
             return func(*args, **kwargs)
@@ -257,6 +262,9 @@ def _key(func, args: tuple, kwargs: dict) -> Optional[tuple]:
     return func, arguments, torch.get_default_dtype()
 
 
+_ADD_IN_PLACE = torch.ops.aten.add_.Tensor
+
+
 class _NotPlain(Exception):
     """An argument the key cannot describe by value."""
 
@@ -264,7 +272,7 @@ class _NotPlain(Exception):
 def _argument_key(value):
     # Runs for every argument of every operator of a meta step: kept lean.
     if isinstance(value, torch.Tensor):
-        if not value.is_meta:
+        if not value.is_meta or value.layout != torch.strided:  # a sparse one: no strides to key
             raise _NotPlain
         return value.shape, value.stride(), value.storage_offset(), value.dtype
     kind = type(value)
@@ -301,6 +309,8 @@ def _describe(out, args: tuple, kwargs: dict):
         if isinstance(value, (tuple, list)):
             return type(value), tuple(describe(item) for item in value)
         if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                raise _NotPlain
             storage = value.untyped_storage()
             fresh = id(storage) not in inputs and id(storage) not in seen
             if (value.device.type != "meta" or not fresh or value.storage_offset() != 0

@@ -5,6 +5,7 @@ import warnings
 import torch
 from torch import nn
 
+import actsave
 from actsave import CheckpointedSequential
 
 
@@ -33,3 +34,24 @@ def test_a_meta_step_under_anomaly_mode_plans_and_leaves_its_nan_check_on():
             raise AssertionError("anomaly mode's NaN check did not run after the meta step")
     assert model.balanced_plan is not None and model.balanced_plan.starts == expected.balanced_plan.starts
     assert not torch.is_anomaly_enabled()
+
+
+def _embedding_chain(sparse: bool) -> list:
+    torch.manual_seed(0)
+    return [nn.Embedding(100, 32, sparse=sparse)] + [m for _ in range(6) for m in (nn.Linear(32, 32), nn.GELU())]
+
+
+def test_a_meta_step_over_a_sparse_gradient_estimates_and_plans_as_over_a_dense_one():
+    # Meta steps give each parameter a dense gradient: an embedding's sparse one is
+    # accumulated into it, which torch's meta kernels cannot do by themselves.
+    ids = torch.randint(0, 100, (4, 10), generator=torch.Generator().manual_seed(1))
+    estimates = [actsave.estimate(actsave.CheckpointedSequential(*_embedding_chain(sparse), segments=[0, 5, 9]),
+                                  ids).activation_peak_bytes for sparse in (False, True)]
+    assert estimates[0] == estimates[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to "sqrt"
+        chain = actsave.CheckpointedSequential(*_embedding_chain(True))
+        chain(ids).sum().backward()
+    plain = nn.Sequential(*_embedding_chain(True))
+    plain(ids).sum().backward()
+    assert all(torch.equal(a.grad.to_dense(), b.grad.to_dense()) for a, b in zip(chain.parameters(), plain.parameters()))
