@@ -229,7 +229,7 @@ class _OutputMetadata:
 
     def call(self, func, args: tuple, kwargs: dict):
         """``func(*args, **kwargs)``, replayed from an earlier call where it can be."""
-        if func is _ADD_IN_PLACE and args[1].layout != torch.strided and args[0].layout == torch.strided:
+        if func is _ADD_IN_PLACE and _sparse_into_dense(args):
             # A sparse gradient (nn.Embedding(sparse=True)'s) accumulated into the dense one a
             # meta step gives each parameter: torch has no meta kernel for the coalesce that
             # needs, and on meta tensors the sum is the dense tensor as it is.
@@ -263,6 +263,13 @@ def _key(func, args: tuple, kwargs: dict) -> Optional[tuple]:
 
 
 _ADD_IN_PLACE = torch.ops.aten.add_.Tensor
+
+
+def _sparse_into_dense(args: tuple) -> bool:
+    """Whether ``add_``'s arguments add a sparse tensor to a dense one (not a number:
+    BatchNorm's ``num_batches_tracked.add_(1)``)."""
+    other = args[1]
+    return isinstance(other, torch.Tensor) and other.layout != torch.strided and args[0].layout == torch.strided
 
 
 class _NotPlain(Exception):

@@ -55,3 +55,15 @@ def test_a_meta_step_over_a_sparse_gradient_estimates_and_plans_as_over_a_dense_
     plain = nn.Sequential(*_embedding_chain(True))
     plain(ids).sum().backward()
     assert all(torch.equal(a.grad.to_dense(), b.grad.to_dense()) for a, b in zip(chain.parameters(), plain.parameters()))
+
+
+def test_a_meta_step_over_batchnorm_counting_its_batches_plans_without_falling_back():
+    # num_batches_tracked.add_(1) reaches the meta step's add_ with a number, not a
+    # tensor: only a sparse tensor added to a dense one is taken apart there.
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chain = CheckpointedSequential(*layers)
+        chain(torch.randn(2, 4, 8, 8)).sum().backward()
+    assert "fell back" not in str(chain.describe())
