@@ -173,7 +173,7 @@ class _Frame:
         return self._forward_inputs is not None
 
     def pack(self, tensor: torch.Tensor) -> Slot:
-        self.touched.note_saved(tensor, len(self.slots))
+        self.touched.note_saved(tensor, self.slots)
         slot = Slot(len(self.slots))
         if self.keeps_decisions:
             self._keep_decisions(tensor, slot)

@@ -92,12 +92,15 @@ class StaleReads:
         """Note the forward's save ``index``, of ``base``, a leaf that needs no gradient
         (the caller skips the others: no buffer needs one). A buffer as the forward
         started is known now (a replaced one may be gone as it ends)."""
-        at, started = version(base), self._buffers_started().get(id(base))
+        at = version(base)
+        started = (self._started if self._entries is None else self._buffers_started()).get(id(base))
         key, was = (started[1], started[2]) if started is not None and started[0] is base else (None, at)
         self._saves.append((index, weakref.ref(base), at, key, at - was))
 
-    def forward_ended(self) -> None:
-        self._reads, self._unchanged = self._found()
+    def forward_ended(self, replaced: Optional[dict] = None) -> None:
+        """As the forward ends; ``replaced``: ``{id: ((module, name), tensor)}``, the
+        buffers it set in place of those it started with, where the caller knows them."""
+        self._reads, self._unchanged = self._found(replaced)
         self.watching = bool(self._reads)
         self._started, self._entries, self._saves, self._ended = {}, None, [], True
 
@@ -109,9 +112,10 @@ class StaleReads:
             self.watching = bool(self._reads)
         return last and not self._reads
 
-    def stand_in(self, key: tuple, snapshot: dict) -> torch.Tensor:
-        """What the recompute runs on in place of buffer ``key`` (copied where it starts over)."""
-        return self._restarted.get(key, snapshot[key])
+    def stand_ins(self, snapshot: dict) -> dict:
+        """What the recompute runs on in place of each buffer of ``snapshot``: the
+        snapshot, but the buffers it starts over with as the forward left them."""
+        return {**snapshot, **self._restarted} if self._restarted else snapshot
 
     def installed(self, stand_ins: list) -> None:
         """Note the tensors a recompute runs on in place of the buffers, as it starts."""
@@ -169,15 +173,12 @@ class StaleReads:
                     "forward read is gone.")
         return None
 
-    def _found(self) -> tuple:
+    def _found(self, replaced: Optional[dict] = None) -> tuple:
         """``(reads, unchanged)`` of the saves so far, against the buffers now."""
         if not self._saves:
             return {}, set()
-        replaced = {}  # id -> (key, tensor): a buffer the forward set in place of the one it started with
-        for started, key, _ in self._buffers_started().values():
-            now = own_tensors(key[0], "buffers").get(key[1])
-            if now is not None and now is not started:
-                replaced[id(now)] = (key, now)
+        if replaced is None:
+            replaced = self._replaced() if any(key is None for _, _, _, key, _ in self._saves) else {}
         reads, unchanged = {}, set()
         for index, ref, at, key, moved in self._saves:
             if key is None:  # not a buffer as the forward started: one it set?
@@ -190,6 +191,16 @@ class StaleReads:
             else:
                 reads[index] = (key, ref, at, moved)
         return reads, unchanged
+
+
+    def _replaced(self) -> dict:
+        """``{id: (key, tensor)}``: the buffers the forward set in place of those it started with."""
+        replaced = {}
+        for started, key, _ in self._buffers_started().values():
+            now = own_tensors(key[0], "buffers").get(key[1])
+            if now is not None and now is not started:
+                replaced[id(now)] = (key, now)
+        return replaced
 
 
 def _stale_message(key: tuple, why: Optional[str]) -> str:

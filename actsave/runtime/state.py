@@ -101,11 +101,11 @@ class TouchedState:
         buffers as the body starts."""
         raise NotImplementedError
 
-    def note_saved(self, tensor: torch.Tensor, index: int) -> None:
-        """Note a leaf (or a view of one) that the forward saved for backward, its save ``index``."""
+    def note_saved(self, tensor: torch.Tensor, saves: list) -> None:
+        """Note a leaf (or a view of one) that the forward saved for backward, after ``saves``."""
         base = leaf_base(tensor)
         if base is not None and not base.requires_grad:
-            self.reads.saved(index, base)
+            self.reads.saved(len(saves), base)
         if base is not None and not torch.compiler.is_compiling():  # traced with fake tensors: real saves follow
             self._note(base, ("a tensor of shape", list(base.shape)))
 
@@ -149,10 +149,11 @@ class TouchedState:
         a forward changes ]). NOTE [ State a forward reads and mutates ]"""
         present = []
         last = self.reads.entering(last)  # NOTE [ Buffers read after the forward changed them ]
+        stand_ins = self.reads.stand_ins(self._snapshot)
         for module, name in self._mutated_buffers(layers):
             table = own_tensors(module, "buffers")
-            if table.get(name) is not None and (module, name) in self._snapshot:
-                present.append((table, name, table[name], self.reads.stand_in((module, name), self._snapshot)))
+            if table.get(name) is not None and (module, name) in stand_ins:
+                present.append((table, name, table[name], stand_ins[(module, name)]))
         values = [snapshot for *_, snapshot in present]
         if not last:
             values = copies_of(values)
@@ -272,16 +273,16 @@ class _LayerState(TouchedState):
         self._buffer_counts = [(module, count_buffers(module)) for _, module in self._modules]
         yield
 
-    def note_saved(self, tensor: torch.Tensor, index: int) -> None:
+    def note_saved(self, tensor: torch.Tensor, saves: list) -> None:
         base = leaf_base(tensor)
         if base is not None and not base.requires_grad:
-            self.reads.saved(index, base)
+            self.reads.saved(len(saves), base)
         if base is not None and id(base) not in self._state_ids and not torch.compiler.is_compiling():
             self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
         self._modes = {module: module.training for _, module in self._modules}  # as the forward left them
-        moved, self._moved_parameters = self._changes()
+        moved, self._moved_parameters, replaced = self._changes()
         mutated = self._mutated_by_layer(moved)
         mutated_ids = {id(own_tensors(module, "buffers")[name]) for buffers in mutated.values()
                        for module, name in buffers}
@@ -293,15 +294,16 @@ class _LayerState(TouchedState):
         self._keep_snapshot_of(buffer for buffers in mutated.values() for buffer in buffers)
         self._unreplayable = next((changed_buffer(module, self._before)
                                    for module, count in self._buffer_counts if count_buffers(module) != count), None)
-        self.reads.forward_ended()
+        self.reads.forward_ended(replaced)
         self._before, self._state_ids, self._buffer_counts = [], set(), []
 
     def _changes(self) -> tuple:
         """``({module: the first layer index it is under}, [(layer index, module,
-        parameter name)])``: the modules whose state moved since the forward started (a
-        tensor changed in place, or replaced), and the parameters changed in place (one
-        replaced is not the forward's change of it: FSDP2 puts gathered ones in place)."""
-        moved, parameters = {}, []
+        parameter name)], {id: ((module, name), buffer)})``: the modules whose state moved
+        since the forward started (a tensor changed in place, or replaced), the parameters
+        changed in place (one replaced is not the forward's change of it: FSDP2 puts
+        gathered ones in place), and the buffers set in place of others (StaleReads)."""
+        moved, parameters, replaced = {}, [], {}
         for index, module, kind, name, tensor, was in self._before:
             now = own_tensors(module, kind).get(name)
             in_place = now is tensor and version(now) != was
@@ -309,7 +311,9 @@ class _LayerState(TouchedState):
                 moved.setdefault(module, index)
                 if kind == "parameters" and in_place:
                     parameters.append((index, module, name))
-        return moved, parameters
+                elif kind == "buffers" and now is not None and not in_place:
+                    replaced[id(now)] = ((module, name), now)
+        return moved, parameters, replaced
 
     @staticmethod
     def _mutated_by_layer(moved: dict) -> dict:
