@@ -67,4 +67,3 @@ def channel_sums(x: torch.Tensor) -> Optional[torch.Tensor]:
     if reduced is None or x.dtype not in SUPPORTED_DTYPES or x.numel() == 0:
         return None
     return torch.sum(x, reduced, dtype=torch.float32)
-

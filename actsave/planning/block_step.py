@@ -14,6 +14,7 @@ from torch import nn
 
 from .._torch import pytree
 from ..errors import ConfigError
+from ..runtime.keep_modes import is_hf_cache
 from ..runtime.keep_rules import modifies_input
 from .instrumented_step import backward_from, checked_loss, step_input
 from .step_isolation import isolated_steps
@@ -177,19 +178,13 @@ def _check_no_cache(order: list, calls: list) -> None:
     each call would append to that one cache, holding the last call's graph (a backward
     through it a second time)."""
     for fqn, call in zip(order, calls):
-        cache = next((leaf for leaf in call.leaves if _is_cache(leaf)), None)
+        cache = next((leaf for leaf in call.leaves if is_hf_cache(leaf)), None)
         if cache is not None:
             raise ConfigError(
                 f"block {fqn} got a key/value cache ({type(cache).__name__}) in the example step: a block plan "
                 "calls each block again with its arguments, which would append to that cache. Train without one, "
                 "as any checkpointing does: model.config.use_cache = False (Hugging Face), or use_cache=False in "
                 "the example inputs")
-
-
-def _is_cache(value) -> bool:
-    # By name, not by import: transformers is optional (transformers.cache_utils.Cache).
-    return any(base.__name__ == "Cache" and base.__module__.startswith("transformers")
-               for base in type(value).__mro__)
 
 
 def _check_one_hidden_parameter(order: list, calls: list) -> None:

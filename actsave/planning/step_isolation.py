@@ -203,8 +203,7 @@ class ModuleState:
             if container:
                 container.clear()
         for container, contents in self._contents:
-            if not _same_contents(container, contents):
-                _refill(container, contents)
+            _refill(container, contents)
         for entries, saved in self._entries:
             for name in [name for name in entries if name not in saved and not _is_hooks(name)]:
                 del entries[name]
@@ -233,19 +232,6 @@ def _shallow_copy(container):
     dict of its entries in order)."""
     kind = type(container)
     return list(container) if kind is list else set(container) if kind is set else dict(container)
-
-
-def _same_contents(container, contents) -> bool:
-    """Whether ``container`` holds the very objects ``contents`` (from
-    :func:`_shallow_copy`) holds, in order (compared by identity: tensors have no plain
-    ``==``)."""
-    if len(container) != len(contents):
-        return False
-    if isinstance(container, set):
-        return all(item in container for item in contents)
-    if isinstance(container, list):
-        return all(a is b for a, b in zip(container, contents))
-    return all(a is b and container[a] is contents[b] for a, b in zip(container, contents))
 
 
 def _refill(container, contents) -> None:

@@ -129,9 +129,15 @@ _SCOPES = {"saves": "all", "linear_inputs": "linear_inputs"}
 _WARNED_OF_A_CACHE = set()
 
 
+def is_hf_cache(value) -> bool:
+    """Whether ``value`` is a Hugging Face key/value cache (transformers.cache_utils.Cache),
+    known by name: transformers is optional."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
 def _warn_of_a_cache(function: Callable, values: tuple) -> None:
     for value in values:
-        if any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__):
+        if is_hf_cache(value):
             name = getattr(function, "__qualname__", None) or type(function).__name__
             if name not in _WARNED_OF_A_CACHE:
                 _WARNED_OF_A_CACHE.add(name)

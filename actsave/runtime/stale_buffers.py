@@ -92,8 +92,7 @@ class StaleReads:
         """Note the forward's save ``index``, of ``base``, a leaf that needs no gradient
         (the caller skips the others: no buffer needs one). A buffer as the forward
         started is known now (a replaced one may be gone as it ends)."""
-        at = version(base)
-        started = (self._started if self._entries is None else self._buffers_started()).get(id(base))
+        at, started = version(base), self._buffers_started().get(id(base))
         key, was = (started[1], started[2]) if started is not None and started[0] is base else (None, at)
         self._saves.append((index, weakref.ref(base), at, key, at - was))
 
@@ -191,7 +190,6 @@ class StaleReads:
             else:
                 reads[index] = (key, ref, at, moved)
         return reads, unchanged
-
 
     def _replaced(self) -> dict:
         """``{id: (key, tensor)}``: the buffers the forward set in place of those it started with."""
