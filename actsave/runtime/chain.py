@@ -17,13 +17,14 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._torch import own_tensors
 from ..offload import current_tape
 from .function import checkpointed_call
 from .keep_rules import EXACT, CallerTensors, KeepPolicy, should_encode, starts_in_place
 from .kept_saves import call_with_kept_saves
-from .layers import LayerRun
+from .layers import LayerRun, modules_under
 from .nested import nested_call
-from .state import ChainState
+from .state import snapshot_of
 
 
 @torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]
@@ -111,3 +112,33 @@ def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:
 
 
 __all__ = ["ChainCall", "run_chain", "run_eagerly", "segments_and_policies", "starts_for_call"]
+
+
+class ChainState:
+    """The module state of a chain's checkpointed segments as the chain's forward
+    starts, snapshotted in one copies_of call for all of them rather than one per
+    segment (host work per call: a deep chain has dozens of segments), and handed to
+    each segment's frame (TouchedState.of). Each segment's modules are walked once, here,
+    and handed over too. Right only where no module is under two segments: a later
+    occurrence's state is what the earlier one leaves, known only then; such a chain
+    (and a lone segment) gets nothing here, and each frame snapshots as it starts."""
+
+    def __init__(self, segments: list):
+        """``segments``: the layers of each checkpointed segment, in order."""
+        walked = [modules_under(tuple(layers)) for layers in segments]
+        owners = [[module for _, module in modules if own_tensors(module, "buffers")] for modules in walked]
+        every = [module for modules in owners for module in modules]
+        shared = len({id(module) for module in every}) != len(every)
+        taken = snapshot_of(every) if len(segments) > 1 and not shared else None
+        parts = [None] * len(segments)
+        if taken is not None:
+            segment_of = {id(module): i for i, mine in enumerate(owners) for module in mine}
+            parts = [{} for _ in segments]
+            for key, value in taken.items():
+                parts[segment_of[id(key[0])]][key] = value
+        self._parts = iter(zip(walked, parts))
+
+    def next(self) -> tuple:
+        """``(modules, snapshot)`` of the next checkpointed segment (snapshot None: the
+        frame takes its own)."""
+        return next(self._parts)

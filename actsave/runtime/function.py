@@ -128,7 +128,7 @@ class _Frame:
         self.kept = kept
         self.replay = replay
         # Built as the forward starts: the modules under known layers are read now,
-        # unless the caller walked them and snapshotted their state (``prepared``: state.ChainState).
+        # unless the caller walked them and snapshotted their state (``prepared``: chain.ChainState).
         layers = known_layers(function)  # NOTE [ Known layers ]
         if prepared is not None:
             modules, snapshot = prepared
@@ -440,7 +440,7 @@ def checkpointed_call(function: Callable, args: tuple, kwargs: dict, policy: Kee
     (recompute_options.py). ``made_by``: the inputs are a chain's activations, made by
     its layers before (keep_rules.should_encode). ``eager_because``: why a call Dynamo
     meets runs eagerly, for its warning. ``prepared``: the modules under the function's
-    layers and their state as the forward starts, from state.ChainState (eager calls
+    layers and their state as the forward starts, from chain.ChainState (eager calls
     only). See NOTE [ Segment checkpoint mechanism ].
     """
     if not torch.is_grad_enabled():

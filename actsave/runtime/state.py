@@ -23,7 +23,6 @@ from torch.nn.parameter import is_lazy
 from .._torch import copies_of, leaf_base, own_tensors, version
 from ..errors import ConfigError, RecomputeError
 from .guarded_parameters import ForwardParameters, GuardedParameters
-from .layers import modules_under
 from .stale_buffers import StaleReads, changed_buffer, count_buffers, unreplayable
 
 
@@ -93,7 +92,7 @@ class TouchedState:
         """The noting that fits a function whose known ``layers`` and the ``modules``
         under them (layers.modules_under) are given, or None (NOTE [ Known layers ]).
         ``snapshot``: the buffers of those modules as the forward will start, taken by
-        the caller (ChainState), else taken as it starts."""
+        the caller (chain.ChainState), else taken as it starts."""
         return _HookedState() if layers is None else _LayerState(layers, modules, snapshot)
 
     def recording(self):
@@ -434,36 +433,6 @@ def snapshot_of(modules) -> dict:
     entries = [((module, name), buffer) for module in modules
                for kind, name, buffer in _own_state(module) if kind == "buffers"]
     return dict(zip((key for key, _ in entries), copies_of([buffer for _, buffer in entries])))
-
-
-class ChainState:
-    """The module state of a chain's checkpointed segments as the chain's forward
-    starts, snapshotted in one copies_of call for all of them rather than one per
-    segment (host work per call: a deep chain has dozens of segments), and handed to
-    each segment's frame (TouchedState.of). Each segment's modules are walked once, here,
-    and handed over too. Right only where no module is under two segments: a later
-    occurrence's state is what the earlier one leaves, known only then; such a chain
-    (and a lone segment) gets nothing here, and each frame snapshots as it starts."""
-
-    def __init__(self, segments: list):
-        """``segments``: the layers of each checkpointed segment, in order."""
-        walked = [modules_under(tuple(layers)) for layers in segments]
-        owners = [[module for _, module in modules if own_tensors(module, "buffers")] for modules in walked]
-        every = [module for modules in owners for module in modules]
-        shared = len({id(module) for module in every}) != len(every)
-        taken = snapshot_of(every) if len(segments) > 1 and not shared else None
-        parts = [None] * len(segments)
-        if taken is not None:
-            segment_of = {id(module): i for i, mine in enumerate(owners) for module in mine}
-            parts = [{} for _ in segments]
-            for key, value in taken.items():
-                parts[segment_of[id(key[0])]][key] = value
-        self._parts = iter(zip(walked, parts))
-
-    def next(self) -> tuple:
-        """``(modules, snapshot)`` of the next checkpointed segment (snapshot None: the
-        frame takes its own)."""
-        return next(self._parts)
 
 
 _KINDS = ("parameters", "buffers")
