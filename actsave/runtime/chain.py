@@ -24,7 +24,8 @@ from .keep_rules import EXACT, CallerTensors, KeepPolicy, should_encode, starts_
 from .kept_saves import call_with_kept_saves
 from .layers import LayerRun, modules_under
 from .nested import nested_call
-from .state import snapshot_of
+from .buffer_copies import shared_between
+from .state import Snapshot, snapshot_of
 
 
 @torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]
@@ -119,8 +120,9 @@ class ChainState:
     starts, snapshotted in one copies_of call for all of them rather than one per
     segment (host work per call: a deep chain has dozens of segments), and handed to
     each segment's frame (TouchedState.of). Each segment's modules are walked once, here,
-    and handed over too. Right only where no module is under two segments: a later
-    occurrence's state is what the earlier one leaves, known only then; such a chain
+    and handed over too. Right only where no module is under two segments and no two
+    segments' buffers share memory: a later segment's state is what the earlier one
+    leaves, known only then (NOTE [ Buffers that share memory ]); such a chain
     (and a lone segment) gets nothing here, and each frame snapshots as it starts."""
 
     def __init__(self, segments: list):
@@ -130,12 +132,16 @@ class ChainState:
         every = [module for modules in owners for module in modules]
         shared = len({id(module) for module in every}) != len(every)
         taken = snapshot_of(every) if len(segments) > 1 and not shared else None
+        if taken is not None and taken.shares_memory and shared_between(owners):
+            taken = None
         parts = [None] * len(segments)
         if taken is not None:
             segment_of = {id(module): i for i, mine in enumerate(owners) for module in mine}
-            parts = [{} for _ in segments]
+            parts = [Snapshot() for _ in segments]
             for key, value in taken.items():
                 parts[segment_of[id(key[0])]][key] = value
+            for part in parts:
+                part.shares_memory = taken.shares_memory
         self._parts = iter(zip(walked, parts))
 
     def next(self) -> tuple:

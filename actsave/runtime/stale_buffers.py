@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._torch import leaf_base, own_tensors, version
+from .._torch import leaf_base, own_tensors, storage_identity_or_none, version
 from ..errors import RecomputeError
 
 
@@ -113,8 +113,14 @@ class StaleReads:
 
     def stand_ins(self, snapshot: dict) -> dict:
         """What the recompute runs on in place of each buffer of ``snapshot``: the
-        snapshot, but the buffers it starts over with as the forward left them."""
-        return {**snapshot, **self._restarted} if self._restarted else snapshot
+        snapshot, but the buffers it starts over with as the forward left them, and with
+        them those whose copies share their memory (NOTE [ Buffers that share memory ])."""
+        if not self._restarted:
+            return snapshot
+        restarted = {storage_identity_or_none(snapshot[key]) for key in self._restarted if key in snapshot} - {None}
+        sharing = {key: own_tensors(key[0], "buffers").get(key[1]) for key, copy in snapshot.items()
+                   if storage_identity_or_none(copy) in restarted}
+        return {**snapshot, **{key: now for key, now in sharing.items() if now is not None}, **self._restarted}
 
     def installed(self, stand_ins: list) -> None:
         """Note the tensors a recompute runs on in place of the buffers, as it starts."""

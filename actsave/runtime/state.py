@@ -20,8 +20,10 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.nn.parameter import is_lazy
 
-from .._torch import copies_of, leaf_base, own_tensors, version
+from .._torch import leaf_base, own_tensors, version
 from ..errors import ConfigError, RecomputeError
+from .buffer_copies import (HookedSharing, copies_keeping_shared_memory, distinct_storage_bytes,
+                            with_modules_sharing_memory)
 from .guarded_parameters import ForwardParameters, GuardedParameters
 from .stale_buffers import StaleReads, changed_buffer, count_buffers, unreplayable
 
@@ -80,7 +82,7 @@ class TouchedState:
         self._thread = threading.get_ident()
         self._read = {}  # id -> (weakref, label for _describe): saved leaves (and watched state)
         self._checked = []  # (weakref, version, label) taken at end_forward
-        self._snapshot = {}  # (module, buffer name) -> the buffer's value as the forward started
+        self._snapshot = Snapshot()  # (module, buffer name) -> the buffer's value as the forward started
         self._unreplayable = None  # (module, buffer name) the forward registered or removed: not replayed
         self._moved_parameters = []  # (layer index or None, module, name): parameters the forward changed
         self._modes = {}  # module -> its training flag as the forward ran it (NOTE [ Train and eval in a recompute ])
@@ -116,7 +118,9 @@ class TouchedState:
     @property
     def snapshot_bytes(self) -> int:
         """The bytes of the snapshot held for the recompute (after the forward)."""
-        return sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        if not self._snapshot.shares_memory:
+            return sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        return distinct_storage_bytes(self._snapshot.values())
 
     def check_unchanged(self, function_name: str) -> None:
         """Raise, as autograd would, if a tensor the forward read changed in place; and
@@ -155,7 +159,7 @@ class TouchedState:
                 present.append((table, name, table[name], stand_ins[(module, name)]))
         values = [snapshot for *_, snapshot in present]
         if not last:
-            values = copies_of(values)
+            values, _ = copies_keeping_shared_memory(values)
         for (table, name, _, _), value in zip(present, values):
             table[name] = value
         self.reads.installed(values)
@@ -180,22 +184,17 @@ class TouchedState:
 
     def release(self) -> None:
         """Drop the snapshot and the forward's parameters: no recompute will read them."""
-        self._snapshot, self._parameters, self.reads = {}, ForwardParameters(), StaleReads()
+        self._snapshot, self._parameters, self.reads = Snapshot(), ForwardParameters(), StaleReads()
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         """``[(module, buffer name)]``, each once, that the forward mutated (so far,
         while it runs: a backward inside the forward recomputes too)."""
         raise NotImplementedError
 
-    def _take_snapshot(self, modules) -> None:
-        """Copy the buffers of ``modules`` into the snapshot, together (copies_of)."""
-        self._snapshot.update(snapshot_of(modules))
-        self.reads.started(modules)
-
     def _keep_snapshot_of(self, buffers) -> None:
         """Keep the snapshot of ``buffers`` (``(module, name)`` pairs) only."""
         kept = set(buffers)
-        self._snapshot = {key: value for key, value in self._snapshot.items() if key in kept}
+        self._snapshot = self._snapshot.only(kept)
 
     def _note(self, tensor: torch.Tensor, label: tuple) -> None:
         # The label is formatted only for an error: this runs for every saved leaf.
@@ -282,6 +281,8 @@ class _LayerState(TouchedState):
     def end_forward(self) -> None:
         self._modes = {module: module.training for _, module in self._modules}  # as the forward left them
         moved, self._moved_parameters, replaced = self._changes()
+        if self._snapshot.shares_memory:  # NOTE [ Buffers that share memory ]
+            moved = with_modules_sharing_memory(moved, self._before)
         mutated = self._mutated_by_layer(moved)
         mutated_ids = {id(own_tensors(module, "buffers")[name]) for buffers in mutated.values()
                        for module, name in buffers}
@@ -344,6 +345,7 @@ class _HookedState(TouchedState):
         self._mutated = {}  # (module, kind, name) -> None: state changed by its module
         self._moved_modules = set()  # ids of the modules whose calls moved their state
         self._calls = []  # (module, {(kind, name): (tensor, version)}) of module calls running
+        self._sharing = HookedSharing()  # NOTE [ Buffers that share memory ]
 
     @contextlib.contextmanager
     def recording(self):
@@ -356,11 +358,14 @@ class _HookedState(TouchedState):
             post.remove()
 
     def end_forward(self) -> None:
+        for module, kind, name in list(self._mutated):  # with every buffer sharing their memory
+            for key in self._sharing.sharers(module, name):
+                self._mutated[(key[0], "buffers", key[1])] = None
         mutated = {id(own_tensors(module, kind)[name]) for module, kind, name in self._mutated
                    if own_tensors(module, kind).get(name) is not None}
         self._take_versions(mutated)
         self._keep_snapshot_of((module, name) for module, _, name in self._mutated)
-        self._calls = []
+        self._calls, self._sharing = [], HookedSharing()
         self.reads.forward_ended()
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
@@ -371,6 +376,16 @@ class _HookedState(TouchedState):
         moved them); True for a module without buffers: nothing to take."""
         return all((module, name) in self._snapshot for name, buffer in own_tensors(module, "buffers").items()
                    if buffer is not None)
+
+    def _take_snapshot(self, modules) -> None:
+        """Copy the buffers of ``modules`` into the snapshot, together, joining copies
+        taken before that share their memory, and taking back, on these copies, those
+        dropped before of buffers that share it (NOTE [ Buffers that share memory ])."""
+        taken = snapshot_of(modules, self._sharing.copied)
+        self._snapshot.update(taken)
+        self._snapshot.shares_memory |= taken.shares_memory
+        self._sharing.taken(taken, self._snapshot)
+        self.reads.started(modules)
 
     def _before_module(self, module, args) -> None:
         if threading.get_ident() != self._thread:
@@ -401,9 +416,11 @@ class _HookedState(TouchedState):
             for name in own_tensors(module, "buffers"):
                 self._mutated[(module, "buffers", name)] = None
         elif id(module) not in self._moved_modules and not any(called is module for called, _ in self._calls):
-            # Its values are as they were: a later call snapshots them again.
+            # Its values are as they were: a later call snapshots them again (those
+            # sharing memory with another buffer are kept, for a call that moves it).
             for name in own_tensors(module, "buffers"):
-                self._snapshot.pop((module, name), None)
+                if len(self._sharing.sharers(module, name)) < 2:
+                    self._snapshot.pop((module, name), None)
 
     def _moved(self, module, held: dict) -> bool:
         """Whether the call that found ``module``'s state ``held`` changed it in place or
@@ -427,12 +444,29 @@ class _HookedState(TouchedState):
             del self._read[id(tensor)]
 
 
-def snapshot_of(modules) -> dict:
-    """``{(module, buffer name): a copy}`` of every buffer of ``modules``, made together
-    (copies_of): what a forward starting now snapshots."""
+class Snapshot(dict):
+    """``{(module, buffer name): a copy}``; ``shares_memory``: whether two of the copies
+    share memory (NOTE [ Buffers that share memory ]), where the rules for it apply."""
+
+    shares_memory = False
+
+    def only(self, keys: set) -> "Snapshot":
+        """The copies of ``keys`` only."""
+        kept = Snapshot((key, value) for key, value in self.items() if key in keys)
+        kept.shares_memory = self.shares_memory
+        return kept
+
+
+def snapshot_of(modules, copied: Optional[dict] = None) -> Snapshot:
+    """The Snapshot of every buffer of ``modules``, made together, those sharing memory
+    sharing it (``copied``: copies_keeping_shared_memory's): what a forward starting now
+    snapshots."""
     entries = [((module, name), buffer) for module in modules
                for kind, name, buffer in _own_state(module) if kind == "buffers"]
-    return dict(zip((key for key, _ in entries), copies_of([buffer for _, buffer in entries])))
+    copies, shared = copies_keeping_shared_memory([buffer for _, buffer in entries], copied)
+    snapshot = Snapshot(zip((key for key, _ in entries), copies))
+    snapshot.shares_memory = shared
+    return snapshot
 
 
 _KINDS = ("parameters", "buffers")
