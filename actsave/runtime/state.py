@@ -25,6 +25,7 @@ from ..errors import ConfigError, RecomputeError
 from .buffer_copies import (HookedSharing, copies_keeping_shared_memory, distinct_storage_bytes,
                             with_modules_sharing_memory)
 from .guarded_parameters import ForwardParameters, GuardedParameters
+from .module_attributes import set_modes
 from .stale_buffers import StaleReads, changed_buffer, count_buffers, unreplayable
 
 
@@ -165,7 +166,7 @@ class TouchedState:
         self.reads.installed(values)
         guarded = GuardedParameters(self._moved_parameters, layers)
         callers = [(module, module.training) for module in self._modes]  # NOTE [ Train and eval in a recompute ]
-        _set_modes(self._modes.items())
+        set_modes(self._modes.items())
         try:
             try:
                 with self._parameters.flags_as_in_forward():
@@ -175,7 +176,7 @@ class TouchedState:
                 raise
             guarded.check()
         finally:
-            _set_modes(callers)
+            set_modes(callers)
             for table, name, original, _ in present:
                 table[name] = original
             if last:
@@ -214,33 +215,10 @@ class TouchedState:
         self._read = {}
 
 
-def _set_modes(modes) -> None:
-    """Give each module of ``modes`` (``(module, training)`` pairs) its flag, writing
-    only those that differ: nn.Module's __setattr__ is slow, and a recompute's modules
-    mostly have their flag already."""
-    for module, training in modes:
-        if module.training is not training:
-            module.training = training
-
-
 class RecomputeStop(Exception):
     """Raised inside a recompute to end it early (runtime/function.py): the module state
     is checked as where it runs to the function's end (TouchedState.as_in_forward)."""
 
-
-# NOTE [ Train and eval in a recompute ]
-# A module's ``training`` flag decides what its forward does (Dropout draws or not,
-# BatchNorm uses the batch's statistics or its running ones, a block branches on it),
-# and a caller may switch it between the forward and the backward (``model.eval()`` for
-# an evaluation between the two). The recompute must do the forward's work, so each
-# module it runs has the flag the forward ran it with, and every module the forward ran
-# gets the caller's flag back as the recompute ends, or stops early before the code that
-# would have set it back (torch.utils.checkpoint recomputes in the new mode: wrong
-# gradients, or an error where the saves' shapes change). Under global hooks the flag is
-# noted as each module's first call starts. Under known layers, read without hooks, it
-# is the flag the forward left: the one it ran with, unless the forward itself changed it
-# after running the module (used in train mode, then put in eval), where the recompute
-# runs it in the mode set after (docs/limits.md, "The in-place check").
 
 class _LayerState(TouchedState):
     """The state under known layers, read before and after the forward (NOTE [ State a
