@@ -1,6 +1,112 @@
 """The Python attributes of the modules a checkpointed forward ran that its recompute
-must find as the forward found them: their ``training`` flags (:func:`set_modes`)."""
+must find as the forward found them: their ``training`` flags (:func:`set_modes`), and
+the attributes (a flag, a length) the forward set on the modules whose buffers it
+changed, found with the buffers (:class:`ModuleAttributes`).
+
+NOTE [ Python attributes a forward sets ]
+A recompute runs on the buffers a forward changed as the forward found them (the
+snapshot: NOTE [ State a forward reads and mutates ]). A module's Python state may
+decide whether its forward changes them: a flag set by a first-batch initialization
+(ActNorm, data-dependent init), an int a regrown table's length is kept in. Read as
+the forward left it, it keeps the recompute from making the change again, and the
+recompute reads the buffers as the forward found them where the forward read them
+changed: silently wrong gradients where no save shows the read (``x + self.loc``),
+which NOTE [ Buffers read after the forward changed them ] cannot see. So the
+attributes of a module whose buffers the forward changed are part of its snapshot:
+
+- As the forward starts, each module's ``__dict__`` is copied by reference (one shallow
+  copy, no value copied); as it ends, the entries the forward set, added or deleted
+  on the modules whose buffers it changed are found by identity. The recompute runs
+  with those as the forward found them, and each is put back as it ends to what it was
+  as the recompute started (the caller may have set it since the forward).
+- Other modules keep their attributes as the forward left them, as their buffers: the
+  recompute reads both as they are (as torch.utils.checkpoint does), and state a
+  forward hands to its own recompute through an attribute reaches it.
+- Which modules are copied: all but torch.nn's own layers (``torch.nn.modules``), whose
+  forwards set no attribute; a cost rule, as they are most of a network's modules (a
+  ResNet's convolutions and BatchNorms). A subclass of one is the user's and is watched.
+- Which entries: all but nn.Module's own (its tables of parameters, buffers,
+  submodules and hooks, which a forward fills rather than replaces, and ``training``:
+  NOTE [ Train and eval in a recompute ]), and those that held or hold a tensor (a
+  cache or a record the forward keeps, whose old value would stay alive until the
+  backward: register a tensor that decides what the forward computes as a buffer).
+- A nested recompute's part (nested.py) finds as the forward found them only the
+  attributes of the modules under its layers: those of the layers before it are as
+  the earlier part left them, as they were when the forward reached it.
+- Not seen: a value changed in place (a list appended to, a dict updated), state in
+  another module (a parent's flag) or outside the modules (a global): the recompute reads
+  those as the forward left them, and the stale-read check is what sees the reads.
+"""
 from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+# nn.Module's own entries, set by its __init__ (a table's identity a forward keeps).
+_OWN = frozenset(nn.Module().__dict__)
+_ABSENT = object()  # an entry the forward added: deleted while the recompute runs
+_NOTHING = contextlib.nullcontext()  # what most recomputes install (reusable)
+# torch.nn's own layers, whose forwards set no attribute (a set: read per module per call).
+_UNWATCHED = frozenset(cls for cls in vars(nn).values() if isinstance(cls, type) and issubclass(cls, nn.Module)
+                       and cls.__module__.startswith("torch.nn.modules."))
+
+
+class ModuleAttributes:
+    """The attributes one checkpointed forward set on the modules it ran (NOTE [ Python
+    attributes a forward sets ])."""
+
+    def __init__(self):
+        self._found = []  # (module, a shallow copy of its __dict__) as the forward started
+        self._set = []  # (module, name, value as the forward found it, or _ABSENT)
+
+    def started(self, modules: Iterable[tuple]) -> None:
+        """Note the attributes of ``modules`` (``(layer index, module)`` pairs:
+        layers.modules_under's) as the forward starts."""
+        self._found = [(index, module, dict(module.__dict__)) for index, module in modules
+                       if type(module) not in _UNWATCHED]
+
+    def add(self, module: nn.Module) -> None:
+        """Note ``module``'s attributes as its first call in the forward starts."""
+        if type(module) not in _UNWATCHED:
+            self._found.append((None, module, dict(module.__dict__)))
+
+    def ended(self, changed_buffers) -> None:
+        """Find the attributes the forward set, added or deleted, as it ends, on the
+        modules of ``changed_buffers`` (a collection of modules)."""
+        changed = []
+        for index, module, found in self._found if changed_buffers else ():
+            if module not in changed_buffers:
+                continue
+            now = module.__dict__
+            if len(now) == len(found) and all(map(operator.is_, found.values(), now.values())) \
+                    and found.keys() == now.keys():
+                continue
+            for name in found.keys() | now.keys():
+                was, value = found.get(name, _ABSENT), now.get(name, _ABSENT)
+                if name not in _OWN and value is not was and not _holds_a_tensor(was, value):
+                    changed.append((index, module, name, was))
+        self._found, self._set = [], changed
+
+    def as_in_forward(self, layers: Optional[range] = None):
+        """A context in which the attributes the forward set on the modules under
+        ``layers`` (layer indices; all by default) are as it found them: a nested
+        recompute's part finds those the layers before it set as they left them."""
+        return self._installed(layers) if self._set else _NOTHING
+
+    @contextlib.contextmanager
+    def _installed(self, layers: Optional[range]):
+        found = [(module, name, was) for index, module, name, was in self._set
+                 if layers is None or index is None or index in layers]
+        current = [(module, name, module.__dict__.get(name, _ABSENT)) for module, name, _ in found]
+        _assign(found)
+        try:
+            yield
+        finally:
+            _assign(current)
 
 
 # NOTE [ Train and eval in a recompute ]
@@ -24,3 +130,22 @@ def set_modes(modes) -> None:
     for module, training in modes:
         if module.training is not training:
             module.training = training
+
+
+def _holds_a_tensor(*values) -> bool:
+    """Whether one of ``values`` is a tensor: one an attribute holds is the forward's
+    cache or record (an attention map kept for a plot), which holding as the forward
+    found it until the backward would keep its memory alive; it stays as the forward
+    left it, as such a tensor would be held by a buffer (docs/limits.md)."""
+    return any(isinstance(value, torch.Tensor) for value in values)
+
+
+def _assign(values: list) -> None:
+    """Set each ``(module, name, value)`` in the module's ``__dict__`` (plain attributes:
+    no nn.Module table holds them), deleting those _ABSENT."""
+    for module, name, value in values:
+        if value is _ABSENT:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = value
+

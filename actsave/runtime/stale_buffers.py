@@ -31,7 +31,10 @@ class StaleReads:
     the forward did, replaying the change (an EMA updated, then used). Not where Python
     state the forward set keeps the recompute from changing them again: a first-batch
     initialization behind a Python flag (ActNorm, data-dependent init), a table regrown
-    when a Python int says it is too short. The recompute would read the values the
+    when a Python int says it is too short. Such state on the module whose buffers it
+    guards is found as the forward found it (NOTE [ Python attributes a forward sets ]);
+    this is for the rest (a parent's flag, a dict changed in place, a global), and
+    the recompute would read the values the
     forward found where the forward read the ones it made, silently (torch's checkpoint,
     which recomputes on the buffers as the forward left them, is right there and wrong
     for an EMA). A read is seen where autograd saves the buffer (``h * self.scale``): a
@@ -213,8 +216,9 @@ def _stale_message(key: tuple, why: Optional[str]) -> str:
             "but the recompute read it without that change: Python state the forward set (a flag set by a "
             "first-batch initialization, as ActNorm's; an int a regrown table's length is kept in) kept the "
             f"recompute from making the change again, so its gradients would be wrong. {why + ' ' if why else ''}"
-            "Keep that state in a buffer (self.register_buffer('initialized', torch.tensor(False))), which the "
-            "recompute finds as the forward did, or initialize before checkpointing (one forward under "
+            "Keep that state in a buffer (self.register_buffer('initialized', torch.tensor(False))) or in an "
+            "attribute of the module whose buffer it guards, which the recompute finds as the forward did, or "
+            "initialize before checkpointing (one forward under "
             "torch.no_grad()), or do not checkpoint this module.")
 
 

@@ -25,7 +25,7 @@ from ..errors import ConfigError, RecomputeError
 from .buffer_copies import (HookedSharing, copies_keeping_shared_memory, distinct_storage_bytes,
                             with_modules_sharing_memory)
 from .guarded_parameters import ForwardParameters, GuardedParameters
-from .module_attributes import set_modes
+from .module_attributes import ModuleAttributes, set_modes
 from .stale_buffers import StaleReads, changed_buffer, count_buffers, unreplayable
 
 
@@ -89,6 +89,7 @@ class TouchedState:
         self._modes = {}  # module -> its training flag as the forward ran it (NOTE [ Train and eval in a recompute ])
         self._parameters = ForwardParameters()  # NOTE [ Parameters a recompute reads ]
         self.reads = StaleReads()  # NOTE [ Buffers read after the forward changed them ]
+        self.attributes = ModuleAttributes()  # NOTE [ Python attributes a forward sets ]
 
     @staticmethod
     def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None) -> "TouchedState":
@@ -169,7 +170,7 @@ class TouchedState:
         set_modes(self._modes.items())
         try:
             try:
-                with self._parameters.flags_as_in_forward():
+                with self._parameters.flags_as_in_forward(), self.attributes.as_in_forward(layers):
                     yield
             except RecomputeStop:  # stopped early, as it should: its state is checked as at the end
                 guarded.check()
@@ -186,6 +187,7 @@ class TouchedState:
     def release(self) -> None:
         """Drop the snapshot and the forward's parameters: no recompute will read them."""
         self._snapshot, self._parameters, self.reads = Snapshot(), ForwardParameters(), StaleReads()
+        self.attributes = ModuleAttributes()
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         """``[(module, buffer name)]``, each once, that the forward mutated (so far,
@@ -246,6 +248,7 @@ class _LayerState(TouchedState):
         self._state_ids = {id(entry[4]) for entry in before}
         self._snapshot, self._given = (snapshot_of(owners) if self._given is None else self._given), None
         self.reads.started_from(before)
+        self.attributes.started(self._modules)
         self._buffer_counts = [(module, count_buffers(module)) for _, module in self._modules]
         yield
 
@@ -273,6 +276,7 @@ class _LayerState(TouchedState):
         self._unreplayable = next((changed_buffer(module, self._before)
                                    for module, count in self._buffer_counts if count_buffers(module) != count), None)
         self.reads.forward_ended(replaced)
+        self.attributes.ended({module for buffers in mutated.values() for module, _ in buffers})
         self._before, self._state_ids, self._buffer_counts = [], set(), []
 
     def _changes(self) -> tuple:
@@ -345,6 +349,7 @@ class _HookedState(TouchedState):
         self._keep_snapshot_of((module, name) for module, _, name in self._mutated)
         self._calls, self._sharing = [], HookedSharing()
         self.reads.forward_ended()
+        self.attributes.ended({module for module, _, _ in self._mutated})
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         return [(module, name) for module, _, name in self._mutated]
@@ -376,7 +381,9 @@ class _HookedState(TouchedState):
                 self._parameters.note(tensor)
         if id(module) not in self._moved_modules and not self._snapshotted(module):
             self._take_snapshot([module])
-        self._modes.setdefault(module, module.training)
+        if module not in self._modes:  # its first call
+            self._modes[module] = module.training
+            self.attributes.add(module)
         self._calls.append((module, held))
 
     def _after_module(self, module, args, output) -> None:

@@ -13,23 +13,32 @@ HOWS = ["sequential", "checkpoint_module", "checkpoint_lambda"]
 
 class InitScale(nn.Module):
     """A scale set from its first batch's statistics (ActNorm's data-dependent init),
-    behind a Python flag; ``how``: changed in place ("copy_") or replaced ("assign")."""
+    behind a Python flag; ``how``: changed in place ("copy_") or replaced ("assign").
+    The flag and the count of calls are kept in a dict changed in place, state the
+    recompute reads as the forward left it (NOTE [ Python attributes a forward sets ]
+    puts back attributes the forward set, not values changed in place); with
+    ``flag_attribute``, the flag is an attribute the forward sets."""
 
-    def __init__(self, width: int = 8, how: str = "copy_"):
+    def __init__(self, width: int = 8, how: str = "copy_", flag_attribute: bool = False):
         super().__init__()
-        self.how, self.initialized, self.calls = how, False, 0
+        self.how, self.flag_attribute, self.state = how, flag_attribute, {"initialized": False, "calls": 0}
+        self.initialized = False
         self.register_buffer("scale", torch.ones(width))
 
+    @property
+    def calls(self) -> int:
+        return self.state["calls"]
+
     def forward(self, h):
-        self.calls += 1
-        if not self.initialized:
+        self.state["calls"] += 1
+        if not (self.initialized if self.flag_attribute else self.state["initialized"]):
             with torch.no_grad():
                 s = 1.0 / (h.std(0) + 1e-6)
                 if self.how == "copy_":
                     self.scale.copy_(s)
                 else:
                     self.scale = s
-            self.initialized = True
+            self.state["initialized"] = self.initialized = True
         return h * self.scale  # the product saves the scale
 
 
@@ -38,7 +47,7 @@ class BufferFlagInitScale(InitScale):
 
     def __init__(self, width: int = 8):
         super().__init__(width)
-        del self.initialized
+        del self.initialized, self.state
         self.register_buffer("initialized", torch.tensor(False))
 
     def forward(self, h):
@@ -117,6 +126,19 @@ def test_a_buffer_initialized_behind_a_python_flag_trains_as_plain(change, how):
 
 
 @pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("change", ["copy_", "assign"])
+def test_a_buffer_initialized_behind_a_flag_attribute_is_initialized_again_by_the_recompute(change, how):
+    # The flag is found as the forward found it, with the scale: the recompute runs the
+    # initialization again on the snapshot, with no start over.
+    assert_trains_as_plain(lambda: InitScale(how=change, flag_attribute=True), how)
+    middle = InitScale(how=change, flag_attribute=True)
+    model = checkpointed(how, chain(lambda: middle))
+    for calls in (2, 4):
+        model(torch.randn(6, 8)).sum().backward()
+        assert middle.calls == calls and middle.initialized
+
+
+@pytest.mark.parametrize("how", HOWS)
 def test_a_table_registered_again_behind_a_python_int_trains_as_plain(how):
     # Its recompute would read the short table it started from (a shape the forward did not save).
     assert_trains_as_plain(GrowTable, how)
@@ -133,11 +155,11 @@ class EmaThenUse(nn.Module):
 
     def __init__(self, width: int = 8):
         super().__init__()
-        self.calls = 0
+        self.calls = [0]  # changed in place: as the forward left it
         self.register_buffer("mu", torch.ones(width))
 
     def forward(self, h):
-        self.calls += 1
+        self.calls[0] += 1
         with torch.no_grad():
             self.mu.mul_(0.5).add_(0.5 * h.mean(0))
         return h * self.mu
@@ -165,7 +187,7 @@ def test_a_buffer_updated_then_read_is_replayed_without_starting_over(how):
     assert_trains_as_plain(EmaThenUse, how)
     middle = EmaThenUse()
     checkpointed(how, chain(lambda: middle))(torch.randn(6, 8)).sum().backward()
-    assert middle.calls == 2
+    assert middle.calls == [2]
 
 
 @pytest.mark.parametrize("how", HOWS)

@@ -1,0 +1,211 @@
+"""Python attributes a checkpointed forward sets are found by its recompute as the
+forward found them (runtime/module_attributes.py, NOTE [ Python attributes a forward
+sets ]): the recompute takes the forward's branches, and leaves the attributes as it
+found them."""
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import actsave
+from actsave.runtime.module_attributes import ModuleAttributes
+from actsave.runtime.nested import Range, nested_call
+
+HOWS = ["sequential", "checkpoint_module", "checkpoint_lambda"]
+
+
+class Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flag, self.gone = False, "here"
+
+
+def test_the_attributes_a_forward_set_added_or_deleted_are_as_it_found_them_in_the_recompute():
+    module, layer = Flagged(), nn.Linear(2, 2)
+    attributes = ModuleAttributes()
+    attributes.started(enumerate([module, layer]))
+    module.flag, module.added = True, 1  # the forward sets one, adds one, deletes one
+    del module.gone
+    attributes.ended({module})
+    module.flag = "set by the caller since"
+    with attributes.as_in_forward():
+        assert module.flag is False and module.gone == "here" and not hasattr(module, "added")
+        module.flag, module.added = "set by the recompute", 2
+    assert module.flag == "set by the caller since" and module.added == 1 and not hasattr(module, "gone")
+
+
+def test_torch_layers_are_not_watched_and_their_subclasses_are():
+    class MyLinear(nn.Linear):
+        pass
+
+    layer, mine = nn.Linear(2, 2), MyLinear(2, 2)
+    attributes = ModuleAttributes()
+    attributes.started(enumerate([layer, mine]))
+    layer.note, mine.note = 1, 1
+    attributes.ended({layer, mine})
+    with attributes.as_in_forward():
+        assert layer.note == 1 and not hasattr(mine, "note")
+
+
+def test_a_forward_that_sets_nothing_installs_nothing():
+    module = Flagged()
+    attributes = ModuleAttributes()
+    attributes.started(enumerate([module]))
+    module.flag = module.flag  # the same object: no change
+    module.training = module.training
+    attributes.ended({module})
+    assert attributes._set == []
+
+
+def test_a_module_whose_buffers_the_forward_left_keeps_its_attributes_as_the_forward_left_them():
+    # So a forward can hand state to its own recompute through an attribute, and the
+    # recompute reads such a module's state (attributes and buffers) as it is.
+    module, other = Flagged(), Flagged()
+    attributes = ModuleAttributes()
+    attributes.started(enumerate([module, other]))
+    module.flag = other.flag = True
+    attributes.ended({other})
+    with attributes.as_in_forward():
+        assert module.flag is True and other.flag is False
+
+
+class ActNorm(nn.Module):
+    """Glow's ActNorm with its statistics in buffers, set from the first batch behind a
+    Python flag; the shift is added (not saved for backward), the scale multiplied."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.register_buffer("loc", torch.zeros(width))
+        self.register_buffer("scale", torch.ones(width))
+        self.initialized = False
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                self.loc.copy_(-x.mean(0))
+                self.scale.copy_(1 / (x.std(0) + 1e-6))
+            self.initialized = True
+        return (x + self.loc) * self.scale
+
+
+class Warmup(nn.Module):
+    """A scale that follows a step counter kept in a Python int, beside an EMA buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.steps = nn.Linear(8, 8), 0
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x):
+        self.steps += 1
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return self.linear(x) * min(1.0, self.steps / 4)
+
+
+def chain(make_middle):
+    torch.manual_seed(0)
+    return [nn.Linear(8, 8), make_middle(), nn.Tanh(), nn.Linear(8, 2)]
+
+
+def checkpointed(how: str, layers: list) -> nn.Module:
+    """``layers`` with the first three checkpointed ``how``: a CheckpointedSequential's
+    segment, ``actsave.checkpoint`` of a module (known layers) or of a function calling
+    it (global hooks)."""
+    if how == "sequential":
+        return actsave.CheckpointedSequential(*layers, segments=[0, 3])
+    inner, rest = nn.Sequential(*layers[:3]), nn.Sequential(*layers[3:])
+    call = inner if how == "checkpoint_module" else (lambda t: inner(t))
+    model = nn.Sequential(inner, rest)
+    model.forward = lambda x: rest(actsave.checkpoint(call, x))
+    return model
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("make_middle", [ActNorm, Warmup], ids=["actnorm", "warmup"])
+def test_a_module_whose_forward_sets_python_state_trains_as_plain(make_middle, how):
+    # ActNorm: the recompute skipped the initialization and added the shift as the
+    # forward found it (zeros), silently (an input gradient 1.54 off). Warmup: the
+    # recompute, run on the EMA's snapshot, counted a step more than the forward and
+    # scaled by it.
+    plain, model = nn.Sequential(*chain(make_middle)), checkpointed(how, chain(make_middle))
+    for step in range(5):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step)) * 3 + 1
+        grads = []
+        for m in (plain, model):
+            m.zero_grad()
+            xx = x.clone().requires_grad_()
+            m(xx).square().sum().backward()
+            grads.append([xx.grad, *(p.grad for p in m.parameters())])
+        for want, got in zip(*grads, strict=True):
+            assert torch.equal(want, got), step
+    for want, got in zip(plain.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(want, got)
+    assert plain[1].__dict__.keys() == (model[1] if how == "sequential" else model[0][1]).__dict__.keys()
+    if make_middle is Warmup:  # the recompute leaves the count as the forward left it
+        assert plain[1].steps == (model[1] if how == "sequential" else model[0][1]).steps == 5
+
+
+def test_an_attribute_holding_a_tensor_is_left_as_the_forward_left_it():
+    # A cache or a record the forward keeps: holding the old one until the backward
+    # would keep its memory alive (a tensor that decides the computation is a buffer).
+    module = Flagged()
+    module.record = torch.zeros(4)
+    old = weakref.ref(module.record)
+    attributes = ModuleAttributes()
+    attributes.started(enumerate([module]))
+    module.record, module.cache, module.flag = torch.ones(4), torch.ones(2), True
+    attributes.ended({module})
+    assert old() is None
+    with attributes.as_in_forward():
+        assert torch.equal(module.record, torch.ones(4)) and hasattr(module, "cache") and module.flag is False
+
+
+class Gain(nn.Module):
+    """Sets a Python gain from its EMA buffer, which a later layer reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+        self.gain = 1.0
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        self.gain = 1.0 + float(self.mean.abs().sum())
+        return x
+
+
+class ScaledByGain(nn.Module):
+    def __init__(self, source: Gain):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.__dict__["source"] = source  # read, not a submodule
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x) * self.source.gain)
+
+
+def test_a_nested_part_finds_the_attributes_earlier_layers_set_as_they_left_them():
+    # The pass of layers [3, 6) reads the gain layer 1 set in the forward; putting back
+    # every attribute for each part gave it the forward's start value (0.012 off).
+    def make():
+        torch.manual_seed(0)
+        gain = Gain()
+        return [nn.Linear(8, 8), gain, nn.Tanh(), nn.Linear(8, 8), ScaledByGain(gain), nn.Linear(8, 8)]
+
+    plain_layers, layers = make(), make()
+    tree = Range(0, 6, inner=(Range(0, 3), Range(3, 6, recomputed=False)))
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step
+        grads = []
+        for run, model in ((lambda t: nn.Sequential(*plain_layers)(t), plain_layers),
+                           (lambda t: nested_call(layers, tree, t)[0], layers)):
+            nn.Sequential(*model).zero_grad()
+            xx = x.clone().requires_grad_()
+            run(xx).square().sum().backward()
+            grads.append([xx.grad, *(p.grad for p in nn.Sequential(*model).parameters())])
+        for want, got in zip(*grads, strict=True):
+            assert torch.equal(want, got), step
+    assert plain_layers[1].gain == layers[1].gain
