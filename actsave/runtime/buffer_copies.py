@@ -15,7 +15,8 @@ values the forward did not, and give silently wrong gradients. So:
 - The buffers copied together are grouped by storage. A buffer alone in its storage
   is copied alone, as before (one foreach copy per dtype for all of them: copies_of).
 - A group is copied once, through an *anchor*: a member that is not a view and holds
-  all the others (``packed``), copied whole, or else the span of bytes the group covers.
+  all the others (``packed``), copied whole, or else the span of bytes the group covers
+  (aligned so that each member lies at a whole number of its elements).
   Every member is made on the anchor's copy with its own sizes, strides and offset
   from the anchor: the anchor itself is its copy, a member of its dtype is a view of it
   (``as_strided``: it shares the copy's version counter, as an autograd view does the
@@ -24,8 +25,12 @@ values the forward did not, and give silently wrong gradients. So:
   is set on the copy's storage.
 - Copies taken later in the same forward (a module's buffers, under global hooks, as
   its first call starts: state.py's _HookedState) join an earlier copy whose original
-  shares their storage, where they lie in it: that copy is the memory the recompute
-  changes through the earlier buffer. One that does not lie in it is copied alone.
+  shares their storage: that copy is the memory the recompute changes through the
+  earlier buffer. So under global hooks a buffer that spans part of its storage (a
+  parent's slice of its child's statistics, copied as the parent's call starts) is
+  copied with all of its storage, in which a wider buffer copied later lies.
+- Under torch.func's transforms the copies are the transform's wrappers, whose storage
+  cannot be read: they are made apart, sharing nothing (docs/limits.md).
 """
 from __future__ import annotations
 
@@ -50,24 +55,27 @@ def copies_keeping_shared_memory(tensors: list, copied: Optional[dict] = None) -
     for i, storage in enumerate(storages):
         groups.setdefault(("tensor", id(tensors[i])) if storage is None else storage, []).append(i)
     copies, shared = [None] * len(tensors), False
-    anchored, alone = [], []  # (positions, anchor) of each group copied through its anchor; the rest
+    anchored = []  # (positions, anchor) of each group copied through its anchor
     for key, positions in groups.items():
         pair = _earlier(copied, key)
+        members = [tensors[i] for i in positions]
         shared = shared or pair is not None or len(positions) > 1
         if pair is not None:
             for i in positions:
                 copies[i] = _placed(tensors[i], *pair)
-                if copies[i] is None:  # it does not lie in the earlier copy
-                    alone.append(i)
-        elif len(positions) > 1:
-            anchored.append((positions, _anchor_of([tensors[i] for i in positions])))
-        else:
-            alone.extend(positions)
+        elif len(positions) > 1 or (copied is not None and not _whole(members[0])):
+            anchored.append((positions, _anchor_of(members, whole_storage=copied is not None)))
+    alone = [i for i in range(len(tensors)) if copies[i] is None and not any(i in p for p, _ in anchored)]
     made = copies_of([anchor for _, anchor in anchored] + [tensors[i] for i in alone])
     for (positions, anchor), anchor_copy in zip(anchored, made):
         for i in positions:
             copies[i] = _placed(tensors[i], anchor, anchor_copy)
     for i, copy in zip(alone, made[len(anchored):]):
+        copies[i] = copy
+    # Where one could not be made on its group's copy (one of torch.func's wrappers, whose
+    # storage cannot be read; one outside an earlier copy): copied alone, sharing nothing.
+    missing = [i for i, copy in enumerate(copies) if copy is None]
+    for i, copy in zip(missing, copies_of([tensors[i] for i in missing])):
         copies[i] = copy
     if copied is not None:
         _note_copies(copied, tensors, copies)
@@ -165,18 +173,28 @@ def _earlier(copied: Optional[dict], storage) -> Optional[tuple]:
     return None if copy is None else (entry[0], copy)
 
 
-def _anchor_of(members: list) -> torch.Tensor:
+def _anchor_of(members: list, whole_storage: bool = False) -> torch.Tensor:
     """The tensor a group sharing one storage is copied through: a member that is not a
-    view, is contiguous and holds every other, else the bytes the group spans."""
+    view, is contiguous and holds every other at whole numbers of their elements, else
+    the bytes the group spans; ``whole_storage``: the bytes of the whole storage, for
+    copies taken later to join (HookedSharing: a wider buffer of another module)."""
     spans = [_byte_span(member) for member in members]
     lo, hi = min(start for start, _ in spans), max(end for _, end in spans)
+    if whole_storage:
+        lo, hi = 0, members[0].untyped_storage().nbytes()
     for member, (start, end) in zip(members, spans):
-        if start == lo and end == hi and not member._is_view() and member.is_contiguous():
+        if start == lo and end == hi and not member._is_view() and member.is_contiguous() \
+                and all((other - lo) % m.element_size() == 0 for m, (other, _) in zip(members, spans)):
             return member
     align = max(member.element_size() for member in members)
     lo -= lo % align  # every member's offset from the span's start is a whole number of its elements
     flat = torch.empty((0,), dtype=torch.uint8, device=members[0].device)
     return flat.set_(members[0].untyped_storage(), lo, (hi - lo,), (1,))
+
+
+def _whole(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` spans all of its storage."""
+    return _byte_span(tensor) == (0, tensor.untyped_storage().nbytes())
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple:
@@ -193,6 +211,8 @@ def _placed(member: torch.Tensor, original: torch.Tensor, copy: torch.Tensor) ->
     or None where it does not lie in ``copy``'s storage."""
     if member is original:
         return copy
+    if storage_identity_or_none(copy) is None:  # torch.func's wrapper: no storage to make it on
+        return None
     offset = (copy.storage_offset() * copy.element_size() + member.storage_offset() * member.element_size()
               - original.storage_offset() * original.element_size())
     start, end = _byte_span(member)
