@@ -123,7 +123,9 @@ class ChainState:
     and handed over too. Right only where no module is under two segments and no two
     segments' buffers share memory: a later segment's state is what the earlier one
     leaves, known only then (NOTE [ Buffers that share memory ]); such a chain
-    (and a lone segment) gets nothing here, and each frame snapshots as it starts."""
+    (and a lone segment) gets nothing here, and each frame snapshots as it starts. A
+    frame whose buffers moved after this snapshot (a segment before it changed them
+    through an alias or a reference to its module) takes its own too (Snapshot.as_copied)."""
 
     def __init__(self, segments: list):
         """``segments``: the layers of each checkpointed segment, in order."""
@@ -131,7 +133,7 @@ class ChainState:
         owners = [[module for _, module in modules if own_tensors(module, "buffers")] for modules in walked]
         every = [module for modules in owners for module in modules]
         shared = len({id(module) for module in every}) != len(every)
-        taken = snapshot_of(every) if len(segments) > 1 and not shared else None
+        taken = snapshot_of(every, early=True) if len(segments) > 1 and not shared else None
         if taken is not None and taken.shares_memory and shared_between(owners):
             taken = None
         parts = [None] * len(segments)
@@ -142,6 +144,7 @@ class ChainState:
                 parts[segment_of[id(key[0])]][key] = value
             for part in parts:
                 part.shares_memory = taken.shares_memory
+                part.originals = {key: taken.originals[key] for key in part}
         self._parts = iter(zip(walked, parts))
 
     def next(self) -> tuple:

@@ -246,7 +246,8 @@ class _LayerState(TouchedState):
                 owners.append(module)
         self._before = before
         self._state_ids = {id(entry[4]) for entry in before}
-        self._snapshot, self._given = (snapshot_of(owners) if self._given is None else self._given), None
+        given = self._given if self._given is not None and self._given.as_copied(before) else None
+        self._snapshot, self._given = (snapshot_of(owners) if given is None else given), None
         self.reads.started_from(before)
         self.attributes.started(self._modules)
         self._buffer_counts = [(module, count_buffers(module)) for _, module in self._modules]
@@ -431,9 +432,22 @@ class _HookedState(TouchedState):
 
 class Snapshot(dict):
     """``{(module, buffer name): a copy}``; ``shares_memory``: whether two of the copies
-    share memory (NOTE [ Buffers that share memory ]), where the rules for it apply."""
+    share memory (NOTE [ Buffers that share memory ]), where the rules for it apply;
+    ``originals``: ``{(module, name): (buffer, its version)}`` as copied, where taken
+    before the forward that uses it starts (chain.ChainState)."""
 
     shares_memory = False
+    originals = None
+
+    def as_copied(self, entries: list) -> bool:
+        """Whether every buffer of ``entries`` (_LayerState's, as a forward starts) is
+        the tensor copied, at the version copied: nothing changed it since."""
+        for _, module, kind, name, tensor, at in entries if self.originals is not None else ():
+            if kind == "buffers":
+                original = self.originals.get((module, name))
+                if original is None or original[0] is not tensor or original[1] != at:
+                    return False
+        return True
 
     def only(self, keys: set) -> "Snapshot":
         """The copies of ``keys`` only."""
@@ -442,15 +456,17 @@ class Snapshot(dict):
         return kept
 
 
-def snapshot_of(modules, copied: Optional[dict] = None) -> Snapshot:
+def snapshot_of(modules, copied: Optional[dict] = None, early: bool = False) -> Snapshot:
     """The Snapshot of every buffer of ``modules``, made together, those sharing memory
     sharing it (``copied``: copies_keeping_shared_memory's): what a forward starting now
-    snapshots."""
+    snapshots; ``early``: taken before that forward starts, noting its originals."""
     entries = [((module, name), buffer) for module in modules
                for kind, name, buffer in _own_state(module) if kind == "buffers"]
     copies, shared = copies_keeping_shared_memory([buffer for _, buffer in entries], copied)
     snapshot = Snapshot(zip((key for key, _ in entries), copies))
     snapshot.shares_memory = shared
+    if early:
+        snapshot.originals = {key: (buffer, version(buffer)) for key, buffer in entries}
     return snapshot
 
 

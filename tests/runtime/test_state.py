@@ -650,3 +650,60 @@ def test_a_chain_of_segments_with_a_lazy_norm_is_refused_naming_it():
                                            nn.LazyBatchNorm1d(), nn.Tanh(), segments=[0, 2, 4])
     with pytest.raises(actsave.ConfigError, match="LazyBatchNorm1d's parameter 'weight' is not initialized yet"):
         chain(torch.randn(5, 6, requires_grad=True))
+
+
+class OwnsStatistic(nn.Module):
+    """Updates its buffer and reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("statistic", torch.ones(8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.statistic.mul_(0.5).add_(x.mean(0))
+        return torch.tanh(self.linear(x) * self.statistic)
+
+
+class WritesThroughAlias(nn.Module):
+    """Changes another module's buffer through an alias it registered as its own."""
+
+    def __init__(self, alias):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("alias", alias)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.alias.add_(x.mean(0))
+        return torch.tanh(self.linear(x))
+
+
+def test_a_segment_whose_buffers_a_plain_segment_before_it_changed_snapshots_them_as_it_starts():
+    # The chain snapshots its checkpointed segments' buffers together as it starts
+    # (ChainState); a plain segment between them that changes one (here through an alias)
+    # makes that copy stale: the segment takes its own (before: an input gradient 0.0055 off).
+    from actsave.planning import plans
+
+    def make():
+        torch.manual_seed(0)
+        owner = OwnsStatistic()
+        return [nn.Linear(8, 8), WritesThroughAlias(owner.statistic[:]), owner, nn.Linear(8, 8)]
+
+    plain, layers = nn.Sequential(*make()), make()
+    chain = actsave.CheckpointedSequential(*layers, segments=[0, 1, 2, 3])
+    state = copy.deepcopy(chain.state_dict())
+    profile = actsave.profile(chain, (torch.randn(4, 8, requires_grad=True),))
+    chain.load_state_dict(state)
+    chain.apply_plan(plans.predict(profile, [0, 1, 2, 3], plain=[False, True, False]))
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step
+        grads = []
+        for model in (plain, chain):
+            model.zero_grad()
+            xx = x.clone().requires_grad_()
+            model(xx).square().sum().backward()
+            grads.append([xx.grad, *(p.grad for p in model.parameters())])
+        for want, got in zip(*grads, strict=True):
+            assert torch.equal(want, got), step
