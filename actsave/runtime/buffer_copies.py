@@ -65,7 +65,8 @@ def copies_keeping_shared_memory(tensors: list, copied: Optional[dict] = None) -
                 copies[i] = _placed(tensors[i], *pair)
         elif len(positions) > 1 or (copied is not None and not _whole(members[0])):
             anchored.append((positions, _anchor_of(members, whole_storage=copied is not None)))
-    alone = [i for i in range(len(tensors)) if copies[i] is None and not any(i in p for p, _ in anchored)]
+    through_anchors = {i for positions, _ in anchored for i in positions}
+    alone = [i for i, copy in enumerate(copies) if copy is None and i not in through_anchors]
     made = copies_of([anchor for _, anchor in anchored] + [tensors[i] for i in alone])
     for (positions, anchor), anchor_copy in zip(anchored, made):
         for i in positions:
@@ -117,8 +118,8 @@ class HookedSharing:
             storage = storage_identity_or_none(buffer)
             sharers = self._keys.setdefault(storage, []) if storage is not None else []
             for other in sharers:
-                if other not in snapshot:
-                    dropped = own_tensors(other[0], "buffers")[other[1]]
+                dropped = own_tensors(other[0], "buffers").get(other[1])
+                if other not in snapshot and dropped is not None and storage_identity_or_none(dropped) == storage:
                     placed = _placed(dropped, buffer, copy)
                     snapshot[other] = placed if placed is not None else copies_of([dropped])[0]
                     snapshot.shares_memory = True

@@ -19,12 +19,12 @@ from torch import nn
 
 from .._torch import own_tensors
 from ..offload import current_tape
+from .buffer_copies import shared_between
 from .function import checkpointed_call
 from .keep_rules import EXACT, CallerTensors, KeepPolicy, should_encode, starts_in_place
 from .kept_saves import call_with_kept_saves
 from .layers import LayerRun, modules_under
 from .nested import nested_call
-from .buffer_copies import shared_between
 from .state import Snapshot, snapshot_of
 
 
