@@ -26,9 +26,10 @@ values the forward did not, and give silently wrong gradients. So:
 - Copies taken later in the same forward (a module's buffers, under global hooks, as
   its first call starts: state.py's _HookedState) join an earlier copy whose original
   shares their storage: that copy is the memory the recompute changes through the
-  earlier buffer. So under global hooks a buffer that spans part of its storage (a
-  parent's slice of its child's statistics, copied as the parent's call starts) is
-  copied with all of its storage, in which a wider buffer copied later lies.
+  earlier buffer. One that does not lie in it (a child's statistics, wider than its
+  parent's slice of them, copied as the parent's call started) widens it: one copy of
+  the bytes both span, holding the earlier copy's bytes where it lay, which the earlier
+  buffers' copies are made on again (HookedSharing.taken).
 - Under torch.func's transforms the copies are the transform's wrappers, whose storage
   cannot be read: they are made apart, sharing nothing (docs/limits.md).
 """
@@ -58,13 +59,19 @@ def copies_keeping_shared_memory(tensors: list, copied: Optional[dict] = None) -
     anchored = []  # (positions, anchor) of each group copied through its anchor
     for key, positions in groups.items():
         pair = _earlier(copied, key)
-        members = [tensors[i] for i in positions]
         shared = shared or pair is not None or len(positions) > 1
         if pair is not None:
             for i in positions:
                 copies[i] = _placed(tensors[i], *pair)
-        elif len(positions) > 1 or (copied is not None and not _whole(members[0])):
-            anchored.append((positions, _anchor_of(members, whole_storage=copied is not None)))
+            outside = [i for i in positions if copies[i] is None]
+            if outside and storage_identity_or_none(pair[1]) is not None:  # widen the earlier copy
+                anchor, anchor_copy = _widened([tensors[i] for i in outside], *pair)
+                for i in outside:
+                    copies[i] = _placed(tensors[i], anchor, anchor_copy)
+                # A member's copy stands for the wider one (the anchor's may not outlive this call).
+                copied[key] = (tensors[outside[0]], weakref.ref(copies[outside[0]]))
+        elif len(positions) > 1:
+            anchored.append((positions, _anchor_of([tensors[i] for i in positions])))
     through_anchors = {i for positions, _ in anchored for i in positions}
     alone = [i for i, copy in enumerate(copies) if copy is None and i not in through_anchors]
     made = copies_of([anchor for _, anchor in anchored] + [tensors[i] for i in alone])
@@ -117,12 +124,18 @@ class HookedSharing:
             buffer = own_tensors(key[0], "buffers")[key[1]]
             storage = storage_identity_or_none(buffer)
             sharers = self._keys.setdefault(storage, []) if storage is not None else []
+            current = _earlier(self.copied, storage)  # what this storage's copies are made on now
             for other in sharers:
-                dropped = own_tensors(other[0], "buffers").get(other[1])
-                if other not in snapshot and dropped is not None and storage_identity_or_none(dropped) == storage:
-                    placed = _placed(dropped, buffer, copy)
-                    snapshot[other] = placed if placed is not None else copies_of([dropped])[0]
+                now = own_tensors(other[0], "buffers").get(other[1])
+                if now is None or storage_identity_or_none(now) != storage:
+                    continue
+                if other not in snapshot:  # dropped: it was as it is until this call
+                    placed = _placed(now, buffer, copy)
+                    snapshot[other] = placed if placed is not None else copies_of([now])[0]
                     snapshot.shares_memory = True
+                elif current is not None and _widens(snapshot[other], current[1]):
+                    placed = _placed(now, *current)  # its copy was widened: made on the wider one
+                    snapshot[other] = placed if placed is not None else snapshot[other]
             sharers.append(key)
 
     def sharers(self, module, name: str):
@@ -163,7 +176,8 @@ def _note_copies(copied: dict, tensors: list, copies: list) -> None:
     were) is not joined."""
     for tensor, copy in zip(tensors, copies):
         storage = storage_identity_or_none(tensor)
-        if storage is not None and _earlier(copied, storage) is None:
+        # Only a copy laid out as its tensor (a gapped view is copied dense) places others.
+        if storage is not None and _earlier(copied, storage) is None and copy.stride() == tensor.stride():
             copied[storage] = (tensor, weakref.ref(copy))
 
 
@@ -174,28 +188,48 @@ def _earlier(copied: Optional[dict], storage) -> Optional[tuple]:
     return None if copy is None else (entry[0], copy)
 
 
-def _anchor_of(members: list, whole_storage: bool = False) -> torch.Tensor:
+def _anchor_of(members: list) -> torch.Tensor:
     """The tensor a group sharing one storage is copied through: a member that is not a
     view, is contiguous and holds every other at whole numbers of their elements, else
-    the bytes the group spans; ``whole_storage``: the bytes of the whole storage, for
-    copies taken later to join (HookedSharing: a wider buffer of another module)."""
+    the bytes the group spans."""
     spans = [_byte_span(member) for member in members]
     lo, hi = min(start for start, _ in spans), max(end for _, end in spans)
-    if whole_storage:
-        lo, hi = 0, members[0].untyped_storage().nbytes()
     for member, (start, end) in zip(members, spans):
         if start == lo and end == hi and not member._is_view() and member.is_contiguous() \
                 and all((other - lo) % m.element_size() == 0 for m, (other, _) in zip(members, spans)):
             return member
-    align = max(member.element_size() for member in members)
-    lo -= lo % align  # every member's offset from the span's start is a whole number of its elements
-    flat = torch.empty((0,), dtype=torch.uint8, device=members[0].device)
-    return flat.set_(members[0].untyped_storage(), lo, (hi - lo,), (1,))
+    return _bytes_of(members[0], lo, hi, max(member.element_size() for member in members))
 
 
-def _whole(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` spans all of its storage."""
-    return _byte_span(tensor) == (0, tensor.untyped_storage().nbytes())
+def _bytes_of(tensor: torch.Tensor, lo: int, hi: int, align: int) -> torch.Tensor:
+    """The bytes ``[lo, hi)`` of ``tensor``'s storage as a flat uint8 tensor, ``lo`` moved
+    down to a multiple of ``align`` (so that each member lies at a whole number of its
+    elements from it)."""
+    lo -= lo % align
+    flat = torch.empty((0,), dtype=torch.uint8, device=tensor.device)
+    return flat.set_(tensor.untyped_storage(), lo, (hi - lo,), (1,))
+
+
+def _widened(members: list, original: torch.Tensor, earlier: torch.Tensor) -> tuple:
+    """``(anchor, its copy)``: the bytes ``members`` and ``earlier`` (a copy of
+    ``original``, made before, whose storage they share but outside it) span together:
+    the members' bytes as they are now, the earlier copy's as it holds them, which the
+    recompute changes through the earlier buffers (HookedSharing: a child's buffer wider
+    than its parent's slice of it, copied as the parent's call started)."""
+    start = original.storage_offset() * original.element_size() - earlier.storage_offset() * earlier.element_size()
+    end = start + earlier.untyped_storage().nbytes()  # the earlier copy's bytes, where they lie in the storage
+    spans = [_byte_span(member) for member in members]
+    lo, hi = min(start, *(s for s, _ in spans)), max(end, *(e for _, e in spans))
+    anchor = _bytes_of(original, lo, hi, max(m.element_size() for m in (*members, original, earlier)))
+    (anchor_copy,) = copies_of([anchor])
+    offset = start - anchor.storage_offset()
+    anchor_copy[offset:offset + end - start].copy_(_bytes_of(earlier, 0, end - start, 1))
+    return anchor, anchor_copy
+
+
+def _widens(copy: torch.Tensor, anchor_copy: torch.Tensor) -> bool:
+    """Whether ``anchor_copy`` (a widened copy) stands for ``copy``, made before on another storage."""
+    return storage_identity_or_none(copy) != storage_identity_or_none(anchor_copy)
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple:

@@ -83,8 +83,23 @@ def test_later_copies_join_earlier_ones_while_they_live():
     assert torch.equal(copy_view, base[8:] + 1)
     del copy_base, copy_view
     gc.collect()
-    (alone,), _ = copies_keeping_shared_memory([base[8:]], table)  # the earlier copy is gone: made anew,
-    assert torch.equal(alone, base[8:]) and alone.untyped_storage().nbytes() == 16 * 4  # on all of its storage
+    (alone,), _ = copies_keeping_shared_memory([base[8:]], table)  # the earlier copy is gone: copied alone
+    assert torch.equal(alone, base[8:]) and alone.untyped_storage().nbytes() == 8 * 4
+
+
+def test_a_wider_tensor_copied_later_widens_the_earlier_copy_keeping_its_values():
+    # A parent's slice of its child's statistics is copied as the parent's call starts,
+    # the child's whole buffer as the child's starts: one copy of the two, whose bytes of
+    # the slice are the earlier copy's (what the recompute changes through the slice).
+    base = torch.arange(8.0)
+    table = {}
+    (copy_slice,), _ = copies_keeping_shared_memory([base[2:4]], table)
+    copy_slice.fill_(-1)  # stands for what the earlier copy holds, apart from the buffer now
+    (copy_base,), shared = copies_keeping_shared_memory([base], table)
+    assert shared and copy_base.tolist() == [0, 1, -1, -1, 4, 5, 6, 7] and torch.equal(base, torch.arange(8.0))
+    copy_base.add_(10)
+    (joined,), _ = copies_keeping_shared_memory([base[5:]], table)  # later ones join the wider copy
+    assert joined.tolist() == [15, 16, 17]
 
 
 def test_meta_tensors_sharing_memory_share_the_copy():
