@@ -171,3 +171,24 @@ def test_a_cache_passed_in_training_warns_once_naming_use_cache(monkeypatch, kee
             block(torch.randn(4, 8, requires_grad=True), past_key_values=transformers.DynamicCache()).sum().backward()
     assert len([w for w in raised if "Hugging Face cache while training" in str(w.message)
                 and "use_cache=False" in str(w.message)]) == 1
+
+
+def test_a_checkpoint_over_a_llama_with_dynamic_rope_past_its_positions_trains_as_plain():
+    # The rotary embedding grows its frequencies (a buffer registered again) behind the
+    # length it keeps as a 0-d tensor attribute: the recompute must find that length as
+    # the forward found it and grow them again (NOTE [ Python attributes a forward
+    # sets ]); read as the forward left it, the recompute used the unscaled frequencies.
+    def gradients(checkpointed: bool):
+        torch.manual_seed(0)
+        config = llama_config()
+        config.max_position_embeddings = 16
+        config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        model = transformers.AutoModelForCausalLM.from_config(config).train()
+        if checkpointed:
+            model.model = actsave.Checkpoint(model.model)
+        ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    for want, got in zip(gradients(False), gradients(True), strict=True):
+        assert torch.equal(want, got)

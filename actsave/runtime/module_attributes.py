@@ -1,35 +1,38 @@
 """The Python attributes of the modules a checkpointed forward ran that its recompute
 must find as the forward found them: their ``training`` flags (:func:`set_modes`), and
-the attributes (a flag, a length) the forward set on the modules whose buffers it
-changed, found with the buffers (:class:`ModuleAttributes`).
+the attributes (a flag, a length, a count) the forward set on the modules that hold
+buffers, found with the buffers (:class:`ModuleAttributes`).
 
 NOTE [ Python attributes a forward sets ]
-A recompute runs on the buffers a forward changed as the forward found them (the
+A recompute runs on the buffers as the forward found them (those it changed from the
 snapshot: NOTE [ State a forward reads and mutates ]). A module's Python state may
 decide whether its forward changes them: a flag set by a first-batch initialization
-(ActNorm, data-dependent init), an int a regrown table's length is kept in. Read as
-the forward left it, it keeps the recompute from making the change again, and the
-recompute reads the buffers as the forward found them where the forward read them
-changed: silently wrong gradients where no save shows the read (``x + self.loc``),
-which NOTE [ Buffers read after the forward changed them ] cannot see. So the
-attributes of a module whose buffers the forward changed are part of its snapshot:
+(ActNorm, data-dependent init), an int a regrown table's length is kept in, a count
+that gates an update to every other call. Read as the forward left it, it keeps the
+recompute from making the forward's change, or makes it make one the forward did not:
+the recompute reads the buffers as the forward did not, silently where no save shows
+the read (``x + self.loc``), which NOTE [ Buffers read after the forward changed them ]
+cannot see, and changes a buffer the snapshot does not stand in for a second time. So
+the attributes of a module that holds buffers are state like its buffers:
 
 - As the forward starts, each module's ``__dict__`` is copied by reference (one shallow
   copy, no value copied); as it ends, the entries the forward set, added or deleted
-  on the modules whose buffers it changed are found by identity. The recompute runs
-  with those as the forward found them, and each is put back as it ends to what it was
-  as the recompute started (the caller may have set it since the forward).
-- Other modules keep their attributes as the forward left them, as their buffers: the
-  recompute reads both as they are (as torch.utils.checkpoint does), and state a
+  on the modules that hold buffers are found by identity. The recompute runs with
+  those as the forward found them, and each is put back as it ends to what it was as
+  the recompute started (the caller may have set it since the forward).
+- Modules without buffers keep their attributes as the forward left them: the
+  recompute reads them as they are (as torch.utils.checkpoint does), and state a
   forward hands to its own recompute through an attribute reaches it.
 - Which modules are copied: all but torch.nn's own layers (``torch.nn.modules``), whose
   forwards set no attribute; a cost rule, as they are most of a network's modules (a
   ResNet's convolutions and BatchNorms). A subclass of one is the user's and is watched.
 - Which entries: all but nn.Module's own (its tables of parameters, buffers,
   submodules and hooks, which a forward fills rather than replaces, and ``training``:
-  NOTE [ Train and eval in a recompute ]), and those that held or hold a tensor (a
-  cache or a record the forward keeps, whose old value would stay alive until the
-  backward: register a tensor that decides what the forward computes as a buffer).
+  NOTE [ Train and eval in a recompute ]), and those that held or hold a tensor of more
+  than one element (a cache or a record the forward keeps, whose old value would stay
+  alive until the backward: register a tensor that decides what the forward computes
+  as a buffer). One of one element is a value (Hugging Face's dynamic RoPE keeps the
+  length it grew its frequencies for as a 0-d tensor).
 - A nested recompute's part (nested.py) finds as the forward found them only the
   attributes of the modules under its layers: those of the layers before it are as
   the earlier part left them, as they were when the forward reached it.
@@ -74,12 +77,12 @@ class ModuleAttributes:
         if type(module) not in _UNWATCHED:
             self._found.append((None, module, dict(module.__dict__)))
 
-    def ended(self, changed_buffers) -> None:
+    def ended(self, holders) -> None:
         """Find the attributes the forward set, added or deleted, as it ends, on the
-        modules of ``changed_buffers`` (a collection of modules)."""
+        modules of ``holders`` (a collection of the modules that hold buffers)."""
         changed = []
-        for index, module, found in self._found if changed_buffers else ():
-            if module not in changed_buffers:
+        for index, module, found in self._found if holders else ():
+            if module not in holders:
                 continue
             now = module.__dict__
             if len(now) == len(found) and all(map(operator.is_, found.values(), now.values())) \
@@ -87,7 +90,7 @@ class ModuleAttributes:
                 continue
             for name in found.keys() | now.keys():
                 was, value = found.get(name, _ABSENT), now.get(name, _ABSENT)
-                if name not in _OWN and value is not was and not _holds_a_tensor(was, value):
+                if name not in _OWN and value is not was and not _holds_data(was, value):
                     changed.append((index, module, name, was))
         self._found, self._set = [], changed
 
@@ -132,12 +135,12 @@ def set_modes(modes) -> None:
             module.training = training
 
 
-def _holds_a_tensor(*values) -> bool:
-    """Whether one of ``values`` is a tensor: one an attribute holds is the forward's
-    cache or record (an attention map kept for a plot), which holding as the forward
-    found it until the backward would keep its memory alive; it stays as the forward
-    left it, as such a tensor would be held by a buffer (docs/limits.md)."""
-    return any(isinstance(value, torch.Tensor) for value in values)
+def _holds_data(*values) -> bool:
+    """Whether one of ``values`` is a tensor of more than one element: one an attribute
+    holds is the forward's cache or record (an attention map kept for a plot), which
+    holding as the forward found it until the backward would keep its memory alive; it
+    stays as the forward left it (docs/limits.md)."""
+    return any(isinstance(value, torch.Tensor) and value.numel() > 1 for value in values)
 
 
 def _assign(values: list) -> None:

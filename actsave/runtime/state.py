@@ -277,7 +277,7 @@ class _LayerState(TouchedState):
         self._unreplayable = next((changed_buffer(module, self._before)
                                    for module, count in self._buffer_counts if count_buffers(module) != count), None)
         self.reads.forward_ended(replaced)
-        self.attributes.ended({module for buffers in mutated.values() for module, _ in buffers})
+        self.attributes.ended({entry[1] for entry in self._before if entry[2] == "buffers"})
         self._before, self._state_ids, self._buffer_counts = [], set(), []
 
     def _changes(self) -> tuple:
@@ -350,7 +350,7 @@ class _HookedState(TouchedState):
         self._keep_snapshot_of((module, name) for module, _, name in self._mutated)
         self._calls, self._sharing = [], HookedSharing()
         self.reads.forward_ended()
-        self.attributes.ended({module for module, _, _ in self._mutated})
+        self.attributes.ended({module for module in self._modes if own_tensors(module, "buffers")})
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         return [(module, name) for module, _, name in self._mutated]
