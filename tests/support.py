@@ -57,6 +57,15 @@ def assert_same_training(plain: nn.Module, other: nn.Module, x: torch.Tensor) ->
         assert torch.equal(b, c), name
 
 
+def assert_same_steps(plain: nn.Module, other: nn.Module, batches) -> None:
+    """assert_same_training at each of ``batches`` in turn, gradients zeroed between:
+    state carried from step to step (a buffer, a flag) must move as in ``plain``."""
+    for x in batches:
+        plain.zero_grad()
+        other.zero_grad()
+        assert_same_training(plain, other, x)
+
+
 class ResidualBlock(nn.Module):
     """``x + dropout(activation(linear(layernorm(x))))``: a block that is not one chain,
     whose recompute must replay the RNG."""

@@ -10,6 +10,7 @@ from torch import nn
 import actsave
 from actsave.errors import RecomputeError
 from actsave.runtime.buffer_copies import copies_keeping_shared_memory, distinct_storage_bytes
+from support import assert_same_steps
 
 
 def sharing(kind: str) -> tuple:
@@ -161,15 +162,8 @@ class _Calls(nn.Module):
         return self.call(x)
 
 
-def steps(model: nn.Module, count: int = 3) -> list:
-    """The gradients of ``count`` steps, and the buffers after."""
-    grads = []
-    for step in range(count):
-        model.zero_grad()
-        x = (torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step).requires_grad_()
-        model(x).square().sum().backward()
-        grads += [x.grad, *(p.grad for p in model.parameters())]
-    return grads + [b.clone() for b in model.buffers()]
+def batches(count: int = 3) -> list:
+    return [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step for step in range(count)]
 
 
 @pytest.mark.parametrize("segments", ["checkpoint_module", "checkpoint_function", [0, 4], [0, 2, 4]])
@@ -178,11 +172,7 @@ def test_buffers_sharing_memory_train_as_plain(kind, segments):
     # The recompute replays the EMA through ``stat`` and must read the change through
     # ``scale``: before, apart, it read the values the forward started from (an input
     # gradient off by 0.15 to 1.0).
-    want = steps(model_sharing(kind, None))
-    got = steps(model_sharing(kind, segments))
-    assert len(want) == len(got)
-    for a, b in zip(want, got):
-        assert torch.equal(a, b)
+    assert_same_steps(model_sharing(kind, None), model_sharing(kind, segments), batches())
 
 
 @pytest.mark.parametrize("kind", ["same", "view", "detach", "local_views"])
@@ -230,8 +220,7 @@ def test_a_view_initialized_behind_a_python_flag_through_its_base_trains_as_plai
         call = inner if segments == "checkpoint_module" else (lambda t: inner(t))
         return _Calls(inner, lambda x: actsave.checkpoint(call, x))
 
-    for a, b in zip(steps(make(False)), steps(make(True)), strict=True):
-        assert torch.equal(a, b)
+    assert_same_steps(make(False), make(True), batches())
 
 
 def test_aliases_of_two_dtypes_at_odd_offsets_are_made_on_the_bytes_they_span():
@@ -274,8 +263,7 @@ def test_a_slice_of_a_childs_buffer_read_after_the_child_updates_it_trains_as_pl
         call = model if how == "checkpoint_module" else (lambda t: model(t))
         return _Calls(model, lambda x: actsave.checkpoint(call, x))
 
-    for a, b in zip(steps(make(False)), steps(make(True)), strict=True):
-        assert torch.equal(a, b)
+    assert_same_steps(make(False), make(True), batches())
 
 
 @pytest.mark.parametrize("transform", ["jvp", "vmap"])

@@ -11,6 +11,7 @@ from torch import nn
 import actsave
 from actsave.runtime.module_attributes import ModuleAttributes
 from actsave.runtime.nested import Range, nested_call
+from support import assert_same_steps
 
 HOWS = ["sequential", "checkpoint_module", "checkpoint_lambda"]
 
@@ -147,18 +148,8 @@ def test_a_module_whose_forward_sets_python_state_trains_as_plain(make_middle, h
     # scaled by it. EveryOtherCall: on a call that left the EMA as it was, the recompute
     # counted an even call and updated the buffer itself, a second time (0.048 off).
     plain, model = nn.Sequential(*chain(make_middle)), checkpointed(how, chain(make_middle))
-    for step in range(5):
-        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step)) * 3 + 1
-        grads = []
-        for m in (plain, model):
-            m.zero_grad()
-            xx = x.clone().requires_grad_()
-            m(xx).square().sum().backward()
-            grads.append([xx.grad, *(p.grad for p in m.parameters())])
-        for want, got in zip(*grads, strict=True):
-            assert torch.equal(want, got), step
-    for want, got in zip(plain.state_dict().values(), model.state_dict().values(), strict=True):
-        assert torch.equal(want, got)
+    assert_same_steps(plain, model, [torch.randn(6, 8, generator=torch.Generator().manual_seed(step)) * 3 + 1
+                                     for step in range(5)])
     assert plain[1].__dict__.keys() == (model[1] if how == "sequential" else model[0][1]).__dict__.keys()
     if make_middle is Warmup:  # the recompute leaves the count as the forward left it
         assert plain[1].steps == (model[1] if how == "sequential" else model[0][1]).steps == 5
@@ -224,17 +215,11 @@ def test_a_nested_part_finds_the_attributes_earlier_layers_set_as_they_left_them
         gain = Gain()
         return [nn.Linear(8, 8), gain, nn.Tanh(), nn.Linear(8, 8), ScaledByGain(gain), nn.Linear(8, 8)]
 
-    plain_layers, layers = make(), make()
-    tree = Range(0, 6, inner=(Range(0, 3), Range(3, 6, recomputed=False)))
-    for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step
-        grads = []
-        for run, model in ((lambda t: nn.Sequential(*plain_layers)(t), plain_layers),
-                           (lambda t: nested_call(layers, tree, t)[0], layers)):
-            nn.Sequential(*model).zero_grad()
-            xx = x.clone().requires_grad_()
-            run(xx).square().sum().backward()
-            grads.append([xx.grad, *(p.grad for p in nn.Sequential(*model).parameters())])
-        for want, got in zip(*grads, strict=True):
-            assert torch.equal(want, got), step
-    assert plain_layers[1].gain == layers[1].gain
+    class Nested(nn.Sequential):
+        def forward(self, x):
+            return nested_call(list(self), Range(0, 6, inner=(Range(0, 3), Range(3, 6, recomputed=False))), x)[0]
+
+    plain, nested = nn.Sequential(*make()), Nested(*make())
+    assert_same_steps(plain, nested, [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step
+                                      for step in range(3)])
+    assert plain[1].gain == nested[1].gain

@@ -7,6 +7,7 @@ from torch import nn
 
 import actsave
 from actsave.runtime.nested import Range, nested_call
+from support import assert_same_steps
 
 HOWS = ["sequential", "checkpoint_module", "checkpoint_lambda"]
 
@@ -96,19 +97,8 @@ def assert_trains_as_plain(make_middle, how: str, steps: int = 3) -> None:
     """``steps`` steps of the chain around ``make_middle()``, plain and checkpointed
     ``how``: the input's and every parameter's gradients, and the state, bit-identical."""
     plain, model = nn.Sequential(*chain(make_middle)), checkpointed(how, chain(make_middle))
-    torch.manual_seed(1)
-    for step in range(steps):
-        x = torch.randn(6, 8) * 3 + step
-        grads = []
-        for m in (plain, model):
-            m.zero_grad()
-            xx = x.clone().requires_grad_()
-            m(xx).square().sum().backward()
-            grads.append([xx.grad, *(p.grad for p in m.parameters())])
-        for want, got in zip(*grads, strict=True):
-            assert torch.equal(want, got), step
-    for want, got in zip(plain.state_dict().values(), model.state_dict().values(), strict=True):
-        assert torch.equal(want, got)
+    batches = torch.randn(steps, 6, 8, generator=torch.Generator().manual_seed(1)) * 3
+    assert_same_steps(plain, model, [x + step for step, x in enumerate(batches)])
 
 
 @pytest.mark.parametrize("how", HOWS)

@@ -9,6 +9,7 @@ from torch import nn
 import actsave
 
 from actsave.runtime.replay import ReplayState
+from support import assert_same_steps
 
 
 def test_replay_gives_the_same_random_numbers_and_leaves_the_caller_rng_alone():
@@ -697,13 +698,5 @@ def test_a_segment_whose_buffers_a_plain_segment_before_it_changed_snapshots_the
     profile = actsave.profile(chain, (torch.randn(4, 8, requires_grad=True),))
     chain.load_state_dict(state)
     chain.apply_plan(plans.predict(profile, [0, 1, 2, 3], plain=[False, True, False]))
-    for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step
-        grads = []
-        for model in (plain, chain):
-            model.zero_grad()
-            xx = x.clone().requires_grad_()
-            model(xx).square().sum().backward()
-            grads.append([xx.grad, *(p.grad for p in model.parameters())])
-        for want, got in zip(*grads, strict=True):
-            assert torch.equal(want, got), step
+    assert_same_steps(plain, chain, [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step
+                                     for step in range(3)])
