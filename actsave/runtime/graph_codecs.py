@@ -94,6 +94,7 @@ from ..meta import on_meta
 from ..triton_kernels import general_path
 from . import relu_signs
 from .layers import modules_under
+from .module_attributes import attributes_put_back
 from .pool_decisions import Window
 from .graph_saves import BLOCK, COPY, KEPT, STORED, codec_of
 from .keep_rules import KeepPolicy
@@ -272,8 +273,11 @@ def _on_meta_watching_saves(model: nn.Module, pack):
     planning/step_isolation.py), compiled layers run their eager code on this thread
     and no generator is forked: random operators on fake meta tensors draw nothing.
     Yields the function that makes the model's inputs from real tensors (their shapes,
-    strides and dtypes): fake meta tensors (NOTE [ Fake tensors in a probe ])."""
-    with on_meta(model), saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), \
+    strides and dtypes): fake meta tensors (NOTE [ Fake tensors in a probe ]). The
+    modules' attributes are put back as it ends (a tensor a layer caches at its first
+    forward would be a meta one)."""
+    with attributes_put_back(model.modules()), on_meta(model), saved_tensors_hooks(pack, lambda t: t), \
+            torch.enable_grad(), \
             _torch.compiled_code_eager(), _torch_graphs.fake_tensors() as fake:
         yield lambda t: fake(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
 

@@ -135,6 +135,22 @@ def set_modes(modes) -> None:
             module.training = training
 
 
+@contextlib.contextmanager
+def attributes_put_back(modules: Iterable[nn.Module]):
+    """While active, a step on a stand-in input may set the attributes of ``modules``; as
+    it ends, every ``__dict__`` entry it set, added or deleted is as it was, by reference
+    (graph_codecs.py's probe on meta tensors: a tensor a layer caches at its first forward
+    would be a meta one). Not what it changed inside a value (a list appended to)."""
+    found = [(module, dict(module.__dict__)) for module in modules]
+    try:
+        yield
+    finally:
+        for module, was in found:
+            now = module.__dict__
+            _assign([(module, name, _ABSENT) for name in now.keys() - was.keys()])
+            _assign([(module, name, value) for name, value in was.items() if now.get(name, _ABSENT) is not value])
+
+
 def _holds_data(*values) -> bool:
     """Whether one of ``values`` is a tensor of more than one element: one an attribute
     holds is the forward's cache or record (an attention map kept for a plot), which

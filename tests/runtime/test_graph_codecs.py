@@ -268,3 +268,28 @@ def test_the_forward_of_a_freed_wrapped_model_says_so():
     gc.collect()
     with pytest.raises(ReferenceError, match="hold the model"):
         forward(torch.randn(4, 8))
+
+
+class CachesAtFirstForward(nn.Module):
+    """Caches a tensor at its first forward, made where its input is."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.cache = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = torch.linspace(0.5, 1.5, 8, device=x.device)
+        return torch.relu(self.linear(x)) * self.cache
+
+
+def test_the_probes_leave_the_modules_attributes_as_they_were():
+    # On meta tensors a layer's first-forward cache would be a meta tensor, which the
+    # real forward then met ("found at least two devices, cpu and meta").
+    layers = [CachesAtFirstForward(), nn.GELU()]
+    graph_codecs.decisions_made([(layers, INT8)], torch.randn(4, 8))
+    assert layers[0].cache is None
+    model = actsave.wrap(nn.Sequential(CachesAtFirstForward(), CachesAtFirstForward()), CachesAtFirstForward,
+                         compress="int8")
+    graph_codecs._probe_blocks(model, list(model), (torch.randn(4, 8),), {})
+    assert all(block._wrapped.cache is None for block in model)
