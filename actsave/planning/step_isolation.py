@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .._torch import compiled_code_eager, own_tensors, parametrize_cache, version
+from ..runtime.module_attributes import put_back
 from .live_bytes import allocation_bytes
 
 
@@ -159,7 +160,6 @@ def _is_hooks(name: str) -> bool:
 
 
 _CONTAINERS = (dict, OrderedDict, list, set)  # exact types: NOTE [ Module state a step puts back ]
-_MISSING = object()
 
 
 class ModuleState:
@@ -205,11 +205,7 @@ class ModuleState:
         for container, contents in self._contents:
             _refill(container, contents)
         for entries, saved in self._entries:
-            for name in [name for name in entries if name not in saved and not _is_hooks(name)]:
-                del entries[name]
-            for name, value in saved.items():
-                if entries.get(name, _MISSING) is not value:
-                    entries[name] = value
+            put_back(entries, saved, kept=_is_hooks)
 
     def mutated_bytes(self, layer: nn.Module, device) -> int:
         """The bytes of a snapshot of the buffers that ``layer``'s forward mutated in

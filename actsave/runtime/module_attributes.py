@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -141,14 +141,23 @@ def attributes_put_back(modules: Iterable[nn.Module]):
     it ends, every ``__dict__`` entry it set, added or deleted is as it was, by reference
     (graph_codecs.py's probe on meta tensors: a tensor a layer caches at its first forward
     would be a meta one). Not what it changed inside a value (a list appended to)."""
-    found = [(module, dict(module.__dict__)) for module in modules]
+    found = [(vars(module), dict(vars(module))) for module in modules]
     try:
         yield
     finally:
-        for module, was in found:
-            now = module.__dict__
-            _assign([(module, name, _ABSENT) for name in now.keys() - was.keys()])
-            _assign([(module, name, value) for name, value in was.items() if now.get(name, _ABSENT) is not value])
+        for entries, was in found:
+            put_back(entries, was)
+
+
+def put_back(entries: dict, found: dict, kept: Optional[Callable[[str], bool]] = None) -> None:
+    """Set ``entries`` (a module's ``__dict__``) back to ``found`` (a shallow copy of it,
+    less the names ``kept`` says to leave) by reference: an entry set since is set back,
+    one added is removed (unless ``kept``), one deleted is added back."""
+    for name in [name for name in entries if name not in found and not (kept and kept(name))]:
+        del entries[name]
+    for name, value in found.items():
+        if entries.get(name, _ABSENT) is not value:
+            entries[name] = value
 
 
 def _holds_data(*values) -> bool:

@@ -170,8 +170,7 @@ def batches(count: int = 3) -> list:
 @pytest.mark.parametrize("kind", KINDS)
 def test_buffers_sharing_memory_train_as_plain(kind, segments):
     # The recompute replays the EMA through ``stat`` and must read the change through
-    # ``scale``: before, apart, it read the values the forward started from (an input
-    # gradient off by 0.15 to 1.0).
+    # ``scale``: copied apart, it would read the values the forward started from.
     assert_same_steps(model_sharing(kind, None), model_sharing(kind, segments), batches())
 
 
@@ -206,9 +205,9 @@ class FlaggedView(nn.Module):
 
 @pytest.mark.parametrize("segments", ["checkpoint_module", "checkpoint_function", [0, 1]])
 def test_a_view_initialized_behind_a_python_flag_through_its_base_trains_as_plain(segments):
-    # The recompute starts over with ``packed`` as the forward left it (NOTE [ Buffers
-    # read after the forward changed them ]), and ``scale`` with it: the read is through
-    # the view. Before, the view kept the ones the forward started from.
+    # The recompute finds the flag unset with the buffers (NOTE [ Python attributes a
+    # forward sets ]) and initializes ``packed`` again, which ``scale`` must show: copied
+    # apart, the view would keep the ones the forward started from.
     def make(checkpointed):
         torch.manual_seed(0)
         layers = [FlaggedView(), nn.Linear(8, 8)]
@@ -254,7 +253,7 @@ def test_a_slice_of_a_childs_buffer_read_after_the_child_updates_it_trains_as_pl
     # Under global hooks the parent's slice is copied first, as its call starts; the
     # child's wider buffer, copied as the child's starts, must join it (the copies of a
     # partial buffer span its whole storage), else the recompute read the slice as the
-    # forward found it (an input gradient 0.04 off).
+    # forward found it.
     def make(checkpointed):
         torch.manual_seed(0)
         model = SliceOfChildStatistics()

@@ -684,7 +684,7 @@ class WritesThroughAlias(nn.Module):
 def test_a_segment_whose_buffers_a_plain_segment_before_it_changed_snapshots_them_as_it_starts():
     # The chain snapshots its checkpointed segments' buffers together as it starts
     # (ChainState); a plain segment between them that changes one (here through an alias)
-    # makes that copy stale: the segment takes its own (before: an input gradient 0.0055 off).
+    # makes that copy stale: the segment takes its own.
     from actsave.planning import plans
 
     def make():
