@@ -279,3 +279,37 @@ def test_buffers_sharing_memory_under_torch_func(transform):
     got = run(lambda t: actsave.checkpoint(model, t))
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+class FlaggedViewInADict(FlaggedView):
+    """FlaggedView with its flag in a dict changed in place, which the attributes' put-back
+    does not reach: the stale-read check's case."""
+
+    def __init__(self):
+        super().__init__()
+        del self.initialized
+        self.flags = {"initialized": False}
+
+    def forward(self, x):
+        h = self.linear(x)
+        if not self.flags["initialized"]:
+            with torch.no_grad():
+                self.packed[:8].copy_(1 / (h.std(0) + 1))
+            self.flags["initialized"] = True
+        return torch.tanh(h * self.scale)
+
+
+@pytest.mark.parametrize("how", ["checkpoint_module", "checkpoint_function"])
+def test_a_start_over_for_a_stale_base_takes_its_view_with_it(how):
+    # The recompute reads ``scale`` unchanged, starts over with ``packed`` as the forward
+    # left it (NOTE [ Buffers read after the forward changed them ]), and ``scale``, whose
+    # copy shares ``packed``'s, with it (StaleReads.stand_ins).
+    def make(checkpointed):
+        torch.manual_seed(0)
+        inner = nn.Sequential(FlaggedViewInADict(), nn.Linear(8, 8))
+        if not checkpointed:
+            return inner
+        call = inner if how == "checkpoint_module" else (lambda t: inner(t))
+        return _Calls(inner, lambda x: actsave.checkpoint(call, x))
+
+    assert_same_steps(make(False), make(True), batches())
