@@ -35,10 +35,20 @@ class KeptOps:
     calls of ``modules`` (``nn.Module`` subclasses) and of ``functions`` (names from
     :data:`TAPPED_FUNCTIONS`) inside the checkpointed call (NOTE [ Selective
     recompute ]). The default keeps linear layers and attention, the expensive ops of a
-    transformer block, as torchtitan's op list does (its matmuls and attention)."""
+    transformer block, as torchtitan's op list does (its matmuls and attention).
+
+    ``module_names`` keeps only some of those modules: the ones whose qualified name
+    in the checkpointed module (as its ``named_modules()`` spells it) is one of these
+    or ends with ``"." + `` one of these, as PEFT's ``target_modules`` match:
+    ``KeptOps(module_names=("attn.qkv", "mlp.0"))`` keeps a block's attention
+    projection and first MLP layer and recomputes its other linear layers. A name that
+    matches no module of ``modules``' types raises at the first call. None (the
+    default): every module of those types. A block plan chooses such subsets itself
+    (planning/kept_subsets.py)."""
 
     modules: tuple = (nn.Linear,)
     functions: tuple = ("scaled_dot_product_attention",)
+    module_names: Optional[tuple] = None
 
     def __post_init__(self):
         modules = _as_tuple("modules", self.modules, type, "nn.Module subclasses (modules=(nn.Linear,))")
@@ -57,11 +67,42 @@ class KeptOps:
                 "those functions")
         object.__setattr__(self, "modules", modules)
         object.__setattr__(self, "functions", functions)
+        if self.module_names is not None:
+            names = _as_tuple("module_names", self.module_names, str, "qualified module names")
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(f"KeptOps(module_names={self.module_names!r}): pass qualified module names, "
+                                  "as named_modules() spells them ('attn.qkv'); None keeps every module of the "
+                                  "types in modules, modules=() none")
+            object.__setattr__(self, "module_names", names)
 
     def names(self) -> list:
-        """The names of what it keeps the outputs of: its module classes', then its
-        functions'."""
-        return [m.__name__ for m in self.modules] + list(self.functions)
+        """The names of what it keeps the outputs of: its module classes' (or the
+        modules it names), then its functions'."""
+        modules = list(self.module_names) if self.module_names is not None else [m.__name__ for m in self.modules]
+        return modules + list(self.functions)
+
+    def watched(self, layers: Optional[tuple], modules: list, indexed: bool) -> list:
+        """The modules among ``modules`` (``(layer index, module)`` pairs under
+        ``layers``: layers.py's modules_under) whose calls it keeps: of its types, and
+        where it names modules, of those names; ``indexed``: the function runs its
+        layers as a sequence (an ``nn.Sequential``), whose names start with their index."""
+        typed = [m for _, m in modules if isinstance(m, self.modules)]
+        if self.module_names is None:
+            return typed
+        named = [(f"{i}.{name}".rstrip(".") if indexed else name, m) for i, layer in enumerate(layers)
+                 for name, m in layer.named_modules(remove_duplicate=False) if isinstance(m, self.modules)]
+        chosen, unmatched = set(), []
+        for wanted in self.module_names:
+            found = {id(m) for name, m in named if name == wanted or name.endswith("." + wanted)}
+            chosen |= found
+            if not found:
+                unmatched.append(wanted)
+        if unmatched:
+            known = sorted({name for name, _ in named if name})
+            raise ConfigError(f"KeptOps(module_names=...) names {unmatched}, which match no module of the types "
+                              f"{[m.__name__ for m in self.modules]} in the checkpointed module; its modules of "
+                              f"those types are {known}. Name one of them (a qualified name or its last parts)")
+        return [m for m in typed if id(m) in chosen]
 
 
 DEFAULT_KEPT_OPS = KeptOps()
@@ -70,7 +111,10 @@ DEFAULT_KEPT_OPS = KeptOps()
 def aten_ops_of(ops: KeptOps) -> Optional[frozenset]:
     """The aten overloads whose outputs torch's selective checkpoint saves for the calls
     ``ops`` names, in a compiled graph (keep_modes.py); None where a named module type
-    has none known here."""
+    has none known here, or where ``ops`` keeps some modules of a type by name: a policy
+    per aten operator cannot tell one linear layer's matmul from another's."""
+    if ops.module_names is not None:
+        return None
     found = set()
     for module_type in ops.modules:
         overloads = next((names for known, names in _ATEN_OPS.items() if issubclass(module_type, known)), None)

@@ -217,7 +217,8 @@ class SelectiveFrame(_Frame):
                 f"a selective checkpoint of {_name(self.function)} keeps the outputs of {ops.names()}, but actsave "
                 "finds the modules a function runs only where it is a module (or nn.Sequential): checkpoint the "
                 "module itself, or keep functions only (KeptOps(modules=()))")
-        self._watched = [m for _, m in self.modules or () if isinstance(m, ops.modules)]
+        indexed = not isinstance(function, nn.Module) or type(function) is nn.Sequential  # layers.py's rule
+        self._watched = ops.watched(self.layers, self.modules, indexed) if self.modules else []
         self.calls = []  # _Call, in forward order
         self._open = None  # the outermost kept call running, in the forward
         self._depth = 0  # kept calls open (nested ones inside the outermost)

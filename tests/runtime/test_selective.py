@@ -108,6 +108,40 @@ def test_a_second_backward_with_retain_graph_gives_the_same_gradients():
     assert torch.equal(x.grad, 2 * first)
 
 
+@pytest.mark.parametrize("names, activations, matmuls_again", [
+    (("qkv", "proj", "fc1"), 10, 0),  # fc2's output: its matmul is where the early stop ends the recompute
+    (("qkv", "fc1", "fc2"), 10, 1),  # proj's output: its matmul runs again, for the residual ln2 reads
+    (("qkv", "proj", "fc2"), 7, 1),  # fc1's: four activations, one matmul again
+    (("fc1",), 6, 2),  # qkv and proj run again, fc2 not (the early stop)
+])
+def test_module_names_keep_only_the_named_linear_layers(names, activations, matmuls_again):
+    torch.manual_seed(0)
+    plain, block = GPTBlock(), GPTBlock()
+    block.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 16, 32)
+    plain(x.clone().requires_grad_()).square().sum().backward()
+    out, kept = selective_call(block, (x.clone().requires_grad_() * 1,), {}, KeptOps(module_names=names),
+                               DEFAULT_RECOMPUTE)
+    # Beside the named layers' outputs: the input and attention's output and log-sum-exp.
+    assert kept == activations * 2 * 16 * 32 * 4 + 2 * 4 * 16 * 4
+    with OpCounter() as backward:
+        out.square().sum().backward()
+    assert backward.counts.get("aten.addmm.default", 0) == matmuls_again
+    for (name, p), q in zip(plain.named_parameters(), block.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_module_names_match_the_end_of_a_qualified_name_and_say_which_exist():
+    block = nn.Sequential(GPTBlock())
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    assert selective_call(block, (x * 1,), {}, KeptOps(module_names="0.fc1"), DEFAULT_RECOMPUTE)[1] == \
+        selective_call(block, (x * 1,), {}, KeptOps(module_names="fc1"), DEFAULT_RECOMPUTE)[1]
+    with pytest.raises(ConfigError, match=r"names \['c1'\], which match no module.*'0.fc1', '0.fc2', '0.proj'"):
+        selective_call(block, (x * 1,), {}, KeptOps(module_names=("fc2", "c1")), DEFAULT_RECOMPUTE)
+    with pytest.raises(ConfigError, match="pass qualified module names"):
+        KeptOps(module_names=())
+
+
 def test_a_block_without_the_named_ops_warns_once_and_recomputes_everything():
     block = nn.Sequential(nn.LayerNorm(8), nn.Tanh())
     x = torch.randn(4, 8, requires_grad=True)
