@@ -6,7 +6,7 @@ NOTE [ Block options priced ]
 A block plan chooses for each block one option: plain (its saves as autograd keeps
 them); its inputs kept, exactly, by a codec or on the host (a checkpoint); selective
 (its inputs and the outputs of its linear layers and attention kept, exactly, by a
-codec or on the host); its saves kept by
+codec or on the host; exactly, of some of them: NOTE [ Kept subsets ]); its saves kept by
 a codec (all of them, or its linear layers' inputs only) or on the host, with no
 recompute. Each is priced by what it does to the peak formula of memory_model.py,
 ``X + max_j (R_0 + ... + R_{j-1} + W_j)``, with segments of one block each:
@@ -168,7 +168,7 @@ class BlockMeasurer:
 
     def terms(self, model: CostModel, a: int, option: BlockOption, held: bool) -> Optional[OptionTerms]:
         """The measured terms of ``option`` at block ``a`` (None where it fails there)."""
-        measured = self._measured(a, option)
+        measured = self.measured(a, option)
         if measured is None:
             return None
         x_bytes = float(model.input[a])
@@ -189,12 +189,23 @@ class BlockMeasurer:
             self._cache[key] = self._seconds(layer, spec, option)
         return self._cache[key]
 
-    def _measured(self, a: int, option: BlockOption) -> Optional[_Measured]:
+    def measured(self, a: int, option: BlockOption) -> Optional[_Measured]:
+        """``option`` at block ``a`` measured (None where it fails there), once per
+        kind of block."""
         layer, spec = self.layers[a], self.inputs[a]
         key = (_signature(layer), spec, option)
         if key not in self._cache:
             self._cache[key] = self._measure(layer, spec, option)
         return self._cache[key]
+
+    def signature(self, a: int) -> tuple:
+        """What block ``a`` costs alike with: blocks of one signature are measured once."""
+        return _signature(self.layers[a]), self.inputs[a]
+
+    def example(self, a: int) -> torch.Tensor:
+        """An input like block ``a``'s profiled one."""
+        spec = self.inputs[a]
+        return _input_from(_source_like(spec, self.device), spec)
 
     def _measure(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> Optional[_Measured]:
         if option.keep == "linear_inputs" and not any(isinstance(m, nn.Linear) for m in layer.modules()):

@@ -57,10 +57,12 @@ from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS
 from ..devices import host_is_separate
 from ..errors import ConfigError
 from ..runtime.keep_rules import should_encode
+from ..runtime.kept_ops import DEFAULT_KEPT_OPS
 from ..text import format_table, mib, ms
 from .block_options import BlockMeasurer, candidate_options, model_terms, options_at
 from .block_solver import BlockTable, fastest, predicted_peak, smallest
 from .block_step import BlockCall, Outside, measure_outside, record_calls
+from .kept_subsets import KeptSubsets
 from .memory_model import CostModel
 from .other_outputs import OtherOutputs
 from .plans import DEFAULT_ALLOW, LEVER_CODECS, infeasible_message, keep_options
@@ -164,6 +166,9 @@ def _described(option) -> list:
     recomputes = {"inputs": "everything", "selective": "norms, activations"}.get(option.keep, "nothing")
     if option.keep == "selective" and option.policy.lossy:  # NOTE [ Attention's saves agree ]
         keeps, recomputes = "inputs, linear outputs", "norms, activations, attention"
+    elif option.keep == "selective" and option.ops != DEFAULT_KEPT_OPS:  # NOTE [ Kept subsets ]
+        kept = ["attention" if name == "scaled_dot_product_attention" else name for name in option.ops.names()]
+        keeps, recomputes = "inputs, outputs of " + ", ".join(kept), "the rest"
     return [keeps, recomputes, option.policy.codec.name, "host" if option.policy.offload else "device"]
 
 
@@ -266,10 +271,14 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
                                  profile.timed)
     options = [None, *candidates]
     other_outputs = None if outside is None else outside.other_outputs
+    subsets = KeptSubsets(measurer) if "selective" in levers else None  # NOTE [ Kept subsets ]
     rows, labels = [], []
     for a in range(len(calls)):
         row, names = [], []
-        for option in options_at(options, chain, a):
+        at = options_at(options, chain, a)
+        if subsets is not None and any(option is not None and option.keep == "selective" for option in at):
+            at += subsets.at(a)
+        for option in at:
             pair = tuple(_with_other_outputs(_terms(model, measurer, a, option, held), other_outputs, a, option)
                          for held in (False, True))
             if pair[0] is not None or pair[1] is not None:

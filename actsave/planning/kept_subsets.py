@@ -1,0 +1,156 @@
+"""Selective options that keep some of a block's expensive calls, not all: which a
+block plan may choose (block_options.py, NOTE [ Block options priced ]).
+
+NOTE [ Kept subsets ]
+``"selective"`` keeps the outputs of every linear layer and of attention
+(runtime/kept_ops.py's default), torchtitan's rule. What keeping a call's output saves
+and what recomputing it costs differ from call to call: a projection whose output only
+joins the residual stream keeps bytes the backward never reads, where recomputing it
+costs one matmul (or nothing, where it is the last call the recompute reaches: the
+early stop ends the recompute as its input is saved, before the matmul runs); an MLP's
+wide first layer keeps four times the hidden width for one matmul. So between
+``"selective"`` and a checkpoint of the block's input lie options that keep a subset
+of the calls (``KeptOps(module_names=...)``), each a point of its own in bytes and
+seconds, which the plan's program can mix across blocks.
+
+Which subsets, without measuring all 2^k of a block's k calls:
+
+1. The calls a selective block would keep, in the order its forward makes them: each
+   module of the default's types that the forward calls, named as the block's
+   ``named_modules()`` names it, and attention where it runs.
+2. Each call dropped alone (every other one kept), measured as any option is (its
+   bytes counted, its step timed against the plain block's): what dropping it saves
+   and costs.
+3. The calls ordered by what dropping them costs per byte saved, cheapest first, and
+   the subsets that drop the first two, three, ... of them, measured too: a path from
+   ``"selective"`` towards the input checkpoint.
+
+Every subset of steps 2 and 3 is offered to the program with its measured terms, as
+``"selective"`` is; the program takes whichever is fastest within the budget. Only
+exact (the codecs' and offload's selective options keep every call), only where the
+profile has times (a meta profile has no seconds to rank by), and only for blocks of
+at most :data:`MOST_CALLS` calls (each measurement is a timed step of the block).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .._torch import ATTENTION
+from ..runtime.keep_modes import BlockOption
+from ..runtime.keep_rules import EXACT
+from ..runtime.kept_ops import DEFAULT_KEPT_OPS, KeptOps
+from .step_isolation import isolated_steps
+
+# The most calls a block's subsets are searched over: 2k measured options (a block of
+# 16 linear layers and attention, an 8-expert MoE's 24 linear layers are left out).
+MOST_CALLS = 12
+
+_ATTENTION = "scaled_dot_product_attention"
+
+
+def called_units(block: nn.Module, run) -> list:
+    """The calls a selective ``block`` keeps, in forward order (NOTE [ Kept subsets ],
+    step 1): ``("module", name)`` for each module of the default's types that
+    ``run()`` (a forward of the block) calls, ``("function", name)`` for attention."""
+    found, names = [], {}
+    for name, module in block.named_modules():
+        if name and isinstance(module, DEFAULT_KEPT_OPS.modules):
+            names[module] = name
+
+    def seen(unit):
+        if unit not in found:
+            found.append(unit)
+
+    def record(module, args):
+        seen(("module", names[module]))
+
+    def attention(call_next, *args, **kwargs):
+        seen(("function", _ATTENTION))
+        return call_next(*args, **kwargs)
+
+    handles = [module.register_forward_pre_hook(record) for module in names]
+    try:
+        with ATTENTION.handled(attention):
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _outermost(found)
+
+
+def _outermost(units: list) -> list:
+    """``units`` but those under another module unit (a Linear inside a kept Linear
+    subclass): a selective recompute keeps the outermost call."""
+    modules = [name for kind, name in units if kind == "module"]
+    return [(kind, name) for kind, name in units
+            if kind != "module" or not any(name.startswith(other + ".") for other in modules)]
+
+
+def subset_option(units: list, kept: list) -> Optional[BlockOption]:
+    """The exact selective option keeping the calls ``kept`` of ``units``; None where it
+    keeps none."""
+    if not kept:
+        return None
+    if len(kept) == len(units):
+        return BlockOption("selective", EXACT, DEFAULT_KEPT_OPS)
+    names = tuple(name for kind, name in kept if kind == "module")
+    functions = tuple(name for kind, name in kept if kind == "function")
+    ops = KeptOps(modules=DEFAULT_KEPT_OPS.modules if names else (), functions=functions,
+                  module_names=names or None)
+    return BlockOption("selective", EXACT, ops)
+
+
+class KeptSubsets:
+    """The subset options of each block (NOTE [ Kept subsets ]), found with
+    ``measurer`` (block_options.BlockMeasurer), once per kind of block."""
+
+    def __init__(self, measurer):
+        self.measurer = measurer
+        self._found = {}
+
+    def at(self, a: int) -> list:
+        """The subset options of block ``a`` besides ``"selective"`` itself."""
+        key = self.measurer.signature(a)
+        if key not in self._found:
+            self._found[key] = self._search(a)
+        return self._found[key]
+
+    def _search(self, a: int) -> list:
+        measurer = self.measurer
+        if not measurer.timed:
+            return []
+        layer = measurer.layers[a]
+        block = getattr(layer, "block", layer)
+        with isolated_steps(layer), torch.no_grad():
+            units = called_units(block, lambda: layer(measurer.example(a)))
+        if not 2 <= len(units) <= MOST_CALLS:
+            return []
+        everything = measurer.measured(a, subset_option(units, units))
+        if everything is None:
+            return []
+        alone = {}
+        for unit in units:
+            option = subset_option(units, [u for u in units if u != unit])
+            measured = measurer.measured(a, option)
+            if measured is not None:
+                alone[unit] = (option, measured)
+        options = [option for option, _ in alone.values()]
+        order = sorted((unit for unit, (_, m) in alone.items() if m.kept < everything.kept),
+                       key=lambda unit: _cost_per_byte(everything, alone[unit][1]))
+        for count in range(2, len(order)):
+            dropped = set(order[:count])
+            option = subset_option(units, [u for u in units if u not in dropped])
+            if option is not None and measurer.measured(a, option) is not None:
+                options.append(option)
+        return options
+
+
+def _cost_per_byte(everything, dropped) -> float:
+    """Seconds added per byte saved by dropping a call: how the path orders them."""
+    return max(dropped.seconds - everything.seconds, 0.0) / (everything.kept - dropped.kept)
+
+
+__all__ = ["KeptSubsets", "MOST_CALLS", "called_units", "subset_option"]

@@ -1,0 +1,92 @@
+"""Selective options that keep some of a block's calls (actsave/planning/kept_subsets.py,
+NOTE [ Kept subsets ])."""
+import copy
+
+import torch
+from support import peak_activation_bytes
+from transformer_blocks import GPTBlock
+from torch import nn
+
+import actsave
+from actsave.planning.blocks import BlockPlanner
+from actsave.planning.kept_subsets import KeptSubsets, called_units, subset_option
+from actsave.runtime.keep_modes import BlockOption
+from actsave.runtime.keep_rules import EXACT
+from actsave.runtime.kept_ops import DEFAULT_KEPT_OPS, KeptOps
+
+ATTENTION = ("function", "scaled_dot_product_attention")
+GPT_UNITS = [("module", "qkv"), ATTENTION, ("module", "proj"), ("module", "fc1"), ("module", "fc2")]
+
+
+def test_the_calls_are_found_in_the_order_the_forward_makes_them():
+    block = GPTBlock()
+    assert called_units(block, lambda: block(torch.randn(2, 16, 32))) == GPT_UNITS
+
+
+class LowRankLinear(nn.Linear):
+    """A Linear subclass holding Linears of its own: one call, whose output is kept."""
+
+    def __init__(self, width: int):
+        super().__init__(width, width)
+        self.down, self.up = nn.Linear(width, 2, bias=False), nn.Linear(2, width, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.up(self.down(x))
+
+
+def test_a_kept_module_inside_another_is_not_a_call_of_its_own():
+    block = nn.Sequential(LowRankLinear(8), nn.GELU(), nn.Linear(8, 8))
+    assert called_units(block, lambda: block(torch.randn(4, 8))) == [("module", "0"), ("module", "2")]
+
+
+def test_a_subset_is_a_selective_option_keeping_the_calls_by_name():
+    assert subset_option(GPT_UNITS, GPT_UNITS) == BlockOption("selective", EXACT, DEFAULT_KEPT_OPS)
+    assert subset_option(GPT_UNITS, [("module", "qkv"), ATTENTION]).ops == KeptOps(module_names=("qkv",))
+    assert subset_option(GPT_UNITS, [ATTENTION]).ops == KeptOps(modules=())
+    assert subset_option(GPT_UNITS, [("module", "fc1")]).ops == KeptOps(functions=(), module_names=("fc1",))
+    assert subset_option(GPT_UNITS, []) is None
+
+
+class _Untimed:
+    timed = False
+
+    def signature(self, a):
+        return a
+
+
+def test_a_profile_without_times_offers_no_subsets():
+    assert KeptSubsets(_Untimed()).at(0) == []
+
+
+class GPTStack(nn.Module):
+    def __init__(self, depth: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(GPTBlock() for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_plans_choose_among_the_subsets_fit_their_budget_and_train_bit_identically():
+    plain, x = GPTStack(), torch.randn(4, 32, 32)
+    planned = copy.deepcopy(plain)
+    planner = BlockPlanner(planned, [(f"blocks.{n}", b) for n, b in planned.blocks.named_children()], (x,),
+                           allow=("recompute", "selective"))
+    subsets = [o for o in planner.table.labels[0] if o is not None and o.keep == "selective" and o.ops.module_names]
+    # Each of the five calls dropped alone, then a path dropping two and three of the
+    # four whose dropping saves bytes (fc2's output is one of them, attention's not all).
+    assert len(subsets) >= 4 and all(isinstance(o.ops, KeptOps) for o in subsets)
+    for share in (0.3, 0.7):
+        budget = int(planner.smallest_peak_bytes + share * (planner.plain_peak_bytes - planner.smallest_peak_bytes))
+        model, plan = copy.deepcopy((planned, planner.plan(budget)))  # the plan names the copy's blocks
+        actsave.wrap(model, plan)
+        assert peak_activation_bytes(model, x, loss=lambda out: out) <= plan.predicted_peak_bytes <= budget
+        for m in (plain, model):
+            for p in m.parameters():
+                p.grad = None
+            m(x.clone().requires_grad_()).backward()
+        for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), (share, name)
