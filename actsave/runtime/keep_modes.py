@@ -159,8 +159,9 @@ def _under_compile(option: BlockOption, function, args, kwargs, options, private
             # torch's selective checkpoint saving the outputs of ``ops`` and recomputing the rest.
             context = functools.partial(create_selective_checkpoint_contexts, list(ops))
             return checkpoint_in_graph(function, args, kwargs, options, context_fn=context), None
-        why = (f"it keeps the calls of {option.ops.names()} by name, which torch's selective checkpoint (a policy "
-               "per aten operator) cannot tell from the others of their type" if option.ops.module_names is not None
+        why = (f"it keeps the calls of {list(option.ops.module_names)} by name, which torch's selective checkpoint "
+               "(a policy per aten operator) cannot tell from the others of their type"
+               if option.ops.module_names is not None
                else f"the kept calls {option.ops.names()} have no aten operators actsave knows to save in a graph")
     elif option.keep == "selective":
         why = "what it keeps is stored by a codec or on the host as its forward ends, which a graph does not do"

@@ -299,3 +299,14 @@ def test_compiled_selective_blocks_are_one_graph_of_torch_selective_checkpoints(
     x = torch.randn(4, 8, 16)
     torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
     assert (sum(counters["graph_break"].values()), len(graphs), checkpoints_in(graphs)) == (0, 1, 3)
+
+
+def test_compiled_selective_blocks_keeping_linear_layers_by_name_run_eagerly_and_say_why():
+    # An aten-op policy cannot tell up's matmul from down's (NOTE [ Keep modes ]).
+    keep = actsave.KeptOps(module_names=("up",))
+    eager = actsave.wrap(linear_stack(), LinearBlock, keep=keep)
+    model, _ = compiled_for_counting(actsave.wrap(linear_stack(), LinearBlock, keep=keep))
+    x = torch.randn(4, 8, 16)
+    with pytest.warns(UserWarning, match=r"keeps the calls of \['up'\] by name"):
+        got = grads_of_a_step(model, x)
+    torch.testing.assert_close(got, grads_of_a_step(eager, x))
