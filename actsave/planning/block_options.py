@@ -55,6 +55,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..devices import host_is_separate, synchronize
 from ..errors import ConfigError
@@ -198,6 +199,20 @@ class BlockMeasurer:
             self._cache[key] = self._measure(layer, spec, option)
         return self._cache[key]
 
+    def sized(self, a: int, option: BlockOption) -> Optional[tuple]:
+        """``(R, FLOPs)`` of ``option`` at block ``a``, untimed (None where it fails
+        there): the bytes it keeps as :meth:`measured` counts them, and the FLOPs of its
+        step's matmuls and attention (``torch.utils.flop_counter``), a recompute's among
+        them."""
+        layer, spec = self.layers[a], self.inputs[a]
+        key = (_signature(layer), spec, option, "sized")
+        if key not in self._cache:
+            try:
+                self._cache[key] = self._bytes(layer, spec, option)[0], self._flops(layer, spec, option)
+            except ConfigError:
+                self._cache[key] = None
+        return self._cache[key]
+
     def signature(self, a: int) -> tuple:
         """What block ``a`` costs alike with: blocks of one signature are measured once."""
         return _signature(self.layers[a]), self.inputs[a]
@@ -244,6 +259,14 @@ class BlockMeasurer:
         return (float(held), input_kept, float(max(forward[0], forward_counted[0])),
                 float(max(backward[0], backward_counted[0])), fetched)
 
+    def _flops(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> int:
+        counting = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS)
+        with isolated_steps(layer), torch.enable_grad(), counting as counter:
+            x = _input_from(_source_like(spec, self.device), spec)
+            y = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))[0]
+            _backward(y, torch.ones_like(y))
+        return counter.get_total_flops()
+
     def _seconds(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> float:
         """The option's step less the plain block's, medians of interleaved runs."""
         runs = {"option": [], "plain": []}
@@ -265,6 +288,22 @@ class BlockMeasurer:
         _backward(y, torch.ones_like(y))
         synchronize(self.device)
         return time.perf_counter() - start
+
+
+def _cpu_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# The CPU's fused attention, which torch.utils.flop_counter (torch 2.13) does not count:
+# its FLOPs are the other fused attentions'.
+_CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
+}
 
 
 def _backward(y: torch.Tensor, gradient: torch.Tensor) -> None:

@@ -18,18 +18,22 @@ Which subsets, without measuring all 2^k of a block's k calls:
 1. The calls a selective block would keep, in the order its forward makes them: each
    module of the default's types that the forward calls, named as the block's
    ``named_modules()`` names it, and attention where it runs.
-2. Each call dropped alone (every other one kept), measured as any option is (its
-   bytes counted, its step timed against the plain block's): what dropping it saves
-   and costs.
-3. The calls ordered by what dropping them costs per byte saved, cheapest first, and
-   the subsets that drop the first two, three, ... of them, measured too: a path from
-   ``"selective"`` towards the input checkpoint.
+2. Each call dropped alone (every other one kept), its step run once, untimed: the
+   bytes it keeps, counted as any option's are, and the FLOPs of its matmuls and
+   attention (``torch.utils.flop_counter``), which count what its recompute runs again
+   and are the same from run to run, where the seconds of a call dropped move within a
+   timed step's noise.
+3. The calls that save bytes when dropped, ordered by the FLOPs that adds per byte
+   saved, cheapest first; then the subsets that drop the first one, two, ... of them,
+   each measured as any option is (bytes, and its step timed against the plain
+   block's): a path from ``"selective"`` towards the input checkpoint, k - 1 timed
+   options at most.
 
-Every subset of steps 2 and 3 is offered to the program with its measured terms, as
+The path's subsets are offered to the program with their measured terms, as
 ``"selective"`` is; the program takes whichever is fastest within the budget. Only
 exact (the codecs' and offload's selective options keep every call), only where the
-profile has times (a meta profile has no seconds to rank by), and only for blocks of
-at most :data:`MOST_CALLS` calls (each measurement is a timed step of the block).
+profile has times (a meta profile has no seconds to price by), and only for blocks of
+at most :data:`MOST_CALLS` calls.
 """
 from __future__ import annotations
 
@@ -44,8 +48,9 @@ from ..runtime.keep_rules import EXACT
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS, KeptOps
 from .step_isolation import isolated_steps
 
-# The most calls a block's subsets are searched over: 2k measured options (a block of
-# 16 linear layers and attention, an 8-expert MoE's 24 linear layers are left out).
+# The most calls a block's subsets are searched over: k untimed steps and k - 1 timed
+# options (a block of 16 linear layers and attention, an 8-expert MoE's 24 linear
+# layers are left out).
 MOST_CALLS = 12
 
 _ATTENTION = "scaled_dot_product_attention"
@@ -124,33 +129,28 @@ class KeptSubsets:
             return []
         layer = measurer.layers[a]
         block = getattr(layer, "block", layer)
-        with isolated_steps(layer), torch.no_grad():
+        with isolated_steps(layer), torch.enable_grad():  # the forward a selective block runs
             units = called_units(block, lambda: layer(measurer.example(a)))
         if not 2 <= len(units) <= MOST_CALLS:
             return []
-        everything = measurer.measured(a, subset_option(units, units))
+        everything = measurer.sized(a, subset_option(units, units))
         if everything is None:
             return []
-        alone = {}
-        for unit in units:
-            option = subset_option(units, [u for u in units if u != unit])
-            measured = measurer.measured(a, option)
-            if measured is not None:
-                alone[unit] = (option, measured)
-        options = [option for option, _ in alone.values()]
-        order = sorted((unit for unit, (_, m) in alone.items() if m.kept < everything.kept),
-                       key=lambda unit: _cost_per_byte(everything, alone[unit][1]))
-        for count in range(2, len(order)):
-            dropped = set(order[:count])
-            option = subset_option(units, [u for u in units if u not in dropped])
+        alone = {unit: measurer.sized(a, subset_option(units, [u for u in units if u != unit])) for unit in units}
+        saving = [unit for unit, sized in alone.items() if sized is not None and sized[0] < everything[0]]
+        order = sorted(saving, key=lambda unit: _cost_per_byte(everything, alone[unit]))
+        options = []
+        for count in range(1, len(order) + 1):
+            option = subset_option(units, [u for u in units if u not in order[:count]])
             if option is not None and measurer.measured(a, option) is not None:
                 options.append(option)
         return options
 
 
-def _cost_per_byte(everything, dropped) -> float:
-    """Seconds added per byte saved by dropping a call: how the path orders them."""
-    return max(dropped.seconds - everything.seconds, 0.0) / (everything.kept - dropped.kept)
+def _cost_per_byte(everything: tuple, dropped: tuple) -> float:
+    """FLOPs added per byte saved by dropping a call (``(R, FLOPs)`` pairs): how the
+    path orders them."""
+    return max(dropped[1] - everything[1], 0) / (everything[0] - dropped[0])
 
 
 __all__ = ["KeptSubsets", "MOST_CALLS", "called_units", "subset_option"]
