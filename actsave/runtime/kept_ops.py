@@ -38,8 +38,8 @@ class KeptOps:
     transformer block, as torchtitan's op list does (its matmuls and attention).
 
     ``module_names`` keeps only some of those modules: the ones whose qualified name
-    in the checkpointed module (as its ``named_modules()`` spells it) is one of these
-    or ends with ``"." + `` one of these, as PEFT's ``target_modules`` match:
+    in the checkpointed module (as its ``named_modules()`` spells it) is one of these,
+    or ends with a dot and one of these, as PEFT's ``target_modules`` match:
     ``KeptOps(module_names=("attn.qkv", "mlp.0"))`` keeps a block's attention
     projection and first MLP layer and recomputes its other linear layers. A name that
     matches no module of ``modules``' types raises at the first call. None (the
