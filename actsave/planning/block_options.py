@@ -47,6 +47,7 @@ raise only where the plain block does.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import weakref
@@ -198,6 +199,14 @@ class BlockMeasurer:
         if key not in self._cache:
             self._cache[key] = self._measure(layer, spec, option)
         return self._cache[key]
+
+    def at_least(self, a: int, option: BlockOption, seconds: float) -> None:
+        """Price ``option`` at block ``a`` at ``seconds`` or more, where it is known to do
+        at least the work of an option measured at ``seconds`` (NOTE [ Kept subsets ])."""
+        measured = self.measured(a, option)
+        if measured is not None and measured.seconds < seconds:
+            layer, spec = self.layers[a], self.inputs[a]
+            self._cache[(_signature(layer), spec, option)] = dataclasses.replace(measured, seconds=seconds)
 
     def sized(self, a: int, option: BlockOption) -> Optional[tuple]:
         """``(R, FLOPs)`` of ``option`` at block ``a``, untimed (None where it fails

@@ -93,3 +93,43 @@ def test_plans_choose_among_the_subsets_fit_their_budget_and_train_bit_identical
             m(x.clone().requires_grad_()).backward()
         for (name, p), q in zip(plain.named_parameters(), model.parameters()):
             assert torch.equal(p.grad, q.grad), (share, name)
+
+
+class _Measured:
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+
+class _Measurer:
+    """Prices an option by how many of GPTBlock's five calls it drops: bytes fall and
+    FLOPs rise with each, seconds as ``seconds`` says (noisy: not monotone)."""
+
+    timed = True
+
+    def __init__(self, seconds: dict):
+        self.layers, self.seconds, self.floors = [GPTBlock()], seconds, {}
+
+    def signature(self, a):
+        return a
+
+    def example(self, a):
+        return torch.randn(2, 16, 32)
+
+    def _dropped(self, option) -> int:
+        return 0 if option.ops == DEFAULT_KEPT_OPS else 5 - len(option.ops.names())
+
+    def sized(self, a, option):
+        dropped = self._dropped(option)
+        return 100 - 10 * dropped, dropped
+
+    def measured(self, a, option):
+        return _Measured(max(self.seconds[self._dropped(option)], self.floors.get(option, 0.0)))
+
+    def at_least(self, a, option, seconds):
+        self.floors[option] = max(self.floors.get(option, 0.0), seconds)
+
+
+def test_each_subset_of_the_path_is_priced_at_least_as_the_one_before_it():
+    measurer = _Measurer({0: 5.0, 1: 4.0, 2: 9.0, 3: 1.0, 4: 12.0})
+    path = KeptSubsets(measurer).at(0)
+    assert [measurer.measured(0, option).seconds for option in path] == [5.0, 9.0, 9.0, 12.0]
