@@ -152,7 +152,7 @@ def test_a_blocks_per_op_options_are_measured_with_the_workspace_they_take(fake,
 
     def rises():
         measurer = BlockMeasurer(nn.Sequential(block), [TensorSpec.of(x)], "cpu", timed=False)
-        return [(m.forward_rise, m.backward_rise) for m in (measurer._measured(0, option) for option in options)]
+        return [(m.forward_rise, m.backward_rise) for m in (measurer.measured(0, option) for option in options)]
 
     live_only = rises()
     monkeypatch.setattr(allocator_rises, "allocator_statistics", lambda device: True)
