@@ -68,6 +68,10 @@ class KeptOps:
         object.__setattr__(self, "modules", modules)
         object.__setattr__(self, "functions", functions)
         if self.module_names is not None:
+            if not modules:
+                raise ConfigError(f"KeptOps(modules=(), module_names={self.module_names!r}): module_names chooses "
+                                  "among the modules of the types in modules, and there are none: name the types "
+                                  "too (modules=(nn.Linear,)), or leave module_names out")
             names = _as_tuple("module_names", self.module_names, str, "qualified module names")
             if not names or not all(isinstance(n, str) and n for n in names):
                 raise ConfigError(f"KeptOps(module_names={self.module_names!r}): pass qualified module names, "

@@ -140,6 +140,8 @@ def test_module_names_match_the_end_of_a_qualified_name_and_say_which_exist():
         selective_call(block, (x * 1,), {}, KeptOps(module_names=("fc2", "c1")), DEFAULT_RECOMPUTE)
     with pytest.raises(ConfigError, match="pass qualified module names"):
         KeptOps(module_names=())
+    with pytest.raises(ConfigError, match=r"chooses among the modules of the types in modules, and there are none"):
+        KeptOps(modules=(), module_names=("fc1",))
 
 
 def test_a_block_without_the_named_ops_warns_once_and_recomputes_everything():
