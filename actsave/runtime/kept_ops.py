@@ -88,25 +88,34 @@ class KeptOps:
     def watched(self, layers: Optional[tuple], modules: list, indexed: bool) -> list:
         """The modules among ``modules`` (``(layer index, module)`` pairs under
         ``layers``: layers.py's modules_under) whose calls it keeps: of its types, and
-        where it names modules, of those names; ``indexed``: the function runs its
-        layers as a sequence (an ``nn.Sequential``), whose names start with their index."""
+        where it names modules, of those names (:meth:`named_choice`)."""
         typed = [m for _, m in modules if isinstance(m, self.modules)]
         if self.module_names is None:
             return typed
+        chosen = {id(m) for _, m in self.named_choice(layers, indexed)}
+        return [m for m in typed if id(m) in chosen]
+
+    def named_choice(self, layers: tuple, indexed: bool) -> list:
+        """``(qualified name, module)`` of each module of its types under ``layers``
+        that ``module_names`` names, in ``named_modules()``' order; ``indexed``: the
+        function runs its layers as a sequence (an ``nn.Sequential``), whose names
+        start with their index. A name that matches none raises, listing the names
+        there are."""
         named = [(f"{i}.{name}".rstrip(".") if indexed else name, m) for i, layer in enumerate(layers)
                  for name, m in layer.named_modules(remove_duplicate=False) if isinstance(m, self.modules)]
-        chosen, unmatched = set(), []
-        for wanted in self.module_names:
-            found = {id(m) for name, m in named if name == wanted or name.endswith("." + wanted)}
-            chosen |= found
-            if not found:
-                unmatched.append(wanted)
+        unmatched = [wanted for wanted in self.module_names if not any(_names(name, wanted) for name, _ in named)]
         if unmatched:
             known = sorted({name for name, _ in named if name})
             raise ConfigError(f"KeptOps(module_names=...) names {unmatched}, which match no module of the types "
                               f"{[m.__name__ for m in self.modules]} in the checkpointed module; its modules of "
                               f"those types are {known}. Name one of them (a qualified name or its last parts)")
-        return [m for m in typed if id(m) in chosen]
+        return [(name, m) for name, m in named if any(_names(name, wanted) for wanted in self.module_names)]
+
+
+def _names(qualified: str, wanted: str) -> bool:
+    """Whether ``wanted`` names the module at ``qualified``: the whole name or its last
+    parts after a dot, as PEFT's ``target_modules`` match."""
+    return qualified == wanted or qualified.endswith("." + wanted)
 
 
 DEFAULT_KEPT_OPS = KeptOps()
