@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import math
 import operator
+import re
 from typing import Optional
 
 import torch
@@ -82,6 +83,26 @@ def saved_node_being_traced():
     node, forward, backward = context["_node"], context["_fw_graph"], context["_bw_graph"]
     _give_rng_state_its_backward_name(node, forward, backward)
     return node, backward
+
+
+# The module an op traced into a compiled graph runs in: while AOTAutograd traces
+# Dynamo's graph it keeps the meta of the node that makes each op current
+# (torch.fx.traceback.current_meta), whose ``nn_module_stack`` Dynamo recorded, outermost
+# module first, each entry ``(path, type)`` with the path spelled from the compiled
+# frame's locals ("L['self'].blocks.0.attn.qkv", an index in brackets in some
+# releases). Optional: where a torch records none, nothing is found.
+_DOTTED = re.compile(r"\[['\"]?([^\]'\"]*)['\"]?\]")
+
+
+def module_of_traced_op() -> Optional[tuple]:
+    """``(dotted path, type)`` of the innermost module whose forward runs the op
+    AOTAutograd traces now, or None where it runs in none or torch records none."""
+    meta = getattr(torch.fx.traceback, "current_meta", None) or {}
+    stack = meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path, module_type = next(reversed(stack.values()))
+    return _DOTTED.sub(r".\1", path), module_type
 
 
 # NOTE [ RNG states under graph hooks ]

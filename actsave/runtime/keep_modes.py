@@ -26,9 +26,10 @@ it and what to make again:
 A lossy codec is used only where named (``compress=``, or a plan's ``allow``), so an
 exact mode's gradients are bit-identical to the plain block's. Under torch.compile an
 exact ``"inputs"`` checkpoint is torch's checkpoint in the graph, an exact selective one
-torch's selective checkpoint (its policy saving the aten ops of the kept calls) where
-every kept call maps to aten ops (selective.py, ``aten_ops_of``); anything else runs
-eagerly at a graph break, with one warning that says why.
+torch's selective checkpoint (its policy saving the aten ops of the kept calls, by
+name where ``module_names`` names them: NOTE [ Kept calls in a graph ]) where every
+kept call maps to aten ops; anything else runs eagerly at a graph break, with one
+warning that says why.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from .compiled_calls import checkpoint_in_graph, warn_eager_under_compile
 from .function import checkpointed_call
 from .kept_saves import call_with_kept_saves
 from .recompute_options import RecomputeOptions
-from .kept_ops import DEFAULT_KEPT_OPS, KeptOps, aten_ops_of
+from .kept_ops import DEFAULT_KEPT_OPS, KeptOps, aten_policy
 from .selective import selective_call
 from .keep_rules import EXACT, KeepPolicy
 
@@ -154,13 +155,13 @@ def _under_compile(option: BlockOption, function, args, kwargs, options, private
     if option.is_plain:
         return function(*args, **kwargs), None
     if option.keep == "selective" and option.policy == EXACT:
-        ops = aten_ops_of(option.ops)
-        if ops is not None:
-            # torch's selective checkpoint saving the outputs of ``ops`` and recomputing the rest.
-            context = functools.partial(create_selective_checkpoint_contexts, list(ops))
+        saved = aten_policy(option.ops, function)
+        if saved is not None:
+            # torch's selective checkpoint saving the outputs of the kept calls and recomputing the rest.
+            context = functools.partial(create_selective_checkpoint_contexts, saved)
             return checkpoint_in_graph(function, args, kwargs, options, context_fn=context), None
-        why = (f"it keeps the calls of {list(option.ops.module_names)} by name, which torch's selective checkpoint "
-               "(a policy per aten operator) cannot tell from the others of their type"
+        why = (f"it keeps the calls of {list(option.ops.module_names)} by name in a function that is not a module, "
+               "whose modules actsave cannot name: checkpoint the module"
                if option.ops.module_names is not None
                else f"the kept calls {option.ops.names()} have no aten operators actsave knows to save in a graph")
     elif option.keep == "selective":

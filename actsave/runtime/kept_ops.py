@@ -6,12 +6,16 @@ them (keep_modes.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 from .._torch import ATTENTION, aten_overloads
+from .._torch_graphs import module_of_traced_op
 from ..errors import ConfigError
+from .layers import known_layers
 
 # The functions a policy may name: called through their module, which the tap replaces.
 TAPPED_FUNCTIONS = {"scaled_dot_product_attention": ATTENTION}
@@ -101,15 +105,24 @@ class KeptOps:
         function runs its layers as a sequence (an ``nn.Sequential``), whose names
         start with their index. A name that matches none raises, listing the names
         there are."""
-        named = [(f"{i}.{name}".rstrip(".") if indexed else name, m) for i, layer in enumerate(layers)
-                 for name, m in layer.named_modules(remove_duplicate=False) if isinstance(m, self.modules)]
-        unmatched = [wanted for wanted in self.module_names if not any(_names(name, wanted) for name, _ in named)]
+        named = self._named_modules(layers, indexed)
+        unmatched = self._unmatched(named)
         if unmatched:
             known = sorted({name for name, _ in named if name})
             raise ConfigError(f"KeptOps(module_names=...) names {unmatched}, which match no module of the types "
                               f"{[m.__name__ for m in self.modules]} in the checkpointed module; its modules of "
                               f"those types are {known}. Name one of them (a qualified name or its last parts)")
+        return self._chosen(named)
+
+    def _chosen(self, named: list) -> list:
         return [(name, m) for name, m in named if any(_names(name, wanted) for wanted in self.module_names)]
+
+    def _named_modules(self, layers: tuple, indexed: bool) -> list:
+        return [(f"{i}.{name}".rstrip(".") if indexed else name, m) for i, layer in enumerate(layers)
+                for name, m in layer.named_modules(remove_duplicate=False) if isinstance(m, self.modules)]
+
+    def _unmatched(self, named: list) -> list:
+        return [wanted for wanted in self.module_names if not any(_names(name, wanted) for name, _ in named)]
 
 
 def _names(qualified: str, wanted: str) -> bool:
@@ -121,22 +134,65 @@ def _names(qualified: str, wanted: str) -> bool:
 DEFAULT_KEPT_OPS = KeptOps()
 
 
-def aten_ops_of(ops: KeptOps) -> Optional[frozenset]:
-    """The aten overloads whose outputs torch's selective checkpoint saves for the calls
-    ``ops`` names, in a compiled graph (keep_modes.py); None where a named module type
-    has none known here, or where ``ops`` keeps some modules of a type by name: a policy
-    per aten operator cannot tell one linear layer's matmul from another's."""
-    if ops.module_names is not None:
+# NOTE [ Kept calls in a graph ]
+# Under torch.compile an exact selective checkpoint is torch's selective checkpoint,
+# whose policy AOTAutograd asks, for each aten op it traces, whether to save its output
+# or recompute it. A kept call is the aten ops that do its work (_ATEN_OPS: a linear
+# layer's matmul, attention's fused kernel). Kept by type, the policy is the list of
+# those overloads. Kept by name (``module_names``), a module type's overloads are saved
+# only where the innermost module the op runs in (Dynamo's record of it,
+# _torch_graphs.module_of_traced_op) is a named one: its path ends with that module's
+# qualified name in the block, found as named_choice finds it, while Dynamo traces the
+# block. A name that matches nothing runs the block eagerly, where it raises the error
+# it raises without compile. A function's overloads (attention's) are saved wherever
+# they run, as kept by type. An op whose module the trace does not tell is recomputed:
+# the graph keeps less than the plan priced, never more. Whichever ops a graph saves,
+# its gradients are the same: a saved output is the one the recompute would make.
+
+
+def aten_policy(ops: KeptOps, function) -> Optional[object]:
+    """What torch's selective checkpoint saves of ``function``'s calls that ``ops`` keeps,
+    in a compiled graph (NOTE [ Kept calls in a graph ]): a list of aten overloads, or
+    a policy for ``create_selective_checkpoint_contexts``; None where a kept module type
+    has no overloads known here, or ``ops`` names modules of a function that is not a
+    module (whose modules actsave cannot name)."""
+    module_overloads = _overloads_of(ops.modules)
+    if module_overloads is None:
         return None
+    function_overloads = frozenset().union(*(_ATEN_OPS[name] for name in ops.functions))
+    if ops.module_names is None:
+        return list(module_overloads | function_overloads)
+    layers = known_layers(function)
+    if layers is None:
+        return None
+    named = ops._named_modules(layers, type(function) is nn.Sequential)  # layers.py's rule, for a module
+    if ops._unmatched(named):
+        return None  # eagerly, named_choice's error (a raise Dynamo traced would break the graph there)
+    names = tuple(name for name, _ in ops._chosen(named))
+    return functools.partial(_saved_by_name, names, module_overloads, function_overloads)
+
+
+def _overloads_of(module_types: tuple) -> Optional[frozenset]:
     found = set()
-    for module_type in ops.modules:
+    for module_type in module_types:
         overloads = next((names for known, names in _ATEN_OPS.items() if issubclass(module_type, known)), None)
         if overloads is None:
             return None
         found |= overloads
-    for name in ops.functions:
-        found |= _ATEN_OPS[name]
     return frozenset(found)
+
+
+def _saved_by_name(names: tuple, module_overloads: frozenset, function_overloads: frozenset, ctx, op, *args,
+                   **kwargs) -> CheckpointPolicy:
+    """The policy of a checkpoint that keeps the modules at ``names`` (NOTE [ Kept calls
+    in a graph ])."""
+    if op in function_overloads:
+        return CheckpointPolicy.MUST_SAVE
+    if op in module_overloads:
+        found = module_of_traced_op()
+        if found is not None and any(_names(found[0], name) for name in names):
+            return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # A kept call's work as the aten operators a compiled graph runs: a linear layer's
@@ -169,4 +225,4 @@ def may_draw(target, args: tuple, kwargs: dict) -> bool:
     return type(target) not in _DRAW_NOTHING
 
 
-__all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "TAPPED_FUNCTIONS", "aten_ops_of", "may_draw"]
+__all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "TAPPED_FUNCTIONS", "aten_policy", "may_draw"]

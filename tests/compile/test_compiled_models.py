@@ -301,12 +301,39 @@ def test_compiled_selective_blocks_are_one_graph_of_torch_selective_checkpoints(
     assert (sum(counters["graph_break"].values()), len(graphs), checkpoints_in(graphs)) == (0, 1, 3)
 
 
-def test_compiled_selective_blocks_keeping_linear_layers_by_name_run_eagerly_and_say_why():
-    # An aten-op policy cannot tell up's matmul from down's (NOTE [ Keep modes ]).
-    keep = actsave.KeptOps(module_names=("up",))
+@pytest.mark.parametrize("names, kept_per_block", [(("up",), 4 * 8 * 32 * 4), (("down",), 0)])
+def test_compiled_selective_blocks_keeping_linear_layers_by_name_save_those_alone(names, kept_per_block):
+    # The policy asks which module each matmul runs in (NOTE [ Kept calls in a graph ]):
+    # up's output is saved, down's recomputed (its output, which only joins the
+    # residual, the backward never reads); one graph, no break, eager's gradients.
+    keep = actsave.KeptOps(module_names=names)
     eager = actsave.wrap(linear_stack(), LinearBlock, keep=keep)
-    model, _ = compiled_for_counting(actsave.wrap(linear_stack(), LinearBlock, keep=keep))
+    model, graphs = compiled_for_counting(actsave.wrap(linear_stack(), LinearBlock, keep=keep))
+    inputs_only, _ = compiled_for_counting(actsave.wrap(linear_stack(), LinearBlock))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
     x = torch.randn(4, 8, 16)
-    with pytest.warns(UserWarning, match=r"keeps the calls of \['up'\] by name"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         got = grads_of_a_step(model, x)
-    torch.testing.assert_close(got, grads_of_a_step(eager, x))
+    assert all(torch.equal(a, b) for a, b in zip(got, grads_of_a_step(eager, x)))
+    assert (sum(counters["graph_break"].values()), len(graphs), checkpoints_in(graphs)) == (0, 1, 3)
+    assert activation_bytes_saved(model, x) - activation_bytes_saved(inputs_only, x) == 3 * kept_per_block
+
+
+def test_a_compiled_selective_block_naming_no_module_raises_as_eagerly():
+    model = torch.compile(actsave.wrap(linear_stack(), LinearBlock, keep=actsave.KeptOps(module_names=("gate",))),
+                          backend=BACKEND)
+    with pytest.raises(actsave.ConfigError, match=r"names \['gate'\].*\['down', 'up'\]"):
+        model(torch.randn(4, 8, 16))
+
+
+def test_a_compiled_selective_function_keeping_modules_by_name_is_refused_as_eagerly(monkeypatch):
+    # A function that is not a module: actsave cannot name its modules, compiled or not.
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
+    block, keep = linear_stack(1)[0], actsave.KeptOps(module_names=("up",))
+    compiled = torch.compile(lambda t: actsave.checkpoint(lambda u: block(u), t, keep=keep), backend=BACKEND)
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"by name in a function that is not a module"), \
+            pytest.raises(actsave.ConfigError, match=r"finds the modules a function runs only where it is a module"):
+        compiled(x)
