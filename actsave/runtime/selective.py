@@ -84,121 +84,17 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .._torch import leaf_base, storage_identity, storage_identity_or_none, version
-from ..errors import ConfigError, RecomputeError
-from ..layouts import is_dense
+from .._torch import storage_identity, storage_identity_or_none, version
+from ..errors import ConfigError
 from .function import _detached, _Frame, _checkpointed_call, _name
 from .placeholders import Cursor, Slot
 from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState
+from .kept_calls import CallArgument, KeptCall, KeptSave
 from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
-
-
-class _Call:
-    """One outermost kept call of the forward: what it is (a module, or a function's
-    name), the placeholders its saves took (``start`` to ``stop``), its tensor
-    arguments' storages and offsets, and its output, which the recompute returns in its
-    place."""
-
-    __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
-                 "skipped", "mutates", "rng_before", "rng_after")
-
-    def __init__(self, target, start: int, arguments: list):
-        self.target, self.start, self.stop = target, start, start
-        # [_Argument] of the tensor arguments, as the call got them
-        self.arguments = arguments
-        self.output, self.version, self.requires_grad = None, None, False
-        self.stored = None  # the output as its policy stores it (kept_outputs.py), which then holds no output
-        # The generators' states around a call that may draw random numbers (attention's
-        # dropout), where it did: the recompute skips it, and must leave them as it did.
-        self.rng_before = self.rng_after = None
-        self.views = {}  # slot index -> (argument position, size, stride, offset from the argument's)
-        self.skipped = False  # whether the recompute skips it: set as the forward ends
-        self.mutates = False  # whether it changed an argument in place (then it runs again)
-
-    def kept_output(self) -> torch.Tensor:
-        """The forward's output, as kept or stored."""
-        return self.output if self.stored is None else self.stored.read()
-
-    def view_of_argument(self, tensor: torch.Tensor) -> Optional[tuple]:
-        """``(position, size, stride, relative offset)`` where ``tensor`` reads only
-        elements of one of the call's tensor arguments, else None (NOTE [ Selective
-        recompute ])."""
-        identity, offset = storage_identity(tensor), tensor.storage_offset()
-        shape, stride = tuple(tensor.shape), tensor.stride()
-        sharing = [a for a in self.arguments if a.storage == identity]
-        for a in sharing:  # the argument itself first: q, k and v may be slices of one storage
-            if (a.offset, a.shape, a.stride) == (offset, shape, stride):
-                return a.position, shape, stride, 0
-        first, last = _span(offset, shape, stride)
-        for a in sharing:
-            if a.holds(first, last):
-                return a.position, shape, stride, offset - a.offset
-        return None
-
-    def mutated_an_argument(self) -> bool:
-        """Whether the call changed one of its tensor arguments in place: it is run
-        again in the recompute, where its argument must change again."""
-        return any(version(a.tensor) != a.version for a in self.arguments if a.tensor is not None)
-
-
-class _Argument:
-    """A kept call's tensor argument as the call got it: its position among the
-    call's tensors, storage, offset, shape, strides and version (with the tensor, until
-    the call ends)."""
-
-    __slots__ = ("position", "storage", "offset", "shape", "stride", "tensor", "version")
-
-    def __init__(self, position: int, tensor: torch.Tensor):
-        self.position, self.offset = position, tensor.storage_offset()
-        self.storage = storage_identity_or_none(tensor)  # None: a torch.func transform's wrapper
-        self.shape, self.stride = tuple(tensor.shape), tensor.stride()
-        self.tensor, self.version = tensor, version(tensor)
-
-    def holds(self, first: int, last: int) -> bool:
-        """Whether the storage elements ``first`` to ``last`` are all the argument's own
-        (asked while the call runs, with the tensor)."""
-        return is_dense(self.tensor) and self.offset <= first and last < self.offset + self.tensor.numel()
-
-
-def _span(offset: int, shape: tuple, stride: tuple) -> tuple:
-    """The first and last storage elements a view reads (last < first when empty)."""
-    if 0 in shape:
-        return offset, offset - 1
-    low = sum((n - 1) * s for n, s in zip(shape, stride) if s < 0)
-    high = sum((n - 1) * s for n, s in zip(shape, stride) if s > 0)
-    return offset + low, offset + high
-
-
-class _Kept:
-    """A save kept in its placeholder: the tensor itself, or as its policy stored it
-    (``stored``, kept_outputs.py); with the version it was saved at and the autograd
-    node that made it (for the error); ``held``: whether someone else holds it anyway
-    (a parameter or a view of one)."""
-
-    __slots__ = ("tensor", "stored", "version", "held", "made_by", "shape")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.version, self.held = _detached(tensor), version(tensor), _held_elsewhere(tensor)
-        self.stored, self.shape = None, tensor.shape
-        self.made_by = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "a leaf"
-
-    def store(self, stored) -> None:
-        """From now on ``stored`` (a kept_outputs.StoredTensor) stands for the tensor."""
-        self.stored, self.tensor = stored, None
-
-    def read(self) -> torch.Tensor:
-        counter = self.tensor if self.stored is None else self.stored.counter
-        if counter is not None and version(counter) != self.version:
-            raise RecomputeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: a tensor of shape {list(self.shape)} made by {self.made_by}, which a selective "
-                f"checkpoint kept, is at version {version(counter)}; expected version {self.version} instead. "
-                "Change it after the backward, or change a copy (nn.Sequential raises the same).")
-        return self.tensor if self.stored is None else self.stored.read()
 
 
 class SelectiveFrame(_Frame):
@@ -219,7 +115,7 @@ class SelectiveFrame(_Frame):
                 "module itself, or keep functions only (KeptOps(modules=()))")
         indexed = not isinstance(function, nn.Module) or type(function) is nn.Sequential  # layers.py's rule
         self._watched = ops.watched(self.layers, self.modules, indexed) if self.modules else []
-        self.calls = []  # _Call, in forward order
+        self.calls = []  # KeptCall, in forward order
         self._open = None  # the outermost kept call running, in the forward
         self._depth = 0  # kept calls open (nested ones inside the outermost)
         self._pending = []  # (slot, tensor) saved inside the open call
@@ -276,7 +172,7 @@ class SelectiveFrame(_Frame):
         if self._depth > 1 or not self.in_forward:
             return
         tensors = input_tensors(args, kwargs)
-        self._open = _Call(target, len(self.slots), [_Argument(i, t) for i, t in enumerate(tensors)])
+        self._open = KeptCall(target, len(self.slots), [CallArgument(i, t) for i, t in enumerate(tensors)])
         # Without preserve_rng_state the recompute draws from the generators as they are
         # (torch's meaning): setting them to a forward-time state would rewind them.
         if self.options.preserve_rng_state and may_draw(target, args, kwargs):
@@ -305,7 +201,7 @@ class SelectiveFrame(_Frame):
             if view is not None and call.output is not None:
                 call.views[slot.index] = view
             else:
-                slot.kept = _Kept(tensor)  # a weight's transpose, attention's statistics
+                slot.kept = KeptSave(tensor)  # a weight's transpose, attention's statistics
         self._pending = []
         call.mutates = call.mutated_an_argument()
         for argument in call.arguments:
@@ -317,7 +213,7 @@ class SelectiveFrame(_Frame):
         if self._open is not None and self.in_forward:
             self._pending.append((slot, tensor))
         elif self.in_forward and storage_identity(tensor) in self._outputs:
-            slot.kept = _Kept(tensor)  # kept anyway, as the call's output, where the call is skipped
+            slot.kept = KeptSave(tensor)  # kept anyway, as the call's output, where the call is skipped
             self._outside[slot.index] = self._outputs[storage_identity(tensor)]
         return slot
 
@@ -363,7 +259,7 @@ class SelectiveFrame(_Frame):
     def _lossy_recompute(self, kept) -> bool:
         return kept.lossy or self.policy.lossy
 
-    def _recompute_saves_of(self, call: _Call) -> None:
+    def _recompute_saves_of(self, call: KeptCall) -> None:
         """A call run again in the recompute saves its own tensors anew, and its output
         is not kept."""
         call.views, call.output = {}, None
@@ -421,13 +317,6 @@ class SelectiveFrame(_Frame):
 # The functions whose outputs a selective recompute under a lossy codec does not keep
 # but runs again (NOTE [ Attention's saves agree ]).
 _RECOMPUTED_WHEN_LOSSY = frozenset({"scaled_dot_product_attention"})
-
-
-def _held_elsewhere(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is, or is a view of, a tensor its owner holds anyway: a
-    parameter (a leaf that requires grad; ``weight.t()`` a Linear saves)."""
-    base = leaf_base(tensor)
-    return base is not None and (base.requires_grad or isinstance(base, nn.Parameter))
 
 
 def _recomputed(slot) -> bool:

@@ -14,13 +14,14 @@ from torch import nn
 from .._torch import version
 from ..errors import RecomputeError
 from .function import _name
+from .kept_calls import KeptCall, described
 from .placeholders import Cursor
 from .kept_ops import TAPPED_FUNCTIONS
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
 from .store import input_tensors
 
-if TYPE_CHECKING:  # the frame that makes a Skipper, and its records
-    from .selective import SelectiveFrame, _Call
+if TYPE_CHECKING:  # the frame that makes a Skipper
+    from .selective import SelectiveFrame
 
 
 class Skipper:
@@ -66,7 +67,7 @@ class Skipper:
                 self.depth -= 1
         if call.output is not None and version(call.output) != call.version:
             raise RecomputeError(
-                f"the output of {_described(call.target)}, which a selective checkpoint of "
+                f"the output of {described(call.target)}, which a selective checkpoint of "
                 f"{_name(self.frame.function)} keeps instead of running it again, was changed in place after the "
                 f"checkpointed forward returned (version {version(call.output)}, expected {call.version}): the "
                 "recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
@@ -77,25 +78,25 @@ class Skipper:
         output = call.kept_output()
         return _RequiresGrad.apply(_GRAPH_ANCHOR, output) if call.requires_grad else output
 
-    def _matching(self, target) -> _Call:
+    def _matching(self, target) -> KeptCall:
         calls, frame = self.frame.calls, self.frame
         if self.next >= len(calls) or calls[self.next].target is not target:
-            expected = "nothing" if self.next >= len(calls) else _described(calls[self.next].target)
+            expected = "nothing" if self.next >= len(calls) else described(calls[self.next].target)
             raise frame._mismatch(
-                f"the recompute of {_name(frame.function)} called {_described(target)} where the forward called "
+                f"the recompute of {_name(frame.function)} called {described(target)} where the forward called "
                 f"{expected} (kept call {self.next}): the function does not do the same work twice (state it "
                 "reads and appends to runs again: Hugging Face's use_cache=True, pass use_cache=False to train). "
                 "Make it deterministic or do not checkpoint it.")
         self.next += 1
         return calls[self.next - 1]
 
-    def _fill_views(self, call: _Call, arguments: list) -> None:
+    def _fill_views(self, call: KeptCall, arguments: list) -> None:
         """Fill the call's views of its arguments, made of the recomputed ones; move the
         cursor past its saves (the early stop may end the recompute at one of them)."""
         if self.cursor.position != call.start:
             raise self.frame._mismatch(
                 f"the recompute of {_name(self.frame.function)} saved {self.cursor.position} tensors before "
-                f"{_described(call.target)} where the forward saved {call.start}: the function does not do the "
+                f"{described(call.target)} where the forward saved {call.start}: the function does not do the "
                 "same work twice. Make it deterministic or do not checkpoint it.")
         for index in range(call.start, call.stop):
             self.cursor.position = index + 1
@@ -131,10 +132,6 @@ def forward_replaced(module: nn.Module, forward: Callable):
             module.forward = previous
         else:
             del module.forward
-
-
-def _described(target) -> str:
-    return target if isinstance(target, str) else type(target).__name__
 
 
 __all__ = ["Skipper", "forward_replaced"]

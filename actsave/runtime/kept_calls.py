@@ -1,0 +1,134 @@
+"""What a selective checkpoint's forward records (selective.py, NOTE [ Selective
+recompute ]): each outermost kept call (:class:`KeptCall`), the tensor arguments it got
+(:class:`CallArgument`), and each save it keeps in its placeholder (:class:`KeptSave`);
+read again by its recompute (selective_replay.py)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .._torch import leaf_base, storage_identity, storage_identity_or_none, version
+from ..errors import RecomputeError
+from ..layouts import is_dense
+from .function import _detached
+
+
+class KeptCall:
+    """One outermost kept call of the forward: what it is (a module, or a function's
+    name), the placeholders its saves took (``start`` to ``stop``), its tensor
+    arguments' storages and offsets, and its output, which the recompute returns in its
+    place."""
+
+    __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
+                 "skipped", "mutates", "rng_before", "rng_after")
+
+    def __init__(self, target, start: int, arguments: list):
+        self.target, self.start, self.stop = target, start, start
+        # [CallArgument] of the tensor arguments, as the call got them
+        self.arguments = arguments
+        self.output, self.version, self.requires_grad = None, None, False
+        self.stored = None  # the output as its policy stores it (kept_outputs.py), which then holds no output
+        # The generators' states around a call that may draw random numbers (attention's
+        # dropout), where it did: the recompute skips it, and must leave them as it did.
+        self.rng_before = self.rng_after = None
+        self.views = {}  # slot index -> (argument position, size, stride, offset from the argument's)
+        self.skipped = False  # whether the recompute skips it: set as the forward ends
+        self.mutates = False  # whether it changed an argument in place (then it runs again)
+
+    def kept_output(self) -> torch.Tensor:
+        """The forward's output, as kept or stored."""
+        return self.output if self.stored is None else self.stored.read()
+
+    def view_of_argument(self, tensor: torch.Tensor) -> Optional[tuple]:
+        """``(position, size, stride, relative offset)`` where ``tensor`` reads only
+        elements of one of the call's tensor arguments, else None (NOTE [ Selective
+        recompute ])."""
+        identity, offset = storage_identity(tensor), tensor.storage_offset()
+        shape, stride = tuple(tensor.shape), tensor.stride()
+        sharing = [a for a in self.arguments if a.storage == identity]
+        for a in sharing:  # the argument itself first: q, k and v may be slices of one storage
+            if (a.offset, a.shape, a.stride) == (offset, shape, stride):
+                return a.position, shape, stride, 0
+        first, last = _span(offset, shape, stride)
+        for a in sharing:
+            if a.holds(first, last):
+                return a.position, shape, stride, offset - a.offset
+        return None
+
+    def mutated_an_argument(self) -> bool:
+        """Whether the call changed one of its tensor arguments in place: it is run
+        again in the recompute, where its argument must change again."""
+        return any(version(a.tensor) != a.version for a in self.arguments if a.tensor is not None)
+
+
+class CallArgument:
+    """A kept call's tensor argument as the call got it: its position among the
+    call's tensors, storage, offset, shape, strides and version (with the tensor, until
+    the call ends)."""
+
+    __slots__ = ("position", "storage", "offset", "shape", "stride", "tensor", "version")
+
+    def __init__(self, position: int, tensor: torch.Tensor):
+        self.position, self.offset = position, tensor.storage_offset()
+        self.storage = storage_identity_or_none(tensor)  # None: a torch.func transform's wrapper
+        self.shape, self.stride = tuple(tensor.shape), tensor.stride()
+        self.tensor, self.version = tensor, version(tensor)
+
+    def holds(self, first: int, last: int) -> bool:
+        """Whether the storage elements ``first`` to ``last`` are all the argument's own
+        (asked while the call runs, with the tensor)."""
+        return is_dense(self.tensor) and self.offset <= first and last < self.offset + self.tensor.numel()
+
+
+def _span(offset: int, shape: tuple, stride: tuple) -> tuple:
+    """The first and last storage elements a view reads (last < first when empty)."""
+    if 0 in shape:
+        return offset, offset - 1
+    low = sum((n - 1) * s for n, s in zip(shape, stride) if s < 0)
+    high = sum((n - 1) * s for n, s in zip(shape, stride) if s > 0)
+    return offset + low, offset + high
+
+
+class KeptSave:
+    """A save kept in its placeholder: the tensor itself, or as its policy stored it
+    (``stored``, kept_outputs.py); with the version it was saved at and the autograd
+    node that made it (for the error); ``held``: whether someone else holds it anyway
+    (a parameter or a view of one)."""
+
+    __slots__ = ("tensor", "stored", "version", "held", "made_by", "shape")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version, self.held = _detached(tensor), version(tensor), held_elsewhere(tensor)
+        self.stored, self.shape = None, tensor.shape
+        self.made_by = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "a leaf"
+
+    def store(self, stored) -> None:
+        """From now on ``stored`` (a kept_outputs.StoredTensor) stands for the tensor."""
+        self.stored, self.tensor = stored, None
+
+    def read(self) -> torch.Tensor:
+        counter = self.tensor if self.stored is None else self.stored.counter
+        if counter is not None and version(counter) != self.version:
+            raise RecomputeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a tensor of shape {list(self.shape)} made by {self.made_by}, which a selective "
+                f"checkpoint kept, is at version {version(counter)}; expected version {self.version} instead. "
+                "Change it after the backward, or change a copy (nn.Sequential raises the same).")
+        return self.tensor if self.stored is None else self.stored.read()
+
+
+def held_elsewhere(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is, or is a view of, a tensor its owner holds anyway: a
+    parameter (a leaf that requires grad; ``weight.t()`` a Linear saves)."""
+    base = leaf_base(tensor)
+    return base is not None and (base.requires_grad or isinstance(base, nn.Parameter))
+
+
+
+def described(target) -> str:
+    return target if isinstance(target, str) else type(target).__name__
+
+
+__all__ = ["CallArgument", "KeptCall", "KeptSave", "described", "held_elsewhere"]
