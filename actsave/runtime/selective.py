@@ -35,7 +35,10 @@ where it did, not a leaf: a later in-place op may change it), and its views of i
 arguments fill its placeholders. So a transformer block's recompute runs its norms,
 rotary embeddings and activations, not its matmuls nor its attention. Calls are
 matched in order, by their module or function; another order, or other shapes, raise
-as any recompute that does not do the same work does. A recompute stops after its last
+as any recompute that does not do the same work does, and so does a save the recompute
+makes outside any call where the forward's was inside a skipped one (another branch,
+whose save of the same shape would otherwise fill that call's placeholder, and whose
+early stop would end the recompute before any call is missed). A recompute stops after its last
 recomputed save (the early stop); a call with nothing recomputed is not recomputed at
 all, and its kept tensors are read as they are.
 
@@ -92,7 +95,7 @@ from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState
-from .kept_calls import CallArgument, KeptCall, KeptSave
+from .kept_calls import CallArgument, KeptCall, KeptSave, described
 from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
 
@@ -122,6 +125,7 @@ class SelectiveFrame(_Frame):
         self._outputs = {}  # storage identity -> the kept call whose output it is
         self._outside = {}  # slot index -> the kept call whose output it saved, outside any call
         self._recomputed = []  # indices of the saves the recompute fills
+        self._skipped_saves = {}  # index of a save a skipped call made -> that call
         self._differentiated = False  # a backward of its own ran inside its forward
         inputs = input_tensors(*self._forward_inputs)
         self._input_storages = {storage_identity_or_none(t) for t in inputs} - {None}  # kept anyway
@@ -232,6 +236,7 @@ class SelectiveFrame(_Frame):
             if not call.skipped and slot is not None:
                 slot.kept = None  # its call runs again: the recompute makes it anew
         self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
+        self._skipped_saves = {i: call for call in self.calls if call.skipped for i in range(call.start, call.stop)}
         if self.slots and not self._transformed and not any(call.skipped for call in self.calls):
             reason = "differentiated" if self._differentiated else "changed" if self.calls else \
                 "none ran" if self.ops.modules or self.functions else "lossy attention"
@@ -302,6 +307,21 @@ class SelectiveFrame(_Frame):
     def _recomputed_saves(self) -> tuple:
         # The early stop: after the last save the recompute fills.
         return self._recomputed[-1] + 1, False
+
+    def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:
+        call = self._skipped_saves.get(index)
+        if call is not None:
+            raise self._mismatch(
+                f"the recompute of {_name(self.function)} saved a tensor outside any kept call where the forward's "
+                f"save {index} was made inside {described(call.target)}, which the recompute skips: the function "
+                "took another path (a Python flag or random draw that changed since the forward). Make it "
+                "deterministic or do not checkpoint it.")
+        return super()._fill(index, tensor, into, count, lossy)
+
+    def fill_view(self, index: int, tensor: torch.Tensor, into, count: int) -> None:
+        """Fill a skipped call's save ``index``, a view of its argument made again of the
+        recomputed one (selective_replay.py)."""
+        super()._fill(index, tensor, into, count, lossy=False)
 
     def _skipping(self, cursor: Cursor, into, count: int, last: bool):
         if not last or not self.calls:

@@ -105,7 +105,7 @@ class Skipper:
                 position, size, stride, offset = view
                 argument = _in_layout(arguments[position], call.arguments[position].stride)
                 made = argument.as_strided(size, stride, argument.storage_offset() + offset)
-                self.frame._fill(index, made, self.into, self.count, lossy=False)
+                self.frame.fill_view(index, made, self.into, self.count)
 
 
 def _in_layout(argument: torch.Tensor, strides: tuple) -> torch.Tensor:

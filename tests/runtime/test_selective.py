@@ -269,6 +269,31 @@ def test_a_kept_output_changed_in_place_after_the_forward_raises_in_the_recomput
         y.sum().backward()
 
 
+class _TwoPaths(nn.Module):
+    """A Python flag picks the path: b's call, or an op saving a tensor of the shape b's
+    input has (tanh), then a second call of a."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.through_b = nn.Linear(32, 32), nn.Linear(32, 32), True
+
+    def forward(self, x):
+        h = F.gelu(self.a(x))
+        return self.b(h) if self.through_b else torch.tanh(h) + self.a(h)
+
+
+@pytest.mark.parametrize("keep", ["selective", KeptOps(module_names=("b",))])
+def test_a_recompute_that_takes_another_path_past_a_skipped_call_raises(keep):
+    # The forward kept b's call; the recompute makes tanh's save where b's input view was
+    # (same shape) and would stop there (NOTE [ Selective recompute ]).
+    model = actsave.Checkpoint(_TwoPaths(), keep=keep)
+    y = model(torch.randn(4, 32, requires_grad=True))
+    model.through_b = False
+    with pytest.raises(actsave.RecomputeError, match=r"outside any kept call where the forward's save \d+ was made "
+                                                     r"inside Linear"):
+        y.square().sum().backward()
+
+
 class _LinearNormResidual(nn.Module):
     def __init__(self):
         super().__init__()
