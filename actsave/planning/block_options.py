@@ -32,7 +32,13 @@ recompute. Each is priced by what it does to the peak formula of memory_model.py
   model's). The seconds it adds are its measured step less the plain block's, timed
   together (medians of interleaved runs); on meta tensors, none.
 
-Blocks alike (the same class, arguments of the same shapes) are measured once. A block
+Blocks alike are measured once: the same class, parameters of the same names and
+shapes, arguments of the same shapes, and the same rises in the profiled step (its
+forward's and backward's, plain). The rises tell apart blocks of one class whose
+forward takes another path (a Python flag per instance calls a wide layer in some),
+whose options priced as the first one's would put a plan far over its budget, and
+whose kept subsets, found on the first, could name modules the others never call. A
+block
 after a plain one whose saves hold its input (memory_model.py, "A tensor at a stored
 boundary") counts that input there, not again: each option's terms come in both forms.
 
@@ -164,8 +170,11 @@ class BlockMeasurer:
     """Measures options on the chain's layers (blocks.py's BlockCall), each distinct
     (layer kind, input) once (module docstring)."""
 
-    def __init__(self, chain: nn.Sequential, inputs: Sequence[TensorSpec], device, timed: bool):
+    def __init__(self, chain: nn.Sequential, inputs: Sequence[TensorSpec], device, timed: bool,
+                 profiled: Optional[Sequence] = None):
         self.layers, self.inputs, self.device, self.timed = list(chain), list(inputs), torch.device(device), timed
+        # What the profiled step measured of each block run plain (its LayerProfile), if given.
+        self._rises = [(p.forward_rise, p.backward_rise) for p in profiled] if profiled else [()] * len(self.layers)
         self._cache = {}
 
     def terms(self, model: CostModel, a: int, option: BlockOption, held: bool) -> Optional[OptionTerms]:
@@ -186,7 +195,7 @@ class BlockMeasurer:
         measures it) without its bytes: for a checkpoint, whose bytes the cost model
         gives."""
         layer, spec = self.layers[a], self.inputs[a]
-        key = (_signature(layer), spec, option, "seconds")
+        key = (self.signature(a), option, "seconds")
         if key not in self._cache:
             self._cache[key] = self._seconds(layer, spec, option)
         return self._cache[key]
@@ -195,7 +204,7 @@ class BlockMeasurer:
         """``option`` at block ``a`` measured (None where it fails there), once per
         kind of block."""
         layer, spec = self.layers[a], self.inputs[a]
-        key = (_signature(layer), spec, option)
+        key = (self.signature(a), option)
         if key not in self._cache:
             self._cache[key] = self._measure(layer, spec, option)
         return self._cache[key]
@@ -205,8 +214,7 @@ class BlockMeasurer:
         at least the work of an option measured at ``seconds`` (NOTE [ Kept subsets ])."""
         measured = self.measured(a, option)
         if measured is not None and measured.seconds < seconds:
-            layer, spec = self.layers[a], self.inputs[a]
-            self._cache[(_signature(layer), spec, option)] = dataclasses.replace(measured, seconds=seconds)
+            self._cache[(self.signature(a), option)] = dataclasses.replace(measured, seconds=seconds)
 
     def sized(self, a: int, option: BlockOption) -> Optional[tuple]:
         """``(R, FLOPs)`` of ``option`` at block ``a``, untimed (None where it fails
@@ -214,7 +222,7 @@ class BlockMeasurer:
         step's matmuls and attention (``torch.utils.flop_counter``), a recompute's among
         them."""
         layer, spec = self.layers[a], self.inputs[a]
-        key = (_signature(layer), spec, option, "sized")
+        key = (self.signature(a), option, "sized")
         if key not in self._cache:
             try:
                 self._cache[key] = self._bytes(layer, spec, option)[0], self._flops(layer, spec, option)
@@ -223,8 +231,9 @@ class BlockMeasurer:
         return self._cache[key]
 
     def signature(self, a: int) -> tuple:
-        """What block ``a`` costs alike with: blocks of one signature are measured once."""
-        return _signature(self.layers[a]), self.inputs[a]
+        """What block ``a`` costs alike with: blocks of one signature are measured once
+        (NOTE [ Block options priced ])."""
+        return _signature(self.layers[a]), self.inputs[a], self._rises[a]
 
     def example(self, a: int) -> torch.Tensor:
         """An input like block ``a``'s profiled one."""
@@ -337,11 +346,12 @@ def _input_from(source: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 
 def _signature(layer: nn.Module) -> tuple:
-    """What makes two layers cost alike: their block's class and parameters' shapes,
-    their other arguments' shapes (blocks.py's BlockCall holds them as buffers), and
-    which of their other outputs get gradients (NOTE [ Outputs the caller holds ])."""
+    """What makes two layers cost alike, as their modules tell: their block's class,
+    parameters' names and shapes, their other arguments' shapes (blocks.py's BlockCall
+    holds them as buffers), and which of their other outputs get gradients (NOTE [
+    Outputs the caller holds ])."""
     block = getattr(layer, "block", layer)
-    parameters = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in block.parameters())
+    parameters = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters())
     arguments = tuple((name, tuple(b.shape), b.dtype) for name, b in layer.named_buffers(recurse=False))
     return type(block), parameters, arguments, getattr(layer, "other_gradients", ())
 

@@ -201,7 +201,7 @@ class BlockPlanner:
         self.profile = chain_profile(self.chain, self.calls, self.outside)
         self.fixed = max(self.outside.before_peak, self.outside.after_peak)  # what the step needs outside the blocks
         self._measurer = BlockMeasurer(self.chain, [TensorSpec.of(call.hidden) for _, _, call in self.calls],
-                                       self.profile.device, self.profile.timed)
+                                       self.profile.device, self.profile.timed, self.profile.layers)
         self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs, self._measurer,
                             self.outside)
         self._least = smallest(self.table)
@@ -268,7 +268,7 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
     model = CostModel(profile, policies, stored_codecs=("none",), plain_middle=True)
     if measurer is None:
         measurer = BlockMeasurer(chain, [TensorSpec.of(call.hidden) for _, _, call in calls], profile.device,
-                                 profile.timed)
+                                 profile.timed, profile.layers)
     options = [None, *candidates]
     other_outputs = None if outside is None else outside.other_outputs
     subsets = KeptSubsets(measurer) if "selective" in levers else None  # NOTE [ Kept subsets ]

@@ -4,6 +4,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from support import peak_activation_bytes
 from torch import nn
 
 import actsave
@@ -109,3 +110,49 @@ def test_a_checkpointed_blocks_forward_is_priced_where_it_rises_past_its_last_sa
     model, plan = planned_copy(plain, LateOutput, smallest, (x,))
     assert plan.checkpointed
     assert 0.97 * plan.predicted_peak_bytes <= step_peak_bytes(model, (x,)) <= plan.predicted_peak_bytes, str(plan)
+
+
+class TakesAPath(nn.Module):
+    """Blocks of one class and one set of parameters, whose forward a flag per
+    instance sends through a wide layer or past it (a per-layer attention type)."""
+
+    def __init__(self, wide: bool):
+        super().__init__()
+        self.wide = wide
+        self.fc1, self.extra, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, 4 * WIDTH), \
+            nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        for _ in range(3 if self.wide else 0):
+            h = F.gelu(self.extra(h))
+        return x + self.fc2(h)
+
+
+class PathStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(TakesAPath(wide) for wide in (False, False, True, True))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_blocks_whose_forwards_take_other_paths_are_priced_apart_and_their_plans_hold():
+    # Measured as the narrow blocks, the wide ones' selective options came out far
+    # over the plan's budget (NOTE [ Block options priced ]).
+    plain, x = PathStack(), example()
+    probe = copy.deepcopy(plain)
+    planner = BlockPlanner(probe, [(f"blocks.{i}", b) for i, b in enumerate(probe.blocks)], (x,),
+                           allow=("recompute", "selective"))
+    signatures = [planner._measurer.signature(a) for a in range(4)]
+    assert signatures[1] != signatures[2] and signatures[2] == signatures[3]
+    for share in (0.0, 0.2):
+        budget = int(planner.smallest_peak_bytes + share * (planner.plain_peak_bytes - planner.smallest_peak_bytes))
+        model = copy.deepcopy(plain)
+        plan = actsave.plan_blocks(model, TakesAPath, budget, (x,), allow=("recompute", "selective"))
+        actsave.wrap(model, plan)
+        assert peak_activation_bytes(model, x, loss=lambda out: out) <= plan.predicted_peak_bytes <= budget
