@@ -59,6 +59,7 @@ from ..errors import ConfigError
 from ..runtime.keep_rules import should_encode
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
 from ..text import format_table, mib, ms
+from .argument_grads import argument_gradients
 from .block_options import BlockMeasurer, candidate_options, model_terms, options_at
 from .block_solver import BlockTable, fastest, predicted_peak, smallest
 from .block_step import BlockCall, Outside, measure_outside, record_calls
@@ -271,6 +272,7 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
                                  profile.timed, profile.layers)
     options = [None, *candidates]
     other_outputs = None if outside is None else outside.other_outputs
+    pending = argument_gradients(calls, profile.device)  # NOTE [ Gradients of the blocks' arguments ]
     subsets = KeptSubsets(measurer) if "selective" in levers else None  # NOTE [ Kept subsets ]
     rows, labels = [], []
     for a in range(len(calls)):
@@ -279,7 +281,8 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
         if subsets is not None and any(option is not None and option.keep == "selective" for option in at):
             at += subsets.at(a)
         for option in at:
-            pair = tuple(_with_other_outputs(_terms(model, measurer, a, option, held), other_outputs, a, option)
+            pair = tuple(_with_pending(_with_other_outputs(_terms(model, measurer, a, option, held), other_outputs,
+                                                           a, option), pending[a])
                          for held in (False, True))
             if pair[0] is not None or pair[1] is not None:
                 row.append(pair)
@@ -310,6 +313,14 @@ def _with_other_outputs(terms, others: Optional[OtherOutputs], a: int, option):
         return terms
     kept = others.kept_unsaved[a] if option is None else others.kept[a]
     return dataclasses.replace(terms, kept=terms.kept + kept, forward_event=terms.forward_event + others.passing[a])
+
+
+def _with_pending(terms, pending: int):
+    """``terms`` with ``pending`` bytes (the blocks' argument gradients, NOTE [
+    Gradients of the blocks' arguments ]) in its backward event."""
+    if terms is None or not pending:
+        return terms
+    return dataclasses.replace(terms, backward_event=terms.backward_event + pending)
 
 
 def _levers_for(calls: list, allow: Sequence[str] | None, min_sqnr_db) -> tuple:

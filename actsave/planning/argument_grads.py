@@ -1,0 +1,45 @@
+"""The gradients of a block plan's block arguments besides the hidden state, pending
+through the blocks' backward (blocks.py adds them to each block's backward event).
+
+NOTE [ Gradients of the blocks' arguments ]
+A block's tensor argument beside its hidden state may need a gradient: the encoder's
+output that a decoder block's cross-attention reads (BART, T5, Whisper), T5's position
+bias that its first block makes and the others read. Autograd sums that gradient from
+every block that reads it in one buffer, alive from the backward of the last of them
+(the first to run backward) until the tensor's own node runs: after every block's
+backward where the tensor was made before the blocks (the encoder's backward follows
+the decoder's), at its block's backward where a block returned it. The chain the
+planner profiles holds those arguments as buffers (block_step.py's BlockCall), which
+need no gradient, so no profiled event holds that buffer: the backward event of each
+block up to the last reader counts it (its dense size). Where a block made the tensor,
+its own backward counts it twice, once as the gradient of its other output (NOTE [
+Outputs the caller holds ]): conservative. Not counted: each reader's own part of the
+sum, made in its backward and added in (the profiled backward makes no gradient for
+that argument); no measured plan peaked there.
+"""
+from __future__ import annotations
+
+import torch
+
+from .live_bytes import allocation_bytes
+
+
+def argument_gradients(calls: list, device) -> tuple:
+    """Per block of ``calls`` (block_step.record_calls'), the bytes on ``device`` (the
+    profile's) of the gradients of the blocks' other tensor arguments pending while its
+    backward runs: each argument that needs a gradient, once, at every block up to the
+    last that reads it."""
+    last_reader = {}  # id -> (the argument, the last block that reads it)
+    for a, (_, _, call) in enumerate(calls):
+        for k, leaf in enumerate(call.leaves):
+            if k != call.hidden_leaf and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                last_reader[id(leaf)] = (leaf, a)
+    pending = [0] * len(calls)
+    for leaf, last in last_reader.values():
+        nbytes = allocation_bytes(leaf.numel() * leaf.element_size(), device)
+        for a in range(last + 1):
+            pending[a] += nbytes
+    return tuple(pending)
+
+
+__all__ = ["argument_gradients"]
