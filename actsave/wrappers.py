@@ -32,11 +32,8 @@ from .runtime.compiled_calls import checkpoint_in_graph
 from .runtime.keep_modes import BlockOption, call_block
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
 from .runtime.keep_rules import KeepPolicy, modifies_input
+from .runtime.layers import WRAPPED_CHILD
 from .wrap_selection import matching_blocks
-
-# The child name torch's own checkpoint_wrapper uses: torch.distributed.checkpoint's
-# state-dict helpers already strip it from fully qualified names.
-_WRAPPED = "_checkpoint_wrapped_module"
 
 
 def checkpoint(function: Callable, *args, compress=None, offload=False, keep="inputs", use_reentrant=None,
@@ -112,7 +109,7 @@ class _yields_to_wrapped(property):
     def __get__(self, wrapper, owner=None):
         if wrapper is None:
             return self
-        wrapped = wrapper._modules.get(_WRAPPED)
+        wrapped = wrapper._modules.get(WRAPPED_CHILD)
         name = self.fget.__name__
         if wrapped is not None and _has_own(wrapped, name):
             return getattr(wrapped, name)
@@ -155,7 +152,7 @@ class Checkpoint(nn.Module):
                               f"{type(module).__name__} (for a function, use actsave.checkpoint(function, *args))")
         self._option = BlockOption.resolve(keep, compress, offload)
         self._recompute = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
-        self.add_module(_WRAPPED, module)
+        self.add_module(WRAPPED_CHILD, module)
         # Why a compiled forward runs this block eagerly, though its codec could be in
         # the graph; set at the root's first break (NOTE [ Codecs in a compiled graph ]).
         self._eager_because: Optional[str] = None
@@ -165,7 +162,7 @@ class Checkpoint(nn.Module):
     @_yields_to_wrapped
     def module(self) -> nn.Module:
         """The wrapped module."""
-        return self._modules[_WRAPPED]
+        return self._modules[WRAPPED_CHILD]
 
     @_yields_to_wrapped
     def option(self) -> BlockOption:
@@ -198,7 +195,7 @@ class Checkpoint(nn.Module):
     # module's attribute takes (the public ones yield to the module's).
     @property
     def _wrapped(self) -> nn.Module:
-        return self._modules[_WRAPPED]
+        return self._modules[WRAPPED_CHILD]
 
     @property
     def _kept_inputs_policy(self) -> Optional[KeepPolicy]:
@@ -220,7 +217,7 @@ class Checkpoint(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            wrapped = self._modules.get(_WRAPPED)
+            wrapped = self._modules.get(WRAPPED_CHILD)
             if wrapped is None:  # still inside __init__
                 raise
             return getattr(wrapped, name)
@@ -245,7 +242,7 @@ class Checkpoint(nn.Module):
     def _module_having(self, name: str) -> Optional[nn.Module]:
         """The wrapped module (under torch.compile's wrapper, the module compiled) where
         it has ``name`` and the wrapper has not, or yields it (_yields_to_wrapped)."""
-        wrapped = self.__dict__.get("_modules", {}).get(_WRAPPED)
+        wrapped = self.__dict__.get("_modules", {}).get(WRAPPED_CHILD)
         if wrapped is None:  # inside __init__
             return None
         module = uncompiled(wrapped)
@@ -452,12 +449,12 @@ def _checkpoint_of(module: nn.Module, option: BlockOption, options: RecomputeOpt
 
 
 def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata):
-    inner = prefix + _WRAPPED + "."
+    inner = prefix + WRAPPED_CHILD + "."
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
 
 
 def _add_wrapper_prefix(module, state_dict, prefix, *args):
-    inner = prefix + _WRAPPED + "."
+    inner = prefix + WRAPPED_CHILD + "."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)

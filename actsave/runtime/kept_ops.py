@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .._torch import ATTENTION, aten_overloads
 from .._torch_graphs import module_of_traced_op
 from ..errors import ConfigError
-from .layers import known_layers
+from .layers import WRAPPED_CHILD, known_layers
 
 # The functions a policy may name: called through their module, which the tap replaces.
 TAPPED_FUNCTIONS = {"scaled_dot_product_attention": ATTENTION}
@@ -118,11 +118,17 @@ class KeptOps:
         return [(name, m) for name, m in named if any(_names(name, wanted) for wanted in self.module_names)]
 
     def _named_modules(self, layers: tuple, indexed: bool) -> list:
-        return [(f"{i}.{name}".rstrip(".") if indexed else name, m) for i, layer in enumerate(layers)
+        return [(_spelled(f"{i}.{name}".rstrip(".") if indexed else name), m) for i, layer in enumerate(layers)
                 for name, m in layer.named_modules(remove_duplicate=False) if isinstance(m, self.modules)]
 
     def _unmatched(self, named: list) -> list:
         return [wanted for wanted in self.module_names if not any(_names(name, wanted) for name, _ in named)]
+
+
+def _spelled(qualified: str) -> str:
+    """``qualified`` as ``state_dict`` spells it: a checkpoint wrapper's child left out
+    (``inner._checkpoint_wrapped_module.fc2`` is ``inner.fc2``)."""
+    return qualified.replace("." + WRAPPED_CHILD, "").replace(WRAPPED_CHILD + ".", "")
 
 
 def _names(qualified: str, wanted: str) -> bool:
@@ -190,7 +196,7 @@ def _saved_by_name(names: tuple, module_overloads: frozenset, function_overloads
         return CheckpointPolicy.MUST_SAVE
     if op in module_overloads:
         found = module_of_traced_op()
-        if found is not None and any(_names(found[0], name) for name in names):
+        if found is not None and any(_names(_spelled(found[0]), name) for name in names):
             return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

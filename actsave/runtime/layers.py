@@ -56,6 +56,12 @@ class LayerRun(LayerChain):
         self.__qualname__ = "segment(" + ", ".join(type(m).__name__ for m in layers) + ")"
 
 
+# The child a checkpoint wrapper holds its module as (Checkpoint's, as torch's own
+# checkpoint_wrapper names it): torch.distributed.checkpoint's state-dict helpers, and
+# Checkpoint's state_dict, leave it out of fully qualified names.
+WRAPPED_CHILD = "_checkpoint_wrapped_module"
+
+
 def known_layers(function) -> Optional[tuple]:
     """The top-level modules ``function`` runs, or None where actsave cannot tell
     (NOTE [ Known layers ])."""
@@ -123,4 +129,5 @@ def module_hooks(modules: Optional[list], before, after):
             handle.remove()
 
 
-__all__ = ["LayerChain", "LayerRun", "known_layers", "modules_under", "repeated_modules", "modules_among", "module_hooks"]
+__all__ = ["WRAPPED_CHILD", "LayerChain", "LayerRun", "known_layers", "modules_under", "repeated_modules",
+           "modules_among", "module_hooks"]

@@ -144,6 +144,18 @@ def test_module_names_match_the_end_of_a_qualified_name_and_say_which_exist():
         KeptOps(modules=(), module_names=("fc1",))
 
 
+def test_module_names_inside_a_wrapped_child_are_spelled_as_its_state_dict_spells_them():
+    # The wrapper's child (_checkpoint_wrapped_module) is left out, as state_dict leaves it.
+    block = nn.Sequential(GPTBlock())
+    actsave.wrap(block, GPTBlock)
+    assert "0.fc1.weight" in block.state_dict()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    assert selective_call(block, (x * 1,), {}, KeptOps(module_names="0.fc1"), DEFAULT_RECOMPUTE)[1] == \
+        selective_call(block, (x * 1,), {}, KeptOps(module_names="fc1"), DEFAULT_RECOMPUTE)[1]
+    with pytest.raises(ConfigError, match=r"names \['c1'\], which match no module.*'0.fc1', '0.fc2', '0.proj'"):
+        selective_call(block, (x * 1,), {}, KeptOps(module_names=("fc2", "c1")), DEFAULT_RECOMPUTE)
+
+
 def test_a_block_without_the_named_ops_warns_once_and_recomputes_everything():
     block = nn.Sequential(nn.LayerNorm(8), nn.Tanh())
     x = torch.randn(4, 8, requires_grad=True)
