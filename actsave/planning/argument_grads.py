@@ -13,9 +13,13 @@ planner profiles holds those arguments as buffers (block_step.py's BlockCall), w
 need no gradient, so no profiled event holds that buffer: the backward event of each
 block up to the last reader counts it (its dense size). Where a block made the tensor,
 its own backward counts it twice, once as the gradient of its other output (NOTE [
-Outputs the caller holds ]): conservative. Not counted: each reader's own part of the
-sum, made in its backward and added in (the profiled backward makes no gradient for
-that argument); no measured plan peaked there.
+Outputs the caller holds ]). Conservative by design: the last reader's own part, which
+becomes the buffer, is counted from the start of its backward, where it is made at
+its end. Counted before the last reader only, a T5 decoder's plan peaked over its
+prediction and budget (the readers' parts made during their backward, which the
+profiled backward does not make); counted so, a stack whose peak lies elsewhere, or
+whose blocks read the argument detached (no gradient comes), is over-predicted by that
+one gradient (docs/limits.md, "Decoder stacks with cross-attention").
 """
 from __future__ import annotations
 
