@@ -127,6 +127,7 @@ class SelectiveFrame(_Frame):
         self._recomputed = []  # indices of the saves the recompute fills
         self._skipped_saves = {}  # index of a save a skipped call made -> that call
         self._differentiated = False  # a backward of its own ran inside its forward
+        self._replaying = False  # the forward's recompute for that backward runs
         inputs = input_tensors(*self._forward_inputs)
         self._input_storages = {storage_identity_or_none(t) for t in inputs} - {None}  # kept anyway
         self._transformed = False  # a kept call returned a transform's wrapper, not kept
@@ -163,7 +164,7 @@ class SelectiveFrame(_Frame):
     def _recorded(self, target) -> Callable:
         """A kept call of ``target`` (a module, or a function's name) that records it."""
         def recorded(call_next, *args, **kwargs):
-            if not self.in_forward:  # a recompute inside the forward runs it plainly
+            if not self.in_forward or self._replaying:  # a recompute runs it plainly, not kept
                 return call_next(*args, **kwargs)
             self._enter(target, args, kwargs)
             output = call_next(*args, **kwargs)
@@ -299,6 +300,13 @@ class SelectiveFrame(_Frame):
         if slot.kept is not None:
             return slot.kept.read()
         return super().unpack(slot)
+
+    def _unpack_in_forward(self, slot: Slot) -> torch.Tensor:
+        self._replaying = True
+        try:
+            return super()._unpack_in_forward(slot)
+        finally:
+            self._replaying = False
 
     def _recompute(self) -> None:
         self.stored.fetch()  # first: the tape then prefetches the inputs and the blocks before behind it

@@ -524,6 +524,34 @@ def test_a_forward_that_runs_a_backward_of_its_own_is_recomputed_whole_and_exact
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+class _GradientOfAKeptOutput(nn.Module):
+    """A backward inside the forward through a kept call's output, then another kept
+    call: the recompute for that backward runs fc1 again, which is no kept call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc1(torch.sin(x))
+        (g,) = torch.autograd.grad(torch.tanh(h).sum(), h, create_graph=True)
+        return self.fc2(g * h)
+
+
+def test_the_recompute_inside_the_forward_records_no_kept_call():
+    torch.manual_seed(0)
+    plain = _GradientOfAKeptOutput()
+    selective = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
+    grads = []
+    for model in (plain, selective):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "runs a backward of its own"
+            model(x).square().mean().backward()
+        grads.append([*(p.grad for p in model.parameters()), x.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def lossy_gradients(blocks, x, codec, ops=KeptOps()) -> tuple:
     """Parameter gradients of a step through ``blocks`` (selective under ``codec``, or
     plain where it is None), and the aten operators its backward ran."""
