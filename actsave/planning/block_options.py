@@ -216,6 +216,17 @@ class BlockMeasurer:
         if measured is not None and measured.seconds < seconds:
             self._cache[(self.signature(a), option)] = dataclasses.replace(measured, seconds=seconds)
 
+    def priced(self, a: int, option: BlockOption, seconds: float) -> Optional[_Measured]:
+        """``option`` at block ``a`` measured untimed, as :meth:`measured` counts its
+        bytes, and priced at ``seconds`` (None where it fails there): NOTE [ Kept
+        subsets ]."""
+        key = (self.signature(a), option)
+        if key not in self._cache:
+            self._cache[key] = self._measure(self.layers[a], self.inputs[a], option, timed=False)
+        if self._cache[key] is not None:
+            self._cache[key] = dataclasses.replace(self._cache[key], seconds=seconds)
+        return self._cache[key]
+
     def sized(self, a: int, option: BlockOption) -> Optional[tuple]:
         """``(R, FLOPs)`` of ``option`` at block ``a``, untimed (None where it fails
         there): the bytes it keeps as :meth:`measured` counts them, and the FLOPs of its
@@ -240,14 +251,15 @@ class BlockMeasurer:
         spec = self.inputs[a]
         return _input_from(_source_like(spec, self.device), spec)
 
-    def _measure(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> Optional[_Measured]:
+    def _measure(self, layer: nn.Module, spec: TensorSpec, option: BlockOption,
+                 timed: bool = True) -> Optional[_Measured]:
         if option.keep == "linear_inputs" and not any(isinstance(m, nn.Linear) for m in layer.modules()):
             return None  # no Linear input to keep: the option is plain's, and would warn so
         try:
             kept, input_kept, forward, backward, fetched = self._bytes(layer, spec, option)
         except ConfigError:  # an option the block cannot run with (selective of a function)
             return None
-        seconds = self._seconds(layer, spec, option) if self.timed else 0.0
+        seconds = self._seconds(layer, spec, option) if self.timed and timed else 0.0
         return _Measured(kept, input_kept, forward, backward, fetched, seconds)
 
     def _bytes(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> tuple:

@@ -24,13 +24,19 @@ Which subsets, without measuring all 2^k of a block's k calls:
    and are the same from run to run, where the seconds of a call dropped move within a
    timed step's noise.
 3. The calls that save bytes when dropped, ordered by the FLOPs that adds per byte
-   saved, cheapest first; then the subsets that drop the first one, two, ... of them,
-   each measured as any option is (bytes, and its step timed against the plain
-   block's): a path from ``"selective"`` towards the input checkpoint, k - 1 timed
-   options at most. Each subset of the path recomputes every call the one before it
-   does, and one more: it is priced at least at that one's seconds. A timed step moves
-   with whatever else the machine runs; measured alone, a subset that recomputes three
-   matmuls once came out cheaper than the plain block, and every plan took it.
+   saved, cheapest first; then the subsets that drop the first one, two, ... of them:
+   a path from ``"selective"`` towards the input checkpoint, k - 1 options at most,
+   each measured as any option is, its bytes counted.
+4. Their seconds: the path's last subset is timed against the plain block, as any
+   option is, and priced at least at ``"selective"``'s seconds (it recomputes what
+   that one does, and more); each subset between them is priced by its FLOPs, on the
+   line through those two: ``s = s_selective + (F - F_selective) * (s_last -
+   s_selective) / (F_last - F_selective)``. So the path's prices rise with what each
+   recomputes, by the same rate, where timing each apart gave the neighbours of the
+   path prices within a timed step's noise of each other (a subset that recomputes
+   one projection more came out no slower, and plans took it for nothing; measured
+   alone, a subset recomputing three matmuls once came out cheaper than the plain
+   block, and every plan took it). Two timed options per kind of block, not k - 1.
 
 The path's subsets are offered to the program with their measured terms, as
 ``"selective"`` is; the program takes whichever is fastest within the budget. Only
@@ -51,9 +57,9 @@ from ..runtime.keep_rules import EXACT
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS, KeptOps
 from .step_isolation import isolated_steps
 
-# The most calls a block's subsets are searched over: k untimed steps and k - 1 timed
-# options (a block of 16 linear layers and attention, an 8-expert MoE's 24 linear
-# layers are left out).
+# The most calls a block's subsets are searched over: k untimed steps for the calls
+# alone and two or three more per subset of the path (a block of 16 linear layers and
+# attention, an 8-expert MoE's 24 linear layers are left out).
 MOST_CALLS = 12
 
 _ATTENTION = "scaled_dot_product_attention"
@@ -142,15 +148,31 @@ class KeptSubsets:
         alone = {unit: measurer.sized(a, subset_option(units, [u for u in units if u != unit])) for unit in units}
         saving = [unit for unit, sized in alone.items() if sized is not None and sized[0] < everything[0]]
         order = sorted(saving, key=lambda unit: _cost_per_byte(everything, alone[unit]))
-        options, before = [], measurer.measured(a, subset_option(units, units))
-        for count in range(1, len(order) + 1):
-            option = subset_option(units, [u for u in units if u not in order[:count]])
-            if option is not None and measurer.measured(a, option) is not None:
-                if before is not None:  # it recomputes all the one before it does, and more
-                    measurer.at_least(a, option, before.seconds)
-                options.append(option)
-                before = measurer.measured(a, option)
-        return options
+        path = [subset_option(units, [u for u in units if u not in order[:count]])
+                for count in range(1, len(order) + 1)]
+        return _priced(measurer, a, subset_option(units, units), everything,
+                       [option for option in path if option is not None])
+
+
+def _priced(measurer, a: int, selective: BlockOption, everything: tuple, path: list) -> list:
+    """The options of ``path`` that block ``a`` can run, priced (NOTE [ Kept subsets ],
+    step 4); ``everything``: ``selective``'s ``(R, FLOPs)``."""
+    first = measurer.measured(a, selective)
+    last = measurer.measured(a, path[-1]) if path else None
+    if first is None or last is None:
+        return [option for option in path if measurer.measured(a, option) is not None]
+    measurer.at_least(a, path[-1], first.seconds)
+    seconds = max(last.seconds, first.seconds)
+    flops = [measurer.sized(a, option) for option in path]
+    if any(sized is None for sized in flops) or flops[-1][1] <= everything[1]:
+        return [option for option in path if measurer.measured(a, option) is not None]
+    rate = (seconds - first.seconds) / (flops[-1][1] - everything[1])
+    options, added = [], 0
+    for option, sized in zip(path[:-1], flops):
+        added = max(added, sized[1] - everything[1])  # each recomputes all the one before it does
+        if measurer.priced(a, option, first.seconds + rate * added) is not None:
+            options.append(option)
+    return options + [path[-1]]
 
 
 def _cost_per_byte(everything: tuple, dropped: tuple) -> float:

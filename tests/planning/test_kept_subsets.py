@@ -2,6 +2,7 @@
 NOTE [ Kept subsets ])."""
 import copy
 
+import pytest
 import torch
 from support import peak_activation_bytes
 from transformer_blocks import GPTBlock
@@ -102,12 +103,13 @@ class _Measured:
 
 class _Measurer:
     """Prices an option by how many of GPTBlock's five calls it drops: bytes fall and
-    FLOPs rise with each, seconds as ``seconds`` says (noisy: not monotone)."""
+    FLOPs rise by one with each, a timed step as ``seconds`` says (noisy: not
+    monotone); notes the options it timed."""
 
     timed = True
 
     def __init__(self, seconds: dict):
-        self.layers, self.seconds, self.floors = [GPTBlock()], seconds, {}
+        self.layers, self.seconds, self.prices, self.timed_options = [GPTBlock()], seconds, {}, []
 
     def signature(self, a):
         return a
@@ -123,13 +125,25 @@ class _Measurer:
         return 100 - 10 * dropped, dropped
 
     def measured(self, a, option):
-        return _Measured(max(self.seconds[self._dropped(option)], self.floors.get(option, 0.0)))
+        if option not in self.prices:
+            self.timed_options.append(self._dropped(option))
+            self.prices[option] = self.seconds[self._dropped(option)]
+        return _Measured(self.prices[option])
 
     def at_least(self, a, option, seconds):
-        self.floors[option] = max(self.floors.get(option, 0.0), seconds)
+        self.prices[option] = max(self.measured(a, option).seconds, seconds)
+
+    def priced(self, a, option, seconds):
+        self.prices[option] = seconds
+        return _Measured(seconds)
 
 
-def test_each_subset_of_the_path_is_priced_at_least_as_the_one_before_it():
-    measurer = _Measurer({0: 5.0, 1: 4.0, 2: 9.0, 3: 1.0, 4: 12.0})
+@pytest.mark.parametrize("seconds, prices", [
+    ({0: 5.0, 1: 4.0, 2: 9.0, 3: 1.0, 4: 12.0}, [6.75, 8.5, 10.25, 12.0]),  # on the line through 5 and 12
+    ({0: 5.0, 4: 3.0}, [5.0, 5.0, 5.0, 5.0]),  # the last timed below "selective": priced as it
+])
+def test_the_path_is_priced_by_its_flops_between_selective_and_its_last_subset_timed(seconds, prices):
+    measurer = _Measurer(seconds)
     path = KeptSubsets(measurer).at(0)
-    assert [measurer.measured(0, option).seconds for option in path] == [5.0, 9.0, 9.0, 12.0]
+    assert [measurer.measured(0, option).seconds for option in path] == prices
+    assert measurer.timed_options == [0, 4]  # "selective" and the last subset alone
