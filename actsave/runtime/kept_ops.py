@@ -114,6 +114,13 @@ class KeptOps:
                               f"those types are {known}. Name one of them (a qualified name or its last parts)")
         return self._chosen(named)
 
+    def names_if_all_match(self, layers: tuple, indexed: bool) -> Optional[tuple]:
+        """The qualified names :meth:`named_choice` chooses, or None where a name
+        matches nothing, without raising (while Dynamo traces, a raise would break the
+        graph there)."""
+        named = self._named_modules(layers, indexed)
+        return None if self._unmatched(named) else tuple(name for name, _ in self._chosen(named))
+
     def _chosen(self, named: list) -> list:
         return [(name, m) for name, m in named if any(_names(name, wanted) for wanted in self.module_names)]
 
@@ -171,10 +178,9 @@ def aten_policy(ops: KeptOps, function) -> Optional[object]:
     layers = known_layers(function)
     if layers is None:
         return None
-    named = ops._named_modules(layers, type(function) is nn.Sequential)  # layers.py's rule, for a module
-    if ops._unmatched(named):
-        return None  # eagerly, named_choice's error (a raise Dynamo traced would break the graph there)
-    names = tuple(name for name, _ in ops._chosen(named))
+    names = ops.names_if_all_match(layers, type(function) is nn.Sequential)  # layers.py's rule, for a module
+    if names is None:
+        return None  # eagerly, where named_choice raises its error
     return functools.partial(_saved_by_name, names, module_overloads, function_overloads)
 
 
