@@ -203,10 +203,9 @@ class BlockMeasurer:
     def measured(self, a: int, option: BlockOption) -> Optional[_Measured]:
         """``option`` at block ``a`` measured (None where it fails there), once per
         kind of block."""
-        layer, spec = self.layers[a], self.inputs[a]
         key = (self.signature(a), option)
         if key not in self._cache:
-            self._cache[key] = self._measure(layer, spec, option)
+            self._cache[key] = self._measure(a, option)
         return self._cache[key]
 
     def at_least(self, a: int, option: BlockOption, seconds: float) -> None:
@@ -222,7 +221,7 @@ class BlockMeasurer:
         subsets ]."""
         key = (self.signature(a), option)
         if key not in self._cache:
-            self._cache[key] = self._measure(self.layers[a], self.inputs[a], option, timed=False)
+            self._cache[key] = self._measure(a, option, timed=False)
         if self._cache[key] is not None:
             self._cache[key] = dataclasses.replace(self._cache[key], seconds=seconds)
         return self._cache[key]
@@ -232,11 +231,10 @@ class BlockMeasurer:
         there): the bytes it keeps as :meth:`measured` counts them, and the FLOPs of its
         step's matmuls and attention (``torch.utils.flop_counter``), a recompute's among
         them."""
-        layer, spec = self.layers[a], self.inputs[a]
         key = (self.signature(a), option, "sized")
         if key not in self._cache:
             try:
-                self._cache[key] = self._bytes(layer, spec, option)[0], self._flops(layer, spec, option)
+                self._cache[key] = self._bytes_at(a, option)[0], self._flops(self.layers[a], self.inputs[a], option)
             except ConfigError:
                 self._cache[key] = None
         return self._cache[key]
@@ -251,16 +249,24 @@ class BlockMeasurer:
         spec = self.inputs[a]
         return _input_from(_source_like(spec, self.device), spec)
 
-    def _measure(self, layer: nn.Module, spec: TensorSpec, option: BlockOption,
-                 timed: bool = True) -> Optional[_Measured]:
+    def _measure(self, a: int, option: BlockOption, timed: bool = True) -> Optional[_Measured]:
+        layer, spec = self.layers[a], self.inputs[a]
         if option.keep == "linear_inputs" and not any(isinstance(m, nn.Linear) for m in layer.modules()):
             return None  # no Linear input to keep: the option is plain's, and would warn so
         try:
-            kept, input_kept, forward, backward, fetched = self._bytes(layer, spec, option)
+            kept, input_kept, forward, backward, fetched = self._bytes_at(a, option)
         except ConfigError:  # an option the block cannot run with (selective of a function)
             return None
         seconds = self._seconds(layer, spec, option) if self.timed and timed else 0.0
         return _Measured(kept, input_kept, forward, backward, fetched, seconds)
+
+    def _bytes_at(self, a: int, option: BlockOption) -> tuple:
+        """:meth:`_bytes` of ``option`` at block ``a``, once per kind of block (what
+        :meth:`sized` counts and :meth:`measured` prices are one step)."""
+        key = (self.signature(a), option, "bytes")
+        if key not in self._cache:
+            self._cache[key] = self._bytes(self.layers[a], self.inputs[a], option)
+        return self._cache[key]
 
     def _bytes(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> tuple:
         """(R with the input where kept, whether the input is kept, forward rise,

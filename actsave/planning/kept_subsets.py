@@ -31,12 +31,11 @@ Which subsets, without measuring all 2^k of a block's k calls:
    option is, and priced at least at ``"selective"``'s seconds (it recomputes what
    that one does, and more); each subset between them is priced by its FLOPs, on the
    line through those two: ``s = s_selective + (F - F_selective) * (s_last -
-   s_selective) / (F_last - F_selective)``. So the path's prices rise with what each
-   recomputes, by the same rate, where timing each apart gave the neighbours of the
-   path prices within a timed step's noise of each other (a subset that recomputes
-   one projection more came out no slower, and plans took it for nothing; measured
-   alone, a subset recomputing three matmuls once came out cheaper than the plain
-   block, and every plan took it). Two timed options per kind of block, not k - 1.
+   s_selective) / (F_last - F_selective)``. Neighbours on the path differ by one
+   projection's recompute, within a timed step's noise: timed apart, their prices come
+   in the noise's order, and a plan takes a subset that recomputes more for nothing.
+   On the line, the path's prices rise with what each subset recomputes, and a kind
+   of block costs two timed options, not k - 1.
 
 The path's subsets are offered to the program with their measured terms, as
 ``"selective"`` is; the program takes whichever is fastest within the budget. Only
@@ -159,14 +158,11 @@ def _priced(measurer, a: int, selective: BlockOption, everything: tuple, path: l
     step 4); ``everything``: ``selective``'s ``(R, FLOPs)``."""
     first = measurer.measured(a, selective)
     last = measurer.measured(a, path[-1]) if path else None
-    if first is None or last is None:
-        return [option for option in path if measurer.measured(a, option) is not None]
-    measurer.at_least(a, path[-1], first.seconds)
-    seconds = max(last.seconds, first.seconds)
     flops = [measurer.sized(a, option) for option in path]
-    if any(sized is None for sized in flops) or flops[-1][1] <= everything[1]:
-        return [option for option in path if measurer.measured(a, option) is not None]
-    rate = (seconds - first.seconds) / (flops[-1][1] - everything[1])
+    if first is None or last is None or None in flops or flops[-1][1] <= everything[1]:
+        return [option for option in path if measurer.measured(a, option) is not None]  # no line: each timed
+    measurer.at_least(a, path[-1], first.seconds)
+    rate = (max(last.seconds, first.seconds) - first.seconds) / (flops[-1][1] - everything[1])
     options, added = [], 0
     for option, sized in zip(path[:-1], flops):
         added = max(added, sized[1] - everything[1])  # each recomputes all the one before it does
