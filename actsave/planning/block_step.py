@@ -344,6 +344,7 @@ class Outside:
     loss_leaves: int  # live from the loss's backward through the blocks' (the loss, its gradient, a tied weight's)
     after_peak: int  # the peak after the first block's input gradient arrives: the embeddings' backward
     other_outputs: Optional[OtherOutputs] = None  # the blocks' other outputs: NOTE [ Outputs the caller holds ]
+    chain_input_until: str = "step"  # how long the first block's input lives: NOTE [ A chain input the step frees ]
 
 
 class _Phases:
@@ -356,6 +357,7 @@ class _Phases:
         self.before_rise = self.held = self.chain_input = self.loss_rise = self.after_start = self.after_rise = 0
         self.blocks_end = self.loss_leaves = 0
         self.loss_hooked = self.after_measured = False
+        self.chain_input_until, self._chain_input_count, self._blocks = "step", None, len(calls)
         self._first_hidden_leaf = calls[0][2].hidden_leaf
         self._arguments = []  # the blocks' other tensor arguments, held until the loss has run
         self._span = None
@@ -387,20 +389,42 @@ class _Phases:
         self.before_rise = self._close()
         hidden = pytree.tree_leaves((args, kwargs))[self._first_hidden_leaf]
         self.held, self.chain_input = self.tracker.live, _storage_bytes(hidden, self.tracker.device)
+        # NOTE [ A chain input the step frees ]: watched until the loss's gradient; one
+        # the step did not make (the caller's) is not counted, and is held.
+        count = self.tracker.counted_bytes(hidden.untyped_storage())
+        self._chain_input_count = count if count[0] > 0 else None
         if hidden.requires_grad:
             self._handles.append(hidden.register_hook(self._blocks_backward_ends))
 
     def _last_ends(self, module, args, output) -> None:
         hidden = _hidden_output(output, type(module).__name__)
         if hidden.requires_grad:
-            # The blocks' other outputs are counted as their blocks keep them, not here.
-            self.blocks_end = self.tracker.live - _storage_bytes(hidden, self.tracker.device) - self.others.live()
-            self._open()
+            # Counted as the next operator starts, not here: this hook's arguments still
+            # hold the last block's input, which its caller drops as the block returns
+            # where nothing saves it; counted here, the loss's rise would come out short
+            # by it.
+            hidden_bytes = _storage_bytes(hidden, self.tracker.device)
+            self.tracker.before_next_op(lambda: self._loss_starts(hidden_bytes))
             self._handles.append(hidden.register_hook(self._loss_ends))
             self.loss_hooked = True
 
+    def _loss_starts(self, hidden_bytes: int) -> None:
+        # The blocks' other outputs are counted as their blocks keep them, not here.
+        self.blocks_end = self.tracker.live - hidden_bytes - self.others.live()
+        self._chain_input_gone("first block" if self._blocks == 1 else "forward")
+        self._open()
+
+    def _chain_input_gone(self, until: str) -> None:
+        """Marks the chain input as living ``until`` that, if it is gone now and was not
+        found gone before."""
+        count = self._chain_input_count
+        if count is not None and count[0] == 0 and self.chain_input_until == "step":
+            self.chain_input_until = until
+
     def _block_starts(self, a: int, args: tuple, kwargs: dict, hidden_leaf: int) -> None:
         self.others.block_starts(a)
+        if a == 1:
+            self._chain_input_gone("first block")
         # A checkpointed block keeps its arguments until its backward; the plain model
         # may free some (a mask no block saves) as its forward returns, before the loss.
         # Held here, the loss is measured as it runs with any block checkpointed.
@@ -409,6 +433,7 @@ class _Phases:
 
     def _loss_ends(self, grad) -> None:
         self.loss_rise = self._close()
+        self._chain_input_gone("forward")
         # The loss's backward may leave more than the gradient it hands the blocks: a
         # weight tied to the embeddings' holds its gradient until theirs adds to it.
         # (The last block's output is not counted in blocks_end: the loss frees it.) The
@@ -466,4 +491,4 @@ def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Opti
                    held=batch_bytes + phases.held - phases.chain_input,
                    loss_rise=phases.loss_rise, loss_bytes=loss_bytes, loss_leaves=phases.loss_leaves,
                    after_peak=batch_bytes + phases.after_start + phases.after_rise if phases.after_measured else 0,
-                   other_outputs=others)
+                   other_outputs=others, chain_input_until=phases.chain_input_until)

@@ -272,6 +272,9 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
                                  profile.timed, profile.layers)
     options = [None, *candidates]
     other_outputs = None if outside is None else outside.other_outputs
+    # NOTE [ A chain input the step frees ]
+    until = "step" if outside is None else outside.chain_input_until
+    freed = 0.0 if until == "step" else float(model.input[0])
     pending = argument_gradients(calls, profile.device)  # NOTE [ Gradients of the blocks' arguments ]
     subsets = KeptSubsets(measurer) if "selective" in levers else None  # NOTE [ Kept subsets ]
     rows, labels = [], []
@@ -284,14 +287,18 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
             pair = tuple(_with_pending(_with_other_outputs(_terms(model, measurer, a, option, held), other_outputs,
                                                            a, option), pending[a])
                          for held in (False, True))
+            if freed and (a == 0 or until == "forward"):
+                keeps = a == 0 and _keeps_input_on_device(option, measurer, profile.layers[0])
+                pair = tuple(_with_chain_input(terms, freed, keeps) for terms in pair)
             if pair[0] is not None or pair[1] is not None:
                 row.append(pair)
                 names.append(option)
         rows.append(tuple(row))
         labels.append(tuple(names))
-    loss = tuple(model.plain_working_set(len(calls), 0, held) for held in (False, True))
+    loss = tuple(model.plain_working_set(len(calls), 0, held) + (freed if until == "forward" else 0.0)
+                 for held in (False, True))
     base = float(model.forward_s_before[-1] + model.backward_s_before[-1])
-    return BlockTable(tuple(rows), loss, float(model.chain_input), base, tuple(labels))
+    return BlockTable(tuple(rows), loss, float(model.chain_input) - freed, base, tuple(labels))
 
 
 def _terms(model: CostModel, measurer: BlockMeasurer, a: int, option, held: bool):
@@ -313,6 +320,46 @@ def _with_other_outputs(terms, others: Optional[OtherOutputs], a: int, option):
         return terms
     kept = others.kept_unsaved[a] if option is None else others.kept[a]
     return dataclasses.replace(terms, kept=terms.kept + kept, forward_event=terms.forward_event + others.passing[a])
+
+
+# NOTE [ A chain input the step frees ]
+# The chain's memory model counts its input X at every event: a chain's caller holds
+# it (memory_model.py). A block stack's first input is the model's own (the embeddings'
+# output), which the plain step drops where no op of the first block saves it (a norm
+# that saves its centred input; an embedding that needs no gradient, as under LoRA):
+# as the first block returns, or as the model's forward returns (Hugging Face's
+# decoders hold `inputs_embeds` until then). Counted as held, a checkpoint of the first
+# block, which keeps it to its backward, was priced as keeping nothing: one hidden state
+# below what it measured, over its budget. So the example step watches that input
+# (block_step.py, _Phases) and says how long it lived: the whole step (counted in X, as
+# before), the first block, or the blocks' forward (gone by the time the loss's gradient
+# reaches them). Where it did not live through the step it leaves X, and it is counted
+# in the first block's forward event and, where that block's option keeps it itself on
+# the device, in its R and backward event; where it lived through the forward, also in
+# every later block's forward event and the loss's.
+
+
+def _keeps_input_on_device(option, measurer: BlockMeasurer, first: LayerProfile) -> bool:
+    """Whether the first block under ``option`` keeps its input itself on the device:
+    a checkpoint's exact input (not a private copy for an in-place first layer), or a
+    measured option's, as its step held it."""
+    if option is None:
+        return False  # the step freed it: the plain block saves none of it
+    if option.keep == "inputs":
+        return not option.policy.lossy and not option.policy.offload and not first.modifies_input
+    measured = measurer.measured(0, option)
+    return measured is not None and measured.input_kept
+
+
+def _with_chain_input(terms, x_bytes: float, kept: bool):
+    """A block's ``terms`` with the chain input, which the step frees, in its forward
+    event, and where ``kept``, in R and its backward event (NOTE [ A chain input the
+    step frees ])."""
+    if terms is None:
+        return None
+    held = x_bytes if kept else 0.0
+    return dataclasses.replace(terms, kept=terms.kept + held, forward_event=terms.forward_event + x_bytes,
+                               backward_event=terms.backward_event + held)
 
 
 def _with_pending(terms, pending: int):

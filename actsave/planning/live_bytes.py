@@ -72,6 +72,7 @@ class LiveBytes(TorchDispatchMode):
         # storage -> [the bytes it is counted at], or None where it is not counted
         self._seen = weakref.WeakKeyDictionary()
         self._resizes = contextlib.ExitStack()
+        self._before_next = []  # callbacks for the next operator (before_next_op)
         for t in pytree.tree_leaves(known):
             if isinstance(t, torch.Tensor):
                 for storage in storages_of(t):
@@ -88,9 +89,20 @@ class LiveBytes(TorchDispatchMode):
             self._resizes.close()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._before_next:
+            callbacks, self._before_next = self._before_next, []
+            for callback in callbacks:
+                callback()
         out = OUTPUT_METADATA.call(func, args, kwargs or {})  # fast on meta tensors: meta.py
         self._track_all(out)
         return out
+
+    def before_next_op(self, callback) -> None:
+        """Calls ``callback()`` as the next operator is dispatched, before it runs: the
+        count it reads then leaves out what the code between dropped (a module's
+        forward hook runs while its arguments are still held, which its caller may drop
+        as the module returns)."""
+        self._before_next.append(callback)
 
     def _track_all(self, out) -> None:
         if isinstance(out, torch.Tensor):

@@ -5,6 +5,7 @@ its backward; parameter gradients allocated before), less parameters, buffers an
 gradients: what ``budget`` covers, embeddings, head and loss included.
 """
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -653,3 +654,83 @@ def test_a_printed_lossy_selective_block_recomputes_attention_and_an_exact_one_k
     lossy = blocks._described(BlockOption.resolve("selective", "int8", False))
     assert exact[:2] == ["inputs, linear and attention outputs", "norms, activations"]
     assert lossy[:3] == ["inputs, linear outputs", "norms, activations, attention", "int8"]
+
+
+class CentredNorm(nn.Module):
+    """A norm written out: it saves its centred input, not the input (as Cohere's)."""
+
+    def forward(self, x):
+        centred = x - x.mean(-1, keepdim=True)
+        return centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+class CentredBlock(nn.Module):
+    """No op of it saves its input: where nothing else holds it, the step frees it."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.up, self.down = CentredNorm(), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class CentredStack(nn.Module):
+    """Embeddings, four CentredBlocks, a head. ``hold_embeddings``: the forward keeps
+    the embeddings' output until it returns (Hugging Face's ``inputs_embeds``)."""
+
+    def __init__(self, hold_embeddings: bool, frozen_embeddings: bool, width: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.hold_embeddings = hold_embeddings
+        self.embed = nn.Embedding(100, width).requires_grad_(not frozen_embeddings)
+        self.blocks = nn.ModuleList(CentredBlock(width) for _ in range(4))
+        self.head = nn.Linear(width, 100)
+
+    def forward(self, ids):
+        embeddings = self.embed(ids)
+        h = embeddings
+        if not self.hold_embeddings:
+            del embeddings
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+@pytest.mark.parametrize("hold_embeddings,frozen_embeddings,until", [
+    (False, False, "first block"), (True, False, "forward"), (True, True, "forward")])
+def test_every_plan_of_a_stack_whose_step_frees_its_first_input_measures_its_prediction(
+        hold_embeddings, frozen_embeddings, until):
+    # NOTE [ A chain input the step frees ]: a checkpoint of the first block keeps the
+    # input the plain step frees; priced as keeping nothing, those plans measured one
+    # hidden state above their prediction, over their budget.
+    import itertools
+
+    from actsave.planning.block_solver import predicted_peak
+    from actsave.planning.blocks import BlockPlanner
+
+    model, ids = CentredStack(hold_embeddings, frozen_embeddings), torch.randint(0, 100, (2, 16))
+    planner = BlockPlanner(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (ids,),
+                           allow=("recompute",))
+    assert planner.outside.chain_input_until == until
+    table = planner.table
+    for choices in itertools.product((0, 1), repeat=4):  # plain or inputs kept, per block
+        options = tuple(table.labels[a][k] for a, k in enumerate(choices))
+        planned, plan = copy.deepcopy((model, planner.plan(2**40)))
+        actsave.wrap(planned, dataclasses.replace(plan, options=options))
+        measured = live_peak_bytes(planned, ids)
+        assert measured <= max(planner.fixed, predicted_peak(table, choices)) <= measured + 8, choices
+
+
+def live_peak_bytes(model: nn.Module, ids: torch.Tensor) -> int:
+    """step_peak_bytes counted by LiveBytes (MemTracker hooks every parameter, and
+    fails on frozen ones), the batch included."""
+    from actsave.planning.live_bytes import LiveBytes
+
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    tracker = LiveBytes("cpu", known=[*model.parameters(), *model.buffers(), *grads, ids])
+    with tracker:
+        model(ids).backward()
+    return tracker.peak + ids.untyped_storage().nbytes()
