@@ -47,6 +47,7 @@ from .function import checkpointed_call
 from .kept_saves import call_with_kept_saves
 from .recompute_options import RecomputeOptions
 from .kept_ops import DEFAULT_KEPT_OPS, KeptOps, aten_policy
+from .layers import known_layers
 from .selective import selective_call
 from .keep_rules import EXACT, KeepPolicy
 
@@ -160,15 +161,23 @@ def _under_compile(option: BlockOption, function, args, kwargs, options, private
             # torch's selective checkpoint saving the outputs of the kept calls and recomputing the rest.
             context = functools.partial(create_selective_checkpoint_contexts, saved)
             return checkpoint_in_graph(function, args, kwargs, options, context_fn=context), None
-        why = (f"it keeps the calls of {list(option.ops.module_names)} by name in a function that is not a module, "
-               "whose modules actsave cannot name: checkpoint the module"
-               if option.ops.module_names is not None
-               else f"the kept calls {option.ops.names()} have no aten operators actsave knows to save in a graph")
+        why = _why_no_policy(option.ops, function)
     elif option.keep == "selective":
         why = "what it keeps is stored by a codec or on the host as its forward ends, which a graph does not do"
     else:
         why = "its saves are kept by a codec or on the host through saved-tensor hooks, which a graph does not hold"
     return _eagerly(option, function, args, kwargs, options, private_copy, why)
+
+
+def _why_no_policy(ops: KeptOps, function) -> str:
+    """Why :func:`aten_policy` found no policy for ``ops`` on ``function``."""
+    if ops.module_names is None:
+        return f"the kept calls {ops.names()} have no aten operators actsave knows to save in a graph"
+    if known_layers(function) is None:
+        return (f"it keeps the calls of {list(ops.module_names)} by name in a function that is not a module, whose "
+                "modules actsave cannot name: checkpoint the module")
+    return (f"it keeps the calls of {list(ops.module_names)} by name, and some name matches no module of the block: "
+            "run eagerly, it raises the error that lists the names there are")
 
 
 @torch.compiler.disable

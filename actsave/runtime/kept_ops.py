@@ -181,7 +181,9 @@ def aten_policy(ops: KeptOps, function) -> Optional[object]:
     names = ops.names_if_all_match(layers, type(function) is nn.Sequential)  # layers.py's rule, for a module
     if names is None:
         return None  # eagerly, where named_choice raises its error
-    return functools.partial(_saved_by_name, names, module_overloads, function_overloads)
+    # Tuples, not frozensets: where the block breaks the graph, Dynamo rebuilds this
+    # partial in the resumed code, and it cannot rebuild a frozenset there.
+    return functools.partial(_saved_by_name, names, tuple(module_overloads), tuple(function_overloads))
 
 
 def _overloads_of(module_types: tuple) -> Optional[frozenset]:
@@ -194,7 +196,7 @@ def _overloads_of(module_types: tuple) -> Optional[frozenset]:
     return frozenset(found)
 
 
-def _saved_by_name(names: tuple, module_overloads: frozenset, function_overloads: frozenset, ctx, op, *args,
+def _saved_by_name(names: tuple, module_overloads: tuple, function_overloads: tuple, ctx, op, *args,
                    **kwargs) -> CheckpointPolicy:
     """The policy of a checkpoint that keeps the modules at ``names`` (NOTE [ Kept calls
     in a graph ])."""
@@ -209,14 +211,16 @@ def _saved_by_name(names: tuple, module_overloads: frozenset, function_overloads
 
 # A kept call's work as the aten operators a compiled graph runs: a linear layer's
 # matmul (addmm with a bias, mm without; 3-D inputs are folded to 2-D first), a
-# convolution, attention's fused kernels (each device's) and the math path's matmuls.
+# convolution, attention's fused kernels (each device's). Not the math path's bmm: a
+# graph cannot tell its matmuls from any other bmm the block runs (hand-written
+# attention), and saving every bmm keeps more than the eager checkpoint does (the score
+# matrix among them), where a graph must keep no more: its attention is recomputed.
 _ATEN_OPS = {
     nn.Linear: aten_overloads("mm.default", "addmm.default"),
     nn.modules.conv._ConvNd: aten_overloads("convolution.default"),
     "scaled_dot_product_attention": aten_overloads(
         "_scaled_dot_product_flash_attention.default", "_scaled_dot_product_efficient_attention.default",
-        "_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_flash_attention_for_cpu.default",
-        "bmm.default"),
+        "_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_flash_attention_for_cpu.default"),
 }
 
 
