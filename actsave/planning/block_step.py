@@ -358,6 +358,7 @@ class _Phases:
         self.blocks_end = self.loss_leaves = 0
         self.loss_hooked = self.after_measured = False
         self.chain_input_until, self._chain_input_count, self._blocks = "step", None, len(calls)
+        self._blocks_end_storages = []  # (count, bytes) of each storage live as the loss starts
         self._first_hidden_leaf = calls[0][2].hidden_leaf
         self._arguments = []  # the blocks' other tensor arguments, held until the loss has run
         self._span = None
@@ -403,14 +404,21 @@ class _Phases:
             # hold the last block's input, which its caller drops as the block returns
             # where nothing saves it; counted here, the loss's rise would come out short
             # by it.
+            hidden_count = self.tracker.counted_bytes(hidden.untyped_storage())
             hidden_bytes = _storage_bytes(hidden, self.tracker.device)
-            self.tracker.before_next_op(lambda: self._loss_starts(hidden_bytes))
+            self.tracker.before_next_op(lambda: self._loss_starts(hidden_bytes, hidden_count))
             self._handles.append(hidden.register_hook(self._loss_ends))
             self.loss_hooked = True
 
-    def _loss_starts(self, hidden_bytes: int) -> None:
+    def _loss_starts(self, hidden_bytes: int, hidden_count: list) -> None:
         # The blocks' other outputs are counted as their blocks keep them, not here.
         self.blocks_end = self.tracker.live - hidden_bytes - self.others.live()
+        # What the step drops while the loss runs, which the loss's leaves are not
+        # measured against (Hugging Face's decoders drop `inputs_embeds` as their
+        # forward returns): each storage counted now, with its bytes.
+        outside = {id(hidden_count)} | self.others.counts()
+        self._blocks_end_storages = [(count, count[0]) for count in self.tracker.live_counts()
+                                     if id(count) not in outside]
         self._chain_input_gone("first block" if self._blocks == 1 else "forward")
         self._open()
 
@@ -439,7 +447,9 @@ class _Phases:
         # (The last block's output is not counted in blocks_end: the loss frees it.) The
         # blocks' other outputs, or their gradients, come off when the step ends (finish):
         # NOTE [ Outputs the caller holds ].
-        self.loss_leaves = self.tracker.live - self.blocks_end - _storage_bytes(grad, self.tracker.device)
+        dropped = sum(nbytes for count, nbytes in self._blocks_end_storages if count[0] == 0)
+        self._blocks_end_storages = []
+        self.loss_leaves = self.tracker.live - (self.blocks_end - dropped) - _storage_bytes(grad, self.tracker.device)
         self.others.loss_ends()
         self._arguments.clear()
 

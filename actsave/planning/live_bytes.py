@@ -135,6 +135,11 @@ class LiveBytes(TorchDispatchMode):
         counted = self._seen.get(storage)
         return counted if counted is not None else [0]
 
+    def live_counts(self) -> list:
+        """The one-item lists of :meth:`counted_bytes` of every storage counted now."""
+        with self._lock:
+            return [counted for counted in list(self._seen.values()) if counted is not None and counted[0] > 0]
+
     def _resized(self, storage, before: int, after: int) -> None:
         counted = self._seen.get(storage)
         if counted is not None:

@@ -130,6 +130,10 @@ class OutputsWatch:
         """Bytes of the noted outputs still allocated."""
         return sum(output.counted[0] for outputs in self.outputs for output in outputs)
 
+    def counts(self) -> set:
+        """The ids of the noted outputs' one-item counts (LiveBytes.counted_bytes)."""
+        return {id(output.counted) for outputs in self.outputs for output in outputs}
+
     def loss_ends(self) -> None:
         for outputs in self.outputs:
             for output in outputs:

@@ -677,15 +677,18 @@ class CentredBlock(nn.Module):
 
 class CentredStack(nn.Module):
     """Embeddings, four CentredBlocks, a head. ``hold_embeddings``: the forward keeps
-    the embeddings' output until it returns (Hugging Face's ``inputs_embeds``)."""
+    the embeddings' output until it returns (Hugging Face's ``inputs_embeds``);
+    ``tied``: the head's weight is the embeddings' (its gradient waits for theirs)."""
 
-    def __init__(self, hold_embeddings: bool, frozen_embeddings: bool, width: int = 32):
+    def __init__(self, hold_embeddings: bool, frozen_embeddings: bool, tied: bool = False, width: int = 32):
         super().__init__()
         torch.manual_seed(0)
         self.hold_embeddings = hold_embeddings
         self.embed = nn.Embedding(100, width).requires_grad_(not frozen_embeddings)
         self.blocks = nn.ModuleList(CentredBlock(width) for _ in range(4))
         self.head = nn.Linear(width, 100)
+        if tied:
+            self.head.weight = self.embed.weight
 
     def forward(self, ids):
         embeddings = self.embed(ids)
@@ -697,19 +700,24 @@ class CentredStack(nn.Module):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
 
 
-@pytest.mark.parametrize("hold_embeddings,frozen_embeddings,until", [
-    (False, False, "first block"), (True, False, "forward"), (True, True, "forward")])
+@pytest.mark.parametrize("hold_embeddings,frozen_embeddings,tied,until", [
+    (False, False, False, "first block"), (True, False, False, "forward"), (True, True, False, "forward"),
+    (True, False, True, "forward")])
 def test_every_plan_of_a_stack_whose_step_frees_its_first_input_measures_its_prediction(
-        hold_embeddings, frozen_embeddings, until):
+        hold_embeddings, frozen_embeddings, tied, until):
     # NOTE [ A chain input the step frees ]: a checkpoint of the first block keeps the
     # input the plain step frees; priced as keeping nothing, those plans measured one
-    # hidden state above their prediction, over their budget.
+    # hidden state above their prediction, over their budget. Tied: what the loss
+    # leaves (the head's gradient, held until the embeddings' backward) is measured
+    # against the storages live as the loss starts, less those the step drops meanwhile
+    # (the embeddings' output, held until the forward returns); measured against their
+    # sum, it came out one hidden state short.
     import itertools
 
     from actsave.planning.block_solver import predicted_peak
     from actsave.planning.blocks import BlockPlanner
 
-    model, ids = CentredStack(hold_embeddings, frozen_embeddings), torch.randint(0, 100, (2, 16))
+    model, ids = CentredStack(hold_embeddings, frozen_embeddings, tied), torch.randint(0, 100, (2, 16))
     planner = BlockPlanner(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (ids,),
                            allow=("recompute",))
     assert planner.outside.chain_input_until == until
