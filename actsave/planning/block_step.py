@@ -389,7 +389,11 @@ class _Phases:
     def _first_starts(self, module, args, kwargs) -> None:
         self.before_rise = self._close()
         hidden = pytree.tree_leaves((args, kwargs))[self._first_hidden_leaf]
-        self.held, self.chain_input = self.tracker.live, _storage_bytes(hidden, self.tracker.device)
+        # The profile counts the chain input at its own size (a tensor made to its spec):
+        # the rest of a larger storage it views (a slice of a concatenation) is the step's.
+        own = min(_storage_bytes(hidden, self.tracker.device),
+                  allocation_bytes(hidden.numel() * hidden.element_size(), self.tracker.device))
+        self.held, self.chain_input = self.tracker.live, own
         # NOTE [ A chain input the step frees ]: watched until the loss's gradient; one
         # the step did not make (the caller's) is not counted, and is held.
         count = self.tracker.counted_bytes(hidden.untyped_storage())
