@@ -357,8 +357,7 @@ class _Phases:
         self.before_rise = self.held = self.chain_input = self.loss_rise = self.after_start = self.after_rise = 0
         self.blocks_end = self.loss_leaves = 0
         self.loss_hooked = self.after_measured = False
-        self.chain_input_until, self._chain_input_count, self._blocks = "step", None, len(calls)
-        self._blocks_end_storages = []  # (count, bytes) of each storage live as the loss starts
+        self.chain_input_until, self._chain_input_count, self._blocks_end_storages = "step", None, []
         self._first_hidden_leaf = calls[0][2].hidden_leaf
         self._arguments = []  # the blocks' other tensor arguments, held until the loss has run
         self._span = None
@@ -389,13 +388,11 @@ class _Phases:
     def _first_starts(self, module, args, kwargs) -> None:
         self.before_rise = self._close()
         hidden = pytree.tree_leaves((args, kwargs))[self._first_hidden_leaf]
-        # The profile counts the chain input at its own size (a tensor made to its spec):
-        # the rest of a larger storage it views (a slice of a concatenation) is the step's.
+        # At its own size, as the profile counts it: the rest of a storage it views is the step's.
         own = min(_storage_bytes(hidden, self.tracker.device),
                   allocation_bytes(hidden.numel() * hidden.element_size(), self.tracker.device))
         self.held, self.chain_input = self.tracker.live, own
-        # NOTE [ A chain input the step frees ]: watched until the loss's gradient; one
-        # the step did not make (the caller's) is not counted, and is held.
+        # NOTE [ A chain input the step frees ]: one the step did not make is the caller's.
         count = self.tracker.counted_bytes(hidden.untyped_storage())
         self._chain_input_count = count if count[0] > 0 else None
         if hidden.requires_grad:
@@ -404,10 +401,8 @@ class _Phases:
     def _last_ends(self, module, args, output) -> None:
         hidden = _hidden_output(output, type(module).__name__)
         if hidden.requires_grad:
-            # Counted as the next operator starts, not here: this hook's arguments still
-            # hold the last block's input, which its caller drops as the block returns
-            # where nothing saves it; counted here, the loss's rise would come out short
-            # by it.
+            # Counted as the next op starts: this hook's arguments still hold the last block's
+            # input, which its caller may drop as it returns (else the loss's rise comes out short).
             hidden_count = self.tracker.counted_bytes(hidden.untyped_storage())
             hidden_bytes = _storage_bytes(hidden, self.tracker.device)
             self.tracker.before_next_op(lambda: self._loss_starts(hidden_bytes, hidden_count))
@@ -417,18 +412,16 @@ class _Phases:
     def _loss_starts(self, hidden_bytes: int, hidden_count: list) -> None:
         # The blocks' other outputs are counted as their blocks keep them, not here.
         self.blocks_end = self.tracker.live - hidden_bytes - self.others.live()
-        # What the step drops while the loss runs, which the loss's leaves are not
-        # measured against (Hugging Face's decoders drop `inputs_embeds` as their
-        # forward returns): each storage counted now, with its bytes.
+        # Each storage live now, with its bytes: what the step drops while the loss runs (HF
+        # decoders drop `inputs_embeds` as their forward returns) is no leaf of the loss.
         outside = {id(hidden_count)} | self.others.counts()
         self._blocks_end_storages = [(count, count[0]) for count in self.tracker.live_counts()
                                      if id(count) not in outside]
-        self._chain_input_gone("first block" if self._blocks == 1 else "forward")
+        self._chain_input_gone("forward" if len(self.others.outputs) > 1 else "first block")  # of one block
         self._open()
 
     def _chain_input_gone(self, until: str) -> None:
-        """Marks the chain input as living ``until`` that, if it is gone now and was not
-        found gone before."""
+        """The chain input lived ``until`` that, if it is gone now and was not before."""
         count = self._chain_input_count
         if count is not None and count[0] == 0 and self.chain_input_until == "step":
             self.chain_input_until = until
@@ -452,7 +445,6 @@ class _Phases:
         # blocks' other outputs, or their gradients, come off when the step ends (finish):
         # NOTE [ Outputs the caller holds ].
         dropped = sum(nbytes for count, nbytes in self._blocks_end_storages if count[0] == 0)
-        self._blocks_end_storages = []
         self.loss_leaves = self.tracker.live - (self.blocks_end - dropped) - _storage_bytes(grad, self.tracker.device)
         self.others.loss_ends()
         self._arguments.clear()

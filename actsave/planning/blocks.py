@@ -272,8 +272,7 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
                                  profile.timed, profile.layers)
     options = [None, *candidates]
     other_outputs = None if outside is None else outside.other_outputs
-    # NOTE [ A chain input the step frees ]
-    until = "step" if outside is None else outside.chain_input_until
+    until = "step" if outside is None else outside.chain_input_until  # NOTE [ A chain input the step frees ]
     freed = 0.0 if until == "step" else float(model.input[0])
     pending = argument_gradients(calls, profile.device)  # NOTE [ Gradients of the blocks' arguments ]
     subsets = KeptSubsets(measurer) if "selective" in levers else None  # NOTE [ Kept subsets ]
