@@ -5,7 +5,7 @@ function.py's checkpointed_call routes each call here before its eager path.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -59,14 +59,56 @@ def compiles_in_graph(policy: KeepPolicy) -> bool:
     return not policy.lossy and not policy.offload
 
 
-def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions, context_fn=None):
+def checkpoint_in_graph(function, args: tuple, kwargs: dict, options: RecomputeOptions, context_fn=None,
+                        eager_call: Optional[Callable] = None, eager_args: tuple = ()):
     """``function(*args, **kwargs)`` as torch's non-reentrant checkpoint with the
     same recompute options, for a trace: NOTE [ Checkpoints in a compiled graph ].
-    ``context_fn``: torch's, for a selective checkpoint (keep_modes.py)."""
-    extra = {} if context_fn is None else {"context_fn": context_fn}
-    return torch.utils.checkpoint.checkpoint(
-        function, *args, use_reentrant=False, preserve_rng_state=options.preserve_rng_state,
-        determinism_check=options.determinism_check, debug=options.debug, **extra, **kwargs)
+    ``context_fn``: torch's, for a selective checkpoint (keep_modes.py).
+    ``eager_call(function, args, kwargs, *eager_args)``: actsave's eager path, run
+    (returning ``(output, kept bytes)``) where Dynamo cannot trace the checkpoint:
+    NOTE [ A checkpoint Dynamo cannot trace ]."""
+    if eager_call is None:
+        extra = {} if context_fn is None else {"context_fn": context_fn}
+        return torch.utils.checkpoint.checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=options.preserve_rng_state,
+            determinism_check=options.determinism_check, debug=options.debug, **extra, **kwargs)
+    return _checkpoint_or_eagerly(function, args, kwargs, options, context_fn, eager_call, eager_args)
+
+
+def _torch_checkpoint(function, args, kwargs, options, context_fn, eager_call, eager_args):
+    """What Dynamo traces in place of :func:`_checkpoint_or_eagerly`: torch's
+    checkpoint (NOTE [ A checkpoint Dynamo cannot trace ])."""
+    return checkpoint_in_graph(function, args, kwargs, options, context_fn)
+
+
+# NOTE [ A checkpoint Dynamo cannot trace ]
+# Dynamo traces torch's checkpoint as a higher-order op only where it can trace the
+# block's forward whole: no graph break (a print, an .item(), a branch on a tensor's
+# value) and no side effect it cannot undo (a Python attribute the forward sets).
+# Elsewhere it breaks the graph at the call and runs torch.utils.checkpoint eagerly,
+# whose recompute runs the forward again on the state the forward left: BatchNorm's
+# statistics updated twice, a count read at another value; actsave's eager path lets
+# neither happen (NOTE [ State a forward reads and mutates ], NOTE [ Python attributes a forward sets ]).
+# So a checkpoint in a graph is a call of _checkpoint_or_eagerly, a disabled function
+# that runs actsave's eager path, which Dynamo traces as _torch_checkpoint instead
+# (torch.compiler.substitute_in_graph). Where the checkpoint traces, the graph holds it
+# as before; where it does not, Dynamo breaks the graph at the call of the disabled
+# function itself (restarting each frame above it, as at any graph break inside an
+# inlined call), which then runs: actsave's eager path, at a graph break of its own.
+# A parameter the forward changes in place is no graph break: the graph recomputes it
+# changed, as torch's checkpoint does (docs/limits.md, "torch.compile").
+@torch.compiler.disable
+def _checkpoint_or_eagerly(function, args, kwargs, options, context_fn, eager_call, eager_args):
+    """Runs only where Dynamo could not trace :func:`_torch_checkpoint` in its place:
+    actsave's eager path (NOTE [ A checkpoint Dynamo cannot trace ])."""
+    warn_eager_under_compile("a checkpoint whose forward Dynamo cannot trace whole", "a graph break at each such call",
+                             "its forward breaks the graph or has a side effect, and torch's checkpoint run eagerly "
+                             "would recompute it on the state its forward changed")
+    with graph_codecs.hooks_paused():
+        return eager_call(function, args, kwargs, *eager_args)[0]
+
+
+torch.compiler.substitute_in_graph(_checkpoint_or_eagerly)(_torch_checkpoint)
 
 
 _warned_eager_under_compile = False

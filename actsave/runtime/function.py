@@ -447,7 +447,8 @@ def checkpointed_call(function: Callable, args: tuple, kwargs: dict, policy: Kee
         return function(*args, **kwargs), 0
     if torch.compiler.is_compiling():  # NOTE [ torch.compile ] in compiled_calls.py
         if compiled_calls.compiles_in_graph(policy):
-            return compiled_calls.checkpoint_in_graph(function, args, kwargs, options), None
+            return compiled_calls.checkpoint_in_graph(function, args, kwargs, options, eager_call=_checkpointed_call,
+                                                      eager_args=(policy, private_copy, options, made_by)), None
         return compiled_calls.checkpointed_call_under_compile(_checkpointed_call, function, args, kwargs, policy,
                                                               private_copy, options, made_by, eager_because)
     return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by, prepared)

@@ -123,6 +123,11 @@ def _eager(option: BlockOption, function, args, kwargs, options, private_copy) -
     return call_with_kept_saves(function, args, kwargs, option.policy, scope=_SCOPES[option.keep])
 
 
+def _eager_of(function, args, kwargs, option, options, private_copy) -> tuple:
+    """_eager with checkpoint_in_graph's arguments first."""
+    return _eager(option, function, args, kwargs, options, private_copy)
+
+
 _SCOPES = {"saves": "all", "linear_inputs": "linear_inputs"}
 
 # Hugging Face's key-value cache, passed to a block in training (use_cache=True): its
@@ -160,7 +165,8 @@ def _under_compile(option: BlockOption, function, args, kwargs, options, private
         if saved is not None:
             # torch's selective checkpoint saving the outputs of the kept calls and recomputing the rest.
             context = functools.partial(create_selective_checkpoint_contexts, saved)
-            return checkpoint_in_graph(function, args, kwargs, options, context_fn=context), None
+            return checkpoint_in_graph(function, args, kwargs, options, context_fn=context, eager_call=_eager_of,
+                                       eager_args=(option, options, private_copy)), None
         why = _why_no_policy(option.ops, function)
     elif option.keep == "selective":
         why = "what it keeps is stored by a codec or on the host as its forward ends, which a graph does not do"
