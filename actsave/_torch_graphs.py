@@ -170,6 +170,18 @@ def untraced_frame(function):
     return _skip(function)
 
 
+# Dynamo's frame callback on this thread (torch._C._dynamo.eval_frame, private, in 2.11
+# and 2.13): set while code runs under torch.compile outside a graph, in a frame Dynamo
+# ran eagerly after a graph break it could not resume from, whose callees it compiles.
+_frame_callback = _optional_attribute("torch._C._dynamo.eval_frame", "get_eval_frame_callback")
+
+
+def dynamo_compiles_callees() -> bool:
+    """Whether Dynamo would compile the frames the running code calls (never while it
+    traces: call this from eager code only)."""
+    return _frame_callback is not None and _frame_callback() not in (None, False)
+
+
 # NOTE [ Fake tensors in a probe ]
 # Code written to be traced tells a tensor it cannot read from one it can: Hugging
 # Face's mask code skips its data-dependent checks (``Tensor.item()``) for a

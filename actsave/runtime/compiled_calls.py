@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .._torch_graphs import dynamo_compiles_callees
 from . import graph_codecs
 from .keep_rules import KeepPolicy
 from .recompute_options import RecomputeOptions
@@ -103,7 +104,8 @@ def _checkpoint_or_eagerly(function, args, kwargs, options, context_fn, eager_ca
     actsave's eager path (NOTE [ A checkpoint Dynamo cannot trace ])."""
     warn_eager_under_compile("a checkpoint whose forward Dynamo cannot trace whole", "a graph break at each such call",
                              "its forward breaks the graph or has a side effect, and torch's checkpoint run eagerly "
-                             "would recompute it on the state its forward changed")
+                             "would recompute it on the state its forward changed",
+                             "Keep graph breaks and Python side effects out of the checkpointed block to compile it.")
     with graph_codecs.hooks_paused():
         return eager_call(function, args, kwargs, *eager_args)[0]
 
@@ -111,21 +113,31 @@ def _checkpoint_or_eagerly(function, args, kwargs, options, context_fn, eager_ca
 torch.compiler.substitute_in_graph(_checkpoint_or_eagerly)(_torch_checkpoint)
 
 
+def out_of_dynamo(eager_path: Callable) -> Callable:
+    """``eager_path``, disabled for Dynamo where it would compile the frames it calls:
+    a checkpoint reached from a frame Dynamo ran eagerly (it skips each frame of a block
+    whose forward sets a new Python attribute) is actsave's eager code, which Dynamo,
+    compiling it frame by frame, failed on (a guard assertion at the store's weakref
+    finalizers)."""
+    return torch.compiler.disable(eager_path) if dynamo_compiles_callees() else eager_path
+
+
 _warned_eager_under_compile = False
 
 
-def warn_eager_under_compile(what: str, breaks: str, why: str) -> None:
+_COMPILE_INSTEAD = ("Exact checkpoints compile (NOTE [ Checkpoints in a compiled graph ]); or compile the blocks and "
+                    "then checkpoint them, which keeps codecs, decisions and offload.")
+
+
+def warn_eager_under_compile(what: str, breaks: str, why: str, instead: str = _COMPILE_INSTEAD) -> None:
     """The one warning per process that actsave runs ``what`` eagerly under
     torch.compile, with ``breaks`` (where the graph breaks), ``why``, and what to do
-    instead."""
+    ``instead``."""
     global _warned_eager_under_compile
     if _warned_eager_under_compile:
         return
     _warned_eager_under_compile = True
-    warnings.warn(
-        f"actsave: {what} runs eagerly under torch.compile ({breaks}): {why}. Exact checkpoints compile "
-        "(NOTE [ Checkpoints in a compiled graph ]); or compile the blocks and then checkpoint them, which keeps "
-        "codecs, decisions and offload.", stacklevel=4)
+    warnings.warn(f"actsave: {what} runs eagerly under torch.compile ({breaks}): {why}. {instead}", stacklevel=4)
 
 
 @torch.compiler.disable

@@ -439,10 +439,9 @@ def checkpointed_call(function: Callable, args: tuple, kwargs: dict, policy: Kee
     functions that modify their inputs in place. ``options`` say how to recompute
     (recompute_options.py). ``made_by``: the inputs are a chain's activations, made by
     its layers before (keep_rules.should_encode). ``eager_because``: why a call Dynamo
-    meets runs eagerly, for its warning. ``prepared``: the modules under the function's
-    layers and their state as the forward starts, from chain.ChainState (eager calls
-    only). See NOTE [ Segment checkpoint mechanism ].
-    """
+    meets runs eagerly, for its warning. ``prepared``: the modules under the function's layers
+    and their state as the forward starts, from chain.ChainState (eager calls only): NOTE [
+    Segment checkpoint mechanism ]."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
     if torch.compiler.is_compiling():  # NOTE [ torch.compile ] in compiled_calls.py
@@ -451,7 +450,8 @@ def checkpointed_call(function: Callable, args: tuple, kwargs: dict, policy: Kee
                                                       eager_args=(policy, private_copy, options, made_by)), None
         return compiled_calls.checkpointed_call_under_compile(_checkpointed_call, function, args, kwargs, policy,
                                                               private_copy, options, made_by, eager_because)
-    return _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by, prepared)
+    return compiled_calls.out_of_dynamo(_checkpointed_call)(function, args, kwargs, policy, private_copy, options,
+                                                            made_by, prepared)
 
 
 def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None, prepared=None,

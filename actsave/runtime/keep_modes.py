@@ -42,7 +42,7 @@ import torch
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from ..errors import ConfigError
-from .compiled_calls import checkpoint_in_graph, warn_eager_under_compile
+from .compiled_calls import checkpoint_in_graph, out_of_dynamo, warn_eager_under_compile
 from .function import checkpointed_call
 from .kept_saves import call_with_kept_saves
 from .recompute_options import RecomputeOptions
@@ -112,7 +112,7 @@ def call_block(option: BlockOption, function: Callable, args: tuple, kwargs: dic
                                  eager_because=eager_because)
     if torch.compiler.is_compiling():
         return _under_compile(option, function, args, kwargs, options, private_copy)
-    return _eager(option, function, args, kwargs, options, private_copy)
+    return out_of_dynamo(_eager)(option, function, args, kwargs, options, private_copy)
 
 
 def _eager(option: BlockOption, function, args, kwargs, options, private_copy) -> tuple:

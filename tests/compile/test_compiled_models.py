@@ -460,3 +460,25 @@ def test_a_compiled_chain_with_a_layer_dynamo_cannot_trace_updates_its_statistic
     for _ in range(2):
         assert all(torch.equal(a, b) for a, b in zip(grads_of_a_step(model, x), grads_of_a_step(eager, x)))
     assert all(torch.equal(a, b) for a, b in zip(compiled.buffers(), eager.buffers()))
+
+
+class Noting(LinearBlock):
+    """Sets an attribute __init__ did not: Dynamo skips each frame of the block's call."""
+
+    def forward(self, x):
+        self.noted = x.shape[0]
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("keep", ["inputs", "selective"])
+def test_a_compiled_block_that_sets_a_new_attribute_trains_as_eagerly(keep):
+    # The checkpoint then runs from a frame Dynamo ran eagerly, whose callees it
+    # compiles: actsave's eager path, compiled frame by frame, hit a Dynamo guard
+    # assertion ("Guard failed on the same frame it was created"). It now runs out of
+    # Dynamo's reach (compiled_calls.out_of_dynamo).
+    def stack():
+        torch.manual_seed(0)
+        return actsave.wrap(nn.Sequential(*(Noting() for _ in range(2))), Noting, keep=keep)
+    x = torch.randn(4, 8, 16)
+    got = grads_of_a_step(torch.compile(stack(), backend=BACKEND), x)
+    assert all(torch.equal(a, b) for a, b in zip(got, grads_of_a_step(stack(), x)))
