@@ -9,9 +9,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .._torch import is_fsdp_unit, is_sharded
 from .._torch_graphs import dynamo_compiles_callees
 from . import graph_codecs
 from .keep_rules import KeepPolicy
+from .layers import known_layers
 from .recompute_options import RecomputeOptions
 
 
@@ -101,7 +103,11 @@ def _torch_checkpoint(function, args, kwargs, options, context_fn, eager_call, e
 @torch.compiler.disable
 def _checkpoint_or_eagerly(function, args, kwargs, options, context_fn, eager_call, eager_args):
     """Runs only where Dynamo could not trace :func:`_torch_checkpoint` in its place:
-    actsave's eager path (NOTE [ A checkpoint Dynamo cannot trace ])."""
+    actsave's eager path (NOTE [ A checkpoint Dynamo cannot trace ]), but for layers
+    FSDP2 shards, whose gathers Dynamo's own fallback, torch's checkpoint, orders as the
+    other ranks do (actsave's eager path there desynchronized two gloo ranks' collectives)."""
+    if _sharded(function):
+        return _torch_checkpoint(function, args, kwargs, options, context_fn, eager_call, eager_args)
     warn_eager_under_compile("a checkpoint whose forward Dynamo cannot trace whole", "a graph break at each such call",
                              "its forward breaks the graph or has a side effect, and torch's checkpoint run eagerly "
                              "would recompute it on the state its forward changed",
@@ -111,6 +117,12 @@ def _checkpoint_or_eagerly(function, args, kwargs, options, context_fn, eager_ca
 
 
 torch.compiler.substitute_in_graph(_checkpoint_or_eagerly)(_torch_checkpoint)
+
+
+def _sharded(function) -> bool:
+    layers = known_layers(function)
+    return layers is not None and any(is_fsdp_unit(m) or any(is_sharded(p) for p in m.parameters(recurse=False))
+                                      for layer in layers for m in layer.modules())
 
 
 def out_of_dynamo(eager_path: Callable) -> Callable:
