@@ -240,33 +240,30 @@ def own_tensors(module: torch.nn.Module, kind: str) -> dict:
     return module._parameters if kind == "parameters" else module._buffers
 
 
-def _fsdp_module_class():
-    """FSDP2's module class, or None where torch has no distributed package."""
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FSDPModule
-    return FSDPModule
-
-
-def _dtensor_class():
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-    return DTensor
+def _distributed(module: str, name: str):
+    """``name`` of ``torch.distributed``'s ``module`` (FSDP2's module class, DTensor), or
+    None where torch has no distributed package."""
+    return getattr(importlib.import_module(module), name) if torch.distributed.is_available() else None
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor (a parameter FSDP2 sharded, for one): its
     ``shape`` is the whole tensor's, which a forward sees once FSDP2 gathers it."""
-    dtensor = _dtensor_class()
+    dtensor = _distributed("torch.distributed.tensor", "DTensor")
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def is_fsdp_unit(module: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` made ``module`` a unit of FSDP2: it gathers the sharded
     parameters it manages around its forward and backward."""
-    fsdp_module = _fsdp_module_class()
+    fsdp_module = _distributed("torch.distributed.fsdp", "FSDPModule")
     return fsdp_module is not None and isinstance(module, fsdp_module)
+
+
+def fsdp_shards(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards ``module`` or a module in it: a unit (its parameters are
+    unsharded while it runs) or a holder of a sharded parameter."""
+    return any(is_fsdp_unit(m) or any(map(is_sharded, m.parameters(recurse=False))) for m in module.modules())
 
 
 def fsdp_param_dtype(unit: torch.nn.Module) -> Optional[torch.dtype]:
@@ -282,8 +279,7 @@ def fsdp_forward_hooks_paused(model: torch.nn.Module):
     without its forward hooks (which would gather the sharded parameters over
     whatever the module holds now, and reshard them after); every other hook stays.
     The hooks are put back in their order on exit."""
-    fsdp_module = _fsdp_module_class()
-    units = [] if fsdp_module is None else [m for m in model.modules() if isinstance(m, fsdp_module)]
+    units = [m for m in model.modules() if is_fsdp_unit(m)]
     saved = []
     for unit in units:
         state = unit._get_fsdp_state()

@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from .._torch import is_sharded
+from .._torch import fsdp_shards
 from ..devices import host_is_separate, synchronize
 from ..errors import ConfigError
 from ..runtime.keep_modes import BlockOption, call_block
@@ -174,8 +174,12 @@ class BlockMeasurer:
     def __init__(self, chain: nn.Sequential, inputs: Sequence[TensorSpec], device, timed: bool,
                  profiled: Optional[Sequence] = None):
         self.layers, self.inputs, self.device, self.timed = list(chain), list(inputs), torch.device(device), timed
-        # What the profiled step measured of each block run plain (its LayerProfile), if given.
-        self._rises = [(p.forward_rise, p.backward_rise) for p in profiled] if profiled else [()] * len(self.layers)
+        # What the profiled step measured of each block run plain (its LayerProfile), if
+        # given; not where FSDP2 shards the block: what its ranks' steps count of the
+        # gathers moves from run to run, and ranks that measured other kinds of block
+        # would run other steps, their gathers out of step.
+        rises = [(p.forward_rise, p.backward_rise) for p in profiled] if profiled else [()] * len(self.layers)
+        self._rises = [() if fsdp_shards(layer) else rise for layer, rise in zip(self.layers, rises)]
         self._cache = {}
 
     def terms(self, model: CostModel, a: int, option: BlockOption, held: bool) -> Optional[OptionTerms]:
@@ -242,11 +246,8 @@ class BlockMeasurer:
 
     def signature(self, a: int) -> tuple:
         """What block ``a`` costs alike with: blocks of one signature are measured once
-        (NOTE [ Block options priced ]). Not its rises where FSDP2 shards it: what its
-        ranks' steps count of the gathers moves from run to run, and ranks that measured
-        other kinds of block would run other steps, their gathers out of step."""
-        sharded = any(is_sharded(p) for p in self.layers[a].parameters())
-        return _signature(self.layers[a]), self.inputs[a], () if sharded else self._rises[a]
+        (NOTE [ Block options priced ])."""
+        return _signature(self.layers[a]), self.inputs[a], self._rises[a]
 
     def example(self, a: int) -> torch.Tensor:
         """An input like block ``a``'s profiled one."""

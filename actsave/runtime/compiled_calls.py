@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._torch import is_fsdp_unit, is_sharded
+from .._torch import fsdp_shards
 from .._torch_graphs import dynamo_compiles_callees
 from . import graph_codecs
 from .keep_rules import KeepPolicy
@@ -121,8 +121,7 @@ torch.compiler.substitute_in_graph(_checkpoint_or_eagerly)(_torch_checkpoint)
 
 def _sharded(function) -> bool:
     layers = known_layers(function)
-    return layers is not None and any(is_fsdp_unit(m) or any(is_sharded(p) for p in m.parameters(recurse=False))
-                                      for layer in layers for m in layer.modules())
+    return layers is not None and any(map(fsdp_shards, layers))
 
 
 def out_of_dynamo(eager_path: Callable) -> Callable:
