@@ -224,6 +224,7 @@ class SelectiveFrame(_Frame):
 
     def end_forward(self) -> None:
         super().end_forward()
+        tensorless = bool(self.calls) and all(call.output is None for call in self.calls)
         for call in self.calls:
             # An output changed in place after its call is not what the call returned. A
             # forward that runs a backward of its own runs it again in the recompute,
@@ -239,8 +240,8 @@ class SelectiveFrame(_Frame):
         self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
         self._skipped_saves = {i: call for call in self.calls if call.skipped for i in range(call.start, call.stop)}
         if self.slots and not self._transformed and not any(call.skipped for call in self.calls):
-            reason = "differentiated" if self._differentiated else "changed" if self.calls else \
-                "none ran" if self.ops.modules or self.functions else "lossy attention"
+            reason = "differentiated" if self._differentiated else "tensorless" if tensorless else \
+                "changed" if self.calls else "none ran" if self.ops.modules or self.functions else "lossy attention"
             _warn_once(self.ops, _name(self.function), reason)
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
             self.calls = []
@@ -357,7 +358,7 @@ _warned = set()
 
 def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
     """Warn once per (ops, function, reason) that a selective checkpoint kept nothing;
-    ``reason``: "changed", "differentiated", "none ran" or "lossy attention"."""
+    ``reason``: "changed", "tensorless", "differentiated", "none ran" or "lossy attention"."""
     key = (ops, function_name, reason)
     if key in _warned:
         return
@@ -366,6 +367,10 @@ def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
         why = (f"every output of its calls of {ops.names()} was changed in place after the call (an in-place "
                "residual: out += x), so those calls run again, and it recomputes everything, as a plain checkpoint "
                "does. Make the op after the call out of place (out = out + x) to keep its output")
+    elif reason == "tensorless":
+        why = (f"no call of {ops.names()} returned a tensor (nn.LSTM and nn.MultiheadAttention return tuples), and a "
+               "call's output is kept only where it is one tensor, so those calls run again, and it recomputes "
+               "everything, as a plain checkpoint does. Name modules that return one tensor (nn.Linear), or use keep='inputs'")
     elif reason == "lossy attention":
         why = ("it keeps by a lossy codec, under which attention is recomputed from its decoded q, k and v, not "
                "kept (its output and log-sum-exp must agree with them: NOTE [ Attention's saves agree ]), and it "

@@ -168,6 +168,34 @@ def test_a_block_without_the_named_ops_warns_once_and_recomputes_everything():
     assert len(messages) == 1 and "Conv2d" in messages[0]
 
 
+class Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.lin = nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        return x + torch.tanh(self.lin(h))
+
+
+def test_named_modules_that_return_tuples_warn_that_they_return_no_tensor_not_that_one_changed(monkeypatch):
+    # nn.LSTM returns (output, (h, c)): nothing of it is kept, and nothing was changed in place.
+    monkeypatch.setattr(selective, "_warned", set())
+    torch.manual_seed(0)
+    plain = Recurrent()
+    block = copy.deepcopy(plain)
+    x = torch.randn(2, 5, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, _ = selective_call(block, (x,), {}, KeptOps(modules=(nn.LSTM,)), DEFAULT_RECOMPUTE)
+        out.sum().backward()
+    messages = [str(w.message) for w in caught if "kept nothing" in str(w.message)]
+    assert len(messages) == 1 and "no call of ['LSTM', " in messages[0] and "returned a tensor" in messages[0]
+    assert "in place" not in messages[0]
+    plain(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), block.parameters()))
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(functions=("aten.mm.default",)), "nor of aten operators"),
     (dict(functions=("linear",)), r"not of other functions \(F.linear\).*modules=\(nn.Linear,\)"),
