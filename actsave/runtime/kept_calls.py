@@ -44,7 +44,9 @@ class KeptCall:
     def view_of_argument(self, tensor: torch.Tensor) -> Optional[tuple]:
         """``(position, size, stride, relative offset)`` where ``tensor`` reads only
         elements of one of the call's tensor arguments, else None (NOTE [ Selective
-        recompute ])."""
+        recompute ]). None for a nested tensor: it has no strides to view it by."""
+        if tensor.is_nested:
+            return None
         identity, offset = storage_identity(tensor), tensor.storage_offset()
         shape, stride = tuple(tensor.shape), tensor.stride()
         sharing = [a for a in self.arguments if a.storage == identity]
