@@ -168,7 +168,7 @@ class CheckpointedSequential(nn.Sequential):
         self._settings.keep_only(set(self))  # the deleted modules' settings go
 
     def forward(self, input):
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or torch.compiler.is_exporting():  # NOTE [ torch.export ] in compiled_calls.py
             return super().forward(input)
         layers = list(self)
         if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]

@@ -204,8 +204,8 @@ class Checkpoint(nn.Module):
 
     def forward(self, *args, **kwargs):
         policy, wrapped = self._kept_inputs_policy, self._wrapped
-        if torch.compiler.is_compiling() and policy is not None and graph_codecs.blocks_in_graph(
-                policy, self._eager_because):
+        if torch.compiler.is_compiling() and policy is not None and not torch.compiler.is_exporting() and \
+                graph_codecs.blocks_in_graph(policy, self._eager_because):
             args, kwargs = graph_codecs.inputs_copied(args, kwargs, policy)
             with graph_codecs.block_annotation(policy):
                 output = checkpoint_in_graph(wrapped, args, kwargs, self._recompute, eager_call=_checkpointed_call,

@@ -55,6 +55,18 @@ from .recompute_options import RecomputeOptions
 # of its own. A CheckpointedSequential with a layer set to keep on the host, or whose
 # lossy segments make decisions, runs its whole forward eagerly instead, as one graph
 # break (sequential.py), however many segments keep so.
+# NOTE [ torch.export ]
+# An exported program is the model's forward: what a backward keeps is no part of it
+# (a training export makes its joint graph later, from that forward, and chooses what
+# to save then). So under torch.export every actsave checkpoint runs its function as it
+# is, traced without actsave's hooks and wrappers (which hold tensors that export's
+# fake ones stand for), as non-strict export traces torch's own checkpoint: its region
+# inlined, untagged (strict export fails on torch's, torch 2.13). The exported program
+# keeps nothing of actsave's: wrap the module it gives back to train it with actsave.
+# Checked where a call chooses its path: keep_modes.call_block, wrappers.Checkpoint,
+# CheckpointedSequential.forward and a wrapped model's root forward (graph_codecs.py).
+
+
 def compiles_in_graph(policy: KeepPolicy) -> bool:
     """Whether a checkpoint keeping its input by ``policy`` becomes torch's checkpoint
     in a compiled graph: it keeps it exactly, on the device. Judged by value: a

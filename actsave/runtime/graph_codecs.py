@@ -329,8 +329,13 @@ class RootForward:
     def __reduce__(self):  # copied and pickled with the model, around the copy
         return RootForward, (self.model, self.previous)
 
+    @property
+    def __code__(self):  # torch.export names a module's forward by its code object
+        return (self.previous or type(self.model).forward).__code__
+
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and not _set_for_blocks():  # not inside a root that set them
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting() and not _set_for_blocks():
+            # not inside a root that set them, nor exported: NOTE [ torch.export ] in compiled_calls.py
             return _forward_with_graph_codecs(self, args, kwargs)
         return self.own_forward(*args, **kwargs)
 

@@ -105,6 +105,8 @@ def call_block(option: BlockOption, function: Callable, args: tuple, kwargs: dic
                private_copy: bool = False, eager_because: Optional[str] = None) -> tuple:
     """``function(*args, **kwargs)`` keeping what ``option`` says; ``(output, kept
     bytes)`` as :func:`~actsave.runtime.function.checkpointed_call` returns them."""
+    if torch.compiler.is_exporting():  # NOTE [ torch.export ] in compiled_calls.py
+        return function(*args, **kwargs), None
     if option.keep in ("inputs", "selective") and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         _warn_of_a_cache(function, (*args, *kwargs.values()))
     if option.keep == "inputs":
