@@ -93,12 +93,12 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .._torch import backward_keeps_graph, pytree, version
 from ..errors import RecomputeError
-from . import compiled_calls, relu_signs
+from . import compiled_calls
 from .compiled_layers import LayerCode
+from .forward_decisions import ForwardDecisions
 from .layers import known_layers, modules_under
 from .passed_inputs import run_segment
 from .placeholders import Cursor, Slot
-from .pool_decisions import PoolDecisions, PoolWatch
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mismatch
 from .replay import ReplayState, passed_generators
 from .state import RecomputeStop, TouchedState
@@ -144,23 +144,15 @@ class _Frame:
         self.recomputed = weakref.WeakKeyDictionary()
         self.is_recomputed = False
         self.keeps_decisions = lossy  # once: pack runs for every saved tensor
-        self._relu_saves = relu_signs.FirstSaves()
-        # NOTE [ Max-pool decisions ], NOTE [ In-place ReLUs on views ]: only a lossy recompute needs them.
-        self.pools = PoolWatch.among(modules) if self.keeps_decisions else None
-        self.relus = relu_signs.InplaceRelus.among(modules) if self.keeps_decisions else None
+        # Only a lossy recompute takes decisions from the forward. ``inputs``: the tensors
+        # among the arguments, where the caller has them.
+        self.decisions = ForwardDecisions(modules, input_tensors(args, kwargs) if inputs is None else inputs) \
+            if lossy else None
         # The caller's inputs, held only while the forward runs (the caller holds them
         # then anyway): a backward inside the forward recomputes from them, exactly
         # (NOTE [ Backward inside a checkpointed forward ]).
         self._forward_inputs = (args, kwargs)
         self._recomputed_in_forward = weakref.WeakKeyDictionary()
-        # Decisions made before this segment: the previous segment's ReLU keeps them.
-        # Only read during the forward, while the caller still holds the inputs.
-        # ``inputs``: the tensors among the arguments, where the caller has them.
-        if self.keeps_decisions:
-            self._input_nodes = relu_signs.input_nodes(input_tensors(args, kwargs) if inputs is None else inputs)
-        else:
-            self._input_nodes = {}
-        self.decision_bytes = 0  # ReLU signs and max-pool decisions kept
         self._state_account = None  # the entry in kept_bytes of what account_kept counted
 
     def _lossy_recompute(self, kept: KeptInputs) -> bool:
@@ -176,37 +168,29 @@ class _Frame:
         self.touched.note_saved(tensor, self.slots)
         slot = Slot(len(self.slots))
         if self.keeps_decisions:
-            self._keep_decisions(tensor, slot)
+            self.decisions.keep(tensor, slot, self.kept)
         self.slots.append(weakref.ref(slot))
         self.signatures.append(_signature(tensor))
         return slot
 
-    def _keep_decisions(self, tensor: torch.Tensor, slot: Slot) -> None:
-        """Attach the decisions a lossy recompute must take from the forward."""
-        pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
-        if pool is not None:
-            window, input_size = pool
-            kept = self.kept.attach(window.encode(tensor, input_size))
-            slot.pool_decisions = PoolDecisions(kept, window, input_size)
-            self.decision_bytes += kept.nbytes
-        elif relu_signs.keeps_decisions(tensor, self._input_nodes, self._relu_saves):
-            slot.relu_signs = self.kept.attach(relu_signs.pack_signs(tensor))
-            self.decision_bytes += slot.relu_signs.nbytes
+    @property
+    def decision_bytes(self) -> int:
+        return 0 if self.decisions is None else self.decisions.nbytes
 
     @contextlib.contextmanager
     def forward_hooks(self):
         """The hooks the forward runs under: saves, module state, max pools and in-place ReLUs (lossy)."""
-        pools = self.pools.watching() if self.keeps_decisions else contextlib.nullcontext()
-        relus = self.relus.watching() if self.keeps_decisions else contextlib.nullcontext()
-        with self.code.running(), self.touched.recording(), saved_tensors_hooks(self.pack, self.unpack), pools, \
-                relus, self.logged("forward"):
+        decisions = self.decisions.forward_watching() if self.keeps_decisions else contextlib.nullcontext()
+        with self.code.running(), self.touched.recording(), saved_tensors_hooks(self.pack, self.unpack), decisions, \
+                self.logged("forward"):
             yield
 
     def end_forward(self) -> None:
         self.touched.end_forward()
         self._forward_inputs = None
         self._recomputed_in_forward = weakref.WeakKeyDictionary()
-        self._input_nodes = {}  # ids may be reused once the inputs are gone
+        if self.keeps_decisions:
+            self.decisions.end_forward()
 
     def unpack(self, slot: Slot) -> torch.Tensor:
         if self.in_forward:
@@ -314,7 +298,7 @@ class _Frame:
             # function runs inside itself (NOTE [ Backward inside a checkpointed forward ]).
             return self._fill(cursor.take(), tensor, into, count, lossy)
 
-        pools = self.pools.watching() if lossy and self.keeps_decisions else contextlib.nullcontext()
+        pools = self.decisions.recompute_watching() if lossy and self.keeps_decisions else contextlib.nullcontext()
         try:
             with self.replaying(self.replay, fill, self.touched.as_in_forward(last)), pools, \
                     self._skipping(cursor, into, count, last):
@@ -364,10 +348,8 @@ class _Frame:
         # No slot: autograd freed the node that saved it; a kept one: the frame holds the
         # tensor itself (selective.py), which the recompute does not replace.
         if slot is not None and slot.kept is None:
-            if lossy and slot.relu_signs is not None:
-                relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
-            if lossy and slot.pool_decisions is not None:
-                self.pools.restored(tensor.data, slot.pool_decisions)
+            if lossy:
+                self.decisions.restore(tensor.data, slot)
             into[slot], slot.filled_at = detached, None if torch.compiler.is_compiling() else version(detached)
         if index == count - 1 and self.options.early_stop:
             # Early stop: what runs after the last saved tensor (at least the output of

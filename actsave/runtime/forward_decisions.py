@@ -1,0 +1,63 @@
+"""The decisions a checkpointed forward keeps for its lossy recompute (function.py):
+its ReLU outputs' signs (relu_signs.py) and its max pools' windows
+(pool_decisions.py), attached to the kept inputs (in the same place, offloaded with
+them) and taken again by the recompute's saves. One per lossy forward; an exact
+recompute decides as the forward did, and keeps none."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import relu_signs
+from .placeholders import Slot
+from .pool_decisions import PoolDecisions, PoolWatch
+
+
+class ForwardDecisions:
+    """The watches a lossy forward runs under and the decisions it attaches to its
+    saves' placeholders. ``modules``: those under the function's known layers, or None
+    (NOTE [ Known layers ]); ``inputs``: the forward's input tensors, whose ReLU
+    decisions the segment before keeps (relu_signs.made_by_segment_relu)."""
+
+    def __init__(self, modules, inputs):
+        # NOTE [ Max-pool decisions ], NOTE [ In-place ReLUs on views ].
+        self.pools = PoolWatch.among(modules)
+        self.relus = relu_signs.InplaceRelus.among(modules)
+        self._relu_saves = relu_signs.FirstSaves()
+        # Read during the forward only, while the caller still holds the inputs.
+        self._input_nodes = relu_signs.input_nodes(inputs)
+        self.nbytes = 0  # the decisions kept
+
+    @contextlib.contextmanager
+    def forward_watching(self):
+        with self.pools.watching(), self.relus.watching():
+            yield
+
+    def recompute_watching(self):
+        """What the recompute runs under: its max pools pool at the forward's windows."""
+        return self.pools.watching()
+
+    def keep(self, tensor: torch.Tensor, slot: Slot, kept) -> None:
+        """Attach to ``slot`` the decisions of the save ``tensor``, kept as ``kept``
+        (store.KeptInputs) keeps the inputs."""
+        pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
+        if pool is not None:
+            window, input_size = pool
+            attached = kept.attach(window.encode(tensor, input_size))
+            slot.pool_decisions = PoolDecisions(attached, window, input_size)
+            self.nbytes += attached.nbytes
+        elif relu_signs.keeps_decisions(tensor, self._input_nodes, self._relu_saves):
+            slot.relu_signs = kept.attach(relu_signs.pack_signs(tensor))
+            self.nbytes += slot.relu_signs.nbytes
+
+    def restore(self, tensor: torch.Tensor, slot: Slot) -> None:
+        """Make the recompute's save ``tensor`` (not tracked by autograd: its ``.data``)
+        decide as the forward's did, in place."""
+        if slot.relu_signs is not None:
+            relu_signs.restore_decisions_(tensor, slot.relu_signs.fetch())
+        if slot.pool_decisions is not None:
+            self.pools.restored(tensor, slot.pool_decisions)
+
+    def end_forward(self) -> None:
+        self._input_nodes = {}  # ids may be reused once the inputs are gone
