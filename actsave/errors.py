@@ -44,3 +44,12 @@ def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
 
 __all__ = ["ActsaveError", "ConfigError", "RecomputeError", "OffloadPoolExhausted", "InternalError",
            "KernelLaunchError", "warn_renamed"]
+
+
+def not_scriptable(module: object) -> ConfigError:
+    """What ``torch.jit.script`` of an actsave module raises, from its
+    ``__prepare_scriptable__`` (which TorchScript calls on every module it compiles)."""
+    return ConfigError(
+        f"actsave: torch.jit.script cannot compile {type(module).__name__}: its forward keeps and recomputes "
+        "tensors through Python hooks TorchScript has no types for. Script the plain model, or use "
+        "torch.export or torch.compile.")

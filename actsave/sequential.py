@@ -34,7 +34,7 @@ from .planning.chain_segments import ChainSegments
 from .planning.segments import BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, normalized_segments, segment_starts
 from ._torch import is_sharded, named_children_of
 from .layer_settings import LayerSettings, modules_named
-from .errors import ConfigError
+from .errors import ConfigError, not_scriptable
 from .runtime import compiled_chain
 from .runtime.chain import ChainCall, run_eagerly, segments_and_policies, starts_for_call
 from .runtime.keep_rules import KeepPolicy
@@ -166,6 +166,9 @@ class CheckpointedSequential(nn.Sequential):
     def __delitem__(self, index) -> None:
         super().__delitem__(index)
         self._settings.keep_only(set(self))  # the deleted modules' settings go
+
+    def __prepare_scriptable__(self):
+        raise not_scriptable(self)
 
     def forward(self, input):
         if not torch.is_grad_enabled() or torch.compiler.is_exporting():  # NOTE [ torch.export ] in compiled_calls.py

@@ -25,7 +25,7 @@ from torch import nn
 
 from ._torch_graphs import uncompiled
 from .checks import byte_count, filter_predicate, nothing_selected, refuse_module_class
-from .errors import ConfigError
+from .errors import ConfigError, not_scriptable
 from .planning.blocks import BlockPlan, plan_block_stack
 from .runtime import graph_codecs
 from .runtime.compiled_calls import checkpoint_in_graph
@@ -214,6 +214,9 @@ class Checkpoint(nn.Module):
         output, _ = call_block(self._option, wrapped, args, kwargs, self._recompute, modifies_input(wrapped),
                                eager_because=self._eager_because)
         return output
+
+    def __prepare_scriptable__(self):
+        raise not_scriptable(self)
 
     def __getattr__(self, name: str):
         try:

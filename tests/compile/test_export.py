@@ -60,3 +60,10 @@ def test_a_model_exported_with_codecs_trains_again_as_before():
     assert actsave.kept_bytes() == {"device": 0, "host": 0}
     worst = min(sqnr_db(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
     assert worst >= EXPECTED_GRADIENT_SQNR_DB["int8"]
+
+
+@pytest.mark.parametrize("name", ["exact", "chain, exact"])
+def test_torchscript_refuses_a_model_with_actsave_saying_what_to_use(name):
+    model = WRAPPED[name](_stack())
+    with pytest.raises(actsave.ConfigError, match=r"torch.jit.script cannot compile .*Script the plain model"):
+        torch.jit.script(model)
