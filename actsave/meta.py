@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Optional
 
 import torch
@@ -144,8 +145,24 @@ def on_meta(model: nn.Module):
     meanwhile: they would gather the real shards over the copies, a collective that
     a meta step must not make. Anomaly mode checks no gradient for NaN meanwhile (NOTE [
     Anomaly mode in a meta step ])."""
+    _warn_of_recurrences(model)
     with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active():
         yield from _swapped_for_meta(model)
+
+
+_warned_recurrences = set()
+
+
+def _warn_of_recurrences(model: nn.Module) -> None:
+    """Warn once per recurrent module type in ``model``: on meta tensors its recurrence
+    runs torch's per-step composite, whose saves are not those of the fused kernel a
+    device runs (oneDNN's on a CPU, cuDNN's), so the step misstates its memory."""
+    for kind in {type(m) for m in model.modules() if isinstance(m, nn.RNNBase)} - _warned_recurrences:
+        _warned_recurrences.add(kind)
+        warnings.warn(f"actsave: a step on meta tensors runs {kind.__name__} as torch's per-step composite, not "
+                      "the fused kernel a device runs, so its memory there is misstated: an estimate or a balanced "
+                      "plan of this model may be off (docs/limits.md, 'Meta estimates'). Plan from a measured step "
+                      "(segments='auto', budget=, example_inputs=).", stacklevel=4)
 
 
 # NOTE [ Anomaly mode in a meta step ]

@@ -67,3 +67,24 @@ def test_a_meta_step_over_batchnorm_counting_its_batches_plans_without_falling_b
         chain = CheckpointedSequential(*layers)
         chain(torch.randn(2, 4, 8, 8)).sum().backward()
     assert "fell back" not in str(chain.describe())
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(16, 16, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def test_a_meta_step_over_a_recurrent_layer_warns_once_that_it_misstates_its_memory(monkeypatch):
+    # On meta tensors an LSTM runs torch's per-step composite, not the device's fused kernel.
+    monkeypatch.setattr(actsave.meta, "_warned_recurrences", set())
+    model = CheckpointedSequential(nn.Linear(16, 16), _Recurrent(), nn.GELU(), _Recurrent(), nn.Linear(16, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            actsave.estimate(model, (2, 5, 16), device="cpu")
+    messages = [str(w.message) for w in caught if "per-step composite" in str(w.message)]
+    assert len(messages) == 1 and "runs LSTM" in messages[0] and "segments='auto'" in messages[0]
