@@ -53,6 +53,7 @@ raise only where the plain block does.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -71,6 +72,7 @@ from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
 from ..runtime.keep_rules import KeepPolicy, modifies_input
+from ..runtime.selective import kept_nothing_noted
 from ..runtime.store import kept_bytes
 from .allocator_rises import AllocatorRises
 from .live_bytes import LiveBytes, allocation_bytes
@@ -276,7 +278,7 @@ class BlockMeasurer:
     def _bytes(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> tuple:
         """(R with the input where kept, whether the input is kept, forward rise,
         backward rise, bytes fetched from the host) of one step of ``layer``."""
-        with isolated_steps(layer), torch.enable_grad():
+        with _measuring(layer) as kept_nothing:
             source = _source_like(spec, self.device)
             known = [*layer.parameters(), *layer.buffers(), source,
                      *(p.grad for p in layer.parameters() if p.grad is not None)]
@@ -296,13 +298,15 @@ class BlockMeasurer:
                 with tracker.span() as backward, allocator.span() as backward_counted:
                     _backward(y, gradient)
                 del y, gradient
+        if kept_nothing:  # a selective option that keeps what a checkpoint of its inputs does, more slowly
+            raise ConfigError(f"selective keeps nothing of {type(layer).__name__}: {kept_nothing[0]}")
         # A rise is the larger of the live storages' and the allocator's: NOTE [ Allocator rises ].
         return (float(held), input_kept, float(max(forward[0], forward_counted[0])),
                 float(max(backward[0], backward_counted[0])), fetched)
 
     def _flops(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> int:
         counting = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS)
-        with isolated_steps(layer), torch.enable_grad(), counting as counter:
+        with _measuring(layer), counting as counter:
             x = _input_from(_source_like(spec, self.device), spec)
             y = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))[0]
             _backward(y, torch.ones_like(y))
@@ -311,7 +315,7 @@ class BlockMeasurer:
     def _seconds(self, layer: nn.Module, spec: TensorSpec, option: BlockOption) -> float:
         """The option's step less the plain block's, medians of interleaved runs."""
         runs = {"option": [], "plain": []}
-        with isolated_steps(layer), torch.enable_grad():
+        with _measuring(layer):
             for _ in range(_TIMED_REPEATS + 1):  # the first of each warms up
                 for name, chosen in (("option", option), ("plain", None)):
                     runs[name].append(self._timed_step(layer, spec, chosen))
@@ -345,6 +349,14 @@ _CPU_ATTENTION_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops,
 }
+
+
+@contextlib.contextmanager
+def _measuring(layer: nn.Module):
+    """A step of ``layer`` alone, as the planner runs one (isolated, grad on), yielding
+    the reasons a selective checkpoint in it kept nothing, noted instead of warned."""
+    with isolated_steps(layer), torch.enable_grad(), kept_nothing_noted() as kept_nothing:
+        yield kept_nothing
 
 
 def _backward(y: torch.Tensor, gradient: torch.Tensor) -> None:

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from typing import Callable, Optional
 
@@ -354,11 +355,29 @@ def _recomputed(slot) -> bool:
 
 
 _warned = set()
+_noting = threading.local()
+
+
+@contextlib.contextmanager
+def kept_nothing_noted():
+    """While open, a selective checkpoint on this thread that keeps nothing appends its
+    reason to the list yielded instead of warning: the planner pricing an option
+    (planning/block_options.py) learns it, and the once-per-process warning is left
+    for the training step."""
+    previous, _noting.reasons = getattr(_noting, "reasons", None), []
+    try:
+        yield _noting.reasons
+    finally:
+        _noting.reasons = previous
 
 
 def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
     """Warn once per (ops, function, reason) that a selective checkpoint kept nothing;
     ``reason``: "changed", "tensorless", "differentiated", "none ran" or "lossy attention"."""
+    noted = getattr(_noting, "reasons", None)
+    if noted is not None:
+        noted.append(reason)
+        return
     key = (ops, function_name, reason)
     if key in _warned:
         return

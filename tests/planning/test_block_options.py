@@ -1,6 +1,7 @@
 """The options a block plan may choose for each block (block_options.py, NOTE [ Block
 options priced ])."""
 import copy
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +10,7 @@ from torch import nn
 
 import actsave
 from actsave.planning.blocks import BlockPlanner
+from actsave.runtime import selective
 
 WIDTH = 32
 
@@ -156,3 +158,46 @@ def test_blocks_whose_forwards_take_other_paths_are_priced_apart_and_their_plans
         plan = actsave.plan_blocks(model, TakesAPath, budget, (x,), allow=("recompute", "selective"))
         actsave.wrap(model, plan)
         assert peak_activation_bytes(model, x, loss=lambda out: out) <= plan.predicted_peak_bytes <= budget
+
+
+class ConvBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class ConvStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList(ConvBlock() for _ in range(3))
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.square().mean()
+
+
+def test_a_block_whose_selective_checkpoint_keeps_nothing_is_not_offered_it_and_planning_warns_nothing(monkeypatch):
+    # Selective keeps the outputs of Linear layers and attention; a conv block has
+    # neither, and its selective checkpoint is a checkpoint of its inputs, slower.
+    monkeypatch.setattr(selective, "_warned", set())
+    model, x = ConvStack(), torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planner = BlockPlanner(model, [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], (x,),
+                               allow=("recompute", "selective"))
+        offered = [{"plain" if option is None else option.keep for option in labels} for labels in planner.table.labels]
+    assert offered == [{"plain", "inputs"}] * 3
+    assert not [w for w in caught if "kept nothing" in str(w.message)]
+    # Its once-per-process warning is left for a step that keeps nothing by the user's choice.
+    wrapped = actsave.wrap(copy.deepcopy(model), ConvBlock, keep="selective")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped(x).backward()
+    assert len([w for w in caught if "kept nothing" in str(w.message)]) == 1
