@@ -15,7 +15,8 @@ import torch
 
 from ..codecs import LOSSY_CODECS, get_codec
 from ..devices import host_is_separate
-from ..runtime import relu_signs
+from ..runtime import bound_decisions, relu_signs
+from ..runtime.bound_decisions import Bounds
 from ..runtime.pool_decisions import pool_at_
 from .instrumented_step import timer
 from .live_bytes import LiveBytes, allocation_bytes
@@ -50,6 +51,7 @@ class CodecCosts:
         self._restore_rises = {}
         self._pool_restore_rises = {}
         self._sign_rises = {}
+        self._bound_rises = {}  # (elements, restore) -> rise
 
     def of(self, spec: TensorSpec) -> dict:
         """{codec: _KeepCost}; a leaf or non-float input is kept as it is by every codec."""
@@ -110,6 +112,32 @@ class CodecCosts:
                 relu_signs.restore_decisions_(output, bits)
             self._restore_rises[elements] = rise[0]
         return self._restore_rises[elements]
+
+    def bound_restore_rise(self, elements: int) -> int:
+        """The rise of live bytes while a lossy recompute moves a Hardtanh's or
+        LeakyReLU's save of ``elements`` elements to the forward's decisions (NOTE
+        [ Bound decisions ])."""
+        return self._bound_rise(elements, restore=True)
+
+    def bound_keep_rise(self, elements: int) -> int:
+        """The rise of live bytes while those decisions are kept as bits, the bits included."""
+        return self._bound_rise(elements, restore=False)
+
+    def _bound_rise(self, elements: int, restore: bool) -> int:
+        if elements == 0:
+            return 0
+        if (elements, restore) not in self._bound_rises:
+            bounds = Bounds(0.0, 6.0)
+            save = torch.randn(elements, device=self.tensors)
+            bits = bound_decisions.keep(save, bounds)
+            tracker = LiveBytes(self.device, known=[save, bits])
+            with tracker, tracker.span() as rise:
+                if restore:
+                    bound_decisions.restore_(save, bits, bounds)
+                else:
+                    bound_decisions.keep(save, bounds)
+            self._bound_rises[elements, restore] = rise[0]
+        return self._bound_rises[elements, restore]
 
     def pool_restore_rise(self, pools: list) -> int:
         """The largest rise of live bytes while a lossy forward keeps a max pool's

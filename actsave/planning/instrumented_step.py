@@ -30,6 +30,7 @@ from ..devices import synchronize
 from ..errors import ConfigError
 from ..meta import fast_meta, plans_at_first_call
 from ..runtime import relu_signs
+from ..runtime.bound_decisions import BoundWatch
 from ..runtime.layers import modules_under
 from ..runtime.passed_inputs import returns_its_input
 from ..runtime.pool_decisions import PoolWatch
@@ -71,11 +72,13 @@ class _SaveLedger:
         self.live_before = []  # the tracker's count as each layer starts
         self.input_entries = []  # the entry of each layer input's storage, or None
         self.peak_at_last_save = {}  # layer -> the tracker's peak when it last saved
-        self.relu_bits = {}  # layer -> [bytes, elements of the largest]
+        self.relu_bits = {}  # layer -> [bytes, elements of the largest ReLU output]; bound decisions' bytes too
+        self.bound_elements = {}  # layer -> elements of the largest save keeping bound decisions
         self.pool_decisions = {}  # layer -> [bytes, [PoolSample of each pool]]
         self.pools = PoolWatch.among(modules_under(layers))
         # The in-place ReLU modules a lossy forward watches (NOTE [ In-place ReLUs on views ]).
         self.relus = relu_signs.InplaceRelus.among(modules_under(layers))
+        self.bounds = BoundWatch.among(modules_under(layers))  # NOTE [ Bound decisions ]
         self._ignored = {id(t.untyped_storage()) for t in ignored}
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
         self._relu_saves = relu_signs.FirstSaves()
@@ -105,14 +108,17 @@ class _SaveLedger:
                 id(storage), [allocation_bytes(storage.nbytes(), self.device), self.layer, self.layer])
             entry[2] = self.layer
         pool = self.pools.window_of(t)
+        bounded = pool is None and BoundWatch.bounds_of_save() is not None
         if pool is not None:
             pool = PoolSample(*pool, tuple(t.shape))
             self._count_pool(t, pool)
+        elif bounded:
+            self._count_bounded(t)
         elif relu_signs.keeps_decisions(t, {}, self._relu_saves):  # one step of the whole chain: no segment inputs
             self._count_relu_output(t)
         # Detached: holding the output itself would be a reference cycle.
         rise = self.tracker.live - self.live_before[self.layer]
-        return t.detach(), self.as_stored.pack(t, self.layer, rise, pool)
+        return t.detach(), self.as_stored.pack(t, self.layer, rise, pool, bounded)
 
     def resized(self, storage, before: int, after: int) -> None:
         """A saved storage emptied in place is not held to its backward: FSDP2 frees a
@@ -121,6 +127,11 @@ class _SaveLedger:
         backward rise (NOTE [ Storage resizes ] in _torch.py)."""
         if after == 0:
             self._entries.pop(id(storage), None)
+
+    def _count_bounded(self, t: torch.Tensor) -> None:
+        """A Hardtanh's or LeakyReLU's save: its bits as a ReLU output's, its restore apart."""
+        self.relu_bits.setdefault(self.layer, [0, 0])[0] += allocation_bytes(-(-t.numel() // 8), self.device)
+        self.bound_elements[self.layer] = max(self.bound_elements.get(self.layer, 0), t.numel())
 
     def _count_relu_output(self, t: torch.Tensor) -> None:
         bits = self.relu_bits.setdefault(self.layer, [0, 0])
@@ -167,6 +178,7 @@ class CountedStep:
         self.input_saved_by = [_span(entry) for entry in ledger.input_entries]
         bits = [ledger.relu_bits.get(i, (0, 0)) for i in range(n)]
         self.relu_sign_bytes, self.relu_elements = (list(c) for c in zip(*bits))
+        self.bound_elements = [ledger.bound_elements.get(i, 0) for i in range(n)]
         pools = [ledger.pool_decisions.get(i, (0, [])) for i in range(n)]
         self.pool_decision_bytes, self.pools = (list(c) for c in zip(*pools))
         self.output_bytes = allocation_bytes(output.untyped_storage().nbytes(), device)
@@ -347,7 +359,7 @@ def measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torc
     ledger = _SaveLedger(device, ignored=known, tracker=tracker, caller=CallerTensors(x, model),
                          layers=tuple(layer for _, layer in layers))
     with tracker, storage_resizes_observed(ledger.resized), saved_tensors_hooks(ledger.pack, ledger.unpack), \
-            ledger.pools.watching(), ledger.relus.watching(), \
+            ledger.pools.watching(), ledger.relus.watching(), ledger.bounds.watching(), \
             ledger.as_stored.watching():  # NOTE [ Attention's saves agree ]
         try:
             forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,

@@ -22,12 +22,15 @@ class StoredEntry:
     stored as its window decisions: runtime/kept_saves.py), the first and last
     layer saving it."""
 
-    __slots__ = ("first", "last", "pool", "relu", "spec")
+    __slots__ = ("first", "last", "pool", "relu", "bounded", "spec")
 
-    def __init__(self, t: torch.Tensor, layer: int, pool: Optional[PoolSample] = None, encoded: bool = False):
+    def __init__(self, t: torch.Tensor, layer: int, pool: Optional[PoolSample] = None, encoded: bool = False,
+                 bounded: bool = False):
         # Encodable: whether a lossy codec keeping saves encodes it (else it holds it as it is).
         self.spec = dataclasses.replace(TensorSpec.of(t), encodable=encoded)
-        self.relu, self.pool = relu_signs.keeps_decisions(t, {}), pool
+        # Its decisions: a ReLU output's, or a Hardtanh's or LeakyReLU's save's (NOTE [ Bound decisions ]).
+        self.bounded, self.pool = bounded, pool
+        self.relu = not bounded and relu_signs.keeps_decisions(t, {})
         self.first = self.last = layer
 
     @property
@@ -109,10 +112,12 @@ class SavesAsStored:
         for handle in self._handles:
             handle.remove()
 
-    def pack(self, t: torch.Tensor, layer: int, rise: int, pool: Optional[PoolSample] = None) -> Optional[int]:
+    def pack(self, t: torch.Tensor, layer: int, rise: int, pool: Optional[PoolSample] = None,
+             bounded: bool = False) -> Optional[int]:
         """Note one save of ``t`` by ``layer``, the layer's live bytes having risen by
         ``rise``; returns its index (None: held elsewhere, as the batch). ``pool``: ``t``
-        is that max pool's indices, stored anew at each save."""
+        is that max pool's indices, stored anew at each save; ``bounded``: a Hardtanh's
+        or LeakyReLU's save, which keeps bound decisions."""
         encoded = pool is None and lossy_codec_stores(t) and not self.attention.holds(t)
         if pool is not None:
             key = ("pool indices", len(self.saves))
@@ -124,7 +129,7 @@ class SavesAsStored:
             key = ("as it is", id(t.untyped_storage()))
         entry = self.entries.get(key)
         if entry is None:
-            entry = self.entries[key] = StoredEntry(t, layer, pool, encoded)
+            entry = self.entries[key] = StoredEntry(t, layer, pool, encoded, bounded)
             if entry.coded:
                 self._follow(t.untyped_storage(), key)
         entry.last = layer

@@ -101,7 +101,8 @@ def price_stored_saves(found: CountedStep, costs: CodecCosts) -> StoredSaves:
 
 
 def _stored_tensor(entry: StoredEntry, costs: CodecCosts) -> StoredTensor:
-    signs = costs.sign_bytes(math.prod(entry.spec.shape)) if entry.relu and entry.spec.encodable else 0
+    decided = entry.relu or entry.bounded
+    signs = costs.sign_bytes(math.prod(entry.spec.shape)) if decided and entry.spec.encodable else 0
     return StoredTensor(first=entry.first, last=entry.last,
                         kept_bytes={codec: _kept(entry, codec, costs) + signs for codec in LOSSY_CODECS},
                         sign_bytes=signs,
@@ -125,9 +126,10 @@ def _encode_extra(entry: StoredEntry, codec: str, costs: CodecCosts) -> int:
     if entry.pool is not None:
         return max(0, costs.pool_restore_rise([entry.pool]) - kept)
     rise = costs.of(entry.spec)[codec].encode_rise
-    if entry.relu:
+    if entry.relu or entry.bounded:
         elements = math.prod(entry.spec.shape)
-        rise, kept = max(rise, kept + costs.relu_sign_rise(elements)), kept + costs.sign_bytes(elements)
+        keeping = costs.bound_keep_rise(elements) if entry.bounded else costs.relu_sign_rise(elements)
+        rise, kept = max(rise, kept + keeping), kept + costs.sign_bytes(elements)
     return max(0, rise - kept)
 
 
@@ -137,9 +139,10 @@ def _decode_rise(entry: StoredEntry, codec: str, costs: CodecCosts) -> int:
     if entry.pool is not None:
         return allocation_bytes(entry.spec.dense_bytes, costs.device) + costs.pool_restore_rise([entry.pool])
     rise = costs.of(entry.spec)[codec].decode_rise
-    if entry.relu:
-        dense = allocation_bytes(entry.spec.dense_bytes, costs.device)
-        rise = max(rise, dense + costs.relu_restore_rise(math.prod(entry.spec.shape)))
+    if entry.relu or entry.bounded:
+        dense, elements = allocation_bytes(entry.spec.dense_bytes, costs.device), math.prod(entry.spec.shape)
+        restore = costs.bound_restore_rise(elements) if entry.bounded else costs.relu_restore_rise(elements)
+        rise = max(rise, dense + restore)
     return rise
 
 

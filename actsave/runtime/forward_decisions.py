@@ -1,6 +1,6 @@
 """The decisions a checkpointed forward keeps for its lossy recompute (function.py):
-its ReLU outputs' signs (relu_signs.py) and its max pools' windows
-(pool_decisions.py), attached to the kept inputs (in the same place, offloaded with
+its ReLU outputs' signs (relu_signs.py), its max pools' windows (pool_decisions.py)
+and its Hardtanh and LeakyReLU modules' bounds (bound_decisions.py), attached to the kept inputs (in the same place, offloaded with
 them) and taken again by the recompute's saves. One per lossy forward; an exact
 recompute decides as the forward did, and keeps none."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import contextlib
 
 import torch
 
-from . import relu_signs
+from . import bound_decisions, relu_signs
+from .bound_decisions import BoundBits, BoundWatch
 from .placeholders import Slot
 from .pool_decisions import PoolDecisions, PoolWatch
 
@@ -24,6 +25,7 @@ class ForwardDecisions:
         # NOTE [ Max-pool decisions ], NOTE [ In-place ReLUs on views ].
         self.pools = PoolWatch.among(modules)
         self.relus = relu_signs.InplaceRelus.among(modules)
+        self.bounds = BoundWatch.among(modules)  # NOTE [ Bound decisions ]
         self._relu_saves = relu_signs.FirstSaves()
         # Read during the forward only, while the caller still holds the inputs.
         self._input_nodes = relu_signs.input_nodes(inputs)
@@ -31,7 +33,7 @@ class ForwardDecisions:
 
     @contextlib.contextmanager
     def forward_watching(self):
-        with self.pools.watching(), self.relus.watching():
+        with self.pools.watching(), self.relus.watching(), self.bounds.watching():
             yield
 
     def recompute_watching(self):
@@ -47,6 +49,9 @@ class ForwardDecisions:
             attached = kept.attach(window.encode(tensor, input_size))
             slot.pool_decisions = PoolDecisions(attached, window, input_size)
             self.nbytes += attached.nbytes
+        elif (bounds := BoundWatch.bounds_of_save()) is not None:
+            slot.bound_decisions = BoundBits(kept.attach(bound_decisions.keep(tensor, bounds)), bounds)
+            self.nbytes += slot.bound_decisions.bits.nbytes
         elif relu_signs.keeps_decisions(tensor, self._input_nodes, self._relu_saves):
             slot.relu_signs = kept.attach(relu_signs.pack_signs(tensor))
             self.nbytes += slot.relu_signs.nbytes
@@ -58,6 +63,9 @@ class ForwardDecisions:
             relu_signs.restore_decisions_(tensor, slot.relu_signs.fetch())
         if slot.pool_decisions is not None:
             self.pools.restored(tensor, slot.pool_decisions)
+        if slot.bound_decisions is not None:
+            decisions = slot.bound_decisions
+            bound_decisions.restore_(tensor, decisions.bits.fetch(), decisions.bounds)
 
     def end_forward(self) -> None:
         self._input_nodes = {}  # ids may be reused once the inputs are gone

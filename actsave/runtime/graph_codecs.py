@@ -93,6 +93,7 @@ from ..codecs.backend import forced_here
 from ..meta import on_meta
 from ..triton_kernels import general_path
 from . import relu_signs
+from .bound_decisions import is_bounded
 from .layers import modules_under
 from .module_attributes import attributes_put_back
 from .pool_decisions import Window
@@ -238,8 +239,9 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
     makes none.
     A forward that fails on meta tensors is said to, so that eager actsave runs it."""
     lossy = [pair for layers, policy in segments if not policy.codec.lossless for pair in modules_under(tuple(layers))]
-    if _max_pool_in(module for _, module in lossy):
-        return "max-pool decisions"
+    reason = _decisions_of_modules(module for _, module in lossy)
+    if reason is not None:
+        return reason
     relu_outputs, segment_inputs = [], None  # segment_inputs: None outside a lossy segment
 
     def pack(t):
@@ -261,9 +263,13 @@ def decisions_made(segments: list, input: torch.Tensor) -> Optional[str]:
     return "ReLU decisions" if relu_outputs else None
 
 
-def _max_pool_in(modules) -> bool:
-    """Whether a max pool whose decisions eager actsave keeps is among ``modules``."""
-    return any(Window.of(module) is not None for module in modules)
+def _decisions_of_modules(modules) -> Optional[str]:
+    """The decisions eager actsave keeps that a module among ``modules`` makes, known
+    by its type: a max pool's, a Hardtanh's or LeakyReLU's (NOTE [ Bound decisions ])."""
+    modules = list(modules)
+    if any(Window.of(module) is not None for module in modules):
+        return "max-pool decisions"
+    return "Hardtanh or LeakyReLU decisions" if any(map(is_bounded, modules)) else None
 
 
 @contextlib.contextmanager
@@ -445,7 +451,7 @@ def _probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
     """``{checkpoint: why it runs eagerly}`` for the blocks among ``checkpoints`` that
     make decisions a compiled recompute cannot keep (:func:`decisions_made`'s
     reasons): the model's forward on meta tensors, its checkpointed blocks run plainly."""
-    why = {c: "max-pool decisions" for c in checkpoints if _max_pool_in(c._wrapped.modules())}
+    why = {c: reason for c in checkpoints if (reason := _decisions_of_modules(c._wrapped.modules())) is not None}
     running = []  # (checkpoint, its inputs' autograd nodes)
 
     def pack(t):

@@ -111,7 +111,7 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
 # A lossy codec scales each group of elements by its largest magnitude, so an element
 # far below it decodes to 0 (int8: below 1/254 of it). For an activation that is noise;
 # for a tensor a backward divides by it is inf or NaN in the gradient. So the saves a
-# lossy codec keeps (runtime/kept_saves.py) leave three kinds exact, held as they are:
+# lossy codec keeps (runtime/kept_saves.py) leave two kinds exact, held as they are:
 # - Statistics a norm or a softmax saved, one element per row (a row's norm, the rsqrt
 #   of its variance, a max or a sum): those whose last dimension is 1 and those
 #   broadcast along a dimension (a stride of 0: ``norm.expand_as(x)``), where their
@@ -128,19 +128,11 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
 #   tensor, not the node that saves it, and that node's output does not exist yet
 #   (``torch.log_softmax`` saves its own output and divides by nothing: the form to
 #   write a log of probabilities in).
-# - The result of a node whose backward compares it with a bound (_COMPARED_RESULT: an
-#   in-place LeakyReLU, which saves its own output): it scales the gradient by a slope
-#   by which side of 0 each element is on, and a codec moves elements across (exact
-#   zeros decode off 0 on the signed grid) (docs/limits.md, "Other decisions a lossy
-#   recompute takes again"). A ReLU's output is encoded: it keeps its decisions' bits
-#   instead (relu_signs.py). An in-place Hardtanh (ReLU6) or threshold saves a clone of
-#   its input, which no node names; their saves are encoded.
 # The planner's count of a plain segment's saves asks the same (planning/saves_as_stored.py).
 _DIVIDES_BY_RESULT = frozenset({
     "SqrtBackward0", "StdBackward0", "StdMeanBackward0", "NormBackward0", "NormBackward1", "NormBackward2",
     "NormBackward3", "LinalgVectorNormBackward0", "DistBackward0", "CdistBackward0", "PdistBackward0",
     "EuclideanDistBackward0", "HypotBackward0", "WeightNormInterfaceBackward0"})
-_COMPARED_RESULT = frozenset({"LeakyReluBackward1"})
 _DIVIDES_BY_RESULT_OP = frozenset({  # the aten operators of those nodes, in a traced graph
     "sqrt", "std", "norm", "linalg_vector_norm", "dist", "_cdist_forward", "_pdist_forward", "_euclidean_dist",
     "hypot", "_weight_norm_interface"})
@@ -150,7 +142,7 @@ def lossy_codec_stores(t: torch.Tensor) -> bool:
     """Whether a lossy codec keeping saves encodes ``t``, a save: what should_encode
     takes, but per-row statistics, broadcast views of their own storage and results a
     backward divides by (NOTE [ Saves a lossy codec leaves exact ])."""
-    if not should_encode(t) or _result_kept_exact(t):
+    if not should_encode(t) or _divisor_result(t):
         return False
     # The elements it reads: a broadcast dimension reads one of its size.
     distinct = math.prod(size for stride, size in zip(t.stride(), t.shape) if stride != 0)
@@ -176,11 +168,10 @@ def _statistic(t: torch.Tensor) -> bool:
     return t.dim() == 0 or t.shape[-1] == 1 or broadcast
 
 
-def _result_kept_exact(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the output of an autograd node whose backward divides by it or
-    compares it with a bound."""
+def _divisor_result(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the output of an autograd node whose backward divides by it."""
     node = t.grad_fn
-    return node is not None and (node.name() in _DIVIDES_BY_RESULT or node.name() in _COMPARED_RESULT)
+    return node is not None and node.name() in _DIVIDES_BY_RESULT
 
 
 # NOTE [ Attention's saves agree ]

@@ -13,7 +13,8 @@ from .._torch import version, version_counter_of
 from ..codecs import Codec, Packed
 from ..errors import RecomputeError
 from ..offload import OffloadedTensors
-from . import relu_signs
+from . import bound_decisions, relu_signs
+from .bound_decisions import Bounds
 from .pool_decisions import Window
 from .store import account
 
@@ -86,23 +87,29 @@ class _Entry:
 
 class _Encoded(_Entry):
     """A saved tensor as the codec stores it (its codes, scales and channel means), with
-    its ReLU decisions where it keeps them; given back decoded, in the save's shape."""
+    its ReLU decisions where it keeps them, or a Hardtanh's or LeakyReLU's (``bounds``:
+    NOTE [ Bound decisions ]); given back decoded, in the save's shape."""
 
-    __slots__ = ("codec", "_names", "_metadata", "_signs")
+    __slots__ = ("codec", "_names", "_metadata", "_signs", "_bounds")
 
-    def __init__(self, codec: Codec, tensor: torch.Tensor, non_negative: bool, keep_signs: bool):
+    def __init__(self, codec: Codec, tensor: torch.Tensor, non_negative: bool, keep_signs: bool,
+                 bounds: Optional[Bounds] = None):
         packed = codec.encode(tensor.detach(), non_negative=non_negative)
         tensors = packed.tensors()
         self.codec, self._names, self._metadata = codec, list(tensors), packed.metadata()
-        self._signs = keep_signs
-        signs = [relu_signs.pack_signs(tensor)] if keep_signs else []
-        super().__init__([*tensors.values(), *signs])
+        self._signs, self._bounds = keep_signs, bounds
+        decisions = [relu_signs.pack_signs(tensor)] if keep_signs else []
+        if bounds is not None:
+            decisions.append(bound_decisions.keep(tensor, bounds))
+        super().__init__([*tensors.values(), *decisions])
 
     def unpacked(self, shape) -> torch.Tensor:
         kept = self.kept()
         tensor = self.codec.decode(Packed.assemble(dict(zip(self._names, kept)), self._metadata))
         if self._signs:
             relu_signs.restore_decisions_(tensor, kept[-1])
+        elif self._bounds is not None:
+            bound_decisions.restore_(tensor, kept[-1], self._bounds)
         return tensor.view(shape)
 
 

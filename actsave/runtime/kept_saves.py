@@ -119,6 +119,7 @@ from ..offload import current_tape
 from . import relu_signs
 from .function import _Frame, _identity
 from .layers import known_layers, modules_under
+from .bound_decisions import BoundWatch
 from .pool_decisions import PoolWatch
 from .kept_entries import _Encoded, _Entry, _ExactStorage, _HostGroup, _PoolIndices, _Saved
 from .keep_rules import AttentionSaves, KeepPolicy, lossy_codec_stores, placed, should_encode, stored_once_key
@@ -185,6 +186,7 @@ class _SavesStore:
         self.pools = PoolWatch.among(modules) if self.everything and policy.lossy else PoolWatch([])
         # NOTE [ In-place ReLUs on views ]: their outputs keep decisions and go on the unsigned grid.
         self.relus = relu_signs.InplaceRelus.among(modules) if policy.lossy else relu_signs.InplaceRelus([])
+        self.bounds = BoundWatch.among(modules) if policy.lossy else BoundWatch([])  # NOTE [ Bound decisions ]
         self.linears = None if self.everything else _LinearInputs(modules, self._linear_input)
         self.attention = AttentionSaves() if policy.lossy else None  # NOTE [ Attention's saves agree ]
         self._input_nodes = relu_signs.input_nodes(inputs)
@@ -193,15 +195,15 @@ class _SavesStore:
         self._seen = {}  # stored_once_key -> (weak storage, _Encoded): held through the forward
         self._storages = {}  # storage identity -> weak _ExactStorage, which holds the storage
         self._linear_storages = {}  # storage identity -> weak storage: a Linear's input
-        self._pending = {}  # storage identity -> [(weak _Saved held, non-negative, keeps signs)]
+        self._pending = {}  # storage identity -> [(weak _Saved held, non-negative, keeps signs, bounds)]
         self._made = []  # weak references to every _Entry, for the host group
 
     @contextlib.contextmanager
     def watching(self):
         linears = contextlib.nullcontext() if self.linears is None else self.linears.watching()
         attention = contextlib.nullcontext() if self.attention is None else self.attention.watching()
-        with saved_tensors_hooks(self.pack, self.unpack), self.pools.watching(), self.relus.watching(), linears, \
-                attention:
+        with saved_tensors_hooks(self.pack, self.unpack), self.pools.watching(), self.relus.watching(), \
+                self.bounds.watching(), linears, attention:
             yield
 
     def pack(self, tensor: torch.Tensor) -> _Saved:
@@ -230,14 +232,17 @@ class _SavesStore:
         return saved
 
     def _decisions(self, tensor: torch.Tensor) -> tuple:
-        """``(non-negative, keeps ReLU signs)`` of a tensor being saved, judged by its
-        autograd node: a lossy codec stores a ReLU output on its unsigned grid, and
-        keeps the decisions of one the call made (NOTE [ ReLU outputs that keep decisions ])."""
+        """``(non-negative, keeps ReLU signs, bounds)`` of a tensor being saved: a lossy
+        codec stores a ReLU output on its unsigned grid, and keeps the decisions of one
+        the call made (judged by its autograd node: NOTE [ ReLU outputs that keep
+        decisions ]) or of a Hardtanh's or LeakyReLU's save (NOTE [ Bound decisions ])."""
         if self.codec.lossless:
-            return False, False
-        return relu_signs.known_non_negative(tensor), relu_signs.keeps_decisions(tensor, self._input_nodes)
+            return False, False, None
+        bounds = BoundWatch.bounds_of_save()
+        return (relu_signs.known_non_negative(tensor), bounds is None and
+                relu_signs.keeps_decisions(tensor, self._input_nodes), bounds)
 
-    def _entry(self, tensor: torch.Tensor, non_negative: bool, keep_signs: bool) -> _Entry:
+    def _entry(self, tensor: torch.Tensor, non_negative: bool, keep_signs: bool, bounds=None) -> _Entry:
         """The entry that keeps ``tensor``: the one made for the same elements before,
         or a new one."""
         if self.codec.lossless:
@@ -246,7 +251,7 @@ class _SavesStore:
         storage, entry = self._seen.get(key, (_dead_ref, None))
         if storage() is not None:
             return entry
-        entry = self._made_now(_Encoded(self.codec, tensor, non_negative, keep_signs))
+        entry = self._made_now(_Encoded(self.codec, tensor, non_negative, keep_signs, bounds))
         if key is not None:
             self._seen[key] = (weakref.ref(tensor.untyped_storage()), entry)
         return entry
@@ -286,10 +291,10 @@ class _SavesStore:
         if not should_encode(x):
             return
         self._linear_storages[storage_identity(x)] = weakref.ref(x.untyped_storage())
-        for ref, non_negative, keep_signs in self._pending.pop(storage_identity(x), []):
+        for ref, *decisions in self._pending.pop(storage_identity(x), []):
             saved = ref()
             if saved is not None:  # its alias holds the storage: the same as x's
-                saved.keep(self._entry(saved.value, non_negative, keep_signs), saved.value)
+                saved.keep(self._entry(saved.value, *decisions), saved.value)
 
     def end_forward(self) -> dict:
         """What the forward kept, as counted in kept_bytes (NOTE [ Kept saves ]); with

@@ -137,10 +137,14 @@ class InplaceRelus:
 
 def known_non_negative(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is known, without reading it, to hold no negative value: it
-    is a ReLU output (then >= 0 or NaN), so a codec may store it on an unsigned grid
-    (codecs, NOTE [ Unsigned grids ]). An in-place change after the ReLU gives the
-    tensor another autograd node, and it is no longer known; so is a view of it (an
-    in-place ReLU module on a view: NOTE [ In-place ReLUs on views ])."""
+    is a ReLU output, or a Hardtanh's clamped at 0 or above (ReLU6's): then >= 0 or NaN,
+    so a codec may store it on an unsigned grid (codecs, NOTE [ Unsigned grids ]). An
+    in-place change after it gives the tensor another autograd node, and it is no longer
+    known; so is a view of it (an in-place ReLU module on a view: NOTE [ In-place ReLUs
+    on views ])."""
+    node = tensor.grad_fn
+    if node is not None and type(node).__name__ == "HardtanhBackward0" and node._saved_min_val >= 0:
+        return True
     return is_relu_output(tensor)
 
 
