@@ -325,12 +325,18 @@ def test_the_cycle_check_finds_two_modules_that_import_each_other():
 # ----------------------------------------------------------------- the chain class
 
 
+# Hooks torch calls on every module it handles so (TorchScript's, before compiling one):
+# an answer to torch's protocol, not a job of the class.
+_TORCH_PROTOCOL = frozenset({"__prepare_scriptable__"})
+
+
 def methods_of(cls) -> list:
     """The names ``cls`` defines in actsave's classes of its MRO: functions, properties
-    and class or static methods (not what torch's nn.Sequential defines)."""
+    and class or static methods (not what torch's nn.Sequential defines, nor torch's
+    protocol hooks)."""
     kinds = (types.FunctionType, property, classmethod, staticmethod)
     return sorted({name for klass in cls.__mro__ if klass.__module__.startswith("actsave")
-                   for name, value in vars(klass).items() if isinstance(value, kinds)})
+                   for name, value in vars(klass).items() if isinstance(value, kinds) and name not in _TORCH_PROTOCOL})
 
 
 def test_checkpointed_sequential_is_the_container_and_its_forward():
