@@ -57,15 +57,16 @@ class ForwardDecisions:
             self.nbytes += slot.relu_signs.nbytes
 
     def restore(self, tensor: torch.Tensor, slot: Slot) -> None:
-        """Make the recompute's save ``tensor`` (not tracked by autograd: its ``.data``)
-        decide as the forward's did, in place."""
+        """Make the recompute's save ``tensor`` decide as the forward's did, in place,
+        through its ``.data`` (no op of a graph; read only where a decision applies:
+        an alias is an operator of the host's)."""
         if slot.relu_signs is not None:
-            relu_signs.restore_decisions_(tensor, slot.relu_signs.fetch())
+            relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
         if slot.pool_decisions is not None:
-            self.pools.restored(tensor, slot.pool_decisions)
+            self.pools.restored(tensor.data, slot.pool_decisions)
         if slot.bound_decisions is not None:
             decisions = slot.bound_decisions
-            bound_decisions.restore_(tensor, decisions.bits.fetch(), decisions.bounds)
+            bound_decisions.restore_(tensor.data, decisions.bits.fetch(), decisions.bounds)
 
     def end_forward(self) -> None:
         self._input_nodes = {}  # ids may be reused once the inputs are gone

@@ -349,7 +349,7 @@ class _Frame:
         # tensor itself (selective.py), which the recompute does not replace.
         if slot is not None and slot.kept is None:
             if lossy:
-                self.decisions.restore(tensor.data, slot)
+                self.decisions.restore(tensor, slot)
             into[slot], slot.filled_at = detached, None if torch.compiler.is_compiling() else version(detached)
         if index == count - 1 and self.options.early_stop:
             # Early stop: what runs after the last saved tensor (at least the output of
