@@ -159,6 +159,28 @@ def test_a_compiled_wrapped_block_that_makes_decisions_runs_eagerly_and_says_why
                 and "makes ReLU decisions" in str(w.message)]) == 1
 
 
+class _ClampedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(8, 8), nn.ReLU6()
+
+    def forward(self, x):
+        return x + self.act(self.fc(x))
+
+
+def test_a_compiled_wrapped_block_with_a_relu6_module_runs_eagerly_with_its_decisions(monkeypatch):
+    # NOTE [ Bound decisions ]: kept by eager actsave only, as a max pool's are.
+    monkeypatch.setattr(compiled_calls, "_warned_eager_under_compile", False)
+    torch.manual_seed(0)
+    plain, x = nn.Sequential(*[_ClampedBlock() for _ in range(3)]), torch.randn(4, 8)
+    eager = actsave.wrap(copy.deepcopy(plain), _ClampedBlock, compress="int8")
+    model = torch.compile(actsave.wrap(copy.deepcopy(plain), _ClampedBlock, compress="int8"), backend=BACKEND)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(grads_of_a_step(model, x), grads_of_a_step(eager, x))
+    assert len([w for w in raised if "makes Hardtanh or LeakyReLU decisions" in str(w.message)]) == 1
+
+
 def _relu_warnings(raised) -> int:
     return len([w for w in raised if "makes ReLU decisions" in str(w.message)])
 
