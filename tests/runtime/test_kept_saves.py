@@ -127,31 +127,6 @@ def test_a_result_its_backward_divides_by_is_held_exactly(codec):
     assert x.grad.isfinite().all() and all(p.grad.isfinite().all() for layer in layers for p in layer.parameters())
 
 
-class _LeakyBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16),
-                                  nn.LeakyReLU(0.1, inplace=True))
-
-    def forward(self, x):
-        return self.body(x)
-
-
-@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3"])
-def test_an_in_place_leaky_relus_output_is_held_exactly(codec):
-    # It saves its output, and its backward takes the slope by the sign of each element:
-    # encoded, the exact zeros a BatchNorm puts there decoded on either side, and its
-    # gradient fell far below the floor (without the rule: 12 dB int8, 10 dB e4m3).
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), *[_LeakyBlock() for _ in range(4)])
-    model = actsave.wrap(copy.deepcopy(plain), _LeakyBlock, keep="saves", compress=codec)
-    x = torch.randn(8, 3, 16, 16)
-    for m in (plain, model):
-        m(x).square().mean().backward()
-    worst = min(sqnr_db(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
-    assert worst >= EXPECTED_GRADIENT_SQNR_DB[get_codec(codec).name]
-
-
 def _negated_twin(x, w1, w2):
     """Saves ``y`` and its negation as a view of the same memory (the negative bit)."""
     y = torch.tanh(x)
