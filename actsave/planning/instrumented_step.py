@@ -78,7 +78,7 @@ class _SaveLedger:
         self.pools = PoolWatch.among(modules_under(layers))
         # The in-place ReLU modules a lossy forward watches (NOTE [ In-place ReLUs on views ]).
         self.relus = relu_signs.InplaceRelus.among(modules_under(layers))
-        self.bounds = BoundWatch.among(modules_under(layers))  # NOTE [ Bound decisions ]
+        self.bounds = BoundWatch()  # NOTE [ Bound decisions ]
         self._ignored = {id(t.untyped_storage()) for t in ignored}
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
         self._relu_saves = relu_signs.FirstSaves()

@@ -11,15 +11,19 @@ zeros decode off 0). BatchNorm puts much of the mass at 0, so MobileNet's ReLU6 
 YOLO's LeakyReLU lost most of their gradient's precision that way (docs/limits.md,
 "Other decisions a lossy recompute takes again").
 
-So while a lossy forward runs a module of these (:class:`BoundWatch`; modules only: a
-module's own code calling ``F.relu6`` is not seen, as an unwrapped max pool is not),
-its save keeps one bit per element, 1 where the decision passes (:func:`keep`); and
-the recompute's save of it, or the decoded save, is moved in place to the forward's
-side of each bound before the backward reads it (:func:`restore_`): an element the
-forward passed to the nearest value strictly inside, one it blocked that lies inside
-to the nearest bound. Values move by less than the codec's error; the backward's mask
-is the forward's. The bits are priced as a ReLU's (planning/instrumented_step.py).
-Hardswish, Hardsigmoid, RReLU and threshold decide again (limits.md).
+So while a lossy forward runs, the functions that make these decisions are tapped
+(:class:`BoundWatch`: ``F.hardtanh``, ``F.relu6``, ``F.leaky_relu``, which the modules
+call, subclasses and a module's own code alike), and the one tensor each saves keeps
+one bit per element, 1 where the decision passes (:func:`keep`); the recompute's save
+of it, or the decoded save, is moved in place to the forward's side of each bound
+before the backward reads it (:func:`restore_`): an element the forward passed to the
+nearest value strictly inside, one it blocked that lies inside to the nearest bound.
+Values move by less than the codec's error; the backward's mask is the forward's. A
+Hardtanh passes NaN (its backward blocks only at or beyond a bound), a LeakyReLU takes
+its slope there, as torch's backwards do. The bits are priced as a ReLU's, the
+restore's transient apart (planning/instrumented_step.py). Under torch.compile a block
+whose modules are these runs eagerly (graph_codecs.py); Hardswish, Hardsigmoid, RReLU
+and threshold decide again (limits.md).
 """
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._torch import CLAMPS
 from ..triton_kernels import bitfields
-from .layers import module_hooks, modules_among
 
 
 @dataclass(frozen=True)
@@ -63,32 +67,34 @@ class BoundBits:
 
 
 def keep(tensor: torch.Tensor, bounds: Bounds) -> torch.Tensor:
-    """The bits of ``tensor``'s decisions under ``bounds`` (uint8, 1 per element)."""
-    return bitfields.pack(_inside(tensor.detach().reshape(-1), bounds).view(torch.uint8), 1)
+    """The bits of ``tensor``'s decisions under ``bounds`` (uint8, 1 per element, in
+    row-major order of its shape, whatever its layout)."""
+    return bitfields.pack(_inside(tensor.detach(), bounds).reshape(-1).view(torch.uint8), 1)
 
 
 def restore_(tensor: torch.Tensor, bits: torch.Tensor, bounds: Bounds) -> None:
     """Move ``tensor`` (not tracked by autograd: a recompute's ``.data``, a decoded
-    save) in place to the decisions of ``bits``: NOTE [ Bound decisions ]."""
-    v = tensor.view(-1)
-    passed = bitfields.unpack(bits, 1, v.numel()).view(torch.bool)
-    low, high = _inner(bounds, v.dtype)
-    inside = _inside(v, bounds)
-    # Passed but not inside (on a bound, beyond it, NaN): the nearest value inside.
+    save; any layout) in place to the decisions of ``bits``: NOTE [ Bound decisions ]."""
+    passed = bitfields.unpack(bits, 1, tensor.numel()).view(torch.bool).view(tensor.shape)
+    low, high = _inner(bounds, tensor.dtype)
+    inside = _inside(tensor, bounds)
+    # Passed but not inside (on a bound or beyond it): the nearest value inside.
     moved = passed & ~inside
-    v.masked_fill_(moved & (v <= bounds.low), low)
-    v.masked_fill_(moved & (v >= bounds.high), high)
+    tensor.masked_fill_(moved & (tensor <= bounds.low), low)
+    tensor.masked_fill_(moved & (tensor >= bounds.high), high)
     # Blocked but inside: the nearest bound (a LeakyReLU's only one is 0).
     moved = inside.logical_and_(passed.logical_not_())
-    below_middle = v < (bounds.low + bounds.high) / 2 if math.isfinite(bounds.high) else moved
-    v.masked_fill_(moved & below_middle, bounds.low)
-    v.masked_fill_(moved & ~below_middle, bounds.high)
+    below_middle = tensor < (bounds.low + bounds.high) / 2 if math.isfinite(bounds.high) else moved
+    tensor.masked_fill_(moved & below_middle, bounds.low)
+    tensor.masked_fill_(moved & ~below_middle, bounds.high)
 
 
 def _inside(v: torch.Tensor, bounds: Bounds) -> torch.Tensor:
-    """Where ``v`` lies strictly inside ``bounds`` (an infinite bound: every value above the other)."""
-    above = v > bounds.low
-    return above if math.isinf(bounds.high) else above.logical_and_(v < bounds.high)
+    """Where the backward passes ``v``'s decision: a Hardtanh's everywhere but at or
+    beyond a bound (NaN included), a LeakyReLU's (an infinite upper bound) above 0."""
+    if math.isinf(bounds.high):
+        return v > bounds.low
+    return (v <= bounds.low).logical_or_(v >= bounds.high).logical_not_()
 
 
 def _inner(bounds: Bounds, dtype: torch.dtype) -> tuple:
@@ -102,61 +108,72 @@ _RUNNING = threading.local()
 
 
 def _running() -> list:
-    """This thread's watched modules running now, innermost last, each with its saves' count."""
-    if not hasattr(_RUNNING, "modules"):
-        _RUNNING.modules = []
-    return _RUNNING.modules
+    """This thread's tapped calls running now, innermost last: [bounds, saved yet]."""
+    if not hasattr(_RUNNING, "calls"):
+        _RUNNING.calls = []
+    return _RUNNING.calls
 
 
 def is_bounded(module: nn.Module) -> bool:
-    """Whether ``module`` is a Hardtanh or LeakyReLU whose save keeps bound decisions."""
-    return Bounds.of(module) is not None and type(module).forward in (nn.Hardtanh.forward, nn.LeakyReLU.forward)
+    """Whether ``module`` is a Hardtanh or LeakyReLU (a subclass included), whose
+    decisions a lossy forward keeps."""
+    return isinstance(module, (nn.Hardtanh, nn.LeakyReLU))
+
+
+def _called(bounds: Bounds, call_next, args: tuple, kwargs: dict):
+    calls = _running()
+    calls.append([bounds, False])
+    try:
+        return call_next(*args, **kwargs)
+    finally:
+        calls.pop()
+
+
+def _hardtanh(call_next, input, min_val=-1.0, max_val=1.0, inplace=False):
+    return _called(Bounds(float(min_val), float(max_val)), call_next, (input, min_val, max_val, inplace), {})
+
+
+def _relu6(call_next, input, inplace=False):
+    return _called(Bounds(0.0, 6.0), call_next, (input, inplace), {})
+
+
+def _leaky_relu(call_next, input, negative_slope=0.01, inplace=False):
+    return _called(Bounds(0.0, math.inf), call_next, (input, negative_slope, inplace), {})
+
+
+_HANDLERS = {"hardtanh": _hardtanh, "relu6": _relu6, "leaky_relu": _leaky_relu}
 
 
 class BoundWatch:
-    """Follows the Hardtanh and LeakyReLU modules that run on this thread while
-    :meth:`watching`, so that :meth:`bounds_of_save` knows their save (NOTE [ Bound
-    decisions ]). ``modules``: those the watched function can run, where its layers
-    are known (layers.py, NOTE [ Known layers ]), hooked alone; None: global hooks."""
+    """While :meth:`watching`, the calls of ``F.hardtanh``, ``F.relu6`` and
+    ``F.leaky_relu`` on this thread are followed (``_torch.CLAMPS``), so that
+    :meth:`bounds_of_save` knows the one tensor each saves (NOTE [ Bound decisions ]);
+    an inactive watch (an exact forward's) follows nothing."""
 
-    def __init__(self, modules: Optional[list]):
-        self._modules = modules
-        self._thread = threading.get_ident()
-
-    @classmethod
-    def among(cls, modules) -> "BoundWatch":
-        return cls(modules_among(modules, is_bounded))
+    def __init__(self, active: bool = True):
+        self.active = active
 
     @contextlib.contextmanager
     def watching(self):
-        if self._modules == []:
+        if not self.active:
             yield self
             return
-        self._thread = threading.get_ident()
         running = _running()
         depth = len(running)
         try:
-            with module_hooks(self._modules, self._before, self._after):
+            with contextlib.ExitStack() as taps:
+                for name, tap in CLAMPS.items():
+                    taps.enter_context(tap.handled(_HANDLERS[name]))
                 yield self
         finally:
-            del running[depth:]  # a module that raised
+            del running[depth:]
 
     @staticmethod
     def bounds_of_save() -> Optional[Bounds]:
-        """The bounds of the watched module whose save this is, or None: its first save
-        only (a module saves one tensor; later saves are of ops it did not run)."""
-        running = getattr(_RUNNING, "modules", None)
+        """The bounds of the tapped call whose save this is, or None: its first save
+        only (the op saves one tensor)."""
+        running = getattr(_RUNNING, "calls", None)
         if not running or running[-1][1]:
             return None
         running[-1][1] = True
         return running[-1][0]
-
-    def _before(self, module, args) -> None:
-        if threading.get_ident() == self._thread and is_bounded(module):
-            _running().append([Bounds.of(module), False])
-
-    def _after(self, module, args, output) -> None:
-        if threading.get_ident() == self._thread and is_bounded(module):
-            running = _running()
-            if running:
-                running.pop()

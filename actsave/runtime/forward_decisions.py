@@ -25,7 +25,7 @@ class ForwardDecisions:
         # NOTE [ Max-pool decisions ], NOTE [ In-place ReLUs on views ].
         self.pools = PoolWatch.among(modules)
         self.relus = relu_signs.InplaceRelus.among(modules)
-        self.bounds = BoundWatch.among(modules)  # NOTE [ Bound decisions ]
+        self.bounds = BoundWatch()  # NOTE [ Bound decisions ]
         self._relu_saves = relu_signs.FirstSaves()
         # Read during the forward only, while the caller still holds the inputs.
         self._input_nodes = relu_signs.input_nodes(inputs)

@@ -22,7 +22,7 @@ class KeptCall:
     place."""
 
     __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
-                 "skipped", "mutates", "rng_before", "rng_after")
+                 "skipped", "mutates", "decided_on", "rng_before", "rng_after")
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
@@ -36,6 +36,9 @@ class KeptCall:
         self.views = {}  # slot index -> (argument position, size, stride, offset from the argument's)
         self.skipped = False  # whether the recompute skips it: set as the forward ends
         self.mutates = False  # whether it changed an argument in place (then it runs again)
+        # Whether a later save of its output keeps decisions (a clamp's input, under a
+        # lossy codec): it runs again, where the recompute restores them (NOTE [ Bound decisions ]).
+        self.decided_on = False
 
     def kept_output(self) -> torch.Tensor:
         """The forward's output, as kept or stored."""

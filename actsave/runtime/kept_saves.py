@@ -186,7 +186,7 @@ class _SavesStore:
         self.pools = PoolWatch.among(modules) if self.everything and policy.lossy else PoolWatch([])
         # NOTE [ In-place ReLUs on views ]: their outputs keep decisions and go on the unsigned grid.
         self.relus = relu_signs.InplaceRelus.among(modules) if policy.lossy else relu_signs.InplaceRelus([])
-        self.bounds = BoundWatch.among(modules) if policy.lossy else BoundWatch([])  # NOTE [ Bound decisions ]
+        self.bounds = BoundWatch(active=policy.lossy)  # NOTE [ Bound decisions ]
         self.linears = None if self.everything else _LinearInputs(modules, self._linear_input)
         self.attention = AttentionSaves() if policy.lossy else None  # NOTE [ Attention's saves agree ]
         self._input_nodes = relu_signs.input_nodes(inputs)

@@ -220,7 +220,8 @@ class SelectiveFrame(_Frame):
             self._pending.append((slot, tensor))
         elif self.in_forward and storage_identity(tensor) in self._outputs:
             slot.kept = KeptSave(tensor)  # kept anyway, as the call's output, where the call is skipped
-            self._outside[slot.index] = self._outputs[storage_identity(tensor)]
+            call = self._outside[slot.index] = self._outputs[storage_identity(tensor)]
+            call.decided_on |= slot.bound_decisions is not None or slot.relu_signs is not None
         return slot
 
     def end_forward(self) -> None:
@@ -231,7 +232,7 @@ class SelectiveFrame(_Frame):
             # forward that runs a backward of its own runs it again in the recompute,
             # through every call: none may be skipped.
             call.skipped = (not self._differentiated and call.output is not None and not call.mutates
-                            and version(call.output) == call.version)
+                            and not call.decided_on and version(call.output) == call.version)
             if not call.skipped:
                 self._recompute_saves_of(call)
         for index, call in self._outside.items():
@@ -241,8 +242,10 @@ class SelectiveFrame(_Frame):
         self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
         self._skipped_saves = {i: call for call in self.calls if call.skipped for i in range(call.start, call.stop)}
         if self.slots and not self._transformed and not any(call.skipped for call in self.calls):
+            decided = any(call.decided_on for call in self.calls)
             reason = "differentiated" if self._differentiated else "tensorless" if tensorless else \
-                "changed" if self.calls else "none ran" if self.ops.modules or self.functions else "lossy attention"
+                "decided" if decided else "changed" if self.calls else \
+                "none ran" if self.ops.modules or self.functions else "lossy attention"
             _warn_once(self.ops, _name(self.function), reason)
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
             self.calls = []
@@ -373,7 +376,7 @@ def kept_nothing_noted():
 
 def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
     """Warn once per (ops, function, reason) that a selective checkpoint kept nothing;
-    ``reason``: "changed", "tensorless", "differentiated", "none ran" or "lossy attention"."""
+    ``reason``: "changed", "tensorless", "decided", "differentiated", "none ran" or "lossy attention"."""
     noted = getattr(_noting, "reasons", None)
     if noted is not None:
         noted.append(reason)
@@ -386,6 +389,10 @@ def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
         why = (f"every output of its calls of {ops.names()} was changed in place after the call (an in-place "
                "residual: out += x), so those calls run again, and it recomputes everything, as a plain checkpoint "
                "does. Make the op after the call out of place (out = out + x) to keep its output")
+    elif reason == "decided":
+        why = (f"the outputs of its calls of {ops.names()} are read by a Hardtanh or LeakyReLU, whose decisions a lossy "
+               "recompute takes from the forward's by running those calls again (NOTE [ Bound decisions ]), so it "
+               "recomputes everything, as a plain checkpoint does. Keep exactly, or use keep='inputs'")
     elif reason == "tensorless":
         why = (f"no call of {ops.names()} returned a tensor (nn.LSTM and nn.MultiheadAttention return tuples), and a "
                "call's output is kept only where it is one tensor, so those calls run again, and it recomputes "
