@@ -1,4 +1,4 @@
-"""Exact decisions of Hardtanh (ReLU6) and LeakyReLU modules in a lossy recompute.
+"""Exact decisions of Hardtanh (ReLU6) and LeakyReLU calls in a lossy recompute.
 
 NOTE [ Bound decisions ]
 A Hardtanh's backward passes the gradient where ``min_val < v < max_val``, and a
@@ -42,19 +42,11 @@ from ..triton_kernels import bitfields
 
 @dataclass(frozen=True)
 class Bounds:
-    """The open interval inside which a module's backward passes its decision: a
+    """The open interval inside which a call's backward passes its decision: a
     Hardtanh's ``(min_val, max_val)``, a LeakyReLU's ``(0, inf)``."""
 
     low: float
     high: float
-
-    @classmethod
-    def of(cls, module: nn.Module) -> Optional["Bounds"]:
-        if isinstance(module, nn.Hardtanh):
-            return cls(float(module.min_val), float(module.max_val))
-        if isinstance(module, nn.LeakyReLU):
-            return cls(0.0, math.inf)
-        return None
 
 
 @dataclass
@@ -120,25 +112,26 @@ def is_bounded(module: nn.Module) -> bool:
     return isinstance(module, (nn.Hardtanh, nn.LeakyReLU))
 
 
-def _called(bounds: Bounds, call_next, args: tuple, kwargs: dict):
+def _called(bounds: Bounds, call_next, *args):
+    """``call_next(*args)`` with ``bounds`` open for its save (:meth:`BoundWatch.bounds_of_save`)."""
     calls = _running()
     calls.append([bounds, False])
     try:
-        return call_next(*args, **kwargs)
+        return call_next(*args)
     finally:
         calls.pop()
 
 
 def _hardtanh(call_next, input, min_val=-1.0, max_val=1.0, inplace=False):
-    return _called(Bounds(float(min_val), float(max_val)), call_next, (input, min_val, max_val, inplace), {})
+    return _called(Bounds(float(min_val), float(max_val)), call_next, input, min_val, max_val, inplace)
 
 
 def _relu6(call_next, input, inplace=False):
-    return _called(Bounds(0.0, 6.0), call_next, (input, inplace), {})
+    return _called(Bounds(0.0, 6.0), call_next, input, inplace)
 
 
 def _leaky_relu(call_next, input, negative_slope=0.01, inplace=False):
-    return _called(Bounds(0.0, math.inf), call_next, (input, negative_slope, inplace), {})
+    return _called(Bounds(0.0, math.inf), call_next, input, negative_slope, inplace)
 
 
 _HANDLERS = {"hardtanh": _hardtanh, "relu6": _relu6, "leaky_relu": _leaky_relu}
