@@ -6,13 +6,41 @@ recompute decides as the forward did, and keeps none."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
+from .._torch import TORCH_CHECKPOINT
 from . import bound_decisions, relu_signs
 from .bound_decisions import BoundBits, BoundWatch
 from .placeholders import Slot
 from .pool_decisions import PoolDecisions, PoolWatch
+
+
+# A torch.utils.checkpoint called inside a lossy forward recomputes in the backward,
+# outside actsave's recompute, from inputs the codec stored (it saves them under the
+# outer hooks): its ReLUs, max pools and clamps decide again there, and no decision
+# kept here reaches them (torchvision's memory-efficient DenseNet: docs/limits.md,
+# "Other decisions a lossy recompute takes again"). Warned once, where code calls it
+# through its module; a partial bound before (Hugging Face's gradient checkpointing) is
+# not seen.
+_warned_torch_checkpoint = False
+
+
+def _torch_checkpoint_inside(call_next, *args, **kwargs):
+    global _warned_torch_checkpoint
+    if not _warned_torch_checkpoint:
+        _warned_torch_checkpoint = True
+        warnings.warn("actsave: torch.utils.checkpoint runs inside a checkpoint that keeps by a lossy codec: its "
+                      "recompute runs in the backward, outside actsave's, from inputs the codec stored, and its "
+                      "ReLUs and max pools decide again there (docs/limits.md, 'Other decisions a lossy recompute "
+                      "takes again'). Nest actsave.checkpoint instead, or keep this block exactly.", stacklevel=3)
+    return call_next(*args, **kwargs)
+
+
+def torch_checkpoints_warned(lossy: bool):
+    """While open on a lossy forward, a torch.utils.checkpoint called inside it warns once."""
+    return TORCH_CHECKPOINT.handled(_torch_checkpoint_inside) if lossy else contextlib.nullcontext()
 
 
 class ForwardDecisions:
@@ -33,7 +61,7 @@ class ForwardDecisions:
 
     @contextlib.contextmanager
     def forward_watching(self):
-        with self.pools.watching(), self.relus.watching(), self.bounds.watching():
+        with self.pools.watching(), self.relus.watching(), self.bounds.watching(), torch_checkpoints_warned(True):
             yield
 
     def recompute_watching(self):

@@ -120,6 +120,7 @@ from . import relu_signs
 from .function import _Frame, _identity
 from .layers import known_layers, modules_under
 from .bound_decisions import BoundWatch
+from .forward_decisions import torch_checkpoints_warned
 from .pool_decisions import PoolWatch
 from .kept_entries import _Encoded, _Entry, _ExactStorage, _HostGroup, _PoolIndices, _Saved
 from .keep_rules import AttentionSaves, KeepPolicy, lossy_codec_stores, placed, should_encode, stored_once_key
@@ -203,7 +204,7 @@ class _SavesStore:
         linears = contextlib.nullcontext() if self.linears is None else self.linears.watching()
         attention = contextlib.nullcontext() if self.attention is None else self.attention.watching()
         with saved_tensors_hooks(self.pack, self.unpack), self.pools.watching(), self.relus.watching(), \
-                self.bounds.watching(), linears, attention:
+                self.bounds.watching(), torch_checkpoints_warned(not self.codec.lossless), linears, attention:
             yield
 
     def pack(self, tensor: torch.Tensor) -> _Saved:
