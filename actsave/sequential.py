@@ -171,10 +171,12 @@ class CheckpointedSequential(nn.Sequential):
         raise not_scriptable(self)
 
     def forward(self, input):
-        if not torch.is_grad_enabled() or torch.compiler.is_exporting():  # NOTE [ torch.export ] in compiled_calls.py
+        if not torch.is_grad_enabled():
             return super().forward(input)
         layers = list(self)
         if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]
+            if torch.compiler.is_exporting():  # NOTE [ torch.export ] in compiled_calls.py
+                return super().forward(input)
             # Each compiler-disabled function called here is one graph break
             # (tests/compile count them).
             source = self._segment_source

@@ -105,14 +105,15 @@ def call_block(option: BlockOption, function: Callable, args: tuple, kwargs: dic
                private_copy: bool = False, eager_because: Optional[str] = None) -> tuple:
     """``function(*args, **kwargs)`` keeping what ``option`` says; ``(output, kept
     bytes)`` as :func:`~actsave.runtime.function.checkpointed_call` returns them."""
-    if torch.compiler.is_exporting():  # NOTE [ torch.export ] in compiled_calls.py
+    compiling = torch.compiler.is_compiling()  # under torch.export too
+    if compiling and torch.compiler.is_exporting():  # NOTE [ torch.export ] in compiled_calls.py
         return function(*args, **kwargs), None
-    if option.keep in ("inputs", "selective") and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if option.keep in ("inputs", "selective") and torch.is_grad_enabled() and not compiling:
         _warn_of_a_cache(function, (*args, *kwargs.values()))
     if option.keep == "inputs":
         return checkpointed_call(function, args, kwargs, option.policy, private_copy, options,
                                  eager_because=eager_because)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _under_compile(option, function, args, kwargs, options, private_copy)
     return out_of_dynamo(_eager)(option, function, args, kwargs, options, private_copy)
 
