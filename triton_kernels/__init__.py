@@ -136,7 +136,7 @@ def kernel_table() -> Mapping[Tuple[str, str], Kernel]:
 
 
 # The decisions a lossy recompute keeps (decisions/), by what they decide and the step.
-DECISION_KERNELS = (("relu_signs", "pack"), ("relu_signs", "restore"),
+DECISION_KERNELS = (("relu_signs", "pack"), ("relu_signs", "restore"), ("bounds", "pack"), ("bounds", "restore"),
                     ("max_pool", "encode"), ("max_pool", "decode"), ("max_pool", "gather"))
 
 
@@ -146,14 +146,16 @@ def decision_table() -> Mapping[Tuple[str, str], Kernel]:
     the first call), read as the codecs' table is (actsave.codecs.backend.implementation
     picks the launcher or the reference). They take no format arguments; their
     constexprs follow the tensor (its dtype, the pool's window), so ``constexprs`` is
-    empty and the ahead-of-time builds take them from decisions.relu_signs.relu_constexprs
-    and decisions.max_pool.PoolGeometry.
-    ``pack(y) -> bits``; ``restore(y, bits)``, in place;
+    empty and the ahead-of-time builds take them from decisions.relu_signs.relu_constexprs,
+    decisions.bounds and decisions.max_pool.PoolGeometry.
+    ReLU signs: ``pack(y) -> bits``; ``restore(y, bits)``, in place;
+    bounds: ``pack(v, low, high) -> bits``; ``restore(v, bits, low, high)``, in place;
+    max pools:
     ``encode(indices, input_size, kernel_size, stride, padding, dilation) -> packed``;
     ``decode(indices, packed, input_size, kernel_size, stride, padding, dilation)``, in place;
     ``gather(pooled, x, indices, dims)``, in place.
     """
-    from .decisions import max_pool, relu_signs
+    from .decisions import bounds, max_pool, relu_signs
 
     none = MappingProxyType({})
     table = {
@@ -161,6 +163,9 @@ def decision_table() -> Mapping[Tuple[str, str], Kernel]:
                                        relu_signs._pack_relu_signs_kernel, none),
         ("relu_signs", "restore"): Kernel(relu_signs.restore_relu_signs_, relu_signs.restore_relu_signs_ref_, none,
                                           relu_signs._restore_relu_signs_kernel, none),
+        ("bounds", "pack"): Kernel(bounds.pack_bounds, bounds.pack_bounds_ref, none, bounds._pack_bounds_kernel, none),
+        ("bounds", "restore"): Kernel(bounds.restore_bounds_, bounds.restore_bounds_ref_, none,
+                                      bounds._restore_bounds_kernel, none),
         ("max_pool", "encode"): Kernel(max_pool.encode_max_pool, max_pool.encode_max_pool_ref, none,
                                        max_pool._encode_max_pool_kernel, none),
         ("max_pool", "decode"): Kernel(max_pool.decode_max_pool_, max_pool.decode_max_pool_ref_, none,

@@ -20,7 +20,8 @@ before the backward reads it (:func:`restore_`): an element the forward passed t
 nearest value strictly inside, one it blocked that lies inside to the nearest bound.
 Values move by less than the codec's error; the backward's mask is the forward's. A
 Hardtanh passes NaN (its backward blocks only at or beyond a bound), a LeakyReLU takes
-its slope there, as torch's backwards do. The bits are priced as a ReLU's, the
+its slope there, as CUDA's backwards do (torch's CPU Hardtanh blocks NaN in its
+vectorized loop). One launch each on CUDA (triton_kernels/decisions/bounds.py). The bits are priced as a ReLU's, the
 restore's transient apart (planning/instrumented_step.py). Under torch.compile a block
 whose modules are these runs eagerly (graph_codecs.py); Hardswish, Hardsigmoid, RReLU
 and threshold decide again (limits.md).
@@ -37,7 +38,8 @@ import torch
 from torch import nn
 
 from .._torch import CLAMPS
-from ..triton_kernels import bitfields
+from ..codecs.backend import implementation
+from ..triton_kernels import decision_table
 
 
 @dataclass(frozen=True)
@@ -60,40 +62,19 @@ class BoundBits:
 
 def keep(tensor: torch.Tensor, bounds: Bounds) -> torch.Tensor:
     """The bits of ``tensor``'s decisions under ``bounds`` (uint8, 1 per element, in
-    row-major order of its shape, whatever its layout)."""
-    return bitfields.pack(_inside(tensor.detach(), bounds).reshape(-1).view(torch.uint8), 1)
+    row-major order of its shape, whatever its layout). One kernel launch on CUDA
+    (triton_kernels/decisions/bounds.py, which defines the compares: NOTE [ Bounds as
+    the backward compares ])."""
+    kernel = decision_table()["bounds", "pack"]
+    return implementation(kernel, tensor)(tensor, bounds.low, bounds.high)
 
 
 def restore_(tensor: torch.Tensor, bits: torch.Tensor, bounds: Bounds) -> None:
     """Move ``tensor`` (not tracked by autograd: a recompute's ``.data``, a decoded
-    save; any layout) in place to the decisions of ``bits``: NOTE [ Bound decisions ]."""
-    passed = bitfields.unpack(bits, 1, tensor.numel()).view(torch.bool).view(tensor.shape)
-    low, high = _inner(bounds, tensor.dtype)
-    inside = _inside(tensor, bounds)
-    # Passed but not inside (on a bound or beyond it): the nearest value inside.
-    moved = passed & ~inside
-    tensor.masked_fill_(moved & (tensor <= bounds.low), low)
-    tensor.masked_fill_(moved & (tensor >= bounds.high), high)
-    # Blocked but inside: the nearest bound (a LeakyReLU's only one is 0).
-    moved = inside.logical_and_(passed.logical_not_())
-    below_middle = tensor < (bounds.low + bounds.high) / 2 if math.isfinite(bounds.high) else moved
-    tensor.masked_fill_(moved & below_middle, bounds.low)
-    tensor.masked_fill_(moved & ~below_middle, bounds.high)
-
-
-def _inside(v: torch.Tensor, bounds: Bounds) -> torch.Tensor:
-    """Where the backward passes ``v``'s decision: a Hardtanh's everywhere but at or
-    beyond a bound (NaN included), a LeakyReLU's (an infinite upper bound) above 0."""
-    if math.isinf(bounds.high):
-        return v > bounds.low
-    return (v <= bounds.low).logical_or_(v >= bounds.high).logical_not_()
-
-
-def _inner(bounds: Bounds, dtype: torch.dtype) -> tuple:
-    """The values of ``dtype`` just inside ``bounds``."""
-    low, high = torch.tensor([bounds.low, bounds.high], dtype=dtype, device="cpu")
-    inf = torch.tensor(math.inf, dtype=dtype, device="cpu")
-    return torch.nextafter(low, inf).item(), torch.nextafter(high, -inf).item()
+    save; any layout) in place to the decisions of ``bits``: NOTE [ Bound decisions ].
+    One kernel launch on CUDA."""
+    kernel = decision_table()["bounds", "restore"]
+    implementation(kernel, tensor)(tensor, bits, bounds.low, bounds.high)
 
 
 _RUNNING = threading.local()

@@ -114,6 +114,89 @@ def test_relu_restore_zeroes_blocked_and_lifts_passed_zeros_keeping_nan():
     assert_same_bits(recomputed, expected)
 
 
+# --- Hardtanh and LeakyReLU bounds ----------------------------------------------------
+
+# (low, high): ReLU6's, Hardtanh's, a bound at 0 from above, bounds no half type holds
+# (NOTE [ Bounds as the backward compares ]), a LeakyReLU's (high infinite).
+BOUNDS = [(0.0, 6.0), (-1.0, 1.0), (-0.5, 0.0), (0.10002, 1.0), (-2.7, 0.3), (0.0, math.inf)]
+BOUND_IDS = ["relu6", "hardtanh", "zero-high", "odd-low", "odd-both", "leaky"]
+
+
+def near_bounds(n: int, dtype: torch.dtype, low: float, high: float, seed: int = 0) -> torch.Tensor:
+    """Special values, and values of ``dtype`` on both sides of and at each bound."""
+    v = special_values(n, dtype, seed)
+    finite = [b for b in (low, high, (low + high) / 2) if math.isfinite(b)]
+    for i, bound in enumerate(finite):
+        b = torch.tensor(bound, dtype=torch.float32).to(dtype)
+        for j, value in enumerate((b, torch.nextafter(b, b + 1), torch.nextafter(b, b - 1))):
+            v[9 + 3 * i + j::37] = value
+    return v
+
+
+def torch_passes(v: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Where torch's own backward passes the decision on ``v``: the oracle. NaN as the
+    kernels take it (a Hardtanh passes it, a LeakyReLU blocks it): torch's CPU
+    hardtanh_backward passes NaN one element at a time and blocks it in its vectorized
+    loop, CUDA's passes it."""
+    x = v.detach().clone().requires_grad_()
+    y = nn.functional.leaky_relu(x, 0.5) if math.isinf(high) else nn.functional.hardtanh(x, low, high)
+    y.backward(torch.ones_like(y))
+    return (x.grad == 1).masked_fill_(v.isnan(), not math.isinf(high))
+
+
+@pytest.mark.parametrize("n", RELU_SIZES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("low, high", BOUNDS, ids=BOUND_IDS)
+def test_bound_bits_are_the_references_and_torchs_backwards_decisions(n, dtype, low, high, launches):
+    v = near_bounds(n, dtype, low, high)
+    expected = decisions.pack_bounds_ref(v, low, high)
+    assert torch.equal(expected, bitfields.pack(torch_passes(v, low, high).view(torch.uint8), 1))
+    assert torch.equal(decisions.pack_bounds(v, low, high), expected)
+    assert launches == ["_pack_bounds_kernel"]
+
+
+@pytest.mark.parametrize("n", RELU_SIZES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("low, high", BOUNDS, ids=BOUND_IDS)
+def test_bound_restore_is_the_references_in_place_and_decides_as_the_forward(n, dtype, low, high, launches):
+    forward = near_bounds(n, dtype, low, high, seed=1)
+    bits = decisions.pack_bounds_ref(forward, low, high)
+    recomputed = near_bounds(n, dtype, low, high, seed=2)
+    expected, by_kernel = recomputed.clone(), recomputed.clone()
+    decisions.restore_bounds_ref_(expected, bits, low, high)
+    decisions.restore_bounds_(by_kernel, bits, low, high)
+    assert_same_bits(by_kernel, expected)
+    assert launches == ["_restore_bounds_kernel"]
+    # The forward's decisions, NaN apart where a LeakyReLU passed it (no value inside
+    # is nearest a NaN); every element that already decided so keeps its bits.
+    decided = torch_passes(expected, low, high)
+    wanted = torch_passes(forward, low, high)
+    nan_kept = recomputed.isnan() & wanted if math.isinf(high) else torch.zeros_like(wanted)
+    assert torch.equal(decided | nan_kept, wanted)
+    agreed = torch_passes(recomputed, low, high) == wanted
+    assert_same_bits(expected[agreed], recomputed[agreed])
+
+
+def test_bounds_move_to_the_nearest_value_on_the_forwards_side():
+    forward = torch.tensor([1.0, 1.0, 3.0, 0.0, 6.0, 7.0, 2.0, float("nan"), 0.0], dtype=torch.float16)
+    recomputed = torch.tensor([0.0, 6.5, -1.0, 0.5, 5.9, 2.0, 6.0, 0.0, float("nan")], dtype=torch.float16)
+    decisions.restore_bounds_(recomputed, decisions.pack_bounds(forward, 0.0, 6.0), 0.0, 6.0)
+    inside = torch.tensor([0.0, 6.0], dtype=torch.float16)
+    low_in, high_in = torch.nextafter(inside, torch.tensor([1.0, 0.0], dtype=torch.float16)).tolist()
+    # NaN is inside a Hardtanh (it passes): blocked, it goes to the upper bound (it is
+    # not below the middle); other blocked elements go to the bound nearest them.
+    expected = torch.tensor([low_in, high_in, low_in, 0.0, 6.0, 0.0, high_in, low_in, 6.0], dtype=torch.float16)
+    assert_same_bits(recomputed, expected)
+
+
+def test_a_bound_no_half_type_holds_is_compared_as_the_backward_compares():
+    # fp16 rounds 0.10002 to the value just above it: a compare in fp16 would block that
+    # value, which hardtanh_backward (in fp32) passes.
+    v = torch.tensor(0.10002, dtype=torch.float32).to(torch.float16).reshape(1)
+    assert v.item() > 0.10002 and torch_passes(v, 0.10002, 1.0).item()
+    assert decisions.pack_bounds(v, 0.10002, 1.0).item() == 1
+
+
 # --- max-pool decisions ----------------------------------------------------------------
 
 # (module, input shape): every field width (window of 2 .. 256 elements), 1-D to 3-D,
@@ -230,6 +313,19 @@ def test_relu_outputs_the_kernels_cannot_take_get_the_references_bits(case, laun
     assert launches == []
 
 
+@pytest.mark.parametrize("case", RELU_FALLBACKS)
+def test_bounded_saves_the_kernels_cannot_take_get_the_references_bits(case, launches):
+    v = RELU_FALLBACKS[case](0) - 0.5
+    bits = decisions.pack_bounds(v, 0.0, 6.0)
+    assert torch.equal(bits, decisions.pack_bounds_ref(v, 0.0, 6.0))
+    recomputed = RELU_FALLBACKS[case](1) - 0.5
+    expected = recomputed.clone()
+    decisions.restore_bounds_ref_(expected, bits, 0.0, 6.0)
+    decisions.restore_bounds_(recomputed, bits, 0.0, 6.0)
+    assert torch.equal(recomputed.isnan(), expected.isnan())
+    assert torch.equal(recomputed.nan_to_num(), expected.nan_to_num()) and launches == []
+
+
 def test_pools_the_kernels_cannot_take_get_the_references_bits(monkeypatch, launches):
     x, out, indices = channels_last_pool()  # channels-last indices are not contiguous
     geometry = ((3, 3), (2, 2), (1, 1), (1, 1))
@@ -269,7 +365,10 @@ def test_meta_tensors_get_the_outputs_and_no_launch(launches):
         pack = implementation(decision_table()["relu_signs", "pack"], y)
         bits = pack(y)
         implementation(decision_table()["relu_signs", "restore"], y)(y, bits)
+        bound_bits = implementation(decision_table()["bounds", "pack"], y)(y, 0.0, 6.0)
+        implementation(decision_table()["bounds", "restore"], y)(y, bound_bits, 0.0, 6.0)
     assert pack is decisions.pack_relu_signs and (bits.shape, bits.device.type) == ((375,), "meta")
+    assert (bound_bits.shape, bound_bits.device.type) == ((375,), "meta")
     indices = torch.empty(8, 16, 7, 7, dtype=torch.int64, device="meta")
     packed = decisions.encode_max_pool(indices, (14, 14), (3, 3), (2, 2), (1, 1), (1, 1))
     decisions.decode_max_pool_(indices, packed, (14, 14), (3, 3), (2, 2), (1, 1), (1, 1))
@@ -298,7 +397,7 @@ class NewStorages(TorchDispatchMode):
 
 
 def reference_allocations(device) -> list:
-    """The storages the references make for a ReLU output and a pool on ``device``,
+    """The storages the references make for a ReLU output, a Hardtanh's and a pool on ``device``,
     their tables made already (a second call)."""
     y = torch.zeros(3, 1000, device=device)
     indices = torch.zeros(8, 16, 7, 7, dtype=torch.int64, device=device)
@@ -307,6 +406,7 @@ def reference_allocations(device) -> list:
     def work():
         bits = decisions.pack_relu_signs_ref(y)
         decisions.restore_relu_signs_ref_(y, bits)
+        decisions.restore_bounds_ref_(y, decisions.pack_bounds_ref(y, -1.0, 1.0), -1.0, 1.0)
         decisions.decode_max_pool_ref_(indices, decisions.encode_max_pool_ref(indices, *window), *window)
 
     work()
@@ -355,6 +455,14 @@ def test_cuda_kernels_are_the_references_bits(dtype):
         decisions.restore_relu_signs_ref_(expected, bits.cpu())
         decisions.restore_relu_signs_(recomputed, bits)
         assert_same_bits(recomputed.cpu(), expected)
+        for low, high in BOUNDS:
+            forward, recomputed = (near_bounds(n, dtype, low, high, seed).cuda() for seed in (5, 6))
+            bits = decisions.pack_bounds(forward, low, high)
+            assert torch.equal(bits.cpu(), decisions.pack_bounds_ref(forward.cpu(), low, high))
+            expected = recomputed.cpu()
+            decisions.restore_bounds_ref_(expected, bits.cpu(), low, high)
+            decisions.restore_bounds_(recomputed, bits, low, high)
+            assert_same_bits(recomputed.cpu(), expected)
     for module, shape in POOLS + [(nn.MaxPool2d(3, 2, 1), (64, 64, 112, 112))]:
         x, input_size, geometry, out, indices = pooled(module, shape, dtype)
         x, out, indices = x.cuda(), out.cuda(), indices.cuda()

@@ -8,6 +8,7 @@ sm_90, for one that is not; the signed formats also with channel means (NOTE [ C
 means ]) for each way a thread's run of elements can meet channels. All builds run once
 per session, in one subprocess.
 """
+import math
 from collections import Counter
 from itertools import product
 import re
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, SIGNED_FORMATS, kernel_table
-from actsave.triton_kernels.decisions import max_pool, packed_tiles, relu_signs
+from actsave.triton_kernels.decisions import bounds, max_pool, packed_tiles, relu_signs
 from actsave.triton_kernels._tile import CUDA_TILE, VECTOR_BYTES
 
 GROUP_SIZE = DEFAULT_GROUP_SIZE  # the tile a program owns is the same for every group size
@@ -208,7 +209,8 @@ GATHER_POINTERS = {"fp32": "*i32", "bf16": "*i16", "fp64": "*i64"}
 # every integer argument the JIT may specialize is 1, a constexpr (one element, a plane
 # of one, a dimension of size 1): the kernels must compile so too.
 DECISION_TARGETS = {"sm80": (80, "i32", True), "sm90": (90, "i32", True), "sm90_int64": (90, "i64", True),
-                    "sm90_ragged": (90, "i32", False), "sm90_ones": (90, "i32", False)}
+                    "sm90_ragged": (90, "i32", False), "sm90_ones": (90, "i32", False),
+                    "sm90_leaky": (90, "i32", True)}  # bounds: a LeakyReLU's (one bound)
 DECISION_BUILDS = (
     [f"relu-{step}-{dtype}-{target}" for step in ("pack", "restore") for dtype, target in
      [("fp32", "sm80"), ("bf16", "sm80"), ("fp32", "sm90"), ("bf16", "sm90"), ("fp16", "sm90"),
@@ -216,6 +218,10 @@ DECISION_BUILDS = (
     + [f"pool-{step}-{window}-{target}" for step in ("encode", "decode") for window in POOL_WINDOWS
        for target in ("sm90", *(("sm80", "sm90_ragged") if window == "k3x3" else ()))]
     + [f"gather-{dtype}-{target}" for dtype in GATHER_POINTERS for target in ("sm90", "sm80")]
+    + [f"bounds-{step}-{dtype}-{target}" for step in ("pack", "restore") for dtype, target in
+       [("fp32", "sm80"), ("bf16", "sm80"), ("fp32", "sm90"), ("bf16", "sm90"), ("fp16", "sm90"),
+        ("fp32", "sm90_int64"), ("fp32", "sm90_ragged"), ("bf16", "sm90_ragged"), ("bf16", "sm90_ones")]]
+    + [f"bounds-{step}-fp16-sm90_leaky" for step in ("pack", "restore")]
     + ["gather-fp32-sm90_ragged", "relu-pack-fp32-sm90_ones", "relu-restore-bf16-sm90_ones",
        "pool-encode-k3x3x3-sm90_ones", "pool-decode-k3x3x3-sm90_ones", "gather-bf16-sm90_ones"])
 _DIVISORS = ("plane", "out_inner_0", "out_inner_1", "in_inner_0", "in_inner_1")
@@ -240,6 +246,17 @@ def _decision_job(build):
         constexprs = {**relu_signs.relu_constexprs(torch_dtype),
                       "ROWS": packed_tiles.packed_rows(1, torch_dtype.itemsize)}
         counts = ["numel", "packed_bytes"]
+    elif kind == "bounds":
+        step, dtype, _ = rest
+        pointer, torch_dtype = RELU_POINTERS[dtype]
+        kernel = bounds._pack_bounds_kernel if step == "pack" else bounds._restore_bounds_kernel
+        scalars = bounds.BOUND_SCALARS if step == "restore" else bounds.BOUND_SCALARS[:3]
+        signature = {"v_ptr": pointer, "bits_ptr": "*u8", "numel": numel_type, "packed_bytes": numel_type,
+                     **dict.fromkeys(scalars, "i32")}
+        high = math.inf if target == "sm90_leaky" else 6.0
+        constexprs = {name: value for name, value in bounds._launch_arguments(0.0, high, torch_dtype)[step == "restore"]
+                      .items() if name in ("MAGNITUDE", "INF_BITS", "UPPER", "ROWS")}
+        counts = ["numel", "packed_bytes"]
     elif kind == "pool":
         step, window, _ = rest
         kernel = max_pool._encode_max_pool_kernel if step == "encode" else max_pool._decode_max_pool_kernel
@@ -259,7 +276,7 @@ def _decision_job(build):
     pointers = [name for name in signature if name.endswith("_ptr")]
     if target == "sm90_ones":  # what the JIT makes of integer arguments equal to 1
         ones = [name for name, kind in signature.items() if kind in ("i32", "i64")
-                and name not in max_pool._DIVISION_CONSTANTS]  # do_not_specialize
+                and name not in max_pool._DIVISION_CONSTANTS + bounds.BOUND_SCALARS]  # do_not_specialize
         constexprs = {**constexprs, **dict.fromkeys(ones, 1)}
     return {
         "module": kernel.fn.__module__,
@@ -291,13 +308,17 @@ def _expected_decision_accesses(build):
     one element per access (those are scattered)."""
     kind, *rest = build.split("-")
     vector = {16: "v4.b32", 8: "v2.b32"}
-    if kind == "relu":
+    if kind in ("relu", "bounds"):  # the same streams; a bounds restore's tile is its own
         step, dtype, _ = rest
         packed = packed_tiles.packed_bytes_per_thread(1, RELU_POINTERS[dtype][1].itemsize)
+        if (kind, step) == ("bounds", "restore"):
+            packed = bounds.RESTORE_PACKED_BYTES_PER_THREAD
         values = packed * 8 * RELU_POINTERS[dtype][1].itemsize // VECTOR_BYTES
         if step == "pack":
             return {"ld.global.v4.b32": values, f"st.global.{vector[packed]}": 1}
-        return {"ld.global.v4.b32": values + 1, "st.global.v4.b32": values}
+        if packed == 16:
+            return {"ld.global.v4.b32": values + 1, "st.global.v4.b32": values}
+        return {"ld.global.v4.b32": values, f"ld.global.{vector[packed]}": 1, "st.global.v4.b32": values}
     if kind == "pool":
         step, window, _ = rest
         bits = _pool_geometry(window).bits

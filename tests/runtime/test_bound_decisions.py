@@ -205,3 +205,27 @@ def test_a_save_in_another_layout_keeps_and_restores_its_decisions(keep):
             m(x.to(memory_format=layout)).square().mean().backward()
         worst[layout] = min(sqnr_db(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
     assert worst[torch.channels_last] >= worst[torch.contiguous_format] - 3.0
+
+
+@pytest.mark.parametrize("keep", ["inputs", "saves"])
+def test_forced_triton_keeps_and_restores_each_clamps_decisions_in_one_launch_each(keep, monkeypatch):
+    # Under the interpreter on CPU: gradients bit-identical to the torch references';
+    # each ReLU6 call (2 per block, 4 blocks) packs its save's decisions in one launch
+    # in the forward and restores them in one after its recompute or decode.
+    from actsave.triton_kernels import _launch
+
+    launched = []
+    real = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, *a, **k: launched.append(_launch.kernel_name(kernel))
+                        or real(kernel, *a, **k))
+
+    def gradients():
+        plain, block = _stack(ACTIVATIONS["ReLU6"])
+        model = actsave.wrap(plain, block, keep=keep, compress="int8")
+        model(torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    with actsave.set_backend("triton"):
+        by_kernels = gradients()
+    assert all(torch.equal(a, b) for a, b in zip(by_kernels, gradients()))
+    assert [launched.count(kernel) for kernel in ("_pack_bounds_kernel", "_restore_bounds_kernel")] == [8, 8]

@@ -1,6 +1,7 @@
-"""Fused kernels for the decisions a lossy recompute keeps: ReLU signs and max-pool
-window offsets (actsave/runtime/relu_signs.py, pool_decisions.py, NOTE [ Max-pool
-decisions ]), packed as NOTE [ Bit fields ] in bitfields.py says.
+"""Fused kernels for the decisions a lossy recompute keeps: ReLU signs, Hardtanh and
+LeakyReLU bounds, max-pool window offsets (actsave/runtime/relu_signs.py,
+bound_decisions.py, pool_decisions.py, NOTE [ Max-pool decisions ]), packed as NOTE
+[ Bit fields ] in bitfields.py says.
 
 The ``*_ref`` functions are the specification in torch; the kernels match them bit for
 bit. The kernels touch values only as their bits (a float viewed as the integer of its
@@ -13,6 +14,8 @@ read and write them:
 =====================  =========================================================
 pack_relu_signs        read the output (4 or 2 B), write 1/8 B
 restore_relu_signs_    read 1/8 B and the output, write the output (4 + 4 or 2 + 2 B)
+pack_bounds            read the save (4 or 2 B), write 1/8 B
+restore_bounds_        read 1/8 B and the save, write the save (4 + 4 or 2 + 2 B)
 encode_max_pool        read 8 B of indices, write bits/8 B (1/8 .. 1)
 decode_max_pool_       read bits/8 B, write 8 B of indices
 gather_max_pool_       read 8 B of indices and one input element, write the output
@@ -25,12 +28,15 @@ elements than they index) is handed to the reference, never to a kernel that wou
 give other bits. Every launch goes through ``_launch.launch``.
 
 - relu_signs.py: the ReLU kernels (pack, restore), their launchers and references;
+- bounds.py: the Hardtanh and LeakyReLU kernels (pack, restore), the bounds as values
+  of the save's dtype, their launchers and references;
 - max_pool.py: the max-pool kernels (encode, decode, gather), a pool's geometry as
   they see it, their launchers and references;
 - packed_tiles.py: what both share: a program's tile of packed bytes and the launch
   options, fields packed and unpacked, the checks of a launcher's inputs, NOTE
   [ Cheap references ];
 """
+from .bounds import pack_bounds, pack_bounds_ref, restore_bounds_, restore_bounds_ref_
 from .max_pool import (
     decode_max_pool_,
     decode_max_pool_ref_,
@@ -48,8 +54,12 @@ __all__ = [
     "encode_max_pool_ref",
     "gather_max_pool_",
     "gather_max_pool_ref_",
+    "pack_bounds",
+    "pack_bounds_ref",
     "pack_relu_signs",
     "pack_relu_signs_ref",
     "restore_relu_signs_",
+    "restore_bounds_",
+    "restore_bounds_ref_",
     "restore_relu_signs_ref_",
 ]
