@@ -15,7 +15,7 @@ Stages, each a subprocess with its own time limit (seconds), in this order:
                           layouts training stores (centered conv activations, ReLU
                           outputs on the unsigned grid, flat), fp32 and bf16, 64 and 256
                           MiB, and its share of a device-to-device copy measured in the
-                          same run; the ReLU decision kernels' too.
+                          same run; the ReLU and ReLU6 decision kernels' too.
   offload_overlap     60  bench/offload_overlap.py: how much of the host copying hides
                           behind compute (ResNet-164, batch 64).
   step_profile       120  bench/gpu_step_profile.py at batch 512: step time, host time

@@ -1,7 +1,8 @@
 """Codec kernels: encode and decode per codec, input layout and dtype, each result
 checked bit for bit against its torch reference before anything is timed; then the
-ReLU decision kernels (pack a ReLU output's bits, restore a recomputed output to
-them, rows ``relu_signs``) per dtype, checked and timed alike.
+decision kernels (pack a ReLU output's bits, restore a recomputed output to them,
+rows ``relu_signs``; a ReLU6's save the same way, rows ``bounds``) per dtype, checked
+and timed alike.
 
 Layouts, the ones training stores (GroupCodec.encode; NOTE [ Channel centering ]):
 
@@ -44,6 +45,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -57,7 +59,7 @@ from actsave.text import format_table  # noqa: E402
 from actsave.codecs import LOSSY_CODECS  # noqa: E402
 from actsave.codecs.centering import channel_sums  # noqa: E402
 from actsave.triton_kernels import UNSIGNED_VARIANT, _tile, channel_size, kernel_table  # noqa: E402
-from actsave.triton_kernels.decisions import relu_signs  # noqa: E402
+from actsave.triton_kernels.decisions import bounds, relu_signs  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Channels of the conv-shaped layouts, as in a ResNet's middle stages; the batch grows
@@ -249,30 +251,49 @@ UNITS = {"bytes_ratio": "x", "copy_gbps": "GB/s",
 def measure_relu_decisions(dtype: torch.dtype, numel: int, device: torch.device,
                            timer: Optional[GpuTimer] = None) -> dict:
     """The ReLU decision kernels (triton_kernels/decisions/relu_signs.py) on a ReLU
-    output of ``numel`` values: the bits a pack gives and a restore's corrections
-    checked against the references; with a ``timer`` (on CUDA) their times and
-    bandwidths against a copy. A pack reads the output and writes its bits; a restore
-    reads a recomputed output and the bits and writes the output."""
+    output of ``numel`` values: see :func:`measure_decisions`."""
     torch.manual_seed(0)
     recomputed = torch.randn(numel, device=device).to(dtype)  # both signs: both corrections run
-    output = recomputed.relu()
-    packed = relu_signs.pack_relu_signs(output)
+    return measure_decisions("ReLU", recomputed.relu(), recomputed, relu_signs.pack_relu_signs,
+                             relu_signs.restore_relu_signs_, relu_signs.pack_relu_signs_ref,
+                             relu_signs.restore_relu_signs_ref_, timer)
+
+
+def measure_bound_decisions(dtype: torch.dtype, numel: int, device: torch.device,
+                            timer: Optional[GpuTimer] = None) -> dict:
+    """The bound decision kernels (triton_kernels/decisions/bounds.py) on a ReLU6's
+    save of ``numel`` values, a recompute of it moved across both bounds in places:
+    see :func:`measure_decisions`."""
+    torch.manual_seed(0)
+    forward = (torch.randn(numel, device=device) * 4).to(dtype)
+    recomputed = forward + (torch.randn(numel, device=device) * 0.1).to(dtype)
+    return measure_decisions("ReLU6", forward, recomputed, *(partial(kernel, low=0.0, high=6.0) for kernel in (
+        bounds.pack_bounds, bounds.restore_bounds_, bounds.pack_bounds_ref, bounds.restore_bounds_ref_)),
+        timer=timer)
+
+
+def measure_decisions(name: str, saved, recomputed, pack, restore_, pack_ref, restore_ref_,
+                      timer: Optional[GpuTimer] = None) -> dict:
+    """A pack of ``saved``'s decisions and a restore of ``recomputed`` to them, checked
+    against the references; with a ``timer`` (on CUDA) their times and bandwidths
+    against a copy. A pack reads the save and writes its bits; a restore reads a
+    recomputed save and the bits and writes the save."""
+    packed = pack(saved)
     restored, expected = recomputed.clone(), recomputed.clone()
-    relu_signs.restore_relu_signs_(restored, packed)
-    relu_signs.restore_relu_signs_ref_(expected, relu_signs.pack_relu_signs_ref(output))
-    same = torch.equal(packed, relu_signs.pack_relu_signs_ref(output)) and torch.equal(bits(restored), bits(expected))
-    if not same:
-        raise AssertionError(f"ReLU decisions on {dtype} ({numel} values): kernel differs from reference")
-    value_bytes = numel * output.element_size()
+    restore_(restored, packed)
+    restore_ref_(expected, pack_ref(saved))
+    if not (torch.equal(packed, pack_ref(saved)) and torch.equal(bits(restored), bits(expected))):
+        raise AssertionError(f"{name} decisions on {saved.dtype} ({saved.numel()} values): kernel differs from "
+                             "reference")
+    value_bytes = saved.numel() * saved.element_size()
     row = {"bytes_ratio": packed.numel() / value_bytes}
     if timer is None:
         return row
-    outputs = copies_beyond_l2(output, timer)
-    row["copy_gbps"] = copy_gbps(outputs, timer)
-    next_output, next_restore = rotating(outputs), rotating([(o, relu_signs.pack_relu_signs(o)) for o in outputs])
-    timed(row, "pack", lambda: relu_signs.pack_relu_signs(next_output()), value_bytes + packed.numel(), timer)
-    timed(row, "restore", lambda: relu_signs.restore_relu_signs_(*next_restore()), 2 * value_bytes + packed.numel(),
-          timer)
+    saves = copies_beyond_l2(saved, timer)
+    row["copy_gbps"] = copy_gbps(saves, timer)
+    next_save, next_restore = rotating(saves), rotating([(s, pack(s)) for s in saves])
+    timed(row, "pack", lambda: pack(next_save()), value_bytes + packed.numel(), timer)
+    timed(row, "restore", lambda: restore_(*next_restore()), 2 * value_bytes + packed.numel(), timer)
     return row
 
 
@@ -357,8 +378,11 @@ def main(argv=None) -> None:
     if args.tiles is None:  # the decision kernels have tiles of their own
         for dtype_name in dtypes:
             for mib in sizes:
-                row = measure_relu_decisions(DTYPES[dtype_name], int(mib * 2**20) // 4, device, timer)
-                results.append(("relu_signs", "relu", dtype_name, mib, row))
+                numel = int(mib * 2**20) // 4
+                results.append(("relu_signs", "relu", dtype_name, mib,
+                                measure_relu_decisions(DTYPES[dtype_name], numel, device, timer)))
+                results.append(("bounds", "relu6", dtype_name, mib,
+                                measure_bound_decisions(DTYPES[dtype_name], numel, device, timer)))
     print(table(results))
     if not cuda:
         print("CPU: every kernel equals its reference bit for bit (Triton interpreter); no timings")

@@ -15,9 +15,9 @@ def test_kernels_bench_checks_every_codec_and_reports_bytes(tmp_path):
     assert columns == CSV_COLUMNS
     ratios = {r["case"]: float(r["p50"]) for r in rows if r["metric"] == "bytes_ratio"}
     # codecs x layouts (flat, centered at 32x32, 8x8 and 14x14, ReLU outputs on the
-    # unsigned grid) x dtypes, and the ReLU decisions per dtype, each checked against
-    # its reference
-    assert len(ratios) == 3 * 5 * 3 + 3
+    # unsigned grid) x dtypes, and the ReLU and ReLU6 decisions per dtype, each checked
+    # against its reference
+    assert len(ratios) == 3 * 5 * 3 + 2 * 3
     assert {"int8-fp32", "fp8_e4m3-c14x14-bf16", "fp8_e5m2-relu32x32-fp16"} <= set(ratios)
     # Codes, scales and channel means: a little over a quarter of fp32, a half of bf16.
     assert all(ratio <= (0.27 if case.endswith("fp32") else 0.53) for case, ratio in ratios.items())
@@ -79,9 +79,10 @@ def test_kernels_bench_times_copy_encode_decode_and_means_of_each_case(kernels_b
     assert "means_ms" not in flat and flat["decode_host_us"] == pytest.approx(10.0)
 
 
-def test_kernels_bench_times_the_relu_decision_kernels_against_a_copy(kernels_bench):
-    """The timed path of the ReLU decisions with a timer that only calls: a pack moves
-    the output and its bits, a restore the output twice and the bits."""
+@pytest.mark.parametrize("decisions", ["measure_relu_decisions", "measure_bound_decisions"])
+def test_kernels_bench_times_the_decision_kernels_against_a_copy(kernels_bench, decisions):
+    """The timed path of the ReLU and ReLU6 decisions with a timer that only calls: a
+    pack moves the save and its bits, a restore the save twice and the bits."""
     class Timer:
         l2_bytes = 3 * 1024 * 4
 
@@ -89,7 +90,7 @@ def test_kernels_bench_times_the_relu_decision_kernels_against_a_copy(kernels_be
             function()
             return 1e-3, 1e-5
 
-    row = kernels_bench.measure_relu_decisions(torch.bfloat16, 4096, torch.device("cpu"), Timer())
+    row = getattr(kernels_bench, decisions)(torch.bfloat16, 4096, torch.device("cpu"), Timer())
     assert row["bytes_ratio"] == 1 / 16
     assert row["pack_gbps"] == pytest.approx((2 * 4096 + 512) / 1e-3 / 1e9)
     assert row["restore_gbps"] == pytest.approx((4 * 4096 + 512) / 1e-3 / 1e9)
