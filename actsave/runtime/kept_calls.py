@@ -15,6 +15,14 @@ from ..layouts import is_dense
 from .function import _detached
 
 
+def keepable_now() -> bool:
+    """Whether a call made now can be a kept call: not in inference mode, whose outputs
+    are inference tensors, which autograd never saves and which have no version counter
+    to check. The forward does not record such a call and the recompute does not count
+    it: both run it plainly."""
+    return not torch.is_inference_mode_enabled()
+
+
 class KeptCall:
     """One outermost kept call of the forward: what it is (a module, or a function's
     name), the placeholders its saves took (``start`` to ``stop``), its tensor

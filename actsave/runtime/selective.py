@@ -96,7 +96,7 @@ from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState
-from .kept_calls import CallArgument, KeptCall, KeptSave, described
+from .kept_calls import CallArgument, KeptCall, KeptSave, described, keepable_now
 from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
 
@@ -165,7 +165,7 @@ class SelectiveFrame(_Frame):
     def _recorded(self, target) -> Callable:
         """A kept call of ``target`` (a module, or a function's name) that records it."""
         def recorded(call_next, *args, **kwargs):
-            if not self.in_forward or self._replaying:  # a recompute runs it plainly, not kept
+            if not self.in_forward or self._replaying or not keepable_now():  # run plainly, not kept
                 return call_next(*args, **kwargs)
             self._enter(target, args, kwargs)
             output = call_next(*args, **kwargs)

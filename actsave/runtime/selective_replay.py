@@ -14,7 +14,7 @@ from torch import nn
 from .._torch import version
 from ..errors import RecomputeError
 from .function import _name
-from .kept_calls import KeptCall, described
+from .kept_calls import KeptCall, described, keepable_now
 from .placeholders import Cursor
 from .kept_ops import TAPPED_FUNCTIONS
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
@@ -56,7 +56,7 @@ class Skipper:
         return call
 
     def _skip_or_run(self, target, run: Callable, args: tuple, kwargs: dict):
-        if self.depth:  # inside a call run again: its inner calls run too
+        if self.depth or not keepable_now():  # inside a call run again (its inner calls run too), or not kept
             return run(*args, **kwargs)
         call = self._matching(target)
         if not call.skipped:

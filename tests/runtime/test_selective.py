@@ -212,6 +212,34 @@ def test_a_jagged_nested_input_trains_as_plain(compress):
     assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
+class _StatisticInInferenceMode(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.aux, self.up, self.down = nn.Linear(16, 16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        with torch.inference_mode():  # inference tensors: no version counter, never saved
+            scale = self.aux(self.aux(x)).abs().mean().item()
+        return x + self.down(F.gelu(self.up(x) * scale))
+
+
+@pytest.mark.parametrize("compress", [None, "int8"])
+def test_kept_modules_called_in_inference_mode_run_plainly_in_forward_and_recompute(compress):
+    # They raised "Inference tensors do not track version counter" as the call ended.
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_StatisticInInferenceMode() for _ in range(2)])
+    model = actsave.wrap(copy.deepcopy(plain), _StatisticInInferenceMode, keep="selective", compress=compress)
+    x = torch.randn(4, 16)
+    for m in (plain, model):
+        m(x).square().sum().backward()
+    pairs = [(p, q) for p, q in zip(plain.parameters(), model.parameters()) if p.grad is not None]  # not aux's
+    assert len(pairs) == 8 and all(q.grad is not None for _, q in pairs)
+    if compress is None:
+        assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    else:
+        assert min(sqnr_db(p.grad, q.grad) for p, q in pairs) >= EXPECTED_GRADIENT_SQNR_DB["int8"]
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(functions=("aten.mm.default",)), "nor of aten operators"),
     (dict(functions=("linear",)), r"not of other functions \(F.linear\).*modules=\(nn.Linear,\)"),
