@@ -138,11 +138,49 @@ _DIVIDES_BY_RESULT_OP = frozenset({  # the aten operators of those nodes, in a t
     "hypot", "_weight_norm_interface"})
 
 
+# NOTE [ Saves a backward compares ]
+# Some backwards find the elements of the input they saved that equal the result they
+# saved, and share the gradient among them: an amax or amin (``x.amax(dim)``, a softmax
+# written by hand), a max, min or median over every element, an infinity norm.
+# Decoded apart, the input equals its result nowhere where the reduction does not run
+# along a codec's group (a group's largest magnitude alone decodes exactly): a count of
+# 0, and a gradient of 0 / 0, NaN in every parameter before it (an adversarial run,
+# CPU, 2026-11-30: docs/results.md). So a lossy codec keeping saves (kept_saves.py)
+# holds both as they are: the result (every save of it, as a result a backward divides
+# by), known by its node, and the input that node saved just before it. Autograd saves
+# a node's inputs, runs its op, then saves its output; nothing is saved between, so the
+# save before the result's first is that input (:func:`compares_with_input` checks it
+# is the node's input: a later save of the result by another node follows that node's
+# own input). Other saves of the input's storage keep their stored copy. The planner's
+# count of a plain segment's saves asks the same (planning/saves_as_stored.py).
+_COMPARES_WITH_INPUT = frozenset({"AmaxBackward0", "AminBackward0", "MaxBackward1", "MinBackward1",
+                                  "MedianBackward0", "NanmedianBackward0"})
+
+
+def compares_with_input(result: torch.Tensor, before: Optional[torch.Tensor]) -> bool:
+    """Whether ``result``, a save, is the result of a node whose backward compares it
+    with ``before``, the save made just before it, that node's input: NOTE [ Saves a
+    backward compares ]."""
+    node = result.grad_fn
+    if before is None or not _compares(node):
+        return False
+    edge = node.next_functions[0][0]  # where the input's gradient goes
+    return edge is not None and (edge is before.grad_fn or getattr(edge, "variable", None) is before)
+
+
+def _compares(node) -> bool:
+    if node is None:
+        return False
+    name = node.name()
+    return name in _COMPARES_WITH_INPUT or (name == "LinalgVectorNormBackward0" and math.isinf(node._saved_ord))
+
+
 def lossy_codec_stores(t: torch.Tensor) -> bool:
     """Whether a lossy codec keeping saves encodes ``t``, a save: what should_encode
     takes, but per-row statistics, broadcast views of their own storage and results a
-    backward divides by (NOTE [ Saves a lossy codec leaves exact ])."""
-    if not should_encode(t) or _divisor_result(t):
+    backward divides by (NOTE [ Saves a lossy codec leaves exact ]) or compares with
+    its input (NOTE [ Saves a backward compares ]: the input is the caller's to hold)."""
+    if not should_encode(t) or _divisor_result(t) or _compares(t.grad_fn):
         return False
     # The elements it reads: a broadcast dimension reads one of its size.
     distinct = math.prod(size for stride, size in zip(t.stride(), t.shape) if stride != 0)

@@ -39,6 +39,12 @@ class _Saved:
         """From now on ``entry`` holds the value of ``tensor``, which this save holds."""
         self.value, self.layout, self.counter = entry, entry.layout_of(tensor), version_counter_of(tensor)
 
+    def hold(self, tensor: torch.Tensor) -> None:
+        """From now on hold ``tensor``, the one saved (unchanged since), as it is: by a
+        detached alias, which shares its storage and version counter."""
+        self.value, self.layout = tensor.detach(), None
+        self.counter = self.value
+
     def check_unchanged(self) -> None:
         """Raise autograd's error if the saved tensor changed in place since its save."""
         if self.counter is not None and version(self.counter) != self.version:

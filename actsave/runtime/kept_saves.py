@@ -123,7 +123,8 @@ from .bound_decisions import BoundWatch
 from .forward_decisions import torch_checkpoints_warned
 from .pool_decisions import PoolWatch
 from .kept_entries import _Encoded, _Entry, _ExactStorage, _HostGroup, _PoolIndices, _Saved
-from .keep_rules import AttentionSaves, KeepPolicy, lossy_codec_stores, placed, should_encode, stored_once_key
+from .keep_rules import (AttentionSaves, KeepPolicy, compares_with_input, lossy_codec_stores, placed, should_encode,
+                         stored_once_key)
 from .store import input_tensors
 
 SCOPES = ("all", "linear_inputs")
@@ -198,6 +199,7 @@ class _SavesStore:
         self._linear_storages = {}  # storage identity -> weak storage: a Linear's input
         self._pending = {}  # storage identity -> [(weak _Saved held, non-negative, keeps signs, bounds)]
         self._made = []  # weak references to every _Entry, for the host group
+        self._last_save = (_dead_ref, _dead_ref)  # the last save and its tensor, weakly
 
     @contextlib.contextmanager
     def watching(self):
@@ -208,6 +210,18 @@ class _SavesStore:
             yield
 
     def pack(self, tensor: torch.Tensor) -> _Saved:
+        if self.codec.lossless:
+            return self._pack(tensor)
+        before, self._last_save = self._last_save, (_dead_ref, _dead_ref)
+        if compares_with_input(tensor, before[1]()):  # NOTE [ Saves a backward compares ]
+            input_save = before[0]()
+            if input_save is not None:
+                input_save.hold(before[1]())
+        saved = self._pack(tensor)
+        self._last_save = weakref.ref(saved), weakref.ref(tensor)
+        return saved
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
         if pool is not None:
             return self._kept(_PoolIndices(tensor, *pool), tensor)
