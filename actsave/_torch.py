@@ -407,9 +407,9 @@ class FunctionTap:
 # meta step that stands for a device runs (meta.py), and what selective recompute
 # records and skips (runtime/selective.py).
 ATTENTION = FunctionTap(torch.nn.functional, "scaled_dot_product_attention")
-# The clamping activations as code calls them (nn.Hardtanh, nn.ReLU6 and nn.LeakyReLU
-# call these): a lossy forward keeps their decisions (runtime/bound_decisions.py).
-CLAMPS = {name: FunctionTap(torch.nn.functional, name) for name in ("hardtanh", "relu6", "leaky_relu")}
+# The activations deciding at a bound, as modules call them (runtime/bound_decisions.py).
+CLAMPS = {name: FunctionTap(torch.nn.functional, name) for name in ("hardtanh", "relu6", "leaky_relu", "prelu",
+                                                                     "threshold", "elu", "selu")}
 # torch's checkpoint as code calls it: a lossy forward warns of one inside it (runtime/forward_decisions.py).
 TORCH_CHECKPOINT = FunctionTap(importlib.import_module(_TORCH_CHECKPOINT), "checkpoint")
 

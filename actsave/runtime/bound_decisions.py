@@ -1,30 +1,35 @@
-"""Exact decisions of Hardtanh (ReLU6) and LeakyReLU calls in a lossy recompute.
+"""Exact decisions of the activations that decide at a bound (Hardtanh, ReLU6,
+LeakyReLU, PReLU, Threshold, ELU, SELU) in a lossy recompute.
 
 NOTE [ Bound decisions ]
-A Hardtanh's backward passes the gradient where ``min_val < v < max_val``, and a
-LeakyReLU's scales it by its slope where ``v <= 0``, ``v`` being the one tensor each
-saves: its input, a clone of it (an in-place Hardtanh) or its output (an in-place
-LeakyReLU, whose signs are its input's). A recompute from a lossy input computes other
-values, and where one lies near a bound its decision goes the other way, as a ReLU's
-does (relu_signs.py); a codec storing the save itself moves elements across too (exact
-zeros decode off 0). BatchNorm puts much of the mass at 0, so MobileNet's ReLU6 and
-YOLO's LeakyReLU lost most of their gradient's precision that way (docs/limits.md,
-"Other decisions a lossy recompute takes again").
+A Hardtanh's backward passes the gradient where ``min_val < v < max_val``; a
+LeakyReLU's, a PReLU's, an ELU's (alpha other than 1) and a SELU's change their slope
+at ``v <= 0``, a Threshold's passes where ``v > threshold``; ``v`` being the one tensor
+each saves first: its input, a clone of it (an in-place Hardtanh) or its output (an
+in-place LeakyReLU or ELU, whose signs are its input's). A recompute from a lossy input
+computes other values, and where one lies near a bound its decision goes the other way,
+as a ReLU's does (relu_signs.py); a codec storing the save itself moves elements across
+too (exact zeros decode off 0). BatchNorm puts much of the mass at 0, so MobileNet's
+ReLU6, YOLO's LeakyReLU and PReLU networks lost most of their gradient's precision that
+way (docs/limits.md, "Other decisions a lossy recompute takes again").
 
 So while a lossy forward runs, the functions that make these decisions are tapped
-(:class:`BoundWatch`: ``F.hardtanh``, ``F.relu6``, ``F.leaky_relu``, which the modules
-call, subclasses and a module's own code alike), and the one tensor each saves keeps
-one bit per element, 1 where the decision passes (:func:`keep`); the recompute's save
-of it, or the decoded save, is moved in place to the forward's side of each bound
-before the backward reads it (:func:`restore_`): an element the forward passed to the
-nearest value strictly inside, one it blocked that lies inside to the nearest bound.
-Values move by less than the codec's error; the backward's mask is the forward's. A
-Hardtanh passes NaN (its backward blocks only at or beyond a bound), a LeakyReLU takes
-its slope there, as CUDA's backwards do (torch's CPU Hardtanh blocks NaN in its
-vectorized loop). One launch each on CUDA (triton_kernels/decisions/bounds.py). The bits are priced as a ReLU's, the
-restore's transient apart (planning/instrumented_step.py). Under torch.compile a block
-whose modules are these runs eagerly (graph_codecs.py); Hardswish, Hardsigmoid, RReLU
-and threshold decide again (limits.md).
+(:class:`BoundWatch`, ``_torch.CLAMPS``: ``F.hardtanh``, ``F.relu6``, ``F.leaky_relu``,
+``F.prelu``, ``F.threshold``, ``F.elu``, ``F.selu``, which the modules call, subclasses
+and a module's own code alike), and the one tensor each saves first keeps one bit per
+element, 1 where the decision passes (:func:`keep`); the recompute's save of it, or the
+decoded save, is moved in place to the forward's side of each bound before the backward
+reads it (:func:`restore_`): an element the forward passed to the nearest value
+strictly inside, one it blocked that lies inside to the nearest bound. Values move by
+less than the codec's error; the backward's mask is the forward's. A Hardtanh passes
+NaN (its backward blocks only at or beyond a bound), the others take their other slope
+there, as CUDA's backwards do (torch's CPU Hardtanh blocks NaN in its vectorized loop).
+One launch each on CUDA (triton_kernels/decisions/bounds.py). The bits are priced as a
+ReLU's, the restore's transient apart (planning/instrumented_step.py). Under
+torch.compile a block whose modules are these runs eagerly (graph_codecs.py). RReLU
+(its saved noise holds the decisions, drawn again in the recompute), Hardshrink,
+Softshrink and Hardsigmoid, and the same decisions written as tensor ops (``abs``,
+``clamp``, ``maximum``, ``where``), decide again (limits.md).
 """
 from __future__ import annotations
 
@@ -49,6 +54,10 @@ class Bounds:
 
     low: float
     high: float
+
+
+# The bound of the activations whose slope changes at 0 (NOTE [ Bound decisions ]).
+SIGN = Bounds(0.0, math.inf)
 
 
 @dataclass
@@ -88,17 +97,17 @@ def _running() -> list:
 
 
 def is_bounded(module: nn.Module) -> bool:
-    """Whether ``module`` is a Hardtanh or LeakyReLU (a subclass included), whose
-    decisions a lossy forward keeps."""
-    return isinstance(module, (nn.Hardtanh, nn.LeakyReLU))
+    """Whether ``module`` is an activation (a subclass included) whose decisions a lossy
+    forward keeps: NOTE [ Bound decisions ]."""
+    return isinstance(module, (nn.Hardtanh, nn.LeakyReLU, nn.PReLU, nn.Threshold, nn.ELU, nn.SELU))
 
 
-def _called(bounds: Bounds, call_next, *args):
-    """``call_next(*args)`` with ``bounds`` open for its save (:meth:`BoundWatch.bounds_of_save`)."""
+def _called(bounds: Bounds, call_next, *args, **kwargs):
+    """``call_next(*args, **kwargs)`` with ``bounds`` open for its save (:meth:`BoundWatch.bounds_of_save`)."""
     calls = _running()
     calls.append([bounds, False])
     try:
-        return call_next(*args)
+        return call_next(*args, **kwargs)
     finally:
         calls.pop()
 
@@ -111,17 +120,29 @@ def _relu6(call_next, input, inplace=False):
     return _called(Bounds(0.0, 6.0), call_next, input, inplace)
 
 
-def _leaky_relu(call_next, input, negative_slope=0.01, inplace=False):
-    return _called(Bounds(0.0, math.inf), call_next, input, negative_slope, inplace)
+def _threshold(call_next, input, threshold, value, inplace=False):
+    return _called(Bounds(float(threshold), math.inf), call_next, input, threshold, value, inplace)
 
 
-_HANDLERS = {"hardtanh": _hardtanh, "relu6": _relu6, "leaky_relu": _leaky_relu}
+def _elu(call_next, input, alpha=1.0, inplace=False):
+    if alpha == 1.0:  # its slope is 1 on both sides of 0: nothing to decide
+        return call_next(input, alpha, inplace)
+    return _called(SIGN, call_next, input, alpha, inplace)
+
+
+def _signed(call_next, *args, **kwargs):
+    """A LeakyReLU's, a PReLU's, a SELU's: their slope changes at 0."""
+    return _called(SIGN, call_next, *args, **kwargs)
+
+
+_HANDLERS = {"hardtanh": _hardtanh, "relu6": _relu6, "leaky_relu": _signed, "prelu": _signed, "threshold": _threshold,
+             "elu": _elu, "selu": _signed}
 
 
 class BoundWatch:
-    """While :meth:`watching`, the calls of ``F.hardtanh``, ``F.relu6`` and
-    ``F.leaky_relu`` on this thread are followed (``_torch.CLAMPS``), so that
-    :meth:`bounds_of_save` knows the one tensor each saves (NOTE [ Bound decisions ]);
+    """While :meth:`watching`, the calls of the functions ``_torch.CLAMPS`` taps on this
+    thread are followed, so that :meth:`bounds_of_save` knows the first tensor each
+    saves (NOTE [ Bound decisions ]);
     an inactive watch (an exact forward's) follows nothing."""
 
     def __init__(self, active: bool = True):
