@@ -9,7 +9,7 @@ every block that reads it in one buffer, alive from the backward of the last of 
 (the first to run backward) until the tensor's own node runs: after every block's
 backward where the tensor was made before the blocks (the encoder's backward follows
 the decoder's), at its block's backward where a block returned it. The chain the
-planner profiles holds those arguments as buffers (block_step.py's BlockCall), which
+planner profiles holds those arguments as buffers (block_calls.py's BlockCall), which
 need no gradient, so no profiled event holds that buffer: the backward event of each
 block up to the last reader counts it (its dense size). Where a block made the tensor,
 its own backward counts it twice, once as the gradient of its other output (NOTE [
@@ -29,7 +29,7 @@ from .live_bytes import allocation_bytes
 
 
 def argument_gradients(calls: list, device) -> tuple:
-    """Per block of ``calls`` (block_step.record_calls'), the bytes on ``device`` (the
+    """Per block of ``calls`` (block_calls.record_calls'), the bytes on ``device`` (the
     profile's) of the gradients of the blocks' other tensor arguments pending while its
     backward runs: each argument that needs a gradient, once, at every block up to the
     last that reads it."""

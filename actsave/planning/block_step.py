@@ -1,25 +1,22 @@
-"""The example step of a block plan (blocks.py, steps 1 and 2): the selected blocks'
-calls, recorded from its forward and checked to run one after another, each as a layer
-of a chain (:class:`BlockCall`); and what one plain training step holds outside the
-blocks, measured as the planner's profile counts bytes (:class:`Outside`)."""
+"""The example step of a block plan (blocks.py, steps 1 and 2): the step itself
+(:func:`run_step`, on its own copy of the inputs), and what one plain training step
+holds outside the blocks, measured as the planner's profile counts bytes
+(:class:`Outside`). The blocks' calls in it: block_calls.py."""
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
 from .._torch import pytree
 from ..errors import ConfigError
-from ..runtime.keep_modes import is_hf_cache
-from ..runtime.keep_rules import modifies_input
 from .instrumented_step import backward_from, checked_loss, step_input
 from .step_isolation import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
-from .other_outputs import OtherOutputs, OutputsWatch, with_gradients_of
+from .other_outputs import OtherOutputs, OutputsWatch
 
 
 # ------------------------------------------------------------------ the example step
@@ -80,32 +77,7 @@ def step_inputs(example_inputs):
     return pytree.tree_map(copied, example_inputs)
 
 
-# ------------------------------------------------------------- 1. the blocks' calls
-
-
-class _Call:
-    """One recorded call of a block: the block's ``forward``, the leaves of ``(args,
-    kwargs)``, how to rebuild them, which leaf is the hidden state, and the
-    hidden-state output. ``copied``: copies of its tensor leaves, taken before a block
-    that changes its input in place ran (NOTE [ The first block's input as it was ])."""
-
-    def __init__(self, forward: Callable, args: tuple, kwargs: dict, copied: bool = False):
-        self.forward = forward
-        self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
-        self.copies = {k: step_input(leaf) for k, leaf in enumerate(self.leaves)
-                       if copied and isinstance(leaf, torch.Tensor)}
-        self.hidden_leaf: int | None = None
-        self.output: torch.Tensor | None = None
-
-    def leaf_index(self, t: torch.Tensor) -> int | None:
-        return next((k for k, leaf in enumerate(self.leaves) if leaf is t), None)
-
-    @property
-    def hidden(self) -> torch.Tensor:
-        return self.leaves[self.hidden_leaf]
-
-
-def _hidden_output(output, fqn: str) -> torch.Tensor:
+def hidden_output(output, fqn: str) -> torch.Tensor:
     """A block's hidden-state output: the output itself, or its first item (the tuples
     of older Hugging Face blocks)."""
     if isinstance(output, (tuple, list)) and output:
@@ -114,218 +86,6 @@ def _hidden_output(output, fqn: str) -> torch.Tensor:
         raise ConfigError(f"block {fqn} returned a {type(output).__name__}; a block plan needs blocks that "
                           "return the hidden state (a tensor, or a tuple whose first item is it)")
     return output
-
-
-class _CallRecorder:
-    """Forward hooks that record each block's calls, in the order the blocks run."""
-
-    def __init__(self, blocks: Sequence[tuple]):
-        self.calls = {fqn: [] for fqn, _ in blocks}
-        self.order = []  # fqn of each call, in order
-        self._handles = []
-        for fqn, module in blocks:
-            # First of the pre-hooks: the arguments as the caller passed them, before a
-            # hook such as FSDP2's hands the block new tensor objects.
-            self._handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, fqn=fqn: self._enter(fqn, m, args, kwargs), with_kwargs=True, prepend=True))
-            self._handles.append(module.register_forward_hook(
-                lambda m, args, output, fqn=fqn: self._exit(fqn, output)))
-
-    def _enter(self, fqn: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        first_changing = not self.order and modifies_input(module)  # NOTE [ The first block's input as it was ]
-        self.calls[fqn].append(_Call(module.forward, args, kwargs, copied=first_changing))
-        self.order.append(fqn)
-
-    def _exit(self, fqn: str, output) -> None:
-        self.calls[fqn][-1].output = _hidden_output(output, fqn)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def _chained_calls(recorder: _CallRecorder) -> list:
-    """Each block's one call, in the order they ran, with its hidden-state argument
-    found: the one that is the previous block's output; the first block's, the
-    argument the second block gets it as (:func:`_same_argument`). Raises ConfigError
-    unless the blocks ran once each, one after another, each on the previous one's
-    output."""
-    ran = {fqn: len(calls) for fqn, calls in recorder.calls.items()}
-    if any(count != 1 for count in ran.values()):
-        raise ConfigError(f"a block plan needs each selected block to run exactly once in the example step; "
-                          f"calls per block: {ran}. Select the blocks the model's forward calls once each")
-    calls = [recorder.calls[fqn][0] for fqn in recorder.order]
-    for previous_fqn, previous, fqn, call in zip(recorder.order, calls, recorder.order[1:], calls[1:]):
-        call.hidden_leaf = call.leaf_index(previous.output)
-        if call.hidden_leaf is None:
-            raise ConfigError(
-                f"block {fqn} is not called on the output of block {previous_fqn}, which ran just before it: a "
-                "block plan needs blocks that run one after another, each on the previous one's hidden "
-                "state (work between them, or blocks in parallel branches, cannot be planned per block)")
-    first, first_fqn = calls[0], recorder.order[0]
-    first.hidden_leaf = _same_argument(first, calls[1]) if len(calls) > 1 else _first_tensor_leaf(first, first_fqn)
-    if first.hidden_leaf is None or not isinstance(first.hidden, torch.Tensor):
-        raise ConfigError(f"block {first_fqn} gets no tensor where the next blocks get the hidden state (block "
-                          f"{recorder.order[1]} gets it as its {_argument_text(calls[1])})")
-    _check_one_hidden_parameter(recorder.order, calls)
-    _check_no_cache(recorder.order, calls)
-    return calls
-
-
-def _check_no_cache(order: list, calls: list) -> None:
-    """Raise where a block got a key/value cache (a Hugging Face ``Cache``): the plan
-    measures each block's options by calling it again with its recorded arguments, and
-    each call would append to that one cache, holding the last call's graph (a backward
-    through it a second time)."""
-    for fqn, call in zip(order, calls):
-        cache = next((leaf for leaf in call.leaves if is_hf_cache(leaf)), None)
-        if cache is not None:
-            raise ConfigError(
-                f"block {fqn} got a key/value cache ({type(cache).__name__}) in the example step: a block plan "
-                "calls each block again with its arguments, which would append to that cache. Train without one, "
-                "as any checkpointing does: model.config.use_cache = False (Hugging Face), or use_cache=False in "
-                "the example inputs")
-
-
-def _check_one_hidden_parameter(order: list, calls: list) -> None:
-    """Raise where a block takes the previous block's output as another parameter than
-    a block of its type takes its hidden state as: BART's first decoder layer gets the
-    encoder's output as ``encoder_hidden_states``, for its cross-attention. Those are
-    two chains, not one (the decoder's hidden state starts from its embeddings)."""
-    seen = {}  # block type -> (the first block of it, its hidden state's parameter)
-    for fqn, call in zip(order, calls):
-        path = _bound_places(call).get(call.hidden_leaf)
-        if not path:  # its forward's signature could not be bound
-            continue
-        name = getattr(path[0], "key", None)
-        kind_fqn, kind_name = seen.setdefault(type(getattr(call.forward, "__self__", None)), (fqn, name))
-        if name != kind_name:
-            raise ConfigError(
-                f"blocks {kind_fqn} and {fqn}, of one type, take the previous block's output as different arguments "
-                f"({kind_name!r} and {name!r}): the blocks are not one chain (an encoder's output going into a "
-                "decoder's cross-attention, say). Plan each stack of blocks on its own")
-
-
-def _same_argument(call: _Call, second: _Call) -> int | None:
-    """The leaf of ``call`` (the first block's) passed as the argument that ``second``
-    (the second block's) passes its hidden state as, or None: the same parameter of the
-    block's forward (by name, however the caller ordered or passed it), else the same
-    place in the call as written (a first block whose forward names it otherwise).
-    Never by leaf index alone: keyword arguments in another order, or one more before
-    it, move every leaf."""
-    for places in (_bound_places, _written_places):
-        wanted = places(second).get(second.hidden_leaf)
-        index = next((k for k, place in places(call).items() if place == wanted), None)
-        if index is not None:
-            return index
-    return None
-
-
-def _argument_text(call: _Call) -> str:
-    """Where ``call`` passes its hidden state, in words: "keyword argument 'x'" or
-    "positional argument 0", and the path within it if it is nested."""
-    path = _written_places(call)[call.hidden_leaf]
-    argument = f"keyword argument {path[1].key!r}" if path[0].idx == 1 else f"positional argument {path[1].idx}"
-    return argument + (f" at {pytree.keystr(path[2:])}" if len(path) > 2 else "")
-
-
-def _written_places(call: _Call) -> dict:
-    """{leaf index: its path in ``(args, kwargs)``}: keywords by name, positions by index."""
-    paths = [path for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(call.leaves, call.spec))[0]]
-    return dict(enumerate(paths))
-
-
-def _bound_places(call: _Call) -> dict:
-    """{leaf index: (the block's forward parameter it was bound to, its path within
-    it)}; empty where the signature cannot be read or bound."""
-    args, kwargs = pytree.tree_unflatten(call.leaves, call.spec)
-    try:
-        bound = inspect.signature(call.forward).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return {}
-    places = {}
-    for path, leaf in pytree.tree_flatten_with_path(dict(bound.arguments))[0]:
-        index = call.leaf_index(leaf) if isinstance(leaf, torch.Tensor) else None
-        if index is not None:
-            places.setdefault(index, path)
-    return places
-
-
-def _first_tensor_leaf(call: _Call, fqn: str) -> int:
-    index = next((k for k, leaf in enumerate(call.leaves) if isinstance(leaf, torch.Tensor)), None)
-    if index is None:
-        raise ConfigError(f"block {fqn} was called with no tensor argument: there is no hidden state to plan for")
-    return index
-
-
-# NOTE [ The first block's input as it was ]
-# The block chain is profiled from the first block's recorded hidden state. A first
-# block that changes its input in place (modifies_input: ``inplace = True``) changes
-# that very tensor as the example step runs, so the chain would be profiled from the
-# changed values (a ReLU applied twice, a mul_ compounding). So its call records copies
-# of its tensor arguments before it runs (step_input: cut from the graph, a leaf where
-# the argument is one); the hidden state's copy stands in for it, the rest are dropped.
-# Later blocks' hidden states are recorded as they are: found by identity (the previous
-# block's output), and in the chain each block runs on what the block before returns.
-
-
-def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs, loss: Optional[Callable] = None) -> list:
-    """Run the example step's forward (only), on its own copy of ``example_inputs``
-    (:func:`step_inputs`), and return the blocks' calls, in the order they ran
-    (:func:`_chained_calls`); the first one's hidden state as it was before it ran
-    (NOTE [ The first block's input as it was ])."""
-    recorder = _CallRecorder(blocks)
-    try:
-        with isolated_steps(model), torch.enable_grad():
-            run_step(model, step_inputs(example_inputs), loss)
-    finally:
-        recorder.remove()
-    calls = _chained_calls(recorder)
-    first = calls[0]
-    if first.copies:
-        first.leaves[first.hidden_leaf] = first.copies[first.hidden_leaf]
-    for call in calls:  # the outputs were for the chaining check only, the copies for the first hidden state
-        call.output, call.copies = None, {}
-    return [(fqn, dict(blocks)[fqn], call) for fqn, call in zip(recorder.order, calls)]
-
-
-class _Argument(NamedTuple):
-    """Stands, among a recorded call's leaves, for a tensor kept as a buffer."""
-
-    buffer: str
-
-
-class BlockCall(nn.Module):
-    """A block as a layer of a chain: called on the hidden state alone, it calls the
-    block with the other arguments of its recorded call. Their tensors are buffers of
-    this module (not in its state dict), so that the profile counts them as held by
-    the caller, as the model's own loop holds them. It returns the hidden state alone;
-    its backward gives zeros as the gradients of the block's other outputs whose leaves
-    ``other_gradients`` names, as the model's step gives them gradients (NOTE [ Outputs
-    the caller holds ], other_outputs.py)."""
-
-    def __init__(self, block: nn.Module, call: _Call, other_gradients: tuple = ()):
-        super().__init__()
-        self.block = block
-        self.other_gradients = other_gradients
-        self.inplace = modifies_input(block)  # a segment starting here keeps a copy, as Checkpoint(block) does
-        self.__qualname__ = type(block).__qualname__  # the name a checkpoint's messages give it
-        self._spec, self._hidden_leaf = call.spec, call.hidden_leaf
-        self._leaves = []
-        for k, leaf in enumerate(call.leaves):
-            if isinstance(leaf, torch.Tensor) and k != call.hidden_leaf:
-                self.register_buffer(f"argument_{k}", leaf.detach(), persistent=False)
-                leaf = _Argument(f"argument_{k}")
-            self._leaves.append(leaf)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        leaves = [hidden if k == self._hidden_leaf else
-                  self._buffers[leaf.buffer] if isinstance(leaf, _Argument) else leaf
-                  for k, leaf in enumerate(self._leaves)]
-        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
-        output = self.block(*args, **kwargs)
-        hidden = _hidden_output(output, type(self.block).__name__)
-        return with_gradients_of(hidden, output, self.other_gradients) if self.other_gradients else hidden
 
 
 # ------------------------------------------------------ 2. the step outside the blocks
@@ -367,7 +127,7 @@ class _Phases:
             with_kwargs=True) for a, (_, module, call) in enumerate(calls)]
         self._handles += [module.register_forward_hook(
             lambda m, args, kwargs, output, a=a: self.others.block_ends(
-                a, (args, kwargs), _hidden_output(output, type(m).__name__), output),
+                a, (args, kwargs), hidden_output(output, type(m).__name__), output),
             with_kwargs=True) for a, (_, module, _) in enumerate(calls)]
         self._handles += [calls[0][1].register_forward_pre_hook(self._first_starts, with_kwargs=True),
                           calls[-1][1].register_forward_hook(self._last_ends)]
@@ -399,7 +159,7 @@ class _Phases:
             self._handles.append(hidden.register_hook(self._blocks_backward_ends))
 
     def _last_ends(self, module, args, output) -> None:
-        hidden = _hidden_output(output, type(module).__name__)
+        hidden = hidden_output(output, type(module).__name__)
         if hidden.requires_grad:
             # Counted as the next op starts: this hook's arguments still hold the last block's
             # input, which its caller may drop as it returns (else the loss's rise comes out short).

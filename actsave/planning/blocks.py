@@ -7,7 +7,7 @@ masks) and after them (final norm, head, loss).
     print(plan)                     # per block: kept plain, or checkpointed and how
     actsave.wrap(model, plan)       # or in one call: wrap(model, ..., budget=B, example_inputs=batch)
 
-How (the steps of :func:`plan_block_stack`; 1 and 2 in block_step.py):
+How (the steps of :func:`plan_block_stack`; 1 in block_calls.py, 2 in block_step.py):
 
 1. A forward of the example step records each selected block's call: its arguments,
    and which of them is the hidden state. The blocks must each run once, in turn, each
@@ -62,7 +62,8 @@ from ..text import format_table, mib, ms
 from .argument_grads import argument_gradients
 from .block_options import BlockMeasurer, candidate_options, model_terms, options_at
 from .block_solver import BlockTable, fastest, predicted_peak, smallest
-from .block_step import BlockCall, Outside, measure_outside, record_calls
+from .block_calls import BlockCall, record_calls
+from .block_step import Outside, measure_outside
 from .kept_subsets import KeptSubsets
 from .memory_model import CostModel
 from .other_outputs import OtherOutputs

@@ -6,7 +6,7 @@ the block's backward in the chain the planner profiles (:func:`with_gradients_of
 NOTE [ Outputs the caller holds ]
 A block may return more than its hidden state: a U-Net's skip connection, Hugging Face's
 attention weights (``output_attentions``). The model's caller holds those other outputs
-while the chain of BlockCalls (block_step.py), which hands on the hidden state alone,
+while the chain of BlockCalls (block_calls.py), which hands on the hidden state alone,
 does not see them. The plain step that measures ``Outside`` notes each block's other
 tensor outputs that the step allocated (not its inputs or arguments, its hidden output,
 parameters, the batch, nor one an earlier block returned): their bytes, which of them

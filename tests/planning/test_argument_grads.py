@@ -11,7 +11,7 @@ from torch import nn
 
 import actsave
 from actsave.planning.argument_grads import argument_gradients
-from actsave.planning.block_step import record_calls
+from actsave.planning.block_calls import record_calls
 
 WIDTH = 32
 

@@ -5,7 +5,7 @@ import torch
 from planning.test_other_outputs import ROWS, WIDE_BYTES, WIDTH, UNetLike, outside_of
 
 import actsave
-from actsave.planning.block_step import record_calls
+from actsave.planning.block_calls import record_calls
 from actsave.planning.blocks import block_chain
 
 

@@ -320,7 +320,7 @@ def test_the_first_blocks_hidden_state_is_the_argument_the_next_blocks_get_it_as
     # Not by leaf index: with the keywords in another order the mask would be profiled
     # as the hidden state, and taken for a tensor argument a codec would encode, every
     # codec left out of the plan.
-    from actsave.planning.block_step import record_calls
+    from actsave.planning.block_calls import record_calls
     model, x = MaskedNet(first_call, first, positions), torch.randn(8, 32, 4)
     calls = record_calls(model, [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)], x)
     assert [tuple(call.hidden.shape) for _, _, call in calls] == [(8, 32, 64)] * 4

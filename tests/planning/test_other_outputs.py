@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from actsave.planning.block_step import measure_outside, record_calls
+from actsave.planning.block_calls import record_calls
+from actsave.planning.block_step import measure_outside
 from actsave.planning.other_outputs import with_gradients_of
 
 WIDTH, WIDE, ROWS = 16, 64, 32
