@@ -82,7 +82,7 @@ def _chained_calls(recorder: _CallRecorder) -> list:
                           f"calls per block: {ran}. Select the blocks the model's forward calls once each")
     calls = [recorder.calls[fqn][0] for fqn in recorder.order]
     for previous_fqn, previous, fqn, call in zip(recorder.order, calls, recorder.order[1:], calls[1:]):
-        call.hidden_leaf = call.leaf_index(previous.output)
+        call.hidden_leaf = next((k for k, leaf in enumerate(call.leaves) if _passes_on(leaf, previous.output)), None)
         if call.hidden_leaf is None:
             raise ConfigError(
                 f"block {fqn} is not called on the output of block {previous_fqn}, which ran just before it: a "
@@ -130,6 +130,24 @@ def _check_one_hidden_parameter(order: list, calls: list) -> None:
                 f"blocks {kind_fqn} and {fqn}, of one type, take the previous block's output as different arguments "
                 f"({kind_name!r} and {name!r}): the blocks are not one chain (an encoder's output going into a "
                 "decoder's cross-attention, say). Plan each stack of blocks on its own")
+
+
+def _passes_on(leaf, output: torch.Tensor) -> bool:
+    """Whether ``leaf`` is ``output`` as the block's caller got it: the tensor itself,
+    or the alias that a full backward hook on the block (or on a module returning its
+    output) hands the caller instead: torch's BackwardHook runs the output through
+    BackwardHookFunction after the forward hooks, which recorded it; the alias shares
+    its data, and its grad_fn leads back to the output's through such nodes only."""
+    if leaf is output:
+        return True
+    if not isinstance(leaf, torch.Tensor) or leaf.grad_fn is None or output.grad_fn is None:
+        return False
+    node, nr = leaf.grad_fn, leaf.output_nr
+    while node is not None and node.name() == "BackwardHookFunctionBackward":
+        node, nr = node.next_functions[nr]
+        if node is output.grad_fn and nr == output.output_nr:
+            return True
+    return False
 
 
 def _same_argument(call: _Call, second: _Call) -> int | None:
@@ -192,7 +210,8 @@ def _first_tensor_leaf(call: _Call, fqn: str) -> int:
 # of its tensor arguments before it runs (step_input: cut from the graph, a leaf where
 # the argument is one); the hidden state's copy stands in for it, the rest are dropped.
 # Later blocks' hidden states are recorded as they are: found by identity (the previous
-# block's output), and in the chain each block runs on what the block before returns.
+# block's output, or the alias a full backward hook hands its caller: _passes_on), and in
+# the chain each block runs on what the block before returns.
 
 
 def record_calls(model: nn.Module, blocks: Sequence[tuple], example_inputs, loss: Optional[Callable] = None) -> list:

@@ -269,6 +269,30 @@ def test_blocks_that_do_not_run_one_after_another_are_refused(model, message):
         actsave.plan_blocks(model, (ResidualBlock, CrossAttending), 2**20, (torch.randn(4, 8),))
 
 
+@pytest.mark.parametrize("hook", ["register_full_backward_hook", "register_full_backward_pre_hook"])
+def test_blocks_with_full_backward_hooks_are_planned_and_their_hooks_see_what_plain_shows_them(hook):
+    # Opacus's and Captum's hooks: the block's caller gets an alias of its output, which
+    # the chaining check took for other work between blocks (a ConfigError).
+    def hooked():
+        model, seen = ResidualNet(depth=4, width=16), []
+        for block in model.blocks:
+            getattr(block, hook)(lambda module, *grads: seen.append(grads[-1][0].sum()))
+        return model, seen
+
+    x = torch.randn(8, 16)
+    (plain, plain_seen), (planned, planned_seen) = hooked(), hooked()
+    smallest = actsave.plan_blocks(copy.deepcopy(planned), ResidualBlock, 2**40, (x,)).smallest_peak_bytes
+    plan = actsave.plan_blocks(planned, ResidualBlock, smallest, (x,))
+    actsave.wrap(planned, plan)
+    assert plan.checkpointed
+    planned_seen.clear()  # the planning steps' calls
+    for model in (plain, planned):
+        torch.manual_seed(1)  # the blocks' dropout
+        model(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), planned.parameters()))
+    assert len(planned_seen) == len(plain_seen) == 4 and all(map(torch.equal, plain_seen, planned_seen))
+
+
 class MaskedBlock(nn.Module):
     def __init__(self, width: int = 64):
         super().__init__()
