@@ -26,7 +26,7 @@ from torch import nn
 from ._torch_graphs import uncompiled
 from .checks import byte_count, filter_predicate, nothing_selected, refuse_module_class
 from .errors import ConfigError, not_scriptable
-from .planning.blocks import BlockPlan, plan_block_stack
+from .planning.blocks import BlockPlan, of_type, plan_block_stack, type_name
 from .runtime import graph_codecs
 from .runtime.compiled_calls import checkpoint_in_graph
 from .runtime.function import _checkpointed_call
@@ -432,18 +432,36 @@ def _check_planned_arguments(filter_fn, compress, offload, keep, budget, plannin
 
 def _apply(model: nn.Module, plan: BlockPlan, options: RecomputeOptions) -> None:
     """Wrap the blocks ``plan`` checkpoints, each with its own keep option."""
-    planned = {id(module): option for module, option in zip(plan.modules, plan.options)}
-    blocks = [block for block in matching_blocks(model, lambda module, fqn: id(module) in planned, Checkpoint)
-              if id(block.module) in planned]
-    if len(blocks) != len(planned) or any(block.wrapped for block in blocks):
-        raise ConfigError("this plan is for other blocks: apply a plan to the model it was made for, before "
-                          "wrapping it otherwise")
-    for block in blocks:
-        option = planned[id(block.module)]
+    for block, option in _planned_blocks(model, plan):
         if option is not None and not option.is_plain:
             block.replace(_checkpoint_of(block.module, option, options))
     if any(option is not None and option.keep == "inputs" and option.lossy for option in plan.options):
         graph_codecs.watch_root(model)
+
+
+def _planned_blocks(model: nn.Module, plan: BlockPlan) -> list:
+    """(Block, option) of each block of ``plan`` in ``model``: the plan's own modules,
+    else (the plan made on another instance of the model: a copy, another rank, a
+    pickled plan) the modules at the plan's block names, each of the type it recorded."""
+    planned = {id(module): option for module, option in zip(plan.modules, plan.options)}
+    blocks = [block for block in matching_blocks(model, lambda module, fqn: id(module) in planned, Checkpoint)
+              if id(block.module) in planned]
+    if planned and len(blocks) == len(planned) and not any(block.wrapped for block in blocks):
+        return [(block, planned[id(block.module)]) for block in blocks]
+    named = dict(zip(plan.blocks, zip(plan.options, plan.types or (None,) * len(plan.blocks))))
+    found = {block.fqn: block for block in matching_blocks(model, lambda module, fqn: fqn in named, Checkpoint)
+             if block.fqn in named}
+    missing = [fqn for fqn in plan.blocks if fqn not in found]
+    wrapped = [fqn for fqn, block in found.items() if block.wrapped]
+    shared = [fqn for fqn, block in found.items() if len(block.places) > 1]
+    other = [f"{fqn} is a {type_name(block.module)}, planned as a {named[fqn][1]}" for fqn, block in found.items()
+             if named[fqn][1] is not None and not of_type(block.module, named[fqn][1])]
+    if missing or wrapped or shared or other:
+        why = (f"no block {missing} in this model" if missing else f"blocks {wrapped} are wrapped already" if wrapped
+               else f"blocks {shared} are one module at several places" if shared else "; ".join(other))
+        raise ConfigError(f"this plan is for other blocks ({why}): apply a plan to the model it was made for, or to "
+                          "one built alike (the same block names and types), before wrapping it otherwise")
+    return [(found[fqn], named[fqn][0]) for fqn in plan.blocks]
 
 
 def _checkpoint_of(module: nn.Module, option: BlockOption, options: RecomputeOptions) -> Checkpoint:

@@ -140,6 +140,14 @@ class Codec:
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
 
+    def __reduce__(self):
+        # A registered codec unpickles (and deep-copies) as itself: policies compare
+        # their codec by identity (KeepPolicy == EXACT), so a plan sent to another
+        # process must come back with the same codec objects.
+        if _CODECS.get(self.name) is self:
+            return get_codec, (self.name,)
+        return super().__reduce__()
+
 
 class IdentityCodec(Codec):
     """Stores the tensor itself: exact, free, and as large as the input."""

@@ -52,6 +52,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._torch_graphs import uncompiled
 from ..checks import check_loss_function
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS
 from ..devices import host_is_separate
@@ -141,7 +142,13 @@ class BlockPlan:
     smallest_peak_bytes: int
     predicted_step_seconds: float
     plain_step_seconds: float
-    modules: tuple = dataclasses.field(repr=False, compare=False)  # the blocks themselves
+    modules: tuple = dataclasses.field(repr=False, compare=False)  # the blocks themselves; () once pickled
+    types: tuple = dataclasses.field(default=(), repr=False)  # "module.QualName" of each block
+
+    def __getstate__(self) -> dict:
+        # Pickled (sent to another rank, saved) without the blocks: their weights, FSDP2's
+        # sharded parameters. wrap(model, plan) then finds the blocks by name (wrappers._apply).
+        return {**self.__dict__, "modules": ()}
 
     @property
     def checkpointed(self) -> list:
@@ -157,6 +164,21 @@ class BlockPlan:
         for i, (name, option) in enumerate(zip(self.blocks, self.options)):
             rows.append([str(i), name, *_described(option)])
         return head + "\n" + format_table(rows)
+
+
+def type_name(module: nn.Module) -> str:
+    """A block's type as a plan records it: its class's module and qualified name."""
+    return _name(type(uncompiled(module)))
+
+
+def of_type(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` is of the type a plan recorded as ``name``, a subclass
+    included (FSDP2's ``fully_shard`` gives a block a subclass of its own)."""
+    return name in {_name(cls) for cls in type(uncompiled(module)).__mro__}
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _described(option) -> list:
@@ -233,6 +255,7 @@ class BlockPlanner:
             predicted_step_seconds=chosen.seconds,
             plain_step_seconds=self.table.base_seconds,
             modules=tuple(module for _, module, _ in self.calls),
+            types=tuple(type_name(module) for _, module, _ in self.calls),
         )
 
     def _infeasible(self, budget) -> str:

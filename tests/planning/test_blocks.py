@@ -6,6 +6,7 @@ gradients: what ``budget`` covers, embeddings, head and loss included.
 """
 import copy
 import dataclasses
+import pickle
 import re
 import warnings
 
@@ -378,11 +379,41 @@ def test_bad_planning_arguments_are_refused(kwargs, message):
         actsave.wrap(ResidualNet(), ResidualBlock, **kwargs)
 
 
-def test_a_plan_applies_only_to_the_model_it_was_made_for():
+class OtherBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_a_plan_applies_to_its_model_and_to_one_built_alike_pickled_or_not():
+    # Another instance, another process (pickled): found by the blocks' names and
+    # types. It was refused as a plan "for other blocks" (matched by object).
+    model, x = ResidualNet(), torch.randn(4, 8)
+    smallest = actsave.plan_blocks(model, ResidualBlock, 2**40, (x,)).smallest_peak_bytes
+    plan = actsave.plan_blocks(model, ResidualBlock, smallest, (x,))
+    sent = pickle.loads(pickle.dumps(plan))
+    assert sent == plan and sent.modules == () and plan.checkpointed
+    gradients = []
+    for applied in (None, plan, sent):
+        twin = ResidualNet() if applied is None else actsave.wrap(ResidualNet(), applied)
+        torch.manual_seed(1)  # the blocks' dropout
+        twin(x).sum().backward()
+        gradients.append([p.grad for p in twin.parameters()])
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*gradients))
+    with pytest.raises(ConfigError, match=r"other blocks \(no block \['blocks.2'\] in this model\)"):
+        actsave.wrap(ResidualNet(depth=2), sent)
+    other = ResidualNet()
+    other.blocks[1] = OtherBlock()
+    with pytest.raises(ConfigError, match="blocks.1 is a .*OtherBlock, planned as a .*ResidualBlock"):
+        actsave.wrap(other, sent)
+
+
+def test_a_plan_is_applied_once_and_without_planning_arguments():
     model, x = ResidualNet(), torch.randn(4, 8)
     plan = actsave.plan_blocks(model, ResidualBlock, 2**20, (x,))
-    with pytest.raises(ConfigError, match="this plan is for other blocks"):
-        actsave.wrap(ResidualNet(), plan)
     with pytest.raises(ConfigError, match="give budget, example_inputs, loss"):
         actsave.wrap(model, plan, budget=2**20)
     with pytest.raises(ConfigError, match="give budget, example_inputs, loss"):
