@@ -29,7 +29,7 @@ from .errors import ConfigError, not_scriptable
 from .planning.blocks import BlockPlan, of_type, plan_block_stack, type_name
 from .runtime import graph_codecs
 from .runtime.compiled_calls import checkpoint_in_graph
-from .runtime.function import _checkpointed_call
+from .runtime.function import eager_checkpointed_call
 from .runtime.keep_modes import BlockOption, call_block
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
 from .runtime.keep_rules import KeepPolicy, modifies_input
@@ -208,7 +208,7 @@ class Checkpoint(nn.Module):
                 graph_codecs.blocks_in_graph(policy, self._eager_because):
             args, kwargs = graph_codecs.inputs_copied(args, kwargs, policy)
             with graph_codecs.block_annotation(policy):
-                output = checkpoint_in_graph(wrapped, args, kwargs, self._recompute, eager_call=_checkpointed_call,
+                output = checkpoint_in_graph(wrapped, args, kwargs, self._recompute, eager_call=eager_checkpointed_call,
                                              eager_args=(policy, modifies_input(wrapped), self._recompute))
             return graph_codecs.output_copied(output)
         output, _ = call_block(self._option, wrapped, args, kwargs, self._recompute, modifies_input(wrapped),

@@ -17,7 +17,7 @@ from .._torch_graphs import untraced_frame
 from . import graph_codecs
 from .compiled_calls import checkpoint_in_graph, warn_eager_under_compile
 from .chain import ChainCall, run_eagerly, segments_and_policies, starts_for_call
-from .function import _checkpointed_call
+from .function import eager_checkpointed_call
 from .layers import LayerRun
 from .recompute_options import DEFAULT_RECOMPUTE
 
@@ -35,7 +35,7 @@ def traced_forward(chain, input, layers: list, starts: list):
         run = LayerRun(layers[segment.start:segment.stop])
         with graph_codecs.annotation(policy, segment.checkpointed):
             if segment.checkpointed:
-                input = checkpoint_in_graph(run, (input,), {}, DEFAULT_RECOMPUTE, eager_call=_checkpointed_call,
+                input = checkpoint_in_graph(run, (input,), {}, DEFAULT_RECOMPUTE, eager_call=eager_checkpointed_call,
                                             eager_args=(policy, False, DEFAULT_RECOMPUTE))
             else:
                 input = run(input)

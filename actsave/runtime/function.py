@@ -116,7 +116,7 @@ def _signature(t: torch.Tensor) -> tuple:
     return (t.shape, t.dtype, t.device)
 
 
-class _Frame:
+class CheckpointFrame:
     """One checkpointed call: its kept inputs, the placeholders its forward handed to
     autograd, and (after backward asks) the recomputed tensors behind them."""
 
@@ -208,7 +208,7 @@ class _Frame:
             tensor = self.recomputed.pop(slot, None)
             if tensor is None:
                 raise RecomputeError(
-                    f"a tensor that {_name(self.function)} saved for backward was unpacked a second time "
+                    f"a tensor that {qualified_name(self.function)} saved for backward was unpacked a second time "
                     "in a backward that frees the graph, after the first unpack had handed it over (as "
                     "torch's checkpoint does, so that it is freed as soon as its node is done with it). "
                     "Read ctx.saved_tensors once per backward, or backward with retain_graph=True.")
@@ -222,13 +222,13 @@ class _Frame:
         change (the recompute runs its code), where autograd raises, which placeholders bypass."""
         return RecomputeError(
             "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: {_name(self.function)} changed a tensor of shape {list(tensor.shape)} in place after "
+            f"operation: {qualified_name(self.function)} changed a tensor of shape {list(tensor.shape)} in place after "
             f"saving it for backward (version {version(tensor)}; expected version {slot.filled_at}), as "
             "nn.Sequential would raise too. Change a copy (out-of-place: y = y * 2, not y.mul_(2)).")
 
     def _recompute(self) -> None:
         try:
-            self.touched.check_unchanged(_name(self.function))
+            self.touched.check_unchanged(qualified_name(self.function))
             count, exact = self._recomputed_saves()
             self.touched.reads.restarting(lambda: self._replay(self.kept.restore, self.recomputed, count, last=True,
                                                                lossy=self.keeps_decisions, exact_count=exact))
@@ -311,7 +311,7 @@ class _Frame:
         if produced < count or (exact_count and produced != count):
             raise self._mismatch(
                 f"the recompute saved {produced} tensors for backward where the forward "
-                f"saved {count}: the checkpointed function {_name(self.function)} "
+                f"saved {count}: the checkpointed function {qualified_name(self.function)} "
                 "does not do the same work twice. Make it deterministic (same branches, "
                 "same shapes) or do not checkpoint it."
             )
@@ -327,7 +327,7 @@ class _Frame:
         ``state`` (the module state as the forward saw it: TouchedState.as_in_forward,
         or a caller's context that sets it part by part), ``fill`` taking each save."""
         with _recomputing(), torch.enable_grad(), replay.replayed(), state, self.code.running(), \
-                saved_tensors_hooks(_weakly(fill), _identity):
+                saved_tensors_hooks(_weakly(fill), unchanged):
             yield
 
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:
@@ -337,14 +337,14 @@ class _Frame:
             self.touched.reads.check(index, tensor)
         if self.options.checks_saves and index < count and _signature(tensor) != self.signatures[index]:
             raise self._mismatch(
-                f"the recompute of {_name(self.function)} saved a tensor of shape/dtype/device "
+                f"the recompute of {qualified_name(self.function)} saved a tensor of shape/dtype/device "
                 f"{_shown(_signature(tensor))} where the forward saved {_shown(self.signatures[index])}: the "
                 "function is not deterministic in its shapes or dtypes, so its gradients would be wrong (state it "
                 "appends to runs again: Hugging Face's use_cache=True, pass use_cache=False to train). Make it "
                 "deterministic or do not checkpoint it (determinism_check='none' skips this check)."
             )
         slot = self.slots[index]() if index < count else None
-        detached = _detached(tensor)
+        detached = detached_or_same(tensor)
         # No slot: autograd freed the node that saved it; a kept one: the frame holds the
         # tensor itself (selective.py), which the recompute does not replace.
         if slot is not None and slot.kept is None:
@@ -370,7 +370,7 @@ def _shown(signature: tuple) -> tuple:
     return (tuple(shape), dtype, device)
 
 
-def _detached(tensor: torch.Tensor) -> torch.Tensor:
+def detached_or_same(tensor: torch.Tensor) -> torch.Tensor:
     # As torch's checkpoint: a tensor that needs no grad is handed back as the same
     # object (a custom Function that saved an input finds ``ctx.saved_tensors[0] is b``).
     return tensor.detach() if tensor.requires_grad else tensor
@@ -380,7 +380,7 @@ def _recompute_input(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().requires_grad_() if tensor.requires_grad else tensor
 
 
-def _identity(tensor):
+def unchanged(tensor):
     return tensor
 
 
@@ -405,7 +405,7 @@ class _recomputing:
         _local.recompute_depth -= 1
 
 
-def _name(function) -> str:
+def qualified_name(function) -> str:
     return getattr(function, "__qualname__", None) or type(function).__name__
 
 
@@ -428,24 +428,25 @@ def checkpointed_call(function: Callable, args: tuple, kwargs: dict, policy: Kee
         return function(*args, **kwargs), 0
     if torch.compiler.is_compiling():  # NOTE [ torch.compile ] in compiled_calls.py
         if compiled_calls.compiles_in_graph(policy):
-            return compiled_calls.checkpoint_in_graph(function, args, kwargs, options, eager_call=_checkpointed_call,
+            return compiled_calls.checkpoint_in_graph(function, args, kwargs, options,
+                                                      eager_call=eager_checkpointed_call,
                                                       eager_args=(policy, private_copy, options, made_by)), None
-        return compiled_calls.checkpointed_call_under_compile(_checkpointed_call, function, args, kwargs, policy,
+        return compiled_calls.checkpointed_call_under_compile(eager_checkpointed_call, function, args, kwargs, policy,
                                                               private_copy, options, made_by, eager_because)
-    return compiled_calls.out_of_dynamo(_checkpointed_call)(function, args, kwargs, policy, private_copy, options,
+    return compiled_calls.out_of_dynamo(eager_checkpointed_call)(function, args, kwargs, policy, private_copy, options,
                                                             made_by, prepared)
 
 
-def _checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None, prepared=None,
+def eager_checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None, prepared=None,
                        make_frame: Callable = None):
-    """The eager checkpointed call; ``make_frame``: the frame's constructor, _Frame's
-    arguments (a subclass of _Frame: selective.py's)."""
+    """The eager checkpointed call; ``make_frame``: the frame's constructor, CheckpointFrame's
+    arguments (a subclass of CheckpointFrame: selective.py's)."""
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         policy = EXACT
     inputs = input_tensors(args, kwargs)
     replay = ReplayState.capture(inputs, options.preserve_rng_state, passed_generators(args, kwargs))
     kept = KeptInputs(args, kwargs, policy, private_copy, made_by)
-    frame = (make_frame or _Frame)(function, kept, replay, args, kwargs, options, inputs, prepared)
+    frame = (make_frame or CheckpointFrame)(function, kept, replay, args, kwargs, options, inputs, prepared)
     try:
         with frame.forward_hooks():
             output = run_segment(function, args, kwargs, private_copy)
@@ -455,7 +456,7 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy, options, ma
     finally:
         frame.end_forward()
     frame.code.forward_ended(frame.decision_bytes > 0)  # a forward that raised found out nothing
-    kept.end_forward(_name(function))
+    kept.end_forward(qualified_name(function))
     if not frame.slots:  # nothing to backprop through: nothing to keep
         frame.release()
         return output, 0
@@ -464,7 +465,7 @@ def _checkpointed_call(function, args, kwargs, policy, private_copy, options, ma
     return output, kept.nbytes + frame.decision_bytes + frame.account_kept()
 
 
-def _recompute_on_entry(frame: _Frame, output, inputs) -> None:
+def _recompute_on_entry(frame: CheckpointFrame, output, inputs) -> None:
     """Recompute ``frame`` as backward reaches the node of an output that is a view, but
     an input handed on (NOTE [ Segment checkpoint mechanism ]); weakly held."""
     leaves = (output,) if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)

@@ -12,7 +12,7 @@ from torch import nn
 from .._torch import leaf_base, storage_identity, storage_identity_or_none, version
 from ..errors import RecomputeError
 from ..layouts import is_dense
-from .function import _detached
+from .function import detached_or_same
 
 
 def keepable_now() -> bool:
@@ -113,7 +113,7 @@ class KeptSave:
     __slots__ = ("tensor", "stored", "version", "held", "made_by", "shape")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.version, self.held = _detached(tensor), version(tensor), held_elsewhere(tensor)
+        self.tensor, self.version, self.held = detached_or_same(tensor), version(tensor), held_elsewhere(tensor)
         self.stored, self.shape = None, tensor.shape
         self.made_by = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else "a leaf"
 

@@ -117,7 +117,7 @@ from .._torch import default_device, saved_tensor_hooks_of_a_checkpoint, storage
 from ..errors import ConfigError
 from ..offload import current_tape
 from . import relu_signs
-from .function import _Frame, _identity
+from .function import CheckpointFrame, unchanged
 from .layers import known_layers, modules_under
 from .bound_decisions import BoundWatch
 from .forward_decisions import torch_checkpoints_warned
@@ -353,9 +353,9 @@ def takes_kept_saves(pack: Callable) -> Callable:
 
 def _actsave_takes_them(pack: Callable, unpack: Callable) -> bool:
     """Whether these saved-tensor hooks are an actsave checkpoint's (function.py): its
-    forward's, bound to its frame, or its recompute's, whose unpack is ``_identity``;
+    forward's, bound to its frame, or its recompute's, whose unpack is ``unchanged``;
     or a measuring hook marked by :func:`takes_kept_saves`."""
-    return (unpack is _identity or isinstance(getattr(unpack, "__self__", None), _Frame)
+    return (unpack is unchanged or isinstance(getattr(unpack, "__self__", None), CheckpointFrame)
             or getattr(pack, "takes_kept_saves", False))
 
 

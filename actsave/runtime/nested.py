@@ -41,8 +41,8 @@ import torch
 from ..errors import ConfigError
 from .function import (
     _AllSlotsFilled,
-    _detached,
-    _Frame,
+    detached_or_same,
+    CheckpointFrame,
     _recompute_depth,
     checkpointed_call,
 )
@@ -119,7 +119,7 @@ class _Layers(LayerChain):
         return x
 
 
-class _NestedFrame(_Frame):
+class _NestedFrame(CheckpointFrame):
     """A checkpointed call of ``layers`` recomputed in stages, as ``top`` cuts them."""
 
     def __init__(self, layers: Sequence, top: Range, kept: KeptInputs, replay: ReplayState, x: torch.Tensor,
@@ -240,7 +240,7 @@ class _NestedFrame(_Frame):
         if isinstance(x, torch.Tensor) and self.grad_at[i]:
             x = _RequiresGrad.apply(_GRAPH_ANCHOR, x)
         y = self.layers[i](x)
-        return _detached(y) if isinstance(y, torch.Tensor) else y
+        return detached_or_same(y) if isinstance(y, torch.Tensor) else y
 
     def _run_plain(self, part: Range, handed: list, watch: HandedOn, stop_after) -> torch.Tensor:
         """Run ``part`` on the input ``handed`` over, with grad, filling its
@@ -261,7 +261,7 @@ class _NestedFrame(_Frame):
 
     def _fill_next(self, tensor: torch.Tensor):
         if self._filling is None:  # saved by a layer run for its output only: never unpacked
-            return _detached(tensor)
+            return detached_or_same(tensor)
         index, end, stop_after = self._filling
         if index >= end:
             raise self._mismatch(
@@ -272,7 +272,7 @@ class _NestedFrame(_Frame):
         # count - 1 (the early stop), so without a stop the count is one it never reaches.
         count = len(self.slots) + 1 if stop_after is None else stop_after + 1
         self._fill(index, tensor, self.recomputed, count, lossy=False)
-        return _detached(tensor)
+        return detached_or_same(tensor)
 
 
 class _RequiresGrad(torch.autograd.Function):

@@ -22,7 +22,7 @@ class Slot:
         self.pool_decisions = None
         self.bound_decisions = None
         self.kept = None
-        self.handed_out = False  # the frame let go of its recomputed tensor (function.py: _Frame.hand_out)
+        self.handed_out = False  # the frame let go of its recomputed tensor (function.py: CheckpointFrame.hand_out)
         self.filled_at = None  # its recomputed tensor's version as saved (None: traced, as Dynamo's are)
 
 

@@ -190,7 +190,7 @@ class FirstSaves:
 # segment made it (made_by_segment_relu: not a segment input decided by the segment
 # before) and, where later saves of the same tensor share the correction, at its
 # first save only (FirstSaves). Who asks keeps_decisions:
-# - a checkpointed segment's frame (function.py, _Frame._keep_decisions), with the
+# - a checkpointed segment's frame (function.py, CheckpointFrame._keep_decisions), with the
 #   segment's input nodes and its FirstSaves;
 # - a kept call's saves (kept_saves.py, _SavesStore._decisions), with no
 #   FirstSaves: each stored copy decodes by itself, so each keeps its bits (repeated

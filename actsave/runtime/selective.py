@@ -90,7 +90,7 @@ from torch import nn
 
 from .._torch import storage_identity, storage_identity_or_none, version
 from ..errors import ConfigError
-from .function import _detached, _Frame, _checkpointed_call, _name
+from .function import detached_or_same, CheckpointFrame, eager_checkpointed_call, qualified_name
 from .placeholders import Cursor, Slot
 from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
@@ -101,7 +101,7 @@ from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
 
 
-class SelectiveFrame(_Frame):
+class SelectiveFrame(CheckpointFrame):
     """A checkpointed call recomputed selectively: NOTE [ Selective recompute ]."""
 
     def __init__(self, function, kept, *frame_args, ops: KeptOps = DEFAULT_KEPT_OPS):
@@ -114,9 +114,9 @@ class SelectiveFrame(_Frame):
         self.functions = tuple(f for f in ops.functions if not (self.policy.lossy and f in _RECOMPUTED_WHEN_LOSSY))
         if ops.modules and self.layers is None:
             raise ConfigError(
-                f"a selective checkpoint of {_name(self.function)} keeps the outputs of {ops.names()}, but actsave "
-                "finds the modules a function runs only where it is a module (or nn.Sequential): checkpoint the "
-                "module itself, or keep functions only (KeptOps(modules=()))")
+                f"a selective checkpoint of {qualified_name(self.function)} keeps the outputs of {ops.names()}, but "
+                "actsave finds the modules a function runs only where it is a module (or nn.Sequential): checkpoint "
+                "the module itself, or keep functions only (KeptOps(modules=()))")
         indexed = not isinstance(function, nn.Module) or type(function) is nn.Sequential  # layers.py's rule
         self._watched = ops.watched(self.layers, self.modules, indexed) if self.modules else []
         self.calls = []  # KeptCall, in forward order
@@ -195,12 +195,13 @@ class SelectiveFrame(_Frame):
             call.rng_after = None if after == call.rng_before else after
             call.rng_before = None
         # A transform's wrapper is not kept (NOTE [ Selective recompute ]): its requires_grad is
-        # False where the tensor it wraps has a grad_fn, so _detached would keep it as it is,
+        # False where the tensor it wraps has a grad_fn, so detached_or_same would keep it as it is,
         # and with it the forward's graph, whose saved-tensor hooks hold this frame: a cycle.
         wrapper = isinstance(output, torch.Tensor) and storage_identity_or_none(output) is None
         self._transformed |= wrapper
         if isinstance(output, torch.Tensor) and not wrapper:
-            call.output, call.version, call.requires_grad = _detached(output), version(output), output.requires_grad
+            call.output, call.version = detached_or_same(output), version(output)
+            call.requires_grad = output.requires_grad
             self._outputs[storage_identity(output)] = call
         for slot, tensor in self._pending:
             view = call.view_of_argument(tensor)
@@ -246,7 +247,7 @@ class SelectiveFrame(_Frame):
             reason = "differentiated" if self._differentiated else "tensorless" if tensorless else \
                 "decided" if decided else "changed" if self.calls else \
                 "none ran" if self.ops.modules or self.functions else "lossy attention"
-            _warn_once(self.ops, _name(self.function), reason)
+            _warn_once(self.ops, qualified_name(self.function), reason)
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
             self.calls = []
         self._outputs, self._outside = {}, {}
@@ -325,9 +326,9 @@ class SelectiveFrame(_Frame):
         call = self._skipped_saves.get(index)
         if call is not None:
             raise self._mismatch(
-                f"the recompute of {_name(self.function)} saved a tensor outside any kept call where the forward's "
-                f"save {index} was made inside {described(call.target)}, which the recompute skips: the function "
-                "took another path (a Python flag or random draw that changed since the forward). Make it "
+                f"the recompute of {qualified_name(self.function)} saved a tensor outside any kept call where the "
+                f"forward's save {index} was made inside {described(call.target)}, which the recompute skips: the "
+                "function took another path (a Python flag or random draw that changed since the forward). Make it "
                 "deterministic or do not checkpoint it.")
         return super()._fill(index, tensor, into, count, lossy)
 
@@ -422,7 +423,7 @@ def selective_call(function: Callable, args: tuple, kwargs: dict, ops: KeptOps, 
     does."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
-    return _checkpointed_call(function, args, kwargs, policy, private_copy, options, prepared=prepared,
+    return eager_checkpointed_call(function, args, kwargs, policy, private_copy, options, prepared=prepared,
                               make_frame=functools.partial(SelectiveFrame, ops=ops))
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from .._torch import version
 from ..errors import RecomputeError
-from .function import _name
+from .function import qualified_name
 from .kept_calls import KeptCall, described, keepable_now
 from .placeholders import Cursor
 from .kept_ops import TAPPED_FUNCTIONS
@@ -68,9 +68,9 @@ class Skipper:
         if call.output is not None and version(call.output) != call.version:
             raise RecomputeError(
                 f"the output of {described(call.target)}, which a selective checkpoint of "
-                f"{_name(self.frame.function)} keeps instead of running it again, was changed in place after the "
-                f"checkpointed forward returned (version {version(call.output)}, expected {call.version}): the "
-                "recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
+                f"{qualified_name(self.frame.function)} keeps instead of running it again, was changed in place "
+                f"after the checkpointed forward returned (version {version(call.output)}, expected {call.version}): "
+                "the recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
                 "which recomputes it.")
         self._fill_views(call, input_tensors(args, kwargs))
         if call.rng_after is not None:  # it drew in the forward: later calls draw after it
@@ -83,8 +83,8 @@ class Skipper:
         if self.next >= len(calls) or calls[self.next].target is not target:
             expected = "nothing" if self.next >= len(calls) else described(calls[self.next].target)
             raise frame._mismatch(
-                f"the recompute of {_name(frame.function)} called {described(target)} where the forward called "
-                f"{expected} (kept call {self.next}): the function does not do the same work twice (state it "
+                f"the recompute of {qualified_name(frame.function)} called {described(target)} where the forward "
+                f"called {expected} (kept call {self.next}): the function does not do the same work twice (state it "
                 "reads and appends to runs again: Hugging Face's use_cache=True, pass use_cache=False to train). "
                 "Make it deterministic or do not checkpoint it.")
         self.next += 1
@@ -95,7 +95,7 @@ class Skipper:
         cursor past its saves (the early stop may end the recompute at one of them)."""
         if self.cursor.position != call.start:
             raise self.frame._mismatch(
-                f"the recompute of {_name(self.frame.function)} saved {self.cursor.position} tensors before "
+                f"the recompute of {qualified_name(self.frame.function)} saved {self.cursor.position} tensors before "
                 f"{described(call.target)} where the forward saved {call.start}: the function does not do the "
                 "same work twice. Make it deterministic or do not checkpoint it.")
         for index in range(call.start, call.stop):
