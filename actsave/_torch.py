@@ -409,7 +409,7 @@ class FunctionTap:
 ATTENTION = FunctionTap(torch.nn.functional, "scaled_dot_product_attention")
 # The activations deciding at a bound, as modules call them (runtime/bound_decisions.py).
 CLAMPS = {name: FunctionTap(torch.nn.functional, name) for name in ("hardtanh", "relu6", "leaky_relu", "prelu",
-                                                                     "threshold", "elu", "selu")}
+                                                                     "threshold", "elu", "selu", "hardsigmoid")}
 # torch's checkpoint as code calls it: a lossy forward warns of one inside it (runtime/forward_decisions.py).
 TORCH_CHECKPOINT = FunctionTap(importlib.import_module(_TORCH_CHECKPOINT), "checkpoint")
 

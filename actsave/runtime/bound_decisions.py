@@ -1,8 +1,9 @@
 """Exact decisions of the activations that decide at a bound (Hardtanh, ReLU6,
-LeakyReLU, PReLU, Threshold, ELU, SELU) in a lossy recompute.
+LeakyReLU, PReLU, Threshold, ELU, SELU, Hardsigmoid) in a lossy recompute.
 
 NOTE [ Bound decisions ]
-A Hardtanh's backward passes the gradient where ``min_val < v < max_val``; a
+A Hardtanh's backward passes the gradient where ``min_val < v < max_val`` (a
+Hardsigmoid's, scaled by 1/6, where ``-3 < v < 3``); a
 LeakyReLU's, a PReLU's, an ELU's (alpha other than 1) and a SELU's change their slope
 at ``v <= 0``, a Threshold's passes where ``v > threshold``; ``v`` being the one tensor
 each saves first: its input, a clone of it (an in-place Hardtanh) or its output (an
@@ -15,7 +16,8 @@ way (docs/limits.md, "Other decisions a lossy recompute takes again").
 
 So while a lossy forward runs, the functions that make these decisions are tapped
 (:class:`BoundWatch`, ``_torch.CLAMPS``: ``F.hardtanh``, ``F.relu6``, ``F.leaky_relu``,
-``F.prelu``, ``F.threshold``, ``F.elu``, ``F.selu``, which the modules call, subclasses
+``F.prelu``, ``F.threshold``, ``F.elu``, ``F.selu``, ``F.hardsigmoid``, which the
+modules call, subclasses
 and a module's own code alike), and the one tensor each saves first keeps one bit per
 element, 1 where the decision passes (:func:`keep`); the recompute's save of it, or the
 decoded save, is moved in place to the forward's side of each bound before the backward
@@ -27,8 +29,8 @@ there, as CUDA's backwards do (torch's CPU Hardtanh blocks NaN in its vectorized
 One launch each on CUDA (triton_kernels/decisions/bounds.py). The bits are priced as a
 ReLU's, the restore's transient apart (planning/instrumented_step.py). Under
 torch.compile a block whose modules are these runs eagerly (graph_codecs.py). RReLU
-(its saved noise holds the decisions, drawn again in the recompute), Hardshrink,
-Softshrink and Hardsigmoid, and the same decisions written as tensor ops (``abs``,
+(its saved noise holds the decisions, drawn again in the recompute), Hardshrink and
+Softshrink, and the same decisions written as tensor ops (``abs``,
 ``clamp``, ``maximum``, ``where``), decide again (limits.md).
 """
 from __future__ import annotations
@@ -99,7 +101,7 @@ def _running() -> list:
 def is_bounded(module: nn.Module) -> bool:
     """Whether ``module`` is an activation (a subclass included) whose decisions a lossy
     forward keeps: NOTE [ Bound decisions ]."""
-    return isinstance(module, (nn.Hardtanh, nn.LeakyReLU, nn.PReLU, nn.Threshold, nn.ELU, nn.SELU))
+    return isinstance(module, (nn.Hardtanh, nn.LeakyReLU, nn.PReLU, nn.Threshold, nn.ELU, nn.SELU, nn.Hardsigmoid))
 
 
 def _called(bounds: Bounds, call_next, *args, **kwargs):
@@ -120,6 +122,10 @@ def _relu6(call_next, input, inplace=False):
     return _called(Bounds(0.0, 6.0), call_next, input, inplace)
 
 
+def _hardsigmoid(call_next, input, inplace=False):
+    return _called(Bounds(-3.0, 3.0), call_next, input, inplace)
+
+
 def _threshold(call_next, input, threshold, value, inplace=False):
     return _called(Bounds(float(threshold), math.inf), call_next, input, threshold, value, inplace)
 
@@ -136,7 +142,7 @@ def _signed(call_next, *args, **kwargs):
 
 
 _HANDLERS = {"hardtanh": _hardtanh, "relu6": _relu6, "leaky_relu": _signed, "prelu": _signed, "threshold": _threshold,
-             "elu": _elu, "selu": _signed}
+             "elu": _elu, "selu": _signed, "hardsigmoid": _hardsigmoid}
 
 
 class BoundWatch:

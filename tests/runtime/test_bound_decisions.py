@@ -101,6 +101,19 @@ def test_activations_whose_slope_changes_at_a_bound_keep_their_gradients_as_a_sm
     assert _worst_gradient_sqnr(SLOPE_CHANGES[activation], "int8", keep) >= smooth - 5.0
 
 
+def test_a_hardsigmoid_keeps_a_bit_per_element_as_a_hardtanh_between_its_bounds_does():
+    # Its backward passes (a slope of 1/6) strictly between -3 and 3.
+    kept = {}
+    for name, activation in (("Hardsigmoid", nn.Hardsigmoid), ("Hardtanh", lambda: nn.Hardtanh(-3.0, 3.0)),
+                             ("GELU", nn.GELU)):
+        plain, block = _stack(activation)
+        model = actsave.wrap(plain, block, keep="saves", compress="fp8_e4m3")
+        out = model(torch.randn(2, 3, 8, 8))
+        kept[name] = actsave.kept_bytes()["device"]
+        del out
+    assert kept["Hardsigmoid"] == kept["Hardtanh"] > kept["GELU"]
+
+
 def test_a_relu6_output_is_stored_on_the_unsigned_grid_and_a_hardtanhs_below_0_is_not():
     x = torch.randn(4, 8, requires_grad=True) * 1
     assert relu_signs.known_non_negative(nn.ReLU6(inplace=True)(x * 1))
