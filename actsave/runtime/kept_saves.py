@@ -212,11 +212,9 @@ class _SavesStore:
     def pack(self, tensor: torch.Tensor) -> _Saved:
         if self.codec.lossless:
             return self._pack(tensor)
-        before, self._last_save = self._last_save, (_dead_ref, _dead_ref)
-        if compares_with_input(tensor, before[1]()):  # NOTE [ Saves a backward compares ]
-            input_save = before[0]()
-            if input_save is not None:
-                input_save.hold(before[1]())
+        input_save, input_tensor = (ref() for ref in self._last_save)
+        if input_save is not None and compares_with_input(tensor, input_tensor):  # NOTE [ Saves a backward compares ]
+            input_save.hold(input_tensor)
         saved = self._pack(tensor)
         self._last_save = weakref.ref(saved), weakref.ref(tensor)
         return saved
