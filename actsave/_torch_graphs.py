@@ -235,6 +235,12 @@ def is_compiled(function) -> bool:
             or hasattr(function, "_torchdynamo_orig_callable"))
 
 
+def uncompiled_name(name: str) -> str:
+    """A module's qualified name as in the eager model: without the ``_orig_mod`` that
+    ``torch.compile(module)`` puts before the names of the modules it holds."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     """The eager module behind ``torch.compile(module)``; any other module as it is
     (``module.compile()`` compiles in place: run it under :func:`compiled_code_eager`

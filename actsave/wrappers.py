@@ -23,7 +23,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from ._torch_graphs import uncompiled
+from ._torch_graphs import uncompiled, uncompiled_name
 from .checks import byte_count, filter_predicate, nothing_selected, refuse_module_class
 from .errors import ConfigError, not_scriptable
 from .planning.blocks import BlockPlan, of_type, plan_block_stack, type_name
@@ -448,10 +448,13 @@ def _planned_blocks(model: nn.Module, plan: BlockPlan) -> list:
               if id(block.module) in planned]
     if planned and len(blocks) == len(planned) and not any(block.wrapped for block in blocks):
         return [(block, planned[id(block.module)]) for block in blocks]
-    named = dict(zip(plan.blocks, zip(plan.options, plan.types or (None,) * len(plan.blocks))))
-    found = {block.fqn: block for block in matching_blocks(model, lambda module, fqn: fqn in named, Checkpoint)
-             if block.fqn in named}
-    missing = [fqn for fqn in plan.blocks if fqn not in found]
+    # By the names of the eager model: a plan made on a compiled model applies to an eager
+    # one, and the other way.
+    names = [uncompiled_name(fqn) for fqn in plan.blocks]
+    named = dict(zip(names, zip(plan.options, plan.types or (None,) * len(names))))
+    found = {uncompiled_name(block.fqn): block for block in matching_blocks(
+        model, lambda module, fqn: uncompiled_name(fqn) in named, Checkpoint) if uncompiled_name(block.fqn) in named}
+    missing = [fqn for fqn in names if fqn not in found]
     wrapped = [fqn for fqn, block in found.items() if block.wrapped]
     shared = [fqn for fqn, block in found.items() if len(block.places) > 1]
     other = [f"{fqn} is a {type_name(block.module)}, planned as a {named[fqn][1]}" for fqn, block in found.items()
@@ -461,7 +464,7 @@ def _planned_blocks(model: nn.Module, plan: BlockPlan) -> list:
                else f"blocks {shared} are one module at several places" if shared else "; ".join(other))
         raise ConfigError(f"this plan is for other blocks ({why}): apply a plan to the model it was made for, or to "
                           "one built alike (the same block names and types), before wrapping it otherwise")
-    return [(found[fqn], named[fqn][0]) for fqn in plan.blocks]
+    return [(found[fqn], named[fqn][0]) for fqn in names]
 
 
 def _checkpoint_of(module: nn.Module, option: BlockOption, options: RecomputeOptions) -> Checkpoint:

@@ -403,6 +403,10 @@ def test_a_plan_applies_to_its_model_and_to_one_built_alike_pickled_or_not():
         twin(x).sum().backward()
         gradients.append([p.grad for p in twin.parameters()])
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*gradients))
+    # By the eager model's names: a compiled model's hold _orig_mod before them.
+    compiled = torch.compile(ResidualNet(), backend="aot_eager")
+    actsave.wrap(compiled, sent)
+    assert sum(isinstance(m, actsave.Checkpoint) for m in compiled.modules()) == len(plan.checkpointed)
     with pytest.raises(ConfigError, match=r"other blocks \(no block \['blocks.2'\] in this model\)"):
         actsave.wrap(ResidualNet(depth=2), sent)
     other = ResidualNet()
