@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .. import _torch
-from .keep_rules import traced_save_stored
+from .keep_rules import compares_with_input_op, traced_save_stored
 
 KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
 STORED = "actsave_stored_by"  # that of a plain segment's ops
@@ -32,7 +32,7 @@ def codec_of(node, backward) -> Optional[str]:
         return made_in[COPY]
     if STORED in made_in:  # a plain segment's saves, stored as eager kept_saves stores them
         stored = traced_save_stored(node.meta["val"], node.target, _needs_grad(node, backward)) \
-            and not attention_holds(node)
+            and not attention_holds(node) and not compared_by_backward(node)
         return made_in[STORED] if stored else None
     placeholder = next((n for n in backward.find_nodes(op="placeholder") if n.name == node.name), None)
     if placeholder is None:
@@ -121,6 +121,29 @@ def attention_holds(node) -> bool:
     """Whether the saved ``node`` shares its storage with a tensor an attention call
     took or made, so that a lossy codec keeps it exactly (see above)."""
     return any(_attention(n) or any(_attention(user) for user in n.users) for n in _views_of(_base(node)))
+
+
+def compared_by_backward(node) -> bool:
+    """Whether the saved ``node`` is the result of a reduction whose backward compares it
+    with its input, or a tensor the forward made that input from (the input itself
+    included), which a lossy codec keeps exactly (NOTE [ Saves a backward compares ] in
+    keep_rules.py). Not only the input: the partitioner may save the result and an
+    earlier tensor, and recompute the input from that one in the backward (a GELU's
+    output from its input), where the comparison then reads it. Asked of the whole
+    storage (every view of it), as attention_holds is: its saves are stored alike. Only
+    the plain segment's own ops are followed (STORED): not the codecs' ops that the
+    hooks add to the graph between a save's encoding and its decoding, which would
+    change the answer."""
+    seen, reached = set(), list(_views_of(_base(node)))
+    while reached:
+        made = reached.pop()
+        if compares_with_input_op(made):
+            return True
+        for user in made.users:
+            if user not in seen and STORED in (user.meta.get("custom") or {}):
+                seen.add(user)
+                reached.append(user)
+    return False
 
 
 def _attention(node) -> bool:

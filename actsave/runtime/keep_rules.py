@@ -151,10 +151,13 @@ _DIVIDES_BY_RESULT_OP = frozenset({  # the aten operators of those nodes, in a t
 # a node's inputs, runs its op, then saves its output; nothing is saved between, so the
 # save before the result's first is that input (:func:`compares_with_input` checks it
 # is the node's input: a later save of the result by another node follows that node's
-# own input). Other saves of the input's storage keep their stored copy. The planner's
-# count of a plain segment's saves asks the same (planning/saves_as_stored.py).
+# own input). Later saves of the input's storage are held so too (it lives anyway);
+# earlier ones keep their stored copy. In a compiled graph, a plain segment's saves made
+# by such a reduction or read by one are kept exactly (graph_saves.compared_by_backward).
+# The planner's count of a plain segment's saves asks the same (planning/saves_as_stored.py).
 _COMPARES_WITH_INPUT = frozenset({"AmaxBackward0", "AminBackward0", "MaxBackward1", "MinBackward1",
                                   "MedianBackward0", "NanmedianBackward0"})
+_COMPARES_WITH_INPUT_OP = frozenset({"amax", "amin", "max", "min", "median", "nanmedian"})  # traced
 
 
 def compares_with_input(result: torch.Tensor, before: Optional[torch.Tensor]) -> bool:
@@ -173,6 +176,16 @@ def _compares(node) -> bool:
         return False
     name = node.name()
     return name in _COMPARES_WITH_INPUT or (name == "LinalgVectorNormBackward0" and math.isinf(node._saved_ord))
+
+
+def compares_with_input_op(node) -> bool:
+    """Whether the traced ``node`` (a compiled graph's) is such a reduction, known by its
+    operator: NOTE [ Saves a backward compares ]."""
+    name = getattr(node.target, "_opname", None) if node.op == "call_function" else None
+    if name == "linalg_vector_norm":
+        order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
+        return isinstance(order, (int, float)) and math.isinf(order)
+    return name in _COMPARES_WITH_INPUT_OP
 
 
 def lossy_codec_stores(t: torch.Tensor) -> bool:

@@ -93,29 +93,43 @@ class _Entry:
 
 class _Encoded(_Entry):
     """A saved tensor as the codec stores it (its codes, scales and channel means), with
-    its ReLU decisions where it keeps them, or a Hardtanh's or LeakyReLU's (``bounds``:
-    NOTE [ Bound decisions ]); given back decoded, in the save's shape."""
+    its ReLU decisions where it keeps them, and those of each Hardtanh or LeakyReLU that
+    saves it (NOTE [ Bound decisions ]); given back decoded, in the save's shape."""
 
-    __slots__ = ("codec", "_names", "_metadata", "_signs", "_bounds")
+    __slots__ = ("codec", "_names", "_metadata", "_decided")
 
     def __init__(self, codec: Codec, tensor: torch.Tensor, non_negative: bool, keep_signs: bool,
                  bounds: Optional[Bounds] = None):
         packed = codec.encode(tensor.detach(), non_negative=non_negative)
         tensors = packed.tensors()
         self.codec, self._names, self._metadata = codec, list(tensors), packed.metadata()
-        self._signs, self._bounds = keep_signs, bounds
-        decisions = [relu_signs.pack_signs(tensor)] if keep_signs else []
+        # Per kept tensor after the codes, what its bits decide: None for ReLU signs, else the bounds.
+        self._decided = [None] if keep_signs else []
+        super().__init__([*tensors.values(), *([relu_signs.pack_signs(tensor)] if keep_signs else [])])
         if bounds is not None:
-            decisions.append(bound_decisions.keep(tensor, bounds))
-        super().__init__([*tensors.values(), *decisions])
+            self.add_bounds(tensor, bounds)
+
+    def add_bounds(self, tensor: torch.Tensor, bounds: Bounds) -> None:
+        """Keep the decisions of ``bounds`` on ``tensor`` too, the elements stored: a
+        clamp's save, whoever saved them first (the decoded tensor is restored to each
+        decision kept, for every save of it)."""
+        if bounds in self._decided:
+            return
+        bits = bound_decisions.keep(tensor, bounds)
+        self._tensors.append(bits)
+        self._decided.append(bounds)
+        self._count, self.nbytes = self._count + 1, self.nbytes + bits.numel() * bits.element_size()
+        self._counted()
+        self._counted = account(self, self.nbytes)
 
     def unpacked(self, shape) -> torch.Tensor:
         kept = self.kept()
         tensor = self.codec.decode(Packed.assemble(dict(zip(self._names, kept)), self._metadata))
-        if self._signs:
-            relu_signs.restore_decisions_(tensor, kept[-1])
-        elif self._bounds is not None:
-            bound_decisions.restore_(tensor, kept[-1], self._bounds)
+        for decided, bits in zip(self._decided, kept[len(self._names):]):
+            if decided is None:
+                relu_signs.restore_decisions_(tensor, bits)
+            else:
+                bound_decisions.restore_(tensor, bits, decided)
         return tensor.view(shape)
 
 

@@ -200,6 +200,7 @@ class _SavesStore:
         self._pending = {}  # storage identity -> [(weak _Saved held, non-negative, keeps signs, bounds)]
         self._made = []  # weak references to every _Entry, for the host group
         self._last_save = (_dead_ref, _dead_ref)  # the last save and its tensor, weakly
+        self._held = {}  # storage identity -> weak storage, held exactly: NOTE [ Saves a backward compares ]
 
     @contextlib.contextmanager
     def watching(self):
@@ -214,10 +215,20 @@ class _SavesStore:
             return self._pack(tensor)
         input_save, input_tensor = (ref() for ref in self._last_save)
         if input_save is not None and compares_with_input(tensor, input_tensor):  # NOTE [ Saves a backward compares ]
-            input_save.hold(input_tensor)
+            self._hold_exactly(input_save, input_tensor)
         saved = self._pack(tensor)
         self._last_save = weakref.ref(saved), weakref.ref(tensor)
         return saved
+
+    def _hold_exactly(self, saved: _Saved, tensor: torch.Tensor) -> None:
+        """``saved``, of ``tensor``, holds it as it is, and so does every later save of its
+        storage, which lives anyway (NOTE [ Saves a backward compares ]); a Linear that
+        takes the storage later encodes none of them."""
+        saved.hold(tensor)
+        identity = storage_identity(tensor)
+        self._held[identity] = weakref.ref(tensor.untyped_storage())
+        pending = self._pending.get(identity, [])
+        pending[:] = [waiting for waiting in pending if waiting[0]() is not saved]
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
@@ -226,6 +237,8 @@ class _SavesStore:
         stores = _copied_as_bytes if self.codec.lossless else lossy_codec_stores
         if tensor.numel() == 0 or not stores(tensor):
             return _Saved.held(tensor)
+        if self._held and self._held.get(storage_identity(tensor), _dead_ref)() is not None:
+            return _Saved.held(tensor.detach())
         if self.attention is not None and self.attention.holds(tensor):
             # By a detached alias: the attention's output is the output of the node saving it.
             return _Saved.held(tensor.detach())
@@ -263,6 +276,8 @@ class _SavesStore:
         key = stored_once_key(tensor)
         storage, entry = self._seen.get(key, (_dead_ref, None))
         if storage() is not None:
+            if bounds is not None:  # a clamp's save of elements another op saved first
+                entry.add_bounds(tensor, bounds)
             return entry
         entry = self._made_now(_Encoded(self.codec, tensor, non_negative, keep_signs, bounds))
         if key is not None:
@@ -323,7 +338,7 @@ class _SavesStore:
     def forget(self) -> None:
         # The hooks outlive the forward (autograd holds unpack): hold no entry here, so
         # each is freed with the last node that saved it; ids may be reused from now.
-        self._seen, self._storages, self._linear_storages, self._pending = {}, {}, {}, {}
+        self._seen, self._storages, self._linear_storages, self._pending, self._held = {}, {}, {}, {}, {}
         self._input_nodes = {}
         if self.attention is not None:
             self.attention.forget()

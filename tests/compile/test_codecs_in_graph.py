@@ -56,6 +56,26 @@ def test_a_compiled_stored_segment_leaves_exact_the_saves_eager_actsave_leaves_e
     assert torch.isfinite(compiled).all() and sqnr_db(plain, compiled) >= sqnr_db(plain, eager) - 1.0
 
 
+class _PlusAmax(nn.Module):
+    def forward(self, h):
+        return h + h.amax(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3"])
+def test_a_compiled_stored_segment_leaves_exact_what_an_amax_compares(codec):
+    # NOTE [ Saves a backward compares ]: the graph saved the amax's result and the
+    # GELU's input, and recomputed the amax's input from that decoded: every gradient
+    # NaN (4,160 elements).
+    def layers():
+        torch.manual_seed(0)
+        return [nn.Linear(64, 64), nn.GELU(), _PlusAmax(), nn.Linear(64, 64)]
+    x = torch.randn(8, 32, 64)
+    plain = flat_gradients(nn.Sequential(*layers()), x)
+    compiled = flat_gradients(torch.compile(
+        actsave.CheckpointedSequential(*layers(), segments=1, compress=codec), backend=BACKEND), x)
+    assert sqnr_db(plain, compiled) >= EXPECTED_GRADIENT_SQNR_DB[codec]
+
+
 def test_a_compiled_plain_middle_segment_keeps_its_saves_by_its_codec_too():
     # A plan's plain segment before a checkpointed one, its saves kept by int8: a
     # quarter of the exact plan's bytes there (the partitioner chooses which saves,
