@@ -155,6 +155,8 @@ class SavesAsStored:
             entry = self.entries[key] = StoredEntry(t, layer, pool, encoded, bounded)
             if entry.coded:
                 self._follow(t.untyped_storage(), key)
+        elif bounded and encoded:  # a clamp's save of elements another op saved first keeps its bits there
+            entry.bounded, entry.relu = True, False
         entry.last = layer
         self.saves.append((key, layer, rise))
         return len(self.saves) - 1
