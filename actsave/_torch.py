@@ -358,62 +358,6 @@ class AttributeSwap(CountedChange):
 _resize_swap = AttributeSwap(torch.UntypedStorage, "resize_", _observed_resize)
 
 
-class FunctionTap:
-    """``owner.name`` (a function code calls through its module: ``F.scaled_dot_product_
-    attention``) replaced, while any thread has a handler pushed (:meth:`handled`), by
-    a trampoline that runs the calling thread's handlers, innermost first, each as
-    ``handler(call_next, *args, **kwargs)``, down to the original. Several users of
-    one function (a meta step's simulated attention, selective recompute's record and
-    skip) so compose in the order they were entered, and a thread without handlers
-    calls the original. Code that bound the function under another name before is not
-    reached."""
-
-    def __init__(self, owner, name: str):
-        self._swap = AttributeSwap(owner, name, self._trampoline)
-        self._local = threading.local()
-
-    @property
-    def original(self):
-        return self._swap.original
-
-    @contextlib.contextmanager
-    def handled(self, handler):
-        """While active, calls of the function on this thread run ``handler`` first."""
-        stack = self._stack()
-        stack.append(handler)
-        try:
-            with self._swap.active():
-                yield
-        finally:
-            stack.pop()
-
-    def _stack(self) -> list:
-        stack = getattr(self._local, "handlers", None)
-        if stack is None:
-            stack = self._local.handlers = []
-        return stack
-
-    def _trampoline(self, *args, **kwargs):
-        return self._call(len(self._stack()) - 1, args, kwargs)
-
-    def _call(self, depth: int, args: tuple, kwargs: dict):
-        if depth < 0:
-            return self._swap.original(*args, **kwargs)
-        handler = self._stack()[depth]
-        return handler(lambda *a, **k: self._call(depth - 1, a, k), *args, **kwargs)
-
-
-# Attention as code calls it (torch.nn.functional.scaled_dot_product_attention): what a
-# meta step that stands for a device runs (meta.py), and what selective recompute
-# records and skips (runtime/selective.py).
-ATTENTION = FunctionTap(torch.nn.functional, "scaled_dot_product_attention")
-# The activations deciding at a bound, as modules call them (runtime/bound_decisions.py).
-CLAMPS = {name: FunctionTap(torch.nn.functional, name) for name in ("hardtanh", "relu6", "leaky_relu", "prelu",
-                                                                     "threshold", "elu", "selu", "hardsigmoid")}
-# torch's checkpoint as code calls it: a lossy forward warns of one inside it (runtime/forward_decisions.py).
-TORCH_CHECKPOINT = FunctionTap(importlib.import_module(_TORCH_CHECKPOINT), "checkpoint")
-
-
 @contextlib.contextmanager
 def storage_resizes_observed(observer):
     """While active, ``observer(storage, bytes_before, bytes_after)`` hears of every

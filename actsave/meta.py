@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ._taps import ATTENTION
 from ._torch import (
-    ATTENTION,
     OpOverload,
     TorchDispatchMode,
     cpu_flash_attention,
@@ -71,7 +71,7 @@ def simulating(device):
 # Else math, as unsimulated; so too for inputs that are not 4-D or whose query, key and
 # value differ in head count or head size (grouped queries: an overestimate).
 # The choice is made by tapping torch.nn.functional.scaled_dot_product_attention
-# while a simulation runs (_torch.ATTENTION, a FunctionTap), since a TorchFunctionMode
+# while a simulation runs (_taps.ATTENTION, a FunctionTap), since a TorchFunctionMode
 # does not reach a checkpoint's recompute, and no dispatch mode sees the choice (it is
 # made before dispatch). Code that bound the function under another name before is
 # not reached. The tap is the process's while any thread simulates; on every other

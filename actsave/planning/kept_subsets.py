@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._torch import ATTENTION
+from .._taps import ATTENTION
 from ..runtime.keep_modes import BlockOption
 from ..runtime.keep_rules import EXACT
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS, KeptOps

@@ -15,7 +15,7 @@ ReLU6, YOLO's LeakyReLU and PReLU networks lost most of their gradient's precisi
 way (docs/limits.md, "Other decisions a lossy recompute takes again").
 
 So while a lossy forward runs, the functions that make these decisions are tapped
-(:class:`BoundWatch`, ``_torch.CLAMPS``: ``F.hardtanh``, ``F.relu6``, ``F.leaky_relu``,
+(:class:`BoundWatch`, ``_taps.CLAMPS``: ``F.hardtanh``, ``F.relu6``, ``F.leaky_relu``,
 ``F.prelu``, ``F.threshold``, ``F.elu``, ``F.selu``, ``F.hardsigmoid``, which the
 modules call, subclasses
 and a module's own code alike), and the one tensor each saves first keeps one bit per
@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._torch import CLAMPS
+from .._taps import CLAMPS
 from ..codecs.backend import implementation
 from ..triton_kernels import decision_table
 
@@ -146,7 +146,7 @@ _HANDLERS = {"hardtanh": _hardtanh, "relu6": _relu6, "leaky_relu": _signed, "pre
 
 
 class BoundWatch:
-    """While :meth:`watching`, the calls of the functions ``_torch.CLAMPS`` taps on this
+    """While :meth:`watching`, the calls of the functions ``_taps.CLAMPS`` taps on this
     thread are followed, so that :meth:`bounds_of_save` knows the first tensor each
     saves (NOTE [ Bound decisions ]);
     an inactive watch (an exact forward's) follows nothing."""

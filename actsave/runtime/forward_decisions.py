@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from .._torch import TORCH_CHECKPOINT
+from .._taps import TORCH_CHECKPOINT
 from . import bound_decisions, relu_signs
 from .bound_decisions import BoundBits, BoundWatch
 from .placeholders import Slot

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .. import _torch
+from .. import _taps, _torch
 from .keep_rules import compares_with_input_op, traced_save_stored
 
 KEPT = "actsave_kept_by"  # the annotation of a checkpointed segment: its codec's name
@@ -155,7 +155,7 @@ def _attention(node) -> bool:
     if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and _attention(node.args[0]):
         return True
     sources = node.meta.get("source_fn_stack") or ()
-    return bool(sources) and sources[-1][1] is _torch.ATTENTION.original
+    return bool(sources) and sources[-1][1] is _taps.ATTENTION.original
 
 
 def _is_view(node) -> bool:

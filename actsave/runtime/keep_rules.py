@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._torch import ATTENTION, leaf_base, storage_identity, version
+from .._taps import ATTENTION
+from .._torch import leaf_base, storage_identity, version
 from ..codecs import IDENTITY, Codec, encodable, get_codec
 from ..devices import offloads_from
 from ..errors import ConfigError
@@ -240,7 +241,7 @@ def _divisor_result(t: torch.Tensor) -> bool:
 #   "linear_inputs") holds every save an attention call makes exactly: q, k, v, its
 #   output, lse and whatever else its kernel saves (each fused kernel's, CPU's and CUDA's;
 #   the math path's probabilities), known by the call (:class:`AttentionSaves`: a tap
-#   on ``F.scaled_dot_product_attention``, _torch.ATTENTION), not by its node, which a
+#   on ``F.scaled_dot_product_attention``, _taps.ATTENTION), not by its node, which a
 #   save hook does not see for q, k and v. A later save of a storage held so (the
 #   output projection's input, a view of the attention's output) is held so too: the
 #   storage lives anyway, and its encoding would add memory and error, freeing nothing.

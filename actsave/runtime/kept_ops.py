@@ -12,7 +12,8 @@ from typing import Optional
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .._torch import ATTENTION, aten_overloads
+from .._taps import ATTENTION
+from .._torch import aten_overloads
 from .._torch_graphs import module_of_traced_op
 from ..errors import ConfigError
 from .layers import WRAPPED_CHILD, known_layers

@@ -9,7 +9,7 @@ mechanism ]): every save a placeholder, the call's inputs kept. What :class:`Kep
 names (module types, ``nn.Linear`` by default, and functions called through their
 module, ``F.scaled_dot_product_attention`` by default) is watched as it runs: the
 forward of each module of those types under the call's known layers (layers.py), set
-on the instance, a tap on the function (_torch.ATTENTION). Of each outermost such *call*
+on the instance, a tap on the function (_taps.ATTENTION). Of each outermost such *call*
 the forward records which placeholders its saves took and its output, which the frame
 keeps. A module's call is its forward only, the one the recompute skips: its pre-hooks
 and hooks, global (``register_module_forward_hook``) and its own, run around it in the
