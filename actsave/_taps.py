@@ -31,16 +31,23 @@ class FunctionTap:
     def original(self):
         return self._swap.original
 
+    def push(self, handler) -> None:
+        """:meth:`handled` without a context (a hot path's): :meth:`pop` must follow."""
+        self._stack().append(handler)
+        self._swap.open()
+
+    def pop(self) -> None:
+        self._swap.close()
+        self._stack().pop()
+
     @contextlib.contextmanager
     def handled(self, handler):
         """While active, calls of the function on this thread run ``handler`` first."""
-        stack = self._stack()
-        stack.append(handler)
+        self.push(handler)
         try:
-            with self._swap.active():
-                yield
+            yield
         finally:
-            stack.pop()
+            self.pop()
 
     def _stack(self) -> list:
         stack = getattr(self._local, "handlers", None)

@@ -59,16 +59,23 @@ class CountedChange:
     def undo(self) -> None:
         raise NotImplementedError
 
-    @contextlib.contextmanager
-    def active(self):
+    def open(self) -> None:
+        """:meth:`active` without a context (a hot path's): :meth:`close` must follow."""
         with self._lock:
             if not self._open:
                 self.make()
             self._open += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if not self._open:
+                self.undo()
+
+    @contextlib.contextmanager
+    def active(self):
+        self.open()
         try:
             yield
         finally:
-            with self._lock:
-                self._open -= 1
-                if not self._open:
-                    self.undo()
+            self.close()
