@@ -147,7 +147,7 @@ class BlockPlan:
 
     def __getstate__(self) -> dict:
         # Pickled (sent to another rank, saved) without the blocks: their weights, FSDP2's
-        # sharded parameters. wrap(model, plan) then finds the blocks by name (wrappers._apply).
+        # sharded parameters. wrap(model, plan) then finds the blocks by name (wrappers._planned_blocks).
         return {**self.__dict__, "modules": ()}
 
     @property

@@ -17,21 +17,21 @@ way (docs/limits.md, "Other decisions a lossy recompute takes again").
 So while a lossy forward runs, the functions that make these decisions are tapped
 (:class:`BoundWatch`, ``_taps.CLAMPS``: ``F.hardtanh``, ``F.relu6``, ``F.leaky_relu``,
 ``F.prelu``, ``F.threshold``, ``F.elu``, ``F.selu``, ``F.hardsigmoid``, which the
-modules call, subclasses
-and a module's own code alike), and the one tensor each saves first keeps one bit per
-element, 1 where the decision passes (:func:`keep`); the recompute's save of it, or the
-decoded save, is moved in place to the forward's side of each bound before the backward
-reads it (:func:`restore_`): an element the forward passed to the nearest value
-strictly inside, one it blocked that lies inside to the nearest bound. Values move by
-less than the codec's error; the backward's mask is the forward's. A Hardtanh passes
-NaN (its backward blocks only at or beyond a bound), the others take their other slope
-there, as CUDA's backwards do (torch's CPU Hardtanh blocks NaN in its vectorized loop).
-One launch each on CUDA (triton_kernels/decisions/bounds.py). The bits are priced as a
-ReLU's, the restore's transient apart (planning/instrumented_step.py). Under
-torch.compile a block whose modules are these runs eagerly (graph_codecs.py). RReLU
-(its saved noise holds the decisions, drawn again in the recompute), Hardshrink and
-Softshrink, and the same decisions written as tensor ops (``abs``,
-``clamp``, ``maximum``, ``where``), decide again (limits.md).
+modules call, subclasses and a module's own code alike), and the one tensor each saves
+first keeps one bit per element, 1 where the decision passes (:func:`keep`; a stored
+copy another op's save made first keeps them too: kept_entries.py); the recompute's
+save of it, or the decoded save, is moved in place to the forward's side of each bound
+before the backward reads it (:func:`restore_`): an element the forward passed to the
+nearest value strictly inside, one it blocked that lies inside to the nearest bound.
+Values move by less than the codec's error; the backward's mask is the forward's. A
+Hardtanh passes NaN (its backward blocks only at or beyond a bound), the others take
+their other slope there, as CUDA's backwards do (torch's CPU Hardtanh blocks NaN in its
+vectorized loop). One launch each on CUDA (triton_kernels/decisions/bounds.py). The
+bits are priced as a ReLU's, the restore's transient apart
+(planning/instrumented_step.py). Under torch.compile a block whose modules are these
+runs eagerly (graph_codecs.py). RReLU (its saved noise holds the decisions, drawn again
+in the recompute), Hardshrink and Softshrink, and the same decisions written as tensor
+ops (``abs``, ``clamp``, ``maximum``, ``where``) decide again (limits.md).
 """
 from __future__ import annotations
 
