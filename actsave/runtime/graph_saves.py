@@ -32,7 +32,7 @@ def codec_of(node, backward) -> Optional[str]:
         return made_in[COPY]
     if STORED in made_in:  # a plain segment's saves, stored as eager kept_saves stores them
         stored = traced_save_stored(node.meta["val"], node.target, _needs_grad(node, backward)) \
-            and not attention_holds(node) and not compared_by_backward(node)
+            and not attention_holds(node) and not compared_by_backward(node, backward)
         return made_in[STORED] if stored else None
     placeholder = next((n for n in backward.find_nodes(op="placeholder") if n.name == node.name), None)
     if placeholder is None:
@@ -123,21 +123,23 @@ def attention_holds(node) -> bool:
     return any(_attention(n) or any(_attention(user) for user in n.users) for n in _views_of(_base(node)))
 
 
-def compared_by_backward(node) -> bool:
+def compared_by_backward(node, backward) -> bool:
     """Whether the saved ``node`` is the result of a reduction whose backward compares it
     with its input, or a tensor the forward made that input from (the input itself
     included), which a lossy codec keeps exactly (NOTE [ Saves a backward compares ] in
-    keep_rules.py). Not only the input: the partitioner may save the result and an
+    keep_rules.py); only where the ``backward`` graph reads the result (a softmax
+    decomposed into an amax does not: its backward reads the softmax's output). Not only the input: the partitioner may save the result and an
     earlier tensor, and recompute the input from that one in the backward (a GELU's
     output from its input), where the comparison then reads it. Asked of the whole
     storage (every view of it), as attention_holds is: its saves are stored alike. Only
     the plain segment's own ops are followed (STORED): not the codecs' ops that the
     hooks add to the graph between a save's encoding and its decoding, which would
     change the answer."""
+    saved = {placeholder.name for placeholder in backward.find_nodes(op="placeholder")}
     seen, reached = set(), list(_views_of(_base(node)))
     while reached:
         made = reached.pop()
-        if compares_with_input_op(made):
+        if compares_with_input_op(made) and any(view.name in saved for view in _views_of(made)):
             return True
         for user in made.users:
             if user not in seen and STORED in (user.meta.get("custom") or {}):
