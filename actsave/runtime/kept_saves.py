@@ -200,7 +200,7 @@ class _SavesStore:
         self._pending = {}  # storage identity -> [(weak _Saved held, non-negative, keeps signs, bounds)]
         self._made = []  # weak references to every _Entry, for the host group
         self._last_save = (_dead_ref, _dead_ref)  # the last save and its tensor, weakly
-        self._held = {}  # storage identity -> weak storage, held exactly: NOTE [ Saves a backward compares ]
+        self._held = {}  # storage identity -> the weak save holding it exactly: NOTE [ Saves a backward compares ]
 
     @contextlib.contextmanager
     def watching(self):
@@ -222,11 +222,12 @@ class _SavesStore:
 
     def _hold_exactly(self, saved: _Saved, tensor: torch.Tensor) -> None:
         """``saved``, of ``tensor``, holds it as it is, and so does every later save of its
-        storage, which lives anyway (NOTE [ Saves a backward compares ]); a Linear that
-        takes the storage later encodes none of them."""
+        storage while ``saved`` lives, the storage with it (NOTE [ Saves a backward
+        compares ]; not after a detached result freed its node); a Linear that takes the
+        storage later encodes none of them."""
         saved.hold(tensor)
         identity = storage_identity(tensor)
-        self._held[identity] = weakref.ref(tensor.untyped_storage())
+        self._held[identity] = weakref.ref(saved)
         pending = self._pending.get(identity, [])
         pending[:] = [waiting for waiting in pending if waiting[0]() is not saved]
 
