@@ -194,7 +194,7 @@ def lossy_codec_stores(t: torch.Tensor) -> bool:
     takes, but per-row statistics, broadcast views of their own storage and results a
     backward divides by (NOTE [ Saves a lossy codec leaves exact ]) or compares with
     its input (NOTE [ Saves a backward compares ]: the input is the caller's to hold)."""
-    if not should_encode(t) or _divisor_result(t) or _compares(t.grad_fn):
+    if not should_encode(t) or _exact_result(t.grad_fn):
         return False
     # The elements it reads: a broadcast dimension reads one of its size.
     distinct = math.prod(size for stride, size in zip(t.stride(), t.shape) if stride != 0)
@@ -220,10 +220,13 @@ def _statistic(t: torch.Tensor) -> bool:
     return t.dim() == 0 or t.shape[-1] == 1 or broadcast
 
 
-def _divisor_result(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the output of an autograd node whose backward divides by it."""
-    node = t.grad_fn
-    return node is not None and node.name() in _DIVIDES_BY_RESULT
+def _exact_result(node) -> bool:
+    """Whether a tensor whose autograd node is ``node`` is its output, which a lossy codec
+    leaves exact: the node's backward divides by it or compares it with its input."""
+    if node is None:
+        return False
+    name = node.name()
+    return name in _DIVIDES_BY_RESULT or name in _COMPARES_WITH_INPUT  # an infinity norm is a norm
 
 
 # NOTE [ Attention's saves agree ]
