@@ -31,6 +31,16 @@ decoder from its scales' signs (``none_flagged``), once per program, by a branch
 reduction over the tile; every other tile takes the general path. Both give the
 references' bits, and a plain tile pays for the rules it does not need with that
 reduction alone.
+
+NOTE [ Signs from the encoder's read ]
+A tensor on an unsigned grid is often a ReLU output whose decisions a lossy recompute
+keeps too (actsave's runtime/relu_signs.py): a kept call's save, or the output of a
+segment that the next segment keeps. Its encoder can store them as it encodes
+(``signs=True``, SIGNS): the bits ``pack_relu_signs`` gives, from the one read of the
+tensor the codes take, in the same launch, where packing them apart reads the tensor a
+second time in a launch of its own. The unsigned grids only: a ReLU output is never
+centered, and a signed tensor has no ReLU decisions. The references are the encoder's
+and ``pack_relu_signs_ref``, one after the other.
 """
 import functools
 from typing import NamedTuple
@@ -170,6 +180,22 @@ def load_encoder_tile(x_ptr, means_ptr, mean_divisor, numel, channel_size, chann
 
 
 @triton.jit
+def store_relu_signs(signs_ptr, x, groups, numel, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+                     RUN: tl.constexpr):
+    """NOTE [ Signs from the encoder's read ]: the ReLU decisions of an encoder's tile
+    ``x`` ([groups, runs, RUN] fp32, 0 in its padding), ``not (x <= 0)`` (NaN passes),
+    stored one bit per element as decisions/relu_signs.py packs them (NOTE [ Bit
+    fields ]): a run's RUN elements make RUN // 8 whole bytes, which the run's thread
+    stores."""
+    passes = tl.where(x <= 0.0, 0, 1)
+    fields = tl.reshape(passes, (GROUPS_PER_PROGRAM, GROUP_SIZE // RUN, RUN // 8, 8))
+    packed = tl.sum(fields << tl.arange(0, 8)[None, None, None, :], axis=3)
+    group_bytes = groups[:, None] * (GROUP_SIZE // 8) + tl.arange(0, GROUP_SIZE // 8)[None, :]
+    rows = tl.reshape(group_bytes, (GROUPS_PER_PROGRAM, GROUP_SIZE // RUN, RUN // 8))
+    tl.store(signs_ptr + rows, packed.to(tl.uint8), mask=rows * 8 < numel)
+
+
+@triton.jit
 def load_decoder_tile(codes_ptr, scales_ptr, means_ptr, mean_divisor, numel, channel_size, channels, size_magic,
                       size_shift, count_magic, count_shift, CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr,
                       INDEX_64: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
@@ -255,7 +281,20 @@ def empty_encoding(numel, device, group_size, code_dtype):
     return codes, scales
 
 
-def launch(kernel, numel, group_size, stream_dtype, means, constexprs, *tensors):
+def empty_signs(numel, device):
+    """Uninitialised ReLU decisions for ``numel`` values, one bit each (NOTE [ Signs
+    from the encoder's read ])."""
+    return torch.empty(ceil_div(numel, 8), dtype=torch.uint8, device=device)
+
+
+def check_signs(unsigned, means, sums):
+    """An encode that also stores ReLU decisions is one on an unsigned grid, uncentered
+    (NOTE [ Signs from the encoder's read ])."""
+    if not unsigned or means is not None or sums is not None:
+        raise ValueError("signs=True encodes a ReLU output: on an unsigned grid, with no channel means")
+
+
+def launch(kernel, numel, group_size, stream_dtype, means, constexprs, *tensors, **pointers):
     """One launch of a group kernel over numel elements, on its tensors' device; none
     for an empty tensor, nor for meta tensors: they hold no data, and the launcher's
     allocations are what actsave.estimate simulates a CUDA step by. ``stream_dtype``
@@ -263,7 +302,8 @@ def launch(kernel, numel, group_size, stream_dtype, means, constexprs, *tensors)
     when encoding, the values when decoding), ``means`` the kernel's
     :class:`ChannelMeans`, whose tensor is passed after ``tensors`` (every codec kernel
     takes its means pointer fourth, after its three tensors), ``constexprs`` the
-    format's (:class:`Constexprs`)."""
+    format's (:class:`Constexprs`); ``pointers``, tensors passed by name (an
+    encoder's ``signs_ptr``)."""
     first = tensors[0]
     if numel == 0 or first.is_meta:
         return
@@ -275,7 +315,7 @@ def launch(kernel, numel, group_size, stream_dtype, means, constexprs, *tensors)
                                         INTERPRETER_TILE if interpreted else CUDA_TILE, constexprs)
     # Through the package's one launch helper: a kernel that fails to compile on the
     # user's GPU raises an error naming it and the fallback (_launch.py).
-    _launch.launch(kernel, grid, *tensors, means.means, **arguments)
+    _launch.launch(kernel, grid, *tensors, means.means, **pointers, **arguments)
 
 
 class Constexprs(dict):
@@ -284,6 +324,13 @@ class Constexprs(dict):
     a pointer (equal contents in two objects key two entries, both right)."""
 
     __hash__ = object.__hash__
+
+
+@functools.lru_cache(maxsize=None)
+def with_signs(constexprs: Constexprs) -> Constexprs:
+    """An encoder's ``constexprs`` (SIGNS False) for the launch that also stores the
+    tensor's ReLU decisions (NOTE [ Signs from the encoder's read ]): built once per format."""
+    return Constexprs({**constexprs, "SIGNS": True})
 
 
 # A launch's grid and arguments but its tensors depend on its shape and format alone:

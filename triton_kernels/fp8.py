@@ -60,13 +60,18 @@ from ._scale import (
 from ._tile import (
     Constexprs,
     centered_input_ref,
+    check_signs,
     empty_encoding,
+    empty_signs,
     flat_codes,
     kernel_input,
     launch,
     load_decoder_tile,
     load_encoder_tile,
+    store_relu_signs,
+    with_signs,
 )
+from .decisions.relu_signs import pack_relu_signs_ref
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ class _Fp8Format:
     @functools.cache
     def encode_constexprs(self) -> Constexprs:
         return Constexprs({"FP8_MAX": self.max_value, "MANT_BITS": self.mantissa_bits,
-                           "MIN_NORMAL_EXP": self.min_normal_exponent, **_signed_grid_only(self),
+                           "MIN_NORMAL_EXP": self.min_normal_exponent, **_signed_grid_only(self), "SIGNS": False,
                            **self.non_finite.encode_constexprs()})
 
     @functools.cache
@@ -239,11 +244,11 @@ def _encode_fp8_general(centered, x, FP8_MAX: tl.constexpr, NON_FINITE_CODE_MAX:
 
 @triton.jit
 def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, mean_divisor, numel, channel_size, channels,
-                       size_magic, size_shift, count_magic, count_shift,
+                       size_magic, size_shift, count_magic, count_shift, signs_ptr,
                        FP8_MAX: tl.constexpr,
                        NON_FINITE_CODE_MAX: tl.constexpr,
                        MANT_BITS: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
-                       UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr,
+                       UNSIGNED: tl.constexpr, U_MANT_BITS: tl.constexpr, SIGNS: tl.constexpr,
                        POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                        CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
                        INTERPRETED: tl.constexpr,
@@ -265,6 +270,8 @@ def _encode_fp8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, mean_divisor, nu
                                            UNSIGNED, U_MANT_BITS, POS_INF_CODE, NEG_INF_CODE, NAN_CODE)
     tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
+    if SIGNS:  # NOTE [ Signs from the encoder's read ]
+        store_relu_signs(signs_ptr, x, groups, numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
 
 
 @triton.jit
@@ -312,21 +319,27 @@ def _format_constexprs(fmt):
     return _CONSTEXPRS[fmt] if fmt in _CONSTEXPRS else _format(fmt)
 
 
-def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None, sums=None):
+def encode_fp8(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None, sums=None, signs=False):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
     TRITON_INTERPRET=1 or CUDA) into (uint8 fp8 bit patterns of shape (numel,), fp32
     scales of shape (n_groups,)); fmt is "e4m3" or "e5m2", or "ue4m4" or "ue5m3" for
     a non-negative tensor (NOTE [ Unsigned grids ]). ``means``, fp32 of shape
     (x.shape[1],), are subtracted per channel first, or the means of ``sums``, the
-    channels' sums (NOTE [ Channel means ]). Raises ValueError for other formats,
-    dtypes, group sizes, means or sums."""
+    channels' sums (NOTE [ Channel means ]). ``signs`` (unsigned formats only): also
+    x's ReLU decisions, ``(codes, scales, bits)``, from the same read (NOTE [ Signs from
+    the encoder's read ]). Raises ValueError for other formats, dtypes, group sizes,
+    means or sums."""
     constexprs, _ = _format_constexprs(fmt)
     source = kernel_input(x, group_size)
     numel = source.numel()
     codes, scales = empty_encoding(numel, source.device, group_size, torch.uint8)
+    bits = None
+    if signs:
+        check_signs(constexprs["UNSIGNED"], means, sums)
+        constexprs, bits = with_signs(constexprs), empty_signs(numel, source.device)
     launch(_encode_fp8_kernel, numel, group_size, torch.uint8, channel_means(x, means, scales, sums), constexprs,
-           source, codes, scales)
-    return codes, scales
+           source, codes, scales, signs_ptr=codes if bits is None else bits)
+    return (codes, scales) if bits is None else (codes, scales, bits)
 
 
 def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=None, channel_size=1,
@@ -343,13 +356,16 @@ def decode_fp8(codes, scales, fmt, dtype, group_size=DEFAULT_GROUP_SIZE, means=N
     return out
 
 
-def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None, sums=None):
+def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None, sums=None, signs=False):
     """The specification of ``encode_fp8``, in torch. torch's fp8 casts round half to
     even; clamping first makes the saturation explicit, since their handling of values
     beyond the largest finite one differs between formats and versions (torch 2.13 on
     CPU: e4m3fn saturates, e5m2 overflows to inf). The unsigned grids, which torch
     lacks, are written on the bits (``_unsigned_codes_ref``)."""
     spec = _format(fmt)
+    if signs:  # NOTE [ Signs from the encoder's read ]
+        check_signs(spec is not getattr(spec, "signed", spec), means, sums)
+        return (*encode_fp8_ref(x, fmt, group_size), pack_relu_signs_ref(x))
     signed = getattr(spec, "signed", spec)
     source, flat = centered_input_ref(x, group_size, means, sums)
     scales, multipliers, prescales = group_scale_ref(flat, group_size, spec.max_value, signed.non_finite)

@@ -47,13 +47,18 @@ from ._scale import (
 from ._tile import (
     Constexprs,
     centered_input_ref,
+    check_signs,
     empty_encoding,
+    empty_signs,
     flat_codes,
     kernel_input,
     launch,
     load_decoder_tile,
     load_encoder_tile,
+    store_relu_signs,
+    with_signs,
 )
+from .decisions.relu_signs import pack_relu_signs_ref
 
 # Symmetric absmax rather than asymmetric (scale + zero point). Asymmetric gains most,
 # about one bit (6 dB), on one-signed data, which the unsigned grid (NOTE [ Unsigned
@@ -71,7 +76,7 @@ NON_FINITE_CODES = NonFiniteCodes(finite_max=126.0, pos_inf=127, neg_inf=-127, n
 @functools.cache  # built once, not at each launch (shared: read, never changed)
 def encode_constexprs(unsigned: bool) -> Constexprs:
     """The encode kernel's format constexprs, for the signed or the unsigned grid."""
-    return Constexprs({"CODE_MAX": UINT8_MAX if unsigned else INT8_MAX, "UNSIGNED": unsigned,
+    return Constexprs({"CODE_MAX": UINT8_MAX if unsigned else INT8_MAX, "UNSIGNED": unsigned, "SIGNS": False,
                        **NON_FINITE_CODES.encode_constexprs()})
 
 
@@ -99,9 +104,9 @@ def _encode_int8_general(centered, x, CODE_MAX: tl.constexpr, UNSIGNED: tl.const
 
 @triton.jit
 def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, mean_divisor, numel, channel_size, channels,
-                        size_magic, size_shift, count_magic, count_shift,
+                        size_magic, size_shift, count_magic, count_shift, signs_ptr,
                         CODE_MAX: tl.constexpr,
-                        UNSIGNED: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
+                        UNSIGNED: tl.constexpr, SIGNS: tl.constexpr, NON_FINITE_CODE_MAX: tl.constexpr,
                         POS_INF_CODE: tl.constexpr, NEG_INF_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
                         CENTERED: tl.constexpr, RUN_CHANNELS: tl.constexpr, INDEX_64: tl.constexpr,
                         INTERPRETED: tl.constexpr,
@@ -120,6 +125,8 @@ def _encode_int8_kernel(x_ptr, codes_ptr, scales_ptr, means_ptr, mean_divisor, n
     # Truncation to 8 bits: a signed code's two's complement byte, or a code 0..255.
     tl.store(codes_ptr + offsets, codes.to(codes_ptr.dtype.element_ty), mask=in_bounds)
     tl.store(scales_ptr + groups, scale, mask=groups_in_bounds)
+    if SIGNS:  # NOTE [ Signs from the encoder's read ]
+        store_relu_signs(signs_ptr, x, groups, numel, GROUP_SIZE, GROUPS_PER_PROGRAM, RUN)
 
 
 @triton.jit
@@ -145,19 +152,25 @@ def _decode_int8_kernel(codes_ptr, scales_ptr, out_ptr, means_ptr, mean_divisor,
     store_rounded(out_ptr + offsets, y, in_bounds, INTERPRETED)
 
 
-def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None, sums=None):
+def encode_int8(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None, sums=None, signs=False):
     """Encode a float tensor of any shape and layout (fp32, bf16 or fp16, CPU under
     TRITON_INTERPRET=1 or CUDA) into (codes of shape (numel,), fp32 scales of shape
     (n_groups,)): int8 codes, or uint8 ones on the unsigned grid. ``means``, fp32 of
     shape (x.shape[1],), are subtracted per channel first, or the means of ``sums``,
-    the channels' sums (NOTE [ Channel means ]).
+    the channels' sums (NOTE [ Channel means ]). ``signs`` (unsigned grid only):
+    also x's ReLU decisions, ``(codes, scales, bits)``, from the same read (NOTE
+    [ Signs from the encoder's read ]).
     Raises ValueError for other dtypes, group sizes, means or sums."""
     source = kernel_input(x, group_size)
     numel, code_dtype = source.numel(), _code_dtype(unsigned)
     codes, scales = empty_encoding(numel, source.device, group_size, code_dtype)
-    launch(_encode_int8_kernel, numel, group_size, code_dtype, channel_means(x, means, scales, sums),
-           encode_constexprs(unsigned), source, codes, scales)
-    return codes, scales
+    constexprs, bits = encode_constexprs(unsigned), None
+    if signs:
+        check_signs(unsigned, means, sums)
+        constexprs, bits = with_signs(constexprs), empty_signs(numel, source.device)
+    launch(_encode_int8_kernel, numel, group_size, code_dtype, channel_means(x, means, scales, sums), constexprs,
+           source, codes, scales, signs_ptr=codes if bits is None else bits)
+    return (codes, scales) if bits is None else (codes, scales, bits)
 
 
 def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None,
@@ -174,8 +187,11 @@ def decode_int8(codes, scales, dtype, group_size=DEFAULT_GROUP_SIZE, unsigned=Fa
     return out
 
 
-def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None, sums=None):
+def encode_int8_ref(x, group_size=DEFAULT_GROUP_SIZE, unsigned=False, means=None, sums=None, signs=False):
     """The specification of ``encode_int8``, in torch (torch.round ties to even)."""
+    if signs:  # NOTE [ Signs from the encoder's read ]
+        check_signs(unsigned, means, sums)
+        return (*encode_int8_ref(x, group_size, unsigned), pack_relu_signs_ref(x))
     source, flat = centered_input_ref(x, group_size, means, sums)
     scales, multipliers, prescales = group_scale_ref(flat, group_size, UINT8_MAX if unsigned else INT8_MAX,
                                                      NON_FINITE_CODES)

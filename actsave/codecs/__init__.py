@@ -55,7 +55,8 @@ from ..errors import ConfigError
 from ..layouts import copied_with_strides, kept_strides
 from .backend import implementation
 from .centering import channel_sums
-from ..triton_kernels import DEFAULT_GROUP_SIZE, SUPPORTED_DTYPES, UNSIGNED_VARIANT, channel_size, kernel_table
+from ..triton_kernels import (DEFAULT_GROUP_SIZE, SUPPORTED_DTYPES, UNSIGNED_VARIANT, channel_size, decision_table,
+                              kernel_table)
 
 # Elements per fp32 scale: the kernels' default, justified where it is defined.
 GROUP_SIZE = DEFAULT_GROUP_SIZE
@@ -137,6 +138,14 @@ class Codec:
     def decode(self, packed: Packed) -> torch.Tensor:
         raise NotImplementedError
 
+    def encode_with_signs(self, x: torch.Tensor) -> tuple:
+        """``(packed, bits)``: ``x``, a ReLU output, stored on the unsigned grid
+        (``encode(x, non_negative=True)``), and its ReLU decisions, one bit per element
+        as the decision kernels pack them (``not (x <= 0)``), which a lossy recompute
+        restores (actsave/runtime/relu_signs.py). Here one after the other; the 8-bit
+        codecs take both from one read (NOTE [ Signs from the encoder's read ])."""
+        return self.encode(x, non_negative=True), _relu_signs(x)
+
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
 
@@ -184,6 +193,15 @@ class GroupCodec(Codec):
         codes, scales = encode(source, **kernel.format_args, group_size=GROUP_SIZE, sums=offsets)
         return Packed(codes, scales, x.shape, x.dtype, non_negative, offsets, kept_strides(x))
 
+    def encode_with_signs(self, x: torch.Tensor) -> tuple:
+        if x.dtype not in SUPPORTED_DTYPES:  # float64, stored as float32: its decisions are its own
+            return super().encode_with_signs(x)
+        source = _as_kernels_read(x)  # row-major, as the decisions are packed
+        kernel = kernel_table()[self._format(True), "encode"]
+        encode = implementation(kernel, source)
+        codes, scales, bits = encode(source, **kernel.format_args, group_size=GROUP_SIZE, signs=True)
+        return Packed(codes, scales, x.shape, x.dtype, True, None, kept_strides(x)), bits
+
     def decode(self, packed: Packed) -> torch.Tensor:
         """The tensor ``packed`` stands for, in the input's layout: where that is not
         contiguous (``packed.strides``), the values decoded in row-major order are
@@ -201,6 +219,13 @@ class GroupCodec(Codec):
 
     def _format(self, unsigned: bool) -> str:
         return UNSIGNED_VARIANT[self.name] if unsigned else self.name
+
+
+def _relu_signs(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s ReLU decisions by the decision kernel (or its reference), as
+    runtime/relu_signs.pack_signs packs them."""
+    kernel = decision_table()["relu_signs", "pack"]
+    return implementation(kernel, x)(x)
 
 
 def _as_kernels_read(x: torch.Tensor) -> torch.Tensor:

@@ -100,12 +100,14 @@ class _Encoded(_Entry):
 
     def __init__(self, codec: Codec, tensor: torch.Tensor, non_negative: bool, keep_signs: bool,
                  bounds: Optional[Bounds] = None):
-        packed = codec.encode(tensor.detach(), non_negative=non_negative)
+        # A ReLU output that keeps its decisions (so non-negative): codes and bits from one read.
+        packed, *signs = codec.encode_with_signs(tensor.detach()) if keep_signs else \
+            (codec.encode(tensor.detach(), non_negative=non_negative),)
         tensors = packed.tensors()
         self.codec, self._names, self._metadata = codec, list(tensors), packed.metadata()
         # Per kept tensor after the codes, what its bits decide: None for ReLU signs, else the bounds.
-        self._decided = [None] if keep_signs else []
-        super().__init__([*tensors.values(), *([relu_signs.pack_signs(tensor)] if keep_signs else [])])
+        self._decided = [None] * len(signs)
+        super().__init__([*tensors.values(), *signs])
         if bounds is not None:
             self.add_bounds(tensor, bounds)
 

@@ -17,7 +17,7 @@ import pytest
 
 import torch
 
-from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, SIGNED_FORMATS, kernel_table
+from actsave.triton_kernels import DEFAULT_GROUP_SIZE, DIRECTIONS, FORMATS, SIGNED_FORMATS, UNSIGNED_VARIANT, kernel_table
 from actsave.triton_kernels.decisions import bounds, max_pool, packed_tiles, relu_signs
 from actsave.triton_kernels._tile import CUDA_TILE, VECTOR_BYTES
 
@@ -42,7 +42,10 @@ TARGETS = {
     "sm90_centered_per_element": (90, "i32", True, 0),
 }
 KERNELS = [f"{codec}-{direction}-{dtype}" for codec, direction, dtype in product(FORMATS, DIRECTIONS, DTYPES)]
-BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS, TARGETS)
+# "signs": an unsigned encoder that also stores the ReLU decisions (NOTE [ Signs from the
+# encoder's read ]); never centered.
+SIGNS_KERNELS = [f"{codec}-signs-{dtype}" for codec, dtype in product(UNSIGNED_VARIANT.values(), DTYPES)]
+BUILDS = [f"{kernel}-{target}" for kernel, target in product(KERNELS + SIGNS_KERNELS, TARGETS)
           if TARGETS[target][3] is None or kernel.split("-")[0] in SIGNED_FORMATS]
 # The elements one thread owns: the [groups, runs, RUN] tile spread evenly over the
 # program's threads, a run of RUN contiguous elements at a time (NOTE [ Tile ]).
@@ -52,29 +55,36 @@ ELEMENTS_PER_THREAD = CUDA_TILE.elements // (CUDA_TILE.warps * 32)
 def _run(direction, dtype):
     """The elements of a thread's run: one 16-byte vector of codes when encoding (16
     one-byte codes), of values when decoding (4 fp32 or 8 halves)."""
-    return VECTOR_BYTES // (1 if direction == "encode" else DTYPES[dtype])
+    return VECTOR_BYTES // (1 if _encodes(direction) else DTYPES[dtype])
+
+
+def _encodes(direction):
+    return direction in ("encode", "signs")
 
 
 def _job(codec, direction, dtype, target):
-    kernel = kernel_table()[codec, direction]
+    kernel = kernel_table()[codec, "encode" if _encodes(direction) else direction]
     code_ptr = CODE_POINTERS[codec]
     arch, numel_type, numel_divisible, run_channels = TARGETS[target]
-    if direction == "encode":
+    signs = {}
+    if _encodes(direction):
         pointers = {"x_ptr": f"*{dtype}", "codes_ptr": code_ptr, "scales_ptr": "*fp32", "means_ptr": "*fp32"}
+        signs = {"signs_ptr": "*u8"}
     else:
         pointers = {"codes_ptr": code_ptr, "scales_ptr": "*fp32", "out_ptr": f"*{dtype}", "means_ptr": "*fp32"}
     channels = dict.fromkeys(["channel_size", "channels", "size_magic", "size_shift", "count_magic", "count_shift"],
                              "i32")
     constexprs = {**kernel.constexprs, "CENTERED": run_channels is not None, "RUN_CHANNELS": run_channels or 0,
-                  "INDEX_64": numel_type == "i64", "INTERPRETED": False, **TILE, "RUN": _run(direction, dtype)}
+                  "INDEX_64": numel_type == "i64", "INTERPRETED": False, **TILE, "RUN": _run(direction, dtype),
+                  **({"SIGNS": True} if direction == "signs" else {})}
     return {
         "module": kernel.jit.fn.__module__,  # the subprocess imports it by name
         "kernel": kernel.jit.fn.__name__,
-        "signature": {**pointers, "mean_divisor": "fp32", "numel": numel_type, **channels,
+        "signature": {**pointers, "mean_divisor": "fp32", "numel": numel_type, **channels, **signs,
                       **dict.fromkeys(constexprs, "constexpr")},
         "constexprs": constexprs,
         "arch": arch,
-        "divisible_by_16": list(pointers) + (["numel"] if numel_divisible else []),
+        "divisible_by_16": [*pointers, *signs] + (["numel"] if numel_divisible else []),
         "options": CUDA_TILE.options(),
     }
 
@@ -110,7 +120,7 @@ def test_arithmetic_is_correctly_rounded_ieee(builds, build):
     assert not re.findall(r"\bdiv\.[\w.]*f(16|64)\b", ptx)
     _, direction, dtype, target = build.split("-")
     means = _means_loaded(direction, dtype, TARGETS[target][3])
-    assert len(divisions) == (4 if direction == "encode" else 0) + means
+    assert len(divisions) == (4 if _encodes(direction) else 0) + means
     assert ".approx" not in ptx and "ftz" not in ptx and "fma" not in ptx
 
 
@@ -151,9 +161,12 @@ def _expected_aligned_accesses(direction, dtype, run_channels):
     runs = ELEMENTS_PER_THREAD // run
     means = _means_loaded(direction, dtype, run_channels)
     value_vectors = ELEMENTS_PER_THREAD * DTYPES[dtype] // VECTOR_BYTES
-    if direction == "encode":
+    if _encodes(direction):
+        # A run's 16 decisions are 2 bytes, stored one by one (a warp's stores still
+        # cover 64 contiguous bytes): 1/16 of the codes' bytes.
+        signs = {"st.global.b8": 2 * runs} if direction == "signs" else {}
         return {"ld.global.v4.b32": value_vectors, **({"ld.global.b32": means} if means else {}),
-                "st.global.v4.b32": runs, "st.global.b32": runs}
+                "st.global.v4.b32": runs, "st.global.b32": runs, **signs}
     code_load = {4: "ld.global.b32", 8: "ld.global.v2.b32", 16: "ld.global.v4.b32"}[run]
     accesses = Counter({code_load: runs, "st.global.v4.b32": value_vectors})
     accesses["ld.global.b32"] += runs + 1 + means  # scales, the tile's scales for none_flagged, means

@@ -80,8 +80,12 @@ def test_a_launch_has_the_arguments_of_its_own_shape_dtype_layout_and_format(mon
     run that mixes the cases launches each with the arguments a cold cache gives it,
     on contiguous tensors of its own dtypes."""
     launched = []
+    def described(t):
+        return (t.dtype, t.numel(), t.is_contiguous()) if isinstance(t, torch.Tensor) else t
+
     monkeypatch.setattr(_launch, "launch", lambda kernel, grid, *tensors, **arguments: launched.append(
-        (_launch.kernel_name(kernel), grid, [(t.dtype, t.numel(), t.is_contiguous()) for t in tensors], arguments)))
+        (_launch.kernel_name(kernel), grid, [described(t) for t in tensors],
+         {name: described(value) for name, value in arguments.items()})))
     monkeypatch.setattr(_tile, "INTERPRETER_TILE", _TILE)
 
     def launches_of(case):

@@ -317,6 +317,10 @@ def test_relu_outputs_are_stored_on_the_unsigned_grid():
             grids.append((tuple(x.shape), non_negative))
             return super().encode(x, non_negative)
 
+        def encode_with_signs(self, x):  # a ReLU output with its decisions: unsigned
+            grids.append((tuple(x.shape), True))
+            return super().encode_with_signs(x)
+
     recording = Recording("int8", 37.0)
     out = last_segment_only(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2), compress=recording)(
         torch.randn(4, 8, requires_grad=True) * 1)
@@ -493,6 +497,10 @@ class RecordingInt8(type(get_codec("int8"))):
     def encode(self, x, non_negative=False):
         self.encoded.append((tuple(x.shape), non_negative))
         return super().encode(x, non_negative)
+
+    def encode_with_signs(self, x):  # a ReLU output with its decisions: unsigned
+        self.encoded.append((tuple(x.shape), True))
+        return super().encode_with_signs(x)
 
 
 @pytest.mark.parametrize("as_callable", [False, True], ids=["module", "callable"])
