@@ -21,6 +21,7 @@ from .._torch import own_tensors
 from ..offload import current_tape
 from .buffer_copies import shared_between
 from .function import checkpointed_call
+from .boundaries import Boundary
 from .keep_rules import EXACT, CallerTensors, KeepPolicy, should_encode, starts_in_place
 from .kept_saves import call_with_kept_saves
 from .layers import LayerRun, modules_under
@@ -76,31 +77,60 @@ def run_chain(chain: nn.Module, input, layers: list, segments: list, policies: l
     """``(output, ChainCall)``: ``chain``'s ``layers`` run on ``input`` as ``segments``
     (planning/segments.py's ``Segment``), each keeping by its policy in ``policies``."""
     call = ChainCall()
-    tape = current_tape()
     caller = CallerTensors(input, chain)  # what the later segments' inputs are not (should_encode)
     # The checkpointed segments' module state, snapshotted together as the forward starts.
     state = ChainState([layers[s.start:s.stop] for s in segments if s.checkpointed and s.nested is None])
-    for segment, policy in zip(segments, policies):
-        tape.segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
-        run = LayerRun(layers[segment.start:segment.stop])
-        private_copy = starts_in_place(layers, segment.start)
-        made_by = caller if segment.start > 0 else None
-        held = _held_by_caller(input, made_by) if segment.checkpointed else 0
-        if segment.nested is not None:
-            input, kept = nested_call(run.layers, segment.nested, input, private_copy)
-        elif segment.checkpointed:
-            input, kept = checkpointed_call(run, (input,), {}, policy, private_copy, made_by=made_by,
-                                            prepared=state.next())
-        elif not policy.codec.lossless:
-            # Offload does not apply here: backward needs these saves at once.
-            input, kept = call_with_kept_saves(run, (input,), {}, KeepPolicy(policy.codec, False))
-            kept = None if kept is None else kept["device"]
-        else:
-            input, kept = run(input), None  # autograd holds the saves
-        call.kept[segment.start] = kept
-        if held:
-            call.by_reference[segment.start] = held
+    boundaries = _boundaries(layers, segments, policies, caller)  # NOTE [ Decisions at a boundary ]
+    try:
+        before = None
+        for segment, policy, after in zip(segments, policies, boundaries):
+            input = _run_segment(layers, segment, policy, input, caller, state, call, (before, after))
+            if before is not None:
+                before.discard()  # a copy this segment did not claim
+            before = after
+    finally:
+        for boundary in boundaries:
+            if boundary is not None:
+                boundary.discard()
     return input, call
+
+
+def _run_segment(layers: list, segment, policy: KeepPolicy, input, caller: CallerTensors, state: "ChainState",
+                 call: ChainCall, boundaries: tuple):
+    """One segment of run_chain on ``input``, what it kept noted in ``call``; its output.
+    ``boundaries``: those before and after it (NOTE [ Decisions at a boundary ])."""
+    current_tape().segment_starts()  # the last offloaded input leaves the device, whatever this segment keeps
+    run = LayerRun(layers[segment.start:segment.stop])
+    private_copy = starts_in_place(layers, segment.start)
+    made_by = caller if segment.start > 0 else None
+    held = _held_by_caller(input, made_by) if segment.checkpointed else 0
+    if segment.nested is not None:
+        input, kept = nested_call(run.layers, segment.nested, input, private_copy)
+    elif segment.checkpointed:
+        input, kept = checkpointed_call(run, (input,), {}, policy, private_copy, made_by=made_by,
+                                        prepared=state.next(), boundaries=boundaries)
+    elif not policy.codec.lossless:
+        # Offload does not apply here: backward needs these saves at once.
+        input, kept = call_with_kept_saves(run, (input,), {}, KeepPolicy(policy.codec, False))
+        kept = None if kept is None else kept["device"]
+    else:
+        input, kept = run(input), None  # autograd holds the saves
+    call.kept[segment.start] = kept
+    if held:
+        call.by_reference[segment.start] = held
+    return input
+
+
+def _boundaries(layers: list, segments: list, policies: list, caller: CallerTensors) -> list:
+    """Per segment, the Boundary after it: where it ends on an nn.ReLU layer, and it and
+    the next are checkpointed in one stage, the next keeping its input by a lossy codec;
+    else None (NOTE [ Decisions at a boundary ])."""
+    def stored_across(first, second, policy) -> bool:
+        return first.checkpointed and first.nested is None and second.checkpointed and second.nested is None \
+            and policy.lossy and type(layers[first.stop - 1]).forward is nn.ReLU.forward
+
+    return [Boundary(policy, caller) if stored_across(first, second, policy) else None
+            for first, second, policy in zip(segments, segments[1:], policies[1:])] + [None]
 
 
 def _held_by_caller(input, made_by: Optional[CallerTensors]) -> int:

@@ -11,6 +11,7 @@ import warnings
 import torch
 
 from .._taps import TORCH_CHECKPOINT
+from .._torch import version
 from . import bound_decisions, relu_signs
 from .bound_decisions import BoundBits, BoundWatch
 from .placeholders import Slot
@@ -58,6 +59,9 @@ class ForwardDecisions:
         # Read during the forward only, while the caller still holds the inputs.
         self._input_nodes = relu_signs.input_nodes(inputs)
         self.nbytes = 0  # the decisions kept
+        # NOTE [ Decisions at a boundary ]: whether the latest ReLU save waits to be
+        # packed, and that save (tensor, its version, slot, kept inputs) while it does.
+        self._holds, self._held = False, None
 
     @contextlib.contextmanager
     def forward_watching(self):
@@ -71,6 +75,8 @@ class ForwardDecisions:
     def keep(self, tensor: torch.Tensor, slot: Slot, kept) -> None:
         """Attach to ``slot`` the decisions of the save ``tensor``, kept as ``kept``
         (store.KeptInputs) keeps the inputs."""
+        if self._held is not None:
+            self._pack_held()
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
         if pool is not None:
             window, input_size = pool
@@ -81,8 +87,37 @@ class ForwardDecisions:
             slot.bound_decisions = BoundBits(kept.attach(bound_decisions.keep(tensor, bounds)), bounds)
             self.nbytes += slot.bound_decisions.bits.nbytes
         elif relu_signs.keeps_decisions(tensor, self._input_nodes, self._relu_saves):
-            slot.relu_signs = kept.attach(relu_signs.pack_signs(tensor))
-            self.nbytes += slot.relu_signs.nbytes
+            if self._holds:
+                self._held = (tensor, version(tensor), slot, kept)
+            else:
+                self._attach_signs(relu_signs.pack_signs(tensor), slot, kept)
+
+    def _attach_signs(self, bits: torch.Tensor, slot: Slot, kept) -> None:
+        slot.relu_signs = kept.attach(bits)
+        self.nbytes += slot.relu_signs.nbytes
+
+    def hold_relu_saves(self) -> None:
+        """From here (a chain segment's last layer, a ReLU, starts) the latest ReLU save's
+        decisions wait to be packed until the next save or the forward's end, where
+        :meth:`hand_off` may take them from the encode of the next segment's kept input:
+        NOTE [ Decisions at a boundary ]."""
+        self._holds = True
+
+    def _pack_held(self) -> None:
+        tensor, _, slot, kept = self._held
+        self._held = None
+        self._attach_signs(relu_signs.pack_signs(tensor), slot, kept)
+
+    def hand_off(self, output, boundary) -> None:
+        """As the forward ends: where the held save is of ``output``, unchanged, its
+        decisions come from ``boundary``'s encode of it (boundaries.Boundary)."""
+        if self._held is None or self._held[0] is not output or self._held[1] != version(output):
+            return
+        bits = boundary.encode_with_signs(output)
+        if bits is not None:
+            _, _, slot, kept = self._held
+            self._held = None
+            self._attach_signs(bits, slot, kept)
 
     def restore(self, tensor: torch.Tensor, slot: Slot) -> None:
         """Make the recompute's save ``tensor`` decide as the forward's did, in place,
@@ -97,4 +132,6 @@ class ForwardDecisions:
             bound_decisions.restore_(tensor.data, decisions.bits.fetch(), decisions.bounds)
 
     def end_forward(self) -> None:
+        if self._held is not None:
+            self._pack_held()
         self._input_nodes = {}  # ids may be reused once the inputs are gone

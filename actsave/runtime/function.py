@@ -411,7 +411,8 @@ def qualified_name(function) -> str:
 
 def checkpointed_call(function: Callable, args: tuple, kwargs: dict, policy: KeepPolicy, private_copy: bool = False,
                       options: RecomputeOptions = DEFAULT_RECOMPUTE, made_by: Optional[CallerTensors] = None,
-                      eager_because: Optional[str] = None, prepared: Optional[tuple] = None) -> tuple:
+                      eager_because: Optional[str] = None, prepared: Optional[tuple] = None, boundaries=(None, None)
+                      ) -> tuple:
     """Run ``function(*args, **kwargs)`` keeping only its inputs for backward.
 
     Returns ``(output, kept_bytes)``: the function's output, untouched, and the bytes
@@ -423,7 +424,8 @@ def checkpointed_call(function: Callable, args: tuple, kwargs: dict, policy: Kee
     its layers before (keep_rules.should_encode). ``eager_because``: why a call Dynamo
     meets runs eagerly, for its warning. ``prepared``: the modules under the function's layers
     and their state as the forward starts, from chain.ChainState (eager calls only): NOTE [
-    Segment checkpoint mechanism ]."""
+    Segment checkpoint mechanism ]. ``boundaries``: the chain's Boundary before this
+    segment and after it, or None (eager calls only): NOTE [ Decisions at a boundary ]."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs), 0
     if torch.compiler.is_compiling():  # NOTE [ torch.compile ] in compiled_calls.py
@@ -434,22 +436,27 @@ def checkpointed_call(function: Callable, args: tuple, kwargs: dict, policy: Kee
         return compiled_calls.checkpointed_call_under_compile(eager_checkpointed_call, function, args, kwargs, policy,
                                                               private_copy, options, made_by, eager_because)
     return compiled_calls.out_of_dynamo(eager_checkpointed_call)(function, args, kwargs, policy, private_copy, options,
-                                                            made_by, prepared)
+                                                            made_by, prepared, boundaries=boundaries)
 
 
 def eager_checkpointed_call(function, args, kwargs, policy, private_copy, options, made_by=None, prepared=None,
-                       make_frame: Callable = None):
+                       make_frame: Callable = None, boundaries=(None, None)):
     """The eager checkpointed call; ``make_frame``: the frame's constructor, CheckpointFrame's
     arguments (a subclass of CheckpointFrame: selective.py's)."""
     if _recompute_depth() > 0:  # NOTE [ Nested checkpoints ]
         policy = EXACT
     inputs = input_tensors(args, kwargs)
     replay = ReplayState.capture(inputs, options.preserve_rng_state, passed_generators(args, kwargs))
-    kept = KeptInputs(args, kwargs, policy, private_copy, made_by)
+    before, after = boundaries
+    kept = KeptInputs(args, kwargs, policy, private_copy, made_by, before)
     frame = (make_frame or CheckpointFrame)(function, kept, replay, args, kwargs, options, inputs, prepared)
+    after = after if frame.keeps_decisions else None
     try:
         with frame.forward_hooks():
-            output = run_segment(function, args, kwargs, private_copy)
+            output = run_segment(function, args, kwargs, private_copy,
+                                 None if after is None else frame.decisions.hold_relu_saves)
+        if after is not None:
+            frame.decisions.hand_off(output, after)
     except BaseException:
         frame.release()  # now, not when the traceback that holds it is dropped
         raise

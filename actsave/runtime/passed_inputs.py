@@ -29,14 +29,19 @@ from .layers import LayerRun
 # place. Values and gradients are plain PyTorch's (a copy passes its gradient on as it
 # is); the copy costs what a private copy does, and the profile prices it so
 # (planning/profiler.py, _starts_in_place).
-def run_segment(function, args: tuple, kwargs: dict, private_copy: bool):
+def run_segment(function, args: tuple, kwargs: dict, private_copy: bool, before_last=None):
     """``function(*args, **kwargs)``, as the forward and every recompute run it: NOTE [
-    A layer that turns out to pass its input on ]."""
+    A layer that turns out to pass its input on ]. ``before_last``: called as a chain
+    segment's last layer starts, where the layers run here (NOTE [ Decisions at a
+    boundary ])."""
     if private_copy or type(function) is not LayerRun or kwargs or len(args) != 1:
         return function(*args, **kwargs)
     watch = HandedOn(function.layers, args[0])
     h = args[0]
+    last = len(function.layers) - 1
     for i, layer in enumerate(function.layers):
+        if i == last and before_last is not None:
+            before_last()
         h = watch.after(i, layer(h))
     return h
 

@@ -145,7 +145,7 @@ class _KeptTensor:
 
     def __init__(self, tensor: torch.Tensor, policy: KeepPolicy, private_copy: bool,
                  made_by: Optional[CallerTensors] = None, encodable: Optional[bool] = None,
-                 requires_grad: Optional[bool] = None):
+                 requires_grad: Optional[bool] = None, boundary=None):
         self.requires_grad = tensor.requires_grad if requires_grad is None else requires_grad
         encodable = should_encode(tensor, made_by) if encodable is None else encodable
         kept = placed(kept_as(policy, encodable), tensor.device)
@@ -160,7 +160,11 @@ class _KeptTensor:
         non_negative = known_non_negative(tensor)
         shared = not (private_copy and self.codec.aliases_input)  # NOTE [ One stored copy per kept tensor ]
         key = sharing_key(tensor, kept, non_negative, self.requires_grad) if shared else None
-        self._copy, made = SHARED.held(key, lambda: _stored_copy(kept, source, tensor, non_negative))
+        def make():  # the copy the segment before made with its decisions, where it did
+            claimed = None if boundary is None else boundary.claim(tensor, kept, non_negative)
+            return _stored_copy(kept, source, tensor, non_negative) if claimed is None else claimed
+
+        self._copy, made = SHARED.held(key, make)
         self.storage = self._copy.storage
         self.nbytes = self._copy.nbytes if made else 0  # what this call adds to kept_bytes()
         # An aliased input changed in place after this point would be recomputed from
@@ -216,7 +220,12 @@ class _KeptTensor:
 def _stored_copy(kept: KeepPolicy, source: torch.Tensor, tensor: torch.Tensor, non_negative: bool) -> StoredCopy:
     """``source`` (``tensor`` as kept, or a private copy of it) stored by the placed
     policy ``kept``, counted in kept_bytes() until released."""
-    packed = kept.codec.encode(source, non_negative=non_negative)
+    return stored_copy(kept, tensor, kept.codec.encode(source, non_negative=non_negative))
+
+
+def stored_copy(kept: KeepPolicy, tensor: torch.Tensor, packed: Packed) -> StoredCopy:
+    """``packed``, ``tensor`` as the placed policy ``kept`` encoded it, in its storage
+    (on the device, or on its way to the host), counted in kept_bytes() until released."""
     storage = _OnHost(packed) if kept.offload else _OnDevice(packed)
     by_reference = kept.codec.aliases_input and not kept.offload  # the storage holds the tensor
     copy = StoredCopy(storage, packed.nbytes, None if by_reference else tensor)
@@ -277,14 +286,17 @@ class KeptInputs:
     the thread that ran the forward (the backward may run on another).
 
     ``made_by``: the inputs were made by the layers of a chain before them, whose
-    caller holds these tensors (:func:`should_encode`).
+    caller holds these tensors (:func:`should_encode`). ``boundary``: the chain's
+    Boundary before the segment, whose copy of its input it claims (boundaries.py, NOTE
+    [ Decisions at a boundary ]).
     """
 
     def __init__(self, args: tuple, kwargs: dict, policy: KeepPolicy, private_copy: bool,
-                 made_by: Optional[CallerTensors] = None):
+                 made_by: Optional[CallerTensors] = None, boundary=None):
         leaves, self._spec = flatten_inputs(args, kwargs)
         self.policy = policy
-        keep = functools.partial(_KeptTensor, policy=policy, private_copy=private_copy, made_by=made_by)
+        keep = functools.partial(_KeptTensor, policy=policy, private_copy=private_copy, made_by=made_by,
+                                 boundary=boundary)
         self._leaves = kept_leaves(leaves, keep, lambda t: should_encode(t, made_by))
         self._tensors = [leaf for leaf in self._leaves if isinstance(leaf, _KeptTensor)]
         self._tensors += list({id(a.aliases): a.aliases.kept for a in self._leaves if isinstance(a, AliasOf)}.values())

@@ -1,0 +1,105 @@
+"""A chain segment's ReLU output that the next segment keeps by a lossy codec is
+encoded once with its decisions (runtime/boundaries.py, NOTE [ Decisions at a boundary ])."""
+import pytest
+import torch
+from torch import nn
+
+import actsave
+from actsave.runtime import chain
+from actsave.triton_kernels import _launch
+
+
+def conv_bn_relu_chain(blocks: int = 4) -> list:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 4, 3, padding=1)]
+    for _ in range(blocks):
+        layers += [nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()]
+    return layers + [nn.Flatten(), nn.Linear(4 * 6 * 6, 3)]
+
+
+# Boundaries after the first two ReLUs (layers 3 and 6: segments start at 4 and 7),
+# then on a BatchNorm's output (segment at 9, after layer 8).
+SEGMENTS = [0, 4, 7, 9]
+
+
+def step(codec: str, **kwargs) -> tuple:
+    """(parameter gradients, kept bytes after the forward) of one step."""
+    model = actsave.CheckpointedSequential(*conv_bn_relu_chain(), segments=SEGMENTS, compress=codec, **kwargs)
+    out = model(torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1)))
+    kept = actsave.kept_bytes()
+    out.square().mean().backward()
+    return [p.grad for p in model.parameters()], kept
+
+
+def launches(monkeypatch) -> list:
+    launched, real = [], _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda kernel, *a, **k: launched.append((_launch.kernel_name(kernel),
+                                                                                     k.get("SIGNS")))
+                        or real(kernel, *a, **k))
+    return launched
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradients_and_kept_bytes_are_those_of_the_separate_calls(codec, backend, monkeypatch):
+    with actsave.set_backend(backend):
+        handed = step(codec)
+        monkeypatch.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+        apart = step(codec)
+    assert all(torch.equal(a, b) for a, b in zip(handed[0], apart[0]))
+    assert handed[1] == apart[1]
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+def test_a_boundary_on_a_relu_output_is_one_launch_for_codes_and_decisions(monkeypatch):
+    # The first segment keeps its input by reference, so its recompute is exact and
+    # keeps no decisions; the second segment's last ReLU output is the third's kept
+    # input: encoded with its decisions, where apart it is packed and then encoded.
+    # The last segment's saves are stored (its ReLUs with their decisions too).
+    launched = launches(monkeypatch)
+    with actsave.set_backend("triton"):
+        step("int8")
+        handed = list(launched)
+        launched.clear()
+        monkeypatch.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+        step("int8")
+    assert len(handed) == len(launched) - 1
+    assert handed.count(("_pack_relu_signs_kernel", None)) == launched.count(("_pack_relu_signs_kernel", None)) - 1
+    assert handed.count(("_encode_int8_kernel", True)) == launched.count(("_encode_int8_kernel", True)) + 1
+    assert ("_pack_relu_signs_kernel", None) not in handed
+
+
+def test_a_boundary_before_an_exactly_kept_input_packs_its_decisions_apart(monkeypatch):
+    # compress per segment: the third keeps its input exactly, so the second's last
+    # ReLU packs its decisions as it saves them.
+    launched = launches(monkeypatch)
+    with actsave.set_backend("triton"):
+        grads, _ = step({0: None, 4: "int8", 7: None, 9: "int8"})
+    assert launched.count(("_pack_relu_signs_kernel", None)) == 1
+    assert launched.count(("_encode_int8_kernel", True)) == 2  # the last segment's two ReLU saves
+    assert all(g is not None for g in grads)
+
+
+class _Subtract(nn.Module):
+    """Changes its input in place, saving nothing: autograd refuses a ReLU output
+    changed so; actsave's recompute stops before it, at the ReLU's save."""
+
+    def forward(self, x):
+        return x.sub_(0.5)
+
+
+def test_a_relu_output_changed_in_place_after_its_save_keeps_the_decisions_it_was_saved_with(monkeypatch):
+    # The segment does not end on the ReLU layer: its decisions are packed as the ReLU
+    # saves its output, before the subtraction changes their signs.
+    def gradients():
+        torch.manual_seed(0)
+        layers = [nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                  _Subtract(), nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                  nn.Linear(4 * 6 * 6, 3)]
+        model = actsave.CheckpointedSequential(*layers, segments=[0, 1, 5], compress="int8")
+        model(torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    handed = gradients()
+    monkeypatch.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+    assert all(torch.equal(a, b) for a, b in zip(handed, gradients()))
