@@ -27,11 +27,13 @@ bench: $(VENV)/.installed
 gpu-check:
 	TORCH="$(GPU_TORCH)" $(PYTHON) bench/gpu_check.py
 
+# --no-cache-dir: a fresh machine reuses no wheel, and a cached copy of torch's would
+# take as much disk again as the wheel itself.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test,bench]"
+	$(PY) -m pip install --quiet --no-cache-dir --upgrade pip
+	$(PY) -m pip install --quiet --no-cache-dir "$(TORCH)"
+	$(PY) -m pip install --quiet --no-cache-dir -e ".[test,bench]"
 	touch $@
 
 clean:
