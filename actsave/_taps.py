@@ -5,6 +5,7 @@ checkpoint. Public functions, swapped by _torch.py's AttributeSwap."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import threading
 
@@ -24,7 +25,12 @@ class FunctionTap:
     reached."""
 
     def __init__(self, owner, name: str):
-        self._swap = AttributeSwap(owner, name, self._trampoline)
+        def trampoline(*args, **kwargs):
+            return self._call(len(self._stack()) - 1, args, kwargs)
+
+        # Code that reads the tapped function (its name in a trace, inspect.signature)
+        # finds the original's name, docstring and signature.
+        self._swap = AttributeSwap(owner, name, functools.update_wrapper(trampoline, getattr(owner, name)))
         self._local = threading.local()
 
     @property
@@ -54,9 +60,6 @@ class FunctionTap:
         if stack is None:
             stack = self._local.handlers = []
         return stack
-
-    def _trampoline(self, *args, **kwargs):
-        return self._call(len(self._stack()) - 1, args, kwargs)
 
     def _call(self, depth: int, args: tuple, kwargs: dict):
         if depth < 0:
