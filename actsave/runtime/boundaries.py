@@ -24,9 +24,11 @@ from .store import stored_copy
 # naming the next one's policy, and:
 # - as the first segment's last layer (an nn.ReLU module) starts, its ForwardDecisions
 #   holds back the packing of the ReLU saves that follow, to the next save or the
-#   forward's end. Only then: the ReLU is the last op, so nothing can change its output
-#   in place before the forward ends (an in-place op before a later save would leave
-#   the held save's values changed, its forward decisions lost);
+#   forward's end. Only then: the ReLU is the last op, so nothing but a forward hook on
+#   it can change its output in place before the forward ends (an in-place op before a
+#   later save would leave the held save's values changed, its forward decisions lost).
+#   A hook that does (by the tensor's version, checked as the forward returns) raises:
+#   autograd refuses that change in the backward too;
 # - as the forward ends, if the held save is of the output, unchanged since, and the
 #   next policy encodes it (should_encode, on the unsigned grid): one encode makes its
 #   stored copy and its bits. The bits are the first segment's decisions, attached to its

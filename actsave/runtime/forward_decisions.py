@@ -12,6 +12,7 @@ import torch
 
 from .._taps import TORCH_CHECKPOINT
 from .._torch import version
+from ..errors import RecomputeError
 from . import bound_decisions, relu_signs
 from .bound_decisions import BoundBits, BoundWatch
 from .placeholders import Slot
@@ -76,7 +77,7 @@ class ForwardDecisions:
         """Attach to ``slot`` the decisions of the save ``tensor``, kept as ``kept``
         (store.KeptInputs) keeps the inputs."""
         if self._held is not None:
-            self._pack_held()
+            self._pack_held(self._unchanged_held())
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
         if pool is not None:
             window, input_size = pool
@@ -103,16 +104,31 @@ class ForwardDecisions:
         NOTE [ Decisions at a boundary ]."""
         self._holds = True
 
-    def _pack_held(self) -> None:
-        tensor, _, slot, kept = self._held
+    def _unchanged_held(self) -> torch.Tensor:
+        """The held save's tensor, which must hold the values the ReLU saved. A change in
+        place since (a forward hook on the ReLU layer) is one autograd refuses in the
+        backward too; its decisions are lost, so it raises now."""
+        tensor, saved_version, _, _ = self._held
+        if version(tensor) != saved_version:
+            self._held = None
+            raise RecomputeError(
+                "a ReLU output was changed in place after the ReLU saved it, before the checkpointed segment's "
+                "forward ended (a forward hook on its last layer, the ReLU?). Autograd refuses such a change in "
+                "the backward ('modified by an inplace operation'), and the ReLU's decisions, which a lossy "
+                "recompute restores, are lost. Change a copy instead (out = out.clone()), or do it in the next "
+                "layer.")
+        return tensor
+
+    def _pack_held(self, tensor: torch.Tensor) -> None:
+        _, _, slot, kept = self._held
         self._held = None
         self._attach_signs(relu_signs.pack_signs(tensor), slot, kept)
 
     def hand_off(self, output, boundary) -> None:
-        """As the forward ends: where the held save is of ``output``, unchanged, its
-        decisions come from ``boundary``'s encode of it (boundaries.Boundary)."""
-        if self._held is None or self._held[0] is not output or self._held[1] != version(output):
-            return
+        """As the forward ends: where the held save is of ``output``, its decisions come
+        from ``boundary``'s encode of it (boundaries.Boundary)."""
+        if self._held is None or self._unchanged_held() is not output:
+            return  # what is held, end_forward packs
         bits = boundary.encode_with_signs(output)
         if bits is not None:
             _, _, slot, kept = self._held
@@ -132,6 +148,10 @@ class ForwardDecisions:
             bound_decisions.restore_(tensor.data, decisions.bits.fetch(), decisions.bounds)
 
     def end_forward(self) -> None:
-        if self._held is not None:
-            self._pack_held()
+        """Where a save is still held (the forward did not end on it, or raised), its
+        decisions are packed; after a change in place, which hand_off raises on where
+        the forward returns, none are (the frame is being released)."""
+        if self._held is not None and version(self._held[0]) == self._held[1]:
+            self._pack_held(self._held[0])
+        self._held = None
         self._input_nodes = {}  # ids may be reused once the inputs are gone

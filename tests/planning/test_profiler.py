@@ -195,6 +195,12 @@ def test_the_runtime_and_the_profile_keep_the_same_relu_decisions(monkeypatch, i
     assert picked == [1, 3, 5]
     packed, pack_signs = [], relu_signs.pack_signs
     monkeypatch.setattr(relu_signs, "pack_signs", lambda t: packed.append(tuple(t.shape)) or pack_signs(t))
+    # A segment's last ReLU output, which the next keeps by int8, is encoded with its
+    # decisions (NOTE [ Decisions at a boundary ]).
+    codec_type = type(actsave.codecs.get_codec("int8"))
+    encode_with_signs = codec_type.encode_with_signs
+    monkeypatch.setattr(codec_type, "encode_with_signs",
+                        lambda codec, t: packed.append(tuple(t.shape)) or encode_with_signs(codec, t))
     model = CheckpointedSequential(*chain(), segments=segments, compress="int8")
     out = model(x)
     assert packed == [(4, 16), (4, 12), (4, 10)]

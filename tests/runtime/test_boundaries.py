@@ -103,3 +103,33 @@ def test_a_relu_output_changed_in_place_after_its_save_keeps_the_decisions_it_wa
     handed = gradients()
     monkeypatch.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
     assert all(torch.equal(a, b) for a, b in zip(handed, gradients()))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_simulated_cuda_step_holds_the_bytes_it_held_apart(offload, monkeypatch):
+    # On meta tensors standing for CUDA (actsave.estimate), where offload sends the
+    # stored copies and the decisions to the host: the same peaks, device and host.
+    def estimated():
+        model = actsave.CheckpointedSequential(*conv_bn_relu_chain(), segments=[0, 4, 7, 10], compress="int8",
+                                               offload=offload)
+        estimate = actsave.estimate(model, (16, 3, 6, 6), device="cuda")
+        return estimate.activation_peak_bytes, estimate.host_peak_bytes
+
+    handed = estimated()
+    monkeypatch.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+    assert handed == estimated()
+    assert (handed[1] > 0) == offload
+
+
+@pytest.mark.parametrize("returns_a_copy", [False, True])
+def test_a_relu_output_changed_in_place_by_a_hook_raises(returns_a_copy):
+    # A forward hook on a segment's last layer, the ReLU, changes its saved output in
+    # place: autograd refuses that in the backward; the decisions held for the boundary
+    # would be the changed values', so the forward raises.
+    layers = conv_bn_relu_chain()
+    layers[6].register_forward_hook(lambda module, args, out: out.sub_(0.5) * 1 if returns_a_copy else out.sub_(0.5))
+    model = actsave.CheckpointedSequential(*layers, segments=SEGMENTS, compress="int8")
+    with pytest.raises(actsave.RecomputeError, match="changed in place after the ReLU saved it"):
+        model(torch.randn(8, 3, 6, 6))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        nn.Sequential(*layers)(torch.randn(8, 3, 6, 6)).sum().backward()
