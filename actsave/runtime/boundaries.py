@@ -1,6 +1,6 @@
-"""The boundary between two chain segments where the first ends on a ReLU and the next
-keeps that output by a lossy codec: the output stored with its ReLU decisions from one
-read (:class:`Boundary`; NOTE [ Decisions at a boundary ])."""
+"""The boundary between two chain segments where the next keeps the first's output by a
+lossy codec: a ReLU output stored with its decisions from one read (:class:`Boundary`;
+NOTE [ Decisions at a boundary ])."""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,38 +14,40 @@ from .shared_copies import StoredCopy
 from .store import stored_copy
 
 # NOTE [ Decisions at a boundary ]
-# Where a chain's checkpointed segment ends on a ReLU layer (an even split's boundaries
-# are moved onto ReLU outputs: NOTE [ Boundaries on ReLU outputs ]) and the next segment
-# keeps its input by a lossy codec, the forward reads that output twice as it crosses
-# the boundary: the first segment packs its ReLU decisions, which its lossy recompute
+# Where a chain's checkpointed segment ends on a ReLU (an nn.ReLU layer; a block whose
+# last op is one, as torchvision's BasicBlock; an even split's boundaries are moved onto
+# ReLU outputs: NOTE [ Boundaries on ReLU outputs ]) and the next segment keeps its
+# input by a lossy codec, the forward reads that output twice as it crosses the
+# boundary: the first segment packs its ReLU decisions, which its lossy recompute
 # restores (ForwardDecisions, as the ReLU saves its output), and the next segment
 # encodes it as its kept input. The 8-bit codecs take both from one read (NOTE [ Signs
 # from the encoder's read ]). So run_chain gives such a pair of segments a Boundary
 # naming the next one's policy, and:
-# - as the first segment's last layer (an nn.ReLU module) starts, its ForwardDecisions
-#   holds back the packing of the ReLU saves that follow, to the next save or the
-#   forward's end. Only then: the ReLU is the last op, so nothing but a forward hook on
-#   it can change its output in place before the forward ends (an in-place op before a
-#   later save would leave the held save's values changed, its forward decisions lost).
-#   A hook that does (by the tensor's version, checked as the forward returns) raises:
-#   autograd refuses that change in the backward too;
-# - as the forward ends, if the held save is of the output, unchanged since, and the
-#   next policy encodes it (should_encode, on the unsigned grid): one encode makes its
-#   stored copy and its bits. The bits are the first segment's decisions, attached to its
-#   kept inputs (offloaded with them, where they are); the copy waits in the Boundary;
+# - as the first segment's last layer starts, its ForwardDecisions holds back the
+#   packing of each ReLU save that follows, to the next save (whoever makes it) or the
+#   forward's end. A ReLU output's next user saves it (a conv, a Linear, a BatchNorm),
+#   so the hold keeps alive nothing the forward would have freed but where the last
+#   layer's ops after its ReLU save nothing, and that only to the forward's end;
+# - the held values must be those the ReLU saved: a change in place since (by the
+#   tensor's version, checked as the hold ends) raises. Autograd refuses that change in
+#   the backward too, as the ReLU's saved output modified by an in-place operation;
+# - as the forward ends, if the held save is of the output and the next policy encodes
+#   it (should_encode, on the unsigned grid), one encode makes its stored copy and its
+#   bits. The bits are the first segment's decisions, attached to its kept inputs
+#   (offloaded with them, where they are); the copy waits in the Boundary;
 # - the next segment's kept input claims the copy where it would have encoded the same
 #   tensor (store._KeptTensor, through SHARED as every stored copy); run_chain lets go
 #   of one no segment claimed.
 # The bits and codes are those of the two calls apart (the references are those calls).
-# A segment whose last layer is a block that ends on a ReLU (torchvision's BasicBlock)
-# packs its decisions as the ReLU saves them: ops may follow that ReLU inside the block.
+# A segment that starts in place (a private copy of its input) runs its layers as one
+# call (passed_inputs.run_segment): no hold, its decisions packed apart.
 
 
 class Boundary:
-    """Between a chain's checkpointed segment ending on a ReLU and the next, which keeps
-    its input by ``policy``: the first segment's output, stored by that policy with its
-    ReLU decisions (NOTE [ Decisions at a boundary ]). ``made_by``: the tensors the
-    chain's caller holds (should_encode)."""
+    """Between a chain's checkpointed segment and the next, which keeps its input by
+    ``policy``: the first segment's output, where it is a ReLU's, stored by that policy
+    with its ReLU decisions (NOTE [ Decisions at a boundary ]). ``made_by``: the tensors
+    the chain's caller holds (should_encode)."""
 
     def __init__(self, policy: KeepPolicy, made_by: Optional[CallerTensors]):
         self._policy, self._made_by = policy, made_by

@@ -122,12 +122,12 @@ def _run_segment(layers: list, segment, policy: KeepPolicy, input, caller: Calle
 
 
 def _boundaries(layers: list, segments: list, policies: list, caller: CallerTensors) -> list:
-    """Per segment, the Boundary after it: where it ends on an nn.ReLU layer, and it and
-    the next are checkpointed in one stage, the next keeping its input by a lossy codec;
-    else None (NOTE [ Decisions at a boundary ])."""
+    """Per segment, the Boundary after it: where it and the next are checkpointed in one
+    stage, the next keeping its input by a lossy codec; else None (NOTE [ Decisions at
+    a boundary ])."""
     def stored_across(first, second, policy) -> bool:
         return first.checkpointed and first.nested is None and second.checkpointed and second.nested is None \
-            and policy.lossy and type(layers[first.stop - 1]).forward is nn.ReLU.forward
+            and policy.lossy
 
     return [Boundary(policy, caller) if stored_across(first, second, policy) else None
             for first, second, policy in zip(segments, segments[1:], policies[1:])] + [None]

@@ -98,7 +98,7 @@ class ForwardDecisions:
         self.nbytes += slot.relu_signs.nbytes
 
     def hold_relu_saves(self) -> None:
-        """From here (a chain segment's last layer, a ReLU, starts) the latest ReLU save's
+        """From here (a chain segment's last layer starts) the latest ReLU save's
         decisions wait to be packed until the next save or the forward's end, where
         :meth:`hand_off` may take them from the encode of the next segment's kept input:
         NOTE [ Decisions at a boundary ]."""
@@ -106,17 +106,16 @@ class ForwardDecisions:
 
     def _unchanged_held(self) -> torch.Tensor:
         """The held save's tensor, which must hold the values the ReLU saved. A change in
-        place since (a forward hook on the ReLU layer) is one autograd refuses in the
-        backward too; its decisions are lost, so it raises now."""
+        place since is one autograd refuses in the backward too; its decisions are lost,
+        so it raises now."""
         tensor, saved_version, _, _ = self._held
         if version(tensor) != saved_version:
             self._held = None
             raise RecomputeError(
-                "a ReLU output was changed in place after the ReLU saved it, before the checkpointed segment's "
-                "forward ended (a forward hook on its last layer, the ReLU?). Autograd refuses such a change in "
-                "the backward ('modified by an inplace operation'), and the ReLU's decisions, which a lossy "
-                "recompute restores, are lost. Change a copy instead (out = out.clone()), or do it in the next "
-                "layer.")
+                "a ReLU output was changed in place after the ReLU saved it, in the last layer of a checkpointed "
+                "segment (or a forward hook on it). Autograd refuses such a change in the backward ('modified by "
+                "an inplace operation'), and the ReLU's decisions, which a lossy recompute restores, are lost. "
+                "Change a copy instead (out = out.clone()).")
         return tensor
 
     def _pack_held(self, tensor: torch.Tensor) -> None:

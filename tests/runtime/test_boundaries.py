@@ -133,3 +133,59 @@ def test_a_relu_output_changed_in_place_by_a_hook_raises(returns_a_copy):
         model(torch.randn(8, 3, 6, 6))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         nn.Sequential(*layers)(torch.randn(8, 3, 6, 6)).sum().backward()
+
+
+class _Block(nn.Module):
+    """torchvision's post-activation basic block, its last op a ReLU: conv-BN-ReLU-conv-BN,
+    plus the input, then ReLU (``then``: an op after that ReLU, inside the block)."""
+
+    def __init__(self, then=None):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.relu, self.then = nn.ReLU(inplace=True), then
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)) + x)
+        return out if self.then is None else self.then(out)
+
+
+def block_chain(then=None) -> list:
+    torch.manual_seed(0)
+    return [nn.Conv2d(3, 4, 3, padding=1), *[_Block(then) for _ in range(4)], nn.Flatten(), nn.Linear(4 * 6 * 6, 3)]
+
+
+def block_step(monkeypatch, apart: bool, then=None) -> list:
+    with monkeypatch.context() as patched:
+        if apart:
+            patched.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+        model = actsave.CheckpointedSequential(*block_chain(then), segments=[0, 1, 2, 3, 4], compress="int8")
+        model(torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_blocks_that_end_on_a_relu_hand_their_output_on_with_its_decisions(monkeypatch):
+    # Segments of one block each: the first keeps the chain's input exactly, the last
+    # keeps its saves (ActNN's mode); the second's and third's outputs, each its last
+    # ReLU's, are the next checkpointed segments' kept inputs.
+    launched = launches(monkeypatch)
+    with actsave.set_backend("triton"):
+        handed = block_step(monkeypatch, apart=False)
+        with_boundaries = list(launched)
+        launched.clear()
+        apart = block_step(monkeypatch, apart=True)
+    assert all(torch.equal(a, b) for a, b in zip(handed, apart))
+    assert with_boundaries.count(("_encode_int8_kernel", True)) == launched.count(("_encode_int8_kernel", True)) + 2
+    assert with_boundaries.count(("_pack_relu_signs_kernel", None)) == launched.count(
+        ("_pack_relu_signs_kernel", None)) - 2
+    assert len(with_boundaries) == len(launched) - 2
+
+
+def test_a_relu_output_changed_in_place_inside_a_last_block_raises(monkeypatch):
+    # The block changes its ReLU output in place after the ReLU saved it: autograd
+    # refuses that in the backward; its held decisions would be the changed values'.
+    with pytest.raises(actsave.RecomputeError, match="changed in place after the ReLU saved it"):
+        block_step(monkeypatch, apart=False, then=lambda out: out.sub_(0.5))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        nn.Sequential(*block_chain(lambda out: out.sub_(0.5)))(torch.randn(8, 3, 6, 6)).sum().backward()
