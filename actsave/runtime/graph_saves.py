@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import weakref
 from typing import Optional
 
 import torch
@@ -135,17 +136,62 @@ def compared_by_backward(node, backward) -> bool:
     the plain segment's own ops are followed (STORED): not the codecs' ops that the
     hooks add to the graph between a save's encoding and its decoding, which would
     change the answer."""
-    saved = {placeholder.name for placeholder in backward.find_nodes(op="placeholder")}
-    seen, reached = set(), list(_views_of(_base(node)))
+    reaches = _reaching_compared(node.graph, backward)
+    return _compared_walk(_views_of(_base(node)), reaches, backward)
+
+
+# The forward and backward graphs whose saves' codecs are being chosen (weakly), and by
+# the name of each forward node whether it reaches, through plain-segment ops (STORED),
+# a compared reduction whose result the backward reads: worked out once, in one pass
+# over the graph, not a walk per save (quadratic in the graph). The codecs' hooks then
+# add nodes to the forward graph, none of them STORED: those of the pass keep their answer.
+# One tuple, read and replaced whole: threads that compile at once each find their own.
+_REACHING = (lambda: None, lambda: None, {})
+
+
+def _reaching_compared(forward, backward) -> dict:
+    global _REACHING
+    cached = _REACHING
+    if cached[0]() is forward and cached[1]() is backward:
+        return cached[2]
+    saved = _saved_names(backward)
+    reaches = {}
+    for made in reversed(forward.nodes):  # users after the nodes they use
+        reaches[made.name] = _compared(made, saved) or any(
+            reaches.get(user.name, False) for user in made.users if STORED in (user.meta.get("custom") or {}))
+    _REACHING = (weakref.ref(forward), weakref.ref(backward), reaches)
+    return reaches
+
+
+def _compared_walk(views: list, reaches: dict, backward) -> bool:
+    """Whether a plain-segment op path leads from ``views`` to a compared reduction: the
+    pass's answer for its nodes, a walk from a node the codecs' hooks added since."""
+    seen, reached, saved = set(), list(views), None
     while reached:
         made = reached.pop()
-        if compares_with_input_op(made) and any(view.name in saved for view in _views_of(made)):
+        known = reaches.get(made.name)
+        if known is not None:
+            if known:
+                return True
+            continue
+        saved = _saved_names(backward) if saved is None else saved
+        if _compared(made, saved):
             return True
         for user in made.users:
             if user not in seen and STORED in (user.meta.get("custom") or {}):
                 seen.add(user)
                 reached.append(user)
     return False
+
+
+def _compared(made, saved: set) -> bool:
+    """Whether ``made`` is a reduction that compares its input with its result, a view of
+    which the backward reads (``saved``: its placeholders' names)."""
+    return compares_with_input_op(made) and any(view.name in saved for view in _views_of(made))
+
+
+def _saved_names(backward) -> set:
+    return {placeholder.name for placeholder in backward.find_nodes(op="placeholder")}
 
 
 def _attention(node) -> bool:

@@ -321,3 +321,25 @@ def test_compiled_wrapped_blocks_keep_by_a_codec_when_the_batch_changes():
         x = torch.randn(batch, 32)
         plain.zero_grad(), compiled.zero_grad()
         assert sqnr_db(flat_gradients(plain, x), flat_gradients(compiled, x)) >= EXPECTED_GRADIENT_SQNR_DB["int8"]
+
+
+def test_finding_compared_saves_reads_each_op_of_a_stored_segment_a_bounded_number_of_times(monkeypatch):
+    # graph_saves.compared_by_backward answers every save from one pass over the graph:
+    # the reductions it asks about grow with the segment's ops, not with saves x ops
+    # (16 layers asked 3,224 times where 4 asked 224, 14x for 4x the layers).
+    from actsave.runtime import graph_saves
+
+    asked = []
+    real = graph_saves.compares_with_input_op
+    monkeypatch.setattr(graph_saves, "compares_with_input_op", lambda node: asked.append(node.name) or real(node))
+    counts = []
+    for layers in (4, 16):
+        torch._dynamo.reset()
+        asked.clear()
+        torch.manual_seed(0)
+        model = torch.compile(actsave.CheckpointedSequential(
+            *[layer for _ in range(layers) for layer in (nn.Linear(64, 64), nn.GELU())], segments=1,
+            compress="int8"), backend=BACKEND)
+        model(torch.randn(8, 32, 64)).sum().backward()
+        counts.append(len(asked))
+    assert counts[0] > 0 and counts[1] <= 4 * counts[0] + 8
