@@ -249,9 +249,12 @@ def flat_input(x, group_size):
 def kernel_input(x, group_size):
     """x checked, its values in row-major memory, as an encoder kernel reads them: x
     itself where it is contiguous, whatever its shape (a view would cost host work and
-    change nothing the kernel reads), else a contiguous copy."""
+    change nothing the kernel reads), else a contiguous copy; a copy too where memory
+    holds the negation of its values (the negative bit of ``torch._neg_view``)."""
     check_group_size(group_size)
     check_float_dtype(x.dtype, "the tensor to encode")
+    if x.is_neg():
+        x = x.resolve_neg()
     return x if x.is_contiguous() else x.reshape(-1).contiguous()
 
 

@@ -326,6 +326,15 @@ def test_bounded_saves_the_kernels_cannot_take_get_the_references_bits(case, lau
     assert torch.equal(recomputed.nan_to_num(), expected.nan_to_num()) and launches == []
 
 
+def test_a_save_whose_memory_holds_its_negation_gets_the_references_bits(launches):
+    # torch._neg_view: the kernels read memory, the references the values.
+    y = torch._neg_view(-relu_output(40, torch.float32, 0))
+    assert torch.equal(decisions.pack_relu_signs(y), oracle_signs(y.resolve_neg()))
+    v = torch._neg_view(-(relu_output(40, torch.float32, 0) - 0.5))
+    assert torch.equal(decisions.pack_bounds(v, 0.0, 6.0), decisions.pack_bounds_ref(v.resolve_neg(), 0.0, 6.0))
+    assert launches == []
+
+
 def test_pools_the_kernels_cannot_take_get_the_references_bits(monkeypatch, launches):
     x, out, indices = channels_last_pool()  # channels-last indices are not contiguous
     geometry = ((3, 3), (2, 2), (1, 1), (1, 1))

@@ -74,3 +74,13 @@ def test_channel_means_refuse_signs(impl):
     kernel = kernel_table()["uint8", "encode"]
     with pytest.raises(ValueError, match="no channel means"):
         getattr(kernel, impl)(torch.rand(2, 4, 4, 4), **kernel.format_args, sums=torch.ones(4), signs=True)
+
+
+@pytest.mark.parametrize("fmt", UNSIGNED_FORMATS)
+def test_a_tensor_whose_memory_holds_its_negation_is_encoded_as_its_values(fmt):
+    # torch._neg_view: the kernels read memory, so the launcher reads the values first.
+    torch.manual_seed(0)
+    x = torch._neg_view(-torch.randn(3, 50).relu())
+    launcher, reference = _encoders(fmt)
+    for got, expected in zip(launcher(x, signs=True), reference(x.resolve_neg(), signs=True)):
+        assert torch.equal(got, expected)

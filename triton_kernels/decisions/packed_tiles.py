@@ -77,8 +77,9 @@ def unpack_fields(packed, BITS: tl.constexpr):
 
 
 def launchable(*tensors) -> bool:
-    """Tensors a kernel can take as flat arrays: contiguous, with elements."""
-    return all(t.is_contiguous() for t in tensors) and tensors[0].numel() > 0
+    """Tensors a kernel can take as flat arrays: contiguous, with elements, and holding
+    their values in memory (no negative bit: ``torch._neg_view``)."""
+    return all(t.is_contiguous() and not t.is_neg() for t in tensors) and tensors[0].numel() > 0
 
 
 def empty_packed(count: int, bits: int, device) -> torch.Tensor:
