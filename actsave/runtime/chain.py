@@ -80,7 +80,7 @@ def run_chain(chain: nn.Module, input, layers: list, segments: list, policies: l
     caller = CallerTensors(input, chain)  # what the later segments' inputs are not (should_encode)
     # The checkpointed segments' module state, snapshotted together as the forward starts.
     state = ChainState([layers[s.start:s.stop] for s in segments if s.checkpointed and s.nested is None])
-    boundaries = _boundaries(layers, segments, policies, caller)  # NOTE [ Decisions at a boundary ]
+    boundaries = _boundaries(segments, policies, caller)  # NOTE [ Decisions at a boundary ]
     try:
         before = None
         for segment, policy, after in zip(segments, policies, boundaries):
@@ -121,7 +121,7 @@ def _run_segment(layers: list, segment, policy: KeepPolicy, input, caller: Calle
     return input
 
 
-def _boundaries(layers: list, segments: list, policies: list, caller: CallerTensors) -> list:
+def _boundaries(segments: list, policies: list, caller: CallerTensors) -> list:
     """Per segment, the Boundary after it: where it and the next are checkpointed in one
     stage, the next keeping its input by a lossy codec; else None (NOTE [ Decisions at
     a boundary ])."""

@@ -44,7 +44,7 @@ def launches(monkeypatch) -> list:
 def test_gradients_and_kept_bytes_are_those_of_the_separate_calls(codec, backend, monkeypatch):
     with actsave.set_backend(backend):
         handed = step(codec)
-        monkeypatch.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+        monkeypatch.setattr(chain, "_boundaries", lambda segments, policies, caller: [None] * len(segments))
         apart = step(codec)
     assert all(torch.equal(a, b) for a, b in zip(handed[0], apart[0]))
     assert handed[1] == apart[1]
@@ -61,7 +61,7 @@ def test_a_boundary_on_a_relu_output_is_one_launch_for_codes_and_decisions(monke
         step("int8")
         handed = list(launched)
         launched.clear()
-        monkeypatch.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+        monkeypatch.setattr(chain, "_boundaries", lambda segments, policies, caller: [None] * len(segments))
         step("int8")
     assert len(handed) == len(launched) - 1
     assert handed.count(("_pack_relu_signs_kernel", None)) == launched.count(("_pack_relu_signs_kernel", None)) - 1
@@ -101,7 +101,7 @@ def test_a_relu_output_changed_in_place_after_its_save_keeps_the_decisions_it_wa
         return [p.grad for p in model.parameters()]
 
     handed = gradients()
-    monkeypatch.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+    monkeypatch.setattr(chain, "_boundaries", lambda segments, policies, caller: [None] * len(segments))
     assert all(torch.equal(a, b) for a, b in zip(handed, gradients()))
 
 
@@ -116,7 +116,7 @@ def test_a_simulated_cuda_step_holds_the_bytes_it_held_apart(offload, monkeypatc
         return estimate.activation_peak_bytes, estimate.host_peak_bytes
 
     handed = estimated()
-    monkeypatch.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+    monkeypatch.setattr(chain, "_boundaries", lambda segments, policies, caller: [None] * len(segments))
     assert handed == estimated()
     assert (handed[1] > 0) == offload
 
@@ -159,7 +159,7 @@ def block_chain(then=None) -> list:
 def block_step(monkeypatch, apart: bool, then=None) -> list:
     with monkeypatch.context() as patched:
         if apart:
-            patched.setattr(chain, "_boundaries", lambda layers, segments, policies, caller: [None] * len(segments))
+            patched.setattr(chain, "_boundaries", lambda segments, policies, caller: [None] * len(segments))
         model = actsave.CheckpointedSequential(*block_chain(then), segments=[0, 1, 2, 3, 4], compress="int8")
         model(torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1))).square().mean().backward()
     return [p.grad for p in model.parameters()]
