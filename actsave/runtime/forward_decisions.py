@@ -146,11 +146,13 @@ class ForwardDecisions:
             decisions = slot.bound_decisions
             bound_decisions.restore_(tensor.data, decisions.bits.fetch(), decisions.bounds)
 
-    def end_forward(self) -> None:
-        """Where a save is still held (the forward did not end on it, or raised), its
-        decisions are packed; after a change in place, which hand_off raises on where
-        the forward returns, none are (the frame is being released)."""
-        if self._held is not None and version(self._held[0]) == self._held[1]:
-            self._pack_held(self._held[0])
+    def drop_held(self) -> None:
+        """Let go of a save held back, unpacked: its frame is released (a forward that
+        raised, where hand_off may have raised on it)."""
         self._held = None
+
+    def end_forward(self) -> None:
+        """A save still held (the forward did not end on it) has its decisions packed."""
+        if self._held is not None:
+            self._pack_held(self._held[0])
         self._input_nodes = {}  # ids may be reused once the inputs are gone

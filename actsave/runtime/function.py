@@ -243,7 +243,10 @@ class CheckpointFrame:
 
     def release(self) -> None:
         """Let go of what the recompute needed: the kept inputs (and what they hold
-        attached) and the snapshot of mutated module state."""
+        attached) and the snapshot of mutated module state; decisions held back to be
+        packed are dropped (NOTE [ Decisions at a boundary ])."""
+        if self.decisions is not None:
+            self.decisions.drop_held()
         self.kept.release()
         self.touched.release()
         if self._state_account is not None:

@@ -189,3 +189,35 @@ def test_a_relu_output_changed_in_place_inside_a_last_block_raises(monkeypatch):
         block_step(monkeypatch, apart=False, then=lambda out: out.sub_(0.5))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         nn.Sequential(*block_chain(lambda out: out.sub_(0.5)))(torch.randn(8, 3, 6, 6)).sum().backward()
+
+
+class _Raising(nn.Module):
+    """A block that ends on a ReLU, then raises where ``fail`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fail = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), False
+
+    def forward(self, x):
+        out = torch.relu(self.bn(self.conv(x)))
+        if self.fail:
+            raise ValueError("a failing last layer")
+        return out
+
+
+def test_a_last_layer_that_raises_after_its_relu_leaves_nothing_kept():
+    # The ReLU's save is held for the boundary when the layer raises: released with its
+    # frame, not packed into kept inputs already let go of.
+    torch.manual_seed(0)
+    last = _Raising()
+    layers = [nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), last,
+              nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)]
+    model = actsave.CheckpointedSequential(*layers, segments=[0, 1, 5, 8], compress="int8")
+    x = torch.randn(2, 3, 6, 6)
+    last.fail = True
+    with pytest.raises(ValueError, match="a failing last layer"):
+        model(x)
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
+    last.fail = False
+    model(x).sum().backward()
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
