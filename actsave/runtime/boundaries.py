@@ -26,8 +26,9 @@ from .store import stored_copy
 # - as the first segment's last layer starts, its ForwardDecisions holds back the
 #   packing of each ReLU save that follows, to the next save (whoever makes it) or the
 #   forward's end. A ReLU output's next user saves it (a conv, a Linear, a BatchNorm),
-#   so the hold keeps alive nothing the forward would have freed but where the last
-#   layer's ops after its ReLU save nothing, and that only to the forward's end;
+#   and so ends the hold: the hold keeps alive nothing the forward would have freed.
+#   The exception: where the ops after the ReLU in the last layer save nothing, the
+#   output lives to the forward's end (the end of that layer);
 # - the held values must be those the ReLU saved: a change in place since (by the
 #   tensor's version, checked as the hold ends) raises. Autograd refuses that change in
 #   the backward too, as the ReLU's saved output modified by an in-place operation;
@@ -36,9 +37,11 @@ from .store import stored_copy
 #   bits. The bits are the first segment's decisions, attached to its kept inputs
 #   (offloaded with them, where they are); the copy waits in the Boundary;
 # - the next segment's kept input claims the copy where it would have encoded the same
-#   tensor (store._KeptTensor, through SHARED as every stored copy); run_chain lets go
-#   of one no segment claimed.
-# The bits and codes are those of the two calls apart (the references are those calls).
+#   tensor (store._KeptTensor, through SHARED as every stored copy); its KeptInputs lets
+#   go of one it did not claim, run_chain of one no segment reached.
+# The bits and codes are those of the two calls apart (the references are those calls),
+# but where the last layer changes its ReLU output through ``.data`` (no version moves):
+# then the bits are the changed values' (docs/limits.md, "ReLU decisions").
 # A segment that starts in place (a private copy of its input) runs its layers as one
 # call (passed_inputs.run_segment): no hold, its decisions packed apart.
 
@@ -56,12 +59,12 @@ class Boundary:
     def encode_with_signs(self, output: torch.Tensor) -> Optional[torch.Tensor]:
         """The ReLU decisions of ``output``, the segment's, where the next policy encodes
         it; then its stored copy, made by the same encode, waits for :meth:`claim`.
-        None where the next segment keeps it otherwise (the caller packs the bits)."""
+        None where the next segment keeps it otherwise (the caller packs the bits). The
+        next segment's kept input decides as it is made: :meth:`claim` hands the copy
+        over only where that decision is this one."""
         if not known_non_negative(output) or not should_encode(output, self._made_by):
             return None
-        kept = placed(self._policy, output.device)
-        if kept.codec.lossless:
-            return None
+        kept = placed(self._policy, output.device)  # a lossy codec: run_chain's _boundaries
         packed, bits = kept.codec.encode_with_signs(output.detach())
         self._copy = stored_copy(kept, output, packed)
         self._tensor, self._version, self._kept = output, version(output), kept

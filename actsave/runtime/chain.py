@@ -82,13 +82,9 @@ def run_chain(chain: nn.Module, input, layers: list, segments: list, policies: l
     state = ChainState([layers[s.start:s.stop] for s in segments if s.checkpointed and s.nested is None])
     boundaries = _boundaries(segments, policies, caller)  # NOTE [ Decisions at a boundary ]
     try:
-        before = None
-        for segment, policy, after in zip(segments, policies, boundaries):
+        for segment, policy, before, after in zip(segments, policies, [None, *boundaries], boundaries):
             input = _run_segment(layers, segment, policy, input, caller, state, call, (before, after))
-            if before is not None:
-                before.discard()  # a copy this segment did not claim
-            before = after
-    finally:
+    finally:  # a copy no segment claimed, where one raised
         for boundary in boundaries:
             if boundary is not None:
                 boundary.discard()

@@ -160,11 +160,7 @@ class _KeptTensor:
         non_negative = known_non_negative(tensor)
         shared = not (private_copy and self.codec.aliases_input)  # NOTE [ One stored copy per kept tensor ]
         key = sharing_key(tensor, kept, non_negative, self.requires_grad) if shared else None
-        def make():  # the copy the segment before made with its decisions, where it did
-            claimed = None if boundary is None else boundary.claim(tensor, kept, non_negative)
-            return _stored_copy(kept, source, tensor, non_negative) if claimed is None else claimed
-
-        self._copy, made = SHARED.held(key, make)
+        self._copy, made = SHARED.held(key, lambda: _claimed_or_stored(boundary, kept, source, tensor, non_negative))
         self.storage = self._copy.storage
         self.nbytes = self._copy.nbytes if made else 0  # what this call adds to kept_bytes()
         # An aliased input changed in place after this point would be recomputed from
@@ -215,6 +211,14 @@ class _KeptTensor:
     def release(self) -> None:
         self._watched = None
         self._release()
+
+
+def _claimed_or_stored(boundary, kept: KeepPolicy, source: torch.Tensor, tensor: torch.Tensor,
+                       non_negative: bool) -> StoredCopy:
+    """The copy the segment before made of ``tensor`` with its decisions, where it did
+    (``boundary``: NOTE [ Decisions at a boundary ]), else a new one (_stored_copy)."""
+    claimed = None if boundary is None else boundary.claim(tensor, kept, non_negative)
+    return _stored_copy(kept, source, tensor, non_negative) if claimed is None else claimed
 
 
 def _stored_copy(kept: KeepPolicy, source: torch.Tensor, tensor: torch.Tensor, non_negative: bool) -> StoredCopy:
@@ -287,8 +291,8 @@ class KeptInputs:
 
     ``made_by``: the inputs were made by the layers of a chain before them, whose
     caller holds these tensors (:func:`should_encode`). ``boundary``: the chain's
-    Boundary before the segment, whose copy of its input it claims (boundaries.py, NOTE
-    [ Decisions at a boundary ]).
+    Boundary before the segment, whose copy of its input it claims or lets go of
+    (boundaries.py, NOTE [ Decisions at a boundary ]).
     """
 
     def __init__(self, args: tuple, kwargs: dict, policy: KeepPolicy, private_copy: bool,
@@ -300,6 +304,8 @@ class KeptInputs:
         self._leaves = kept_leaves(leaves, keep, lambda t: should_encode(t, made_by))
         self._tensors = [leaf for leaf in self._leaves if isinstance(leaf, _KeptTensor)]
         self._tensors += list({id(a.aliases): a.aliases.kept for a in self._leaves if isinstance(a, AliasOf)}.values())
+        if boundary is not None:
+            boundary.discard()  # a copy no input claimed, let go before the segment's forward
         self._attached = []
         self._attached_bytes = None  # their _GrowingAccount, from the first attach
         self._decisions = None  # the attached tensors once on the host, one group
