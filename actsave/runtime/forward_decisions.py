@@ -1,8 +1,9 @@
 """The decisions a checkpointed forward keeps for its lossy recompute (function.py):
 its ReLU outputs' signs (relu_signs.py), its max pools' windows (pool_decisions.py)
-and its Hardtanh and LeakyReLU modules' bounds (bound_decisions.py), attached to the kept inputs (in the same place, offloaded with
-them) and taken again by the recompute's saves. One per lossy forward; an exact
-recompute decides as the forward did, and keeps none."""
+and its Hardtanh and LeakyReLU modules' bounds (bound_decisions.py), attached to the
+kept inputs (in the same place, offloaded with them) and taken again by the
+recompute's saves. One per lossy forward; an exact recompute decides as the forward
+did, and keeps none."""
 from __future__ import annotations
 
 import contextlib

@@ -129,13 +129,13 @@ def compared_by_backward(node, backward) -> bool:
     with its input, or a tensor the forward made that input from (the input itself
     included), which a lossy codec keeps exactly (NOTE [ Saves a backward compares ] in
     keep_rules.py); only where the ``backward`` graph reads the result (a softmax
-    decomposed into an amax does not: its backward reads the softmax's output). Not only the input: the partitioner may save the result and an
-    earlier tensor, and recompute the input from that one in the backward (a GELU's
-    output from its input), where the comparison then reads it. Asked of the whole
-    storage (every view of it), as attention_holds is: its saves are stored alike. Only
-    the plain segment's own ops are followed (STORED): not the codecs' ops that the
-    hooks add to the graph between a save's encoding and its decoding, which would
-    change the answer."""
+    decomposed into an amax does not: its backward reads the softmax's output). Not
+    only the input: the partitioner may save the result and an earlier tensor, and
+    recompute the input from that one in the backward (a GELU's output from its input),
+    where the comparison then reads it. Asked of the whole storage (every view of it),
+    as attention_holds is: its saves are stored alike. Only the plain segment's own ops
+    are followed (STORED): not the codecs' ops that the hooks add to the graph between a
+    save's encoding and its decoding, which would change the answer."""
     reaches = _reaching_compared(node.graph, backward)
     return _compared_walk(_views_of(_base(node)), reaches, backward)
 

@@ -84,3 +84,14 @@ def test_a_tensor_whose_memory_holds_its_negation_is_encoded_as_its_values(fmt):
     launcher, reference = _encoders(fmt)
     for got, expected in zip(launcher(x, signs=True), reference(x.resolve_neg(), signs=True)):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", UNSIGNED_FORMATS)
+def test_cuda_codes_scales_and_bits_are_the_references(fmt, input_case, group_size, assert_same_bits):
+    # Compiled for the GPU, the decisions come from a float compare (x <= 0) where the
+    # ReLU kernels read bits: NaN and -0.0 among the input cases.
+    launcher, reference = _encoders(fmt)
+    for got, expected in zip(launcher(input_case.cuda(), group_size=group_size, signs=True),
+                             reference(input_case, group_size=group_size, signs=True)):
+        assert_same_bits(got.cpu(), expected)

@@ -6,6 +6,7 @@ from torch import nn
 
 import actsave
 from actsave.runtime import chain
+from actsave.runtime.boundaries import Boundary
 from actsave.triton_kernels import _launch
 
 
@@ -31,6 +32,13 @@ def step(codec: str, **kwargs) -> tuple:
     return [p.grad for p in model.parameters()], kept
 
 
+def claims(monkeypatch) -> list:
+    """The copies the segments claim from their boundaries (None where one did not)."""
+    claimed, real = [], Boundary.claim
+    monkeypatch.setattr(Boundary, "claim", lambda *a: claimed.append(real(*a)) or claimed[-1])
+    return claimed
+
+
 def launches(monkeypatch) -> list:
     launched, real = [], _launch.launch
     monkeypatch.setattr(_launch, "launch", lambda kernel, *a, **k: launched.append((_launch.kernel_name(kernel),
@@ -42,8 +50,10 @@ def launches(monkeypatch) -> list:
 @pytest.mark.parametrize("codec", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gradients_and_kept_bytes_are_those_of_the_separate_calls(codec, backend, monkeypatch):
+    claimed = claims(monkeypatch)
     with actsave.set_backend(backend):
         handed = step(codec)
+        assert len([copy for copy in claimed if copy is not None]) == 1  # the second segment's output
         monkeypatch.setattr(chain, "_boundaries", lambda segments, policies, caller: [None] * len(segments))
         apart = step(codec)
     assert all(torch.equal(a, b) for a, b in zip(handed[0], apart[0]))
@@ -89,18 +99,23 @@ class _Subtract(nn.Module):
 
 
 def test_a_relu_output_changed_in_place_after_its_save_keeps_the_decisions_it_was_saved_with(monkeypatch):
-    # The segment does not end on the ReLU layer: its decisions are packed as the ReLU
-    # saves its output, before the subtraction changes their signs.
+    # The second segment's last layer is not its ReLU: its decisions are packed as the
+    # ReLU saves its output, before the subtraction changes their signs. Its output,
+    # the next segment's kept input, is no ReLU's: a boundary that hands on no copy.
     def gradients():
         torch.manual_seed(0)
         layers = [nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                   _Subtract(), nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
                   nn.Linear(4 * 6 * 6, 3)]
-        model = actsave.CheckpointedSequential(*layers, segments=[0, 1, 5], compress="int8")
+        model = actsave.CheckpointedSequential(*layers, segments=[0, 1, 5, 8], compress="int8")
         model(torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1))).square().mean().backward()
         return [p.grad for p in model.parameters()]
 
+    made = []
+    real = chain._boundaries
+    monkeypatch.setattr(chain, "_boundaries", lambda *a: made.append(real(*a)) or made[-1])
     handed = gradients()
+    assert made[0][1] is not None  # after the second segment
     monkeypatch.setattr(chain, "_boundaries", lambda segments, policies, caller: [None] * len(segments))
     assert all(torch.equal(a, b) for a, b in zip(handed, gradients()))
 
@@ -115,7 +130,9 @@ def test_a_simulated_cuda_step_holds_the_bytes_it_held_apart(offload, monkeypatc
         estimate = actsave.estimate(model, (16, 3, 6, 6), device="cuda")
         return estimate.activation_peak_bytes, estimate.host_peak_bytes
 
+    claimed = claims(monkeypatch)
     handed = estimated()
+    assert len([copy for copy in claimed if copy is not None]) == 1  # the second segment's: the last stores its saves
     monkeypatch.setattr(chain, "_boundaries", lambda segments, policies, caller: [None] * len(segments))
     assert handed == estimated()
     assert (handed[1] > 0) == offload
