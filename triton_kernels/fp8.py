@@ -364,7 +364,7 @@ def encode_fp8_ref(x, fmt, group_size=DEFAULT_GROUP_SIZE, means=None, sums=None,
     lacks, are written on the bits (``_unsigned_codes_ref``)."""
     spec = _format(fmt)
     if signs:  # NOTE [ Signs from the encoder's read ]
-        check_signs(spec is not getattr(spec, "signed", spec), means, sums)
+        check_signs(isinstance(spec, _UnsignedFp8Format), means, sums)
         return (*encode_fp8_ref(x, fmt, group_size), pack_relu_signs_ref(x))
     signed = getattr(spec, "signed", spec)
     source, flat = centered_input_ref(x, group_size, means, sums)

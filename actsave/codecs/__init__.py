@@ -186,21 +186,26 @@ class GroupCodec(Codec):
         self.expected_gradient_sqnr_db = expected_gradient_sqnr_db
 
     def encode(self, x: torch.Tensor, non_negative: bool = False) -> Packed:
-        source = _as_kernels_read(x)
-        offsets = None if non_negative else channel_sums(source)
-        kernel = kernel_table()[self._format(non_negative), "encode"]
-        encode = implementation(kernel, source)
-        codes, scales = encode(source, **kernel.format_args, group_size=GROUP_SIZE, sums=offsets)
-        return Packed(codes, scales, x.shape, x.dtype, non_negative, offsets, kept_strides(x))
+        packed, _ = self._encoded(x, non_negative, signs=False)
+        return packed
 
     def encode_with_signs(self, x: torch.Tensor) -> tuple:
         if x.dtype not in SUPPORTED_DTYPES:  # float64, stored as float32: its decisions are its own
             return super().encode_with_signs(x)
-        source = _as_kernels_read(x)  # row-major, as the decisions are packed
-        kernel = kernel_table()[self._format(True), "encode"]
+        return self._encoded(x, True, signs=True)
+
+    def _encoded(self, x: torch.Tensor, non_negative: bool, signs: bool) -> tuple:
+        """``(packed, bits)``, bits None without ``signs``: the kernel table's encoder on
+        ``x`` as the kernels read it (row-major, as the decisions are packed too)."""
+        source = _as_kernels_read(x)
+        offsets = None if non_negative else channel_sums(source)
+        kernel = kernel_table()[self._format(non_negative), "encode"]
         encode = implementation(kernel, source)
-        codes, scales, bits = encode(source, **kernel.format_args, group_size=GROUP_SIZE, signs=True)
-        return Packed(codes, scales, x.shape, x.dtype, True, None, kept_strides(x)), bits
+        if signs:
+            codes, scales, bits = encode(source, **kernel.format_args, group_size=GROUP_SIZE, signs=True)
+        else:
+            (codes, scales), bits = encode(source, **kernel.format_args, group_size=GROUP_SIZE, sums=offsets), None
+        return Packed(codes, scales, x.shape, x.dtype, non_negative, offsets, kept_strides(x)), bits
 
     def decode(self, packed: Packed) -> torch.Tensor:
         """The tensor ``packed`` stands for, in the input's layout: where that is not

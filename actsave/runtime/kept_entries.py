@@ -100,9 +100,11 @@ class _Encoded(_Entry):
 
     def __init__(self, codec: Codec, tensor: torch.Tensor, non_negative: bool, keep_signs: bool,
                  bounds: Optional[Bounds] = None):
-        # A ReLU output that keeps its decisions (so non-negative): codes and bits from one read.
-        packed, *signs = codec.encode_with_signs(tensor.detach()) if keep_signs else \
-            (codec.encode(tensor.detach(), non_negative=non_negative),)
+        if keep_signs:  # a ReLU output (so non-negative): codes and decisions from one read
+            packed, bits = codec.encode_with_signs(tensor.detach())
+            signs = [bits]
+        else:
+            packed, signs = codec.encode(tensor.detach(), non_negative=non_negative), []
         tensors = packed.tensors()
         self.codec, self._names, self._metadata = codec, list(tensors), packed.metadata()
         # Per kept tensor after the codes, what its bits decide: None for ReLU signs, else the bounds.
