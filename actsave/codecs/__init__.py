@@ -234,15 +234,12 @@ def _relu_signs(x: torch.Tensor) -> torch.Tensor:
 
 
 def _as_kernels_read(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernels read it: its values in memory, row-major (a copy where ``x``
-    is not contiguous, which the kernels would otherwise make themselves), float64 as
-    float32. Its channel means are those of ``x``'s contiguous copy, bit for bit: a mean
-    reduced in another memory order may round otherwise."""
-    # A tensor with the negative bit set (``torch._neg_view``, the ``.imag`` of a
-    # ``conj()`` view) holds the negation of what memory says, and contiguous() keeps
-    # the bit: the kernels read memory, so it is resolved first (a copy, only there).
-    # The conjugate bit concerns complex tensors, which no codec takes.
-    x = x.resolve_neg()
+    """``x`` as the kernels read it: row-major (a copy where ``x`` is not contiguous,
+    which the kernels would otherwise make themselves), float64 as float32. Its channel
+    means are those of ``x``'s contiguous copy, bit for bit: a mean reduced in another
+    memory order may round otherwise. A negative bit (``torch._neg_view``) stays: the
+    launchers read such a tensor's values (triton_kernels/_tile.py, kernel_input), the
+    references and the means its values anyway."""
     if x.dtype == torch.float64:
         return x.to(torch.float32, memory_format=torch.contiguous_format)
     return x.contiguous()

@@ -325,8 +325,8 @@ def test_compiled_wrapped_blocks_keep_by_a_codec_when_the_batch_changes():
 
 def test_finding_compared_saves_reads_each_op_of_a_stored_segment_a_bounded_number_of_times(monkeypatch):
     # graph_saves.compared_by_backward answers every save from one pass over the graph:
-    # the reductions it asks about grow with the segment's ops, not with saves x ops
-    # (16 layers asked 3,224 times where 4 asked 224, 14x for 4x the layers).
+    # the ops it asks about grow with the segment's ops, not with saves x ops (a walk
+    # per save grew 14x for 4x the layers).
     from actsave.runtime import graph_saves
 
     asked = []
