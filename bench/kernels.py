@@ -13,7 +13,10 @@ Layouts, the ones training stores (GroupCodec.encode; NOTE [ Channel centering ]
   c8x8        N, C, 8, 8 (channel_size 64, not a multiple of 128: groups span channels)
   c14x14      N, C, 14, 14 (channel_size 196, not a multiple of 16: a run may cross
               into the next channel, RUN_CHANNELS 2)
-  relu32x32   N, C, 32, 32 ReLU outputs on the unsigned grid (uint8, ue4m4, ue5m3)
+  relu32x32   N, C, 32, 32 ReLU outputs on the unsigned grid (uint8, ue4m4, ue5m3);
+              also encoded with their ReLU decisions from the same read (``signs=True``,
+              NOTE [ Signs from the encoder's read ]: metrics ``encode_signs``), against
+              an encode and a pack (rows ``relu_signs``) apart
 
 On CUDA each measurement is the median over batches of GPU time per call: a batch is
 ``--repeats`` calls queued back to back behind a GPU sleep long enough for the host to
@@ -117,6 +120,11 @@ class Codec:
         function = self._encode.reference if reference else self._encode.launcher
         return function(x, **self._encode.format_args, sums=sums)
 
+    def encode_with_signs(self, x, reference=False):
+        """``(codes, scales, bits)`` of a ReLU output (the unsigned layout's)."""
+        function = self._encode.reference if reference else self._encode.launcher
+        return function(x, **self._encode.format_args, signs=True)
+
     def decode(self, codes, scales, x, sums, reference=False):
         function = self._decode.reference if reference else self._decode.launcher
         return function(codes, scales, **self._decode.format_args, dtype=x.dtype, sums=sums,
@@ -137,7 +145,17 @@ def check_against_reference(codec: Codec, x: torch.Tensor, sums) -> tuple:
     if not (torch.equal(codes, ref_codes) and torch.equal(bits(scales), bits(ref_scales))
             and torch.equal(bits(decoded), bits(expected))):
         raise AssertionError(f"{codec.format} on {x.dtype} {tuple(x.shape)}: kernel differs from reference")
+    if codec.layout.unsigned:
+        check_signs_against_reference(codec, x)
     return codes, scales
+
+
+def check_signs_against_reference(codec: Codec, x: torch.Tensor) -> None:
+    """Encode a ReLU output with its decisions; raise unless codes, scales and bits equal
+    the references'."""
+    got, expected = codec.encode_with_signs(x), codec.encode_with_signs(x, reference=True)
+    if not all(torch.equal(bits(a), bits(b)) for a, b in zip(got, expected)):
+        raise AssertionError(f"{codec.format} with signs on {x.dtype} {tuple(x.shape)}: kernel differs from reference")
 
 
 class GpuTimer:
@@ -239,11 +257,13 @@ def measure(codec_name: str, layout_name: str, dtype: torch.dtype, numel: int, c
           timer)
     if codec.layout.centered:  # one read of the tensor, before encoding (channel_sums)
         row["means_ms"] = timer(lambda: codec.sums(next_input()))[0] * 1e3
+    if codec.layout.unsigned:  # and one bit per value written
+        timed(row, "encode_signs", lambda: codec.encode_with_signs(next_input()), moved + -(-x.numel() // 8), timer)
     return row
 
 
 UNITS = {"bytes_ratio": "x", "copy_gbps": "GB/s",
-         **{f"{step}_{metric}": unit for step in ("encode", "decode", "pack", "restore")
+         **{f"{step}_{metric}": unit for step in ("encode", "decode", "encode_signs", "pack", "restore")
             for metric, unit in (("ms", "ms"), ("gbps", "GB/s"), ("pct_copy", "%"), ("host_us", "us"))},
          "means_ms": "ms"}
 

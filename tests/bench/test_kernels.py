@@ -71,12 +71,14 @@ def test_kernels_bench_times_copy_encode_decode_and_means_of_each_case(kernels_b
             return 1e-3, 1e-5
 
     row = kernels_bench.measure("fp8_e4m3", "c8x8", torch.float32, 1024, 4, torch.device("cpu"), Timer())
-    assert set(row) == set(kernels_bench.UNITS) - {f"{step}_{metric}" for step in ("pack", "restore")
+    assert set(row) == set(kernels_bench.UNITS) - {f"{step}_{metric}" for step in ("encode_signs", "pack", "restore")
                                                      for metric in ("ms", "gbps", "pct_copy", "host_us")}
     assert len(calls) == 4  # copy, encode, decode, means
     assert row["encode_pct_copy"] == pytest.approx(100 * row["encode_gbps"] / row["copy_gbps"])
-    flat = kernels_bench.measure("int8", "relu32x32", torch.bfloat16, 4096, 4, torch.device("cpu"), Timer())
-    assert "means_ms" not in flat and flat["decode_host_us"] == pytest.approx(10.0)
+    relu = kernels_bench.measure("int8", "relu32x32", torch.bfloat16, 4096, 4, torch.device("cpu"), Timer())
+    assert "means_ms" not in relu and relu["decode_host_us"] == pytest.approx(10.0)
+    # A ReLU output encoded with its decisions: its values, codes, scales and one bit each.
+    assert relu["encode_signs_gbps"] == pytest.approx((2 * 4096 + 4096 + 4 * 32 + 512) / 1e-3 / 1e9)
 
 
 @pytest.mark.parametrize("decisions", ["measure_relu_decisions", "measure_bound_decisions"])
