@@ -93,7 +93,10 @@ class Kernel(NamedTuple):
     are the format's constexprs the launcher passes to ``jit`` (the launch adds the
     tile's and ``CENTERED``), for builds ahead of time. ``format_args`` and
     ``constexprs`` are plain dicts, shared: read, never changed (a codec call unpacks
-    ``format_args``, and a dict unpacks in half a mapping proxy's time).
+    ``format_args``, and a dict unpacks in half a mapping proxy's time). The unsigned
+    formats' encoders also take ``signs=True`` (no means): ``(codes, scales, bits)``, the
+    bits a ReLU output's decisions from the same read (NOTE [ Signs from the encoder's
+    read ] in _tile.py); ``constexprs`` are those of the plain encode (SIGNS False).
     """
 
     launcher: Callable
