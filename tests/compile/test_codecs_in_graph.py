@@ -63,9 +63,9 @@ class _PlusAmax(nn.Module):
 
 @pytest.mark.parametrize("codec", ["int8", "fp8_e4m3"])
 def test_a_compiled_stored_segment_leaves_exact_what_an_amax_compares(codec):
-    # NOTE [ Saves a backward compares ]: the graph saved the amax's result and the
-    # GELU's input, and recomputed the amax's input from that decoded: every gradient
-    # NaN (4,160 elements).
+    # NOTE [ Saves a backward compares ]: the graph saves the amax's result and the
+    # GELU's input, and recomputes the amax's input from that: decoded, the comparison
+    # matches no element and the gradients are NaN.
     def layers():
         torch.manual_seed(0)
         return [nn.Linear(64, 64), nn.GELU(), _PlusAmax(), nn.Linear(64, 64)]
@@ -88,8 +88,8 @@ class _Stabilized(nn.Module):
 
 
 def test_a_compiled_stored_segment_encodes_what_a_detached_amax_reads():
-    # Only a reduction whose result the backward reads compares: held exactly before,
-    # the segment kept 2.4x the bytes of the same one with a mean.
+    # Only a reduction whose result the backward reads compares: a detached amax holds
+    # nothing exactly, so the segment keeps what the same one with a mean keeps.
     x = torch.randn(8, 32, 64)
     kept = []
     for reduce in (lambda h: h.amax(-1, keepdim=True), lambda h: h.mean(-1, keepdim=True)):
@@ -326,7 +326,7 @@ def test_compiled_wrapped_blocks_keep_by_a_codec_when_the_batch_changes():
 def test_finding_compared_saves_reads_each_op_of_a_stored_segment_a_bounded_number_of_times(monkeypatch):
     # graph_saves.compared_by_backward answers every save from one pass over the graph:
     # the ops it asks about grow with the segment's ops, not with saves x ops (a walk
-    # per save grew 14x for 4x the layers).
+    # per save is quadratic in them).
     from actsave.runtime import graph_saves
 
     asked = []
