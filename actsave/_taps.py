@@ -38,9 +38,10 @@ class FunctionTap:
         return self._swap.original
 
     def push(self, handler) -> None:
-        """:meth:`handled` without a context (a hot path's): :meth:`pop` must follow."""
-        self._stack().append(handler)
+        """:meth:`handled` without a context (a hot path's): :meth:`pop` must follow.
+        The swap opens first, so a push that raises leaves no handler to pop."""
         self._swap.open()
+        self._stack().append(handler)
 
     def pop(self) -> None:
         self._swap.close()

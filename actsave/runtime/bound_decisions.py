@@ -162,12 +162,14 @@ class BoundWatch:
             return
         running = _running()
         depth = len(running)
-        for tap, handler in _TAPPED:  # pushed, not entered: a context each cost more host time than the taps
-            tap.push(handler)
+        pushed = []  # popped on the way out, however far the pushes got
         try:
+            for tap, handler in _TAPPED:  # pushed, not entered: a context each cost more host time than the taps
+                tap.push(handler)
+                pushed.append(tap)
             yield self
         finally:
-            for tap, _ in reversed(_TAPPED):
+            for tap in reversed(pushed):
                 tap.pop()
             del running[depth:]
 

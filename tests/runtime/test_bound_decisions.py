@@ -298,3 +298,25 @@ def test_forced_triton_keeps_and_restores_each_clamps_decisions_in_one_launch_ea
         by_kernels = gradients()
     assert all(torch.equal(a, b) for a, b in zip(by_kernels, gradients()))
     assert [launched.count(kernel) for kernel in ("_pack_bounds_kernel", "_restore_bounds_kernel")] == [8, 8]
+
+
+def test_a_watch_whose_pushes_fail_part_way_leaves_every_clamp_untapped(monkeypatch):
+    # The watch pushes a handler on each clamp's tap as it opens; one that raises part
+    # way must leave the taps pushed before it popped, and itself nothing to pop.
+    import torch.nn.functional as F
+
+    from actsave._taps import CLAMPS
+    from actsave.runtime.bound_decisions import BoundWatch
+
+    originals = {name: getattr(F, name) for name in CLAMPS}
+    failing = CLAMPS["threshold"]._swap
+
+    def refuse():
+        raise RuntimeError("swap refused")
+
+    monkeypatch.setattr(failing, "open", refuse)
+    with pytest.raises(RuntimeError, match="swap refused"):
+        with BoundWatch().watching():
+            pass
+    assert {name: getattr(F, name) for name in CLAMPS} == originals
+    assert all(not tap._stack() for tap in CLAMPS.values())
