@@ -69,6 +69,14 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a CUDA graph
+    (``torch.cuda.graph``): then nothing may wait for the device, nor ask it whether
+    work is done (offload/pool.py, NOTE [ Host buffers of a captured graph ]). False
+    without CUDA."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def convolution_workspaces(device) -> bool:
     """Whether convolutions on ``device`` take workspaces from its allocator that no
     tensor holds (cuDNN's), which meta kernels do not ask for: NOTE [ Workspaces an

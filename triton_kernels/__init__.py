@@ -51,8 +51,10 @@ def general_path():
 
 def on_general_path() -> bool:
     """Whether the references must take their general path now (:func:`general_path`,
-    or a trace by Dynamo)."""
-    return torch.compiler.is_compiling() or getattr(_this_thread, "depth", 0) > 0
+    a trace by Dynamo, or a CUDA graph being captured, where reading a value back to
+    choose a path is a device sync that the capture refuses)."""
+    return (torch.compiler.is_compiling() or getattr(_this_thread, "depth", 0) > 0
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
 
 
 # The dtypes the kernels encode from and decode to (float64 goes through float32 in

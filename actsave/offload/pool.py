@@ -8,7 +8,22 @@ buffers: every step of the schedule allocates as it would, without memory. A tra
 of device memory (live_bytes.LiveBytes) leaves the host buffers out where the host's
 memory is separate (devices.host_is_separate): :func:`is_host_memory` tells them
 apart. A buffer is lent again only once the last copy that touched it has finished
-(NOTE [ Offload stream ordering ], rule 4, in copy_engines.py).
+(NOTE [ Offload stream ordering ], rule 4, in copy_engines.py), and never where a CUDA
+graph captured it (NOTE [ Host buffers of a captured graph ]).
+
+NOTE [ Host buffers of a captured graph ]
+A CUDA graph (``torch.cuda.graph``) records each copy with its host address, and every
+replay writes and reads those addresses again. So, while the current stream captures:
+1. No event is asked whether it finished, nor waited for: CUDA refuses both during a
+   capture (PyTorch's own allocators skip their event queries then), and an event
+   recorded in a capture cannot be asked afterwards either.
+2. Each buffer lent is a new one (PyTorch's pinned allocator places it in the graph's
+   private host pool), never an idle one: the pool cannot tell, without asking an
+   event, that an idle buffer's copies of the eager steps before are done.
+3. Given back, it is the graph's for good: kept by the pool, counted in use, never lent
+   again nor freed, since a replay may write it at any later time.
+Capture after eager warm-up steps at the same shapes (torch's recipe): the pool then
+holds one step's buffers for the eager steps and one for the graph.
 """
 from __future__ import annotations
 
@@ -21,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from ..devices import capturing
 from ..errors import ActsaveError, ConfigError, OffloadPoolExhausted
 from ..settings import undone_on_exit
 from ._settings import is_count
@@ -58,6 +74,8 @@ class HostPool:
         # reentrant); acquire() takes the returns in under the lock.
         self._lent = {}  # id -> size class of each buffer on loan (meta buffers share data_ptr 0)
         self._returns = queue.SimpleQueue()  # (event, buffer) handed back, not taken in yet
+        self._lent_to_graph = {}  # id -> size class of each buffer lent while a capture ran
+        self._graphs = []  # those given back: a captured graph's for good (NOTE above)
         self._lock = threading.Lock()  # guards what follows
         self._idle = defaultdict(list)  # size class -> buffers ready to lend
         self._in_copy = []  # (event, buffer): taken back, a copy may still use the buffer
@@ -91,9 +109,11 @@ class HostPool:
 
     @property
     def in_use_bytes(self) -> int:
-        """Bytes on loan, plus bytes handed back that a copy may still be using."""
+        """Bytes on loan, plus bytes handed back that a copy may still be using, or
+        that a captured CUDA graph keeps."""
         with self._lock:
-            self._take_back(_has_finished)
+            if not capturing():
+                self._take_back(_has_finished)
             return self._in_use()
 
     @property
@@ -109,6 +129,8 @@ class HostPool:
         its capacity, even after waiting for the buffers copies still use.
         """
         size = self.size_class(nbytes)
+        if capturing():
+            return self._acquire_for_graph(size, nbytes)
         with self._lock:
             self._take_back(_has_finished)
             if not self._idle[size] and not self._fits(size):
@@ -120,6 +142,13 @@ class HostPool:
             self._lent[id(buffer)] = size
         return buffer
 
+    def _acquire_for_graph(self, size: int, asked: int) -> torch.Tensor:
+        """A new buffer, asking no event (NOTE [ Host buffers of a captured graph ])."""
+        with self._lock:
+            buffer = self._allocate(size, asked, for_graph=True)
+            self._lent_to_graph[id(buffer)] = size
+        return buffer
+
     def release(self, buffer: torch.Tensor, after=None) -> None:
         """Take back a buffer lent by :meth:`acquire` (the tensor it returned). Safe to
         call from finalizers.
@@ -128,6 +157,9 @@ class HostPool:
         ``query()`` and ``synchronize()``, as ``torch.cuda.Event``); the buffer is lent
         again only once that event has completed. ``None``: reusable at once.
         """
+        if self._lent_to_graph.pop(id(buffer), None) is not None:
+            self._graphs.append(buffer)  # list.append: safe in a finalizer
+            return
         if self._lent.pop(id(buffer), None) is None:
             raise ActsaveError(
                 "this buffer is not on loan from this host pool: it was released "
@@ -165,7 +197,7 @@ class HostPool:
     def _fits(self, size: int) -> bool:
         return self._capacity is None or self._reserved + size <= self._capacity
 
-    def _allocate(self, size: int, asked: int) -> torch.Tensor:
+    def _allocate(self, size: int, asked: int, for_graph: bool = False) -> torch.Tensor:
         if not self._fits(size):
             raise OffloadPoolExhausted(
                 f"the host offload pool cannot lend {asked:,} bytes (a {size:,}-byte "
@@ -173,6 +205,8 @@ class HostPool:
                 f"capacity already, {self._in_use():,} bytes of them in use. Raise the "
                 "capacity with actsave.offload.set_host_pool_capacity(nbytes) (None: no "
                 "limit), or offload fewer layers."
+                + (" A CUDA graph being captured takes new buffers, kept for its replays: "
+                   "about one step's offloaded bytes beside the eager steps'." if for_graph else "")
             )
         pin = self._device.type == "cpu" and (torch.cuda.is_available() if self._pin is None else self._pin)
         with _allocating_host_memory():
@@ -183,8 +217,10 @@ class HostPool:
         return buffer
 
     def _in_use(self) -> int:
-        lent = sum(self._lent.copy().values())  # a copy: release() may change it meanwhile
-        return lent + sum(buffer.numel() for _, buffer in self._in_copy)
+        # Copies: release() may change them meanwhile.
+        lent = sum(self._lent.copy().values()) + sum(self._lent_to_graph.copy().values())
+        graphs = sum(buffer.numel() for buffer in list(self._graphs))
+        return lent + graphs + sum(buffer.numel() for _, buffer in self._in_copy)
 
 
 def _has_finished(event) -> bool:

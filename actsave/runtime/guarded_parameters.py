@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from .._torch import own_tensors
+from ..devices import capturing
 from ..errors import RecomputeError
 
 
@@ -54,7 +55,15 @@ class GuardedParameters:
 
     def check(self) -> None:
         """Put each parameter back as the forward left it; raise where the recompute
-        changed one by more than rounding."""
+        changed one by more than rounding. Comparing reads values back, a sync that a
+        CUDA graph's capture refuses: there it raises instead, naming the parameter."""
+        if self._entries and capturing():
+            module, name = self._entries[0][:2]
+            raise RecomputeError(
+                f"a checkpointed forward changed parameter '{name}' of {type(module).__name__} in place, which its "
+                "recompute must compare with what the forward left, reading values back: a CUDA graph's capture "
+                "cannot. Change the parameter outside the checkpointed call, or capture without checkpointing "
+                "this module.")
         moved = [entry for entry in self._entries if not torch.equal(entry[2], entry[3])]
         changed = [(module, name) for module, name, parameter, value in moved if not _rounding_apart(parameter, value)]
         with torch.no_grad():

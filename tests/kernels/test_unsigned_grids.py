@@ -73,3 +73,16 @@ def test_references_on_the_general_path_read_no_value_and_give_the_eager_bits(fm
         traced_encode = make_fx(encode, tracing_mode="fake")(x)
         traced_decode = make_fx(lambda c, s: decode(c, s, dtype=torch.float32), tracing_mode="fake")(codes, scales)
     _assert_traced_gives_eager_bits(traced_encode, traced_decode, decode, x, codes, scales)
+
+
+@pytest.mark.parametrize("fmt", ["int8", *UNSIGNED_VARIANT.values()])
+def test_references_read_no_value_while_a_cuda_graph_is_captured(fmt, monkeypatch):
+    # A value read back during a capture is a sync the capture refuses: the references
+    # take their general path then too (on_general_path). make_fx fails on a read.
+    encode, decode, x, codes, scales = _references_and_their_eager_bits(fmt)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    traced_encode = make_fx(encode, tracing_mode="fake")(x)
+    traced_decode = make_fx(lambda c, s: decode(c, s, dtype=torch.float32), tracing_mode="fake")(codes, scales)
+    monkeypatch.undo()
+    _assert_traced_gives_eager_bits(traced_encode, traced_decode, decode, x, codes, scales)

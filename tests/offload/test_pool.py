@@ -5,14 +5,18 @@ import threading
 
 import pytest
 import torch
+from torch import nn
 
-from actsave import ActsaveError, ConfigError
+from actsave import ActsaveError, CheckpointedSequential, ConfigError
 from actsave.offload import (
+    HostCopyEngine,
     HostPool,
     OffloadPoolExhausted,
     host_pool,
     set_host_pool_capacity,
 )
+from actsave.offload import offloaded as offloaded_module
+from actsave.offload import pool as pool_module
 
 from offload.helpers import KiB, FakeEvent
 
@@ -179,3 +183,110 @@ def test_set_host_pool_capacity_sets_the_default_pool_and_restores_in_a_with():
     with pytest.raises(ConfigError):
         set_host_pool_capacity(-5)
     assert host_pool().capacity_bytes == before
+
+
+class RefusedEvent(FakeEvent):
+    """An event CUDA may not be asked about: one of a capture, or any during one."""
+
+    def query(self):
+        raise AssertionError("an event was asked whether it finished during a capture")
+
+    def synchronize(self):
+        raise AssertionError("an event was waited for during a capture")
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    """While ``capture[0]`` is true, the pool sees a CUDA graph being captured."""
+    state = [False]
+    monkeypatch.setattr(pool_module, "capturing", lambda: state[0])
+    return state
+
+
+def test_a_capture_asks_no_event_and_takes_a_new_buffer(capture):
+    # NOTE [ Host buffers of a captured graph ], rules 1 and 2: an idle buffer and one
+    # whose copy may still run are both passed over, no event asked.
+    pool = HostPool(capacity_bytes=3 * 4 * KiB)
+    idle, copying = pool.acquire(4 * KiB), pool.acquire(4 * KiB)
+    pool.release(idle)
+    pool.release(copying, after=RefusedEvent())
+    capture[0] = True
+    lent = pool.acquire(4 * KiB)
+    assert lent.data_ptr() not in {idle.data_ptr(), copying.data_ptr()}
+    with pytest.raises(OffloadPoolExhausted, match="CUDA graph being captured takes new buffers"):
+        pool.acquire(4 * KiB)  # at capacity: no waiting for the copy, no freeing
+
+
+def test_a_buffer_a_capture_took_is_the_graphs_for_good(capture):
+    # Rule 3: every replay writes it, so it is never lent again, nor its event asked.
+    pool = HostPool()
+    capture[0] = True
+    captured = pool.acquire(4 * KiB)
+    pool.release(captured, after=RefusedEvent())
+    capture[0] = False
+    assert pool.in_use_bytes == 4 * KiB
+    later = [pool.acquire(4 * KiB) for _ in range(3)]
+    assert captured.data_ptr() not in {buffer.data_ptr() for buffer in later}
+    for buffer in later:
+        pool.release(buffer)
+    assert pool.in_use_bytes == 4 * KiB and pool.reserved_bytes == 4 * 4 * KiB
+    with pytest.raises(ActsaveError, match="not on loan"):
+        pool.release(captured)
+
+
+class _CaptureEvent(FakeEvent):
+    """A finished copy's event, which may not be asked about during a capture, nor
+    afterwards where a capture recorded it (as CUDA's)."""
+
+    def __init__(self, capture):
+        super().__init__(done=True)
+        self.capture, self.recorded_in_capture = capture, capture[0]
+
+    def query(self):
+        assert not self.capture[0], "an event was asked whether it finished during a capture"
+        assert not self.recorded_in_capture, "an event a capture recorded was asked whether it finished"
+        return True
+
+    def synchronize(self):
+        assert not (self.capture[0] or self.recorded_in_capture), "an event was waited for where CUDA refuses it"
+
+
+class _CaptureEngine(HostCopyEngine):
+    def __init__(self, capture):
+        self.capture = capture
+
+    def to_host(self, source, host):
+        super().to_host(source, host)
+        return _CaptureEvent(self.capture)
+
+    def to_device(self, host):
+        return super().to_device(host)[0], _CaptureEvent(self.capture)
+
+
+def test_an_offloaded_step_captured_between_eager_steps_asks_no_event_of_the_capture(capture, monkeypatch):
+    # A whole int8 + offload training step as a capture runs it, between eager steps:
+    # the pool asks no event during it, nor later one it recorded, keeps its buffers
+    # out of circulation, and every step computes the same gradients.
+    pool = HostPool()
+    monkeypatch.setattr(offloaded_module, "copy_engine_for", lambda device: _CaptureEngine(capture))
+    monkeypatch.setattr(offloaded_module, "host_pool_for", lambda device: pool)
+    torch.manual_seed(0)
+    model = CheckpointedSequential(*[layer for _ in range(4) for layer in (nn.Linear(32, 32), nn.ReLU())],
+                                   segments=[0, 2, 4, 6], compress="int8", offload=True)
+    x = torch.randn(8, 32)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        return [parameter.grad for parameter in model.parameters()]
+
+    eager = step()
+    step()
+    capture[0] = True
+    captured = step()
+    capture[0] = False
+    held = pool.in_use_bytes
+    after = [step() for _ in range(2)]
+    for grads in (captured, *after):
+        assert all(torch.equal(a, b) for a, b in zip(eager, grads))
+    assert held > 0 and pool.in_use_bytes == held  # the graph's buffers, kept

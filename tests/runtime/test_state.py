@@ -700,3 +700,14 @@ def test_a_segment_whose_buffers_a_plain_segment_before_it_changed_snapshots_the
     chain.apply_plan(plans.predict(profile, [0, 1, 2, 3], plain=[False, True, False]))
     assert_same_steps(plain, chain, [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step
                                      for step in range(3)])
+
+
+def test_a_parameter_the_forward_changes_raises_in_a_cuda_graph_capture_naming_it(monkeypatch):
+    # Its check reads values back, which a capture refuses: a clear error, not torch's.
+    from actsave.runtime import guarded_parameters
+
+    block = _ShrinksItsWeight()
+    out = actsave.checkpoint(block, torch.randn(4, 8, requires_grad=True))
+    monkeypatch.setattr(guarded_parameters, "capturing", lambda: True)
+    with pytest.raises(actsave.RecomputeError, match="changed parameter 'weight'.*CUDA graph's capture cannot"):
+        out.sum().backward()
