@@ -16,6 +16,9 @@ Phases, each with a progress line and its elapsed time, results written after ea
   checkpoint per block, ``actsave.wrap(model, TransformerBlock)`` default, int8,
   offload, int8+offload. One set of parameters (3.2 GiB with gradients) serves every
   provider: each wraps the same blocks in a container of its own.
+- ``graphs``: ResNet-164 b64 32x32 fp32, torch's checkpoint and every actsave mode,
+  each step eager against the same step captured whole in a CUDA graph and replayed
+  (bench/graphed_steps.py): times and whether the gradients are bit-equal. CUDA only.
 - ``host``: bench/host_overhead.py's cases (ResNet-164 and an 8-block GPT at tiny
   sizes) on the GPU, 10 rounds: steps that are all host work, and the counts (aten
   ops, Triton launches, syncs) on CUDA, where autograd runs backward on its own
@@ -42,11 +45,12 @@ Expected on an H100, from step counts (measured figures replace these once run):
 and imports 15 s; resnet 45 s (7 providers x 13 steps, a round of all 7 about 1.9 s
 at the step times of bench/results/nvidia-h100-80gb-hbm3-step_profile-b512.txt, plus
 planning, Triton compiles and 7 estimates); gpt 20 s (6 x 13 steps of 0.1-0.2 s,
-about 4.4e13 FLOP a plain step); host 20 s (7 x 13 host-bound steps of ResNet-164 b2,
+about 4.4e13 FLOP a plain step); graphs 20 s (6 providers x 2 models, 4 steps
+to capture, then 10 eager steps and 10 replays of a b64 step, about 25 ms eager); host 20 s (7 x 13 host-bound steps of ResNet-164 b2,
 then the counted steps; the GPT's are shorter); kernels 40 s (18 kernel builds, then
-60 timed launches per case), cut at 150 s. About 2.5 minutes, under the stage's 420 s.
+60 timed launches per case), cut at 150 s. About 3 minutes, under the stage's 420 s.
 
-    python bench/gpu_speed.py [--phases resnet,gpt,host,kernels] [--rounds 10] [--smoke]
+    python bench/gpu_speed.py [--phases resnet,gpt,graphs,host,kernels] [--rounds 10] [--smoke]
 """
 from __future__ import annotations
 
@@ -74,13 +78,14 @@ if not torch.cuda.is_available():
 from actsave.planning.live_bytes import LiveBytes  # noqa: E402
 from actsave.text import format_table  # noqa: E402
 
-import harness  # noqa: E402  (bench/ is on sys.path when this script runs)
+import graphed_steps  # noqa: E402  (bench/ is on sys.path when this script runs)
+import harness  # noqa: E402
 import host_overhead  # noqa: E402
 from host_overhead import TORCH_CKPT, DEFAULT, forward_loss, paired_ratio  # noqa: E402
 
 BENCH = "gpu_speed"
 MiB = 2**20
-PHASES = ("resnet", "gpt", "host", "kernels")
+PHASES = ("resnet", "gpt", "graphs", "host", "kernels")
 RESNET_PROVIDERS = ("torch", "torch_ckpt", "actsave_none", "actsave_int8", "actsave_fp8", "actsave_offload",
                     "actsave_int8_offload")
 # Profiled after the ResNet's rounds, on CUDA: where the host time of a step goes.
@@ -95,9 +100,11 @@ GPT_RATIOS = (("actsave_none", "torch_ckpt"), ("actsave_int8", "torch_ckpt"), ("
 SIZES = {  # profile -> the cases' sizes
     "cuda": {"resnet": {"depth": 164, "batch": 512, "image": 32},
              "gpt": {"blocks": 16, "width": 2048, "heads": 16, "vocab": 8192, "seq_len": 2048, "batch": 4},
+             "graphs": {"depth": 164, "batch": 64, "image": 32},
              "host": "resnet164,gpt8", "host_rounds": 10, "kernels": ["--sizes-mib", "64,256", "--repeats", "10"]},
     "smoke": {"resnet": {"depth": 11, "batch": 2, "image": 8},
               "gpt": {"blocks": 2, "width": 32, "heads": 2, "vocab": 64, "seq_len": 16, "batch": 2},
+              "graphs": {"depth": 11, "batch": 2, "image": 8},
               "host": "resnet11,gpt1", "host_rounds": 2, "kernels": ["--smoke"]},
 }
 
@@ -469,6 +476,16 @@ def host_phase(name, rounds, args, device, clock, report, csv, metadata) -> None
     _release(device)
 
 
+def graphs_phase(sizes: dict, args, device, clock, report, failures) -> None:
+    case = host_overhead.resnet_case(sizes["depth"], sizes["batch"], sizes["image"])
+    results = graphed_steps.measure(case, _chosen(graphed_steps.PROVIDERS, args), args.rounds, device, clock.log)
+    report.add(f"eager against CUDA-graphed steps, {case.description}  (wall ms, synchronized; ratio: median of "
+               "per-round ratios)", graphed_steps.table(results) if results else "needs a CUDA device: not measured")
+    failures += [f"graphs {name}: gradients differ from the eager step's" for name, r in results.items()
+                 if r.same_gradients is False]
+    _release(device)
+
+
 def main(argv=None) -> int:
     args = parse_arguments(argv)
     if not args.smoke and not torch.cuda.is_available():
@@ -509,6 +526,9 @@ def main(argv=None) -> int:
             case, _chosen(GPT_PROVIDERS, args), harness.BLOCK_PROVIDERS, GPT_RATIOS, args, device, clock, report, csv,
             metadata, failures))
     _release(device)
+    if "graphs" in args.phases:
+        run_phase(report, failures, "graphs", lambda: graphs_phase(sizes["graphs"], args, device, clock, report,
+                                                                  failures))
     if "host" in args.phases:
         clock.log(f"host: bench/host_overhead.py --models {sizes['host']} --rounds {sizes['host_rounds']} on {device}")
         for name in sizes["host"].split(","):
