@@ -30,7 +30,7 @@ class KeptCall:
     place."""
 
     __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
-                 "skipped", "mutates", "decided_on", "rng_before", "rng_after")
+                 "skipped", "mutates", "decided_on", "rng_before", "rng_after", "buffers")
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
@@ -43,7 +43,8 @@ class KeptCall:
         self.rng_before = self.rng_after = None
         self.views = {}  # slot index -> (argument position, size, stride, offset from the argument's)
         self.skipped = False  # whether the recompute skips it: set as the forward ends
-        self.mutates = False  # whether it changed an argument in place (then it runs again)
+        self.mutates = False  # whether it changed an argument or a buffer in place (then it runs again)
+        self.buffers = ()  # the buffers of the call's modules as it started (BufferVersions), until it ends
         # Whether a later save of its output keeps decisions (a clamp's input, under a
         # lossy codec): it runs again, where the recompute restores them (NOTE [ Bound decisions ]).
         self.decided_on = False
@@ -74,6 +75,20 @@ class KeptCall:
         """Whether the call changed one of its tensor arguments in place: it is run
         again in the recompute, where its argument must change again."""
         return any(version(a.tensor) != a.version for a in self.arguments if a.tensor is not None)
+
+    def mutated_a_buffer(self) -> bool:
+        """Whether the call changed, replaced or removed a buffer of the modules it may
+        touch (a running statistic its module keeps): it is run again in the recompute,
+        which starts from the forward's state and must change the buffer as the forward
+        did before the code after the call reads it."""
+        return any(holder._buffers.get(name) is not buffer or version(buffer) != seen
+                   for holder, name, buffer, seen in self.buffers)
+
+
+def buffer_versions(holders) -> tuple:
+    """``(module, name, buffer, version)`` of each buffer of ``holders`` now."""
+    return tuple((holder, name, buffer, version(buffer)) for holder in holders
+                 for name, buffer in holder._buffers.items() if buffer is not None)
 
 
 class CallArgument:

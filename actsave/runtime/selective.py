@@ -45,7 +45,10 @@ all, and its kept tensors are read as they are.
 Rules that keep it exact:
 - A kept call that changed one of its arguments in place (``nn.ReLU(inplace=True)``
   named in KeptOps) is run again: skipped, the argument the recompute made would stay
-  unchanged.
+  unchanged. So is one that changed a buffer of the modules the call runs under (a
+  Linear that keeps a running mean of its output): the recompute starts from the
+  forward's module state (NOTE [ State a forward reads and mutates ]), and code after
+  the call that reads the buffer must read it changed, as the forward did.
 - A kept call that drew random numbers in the forward (attention with dropout, a
   module named that holds a Dropout) is skipped in the recompute, which replays the
   forward's RNG: the generators are set as that call left them, so the calls after it
@@ -96,7 +99,7 @@ from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState
-from .kept_calls import CallArgument, KeptCall, KeptSave, described, keepable_now
+from .kept_calls import CallArgument, KeptCall, KeptSave, buffer_versions, described, keepable_now
 from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
 
@@ -132,6 +135,9 @@ class SelectiveFrame(CheckpointFrame):
         inputs = input_tensors(*self._forward_inputs)
         self._input_storages = {storage_identity_or_none(t) for t in inputs} - {None}  # kept anyway
         self._transformed = False  # a kept call returned a transform's wrapper, not kept
+        # The modules whose buffers a kept call may change: the call's own module where
+        # the function's modules are not known (functions kept alone need none).
+        self._buffer_holders = None if self.modules is None else [m for _, m in self.modules if m._buffers]
 
     # ------------------------------------------------------------- forward
 
@@ -179,6 +185,10 @@ class SelectiveFrame(CheckpointFrame):
             return
         tensors = input_tensors(args, kwargs)
         self._open = KeptCall(target, len(self.slots), [CallArgument(i, t) for i, t in enumerate(tensors)])
+        holders = self._buffer_holders
+        if holders is None and isinstance(target, nn.Module):
+            holders = [m for m in target.modules() if m._buffers]
+        self._open.buffers = buffer_versions(holders or ())
         # Without preserve_rng_state the recompute draws from the generators as they are
         # (torch's meaning): setting them to a forward-time state would rewind them.
         if self.options.preserve_rng_state and may_draw(target, args, kwargs):
@@ -210,7 +220,8 @@ class SelectiveFrame(CheckpointFrame):
             else:
                 slot.kept = KeptSave(tensor)  # a weight's transpose, attention's statistics
         self._pending = []
-        call.mutates = call.mutated_an_argument()
+        call.mutates = call.mutated_an_argument() or call.mutated_a_buffer()
+        call.buffers = ()  # not held past the call
         for argument in call.arguments:
             argument.tensor = None  # the recompute makes its own; this one is autograd's to free
         self.calls.append(call)
@@ -387,9 +398,10 @@ def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
         return
     _warned.add(key)
     if reason == "changed":
-        why = (f"every output of its calls of {ops.names()} was changed in place after the call (an in-place "
-               "residual: out += x), so those calls run again, and it recomputes everything, as a plain checkpoint "
-               "does. Make the op after the call out of place (out = out + x) to keep its output")
+        why = (f"every call of {ops.names()} had its output changed in place after it (an in-place residual: "
+               "out += x), or changed an argument or a buffer in place itself (a running statistic), so those calls "
+               "run again, and it recomputes everything, as a plain checkpoint does. Make the op after the call out "
+               "of place (out = out + x) to keep its output")
     elif reason == "decided":
         why = (f"the outputs of its calls of {ops.names()} are read by a Hardtanh or LeakyReLU, whose decisions a lossy "
                "recompute takes from the forward's by running those calls again (NOTE [ Bound decisions ]), so it "
