@@ -235,13 +235,17 @@ def _relu_signs(x: torch.Tensor) -> torch.Tensor:
 
 def _as_kernels_read(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the kernels read it: row-major (a copy where ``x`` is not contiguous,
-    which the kernels would otherwise make themselves), float64 as float32. Its channel
-    means are those of ``x``'s contiguous copy, bit for bit: a mean reduced in another
-    memory order may round otherwise. A negative bit (``torch._neg_view``) stays: the
+    which the kernels would otherwise make themselves), float64 as float32, its finite
+    values beyond float32's range at float32's largest (converted, they would be inf,
+    and a finite input never decodes to a non-finite value). Its channel means are
+    those of ``x``'s contiguous copy, bit for bit: a mean reduced in another memory
+    order may round otherwise. A negative bit (``torch._neg_view``) stays: the
     launchers read such a tensor's values (triton_kernels/_tile.py, kernel_input), the
     references and the means its values anyway."""
     if x.dtype == torch.float64:
-        return x.to(torch.float32, memory_format=torch.contiguous_format)
+        largest = torch.finfo(torch.float32).max
+        return torch.where(x.isinf(), x, x.clamp(-largest, largest)).to(torch.float32,
+                                                                       memory_format=torch.contiguous_format)
     return x.contiguous()
 
 

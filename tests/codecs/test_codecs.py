@@ -167,3 +167,19 @@ def test_a_codec_traced_into_one_graph_stores_the_bits_it_stores_eagerly(name):
     traced = torch.compile(round_trip, backend="aot_eager", fullgraph=True)(x)
     for got, expected in zip(traced, round_trip(x)):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("codec", LOSSY_CODECS)
+def test_float64_values_beyond_float32s_range_decode_finite_and_infinities_stay(codec, backend):
+    # float64 goes through float32: a finite value beyond its range is kept at its largest,
+    # never as inf; an inf stays one.
+    largest = torch.finfo(torch.float32).max
+    x = torch.tensor([1.0, 2.0, 1e39, -1e300, *[0.5] * 124], dtype=torch.float64)
+    x = torch.cat([x, torch.tensor([float("inf"), 1.0, -1e39, 3.0] * 32, dtype=torch.float64)])
+    with actsave.set_backend(backend):
+        decoded = get_codec(codec).decode(get_codec(codec).encode(x))
+    assert decoded.dtype == torch.float64 and decoded[128] == float("inf")
+    finite = x.isfinite()
+    assert decoded[finite].isfinite().all()
+    assert decoded[2] > largest / 2 and decoded[3] < -largest / 2  # the group's largest, as its codes round
