@@ -33,6 +33,7 @@ from .._torch import leaf_base, storage_identity, version
 from ..codecs import IDENTITY, Codec, encodable, get_codec
 from ..devices import offloads_from
 from ..errors import ConfigError
+from ..layouts import is_dense
 from ..meta import simulated_device
 
 
@@ -331,12 +332,17 @@ def placed(policy: KeepPolicy, device: torch.device) -> KeepPolicy:
 
 def stored_once_key(tensor: torch.Tensor):
     """What makes saves of one forward share one stored copy: equal keys (the same
-    elements of one storage, contiguous, unchanged since: a tensor saved twice, or a
-    contiguous view of it); None for a non-contiguous tensor, stored anew at each save.
-    The runtime keeps a plain segment's saves by it (kept_saves.py), and the planner's
-    profile counts them by it (planning/saves_as_stored.py)."""
+    elements of one storage, unchanged since: a tensor saved twice, or a contiguous
+    view of a contiguous one; a dense tensor in another layout, channels_last, with the
+    same sizes and strides, which its copy decodes into); None for a tensor that is not
+    dense, stored anew at each save. The runtime keeps a plain segment's saves by it
+    (kept_saves.py), and the planner's profile counts them by it
+    (planning/saves_as_stored.py)."""
     if not tensor.is_contiguous():
-        return None
+        if not is_dense(tensor):
+            return None
+        return (storage_identity(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+                tensor.dtype, version(tensor), tensor.is_neg())
     # The storage object's address, not its data pointer: meta tensors (actsave.estimate)
     # all have data pointer 0. The version: a tensor changed in place between two saves
     # holds other values at the second (h saved, h.tanh_(), h saved again), so the copy

@@ -2,6 +2,7 @@
 takes, which saves a lossy codec leaves exact, and which saves share a stored copy."""
 import pytest
 import torch
+from torch import nn
 
 import actsave
 from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, sqnr_db
@@ -128,3 +129,31 @@ def test_outside_a_watch_no_save_is_an_attentions():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(attention.holds(t)) or t, lambda t: t):
         torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert held and not any(held)
+
+
+def test_a_dense_tensor_in_another_layout_is_stored_once_for_its_saves_as_a_contiguous_one_is():
+    # A channels_last ReLU output saved by the ReLU and again by the next conv: one
+    # stored copy, which decodes into that layout; another view of its memory is not it.
+    y = torch.randn(2, 4, 3, 3).to(memory_format=torch.channels_last)
+    again = y.view(y.shape)
+    assert stored_once_key(y) is not None and stored_once_key(y) == stored_once_key(again)
+    assert stored_once_key(y.transpose(2, 3)) != stored_once_key(y)
+    assert stored_once_key(y[:, :2]) is None  # not dense: a copy per save
+
+
+def test_a_channels_last_model_keeps_the_bytes_of_its_contiguous_self_under_a_codec():
+    def keeps(channels_last: bool) -> int:
+        torch.manual_seed(0)
+        layers = [nn.Conv2d(8, 16, 3, padding=1)]
+        for _ in range(3):
+            layers += [nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)]
+        model = actsave.CheckpointedSequential(*layers, segments=1, compress="int8")
+        x = torch.randn(4, 8, 16, 16)
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+        out = model(x)
+        kept = actsave.kept_bytes()["device"]
+        out.sum().backward()
+        return kept
+
+    assert keeps(channels_last=True) == keeps(channels_last=False)
