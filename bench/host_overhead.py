@@ -301,28 +301,33 @@ def microseconds_per_call(function: Callable, calls: int, rounds: int = 5) -> fl
     return best * 1e6
 
 
-def launcher_host_work(device: torch.device, calls: int) -> list:
-    """``[(launcher, microseconds per call)]``: each launcher's Python work before its
-    launch (module docstring, "Launchers")."""
+def launcher_calls(device: torch.device) -> list:
+    """``[(launcher, call)]``: a call of each codec and decision launcher on a small
+    kept input's tensors (:data:`LAUNCHER_SHAPES`), to be run under the Triton backend."""
     x = torch.randn(LAUNCHER_SHAPES[device.type], device=device)
     relu, flat = x.relu(), x.flatten()
-    measured = []
-    with actsave.set_backend("triton"), stub_launches():
+    calls = []
+    with actsave.set_backend("triton"):
         for name in ("int8", "fp8_e4m3"):
             codec = get_codec(name)
             for layout, tensor, non_negative in (("centered", x, False), ("unsigned", relu, True),
                                                  ("flat", flat, False)):
                 packed = codec.encode(tensor, non_negative=non_negative)
-                encode = functools.partial(codec.encode, tensor, non_negative=non_negative)
-                measured.append((f"{name} encode, {layout}", microseconds_per_call(encode, calls)))
-                measured.append((f"{name} decode, {layout}",
-                                 microseconds_per_call(functools.partial(codec.decode, packed), calls)))
+                calls.append((f"{name} encode, {layout}",
+                              functools.partial(codec.encode, tensor, non_negative=non_negative)))
+                calls.append((f"{name} decode, {layout}", functools.partial(codec.decode, packed)))
         bits = relu_signs.pack_signs(relu)
-        measured.append(("ReLU signs packed", microseconds_per_call(functools.partial(relu_signs.pack_signs, relu),
-                                                                    calls)))
-        measured.append(("ReLU signs restored", microseconds_per_call(
-            functools.partial(relu_signs.restore_decisions_, relu.clone(), bits), calls)))
-    return measured
+    calls.append(("ReLU signs packed", functools.partial(relu_signs.pack_signs, relu)))
+    calls.append(("ReLU signs restored", functools.partial(relu_signs.restore_decisions_, relu.clone(), bits)))
+    return calls
+
+
+def launcher_host_work(device: torch.device, calls: int) -> list:
+    """``[(launcher, microseconds per call)]``: each launcher's Python work before its
+    launch (module docstring, "Launchers")."""
+    launchers = launcher_calls(device)
+    with actsave.set_backend("triton"), stub_launches():
+        return [(name, microseconds_per_call(call, calls)) for name, call in launchers]
 
 
 def launcher_table(measured: list) -> str:
