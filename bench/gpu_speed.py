@@ -19,6 +19,8 @@ Phases, each with a progress line and its elapsed time, results written after ea
 - ``graphs``: ResNet-164 b64 32x32 fp32, torch's checkpoint and every actsave mode,
   each step eager against the same step captured whole in a CUDA graph and replayed
   (bench/graphed_steps.py): times and whether the gradients are bit-equal. CUDA only.
+- ``launch``: bench/launch_overhead.py: host time per launch of each codec and
+  decision launcher, against its Python work alone and Triton's own launch path.
 - ``host``: bench/host_overhead.py's cases (ResNet-164 and an 8-block GPT at tiny
   sizes) on the GPU, 10 rounds: steps that are all host work, and the counts (aten
   ops, Triton launches, syncs) on CUDA, where autograd runs backward on its own
@@ -46,11 +48,12 @@ and imports 15 s; resnet 45 s (7 providers x 13 steps, a round of all 7 about 1.
 at the step times of bench/results/nvidia-h100-80gb-hbm3-step_profile-b512.txt, plus
 planning, Triton compiles and 7 estimates); gpt 20 s (6 x 13 steps of 0.1-0.2 s,
 about 4.4e13 FLOP a plain step); graphs 20 s (6 providers x 2 models, 4 steps
-to capture, then 10 eager steps and 10 replays of a b64 step, about 25 ms eager); host 20 s (7 x 13 host-bound steps of ResNet-164 b2,
+to capture, then 10 eager steps and 10 replays of a b64 step, about 25 ms eager); launch 5 s
+(17 calls x 5 rounds x 500 calls of 15-130 us); host 20 s (7 x 13 host-bound steps of ResNet-164 b2,
 then the counted steps; the GPT's are shorter); kernels 40 s (18 kernel builds, then
 60 timed launches per case), cut at 150 s. About 3 minutes, under the stage's 420 s.
 
-    python bench/gpu_speed.py [--phases resnet,gpt,graphs,host,kernels] [--rounds 10] [--smoke]
+    python bench/gpu_speed.py [--phases resnet,gpt,graphs,launch,host,kernels] [--rounds 10] [--smoke]
 """
 from __future__ import annotations
 
@@ -80,12 +83,13 @@ from actsave.text import format_table  # noqa: E402
 
 import graphed_steps  # noqa: E402  (bench/ is on sys.path when this script runs)
 import harness  # noqa: E402
+import launch_overhead  # noqa: E402
 import host_overhead  # noqa: E402
 from host_overhead import TORCH_CKPT, DEFAULT, forward_loss, paired_ratio  # noqa: E402
 
 BENCH = "gpu_speed"
 MiB = 2**20
-PHASES = ("resnet", "gpt", "graphs", "host", "kernels")
+PHASES = ("resnet", "gpt", "graphs", "launch", "host", "kernels")
 RESNET_PROVIDERS = ("torch", "torch_ckpt", "actsave_none", "actsave_int8", "actsave_fp8", "actsave_offload",
                     "actsave_int8_offload")
 # Profiled after the ResNet's rounds, on CUDA: where the host time of a step goes.
@@ -100,11 +104,11 @@ GPT_RATIOS = (("actsave_none", "torch_ckpt"), ("actsave_int8", "torch_ckpt"), ("
 SIZES = {  # profile -> the cases' sizes
     "cuda": {"resnet": {"depth": 164, "batch": 512, "image": 32},
              "gpt": {"blocks": 16, "width": 2048, "heads": 16, "vocab": 8192, "seq_len": 2048, "batch": 4},
-             "graphs": {"depth": 164, "batch": 64, "image": 32},
+             "graphs": {"depth": 164, "batch": 64, "image": 32}, "launch_calls": 500,
              "host": "resnet164,gpt8", "host_rounds": 10, "kernels": ["--sizes-mib", "64,256", "--repeats", "10"]},
     "smoke": {"resnet": {"depth": 11, "batch": 2, "image": 8},
               "gpt": {"blocks": 2, "width": 32, "heads": 2, "vocab": 64, "seq_len": 16, "batch": 2},
-              "graphs": {"depth": 11, "batch": 2, "image": 8},
+              "graphs": {"depth": 11, "batch": 2, "image": 8}, "launch_calls": 3,
               "host": "resnet11,gpt1", "host_rounds": 2, "kernels": ["--smoke"]},
 }
 
@@ -529,6 +533,12 @@ def main(argv=None) -> int:
     if "graphs" in args.phases:
         run_phase(report, failures, "graphs", lambda: graphs_phase(sizes["graphs"], args, device, clock, report,
                                                                   failures))
+    if "launch" in args.phases:
+        clock.log(f"launch: bench/launch_overhead.py, {sizes['launch_calls']} calls a round")
+        run_phase(report, failures, "launch", lambda: report.add(
+            f"host time per launch (bench/launch_overhead.py, {sizes['launch_calls']} calls a round, best of 5; "
+            "launch: the call less its Python work)",
+            launch_overhead.table(launch_overhead.measure(device, sizes["launch_calls"]))))
     if "host" in args.phases:
         clock.log(f"host: bench/host_overhead.py --models {sizes['host']} --rounds {sizes['host_rounds']} on {device}")
         for name in sizes["host"].split(","):

@@ -18,7 +18,8 @@ def test_gpu_speed_runs_every_phase_at_smoke_scale(tmp_path):
     assert text.startswith("# ") and f"torch {torch.__version__}" in text.splitlines()[0]
     for title in ("cifar_resnet(11) b2 8x8 fp32", "gpt(2) w32 h2 v64 t16 b2 bfloat16", "host overhead, ",
                   "codec kernels (bench/kernels.py --smoke): over its 1 s limit",
-                  "eager against CUDA-graphed steps, cifar_resnet(11) b2 8x8 fp32"):
+                  "eager against CUDA-graphed steps, cifar_resnet(11) b2 8x8 fp32",
+                  "host time per launch (bench/launch_overhead.py, 3 calls a round"):
         assert title in text and title in stdout
     assert "needs a CUDA device: not measured" in text  # the graphs phase: a capture needs CUDA
     for ratio in ("actsave_none / torch_ckpt", "actsave_int8 / actsave_none", "actsave_offload / actsave_none",
