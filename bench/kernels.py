@@ -1,8 +1,9 @@
 """Codec kernels: encode and decode per codec, input layout and dtype, each result
 checked bit for bit against its torch reference before anything is timed; then the
 decision kernels (pack a ReLU output's bits, restore a recomputed output to them,
-rows ``relu_signs``; a ReLU6's save the same way, rows ``bounds``) per dtype, checked
-and timed alike.
+rows ``relu_signs``; a ReLU6's save the same way, rows ``bounds``; a 2x2 max pool's
+window decisions encoded from its indices, decoded into them and the pooled output
+gathered at them, rows ``max_pool``) per dtype, checked and timed alike.
 
 Layouts, the ones training stores (GroupCodec.encode; NOTE [ Channel centering ]):
 
@@ -62,7 +63,7 @@ from actsave.text import format_table  # noqa: E402
 from actsave.codecs import LOSSY_CODECS  # noqa: E402
 from actsave.codecs.centering import channel_sums  # noqa: E402
 from actsave.triton_kernels import UNSIGNED_VARIANT, _tile, channel_size, kernel_table  # noqa: E402
-from actsave.triton_kernels.decisions import bounds, relu_signs  # noqa: E402
+from actsave.triton_kernels.decisions import bounds, max_pool, relu_signs  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Channels of the conv-shaped layouts, as in a ResNet's middle stages; the batch grows
@@ -263,7 +264,7 @@ def measure(codec_name: str, layout_name: str, dtype: torch.dtype, numel: int, c
 
 
 UNITS = {"bytes_ratio": "x", "copy_gbps": "GB/s",
-         **{f"{step}_{metric}": unit for step in ("encode", "decode", "encode_signs", "pack", "restore")
+         **{f"{step}_{metric}": unit for step in ("encode", "decode", "encode_signs", "pack", "restore", "gather")
             for metric, unit in (("ms", "ms"), ("gbps", "GB/s"), ("pct_copy", "%"), ("host_us", "us"))},
          "means_ms": "ms"}
 
@@ -290,6 +291,48 @@ def measure_bound_decisions(dtype: torch.dtype, numel: int, device: torch.device
     return measure_decisions("ReLU6", forward, recomputed, *(partial(kernel, low=0.0, high=6.0) for kernel in (
         bounds.pack_bounds, bounds.restore_bounds_, bounds.pack_bounds_ref, bounds.restore_bounds_ref_)),
         timer=timer)
+
+
+# The pool measured: 2x2 windows at stride 2 over N, 16, H, W, as a ResNet's stem pool.
+POOL_CHANNELS, POOL_WINDOW = 16, (2, 2)
+
+
+def measure_max_pool_decisions(dtype: torch.dtype, numel: int, device: torch.device,
+                               timer: Optional[GpuTimer] = None) -> dict:
+    """The max-pool decision kernels (triton_kernels/decisions/max_pool.py) on a max
+    pool of about ``numel`` values: each window's winner encoded from the int64 indices
+    the pool returns, decoded back into them, and the pooled output gathered at them
+    (what a lossy recompute runs), each checked against its reference; with a ``timer``
+    (on CUDA) their times and bandwidths against a copy of the pool's input. An encode
+    reads the indices and writes their bits; a decode the reverse; a gather reads the
+    indices and a value per window and writes the pooled output."""
+    torch.manual_seed(0)
+    side = max(2, math.isqrt(max(1, numel // (2 * POOL_CHANNELS))) // 2 * 2)
+    x = torch.randn(2, POOL_CHANNELS, side, side, device=device).to(dtype)
+    pooled, indices = torch.nn.functional.max_pool2d(x, POOL_WINDOW, POOL_WINDOW, return_indices=True)
+    geometry = (tuple(x.shape[-2:]), POOL_WINDOW, POOL_WINDOW, (0, 0), (1, 1))
+    packed = max_pool.encode_max_pool(indices, *geometry)
+    decoded, gathered = torch.empty_like(indices), torch.empty_like(pooled)
+    max_pool.decode_max_pool_(decoded, packed, *geometry)
+    max_pool.gather_max_pool_(gathered, x, indices, 2)
+    if not (torch.equal(packed, max_pool.encode_max_pool_ref(indices, *geometry)) and torch.equal(decoded, indices)
+            and torch.equal(bits(gathered), bits(pooled))):
+        raise AssertionError(f"max-pool decisions on {dtype} ({x.numel()} values): kernel differs from reference")
+    index_bytes, value_bytes = indices.numel() * indices.element_size(), pooled.numel() * pooled.element_size()
+    row = {"bytes_ratio": packed.numel() / index_bytes}
+    if timer is None:
+        return row
+    row["copy_gbps"] = copy_gbps(copies_beyond_l2(x, timer), timer)
+    all_indices = copies_beyond_l2(indices, timer)
+    next_indices = rotating(all_indices)
+    next_decode = rotating([(torch.empty_like(i), max_pool.encode_max_pool(i, *geometry)) for i in all_indices])
+    next_gather = rotating([(torch.empty_like(pooled), x, i) for i in all_indices])
+    timed(row, "encode", lambda: max_pool.encode_max_pool(next_indices(), *geometry), index_bytes + packed.numel(),
+          timer)
+    timed(row, "decode", lambda: max_pool.decode_max_pool_(*next_decode(), *geometry), index_bytes + packed.numel(),
+          timer)
+    timed(row, "gather", lambda: max_pool.gather_max_pool_(*next_gather(), 2), index_bytes + 2 * value_bytes, timer)
+    return row
 
 
 def measure_decisions(name: str, saved, recomputed, pack, restore_, pack_ref, restore_ref_,
@@ -403,6 +446,8 @@ def main(argv=None) -> None:
                                 measure_relu_decisions(DTYPES[dtype_name], numel, device, timer)))
                 results.append(("bounds", "relu6", dtype_name, mib,
                                 measure_bound_decisions(DTYPES[dtype_name], numel, device, timer)))
+                results.append(("max_pool", "2x2", dtype_name, mib,
+                                measure_max_pool_decisions(DTYPES[dtype_name], numel, device, timer)))
     print(table(results))
     if not cuda:
         print("CPU: every kernel equals its reference bit for bit (Triton interpreter); no timings")

@@ -15,9 +15,10 @@ def test_kernels_bench_checks_every_codec_and_reports_bytes(tmp_path):
     assert columns == CSV_COLUMNS
     ratios = {r["case"]: float(r["p50"]) for r in rows if r["metric"] == "bytes_ratio"}
     # codecs x layouts (flat, centered at 32x32, 8x8 and 14x14, ReLU outputs on the
-    # unsigned grid) x dtypes, and the ReLU and ReLU6 decisions per dtype, each checked
-    # against its reference
-    assert len(ratios) == 3 * 5 * 3 + 2 * 3
+    # unsigned grid) x dtypes, and the ReLU, ReLU6 and max-pool decisions per dtype,
+    # each checked against its reference
+    assert len(ratios) == 3 * 5 * 3 + 3 * 3
+    assert ratios["max_pool-2x2-bf16"] == 2 / 64  # a 2x2 window's winner in 2 bits, of an int64 index
     assert {"int8-fp32", "fp8_e4m3-c14x14-bf16", "fp8_e5m2-relu32x32-fp16"} <= set(ratios)
     # Codes, scales and channel means: a little over a quarter of fp32, a half of bf16.
     assert all(ratio <= (0.27 if case.endswith("fp32") else 0.53) for case, ratio in ratios.items())
@@ -71,7 +72,8 @@ def test_kernels_bench_times_copy_encode_decode_and_means_of_each_case(kernels_b
             return 1e-3, 1e-5
 
     row = kernels_bench.measure("fp8_e4m3", "c8x8", torch.float32, 1024, 4, torch.device("cpu"), Timer())
-    assert set(row) == set(kernels_bench.UNITS) - {f"{step}_{metric}" for step in ("encode_signs", "pack", "restore")
+    assert set(row) == set(kernels_bench.UNITS) - {f"{step}_{metric}"
+                                                     for step in ("encode_signs", "pack", "restore", "gather")
                                                      for metric in ("ms", "gbps", "pct_copy", "host_us")}
     assert len(calls) == 4  # copy, encode, decode, means
     assert row["encode_pct_copy"] == pytest.approx(100 * row["encode_gbps"] / row["copy_gbps"])
@@ -97,6 +99,27 @@ def test_kernels_bench_times_the_decision_kernels_against_a_copy(kernels_bench, 
     assert row["pack_gbps"] == pytest.approx((2 * 4096 + 512) / 1e-3 / 1e9)
     assert row["restore_gbps"] == pytest.approx((4 * 4096 + 512) / 1e-3 / 1e9)
     assert row["restore_pct_copy"] == pytest.approx(100 * row["restore_gbps"] / row["copy_gbps"])
+
+
+def test_kernels_bench_times_the_max_pool_decision_kernels_against_a_copy(kernels_bench):
+    """The timed path of the max-pool decisions with a timer that only calls: an encode
+    and a decode move the indices and their bits, a gather the indices and two values
+    per window."""
+    calls = []
+
+    class Timer:
+        l2_bytes = 3 * 1024 * 4
+
+        def __call__(self, function):
+            calls.append(function())
+            return 1e-3, 1e-5
+
+    row = kernels_bench.measure_max_pool_decisions(torch.bfloat16, 4096, torch.device("cpu"), Timer())
+    windows = 2 * kernels_bench.POOL_CHANNELS * 5 * 5  # 2, 16, 10, 10 pooled 2x2
+    assert row["encode_gbps"] == row["decode_gbps"] == pytest.approx((8 * windows + windows // 4) / 1e-3 / 1e9)
+    assert row["gather_gbps"] == pytest.approx((8 + 2 * 2) * windows / 1e-3 / 1e9)
+    assert row["gather_pct_copy"] == pytest.approx(100 * row["gather_gbps"] / row["copy_gbps"])
+    assert len(calls) == 4  # copy, encode, decode, gather
 
 
 def test_kernels_bench_gpu_timer_waits_for_the_host_to_queue_every_call(kernels_bench, monkeypatch):
