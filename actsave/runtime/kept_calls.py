@@ -30,7 +30,7 @@ class KeptCall:
     place."""
 
     __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
-                 "skipped", "mutates", "decided_on", "rng_before", "rng_after", "buffers")
+                 "skipped", "mutates", "decided_on", "rng_before", "rng_after", "state", "changed_state")
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
@@ -43,8 +43,9 @@ class KeptCall:
         self.rng_before = self.rng_after = None
         self.views = {}  # slot index -> (argument position, size, stride, offset from the argument's)
         self.skipped = False  # whether the recompute skips it: set as the forward ends
-        self.mutates = False  # whether it changed an argument or a buffer in place (then it runs again)
-        self.buffers = ()  # the buffers of the call's modules as it started (BufferVersions), until it ends
+        self.mutates = False  # whether it changed an argument in place (then it runs again)
+        self.state = None  # the module state as the call started (StateMark), until it ends
+        self.changed_state = False  # whether it changed module state (then it runs again)
         # Whether a later save of its output keeps decisions (a clamp's input, under a
         # lossy codec): it runs again, where the recompute restores them (NOTE [ Bound decisions ]).
         self.decided_on = False
@@ -76,19 +77,39 @@ class KeptCall:
         again in the recompute, where its argument must change again."""
         return any(version(a.tensor) != a.version for a in self.arguments if a.tensor is not None)
 
-    def mutated_a_buffer(self) -> bool:
-        """Whether the call changed, replaced or removed a buffer of the modules it may
-        touch (a running statistic its module keeps): it is run again in the recompute,
-        which starts from the forward's state and must change the buffer as the forward
-        did before the code after the call reads it."""
-        return any(holder._buffers.get(name) is not buffer or version(buffer) != seen
-                   for holder, name, buffer, seen in self.buffers)
 
 
-def buffer_versions(holders) -> tuple:
-    """``(module, name, buffer, version)`` of each buffer of ``holders`` now."""
-    return tuple((holder, name, buffer, version(buffer)) for holder in holders
-                 for name, buffer in holder._buffers.items() if buffer is not None)
+class StateMark:
+    """The module state a kept call may change, as it starts: the buffers of
+    ``holders`` (the modules under the checkpointed call that hold any), and the
+    parameters and Python attributes of the modules under the call's own module.
+    :meth:`changed` says whether the call changed any (NOTE [ Selective recompute ]:
+    such a call runs again)."""
+
+    __slots__ = ("buffers", "parameters", "attributes")
+
+    def __init__(self, holders, own_modules):
+        self.buffers = tuple((holder, name, buffer, version(buffer)) for holder in holders
+                             for name, buffer in holder._buffers.items() if buffer is not None)
+        self.parameters = tuple((p, version(p)) for m in own_modules for p in m._parameters.values() if p is not None)
+        # The attributes' values by identity: a value set again is a new object, as a float
+        # the call computes; one set to the object it held is no change.
+        self.attributes = tuple((m, dict(m.__dict__)) for m in own_modules)
+
+    def changed(self) -> bool:
+        """Whether a buffer was changed, replaced or removed, a parameter changed in
+        place, or an attribute set, added or deleted since."""
+        return (any(holder._buffers.get(name) is not buffer or version(buffer) != seen
+                    for holder, name, buffer, seen in self.buffers)
+                or any(version(p) != seen for p, seen in self.parameters)
+                or any(_attributes_moved(m.__dict__, before) for m, before in self.attributes))
+
+
+def _attributes_moved(now: dict, before: dict) -> bool:
+    return len(now) != len(before) or any(now.get(name, _ABSENT) is not value for name, value in before.items())
+
+
+_ABSENT = object()
 
 
 class CallArgument:

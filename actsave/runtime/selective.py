@@ -45,10 +45,13 @@ all, and its kept tensors are read as they are.
 Rules that keep it exact:
 - A kept call that changed one of its arguments in place (``nn.ReLU(inplace=True)``
   named in KeptOps) is run again: skipped, the argument the recompute made would stay
-  unchanged. So is one that changed a buffer of the modules the call runs under (a
-  Linear that keeps a running mean of its output): the recompute starts from the
-  forward's module state (NOTE [ State a forward reads and mutates ]), and code after
-  the call that reads the buffer must read it changed, as the forward did.
+  unchanged. So is one that changed module state: a buffer of the modules the
+  checkpointed call runs (a Linear that keeps a running mean of its output), or a
+  parameter or a Python attribute of its own module and those under it (a value it
+  notes for the code after it). The recompute starts from the forward's module state
+  (NOTE [ State a forward reads and mutates ]), and the code after the call must read
+  what the call left, as the forward did; a parameter changed in place is then checked
+  as in any recompute (NOTE [ Parameters a forward changes ]).
 - A kept call that drew random numbers in the forward (attention with dropout, a
   module named that holds a Dropout) is skipped in the recompute, which replays the
   forward's RNG: the generators are set as that call left them, so the calls after it
@@ -99,7 +102,7 @@ from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState
-from .kept_calls import CallArgument, KeptCall, KeptSave, buffer_versions, described, keepable_now
+from .kept_calls import CallArgument, KeptCall, KeptSave, StateMark, described, keepable_now
 from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
 
@@ -135,7 +138,7 @@ class SelectiveFrame(CheckpointFrame):
         inputs = input_tensors(*self._forward_inputs)
         self._input_storages = {storage_identity_or_none(t) for t in inputs} - {None}  # kept anyway
         self._transformed = False  # a kept call returned a transform's wrapper, not kept
-        # The modules whose buffers a kept call may change: the call's own module where
+        # The modules whose buffers a kept call may change: the call's own modules where
         # the function's modules are not known (functions kept alone need none).
         self._buffer_holders = None if self.modules is None else [m for _, m in self.modules if m._buffers]
 
@@ -185,10 +188,9 @@ class SelectiveFrame(CheckpointFrame):
             return
         tensors = input_tensors(args, kwargs)
         self._open = KeptCall(target, len(self.slots), [CallArgument(i, t) for i, t in enumerate(tensors)])
-        holders = self._buffer_holders
-        if holders is None and isinstance(target, nn.Module):
-            holders = [m for m in target.modules() if m._buffers]
-        self._open.buffers = buffer_versions(holders or ())
+        own = [] if not isinstance(target, nn.Module) else list(target.modules()) if target._modules else [target]
+        holders = [m for m in own if m._buffers] if self._buffer_holders is None else self._buffer_holders
+        self._open.state = StateMark(holders, own)
         # Without preserve_rng_state the recompute draws from the generators as they are
         # (torch's meaning): setting them to a forward-time state would rewind them.
         if self.options.preserve_rng_state and may_draw(target, args, kwargs):
@@ -220,8 +222,8 @@ class SelectiveFrame(CheckpointFrame):
             else:
                 slot.kept = KeptSave(tensor)  # a weight's transpose, attention's statistics
         self._pending = []
-        call.mutates = call.mutated_an_argument() or call.mutated_a_buffer()
-        call.buffers = ()  # not held past the call
+        call.mutates, call.changed_state = call.mutated_an_argument(), call.state.changed()
+        call.state = None  # not held past the call
         for argument in call.arguments:
             argument.tensor = None  # the recompute makes its own; this one is autograd's to free
         self.calls.append(call)
@@ -244,6 +246,7 @@ class SelectiveFrame(CheckpointFrame):
             # forward that runs a backward of its own runs it again in the recompute,
             # through every call: none may be skipped.
             call.skipped = (not self._differentiated and call.output is not None and not call.mutates
+                            and not call.changed_state
                             and not call.decided_on and version(call.output) == call.version)
             if not call.skipped:
                 self._recompute_saves_of(call)
@@ -256,7 +259,8 @@ class SelectiveFrame(CheckpointFrame):
         if self.slots and not self._transformed and not any(call.skipped for call in self.calls):
             decided = any(call.decided_on for call in self.calls)
             reason = "differentiated" if self._differentiated else "tensorless" if tensorless else \
-                "decided" if decided else "changed" if self.calls else \
+                "decided" if decided else "state" if any(call.changed_state for call in self.calls) else \
+                "changed" if self.calls else \
                 "none ran" if self.ops.modules or self.functions else "lossy attention"
             _warn_once(self.ops, qualified_name(self.function), reason)
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
@@ -388,7 +392,8 @@ def kept_nothing_noted():
 
 def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
     """Warn once per (ops, function, reason) that a selective checkpoint kept nothing;
-    ``reason``: "changed", "tensorless", "decided", "differentiated", "none ran" or "lossy attention"."""
+    ``reason``: "changed", "state", "tensorless", "decided", "differentiated", "none ran" or "lossy
+    attention"."""
     noted = getattr(_noting, "reasons", None)
     if noted is not None:
         noted.append(reason)
@@ -398,10 +403,14 @@ def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
         return
     _warned.add(key)
     if reason == "changed":
-        why = (f"every call of {ops.names()} had its output changed in place after it (an in-place residual: "
-               "out += x), or changed an argument or a buffer in place itself (a running statistic), so those calls "
-               "run again, and it recomputes everything, as a plain checkpoint does. Make the op after the call out "
-               "of place (out = out + x) to keep its output")
+        why = (f"every output of its calls of {ops.names()} was changed in place after the call (an in-place "
+               "residual: out += x), so those calls run again, and it recomputes everything, as a plain checkpoint "
+               "does. Make the op after the call out of place (out = out + x) to keep its output")
+    elif reason == "state":
+        why = (f"its calls of {ops.names()} change their modules' state (a buffer, a parameter, or an attribute "
+               "they set: a running statistic, a value noted for later), which the code after them reads, so those "
+               "calls run again, and it recomputes everything, as a plain checkpoint does. Keep such modules out "
+               "of the kept calls (KeptOps(module_names=...)), or use keep='inputs'")
     elif reason == "decided":
         why = (f"the outputs of its calls of {ops.names()} are read by a Hardtanh or LeakyReLU, whose decisions a lossy "
                "recompute takes from the forward's by running those calls again (NOTE [ Bound decisions ]), so it "

@@ -676,50 +676,91 @@ def test_under_vmap_and_jvp_it_runs_as_plain_and_under_grad_torch_func_refuses_i
     assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
-class _RunningMeanLinear(nn.Linear):
-    """A Linear that keeps a running mean of its output in a buffer, and the last
-    output's mean as a Python attribute: state its own call changes."""
+class _NotingLinear(nn.Linear):
+    """A Linear whose forward changes state of its own: ``"running"`` a buffer (a
+    running mean of its output), ``"shift"`` a Python attribute (its output's mean) beside
+    a constant buffer, ``"shift alone"`` that attribute on a module with no buffer."""
 
-    def __init__(self, features_in, features_out):
+    def __init__(self, features_in, features_out, changes: str):
         super().__init__(features_in, features_out)
-        self.register_buffer("running", torch.zeros(features_out))
+        self.changes = changes
+        if changes != "shift alone":
+            self.register_buffer("running", torch.zeros(features_out))
         self.shift = 0.0
 
     def forward(self, x):
         y = super().forward(x)
-        self.shift = float(y.detach().mean())
-        with torch.no_grad():
-            self.running.mul_(0.5).add_(y.mean(0), alpha=0.5)
+        if self.changes == "running":
+            with torch.no_grad():
+                self.running.mul_(0.5).add_(y.mean(0), alpha=0.5)
+        else:
+            self.shift = float(y.detach().mean())
         return y
 
 
 class _ReadsWhatItsCallChanged(nn.Module):
-    def __init__(self, read: str):
+    """Reads after each call of ``fc1`` (twice: a shared layer) what that call changed."""
+
+    def __init__(self, changes: str):
         super().__init__()
-        self.read = read
-        self.fc1, self.fc2 = _RunningMeanLinear(4, 8), nn.Linear(8, 4)
+        self.read = "running" if changes == "running" else "shift"
+        self.fc1, self.fc2 = _NotingLinear(4, 4, changes), nn.Linear(4, 4)
 
     def forward(self, x):
-        h = self.fc1(x)
-        return self.fc2(F.relu(h - getattr(self.fc1, self.read)))
+        h = F.gelu(self.fc1(x) - getattr(self.fc1, self.read))
+        h = F.gelu(self.fc1(h) * getattr(self.fc1, self.read))
+        return self.fc2(h)
 
 
-@pytest.mark.parametrize("read", ["running", "shift"])
+@pytest.mark.parametrize("changes", ["running", "shift", "shift alone"])
 @pytest.mark.parametrize("keep", ["selective", KeptOps(module_names=("fc1",))])
-def test_a_kept_call_that_changes_a_buffer_runs_again_and_the_code_after_it_reads_the_change(read, keep):
-    # Skipped, the call would leave the recompute on the forward's starting state: the
-    # block read the buffer (or the attribute set beside it) before the change.
+def test_a_kept_call_that_changes_its_modules_state_runs_again_and_the_code_after_it_reads_the_change(changes, keep,
+                                                                                                     monkeypatch):
+    # Skipped, the call would leave the recompute on the forward's starting state (or on
+    # what the call's last run left): the block would read other values than the forward.
     def model():
         torch.manual_seed(0)
-        return nn.Sequential(_ReadsWhatItsCallChanged(read))
+        return nn.Sequential(_ReadsWhatItsCallChanged(changes))
 
     x = torch.randn(6, 4)
     plain, wrapped = model(), actsave.wrap(model(), _ReadsWhatItsCallChanged, keep=keep)
     plain(x).square().sum().backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fc1 kept alone, and run again: it keeps nothing
+    monkeypatch.setattr(selective, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         wrapped(x).square().sum().backward()
+    said = [str(w.message) for w in caught if "kept nothing" in str(w.message)]
+    if isinstance(keep, KeptOps):  # fc1 kept alone, and run again: it keeps nothing, and says why
+        assert len(said) == 1 and "change their modules' state" in said[0]
     for p, q in zip(plain.parameters(), wrapped.parameters()):
         assert torch.equal(p.grad, q.grad)
     for a, b in zip(plain.buffers(), wrapped.buffers()):
         assert torch.equal(a, b)
+
+
+class _ShrinksItsWeightWhenCalled(nn.Linear):
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.mul_(0.9)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("keep", ["inputs", "selective"])
+def test_a_kept_call_that_changes_its_parameter_runs_again_and_is_checked_as_any_recompute(keep):
+    # The block reads the weight before the call: skipped, the call would leave the
+    # recompute reading the weight as the forward left it, silently.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = _ShrinksItsWeightWhenCalled(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.fc1(x * torch.exp(self.fc1.weight.mean()))))
+
+    torch.manual_seed(0)
+    model = actsave.wrap(nn.Sequential(Block()), Block, keep=keep)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(torch.randn(6, 8)).square().sum()
+    with pytest.raises(actsave.RecomputeError, match="changed parameter 'weight'"):
+        out.backward()
