@@ -67,7 +67,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from .._torch import fsdp_shards
 from ..devices import host_is_separate, synchronize
-from ..errors import ConfigError
+from ..errors import ConfigError, RecomputeError
 from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
@@ -87,6 +87,11 @@ _TIMED_REPEATS = 5
 # measured difference is lost in the noise: a plan never takes it for free, so where
 # the budget allows the plain block, it keeps the block plain.
 _LEAST_EXTRA_SECONDS = 1e-9
+
+# An option the block cannot run with: a selective one of a function, or one whose
+# recompute refuses what the block does (a kept Linear's weight clamped in place before
+# its call); the plan leaves it out.
+_CANNOT_RUN = (ConfigError, RecomputeError)
 
 
 @dataclass(frozen=True)
@@ -242,7 +247,7 @@ class BlockMeasurer:
         if key not in self._cache:
             try:
                 self._cache[key] = self._bytes_at(a, option)[0], self._flops(self.layers[a], self.inputs[a], option)
-            except ConfigError:
+            except _CANNOT_RUN:
                 self._cache[key] = None
         return self._cache[key]
 
@@ -257,12 +262,14 @@ class BlockMeasurer:
         return _input_from(_source_like(spec, self.device), spec)
 
     def _measure(self, a: int, option: BlockOption, timed: bool = True) -> Optional[_Measured]:
+        """``option`` at block ``a``: its bytes and, ``timed``, its seconds; None where
+        the block cannot run with it."""
         layer, spec = self.layers[a], self.inputs[a]
         if option.keep == "linear_inputs" and not any(isinstance(m, nn.Linear) for m in layer.modules()):
             return None  # no Linear input to keep: the option is plain's, and would warn so
         try:
             kept, input_kept, forward, backward, fetched = self._bytes_at(a, option)
-        except ConfigError:  # an option the block cannot run with (selective of a function)
+        except _CANNOT_RUN:
             return None
         seconds = self._seconds(layer, spec, option) if self.timed and timed else 0.0
         return _Measured(kept, input_kept, forward, backward, fetched, seconds)

@@ -201,3 +201,42 @@ def test_a_block_whose_selective_checkpoint_keeps_nothing_is_not_offered_it_and_
         warnings.simplefilter("always")
         wrapped(x).backward()
     assert len([w for w in caught if "kept nothing" in str(w.message)]) == 1
+
+
+class ClipsItsWeight(nn.Module):
+    """Clips its first Linear's weight in place before calling it (WGAN's clipping; at
+    this width a clip that moves no value): exact under keep="inputs", refused by a
+    selective recompute, which finds the kept weight's transpose changed."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc1.weight.clamp_(-0.2, 0.2)
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_an_option_whose_recompute_the_block_refuses_is_left_out_of_the_plan():
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(ClipsItsWeight() for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x.square().mean()
+
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0))
+    plain, planned = Stack(), Stack()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = actsave.plan_blocks(planned, ClipsItsWeight, 10**8, x)
+    actsave.wrap(planned, plan)
+    plain(x).backward()
+    planned(x).backward()
+    for p, q in zip(plain.parameters(), planned.parameters()):
+        assert torch.equal(p.grad, q.grad)
