@@ -487,6 +487,8 @@ def graphs_phase(sizes: dict, args, device, clock, report, failures) -> None:
                "per-round ratios)", graphed_steps.table(results) if results else "needs a CUDA device: not measured")
     failures += [f"graphs {name}: gradients differ from the eager step's" for name, r in results.items()
                  if r.same_gradients is False]
+    failures += [f"graphs {name}: {r.error}" for name, r in results.items()  # README says every mode captures
+                 if r.error and name.startswith("actsave")]
     _release(device)
 
 

@@ -31,8 +31,8 @@ PROVIDERS = ("torch_ckpt", "actsave_none", "actsave_int8", "actsave_fp8", "actsa
 
 def capture(model: torch.nn.Module, batch: tuple, warmup: int = 3) -> tuple:
     """``(graph, static_batch)``: one whole training step of ``model`` captured after
-    ``warmup`` eager steps on a side stream (actsave plans, Triton compiles, the host
-    pool fills); replay it after copying a batch into ``static_batch``."""
+    ``warmup`` eager steps on a side stream (actsave plans, Triton compiles); replay it
+    after copying a batch into ``static_batch``."""
     static = tuple(t.clone() for t in batch)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

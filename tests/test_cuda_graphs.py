@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import actsave
+from actsave.offload import HostPool, offloaded
 from support import sqnr_db
 
 pytestmark = pytest.mark.cuda
@@ -44,9 +45,8 @@ def eager_grads(model, x, y) -> list:
 
 
 def captured_step(model, x, y, warmup: int = 3):
-    """The recipe: warm-up steps on a side stream (actsave plans, Triton compiles, the
-    host pool fills), then one step captured whole; returns the graph and its static
-    input tensors."""
+    """The recipe: warm-up steps on a side stream (actsave plans, Triton compiles), then
+    one step captured whole; returns the graph and its static input tensors."""
     static_x, static_y = x.clone(), y.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -69,13 +69,18 @@ def batches(count: int = 2):
              torch.randint(0, 10, (8,), generator=generator).cuda()) for _ in range(count)]
 
 
-def deterministic():
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+@pytest.fixture(autouse=True)
+def deterministic_and_a_pool_of_its_own(monkeypatch):
+    """cuDNN's deterministic algorithms (two models' steps compared bit for bit), and a
+    host pool of the test's own: the buffers a graph keeps stay out of the others'."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    pool = HostPool()
+    monkeypatch.setattr(offloaded, "host_pool_for", lambda device: pool)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_captured_step_replays_the_eager_steps_gradients_for_each_batch(mode):
-    deterministic()
     torch.manual_seed(0)
     model = actsave.CheckpointedSequential.from_sequential(conv_chain().cuda(), segments=4, **MODES[mode])
     reference = copy.deepcopy(model)
@@ -91,24 +96,23 @@ def test_a_captured_step_replays_the_eager_steps_gradients_for_each_batch(mode):
 
 
 @pytest.mark.parametrize("mode", ["offload", "int8 + offload"])
-def test_eager_offloaded_steps_between_replays_leave_the_graphs_host_buffers_alone(mode):
-    # NOTE [ Host buffers of a captured graph ]: buffers a capture took are never lent
-    # to the eager steps that run between its replays.
-    deterministic()
+def test_a_replay_between_an_eager_forward_and_its_backward_leaves_their_host_buffers_alone(mode):
+    # NOTE [ Host buffers of a captured graph ]: the buffers a capture took are never
+    # lent to an eager step, so a replay between its forward and its backward, which
+    # writes the graph's buffers, leaves the eager step's offloaded inputs as they were.
     torch.manual_seed(0)
     model = actsave.CheckpointedSequential.from_sequential(conv_chain().cuda(), segments=4, **MODES[mode])
-    other = copy.deepcopy(model)
-    reference = copy.deepcopy(model)
+    other, reference = copy.deepcopy(model), copy.deepcopy(model)
     (x, y), (x2, y2) = batches()
     graph, static_x, static_y = captured_step(model, x, y)
-    static_x.copy_(x2)
-    static_y.copy_(y2)
+    eager_grads(other, x2, y2)  # the eager step's buffers are the pool's idle ones now
+    other.zero_grad(set_to_none=True)
+    loss = loss_of(other, x2, y2)
     graph.replay()
-    eager_grads(other, x, y)  # eager offloaded steps meanwhile, other inputs
-    eager_grads(other, x, y)
+    loss.backward()
     torch.cuda.synchronize()
-    expected = eager_grads(reference, x2, y2)
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+    assert all(torch.equal(p.grad, g) for p, g in zip(other.parameters(), eager_grads(reference, x2, y2)))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), eager_grads(reference, x, y)))
 
 
 @pytest.mark.parametrize("mode", ["exact", "int8", "fp8"])
@@ -116,7 +120,6 @@ def test_graphed_callables_give_the_eager_gradients(mode):
     # torch.cuda.make_graphed_callables captures the forward and the backward in two
     # graphs. Offload and random draws in a checkpointed segment are left to a whole-
     # step capture (docs/limits.md, "CUDA graphs").
-    deterministic()
     torch.manual_seed(0)
     model = actsave.CheckpointedSequential.from_sequential(conv_chain().cuda(), segments=4, **MODES[mode])
     reference = copy.deepcopy(model)
@@ -135,7 +138,6 @@ def test_a_captured_step_recomputes_the_forwards_random_draws(mode):
     # Dropout in a checkpointed segment: the recompute replays the forward's draws
     # inside the graph, so the step is the plain model's step captured the same way,
     # seeded alike.
-    deterministic()
     torch.manual_seed(0)
     plain = conv_chain(dropout=0.2).cuda()
     model = actsave.CheckpointedSequential.from_sequential(copy.deepcopy(plain), segments=4, **MODES[mode])
@@ -149,6 +151,7 @@ def test_a_captured_step_recomputes_the_forwards_random_draws(mode):
         grads.append([p.grad.clone() for p in m.parameters()])
     if mode == "exact":
         assert all(torch.equal(a, b) for a, b in zip(*grads))
-    else:  # the codec's error only: other dropout masks would put the gradients near 0 dB
-        for a, b in zip(*grads):
-            assert sqnr_db(a, b) >= DIFFERENT_MASKS_ARE_BELOW_DB
+    else:  # the codec's error only, over every gradient at once (a conv bias before a
+        # BatchNorm has a gradient of rounding alone); other dropout masks fall far below
+        assert sqnr_db(torch.cat([g.flatten() for g in grads[0]]),
+                       torch.cat([g.flatten() for g in grads[1]])) >= DIFFERENT_MASKS_ARE_BELOW_DB

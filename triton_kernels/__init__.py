@@ -53,6 +53,7 @@ def on_general_path() -> bool:
     """Whether the references must take their general path now (:func:`general_path`,
     a trace by Dynamo, or a CUDA graph being captured, where reading a value back to
     choose a path is a device sync that the capture refuses)."""
+    # The capture check is actsave.devices.capturing's, written again: nothing here imports actsave.
     return (torch.compiler.is_compiling() or getattr(_this_thread, "depth", 0) > 0
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
 

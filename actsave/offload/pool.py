@@ -16,14 +16,15 @@ A CUDA graph (``torch.cuda.graph``) records each copy with its host address, and
 replay writes and reads those addresses again. So, while the current stream captures:
 1. No event is asked whether it finished, nor waited for: CUDA refuses both during a
    capture (PyTorch's own allocators skip their event queries then), and an event
-   recorded in a capture cannot be asked afterwards either.
-2. Each buffer lent is a new one (PyTorch's pinned allocator places it in the graph's
-   private host pool), never an idle one: the pool cannot tell, without asking an
-   event, that an idle buffer's copies of the eager steps before are done.
+   recorded in a capture cannot be asked afterwards either. So buffers handed back but
+   not yet seen finished stay where they are, and nothing is freed to make room.
+2. A buffer lent is an idle one (its copies were seen finished before), or else a new
+   one, allocated inside the capture (PyTorch's pinned allocator serves that from the
+   graph's private host pool).
 3. Given back, it is the graph's for good: kept by the pool, counted in use, never lent
-   again nor freed, since a replay may write it at any later time.
-Capture after eager warm-up steps at the same shapes (torch's recipe): the pool then
-holds one step's buffers for the eager steps and one for the graph.
+   again nor freed, since a replay may write it at any later time. The pool cannot tell
+   when a graph is gone: a capture that failed part way, or a graph deleted, leaves its
+   buffers kept too, about one step's offloaded bytes each.
 """
 from __future__ import annotations
 
@@ -126,7 +127,9 @@ class HostPool:
         """Lend a flat ``uint8`` host buffer of ``size_class(nbytes)`` bytes.
 
         Raises :class:`OffloadPoolExhausted` when a new buffer would take the pool past
-        its capacity, even after waiting for the buffers copies still use.
+        its capacity, even after waiting for the buffers copies still use (while a CUDA
+        graph is captured: without waiting, nor freeing; NOTE [ Host buffers of a
+        captured graph ]).
         """
         size = self.size_class(nbytes)
         if capturing():
@@ -143,9 +146,11 @@ class HostPool:
         return buffer
 
     def _acquire_for_graph(self, size: int, asked: int) -> torch.Tensor:
-        """A new buffer, asking no event (NOTE [ Host buffers of a captured graph ])."""
+        """An idle buffer, else a new one, asking no event (NOTE [ Host buffers of a
+        captured graph ])."""
         with self._lock:
-            buffer = self._allocate(size, asked, for_graph=True)
+            idle = self._idle[size]
+            buffer = idle.pop() if idle else self._allocate(size, asked, for_graph=True)
             self._lent_to_graph[id(buffer)] = size
         return buffer
 
@@ -155,7 +160,8 @@ class HostPool:
 
         ``after``: the event of a copy that may still use the buffer (anything with
         ``query()`` and ``synchronize()``, as ``torch.cuda.Event``); the buffer is lent
-        again only once that event has completed. ``None``: reusable at once.
+        again only once that event has completed. ``None``: reusable at once. A buffer
+        lent while a CUDA graph was captured is kept for the graph, never lent again.
         """
         if self._lent_to_graph.pop(id(buffer), None) is not None:
             self._graphs.append(buffer)  # list.append: safe in a finalizer
@@ -205,7 +211,7 @@ class HostPool:
                 f"capacity already, {self._in_use():,} bytes of them in use. Raise the "
                 "capacity with actsave.offload.set_host_pool_capacity(nbytes) (None: no "
                 "limit), or offload fewer layers."
-                + (" A CUDA graph being captured takes new buffers, kept for its replays: "
+                + (" A CUDA graph being captured takes buffers of its own, kept for its replays: "
                    "about one step's offloaded bytes beside the eager steps'." if for_graph else "")
             )
         pin = self._device.type == "cpu" and (torch.cuda.is_available() if self._pin is None else self._pin)

@@ -203,17 +203,18 @@ def capture(monkeypatch):
     return state
 
 
-def test_a_capture_asks_no_event_and_takes_a_new_buffer(capture):
-    # NOTE [ Host buffers of a captured graph ], rules 1 and 2: an idle buffer and one
-    # whose copy may still run are both passed over, no event asked.
+def test_a_capture_asks_no_event_and_lends_an_idle_buffer_or_a_new_one(capture):
+    # NOTE [ Host buffers of a captured graph ], rules 1 and 2: a buffer whose copy may
+    # still run is passed over, no event asked; an idle one is lent, then a new one.
     pool = HostPool(capacity_bytes=3 * 4 * KiB)
     idle, copying = pool.acquire(4 * KiB), pool.acquire(4 * KiB)
     pool.release(idle)
+    assert pool.in_use_bytes == 4 * KiB  # outside the capture: the idle one seen finished
     pool.release(copying, after=RefusedEvent())
     capture[0] = True
-    lent = pool.acquire(4 * KiB)
-    assert lent.data_ptr() not in {idle.data_ptr(), copying.data_ptr()}
-    with pytest.raises(OffloadPoolExhausted, match="CUDA graph being captured takes new buffers"):
+    assert pool.acquire(4 * KiB).data_ptr() == idle.data_ptr()
+    assert pool.acquire(4 * KiB).data_ptr() not in {idle.data_ptr(), copying.data_ptr()}
+    with pytest.raises(OffloadPoolExhausted, match="CUDA graph being captured takes buffers of its own"):
         pool.acquire(4 * KiB)  # at capacity: no waiting for the copy, no freeing
 
 
