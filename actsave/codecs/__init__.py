@@ -39,7 +39,8 @@ NaN (AMP loss scalers still see them, and ``-inf`` masks of attention scores or
 vocabularies still mask). They do not spoil their group: its finite values are scaled
 by their own absmax and keep their precision (int8 gives up one step of 127, 0.07 dB).
 A finite input never comes back non-finite, its dtype's largest value included
-(except float64 beyond float32's range: it goes through float32 and becomes +-inf).
+(float64 goes through float32: a value beyond float32's range comes back at float32's
+largest).
 Bytes stored are the same either way: a group holding inf or NaN is flagged by the
 sign bit of its scale.
 """
