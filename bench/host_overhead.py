@@ -56,7 +56,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -290,14 +290,21 @@ def stub_launches():
         _launch.launch = real
 
 
-def microseconds_per_call(function: Callable, calls: int, rounds: int = 5) -> float:
+def microseconds_per_call(function: Callable, calls: int, rounds: int = 5,
+                          device: Optional[torch.device] = None) -> float:
+    """Best over ``rounds`` of the host time per call of ``calls`` calls in a row; with
+    a ``device``, synchronized before the first round and after each (not inside one)."""
     function()
     best = float("inf")
     for _ in range(rounds):
+        if device is not None:
+            synchronize(device)
         start = time.perf_counter()
         for _ in range(calls):
             function()
         best = min(best, (time.perf_counter() - start) / calls)
+    if device is not None:
+        synchronize(device)
     return best * 1e6
 
 

@@ -8,9 +8,9 @@ kernels per kept input; the launch path's target is at most 6 us a launch (the
 launch's share: the call's time less its Python work).
 
 Per launcher: a small kept input's tensors (host_overhead.LAUNCHER_SHAPES), ``--calls``
-calls in a row, best of 5 rounds, host wall time per call; on CUDA the device is
-synchronized after each round (not inside it: the kernels are tiny, so the host sets
-the pace). On CPU the kernels run under Triton's interpreter, whose times say nothing
+calls in a row, best of 5 rounds, host wall time per call (host_overhead's
+``microseconds_per_call``); on CUDA the device is synchronized between rounds (not
+inside one: the kernels are tiny, so the host sets the pace). On CPU the kernels run under Triton's interpreter, whose times say nothing
 of a GPU: there the script checks that every path runs (``--smoke`` for the tests).
 
     python bench/launch_overhead.py [--calls 500] [--smoke]
@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from typing import Callable
 
 import torch
 
@@ -32,12 +30,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import actsave  # noqa: E402
-from actsave.devices import synchronize  # noqa: E402
 from actsave.text import format_table  # noqa: E402
 from actsave.triton_kernels import _launch  # noqa: E402
 
 import harness  # noqa: E402  (bench/ is on sys.path when this script runs)
-from host_overhead import LAUNCHER_SHAPES, launcher_calls, stub_launches  # noqa: E402
+from host_overhead import LAUNCHER_SHAPES, launcher_calls, microseconds_per_call, stub_launches  # noqa: E402
 
 
 @triton.jit
@@ -45,34 +42,20 @@ def _one_store_kernel(out_ptr):
     tl.store(out_ptr, 1.0)
 
 
-def host_microseconds(function: Callable[[], object], calls: int, device: torch.device, rounds: int = 5) -> float:
-    """Best over ``rounds`` of the host time per call of ``calls`` calls in a row."""
-    function()
-    synchronize(device)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            function()
-        best = min(best, (time.perf_counter() - start) / calls)
-        synchronize(device)
-    return best * 1e6
-
-
 def measure(device: torch.device, calls: int) -> list:
     """``[(what, us per call, us of Python work before the launch or None)]``."""
     out = torch.zeros(1, device=device)
-    rows = [("torch operator (x.add_(1))", host_microseconds(lambda: out.add_(1), calls, device), None),
-            ("Triton kernel[grid](...), one program", host_microseconds(
-                lambda: _one_store_kernel[(1,)](out), calls, device), None),
-            ("the same through _launch.launch", host_microseconds(
-                lambda: _launch.launch(_one_store_kernel, (1,), out), calls, device), None)]
+    rows = [("torch operator (x.add_(1))", microseconds_per_call(lambda: out.add_(1), calls, device=device), None),
+            ("Triton kernel[grid](...), one program", microseconds_per_call(
+                lambda: _one_store_kernel[(1,)](out), calls, device=device), None),
+            ("the same through _launch.launch", microseconds_per_call(
+                lambda: _launch.launch(_one_store_kernel, (1,), out), calls, device=device), None)]
     launchers = launcher_calls(device)
     with actsave.set_backend("triton"):
         for name, call in launchers:
             with stub_launches():
-                python = host_microseconds(call, calls, device)
-            rows.append((name, host_microseconds(call, calls, device), python))
+                python = microseconds_per_call(call, calls, device=device)
+            rows.append((name, microseconds_per_call(call, calls, device=device), python))
     return rows
 
 

@@ -44,6 +44,12 @@ def eager_grads(model, x, y) -> list:
     return [p.grad.clone() for p in model.parameters()]
 
 
+def has_eager_grads(model, reference, x, y) -> bool:
+    """Whether ``model``'s gradients are those of an eager step of ``reference`` on (x, y)."""
+    torch.cuda.synchronize()
+    return all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), eager_grads(reference, x, y)))
+
+
 def captured_step(model, x, y, warmup: int = 3):
     """The recipe: warm-up steps on a side stream (actsave plans, Triton compiles), then
     one step captured whole; returns the graph and its static input tensors."""
@@ -90,9 +96,7 @@ def test_a_captured_step_replays_the_eager_steps_gradients_for_each_batch(mode):
         static_x.copy_(inputs)
         static_y.copy_(targets)
         graph.replay()
-        torch.cuda.synchronize()
-        expected = eager_grads(reference, inputs, targets)
-        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected)), mode
+        assert has_eager_grads(model, reference, inputs, targets), mode
 
 
 @pytest.mark.parametrize("mode", ["offload", "int8 + offload"])
@@ -110,9 +114,7 @@ def test_a_replay_between_an_eager_forward_and_its_backward_leaves_their_host_bu
     loss = loss_of(other, x2, y2)
     graph.replay()
     loss.backward()
-    torch.cuda.synchronize()
-    assert all(torch.equal(p.grad, g) for p, g in zip(other.parameters(), eager_grads(reference, x2, y2)))
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), eager_grads(reference, x, y)))
+    assert has_eager_grads(other, reference, x2, y2) and has_eager_grads(model, reference, x, y)
 
 
 @pytest.mark.parametrize("mode", ["exact", "int8", "fp8"])
@@ -128,9 +130,7 @@ def test_graphed_callables_give_the_eager_gradients(mode):
     for inputs, targets in ((x, y), (x2, y2)):
         model.zero_grad(set_to_none=True)
         loss_of(graphed, inputs, targets).backward()
-        torch.cuda.synchronize()
-        expected = eager_grads(reference, inputs, targets)
-        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected)), mode
+        assert has_eager_grads(model, reference, inputs, targets), mode
 
 
 @pytest.mark.parametrize("mode", ["exact", "int8"])
