@@ -78,7 +78,6 @@ class KeptCall:
         return any(version(a.tensor) != a.version for a in self.arguments if a.tensor is not None)
 
 
-
 class StateMark:
     """The module state a kept call may change, as it starts: the buffers of
     ``holders`` (the modules under the checkpointed call that hold any), and the
