@@ -4,6 +4,7 @@ recompute ]): each outermost kept call (:class:`KeptCall`), the tensor arguments
 read again by its recompute (selective_replay.py)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -30,7 +31,8 @@ class KeptCall:
     place."""
 
     __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
-                 "skipped", "mutates", "decided_on", "rng_before", "rng_after", "state", "changed_state")
+                 "skipped", "mutates", "decided_on", "rng_before", "rng_after", "state", "changed_state",
+                 "attributes")
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
@@ -45,7 +47,10 @@ class KeptCall:
         self.skipped = False  # whether the recompute skips it: set as the forward ends
         self.mutates = False  # whether it changed an argument in place (then it runs again)
         self.state = None  # the module state as the call started (StateMark), until it ends
-        self.changed_state = False  # whether it changed module state (then it runs again)
+        self.changed_state = False  # whether it changed a buffer or a parameter (then it runs again)
+        # ((module, {name: value as the call left it, or ABSENT}), ...): the attributes that
+        # calls of its modules set, which a recompute that skips it sets so (replay_attributes).
+        self.attributes = ()
         # Whether a later save of its output keeps decisions (a clamp's input, under a
         # lossy codec): it runs again, where the recompute restores them (NOTE [ Bound decisions ]).
         self.decided_on = False
@@ -81,9 +86,9 @@ class KeptCall:
 class StateMark:
     """The module state a kept call may change, as it starts: the buffers of
     ``holders`` (the modules under the checkpointed call that hold any), and the
-    parameters and Python attributes of the modules under the call's own module.
-    :meth:`changed` says whether the call changed any (NOTE [ Selective recompute ]:
-    such a call runs again)."""
+    parameters and Python attributes of the modules under the call's own module
+    (NOTE [ Selective recompute ]: a call that changed a buffer or a parameter runs
+    again; the attributes calls set are replayed where they are skipped)."""
 
     __slots__ = ("buffers", "parameters", "attributes")
 
@@ -91,24 +96,70 @@ class StateMark:
         self.buffers = tuple((holder, name, buffer, version(buffer)) for holder in holders
                              for name, buffer in holder._buffers.items() if buffer is not None)
         self.parameters = tuple((p, version(p)) for m in own_modules for p in m._parameters.values() if p is not None)
-        # The attributes' values by identity: a value set again is a new object, as a float
-        # the call computes; one set to the object it held is no change.
         self.attributes = tuple((m, dict(m.__dict__)) for m in own_modules)
 
     def changed(self) -> bool:
-        """Whether a buffer was changed, replaced or removed, a parameter changed in
-        place, or an attribute set, added or deleted since."""
+        """Whether a buffer was changed, replaced or removed, or a parameter changed in
+        place, since."""
         return (any(holder._buffers.get(name) is not buffer or version(buffer) != seen
                     for holder, name, buffer, seen in self.buffers)
-                or any(version(p) != seen for p, seen in self.parameters)
-                or any(_attributes_moved(m.__dict__, before) for m, before in self.attributes))
+                or any(version(p) != seen for p, seen in self.parameters))
+
+    def attributes_left(self) -> tuple:
+        """``((module, attributes now, names set, added or deleted since), ...)``: by
+        identity, so a value set to the object it held (a small int that repeats) is
+        not seen set; :func:`attributes_to_replay` covers it."""
+        return tuple((m, dict(m.__dict__), _moved(m.__dict__, before)) for m, before in self.attributes)
 
 
-def _attributes_moved(now: dict, before: dict) -> bool:
-    return len(now) != len(before) or any(now.get(name, _ABSENT) is not value for name, value in before.items())
+def _moved(now: dict, before: dict) -> frozenset:
+    return frozenset(name for name in now.keys() | before.keys() if now.get(name, ABSENT) is not before.get(name, ABSENT))
 
 
-_ABSENT = object()
+def attributes_to_replay(calls: list) -> None:
+    """Set each call's ``attributes`` to the values it left of every attribute that any
+    call of the same module set: a call that set one to the object it already held (a
+    row count that repeats) left the value the code after it read, though it moved
+    nothing, where a later call of the module moved it."""
+    moved = {}
+    for call in calls:
+        for module, _, names in call.attributes:
+            moved[module] = moved.get(module, frozenset()) | names
+    for call in calls:
+        call.attributes = tuple((module, {name: left.get(name, ABSENT) for name in moved[module]})
+                                for module, left, _ in call.attributes if moved[module])
+
+
+@contextlib.contextmanager
+def attributes_put_back_after(calls: list):
+    """While open (a recompute), the attributes the calls replay may be set; as it
+    closes, each is put back as it was when it opened: the recompute sets them for the
+    code it runs again, not for the steps after it (two forwards before their
+    backwards, or a recompute that stops early, would leave an earlier call's value)."""
+    held = {(id(module), name): (module, name, module.__dict__.get(name, ABSENT))
+            for call in calls for module, values in call.attributes for name in values}
+    try:
+        yield
+    finally:
+        for module, name, value in held.values():
+            if value is ABSENT:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
+
+
+def replay_attributes(call: KeptCall) -> None:
+    """Set the attributes a skipped call left (:func:`attributes_to_replay`), on the
+    module's ``__dict__`` as the call's own assignments put them."""
+    for module, values in call.attributes:
+        for name, value in values.items():
+            if value is ABSENT:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
+
+
+ABSENT = object()  # an attribute not there
 
 
 class CallArgument:
@@ -179,4 +230,5 @@ def described(target) -> str:
     return target if isinstance(target, str) else type(target).__name__
 
 
-__all__ = ["CallArgument", "KeptCall", "KeptSave", "described", "held_elsewhere"]
+__all__ = ["CallArgument", "KeptCall", "KeptSave", "StateMark", "attributes_put_back_after", "attributes_to_replay",
+           "described", "held_elsewhere", "keepable_now", "replay_attributes"]

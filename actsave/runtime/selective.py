@@ -45,13 +45,18 @@ all, and its kept tensors are read as they are.
 Rules that keep it exact:
 - A kept call that changed one of its arguments in place (``nn.ReLU(inplace=True)``
   named in KeptOps) is run again: skipped, the argument the recompute made would stay
-  unchanged. So is one that changed module state: a buffer of the modules the
-  checkpointed call runs (a Linear that keeps a running mean of its output), or a
-  parameter or a Python attribute of its own module and those under it (a value it
-  notes for the code after it). The recompute starts from the forward's module state
+  unchanged. So is one that changed a buffer of the modules the checkpointed call runs
+  (a Linear that keeps a running mean of its output) or a parameter of its own module
+  and those under it, in place: the recompute starts from the forward's module state
   (NOTE [ State a forward reads and mutates ]), and the code after the call must read
   what the call left, as the forward did; a parameter changed in place is then checked
-  as in any recompute (NOTE [ Parameters a forward changes ]).
+  as in any recompute (NOTE [ Parameters a forward changes ]). The Python attributes
+  a call sets on its module and those under it (a value it notes for the code after
+  it, a flag at its first call) are replayed instead: the recompute that skips the call
+  sets them to the values the call left, of every attribute any call of that module set
+  (by identity: a call that set one to the object it held left that value too), and
+  puts them back as they were when it started as it ends (a call counter counts the
+  forward's calls only).
 - A kept call that drew random numbers in the forward (attention with dropout, a
   module named that holds a Dropout) is skipped in the recompute, which replays the
   forward's RNG: the generators are set as that call left them, so the calls after it
@@ -102,7 +107,7 @@ from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState
-from .kept_calls import CallArgument, KeptCall, KeptSave, StateMark, described, keepable_now
+from .kept_calls import CallArgument, KeptCall, KeptSave, StateMark, attributes_to_replay, described, keepable_now
 from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
 
@@ -223,7 +228,7 @@ class SelectiveFrame(CheckpointFrame):
                 slot.kept = KeptSave(tensor)  # a weight's transpose, attention's statistics
         self._pending = []
         call.mutates, call.changed_state = call.mutated_an_argument(), call.state.changed()
-        call.state = None  # not held past the call
+        call.attributes, call.state = call.state.attributes_left(), None  # pruned as the forward ends
         for argument in call.arguments:
             argument.tensor = None  # the recompute makes its own; this one is autograd's to free
         self.calls.append(call)
@@ -240,6 +245,7 @@ class SelectiveFrame(CheckpointFrame):
 
     def end_forward(self) -> None:
         super().end_forward()
+        attributes_to_replay(self.calls)
         tensorless = bool(self.calls) and all(call.output is None for call in self.calls)
         for call in self.calls:
             # An output changed in place after its call is not what the call returned. A
@@ -404,13 +410,14 @@ def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
     _warned.add(key)
     if reason == "changed":
         why = (f"every output of its calls of {ops.names()} was changed in place after the call (an in-place "
-               "residual: out += x), so those calls run again, and it recomputes everything, as a plain checkpoint "
-               "does. Make the op after the call out of place (out = out + x) to keep its output")
+               "residual: out += x), or the call changed an argument in place, so those calls run again, and it "
+               "recomputes everything, as a plain checkpoint does. Make the op after the call out of place "
+               "(out = out + x) to keep its output")
     elif reason == "state":
-        why = (f"its calls of {ops.names()} change their modules' state (a buffer, a parameter, or an attribute "
-               "they set: a running statistic, a value noted for later), which the code after them reads, so those "
-               "calls run again, and it recomputes everything, as a plain checkpoint does. Keep such modules out "
-               "of the kept calls (KeptOps(module_names=...)), or use keep='inputs'")
+        why = (f"its calls of {ops.names()} change their modules' buffers or parameters in place (a running "
+               "statistic), which the code after them reads, so those calls run again, and it recomputes "
+               "everything, as a plain checkpoint does. Keep such modules out of the kept calls "
+               "(KeptOps(module_names=...)), or use keep='inputs'")
     elif reason == "decided":
         why = (f"the outputs of its calls of {ops.names()} are read by a Hardtanh or LeakyReLU, whose decisions a lossy "
                "recompute takes from the forward's by running those calls again (NOTE [ Bound decisions ]), so it "

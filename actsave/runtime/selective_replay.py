@@ -14,7 +14,7 @@ from torch import nn
 from .._torch import version
 from ..errors import RecomputeError
 from .function import qualified_name
-from .kept_calls import KeptCall, described, keepable_now
+from .kept_calls import KeptCall, attributes_put_back_after, described, keepable_now, replay_attributes
 from .placeholders import Cursor
 from .kept_ops import TAPPED_FUNCTIONS
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
@@ -36,6 +36,7 @@ class Skipper:
     @contextlib.contextmanager
     def active(self):
         with contextlib.ExitStack() as stack:
+            stack.enter_context(attributes_put_back_after(self.frame.calls))
             for module in self.frame._watched:
                 stack.enter_context(forward_replaced(module, self._module_call(module)))
             for name in self.frame.functions:
@@ -73,6 +74,7 @@ class Skipper:
                 "the recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
                 "which recomputes it.")
         self._fill_views(call, input_tensors(args, kwargs))
+        replay_attributes(call)
         if call.rng_after is not None:  # it drew in the forward: later calls draw after it
             call.rng_after.restore()
         output = call.kept_output()

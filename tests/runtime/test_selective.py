@@ -714,10 +714,12 @@ class _ReadsWhatItsCallChanged(nn.Module):
 
 @pytest.mark.parametrize("changes", ["running", "shift", "shift alone"])
 @pytest.mark.parametrize("keep", ["selective", KeptOps(module_names=("fc1",))])
-def test_a_kept_call_that_changes_its_modules_state_runs_again_and_the_code_after_it_reads_the_change(changes, keep,
-                                                                                                     monkeypatch):
-    # Skipped, the call would leave the recompute on the forward's starting state (or on
-    # what the call's last run left): the block would read other values than the forward.
+def test_a_kept_call_that_changes_its_modules_state_leaves_the_code_after_it_reading_the_change(changes, keep,
+                                                                                              monkeypatch):
+    # Skipped without a word, the call would leave the recompute on the forward's
+    # starting state (or on what the module's last call left): the block would read other
+    # values than the forward. A buffer changed: the call runs again, and keeps nothing
+    # here; an attribute set: the skip sets it as the call left it, and keeps the output.
     def model():
         torch.manual_seed(0)
         return nn.Sequential(_ReadsWhatItsCallChanged(changes))
@@ -729,13 +731,49 @@ def test_a_kept_call_that_changes_its_modules_state_runs_again_and_the_code_afte
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         wrapped(x).square().sum().backward()
-    said = [str(w.message) for w in caught if "kept nothing" in str(w.message)]
-    if isinstance(keep, KeptOps):  # fc1 kept alone, and run again: it keeps nothing, and says why
-        assert len(said) == 1 and "change their modules' state" in said[0]
     for p, q in zip(plain.parameters(), wrapped.parameters()):
         assert torch.equal(p.grad, q.grad)
     for a, b in zip(plain.buffers(), wrapped.buffers()):
         assert torch.equal(a, b)
+    said = [str(w.message) for w in caught if "kept nothing" in str(w.message)]
+    if changes != "running":
+        assert not said
+    elif isinstance(keep, KeptOps):  # fc1 kept alone, and run again: it keeps nothing, and says why
+        assert len(said) == 1 and "change their modules' buffers or parameters" in said[0]
+
+
+class _NotesItsRows(nn.Linear):
+    def forward(self, x):
+        self.rows = x.shape[0]  # a small int: the object it held where the count repeats
+        return super().forward(x)
+
+
+def test_an_attribute_a_call_sets_to_the_object_it_held_is_replayed_where_a_later_call_moves_it():
+    # The first call sets 6 where 6 was (no move, by identity), the second 3: skipped,
+    # the first would leave the recompute reading 3.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = _NotesItsRows(4, 4)
+            self.fc.rows = 6
+
+        def forward(self, x):
+            h = F.gelu(self.fc(x) * self.fc.rows)
+            return F.gelu(self.fc(h[:3]) * self.fc.rows).sum(0) + h.sum(0)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(Block())
+
+    x = torch.randn(6, 4)
+    plain, wrapped = model(), actsave.wrap(model(), Block, keep="selective")
+    plain(x).square().sum().backward()
+    with OpCounter() as backward:
+        out = wrapped(x).square().sum()
+        out.backward()
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert backward.counts["aten.addmm.default"] == 2  # the forward's two calls only: both skipped
 
 
 class _ShrinksItsWeightWhenCalled(nn.Linear):
@@ -764,3 +802,54 @@ def test_a_kept_call_that_changes_its_parameter_runs_again_and_is_checked_as_any
         out = model(torch.randn(6, 8)).square().sum()
     with pytest.raises(actsave.RecomputeError, match="changed parameter 'weight'"):
         out.backward()
+
+
+class _CountsItsCalls(nn.Linear):
+    """A Linear with no buffer that counts its calls in an attribute and scales by it."""
+
+    def __init__(self, features_in, features_out):
+        super().__init__(features_in, features_out)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x) * min(1.0, self.calls / 10)
+
+
+@pytest.mark.parametrize("order", ["two forwards, one backward", "backwards reversed", "early stop"])
+def test_attributes_a_recompute_replays_are_put_back_as_it_ends(order):
+    # The skips set the counter as each call left it; left so, two forwards before their
+    # backwards, or a recompute that stops before the module's last call, would rewind it.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = _CountsItsCalls(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc2(F.gelu(self.fc1(x)))
+            return self.fc1(h) if order == "early stop" else h  # its output only leaves the block
+
+    def trained(keep):
+        torch.manual_seed(0)
+        model = nn.Sequential(Block())
+        if keep:
+            actsave.wrap(model, Block, keep=keep)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x1, x2 = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).chunk(2)
+            if order == "two forwards, one backward":
+                (model(x1).square().sum() + model(x2).square().sum()).backward()
+            elif order == "backwards reversed":
+                first, second = model(x1).square().sum(), model(x2).square().sum()
+                second.backward()
+                first.backward()
+            else:
+                model(x1).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        counter = next(m for m in model.modules() if isinstance(m, _CountsItsCalls))
+        return counter.calls, list(model.parameters())
+
+    (plain_calls, plain), (calls, wrapped) = trained(None), trained("selective")
+    assert calls == plain_calls
+    assert all(torch.equal(p, q) for p, q in zip(plain, wrapped))
