@@ -48,8 +48,9 @@ and imports 15 s; resnet 45 s (7 providers x 13 steps, a round of all 7 about 1.
 at the step times of bench/results/nvidia-h100-80gb-hbm3-step_profile-b512.txt, plus
 planning, Triton compiles and 7 estimates); gpt 20 s (6 x 13 steps of 0.1-0.2 s,
 about 4.4e13 FLOP a plain step); graphs 20 s (6 providers x 2 models, 4 steps
-to capture, then 10 eager steps and 10 replays of a b64 step, about 25 ms eager); launch 5 s
-(17 calls x 5 rounds x 500 calls of 15-130 us); host 20 s (7 x 13 host-bound steps of ResNet-164 b2,
+to capture, then 10 eager steps and 10 replays of a b64 step, about 25 ms eager); launch 15 s
+(3 references and 14 launchers, the launchers twice: real and stubbed, x 5 rounds x 500
+calls of 5-130 us); host 20 s (7 x 13 host-bound steps of ResNet-164 b2,
 then the counted steps; the GPT's are shorter); kernels 40 s (18 kernel builds, then
 60 timed launches per case), cut at 150 s. About 3 minutes, under the stage's 420 s.
 

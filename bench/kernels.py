@@ -322,11 +322,13 @@ def measure_max_pool_decisions(dtype: torch.dtype, numel: int, device: torch.dev
     row = {"bytes_ratio": packed.numel() / index_bytes}
     if timer is None:
         return row
-    row["copy_gbps"] = copy_gbps(copies_beyond_l2(x, timer), timer)
+    inputs = copies_beyond_l2(x, timer)
+    row["copy_gbps"] = copy_gbps(inputs, timer)
     all_indices = copies_beyond_l2(indices, timer)
     next_indices = rotating(all_indices)
     next_decode = rotating([(torch.empty_like(i), max_pool.encode_max_pool(i, *geometry)) for i in all_indices])
-    next_gather = rotating([(torch.empty_like(pooled), x, i) for i in all_indices])
+    # The values a gather reads rotate with the indices, beyond L2 as they are.
+    next_gather = rotating([(torch.empty_like(pooled), inputs[k % len(inputs)], i) for k, i in enumerate(all_indices)])
     timed(row, "encode", lambda: max_pool.encode_max_pool(next_indices(), *geometry), index_bytes + packed.numel(),
           timer)
     timed(row, "decode", lambda: max_pool.decode_max_pool_(*next_decode(), *geometry), index_bytes + packed.numel(),

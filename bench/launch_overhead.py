@@ -1,7 +1,8 @@
-"""Host time per kernel launch: what the host spends to start each codec and decision
-kernel, against the Python work before the launch alone (a stub launcher, as
-bench/host_overhead.py measures it), and two references: a one-program Triton kernel
-launched as ``kernel[grid](...)``, Triton's own path, and a torch operator.
+"""Host time per kernel launch: what the host spends to start each codec kernel and the
+ReLU decision kernels (host_overhead's ``launcher_calls``), against the Python work
+before the launch alone (a stub launcher, as bench/host_overhead.py measures it), and
+three references: a torch operator, a one-program Triton kernel launched as
+``kernel[grid](...)`` (Triton's own path), and the same through the package's launch.
 
 Why: on a GPU at small batch a lossy step waits for the host, which starts several
 kernels per kept input; the launch path's target is at most 6 us a launch (the

@@ -18,13 +18,15 @@ replay writes and reads those addresses again. So, while the current stream capt
    capture (PyTorch's own allocators skip their event queries then), and an event
    recorded in a capture cannot be asked afterwards either. So buffers handed back but
    not yet seen finished stay where they are, and nothing is freed to make room.
-2. A buffer lent is an idle one (its copies were seen finished before), or else a new
-   one, allocated inside the capture (PyTorch's pinned allocator serves that from the
-   graph's private host pool).
+2. A buffer lent is an idle one (its copies seen finished outside the capture: after
+   warm-up steps usually none, the last step's not yet seen), or else a new one,
+   allocated inside the capture (PyTorch's pinned allocator serves that from the
+   graph's private host pool, and keeps it from other users while the graph lives).
 3. Given back, it is the graph's for good: kept by the pool, counted in use, never lent
-   again nor freed, since a replay may write it at any later time. The pool cannot tell
-   when a graph is gone: a capture that failed part way, or a graph deleted, leaves its
-   buffers kept too, about one step's offloaded bytes each.
+   again nor freed, since a replay may write it at any later time. So a pool must
+   outlive the graphs that use its buffers (the default pool lives as long as the
+   process). The pool cannot tell when a graph is gone: a capture that failed part way,
+   or a graph deleted, leaves its buffers kept too, about one step's offloaded bytes.
 """
 from __future__ import annotations
 

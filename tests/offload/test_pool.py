@@ -209,7 +209,9 @@ def test_a_capture_asks_no_event_and_lends_an_idle_buffer_or_a_new_one(capture):
     pool = HostPool(capacity_bytes=3 * 4 * KiB)
     idle, copying = pool.acquire(4 * KiB), pool.acquire(4 * KiB)
     pool.release(idle)
-    assert pool.in_use_bytes == 4 * KiB  # outside the capture: the idle one seen finished
+    # Reading in_use_bytes outside the capture sees the first one finished: it is idle
+    # from here, as a buffer an eager acquire took back is.
+    assert pool.in_use_bytes == 4 * KiB
     pool.release(copying, after=RefusedEvent())
     capture[0] = True
     assert pool.acquire(4 * KiB).data_ptr() == idle.data_ptr()
