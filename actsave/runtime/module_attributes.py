@@ -90,7 +90,7 @@ class ModuleAttributes:
                 continue
             for name in found.keys() | now.keys():
                 was, value = found.get(name, _ABSENT), now.get(name, _ABSENT)
-                if name not in _OWN and value is not was and not _holds_data(was, value):
+                if name not in _OWN and value is not was and not holds_data(was, value):
                     changed.append((index, module, name, was))
         self._found, self._set = [], changed
 
@@ -160,7 +160,7 @@ def put_back(entries: dict, found: dict, kept: Optional[Callable[[str], bool]] =
             entries[name] = value
 
 
-def _holds_data(*values) -> bool:
+def holds_data(*values) -> bool:
     """Whether one of ``values`` is a tensor of more than one element: one an attribute
     holds is the forward's cache or record (an attention map kept for a plot), which
     holding as the forward found it until the backward would keep its memory alive; it
