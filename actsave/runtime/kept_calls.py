@@ -14,6 +14,7 @@ from .._torch import leaf_base, storage_identity, storage_identity_or_none, vers
 from ..errors import RecomputeError
 from ..layouts import is_dense
 from .function import detached_or_same
+from .module_attributes import holds_data
 
 
 def keepable_now() -> bool:
@@ -108,12 +109,17 @@ class StateMark:
     def attributes_left(self) -> tuple:
         """``((module, attributes now, names set, added or deleted since), ...)``: by
         identity, so a value set to the object it held (a small int that repeats) is
-        not seen set; :func:`attributes_to_replay` covers it."""
-        return tuple((m, dict(m.__dict__), _moved(m.__dict__, before)) for m, before in self.attributes)
+        not seen set; :func:`attributes_to_replay` covers it. Tensors of more than one
+        element are left out, as module_attributes leaves them (a cache the call makes,
+        a dequantized weight: held until the backward, each call's would stay alive)."""
+        return tuple((m, {name: DATA if holds_data(value) else value for name, value in m.__dict__.items()},
+                      _moved(m.__dict__, before)) for m, before in self.attributes)
 
 
 def _moved(now: dict, before: dict) -> frozenset:
-    return frozenset(name for name in now.keys() | before.keys() if now.get(name, ABSENT) is not before.get(name, ABSENT))
+    return frozenset(name for name in now.keys() | before.keys()
+                     if now.get(name, ABSENT) is not before.get(name, ABSENT)
+                     and not holds_data(now.get(name)) and not holds_data(before.get(name)))
 
 
 def attributes_to_replay(calls: list) -> None:
@@ -137,7 +143,8 @@ def attributes_put_back_after(calls: list):
     code it runs again, not for the steps after it (two forwards before their
     backwards, or a recompute that stops early, would leave an earlier call's value)."""
     held = {(id(module), name): (module, name, module.__dict__.get(name, ABSENT))
-            for call in calls for module, values in call.attributes for name in values}
+            for call in calls for module, values in call.attributes for name, value in values.items()
+            if value is not DATA}
     try:
         yield
     finally:
@@ -155,11 +162,12 @@ def replay_attributes(call: KeptCall) -> None:
         for name, value in values.items():
             if value is ABSENT:
                 module.__dict__.pop(name, None)
-            else:
+            elif value is not DATA:
                 module.__dict__[name] = value
 
 
 ABSENT = object()  # an attribute not there
+DATA = object()  # a tensor of more than one element there, left as it is (attributes_left)
 
 
 class CallArgument:

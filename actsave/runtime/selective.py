@@ -56,7 +56,9 @@ Rules that keep it exact:
   sets them to the values the call left, of every attribute any call of that module set
   (by identity: a call that set one to the object it held left that value too), and
   puts them back as they were when it started as it ends (a call counter counts the
-  forward's calls only).
+  forward's calls only). A tensor of more than one element an attribute holds (a cache,
+  a dequantized weight) is left as the forward left it, as module_attributes.py leaves
+  it: replayed, each call's would stay alive until the backward.
 - A kept call that drew random numbers in the forward (attention with dropout, a
   module named that holds a Dropout) is skipped in the recompute, which replays the
   forward's RNG: the generators are set as that call left them, so the calls after it

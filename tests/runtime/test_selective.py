@@ -3,6 +3,7 @@ attention kept, the rest recomputed, gradients bit-identical, no matmul run agai
 import copy
 import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -853,3 +854,39 @@ def test_attributes_a_recompute_replays_are_put_back_as_it_ends(order):
     (plain_calls, plain), (calls, wrapped) = trained(None), trained("selective")
     assert calls == plain_calls
     assert all(torch.equal(p, q) for p, q in zip(plain, wrapped))
+
+
+class _CachesItsWeight(nn.Linear):
+    """A Linear that keeps a copy of its weight as an attribute at each call (as a
+    quantized layer keeps its dequantized weight)."""
+
+    def forward(self, x):
+        self.cache = self.weight.detach() * 1.0
+        return F.linear(x, self.weight, self.bias)
+
+
+def test_a_cache_a_kept_call_sets_is_not_held_until_the_backward(no_collector):
+    # A tensor of more than one element an attribute holds is left as the forward left
+    # it (as module_attributes leaves it): replayed, each call's cache would stay alive.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = _CachesItsWeight(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = F.gelu(self.fc1(x))
+            first = weakref.ref(self.fc1.cache)
+            return self.fc2(F.gelu(self.fc1(h))), first
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x)
+
+    model = actsave.wrap(Model(), Block, keep="selective")
+    out, first = model(torch.randn(4, 16))
+    assert first() is None  # replaced by the second call, and freed
+    out.square().sum().backward()
