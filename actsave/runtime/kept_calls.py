@@ -14,7 +14,7 @@ from .._torch import leaf_base, storage_identity, storage_identity_or_none, vers
 from ..errors import RecomputeError
 from ..layouts import is_dense
 from .function import detached_or_same
-from .module_attributes import holds_data
+from .module_attributes import ABSENT, assign, holds_data
 
 
 def keepable_now() -> bool:
@@ -148,25 +148,16 @@ def attributes_put_back_after(calls: list):
     try:
         yield
     finally:
-        for module, name, value in held.values():
-            if value is ABSENT:
-                module.__dict__.pop(name, None)
-            else:
-                module.__dict__[name] = value
+        assign(held.values())
 
 
 def replay_attributes(call: KeptCall) -> None:
     """Set the attributes a skipped call left (:func:`attributes_to_replay`), on the
     module's ``__dict__`` as the call's own assignments put them."""
-    for module, values in call.attributes:
-        for name, value in values.items():
-            if value is ABSENT:
-                module.__dict__.pop(name, None)
-            elif value is not DATA:
-                module.__dict__[name] = value
+    assign([(module, name, value) for module, values in call.attributes for name, value in values.items()
+            if value is not DATA])
 
 
-ABSENT = object()  # an attribute not there
 DATA = object()  # a tensor of more than one element there, left as it is (attributes_left)
 
 

@@ -51,7 +51,7 @@ from torch import nn
 
 # nn.Module's own entries, set by its __init__ (a table's identity a forward keeps).
 _OWN = frozenset(nn.Module().__dict__)
-_ABSENT = object()  # an entry the forward added: deleted while the recompute runs
+ABSENT = object()  # an attribute not there (one the forward added: deleted while the recompute runs)
 _NOTHING = contextlib.nullcontext()  # what most recomputes install (reusable)
 # torch.nn's own layers, whose forwards set no attribute (a set: read per module per call).
 _UNWATCHED = frozenset(cls for cls in vars(nn).values() if isinstance(cls, type) and issubclass(cls, nn.Module)
@@ -64,7 +64,7 @@ class ModuleAttributes:
 
     def __init__(self):
         self._found = []  # (module, a shallow copy of its __dict__) as the forward started
-        self._set = []  # (module, name, value as the forward found it, or _ABSENT)
+        self._set = []  # (module, name, value as the forward found it, or ABSENT)
 
     def started(self, modules: Iterable[tuple]) -> None:
         """Note the attributes of ``modules`` (``(layer index, module)`` pairs:
@@ -89,7 +89,7 @@ class ModuleAttributes:
                     and found.keys() == now.keys():
                 continue
             for name in found.keys() | now.keys():
-                was, value = found.get(name, _ABSENT), now.get(name, _ABSENT)
+                was, value = found.get(name, ABSENT), now.get(name, ABSENT)
                 if name not in _OWN and value is not was and not holds_data(was, value):
                     changed.append((index, module, name, was))
         self._found, self._set = [], changed
@@ -104,12 +104,12 @@ class ModuleAttributes:
     def _installed(self, layers: Optional[range]):
         found = [(module, name, was) for index, module, name, was in self._set
                  if layers is None or index is None or index in layers]
-        current = [(module, name, module.__dict__.get(name, _ABSENT)) for module, name, _ in found]
-        _assign(found)
+        current = [(module, name, module.__dict__.get(name, ABSENT)) for module, name, _ in found]
+        assign(found)
         try:
             yield
         finally:
-            _assign(current)
+            assign(current)
 
 
 # NOTE [ Train and eval in a recompute ]
@@ -156,7 +156,7 @@ def put_back(entries: dict, found: dict, kept: Optional[Callable[[str], bool]] =
     for name in [name for name in entries if name not in found and not (kept and kept(name))]:
         del entries[name]
     for name, value in found.items():
-        if entries.get(name, _ABSENT) is not value:
+        if entries.get(name, ABSENT) is not value:
             entries[name] = value
 
 
@@ -168,11 +168,12 @@ def holds_data(*values) -> bool:
     return any(isinstance(value, torch.Tensor) and value.numel() > 1 for value in values)
 
 
-def _assign(values: list) -> None:
+def assign(values: list) -> None:
     """Set each ``(module, name, value)`` in the module's ``__dict__`` (plain attributes:
-    no nn.Module table holds them), deleting those _ABSENT."""
+    no nn.Module table holds them), deleting those ABSENT: as an assignment in a forward
+    sets them."""
     for module, name, value in values:
-        if value is _ABSENT:
+        if value is ABSENT:
             module.__dict__.pop(name, None)
         else:
             module.__dict__[name] = value
