@@ -57,6 +57,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -68,6 +69,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from .._torch import fsdp_shards
 from ..devices import host_is_separate, synchronize
 from ..errors import ConfigError, RecomputeError
+from ..runtime.function import qualified_name
 from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
@@ -88,9 +90,11 @@ _TIMED_REPEATS = 5
 # the budget allows the plain block, it keeps the block plain.
 _LEAST_EXTRA_SECONDS = 1e-9
 
-# An option the block cannot run with: a selective one of a function, or one whose
-# recompute refuses what the block does (a kept Linear's weight clamped in place before
-# its call); the plan leaves it out.
+# An option the block cannot run with: one that does not apply to it (ConfigError: a
+# selective one that keeps nothing, or of a function), or one whose recompute refuses
+# what the block does (RecomputeError: a kept Linear's weight clamped in place before
+# its call). The plan leaves it out; the second it says, once per kind of block and
+# option (a user who allowed it would otherwise not learn why no block takes it).
 _CANNOT_RUN = (ConfigError, RecomputeError)
 
 
@@ -188,6 +192,7 @@ class BlockMeasurer:
         rises = [(p.forward_rise, p.backward_rise) for p in profiled] if profiled else [()] * len(self.layers)
         self._rises = [() if fsdp_shards(layer) else rise for layer, rise in zip(self.layers, rises)]
         self._cache = {}
+        self._left_out = set()  # (block type, keep) already warned of
 
     def terms(self, model: CostModel, a: int, option: BlockOption, held: bool) -> Optional[OptionTerms]:
         """The measured terms of ``option`` at block ``a`` (None where it fails there)."""
@@ -245,10 +250,9 @@ class BlockMeasurer:
         them."""
         key = (self.signature(a), option, "sized")
         if key not in self._cache:
-            try:
-                self._cache[key] = self._bytes_at(a, option)[0], self._flops(self.layers[a], self.inputs[a], option)
-            except _CANNOT_RUN:
-                self._cache[key] = None
+            bytes_at = self._bytes_or_none(a, option)
+            flops = None if bytes_at is None else self._flops(self.layers[a], self.inputs[a], option)
+            self._cache[key] = None if bytes_at is None else (bytes_at[0], flops)
         return self._cache[key]
 
     def signature(self, a: int) -> tuple:
@@ -267,12 +271,26 @@ class BlockMeasurer:
         layer, spec = self.layers[a], self.inputs[a]
         if option.keep == "linear_inputs" and not any(isinstance(m, nn.Linear) for m in layer.modules()):
             return None  # no Linear input to keep: the option is plain's, and would warn so
-        try:
-            kept, input_kept, forward, backward, fetched = self._bytes_at(a, option)
-        except _CANNOT_RUN:
+        bytes_at = self._bytes_or_none(a, option)
+        if bytes_at is None:
             return None
+        kept, input_kept, forward, backward, fetched = bytes_at
         seconds = self._seconds(layer, spec, option) if self.timed and timed else 0.0
         return _Measured(kept, input_kept, forward, backward, fetched, seconds)
+
+    def _bytes_or_none(self, a: int, option: BlockOption) -> Optional[tuple]:
+        """:meth:`_bytes_at`, or None where block ``a`` cannot run with ``option``
+        (``_CANNOT_RUN``), a refused recompute said once per kind of block and option."""
+        try:
+            return self._bytes_at(a, option)
+        except _CANNOT_RUN as error:
+            left_out = (qualified_name(self.layers[a]), option.keep)
+            if isinstance(error, RecomputeError) and left_out not in self._left_out:
+                self._left_out.add(left_out)
+                warnings.warn(f"actsave: the block plan leaves keep={option.keep!r} out for blocks of type "
+                              f"{left_out[0]}: they cannot run with it ({type(error).__name__}: {error})",
+                              stacklevel=2)
+            return None
 
     def _bytes_at(self, a: int, option: BlockOption) -> tuple:
         """:meth:`_bytes` of ``option`` at block ``a``, once per kind of block (what

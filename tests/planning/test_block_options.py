@@ -218,7 +218,7 @@ class ClipsItsWeight(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def test_an_option_whose_recompute_the_block_refuses_is_left_out_of_the_plan():
+def test_an_option_whose_recompute_the_block_refuses_is_left_out_of_the_plan_with_one_warning():
     class Stack(nn.Module):
         def __init__(self):
             super().__init__()
@@ -232,10 +232,12 @@ def test_an_option_whose_recompute_the_block_refuses_is_left_out_of_the_plan():
 
     x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0))
     plain, planned = Stack(), Stack()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         plan = actsave.plan_blocks(planned, ClipsItsWeight, 300_000, x)  # too little for plain blocks
     assert plan.checkpointed  # and, as each block runs it, none raises
+    left_out = [str(w.message) for w in caught if "leaves keep='selective' out" in str(w.message)]
+    assert len(left_out) == 1 and "ClipsItsWeight" in left_out[0] and "RecomputeError" in left_out[0]
     actsave.wrap(planned, plan)
     plain(x).backward()
     planned(x).backward()
