@@ -185,11 +185,11 @@ def _described(option) -> list:
     """(keeps, recomputes, codec, where) of a block's row in a printed plan."""
     if option is None:
         return ["saves", "nothing", "none", "device"]  # plain: autograd's saves as they are
-    keeps = {"inputs": "inputs", "selective": "inputs, linear and attention outputs", "saves": "saves",
+    keeps = {"inputs": "inputs", "selective": "inputs, nn.Linear and attention outputs", "saves": "saves",
              "linear_inputs": "saves (linear inputs by the codec)"}[option.keep]
     recomputes = {"inputs": "everything", "selective": "norms, activations"}.get(option.keep, "nothing")
     if option.keep == "selective" and option.policy.lossy:  # NOTE [ Attention's saves agree ]
-        keeps, recomputes = "inputs, linear outputs", "norms, activations, attention"
+        keeps, recomputes = "inputs, nn.Linear outputs", "norms, activations, attention"
     elif option.keep == "selective" and option.ops != DEFAULT_KEPT_OPS:  # NOTE [ Kept subsets ]
         kept = ["attention" if name == "scaled_dot_product_attention" else name for name in option.ops.names()]
         keeps, recomputes = "inputs, outputs of " + ", ".join(kept), "the rest"

@@ -557,7 +557,7 @@ def test_selective_blocks_are_planned_where_they_fit_and_train_exactly(attention
     assert_gradients_match(plain, model, plan, (x,))
     assert all(o is None or o.keep in ("inputs", "selective") for o in plan.options)
     selective = [o for o in plan.options if o is not None and o.keep == "selective"]
-    assert not selective or "linear and attention outputs" in str(plan) or "inputs, outputs of" in str(plan)
+    assert not selective or "nn.Linear and attention outputs" in str(plan) or "inputs, outputs of" in str(plan)
 
 
 def test_the_selective_lever_may_be_left_out(attention_net):
@@ -716,8 +716,8 @@ def test_a_printed_lossy_selective_block_recomputes_attention_and_an_exact_one_k
     from actsave.runtime.keep_modes import BlockOption
     exact = blocks._described(BlockOption.resolve("selective", None, False))
     lossy = blocks._described(BlockOption.resolve("selective", "int8", False))
-    assert exact[:2] == ["inputs, linear and attention outputs", "norms, activations"]
-    assert lossy[:3] == ["inputs, linear outputs", "norms, activations, attention", "int8"]
+    assert exact[:2] == ["inputs, nn.Linear and attention outputs", "norms, activations"]
+    assert lossy[:3] == ["inputs, nn.Linear outputs", "norms, activations, attention", "int8"]
 
 
 class CentredNorm(nn.Module):
