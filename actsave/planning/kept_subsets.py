@@ -5,10 +5,11 @@ NOTE [ Kept subsets ]
 ``"selective"`` keeps the outputs of every linear layer and of attention
 (runtime/kept_ops.py's default), torchtitan's rule. What keeping a call's output saves
 and what recomputing it costs differ from call to call: a projection whose output only
-joins the residual stream keeps bytes the backward never reads, where recomputing it
-costs one matmul (or nothing, where it is the last call the recompute reaches: the
-early stop ends the recompute as its input is saved, before the matmul runs); an MLP's
-wide first layer keeps four times the hidden width for one matmul. So between
+joins the residual stream keeps bytes that only the recompute reads (the residual, for
+the next norm), where recomputing it costs one matmul (the block's last one keeps
+nothing: the early stop ends the recompute as its input is saved, before it returns,
+runtime/selective.py); an MLP's wide first layer keeps four times the hidden width
+for one matmul. So between
 ``"selective"`` and a checkpoint of the block's input lie options that keep a subset
 of the calls (``KeptOps(module_names=...)``), each a point of its own in bytes and
 seconds, which the plan's program can mix across blocks.
@@ -26,7 +27,9 @@ Which subsets, without measuring all 2^k of a block's k calls:
 3. The calls that save bytes when dropped, ordered by the FLOPs that adds per byte
    saved, cheapest first; then the subsets that drop the first one, two, ... of them:
    a path from ``"selective"`` towards the input checkpoint, k - 1 options at most,
-   each measured as any option is, its bytes counted.
+   each measured as any option is, its bytes counted. A call whose drop saves no
+   bytes (the block's last projection, whose output is not kept) stays in every
+   subset: kept, it spares its matmul in the recompute.
 4. Their seconds: the path's last subset is timed against the plain block, as any
    option is, and priced at least at ``"selective"``'s seconds (it recomputes what
    that one does, and more); each subset between them is priced by its FLOPs, on the

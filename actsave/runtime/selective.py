@@ -40,7 +40,9 @@ makes outside any call where the forward's was inside a skipped one (another bra
 whose save of the same shape would otherwise fill that call's placeholder, and whose
 early stop would end the recompute before any call is missed). A recompute stops after its last
 recomputed save (the early stop); a call with nothing recomputed is not recomputed at
-all, and its kept tensors are read as they are.
+all, and its kept tensors are read as they are. With the early stop, a skipped call that
+ends after that save never returns its output in the recompute (a block's last
+projection, whose output only joins the residual): its output is not kept.
 
 Rules that keep it exact:
 - A kept call that changed one of its arguments in place (``nn.ReLU(inplace=True)``
@@ -263,6 +265,8 @@ class SelectiveFrame(CheckpointFrame):
             if not call.skipped and slot is not None:
                 slot.kept = None  # its call runs again: the recompute makes it anew
         self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
+        if self._recomputed and self.options.early_stop:
+            self._release_unread_outputs(self._recomputed[-1])
         self._skipped_saves = {i: call for call in self.calls if call.skipped for i in range(call.start, call.stop)}
         if self.slots and not self._transformed and not any(call.skipped for call in self.calls):
             decided = any(call.decided_on for call in self.calls)
@@ -276,6 +280,14 @@ class SelectiveFrame(CheckpointFrame):
         self._outputs, self._outside = {}, {}
         if self.policy != EXACT:
             self._store()
+
+    def _release_unread_outputs(self, last: int) -> None:
+        """Let go of the outputs of the skipped calls that end after save ``last``: the
+        early stop ends the recompute there, before it reaches them or inside the views
+        they fill, before they return (NOTE [ Selective recompute ])."""
+        for call in self.calls:
+            if call.skipped and call.stop > last:
+                call.output = None
 
     def _store(self) -> None:
         """Store what it keeps as its policy says: NOTE [ Stored kept outputs ]."""

@@ -78,11 +78,12 @@ def test_plans_choose_among_the_subsets_fit_their_budget_and_train_bit_identical
                            allow=("recompute", "selective"))
     subsets = [o.ops for o in planner.table.labels[0]
                if o is not None and o.keep == "selective" and o.ops != DEFAULT_KEPT_OPS]
-    # The path: fc2 first (the early stop ends the recompute before its matmul: no FLOPs
-    # added), then qkv, proj and fc1, each one matmul again per output kept, the same
-    # FLOPs per byte saved (forward order breaks the tie), attention last (the most).
-    assert subsets == [KeptOps(module_names=("qkv", "proj", "fc1")), KeptOps(module_names=("proj", "fc1")),
-                       KeptOps(module_names=("fc1",)), KeptOps(modules=())]
+    # The path: qkv, proj and fc1 dropped, each one matmul again per output kept, the same
+    # FLOPs per byte saved (forward order breaks the tie), attention last (the most). fc2
+    # stays in every subset: its output is not kept (the early stop ends the recompute in
+    # its call), and kept it spares its matmul, so the last subset keeps only the input.
+    assert subsets == [KeptOps(module_names=("proj", "fc1", "fc2")), KeptOps(module_names=("fc1", "fc2")),
+                       KeptOps(module_names=("fc2",)), KeptOps(module_names=("fc2",), functions=())]
     for share in (0.3, 0.7):
         budget = int(planner.smallest_peak_bytes + share * (planner.plain_peak_bytes - planner.smallest_peak_bytes))
         model, plan = copy.deepcopy((planned, planner.plan(budget)))  # the plan names the copy's blocks

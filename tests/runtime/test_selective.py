@@ -54,13 +54,30 @@ def test_it_keeps_less_than_the_plain_saves_and_counts_it_in_kept_bytes():
     block = GPTBlock()
     x = torch.randn(2, 16, 32, requires_grad=True)
     out, kept = selective_call(block, (x * 1,), {}, KeptOps(), DEFAULT_RECOMPUTE)
-    # qkv (3), attention's output (1) and log-sum-exp, proj (1), fc1 (4), fc2 (1)
-    # outputs, and the input (1): 11 activations of 4 KiB and 512 B.
+    # qkv (3), attention's output (1) and log-sum-exp, proj (1) and fc1 (4) outputs, and
+    # the input (1): 10 activations of 4 KiB and 512 B. Not fc2's output: the early stop
+    # ends the recompute inside fc2's call, at its input's view, before it returns.
     activation = 2 * 16 * 32 * 4
-    assert kept == 11 * activation + 2 * 4 * 16 * 4
+    assert kept == 10 * activation + 2 * 4 * 16 * 4
     assert actsave.kept_bytes()["device"] == kept
     out.sum().backward()
     assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+def test_without_the_early_stop_it_keeps_the_last_calls_output_which_the_recompute_then_returns():
+    torch.manual_seed(0)
+    plain, block = GPTBlock(), GPTBlock()
+    block.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 16, 32)
+    options = DEFAULT_RECOMPUTE.resolve(early_stop=False)
+    out, kept = selective_call(block, (x.clone().requires_grad_(),), {}, KeptOps(), options)
+    assert kept == 11 * (2 * 16 * 32 * 4) + 2 * 4 * 16 * 4  # fc2's output (1) too
+    with OpCounter() as backward:
+        out.square().sum().backward()
+    plain(x.clone().requires_grad_()).square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), block.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert backward.counts["aten.addmm.default"] == 0  # fc2 skipped, its output returned
 
 
 class InPlaceResidual(nn.Module):
@@ -110,9 +127,10 @@ def test_a_second_backward_with_retain_graph_gives_the_same_gradients():
 
 
 @pytest.mark.parametrize("names, activations, matmuls_again", [
-    (("qkv", "proj", "fc1"), 10, 0),  # fc2's output: its matmul is where the early stop ends the recompute
-    (("qkv", "fc1", "fc2"), 10, 1),  # proj's output: its matmul runs again, for the residual ln2 reads
-    (("qkv", "proj", "fc2"), 7, 1),  # fc1's: four activations, one matmul again
+    # fc2 named or not, its output is not kept: its call is where the early stop ends the recompute.
+    (("qkv", "proj", "fc1"), 10, 0),
+    (("qkv", "fc1", "fc2"), 9, 1),  # proj's output: its matmul runs again, for the residual ln2 reads
+    (("qkv", "proj", "fc2"), 6, 1),  # fc1's: four activations, one matmul again
     (("fc1",), 6, 2),  # qkv and proj run again, fc2 not (the early stop)
 ])
 def test_module_names_keep_only_the_named_linear_layers(names, activations, matmuls_again):
