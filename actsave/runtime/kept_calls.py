@@ -71,7 +71,10 @@ class KeptCall:
             return None
         identity, offset = storage_identity(tensor), tensor.storage_offset()
         shape, stride = tuple(tensor.shape), tensor.stride()
-        sharing = [a for a in self.arguments if a.storage == identity]
+        # Only a view that reads the argument's elements as the argument does: one of
+        # another dtype (view_as_complex) or with a conjugate or negative bit is not
+        # what as_strided of the argument makes again; it is kept as it is.
+        sharing = [a for a in self.arguments if a.storage == identity and a.reading == _reading(tensor)]
         for a in sharing:  # the argument itself first: q, k and v may be slices of one storage
             if (a.offset, a.shape, a.stride) == (offset, shape, stride):
                 return a.position, shape, stride, 0
@@ -169,18 +172,23 @@ class CallArgument:
     call's tensors, storage, offset, shape, strides and version (with the tensor, until
     the call ends)."""
 
-    __slots__ = ("position", "storage", "offset", "shape", "stride", "tensor", "version")
+    __slots__ = ("position", "storage", "offset", "shape", "stride", "reading", "tensor", "version")
 
     def __init__(self, position: int, tensor: torch.Tensor):
         self.position, self.offset = position, tensor.storage_offset()
         self.storage = storage_identity_or_none(tensor)  # None: a torch.func transform's wrapper
-        self.shape, self.stride = tuple(tensor.shape), tensor.stride()
+        self.shape, self.stride, self.reading = tuple(tensor.shape), tensor.stride(), _reading(tensor)
         self.tensor, self.version = tensor, version(tensor)
 
     def holds(self, first: int, last: int) -> bool:
         """Whether the storage elements ``first`` to ``last`` are all the argument's own
         (asked while the call runs, with the tensor)."""
         return is_dense(self.tensor) and self.offset <= first and last < self.offset + self.tensor.numel()
+
+
+def _reading(tensor: torch.Tensor) -> tuple:
+    """How ``tensor`` reads its storage's bytes: its dtype, conjugate and negative bits."""
+    return tensor.dtype, tensor.is_conj(), tensor.is_neg()
 
 
 def _span(offset: int, shape: tuple, stride: tuple) -> tuple:

@@ -908,3 +908,59 @@ def test_a_cache_a_kept_call_sets_is_not_held_until_the_backward(no_collector):
     out, first = model(torch.randn(4, 16))
     assert first() is None  # replaced by the second call, and freed
     out.square().sum().backward()
+
+
+class PairedComplexGain(nn.Linear):
+    """A Linear after a complex gain per pair of features, read as complex numbers: the
+    product saves a complex view of the Linear's float argument (``view_as_complex``)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__(width, width)
+        self.gain = nn.Parameter(torch.randn(width // 2, dtype=torch.complex64))
+
+    def forward(self, x):
+        z = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return super().forward(torch.view_as_real(z * self.gain).flatten(-2))
+
+
+class ConjugateGain(nn.Module):
+    """A complex gain on the conjugate of its argument: the product saves a view of the
+    argument with its conjugate bit set."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(width, dtype=torch.complex64))
+
+    def forward(self, z):
+        return z.conj() * self.gain
+
+
+class GainBlock(nn.Module):
+    def __init__(self, gain: nn.Module, complex_input: bool):
+        super().__init__()
+        self.complex_input = complex_input
+        self.norm, self.gain, self.out = nn.LayerNorm(16), gain, nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.norm(x)
+        if self.complex_input:  # the gain's argument: a complex tensor the block makes
+            h = self.gain(torch.complex(h, h.flip(-1))).abs()
+        else:
+            h = self.gain(h)
+        return x + self.out(F.gelu(h))
+
+
+@pytest.mark.parametrize("gain, complex_input", [(PairedComplexGain, False), (ConjugateGain, True)])
+def test_a_save_that_reads_an_argument_as_another_dtype_or_conjugated_is_kept_as_it_is(gain, complex_input):
+    # As as_strided of the argument made again, it would read its bytes as the argument does.
+    torch.manual_seed(0)
+    plain = GainBlock(gain(), complex_input)
+    block = copy.deepcopy(plain)
+    x = torch.randn(2, 5, 16)
+    plain(x.clone().requires_grad_()).square().sum().backward()
+    ops = KeptOps(modules=(nn.Linear, gain))
+    options = DEFAULT_RECOMPUTE.resolve(determinism_check="none")  # no signature check to raise first
+    out, _ = selective_call(block, (x.clone().requires_grad_(),), {}, ops, options)
+    out.square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), block.parameters()):
+        assert torch.equal(p.grad, q.grad), name
