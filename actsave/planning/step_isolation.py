@@ -12,7 +12,6 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from .._torch import compiled_code_eager, own_tensors, parametrize_cache, version
 from ..runtime.module_attributes import put_back
@@ -83,9 +82,9 @@ from .live_bytes import allocation_bytes
 # The modules are the model's as the steps start; one registered during them goes with
 # its parent's table.
 # Outside the modules, parametrize.cached()'s cache (each parametrization computed once
-# per cached block, keyed by module) is set aside for the model's modules while the steps
-# run, and the steps' own entries dropped after (parametrize_cache_set_aside): the real
-# step would otherwise read a weight the meta step computed, or the meta step a real one.
+# per cached block, keyed by module) is set aside while the steps run, and the steps' own
+# entries dropped after (parametrize_cache_set_aside): the real step would otherwise read
+# a weight the meta step computed, or the meta step a real one.
 @contextlib.contextmanager
 def isolated_steps(model: nn.Module):
     """While active, training steps of ``model`` leave no trace on it: on exit each
@@ -105,7 +104,7 @@ def isolated_steps(model: nn.Module):
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     changing = _ChangingParameters(model)
     try:
-        with ModuleState(model) as state, parametrize_cache_set_aside(model), compiled_code_eager():
+        with ModuleState(model) as state, parametrize_cache_set_aside(), compiled_code_eager():
             yield state
     finally:
         for p, grad in grads:
@@ -239,33 +238,26 @@ def _refill(container, contents) -> None:
 
 
 @contextlib.contextmanager
-def parametrize_cache_set_aside(model: nn.Module):
-    """While active, parametrize.cached()'s cache holds no entry of ``model``'s modules
-    but those the steps make, and on exit those are dropped and the ones it held put
-    back (NOTE [ Module state a step puts back ]). The cache is a private global of
-    torch.nn.utils.parametrize, a dict keyed by (id(module), name); where it is not one,
-    nothing is set aside. Outside cached() it stays empty, and nothing is read."""
+def parametrize_cache_set_aside():
+    """While active, parametrize.cached()'s cache holds only the entries the steps
+    make, and on exit those are dropped and the ones it held put back (NOTE [ Module
+    state a step puts back ]). Every entry is set aside, not only those keyed by
+    the model's modules: the cache is keyed by (id(module), name) of the module a
+    parametrization was registered on, and a deep copy of that module shares its
+    class's property and with it that key. The cache is a private global of
+    torch.nn.utils.parametrize; where it is not a dict, nothing is set aside. Outside
+    cached() it stays empty, and nothing is read."""
     cache = parametrize_cache()
     if cache is None:
         yield
         return
-    ids = _parametrized_ids(model) if cache else None
-    aside = {key: cache.pop(key) for key in [key for key in cache if _cached_for(key, ids)]} if ids else {}
+    aside = dict(cache)
+    cache.clear()
     try:
         yield
     finally:
         now = parametrize_cache()  # cached() makes a new one as its last block ends
         if now:
-            ids = _parametrized_ids(model) if ids is None else ids
-            for key in [key for key in now if _cached_for(key, ids)]:
-                del now[key]
+            now.clear()
         if now is cache:
             cache.update(aside)
-
-
-def _parametrized_ids(model: nn.Module) -> set:
-    return {id(m) for m in model.modules() if parametrize.is_parametrized(m)}
-
-
-def _cached_for(key, ids: set) -> bool:
-    return isinstance(key, tuple) and len(key) == 2 and key[0] in ids

@@ -1,6 +1,7 @@
 """The planner's steps leave no trace on the model (planning/step_isolation.py, NOTE [
 Module state a step puts back ]). Buffers and gradients put back: test_profiler.py; other
 threads: test_threads.py."""
+import copy
 import warnings
 
 import pytest
@@ -194,6 +195,17 @@ def test_a_first_call_under_parametrize_cached_trains_as_plain(frozen_head):
     # The meta step filled parametrize's cache with meta weights, which the real step read.
     expected = _cached_step(nn.Sequential(*_weight_normed_chain(frozen_head)))
     got = _cached_step(CheckpointedSequential(*_weight_normed_chain(frozen_head)))
+    assert torch.equal(expected[0], got[0])
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+
+
+def test_a_first_call_under_parametrize_cached_trains_as_plain_on_a_deep_copy():
+    # A copy's cache entries are keyed by the module it was copied from (torch keys them
+    # by the module the parametrization was registered on): set aside by the model's own
+    # modules, the meta step's stayed, and the real step read meta weights.
+    layers = _weight_normed_chain(frozen_head=False)
+    expected = _cached_step(nn.Sequential(*copy.deepcopy(layers)))
+    got = _cached_step(CheckpointedSequential(*copy.deepcopy(layers)))
     assert torch.equal(expected[0], got[0])
     assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
 
