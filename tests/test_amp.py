@@ -147,6 +147,51 @@ def test_recompute_uses_the_forwards_autocast_state_not_the_backwards(structure)
     assert all(torch.equal(g, h) for g, h in zip(*grads))
 
 
+class EntersAutocast(nn.Module):
+    """Enters bf16 autocast for the layers after it, up to an ExitsAutocast."""
+
+    def forward(self, x):
+        self.context = torch.autocast("cpu", dtype=torch.bfloat16)
+        self.context.__enter__()
+        return x
+
+
+class ExitsAutocast(nn.Module):
+    def __init__(self, entered: EntersAutocast):
+        super().__init__()
+        self.__dict__["entered"] = entered  # not a submodule
+
+    def forward(self, x):
+        self.entered.context.__exit__(None, None, None)
+        return x.float()
+
+
+def _autocast_region_chain() -> list:
+    torch.manual_seed(0)
+    enters = EntersAutocast()
+    return [nn.Linear(16, 16), nn.GELU(), enters, nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16),
+            ExitsAutocast(enters), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)]
+
+
+@pytest.mark.parametrize("segments", [[0, 4, 8], [0, 2, 4, 6, 8]])
+def test_a_recompute_leaves_autocast_as_it_found_it_where_a_layer_enters_it_for_the_next_segments(segments):
+    # The first segment's recompute enters autocast (its third layer) and leaves it open:
+    # the casts it cached stayed for the next step's forward, after the optimizer's step.
+    plain = nn.Sequential(*_autocast_region_chain())
+    model = actsave.CheckpointedSequential(*_autocast_region_chain(), segments=segments)
+    steps = []
+    for m in (plain, model):
+        optimizer, grads = torch.optim.SGD(m.parameters(), lr=0.1), []
+        for step in range(3):
+            optimizer.zero_grad()
+            m(torch.randn(4, 16, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+            optimizer.step()
+        steps.append(grads)
+    for step, (expected, got) in enumerate(zip(*steps)):
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), step
+
+
 @pytest.mark.parametrize("compress", COMPRESS)
 @pytest.mark.parametrize("value", [math.inf, math.nan], ids=["inf", "nan"])
 @pytest.mark.parametrize("structure", ["sequential", "wrapped"])

@@ -47,10 +47,6 @@ class _AutocastState:
             self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache_enabled
         )
 
-    def is_current(self) -> bool:
-        """Whether autocast is in this state now (then there is nothing to enter)."""
-        return self == _AutocastState.capture(self.device_type)
-
 
 @dataclass(frozen=True)
 class ReplayState:
@@ -112,9 +108,12 @@ class ReplayState:
             with contextlib.ExitStack() as stack:
                 if default_device() != self.default_device:
                     stack.enter_context(self.default_device)
+                # Entered even where autocast is in that state already, as torch's checkpoint
+                # enters it: its exit leaves autocast as the recompute found it, whatever a
+                # layer of the recompute entered and left open (a layer that enters autocast
+                # for the layers after it), and clears the casts cached inside.
                 for autocast in self.autocast:
-                    if not autocast.is_current():
-                        stack.enter_context(autocast.context())
+                    stack.enter_context(autocast.context())
                 yield
 
 
