@@ -372,6 +372,30 @@ def test_a_kept_output_changed_in_place_after_the_forward_raises_in_the_recomput
         y.sum().backward()
 
 
+class _EndsOnALinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+def test_the_last_calls_output_changed_in_place_after_the_forward_trains_as_plain():
+    # The early stop ends the recompute inside fc2's call: its output is not kept, and
+    # the caller may change it, as under nn.Sequential.
+    torch.manual_seed(0)
+    plain = _EndsOnALinear()
+    model = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
+    x = torch.randn(4, 8)
+    for m in (plain, model):
+        y = m(x.clone().requires_grad_())
+        y.mul_(2)
+        y.sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 class _TwoPaths(nn.Module):
     """A Python flag picks the path: b's call, or an op saving a tensor of the shape b's
     input has (tanh), then a second call of a."""
