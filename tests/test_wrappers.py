@@ -1,5 +1,7 @@
 """checkpoint(), Checkpoint and wrap(): semantics of non-reentrant torch checkpoint,
 unchanged state_dict keys, in-place selection of submodules."""
+import contextlib
+import copy
 import warnings
 
 import pytest
@@ -395,6 +397,36 @@ def test_early_stop_as_in_torch(early_stop):
         return len(calls)
 
     assert runs_of(checkpoint) == runs_of(torch_checkpoint) == (1 if early_stop else 2)
+
+
+@pytest.mark.parametrize("keep", ["inputs", "selective"])
+def test_an_early_stop_the_function_catches_ends_the_recompute_as_in_torch(keep):
+    class CatchesAroundItsLastSave(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.fc2.weight.requires_grad_(False)  # its call saves no tensor of the recompute's
+            self.after = 0
+
+        def forward(self, x):
+            h = self.fc1(x)
+            with contextlib.suppress(Exception):  # an optional op with a silent fallback
+                h = torch.tanh(h)
+            self.after += 1
+            return x + self.fc2(h)
+
+    torch.manual_seed(0)
+    plain = CatchesAroundItsLastSave()
+    model, torch_model = copy.deepcopy(plain), copy.deepcopy(plain)
+    x = torch.randn(4, 8)
+    plain(x.clone().requires_grad_()).square().sum().backward()
+    checkpoint(model, x.clone().requires_grad_(), keep=keep).square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    # A selective recompute stops at fc2, whose output it let go of (it raised
+    # InternalError there): the function ran as far as under torch's checkpoint.
+    torch_checkpoint(torch_model, x.clone().requires_grad_(), use_reentrant=False).square().sum().backward()
+    assert model.after == torch_model.after == 2
 
 
 def test_torch_keywords_are_checkpoints_own_and_the_rest_reach_the_function():

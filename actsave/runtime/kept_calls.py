@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._torch import leaf_base, storage_identity, storage_identity_or_none, version
-from ..errors import InternalError, RecomputeError
+from ..errors import RecomputeError
 from ..layouts import is_dense
 from .function import detached_or_same
 from .module_attributes import ABSENT, assign, holds_data
@@ -58,10 +58,13 @@ class KeptCall:
 
     def kept_output(self) -> torch.Tensor:
         """The forward's output, as kept or stored."""
-        if self.output is None and self.stored is None:  # let go: the early stop ends the recompute before
-            raise InternalError(f"a selective recompute reached {described(self.target)}, whose output it let go "
-                                "of as one the early stop never reads")
         return self.output if self.stored is None else self.stored.read()
+
+    @property
+    def let_go(self) -> bool:
+        """Whether it is skipped and its output not kept: the recompute's early stop
+        ends before it returns (NOTE [ Selective recompute ])."""
+        return self.skipped and self.output is None and self.stored is None
 
     def view_of_argument(self, tensor: torch.Tensor) -> Optional[tuple]:
         """``(position, size, stride, relative offset)`` where ``tensor`` reads only

@@ -13,7 +13,7 @@ from torch import nn
 
 from .._torch import version
 from ..errors import RecomputeError
-from .function import qualified_name
+from .function import _AllSlotsFilled, qualified_name
 from .kept_calls import KeptCall, attributes_put_back_after, described, keepable_now, replay_attributes
 from .placeholders import Cursor
 from .kept_ops import TAPPED_FUNCTIONS
@@ -73,7 +73,9 @@ class Skipper:
                 f"after the checkpointed forward returned (version {version(call.output)}, expected {call.version}): "
                 "the recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
                 "which recomputes it.")
-        self._fill_views(call, input_tensors(args, kwargs))
+        self._fill_views(call, input_tensors(args, kwargs))  # the early stop may end the recompute in there
+        if call.let_go:  # past the early stop, which the function caught (a try/except around an op)
+            raise _AllSlotsFilled
         replay_attributes(call)
         if call.rng_after is not None:  # it drew in the forward: later calls draw after it
             call.rng_after.restore()
