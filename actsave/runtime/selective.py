@@ -266,7 +266,7 @@ class SelectiveFrame(CheckpointFrame):
                 slot.kept = None  # its call runs again: the recompute makes it anew
         self._recomputed = [i for i, ref in enumerate(self.slots) if _recomputed(ref())]
         if self._recomputed and self.options.early_stop:
-            self._release_unread_outputs(self._recomputed[-1])
+            self._release_unread_outputs()
         self._skipped_saves = {i: call for call in self.calls if call.skipped for i in range(call.start, call.stop)}
         if self.slots and not self._transformed and not any(call.skipped for call in self.calls):
             decided = any(call.decided_on for call in self.calls)
@@ -281,10 +281,15 @@ class SelectiveFrame(CheckpointFrame):
         if self.policy != EXACT:
             self._store()
 
-    def _release_unread_outputs(self, last: int) -> None:
-        """Let go of the outputs of the skipped calls that end after save ``last``: the
-        early stop ends the recompute there, before it reaches them or inside the views
-        they fill, before they return (NOTE [ Selective recompute ])."""
+    def _release_unread_outputs(self) -> None:
+        """Let go of the outputs of the skipped calls that end after the last save the
+        recompute would fill: the early stop ends it there, before it reaches them or
+        inside the views they fill, before they return (NOTE [ Selective recompute ]).
+        A save autograd freed already counts as one it fills: whether the function's
+        caller or the function itself drops an output (a block plan's example step drops
+        a block's other outputs inside its checkpoint, the model's step after it), the
+        same calls let go, and the plan's bytes are the step's."""
+        last = max(i for i, ref in enumerate(self.slots) if (slot := ref()) is None or slot.kept is None)
         for call in self.calls:
             if call.skipped and call.stop > last:
                 call.output = None

@@ -1,6 +1,7 @@
 """The options a block plan may choose for each block (block_options.py, NOTE [ Block
 options priced ])."""
 import copy
+import dataclasses
 import warnings
 
 import torch
@@ -103,6 +104,26 @@ class DropsLateOutputs(nn.Module):
             else:
                 x = block(x)[0]
         return x.square().mean()
+
+
+def test_a_selective_subset_before_a_dropped_output_measures_its_prediction():
+    # Keeping b alone: the late output's saves come after b, and the caller drops them
+    # after the block returns, where the example step dropped them inside the block's
+    # checkpoint: b's output was let go there, kept here, one hidden state per block over.
+    from planning.test_blocks import step_peak_bytes
+    from actsave.planning.block_solver import predicted_peak
+    plain, x = DropsLateOutputs(), torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(0))
+    profiled = copy.deepcopy(plain)
+    planner = BlockPlanner(profiled, [(f"blocks.{i}", b) for i, b in enumerate(profiled.blocks)], (x,))
+    labels = planner.table.labels
+    keeps_b = [k for k, o in enumerate(labels[0]) if o is not None and o.ops is not None
+               and o.ops.module_names == ("b",)][0]
+    inputs = [k for k, o in enumerate(labels[0]) if o is not None and o.keep == "inputs"][0]
+    choices = (keeps_b, keeps_b, inputs, 0)
+    plan = dataclasses.replace(planner.plan(2**40), options=tuple(labels[a][k] for a, k in enumerate(choices)))
+    model = copy.deepcopy(plain)
+    actsave.wrap(model, plan)
+    assert step_peak_bytes(model, (x,)) == max(planner.fixed, predicted_peak(planner.table, choices))
 
 
 def test_a_checkpointed_blocks_forward_is_priced_where_it_rises_past_its_last_save():
