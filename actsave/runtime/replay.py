@@ -109,9 +109,10 @@ class ReplayState:
                 if default_device() != self.default_device:
                     stack.enter_context(self.default_device)
                 # Entered even where autocast is in that state already, as torch's checkpoint
-                # enters it: its exit leaves autocast as the recompute found it, whatever a
-                # layer of the recompute entered and left open (a layer that enters autocast
-                # for the layers after it), and clears the casts cached inside.
+                # enters it: its exit puts autocast's state back as the recompute found it,
+                # whatever a layer of the recompute set and left (a layer that enters autocast
+                # for the layers after it), and where no autocast region is open around it,
+                # clears the casts cached inside, as the forward's region did as it closed.
                 for autocast in self.autocast:
                     stack.enter_context(autocast.context())
                 yield
