@@ -14,8 +14,9 @@ which of their parameters require grad and in which dtype), each layer runs once
 meta tensors (profiler.profile: sizes only, no data, no device memory, no times) and
 plans.balanced takes the smallest predicted device peak with at most one extra
 forward. The plan is cached per such input, so a new shape plans anew; once the
-layers change, the plans made for the old ones go (they held those modules alive,
-and no call would use them again). What autograd saves depends on which parameters
+layers change, the plans made for the old ones go at the next call (no call would use
+them again). The cache holds the layers weakly: a layer taken out of the model goes
+with it, not at the next training call. What autograd saves depends on which parameters
 require grad, so a chain whose frozen prefix is unfrozen (gradual unfreezing) plans
 again; so does one whose parameters change dtype (``model.float()`` after ``.half()``:
 with token ids in, the input's key stays the same while the activations double). Those
@@ -76,7 +77,9 @@ class BalancedPlans:
 
     def __init__(self):
         self._plans = {}  # key -> Plan, or None where the meta step failed ("sqrt"), for self._layers
-        self._layers = ()  # the layers of the last call, which the plans are for
+        # Weak references to the layers of the last call, which the plans are for: a layer
+        # removed from the model goes with it, not at the next training call.
+        self._layers = ()
         self._parameters = None  # weak references to their parameters, made at a call
         self._last = None  # (the input as text, its plan), of the last call
         self._warned = False
@@ -84,8 +87,8 @@ class BalancedPlans:
 
     def starts(self, model: nn.Module, input, layers: list, policies: tuple) -> list:
         self._check_not_planning_elsewhere(model)
-        if self._layers != tuple(layers):  # compared by identity, element by element
-            self._plans, self._layers, self._parameters = {}, tuple(layers), None
+        if not self._for(layers):
+            self._plans, self._layers, self._parameters = {}, tuple(map(weakref.ref, layers)), None
         if self._parameters is None:
             self._parameters = _parameter_refs(layers)
         if not isinstance(input, torch.Tensor):
@@ -104,8 +107,17 @@ class BalancedPlans:
 
     def __getstate__(self) -> dict:
         # Weak references neither pickle nor deep-copy (a copy's would read the
-        # original's parameters): made again from the layers at the next call.
-        return {**self.__dict__, "_parameters": None}
+        # original's parameters): the layers go as themselves (a copy's, its own) and
+        # the parameters' are made again from them at the next call.
+        return {**self.__dict__, "_layers": tuple(ref() for ref in self._layers), "_parameters": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._layers = tuple(weakref.ref(layer) for layer in self._layers if layer is not None)
+
+    def _for(self, layers: list) -> bool:
+        """Whether the plans are for ``layers``: the last call's, element by element."""
+        return len(self._layers) == len(layers) and all(ref() is layer for ref, layer in zip(self._layers, layers))
 
     def _parameter_states(self) -> tuple:
         """Whether each parameter of the layers requires grad, and its dtype (NOTE [
@@ -113,7 +125,7 @@ class BalancedPlans:
         try:  # loops in C: this runs at every call
             return tuple(map(_STATE, map(_DEREFERENCE, self._parameters)))
         except AttributeError:  # None.requires_grad: a parameter was replaced and freed
-            self._parameters = _parameter_refs(self._layers)
+            self._parameters = _parameter_refs(ref() for ref in self._layers)
             return self._parameter_states()
 
     def _check_not_planning_elsewhere(self, model: nn.Module) -> None:
@@ -167,7 +179,7 @@ class BalancedPlans:
         if self._last is None:
             return "segments='balanced': chosen at the first training call", None
         input, plan = self._last
-        if self._layers != tuple(layers):
+        if not self._for(layers):
             return "segments='balanced': chosen at the next training call (the layers changed since the last)", None
         if plan is None:
             return f"segments='balanced' fell back to 'sqrt' for input {input}", None

@@ -55,6 +55,36 @@ def test_a_parameter_replaced_in_a_layer_is_followed_and_not_kept_alive():
     assert model.balanced_plan is not trained  # planned for the frozen weight
 
 
+@pytest.mark.parametrize("change", ["replaced", "deleted"])
+def test_a_layer_taken_out_of_the_chain_is_not_kept_alive_by_its_plans(change):
+    # Held until the next training call before: a pruned model only evaluated after
+    # kept the old layer's weights.
+    x = torch.randn(64, 64)
+    model = _linear_gelu_chain(blocks=4)
+    _step(model, x)
+    old = weakref.ref(model[2])
+    if change == "replaced":
+        model[2] = nn.Linear(64, 64)
+    else:
+        del model[2:4]
+    with torch.no_grad():
+        model(x)
+    gc.collect()
+    assert old() is None
+    _step(model, x)  # planned again for the layers it has
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"])
+def test_a_copied_chain_keeps_its_plans_for_its_own_layers(copy_of):
+    x = torch.randn(64, 64)
+    model = _linear_gelu_chain()
+    _step(model, x)
+    copied = copy_of(model)
+    planned = copied.balanced_plan
+    _step(copied, x)
+    assert copied.balanced_plan is planned  # its layers: no plan made again
+
+
 @pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"])
 def test_a_copied_chain_follows_its_own_parameters(copy_of):
     x = torch.randn(64, 64)
