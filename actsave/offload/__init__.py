@@ -17,12 +17,14 @@ Limits: CPU and CUDA tensors (and meta ones) only.
 from ..errors import OffloadPoolExhausted
 from .copy_engines import CopyEngine, CudaCopyEngine, HostCopyEngine, copy_engine_for  # noqa: F401
 from .offloaded import OffloadedTensor, OffloadedTensors  # noqa: F401
-from .pool import HostPool, host_pool, host_pool_for, is_host_memory, set_host_pool_capacity  # noqa: F401
+from .pool import (HostPool, empty_host_pool, host_pool, host_pool_for, is_host_memory,  # noqa: F401
+                   set_host_pool_capacity)
 from .prefetch_tape import PrefetchTape, TapeItem, current_tape, prefetch_depth, set_prefetch_depth  # noqa: F401
 
 # What a user calls (docs/api.md); the runtime's names above stay importable from here.
 __all__ = [
     "OffloadPoolExhausted",
+    "empty_host_pool",
     "prefetch_depth",
     "set_host_pool_capacity",
     "set_prefetch_depth",

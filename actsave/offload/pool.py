@@ -176,6 +176,22 @@ class HostPool:
             )
         self._returns.put((after, buffer))
 
+    def empty(self) -> int:
+        """Free the idle buffers (those whose copies have finished), as
+        ``torch.cuda.empty_cache`` frees the caching allocator's: the pool keeps every
+        size class it lent for the next steps, which a model gone, or shapes that no
+        longer come, never ask for again. Returns the bytes freed. Buffers on loan, in a
+        copy not yet finished or kept for a captured graph stay; during a capture
+        nothing is freed."""
+        if capturing():
+            return 0
+        with self._lock:
+            self._take_back(_has_finished)
+            freed = sum(size_class * len(buffers) for size_class, buffers in self._idle.items())
+            self._idle.clear()
+            self._reserved -= freed
+        return freed
+
     def _take_back(self, has_finished) -> None:
         """Move the buffers handed back whose last copy has finished to the idle lists."""
         while not self._returns.empty():  # only the lock holder takes from the queue
@@ -273,6 +289,12 @@ def host_pool_for(device) -> HostPool:
     """The pool for tensors on ``device``: :func:`host_pool`, or for meta tensors a
     pool of meta buffers."""
     return _META_POOL if torch.device(device).type == "meta" else _DEFAULT_POOL
+
+
+def empty_host_pool() -> int:
+    """Free the default host pool's idle buffers (:meth:`HostPool.empty`); returns the
+    bytes freed. The pool keeps them for later steps until then."""
+    return host_pool().empty()
 
 
 def set_host_pool_capacity(nbytes: Optional[int]) -> contextlib.ExitStack:

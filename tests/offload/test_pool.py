@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from actsave import ActsaveError, CheckpointedSequential, ConfigError
+from actsave import ActsaveError, CheckpointedSequential, ConfigError, devices
 from actsave.offload import (
     HostCopyEngine,
     HostPool,
     OffloadPoolExhausted,
+    empty_host_pool,
     host_pool,
     set_host_pool_capacity,
 )
@@ -105,6 +106,32 @@ def test_buffer_is_not_lent_again_before_its_last_copy_finishes():
     assert pool.acquire(4 * KiB).data_ptr() != buffer.data_ptr()
     copy.done = True
     assert pool.acquire(4 * KiB).data_ptr() == buffer.data_ptr()
+
+
+def test_empty_frees_the_idle_buffers_and_keeps_those_on_loan_or_in_a_copy():
+    pool = HostPool()
+    lent, copied, idle = pool.acquire(4 * KiB), pool.acquire(8 * KiB), pool.acquire(16 * KiB)
+    copy = FakeEvent(done=False)
+    pool.release(copied, after=copy)
+    pool.release(idle)
+    assert pool.empty() == 16 * KiB
+    assert pool.reserved_bytes == 12 * KiB and pool.in_use_bytes == 12 * KiB
+    copy.done = True
+    assert pool.empty() == 8 * KiB
+    pool.release(lent)
+    assert pool.empty() == 4 * KiB and pool.reserved_bytes == 0
+    assert pool.acquire(4 * KiB).numel() == 4 * KiB and pool.allocations == 4  # lends anew
+
+
+def test_empty_host_pool_frees_what_a_gone_models_steps_left_idle():
+    empty_host_pool()
+    model = CheckpointedSequential(*[nn.Linear(64, 64) for _ in range(4)], segments=4, offload=True)
+    with devices.host_tier_simulated():
+        model(torch.randn(16, 64)).sum().backward()
+    del model
+    left = host_pool().reserved_bytes
+    assert left > 0 and host_pool().in_use_bytes == 0
+    assert empty_host_pool() == left and host_pool().reserved_bytes == 0
 
 
 def test_at_capacity_the_pool_waits_for_copies_instead_of_failing():
