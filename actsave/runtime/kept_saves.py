@@ -58,9 +58,7 @@ What each save autograd makes during the call becomes (_SavesStore.pack):
   DeepSeek-V3 keeps in fp8 for the projection and the attention's backward: the
   attention holds it exactly, and the projection's save shares it (NOTE [ Attention's
   saves agree ]). A Linear whose input is reshaped by a copy saves that copy: not kept
-  so. Under autocast, ``nn.Linear``'s own forward saves the input autocast casts for
-  its matmul, a new storage: the pre-hook makes that cast itself and notes it (the
-  same op on the same values; autocast then leaves it as it is).
+  so.
 
 Where the kept saves are, and when they go (_Entry, _HostGroup):
 
@@ -154,14 +152,11 @@ class _LinearInputs:
             for handle in handles:
                 handle.remove()
 
-    def _before(self, module: nn.Module, args: tuple) -> Optional[tuple]:
+    def _before(self, module: nn.Module, args: tuple) -> None:
         if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor) \
                 and threading.get_ident() == self._thread:
             self.ran = True
-            x = _cast_as_autocast_would(module, args[0])
-            self._note(x)
-            return None if x is args[0] else (x, *args[1:])
-        return None
+            self._note(args[0])
 
     @staticmethod
     def warn_none_ran(function: Callable) -> None:
@@ -176,21 +171,6 @@ class _LinearInputs:
 
 
 _WARNED_NO_LINEAR = set()  # names of functions warned about
-
-
-def _cast_as_autocast_would(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``x`` as autocast casts it for ``module``'s matmul, where it would: autocast's cast
-    is a new storage, which no pre-hook sees, so the Linear's save would be held exactly.
-    Cast here, the same op on the same values, its save is that storage, and autocast
-    leaves the cast input as it is. Only for ``nn.Linear``'s own forward (one
-    ``F.linear``): a subclass may read its input otherwise."""
-    device_type = x.device.type
-    if type(module).forward is not nn.Linear.forward or not torch.amp.is_autocast_available(device_type) \
-            or not torch.is_autocast_enabled(device_type):
-        return x
-    dtype = torch.get_autocast_dtype(device_type)
-    eligible = x.is_floating_point() and x.dtype not in (torch.float64, dtype)  # autocast's rule for its casts
-    return x.to(dtype) if eligible else x
 
 
 class _SavesStore:

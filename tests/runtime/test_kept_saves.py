@@ -520,37 +520,6 @@ def test_linear_inputs_alone_are_kept_by_the_codec(offload, as_callable):
     assert_nothing_held()
 
 
-def _norm_then_linears() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
-
-
-def test_under_autocast_linear_inputs_keep_the_cast_the_matmul_saves():
-    # The first Linear's input is the norm's float32 output, which autocast casts to bf16
-    # for its matmul: a new storage, held exactly before. Both inputs are encoded now.
-    block, codec = _norm_then_linears(), RecordingInt8()
-    x = torch.randn(8, 64, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, kept = call_with_kept_saves(block, (x * 1,), {}, KeepPolicy(codec, False), "linear_inputs")
-    assert codec.encoded == [((8, 64), False), ((8, 256), False)]
-    assert kept["device"] == codes_and_scales(8 * 64) + codes_and_scales(8 * 256)
-    del out
-
-
-def test_under_autocast_linear_inputs_offloaded_exactly_give_plain_gradients_bit_for_bit():
-    # The cast made before the Linear runs is autocast's own, op for op.
-    x = torch.randn(8, 64)
-    grads = []
-    for policy in (None, keep(offload=True)):
-        block, h = _norm_then_linears(), x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = block(h) if policy is None else call_with_kept_saves(block, (h,), {}, policy, "linear_inputs")[0]
-        out.float().square().sum().backward()
-        grads.append([h.grad] + [p.grad for p in block.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-    assert_nothing_held()
-
-
 class _Conv1D(nn.Module):
     """A projection that is not an nn.Linear (transformers' GPT-2 Conv1D: addmm)."""
 
