@@ -157,6 +157,28 @@ def parametrize_cache() -> Optional[dict]:
     return cache if isinstance(cache, dict) else None
 
 
+def parametrize_cache_keys(module: torch.nn.Module) -> set:
+    """The keys of parametrize.cached()'s cache that ``module``'s parametrized tensors
+    read: ``(id(m), name)`` of the module ``m`` each parametrization was registered on,
+    which torch's property closes over. A deep copy shares its class's property, and with
+    it the original's key. Where the property is not built so (another torch), the key of
+    ``module`` itself."""
+    keys = set()
+    for name in getattr(module, "parametrizations", {}):
+        getter = getattr(type(module).__dict__.get(name), "fget", None)
+        registered_on = _closed_over(_closed_over(getter, "get_cached_parametrization"), "module")
+        keys |= {(id(module), name), (id(registered_on if registered_on is not None else module), name)}
+    return keys
+
+
+def _closed_over(function, name: str):
+    """The value ``function`` closes over as ``name``, or None."""
+    code = getattr(function, "__code__", None)
+    if code is None or name not in code.co_freevars:
+        return None
+    return function.__closure__[code.co_freevars.index(name)].cell_contents
+
+
 def version(tensor: torch.Tensor) -> int:
     """The tensor's version counter: it moves on every in-place change (views share it)."""
     return tensor._version

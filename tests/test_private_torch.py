@@ -278,3 +278,16 @@ def test_a_sparse_tensors_components_are_its_indices_and_values_coalesced_or_not
     csr = torch.eye(3).to_sparse_csr()
     assert [c.tolist() for c in _torch.sparse_components(csr)] == [[0, 1, 2, 3], [0, 1, 2], [1.0, 1.0, 1.0]]
     assert _torch.sparse_components(torch.zeros(2)) is None
+
+
+def test_parametrize_cache_keys_are_the_keys_torch_caches_a_copys_weight_under():
+    import copy as copying
+    from torch import nn
+    from torch.nn.utils import parametrizations, parametrize
+    original = parametrizations.weight_norm(nn.Linear(4, 4))
+    copy = copying.deepcopy(original)
+    with parametrize.cached():
+        copy.weight
+        cached = set(_torch.parametrize_cache())
+    assert cached <= _torch.parametrize_cache_keys(copy)
+    assert (id(original), "weight") in cached  # the module the parametrization was registered on

@@ -143,7 +143,7 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
     specs = _input_specs(input_shapes, _default_dtype(model))
     # Inside on_meta: the model's attributes are put back as the step found them (a
     # tensor cached at the first forward would stay a meta one), on its meta buffers.
-    with on_meta(model) as state, ModuleState(model), parametrize_cache_set_aside(), simulating(device):
+    with on_meta(model) as state, ModuleState(model), parametrize_cache_set_aside(model), simulating(device):
         inputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
         if plans_at_first_call(model):
             with fast_meta(), torch.enable_grad():

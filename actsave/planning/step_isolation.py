@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from .._torch import compiled_code_eager, own_tensors, parametrize_cache, version
+from .._torch import compiled_code_eager, own_tensors, parametrize_cache, parametrize_cache_keys, version
 from ..runtime.module_attributes import put_back
 from .live_bytes import allocation_bytes
 
@@ -82,9 +82,10 @@ from .live_bytes import allocation_bytes
 # The modules are the model's as the steps start; one registered during them goes with
 # its parent's table.
 # Outside the modules, parametrize.cached()'s cache (each parametrization computed once
-# per cached block, keyed by module) is set aside while the steps run, and the steps' own
-# entries dropped after (parametrize_cache_set_aside): the real step would otherwise read
-# a weight the meta step computed, or the meta step a real one.
+# per cached block, keyed by module) is set aside for the model's parametrized tensors
+# while the steps run, and the steps' own entries dropped after
+# (parametrize_cache_set_aside): the real step would otherwise read a weight the meta
+# step computed, or the meta step a real one.
 @contextlib.contextmanager
 def isolated_steps(model: nn.Module):
     """While active, training steps of ``model`` leave no trace on it: on exit each
@@ -104,7 +105,7 @@ def isolated_steps(model: nn.Module):
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     changing = _ChangingParameters(model)
     try:
-        with ModuleState(model) as state, parametrize_cache_set_aside(), compiled_code_eager():
+        with ModuleState(model) as state, parametrize_cache_set_aside(model), compiled_code_eager():
             yield state
     finally:
         for p, grad in grads:
@@ -238,26 +239,26 @@ def _refill(container, contents) -> None:
 
 
 @contextlib.contextmanager
-def parametrize_cache_set_aside():
-    """While active, parametrize.cached()'s cache holds only the entries the steps
-    make, and on exit those are dropped and the ones it held put back (NOTE [ Module
-    state a step puts back ]). Every entry is set aside, not only those keyed by
-    the model's modules: the cache is keyed by (id(module), name) of the module a
-    parametrization was registered on, and a deep copy of that module shares its
-    class's property and with it that key. The cache is a private global of
-    torch.nn.utils.parametrize; where it is not a dict, nothing is set aside. Outside
-    cached() it stays empty, and nothing is read."""
+def parametrize_cache_set_aside(model: nn.Module):
+    """While active, parametrize.cached()'s cache holds no entry that ``model``'s
+    parametrized tensors read but those the steps make, and on exit those are dropped
+    and the ones it held put back (NOTE [ Module state a step puts back ]). An entry is
+    keyed by the module its parametrization was registered on, which a deep copy shares
+    (_torch.parametrize_cache_keys). Other entries, another thread's own, stay as they
+    are. The cache is a private global of torch.nn.utils.parametrize; where it is not a
+    dict, nothing is set aside. Outside cached() it stays empty, and nothing is read."""
     cache = parametrize_cache()
     if cache is None:
         yield
         return
-    aside = dict(cache)
-    cache.clear()
+    keys = set().union(*(parametrize_cache_keys(m) for m in model.modules()))
+    aside = {key: cache.pop(key) for key in keys if key in cache}
     try:
         yield
     finally:
         now = parametrize_cache()  # cached() makes a new one as its last block ends
-        if now:
-            now.clear()
+        for key in keys:
+            if now is not None:
+                now.pop(key, None)
         if now is cache:
             cache.update(aside)

@@ -210,6 +210,20 @@ def test_a_first_call_under_parametrize_cached_trains_as_plain_on_a_deep_copy():
     assert all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
 
 
+def test_a_profile_inside_parametrize_cached_leaves_other_modules_entries_alone():
+    # Another model's (another thread's, say): set aside and dropped with the steps' own,
+    # it would be computed again inside its cached() block.
+    model = nn.Sequential(*_weight_normed_chain(frozen_head=False))
+    other = parametrizations.weight_norm(nn.Linear(4, 4))
+    read_during = []
+    model[0].register_forward_hook(lambda *_: read_during.append(other.weight))  # as another thread would
+    with parametrize.cached():
+        weight = other.weight
+        actsave.profile(model, (torch.empty(8, 24, device="meta"),))
+        assert read_during and all(w is weight for w in read_during)
+        assert other.weight is weight
+
+
 def test_a_profile_inside_parametrize_cached_keeps_the_weights_cached_before_it():
     model = nn.Sequential(*_weight_normed_chain(frozen_head=False))
     with parametrize.cached():
