@@ -354,12 +354,10 @@ class CheckpointFrame:
             if lossy:
                 self.decisions.restore(tensor, slot)
             into[slot], slot.filled_at = detached, None if torch.compiler.is_compiling() else version(detached)
-        if index >= count - 1 and self.options.early_stop:
+        if index == count - 1 and self.options.early_stop:
             # Early stop: what runs after the last saved tensor (at least the output of
             # the op that saved it) is not needed. Saves time and one activation of
-            # peak memory, as torch's non-reentrant checkpoint does. Raised again at
-            # every later save, as torch raises it, where the function caught it (a
-            # try/except around an op): the recompute must not go on past its end.
+            # peak memory, as torch's non-reentrant checkpoint does.
             raise _AllSlotsFilled
         return detached
 
