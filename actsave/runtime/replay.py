@@ -109,10 +109,12 @@ class ReplayState:
                 if default_device() != self.default_device:
                     stack.enter_context(self.default_device)
                 # Entered even where autocast is in that state already, as torch's checkpoint
-                # enters it: its exit puts autocast's state back as the recompute found it,
-                # whatever a layer of the recompute set and left (a layer that enters autocast
-                # for the layers after it), and where no autocast region is open around it,
-                # clears the casts cached inside, as the forward's region did as it closed.
+                # enters it: its exit puts the enabled flag, dtype and cache setting back as
+                # the recompute found them, whatever a layer of the recompute set and left (a
+                # layer that enters autocast for the layers after it), and where its nesting
+                # count reaches zero, clears the casts cached inside. The count itself is not
+                # put back: a layer that enters or leaves autocast across segment bounds
+                # leaves it off, as under torch's checkpoint.
                 for autocast in self.autocast:
                     stack.enter_context(autocast.context())
                 yield

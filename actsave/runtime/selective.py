@@ -88,9 +88,10 @@ Rules that keep it exact:
   agree (NOTE [ Attention's saves agree ]). Exact, it is kept.
 
 What it keeps, beside its inputs: every kept call's output (what torchtitan's policy
-saves, the outputs of matmuls and attention) and the tensors its calls saved that are
-not views of their arguments; counted in kept_bytes() until the recompute, after which
-autograd holds them, as it holds any save, until their node's backward.
+saves, the outputs of matmuls and attention) but those the early stop never reads
+(above), and the tensors its calls saved that are not views of their arguments;
+counted in kept_bytes() until the recompute, after which autograd holds them, as it
+holds any save, until their node's backward.
 """
 from __future__ import annotations
 
