@@ -79,7 +79,7 @@ from ..runtime.store import kept_bytes
 from .allocator_rises import AllocatorRises
 from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import CostModel
-from .step_isolation import isolated_steps
+from .step_isolation import isolated_steps, user_stacklevel
 from .tensor_specs import TensorSpec
 
 # The repeats of each measured option's timed step (and the plain block's), interleaved
@@ -289,7 +289,7 @@ class BlockMeasurer:
                 self._left_out.add(left_out)
                 warnings.warn(f"actsave: the block plan leaves keep={option.keep!r} out for blocks of type "
                               f"{left_out[0]}: they cannot run with it ({type(error).__name__}: {error})",
-                              stacklevel=2)
+                              stacklevel=user_stacklevel())
             return None
 
     def _bytes_at(self, a: int, option: BlockOption) -> tuple:
