@@ -177,12 +177,13 @@ class HostPool:
         self._returns.put((after, buffer))
 
     def empty(self) -> int:
-        """Free the idle buffers (those whose copies have finished), as
-        ``torch.cuda.empty_cache`` frees the caching allocator's: the pool keeps every
-        size class it lent for the next steps, which a model gone, or shapes that no
-        longer come, never ask for again. Returns the bytes freed. Buffers on loan, in a
+        """Let go of the idle buffers (those whose copies have finished): the pool keeps
+        every size class it lent for the next steps, which a model gone, or shapes that
+        no longer come, never ask for again. Returns their bytes. Pinned ones go back to
+        PyTorch's pinned-memory cache, which keeps them until
+        ``torch.accelerator.empty_host_cache()`` (or reuses them). Buffers on loan, in a
         copy not yet finished or kept for a captured graph stay; during a capture
-        nothing is freed."""
+        nothing is let go."""
         if capturing():
             return 0
         with self._lock:
@@ -292,8 +293,8 @@ def host_pool_for(device) -> HostPool:
 
 
 def empty_host_pool() -> int:
-    """Free the default host pool's idle buffers (:meth:`HostPool.empty`); returns the
-    bytes freed. The pool keeps them for later steps until then."""
+    """Let go of the default host pool's idle buffers (:meth:`HostPool.empty`);
+    returns their bytes. The pool keeps them for later steps until then."""
     return host_pool().empty()
 
 
