@@ -74,7 +74,8 @@ def test_a_layer_taken_out_of_the_chain_is_not_kept_alive_by_its_plans(change):
     _step(model, x)  # planned again for the layers it has
 
 
-@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"])
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))],
+                         ids=["deepcopy", "pickle"])
 def test_a_copied_chain_keeps_its_plans_for_its_own_layers(copy_of):
     x = torch.randn(64, 64)
     model = _linear_gelu_chain()
