@@ -167,7 +167,9 @@ def parametrize_cache_keys(module: torch.nn.Module) -> set:
     for name in getattr(module, "parametrizations", {}):
         getter = getattr(type(module).__dict__.get(name), "fget", None)
         registered_on = _closed_over(_closed_over(getter, "get_cached_parametrization"), "module")
-        keys |= {(id(module), name), (id(registered_on if registered_on is not None else module), name)}
+        keys.add((id(module), name))
+        if registered_on is not None:
+            keys.add((id(registered_on), name))
     return keys
 
 

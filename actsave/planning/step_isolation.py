@@ -257,8 +257,8 @@ def parametrize_cache_set_aside(model: nn.Module):
         yield
     finally:
         now = parametrize_cache()  # cached() makes a new one as its last block ends
-        for key in keys:
-            if now is not None:
+        if now is not None:
+            for key in keys:
                 now.pop(key, None)
         if now is cache:
             cache.update(aside)
