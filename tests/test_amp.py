@@ -176,7 +176,7 @@ def _autocast_region_chain() -> list:
 @pytest.mark.parametrize("segments", [[0, 4, 8], [0, 2, 4, 6, 8]])
 def test_a_recompute_leaves_autocast_as_it_found_it_where_a_layer_enters_it_for_the_next_segments(segments):
     # The first segment's recompute enters autocast (its third layer) and leaves it open:
-    # the casts it cached stayed for the next step's forward, after the optimizer's step.
+    # the casts it caches must not stay for the next step's forward, after the optimizer's.
     plain = nn.Sequential(*_autocast_region_chain())
     model = actsave.CheckpointedSequential(*_autocast_region_chain(), segments=segments)
     steps = []

@@ -423,8 +423,8 @@ def test_an_early_stop_the_function_catches_ends_the_recompute_as_in_torch(keep)
     checkpoint(model, x.clone().requires_grad_(), keep=keep).square().sum().backward()
     for (name, p), q in zip(plain.named_parameters(), model.parameters()):
         assert p.grad is None or torch.equal(p.grad, q.grad), name
-    # A selective recompute stops at fc2, whose output it let go of (it raised
-    # InternalError there): the function ran as far as under torch's checkpoint.
+    # A selective recompute stops at fc2, whose output it let go of: the stop is raised
+    # again there, and the function ran as far as under torch's checkpoint.
     torch_checkpoint(torch_model, x.clone().requires_grad_(), use_reentrant=False).square().sum().backward()
     assert model.after == torch_model.after == 2
 

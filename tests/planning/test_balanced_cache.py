@@ -57,8 +57,8 @@ def test_a_parameter_replaced_in_a_layer_is_followed_and_not_kept_alive():
 
 @pytest.mark.parametrize("change", ["replaced", "deleted"])
 def test_a_layer_taken_out_of_the_chain_is_not_kept_alive_by_its_plans(change):
-    # Held until the next training call before: a pruned model only evaluated after
-    # kept the old layer's weights.
+    # The cached plans hold their layers weakly: a pruned model only evaluated after
+    # must not keep the old layer's weights until a training call.
     x = torch.randn(64, 64)
     model = _linear_gelu_chain(blocks=4)
     _step(model, x)

@@ -108,8 +108,8 @@ class DropsLateOutputs(nn.Module):
 
 def test_a_selective_subset_before_a_dropped_output_measures_its_prediction():
     # Keeping b alone: the late output's saves come after b, and the caller drops them
-    # after the block returns, where the example step dropped them inside the block's
-    # checkpoint: b's output was let go there, kept here, one hidden state per block over.
+    # after the block returns, where the example step drops them inside the block's
+    # checkpoint: both must let go of the same outputs for the plan's bytes to hold.
     from planning.test_blocks import step_peak_bytes
     from actsave.planning.block_solver import predicted_peak
     plain, x = DropsLateOutputs(), torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(0))

@@ -201,8 +201,8 @@ def test_a_first_call_under_parametrize_cached_trains_as_plain(frozen_head):
 
 def test_a_first_call_under_parametrize_cached_trains_as_plain_on_a_deep_copy():
     # A copy's cache entries are keyed by the module it was copied from (torch keys them
-    # by the module the parametrization was registered on): set aside by the model's own
-    # modules, the meta step's stayed, and the real step read meta weights.
+    # by the module the parametrization was registered on): those keys are the ones to
+    # set aside, or the real step reads the meta step's weights.
     layers = _weight_normed_chain(frozen_head=False)
     expected = _cached_step(nn.Sequential(*copy.deepcopy(layers)))
     got = _cached_step(CheckpointedSequential(*copy.deepcopy(layers)))
