@@ -145,7 +145,7 @@ class Codec:
         as the decision kernels pack them (``not (x <= 0)``), which a lossy recompute
         restores (actsave/runtime/relu_signs.py). Here one after the other; the 8-bit
         codecs take both from one read (NOTE [ Signs from the encoder's read ])."""
-        return self.encode(x, non_negative=True), _relu_signs(x)
+        return self.encode(x, non_negative=True), pack_relu_signs(x)
 
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
@@ -227,9 +227,11 @@ class GroupCodec(Codec):
         return UNSIGNED_VARIANT[self.name] if unsigned else self.name
 
 
-def _relu_signs(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s ReLU decisions by the decision kernel (or its reference), as
-    runtime/relu_signs.pack_signs packs them."""
+def pack_relu_signs(x: torch.Tensor) -> torch.Tensor:
+    """One bit per element of ReLU output ``x``: 1 where backward passes the gradient
+    (NOTE [ Bit fields ], row-major), by the decision kernel, one launch on CUDA
+    (triton_kernels/decisions/relu_signs.py), or its reference, which detaches what it
+    reads."""
     kernel = decision_table()["relu_signs", "pack"]
     return implementation(kernel, x)(x)
 
@@ -317,4 +319,4 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 
 
 __all__ = ["Codec", "Packed", "GROUP_SIZE", "IDENTITY", "EXPECTED_GRADIENT_SQNR_DB", "LOSSY_CODECS", "available_codecs",
-           "encodable", "get_codec", "sqnr_db"]
+           "encodable", "get_codec", "pack_relu_signs", "sqnr_db"]

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._torch import is_relu_node, version
+from ..codecs import pack_relu_signs
 from ..codecs.backend import implementation
 from ..triton_kernels import bitfields, decision_table
 from .layers import module_hooks, modules_among
@@ -212,11 +213,9 @@ def _dead_ref():
 
 
 def pack_signs(output: torch.Tensor) -> torch.Tensor:
-    """One bit per element of a ReLU output: 1 where backward passes the gradient
-    (NOTE [ Bit fields ], row-major). One kernel launch on CUDA
-    (triton_kernels/decisions/relu_signs.py)."""
-    kernel = decision_table()["relu_signs", "pack"]
-    return implementation(kernel, output)(output)  # the reference detaches what it reads
+    """The forward's decisions of a ReLU output, one bit per element
+    (:func:`actsave.codecs.pack_relu_signs`)."""
+    return pack_relu_signs(output)
 
 
 def unpack_signs(bits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
