@@ -41,7 +41,70 @@ from typing import Optional
 import torch
 from torch.nn.parameter import is_lazy
 
-from .._torch import copies_of, own_tensors, storage_identity_or_none
+from .._torch import copies_of, own_tensors, storage_identity_or_none, version
+from ..errors import ConfigError
+
+
+_KINDS = ("parameters", "buffers")
+
+
+def own_state(module: torch.nn.Module):
+    """``(kind, name, tensor)`` of each parameter and buffer of ``module`` that is set.
+    Raises for one a lazy module has not initialized: its first forward draws random
+    numbers to initialize it that a recompute, from the forward's RNG, would not draw."""
+    for kind in _KINDS:
+        for name, tensor in own_tensors(module, kind).items():
+            if is_lazy(tensor):
+                raise ConfigError(
+                    f"{type(module).__name__}'s {kind[:-1]} '{name}' is not initialized yet: a lazy module "
+                    "initializes in its first forward, which a checkpoint cannot recompute as it ran (the "
+                    "recompute would not draw the random numbers the initialization drew). Run one forward "
+                    "of the model before checkpointing it (a batch under torch.no_grad() will do).")
+            if tensor is not None:
+                yield kind, name, tensor
+
+
+class Snapshot(dict):
+    """``{(module, buffer name): a copy}``; ``shares_memory``: whether two of the copies
+    share memory (NOTE [ Buffers that share memory ]), where the rules for it apply;
+    ``originals``: ``{(module, name): (buffer, its version)}`` as copied, where taken
+    before the forward that uses it starts (chain.ChainState)."""
+
+    shares_memory = False
+    originals = None
+
+    def as_copied(self, entries: list) -> bool:
+        """Whether every buffer of ``entries`` (_LayerState's, as a forward starts) is
+        the tensor copied, at the version copied: nothing changed it since."""
+        for _, module, kind, name, tensor, at in entries if self.originals is not None else ():
+            if kind == "buffers":
+                original = self.originals.get((module, name))
+                if original is None or original[0] is not tensor or original[1] != at:
+                    return False
+        return True
+
+    def only(self, keys: set) -> "Snapshot":
+        """The copies of ``keys`` only."""
+        kept = Snapshot((key, value) for key, value in self.items() if key in keys)
+        kept.shares_memory = self.shares_memory
+        return kept
+
+
+def snapshot_of(modules, copied: Optional[dict] = None, early: bool = False) -> Snapshot:
+    """The Snapshot of every buffer of ``modules``, made together, those sharing memory
+    sharing it (``copied``: copies_keeping_shared_memory's): what a forward starting now
+    snapshots; ``early``: taken before that forward starts, noting its originals."""
+    entries = [((module, name), buffer) for module in modules
+               for kind, name, buffer in own_state(module) if kind == "buffers"]
+    copies, shared = copies_keeping_shared_memory([buffer for _, buffer in entries], copied)
+    snapshot = Snapshot(zip((key for key, _ in entries), copies))
+    snapshot.shares_memory = shared
+    if early:
+        snapshot.originals = {key: (buffer, version(buffer)) for key, buffer in entries}
+    return snapshot
+
+
+_KINDS = ("parameters", "buffers")
 
 
 def copies_keeping_shared_memory(tensors: list, copied: Optional[dict] = None) -> tuple:

@@ -26,7 +26,7 @@ from .keep_rules import EXACT, CallerTensors, KeepPolicy, should_encode, starts_
 from .kept_saves import call_with_kept_saves
 from .layers import LayerRun, modules_under
 from .nested import nested_call
-from .state import Snapshot, snapshot_of
+from .buffer_copies import Snapshot, snapshot_of
 
 
 @torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]

@@ -18,12 +18,11 @@ from typing import Optional
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.nn.parameter import is_lazy
 
 from .._torch import leaf_base, own_tensors, version
-from ..errors import ConfigError, RecomputeError
-from .buffer_copies import (HookedSharing, copies_keeping_shared_memory, distinct_storage_bytes,
-                            with_modules_sharing_memory)
+from ..errors import RecomputeError
+from .buffer_copies import (HookedSharing, Snapshot, copies_keeping_shared_memory, distinct_storage_bytes, own_state,
+                            snapshot_of, with_modules_sharing_memory)
 from .guarded_parameters import ForwardParameters, GuardedParameters
 from .module_attributes import ModuleAttributes, set_modes
 from .stale_buffers import StaleReads, changed_buffer, count_buffers, unreplayable
@@ -240,7 +239,7 @@ class _LayerState(TouchedState):
     def recording(self):
         before, owners = [], []
         for index, module in self._modules:
-            for kind, name, tensor in _own_state(module):
+            for kind, name, tensor in own_state(module):
                 before.append((index, module, kind, name, tensor, version(tensor)))
             if own_tensors(module, "buffers"):
                 owners.append(module)
@@ -375,7 +374,7 @@ class _HookedState(TouchedState):
         if threading.get_ident() != self._thread:
             return
         held = {}
-        for kind, name, tensor in _own_state(module):
+        for kind, name, tensor in own_state(module):
             held[(kind, name)] = (tensor, version(tensor))
             self._note(tensor, (kind[:-1], name, type(module)))
             if kind == "parameters":
@@ -430,70 +429,9 @@ class _HookedState(TouchedState):
             del self._read[id(tensor)]
 
 
-class Snapshot(dict):
-    """``{(module, buffer name): a copy}``; ``shares_memory``: whether two of the copies
-    share memory (NOTE [ Buffers that share memory ]), where the rules for it apply;
-    ``originals``: ``{(module, name): (buffer, its version)}`` as copied, where taken
-    before the forward that uses it starts (chain.ChainState)."""
-
-    shares_memory = False
-    originals = None
-
-    def as_copied(self, entries: list) -> bool:
-        """Whether every buffer of ``entries`` (_LayerState's, as a forward starts) is
-        the tensor copied, at the version copied: nothing changed it since."""
-        for _, module, kind, name, tensor, at in entries if self.originals is not None else ():
-            if kind == "buffers":
-                original = self.originals.get((module, name))
-                if original is None or original[0] is not tensor or original[1] != at:
-                    return False
-        return True
-
-    def only(self, keys: set) -> "Snapshot":
-        """The copies of ``keys`` only."""
-        kept = Snapshot((key, value) for key, value in self.items() if key in keys)
-        kept.shares_memory = self.shares_memory
-        return kept
-
-
-def snapshot_of(modules, copied: Optional[dict] = None, early: bool = False) -> Snapshot:
-    """The Snapshot of every buffer of ``modules``, made together, those sharing memory
-    sharing it (``copied``: copies_keeping_shared_memory's): what a forward starting now
-    snapshots; ``early``: taken before that forward starts, noting its originals."""
-    entries = [((module, name), buffer) for module in modules
-               for kind, name, buffer in _own_state(module) if kind == "buffers"]
-    copies, shared = copies_keeping_shared_memory([buffer for _, buffer in entries], copied)
-    snapshot = Snapshot(zip((key for key, _ in entries), copies))
-    snapshot.shares_memory = shared
-    if early:
-        snapshot.originals = {key: (buffer, version(buffer)) for key, buffer in entries}
-    return snapshot
-
-
-_KINDS = ("parameters", "buffers")
-
-
 def _describe(label: tuple) -> str:
     """``("a tensor of shape", shape)`` or ``(kind, name, module type)`` as text."""
     if len(label) == 2:
         return f"{label[0]} {label[1]}"
     kind, name, module_type = label
     return f"{kind} '{name}' of {module_type.__name__}"
-
-
-def _own_state(module: torch.nn.Module):
-    """``(kind, name, tensor)`` of each parameter and buffer of ``module`` that is set.
-    Raises for one a lazy module has not initialized: its first forward draws random
-    numbers to initialize it that a recompute, from the forward's RNG, would not draw."""
-    for kind in _KINDS:
-        for name, tensor in own_tensors(module, kind).items():
-            if is_lazy(tensor):
-                raise ConfigError(
-                    f"{type(module).__name__}'s {kind[:-1]} '{name}' is not initialized yet: a lazy module "
-                    "initializes in its first forward, which a checkpoint cannot recompute as it ran (the "
-                    "recompute would not draw the random numbers the initialization drew). Run one forward "
-                    "of the model before checkpointing it (a batch under torch.no_grad() will do).")
-            if tensor is not None:
-                yield kind, name, tensor
-
-
