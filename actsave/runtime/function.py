@@ -113,7 +113,11 @@ def _recompute_depth() -> int:
 
 
 def _signature(t: torch.Tensor) -> tuple:
-    return (t.shape, t.dtype, t.device)
+    # A flat tuple of untracked values (a dtype, a device, ints): the garbage collector
+    # stops tracking it at its first collection, so the signatures a forward leaves for
+    # its backward never count toward a full collection (NOTE [ Objects a step leaves
+    # to the garbage collector ]). A torch.Size is always tracked.
+    return (t.dtype, t.device, *t.shape)
 
 
 class CheckpointFrame:
@@ -369,7 +373,7 @@ class CheckpointFrame:
 
 
 def _shown(signature: tuple) -> tuple:
-    shape, dtype, device = signature
+    dtype, device, *shape = signature
     return (tuple(shape), dtype, device)
 
 

@@ -99,25 +99,37 @@ class ForwardParameters:
     """The requires_grad of the parameters a checkpointed forward ran with (NOTE [
     Parameters a recompute reads ])."""
 
-    __slots__ = ("_flags",)
+    __slots__ = ("_refs", "_needing")
 
     def __init__(self):
-        self._flags = {}  # id(tensor) -> (weak reference to it, requires_grad)
+        # A dict of weak references and a set of ids, not a tuple per parameter: what a
+        # forward leaves for its backward stays out of the garbage collector's oldest
+        # generation (NOTE [ Objects a step leaves to the garbage collector ]).
+        self._refs = {}  # id(tensor) -> weak reference to it
+        self._needing = set()  # the ids of those that required grad
 
     def note(self, tensor: torch.Tensor) -> None:
         """Note a parameter as the forward ran with it (its first note counts)."""
-        if id(tensor) not in self._flags:
-            self._flags[id(tensor)] = (weakref.ref(tensor), tensor.requires_grad)
+        if id(tensor) not in self._refs:
+            self._note(tensor)
 
     def note_all(self, tensors) -> None:
         """Note ``tensors``, parameters as the forward ended (each once)."""
-        self._flags.update({id(t): (weakref.ref(t), t.requires_grad) for t in tensors})
+        for tensor in tensors:
+            self._note(tensor)
+
+    def _note(self, tensor: torch.Tensor) -> None:
+        self._refs[id(tensor)] = weakref.ref(tensor)
+        if tensor.requires_grad:
+            self._needing.add(id(tensor))
+        else:
+            self._needing.discard(id(tensor))
 
     @contextlib.contextmanager
     def flags_as_in_forward(self):
         """While active, each parameter's requires_grad is the forward's."""
-        flipped = [tensor for tensor, flag in ((ref(), flag) for ref, flag in self._flags.values())
-                   if tensor is not None and tensor.requires_grad != flag]
+        flipped = [tensor for key, tensor in ((key, ref()) for key, ref in self._refs.items())
+                   if tensor is not None and tensor.requires_grad != (key in self._needing)]
         for tensor in flipped:
             tensor.requires_grad_(not tensor.requires_grad)
         try:

@@ -1,7 +1,31 @@
 """The placeholders of a checkpointed call (function.py, NOTE [ Segment checkpoint
 mechanism ]): what autograd stores in place of each tensor the forward saved
 (:class:`Slot`), and which of those saves a recompute's next save fills
-(:class:`Cursor`)."""
+(:class:`Cursor`).
+
+NOTE [ Objects a step leaves to the garbage collector ]
+What a checkpointed forward leaves alive for its backward outlives the garbage
+collector's young collections, and each tracked object that survives one is moved to
+its oldest generation. When those moves add up to a quarter of the process's
+long-lived objects, the next collection walks every object of the process: a pause
+that grows with the program, not with the model, paid every few steps in proportion to
+what each step moved (docs/performance.md, "Objects left to the garbage collector").
+PyTorch's checkpoint leaves four such objects per save. So:
+
+- Per save, two: the Slot autograd holds and the frame's weak reference to it, by
+  which the recompute learns that autograd freed the save.
+- A record that must outlive the forward is a flat tuple of untracked values (ints, a
+  dtype, a device: a save's signature), which the collector stops tracking at its
+  first pass, or one list, dict or set per kind of record (the versions of the module
+  state read, the parameters' requires_grad), not a tuple per tensor. A torch.Size is
+  always tracked; so is a tuple holding a module, a weak reference or a type. What is
+  left per tensor is what must be: a weak reference to each parameter, and for each
+  buffer the forward mutated, its snapshot's copy and key (NOTE [ State a forward reads
+  and mutates ]).
+
+tests/runtime/test_placeholders.py counts what a forward leaves against
+torch.utils.checkpoint, a count that does not vary from run to run.
+"""
 from __future__ import annotations
 
 
