@@ -33,7 +33,7 @@ class KeptCall:
 
     __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
                  "skipped", "mutates", "decided_on", "rng_before", "rng_after", "state", "changed_state",
-                 "attributes")
+                 "attributes", "data_set_again")
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
@@ -52,6 +52,9 @@ class KeptCall:
         # ((module, {name: value as the call left it, or ABSENT}), ...): the attributes that
         # calls of its modules set, which a recompute that skips it sets so (replay_attributes).
         self.attributes = ()
+        # Whether it set a tensor attribute of more than one element that another call of
+        # its module sets too: that value is not replayed, so the call runs again (attributes_to_replay).
+        self.data_set_again = False
         # Whether a later save of its output keeps decisions (a clamp's input, under a
         # lossy codec): it runs again, where the recompute restores them (NOTE [ Bound decisions ]).
         self.decided_on = False
@@ -116,13 +119,14 @@ class StateMark:
                 or any(version(p) != seen for p, seen in self.parameters))
 
     def attributes_left(self) -> tuple:
-        """``((module, attributes now, names set, added or deleted since), ...)``: by
-        identity, so a value set to the object it held (a small int that repeats) is
-        not seen set; :func:`attributes_to_replay` covers it. Tensors of more than one
-        element are left out, as module_attributes leaves them (a cache the call makes,
-        a dequantized weight: held until the backward, each call's would stay alive)."""
+        """``((module, attributes now, names set, added or deleted since, names of those
+        set to a tensor of more than one element), ...)``: by identity, so a value set to
+        the object it held (a small int that repeats) is not seen set;
+        :func:`attributes_to_replay` covers it. Tensors of more than one element are not
+        replayed, as module_attributes leaves them (a cache the call makes, a dequantized
+        weight: held until the backward, each call's would stay alive)."""
         return tuple((m, {name: DATA if holds_data(value) else value for name, value in m.__dict__.items()},
-                      _moved(m.__dict__, before)) for m, before in self.attributes)
+                      _moved(m.__dict__, before), _data_set(m.__dict__, before)) for m, before in self.attributes)
 
 
 def _moved(now: dict, before: dict) -> frozenset:
@@ -131,18 +135,29 @@ def _moved(now: dict, before: dict) -> frozenset:
                      and not holds_data(now.get(name)) and not holds_data(before.get(name)))
 
 
+def _data_set(now: dict, before: dict) -> frozenset:
+    return frozenset(name for name, value in now.items() if holds_data(value) and value is not before.get(name))
+
+
 def attributes_to_replay(calls: list) -> None:
     """Set each call's ``attributes`` to the values it left of every attribute that any
     call of the same module set: a call that set one to the object it already held (a
     row count that repeats) left the value the code after it read, though it moved
-    nothing, where a later call of the module moved it."""
-    moved = {}
+    nothing, where a later call of the module moved it. A tensor attribute of more than
+    one element that two calls of a module set (a statistic of each call's input) holds
+    the last one's as the recompute runs, not what the code after each call read: those
+    calls run again (``data_set_again``), each setting its own."""
+    moved, data_setters = {}, {}
     for call in calls:
-        for module, _, names in call.attributes:
+        for module, _, names, data in call.attributes:
             moved[module] = moved.get(module, frozenset()) | names
+            for name in data:
+                data_setters[module, name] = data_setters.get((module, name), 0) + 1
     for call in calls:
+        call.data_set_again = any(data_setters[module, name] > 1 for module, _, _, data in call.attributes
+                                  for name in data)
         call.attributes = tuple((module, {name: left.get(name, ABSENT) for name in moved[module]})
-                                for module, left, _ in call.attributes if moved[module])
+                                for module, left, _, _ in call.attributes if moved[module])
 
 
 @contextlib.contextmanager

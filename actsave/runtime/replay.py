@@ -144,33 +144,39 @@ def _passed_generators_replayed(passed: tuple):
 
 
 class RandomState:
-    """The CPU generator's state and those of the accelerators a call's tensors are on:
-    what a selective recompute sets as a call it skips left them (selective.py)."""
+    """The CPU generator's state, those of the accelerators a call's tensors are on, and
+    those of the generators passed to it (``generator=g``): what a selective recompute
+    sets as a call it skips left them (selective.py)."""
 
-    __slots__ = ("cpu", "devices")
+    __slots__ = ("cpu", "devices", "passed")
 
-    def __init__(self, cpu: torch.Tensor, devices: tuple):
-        self.cpu, self.devices = cpu, devices
+    def __init__(self, cpu: torch.Tensor, devices: tuple, passed: tuple = ()):
+        self.cpu, self.devices, self.passed = cpu, devices, passed
 
     @classmethod
-    def capture(cls, tensors: list) -> "RandomState":
+    def capture(cls, tensors: list, generators=()) -> "RandomState":
         devices = sorted({(t.device.type, t.device.index or 0) for t in tensors
                           if t.device.type not in ("cpu", "meta")})
         return cls(torch.get_rng_state(), tuple(
-            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index in devices))
+            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index in devices),
+            tuple((generator, generator.get_state()) for generator in generators))
 
     def again(self) -> "RandomState":
         """The same generators' states now."""
         return RandomState(torch.get_rng_state(), tuple(
-            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index, _ in self.devices))
+            (kind, index, torch.get_device_module(kind).get_rng_state(index)) for kind, index, _ in self.devices),
+            tuple((generator, generator.get_state()) for generator, _ in self.passed))
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         for kind, index, state in self.devices:
             torch.get_device_module(kind).set_rng_state(state, index)
+        for generator, state in self.passed:
+            generator.set_state(state)
 
     def __eq__(self, other) -> bool:
         return torch.equal(self.cpu, other.cpu) and all(
-            torch.equal(a[2], b[2]) for a, b in zip(self.devices, other.devices))
+            torch.equal(a[2], b[2]) for a, b in zip(self.devices, other.devices)) and all(
+            torch.equal(a[1], b[1]) for a, b in zip(self.passed, other.passed))
 
     __hash__ = None

@@ -60,7 +60,9 @@ Rules that keep it exact:
   puts them back as they were when it started as it ends (a call counter counts the
   forward's calls only). A tensor of more than one element an attribute holds (a cache,
   a dequantized weight) is left as the forward left it, as module_attributes.py leaves
-  it: replayed, each call's would stay alive until the backward.
+  it: replayed, each call's would stay alive until the backward. So calls of one module
+  that each set such a tensor (a statistic of each call's input) run again: the code
+  after the first read a value the last replaced.
 - A kept call that drew random numbers in the forward (attention with dropout, a
   module named that holds a Dropout) is skipped in the recompute, which replays the
   forward's RNG: the generators are set as that call left them, so the calls after it
@@ -111,7 +113,7 @@ from .placeholders import Cursor, Slot
 from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
-from .replay import RandomState
+from .replay import RandomState, passed_generators
 from .kept_calls import CallArgument, KeptCall, KeptSave, StateMark, attributes_to_replay, described, keepable_now
 from .selective_replay import Skipper, forward_replaced
 from .store import input_tensors
@@ -204,7 +206,7 @@ class SelectiveFrame(CheckpointFrame):
         # Without preserve_rng_state the recompute draws from the generators as they are
         # (torch's meaning): setting them to a forward-time state would rewind them.
         if self.options.preserve_rng_state and may_draw(target, args, kwargs):
-            self._open.rng_before = RandomState.capture(tensors)
+            self._open.rng_before = RandomState.capture(tensors, passed_generators(args, kwargs))
 
     def _exit(self, output) -> None:
         self._depth -= 1
@@ -257,7 +259,7 @@ class SelectiveFrame(CheckpointFrame):
             # forward that runs a backward of its own runs it again in the recompute,
             # through every call: none may be skipped.
             call.skipped = (not self._differentiated and call.output is not None and not call.mutates
-                            and not call.changed_state
+                            and not call.changed_state and not call.data_set_again
                             and not call.decided_on and version(call.output) == call.version)
             if not call.skipped:
                 self._recompute_saves_of(call)
@@ -273,6 +275,7 @@ class SelectiveFrame(CheckpointFrame):
             decided = any(call.decided_on for call in self.calls)
             reason = "differentiated" if self._differentiated else "tensorless" if tensorless else \
                 "decided" if decided else "state" if any(call.changed_state for call in self.calls) else \
+                "data set again" if any(call.data_set_again for call in self.calls) else \
                 "changed" if self.calls else \
                 "none ran" if self.ops.modules or self.functions else "lossy attention"
             _warn_once(self.ops, qualified_name(self.function), reason)
@@ -418,7 +421,7 @@ def kept_nothing_noted():
 
 def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
     """Warn once per (ops, function, reason) that a selective checkpoint kept nothing;
-    ``reason``: "changed", "state", "tensorless", "decided", "differentiated", "none ran" or "lossy
+    ``reason``: "changed", "state", "data set again", "tensorless", "decided", "differentiated", "none ran" or "lossy
     attention"."""
     noted = getattr(_noting, "reasons", None)
     if noted is not None:
@@ -438,6 +441,11 @@ def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
                "statistic), which the code after them reads, so those calls run again, and it recomputes "
                "everything, as a plain checkpoint does. Keep such modules out of the kept calls "
                "(KeptOps(module_names=...)), or use keep='inputs'")
+    elif reason == "data set again":
+        why = (f"calls of {ops.names()} set a tensor attribute of more than one element on their module that another "
+               "call of it sets again (a statistic of each call's input), which the code after each call may read, so "
+               "those calls run again, and it recomputes everything, as a plain checkpoint does. Keep such modules out "
+               "of the kept calls (KeptOps(module_names=...)), or use keep='inputs'")
     elif reason == "decided":
         why = (f"the outputs of its calls of {ops.names()} are read by a Hardtanh or LeakyReLU, whose decisions a lossy "
                "recompute takes from the forward's by running those calls again (NOTE [ Bound decisions ]), so it "

@@ -819,6 +819,76 @@ def test_an_attribute_a_call_sets_to_the_object_it_held_is_replayed_where_a_late
     assert backward.counts["aten.addmm.default"] == 2  # the forward's two calls only: both skipped
 
 
+class _NotesItsInputsMean(nn.Linear):
+    def forward(self, x):
+        self.mean = x.detach().mean(0)  # a tensor of more than one element: not replayed
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+def test_a_tensor_attribute_two_calls_of_a_module_set_has_them_run_again(calls):
+    # The code after each call reads what that call set; replayed, each call's tensor
+    # would stay alive until the backward, so a module whose calls set it in turn runs
+    # again; one call alone leaves the value the recompute finds, and is skipped.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = _NotesItsInputsMean(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x)) * self.fc.mean
+            if calls == 2:
+                h = torch.tanh(self.fc(h)) * self.fc.mean
+            return self.out(h)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(Block())
+
+    x = torch.randn(4, 8)
+    plain, wrapped = model(), actsave.wrap(model(), Block, keep=KeptOps(module_names=("fc",)))
+    plain(x).square().sum().backward()
+    with warnings.catch_warnings(record=True) as caught, OpCounter() as backward:
+        warnings.simplefilter("always")
+        wrapped(x).square().sum().backward()
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    said = [str(w.message) for w in caught if "kept nothing" in str(w.message)]
+    # The forward's calls, then the recompute's of fc (the output layer's not: the
+    # recompute stops at its input): none where fc is called once, both where twice.
+    assert backward.counts["aten.addmm.default"] == (calls + 1) + (0 if calls == 1 else 2)
+    assert (len(said) == 1 and "sets again" in said[0]) if calls == 2 else not said
+
+
+class _DropsInputsBy(nn.Linear):
+    def forward(self, x, generator):
+        return super().forward(x * (torch.rand(x.shape, generator=generator) > 0.2))
+
+
+def test_a_skipped_call_leaves_a_generator_passed_to_it_as_the_forwards_call_left_it():
+    # The recompute skips the kept call; the block's draws after it from the same
+    # generator must be the forward's, as under keep="inputs", which replays it.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = _DropsInputsBy(8, 8), _DropsInputsBy(8, 8)
+
+        def forward(self, x, generator):
+            h = torch.tanh(self.first(x, generator))
+            h = torch.tanh(h * torch.randn(h.shape, generator=generator))
+            return self.second(h, generator)
+
+    def step(call):
+        torch.manual_seed(0)
+        block, generator = Block(), torch.Generator().manual_seed(7)
+        call(block, torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), generator).square().sum().backward()
+        return [p.grad for p in block.parameters()], generator.get_state()
+
+    plain_grads, plain_state = step(lambda block, x, g: block(x, g))
+    grads, state = step(lambda block, x, g: actsave.checkpoint(block, x, g, keep=KeptOps(modules=(_DropsInputsBy,))))
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads)) and torch.equal(state, plain_state)
+
+
 class _ShrinksItsWeightWhenCalled(nn.Linear):
     def forward(self, x):
         with torch.no_grad():
