@@ -169,14 +169,14 @@ class SelectiveFrame(CheckpointFrame):
                 # Skipper replaces, the module's forward, whose arguments come after every
                 # pre-hook and whose output comes before every hook. nn.Module runs the hooks
                 # around it, global ones first, in the forward and again in the recompute.
-                stack.enter_context(forward_replaced(module, self._recorded_forward(module)))
+                stack.enter_context(forward_replaced(module, functools.partial(self._recorded_forward, module)))
             for name in self.functions:
                 stack.enter_context(TAPPED_FUNCTIONS[name].handled(self._recorded(name)))
             yield
 
-    def _recorded_forward(self, module: nn.Module) -> Callable:
-        """``module``'s forward, recording each call of it as a kept call."""
-        run, recorded = module.forward, self._recorded(module)
+    def _recorded_forward(self, module: nn.Module, run: Callable) -> Callable:
+        """``run``, ``module``'s forward, recording each call of it as a kept call."""
+        recorded = self._recorded(module)
 
         @functools.wraps(run)
         def forward(*args, **kwargs):
