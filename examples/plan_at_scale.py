@@ -73,7 +73,10 @@ def main():
     parser.add_argument("--budget-mib", type=float, default=300.0, help="activation budget to plan for (300)")
     parser.add_argument("--gpu-gib", type=float, default=16.0, help="the GPU's memory, to say what fits (16)")
     args = parser.parse_args()
-    sizes = {**(REAL if args.real else SMOKE), **{k: getattr(args, k) for k in SMOKE if getattr(args, k)}}
+    given = {k: getattr(args, k) for k in SMOKE if getattr(args, k) is not None}
+    if any(value <= 0 for value in given.values()) or not args.budget_mib > 0:
+        parser.error(f"sizes and --budget-mib must be positive: {given}, --budget-mib {args.budget_mib}")
+    sizes = {**(REAL if args.real else SMOKE), **given}
     shape = (sizes["batch"], 3, 32, 32)
     with torch.device("meta"):  # parameters too: ResNet-1001 costs no memory
         layers = preact_resnet(sizes["depth"])

@@ -43,7 +43,9 @@ def main():
     parser.add_argument("--steps", type=int)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    sizes = {**(REAL if args.real else SMOKE), **({"steps": args.steps} if args.steps else {})}
+    if args.steps is not None and args.steps <= 0:
+        parser.error(f"--steps must be positive, not {args.steps}")
+    sizes = {**(REAL if args.real else SMOKE), **({"steps": args.steps} if args.steps is not None else {})}
     device = torch.device(args.device)
 
     torch.manual_seed(0)

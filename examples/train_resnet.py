@@ -38,7 +38,10 @@ def main():
                         help="auto (default): on with CUDA, off on a CPU, where it saves nothing")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    sizes = {**(REAL if args.real else SMOKE), **{k: getattr(args, k) for k in SMOKE if getattr(args, k)}}
+    given = {k: getattr(args, k) for k in SMOKE if getattr(args, k) is not None}
+    if any(value <= 0 for value in given.values()):
+        parser.error(f"sizes must be positive: {given}")
+    sizes = {**(REAL if args.real else SMOKE), **given}
     device = torch.device(args.device)
     compress = None if args.compress == "none" else args.compress
     offload = device.type == "cuda" if args.offload == "auto" else args.offload == "on"
