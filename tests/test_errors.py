@@ -102,6 +102,8 @@ BAD_CALLS = {
     "KeptOps-modules-str": (lambda: actsave.KeptOps(modules="Linear"), ["modules='Linear'", "tuple", "classes"]),
     "KeptOps-modules-none": (lambda: actsave.KeptOps(modules=None), ["modules=None", "() for none"]),
     "KeptOps-functions-none": (lambda: actsave.KeptOps(functions=None), ["functions=None", "() for none"]),
+    "KeptOps-nothing": (lambda: actsave.KeptOps(modules=(), functions=()), ["keeps the outputs of nothing",
+                                                                          "keep='inputs'"]),
     "wrap-determinism_check": (lambda: actsave.wrap(chain(), nn.Linear, determinism_check="strict"),
                                ["determinism_check='strict'", "'default'"]),
     # CheckpointedSequential

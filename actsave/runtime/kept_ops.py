@@ -70,6 +70,10 @@ class KeptOps:
                 f"{sorted(TAPPED_FUNCTIONS)} only, not of other functions (F.linear) nor of aten operators "
                 "(aten.mm.default): name the module type whose calls make them (modules=(nn.Linear,)) or one of "
                 "those functions")
+        if not modules and not functions:
+            raise ConfigError("KeptOps(modules=(), functions=()) keeps the outputs of nothing: the checkpoint would "
+                              "keep its inputs only, which is keep='inputs'. Name what to keep (the defaults keep "
+                              "nn.Linear and attention), or pass keep='inputs'")
         object.__setattr__(self, "modules", modules)
         object.__setattr__(self, "functions", functions)
         if self.module_names is not None:
