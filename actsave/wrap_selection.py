@@ -39,7 +39,10 @@ def matching_blocks(model: nn.Module, matches, wrapper: type) -> list:
     """The :class:`Block` s of ``model`` that ``matches(module, fqn)`` selects, in
     module order: never ``model`` itself, nor anything inside a selected module; a
     ``wrapper`` instance counts as selected (by an earlier :func:`wrap`), and nothing
-    inside it is asked. ``torch.compile(module)`` is asked as ``module`` and selected
+    inside it is asked. A module without a forward of its own (``nn.ModuleList``,
+    ``nn.ModuleDict``: a container the model iterates, never calls) is not asked: a
+    checkpoint runs a module's forward, so wrapping it would checkpoint nothing and
+    hide its items; what it holds is asked instead. ``torch.compile(module)`` is asked as ``module`` and selected
     whole: its compiled forward calls the module it was given, so replacing that
     module inside it would checkpoint nothing. A module at several places is asked
     once and is one Block with all of them (NOTE [ Shared blocks ])."""
@@ -54,9 +57,14 @@ def _find_blocks(parent: nn.Module, matches, wrapper: type, prefix: str, seen: d
         fqn = prefix + name
         if child is not None and id(child) not in seen:
             wrapped = isinstance(child, wrapper)
-            selected = wrapped or matches(uncompiled(child), fqn)
+            selected = wrapped or (_runs(uncompiled(child)) and matches(uncompiled(child), fqn))
             seen[id(child)] = Block([], child, wrapped) if selected else None
             if not selected:
                 _find_blocks(child, matches, wrapper, fqn + ".", seen)
         if child is not None and seen[id(child)] is not None:
             seen[id(child)].places.append((parent, name, fqn))
+
+
+def _runs(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own (its class's, or one set on it)."""
+    return type(module).forward is not nn.Module.forward or "forward" in vars(module)

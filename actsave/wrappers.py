@@ -273,7 +273,8 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
 
     ``filter_fn`` is ``callable(module, fqn) -> bool`` or an ``nn.Module`` subclass
     (or a non-empty tuple of them). ``model`` itself is never wrapped, nor is anything
-    inside a module that is wrapped already. A module placed at several places (shared
+    inside a module that is wrapped already, nor a module without a forward of its own
+    (``nn.ModuleList``: what it holds is asked instead). A module placed at several places (shared
     weights) is asked once, under its first name, and one :class:`Checkpoint` of it
     takes each place (NOTE [ Shared blocks ]). ``state_dict`` keys do not change. The
     other arguments are given to each :class:`Checkpoint` (see :func:`checkpoint`;

@@ -180,6 +180,22 @@ def test_wrap_replaces_matching_submodules_in_place(filter_fn):
     assert_same_training(plain, model, torch.randn(5, 8))
 
 
+@pytest.mark.parametrize("filter_fn", [lambda module, fqn: fqn.startswith("blocks"), nn.ModuleList],
+                         ids=["the container's name too", "the container's type"])
+def test_wrap_asks_what_a_container_without_a_forward_holds_never_the_container(filter_fn):
+    # Wrapped, the ModuleList the model iterates would run no checkpoint and hide its blocks.
+    plain = ResidualNet()
+    model = twin(plain)
+    if filter_fn is nn.ModuleList:
+        with pytest.warns(UserWarning, match="selected no submodule"):
+            wrap(model, filter_fn)
+    else:
+        wrap(model, filter_fn)
+        assert all(isinstance(b, Checkpoint) for b in model.blocks)
+    assert isinstance(model.blocks, nn.ModuleList)
+    assert_same_training(plain, model, torch.randn(5, 8))
+
+
 def test_wrap_passes_fully_qualified_names_and_skips_wrapped_subtrees():
     seen = []
     model = ResidualNet()
@@ -262,7 +278,7 @@ def test_wrap_checkpoints_every_place_of_a_shared_block_with_one_checkpoint():
     plain = _SharedBlockNet()
     model, asked = twin(plain), []
     wrap(model, lambda module, fqn: asked.append(fqn) or isinstance(module, nn.Sequential))
-    assert asked == ["blocks", "blocks.0", "head"]  # asked once, under its first name
+    assert asked == ["blocks.0", "head"]  # asked once, under its first name; the ModuleList never
     wrapper = model.blocks[0]
     assert isinstance(wrapper, Checkpoint) and all(block is wrapper for block in model.blocks)
     assert list(model.state_dict()) == list(plain.state_dict())
