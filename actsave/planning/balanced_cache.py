@@ -95,8 +95,13 @@ class BalancedPlans:
             self._warn_once(f"its input is a {type(input).__name__}; the planner follows one tensor")
             self._last = (type(input).__name__, None)
             return split_starts(layers, "sqrt", policies)
+        states = self._parameter_states()
+        if not input.requires_grad and not any(requires_grad for requires_grad, _ in states):
+            # Nothing the call computes needs a gradient (a frozen teacher under grad mode):
+            # no backward will run, so there is nothing to plan for, nor to warn of.
+            return split_starts(layers, "sqrt", policies)
         device = device_of(input)
-        key = (_plan_key(input, device, layers, policies), self._parameter_states())
+        key = (_plan_key(input, device, layers, policies), states)
         if key not in self._plans:
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]

@@ -3,6 +3,7 @@ Balanced segments ]). Its other tests, of the chain's training, are in test_sequ
 import copy
 import gc
 import pickle
+import warnings
 import weakref
 
 import pytest
@@ -40,6 +41,18 @@ def test_unfreezing_a_frozen_prefix_plans_again():
     _step(fresh, x)
     assert model.balanced_plan.starts == fresh.balanced_plan.starts != frozen_plan.starts
     assert model.balanced_plan.predicted_peak_bytes == fresh.balanced_plan.predicted_peak_bytes
+
+
+def test_a_frozen_chain_called_under_grad_mode_plans_nothing_and_warns_nothing():
+    # A frozen teacher in a training loop: no backward will run through it.
+    x = torch.randn(8, 64)
+    model = _linear_gelu_chain().requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = model(x)
+    assert not out.requires_grad and model.balanced_plan is None
+    with torch.no_grad():
+        assert torch.equal(out, model(x))
 
 
 def test_a_parameter_replaced_in_a_layer_is_followed_and_not_kept_alive():
