@@ -172,6 +172,8 @@ class CheckpointedSequential(nn.Sequential):
 
     def forward(self, input):
         if not torch.is_grad_enabled():
+            # Another thread's meta step holds meta copies of the parameters meanwhile.
+            self._segment_source.balanced.check_not_planning_elsewhere(self)
             return super().forward(input)
         layers = list(self)
         if torch.compiler.is_compiling():  # NOTE [ Checkpoints in a compiled graph ]

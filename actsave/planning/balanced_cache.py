@@ -86,7 +86,7 @@ class BalancedPlans:
         self._planning = None  # the thread running this model's meta step, if any
 
     def starts(self, model: nn.Module, input, layers: list, policies: tuple) -> list:
-        self._check_not_planning_elsewhere(model)
+        self.check_not_planning_elsewhere(model)
         if not self._for(layers):
             self._plans, self._layers, self._parameters = {}, tuple(map(weakref.ref, layers)), None
         if self._parameters is None:
@@ -133,7 +133,7 @@ class BalancedPlans:
             self._parameters = _parameter_refs(ref() for ref in self._layers)
             return self._parameter_states()
 
-    def _check_not_planning_elsewhere(self, model: nn.Module) -> None:
+    def check_not_planning_elsewhere(self, model: nn.Module) -> None:
         """Raise where another thread is in this model's meta step: the model's
         parameters and buffers are meta copies until it ends (meta.on_meta), and one
         model trained on two threads at once is not supported (docs/limits.md,
@@ -148,7 +148,7 @@ class BalancedPlans:
     def _planned_here(self, model: nn.Module, input: torch.Tensor, device, policies: tuple):
         """:meth:`_plan`, marked as this thread's while it runs."""
         with _PLANNING_LOCK:
-            self._check_not_planning_elsewhere(model)
+            self.check_not_planning_elsewhere(model)
             self._planning = threading.get_ident()
         try:
             return self._plan(model, input, device, policies)

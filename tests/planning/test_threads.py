@@ -158,10 +158,11 @@ def test_a_plan_in_another_thread_runs_this_threads_compiled_code_compiled():
     assert len(compiled) == 1  # not run eagerly for the other thread's meta step
 
 
-def test_a_model_called_on_another_thread_while_it_plans_says_so():
+@pytest.mark.parametrize("grad_mode", [torch.enable_grad, torch.no_grad, torch.inference_mode])
+def test_a_model_called_on_another_thread_while_it_plans_says_so(grad_mode):
     pause, model, x, join = plan_paused_in_another_thread()
     try:
-        with pytest.raises(actsave.ConfigError, match="while another thread plans its segments"):
+        with pytest.raises(actsave.ConfigError, match="while another thread plans its segments"), grad_mode():
             model(x)
     finally:
         pause.resume.set()
