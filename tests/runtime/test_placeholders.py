@@ -39,8 +39,10 @@ def tanh_chain(length: int):
 
 def test_a_checkpoint_leaves_two_tracked_objects_per_save():
     x = torch.randn(4, 4, requires_grad=True)
-    left = {length: tracked_objects_left(lambda: actsave.checkpoint(tanh_chain(length), x).sum()) for length in (16, 32)}
-    assert left[32] - left[16] <= 2 * 16  # the Slot and the frame's weak reference to it
+    left = {length: tracked_objects_left(lambda: actsave.checkpoint(tanh_chain(length), x).sum()) for length in (16, 80)}
+    # The Slot and the frame's weak reference to it per save (torch's checkpoint leaves
+    # four); the slack is for what the process makes meanwhile (another thread's objects).
+    assert left[80] - left[16] <= 2 * 64 + 16
 
 
 def linear_chain(pairs: int) -> nn.Sequential:
@@ -51,13 +53,13 @@ def linear_chain(pairs: int) -> nn.Sequential:
 def test_a_deeper_chain_leaves_no_more_tracked_objects_per_layer_than_torchs_checkpoint():
     x = torch.randn(2, 8)
     ours, theirs = {}, {}
-    for pairs in (8, 16):
+    for pairs in (8, 24):
         chain = linear_chain(pairs)
         model = actsave.CheckpointedSequential.from_sequential(copy.deepcopy(chain), segments=4)
         train_step(model, x)  # what the first call builds and later ones reuse
         ours[pairs] = tracked_objects_left(lambda: model(x).sum())
         theirs[pairs] = tracked_objects_left(lambda: checkpoint_sequential(chain, 4, x, use_reentrant=False).sum())
-    assert ours[16] - ours[8] <= theirs[16] - theirs[8]
+    assert ours[24] - ours[8] <= theirs[24] - theirs[8]
 
 
 def test_a_cursor_hands_out_each_position_once_in_order():
