@@ -35,6 +35,7 @@ class _Ledger:
         self._watchers = []  # peaks dicts, updated on every add
 
     def add(self, where: str, nbytes: int) -> None:
+        nbytes = int(nbytes)  # a size torch.jit.trace records is a tensor: the ledger holds ints
         with self._lock:
             self._bytes[where] += nbytes
             for peaks in self._watchers:

@@ -1,9 +1,11 @@
 """Kept inputs and the kept_bytes() ledger."""
 import gc
 import inspect
+import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import actsave
 from actsave import ConfigError
@@ -368,3 +370,20 @@ def test_an_encoder_output_every_block_keeps_is_kept_once_and_changes_no_bit(opt
     assert kept_apart[where] - kept[where] == 3 * memory  # stored once for the 4 blocks, not 4 times
     assert all(torch.equal(a, b) for a, b in zip(gradients, gradients_apart))
     assert actsave.kept_bytes() == {"device": 0, "host": 0}
+
+
+def test_a_trace_of_a_wrapped_model_leaves_the_ledger_holding_ints():
+    # torch.jit.trace records the sizes a checkpoint counts as tensors.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    model = actsave.wrap(nn.Sequential(Block(), Block()), Block).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the trace's own warnings
+        torch.jit.trace(model, (torch.randn(4, 8),), check_trace=False)
+    assert all(type(value) is int for value in actsave.kept_bytes().values())
