@@ -58,6 +58,7 @@ from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS
 from ..devices import host_is_separate
 from ..errors import ConfigError
 from ..runtime.keep_rules import should_encode
+from ..runtime.keep_modes import BlockOption
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
 from ..text import format_table, mib, ms
 from .argument_grads import argument_gradients
@@ -144,6 +145,20 @@ class BlockPlan:
     plain_step_seconds: float
     modules: tuple = dataclasses.field(repr=False, compare=False)  # the blocks themselves; () once pickled
     types: tuple = dataclasses.field(default=(), repr=False)  # "module.QualName" of each block
+
+    def __post_init__(self):
+        blocks, options = tuple(self.blocks), tuple(self.options)
+        if len(blocks) != len(options) or not all(isinstance(name, str) for name in blocks):
+            raise ConfigError(f"BlockPlan(blocks={self.blocks!r}, options={self.options!r}): pass one block name "
+                              "(as named_modules() spells it) and one option per block. Make block plans with "
+                              "actsave.plan_blocks, or wrap(model, Block, budget=...)")
+        bad = [option for option in options if option is not None and not isinstance(option, BlockOption)]
+        if bad:
+            raise ConfigError(f"BlockPlan(options=...): each option is None (the block kept plain) or a "
+                              f"BlockOption, as plan_blocks makes them, not {bad[0]!r}. Make block plans with "
+                              "actsave.plan_blocks, or wrap(model, Block, budget=...)")
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "options", options)
 
     def __getstate__(self) -> dict:
         # Pickled (sent to another rank, saved) without the blocks: their weights, FSDP2's
