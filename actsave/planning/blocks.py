@@ -235,6 +235,9 @@ class BlockPlanner:
         self.calls = record_calls(model, blocks, example_inputs, loss)
         self.levers, self.codecs, self._codecs_usable = _levers_for(self.calls, allow, min_sqnr_db)
         self.min_sqnr_db = min_sqnr_db
+        # The codecs allow names that min_sqnr_db leaves out, which an error names.
+        named = {LEVER_CODECS[lever] for lever in (allow or ()) if lever in LEVER_CODECS}
+        self._below_sqnr = tuple(sorted(named - set(self.codecs))) if self._codecs_usable else ()
         self.outside = measure_outside(model, self.calls, example_inputs, loss)
         self.chain = block_chain(self.calls, self.outside)
         self.profile = chain_profile(self.chain, self.calls, self.outside)
@@ -277,19 +280,25 @@ class BlockPlanner:
         """The error of a budget no block plan fits (plans.infeasible_message), each lossy
         codec not allowed priced by the same program with it allowed too (the options
         measured once, for every codec)."""
-        lower = {}
+        lower, below = {}, {}
         if self._codecs_usable:
             for codec in LOSSY_CODECS:
-                if codec in self.codecs or (self.min_sqnr_db is not None
-                                            and EXPECTED_GRADIENT_SQNR_DB[codec] < self.min_sqnr_db):
+                if codec in self.codecs:
                     continue
                 with_codec = (*self.codecs, codec)
                 table = _table(self.chain, self.calls, self.profile, self.levers, with_codec, self._measurer,
                                self.outside)
-                lower[codec] = max(self.fixed, smallest(table).peak)
+                if codec in self._below_sqnr:
+                    below[codec] = max(self.fixed, smallest(table).peak)
+                elif self.min_sqnr_db is None or EXPECTED_GRADIENT_SQNR_DB[codec] >= self.min_sqnr_db:
+                    lower[codec] = max(self.fixed, smallest(table).peak)
         named = self.levers + tuple(lever for lever in LEVER_CODECS if lever in self.codecs)
+        left_out = "".join(
+            f" allow names {codec!r} too, which min_sqnr_db={self.min_sqnr_db} leaves out (its expected gradient "
+            f"SQNR is {EXPECTED_GRADIENT_SQNR_DB[codec]:g} dB): with it the smallest budget is {int(least):,} bytes "
+            f"({mib(least)} MiB)." for codec, least in below.items())
         message = infeasible_message("block plan", budget, named, self.min_sqnr_db, max(self.fixed, self._least.peak),
-                                     "one option per block, outside work included", lower)
+                                     "one option per block, outside work included", lower, left_out)
         if not self._codecs_usable:
             message += (" (Codecs and offload are left out: a block gets a tensor argument besides its hidden state "
                         "that autograd made, which a checkpoint would keep encoded and the plan does not count.)")

@@ -199,10 +199,11 @@ class Search:
 
 
 def infeasible_message(what: str, budget, levers: tuple, min_sqnr_db, smallest: float, reach: str,
-                       lower: dict) -> str:
+                       lower: dict, left_out: str = "") -> str:
     """The error of a budget no plan fits: the smallest feasible budget with ``levers``
     (``reach``: how it was searched), and the lossy codecs not allowed that lower it
-    (``lower``: codec -> its smallest budget), with the one that fits this budget."""
+    (``lower``: codec -> its smallest budget), with the one that fits this budget;
+    ``left_out``: a sentence on levers the caller left out, before the advice."""
     named = f"allow={levers}" + ("" if min_sqnr_db is None else f" and min_sqnr_db={min_sqnr_db}")
     # The budget as given: a real number of bytes, a fraction included (never rounded).
     message = (f"no {what} fits budget={budget:,} bytes ({mib(budget)} MiB) with {named}: the smallest "
@@ -217,7 +218,7 @@ def infeasible_message(what: str, budget, levers: tuple, min_sqnr_db, smallest: 
             message += (f" This budget fits with allow={(*levers, fitting[0])}"
                         + (f" (or {', '.join(repr(c) for c in fitting[1:])} in its place)" if fitting[1:] else "")
                         + ".")
-    return message + " Raise the budget, allow more levers, or use a smaller batch."
+    return message + left_out + " Raise the budget, allow more levers, or use a smaller batch."
 
 
 def balanced_last_policy() -> KeepPolicy:

@@ -185,6 +185,17 @@ def test_the_smallest_feasible_budget_is_stated_and_feasible():
     assert step_peak_bytes(model, (x,)) <= smallest
 
 
+def test_a_codec_allow_names_that_min_sqnr_db_leaves_out_is_named_with_its_smallest_budget():
+    plain = ResidualNet(depth=4, width=64)
+    x = torch.randn(64, 64)
+    with pytest.raises(ConfigError, match="no block plan fits") as error:
+        actsave.wrap(copy.deepcopy(plain), ResidualBlock, budget=1, example_inputs=(x,),
+                     allow=("recompute", "int8"), min_sqnr_db=40)
+    said = str(error.value)
+    assert "allow names 'int8' too, which min_sqnr_db=40 leaves out" in said
+    assert said.endswith("Raise the budget, allow more levers, or use a smaller batch.")
+
+
 def test_a_frozen_first_block_saves_nothing_and_the_rest_are_planned():
     # Partial fine-tuning: the first block's input and parameters need no gradient, so
     # it has no backward; the planner measured one and raised autograd's error.
