@@ -781,3 +781,16 @@ def test_a_codec_set_after_a_plan_nested_its_segment_applies_and_the_segment_rec
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(nested.parameters(), one_stage.parameters()))
     (row,) = [row.split() for row in nested.describe().splitlines() if row.split()[:1] == ["2"]]
     assert row[4:7] == ["input", "int8", "device"]
+
+
+def test_a_codec_set_on_layers_where_no_segment_starts_warns_once_that_it_is_unused():
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (nn.Linear(8, 8), nn.Tanh())]
+    model = CheckpointedSequential(*layers, segments=[0, 4], compress={2: "int8"})
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match=r"set on layers \[2\] is not used"):
+        model(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()  # once
+        CheckpointedSequential(*layers, segments=[0, 2], compress={2: "int8"})(x).sum().backward()

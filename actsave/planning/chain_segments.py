@@ -8,6 +8,8 @@ layer where it starts, except a balanced plan's last segment
 """
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
 from .._torch_graphs import uncompiled
@@ -15,6 +17,7 @@ from ..errors import ConfigError
 from ..runtime.keep_rules import KeepPolicy
 from . import plan_record, plans
 from .balanced_cache import BalancedPlans
+from .step_isolation import user_stacklevel
 from .segments import BALANCED, Segment, SegmentsSpec, segments_from, split_starts
 
 
@@ -101,6 +104,26 @@ class ChainSegments:
         if self.spec != BALANCED:
             return split_starts(layers, self.spec, policies)
         return self.balanced.starts(chain, input, layers, policies)
+
+    def warn_of_unused_settings(self, layers: list, starts: list, settings) -> None:
+        """Warn once where a codec or offload set on layers of their own (``settings``:
+        the chain's LayerSettings) is used by no segment: it sets how a segment's first
+        layer keeps its input, and no segment starts at any layer it is set on (set on
+        a range of layers, it is used where a segment starts in the range)."""
+        starts, by_policy = set(starts), {}
+        for index, layer in enumerate(layers):
+            policy = settings.policy(layer)
+            if policy != settings.default:
+                by_policy.setdefault(policy, []).append(index)
+        warned = self.__dict__.setdefault("_warned_unused", set())
+        for indices in by_policy.values():
+            if starts.isdisjoint(indices) and tuple(indices) not in warned:
+                warned.add(tuple(indices))
+                warnings.warn(
+                    f"actsave: CheckpointedSequential: the codec or offload set on layers {indices} is not used: "
+                    "it sets how a segment's first layer keeps its input, and no segment starts at those layers "
+                    f"(they start at {sorted(starts)}). Start a segment there (segments=[..., {indices[0]}, ...]), "
+                    "or use segments='balanced', which plans with it", stacklevel=user_stacklevel())
 
     def segments(self, starts: list, n_layers: int) -> list:
         """The segments from ``starts``, plain and nested as the applied plan says."""

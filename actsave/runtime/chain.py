@@ -32,7 +32,11 @@ from .buffer_copies import Snapshot, snapshot_of
 @torch.compiler.disable  # planning runs eagerly, once per input: NOTE [ torch.compile ]
 def starts_for_call(chain, input, layers: list) -> list:
     """Where the segments of ``chain``'s call on ``input`` start."""
-    return chain._segment_source.starts_for(chain, input, layers, chain._settings.policies(layers))
+    settings = chain._settings
+    starts = chain._segment_source.starts_for(chain, input, layers, settings.policies(layers))
+    if settings.layers_set("codec") or settings.layers_set("offload"):
+        chain._segment_source.warn_of_unused_settings(layers, starts, settings)
+    return starts
 
 
 def run_eagerly(chain, input, layers: list, starts: list):
