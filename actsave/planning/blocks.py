@@ -44,6 +44,7 @@ shapes, and for one call of each block per step (Hugging Face: ``use_cache=False
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ from .._torch_graphs import uncompiled
 from ..checks import check_loss_function
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS
 from ..devices import host_is_separate
-from ..errors import ConfigError
+from ..errors import ActsaveError, ConfigError
 from ..runtime.keep_rules import should_encode
 from ..runtime.keep_modes import BlockOption
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
@@ -240,12 +241,13 @@ class BlockPlanner:
         self._below_sqnr = tuple(sorted(named - set(self.codecs))) if self._codecs_usable else ()
         self.outside = measure_outside(model, self.calls, example_inputs, loss)
         self.chain = block_chain(self.calls, self.outside)
-        self.profile = chain_profile(self.chain, self.calls, self.outside)
+        with _priced_alone(self.calls):
+            self.profile = chain_profile(self.chain, self.calls, self.outside)
+            self._measurer = BlockMeasurer(self.chain, [TensorSpec.of(call.hidden) for _, _, call in self.calls],
+                                           self.profile.device, self.profile.timed, self.profile.layers)
+            self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs, self._measurer,
+                                self.outside)
         self.fixed = max(self.outside.before_peak, self.outside.after_peak)  # what the step needs outside the blocks
-        self._measurer = BlockMeasurer(self.chain, [TensorSpec.of(call.hidden) for _, _, call in self.calls],
-                                       self.profile.device, self.profile.timed, self.profile.layers)
-        self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs, self._measurer,
-                            self.outside)
         self._least = smallest(self.table)
 
     @property
@@ -303,6 +305,24 @@ class BlockPlanner:
             message += (" (Codecs and offload are left out: a block gets a tensor argument besides its hidden state "
                         "that autograd made, which a checkpoint would keep encoded and the plan does not count.)")
         return message
+
+
+@contextlib.contextmanager
+def _priced_alone(calls: list):
+    """While active, an error a block raises run alone (as the planner prices each one,
+    on the arguments the example step called it with) says so."""
+    try:
+        yield
+    except ActsaveError:
+        raise
+    except Exception as error:
+        kinds = sorted({type(block).__name__ for _, block, _ in calls})
+        raise ConfigError(
+            f"a block plan prices each block alone, on the arguments the example step called it with, and a block "
+            f"({', '.join(kinds)}) raised there: {type(error).__name__}: {error}. A block that reads what another "
+            "block set in the same forward (an attribute of another module: a cache shared across layers) cannot "
+            "run alone. Pass what it reads as an argument, or wrap the blocks without a budget "
+            "(wrap(model, Block, keep='selective'))") from error
 
 
 def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, codecs: tuple,

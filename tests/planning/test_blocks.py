@@ -855,3 +855,25 @@ def test_no_plan_of_a_stack_whose_first_input_views_a_larger_storage_exceeds_its
         planned, plan = copy.deepcopy((model, planner.plan(2**40)))
         actsave.wrap(planned, dataclasses.replace(plan, options=options))
         assert live_peak_bytes(planned, ids) <= max(planner.fixed, predicted_peak(table, choices)), choices
+
+
+class _ReadsThePreviousBlocksKeys(nn.Module):
+    """Sets ``keys`` for the next block and reads the previous block's (a cache shared
+    across layers): it cannot run alone."""
+
+    def __init__(self, previous=None):
+        super().__init__()
+        self.fc, self.previous = nn.Linear(8, 8), [previous]
+
+    def forward(self, x):
+        self.keys = self.fc(x)
+        shared = self.keys if self.previous[0] is None else self.keys + self.previous[0].keys
+        return x + torch.tanh(shared)
+
+
+def test_blocks_that_read_what_another_block_set_cannot_be_priced_alone_and_say_so():
+    first = _ReadsThePreviousBlocksKeys()
+    second = _ReadsThePreviousBlocksKeys(first)
+    model = nn.Sequential(first, second, _ReadsThePreviousBlocksKeys(second), nn.Linear(8, 2))
+    with pytest.raises(ConfigError, match="prices each block alone.*_ReadsThePreviousBlocksKeys.*AttributeError"):
+        actsave.wrap(model, _ReadsThePreviousBlocksKeys, budget=10**6, example_inputs=(torch.randn(4, 8),))
