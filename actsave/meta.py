@@ -144,10 +144,52 @@ def on_meta(model: nn.Module):
     parameter, as a forward sees it gathered, and FSDP2's forward hooks are paused
     meanwhile: they would gather the real shards over the copies, a collective that
     a meta step must not make. Anomaly mode checks no gradient for NaN meanwhile (NOTE [
-    Anomaly mode in a meta step ])."""
+    Anomaly mode in a meta step ]), and a random operator that runs on a real device
+    leaves the generators as it found them (NOTE [ A meta step draws nothing ])."""
     _warn_of_recurrences(model)
-    with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active():
+    with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active(), _DrawsPutBack():
         yield from _swapped_for_meta(model)
+
+
+# NOTE [ A meta step draws nothing ]
+# Random operators on meta tensors draw nothing, but a layer may draw on a real device
+# whatever its input's: a factory without a device (``torch.rand([])`` to skip itself,
+# as Hugging Face's LayerDrop does; ``torch.randperm(n)``), or from a generator it holds
+# (``torch.rand(n, generator=g)``). In a meta step (a first call's balanced plan, which
+# runs inside the model's first forward, where the user cannot seed after it) those
+# draws would move the process's generators, and the first training step would draw
+# other numbers than plain PyTorch's. Putting the generators back as the step ends
+# would undo what other threads drew meanwhile (NOTE [ Steps other threads do not see ]
+# in planning/step_isolation.py). So, on the stepping thread only (a dispatch mode), each
+# random operator (aten's ``nondeterministic_seeded`` tag) that runs on a real device puts
+# back, as it returns, the state of the generators it may have drawn from: the CPU's,
+# each initialized CUDA device's, and the one passed to it. Each such draw in the step
+# then reads the same numbers, which no training step sees. A seed a layer sets
+# (``torch.manual_seed``, no operator) is the process's and is not put back
+# (docs/limits.md, "Threads").
+class _DrawsPutBack(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags or _on_meta(args, kwargs):
+            return func(*args, **kwargs)
+        generator = kwargs.get("generator")
+        held = generator.get_state() if generator is not None else None
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                return func(*args, **kwargs)
+        finally:
+            if held is not None:
+                generator.set_state(held)
+
+
+def _on_meta(args: tuple, kwargs: dict) -> bool:
+    """Whether an operator's tensors (or, for a factory, its device) are meta."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if tensors:
+        return all(t.is_meta for t in tensors)
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "meta"
 
 
 _warned_recurrences = set()

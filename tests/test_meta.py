@@ -88,3 +88,52 @@ def test_a_meta_step_over_a_recurrent_layer_warns_once_that_it_misstates_its_mem
             actsave.estimate(model, (2, 5, 16), device="cpu")
     messages = [str(w.message) for w in caught if "per-step composite" in str(w.message)]
     assert len(messages) == 1 and "runs LSTM" in messages[0] and "segments='auto'" in messages[0]
+
+
+class DrawsOnTheCPU(nn.Module):
+    """Skips itself at random and shuffles its features, drawn by factories without a
+    device (on the CPU, whatever its input's), and adds noise from a generator it holds
+    (``holds``; a recompute draws from it again, as under torch.utils.checkpoint:
+    docs/limits.md)."""
+
+    def __init__(self, holds: bool = False):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.generator = torch.Generator().manual_seed(3) if holds else None
+
+    def forward(self, x):
+        if self.training and torch.rand([]) < 0.3:  # Hugging Face's LayerDrop
+            return x
+        if self.generator is not None:
+            x = x + torch.rand(8, generator=self.generator).to(x.device)
+        return x + torch.tanh(self.linear(x))[:, torch.randperm(8).to(x.device)]
+
+
+def drawing_layers(holds: bool = False) -> list:
+    torch.manual_seed(0)
+    return [DrawsOnTheCPU(holds) for _ in range(6)] + [nn.Linear(8, 2)]
+
+
+def test_a_first_calls_meta_step_leaves_the_first_step_drawing_what_plain_pytorchs_draws():
+    # NOTE [ A meta step draws nothing ]: the balanced plan's meta step runs each layer's
+    # Python; its draws on the CPU would otherwise move the generator the step draws from.
+    x = torch.randn(4, 8)
+    steps = {}
+    for name, model in (("plain", nn.Sequential(*drawing_layers())), ("ours", CheckpointedSequential(*drawing_layers()))):
+        torch.manual_seed(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the balanced plan, not its fallback
+            model(x).pow(2).sum().backward()
+        steps[name] = [p.grad for p in model.parameters()], torch.get_rng_state()
+    (plain_grads, plain_rng), (grads, rng) = steps["plain"], steps["ours"]
+    assert [g is None for g in grads] == [g is None for g in plain_grads]
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads) if a is not None)
+    assert torch.equal(rng, plain_rng)
+
+
+def test_an_estimate_draws_nothing_from_the_generators_a_layer_draws_from_on_the_cpu():
+    model = CheckpointedSequential(*drawing_layers(holds=True), segments=3)
+    before = [torch.get_rng_state()] + [m.generator.get_state() for m in model[:6]]
+    actsave.estimate(model, (4, 8))
+    after = [torch.get_rng_state()] + [m.generator.get_state() for m in model[:6]]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))

@@ -32,15 +32,16 @@ from .live_bytes import allocation_bytes
 #    module hook: it would see every thread's module calls, and a swap made there
 #    would put back another thread's buffers as they were (or leave that thread's
 #    model holding meta copies).
-# 2. RNG: no generator is forked. Random operators on meta tensors draw nothing (the
+# 2. RNG: no generator is forked around a step. Random operators on meta tensors draw nothing (the
 #    CPU generator's state is unchanged by dropout, randn, bernoulli_ and attention
-#    dropout on meta tensors: tests/planning/test_threads.py), and a recompute on meta
-#    tensors replays no state (runtime/replay.py, ReplayState.capture). A step on a real
+#    dropout on meta tensors: tests/planning/test_threads.py), one a layer runs on a
+#    real device in a meta step puts back the generators it drew from (NOTE [ A meta
+#    step draws nothing ] in meta.py), and a recompute on meta tensors replays no state
+#    (runtime/replay.py, ReplayState.capture). A step on a real
 #    device (profile() of a real model, the block planner's example step) draws from
 #    the generators as a training step does, and advances them: restoring them after
 #    (torch.random.fork_rng) would undo whatever another thread drew meanwhile, since
-#    the generators are the process's. So would a layer that draws on a real device in
-#    a meta step (``torch.rand([])`` on the CPU to skip a layer).
+#    the generators are the process's.
 # 3. Compiled code runs eagerly on this thread only (_torch.compiled_code_eager,
 #    NOTE [ Compiled code run eagerly on one thread ]).
 # 4. What must be swapped process-wide is swapped so that other threads get torch's
