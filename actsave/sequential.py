@@ -171,6 +171,8 @@ class CheckpointedSequential(nn.Sequential):
         raise not_scriptable(self)
 
     def forward(self, input):
+        if torch.jit.is_tracing():  # NOTE [ torch.export ] in compiled_calls.py
+            return super().forward(input)
         if not torch.is_grad_enabled():
             # Another thread's meta step holds meta copies of the parameters meanwhile.
             self._segment_source.balanced.check_not_planning_elsewhere(self)

@@ -63,6 +63,8 @@ from .recompute_options import RecomputeOptions
 # fake ones stand for), as non-strict export traces torch's own checkpoint: its region
 # inlined, untagged (strict export fails on torch's, torch 2.13). The exported program
 # keeps nothing of actsave's: wrap the module it gives back to train it with actsave.
+# So does torch.jit.trace (TorchScript, ONNX's TorchScript exporter), which records the
+# forward it runs, grad mode or not, and would record a checkpoint's bookkeeping in it.
 # Checked where a call chooses its path: keep_modes.call_block, wrappers.Checkpoint,
 # CheckpointedSequential.forward and a wrapped model's root forward (graph_codecs.py).
 

@@ -106,7 +106,7 @@ def call_block(option: BlockOption, function: Callable, args: tuple, kwargs: dic
     """``function(*args, **kwargs)`` keeping what ``option`` says; ``(output, kept
     bytes)`` as :func:`~actsave.runtime.function.checkpointed_call` returns them."""
     compiling = torch.compiler.is_compiling()  # under torch.export too
-    if compiling and torch.compiler.is_exporting():  # NOTE [ torch.export ] in compiled_calls.py
+    if (compiling and torch.compiler.is_exporting()) or torch.jit.is_tracing():  # NOTE [ torch.export ]
         return function(*args, **kwargs), None
     if option.keep in ("inputs", "selective") and torch.is_grad_enabled() and not compiling:
         _warn_of_a_cache(function, (*args, *kwargs.values()))

@@ -67,3 +67,15 @@ def test_torchscript_refuses_a_model_with_actsave_saying_what_to_use(name):
     model = WRAPPED[name](_stack())
     with pytest.raises(actsave.ConfigError, match=r"torch.jit.script cannot compile .*Script the plain model"):
         torch.jit.script(model)
+
+
+@pytest.mark.parametrize("name", list(WRAPPED))
+def test_a_trace_of_a_model_with_actsave_records_the_plain_forward(name):
+    # torch.jit.trace records the forward it runs, grad mode on (its default), as ONNX's
+    # TorchScript exporter does: NOTE [ torch.export ].
+    plain = _stack().eval()
+    model = WRAPPED[name](copy.deepcopy(plain)).eval()
+    x = torch.randn(8, 16)
+    traced = torch.jit.trace(model, (x,))  # checks the trace against a second run
+    assert torch.equal(traced(x), plain(x))
+    assert actsave.kept_bytes() == {"device": 0, "host": 0}
