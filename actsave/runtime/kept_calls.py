@@ -136,26 +136,30 @@ def _moved(now: dict, before: dict) -> frozenset:
 
 
 def _data_set(now: dict, before: dict) -> frozenset:
-    return frozenset(name for name, value in now.items() if holds_data(value) and value is not before.get(name))
+    """The names set (or deleted) since, from or to a tensor of more than one element."""
+    return frozenset(name for name in now.keys() | before.keys()
+                     if now.get(name, ABSENT) is not before.get(name, ABSENT)
+                     and (holds_data(now.get(name)) or holds_data(before.get(name))))
 
 
 def attributes_to_replay(calls: list) -> None:
     """Set each call's ``attributes`` to the values it left of every attribute that any
     call of the same module set: a call that set one to the object it already held (a
     row count that repeats) left the value the code after it read, though it moved
-    nothing, where a later call of the module moved it. A tensor attribute of more than
-    one element that two calls of a module set (a statistic of each call's input) holds
-    the last one's as the recompute runs, not what the code after each call read: those
-    calls run again (``data_set_again``), each setting its own."""
-    moved, data_setters = {}, {}
+    nothing, where a later call of the module moved it. An attribute that two calls of a
+    module set, one of them from or to a tensor of more than one element (a statistic of
+    each call's input), holds the last one's as the recompute runs, not what the code
+    after each call read: those calls run again (``data_set_again``), each setting its own."""
+    moved, setters, data = {}, {}, set()
     for call in calls:
-        for module, _, names, data in call.attributes:
+        for module, _, names, data_names in call.attributes:
             moved[module] = moved.get(module, frozenset()) | names
-            for name in data:
-                data_setters[module, name] = data_setters.get((module, name), 0) + 1
+            data.update((module, name) for name in data_names)
+            for name in names | data_names:
+                setters[module, name] = setters.get((module, name), 0) + 1
     for call in calls:
-        call.data_set_again = any(data_setters[module, name] > 1 for module, _, _, data in call.attributes
-                                  for name in data)
+        call.data_set_again = any((module, name) in data and setters[module, name] > 1
+                                  for module, _, names, data_names in call.attributes for name in names | data_names)
         call.attributes = tuple((module, {name: left.get(name, ABSENT) for name in moved[module]})
                                 for module, left, _, _ in call.attributes if moved[module])
 

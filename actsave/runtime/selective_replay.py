@@ -39,6 +39,7 @@ class Skipper:
     def active(self):
         with contextlib.ExitStack() as stack:
             stack.enter_context(attributes_put_back_after(self.frame.calls))
+            stack.enter_context(_generators_put_back_after(self.frame.calls))
             for module in self.frame._watched:
                 stack.enter_context(forward_replaced(module, functools.partial(self._module_call, module)))
             for name in self.frame.functions:
@@ -112,6 +113,22 @@ class Skipper:
                 self.frame.fill_view(index, made, self.into, self.count)
 
 
+@contextlib.contextmanager
+def _generators_put_back_after(calls: list):
+    """While open (a recompute), a skipped call sets the generators passed to it as the
+    forward's call left them; as it closes, each is put back as it was when it opened,
+    as the default generators are (replay.py): the recompute draws for the code it
+    runs again, not for the steps after it."""
+    passed = {id(generator): generator for call in calls if call.rng_after is not None
+              for generator, _ in call.rng_after.passed}
+    states = [(generator, generator.get_state()) for generator in passed.values()]
+    try:
+        yield
+    finally:
+        for generator, state in states:
+            generator.set_state(state)
+
+
 def _in_layout(argument: torch.Tensor, strides: tuple) -> torch.Tensor:
     """``argument`` with ``strides``, its forward counterpart's, so that the forward's views
     of it can be made again: a copy where it came back otherwise (a kept input that was
@@ -136,9 +153,9 @@ _dispatch_lock = threading.Lock()
 
 
 class _ForwardDispatch:
-    """The instance ``forward`` of a module while threads replace it."""
-
-    __slots__ = ("own", "had", "previous", "by_thread", "active")
+    """The instance ``forward`` of a module while threads replace it. It reads as the
+    forward it stands for (name, signature: ``inspect.signature`` follows
+    ``__wrapped__``), which a block may inspect to choose how to call it."""
 
     def __init__(self, module: nn.Module):
         self.had = "forward" in vars(module)
@@ -146,6 +163,7 @@ class _ForwardDispatch:
         self.own = module.forward  # the instance's, or its class's bound to it
         self.by_thread = {}  # thread id -> [its functions, innermost last]
         self.active = 0
+        functools.update_wrapper(self, self.own)
 
     def __call__(self, *args, **kwargs):
         functions = self.by_thread.get(threading.get_ident())

@@ -2,6 +2,7 @@
 attention kept, the rest recomputed, gradients bit-identical, no matmul run again."""
 import copy
 import gc
+import inspect
 import threading
 import warnings
 import weakref
@@ -1114,3 +1115,86 @@ def test_another_threads_step_of_the_same_model_neither_enters_this_threads_fram
     for p, q in zip(plain.parameters(), wrapped.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert not any("forward" in vars(module) for module in wrapped.modules())
+
+
+class _Scaled(nn.Linear):
+    def forward(self, x, scale=1.0):
+        return super().forward(x) * scale
+
+
+def test_a_kept_modules_forward_reads_as_its_own_to_a_block_that_inspects_it():
+    # NOTE [ Forwards replaced per thread ]: the dispatcher stands for the module's forward.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.out = _Scaled(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            takes_scale = "scale" in inspect.signature(self.proj.forward).parameters
+            return self.out(torch.tanh(self.proj(x, scale=0.5) if takes_scale else self.proj(x)))
+
+    torch.manual_seed(0)
+    plain, x = Block(), torch.randn(4, 8)
+    wrapped = actsave.Checkpoint(copy.deepcopy(plain), keep=KeptOps(modules=(_Scaled,)))
+    plain(x).square().sum().backward()
+    wrapped(x).square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters()))
+
+
+def test_a_generator_a_block_holds_and_passes_to_kept_calls_is_left_as_plain_leaves_it():
+    # A skipped call sets the generator as the forward's call left it; the recompute
+    # puts it back as it found it, as it does the default generators.
+    class Block(nn.Module):
+        def __init__(self, generator):
+            super().__init__()
+            self.first, self.second, self.generator = _DropsInputsBy(8, 8), _DropsInputsBy(8, 8), generator
+
+        def forward(self, x):
+            return self.second(torch.tanh(self.first(x, self.generator)), self.generator)
+
+    def step(wrapped: bool):
+        torch.manual_seed(0)
+        generator = torch.Generator().manual_seed(7)
+        model = nn.Sequential(Block(generator), Block(generator))
+        if wrapped:
+            actsave.wrap(model, Block, keep=KeptOps(modules=(_DropsInputsBy,)))
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+        return [p.grad for p in model.parameters()], generator.get_state()
+
+    (plain_grads, plain_state), (grads, state) = step(False), step(True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads)) and torch.equal(state, plain_state)
+
+
+class _NotesAStatistic(nn.Linear):
+    """Sets ``stat`` to one element at one call and to a row of them at the other."""
+
+    def __init__(self, one_first: bool):
+        super().__init__(8, 8)
+        self.one_first, self.calls = one_first, 0
+
+    def forward(self, x):
+        y = super().forward(x)
+        self.calls += 1
+        self.stat = y.mean() if (self.calls % 2 == 1) == self.one_first else y.mean(0)
+        return y
+
+
+@pytest.mark.parametrize("one_first", [True, False])
+def test_an_attribute_set_to_one_element_and_to_a_row_by_two_calls_has_them_run_again(one_first):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.out = _NotesAStatistic(one_first), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x)) * (1 + self.fc.stat.sum())
+            return self.out(torch.tanh(self.fc(h)) * (1 + self.fc.stat.sum()))
+
+    torch.manual_seed(0)
+    plain, x = Block(), torch.randn(4, 8)
+    wrapped = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
+    plain(x).square().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it keeps nothing of fc, and says so
+        wrapped(x).square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters()))
