@@ -82,7 +82,10 @@ class TouchedState:
         self._thread = threading.get_ident()
         self._read = {}  # id -> (weakref, label for _describe): saved leaves (and watched state)
         self._checked = []  # (weakref, version, label) taken at end_forward
-        self._state_refs, self._state_versions = [], []  # module state, labelled only for an error
+        # The module state read, in lists rather than a tuple per tensor (NOTE [ Objects a
+        # step leaves to the garbage collector ]): weak references, versions, and what
+        # names each in an error (its module, "parameters" or "buffers", its name).
+        self._state = ([], [], [], [], [])
         self._snapshot = Snapshot()  # (module, buffer name) -> the buffer's value as the forward started
         self._unreplayable = None  # (module, buffer name) the forward registered or removed: not replayed
         self._moved_parameters = []  # (layer index or None, module, name): parameters the forward changed
@@ -130,11 +133,12 @@ class TouchedState:
         back as it was."""
         if self._unreplayable is not None:
             raise unreplayable(*self._unreplayable, function_name)
-        unlabelled = ((ref, expected, None) for ref, expected in zip(self._state_refs, self._state_versions))
-        for ref, expected, label in (*self._checked, *unlabelled):
+        refs, versions, owners, kinds, names = self._state
+        state = ((ref, at, (kind[:-1], name, type(owner)))
+                 for ref, at, owner, kind, name in zip(refs, versions, owners, kinds, names))
+        for ref, expected, label in (*self._checked, *state):
             tensor = ref()
             if tensor is not None and version(tensor) != expected:
-                label = label or self._label_of(tensor)
                 raise RecomputeError(
                     "one of the variables needed for gradient computation has been "
                     f"modified by an inplace operation: {_describe(label)} is at version "
@@ -209,24 +213,22 @@ class TouchedState:
 
     def _take_versions(self, mutated_ids: set, state: list = ()) -> None:
         """What check_unchanged compares: the versions now of every noted tensor
-        (``self._read``'s, and the module state ``state`` holds, tensors) not in
-        ``mutated_ids``. The module state in two lists, not a tuple per tensor: NOTE [
-        Objects a step leaves to the garbage collector ]."""
+        (``self._read``'s, and those of the module state ``state`` holds, _LayerState's
+        entries) not in ``mutated_ids``."""
         checked = []
         for ref, label in self._read.values():
             tensor = ref()
             if tensor is not None and id(tensor) not in mutated_ids:
                 checked.append((ref, version(tensor), label))
         self._checked, self._read = checked, {}
-        refs, versions = self._state_refs, self._state_versions = [], []
-        for tensor in state:
+        self._state = refs, versions, owners, kinds, names = [], [], [], [], []
+        for _, module, kind, name, tensor, _ in state:
             if id(tensor) not in mutated_ids:
                 refs.append(weakref.ref(tensor))
                 versions.append(version(tensor))
-
-    def _label_of(self, tensor: torch.Tensor) -> tuple:
-        """How check_unchanged names ``tensor``, one of the module state noted."""
-        return ("a tensor of shape", list(tensor.shape))
+                owners.append(module)
+                kinds.append(kind)
+                names.append(name)
 
 
 class RecomputeStop(Exception):
@@ -282,7 +284,7 @@ class _LayerState(TouchedState):
                        for module, name in buffers}
         held = [entry for entry in self._before if own_tensors(entry[1], entry[2]).get(entry[3]) is entry[4]]
         self._parameters.note_all(entry[4] for entry in held if entry[2] == "parameters")
-        self._take_versions(mutated_ids, [entry[4] for entry in held])
+        self._take_versions(mutated_ids, held)
         self._mutated = mutated
         self._keep_snapshot_of(buffer for buffers in mutated.values() for buffer in buffers)
         self._unreplayable = next((changed_buffer(module, self._before)
@@ -290,13 +292,6 @@ class _LayerState(TouchedState):
         self.reads.forward_ended(replaced)
         self.attributes.ended({entry[1] for entry in self._before if entry[2] == "buffers"})
         self._before, self._state_ids, self._buffer_counts = [], set(), []
-
-    def _label_of(self, tensor: torch.Tensor) -> tuple:
-        for _, module in self._modules:
-            for kind, name, held in own_state(module):
-                if held is tensor:
-                    return kind[:-1], name, type(module)
-        return super()._label_of(tensor)
 
     def _changes(self) -> tuple:
         """``({module: the first layer index it is under}, [(layer index, module,

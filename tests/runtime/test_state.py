@@ -159,13 +159,17 @@ def linear_bias(model):  # Linear does not save its bias: only the module hooks 
     return model[0].bias
 
 
+@pytest.mark.parametrize("replaced", [False, True])
 @pytest.mark.parametrize("tensor_of", [linear_weight, linear_bias])
-def test_parameter_changed_between_forward_and_backward_raises_as_autograd_does(tensor_of):
+def test_parameter_changed_between_forward_and_backward_raises_as_autograd_does(tensor_of, replaced):
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     out = actsave.checkpoint(model, torch.randn(3, 4))
+    read, name = tensor_of(model), "weight" if tensor_of is linear_weight else "bias"
+    if replaced:  # the module holds another since: the error still names the one the forward read
+        setattr(model[0], name, nn.Parameter(read.detach().clone()))
     with torch.no_grad():
-        tensor_of(model).add_(1.0)  # an optimizer step of a GAN's other network
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        read.add_(1.0)  # an optimizer step of a GAN's other network
+    with pytest.raises(RuntimeError, match=f"modified by an inplace operation: parameter '{name}' of Linear"):
         out.sum().backward()
 
 
