@@ -66,5 +66,7 @@ def _find_blocks(parent: nn.Module, matches, wrapper: type, prefix: str, seen: d
 
 
 def _runs(module: nn.Module) -> bool:
-    """Whether ``module`` has a forward of its own (its class's, or one set on it)."""
-    return type(module).forward is not nn.Module.forward or "forward" in vars(module)
+    """Whether ``module`` runs something when called: a forward of its own (its
+    class's, or one set on it), or a ``__call__`` of its class's."""
+    kind = type(module)
+    return kind.forward is not nn.Module.forward or "forward" in vars(module) or kind.__call__ is not nn.Module.__call__

@@ -196,6 +196,25 @@ def test_wrap_asks_what_a_container_without_a_forward_holds_never_the_container(
     assert_same_training(plain, model, torch.randn(5, 8))
 
 
+class _CallsItsLayer(nn.Module):
+    """A block that defines __call__, not forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def __call__(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def test_wrap_selects_a_block_that_defines_call_instead_of_forward():
+    torch.manual_seed(0)
+    plain = nn.Sequential(_CallsItsLayer(), _CallsItsLayer())
+    model = wrap(twin(plain), _CallsItsLayer)
+    assert all(isinstance(block, Checkpoint) for block in model)
+    assert_same_training(plain, model, torch.randn(4, 8))
+
+
 def test_wrap_passes_fully_qualified_names_and_skips_wrapped_subtrees():
     seen = []
     model = ResidualNet()
