@@ -794,3 +794,8 @@ def test_a_codec_set_on_layers_where_no_segment_starts_warns_once_that_it_is_unu
         warnings.simplefilter("error")
         model(x).sum().backward()  # once
         CheckpointedSequential(*layers, segments=[0, 2], compress={2: "int8"})(x).sum().backward()
+        # A plan chooses its starts with the settings; undoing the default costs nothing unused.
+        CheckpointedSequential(*layers, compress={2: "int8"})(x).sum().backward()
+        undone = CheckpointedSequential(*layers, segments=[0, 4], compress="int8")
+        undone.set_compression(2, None)
+        undone(x).sum().backward()

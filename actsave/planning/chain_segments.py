@@ -18,7 +18,7 @@ from ..runtime.keep_rules import KeepPolicy
 from . import plan_record, plans
 from .balanced_cache import BalancedPlans
 from .step_isolation import user_stacklevel
-from .segments import BALANCED, Segment, SegmentsSpec, segments_from, split_starts
+from .segments import BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, segments_from, split_starts
 
 
 class ChainSegments:
@@ -107,13 +107,18 @@ class ChainSegments:
 
     def warn_of_unused_settings(self, layers: list, starts: list, settings) -> None:
         """Warn once where a codec or offload set on layers of their own (``settings``:
-        the chain's LayerSettings) is used by no segment: it sets how a segment's first
-        layer keeps its input, and no segment starts at any layer it is set on (set on
-        a range of layers, it is used where a segment starts in the range)."""
-        starts, by_policy = set(starts), {}
+        the chain's LayerSettings) is used by no segment of fixed segments (an int, a
+        list, "sqrt"; a plan chooses its starts with the settings): it sets how a
+        segment's first layer keeps its input, and no segment starts at any layer it is
+        set on (set on a range of layers, it is used where a segment starts in the
+        range). Only a setting that keeps by a codec or on the host where the chain's
+        default does not: one that undoes the default there costs nothing unused."""
+        if self.applied_plan is not None or self.spec == BALANCED or self.spec in PLANNED_STRATEGIES:
+            return
+        starts, by_policy, default = set(starts), {}, settings.default
         for index, layer in enumerate(layers):
             policy = settings.policy(layer)
-            if policy != settings.default:
+            if (policy.lossy and policy.codec != default.codec) or (policy.offload and not default.offload):
                 by_policy.setdefault(policy, []).append(index)
         warned = self.__dict__.setdefault("_warned_unused", set())
         for indices in by_policy.values():
