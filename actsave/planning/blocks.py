@@ -309,19 +309,21 @@ class BlockPlanner:
 
 @contextlib.contextmanager
 def _priced_alone(calls: list):
-    """While active, an error a block raises run alone (as the planner prices each one,
-    on the arguments the example step called it with) says so."""
+    """While active, the errors a block raises run alone (as the planner prices each
+    one, on the arguments the example step called it with) where it reads what another
+    block set (an attribute it finds missing, or a graph another block's backward freed)
+    say so. Others pass as they are (actsave's own, out of memory)."""
     try:
         yield
-    except ActsaveError:
-        raise
-    except Exception as error:
+    except (AttributeError, RuntimeError) as error:
+        if isinstance(error, (torch.OutOfMemoryError, ActsaveError)):
+            raise
         kinds = sorted({type(block).__name__ for _, block, _ in calls})
         raise ConfigError(
             f"a block plan prices each block alone, on the arguments the example step called it with, and a block "
-            f"({', '.join(kinds)}) raised there: {type(error).__name__}: {error}. A block that reads what another "
-            "block set in the same forward (an attribute of another module: a cache shared across layers) cannot "
-            "run alone. Pass what it reads as an argument, or wrap the blocks without a budget "
+            f"({', '.join(kinds)}) raised there: {type(error).__name__}: {error}. If a block reads what another "
+            "block set in the same forward (an attribute of another module: a cache shared across layers), it "
+            "cannot run alone: pass what it reads as an argument, or wrap the blocks without a budget "
             "(wrap(model, Block, keep='selective'))") from error
 
 

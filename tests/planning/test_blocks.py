@@ -877,3 +877,21 @@ def test_blocks_that_read_what_another_block_set_cannot_be_priced_alone_and_say_
     model = nn.Sequential(first, second, _ReadsThePreviousBlocksKeys(second), nn.Linear(8, 2))
     with pytest.raises(ConfigError, match="prices each block alone.*_ReadsThePreviousBlocksKeys.*AttributeError"):
         actsave.wrap(model, _ReadsThePreviousBlocksKeys, budget=10**6, example_inputs=(torch.randn(4, 8),))
+
+
+class _OutOfMemoryAfterItsFirstCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 1:
+            raise torch.OutOfMemoryError("out of memory (a test's)")
+        return x + torch.tanh(self.fc(x))
+
+
+def test_an_error_of_a_block_priced_alone_that_is_not_about_other_blocks_passes_as_it_is():
+    model = nn.Sequential(_OutOfMemoryAfterItsFirstCall(), nn.Linear(8, 2))
+    with pytest.raises(torch.OutOfMemoryError, match="a test's"):
+        actsave.wrap(model, _OutOfMemoryAfterItsFirstCall, budget=10**6, example_inputs=(torch.randn(4, 8),))
