@@ -144,11 +144,14 @@ def on_meta(model: nn.Module):
     parameter, as a forward sees it gathered, and FSDP2's forward hooks are paused
     meanwhile: they would gather the real shards over the copies, a collective that
     a meta step must not make. Anomaly mode checks no gradient for NaN meanwhile (NOTE [
-    Anomaly mode in a meta step ]), and a random operator that runs on a real device
-    leaves the generators as it found them (NOTE [ A meta step draws nothing ])."""
+    Anomaly mode in a meta step ])."""
     _warn_of_recurrences(model)
-    with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active(), _DrawsPutBack():
-        yield from _swapped_for_meta(model)
+    _meta_steps.depth = getattr(_meta_steps, "depth", 0) + 1  # NOTE [ A meta step draws nothing ]
+    try:
+        with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active():
+            yield from _swapped_for_meta(model)
+    finally:
+        _meta_steps.depth -= 1
 
 
 # NOTE [ A meta step draws nothing ]
@@ -160,27 +163,32 @@ def on_meta(model: nn.Module):
 # draws would move the process's generators, and the first training step would draw
 # other numbers than plain PyTorch's. Putting the generators back as the step ends
 # would undo what other threads drew meanwhile (NOTE [ Steps other threads do not see ]
-# in planning/step_isolation.py). So, on the stepping thread only (a dispatch mode), each
-# random operator (aten's ``nondeterministic_seeded`` tag) that runs on a real device puts
-# back, as it returns, the state of the generators it may have drawn from: the CPU's,
-# each initialized CUDA device's, and the one passed to it. Each such draw in the step
+# in planning/step_isolation.py). So, on the stepping thread only, each random operator
+# (aten's ``nondeterministic_seeded`` tag) that runs on a real device puts back, as it
+# returns, the state of the generators it may have drawn from: the CPU's, each
+# initialized CUDA device's, and the one passed to it. Checked where every operator of a
+# meta step passes already (the dispatch modes that replay output metadata, fast_meta
+# and planning's LiveBytes: _OutputMetadata.call), while this thread is in on_meta, not
+# in a mode of its own, which would cost every operator of every plan one more Python
+# call. A step on a real device draws as a training step does (step_isolation.py). Each such draw in the step
 # then reads the same numbers, which no training step sees. A seed a layer sets
 # (``torch.manual_seed``, no operator) is the process's and is not put back
 # (docs/limits.md, "Threads").
-class _DrawsPutBack(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags or _on_meta(args, kwargs):
+_meta_steps = threading.local()  # depth: the meta steps (on_meta) open on this thread
+
+
+def _drawn_with_generators_put_back(func, args: tuple, kwargs: dict):
+    """``func(*args, **kwargs)``, a random operator on a real device, leaving the
+    generators it may draw from as it found them (NOTE [ A meta step draws nothing ])."""
+    generator = kwargs.get("generator")
+    held = generator.get_state() if generator is not None else None
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
             return func(*args, **kwargs)
-        generator = kwargs.get("generator")
-        held = generator.get_state() if generator is not None else None
-        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-        try:
-            with torch.random.fork_rng(devices=devices):
-                return func(*args, **kwargs)
-        finally:
-            if held is not None:
-                generator.set_state(held)
+    finally:
+        if held is not None:
+            generator.set_state(held)
 
 
 def _on_meta(args: tuple, kwargs: dict) -> bool:
@@ -288,6 +296,9 @@ class _OutputMetadata:
 
     def call(self, func, args: tuple, kwargs: dict):
         """``func(*args, **kwargs)``, replayed from an earlier call where it can be."""
+        if torch.Tag.nondeterministic_seeded in func.tags and getattr(_meta_steps, "depth", 0) \
+                and not _on_meta(args, kwargs):
+            return _drawn_with_generators_put_back(func, args, kwargs)  # NOTE [ A meta step draws nothing ]
         if func is _ADD_IN_PLACE and _sparse_into_dense(args):
             # A sparse gradient (nn.Embedding(sparse=True)'s) accumulated into the dense one a
             # meta step gives each parameter: torch has no meta kernel for the coalesce that
