@@ -42,6 +42,10 @@ class LayerSettings:
     def policies(self, layers) -> tuple:
         return tuple(self.policy(layer) for layer in layers)
 
+    def any_set(self) -> bool:
+        """Whether a codec or an offload is set on any module of its own."""
+        return bool(self._codecs or self._offload)
+
     def layers_set(self, kind: str) -> set:
         """The modules with a codec (``kind="codec"``) or an offload (``"offload"``) set on them."""
         return set(self._codecs if kind == "codec" else self._offload)

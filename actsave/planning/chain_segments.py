@@ -105,19 +105,19 @@ class ChainSegments:
             return split_starts(layers, self.spec, policies)
         return self.balanced.starts(chain, input, layers, policies)
 
-    def warn_of_unused_settings(self, layers: list, starts: list, settings) -> None:
-        """Warn once where a codec or offload set on layers of their own (``settings``:
-        the chain's LayerSettings) is used by no segment of fixed segments (an int, a
-        list, "sqrt"; a plan chooses its starts with the settings): it sets how a
-        segment's first layer keeps its input, and no segment starts at any layer it is
-        set on (set on a range of layers, it is used where a segment starts in the
-        range). Only a setting that keeps by a codec or on the host where the chain's
-        default does not: one that undoes the default there costs nothing unused."""
+    def warn_of_unused_settings(self, policies: tuple, starts: list, default) -> None:
+        """Warn once where a codec or offload set on layers of their own (``policies``:
+        each layer's; ``default``: the chain's) is used by no segment of fixed segments
+        (an int, a list, "sqrt"; a plan chooses its starts with the settings): it sets
+        how a segment's first layer keeps its input, and no segment starts at any layer
+        it is set on (set on a range of layers, it is used where a segment starts in
+        the range). Only a setting that keeps by a codec or on the host where the
+        chain's default does not: one that undoes the default there costs nothing
+        unused."""
         if self.applied_plan is not None or self.spec == BALANCED or self.spec in PLANNED_STRATEGIES:
             return
-        starts, by_policy, default = set(starts), {}, settings.default
-        for index, layer in enumerate(layers):
-            policy = settings.policy(layer)
+        starts, by_policy = set(starts), {}
+        for index, policy in enumerate(policies):
             if (policy.lossy and policy.codec != default.codec) or (policy.offload and not default.offload):
                 by_policy.setdefault(policy, []).append(index)
         warned = self.__dict__.setdefault("_warned_unused", set())

@@ -33,9 +33,10 @@ from .buffer_copies import Snapshot, snapshot_of
 def starts_for_call(chain, input, layers: list) -> list:
     """Where the segments of ``chain``'s call on ``input`` start."""
     settings = chain._settings
-    starts = chain._segment_source.starts_for(chain, input, layers, settings.policies(layers))
-    if settings.layers_set("codec") or settings.layers_set("offload"):
-        chain._segment_source.warn_of_unused_settings(layers, starts, settings)
+    policies = settings.policies(layers)
+    starts = chain._segment_source.starts_for(chain, input, layers, policies)
+    if settings.any_set():
+        chain._segment_source.warn_of_unused_settings(policies, starts, settings.default)
     return starts
 
 

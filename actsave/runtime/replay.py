@@ -130,17 +130,24 @@ def passed_generators(args: tuple, kwargs: dict) -> list:
 
 
 @contextlib.contextmanager
-def _passed_generators_replayed(passed: tuple):
-    """Each of ``passed``'s generators in its captured state while the body runs, and
-    in the caller's afterwards."""
-    now = [generator.get_state() for generator, _ in passed]
-    for generator, state in passed:
-        generator.set_state(state)
+def generators_put_back(generators):
+    """As it closes, each of ``generators`` holds the state it held as it opened."""
+    states = [(generator, generator.get_state()) for generator in generators]
     try:
         yield
     finally:
-        for (generator, _), state in zip(passed, now):
+        for generator, state in states:
             generator.set_state(state)
+
+
+@contextlib.contextmanager
+def _passed_generators_replayed(passed: tuple):
+    """Each of ``passed``'s generators in its captured state while the body runs, and
+    in the caller's afterwards."""
+    with generators_put_back([generator for generator, _ in passed]):
+        for generator, state in passed:
+            generator.set_state(state)
+        yield
 
 
 class RandomState:

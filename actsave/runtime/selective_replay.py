@@ -18,6 +18,7 @@ from ..errors import RecomputeError
 from .function import _AllSlotsFilled, qualified_name
 from .kept_calls import KeptCall, attributes_put_back_after, described, keepable_now, replay_attributes
 from .placeholders import Cursor
+from .replay import generators_put_back
 from .kept_ops import TAPPED_FUNCTIONS
 from .nested import _GRAPH_ANCHOR, _RequiresGrad
 from .store import input_tensors
@@ -39,7 +40,7 @@ class Skipper:
     def active(self):
         with contextlib.ExitStack() as stack:
             stack.enter_context(attributes_put_back_after(self.frame.calls))
-            stack.enter_context(_generators_put_back_after(self.frame.calls))
+            stack.enter_context(generators_put_back(_passed_to_skipped(self.frame.calls)))
             for module in self.frame._watched:
                 stack.enter_context(forward_replaced(module, functools.partial(self._module_call, module)))
             for name in self.frame.functions:
@@ -113,20 +114,14 @@ class Skipper:
                 self.frame.fill_view(index, made, self.into, self.count)
 
 
-@contextlib.contextmanager
-def _generators_put_back_after(calls: list):
-    """While open (a recompute), a skipped call sets the generators passed to it as the
-    forward's call left them; as it closes, each is put back as it was when it opened,
-    as the default generators are (replay.py): the recompute draws for the code it
-    runs again, not for the steps after it."""
-    passed = {id(generator): generator for call in calls if call.rng_after is not None
-              for generator, _ in call.rng_after.passed}
-    states = [(generator, generator.get_state()) for generator in passed.values()]
-    try:
-        yield
-    finally:
-        for generator, state in states:
-            generator.set_state(state)
+def _passed_to_skipped(calls: list) -> list:
+    """The generators passed to the kept calls that drew in the forward, each once: a
+    recompute that skips such a call sets them as the forward's call left them
+    (RandomState.restore), and puts them back as it ends, as it does the default
+    generators (replay.py): it draws for the code it runs again, not for the steps
+    after it."""
+    return list({id(generator): generator for call in calls if call.rng_after is not None
+                 for generator, _ in call.rng_after.passed}.values())
 
 
 def _in_layout(argument: torch.Tensor, strides: tuple) -> torch.Tensor:
