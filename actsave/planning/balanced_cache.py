@@ -4,30 +4,32 @@ per input (:class:`BalancedPlans`), with the ``"sqrt"`` fallback where that step
 cannot run.
 
 NOTE [ Balanced segments ]
-``segments="balanced"`` (the default) chooses where segments start knowing what a
-kept input costs under each layer's codec and offload setting: a kept input that a
-codec makes 4x cheaper buys about twice as many, shorter segments, and an offloaded
-one costs the device almost nothing, so segments can shrink to one layer and the
-device peak stops growing with depth. At the first training call for an input
-(shape, strides, dtype, device, and the layers, their settings, training modes, and
-which of their parameters require grad and in which dtype), each layer runs once on
-meta tensors (profiler.profile: sizes only, no data, no device memory, no times) and
-plans.balanced takes the smallest predicted device peak with at most one extra
-forward. The plan is cached per such input, so a new shape plans anew; once the
-layers change, the plans made for the old ones go at the next call (no call would use
-them again). The cache holds the layers weakly: a layer taken out of the model goes
-with it, not at the next training call. What autograd saves depends on which parameters
-require grad, so a chain whose frozen prefix is unfrozen (gradual unfreezing) plans
-again; so does one whose parameters change dtype (``model.float()`` after ``.half()``:
-with token ids in, the input's key stays the same while the activations double). Those
-flags and dtypes are read at every call from the parameters the layers had at their
-first call, held weakly (no walk of the module tree per call): a parameter replaced is
-followed once the old one is freed, one a layer gains later is not. Their devices are
-not read: the plan is for one device, the input's. The meta step touches its own model
-and thread only (step_isolation.py, NOTE [ Steps other threads do not see ]) and leaves
-every module of it holding what it held (NOTE [ Module state a step puts back ]: a flag
-or cache its first forward sets is set by the real step); the model itself is meta
-copies while it runs, so a call of the same model on another thread meanwhile raises.
+``segments="balanced"`` (the default) chooses where segments start knowing what a kept
+input costs under each layer's codec and offload setting: a kept input that a codec
+makes 4x cheaper buys about twice as many, shorter segments, and an offloaded one costs
+the device almost nothing, so segments can shrink to one layer and the device peak stops
+growing with depth. At the first training call for an input (shape, strides, dtype,
+device, whether it requires grad, and the layers, their settings, the training modes of
+every module under them, and which of their parameters require grad and in which dtype),
+each layer runs once on meta tensors (profiler.profile: sizes only, no data, no device
+memory, no times) and plans.balanced takes the smallest predicted device peak with at
+most one extra forward. The plan is cached per such input, so a new shape plans anew;
+once the layers change, the plans made for the old ones go at the next call (no call
+would use them again). The cache holds the layers weakly: a layer taken out of the model
+goes with it, not at the next training call. What autograd saves depends on which
+parameters require grad, so a chain whose frozen prefix is unfrozen (gradual unfreezing)
+plans again; so does one whose parameters change dtype (``model.float()`` after
+``.half()``: with token ids in, the input's key stays the same while the activations
+double), and one where a module inside a layer changes mode (a Dropout or BatchNorm put
+in eval while the rest trains saves less). Those flags and dtypes are read at every call
+from the parameters and modules the layers had at their first call, held weakly (no walk
+of the module tree per call): one replaced is followed once the old one is freed, one a
+layer gains later is not. Their devices are not read: the plan is for one device, the
+input's. The meta step touches its own model and thread only (step_isolation.py, NOTE [
+Steps other threads do not see ]) and leaves every module of it holding what it held
+(NOTE [ Module state a step puts back ]: a flag or cache its first forward sets is set
+by the real step); the model itself is meta copies while it runs, so a call of the same
+model on another thread meanwhile raises.
 
 The last segment of a balanced plan stores autograd's saves exactly, whatever its
 first layer's codec: the plan keeps that segment short, and there compressing the
@@ -64,6 +66,7 @@ from .segments import split_starts
 from .step_isolation import user_stacklevel
 
 _STATE = operator.attrgetter("requires_grad", "dtype")  # of a parameter, in a plan's key
+_TRAINING = operator.attrgetter("training")  # of a module under the layers, in a plan's key
 _DEREFERENCE = weakref.ref.__call__
 _PLANS_KEPT = 16  # balanced plans cached per model, one per distinct input
 # Held while a model's plans are marked as being made on a thread (a moment): one for
@@ -81,6 +84,7 @@ class BalancedPlans:
         # removed from the model goes with it, not at the next training call.
         self._layers = ()
         self._parameters = None  # weak references to their parameters, made at a call
+        self._modules = None  # and to every module under them
         self._last = None  # (the input as text, its plan), of the last call
         self._warned = False
         self._planning = None  # the thread running this model's meta step, if any
@@ -90,7 +94,7 @@ class BalancedPlans:
         if not self._for(layers):
             self._plans, self._layers, self._parameters = {}, tuple(map(weakref.ref, layers)), None
         if self._parameters is None:
-            self._parameters = _parameter_refs(layers)
+            self._parameters, self._modules = _parameter_refs(layers), _module_refs(layers)
         if not isinstance(input, torch.Tensor):
             self._warn_once(f"its input is a {type(input).__name__}; the planner follows one tensor")
             self._last = (type(input).__name__, None)
@@ -101,7 +105,7 @@ class BalancedPlans:
             # no backward will run, so there is nothing to plan for, nor to warn of.
             return split_starts(layers, "sqrt", policies)
         device = device_of(input)
-        key = (_plan_key(input, device, layers, policies), states)
+        key = (_plan_key(input, device, policies), states, self._training_modes())
         if key not in self._plans:
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
@@ -114,7 +118,8 @@ class BalancedPlans:
         # Weak references neither pickle nor deep-copy (a copy's would read the
         # original's parameters): the layers go as themselves (a copy's, its own) and
         # the parameters' are made again from them at the next call.
-        return {**self.__dict__, "_layers": tuple(ref() for ref in self._layers), "_parameters": None}
+        return {**self.__dict__, "_layers": tuple(ref() for ref in self._layers), "_parameters": None,
+                "_modules": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -132,6 +137,14 @@ class BalancedPlans:
         except AttributeError:  # None.requires_grad: a parameter was replaced and freed
             self._parameters = _parameter_refs(ref() for ref in self._layers)
             return self._parameter_states()
+
+    def _training_modes(self) -> tuple:
+        """The training flag of every module under the layers (NOTE [ Balanced segments ])."""
+        try:
+            return tuple(map(_TRAINING, map(_DEREFERENCE, self._modules)))
+        except AttributeError:  # None.training: a module was replaced and freed
+            self._modules = _module_refs(ref() for ref in self._layers)
+            return self._training_modes()
 
     def check_not_planning_elsewhere(self, model: nn.Module) -> None:
         """Raise where another thread is in this model's meta step: the model's
@@ -192,15 +205,20 @@ class BalancedPlans:
                 f"{plan.predicted_peak_bytes / 2**20:.2f} MiB", list(plan.starts))
 
 
-def _plan_key(input: torch.Tensor, device, layers: list, policies: tuple) -> tuple:
-    """What a balanced plan depends on (NOTE [ Balanced segments ])."""
+def _plan_key(input: torch.Tensor, device, policies: tuple) -> tuple:
+    """What a balanced plan depends on, apart from its layers' parameters and modes (NOTE [
+    Balanced segments ])."""
     autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
-    return (tuple(input.shape), input.stride(), input.dtype, should_encode(input), device,
-            tuple(layer.training for layer in layers), policies, autocast)
+    return (tuple(input.shape), input.stride(), input.dtype, input.requires_grad, should_encode(input), device,
+            policies, autocast)
 
 
 def _parameter_refs(layers) -> tuple:
     return tuple(weakref.ref(p) for layer in layers for p in layer.parameters())
+
+
+def _module_refs(layers) -> tuple:
+    return tuple(weakref.ref(m) for layer in layers for m in layer.modules())
 
 
 def _meta_stand_in(x: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,63 @@ def test_unfreezing_a_frozen_prefix_plans_again():
     assert model.balanced_plan.predicted_peak_bytes == fresh.balanced_plan.predicted_peak_bytes
 
 
+class _Fixed(nn.Module):
+    """A projection held as a buffer: it saves nothing unless its input needs grad."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("weight", torch.randn(width, width) / width ** 0.5)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_an_input_that_starts_requiring_grad_plans_again():
+    # Input gradients (saliency, adversarial training) after steps without: the fixed
+    # prefix saves its inputs now, which a plan made without keeps in one segment.
+    def chain():
+        torch.manual_seed(0)
+        fixed = [m for _ in range(5) for m in (_Fixed(64), nn.GELU())]
+        return CheckpointedSequential(*fixed, nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+
+    x = torch.randn(256, 64)
+    model = chain()
+    _step(model, x)
+    without = model.balanced_plan
+    _step(model, x.clone().requires_grad_())
+    fresh = chain()
+    _step(fresh, x.clone().requires_grad_())
+    assert model.balanced_plan is not without
+    assert model.balanced_plan.starts == fresh.balanced_plan.starts != without.starts
+    assert model.balanced_plan.predicted_peak_bytes == fresh.balanced_plan.predicted_peak_bytes
+
+
+def test_a_module_inside_a_layer_changing_mode_plans_again():
+    # Dropouts inside the layers put in eval, then back in train: their masks are saved again.
+    def chain():
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.GELU()) for _ in range(8)]
+        return CheckpointedSequential(*blocks, nn.Linear(64, 64))
+
+    def set_dropouts(model, training: bool) -> None:
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.train(training)
+
+    x = torch.randn(256, 64)
+    model = chain()
+    set_dropouts(model, False)
+    _step(model, x)
+    in_eval = model.balanced_plan
+    set_dropouts(model, True)
+    _step(model, x)
+    fresh = chain()
+    _step(fresh, x)
+    assert model.balanced_plan is not in_eval
+    assert model.balanced_plan.predicted_peak_bytes == fresh.balanced_plan.predicted_peak_bytes
+    assert model.balanced_plan.predicted_peak_bytes > in_eval.predicted_peak_bytes
+
+
 def test_a_frozen_chain_called_under_grad_mode_plans_nothing_and_warns_nothing():
     # A frozen teacher in a training loop: no backward will run through it.
     x = torch.randn(8, 64)
