@@ -115,7 +115,8 @@ from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState, passed_generators
 from .kept_calls import CallArgument, KeptCall, KeptSave, StateMark, attributes_to_replay, described, keepable_now
-from .selective_replay import Skipper, forward_replaced
+from .forward_dispatch import forward_replaced
+from .selective_replay import Skipper
 from .store import input_tensors
 
 
