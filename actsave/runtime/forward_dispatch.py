@@ -78,4 +78,11 @@ def forward_replaced(module: nn.Module, make: Callable[[Callable], Callable]):
                     vars(module).pop("forward", None)
 
 
-__all__ = ["forward_replaced"]
+def forward_set_on(module: nn.Module) -> bool:
+    """Whether a forward was set on the ``module`` instance, by its code: not a
+    dispatcher standing for its class's."""
+    forward = vars(module).get("forward")
+    return forward is not None and (forward.had if isinstance(forward, _ForwardDispatch) else True)
+
+
+__all__ = ["forward_replaced", "forward_set_on"]

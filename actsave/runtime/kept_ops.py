@@ -16,6 +16,7 @@ from .._taps import ATTENTION
 from .._torch import aten_overloads
 from .._torch_graphs import module_of_traced_op
 from ..errors import ConfigError
+from .forward_dispatch import forward_set_on
 from .layers import WRAPPED_CHILD, known_layers
 
 # The functions a policy may name: called through their module, which the tap replaces.
@@ -229,21 +230,23 @@ _ATEN_OPS = {
 }
 
 
-# torch's own layers whose forward draws no random number. Exactly these types: a
-# subclass may draw (a LoRA Linear's input dropout, a parametrization adding noise to
-# the weight, which makes a ParametrizedLinear), and a kept call skipped in the
-# recompute must then still advance the generator as its forward did.
-_DRAW_NOTHING = frozenset({nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
-                           nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d})
+# torch's own layers whose forward draws no random number. Exactly these types, running
+# torch's forward: a subclass may draw (a LoRA Linear's input dropout, a parametrization
+# adding noise to the weight, which makes a ParametrizedLinear), and so may a forward set
+# on the instance or the class (an input dropout patched in), and a kept call skipped in
+# the recompute must then still advance the generator as its forward did.
+_DRAW_NOTHING = {kind: kind.forward for kind in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                                                   nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)}
 
 
 def may_draw(target, args: tuple, kwargs: dict) -> bool:
     """Whether a kept call may draw random numbers: attention with dropout, a module of
-    any type but torch's own linear layers and convolutions (it may hold a Dropout)."""
+    any type but torch's own linear layers and convolutions (it may hold a Dropout), or
+    one of those whose forward is not torch's."""
     if isinstance(target, str):
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         return bool(dropout)
-    return type(target) not in _DRAW_NOTHING
+    return _DRAW_NOTHING.get(type(target)) is not type(target).forward or forward_set_on(target)
 
 
 __all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "TAPPED_FUNCTIONS", "aten_policy", "may_draw"]

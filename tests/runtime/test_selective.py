@@ -334,15 +334,21 @@ def _noisy_linear() -> nn.Module:
     return linear
 
 
-@pytest.mark.parametrize("make_linear", [lambda: _InputDropoutLinear(16, 16), _noisy_linear],
-                         ids=["linear-subclass", "parametrized"])
-def test_a_kept_linear_of_a_subclass_that_draws_replays_the_generator_exactly(make_linear):
-    # Only torch's own Linear and convolutions are known to draw nothing: a kept call of
-    # another type skipped in the recompute still moves the generator past its draws, so
-    # the Dropout after it draws the forward's mask.
+def _dropout_linear_forward(self, x):
+    return F.linear(F.dropout(x, 0.3, self.training), self.weight, self.bias)
+
+
+def _linear_with_a_forward_of_its_own() -> nn.Module:
+    linear = nn.Linear(16, 16)
+    linear.forward = _dropout_linear_forward.__get__(linear)  # an input dropout patched in
+    return linear
+
+
+def _assert_the_selective_block_draws_as_plain(make_linear) -> None:
     torch.manual_seed(0)
     plain = _DrawingBlock(make_linear())
-    selective = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
+    torch.manual_seed(0)
+    selective = actsave.Checkpoint(_DrawingBlock(make_linear()), keep="selective")
     for model in (plain, selective):
         torch.manual_seed(1)
         x = torch.randn(4, 16, requires_grad=True)
@@ -350,6 +356,21 @@ def test_a_kept_linear_of_a_subclass_that_draws_replays_the_generator_exactly(ma
         (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
     for a, b in zip(plain.parameters(), selective.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("make_linear", [lambda: _InputDropoutLinear(16, 16), _noisy_linear,
+                                         _linear_with_a_forward_of_its_own],
+                         ids=["linear-subclass", "parametrized", "forward-on-the-instance"])
+def test_a_kept_linear_of_a_subclass_that_draws_replays_the_generator_exactly(make_linear):
+    # Only torch's own Linear and convolutions running torch's forward are known to draw
+    # nothing: a kept call of another type or forward skipped in the recompute still
+    # moves the generator past its draws, so the Dropout after it draws the forward's mask.
+    _assert_the_selective_block_draws_as_plain(make_linear)
+
+
+def test_a_kept_linear_whose_class_forward_was_replaced_replays_the_generator_exactly(monkeypatch):
+    monkeypatch.setattr(nn.Linear, "forward", _dropout_linear_forward)
+    _assert_the_selective_block_draws_as_plain(lambda: nn.Linear(16, 16))
 
 
 class _ReturnsItsLinearOutput(nn.Module):
