@@ -72,8 +72,8 @@ class KeptCall:
     def view_of_argument(self, tensor: torch.Tensor) -> Optional[tuple]:
         """``(position, size, stride, relative offset)`` where ``tensor`` reads only
         elements of one of the call's tensor arguments, else None (NOTE [ Selective
-        recompute ]). None for a nested tensor: it has no strides to view it by."""
-        if tensor.is_nested:
+        recompute ]). None for a nested or sparse tensor: it has no strides to view it by."""
+        if tensor.is_nested or tensor.layout != torch.strided:
             return None
         identity, offset = storage_identity(tensor), tensor.storage_offset()
         shape, stride = tuple(tensor.shape), tensor.stride()

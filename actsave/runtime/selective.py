@@ -63,6 +63,9 @@ Rules that keep it exact:
   it: replayed, each call's would stay alive until the backward. So calls of one module
   that each set such a tensor (a statistic of each call's input) run again: the code
   after the first read a value the last replaced.
+- A kept call that raised (the function caught it: a fused kernel tried first, a
+  fallback after it) returned nothing to keep: it runs again in the recompute, which
+  raises there too, and the calls after it are matched to theirs.
 - A kept call that drew random numbers in the forward (attention with dropout, a
   module named that holds a Dropout) is skipped in the recompute, which replays the
   forward's RNG: the generators are set as that call left them, so the calls after it
@@ -106,7 +109,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .._torch import storage_identity, storage_identity_or_none, version
+from .._torch import sparse_components, storage_identity, storage_identity_or_none, version
 from ..errors import ConfigError
 from .function import detached_or_same, CheckpointFrame, eager_checkpointed_call, qualified_name
 from .placeholders import Cursor, Slot
@@ -190,7 +193,14 @@ class SelectiveFrame(CheckpointFrame):
             if not self.in_forward or self._replaying or not keepable_now():  # run plainly, not kept
                 return call_next(*args, **kwargs)
             self._enter(target, args, kwargs)
-            output = call_next(*args, **kwargs)
+            try:
+                output = call_next(*args, **kwargs)
+            except BaseException:
+                # The function may catch it (a fused kernel tried, a fallback after it):
+                # the call is recorded as returning nothing, so the recompute runs it
+                # again and matches the calls after it to theirs.
+                self._exit(None)
+                raise
             self._exit(output)
             return output
         return recorded
@@ -245,9 +255,9 @@ class SelectiveFrame(CheckpointFrame):
         slot = super().pack(tensor)
         if self._open is not None and self.in_forward:
             self._pending.append((slot, tensor))
-        elif self.in_forward and storage_identity(tensor) in self._outputs:
+        elif self.in_forward and (call := self._outputs.get(storage_identity_or_none(tensor))) is not None:
             slot.kept = KeptSave(tensor)  # kept anyway, as the call's output, where the call is skipped
-            call = self._outside[slot.index] = self._outputs[storage_identity(tensor)]
+            self._outside[slot.index] = call
             call.decided_on |= slot.bound_decisions is not None or slot.relu_signs is not None
         return slot
 
@@ -336,7 +346,7 @@ class SelectiveFrame(CheckpointFrame):
         kept += [slot.kept.tensor for slot in slots if slot is not None and slot.kept is not None
                  and slot.kept.tensor is not None and not slot.kept.held]
         seen, total = set(self._input_storages), 0
-        for t in kept:
+        for t in (dense for t in kept for dense in sparse_components(t) or (t,)):
             identity = storage_identity(t)
             if identity not in seen:
                 seen.add(identity)

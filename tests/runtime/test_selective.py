@@ -1219,3 +1219,64 @@ def test_an_attribute_set_to_one_element_and_to_a_row_by_two_calls_has_them_run_
         warnings.simplefilter("ignore")  # it keeps nothing of fc, and says so
         wrapped(x).square().sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters()))
+
+
+class _AttentionWithAFallback(nn.Module):
+    """Tries the fused attention, which refuses an integer mask, and writes it out then."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 6, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(6, 6, dtype=torch.int64).tril()
+        try:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        except RuntimeError:
+            a = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + (mask - 1) * 1e9, -1) @ v
+        return self.out(a.transpose(1, 2).reshape(2, 6, 16))
+
+
+def test_a_kept_call_that_raises_inside_a_try_runs_again_and_the_calls_after_it_are_kept():
+    torch.manual_seed(0)
+    plain = _AttentionWithAFallback()
+    model = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
+    x = torch.randn(2, 6, 16)
+    for m in (plain, model):
+        m(x.clone().requires_grad_()).square().sum().backward()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    frame_calls = []
+    original = selective.SelectiveFrame.end_forward
+
+    def recorded(frame):
+        original(frame)
+        frame_calls.append([(call.target, call.skipped) for call in frame.calls])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(selective.SelectiveFrame, "end_forward", recorded)
+        model(x.clone().requires_grad_()).square().sum().backward()
+    assert frame_calls == [[(model.module.qkv, True), ("scaled_dot_product_attention", False),
+                            (model.module.out, True)]]
+
+
+class _GraphConvolution(nn.Module):
+    def __init__(self):
+        super().__init__()
+        edges = torch.tensor([[0, 1, 2, 3, 3], [1, 2, 3, 0, 2]])
+        self.register_buffer("adjacency", torch.sparse_coo_tensor(edges, torch.ones(5), (4, 4)).coalesce())
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(torch.sparse.mm(self.adjacency, x)))
+
+
+def test_a_block_that_saves_a_sparse_tensor_is_exact():
+    torch.manual_seed(0)
+    plain = _GraphConvolution()
+    model = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
+    x = torch.randn(4, 8)
+    for m in (plain, model):
+        m(x.clone().requires_grad_()).square().sum().backward()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
