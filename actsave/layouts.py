@@ -40,6 +40,12 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+def reading(t: torch.Tensor) -> tuple:
+    """How ``t`` reads its storage's elements: its dtype, and its conjugate and negative
+    bits, which another view of that storage (``as_strided``) does not carry."""
+    return t.dtype, t.is_conj(), t.is_neg()
+
+
 def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill ``t.numel()`` places of memory, with no gap and no
     overlap (in any order of its dimensions)."""

@@ -12,7 +12,7 @@ from torch import nn
 
 from .._torch import leaf_base, storage_identity, storage_identity_or_none, version
 from ..errors import RecomputeError
-from ..layouts import is_dense
+from ..layouts import is_dense, reading
 from .function import detached_or_same
 from .module_attributes import ABSENT, assign, holds_data
 
@@ -80,7 +80,7 @@ class KeptCall:
         # Only a view that reads the argument's elements as the argument does: one of
         # another dtype (view_as_complex) or with a conjugate or negative bit is not
         # what as_strided of the argument makes again; it is kept as it is.
-        sharing = [a for a in self.arguments if a.storage == identity and a.reading == _reading(tensor)]
+        sharing = [a for a in self.arguments if a.storage == identity and a.reading == reading(tensor)]
         for a in sharing:  # the argument itself first: q, k and v may be slices of one storage
             if (a.offset, a.shape, a.stride) == (offset, shape, stride):
                 return a.position, shape, stride, 0
@@ -199,18 +199,13 @@ class CallArgument:
     def __init__(self, position: int, tensor: torch.Tensor):
         self.position, self.offset = position, tensor.storage_offset()
         self.storage = storage_identity_or_none(tensor)  # None: a torch.func transform's wrapper
-        self.shape, self.stride, self.reading = tuple(tensor.shape), tensor.stride(), _reading(tensor)
+        self.shape, self.stride, self.reading = tuple(tensor.shape), tensor.stride(), reading(tensor)
         self.tensor, self.version = tensor, version(tensor)
 
     def holds(self, first: int, last: int) -> bool:
         """Whether the storage elements ``first`` to ``last`` are all the argument's own
         (asked while the call runs, with the tensor)."""
         return is_dense(self.tensor) and self.offset <= first and last < self.offset + self.tensor.numel()
-
-
-def _reading(tensor: torch.Tensor) -> tuple:
-    """How ``tensor`` reads its storage's bytes: its dtype, conjugate and negative bits."""
-    return tensor.dtype, tensor.is_conj(), tensor.is_neg()
 
 
 def _span(offset: int, shape: tuple, stride: tuple) -> tuple:
