@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from .._torch import storage_identity_or_none
+from ..layouts import reading
 
 
 class KeptAliases:
@@ -61,9 +62,10 @@ def _end(t: torch.Tensor) -> int:
 
 def _overlapping(tensors: list) -> list:
     """Lists of the positions in ``tensors`` whose memory overlaps another's (same
-    storage, element ranges that meet), each of two or more and of one dtype; dense
-    strided tensors only, others are never grouped (a view of another dtype is kept on
-    its own: docs/limits.md, "Inputs changed in place")."""
+    storage, element ranges that meet), each of two or more that read them alike (one
+    dtype, the same conjugate and negative bits); dense strided tensors only, others are
+    never grouped (a view of another dtype is kept on its own: docs/limits.md, "Inputs
+    changed in place")."""
     spans = sorted((storage, t.storage_offset(), _end(t), i) for i, t in enumerate(tensors)
                    if (storage := _storage_of(t)) is not None)
     groups, group_end = [], None
@@ -74,9 +76,9 @@ def _overlapping(tensors: list) -> list:
         else:
             groups.append((storage, [i]))
             group_end = end
-    by_dtype = [[i for i in members if tensors[i].dtype == dtype]
-                for _, members in groups for dtype in {tensors[i].dtype for i in members}]
-    return [members for members in by_dtype if len(members) > 1]
+    by_reading = [[i for i in members if reading(tensors[i]) == how]
+                  for _, members in groups for how in {reading(tensors[i]) for i in members}]
+    return [members for members in by_reading if len(members) > 1]
 
 
 def _storage_of(t: torch.Tensor) -> Optional[int]:

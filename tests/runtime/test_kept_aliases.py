@@ -1,9 +1,12 @@
 """runtime/kept_aliases.py: which arguments are kept together. The gradients of aliased
-arguments are tested with the kept inputs, in test_store.py."""
+arguments are tested with the kept inputs, in test_store.py; those of views of one
+memory that read it otherwise (conjugate, negative bits) here."""
 import random
 
+import pytest
 import torch
 
+import actsave
 from actsave.runtime.kept_aliases import _disjoint
 
 
@@ -44,3 +47,27 @@ def test_chunks_and_columns_are_found_apart():
     matrix = torch.zeros(8, 64)
     assert _disjoint(q, v) and _disjoint(q, k) and _disjoint(matrix[:, 0], matrix[:, 1])
     assert not _disjoint(matrix[:, 0:2], matrix[:, 1:3]) and not _disjoint(matrix[:, :4], matrix[:, :4].t())
+
+
+def _tanh_times_sigmoid(a, b):
+    return torch.tanh(a) * torch.sigmoid(b)
+
+
+def _complex_product(a, b):
+    return (a * b).real * torch.sigmoid(a.imag)
+
+
+@pytest.mark.parametrize("function, views", [
+    (_tanh_times_sigmoid, lambda h: (h.imag, h.conj().imag)),  # the second has the negative bit
+    (_tanh_times_sigmoid, lambda h: (h.imag[:, :6], h.conj().imag[:, 2:])),  # one span, other layouts
+    (_complex_product, lambda h: (h, h.conj())),  # the second has the conjugate bit
+], ids=["negative-bit", "negative-bit-slices", "conjugate-bit"])
+def test_views_of_one_memory_read_with_other_bits_are_recomputed_from_their_own_values(function, views):
+    torch.manual_seed(0)
+    z = torch.randn(4, 8, dtype=torch.complex64)
+    grads = []
+    for call in (function, lambda a, b: actsave.checkpoint(function, a, b)):
+        leaf = z.clone().requires_grad_()
+        call(*views(leaf * 1)).sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(*grads)
