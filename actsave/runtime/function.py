@@ -75,7 +75,10 @@ A function may run a backward of its own before it returns (``autograd.grad`` wi
 derivatives). That backward unpacks placeholders of a forward still running. It gets
 a recompute of the prefix saved so far, from the caller's exact inputs (alive while
 the forward runs), which releases nothing and is not kept for the real backward: more
-placeholders are still to come. Each tensor of it is handed out once, as autograd
+placeholders are still to come. Where the function's first layer changed those inputs
+in place, it runs on a copy of the private copy kept of them, which the real backward's
+recompute then finds as it was kept; a private copy a lossy codec keeps is refused
+there, as the forward's own output would come from decoded values. Each tensor of it is handed out once, as autograd
 unpacks a saved tensor once per backward. Inside any recompute the function's own
 graph holds its saved tensors as they are, so a backward inside the recompute works
 as it did in the forward; the saves a backward with ``create_graph=True`` makes are
@@ -92,7 +95,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .._torch import backward_keeps_graph, pytree, version
-from ..errors import RecomputeError
+from ..errors import ConfigError, RecomputeError
 from . import compiled_calls
 from .compiled_layers import LayerCode
 from .forward_decisions import ForwardDecisions
@@ -287,7 +290,14 @@ class CheckpointFrame:
 
     def _inputs_for_recompute_in_forward(self) -> tuple:
         if self.kept.private_copy:  # the caller's inputs changed: use the copies
-            return self.kept.restore()
+            if self.kept.lossy:
+                raise ConfigError(
+                    f"{qualified_name(self.function)} starts with a layer that changes its input in place and runs a "
+                    "backward inside its forward (autograd.grad): that backward needs the input as it was, which "
+                    "this checkpoint keeps only by a lossy codec, so the forward's output would be computed from "
+                    "decoded values. Give its first layer inplace=False, or keep its inputs exactly (no compress "
+                    "for this call or layer).")
+            return self.kept.restore(again=True)
         args, kwargs = self._forward_inputs
         return pytree.tree_map_only(torch.Tensor, _recompute_input, (args, kwargs))
 

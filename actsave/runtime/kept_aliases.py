@@ -34,9 +34,10 @@ class KeptAliases:
             kept = kept.as_strided((max(_end(m) for m in members) - self._start,), (1,), self._start)
         self.kept = keep(kept, encodable=all(encodable(m) for m in members), requires_grad=any(self._requires_grad))
 
-    def restore(self) -> list:
-        """The members, in order: the restored tensor, or views of the restored span."""
-        restored = self.kept.restore()
+    def restore(self, again: bool = False) -> list:
+        """The members, in order: the restored tensor, or views of the restored span
+        (``again``: as _KeptTensor.restore)."""
+        restored = self.kept.restore(again)
         if self._layouts is None:
             views = [restored if i == 0 else restored.view_as(restored) for i in range(len(self._same_as))]
         else:

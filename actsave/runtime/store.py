@@ -192,11 +192,14 @@ class _KeptTensor:
         if self.storage.where == "host":
             self._watched = None
 
-    def restore(self) -> torch.Tensor:
+    def restore(self, again: bool = False) -> torch.Tensor:
+        """The input for a recompute; ``again``: another recompute will restore it later."""
         self.check_unmodified("after the forward that kept it")
         x = in_strides(self.codec.decode(self.storage.fetch()), self._strides)
         if not self.requires_grad:
-            return x
+            # A private copy is changed in place by the function's first layer: one that
+            # is restored again must come back as it was kept.
+            return copied_in_layout(x) if again and self.modified_in_place else x
         # A leaf of the recompute's own. The value decoded is ours alone (a decoding,
         # a device copy, or our detached alias of the input), so the first restore of
         # the stored copy takes it as it is; a later one (after a backward inside the
@@ -373,10 +376,11 @@ class KeptInputs:
         if self._decisions is not None:
             self._tape.free_later(self._decisions)
 
-    def restore(self) -> tuple:
+    def restore(self, again: bool = False) -> tuple:
         """``(args, kwargs)`` for the recompute: detached tensors that require grad
         as the originals did. Offloaded inputs are fetched, and the next segments'
-        (in backward order) prefetched."""
+        (in backward order) prefetched. ``again``: a later recompute restores them too
+        (this one runs for a backward inside the forward)."""
         if self.released:
             raise RecomputeError(
                 "the kept inputs of this checkpoint were already released (an earlier "
@@ -389,9 +393,9 @@ class KeptInputs:
         def restore(leaf):
             if isinstance(leaf, AliasOf):
                 if leaf.aliases not in restored:
-                    restored[leaf.aliases] = leaf.aliases.restore()
+                    restored[leaf.aliases] = leaf.aliases.restore(again)
                 return restored[leaf.aliases][leaf.index]
-            return leaf.restore() if isinstance(leaf, _KeptTensor) else leaf
+            return leaf.restore(again) if isinstance(leaf, _KeptTensor) else leaf
 
         return unflatten_inputs([restore(leaf) for leaf in self._leaves], self._spec)
 

@@ -169,6 +169,49 @@ def test_autograd_grad_inside_a_lossy_checkpoint_is_exact_in_the_forward():
     assert torch.equal(out, gradient_penalty(x))
 
 
+class _PenaltyOfItsHidden(nn.Module):
+    """Runs a backward of its own: the gradient of its output by its hidden layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.first(x)
+        y = torch.tanh(self.second(h))
+        (g,) = torch.autograd.grad(y.pow(2).sum(), h, create_graph=True)
+        return y + g
+
+
+def test_autograd_grad_inside_a_function_that_starts_in_place_leaves_its_kept_copy_as_it_was():
+    # Its input needs no grad, so the copy actsave keeps (the first layer changes the
+    # caller's input) is restored as it is: the backward inside the forward must not
+    # change it for the backward's recompute.
+    def layers():
+        torch.manual_seed(0)
+        return nn.LeakyReLU(0.1, inplace=True), _PenaltyOfItsHidden(), nn.Linear(16, 16)
+
+    x = torch.randn(4, 16)
+    relu, block, head = layers()
+    plain = nn.Sequential(relu, block, head)
+    relu, block, head = layers()
+    checkpointed_block = nn.Sequential(actsave.Checkpoint(nn.Sequential(relu, block)), head)
+    chain = actsave.CheckpointedSequential(*layers(), segments=[0, 2])
+    for model in (plain, checkpointed_block, chain):
+        model(x.clone()).pow(2).sum().backward()
+    expected = [p.grad for p in plain.parameters()]
+    for model in (checkpointed_block, chain):
+        assert all(torch.equal(a, b) for a, b in zip(expected, (p.grad for p in model.parameters())))
+
+
+def test_autograd_grad_inside_a_lossy_function_that_starts_in_place_raises_naming_the_way_out():
+    # Its input as it was is kept only by the codec: the forward would run on decoded values.
+    torch.manual_seed(0)
+    model = actsave.Checkpoint(nn.Sequential(nn.ReLU(inplace=True), _PenaltyOfItsHidden()), compress="int8")
+    with pytest.raises(actsave.ConfigError, match="inplace=False"):
+        model(torch.randn(8, 16, requires_grad=True) * 1)
+
+
 def no_checkpoint(f):
     return f
 
