@@ -48,13 +48,13 @@ DETERMINISM_CHECKS = ("default", "none")
 # training saves its noise tensor and then draws into it (``rrelu_with_noise``), so a
 # recompute stopped there leaves the noise uninitialized and the gradients wrong
 # (torch's non-reentrant checkpoint does the same). So a checkpoint whose modules hold
-# a training RReLU runs its recompute to the end (its peak may then pass a plan's
-# prediction by what runs after the last save). An op called as a function, with no
+# a training RReLU (or a subclass of it) runs its recompute to the end (its peak may
+# then pass a plan's prediction by what runs after the last save). An op called as a function, with no
 # module to find, is not seen: pass ``early_stop=False`` for such a function.
 
 
 def _fills_a_save(module: nn.Module) -> bool:
-    return type(module) is nn.RReLU and module.training
+    return isinstance(module, nn.RReLU) and module.training
 
 
 @dataclass(frozen=True)

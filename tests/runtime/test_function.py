@@ -257,13 +257,18 @@ def test_saved_input_that_needs_no_grad_comes_back_as_the_same_object():
     assert torch.equal(a.grad, b)
 
 
+class _MyRReLU(nn.RReLU):
+    pass
+
+
+@pytest.mark.parametrize("rrelu", [nn.RReLU, _MyRReLU], ids=["rrelu", "subclass"])
 @pytest.mark.parametrize("wrapped", ["chain", "checkpoint"])
-def test_a_training_rrelu_at_a_segments_end_is_recomputed_to_the_end(wrapped):
+def test_a_training_rrelu_at_a_segments_end_is_recomputed_to_the_end(wrapped, rrelu):
     # RReLU saves its noise and then draws into it: a recompute stopped at that save
     # (the early stop) would leave the noise uninitialized, so it runs to the end.
     def layers():
         torch.manual_seed(0)
-        return [nn.Linear(8, 8), nn.RReLU(), nn.Linear(8, 8)]
+        return [nn.Linear(8, 8), rrelu(), nn.Linear(8, 8)]
 
     def step(model):
         torch.manual_seed(5)
