@@ -117,7 +117,7 @@ from .._torch import default_device, saved_tensor_hooks_of_a_checkpoint, storage
 from ..errors import ConfigError
 from ..offload import current_tape
 from . import relu_signs
-from .function import CheckpointFrame, unchanged
+from .function import CheckpointFrame, detached_or_same, unchanged
 from .layers import known_layers, modules_under
 from .bound_decisions import BoundWatch
 from .forward_decisions import torch_checkpoints_warned
@@ -237,7 +237,11 @@ class _SavesStore:
             return self._kept(_PoolIndices(tensor, *pool), tensor)
         stores = _copied_as_bytes if self.codec.lossless else lossy_codec_stores
         if tensor.numel() == 0 or not stores(tensor):
-            return _Saved.held(tensor)
+            # By a detached alias where it has a node: a node's own output (sqrt's, a
+            # norm's statistic) holding that node is a cycle through autograd's graph,
+            # which the garbage collector does not see, so a graph dropped without a
+            # backward would never be freed. One that needs no grad comes back as itself.
+            return _Saved.held(detached_or_same(tensor))
         if self._held and self._held.get(storage_identity(tensor), _dead_ref)() is not None:
             return _Saved.held(tensor.detach())
         if self.attention is not None and self.attention.holds(tensor):
