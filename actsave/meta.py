@@ -177,6 +177,11 @@ def on_meta(model: nn.Module):
 _meta_steps = threading.local()  # depth: the meta steps (on_meta) open on this thread
 
 
+def in_meta_step() -> bool:
+    """Whether this thread is in a meta step (:func:`on_meta`)."""
+    return getattr(_meta_steps, "depth", 0) > 0
+
+
 def _drawn_with_generators_put_back(func, args: tuple, kwargs: dict):
     """``func(*args, **kwargs)``, a random operator on a real device, leaving the
     generators it may draw from as it found them (NOTE [ A meta step draws nothing ])."""

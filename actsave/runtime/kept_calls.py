@@ -13,6 +13,7 @@ from torch import nn
 from .._torch import leaf_base, storage_identity, storage_identity_or_none, version
 from ..errors import RecomputeError
 from ..layouts import is_dense, reading
+from ..meta import in_meta_step
 from .function import detached_or_same
 from .module_attributes import ABSENT, assign, holds_data
 
@@ -20,9 +21,10 @@ from .module_attributes import ABSENT, assign, holds_data
 def keepable_now() -> bool:
     """Whether a call made now can be a kept call: not in inference mode, whose outputs
     are inference tensors, which autograd never saves and which have no version counter
-    to check. The forward does not record such a call and the recompute does not count
-    it: both run it plainly."""
-    return not torch.is_inference_mode_enabled()
+    to check; not in a meta step (a chain inside the block planning at its first call),
+    whose calls are no call of the forward. The forward does not record such a call and
+    the recompute does not count it: both run it plainly."""
+    return not torch.is_inference_mode_enabled() and not in_meta_step()
 
 
 class KeptCall:

@@ -1280,3 +1280,20 @@ def test_a_block_that_saves_a_sparse_tensor_is_exact():
         m(x.clone().requires_grad_()).square().sum().backward()
     for a, b in zip(plain.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_chain_inside_the_block_plans_at_its_first_call_without_its_calls_being_kept():
+    # The chain's balanced plan runs its layers on meta tensors inside the block's forward:
+    # those calls are no calls of the forward, neither recorded nor skipped.
+    def model(chain_type):
+        torch.manual_seed(0)
+        chain = chain_type(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4)])
+        return nn.Sequential(nn.Linear(16, 16), chain, nn.Linear(16, 16))
+
+    plain = model(nn.Sequential)
+    selective = actsave.Checkpoint(model(actsave.CheckpointedSequential), keep="selective")
+    x = torch.randn(8, 16)
+    for m in (plain, selective):
+        m(x).square().sum().backward()
+    for a, b in zip(plain.parameters(), selective.parameters()):
+        assert torch.equal(a.grad, b.grad)
