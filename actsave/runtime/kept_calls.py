@@ -35,7 +35,7 @@ class KeptCall:
 
     __slots__ = ("target", "start", "stop", "arguments", "output", "stored", "version", "requires_grad", "views",
                  "skipped", "mutates", "decided_on", "rng_before", "rng_after", "state", "changed_state",
-                 "attributes", "data_set_again")
+                 "attributes", "data_set_again", "raised")
 
     def __init__(self, target, start: int, arguments: list):
         self.target, self.start, self.stop = target, start, start
@@ -60,6 +60,9 @@ class KeptCall:
         # Whether a later save of its output keeps decisions (a clamp's input, under a
         # lossy codec): it runs again, where the recompute restores them (NOTE [ Bound decisions ]).
         self.decided_on = False
+        # Whether it raised (the function caught it): it kept nothing, and a recompute that
+        # takes another way without it (the function noted the failure) need not make it.
+        self.raised = False
 
     def kept_output(self) -> torch.Tensor:
         """The forward's output, as kept or stored."""

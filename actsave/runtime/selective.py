@@ -64,8 +64,9 @@ Rules that keep it exact:
   that each set such a tensor (a statistic of each call's input) run again: the code
   after the first read a value the last replaced.
 - A kept call that raised (the function caught it: a fused kernel tried first, a
-  fallback after it) returned nothing to keep: it runs again in the recompute, which
-  raises there too, and the calls after it are matched to theirs.
+  fallback after it) returned nothing to keep: it runs again in the recompute, if the
+  recompute makes it (one that noted the failure may not), and the calls after it are
+  matched to theirs.
 - A kept call that drew random numbers in the forward (attention with dropout, a
   module named that holds a Dropout) is skipped in the recompute, which replays the
   forward's RNG: the generators are set as that call left them, so the calls after it
@@ -199,7 +200,7 @@ class SelectiveFrame(CheckpointFrame):
                 # The function may catch it (a fused kernel tried, a fallback after it):
                 # the call is recorded as returning nothing, so the recompute runs it
                 # again and matches the calls after it to theirs.
-                self._exit(None)
+                self._exit(None, raised=True)
                 raise
             self._exit(output)
             return output
@@ -219,12 +220,12 @@ class SelectiveFrame(CheckpointFrame):
         if self.options.preserve_rng_state and may_draw(target, args, kwargs):
             self._open.rng_before = RandomState.capture(tensors, passed_generators(args, kwargs))
 
-    def _exit(self, output) -> None:
+    def _exit(self, output, raised: bool = False) -> None:
         self._depth -= 1
         if self._depth > 0 or self._open is None:
             return
         call, self._open = self._open, None
-        call.stop = len(self.slots)
+        call.stop, call.raised = len(self.slots), raised
         if call.rng_before is not None:
             after = call.rng_before.again()
             call.rng_after = None if after == call.rng_before else after

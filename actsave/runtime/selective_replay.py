@@ -85,6 +85,8 @@ class Skipper:
 
     def _matching(self, target) -> KeptCall:
         calls, frame = self.frame.calls, self.frame
+        while self.next < len(calls) and calls[self.next].raised and calls[self.next].target is not target:
+            self.next += 1  # not made again: the function took another way after it raised
         if self.next >= len(calls) or calls[self.next].target is not target:
             expected = "nothing" if self.next >= len(calls) else described(calls[self.next].target)
             raise frame._mismatch(

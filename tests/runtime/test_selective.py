@@ -1222,25 +1222,32 @@ def test_an_attribute_set_to_one_element_and_to_a_row_by_two_calls_has_them_run_
 
 
 class _AttentionWithAFallback(nn.Module):
-    """Tries the fused attention, which refuses an integer mask, and writes it out then."""
+    """Tries the fused attention, which refuses an integer mask, and writes it out then;
+    ``remembers``: tries it no more after it failed once."""
 
-    def __init__(self):
+    def __init__(self, remembers: bool = False):
         super().__init__()
         self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.remembers, self.fused = remembers, True
 
     def forward(self, x):
         q, k, v = self.qkv(x).view(2, 6, 3, 2, 8).permute(2, 0, 3, 1, 4)
         mask = torch.ones(6, 6, dtype=torch.int64).tril()
-        try:
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        except RuntimeError:
+        a = None
+        if self.fused:
+            try:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            except RuntimeError:
+                self.fused = not self.remembers
+        if a is None:
             a = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + (mask - 1) * 1e9, -1) @ v
         return self.out(a.transpose(1, 2).reshape(2, 6, 16))
 
 
-def test_a_kept_call_that_raises_inside_a_try_runs_again_and_the_calls_after_it_are_kept():
+@pytest.mark.parametrize("remembers", [False, True], ids=["tries-again", "remembers"])
+def test_a_kept_call_that_raises_inside_a_try_runs_again_if_made_again_and_the_calls_after_it_are_kept(remembers):
     torch.manual_seed(0)
-    plain = _AttentionWithAFallback()
+    plain = _AttentionWithAFallback(remembers)
     model = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
     x = torch.randn(2, 6, 16)
     for m in (plain, model):
@@ -1256,8 +1263,8 @@ def test_a_kept_call_that_raises_inside_a_try_runs_again_and_the_calls_after_it_
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(selective.SelectiveFrame, "end_forward", recorded)
         model(x.clone().requires_grad_()).square().sum().backward()
-    assert frame_calls == [[(model.module.qkv, True), ("scaled_dot_product_attention", False),
-                            (model.module.out, True)]]
+    tried = [] if remembers else [("scaled_dot_product_attention", False)]  # run again
+    assert frame_calls == [[(model.module.qkv, True), *tried, (model.module.out, True)]]
 
 
 class _GraphConvolution(nn.Module):
