@@ -230,23 +230,33 @@ _ATEN_OPS = {
 }
 
 
-# torch's own layers whose forward draws no random number. Exactly these types, running
-# torch's forward: a subclass may draw (a LoRA Linear's input dropout, a parametrization
-# adding noise to the weight, which makes a ParametrizedLinear), and so may a forward set
-# on the instance or the class (an input dropout patched in), and a kept call skipped in
-# the recompute must then still advance the generator as its forward did.
-_DRAW_NOTHING = {kind: kind.forward for kind in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
-                                                   nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)}
+# torch's own layers whose forward draws no random number, where they run torch's code.
+# Exactly these types: a subclass may draw (a LoRA Linear's input dropout, a
+# parametrization adding noise to the weight, which makes a ParametrizedLinear), and so
+# may a forward (or a convolution's _conv_forward, which its forward calls) set on the
+# instance or patched on the class, before actsave was imported or after. A kept call
+# skipped in the recompute must then still advance the generator as its forward did.
+# Not seen: torch's functions replaced (F.linear patched to draw: docs/limits.md).
+_DRAW_NOTHING = frozenset({nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d,
+                           nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d})
+_OWN_CODE = ("forward", "_conv_forward")  # the methods of theirs that their forward runs
 
 
 def may_draw(target, args: tuple, kwargs: dict) -> bool:
     """Whether a kept call may draw random numbers: attention with dropout, a module of
     any type but torch's own linear layers and convolutions (it may hold a Dropout), or
-    one of those whose forward is not torch's."""
+    one of those that runs code of its own."""
     if isinstance(target, str):
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         return bool(dropout)
-    return _DRAW_NOTHING.get(type(target)) is not type(target).forward or forward_set_on(target)
+    return type(target) not in _DRAW_NOTHING or not _runs_torchs_code(target)
+
+
+def _runs_torchs_code(module: nn.Module) -> bool:
+    methods = [getattr(type(module), name, None) for name in _OWN_CODE]
+    return (all(method is None or getattr(method, "__module__", "").startswith("torch.nn.modules.")
+                for method in methods)
+            and not forward_set_on(module) and "_conv_forward" not in vars(module))
 
 
 __all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "TAPPED_FUNCTIONS", "aten_policy", "may_draw"]

@@ -368,6 +368,25 @@ def test_a_kept_linear_of_a_subclass_that_draws_replays_the_generator_exactly(ma
     _assert_the_selective_block_draws_as_plain(make_linear)
 
 
+def test_a_kept_convolution_with_a_conv_forward_of_its_own_replays_the_generator_exactly():
+    # Conv2d's forward runs its _conv_forward: one set on the instance may draw.
+    def block():
+        conv = nn.Conv2d(3, 3, 3, padding=1)
+        torch_conv_forward = conv._conv_forward
+        conv._conv_forward = lambda x, weight, bias: torch_conv_forward(F.dropout(x, 0.3), weight, bias)
+        return nn.Sequential(conv, nn.Dropout(0.5), nn.Conv2d(3, 3, 1))
+
+    torch.manual_seed(0)
+    plain = block()
+    torch.manual_seed(0)
+    selective = actsave.Checkpoint(block(), keep=KeptOps(modules=(nn.Conv2d,)))
+    for model in (plain, selective):
+        torch.manual_seed(1)
+        model(torch.randn(2, 3, 8, 8, requires_grad=True)).square().sum().backward()
+    for a, b in zip(plain.parameters(), selective.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_a_kept_linear_whose_class_forward_was_replaced_replays_the_generator_exactly(monkeypatch):
     monkeypatch.setattr(nn.Linear, "forward", _dropout_linear_forward)
     _assert_the_selective_block_draws_as_plain(lambda: nn.Linear(16, 16))
