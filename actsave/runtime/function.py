@@ -95,7 +95,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .._torch import backward_keeps_graph, pytree, version
-from ..errors import ConfigError, RecomputeError
+from ..errors import RecomputeError
 from . import compiled_calls
 from .compiled_layers import LayerCode
 from .forward_decisions import ForwardDecisions
@@ -290,14 +290,7 @@ class CheckpointFrame:
 
     def _inputs_for_recompute_in_forward(self) -> tuple:
         if self.kept.private_copy:  # the caller's inputs changed: use the copies
-            if self.kept.lossy:
-                raise ConfigError(
-                    f"{qualified_name(self.function)} starts with a layer that changes its input in place and runs a "
-                    "backward inside its forward (autograd.grad): that backward needs the input as it was, which "
-                    "this checkpoint keeps only by a lossy codec, so the forward's output would be computed from "
-                    "decoded values. Give its first layer inplace=False, or keep its inputs exactly (no compress "
-                    "for this call or layer).")
-            return self.kept.restore(again=True)
+            return self.kept.restore_before_the_recompute(qualified_name(self.function))
         args, kwargs = self._forward_inputs
         return pytree.tree_map_only(torch.Tensor, _recompute_input, (args, kwargs))
 

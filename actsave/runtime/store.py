@@ -16,7 +16,7 @@ import torch
 from .._torch import pytree, version
 from ..codecs import Packed
 from ..layouts import copied_in_layout, gapped_strides, in_strides
-from ..errors import RecomputeError, warn_renamed
+from ..errors import ConfigError, RecomputeError, warn_renamed
 from ..offload import OffloadedTensors, current_tape
 from .kept_aliases import AliasOf, kept_leaves
 from .keep_rules import CallerTensors, KeepPolicy, kept_as, placed, should_encode
@@ -398,6 +398,19 @@ class KeptInputs:
             return leaf.restore(again) if isinstance(leaf, _KeptTensor) else leaf
 
         return unflatten_inputs([restore(leaf) for leaf in self._leaves], self._spec)
+
+    def restore_before_the_recompute(self, function_name: str) -> tuple:
+        """:meth:`restore` for a backward inside the forward (NOTE [ Backward inside a
+        checkpointed forward ]) of a function whose first layer changes its inputs in
+        place: the private copies stay as they were kept, for the backward's recompute.
+        Refused where a lossy codec keeps them: the forward would run on decoded values."""
+        if self.lossy:
+            raise ConfigError(
+                f"{function_name} starts with a layer that changes its input in place and runs a backward inside "
+                "its forward (autograd.grad): that backward needs the input as it was, which this checkpoint keeps "
+                "only by a lossy codec, so the forward's output would be computed from decoded values. Give its "
+                "first layer inplace=False, or keep its inputs exactly (no compress for this call or layer).")
+        return self.restore(again=True)
 
     def release(self) -> None:
         for t in (*self.tensors, *self._attached):
