@@ -9,7 +9,6 @@ from typing import Callable, Optional
 import torch
 
 from .._torch import storage_identity_or_none
-from ..layouts import reading
 
 
 class KeptAliases:
@@ -20,16 +19,19 @@ class KeptAliases:
     each its own memory, and the recompute other values. Members of one layout (the
     same view twice) are kept once, as it; others as one span of their storage. The
     recompute gets one object where the forward got one twice, and distinct views where
-    it got distinct tensors (a compiled block guards on which)."""
+    it got distinct tensors (a compiled block guards on which). The memory is kept as
+    it is stored, without a conjugate or negative bit, and each member's bits are put
+    back on its view (``h`` and ``h.conj()``, ``h.imag`` and ``h.conj().imag``)."""
 
     def __init__(self, members: list, keep: Callable, encodable: Callable):
         self._requires_grad = [m.requires_grad for m in members]
+        self._bits = [(m.is_conj(), m.is_neg()) for m in members]
         firsts = {}
         self._same_as = [firsts.setdefault(id(m), i) for i, m in enumerate(members)]  # the first of each object
         layouts = [(m.size(), m.stride(), m.storage_offset()) for m in members]
         self._layouts = None if len(set(layouts)) == 1 else layouts  # None: one layout, kept as it is
         self._start = min(m.storage_offset() for m in members)
-        kept = members[0].detach()
+        kept = _with_bits(members[0].detach(), *self._bits[0])  # the bits toggled off: as stored
         if self._layouts is not None:
             kept = kept.as_strided((max(_end(m) for m in members) - self._start,), (1,), self._start)
         self.kept = keep(kept, encodable=all(encodable(m) for m in members), requires_grad=any(self._requires_grad))
@@ -43,7 +45,7 @@ class KeptAliases:
         else:
             shift = restored.storage_offset() - self._start
             views = [restored.as_strided(size, stride, offset + shift) for size, stride, offset in self._layouts]
-        views = [views[first] for first in self._same_as]
+        views = [_with_bits(views[first], *bits) for first, bits in zip(self._same_as, self._bits)]
         return [v.detach() if v.requires_grad and not grad else v for v, grad in zip(views, self._requires_grad)]
 
 
@@ -56,6 +58,12 @@ class AliasOf:
         self.aliases, self.index = aliases, index
 
 
+def _with_bits(t: torch.Tensor, conjugate: bool, negative: bool) -> torch.Tensor:
+    """``t`` with its conjugate and negative bits toggled where asked: a view."""
+    t = t.conj() if conjugate else t
+    return torch._neg_view(t) if negative else t
+
+
 def _end(t: torch.Tensor) -> int:
     """One past the last storage element ``t`` reads."""
     return t.storage_offset() + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
@@ -63,10 +71,9 @@ def _end(t: torch.Tensor) -> int:
 
 def _overlapping(tensors: list) -> list:
     """Lists of the positions in ``tensors`` whose memory overlaps another's (same
-    storage, element ranges that meet), each of two or more that read them alike (one
-    dtype, the same conjugate and negative bits); dense strided tensors only, others are
-    never grouped (a view of another dtype is kept on its own: docs/limits.md, "Inputs
-    changed in place")."""
+    storage, element ranges that meet), each of two or more and of one dtype; dense
+    strided tensors only, others are never grouped (a view of another dtype is kept on
+    its own: docs/limits.md, "Inputs changed in place")."""
     spans = sorted((storage, t.storage_offset(), _end(t), i) for i, t in enumerate(tensors)
                    if (storage := _storage_of(t)) is not None)
     groups, group_end = [], None
@@ -77,9 +84,9 @@ def _overlapping(tensors: list) -> list:
         else:
             groups.append((storage, [i]))
             group_end = end
-    by_reading = [[i for i in members if reading(tensors[i]) == how]
-                  for _, members in groups for how in {reading(tensors[i]) for i in members}]
-    return [members for members in by_reading if len(members) > 1]
+    by_dtype = [[i for i in members if tensors[i].dtype == dtype]
+                for _, members in groups for dtype in {tensors[i].dtype for i in members}]
+    return [members for members in by_dtype if len(members) > 1]
 
 
 def _storage_of(t: torch.Tensor) -> Optional[int]:
