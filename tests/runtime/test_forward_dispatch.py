@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import actsave
+from actsave.runtime.forward_dispatch import forward_replaced, forward_set_on
 from actsave.runtime.kept_ops import KeptOps
 
 
@@ -88,3 +89,13 @@ def test_a_kept_modules_forward_reads_as_its_own_to_a_block_that_inspects_it():
     plain(x).square().sum().backward()
     wrapped(x).square().sum().backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters()))
+
+
+def test_a_forward_set_on_the_instance_is_told_from_the_dispatcher_standing_for_the_class():
+    plain, patched = nn.Linear(4, 4), nn.Linear(4, 4)
+    patched.forward = lambda x: x
+    for module, has_its_own in ((plain, False), (patched, True)):
+        assert forward_set_on(module) == has_its_own
+        with forward_replaced(module, lambda run: run):
+            assert "forward" in vars(module) and forward_set_on(module) == has_its_own
+        assert forward_set_on(module) == has_its_own
