@@ -33,12 +33,13 @@ recompute. Each is priced by what it does to the peak formula of memory_model.py
   together (medians of interleaved runs); on meta tensors, none.
 
 Blocks alike are measured once: the same class, parameters of the same names and
-shapes, arguments of the same shapes, and the same rises in the profiled step (its
-forward's and backward's, plain). The rises tell apart blocks of one class whose
-forward takes another path (a Python flag per instance calls a wide layer in some),
-whose options priced as the first one's would put a plan far over its budget, and
-whose kept subsets, found on the first, could name modules the others never call. A
-block
+shapes, arguments of the same shapes, the same rises in the profiled step (its
+forward's and backward's, plain), and the same modules called, in order, in a forward of
+the block under no_grad. Those tell apart blocks of one class whose forward takes
+another path (a Python flag per instance calls a wide layer in some, or a layer's
+function instead of the layer), whose options priced as the first one's would put a plan
+far over its budget (a selective option keeps what the layers it calls make), and whose
+kept subsets, found on the first, could name modules the others never call. A block
 after a plain one whose saves hold its input (memory_model.py, "A tensor at a stored
 boundary") counts that input there, not again: each option's terms come in both forms.
 
@@ -64,6 +65,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .._torch import fsdp_shards
@@ -192,6 +194,7 @@ class BlockMeasurer:
         rises = [(p.forward_rise, p.backward_rise) for p in profiled] if profiled else [()] * len(self.layers)
         self._rises = [() if fsdp_shards(layer) else rise for layer, rise in zip(self.layers, rises)]
         self._cache = {}
+        self._paths = {}  # block index -> the modules its forward calls (_modules_called)
         self._left_out = set()  # (block type, keep) already warned of
 
     def terms(self, model: CostModel, a: int, option: BlockOption, held: bool) -> Optional[OptionTerms]:
@@ -258,7 +261,9 @@ class BlockMeasurer:
     def signature(self, a: int) -> tuple:
         """What block ``a`` costs alike with: blocks of one signature are measured once
         (NOTE [ Block options priced ])."""
-        return _signature(self.layers[a]), self.inputs[a], self._rises[a]
+        if a not in self._paths:
+            self._paths[a] = _modules_called(self.layers[a], self.example(a))
+        return _signature(self.layers[a]), self.inputs[a], self._rises[a], self._paths[a]
 
     def example(self, a: int) -> torch.Tensor:
         """An input like block ``a``'s profiled one."""
@@ -382,6 +387,22 @@ def _measuring(layer: nn.Module):
     the reasons a selective checkpoint in it kept nothing, noted instead of warned."""
     with isolated_steps(layer), torch.enable_grad(), kept_nothing_noted() as kept_nothing:
         yield kept_nothing
+
+
+def _modules_called(layer: nn.Module, x: torch.Tensor) -> Optional[tuple]:
+    """The names of the modules under ``layer`` that its forward on ``x`` calls, in order
+    (under no_grad, isolated as the planner's steps are); None where it cannot run so."""
+    names = {module: name for name, module in layer.named_modules()}
+    called = []
+    handle = register_module_forward_pre_hook(lambda module, _: called.append(names.get(module)))
+    try:
+        with isolated_steps(layer), torch.no_grad():
+            layer(x)
+    except Exception:  # noqa: BLE001 - the measurements say why, where an option is tried
+        return None
+    finally:
+        handle.remove()
+    return tuple(called)
 
 
 def _backward(y: torch.Tensor, gradient: torch.Tensor) -> None:

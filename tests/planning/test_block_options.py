@@ -181,6 +181,47 @@ def test_blocks_whose_forwards_take_other_paths_are_priced_apart_and_their_plans
         assert peak_activation_bytes(model, x, loss=lambda out: out) <= plan.predicted_peak_bytes <= budget
 
 
+class CallsItsLayerOrItsFunction(nn.Module):
+    """Blocks of one class with the same plain step: one instance runs its first layer's
+    function instead of calling the layer, which a selective checkpoint then does not keep."""
+
+    def __init__(self, functional: bool):
+        super().__init__()
+        self.functional = functional
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = F.linear(x, self.fc1.weight, self.fc1.bias) if self.functional else self.fc1(x)
+        return x + self.fc2(F.gelu(h))
+
+
+class FunctionalFirstStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(CallsItsLayerOrItsFunction(i == 1) for i in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def test_blocks_that_call_other_modules_with_the_same_plain_step_are_priced_apart_and_their_plans_hold():
+    plain, x = FunctionalFirstStack(), example()
+    probe = copy.deepcopy(plain)
+    planner = BlockPlanner(probe, [(f"blocks.{i}", b) for i, b in enumerate(probe.blocks)], (x,),
+                           allow=("recompute", "selective"))
+    signatures = [planner._measurer.signature(a) for a in range(4)]
+    assert signatures[1] != signatures[2] == signatures[3]  # the first block's input is the batch
+    for share in (0.0, 0.25, 0.5, 0.75):
+        budget = int(planner.smallest_peak_bytes + share * (planner.plain_peak_bytes - planner.smallest_peak_bytes))
+        model = copy.deepcopy(plain)
+        plan = actsave.plan_blocks(model, CallsItsLayerOrItsFunction, budget, (x,), allow=("recompute", "selective"))
+        actsave.wrap(model, plan)
+        assert peak_activation_bytes(model, x, loss=lambda out: out) <= plan.predicted_peak_bytes <= budget
+
+
 class ConvBlock(nn.Module):
     def __init__(self):
         super().__init__()
