@@ -177,9 +177,9 @@ def on_meta(model: nn.Module):
 _meta_steps = threading.local()  # depth: the meta steps (on_meta) open on this thread
 
 
-def in_meta_step() -> bool:
-    """Whether this thread is in a meta step (:func:`on_meta`)."""
-    return getattr(_meta_steps, "depth", 0) > 0
+def meta_step_depth() -> int:
+    """How many meta steps (:func:`on_meta`) this thread is in."""
+    return getattr(_meta_steps, "depth", 0)
 
 
 def _drawn_with_generators_put_back(func, args: tuple, kwargs: dict):

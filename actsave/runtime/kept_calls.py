@@ -13,18 +13,20 @@ from torch import nn
 from .._torch import leaf_base, storage_identity, storage_identity_or_none, version
 from ..errors import RecomputeError
 from ..layouts import is_dense, reading
-from ..meta import in_meta_step
+from ..meta import meta_step_depth
 from .function import detached_or_same
 from .module_attributes import ABSENT, assign, holds_data
 
 
-def keepable_now() -> bool:
-    """Whether a call made now can be a kept call: not in inference mode, whose outputs
-    are inference tensors, which autograd never saves and which have no version counter
-    to check; not in a meta step (a chain inside the block planning at its first call),
-    whose calls are no call of the forward. The forward does not record such a call and
-    the recompute does not count it: both run it plainly."""
-    return not torch.is_inference_mode_enabled() and not in_meta_step()
+def keepable_now(meta_depth: int) -> bool:
+    """Whether a call made now can be a kept call of a frame opened ``meta_depth`` meta
+    steps deep: not in inference mode, whose outputs are inference tensors, which
+    autograd never saves and which have no version counter to check; not in a meta step
+    opened since (a chain inside the block planning at its first call), whose calls are
+    no call of the forward. The forward does not record such a call and the recompute
+    does not count it: both run it plainly. (A frame opened in a meta step, a block
+    estimated, keeps its calls as a real step would.)"""
+    return not torch.is_inference_mode_enabled() and meta_step_depth() == meta_depth
 
 
 class KeptCall:

@@ -112,6 +112,7 @@ from torch import nn
 
 from .._torch import sparse_components, storage_identity, storage_identity_or_none, version
 from ..errors import ConfigError
+from ..meta import meta_step_depth
 from .function import detached_or_same, CheckpointFrame, eager_checkpointed_call, qualified_name
 from .placeholders import Cursor, Slot
 from .keep_rules import EXACT, KeepPolicy
@@ -155,6 +156,7 @@ class SelectiveFrame(CheckpointFrame):
         inputs = input_tensors(*self._forward_inputs)
         self._input_storages = {storage_identity_or_none(t) for t in inputs} - {None}  # kept anyway
         self._transformed = False  # a kept call returned a transform's wrapper, not kept
+        self.meta_depth = meta_step_depth()  # the meta steps it runs in (keepable_now)
         # The modules whose buffers a kept call may change: the call's own modules where
         # the function's modules are not known (functions kept alone need none).
         self._buffer_holders = None if self.modules is None else [m for _, m in self.modules if m._buffers]
@@ -191,7 +193,7 @@ class SelectiveFrame(CheckpointFrame):
     def _recorded(self, target) -> Callable:
         """A kept call of ``target`` (a module, or a function's name) that records it."""
         def recorded(call_next, *args, **kwargs):
-            if not self.in_forward or self._replaying or not keepable_now():  # run plainly, not kept
+            if not self.in_forward or self._replaying or not keepable_now(self.meta_depth):  # run plainly
                 return call_next(*args, **kwargs)
             self._enter(target, args, kwargs)
             try:

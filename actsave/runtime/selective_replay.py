@@ -58,7 +58,7 @@ class Skipper:
         return call
 
     def _skip_or_run(self, target, run: Callable, args: tuple, kwargs: dict):
-        if self.depth or not keepable_now():  # inside a call run again (its inner calls run too), or not kept
+        if self.depth or not keepable_now(self.frame.meta_depth):  # inside a call run again, or not kept
             return run(*args, **kwargs)
         call = self._matching(target)
         if not call.skipped:

@@ -147,7 +147,7 @@ def test_attention_on_cuda_is_estimated_as_a_fused_kernel_keeps_it(dtype, mask, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("mode", ["plain", "wrap", "wrap int8"])
+@pytest.mark.parametrize("mode", ["plain", "wrap", "wrap int8", "wrap selective"])
 def test_a_transformers_estimate_matches_its_measured_peak_on_cpu(dtype, mode):
     """NOTE [ Attention on a simulated device ]: the CPU runs its flash kernel, and so
     does the meta step that stands for it, so the estimate is the measured peak in
@@ -156,7 +156,8 @@ def test_a_transformers_estimate_matches_its_measured_peak_on_cpu(dtype, mode):
     torch.manual_seed(0)
     model = models.gpt(2, width=64, heads=4, vocab_size=128, max_seq_len=256).to(dtype)
     if mode != "plain":
-        actsave.wrap(model, models.TransformerBlock, compress="int8" if mode == "wrap int8" else None)
+        actsave.wrap(model, models.TransformerBlock, compress="int8" if mode == "wrap int8" else None,
+                     keep="selective" if mode == "wrap selective" else "inputs")
     tokens = torch.randint(0, 128, (2, 256))
     estimated = actsave.estimate(model, tokens, device="cpu").activation_peak_bytes
     measured = peak_activation_bytes(model, tokens)
