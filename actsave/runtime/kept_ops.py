@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Optional
 
 from torch import nn
@@ -253,10 +254,20 @@ def may_draw(target, args: tuple, kwargs: dict) -> bool:
 
 
 def _runs_torchs_code(module: nn.Module) -> bool:
+    """Whether ``module``'s forward and _conv_forward are torch's: their code is in torch's
+    files (a wrapper made with functools.wraps takes torch's name, not its code), and
+    none is set on the instance."""
     methods = [getattr(type(module), name, None) for name in _OWN_CODE]
-    return (all(method is None or getattr(method, "__module__", "").startswith("torch.nn.modules.")
-                for method in methods)
+    return (all(method is None or _in_torchs_modules(method) for method in methods)
             and not forward_set_on(module) and "_conv_forward" not in vars(module))
+
+
+def _in_torchs_modules(function) -> bool:
+    code = getattr(function, "__code__", None)
+    return code is not None and os.path.dirname(code.co_filename) == _TORCH_MODULES_DIR
+
+
+_TORCH_MODULES_DIR = os.path.dirname(nn.modules.linear.__file__)
 
 
 __all__ = ["KeptOps", "DEFAULT_KEPT_OPS", "TAPPED_FUNCTIONS", "aten_policy", "may_draw"]

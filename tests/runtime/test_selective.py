@@ -1,6 +1,7 @@
 """Selective recompute (actsave/runtime/selective.py): the outputs of linear layers and
 attention kept, the rest recomputed, gradients bit-identical, no matmul run again."""
 import copy
+import functools
 import gc
 import warnings
 import weakref
@@ -385,8 +386,17 @@ def test_a_kept_convolution_with_a_conv_forward_of_its_own_replays_the_generator
         assert torch.equal(a.grad, b.grad)
 
 
-def test_a_kept_linear_whose_class_forward_was_replaced_replays_the_generator_exactly(monkeypatch):
-    monkeypatch.setattr(nn.Linear, "forward", _dropout_linear_forward)
+def _wrapping_with_an_input_dropout(forward):
+    @functools.wraps(forward)  # takes torch's name and module, not its code
+    def wrapper(self, x):
+        return forward(self, F.dropout(x, 0.3, self.training))
+    return wrapper
+
+
+@pytest.mark.parametrize("patch", [lambda forward: _dropout_linear_forward, _wrapping_with_an_input_dropout],
+                         ids=["replaced", "wrapped"])
+def test_a_kept_linear_whose_class_forward_was_patched_replays_the_generator_exactly(monkeypatch, patch):
+    monkeypatch.setattr(nn.Linear, "forward", patch(nn.Linear.forward))
     _assert_the_selective_block_draws_as_plain(lambda: nn.Linear(16, 16))
 
 
