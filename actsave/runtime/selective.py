@@ -66,7 +66,8 @@ Rules that keep it exact:
 - A kept call that raised (the function caught it: a fused kernel tried first, a
   fallback after it) returned nothing to keep: it runs again in the recompute, if the
   recompute makes it (one that noted the failure may not), and the calls after it are
-  matched to theirs.
+  matched to theirs. Where the recompute's call of the same module or function returns
+  instead, it stands for the fallback's call after it, and runs in full.
 - A kept call that drew random numbers in the forward (attention with dropout, a
   module named that holds a Dropout) is skipped in the recompute, which replays the
   forward's RNG: the generators are set as that call left them, so the calls after it
@@ -157,6 +158,7 @@ class SelectiveFrame(CheckpointFrame):
         self._input_storages = {storage_identity_or_none(t) for t in inputs} - {None}  # kept anyway
         self._transformed = False  # a kept call returned a transform's wrapper, not kept
         self.meta_depth = meta_step_depth()  # the meta steps it runs in (keepable_now)
+        self.run_in_place_of = None  # a skipped call the recompute runs in full (selective_replay.py)
         # The modules whose buffers a kept call may change: the call's own modules where
         # the function's modules are not known (functions kept alone need none).
         self._buffer_holders = None if self.modules is None else [m for _, m in self.modules if m._buffers]
@@ -382,7 +384,7 @@ class SelectiveFrame(CheckpointFrame):
 
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:
         call = self._skipped_saves.get(index)
-        if call is not None:
+        if call is not None and call is not self.run_in_place_of:
             raise self._mismatch(
                 f"the recompute of {qualified_name(self.function)} saved a tensor outside any kept call where the "
                 f"forward's save {index} was made inside {described(call.target)}, which the recompute skips: the "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
@@ -62,11 +62,17 @@ class Skipper:
             return run(*args, **kwargs)
         call = self._matching(target)
         if not call.skipped:
+            follows = self._next_of(target) if call.raised else None
             self.depth += 1
+            self.frame.run_in_place_of = follows
             try:
-                return run(*args, **kwargs)
+                output = run(*args, **kwargs)
             finally:
                 self.depth -= 1
+                self.frame.run_in_place_of = None
+            if follows is not None:  # it returned: it stands for the call after the one that raised
+                self.next += 1
+            return output
         if call.output is not None and version(call.output) != call.version:
             raise RecomputeError(
                 f"the output of {described(call.target)}, which a selective checkpoint of "
@@ -96,6 +102,14 @@ class Skipper:
                 "Make it deterministic or do not checkpoint it.")
         self.next += 1
         return calls[self.next - 1]
+
+    def _next_of(self, target) -> Optional[KeptCall]:
+        """The next kept call, where it is one of ``target``: a call matched to one that
+        raised in the forward stands for it if it returns, the recompute having taken
+        the way the function took after the failure (a fallback to the same module or
+        function). Run in full, it then makes that call's saves itself."""
+        calls = self.frame.calls
+        return calls[self.next] if self.next < len(calls) and calls[self.next].target is target else None
 
     def _fill_views(self, call: KeptCall, arguments: list) -> None:
         """Fill the call's views of its arguments, made of the recomputed ones; move the

@@ -1170,13 +1170,14 @@ def test_an_attribute_set_to_one_element_and_to_a_row_by_two_calls_has_them_run_
 
 
 class _AttentionWithAFallback(nn.Module):
-    """Tries the fused attention, which refuses an integer mask, and writes it out then;
-    ``remembers``: tries it no more after it failed once."""
+    """Tries the fused attention, which refuses an integer mask, and writes it out then
+    (``again``: calls it again with a float mask); ``remembers``: tries it no more after
+    it failed once."""
 
-    def __init__(self, remembers: bool = False):
+    def __init__(self, remembers: bool = False, again: bool = False):
         super().__init__()
         self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
-        self.remembers, self.fused = remembers, True
+        self.remembers, self.again, self.fused = remembers, again, True
 
     def forward(self, x):
         q, k, v = self.qkv(x).view(2, 6, 3, 2, 8).permute(2, 0, 3, 1, 4)
@@ -1187,15 +1188,19 @@ class _AttentionWithAFallback(nn.Module):
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             except RuntimeError:
                 self.fused = not self.remembers
-        if a is None:
+        if a is None and self.again:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=(mask - 1.0) * 1e9)
+        elif a is None:
             a = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + (mask - 1) * 1e9, -1) @ v
         return self.out(a.transpose(1, 2).reshape(2, 6, 16))
 
 
-@pytest.mark.parametrize("remembers", [False, True], ids=["tries-again", "remembers"])
-def test_a_kept_call_that_raises_inside_a_try_runs_again_if_made_again_and_the_calls_after_it_are_kept(remembers):
+@pytest.mark.parametrize("remembers, again", [(False, False), (True, False), (True, True)],
+                         ids=["tries-again", "remembers", "remembers-then-calls-it-again"])
+def test_a_kept_call_that_raises_inside_a_try_runs_again_if_made_again_and_the_calls_after_it_are_kept(
+        remembers, again):
     torch.manual_seed(0)
-    plain = _AttentionWithAFallback(remembers)
+    plain = _AttentionWithAFallback(remembers, again)
     model = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
     x = torch.randn(2, 6, 16)
     for m in (plain, model):
@@ -1212,7 +1217,8 @@ def test_a_kept_call_that_raises_inside_a_try_runs_again_if_made_again_and_the_c
         patch.setattr(selective.SelectiveFrame, "end_forward", recorded)
         model(x.clone().requires_grad_()).square().sum().backward()
     tried = [] if remembers else [("scaled_dot_product_attention", False)]  # run again
-    assert frame_calls == [[(model.module.qkv, True), *tried, (model.module.out, True)]]
+    fallback = [("scaled_dot_product_attention", True)] if again else []
+    assert frame_calls == [[(model.module.qkv, True), *tried, *fallback, (model.module.out, True)]]
 
 
 class _GraphConvolution(nn.Module):
