@@ -76,7 +76,7 @@ from ..runtime.keep_modes import BlockOption, call_block
 from ..runtime.recompute_options import DEFAULT_RECOMPUTE
 from ..runtime.kept_ops import DEFAULT_KEPT_OPS
 from ..runtime.keep_rules import KeepPolicy, modifies_input
-from ..runtime.selective import kept_nothing_noted
+from ..runtime.kept_nothing import kept_nothing_noted
 from ..runtime.store import kept_bytes
 from .allocator_rises import AllocatorRises
 from .live_bytes import LiveBytes, allocation_bytes

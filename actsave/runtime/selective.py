@@ -104,8 +104,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-import warnings
 from typing import Callable, Optional
 
 import torch
@@ -121,6 +119,7 @@ from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState, passed_generators
 from .kept_calls import CallArgument, KeptCall, KeptSave, StateMark, attributes_to_replay, described, keepable_now
+from .kept_nothing import warn_kept_nothing
 from .forward_dispatch import forward_replaced
 from .selective_replay import Skipper
 from .store import input_tensors
@@ -294,7 +293,7 @@ class SelectiveFrame(CheckpointFrame):
                 "data set again" if any(call.data_set_again for call in self.calls) else \
                 "changed" if self.calls else \
                 "none ran" if self.ops.modules or self.functions else "lossy attention"
-            _warn_once(self.ops, qualified_name(self.function), reason)
+            warn_kept_nothing(self.ops, qualified_name(self.function), reason)
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
             self.calls = []
         self._outputs, self._outside = {}, {}
@@ -416,74 +415,6 @@ _RECOMPUTED_WHEN_LOSSY = frozenset({"scaled_dot_product_attention"})
 def _recomputed(slot) -> bool:
     """Whether the recompute fills this save (a live one not kept)."""
     return slot is not None and slot.kept is None
-
-
-_warned = set()
-_noting = threading.local()
-
-
-@contextlib.contextmanager
-def kept_nothing_noted():
-    """While open, a selective checkpoint on this thread that keeps nothing appends its
-    reason to the list yielded instead of warning: the planner pricing an option
-    (planning/block_options.py) learns it, and the once-per-process warning is left
-    for the training step."""
-    previous, _noting.reasons = getattr(_noting, "reasons", None), []
-    try:
-        yield _noting.reasons
-    finally:
-        _noting.reasons = previous
-
-
-def _warn_once(ops: KeptOps, function_name: str, reason: str) -> None:
-    """Warn once per (ops, function, reason) that a selective checkpoint kept nothing;
-    ``reason``: "changed", "state", "data set again", "tensorless", "decided", "differentiated", "none ran" or "lossy
-    attention"."""
-    noted = getattr(_noting, "reasons", None)
-    if noted is not None:
-        noted.append(reason)
-        return
-    key = (ops, function_name, reason)
-    if key in _warned:
-        return
-    _warned.add(key)
-    if reason == "changed":
-        why = (f"every output of its calls of {ops.names()} was changed in place after the call (an in-place "
-               "residual: out += x), or the call changed an argument in place, so those calls run again, and it "
-               "recomputes everything, as a plain checkpoint does. Make the op after the call out of place "
-               "(out = out + x) to keep its output")
-    elif reason == "state":
-        why = (f"its calls of {ops.names()} change their modules' buffers or parameters in place (a running "
-               "statistic), which the code after them reads, so those calls run again, and it recomputes "
-               "everything, as a plain checkpoint does. Keep such modules out of the kept calls "
-               "(KeptOps(module_names=...)), or use keep='inputs'")
-    elif reason == "data set again":
-        why = (f"calls of {ops.names()} set a tensor attribute of more than one element on their module that another "
-               "call of it sets again (a statistic of each call's input), which the code after each call may read, so "
-               "those calls run again, and it recomputes everything, as a plain checkpoint does. Keep such modules out "
-               "of the kept calls (KeptOps(module_names=...)), or use keep='inputs'")
-    elif reason == "decided":
-        why = (f"the outputs of its calls of {ops.names()} are read by a Hardtanh or LeakyReLU, whose decisions a lossy "
-               "recompute takes from the forward's by running those calls again (NOTE [ Bound decisions ]), so it "
-               "recomputes everything, as a plain checkpoint does. Keep exactly, or use keep='inputs'")
-    elif reason == "tensorless":
-        why = (f"no call of {ops.names()} returned a tensor (nn.LSTM and nn.MultiheadAttention return tuples), and a "
-               "call's output is kept only where it is one tensor, so those calls run again, and it recomputes "
-               "everything, as a plain checkpoint does. Name modules that return one tensor (nn.Linear), or use keep='inputs'")
-    elif reason == "lossy attention":
-        why = ("it keeps by a lossy codec, under which attention is recomputed from its decoded q, k and v, not "
-               "kept (its output and log-sum-exp must agree with them: NOTE [ Attention's saves agree ]), and it "
-               f"keeps the outputs of nothing else ({ops.names()}), so it recomputes everything, as a plain checkpoint "
-               "does. Name the module types that make its matmuls (KeptOps(modules=(nn.Linear,))), or keep exactly")
-    elif reason == "differentiated":
-        why = ("its forward runs a backward of its own (autograd.grad: a gradient penalty), which the recompute "
-               "runs again through every call, so it recomputes everything, as a plain checkpoint does. Use "
-               "keep='inputs' for it")
-    else:
-        why = (f"no call of {ops.names()} ran in its forward, so it recomputes everything, as a plain checkpoint "
-               "does. Name the module types that make its matmuls (KeptOps(modules=(nn.Linear, MyProjection))) "
-               f"or the functions it calls ({sorted(TAPPED_FUNCTIONS)})")
-    warnings.warn(f"actsave: the selective checkpoint of {function_name} kept nothing: {why}.", stacklevel=4)
 
 
 def selective_call(function: Callable, args: tuple, kwargs: dict, ops: KeptOps, options, private_copy: bool = False,

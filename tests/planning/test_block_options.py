@@ -11,7 +11,7 @@ from torch import nn
 
 import actsave
 from actsave.planning.blocks import BlockPlanner
-from actsave.runtime import selective
+from actsave.runtime import kept_nothing
 
 WIDTH = 32
 
@@ -248,7 +248,7 @@ class ConvStack(nn.Module):
 def test_a_block_whose_selective_checkpoint_keeps_nothing_is_not_offered_it_and_planning_warns_nothing(monkeypatch):
     # Selective keeps the outputs of Linear layers and attention; a conv block has
     # neither, and its selective checkpoint is a checkpoint of its inputs, slower.
-    monkeypatch.setattr(selective, "_warned", set())
+    monkeypatch.setattr(kept_nothing, "_warned", set())
     model, x = ConvStack(), torch.randn(2, 3, 8, 8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -19,7 +19,7 @@ from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB, get_codec
 from actsave.runtime.keep_rules import KeepPolicy
 from actsave.runtime.recompute_options import DEFAULT_RECOMPUTE
 from actsave.runtime.kept_ops import KeptOps
-from actsave.runtime import selective
+from actsave.runtime import kept_nothing, selective
 from actsave.runtime.selective import selective_call
 
 
@@ -200,7 +200,7 @@ class Recurrent(nn.Module):
 
 def test_named_modules_that_return_tuples_warn_that_they_return_no_tensor_not_that_one_changed(monkeypatch):
     # nn.LSTM returns (output, (h, c)): nothing of it is kept, and nothing was changed in place.
-    monkeypatch.setattr(selective, "_warned", set())
+    monkeypatch.setattr(kept_nothing, "_warned", set())
     torch.manual_seed(0)
     plain = Recurrent()
     block = copy.deepcopy(plain)
@@ -732,7 +732,7 @@ def test_under_a_lossy_codec_attention_runs_again_from_decoded_inputs_within_the
 
 
 def test_a_lossy_selective_that_names_only_attention_warns_that_it_keeps_nothing(monkeypatch):
-    monkeypatch.setattr(selective, "_warned", set())
+    monkeypatch.setattr(kept_nothing, "_warned", set())
     blocks = stack(GPTBlock)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -820,7 +820,7 @@ def test_a_kept_call_that_changes_its_modules_state_leaves_the_code_after_it_rea
     x = torch.randn(6, 4)
     plain, wrapped = model(), actsave.wrap(model(), _ReadsWhatItsCallChanged, keep=keep)
     plain(x).square().sum().backward()
-    monkeypatch.setattr(selective, "_warned", set())
+    monkeypatch.setattr(kept_nothing, "_warned", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         wrapped(x).square().sum().backward()
