@@ -20,6 +20,8 @@ training call. Two things make those steps stand for a device:
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import threading
 import warnings
 from typing import Optional
@@ -138,20 +140,34 @@ def device_of(tensor: torch.Tensor) -> torch.device:
 
 @contextlib.contextmanager
 def on_meta(model: nn.Module):
-    """Swap every parameter and buffer of ``model`` for a meta copy (parameters with a
-    meta gradient) and yield the copies; put the originals back on exit. Tied
-    parameters stay tied. A parameter FSDP2 sharded becomes a meta copy of the whole
-    parameter, as a forward sees it gathered, and FSDP2's forward hooks are paused
-    meanwhile: they would gather the real shards over the copies, a collective that
-    a meta step must not make. Anomaly mode checks no gradient for NaN meanwhile (NOTE [
-    Anomaly mode in a meta step ])."""
+    """Swap every parameter, buffer and tensor held as a plain attribute of ``model``'s
+    modules for a meta copy (parameters with a meta gradient) and yield the copies; put
+    the originals back on exit. Tied parameters stay tied. A parameter FSDP2 sharded
+    becomes a meta copy of the whole parameter, as a forward sees it gathered, and
+    FSDP2's forward hooks are paused meanwhile: they would gather the real shards over
+    the copies, a collective that a meta step must not make. Anomaly mode checks no
+    gradient for NaN meanwhile (NOTE [ Anomaly mode in a meta step ])."""
     _warn_of_recurrences(model)
     _meta_steps.depth = getattr(_meta_steps, "depth", 0) + 1  # NOTE [ A meta step draws nothing ]
     try:
-        with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active():
+        with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active(), _python_generators_put_back():
             yield from _swapped_for_meta(model)
     finally:
         _meta_steps.depth -= 1
+
+
+@contextlib.contextmanager
+def _python_generators_put_back():
+    """Python's ``random`` and numpy's global generator as the body found them: NOTE [ A
+    meta step draws nothing ]."""
+    numpy = sys.modules.get("numpy")  # imported by the model's code, or nothing of it draws
+    states = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        if states[1] is not None:
+            numpy.random.set_state(states[1])
 
 
 # NOTE [ A meta step draws nothing ]
@@ -173,7 +189,9 @@ def on_meta(model: nn.Module):
 # call. A step on a real device draws as a training step does (step_isolation.py). Each such draw in the step
 # then reads the same numbers, which no training step sees. A seed a layer sets
 # (``torch.manual_seed``, no operator) is the process's and is not put back
-# (docs/limits.md, "Threads").
+# (docs/limits.md, "Threads"). Python's ``random`` and numpy's global generator, which
+# no operator draws from (an older LayerDrop's ``random.uniform``), are put back as the
+# meta step ends: a draw another thread makes from them meanwhile is undone too.
 _meta_steps = threading.local()  # depth: the meta steps (on_meta) open on this thread
 
 
@@ -255,9 +273,9 @@ def _swapped_for_meta(model: nn.Module):
     copies, swapped = {}, []
     for module in model.modules():
         for table, make in ((own_tensors(module, "parameters"), _meta_parameter),
-                            (own_tensors(module, "buffers"), _meta_tensor)):
-            for name, original in table.items():
-                if original is None:
+                            (own_tensors(module, "buffers"), _meta_tensor), (vars(module), _meta_attribute)):
+            for name, original in list(table.items()):
+                if original is None or (make is _meta_attribute and not isinstance(original, torch.Tensor)):
                     continue
                 if id(original) not in copies:
                     copies[id(original)] = make(original)
@@ -274,6 +292,12 @@ def _meta_tensor(t: torch.Tensor) -> torch.Tensor:
     if is_sharded(t):
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
     return torch.empty_like(t, device="meta")
+
+
+def _meta_attribute(t: torch.Tensor) -> torch.Tensor:
+    # A constant held as a plain attribute, not a buffer (docs/limits.md, "Large buffers"):
+    # as the forward reads it, on the meta device with the activations.
+    return _meta_tensor(t).requires_grad_(t.requires_grad and t.is_floating_point())
 
 
 def _meta_parameter(p: nn.Parameter) -> nn.Parameter:

@@ -1,8 +1,10 @@
 """Steps on meta tensors (actsave/meta.py). The replayed output metadata and attention on
 a simulated device are tested through the planner: tests/planning."""
+import random
 import warnings
 
 import torch
+from support import peak_activation_bytes
 from torch import nn
 
 import actsave
@@ -137,3 +139,49 @@ def test_an_estimate_draws_nothing_from_the_generators_a_layer_draws_from_on_the
     actsave.estimate(model, (4, 8))
     after = [torch.get_rng_state()] + [m.generator.get_state() for m in model[:6]]
     assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+class _ScaledByAConstant(nn.Module):
+    """Holds a constant as a plain attribute, not a buffer (docs/limits.md, "Large buffers")."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear, self.scale = nn.Linear(width, width), torch.linspace(0.5, 1.5, width)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_a_constant_held_as_a_plain_attribute_is_swapped_for_a_meta_copy_and_put_back():
+    torch.manual_seed(0)
+    layers = [_ScaledByAConstant(32), nn.ReLU(), _ScaledByAConstant(32), nn.Linear(32, 32)]
+    constant = layers[0].scale
+    estimated = actsave.estimate(nn.Sequential(*layers), (16, 32), device="cpu").activation_peak_bytes
+    assert layers[0].scale is constant
+    model = actsave.CheckpointedSequential(*layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to the "sqrt" split
+        model(torch.randn(16, 32)).sum().backward()
+    assert model.balanced_plan is not None and layers[0].scale is constant
+    assert estimated == peak_activation_bytes(nn.Sequential(*layers), torch.randn(16, 32))
+
+
+class _PythonJitter(nn.Module):
+    """Scales by a draw from Python's generator (an older LayerDrop's ``random.uniform``)."""
+
+    def forward(self, x):
+        return x * (1.0 + random.random())
+
+
+def test_a_first_calls_meta_step_leaves_pythons_generator_as_it_found_it():
+    def layers():
+        torch.manual_seed(0)
+        return [nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), _PythonJitter()]
+
+    x = torch.randn(4, 16)
+    outputs, states = [], []
+    for model in (nn.Sequential(*layers()), CheckpointedSequential(*layers())):
+        random.seed(42)
+        outputs.append(model(x))
+        states.append(random.getstate())
+    assert torch.equal(*outputs) and states[0] == states[1]
