@@ -225,7 +225,7 @@ class _NestedFrame(CheckpointFrame):
             x = watch.after(i, self._run_for_output(i, x))
         inputs.end_forward(self.function.__qualname__)
         if isinstance(x, torch.Tensor) and part.stop < len(self.layers) and self.grad_at[part.stop]:
-            x = _RequiresGrad.apply(_GRAPH_ANCHOR, x)
+            x = _requiring_grad(x)
             if watch.passing:  # the kept input, under another name
                 watch.watch(x)
         return x
@@ -238,7 +238,7 @@ class _NestedFrame(CheckpointFrame):
             with torch.no_grad():
                 return self.layers[i](x)
         if isinstance(x, torch.Tensor) and self.grad_at[i]:
-            x = _RequiresGrad.apply(_GRAPH_ANCHOR, x)
+            x = _requiring_grad(x)
         y = self.layers[i](x)
         return detached_or_same(y) if isinstance(y, torch.Tensor) else y
 
@@ -295,6 +295,12 @@ class _RequiresGrad(torch.autograd.Function):
 # The scalar leaf every _RequiresGrad output hangs from, made at import, not inside a
 # measured step.
 _GRAPH_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+def _requiring_grad(x: torch.Tensor) -> torch.Tensor:
+    # Handed over detached: a range run without grad may leave a view it made of its
+    # input (nn.Unflatten's) changed in place, which autograd refuses as a Function's input.
+    return _RequiresGrad.apply(_GRAPH_ANCHOR, x.detach())
 
 
 def nested_call(layers: Sequence, top: Range, x: torch.Tensor, private_copy: bool = False,

@@ -252,3 +252,16 @@ def test_ranges_that_keep_a_private_copy_run_in_place_on_what_an_identity_hands_
     for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
         assert torch.equal(mine.grad, theirs.grad)
     assert actsave.kept_bytes()["device"] == 0
+
+
+def test_a_range_run_without_grad_that_changes_a_view_of_its_input_in_place_trains_as_plain():
+    # The skipped range makes a view of its input without grad and changes it in place;
+    # the layers after it get that output as a tensor that requires grad.
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 16), nn.Unflatten(1, (4, 4)), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(16, 16)]
+    plain = twin(nn.Sequential(*layers))
+    x = torch.randn(4, 16)
+    tree = R(0, 5, inner=(R(0, 1, recomputed=False), R(1, 3), R(3, 5, recomputed=False)))
+    assert torch.equal(step(layers, x, tree), step(list(plain), x))
+    for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
