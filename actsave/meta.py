@@ -149,18 +149,11 @@ def on_meta(model: nn.Module):
     gradient for NaN meanwhile (NOTE [ Anomaly mode in a meta step ])."""
     _warn_of_recurrences(model)
     _meta_steps.depth = getattr(_meta_steps, "depth", 0) + 1  # NOTE [ A meta step draws nothing ]
-    # Read here: a dispatch mode's operators see autocast off (_check_one_dtype).
-    autocast, _meta_steps.autocast = getattr(_meta_steps, "autocast", False), _autocast_on()
     try:
         with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active(), _python_generators_put_back():
             yield from _swapped_for_meta(model)
     finally:
         _meta_steps.depth -= 1
-        _meta_steps.autocast = autocast
-
-
-def _autocast_on() -> bool:
-    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 
 @contextlib.contextmanager
@@ -346,8 +339,6 @@ class _OutputMetadata:
         entry = self._entries.get(key)
         if entry is not None and entry is not _NOT_REPLAYABLE:
             return _rebuild(entry)
-        if func in _MATRIX_PRODUCTS:
-            _check_one_dtype(func, args)
         out = func(*args, **kwargs)
         if entry is None:
             if len(self._entries) >= _MAX_ENTRIES:
@@ -371,20 +362,6 @@ def _key(func, args: tuple, kwargs: dict) -> Optional[tuple]:
 
 
 _ADD_IN_PLACE = torch.ops.aten.add_.Tensor
-# Their meta kernels take factors of two dtypes, where every device's kernel refuses them
-# (a float64 batch into a float32 Linear): a meta step refuses them too, checked where an
-# output's metadata is not replayed (its key holds the dtypes). Not under autocast, which
-# casts them on a real device and not on meta tensors (docs/limits.md, "Meta estimates").
-_MATRIX_PRODUCTS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-                              torch.ops.aten.baddbmm.default})
-
-
-def _check_one_dtype(func, args: tuple) -> None:
-    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor)]
-    if len(set(dtypes)) > 1 and not getattr(_meta_steps, "autocast", False):
-        raise RuntimeError(
-            f"{func} on tensors of dtypes {dtypes}: a matrix product takes one dtype, as the real step's kernel "
-            "would say. Give the input the dtype of the parameters it meets.")
 
 
 def _sparse_into_dense(args: tuple) -> bool:
