@@ -140,9 +140,11 @@ def device_of(tensor: torch.Tensor) -> torch.device:
 
 @contextlib.contextmanager
 def on_meta(model: nn.Module):
-    """Swap every parameter, buffer and tensor held as a plain attribute of ``model``'s
-    modules for a meta copy (parameters with a meta gradient) and yield the copies; put
-    the originals back on exit. Tied parameters stay tied. A parameter FSDP2 sharded
+    """Swap every parameter and buffer of ``model`` for a meta copy (parameters with a
+    meta gradient) and yield the copies; put the originals back on exit. Other tensors
+    the model holds (plain attributes, lists) stay as they are: an operator of the step
+    that meets one beside meta tensors takes a meta copy of it (_OutputMetadata.call),
+    and one read for its values (``sizes.tolist()``) reads them. Tied parameters stay tied. A parameter FSDP2 sharded
     becomes a meta copy of the whole parameter, as a forward sees it gathered, and
     FSDP2's forward hooks are paused meanwhile: they would gather the real shards over
     the copies, a collective that a meta step must not make. Anomaly mode checks no
@@ -214,6 +216,24 @@ def _drawn_with_generators_put_back(func, args: tuple, kwargs: dict):
             generator.set_state(held)
 
 
+def _some_on_meta(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_meta for a in (*args, *kwargs.values())
+               for t in (a if isinstance(a, (list, tuple)) else (a,)))
+
+
+def _all_on_meta(args: tuple, kwargs: dict) -> tuple:
+    """``(args, kwargs)`` with a meta copy of each tensor off the meta device (also in a
+    list argument, ``torch.cat``'s): a constant the model holds as a plain attribute or in
+    a list (not a buffer, which the step swaps), read by an operator of a meta step beside
+    its activations, as the real step reads it beside them on its device. Its value is
+    not read, and a change in place is the copy's."""
+    def on_meta(a):
+        if isinstance(a, (list, tuple)):
+            return type(a)(map(on_meta, a))
+        return torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) and not a.is_meta else a
+    return tuple(map(on_meta, args)), {name: on_meta(a) for name, a in kwargs.items()}
+
+
 def _on_meta(args: tuple, kwargs: dict) -> bool:
     """Whether an operator's tensors (or, for a factory, its device) are meta."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -273,9 +293,9 @@ def _swapped_for_meta(model: nn.Module):
     copies, swapped = {}, []
     for module in model.modules():
         for table, make in ((own_tensors(module, "parameters"), _meta_parameter),
-                            (own_tensors(module, "buffers"), _meta_tensor), (vars(module), _meta_attribute)):
-            for name, original in list(table.items()):
-                if original is None or (make is _meta_attribute and not isinstance(original, torch.Tensor)):
+                            (own_tensors(module, "buffers"), _meta_tensor)):
+            for name, original in table.items():
+                if original is None:
                     continue
                 if id(original) not in copies:
                     copies[id(original)] = make(original)
@@ -292,12 +312,6 @@ def _meta_tensor(t: torch.Tensor) -> torch.Tensor:
     if is_sharded(t):
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
     return torch.empty_like(t, device="meta")
-
-
-def _meta_attribute(t: torch.Tensor) -> torch.Tensor:
-    # A constant held as a plain attribute, not a buffer (docs/limits.md, "Large buffers"):
-    # as the forward reads it, on the meta device with the activations.
-    return _meta_tensor(t).requires_grad_(t.requires_grad and t.is_floating_point())
 
 
 def _meta_parameter(p: nn.Parameter) -> nn.Parameter:
@@ -335,6 +349,8 @@ class _OutputMetadata:
             return args[0]
         key = _key(func, args, kwargs)
         if key is None:
+            if getattr(_meta_steps, "depth", 0) and _some_on_meta(args, kwargs):
+                args, kwargs = _all_on_meta(args, kwargs)
             return func(*args, **kwargs)
         entry = self._entries.get(key)
         if entry is not None and entry is not _NOT_REPLAYABLE:

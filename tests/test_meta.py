@@ -141,28 +141,29 @@ def test_an_estimate_draws_nothing_from_the_generators_a_layer_draws_from_on_the
     assert all(torch.equal(a, b) for a, b in zip(after, before))
 
 
-class _ScaledByAConstant(nn.Module):
-    """Holds a constant as a plain attribute, not a buffer (docs/limits.md, "Large buffers")."""
+class _HeldConstants(nn.Module):
+    """Constants held as a plain attribute and in a list, not as buffers (docs/limits.md,
+    "Large buffers"), and sizes read as Python values."""
 
     def __init__(self, width: int):
         super().__init__()
         self.linear, self.scale = nn.Linear(width, width), torch.linspace(0.5, 1.5, width)
+        self.shifts, self.sizes = [torch.rand(width)], torch.tensor([width // 4, width - width // 4])
 
     def forward(self, x):
-        return self.linear(x) * self.scale
+        a, b = (self.linear(x) * self.scale + self.shifts[0]).split(self.sizes.tolist(), dim=-1)
+        return torch.cat([b, a], dim=-1)
 
 
-def test_a_constant_held_as_a_plain_attribute_is_swapped_for_a_meta_copy_and_put_back():
+def test_constants_held_outside_buffers_meet_a_meta_step_as_meta_copies_and_are_read_as_they_are():
     torch.manual_seed(0)
-    layers = [_ScaledByAConstant(32), nn.ReLU(), _ScaledByAConstant(32), nn.Linear(32, 32)]
-    constant = layers[0].scale
+    layers = [_HeldConstants(32), nn.ReLU(), _HeldConstants(32), nn.Linear(32, 32)]
     estimated = actsave.estimate(nn.Sequential(*layers), (16, 32), device="cpu").activation_peak_bytes
-    assert layers[0].scale is constant
     model = actsave.CheckpointedSequential(*layers)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to the "sqrt" split
         model(torch.randn(16, 32)).sum().backward()
-    assert model.balanced_plan is not None and layers[0].scale is constant
+    assert model.balanced_plan is not None and not layers[0].scale.is_meta
     assert estimated == peak_activation_bytes(nn.Sequential(*layers), torch.randn(16, 32))
 
 
