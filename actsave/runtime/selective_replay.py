@@ -70,8 +70,8 @@ class Skipper:
             finally:
                 self.depth -= 1
                 self.frame.run_in_place_of = None
-            if follows is not None:  # it returned: it stands for the call after the one that raised
-                self.next += 1
+            if follows is not None:  # it returned: it stands for the fallback's call, after the ones that raised
+                self.next = self.frame.calls.index(follows) + 1
             return output
         if call.output is not None and version(call.output) != call.version:
             raise RecomputeError(
@@ -104,12 +104,16 @@ class Skipper:
         return calls[self.next - 1]
 
     def _next_of(self, target) -> Optional[KeptCall]:
-        """The next kept call, where it is one of ``target``: a call matched to one that
-        raised in the forward stands for it if it returns, the recompute having taken
-        the way the function took after the failure (a fallback to the same module or
-        function). Run in full, it then makes that call's saves itself."""
-        calls = self.frame.calls
-        return calls[self.next] if self.next < len(calls) and calls[self.next].target is target else None
+        """The next kept call of ``target`` that did not raise, past those of it that did:
+        a call matched to one that raised in the forward stands for it if it returns, the
+        recompute having taken the way the function took after the failures (a fallback
+        to the same module or function). Run in full, it then makes that call's saves."""
+        for call in self.frame.calls[self.next:]:
+            if call.target is not target:
+                return None
+            if not call.raised:
+                return call
+        return None
 
     def _fill_views(self, call: KeptCall, arguments: list) -> None:
         """Fill the call's views of its arguments, made of the recomputed ones; move the

@@ -1221,6 +1221,39 @@ def test_a_kept_call_that_raises_inside_a_try_runs_again_if_made_again_and_the_c
     assert frame_calls == [[(model.module.qkv, True), *tried, *fallback, (model.module.out, True)]]
 
 
+class _AttentionTryingMasks(nn.Module):
+    """Tries masks until the fused attention takes one (two raise), and keeps to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out, self.which = nn.Linear(16, 48), nn.Linear(16, 16), None
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(5, 5).tril()
+        masks = [causal.long(), causal.int(), (causal - 1) * 1e9]
+        for i in range(3) if self.which is None else [self.which]:
+            try:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[i])
+                self.which = i
+                break
+            except RuntimeError as error:
+                if isinstance(error, actsave.ActsaveError):
+                    raise
+        return self.out(a.transpose(1, 2).reshape(2, 5, 16))
+
+
+def test_kept_calls_that_raise_in_a_row_before_a_fallback_to_the_same_function_are_passed_over():
+    torch.manual_seed(0)
+    plain = _AttentionTryingMasks()
+    model = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
+    x = torch.randn(2, 5, 16)
+    for m in (plain, model):
+        m(x.clone().requires_grad_()).square().sum().backward()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
 class _GraphConvolution(nn.Module):
     def __init__(self):
         super().__init__()
