@@ -104,16 +104,13 @@ class Skipper:
         return calls[self.next - 1]
 
     def _next_of(self, target) -> Optional[KeptCall]:
-        """The next kept call of ``target`` that did not raise, past those of it that did:
-        a call matched to one that raised in the forward stands for it if it returns, the
-        recompute having taken the way the function took after the failures (a fallback
-        to the same module or function). Run in full, it then makes that call's saves."""
-        for call in self.frame.calls[self.next:]:
-            if call.target is not target:
-                return None
-            if not call.raised:
-                return call
-        return None
+        """The next kept call that did not raise, past those that did (of any target),
+        where it is one of ``target``: a call matched to one that raised in the forward
+        stands for it if it returns, the recompute having taken the way the function took
+        after the failures (a fallback to the same module or function). Run in full, it
+        then makes that call's saves."""
+        following = next((call for call in self.frame.calls[self.next:] if not call.raised), None)
+        return following if following is not None and following.target is target else None
 
     def _fill_views(self, call: KeptCall, arguments: list) -> None:
         """Fill the call's views of its arguments, made of the recomputed ones; move the
