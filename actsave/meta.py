@@ -41,6 +41,7 @@ from ._torch import (
     own_tensors,
 )
 from .devices import fused_attention
+from .errors import ActsaveError
 from .settings import CountedChange
 
 _local = threading.local()
@@ -226,11 +227,20 @@ def _all_on_meta(args: tuple, kwargs: dict) -> tuple:
     list argument, ``torch.cat``'s): a constant the model holds as a plain attribute or in
     a list (not a buffer, which the step swaps), read by an operator of a meta step beside
     its activations, as the real step reads it beside them on its device. Its value is
-    not read, and a change in place is the copy's."""
+    not read; an in-place change there is the copy's, but one an operator makes to it
+    with no meta tensor is real (docs/limits.md, "The first call plans"). One that
+    requires grad is refused: autograd, above this, would hand it a meta gradient."""
     def on_meta(a):
         if isinstance(a, (list, tuple)):
             return type(a)(map(on_meta, a))
-        return torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) and not a.is_meta else a
+        if not isinstance(a, torch.Tensor) or a.is_meta:
+            return a
+        if a.requires_grad:  # an ActsaveError: Tensor's operators turn a TypeError into NotImplemented
+            raise ActsaveError(
+                f"a tensor of shape {list(a.shape)} on {a.device} that requires grad is held outside the model's "
+                "parameters (a plain attribute, a list), so a step on meta tensors cannot stand for it. Register it "
+                "as an nn.Parameter (or a buffer, if it is a constant).")
+        return torch.empty_like(a, device="meta")
     return tuple(map(on_meta, args)), {name: on_meta(a) for name, a in kwargs.items()}
 
 
@@ -341,6 +351,9 @@ class _OutputMetadata:
         """``func(*args, **kwargs)``, replayed from an earlier call where it can be."""
         if torch.Tag.nondeterministic_seeded in func.tags and getattr(_meta_steps, "depth", 0) \
                 and not _on_meta(args, kwargs):
+            if _some_on_meta(args, kwargs):  # a constant the model holds, beside meta tensors: draws nothing
+                args, kwargs = _all_on_meta(args, kwargs)
+                return func(*args, **kwargs)
             return _drawn_with_generators_put_back(func, args, kwargs)  # NOTE [ A meta step draws nothing ]
         if func is _ADD_IN_PLACE and _sparse_into_dense(args):
             # A sparse gradient (nn.Embedding(sparse=True)'s) accumulated into the dense one a

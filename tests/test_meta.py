@@ -3,6 +3,7 @@ a simulated device are tested through the planner: tests/planning."""
 import random
 import warnings
 
+import pytest
 import torch
 from support import peak_activation_bytes
 from torch import nn
@@ -186,3 +187,27 @@ def test_a_first_calls_meta_step_leaves_pythons_generator_as_it_found_it():
         outputs.append(model(x))
         states.append(random.getstate())
     assert torch.equal(*outputs) and states[0] == states[1]
+
+
+class _NoisyByAConstant(nn.Module):
+    def __init__(self, width: int, trained: bool = False):
+        super().__init__()
+        self.linear, self.std = nn.Linear(width, width), torch.full((width,), 0.1, requires_grad=trained)
+
+    def forward(self, x):
+        return torch.normal(torch.tanh(self.linear(x)), self.std) if not self.std.requires_grad \
+            else torch.tanh(self.linear(x)) * self.std
+
+
+def test_a_random_operator_meeting_a_held_constant_in_a_meta_step_draws_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(_NoisyByAConstant(16), nn.Linear(16, 16))
+    state = torch.get_rng_state()
+    assert actsave.estimate(model, (4, 16), device="cpu").activation_peak_bytes > 0
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_a_tensor_that_requires_grad_held_outside_the_parameters_is_refused_in_a_meta_step_naming_the_way_out():
+    model = nn.Sequential(_NoisyByAConstant(16, trained=True), nn.Linear(16, 16))
+    with pytest.raises(actsave.ActsaveError, match="Register it as an nn.Parameter"):
+        actsave.estimate(model, (4, 16), device="cpu")
