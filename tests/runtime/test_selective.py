@@ -1169,6 +1169,18 @@ def test_an_attribute_set_to_one_element_and_to_a_row_by_two_calls_has_them_run_
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), wrapped.parameters()))
 
 
+def _assert_a_copy_checkpointed_trains_as_plain(plain: nn.Module, x: torch.Tensor, keep="selective") -> nn.Module:
+    """One step of ``plain`` and of a copy under ``actsave.Checkpoint(copy, keep=keep)``:
+    the same gradients (None where a parameter got none in either). Returns the copy
+    checkpointed."""
+    model = actsave.Checkpoint(copy.deepcopy(plain), keep=keep)
+    for m in (plain, model):
+        m(x.clone().requires_grad_()).square().sum().backward()
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+    return model
+
+
 class _AttentionWithAFallback(nn.Module):
     """Tries the fused attention, which refuses an integer mask, and writes it out then
     (``again``: calls it again with a float mask); ``remembers``: tries it no more after
@@ -1200,13 +1212,8 @@ class _AttentionWithAFallback(nn.Module):
 def test_a_kept_call_that_raises_inside_a_try_runs_again_if_made_again_and_the_calls_after_it_are_kept(
         remembers, again):
     torch.manual_seed(0)
-    plain = _AttentionWithAFallback(remembers, again)
-    model = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
     x = torch.randn(2, 6, 16)
-    for m in (plain, model):
-        m(x.clone().requires_grad_()).square().sum().backward()
-    for a, b in zip(plain.parameters(), model.parameters()):
-        assert torch.equal(a.grad, b.grad)
+    model = _assert_a_copy_checkpointed_trains_as_plain(_AttentionWithAFallback(remembers, again), x)
     frame_calls = []
     original = selective.SelectiveFrame.end_forward
 
@@ -1280,13 +1287,8 @@ class _AttentionTryingTwoWays(_AttentionTryingMasks):
 @pytest.mark.parametrize("block", [_AttentionTryingMasks, _AttentionTryingTwoWays], ids=["one-target", "two-targets"])
 def test_kept_calls_that_raise_in_a_row_before_a_fallback_to_the_same_function_are_passed_over(block):
     torch.manual_seed(0)
-    plain = block()
-    model = actsave.Checkpoint(copy.deepcopy(plain), keep=KeptOps(modules=(nn.Linear, _RefusesOtherWidths)))
-    x = torch.randn(2, 5, 16)
-    for m in (plain, model):
-        m(x.clone().requires_grad_()).square().sum().backward()
-    for a, b in zip(plain.parameters(), model.parameters()):
-        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)  # the projection raised
+    _assert_a_copy_checkpointed_trains_as_plain(block(), torch.randn(2, 5, 16),
+                                                keep=KeptOps(modules=(nn.Linear, _RefusesOtherWidths)))
 
 
 class _GraphConvolution(nn.Module):
@@ -1302,13 +1304,7 @@ class _GraphConvolution(nn.Module):
 
 def test_a_block_that_saves_a_sparse_tensor_is_exact():
     torch.manual_seed(0)
-    plain = _GraphConvolution()
-    model = actsave.Checkpoint(copy.deepcopy(plain), keep="selective")
-    x = torch.randn(4, 8)
-    for m in (plain, model):
-        m(x.clone().requires_grad_()).square().sum().backward()
-    for a, b in zip(plain.parameters(), model.parameters()):
-        assert torch.equal(a.grad, b.grad)
+    _assert_a_copy_checkpointed_trains_as_plain(_GraphConvolution(), torch.randn(4, 8))
 
 
 def test_a_chain_inside_the_block_plans_at_its_first_call_without_its_calls_being_kept():
