@@ -141,15 +141,16 @@ def device_of(tensor: torch.Tensor) -> torch.device:
 
 @contextlib.contextmanager
 def on_meta(model: nn.Module):
-    """Swap every parameter and buffer of ``model`` for a meta copy (parameters with a
-    meta gradient) and yield the copies; put the originals back on exit. Other tensors
-    the model holds (plain attributes, lists) stay as they are: an operator of the step
-    that meets one beside meta tensors takes a meta copy of it (_OutputMetadata.call),
-    and one read for its values (``sizes.tolist()``) reads them. Tied parameters stay tied. A parameter FSDP2 sharded
-    becomes a meta copy of the whole parameter, as a forward sees it gathered, and
-    FSDP2's forward hooks are paused meanwhile: they would gather the real shards over
-    the copies, a collective that a meta step must not make. Anomaly mode checks no
-    gradient for NaN meanwhile (NOTE [ Anomaly mode in a meta step ])."""
+    """Swap every parameter and buffer of ``model`` for a meta copy (parameters with a meta
+    gradient) and yield the copies; put the originals back on exit. Other tensors the
+    model holds (plain attributes, lists) stay as they are: an operator of the step that
+    meets one beside meta tensors takes a meta copy of it (_OutputMetadata.call), and
+    one read for its values (``sizes.tolist()``) reads them. Tied parameters stay tied.
+    A parameter FSDP2 sharded becomes a meta copy of the whole parameter, as a forward
+    sees it gathered, and FSDP2's forward hooks are paused meanwhile: they would gather
+    the real shards over the copies, a collective that a meta step must not make.
+    Anomaly mode checks no gradient for NaN meanwhile
+    (NOTE [ Anomaly mode in a meta step ])."""
     _warn_of_recurrences(model)
     _meta_steps.depth = getattr(_meta_steps, "depth", 0) + 1  # NOTE [ A meta step draws nothing ]
     try:
@@ -180,18 +181,18 @@ def _python_generators_put_back():
 # (``torch.rand(n, generator=g)``). In a meta step (a first call's balanced plan, which
 # runs inside the model's first forward, where the user cannot seed after it) those
 # draws would move the process's generators, and the first training step would draw
-# other numbers than plain PyTorch's. Putting the generators back as the step ends
-# would undo what other threads drew meanwhile (NOTE [ Steps other threads do not see ]
-# in planning/step_isolation.py). So, on the stepping thread only, each random operator
+# other numbers than plain PyTorch's. Putting the generators back as the step ends would
+# undo what other threads drew meanwhile (NOTE [ Steps other threads do not see ] in
+# planning/step_isolation.py). So, on the stepping thread only, each random operator
 # (aten's ``nondeterministic_seeded`` tag) that runs on a real device puts back, as it
 # returns, the state of the generators it may have drawn from: the CPU's, each
 # initialized CUDA device's, and the one passed to it. Checked where every operator of a
 # meta step passes already (the dispatch modes that replay output metadata, fast_meta
 # and planning's LiveBytes: _OutputMetadata.call), while this thread is in on_meta, not
 # in a mode of its own, which would cost every operator of every plan one more Python
-# call. A step on a real device draws as a training step does (step_isolation.py). Each such draw in the step
-# then reads the same numbers, which no training step sees. A seed a layer sets
-# (``torch.manual_seed``, no operator) is the process's and is not put back
+# call. A step on a real device draws as a training step does (step_isolation.py). Each
+# such draw in the step then reads the same numbers, which no training step sees. A seed
+# a layer sets (``torch.manual_seed``, no operator) is the process's and is not put back
 # (docs/limits.md, "Threads"). Python's ``random`` and numpy's global generator, which
 # no operator draws from (an older LayerDrop's ``random.uniform``), are put back as the
 # meta step ends: a draw another thread makes from them meanwhile is undone too.
@@ -349,12 +350,10 @@ class _OutputMetadata:
 
     def call(self, func, args: tuple, kwargs: dict):
         """``func(*args, **kwargs)``, replayed from an earlier call where it can be."""
-        if torch.Tag.nondeterministic_seeded in func.tags and getattr(_meta_steps, "depth", 0) \
-                and not _on_meta(args, kwargs):
-            if _some_on_meta(args, kwargs):  # a constant the model holds, beside meta tensors: draws nothing
-                args, kwargs = _all_on_meta(args, kwargs)
-                return func(*args, **kwargs)
-            return _drawn_with_generators_put_back(func, args, kwargs)  # NOTE [ A meta step draws nothing ]
+        if torch.Tag.nondeterministic_seeded in func.tags and meta_step_depth() and not _on_meta(args, kwargs):
+            if not _some_on_meta(args, kwargs):
+                return _drawn_with_generators_put_back(func, args, kwargs)  # NOTE [ A meta step draws nothing ]
+            args, kwargs = _all_on_meta(args, kwargs)  # a constant the model holds, beside meta tensors
         if func is _ADD_IN_PLACE and _sparse_into_dense(args):
             # A sparse gradient (nn.Embedding(sparse=True)'s) accumulated into the dense one a
             # meta step gives each parameter: torch has no meta kernel for the coalesce that
@@ -362,7 +361,7 @@ class _OutputMetadata:
             return args[0]
         key = _key(func, args, kwargs)
         if key is None:
-            if getattr(_meta_steps, "depth", 0) and _some_on_meta(args, kwargs):
+            if meta_step_depth() and _some_on_meta(args, kwargs):
                 args, kwargs = _all_on_meta(args, kwargs)
             return func(*args, **kwargs)
         entry = self._entries.get(key)

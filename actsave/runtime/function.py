@@ -72,15 +72,15 @@ or offload there would cost work and free nothing.
 NOTE [ Backward inside a checkpointed forward ]
 A function may run a backward of its own before it returns (``autograd.grad`` with
 ``create_graph=True``: gradient penalties, physics-informed losses, higher-order
-derivatives). That backward unpacks placeholders of a forward still running. It gets
-a recompute of the prefix saved so far, from the caller's exact inputs (alive while
-the forward runs), which releases nothing and is not kept for the real backward: more
-placeholders are still to come. Where the function's first layer changed those inputs
-in place, it runs on a copy of the private copy kept of them, which the real backward's
-recompute then finds as it was kept; a private copy a lossy codec keeps is refused
-there, as the forward's own output would come from decoded values. Each tensor of it is handed out once, as autograd
-unpacks a saved tensor once per backward. Inside any recompute the function's own
-graph holds its saved tensors as they are, so a backward inside the recompute works
+derivatives). That backward unpacks placeholders of a forward still running. It gets a
+recompute of the prefix saved so far, from the caller's exact inputs (alive while the
+forward runs), which releases nothing and is not kept for the real backward: more
+placeholders are still to come. Where the function's first layer changed those inputs in
+place, it runs on a copy of the private copy kept of them, which the real backward's
+recompute then finds as it was kept; one a lossy codec keeps is refused (the forward's
+output would come from decoded values). Each tensor of it is handed out once, as
+autograd unpacks a saved tensor once per backward. Inside any recompute the function's
+own graph holds its saved tensors as they are, so a backward inside the recompute works
 as it did in the forward; the saves a backward with ``create_graph=True`` makes are
 placeholders like any other.
 """

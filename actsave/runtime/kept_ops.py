@@ -262,6 +262,7 @@ def _runs_torchs_code(module: nn.Module) -> bool:
             and not forward_set_on(module) and "_conv_forward" not in vars(module))
 
 
+@functools.lru_cache(maxsize=64)  # asked at every kept call: a few functions, each read once
 def _in_torchs_modules(function) -> bool:
     code = getattr(function, "__code__", None)
     return code is not None and os.path.dirname(code.co_filename) == _TORCH_MODULES_DIR

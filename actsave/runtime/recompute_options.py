@@ -43,14 +43,14 @@ DETERMINISM_CHECKS = ("default", "none")
 
 
 # NOTE [ Saves filled after they are saved ]
-# The early stop ends a recompute as its last save is made, inside the op that saves
-# it. An op that saves a tensor and then fills it never fills it then: RReLU in
-# training saves its noise tensor and then draws into it (``rrelu_with_noise``), so a
-# recompute stopped there leaves the noise uninitialized and the gradients wrong
-# (torch's non-reentrant checkpoint does the same). So a checkpoint whose modules hold
-# a training RReLU (or a subclass of it) runs its recompute to the end (its peak may
-# then pass a plan's prediction by what runs after the last save). An op called as a function, with no
-# module to find, is not seen: pass ``early_stop=False`` for such a function.
+# The early stop ends a recompute as its last save is made, inside the op that saves it.
+# An op that saves a tensor and then fills it never fills it then: RReLU in training
+# saves its noise tensor and then draws into it (``rrelu_with_noise``), so a recompute
+# stopped there leaves the noise uninitialized and the gradients wrong (torch's
+# non-reentrant checkpoint does the same). So a checkpoint whose modules hold a training
+# RReLU (or a subclass of it) runs its recompute to the end (its peak may then pass a
+# plan's prediction by what runs after the last save). An op called as a function, with
+# no module to find, is not seen: pass ``early_stop=False`` for such a function.
 
 
 def _fills_a_save(module: nn.Module) -> bool:
