@@ -34,6 +34,7 @@ from .runtime.keep_modes import BlockOption, call_block
 from .runtime.recompute_options import RecomputeOptions, check_torch_only_keywords
 from .runtime.keep_rules import KeepPolicy, modifies_input
 from .runtime.layers import WRAPPED_CHILD
+from .transparent_wrapper import TransparentWrapper, yields_to_wrapped
 from .wrap_selection import matching_blocks
 
 
@@ -103,28 +104,7 @@ def checkpoint(function: Callable, *args, compress=None, offload=False, keep="in
     return output
 
 
-class _yields_to_wrapped(property):
-    """A read-only property of :class:`Checkpoint` that gives the wrapped module's
-    attribute of the same name where the module has one (Checkpoint's docstring)."""
-
-    def __get__(self, wrapper, owner=None):
-        if wrapper is None:
-            return self
-        wrapped = wrapper._modules.get(WRAPPED_CHILD)
-        name = self.fget.__name__
-        if wrapped is not None and _has_own(wrapped, name):
-            return getattr(wrapped, name)
-        return self.fget(wrapper)
-
-
-def _has_own(module: nn.Module, name: str) -> bool:
-    """Whether ``module`` has an attribute ``name`` (a child, parameter, buffer, instance
-    or class attribute), without calling a property to find out."""
-    return (name in module.__dict__ or name in module._modules or name in module._parameters
-            or name in module._buffers or hasattr(type(module), name))
-
-
-class Checkpoint(nn.Module):
+class Checkpoint(TransparentWrapper):
     """Wraps ``module`` so that its forward keeps only its inputs for backward.
 
     ``state_dict`` keys are those of ``module`` itself: a checkpoint saved with the
@@ -153,41 +133,39 @@ class Checkpoint(nn.Module):
                               f"{type(module).__name__} (for a function, use actsave.checkpoint(function, *args))")
         self._option = BlockOption.resolve(keep, compress, offload)
         self._recompute = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
-        self.add_module(WRAPPED_CHILD, module)
+        self._wrap(module)
         # Why a compiled forward runs this block eagerly, though its codec could be in
         # the graph; set at the root's first break (NOTE [ Codecs in a compiled graph ]).
         self._eager_because: Optional[str] = None
-        self.register_state_dict_post_hook(_strip_wrapper_prefix)
-        self.register_load_state_dict_pre_hook(_add_wrapper_prefix)
 
-    @_yields_to_wrapped
+    @yields_to_wrapped
     def module(self) -> nn.Module:
         """The wrapped module."""
         return self._modules[WRAPPED_CHILD]
 
-    @_yields_to_wrapped
+    @yields_to_wrapped
     def option(self) -> BlockOption:
         """What it keeps and how (``keep``, ``compress``, ``offload``, resolved)."""
         return self._option
 
-    @_yields_to_wrapped
+    @yields_to_wrapped
     def recompute(self) -> RecomputeOptions:
         """How it recomputes (``preserve_rng_state``, ``determinism_check``, ``debug``,
         ``early_stop``, resolved)."""
         return self._recompute
 
-    @_yields_to_wrapped
+    @yields_to_wrapped
     def policy(self) -> KeepPolicy:
         """The codec and offload of what it keeps (``option.policy``)."""
         return self._option.policy
 
-    @_yields_to_wrapped
+    @yields_to_wrapped
     def inputs_policy(self) -> Optional[KeepPolicy]:
         """How it keeps its inputs where it keeps only them (``keep="inputs"``), else
         None: what a compiled graph's codec hooks read (runtime/graph_codecs.py)."""
         return self._kept_inputs_policy
 
-    @_yields_to_wrapped
+    @yields_to_wrapped
     def eager_because(self) -> Optional[str]:
         """Why a compiled forward runs it eagerly, or None (class docstring)."""
         return self._eager_because
@@ -217,42 +195,6 @@ class Checkpoint(nn.Module):
 
     def __prepare_scriptable__(self):
         raise not_scriptable(self)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            wrapped = self._modules.get(WRAPPED_CHILD)
-            if wrapped is None:  # still inside __init__
-                raise
-            return getattr(wrapped, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        # An attribute the module has is set on the module (``block.fc = LoRA(block.fc)``
-        # after wrap): set on the wrapper, it would shadow the module's, which the
-        # forward never reads. The wrapper's own attributes and methods stay its own.
-        module = self._module_having(name)
-        if module is not None:
-            setattr(module, name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        module = self._module_having(name)
-        if module is not None:
-            delattr(module, name)
-        else:
-            super().__delattr__(name)
-
-    def _module_having(self, name: str) -> Optional[nn.Module]:
-        """The wrapped module (under torch.compile's wrapper, the module compiled) where
-        it has ``name`` and the wrapper has not, or yields it (_yields_to_wrapped)."""
-        wrapped = self.__dict__.get("_modules", {}).get(WRAPPED_CHILD)
-        if wrapped is None:  # inside __init__
-            return None
-        module = uncompiled(wrapped)
-        yields = isinstance(getattr(type(self), name, None), _yields_to_wrapped)
-        return module if (yields or not _has_own(self, name)) and _has_own(module, name) else None
 
     def extra_repr(self) -> str:
         recompute = self._recompute.describe()
@@ -473,15 +415,3 @@ def _checkpoint_of(module: nn.Module, option: BlockOption, options: RecomputeOpt
     wrapper = Checkpoint(module)
     wrapper._option, wrapper._recompute = option, options
     return wrapper
-
-
-def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata):
-    inner = prefix + WRAPPED_CHILD + "."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-
-
-def _add_wrapper_prefix(module, state_dict, prefix, *args):
-    inner = prefix + WRAPPED_CHILD + "."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
