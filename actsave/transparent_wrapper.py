@@ -2,12 +2,20 @@
 the base of :class:`~actsave.Checkpoint`.
 
 - **Attributes**: a name the wrapper does not have is looked up on the wrapped module,
-  and one the module has is set and deleted there (``block.fc = LoRA(block.fc)`` after
-  wrap). The wrapper's own public names yield to the module's where the module has
-  one (:class:`yields_to_wrapped`).
+  and set, deleted and registered there (``block.fc = LoRA(block.fc)`` or a new
+  ``block.adapter = ...`` after wrap, ``add_module``, ``register_buffer``): the
+  module's forward reads its own attributes, never the wrapper's. The wrapper keeps
+  only the names it has (nn.Module's own, and those its class defines or its
+  ``__init__`` sets). ``training`` is set on both, as ``train()`` sets it. The
+  wrapper's own public names yield to the module's where the module has one
+  (:class:`yields_to_wrapped`).
 - **State dicts**: their keys are the wrapped module's own; the wrapper's child name
   (``WRAPPED_CHILD``) is taken out when saving and put back when loading, so a state
-  dict saved with the wrapper loads without it and the other way round.
+  dict saved with the wrapper loads without it and the other way round. What a load
+  tells the user is in those keys too: the load hooks registered on the wrapper, the
+  missing and unexpected keys, the error messages. A saved state dict's metadata (the
+  modules' versions) is held under both names; one saved without the wrapper gives
+  the wrapped module none (docs/limits.md, "Wrapped modules").
 """
 from __future__ import annotations
 
@@ -47,7 +55,19 @@ class TransparentWrapper(nn.Module):
     def _wrap(self, module: nn.Module) -> None:
         self.add_module(WRAPPED_CHILD, module)
         self.register_state_dict_post_hook(_strip_wrapper_prefix)
-        self.register_load_state_dict_pre_hook(_add_wrapper_prefix)
+        self.register_load_state_dict_post_hook(_load_report_without_wrapper)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # The wrapper's load hooks (run by nn.Module's) see the keys as saved. The wrapper
+        # has no state of its own: the keys under its prefix that nn.Module's strict check
+        # finds unexpected here are the module's, which the child loads once renamed.
+        checked = len(unexpected_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        moved = _add_wrapper_prefix(state_dict, prefix)
+        unexpected_keys[checked:] = [key for key in unexpected_keys[checked:] if key not in moved]
+        self.__dict__["_load_messages"] = error_msgs  # renamed with the keys (_load_report_without_wrapper)
 
     def __getattr__(self, name: str):
         try:
@@ -59,40 +79,80 @@ class TransparentWrapper(nn.Module):
             return getattr(wrapped, name)
 
     def __setattr__(self, name: str, value) -> None:
-        # An attribute the module has is set on the module (``block.fc = LoRA(block.fc)``
-        # after wrap): set on the wrapper, it would shadow the module's, which the
-        # forward never reads. The wrapper's own attributes and methods stay its own.
-        module = self._module_having(name)
+        # Set on the wrapper, an attribute of the module would shadow the module's, and
+        # a new one would never be read: the module's forward reads its own.
+        module = self._module_for(name)
         if module is not None:
             setattr(module, name, value)
-        else:
+        if module is None or name == "training":
             super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
-        module = self._module_having(name)
+        module = self._module_for(name)
         if module is not None:
             delattr(module, name)
         else:
             super().__delattr__(name)
 
-    def _module_having(self, name: str) -> Optional[nn.Module]:
+    def add_module(self, name: str, module: Optional[nn.Module]) -> None:
+        # register_module calls this too.
+        owner = self._module_for(name)
+        if owner is not None:
+            owner.add_module(name, module)
+        else:
+            super().add_module(name, module)
+
+    def register_parameter(self, name: str, param) -> None:
+        owner = self._module_for(name)
+        if owner is not None:
+            owner.register_parameter(name, param)
+        else:
+            super().register_parameter(name, param)
+
+    def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
+        owner = self._module_for(name)
+        if owner is not None:
+            owner.register_buffer(name, tensor, persistent)
+        else:
+            super().register_buffer(name, tensor, persistent)
+
+    def _module_for(self, name: str) -> Optional[nn.Module]:
         """The wrapped module (under torch.compile's wrapper, the module compiled) where
-        it has ``name`` and the wrapper has not, or yields it (yields_to_wrapped)."""
+        ``name`` is the module's (module docstring), else None: before the module is
+        wrapped, every name is the wrapper's."""
         wrapped = self.__dict__.get("_modules", {}).get(WRAPPED_CHILD)
-        if wrapped is None:  # inside __init__
+        if wrapped is None:
             return None
         module = uncompiled(wrapped)
+        if name == "training":
+            return module
         yields = isinstance(getattr(type(self), name, None), yields_to_wrapped)
-        return module if (yields or not has_own(self, name)) and has_own(module, name) else None
+        return module if yields and has_own(module, name) or not has_own(self, name) else None
 
 
-def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata):
+def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata) -> None:
     inner = prefix + WRAPPED_CHILD + "."
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # kept too: a wrapped model's load reads the inner names
+        for key in [k for k in metadata if (k + ".").startswith(inner)]:
+            metadata[(prefix + key[len(inner):]).rstrip(".")] = metadata[key]
 
 
-def _add_wrapper_prefix(module, state_dict, prefix, *args):
+def _add_wrapper_prefix(state_dict, prefix: str) -> set:
+    """Puts the wrapper's child name into the keys under ``prefix``; the keys renamed."""
     inner = prefix + WRAPPED_CHILD + "."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+    moved = {k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)}
+    for key in moved:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+    return moved
+
+
+def _load_report_without_wrapper(module, incompatible_keys) -> None:
+    """The missing and unexpected keys of a load, and its error messages, in the names
+    of the state dict as saved (without the wrapper's child name, at any depth)."""
+    inner = WRAPPED_CHILD + "."
+    messages = module.__dict__.pop("_load_messages", [])
+    for found in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys, messages):
+        found[:] = [text.replace(inner, "") for text in found]

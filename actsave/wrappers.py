@@ -109,8 +109,8 @@ class Checkpoint(TransparentWrapper):
 
     ``state_dict`` keys are those of ``module`` itself: a checkpoint saved with the
     wrapper loads without it and the other way round. Attributes not found on the
-    wrapper are looked up on ``module`` (and set on it, where it has them), and so are
-    the wrapper's own public names (``module``, ``option``, ``recompute``, ``policy``,
+    wrapper are looked up on ``module`` and set, deleted and registered there
+    (``transparent_wrapper.py``), and so are the wrapper's own public names (``module``, ``option``, ``recompute``, ``policy``,
     ``inputs_policy``, ``eager_because``) where ``module`` has an attribute of that
     name: the wrapper hides nothing of the module it wraps (``model.get_parameter``
     walks a state dict name, ``block.module.weight``, through them).
@@ -133,10 +133,10 @@ class Checkpoint(TransparentWrapper):
                               f"{type(module).__name__} (for a function, use actsave.checkpoint(function, *args))")
         self._option = BlockOption.resolve(keep, compress, offload)
         self._recompute = RecomputeOptions.resolve(preserve_rng_state, determinism_check, debug, early_stop)
-        self._wrap(module)
         # Why a compiled forward runs this block eagerly, though its codec could be in
         # the graph; set at the root's first break (NOTE [ Codecs in a compiled graph ]).
         self._eager_because: Optional[str] = None
+        self._wrap(module)  # last: from here a name the wrapper has not is the module's
 
     @yields_to_wrapped
     def module(self) -> nn.Module:

@@ -1,0 +1,83 @@
+"""TransparentWrapper (Checkpoint's base) hides nothing of the module it wraps:
+attributes set, deleted and registered after wrap reach the module, and what a
+state-dict load reports is in the names of the state dict as saved."""
+import pytest
+import torch
+from support import assert_same_training, twin
+from torch import nn
+
+import actsave
+
+
+class _Adaptable(nn.Module):
+    """A block that runs an adapter where one was set on it (LoRA-style injection)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        adapter = getattr(self, "adapter", None)
+        scale = getattr(self, "scale", None)
+        y = self.fc(x) if adapter is None else self.fc(x) + adapter(x)
+        return y if scale is None else y * scale
+
+
+def _both(setup):
+    """A plain model and its wrapped twin, ``setup`` applied to each block after wrap."""
+    plain = nn.Sequential(_Adaptable(), nn.Tanh(), _Adaptable())
+    model = actsave.wrap(twin(plain), _Adaptable)
+    for blocks in (plain, model):
+        torch.manual_seed(0)
+        setup(blocks[0])
+    return plain, model
+
+
+@pytest.mark.parametrize("setup", [
+    lambda b: setattr(b, "adapter", nn.Linear(4, 4)),
+    lambda b: b.add_module("adapter", nn.Linear(4, 4)),
+    lambda b: b.register_module("adapter", nn.Linear(4, 4)),
+    lambda b: b.register_buffer("scale", torch.full((4,), 3.0)),
+    lambda b: b.register_parameter("scale", nn.Parameter(torch.full((4,), 3.0))),
+    lambda b: (delattr(b, "fc"), setattr(b, "fc", nn.Linear(4, 4))),
+], ids=["setattr", "add_module", "register_module", "register_buffer", "register_parameter", "del_and_set"])
+def test_what_is_set_on_a_wrapped_block_after_wrap_is_set_on_the_block(setup):
+    plain, model = _both(setup)
+    assert "adapter" not in model[0]._modules and "scale" not in model[0]._buffers
+    assert list(model.state_dict()) == list(plain.state_dict())
+    model.load_state_dict(model.state_dict())  # strict: the block's own keys
+    assert_same_training(plain, model, torch.randn(3, 4))
+
+
+def test_the_training_flag_set_on_a_wrapper_reaches_the_module():
+    dropout = nn.Dropout(0.5)
+    wrapper = actsave.Checkpoint(dropout)
+    wrapper.training = False  # the flag alone, as on a plain module: not its children's
+    assert not dropout.training and not wrapper.training
+    x = torch.randn(3, 4, requires_grad=True)
+    assert torch.equal(wrapper(x), x)
+
+
+def test_a_load_reports_and_its_hooks_use_the_names_of_the_state_dict_as_saved():
+    plain = nn.Sequential(_Adaptable(), nn.Linear(4, 4))
+    model = actsave.wrap(twin(plain), _Adaptable)
+    seen = []
+    model[0].register_load_state_dict_pre_hook(lambda module, state, prefix, *args: seen.extend(state))
+    state = plain.state_dict()
+    state["0.extra"] = state.pop("0.fc.bias")
+    assert model.load_state_dict(state, strict=False) == plain.load_state_dict(state, strict=False)
+    assert seen == ["0.fc.weight", "0.extra"]
+    state["0.fc.weight"] = torch.zeros(5, 4)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0\.fc\.weight:") as raised:
+        model.load_state_dict(state)
+    assert actsave.runtime.layers.WRAPPED_CHILD not in str(raised.value)
+
+
+def test_a_wrapped_state_dict_carries_the_module_versions_a_plain_load_reads():
+    plain = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4))
+    model = actsave.wrap(twin(plain), nn.BatchNorm1d)
+    state = model.state_dict()
+    del state["0.num_batches_tracked"]  # a key the module's version says it has
+    with pytest.raises(RuntimeError, match="Missing key.*0.num_batches_tracked"):
+        plain.load_state_dict(state)
+    model.load_state_dict(model.state_dict())  # and the wrapped model reads its own
