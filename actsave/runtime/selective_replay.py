@@ -80,7 +80,9 @@ class Skipper:
                 f"after the checkpointed forward returned (version {version(call.output)}, expected {call.version}): "
                 "the recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
                 "which recomputes it.")
-        self._fill_views(call, input_tensors(args, kwargs))  # the early stop may end the recompute in there
+        arguments = input_tensors(args, kwargs)
+        self._check_arguments(call, arguments)
+        self._fill_views(call, arguments)  # the early stop may end the recompute in there
         if call.let_go:  # past the early stop, which the function caught (a try/except around an op)
             raise _AllSlotsFilled
         replay_attributes(call)
@@ -111,6 +113,19 @@ class Skipper:
         then makes that call's saves."""
         following = next((call for call in self.frame.calls[self.next:] if not call.raised), None)
         return following if following is not None and following.target is target else None
+
+    def _check_arguments(self, call: KeptCall, arguments: list) -> None:
+        """A kept call stands for the forward's only where the recompute passes it tensors
+        of the forward's shapes: its output and its saves' views of its arguments are
+        the forward's (a view made again of a longer argument reads other elements)."""
+        shapes = [tuple(argument.shape) for argument in arguments]
+        if shapes != [argument.shape for argument in call.arguments]:
+            raise self.frame._mismatch(
+                f"the recompute of {qualified_name(self.frame.function)} passed {described(call.target)} tensors of "
+                f"shapes {shapes} where the forward passed {[argument.shape for argument in call.arguments]}: the "
+                "function does not do the same work twice (state it reads and appends to runs again: Hugging "
+                "Face's use_cache=True, pass use_cache=False to train). Make it deterministic or do not checkpoint "
+                "it.")
 
     def _fill_views(self, call: KeptCall, arguments: list) -> None:
         """Fill the call's views of its arguments, made of the recomputed ones; move the

@@ -1,0 +1,32 @@
+"""The recompute of a selective checkpoint (actsave/runtime/selective_replay.py): kept
+calls skipped, standing for the forward's only where the recompute does the same work."""
+import pytest
+import torch
+from torch import nn
+
+import actsave
+
+
+class _SlidingMemory(nn.Module):
+    """Reads and appends to state it holds as a plain attribute (a sliding window, as
+    Hugging Face's caches under use_cache=True): its recompute passes its Linear a
+    longer input than the forward did."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.memory = nn.Linear(4, 4), None
+
+    def forward(self, x):
+        h = x if self.memory is None else torch.cat([self.memory, x])
+        self.memory = x.detach()[-2:]
+        return torch.tanh(self.fc(h)[-x.shape[0]:])
+
+
+def test_a_kept_call_passed_other_shapes_in_the_recompute_raises():
+    # Its saves' views would be made again of the longer input, reading other rows:
+    # gradients silently wrong where keep="inputs" and torch's checkpoint raise.
+    block = actsave.Checkpoint(_SlidingMemory(), keep="selective")
+    out = block(torch.randn(4, 4, requires_grad=True))
+    with pytest.raises(actsave.RecomputeError, match=r"passed Linear tensors of shapes \[\(6, 4\)\] where the "
+                                                     r"forward passed \[\(4, 4\)\].*use_cache"):
+        out.sum().backward()
