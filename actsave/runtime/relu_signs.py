@@ -36,6 +36,7 @@ from .._torch import is_relu_node, version
 from ..codecs import pack_relu_signs
 from ..codecs.backend import implementation
 from ..triton_kernels import bitfields, decision_table
+from .forward_dispatch import forward_set_on
 from .layers import module_hooks, modules_among
 
 
@@ -55,8 +56,10 @@ def is_relu_output(tensor: torch.Tensor) -> bool:
 # ``x[:, :]``); known by its node alone, its decisions would not be kept, and a lossy
 # recompute's ReLU flips on it would go uncorrected. So while a lossy forward runs
 # (a checkpointed segment's, function.py; a kept call's, kept_saves.py), InplaceRelus
-# watches the ``nn.ReLU(inplace=True)`` modules: hooks on those among the known layers
-# (layers.py, NOTE [ Known layers ]), none where there are none, global ones only for
+# watches the ``nn.ReLU(inplace=True)`` modules that run their class's own forward (a
+# subclass's, or one set on the instance, may change its input otherwise): hooks on
+# those among the known layers (layers.py, NOTE [ Known layers ]), none where there
+# are none, global ones only for
 # a function whose layers are not known; exact modes watch nothing. While one runs, its
 # input object is the ReLU output being saved; once it returns, that view is marked
 # with its version. It stays a ReLU output while its version is that one: an in-place
@@ -88,7 +91,9 @@ def _watched_relu_output(tensor: torch.Tensor) -> bool:
 
 
 def _is_inplace_relu(module) -> bool:
-    return isinstance(module, nn.ReLU) and module.inplace and type(module).forward is nn.ReLU.forward
+    # Its own forward: a subclass's, or one set on the instance, may do something else in place.
+    return (isinstance(module, nn.ReLU) and module.inplace and type(module).forward is nn.ReLU.forward
+            and not forward_set_on(module))
 
 
 class InplaceRelus:

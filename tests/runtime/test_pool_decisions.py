@@ -307,3 +307,24 @@ def test_forced_triton_pools_at_the_same_decisions_in_one_launch_each(monkeypatc
     # (early stop: nothing after the segment's last save runs), so its output is not set.
     assert [launched.count(kernel) for kernel in ("_encode_max_pool_kernel", "_decode_max_pool_kernel",
                                                   "_gather_max_pool_kernel")] == [3, 3, 2]
+
+
+def _pool_then_scale(x):
+    return torch.nn.functional.max_pool2d(x, 2) * 3.0
+
+
+@pytest.mark.parametrize("keep", ["inputs", "selective"])
+def test_a_pool_with_a_forward_set_on_it_is_recomputed_as_it_comes(keep):
+    # Its output is not the pool's: the forward's decisions must not overwrite it.
+    torch.manual_seed(0)
+    pool = nn.MaxPool2d(2)
+    pool.forward = _pool_then_scale
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), pool, nn.Flatten(), nn.Linear(64, 5))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    grads = []
+    for run in (plain, lambda h: actsave.checkpoint(plain, h, compress="int8", keep=keep)):
+        plain.zero_grad()
+        run(x * 1.0).square().sum().backward()
+        grads.append(plain[3].weight.grad.clone())
+    assert sqnr_db(grads[0], grads[1]) > 30  # 3.5 dB where the pool's decisions replaced its output
+    assert Window.of(pool) is None

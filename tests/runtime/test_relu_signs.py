@@ -243,3 +243,18 @@ def test_a_kept_relu_save_is_encoded_with_its_decisions_in_one_launch(codec, mon
     # Each save decoded is restored: the first two outputs are saved by their ReLU and the next conv.
     assert launched.count(("_restore_relu_signs_kernel", None)) == 5
     assert not [kernel for kernel, _ in launched if kernel == "_pack_relu_signs_kernel"]
+
+
+def test_an_in_place_relu_with_a_forward_set_on_it_is_not_watched():
+    # Its output is no ReLU's (here tanh_'s): ReLU decisions would zero its negatives.
+    torch.manual_seed(0)
+    act = nn.ReLU(inplace=True)
+    act.forward = torch.Tensor.tanh_
+    plain = nn.Sequential(nn.Linear(16, 32), act, nn.Linear(32, 4))
+    x = torch.randn(8, 16, requires_grad=True)
+    grads = []
+    for run in (plain, lambda h: actsave.checkpoint(plain, h, compress="int8")):
+        plain.zero_grad()
+        run(x * 1.0).square().sum().backward()
+        grads.append(plain[0].weight.grad.clone())
+    assert sqnr_db(grads[0], grads[1]) > 30
