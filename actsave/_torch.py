@@ -126,6 +126,31 @@ def storage_identity(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+try:
+    from torch._C._functorch import is_functorch_wrapped_tensor as _is_functorch_wrapper
+except ImportError:  # then storage_identity_or_none still tells them by their missing storage
+    def _is_functorch_wrapper(tensor: torch.Tensor) -> bool:
+        return False
+
+
+def in_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements lie in memory that a kernel or a copy can read: not
+    an efficient zero tensor (forward AD's zero tangents: a storage with no memory), nor
+    a torch.func transform's wrapper (vmap's BatchedTensor, jvp's TensorWrapper), whose
+    elements lie in the tensor it wraps."""
+    return not tensor._is_zerotensor() and not _is_functorch_wrapper(tensor)
+
+
+_DisableFuncTorch = getattr(torch._C, "_DisableFuncTorch", None)
+
+
+def outside_transforms():
+    """A context in which torch.func's transforms (vmap, jvp) neither wrap the tensors
+    made nor see the ops run: for actsave's own buffers and their copies of saves, which
+    saved-tensor hooks get unwrapped."""
+    return contextlib.nullcontext() if _DisableFuncTorch is None else _DisableFuncTorch()
+
+
 def storage_identity_or_none(tensor: torch.Tensor) -> Optional[int]:
     """:func:`storage_identity`, or None for a tensor with no storage to read (torch.func's
     vmap and jvp wrappers: BatchedTensor, TensorWrapper)."""

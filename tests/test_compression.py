@@ -272,3 +272,13 @@ def test_wrap_and_checkpoint_take_the_same_codecs():
     assert model[0].policy.codec.name == "fp8_e4m3"
     with pytest.raises(actsave.ConfigError, match="use one of"):
         wrap(nn.Sequential(nn.Linear(2, 2)), nn.Linear, compress="int4")
+
+
+@pytest.mark.parametrize("options", [{"compress": "int8"}, {"compress": "fp8"}, {"offload": True}])
+def test_a_chain_under_vmap_keeps_its_inputs_as_they_are(options):
+    # vmap's tensors are wrappers with no memory of their own for a codec or a copy.
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) if i % 2 == 0 else nn.Tanh() for i in range(6)]
+    chain = CheckpointedSequential(*layers, segments=3, **options)
+    x = torch.randn(4, 5, 8)
+    assert torch.equal(torch.func.vmap(chain)(x), torch.func.vmap(nn.Sequential(*layers))(x))

@@ -291,3 +291,27 @@ def test_parametrize_cache_keys_are_the_keys_torch_caches_a_copys_weight_under()
         cached = set(_torch.parametrize_cache())
     assert cached <= _torch.parametrize_cache_keys(copy)
     assert (id(original), "weight") in cached  # the module the parametrization was registered on
+
+
+def test_in_memory_tells_tensors_whose_elements_lie_in_memory_of_their_own():
+    x = torch.randn(3, 4)
+    assert _torch.in_memory(x) and _torch.in_memory(x.t())
+    assert not _torch.in_memory(torch._efficientzerotensor((3, 4)))  # forward AD's zero tangent
+    seen = []
+    torch.func.vmap(lambda t: seen.append(_torch.in_memory(t)) or t)(x)
+    torch.func.jvp(lambda t: seen.append(_torch.in_memory(t)) or t, (x,), (x,))
+    assert seen == [False, False]
+
+
+def test_tensors_made_outside_transforms_are_not_wrapped_by_them():
+    made = []
+
+    def function(t):
+        with _torch.outside_transforms():
+            made.append(torch.empty(4))
+        made.append(torch.empty(4))
+        return t
+
+    x = torch.randn(3)
+    torch.func.jvp(function, (x,), (x,))
+    assert [_torch.in_memory(t) for t in made] == [True, False]

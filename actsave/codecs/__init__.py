@@ -52,6 +52,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from .._torch import in_memory
 from ..errors import ConfigError
 from ..layouts import copied_with_strides, kept_strides
 from .backend import implementation
@@ -258,11 +259,12 @@ ENCODED_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
 
 def encodable(t: torch.Tensor) -> bool:
     """Whether a lossy codec takes ``t``: a dense tensor (strided layout, not nested)
-    of one of :data:`ENCODED_DTYPES`. Sparse and nested tensors have no row-major
-    memory of their shape for the kernels to read, and the kernels read no float8
-    type; the runtime keeps such tensors exactly, as it keeps integer ones
-    (runtime/keep_rules.should_encode)."""
-    return t.dtype in ENCODED_DTYPES and t.layout == torch.strided and not t.is_nested
+    of one of :data:`ENCODED_DTYPES`, in memory. Sparse and nested tensors have no
+    row-major memory of their shape for the kernels to read, nor have forward AD's zero
+    tensors and torch.func's wrappers any of their own (``_torch.in_memory``), and the
+    kernels read no float8 type; the runtime keeps such tensors exactly, as it keeps
+    integer ones (runtime/keep_rules.should_encode)."""
+    return t.dtype in ENCODED_DTYPES and t.layout == torch.strided and not t.is_nested and in_memory(t)
 
 
 IDENTITY = IdentityCodec()

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from .._torch import outside_transforms
 from ..errors import ActsaveError
 from ..layouts import is_dense, kept_strides
 from .copy_engines import CopyEngine, copy_engine_for
@@ -118,17 +119,18 @@ class OffloadedTensors:
         self._span = self._parts[-1].offset + self._parts[-1].nbytes  # the bytes a copy back moves
         pool = host_pool_for(self.device) if pool is None else pool
         engine = copy_engine_for(self.device) if engine is None else engine
-        self._held = _Holdings(pool, engine, pool.acquire(self._span))
-        self._finalizer = weakref.finalize(self, self._held.release)
-        # At interpreter exit the process frees everything, and CUDA may be gone already.
-        self._finalizer.atexit = False
-        # Made once: the copy back of a single tensor reads the same view.
-        self._held.host_views = [part.view(self._held.buffer) for part in self._parts]
-        try:
-            self._held.copied_out = engine.to_host_all(list(zip(sources, self._held.host_views)))
-        except BaseException:
-            self.release()
-            raise
+        with outside_transforms():  # the saves of a forward under jvp or vmap come unwrapped
+            self._held = _Holdings(pool, engine, pool.acquire(self._span))
+            self._finalizer = weakref.finalize(self, self._held.release)
+            # At interpreter exit the process frees everything, and CUDA may be gone already.
+            self._finalizer.atexit = False
+            # Made once: the copy back of a single tensor reads the same view.
+            self._held.host_views = [part.view(self._held.buffer) for part in self._parts]
+            try:
+                self._held.copied_out = engine.to_host_all(list(zip(sources, self._held.host_views)))
+            except BaseException:
+                self.release()
+                raise
         # Held until free_source(): the copy may still be reading them (NOTE rule 2).
         self._held.sources = sources
 
@@ -148,12 +150,13 @@ class OffloadedTensors:
         if self.released or held.device_copies is not None:
             return
         held.drop_sources()  # the backward has begun: the forward's tensors are not needed
-        if len(self._parts) == 1:  # a tensor of its own dtype, not a view of bytes
-            copy, held.copied_in = held.engine.to_device(held.host_views[0])
-            held.device_copies = [copy]
-        else:
-            copied, held.copied_in = held.engine.to_device(held.buffer[: self._span])
-            held.device_copies = [part.view(copied) for part in self._parts]
+        with outside_transforms():
+            if len(self._parts) == 1:  # a tensor of its own dtype, not a view of bytes
+                copy, held.copied_in = held.engine.to_device(held.host_views[0])
+                held.device_copies = [copy]
+            else:
+                copied, held.copied_in = held.engine.to_device(held.buffer[: self._span])
+                held.device_copies = [part.view(copied) for part in self._parts]
 
     def fetch(self) -> list:
         """The tensors on their device, in order, ready for the current stream to use.

@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .._torch import storage_identity, version_counter_of
+from .._torch import in_memory, storage_identity, version_counter_of
 from ..layouts import is_dense
 from ..offload import current_tape
 from .keep_rules import KeepPolicy, placed
@@ -114,7 +114,7 @@ def store_kept(policy: KeepPolicy, outputs: list, tensors: list, left: set) -> S
     groups = {}  # storage identity -> positions of the tensors of it
     for position, tensor in enumerate(kept):
         identity = storage_identity(tensor)
-        if identity not in left:
+        if identity not in left and in_memory(tensor):  # else held as it is: nothing to copy
             groups.setdefault(identity, []).append(position)
     stored, entries = [None] * len(kept), []
     for positions in groups.values():

@@ -258,3 +258,32 @@ def test_a_cpu_step_offloads_what_the_planner_counts_on_the_device():
     assert not host_is_separate(x.device)
     layer = actsave.profile(torch.nn.Sequential(*wide_relu_chain()), x.detach()).layers[2]
     assert layer.to_host_s == {} and effective_option(KeepPolicy(IDENTITY, True), layer, "cpu") == EXACT
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("keep", ["saves", "linear_inputs", "selective"])
+def test_offloaded_saves_under_torch_func_jvp_give_plain_values(keep):
+    # The saves come unwrapped to the hooks, but tensors made under the transform are
+    # wrapped: the host buffers and their copies are made outside it.
+    model, x, tangent = _mlp(), torch.randn(5, 8), torch.randn(5, 8)
+    expected = torch.func.jvp(model, (x,), (tangent,))
+    for _ in range(2):  # the second takes a buffer the pool lent before
+        got = torch.func.jvp(lambda z: actsave.checkpoint(model, z, keep=keep, offload=True), (x,), (tangent,))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("keep", ["saves", "selective"])
+def test_forward_ad_zero_tangents_are_held_not_offloaded(keep):
+    # A weight without a tangent saves an efficient zero tensor, a storage with no
+    # memory: copying it to the host read address 0 (a segmentation fault).
+    import torch.autograd.forward_ad as forward_ad
+    model, x, tangent = _mlp(), torch.randn(5, 8), torch.randn(5, 8)
+    with forward_ad.dual_level():
+        expected = forward_ad.unpack_dual(model(forward_ad.make_dual(x, tangent)))
+        got = forward_ad.unpack_dual(actsave.checkpoint(model, forward_ad.make_dual(x, tangent), keep=keep,
+                                                        offload=True))
+    assert torch.equal(got.primal, expected.primal) and torch.equal(got.tangent, expected.tangent)
