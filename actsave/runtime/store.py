@@ -164,10 +164,13 @@ class _KeptTensor:
         self._copy, made = SHARED.held(key, lambda: _claimed_or_stored(boundary, kept, source, tensor, non_negative))
         self.storage = self._copy.storage
         self.nbytes = self._copy.nbytes if made else 0  # what this call adds to kept_bytes()
-        # An aliased input changed in place after this point would be recomputed from
-        # the wrong values (or copied to the host half changed): refuse that.
-        aliased = self.codec.aliases_input and not private_copy
-        self._watched = source if aliased else None
+        # An input changed in place after this point, by a function that did not say it
+        # does (private_copy), would be recomputed from the wrong values where it is kept
+        # by reference (or copied to the host half changed); kept by a copy, its
+        # recompute would change a leaf that requires grad: refuse both. After the
+        # forward only the first matters (end_forward).
+        self._aliased = self.codec.aliases_input and not private_copy
+        self._watched = None if private_copy else source
         self._version = version(source)
         self._release = weakref.finalize(self, SHARED.let_go, self._copy)
         self._release.atexit = False  # at interpreter exit CUDA may be gone before a host copy
@@ -187,14 +190,16 @@ class _KeptTensor:
             )
 
     def end_forward(self) -> None:
-        """From here an offloaded input is a host snapshot: stop watching (and pinning)
-        the device tensor. One kept on the device stays watched until its recompute."""
-        if self.storage.where == "host":
+        """From here an offloaded input is a host snapshot, and a copy is the codec's: stop
+        watching (and pinning) the device tensor. One kept on the device by reference
+        stays watched until its recompute."""
+        if self.storage.where == "host" or not self._aliased:
             self._watched = None
 
     def restore(self, again: bool = False) -> torch.Tensor:
         """The input for a recompute; ``again``: another recompute will restore it later."""
-        self.check_unmodified("after the forward that kept it")
+        if self._aliased:  # a copy is the codec's, whatever happens to the input
+            self.check_unmodified("after the forward that kept it")
         x = in_strides(self.codec.decode(self.storage.fetch()), self._strides)
         if not self.requires_grad:
             # A private copy is changed in place by the function's first layer: one that

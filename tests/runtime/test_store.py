@@ -387,3 +387,21 @@ def test_a_trace_of_a_wrapped_model_leaves_the_ledger_holding_ints():
         warnings.simplefilter("ignore")  # the trace's own warnings
         torch.jit.trace(model, (torch.randn(4, 8),), check_trace=False)
     assert all(type(value) is int for value in actsave.kept_bytes().values())
+
+
+class _DoublesItsInput(nn.Module):
+    """Changes its input in place without an ``inplace = True`` attribute."""
+
+    def forward(self, h):
+        return h.mul_(2.0)
+
+
+@pytest.mark.parametrize("compress", [None, "int8", "fp8_e5m2"])
+def test_an_input_changed_in_place_by_a_function_that_does_not_say_so_is_refused_in_the_forward(compress):
+    # Kept by a codec's copy, its recompute would change a leaf that requires grad:
+    # torch's error in the backward, naming neither actsave nor the way out.
+    block = nn.Sequential(_DoublesItsInput(), nn.Linear(16, 8))
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(actsave.RecomputeError,
+                       match="modified in place by Sequential during its forward.*inplace = True"):
+        actsave.checkpoint(block, x * 1.0, compress=compress)
