@@ -336,6 +336,10 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
     if example_inputs is None:
         raise ConfigError("example_inputs is required with budget: a batch as training will use (a dict of the "
                           "model's keyword arguments, a tuple of positional ones, or a tensor), to profile one step")
+    if not model.training:  # from_pretrained returns a model in eval mode
+        warnings.warn("plan_blocks profiles the model in eval mode (model.training is False): dropout keeps no "
+                      "masks there, so a plan made now may exceed its budget in training. Call model.train() "
+                      "before planning.", stacklevel=2)
     matches = filter_predicate(filter_fn)
     blocks = matching_blocks(model, matches, Checkpoint)
     if not blocks:

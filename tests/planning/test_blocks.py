@@ -895,3 +895,14 @@ def test_an_error_of_a_block_priced_alone_that_is_not_about_other_blocks_passes_
     model = nn.Sequential(_OutOfMemoryAfterItsFirstCall(), nn.Linear(8, 2))
     with pytest.raises(torch.OutOfMemoryError, match="a test's"):
         actsave.wrap(model, _OutOfMemoryAfterItsFirstCall, budget=10**6, example_inputs=(torch.randn(4, 8),))
+
+
+def test_a_model_planned_in_eval_mode_is_warned_of():
+    # Dropout keeps no masks in eval mode: the plan would exceed its budget in training.
+    model = ResidualNet(depth=2, width=16)
+    x = torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actsave.plan_blocks(model, ResidualBlock, 2**30, (x,))
+    with pytest.warns(UserWarning, match=r"eval mode.*model.train\(\)"):
+        actsave.plan_blocks(model.eval(), ResidualBlock, 2**30, (x,))
