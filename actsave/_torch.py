@@ -141,6 +141,12 @@ def in_memory(tensor: torch.Tensor) -> bool:
     return not tensor._is_zerotensor() and not _is_functorch_wrapper(tensor)
 
 
+def forward_ad_on() -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``);
+    False where this PyTorch cannot tell."""
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
 _DisableFuncTorch = getattr(torch._C, "_DisableFuncTorch", None)
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields, replace
 from torch import nn
 from torch.utils.checkpoint import noop_context_fn
 
-from .._torch import TorchDispatchMode
+from .._torch import TorchDispatchMode, forward_ad_on
 from ..errors import ConfigError, RecomputeError
 
 DETERMINISM_CHECKS = ("default", "none")
@@ -155,6 +155,10 @@ def logged(options: RecomputeOptions, operators: dict, stage: str):
 def mismatch(options: RecomputeOptions, operators: dict, message: str) -> RecomputeError:
     """The error of a recompute that did not do the forward's work; with ``debug=True``
     it lists the operators each ran (``operators``, from :func:`logged`)."""
+    if forward_ad_on():
+        message += (" Forward-mode AD is on: actsave recomputes from its inputs without their tangents, so the "
+                    "recompute saves less than the forward did (docs/limits.md, \"What a recompute's input is\"); "
+                    "checkpoint such a function with torch.utils.checkpoint.")
     if not options.debug:
         return RecomputeError(message)
     parts = [message, "debug=True: the operators the forward and the recompute ran, in order; look "

@@ -381,3 +381,13 @@ def test_a_segment_ending_in_an_in_place_relu_on_a_view_recomputes_within_its_pl
                 p.grad = None
             m(x).sum().backward()
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+
+
+def test_a_backward_through_a_dual_input_says_the_recompute_has_no_tangents():
+    import torch.autograd.forward_ad as forward_ad
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8, requires_grad=True)
+    with forward_ad.dual_level():
+        out = forward_ad.unpack_dual(actsave.checkpoint(model, forward_ad.make_dual(x, torch.randn(5, 8)))).primal
+        with pytest.raises(actsave.RecomputeError, match="Forward-mode AD is on.*torch.utils.checkpoint"):
+            out.sum().backward()
