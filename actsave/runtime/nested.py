@@ -128,6 +128,7 @@ class _NestedFrame(CheckpointFrame):
         self.slot_at, self.grad_at = [], []  # per layer start (and the end): slots saved before, requires_grad
         self.replay_at = {}  # start of a recomputed range -> the state its pass replays
         self._starts = {r.start for r in top.walk() if r.recomputed and r is not top}
+        self._cuts = {bound for r in top.walk() if r is not top for bound in (r.start, r.stop)} - {0, len(layers)}
         self._inputs = {}  # recomputed range -> its input, kept by its parent's pass
         self._passed = set()
         self._recomputed_ranges = {r for r in top.walk() if r.recomputed}
@@ -141,6 +142,11 @@ class _NestedFrame(CheckpointFrame):
         # never runs inside a recompute: nested_call makes that a plain checkpoint.)
         if not self.in_forward or _recompute_depth() > 0:
             return
+        if i in self._cuts and not isinstance(x, torch.Tensor):
+            raise ConfigError(
+                f"a nested segment's inner ranges are cut where layer {i} starts, but layer {i - 1} passes it a "
+                f"{type(x).__name__}, not a tensor: a range keeps and recomputes from one tensor. Cut the chain "
+                "where its layers pass tensors (plans made for this chain do).")
         self.slot_at.append(len(self.slots))
         self.grad_at.append(isinstance(x, torch.Tensor) and x.requires_grad)
         if i in self._starts:

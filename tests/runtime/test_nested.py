@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import actsave
 from actsave import ConfigError
+from actsave.planning.plan_record import Plan
 from actsave.runtime.nested import Range, nested_call
 
 R = Range
@@ -265,3 +266,26 @@ def test_a_range_run_without_grad_that_changes_a_view_of_its_input_in_place_trai
     assert torch.equal(step(layers, x, tree), step(list(plain), x))
     for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
         assert torch.equal(mine.grad, theirs.grad)
+
+
+class _Split(nn.Module):
+    def forward(self, x):
+        return x[:, :8], x[:, 8:]
+
+
+class _Join(nn.Module):
+    def forward(self, pair):
+        return torch.cat([pair[0].tanh(), pair[1].sigmoid()], 1)
+
+
+@pytest.mark.parametrize("cuts", [((0, 1, True), (1, 2, True), (2, 4, False)), ((0, 2, False), (2, 4, True))])
+def test_inner_ranges_cut_where_a_layer_passes_a_tuple_are_refused(cuts):
+    # A range keeps and recomputes from one tensor: such a cut raised a misleading
+    # "not deterministic" RecomputeError in the backward, or an AttributeError.
+    layers = [nn.Linear(16, 16), _Split(), _Join(), nn.Linear(16, 16), nn.Tanh()]
+    plan = Plan(5, (0, 4), ("none",), (False,), 0, 0.0, 0,
+                nested=(Range(0, 4, inner=tuple(Range(a, b, recomputed=r) for a, b, r in cuts)),))
+    chain = actsave.CheckpointedSequential(*layers)
+    chain.apply_plan(plan)
+    with pytest.raises(ConfigError, match="cut where layer 2 starts, but layer 1 passes it a tuple"):
+        chain(torch.randn(8, 16, requires_grad=True))
