@@ -137,7 +137,10 @@ def in_memory(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s elements lie in memory that a kernel or a copy can read: not
     an efficient zero tensor (forward AD's zero tangents: a storage with no memory), nor
     a torch.func transform's wrapper (vmap's BatchedTensor, jvp's TensorWrapper), whose
-    elements lie in the tensor it wraps."""
+    elements lie in the tensor it wraps. Traced by torch.compile, a tensor is taken to
+    be (Dynamo traces neither test, and would break the graph at them)."""
+    if torch.compiler.is_compiling():
+        return True
     return not tensor._is_zerotensor() and not _is_functorch_wrapper(tensor)
 
 
