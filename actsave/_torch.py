@@ -126,11 +126,8 @@ def storage_identity(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-try:
-    from torch._C._functorch import is_functorch_wrapped_tensor as _is_functorch_wrapper
-except ImportError:  # then storage_identity_or_none still tells them by their missing storage
-    def _is_functorch_wrapper(tensor: torch.Tensor) -> bool:
-        return False
+# Where this torch lacks it, storage_identity_or_none still tells wrappers by their missing storage.
+_is_functorch_wrapper = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda tensor: False)
 
 
 def in_memory(tensor: torch.Tensor) -> bool:
