@@ -134,7 +134,7 @@ class CheckpointedSequential(nn.Sequential):
         for layer, flag in layer_offload.items():
             self.set_offload(layer, flag)
         self._last_call = ChainCall()  # what the last training call kept (describe())
-        self._decisions_by_input = ((), {})  # graph_codecs.decisions_made, per input and plan: compiled_chain.py
+        self._decisions_by_input = ((), {})  # decision_probes.decisions_made, per input and plan: compiled_chain.py
         if planned:
             self.apply_plan(_planned(self, segments, budget, example_inputs, loss, allow, min_sqnr_db))
 

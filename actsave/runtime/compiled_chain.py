@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from .._torch_graphs import untraced_frame
-from . import graph_codecs
+from . import decision_probes, graph_codecs
 from .compiled_calls import checkpoint_in_graph, warn_eager_under_compile
 from .chain import ChainCall, run_eagerly, segments_and_policies, starts_for_call
 from .function import eager_checkpointed_call
@@ -100,7 +100,7 @@ def _why_codecs_run_eagerly(chain, input, layers: list, starts: list) -> Optiona
         found = {}
         chain._decisions_by_input = (tuple(layers), found)
     if key not in found:
-        found[key] = graph_codecs.decisions_made(
+        found[key] = decision_probes.decisions_made(
             [(layers[s.start:s.stop], policy) for s, policy in zip(segments, policies)], input)
     decisions = found[key]
     if decisions is not None:
