@@ -83,10 +83,19 @@ def _unknown(whose: str, error: Exception) -> str:
     return f"decisions unknown: {whose} forward failed on meta tensors ({type(error).__name__}: {error})"
 
 
-def probe_key(args, kwargs, model) -> tuple:
+def probe_key(args, kwargs, model, checkpoints: list) -> tuple:
+    """What a probe's answer depends on: the inputs (whether they require grad too), the
+    other arguments' values (a flag may leave blocks out), the training mode, and which
+    of the blocks' parameters require grad (a frozen block fed no grad saves nothing)."""
     leaves = _torch.pytree.tree_leaves((args, kwargs))
-    return (tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t) for t in leaves),
-            model.training)
+    return (tuple(map(_leaf_key, leaves)), model.training,
+            tuple(p.requires_grad for c in checkpoints for p in c._wrapped.parameters()))
+
+
+def _leaf_key(leaf) -> tuple:
+    if isinstance(leaf, torch.Tensor):
+        return tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad
+    return (type(leaf), leaf) if isinstance(leaf, (bool, int, float, str, type(None))) else (type(leaf),)
 
 
 def probe_blocks(model, checkpoints: list, args, kwargs) -> dict:

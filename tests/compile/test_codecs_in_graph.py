@@ -343,3 +343,55 @@ def test_finding_compared_saves_reads_each_op_of_a_stored_segment_a_bounded_numb
         model(torch.randn(8, 32, 64)).sum().backward()
         counts.append(len(asked))
     assert counts[0] > 0 and counts[1] <= 4 * counts[0] + 8
+
+
+class _ReluBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.fc2(torch.relu(self.fc1(x))))
+
+
+class _ReluStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList(_ReluBlock() for _ in range(3)), nn.Linear(16, 4)
+
+    def forward(self, x, depth):
+        for block in self.blocks[:depth]:
+            x = block(x)
+        return self.head(x)
+
+
+def _gradients_of_a_step(model, x) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    model(x, 3).square().sum().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _frozen_first(model, x):
+    for p in model.blocks.parameters():
+        p.requires_grad_(False)
+    model(x, 3).sum().backward()
+    for p in model.blocks.parameters():
+        p.requires_grad_(True)
+
+
+@pytest.mark.parametrize("first_call", [
+    _frozen_first, lambda model, x: model(x, 1), lambda model, x: torch.inference_mode()(model)(x, 3)],
+    ids=["frozen_blocks", "a_flag_leaving_blocks_out", "inference_mode"])
+def test_a_first_compiled_call_that_saves_less_does_not_hide_the_blocks_decisions(first_call):
+    # The probe's answer was cached per input shape alone: the blocks it saw save
+    # nothing were taken to make no decisions, and lost them in the steps after
+    # (23.8 dB where eager int8 gives 51).
+    plain = _ReluStack()
+    model = actsave.wrap(copy.deepcopy(plain), _ReluBlock, compress="int8")
+    compiled, x = torch.compile(model, backend=BACKEND), torch.randn(32, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first_call(compiled, x)
+        got = _gradients_of_a_step(compiled, x)
+    assert all("ReLU decisions" in block._eager_because for block in model.blocks)
+    assert sqnr_db(_gradients_of_a_step(plain, x), got) >= EXPECTED_GRADIENT_SQNR_DB["int8"]
