@@ -180,9 +180,10 @@ def aten_policy(ops: KeptOps, function) -> Optional[object]:
     if module_overloads is None:
         return None
     function_overloads = frozenset().union(*(_ATEN_OPS[name] for name in ops.functions))
-    if ops.module_names is None:
-        return list(module_overloads | function_overloads)
     layers = known_layers(function)
+    if ops.module_names is None:
+        refuse_unknown_modules(ops, function, layers)
+        return list(module_overloads | function_overloads)
     if layers is None:
         return None
     names = ops.names_if_all_match(layers, type(function) is nn.Sequential)  # layers.py's rule, for a module
@@ -191,6 +192,18 @@ def aten_policy(ops: KeptOps, function) -> Optional[object]:
     # Tuples, not frozensets: where the block breaks the graph, Dynamo rebuilds this
     # partial in the resumed code, and it cannot rebuild a frozenset there.
     return functools.partial(_saved_by_name, names, tuple(module_overloads), tuple(function_overloads))
+
+
+def refuse_unknown_modules(ops: KeptOps, function, layers: Optional[tuple]) -> None:
+    """A selective checkpoint keeps modules' outputs only where it knows the modules
+    ``function`` runs (``layers``: layers.known_layers'), eagerly and compiled alike: in
+    a graph it would keep every matching operator of the function, by type."""
+    if ops.modules and layers is None:
+        name = getattr(function, "__qualname__", None) or type(function).__name__
+        raise ConfigError(
+            f"a selective checkpoint of {name} keeps the outputs of {ops.names()}, but actsave finds the modules a "
+            "function runs only where it is a module (or nn.Sequential): checkpoint the module itself, or keep "
+            "functions only (KeptOps(modules=()))")
 
 
 def _overloads_of(module_types: tuple) -> Optional[frozenset]:

@@ -110,12 +110,11 @@ import torch
 from torch import nn
 
 from .._torch import sparse_components, storage_identity, storage_identity_or_none, version
-from ..errors import ConfigError
 from ..meta import meta_step_depth
 from .function import detached_or_same, CheckpointFrame, eager_checkpointed_call, qualified_name
 from .placeholders import Cursor, Slot
 from .keep_rules import EXACT, KeepPolicy
-from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw
+from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw, refuse_unknown_modules
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState, passed_generators
 from .kept_calls import CallArgument, KeptCall, KeptSave, StateMark, attributes_to_replay, described, keepable_now
@@ -136,11 +135,7 @@ class SelectiveFrame(CheckpointFrame):
         # NOTE [ Attention's saves agree ]: under a lossy codec attention runs again from its
         # decoded q, k and v, so that its output and log-sum-exp agree with them.
         self.functions = tuple(f for f in ops.functions if not (self.policy.lossy and f in _RECOMPUTED_WHEN_LOSSY))
-        if ops.modules and self.layers is None:
-            raise ConfigError(
-                f"a selective checkpoint of {qualified_name(self.function)} keeps the outputs of {ops.names()}, but "
-                "actsave finds the modules a function runs only where it is a module (or nn.Sequential): checkpoint "
-                "the module itself, or keep functions only (KeptOps(modules=()))")
+        refuse_unknown_modules(ops, function, self.layers)
         indexed = not isinstance(function, nn.Module) or type(function) is nn.Sequential  # layers.py's rule
         self._watched = ops.watched(self.layers, self.modules, indexed) if self.modules else []
         self.calls = []  # KeptCall, in forward order

@@ -504,3 +504,12 @@ def test_a_compiled_block_that_sets_a_new_attribute_trains_as_eagerly(keep):
     x = torch.randn(4, 8, 16)
     got = grads_of_a_step(torch.compile(stack(), backend=BACKEND), x)
     assert all(torch.equal(a, b) for a, b in zip(got, grads_of_a_step(stack(), x)))
+
+
+def test_a_compiled_selective_function_keeping_modules_is_refused_as_eagerly():
+    # Compiled, it kept every matching operator of the function by type (a hand-written
+    # matmul too), where eagerly it is refused.
+    block = linear_stack(1)[0]
+    compiled = torch.compile(lambda t: actsave.checkpoint(lambda u: block(u), t, keep="selective"), backend=BACKEND)
+    with pytest.raises(actsave.ConfigError, match=r"finds the modules a function runs only where it is a module"):
+        compiled(torch.randn(4, 8, 16, requires_grad=True))
