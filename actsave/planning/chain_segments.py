@@ -95,7 +95,8 @@ class ChainSegments:
             f"this CheckpointedSequential changed after its plan was applied (the plan is for {len(applied)} "
             f"layers, the chain has {len(layers)}; the first that differs is layer {changed}): the plan's "
             "segments and options would fall on other layers. Apply a plan made for the chain as it is now "
-            "(actsave.plan(actsave.profile(model, (x,)), budget)), or set model.segments, which drops the plan")
+            "(actsave.plan(actsave.profile(model, (x,)), budget)), or set model.segments to other segments "
+            "(\"balanced\", a count or starts other than the plan's), which drops the plan")
 
     def starts_for(self, chain: nn.Module, input, layers: list, policies: tuple) -> list:
         """Where the segments of ``chain``'s call on ``input`` start (a balanced plan is
