@@ -1,14 +1,17 @@
 """A module that wraps one other and hides nothing of it (:class:`TransparentWrapper`),
 the base of :class:`~actsave.Checkpoint`.
 
-- **Attributes**: a name the wrapper does not have is looked up on the wrapped module,
-  and set, deleted and registered there (``block.fc = LoRA(block.fc)`` or a new
-  ``block.adapter = ...`` after wrap, ``add_module``, ``register_buffer``): the
-  module's forward reads its own attributes, never the wrapper's. The wrapper keeps
-  only the names it has (nn.Module's own, and those its class defines or its
-  ``__init__`` sets). ``training`` is set on both, as ``train()`` sets it. The
-  wrapper's own public names yield to the module's where the module has one
-  (:class:`yields_to_wrapped`).
+- **Attributes**: a name the wrapper does not have is looked up on the wrapped module.
+  One the module has is set and deleted there (``block.fc = LoRA(block.fc)`` after
+  wrap), and so is a new submodule, parameter or tensor (``block.adapter = ...``,
+  ``add_module``, ``register_buffer``): the module's forward reads its own state,
+  never the wrapper's. Other new attributes stay the wrapper's: code that sets them
+  on a module reads them back from it (accelerate's ``_old_forward`` beside the
+  ``forward`` it sets on the wrapper). ``training`` is each module's own, as on any
+  module: ``train()`` and ``eval()`` set both (a block whose ``train`` is disabled
+  stays as it is). The wrapper's own public names yield to the module's where the
+  module has one (:class:`yields_to_wrapped`); indexing goes to the module (a wrapped
+  ``nn.Sequential``), as torch's ``checkpoint_wrapper`` does.
 - **State dicts**: their keys are the wrapped module's own; the wrapper's child name
   (``WRAPPED_CHILD``) is taken out when saving and put back when loading, so a state
   dict saved with the wrapper loads without it and the other way round. What a load
@@ -19,8 +22,10 @@ the base of :class:`~actsave.Checkpoint`.
 """
 from __future__ import annotations
 
+import re
 from typing import Optional
 
+import torch
 from torch import nn
 
 from ._torch_graphs import uncompiled
@@ -78,13 +83,16 @@ class TransparentWrapper(nn.Module):
                 raise
             return getattr(wrapped, name)
 
+    def __getitem__(self, index):
+        return self._modules[WRAPPED_CHILD][index]
+
     def __setattr__(self, name: str, value) -> None:
         # Set on the wrapper, an attribute of the module would shadow the module's, and
-        # a new one would never be read: the module's forward reads its own.
-        module = self._module_for(name)
+        # new state would never be read: the module's forward reads its own.
+        module = self._module_for(name, isinstance(value, (nn.Module, torch.Tensor)))
         if module is not None:
             setattr(module, name, value)
-        if module is None or name == "training":
+        else:
             super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
@@ -96,38 +104,38 @@ class TransparentWrapper(nn.Module):
 
     def add_module(self, name: str, module: Optional[nn.Module]) -> None:
         # register_module calls this too.
-        owner = self._module_for(name)
+        owner = self._module_for(name, state=True)
         if owner is not None:
             owner.add_module(name, module)
         else:
             super().add_module(name, module)
 
     def register_parameter(self, name: str, param) -> None:
-        owner = self._module_for(name)
+        owner = self._module_for(name, state=True)
         if owner is not None:
             owner.register_parameter(name, param)
         else:
             super().register_parameter(name, param)
 
     def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
-        owner = self._module_for(name)
+        owner = self._module_for(name, state=True)
         if owner is not None:
             owner.register_buffer(name, tensor, persistent)
         else:
             super().register_buffer(name, tensor, persistent)
 
-    def _module_for(self, name: str) -> Optional[nn.Module]:
+    def _module_for(self, name: str, state: bool = False) -> Optional[nn.Module]:
         """The wrapped module (under torch.compile's wrapper, the module compiled) where
-        ``name`` is the module's (module docstring), else None: before the module is
-        wrapped, every name is the wrapper's."""
+        ``name`` is the module's, else None (module docstring); ``state``: it names a
+        submodule, parameter or tensor. Before the module is wrapped, every name is the
+        wrapper's."""
         wrapped = self.__dict__.get("_modules", {}).get(WRAPPED_CHILD)
         if wrapped is None:
             return None
         module = uncompiled(wrapped)
-        if name == "training":
-            return module
-        yields = isinstance(getattr(type(self), name, None), yields_to_wrapped)
-        return module if yields and has_own(module, name) or not has_own(self, name) else None
+        if isinstance(getattr(type(self), name, None), yields_to_wrapped):
+            return module if has_own(module, name) else None
+        return module if not has_own(self, name) and (state or has_own(module, name)) else None
 
 
 def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata) -> None:
@@ -152,7 +160,10 @@ def _add_wrapper_prefix(state_dict, prefix: str) -> set:
 def _load_report_without_wrapper(module, incompatible_keys) -> None:
     """The missing and unexpected keys of a load, and its error messages, in the names
     of the state dict as saved (without the wrapper's child name, at any depth)."""
-    inner = WRAPPED_CHILD + "."
     messages = module.__dict__.pop("_load_messages", [])
     for found in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys, messages):
-        found[:] = [text.replace(inner, "") for text in found]
+        found[:] = [_CHILD_IN_A_NAME.sub("", text) for text in found]
+
+
+# The child's name as a whole component of a dotted name (not the end of another's).
+_CHILD_IN_A_NAME = re.compile(r"(?<!\w)" + re.escape(WRAPPED_CHILD) + r"\.")

@@ -49,13 +49,36 @@ def test_what_is_set_on_a_wrapped_block_after_wrap_is_set_on_the_block(setup):
     assert_same_training(plain, model, torch.randn(3, 4))
 
 
-def test_the_training_flag_set_on_a_wrapper_reaches_the_module():
-    dropout = nn.Dropout(0.5)
-    wrapper = actsave.Checkpoint(dropout)
-    wrapper.training = False  # the flag alone, as on a plain module: not its children's
-    assert not dropout.training and not wrapper.training
-    x = torch.randn(3, 4, requires_grad=True)
-    assert torch.equal(wrapper(x), x)
+def _disabled_train(self, mode=True):
+    return self  # a frozen encoder's train(), as latent diffusion sets it: it stays in eval
+
+
+def test_a_block_whose_train_is_disabled_stays_in_eval_mode_when_wrapped():
+    plain = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), nn.Linear(4, 4))
+    model = actsave.wrap(twin(plain), lambda module, name: name == "0")
+    for blocks in (plain, model):
+        blocks[0].eval()
+        blocks[0].train = _disabled_train.__get__(blocks[0])
+    model.train(), plain.train()
+    assert not model[0].module.training
+    assert_same_training(plain, model, torch.randn(3, 4))
+
+
+def test_a_hook_that_replaces_the_wrappers_forward_keeps_what_it_set_on_the_wrapper():
+    # As accelerate's add_hook_to_module: it keeps the forward it replaces beside it.
+    model = actsave.wrap(nn.Sequential(_Adaptable(), nn.Linear(4, 4)), _Adaptable)
+    wrapper = model[0]
+    wrapper._old_forward = wrapper.forward
+    wrapper.forward = lambda *args, **kwargs: wrapper._old_forward(*args, **kwargs) * 2
+    assert "_old_forward" in vars(wrapper) and "_old_forward" not in vars(wrapper.module)
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), model[1](2 * wrapper.module(x)))
+
+
+def test_a_wrapped_sequential_is_indexed_as_itself():
+    sequential = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    wrapper = actsave.Checkpoint(sequential)
+    assert wrapper[0] is sequential[0] and list(wrapper) == list(sequential)
 
 
 def test_a_load_reports_and_its_hooks_use_the_names_of_the_state_dict_as_saved():
@@ -71,6 +94,15 @@ def test_a_load_reports_and_its_hooks_use_the_names_of_the_state_dict_as_saved()
     with pytest.raises(RuntimeError, match=r"size mismatch for 0\.fc\.weight:") as raised:
         model.load_state_dict(state)
     assert actsave.runtime.layers.WRAPPED_CHILD not in str(raised.value)
+
+
+def test_a_load_report_keeps_a_name_that_only_ends_like_the_wrappers_child():
+    plain = nn.Sequential(_Adaptable())
+    plain.add_module("pre_checkpoint_wrapped_module", nn.Linear(4, 4))
+    model = actsave.wrap(twin(plain), _Adaptable)
+    state = plain.state_dict()
+    del state["pre_checkpoint_wrapped_module.bias"]
+    assert model.load_state_dict(state, strict=False).missing_keys == ["pre_checkpoint_wrapped_module.bias"]
 
 
 def test_a_wrapped_state_dict_carries_the_module_versions_a_plain_load_reads():
