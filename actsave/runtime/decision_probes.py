@@ -74,7 +74,7 @@ def _on_meta_watching_saves(model: nn.Module, pack):
     modules' attributes are put back as it ends (a tensor a layer caches at its first
     forward would be a meta one)."""
     with attributes_put_back(model.modules()), on_meta(model), saved_tensors_hooks(pack, lambda t: t), \
-            torch.enable_grad(), \
+            torch.inference_mode(False), torch.enable_grad(), \
             _torch.compiled_code_eager(), _torch_graphs.fake_tensors() as fake:
         yield lambda t: fake(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
 
@@ -85,8 +85,10 @@ def _unknown(whose: str, error: Exception) -> str:
 
 def probe_key(args, kwargs, model, checkpoints: list) -> tuple:
     """What a probe's answer depends on: the inputs (whether they require grad too), the
-    other arguments' values (a flag may leave blocks out), the training mode, and which
-    of the blocks' parameters require grad (a frozen block fed no grad saves nothing)."""
+    other arguments' types (their values may change at every call: a step, a noise
+    level; a block that a value leaves out of the probe is run eagerly, probe_blocks),
+    the training mode, and which of the blocks' parameters require grad (a frozen block
+    fed no grad saves nothing). Not the grad mode: a probe runs with grad."""
     leaves = _torch.pytree.tree_leaves((args, kwargs))
     return (tuple(map(_leaf_key, leaves)), model.training,
             tuple(p.requires_grad for c in checkpoints for p in c._wrapped.parameters()))
@@ -95,21 +97,23 @@ def probe_key(args, kwargs, model, checkpoints: list) -> tuple:
 def _leaf_key(leaf) -> tuple:
     if isinstance(leaf, torch.Tensor):
         return tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad
-    return (type(leaf), leaf) if isinstance(leaf, (bool, int, float, str, type(None))) else (type(leaf),)
+    return (type(leaf),)
 
 
 def probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
     """``{checkpoint: why it runs eagerly}`` for the blocks among ``checkpoints`` that
     make decisions a compiled recompute cannot keep (:func:`decisions_made`'s
-    reasons): the model's forward on meta tensors, its checkpointed blocks run plainly."""
+    reasons): the model's forward on meta tensors, its checkpointed blocks run plainly.
+    A block the probe's call does not run (an argument leaves it out) is said to make
+    decisions unknown: another call may run it under the same key (probe_key)."""
     why = {c: reason for c in checkpoints if (reason := _decisions_of_modules(c._wrapped.modules())) is not None}
-    running = []  # (checkpoint, its inputs' autograd nodes)
+    running, ran = [], set()  # (checkpoint, its inputs' autograd nodes); the checkpoints run
 
     def pack(t):
         if running and relu_signs.made_by_segment_relu(t, running[-1][1]):
             why.setdefault(running[-1][0], "ReLU decisions")
         return t
-    handles = [hook for c in checkpoints for hook in _block_watch(c, running)]
+    handles = [hook for c in checkpoints for hook in _block_watch(c, running, ran)]
     # NOTE [ In-place ReLUs on views ]: the probe sees those outputs as eager actsave does.
     relus = relu_signs.InplaceRelus.among([(0, m) for c in checkpoints for m in c._wrapped.modules()])
     try:
@@ -122,8 +126,11 @@ def probe_blocks(model, checkpoints: list, args, kwargs) -> dict:
     finally:
         for handle in handles:
             handle.remove()
+    for checkpoint in checkpoints:
+        if checkpoint not in ran:
+            why.setdefault(checkpoint, "decisions unknown: the block did not run when its model was probed")
     return {c: f"a block kept by a codec makes {reason}, which a recompute in the graph cannot keep"
-            for c, reason in why.items()}
+            if not reason.startswith("decisions unknown") else reason for c, reason in why.items()}
 
 
 @contextlib.contextmanager
@@ -140,8 +147,9 @@ def _run_plainly(checkpoints: list):
             object.__delattr__(checkpoint, "forward")
 
 
-def _block_watch(checkpoint, running: list) -> tuple:
+def _block_watch(checkpoint, running: list, ran: set) -> tuple:
     def enter(module, args, kwargs):
+        ran.add(checkpoint)
         running.append((checkpoint, relu_signs.input_nodes(input_tensors(args, kwargs))))
 
     def leave(module, args, kwargs, output):

@@ -319,8 +319,6 @@ def _blocks_on(model, args, kwargs) -> bool:
         return False
     why = missing_pieces()
     if why is None:
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            return False  # nothing is saved: no hooks to set, and a probe now would see no decisions
         key = probe_key(args, kwargs, model, checkpoints)
         probed_for, known = _probed.get(model, ((), {}))
         if probed_for != modules:  # a module added, replaced or removed: probe again

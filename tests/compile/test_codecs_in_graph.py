@@ -9,7 +9,7 @@ from torch import nn
 
 import actsave
 from actsave import _torch_graphs
-from actsave.runtime import compiled_calls, graph_codecs
+from actsave.runtime import compiled_calls, decision_probes, graph_codecs
 from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB
 from support import ResidualBlock, ResidualNet, load_bench_module, sqnr_db
 from compile.steps import (
@@ -393,5 +393,50 @@ def test_a_first_compiled_call_that_saves_less_does_not_hide_the_blocks_decision
         warnings.simplefilter("ignore")
         first_call(compiled, x)
         got = _gradients_of_a_step(compiled, x)
-    assert all("ReLU decisions" in block._eager_because for block in model.blocks)
+    assert all(block._eager_because is not None for block in model.blocks)  # run eagerly, decisions kept
     assert sqnr_db(_gradients_of_a_step(plain, x), got) >= EXPECTED_GRADIENT_SQNR_DB["int8"]
+
+
+class _GeluBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _Forces(nn.Module):
+    """Differentiates inside its forward, whatever the caller's grad mode (the forces of
+    an energy model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList(_GeluBlock() for _ in range(2)), nn.Linear(16, 1)
+
+    def forward(self, x, scale=1.0):
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            h = x
+            for block in self.blocks:
+                h = block(h)
+            return -torch.autograd.grad(self.head(h).sum() * scale, x)[0]
+
+
+def test_a_compiled_model_called_without_grad_that_differentiates_inside_keeps_by_its_codec():
+    plain = _Forces()
+    model = actsave.wrap(copy.deepcopy(plain), _GeluBlock, compress="int8")
+    x = torch.randn(32, 16)
+    with torch.no_grad():
+        got, expected = torch.compile(model, backend=BACKEND)(x), plain(x)
+    assert sqnr_db(expected, got) >= EXPECTED_GRADIENT_SQNR_DB["int8"]
+
+
+def test_a_compiled_model_probes_once_for_an_argument_that_changes_at_every_call(monkeypatch):
+    probes = []
+    monkeypatch.setattr(graph_codecs, "probe_blocks", lambda *args: probes.append(1) or decision_probes.probe_blocks(
+        *args))
+    model = torch.compile(actsave.wrap(_Forces(), _GeluBlock, compress="int8"), backend=BACKEND)
+    for step in range(4):
+        model(torch.randn(32, 16), scale=1.0 + step / 10)
+    assert len(probes) == 1
