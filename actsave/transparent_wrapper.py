@@ -3,15 +3,18 @@ the base of :class:`~actsave.Checkpoint`.
 
 - **Attributes**: a name the wrapper does not have is looked up on the wrapped module.
   One the module has is set and deleted there (``block.fc = LoRA(block.fc)`` after
-  wrap), and so is a new submodule, parameter or tensor (``block.adapter = ...``,
-  ``add_module``, ``register_buffer``): the module's forward reads its own state,
-  never the wrapper's. Other new attributes stay the wrapper's: code that sets them
-  on a module reads them back from it (accelerate's ``_old_forward`` beside the
-  ``forward`` it sets on the wrapper). ``training`` is each module's own, as on any
-  module: ``train()`` and ``eval()`` set both (a block whose ``train`` is disabled
-  stays as it is). The wrapper's own public names yield to the module's where the
-  module has one (:class:`yields_to_wrapped`); indexing goes to the module (a wrapped
-  ``nn.Sequential``), as torch's ``checkpoint_wrapper`` does.
+  wrap), and so are a new submodule, parameter or tensor (``block.adapter = ...``,
+  ``add_module``, ``register_buffer``) and a new public attribute (``block.scale =
+  3.0``): the module's forward reads its own, never the wrapper's. A new private name
+  stays the wrapper's: libraries that hook a module keep their bookkeeping on it
+  under such names and read it back from it (accelerate's ``_old_forward`` beside
+  the ``forward`` it sets on the wrapper). The wrapper keeps the names it has (its
+  class's, and those its ``__init__`` set). ``training`` set on it is set on the
+  module too; ``train()`` and ``eval()`` set the wrapper's and call the module's,
+  as for any child (a block whose ``train`` is disabled stays as it is). The
+  wrapper's own public names yield to the module's where the module has one
+  (:class:`yields_to_wrapped`), and are read-only otherwise; indexing goes to the
+  module (a wrapped ``nn.Sequential``), as torch's ``checkpoint_wrapper`` does.
 - **State dicts**: their keys are the wrapped module's own; the wrapper's child name
   (``WRAPPED_CHILD``) is taken out when saving and put back when loading, so a state
   dict saved with the wrapper loads without it and the other way round. What a load
@@ -61,6 +64,15 @@ class TransparentWrapper(nn.Module):
         self.add_module(WRAPPED_CHILD, module)
         self.register_state_dict_post_hook(_strip_wrapper_prefix)
         self.register_load_state_dict_post_hook(_load_report_without_wrapper)
+        self.__dict__["_own_names"] = frozenset(self.__dict__)  # from here, new names are the module's
+
+    def train(self, mode: bool = True):
+        if not isinstance(mode, bool):
+            raise ValueError("training mode is expected to be boolean")
+        nn.Module.__setattr__(self, "training", mode)  # the wrapper's flag; the module's train() sets its own
+        for child in self.children():
+            child.train(mode)
+        return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -91,9 +103,14 @@ class TransparentWrapper(nn.Module):
         # new state would never be read: the module's forward reads its own.
         module = self._module_for(name, isinstance(value, (nn.Module, torch.Tensor)))
         if module is not None:
+            self.__dict__.pop(name, None)  # a private name's earlier value (``self._gate = None``)
             setattr(module, name, value)
-        else:
-            super().__setattr__(name, value)
+        if module is not None and name != "training":
+            return
+        if isinstance(getattr(type(self), name, None), yields_to_wrapped):
+            raise AttributeError(f"{name!r} of a {type(self).__name__} is read-only (the module it wraps has no "
+                                 f"attribute {name!r}): wrap another module in a new {type(self).__name__}")
+        super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
         module = self._module_for(name)
@@ -133,9 +150,15 @@ class TransparentWrapper(nn.Module):
         if wrapped is None:
             return None
         module = uncompiled(wrapped)
+        if name == "training":
+            return module
         if isinstance(getattr(type(self), name, None), yields_to_wrapped):
             return module if has_own(module, name) else None
-        return module if not has_own(self, name) and (state or has_own(module, name)) else None
+        owned = (name in self.__dict__.get("_own_names", ()) or hasattr(type(self), name) or name in self._modules
+                 or name in self._parameters or name in self._buffers)
+        if owned:
+            return None
+        return module if state or not name.startswith("_") or has_own(module, name) else None
 
 
 def _strip_wrapper_prefix(module, state_dict, prefix, local_metadata) -> None:

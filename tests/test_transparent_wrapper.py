@@ -40,7 +40,10 @@ def _both(setup):
     lambda b: b.register_buffer("scale", torch.full((4,), 3.0)),
     lambda b: b.register_parameter("scale", nn.Parameter(torch.full((4,), 3.0))),
     lambda b: (delattr(b, "fc"), setattr(b, "fc", nn.Linear(4, 4))),
-], ids=["setattr", "add_module", "register_module", "register_buffer", "register_parameter", "del_and_set"])
+    lambda b: setattr(b, "scale", 3.0),
+    lambda b: (setattr(b, "adapter", None), setattr(b, "adapter", nn.Linear(4, 4))),
+], ids=["setattr", "add_module", "register_module", "register_buffer", "register_parameter", "del_and_set",
+        "a_public_flag", "none_then_a_module"])
 def test_what_is_set_on_a_wrapped_block_after_wrap_is_set_on_the_block(setup):
     plain, model = _both(setup)
     assert "adapter" not in model[0]._modules and "scale" not in model[0]._buffers
@@ -62,6 +65,42 @@ def test_a_block_whose_train_is_disabled_stays_in_eval_mode_when_wrapped():
     model.train(), plain.train()
     assert not model[0].module.training
     assert_same_training(plain, model, torch.randn(3, 4))
+
+
+def test_the_training_flag_set_on_a_wrapper_reaches_the_module():
+    dropout = nn.Dropout(0.5)
+    wrapper = actsave.Checkpoint(dropout)
+    wrapper.training = False  # the flag alone, as on a plain module: not its children's
+    assert not dropout.training and not wrapper.training
+    x = torch.randn(3, 4, requires_grad=True)
+    assert torch.equal(wrapper(x), x)
+
+
+class _SeesItsModeChange(nn.Module):
+    """Acts on a change of mode in its train() (a fused weight made for eval)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.changes = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        return self.fc(x)
+
+    def train(self, mode=True):
+        self.changes += self.training != mode
+        return super().train(mode)
+
+
+def test_a_blocks_train_sees_the_change_of_mode():
+    model = actsave.wrap(nn.Sequential(_SeesItsModeChange()), _SeesItsModeChange)
+    model.eval(), model.train()
+    assert model[0].module.changes == 2
+
+
+def test_the_wrappers_own_names_are_read_only_where_the_module_has_none():
+    wrapper = actsave.Checkpoint(nn.Linear(4, 4))
+    with pytest.raises(AttributeError, match="'module' of a Checkpoint is read-only"):
+        wrapper.module = nn.Linear(4, 4)
 
 
 def test_a_hook_that_replaces_the_wrappers_forward_keeps_what_it_set_on_the_wrapper():
