@@ -85,4 +85,28 @@ def forward_set_on(module: nn.Module) -> bool:
     return forward is not None and (forward.had if isinstance(forward, _ForwardDispatch) else True)
 
 
-__all__ = ["forward_replaced", "forward_set_on"]
+def runs_its_class_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s calls run its class's ``forward``: none is set on the
+    instance, or what is set says it wraps that one (``functools.wraps`` of the bound
+    method, as accelerate's hooks and profilers set), through any number of such
+    wrappers and dispatchers (:func:`forward_replaced`'s). What else is set may do
+    anything."""
+    forward, own = vars(module).get("forward"), type(module).forward
+    if forward is None:
+        return True
+    for _ in range(_MOST_WRAPPERS):
+        if isinstance(forward, _ForwardDispatch):
+            if not forward.had:
+                return True
+            forward = forward.previous
+        elif getattr(forward, "__func__", None) is own and getattr(forward, "__self__", None) is module:
+            return True
+        else:
+            forward = getattr(forward, "__wrapped__", None)
+    return False
+
+
+_MOST_WRAPPERS = 16  # a __wrapped__ chain is followed this far (it may loop)
+
+
+__all__ = ["forward_replaced", "forward_set_on", "runs_its_class_forward"]

@@ -14,8 +14,8 @@ So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
 - Which saves are decisions. ``max_pool{1,2,3}d_with_indices`` saves its input and then
   its ``indices`` output through the saved-tensor hooks. Module forward hooks
   (:class:`PoolWatch`) tell when a plain ``nn.MaxPool1d/2d/3d`` runs (that class, not
-  a subclass or one with a ``forward`` set on the instance, which may pool otherwise
-  or change what it pooled), and an int64 save made there,
+  a subclass or one with another ``forward`` set on the instance, which may pool
+  otherwise or change what it pooled), and an int64 save made there,
   with the shape the pool's geometry gives for the input it just saved, is its
   indices. Metadata only: no device sync, no other integer save (embedding ids, gather
   indices, targets) mistaken for one. ``F.max_pool2d`` called outside such a module,
@@ -51,7 +51,7 @@ from torch import nn
 from ..codecs.backend import implementation
 from ..triton_kernels import decision_table
 from ..triton_kernels.bitfields import field_bits
-from .forward_dispatch import forward_set_on
+from .forward_dispatch import runs_its_class_forward
 from .layers import module_hooks, modules_among
 
 # The plain max pools and the number of spatial dimensions each pools over.
@@ -74,10 +74,11 @@ class Window:
     def of(cls, module: nn.Module) -> Optional["Window"]:
         """The windows of a plain ``nn.MaxPool1d/2d/3d`` whose decisions can be kept,
         or None: another module (a subclass, or one with a ``forward`` set on the
-        instance: it may pool otherwise, or do more), a window of one element, which
+        instance that does not say it wraps the class's: it may pool otherwise, or do
+        more), a window of one element, which
         decides nothing, or of more than 256."""
         dims = _PLAIN_POOLS.get(type(module))
-        if dims is None or forward_set_on(module):
+        if dims is None or not runs_its_class_forward(module):
             return None
 
         def per_dim(value) -> tuple:

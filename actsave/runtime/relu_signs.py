@@ -36,7 +36,7 @@ from .._torch import is_relu_node, version
 from ..codecs import pack_relu_signs
 from ..codecs.backend import implementation
 from ..triton_kernels import bitfields, decision_table
-from .forward_dispatch import forward_set_on
+from .forward_dispatch import runs_its_class_forward
 from .layers import module_hooks, modules_among
 
 
@@ -57,7 +57,8 @@ def is_relu_output(tensor: torch.Tensor) -> bool:
 # recompute's ReLU flips on it would go uncorrected. So while a lossy forward runs
 # (a checkpointed segment's, function.py; a kept call's, kept_saves.py), InplaceRelus
 # watches the ``nn.ReLU(inplace=True)`` modules that run their class's own forward (a
-# subclass's, or one set on the instance, may change its input otherwise): hooks on
+# subclass's, or one set on the instance that does not say it wraps it, may change
+# its input otherwise: forward_dispatch.runs_its_class_forward): hooks on
 # those among the known layers (layers.py, NOTE [ Known layers ]), none where there
 # are none, global ones only for
 # a function whose layers are not known; exact modes watch nothing. While one runs, its
@@ -91,9 +92,9 @@ def _watched_relu_output(tensor: torch.Tensor) -> bool:
 
 
 def _is_inplace_relu(module) -> bool:
-    # Its own forward: a subclass's, or one set on the instance, may do something else in place.
+    # Its class's forward: a subclass's, or one set on the instance, may do something else in place.
     return (isinstance(module, nn.ReLU) and module.inplace and type(module).forward is nn.ReLU.forward
-            and not forward_set_on(module))
+            and runs_its_class_forward(module))
 
 
 class InplaceRelus:

@@ -99,3 +99,17 @@ def test_a_forward_set_on_the_instance_is_told_from_the_dispatcher_standing_for_
         with forward_replaced(module, lambda run: run):
             assert "forward" in vars(module) and forward_set_on(module) == has_its_own
         assert forward_set_on(module) == has_its_own
+
+
+def test_a_module_runs_its_class_forward_through_wrappers_that_say_they_wrap_it():
+    import functools
+    from actsave.runtime.forward_dispatch import runs_its_class_forward
+    relu = nn.ReLU()
+    assert runs_its_class_forward(relu)
+    relu.forward = functools.wraps(relu.forward)(lambda *args, _inner=relu.forward: _inner(*args))
+    relu.forward = functools.wraps(relu.forward)(lambda *args, _inner=relu.forward: _inner(*args))  # two deep
+    assert runs_its_class_forward(relu)
+    with forward_replaced(relu, lambda run: run):  # selective's dispatcher over them
+        assert runs_its_class_forward(relu)
+    relu.forward = functools.partial(torch.relu)
+    assert not runs_its_class_forward(relu)

@@ -258,3 +258,25 @@ def test_an_in_place_relu_with_a_forward_set_on_it_is_not_watched():
         run(x * 1.0).square().sum().backward()
         grads.append(plain[0].weight.grad.clone())
     assert sqnr_db(grads[0], grads[1]) > 30
+
+
+def test_an_in_place_relu_behind_a_pass_through_wrapper_keeps_its_decisions():
+    # accelerate's hooks and profilers set such a forward on every module; the chain
+    # must then run exactly as it does with bare ReLUs, kept decisions included.
+    import functools
+    torch.manual_seed(0)
+    linears = [nn.Linear(32, 32) for _ in range(3)]
+    bare, wrapped = [], []
+    for linear in linears:
+        relu = nn.ReLU(inplace=True)
+        relu.forward = functools.wraps(relu.forward)(lambda *args, _inner=relu.forward: _inner(*args))
+        bare += [linear, nn.ReLU(inplace=True)]
+        wrapped += [linear, relu]
+    x = torch.randn(4, 16, 32)  # 3-D: each Linear's output is a view
+    grads = []
+    for layers in (bare, wrapped):
+        for linear in linears:
+            linear.zero_grad()
+        actsave.CheckpointedSequential(*layers, segments=3, compress="int8")(x).square().sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in (q for m in linears for q in m.parameters())]))
+    assert torch.equal(grads[0], grads[1])
