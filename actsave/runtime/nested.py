@@ -146,7 +146,7 @@ class _NestedFrame(CheckpointFrame):
             raise ConfigError(
                 f"a nested segment's inner ranges are cut where layer {i} starts, but layer {i - 1} passes it a "
                 f"{type(x).__name__}, not a tensor: a range keeps and recomputes from one tensor. Cut the chain "
-                "where its layers pass tensors (plans made for this chain do).")
+                "only where its layers pass tensors, or give this segment no inner ranges.")
         self.slot_at.append(len(self.slots))
         self.grad_at.append(isinstance(x, torch.Tensor) and x.requires_grad)
         if i in self._starts:

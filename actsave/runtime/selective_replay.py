@@ -99,9 +99,7 @@ class Skipper:
             expected = "nothing" if self.next >= len(calls) else described(calls[self.next].target)
             raise frame._mismatch(
                 f"the recompute of {qualified_name(frame.function)} called {described(target)} where the forward "
-                f"called {expected} (kept call {self.next}): the function does not do the same work twice (state it "
-                "reads and appends to runs again: Hugging Face's use_cache=True, pass use_cache=False to train). "
-                "Make it deterministic or do not checkpoint it.")
+                f"called {expected} (kept call {self.next}): {self._not_the_same_work()}")
         self.next += 1
         return calls[self.next - 1]
 
@@ -122,10 +120,16 @@ class Skipper:
         if shapes != [argument.shape for argument in call.arguments]:
             raise self.frame._mismatch(
                 f"the recompute of {qualified_name(self.frame.function)} passed {described(call.target)} tensors of "
-                f"shapes {shapes} where the forward passed {[argument.shape for argument in call.arguments]}: the "
-                "function does not do the same work twice (state it reads and appends to runs again: Hugging "
-                "Face's use_cache=True, pass use_cache=False to train). Make it deterministic or do not checkpoint "
-                "it.")
+                f"shapes {shapes} where the forward passed {[argument.shape for argument in call.arguments]}: "
+                f"{self._not_the_same_work()}")
+
+    def _not_the_same_work(self) -> str:
+        why = ("the function does not do the same work twice (state it reads and appends to runs again: Hugging "
+               "Face's use_cache=True, pass use_cache=False to train")
+        if self.frame.policy.lossy:  # a choice made again on decoded values (a router's top-k) may flip
+            why += ("; or, under a lossy codec, a choice it makes again from decoded values, as a router's top-k, "
+                    "went another way: keep it exactly (compress=None) or use keep='saves'")
+        return why + "). Make it deterministic or do not checkpoint it."
 
     def _fill_views(self, call: KeptCall, arguments: list) -> None:
         """Fill the call's views of its arguments, made of the recomputed ones; move the

@@ -30,3 +30,34 @@ def test_a_kept_call_passed_other_shapes_in_the_recompute_raises():
     with pytest.raises(actsave.RecomputeError, match=r"passed Linear tensors of shapes \[\(6, 4\)\] where the "
                                                      r"forward passed \[\(4, 4\)\].*use_cache"):
         out.sum().backward()
+
+
+class _NearTieRouter(nn.Module):
+    """Routes each row to one of two experts by a gate whose two logits nearly tie."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 2)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        with torch.no_grad():
+            self.gate.weight[1] = self.gate.weight[0] + 1e-3 * torch.randn(16)
+            self.gate.bias.zero_()
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = choice == i
+            out[rows] = torch.tanh(expert(x[rows]))
+        return out
+
+
+def test_a_route_taken_again_from_decoded_values_raises_naming_the_codec():
+    # The gate's kept output comes back from int8 codes: near ties flip, and the
+    # experts are passed other rows than in the forward.
+    torch.manual_seed(0)
+    router, x = _NearTieRouter(), torch.randn(64, 16, requires_grad=True)
+    actsave.Checkpoint(router, keep="selective")(x).sum().backward()  # exact: the same route
+    out = actsave.Checkpoint(router, keep="selective", compress="int8")(x)
+    with pytest.raises(actsave.RecomputeError, match=r"router's top-k.*compress=None.*keep='saves'"):
+        out.sum().backward()
