@@ -90,7 +90,8 @@ def runs_its_class_forward(module: nn.Module) -> bool:
     instance, or what is set says it wraps that one (``functools.wraps`` of the bound
     method, as accelerate's hooks and profilers set), through any number of such
     wrappers and dispatchers (:func:`forward_replaced`'s). What else is set may do
-    anything."""
+    anything. A wrapper that says so is trusted to call it and change nothing in place
+    (docs/limits.md, "ReLU decisions")."""
     forward, own = vars(module).get("forward"), type(module).forward
     if forward is None:
         return True
@@ -99,11 +100,19 @@ def runs_its_class_forward(module: nn.Module) -> bool:
             if not forward.had:
                 return True
             forward = forward.previous
-        elif getattr(forward, "__func__", None) is own and getattr(forward, "__self__", None) is module:
+        elif _attribute(forward, "__func__") is own and _attribute(forward, "__self__") is module:
             return True
         else:
-            forward = getattr(forward, "__wrapped__", None)
+            forward = _attribute(forward, "__wrapped__")
     return False
+
+
+def _attribute(forward, name: str):
+    # A user's callable may raise anything from __getattr__: it then says nothing.
+    try:
+        return getattr(forward, name, None)
+    except Exception:
+        return None
 
 
 _MOST_WRAPPERS = 16  # a __wrapped__ chain is followed this far (it may loop)

@@ -32,6 +32,8 @@ So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
   (the backward scatters at the forward's choice; a ``return_indices=True`` caller
   downstream reads them too), and when the pool module returns sets its output to the
   input at those indices: exactly a pool that recomputes at the forward's decisions.
+  Only where the module returned its pool's own output of its argument: a forward
+  set on it (accelerate's hooks) or a hook may have changed either.
 
 Exact checkpoints keep nothing: their recompute decides as the forward did. The last
 segment of a CheckpointedSequential is not recomputed, so it has the forward's
@@ -231,9 +233,35 @@ class PoolWatch:
         if threading.get_ident() != self._thread or not self._calls or self._calls[-1].module is not module:
             return
         call = self._calls.pop()
-        if call.restored is not None:
-            pooled = output[0] if isinstance(output, tuple) else output
+        pooled = output[0] if isinstance(output, tuple) else output
+        if call.restored is not None and _pooled_by_module(pooled, args[0]):
             pool_at_(pooled, args[0], call.restored, len(call.window.kernel))
+
+
+def _pooled_by_module(output, argument) -> bool:
+    """Whether a pool module returned its pool's own output of its own argument, by the
+    graph: not something a forward wrapper (accelerate's hooks) or a hook made of
+    either. Only then is the output the argument at the decisions. Otherwise the output
+    keeps the recompute's own values, its indices the forward's: a value off by the
+    codec's error, never another pixel's gradient. (A MaxPool1d pools a 2-D view.)"""
+    node = getattr(output, "grad_fn", None)
+    squeezed = _named(node, "Squeeze")
+    if squeezed:
+        node = node.next_functions[0][0]
+    if not _named(node, "MaxPool"):
+        return False
+    source = node.next_functions[0][0]
+    if squeezed and _named(source, "Unsqueeze"):
+        source = source.next_functions[0][0]
+    if not isinstance(argument, torch.Tensor) or source is None:
+        return False
+    if argument.grad_fn is not None:
+        return source is argument.grad_fn
+    return getattr(source, "variable", None) is argument  # a leaf's AccumulateGrad
+
+
+def _named(node, prefix: str) -> bool:
+    return node is not None and type(node).__name__.startswith(prefix)
 
 
 def pool_at_(pooled: torch.Tensor, x: torch.Tensor, indices: torch.Tensor, dims: int) -> None:
