@@ -142,11 +142,14 @@ class TouchedState:
                 raise RecomputeError(
                     "one of the variables needed for gradient computation has been "
                     f"modified by an inplace operation: {_describe(label)} is at version "
-                    f"{version(tensor)}; expected version {expected} instead. The "
-                    f"checkpointed {function_name} read it in its forward and its "
-                    "recompute would read the new values, so its gradients would be "
-                    "wrong. Change it after the backward (an optimizer step, an EMA of "
-                    "weights), or change a copy."
+                    f"{version(tensor)}; expected version {expected} instead. It changed "
+                    f"between the forward of the checkpointed {function_name}, which ran "
+                    "the module holding it, and its recompute, which would read the new "
+                    "values wherever the forward read them, so its gradients would be "
+                    "wrong (actsave cannot tell which state a forward reads: it checks all "
+                    "of its modules'). Change it after the backward (an optimizer step, an "
+                    "EMA of weights), or change a copy; a statistic a backward hook keeps "
+                    "belongs outside the checkpointed modules."
                 )
 
     @contextlib.contextmanager

@@ -173,6 +173,33 @@ def test_parameter_changed_between_forward_and_backward_raises_as_autograd_does(
         out.sum().backward()
 
 
+class _GradientStatistic(nn.Module):
+    """Keeps a statistic of its output's gradient in a buffer its forward never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("power", torch.zeros(4))
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        h.register_hook(self._note)
+        return x + h
+
+    def _note(self, grad):
+        with torch.no_grad():
+            self.power.mul_(0.9).add_(grad.pow(2).mean(0), alpha=0.1)
+
+
+def test_a_buffer_a_backward_hook_changes_before_the_recompute_raises_saying_what_changed_when():
+    # Every buffer of the modules run is checked (which ones a forward reads is not
+    # known); the error must not claim the forward read it.
+    out = actsave.checkpoint(_GradientStatistic(), torch.randn(3, 4, requires_grad=True))
+    with pytest.raises(RuntimeError, match=r"buffer 'power' of _GradientStatistic .* changed between the "
+                                           r"forward .* and its recompute.*backward hook"):
+        out.sum().backward()
+
+
 def test_weight_a_function_closes_over_is_checked_too():
     # Checked because autograd saves it (x needs grad); a leaf read outside any module
     # and not saved is not seen (NOTE [ State a forward reads and mutates ]).
