@@ -8,7 +8,8 @@ the base of :class:`~actsave.Checkpoint`.
   3.0``): the module's forward reads its own, never the wrapper's. A new private name
   stays the wrapper's: libraries that hook a module keep their bookkeeping on it
   under such names and read it back from it (accelerate's ``_old_forward`` beside
-  the ``forward`` it sets on the wrapper). The wrapper keeps the names it has (its
+  the ``forward`` it sets on the wrapper); its names are never read through either
+  (``HOOK_BOOKKEEPING``). The wrapper keeps the names it has (its
   class's, and those its ``__init__`` set). ``training`` set on it is set on the
   module too; ``train()`` and ``eval()`` set the wrapper's and call the module's,
   as for any child (a block whose ``train`` is disabled stays as it is). The
@@ -33,6 +34,15 @@ from torch import nn
 
 from ._torch_graphs import uncompiled
 from .runtime.layers import WRAPPED_CHILD
+
+
+# The names under which a library that sets ``forward`` on an instance keeps what it
+# replaced and its hook (accelerate's): they tell how that one object's forward is
+# hooked, so neither wrapper nor module sees the other's. Read through, the wrapper
+# looked hooked already: a hook added to it replaced the module's and ran the
+# module's forward without the checkpoint, and removing hooks from every module set
+# the module's own forward on the wrapper.
+HOOK_BOOKKEEPING = frozenset({"_hf_hook", "_old_forward"})
 
 
 class yields_to_wrapped(property):
@@ -91,7 +101,7 @@ class TransparentWrapper(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             wrapped = self._modules.get(WRAPPED_CHILD)
-            if wrapped is None:  # still inside __init__
+            if wrapped is None or name in HOOK_BOOKKEEPING:  # still inside __init__; the wrapper's alone
                 raise
             return getattr(wrapped, name)
 
@@ -152,6 +162,8 @@ class TransparentWrapper(nn.Module):
         module = uncompiled(wrapped)
         if name == "training":
             return module
+        if name in HOOK_BOOKKEEPING:
+            return None
         if isinstance(getattr(type(self), name, None), yields_to_wrapped):
             return module if has_own(module, name) else None
         owned = (name in self.__dict__.get("_own_names", ()) or hasattr(type(self), name) or name in self._modules

@@ -152,3 +152,47 @@ def test_a_wrapped_state_dict_carries_the_module_versions_a_plain_load_reads():
     with pytest.raises(RuntimeError, match="Missing key.*0.num_batches_tracked"):
         plain.load_state_dict(state)
     model.load_state_dict(model.state_dict())  # and the wrapped model reads its own
+
+
+class _CountsRuns(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.runs = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.runs += 1
+        return torch.tanh(self.fc(x))
+
+
+def _runs_of_a_step(model: nn.Module, block: _CountsRuns) -> int:
+    block.runs = 0
+    model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    return block.runs
+
+
+def test_accelerate_hooks_on_a_block_and_on_its_wrapper_are_each_their_own():
+    # Read through, the block's hook made the wrapper look hooked: a hook added to the
+    # wrapper replaced the block's and ran the block without the checkpoint.
+    hooks = pytest.importorskip("accelerate.hooks")
+    block = _CountsRuns()
+    model = actsave.wrap(nn.Sequential(block, nn.Linear(4, 4)), _CountsRuns)
+    seen = []
+    for module, name in ((block, "block"), (model[0], "wrapper")):
+        hook = hooks.ModelHook()
+        hook.pre_forward = lambda module, *args, _name=name, **kwargs: (seen.append(_name), (args, kwargs))[1]
+        hooks.add_hook_to_module(module, hook)
+    assert _runs_of_a_step(model, block) == 2  # forward and recompute: still checkpointed
+    assert seen == ["wrapper", "block", "block"]
+    hooks.remove_hook_from_module(model[0])
+    assert "_hf_hook" in vars(block) and _runs_of_a_step(model, block) == 2
+
+
+def test_accelerate_hooks_added_before_wrap_are_removed_from_the_block_after_it():
+    hooks = pytest.importorskip("accelerate.hooks")
+    block = _CountsRuns()
+    model = nn.Sequential(block, nn.Linear(4, 4))
+    hooks.add_hook_to_module(block, hooks.ModelHook())
+    actsave.wrap(model, _CountsRuns)
+    hooks.remove_hook_from_submodules(model)
+    assert "_hf_hook" not in vars(block)
+    assert _runs_of_a_step(model, block) == 2
