@@ -50,6 +50,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .._torch import version
 from ..codecs.backend import implementation
 from ..triton_kernels import decision_table
 from ..triton_kernels.bitfields import field_bits
@@ -234,8 +235,9 @@ class PoolWatch:
             return
         call = self._calls.pop()
         pooled = output[0] if isinstance(output, tuple) else output
-        if call.restored is not None and _pooled_by_module(pooled, args[0]):
-            pool_at_(pooled, args[0], call.restored, len(call.window.kernel))
+        argument = args[0] if args else None  # pool(input=x): not known, not pooled at the decisions
+        if call.restored is not None and _pooled_by_module(pooled, argument):
+            pool_at_(pooled, argument, call.restored, len(call.window.kernel))
 
 
 def _pooled_by_module(output, argument) -> bool:
@@ -244,7 +246,9 @@ def _pooled_by_module(output, argument) -> bool:
     either. Only then is the output the argument at the decisions. Otherwise the output
     keeps the recompute's own values, its indices the forward's: a value off by the
     codec's error, never another pixel's gradient. (A MaxPool1d pools a 2-D view.)"""
-    node = getattr(output, "grad_fn", None)
+    if not isinstance(output, torch.Tensor) or version(output) != 0:  # changed in place (no_grad, .data)
+        return False
+    node = output.grad_fn
     squeezed = _named(node, "Squeeze")
     if squeezed:
         node = node.next_functions[0][0]

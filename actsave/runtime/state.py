@@ -142,14 +142,9 @@ class TouchedState:
                 raise RecomputeError(
                     "one of the variables needed for gradient computation has been "
                     f"modified by an inplace operation: {_describe(label)} is at version "
-                    f"{version(tensor)}; expected version {expected} instead. It changed "
-                    f"between the forward of the checkpointed {function_name}, which ran "
-                    "the module holding it, and its recompute, which would read the new "
-                    "values wherever the forward read them, so its gradients would be "
-                    "wrong (actsave cannot tell which state a forward reads: it checks all "
-                    "of its modules'). Change it after the backward (an optimizer step, an "
-                    "EMA of weights), or change a copy; a statistic a backward hook keeps "
-                    "belongs outside the checkpointed modules."
+                    f"{version(tensor)}; expected version {expected} instead. "
+                    f"{_when_read(label, function_name)} Change it after the backward (an "
+                    "optimizer step, an EMA of weights), or change a copy."
                 )
 
     @contextlib.contextmanager
@@ -444,6 +439,17 @@ class _HookedState(TouchedState):
         noted = self._read.get(id(tensor))
         if noted is not None and noted[0]() is tensor:
             del self._read[id(tensor)]
+
+
+def _when_read(label: tuple, function_name: str) -> str:
+    """Why a change of ``label``'s tensor before the recompute is refused."""
+    if len(label) == 2:  # a leaf autograd saved: read
+        return (f"The checkpointed {function_name} read it in its forward and its recompute would read "
+                "the new values, so its gradients would be wrong.")
+    return (f"It changed between the forward of the checkpointed {function_name}, which ran the module "
+            "holding it, and its recompute, which would read the new values wherever the forward read "
+            "them, so its gradients would be wrong (which state a forward reads is not known: the state of "
+            "every module it runs is checked; a statistic a backward hook keeps belongs outside them).")
 
 
 def _describe(label: tuple) -> str:

@@ -339,9 +339,15 @@ def _wrapping(pool: nn.MaxPool2d, before, after) -> nn.MaxPool2d:
     return pool
 
 
+def _doubled_outside_autograd(y: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return y.mul_(2)
+
+
 @pytest.mark.parametrize("before, after", [(lambda x: x * 2, lambda y: y), (lambda x: x, lambda y: y * 2),
-                                           (lambda x: x, lambda y: y.mul_(2))],
-                         ids=["input scaled", "output scaled", "output scaled in place"])
+                                           (lambda x: x, lambda y: y.mul_(2)),
+                                           (lambda x: x, _doubled_outside_autograd)],
+                         ids=["input scaled", "output scaled", "output scaled in place", "output scaled in no_grad"])
 def test_a_pool_whose_wrapper_changes_its_input_or_output_keeps_them(before, after):
     # Its decisions are kept (it runs the class's forward), but its output is not its
     # argument at them: 6.4 dB where the correction wrote the argument's values.
@@ -357,3 +363,21 @@ def test_a_pool_whose_wrapper_changes_its_input_or_output_keeps_them(before, aft
         grads.append([p.grad.clone() for p in plain.parameters()])
     assert Window.of(pool) is not None
     assert min(sqnr_db(a, b) for a, b in zip(*grads)) > 30
+
+
+def test_a_pool_called_with_its_input_by_keyword_keeps_its_decisions_without_its_output():
+    # The hooks see no positional argument: the output keeps the recompute's values.
+    class PoolsByKeyword(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.pool = nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2)
+
+        def forward(self, x):
+            return torch.tanh(self.pool(input=torch.tanh(self.conv(x))))  # a save after it: no early stop there
+
+    torch.manual_seed(0)
+    block, leaf = PoolsByKeyword(), torch.randn(2, 3, 8, 8, requires_grad=True)
+    x = leaf * 1  # an activation: the codec keeps it
+    plain = torch.autograd.grad(block(x).square().sum(), leaf, retain_graph=True)[0]
+    lossy = torch.autograd.grad(actsave.checkpoint(block, x, compress="int8").square().sum(), leaf)[0]
+    assert sqnr_db(plain, lossy) > 30
