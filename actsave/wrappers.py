@@ -27,6 +27,7 @@ from ._torch_graphs import uncompiled, uncompiled_name
 from .checks import byte_count, filter_predicate, nothing_selected, refuse_module_class
 from .errors import ConfigError, not_scriptable
 from .planning.blocks import BlockPlan, of_type, plan_block_stack, type_name
+from .planning.step_isolation import user_stacklevel
 from .runtime import graph_codecs
 from .runtime.compiled_calls import checkpoint_in_graph
 from .runtime.function import eager_checkpointed_call
@@ -411,7 +412,22 @@ def _planned_blocks(model: nn.Module, plan: BlockPlan) -> list:
                else f"blocks {shared} are one module at several places" if shared else "; ".join(other))
         raise ConfigError(f"this plan is for other blocks ({why}): apply a plan to the model it was made for, or to "
                           "one built alike (the same block names and types), before wrapping it otherwise")
+    _warn_of_unplanned_blocks(model, named, {type_name for _, type_name in named.values() if type_name})
     return [(found[fqn], named[fqn][0]) for fqn in names]
+
+
+def _warn_of_unplanned_blocks(model: nn.Module, named: dict, types: set) -> None:
+    """Warn where ``model`` has blocks of the planned types that the plan (made on
+    another instance) does not name: a model with more of them than the one planned.
+    They run plain, and the plan's predicted peak does not count them."""
+    extra = [block.fqn for block in matching_blocks(
+        model, lambda module, fqn: any(of_type(module, name) for name in types), Checkpoint)
+        if uncompiled_name(block.fqn) not in named and not block.wrapped]
+    if extra:
+        warnings.warn(f"actsave: this block plan names {len(named)} blocks, and the model has {len(extra)} more of "
+                      f"their types ({extra[:4]}{' ...' if len(extra) > 4 else ''}): they run plain, and the plan's "
+                      "predicted peak does not count them. Plan this model (actsave.plan_blocks, or wrap(model, "
+                      "Block, budget=...))", stacklevel=user_stacklevel())
 
 
 def _checkpoint_of(module: nn.Module, option: BlockOption, options: RecomputeOptions) -> Checkpoint:

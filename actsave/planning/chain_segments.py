@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import nn
 
 from .._torch_graphs import uncompiled
@@ -69,6 +70,9 @@ class ChainSegments:
             start: KeepPolicy.resolve(codec) if option is None else option
             for (start, _, option), codec in zip(plan.segments, plan.saves_codecs)}
         self._set_since_plan = {}  # module -> the kinds of its settings set after it ("codec", "offload")
+        self._frozen_at_plan = () if plan is None else tuple(  # (layer index, parameter name)
+            (i, name) for i, layer in enumerate(self._applied_to)
+            for name, parameter in layer.named_parameters() if not parameter.requires_grad)
 
     def settings_changed(self, modules, kind: str) -> None:
         """Note that ``modules``' setting of ``kind`` ("codec" or "offload") changed:
@@ -88,6 +92,7 @@ class ChainSegments:
         applied = self._applied_to
         # A layer compiled since (torch.compile(layer)) is the same layer.
         if len(applied) == len(layers) and all(a is uncompiled(b) for a, b in zip(applied, layers)):
+            self._warn_if_unfrozen()
             return
         changed = next((i for i, (a, b) in enumerate(zip(applied, layers)) if a is not uncompiled(b)),
                        min(len(applied), len(layers)))
@@ -97,6 +102,23 @@ class ChainSegments:
             "segments and options would fall on other layers. Apply a plan made for the chain as it is now "
             "(actsave.plan(actsave.profile(model, (x,)), budget)), or set model.segments to other segments "
             "(\"balanced\", a count or starts other than the plan's), which drops the plan")
+
+    def _warn_if_unfrozen(self) -> None:
+        """Warn once where parameters frozen when the plan was applied require grad now
+        (gradual unfreezing): autograd saves more for them than the plan priced. A
+        parameter frozen since only lowers the peak."""
+        if not self._frozen_at_plan or torch.compiler.is_compiling():
+            return
+        unfrozen = [(i, name) for i, name in self._frozen_at_plan
+                    if _requires_grad(self._applied_to[i], name)]
+        if unfrozen:
+            self._frozen_at_plan = ()
+            warnings.warn(
+                f"actsave: CheckpointedSequential: parameters frozen when its plan was applied require grad now "
+                f"(layer {unfrozen[0][0]}'s {unfrozen[0][1]!r}{' and others' if len(unfrozen) > 1 else ''}): "
+                "autograd saves more for them than the plan priced, so its predicted peak no longer holds. Apply "
+                "a plan made for the chain as it is now (actsave.plan(actsave.profile(model, (x,)), budget))",
+                stacklevel=user_stacklevel())
 
     def starts_for(self, chain: nn.Module, input, layers: list, policies: tuple) -> list:
         """Where the segments of ``chain``'s call on ``input`` start (a balanced plan is
@@ -167,3 +189,10 @@ class ChainSegments:
 
 
 __all__ = ["ChainSegments"]
+
+
+def _requires_grad(layer: nn.Module, name: str) -> bool:
+    try:
+        return layer.get_parameter(name).requires_grad
+    except AttributeError:  # gone since
+        return False

@@ -425,6 +425,10 @@ def test_a_plan_applies_to_its_model_and_to_one_built_alike_pickled_or_not():
     other.blocks[1] = OtherBlock()
     with pytest.raises(ConfigError, match="blocks.1 is a .*OtherBlock, planned as a .*ResidualBlock"):
         actsave.wrap(other, sent)
+    deeper = ResidualNet(depth=5)  # its last blocks would run plain, uncounted by the plan
+    with pytest.warns(UserWarning, match=r"names 3 blocks, and the model has 2 more of their types \(\['blocks.3', "
+                                         r"'blocks.4'\]\)"):
+        actsave.wrap(deeper, sent)
 
 
 def test_a_plan_is_applied_once_and_without_planning_arguments():

@@ -2,6 +2,7 @@
 segments= value, or the plan applied to it, the one source of its segments while applied."""
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -100,6 +101,24 @@ def test_a_plan_applied_to_a_chain_raises_once_its_layers_change(change):
     model.segments = "balanced"  # drops the plan
     assert model.applied_plan is None
     model(x.requires_grad_()).sum().backward()
+
+
+def test_a_plan_warns_once_when_parameters_frozen_at_its_application_are_unfrozen():
+    # Gradual unfreezing: autograd saves more than the plan priced (1.72x its budget
+    # on a 20-layer chain planned at its smallest peak, silently).
+    model = CheckpointedSequential(*deep_mlp(4))
+    x = torch.randn(8, 64)
+    model[0].requires_grad_(False)
+    model.apply_plan(plans.predict(actsave.profile(model, (x,)), [0, 2, 5]))
+    model(x).sum().backward()  # as planned: nothing to say
+    model[1].requires_grad_(False)  # frozen since: the peak only falls
+    model[0].requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"frozen when its plan was applied require grad now \(layer 0's 'weight' "
+                                         r"and others\)"):
+        model(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()  # once
 
 
 def test_a_plan_stays_applied_through_copies_pickles_and_a_layer_compiled_in_place():
