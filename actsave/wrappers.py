@@ -17,6 +17,7 @@ saves checked): its segments are chains of layers, for which they are right.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Callable, Optional, Union
 
@@ -354,8 +355,9 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
     if wrapped:
         raise ConfigError(f"blocks {wrapped} are wrapped already: a block plan profiles the plain blocks; plan the "
                           "model before wrapping it")
-    return plan_block_stack(model, [(block.fqn, block.module) for block in blocks], budget, example_inputs,
+    plan = plan_block_stack(model, [(block.fqn, block.module) for block in blocks], budget, example_inputs,
                             allow, min_sqnr_db, loss)
+    return dataclasses.replace(plan, left_out=tuple(_unnamed_blocks(model, plan.blocks, set(plan.types))))
 
 
 def _check_model(model, purpose: str) -> None:
@@ -412,19 +414,26 @@ def _planned_blocks(model: nn.Module, plan: BlockPlan) -> list:
                else f"blocks {shared} are one module at several places" if shared else "; ".join(other))
         raise ConfigError(f"this plan is for other blocks ({why}): apply a plan to the model it was made for, or to "
                           "one built alike (the same block names and types), before wrapping it otherwise")
-    _warn_of_unplanned_blocks(model, named, {type_name for _, type_name in named.values() if type_name})
+    _warn_of_unplanned_blocks(model, plan, names)
     return [(found[fqn], named[fqn][0]) for fqn in names]
 
 
-def _warn_of_unplanned_blocks(model: nn.Module, named: dict, types: set) -> None:
-    """Warn where ``model`` has blocks of the planned types that the plan (made on
-    another instance) does not name: a model with more of them than the one planned.
-    They run plain, and the plan's predicted peak does not count them."""
-    extra = [block.fqn for block in matching_blocks(
+def _unnamed_blocks(model: nn.Module, names, types: set) -> list:
+    """The (eager) names of ``model``'s unwrapped blocks of ``types`` not in ``names``."""
+    names = {uncompiled_name(fqn) for fqn in names}
+    return [uncompiled_name(block.fqn) for block in matching_blocks(
         model, lambda module, fqn: any(of_type(module, name) for name in types), Checkpoint)
-        if uncompiled_name(block.fqn) not in named and not block.wrapped]
+        if uncompiled_name(block.fqn) not in names and not block.wrapped]
+
+
+def _warn_of_unplanned_blocks(model: nn.Module, plan: BlockPlan, names: list) -> None:
+    """Warn where ``model`` has blocks of the planned types that the plan (made on
+    another instance) does not name and the planned model did not have: a model with
+    more of them than the one planned. They run plain, and the plan's predicted peak
+    does not count them."""
+    extra = [fqn for fqn in _unnamed_blocks(model, names, set(plan.types)) if fqn not in plan.left_out]
     if extra:
-        warnings.warn(f"actsave: this block plan names {len(named)} blocks, and the model has {len(extra)} more of "
+        warnings.warn(f"actsave: this block plan names {len(names)} blocks, and the model has {len(extra)} more of "
                       f"their types ({extra[:4]}{' ...' if len(extra) > 4 else ''}): they run plain, and the plan's "
                       "predicted peak does not count them. Plan this model (actsave.plan_blocks, or wrap(model, "
                       "Block, budget=...))", stacklevel=user_stacklevel())

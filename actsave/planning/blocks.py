@@ -146,6 +146,9 @@ class BlockPlan:
     plain_step_seconds: float
     modules: tuple = dataclasses.field(repr=False, compare=False)  # the blocks themselves; () once pickled
     types: tuple = dataclasses.field(default=(), repr=False)  # "module.QualName" of each block
+    # Blocks of those types the planned model had and the plan left out (a filter chose
+    # others): applied to another instance, only blocks beyond them are warned of.
+    left_out: tuple = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self):
         blocks, options = tuple(self.blocks), tuple(self.options)

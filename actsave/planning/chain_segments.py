@@ -58,6 +58,7 @@ class ChainSegments:
     def apply(self, plan: "plan_record.Plan", layers: list) -> None:
         """Run by ``plan``, made for ``layers`` (NOTE [ An applied plan ])."""
         self._hold(plan, layers)
+        self._warn_if_unfrozen()
 
     def _hold(self, plan: "plan_record.Plan | None", layers) -> None:
         """Hold ``plan`` (None: none) as the one applied to ``layers``. The layers, and
@@ -70,9 +71,7 @@ class ChainSegments:
             start: KeepPolicy.resolve(codec) if option is None else option
             for (start, _, option), codec in zip(plan.segments, plan.saves_codecs)}
         self._set_since_plan = {}  # module -> the kinds of its settings set after it ("codec", "offload")
-        self._frozen_at_plan = () if plan is None else tuple(  # (layer index, parameter name)
-            (i, name) for i, layer in enumerate(self._applied_to)
-            for name, parameter in layer.named_parameters() if not parameter.requires_grad)
+        self._frozen_at_plan = () if plan is None else plan.frozen  # (layer index, parameter name)
 
     def settings_changed(self, modules, kind: str) -> None:
         """Note that ``modules``' setting of ``kind`` ("codec" or "offload") changed:
@@ -104,17 +103,18 @@ class ChainSegments:
             "(\"balanced\", a count or starts other than the plan's), which drops the plan")
 
     def _warn_if_unfrozen(self) -> None:
-        """Warn once where parameters frozen when the plan was applied require grad now
-        (gradual unfreezing): autograd saves more for them than the plan priced. A
-        parameter frozen since only lowers the peak."""
+        """Warn once where parameters frozen when the plan's chain was profiled require
+        grad now (gradual unfreezing): autograd saves more for them than the plan
+        priced. A parameter frozen since only lowers the peak."""
         if not self._frozen_at_plan or torch.compiler.is_compiling():
             return
         unfrozen = [(i, name) for i, name in self._frozen_at_plan
-                    if _requires_grad(self._applied_to[i], name)]
+                    if i < len(self._applied_to) and _requires_grad(self._applied_to[i], name)]
         if unfrozen:
             self._frozen_at_plan = ()
             warnings.warn(
-                f"actsave: CheckpointedSequential: parameters frozen when its plan was applied require grad now "
+                f"actsave: CheckpointedSequential: parameters frozen when its plan's chain was profiled require "
+                f"grad now "
                 f"(layer {unfrozen[0][0]}'s {unfrozen[0][1]!r}{' and others' if len(unfrozen) > 1 else ''}): "
                 "autograd saves more for them than the plan priced, so its predicted peak no longer holds. Apply "
                 "a plan made for the chain as it is now (actsave.plan(actsave.profile(model, (x,)), budget))",

@@ -3,6 +3,7 @@ input, what it predicts, and how it prints. Made by plans.py's plan(), balanced(
 predict(), applied by CheckpointedSequential.apply_plan."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -36,7 +37,9 @@ class Plan:
     (indices from 0 at the segment's first layer; NOTE [ Nested recompute ]), or None
     for a plain recompute; ``nested`` defaults to None for every segment before the last.
     ``predicted_peak_bytes`` is peak activation memory (see the module docstring);
-    ``peak_segment`` is the segment whose events set it.
+    ``peak_segment`` is the segment whose events set it. ``frozen`` names the
+    parameters that did not require grad when the chain was profiled, as ``(layer,
+    name)``: a chain running the plan warns once one of them requires grad.
     """
 
     n_layers: int
@@ -50,6 +53,9 @@ class Plan:
     saves_codec: str = "none"
     plain: tuple = ()
     nested: tuple = ()
+    # The profile's frozen parameters (Profile.frozen): a chain running the plan warns
+    # once they require grad, as autograd then saves more than the plan priced.
+    frozen: tuple = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self):
         n_layers = integral(self.n_layers)

@@ -120,7 +120,8 @@ def plan(profile: Profile, budget: Optional[int] = None, min_sqnr_db: Optional[f
         smallest, _, found, headroom = search.smallest_plan(model)
         if budget is not None and smallest > budget:
             raise ConfigError(search.infeasible(budget, "plan", model))
-    return _plan_of(model, *found, budget, bound=model.chain_input + headroom)
+    return dataclasses.replace(_plan_of(model, *found, budget, bound=model.chain_input + headroom),
+                               frozen=profile.frozen)
 
 
 @dataclass(frozen=True)
@@ -361,7 +362,7 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
                 for (a, b, _), policy, codec in zip(draft.segments, policies, saves_codecs)]
     model = CostModel(profile, options, stored_codecs=stored_codecs)
     last = PlannedSegment.plain_last(draft.starts[-1], draft.n_layers, stored_codecs.index(draft.saves_codec))
-    return _with_predictions(draft, model, [*segments, last])
+    return dataclasses.replace(_with_predictions(draft, model, [*segments, last]), frozen=profile.frozen)
 
 
 # Keywords renamed so that "plain" names a segment run plainly and "stored" what is held

@@ -143,6 +143,9 @@ class Profile:
     # The gradients of parameters that more than one layer uses (a block placed twice,
     # weights tied across layers): NOTE [ Gradients pending between two uses ].
     pending_gradient_bytes: int = 0
+    # (layer index, parameter name) of each parameter that did not require grad in the
+    # profiled step: a plan holds while they stay so (chain_segments.py warns).
+    frozen: tuple = ()
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -324,6 +327,8 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             stored_saves=price_stored_saves(found, costs) if stored_saves else None,
             repeats_modules=bool(repeated_modules([layer for _, layer in layers])),
             pending_gradient_bytes=_pending_gradient_bytes([layer for _, layer in layers], device),
+            frozen=tuple((i, name) for i, (_, layer) in enumerate(layers)
+                         for name, parameter in layer.named_parameters() if not parameter.requires_grad),
         )
 
 

@@ -425,10 +425,17 @@ def test_a_plan_applies_to_its_model_and_to_one_built_alike_pickled_or_not():
     other.blocks[1] = OtherBlock()
     with pytest.raises(ConfigError, match="blocks.1 is a .*OtherBlock, planned as a .*ResidualBlock"):
         actsave.wrap(other, sent)
-    deeper = ResidualNet(depth=5)  # its last blocks would run plain, uncounted by the plan
-    with pytest.warns(UserWarning, match=r"names 3 blocks, and the model has 2 more of their types \(\['blocks.3', "
-                                         r"'blocks.4'\]\)"):
-        actsave.wrap(deeper, sent)
+    # Blocks of the planned types beyond those the planned model had run plain,
+    # uncounted by the plan: warned of. Those a filter left out there are not.
+    later = actsave.plan_blocks(model, lambda module, fqn: fqn != "blocks.0" and isinstance(module, ResidualBlock),
+                                2**40, (x,))
+    for planned, named in ((sent, 3), (later, 2)):
+        with pytest.warns(UserWarning, match=rf"names {named} blocks, and the model has 2 more of their types "
+                                             r"\(\['blocks.3', 'blocks.4'\]\)"):
+            actsave.wrap(ResidualNet(depth=5), pickle.loads(pickle.dumps(planned)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actsave.wrap(ResidualNet(), pickle.loads(pickle.dumps(later)))
 
 
 def test_a_plan_is_applied_once_and_without_planning_arguments():

@@ -103,22 +103,31 @@ def test_a_plan_applied_to_a_chain_raises_once_its_layers_change(change):
     model(x.requires_grad_()).sum().backward()
 
 
-def test_a_plan_warns_once_when_parameters_frozen_at_its_application_are_unfrozen():
+def test_a_plan_warns_once_when_parameters_frozen_in_its_profile_require_grad():
     # Gradual unfreezing: autograd saves more than the plan priced (1.72x its budget
     # on a 20-layer chain planned at its smallest peak, silently).
     model = CheckpointedSequential(*deep_mlp(4))
     x = torch.randn(8, 64)
     model[0].requires_grad_(False)
-    model.apply_plan(plans.predict(actsave.profile(model, (x,)), [0, 2, 5]))
-    model(x).sum().backward()  # as planned: nothing to say
-    model[1].requires_grad_(False)  # frozen since: the peak only falls
+    plan = plans.predict(actsave.profile(model, (x,)), [0, 2, 5])
+    assert plan.frozen == ((0, "weight"), (0, "bias"))
+    model.apply_plan(plan)
+    model(x).sum().backward()  # as profiled: nothing to say
+    model[2].requires_grad_(False)  # frozen since: the peak only falls
+    model(x).sum().backward()
     model[0].requires_grad_(True)
-    with pytest.warns(UserWarning, match=r"frozen when its plan was applied require grad now \(layer 0's 'weight' "
-                                         r"and others\)"):
+    with pytest.warns(UserWarning, match=r"frozen when its plan's chain was profiled require grad now \(layer 0's "
+                                         r"'weight' and others\)"):
         model(x).sum().backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(x).sum().backward()  # once
+        model[2].requires_grad_(True)
+        model.apply_plan(plans.predict(actsave.profile(model, (x,)), [0, 2, 5]))  # as it is now: nothing frozen
+        model[4].requires_grad_(False)
+        model(x).sum().backward()
+    with pytest.warns(UserWarning, match="frozen when its plan's chain was profiled"):
+        model.apply_plan(plan)  # unfrozen before it was applied
 
 
 def test_a_plan_stays_applied_through_copies_pickles_and_a_layer_compiled_in_place():
