@@ -145,18 +145,22 @@ class _LinearInputs:
         if self._linears is None:
             handles = [register_module_forward_pre_hook(self._before)]
         else:
-            handles = [linear.register_forward_pre_hook(self._before) for linear in self._linears]
+            handles = [linear.register_forward_pre_hook(self._before, with_kwargs=True) for linear in self._linears]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _before(self, module: nn.Module, args: tuple) -> None:
-        if isinstance(module, nn.Linear) and args and isinstance(args[0], torch.Tensor) \
-                and threading.get_ident() == self._thread:
-            self.ran = True
-            self._note(args[0])
+    def _before(self, module: nn.Module, args: tuple, kwargs: Optional[dict] = None) -> None:
+        # A global pre-hook sees no keywords: a Linear called as linear(input=x) there
+        # keeps its input as autograd saves it.
+        if not isinstance(module, nn.Linear) or threading.get_ident() != self._thread:
+            return
+        self.ran = True
+        x = args[0] if args else (kwargs or {}).get("input")
+        if isinstance(x, torch.Tensor):
+            self._note(x)
 
     @staticmethod
     def warn_none_ran(function: Callable) -> None:

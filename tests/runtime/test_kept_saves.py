@@ -521,6 +521,26 @@ def test_linear_inputs_alone_are_kept_by_the_codec(offload, as_callable):
     assert_nothing_held()
 
 
+class _CallsByKeyword(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.b(input=nn.functional.gelu(self.a(input=x)))
+
+
+def test_linear_inputs_passed_by_keyword_are_kept_by_the_codec():
+    # They were not seen (0 bytes kept), and a warning said no nn.Linear ran.
+    block, codec = _CallsByKeyword(), RecordingInt8()
+    out, kept = call_with_kept_saves(block, (torch.randn(8, 64, requires_grad=True) * 1,), {},
+                                     KeepPolicy(codec, False), "linear_inputs")
+    assert codec.encoded == [((8, 64), False), ((8, 256), False)]
+    assert kept == {**NOTHING, "device": codes_and_scales(8 * 64) + codes_and_scales(8 * 256)}
+    out.sum().backward()
+    assert_nothing_held()
+
+
 class _Conv1D(nn.Module):
     """A projection that is not an nn.Linear (transformers' GPT-2 Conv1D: addmm)."""
 
