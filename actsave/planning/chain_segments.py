@@ -113,9 +113,8 @@ class ChainSegments:
         if unfrozen:
             self._frozen_at_plan = ()
             warnings.warn(
-                f"actsave: CheckpointedSequential: parameters frozen when its plan's chain was profiled require "
-                f"grad now "
-                f"(layer {unfrozen[0][0]}'s {unfrozen[0][1]!r}{' and others' if len(unfrozen) > 1 else ''}): "
+                "actsave: CheckpointedSequential: parameters frozen when its plan's chain was profiled require "
+                f"grad now (layer {unfrozen[0][0]}'s {unfrozen[0][1]!r}{' and others' if len(unfrozen) > 1 else ''}): "
                 "autograd saves more for them than the plan priced, so its predicted peak no longer holds. Apply "
                 "a plan made for the chain as it is now (actsave.plan(actsave.profile(model, (x,)), budget))",
                 stacklevel=user_stacklevel())
@@ -188,11 +187,11 @@ class ChainSegments:
         return None, split_starts(layers, self.spec, policies)
 
 
-__all__ = ["ChainSegments"]
-
-
 def _requires_grad(layer: nn.Module, name: str) -> bool:
     try:
         return layer.get_parameter(name).requires_grad
     except AttributeError:  # gone since
         return False
+
+
+__all__ = ["ChainSegments"]

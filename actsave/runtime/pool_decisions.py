@@ -19,8 +19,9 @@ So a lossy checkpoint keeps each window's decision, as it keeps ReLU decisions
   with the shape the pool's geometry gives for the input it just saved, is its
   indices. Metadata only: no device sync, no other integer save (embedding ids, gather
   indices, targets) mistaken for one. ``F.max_pool2d`` called outside such a module,
-  subclasses, forwards set on instances, and windows of more than 256 elements are recomputed as they come
-  (lossy, never wrong).
+  subclasses, forwards set on instances that do not say they wrap the class's
+  (forward_dispatch.runs_its_class_forward), and windows of more than 256 elements
+  are recomputed as they come (lossy, never wrong).
 - Compactly. The decision is the offset of the winning element within its window
   (``kernel_size``, ``stride``, ``padding``, ``dilation`` and ``ceil_mode`` place the
   window), packed in 1, 2, 4 or 8 bits: 4 bits for a 3x3 window, 1/8 of the fp32
