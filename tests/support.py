@@ -1,9 +1,11 @@
 """Models and comparisons shared by the tests."""
 import collections
+import contextlib
 import copy
 import csv
 import functools
 import importlib.util
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -259,6 +261,28 @@ def run_script(script: str, *args: str) -> str:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def bench_exit(script: str, *args: str) -> tuple:
+    """``(exit status, stdout, stderr)`` of bench script ``script``'s ``main(args)``, run
+    in this process: for what a script decides before it measures anything (its
+    --help, its refusals), without the fresh interpreter and import of torch that
+    run_script pays. The scripts import their neighbours (harness, models) from bench/."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        module = load_bench_module(Path(script).stem)
+    finally:
+        sys.path.remove(str(BENCH))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = module.main(list(args))
+        except SystemExit as exit_:
+            status = exit_.code
+    if isinstance(status, str):  # sys.exit(message): Python prints it and exits with 1
+        err.write(status)
+        status = 1
+    return status or 0, out.getvalue(), err.getvalue()
 
 
 def read_rows(path: Path) -> tuple:

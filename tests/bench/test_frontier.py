@@ -1,12 +1,10 @@
 """bench/frontier.py: the time-memory frontier at smoke scale."""
 import importlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from support import BENCH, load_bench_module, read_rows, run_script
+from support import bench_exit, load_bench_module, read_rows, run_script
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +97,5 @@ def test_frontier_shells_share_parameters_and_wrap_apart():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_frontier_refuses_cuda_without_a_gpu():
-    done = subprocess.run([sys.executable, str(BENCH / "frontier.py"), "--device", "cuda"], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+    status, _, stderr = bench_exit("frontier.py", "--device", "cuda")
+    assert status == 2 and "needs a CUDA GPU" in stderr

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from support import bench_exit
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 
 
@@ -118,6 +120,5 @@ def test_record_passes_on_to_every_stage_that_writes_results(gpu_check):
                                     "resnet_depth_sweep.py", "transformer_depth_sweep.py", "gpu_speed.py",
                                     "frontier.py"])
 def test_each_recording_stage_takes_record(script):
-    done = subprocess.run([sys.executable, str(SCRIPT.with_name(script)), "--help"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0 and "--record" in done.stdout, done.stderr[-2000:]
+    status, stdout, stderr = bench_exit(script, "--help")
+    assert status == 0 and "--record" in stdout, stderr[-2000:]

@@ -1,12 +1,10 @@
 """bench/gpu_speed.py: its phases at smoke scale on CPU, and its refusal without CUDA."""
 import importlib
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from support import BENCH, read_rows, run_script
+from support import BENCH, bench_exit, read_rows, run_script
 
 
 def test_gpu_speed_runs_every_phase_at_smoke_scale(tmp_path):
@@ -87,7 +85,6 @@ def test_gpu_speed_reports_the_allocator_figures(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_gpu_speed_refuses_without_cuda(tmp_path):
-    done = subprocess.run([sys.executable, str(BENCH / "gpu_speed.py"), "--out", str(tmp_path / "x.csv")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+    status, _, stderr = bench_exit("gpu_speed.py", "--out", str(tmp_path / "x.csv"))
+    assert status == 2 and "needs a CUDA GPU" in stderr
     assert not list(tmp_path.iterdir())

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from support import BENCH, load_bench_module
+from support import BENCH, bench_exit, load_bench_module
 
 
 def _step_profile(*args: str) -> subprocess.CompletedProcess:
@@ -15,8 +15,8 @@ def _step_profile(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_the_step_profile_refuses_without_cuda():
-    done = _step_profile()
-    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+    status, _, stderr = bench_exit("gpu_step_profile.py")
+    assert status == 2 and "needs a CUDA GPU" in stderr
 
 
 @pytest.mark.cuda

@@ -1,11 +1,9 @@
 """bench/kernels.py: every codec and decision kernel checked and timed at smoke scale."""
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from support import BENCH, CSV_COLUMNS, load_bench_module, read_rows, run_script
+from support import BENCH, CSV_COLUMNS, bench_exit, load_bench_module, read_rows, run_script
 
 
 def test_kernels_bench_checks_every_codec_and_reports_bytes(tmp_path):
@@ -37,9 +35,8 @@ def test_kernels_bench_tries_each_tile_it_is_given_and_checks_its_bits(tmp_path)
 
 
 def test_kernels_bench_refuses_a_tile_it_cannot_launch():
-    result = subprocess.run([sys.executable, str(BENCH / "kernels.py"), "--smoke", "--tiles", "3000x8"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "'3000x8' is not a power-of-two element count" in result.stderr
+    status, _, stderr = bench_exit("kernels.py", "--smoke", "--tiles", "3000x8")
+    assert status != 0 and "'3000x8' is not a power-of-two element count" in stderr
 
 
 @pytest.fixture

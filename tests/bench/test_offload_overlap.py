@@ -1,11 +1,8 @@
 """bench/offload_overlap.py: its smoke run on CPU, and its refusal of a real CPU run."""
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from support import BENCH, CSV_COLUMNS, read_rows, run_script
+from support import CSV_COLUMNS, bench_exit, read_rows, run_script
 
 
 def test_offload_overlap_smoke_writes_every_metric(tmp_path):
@@ -22,7 +19,6 @@ def test_offload_overlap_smoke_writes_every_metric(tmp_path):
 def test_offload_overlap_refuses_a_cpu_run(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    done = subprocess.run([sys.executable, str(BENCH / "offload_overlap.py"), "--out", str(tmp_path / "x.csv")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "needs a CUDA device" in done.stderr
+    status, _, stderr = bench_exit("offload_overlap.py", "--out", str(tmp_path / "x.csv"))
+    assert status != 0 and "needs a CUDA device" in stderr
     assert not (tmp_path / "x.csv").exists()
