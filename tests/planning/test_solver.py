@@ -1,16 +1,14 @@
-"""The dynamic programs against brute force over every plan of small chains, and
-the planning time of 1,000 layers (printed)."""
+"""The dynamic programs against brute force over every plan of small chains (their
+time on 1,000 layers: bench/planning_time.py)."""
 import dataclasses
 import itertools
 import math
 import random
-import time
 
 import numpy as np
 import pytest
 import torch
 from planning.chains import chain, with_host_copies
-from support import deep_mlp
 from torch import nn
 
 import actsave
@@ -266,20 +264,3 @@ def test_coded_sweeps_read_the_labels_they_cannot_order_directly(monkeypatch):
         assert math.isclose(swept.predicted_step_seconds, direct.predicted_step_seconds, rel_tol=1e-12)
         coded += "int8" in direct.saves_codecs[:-1]
     assert coded  # plans keep middle segments by int8 here
-
-
-def test_dynamic_program_time_for_1000_layers_is_printed(capsys):
-    prof = actsave.profile(nn.Sequential(*deep_mlp(500, 16)), (torch.randn(8, 16),))
-    everything = plans.predict(prof, [0]).predicted_peak_bytes
-    for allow in (plans.DEFAULT_ALLOW, ("recompute", "int8")):  # int8: plain segments kept by it too
-        lines = []
-        for share in (1.0, 0.3, 0.1):
-            start = time.perf_counter()
-            plan = actsave.plan(prof, int(share * everything), allow=allow)
-            lines.append(f"{share:.0%} of the no-checkpoint peak: {time.perf_counter() - start:.3f} s, "
-                         f"{len(plan.starts)} segments")
-        start = time.perf_counter()
-        actsave.plan(prof, None, objective="memory", allow=allow)
-        lines.append(f"smallest peak: {time.perf_counter() - start:.3f} s")
-        with capsys.disabled():
-            print(f"\nplanning 1,000 layers, allow={allow}: " + "; ".join(lines))
