@@ -223,3 +223,104 @@ def test_a_nested_part_finds_the_attributes_earlier_layers_set_as_they_left_them
     assert_same_steps(plain, nested, [torch.randn(4, 8, generator=torch.Generator().manual_seed(step)) + step
                                       for step in range(3)])
     assert plain[1].gain == nested[1].gain
+
+
+class HeldNoise(nn.Module):
+    """Multiplicative noise from a generator of its own (NOTE [ Generators a module holds ])."""
+
+    def __init__(self, seed: int = 123):
+        super().__init__()
+        self.linear, self.noise = nn.Linear(8, 8), torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h * (1 + 0.5 * torch.randn(h.shape, generator=self.noise))
+
+
+def _batches():
+    return [torch.randn(6, 8, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_generator_a_module_holds_draws_the_forwards_numbers_in_the_recompute(how):
+    # Drawn anew, the noise differed from the forward's: gradients 4.5-8.5 off plain's,
+    # silently, and the generator a draw further than plain's at each step.
+    plain, model = nn.Sequential(*chain(HeldNoise)), checkpointed(how, chain(HeldNoise))
+    assert_same_steps(plain, model, _batches())
+    held = model[1] if how == "sequential" else model[0][1]
+    assert torch.equal(plain[1].noise.get_state(), held.noise.get_state())
+
+
+def test_a_generator_two_modules_hold_is_replayed_from_the_state_the_forward_first_found():
+    # Under global hooks the second module is noted after the first drew: its state
+    # then is not the one to replay the first draw from.
+    def make():
+        torch.manual_seed(0)
+        first, second = HeldNoise(), HeldNoise()
+        second.noise = first.noise  # one generator, drawn from twice a forward
+        return nn.Sequential(first, nn.Tanh(), second)
+
+    wrapped = make()
+    actsave.wrap(wrapped, HeldNoise)  # a checkpoint each: the second's forward finds the first's draw made
+    function = make()
+    function.forward = lambda x: actsave.checkpoint(lambda t: nn.Sequential.forward(function, t), x)
+    for model in (wrapped, function, actsave.CheckpointedSequential(*make(), segments=[0])):
+        plain = make()
+        assert_same_steps(plain, model, _batches())
+        assert torch.equal(plain[0].noise.get_state(), model[0].noise.get_state())
+
+
+def test_a_nested_part_replays_the_generators_of_its_own_layers():
+    def make():
+        torch.manual_seed(0)
+        return [nn.Linear(8, 8), HeldNoise(1), nn.Tanh(), nn.Linear(8, 8), HeldNoise(2), nn.Linear(8, 8)]
+
+    class Nested(nn.Sequential):
+        def forward(self, x):
+            return nested_call(list(self), Range(0, 6, inner=(Range(0, 3), Range(3, 6, recomputed=False))), x)[0]
+
+    plain, nested = nn.Sequential(*make()), Nested(*make())
+    assert_same_steps(plain, nested, _batches())
+    for index in (1, 4):
+        assert torch.equal(plain[index].noise.get_state(), nested[index].noise.get_state())
+
+
+def test_a_keep_selective_block_replays_the_generator_it_holds():
+    plain, model = nn.Sequential(*chain(HeldNoise)), nn.Sequential(*chain(HeldNoise))
+    actsave.wrap(model, HeldNoise, keep="selective")
+    assert_same_steps(plain, model, _batches())
+
+
+class NoisyLinear(nn.Linear):
+    """A Linear whose output is scaled by noise from a generator it holds: a call
+    ``keep="selective"`` keeps, and skips in the recompute."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out * (1 + 0.1 * torch.randn(out.shape, generator=self.noise))
+
+
+class NoisyBlock(nn.Module):
+    """Draws from the generator its NoisyLinear holds after that call drew from it."""
+
+    def __init__(self):
+        super().__init__()
+        self.noise = torch.Generator().manual_seed(5)
+        self.fc = NoisyLinear(8, 8)
+        self.fc.noise = self.noise
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * (1 + 0.1 * torch.randn(x.shape, generator=self.noise))
+
+
+def test_a_call_keep_selective_skips_leaves_the_generators_its_module_holds_as_the_forward_did():
+    # The recompute skipped fc's draws, and the block's own draw read the generator at
+    # the forward's start: other noise, silently.
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(NoisyBlock(), nn.Linear(8, 2))
+
+    plain, model = make(), make()
+    actsave.wrap(model, NoisyBlock, keep="selective")
+    assert_same_steps(plain, model, _batches())
+    assert torch.equal(plain[0].noise.get_state(), model[0].noise.get_state())
