@@ -14,6 +14,12 @@ around one call a selective recompute skips (:class:`RandomState`).
 - The default device (``with torch.device(...)`` or ``torch.set_default_device``):
   factory calls without ``device=`` (``torch.arange(n)``) must make their tensors
   where the forward made them, though backward runs outside that block.
+- The attention backends enabled (``torch.nn.attention.sdpa_kernel``, or
+  ``torch.backends.cuda.enable_*_sdp``): a recompute outside that block would take
+  another kernel for ``scaled_dot_product_attention``, which saves other tensors (a
+  RecomputeError) or, where they have the same shapes, gives other bits. The priority
+  order ``sdpa_kernel(set_priority=True)`` sets is torch's private state and is not
+  replayed.
 """
 from __future__ import annotations
 
@@ -48,9 +54,37 @@ class _AutocastState:
         )
 
 
+# Each attention backend's (enabled, enable) pair, in torch.backends.cuda (public; they
+# decide on the CPU too). One a torch lacks is left out.
+_SDP_BACKENDS = tuple(
+    (getattr(torch.backends.cuda, f"{name}_sdp_enabled"), getattr(torch.backends.cuda, f"enable_{name}_sdp"))
+    for name in ("flash", "mem_efficient", "math", "cudnn")
+    if hasattr(torch.backends.cuda, f"{name}_sdp_enabled") and hasattr(torch.backends.cuda, f"enable_{name}_sdp"))
+
+
+def _sdp_backends() -> tuple:
+    """Whether each attention backend is enabled now (_SDP_BACKENDS's order)."""
+    return tuple(enabled() for enabled, _ in _SDP_BACKENDS)
+
+
+@contextlib.contextmanager
+def _sdp_backends_set(flags: tuple):
+    """The attention backends enabled as ``flags`` say while the body runs, as they
+    were afterwards."""
+    found = _sdp_backends()
+    for (_, enable), flag in zip(_SDP_BACKENDS, flags):
+        enable(flag)
+    try:
+        yield
+    finally:
+        for (_, enable), flag in zip(_SDP_BACKENDS, found):
+            enable(flag)
+
+
 @dataclass(frozen=True)
 class ReplayState:
-    """RNG and autocast state at the start of a checkpointed forward."""
+    """RNG, autocast, default device and attention backends at the start of a
+    checkpointed forward."""
 
     cpu_rng: Optional[torch.Tensor]  # None: preserve_rng_state=False, no RNG replay
     device_type: str  # the inputs' accelerator type, or "cpu" when there is none
@@ -59,6 +93,7 @@ class ReplayState:
     autocast: tuple
     default_device: torch.device
     passed: tuple = ()  # (generator, its state) of each torch.Generator passed to the call
+    sdp_backends: tuple = ()  # whether each attention backend was enabled (_SDP_BACKENDS)
 
     @classmethod
     def capture(cls, tensors, preserve_rng_state: bool = True, generators=()) -> "ReplayState":
@@ -83,6 +118,7 @@ class ReplayState:
             autocast=tuple(_AutocastState.capture(kind) for kind in autocast_types),
             default_device=default_device(),
             passed=tuple((g, g.get_state()) for g in generators) if preserve_rng_state else (),
+            sdp_backends=_sdp_backends(),
         )
 
     @contextlib.contextmanager
@@ -108,6 +144,8 @@ class ReplayState:
             with contextlib.ExitStack() as stack:
                 if default_device() != self.default_device:
                     stack.enter_context(self.default_device)
+                if _sdp_backends() != self.sdp_backends:
+                    stack.enter_context(_sdp_backends_set(self.sdp_backends))
                 # Entered even where autocast is in that state already, as torch's checkpoint
                 # enters it: its exit puts the enabled flag, dtype and cache setting back as
                 # the recompute found them, whatever a layer of the recompute set and left (a

@@ -79,6 +79,38 @@ def test_replay_restores_the_default_device_of_the_forward():
         assert torch.arange(3.0).device.type == "cpu"
 
 
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 10, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.out(attended.transpose(1, 2).reshape(2, 10, 16))
+
+
+def test_a_recompute_takes_the_attention_backend_its_forward_took():
+    # Forward under sdpa_kernel(MATH), backward outside it: the recompute took the CPU's
+    # flash kernel, which saves other tensors, and raised a RecomputeError that blamed
+    # Hugging Face's use_cache.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def layers():
+        torch.manual_seed(0)
+        return [Attention(), Attention(), nn.Linear(16, 3)]
+
+    x = torch.randn(2, 10, 16)
+    grads = []
+    for model in (nn.Sequential(*layers()), actsave.CheckpointedSequential(*layers(), segments=[1, 2])):
+        with sdpa_kernel(SDPBackend.MATH):
+            out = model(x)
+        out.sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert torch.backends.cuda.flash_sdp_enabled()  # as the recompute found it
+
+
 def test_checkpoint_made_under_a_device_context_recomputes_there():
     # torch.arange without device= inside `with torch.device(...)` must recompute there too.
     x = torch.randn(5, requires_grad=True)
@@ -743,3 +775,4 @@ def test_a_parameter_the_forward_changes_raises_in_a_cuda_graph_capture_naming_i
     monkeypatch.setattr(guarded_parameters, "capturing", lambda: True)
     with pytest.raises(actsave.RecomputeError, match="changed parameter 'weight'.*CUDA graph's capture cannot"):
         out.sum().backward()
+
