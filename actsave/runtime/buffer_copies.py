@@ -51,7 +51,15 @@ _KINDS = ("parameters", "buffers")
 def own_state(module: torch.nn.Module):
     """``(kind, name, tensor)`` of each parameter and buffer of ``module`` that is set.
     Raises for one a lazy module has not initialized: its first forward draws random
-    numbers to initialize it that a recompute, from the forward's RNG, would not draw."""
+    numbers to initialize it that a recompute, from the forward's RNG, would not draw;
+    and for a TorchScript module, whose tables are TorchScript's, not dicts a snapshot
+    can be swapped into."""
+    if isinstance(module, torch.jit.ScriptModule):
+        raise ConfigError(
+            f"{type(module).__name__} is a TorchScript module (torch.jit.script or torch.jit.trace): a checkpoint "
+            "reads and restores the parameters and buffers of the modules it runs through their Python tables, "
+            "which a TorchScript module does not have. Checkpoint the eager module (torch.compile keeps "
+            "actsave's checkpoints), or run the TorchScript module outside the checkpointed part.")
     for kind in _KINDS:
         for name, tensor in own_tensors(module, kind).items():
             if is_lazy(tensor):

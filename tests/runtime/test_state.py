@@ -776,3 +776,15 @@ def test_a_parameter_the_forward_changes_raises_in_a_cuda_graph_capture_naming_i
     with pytest.raises(actsave.RecomputeError, match="changed parameter 'weight'.*CUDA graph's capture cannot"):
         out.sum().backward()
 
+
+@pytest.mark.parametrize("how", ["sequential", "checkpoint"])
+def test_a_torchscript_module_in_a_checkpoint_is_refused_by_name(how):
+    # Its tables are not dicts: an AttributeError from deep inside ('OrderedDictWrapper'
+    # object has no attribute 'get') named neither the module nor what to do.
+    scripted = torch.jit.script(nn.Linear(8, 8))
+    x = torch.randn(6, 8, requires_grad=True)
+    with pytest.raises(actsave.ConfigError, match="RecursiveScriptModule is a TorchScript module"):
+        if how == "sequential":
+            actsave.CheckpointedSequential(nn.Linear(8, 8), scripted, nn.Tanh(), segments=[2])(x)
+        else:
+            actsave.checkpoint(scripted, x)
