@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
 from actsave.devices import synchronize  # noqa: E402
 from actsave.text import format_table  # noqa: E402
-from harness import allocator_rise  # noqa: E402
+from harness import allocator_rise, imports_frozen  # noqa: E402
 from harness.measure import worst_grad_sqnr  # noqa: E402
 from host_overhead import interleaved_times, paired_ratio  # noqa: E402
 from models import BasicBlock, PreActBottleneck, TransformerBlock, cifar_resnet, gpt  # noqa: E402
@@ -264,4 +264,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    imports_frozen()  # NOTE [ A script's imports, frozen ]
     main()

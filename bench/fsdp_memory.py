@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actsave  # noqa: E402
 from actsave.planning import plans  # noqa: E402
 from actsave.text import format_table  # noqa: E402
-from harness import count_frees_on_every_thread, process_allocator_peak  # noqa: E402
+from harness import count_frees_on_every_thread, imports_frozen, process_allocator_peak  # noqa: E402
 
 UNSHARDED_SEGMENTS = "unsharded plan's segments"
 ONE_UNIT = "balanced, one unit"
@@ -175,4 +175,5 @@ def _mib(nbytes) -> str:
 
 
 if __name__ == "__main__":
+    imports_frozen()  # NOTE [ A script's imports, frozen ]
     main()

@@ -561,4 +561,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    harness.imports_frozen()  # NOTE [ A script's imports, frozen ]
     sys.exit(main(sys.argv[1:]))

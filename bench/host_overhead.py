@@ -420,4 +420,5 @@ def main(argv=None) -> list:
 
 
 if __name__ == "__main__":
+    harness.imports_frozen()  # NOTE [ A script's imports, frozen ]
     main(sys.argv[1:])

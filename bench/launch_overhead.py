@@ -84,4 +84,5 @@ def main(argv=None) -> list:
 
 
 if __name__ == "__main__":
+    harness.imports_frozen()  # NOTE [ A script's imports, frozen ]
     sys.exit(0 if main(sys.argv[1:]) else 1)

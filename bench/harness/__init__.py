@@ -47,8 +47,8 @@ indicative only.
 # The names the bench scripts and tests/bench use, as ``harness.X``.
 from .cli import SIZED_OPTIONS, parse_arguments, parse_budget, parse_depths, parse_device, run_benchmark
 from .measure import (MemTracker, _GlobalPeakMemTracker, activation_peak, allocator_peak, allocator_rise,
-                      count_frees_on_every_thread, estimated_act_peak, interleaved_times, measure_step_memory,
-                      process_allocator_peak, sqnr_db, training_step)
+                      count_frees_on_every_thread, estimated_act_peak, imports_frozen, interleaved_times,
+                      measure_step_memory, process_allocator_peak, sqnr_db, training_step)
 from .progress import Progress
 from .providers import (BLOCK_PROVIDERS, DISPLAY_NAMES, PROVIDERS, REFERENCE, BlockProvider, Provider, ProviderError,
                         available_providers, display_name)
@@ -66,7 +66,7 @@ __all__ = [
     "Measurement", "MemTracker", "MiB", "Progress", "Provider", "ProviderError", "Workload",
     "_GlobalPeakMemTracker", "_fixed_width", "_medians", "activation_peak", "allocator_peak", "allocator_rise",
     "count_frees_on_every_thread", "process_allocator_peak", "available_providers", "deepest_fitting", "device_name",
-    "estimated_act_peak",
+    "estimated_act_peak", "imports_frozen",
     "device_slug", "interleaved_times", "max_depth_table", "measure_step_memory", "parse_arguments", "parse_budget",
     "parse_depths", "pyplot", "run_benchmark", "run_metadata", "save_figure", "search_max_depths", "training_step",
     "write_csv", "csv_row", "parse_device", "sqnr_db",
