@@ -12,6 +12,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread for every test, whichever file runs first: the tests' tensors are
+# small, where a second thread costs more than it computes on a shared two-core machine
+# (the bench scripts the tests run set one thread too), and a file run alone then runs
+# as in the whole suite, where a bench fixture used to set it for the files after it.
+torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 
 from actsave import devices  # noqa: E402

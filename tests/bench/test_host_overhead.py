@@ -51,7 +51,6 @@ def counts():
 def measured(host_overhead):
     """{case: (models, batch, counts, counts again)}: every provider warmed up (the
     default mode plans at its first call), then counted twice."""
-    torch.set_num_threads(1)
     cpu = torch.device("cpu")
     runs = {}
     for name in CASES:
