@@ -2,6 +2,7 @@
 the gradient error against the reference."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -180,9 +181,11 @@ def imports_frozen() -> None:
     ``gc.freeze()`` moves them to the permanent generation, which no collection walks;
     the models, tensors and cycles the script makes are collected as before. Not in
     ``main``: a test that calls ``main`` in its own process must not exempt the test
-    session's objects."""
+    session's objects. They are given back to the collector as the interpreter exits:
+    nanobind (triton's bindings) reports as leaked any of its objects alive then."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 @contextlib.contextmanager
