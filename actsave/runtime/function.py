@@ -143,7 +143,7 @@ class CheckpointFrame:
             modules, snapshot = (None if layers is None else modules_under(layers)), None
         self.layers, self.modules = layers, modules  # None where the function's layers are not known
         self.options = options.for_modules(modules)
-        self.touched = TouchedState.of(layers, modules, snapshot)  # NOTE [ State a forward reads and mutates ]
+        self.touched = TouchedState.of(layers, modules, snapshot, self.options.preserve_rng_state)  # state.py's NOTE
         lossy = self._lossy_recompute(kept)
         self.code = LayerCode(function, layers, modules, lossy)  # NOTE [ Decisions in compiled layers ]
         self.slots = []  # weak references, in the order the forward saved

@@ -41,23 +41,8 @@ the attributes of a module that holds buffers are state like its buffers:
   another module (a parent's flag) or outside the modules (a global): the recompute reads
   those as the forward left them, and the stale-read check is what sees the reads.
 
-NOTE [ Generators a module holds ]
-A module may draw from a ``torch.Generator`` it holds (``torch.randn(shape,
-generator=self.g)``: a noise layer, a dropout of its own). The recompute must draw the
-forward's numbers, as it does from the process's generators and from those passed to
-the call (replay.py); drawing anew gives other noise, silently where the shapes match
-(4.5-8.5 off plain's gradients in an adversarial run), and leaves the generator a draw
-further than plain's. So the generators in the ``__dict__`` copies taken as the forward
-starts (above: every module but torch.nn's own, holders of buffers or not) are noted
-with their states, each once, and the recompute runs with each in that state and puts
-back the state it found as it ends, as for a passed generator. The check is by type
-(``type(value) is torch.Generator``), in C over the copy's values. A nested part sets
-those of the modules under its layers. A call ``keep="selective"`` skips in the recompute
-(selective.py) leaves those its modules hold, as those passed to it, where the forward's
-call left them. Not seen: a generator held elsewhere (a global,
-a list attribute), and Python's ``random`` or numpy's global generator, whose states
-cost 10-40 us to read at every checkpointed call (docs/limits.md, "The recompute
-check").
+The generators the modules hold are noted with the copies: NOTE [ Generators a module
+holds ] in held_generators.py.
 """
 from __future__ import annotations
 
@@ -68,49 +53,45 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .replay import generators_put_back
+from .held_generators import TORCH_LAYERS, HeldGenerators, may_draw_from_its_own
 
 # nn.Module's own entries, set by its __init__ (a table's identity a forward keeps).
 _OWN = frozenset(nn.Module().__dict__)
 ABSENT = object()  # an attribute not there (one the forward added: deleted while the recompute runs)
 _NOTHING = contextlib.nullcontext()  # what most recomputes install (reusable)
-# torch.nn's own layers, whose forwards set no attribute (a set: read per module per call).
-_UNWATCHED = frozenset(cls for cls in vars(nn).values() if isinstance(cls, type) and issubclass(cls, nn.Module)
-                       and cls.__module__.startswith("torch.nn.modules."))
+_UNWATCHED = TORCH_LAYERS  # torch.nn's own layers, whose forwards set no attribute
 
 
 class ModuleAttributes:
     """The attributes one checkpointed forward set on the modules it ran (NOTE [ Python
     attributes a forward sets ])."""
 
-    def __init__(self):
+    def __init__(self, generators: bool = True):
         self._found = []  # (module, a shallow copy of its __dict__) as the forward started
         self._set = []  # (module, name, value as the forward found it, or ABSENT)
-        self._generators = []  # (layer index or None, generator, its state as the forward found it)
+        self._replays_generators = generators  # False: preserve_rng_state=False
+        self.generators = HeldGenerators()  # NOTE [ Generators a module holds ]
 
     def started(self, modules: Iterable[tuple]) -> None:
         """Note the attributes of ``modules`` (``(layer index, module)`` pairs:
         layers.modules_under's) as the forward starts, and the generators they hold."""
-        self._found = [(index, module, dict(module.__dict__)) for index, module in modules
-                       if type(module) not in _UNWATCHED]
-        self._generators = []
-        for index, _, entries in self._found:
-            self._note_generators(index, entries)
+        self._found, self.generators = [], HeldGenerators()
+        for index, module in modules:
+            self._note(index, module)
 
     def add(self, module: nn.Module) -> None:
         """Note ``module``'s attributes, and the generators it holds, as its first call in
         the forward starts."""
+        self._note(None, module)
+
+    def _note(self, index: Optional[int], module: nn.Module) -> None:
         if type(module) not in _UNWATCHED:
             entries = dict(module.__dict__)
-            self._found.append((None, module, entries))
-            self._note_generators(None, entries)
-
-    def _note_generators(self, index: Optional[int], entries: dict) -> None:
-        """NOTE [ Generators a module holds ]: each generator once, in the state the
-        forward first found it in."""
-        for generator in _generators_in(entries):
-            if all(generator is not held for _, held, _ in self._generators):
-                self._generators.append((index, generator, generator.get_state()))
+            self._found.append((index, module, entries))
+            if self._replays_generators:
+                self.generators.note(module, entries)
+        elif self._replays_generators and may_draw_from_its_own(module):
+            self.generators.note(module, module.__dict__)
 
     def ended(self, holders) -> None:
         """Find the attributes the forward set, added or deleted, as it ends, on the
@@ -132,42 +113,23 @@ class ModuleAttributes:
     def as_in_forward(self, layers: Optional[range] = None):
         """A context in which the attributes the forward set on the modules under
         ``layers`` (layer indices; all by default) are as it found them: a nested
-        recompute's part finds those the layers before it set as they left them."""
-        return self._installed(layers) if self._set or self._generators else _NOTHING
+        recompute's part finds those the layers before it set as they left them. The
+        generators the modules hold too, for the whole function's recompute only: a
+        nested pass replays them itself (NOTE [ Generators a module holds ])."""
+        generators = self.generators if layers is None else None
+        return self._installed(layers, generators) if self._set or generators else _NOTHING
 
     @contextlib.contextmanager
-    def _installed(self, layers: Optional[range]):
+    def _installed(self, layers: Optional[range], generators: Optional[HeldGenerators]):
         found = [(module, name, was) for index, module, name, was in self._set
                  if layers is None or index is None or index in layers]
-        generators = [(generator, state) for index, generator, state in self._generators
-                      if layers is None or index is None or index in layers]
         current = [(module, name, module.__dict__.get(name, ABSENT)) for module, name, _ in found]
-        with generators_put_back([generator for generator, _ in generators]):
-            for generator, state in generators:
-                generator.set_state(state)
+        with generators.installed() if generators else _NOTHING:
             assign(found)
             try:
                 yield
             finally:
                 assign(current)
-
-
-def held_generators(modules: Iterable[nn.Module]) -> list:
-    """The ``torch.Generator`` s that ``modules`` hold as attributes, each once (NOTE [
-    Generators a module holds ])."""
-    found = []
-    for module in modules:
-        found += [generator for generator in _generators_in(module.__dict__)
-                  if all(generator is not other for other in found)]
-    return found
-
-
-def _generators_in(entries: dict) -> list:
-    """The values of ``entries`` (a module's ``__dict__``, or a copy) that are
-    generators: a check in C where there are none, as in almost every module."""
-    if torch.Generator not in map(type, entries.values()):
-        return []
-    return [value for value in entries.values() if type(value) is torch.Generator]
 
 
 # NOTE [ Train and eval in a recompute ]

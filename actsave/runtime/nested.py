@@ -46,7 +46,8 @@ from .function import (
     _recompute_depth,
     checkpointed_call,
 )
-from .layers import LayerChain, repeated_modules
+from .held_generators import held_generators
+from .layers import LayerChain, modules_under, repeated_modules
 from .passed_inputs import HandedOn
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions
 from .replay import ReplayState
@@ -149,8 +150,8 @@ class _NestedFrame(CheckpointFrame):
                 "only where its layers pass tensors, or give this segment no inner ranges.")
         self.slot_at.append(len(self.slots))
         self.grad_at.append(isinstance(x, torch.Tensor) and x.requires_grad)
-        if i in self._starts:
-            self.replay_at[i] = ReplayState.capture([x], self.options.preserve_rng_state)
+        if i in self._starts:  # the generators the layers hold where the forward reached i too
+            self.replay_at[i] = ReplayState.capture([x], self.options.preserve_rng_state, self.replay.generators)
 
     def unpack(self, slot) -> torch.Tensor:
         if self.in_forward:
@@ -323,7 +324,9 @@ def nested_call(layers: Sequence, top: Range, x: torch.Tensor, private_copy: boo
         # (NOTE [ Nested checkpoints ]).
         return checkpointed_call(_Layers(layers, None, private_copy), (x,), {}, EXACT, private_copy, options)
     _refuse_repeated_modules(layers)
-    replay = ReplayState.capture([x], options.preserve_rng_state)
+    # Each pass replays the generators the layers hold (NOTE [ Generators a module holds ]).
+    held = held_generators(module for _, module in modules_under(tuple(layers)))
+    replay = ReplayState.capture([x], options.preserve_rng_state, held)
     kept = KeptInputs((x,), {}, EXACT, private_copy)
     frame = _NestedFrame(layers, top, kept, replay, x, options)
     try:

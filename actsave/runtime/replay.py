@@ -121,6 +121,11 @@ class ReplayState:
             sdp_backends=_sdp_backends(),
         )
 
+    @property
+    def generators(self) -> tuple:
+        """The generators besides the process's whose states it replays."""
+        return tuple(generator for generator, _ in self.passed)
+
     @contextlib.contextmanager
     def replayed(self):
         """Run the body with the captured RNG, autocast state and default device; the

@@ -117,7 +117,7 @@ from .keep_rules import EXACT, KeepPolicy
 from .kept_ops import DEFAULT_KEPT_OPS, TAPPED_FUNCTIONS, KeptOps, may_draw, refuse_unknown_modules
 from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState, passed_generators
-from .module_attributes import held_generators
+from .held_generators import held_generators
 from .kept_calls import CallArgument, KeptCall, KeptSave, StateMark, attributes_to_replay, described, keepable_now
 from .kept_nothing import warn_kept_nothing
 from .forward_dispatch import forward_replaced
@@ -217,8 +217,8 @@ class SelectiveFrame(CheckpointFrame):
         # Without preserve_rng_state the recompute draws from the generators as they are
         # (torch's meaning): setting them to a forward-time state would rewind them.
         if self.options.preserve_rng_state and may_draw(target, args, kwargs):
-            self._open.rng_before = RandomState.capture(tensors, passed_generators(args, kwargs)
-                                                        + held_generators(own))
+            self._open.rng_before = RandomState.capture(tensors, [*passed_generators(args, kwargs),
+                                                                  *held_generators(own)])
 
     def _exit(self, output, raised: bool = False) -> None:
         self._depth -= 1

@@ -78,7 +78,7 @@ class TouchedState:
     snapshot is held strongly, until the last recompute has run (:meth:`release`).
     """
 
-    def __init__(self):
+    def __init__(self, generators: bool = True):
         self._thread = threading.get_ident()
         self._read = {}  # id -> (weakref, label for _describe): saved leaves (and watched state)
         self._checked = []  # (weakref, version, label) taken at end_forward
@@ -92,15 +92,20 @@ class TouchedState:
         self._modes = {}  # module -> its training flag as the forward ran it (NOTE [ Train and eval in a recompute ])
         self._parameters = ForwardParameters()  # NOTE [ Parameters a recompute reads ]
         self.reads = StaleReads()  # NOTE [ Buffers read after the forward changed them ]
-        self.attributes = ModuleAttributes()  # NOTE [ Python attributes a forward sets ]
+        # NOTE [ Python attributes a forward sets ]; ``generators``: replay the ones modules hold.
+        self.attributes = ModuleAttributes(generators)
 
     @staticmethod
-    def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None) -> "TouchedState":
+    def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None,
+           generators: bool = True) -> "TouchedState":
         """The noting that fits a function whose known ``layers`` and the ``modules``
         under them (layers.modules_under) are given, or None (NOTE [ Known layers ]).
         ``snapshot``: the buffers of those modules as the forward will start, taken by
-        the caller (chain.ChainState), else taken as it starts."""
-        return _HookedState() if layers is None else _LayerState(layers, modules, snapshot)
+        the caller (chain.ChainState), else taken as it starts. ``generators``: whether
+        the recompute replays the generators the modules hold (preserve_rng_state)."""
+        if layers is None:
+            return _HookedState(generators)
+        return _LayerState(layers, modules, snapshot, generators)
 
     def recording(self):
         """Note what the modules run in the body read and mutate, and snapshot their
@@ -238,8 +243,8 @@ class _LayerState(TouchedState):
     """The state under known layers, read before and after the forward (NOTE [ State a
     forward reads and mutates ], NOTE [ Known layers ])."""
 
-    def __init__(self, layers: tuple, modules: list, snapshot: Optional[dict] = None):
-        super().__init__()
+    def __init__(self, layers: tuple, modules: list, snapshot: Optional[dict] = None, generators: bool = True):
+        super().__init__(generators)
         self._layers = layers
         self._modules = modules
         self._given = snapshot
@@ -334,8 +339,8 @@ class _HookedState(TouchedState):
     are snapshotted as its first call in the forward starts, and the snapshot dropped
     as a call that moved nothing ends, unless an earlier call moved them."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, generators: bool = True):
+        super().__init__(generators)
         self._mutated = {}  # (module, kind, name) -> None: state changed by its module
         self._moved_modules = set()  # ids of the modules whose calls moved their state
         self._calls = []  # (module, {(kind, name): (tensor, version)}) of module calls running
