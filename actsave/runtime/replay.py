@@ -14,12 +14,9 @@ around one call a selective recompute skips (:class:`RandomState`).
 - The default device (``with torch.device(...)`` or ``torch.set_default_device``):
   factory calls without ``device=`` (``torch.arange(n)``) must make their tensors
   where the forward made them, though backward runs outside that block.
-- The attention backends enabled (``torch.nn.attention.sdpa_kernel``, or
-  ``torch.backends.cuda.enable_*_sdp``): a recompute outside that block would take
-  another kernel for ``scaled_dot_product_attention``, which saves other tensors (a
-  RecomputeError) or, where they have the same shapes, gives other bits. The priority
-  order ``sdpa_kernel(set_priority=True)`` sets is torch's private state and is not
-  replayed.
+- The settings that choose the kernels (the default dtype, oneDNN and cuDNN switches,
+  deterministic algorithms, the attention backends ``sdpa_kernel`` enables): NOTE [
+  Settings a recompute replays ].
 """
 from __future__ import annotations
 
@@ -54,37 +51,73 @@ class _AutocastState:
         )
 
 
-# Each attention backend's (enabled, enable) pair, in torch.backends.cuda (public; they
-# decide on the CPU too). One a torch lacks is left out.
-_SDP_BACKENDS = tuple(
-    (getattr(torch.backends.cuda, f"{name}_sdp_enabled"), getattr(torch.backends.cuda, f"enable_{name}_sdp"))
-    for name in ("flash", "mem_efficient", "math", "cudnn")
-    if hasattr(torch.backends.cuda, f"{name}_sdp_enabled") and hasattr(torch.backends.cuda, f"enable_{name}_sdp"))
+def _attribute(owner, name: str) -> tuple:
+    """``(get, set)`` of a setting held as ``owner.name`` (torch.backends' flags)."""
+    return (lambda: getattr(owner, name)), (lambda value: setattr(owner, name, value))
 
 
-def _sdp_backends() -> tuple:
-    """Whether each attention backend is enabled now (_SDP_BACKENDS's order)."""
-    return tuple(enabled() for enabled, _ in _SDP_BACKENDS)
+def _deterministic_algorithms() -> tuple:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _set_deterministic_algorithms(value: tuple) -> None:
+    torch.use_deterministic_algorithms(value[0], warn_only=value[1])
+
+
+def _functions(owner, get: str, set_: str) -> Optional[tuple]:
+    """``(get, set)`` of ``owner``'s functions of those names, or None where this torch
+    lacks one."""
+    pair = getattr(owner, get, None), getattr(owner, set_, None)
+    return None if None in pair else pair
+
+
+# NOTE [ Settings a recompute replays ]
+# The process-wide settings that choose what a forward's kernels compute, as ``(get,
+# set)`` pairs, all public: the default dtype (a factory without dtype=), the CPU's oneDNN
+# and cuDNN switches and cuDNN's algorithm choice, deterministic algorithms, and which
+# attention kernels ``scaled_dot_product_attention`` may take (``sdpa_kernel``, on the CPU
+# too) and whether its math kernel reduces in half precision. A recompute outside the
+# block the forward ran in would take another kernel: other saves (a RecomputeError that
+# blames the function) or other bits where the shapes match (oneDNN off: 7.6e-6 off an
+# exact mode's gradient; the default dtype: 2.07). Read at every checkpointed call, about
+# 2 us; set in a recompute only where they differ. Not replayed: TF32 and float32 matmul
+# precision (torch refuses reads that mix its legacy and new precision APIs), the
+# attention kernels' priority order (private), flush-to-zero (``set_flush_denormal``
+# has no getter) and a user's function or dispatch modes (docs/limits.md).
+_SETTINGS = tuple(pair for pair in (
+    (torch.get_default_dtype, torch.set_default_dtype),
+    _attribute(torch.backends.mkldnn, "enabled"),
+    *(_attribute(torch.backends.cudnn, name) for name in ("enabled", "benchmark", "deterministic")),
+    (_deterministic_algorithms, _set_deterministic_algorithms),
+    *(_functions(torch.backends.cuda, f"{name}_sdp_enabled", f"enable_{name}_sdp")
+      for name in ("flash", "mem_efficient", "math", "cudnn")),
+    _functions(torch.backends.cuda, "fp16_bf16_reduction_math_sdp_allowed", "allow_fp16_bf16_reduction_math_sdp"),
+) if pair is not None)
+
+
+def _settings() -> tuple:
+    """Each of _SETTINGS's values now."""
+    return tuple(get() for get, _ in _SETTINGS)
 
 
 @contextlib.contextmanager
-def _sdp_backends_set(flags: tuple):
-    """The attention backends enabled as ``flags`` say while the body runs, as they
-    were afterwards."""
-    found = _sdp_backends()
-    for (_, enable), flag in zip(_SDP_BACKENDS, flags):
-        enable(flag)
+def _settings_set(values: tuple):
+    """_SETTINGS at ``values`` while the body runs, those that differ set back after."""
+    found = _settings()
+    changed = [(set_, value, was) for (_, set_), value, was in zip(_SETTINGS, values, found) if value != was]
+    for set_, value, _ in changed:
+        set_(value)
     try:
         yield
     finally:
-        for (_, enable), flag in zip(_SDP_BACKENDS, found):
-            enable(flag)
+        for set_, _, was in changed:
+            set_(was)
 
 
 @dataclass(frozen=True)
 class ReplayState:
-    """RNG, autocast, default device and attention backends at the start of a
-    checkpointed forward."""
+    """RNG, autocast, default device and kernel settings at the start of a checkpointed
+    forward."""
 
     cpu_rng: Optional[torch.Tensor]  # None: preserve_rng_state=False, no RNG replay
     device_type: str  # the inputs' accelerator type, or "cpu" when there is none
@@ -93,7 +126,7 @@ class ReplayState:
     autocast: tuple
     default_device: torch.device
     passed: tuple = ()  # (generator, its state) of each torch.Generator passed to the call
-    sdp_backends: tuple = ()  # whether each attention backend was enabled (_SDP_BACKENDS)
+    settings: tuple = ()  # NOTE [ Settings a recompute replays ]
 
     @classmethod
     def capture(cls, tensors, preserve_rng_state: bool = True, generators=()) -> "ReplayState":
@@ -118,7 +151,7 @@ class ReplayState:
             autocast=tuple(_AutocastState.capture(kind) for kind in autocast_types),
             default_device=default_device(),
             passed=tuple((g, g.get_state()) for g in generators) if preserve_rng_state else (),
-            sdp_backends=_sdp_backends(),
+            settings=_settings(),
         )
 
     @property
@@ -149,8 +182,8 @@ class ReplayState:
             with contextlib.ExitStack() as stack:
                 if default_device() != self.default_device:
                     stack.enter_context(self.default_device)
-                if _sdp_backends() != self.sdp_backends:
-                    stack.enter_context(_sdp_backends_set(self.sdp_backends))
+                if self.settings and _settings() != self.settings:
+                    stack.enter_context(_settings_set(self.settings))
                 # Entered even where autocast is in that state already, as torch's checkpoint
                 # enters it: its exit puts the enabled flag, dtype and cache setting back as
                 # the recompute found them, whatever a layer of the recompute set and left (a

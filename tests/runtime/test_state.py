@@ -1,5 +1,6 @@
 """RNG, autocast and default-device replay; module state mutated once, and read
 state checked unchanged before the recompute."""
+import contextlib
 import copy
 
 import pytest
@@ -8,6 +9,7 @@ from torch import nn
 
 import actsave
 
+from actsave.runtime import replay
 from actsave.runtime.replay import ReplayState
 from support import assert_same_steps
 
@@ -109,6 +111,50 @@ def test_a_recompute_takes_the_attention_backend_its_forward_took():
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert torch.backends.cuda.flash_sdp_enabled()  # as the recompute found it
+
+
+class ConvNoise(nn.Module):
+    """A convolution and noise drawn without a dtype (the default dtype's numbers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return torch.tanh(y * (1 + 0.1 * torch.randn(y.shape).to(y.dtype)))
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    found = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(found)
+
+
+@pytest.mark.parametrize("setting", ["default_dtype", "onednn_off"])
+def test_a_recompute_runs_under_the_kernel_settings_its_forward_ran_under(setting):
+    # The forward inside the setting, the backward outside: float64 noise of other
+    # values (2.07 off plain); oneDNN's convolution for the reference one (7.6e-6 off).
+    context = {"default_dtype": lambda: _default_dtype(torch.float64),
+               "onednn_off": lambda: torch.backends.mkldnn.flags(enabled=False)}[setting]
+
+    def layers():
+        torch.manual_seed(0)
+        return [ConvNoise(), ConvNoise(), nn.Conv2d(3, 2, 1)]
+
+    x, grads, found = torch.randn(2, 3, 6, 6), [], replay._settings()
+    for model in (nn.Sequential(*layers()), actsave.CheckpointedSequential(*layers(), segments=[0, 2])):
+        torch.manual_seed(1)
+        with context():
+            out = model(x)
+        out.square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert replay._settings() == found  # as the recompute found them
 
 
 def test_checkpoint_made_under_a_device_context_recomputes_there():
