@@ -47,7 +47,7 @@ def pytest_collection_finish(session):
     A full collection (automatic, or a test's ``gc.collect()`` that frees what reference
     counting cannot) walks every object the collector tracks: after torch, transformers
     and triton are imported and the tests collected, a few hundred thousand objects that
-    are never garbage, some 0.2 s a collection. ``gc.freeze()`` moves them to the
+    are never garbage. ``gc.freeze()`` moves them to the
     permanent generation, which no collection walks; what the tests make is collected
     as before."""
     gc.collect()

@@ -6,8 +6,8 @@ A module may draw from a ``torch.Generator`` it holds (``torch.randn(shape,
 generator=self.g)``: a noise layer, a dropout of its own, a forward hook that adds
 noise). The recompute must draw the forward's numbers, as it does from the process's
 generators and from those passed to the call (replay.py); drawing anew gives other
-noise, silently where the shapes match (4.5-8.5 off plain's gradients in an adversarial
-run), and leaves the generator a draw further than plain's. So:
+noise, silently where the shapes match, and leaves the generator a draw further than
+plain's. So:
 
 - As the forward starts (a module's first call, under global hooks), the generators
   each module holds as attributes are noted, with their holders and, once per
@@ -30,24 +30,22 @@ The check is by type (``type(value) is torch.Generator``), in C over each module
 entries. Not seen: a generator held elsewhere (a global, in a list or a
 ``functools.partial`` attribute), one a function checkpointed whole
 (``actsave.checkpoint(fn, x)``) draws from before the first call of the module holding
-it, and Python's ``random`` or numpy's global generator, whose states cost 10-40 us to
+it, and Python's ``random`` or numpy's global generator, whose states are too costly to
 read at every checkpointed call (docs/limits.md, "The recompute check").
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from .replay import generators_put_back
+from .replay import generators_replayed
 
 # torch.nn's own layer types (subclasses are the user's): their forwards set no
 # attribute and draw from none (module_attributes.py reads the set too).
 TORCH_LAYERS = frozenset(cls for cls in vars(nn).values() if isinstance(cls, type) and issubclass(cls, nn.Module)
                          and cls.__module__.startswith("torch.nn.modules."))
-_ABSENT = object()  # an attribute a holder no longer has
 
 
 class HeldGenerators:
@@ -75,20 +73,15 @@ class HeldGenerators:
     def generators(self) -> tuple:
         return tuple(generator for generator, _ in self._states)
 
-    @contextlib.contextmanager
-    def installed(self):
-        """While active, each holder holds its generator in the state the forward found;
-        as it ends, holders and generators are as it found them."""
-        holders = [(module.__dict__, name, generator) for module, name, generator in self._holders]
-        current = [(entries, name, entries.get(name, _ABSENT)) for entries, name, _ in holders]
-        with generators_put_back(self.generators):
-            for generator, state in self._states:
-                generator.set_state(state)
-            _assign(holders)
-            try:
-                yield
-            finally:
-                _assign(current)
+    @property
+    def holders(self) -> list:
+        """``[(module, attribute name, the generator the forward found there)]``."""
+        return self._holders
+
+    def replayed(self):
+        """A context in which each generator is in the state the forward found it in, and
+        in the caller's afterwards (the holders are module_attributes.py's to set)."""
+        return generators_replayed(self._states)
 
 
 def may_draw_from_its_own(module: nn.Module) -> bool:
@@ -115,11 +108,3 @@ def _generators_in(entries: dict) -> list:
         return []
     return [(name, value) for name, value in entries.items() if type(value) is torch.Generator]
 
-
-def _assign(values: list) -> None:
-    """Set each ``(module's __dict__, name, value)``, deleting those _ABSENT."""
-    for entries, name, value in values:
-        if value is _ABSENT:
-            entries.pop(name, None)
-        else:
-            entries[name] = value

@@ -123,8 +123,10 @@ class ModuleAttributes:
     def _installed(self, layers: Optional[range], generators: Optional[HeldGenerators]):
         found = [(module, name, was) for index, module, name, was in self._set
                  if layers is None or index is None or index in layers]
+        if generators:  # each holder holds the generator the forward found there
+            found += generators.holders
         current = [(module, name, module.__dict__.get(name, ABSENT)) for module, name, _ in found]
-        with generators.installed() if generators else _NOTHING:
+        with generators.replayed() if generators else _NOTHING:
             assign(found)
             try:
                 yield

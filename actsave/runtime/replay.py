@@ -78,9 +78,9 @@ def _functions(owner, get: str, set_: str) -> Optional[tuple]:
 # attention kernels ``scaled_dot_product_attention`` may take (``sdpa_kernel``, on the CPU
 # too) and whether its math kernel reduces in half precision. A recompute outside the
 # block the forward ran in would take another kernel: other saves (a RecomputeError that
-# blames the function) or other bits where the shapes match (oneDNN off: 7.6e-6 off an
-# exact mode's gradient; the default dtype: 2.07). Read at every checkpointed call, about
-# 2 us; set in a recompute only where they differ. Not replayed: TF32 and float32 matmul
+# blames the function) or other bits where the shapes match (docs/limits.md, "The
+# recompute check"). Read at every checkpointed call; set in a recompute only where they
+# differ. Not replayed: TF32 and float32 matmul
 # precision (torch refuses reads that mix its legacy and new precision APIs), the
 # attention kernels' priority order (private), flush-to-zero (``set_flush_denormal``
 # has no getter) and a user's function or dispatch modes (docs/limits.md).
@@ -172,7 +172,7 @@ class ReplayState:
         meanwhile, as torch.utils.checkpoint does (docs/limits.md, "Threads")."""
         replays_rng = self.cpu_rng is not None
         with torch.random.fork_rng(devices=list(self.devices), device_type=self.device_type, enabled=replays_rng), \
-                _passed_generators_replayed(self.passed):
+                generators_replayed(self.passed):
             if replays_rng:
                 torch.set_rng_state(self.cpu_rng)
             if self.devices and replays_rng:
@@ -217,9 +217,9 @@ def generators_put_back(generators):
 
 
 @contextlib.contextmanager
-def _passed_generators_replayed(passed: tuple):
-    """Each of ``passed``'s generators in its captured state while the body runs, and
-    in the caller's afterwards."""
+def generators_replayed(passed):
+    """Each generator of ``passed`` (``(generator, state)`` pairs) in that state while
+    the body runs, and in the caller's afterwards."""
     with generators_put_back([generator for generator, _ in passed]):
         for generator, state in passed:
             generator.set_state(state)

@@ -175,9 +175,10 @@ def imports_frozen() -> None:
     NOTE [ A script's imports, frozen ]
     A full collection walks every object the collector tracks: once torch, actsave
     and transformers are imported, some hundreds of thousands that are never garbage
-    (modules, functions, classes), 0.1-0.2 s a collection on a CPU. Every memory
-    measurement collects first (:func:`_collector_paused`), so a run of many short
-    steps spent a third of its time there (``frontier.py --smoke``: 30 s, 19 s frozen).
+    (modules, functions, classes). Every memory measurement collects first
+    (:func:`_collector_paused`), so a run of many short steps spent much of its time
+    there (docs/results.md, "The host work and the test run at the twenty-first
+    session's tree").
     ``gc.freeze()`` moves them to the permanent generation, which no collection walks;
     the models, tensors and cycles the script makes are collected as before. Not in
     ``main``: a test that calls ``main`` in its own process must not exempt the test
