@@ -13,8 +13,12 @@ PY := $(VENV)/bin/python
 
 .PHONY: test bench gpu-check clean
 
+# One test worker per core of CI's machine (2 CPU cores; each worker runs torch on one
+# thread, tests/conftest.py). --dist loadfile keeps a file's tests, and so its module
+# fixtures, in one worker: they run once, not once a worker.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The sweep writes bench/results/local/ (ignored by git): the clone stays clean.
 # `make bench BENCH_ARGS=--record` updates the committed bench/results/ instead.
