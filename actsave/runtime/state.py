@@ -26,6 +26,7 @@ from .buffer_copies import (HookedSharing, Snapshot, copies_keeping_shared_memor
 from .guarded_parameters import ForwardParameters, GuardedParameters
 from .module_attributes import ModuleAttributes, set_modes
 from .stale_buffers import StaleReads, changed_buffer, count_buffers, unreplayable
+from .swapped_buffers import SwappedBuffers
 
 
 class TouchedState:
@@ -94,6 +95,7 @@ class TouchedState:
         self.reads = StaleReads()  # NOTE [ Buffers read after the forward changed them ]
         # NOTE [ Python attributes a forward sets ]; ``generators``: replay the ones modules hold.
         self.attributes = ModuleAttributes(generators)
+        self._swapped = SwappedBuffers()  # NOTE [ Buffers swapped in for a call ]: noted where calls are watched
 
     @staticmethod
     def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None,
@@ -161,12 +163,13 @@ class TouchedState:
         of it (one foreach copy per dtype). The buffers are put back as it ends, and a
         parameter the forward changed must be as the forward left it (NOTE [ Parameters
         a forward changes ]). NOTE [ State a forward reads and mutates ]"""
-        present = []
+        keys, present = [], []
         last = self.reads.entering(last)  # NOTE [ Buffers read after the forward changed them ]
         stand_ins = self.reads.stand_ins(self._snapshot)
         for module, name in self._mutated_buffers(layers):
             table = own_tensors(module, "buffers")
             if table.get(name) is not None and (module, name) in stand_ins:
+                keys.append((module, name))
                 present.append((table, name, table[name], stand_ins[(module, name)]))
         values = [snapshot for *_, snapshot in present]
         if not last:
@@ -179,7 +182,8 @@ class TouchedState:
         set_modes(self._modes.items())
         try:
             try:
-                with self._parameters.flags_as_in_forward(), self.attributes.as_in_forward(layers):
+                with self._parameters.flags_as_in_forward(), self.attributes.as_in_forward(layers), \
+                        self._swapped.stand_ins_installed(dict(zip(keys, values)), self._thread):
                     yield
             except RecomputeStop:  # stopped early, as it should: its state is checked as at the end
                 guarded.check()
@@ -196,7 +200,7 @@ class TouchedState:
     def release(self) -> None:
         """Drop the snapshot and the forward's parameters: no recompute will read them."""
         self._snapshot, self._parameters, self.reads = Snapshot(), ForwardParameters(), StaleReads()
-        self.attributes = ModuleAttributes()
+        self.attributes, self._swapped = ModuleAttributes(), SwappedBuffers()
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         """``[(module, buffer name)]``, each once, that the forward mutated (so far,
@@ -366,6 +370,7 @@ class _HookedState(TouchedState):
         self._keep_snapshot_of((module, name) for module, _, name in self._mutated)
         self._calls, self._sharing = [], HookedSharing()
         self.reads.forward_ended()
+        self._swapped.forward_ended()
         self.attributes.ended({module for module in self._modes if own_tensors(module, "buffers")})
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
@@ -415,6 +420,7 @@ class _HookedState(TouchedState):
         if self._moved(module, held):
             # All of the module's buffers: NOTE [ State a forward reads and mutates ].
             self._moved_modules.add(id(module))
+            self._swapped.moved(module, held)
             for name in own_tensors(module, "buffers"):
                 self._mutated[(module, "buffers", name)] = None
         elif id(module) not in self._moved_modules and not any(called is module for called, _ in self._calls):

@@ -1,0 +1,84 @@
+"""Buffers a call swapped in for the forward (``torch.func.functional_call``), found
+again in the recompute, where the call swaps them in again.
+
+NOTE [ Buffers swapped in for a call ]
+``functional_call(model, (params, buffers), args)`` puts the caller's tensors in the
+modules' slots for the call and the modules' own back as it returns. Inside a
+checkpointed function, the forward's module calls find the caller's buffers, and
+BatchNorm updates them (an EMA reads one, then updates it); the snapshot holds their
+values as the forward found them, keyed by module and name, as for every buffer (NOTE
+[ State a forward reads and mutates ] in state.py). The recompute installs the snapshot
+in those slots before it runs the function, but the function's ``functional_call``
+swaps the caller's tensors in over it: the recompute would read the values the forward
+left and update them a second time (torch.utils.checkpoint does both). So where a
+mutated buffer's slot held, in the forward, a tensor that it no longer holds when the
+forward ends, the recompute watches its thread's module calls, and where a slot holds
+that tensor again it puts the snapshot's stand-in there. The call that swapped the
+tensor in puts back, as it returns, what it found (the stand-in the recompute installed),
+and the recompute then the module's own. Where every slot holds the same tensor at both
+ends (a forward that swaps nothing), nothing is watched.
+
+Only where the forward watches module calls (a function of unknown layers: state.py's
+_HookedState). A module whose own forward calls ``functional_call`` under ``Checkpoint``
+or in a chain is read before and after the forward, which do not see the swap
+(docs/limits.md, "Parameters replaced before backward").
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from .._torch import own_tensors
+
+
+class SwappedBuffers:
+    """The buffers of NOTE [ Buffers swapped in for a call ]: noted in the forward,
+    given their stand-ins in the recompute."""
+
+    def __init__(self):
+        self._found = {}  # (module, name) -> the tensor in the slot as the first call that moved it started
+        self._swapped = {}  # (module, name) -> a weak reference to it, where the forward ended with another
+
+    def moved(self, module, held: dict) -> None:
+        """Note the buffers of a call of ``module`` that moved its state, as the call
+        found them (``held``: ``(kind, name) -> (tensor, version)``)."""
+        for (kind, name), (tensor, _) in held.items():
+            if kind == "buffers":
+                self._found.setdefault((module, name), tensor)
+
+    def forward_ended(self) -> None:
+        """Keep the buffers whose slots hold other tensors now: those swapped in."""
+        self._swapped = {key: weakref.ref(tensor) for key, tensor in self._found.items()
+                         if own_tensors(key[0], "buffers").get(key[1]) is not tensor}
+        self._found = {}
+
+    def stand_ins_installed(self, stand_ins: dict, thread: int):
+        """A context in which a module call on ``thread`` that finds a swapped-in tensor
+        in its slot finds ``stand_ins[(module, name)]`` there instead."""
+        by_module = {}
+        for (module, name), swapped in self._swapped.items():
+            if (module, name) in stand_ins:
+                by_module.setdefault(module, []).append((name, swapped, stand_ins[(module, name)]))
+        return _installing(by_module, thread) if by_module else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _installing(by_module: dict, thread: int):
+    def before(module, args):
+        entries = by_module.get(module)
+        if entries is None or threading.get_ident() != thread:
+            return
+        table = own_tensors(module, "buffers")
+        for name, swapped, stand_in in entries:
+            tensor = swapped()
+            if tensor is not None and table.get(name) is tensor:
+                table[name] = stand_in
+
+    handle = register_module_forward_pre_hook(before)
+    try:
+        yield
+    finally:
+        handle.remove()
