@@ -31,6 +31,13 @@ from typing import Optional
 import torch
 
 
+def viewed(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t.view(shape)``, ``shape`` (a ``torch.Size``) passed as its sizes: passed whole,
+    a Size takes a slower parse of torch's arguments, host work at every decode
+    (docs/performance.md, "Rules of the hot path")."""
+    return t.view(*shape) if shape else t.view(())
+
+
 def contiguous_strides(shape) -> tuple:
     """The strides of a contiguous tensor of ``shape``, as ``torch.empty(shape)`` has them."""
     strides, step = [], 1

@@ -54,7 +54,7 @@ import torch
 
 from .._torch import in_memory
 from ..errors import ConfigError
-from ..layouts import copied_with_strides, kept_strides
+from ..layouts import copied_with_strides, kept_strides, viewed
 from .backend import implementation
 from .centering import channel_sums
 from ..triton_kernels import (DEFAULT_GROUP_SIZE, SUPPORTED_DTYPES, UNSIGNED_VARIANT, channel_size, decision_table,
@@ -220,9 +220,9 @@ class GroupCodec(Codec):
         flat = decode(packed.data, packed.scales, **kernel.format_args, dtype=wide, group_size=GROUP_SIZE,
                       sums=offsets, channel_size=1 if offsets is None else channel_size(packed.shape))
         if packed.strides is None:
-            values = flat.view(packed.shape)
+            values = viewed(flat, packed.shape)
             return values if wide is dtype else values.to(dtype)
-        return copied_with_strides(flat.view(packed.shape), packed.strides, dtype)
+        return copied_with_strides(viewed(flat, packed.shape), packed.strides, dtype)
 
     def _format(self, unsigned: bool) -> str:
         return UNSIGNED_VARIANT[self.name] if unsigned else self.name

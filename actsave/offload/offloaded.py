@@ -11,7 +11,7 @@ import torch
 
 from .._torch import outside_transforms
 from ..errors import ActsaveError
-from ..layouts import is_dense, kept_strides
+from ..layouts import is_dense, kept_strides, viewed
 from .copy_engines import CopyEngine, copy_engine_for
 from .pool import HostPool, host_pool_for
 
@@ -78,7 +78,7 @@ class _Part:
             part = part.view(self.dtype)
         if self.strides is not None:
             return part.as_strided(self.shape, self.strides)
-        return part if part.shape == self.shape else part.view(self.shape)
+        return part if part.shape == self.shape else viewed(part, self.shape)
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
