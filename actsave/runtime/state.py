@@ -27,6 +27,7 @@ from .guarded_parameters import ForwardParameters, GuardedParameters
 from .module_attributes import ModuleAttributes, set_modes
 from .stale_buffers import StaleReads, changed_buffer, count_buffers, unreplayable
 from .swapped_buffers import SwappedBuffers
+from .unversioned_buffers import unversioned_updates
 
 
 class TouchedState:
@@ -66,7 +67,8 @@ class TouchedState:
       versions (only ``num_batches_tracked`` moves). Buffers only: a parameter is the
       caller's to change (and a copy of one would take its gradient); one the forward
       changes is checked instead (NOTE [ Parameters a forward changes ]). One rule for
-      every module, BatchNorm included, with no list of module types.
+      every module, BatchNorm included; the few whose kernels move no version at all
+      are named by type (NOTE [ Buffers a kernel updates unversioned ]).
     - Everything else noted must be unchanged when the recompute starts: a weight
       changed in place between forward and backward (a GAN's optimizer step before
       the other network's backward, an EMA of weights) would be recomputed with its
@@ -256,15 +258,20 @@ class _LayerState(TouchedState):
         self._buffer_counts = []  # (module, its buffers that are set) as the forward starts
         self._state_ids = set()
         self._mutated = {}  # layer index -> [(module, name)]: buffers the forward mutated
+        self._unversioned = []  # (layer index, module): NOTE [ Buffers a kernel updates unversioned ]
 
     @contextlib.contextmanager
     def recording(self):
         before, owners = [], []
+        unversioned = []
         for index, module in self._modules:
             for kind, name, tensor in own_state(module):
                 before.append((index, module, kind, name, tensor, version(tensor)))
             if own_tensors(module, "buffers"):
                 owners.append(module)
+            if unversioned_updates(module):
+                unversioned.append((index, module))
+        self._unversioned = unversioned
         self._before = before
         self._state_ids = {id(entry[4]) for entry in before}
         given = self._given if self._given is not None and self._given.as_copied(before) else None
@@ -316,6 +323,9 @@ class _LayerState(TouchedState):
                     parameters.append((index, module, name))
                 elif kind == "buffers" and now is not None and not in_place:
                     replaced[id(now)] = ((module, name), now)
+        for index, module in self._unversioned:  # NOTE [ Buffers a kernel updates unversioned ]
+            for updated in unversioned_updates(module):
+                moved.setdefault(updated, index)
         return moved, parameters, replaced
 
     @staticmethod
@@ -401,8 +411,12 @@ class _HookedState(TouchedState):
             self._note(tensor, (kind[:-1], name, type(module)))
             if kind == "parameters":
                 self._parameters.note(tensor)
-        if id(module) not in self._moved_modules and not self._snapshotted(module):
-            self._take_snapshot([module])
+        if id(module) not in self._moved_modules:
+            # With the modules whose buffers it updates unversioned (NOTE [ Buffers a kernel
+            # updates unversioned ]), never called themselves.
+            taken = [m for m in unversioned_updates(module) or (module,) if not self._snapshotted(m)]
+            if taken:
+                self._take_snapshot(taken)
         if module not in self._modes:  # its first call
             self._modes[module] = module.training
             self.attributes.add(module)
@@ -417,12 +431,13 @@ class _HookedState(TouchedState):
                 break
         else:
             return
-        if self._moved(module, held):
+        if self._moved(module, held) or unversioned_updates(module):
             # All of the module's buffers: NOTE [ State a forward reads and mutates ].
-            self._moved_modules.add(id(module))
             self._swapped.moved(module, held)
-            for name in own_tensors(module, "buffers"):
-                self._mutated[(module, "buffers", name)] = None
+            for moved in unversioned_updates(module) or (module,):
+                self._moved_modules.add(id(moved))
+                for name in own_tensors(moved, "buffers"):
+                    self._mutated[(moved, "buffers", name)] = None
         elif id(module) not in self._moved_modules and not any(called is module for called, _ in self._calls):
             # Its values are as they were: a later call snapshots them again (those
             # sharing memory with another buffer are kept, for a call that moves it).
