@@ -264,3 +264,65 @@ def test_cuda_fp16_grad_scaler_step_equals_the_plain_models_step(compress):
         assert torch.equal(*updates)
     else:
         assert sqnr_db(*updates) >= INT8_SQNR_FLOOR_DB
+
+
+# --- autocast's cache of casts (NOTE [ Casts autocast caches ] in runtime/replay.py) ---
+
+def _linear_chain(width: int = 128, depth: int = 8) -> list:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return layers
+
+
+def _square_mean(output: torch.Tensor) -> torch.Tensor:
+    return output.float().square().mean()
+
+
+def _autocast_step_peak(model: nn.Module, x: torch.Tensor, cache: bool, backward_inside: bool = False) -> int:
+    """The activation peak of one bf16 autocast step (its forward in autocast, its
+    backward outside it unless ``backward_inside``), parameters and gradients left out."""
+    from actsave.planning.live_bytes import LiveBytes
+
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    tracker = LiveBytes("cpu", known=[*model.parameters(), *(p.grad for p in model.parameters()), x])
+    with tracker:
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            loss = _square_mean(model(x))
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+    return tracker.peak
+
+
+def test_checkpointed_segments_leave_no_weight_casts_in_autocasts_cache():
+    """With the cache on, the weight casts of checkpointed segments would stay alive to
+    the end of the autocast region (torch's checkpoint keeps them); actsave's step peaks
+    as with the cache off."""
+    x = torch.randn(16, 128)
+    peaks = [_autocast_step_peak(actsave.CheckpointedSequential(*_linear_chain(), segments=4), x, cache)
+             for cache in (True, False)]
+    assert peaks[0] == peaks[1]
+
+
+def test_a_backward_inside_autocast_leaves_no_recomputed_casts_in_its_cache():
+    """There the cache holds what the backward casts of a plain step too; each
+    recompute's casts are dropped as it ends, so a checkpointed step gains no more."""
+    x = torch.randn(16, 128)
+    plain, checkpointed = ([_autocast_step_peak(make(), x, cache, backward_inside=True) for cache in (True, False)]
+                           for make in (lambda: nn.Sequential(*_linear_chain()),
+                                        lambda: actsave.CheckpointedSequential(*_linear_chain(), segments=4)))
+    assert checkpointed[0] - checkpointed[1] <= plain[0] - plain[1]
+
+
+def test_a_plan_made_under_autocast_with_its_cache_fits_its_budget():
+    x = torch.randn(16, 128)
+    budget = int(0.6 * _autocast_step_peak(nn.Sequential(*_linear_chain()), x, cache=False))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model = actsave.CheckpointedSequential(*_linear_chain(), segments="auto", budget=budget, example_inputs=(x,),
+                                               loss=_square_mean)
+    peak = _autocast_step_peak(model, x, cache=True)
+    assert peak <= budget

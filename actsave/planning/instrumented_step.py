@@ -284,7 +284,7 @@ def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_lay
     handle = h.register_hook(loss_span.close)  # runs before the last layer's backward
     try:
         if loss is None:
-            torch.autograd.backward(h, torch.ones_like(h))
+            backward_from(h)
         else:
             _backward_from_loss(h, loss)
     finally:
@@ -318,7 +318,12 @@ def _shown_value(value) -> str:
 
 
 def backward_from(loss: torch.Tensor) -> None:
-    """The step's backward: from 1 for a scalar loss, else from a gradient of ones."""
+    """The step's backward: from 1 for a scalar loss, else from a gradient of ones; after
+    the forward's autocast region, as torch recommends a training step: the casts
+    autocast cached in the forward are dropped first, as that region's exit drops them
+    (the caller's autocast, where it plans inside one; NOTE [ Casts autocast caches ] in
+    runtime/replay.py)."""
+    torch.clear_autocast_cache()
     loss.backward(None if loss.dim() == 0 else torch.ones_like(loss))
 
 

@@ -114,6 +114,21 @@ def _settings_set(values: tuple):
             set_(was)
 
 
+# NOTE [ Casts autocast caches ]
+# Under autocast with its cache on (torch.autocast's default), each cast of a leaf that
+# needs a gradient (a weight cast to bf16 for a matmul) is cached on the thread until the
+# outermost autocast region exits: for a checkpointed segment, the weight copies its
+# forward made stay alive to the end of the forward (past it, where the backward runs
+# inside autocast too, and then those of each recompute as well), memory the checkpoint
+# exists to free and that the planners price as freed (torch.utils.checkpoint keeps
+# them). So a checkpointed forward and each recompute drop the cache as they end
+# (torch.clear_autocast_cache, this thread's): a cast that a save of the segment, or of a
+# layer before it, still holds stays alive; one that nothing holds is freed. Values do
+# not change, a cast being exact and deterministic. A weight used again later in the same
+# forward (a tied weight) is cast again there: one cast's time, and its copy where the
+# earlier one is still held.
+
+
 @dataclass(frozen=True)
 class ReplayState:
     """RNG, autocast, default device and kernel settings at the start of a checkpointed
@@ -154,6 +169,21 @@ class ReplayState:
             settings=_settings(),
         )
 
+    @contextlib.contextmanager
+    def casts_dropped(self):
+        """Run the body, then drop the casts autocast cached meanwhile on this thread
+        (NOTE [ Casts autocast caches ])."""
+        try:
+            yield
+        finally:
+            if self.caches_casts:
+                torch.clear_autocast_cache()
+
+    @property
+    def caches_casts(self) -> bool:
+        """Whether the forward ran under autocast with its cache of casts on."""
+        return any(state.enabled and state.cache_enabled for state in self.autocast)
+
     @property
     def generators(self) -> tuple:
         """The generators besides the process's whose states it replays."""
@@ -191,6 +221,8 @@ class ReplayState:
                 # count reaches zero, clears the casts cached inside. The count itself is not
                 # put back: a layer that enters or leaves autocast across segment bounds
                 # leaves it off, as under torch's checkpoint.
+                if self.caches_casts:  # after the autocast contexts below exit
+                    stack.callback(torch.clear_autocast_cache)
                 for autocast in self.autocast:
                     stack.enter_context(autocast.context())
                 yield
