@@ -129,6 +129,14 @@ def _settings_set(values: tuple):
 # earlier one is still held.
 
 
+class _CastsDropped:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        torch.clear_autocast_cache()
+
+
 @dataclass(frozen=True)
 class ReplayState:
     """RNG, autocast, default device and kernel settings at the start of a checkpointed
@@ -169,15 +177,10 @@ class ReplayState:
             settings=_settings(),
         )
 
-    @contextlib.contextmanager
     def casts_dropped(self):
-        """Run the body, then drop the casts autocast cached meanwhile on this thread
-        (NOTE [ Casts autocast caches ])."""
-        try:
-            yield
-        finally:
-            if self.caches_casts:
-                torch.clear_autocast_cache()
+        """A context that drops, as it exits, the casts autocast cached on this thread
+        (NOTE [ Casts autocast caches ]); nothing where the forward cached none."""
+        return _CastsDropped() if self.caches_casts else contextlib.nullcontext()
 
     @property
     def caches_casts(self) -> bool:
