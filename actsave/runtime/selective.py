@@ -152,6 +152,7 @@ class SelectiveFrame(CheckpointFrame):
         inputs = input_tensors(*self._forward_inputs)
         self._input_storages = {storage_identity_or_none(t) for t in inputs} - {None}  # kept anyway
         self._transformed = False  # a kept call returned a transform's wrapper, not kept
+        self._released = False  # the forward raised: its calls, let go of, say nothing
         self.meta_depth = meta_step_depth()  # the meta steps it runs in (keepable_now)
         self.run_in_place_of = None  # a skipped call the recompute runs in full (selective_replay.py)
         # The modules whose buffers a kept call may change: the call's own modules where
@@ -283,7 +284,8 @@ class SelectiveFrame(CheckpointFrame):
         if self._recomputed and self.options.early_stop:
             self._release_unread_outputs()
         self._skipped_saves = {i: call for call in self.calls if call.skipped for i in range(call.start, call.stop)}
-        if self.slots and not self._transformed and not any(call.skipped for call in self.calls):
+        kept_none = not any(call.skipped for call in self.calls)
+        if self.slots and kept_none and not self._transformed and not self._released:
             decided = any(call.decided_on for call in self.calls)
             reason = "differentiated" if self._differentiated else "tensorless" if tensorless else \
                 "decided" if decided else "state" if any(call.changed_state for call in self.calls) else \
@@ -400,6 +402,7 @@ class SelectiveFrame(CheckpointFrame):
 
     def release(self) -> None:
         super().release()
+        self._released = True
         self.calls = []  # the outputs: autograd holds what its nodes still need
         self.stored = StoredKept([])  # the kept saves hold what they store
 

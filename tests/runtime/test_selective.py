@@ -188,6 +188,33 @@ def test_a_block_without_the_named_ops_warns_once_and_recomputes_everything():
     assert len(messages) == 1 and "Conv2d" in messages[0]
 
 
+class RaisesAfterItsLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.fail = True
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.fail:
+            raise RuntimeError("the forward failed")
+        return torch.tanh(h)
+
+
+def test_a_forward_that_raises_after_its_kept_calls_says_nothing_of_what_it_kept(monkeypatch):
+    monkeypatch.setattr(kept_nothing, "_warned", set())
+    block = RaisesAfterItsLinear()
+    x = torch.randn(4, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="the forward failed"):
+            selective_call(block, (x,), {}, KeptOps(), DEFAULT_RECOMPUTE)
+        block.fail = False
+        out, _ = selective_call(block, (x,), {}, KeptOps(), DEFAULT_RECOMPUTE)
+        out.sum().backward()
+    assert not [w for w in caught if "kept nothing" in str(w.message)]
+
+
 class Recurrent(nn.Module):
     def __init__(self):
         super().__init__()
