@@ -228,10 +228,10 @@ class CheckpointFrame:
         """``tensor``, saved by the recompute for ``slot``, changed in place since: the forward's
         change (the recompute runs its code), where autograd raises, which placeholders bypass."""
         return RecomputeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: {qualified_name(self.function)} changed a tensor of shape {list(tensor.shape)} in place after "
-            f"saving it for backward (version {version(tensor)}; expected version {slot.filled_at}), as "
-            "nn.Sequential would raise too. Change a copy (out-of-place: y = y * 2, not y.mul_(2)).")
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"{qualified_name(self.function)} changed a tensor of shape {list(tensor.shape)} in place after saving it "
+            f"for backward (version {version(tensor)}; expected version {slot.filled_at}), as plain autograd raises (a "
+            "checkpoint's saves bypass allow_mutation_on_saved_tensors()). Change a copy (y = y * 2, not y.mul_(2)).")
 
     def _recompute(self) -> None:
         try:
