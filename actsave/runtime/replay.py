@@ -130,6 +130,8 @@ def _settings_set(values: tuple):
 
 
 class _CastsDropped:
+    """Drops this thread's cached casts as it exits (NOTE [ Casts autocast caches ])."""
+
     def __enter__(self):
         return self
 

@@ -21,7 +21,7 @@ Without this the recompute would read the statistics as the forward left them an
 update them a second time (as torch.utils.checkpoint does): other gradients from the
 second step on. A module that updates a buffer unversioned by other means (a custom
 norm calling ``F.batch_norm`` on buffers without a counter, ``buffer.data = new``) is
-not seen (docs/limits.md, "The recompute check").
+not seen (docs/limits.md, "The in-place check").
 """
 from __future__ import annotations
 
