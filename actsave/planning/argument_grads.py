@@ -9,17 +9,19 @@ every block that reads it in one buffer, alive from the backward of the last of 
 (the first to run backward) until the tensor's own node runs: after every block's
 backward where the tensor was made before the blocks (the encoder's backward follows
 the decoder's), at its block's backward where a block returned it. The chain the
-planner profiles holds those arguments as buffers (block_calls.py's BlockCall), which
-need no gradient, so no profiled event holds that buffer: the backward event of each
-block up to the last reader counts it (its dense size). Where a block made the tensor,
-its own backward counts it twice, once as the gradient of its other output (NOTE [
-Outputs the caller holds ]). Conservative by design: the last reader's own part, which
-becomes the buffer, is counted from the start of its backward, where it is made at
-its end. Counted before the last reader only, a T5 decoder's plan peaked over its
-prediction and budget (the readers' parts made during their backward, which the
-profiled backward does not make); counted so, a stack whose peak lies elsewhere, or
-whose blocks read the argument detached (no gradient comes), is over-predicted by that
-one gradient (docs/limits.md, "Decoder stacks with cross-attention").
+planner profiles holds those arguments as buffers (block_calls.py's BlockCall) that
+need a gradient where the argument does, so that each profiled block saves what that
+gradient needs and its backward makes its part of it; each part is dropped as it comes,
+so no profiled event holds the sum: the backward event of each block up to the last
+reader counts it (its dense size). Where a block made the tensor, its own backward
+counts it twice, once as the gradient of its other output (NOTE [ Outputs the caller
+holds ]). Conservative by design: the last reader's own part, which becomes the
+buffer, is counted from the start of its backward, where it is made at its end, and as
+the part its profiled backward makes. Counted before the last reader only, a T5
+decoder's plan peaked over its prediction and budget; counted so, a stack whose peak
+lies elsewhere, or whose blocks read the argument detached (no gradient comes), is
+over-predicted by that one gradient (docs/limits.md, "Decoder stacks with
+cross-attention").
 """
 from __future__ import annotations
 

@@ -244,7 +244,7 @@ class BlockCall(nn.Module):
     """A block as a layer of a chain: called on the hidden state alone, it calls the
     block with the other arguments of its recorded call. Their tensors are buffers of
     this module (not in its state dict), so that the profile counts them as held by
-    the caller, as the model's own loop holds them. It returns the hidden state alone;
+    the caller, as the model's own loop holds them (:func:`_held_argument`). It returns the hidden state alone;
     its backward gives zeros as the gradients of the block's other outputs whose leaves
     ``other_gradients`` names, as the model's step gives them gradients (NOTE [ Outputs
     the caller holds ], other_outputs.py)."""
@@ -259,7 +259,7 @@ class BlockCall(nn.Module):
         self._leaves = []
         for k, leaf in enumerate(call.leaves):
             if isinstance(leaf, torch.Tensor) and k != call.hidden_leaf:
-                self.register_buffer(f"argument_{k}", leaf.detach(), persistent=False)
+                self.register_buffer(f"argument_{k}", _held_argument(leaf), persistent=False)
                 leaf = _Argument(f"argument_{k}")
             self._leaves.append(leaf)
 
@@ -271,3 +271,21 @@ class BlockCall(nn.Module):
         output = self.block(*args, **kwargs)
         hidden = hidden_output(output, type(self.block).__name__)
         return with_gradients_of(hidden, output, self.other_gradients) if self.other_gradients else hidden
+
+
+def _held_argument(leaf: torch.Tensor) -> torch.Tensor:
+    """A block's argument as its :class:`BlockCall` holds it for the profile: the same
+    values, detached from the example step's graph; needing a gradient where the
+    argument does, so that the profiled block saves what that gradient needs (``q *
+    pos`` saves ``q`` only then), and dropping each gradient as it comes, as the step
+    hands it on (argument_grads.py counts the sum autograd keeps of them: NOTE
+    [ Gradients of the blocks' arguments ])."""
+    held = leaf.detach()
+    if leaf.requires_grad:
+        held.requires_grad_()
+        held.register_post_accumulate_grad_hook(_drop_gradient)
+    return held
+
+
+def _drop_gradient(tensor: torch.Tensor) -> None:
+    tensor.grad = None

@@ -82,3 +82,41 @@ def test_a_t5_decoder_planned_at_its_smallest_budget_measures_at_most_it():
     plan = actsave.plan_blocks(model, decoder, smallest, batch)
     actsave.wrap(model, plan)
     assert step_peak_bytes(model, batch) <= plan.predicted_peak_bytes <= smallest
+
+
+class ScaledBy(nn.Module):
+    """A block that multiplies its projection by a table the model learns, made once
+    before the blocks and passed to each: the product saves the projection only
+    because the table needs a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.out = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, table):
+        return x + self.out(torch.tanh(self.q(x) * table))
+
+
+class ScaledStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Parameter(torch.randn(24, WIDTH))
+        self.blocks = nn.ModuleList(ScaledBy() for _ in range(4))
+
+    def forward(self, x):
+        table = self.table.cos()
+        for block in self.blocks:
+            x = block(x, table=table)
+        return x.square().mean()
+
+
+def test_plans_count_what_an_arguments_gradient_makes_the_blocks_save():
+    plain, x = ScaledStack(), example()
+    plain_peak = peak_activation_bytes(copy.deepcopy(plain), x, loss=lambda out: out)
+    for fraction in (0.7, 0.9):
+        model = copy.deepcopy(plain)
+        plan = actsave.plan_blocks(model, ScaledBy, int(fraction * plain_peak), (x,))
+        actsave.wrap(model, plan)
+        measured = peak_activation_bytes(model, x, loss=lambda out: out)
+        assert measured <= plan.predicted_peak_bytes <= int(fraction * plain_peak)
