@@ -8,6 +8,7 @@ layer where it starts, except a balanced plan's last segment
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -72,6 +73,7 @@ class ChainSegments:
             for (start, _, option), codec in zip(plan.segments, plan.saves_codecs)}
         self._set_since_plan = {}  # module -> the kinds of its settings set after it ("codec", "offload")
         self._frozen_at_plan = () if plan is None else plan.frozen  # (layer index, parameter name)
+        self._planned_shape = None if plan is None else getattr(plan, "input_shape", None)  # None: not recorded
 
     def settings_changed(self, modules, kind: str) -> None:
         """Note that ``modules``' setting of ``kind`` ("codec" or "offload") changed:
@@ -119,10 +121,26 @@ class ChainSegments:
                 "a plan made for the chain as it is now (actsave.plan(actsave.profile(model, (x,)), budget))",
                 stacklevel=user_stacklevel())
 
+    def _warn_if_larger(self, input) -> None:
+        """Warn once where the chain runs its plan on an input larger than the one its
+        chain was profiled on (a batch of another size): the plan's peak grows with it,
+        past its budget. A smaller one (an epoch's last batch) only lowers the peak."""
+        planned, shape = self._planned_shape, tuple(getattr(input, "shape", ()))
+        if shape == planned or math.prod(shape) <= math.prod(planned):
+            return
+        self._planned_shape = None  # once
+        warnings.warn(
+            f"actsave: CheckpointedSequential: its plan was made for an input of shape {list(planned)}, and it runs "
+            f"on one of shape {list(shape)}: the activations grow with it, so the plan's predicted peak (and "
+            "budget) no longer holds. Apply a plan profiled on this shape (segments=\"auto\" with these "
+            "example_inputs, or actsave.plan(actsave.profile(model, (x,)), budget))", stacklevel=user_stacklevel())
+
     def starts_for(self, chain: nn.Module, input, layers: list, policies: tuple) -> list:
         """Where the segments of ``chain``'s call on ``input`` start (a balanced plan is
         made at the first call of each input)."""
         self.check_current(layers)
+        if self._planned_shape is not None:
+            self._warn_if_larger(input)
         if self.spec != BALANCED:
             return split_starts(layers, self.spec, policies)
         return self.balanced.starts(chain, input, layers, policies)

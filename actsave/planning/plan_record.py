@@ -40,6 +40,8 @@ class Plan:
     ``peak_segment`` is the segment whose events set it. ``frozen`` names the
     parameters that did not require grad when the chain was profiled, as ``(layer,
     name)``: a chain running the plan warns once one of them requires grad.
+    ``input_shape`` is the chain input's shape in the profiled step (None: not
+    recorded): a chain running the plan warns once on a larger input.
     """
 
     n_layers: int
@@ -56,6 +58,9 @@ class Plan:
     # The profile's frozen parameters (Profile.frozen): a chain running the plan warns
     # once they require grad, as autograd then saves more than the plan priced.
     frozen: tuple = dataclasses.field(default=(), repr=False)
+    # The profile's input shape: a chain running the plan warns once on a larger input,
+    # for which its predicted peak does not hold.
+    input_shape: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         n_layers = integral(self.n_layers)

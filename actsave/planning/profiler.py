@@ -146,6 +146,9 @@ class Profile:
     # (layer index, parameter name) of each parameter that did not require grad in the
     # profiled step: a plan holds while they stay so (chain_segments.py warns).
     frozen: tuple = ()
+    # The chain input's shape in the profiled step: a plan holds for inputs no larger
+    # (chain_segments.py warns of a larger one).
+    input_shape: Optional[tuple] = None
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -329,6 +332,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             pending_gradient_bytes=_pending_gradient_bytes([layer for _, layer in layers], device),
             frozen=tuple((i, name) for i, (_, layer) in enumerate(layers)
                          for name, parameter in layer.named_parameters() if not parameter.requires_grad),
+            input_shape=tuple(x.shape),
         )
 
 

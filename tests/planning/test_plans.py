@@ -1,5 +1,6 @@
 """plan(), the presets of CheckpointedSequential, the levers, and bad input."""
 import re
+import warnings
 
 import pytest
 import torch
@@ -393,3 +394,18 @@ def _grad_parts(p: torch.Tensor) -> tuple:
         return (p.grad,)
     grad = p.grad.coalesce()
     return grad.indices(), grad.values()
+
+
+def test_a_chain_warns_once_where_it_runs_its_plan_on_a_larger_input_than_it_was_planned_for():
+    torch.manual_seed(0)
+    layers = [module for _ in range(4) for module in (nn.Linear(16, 16), nn.GELU())]
+    x = torch.randn(8, 16)
+    model = actsave.CheckpointedSequential(*layers, segments="auto", budget=2**30, example_inputs=(x,))
+    assert model.applied_plan.input_shape == (8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(4, 16)).sum().backward()  # smaller: the plan holds
+        for _ in range(2):
+            model(torch.randn(32, 16)).sum().backward()
+    said = [str(w.message) for w in caught if "plan was made for an input of shape [8, 16]" in str(w.message)]
+    assert len(said) == 1 and "[32, 16]" in said[0]
