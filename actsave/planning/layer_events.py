@@ -32,10 +32,13 @@ class LayerEvents:
             return np.array([getattr(layer, attr) for layer in layers], dtype=np.float64)
 
         self.input = column("input_bytes")
-        self.grad = np.append(column("input_grad_bytes"), 0.0)  # g_0 .. g_n; g_n is in held_in_backward
+        # g_0 .. g_n: g_n, the output's gradient, is in held_in_backward where the caller
+        # holds it through the backward, else the last layer's (memory_model.py, O).
+        held_grad = prof.output_grad_bytes if prof.output_grad_held else 0
+        self.grad = np.append(column("input_grad_bytes"), float(prof.output_grad_bytes - held_grad))
         # O, and the gradients pending between two uses of a parameter (profiler.py, NOTE
         # [ Gradients pending between two uses ]).
-        self.held_in_backward = prof.output_bytes + prof.output_grad_bytes + prof.pending_gradient_bytes
+        self.held_in_backward = prof.output_bytes + held_grad + prof.pending_gradient_bytes
         self.loss_rise = prof.loss_rise
         self.output = prof.output_bytes
         self.output_first, self.output_last = prof.output_saved_by or (n, -1)

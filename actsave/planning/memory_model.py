@@ -62,9 +62,12 @@ Memory model
     the tensors its layers save, a tensor saved on both sides of a boundary once on
     each side, as the runtime does (one store per segment).
 
-    O: the output and its gradient, which the caller holds through the backward, and
-    the gradients of parameters two layers use, which autograd holds between the two
-    uses' backwards (profiler.py, NOTE [ Gradients pending between two uses ]).
+    O: the output, which the caller holds through the backward (``out = model(x)``), its
+    gradient where the caller holds that too (a step without the loss passes it:
+    ``out.backward(g)``; with the step's loss autograd frees it after the last layer's
+    backward, which counts it as g_n: Profile.output_grad_held), and the gradients of
+    parameters two layers use, which autograd holds between the two uses' backwards
+    (profiler.py, NOTE [ Gradients pending between two uses ]).
     L: the rise from the end of the forward until the output's gradient arrives
     (Profile.loss_rise): the loss's forward and backward where the profile ran the
     step's loss (cross-entropy keeps its log-softmax and makes two more logits-sized

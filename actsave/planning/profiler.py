@@ -146,6 +146,10 @@ class Profile:
     # (layer index, parameter name) of each parameter that did not require grad in the
     # profiled step: a plan holds while they stay so (chain_segments.py warns).
     frozen: tuple = ()
+    # Whether the caller holds the output's gradient through the backward: a step without
+    # a loss passes it (out.backward(g)); with the step's loss, autograd frees it after
+    # the last layer's backward (memory_model.py, O and g_n).
+    output_grad_held: bool = True
     # The chain input's shape in the profiled step: a plan holds for inputs no larger
     # (chain_segments.py warns of a larger one).
     input_shape: Optional[tuple] = None
@@ -333,6 +337,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             frozen=tuple((i, name) for i, (_, layer) in enumerate(layers)
                          for name, parameter in layer.named_parameters() if not parameter.requires_grad),
             input_shape=tuple(x.shape),
+            output_grad_held=loss is None,
         )
 
 
