@@ -68,8 +68,8 @@ def plan(profile: Profile, budget: Optional[int] = None, min_sqnr_db: Optional[f
             where a checkpointed segment's recompute may nest checkpoints of its own
             (:attr:`Plan.nested`; exact segments of timed chains of at most
             ``nested_solver.MAX_LAYERS`` layers); "memory": the smallest predicted
-            peak of a single-level plan (the fastest such plan), checked against
-            ``budget`` unless it is None.
+            peak (the fastest plan that reaches it), nested where "time" may nest,
+            checked against ``budget`` unless it is None.
         max_checkpointed_layers: the most layers one checkpointed segment may hold
             (None: any number). 1 for layers that can only be checkpointed one by one,
             as the blocks of :func:`actsave.plan_blocks` (a checkpoint cannot span

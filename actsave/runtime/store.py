@@ -73,9 +73,11 @@ def kept_bytes() -> dict:
     Counts the kept segment inputs, their ReLU sign bits and max-pool decisions, and
     the saves of calls kept instead of recomputed (the last segment's when a lossy
     codec stores them; runtime/kept_saves.py), as stored: compressed bytes for a lossy
-    codec, scales included. ``"device"`` is memory on the device the model runs on (the
-    CPU for a CPU model); ``"host"`` is memory offloaded to the host. Both are zero
-    after backward and under ``torch.no_grad()``.
+    codec, scales included, and a kept input the caller holds too (the batch, kept by
+    reference), which ``describe()`` leaves out. ``"device"`` is memory on the device the
+    model runs on (the CPU for a CPU model, offloaded inputs included); ``"host"`` is
+    memory offloaded to a separate host. Both are zero after backward and under
+    ``torch.no_grad()``.
     """
     return _LEDGER.snapshot()
 
