@@ -243,9 +243,9 @@ class _Argument(NamedTuple):
 class BlockCall(nn.Module):
     """A block as a layer of a chain: called on the hidden state alone, it calls the
     block with the other arguments of its recorded call. Their tensors are buffers of
-    this module (not in its state dict), so that the profile counts them as held by
-    the caller, as the model's own loop holds them (:func:`_held_argument`). It returns the hidden state alone;
-    its backward gives zeros as the gradients of the block's other outputs whose leaves
+    this module (not in its state dict, :func:`_held_argument`), so that the profile
+    counts them as held by the caller, as the model's own loop holds them. It returns
+    the hidden state alone; its backward gives zeros as the gradients of the block's other outputs whose leaves
     ``other_gradients`` names, as the model's step gives them gradients (NOTE [ Outputs
     the caller holds ], other_outputs.py)."""
 

@@ -36,8 +36,8 @@ are measured on the example step and taken as fixed: the peak before the first b
 (``Outside.after_peak``), and the loss's rise above what the blocks hold.
 
 Limits: the blocks' other arguments (masks, position embeddings) are the example
-step's, profiled as constants held by the caller: one made between two blocks is not
-counted; one that needs a gradient is profiled needing one. Where one would
+step's, profiled as held by the caller (one that needs a gradient needing one): one
+made between two blocks is not counted. Where one would
 be encoded by a codec (a float tensor autograd made), codecs are not used: a
 checkpoint would keep an encoded copy of it. The plan is for the example batch's
 shapes, and for one call of each block per step (Hugging Face: ``use_cache=False``).
