@@ -245,9 +245,9 @@ class BlockCall(nn.Module):
     block with the other arguments of its recorded call. Their tensors are buffers of
     this module (not in its state dict, :func:`_held_argument`), so that the profile
     counts them as held by the caller, as the model's own loop holds them. It returns
-    the hidden state alone; its backward gives zeros as the gradients of the block's other outputs whose leaves
-    ``other_gradients`` names, as the model's step gives them gradients (NOTE [ Outputs
-    the caller holds ], other_outputs.py)."""
+    the hidden state alone; its backward gives zeros as the gradients of the block's
+    other outputs whose leaves ``other_gradients`` names, as the model's step gives
+    them gradients (NOTE [ Outputs the caller holds ], other_outputs.py)."""
 
     def __init__(self, block: nn.Module, call: _Call, other_gradients: tuple = ()):
         super().__init__()
