@@ -28,6 +28,7 @@ from ._torch_graphs import uncompiled, uncompiled_name
 from .checks import byte_count, filter_predicate, nothing_selected, refuse_module_class
 from .errors import ConfigError, not_scriptable
 from .planning.blocks import BlockPlan, of_type, plan_block_stack, type_name
+from .planning.planned_inputs import PlannedInput
 from .planning.step_isolation import user_stacklevel
 from .runtime import graph_codecs
 from .runtime.compiled_calls import checkpoint_in_graph
@@ -138,6 +139,7 @@ class Checkpoint(TransparentWrapper):
         # Why a compiled forward runs this block eagerly, though its codec could be in
         # the graph; set at the root's first break (NOTE [ Codecs in a compiled graph ]).
         self._eager_because: Optional[str] = None
+        self._planned_input: Optional[PlannedInput] = None  # a block plan's: NOTE [ A block plan's input ]
         self._wrap(module)  # last: from here a name the wrapper has not is the module's
 
     @yields_to_wrapped
@@ -191,6 +193,8 @@ class Checkpoint(TransparentWrapper):
                 output = checkpoint_in_graph(wrapped, args, kwargs, self._recompute, eager_call=eager_checkpointed_call,
                                              eager_args=(policy, modifies_input(wrapped), self._recompute))
             return graph_codecs.output_copied(output)
+        if self._planned_input is not None:
+            self._planned_input.check(args, kwargs)
         output, _ = call_block(self._option, wrapped, args, kwargs, self._recompute, modifies_input(wrapped),
                                eager_because=self._eager_because)
         return output
@@ -381,10 +385,15 @@ def _check_planned_arguments(filter_fn, compress, offload, keep, budget, plannin
 
 
 def _apply(model: nn.Module, plan: BlockPlan, options: RecomputeOptions) -> None:
-    """Wrap the blocks ``plan`` checkpoints, each with its own keep option."""
+    """Wrap the blocks ``plan`` checkpoints, each with its own keep option, and the
+    hidden state it was planned for (NOTE [ A block plan's input ])."""
+    inputs, warned = dict(zip(map(uncompiled_name, plan.blocks), getattr(plan, "inputs", ()))), [False]
     for block, option in _planned_blocks(model, plan):
         if option is not None and not option.is_plain:
-            block.replace(_checkpoint_of(block.module, option, options))
+            wrapper = _checkpoint_of(block.module, option, options)
+            planned = inputs.get(uncompiled_name(block.fqn))
+            wrapper._planned_input = None if planned is None else PlannedInput(*planned, warned)
+            block.replace(wrapper)
     if any(option is not None and option.keep == "inputs" and option.lossy for option in plan.options):
         graph_codecs.watch_root(model)
 

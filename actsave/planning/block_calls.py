@@ -33,6 +33,10 @@ class _Call:
                        if copied and isinstance(leaf, torch.Tensor)}
         self.hidden_leaf: int | None = None
         self.output: torch.Tensor | None = None
+        # Where each tensor argument sits in the call (an index, or a keyword): NOTE [ A
+        # block plan's input ] (planned_inputs.py).
+        self.places = {**{id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)},
+                       **{id(v): k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}}
 
     def leaf_index(self, t: torch.Tensor) -> int | None:
         return next((k for k, leaf in enumerate(self.leaves) if leaf is t), None)
@@ -40,6 +44,13 @@ class _Call:
     @property
     def hidden(self) -> torch.Tensor:
         return self.leaves[self.hidden_leaf]
+
+    @property
+    def hidden_input(self) -> tuple | None:
+        """``(place, shape)`` of the hidden state in the call, None where it is not an
+        argument itself (NOTE [ A block plan's input ])."""
+        place = self.places.get(id(self.hidden))
+        return None if place is None else (place, tuple(self.hidden.shape))
 
 
 class _CallRecorder:

@@ -149,6 +149,9 @@ class BlockPlan:
     # Blocks of those types the planned model had and the plan left out (a filter chose
     # others): applied to another instance, only blocks beyond them are warned of.
     left_out: tuple = dataclasses.field(default=(), repr=False)
+    # Each block's hidden state in the example step, (place, shape) or None, which the
+    # blocks it wraps check their calls against: NOTE [ A block plan's input ].
+    inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
     def __post_init__(self):
         blocks, options = tuple(self.blocks), tuple(self.options)
@@ -279,6 +282,7 @@ class BlockPlanner:
             plain_step_seconds=self.table.base_seconds,
             modules=tuple(module for _, module, _ in self.calls),
             types=tuple(type_name(module) for _, module, _ in self.calls),
+            inputs=tuple(call.hidden_input for _, _, call in self.calls),
         )
 
     def _infeasible(self, budget) -> str:

@@ -1,0 +1,51 @@
+"""A block plan's hidden state, checked where the blocks it wraps run.
+
+NOTE [ A block plan's input ]
+A block plan is priced on the example step's shapes: a larger batch or sequence makes
+every activation larger, and the plan's peak with it, past its budget (3.01x at four
+times the batch on a Llama). So each block a plan wraps holds where its call passed the
+hidden state in the example step (a positional index or a keyword) and that state's
+shape, and a call of it on a larger one warns, once per plan. A smaller one (an
+epoch's last batch) only lowers the peak and says nothing, and a call that passes the
+hidden state elsewhere is not checked. Eager calls only: a compiled graph's guards
+recompile on new shapes and read no Python warning.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from .step_isolation import user_stacklevel
+
+
+@dataclass(frozen=True)
+class PlannedInput:
+    """Where a planned block's call passes its hidden state (``place``: an index of its
+    positional arguments or a keyword) and the shape it had in the example step;
+    ``warned`` is shared by the blocks of one plan (NOTE [ A block plan's input ])."""
+
+    place: Union[int, str]
+    shape: tuple
+    warned: list
+
+    def check(self, args: tuple, kwargs: dict) -> None:
+        """Warn once per plan where this call's hidden state is larger than planned."""
+        if self.warned[0]:
+            return
+        place = self.place
+        hidden = (args[place] if place < len(args) else None) if isinstance(place, int) else kwargs.get(place)
+        if not isinstance(hidden, torch.Tensor) or hidden.numel() <= math.prod(self.shape):
+            return
+        self.warned[0] = True
+        warnings.warn(
+            f"actsave: a block of this block plan runs on a hidden state of shape {list(hidden.shape)}, where the plan "
+            f"was made for {list(self.shape)}: the activations grow with it, so the plan's predicted peak (and "
+            "budget) no longer holds. Plan again with example inputs of this shape (actsave.plan_blocks, or "
+            "wrap(..., budget=..., example_inputs=...))", stacklevel=user_stacklevel())
+
+
+__all__ = ["PlannedInput"]

@@ -1,0 +1,61 @@
+"""A block plan's hidden state, checked where the blocks it wraps run (planning/
+planned_inputs.py, NOTE [ A block plan's input ])."""
+import copy
+import pickle
+import warnings
+
+import torch
+from torch import nn
+
+import actsave
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, h, scale=None):
+        return h + self.down(torch.tanh(self.up(h)))
+
+
+class Stack(nn.Module):
+    def __init__(self, keyword: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.keyword = keyword
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(h=x) if self.keyword else block(x)
+        return x.square().mean()
+
+
+def _said(model, batch: int) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(batch, 16)).backward()
+    return [str(w.message) for w in caught if "block plan runs on a hidden state" in str(w.message)]
+
+
+def test_a_planned_block_warns_once_per_plan_on_a_larger_hidden_state_than_planned():
+    for keyword in (False, True):
+        model = Stack(keyword)
+        smallest = actsave.plan_blocks(copy.deepcopy(model), Block, 2**40, (torch.randn(8, 16),)).smallest_peak_bytes
+        plan = actsave.plan_blocks(model, Block, smallest, (torch.randn(8, 16),))
+        assert any(option is not None for option in plan.options)
+        actsave.wrap(model, plan)
+        assert _said(model, 4) == [] and _said(model, 8) == []
+        said = _said(model, 32)
+        assert len(said) == 1 and "[32, 16]" in said[0] and "[8, 16]" in said[0]
+        assert _said(model, 32) == []  # once per plan
+
+
+def test_a_plan_pickled_with_its_inputs_checks_them_on_another_instance():
+    model = Stack(keyword=False)
+    smallest = actsave.plan_blocks(copy.deepcopy(model), Block, 2**40, (torch.randn(8, 16),)).smallest_peak_bytes
+    plan = pickle.loads(pickle.dumps(actsave.plan_blocks(model, Block, smallest, (torch.randn(8, 16),))))
+    other = Stack(keyword=False)
+    actsave.wrap(other, plan)
+    assert len(_said(other, 32)) == 1
