@@ -2,8 +2,8 @@
 
 NOTE [ A block plan's input ]
 A block plan is priced on the example step's shapes: a larger batch or sequence makes
-every activation larger, and the plan's peak with it, past its budget (3.01x at four
-times the batch on a Llama). So each block a plan wraps holds where its call passed the
+every activation larger, and the plan's peak with it, past its budget (docs/planner.md,
+"Limits of plans"). So each block a plan wraps holds where its call passed the
 hidden state in the example step (a positional index or a keyword) and that state's
 shape, and a call of it on a larger one warns, once per plan. A smaller one (an
 epoch's last batch) only lowers the peak and says nothing, and a call that passes the

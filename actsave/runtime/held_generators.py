@@ -107,4 +107,3 @@ def _generators_in(entries: dict) -> list:
     if torch.Generator not in map(type, entries.values()):
         return []
     return [(name, value) for name, value in entries.items() if type(value) is torch.Generator]
-

@@ -30,6 +30,10 @@ from .swapped_buffers import SwappedBuffers
 from .unversioned_buffers import unversioned_updates
 
 
+# The swaps of a state that notes none: read, never changed.
+_NO_SWAPS = SwappedBuffers()
+
+
 class TouchedState:
     """The parameters and buffers one checkpointed forward touched.
 
@@ -81,6 +85,10 @@ class TouchedState:
     snapshot is held strongly, until the last recompute has run (:meth:`release`).
     """
 
+    # NOTE [ Buffers swapped in for a call ]: noted where module calls are watched
+    # (_HookedState); no other state notes any.
+    _swapped = _NO_SWAPS
+
     def __init__(self, generators: bool = True):
         self._thread = threading.get_ident()
         self._read = {}  # id -> (weakref, label for _describe): saved leaves (and watched state)
@@ -97,7 +105,6 @@ class TouchedState:
         self.reads = StaleReads()  # NOTE [ Buffers read after the forward changed them ]
         # NOTE [ Python attributes a forward sets ]; ``generators``: replay the ones modules hold.
         self.attributes = ModuleAttributes(generators)
-        self._swapped = SwappedBuffers()  # NOTE [ Buffers swapped in for a call ]: noted where calls are watched
 
     @staticmethod
     def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None,
@@ -185,7 +192,7 @@ class TouchedState:
         try:
             try:
                 with self._parameters.flags_as_in_forward(), self.attributes.as_in_forward(layers), \
-                        self._swapped.stand_ins_installed(dict(zip(keys, values)), self._thread):
+                        self._swapped.stand_ins_installed(keys, values, self._thread):
                     yield
             except RecomputeStop:  # stopped early, as it should: its state is checked as at the end
                 guarded.check()
@@ -202,7 +209,8 @@ class TouchedState:
     def release(self) -> None:
         """Drop the snapshot and the forward's parameters: no recompute will read them."""
         self._snapshot, self._parameters, self.reads = Snapshot(), ForwardParameters(), StaleReads()
-        self.attributes, self._swapped = ModuleAttributes(), SwappedBuffers()
+        self.attributes = ModuleAttributes()
+        self._swapped = _NO_SWAPS
 
     def _mutated_buffers(self, layers: Optional[range]) -> list:
         """``[(module, buffer name)]``, each once, that the forward mutated (so far,
@@ -355,6 +363,7 @@ class _HookedState(TouchedState):
 
     def __init__(self, generators: bool = True):
         super().__init__(generators)
+        self._swapped = SwappedBuffers()
         self._mutated = {}  # (module, kind, name) -> None: state changed by its module
         self._moved_modules = set()  # ids of the modules whose calls moved their state
         self._calls = []  # (module, {(kind, name): (tensor, version)}) of module calls running
@@ -431,10 +440,11 @@ class _HookedState(TouchedState):
                 break
         else:
             return
-        if self._moved(module, held) or unversioned_updates(module):
+        updated = unversioned_updates(module)
+        if self._moved(module, held) or updated:
             # All of the module's buffers: NOTE [ State a forward reads and mutates ].
             self._swapped.moved(module, held)
-            for moved in unversioned_updates(module) or (module,):
+            for moved in updated or (module,):
                 self._moved_modules.add(id(moved))
                 for name in own_tensors(moved, "buffers"):
                     self._mutated[(moved, "buffers", name)] = None

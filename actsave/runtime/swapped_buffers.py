@@ -55,10 +55,13 @@ class SwappedBuffers:
                          if own_tensors(key[0], "buffers").get(key[1]) is not tensor}
         self._found = {}
 
-    def stand_ins_installed(self, stand_ins: dict, thread: int):
+    def stand_ins_installed(self, keys: list, values: list, thread: int):
         """A context in which a module call on ``thread`` that finds a swapped-in tensor
-        in its slot finds ``stand_ins[(module, name)]`` there instead."""
-        by_module = {}
+        in its slot finds the stand-in ``values`` holds for its ``(module, name)`` in
+        ``keys`` there instead; nothing where the forward swapped nothing in."""
+        if not self._swapped:
+            return contextlib.nullcontext()
+        stand_ins, by_module = dict(zip(keys, values)), {}
         for (module, name), swapped in self._swapped.items():
             if (module, name) in stand_ins:
                 by_module.setdefault(module, []).append((name, swapped, stand_ins[(module, name)]))

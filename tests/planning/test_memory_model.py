@@ -632,8 +632,8 @@ def test_a_checkpointed_segments_forward_holds_a_temporary_made_after_its_last_s
 
 def test_a_plan_profiled_with_its_loss_frees_the_outputs_gradient_after_the_last_layer():
     # With the step's loss, autograd frees the output's gradient after the last layer's
-    # backward: a chain whose output is as large as its activations measured 0.89x its
-    # prediction where the model held that gradient through the whole backward.
+    # backward: a model that held it through the whole backward over-predicts a chain whose
+    # output is as large as its activations.
     torch.manual_seed(0)
     layers = [module for _ in range(8) for module in (nn.Linear(256, 256), nn.GELU())]
     x, y = torch.randn(128, 256), torch.randint(0, 256, (128,))
