@@ -215,7 +215,12 @@ def load_bench_module(name: str):
         spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    # The scripts import their neighbours (harness, models, frontier's parts) from bench/.
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
     return module
 
 
@@ -267,12 +272,8 @@ def bench_exit(script: str, *args: str) -> tuple:
     """``(exit status, stdout, stderr)`` of bench script ``script``'s ``main(args)``, run
     in this process: for what a script decides before it measures anything (its
     --help, its refusals), without the fresh interpreter and import of torch that
-    run_script pays. The scripts import their neighbours (harness, models) from bench/."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        module = load_bench_module(Path(script).stem)
-    finally:
-        sys.path.remove(str(BENCH))
+    run_script pays."""
+    module = load_bench_module(Path(script).stem)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:

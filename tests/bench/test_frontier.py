@@ -84,11 +84,11 @@ def test_frontier_skips_a_lever_set_the_planner_rejects(tmp_path, monkeypatch, c
 
 
 def test_frontier_shells_share_parameters_and_wrap_apart():
-    frontier = load_bench_module("frontier")
+    systems = load_bench_module("frontier_systems")
     models = load_bench_module("models")
     plain = models.gpt(4, width=32, heads=2, vocab_size=50, max_seq_len=8)
-    wrapped = frontier.every_kth_block(frontier.shell(plain, (models.TransformerBlock,)), models.TransformerBlock, 2,
-                                       frontier.TorchCheckpoint)
+    wrapped = systems.every_kth_block(systems.shell(plain, (models.TransformerBlock,)), models.TransformerBlock, 2,
+                                      systems.TorchCheckpoint)
     # torchtitan's layer-selective rule: block i where (i + 1) % k == 0.
     assert [type(m).__name__ for m in wrapped][1:5] == ["TransformerBlock", "TorchCheckpoint"] * 2
     assert all(isinstance(m, models.TransformerBlock) for m in plain[1:5])
