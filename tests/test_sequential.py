@@ -800,3 +800,29 @@ def test_a_codec_set_on_layers_where_no_segment_starts_warns_once_that_it_is_unu
         undone = CheckpointedSequential(*layers, segments=[0, 4], compress="int8")
         undone.set_compression(2, None)
         undone(x).sum().backward()
+
+
+def test_layers_set_alike_apart_are_settings_of_their_own_and_one_unused_warns():
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(9)]
+    x = torch.randn(4, 8)
+    apart = CheckpointedSequential(*layers, segments=3)  # starts 0, 3, 6
+    apart.set_compression(1, "int8")
+    apart.set_compression(3, "int8")  # used: a segment starts there; layer 1's is not
+    with pytest.warns(UserWarning, match=r"codec set on layers \[1\] is not used"):
+        apart(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sliced = CheckpointedSequential(*layers, segments=3)
+        sliced.set_compression(slice(1, 5), "int8")  # one setting, used where layer 3 starts a segment
+        sliced(x).sum().backward()
+
+
+def test_an_offload_set_where_only_the_last_segment_starts_warns_that_it_is_unused():
+    # The last segment runs plainly: its saves stay on the device, whatever its first layer sets.
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(9)]
+    model = CheckpointedSequential(*layers, segments=3)
+    model.set_offload(6, True)
+    with pytest.warns(UserWarning, match=r"offload set on layers \[6\] is not used"):
+        model(torch.randn(4, 8)).sum().backward()

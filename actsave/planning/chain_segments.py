@@ -148,27 +148,32 @@ class ChainSegments:
     def warn_of_unused_settings(self, policies: tuple, starts: list, default) -> None:
         """Warn once where a codec or offload set on layers of their own (``policies``:
         each layer's; ``default``: the chain's) is used by no segment of fixed segments
-        (an int, a list, "sqrt"; a plan chooses its starts with the settings): it sets
-        how a segment's first layer keeps its input, and no segment starts at any layer
-        it is set on (set on a range of layers, it is used where a segment starts in
-        the range). Only a setting that keeps by a codec or on the host where the
-        chain's default does not: one that undoes the default there costs nothing
-        unused."""
+        (an int, a list, "sqrt"; a plan chooses its starts with the settings). A setting
+        sets how a segment's first layer keeps its input, and the codec of the last
+        segment's saves where that one starts there (it runs plainly: its saves are
+        never offloaded). Adjacent layers set alike are one setting (a slice), used
+        where a segment starts among them; layers set alike apart are settings of their
+        own. Only a setting that keeps by a codec or on the host where the chain's
+        default does not: one that undoes the default there costs nothing unused."""
         if self.applied_plan is not None or self.spec == BALANCED or self.spec in PLANNED_STRATEGIES:
             return
-        starts, by_policy = set(starts), {}
-        for index, policy in enumerate(policies):
-            if (policy.lossy and policy.codec != default.codec) or (policy.offload and not default.offload):
-                by_policy.setdefault(policy, []).append(index)
+        starts = set(starts)
+        keeping_inputs = starts - {max(starts)}  # the last segment runs plainly
         warned = self.__dict__.setdefault("_warned_unused", set())
-        for indices in by_policy.values():
-            if starts.isdisjoint(indices) and tuple(indices) not in warned:
+        for indices, policy in _runs_set_alike(policies, default):
+            codec_unused = policy.lossy and policy.codec != default.codec and starts.isdisjoint(indices)
+            offload_unused = policy.offload and not default.offload and keeping_inputs.isdisjoint(indices)
+            if (codec_unused or offload_unused) and tuple(indices) not in warned:
                 warned.add(tuple(indices))
+                unused = " and ".join(kind for kind, flag in (("codec", codec_unused), ("offload", offload_unused))
+                                      if flag)
                 warnings.warn(
-                    f"actsave: CheckpointedSequential: the codec or offload set on layers {indices} is not used: "
-                    "it sets how a segment's first layer keeps its input, and no segment starts at those layers "
-                    f"(they start at {sorted(starts)}). Start a segment there (segments=[..., {indices[0]}, ...]), "
-                    "or use segments='balanced', which plans with it", stacklevel=user_stacklevel())
+                    f"actsave: CheckpointedSequential: the {unused} set on layers {indices} is not used: it sets "
+                    "how a segment's first layer keeps its input, and no segment "
+                    f"{'starts' if codec_unused else 'that keeps its input starts'} at those layers (they start at "
+                    f"{sorted(starts)}; the last one runs plainly, its saves kept on the device). Start a segment "
+                    f"there (segments=[..., {indices[0]}, ...]), or use segments='balanced', which plans with it",
+                    stacklevel=user_stacklevel())
 
     def segments(self, starts: list, n_layers: int) -> list:
         """The segments from ``starts``, plain and nested as the applied plan says."""
@@ -213,3 +218,17 @@ def _requires_grad(layer: nn.Module, name: str) -> bool:
 
 
 __all__ = ["ChainSegments"]
+
+
+def _runs_set_alike(policies: tuple, default) -> list:
+    """``[(indices, policy)]``: the runs of adjacent layers whose policy keeps by a codec
+    or on the host where ``default`` does not, each run's layers set alike."""
+    runs = []
+    for index, policy in enumerate(policies):
+        if not ((policy.lossy and policy.codec != default.codec) or (policy.offload and not default.offload)):
+            continue
+        if runs and runs[-1][0][-1] == index - 1 and runs[-1][1] == policy:
+            runs[-1][0].append(index)
+        else:
+            runs.append(([index], policy))
+    return runs
