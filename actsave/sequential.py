@@ -68,8 +68,9 @@ class CheckpointedSequential(nn.Sequential):
             (:func:`actsave.plan`): by default exact ones (recompute, and offload on
             CUDA), so gradients stay bit-identical; a lossy codec only if named.
         compress: codec of what segments keep (their inputs, and what the last
-            segment saves): ``None`` (exact), a codec name, or ``{layer: codec}``
-            with ``layer`` an index or child name (the rest exact).
+            segment saves, but under ``segments="balanced"``, whose last segment
+            keeps autograd's saves exactly): ``None`` (exact), a codec name, or
+            ``{layer: codec}`` with ``layer`` an index or child name (the rest exact).
         offload: keep segment inputs in host memory: a bool, or ``{layer: bool}``
             (not the last segment's saves: backward needs them at once).
         budget: peak activation memory in bytes for the planned strategies: what a
@@ -232,7 +233,8 @@ class CheckpointedSequential(nn.Sequential):
 
     def set_compression(self, layer, codec) -> None:
         """Set the codec of what is kept at ``layer`` (an index, child name or slice):
-        the segment input there, or the last segment's saves when it starts there."""
+        the segment input there, or the last segment's saves when it starts there
+        (but under ``segments="balanced"``, whose last segment keeps them exactly)."""
         modules = modules_named(self, layer)
         self._settings.set_codec(modules, KeepPolicy.resolve(compress=codec).codec)
         self._segment_source.settings_changed(modules, "codec")
@@ -276,8 +278,10 @@ class CheckpointedSequential(nn.Sequential):
         counts them (with ReLU and max-pool decisions; none when an exact plain
         segment's saves are autograd's own).
 
-        Codec and where are the layer's settings, in the words of a printed
-        :class:`~actsave.Plan`: ``device``, or ``host`` with offload. An input its
+        Codec and where are how the segment starting at the layer kept, in the words
+        of a printed :class:`~actsave.Plan`: its settings (``device``, or ``host`` with
+        offload), but for a balanced plan's last segment, which keeps autograd's saves
+        exactly whatever its first layer sets. An input its
         caller holds (the batch at layer 0, a leaf) was kept ``by reference`` at the
         last training call whatever they say: exactly, and not counted in its bytes.
         With ``segments="balanced"`` the segments are those of the last training

@@ -232,12 +232,14 @@ def wrap(model: nn.Module, filter_fn: FilterSpec | BlockPlan, compress=None, off
     them in place of its own (``wrap(model, Block, compress="int8")`` after
     ``wrap(model, Block)`` makes every block int8).
 
-    With ``budget`` (bytes) and ``example_inputs``, each selected block is checkpointed
-    or kept plain, and keeps its input exactly or by a codec, as
-    :func:`plan_blocks` chooses: the fastest plan whose predicted peak activation
-    memory of the whole training step fits ``budget`` (see :func:`plan_blocks`, which
-    takes ``loss``, ``allow`` and ``min_sqnr_db`` too; ``compress`` and ``offload`` are then
-    chosen, not given). ``filter_fn`` may also be a :class:`BlockPlan` from
+    With ``budget`` (bytes) and ``example_inputs``, each selected block runs plain,
+    selective (``keep="selective"``), with its saves kept by a codec or on the host,
+    or checkpointed keeping its input exactly, by a codec or on the host, as
+    :func:`plan_blocks` chooses among the levers ``allow`` names: the fastest plan
+    whose predicted peak activation memory of the whole training step fits
+    ``budget`` (see :func:`plan_blocks`, which takes ``loss``, ``allow`` and
+    ``min_sqnr_db`` too; ``compress``, ``offload`` and ``keep`` are then chosen, not
+    given). ``filter_fn`` may also be a :class:`BlockPlan` from
     :func:`plan_blocks`, to apply a plan made (and printed) before::
 
         plan = actsave.plan_blocks(model, LlamaDecoderLayer, budget=2 * 2**30, example_inputs=batch)
@@ -323,9 +325,11 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
             with example targets), where the model does not return it: the profiled
             step runs it, so the plan counts its memory (a cross-entropy keeps a
             logits-sized log-softmax), as ``CheckpointedSequential``'s ``loss`` does.
-        allow: the levers, as for :func:`actsave.plan`: ``"recompute"``, codecs
-            (``"int8"``, ``"fp8"``, ...) and, on CUDA only, ``"offload"``. Default: the
-            exact ones the device has (recompute, and offload on CUDA): a lossy codec
+        allow: the levers, as for :func:`actsave.plan`: ``"recompute"``,
+            ``"selective"`` (a block keeping its linear layers' and attention's
+            outputs, recomputing the rest: docs/planner.md), codecs (``"int8"``,
+            ``"fp8"``, ...) and, on CUDA only, ``"offload"``. Default: the exact ones
+            the device has (recompute, selective, and offload on CUDA): a lossy codec
             is used only if named here.
         min_sqnr_db: leave out codecs whose expected gradient SQNR is below it.
 

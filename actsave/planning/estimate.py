@@ -124,7 +124,8 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
             e.g. ``torch.empty(8, 1024, dtype=torch.long, device="meta")`` for token
             ids. Shapes alone get the dtype of the model's first floating-point
             parameter.
-        device: the device to predict for; sets the allocation granularity.
+        device: the device to predict for (default "cuda"); sets the allocation
+            granularity, and on CUDA makes offload a lever.
         optimizer: ``None``/``"sgd"`` (no state), ``"momentum"`` (one buffer per
             parameter) or ``"adam"``/``"adamw"`` (two), counted in ``optimizer_bytes``.
         loss: the training step's loss, a function of the model's output returning a
