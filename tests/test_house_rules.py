@@ -1,6 +1,7 @@
 """The house's written rules hold in the code: every NOTE reference names one NOTE, every
-path docs/architecture.md gives exists, every public name is in docs/api.md, imports go
-the one way that doc states with no cycle, and no library file is over 500 lines."""
+path docs/architecture.md gives exists, every link of the docs reaches its file and
+heading, every public name is in docs/api.md, imports go the one way that doc states
+with no cycle, and no library file is over 500 lines."""
 import ast
 import os
 import re
@@ -165,6 +166,63 @@ def test_the_path_check_finds_a_renamed_file():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     renamed = doc.replace("    nested.py ", "    nesting.py", 1).replace("`runtime/function.py`", "`runtime/functions.py`")
     assert missing_paths(renamed) == ["actsave/runtime/nesting.py"] + ["runtime/functions.py"] * doc.count("`runtime/function.py`")
+
+
+# ----------------------------------------------------------------- links of the docs
+
+# A Markdown link, ``[text](target)``, outside code (fenced blocks and inline spans).
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+_CODE = re.compile(r"^```.*?^```|`[^`\n]*`", re.M | re.S)
+_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*$", re.M)
+LINKED_DOCS = ("README.md", "docs", "examples", "bench")
+
+
+def heading_anchors(text: str) -> set:
+    """The anchors GitHub gives the headings of a Markdown text: lower case, every
+    character but letters, digits, ``-``, ``_`` and spaces dropped, spaces as ``-``; a
+    repeated one numbered ``-1``, ``-2``, ..."""
+    seen, anchors = {}, set()
+    for m in _HEADING.finditer(_CODE.sub("", text)):
+        anchor = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        count = seen.get(anchor, 0)
+        seen[anchor] = count + 1
+        anchors.add(anchor if count == 0 else f"{anchor}-{count}")
+    return anchors
+
+
+def broken_links(path: Path, text: str) -> list:
+    """The links of ``text`` (the Markdown file at ``path``) to a file that does not
+    exist or to a heading its Markdown file does not have; links to other sites are
+    not followed."""
+    broken = []
+    for m in _LINK.finditer(_CODE.sub("", text)):
+        target = m.group(1)
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        destination = (path.parent / file).resolve() if file else path
+        if not destination.exists():
+            broken.append(f"{path.relative_to(ROOT)}: {target}: no such file")
+        elif anchor and destination.suffix == ".md" and anchor not in heading_anchors(destination.read_text()):
+            broken.append(f"{path.relative_to(ROOT)}: {target}: no such heading")
+    return broken
+
+
+def test_every_link_of_the_docs_reaches_its_file_and_heading():
+    files = [ROOT / name if (ROOT / name).is_file() else None for name in LINKED_DOCS]
+    files = [f for f in files if f] + [p for name in LINKED_DOCS if (ROOT / name).is_dir()
+                                       for p in sorted((ROOT / name).rglob("*.md"))]
+    assert len(files) > 5 and sum(len(_LINK.findall(f.read_text())) for f in files) > 100  # the links were read
+    assert [problem for f in files for problem in broken_links(f, f.read_text())] == []
+
+
+def test_the_link_check_finds_a_renamed_heading_and_file():
+    readme = ROOT / "README.md"
+    text = readme.read_text() + "\n[a](docs/limits.md#no-such-heading) [b](docs/no_such_file.md) `[c](d.md)`\n"
+    assert broken_links(readme, text) == ["README.md: docs/limits.md#no-such-heading: no such heading",
+                                          "README.md: docs/no_such_file.md: no such file"]
+    assert {"memory-no-tensor-holds-on-a-cpu-2026-11-29", "the-frontier-at-the-nineteenth-sessions-tree-cpu-2026-12-01"} \
+        <= heading_anchors((ROOT / "docs" / "results.md").read_text())
 
 
 def undocumented(names, doc: str) -> list:
