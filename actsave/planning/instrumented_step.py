@@ -37,6 +37,7 @@ from ..runtime.pool_decisions import PoolWatch
 from ..runtime.keep_rules import CallerTensors, should_encode
 from ..runtime.kept_saves import takes_kept_saves
 from .allocator_rises import AllocatorRises, larger_of_each
+from .cached_casts import CastWatch
 from .live_bytes import LiveBytes, allocation_bytes
 from .saves_as_stored import SavesAsStored
 from .tensor_specs import PoolSample, TensorSpec
@@ -83,6 +84,7 @@ class _SaveLedger:
         self._entries = {}  # id(storage) -> [nbytes, first, last]; saved storages stay alive
         self._relu_saves = relu_signs.FirstSaves()
         self.as_stored = SavesAsStored(self._ignored, tracker)
+        self.casts = CastWatch(device)  # NOTE [ Casts autocast caches ]
 
     def before_layer(self, i: int, h: torch.Tensor) -> None:
         self.layer, self.layer_input = i, h
@@ -90,6 +92,7 @@ class _SaveLedger:
         # runtime/kept_saves.py asks of a save what it asks outside a chain.
         self.inputs_saved_as_they_are.append(not should_encode(h))
         self.live_before.append(self.tracker.live)
+        self.casts.layer_starts(i)
 
     def after_layer(self, i: int, h: torch.Tensor) -> None:
         # Looked up while the input is alive, so the storage id is its own; the entry
@@ -97,6 +100,7 @@ class _SaveLedger:
         self.input_entries.append(self.entry_of(self.layer_input))
         self.passes_on.append(returns_its_input(h, self.layer_input))
         self.layer_input = None
+        self.casts.layer_ends()
         self.as_stored.watch_backward(i, h)
 
     @takes_kept_saves
@@ -175,6 +179,7 @@ class CountedStep:
         self.saved_bytes = [0] * n  # by the first layer saving each storage
         for storage in self.saved:
             self.saved_bytes[storage.first] += storage.nbytes
+        self.cached_cast_bytes = ledger.casts.bytes_by_layer(n)
         self.input_saved_by = [_span(entry) for entry in ledger.input_entries]
         bits = [ledger.relu_bits.get(i, (0, 0)) for i in range(n)]
         self.relu_sign_bytes, self.relu_elements = (list(c) for c in zip(*bits))
@@ -365,7 +370,7 @@ def measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torc
                          layers=tuple(layer for _, layer in layers))
     with tracker, storage_resizes_observed(ledger.resized), saved_tensors_hooks(ledger.pack, ledger.unpack), \
             ledger.pools.watching(), ledger.relus.watching(), ledger.bounds.watching(), \
-            ledger.as_stored.watching():  # NOTE [ Attention's saves agree ]
+            ledger.as_stored.watching(), ledger.casts:  # NOTE [ Attention's saves agree ]
         try:
             forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
                                                                        ledger.after_layer, loss)

@@ -66,7 +66,9 @@ class LayerEvents:
         self.prefetched = np.where(self.prefetched_layer >= 0, gathered[self.prefetched_layer], 0.0)
         decisions = column("relu_sign_bytes") + column("pool_decision_bytes")
         self.signs_before = np.concatenate(([0.0], np.cumsum(decisions)))  # S over [0, i)
-        self.state_before = np.concatenate(([0.0], np.cumsum(column("mutated_state_bytes"))))  # M over [0, i)
+        # M over [0, i): the module state snapshotted, and the weight casts autocast caches.
+        held = column("mutated_state_bytes") + column("cached_cast_bytes")
+        self.state_before = np.concatenate(([0.0], np.cumsum(held)))
         self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
         self.backward_s_before = np.concatenate(([0.0], np.cumsum(column("backward_s"))))
         # A checkpoint whose first layer changes its input in place keeps a copy of the

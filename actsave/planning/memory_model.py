@@ -29,7 +29,9 @@ Memory model
     (runtime/pool_decisions.py), until its recompute ends, and a snapshot of the module
     state its layers mutate (M: BatchNorm's statistics, any module's moving averages;
     runtime/state.py, NOTE [ State a forward reads and mutates ]), which its recompute
-    reads. R = K + S + M is what it keeps on the device; offloaded, R = M and F = K + S
+    reads, with the weight casts its layers made under autocast with its cache on,
+    which the cache holds (NOTE [ Casts autocast caches ] in runtime/replay.py). R = K
+    + S + M is what it keeps on the device; offloaded, R = M and F = K + S
     is fetched back for the recompute.
     W is the largest of the segment's events, each built from per-layer measurements
     of the profiled step (sums over a <= i < b):

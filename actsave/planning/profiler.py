@@ -85,6 +85,11 @@ class LayerProfile:
     # by a checkpointed segment holding the layer until its recompute (runtime/state.py,
     # NOTE [ State a forward reads and mutates ]); on the device whatever the keep option.
     mutated_state_bytes: int = 0
+    # The casts autocast caches that this layer is the first to save (a weight's, under
+    # autocast with its cache on): the cache holds them to the autocast region's end, so a
+    # checkpointed segment holding the layer keeps them on the device as it keeps the
+    # snapshot (NOTE [ Casts autocast caches ] in runtime/replay.py; planning/cached_casts.py).
+    cached_cast_bytes: int = 0
 
     @classmethod
     def saving_nothing(cls, name: str, kind: str, *, input_bytes: int, dense_input_bytes: int,
@@ -255,6 +260,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_g
         to_host_s=by_codec("to_host_s") if host_copies else {},
         to_device_s=by_codec("to_device_s") if host_copies else {},
         mutated_state_bytes=mutated,
+        cached_cast_bytes=found.cached_cast_bytes[i],
     )
 
 

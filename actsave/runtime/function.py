@@ -189,7 +189,7 @@ class CheckpointFrame:
         """The hooks the forward runs under: saves, module state, max pools and in-place ReLUs (lossy)."""
         decisions = self.decisions.forward_watching() if self.keeps_decisions else contextlib.nullcontext()
         with self.code.running(), self.touched.recording(), saved_tensors_hooks(self.pack, self.unpack), decisions, \
-                self.logged("forward"), self.replay.casts_dropped():  # NOTE [ Casts autocast caches ]
+                self.logged("forward"):
             yield
 
     def end_forward(self) -> None:

@@ -117,26 +117,18 @@ def _settings_set(values: tuple):
 # NOTE [ Casts autocast caches ]
 # Under autocast with its cache on (torch.autocast's default), each cast of a leaf that
 # needs a gradient (a weight cast to bf16 for a matmul) is cached on the thread until the
-# outermost autocast region exits: for a checkpointed segment, the weight copies its
-# forward made stay alive to the end of the forward (past it, where the backward runs
-# inside autocast too, and then those of each recompute as well), memory the checkpoint
-# exists to free and that the planners price as freed (torch.utils.checkpoint keeps
-# them). So a checkpointed forward and each recompute drop the cache as they end
-# (torch.clear_autocast_cache, this thread's): a cast that a save of the segment, or of a
-# layer before it, still holds stays alive; one that nothing holds is freed. Values do
-# not change, a cast being exact and deterministic. A weight used again later in the same
-# forward (a tied weight) is cast again there: one cast's time, and its copy where the
-# earlier one is still held.
-
-
-class _CastsDropped:
-    """Drops this thread's cached casts as it exits (NOTE [ Casts autocast caches ])."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exception):
-        torch.clear_autocast_cache()
+# outermost autocast region exits, and every use of the weight in the region shares that
+# one cast: one ToCopyBackward node, at which the gradients of all its uses add up in
+# the cast's dtype before one conversion to the weight's. A checkpoint leaves the cache
+# as it is, as torch.utils.checkpoint does: dropping it as a checkpointed forward ends
+# would free the weight copies its segment cast (memory the checkpoint exists to free),
+# but a weight cast again after that (cast before the checkpoint and used after it, a
+# layer shared by several checkpoints, a tied weight) gets a second node, the gradients
+# of its uses then adding up in float32: not the plain step's bits (a session run,
+# CPU bf16, 2026-12-01: 1.1e-5 to 5.7e-5 off). So a checkpointed segment's weight casts
+# stay alive to the region's end, and the planners count them as kept by the segment
+# beside its input (LayerProfile.cached_cast_bytes, planning/profiler.py). A recompute
+# under the region casts nothing new: its casts are the cache's.
 
 
 @dataclass(frozen=True)
@@ -179,16 +171,6 @@ class ReplayState:
             settings=_settings(),
         )
 
-    def casts_dropped(self):
-        """A context that drops, as it exits, the casts autocast cached on this thread
-        (NOTE [ Casts autocast caches ]); nothing where the forward cached none."""
-        return _CastsDropped() if self.caches_casts else contextlib.nullcontext()
-
-    @property
-    def caches_casts(self) -> bool:
-        """Whether the forward ran under autocast with its cache of casts on."""
-        return any(state.enabled and state.cache_enabled for state in self.autocast)
-
     @property
     def generators(self) -> tuple:
         """The generators besides the process's whose states it replays."""
@@ -226,8 +208,6 @@ class ReplayState:
                 # count reaches zero, clears the casts cached inside. The count itself is not
                 # put back: a layer that enters or leaves autocast across segment bounds
                 # leaves it off, as under torch's checkpoint.
-                if self.caches_casts:  # after the autocast contexts below exit
-                    stack.callback(torch.clear_autocast_cache)
                 for autocast in self.autocast:
                     stack.enter_context(autocast.context())
                 yield
