@@ -385,6 +385,7 @@ class _HookedState(TouchedState):
                 self._mutated[(key[0], "buffers", key[1])] = None
         mutated = {id(own_tensors(module, kind)[name]) for module, kind, name in self._mutated
                    if own_tensors(module, kind).get(name) is not None}
+        mutated |= {id(tensor) for tensor in self._swapped.found()}  # mutated where swapped in, not read
         self._take_versions(mutated)
         self._keep_snapshot_of((module, name) for module, _, name in self._mutated)
         self._calls, self._sharing = [], HookedSharing()
@@ -444,6 +445,9 @@ class _HookedState(TouchedState):
         if self._moved(module, held) or updated:
             # All of the module's buffers: NOTE [ State a forward reads and mutates ].
             self._swapped.moved(module, held)
+            for other in updated[1:]:  # never called: their slots as the call found them, updated in place
+                self._swapped.moved(other, {("buffers", name): (tensor, None)
+                                            for name, tensor in own_tensors(other, "buffers").items()})
             for moved in updated or (module,):
                 self._moved_modules.add(id(moved))
                 for name in own_tensors(moved, "buffers"):

@@ -13,10 +13,15 @@ swaps the caller's tensors in over it: the recompute would read the values the f
 left and update them a second time (torch.utils.checkpoint does both). So where a
 mutated buffer's slot held, in the forward, a tensor that it no longer holds when the
 forward ends, the recompute watches its thread's module calls, and where a slot holds
-that tensor again it puts the snapshot's stand-in there. The call that swapped the
-tensor in puts back, as it returns, what it found (the stand-in the recompute installed),
-and the recompute then the module's own. Where every slot holds the same tensor at both
-ends (a forward that swaps nothing), nothing is watched.
+that tensor again it puts the snapshot's stand-in there for the module call, and the
+caller's tensor back as the call returns: ``functional_call`` given one dict (not a
+pair) writes each slot's tensor back into it as it returns, which must be the caller's.
+The modules whose buffers a call updates unversioned are never called themselves (NOTE
+[ Buffers a kernel updates unversioned ]): their buffers are noted and given their
+stand-ins with the calling module's. Updated by the forward, the tensors swapped in
+are mutated state, not state read (a second checkpointed call before the backward
+updates them again). Where every slot holds the same tensor at both ends (a forward
+that swaps nothing), nothing is watched.
 
 Only where the forward watches module calls (a function of unknown layers: state.py's
 _HookedState). A module whose own forward calls ``functional_call`` under ``Checkpoint``
@@ -29,9 +34,10 @@ import contextlib
 import threading
 import weakref
 
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from .._torch import own_tensors
+from .unversioned_buffers import unversioned_updates
 
 
 class SwappedBuffers:
@@ -48,6 +54,11 @@ class SwappedBuffers:
         for (kind, name), (tensor, _) in held.items():
             if kind == "buffers":
                 self._found.setdefault((module, name), tensor)
+
+    def found(self) -> list:
+        """The tensors noted so far in this forward: those the calls that moved their
+        state found in the slots (the caller's, where swapped in)."""
+        return list(self._found.values())
 
     def forward_ended(self) -> None:
         """Keep the buffers whose slots hold other tensors now: those swapped in."""
@@ -70,18 +81,41 @@ class SwappedBuffers:
 
 @contextlib.contextmanager
 def _installing(by_module: dict, thread: int):
-    def before(module, args):
-        entries = by_module.get(module)
-        if entries is None or threading.get_ident() != thread:
-            return
-        table = own_tensors(module, "buffers")
-        for name, swapped, stand_in in entries:
-            tensor = swapped()
-            if tensor is not None and table.get(name) is tensor:
-                table[name] = stand_in
+    """Stand-ins in the slots of a module's swapped-in buffers for each of its calls on
+    ``thread`` (with those of the modules whose buffers the call updates unversioned:
+    NOTE [ Buffers a kernel updates unversioned ]), and the swapped-in tensors back as
+    the call returns: ``functional_call`` given one dict writes each slot's tensor back
+    into it as it returns, which must be the caller's, not a copy of actsave's."""
+    calls = []  # per module call running: [(slots, name, swapped tensor, stand-in)] it installed
 
-    handle = register_module_forward_pre_hook(before)
+    def before(module, args):
+        if threading.get_ident() != thread:
+            return
+        installed = []
+        for owner in unversioned_updates(module) or (module,):
+            table = own_tensors(owner, "buffers")
+            for name, swapped, stand_in in by_module.get(owner, ()):
+                tensor = swapped()
+                if tensor is not None and table.get(name) is tensor:
+                    table[name] = stand_in
+                    installed.append((table, name, tensor, stand_in))
+        calls.append((module, installed))
+
+    def after(module, args, output):
+        if threading.get_ident() != thread:
+            return
+        while calls:  # a call that raised before its module's own hook ran left its entry
+            called, installed = calls.pop()
+            if called is module:
+                for table, name, tensor, stand_in in installed:
+                    if table.get(name) is stand_in:
+                        table[name] = tensor
+                return
+
+    pre = register_module_forward_pre_hook(before)
+    post = register_module_forward_hook(after, always_call=True)
     try:
         yield
     finally:
-        handle.remove()
+        pre.remove()
+        post.remove()

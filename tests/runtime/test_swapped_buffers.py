@@ -74,3 +74,67 @@ def test_a_forward_that_swaps_nothing_watches_no_module_call_in_its_recompute(mo
     assert installed == []
     _steps(lambda function, x: actsave.checkpoint(function, x), steps=1)
     assert len(installed) == 1
+
+
+def _equal_states(expected: tuple, got: tuple) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_a_dict_passed_alone_keeps_the_callers_tensors_and_their_updates():
+    """``functional_call(module, buffers, ...)`` writes each slot's tensor back into a dict
+    passed alone as it returns: the recompute's stand-ins must not end up there (the
+    buffers of another module, a teacher's, were updated only by the first step)."""
+    def run(wrap):
+        torch.manual_seed(0)
+        bn, other = nn.BatchNorm1d(4), nn.BatchNorm1d(4)
+        buffers = dict(other.named_buffers())
+        for _ in range(3):
+            x = torch.randn(8, 4, requires_grad=True)
+            wrap(lambda t: functional_call(bn, buffers, (t,)), x).square().sum().backward()
+        assert all(buffers[name] is tensor for name, tensor in other.named_buffers())
+        return tuple(other.buffers())
+
+    assert _equal_states(run(lambda function, x: function(x)), run(actsave.checkpoint))
+
+
+def test_a_qat_models_fused_fake_quantization_swapped_in_is_updated_once():
+    """The default QAT qconfigs' fused fake quantization updates its observer's buffers,
+    never called themselves: swapped in, they get their stand-ins with the calling
+    module's (the x86 qconfig's per-channel weights raised an IndexError in the
+    recompute, qnnpack's gradients were 2.7e-3 off)."""
+    import torch.ao.quantization as quantization
+
+    def run(wrap, qconfig):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        model.qconfig = quantization.get_default_qat_qconfig(qconfig)
+        quantization.prepare_qat(model.train(), inplace=True)
+        buffers, params = {k: v.clone() for k, v in model.named_buffers()}, dict(model.named_parameters())
+        grads = []
+        for _ in range(3):
+            x = torch.randn(8, 16, requires_grad=True)
+            wrap(lambda t: functional_call(model, (params, buffers), (t,)), x).square().sum().backward()
+            grads.append(x.grad)
+        return (*grads, *buffers.values())
+
+    for qconfig in ("x86", "qnnpack"):
+        assert _equal_states(run(lambda function, x: function(x), qconfig), run(actsave.checkpoint, qconfig))
+
+
+def test_two_checkpointed_calls_over_swapped_buffers_before_one_backward():
+    """The second call updates the buffers the first one's recompute reads from its
+    snapshot: they are mutated state, not state read and then changed (which raises)."""
+    def run(wrap):
+        torch.manual_seed(0)
+        bn = nn.BatchNorm1d(4)
+        params = dict(bn.named_parameters())
+        buffers = {k: v.clone() for k, v in bn.named_buffers()}
+        x1, x2 = (torch.randn(8, 4, requires_grad=True) for _ in range(2))
+
+        def function(t):
+            return functional_call(bn, (params, buffers), (t,))
+
+        (wrap(function, x1) * 2 + wrap(function, x2)).square().sum().backward()
+        return (x1.grad, x2.grad, *buffers.values())
+
+    assert _equal_states(run(lambda function, x: function(x)), run(actsave.checkpoint))
