@@ -8,7 +8,6 @@ layer where it starts, except a balanced plan's last segment
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -19,6 +18,7 @@ from ..errors import ConfigError
 from ..runtime.keep_rules import KeepPolicy
 from . import plan_record, plans
 from .balanced_cache import BalancedPlans
+from .planned_inputs import larger_than_planned
 from .step_isolation import user_stacklevel
 from .segments import BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, segments_from, split_starts
 
@@ -123,10 +123,12 @@ class ChainSegments:
 
     def _warn_if_larger(self, input) -> None:
         """Warn once where the chain runs its plan on an input larger than the one its
-        chain was profiled on (a batch of another size): the plan's peak grows with it,
-        past its budget. A smaller one (an epoch's last batch) only lowers the peak."""
+        chain was profiled on, in some dimension (a batch of another size, longer
+        sequences): the plan's peak grows with it, past its budget. A smaller one (an
+        epoch's last batch) only lowers the peak (NOTE [ A block plan's input ], whose
+        rule this is)."""
         planned, shape = self._planned_shape, tuple(getattr(input, "shape", ()))
-        if shape == planned or math.prod(shape) <= math.prod(planned):
+        if not larger_than_planned(shape, planned):
             return
         self._planned_shape = None  # once
         warnings.warn(

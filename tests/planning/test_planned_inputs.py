@@ -59,3 +59,35 @@ def test_a_plan_pickled_with_its_inputs_checks_them_on_another_instance():
     other = Stack(keyword=False)
     actsave.wrap(other, plan)
     assert len(_said(other, 32)) == 1
+
+
+def _planned(keyword: bool = False, example=(8, 16)):
+    model = Stack(keyword)
+    x = torch.randn(*example)
+    smallest = actsave.plan_blocks(copy.deepcopy(model), Block, 2**40, (x,)).smallest_peak_bytes
+    return actsave.wrap(model, actsave.plan_blocks(model, Block, smallest, (x,)))
+
+
+def test_an_evaluation_under_no_grad_neither_warns_nor_uses_up_the_warning():
+    model = _planned()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            model(torch.randn(32, 16))  # keeps nothing: the plan's peak is not at stake
+    assert not [w for w in caught if "block plan runs on a hidden state" in str(w.message)]
+    assert len(_said(model, 32)) == 1
+
+
+def test_a_hidden_state_larger_in_one_dimension_warns_at_as_many_elements():
+    """The same tokens as fewer, longer sequences: attention written out grows with a
+    sequence's square (NOTE [ A block plan's input ])."""
+    torch.manual_seed(0)
+    model = Stack(keyword=False)
+    x = torch.randn(4, 8, 16)
+    smallest = actsave.plan_blocks(copy.deepcopy(model), Block, 2**40, (x,)).smallest_peak_bytes
+    actsave.wrap(model, actsave.plan_blocks(model, Block, smallest, (x,)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 16, 16)).backward()
+    said = [str(w.message) for w in caught if "block plan runs on a hidden state" in str(w.message)]
+    assert len(said) == 1 and "[2, 16, 16]" in said[0]
