@@ -9,7 +9,12 @@ segment's layers are cut into ranges (:class:`Range`), each either *plain*, its
 saves filled by the pass that runs it, or *recomputed*, a checkpoint of its own: the
 pass keeps only its input (exactly, by reference) and runs it under ``no_grad``; its
 saves are filled by a later pass from that input, when backward first needs one of
-them. A recomputed range may be cut into ranges again, to any depth. So while the last
+them. It runs for its output only, with grad as in the forward and what it saves
+dropped as it is saved: under ``no_grad`` some operators take other kernels (a max
+pool without its indices returns another memory layout, eval-mode attention torch's
+fast path), and the layers after it would compute other bits from their output (a
+session run, 2026-12-01: gradients 1e-8 off, or a RecomputeError). A recomputed range
+may be cut into ranges again, to any depth. So while the last
 range runs backward, the segment holds only the inputs of its earlier recomputed
 ranges, not their activations; each of them is recomputed once more, later.
 
@@ -18,9 +23,9 @@ placeholder belongs to one layer, hence to one range), whether the tensor enteri
 required grad, and at each recomputed range's start the RNG and autocast state
 (state.py). A pass over a range replays the state of its start and runs its plain
 ranges with grad enabled, filling their placeholders with the same checks as any
-recompute, and its recomputed ranges under ``no_grad``; the tensor leaving one of
-those is given the forward's ``requires_grad``, so the layers after it save what they
-saved in the forward. A pass stops once its last placeholder is filled and its last
+recompute, and its recomputed ranges for their output only, each layer's input given
+the forward's ``requires_grad``, as is the tensor leaving them, so that every layer
+runs and saves as it did in the forward. A pass stops once its last placeholder is filled and its last
 input kept (the early stop). Module state the forward mutated (BatchNorm statistics)
 is mutated once, not again by any pass. Passes are exact: a range is recomputed from
 exact inputs, so no ReLU or max-pool decisions need keeping. An input kept by
@@ -229,7 +234,7 @@ class _NestedFrame(CheckpointFrame):
             watch.watch(x)  # kept by reference
         self._filling = None  # what its layers save is never unpacked
         for i in range(part.start, part.stop):
-            x = watch.after(i, self._run_for_output(i, x))
+            x = watch.after(i, self._run_for_output(i, x, watch))
         inputs.end_forward(self.function.__qualname__)
         if isinstance(x, torch.Tensor) and part.stop < len(self.layers) and self.grad_at[part.stop]:
             x = _requiring_grad(x)
@@ -237,17 +242,24 @@ class _NestedFrame(CheckpointFrame):
                 watch.watch(x)
         return x
 
-    def _run_for_output(self, i: int, x):
-        """Layer ``i`` run for its output only: without grad, unless it ran a backward
-        inside its forward (``autograd.grad`` for a gradient penalty), which needs grad
-        as it did there; its graph is dropped as it returns."""
-        if i not in self._backward_inside:
-            with torch.no_grad():
-                return self.layers[i](x)
-        if isinstance(x, torch.Tensor) and self.grad_at[i]:
+    def _run_for_output(self, i: int, x, watch: HandedOn):
+        """Layer ``i`` run for its output only, as in its forward (NOTE [ Nested
+        recompute ]): with grad, on an input that requires grad where it did there, what
+        it saves dropped as it is saved (never unpacked). A layer that ran a backward
+        inside its forward (``autograd.grad`` for a gradient penalty) reads its saves:
+        it keeps them, on an input cut from the earlier layers' graph, whose saves are
+        dropped, and its output is cut from its own graph as it returns. ``watch``
+        follows the input under its new name."""
+        inside = i in self._backward_inside
+        if isinstance(x, torch.Tensor) and self.grad_at[i] and (inside or not x.requires_grad):
             x = _requiring_grad(x)
+            if watch.passing:  # the kept input, under another name
+                watch.watch(x)
+        if not inside:
+            with _saves_dropped():
+                return self.layers[i](x)
         y = self.layers[i](x)
-        return detached_or_same(y) if isinstance(y, torch.Tensor) else y
+        return detached_or_same(y) if isinstance(y, torch.Tensor) else y  # its saves let go
 
     def _run_plain(self, part: Range, handed: list, watch: HandedOn, stop_after) -> torch.Tensor:
         """Run ``part`` on the input ``handed`` over, with grad, filling its
@@ -354,3 +366,17 @@ def _refuse_repeated_modules(layers: Sequence) -> None:
             f"a nested segment cannot hold one module in two of its layers ({type(repeated[0]).__name__} "
             "does): its passes would recompute the later one from the module state the segment started "
             "from. Checkpoint the segment without nesting (plans do not nest such chains).")
+
+
+def _dropped(tensor: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(saved) -> torch.Tensor:
+    raise AssertionError("a save of a layer run for its output only was read")
+
+
+def _saves_dropped() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that hold nothing a layer saves: its graph is never run
+    backward, so its activations are freed as they go, as under no_grad."""
+    return torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked)

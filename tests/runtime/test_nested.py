@@ -289,3 +289,38 @@ def test_inner_ranges_cut_where_a_layer_passes_a_tuple_are_refused(cuts):
     chain.apply_plan(plan)
     with pytest.raises(ConfigError, match="cut where layer 2 starts, but layer 1 passes it a tuple"):
         chain(torch.randn(8, 16, requires_grad=True))
+
+
+class _PoolOverTime(nn.Module):
+    """A max pool over dim 1 of (batch, time, features): under no_grad it returns
+    another memory layout than with grad (no indices kept)."""
+
+    def forward(self, h):
+        return nn.functional.max_pool1d(h.transpose(1, 2), 3, 1, 1).transpose(1, 2)
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, h):
+        return self.attention(h, h, h, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("first", [_PoolOverTime, _Attention])
+@pytest.mark.parametrize("second", [lambda: nn.Linear(8, 8), lambda: nn.LayerNorm(8)])
+def test_a_range_run_for_its_output_runs_its_kernels_as_in_the_forward(first, second):
+    """A recomputed range runs with grad, its saves dropped: under no_grad a max pool's
+    layout and eval-mode attention's fast path differ, and the layers after them
+    computed other bits (1e-8 off) or saved other tensors (a RecomputeError)."""
+    torch.manual_seed(0)
+    layers = [first(), second(), nn.Identity()]
+    plain = twin(nn.Sequential(*layers))
+    for model in (*layers, plain):
+        model.eval()  # eval-mode attention: torch's fast path under no_grad
+    x = torch.randn(3, 5, 8)
+    tree = R(0, 3, inner=(R(0, 1), R(1, 3, recomputed=False)))
+    assert torch.equal(step(layers, x, tree), step(list(plain), x))
+    for mine, theirs in zip(nn.Sequential(*layers).parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
