@@ -263,12 +263,13 @@ def copies_of(tensors: list) -> list:
     a foreach multiply by one copies the values in the dtypes listed above (a NaN stays
     a NaN, on CUDA the canonical one), and any other tensor is cloned. One call for
     mixed dtypes: on CUDA it launches a kernel per tensor (the multi-tensor kernel
-    takes one dtype), as the clones did, for one host call."""
+    takes one dtype), as the clones did, for one host call. Those that require grad
+    apart: autograd refuses a foreach call mixing them with integer tensors."""
     copies = [None] * len(tensors)
-    groups = {}  # device -> positions
+    groups = {}  # (device, requires grad) -> positions
     for i, tensor in enumerate(tensors):
         if tensor.dtype in _EXACT_TIMES_ONE:
-            groups.setdefault(tensor.device, []).append(i)
+            groups.setdefault((tensor.device, tensor.requires_grad), []).append(i)
         else:
             copies[i] = tensor.clone()
     for positions in groups.values():

@@ -39,6 +39,16 @@ def test_copies_are_new_tensors_with_the_same_values_in_every_dtype():
             same_values(copy, original)
 
 
+
+def test_copies_of_tensors_that_require_grad_beside_integer_ones():
+    """Autograd refuses one foreach call mixing them (a BatchNorm's counter beside a
+    buffer that requires grad, a block plan's argument that needs a gradient)."""
+    tensors = [torch.randn(3, requires_grad=True), torch.tensor(4, dtype=torch.int64), torch.randn(2)]
+    copies = copies_of(tensors)
+    assert [copy.requires_grad for copy in copies] == [True, False, False]
+    for original, copy in zip(tensors, copies):
+        assert torch.equal(copy, original)
+
 def test_the_default_device_is_read_as_torch_reads_it():
     assert default_device() == torch.get_default_device() == torch.device("cpu")
     with torch.device("meta"):

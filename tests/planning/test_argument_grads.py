@@ -120,3 +120,37 @@ def test_plans_count_what_an_arguments_gradient_makes_the_blocks_save():
         actsave.wrap(model, plan)
         measured = peak_activation_bytes(model, x, loss=lambda out: out)
         assert measured <= plan.predicted_peak_bytes <= int(fraction * plain_peak)
+
+
+class _TokenBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.embedding = nn.Linear(8, 8), nn.Embedding(7, 8)
+
+    def forward(self, h, memory=None, ids=None):
+        return torch.relu(self.linear(h + memory)) + self.embedding(ids)
+
+
+class _TokenNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder, self.blocks = nn.Linear(8, 8), nn.ModuleList(_TokenBlock() for _ in range(3))
+
+    def forward(self, x, ids):
+        memory = self.encoder(x)  # needs a gradient, read by every block
+        for block in self.blocks:
+            x = block(x, memory=memory, ids=ids)
+        return x.square().mean()
+
+
+def test_blocks_given_an_argument_that_needs_a_gradient_and_an_integer_one_are_planned():
+    # Held as the blocks' buffers while planning: their copies were one foreach call,
+    # which autograd refuses for integer tensors beside ones that require grad.
+    batch = {"x": torch.randn(4, 5, 8), "ids": torch.randint(0, 7, (4, 5))}
+    plain, planned = _TokenNet(), _TokenNet()
+    plain(**batch).backward()
+    actsave.wrap(planned, _TokenBlock, budget=2**40, example_inputs=batch)
+    planned(**batch).backward()
+    for a, b in zip(plain.parameters(), planned.parameters()):
+        assert torch.equal(a.grad, b.grad)
