@@ -219,9 +219,6 @@ def _requires_grad(layer: nn.Module, name: str) -> bool:
         return False
 
 
-__all__ = ["ChainSegments"]
-
-
 def _runs_set_alike(policies: tuple, default) -> list:
     """``[(indices, policy)]``: the runs of adjacent layers whose policy keeps by a codec
     or on the host where ``default`` does not, each run's layers set alike."""
@@ -234,3 +231,7 @@ def _runs_set_alike(policies: tuple, default) -> list:
         else:
             runs.append(([index], policy))
     return runs
+
+
+__all__ = ["ChainSegments"]
+

@@ -7,8 +7,8 @@ every activation larger, and the plan's peak with it, past its budget (docs/plan
 hidden state in the example step (a positional index or a keyword) and that state's
 shape, and a training call of it on a larger one warns, once per plan: larger in any
 dimension (:func:`larger_than_planned`), so that the same tokens as fewer, longer
-sequences warn too (written-out attention grows with a sequence's square: 1.56x the
-budget at 2 x 64 tokens planned at 4 x 32, in a session run). A smaller one (an
+sequences warn too (written-out attention grows with a sequence's square:
+docs/planner.md, "Limits of plans"). A smaller one (an
 epoch's last batch) only lowers the peak and says nothing; nor does a call under
 no_grad (evaluation), which keeps nothing, nor one that passes the hidden state
 elsewhere. Eager calls only: a compiled graph's guards recompile on new shapes and

@@ -7,14 +7,14 @@ The forward is that of any checkpointed segment (function.py): one frame, every 
 a placeholder, only the segment's input kept. What differs is the recompute. The
 segment's layers are cut into ranges (:class:`Range`), each either *plain*, its
 saves filled by the pass that runs it, or *recomputed*, a checkpoint of its own: the
-pass keeps only its input (exactly, by reference) and runs it under ``no_grad``; its
+pass keeps only its input (exactly, by reference) and runs it for its output only; its
 saves are filled by a later pass from that input, when backward first needs one of
-them. It runs for its output only, with grad as in the forward and what it saves
-dropped as it is saved: under ``no_grad`` some operators take other kernels (a max
-pool without its indices returns another memory layout, eval-mode attention torch's
-fast path), and the layers after it would compute other bits from their output (a
-session run, 2026-12-01: gradients 1e-8 off, or a RecomputeError). A recomputed range
-may be cut into ranges again, to any depth. So while the last
+them. For its output only means with grad, as in the forward, what it saves dropped as
+it is saved, not under ``no_grad``: there some operators take other kernels (a max pool
+without its indices returns another memory layout, eval-mode attention torch's fast
+path), and the layers after them would compute other bits, or save other tensors
+(docs/results.md, "A nineteenth adversarial run"). A recomputed range may be cut into
+ranges again, to any depth. So while the last
 range runs backward, the segment holds only the inputs of its earlier recomputed
 ranges, not their activations; each of them is recomputed once more, later.
 

@@ -124,8 +124,8 @@ def _settings_set(values: tuple):
 # would free the weight copies its segment cast (memory the checkpoint exists to free),
 # but a weight cast again after that (cast before the checkpoint and used after it, a
 # layer shared by several checkpoints, a tied weight) gets a second node, the gradients
-# of its uses then adding up in float32: not the plain step's bits (a session run,
-# CPU bf16, 2026-12-01: 1.1e-5 to 5.7e-5 off). So a checkpointed segment's weight casts
+# of its uses then adding up in float32: not the plain step's bits (docs/results.md, "A
+# nineteenth adversarial run"). So a checkpointed segment's weight casts
 # stay alive to the region's end, and the planners count them as kept by the segment
 # beside its input (LayerProfile.cached_cast_bytes, planning/profiler.py). A recompute
 # under the region casts nothing new: its casts are the cache's.
