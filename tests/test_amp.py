@@ -353,6 +353,28 @@ def test_a_profile_counts_the_casts_autocast_caches_for_each_layer():
         assert [layer.cached_cast_bytes for layer in profile.layers] == expected
 
 
+
+class _AutocastLinear(nn.Linear):
+    """A Linear that enters bf16 autocast itself."""
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(x)
+
+
+def test_a_layer_entering_autocast_itself_keeps_its_casts_where_a_region_is_open_around_it():
+    """Only the outermost region's exit drops the cache: inside another (a disabled one,
+    ``enabled=args.amp``), the layer's casts stay to that one's exit; alone, they go
+    with its own."""
+    x, cast = torch.randn(16, 128), 2 * (128 * 128 + 128)
+    for around, expected in ((torch.autocast("cpu", enabled=False), [cast, 0] * 2),
+                             (contextlib.nullcontext(), [0] * 4)):
+        torch.manual_seed(0)
+        layers = [_AutocastLinear(128, 128), nn.GELU(), _AutocastLinear(128, 128), nn.GELU()]
+        with around:
+            profile = actsave.profile(nn.Sequential(*layers), (x,), loss=_square_mean)
+        assert [layer.cached_cast_bytes for layer in profile.layers] == expected
+
 def test_a_plan_made_under_autocast_with_its_cache_fits_its_budget():
     """The cache holds a checkpointed segment's weight casts to the autocast region's
     end; the plan counts them as kept (on the safe side where the backward runs after
