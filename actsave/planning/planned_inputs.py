@@ -5,10 +5,11 @@ A block plan is priced on the example step's shapes: a larger batch or sequence 
 every activation larger, and the plan's peak with it, past its budget (docs/planner.md,
 "Limits of plans"). So each block a plan wraps holds where its call passed the
 hidden state in the example step (a positional index or a keyword) and that state's
-shape, and a training call of it on a larger one warns, once per plan: larger in any
-dimension (:func:`larger_than_planned`), so that the same tokens as fewer, longer
-sequences warn too (written-out attention grows with a sequence's square:
-docs/planner.md, "Limits of plans"). A smaller one (an
+shape, and a training call of it on a larger one warns, once per plan. Larger is more
+elements, or as many or a few fewer in a longer dimension: written-out attention grows
+with a sequence's square, so the same tokens as fewer, longer sequences outgrow a plan
+(docs/planner.md, "Limits of plans"), where fewer tokens as a bit longer sequences
+(an epoch's short batches) do not (:func:`larger_than_planned`). A smaller one (an
 epoch's last batch) only lowers the peak and says nothing; nor does a call under
 no_grad (evaluation), which keeps nothing, nor one that passes the hidden state
 elsewhere. Eager calls only: a compiled graph's guards recompile on new shapes and
@@ -28,12 +29,16 @@ from .step_isolation import user_stacklevel
 
 
 def larger_than_planned(shape, planned) -> bool:
-    """Whether a tensor of ``shape`` is larger than the ``planned`` one in some dimension,
-    or, of another rank, in elements (NOTE [ A block plan's input ])."""
+    """Whether a tensor of ``shape`` outgrows the ``planned`` one (NOTE [ A block plan's
+    input ]): its elements, times how much its most grown dimension grew (a sequence,
+    whose attention grows with its square: its elements times its length), exceed the
+    planned elements; of another rank, its elements alone."""
     shape, planned = tuple(shape), tuple(planned)
-    if len(shape) != len(planned):
-        return math.prod(shape) > math.prod(planned)
-    return any(size > planned_size for size, planned_size in zip(shape, planned))
+    elements, planned_elements = math.prod(shape), math.prod(planned)
+    if len(shape) != len(planned) or not planned_elements:
+        return elements > planned_elements
+    growth = max(1.0, *(size / planned_size for size, planned_size in zip(shape, planned) if planned_size))
+    return elements * growth > planned_elements
 
 
 @dataclass(frozen=True)
