@@ -818,6 +818,23 @@ def test_layers_set_alike_apart_are_settings_of_their_own_and_one_unused_warns()
         sliced(x).sum().backward()
 
 
+
+def test_a_module_placed_twice_has_one_setting_used_where_a_segment_starts_at_either_place():
+    torch.manual_seed(0)
+    layers = [module for _ in range(6) for module in (nn.Linear(16, 16), nn.ReLU())]
+    layers[8] = layers[2]
+    x = torch.randn(4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for place in (8, 2):  # the module's setting, used at 8
+            model = CheckpointedSequential(*layers, segments=[0, 4, 8])
+            model.set_compression(place, "int8")
+            model(x).sum().backward()
+    unused = CheckpointedSequential(*layers, segments=[0, 4, 6])
+    unused.set_compression(2, "int8")
+    with pytest.warns(UserWarning, match=r"codec set on layers \[2, 8\] is not used"):
+        unused(x).sum().backward()
+
 def test_an_offload_set_where_only_the_last_segment_starts_warns_that_it_is_unused():
     # The last segment runs plainly: its saves stay on the device, whatever its first layer sets.
     torch.manual_seed(0)

@@ -147,7 +147,7 @@ class ChainSegments:
             return split_starts(layers, self.spec, policies)
         return self.balanced.starts(chain, input, layers, policies)
 
-    def warn_of_unused_settings(self, policies: tuple, starts: list, default) -> None:
+    def warn_of_unused_settings(self, policies: tuple, layers: list, starts: list, default) -> None:
         """Warn once where a codec or offload set on layers of their own (``policies``:
         each layer's; ``default``: the chain's) is used by no segment of fixed segments
         (an int, a list, "sqrt"; a plan chooses its starts with the settings). A setting
@@ -155,14 +155,15 @@ class ChainSegments:
         segment's saves where that one starts there (it runs plainly: its saves are
         never offloaded). Adjacent layers set alike are one setting (a slice), used
         where a segment starts among them; layers set alike apart are settings of their
-        own. Only a setting that keeps by a codec or on the host where the chain's
-        default does not: one that undoes the default there costs nothing unused."""
+        own, and the places of one module are one setting (``layers``: the chain's).
+        Only a setting that keeps by a codec or on the host where the chain's default
+        does not: one that undoes the default there costs nothing unused."""
         if self.applied_plan is not None or self.spec == BALANCED or self.spec in PLANNED_STRATEGIES:
             return
         starts = set(starts)
         keeping_inputs = starts - {max(starts)}  # the last segment runs plainly
         warned = self.__dict__.setdefault("_warned_unused", set())
-        for indices, policy in _runs_set_alike(policies, default):
+        for indices, policy in _settings_of(policies, layers, default):
             codec_unused = policy.lossy and policy.codec != default.codec and starts.isdisjoint(indices)
             offload_unused = policy.offload and not default.offload and keeping_inputs.isdisjoint(indices)
             if (codec_unused or offload_unused) and tuple(indices) not in warned:
@@ -219,9 +220,10 @@ def _requires_grad(layer: nn.Module, name: str) -> bool:
         return False
 
 
-def _runs_set_alike(policies: tuple, default) -> list:
-    """``[(indices, policy)]``: the runs of adjacent layers whose policy keeps by a codec
-    or on the host where ``default`` does not, each run's layers set alike."""
+def _settings_of(policies: tuple, layers: list, default) -> list:
+    """``[(indices, policy)]``: the layer settings that keep by a codec or on the host
+    where ``default`` does not, one per setting: adjacent layers set alike are one (a
+    slice), and so are the places of one module (a setting is its module's)."""
     runs = []
     for index, policy in enumerate(policies):
         if not ((policy.lossy and policy.codec != default.codec) or (policy.offload and not default.offload)):
@@ -230,8 +232,22 @@ def _runs_set_alike(policies: tuple, default) -> list:
             runs[-1][0].append(index)
         else:
             runs.append(([index], policy))
-    return runs
+    joined = list(range(len(runs)))  # each run's representative, runs of one module joined
 
+    def representative(run: int) -> int:
+        while joined[run] != run:
+            run = joined[run]
+        return run
+
+    first_run_of = {}  # id(module) -> the first run holding it
+    for run, (indices, _) in enumerate(runs):
+        for index in indices:
+            other = first_run_of.setdefault(id(layers[index]), run)
+            joined[representative(run)] = representative(other)
+    settings = {}
+    for run, (indices, policy) in enumerate(runs):
+        settings.setdefault(representative(run), ([], policy))[0].extend(indices)
+    return [(sorted(indices), policy) for indices, policy in settings.values()]
 
 __all__ = ["ChainSegments"]
 

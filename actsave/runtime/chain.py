@@ -36,7 +36,7 @@ def starts_for_call(chain, input, layers: list) -> list:
     policies = settings.policies(layers)
     starts = chain._segment_source.starts_for(chain, input, layers, policies)
     if settings.any_set():
-        chain._segment_source.warn_of_unused_settings(policies, starts, settings.default)
+        chain._segment_source.warn_of_unused_settings(policies, layers, starts, settings.default)
     return starts
 
 
