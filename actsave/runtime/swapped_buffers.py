@@ -13,9 +13,11 @@ swaps the caller's tensors in over it: the recompute would read the values the f
 left and update them a second time (torch.utils.checkpoint does both). So where a
 mutated buffer's slot held, in the forward, a tensor that it no longer holds when the
 forward ends, the recompute watches its thread's module calls, and where a slot holds
-that tensor again it puts the snapshot's stand-in there for the module call, and the
-caller's tensor back as the call returns: ``functional_call`` given one dict (not a
-pair) writes each slot's tensor back into it as it returns, which must be the caller's.
+that tensor again, or the one the forward left there (a module that sets a new
+tensor in its slot: ``functional_call`` given one dict, not a pair, writes each slot's
+tensor back into it as it returns, so the recompute swaps in what the forward left), it
+puts the snapshot's stand-in there for the module call, and what it found back as the
+call returns, whatever the call set there: the caller's dict keeps the forward's tensors.
 The modules whose buffers a call updates unversioned are never called themselves (NOTE
 [ Buffers a kernel updates unversioned ]): their buffers are noted and given their
 stand-ins with the calling module's. Updated by the forward, the tensors swapped in
@@ -46,14 +48,18 @@ class SwappedBuffers:
 
     def __init__(self):
         self._found = {}  # (module, name) -> the tensor in the slot as the first call that moved it started
-        self._swapped = {}  # (module, name) -> a weak reference to it, where the forward ended with another
+        self._left = {}  # (module, name) -> the tensor in the slot as the last call that moved it ended
+        self._swapped = {}  # (module, name) -> weak references to both, where the forward ended with another
 
     def moved(self, module, held: dict) -> None:
         """Note the buffers of a call of ``module`` that moved its state, as the call
-        found them (``held``: ``(kind, name) -> (tensor, version)``)."""
+        found them (``held``: ``(kind, name) -> (tensor, version)``) and left them (a
+        module may set a new tensor in place of one)."""
+        slots = own_tensors(module, "buffers")
         for (kind, name), (tensor, _) in held.items():
             if kind == "buffers":
                 self._found.setdefault((module, name), tensor)
+                self._left[(module, name)] = slots.get(name)
 
     def found(self) -> list:
         """The tensors noted so far in this forward: those the calls that moved their
@@ -62,9 +68,10 @@ class SwappedBuffers:
 
     def forward_ended(self) -> None:
         """Keep the buffers whose slots hold other tensors now: those swapped in."""
-        self._swapped = {key: weakref.ref(tensor) for key, tensor in self._found.items()
+        self._swapped = {key: (weakref.ref(tensor), _reference(self._left.get(key)))
+                         for key, tensor in self._found.items()
                          if own_tensors(key[0], "buffers").get(key[1]) is not tensor}
-        self._found = {}
+        self._found, self._left = {}, {}
 
     def stand_ins_installed(self, keys: list, values: list, thread: int):
         """A context in which a module call on ``thread`` that finds a swapped-in tensor
@@ -79,6 +86,11 @@ class SwappedBuffers:
         return _installing(by_module, thread) if by_module else contextlib.nullcontext()
 
 
+def _reference(tensor):
+    """A weak reference to ``tensor``, or a call giving None for none."""
+    return (lambda: None) if tensor is None else weakref.ref(tensor)
+
+
 @contextlib.contextmanager
 def _installing(by_module: dict, thread: int):
     """Stand-ins in the slots of a module's swapped-in buffers for each of its calls on
@@ -86,7 +98,7 @@ def _installing(by_module: dict, thread: int):
     NOTE [ Buffers a kernel updates unversioned ]), and the swapped-in tensors back as
     the call returns: ``functional_call`` given one dict writes each slot's tensor back
     into it as it returns, which must be the caller's, not a copy of actsave's."""
-    calls = []  # per module call running: [(slots, name, swapped tensor, stand-in)] it installed
+    calls = []  # per module call running: [(slots, name, the tensor it found there)] it replaced
 
     def before(module, args):
         if threading.get_ident() != thread:
@@ -94,11 +106,11 @@ def _installing(by_module: dict, thread: int):
         installed = []
         for owner in unversioned_updates(module) or (module,):
             table = own_tensors(owner, "buffers")
-            for name, swapped, stand_in in by_module.get(owner, ()):
-                tensor = swapped()
-                if tensor is not None and table.get(name) is tensor:
+            for name, (found, left), stand_in in by_module.get(owner, ()):
+                tensor = table.get(name)
+                if tensor is not None and (tensor is found() or tensor is left()):
                     table[name] = stand_in
-                    installed.append((table, name, tensor, stand_in))
+                    installed.append((table, name, tensor))
         calls.append((module, installed))
 
     def after(module, args, output):
@@ -107,9 +119,8 @@ def _installing(by_module: dict, thread: int):
         while calls:  # a call that raised before its module's own hook ran left its entry
             called, installed = calls.pop()
             if called is module:
-                for table, name, tensor, stand_in in installed:
-                    if table.get(name) is stand_in:
-                        table[name] = tensor
+                for table, name, tensor in installed:  # whatever the call set there (a new tensor)
+                    table[name] = tensor
                 return
 
     pre = register_module_forward_pre_hook(before)

@@ -138,3 +138,32 @@ def test_two_checkpointed_calls_over_swapped_buffers_before_one_backward():
         return (x1.grad, x2.grad, *buffers.values())
 
     assert _equal_states(run(lambda function, x: function(x)), run(actsave.checkpoint))
+
+
+class _ReplacedEma(nn.Module):
+    """Sets a new tensor in its buffer's slot, read first: ``functional_call`` given one
+    dict writes it back into the dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        y = x - self.ema
+        self.ema = (0.9 * self.ema + 0.1 * x.mean(0)).detach()
+        return y
+
+
+def test_a_buffer_a_module_replaces_in_a_dict_passed_alone_is_updated_once():
+    # The recompute swaps in what the forward left in the dict: it reads the stand-in
+    # there too (was: the forward's result, updated a second time, as under torch's checkpoint).
+    def run(wrap):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), _ReplacedEma(), nn.Tanh(), nn.Linear(8, 1))
+        state = {**{k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()},
+                 **{k: v.clone() for k, v in model.named_buffers()}}
+        for _ in range(2):
+            wrap(lambda x: functional_call(model, state, (x,)), torch.randn(6, 8)).square().sum().backward()
+        return (state["0.weight"].grad, state["1.ema"])
+
+    assert _equal_states(run(lambda function, x: function(x)), run(actsave.checkpoint))
