@@ -32,10 +32,11 @@ class Stack(nn.Module):
         return x.square().mean()
 
 
-def _said(model, batch: int) -> list:
+def _said(model, *shape: int) -> list:
+    """The warnings of a training step on a hidden state of ``shape`` (then 16 features)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model(torch.randn(batch, 16)).backward()
+        model(torch.randn(*shape, 16)).backward()
     return [str(w.message) for w in caught if "block plan runs on a hidden state" in str(w.message)]
 
 
@@ -81,29 +82,13 @@ def test_an_evaluation_under_no_grad_neither_warns_nor_uses_up_the_warning():
 def test_a_hidden_state_larger_in_one_dimension_warns_at_as_many_elements():
     """The same tokens as fewer, longer sequences: attention written out grows with a
     sequence's square (NOTE [ A block plan's input ])."""
-    torch.manual_seed(0)
-    model = Stack(keyword=False)
-    x = torch.randn(4, 8, 16)
-    smallest = actsave.plan_blocks(copy.deepcopy(model), Block, 2**40, (x,)).smallest_peak_bytes
-    actsave.wrap(model, actsave.plan_blocks(model, Block, smallest, (x,)))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model(torch.randn(2, 16, 16)).backward()
-    said = [str(w.message) for w in caught if "block plan runs on a hidden state" in str(w.message)]
+    said = _said(_planned(example=(4, 8, 16)), 2, 16)
     assert len(said) == 1 and "[2, 16, 16]" in said[0]
 
 
 def test_fewer_tokens_in_a_bit_longer_sequences_do_not_warn():
     """An epoch's short batches: they lower the peak, and must not use up the warning a
     batch that outgrows the plan needs."""
-    torch.manual_seed(0)
-    model = Stack(keyword=False)
-    x = torch.randn(8, 64, 16)
-    smallest = actsave.plan_blocks(copy.deepcopy(model), Block, 2**40, (x,)).smallest_peak_bytes
-    actsave.wrap(model, actsave.plan_blocks(model, Block, smallest, (x,)))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model(torch.randn(4, 80, 16)).backward()
-        model(torch.randn(16, 64, 16)).backward()
-    said = [str(w.message) for w in caught if "block plan runs on a hidden state" in str(w.message)]
+    model = _planned(example=(8, 64, 16))
+    said = _said(model, 4, 80) + _said(model, 16, 64)
     assert len(said) == 1 and "[16, 64, 16]" in said[0]
