@@ -233,33 +233,39 @@ class _NestedFrame(CheckpointFrame):
         if not inputs.private_copy:
             watch.watch(x)  # kept by reference
         self._filling = None  # what its layers save is never unpacked
+        x = self._cut(x, part.start, watch)
         for i in range(part.start, part.stop):
-            x = watch.after(i, self._run_for_output(i, x, watch))
+            x = self._cut(watch.after(i, self._run_for_output(i, x)), i + 1, watch)
         inputs.end_forward(self.function.__qualname__)
-        if isinstance(x, torch.Tensor) and part.stop < len(self.layers) and self.grad_at[part.stop]:
-            x = _requiring_grad(x)
-            if watch.passing:  # the kept input, under another name
-                watch.watch(x)
         return x
 
-    def _run_for_output(self, i: int, x, watch: HandedOn):
+    def _run_for_output(self, i: int, x):
         """Layer ``i`` run for its output only, as in its forward (NOTE [ Nested
-        recompute ]): with grad, on an input that requires grad where it did there, what
-        it saves dropped as it is saved (never unpacked). A layer that ran a backward
-        inside its forward (``autograd.grad`` for a gradient penalty) reads its saves:
-        it keeps them, on an input cut from the earlier layers' graph, whose saves are
-        dropped, and its output is cut from its own graph as it returns. ``watch``
-        follows the input under its new name."""
-        inside = i in self._backward_inside
-        if isinstance(x, torch.Tensor) and self.grad_at[i] and (inside or not x.requires_grad):
-            x = _requiring_grad(x)
-            if watch.passing:  # the kept input, under another name
-                watch.watch(x)
-        if not inside:
-            with _saves_dropped():
-                return self.layers[i](x)
-        y = self.layers[i](x)
-        return detached_or_same(y) if isinstance(y, torch.Tensor) else y  # its saves let go
+        recompute ]): with grad, what it saves dropped as it is saved (never unpacked),
+        but by a layer that ran a backward inside its forward (``autograd.grad`` for a
+        gradient penalty), which reads them."""
+        if i in self._backward_inside:
+            return self.layers[i](x)
+        with _saves_dropped():
+            return self.layers[i](x)
+
+    def _cut(self, x, i: int, watch: HandedOn):
+        """``x`` as it enters layer ``i`` of a range run for its output (or leaves the
+        segment): cut from the graph of the layer that made it, so that what that graph
+        holds (a layer's own checkpoint keeps what it saves) goes as the layer returns,
+        and requiring grad where it did in the forward. ``watch`` follows the kept input
+        under its new name."""
+        if not isinstance(x, torch.Tensor):
+            return x
+        if i < len(self.layers) and self.grad_at[i]:
+            cut = _requiring_grad(x)
+        elif x.requires_grad:
+            cut = x.detach()
+        else:
+            return x
+        if watch.passing:  # the kept input, under another name
+            watch.watch(cut)
+        return cut
 
     def _run_plain(self, part: Range, handed: list, watch: HandedOn, stop_after) -> torch.Tensor:
         """Run ``part`` on the input ``handed`` over, with grad, filling its
