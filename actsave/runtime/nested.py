@@ -3,20 +3,20 @@ its own (multi-level checkpointing, as in Beaumont et al. 2019; planning/nested_
 prices it, planning/nested_solver.py chooses it).
 
 NOTE [ Nested recompute ]
-The forward is that of any checkpointed segment (function.py): one frame, every save
-a placeholder, only the segment's input kept. What differs is the recompute. The
-segment's layers are cut into ranges (:class:`Range`), each either *plain*, its
-saves filled by the pass that runs it, or *recomputed*, a checkpoint of its own: the
-pass keeps only its input (exactly, by reference) and runs it for its output only; its
+The forward is that of any checkpointed segment (function.py): one frame, every save a
+placeholder, only the segment's input kept. What differs is the recompute. The
+segment's layers are cut into ranges (:class:`Range`), each either *plain*, its saves
+filled by the pass that runs it, or *recomputed*, a checkpoint of its own: the pass
+keeps only its input (exactly, by reference) and runs it for its output only; its
 saves are filled by a later pass from that input, when backward first needs one of
 them. For its output only means with grad, as in the forward, what it saves dropped as
-it is saved, not under ``no_grad``: there some operators take other kernels (a max pool
-without its indices returns another memory layout, eval-mode attention torch's fast
-path), and the layers after them would compute other bits, or save other tensors
+it is saved, not under ``no_grad``: there some operators take other kernels (a max
+pool without its indices returns another memory layout, eval-mode attention torch's
+fast path), and the layers after them would compute other bits, or save other tensors
 (docs/results.md, "A nineteenth adversarial run"). A recomputed range may be cut into
-ranges again, to any depth. So while the last
-range runs backward, the segment holds only the inputs of its earlier recomputed
-ranges, not their activations; each of them is recomputed once more, later.
+ranges again, to any depth. So while the last range runs backward, the segment holds
+only the inputs of its earlier recomputed ranges, not their activations; each of them
+is recomputed once more, later.
 
 The forward records, at each layer, how many tensors were saved before it (so each
 placeholder belongs to one layer, hence to one range), whether the tensor entering it
@@ -25,13 +25,13 @@ required grad, and at each recomputed range's start the RNG and autocast state
 ranges with grad enabled, filling their placeholders with the same checks as any
 recompute, and its recomputed ranges for their output only, each layer's input given
 the forward's ``requires_grad``, as is the tensor leaving them, so that every layer
-runs and saves as it did in the forward. A pass stops once its last placeholder is filled and its last
-input kept (the early stop). Module state the forward mutated (BatchNorm statistics)
-is mutated once, not again by any pass. Passes are exact: a range is recomputed from
-exact inputs, so no ReLU or max-pool decisions need keeping. An input kept by
-reference (the segment's, a recomputed range's) stays as it is where layers that turn
-out to hand it on lead to in-place ones: those change a copy, in the forward and in
-every pass (NOTE [ A layer that turns out to pass its input on ]).
+runs and saves as it did in the forward. A pass stops once its last placeholder is
+filled and its last input kept (the early stop). Module state the forward mutated
+(BatchNorm statistics) is mutated once, not again by any pass. Passes are exact: a
+range is recomputed from exact inputs, so no ReLU or max-pool decisions need keeping.
+An input kept by reference (the segment's, a recomputed range's) stays as it is where
+layers that turn out to hand it on lead to in-place ones: those change a copy, in the
+forward and in every pass (NOTE [ A layer that turns out to pass its input on ]).
 """
 from __future__ import annotations
 

@@ -116,19 +116,19 @@ def _settings_set(values: tuple):
 
 # NOTE [ Casts autocast caches ]
 # Under autocast with its cache on (torch.autocast's default), each cast of a leaf that
-# needs a gradient (a weight cast to bf16 for a matmul) is cached on the thread until the
-# outermost autocast region exits, and every use of the weight in the region shares that
-# one cast: one ToCopyBackward node, at which the gradients of all its uses add up in
-# the cast's dtype before one conversion to the weight's. A checkpoint leaves the cache
-# as it is, as torch.utils.checkpoint does: dropping it as a checkpointed forward ends
-# would free the weight copies its segment cast (memory the checkpoint exists to free),
-# but a weight cast again after that (cast before the checkpoint and used after it, a
-# layer shared by several checkpoints, a tied weight) gets a second node, the gradients
-# of its uses then adding up in float32: not the plain step's bits (docs/results.md, "A
-# nineteenth adversarial run"). So a checkpointed segment's weight casts
-# stay alive to the region's end, and the planners count them as kept by the segment
-# beside its input (LayerProfile.cached_cast_bytes, planning/profiler.py). A recompute
-# under the region casts nothing new: its casts are the cache's.
+# needs a gradient (a weight cast to bf16 for a matmul) is cached on the thread until
+# the outermost autocast region exits, and every use of the weight in the region shares
+# that one cast: one ToCopyBackward node, at which the gradients of all its uses add up
+# in the cast's dtype before one conversion to the weight's. A checkpoint leaves the
+# cache as it is, as torch.utils.checkpoint does: dropping it as a checkpointed forward
+# ends would free the weight copies its segment cast (memory the checkpoint exists to
+# free), but a weight cast again after that (cast before the checkpoint and used after
+# it, a layer shared by several checkpoints, a tied weight) gets a second node, the
+# gradients of its uses then adding up in float32: not the plain step's bits
+# (docs/results.md, "A nineteenth adversarial run"). So a checkpointed segment's weight
+# casts stay alive to the region's end, and the planners count them as kept by the
+# segment beside its input (LayerProfile.cached_cast_bytes, planning/profiler.py). A
+# recompute under the region casts nothing new: its casts are the cache's.
 
 
 @dataclass(frozen=True)
