@@ -835,6 +835,29 @@ def test_a_module_placed_twice_has_one_setting_used_where_a_segment_starts_at_ei
     with pytest.warns(UserWarning, match=r"codec set on layers \[2, 8\] is not used"):
         unused(x).sum().backward()
 
+def test_a_setting_made_after_a_plan_where_none_of_its_segments_starts_warns_that_it_is_unused():
+    # The plan's starts stay where it put them: a codec set elsewhere, or an offload set
+    # where it runs a segment plainly, changes nothing.
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(9)]
+    x = torch.randn(4, 8)
+    model = CheckpointedSequential(*layers)
+    profile = actsave.profile(model, (x,))
+    plan = actsave.planning.plans.predict(profile, [0, 3, 6], plain=(True, False))
+    model.apply_plan(plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()  # the plan's own settings
+        model.set_compression(3, "int8")  # where a segment starts: used
+        model(x).sum().backward()
+    model.set_compression(1, "int8")
+    with pytest.warns(UserWarning, match=r"codec set on layers \[1\] is not used.*plan again"):
+        model(x).sum().backward()
+    model.set_offload(0, True)  # the plan runs the segment at 0 plainly
+    with pytest.warns(UserWarning, match=r"offload set on layers \[0\] is not used.*plainly"):
+        model(x).sum().backward()
+
+
 def test_an_offload_set_where_only_the_last_segment_starts_warns_that_it_is_unused():
     # The last segment runs plainly: its saves stay on the device, whatever its first layer sets.
     torch.manual_seed(0)

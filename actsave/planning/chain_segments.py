@@ -150,7 +150,8 @@ class ChainSegments:
     def warn_of_unused_settings(self, policies: tuple, layers: list, starts: list, default) -> None:
         """Warn once where a codec or offload set on layers of their own (``policies``:
         each layer's; ``default``: the chain's) is used by no segment of fixed segments
-        (an int, a list, "sqrt"; a plan chooses its starts with the settings). A setting
+        (an int, a list, "sqrt"), or by the applied plan for those set after it (a plan
+        made with them chooses its starts with them; NOTE [ An applied plan ]). A setting
         sets how a segment's first layer keeps its input, and the codec of the last
         segment's saves where that one starts there (it runs plainly: its saves are
         never offloaded). Adjacent layers set alike are one setting (a slice), used
@@ -158,10 +159,15 @@ class ChainSegments:
         own, and the places of one module are one setting (``layers``: the chain's).
         Only a setting that keeps by a codec or on the host where the chain's default
         does not: one that undoes the default there costs nothing unused."""
-        if self.applied_plan is not None or self.spec == BALANCED or self.spec in PLANNED_STRATEGIES:
+        plan = self.applied_plan
+        if plan is None and (self.spec == BALANCED or self.spec in PLANNED_STRATEGIES):
             return
+        if plan is not None and not self._set_since_plan:
+            return  # the plan's own settings, each where one of its segments starts
         starts = set(starts)
-        keeping_inputs = starts - {max(starts)}  # the last segment runs plainly
+        # A plain segment keeps its saves on the device, by its codec: offload is for inputs.
+        keeping_inputs = starts - {max(starts)} if plan is None else {
+            start for start, _, option in plan.segments if option is not None}
         warned = self.__dict__.setdefault("_warned_unused", set())
         for indices, policy in _settings_of(policies, layers, default):
             codec_unused = policy.lossy and policy.codec != default.codec and starts.isdisjoint(indices)
@@ -174,8 +180,7 @@ class ChainSegments:
                     f"actsave: CheckpointedSequential: the {unused} set on layers {indices} is not used: it sets "
                     "how a segment's first layer keeps its input, and no segment "
                     f"{'starts' if codec_unused else 'that keeps its input starts'} at those layers (they start at "
-                    f"{sorted(starts)}; the last one runs plainly, its saves kept on the device). Start a segment "
-                    f"there (segments=[..., {indices[0]}, ...]), or use segments='balanced', which plans with it",
+                    f"{sorted(starts)}; {_plain_ones(plan)}). {_remedy(plan, indices[0])}",
                     stacklevel=user_stacklevel())
 
     def segments(self, starts: list, n_layers: int) -> list:
@@ -211,6 +216,24 @@ class ChainSegments:
         if self.spec == BALANCED:
             return self.balanced.describe_last(layers)
         return None, split_starts(layers, self.spec, policies)
+
+
+def _plain_ones(plan) -> str:
+    """Which segments run plainly, their saves kept on the device: the last one, or
+    those ``plan`` (the applied plan, or None) runs plainly."""
+    if plan is None:
+        return "the last one runs plainly, its saves kept on the device"
+    plain = [start for start, _, option in plan.segments if option is None]
+    return f"the applied plan runs those at {plain} plainly, their saves kept on the device"
+
+
+def _remedy(plan, index: int) -> str:
+    """How to use a setting at layer ``index`` that no segment uses."""
+    if plan is None:
+        return (f"Start a segment there (segments=[..., {index}, ...]), or use segments='balanced', which plans "
+                "with it")
+    return ("The applied plan's segments stay where it put them: plan again with this codec or offload allowed "
+            "(actsave.plan(profile, budget, allow=...)), or set it where one of them starts")
 
 
 def _requires_grad(layer: nn.Module, name: str) -> bool:
