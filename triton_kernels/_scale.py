@@ -243,7 +243,9 @@ def dequantize_ref(values, codes, scales, non_finite, dtype, group_size, means):
     if means.centered and y.numel():
         add_channel_means_ref_(y, means, torch.finfo(dtype).max)
     flagged = is_flagged_ref(scales, group_size, values.numel())
+    # Set in dtype, after the rounding: torch's CPU cast of fp32's NaN to bfloat16 gives
+    # 0xFFFF, where the kernels store bfloat16's own quiet NaN, 0x7FC0.
+    y = y.to(dtype)
     y = torch.where(flagged & (codes == non_finite.pos_inf), float("inf"), y)
     y = torch.where(flagged & (codes == non_finite.neg_inf), float("-inf"), y)
-    y = torch.where(flagged & (codes == non_finite.nan), float("nan"), y)
-    return y.to(dtype)
+    return torch.where(flagged & (codes == non_finite.nan), float("nan"), y)

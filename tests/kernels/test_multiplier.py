@@ -59,3 +59,18 @@ def test_each_groups_largest_value_codes_to_the_top_and_none_passes_it(fmt, impl
 def test_kernel_matches_reference_across_the_exponent_range(fmt, dtype, group_size, assert_matches_reference):
     x = _groups_across_the_exponent_range(fmt, group_size, dtype)
     assert_matches_reference(_pair(fmt, "triton"), _pair(fmt, "reference"), x, group_size)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_nan_decodes_to_the_same_bits_from_the_kernel_and_its_reference(fmt, dtype):
+    # NOTE [ Non-finite groups ]: the NaN code decodes to the dtype's quiet NaN in both (a
+    # CPU cast of fp32's NaN to bfloat16 gives 0xFFFF, which the reference must not use).
+    x = torch.tensor([1.0, float("nan"), 2.0, 0.5] * 32, dtype=dtype)
+    bits = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    decoded = {}
+    for impl in ("triton", "reference"):
+        encode, decode = _pair(fmt, impl)
+        codes, scales = encode(x, group_size=128)
+        decoded[impl] = decode(codes, scales, dtype=dtype, group_size=128).view(bits)
+    assert torch.equal(decoded["triton"], decoded["reference"])
