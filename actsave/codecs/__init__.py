@@ -272,8 +272,10 @@ IDENTITY = IdentityCodec()
 # lowest, over the float32 cases of bench/fidelity.py at their own plans (ResNet-56 and
 # -164, the conv-BN-ReLU chain and the max-pooling ResNet, batch 8 and 32), of the
 # median over batches of the worst meaningful tensor, rounded down (the figures and
-# their command: docs/results.md, "Gradient fidelity"). Shallower networks do better
-# (docs/results.md, "Figures behind the code's rules"). A figure to plan with, not a
+# their command: docs/results.md, "Gradient fidelity"). Shallower networks of these
+# widths and batches do better (docs/results.md, "Figures behind the code's rules");
+# narrow ones at small batch and uncentered channel offsets can do worse
+# (docs/limits.md, "Lossy codecs on BatchNorm CNNs"). A figure to plan with, not a
 # guarantee.
 _E4M3 = GroupCodec("fp8_e4m3", 21.0)
 
