@@ -61,7 +61,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -98,6 +98,7 @@ _LEAST_EXTRA_SECONDS = 1e-9
 # its call). The plan leaves it out; the second it says, once per kind of block and
 # option (a user who allowed it would otherwise not learn why no block takes it).
 _CANNOT_RUN = (ConfigError, RecomputeError)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,10 @@ class BlockMeasurer:
         self._rises = [() if fsdp_shards(layer) else rise for layer, rise in zip(self.layers, rises)]
         self._cache = {}
         self._paths = {}  # block index -> the modules its forward calls (_modules_called)
-        self._left_out = set()  # (block type, keep) already warned of
+        self._left_out = set()  # (block type, keep, codec, offload) already warned of
+        # True while options the user did not allow are priced (an infeasible budget's
+        # message): one of them left out is not news to a user who did not ask for it.
+        self.quiet = False
 
     def terms(self, model: CostModel, a: int, option: BlockOption, held: bool) -> Optional[OptionTerms]:
         """The measured terms of ``option`` at block ``a`` (None where it fails there)."""
@@ -210,14 +214,14 @@ class BlockMeasurer:
         backward = model.held_in_backward + float(model.grad[a + 1]) + kept + measured.backward_rise
         return OptionTerms(kept, forward, backward, measured.fetched, measured.seconds, False)
 
-    def seconds(self, a: int, option: BlockOption) -> float:
+    def seconds(self, a: int, option: BlockOption) -> Optional[float]:
         """What ``option`` adds to the step at block ``a``, measured (as :meth:`terms`
         measures it) without its bytes: for a checkpoint, whose bytes the cost model
-        gives."""
+        gives (None where the block cannot run with it)."""
         layer, spec = self.layers[a], self.inputs[a]
         key = (self.signature(a), option, "seconds")
         if key not in self._cache:
-            self._cache[key] = self._seconds(layer, spec, option)
+            self._cache[key] = self._unless_refused(a, option, lambda: self._seconds(layer, spec, option))
         return self._cache[key]
 
     def measured(self, a: int, option: BlockOption) -> Optional[_Measured]:
@@ -253,9 +257,8 @@ class BlockMeasurer:
         them."""
         key = (self.signature(a), option, "sized")
         if key not in self._cache:
-            bytes_at = self._bytes_or_none(a, option)
-            flops = None if bytes_at is None else self._flops(self.layers[a], self.inputs[a], option)
-            self._cache[key] = None if bytes_at is None else (bytes_at[0], flops)
+            self._cache[key] = self._unless_refused(a, option, lambda: (
+                self._bytes_at(a, option)[0], self._flops(self.layers[a], self.inputs[a], option)))
         return self._cache[key]
 
     def signature(self, a: int) -> tuple:
@@ -276,24 +279,31 @@ class BlockMeasurer:
         layer, spec = self.layers[a], self.inputs[a]
         if option.keep == "linear_inputs" and not any(isinstance(m, nn.Linear) for m in layer.modules()):
             return None  # no Linear input to keep: the option is plain's, and would warn so
-        bytes_at = self._bytes_or_none(a, option)
-        if bytes_at is None:
-            return None
-        kept, input_kept, forward, backward, fetched = bytes_at
-        seconds = self._seconds(layer, spec, option) if self.timed and timed else 0.0
-        return _Measured(kept, input_kept, forward, backward, fetched, seconds)
 
-    def _bytes_or_none(self, a: int, option: BlockOption) -> Optional[tuple]:
-        """:meth:`_bytes_at`, or None where block ``a`` cannot run with ``option``
-        (``_CANNOT_RUN``), a refused recompute said once per kind of block and option."""
+        def steps() -> _Measured:
+            kept, input_kept, forward, backward, fetched = self._bytes_at(a, option)
+            seconds = self._seconds(layer, spec, option) if self.timed and timed else 0.0
+            return _Measured(kept, input_kept, forward, backward, fetched, seconds)
+
+        return self._unless_refused(a, option, steps)
+
+    def _unless_refused(self, a: int, option: BlockOption, steps: Callable[[], T]) -> Optional[T]:
+        """``steps()``, block ``a``'s measuring steps with ``option``, or None where the
+        block cannot run with it (``_CANNOT_RUN``) in any of them, a refused recompute
+        said once per kind of block and option. One refusal is enough: a block whose
+        recompute takes its routes from its input (top-k experts under a lossy codec)
+        refuses on some inputs only, and training would meet them."""
         try:
-            return self._bytes_at(a, option)
+            return steps()
         except _CANNOT_RUN as error:
-            left_out = (qualified_name(self.layers[a]), option.keep)
-            if isinstance(error, RecomputeError) and left_out not in self._left_out:
+            name, policy = qualified_name(self.layers[a]), option.policy
+            left_out = (name, option.keep, policy.codec.name, policy.offload)
+            if isinstance(error, RecomputeError) and not self.quiet and left_out not in self._left_out:
                 self._left_out.add(left_out)
-                warnings.warn(f"actsave: the block plan leaves keep={option.keep!r} out for blocks of type "
-                              f"{left_out[0]}: they cannot run with it ({type(error).__name__}: {error})",
+                kept_how = "".join((f", compress={policy.codec.name!r}" if policy.lossy else "",
+                                    ", offload=True" if policy.offload else ""))
+                warnings.warn(f"actsave: the block plan leaves keep={option.keep!r}{kept_how} out for blocks of "
+                              f"type {name}: they cannot run with it ({type(error).__name__}: {error})",
                               stacklevel=user_stacklevel())
             return None
 

@@ -295,8 +295,12 @@ class BlockPlanner:
                 if codec in self.codecs:
                     continue
                 with_codec = (*self.codecs, codec)
-                table = _table(self.chain, self.calls, self.profile, self.levers, with_codec, self._measurer,
-                               self.outside)
+                self._measurer.quiet = True
+                try:
+                    table = _table(self.chain, self.calls, self.profile, self.levers, with_codec, self._measurer,
+                                   self.outside)
+                finally:
+                    self._measurer.quiet = False
                 if codec in self._below_sqnr:
                     below[codec] = max(self.fixed, smallest(table).peak)
                 elif self.min_sqnr_db is None or EXPECTED_GRADIENT_SQNR_DB[codec] >= self.min_sqnr_db:
@@ -382,7 +386,8 @@ def _terms(model: CostModel, measurer: BlockMeasurer, a: int, option, held: bool
         terms = model_terms(model, a, option, held)
         if terms is not None and option is not None and measurer.timed and not option.policy.offload:
             # Its time measured as the other options' (NOTE [ Block options priced ]).
-            terms = dataclasses.replace(terms, seconds=measurer.seconds(a, option))
+            seconds = measurer.seconds(a, option)
+            terms = None if seconds is None else dataclasses.replace(terms, seconds=seconds)
         return terms
     return measurer.terms(model, a, option, held)
 

@@ -286,3 +286,41 @@ def test_an_option_whose_recompute_the_block_refuses_is_left_out_of_the_plan_wit
     planned(x).backward()
     for p, q in zip(plain.parameters(), planned.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class RoutesByItsInput(nn.Module):
+    """A block whose saves' shapes follow its input's values, as top-k experts route
+    tokens: a lossy codec's decoded input routes otherwise, and its recompute refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        routed = x[(x * 997).frac() > 0.5]  # the indices saved: as many as pass
+        return self.fc2(F.gelu(self.fc1(x))) + routed.square().sum()
+
+
+def test_options_a_block_refuses_in_their_timed_steps_are_left_out_and_a_budget_below_all_raises_the_budget_error():
+    # The message prices the lossy codecs not allowed (plans.infeasible_message) in the
+    # same measured steps: where the recompute refuses one, in its bytes or in its timed
+    # steps, it is left out, quietly where the user did not ask for it.
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(RoutesByItsInput() for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x.square().mean()
+
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(actsave.ConfigError, match="no block plan fits budget=1,000 bytes"):
+            actsave.plan_blocks(Stack(), RoutesByItsInput, 1_000, x)
+    with pytest.warns(UserWarning, match="leaves keep='inputs', compress='int8' out for blocks of type"):
+        plan = actsave.plan_blocks(Stack(), RoutesByItsInput, 10**9, x, allow=("recompute", "int8"))
+    assert all(option is None or option.policy.codec.lossless for option in plan.options)
