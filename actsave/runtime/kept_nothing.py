@@ -77,4 +77,23 @@ def warn_kept_nothing(ops: KeptOps, function_name: str, reason: str) -> None:
     warnings.warn(f"actsave: the selective checkpoint of {function_name} kept nothing: {why}.", stacklevel=4)
 
 
-__all__ = ["kept_nothing_noted", "warn_kept_nothing"]
+def warn_unmatched(ops: KeptOps, function_name: str, unmatched: list) -> None:
+    """Warn once per (ops, function) that a selective checkpoint kept some calls'
+    outputs and that ``unmatched``, module types or functions ``ops`` names, matched no
+    call of its forward: a name that never matches keeps nothing, and a policy that
+    silently keeps less than it says recomputes what the user meant to keep. Not while
+    the planner prices an option, whose subsets name only what ran."""
+    if getattr(_noting, "reasons", None) is not None:
+        return
+    key = (ops, function_name, "unmatched")
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        f"actsave: the selective checkpoint of {function_name} keeps the outputs of {ops.names()}, and no call of "
+        f"{unmatched} ran in its forward, so it keeps nothing for them. A projection written as F.linear, "
+        "torch.matmul or einsum is no module call: name the module type that makes it (KeptOps(modules="
+        f"(nn.Linear, MyProjection))) or one of the functions {sorted(TAPPED_FUNCTIONS)}", stacklevel=4)
+
+
+__all__ = ["kept_nothing_noted", "warn_kept_nothing", "warn_unmatched"]

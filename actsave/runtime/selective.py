@@ -119,7 +119,7 @@ from .kept_outputs import StoredKept, store_kept
 from .replay import RandomState, passed_generators
 from .held_generators import held_generators
 from .kept_calls import CallArgument, KeptCall, KeptSave, StateMark, attributes_to_replay, described, keepable_now
-from .kept_nothing import warn_kept_nothing
+from .kept_nothing import warn_kept_nothing, warn_unmatched
 from .forward_dispatch import forward_replaced
 from .selective_replay import Skipper
 from .store import input_tensors
@@ -148,6 +148,7 @@ class SelectiveFrame(CheckpointFrame):
         self._recomputed = []  # indices of the saves the recompute fills
         self._skipped_saves = {}  # index of a save a skipped call made -> that call
         self._differentiated = False  # a backward of its own ran inside its forward
+        self._ran = set()  # the module types and function names of the kept calls that ran, nested ones too
         self._replaying = False  # the forward's recompute for that backward runs
         inputs = input_tensors(*self._forward_inputs)
         self._input_storages = {storage_identity_or_none(t) for t in inputs} - {None}  # kept anyway
@@ -208,6 +209,7 @@ class SelectiveFrame(CheckpointFrame):
 
     def _enter(self, target, args: tuple, kwargs: dict) -> None:
         self._depth += 1
+        self._ran.add(target if isinstance(target, str) else type(target))
         if self._depth > 1 or not self.in_forward:
             return
         tensors = input_tensors(args, kwargs)
@@ -293,11 +295,21 @@ class SelectiveFrame(CheckpointFrame):
                 "changed" if self.calls else \
                 "none ran" if self.ops.modules or self.functions else "lossy attention"
             warn_kept_nothing(self.ops, qualified_name(self.function), reason)
+        elif self.slots and not kept_none and self.ops != DEFAULT_KEPT_OPS and (unmatched := self._unmatched()):
+            warn_unmatched(self.ops, qualified_name(self.function), unmatched)
         if not self._recomputed:  # nothing to recompute: no recompute reads the outputs
             self.calls = []
         self._outputs, self._outside = {}, {}
         if self.policy != EXACT:
             self._store()
+
+    def _unmatched(self) -> list:
+        """The module types and functions a user's KeptOps names that no call of this
+        forward matched (names in module_names that match no module raise instead)."""
+        ran = [kind for kind in self._ran if isinstance(kind, type)]
+        modules = self.ops.modules if self.ops.module_names is None else ()
+        return ([m.__name__ for m in modules if not any(issubclass(kind, m) for kind in ran)]
+                + [f for f in self.functions if f not in self._ran])
 
     def _release_unread_outputs(self) -> None:
         """Let go of the outputs of the skipped calls that end after the last save the

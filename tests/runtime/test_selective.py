@@ -1349,3 +1349,31 @@ def test_a_chain_inside_the_block_plans_at_its_first_call_without_its_calls_bein
         m(x).square().sum().backward()
     for a, b in zip(plain.parameters(), selective.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+class EagerAttention(nn.Module):
+    """Attention written out (matmul and softmax): no scaled_dot_product_attention call."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v)
+
+
+def test_a_named_op_no_call_matches_warns_once_while_the_others_are_kept(monkeypatch):
+    monkeypatch.setattr(kept_nothing, "_warned", set())
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    named = KeptOps(modules=(nn.Linear, nn.Conv1d), functions=("scaled_dot_product_attention",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out, _ = selective_call(EagerAttention(), (x,), {}, named, DEFAULT_RECOMPUTE)
+            out.sum().backward()
+        for ops in (KeptOps(), KeptOps(modules=(nn.Linear,), functions=())):  # the default, or all matched
+            out, _ = selective_call(EagerAttention(), (x,), {}, ops, DEFAULT_RECOMPUTE)
+            out.sum().backward()
+    said = [str(w.message) for w in caught if "actsave" in str(w.message)]
+    assert len(said) == 1 and "no call of ['Conv1d', 'scaled_dot_product_attention'] ran" in said[0]
