@@ -396,7 +396,7 @@ def _apply(model: nn.Module, plan: BlockPlan, options: RecomputeOptions) -> None
         if option is not None and not option.is_plain:
             wrapper = _checkpoint_of(block.module, option, options)
             planned = inputs.get(uncompiled_name(block.fqn))
-            wrapper._planned_input = None if planned is None else PlannedInput(*planned, warned)
+            wrapper._planned_input = None if planned is None else PlannedInput(*planned[:2], warned, *planned[2:])
             block.replace(wrapper)
     if any(option is not None and option.keep == "inputs" and option.lossy for option in plan.options):
         graph_codecs.watch_root(model)

@@ -47,10 +47,10 @@ class _Call:
 
     @property
     def hidden_input(self) -> tuple | None:
-        """``(place, shape)`` of the hidden state in the call, None where it is not an
-        argument itself (NOTE [ A block plan's input ])."""
+        """``(place, shape, element size)`` of the hidden state in the call, None where
+        it is not an argument itself (NOTE [ A block plan's input ])."""
         place = self.places.get(id(self.hidden))
-        return None if place is None else (place, tuple(self.hidden.shape))
+        return None if place is None else (place, tuple(self.hidden.shape), self.hidden.element_size())
 
 
 class _CallRecorder:

@@ -149,7 +149,7 @@ class BlockPlan:
     # Blocks of those types the planned model had and the plan left out (a filter chose
     # others): applied to another instance, only blocks beyond them are warned of.
     left_out: tuple = dataclasses.field(default=(), repr=False)
-    # Each block's hidden state in the example step, (place, shape) or None, which the
+    # Each block's hidden state in the example step, (place, shape, element size) or None, which the
     # blocks it wraps check their calls against: NOTE [ A block plan's input ].
     inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
 

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..runtime.keep_rules import KeepPolicy
 from . import plan_record, plans
 from .balanced_cache import BalancedPlans
-from .planned_inputs import larger_than_planned
+from .planned_inputs import element_bytes, larger_than_planned
 from .step_isolation import user_stacklevel
 from .segments import BALANCED, PLANNED_STRATEGIES, Segment, SegmentsSpec, segments_from, split_starts
 
@@ -74,6 +74,7 @@ class ChainSegments:
         self._set_since_plan = {}  # module -> the kinds of its settings set after it ("codec", "offload")
         self._frozen_at_plan = () if plan is None else plan.frozen  # (layer index, parameter name)
         self._planned_shape = None if plan is None else getattr(plan, "input_shape", None)  # None: not recorded
+        self._planned_element_size = 0 if plan is None else getattr(plan, "input_element_size", 0)  # 0: likewise
 
     def settings_changed(self, modules, kind: str) -> None:
         """Note that ``modules``' setting of ``kind`` ("codec" or "offload") changed:
@@ -123,18 +124,21 @@ class ChainSegments:
 
     def _warn_if_larger(self, input) -> None:
         """Warn once where the chain runs its plan on an input larger than the one its
-        chain was profiled on, in some dimension (a batch of another size, longer
-        sequences): the plan's peak grows with it, past its budget. A smaller one (an
+        chain was profiled on, in bytes or in some dimension (a batch of another size,
+        longer sequences, a wider dtype): the plan's peak grows with it, past its
+        budget. A smaller one (an
         epoch's last batch) only lowers the peak (NOTE [ A block plan's input ], whose
         rule this is)."""
         planned, shape = self._planned_shape, tuple(getattr(input, "shape", ()))
-        if not larger_than_planned(shape, planned):
+        element_size = input.element_size() if isinstance(input, torch.Tensor) else 0
+        if not larger_than_planned(shape, planned, element_size, self._planned_element_size):
             return
         self._planned_shape = None  # once
         warnings.warn(
-            f"actsave: CheckpointedSequential: its plan was made for an input of shape {list(planned)}, and it runs "
-            f"on one of shape {list(shape)}: the activations grow with it, so the plan's predicted peak (and "
-            "budget) no longer holds. Apply a plan profiled on this shape (segments=\"auto\" with these "
+            f"actsave: CheckpointedSequential: its plan was made for an input of shape {list(planned)}"
+            f"{element_bytes(self._planned_element_size)}, and it runs on one of shape {list(shape)}"
+            f"{element_bytes(element_size)}: the activations grow with it, so the plan's predicted peak (and "
+            "budget) no longer holds. Apply a plan profiled on this shape and dtype (segments=\"auto\" with these "
             "example_inputs, or actsave.plan(actsave.profile(model, (x,)), budget))", stacklevel=user_stacklevel())
 
     def starts_for(self, chain: nn.Module, input, layers: list, policies: tuple) -> list:

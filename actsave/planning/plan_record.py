@@ -40,8 +40,9 @@ class Plan:
     ``peak_segment`` is the segment whose events set it. ``frozen`` names the
     parameters that did not require grad when the chain was profiled, as ``(layer,
     name)``: a chain running the plan warns once one of them requires grad.
-    ``input_shape`` is the chain input's shape in the profiled step (None: not
-    recorded): a chain running the plan warns once on a larger input.
+    ``input_shape`` and ``input_element_size`` are the chain input's shape and bytes an
+    element in the profiled step (None and 0: not recorded): a chain running the plan
+    warns once on a larger input, in bytes.
     """
 
     n_layers: int
@@ -61,6 +62,7 @@ class Plan:
     # The profile's input shape: a chain running the plan warns once on a larger input,
     # for which its predicted peak does not hold.
     input_shape: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+    input_element_size: int = dataclasses.field(default=0, repr=False, compare=False)
 
     def __post_init__(self):
         n_layers = integral(self.n_layers)

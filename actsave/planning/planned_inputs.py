@@ -1,12 +1,13 @@
 """A block plan's hidden state, checked where the blocks it wraps run.
 
 NOTE [ A block plan's input ]
-A block plan is priced on the example step's shapes: a larger batch or sequence makes
-every activation larger, and the plan's peak with it, past its budget (docs/planner.md,
-"Limits of plans"). So each block a plan wraps holds where its call passed the
-hidden state in the example step (a positional index or a keyword) and that state's
-shape, and a training call of it on a larger one warns, once per plan. Larger is more
-elements, or as many or a few fewer in a longer dimension: written-out attention grows
+A block plan is priced on the example step's shapes and dtypes: a larger batch or
+sequence makes every activation larger, and so does a wider dtype (``model.double()``),
+and the plan's peak with it, past its budget (docs/planner.md, "Limits of plans"). So
+each block a plan wraps holds where its call passed the hidden state in the example step
+(a positional index or a keyword), that state's shape and its element size, and a
+training call of it on a larger one warns, once per plan. Larger is more bytes, or as
+many or a few fewer in a longer dimension: written-out attention grows
 with a sequence's square, so the same tokens as fewer, longer sequences outgrow a plan
 (docs/planner.md, "Limits of plans"), where fewer tokens as a bit longer sequences
 (an epoch's short batches) do not (:func:`larger_than_planned`). A smaller one (an
@@ -28,13 +29,16 @@ import torch
 from .step_isolation import user_stacklevel
 
 
-def larger_than_planned(shape, planned) -> bool:
-    """Whether a tensor of ``shape`` outgrows the ``planned`` one (NOTE [ A block plan's
-    input ]): its elements, times how much its most grown dimension grew (a sequence,
-    whose attention grows with its square: its elements times its length), exceed the
-    planned elements; of another rank, its elements alone."""
+def larger_than_planned(shape, planned, element_size: int = 0, planned_element_size: int = 0) -> bool:
+    """Whether a tensor of ``shape`` and ``element_size`` bytes an element outgrows the
+    ``planned`` one (NOTE [ A block plan's input ]): its bytes, times how much its most
+    grown dimension grew (a sequence, whose attention grows with its square: its bytes
+    times its length), exceed the planned bytes; of another rank, its bytes alone. An
+    element size of 0 is not known (a plan made before they were recorded): elements
+    alone."""
     shape, planned = tuple(shape), tuple(planned)
-    elements, planned_elements = math.prod(shape), math.prod(planned)
+    widened = element_size / planned_element_size if element_size and planned_element_size else 1.0
+    elements, planned_elements = math.prod(shape) * widened, math.prod(planned)
     if len(shape) != len(planned) or not planned_elements:
         return elements > planned_elements
     growth = max(1.0, *(size / planned_size for size, planned_size in zip(shape, planned) if planned_size))
@@ -44,12 +48,14 @@ def larger_than_planned(shape, planned) -> bool:
 @dataclass(frozen=True)
 class PlannedInput:
     """Where a planned block's call passes its hidden state (``place``: an index of its
-    positional arguments or a keyword) and the shape it had in the example step;
-    ``warned`` is shared by the blocks of one plan (NOTE [ A block plan's input ])."""
+    positional arguments or a keyword) and the shape and element size it had in the
+    example step (0: not recorded); ``warned`` is shared by the blocks of one plan
+    (NOTE [ A block plan's input ])."""
 
     place: Union[int, str]
     shape: tuple
     warned: list
+    element_size: int = 0
 
     def check(self, args: tuple, kwargs: dict) -> None:
         """Warn once per plan where this training call's hidden state is larger than
@@ -58,14 +64,21 @@ class PlannedInput:
             return
         place = self.place
         hidden = (args[place] if place < len(args) else None) if isinstance(place, int) else kwargs.get(place)
-        if not isinstance(hidden, torch.Tensor) or not larger_than_planned(hidden.shape, self.shape):
+        if not isinstance(hidden, torch.Tensor) or not larger_than_planned(
+                hidden.shape, self.shape, hidden.element_size(), self.element_size):
             return
         self.warned[0] = True
         warnings.warn(
-            f"actsave: a block of this block plan runs on a hidden state of shape {list(hidden.shape)}, where the plan "
-            f"was made for {list(self.shape)}: the activations grow with it, so the plan's predicted peak (and "
-            "budget) no longer holds. Plan again with example inputs of this shape (actsave.plan_blocks, or "
+            f"actsave: a block of this block plan runs on a hidden state of shape {list(hidden.shape)}"
+            f"{element_bytes(hidden.element_size())}, where the plan was made for {list(self.shape)}"
+            f"{element_bytes(self.element_size)}: the activations grow with it, so the plan's predicted peak (and "
+            "budget) no longer holds. Plan again with example inputs of this shape and dtype (actsave.plan_blocks, or "
             "wrap(..., budget=..., example_inputs=...))", stacklevel=user_stacklevel())
 
 
-__all__ = ["PlannedInput", "larger_than_planned"]
+def element_bytes(element_size: int) -> str:
+    """A warning's words for a tensor's element size (0: not recorded, none)."""
+    return f" ({element_size} bytes an element)" if element_size else ""
+
+
+__all__ = ["PlannedInput", "element_bytes", "larger_than_planned"]

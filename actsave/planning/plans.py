@@ -121,7 +121,8 @@ def plan(profile: Profile, budget: Optional[int] = None, min_sqnr_db: Optional[f
         if budget is not None and smallest > budget:
             raise ConfigError(search.infeasible(budget, "plan", model))
     return dataclasses.replace(_plan_of(model, *found, budget, bound=model.chain_input + headroom),
-                               frozen=profile.frozen, input_shape=profile.input_shape)
+                               frozen=profile.frozen, input_shape=profile.input_shape,
+                               input_element_size=profile.input_element_size)
 
 
 @dataclass(frozen=True)
@@ -363,7 +364,8 @@ def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[s
     model = CostModel(profile, options, stored_codecs=stored_codecs)
     last = PlannedSegment.plain_last(draft.starts[-1], draft.n_layers, stored_codecs.index(draft.saves_codec))
     return dataclasses.replace(_with_predictions(draft, model, [*segments, last]), frozen=profile.frozen,
-                               input_shape=profile.input_shape)
+                               input_shape=profile.input_shape,
+                               input_element_size=profile.input_element_size)
 
 
 # Keywords renamed so that "plain" names a segment run plainly and "stored" what is held

@@ -155,9 +155,10 @@ class Profile:
     # a loss passes it (out.backward(g)); with the step's loss, autograd frees it after
     # the last layer's backward (memory_model.py, O and g_n).
     output_grad_held: bool = True
-    # The chain input's shape in the profiled step: a plan holds for inputs no larger
-    # (chain_segments.py warns of a larger one).
+    # The chain input's shape and element size in the profiled step: a plan holds for
+    # inputs no larger (chain_segments.py warns of a larger one).
     input_shape: Optional[tuple] = None
+    input_element_size: int = 0
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -343,6 +344,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             frozen=tuple((i, name) for i, (_, layer) in enumerate(layers)
                          for name, parameter in layer.named_parameters() if not parameter.requires_grad),
             input_shape=tuple(x.shape),
+            input_element_size=x.element_size(),
             output_grad_held=loss is None,
         )
 

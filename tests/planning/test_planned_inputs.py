@@ -92,3 +92,21 @@ def test_fewer_tokens_in_a_bit_longer_sequences_do_not_warn():
     model = _planned(example=(8, 64, 16))
     said = _said(model, 4, 80) + _said(model, 16, 64)
     assert len(said) == 1 and "[16, 64, 16]" in said[0]
+
+
+def test_a_wider_dtype_warns_at_fewer_elements_and_a_narrower_one_does_not():
+    """model.double() doubles every activation: more bytes is larger (NOTE [ A block
+    plan's input ]); a plan pickled before element sizes were recorded compares elements."""
+    model = _planned()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.to(torch.bfloat16)(torch.randn(8, 16, dtype=torch.bfloat16)).float().backward()
+        model.to(torch.float64)
+        for _ in range(2):
+            model(torch.randn(6, 16, dtype=torch.float64)).backward()
+    said = [str(w.message) for w in caught if "block plan runs on a hidden state" in str(w.message)]
+    assert len(said) == 1 and "[6, 16] (8 bytes an element)" in said[0] and "[8, 16] (4 bytes an element)" in said[0]
+    recorded_before = actsave.planning.planned_inputs.PlannedInput(0, (8, 16), [False])
+    assert recorded_before.element_size == 0
+    recorded_before.check((torch.randn(6, 16, dtype=torch.float64),), {})
+    assert not recorded_before.warned[0]

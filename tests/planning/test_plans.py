@@ -411,6 +411,19 @@ def test_a_chain_warns_once_where_it_runs_its_plan_on_a_larger_input_than_it_was
     assert len(said) == 1 and "[32, 16]" in said[0]
 
 
+def test_a_chain_warns_where_its_input_is_larger_in_bytes_at_fewer_elements():
+    # A wider dtype (model.double()) doubles every activation.
+    torch.manual_seed(0)
+    layers = [module for _ in range(4) for module in (nn.Linear(16, 16), nn.GELU())]
+    model = actsave.CheckpointedSequential(*layers, segments="auto", budget=2**30, example_inputs=(torch.randn(8, 16),))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.to(torch.bfloat16)(torch.randn(8, 16, dtype=torch.bfloat16)).float().sum().backward()
+        model.to(torch.float64)(torch.randn(6, 16, dtype=torch.float64)).sum().backward()
+    said = [str(w.message) for w in caught if "plan was made for an input of shape [8, 16]" in str(w.message)]
+    assert len(said) == 1 and "[6, 16] (8 bytes an element)" in said[0]
+
+
 def test_a_chain_warns_where_its_input_is_larger_in_one_dimension_at_as_many_elements():
     """The same tokens as fewer, longer sequences (NOTE [ A block plan's input ])."""
     torch.manual_seed(0)
