@@ -170,6 +170,33 @@ def untraced_frame(function):
     return _skip(function)
 
 
+# NOTE [ Eager hooks Dynamo leaves alone ]
+# A module compiled on its own (module.compile(), torch.compile(module)) that runs inside
+# an eager checkpoint runs while actsave's eager saved-tensor hooks are set, in its
+# forward and in its recompute. Dynamo's frame callback is set for that compiled call,
+# so it would compile the hooks' frames as the compiled code saves (torch's own
+# checkpoint hooks live in torch's files, which Dynamo skips), break its graph inside
+# them and resume on AOTAutograd's tracing tensors: a crash ("'NoneType' object has no
+# attribute 'is_leaf'"), or a graph compiled again at every step on guards on actsave's
+# state. These hooks are eager code by design (a compiled graph has hooks of its own:
+# NOTE [ Saved-tensor hooks in a compiled graph ]), so Dynamo is told once to leave their
+# code, and all it calls, alone: a frame strategy on the code object (private, in 2.11
+# and 2.13), which costs nothing per call, where torch.compiler.disable's wrapper costs
+# about 0.5 us a save. Where it is missing, the hooks are left as they are.
+_set_strategy = _optional_attribute("torch._C._dynamo.eval_frame", "set_code_exec_strategy")
+_Strategy = _optional_attribute("torch._C._dynamo.eval_frame", "_FrameExecStrategy")
+_Action = _optional_attribute("torch._C._dynamo.eval_frame", "_FrameAction")
+
+
+def eager_hooks(*functions) -> None:
+    """Have Dynamo run ``functions`` (hooks autograd calls) and everything they call as
+    they are, never compiled (NOTE [ Eager hooks Dynamo leaves alone ])."""
+    if _set_strategy is None or _Strategy is None or _Action is None:
+        return
+    for function in functions:
+        _set_strategy(function.__code__, _Strategy(_Action.SKIP, _Action.SKIP))
+
+
 # Dynamo's frame callback on this thread (torch._C._dynamo.eval_frame, private, in 2.11
 # and 2.13): set while code runs under torch.compile outside a graph, in a frame Dynamo
 # ran eagerly after a graph break it could not resume from, whose callees it compiles.

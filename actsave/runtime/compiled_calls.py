@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from .._torch import fsdp_shards
-from .._torch_graphs import dynamo_compiles_callees
+from .._torch_graphs import dynamo_compiles_callees, is_compiled
 from . import graph_codecs
 from .keep_rules import KeepPolicy
 from .layers import known_layers
@@ -179,3 +179,15 @@ def checkpointed_call_under_compile(eager_call: Callable, function, args, kwargs
     warn_eager_under_compile(f"a checkpoint that keeps its input {kept}", "a graph break at each such call", why)
     with graph_codecs.hooks_paused():
         return eager_call(function, args, kwargs, policy, private_copy, options, made_by)
+
+def compiled_modules_advice(function: Callable, modules: Optional[list]) -> str:
+    """What the error of a recompute that did not do its forward's work adds where
+    ``function`` or its ``modules`` (``(index, module)`` pairs, None where not known)
+    are compiled on their own: their recompute may run other compiled code than their
+    forward did."""
+    if not any(is_compiled(m) for m in (function, *(module for _, module in modules or ()))):
+        return ""
+    return (" It runs modules compiled on their own (module.compile(), torch.compile(module)), whose recompute can "
+            "run other code than their forward (Dynamo past its recompile limit, torch._dynamo.config."
+            "recompile_limit, runs new guards eagerly): compile the whole model instead (torch.compile(model)), or "
+            "raise that limit.")

@@ -95,13 +95,14 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .._torch import backward_keeps_graph, pytree, version
+from .._torch_graphs import eager_hooks
 from ..errors import RecomputeError
 from . import compiled_calls
 from .compiled_layers import LayerCode
 from .forward_decisions import ForwardDecisions
 from .layers import known_layers, modules_under
 from .passed_inputs import run_segment
-from .placeholders import Cursor, Slot
+from .placeholders import Cursor, Slot, unchanged, weakly
 from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mismatch
 from .replay import ReplayState, passed_generators
 from .state import RecomputeStop, TouchedState
@@ -337,7 +338,7 @@ class CheckpointFrame:
         ``state`` (the module state as the forward saw it: TouchedState.as_in_forward,
         or a caller's context that sets it part by part), ``fill`` taking each save."""
         with _recomputing(), torch.enable_grad(), replay.replayed(), state, self.code.running(), \
-                saved_tensors_hooks(_weakly(fill), unchanged):
+                saved_tensors_hooks(weakly(fill), unchanged):
             yield
 
     def _fill(self, index: int, tensor: torch.Tensor, into, count: int, lossy: bool) -> torch.Tensor:
@@ -372,6 +373,7 @@ class CheckpointFrame:
         return logged(self.options, self.operators, stage)
 
     def _mismatch(self, message: str) -> RecomputeError:
+        message += compiled_calls.compiled_modules_advice(self.function, self.modules)
         return mismatch(self.options, self.operators, message)
 
 
@@ -390,17 +392,7 @@ def _recompute_input(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().requires_grad_() if tensor.requires_grad else tensor
 
 
-def unchanged(tensor):
-    return tensor
-
-
-def _weakly(fill: Callable) -> Callable:
-    # The recompute's graph holds its pack hook as long as its nodes live, and state the
-    # function appends to (a Hugging Face cache) may hold them past the backward; a hook
-    # that held the frame would close a cycle through autograd's graph, which Python's
-    # collector does not see. So, as torch's checkpoint: the frame is referenced weakly.
-    ref = weakref.WeakMethod(fill) if hasattr(fill, "__self__") else weakref.ref(fill)
-    return lambda tensor: ref()(tensor)
+eager_hooks(CheckpointFrame.pack, CheckpointFrame.unpack)  # NOTE [ Eager hooks Dynamo leaves alone ]
 
 
 class _AllSlotsFilled(RecomputeStop):

@@ -114,10 +114,12 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from .._torch import default_device, saved_tensor_hooks_of_a_checkpoint, storage_identity
+from .._torch_graphs import eager_hooks
 from ..errors import ConfigError
 from ..offload import current_tape
 from . import relu_signs
-from .function import CheckpointFrame, detached_or_same, unchanged
+from .function import CheckpointFrame, detached_or_same
+from .placeholders import unchanged
 from .layers import known_layers, modules_under
 from .bound_decisions import BoundWatch
 from .forward_decisions import torch_checkpoints_warned
@@ -415,6 +417,8 @@ def call_with_kept_saves(function: Callable, args: tuple, kwargs: dict, policy: 
     if store.linears is not None and not store.linears.ran:
         _LinearInputs.warn_none_ran(function)
     return output, store.end_forward()
+
+eager_hooks(_SavesStore.pack, _SavesStore.unpack)  # NOTE [ Eager hooks Dynamo leaves alone ]
 
 
 __all__ = ["SCOPES", "call_with_kept_saves"]

@@ -43,6 +43,7 @@ from typing import Optional
 
 import torch
 
+from .._torch_graphs import eager_hooks
 from ..errors import ConfigError
 from .function import (
     _AllSlotsFilled,
@@ -386,3 +387,6 @@ def _saves_dropped() -> torch.autograd.graph.saved_tensors_hooks:
     """Saved-tensor hooks that hold nothing a layer saves: its graph is never run
     backward, so its activations are freed as they go, as under no_grad."""
     return torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked)
+
+
+eager_hooks(_NestedFrame.unpack, _dropped, _never_unpacked)  # NOTE [ Eager hooks Dynamo leaves alone ]

@@ -1,7 +1,7 @@
 """The placeholders of a checkpointed call (function.py, NOTE [ Segment checkpoint
 mechanism ]): what autograd stores in place of each tensor the forward saved
-(:class:`Slot`), and which of those saves a recompute's next save fills
-(:class:`Cursor`).
+(:class:`Slot`), which of those saves a recompute's next save fills
+(:class:`Cursor`), and the hooks of the recompute that fills them (:func:`weakly`).
 
 NOTE [ Objects a step leaves to the garbage collector ]
 What a checkpointed forward leaves alive for its backward outlives the garbage
@@ -27,6 +27,12 @@ tests/runtime/test_placeholders.py counts what a forward leaves against
 torch.utils.checkpoint, a count that does not vary from run to run.
 """
 from __future__ import annotations
+
+import functools
+import weakref
+from typing import Callable
+
+from .._torch_graphs import eager_hooks
 
 
 class Slot:
@@ -62,3 +68,23 @@ class Cursor:
     def take(self) -> int:
         self.position += 1
         return self.position - 1
+
+def unchanged(tensor):
+    return tensor
+
+
+def weakly(fill: Callable) -> Callable:
+    """A hook that calls ``fill`` (a recompute's: it fills the placeholders) held
+    weakly. The recompute's graph holds its pack hook as long as its nodes live, and
+    state the function appends to (a Hugging Face cache) may hold them past the
+    backward; a hook that held the frame would close a cycle through autograd's graph,
+    which Python's collector does not see. So, as torch's checkpoint: weakly."""
+    ref = weakref.WeakMethod(fill) if hasattr(fill, "__self__") else weakref.ref(fill)
+    return functools.partial(_weakly_called, ref)
+
+
+def _weakly_called(ref, tensor):
+    return ref()(tensor)
+
+
+eager_hooks(unchanged, _weakly_called)  # NOTE [ Eager hooks Dynamo leaves alone ]

@@ -110,6 +110,7 @@ import torch
 from torch import nn
 
 from .._torch import sparse_components, storage_identity, storage_identity_or_none, version
+from .._torch_graphs import eager_hooks
 from ..meta import meta_step_depth
 from .function import detached_or_same, CheckpointFrame, eager_checkpointed_call, qualified_name
 from .placeholders import Cursor, Slot
@@ -440,6 +441,8 @@ def selective_call(function: Callable, args: tuple, kwargs: dict, ops: KeptOps, 
         return function(*args, **kwargs), 0
     return eager_checkpointed_call(function, args, kwargs, policy, private_copy, options, prepared=prepared,
                               make_frame=functools.partial(SelectiveFrame, ops=ops))
+
+eager_hooks(SelectiveFrame.pack, SelectiveFrame.unpack)  # NOTE [ Eager hooks Dynamo leaves alone ]
 
 
 __all__ = ["SelectiveFrame", "selective_call"]

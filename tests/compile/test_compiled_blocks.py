@@ -1,6 +1,7 @@
 """Blocks compiled first, then checkpointed: compiled once, no warnings; a lossy checkpoint
 runs compiled code's eager code where it makes decisions."""
 import copy
+import functools
 import warnings
 
 import pytest
@@ -173,3 +174,54 @@ def test_a_compiled_function_in_a_lossy_checkpoint_runs_its_eager_code_where_it_
         sqnrs = [worst_parameter_sqnr(model, plain, x) for _ in range(2)]  # the first call finds out
     assert min(sqnrs) >= INT8_SQNR_FLOOR_DB
     assert len([w for w in raised if "Decisions in compiled layers" in str(w.message)]) == 1
+
+
+def library_blocks() -> list:
+    """Blocks of torch's own modules, with no forward of their own: Module.compile
+    compiles their call, whose saves reach actsave's eager hooks inside the graph."""
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), nn.Linear(16, 16),
+            nn.Sequential(nn.Linear(16, 16), nn.ReLU())]
+
+
+@pytest.mark.parametrize("entry", ["checkpoint", "Checkpoint", "CheckpointedSequential"])
+def test_modules_compiled_in_place_inside_an_eager_checkpoint_compile_once_and_train_as_plain(entry):
+    # NOTE [ Eager hooks Dynamo leaves alone ]: Dynamo compiled the hooks' own frames, broke
+    # inside them and crashed ('NoneType' object has no attribute 'is_leaf'), or compiled a
+    # graph again at every step.
+    blocks = library_blocks()
+    plain = nn.Sequential(*copy.deepcopy(blocks))
+    for block in blocks:
+        block.compile(backend=BACKEND)
+    if entry == "CheckpointedSequential":
+        model = actsave.CheckpointedSequential(*blocks, segments=2)
+    else:
+        wrapped = [actsave.Checkpoint(block) for block in blocks] if entry == "Checkpoint" else [
+            functools.partial(actsave.checkpoint, block) for block in blocks]
+        model = nn.Sequential(*blocks)
+        model.forward = lambda x: functools.reduce(lambda h, call: call(h), wrapped, x)
+    first, last, raised = graphs_over_steps(model, lambda: torch.randn(2, 8, 16))
+    assert first == last and raised == []
+    assert_trains_as_plain(model, plain, None)
+
+
+class ShorterEachCall(nn.Module):
+    """Its recompute saves another shape than its forward did."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(16, 16), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x[: x.shape[0] - self.calls % 2]).sum(0)
+
+
+def test_a_recompute_that_saves_otherwise_says_where_the_function_runs_modules_compiled_on_their_own():
+    block = ShorterEachCall()
+    block.compile(backend=BACKEND)
+    with pytest.raises(actsave.RecomputeError, match=r"compiled on their own .*recompile_limit"):
+        actsave.checkpoint(block, torch.randn(8, 16, requires_grad=True)).sum().backward()
+    with pytest.raises(actsave.RecomputeError) as raised:
+        actsave.checkpoint(ShorterEachCall(), torch.randn(8, 16, requires_grad=True)).sum().backward()
+    assert "compiled on their own" not in str(raised.value)
