@@ -261,20 +261,23 @@ class ClipsItsWeight(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class StackOf(nn.Module):
+    """Three blocks of ``block_class``, the same weights at each construction."""
+
+    def __init__(self, block_class):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(block_class() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
 def test_an_option_whose_recompute_the_block_refuses_is_left_out_of_the_plan_with_one_warning():
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.blocks = nn.ModuleList(ClipsItsWeight() for _ in range(3))
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x.square().mean()
-
     x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0))
-    plain, planned = Stack(), Stack()
+    plain, planned = StackOf(ClipsItsWeight), StackOf(ClipsItsWeight)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = actsave.plan_blocks(planned, ClipsItsWeight, 300_000, x)  # too little for plain blocks
@@ -305,22 +308,11 @@ def test_options_a_block_refuses_in_their_timed_steps_are_left_out_and_a_budget_
     # The message prices the lossy codecs not allowed (plans.infeasible_message) in the
     # same measured steps: where the recompute refuses one, in its bytes or in its timed
     # steps, it is left out, quietly where the user did not ask for it.
-    class Stack(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.blocks = nn.ModuleList(RoutesByItsInput() for _ in range(3))
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x.square().mean()
-
     x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(actsave.ConfigError, match="no block plan fits budget=1,000 bytes"):
-            actsave.plan_blocks(Stack(), RoutesByItsInput, 1_000, x)
+            actsave.plan_blocks(StackOf(RoutesByItsInput), RoutesByItsInput, 1_000, x)
     with pytest.warns(UserWarning, match="leaves keep='inputs', compress='int8' out for blocks of type"):
-        plan = actsave.plan_blocks(Stack(), RoutesByItsInput, 10**9, x, allow=("recompute", "int8"))
+        plan = actsave.plan_blocks(StackOf(RoutesByItsInput), RoutesByItsInput, 10**9, x, allow=("recompute", "int8"))
     assert all(option is None or option.policy.codec.lossless for option in plan.options)
