@@ -197,9 +197,7 @@ class BlockMeasurer:
         self._cache = {}
         self._paths = {}  # block index -> the modules its forward calls (_modules_called)
         self._left_out = set()  # (block type, keep, codec, offload) already warned of
-        # True while options the user did not allow are priced (an infeasible budget's
-        # message): one of them left out is not news to a user who did not ask for it.
-        self.quiet = False
+        self._quiet = False  # while pricing options the user did not allow (quietly)
 
     def terms(self, model: CostModel, a: int, option: BlockOption, held: bool) -> Optional[OptionTerms]:
         """The measured terms of ``option`` at block ``a`` (None where it fails there)."""
@@ -287,6 +285,17 @@ class BlockMeasurer:
 
         return self._unless_refused(a, option, steps)
 
+    @contextlib.contextmanager
+    def quietly(self):
+        """While open, the options measured are ones the user did not allow (priced for
+        an infeasible budget's message): one the block refuses is left out unsaid, as a
+        user who did not ask for it needs no news of it."""
+        self._quiet = True
+        try:
+            yield
+        finally:
+            self._quiet = False
+
     def _unless_refused(self, a: int, option: BlockOption, steps: Callable[[], T]) -> Optional[T]:
         """``steps()``, block ``a``'s measuring steps with ``option``, or None where the
         block cannot run with it (``_CANNOT_RUN``) in any of them, a refused recompute
@@ -298,7 +307,7 @@ class BlockMeasurer:
         except _CANNOT_RUN as error:
             name, policy = qualified_name(self.layers[a]), option.policy
             left_out = (name, option.keep, policy.codec.name, policy.offload)
-            if isinstance(error, RecomputeError) and not self.quiet and left_out not in self._left_out:
+            if isinstance(error, RecomputeError) and not self._quiet and left_out not in self._left_out:
                 self._left_out.add(left_out)
                 kept_how = "".join((f", compress={policy.codec.name!r}" if policy.lossy else "",
                                     ", offload=True" if policy.offload else ""))

@@ -149,8 +149,9 @@ class BlockPlan:
     # Blocks of those types the planned model had and the plan left out (a filter chose
     # others): applied to another instance, only blocks beyond them are warned of.
     left_out: tuple = dataclasses.field(default=(), repr=False)
-    # Each block's hidden state in the example step, (place, shape, element size) or None, which the
-    # blocks it wraps check their calls against: NOTE [ A block plan's input ].
+    # Each block's hidden state in the example step, (place, shape, element size) or
+    # None, which the blocks it wraps check their calls against: NOTE [ A block plan's
+    # input ].
     inputs: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
     def __post_init__(self):
@@ -295,12 +296,9 @@ class BlockPlanner:
                 if codec in self.codecs:
                     continue
                 with_codec = (*self.codecs, codec)
-                self._measurer.quiet = True
-                try:
+                with self._measurer.quietly():
                     table = _table(self.chain, self.calls, self.profile, self.levers, with_codec, self._measurer,
                                    self.outside)
-                finally:
-                    self._measurer.quiet = False
                 if codec in self._below_sqnr:
                     below[codec] = max(self.fixed, smallest(table).peak)
                 elif self.min_sqnr_db is None or EXPECTED_GRADIENT_SQNR_DB[codec] >= self.min_sqnr_db:
