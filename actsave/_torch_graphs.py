@@ -181,8 +181,9 @@ def untraced_frame(function):
 # state. These hooks are eager code by design (a compiled graph has hooks of its own:
 # NOTE [ Saved-tensor hooks in a compiled graph ]), so Dynamo is told once to leave their
 # code, and all it calls, alone: a frame strategy on the code object (private, in 2.11
-# and 2.13), which costs nothing per call, where torch.compiler.disable's wrapper costs
-# about 0.5 us a save. Where it is missing, the hooks are left as they are.
+# and 2.13), set once and read by Dynamo only, where torch.compiler.disable's wrapper
+# would add a Python call to every save of every step (docs/results.md, "A twentieth
+# adversarial run"). Where it is missing, the hooks are left as they are.
 _set_strategy = _optional_attribute("torch._C._dynamo.eval_frame", "set_code_exec_strategy")
 _Strategy = _optional_attribute("torch._C._dynamo.eval_frame", "_FrameExecStrategy")
 _Action = _optional_attribute("torch._C._dynamo.eval_frame", "_FrameAction")
