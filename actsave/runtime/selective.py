@@ -417,6 +417,7 @@ class SelectiveFrame(CheckpointFrame):
         super().release()
         self._released = True
         self.calls = []  # the outputs: autograd holds what its nodes still need
+        self._skipped_saves = {}  # which refer to the calls, and so their outputs
         self.stored = StoredKept([])  # the kept saves hold what they store
 
 
