@@ -406,7 +406,9 @@ def _planned_blocks(model: nn.Module, plan: BlockPlan) -> list:
     """(Block, option) of each block of ``plan`` in ``model``: the plan's own modules,
     else (the plan made on another instance of the model: a copy, another rank, a
     pickled plan) the modules at the plan's block names, each of the type it recorded."""
-    planned = {id(module): option for module, option in zip(plan.modules, plan.options)}
+    modules = [ref() for ref in plan.modules]
+    # A block deleted since is no block of this model: its plan applies by name.
+    planned = {} if None in modules else {id(module): option for module, option in zip(modules, plan.options)}
     blocks = [block for block in matching_blocks(model, lambda module, fqn: id(module) in planned, Checkpoint)
               if id(block.module) in planned]
     if planned and len(blocks) == len(planned) and not any(block.wrapped for block in blocks):

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -144,7 +145,9 @@ class BlockPlan:
     smallest_peak_bytes: int
     predicted_step_seconds: float
     plain_step_seconds: float
-    modules: tuple = dataclasses.field(repr=False, compare=False)  # the blocks themselves; () once pickled
+    # Weak references to the blocks themselves, () once pickled: a plan kept (printed,
+    # sent to other ranks) does not keep a deleted model's weights and gradients alive.
+    modules: tuple = dataclasses.field(repr=False, compare=False)
     types: tuple = dataclasses.field(default=(), repr=False)  # "module.QualName" of each block
     # Blocks of those types the planned model had and the plan left out (a filter chose
     # others): applied to another instance, only blocks beyond them are warned of.
@@ -281,7 +284,7 @@ class BlockPlanner:
             smallest_peak_bytes=self.smallest_peak_bytes,
             predicted_step_seconds=chosen.seconds,
             plain_step_seconds=self.table.base_seconds,
-            modules=tuple(module for _, module, _ in self.calls),
+            modules=tuple(weakref.ref(module) for _, module, _ in self.calls),
             types=tuple(type_name(module) for _, module, _ in self.calls),
             inputs=tuple(call.hidden_input for _, _, call in self.calls),
         )
