@@ -11,7 +11,7 @@ import torch
 
 from .._torch import current_autograd_node
 from ..runtime import relu_signs
-from ..runtime.keep_rules import AttentionSaves, compares_with_input, lossy_codec_stores, stored_once_key
+from ..runtime.keep_rules import AttentionSaves, compared_inputs, lossy_codec_stores, stored_once_key
 from .live_bytes import LiveBytes, allocation_bytes
 from .tensor_specs import PoolSample, TensorSpec
 
@@ -69,7 +69,7 @@ class SavesAsStored:
         self._followed = {}  # id(storage) -> the keys of the entries stored from it
         self._handles = []
         self.attention = AttentionSaves()  # NOTE [ Attention's saves agree ]
-        self._last = _dead_ref  # the tensor of the last save, weakly
+        self._last = ((_dead_ref, None),) * 2  # the last two saves: each tensor, weakly, and its index
 
     def watching(self):
         """Active around the step's forward: the saves its attention calls make, which a
@@ -119,17 +119,19 @@ class SavesAsStored:
         ``rise``; returns its index (None: held elsewhere, as the batch). ``pool``: ``t``
         is that max pool's indices, stored anew at each save; ``bounded``: a Hardtanh's
         or LeakyReLU's save, which keeps bound decisions."""
-        before, self._last = self._last(), _dead_ref
-        if compares_with_input(t, before) and self.saves:  # NOTE [ Saves a backward compares ]
-            self._last_held_as_it_is(before)
+        recent, self._last = self._last, ((_dead_ref, None),) * 2
+        before = [ref() for ref, _ in recent]
+        for i in compared_inputs(t, before):  # NOTE [ Saves a backward compares ]
+            if recent[i][1] is not None:
+                self._held_as_it_is(recent[i][1], before[i])
         index = self._pack(t, layer, rise, pool, bounded)
-        self._last = weakref.ref(t)
+        self._last = (recent[1], (weakref.ref(t), index))
         return index
 
-    def _last_held_as_it_is(self, t: torch.Tensor) -> None:
-        """The last save, of ``t``, held as it is: its entry, where no other save shares
-        it, else an entry of its own."""
-        key, layer, rise = self.saves[-1]
+    def _held_as_it_is(self, position: int, t: torch.Tensor) -> None:
+        """The save at ``position``, of ``t``, held as it is: its entry,
+        where no other save shares it, else an entry of its own."""
+        key, layer, rise = self.saves[position]
         entry = self.entries[key]
         if not entry.coded:
             return
@@ -138,7 +140,7 @@ class SavesAsStored:
             return
         own = ("as it is", id(t.untyped_storage()))
         self.entries.setdefault(own, StoredEntry(t, layer)).last = layer
-        self.saves[-1] = (own, layer, rise)
+        self.saves[position] = (own, layer, rise)
 
     def _pack(self, t: torch.Tensor, layer: int, rise: int, pool: Optional[PoolSample], bounded: bool) -> Optional[int]:
         encoded = pool is None and lossy_codec_stores(t) and not self.attention.holds(t)

@@ -23,7 +23,7 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -134,10 +134,11 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
 _DIVIDES_BY_RESULT = frozenset({
     "SqrtBackward0", "StdBackward0", "StdMeanBackward0", "NormBackward0", "NormBackward1", "NormBackward2",
     "NormBackward3", "LinalgVectorNormBackward0", "DistBackward0", "CdistBackward0", "PdistBackward0",
-    "EuclideanDistBackward0", "HypotBackward0", "WeightNormInterfaceBackward0"})
+    "EuclideanDistBackward0", "HypotBackward0", "WeightNormInterfaceBackward0",
+    "LogsumexpBackward0"})  # exp(x - result): divides by exp(result)
 _DIVIDES_BY_RESULT_OP = frozenset({  # the aten operators of those nodes, in a traced graph
     "sqrt", "std", "norm", "linalg_vector_norm", "dist", "_cdist_forward", "_pdist_forward", "_euclidean_dist",
-    "hypot", "_weight_norm_interface"})
+    "hypot", "_weight_norm_interface", "logsumexp"})
 
 
 # NOTE [ Saves a backward compares ]
@@ -151,33 +152,62 @@ _DIVIDES_BY_RESULT_OP = frozenset({  # the aten operators of those nodes, in a t
 # holds both as they are: the result (every save of it, as a result a backward divides
 # by), known by its node, and the input that node saved just before it. Autograd saves
 # a node's inputs, runs its op, then saves its output; nothing is saved between, so the
-# save before the result's first is that input (:func:`compares_with_input` checks it
-# is the node's input: a later save of the result by another node follows that node's
-# own input). Later saves of the input's storage are held so too (it lives anyway);
+# save before the result's first is that input (:func:`compared_inputs` checks it is
+# the node's input: a later save of the result by another node follows that node's own
+# input). A max or min scatter or index reduction compares its result with both its
+# self and its source, and an infinity distance with both its points: the two saves
+# before the result (decoded apart, they gave NaN in every gradient: docs/results.md,
+# "A twenty-first adversarial run"). Later saves of the input's storage are held so too (it lives anyway);
 # earlier ones keep their stored copy. In a compiled graph, a plain segment's saves made
 # by such a reduction or read by one are kept exactly (graph_saves.compared_by_backward).
 # The planner's count of a plain segment's saves asks the same (planning/saves_as_stored.py).
 _COMPARES_WITH_INPUT = frozenset({"AmaxBackward0", "AminBackward0", "MaxBackward1", "MinBackward1",
                                   "MedianBackward0", "NanmedianBackward0"})
 _COMPARES_WITH_INPUT_OP = frozenset({"amax", "amin", "max", "min", "median", "nanmedian"})  # traced
+# Nodes that compare their result with the two inputs saved just before it (a scatter's
+# or index reduction's self and source, a distance's two points), where their argument
+# makes them compare: a max or min reduction, an infinity norm.
+_COMPARES_WITH_INPUTS = {
+    "ScatterReduceBackward0": lambda node: node._saved_reduce in ("amax", "amin"),
+    "IndexReduceBackward0": lambda node: node._saved_reduce in ("amax", "amin"),
+    "DistBackward0": lambda node: math.isinf(node._saved_p),
+    "CdistBackward0": lambda node: math.isinf(node._saved_p),
+}
 
 
-def compares_with_input(result: torch.Tensor, before: Optional[torch.Tensor]) -> bool:
-    """Whether ``result``, a save, is the result of a node whose backward compares it
-    with ``before``, the save made just before it, that node's input: NOTE [ Saves a
-    backward compares ]."""
+def compared_inputs(result: torch.Tensor, before: Sequence[Optional[torch.Tensor]]) -> list:
+    """The positions in ``before``, the saves made just before ``result`` (the latest
+    last), of the inputs that ``result``'s node compares it with: NOTE [ Saves a backward
+    compares ]. Empty where ``result`` is no such node's, or a save there is not its
+    input."""
     node = result.grad_fn
-    if before is None or not _compares(node):
-        return False
-    edge = node.next_functions[0][0]  # where the input's gradient goes
-    return edge is not None and (edge is before.grad_fn or getattr(edge, "variable", None) is before)
+    count = _compared_input_count(node)
+    if count == 0 or len(before) < count:
+        return []
+    candidates = range(len(before) - count, len(before))
+    edges = [edge for edge, _ in node.next_functions if edge is not None]
+    # An input that needs no gradient has no edge to check it by (a constant self).
+    inputs = [before[i] is not None and (_is_input(before[i], edges) or not before[i].requires_grad)
+              for i in candidates]
+    found = any(before[i] is not None and _is_input(before[i], edges) for i in candidates)
+    return list(candidates) if all(inputs) and found else []
 
 
-def _compares(node) -> bool:
+def _is_input(tensor: torch.Tensor, edges: list) -> bool:
+    """Whether ``tensor``'s gradient goes along one of a node's ``edges``."""
+    return any(edge is tensor.grad_fn or getattr(edge, "variable", None) is tensor for edge in edges)
+
+
+def _compared_input_count(node) -> int:
+    """How many saves before its result ``node``'s backward compares with it."""
     if node is None:
-        return False
+        return 0
     name = node.name()
-    return name in _COMPARES_WITH_INPUT or (name == "LinalgVectorNormBackward0" and math.isinf(node._saved_ord))
+    if name in _COMPARES_WITH_INPUT or (name == "LinalgVectorNormBackward0" and math.isinf(node._saved_ord)):
+        return 1
+    if name in _COMPARES_WITH_INPUTS:
+        return 2 if _COMPARES_WITH_INPUTS[name](node) else 0
+    return 0
 
 
 def compares_with_input_op(node) -> bool:
@@ -227,7 +257,9 @@ def _exact_result(node) -> bool:
     if node is None:
         return False
     name = node.name()
-    return name in _DIVIDES_BY_RESULT or name in _COMPARES_WITH_INPUT  # an infinity norm is a norm
+    # An infinity norm is a norm, an infinity distance a distance.
+    return name in _DIVIDES_BY_RESULT or name in _COMPARES_WITH_INPUT or \
+        (name in _COMPARES_WITH_INPUTS and _COMPARES_WITH_INPUTS[name](node))
 
 
 # NOTE [ Attention's saves agree ]

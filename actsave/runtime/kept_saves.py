@@ -125,7 +125,7 @@ from .bound_decisions import BoundWatch
 from .forward_decisions import torch_checkpoints_warned
 from .pool_decisions import PoolWatch
 from .kept_entries import _Encoded, _Entry, _ExactStorage, _HostGroup, _PoolIndices, _Saved
-from .keep_rules import (AttentionSaves, KeepPolicy, compares_with_input, lossy_codec_stores, placed, should_encode,
+from .keep_rules import (AttentionSaves, KeepPolicy, compared_inputs, lossy_codec_stores, placed, should_encode,
                          stored_once_key)
 from .store import input_tensors
 
@@ -205,7 +205,7 @@ class _SavesStore:
         self._linear_storages = {}  # storage identity -> weak storage: a Linear's input
         self._pending = {}  # storage identity -> [(weak _Saved held, non-negative, keeps signs, bounds)]
         self._made = []  # weak references to every _Entry, for the host group
-        self._last_save = (_dead_ref, _dead_ref)  # the last save and its tensor, weakly
+        self._last_saves = ((_dead_ref, _dead_ref),) * 2  # the last two saves and their tensors, weakly
         self._held = {}  # storage identity -> the weak save holding it exactly: NOTE [ Saves a backward compares ]
 
     @contextlib.contextmanager
@@ -219,11 +219,12 @@ class _SavesStore:
     def pack(self, tensor: torch.Tensor) -> _Saved:
         if self.codec.lossless:
             return self._pack(tensor)
-        input_save, input_tensor = (ref() for ref in self._last_save)
-        if input_save is not None and compares_with_input(tensor, input_tensor):  # NOTE [ Saves a backward compares ]
-            self._hold_exactly(input_save, input_tensor)
+        recent = [(save(), before()) for save, before in self._last_saves]
+        for i in compared_inputs(tensor, [before for _, before in recent]):  # NOTE [ Saves a backward compares ]
+            if recent[i][0] is not None:
+                self._hold_exactly(*recent[i])
         saved = self._pack(tensor)
-        self._last_save = weakref.ref(saved), weakref.ref(tensor)
+        self._last_saves = (*self._last_saves[1:], (weakref.ref(saved), weakref.ref(tensor)))
         return saved
 
     def _hold_exactly(self, saved: _Saved, tensor: torch.Tensor) -> None:

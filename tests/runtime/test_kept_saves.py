@@ -143,7 +143,22 @@ class _PlusReduction(nn.Module):
 
 REDUCTIONS = {"amax": lambda h: h.amax(dim=1, keepdim=True), "amin": lambda h: torch.amin(h, dim=1, keepdim=True),
               "max": lambda h: h.max(), "median": lambda h: h.median(),
-              "inf norm": lambda h: torch.linalg.vector_norm(h, math.inf, dim=1, keepdim=True)}
+              "inf norm": lambda h: torch.linalg.vector_norm(h, math.inf, dim=1, keepdim=True),
+              # Their results compared with both inputs saved before them (a scatter's self and
+              # source, a distance's two points): NaN in every gradient before, or none.
+              "scatter amax": lambda h: _eighths(h).scatter_reduce(-1, (torch.arange(64) % 8).expand_as(h), h, "amax",
+                                                                  include_self=False).repeat(1, 1, 8),
+              "index amin": lambda h: _eighths(h).index_reduce(-1, torch.arange(64) % 8, h, "amin").repeat(1, 1, 8),
+              "inf distance": lambda h: torch.cdist(h, h.roll(1, -1), p=math.inf).repeat(1, 1, 2),
+              "inf dist": lambda h: torch.dist(h, h.roll(1, -1), p=math.inf)}
+# An infinity distance's gradient goes to one element of each pair: a few gradients
+# carry the whole step, and their SQNR spreads wider about the codec's floor.
+_ONE_ELEMENT_EACH = {"inf distance", "inf dist"}
+
+
+def _eighths(h: torch.Tensor) -> torch.Tensor:
+    """Zeros of ``h``'s shape but the last dimension, 8 there: a reduction's self."""
+    return h.new_zeros(*h.shape[:-1], 8)
 
 
 def _reducing_chain(reduce):
@@ -163,7 +178,8 @@ def test_a_result_its_backward_compares_with_its_input_is_held_with_that_input(r
     (plain(x) * weights).sum().backward()
     (last_segment_only(*layers, compress=codec)(x) * weights).sum().backward()
     pairs = [(p.grad, q.grad) for p, q in zip(plain.parameters(), (p for layer in layers for p in layer.parameters()))]
-    assert min(sqnr_db(p, q) for p, q in pairs) >= EXPECTED_GRADIENT_SQNR_DB[get_codec(codec).name]
+    margin = 3.0 if reduce in _ONE_ELEMENT_EACH else 0.0
+    assert min(sqnr_db(p, q) for p, q in pairs) >= EXPECTED_GRADIENT_SQNR_DB[get_codec(codec).name] - margin
 
 
 class _AmaxBeforeLinear(nn.Module):
@@ -195,7 +211,7 @@ def test_later_saves_of_a_compared_input_are_held_with_it(keep):
         EXPECTED_GRADIENT_SQNR_DB["int8"]
 
 
-@pytest.mark.parametrize("chain", ["amax", "inf norm", "amax, then a Linear"])
+@pytest.mark.parametrize("chain", ["amax", "inf norm", "scatter amax", "inf distance", "amax, then a Linear"])
 def test_a_chain_holding_compared_saves_measures_at_most_its_prediction(chain):
     # The input held as it is is priced so, beside the others' stored copy of it; one
     # segment, whose saves int8 keeps. Later saves of the input are held too, not an
