@@ -65,7 +65,7 @@ class LayerProfile:
     no_grad_rise: int  # the forward's rise under no_grad (a nested pass's recomputed part)
     backward_rise: int
     saves_for_backward: bool  # any tensor, parameters included
-    relu_sign_bytes: int  # kept by a lossy segment for this layer's ReLU outputs and Hardtanh / LeakyReLU saves
+    relu_sign_bytes: int  # kept by a lossy segment: this layer's ReLU, Hardtanh, LeakyReLU decisions, mask counts
     relu_restore_bytes: int  # the larger restore of those (runtime/relu_signs.py, bound_decisions.py)
     pool_decision_bytes: int  # kept by a lossy segment for this layer's max pools (runtime/pool_decisions.py)
     pool_restore_bytes: int  # the larger of keeping them (forward) and restoring them (recompute)

@@ -107,6 +107,7 @@ from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mism
 from .replay import ReplayState, passed_generators
 from .state import RecomputeStop, TouchedState
 from .keep_rules import EXACT, CallerTensors, KeepPolicy
+from .mask_counts import check_unpacked
 from .store import KeptInputs, account, input_tensors
 
 _local = threading.local()
@@ -223,6 +224,8 @@ class CheckpointFrame:
             slot.handed_out = True
         if slot.filled_at is not None and version(tensor) != slot.filled_at:
             raise self._changed(slot, tensor)
+        if slot.recounted is not None:
+            check_unpacked(slot, self._mismatch, qualified_name(self.function))
         return tensor
 
     def _changed(self, slot: Slot, tensor: torch.Tensor) -> RecomputeError:
@@ -326,6 +329,8 @@ class CheckpointFrame:
                 "does not do the same work twice. Make it deterministic (same branches, "
                 "same shapes) or do not checkpoint it."
             )
+        if lossy and self.keeps_decisions:
+            self.decisions.masks.mark_differing()
 
     def _skipping(self, cursor: Cursor, into, count: int, last: bool):
         """What a recompute skips, filling the saves of what it skips itself: nothing
