@@ -1,10 +1,12 @@
 # The README's two commands: `make bench` (the depth sweep) and `make test`.
 # Both build a local virtual environment first, so a fresh machine needs nothing
-# installed by hand. TORCH pins the CPU build on machines without a GPU: an unpinned
-# `torch` would pull several GB of CUDA packages. On a CUDA machine run
-# `make test TORCH=torch` for PyTorch's default CUDA build.
+# installed by hand. TORCH is the exact version that CI's package index serves as
+# its CPU build; PyPI serves the CUDA build for the same pin (several GB of CUDA
+# packages), so elsewhere add TORCH_INDEX=https://download.pytorch.org/whl/cpu. On a
+# CUDA machine run `make test TORCH=torch` for PyTorch's default CUDA build.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 # gpu-check keeps its own venv (.venv-gpu) and takes PyTorch's default (CUDA) build,
 # where the machine has no CUDA torch already (see bench/gpu_check.py).
 GPU_TORCH ?= torch
@@ -36,7 +38,7 @@ gpu-check:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-cache-dir --upgrade pip
-	$(PY) -m pip install --quiet --no-cache-dir "$(TORCH)"
+	$(PY) -m pip install --quiet --no-cache-dir "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet --no-cache-dir -e ".[test,bench]"
 	touch $@
 

@@ -283,7 +283,9 @@ class CheckpointedSequential(nn.Sequential):
         offload), but for a balanced plan's last segment, which keeps autograd's saves
         exactly whatever its first layer sets. An input its
         caller holds (the batch at layer 0, a leaf) was kept ``by reference`` at the
-        last training call whatever they say: exactly, and not counted in its bytes.
+        last training call whatever they say: exactly, and not counted in its bytes
+        (a number there is the snapshot of module state the segment keeps, such as
+        BatchNorm statistics).
         With ``segments="balanced"`` the segments are those of the last training
         call, and a first line says for which input and what peak the plan predicted.
         A last call under ``torch.compile`` reports no bytes (a last line says why, and
