@@ -14,6 +14,7 @@ leave no trace on the model.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import statistics
 import time
@@ -74,7 +75,10 @@ class _SaveLedger:
         self.live_before = []  # the tracker's count as each layer starts
         self.input_entries = []  # the entry of each layer input's storage, or None
         self.peak_at_last_save = {}  # layer -> the tracker's peak when it last saved
-        self.relu_bits = {}  # layer -> [bytes, elements of the largest ReLU output]; bound decisions' bytes too
+        self.saves = collections.Counter()  # layer -> tensors it saved (each pack)
+        # layer -> [bytes, elements of the largest ReLU output]; bound decisions' and mask
+        # counts' bytes too
+        self.relu_bits = {}
         self.bound_elements = {}  # layer -> elements of the largest save keeping bound decisions
         self.pool_decisions = {}  # layer -> [bytes, [PoolSample of each pool]]
         self.pools = PoolWatch.among(modules_under(layers))
@@ -107,6 +111,7 @@ class _SaveLedger:
     @takes_kept_saves
     def pack(self, t: torch.Tensor):
         self.peak_at_last_save[self.layer] = self.tracker.peak
+        self.saves[self.layer] += 1
         storage = t.untyped_storage()
         if id(storage) not in self._ignored:
             entry = self._entries.setdefault(
@@ -178,6 +183,7 @@ class CountedStep:
         self.rise_to_last_save = [ledger.peak_at_last_save[i] - ledger.live_before[i]
                                   if i in ledger.peak_at_last_save else 0 for i in range(n)]
         self.saving_layers = set(ledger.peak_at_last_save)
+        self.saves = [ledger.saves[i] for i in range(n)]
         self.saved = ledger.storages()
         self.saved_bytes = [0] * n  # by the first layer saving each storage
         for storage in self.saved:

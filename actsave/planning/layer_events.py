@@ -71,6 +71,12 @@ class LayerEvents:
         self.state_before = np.concatenate(([0.0], np.cumsum(held)))
         self.forward_s_before = np.concatenate(([0.0], np.cumsum(column("forward_s"))))
         self.backward_s_before = np.concatenate(([0.0], np.cumsum(column("backward_s"))))
+        # A checkpointed segment's (or nested range's) time beyond its layers' first run:
+        # call_s, and its layers' forward again with the runtime's work on each of their
+        # saves (checkpoint_host.py), over [0, i).
+        self.call_s = prof.checkpoint_host.call_s
+        self.recompute_s_before = self.forward_s_before + prof.checkpoint_host.save_s * np.concatenate(
+            ([0.0], np.cumsum(column("saves"))))
         # A checkpoint whose first layer changes its input in place keeps a copy of the
         # input (runtime/keep_rules.py, modifies_input), and its recompute, where the input needs a gradient,
         # runs on one more copy (Q).

@@ -153,12 +153,14 @@ Memory model
 Time model
     step = sum_i (forward_i + backward_i) + sum over checkpointed segments t(a,b,o)
     (a plain segment adds nothing),
-    t = sum_{a<=i<b} forward_i + encode and decode time (lossy) + the host copies not
-    hidden behind the segment's forward (copy out) and its recompute and backward
-    (copy back; offload). Sign bits and the early stop are ignored. A plain segment
-    whose saves a codec keeps adds, for each of its stored tensors, one encoding, and
-    for each save one decoding, each the seconds the codec took on a sample of that
-    shape (stored_saves.py, StoredSaves).
+    t = sum_{a<=i<b} (forward_i + h * saves_i) + c + encode and decode time (lossy) +
+    the host copies not hidden behind the segment's forward (copy out) and its
+    recompute and backward (copy back; offload), where c and h are the runtime's host
+    work per checkpointed call and per save (checkpoint_host.py; 0 off a CPU). Sign
+    bits and the early stop are ignored. A plain segment whose saves a codec keeps
+    adds, for each of its stored tensors, one encoding, and for each save one
+    decoding, each the seconds the codec took on a sample of that shape
+    (stored_saves.py, StoredSaves).
 
 Each term is written once (:class:`CostModel`: the checkpointed segments' terms, on
 the plain segments' of plain_model.py and the option-independent events of
@@ -368,17 +370,18 @@ class CostModel(PlainTerms):
         return np.where(usable, w, np.inf)
 
     def seconds_less_end(self, o: int, a) -> np.ndarray:
-        """t(a, b, o) less the forward time before b, for an option kept on the device:
-        the part of t that does not depend on the end (pareto.Sweep orders prefixes
-        by it; the time DP adds the forward time before b to it)."""
-        return self.codec_s[o, a] - self.forward_s_before[a]
+        """t(a, b, o) less the recompute time before b, for an option kept on the
+        device: the part of t that does not depend on the end (pareto.Sweep orders
+        prefixes by it; the time DP adds recompute_s_before[b] to it)."""
+        return self.codec_s[o, a] + self.call_s - self.recompute_s_before[a]
 
     def seconds(self, o: int, a, b) -> np.ndarray:
         """t(a, b, o): the time a checkpointed segment adds to the step."""
-        forward = self.forward_s_before[b] - self.forward_s_before[a]
-        seconds = forward + self.codec_s[o, a]
+        recompute = self.recompute_s_before[b] - self.recompute_s_before[a]
+        seconds = recompute + self.call_s + self.codec_s[o, a]
         if self.options[o].offload:  # copy out during the forward, back during recompute and backward
             backward = self.backward_s_before[b] - self.backward_s_before[a]
+            forward = self.forward_s_before[b] - self.forward_s_before[a]
             seconds = (seconds + np.maximum(0.0, self.to_host_s[o, a] - forward)
                        + np.maximum(0.0, self.to_device_s[o, a] - forward - backward))
         return seconds

@@ -42,9 +42,11 @@ recompute; after a plain middle segment whose saves hold x_a, K (x_a itself) is
 counted there (memory_model.py, "A tensor at a plain boundary"), and its first
 part's saves of x_a are K's storage.
 
-Time: every recomputed range's pass runs the forward of its layers once more, so a
-nested segment adds sum over the recomputed ranges r of its tree of forward(r); the
-top range alone is the single-level segment's time.
+Time: every recomputed range's pass runs the forward of its layers once more, a
+checkpointed call of its own, so a nested segment adds sum over the recomputed ranges
+r of its tree of forward(r) and the call's host work c (memory_model.py): each layer
+saves in one pass only, so the top range, the single-level segment's time, counts
+every save's host work h.
 """
 from __future__ import annotations
 
@@ -85,10 +87,14 @@ def working_set(model, o: int, a: int, b: int, top: Range, carry: float, input_h
 
 
 def seconds(model, o: int, a: int, top: Range) -> float:
-    """t of the nested segment starting at a: its passes' forwards."""
+    """t of the nested segment starting at a: its passes' forwards, each a
+    checkpointed call of its own (checkpoint_host.py). Each layer saves in one pass
+    only, the one that runs it with grad (the others run it without), so the top
+    range's time counts every save's host work, and the inner ranges their forwards
+    and calls."""
     before = model.forward_s_before
     return float(model.seconds(o, a, a + top.stop)) + sum(
-        before[a + r.stop] - before[a + r.start] for r in top.walk() if r.recomputed and r is not top)
+        model.call_s + before[a + r.stop] - before[a + r.start] for r in top.walk() if r.recomputed and r is not top)
 
 
 def plain_part(model, s: int, stops: np.ndarray, first: bool, events=None, last: bool = False) -> Part:

@@ -23,11 +23,12 @@ Recurrence
                      y' = 1 where its saves hold x_e (nothing more where e = d; the
                      pass event of that last part up to its last save)
         recomputed   e < d, feasible where m >= pass + g; then
-                     forward(f, e) + Inner(f, e)[m - after] + S_0(e, d)[m - R],
+                     t(f, e) + Inner(f, e)[m - after] + S_0(e, d)[m - R],
                      its terms without x_f where y = 1 (the saves before hold it)
 
     S_y(f, d) is the least over the parts from f (the first part's terms for Multi,
-    which may not end at d). A part's terms depend on where it starts and ends,
+    which may not end at d); t(f, e) is the part's recompute: its forward and its
+    call's host work (nested_model.seconds). A part's terms depend on where it starts and ends,
     whether it is its range's first, and y, nothing else of the parts before it
     (nested_model.py: a plain part after a recomputed one holds nothing more), so
     the units left and y are the whole state: the recurrence is exact for the model
@@ -224,7 +225,10 @@ class NestedTable:
         ends = np.arange(f + 1, d)
         if not ends.size:
             return [plain_rows] * (1 if first else 2)
-        forward = self.model.forward_s_before[ends] - self.model.forward_s_before[f]
+        # Each recomputed part is a checkpointed call of its own; its saves' host work is
+        # the top range's (nested_model.seconds).
+        before = self.model.forward_s_before
+        forward = self.model.call_s + before[ends] - before[f]
         rows = []
         # y = 1 rows are the y = 0 rows where y changes no term (x_f never held, or copied).
         for held in (False, True) if not first and terms.held_input_matters else (False,):

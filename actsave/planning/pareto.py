@@ -87,8 +87,8 @@ class Batch:
 class OptionKeys:
     """A Sweep's keys for checkpointed segments of option o kept on the device:
     R(a, b, o) = CostModel.kept_from_start(o, a) + a term of b alone, exactly (whole
-    bytes), and t(a, b, o) = CostModel.seconds_less_end(o, a) + the forward time
-    before b; where o is allowed."""
+    bytes), and t(a, b, o) = CostModel.seconds_less_end(o, a) + the recompute
+    time before b (recompute_s_before); where o is allowed."""
 
     def __init__(self, model: CostModel, o: int):
         self.model, self.o = model, o

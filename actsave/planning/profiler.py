@@ -36,6 +36,7 @@ from ..runtime.layers import repeated_modules
 from ..runtime.keep_rules import EXACT, KeepPolicy, starts_in_place
 from ..text import format_table, mib, ms
 from .allocator_rises import larger_of_each
+from .checkpoint_host import NO_HOST_WORK, CheckpointHostWork, checkpoint_host_work
 from .codec_costs import CodecCosts
 from .fsdp_gathers import gathered_bytes, with_plain_step_gathers
 from .instrumented_step import (CountedStep, measure_allocator_rises, measure_memory, measure_no_grad_rises,
@@ -81,6 +82,9 @@ class LayerProfile:
     decode_s: dict
     to_host_s: dict  # empty when the device has no separate host memory
     to_device_s: dict
+    # The tensors this layer saves for backward: each goes through a checkpointed
+    # segment's hooks (checkpoint_host.py).
+    saves: int = 0
     # A snapshot of the buffers this layer's forward mutates (BatchNorm statistics), kept
     # by a checkpointed segment holding the layer until its recompute (runtime/state.py,
     # NOTE [ State a forward reads and mutates ]); on the device whatever the keep option.
@@ -159,6 +163,9 @@ class Profile:
     # inputs no larger (chain_segments.py warns of a larger one).
     input_shape: Optional[tuple] = None
     input_element_size: int = 0
+    # The host work a checkpointed segment adds beyond its layers' times (NOTE [ Host
+    # work counted on a CPU only ] in checkpoint_host.py); none in profiles without it.
+    checkpoint_host: CheckpointHostWork = NO_HOST_WORK
 
     def table(self) -> str:
         """One row per layer: output and saved bytes, what a segment starting there
@@ -262,6 +269,7 @@ def _layer_profile(i: int, name: str, layer: nn.Module, found: CountedStep, no_g
         to_device_s=by_codec("to_device_s") if host_copies else {},
         mutated_state_bytes=mutated,
         cached_cast_bytes=found.cached_cast_bytes[i],
+        saves=found.saves[i],
     )
 
 
@@ -346,6 +354,7 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             input_shape=tuple(x.shape),
             input_element_size=x.element_size(),
             output_grad_held=loss is None,
+            checkpoint_host=NO_HOST_WORK if sizes_only else checkpoint_host_work(device),
         )
 
 

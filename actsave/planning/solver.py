@@ -371,7 +371,7 @@ class _Prefixes:
         if saving:
             ok &= model.saves(batch.positions, b)
         if not model.options[o].offload:
-            times = (batch.t + model.seconds_less_end(o, batch.positions)) + model.forward_s_before[b]
+            times = (batch.t + model.seconds_less_end(o, batch.positions)) + model.recompute_s_before[b]
         else:
             times = batch.t + model.seconds(o, batch.window.starts, b)[batch.at[1]]
         return ok, times

@@ -72,6 +72,7 @@ from planning.rotor_reference import RotorChain
 from torch import nn
 
 import actsave
+from actsave.planning.checkpoint_host import NO_HOST_WORK
 
 # Activations that save their output: chains of Linear + one of them are where the two
 # models coincide (module docstring).
@@ -110,6 +111,13 @@ def chain_bytes(profile: actsave.Profile) -> dict:
     return {"act": act, "saved": saved, "forward_rise": [layer.forward_rise for layer in layers],
             "backward_rise": [layer.backward_rise for layer in layers],
             "held": profile.output_bytes + profile.output_grad_bytes}
+
+
+def profile_without_host_work(model, example_inputs) -> actsave.Profile:
+    """``actsave.profile`` as rotor's model sees a chain: without the runtime's host work
+    per checkpointed call and save (planning/checkpoint_host.py), which rotor has no
+    term for."""
+    return dataclasses.replace(actsave.profile(model, example_inputs), checkpoint_host=NO_HOST_WORK)
 
 
 def without_module_state(profile: actsave.Profile) -> actsave.Profile:

@@ -30,6 +30,7 @@ from planning.rotor_profile import (
     ACTIVATIONS,
     exact_unit,
     output_saving_chain,
+    profile_without_host_work,
     rotor_chain_from_profile,
     rotor_plan_of,
     without_module_state,
@@ -60,7 +61,7 @@ def single_level_starts(n: int):
 @pytest.mark.parametrize("seed", range(3))
 def test_rotor_simulates_every_plan_as_actsave_predicts_it_where_the_models_coincide(activation, seed):
     model = output_saving_chain(random_widths(seed, 6), activation)
-    prof = actsave.profile(model, (torch.randn(8, 32, requires_grad=seed % 2 == 0),))
+    prof = profile_without_host_work(model, (torch.randn(8, 32, requires_grad=seed % 2 == 0),))
     unit = exact_unit(prof)
     rotor_chain = rotor_chain_from_profile(prof, unit)
     for starts in single_level_starts(len(prof.layers)):
@@ -81,7 +82,7 @@ def test_rotor_charges_actsave_plans_at_least_what_actsave_predicts_elsewhere(na
         model, x = bench_like_chain(name)
     # Rotor's model has no module state: compare without the snapshot of BatchNorm's
     # statistics that actsave counts (NOTE [ State a forward reads and mutates ]).
-    prof = without_module_state(actsave.profile(model, (x,)))
+    prof = without_module_state(profile_without_host_work(model, (x,)))
     unit = exact_unit(prof)
     rotor_chain = rotor_chain_from_profile(prof, unit)
     rng = np.random.default_rng(0)
@@ -131,7 +132,7 @@ def at_most(a: float, b: float) -> bool:
 @pytest.mark.parametrize("seed", range(4))
 def test_actsave_is_rotors_single_level_optimum_where_the_models_coincide(activation, seed):
     model = output_saving_chain(random_widths(100 + seed, 10), activation)
-    sweep = Sweep(actsave.profile(model, (torch.randn(256, 32),)))
+    sweep = Sweep(profile_without_host_work(model, (torch.randn(256, 32),)))
     feasible = 0
     for budget, seconds, chosen in sweep.rows:
         units = budget // sweep.unit
@@ -154,7 +155,7 @@ def test_actsave_is_no_slower_than_rotors_single_level_optimum_elsewhere(name):
         x = torch.randn(8, 32)
     else:
         model, x = bench_like_chain(name)
-    sweep = Sweep(actsave.profile(model, (x,)))
+    sweep = Sweep(profile_without_host_work(model, (x,)))
     for budget, seconds, chosen in sweep.rows:
         units = budget // sweep.unit
         assert at_most(seconds, sweep.single.step_time(units)), budget
@@ -167,7 +168,7 @@ def test_actsave_is_no_slower_than_rotors_single_level_optimum_elsewhere(name):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layers=random_chains)
 def test_on_random_chains_rotor_charges_more_and_actsave_is_no_slower_than_its_single_level_optimum(layers):
-    prof = actsave.profile(nn.Sequential(*chain(*layers)), (torch.randn(64, 32),))
+    prof = profile_without_host_work(nn.Sequential(*chain(*layers)), (torch.randn(64, 32),))
     sweep = Sweep(prof, points=8)
     # Rotor's model has no snapshot of the state a forward mutates (BatchNorm's running
     # statistics: memory_model.py's M), which actsave's plans keep: it charges a plan
@@ -188,7 +189,7 @@ def _assert_measured_within_3_percent(model: CheckpointedSequential, x: torch.Te
     """The recompute-only plans at budgets from the smallest peak to that of no
     checkpoint, nested or not, measure (MemTracker) within 3% of their prediction, and
     never above it."""
-    prof = actsave.profile(model, (x,))
+    prof = profile_without_host_work(model, (x,))
     smallest = actsave.plan(prof, None, objective="memory", allow=RECOMPUTE_ONLY).predicted_peak_bytes
     everything = plans.predict(prof, [0]).predicted_peak_bytes
     for share in (0.0, 0.25, 1.0):

@@ -14,6 +14,7 @@ from torch import nn
 import actsave
 from actsave import CheckpointedSequential
 from actsave.planning import nested_solver, pareto, plain_model, plans, solver
+from actsave.planning.checkpoint_host import CheckpointHostWork
 from actsave.runtime.keep_rules import KeepPolicy
 
 PLAIN = "plain"  # in all_plans' options: a plain (not checkpointed) segment before the last
@@ -83,6 +84,22 @@ def test_dynamic_program_agrees_with_brute_force(device, n, kinds, reading):
     assert actsave.plan(prof, None, objective="memory").predicted_peak_bytes == smallest
     peaks = sorted({p.predicted_peak_bytes for p in every_plan})
     for budget in (peaks[0], peaks[len(peaks) // 3], peaks[len(peaks) // 2], peaks[-1]):
+        fastest = min(p.predicted_step_seconds for p in every_plan if p.predicted_peak_bytes <= budget)
+        planned = actsave.plan(prof, budget)
+        assert planned.predicted_peak_bytes <= budget
+        assert math.isclose(planned.predicted_step_seconds, fastest, rel_tol=1e-9)
+
+
+def test_dynamic_program_with_the_checkpoints_host_work_agrees_with_brute_force(reading):
+    # A call's and a save's host work far above the layers' times (checkpoint_host.py):
+    # the terms of the end (saves before b) and of the start go through the sweeps too.
+    model = CheckpointedSequential(*chain(["gelu", "relu", "residual"], [64, 32, 64])[:6])
+    prof = dataclasses.replace(actsave.profile(model, (torch.randn(32, 32) * 1,)),
+                               checkpoint_host=CheckpointHostWork(call_s=0.05, save_s=0.002))
+    options = [*plans.keep_options(plans.DEFAULT_ALLOW, None, "cpu"), PLAIN]
+    every_plan = [predicted(prof, starts, chosen, stored) for starts, chosen, stored in all_plans(6, options)]
+    peaks = sorted({p.predicted_peak_bytes for p in every_plan})
+    for budget in peaks[::max(1, len(peaks) // 8)]:
         fastest = min(p.predicted_step_seconds for p in every_plan if p.predicted_peak_bytes <= budget)
         planned = actsave.plan(prof, budget)
         assert planned.predicted_peak_bytes <= budget
