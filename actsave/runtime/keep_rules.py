@@ -185,12 +185,14 @@ def compared_inputs(result: torch.Tensor, before: Sequence[Optional[torch.Tensor
     if count == 0 or len(before) < count:
         return []
     candidates = range(len(before) - count, len(before))
+    if any(before[i] is None for i in candidates):
+        return []
     edges = [edge for edge, _ in node.next_functions if edge is not None]
-    # An input that needs no gradient has no edge to check it by (a constant self).
-    inputs = [before[i] is not None and (_is_input(before[i], edges) or not before[i].requires_grad)
-              for i in candidates]
-    found = any(before[i] is not None and _is_input(before[i], edges) for i in candidates)
-    return list(candidates) if all(inputs) and found else []
+    matched = [_is_input(before[i], edges) for i in candidates]
+    # An input that needs no gradient has no edge to check it by (a constant self); one
+    # at least must be the node's.
+    unchecked = all(match or not before[i].requires_grad for i, match in zip(candidates, matched))
+    return list(candidates) if unchecked and any(matched) else []
 
 
 def _is_input(tensor: torch.Tensor, edges: list) -> bool:

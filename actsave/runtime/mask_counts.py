@@ -10,8 +10,8 @@ of each save's shape passes; a backward that acts element by element (``where``,
 comparison, but one that gathers or scatters through the mask's True elements in order
 (``masked_select``, indexing by it, ``masked_scatter``, ``index_put``) moves the
 gradient of the forward's elements onto the recompute's: misaligned and silent
-(``masked_select``: every gradient at -1.2 to -1.8 dB, an adversarial run, CPU,
-2026-12-01, docs/results.md) or torch's own shape error. So each boolean save of a
+(``masked_select``; docs/results.md, "A twenty-first adversarial run") or torch's own
+shape error. So each boolean save of a
 lossy forward keeps its count, a 0-d tensor attached to the kept inputs (made on the
 device: no sync); the recompute, as it ends, compares them all at once (one sync per
 recompute that saved a mask) and marks those that differ; and a node of the gathering
