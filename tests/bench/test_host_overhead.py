@@ -191,10 +191,10 @@ def test_default_mode_runs_at_most_5_percent_more_aten_ops_than_torch_checkpoint
 # 2.13, CPU, codecs and decisions by their Triton kernels as on a GPU): the ratios
 # measured now, plus 0.005. Lower a figure when the runtime removes host work.
 ATEN_OPS_CEILING = {
-    "resnet56": {"torch": 0.567, "actsave_none": 1.062, "actsave_int8": 1.344, "actsave_fp8": 1.344,
-                 "actsave_offload": 1.062, "actsave_int8_offload": 1.344},
-    "gpt4": {"torch": 0.637, "actsave_none": 1.011, "actsave_int8": 1.054, "actsave_fp8": 1.054,
-             "actsave_offload": 1.011, "actsave_int8_offload": 1.054},
+    "resnet56": {"torch": 0.567, "actsave_none": 1.062, "actsave_int8": 1.161, "actsave_fp8": 1.161,
+                 "actsave_offload": 1.062, "actsave_int8_offload": 1.161},
+    "gpt4": {"torch": 0.637, "actsave_none": 1.011, "actsave_int8": 1.036, "actsave_fp8": 1.036,
+             "actsave_offload": 1.011, "actsave_int8_offload": 1.036},
 }
 
 

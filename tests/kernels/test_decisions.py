@@ -326,6 +326,54 @@ def test_bounded_saves_the_kernels_cannot_take_get_the_references_bits(case, lau
     assert torch.equal(recomputed.nan_to_num(), expected.nan_to_num()) and launches == []
 
 
+class HostOps(TorchDispatchMode):
+    """The aten operators run outside a launch (the interpreter's own copies of a
+    launch's arguments are not the host's work on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_a_save_that_needs_grad_is_read_and_changed_by_the_kernels_with_no_operator_but_the_bits(
+        dtype, launches, monkeypatch):
+    """The kernels take a float save as it is (it may need grad) and read its bits
+    themselves (packed_tiles.load_bits): no detach and no integer view on the host, an
+    operator each per launch on a GPU. Same bits as the references."""
+    y = relu_output(99, dtype).requires_grad_()
+    v = near_bounds(99, dtype, -1.0, 1.0).requires_grad_()
+    bits, bound_bits = decisions.pack_relu_signs_ref(y), decisions.pack_bounds_ref(v, -1.0, 1.0)
+    restored, bounded = (t.detach().clone().requires_grad_() * 1 for t in (y, v))
+    expected, expected_bounded = restored.detach().clone(), bounded.detach().clone()
+    decisions.restore_relu_signs_ref_(expected, bits)
+    decisions.restore_bounds_ref_(expected_bounded, bound_bits, -1.0, 1.0)
+    decisions.pack_bounds(v, -1.0, 1.0)  # the bounds' arguments, worked out once per bounds and dtype
+    decisions.restore_bounds_(expected_bounded.clone(), bound_bits, -1.0, 1.0)
+    launches.clear()
+    real, host = _launch.launch, HostOps()
+
+    def outside_the_mode(*args, **kwargs):
+        with torch.utils._python_dispatch._disable_current_modes():
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(_launch, "launch", outside_the_mode)
+    with host:
+        packed, packed_bounds = decisions.pack_relu_signs(y), decisions.pack_bounds(v, -1.0, 1.0)
+        decisions.restore_relu_signs_(restored, bits)
+        decisions.restore_bounds_(bounded, bound_bits, -1.0, 1.0)
+    assert host.ops == ["empty", "empty"]  # the two packs' bits
+    assert torch.equal(packed, bits) and torch.equal(packed_bounds, bound_bits)
+    assert_same_bits(restored.detach(), expected)
+    assert_same_bits(bounded.detach(), expected_bounded)
+    assert launches == ["_pack_relu_signs_kernel", "_pack_bounds_kernel", "_restore_relu_signs_kernel",
+                        "_restore_bounds_kernel"]
+
+
 def test_a_save_whose_memory_holds_its_negation_gets_the_references_bits(launches):
     # torch._neg_view: the kernels read memory, the references the values.
     y = torch._neg_view(-relu_output(40, torch.float32, 0))

@@ -207,8 +207,8 @@ def test_a_ragged_element_count_gets_scalar_accesses(builds, build):
 
 # --- the decision kernels (triton_kernels/decisions/) --------------------------------
 
-# ReLU kernels read a float output as the integer of its width.
-RELU_POINTERS = {"fp32": ("*i32", torch.float32), "bf16": ("*i16", torch.bfloat16), "fp16": ("*i16", torch.float16)}
+# The ReLU and bounds kernels take the float output and read its bits (load_bits).
+RELU_POINTERS = {"fp32": ("*fp32", torch.float32), "bf16": ("*bf16", torch.bfloat16), "fp16": ("*fp16", torch.float16)}
 # The windows of the pool builds: every field width, 1-D to 3-D, dilation.
 POOL_WINDOWS = {
     "k2": ((2,), (2,), (0,), (1,)),  # 1-bit offsets

@@ -4,9 +4,10 @@ bound_decisions.py, pool_decisions.py, NOTE [ Max-pool decisions ]), packed as N
 [ Bit fields ] in bitfields.py says.
 
 The ``*_ref`` functions are the specification in torch; the kernels match them bit for
-bit. The kernels touch values only as their bits (a float viewed as the integer of its
-width; a gather copies bits), so no float conversion, rounding mode or
-flush-to-zero can part kernel, interpreter and reference.
+bit. The kernels touch values only as their bits (a float reinterpreted as the
+integer of its width as it is loaded, packed_tiles.load_bits; a gather copies bits),
+so no float conversion, rounding mode or flush-to-zero can part kernel, interpreter
+and reference.
 
 Bytes moved per element (of the ReLU output, of the pooled output), as the launches
 read and write them:

@@ -39,9 +39,11 @@ from .packed_tiles import (
     check_packed,
     field_positions,
     launchable,
+    load_bits,
     pack_fields,
     packed_rows,
     program_rows,
+    store_bits,
     unpack_fields,
 )
 from .relu_signs import relu_constexprs
@@ -131,7 +133,9 @@ def _pack_bounds_kernel(v_ptr, bits_ptr, numel, packed_bytes, low_le, high_ge, l
     rows = program_rows(ROWS)
     positions = field_positions(rows, 8)
     # Padding reads the lower bound, which blocks: its bits are 0.
-    v = tl.load(v_ptr + positions, mask=positions < numel, other=low_at)
+    in_bounds = positions < numel
+    v = load_bits(v_ptr + positions, in_bounds)
+    v = tl.where(in_bounds, v, low_at.to(v.dtype))
     below_low, above_high, nan = _sides(v, low_le, high_ge, MAGNITUDE, INF_BITS)
     passes = _inside(below_low, above_high, nan, UPPER)
     tl.store(bits_ptr + rows, pack_fields(passes, 1).to(tl.uint8), mask=rows < packed_bytes)
@@ -145,7 +149,7 @@ def _restore_bounds_kernel(v_ptr, bits_ptr, numel, packed_bytes, low_le, high_ge
     passed = unpack_fields(tl.load(bits_ptr + rows, mask=rows < packed_bytes, other=0), 1) != 0
     positions = field_positions(rows, 8)
     in_bounds = positions < numel
-    v = tl.load(v_ptr + positions, mask=in_bounds, other=0)
+    v = load_bits(v_ptr + positions, in_bounds)
     below_low, above_high, nan = _sides(v, low_le, high_ge, MAGNITUDE, INF_BITS)
     inside = _inside(below_low, above_high, nan, UPPER)
     # Passed but on a bound or beyond it: just inside. Blocked but inside: the bound.
@@ -156,7 +160,7 @@ def _restore_bounds_kernel(v_ptr, bits_ptr, numel, packed_bytes, low_le, high_ge
         out = tl.where(~passed & inside, tl.where(below_middle, low_at, high_at), out)
     else:
         out = tl.where(~passed & inside, low_at, out)
-    tl.store(v_ptr + positions, out.to(v.dtype), mask=in_bounds)
+    store_bits(v_ptr + positions, out.to(v.dtype), in_bounds)
 
 
 # ----------------------------------------------------------------- launchers
@@ -202,9 +206,8 @@ def _launch_arguments(low: float, high: float, dtype: torch.dtype) -> tuple:
 def pack_bounds(v: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """The decisions of a Hardtanh (``low < high``, finite) or LeakyReLU (``high``
     infinite) on its save ``v``, one bit per element (uint8, 1-D, ``ceil(numel / 8)``
-    bytes, row-major): 1 where its backward passes."""
-    if v.requires_grad:  # a save as autograd holds it: read without a graph
-        v = v.detach()
+    bytes, row-major): 1 where its backward passes. ``v`` may need grad (a save as
+    autograd holds it): the kernel reads its memory, the reference reads it detached."""
     if v.dtype not in _AS_BITS or not launchable(v):
         return pack_bounds_ref(v, low, high)
     n = v.numel()
@@ -212,23 +215,23 @@ def pack_bounds(v: torch.Tensor, low: float, high: float) -> torch.Tensor:
     bits = torch.empty(packed_bytes, dtype=torch.uint8, device=v.device)
     if v.device.type != "meta":
         arguments = _launch_arguments(low, high, v.dtype)[0]
-        _launch.launch(_pack_bounds_kernel, (-(-packed_bytes // arguments["ROWS"]),), v.view(_AS_BITS[v.dtype]),
-                       bits, n, packed_bytes, **arguments)
+        _launch.launch(_pack_bounds_kernel, (-(-packed_bytes // arguments["ROWS"]),), v, bits, n, packed_bytes,
+                       **arguments)
     return bits
 
 
 def restore_bounds_(v: torch.Tensor, bits: torch.Tensor, low: float, high: float) -> None:
-    """Move ``v`` in place to the decisions ``bits`` (as :func:`pack_bounds` gives them)."""
-    if v.requires_grad:  # changed in place without a graph
-        v = v.detach()
+    """Move ``v`` in place to the decisions ``bits`` (as :func:`pack_bounds` gives them).
+    ``v`` may need grad: the kernel writes its memory, no operator of a graph, and the
+    reference changes it detached."""
     if v.dtype not in _AS_BITS or bits.dtype != torch.uint8 or not launchable(v, bits):
-        return restore_bounds_ref_(v, bits, low, high)
+        return restore_bounds_ref_(v.detach() if v.requires_grad else v, bits, low, high)
     n, packed_bytes = v.numel(), bits.numel()
     check_packed(bits, n, 1)
     if v.device.type != "meta":
         arguments = _launch_arguments(low, high, v.dtype)[1]
-        _launch.launch(_restore_bounds_kernel, (-(-packed_bytes // arguments["ROWS"]),), v.view(_AS_BITS[v.dtype]),
-                       bits, n, packed_bytes, **arguments)
+        _launch.launch(_restore_bounds_kernel, (-(-packed_bytes // arguments["ROWS"]),), v, bits, n, packed_bytes,
+                       **arguments)
 
 
 # ----------------------------------------------------------------- torch references

@@ -233,7 +233,7 @@ def _pool_launch(indices_shape: torch.Size, input_size: tuple, kernel_size: tupl
     if geometry is None:
         return None
     constexprs = geometry.constexprs()
-    return Launch(None, geometry.bits, constexprs["ROWS"], {**geometry.arguments(), **constexprs, **LAUNCH_OPTIONS})
+    return Launch(geometry.bits, constexprs["ROWS"], {**geometry.arguments(), **constexprs, **LAUNCH_OPTIONS})
 
 
 def _pool_launch_of(indices: torch.Tensor, input_size, kernel_size, stride, padding, dilation) -> Optional[Launch]:

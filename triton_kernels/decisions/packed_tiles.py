@@ -7,7 +7,7 @@ A program owns ``packed_rows(bits, wide_bytes)`` packed bytes, the rows of its t
 the ``8 // bits`` fields of row r are those of elements ``r * (8 // bits)`` upward.
 """
 from functools import lru_cache
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -43,6 +43,28 @@ def packed_bytes_per_thread(bits: int, wide_bytes: int) -> int:
 def packed_rows(bits: int, wide_bytes: int) -> int:
     """Packed bytes per program (a power of two)."""
     return packed_bytes_per_thread(bits, wide_bytes) * 32 * NUM_WARPS
+
+
+@triton.jit
+def load_bits(ptrs, mask):
+    """The bits of the floats at ``ptrs`` (fp32, bf16 or fp16) as signed integers of
+    their width, 0 where masked off (+0.0's bits). The kernels take the float tensor
+    and reinterpret it here, for free: a launcher that viewed it as integers would run
+    an operator of the host's at every launch (and a detach where it needs grad)."""
+    values = tl.load(ptrs, mask=mask, other=0.0)
+    # One branch only is compiled, the test being on a type; code after a return in it
+    # would be compiled too.
+    if ptrs.dtype.element_ty == tl.float32:
+        bits = values.to(tl.int32, bitcast=True)
+    else:
+        bits = values.to(tl.int16, bitcast=True)
+    return bits
+
+
+@triton.jit
+def store_bits(ptrs, bits, mask):
+    """Store integer ``bits`` of the width of the floats at ``ptrs`` as those floats."""
+    tl.store(ptrs, bits.to(ptrs.dtype.element_ty, bitcast=True), mask=mask)
 
 
 @triton.jit
@@ -91,7 +113,6 @@ class Launch(NamedTuple):
     dtype or pool geometry (the host's time per launch counts: a step launches one per
     ReLU output kept)."""
 
-    as_bits: Optional[torch.dtype]  # the integer dtype a ReLU output is read as
     bits: int  # per field
     rows: int  # packed bytes per program
     arguments: dict  # the kernel's scalar arguments and constexprs, the launch options

@@ -23,24 +23,26 @@ from .packed_tiles import (
     field_positions,
     field_table,
     launchable,
+    load_bits,
     pack_fields,
     packed_rows,
     program_rows,
+    store_bits,
     unpack_fields,
 )
 
-# The float dtypes whose bits the ReLU kernels read, as (integer view, constexprs):
+# The float dtypes whose bits the ReLU kernels read (load_bits), and their constexprs:
 # the magnitude mask, +inf's bits and the smallest positive normal's bits.
 _RELU_DTYPES = {
-    torch.float32: (torch.int32, {"MAGNITUDE": 0x7FFFFFFF, "INF_BITS": 0x7F800000, "TINY_BITS": 0x00800000}),
-    torch.bfloat16: (torch.int16, {"MAGNITUDE": 0x7FFF, "INF_BITS": 0x7F80, "TINY_BITS": 0x0080}),
-    torch.float16: (torch.int16, {"MAGNITUDE": 0x7FFF, "INF_BITS": 0x7C00, "TINY_BITS": 0x0400}),
+    torch.float32: {"MAGNITUDE": 0x7FFFFFFF, "INF_BITS": 0x7F800000, "TINY_BITS": 0x00800000},
+    torch.bfloat16: {"MAGNITUDE": 0x7FFF, "INF_BITS": 0x7F80, "TINY_BITS": 0x0080},
+    torch.float16: {"MAGNITUDE": 0x7FFF, "INF_BITS": 0x7C00, "TINY_BITS": 0x0400},
 }
 
 
 def relu_constexprs(dtype: torch.dtype) -> dict:
     """The ReLU kernels' constexprs for an output of ``dtype`` (fp32, bf16 or fp16)."""
-    return dict(_RELU_DTYPES[dtype][1])
+    return dict(_RELU_DTYPES[dtype])
 
 
 # ----------------------------------------------------------------- kernels
@@ -67,7 +69,7 @@ def _pack_relu_signs_kernel(y_ptr, bits_ptr, numel, packed_bytes, MAGNITUDE: tl.
                             INF_BITS: tl.constexpr, TINY_BITS: tl.constexpr, ROWS: tl.constexpr):
     rows = program_rows(ROWS)
     positions = field_positions(rows, 8)
-    y = tl.load(y_ptr + positions, mask=positions < numel, other=0)  # 0 does not pass: padding bits are 0
+    y = load_bits(y_ptr + positions, positions < numel)  # +0.0 does not pass: padding bits are 0
     packed = pack_fields(_passes(y, MAGNITUDE, INF_BITS), 1)
     tl.store(bits_ptr + rows, packed.to(tl.uint8), mask=rows < packed_bytes)
 
@@ -79,24 +81,24 @@ def _restore_relu_signs_kernel(y_ptr, bits_ptr, numel, packed_bytes, MAGNITUDE: 
     passed = unpack_fields(tl.load(bits_ptr + rows, mask=rows < packed_bytes, other=0), 1)
     positions = field_positions(rows, 8)
     in_bounds = positions < numel
-    y = tl.load(y_ptr + positions, mask=in_bounds, other=0)
+    y = load_bits(y_ptr + positions, in_bounds)
     restored = tl.where(passed != 0, _lifted(y, MAGNITUDE, INF_BITS, TINY_BITS), 0)
-    tl.store(y_ptr + positions, restored.to(y.dtype), mask=in_bounds)
+    store_bits(y_ptr + positions, restored.to(y.dtype), in_bounds)
 
 
 # ----------------------------------------------------------------- launchers
 
 
-_RELU_LAUNCHES = {dtype: Launch(view, 1, packed_rows(1, dtype.itemsize),
+_RELU_LAUNCHES = {dtype: Launch(1, packed_rows(1, dtype.itemsize),
                                  {**constants, "ROWS": packed_rows(1, dtype.itemsize), **LAUNCH_OPTIONS})
-                  for dtype, (view, constants) in _RELU_DTYPES.items()}
+                  for dtype, constants in _RELU_DTYPES.items()}
 
 
 def pack_relu_signs(y: torch.Tensor) -> torch.Tensor:
     """The decisions of a ReLU output ``y``, one bit per element (uint8, 1-D,
-    ``ceil(numel / 8)`` bytes): ``not (y <= 0)``, row-major."""
-    if y.requires_grad:  # a ReLU output as autograd saves it: read without a graph
-        y = y.detach()
+    ``ceil(numel / 8)`` bytes): ``not (y <= 0)``, row-major. ``y`` may need grad (a
+    ReLU output as autograd saves it): the kernel reads its memory, no operator of a
+    graph, and the reference reads it detached."""
     launch = _RELU_LAUNCHES.get(y.dtype)
     if launch is None or not launchable(y):
         return pack_relu_signs_ref(y)
@@ -104,7 +106,7 @@ def pack_relu_signs(y: torch.Tensor) -> torch.Tensor:
     packed_bytes = -(-n // 8)
     bits = torch.empty(packed_bytes, dtype=torch.uint8, device=y.device)
     if y.device.type != "meta":
-        _launch.launch(_pack_relu_signs_kernel, (-(-packed_bytes // launch.rows),), y.view(launch.as_bits), bits, n,
+        _launch.launch(_pack_relu_signs_kernel, (-(-packed_bytes // launch.rows),), y, bits, n,
                        packed_bytes, **launch.arguments)
     return bits
 
@@ -112,16 +114,16 @@ def pack_relu_signs(y: torch.Tensor) -> torch.Tensor:
 def restore_relu_signs_(y: torch.Tensor, bits: torch.Tensor) -> None:
     """Correct a recomputed ReLU output ``y`` in place to the decisions ``bits`` (as
     :func:`pack_relu_signs` gives them): 0 where the forward blocked; where it passed,
-    ``max(y, torch.finfo(y.dtype).tiny)``, NaN staying NaN."""
-    if y.requires_grad:  # changed in place without a graph
-        y = y.detach()
+    ``max(y, torch.finfo(y.dtype).tiny)``, NaN staying NaN. ``y`` may need grad: the
+    kernel writes its memory, no operator of a graph (nor a version the tensor's
+    counter sees), and the reference changes it detached."""
     launch = _RELU_LAUNCHES.get(y.dtype)
     if launch is None or bits.dtype != torch.uint8 or not launchable(y, bits):
-        return restore_relu_signs_ref_(y, bits)
+        return restore_relu_signs_ref_(y.detach() if y.requires_grad else y, bits)
     n, packed_bytes = y.numel(), bits.numel()
     check_packed(bits, n, 1)
     if y.device.type != "meta":
-        _launch.launch(_restore_relu_signs_kernel, (-(-packed_bytes // launch.rows),), y.view(launch.as_bits), bits,
+        _launch.launch(_restore_relu_signs_kernel, (-(-packed_bytes // launch.rows),), y, bits,
                        n, packed_bytes, **launch.arguments)
 
 
