@@ -121,11 +121,17 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
 #   padding rows, RMSNorm beside one massive activation). They cost little memory kept
 #   exactly, and an encoding of a broadcast view would store every repeat. A view into
 #   a larger storage (``y[..., :1]``, expanded or not) is encoded: held exactly, it
-#   would keep all of ``y``.
+#   would keep all of ``y``. Known by their node too: a group norm's mean and rstd
+#   (outputs 1 and 2 of _STATISTICS_OF, one per sample and group, whose rstd of a
+#   constant group, ~1/sqrt(eps), would set the scale of its codec group). Batch and
+#   layer norms return theirs as tensors autograd does not track, kept by reference.
 # - The result of a node whose backward divides by it (_DIVIDES_BY_RESULT: a sqrt, a
 #   norm, a standard deviation, a distance; ``torch.sqrt(x * x + eps)``, a smooth |x|,
 #   has elements far below its largest), known by its autograd node as it is saved;
-#   its other saves share the copy held. A node that divides by an input it saves
+#   its other saves share the copy held. Decompositions too, whose backwards divide by
+#   differences of their eigen- or singular values or by a factor's diagonal (eigh,
+#   eig, svd, qr, cholesky, lu): decoded apart, nearby values are equal, and every
+#   gradient NaN (docs/results.md, "A twenty-second adversarial run"). A node that divides by an input it saves
 #   (``log(p)``, ``a / b``, ``x ** -0.5``) is not known so: a save hook is told the
 #   tensor, not the node that saves it, and that node's output does not exist yet
 #   (``torch.log_softmax`` saves its own output and divides by nothing: the form to
@@ -135,7 +141,11 @@ _DIVIDES_BY_RESULT = frozenset({
     "SqrtBackward0", "StdBackward0", "StdMeanBackward0", "NormBackward0", "NormBackward1", "NormBackward2",
     "NormBackward3", "LinalgVectorNormBackward0", "DistBackward0", "CdistBackward0", "PdistBackward0",
     "EuclideanDistBackward0", "HypotBackward0", "WeightNormInterfaceBackward0",
-    "LogsumexpBackward0"})  # exp(x - result): divides by exp(result)
+    "LogsumexpBackward0",  # exp(x - result): divides by exp(result)
+    "LinalgEighBackward0", "LinalgEigBackward0", "LinalgSvdBackward0", "LinalgQrBackward0",
+    "LinalgCholeskyExBackward0", "LinalgLuFactorExBackward0", "LinalgLuBackward0"})
+# Nodes whose outputs past the first are statistics (NOTE above), by output number.
+_STATISTICS_OF = frozenset({"NativeGroupNormBackward0"})
 _DIVIDES_BY_RESULT_OP = frozenset({  # the aten operators of those nodes, in a traced graph
     "sqrt", "std", "norm", "linalg_vector_norm", "dist", "_cdist_forward", "_pdist_forward", "_euclidean_dist",
     "hypot", "_weight_norm_interface", "logsumexp"})
@@ -161,8 +171,12 @@ _DIVIDES_BY_RESULT_OP = frozenset({  # the aten operators of those nodes, in a t
 # earlier ones keep their stored copy. In a compiled graph, a plain segment's saves made
 # by such a reduction or read by one are kept exactly (graph_saves.compared_by_backward).
 # The planner's count of a plain segment's saves asks the same (planning/saves_as_stored.py).
-_COMPARES_WITH_INPUT = frozenset({"AmaxBackward0", "AminBackward0", "MaxBackward1", "MinBackward1",
-                                  "MedianBackward0", "NanmedianBackward0"})
+_COMPARES_WITH_INPUT = frozenset({"AmaxBackward0", "AminBackward0", "AminmaxBackward0", "MaxBackward1",
+                                  "MinBackward1", "MedianBackward0", "NanmedianBackward0"})
+# An infinity norm compares too, as a p-norm node (``torch.norm``, pairwise_distance)
+# or a vector norm (``torch.linalg.vector_norm``, which ``torch.norm(p=inf)`` calls).
+_NORM_ORDER = {"NormBackward0": "_saved_p", "NormBackward1": "_saved_p", "NormBackward2": "_saved_p",
+               "NormBackward3": "_saved_p", "LinalgVectorNormBackward0": "_saved_ord"}
 _COMPARES_WITH_INPUT_OP = frozenset({"amax", "amin", "max", "min", "median", "nanmedian"})  # traced
 # Nodes that compare their result with the two inputs saved just before it (a scatter's
 # or index reduction's self and source, a distance's two points), where their argument
@@ -205,11 +219,16 @@ def _compared_input_count(node) -> int:
     if node is None:
         return 0
     name = node.name()
-    if name in _COMPARES_WITH_INPUT or (name == "LinalgVectorNormBackward0" and math.isinf(node._saved_ord)):
+    if name in _COMPARES_WITH_INPUT or _infinity_norm(node, name):
         return 1
     if name in _COMPARES_WITH_INPUTS:
         return 2 if _COMPARES_WITH_INPUTS[name](node) else 0
     return 0
+
+
+def _infinity_norm(node, name: str) -> bool:
+    order = _NORM_ORDER.get(name)
+    return order is not None and math.isinf(getattr(node, order, 0))
 
 
 def compares_with_input_op(node) -> bool:
@@ -227,7 +246,7 @@ def lossy_codec_stores(t: torch.Tensor) -> bool:
     takes, but per-row statistics, broadcast views of their own storage and results a
     backward divides by (NOTE [ Saves a lossy codec leaves exact ]) or compares with
     its input (NOTE [ Saves a backward compares ]: the input is the caller's to hold)."""
-    if not should_encode(t) or _exact_result(t.grad_fn):
+    if not should_encode(t) or _exact_result(t.grad_fn) or _node_statistic(t):
         return False
     # The elements it reads: a broadcast dimension reads one of its size.
     distinct = math.prod(size for stride, size in zip(t.stride(), t.shape) if stride != 0)
@@ -251,6 +270,12 @@ def _statistic(t: torch.Tensor) -> bool:
     """A 0-d save, one whose last dimension is 1, or one broadcast along a dimension."""
     broadcast = any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
     return t.dim() == 0 or t.shape[-1] == 1 or broadcast
+
+
+def _node_statistic(t: torch.Tensor) -> bool:
+    """A statistic known by its node: NOTE [ Saves a lossy codec leaves exact ]."""
+    node = t.grad_fn
+    return node is not None and t.output_nr > 0 and node.name() in _STATISTICS_OF
 
 
 def _exact_result(node) -> bool:
