@@ -1,7 +1,7 @@
 """The decisions a checkpointed forward keeps for its lossy recompute (function.py):
 its ReLU outputs' signs (relu_signs.py), its max pools' windows (pool_decisions.py)
 and its Hardtanh and LeakyReLU modules' bounds (bound_decisions.py), and its masks'
-counts, which the recompute checks (mask_counts.py), attached to the
+bits, which the recompute checks (mask_counts.py), attached to the
 kept inputs (in the same place, offloaded with them) and taken again by the
 recompute's saves. One per lossy forward; an exact recompute decides as the forward
 did, and keeps none."""
@@ -17,7 +17,7 @@ from .._torch import version
 from ..errors import RecomputeError
 from . import bound_decisions, relu_signs
 from .bound_decisions import BoundBits, BoundWatch
-from .mask_counts import MaskCounts, counts_mask, true_count
+from .mask_counts import MaskCounts, counts_mask, mask_bits
 from .placeholders import Slot
 from .pool_decisions import PoolDecisions, PoolWatch
 
@@ -66,7 +66,7 @@ class ForwardDecisions:
         # NOTE [ Decisions at a boundary ]: whether the latest ReLU save waits to be
         # packed, and that save (tensor, its version, slot, kept inputs) while it does.
         self._holds, self._held = False, None
-        self.masks = MaskCounts()  # NOTE [ Masks a lossy recompute counts again ]
+        self.masks = MaskCounts()  # NOTE [ Masks a lossy recompute compares ]
 
     @contextlib.contextmanager
     def forward_watching(self):
@@ -99,8 +99,8 @@ class ForwardDecisions:
             else:
                 self._attach_signs(relu_signs.pack_signs(tensor), slot, kept)
         elif counts_mask(tensor) and id(tensor) not in self._input_nodes:  # an input mask is kept as it is
-            slot.mask_count = kept.attach(true_count(tensor))
-            self.nbytes += slot.mask_count.nbytes
+            slot.mask_bits = kept.attach(mask_bits(tensor))
+            self.nbytes += slot.mask_bits.nbytes
 
     def _attach_signs(self, bits: torch.Tensor, slot: Slot, kept) -> None:
         slot.relu_signs = kept.attach(bits)
@@ -154,7 +154,7 @@ class ForwardDecisions:
         if slot.bound_decisions is not None:
             decisions = slot.bound_decisions
             bound_decisions.restore_(tensor.data, decisions.bits.fetch(), decisions.bounds)
-        if slot.mask_count is not None:
+        if slot.mask_bits is not None:
             self.masks.note(tensor, slot)
 
     def drop_held(self) -> None:

@@ -40,11 +40,11 @@ class Slot:
     is lossy, ``relu_signs`` hold the forward's ReLU decisions (relu_signs.py),
     ``pool_decisions`` a max pool's (pool_decisions.py) and ``bound_decisions`` a
     Hardtanh's or LeakyReLU's (bound_decisions.py), attached to the kept inputs
-    (store.py), and ``mask_count`` a mask's number of True elements (mask_counts.py).
+    (store.py), and ``mask_bits`` a mask's elements, one bit each (mask_counts.py).
     ``kept``: the tensor itself, where the frame keeps it instead of
     recomputing it (selective.py), with the version it was saved at."""
 
-    __slots__ = ("index", "relu_signs", "pool_decisions", "bound_decisions", "mask_count", "recounted", "kept",
+    __slots__ = ("index", "relu_signs", "pool_decisions", "bound_decisions", "mask_bits", "recounted", "kept",
                  "handed_out", "filled_at", "__weakref__")
 
     def __init__(self, index: int):
@@ -52,8 +52,8 @@ class Slot:
         self.relu_signs = None
         self.pool_decisions = None
         self.bound_decisions = None
-        self.mask_count = None
-        self.recounted = None  # (forward's, recompute's) count where they differ
+        self.mask_bits = None
+        self.recounted = None  # (forward's, recompute's) counts of True where the masks differ
         self.kept = None
         self.handed_out = False  # the frame let go of its recomputed tensor (function.py: CheckpointFrame.hand_out)
         self.filled_at = None  # its recomputed tensor's version as saved (None: traced, as Dynamo's are)

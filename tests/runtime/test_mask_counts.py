@@ -1,5 +1,5 @@
-"""A lossy recompute's masks counted against the forward's (runtime/mask_counts.py,
-NOTE [ Masks a lossy recompute counts again ])."""
+"""A lossy recompute's masks compared with the forward's (runtime/mask_counts.py,
+NOTE [ Masks a lossy recompute compares ])."""
 import pytest
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ def test_a_mask_the_lossy_recompute_counts_otherwise_raises_where_its_backward_g
     # masked_select's backward scattered the forward's gradient onto the recompute's
     # elements, silently (every gradient at -1.2 to -1.8 dB); indexing's raised torch's
     # shape error.
-    with pytest.raises(RecomputeError, match="elements True where its forward's had"):
+    with pytest.raises(RecomputeError, match="with other elements True than its forward's"):
         _grads(SELECTS[select], compress="int8", keep=keep)
 
 
@@ -61,8 +61,8 @@ def test_an_exact_recompute_counts_no_mask_and_is_bit_identical(select):
     assert all(torch.equal(p, q) for p, q in zip(plain, exact))
 
 
-def test_a_lossy_forward_keeps_one_count_per_mask():
-    # A 0-d int64 per mask, beside the decisions: what kept_bytes counts of them.
+def test_a_lossy_forward_keeps_one_bit_per_mask_element():
+    # An eighth of the mask's bytes, beside the decisions: what kept_bytes counts of them.
     torch.manual_seed(0)
     before, x = nn.Linear(64, 64), torch.randn(8, 64)
     kept = {}
@@ -71,7 +71,7 @@ def test_a_lossy_forward_keeps_one_count_per_mask():
         output = actsave.checkpoint(block, before(x), compress="int8")
         kept[select] = actsave.kept_bytes()["device"]
         del output
-    assert kept["where"] - kept["none"] == 8
+    assert kept["where"] - kept["none"] == 8 * 64 // 8
 
 
 def test_a_lossy_step_on_meta_tensors_has_no_counts_to_compare():
@@ -82,3 +82,30 @@ def test_a_lossy_step_on_meta_tensors_has_no_counts_to_compare():
                                            segments=[0, 2], compress="int8")
     actsave.estimate(chain, [(4, 64)], device="cpu")
     chain.to("meta")(torch.empty(4, 64, device="meta", requires_grad=True)).sum().backward()
+
+
+class _Thresholded(nn.Module):
+    """``h[h > t]``, t one threshold per element."""
+
+    def __init__(self, thresholds):
+        super().__init__()
+        self.register_buffer("thresholds", thresholds)
+
+    def forward(self, h):
+        return h.masked_select(h > self.thresholds)
+
+
+def test_a_mask_with_as_many_true_elements_in_other_places_raises_where_its_backward_gathers_by_it():
+    # One group of int8 codes whose step is 1 (its largest magnitude 127): 10.4 and 9.6
+    # both decode to 10, so the recompute's mask drops element 1 and takes element 2,
+    # as many True elements as the forward's. A count saw nothing, and masked_select's
+    # backward put the gradient of element 1 on element 2, silently.
+    h = torch.zeros(1, actsave.codecs.GROUP_SIZE)
+    h[0, :3] = torch.tensor([127.0, 10.4, 9.6])
+    thresholds = torch.full_like(h, 200.0)
+    thresholds[0, 1:3] = torch.tensor([10.2, 9.8])
+    h = (h * 1).requires_grad_()
+    selected = actsave.checkpoint(_Thresholded(thresholds), h * 1, compress="int8")
+    assert selected.detach().tolist() == [pytest.approx(10.4)]
+    with pytest.raises(RecomputeError, match="with other elements True than its forward's"):
+        selected.sum().backward()
