@@ -4,7 +4,23 @@ and its Hardtanh and LeakyReLU modules' bounds (bound_decisions.py), and its mas
 bits, which the recompute checks (mask_counts.py), attached to the
 kept inputs (in the same place, offloaded with them) and taken again by the
 recompute's saves. One per lossy forward; an exact recompute decides as the forward
-did, and keeps none."""
+did, and keeps none.
+
+NOTE [ A lossy recompute that takes another path ]
+A function whose control flow reads values (``if h.sum() > 0``, a loop count from
+``.item()``: adaptive computation) may take another path on the decoded inputs of its
+lossy recompute. Where that path saves fewer tensors, or tensors of other shapes, the
+check of each save raises (function.py, ``_fill``). Where it does more, the recompute
+stops at the forward's last save (early stop), and saves of other operators of the
+same shapes filled the forward's places: the backward read another layer's weight, and
+every gradient came back at -8 to -2 dB, silently (docs/results.md, "A twenty-second
+adversarial run"). So a lossy forward notes, for each save that is a parameter (a leaf
+that needs grad, or a view of one: a Linear's ``weight.t()``), which parameter, and the
+recompute's save at that place must be a view of that same tensor; another raises
+RecomputeError. The frame's inputs are left out: the recompute's are new tensors. A path
+that differs only in activations of the same shapes is not seen (as in torch's
+checkpoint, which checks shapes alone).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +29,7 @@ import warnings
 import torch
 
 from .._taps import TORCH_CHECKPOINT
-from .._torch import version
+from .._torch import leaf_base, version
 from ..errors import RecomputeError
 from . import bound_decisions, relu_signs
 from .bound_decisions import BoundBits, BoundWatch
@@ -84,6 +100,7 @@ class ForwardDecisions:
         (store.KeptInputs) keeps the inputs."""
         if self._held is not None:
             self._pack_held(self._unchanged_held())
+        slot.parameter = _parameter_id(tensor, self._input_nodes)  # NOTE [ A lossy recompute that takes another path ]
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
         if pool is not None:
             window, input_size = pool
@@ -143,10 +160,14 @@ class ForwardDecisions:
             self._held = None
             self._attach_signs(bits, slot, kept)
 
-    def restore(self, tensor: torch.Tensor, slot: Slot) -> None:
+    def restore(self, tensor: torch.Tensor, slot: Slot, mismatch) -> None:
         """Make the recompute's save ``tensor`` decide as the forward's did, in place,
         through its ``.data`` (no op of a graph; read only where a decision applies:
-        an alias is an operator of the host's)."""
+        an alias is an operator of the host's); ``mismatch(message)`` is raised where
+        the recompute took another path (NOTE [ A lossy recompute that takes another
+        path ])."""
+        if slot.parameter is not None and _parameter_id(tensor, {}) != slot.parameter:
+            raise mismatch(_other_path(tensor, slot))
         if slot.relu_signs is not None:
             relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
         if slot.pool_decisions is not None:
@@ -167,3 +188,19 @@ class ForwardDecisions:
         if self._held is not None:
             self._pack_held(self._held[0])
         self._input_nodes = {}  # ids may be reused once the inputs are gone
+
+
+def _parameter_id(tensor: torch.Tensor, inputs: dict):
+    """The id of the parameter ``tensor`` is or views (a leaf that needs grad), None
+    for any other tensor and for the frame's ``inputs`` (ids)."""
+    base = leaf_base(tensor)
+    return id(base) if base is not None and base.requires_grad and id(base) not in inputs else None
+
+
+def _other_path(tensor: torch.Tensor, slot: Slot) -> str:
+    return (f"a lossy recompute saved a tensor of shape {list(tensor.shape)} where its forward saved a parameter at "
+            f"the same place (save {slot.index}): on the decoded inputs, the function took another path than its "
+            "forward (a branch or a loop count decided by values: .item(), bool(tensor)), so its backward would read "
+            "other operators' saves and the gradients would be wrong. Keep this function's inputs exactly "
+            "(compress=None for it), or make its control flow depend on no value a codec rounds "
+            "(NOTE [ A lossy recompute that takes another path ] in runtime/forward_decisions.py).")

@@ -365,7 +365,7 @@ class CheckpointFrame:
         # tensor itself (selective.py), which the recompute does not replace.
         if slot is not None and slot.kept is None:
             if lossy:
-                self.decisions.restore(tensor, slot)
+                self.decisions.restore(tensor, slot, self._mismatch)
             into[slot], slot.filled_at = detached, None if torch.compiler.is_compiling() else version(detached)
         if index == count - 1 and self.options.early_stop:
             # Early stop: what runs after the last saved tensor (at least the output of

@@ -40,12 +40,14 @@ class Slot:
     is lossy, ``relu_signs`` hold the forward's ReLU decisions (relu_signs.py),
     ``pool_decisions`` a max pool's (pool_decisions.py) and ``bound_decisions`` a
     Hardtanh's or LeakyReLU's (bound_decisions.py), attached to the kept inputs
-    (store.py), and ``mask_bits`` a mask's elements, one bit each (mask_counts.py).
+    (store.py), ``mask_bits`` a mask's elements, one bit each (mask_counts.py), and
+    ``parameter`` the id of the parameter the save views, which the recompute's must
+    view too (forward_decisions.py).
     ``kept``: the tensor itself, where the frame keeps it instead of
     recomputing it (selective.py), with the version it was saved at."""
 
-    __slots__ = ("index", "relu_signs", "pool_decisions", "bound_decisions", "mask_bits", "recounted", "kept",
-                 "handed_out", "filled_at", "__weakref__")
+    __slots__ = ("index", "relu_signs", "pool_decisions", "bound_decisions", "mask_bits", "recounted", "parameter",
+                 "kept", "handed_out", "filled_at", "__weakref__")
 
     def __init__(self, index: int):
         self.index = index
@@ -53,6 +55,7 @@ class Slot:
         self.pool_decisions = None
         self.bound_decisions = None
         self.mask_bits = None
+        self.parameter = None
         self.recounted = None  # (forward's, recompute's) counts of True where the masks differ
         self.kept = None
         self.handed_out = False  # the frame let go of its recomputed tensor (function.py: CheckpointFrame.hand_out)

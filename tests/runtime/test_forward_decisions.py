@@ -1,5 +1,6 @@
-"""The decisions a lossy forward keeps (runtime/forward_decisions.py): here, the warning
-for a torch.utils.checkpoint inside one, whose recompute no decision kept here reaches."""
+"""The decisions a lossy forward keeps (runtime/forward_decisions.py): the warning for a
+torch.utils.checkpoint inside one, whose recompute no decision kept here reaches, and
+the parameters its saves view, which a recompute that took another path does not."""
 import warnings
 
 import pytest
@@ -8,6 +9,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import actsave
+from actsave.errors import RecomputeError
 from actsave.runtime import forward_decisions
 
 
@@ -35,3 +37,52 @@ def test_a_torch_checkpoint_inside_a_lossy_one_warns_once(monkeypatch, keep, com
             model(torch.randn(2, 8, 4, 4)).sum().backward()
     raised = [w for w in caught if "torch.utils.checkpoint runs inside a checkpoint" in str(w.message)]
     assert len(raised) == (1 if warns else 0)
+
+
+class Halting(nn.Module):
+    """One pass through ``a``, or two where ``h[0, 1] <= 10.2`` (adaptive computation),
+    then ``b`` and ``c``, all of one shape."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(width, width) for _ in range(3))
+        self.passes = []
+
+    def forward(self, h):
+        self.passes.append(1 if h[0, 1] > 10.2 else 2)
+        for _ in range(self.passes[-1]):
+            h = torch.tanh(self.a(h))
+        return self.c(torch.tanh(self.b(h)))
+
+
+def _halting_input():
+    """One int8 group whose step is 1 (its largest magnitude 127): its 10.4 decodes to 10."""
+    h = torch.zeros(1, actsave.codecs.GROUP_SIZE)
+    h[0, :2] = torch.tensor([127.0, 10.4])
+    return h
+
+
+@pytest.mark.parametrize("entry", ["checkpoint", "chain"])
+def test_a_lossy_recompute_that_takes_a_longer_path_raises(entry):
+    # The recompute made two passes where the forward made one, stopped at the
+    # forward's last save, and b's and c's places held a's saves: every gradient at -8
+    # to -2 dB, silently. A shorter path raised already (fewer saves).
+    torch.manual_seed(0)
+    block = Halting(actsave.codecs.GROUP_SIZE)
+    h = _halting_input().requires_grad_()
+    if entry == "checkpoint":
+        y = actsave.checkpoint(block, h * 1, compress="int8")
+    else:
+        y = actsave.CheckpointedSequential(nn.Identity(), block, nn.Identity(), segments=[0, 1, 2],
+                                           compress="int8")(h * 1)
+    with pytest.raises(RecomputeError, match="took another path than its forward"):
+        y.sum().backward()
+    assert block.passes == [1, 2]
+
+
+def test_an_exact_recompute_of_the_same_function_runs_as_plain():
+    torch.manual_seed(0)
+    block = Halting(actsave.codecs.GROUP_SIZE)
+    h = _halting_input().requires_grad_()
+    actsave.checkpoint(block, h * 1).sum().backward()
+    assert block.passes == [1, 1] and h.grad is not None
