@@ -1,7 +1,7 @@
 """The private PyTorch APIs of compiled graphs that actsave touches, each behind a
 feature check, as _torch.py keeps every other: AOTAutograd's saved-tensor hooks inlined
 into its graphs (and the context that names the node a hook traces), FX annotations,
-Dynamo's skipped frames, fake tensors, the module ``torch.compile`` returns.
+Dynamo's skipped frames and its caches, fake tensors, the module ``torch.compile`` returns.
 runtime/graph_codecs.py and runtime/compiled_chain.py use the graphs'; a torch that
 lacks one keeps codecs out of compiled graphs (graph_hooks_missing says which)."""
 from __future__ import annotations
@@ -274,3 +274,23 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     (``module.compile()`` compiles in place: run it under :func:`compiled_code_eager`
     for its eager code)."""
     return module._orig_mod if isinstance(module, _OptimizedModule) else module
+
+
+# NOTE [ A meta step that failed inside Dynamo ]
+# torch.cond compiles its branches with Dynamo, in eager code too. A meta step through
+# one fails (a branch meets a real tensor beside the fake ones it traces), and left
+# Dynamo's caches holding what it had traced: every later torch.cond of the process
+# failed, plain PyTorch's too, until torch._dynamo.reset() (docs/results.md, "A
+# twenty-second adversarial run"). So a meta step that raises through Dynamo's frames
+# resets its caches so; code the user compiled compiles again at its next call.
+_DYNAMO_FRAMES = ("/torch/_dynamo/", "/torch/_higher_order_ops/")
+
+
+def reset_dynamo_after(error: BaseException) -> None:
+    """torch._dynamo.reset() where ``error`` was raised through Dynamo's frames."""
+    frame = error.__traceback__
+    while frame is not None:
+        if any(part in frame.tb_frame.f_code.co_filename.replace("\\", "/") for part in _DYNAMO_FRAMES):
+            torch._dynamo.reset()
+            return
+        frame = frame.tb_next

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ._taps import ATTENTION
+from ._torch_graphs import reset_dynamo_after
 from ._torch import (
     OpOverload,
     TorchDispatchMode,
@@ -156,6 +157,9 @@ def on_meta(model: nn.Module):
     try:
         with fsdp_forward_hooks_paused(model), _NAN_CHECKS_OFF.active(), _python_generators_put_back():
             yield from _swapped_for_meta(model)
+    except BaseException as error:
+        reset_dynamo_after(error)  # NOTE [ A meta step that failed inside Dynamo ]
+        raise
     finally:
         _meta_steps.depth -= 1
 

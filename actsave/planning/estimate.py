@@ -35,6 +35,7 @@ Limits:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -44,7 +45,7 @@ from torch import nn
 from .._torch import pytree
 from ..checks import check_loss_function, integral
 from ..devices import convolution_workspaces
-from ..errors import ConfigError
+from ..errors import ActsaveError, ConfigError
 from ..meta import fast_meta, on_meta, plans_at_first_call, simulating
 from ..runtime.store import peak_kept_bytes
 from .instrumented_step import backward_from, checked_loss
@@ -144,7 +145,8 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
     specs = _input_specs(input_shapes, _default_dtype(model))
     # Inside on_meta: the model's attributes are put back as the step found them (a
     # tensor cached at the first forward would stay a meta one), on its meta buffers.
-    with on_meta(model) as state, ModuleState(model), parametrize_cache_set_aside(model), simulating(device):
+    with _meta_step_errors(), on_meta(model) as state, ModuleState(model), parametrize_cache_set_aside(model), \
+            simulating(device):
         inputs = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
         if plans_at_first_call(model):
             with fast_meta(), torch.enable_grad():
@@ -168,6 +170,23 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
         host_peak_bytes=stored["host"] - host_before,
         workspace_bytes_left_out=int(_WORKSPACE_PER_CONVOLUTION_TENSOR * convolutions.largest),
     )
+
+
+@contextlib.contextmanager
+def _meta_step_errors():
+    """An error of the model's step on meta tensors raised as one that says so (an
+    actsave error passes as it is)."""
+    try:
+        yield
+    except ActsaveError:
+        raise
+    except Exception as error:
+        raise ActsaveError(
+            f"actsave.estimate runs one training step of the model on meta tensors, and it failed there: "
+            f"{type(error).__name__}: {error}. An operator with no meta kernel (torch's error names it), a value "
+            "read on the host (.item(), a tensor of lengths that must be on the CPU) or torch.cond cannot run on "
+            "meta tensors: measure the model on its device instead (actsave.profile, or "
+            "CheckpointedSequential(segments='auto'), which profile it).") from error
 
 
 class _LargestConvolutionTensor:

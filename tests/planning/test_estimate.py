@@ -283,3 +283,33 @@ def test_bad_arguments_say_what_to_do():
         actsave.estimate(nn.Linear(2, 2), (1, 2), optimizer="lion")
     with pytest.raises(ConfigError, match="device='gpu' is not a torch device"):
         actsave.estimate(nn.Linear(2, 2), (1, 2), device="gpu")
+
+
+class _ReadsAValue(nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()
+
+
+class _Conditional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda y: torch.relu(self.a(y)), lambda y: torch.sigmoid(self.b(y)), (x,))
+
+
+def test_a_step_meta_tensors_cannot_run_says_so_and_names_torchs_error():
+    with pytest.raises(actsave.ActsaveError, match="runs one training step of the model on meta tensors") as raised:
+        actsave.estimate(nn.Sequential(nn.Linear(8, 8), _ReadsAValue()), (4, 8), device="cpu")
+    assert "item" in str(raised.value.__cause__)
+
+
+def test_torch_cond_works_after_an_estimate_through_it_failed():
+    # NOTE [ A meta step that failed inside Dynamo ]: every later torch.cond of the
+    # process failed, plain PyTorch's too.
+    with pytest.raises(actsave.ActsaveError):
+        actsave.estimate(nn.Sequential(nn.Linear(8, 8), _Conditional()), (64, 8), device="cpu")
+    x = torch.randn(64, 8, requires_grad=True)
+    _Conditional()(x).sum().backward()
+    assert x.grad is not None
