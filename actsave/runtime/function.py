@@ -103,7 +103,7 @@ from .forward_decisions import ForwardDecisions
 from .layers import known_layers, modules_under
 from .passed_inputs import run_segment
 from .placeholders import Cursor, Slot, unchanged, weakly
-from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mismatch
+from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mismatch, other_shapes
 from .replay import ReplayState, passed_generators
 from .state import RecomputeStop, TouchedState
 from .keep_rules import EXACT, CallerTensors, KeepPolicy
@@ -352,13 +352,8 @@ class CheckpointFrame:
         if self.touched.reads.watching:  # NOTE [ Buffers read after the forward changed them ]
             self.touched.reads.check(index, tensor)
         if self.options.checks_saves and index < count and _signature(tensor) != self.signatures[index]:
-            raise self._mismatch(
-                f"the recompute of {qualified_name(self.function)} saved a tensor of shape/dtype/device "
-                f"{_shown(_signature(tensor))} where the forward saved {_shown(self.signatures[index])}: the "
-                "function is not deterministic in its shapes or dtypes, so its gradients would be wrong (state it "
-                "appends to runs again: Hugging Face's use_cache=True, pass use_cache=False to train). Make it "
-                "deterministic or do not checkpoint it (determinism_check='none' skips this check)."
-            )
+            raise self._mismatch(other_shapes(qualified_name(self.function), _shown(_signature(tensor)),
+                                              _shown(self.signatures[index]), lossy))
         slot = self.slots[index]() if index < count else None
         detached = detached_or_same(tensor)
         # No slot: autograd freed the node that saved it; a kept one: the frame holds the

@@ -109,3 +109,24 @@ def test_a_mask_with_as_many_true_elements_in_other_places_raises_where_its_back
     assert selected.detach().tolist() == [pytest.approx(10.4)]
     with pytest.raises(RecomputeError, match="with other elements True than its forward's"):
         selected.sum().backward()
+
+
+class _Nonzero(_Thresholded):
+    """``h`` at the indices of ``h > t``: a shape decided by the values."""
+
+    def forward(self, h):
+        rows, columns = (h > self.thresholds).nonzero().unbind(1)
+        return h[rows, columns]
+
+
+def test_a_shape_a_lossy_recompute_decides_otherwise_raises_naming_the_codec():
+    # The recompute's nonzero found no element (10.4 decoded to 10, below 10.2): the
+    # error blamed non-determinism and use_cache, and advised skipping the check.
+    h = torch.zeros(1, actsave.codecs.GROUP_SIZE)
+    h[0, :2] = torch.tensor([127.0, 10.4])
+    thresholds = torch.full_like(h, 200.0)
+    thresholds[0, 1] = 10.2
+    h = (h * 1).requires_grad_()
+    selected = actsave.checkpoint(_Nonzero(thresholds), h * 1, compress="int8")
+    with pytest.raises(RecomputeError, match="kept by a lossy codec, and a shape decided by their values"):
+        selected.sum().backward()
