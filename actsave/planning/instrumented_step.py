@@ -33,9 +33,9 @@ from ..meta import fast_meta, plans_at_first_call
 from ..runtime import relu_signs
 from ..runtime.bound_decisions import BoundWatch
 from ..runtime.layers import modules_under
-from ..runtime.mask_counts import counts_mask, mask_bytes
 from ..runtime.passed_inputs import returns_its_input
 from ..runtime.pool_decisions import PoolWatch
+from ..runtime.saved_masks import compares_mask, mask_bytes
 from ..runtime.keep_rules import CallerTensors, should_encode
 from ..runtime.kept_saves import takes_kept_saves
 from .allocator_rises import AllocatorRises, larger_of_each
@@ -126,7 +126,7 @@ class _SaveLedger:
             self._count_bounded(t)
         elif relu_signs.keeps_decisions(t, {}, self._relu_saves):  # one step of the whole chain: no segment inputs
             self._count_relu_output(t)
-        elif counts_mask(t):  # NOTE [ Masks a lossy recompute compares ]: its bits, beside the decisions
+        elif compares_mask(t):  # NOTE [ Masks a lossy recompute compares ]: its bits, beside the decisions
             self.relu_bits.setdefault(self.layer, [0, 0])[0] += allocation_bytes(mask_bytes(t.numel()), self.device)
         # Detached: holding the output itself would be a reference cycle.
         rise = self.tracker.live - self.live_before[self.layer]

@@ -1,7 +1,7 @@
 """The decisions a checkpointed forward keeps for its lossy recompute (function.py):
 its ReLU outputs' signs (relu_signs.py), its max pools' windows (pool_decisions.py)
 and its Hardtanh and LeakyReLU modules' bounds (bound_decisions.py), and its masks'
-bits, which the recompute checks (mask_counts.py), attached to the
+bits, which the recompute checks (saved_masks.py), attached to the
 kept inputs (in the same place, offloaded with them) and taken again by the
 recompute's saves. One per lossy forward; an exact recompute decides as the forward
 did, and keeps none.
@@ -33,9 +33,9 @@ from .._torch import leaf_base, version
 from ..errors import RecomputeError
 from . import bound_decisions, relu_signs
 from .bound_decisions import BoundBits, BoundWatch
-from .mask_counts import MaskCounts, counts_mask, mask_bits
 from .placeholders import Slot
 from .pool_decisions import PoolDecisions, PoolWatch
+from .saved_masks import SavedMasks, compares_mask, mask_bits
 
 
 # A torch.utils.checkpoint called inside a lossy forward recomputes in the backward,
@@ -82,7 +82,7 @@ class ForwardDecisions:
         # NOTE [ Decisions at a boundary ]: whether the latest ReLU save waits to be
         # packed, and that save (tensor, its version, slot, kept inputs) while it does.
         self._holds, self._held = False, None
-        self.masks = MaskCounts()  # NOTE [ Masks a lossy recompute compares ]
+        self.masks = SavedMasks()  # NOTE [ Masks a lossy recompute compares ]
 
     @contextlib.contextmanager
     def forward_watching(self):
@@ -92,7 +92,7 @@ class ForwardDecisions:
     def recompute_watching(self):
         """What the recompute runs under: its max pools pool at the forward's windows;
         its masks counted anew."""
-        self.masks = MaskCounts()
+        self.masks = SavedMasks()
         return self.pools.watching()
 
     def keep(self, tensor: torch.Tensor, slot: Slot, kept) -> None:
@@ -115,7 +115,7 @@ class ForwardDecisions:
                 self._held = (tensor, version(tensor), slot, kept)
             else:
                 self._attach_signs(relu_signs.pack_signs(tensor), slot, kept)
-        elif counts_mask(tensor) and id(tensor) not in self._input_nodes:  # an input mask is kept as it is
+        elif compares_mask(tensor) and id(tensor) not in self._input_nodes:  # an input mask is kept as it is
             slot.mask_bits = kept.attach(mask_bits(tensor))
             self.nbytes += slot.mask_bits.nbytes
 

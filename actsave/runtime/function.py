@@ -107,7 +107,7 @@ from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mism
 from .replay import ReplayState, passed_generators
 from .state import RecomputeStop, TouchedState
 from .keep_rules import EXACT, CallerTensors, KeepPolicy
-from .mask_counts import check_unpacked
+from .saved_masks import check_unpacked
 from .store import KeptInputs, account, input_tensors
 
 _local = threading.local()

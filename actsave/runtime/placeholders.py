@@ -40,7 +40,7 @@ class Slot:
     is lossy, ``relu_signs`` hold the forward's ReLU decisions (relu_signs.py),
     ``pool_decisions`` a max pool's (pool_decisions.py) and ``bound_decisions`` a
     Hardtanh's or LeakyReLU's (bound_decisions.py), attached to the kept inputs
-    (store.py), ``mask_bits`` a mask's elements, one bit each (mask_counts.py), and
+    (store.py), ``mask_bits`` a mask's elements, one bit each (saved_masks.py), and
     ``parameter`` the id of the parameter the save views, which the recompute's must
     view too (forward_decisions.py).
     ``kept``: the tensor itself, where the frame keeps it instead of

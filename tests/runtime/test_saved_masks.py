@@ -1,4 +1,4 @@
-"""A lossy recompute's masks compared with the forward's (runtime/mask_counts.py,
+"""A lossy recompute's masks compared with the forward's (runtime/saved_masks.py,
 NOTE [ Masks a lossy recompute compares ])."""
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """The elements of each mask a lossy checkpointed forward saves, one bit each, checked
-against its recompute's (:class:`MaskCounts`).
+against its recompute's (:class:`SavedMasks`).
 
 NOTE [ Masks a lossy recompute compares ]
 A mask saved for backward (``x[a > 0]``, ``masked_select``, ``torch.where``) is a
@@ -30,7 +30,7 @@ from ..triton_kernels import bitfields
 from .placeholders import Slot
 
 
-def counts_mask(tensor: torch.Tensor) -> bool:
+def compares_mask(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``, a save of a lossy forward, is a mask whose bits it keeps."""
     return tensor.dtype == torch.bool and tensor.numel() > 0
 
@@ -50,7 +50,7 @@ _GATHERS_BY_MASK = frozenset({"MaskedSelectBackward0", "IndexBackward0", "Masked
                               "IndexPutBackward0"})
 
 
-class MaskCounts:
+class SavedMasks:
     """The masks one recompute saved, each beside the bits its forward's kept."""
 
     def __init__(self):
@@ -95,4 +95,4 @@ def check_unpacked(slot: Slot, mismatch: Callable[[str], Exception], function_na
         f"{forward}): the comparison ran on decoded values and decided otherwise, and {node.name()} gathers the "
         "gradient through the mask's True elements, so it would land on other elements. Keep this function exactly "
         "(no codec), or compute the mask from values the codec does not change "
-        "(NOTE [ Masks a lossy recompute compares ] in runtime/mask_counts.py).")
+        "(NOTE [ Masks a lossy recompute compares ] in runtime/saved_masks.py).")
