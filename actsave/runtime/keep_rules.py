@@ -131,11 +131,11 @@ def should_encode(t: torch.Tensor, made_by: Optional[CallerTensors] = None) -> b
 #   its other saves share the copy held. Decompositions too, whose backwards divide by
 #   differences of their eigen- or singular values or by a factor's diagonal (eigh,
 #   eig, svd, qr, cholesky, lu): decoded apart, nearby values are equal, and every
-#   gradient NaN (docs/results.md, "A twenty-second adversarial run"). A node that divides by an input it saves
-#   (``log(p)``, ``a / b``, ``x ** -0.5``) is not known so: a save hook is told the
-#   tensor, not the node that saves it, and that node's output does not exist yet
-#   (``torch.log_softmax`` saves its own output and divides by nothing: the form to
-#   write a log of probabilities in).
+#   gradient NaN (docs/results.md, "A twenty-second adversarial run"). A node that
+#   divides by an input it saves (``log(p)``, ``a / b``, ``x ** -0.5``) is not known
+#   so: a save hook is told the tensor, not the node that saves it, and that node's
+#   output does not exist yet (``torch.log_softmax`` saves its own output and divides
+#   by nothing: the form to write a log of probabilities in).
 # The planner's count of a plain segment's saves asks the same (planning/saves_as_stored.py).
 _DIVIDES_BY_RESULT = frozenset({
     "SqrtBackward0", "StdBackward0", "StdMeanBackward0", "NormBackward0", "NormBackward1", "NormBackward2",
