@@ -1,7 +1,8 @@
-"""What the decision kernels share (relu_signs.py, max_pool.py): the tile of packed
-bytes a program owns and the launch options, the fields packed into bytes and unpacked
-(NOTE [ Bit fields ] in bitfields.py), the checks a launcher makes of its inputs, and
-the byte table of the references (NOTE [ Cheap references ]).
+"""What the decision kernels share (relu_signs.py, bounds.py, max_pool.py): the tile of
+packed bytes a program owns and the launch options, the fields packed into bytes and
+unpacked (NOTE [ Bit fields ] in bitfields.py), a float's bits loaded and stored, the
+checks a launcher makes of its inputs, and the byte table of the references (NOTE
+[ Cheap references ]).
 
 A program owns ``packed_rows(bits, wide_bytes)`` packed bytes, the rows of its tile;
 the ``8 // bits`` fields of row r are those of elements ``r * (8 // bits)`` upward.
