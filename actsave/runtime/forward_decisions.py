@@ -14,19 +14,25 @@ check of each save raises (function.py, ``_fill``). Where it does more, the reco
 stops at the forward's last save (early stop), and saves of other operators of the
 same shapes filled the forward's places: the backward read another layer's weight, and
 every gradient came back at -8 to -2 dB, silently (docs/results.md, "A twenty-second
-adversarial run"). So a lossy forward notes, for each save that is a parameter (a leaf
-that needs grad, or a view of one: a Linear's ``weight.t()``), which parameter, and the
-recompute's save at that place must be a view of that same tensor; another raises
-RecomputeError. The frame's inputs are left out: the recompute's are new tensors. A path
-that differs only in activations of the same shapes is not seen (as in torch's
-checkpoint, which checks shapes alone).
+adversarial run"). So a lossy forward notes, for each save that reads an
+``nn.Parameter`` (the parameter, a view of it: a Linear's ``weight.t()``, or a view of
+a cast of it: autocast's, ``w.to(dtype)``), which parameter and the save's strides and
+offset, and the recompute's save at that place must read the same so (``W`` is not
+``W.t()``); another raises RecomputeError. Left out: the frame's inputs and their
+bases (the recompute's are new tensors: a codec decoded them), and leaves made inside
+the function (``w.detach().requires_grad_()``: a new one each call), which are no
+``nn.Parameter``. A parameter replaced between the forward and the backward raises so
+too. A path that differs only in activations of the same shapes is not seen (as in
+torch's checkpoint, which checks shapes alone).
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Optional
 
 import torch
+from torch import nn
 
 from .._taps import TORCH_CHECKPOINT
 from .._torch import leaf_base, version
@@ -78,6 +84,8 @@ class ForwardDecisions:
         self._relu_saves = relu_signs.FirstSaves()
         # Read during the forward only, while the caller still holds the inputs.
         self._input_nodes = relu_signs.input_nodes(inputs)
+        # NOTE [ A lossy recompute that takes another path ]: the parameters among them.
+        self._input_bases = {id(base) for base in map(leaf_base, inputs) if base is not None}
         self.nbytes = 0  # the decisions kept
         # NOTE [ Decisions at a boundary ]: whether the latest ReLU save waits to be
         # packed, and that save (tensor, its version, slot, kept inputs) while it does.
@@ -100,7 +108,8 @@ class ForwardDecisions:
         (store.KeptInputs) keeps the inputs."""
         if self._held is not None:
             self._pack_held(self._unchanged_held())
-        slot.parameter = _parameter_id(tensor, self._input_nodes)  # NOTE [ A lossy recompute that takes another path ]
+        # The parameter it reads, if any: NOTE [ A lossy recompute that takes another path ].
+        slot.parameter = _parameter_read(tensor, self._input_bases)
         pool = self.pools.window_of(tensor)  # also notes a pool's input: called for every save
         if pool is not None:
             window, input_size = pool
@@ -166,7 +175,7 @@ class ForwardDecisions:
         an alias is an operator of the host's); ``mismatch(message)`` is raised where
         the recompute took another path (NOTE [ A lossy recompute that takes another
         path ])."""
-        if slot.parameter is not None and _parameter_id(tensor, {}) != slot.parameter:
+        if slot.parameter is not None and _parameter_read(tensor, ()) != slot.parameter:
             raise mismatch(_other_path(tensor, slot))
         if slot.relu_signs is not None:
             relu_signs.restore_decisions_(tensor.data, slot.relu_signs.fetch())
@@ -187,20 +196,29 @@ class ForwardDecisions:
         """A save still held (the forward did not end on it) has its decisions packed."""
         if self._held is not None:
             self._pack_held(self._held[0])
-        self._input_nodes = {}  # ids may be reused once the inputs are gone
+        self._input_nodes, self._input_bases = {}, set()  # ids may be reused once the inputs are gone
 
 
-def _parameter_id(tensor: torch.Tensor, inputs: dict):
-    """The id of the parameter ``tensor`` is or views (a leaf that needs grad), None
-    for any other tensor and for the frame's ``inputs`` (ids)."""
-    base = leaf_base(tensor)
-    return id(base) if base is not None and base.requires_grad and id(base) not in inputs else None
+def _parameter_read(tensor: torch.Tensor, input_bases) -> Optional[tuple]:
+    """``(id, strides, offset)``: the ``nn.Parameter`` that ``tensor`` is, views, or views
+    a cast of, and how it reads it; None for any other tensor and for parameters among
+    ``input_bases`` (ids): NOTE [ A lossy recompute that takes another path ]."""
+    base = tensor._base if tensor._is_view() else tensor
+    if not base.is_leaf:
+        node = base.grad_fn  # a cast of a parameter (autocast's, w.to(dtype)), or casts of casts
+        while node is not None and node.name() == "ToCopyBackward0":
+            node = node.next_functions[0][0]
+        base = getattr(node, "variable", None)
+    if not isinstance(base, nn.Parameter) or id(base) in input_bases:
+        return None
+    return id(base), tensor.stride(), tensor.storage_offset()
 
 
 def _other_path(tensor: torch.Tensor, slot: Slot) -> str:
-    return (f"a lossy recompute saved a tensor of shape {list(tensor.shape)} where its forward saved a parameter at "
-            f"the same place (save {slot.index}): on the decoded inputs, the function took another path than its "
-            "forward (a branch or a loop count decided by values: .item(), bool(tensor)), so its backward would read "
-            "other operators' saves and the gradients would be wrong. Keep this function's inputs exactly "
-            "(compress=None for it), or make its control flow depend on no value a codec rounds "
-            "(NOTE [ A lossy recompute that takes another path ] in runtime/forward_decisions.py).")
+    return (f"a lossy recompute saved a tensor of shape {list(tensor.shape)} where its forward saved a parameter, "
+            f"read otherwise, at the same place (save {slot.index}): on the decoded inputs, the function took "
+            "another path than its forward (a branch or a loop count decided by values: .item(), bool(tensor)), or "
+            "the parameter was replaced between the forward and the backward, so its backward would read other "
+            "operators' saves and the gradients would be wrong. Keep this function's inputs exactly (compress=None "
+            "for it), make its control flow depend on no value a codec rounds, and replace parameters after the "
+            "backward (NOTE [ A lossy recompute that takes another path ] in runtime/forward_decisions.py).")

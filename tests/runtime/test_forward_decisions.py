@@ -62,7 +62,7 @@ def _halting_input():
     return h
 
 
-@pytest.mark.parametrize("entry", ["checkpoint", "chain"])
+@pytest.mark.parametrize("entry", ["checkpoint", "chain", "autocast"])
 def test_a_lossy_recompute_that_takes_a_longer_path_raises(entry):
     # The recompute made two passes where the forward made one, stopped at the
     # forward's last save, and b's and c's places held a's saves: every gradient at -8
@@ -72,6 +72,9 @@ def test_a_lossy_recompute_that_takes_a_longer_path_raises(entry):
     h = _halting_input().requires_grad_()
     if entry == "checkpoint":
         y = actsave.checkpoint(block, h * 1, compress="int8")
+    elif entry == "autocast":  # its saves are casts of the parameters, not views
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = actsave.checkpoint(block, h * 1, compress="int8")
     else:
         y = actsave.CheckpointedSequential(nn.Identity(), block, nn.Identity(), segments=[0, 1, 2],
                                            compress="int8")(h * 1)
@@ -86,3 +89,32 @@ def test_an_exact_recompute_of_the_same_function_runs_as_plain():
     h = _halting_input().requires_grad_()
     actsave.checkpoint(block, h * 1).sum().backward()
     assert block.passes == [1, 1] and h.grad is not None
+
+
+def test_a_lossy_recompute_that_reads_a_parameter_otherwise_raises():
+    # W where the forward read W.t(), both views of one parameter: -1.5 dB, silently.
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(actsave.codecs.GROUP_SIZE, actsave.codecs.GROUP_SIZE))
+    h = _halting_input().requires_grad_()
+    y = actsave.checkpoint(lambda h: torch.tanh(h @ (weight.t() if h[0, 1] > 10.2 else weight)), h * 1,
+                           compress="int8")
+    with pytest.raises(RecomputeError, match="took another path than its forward"):
+        y.sum().backward()
+
+
+INPUTS_AND_LEAVES = {
+    # A view of a parameter passed in: the codec stores it, the recompute reads its decoded copy.
+    "a parameter's view as an input": lambda lin, h: actsave.checkpoint(
+        lambda h, w: torch.relu(h @ w), h, lin.weight.t(), compress="int8"),
+    # A leaf made inside the function: a new one at each call.
+    "a leaf made inside": lambda lin, h: actsave.checkpoint(
+        lambda h: torch.relu(h @ lin.weight.detach().requires_grad_().t()), h, compress="int8"),
+}
+
+
+@pytest.mark.parametrize("case", INPUTS_AND_LEAVES)
+def test_inputs_and_leaves_made_inside_are_no_parameters_the_recompute_must_read_again(case):
+    torch.manual_seed(0)
+    lin, h = nn.Linear(16, 16), torch.randn(8, 16, requires_grad=True)
+    INPUTS_AND_LEAVES[case](lin, h * 1).sum().backward()
+    assert h.grad is not None and h.grad.isfinite().all()
