@@ -281,16 +281,18 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
 # one fails (a branch meets a real tensor beside the fake ones it traces), and left
 # Dynamo's caches holding what it had traced: every later torch.cond of the process
 # failed, plain PyTorch's too, until torch._dynamo.reset() (docs/results.md, "A
-# twenty-second adversarial run"). So a meta step that raises through Dynamo's frames
-# resets its caches so; code the user compiled compiles again at its next call.
-_DYNAMO_FRAMES = ("/torch/_dynamo/", "/torch/_higher_order_ops/")
+# twenty-second adversarial run"). So a meta step that raises through a higher-order
+# operator's frames (cond, while_loop, ...) resets its caches so; code the user compiled
+# compiles again at its next call. Not any frame of Dynamo's: every step passes through
+# its ``disable`` wrappers, and a failed step of any other kind would recompile it all.
+_HIGHER_ORDER_FRAMES = "/torch/_higher_order_ops/"
 
 
 def reset_dynamo_after(error: BaseException) -> None:
-    """torch._dynamo.reset() where ``error`` was raised through Dynamo's frames."""
+    """torch._dynamo.reset() where ``error`` was raised through a higher-order operator."""
     frame = error.__traceback__
     while frame is not None:
-        if any(part in frame.tb_frame.f_code.co_filename.replace("\\", "/") for part in _DYNAMO_FRAMES):
+        if _HIGHER_ORDER_FRAMES in frame.tb_frame.f_code.co_filename.replace("\\", "/"):
             torch._dynamo.reset()
             return
         frame = frame.tb_next

@@ -174,19 +174,21 @@ def estimate(model: nn.Module, input_shapes, device="cuda", optimizer: Optional[
 
 @contextlib.contextmanager
 def _meta_step_errors():
-    """An error of the model's step on meta tensors raised as one that says so (an
-    actsave error passes as it is)."""
+    """An error of the model's step on meta tensors raised as one that says so; an
+    actsave error, and a TypeError or ValueError (the arguments' own: a wrong number
+    of input shapes), pass as they are."""
     try:
         yield
-    except ActsaveError:
+    except (ActsaveError, TypeError, ValueError):
         raise
     except Exception as error:
         raise ActsaveError(
-            f"actsave.estimate runs one training step of the model on meta tensors, and it failed there: "
-            f"{type(error).__name__}: {error}. An operator with no meta kernel (torch's error names it), a value "
-            "read on the host (.item(), a tensor of lengths that must be on the CPU) or torch.cond cannot run on "
-            "meta tensors: measure the model on its device instead (actsave.profile, or "
-            "CheckpointedSequential(segments='auto'), which profile it).") from error
+            f"actsave.estimate ran one training step of the model on meta tensors, and it raised: "
+            f"{type(error).__name__}: {error}. Where the model runs on its device with these input shapes, an "
+            "operator of it cannot run on meta tensors: one with no meta kernel (torch's error names it), a value "
+            "read on the host (.item(), a tensor of lengths that must be on the CPU), torch.cond. Measure such a "
+            "model on its device instead (actsave.profile, or CheckpointedSequential(segments='auto'), which "
+            "profile it).") from error
 
 
 class _LargestConvolutionTensor:

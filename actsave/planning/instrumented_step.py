@@ -127,7 +127,7 @@ class _SaveLedger:
         elif relu_signs.keeps_decisions(t, {}, self._relu_saves):  # one step of the whole chain: no segment inputs
             self._count_relu_output(t)
         elif compares_mask(t):  # NOTE [ Masks a lossy recompute compares ]: its bits, beside the decisions
-            self.relu_bits.setdefault(self.layer, [0, 0])[0] += allocation_bytes(mask_bytes(t.numel()), self.device)
+            self.relu_bits.setdefault(self.layer, [0, 0])[0] += allocation_bytes(mask_bytes(t), self.device)
         # Detached: holding the output itself would be a reference cycle.
         rise = self.tracker.live - self.live_before[self.layer]
         return t.detach(), self.as_stored.pack(t, self.layer, rise, pool, bounded)

@@ -36,18 +36,31 @@ def compares_mask(tensor: torch.Tensor) -> bool:
 
 
 def mask_bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The mask's elements, one bit each, row-major, on its device (no sync)."""
-    return bitfields.pack(tensor.reshape(-1).view(torch.uint8), 1)
+    """The mask's distinct elements, one bit each, row-major, on its device (no sync):
+    a dimension it is broadcast along (stride 0: a causal mask expanded over a batch and
+    heads) is taken once."""
+    return bitfields.pack(_distinct(tensor).reshape(-1).view(torch.uint8), 1)
 
 
-def mask_bytes(numel: int) -> int:
-    """The bytes of :func:`mask_bits` of a mask of ``numel`` elements."""
-    return -(-numel // 8)
+def mask_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of :func:`mask_bits` of ``tensor``."""
+    return -(-_distinct(tensor).numel() // 8)
 
 
-# The backwards that gather or scatter through a mask's True elements in order.
+def _distinct(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with each dimension it is broadcast along cut to its first element."""
+    if 0 not in tensor.stride():
+        return tensor
+    return tensor[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in tensor.stride())]
+
+
+# The backwards that gather or scatter through a mask's True elements in order. Those
+# of a scatter into ``self`` (``y[mask] = v``, masked_scatter) gather the gradient of
+# their source alone: with a source that needs none (``y[mask] = 0``), they go element
+# by element, as ``masked_fill``'s.
 _GATHERS_BY_MASK = frozenset({"MaskedSelectBackward0", "IndexBackward0", "MaskedScatterBackward0",
                               "IndexPutBackward0"})
+_GATHERS_A_SOURCE = frozenset({"MaskedScatterBackward0", "IndexPutBackward0"})
 
 
 class SavedMasks:
@@ -71,7 +84,10 @@ class SavedMasks:
             return
         pairs = list(zip(self._forward, (bits.to(forward.device) for bits, forward in zip(self._recompute,
                                                                                              self._forward))))
-        differing = torch.stack([torch.ne(forward, recompute).any() for forward, recompute in pairs])
+        # Masks broadcast otherwise in the recompute keep other bit counts: they differ.
+        differing = torch.stack([torch.ne(forward, recompute).any() if forward.shape == recompute.shape
+                                 else torch.ones((), dtype=torch.bool, device=forward.device)
+                                 for forward, recompute in pairs])
         for i in differing.nonzero().flatten().tolist():  # the one sync
             self._slots[i].recounted = tuple(_true_count(bits) for bits in pairs[i])
         self._slots, self._forward, self._recompute = [], [], []
@@ -87,6 +103,8 @@ def check_unpacked(slot: Slot, mismatch: Callable[[str], Exception], function_na
     through it and the recompute counted it otherwise."""
     node = torch._C._current_autograd_node()
     if slot.recounted is None or node is None or node.name() not in _GATHERS_BY_MASK:
+        return
+    if node.name() in _GATHERS_A_SOURCE and node.next_functions[-1][0] is None:  # a source with no gradient
         return
     forward, recompute = slot.recounted
     raise mismatch(

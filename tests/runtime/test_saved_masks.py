@@ -130,3 +130,43 @@ def test_a_shape_a_lossy_recompute_decides_otherwise_raises_naming_the_codec():
     selected = actsave.checkpoint(_Nonzero(thresholds), h * 1, compress="int8")
     with pytest.raises(RecomputeError, match="kept by a lossy codec, and a shape decided by their values"):
         selected.sum().backward()
+
+
+def _flipped_two_ways(select):
+    """``select(h, h > t)`` checkpointed with int8 on the one group of
+    test_a_mask_with_as_many_true_elements_in_other_places_raises..., where the
+    recompute's mask drops element 1 and takes element 2."""
+    h = torch.zeros(1, actsave.codecs.GROUP_SIZE)
+    h[0, :3] = torch.tensor([127.0, 10.4, 9.6])
+    thresholds = torch.full_like(h, 200.0)
+    thresholds[0, 1:3] = torch.tensor([10.2, 9.8])
+    h = (h * 1).requires_grad_()
+    actsave.checkpoint(lambda h: select(h * h, h > thresholds), h * 1, compress="int8").sum().backward()
+    return h.grad
+
+
+def test_a_scatter_of_a_value_with_no_gradient_through_a_differing_mask_decides_again_as_masked_fill():
+    # y[mask] = 0 scatters no gradient of a source: its backward goes element by element.
+    put = _flipped_two_ways(lambda y, m: y.index_put((m,), torch.tensor(0.0)))
+    filled = _flipped_two_ways(lambda y, m: y.masked_fill(m, 0.0))
+    assert torch.equal(put, filled)
+
+
+def test_a_mask_broadcast_along_dimensions_keeps_the_bits_of_its_own_elements():
+    # A causal mask expanded over 4 samples and 16 heads kept the bits of all 64 copies.
+    torch.manual_seed(0)
+    causal = torch.ones(32, 32, dtype=torch.bool).triu(1)
+    q = torch.randn(4, 16, 32, 8, requires_grad=True)
+
+    def attention(q):
+        scores = (q @ q.mT).masked_fill(causal.expand(4, 16, 32, 32), float("-inf"))
+        return scores.softmax(-1) @ q
+
+    kept = {}
+    for compress in (None, "int8"):
+        output = actsave.checkpoint(attention, q * 1, compress=compress)
+        kept[compress] = actsave.kept_bytes()["device"]
+        del output
+    # q's codes, its fp32 scales and channel sums (NOTE [ Channel centering ]), the mask's bits.
+    stored = q.numel() + 4 * -(-q.numel() // actsave.codecs.GROUP_SIZE) + 4 * q.shape[1]
+    assert kept["int8"] == stored + 32 * 32 // 8
