@@ -32,7 +32,7 @@ def codec_of(node, backward) -> Optional[str]:
     if COPY in made_in:
         return made_in[COPY]
     if STORED in made_in:  # a plain segment's saves, stored as eager kept_saves stores them
-        stored = traced_save_stored(node.meta["val"], node.target, _needs_grad(node, backward)) \
+        stored = traced_save_stored(node.meta["val"], _made_by(node).target, _needs_grad(node, backward)) \
             and not attention_holds(node) and not compared_by_backward(node, backward)
         return made_in[STORED] if stored else None
     placeholder = next((n for n in backward.find_nodes(op="placeholder") if n.name == node.name), None)
@@ -219,12 +219,21 @@ def _base(node):
     return node
 
 
+def _made_by(node):
+    """The op that made ``node``: the op itself, or for an output of one that makes
+    several (``getitem``: eigh's, aminmax's), that op."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
+    return node
+
+
 def _views_of(base) -> list:
-    """``base`` and every view of it, views of views included."""
+    """``base`` and every view of it, views of views included; of an op that makes
+    several outputs, each output (``getitem``) and its views."""
     found, pending = [base], [base]
     while pending:
         for user in pending.pop().users:
-            if _is_view(user) and user.args[0] in found and user not in found:
+            if (_is_view(user) or _made_by(user) is not user) and user.args[0] in found and user not in found:
                 found.append(user)
                 pending.append(user)
     return found

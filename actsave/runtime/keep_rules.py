@@ -148,7 +148,8 @@ _DIVIDES_BY_RESULT = frozenset({
 _STATISTICS_OF = frozenset({"NativeGroupNormBackward0"})
 _DIVIDES_BY_RESULT_OP = frozenset({  # the aten operators of those nodes, in a traced graph
     "sqrt", "std", "norm", "linalg_vector_norm", "dist", "_cdist_forward", "_pdist_forward", "_euclidean_dist",
-    "hypot", "_weight_norm_interface", "logsumexp"})
+    "hypot", "_weight_norm_interface", "logsumexp", "_linalg_eigh", "linalg_eig", "_linalg_svd", "linalg_qr",
+    "linalg_cholesky_ex", "linalg_lu_factor_ex"})
 
 
 # NOTE [ Saves a backward compares ]
@@ -177,7 +178,16 @@ _COMPARES_WITH_INPUT = frozenset({"AmaxBackward0", "AminBackward0", "AminmaxBack
 # or a vector norm (``torch.linalg.vector_norm``, which ``torch.norm(p=inf)`` calls).
 _NORM_ORDER = {"NormBackward0": "_saved_p", "NormBackward1": "_saved_p", "NormBackward2": "_saved_p",
                "NormBackward3": "_saved_p", "LinalgVectorNormBackward0": "_saved_ord"}
-_COMPARES_WITH_INPUT_OP = frozenset({"amax", "amin", "max", "min", "median", "nanmedian"})  # traced
+_COMPARES_WITH_INPUT_OP = frozenset({"amax", "amin", "aminmax", "max", "min", "median", "nanmedian"})  # traced
+# Traced operators that compare where an argument says so: (its position, its name, the
+# test of its value), an infinity order or a max or min reduction.
+_COMPARES_BY_ARGUMENT_OP = {
+    "linalg_vector_norm": (1, "ord", lambda order: isinstance(order, (int, float)) and math.isinf(order)),
+    "norm": (1, "p", lambda order: isinstance(order, (int, float)) and math.isinf(order)),
+    "dist": (2, "p", lambda order: isinstance(order, (int, float)) and math.isinf(order)),
+    "scatter_reduce": (4, "reduce", lambda reduce: reduce in ("amax", "amin")),
+    "index_reduce": (4, "reduce", lambda reduce: reduce in ("amax", "amin")),
+}
 # Nodes that compare their result with the two inputs saved just before it (a scatter's
 # or index reduction's self and source, a distance's two points), where their argument
 # makes them compare: a max or min reduction, an infinity norm.
@@ -235,9 +245,9 @@ def compares_with_input_op(node) -> bool:
     """Whether the traced ``node`` (a compiled graph's) is such a reduction, known by its
     operator: NOTE [ Saves a backward compares ]."""
     name = getattr(node.target, "_opname", None) if node.op == "call_function" else None
-    if name == "linalg_vector_norm":
-        order = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
-        return isinstance(order, (int, float)) and math.isinf(order)
+    if name in _COMPARES_BY_ARGUMENT_OP:
+        position, keyword, compares = _COMPARES_BY_ARGUMENT_OP[name]
+        return compares(node.args[position] if len(node.args) > position else node.kwargs.get(keyword, 2))
     return name in _COMPARES_WITH_INPUT_OP
 
 
