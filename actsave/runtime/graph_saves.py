@@ -135,9 +135,12 @@ def compared_by_backward(node, backward) -> bool:
     where the comparison then reads it. Asked of the whole storage (every view of it),
     as attention_holds is: its saves are stored alike. Only the plain segment's own ops
     are followed (STORED): not the codecs' ops that the hooks add to the graph between a
-    save's encoding and its decoding, which would change the answer."""
+    save's encoding and its decoding, which would change the answer. A result of a
+    reduction that makes several (``aminmax``'s, a ``getitem``) is asked as that reduction."""
     reaches = _reaching_compared(node.graph, backward)
-    return _compared_walk(_views_of(_base(node)), reaches, backward)
+    made = _made_by(node)
+    start = made if made is not node and compares_with_input_op(made) else node
+    return _compared_walk(_views_of(_base(start)), reaches, backward)
 
 
 # The forward and backward graphs whose saves' codecs are being chosen (weakly), and by
