@@ -13,8 +13,8 @@ lossy recompute. Where that path saves fewer tensors, or tensors of other shapes
 check of each save raises (function.py, ``_fill``). Where it does more, the recompute
 stops at the forward's last save (early stop), and saves of other operators of the
 same shapes filled the forward's places: the backward read another layer's weight, and
-every gradient came back at -8 to -2 dB, silently (docs/results.md, "A twenty-second
-adversarial run"). So a lossy forward notes, for each save that reads an
+every gradient came back wrong, silently (docs/results.md, "A twenty-second adversarial
+run"). So a lossy forward notes, for each save that reads an
 ``nn.Parameter`` (the parameter, a view of it: a Linear's ``weight.t()``, or a view of
 a cast of it: autocast's, ``w.to(dtype)``), which parameter and the save's strides and
 offset, and the recompute's save at that place must read the same so (``W`` is not

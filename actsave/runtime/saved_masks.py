@@ -12,7 +12,7 @@ comparison, but one that gathers or scatters through the mask's True elements in
 gradient of the forward's elements onto the recompute's: misaligned and silent
 (``masked_select``; docs/results.md, "A twenty-first adversarial run") or torch's own
 shape error. A count of True elements does not see two elements flipped the two ways
-(-3 to 5 dB, silent: "A twenty-second adversarial run"), so each boolean save of a
+(misaligned and silent: "A twenty-second adversarial run"), so each boolean save of a
 lossy forward keeps its elements, one bit each (NOTE [ Bit fields ]: an eighth of the
 mask's bytes), attached to the kept inputs; the recompute, as it ends, compares them
 all with its own masks' at once (one sync per recompute that saved a mask) and marks
