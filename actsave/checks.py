@@ -11,7 +11,7 @@ import inspect
 import math
 import numbers
 import operator
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from torch import nn
 
@@ -28,16 +28,27 @@ def integral(value) -> Optional[int]:
         return None
 
 
-def byte_count(value) -> bool:
-    """Whether ``value`` can be a budget: a real number of bytes above 0 and finite."""
-    return real_number(value) and 0 < float(value) < math.inf
+def byte_count(value) -> Union[int, float, None]:
+    """``value`` as a Python ``int`` (or a ``float`` where it has a fraction) if it can
+    be a budget, a real number of bytes above 0 and finite, else None. A budget is
+    compared with and subtracted from sums of sizes, so it is made a Python number
+    whatever type it came in: numpy's unsigned integers wrap around below zero, and a
+    ``Fraction`` does not format as a size."""
+    if not real_number(value) or not 0 < float(value) < math.inf:
+        return None
+    whole = integral(value)
+    return whole if whole is not None else float(value)
 
 
 def real_number(value) -> bool:
     """Whether ``value`` is a real number other than a bool and NaN (``numpy`` scalars
-    included)."""
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and not math.isnan(float(value)))
+    included) that a float holds (an ``int`` beyond 1.8e308 is refused)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return not math.isnan(float(value))
+    except OverflowError:
+        return False
 
 
 def flag(value, name: str) -> bool:

@@ -23,7 +23,7 @@ import dataclasses
 import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from ..checks import byte_count, flag, integral, real_number
 from ..codecs import EXPECTED_GRADIENT_SQNR_DB, LOSSY_CODECS, available_codecs, get_codec
@@ -95,7 +95,7 @@ def plan(profile: Profile, budget: Optional[int] = None, min_sqnr_db: Optional[f
         and on CUDA kernels that save other tensors than the CPU/meta ones (flash
         attention, cuDNN workspaces) shift the peak; keep a margin in ``budget``.
     """
-    _check_plan_arguments(profile, budget, objective, max_checkpointed_layers)
+    budget = _check_plan_arguments(profile, budget, objective, max_checkpointed_layers)
     compress_saves, plain_middle = _renamed_keywords(plan, renamed, compress_saves=compress_saves,
                                                      plain_middle=plain_middle)
     flag(compress_saves, "compress_saves")
@@ -306,7 +306,7 @@ def keep_options(allow: Sequence[str], min_sqnr_db: Optional[float], device: str
     return [KeepPolicy.resolve(codec, offload) for codec in codecs for offload in places]
 
 
-def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=None) -> None:
+def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=None) -> Union[int, float, None]:
     if not isinstance(profile, Profile):
         raise ConfigError(f"profile={profile!r}: plan expects a Profile from actsave.profile(model, "
                           f"example_inputs), got {type(profile).__name__}")
@@ -322,9 +322,10 @@ def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=No
         if objective == "time":
             raise ConfigError("budget (peak activation bytes) is required for the fastest plan; pass "
                               "objective='memory' for the smallest peak without a budget")
-        return
-    if not byte_count(budget):
+        return None
+    if byte_count(budget) is None:
         raise ConfigError(f"budget={budget!r} must be a positive, finite number of bytes (peak activation memory)")
+    return byte_count(budget)
 
 
 def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[str]] = None,

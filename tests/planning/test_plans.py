@@ -1,7 +1,9 @@
 """plan(), the presets of CheckpointedSequential, the levers, and bad input."""
+import fractions
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from support import (
@@ -178,6 +180,22 @@ def small_profile():
 def test_bad_plan_arguments_say_what_to_do(small_profile, arguments, message):
     with pytest.raises(ConfigError, match=message):
         actsave.plan(small_profile, **arguments)
+
+
+def test_a_budget_of_any_number_type_plans_as_its_whole_bytes(small_profile):
+    # numpy's unsigned integers wrap around below zero, so a budget below the chain's
+    # input once planned from a wrapped headroom (an InternalError); a Fraction did not
+    # format as a size; an int beyond a float's range raised OverflowError.
+    smallest = actsave.plan(small_profile, objective="memory").predicted_peak_bytes
+    for budget in (np.uint8(200), np.uint16(1500), np.uint32(1500), np.uint64(1500)):
+        with pytest.raises(ConfigError, match="no plan fits"):
+            actsave.plan(small_profile, budget)
+    with pytest.raises(ConfigError, match="must be a positive, finite number of bytes"):
+        actsave.plan(small_profile, 10**400)
+    planned = actsave.plan(small_profile, fractions.Fraction(3 * smallest + 1, 2))
+    assert planned.budget == (3 * smallest + 1) / 2 and type(planned.budget) is float
+    assert planned == actsave.plan(small_profile, (3 * smallest + 1) / 2)
+    assert f"{planned.budget / 2**20:.2f}" in str(planned)
 
 
 def test_bad_profile_and_preset_arguments_say_what_to_do(small_profile):
