@@ -102,6 +102,7 @@ class TouchedState:
         self._moved_parameters = []  # (layer index or None, module, name): parameters the forward changed
         self._modes = {}  # module -> its training flag as the forward ran it (NOTE [ Train and eval in a recompute ])
         self._parameters = ForwardParameters()  # NOTE [ Parameters a recompute reads ]
+        self._state_ids = set()  # ids of the module state noted as the forward started (known layers)
         self.reads = StaleReads()  # NOTE [ Buffers read after the forward changed them ]
         # NOTE [ Python attributes a forward sets ]; ``generators``: replay the ones modules hold.
         self.attributes = ModuleAttributes(generators)
@@ -128,7 +129,8 @@ class TouchedState:
         base = leaf_base(tensor)
         if base is not None and not base.requires_grad:
             self.reads.saved(len(saves), base)
-        if base is not None and not torch.compiler.is_compiling():  # traced with fake tensors: real saves follow
+        # Traced with fake tensors, real saves follow.
+        if base is not None and id(base) not in self._state_ids and not torch.compiler.is_compiling():
             self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
@@ -264,7 +266,6 @@ class _LayerState(TouchedState):
         self._given = snapshot
         self._before = []  # (layer index, module, kind, name, tensor, version) as the forward starts
         self._buffer_counts = []  # (module, its buffers that are set) as the forward starts
-        self._state_ids = set()
         self._mutated = {}  # layer index -> [(module, name)]: buffers the forward mutated
         self._unversioned = []  # (layer index, module): NOTE [ Buffers a kernel updates unversioned ]
 
@@ -288,13 +289,6 @@ class _LayerState(TouchedState):
         self.attributes.started(self._modules)
         self._buffer_counts = [(module, count_buffers(module)) for _, module in self._modules]
         yield
-
-    def note_saved(self, tensor: torch.Tensor, saves: list) -> None:
-        base = leaf_base(tensor)
-        if base is not None and not base.requires_grad:
-            self.reads.saved(len(saves), base)
-        if base is not None and id(base) not in self._state_ids and not torch.compiler.is_compiling():
-            self._note(base, ("a tensor of shape", list(base.shape)))
 
     def end_forward(self) -> None:
         self._modes = {module: module.training for _, module in self._modules}  # as the forward left them
