@@ -86,9 +86,15 @@ class GuardedParameters:
 # changes what the recompute saves (a Linear saves its input only where its weight needs
 # a gradient): torch's checkpoint then saves other tensors, of the same shapes where the
 # layers are square, and gives wrong gradients silently. So each parameter's
-# requires_grad is noted as the forward ends, and set so while the recompute runs, then
-# put back. Held by weak reference, and once per tensor (a weight tied across modules is
-# one tensor: flipped twice, it would end as it started).
+# requires_grad is noted as the forward reached it (as it starts, where the layers are
+# known; as its module is called, else), and so is that of every leaf the forward saved
+# (a weight closed over, or held as a plain attribute), and set so while the recompute
+# runs; then every one noted is set back as the backward found it, not flipped back: a
+# forward that freezes a parameter after using it (a freeze schedule inside the forward)
+# freezes it again in its recompute. Held by weak reference, and once per tensor (a
+# weight tied across modules is one tensor). A leaf the forward read without saving it
+# (``x @ W`` where neither needed a gradient) is not seen: docs/limits.md, "Parameters
+# replaced before backward".
 # A parameter replaced in between (another tensor, other storage: functional_call over
 # the checkpoint, load_state_dict(assign=True), ``p.data = ...``) is not checked: FSDP1
 # with use_orig_params, ZeRO-3 style gathering and FSDP2 replace parameters between a
@@ -109,14 +115,15 @@ class ForwardParameters:
         self._needing = set()  # the ids of those that required grad
 
     def note(self, tensor: torch.Tensor) -> None:
-        """Note a parameter as the forward ran with it (its first note counts)."""
-        if id(tensor) not in self._refs:
+        """Note a leaf as the forward ran with it (its first note counts)."""
+        held = self._refs.get(id(tensor))
+        if held is None or held() is not tensor:  # new, or another tensor's id reused
             self._note(tensor)
 
     def note_all(self, tensors) -> None:
-        """Note ``tensors``, parameters as the forward ended (each once)."""
+        """Note each of ``tensors`` (its first note counts)."""
         for tensor in tensors:
-            self._note(tensor)
+            self.note(tensor)
 
     def _note(self, tensor: torch.Tensor) -> None:
         self._refs[id(tensor)] = weakref.ref(tensor)
@@ -127,16 +134,19 @@ class ForwardParameters:
 
     @contextlib.contextmanager
     def flags_as_in_forward(self):
-        """While active, each parameter's requires_grad is the forward's."""
-        flipped = [tensor for key, tensor in ((key, ref()) for key, ref in self._refs.items())
-                   if tensor is not None and tensor.requires_grad != (key in self._needing)]
-        for tensor in flipped:
-            tensor.requires_grad_(not tensor.requires_grad)
+        """While active, each noted leaf's requires_grad is the forward's; after, each is
+        as it was found."""
+        noted = [(tensor, key in self._needing, tensor.requires_grad)
+                 for key, tensor in ((key, ref()) for key, ref in self._refs.items()) if tensor is not None]
+        for tensor, needed, found in noted:
+            if found != needed:
+                tensor.requires_grad_(needed)
         try:
             yield
         finally:
-            for tensor in flipped:
-                tensor.requires_grad_(not tensor.requires_grad)
+            for tensor, _, found in noted:
+                if tensor.requires_grad != found:
+                    tensor.requires_grad_(found)
 
 
 __all__ = ["GuardedParameters", "ForwardParameters"]

@@ -132,6 +132,7 @@ class TouchedState:
         # Traced with fake tensors, real saves follow.
         if base is not None and id(base) not in self._state_ids and not torch.compiler.is_compiling():
             self._note(base, ("a tensor of shape", list(base.shape)))
+            self._parameters.note(base)  # NOTE [ Parameters a recompute reads ]
 
     def end_forward(self) -> None:
         """Take the versions the recompute must find; keep the snapshot of mutated
@@ -286,6 +287,7 @@ class _LayerState(TouchedState):
         given = self._given if self._given is not None and self._given.as_copied(before) else None
         self._snapshot, self._given = (snapshot_of(owners) if given is None else given), None
         self.reads.started_from(before)
+        self._parameters.note_all(entry[4] for entry in before if entry[2] == "parameters")
         self.attributes.started(self._modules)
         self._buffer_counts = [(module, count_buffers(module)) for _, module in self._modules]
         yield

@@ -205,7 +205,12 @@ class _KeptTensor:
         x = in_strides(self.codec.decode(self.storage.fetch()), self._strides)
         if not self.requires_grad:
             # A private copy is changed in place by the function's first layer: one that
-            # is restored again must come back as it was kept.
+            # is restored again must come back as it was kept. An input kept as the very
+            # object that has been set to require grad since (a frozen weight passed as an
+            # argument, unfrozen before the backward) comes back as it was in the
+            # forward, or the recompute would save what the forward did not (NOTE [
+            # Parameters a recompute reads ]).
+            x = x.detach() if x.requires_grad else x
             return copied_in_layout(x) if again and self.modified_in_place else x
         # A leaf of the recompute's own. The value decoded is ours alone (a decoding,
         # a device copy, or our detached alias of the input), so the first restore of

@@ -353,6 +353,65 @@ def test_parameters_frozen_or_unfrozen_between_forward_and_backward_recompute_as
         assert (plain is None and checkpointed is None) or torch.equal(plain, checkpointed)
 
 
+class _FreezesItsFirstLayer(nn.Module):
+    """Freezes its first layer after using it: a freeze schedule applied in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        self.first.requires_grad_(False)
+        return self.second(h)
+
+
+@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
+def test_a_parameter_frozen_in_the_forward_after_its_use_is_frozen_after_the_backward_as_in_plain(how):
+    # The recompute starts with the flags the forward started with (torch's checkpoint
+    # raises: another number of saves), and each flag ends as the backward found it, not
+    # flipped back: NOTE [ Parameters a recompute reads ].
+    def step(checkpointed: bool):
+        torch.manual_seed(0)
+        block = _FreezesItsFirstLayer()
+        x = torch.randn(4, 16, requires_grad=True)
+        checkpointed_as(how if checkpointed else "plain", block, x).pow(2).sum().backward()
+        assert not block.first.weight.requires_grad and block.second.weight.requires_grad
+        return [x.grad, *(p.grad for p in block.parameters())]
+
+    for plain, checkpointed in zip(step(False), step(True)):
+        assert (plain is None and checkpointed is None) or torch.equal(plain, checkpointed)
+
+
+@pytest.mark.parametrize("how", ["closure", "attribute", "argument"])
+def test_a_leaf_read_outside_any_module_and_unfrozen_before_the_backward_recomputes_as_the_forward_ran(how):
+    # A weight closed over, held as a plain tensor attribute, or passed as an argument:
+    # with the new flag the recompute saved the input where the forward saved the
+    # weight, both 8x8, and the input's gradient came out wrong by up to 70 (torch's
+    # checkpoint too): NOTE [ Parameters a recompute reads ].
+    weight = torch.randn(8, 8)
+    holder = nn.Module()
+    holder.weight = weight  # a plain tensor: not a registered parameter
+
+    def step(checkpointed: bool):
+        weight.requires_grad_(False)
+        weight.grad = None
+        torch.manual_seed(1)
+        x = torch.randn(8, 8, requires_grad=True)
+        if how == "argument":
+            function, args = (lambda a, w: torch.sigmoid(a @ w)), (x, weight)
+        else:
+            read = weight if how == "closure" else holder.weight
+            function, args = (lambda a: torch.sigmoid(a @ read)), (x,)
+        out = actsave.checkpoint(function, *args) if checkpointed else function(*args)
+        weight.requires_grad_(True)
+        out.pow(2).sum().backward()
+        return x.grad, weight.grad
+
+    (plain_x, plain_w), (checkpointed_x, checkpointed_w) = step(False), step(True)
+    assert torch.equal(plain_x, checkpointed_x) and plain_w is None and checkpointed_w is None
+
+
 def test_a_recompute_runs_on_copies_of_the_state_its_forward_mutated_and_puts_the_originals_back():
     # One copy of each mutated buffer per recompute pass, made together as it starts
     # (one foreach op per dtype), not a clone per buffer per module call; the
