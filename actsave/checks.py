@@ -34,10 +34,10 @@ def byte_count(value) -> Union[int, float, None]:
     compared with and subtracted from sums of sizes, so it is made a Python number
     whatever type it came in: numpy's unsigned integers wrap around below zero, and a
     ``Fraction`` does not format as a size."""
-    if not real_number(value) or not 0 < float(value) < math.inf:
+    whole = integral(value)  # a 0-d integer tensor too, as wherever an integer is taken
+    if not real_number(value if whole is None else whole) or not 0 < float(value) < math.inf:
         return None
-    whole = integral(value)
-    return whole if whole is not None else float(value)
+    return float(value) if whole is None else whole
 
 
 def real_number(value) -> bool:

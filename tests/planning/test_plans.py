@@ -192,6 +192,7 @@ def test_a_budget_of_any_number_type_plans_as_its_whole_bytes(small_profile):
             actsave.plan(small_profile, budget)
     with pytest.raises(ConfigError, match="must be a positive, finite number of bytes"):
         actsave.plan(small_profile, 10**400)
+    assert actsave.plan(small_profile, torch.tensor(2 * smallest)) == actsave.plan(small_profile, 2 * smallest)
     planned = actsave.plan(small_profile, fractions.Fraction(3 * smallest + 1, 2))
     assert planned.budget == (3 * smallest + 1) / 2 and type(planned.budget) is float
     assert planned == actsave.plan(small_profile, (3 * smallest + 1) / 2)
