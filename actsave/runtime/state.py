@@ -129,10 +129,11 @@ class TouchedState:
         base = leaf_base(tensor)
         if base is not None and not base.requires_grad:
             self.reads.saved(len(saves), base)
-        # Traced with fake tensors, real saves follow.
-        if base is not None and id(base) not in self._state_ids and not torch.compiler.is_compiling():
+        if base is None or torch.compiler.is_compiling():  # traced with fake tensors: real saves follow
+            return
+        if id(base) not in self._state_ids:
             self._note(base, ("a tensor of shape", list(base.shape)))
-            self._parameters.note(base)  # NOTE [ Parameters a recompute reads ]
+        self._parameters.note_used(base)  # NOTE [ Parameters a recompute reads ]
 
     def end_forward(self) -> None:
         """Take the versions the recompute must find; keep the snapshot of mutated

@@ -2,6 +2,7 @@
 state checked unchanged before the recompute."""
 import contextlib
 import copy
+import threading
 
 import pytest
 import torch
@@ -381,6 +382,84 @@ def test_a_parameter_frozen_in_the_forward_after_its_use_is_frozen_after_the_bac
 
     for plain, checkpointed in zip(step(False), step(True)):
         assert (plain is None and checkpointed is None) or torch.equal(plain, checkpointed)
+
+
+class _UnfreezesItsSecondLayerOnce(nn.Module):
+    """Unfreezes its second layer just before its first use, once: a schedule's step
+    that Python state consumes, so its recompute does not take it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.second.weight.requires_grad_(False)
+        self.unfreeze = True
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if self.unfreeze:
+            self.second.weight.requires_grad_(True)
+            self.unfreeze = False
+        return self.second(h)
+
+
+@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
+def test_a_parameter_unfrozen_in_the_forward_before_its_use_recomputes_as_used(how):
+    # Its flag counts as a save read it, not as the forward started (a RecomputeError
+    # from a first form of the fix): NOTE [ Parameters a recompute reads ].
+    def step(checkpointed: bool):
+        torch.manual_seed(0)
+        block = _UnfreezesItsSecondLayerOnce()
+        x = torch.randn(4, 16, requires_grad=True)
+        checkpointed_as(how if checkpointed else "plain", block, x).pow(2).sum().backward()
+        assert block.second.weight.requires_grad
+        return [x.grad, *(p.grad for p in block.parameters())]
+
+    for plain, checkpointed in zip(step(False), step(True)):
+        assert (plain is None and checkpointed is None) or torch.equal(plain, checkpointed)
+
+
+def test_two_threads_recomputing_with_one_parameter_leave_its_flag_as_the_backward_found_it():
+    # Frozen in both forwards, unfrozen before two backwards whose recomputes overlap:
+    # the first to end put back what it found, the second what it found, the first's
+    # setting, and the weight ended frozen (NOTE [ Flags set by recomputes in flight ]).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    model[0].weight.requires_grad_(False)
+    first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
+    in_backward = []
+
+    def overlap(module, args):  # the first recompute waits inside until the second starts
+        if not in_backward:
+            return
+        if threading.current_thread().name == "first":
+            first_in.set()
+            assert second_in.wait(10)
+        else:
+            second_in.set()
+            assert first_done.wait(10)
+
+    model[2].register_forward_pre_hook(overlap)
+    outs = [actsave.checkpoint(model, torch.randn(4, 8, requires_grad=True)) for _ in range(2)]
+    model[0].weight.requires_grad_(True)
+    in_backward.append(True)
+    errors = []
+
+    def backward(out, done=None):
+        try:
+            out.sum().backward()
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+        if done is not None:
+            done.set()
+
+    first = threading.Thread(target=backward, args=(outs[0], first_done), name="first")
+    second = threading.Thread(target=backward, args=(outs[1],), name="second")
+    first.start()
+    assert first_in.wait(10)
+    second.start()
+    first.join(20)
+    second.join(20)
+    assert not errors and model[0].weight.requires_grad
 
 
 @pytest.mark.parametrize("how", ["closure", "attribute", "argument"])
