@@ -5,7 +5,6 @@ state.py notes them, and TouchedState guards its recompute with them."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from typing import Optional
 
@@ -86,74 +85,48 @@ class GuardedParameters:
 # graph holds the tensors the forward read. A parameter frozen or unfrozen in between
 # changes what the recompute saves (a Linear saves its input only where its weight needs
 # a gradient): torch's checkpoint then saves other tensors, of the same shapes where the
-# layers are square, and gives wrong gradients silently. So the requires_grad of each
-# leaf the forward read is noted as the forward used it, and set so while the recompute
-# runs; then put back as the backward found it. As used: where a save of the forward
-# reads it, that save's flag counts (a forward may unfreeze a parameter just before its
-# use, by a one-shot step the recompute does not take again, or freeze it just after,
-# which the recompute does again); a parameter no save reads is noted as the forward
-# reached it (as it starts, where the layers are known; as its module is called, else).
-# Leaves other than parameters count where the forward saved them (a weight closed over,
-# or held as a plain attribute). Put back, not flipped back: a recompute that freezes a
-# parameter again, as its forward did, leaves it frozen. Held by weak reference, and once
-# per tensor (a weight tied across modules is one tensor). A leaf the forward read
-# without saving it, outside any module the checkpoint knows (``x @ W`` where neither
-# needed a gradient), is not seen: docs/limits.md, "Parameters replaced before backward".
+# layers are square, and gives wrong gradients silently. So each parameter's
+# requires_grad is noted as the forward ends (as its module is called, where the layers
+# are not known), and set so while the recompute runs, then put back; so is that of each
+# other leaf the forward saved (a weight closed over, or held as a plain attribute), as
+# it saved it. Flipped and flipped back where still as set, not set to a value found:
+# two threads' recomputes in flight with one parameter each flip it once or not at all,
+# and code that changes it meanwhile (the recompute freezing it again, as its forward
+# did; another thread) keeps its change. Held by weak reference, and once per
+# tensor (a weight tied across modules is one tensor: flipped twice, it would end as it
+# started). Not seen: a leaf the forward read without saving it, outside the modules it
+# knows (``x @ W`` where neither needed a gradient), and a flag the forward itself
+# changes after a use, which the recompute starts from as the forward left it
+# (docs/limits.md, "Parameters replaced before backward").
 # A parameter replaced in between (another tensor, other storage: functional_call over
 # the checkpoint, load_state_dict(assign=True), ``p.data = ...``) is not checked: FSDP1
 # with use_orig_params, ZeRO-3 style gathering and FSDP2 replace parameters between a
 # forward and its recompute as a matter of course, and put the gathered ones back in
 # place before each module runs. The recompute reads what the module holds then, as
 # torch's checkpoint does (docs/limits.md, "Parameters replaced before backward").
-#
-# NOTE [ Flags set by recomputes in flight ]
-# requires_grad belongs to the tensor, not to a thread: two threads' backwards (or CUDA's
-# autograd thread per device) can recompute with one parameter at once. Each sets the
-# flag its forward used; the flag found before the first of them is put back as the last
-# of them ends. Were each to put back what it found, the second, which found the first's
-# setting, would leave that setting in place: a parameter unfrozen before the backward
-# would end frozen, and stop training silently. A lock guards the counts.
-_IN_FLIGHT_LOCK = threading.Lock()
-_IN_FLIGHT = {}  # id(tensor) -> [recomputes in flight that set its flag, its flag before the first]
-
-
 class ForwardParameters:
-    """The requires_grad of the leaves a checkpointed forward used (NOTE [ Parameters a
-    recompute reads ])."""
+    """The requires_grad of the parameters (and other leaves) a checkpointed forward ran
+    with (NOTE [ Parameters a recompute reads ])."""
 
-    __slots__ = ("_refs", "_needing", "_used")
+    __slots__ = ("_refs", "_needing")
 
     def __init__(self):
-        # Dicts and sets of ids, not a tuple per leaf: what a forward leaves for its
-        # backward stays out of the garbage collector's oldest generation (NOTE [ Objects
-        # a step leaves to the garbage collector ]).
+        # A dict of weak references and a set of ids, not a tuple per parameter: what a
+        # forward leaves for its backward stays out of the garbage collector's oldest
+        # generation (NOTE [ Objects a step leaves to the garbage collector ]).
         self._refs = {}  # id(tensor) -> weak reference to it
         self._needing = set()  # the ids of those that required grad
-        self._used = set()  # the ids of those noted as a save read them
 
     def note(self, tensor: torch.Tensor) -> None:
-        """Note a parameter as the forward reached it: its first note counts, until a save
-        reads it (:meth:`note_used`)."""
-        if not self._holds(tensor):
+        """Note a leaf as the forward ran with it (its first note counts)."""
+        held = self._refs.get(id(tensor))
+        if held is None or held() is not tensor:  # new, or another tensor's id reused
             self._note(tensor)
 
     def note_all(self, tensors) -> None:
-        """:meth:`note` each of ``tensors``."""
+        """Note ``tensors``, parameters as the forward ended (each once)."""
         for tensor in tensors:
-            self.note(tensor)
-
-    def note_used(self, tensor: torch.Tensor) -> None:
-        """Note a leaf as a save of the forward read it: the first such note counts."""
-        if not self._holds(tensor) or id(tensor) not in self._used:
             self._note(tensor)
-            self._used.add(id(tensor))
-
-    def _holds(self, tensor: torch.Tensor) -> bool:
-        held = self._refs.get(id(tensor))
-        if held is not None and held() is not tensor:  # another tensor's id, reused
-            self._used.discard(id(tensor))
-            return False
-        return held is not None
 
     def _note(self, tensor: torch.Tensor) -> None:
         self._refs[id(tensor)] = weakref.ref(tensor)
@@ -164,28 +137,18 @@ class ForwardParameters:
 
     @contextlib.contextmanager
     def flags_as_in_forward(self):
-        """While active, each noted leaf's requires_grad is the forward's; after, as found
-        before the first recompute in flight that set it (NOTE [ Flags set by recomputes
-        in flight ])."""
-        noted = [(tensor, key in self._needing) for key, tensor in ((key, ref()) for key, ref in self._refs.items())
-                 if tensor is not None and tensor.is_leaf]  # one changed in place since is no leaf: autograd refuses it
-        with _IN_FLIGHT_LOCK:
-            for tensor, needed in noted:
-                entry = _IN_FLIGHT.setdefault(id(tensor), [0, tensor.requires_grad])
-                entry[0] += 1
-                if tensor.requires_grad != needed:
-                    tensor.requires_grad_(needed)
+        """While active, each noted leaf's requires_grad is the forward's."""
+        # One changed in place since is no leaf, and autograd refuses to set its flag.
+        flipped = [tensor for key, tensor in ((key, ref()) for key, ref in self._refs.items())
+                   if tensor is not None and tensor.is_leaf and tensor.requires_grad != (key in self._needing)]
+        for tensor in flipped:
+            tensor.requires_grad_(not tensor.requires_grad)
         try:
             yield
         finally:
-            with _IN_FLIGHT_LOCK:
-                for tensor, _ in noted:
-                    entry = _IN_FLIGHT[id(tensor)]
-                    entry[0] -= 1
-                    if entry[0] == 0:
-                        del _IN_FLIGHT[id(tensor)]
-                        if tensor.requires_grad != entry[1]:
-                            tensor.requires_grad_(entry[1])
+            for tensor in flipped:
+                if tensor.requires_grad is (id(tensor) in self._needing):  # still as set: not changed since
+                    tensor.requires_grad_(not tensor.requires_grad)
 
 
 __all__ = ["GuardedParameters", "ForwardParameters"]

@@ -129,11 +129,10 @@ class TouchedState:
         base = leaf_base(tensor)
         if base is not None and not base.requires_grad:
             self.reads.saved(len(saves), base)
-        if base is None or torch.compiler.is_compiling():  # traced with fake tensors: real saves follow
-            return
-        if id(base) not in self._state_ids:
+        # Traced with fake tensors, real saves follow.
+        if base is not None and id(base) not in self._state_ids and not torch.compiler.is_compiling():
             self._note(base, ("a tensor of shape", list(base.shape)))
-        self._parameters.note_used(base)  # NOTE [ Parameters a recompute reads ]
+            self._parameters.note(base)  # NOTE [ Parameters a recompute reads ]
 
     def end_forward(self) -> None:
         """Take the versions the recompute must find; keep the snapshot of mutated
@@ -288,7 +287,6 @@ class _LayerState(TouchedState):
         given = self._given if self._given is not None and self._given.as_copied(before) else None
         self._snapshot, self._given = (snapshot_of(owners) if given is None else given), None
         self.reads.started_from(before)
-        self._parameters.note_all(entry[4] for entry in before if entry[2] == "parameters")
         self.attributes.started(self._modules)
         self._buffer_counts = [(module, count_buffers(module)) for _, module in self._modules]
         yield

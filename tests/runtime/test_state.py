@@ -10,6 +10,7 @@ from torch import nn
 
 import actsave
 
+from actsave.errors import RecomputeError
 from actsave.runtime import replay
 from actsave.runtime.replay import ReplayState
 from support import assert_same_steps
@@ -367,21 +368,26 @@ class _FreezesItsFirstLayer(nn.Module):
         return self.second(h)
 
 
-@pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
-def test_a_parameter_frozen_in_the_forward_after_its_use_is_frozen_after_the_backward_as_in_plain(how):
-    # The recompute starts with the flags the forward started with (torch's checkpoint
-    # raises: another number of saves), and each flag ends as the backward found it, not
-    # flipped back: NOTE [ Parameters a recompute reads ].
-    def step(checkpointed: bool):
+def test_a_parameter_frozen_in_the_forward_after_its_use_recomputes_as_used_or_raises():
+    # Where its module is called under global hooks (a function's checkpoint) its flag is
+    # noted as the module is called, and the recompute freezes it again: bit-identical,
+    # and frozen after the backward as in plain PyTorch (it ended unfrozen, flipped back,
+    # before). Where the layers are known the flag is noted as the forward ends, and the
+    # recompute saves what the forward did not: RecomputeError, as torch's checkpoint
+    # raises (NOTE [ Parameters a recompute reads ]).
+    def step(how: str):
         torch.manual_seed(0)
         block = _FreezesItsFirstLayer()
         x = torch.randn(4, 16, requires_grad=True)
-        checkpointed_as(how if checkpointed else "plain", block, x).pow(2).sum().backward()
+        checkpointed_as(how, block, x).pow(2).sum().backward()
         assert not block.first.weight.requires_grad and block.second.weight.requires_grad
         return [x.grad, *(p.grad for p in block.parameters())]
 
-    for plain, checkpointed in zip(step(False), step(True)):
+    for plain, checkpointed in zip(step("plain"), step("checkpoint_lambda")):
         assert (plain is None and checkpointed is None) or torch.equal(plain, checkpointed)
+    for how in ("sequential", "checkpoint_module"):
+        with pytest.raises(RecomputeError, match="saved a tensor of shape"):
+            step(how)
 
 
 class _UnfreezesItsSecondLayerOnce(nn.Module):
@@ -404,8 +410,10 @@ class _UnfreezesItsSecondLayerOnce(nn.Module):
 
 @pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
 def test_a_parameter_unfrozen_in_the_forward_before_its_use_recomputes_as_used(how):
-    # Its flag counts as a save read it, not as the forward started (a RecomputeError
-    # from a first form of the fix): NOTE [ Parameters a recompute reads ].
+    # Noted as the forward ends (as its module is called, under global hooks), not as the
+    # forward starts, which the recompute, not unfreezing it again, cannot match (a
+    # RecomputeError in a first form of this session's fix): NOTE [ Parameters a
+    # recompute reads ].
     def step(checkpointed: bool):
         torch.manual_seed(0)
         block = _UnfreezesItsSecondLayerOnce()
@@ -420,8 +428,9 @@ def test_a_parameter_unfrozen_in_the_forward_before_its_use_recomputes_as_used(h
 
 def test_two_threads_recomputing_with_one_parameter_leave_its_flag_as_the_backward_found_it():
     # Frozen in both forwards, unfrozen before two backwards whose recomputes overlap:
-    # the first to end put back what it found, the second what it found, the first's
-    # setting, and the weight ended frozen (NOTE [ Flags set by recomputes in flight ]).
+    # where each recompute put back the flag it found (a first form of this session's
+    # fix), the second put back the first's setting and the weight ended frozen; each
+    # flips back only what it flipped (NOTE [ Parameters a recompute reads ]).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     model[0].weight.requires_grad_(False)
