@@ -22,7 +22,9 @@ included (:func:`gapped_strides`, :func:`in_strides`; a private copy:
 (``q`` of ``qkv.chunk(3, -1)``) otherwise than its dense copy and saves other tensors,
 so a recompute given the dense copy would fill the placeholders with them. The copy
 back into the gaps is one device copy more, of the span the slice reads, in the
-recompute only.
+recompute only. An expanded input comes back expanded too (``F.linear`` folds it
+otherwise as well): its first element along each dimension of stride 0, copied and
+expanded again (:func:`copied_with_strides`).
 """
 from __future__ import annotations
 
@@ -80,13 +82,12 @@ def kept_strides(t: torch.Tensor) -> Optional[tuple]:
 
 
 def gapped_strides(t: torch.Tensor) -> Optional[tuple]:
-    """``t``'s strides where a dense copy would not have them (a strided slice), else
-    None (a dense tensor, kept in its layout; a broadcast one, which no copy has; a
-    sparse or nested one, which has no strides to keep)."""
+    """``t``'s strides where a dense copy would not have them (a strided slice, an
+    expanded tensor), else None (a dense tensor, kept in its layout; a sparse or nested
+    one, which has no strides to keep)."""
     if t.layout != torch.strided or t.is_nested or is_dense(t):
         return None
-    broadcast = any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
-    return None if broadcast else t.stride()
+    return t.stride()
 
 
 def in_strides(t: torch.Tensor, strides: Optional[tuple]) -> torch.Tensor:
@@ -107,5 +108,11 @@ def copied_in_layout(t: torch.Tensor) -> torch.Tensor:
 
 def copied_with_strides(t: torch.Tensor, strides: tuple, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``t``'s values copied into a new tensor with ``strides`` (and ``dtype``, default
-    ``t``'s): one copy."""
+    ``t``'s): one copy. Along a dimension of stride 0 (an expanded layout) the copy
+    holds ``t``'s first element, expanded: a dense tensor of an expanded one's values
+    repeats it there, but for a lossy codec's rounding."""
+    if 0 in strides:
+        first = t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in strides)]
+        copy = torch.empty_strided(first.shape, strides, dtype=dtype or t.dtype, device=t.device).copy_(first)
+        return copy.expand(t.shape)
     return torch.empty_strided(t.shape, strides, dtype=dtype or t.dtype, device=t.device).copy_(t)

@@ -13,6 +13,7 @@ from torch import nn
 
 from .._torch import version
 from ..errors import RecomputeError
+from ..layouts import copied_with_strides
 from .forward_dispatch import forward_replaced
 from .function import _AllSlotsFilled, qualified_name
 from .kept_calls import KeptCall, attributes_put_back_after, described, keepable_now, replay_attributes
@@ -163,10 +164,7 @@ def _in_layout(argument: torch.Tensor, strides: tuple) -> torch.Tensor:
     """``argument`` with ``strides``, its forward counterpart's, so that the forward's views
     of it can be made again: a copy where it came back otherwise (a kept input that was
     a strided slice comes back dense from a codec or the host: NOTE [ Kept layouts ])."""
-    if argument.stride() == strides:
-        return argument
-    restored = torch.empty_strided(argument.shape, strides, dtype=argument.dtype, device=argument.device)
-    return restored.copy_(argument)
+    return argument if argument.stride() == strides else copied_with_strides(argument, strides)
 
 
 __all__ = ["Skipper"]
