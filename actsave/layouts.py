@@ -103,7 +103,7 @@ def copied_in_layout(t: torch.Tensor) -> torch.Tensor:
     the span ``t`` reads); a broadcast tensor, whose strides a copy cannot have, is
     copied as ``clone()`` copies it."""
     strides = gapped_strides(t)
-    return t.clone() if strides is None else copied_with_strides(t, strides)
+    return t.clone() if strides is None or 0 in strides else copied_with_strides(t, strides)
 
 
 def copied_with_strides(t: torch.Tensor, strides: tuple, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -159,7 +159,10 @@ class _KeptTensor:
         if private_copy and self.codec.aliases_input:
             source = copied_in_layout(source)
         self.modified_in_place = private_copy  # by the function's first layer
-        self._strides = gapped_strides(tensor)  # NOTE [ Kept layouts ]: a slice comes back a slice
+        # NOTE [ Kept layouts ]: a slice comes back a slice, an expanded tensor expanded, but
+        # to a function that changes it in place (a private copy), which needs it dense.
+        strides = gapped_strides(tensor)
+        self._strides = None if private_copy and strides is not None and 0 in strides else strides
         non_negative = known_non_negative(tensor)
         shared = not (private_copy and self.codec.aliases_input)  # NOTE [ One stored copy per kept tensor ]
         key = sharing_key(tensor, kept, non_negative, self.requires_grad) if shared else None
