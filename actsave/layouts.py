@@ -81,6 +81,12 @@ def kept_strides(t: torch.Tensor) -> Optional[tuple]:
     return None if strides == contiguous_strides(t.shape) else strides
 
 
+def is_expanded(t: torch.Tensor) -> bool:
+    """Whether ``t`` repeats elements by a stride of 0 over a dimension of more than one
+    element (``expand``, ``broadcast_to``); a size-1 dimension's stride is any."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+
+
 def gapped_strides(t: torch.Tensor) -> Optional[tuple]:
     """``t``'s strides where a dense copy would not have them (a strided slice, an
     expanded tensor), else None (a dense tensor, kept in its layout; a sparse or nested
@@ -103,7 +109,7 @@ def copied_in_layout(t: torch.Tensor) -> torch.Tensor:
     the span ``t`` reads); a broadcast tensor, whose strides a copy cannot have, is
     copied as ``clone()`` copies it."""
     strides = gapped_strides(t)
-    return t.clone() if strides is None or 0 in strides else copied_with_strides(t, strides)
+    return t.clone() if strides is None or is_expanded(t) else copied_with_strides(t, strides)
 
 
 def copied_with_strides(t: torch.Tensor, strides: tuple, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from .._torch import pytree, version
 from ..codecs import Packed
-from ..layouts import copied_in_layout, gapped_strides, in_strides
+from ..layouts import copied_in_layout, gapped_strides, in_strides, is_expanded
 from ..errors import ConfigError, RecomputeError, warn_renamed
 from ..offload import OffloadedTensors, current_tape
 from .kept_aliases import AliasOf, kept_leaves
@@ -161,8 +161,7 @@ class _KeptTensor:
         self.modified_in_place = private_copy  # by the function's first layer
         # NOTE [ Kept layouts ]: a slice comes back a slice, an expanded tensor expanded, but
         # to a function that changes it in place (a private copy), which needs it dense.
-        strides = gapped_strides(tensor)
-        self._strides = None if private_copy and strides is not None and 0 in strides else strides
+        self._strides = None if private_copy and is_expanded(tensor) else gapped_strides(tensor)
         non_negative = known_non_negative(tensor)
         shared = not (private_copy and self.codec.aliases_input)  # NOTE [ One stored copy per kept tensor ]
         key = sharing_key(tensor, kept, non_negative, self.requires_grad) if shared else None

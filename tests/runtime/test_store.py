@@ -291,6 +291,21 @@ def test_an_expanded_input_kept_by_a_codec_is_recomputed_expanded(keep, compress
     assert min(sqnr_db(p, k) for p, k in zip(plain, kept)) > (33 if compress == "int8" else 20)
 
 
+def test_a_strided_input_with_a_size_one_dimension_of_stride_zero_keeps_its_gaps_in_a_private_copy():
+    # Not expanded (a size-1 dimension's stride is any): a private copy for an in-place
+    # first layer keeps its layout, or F.linear folds the recompute's input otherwise
+    # (a RecomputeError in a first form of the expanded-input rule).
+    def step(wrap):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 5))
+        base = torch.randn(96, requires_grad=True)
+        wrap(model)((base * 1.0).as_strided((2, 1, 3, 8), (48, 0, 16, 2))).pow(2).sum().backward()
+        return [base.grad, *(p.grad for p in model.parameters())]
+
+    for plain, kept in zip(step(lambda m: m), step(actsave.Checkpoint)):
+        assert torch.equal(plain, kept)
+
+
 @pytest.mark.parametrize("aliases", [
     lambda h: (h[:, 0:2], h[:, 1:3]),  # overlapping columns, a span far larger than they are
     lambda h: (h[:, 0:4], h[:, 0:4].t()),  # a slice and its transpose
