@@ -340,10 +340,11 @@ def plan_blocks(model: nn.Module, filter_fn: FilterSpec, budget, example_inputs,
     CPU model (host memory is its memory).
     """
     _check_model(model, "plan_blocks plans the blocks of a model")
-    if budget is None or byte_count(budget) is None:
+    number = None if budget is None else byte_count(budget)
+    if number is None:
         raise ConfigError(f"budget={budget!r} must be a positive, finite number of bytes: the peak activation memory of "
                           "one training step")
-    budget = byte_count(budget)
+    budget = number
     if example_inputs is None:
         raise ConfigError("example_inputs is required with budget: a batch as training will use (a dict of the "
                           "model's keyword arguments, a tuple of positional ones, or a tensor), to profile one step")

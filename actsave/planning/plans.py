@@ -323,9 +323,10 @@ def _check_plan_arguments(profile, budget, objective, max_checkpointed_layers=No
             raise ConfigError("budget (peak activation bytes) is required for the fastest plan; pass "
                               "objective='memory' for the smallest peak without a budget")
         return None
-    if byte_count(budget) is None:
+    number = byte_count(budget)
+    if number is None:
         raise ConfigError(f"budget={budget!r} must be a positive, finite number of bytes (peak activation memory)")
-    return byte_count(budget)
+    return number
 
 
 def predict(profile: Profile, starts: Sequence[int], codecs: Optional[Sequence[str]] = None,

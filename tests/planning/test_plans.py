@@ -183,9 +183,9 @@ def test_bad_plan_arguments_say_what_to_do(small_profile, arguments, message):
 
 
 def test_a_budget_of_any_number_type_plans_as_its_whole_bytes(small_profile):
-    # numpy's unsigned integers wrap around below zero, so a budget below the chain's
-    # input once planned from a wrapped headroom (an InternalError); a Fraction did not
-    # format as a size; an int beyond a float's range raised OverflowError.
+    # A budget is taken as a Python number: numpy's unsigned integers wrap around below
+    # zero (a budget below the chain's input would plan from a wrapped headroom), a
+    # Fraction does not format as a size, and an int beyond a float's range overflows.
     smallest = actsave.plan(small_profile, objective="memory").predicted_peak_bytes
     for budget in (np.uint8(200), np.uint16(1500), np.uint32(1500), np.uint64(1500)):
         with pytest.raises(ConfigError, match="no plan fits"):

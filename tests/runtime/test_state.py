@@ -371,8 +371,8 @@ class _FreezesItsFirstLayer(nn.Module):
 def test_a_parameter_frozen_in_the_forward_after_its_use_recomputes_as_used_or_raises():
     # Where its module is called under global hooks (a function's checkpoint) its flag is
     # noted as the module is called, and the recompute freezes it again: bit-identical,
-    # and frozen after the backward as in plain PyTorch (it ended unfrozen, flipped back,
-    # before). Where the layers are known the flag is noted as the forward ends, and the
+    # and frozen after the backward as in plain PyTorch (a flag the recompute changed is
+    # not flipped back). Where the layers are known the flag is noted as the forward ends, and the
     # recompute saves what the forward did not: RecomputeError, as torch's checkpoint
     # raises (NOTE [ Parameters a recompute reads ]).
     def step(how: str):
@@ -411,9 +411,8 @@ class _UnfreezesItsSecondLayerOnce(nn.Module):
 @pytest.mark.parametrize("how", ["sequential", "checkpoint_module", "checkpoint_lambda"])
 def test_a_parameter_unfrozen_in_the_forward_before_its_use_recomputes_as_used(how):
     # Noted as the forward ends (as its module is called, under global hooks), not as the
-    # forward starts, which the recompute, not unfreezing it again, cannot match (a
-    # RecomputeError in a first form of this session's fix): NOTE [ Parameters a
-    # recompute reads ].
+    # forward starts: the recompute does not unfreeze it again, so a flag noted at the
+    # start would make it save other tensors (NOTE [ Parameters a recompute reads ]).
     def step(checkpointed: bool):
         torch.manual_seed(0)
         block = _UnfreezesItsSecondLayerOnce()
@@ -428,9 +427,9 @@ def test_a_parameter_unfrozen_in_the_forward_before_its_use_recomputes_as_used(h
 
 def test_two_threads_recomputing_with_one_parameter_leave_its_flag_as_the_backward_found_it():
     # Frozen in both forwards, unfrozen before two backwards whose recomputes overlap:
-    # where each recompute put back the flag it found (a first form of this session's
-    # fix), the second put back the first's setting and the weight ended frozen; each
-    # flips back only what it flipped (NOTE [ Parameters a recompute reads ]).
+    # were each recompute to put back the flag it found, the second would put back the
+    # first's setting and leave the weight frozen; each flips back only what it flipped
+    # (NOTE [ Parameters a recompute reads ]).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     model[0].weight.requires_grad_(False)

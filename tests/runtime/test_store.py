@@ -294,7 +294,7 @@ def test_an_expanded_input_kept_by_a_codec_is_recomputed_expanded(keep, compress
 def test_a_strided_input_with_a_size_one_dimension_of_stride_zero_keeps_its_gaps_in_a_private_copy():
     # Not expanded (a size-1 dimension's stride is any): a private copy for an in-place
     # first layer keeps its layout, or F.linear folds the recompute's input otherwise
-    # (a RecomputeError in a first form of the expanded-input rule).
+    # and the recompute saves other tensors (a RecomputeError).
     def step(wrap):
         torch.manual_seed(0)
         model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 5))
