@@ -5,6 +5,7 @@ state.py notes them, and TouchedState guards its recompute with them."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Optional
 
@@ -89,10 +90,12 @@ class GuardedParameters:
 # requires_grad is noted as the forward ends (as its module is called, where the layers
 # are not known), and set so while the recompute runs, then put back; so is that of each
 # other leaf the forward saved (a weight closed over, or held as a plain attribute), as
-# it saved it. Flipped and flipped back where still as set, not set to a value found:
-# two threads' recomputes in flight with one parameter each flip it once or not at all,
-# and code that changes it meanwhile (the recompute freezing it again, as its forward
-# did; another thread) keeps its change. Held by weak reference, and once per
+# it saved it. Set by the first recompute in flight (in any thread) that holds it at
+# that flag, and flipped back by the last to release it, where still as set, not set to
+# a value found: two threads' recomputes that overlap both run with the flag their
+# forwards had (the first to end would otherwise flip it back under the other), and
+# code that changes it meanwhile (the recompute freezing it again, as its forward did;
+# another thread) keeps its change. Held by weak reference, and once per
 # tensor (a weight tied across modules is one tensor: flipped twice, it would end as it
 # started). Not seen: a leaf the forward read without saving it, outside the modules it
 # knows (``x @ W`` where neither needed a gradient), and a flag the forward itself
@@ -139,16 +142,54 @@ class ForwardParameters:
     def flags_as_in_forward(self):
         """While active, each noted leaf's requires_grad is the forward's."""
         # One changed in place since is no leaf, and autograd refuses to set its flag.
-        flipped = [tensor for key, tensor in ((key, ref()) for key, ref in self._refs.items())
-                   if tensor is not None and tensor.is_leaf and tensor.requires_grad != (key in self._needing)]
-        for tensor in flipped:
-            tensor.requires_grad_(not tensor.requires_grad)
+        leaves = [(tensor, key in self._needing) for key, tensor in ((key, ref()) for key, ref in self._refs.items())
+                  if tensor is not None and tensor.is_leaf]
+        with _FLAGS_HELD:
+            for tensor, flag in leaves:
+                _FLAGS_HELD.hold(tensor, flag)
         try:
             yield
         finally:
-            for tensor in flipped:
-                if tensor.requires_grad is (id(tensor) in self._needing):  # still as set: not changed since
-                    tensor.requires_grad_(not tensor.requires_grad)
+            with _FLAGS_HELD:
+                for tensor, flag in leaves:
+                    _FLAGS_HELD.release(tensor, flag)
+
+
+class _FlagsHeld:
+    """The leaves that recomputes in flight, in any thread, hold at a requires_grad:
+    the first to hold one at a flag sets it, the last to release it flips it back where
+    it is still as set (NOTE [ Parameters a recompute reads ])."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held = {}  # (id(tensor), flag) -> [weak reference, holders, whether set]
+
+    def __enter__(self):
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info):
+        self._lock.release()
+
+    def hold(self, tensor: torch.Tensor, flag: bool) -> None:
+        entry = self._held.get((id(tensor), flag))
+        if entry is None or entry[0]() is not tensor:  # new, or another tensor's id reused
+            entry = self._held[(id(tensor), flag)] = [weakref.ref(tensor), 0, False]
+        entry[1] += 1
+        if tensor.requires_grad is not flag:
+            tensor.requires_grad_(flag)
+            entry[2] = True
+
+    def release(self, tensor: torch.Tensor, flag: bool) -> None:
+        entry = self._held[(id(tensor), flag)]
+        entry[1] -= 1
+        if entry[1]:
+            return
+        del self._held[(id(tensor), flag)]
+        if entry[2] and tensor.requires_grad is flag:  # still as set: not changed since
+            tensor.requires_grad_(not flag)
+
+
+_FLAGS_HELD = _FlagsHeld()
 
 
 __all__ = ["GuardedParameters", "ForwardParameters"]

@@ -425,18 +425,31 @@ def test_a_parameter_unfrozen_in_the_forward_before_its_use_recomputes_as_used(h
         assert (plain is None and checkpointed is None) or torch.equal(plain, checkpointed)
 
 
-def test_two_threads_recomputing_with_one_parameter_leave_its_flag_as_the_backward_found_it():
-    # Frozen in both forwards, unfrozen before two backwards whose recomputes overlap:
-    # were each recompute to put back the flag it found, the second would put back the
-    # first's setting and leave the weight frozen; each flips back only what it flipped
-    # (NOTE [ Parameters a recompute reads ]).
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
-    model[0].weight.requires_grad_(False)
+@pytest.mark.parametrize("frozen_in_forward", [True, False], ids=["unfrozen after", "frozen after"])
+def test_two_threads_recomputing_with_one_parameter_run_with_its_forward_flag_and_leave_it_as_found(
+        frozen_in_forward):
+    # The flag changed between the forwards and two backwards whose recomputes overlap,
+    # the weight read after the first recompute ends: were each recompute to flip back
+    # what it flipped as it ends, the second would read the new flag and save other
+    # tensors (wrong gradients, or a RecomputeError); were each to put back the flag it
+    # found, the weight would end as the forwards left it (NOTE [ Parameters a recompute
+    # reads ]).
+    def model_and_inputs():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        model[2].weight.requires_grad_(not frozen_in_forward)
+        return model, [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
+
+    model, inputs = model_and_inputs()
+    for x in inputs:
+        model(x).pow(2).sum().backward()
+    expected = [x.grad for x in inputs]
+
+    model, inputs = model_and_inputs()
     first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
     in_backward = []
 
-    def overlap(module, args):  # the first recompute waits inside until the second starts
+    def overlap(module, args):  # the second recompute reads the weight after the first ends
         if not in_backward:
             return
         if threading.current_thread().name == "first":
@@ -447,14 +460,14 @@ def test_two_threads_recomputing_with_one_parameter_leave_its_flag_as_the_backwa
             assert first_done.wait(10)
 
     model[2].register_forward_pre_hook(overlap)
-    outs = [actsave.checkpoint(model, torch.randn(4, 8, requires_grad=True)) for _ in range(2)]
-    model[0].weight.requires_grad_(True)
+    outs = [actsave.checkpoint(model, x) for x in inputs]
+    model[2].weight.requires_grad_(frozen_in_forward)
     in_backward.append(True)
     errors = []
 
     def backward(out, done=None):
         try:
-            out.sum().backward()
+            out.pow(2).sum().backward()
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
         if done is not None:
@@ -467,7 +480,9 @@ def test_two_threads_recomputing_with_one_parameter_leave_its_flag_as_the_backwa
     second.start()
     first.join(20)
     second.join(20)
-    assert not errors and model[0].weight.requires_grad
+    assert not errors and model[2].weight.requires_grad is frozen_in_forward
+    for want, got in zip(expected, (x.grad for x in inputs)):
+        assert torch.equal(want, got)
 
 
 @pytest.mark.parametrize("how", ["closure", "attribute", "argument"])
