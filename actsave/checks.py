@@ -3,7 +3,7 @@ callables they pass (a ``loss``, a ``filter_fn``), modules and their classes.
 
 Integral numbers are accepted whatever their type (``int``, ``numpy.int64``, a 0-d
 integer tensor: anything with ``__index__``, as Python's own indexing does), except
-``bool``, which is never meant as a count or an index.
+``bool`` (a bool tensor too), which is never meant as a count or an index.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numbers
 import operator
 from typing import Callable, Optional, Union
 
+import torch
 from torch import nn
 
 from .errors import ConfigError
@@ -20,7 +21,7 @@ from .errors import ConfigError
 
 def integral(value) -> Optional[int]:
     """``value`` as an ``int`` if it is an integral number other than a bool, else None."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         return None
     try:
         return operator.index(value)
@@ -33,7 +34,10 @@ def byte_count(value) -> Union[int, float, None]:
     be a budget, a real number of bytes above 0 and finite, else None. A budget is
     compared with and subtracted from sums of sizes, so it is made a Python number
     whatever type it came in: numpy's unsigned integers wrap around below zero, and a
-    ``Fraction`` does not format as a size."""
+    ``Fraction`` does not format as a size. A 0-d floating tensor is taken as its value,
+    as a 0-d integer one is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype.is_floating_point:
+        value = value.item()
     whole = integral(value)  # a 0-d integer tensor too, as wherever an integer is taken
     if not real_number(value if whole is None else whole) or not 0 < float(value) < math.inf:
         return None

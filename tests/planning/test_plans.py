@@ -193,6 +193,11 @@ def test_a_budget_of_any_number_type_plans_as_its_whole_bytes(small_profile):
     with pytest.raises(ConfigError, match="must be a positive, finite number of bytes"):
         actsave.plan(small_profile, 10**400)
     assert actsave.plan(small_profile, torch.tensor(2 * smallest)) == actsave.plan(small_profile, 2 * smallest)
+    assert actsave.plan(small_profile, torch.tensor(2.0 * smallest, dtype=torch.float64)) == \
+        actsave.plan(small_profile, 2 * smallest)
+    for not_a_number in (True, torch.tensor(True)):  # a bool is never a count of bytes
+        with pytest.raises(ConfigError, match="must be a positive, finite number of bytes"):
+            actsave.plan(small_profile, not_a_number)
     planned = actsave.plan(small_profile, fractions.Fraction(3 * smallest + 1, 2))
     assert planned.budget == (3 * smallest + 1) / 2 and type(planned.budget) is float
     assert planned == actsave.plan(small_profile, (3 * smallest + 1) / 2)
