@@ -1,5 +1,4 @@
 """bench/compile_memory.py at smoke scale."""
-import importlib
 import math
 import re
 
@@ -17,46 +16,29 @@ def compile_memory_tables(stdout: str) -> dict:
 
 
 def test_compile_memory_measures_eager_and_compiled_modes():
-    stdout = run_script("compile_memory.py")
+    # One case, the GPT: what the script reports per mode. What a compiled ResNet (its
+    # ReLU decisions run eagerly) and a compiled Hugging Face Llama keep is held by
+    # tests/compile/, without the cost of a process of its own per case here.
+    stdout = run_script("compile_memory.py", "--models", "gpt")
     tables = compile_memory_tables(stdout)
-    llama_case = "llama2 w64 b8 t64 (Hugging Face)"
-    has_transformers = importlib.util.find_spec("transformers") is not None
-    assert list(tables) == ["resnet20 b2 8x8", "gpt4 w64 b8 t64", *[llama_case][:has_transformers]], stdout
-    resnet, gpt = tables["resnet20 b2 8x8"], tables["gpt4 w64 b8 t64"]
+    assert list(tables) == ["gpt4 w64 b8 t64"], stdout
+    gpt = tables["gpt4 w64 b8 t64"]
     modes = ("plain", "actsave", "actsave int8", "wrap int8")
-    for table in (resnet, gpt):
-        assert set(table) == {*modes, *(f"{mode}, {run}" for mode in modes for run in ("compiled", "again"))}
-        for mode in modes:  # the eager code timed twice, as the ratios' noise floor
-            assert table[f"{mode}, again"][1:4] == table[mode][1:4] and table[f"{mode}, again"][-2:] == ["0", "0"]
-        kept = {mode: float(cells[1]) for mode, cells in table.items()}
-        sqnr = {mode: float(cells[3]) for mode, cells in table.items()}
-        assert kept["actsave, compiled"] < kept["plain, compiled"] / 2  # the compiled backward recomputes
-        assert table["actsave, compiled"][-2:] == ["1", "1"]  # one graph, one break (the segment lookup)
-        assert sqnr["plain"] == math.inf and sqnr["actsave int8"] < 60
-    assert stdout.count("predicted activation peak") == 2  # the Sequentials' balanced plans
-    # ResNet's int8 makes ReLU decisions: it runs eagerly at its one break, as eager int8.
-    assert resnet["actsave int8, compiled"][-2:] == ["0", "1"]
-    assert resnet["actsave int8, compiled"][1] == resnet["actsave int8"][1]
-    assert resnet["actsave int8, compiled"][3] == resnet["actsave int8"][3]
-    # GPT's makes none: one graph at one break, kept by int8 in it.
+    assert set(gpt) == {*modes, *(f"{mode}, {run}" for mode in modes for run in ("compiled", "again"))}
+    for mode in modes:  # the eager code timed twice, as the ratios' noise floor
+        assert gpt[f"{mode}, again"][1:4] == gpt[mode][1:4] and gpt[f"{mode}, again"][-2:] == ["0", "0"]
+    kept = {mode: float(cells[1]) for mode, cells in gpt.items()}
+    sqnr = {mode: float(cells[3]) for mode, cells in gpt.items()}
+    assert kept["actsave, compiled"] < kept["plain, compiled"] / 2  # the compiled backward recomputes
+    assert gpt["actsave, compiled"][-2:] == ["1", "1"]  # one graph, one break (the segment lookup)
+    assert sqnr["plain"] == math.inf and sqnr["actsave int8"] < 60
+    assert stdout.count("predicted activation peak") == 1  # the Sequential's balanced plan
+    # The GPT makes no ReLU decisions: one graph at one break, kept by int8 in it.
     assert gpt["actsave int8, compiled"][-2:] == ["1", "1"]
     assert float(gpt["actsave int8, compiled"][1]) <= 1.05 * float(gpt["actsave int8"][1])
     assert abs(float(gpt["actsave int8, compiled"][3]) - float(gpt["actsave int8"][3])) <= 1.0
-    # Wrapped blocks: a ResNet's ReLU blocks eagerly at a break each, GELU blocks in the graph.
-    assert resnet["wrap int8, compiled"][3] == resnet["wrap int8"][3]
     assert gpt["wrap int8, compiled"][-2:] == ["1", "1"]  # one graph at the root's one break
     assert float(gpt["wrap int8, compiled"][1]) <= 1.05 * float(gpt["wrap int8"][1])
-    # A Hugging Face Llama, no Sequential: its decoder layers wrapped, exactly in one graph
-    # with no break, by int8 in one graph at the root's one break.
-    if not has_transformers:
-        return
-    llama = tables[llama_case]
-    runs = ("", ", compiled", ", again")
-    assert set(llama) == {f"{mode}{run}" for mode in ("plain", "wrap", "wrap int8") for run in runs}
-    assert llama["wrap, compiled"][3] == "inf" and llama["wrap, compiled"][-2:] == ["1", "0"]
-    assert llama["wrap int8, compiled"][-2:] == ["1", "1"]
-    assert float(llama["wrap int8, compiled"][1]) <= 1.05 * float(llama["wrap int8"][1])
-    assert abs(float(llama["wrap int8, compiled"][3]) - float(llama["wrap int8"][3])) <= 1.0
 
 
 def test_compile_memory_runs_the_cases_its_models_name_in_their_order():
