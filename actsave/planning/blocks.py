@@ -126,8 +126,8 @@ class BlockPlan:
     is None where that block is kept plain (autograd stores its activations), else the
     :class:`~actsave.runtime.keep_modes.BlockOption` its :class:`~actsave.Checkpoint`
     runs with (what it keeps, by which codec, where). Bytes are peak activation memory
-    of the whole step (module docstring, "Budget"): ``predicted_peak_bytes`` for this
-    plan, ``plain_peak_bytes`` for the plain model, ``smallest_peak_bytes`` the least
+    of the whole step (module docstring, "Budget"): ``budget`` the bytes it was planned
+    under, ``predicted_peak_bytes`` for this plan, ``plain_peak_bytes`` for the plain model, ``smallest_peak_bytes`` the least
     any block plan of the levers searched reaches.
 
     ``predicted_step_seconds`` is the planner's time of the blocks' part of the step

@@ -36,8 +36,11 @@ class Plan:
     checkpoints of its own: a :class:`~actsave.runtime.nested.Range` over its layers
     (indices from 0 at the segment's first layer; NOTE [ Nested recompute ]), or None
     for a plain recompute; ``nested`` defaults to None for every segment before the last.
-    ``predicted_peak_bytes`` is peak activation memory (see the module docstring);
-    ``peak_segment`` is the segment whose events set it. ``frozen`` names the
+    ``n_layers`` is the chain's length and ``budget`` the bytes it was planned under
+    (None: planned without one). ``predicted_peak_bytes`` is peak activation memory
+    (see the module docstring), ``predicted_step_seconds`` the step's time as the
+    profile timed its layers (0 for a profile on meta tensors); ``peak_segment`` is the
+    segment whose events set the peak. ``frozen`` names the
     parameters that did not require grad when the chain was profiled, as ``(layer,
     name)``: a chain running the plan warns once one of them requires grad.
     ``input_shape`` and ``input_element_size`` are the chain input's shape and bytes an
