@@ -173,9 +173,12 @@ class CountedStep:
     """What the byte-counting step found, per layer and for the chain output."""
 
     def __init__(self, ledger: _SaveLedger, forward_rise: list, backward_rise: list, loss_rise: int,
-                 output: torch.Tensor):
+                 output: torch.Tensor, loss: Optional[torch.Tensor]):
         n, device = len(forward_rise), ledger.device
         self.loss_rise = loss_rise
+        # The loss and its gradient of 1, which the step holds through the backward:
+        # NOTE [ What a step's loss holds ] in profiler.py.
+        self.loss_held_bytes = 0 if loss is None else 2 * allocation_bytes(loss.element_size(), device)
         self.inputs = ledger.inputs
         self.inputs_saved_as_they_are = ledger.inputs_saved_as_they_are
         self.passes_on = ledger.passes_on
@@ -278,7 +281,7 @@ def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_lay
     by ``meter``, and the loss: from the end of the forward until the output's gradient
     arrives. The backward starts from ``loss(output)`` (:func:`~actsave.profile`), or
     without a loss from a full-size output gradient of ones. Returns (forward values,
-    backward values, loss value, output)."""
+    backward values, loss value, output, the loss or None)."""
     spans = _BackwardSpans(len(layers), meter)
     forward = [0] * len(layers)
     h, node = x, x.grad_fn
@@ -296,23 +299,25 @@ def _run_step(layers: list, x: torch.Tensor, meter, before_layer=None, after_lay
         raise ConfigError("the chain's output does not require grad: there is no backward to plan for")
     loss_span = _OpenSpan(meter)
     handle = h.register_hook(loss_span.close)  # runs before the last layer's backward
+    value = None
     try:
         if loss is None:
             backward_from(h)
         else:
-            _backward_from_loss(h, loss)
+            value = _backward_from_loss(h, loss)
     finally:
         handle.remove()
         loss_span.close()
-    return forward, spans.finish(), loss_span.value[0], h
+    return forward, spans.finish(), loss_span.value[0], h, value
 
 
-def _backward_from_loss(output: torch.Tensor, loss) -> None:
+def _backward_from_loss(output: torch.Tensor, loss) -> torch.Tensor:
     # The loss's saves are not the last layer's: the ledger (and any outer hooks) must
     # not see them.
     with own_saves():
         value = checked_loss(loss, output)
     backward_from(value)
+    return value
 
 
 def checked_loss(loss, output) -> torch.Tensor:
@@ -381,11 +386,11 @@ def measure_memory(layers: list, x: torch.Tensor, model: nn.Module, device: torc
             ledger.pools.watching(), ledger.relus.watching(), ledger.bounds.watching(), \
             ledger.as_stored.watching(), ledger.casts:  # NOTE [ Attention's saves agree ]
         try:
-            forward_rise, backward_rise, loss_rise, output = _run_step(layers, x, tracker.span, ledger.before_layer,
-                                                                       ledger.after_layer, loss)
+            forward_rise, backward_rise, loss_rise, output, value = _run_step(
+                layers, x, tracker.span, ledger.before_layer, ledger.after_layer, loss)
         finally:
             ledger.as_stored.finish()
-    return CountedStep(ledger, forward_rise, backward_rise, loss_rise, output)
+    return CountedStep(ledger, forward_rise, backward_rise, loss_rise, output, value)
 
 
 def measure_no_grad_rises(layers: list, x: torch.Tensor, model: nn.Module, device: torch.device) -> list:
@@ -439,7 +444,7 @@ def measure_allocator_rises(layers: list, x: torch.Tensor, loss=None) -> Optiona
         running[0] = i
 
     with saved_tensors_hooks(pack, _as_is):  # the loss's saves are its own: _backward_from_loss
-        forward, backward, loss_rise, _ = _run_step(layers, step_input(x), rises.span, before_layer, loss=loss)
+        forward, backward, loss_rise, *_ = _run_step(layers, step_input(x), rises.span, before_layer, loss=loss)
     no_grad = _no_grad_forward(layers, x.detach().clone(), rises.span)
     return AllocatorStep(forward, at_last_save, backward, loss_rise, no_grad)
 

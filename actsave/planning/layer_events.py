@@ -36,9 +36,10 @@ class LayerEvents:
         # holds it through the backward, else the last layer's (memory_model.py, O).
         held_grad = prof.output_grad_bytes if prof.output_grad_held else 0
         self.grad = np.append(column("input_grad_bytes"), float(prof.output_grad_bytes - held_grad))
-        # O, and the gradients pending between two uses of a parameter (profiler.py, NOTE
-        # [ Gradients pending between two uses ]).
-        self.held_in_backward = prof.output_bytes + held_grad + prof.pending_gradient_bytes
+        # O, the gradients pending between two uses of a parameter (profiler.py, NOTE
+        # [ Gradients pending between two uses ]) and the loss (NOTE [ What a step's loss
+        # holds ]).
+        self.held_in_backward = prof.output_bytes + held_grad + prof.pending_gradient_bytes + prof.loss_held_bytes
         self.loss_rise = prof.loss_rise
         self.output = prof.output_bytes
         self.output_first, self.output_last = prof.output_saved_by or (n, -1)
