@@ -128,7 +128,7 @@ def hf_llama_case(device: torch.device, blocks: int, width: int, heads: int, voc
     ids, _ = token_batch(device, vocab, batch, seq_len)
     inputs = {"input_ids": ids, "labels": ids}
     described = f"hf_llama({blocks}) w{width} h{heads} v{vocab} t{seq_len} b{batch} {dtype} (Hugging Face)"
-    return Case(f"hf_llama{blocks}", described, plain, inputs, lambda model: run_step(model, inputs),
+    return Case(f"hf_llama{blocks}", described, plain, inputs, lambda model: run_step(model, inputs)[0],
                 _unique_bytes([ids]), block=LlamaDecoderLayer,
                 config={"model": f"transformers {transformers.__version__} LlamaForCausalLM", "blocks": blocks,
                         "width": width, "heads": heads, "vocab": vocab, "seq_len": seq_len, "batch": batch,

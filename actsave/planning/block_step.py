@@ -22,21 +22,31 @@ from .other_outputs import OtherOutputs, OutputsWatch
 # ------------------------------------------------------------------ the example step
 
 
-def run_step(model: nn.Module, example_inputs, loss: Optional[Callable] = None) -> torch.Tensor:
+# NOTE [ What a block plan's step holds ]
+# With ``loss=`` the caller has the output in hand to pass it to the loss (``logits =
+# model(x); loss = loss_fn(logits); loss.backward()``, the README's loop) and holds it
+# through the backward, as a chain's plan prices its step (memory_model.py, O). Without,
+# the step is ``loss = model(**batch).loss; loss.backward()``, as Hugging Face's
+# Trainer runs it: nothing else of the output is held (a loop that keeps ``outputs``
+# keeps its logits too: docs/limits.md, "Planning without the loss").
+def run_step(model: nn.Module, example_inputs, loss: Optional[Callable] = None) -> tuple:
     """The forward of the training step a block plan is for: ``model(**example_inputs)``
     for a dict, ``model(*example_inputs)`` for a tuple or list, ``model(example_inputs)``
-    for a tensor; returns the loss, the tensor the backward starts from: ``loss(output)``
+    for a tensor. Returns the loss, the tensor the backward starts from: ``loss(output)``
     where a loss function is given (a one-element tensor that requires grad:
     instrumented_step.checked_loss), else the output itself if a tensor, else its
-    ``loss`` (a Hugging Face ``ModelOutput``, a dict), else its first item. Nothing
-    else of the output is kept."""
+    ``loss`` (a Hugging Face ``ModelOutput``, a dict), else its first item; and what the
+    step holds of the output through the backward (NOTE [ What a block plan's step
+    holds ]): the output where a loss function is given, else None."""
     if isinstance(example_inputs, dict):
         output = model(**example_inputs)
     elif isinstance(example_inputs, (tuple, list)):
         output = model(*example_inputs)
     else:
         output = model(example_inputs)
-    return _loss_of(output) if loss is None else checked_loss(loss, output)
+    if loss is None:
+        return _loss_of(output), None
+    return checked_loss(loss, output), output
 
 
 def _loss_of(output) -> torch.Tensor:
@@ -244,13 +254,13 @@ def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Opti
         try:
             with tracker, torch.enable_grad():
                 phases.start()
-                loss = run_step(model, inputs, loss_fn)
+                loss, held = run_step(model, inputs, loss_fn)
                 loss_bytes = _storage_bytes(loss, device)
                 if not phases.loss_hooked:
                     raise ConfigError(f"the output of the last block, {last_fqn}, needs no gradient: there is no "
                                       "backward through the blocks to plan for")
                 backward_from(loss)
-                del loss
+                del loss, held
         finally:
             others = phases.finish()
     return Outside(before_peak=batch_bytes + phases.before_rise,

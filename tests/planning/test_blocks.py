@@ -29,7 +29,8 @@ LOSSY_SQNR_FLOOR_DB = 30.0
 
 def step_peak_bytes(model: nn.Module, example_inputs, loss=None) -> int:
     """MemTracker peak of one training step (``loss``: of the output, as plan_blocks
-    takes it), less parameters, buffers and gradients."""
+    takes it, the output held through the backward), less parameters, buffers and
+    gradients."""
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     static = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -38,7 +39,9 @@ def step_peak_bytes(model: nn.Module, example_inputs, loss=None) -> int:
     inputs = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
     tracker.track_external(model, *inputs)
     with tracker:
-        backward_from(run_step(model, example_inputs, loss))
+        value, held = run_step(model, example_inputs, loss)
+        backward_from(value)
+        del value, held
     return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()) - static
 
 
@@ -46,7 +49,7 @@ def gradients(model: nn.Module, example_inputs, seed: int = 1) -> list:
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(seed)
-    backward_from(run_step(model, example_inputs))
+    backward_from(run_step(model, example_inputs)[0])
     return [p.grad for p in model.parameters()]
 
 
@@ -485,9 +488,10 @@ def test_an_output_without_a_loss_is_refused():
 def test_a_loss_function_runs_in_the_profiled_step_and_its_memory_is_counted():
     # A model that returns logits: its step's loss is the caller's, as with
     # CheckpointedSequential(loss=...). The plan counts the step that runs it (a
-    # cross-entropy's log-softmax and its backward), not a backward from ones.
-    model, x = ResidualNet(depth=4, width=64, classes=256), torch.randn(32, 64)
-    targets = torch.randint(0, 256, (32,))
+    # cross-entropy's log-softmax and its backward), not a backward from ones: logits
+    # large enough, and the head's weight small enough, that the loss sets the peak.
+    model, x = ResidualNet(depth=4, width=16, classes=1024), torch.randn(256, 16)
+    targets = torch.randint(0, 1024, (256,))
     loss = lambda logits: nn.functional.cross_entropy(logits, targets)  # noqa: E731
     without = actsave.plan_blocks(model, ResidualBlock, 2**30, (x,))
     with_loss = actsave.plan_blocks(model, ResidualBlock, 2**30, (x,), loss=loss)
@@ -503,6 +507,19 @@ def test_a_loss_function_runs_in_the_profiled_step_and_its_memory_is_counted():
         loss(m(x)).backward()
         grads.append([p.grad for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_block_plan_given_a_loss_function_counts_the_output_the_caller_holds_through_the_backward():
+    # ``logits = model(x); loss_fn(logits).backward()`` holds the logits: priced without
+    # them, a plan at the smallest budget measured one logits-sized tensor over it (NOTE
+    # [ What a block plan's step holds ]).
+    model, x = ResidualNet(depth=4, width=64, classes=256, dropout=0.0), torch.randn(32, 64)
+    targets = torch.randint(0, 256, (32,))
+    loss = lambda logits: nn.functional.cross_entropy(logits, targets)  # noqa: E731
+    smallest = actsave.plan_blocks(model, ResidualBlock, 2**30, (x,), loss=loss).smallest_peak_bytes
+    planned = actsave.wrap(copy.deepcopy(model), ResidualBlock, budget=smallest, example_inputs=(x,), loss=loss)
+    assert step_peak_bytes(planned, (x,), loss) == actsave.plan_blocks(
+        model, ResidualBlock, smallest, (x,), loss=loss).predicted_peak_bytes <= smallest
 
 
 def test_a_loss_function_makes_a_model_without_a_loss_output_plannable():
