@@ -144,15 +144,11 @@ class ForwardParameters:
         # One changed in place since is no leaf, and autograd refuses to set its flag.
         leaves = [(tensor, key in self._needing) for key, tensor in ((key, ref()) for key, ref in self._refs.items())
                   if tensor is not None and tensor.is_leaf]
-        with _FLAGS_HELD:
-            for tensor, flag in leaves:
-                _FLAGS_HELD.hold(tensor, flag)
+        held = _FLAGS_HELD.hold_all(leaves)
         try:
             yield
         finally:
-            with _FLAGS_HELD:
-                for tensor, flag in leaves:
-                    _FLAGS_HELD.release(tensor, flag)
+            _FLAGS_HELD.release_all(held)
 
 
 class _FlagsHeld:
@@ -164,13 +160,23 @@ class _FlagsHeld:
         self._lock = threading.Lock()
         self._held = {}  # (id(tensor), flag) -> [weak reference, holders, whether set]
 
-    def __enter__(self):
-        self._lock.acquire()
+    def hold_all(self, leaves: list) -> list:
+        """Hold each ``(tensor, flag)`` of ``leaves``; returns those held, none where
+        every flag is as wanted and no recompute holds any (a step that changed no
+        flag pays one comparison a leaf)."""
+        with self._lock:
+            if not self._held and all(tensor.requires_grad is flag for tensor, flag in leaves):
+                return []
+            for tensor, flag in leaves:
+                self._hold(tensor, flag)
+        return leaves
 
-    def __exit__(self, *exc_info):
-        self._lock.release()
+    def release_all(self, leaves: list) -> None:
+        with self._lock:
+            for tensor, flag in leaves:
+                self._release(tensor, flag)
 
-    def hold(self, tensor: torch.Tensor, flag: bool) -> None:
+    def _hold(self, tensor: torch.Tensor, flag: bool) -> None:
         entry = self._held.get((id(tensor), flag))
         if entry is None or entry[0]() is not tensor:  # new, or another tensor's id reused
             entry = self._held[(id(tensor), flag)] = [weakref.ref(tensor), 0, False]
@@ -179,7 +185,7 @@ class _FlagsHeld:
             tensor.requires_grad_(flag)
             entry[2] = True
 
-    def release(self, tensor: torch.Tensor, flag: bool) -> None:
+    def _release(self, tensor: torch.Tensor, flag: bool) -> None:
         entry = self._held[(id(tensor), flag)]
         entry[1] -= 1
         if entry[1]:
