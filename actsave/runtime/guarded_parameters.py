@@ -90,12 +90,13 @@ class GuardedParameters:
 # requires_grad is noted as the forward ends (as its module is called, where the layers
 # are not known), and set so while the recompute runs, then put back; so is that of each
 # other leaf the forward saved (a weight closed over, or held as a plain attribute), as
-# it saved it. Set by the first recompute in flight (in any thread) that holds it at
-# that flag, and flipped back by the last to release it, where still as set, not set to
-# a value found: two threads' recomputes that overlap both run with the flag their
-# forwards had (the first to end would otherwise flip it back under the other), and
-# code that changes it meanwhile (the recompute freezing it again, as its forward did;
-# another thread) keeps its change. Held by weak reference, and once per
+# it saved it. Recomputes in flight, in any thread, hold it together: one that finds it
+# otherwise sets it, and the last to end puts back the flag it had before the first
+# set it, where it is still as last set. So two threads' recomputes that overlap both
+# run with the flag their forwards had (the first to end would otherwise put it back
+# under the other); two whose forwards had different flags cannot, but leave it as
+# the backwards found it; and code that changes it meanwhile (the recompute freezing
+# it again, as its forward did; another thread) keeps its change. Held by weak reference, and once per
 # tensor (a weight tied across modules is one tensor: flipped twice, it would end as it
 # started). Not seen: a leaf the forward read without saving it, outside the modules it
 # knows (``x @ W`` where neither needed a gradient), and a flag the forward itself
@@ -153,12 +154,13 @@ class ForwardParameters:
 
 class _FlagsHeld:
     """The leaves that recomputes in flight, in any thread, hold at a requires_grad:
-    the first to hold one at a flag sets it, the last to release it flips it back where
-    it is still as set (NOTE [ Parameters a recompute reads ])."""
+    one that is not at the flag a recompute wants is set to it, and the last recompute
+    to release it puts back the flag it had before the first set it, where it is still
+    as last set (NOTE [ Parameters a recompute reads ])."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._held = {}  # (id(tensor), flag) -> [weak reference, holders, whether set]
+        self._held = {}  # id(tensor) -> [weak reference, holders, flag before (None: not set), flag last set]
 
     def hold_all(self, leaves: list) -> list:
         """Hold each ``(tensor, flag)`` of ``leaves``; returns those held, none where
@@ -173,26 +175,29 @@ class _FlagsHeld:
 
     def release_all(self, leaves: list) -> None:
         with self._lock:
-            for tensor, flag in leaves:
-                self._release(tensor, flag)
+            for tensor, _ in leaves:
+                self._release(tensor)
 
     def _hold(self, tensor: torch.Tensor, flag: bool) -> None:
-        entry = self._held.get((id(tensor), flag))
+        entry = self._held.get(id(tensor))
         if entry is None or entry[0]() is not tensor:  # new, or another tensor's id reused
-            entry = self._held[(id(tensor), flag)] = [weakref.ref(tensor), 0, False]
+            entry = self._held[id(tensor)] = [weakref.ref(tensor), 0, None, None]
         entry[1] += 1
         if tensor.requires_grad is not flag:
+            if entry[2] is None:
+                entry[2] = tensor.requires_grad
             tensor.requires_grad_(flag)
-            entry[2] = True
+            entry[3] = flag
 
-    def _release(self, tensor: torch.Tensor, flag: bool) -> None:
-        entry = self._held[(id(tensor), flag)]
+    def _release(self, tensor: torch.Tensor) -> None:
+        entry = self._held[id(tensor)]
         entry[1] -= 1
         if entry[1]:
             return
-        del self._held[(id(tensor), flag)]
-        if entry[2] and tensor.requires_grad is flag:  # still as set: not changed since
-            tensor.requires_grad_(not flag)
+        del self._held[id(tensor)]
+        before, last_set = entry[2], entry[3]
+        if before is not None and tensor.requires_grad is last_set:  # still as set: not changed since
+            tensor.requires_grad_(before)
 
 
 _FLAGS_HELD = _FlagsHeld()

@@ -485,6 +485,52 @@ def test_two_threads_recomputing_with_one_parameter_run_with_its_forward_flag_an
         assert torch.equal(want, got)
 
 
+def test_two_threads_recomputing_with_a_parameter_their_forwards_used_with_different_flags_leave_it_as_found():
+    # Frozen in one forward, not in the other, unfrozen before both backwards: the two
+    # recomputes cannot both have their flag (docs/limits.md), but the weight must end as
+    # the backwards found it; were each to flip back what it set, the second would leave
+    # it frozen, and training would stop updating it (NOTE [ Parameters a recompute
+    # reads ]).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
+    in_backward = []
+
+    def overlap(module, args):
+        if not in_backward:
+            return
+        if threading.current_thread().name == "first":
+            first_in.set()
+            second_in.wait(10)
+        else:
+            second_in.set()
+            first_done.wait(10)
+
+    model[2].register_forward_pre_hook(overlap)
+    model[2].weight.requires_grad_(False)
+    frozen = actsave.checkpoint(model, torch.randn(4, 8, requires_grad=True))
+    model[2].weight.requires_grad_(True)
+    unfrozen = actsave.checkpoint(model, torch.randn(4, 8, requires_grad=True))
+    in_backward.append(True)
+
+    def backward(out, done=None):
+        try:
+            out.pow(2).sum().backward()
+        except RecomputeError:  # the first recompute runs with the second's flag
+            pass
+        if done is not None:
+            done.set()
+
+    first = threading.Thread(target=backward, args=(frozen, first_done), name="first")
+    second = threading.Thread(target=backward, args=(unfrozen,), name="second")
+    first.start()
+    assert first_in.wait(10)
+    second.start()
+    first.join(20)
+    second.join(20)
+    assert model[2].weight.requires_grad
+
+
 @pytest.mark.parametrize("how", ["closure", "attribute", "argument"])
 def test_a_leaf_read_outside_any_module_and_unfrozen_before_the_backward_recomputes_as_the_forward_ran(how):
     # A weight closed over, held as a plain tensor attribute, or passed as an argument:
