@@ -176,9 +176,10 @@ class CountedStep:
                  output: torch.Tensor, loss: Optional[torch.Tensor]):
         n, device = len(forward_rise), ledger.device
         self.loss_rise = loss_rise
-        # The loss and its gradient of 1, which the step holds through the backward:
-        # NOTE [ What a step's loss holds ] in profiler.py.
-        self.loss_held_bytes = 0 if loss is None else 2 * allocation_bytes(loss.element_size(), device)
+        # The loss (its storage: NOTE [ What a step's loss holds ] in profiler.py) and its
+        # gradient of 1, which the step holds through the backward.
+        self.loss_held_bytes = 0 if loss is None else allocation_bytes(
+            loss.untyped_storage().nbytes(), device) + allocation_bytes(loss.element_size(), device)
         self.inputs = ledger.inputs
         self.inputs_saved_as_they_are = ledger.inputs_saved_as_they_are
         self.passes_on = ledger.passes_on

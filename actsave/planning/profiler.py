@@ -365,9 +365,11 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
 # NOTE [ What a step's loss holds ]
 # ``loss = criterion(out); loss.backward()`` holds the loss through the backward (the
 # caller's name for it), and ``backward()`` its gradient of 1, made before the engine
-# starts and dropped when it returns: two one-element tensors, live at every backward
-# event beside the output (layer_events.py's held_in_backward). The loss's own rise, up
-# to the output's gradient, is Profile.loss_rise.
+# starts and dropped when it returns: live at every backward event beside the output
+# (layer_events.py's held_in_backward). Each has one element, but the loss holds its
+# storage, which may be larger: on a CPU ``mse_loss`` and ``smooth_l1_loss`` return a
+# view of their elementwise buffer, as large as the output. The loss's own rise, up to
+# the output's gradient, is Profile.loss_rise.
 
 
 # NOTE [ Gradients pending between two uses ]
