@@ -353,6 +353,16 @@ def test_a_tensor_kept_by_reference_by_several_calls_is_counted_once():
     assert actsave.kept_bytes() == {"device": 0, "host": 0}
 
 
+def test_an_expanded_tensor_kept_by_reference_is_counted_as_its_storage():
+    # One row expanded to 2048: what is held is the row, which kept_bytes() counted
+    # 2048 times. A slice kept by reference counts as its dense copy (docs/api.md).
+    row = torch.randn(1, 256, requires_grad=True) * 1
+    expanded = KeptInputs((row.expand(2048, 256),), {}, EXACT, False)
+    sliced = KeptInputs((row[:, ::2],), {}, EXACT, False)
+    assert (expanded.nbytes, sliced.nbytes) == (256 * 4, 128 * 4)
+    expanded.release(), sliced.release()
+
+
 @pytest.mark.parametrize("compress, offload", [("int8", False), ("fp8", False), (None, True), ("int8", True)])
 def test_a_tensor_several_calls_keep_by_a_codec_or_on_the_host_is_stored_once(compress, offload):
     h, policy = torch.randn(64, 64, requires_grad=True) * 1, KeepPolicy.resolve(compress, offload)
