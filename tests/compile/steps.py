@@ -3,6 +3,7 @@ small chains, one step's gradients, graph and compile counters, what a forward k
 import contextlib
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -160,3 +161,17 @@ def assert_keeps_as_eager_actsave(model, eager, plain: nn.Module, x: torch.Tenso
 def gelu_chain(width: int = 64) -> list:
     torch.manual_seed(0)
     return [m for _ in range(8) for m in (nn.Linear(width, width), nn.GELU())]
+
+
+def hugging_face_llama() -> tuple:
+    """``(a 2-layer Hugging Face Llama in training mode, its decoder layer class, Logits)``
+    from a config (no download), seeded; ``Logits`` makes the causal LM a map from ids to
+    logits. Skips the test without transformers."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config).train()
+    return plain, LlamaDecoderLayer, load_bench_module("compile_memory").Logits

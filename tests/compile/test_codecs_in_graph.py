@@ -14,7 +14,7 @@ from actsave.codecs import EXPECTED_GRADIENT_SQNR_DB
 from support import ResidualBlock, ResidualNet, load_bench_module, sqnr_db
 from compile.steps import (
     BACKEND, assert_codecs_in_the_graph, assert_keeps_as_eager_actsave, compiled_for_counting, compiles_counted,
-    flat_gradients, gelu_chain, grads_of_a_step, kept_after_forward
+    flat_gradients, gelu_chain, grads_of_a_step, hugging_face_llama, kept_after_forward
 )
 
 
@@ -205,14 +205,7 @@ def test_a_compiled_hugging_face_llama_keeps_its_wrapped_blocks_by_a_codec_in_th
     # Its mask code reads a value (Tensor.item()) unless the tensor is fake: the probe
     # runs on fake tensors (NOTE [ Fake tensors in a probe ]), so the blocks' codec
     # goes in the graph instead of running eagerly at a break per block.
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=0, eos_token_id=0, use_cache=False)
-    torch.manual_seed(0)
-    plain = transformers.AutoModelForCausalLM.from_config(config).train()
-    Logits = load_bench_module("compile_memory").Logits  # the causal LM as a map from ids to logits
+    plain, LlamaDecoderLayer, Logits = hugging_face_llama()
     assert_codecs_in_the_graph(
         lambda: Logits(actsave.wrap(copy.deepcopy(plain), LlamaDecoderLayer, compress="int8")),
         torch.randint(1, 64, (2, 16)), Logits(plain))

@@ -15,10 +15,10 @@ from actsave import _torch
 from actsave.planning import plans
 from actsave.runtime import compiled_calls, graph_codecs
 from actsave.runtime.nested import Range
-from support import ResidualBlock, ResidualNet, load_bench_module
+from support import ResidualBlock, ResidualNet
 from compile.steps import (
     BACKEND, activation_bytes_saved, chain, checkpoints_in, compiled_for_counting, compiles_counted, dropout_free_chain,
-    gelu_chain, grads_of_a_step, relu_chain
+    gelu_chain, grads_of_a_step, hugging_face_llama, relu_chain
 )
 
 
@@ -61,14 +61,7 @@ def test_compiled_wrapped_blocks_are_one_graph_with_a_checkpoint_each():
 def test_a_compiled_hugging_face_llama_with_exact_wrapped_blocks_is_one_graph_with_a_checkpoint_each():
     # Its decoder layers take keyword arguments (mask, rotary embeddings) and its mask
     # code reads a value unless the tensor is fake: neither breaks the graph.
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      bos_token_id=0, eos_token_id=0, use_cache=False)
-    torch.manual_seed(0)
-    plain = transformers.AutoModelForCausalLM.from_config(config).train()
-    Logits = load_bench_module("compile_memory").Logits  # the causal LM as a map from ids to logits
+    plain, LlamaDecoderLayer, Logits = hugging_face_llama()
     eager = Logits(actsave.wrap(copy.deepcopy(plain), LlamaDecoderLayer))
     model, graphs = compiled_for_counting(Logits(actsave.wrap(copy.deepcopy(plain), LlamaDecoderLayer)))
     counters = torch._dynamo.utils.counters
