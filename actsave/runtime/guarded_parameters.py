@@ -169,8 +169,15 @@ class _FlagsHeld:
         with self._lock:
             if not self._held and all(tensor.requires_grad is flag for tensor, flag in leaves):
                 return []
-            for tensor, flag in leaves:
-                self._hold(tensor, flag)
+            held = []
+            try:
+                for tensor, flag in leaves:
+                    self._hold(tensor, flag)
+                    held.append(tensor)
+            except BaseException:  # a flag autograd refuses to set: nothing stays held
+                for tensor in held:
+                    self._release(tensor)
+                raise
         return leaves
 
     def release_all(self, leaves: list) -> None:
@@ -181,13 +188,14 @@ class _FlagsHeld:
     def _hold(self, tensor: torch.Tensor, flag: bool) -> None:
         entry = self._held.get(id(tensor))
         if entry is None or entry[0]() is not tensor:  # new, or another tensor's id reused
-            entry = self._held[id(tensor)] = [weakref.ref(tensor), 0, None, None]
-        entry[1] += 1
+            entry = [weakref.ref(tensor), 0, None, None]
         if tensor.requires_grad is not flag:
-            if entry[2] is None:
-                entry[2] = tensor.requires_grad
-            tensor.requires_grad_(flag)
+            before = tensor.requires_grad
+            tensor.requires_grad_(flag)  # first: where autograd refuses, nothing is held
+            entry[2] = before if entry[2] is None else entry[2]
             entry[3] = flag
+        entry[1] += 1
+        self._held[id(tensor)] = entry
 
     def _release(self, tensor: torch.Tensor) -> None:
         entry = self._held[id(tensor)]

@@ -531,6 +531,17 @@ def test_two_threads_recomputing_with_a_parameter_their_forwards_used_with_diffe
     assert model[2].weight.requires_grad
 
 
+def test_a_flag_autograd_refuses_to_set_leaves_no_flag_held():
+    # Leaves are held one by one: those held before a refusal (an integer tensor cannot
+    # require grad) were left held, and their flags set, for every later recompute
+    # (NOTE [ Parameters a recompute reads ]).
+    from actsave.runtime.guarded_parameters import _FLAGS_HELD
+    weight, counts = torch.randn(4, requires_grad=True), torch.arange(4)
+    with pytest.raises(RuntimeError, match="floating point"):
+        _FLAGS_HELD.hold_all([(weight, False), (counts, True)])
+    assert weight.requires_grad and not _FLAGS_HELD._held
+
+
 @pytest.mark.parametrize("how", ["closure", "attribute", "argument"])
 def test_a_leaf_read_outside_any_module_and_unfrozen_before_the_backward_recomputes_as_the_forward_ran(how):
     # A weight closed over, held as a plain tensor attribute, or passed as an argument:
