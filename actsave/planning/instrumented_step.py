@@ -40,7 +40,7 @@ from ..runtime.keep_rules import CallerTensors, should_encode
 from ..runtime.kept_saves import takes_kept_saves
 from .allocator_rises import AllocatorRises, larger_of_each
 from .cached_casts import CastWatch
-from .live_bytes import LiveBytes, allocation_bytes
+from .live_bytes import LiveBytes, allocation_bytes, loss_held_bytes
 from .saves_as_stored import SavesAsStored
 from .tensor_specs import PoolSample, TensorSpec
 
@@ -176,10 +176,8 @@ class CountedStep:
                  output: torch.Tensor, loss: Optional[torch.Tensor]):
         n, device = len(forward_rise), ledger.device
         self.loss_rise = loss_rise
-        # The loss (its storage: NOTE [ What a step's loss holds ] in profiler.py) and its
-        # gradient of 1, which the step holds through the backward.
-        self.loss_held_bytes = 0 if loss is None else allocation_bytes(
-            loss.untyped_storage().nbytes(), device) + allocation_bytes(loss.element_size(), device)
+        # NOTE [ What a step's loss holds ] in live_bytes.py.
+        self.loss_held_bytes = 0 if loss is None else loss_held_bytes(loss, output, device)
         self.inputs = ledger.inputs
         self.inputs_saved_as_they_are = ledger.inputs_saved_as_they_are
         self.passes_on = ledger.passes_on

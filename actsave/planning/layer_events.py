@@ -37,8 +37,8 @@ class LayerEvents:
         held_grad = prof.output_grad_bytes if prof.output_grad_held else 0
         self.grad = np.append(column("input_grad_bytes"), float(prof.output_grad_bytes - held_grad))
         # O, the gradients pending between two uses of a parameter (profiler.py, NOTE
-        # [ Gradients pending between two uses ]) and the loss (NOTE [ What a step's loss
-        # holds ]).
+        # [ Gradients pending between two uses ]) and the loss (live_bytes.py, NOTE [ What a
+        # step's loss holds ]).
         self.held_in_backward = prof.output_bytes + held_grad + prof.pending_gradient_bytes + prof.loss_held_bytes
         self.loss_rise = prof.loss_rise
         self.output = prof.output_bytes

@@ -44,6 +44,23 @@ def allocation_bytes(nbytes: int, device) -> int:
     return -(-nbytes // granule) * granule
 
 
+# NOTE [ What a step's loss holds ]
+# ``loss = criterion(out); loss.backward()`` holds the loss through the backward (the
+# caller's name for it), and ``backward()`` its gradient of 1, made before the engine
+# starts and dropped when it returns: live at every backward event beside the output
+# (layer_events.py's held_in_backward). Each has one element, but the loss holds its
+# storage, which may be larger: on a CPU ``mse_loss`` and ``smooth_l1_loss`` return a
+# view of their elementwise buffer, as large as the output. A loss that views the
+# output itself (``out[0, 0]``) holds nothing the output does not. The loss's own rise,
+# up to the output's gradient, is Profile.loss_rise.
+def loss_held_bytes(loss: torch.Tensor, output: torch.Tensor, device) -> int:
+    """What a step's loss holds through the backward beside ``output`` (NOTE [ What a
+    step's loss holds ]): its storage, unless the output's, and its gradient of 1."""
+    storage = 0 if loss.untyped_storage()._cdata == output.untyped_storage()._cdata else \
+        allocation_bytes(loss.untyped_storage().nbytes(), device)
+    return storage + allocation_bytes(loss.element_size(), device)
+
+
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of tensor storages that operations create inside the context
     and that are still alive, and the peak of that count.

@@ -160,7 +160,7 @@ class Profile:
     # the last layer's backward (memory_model.py, O and g_n).
     output_grad_held: bool = True
     # The step's loss and its gradient of 1, held through the backward (NOTE [ What a
-    # step's loss holds ]); 0 without a loss.
+    # step's loss holds ] in live_bytes.py); 0 without a loss.
     loss_held_bytes: int = 0
     # The chain input's shape and element size in the profiled step: a plan holds for
     # inputs no larger (chain_segments.py warns of a larger one).
@@ -360,16 +360,6 @@ def profile(model: nn.Module, example_inputs, device=None, loss=None, stored_sav
             loss_held_bytes=found.loss_held_bytes,
             checkpoint_host=NO_HOST_WORK if sizes_only else checkpoint_host_work(device),
         )
-
-
-# NOTE [ What a step's loss holds ]
-# ``loss = criterion(out); loss.backward()`` holds the loss through the backward (the
-# caller's name for it), and ``backward()`` its gradient of 1, made before the engine
-# starts and dropped when it returns: live at every backward event beside the output
-# (layer_events.py's held_in_backward). Each has one element, but the loss holds its
-# storage, which may be larger: on a CPU ``mse_loss`` and ``smooth_l1_loss`` return a
-# view of their elementwise buffer, as large as the output. The loss's own rise, up to
-# the output's gradient, is Profile.loss_rise.
 
 
 # NOTE [ Gradients pending between two uses ]

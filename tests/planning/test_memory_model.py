@@ -109,12 +109,13 @@ def test_a_profile_of_the_steps_loss_predicts_the_peak_of_the_step_with_that_los
         assert measured > plans.predict(without_loss, starts, codecs).predicted_peak_bytes
 
 
-@pytest.mark.parametrize("loss_name", ["cross_entropy", "mse_loss"])
+@pytest.mark.parametrize("loss_name", ["cross_entropy", "mse_loss", "a view of the output"])
 def test_the_smallest_plan_of_a_step_with_its_loss_measures_within_its_budget(loss_name):
     # The loss and its gradient of 1 stay live through the whole backward, past the
     # loss's own rise: a plan that fills its budget went over it by their 8 bytes, and
     # by an output-sized buffer under mse_loss, whose one-element loss on a CPU is a view
-    # of its elementwise buffer (NOTE [ What a step's loss holds ]).
+    # of its elementwise buffer; a loss that views the output holds nothing more (NOTE
+    # [ What a step's loss holds ]).
     def layers():
         torch.manual_seed(0)
         convs = [m for _ in range(4) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())]
@@ -122,7 +123,8 @@ def test_the_smallest_plan_of_a_step_with_its_loss_measures_within_its_budget(lo
 
     x, targets = torch.randn(8, 3, 8, 8), torch.randint(0, 512, (8,))
     loss = {"cross_entropy": lambda logits: nn.functional.cross_entropy(logits, targets),
-            "mse_loss": lambda out: nn.functional.mse_loss(out, torch.zeros(8, 512))}[loss_name]
+            "mse_loss": lambda out: nn.functional.mse_loss(out, torch.zeros(8, 512)),
+            "a view of the output": lambda out: out[0, 0]}[loss_name]
     profile = actsave.profile(nn.Sequential(*layers()), (x,), loss=loss)
     smallest = actsave.plan(profile, objective="memory")
     for plan in (smallest, actsave.plan(profile, smallest.predicted_peak_bytes)):
