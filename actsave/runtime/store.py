@@ -250,16 +250,17 @@ def stored_copy(kept: KeepPolicy, tensor: torch.Tensor, packed: Packed) -> Store
     (on the device, or on its way to the host), counted in kept_bytes() until released."""
     storage = _OnHost(packed) if kept.offload else _OnDevice(packed)
     by_reference = kept.codec.aliases_input and not kept.offload  # the storage holds the tensor
-    nbytes = _referenced_bytes(tensor, packed.nbytes) if by_reference else packed.nbytes
+    nbytes = _referenced_bytes(packed.data, packed.nbytes) if by_reference else packed.nbytes
     copy = StoredCopy(storage, nbytes, None if by_reference else tensor)
     copy.settle = account(copy, copy.nbytes, storage.where)
     return copy
 
 
 def _referenced_bytes(tensor: torch.Tensor, nbytes: int) -> int:
-    """The bytes a tensor held by reference counts: its elements', no more than its
-    storage's (an expanded tensor's storage is one row of it; a slice counts as its dense
-    copy). A tensor with no storage to read (torch.func's wrappers) counts its elements."""
+    """The bytes a tensor held by reference (the caller's, or a private copy) counts:
+    its elements', no more than its storage's (an expanded tensor's storage is one row
+    of it; a slice counts as its dense copy). A tensor with no storage to read
+    (torch.func's wrappers) counts its elements."""
     try:
         return min(nbytes, tensor.untyped_storage().nbytes())
     except (NotImplementedError, RuntimeError):

@@ -359,8 +359,10 @@ def test_an_expanded_tensor_kept_by_reference_is_counted_as_its_storage():
     row = torch.randn(1, 256, requires_grad=True) * 1
     expanded = KeptInputs((row.expand(2048, 256),), {}, EXACT, False)
     sliced = KeptInputs((row[:, ::2],), {}, EXACT, False)
-    assert (expanded.nbytes, sliced.nbytes) == (256 * 4, 128 * 4)
-    expanded.release(), sliced.release()
+    # A private copy for an in-place first layer is dense: its own storage counts.
+    copied = KeptInputs((row.expand(2048, 256),), {}, EXACT, True)
+    assert (expanded.nbytes, sliced.nbytes, copied.nbytes) == (256 * 4, 128 * 4, 2048 * 256 * 4)
+    expanded.release(), sliced.release(), copied.release()
 
 
 @pytest.mark.parametrize("compress, offload", [("int8", False), ("fp8", False), (None, True), ("int8", True)])
