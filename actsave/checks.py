@@ -25,7 +25,7 @@ def integral(value) -> Optional[int]:
         return None
     try:
         return operator.index(value)
-    except TypeError:
+    except (TypeError, RuntimeError):  # RuntimeError: a meta tensor, which has no value
         return None
 
 
@@ -36,7 +36,8 @@ def byte_count(value) -> Union[int, float, None]:
     whatever type it came in: numpy's unsigned integers wrap around below zero, and a
     ``Fraction`` does not format as a size. A 0-d floating tensor is taken as its value,
     as a 0-d integer one is."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype.is_floating_point:
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype.is_floating_point \
+            and value.device.type != "meta":  # a meta tensor has no value: refused below
         value = value.item()
     whole = integral(value)  # a 0-d integer tensor too, as wherever an integer is taken
     if not real_number(value if whole is None else whole) or not 0 < float(value) < math.inf:

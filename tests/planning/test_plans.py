@@ -195,7 +195,8 @@ def test_a_budget_of_any_number_type_plans_as_its_whole_bytes(small_profile):
     assert actsave.plan(small_profile, torch.tensor(2 * smallest)) == actsave.plan(small_profile, 2 * smallest)
     assert actsave.plan(small_profile, torch.tensor(2.0 * smallest, dtype=torch.float64)) == \
         actsave.plan(small_profile, 2 * smallest)
-    for not_a_number in (True, torch.tensor(True)):  # a bool is never a count of bytes
+    for not_a_number in (True, torch.tensor(True), torch.tensor(1e6, device="meta"), torch.tensor(10**6, device="meta")):
+        # a bool is never a count of bytes, and a meta tensor has no value
         with pytest.raises(ConfigError, match="must be a positive, finite number of bytes"):
             actsave.plan(small_profile, not_a_number)
     planned = actsave.plan(small_profile, fractions.Fraction(3 * smallest + 1, 2))
