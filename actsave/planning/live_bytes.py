@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from .._torch import TorchDispatchMode, pytree, sparse_components, storage_resizes_observed
+from .._torch import TorchDispatchMode, pytree, sparse_components, storage_identity, storage_resizes_observed
 from ..devices import allocation_granule, host_is_separate
 from ..meta import OUTPUT_METADATA
 from ..offload import is_host_memory
@@ -56,7 +56,7 @@ def allocation_bytes(nbytes: int, device) -> int:
 def loss_held_bytes(loss: torch.Tensor, output: torch.Tensor, device) -> int:
     """What a step's loss holds through the backward beside ``output`` (NOTE [ What a
     step's loss holds ]): its storage, unless the output's, and its gradient of 1."""
-    storage = 0 if loss.untyped_storage()._cdata == output.untyped_storage()._cdata else \
+    storage = 0 if storage_identity(loss) == storage_identity(output) else \
         allocation_bytes(loss.untyped_storage().nbytes(), device)
     return storage + allocation_bytes(loss.element_size(), device)
 
