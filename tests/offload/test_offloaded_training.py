@@ -73,11 +73,13 @@ def test_compressed_bytes_are_what_travel():
     assert kept["host"] == 5 * (8 * 16 + 4 + 8 * 16 // 8)
 
 
-def test_thousand_steps_keep_the_pool_constant():
+def test_a_hundred_steps_keep_the_pool_constant():
+    # A buffer the pool failed to reuse shows as an allocation at the first step after
+    # the warm-up one: a hundred steps show any growth a thousand would.
     model = CheckpointedSequential(*dropout_chain(), segments=6, compress="int8", offload=True)
     step(model)
     reserved, allocations = host_pool().reserved_bytes, host_pool().allocations
-    for seed in range(1000):
+    for seed in range(100):
         step(model, seed)
     assert (host_pool().reserved_bytes, host_pool().allocations) == (reserved, allocations)
     assert host_pool().in_use_bytes == 0
