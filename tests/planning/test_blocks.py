@@ -511,7 +511,7 @@ def test_a_loss_function_runs_in_the_profiled_step_and_its_memory_is_counted():
 
 def test_a_block_plan_given_a_loss_function_counts_the_output_the_caller_holds_through_the_backward():
     # ``logits = model(x); loss_fn(logits).backward()`` holds the logits: priced without
-    # them, a plan at the smallest budget measured one logits-sized tensor over it (NOTE
+    # them, a plan at the smallest budget goes one logits-sized tensor over it (NOTE
     # [ What a block plan's step holds ]).
     model, x = ResidualNet(depth=4, width=64, classes=256, dropout=0.0), torch.randn(32, 64)
     targets = torch.randint(0, 256, (32,))

@@ -112,10 +112,11 @@ def test_a_profile_of_the_steps_loss_predicts_the_peak_of_the_step_with_that_los
 @pytest.mark.parametrize("loss_name", ["cross_entropy", "mse_loss", "a view of the output"])
 def test_the_smallest_plan_of_a_step_with_its_loss_measures_within_its_budget(loss_name):
     # The loss and its gradient of 1 stay live through the whole backward, past the
-    # loss's own rise: a plan that fills its budget went over it by their 8 bytes, and
-    # by an output-sized buffer under mse_loss, whose one-element loss on a CPU is a view
-    # of its elementwise buffer; a loss that views the output holds nothing more (NOTE
-    # [ What a step's loss holds ]).
+    # loss's own rise: unpriced, a plan that fills its budget goes over it by their 8
+    # bytes, and by an output-sized buffer under mse_loss, whose one-element loss on a
+    # CPU is a view of its elementwise buffer; a loss that views the output holds
+    # nothing more, and priced apart it would be counted twice (NOTE [ What a step's
+    # loss holds ]).
     def layers():
         torch.manual_seed(0)
         convs = [m for _ in range(4) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())]

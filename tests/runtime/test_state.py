@@ -533,7 +533,7 @@ def test_two_threads_recomputing_with_a_parameter_their_forwards_used_with_diffe
 
 def test_a_flag_autograd_refuses_to_set_leaves_no_flag_held():
     # Leaves are held one by one: those held before a refusal (an integer tensor cannot
-    # require grad) were left held, and their flags set, for every later recompute
+    # require grad) must be released, or their flags stay set for every later recompute
     # (NOTE [ Parameters a recompute reads ]).
     from actsave.runtime.guarded_parameters import _FLAGS_HELD
     weight, counts = torch.randn(4, requires_grad=True), torch.arange(4)

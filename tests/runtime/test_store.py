@@ -354,8 +354,8 @@ def test_a_tensor_kept_by_reference_by_several_calls_is_counted_once():
 
 
 def test_an_expanded_tensor_kept_by_reference_is_counted_as_its_storage():
-    # One row expanded to 2048: what is held is the row, which kept_bytes() counted
-    # 2048 times. A slice kept by reference counts as its dense copy (docs/api.md).
+    # One row expanded to 2048: what is held is the row, not 2048 of them. A slice kept
+    # by reference counts as its dense copy (docs/api.md).
     row = torch.randn(1, 256, requires_grad=True) * 1
     expanded = KeptInputs((row.expand(2048, 256),), {}, EXACT, False)
     sliced = KeptInputs((row[:, ::2],), {}, EXACT, False)
