@@ -163,7 +163,12 @@ def peak_activation_bytes(model: nn.Module, x: torch.Tensor, loss=None) -> int:
     """MemTracker peak of one training step, less parameters, buffers and gradients: the
     backward from ``loss(out)``, or without a loss from a gradient of ones. A model that
     plans at its first call does so in an unmeasured step first, which also makes what
-    a first step caches for good (the CPU's ReLU decision tables, 4 KiB)."""
+    a first step caches for good (the CPU's ReLU decision tables, 4 KiB).
+
+    MemTracker counts a tensor made before the step once a view of it is made in the
+    step (a loss's ``targets.flatten()``: their storage, which the allocator does not
+    allocate), and never sees the CPU generator states checkpointed segments hold
+    (docs/limits.md, "Memory no tensor holds")."""
     if plans_at_first_call(model):
         out = model(x)
         out.backward(torch.ones_like(out))
