@@ -24,6 +24,11 @@ asked for: it produced the source and allocates the fetched tensor) and the engi
    nothing), so each copy overlaps one segment of compute, and the compute
    stream stalls only when a copy takes longer than a segment: the back-pressure that
    keeps device memory bounded. ``prefetch`` and ``release`` place it at the latest.
+   A checkpoint's input offloaded as it is (no codec between it and the copy) is the
+   copy's source itself, which the caller may change in place once the call returns
+   and nothing would order after the copy: its wait is placed as the call's forward
+   ends (runtime/store.py, ``_KeptTensor.end_forward``), so that copy overlaps the
+   call's own forward.
    A segment's decisions (ReLU and max-pool, runtime/store.py) go to the host as one
    group when its forward ends, just before the next segment starts, so their wait
    is placed one segment later (``PrefetchTape.free_later``); so do the saves of a

@@ -196,7 +196,11 @@ class _KeptTensor:
     def end_forward(self) -> None:
         """From here an offloaded input is a host snapshot, and a copy is the codec's: stop
         watching (and pinning) the device tensor. One kept on the device by reference
-        stays watched until its recompute."""
+        stays watched until its recompute. An input offloaded as it is was the copy's
+        source: the compute stream waits for the copy before the caller may change it
+        (NOTE [ Offload stream ordering ], rule 2)."""
+        if self.storage.where == "host" and self._aliased:
+            self.storage.free_source()
         if self.storage.where == "host" or not self._aliased:
             self._watched = None
 

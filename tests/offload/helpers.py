@@ -4,7 +4,7 @@ import weakref
 
 import torch
 
-from actsave.offload import HostCopyEngine
+from actsave.offload import CopyEngine, HostCopyEngine
 
 KiB = 1024
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.float8_e4m3fn]
@@ -54,3 +54,53 @@ class RecordingEngine(HostCopyEngine):
         self.log.append((what, event.name))
         self.events.append(event)
         return event
+
+
+class LateEvent:
+    """The event of a :class:`LateCopyEngine` copy: finished once the engine ran it."""
+
+    def __init__(self, engine, number):
+        self.engine, self.number = engine, number
+
+    def query(self):
+        return self.engine.finished >= self.number
+
+    def synchronize(self):
+        self.engine.run_until(self.number)
+
+
+class LateCopyEngine(CopyEngine):
+    """Copies as a GPU running behind the host makes them: queued in order, and run only
+    once something is ordered after them (``wait`` or ``free_after`` on their event or a
+    later one: one copy stream) or the host waits for one (``synchronize``). What the
+    host does to a source before then, the copy reads."""
+
+    def __init__(self):
+        self.queue, self.asked, self.finished = [], 0, 0
+
+    def to_host(self, source, host):
+        return self.to_host_all([(source, host)])
+
+    def to_host_all(self, pairs):
+        return self._queued(lambda: [host.copy_(source) for source, host in pairs])
+
+    def to_device(self, host):
+        target = torch.empty_like(host)
+        return target, self._queued(lambda: target.copy_(host))
+
+    def wait(self, event):
+        self.run_until(event.number)
+
+    def free_after(self, event):
+        self.run_until(event.number)
+
+    def run_until(self, number):
+        while self.queue and self.queue[0][0] <= number:
+            number_run, copy = self.queue.pop(0)
+            copy()
+            self.finished = number_run
+
+    def _queued(self, copy):
+        self.asked += 1
+        self.queue.append((self.asked, copy))
+        return LateEvent(self, self.asked)
