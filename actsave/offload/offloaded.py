@@ -4,6 +4,7 @@ copy_engines.py says when each device and host buffer may be reused).
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Optional
 
@@ -21,6 +22,12 @@ class _Holdings:
     it so that its finalizer can give them back without keeping it alive."""
 
     def __init__(self, pool: HostPool, engine: CopyEngine, buffer: torch.Tensor):
+        # Autograd runs one backward thread per device: the tape's lookahead on one may
+        # prefetch what another fetches or releases. Each step below reads then sets
+        # these fields, so they change under this lock, or two copies back start (the
+        # loser's device memory freed under its copy) or a release drops a copy
+        # half made.
+        self.lock = threading.RLock()
         self.pool = pool
         self.engine = engine
         self.buffer = buffer  # None once back in the pool
@@ -47,9 +54,10 @@ class _Holdings:
             self.buffer, self.host_views = None, None
 
     def release(self) -> None:
-        self.drop_sources()
-        self.drop_device_copies()
-        self.return_buffer()
+        with self.lock:
+            self.drop_sources()
+            self.drop_device_copies()
+            self.return_buffer()
 
 
 # Where each tensor of a group starts in its host buffer: a multiple of 16 bytes, so
@@ -142,13 +150,17 @@ class OffloadedTensors:
     def free_source(self) -> None:
         """Let the device memory of the offloaded tensors be reused, in stream order.
         ``PrefetchTape.segment_starts`` calls it when the next segment starts."""
-        self._held.drop_sources()
+        with self._held.lock:
+            self._held.drop_sources()
 
     def prefetch(self) -> None:
         """Start the copy back to the device, unless it started or :meth:`release` ran."""
         held = self._held
-        if self.released or held.device_copies is not None:
-            return
+        with held.lock:
+            if not self.released and held.device_copies is None:
+                self._copy_back(held)
+
+    def _copy_back(self, held: _Holdings) -> None:
         held.drop_sources()  # the backward has begun: the forward's tensors are not needed
         with outside_transforms():
             if len(self._parts) == 1:  # a tensor of its own dtype, not a view of bytes
@@ -163,16 +175,17 @@ class OffloadedTensors:
         Prefetches if needed; the host buffer then goes back to the pool (reused once
         the copy has finished). Calling it again returns the same tensors until
         :meth:`release`."""
-        if self.released:
-            raise ActsaveError(
-                "this offloaded tensor was released already, so it cannot be fetched; "
-                "fetch it before releasing it"
-            )
-        self.prefetch()
         held = self._held
-        held.engine.wait(held.copied_in)
-        held.return_buffer()
-        return held.device_copies
+        with held.lock:
+            if self.released:
+                raise ActsaveError(
+                    "this offloaded tensor was released already, so it cannot be fetched; "
+                    "fetch it before releasing it"
+                )
+            self.prefetch()
+            held.engine.wait(held.copied_in)
+            held.return_buffer()
+            return held.device_copies
 
     def release(self) -> None:
         """Give the host buffer back to the pool and drop the device copies. Idempotent."""

@@ -1,6 +1,7 @@
 """Offloaded tensors, alone and in groups: bit-exact round trips, layouts, buffers
 returned in stream order."""
 import gc
+import threading
 
 import pytest
 import torch
@@ -145,3 +146,40 @@ def test_meta_tensors_are_offloaded_into_meta_buffers():
     assert not is_host_memory(back.untyped_storage())
     offloaded.release()
     assert host_pool_for("meta").in_use_bytes == 0 and host_pool().reserved_bytes == real_pool_bytes
+
+
+class _HeldCopyBack(HostCopyEngine):
+    """Holds the first copy back until ``proceed`` is set, having set ``entered``."""
+
+    def __init__(self):
+        self.entered, self.proceed = threading.Event(), threading.Event()
+        self.copies_back = 0
+
+    def to_device(self, host):
+        self.copies_back += 1
+        self.entered.set()
+        self.proceed.wait(timeout=5)
+        return super().to_device(host)
+
+
+@pytest.mark.parametrize("second", ["prefetch", "release"])
+def test_a_second_thread_waits_for_a_copy_back_in_progress(second):
+    # Autograd's device threads share a tape: one's lookahead may prefetch what another
+    # prefetches or releases. Two copies back of one item, or a release between a copy
+    # back's start and its end, would free device memory under a copy.
+    engine = _HeldCopyBack()
+    offloaded = OffloadedTensors([torch.arange(64.0)], pool=HostPool(), engine=engine)
+    first = threading.Thread(target=offloaded.prefetch)
+    first.start()
+    assert engine.entered.wait(timeout=5)
+    other = threading.Thread(target=getattr(offloaded, second))
+    other.start()
+    other.join(timeout=0.2)
+    assert other.is_alive()  # waiting for the copy back, not beside it
+    engine.proceed.set()
+    first.join(), other.join()
+    assert engine.copies_back == 1
+    if second == "prefetch":
+        assert torch.equal(offloaded.fetch()[0], torch.arange(64.0))
+    else:
+        assert offloaded.released and offloaded._held.device_copies is None
