@@ -74,11 +74,14 @@ class Skipper:
             if follows is not None:  # it returned: it stands for the fallback's call, after the ones that raised
                 self.next = self.frame.calls.index(follows) + 1
             return output
-        if call.output is not None and version(call.output) != call.version:
+        # A stored output (by a codec, or on the host: the copy may still read it on a
+        # GPU) is checked by its counter as one kept as it is: NOTE [ Stored kept outputs ].
+        counter = call.output if call.stored is None else call.stored.counter
+        if counter is not None and version(counter) != call.version:
             raise RecomputeError(
                 f"the output of {described(call.target)}, which a selective checkpoint of "
                 f"{qualified_name(self.frame.function)} keeps instead of running it again, was changed in place "
-                f"after the checkpointed forward returned (version {version(call.output)}, expected {call.version}): "
+                f"after the checkpointed forward returned (version {version(counter)}, expected {call.version}): "
                 "the recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
                 "which recomputes it.")
         arguments = input_tensors(args, kwargs)

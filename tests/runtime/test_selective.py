@@ -440,11 +440,14 @@ class _ReturnsItsLinearOutput(nn.Module):
         return h, self.ln(h + 1)
 
 
-def test_a_kept_output_changed_in_place_after_the_forward_raises_in_the_recompute_that_reads_it():
+@pytest.mark.parametrize("stored", [{}, {"offload": True}, {"compress": "int8"}],
+                         ids=["kept as it is", "offloaded", "by int8"])
+def test_a_kept_output_changed_in_place_after_the_forward_raises_in_the_recompute_that_reads_it(stored):
     # The recompute of ln's saves reads fc's kept output: changed by the caller, it is not
     # what fc returned, and reading it would give wrong gradients, so it is refused
-    # (nn.Sequential, which saves h + 1, is unaffected).
-    model = actsave.Checkpoint(_ReturnsItsLinearOutput(), keep="selective")
+    # (nn.Sequential, which saves h + 1, is unaffected). Stored, it is refused alike: a
+    # copy to the host may still be reading it on a GPU (NOTE [ Stored kept outputs ]).
+    model = actsave.Checkpoint(_ReturnsItsLinearOutput(), keep="selective", **stored)
     h, y = model(torch.randn(4, 8, requires_grad=True))
     with torch.no_grad():
         h.mul_(10)
