@@ -169,12 +169,16 @@ def _checked_means(values, name, channel_size, numel, device):
         raise ValueError(f"{name} must be a 1-D float32 tensor on {device}, one per channel; got "
                          f"{values.dtype} of shape {tuple(values.shape)} on {values.device}")
     channels = values.numel()
-    if not (isinstance(channel_size, int) and channel_size >= 1) or numel % (channels * channel_size):
+    if not (isinstance(channel_size, int) and channel_size >= 1) or (
+            numel % (channels * channel_size) if channels else numel):
         raise ValueError(f"{numel} elements are not whole samples of {channels} channels of "
                          f"channel_size={channel_size!r} elements")
+    if not channels:  # an empty tensor of no channels: nothing to subtract, nothing launched
+        return ChannelMeans(values, 1, 1, False)
     # A sum's channel holds numel / channels elements; a mean is its own (NOTE [ Channel means ]).
     divisor = float(numel // channels) if name == "sums" else 1.0
-    return ChannelMeans(values.contiguous(), channel_size, channels, True, divisor)
+    # Resolved: a kernel reads memory, which for torch._neg_view holds the negated values.
+    return ChannelMeans(values.resolve_neg().contiguous(), channel_size, channels, True, divisor)
 
 
 # ----------------------------------------------------------------- torch references

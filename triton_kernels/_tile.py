@@ -259,7 +259,11 @@ def kernel_input(x, group_size):
 
 
 def _flat(t):
-    """t as a contiguous 1-D tensor: itself where it is one (a codec's codes and scales)."""
+    """t as a contiguous 1-D tensor: itself where it is one (a codec's codes and scales);
+    a copy where memory holds the negation of its values (``torch._neg_view``), which a
+    kernel would read. Resolved unasked (itself where no bit is set): the references run
+    inside traced graphs too, where asking ``is_neg()`` breaks the graph."""
+    t = t.resolve_neg()
     return t if t.dim() == 1 and t.is_contiguous() else t.reshape(-1).contiguous()
 
 

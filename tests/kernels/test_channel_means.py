@@ -187,6 +187,35 @@ def test_means_and_sums_together_are_refused(impl):
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_sums_of_no_channels_fit_only_an_empty_tensor(impl):
+    encode, decode = _pair("int8", impl)
+    codes, scales = encode(torch.randn(2, 0, 3, 3), group_size=16, sums=torch.zeros(0))
+    assert codes.numel() == scales.numel() == 0
+    assert decode(codes, scales, dtype=torch.float32, group_size=16, sums=torch.zeros(0)).numel() == 0
+    codes, scales = encode(torch.randn(16), group_size=16)
+    with pytest.raises(ValueError, match="not whole samples of 0 channels"):
+        decode(codes, scales, dtype=torch.float32, group_size=16, sums=torch.zeros(0))
+
+
+@pytest.mark.parametrize("fmt", SIGNED_FORMATS)
+def test_arguments_whose_memory_holds_their_negation_are_read_by_their_values(fmt, assert_same_bits):
+    # torch._neg_view: the values are the negation of what memory holds, which a kernel reads.
+    x = _channels_input((2, 4, 4, 4))
+    sums = torch.sum(x, (0, 2, 3), dtype=torch.float32)
+    negated = torch._neg_view(-sums)
+    codes, scales = _pair(fmt, "reference")[0](x, group_size=16, sums=sums)
+    for impl in ("triton", "reference"):
+        encode, decode = _pair(fmt, impl)
+        for got, expected in zip(encode(x, group_size=16, sums=negated), (codes, scales)):
+            assert_same_bits(got, expected)
+        expected = decode(codes, scales, dtype=torch.float32, group_size=16, sums=sums, channel_size=16)
+        for arguments in ((torch._neg_view(-codes), scales, sums), (codes, torch._neg_view(-scales), sums),
+                          (codes, scales, negated)):
+            got = decode(*arguments[:2], dtype=torch.float32, group_size=16, sums=arguments[2], channel_size=16)
+            assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("means, channel_size, message", [
     (torch.zeros(4, dtype=torch.float64), 9, "1-D float32"),
     (torch.zeros(4, 1), 9, "1-D float32"),
