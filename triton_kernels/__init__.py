@@ -86,7 +86,9 @@ class Kernel(NamedTuple):
     """One direction of one format.
 
     ``launcher`` runs ``jit`` (on CUDA, or on CPU under TRITON_INTERPRET=1);
-    ``reference`` is its specification in torch and gives the same bits. Both take
+    ``reference`` is its specification in torch and gives the same bits (a decoder's,
+    on what its encoder makes: a scale no encoder writes, NaN or inf, may decode
+    otherwise, and a NaN's payload is unspecified). Both take
     the same arguments, ``format_args`` (fp8's ``fmt``, int8's ``unsigned``) included: ``encode(x,
     **format_args, group_size=..., means=None, sums=None)`` returns ``(codes, scales)``,
     ``means`` being per-channel values to subtract first, or ``sums`` the channels' sums
