@@ -189,6 +189,21 @@ def test_bounds_move_to_the_nearest_value_on_the_forwards_side():
     assert_same_bits(recomputed, expected)
 
 
+def test_bounds_with_nothing_between_them_restore_as_the_kernel_does():
+    # bf16 holds no value strictly between 0.1 and 0.10002: the value just inside the
+    # lower bound is the upper one. A passed element below both goes there, in the
+    # reference as in the kernel.
+    restore = decision_table()["bounds", "restore"]
+    bits = decisions.pack_bounds(torch.tensor([float("nan")] + [0.0] * 7, dtype=torch.bfloat16), 0.1, 0.10002)
+    restored = []
+    for run in (restore.launcher, restore.reference):
+        recomputed = torch.tensor([0.05] + [0.0] * 7, dtype=torch.bfloat16)
+        run(recomputed, bits, 0.1, 0.10002)
+        restored.append(recomputed)
+    assert_same_bits(*restored)
+    assert restored[0][0].item() > 0.1
+
+
 def test_a_bound_no_half_type_holds_is_compared_as_the_backward_compares():
     # fp16 rounds 0.10002 to the value just above it: a compare in fp16 would block that
     # value, which hardtanh_backward (in fp32) passes.

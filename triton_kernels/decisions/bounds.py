@@ -258,9 +258,13 @@ def restore_bounds_ref_(v: torch.Tensor, bits: torch.Tensor, low: float, high: f
     with torch.no_grad():
         inside = _passes_ref(v, values)
         moved = passed & ~inside  # passed, on a bound or beyond it
-        v.masked_fill_(moved & (v <= values.low_at), values.low_in)
-        if values.upper:
-            v.masked_fill_(moved & (v >= values.high_at), values.high_in)
+        # Both masks from the recomputed values, as the kernel's choice reads them: where
+        # the dtype holds nothing between the bounds, low_in is high_at.
+        to_low = moved & (v <= values.low_at)
+        to_high = moved & (v >= values.high_at) if values.upper else None
+        v.masked_fill_(to_low, values.low_in)
+        if to_high is not None:
+            v.masked_fill_(to_high, values.high_in)
         moved = inside.logical_and_(passed.logical_not_())  # blocked, inside
         if not values.upper:
             v.masked_fill_(moved, values.low_at)
