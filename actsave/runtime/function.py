@@ -96,7 +96,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .._torch import backward_keeps_graph, pytree, version
 from .._torch_graphs import eager_hooks
-from ..errors import RecomputeError
+from ..errors import ActsaveError, RecomputeError
 from . import compiled_calls
 from .compiled_layers import LayerCode
 from .forward_decisions import ForwardDecisions
@@ -243,6 +243,12 @@ class CheckpointFrame:
             count, exact = self._recomputed_saves()
             self.touched.reads.restarting(lambda: self._replay(self.kept.restore, self.recomputed, count, last=True,
                                                                lossy=self.keeps_decisions, exact_count=exact))
+        except Exception as error:  # the function's own, raised in a backward: name the recompute
+            if not isinstance(error, ActsaveError):
+                error.add_note(f"actsave: raised while recomputing {qualified_name(self.function)} in the backward, "
+                               "from inputs of its own: leaves that hold the inputs' values (docs/limits.md, "
+                               "\"What a recompute's input is\")")
+            raise
         finally:
             self.release()
         self.is_recomputed = True

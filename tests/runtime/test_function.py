@@ -391,3 +391,22 @@ def test_a_backward_through_a_dual_input_says_the_recompute_has_no_tangents():
         out = forward_ad.unpack_dual(actsave.checkpoint(model, forward_ad.make_dual(x, torch.randn(5, 8)))).primal
         with pytest.raises(actsave.RecomputeError, match="Forward-mode AD is on.*torch.utils.checkpoint"):
             out.sum().backward()
+
+
+@pytest.mark.parametrize("keep", ["inputs", "selective"])
+def test_an_error_of_the_functions_code_in_the_recompute_names_the_recompute(keep):
+    # The recompute's input is a leaf of its own (docs/limits.md, "What a recompute's
+    # input is"): a forward that reads its input's grad_fn fails there, inside the backward.
+    class Watched(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            x.grad_fn.register_prehook(lambda gradients: None)
+            return self.linear(x).tanh()
+
+    y = actsave.Checkpoint(Watched(), keep=keep)(torch.randn(2, 8, requires_grad=True) * 2)
+    with pytest.raises(AttributeError) as raised:
+        y.sum().backward()
+    assert any("recomputing" in note and "What a recompute's input is" in note for note in raised.value.__notes__)
