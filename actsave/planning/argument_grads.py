@@ -13,7 +13,10 @@ planner profiles holds those arguments as buffers (block_calls.py's BlockCall) t
 need a gradient where the argument does, so that each profiled block saves what that
 gradient needs and its backward makes its part of it; each part is dropped as it comes,
 so no profiled event holds the sum: the backward event of each block up to the last
-reader counts it (its dense size). Where a block made the tensor, its own backward
+reader counts it (its dense size, or where larger the storage of the part the last
+reader's profiled backward gave it: ``torch.cat([x, skip])``'s backward hands the skip
+a slice of one buffer, which keeps all of it until the skip's own node runs; a U-Net
+so planned measured 1.06x its budget). Where a block made the tensor, its own backward
 counts it twice, once as the gradient of its other output (NOTE [ Outputs the caller
 holds ]). Conservative by design: the last reader's own part, which becomes the
 buffer, is counted from the start of its backward, where it is made at its end, and as
@@ -30,19 +33,23 @@ import torch
 from .live_bytes import allocation_bytes
 
 
-def argument_gradients(calls: list, device) -> tuple:
+def argument_gradients(calls: list, device, gradient_bytes: tuple = ()) -> tuple:
     """Per block of ``calls`` (block_calls.record_calls'), the bytes on ``device`` (the
     profile's) of the gradients of the blocks' other tensor arguments pending while its
     backward runs: each argument that needs a gradient, once, at every block up to the
-    last that reads it."""
-    last_reader = {}  # id -> (the argument, the last block that reads it)
+    last that reads it; as the storage of the gradient the last reader's profiled
+    backward gave it where that is larger (``gradient_bytes``, per block: its
+    BlockCall's ``argument_gradient_bytes``): a slice of one buffer holds all of it
+    (``torch.cat([x, skip])``'s backward, a U-Net's skip)."""
+    last_reader = {}  # id -> (the argument, the last block that reads it, its leaf there)
     for a, (_, _, call) in enumerate(calls):
         for k, leaf in enumerate(call.leaves):
             if k != call.hidden_leaf and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                last_reader[id(leaf)] = (leaf, a)
+                last_reader[id(leaf)] = (leaf, a, k)
     pending = [0] * len(calls)
-    for leaf, last in last_reader.values():
-        nbytes = allocation_bytes(leaf.numel() * leaf.element_size(), device)
+    for leaf, last, k in last_reader.values():
+        held = gradient_bytes[last].get(k, 0) if gradient_bytes else 0
+        nbytes = allocation_bytes(max(leaf.numel() * leaf.element_size(), held), device)
         for a in range(last + 1):
             pending[a] += nbytes
     return tuple(pending)

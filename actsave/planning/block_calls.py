@@ -3,6 +3,7 @@ recorded from its forward and checked to run one after another, each then a laye
 chain (:class:`BlockCall`): :func:`record_calls`."""
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Optional
@@ -267,10 +268,14 @@ class BlockCall(nn.Module):
         self.inplace = modifies_input(block)  # a segment starting here keeps a copy, as Checkpoint(block) does
         self.__qualname__ = type(block).__qualname__  # the name a checkpoint's messages give it
         self._spec, self._hidden_leaf = call.spec, call.hidden_leaf
+        # Per argument leaf: the largest storage a gradient its backward gave it holds
+        # (NOTE [ Gradients of the blocks' arguments ]).
+        self.argument_gradient_bytes = _GradientBytes()
         self._leaves = []
         for k, leaf in enumerate(call.leaves):
             if isinstance(leaf, torch.Tensor) and k != call.hidden_leaf:
-                self.register_buffer(f"argument_{k}", _held_argument(leaf), persistent=False)
+                self.register_buffer(f"argument_{k}", _held_argument(leaf, self.argument_gradient_bytes, k),
+                                     persistent=False)
                 leaf = _Argument(f"argument_{k}")
             self._leaves.append(leaf)
 
@@ -284,18 +289,36 @@ class BlockCall(nn.Module):
         return with_gradients_of(hidden, output, self.other_gradients) if self.other_gradients else hidden
 
 
-def _held_argument(leaf: torch.Tensor) -> torch.Tensor:
+class _GradientBytes(dict):
+    """Argument leaf -> the largest storage a gradient of it held, in bytes: one dict
+    for a BlockCall and every copy the planner makes of it (each planning step runs on
+    its own), which the hooks of all their arguments fill; not a reference to the
+    module, which its buffers' hooks would hold in a cycle."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _held_argument(leaf: torch.Tensor, gradient_bytes: _GradientBytes, k: int) -> torch.Tensor:
     """A block's argument as its :class:`BlockCall` holds it for the profile: the same
     values, detached from the example step's graph; needing a gradient where the
     argument does, so that the profiled block saves what that gradient needs (``q *
     pos`` saves ``q`` only then), and dropping each gradient as it comes, as the step
     hands it on (argument_grads.py counts the sum autograd keeps of them: NOTE
-    [ Gradients of the blocks' arguments ])."""
+    [ Gradients of the blocks' arguments ]), having noted in ``gradient_bytes[k]`` the
+    storage it holds."""
     held = leaf.detach()
     if leaf.requires_grad:
         held.requires_grad_()
+        held.register_hook(functools.partial(_note_storage, gradient_bytes, k))
         held.register_post_accumulate_grad_hook(_drop_gradient)
     return held
+
+
+def _note_storage(gradient_bytes: _GradientBytes, k: int, gradient: torch.Tensor) -> None:
+    """Note the bytes of ``gradient``'s storage: a view (``torch.cat``'s backward hands
+    each input a slice of one buffer) holds all of it."""
+    gradient_bytes[k] = max(gradient_bytes.get(k, 0), gradient.untyped_storage().nbytes())
 
 
 def _drop_gradient(tensor: torch.Tensor) -> None:

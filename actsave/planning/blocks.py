@@ -356,7 +356,8 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
     other_outputs = None if outside is None else outside.other_outputs
     until = "step" if outside is None else outside.chain_input_until  # NOTE [ A chain input the step frees ]
     freed = 0.0 if until == "step" else float(model.input[0])
-    pending = argument_gradients(calls, profile.device)  # NOTE [ Gradients of the blocks' arguments ]
+    pending = argument_gradients(calls, profile.device,  # NOTE [ Gradients of the blocks' arguments ]
+                                 tuple(block.argument_gradient_bytes for block in chain))
     subsets = KeptSubsets(measurer) if "selective" in levers else None  # NOTE [ Kept subsets ]
     rows, labels = [], []
     for a in range(len(calls)):
