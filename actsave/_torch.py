@@ -26,7 +26,7 @@ import torch
 import torch._dynamo  # noqa: F401  (torch.compile imports it too; named here for eval_frame)
 from torch.utils import _pytree as pytree  # noqa: F401  (re-exported)
 from torch._ops import OpOverload  # noqa: F401  (re-exported)
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass  # noqa: F401
 
 from .errors import ActsaveError
 from .settings import CountedChange
@@ -133,12 +133,12 @@ _is_functorch_wrapper = getattr(torch._C._functorch, "is_functorch_wrapped_tenso
 def in_memory(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s elements lie in memory that a kernel or a copy can read: not
     an efficient zero tensor (forward AD's zero tangents: a storage with no memory), nor
-    a torch.func transform's wrapper (vmap's BatchedTensor, jvp's TensorWrapper), whose
-    elements lie in the tensor it wraps. Traced by torch.compile, a tensor is taken to
-    be (Dynamo traces neither test, and would break the graph at them)."""
+    a wrapper whose elements lie in the tensors it wraps (vmap's BatchedTensor, jvp's
+    TensorWrapper; a subclass that flattens into others, DTensor's kind). Traced by
+    torch.compile, a tensor is taken to be (Dynamo traces none of these tests)."""
     if torch.compiler.is_compiling():
         return True
-    return not tensor._is_zerotensor() and not _is_functorch_wrapper(tensor)
+    return not (tensor._is_zerotensor() or _is_functorch_wrapper(tensor) or is_traceable_wrapper_subclass(tensor))
 
 
 def forward_ad_on() -> bool:

@@ -122,3 +122,35 @@ def test_selective_with_a_codec_is_a_keep_option_of_the_wrappers(how):
     expected = gradients(plain, x)[0]
     got = gradients(model, x)[0]
     assert min(sqnr_db(e, g) for e, g in zip(expected, got)) >= EXPECTED_GRADIENT_SQNR_DB["fp8_e4m3"]
+
+
+class _WrappedOutput(nn.Linear):
+    """A Linear whose output is a wrapper subclass (DTensor's kind): its elements lie in
+    the tensors it wraps, not in a storage of its own."""
+
+    def forward(self, x):
+        two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+        out = super().forward(x)
+        return two_tensor.TwoTensor(out, out * 1)
+
+
+class _ReadsItsWrappedOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.ln = _WrappedOutput(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(self.fc(x) + 1)
+
+
+@pytest.mark.parametrize("stored", [{"offload": True}, {"compress": "int8"}], ids=["offloaded", "by int8"])
+def test_a_kept_output_of_a_wrapper_subclass_is_kept_as_it_is(stored):
+    # Copied or encoded as a storage, it read memory it does not have (the process died).
+    x = torch.randn(4, 8)
+    plain, model = _ReadsItsWrappedOutput(), _ReadsItsWrappedOutput()
+    plain(x).square().sum().backward()
+    actsave.Checkpoint(model, keep="selective", **stored)(x).square().sum().backward()
+    assert [p.grad is None for p in plain.parameters()] == [p.grad is None for p in model.parameters()]
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters())
+               if p.grad is not None)
