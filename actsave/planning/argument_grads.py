@@ -15,12 +15,11 @@ gradient needs and its backward makes its part of it; each part is dropped as it
 so no profiled event holds the sum: the backward event of each block up to the last
 reader counts it (its dense size, or where larger the storage of the part the last
 reader's profiled backward gave it: ``torch.cat([x, skip])``'s backward hands the skip
-a slice of one buffer, which keeps all of it until the skip's own node runs; a U-Net
-so planned measured 1.06x its budget). Where a block made the tensor, its own backward
-counts it twice, once as the gradient of its other output (NOTE [ Outputs the caller
-holds ]). Conservative by design: the last reader's own part, which becomes the
-buffer, is counted from the start of its backward, where it is made at its end, and as
-the part its profiled backward makes. Counted before the last reader only, a T5
+a slice of one buffer, which keeps all of it until the skip's own node runs). Where a
+block made the tensor, its own backward counts it twice, once as the gradient of its
+other output (NOTE [ Outputs the caller holds ]). Conservative by design: the last
+reader's own part, which becomes the buffer, is counted from the start of its backward,
+where it is made at its end, and as the part its profiled backward makes. Counted before the last reader only, a T5
 decoder's plan peaked over its prediction and budget; counted so, a stack whose peak
 lies elsewhere, or whose blocks read the argument detached (no gradient comes), is
 over-predicted by that one gradient (docs/limits.md, "Decoder stacks with

@@ -82,8 +82,8 @@ class Skipper:
                 f"the output of {described(call.target)}, which a selective checkpoint of "
                 f"{qualified_name(self.frame.function)} keeps instead of running it again, was changed in place "
                 f"after the checkpointed forward returned (version {version(counter)}, expected {call.version}): "
-                "the recompute would read the changed values. Change a copy (out.clone()), or use keep='inputs', "
-                "which recomputes it.")
+                "the recompute would read it in place of the output the forward used. Change a copy (out.clone()), or "
+                "use keep='inputs', which recomputes it.")
         arguments = input_tensors(args, kwargs)
         self._check_arguments(call, arguments)
         self._fill_views(call, arguments)  # the early stop may end the recompute in there
