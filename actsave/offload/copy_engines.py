@@ -43,7 +43,9 @@ asked for: it produced the source and allocates the fetched tensor) and the engi
    it, and is lent again only once the host sees that event complete
    (``HostPool.release(after=...)``). One copy stream would order the copies anyway,
    but CPU copies and other devices' copy streams are not ordered with it. At its
-   capacity the pool waits for those events rather than fail.
+   capacity the pool waits for those events rather than fail. A job that fails half
+   queued (an interrupt between two copies) leaves no event: its buffer goes back once
+   the host has waited for the engine's copies (``CopyEngine.synchronize``), or never.
 5. One engine runs its copies in the order they are asked for (one copy stream per
    device). So ``PrefetchTape.before_use`` asks for the needed item's copy before those
    of the items ahead of it, which would otherwise delay it.
@@ -94,6 +96,10 @@ class CopyEngine:
         """Let the device memory a copy used be reused only after the copy: call it
         just before dropping the last reference to the copy's source or target."""
         raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait, on the host, until every copy asked of this engine has finished: what a
+        job that failed half queued leaves no event for."""
 
 
 class HostCopyEngine(CopyEngine):
@@ -171,6 +177,9 @@ class CudaCopyEngine(CopyEngine):
 
     def free_after(self, event: _CudaCopy) -> None:
         event.owner.wait_event(event.done)
+
+    def synchronize(self) -> None:
+        self.copy_stream.synchronize()
 
 
 _HOST_ENGINE = HostCopyEngine()

@@ -136,11 +136,20 @@ class OffloadedTensors:
             self._held.host_views = [part.view(self._held.buffer) for part in self._parts]
             try:
                 self._held.copied_out = engine.to_host_all(list(zip(sources, self._held.host_views)))
-            except BaseException:
-                self.release()
+            except BaseException:  # a KeyboardInterrupt too: the copies queued before it may still write
+                self._buffer_back_once_copied(engine)
                 raise
         # Held until free_source(): the copy may still be reading them (NOTE rule 2).
         self._held.sources = sources
+
+    def _buffer_back_once_copied(self, engine: CopyEngine) -> None:
+        """Release after a job that failed half queued: the buffer goes back to the pool
+        once the engine's copies have finished, or never where waiting fails too."""
+        try:
+            engine.synchronize()
+        except BaseException:
+            self._held.buffer = None  # lent again, it could be written by a copy still running
+        self.release()
 
     @property
     def released(self) -> bool:
