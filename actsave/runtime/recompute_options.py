@@ -155,20 +155,24 @@ def logged(options: RecomputeOptions, operators: dict, stage: str):
 def other_shapes(function_name: str, recomputed: tuple, forward: tuple, lossy: bool) -> str:
     """What a recompute that saved a tensor of another shape, dtype or device than its
     forward's says (``(shape, dtype, device)`` each): a lossy recompute decided a shape
-    from decoded values; an exact one ran code that is not deterministic."""
+    from decoded values; an exact one ran code that is not deterministic; either may
+    run with a parameter's flag as the forward left it (docs/limits.md)."""
     said = (f"the recompute of {function_name} saved a tensor of shape/dtype/device {recomputed} where the forward "
             f"saved {forward}: ")
+    flags = (" Or the forward changes a parameter's requires_grad after using it (a freeze schedule inside "
+             "forward), and the recompute runs with the flag as the forward left it: change flags outside the "
+             "checkpointed forward.")
     if lossy:
         return said + (
             "its inputs were kept by a lossy codec, and a shape decided by their values (nonzero, argwhere, "
             "torch.where(mask), masked_select, a branch or a loop count on a value) came out otherwise on the "
             "decoded ones, so its gradients would be wrong. Keep this function's inputs exactly (compress=None for "
             "it), or decide the shape from values the codec does not change (docs/limits.md, 'Other decisions a "
-            "lossy recompute takes again').")
+            "lossy recompute takes again').") + flags
     return said + (
         "the function is not deterministic in its shapes or dtypes, so its gradients would be wrong (state it "
         "appends to runs again: Hugging Face's use_cache=True, pass use_cache=False to train). Make it "
-        "deterministic or do not checkpoint it (determinism_check='none' skips this check).")
+        "deterministic or do not checkpoint it (determinism_check='none' skips this check).") + flags
 
 
 def mismatch(options: RecomputeOptions, operators: dict, message: str) -> RecomputeError:

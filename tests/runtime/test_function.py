@@ -410,3 +410,19 @@ def test_an_error_of_the_functions_code_in_the_recompute_names_the_recompute(kee
     with pytest.raises(AttributeError) as raised:
         y.sum().backward()
     assert any("recomputing" in note and "What a recompute's input is" in note for note in raised.value.__notes__)
+
+
+def test_a_forward_that_freezes_a_weight_after_using_it_is_told_why_its_recompute_differs():
+    class FreezesAfterUse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.first(x)
+            self.first.weight.requires_grad_(False)  # a freeze schedule inside forward
+            return self.second(torch.tanh(h))
+
+    y = actsave.Checkpoint(FreezesAfterUse())(torch.randn(4, 16, requires_grad=True) * 1)
+    with pytest.raises(actsave.RecomputeError, match="changes a parameter's requires_grad after using it"):
+        y.sum().backward()
