@@ -35,23 +35,41 @@ from .live_bytes import allocation_bytes
 def argument_gradients(calls: list, device, gradient_bytes: tuple = ()) -> tuple:
     """Per block of ``calls`` (block_calls.record_calls'), the bytes on ``device`` (the
     profile's) of the gradients of the blocks' other tensor arguments pending while its
-    backward runs: each argument that needs a gradient, once, at every block up to the
-    last that reads it; as the storage of the gradient the last reader's profiled
-    backward gave it where that is larger (``gradient_bytes``, per block: its
-    BlockCall's ``argument_gradient_bytes``): a slice of one buffer holds all of it
-    (``torch.cat([x, skip])``'s backward, a U-Net's skip)."""
-    last_reader = {}  # id -> (the argument, the last block that reads it, its leaf there)
+    backward runs: each argument that needs a gradient, once, at every block from the
+    one that made it (the first, where none did) to the last that reads it. Where the
+    part the last reader's profiled backward gave it holds a larger storage
+    (``gradient_bytes``, per block: its BlockCall's ``argument_gradient_bytes``; a slice
+    of one buffer, as ``torch.cat([x, skip])``'s backward hands a U-Net's skip), that
+    storage is counted until the reader before it adds its part, out of place."""
+    readers = {}  # id -> (the argument, [(block, its leaf there)] of each block reading it, in order)
     for a, (_, _, call) in enumerate(calls):
         for k, leaf in enumerate(call.leaves):
             if k != call.hidden_leaf and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                last_reader[id(leaf)] = (leaf, a, k)
+                read = readers.setdefault(id(leaf), (leaf, []))[1]
+                if not read or read[-1][0] != a:
+                    read.append((a, k))
     pending = [0] * len(calls)
-    for leaf, last, k in last_reader.values():
-        held = gradient_bytes[last].get(k, 0) if gradient_bytes else 0
-        nbytes = allocation_bytes(max(leaf.numel() * leaf.element_size(), held), device)
+    for leaf, read in readers.values():
+        last, k = read[-1]
+        dense = allocation_bytes(leaf.numel() * leaf.element_size(), device)
+        held = allocation_bytes(gradient_bytes[last].get(k, 0), device) if gradient_bytes else 0
+        # The slice's buffer beyond the argument's own bytes: after the last reader's
+        # backward (whose profiled events hold the buffer it makes) until the block that
+        # made the argument, or the reader before, which adds its part out of place.
+        summed = max(_maker(calls, leaf, read[0][0]), read[-2][0] if len(read) > 1 else 0)
         for a in range(last + 1):
-            pending[a] += nbytes
+            pending[a] += dense + (max(held - dense, 0) if summed <= a < last else 0)
     return tuple(pending)
+
+
+def _maker(calls: list, leaf: torch.Tensor, reader: int) -> int:
+    """The block before ``reader`` whose output holds ``leaf``, whose backward takes its
+    gradient; 0 where none does (made before the blocks: the encoder's output)."""
+    for a in range(reader - 1, -1, -1):
+        made = calls[a][2].made.get(id(leaf))
+        if made is not None and made() is leaf:
+            return a
+    return 0
 
 
 __all__ = ["argument_gradients"]

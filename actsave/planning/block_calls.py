@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Optional
 
@@ -34,6 +35,7 @@ class _Call:
                        if copied and isinstance(leaf, torch.Tensor)}
         self.hidden_leaf: int | None = None
         self.output: torch.Tensor | None = None
+        self.made = {}  # id -> weak reference, of each tensor of its output: what a later call's argument came from
         # Where each tensor argument sits in the call (an index, or a keyword): NOTE [ A
         # block plan's input ] (planned_inputs.py).
         self.places = {**{id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)},
@@ -75,7 +77,9 @@ class _CallRecorder:
         self.order.append(fqn)
 
     def _exit(self, fqn: str, output) -> None:
-        self.calls[fqn][-1].output = hidden_output(output, fqn)
+        call = self.calls[fqn][-1]
+        call.output = hidden_output(output, fqn)
+        call.made = {id(t): weakref.ref(t) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)}
 
     def remove(self) -> None:
         for handle in self._handles:
