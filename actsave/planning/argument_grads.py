@@ -13,17 +13,20 @@ planner profiles holds those arguments as buffers (block_calls.py's BlockCall) t
 need a gradient where the argument does, so that each profiled block saves what that
 gradient needs and its backward makes its part of it; each part is dropped as it comes,
 so no profiled event holds the sum: the backward event of each block up to the last
-reader counts it (its dense size, or where larger the storage of the part the last
-reader's profiled backward gave it: ``torch.cat([x, skip])``'s backward hands the skip
-a slice of one buffer, which keeps all of it until the skip's own node runs). Where a
+reader counts it (its dense size). The part the last reader's profiled backward gave
+it may be a slice of a larger buffer (``torch.cat([x, skip])``'s backward hands a
+U-Net's skip a slice of the whole concatenation's gradient), which keeps all of it
+alive: the rest of that buffer is counted after the last reader's backward (whose own
+events hold the buffer) until the block that made the argument runs its backward, or
+the reader before the last adds its part, out of place, and lets the slice go. Where a
 block made the tensor, its own backward counts it twice, once as the gradient of its
 other output (NOTE [ Outputs the caller holds ]). Conservative by design: the last
 reader's own part, which becomes the buffer, is counted from the start of its backward,
-where it is made at its end, and as the part its profiled backward makes. Counted before the last reader only, a T5
-decoder's plan peaked over its prediction and budget; counted so, a stack whose peak
-lies elsewhere, or whose blocks read the argument detached (no gradient comes), is
-over-predicted by that one gradient (docs/limits.md, "Decoder stacks with
-cross-attention").
+where it is made at its end, and as the part its profiled backward makes. Counted
+before the last reader only, a T5 decoder's plan peaked over its prediction and budget;
+counted so, a stack whose peak lies elsewhere, or whose blocks read the argument
+detached (no gradient comes), is over-predicted by that one gradient (docs/limits.md,
+"Decoder stacks with cross-attention").
 """
 from __future__ import annotations
 
