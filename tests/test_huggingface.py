@@ -192,3 +192,25 @@ def test_a_checkpoint_over_a_llama_with_dynamic_rope_past_its_positions_trains_a
 
     for want, got in zip(gradients(False), gradients(True), strict=True):
         assert torch.equal(want, got)
+
+
+def test_a_copy_of_an_accelerate_prepared_model_kept_by_int8_runs_its_own_weights_and_unwraps():
+    # accelerate's mixed precision rebinds the model's forward to the model: a copy (an
+    # EMA teacher) must run the copy, and unwrap_model(keep_fp32_wrapper=False) must
+    # leave a forward that takes the model's own arguments.
+    accelerate = pytest.importorskip("accelerate")
+    _, wrapped = plain_and_wrapped("llama", compress="int8")
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+        student = accelerator.prepare(wrapped)
+        teacher = copy.deepcopy(student)
+        batch = padded_batch()
+        with torch.no_grad():
+            for p in teacher.parameters():
+                p.zero_()
+            assert not teacher(input_ids=batch["input_ids"]).logits.any()
+            assert student(input_ids=batch["input_ids"]).logits.any()
+        unwrapped = accelerator.unwrap_model(student, keep_fp32_wrapper=False)
+        assert unwrapped(**batch).loss.isfinite()
+    finally:
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton

@@ -81,7 +81,7 @@ import contextlib
 import inspect
 import threading
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -284,6 +284,25 @@ class RootForward:
     def __signature__(self) -> inspect.Signature:
         own = self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
         return inspect.signature(own)
+
+    # A wrapper that rebinds a bound method's function to its model (accelerate's mixed
+    # precision, its unwrap_model) finds these: a function of the model it is bound to,
+    # so that a copy of the model runs its own weights, not this model's. None where an
+    # instance forward came before: that one is this model's alone.
+    @property
+    def __self__(self) -> nn.Module:
+        return self.model
+
+    @property
+    def __func__(self) -> Callable:
+        if self.previous is not None:
+            raise AttributeError("__func__: this model's forward before wrap was its own")
+        return _root_forward
+
+
+def _root_forward(model: nn.Module, *args, **kwargs):
+    """:class:`RootForward`'s call as a function of its model (``RootForward.__func__``)."""
+    return RootForward(model)(*args, **kwargs)
 
 
 def watch_root(model: nn.Module) -> None:
