@@ -45,7 +45,8 @@ asked for: it produced the source and allocates the fetched tensor) and the engi
    but CPU copies and other devices' copy streams are not ordered with it. At its
    capacity the pool waits for those events rather than fail. A job that fails half
    queued (an interrupt between two copies) leaves no event: its buffer goes back once
-   the host has waited for the engine's copies (``CopyEngine.synchronize``), or never.
+   the host has waited for the engine's copies (``CopyEngine.synchronize``), or, where
+   that wait fails too (the device is gone), never: the pool counts it lent for good.
 5. One engine runs its copies in the order they are asked for (one copy stream per
    device). So ``PrefetchTape.before_use`` asks for the needed item's copy before those
    of the items ahead of it, which would otherwise delay it.

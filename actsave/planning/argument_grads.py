@@ -17,10 +17,11 @@ reader counts it (its dense size). The part the last reader's profiled backward 
 it may be a slice of a larger buffer (``torch.cat([x, skip])``'s backward hands a
 U-Net's skip a slice of the whole concatenation's gradient), which keeps all of it
 alive: the rest of that buffer is counted after the last reader's backward (whose own
-events hold the buffer) until the block that made the argument runs its backward, or
-the reader before the last adds its part, out of place, and lets the slice go. Where a
-block made the tensor, its own backward counts it twice, once as the gradient of its
-other output (NOTE [ Outputs the caller holds ]). Conservative by design: the last
+events hold the buffer) until the block that made the argument runs its backward (a
+reader before the last adds its part out of place and lets the slice go sooner: counted
+to the maker still, on the safe side). Where a block made the tensor, its own backward
+counts it twice, once as the gradient of its other output
+(NOTE [ Outputs the caller holds ]). Conservative by design: the last
 reader's own part, which becomes the buffer, is counted from the start of its backward,
 where it is made at its end, and as the part its profiled backward makes. Counted
 before the last reader only, a T5 decoder's plan peaked over its prediction and budget;
@@ -42,8 +43,8 @@ def argument_gradients(calls: list, device, gradient_bytes: tuple = ()) -> tuple
     one that made it (the first, where none did) to the last that reads it. Where the
     part the last reader's profiled backward gave it holds a larger storage
     (``gradient_bytes``, per block: its BlockCall's ``argument_gradient_bytes``; a slice
-    of one buffer, as ``torch.cat([x, skip])``'s backward hands a U-Net's skip), that
-    storage is counted until the reader before it adds its part, out of place."""
+    of one buffer, as ``torch.cat([x, skip])``'s backward hands a U-Net's skip), the
+    rest of that storage is counted from it to the block that made the argument."""
     readers = {}  # id -> (the argument, [(block, its leaf there)] of each block reading it, in order)
     for a, (_, _, call) in enumerate(calls):
         for k, leaf in enumerate(call.leaves):
@@ -58,10 +59,11 @@ def argument_gradients(calls: list, device, gradient_bytes: tuple = ()) -> tuple
         held = allocation_bytes(gradient_bytes[last].get(k, 0), device) if gradient_bytes else 0
         # The slice's buffer beyond the argument's own bytes: after the last reader's
         # backward (whose profiled events hold the buffer it makes) until the block that
-        # made the argument, or the reader before, which adds its part out of place.
-        summed = max(_maker(calls, leaf, read[0][0]), read[-2][0] if len(read) > 1 else 0)
+        # made the argument. The reader before the last adds its part out of place and
+        # lets it go sooner; counted to the maker still, on the safe side.
+        maker = _maker(calls, leaf, read[0][0])
         for a in range(last + 1):
-            pending[a] += dense + (max(held - dense, 0) if summed <= a < last else 0)
+            pending[a] += dense + (max(held - dense, 0) if maker <= a < last else 0)
     return tuple(pending)
 
 
