@@ -103,7 +103,7 @@ from .forward_decisions import ForwardDecisions
 from .layers import known_layers, modules_under
 from .passed_inputs import run_segment
 from .placeholders import Cursor, Slot, unchanged, weakly
-from .recompute_options import DEFAULT_RECOMPUTE, RecomputeOptions, logged, mismatch, other_shapes
+from .recompute_options import DEFAULT_RECOMPUTE, FLAGS_CHANGED, RecomputeOptions, logged, mismatch, other_shapes
 from .replay import ReplayState, passed_generators
 from .state import RecomputeStop, TouchedState
 from .keep_rules import EXACT, CallerTensors, KeepPolicy
@@ -333,7 +333,7 @@ class CheckpointFrame:
                 f"the recompute saved {produced} tensors for backward where the forward "
                 f"saved {count}: the checkpointed function {qualified_name(self.function)} "
                 "does not do the same work twice. Make it deterministic (same branches, "
-                "same shapes) or do not checkpoint it."
+                "same shapes) or do not checkpoint it." + FLAGS_CHANGED
             )
         if lossy and self.keeps_decisions:
             self.decisions.masks.mark_differing()

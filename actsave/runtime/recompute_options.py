@@ -152,6 +152,13 @@ def logged(options: RecomputeOptions, operators: dict, stage: str):
     return log
 
 
+# What a recompute that does other work than its forward also says: a flag the forward
+# changed after a use (NOTE [ Parameters a recompute reads ]) is the flag it runs with.
+FLAGS_CHANGED = (" Or the forward changes a parameter's requires_grad after using it (a freeze schedule inside "
+                 "forward), and the recompute runs with the flag as the forward left it: change flags outside the "
+                 "checkpointed forward.")
+
+
 def other_shapes(function_name: str, recomputed: tuple, forward: tuple, lossy: bool) -> str:
     """What a recompute that saved a tensor of another shape, dtype or device than its
     forward's says (``(shape, dtype, device)`` each): a lossy recompute decided a shape
@@ -159,20 +166,17 @@ def other_shapes(function_name: str, recomputed: tuple, forward: tuple, lossy: b
     run with a parameter's flag as the forward left it (docs/limits.md)."""
     said = (f"the recompute of {function_name} saved a tensor of shape/dtype/device {recomputed} where the forward "
             f"saved {forward}: ")
-    flags = (" Or the forward changes a parameter's requires_grad after using it (a freeze schedule inside "
-             "forward), and the recompute runs with the flag as the forward left it: change flags outside the "
-             "checkpointed forward.")
     if lossy:
         return said + (
             "its inputs were kept by a lossy codec, and a shape decided by their values (nonzero, argwhere, "
             "torch.where(mask), masked_select, a branch or a loop count on a value) came out otherwise on the "
             "decoded ones, so its gradients would be wrong. Keep this function's inputs exactly (compress=None for "
             "it), or decide the shape from values the codec does not change (docs/limits.md, 'Other decisions a "
-            "lossy recompute takes again').") + flags
+            "lossy recompute takes again').") + FLAGS_CHANGED
     return said + (
         "the function is not deterministic in its shapes or dtypes, so its gradients would be wrong (state it "
         "appends to runs again: Hugging Face's use_cache=True, pass use_cache=False to train). Make it "
-        "deterministic or do not checkpoint it (determinism_check='none' skips this check).") + flags
+        "deterministic or do not checkpoint it (determinism_check='none' skips this check).") + FLAGS_CHANGED
 
 
 def mismatch(options: RecomputeOptions, operators: dict, message: str) -> RecomputeError:
