@@ -96,9 +96,9 @@ class GuardedParameters:
 # run with the flag their forwards had (the first to end would otherwise put it back
 # under the other); two whose forwards had different flags cannot, but leave it as
 # the backwards found it; and code that changes it meanwhile (the recompute freezing
-# it again, as its forward did; another thread) keeps its change. Held by weak reference, and once per
-# tensor (a weight tied across modules is one tensor: flipped twice, it would end as it
-# started). Not seen: a leaf the forward read without saving it, outside the modules it
+# it again, as its forward did; another thread) keeps its change. Held by weak
+# reference, and once per tensor (a weight tied across modules is one tensor: flipped
+# twice, it would end as it started). Not seen: a leaf the forward read without saving it, outside the modules it
 # knows (``x @ W`` where neither needed a gradient), and a flag the forward itself
 # changes after a use, which the recompute starts from as the forward left it
 # (docs/limits.md, "Parameters replaced before backward").
