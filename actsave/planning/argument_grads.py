@@ -62,8 +62,8 @@ def argument_gradients(calls: list, device, gradient_bytes: tuple = ()) -> tuple
         # made the argument. The reader before the last adds its part out of place and
         # lets it go sooner; counted to the maker still, on the safe side.
         maker = _maker(calls, leaf, read[0][0])
-        for a in range(last + 1):
-            pending[a] += dense + (max(held - dense, 0) if maker <= a < last else 0)
+        for a in range(maker, last + 1):
+            pending[a] += dense + (max(held - dense, 0) if a < last else 0)
     return tuple(pending)
 
 

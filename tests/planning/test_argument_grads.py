@@ -200,3 +200,30 @@ def test_a_unet_planned_at_its_smallest_budget_measures_at_most_it():
     model = copy.deepcopy(plain)
     actsave.wrap(model, actsave.plan_blocks(model, (Down, Up), smallest, (x,), loss=loss))
     assert peak_activation_bytes(model, x, loss=loss) <= smallest
+
+
+class DeepUNet(nn.Module):
+    def __init__(self, width=8, depth=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.downs = nn.ModuleList(Down(width) for _ in range(depth))
+        self.ups = nn.ModuleList(Up(width) for _ in range(depth))
+
+    def forward(self, x):
+        skips = []
+        for down in self.downs:
+            x, skip = down(x)
+            skips.append(skip)
+        for up in self.ups:
+            x = up(x, skips.pop())
+        return x
+
+
+def test_a_skips_gradient_is_pending_from_the_block_that_made_it_to_its_reader():
+    # Down block i makes skip i, which up block 5 - i reads: its gradient is alive from
+    # that reader's backward until block i's own, not at the down blocks before it.
+    model, x = DeepUNet(), torch.randn(2, 8, 32, 32, generator=torch.Generator().manual_seed(0))
+    blocks = [(f"downs.{i}", b) for i, b in enumerate(model.downs)] + [(f"ups.{i}", b) for i, b in enumerate(model.ups)]
+    calls = record_calls(model, blocks, (x,), lambda out: out.square().mean())
+    s0, s1, s2 = (2 * 8 * side * side * 4 for side in (32, 16, 8))
+    assert argument_gradients(calls, torch.device("cpu")) == (s0, s0 + s1, s0 + s1 + s2, s0 + s1 + s2, s0 + s1, s0)
