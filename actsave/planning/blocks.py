@@ -367,7 +367,7 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
             at += subsets.at(a)
         for option in at:
             pair = tuple(_with_pending(_with_other_outputs(_terms(model, measurer, a, option, held), other_outputs,
-                                                           a, option), pending[a])
+                                                           a, option), pending[a] - _saved_output(profile, a, option))
                          for held in (False, True))
             if freed and (a == 0 or until == "forward"):
                 keeps = a == 0 and _keeps_input_on_device(option, measurer, profile.layers[0])
@@ -451,6 +451,14 @@ def _with_pending(terms, pending: int):
     if terms is None or not pending:
         return terms
     return dataclasses.replace(terms, backward_event=terms.backward_event + pending)
+
+
+def _saved_output(profile: Profile, a: int, option) -> int:
+    """The last block's output where that plain block alone saves it (a final tanh):
+    alive as the loss ends, it is among the loss's leaves (O, held through every block's
+    backward), and in the last block's backward its saves count it too, once too often."""
+    loss = profile.layers[-1]
+    return loss.input_bytes if option is None and loss.input_saved_by == (a, a) == (len(profile.layers) - 2,) * 2 else 0
 
 
 def _levers_for(calls: list, allow: Sequence[str] | None, min_sqnr_db) -> tuple:
