@@ -90,19 +90,28 @@ def block_chain(calls: list, outside: Optional[Outside] = None) -> nn.Sequential
 def chain_profile(chain: nn.Sequential, calls: list, outside: Outside) -> Profile:
     """The profile of the blocks as a chain, then the loss as its last layer; the chain
     input's bytes include what the step holds beside it."""
-    blocks = profile(chain, (calls[0][2].hidden,), stored_saves=False)  # blocks in the plain segment run plain
+    # stored_saves=False: blocks in the plain segment run plain.
+    blocks = profile(chain, (calls[0][2].hidden,), stored_saves=False, loss=_output_gradient_made_in_backward)
     return dataclasses.replace(
         blocks,
         layers=blocks.layers + (_loss_layer(blocks, outside),),
         input_bytes=blocks.input_bytes + outside.held,
         output_bytes=outside.loss_bytes,
         output_saved_by=None,
-        # Held through the blocks' backward, as the planner holds an output's gradient.
-        output_grad_bytes=outside.loss_leaves - outside.loss_bytes,
+        # What the step's loss leaves, held through the blocks' backward as the planner
+        # holds an output's gradient; the profiled loss holds nothing of the step's.
+        output_grad_held=True, loss_held_bytes=0, output_grad_bytes=outside.loss_leaves - outside.loss_bytes,
         # The loss is the chain's last layer here (its rise measured in the model's
         # step); after it comes only the backward from the loss itself.
         loss_rise=0,
     )
+
+
+def _output_gradient_made_in_backward(output: torch.Tensor) -> torch.Tensor:
+    """The blocks' profiled loss: its backward makes the output's gradient, freed once the
+    last block's first op has read it, as the step's; one the profile handed in stayed
+    through that block's backward, an output too many in its events."""
+    return output.mul(1.0).sum()
 
 
 def _loss_layer(blocks: Profile, outside: Outside) -> LayerProfile:
@@ -454,9 +463,8 @@ def _with_pending(terms, pending: int):
 
 
 def _saved_output(profile: Profile, a: int, option) -> int:
-    """The last block's output where that plain block alone saves it (a final tanh):
-    alive as the loss ends, it is among the loss's leaves (O, held through every block's
-    backward), and in the last block's backward its saves count it too, once too often."""
+    """The last block's output where that plain block alone saves it (a final tanh): one of
+    the loss's leaves (O, in every block's backward), and in its own its saves count it too."""
     loss = profile.layers[-1]
     return loss.input_bytes if option is None and loss.input_saved_by == (a, a) == (len(profile.layers) - 2,) * 2 else 0
 
