@@ -54,10 +54,17 @@ class _Holdings:
             self.buffer, self.host_views = None, None
 
     def release(self) -> None:
+        # Each step whatever an earlier one raised (an interrupt inside free_after): the
+        # finalizer that calls this runs once, and a buffer not given back is lent for
+        # good. The buffer goes back after its copies' events, whichever step failed.
         with self.lock:
-            self.drop_sources()
-            self.drop_device_copies()
-            self.return_buffer()
+            try:
+                self.drop_sources()
+            finally:
+                try:
+                    self.drop_device_copies()
+                finally:
+                    self.return_buffer()
 
 
 # Where each tensor of a group starts in its host buffer: a multiple of 16 bytes, so

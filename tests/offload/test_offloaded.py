@@ -220,3 +220,25 @@ def test_a_job_that_fails_half_queued_gives_its_buffer_back_only_once_its_copies
     with pytest.raises(KeyboardInterrupt):
         OffloadedTensors([torch.ones(8), torch.ones(8)], pool=pool, engine=_FailsHalfQueued(log, wait_fails))
     assert log == (["synchronize"] if wait_fails else ["synchronize", "buffer back"])
+
+
+class _FreeAfterInterrupted(HostCopyEngine):
+    """Copies synchronously; its first ``free_after`` is interrupted."""
+
+    def __init__(self):
+        self.interrupted = False
+
+    def free_after(self, event):
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+
+def test_a_release_interrupted_in_free_after_still_gives_its_buffer_back():
+    # The finalizer that releases runs once: a buffer it did not give back stayed lent
+    # for good, one per interrupt, whatever later steps did.
+    pool = HostPool()
+    offloaded = OffloadedTensors([torch.ones(8), torch.ones(8)], pool=pool, engine=_FreeAfterInterrupted())
+    with pytest.raises(KeyboardInterrupt):
+        offloaded.release()
+    assert offloaded.released and pool.in_use_bytes == 0
