@@ -106,9 +106,9 @@ def current_autograd_node():
 
 def backward_keeps_graph() -> bool:
     """Whether the backward running on this thread keeps its graph (``retain_graph`` or
-    ``create_graph``), so that a saved tensor it unpacks may be unpacked again by a later
-    backward. True outside a backward, and where this PyTorch cannot tell."""
-    return True if _graph_task_keeps_graph is None else _graph_task_keeps_graph()
+    ``create_graph``): a saved tensor it unpacks may be unpacked again. True outside a
+    backward, where torch cannot tell, and in a trace (the builtin breaks Dynamo's graph)."""
+    return _graph_task_keeps_graph is None or torch.compiler.is_compiling() or _graph_task_keeps_graph()
 
 
 def default_device() -> torch.device:

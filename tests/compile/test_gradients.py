@@ -1,5 +1,6 @@
 """A compiled model over actsave, and blocks compiled then checkpointed: gradients equal eager ones."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -46,3 +47,17 @@ def test_inductor_compiled_block_then_wrapped_has_eager_gradients():
     with torch._inductor.config.patch(fallback_random=True):
         got = grads_of_a_step(model, x)
     assert_same_gradients(grads_of_a_step(plain, x), got, None)
+
+
+def test_a_checkpoints_backward_under_compiled_autograd_traces_whole_and_has_eager_gradients():
+    # Whether the backward keeps its graph is a builtin Dynamo cannot trace: asked in
+    # compiled autograd's trace, it broke the graph and warned, in every recompute.
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    plain, x = ResidualNet(), torch.randn(4, 8)
+    model = actsave.wrap(copy.deepcopy(plain), ResidualBlock)
+    expected = grads_of_a_step(plain, x)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Dynamo does not know how to trace")
+        with compiled_autograd._enable(torch.compile(backend=BACKEND)):
+            got = grads_of_a_step(model, x)
+    assert_same_gradients(expected, got, "none")
