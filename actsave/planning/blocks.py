@@ -108,9 +108,8 @@ def chain_profile(chain: nn.Sequential, calls: list, outside: Outside) -> Profil
 
 
 def _output_gradient_made_in_backward(output: torch.Tensor) -> torch.Tensor:
-    """The blocks' profiled loss: its backward makes the output's gradient, freed once the
-    last block's first op has read it, as the step's; one the profile handed in stayed
-    through that block's backward, an output too many in its events."""
+    """The blocks' profiled loss: its backward makes the output's gradient, freed as the last
+    block's first op reads it, as the step's (one handed in stayed: an output too many)."""
     return output.mul(1.0).sum()
 
 
@@ -375,8 +374,9 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
         if subsets is not None and any(option is not None and option.keep == "selective" for option in at):
             at += subsets.at(a)
         for option in at:
-            pair = tuple(_with_pending(_with_other_outputs(_terms(model, measurer, a, option, held), other_outputs,
-                                                           a, option), pending[a] - _saved_output(profile, a, option))
+            backward = pending[a] - _saved_output(profile, a, option)
+            pair = tuple(_with_backward_bytes(_with_other_outputs(_terms(model, measurer, a, option, held),
+                                                                  other_outputs, a, option), backward)
                          for held in (False, True))
             if freed and (a == 0 or until == "forward"):
                 keeps = a == 0 and _keeps_input_on_device(option, measurer, profile.layers[0])
@@ -454,19 +454,19 @@ def _with_chain_input(terms, x_bytes: float, kept: bool):
                                backward_event=terms.backward_event + held)
 
 
-def _with_pending(terms, pending: int):
-    """``terms`` with ``pending`` bytes (the blocks' argument gradients, NOTE [
-    Gradients of the blocks' arguments ]) in its backward event."""
-    if terms is None or not pending:
+def _with_backward_bytes(terms, extra: int):
+    """``terms`` with ``extra`` bytes in its backward event: argument gradients pending (NOTE
+    [ Gradients of the blocks' arguments ]) less an output counted twice (_saved_output)."""
+    if terms is None or not extra:
         return terms
-    return dataclasses.replace(terms, backward_event=terms.backward_event + pending)
+    return dataclasses.replace(terms, backward_event=terms.backward_event + extra)
 
 
 def _saved_output(profile: Profile, a: int, option) -> int:
     """The last block's output where that plain block alone saves it (a final tanh): one of
     the loss's leaves (O, in every block's backward), and in its own its saves count it too."""
-    loss = profile.layers[-1]
-    return loss.input_bytes if option is None and loss.input_saved_by == (a, a) == (len(profile.layers) - 2,) * 2 else 0
+    last_block, loss = len(profile.layers) - 2, profile.layers[-1]
+    return loss.input_bytes if option is None and a == last_block and loss.input_saved_by == (a, a) else 0
 
 
 def _levers_for(calls: list, allow: Sequence[str] | None, min_sqnr_db) -> tuple:
