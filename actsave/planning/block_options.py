@@ -33,12 +33,14 @@ recompute. Each is priced by what it does to the peak formula of memory_model.py
   together (medians of interleaved runs); on meta tensors, none.
 
 Blocks alike are measured once: the same class, parameters of the same names and
-shapes, arguments of the same shapes, the same rises in the profiled step (its
-forward's and backward's, plain), and the same modules called, in order, in a forward of
-the block under no_grad. Those tell apart blocks of one class whose forward takes
-another path (a Python flag per instance calls a wide layer in some, or a layer's
-function instead of the layer), whose options priced as the first one's would put a plan
-far over its budget (a selective option keeps what the layers it calls make), and whose
+shapes, arguments of the same shapes, the same rises and saves in the profiled step
+(its forward's and backward's rises, plain, and the bytes and count of the tensors it
+is the first to save), and the same modules called, in order, in a forward of the block
+under no_grad. Those tell apart blocks of one class whose forward takes another path (a
+Python flag per instance calls a wide layer in some, or a layer's function instead of
+the layer, or ends in a tanh, which saves its output where a residual add saves
+nothing: the same rises), whose options priced as the first one's would put a plan far
+over its budget (a selective option keeps what the layers it calls make), and whose
 kept subsets, found on the first, could name modules the others never call. A block
 after a plain one whose saves hold its input (memory_model.py, "A tensor at a stored
 boundary") counts that input there, not again: each option's terms come in both forms.
@@ -192,7 +194,8 @@ class BlockMeasurer:
         # given; not where FSDP2 shards the block: what its ranks' steps count of the
         # gathers moves from run to run, and ranks that measured other kinds of block
         # would run other steps, their gathers out of step.
-        rises = [(p.forward_rise, p.backward_rise) for p in profiled] if profiled else [()] * len(self.layers)
+        rises = ([(p.forward_rise, p.backward_rise, p.saved_bytes, p.saves) for p in profiled] if profiled
+                 else [()] * len(self.layers))
         self._rises = [() if fsdp_shards(layer) else rise for layer, rise in zip(self.layers, rises)]
         self._cache = {}
         self._paths = {}  # block index -> the modules its forward calls (_modules_called)

@@ -316,3 +316,41 @@ def test_options_a_block_refuses_in_their_timed_steps_are_left_out_and_a_budget_
     with pytest.warns(UserWarning, match="leaves keep='inputs', compress='int8' out for blocks of type"):
         plan = actsave.plan_blocks(StackOf(RoutesByItsInput), RoutesByItsInput, 10**9, x, allow=("recompute", "int8"))
     assert all(option is None or option.policy.codec.lossless for option in plan.options)
+
+
+class EndsAsTold(nn.Module):
+    """A block whose output is ``x + f(x)``, or ``tanh(f(x))`` where ``ends_in_tanh``: a
+    Python flag that calls no module of its own."""
+
+    def __init__(self, ends_in_tanh: bool):
+        super().__init__()
+        self.lin, self.lin2, self.ends_in_tanh = nn.Linear(64, 64), nn.Linear(64, 64), ends_in_tanh
+
+    def forward(self, x):
+        h = self.lin2(F.gelu(self.lin(x)))
+        return torch.tanh(h) if self.ends_in_tanh else x + h
+
+
+class ResidualThenTanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(EndsAsTold(ends_in_tanh=i == 3) for i in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_block_that_saves_its_output_is_not_priced_as_its_kind_that_does_not():
+    # The last block rises as the others do in the profiled step, calls the same modules,
+    # and saves its output (tanh) where they save nothing: priced as theirs, its
+    # selective option kept one output less than it does, over the budget.
+    plain, x = ResidualThenTanh(), torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(0))
+    loss = lambda out: out.square().mean()  # noqa: E731
+    smallest = actsave.plan_blocks(copy.deepcopy(plain), EndsAsTold, 2**40, (x,), loss=loss).smallest_peak_bytes
+    model = copy.deepcopy(plain)
+    plan = actsave.plan_blocks(model, EndsAsTold, smallest, (x,), loss=loss)
+    actsave.wrap(model, plan)
+    assert peak_activation_bytes(model, x, loss=loss) <= plan.predicted_peak_bytes <= smallest
