@@ -190,13 +190,13 @@ class BlockMeasurer:
     def __init__(self, chain: nn.Sequential, inputs: Sequence[TensorSpec], device, timed: bool,
                  profiled: Optional[Sequence] = None):
         self.layers, self.inputs, self.device, self.timed = list(chain), list(inputs), torch.device(device), timed
-        # What the profiled step measured of each block run plain (its LayerProfile), if
-        # given; not where FSDP2 shards the block: what its ranks' steps count of the
+        # What the profiled step measured of each block run plain (its LayerProfile's rises
+        # and saves), if given; not where FSDP2 shards the block: what its ranks' steps count of the
         # gathers moves from run to run, and ranks that measured other kinds of block
         # would run other steps, their gathers out of step.
-        rises = ([(p.forward_rise, p.backward_rise, p.saved_bytes, p.saves) for p in profiled] if profiled
-                 else [()] * len(self.layers))
-        self._rises = [() if fsdp_shards(layer) else rise for layer, rise in zip(self.layers, rises)]
+        seen = ([(p.forward_rise, p.backward_rise, p.saved_bytes, p.saves) for p in profiled] if profiled
+                else [()] * len(self.layers))
+        self._seen_plain = [() if fsdp_shards(layer) else plain for layer, plain in zip(self.layers, seen)]
         self._cache = {}
         self._paths = {}  # block index -> the modules its forward calls (_modules_called)
         self._left_out = set()  # (block type, keep, codec, offload) already warned of
@@ -267,7 +267,7 @@ class BlockMeasurer:
         (NOTE [ Block options priced ])."""
         if a not in self._paths:
             self._paths[a] = _modules_called(self.layers[a], self.example(a))
-        return _signature(self.layers[a]), self.inputs[a], self._rises[a], self._paths[a]
+        return _signature(self.layers[a]), self.inputs[a], self._seen_plain[a], self._paths[a]
 
     def example(self, a: int) -> torch.Tensor:
         """An input like block ``a``'s profiled one."""
