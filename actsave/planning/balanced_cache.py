@@ -22,9 +22,12 @@ plans again; so does one whose parameters change dtype (``model.float()`` after
 ``.half()``: with token ids in, the input's key stays the same while the activations
 double), and one where a module inside a layer changes mode (a Dropout or BatchNorm put
 in eval while the rest trains saves less). Those flags and dtypes are read at every call
-from the parameters and modules the layers had at their first call, held weakly (no walk
-of the module tree per call): one replaced is followed once the old one is freed, one a
-layer gains later is not. Their devices are not read: the plan is for one device, the
+from the modules the layers had at their first call, held weakly (no walk of the module
+tree per call), and their own tables of parameters: a parameter replaced is followed at
+once, a module replaced once the old one is freed, one a layer gains later is not. The
+parameters themselves are not held, not even weakly: ``torch.utils.swap_tensors``, which
+``module.to()`` uses under ``torch.__future__.set_swap_module_params_on_conversion``,
+refuses a tensor that a weak reference points to. Their devices are not read: the plan is for one device, the
 input's. The meta step touches its own model and thread only (step_isolation.py, NOTE [
 Steps other threads do not see ]) and leaves every module of it holding what it held
 (NOTE [ Module state a step puts back ]: a flag or cache its first forward sets is set
@@ -57,7 +60,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._torch import is_sharded
+from .._torch import is_sharded, own_tensors
 from ..errors import ConfigError
 from ..meta import device_of
 from ..runtime.keep_rules import should_encode
@@ -83,8 +86,7 @@ class BalancedPlans:
         # Weak references to the layers of the last call, which the plans are for: a layer
         # removed from the model goes with it, not at the next training call.
         self._layers = ()
-        self._parameters = None  # weak references to their parameters, made at a call
-        self._modules = None  # and to every module under them
+        self._modules = None  # weak references to every module under them, made at a call
         self._last = None  # (the input as text, its plan), of the last call
         self._warned = False
         self._planning = None  # the thread running this model's meta step, if any
@@ -92,9 +94,9 @@ class BalancedPlans:
     def starts(self, model: nn.Module, input, layers: list, policies: tuple) -> list:
         self.check_not_planning_elsewhere(model)
         if not self._for(layers):
-            self._plans, self._layers, self._parameters = {}, tuple(map(weakref.ref, layers)), None
-        if self._parameters is None:
-            self._parameters, self._modules = _parameter_refs(layers), _module_refs(layers)
+            self._plans, self._layers, self._modules = {}, tuple(map(weakref.ref, layers)), None
+        if self._modules is None:
+            self._modules = _module_refs(layers)
         if not isinstance(input, torch.Tensor):
             self._warn_once(f"its input is a {type(input).__name__}; the planner follows one tensor")
             self._last = (type(input).__name__, None)
@@ -116,10 +118,9 @@ class BalancedPlans:
 
     def __getstate__(self) -> dict:
         # Weak references neither pickle nor deep-copy (a copy's would read the
-        # original's parameters): the layers go as themselves (a copy's, its own) and
-        # the parameters' are made again from them at the next call.
-        return {**self.__dict__, "_layers": tuple(ref() for ref in self._layers), "_parameters": None,
-                "_modules": None}
+        # original's modules): the layers go as themselves (a copy's, its own) and
+        # the modules' are made again from them at the next call.
+        return {**self.__dict__, "_layers": tuple(ref() for ref in self._layers), "_modules": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -132,10 +133,10 @@ class BalancedPlans:
     def _parameter_states(self) -> tuple:
         """Whether each parameter of the layers requires grad, and its dtype (NOTE [
         Balanced segments ])."""
-        try:  # loops in C: this runs at every call
-            return tuple(map(_STATE, map(_DEREFERENCE, self._parameters)))
-        except AttributeError:  # None.requires_grad: a parameter was replaced and freed
-            self._parameters = _parameter_refs(ref() for ref in self._layers)
+        try:
+            return tuple(map(_STATE, _own_parameters(map(_DEREFERENCE, self._modules))))
+        except AttributeError:  # None._parameters: a module was replaced and freed
+            self._modules = _module_refs(ref() for ref in self._layers)
             return self._parameter_states()
 
     def _training_modes(self) -> tuple:
@@ -213,8 +214,10 @@ def _plan_key(input: torch.Tensor, device, policies: tuple) -> tuple:
             policies, autocast)
 
 
-def _parameter_refs(layers) -> tuple:
-    return tuple(weakref.ref(p) for layer in layers for p in layer.parameters())
+def _own_parameters(modules):
+    """The parameters in the own tables of ``modules``, each as often as a table holds it."""
+    return (parameter for module in modules for parameter in own_tensors(module, "parameters").values()
+            if parameter is not None)
 
 
 def _module_refs(layers) -> tuple:

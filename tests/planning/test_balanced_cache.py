@@ -125,6 +125,39 @@ def test_a_parameter_replaced_in_a_layer_is_followed_and_not_kept_alive():
     assert model.balanced_plan is not trained  # planned for the frozen weight
 
 
+def test_a_parameter_replaced_is_followed_while_the_old_one_lives():
+    x = torch.randn(64, 64)
+    model = _linear_gelu_chain(blocks=4)
+    _step(model, x)
+    trained = model.balanced_plan
+    old = model[0].weight  # held: an optimizer's copy, an EMA
+    model[0].weight = nn.Parameter(old.detach().clone(), requires_grad=False)
+    _step(model, x)
+    assert model.balanced_plan is not trained
+
+
+def test_a_trained_chain_converts_with_its_parameters_swapped():
+    # module.to() under this flag swaps each parameter's contents in place
+    # (torch.utils.swap_tensors), which refuses a tensor that a weak reference points to.
+    x = torch.randn(16, 64)
+    model = _linear_gelu_chain(blocks=4)
+    plain = nn.Sequential(*copy.deepcopy(list(model)))
+    _step(model, x)
+    weight = model[0].weight
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+        plain.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    assert model[0].weight is weight and weight.dtype == torch.float64
+    for m in (model, plain):
+        m.zero_grad()
+        _step(m, x.double())
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+
+
 @pytest.mark.parametrize("change", ["replaced", "deleted"])
 def test_a_layer_taken_out_of_the_chain_is_not_kept_alive_by_its_plans(change):
     # The cached plans hold their layers weakly: a pruned model only evaluated after
