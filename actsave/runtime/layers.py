@@ -21,7 +21,11 @@ be every submodule of them (``Module.modules()``), whether or not a given forwar
 calls it. A module the function reaches otherwise (held outside its tree, in a
 plain list or a global) is not seen: checkpoint such a function as a plain callable.
 Any other callable (a lambda, a function closing over modules, a bound method) has
-no known layers, and global hooks watch the modules it runs.
+no known layers, and global hooks watch the modules it runs. A bound method of a module
+(``checkpoint(block.forward, x)``, ``checkpoint(self._attend, q, k)`` inside a forward)
+runs its module without calling it, so no hook sees that module's own state read or
+changed (an EMA buffer updated in ``forward``): its *owner* (:func:`method_owner`) is
+watched as if called around the whole function.
 """
 from __future__ import annotations
 
@@ -72,6 +76,12 @@ def known_layers(function) -> Optional[tuple]:
     if isinstance(function, nn.Module):
         return (function,)
     return None
+
+
+def method_owner(function) -> Optional[nn.Module]:
+    """The module whose bound method ``function`` is, or None (NOTE [ Known layers ])."""
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
 
 
 def modules_under(layers: tuple, first_only: bool = True) -> list:

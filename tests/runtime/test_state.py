@@ -647,6 +647,52 @@ def test_a_buffer_read_then_updated_is_read_as_the_forward_read_it(how):
     assert_same_training(plain, model)
 
 
+class _CentersItsOwnInput(nn.Module):
+    """Reads, then updates, a buffer of its own in its own forward (no submodule holds it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("mu", torch.zeros(8))
+        self.shift = nn.Parameter(torch.zeros(8))  # added, not saved: only the module's own state says it was read
+
+    def forward(self, x):
+        h = self.linear(x)
+        y = torch.tanh(h - self.mu + self.shift)
+        with torch.no_grad():
+            self.mu.mul_(0.5).add_(0.5 * h.mean(0))
+        return y
+
+
+class _CheckpointsItsOwnBody(_CentersItsOwnInput):
+    def forward(self, x):
+        return actsave.checkpoint(super().forward, x)
+
+
+@pytest.mark.parametrize("how", ["bound_forward", "inside_forward"])
+def test_a_bound_method_of_a_module_is_watched_with_its_module_own_state(how):
+    # checkpoint(block.forward, x) runs the block without calling it, so no module hook
+    # saw its own buffer: the recompute updated it again and read the updated value.
+    # torch.utils.checkpoint does the same.
+    torch.manual_seed(0)
+    plain = nn.Sequential(_CentersItsOwnInput(), nn.Linear(8, 1))
+    model = nn.Sequential(_CheckpointsItsOwnBody(), nn.Linear(8, 1))
+    model.load_state_dict(plain.state_dict())
+    if how == "bound_forward":
+        block, head = model[0], model[1]
+        model.forward = lambda x: head(actsave.checkpoint(_CentersItsOwnInput.forward.__get__(block), x))
+    assert_same_training(plain, model)
+
+
+def test_a_parameter_of_a_bound_method_s_module_changed_before_backward_raises():
+    block = _CentersItsOwnInput()
+    out = actsave.checkpoint(block.forward, torch.randn(4, 8))
+    with torch.no_grad():
+        block.shift.add_(1.0)
+    with pytest.raises(RuntimeError, match="parameter 'shift' of _CentersItsOwnInput"):
+        out.sum().backward()
+
+
 def checkpointed_as(how: str, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``block(x)`` checkpointed ``how``: as a CheckpointedSequential's checkpointed
     segment, or by ``actsave.checkpoint`` of the module (known layers) or of a function
