@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .._torch import leaf_base, storage_identity, storage_identity_or_none, version
+from .._torch import in_memory, leaf_base, storage_identity, storage_identity_or_none, version
 from ..errors import RecomputeError
 from ..layouts import is_dense, reading
 from ..meta import meta_step_depth
@@ -79,8 +79,9 @@ class KeptCall:
     def view_of_argument(self, tensor: torch.Tensor) -> Optional[tuple]:
         """``(position, size, stride, relative offset)`` where ``tensor`` reads only
         elements of one of the call's tensor arguments, else None (NOTE [ Selective
-        recompute ]). None for a nested or sparse tensor: it has no strides to view it by."""
-        if tensor.is_nested or tensor.layout != torch.strided:
+        recompute ]). None for a nested or sparse tensor, which has no strides to view it
+        by, and for a wrapper (DTensor's kind), whose views ``as_strided`` cannot make."""
+        if tensor.is_nested or tensor.layout != torch.strided or not in_memory(tensor):
             return None
         identity, offset = storage_identity(tensor), tensor.storage_offset()
         shape, stride = tuple(tensor.shape), tensor.stride()

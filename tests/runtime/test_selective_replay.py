@@ -61,3 +61,44 @@ def test_a_route_taken_again_from_decoded_values_raises_naming_the_codec():
     out = actsave.Checkpoint(router, keep="selective", compress="int8")(x)
     with pytest.raises(actsave.RecomputeError, match=r"router's top-k.*compress=None.*keep='saves'"):
         out.sum().backward()
+
+
+@pytest.fixture
+def fake_mesh():
+    """A 2-rank device mesh of this process alone: collectives do nothing, so every
+    rank's numbers are rank 0's, the same for a plain and a checkpointed model."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tensor_parallel_mlp(mesh) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    return parallelize_module(model, mesh, {"1": ColwiseParallel(), "3": RowwiseParallel()})
+
+
+def test_a_tensor_parallel_block_recomputes_its_kept_calls_arguments_as_dtensors(fake_mesh):
+    # A 3-D input's Linear saves a 2-D view of it: a DTensor, which as_strided cannot
+    # make again from the recomputed argument. Such saves are kept as they are.
+    x = torch.randn(2, 3, 8)
+    plain, model = _tensor_parallel_mlp(fake_mesh), _tensor_parallel_mlp(fake_mesh)
+    plain(x).square().sum().backward()
+    actsave.Checkpoint(model, keep="selective")(x).square().sum().backward()
+    for p, q in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(_local(p.grad), _local(q.grad))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
