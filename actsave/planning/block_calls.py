@@ -3,6 +3,7 @@ recorded from its forward and checked to run one after another, each then a laye
 chain (:class:`BlockCall`): :func:`record_calls`."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
@@ -16,6 +17,7 @@ from .._torch import pytree
 from ..errors import ConfigError
 from ..runtime.keep_modes import is_hf_cache
 from ..runtime.keep_rules import modifies_input
+from ..runtime.replay import autocast_as, autocast_now
 from .block_step import hidden_output, run_step, step_inputs
 from .instrumented_step import step_input
 from .other_outputs import with_gradients_of
@@ -31,6 +33,7 @@ class _Call:
     def __init__(self, forward: Callable, args: tuple, kwargs: dict, copied: bool = False):
         self.forward = forward
         self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
+        self.autocast = autocast_now(_device_type(self.leaves))  # NOTE [ Autocast the blocks ran under ]
         self.copies = {k: step_input(leaf) for k, leaf in enumerate(self.leaves)
                        if copied and isinstance(leaf, torch.Tensor)}
         self.hidden_leaf: int | None = None
@@ -54,6 +57,32 @@ class _Call:
         it is not an argument itself (NOTE [ A block plan's input ])."""
         place = self.places.get(id(self.hidden))
         return None if place is None else (place, tuple(self.hidden.shape), self.hidden.element_size())
+
+
+def _device_type(leaves: list) -> str:
+    """The accelerator the call's tensors live on, else ``"cpu"``."""
+    kinds = [leaf.device.type for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu"]
+    return kinds[0] if kinds else "cpu"
+
+
+# NOTE [ Autocast the blocks ran under ]
+# A model may enter autocast in its own forward (accelerate's mixed precision wraps the
+# forward in it; a `with torch.autocast` inside it): its blocks run under it in the step,
+# but not where a block plan runs them as a chain of its own, its profile and each
+# option's measurement, outside the model's forward. So those run under the autocast the
+# recorded calls ran under, where every call ran under the same one and it is not the
+# planning thread's: the blocks' activations in its dtype, and the weight casts its
+# cache holds (the chain's step drops them before its backward, as the region's exit
+# does: instrumented_step.backward_from). Priced without it, such plans counted the
+# activations in float32 and no cast (docs/limits.md, "Meta estimates", on autocast).
+# Where the calls ran under different states, the planning thread's own is kept.
+def as_the_blocks_ran(calls: list):
+    """Inside, autocast is as the blocks' recorded calls ran (NOTE [ Autocast the blocks ran under ])."""
+    states = {call.autocast for _, _, call in calls}
+    state = next(iter(states))
+    if len(states) > 1 or state == autocast_now(state[-1].device_type):
+        return contextlib.nullcontext()
+    return autocast_as(state)
 
 
 class _CallRecorder:

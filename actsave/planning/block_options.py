@@ -336,6 +336,7 @@ class BlockMeasurer:
                      *(p.grad for p in layer.parameters() if p.grad is not None)]
             tracker, allocator = LiveBytes(self.device, known=known), AllocatorRises(self.device)
             with tracker:
+                _as_the_step_finds_autocast()
                 x = _input_from(source, spec)
                 storage = weakref.ref(x.untyped_storage())
                 host_before = kept_bytes()["host"]
@@ -348,6 +349,7 @@ class BlockMeasurer:
                 held = tracker.live - output_bytes
                 gradient = torch.ones_like(y)
                 with tracker.span() as backward, allocator.span() as backward_counted:
+                    _as_the_step_finds_autocast()  # its casts go: the backward makes its own again
                     _backward(y, gradient)
                 del y, gradient
         if kept_nothing:  # a selective option that keeps what a checkpoint of its inputs does, more slowly
@@ -376,13 +378,16 @@ class BlockMeasurer:
 
     def _timed_step(self, layer: nn.Module, spec: TensorSpec, option: Optional[BlockOption]) -> float:
         x = _input_from(_source_like(spec, self.device), spec)
+        _as_the_step_finds_autocast()
         synchronize(self.device)
         start = time.perf_counter()
         if option is None:
             y = layer(x)
         else:
             y = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))[0]
-        _backward(y, torch.ones_like(y))
+        gradient = torch.ones_like(y)
+        _as_the_step_finds_autocast()
+        _backward(y, gradient)
         synchronize(self.device)
         return time.perf_counter() - start
 
@@ -425,6 +430,17 @@ def _modules_called(layer: nn.Module, x: torch.Tensor) -> Optional[tuple]:
     finally:
         handle.remove()
     return tuple(called)
+
+
+def _as_the_step_finds_autocast() -> None:
+    """Drop the casts autocast's cache holds (nothing outside autocast), as a training
+    step finds it at its forward's start (its region just entered) and at its backward's
+    (after the region's exit dropped them; NOTE [ Casts autocast caches ] in
+    runtime/replay.py). Measured with the cache as an earlier measurement left it, an
+    option would find the block's weight casts made already, in its forward and in its
+    recompute, and count neither (a selective block whose matmuls are not nn.Linear:
+    docs/limits.md, "Meta estimates", on autocast)."""
+    torch.clear_autocast_cache()
 
 
 def _backward(y: torch.Tensor, gradient: torch.Tensor) -> None:

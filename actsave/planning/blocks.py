@@ -66,7 +66,7 @@ from ..text import format_table, mib, ms
 from .argument_grads import argument_gradients
 from .block_options import BlockMeasurer, candidate_options, model_terms, options_at
 from .block_solver import BlockTable, fastest, predicted_peak, smallest
-from .block_calls import BlockCall, record_calls
+from .block_calls import BlockCall, as_the_blocks_ran, record_calls
 from .block_step import Outside, measure_outside
 from .kept_subsets import KeptSubsets
 from .memory_model import CostModel
@@ -259,7 +259,7 @@ class BlockPlanner:
         self._below_sqnr = tuple(sorted(named - set(self.codecs))) if self._codecs_usable else ()
         self.outside = measure_outside(model, self.calls, example_inputs, loss)
         self.chain = block_chain(self.calls, self.outside)
-        with _priced_alone(self.calls):
+        with _priced_alone(self.calls), as_the_blocks_ran(self.calls):
             self.profile = chain_profile(self.chain, self.calls, self.outside)
             self._measurer = BlockMeasurer(self.chain, [TensorSpec.of(call.hidden) for _, _, call in self.calls],
                                            self.profile.device, self.profile.timed, self.profile.layers)

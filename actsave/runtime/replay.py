@@ -51,6 +51,20 @@ class _AutocastState:
         )
 
 
+def autocast_now(device_type: str) -> tuple:
+    """The autocast state of the CPU and of ``device_type``, as a checkpointed forward
+    on that device captures it (:meth:`ReplayState.capture`)."""
+    return tuple(_AutocastState.capture(kind) for kind in (("cpu",) if device_type == "cpu" else ("cpu", device_type)))
+
+
+def autocast_as(states: tuple) -> contextlib.ExitStack:
+    """Inside, autocast is as ``states`` (from :func:`autocast_now`) say."""
+    stack = contextlib.ExitStack()
+    for state in states:
+        stack.enter_context(state.context())
+    return stack
+
+
 def _attribute(owner, name: str) -> tuple:
     """``(get, set)`` of a setting held as ``owner.name`` (torch.backends' flags)."""
     return (lambda: getattr(owner, name)), (lambda value: setattr(owner, name, value))
@@ -159,13 +173,12 @@ class ReplayState:
         device_type = accelerators[0][0] if accelerators else "cpu"
         devices = tuple(index for kind, index in accelerators if kind == device_type)
         module = torch.get_device_module(device_type) if devices else None
-        autocast_types = ("cpu",) if device_type == "cpu" else ("cpu", device_type)
         return cls(
             cpu_rng=torch.get_rng_state() if preserve_rng_state else None,
             device_type=device_type,
             devices=devices,
             device_rngs=tuple(module.get_rng_state(i) for i in devices) if module and preserve_rng_state else (),
-            autocast=tuple(_AutocastState.capture(kind) for kind in autocast_types),
+            autocast=autocast_now(device_type),
             default_device=default_device(),
             passed=tuple((g, g.get_state()) for g in generators) if preserve_rng_state else (),
             settings=_settings(),
