@@ -100,7 +100,7 @@ from ..errors import ActsaveError, RecomputeError
 from . import compiled_calls
 from .compiled_layers import LayerCode
 from .forward_decisions import ForwardDecisions
-from .layers import known_layers, method_owner, modules_under
+from .layers import known_layers, modules_under
 from .passed_inputs import run_segment
 from .placeholders import Cursor, Slot, unchanged, weakly
 from .recompute_options import DEFAULT_RECOMPUTE, FLAGS_CHANGED, RecomputeOptions, logged, mismatch, other_shapes
@@ -145,8 +145,7 @@ class CheckpointFrame:
             modules, snapshot = (None if layers is None else modules_under(layers)), None
         self.layers, self.modules = layers, modules  # None where the function's layers are not known
         self.options = options.for_modules(modules)
-        self.touched = TouchedState.of(layers, modules, snapshot, self.options.preserve_rng_state,
-                                       method_owner(function))  # state.py's NOTE
+        self.touched = TouchedState.of(layers, modules, snapshot, self.options.preserve_rng_state)  # state.py's NOTE
         lossy = self._lossy_recompute(kept)
         self.code = LayerCode(function, layers, modules, lossy)  # NOTE [ Decisions in compiled layers ]
         self.slots = []  # weak references, in the order the forward saved

@@ -21,11 +21,13 @@ be every submodule of them (``Module.modules()``), whether or not a given forwar
 calls it. A module the function reaches otherwise (held outside its tree, in a
 plain list or a global) is not seen: checkpoint such a function as a plain callable.
 Any other callable (a lambda, a function closing over modules, a bound method) has
-no known layers, and global hooks watch the modules it runs. A bound method of a module
-(``checkpoint(block.forward, x)``, ``checkpoint(self._attend, q, k)`` inside a forward)
-runs its module without calling it, so no hook sees that module's own state read or
-changed (an EMA buffer updated in ``forward``): its *owner* (:func:`method_owner`) is
-watched as if called around the whole function.
+no known layers, and global hooks watch the modules it runs; but a module's own
+``forward``, called bound (``checkpoint(block.forward, x)``, ``checkpoint(super().forward,
+x)`` inside a subclass's forward), has the module as its layer, as the module itself:
+it runs the module without calling it, so no hook would see the module's own state read
+or changed (an EMA buffer updated in ``forward``). Another method of a module
+(``checkpoint(self._attend, q, k)``) is watched only through the modules it calls: it
+may read a part of its module's state that the code after it changes.
 """
 from __future__ import annotations
 
@@ -75,13 +77,10 @@ def known_layers(function) -> Optional[tuple]:
         return tuple(function)
     if isinstance(function, nn.Module):
         return (function,)
-    return None
-
-
-def method_owner(function) -> Optional[nn.Module]:
-    """The module whose bound method ``function`` is, or None (NOTE [ Known layers ])."""
     owner = getattr(function, "__self__", None)
-    return owner if isinstance(owner, nn.Module) else None
+    if isinstance(owner, nn.Module) and getattr(function, "__name__", None) == "forward":
+        return (owner,)
+    return None
 
 
 def modules_under(layers: tuple, first_only: bool = True) -> list:

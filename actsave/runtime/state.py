@@ -109,15 +109,14 @@ class TouchedState:
 
     @staticmethod
     def of(layers: Optional[tuple], modules: Optional[list], snapshot: Optional[dict] = None,
-           generators: bool = True, owner: Optional[torch.nn.Module] = None) -> "TouchedState":
+           generators: bool = True) -> "TouchedState":
         """The noting that fits a function whose known ``layers`` and the ``modules``
         under them (layers.modules_under) are given, or None (NOTE [ Known layers ]).
         ``snapshot``: the buffers of those modules as the forward will start, taken by
         the caller (chain.ChainState), else taken as it starts. ``generators``: whether
-        the recompute replays the generators the modules hold (preserve_rng_state);
-        ``owner``: the module whose method it is (layers.method_owner), if no layers."""
+        the recompute replays the generators the modules hold (preserve_rng_state)."""
         if layers is None:
-            return _HookedState(generators, owner)
+            return _HookedState(generators)
         return _LayerState(layers, modules, snapshot, generators)
 
     def recording(self):
@@ -357,9 +356,9 @@ class _HookedState(TouchedState):
     are snapshotted as its first call in the forward starts, and the snapshot dropped
     as a call that moved nothing ends, unless an earlier call moved them."""
 
-    def __init__(self, generators: bool = True, owner: Optional[torch.nn.Module] = None):
+    def __init__(self, generators: bool = True):
         super().__init__(generators)
-        self._owner, self._swapped = owner, SwappedBuffers()  # owner: NOTE [ Known layers ]
+        self._swapped = SwappedBuffers()
         self._mutated = {}  # (module, kind, name) -> None: state changed by its module
         self._moved_modules = set()  # ids of the modules whose calls moved their state
         self._calls = []  # (module, {(kind, name): (tensor, version)}) of module calls running
@@ -370,11 +369,7 @@ class _HookedState(TouchedState):
         pre = register_module_forward_pre_hook(self._before_module)
         post = register_module_forward_hook(self._after_module)
         try:
-            if self._owner is not None:  # its method runs it uncalled: a call around the forward
-                self._before_module(self._owner, ())  # (NOTE [ Known layers ])
             yield
-            if self._owner is not None:
-                self._after_module(self._owner, (), None)
         finally:
             pre.remove()
             post.remove()

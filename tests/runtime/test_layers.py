@@ -17,7 +17,7 @@ class Chain(LayerChain):
         self.layers = layers
 
 
-def test_layers_are_known_for_chains_sequentials_and_modules_only():
+def test_layers_are_known_for_chains_sequentials_modules_and_their_bound_forwards_only():
     a, b = nn.Linear(2, 2), nn.ReLU()
     assert known_layers(Chain([a, b])) == (a, b)
     assert known_layers(nn.Sequential(a, b)) == (a, b)  # a plain Sequential: its children
@@ -29,7 +29,9 @@ def test_layers_are_known_for_chains_sequentials_and_modules_only():
     mine = MySequential(a, b)
     assert known_layers(mine) == (mine,)
     assert known_layers(lambda x: a(x)) is None
-    assert known_layers(a.forward) is None
+    assert known_layers(a.forward) == (a,)  # runs the module uncalled: no hook would see it
+    assert known_layers(super(MySequential, mine).forward) == (mine,)
+    assert known_layers(a.extra_repr) is None  # another method: watched through the modules it calls
 
 
 def test_modules_under_layers_are_listed_once_with_their_first_layer():
