@@ -27,8 +27,8 @@ tree per call), and their own tables of parameters: a parameter replaced is foll
 once, a module replaced once the old one is freed, one a layer gains later is not. The
 parameters themselves are not held, not even weakly: ``torch.utils.swap_tensors``, which
 ``module.to()`` uses under ``torch.__future__.set_swap_module_params_on_conversion``,
-refuses a tensor that a weak reference points to. Their devices are not read: the plan is for one device, the
-input's. The meta step touches its own model and thread only (step_isolation.py, NOTE [
+refuses a tensor that a weak reference points to. Their devices are not read: the plan
+is for one device, the input's. The meta step touches its own model and thread only (step_isolation.py, NOTE [
 Steps other threads do not see ]) and leaves every module of it holding what it held
 (NOTE [ Module state a step puts back ]: a flag or cache its first forward sets is set
 by the real step); the model itself is meta copies while it runs, so a call of the same

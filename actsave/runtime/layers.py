@@ -14,20 +14,21 @@ forward, and hooks nothing:
 - a :class:`LayerChain` (a CheckpointedSequential segment, a nested segment): its
   ``layers``;
 - a plain ``nn.Sequential``: its children;
-- any other ``nn.Module`` (``Checkpoint``, ``wrap``): the module itself.
+- any other ``nn.Module`` (``Checkpoint``, ``wrap``), or its ``forward`` called bound:
+  the module itself.
 
 Their *layers* are the top-level modules; the modules the function runs are taken to
 be every submodule of them (``Module.modules()``), whether or not a given forward
 calls it. A module the function reaches otherwise (held outside its tree, in a
 plain list or a global) is not seen: checkpoint such a function as a plain callable.
-Any other callable (a lambda, a function closing over modules, a bound method) has
-no known layers, and global hooks watch the modules it runs; but a module's own
-``forward``, called bound (``checkpoint(block.forward, x)``, ``checkpoint(super().forward,
-x)`` inside a subclass's forward), has the module as its layer, as the module itself:
-it runs the module without calling it, so no hook would see the module's own state read
-or changed (an EMA buffer updated in ``forward``). Another method of a module
-(``checkpoint(self._attend, q, k)``) is watched only through the modules it calls: it
-may read a part of its module's state that the code after it changes.
+A module's bound ``forward`` (``checkpoint(block.forward, x)``, ``checkpoint(super().forward,
+x)`` inside a subclass's forward) is the module because it runs the module without
+calling it: no hook would see the module's own state read or changed (an EMA buffer
+updated in ``forward``). Any other callable (a lambda, a function closing over modules,
+another method of a module) has no known layers, and global hooks watch the modules it
+runs: a method such as ``checkpoint(self._attend, q, k)`` may read a part of its
+module's state that the code after it changes, which a check of the whole module's
+would refuse.
 """
 from __future__ import annotations
 
