@@ -115,6 +115,36 @@ class Outside:
     after_peak: int  # the peak after the first block's input gradient arrives: the embeddings' backward
     other_outputs: Optional[OtherOutputs] = None  # the blocks' other outputs: NOTE [ Outputs the caller holds ]
     chain_input_until: str = "step"  # how long the first block's input lives: NOTE [ A chain input the step frees ]
+    output_grad_order: Optional[tuple] = None  # NOTE [ The output gradient's layout ]; None: contiguous
+
+    def profiled_loss(self, output: torch.Tensor) -> torch.Tensor:
+        """The blocks' profiled loss: its backward makes the output's gradient, laid out
+        as the step's loss laid it out, and freed as the last block's first op reads it,
+        as the step's (one handed in stayed: an output too many)."""
+        if self.output_grad_order is not None and output.dim() == len(self.output_grad_order):
+            return output.permute(self.output_grad_order).mul(1.0).sum()
+        return output.mul(1.0).sum()
+
+
+# NOTE [ The output gradient's layout ]
+# A loss may hand the last block a gradient in another layout than its output's: that
+# of ``F.cross_entropy(out.transpose(1, 2), labels)`` is a transposed view. The last
+# block's backward then copies it where an op needs it contiguous (a Linear's weight
+# gradient), a hidden state the profile, with a contiguous gradient, never saw: such
+# plans measured 64 KiB over. So the example step records the order of the gradient's
+# dimensions, outermost first (``_dimension_order``), and the profiled loss permutes
+# the output to that order before its ``mul``: its backward hands back the ``mul``'s
+# contiguous gradient permuted back, the step's layout. A gradient that is no
+# permutation of a dense layout (expanded, of a ``sum``) is made dense, as before:
+# that counts more than the step holds, never less.
+def _dimension_order(grad: torch.Tensor) -> Optional[tuple]:
+    """The permutation that makes ``grad`` contiguous, or None where it is contiguous
+    already or is no permutation of a dense layout."""
+    if grad.is_contiguous():
+        return None
+    order = tuple(sorted(range(grad.dim()), key=lambda d: (-grad.stride(d), d)))
+    permuted = grad.permute(order)
+    return order if permuted.is_contiguous() else None
 
 
 class _Phases:
@@ -126,6 +156,7 @@ class _Phases:
         self.tracker = tracker
         self.before_rise = self.held = self.chain_input = self.loss_rise = self.after_start = self.after_rise = 0
         self.blocks_end = self.loss_leaves = 0
+        self.output_grad_order = None
         self.loss_hooked = self.after_measured = False
         self.chain_input_until, self._chain_input_count, self._blocks_end_storages = "step", None, []
         self._first_hidden_leaf = calls[0][2].hidden_leaf
@@ -208,6 +239,7 @@ class _Phases:
 
     def _loss_ends(self, grad) -> None:
         self.loss_rise = self._close()
+        self.output_grad_order = _dimension_order(grad)
         self._chain_input_gone("forward")
         # The loss's backward may leave more than the gradient it hands the blocks: a
         # weight tied to the embeddings' holds its gradient until theirs adds to it.
@@ -267,4 +299,5 @@ def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Opti
                    held=batch_bytes + phases.held - phases.chain_input,
                    loss_rise=phases.loss_rise, loss_bytes=loss_bytes, loss_leaves=phases.loss_leaves,
                    after_peak=batch_bytes + phases.after_start + phases.after_rise if phases.after_measured else 0,
-                   other_outputs=others, chain_input_until=phases.chain_input_until)
+                   other_outputs=others, chain_input_until=phases.chain_input_until,
+                   output_grad_order=phases.output_grad_order)

@@ -91,7 +91,7 @@ def chain_profile(chain: nn.Sequential, calls: list, outside: Outside) -> Profil
     """The profile of the blocks as a chain, then the loss as its last layer; the chain
     input's bytes include what the step holds beside it."""
     # stored_saves=False: blocks in the plain segment run plain.
-    blocks = profile(chain, (calls[0][2].hidden,), stored_saves=False, loss=_output_gradient_made_in_backward)
+    blocks = profile(chain, (calls[0][2].hidden,), stored_saves=False, loss=outside.profiled_loss)
     return dataclasses.replace(
         blocks,
         layers=blocks.layers + (_loss_layer(blocks, outside),),
@@ -105,12 +105,6 @@ def chain_profile(chain: nn.Sequential, calls: list, outside: Outside) -> Profil
         # step); after it comes only the backward from the loss itself.
         loss_rise=0,
     )
-
-
-def _output_gradient_made_in_backward(output: torch.Tensor) -> torch.Tensor:
-    """The blocks' profiled loss: its backward makes the output's gradient, freed as the last
-    block's first op reads it, as the step's (one handed in stayed: an output too many)."""
-    return output.mul(1.0).sum()
 
 
 def _loss_layer(blocks: Profile, outside: Outside) -> LayerProfile:

@@ -934,6 +934,54 @@ def test_no_plan_of_a_stack_whose_first_input_views_a_larger_storage_exceeds_its
         assert live_peak_bytes(planned, ids) <= max(planner.fixed, predicted_peak(table, choices)), choices
 
 
+class PreNormBlock(nn.Module):
+    """``x + fc2(gelu(fc1(norm(x))))``: its backward's first op hands the gradient it
+    gets straight to a Linear."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class TransposedLossStack(nn.Module):
+    """Embeddings, four PreNormBlocks, and a loss on their output transposed, with no
+    head between: it hands the last block a gradient in another layout."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(width, width)
+        self.blocks = nn.ModuleList(PreNormBlock(width) for _ in range(4))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(h.transpose(1, 2), ids)
+
+
+def test_no_plan_of_a_stack_whose_loss_hands_a_transposed_gradient_exceeds_its_prediction():
+    # NOTE [ The output gradient's layout ]: profiled with a contiguous gradient, the
+    # plans measured over it (the last block's Linear copies the step's gradient).
+    import itertools
+
+    from actsave.planning.block_solver import predicted_peak
+    from actsave.planning.blocks import BlockPlanner
+
+    model, ids = TransposedLossStack(), torch.randint(0, 32, (4, 16))
+    planner = BlockPlanner(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (ids,),
+                           allow=("recompute",))
+    assert planner.outside.output_grad_order == (0, 2, 1)
+    table = planner.table
+    for choices in itertools.product((0, 1), repeat=4):
+        options = tuple(table.labels[a][k] for a, k in enumerate(choices))
+        planned, plan = copy.deepcopy((model, planner.plan(2**40)))
+        actsave.wrap(planned, dataclasses.replace(plan, options=options))
+        assert live_peak_bytes(planned, ids) <= max(planner.fixed, predicted_peak(table, choices)), choices
+
+
 class _ReadsThePreviousBlocksKeys(nn.Module):
     """Sets ``keys`` for the next block and reads the previous block's (a cache shared
     across layers): it cannot run alone."""
