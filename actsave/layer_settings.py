@@ -36,7 +36,10 @@ class LayerSettings:
             self._offload[module] = flag
 
     def policy(self, layer: nn.Module) -> KeepPolicy:
-        """How what is kept at ``layer`` is kept: its settings, else the default."""
+        """How what is kept at ``layer`` is kept: its settings, else the default (the
+        default object itself, so that a plan's key of many layers compares by identity)."""
+        if layer not in self._codecs and layer not in self._offload:
+            return self.default
         return KeepPolicy(self._codecs.get(layer, self.default.codec), self._offload.get(layer, self.default.offload))
 
     def policies(self, layers) -> tuple:

@@ -72,6 +72,7 @@ _STATE = operator.attrgetter("requires_grad", "dtype")  # of a parameter, in a p
 _TRAINING = operator.attrgetter("training")  # of a module under the layers, in a plan's key
 _DEREFERENCE = weakref.ref.__call__
 _PLANS_KEPT = 16  # balanced plans cached per model, one per distinct input
+_UNPLANNED = object()  # no plan for a key yet (None is a plan: the meta step failed, "sqrt")
 # Held while a model's plans are marked as being made on a thread (a moment): one for
 # every model, so that a model holds no lock (models deep-copy and pickle).
 _PLANNING_LOCK = threading.Lock()
@@ -108,11 +109,11 @@ class BalancedPlans:
             return split_starts(layers, "sqrt", policies)
         device = device_of(input)
         key = (_plan_key(input, device, policies), states, self._training_modes())
-        if key not in self._plans:
+        plan = self._plans.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
             if len(self._plans) >= _PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
-            self._plans[key] = self._planned_here(model, input, device, policies)
-        plan = self._plans[key]
+            plan = self._plans[key] = self._planned_here(model, input, device, policies)
         self._last = (f"{tuple(input.shape)} {input.dtype} on {device}", plan)
         return list(plan.starts) if plan is not None else split_starts(layers, "sqrt", policies)
 
@@ -211,7 +212,16 @@ def _plan_key(input: torch.Tensor, device, policies: tuple) -> tuple:
     Balanced segments ])."""
     autocast = torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
     return (tuple(input.shape), input.stride(), input.dtype, input.requires_grad, should_encode(input), device,
-            policies, autocast)
+            _compact(policies), autocast)
+
+
+def _compact(policies: tuple) -> tuple:
+    """``policies`` as a plan's key holds them: one and a count where every layer's is
+    the same object (the default's: LayerSettings.policy), which hashes once, not once
+    a layer, at every training call."""
+    if policies and policies.count(policies[0]) == len(policies):
+        return policies[0], len(policies)
+    return policies
 
 
 def _own_parameters(modules):
