@@ -94,7 +94,7 @@ from typing import Callable, Optional
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from .._torch import backward_keeps_graph, pytree, version
+from .._torch import backward_keeps_graph, forward_ad_on, pytree, version
 from .._torch_graphs import eager_hooks
 from ..errors import ActsaveError, RecomputeError
 from . import compiled_calls
@@ -136,6 +136,7 @@ class CheckpointFrame:
         self.operators = {}  # debug=True: "forward"/"recompute" -> operator names (OperatorLog)
         self.kept = kept
         self.replay = replay
+        self.forward_ad = forward_ad_on()  # named by a mismatch's error, should the backward run after the level
         # Built as the forward starts: the modules under known layers are read now,
         # unless the caller walked them and snapshotted their state (``prepared``: chain.ChainState).
         layers = known_layers(function)  # NOTE [ Known layers ]
@@ -380,7 +381,7 @@ class CheckpointFrame:
 
     def _mismatch(self, message: str) -> RecomputeError:
         message += compiled_calls.compiled_modules_advice(self.function, self.modules)
-        return mismatch(self.options, self.operators, message)
+        return mismatch(self.options, self.operators, message, self.forward_ad)
 
 
 def _shown(signature: tuple) -> tuple:

@@ -179,11 +179,12 @@ def other_shapes(function_name: str, recomputed: tuple, forward: tuple, lossy: b
         "deterministic or do not checkpoint it (determinism_check='none' skips this check).") + FLAGS_CHANGED
 
 
-def mismatch(options: RecomputeOptions, operators: dict, message: str) -> RecomputeError:
+def mismatch(options: RecomputeOptions, operators: dict, message: str, forward_ad: bool = False) -> RecomputeError:
     """The error of a recompute that did not do the forward's work; with ``debug=True``
-    it lists the operators each ran (``operators``, from :func:`logged`)."""
-    if forward_ad_on():
-        message += (" Forward-mode AD is on: actsave recomputes from its inputs without their tangents, so the "
+    it lists the operators each ran (``operators``, from :func:`logged`). ``forward_ad``:
+    a forward-mode AD level was open as the forward ran (it may be closed by the backward)."""
+    if forward_ad or forward_ad_on():
+        message += (" Forward-mode AD was on in the forward: actsave recomputes from its inputs without their tangents, so the "
                     "recompute saves less than the forward did (docs/limits.md, \"What a recompute's input is\"); "
                     "checkpoint such a function with torch.utils.checkpoint.")
     if not options.debug:

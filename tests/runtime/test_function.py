@@ -383,13 +383,20 @@ def test_a_segment_ending_in_an_in_place_relu_on_a_view_recomputes_within_its_pl
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
 
 
-def test_a_backward_through_a_dual_input_says_the_recompute_has_no_tangents():
+@pytest.mark.parametrize("backward", ["in the level", "after it"])
+def test_a_backward_through_a_dual_input_says_the_recompute_has_no_tangents(backward):
+    # After it: the level is closed by the backward, so the forward's is named.
     import torch.autograd.forward_ad as forward_ad
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
     x = torch.randn(5, 8, requires_grad=True)
+    raises = pytest.raises(actsave.RecomputeError, match="Forward-mode AD was on in the forward.*torch.utils.checkpoint")
     with forward_ad.dual_level():
         out = forward_ad.unpack_dual(actsave.checkpoint(model, forward_ad.make_dual(x, torch.randn(5, 8)))).primal
-        with pytest.raises(actsave.RecomputeError, match="Forward-mode AD is on.*torch.utils.checkpoint"):
+        if backward == "in the level":
+            with raises:
+                out.sum().backward()
+    if backward == "after it":
+        with raises:
             out.sum().backward()
 
 
