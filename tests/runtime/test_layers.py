@@ -2,6 +2,9 @@
 runs, and that a checkpointed forward and recompute of them hook no global module
 hooks."""
 
+import functools
+import types
+
 import pytest
 import torch
 from support import OpCounter
@@ -32,6 +35,25 @@ def test_layers_are_known_for_chains_sequentials_modules_and_their_bound_forward
     assert known_layers(a.forward) == (a,)  # runs the module uncalled: no hook would see it
     assert known_layers(super(MySequential, mine).forward) == (mine,)
     assert known_layers(a.extra_repr) is None  # another method: watched through the modules it calls
+    assert known_layers(functools.partial(a.forward)) == (a,)
+    assert known_layers(functools.partial(mine)) == (mine,)
+
+
+def test_a_forward_is_told_by_its_function_not_its_name():
+    class Aliased(nn.Linear):
+        def _run(self, x):
+            return super().forward(x)
+
+        forward = _run
+
+    def forward(self, x):  # named forward, but not the module's
+        return x
+
+    aliased, plain = Aliased(2, 2), nn.Linear(2, 2)
+    assert known_layers(aliased.forward) == (aliased,)
+    plain.forward = types.MethodType(lambda self, x: x, plain)
+    assert known_layers(plain.forward) == (plain,)  # the instance's own forward
+    assert known_layers(types.MethodType(forward, nn.Linear(2, 2))) is None
 
 
 def test_modules_under_layers_are_listed_once_with_their_first_layer():

@@ -669,18 +669,41 @@ class _CheckpointsItsOwnBody(_CentersItsOwnInput):
         return actsave.checkpoint(super().forward, x)
 
 
-@pytest.mark.parametrize("how", ["bound_forward", "inside_forward"])
+class _AliasesItsForward(_CentersItsOwnInput):
+    """Its forward under another name: ``forward = _run``."""
+
+    def _run(self, x):
+        return _CentersItsOwnInput.forward(self, x)
+
+    forward = _run
+
+
+@pytest.mark.parametrize("how", ["bound_forward", "inside_forward", "override_named_otherwise", "class_alias",
+                                 "partial"])
 def test_a_bound_method_of_a_module_is_watched_with_its_module_own_state(how):
     # checkpoint(block.forward, x) runs the block without calling it, so no module hook
     # saw its own buffer: the recompute updated it again and read the updated value.
-    # torch.utils.checkpoint does the same.
+    # torch.utils.checkpoint does the same. A forward is told by the function, not its
+    # name: an override named otherwise, or an alias, was off by 1.39.
+    import functools
+    import types
+
     torch.manual_seed(0)
     plain = nn.Sequential(_CentersItsOwnInput(), nn.Linear(8, 1))
-    model = nn.Sequential(_CheckpointsItsOwnBody(), nn.Linear(8, 1))
+    model = nn.Sequential(_AliasesItsForward() if how == "class_alias" else _CheckpointsItsOwnBody(), nn.Linear(8, 1))
     model.load_state_dict(plain.state_dict())
-    if how == "bound_forward":
-        block, head = model[0], model[1]
-        model.forward = lambda x: head(actsave.checkpoint(_CentersItsOwnInput.forward.__get__(block), x))
+    block, head = model[0], model[1]
+    if how == "override_named_otherwise":
+        def centred(self, x):
+            return _CentersItsOwnInput.forward(self, x)
+        block.forward = types.MethodType(centred, block)
+    if how != "inside_forward":
+        forward = block.forward
+        if how in ("bound_forward", "partial"):
+            forward = _CentersItsOwnInput.forward.__get__(block)  # super().forward, from outside
+        if how == "partial":
+            forward = functools.partial(forward)
+        model.forward = lambda x: head(actsave.checkpoint(forward, x))
     assert_same_training(plain, model)
 
 
