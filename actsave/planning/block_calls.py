@@ -75,14 +75,43 @@ def _device_type(leaves: list) -> str:
 # cache holds (the chain's step drops them before its backward, as the region's exit
 # does: instrumented_step.backward_from). Priced without it, such plans counted the
 # activations in float32 and no cast (docs/limits.md, "Meta estimates", on autocast).
-# Where the calls ran under different states, the planning thread's own is kept.
+# Where the calls ran under different states (a region of its own around each block,
+# enabled for some), no one state prices the chain: run under the planning thread's own,
+# such plans measured up to 1.69x their predictions, over their budgets. They are
+# refused, naming the blocks of each state.
 def as_the_blocks_ran(calls: list):
     """Inside, autocast is as the blocks' recorded calls ran (NOTE [ Autocast the blocks ran under ])."""
     states = {call.autocast for _, _, call in calls}
+    if len({_priced(state) for state in states}) > 1:
+        raise ConfigError(_mixed_autocast(calls))
     state = next(iter(states))
-    if len(states) > 1 or state == autocast_now(state[-1].device_type):
+    if len(states) > 1 or state == autocast_now(state[-1].device_type):  # disabled ones alike, or the thread's
         return contextlib.nullcontext()
     return autocast_as(state)
+
+
+def _priced(states: tuple) -> tuple:
+    """What of an autocast state prices a block: a disabled one's dtype and cache do not."""
+    return tuple((state.device_type, state.dtype, state.cache_enabled) if state.enabled else (state.device_type,)
+                 for state in states)
+
+
+def _mixed_autocast(calls: list) -> str:
+    by_state = {}
+    for fqn, _, call in calls:
+        by_state.setdefault(_priced(call.autocast), (call.autocast, []))[1].append(fqn)
+    described = "; ".join(f"{', '.join(fqns)}: {_autocast_text(state)}" for state, fqns in by_state.values())
+    return (f"the blocks ran under different autocast states ({described}): a block plan prices its blocks as one "
+            "chain under one autocast, which would count some blocks' activations and weight casts in the wrong "
+            "dtype (such plans measured up to 1.69x their predictions, over their budgets). Run every block under "
+            "one autocast (enter it around the model's forward), or checkpoint the blocks by hand "
+            "(actsave.wrap(model, Block, keep=...))")
+
+
+def _autocast_text(states: tuple) -> str:
+    on = [f"{state.dtype} on {state.device_type}" + ("" if state.cache_enabled else " without its cache")
+          for state in states if state.enabled]
+    return "autocast " + " and ".join(on) if on else "no autocast"
 
 
 class _CallRecorder:

@@ -393,6 +393,33 @@ class _CastsAgainStack(nn.Module):
         return x.float().square().mean()
 
 
+class _RegionPerBlockStack(_CastsAgainStack):
+    """Each block in an autocast region of its own, enabled for the odd ones (or, with
+    ``dtypes``, disabled for all, each with another dtype)."""
+
+    def __init__(self, dtypes: bool = False):
+        super().__init__()
+        self.dtypes = dtypes
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            dtype = (torch.float16 if i % 2 else torch.bfloat16) if self.dtypes else torch.bfloat16
+            with torch.autocast("cpu", dtype=dtype, enabled=bool(i % 2) and not self.dtypes):
+                x = block(x)
+        return x.float().square().mean()
+
+
+def test_blocks_that_ran_under_different_autocast_states_are_refused_naming_them():
+    # NOTE [ Autocast the blocks ran under ]: no one state prices the chain; run under
+    # the planning thread's own, their plans measured up to 1.69x their predictions.
+    x = torch.randn(2, 8, WIDE, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(actsave.ConfigError, match=r"different autocast states \(blocks.0, blocks.2: no autocast; "
+                                          r"blocks.1, blocks.3: autocast torch.bfloat16 on cpu\)"):
+        actsave.plan_blocks(_RegionPerBlockStack(), _CastsAgain, 2**40, (x,))
+    # Disabled regions alike whatever their dtype: planned.
+    actsave.plan_blocks(_RegionPerBlockStack(dtypes=True), _CastsAgain, 2**40, (x,))
+
+
 def test_selective_blocks_that_cast_their_weights_again_are_priced_with_those_casts_under_autocast():
     # The blocks enter autocast in the model's forward: priced outside it, the plans
     # counted float32 activations and no cast; and measured with the casts an earlier
