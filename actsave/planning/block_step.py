@@ -134,7 +134,11 @@ class Outside:
 # plans measured 64 KiB over. So the example step records the order of the gradient's
 # dimensions, outermost first (``_dimension_order``), and the profiled loss permutes
 # the output to that order before its ``mul``: its backward hands back the ``mul``'s
-# contiguous gradient permuted back, the step's layout. A gradient that is no
+# contiguous gradient permuted back, the step's layout. The options measured block by
+# block (block_options.BlockMeasurer) hand the last block a gradient laid out alike:
+# with a contiguous one, a selective last block measured 8 KiB over its prediction
+# where the step's needed the copy, and 16 KiB under where the contiguous one did
+# (channels-last ConvNeXt blocks under a per-pixel head). A gradient that is no
 # permutation of a dense layout (expanded, of a ``sum``) is made dense, as before:
 # that counts more than the step holds, never less.
 def _dimension_order(grad: torch.Tensor) -> Optional[tuple]:

@@ -256,7 +256,8 @@ class BlockPlanner:
         with _priced_alone(self.calls), as_the_blocks_ran(self.calls):
             self.profile = chain_profile(self.chain, self.calls, self.outside)
             self._measurer = BlockMeasurer(self.chain, [TensorSpec.of(call.hidden) for _, _, call in self.calls],
-                                           self.profile.device, self.profile.timed, self.profile.layers)
+                                           self.profile.device, self.profile.timed, self.profile.layers,
+                                           self.outside.output_grad_order)
             self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs, self._measurer,
                                 self.outside)
         self.fixed = max(self.outside.before_peak, self.outside.after_peak)  # what the step needs outside the blocks
@@ -353,7 +354,7 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
     model = CostModel(profile, policies, stored_codecs=("none",), plain_middle=True)
     if measurer is None:
         measurer = BlockMeasurer(chain, [TensorSpec.of(call.hidden) for _, _, call in calls], profile.device,
-                                 profile.timed, profile.layers)
+                                 profile.timed, profile.layers, None if outside is None else outside.output_grad_order)
     options = [None, *candidates]
     other_outputs = None if outside is None else outside.other_outputs
     until = "step" if outside is None else outside.chain_input_until  # NOTE [ A chain input the step frees ]

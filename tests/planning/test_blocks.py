@@ -964,7 +964,8 @@ class TransposedLossStack(nn.Module):
 
 def test_no_plan_of_a_stack_whose_loss_hands_a_transposed_gradient_exceeds_its_prediction():
     # NOTE [ The output gradient's layout ]: profiled with a contiguous gradient, the
-    # plans measured over it (the last block's Linear copies the step's gradient).
+    # plans measured over it (the last block's Linear copies the step's gradient); and
+    # so did those with a selective last block, measured alone with a contiguous one.
     import itertools
 
     from actsave.planning.block_solver import predicted_peak
@@ -972,14 +973,17 @@ def test_no_plan_of_a_stack_whose_loss_hands_a_transposed_gradient_exceeds_its_p
 
     model, ids = TransposedLossStack(), torch.randint(0, 32, (4, 16))
     planner = BlockPlanner(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (ids,),
-                           allow=("recompute",))
+                           allow=("recompute", "selective"))
     assert planner.outside.output_grad_order == (0, 2, 1)
     table = planner.table
-    for choices in itertools.product((0, 1), repeat=4):
+    assert any(option is not None and option.keep == "selective" for option in table.labels[3])
+    for first, last in itertools.product((0, 1), range(len(table.labels[3]))):
+        choices = (first,) * 3 + (last,)
         options = tuple(table.labels[a][k] for a, k in enumerate(choices))
         planned, plan = copy.deepcopy((model, planner.plan(2**40)))
         actsave.wrap(planned, dataclasses.replace(plan, options=options))
-        assert live_peak_bytes(planned, ids) <= max(planner.fixed, predicted_peak(table, choices)), choices
+        measured = live_peak_bytes(planned, ids)
+        assert measured <= max(planner.fixed, predicted_peak(table, choices)) <= measured + 256, choices
 
 
 class _ReadsThePreviousBlocksKeys(nn.Module):
