@@ -16,8 +16,8 @@ forward, and hooks nothing:
 - a plain ``nn.Sequential``: its children;
 - any other ``nn.Module`` (``Checkpoint``, ``wrap``), or its ``forward`` called bound:
   the module itself;
-- a ``functools.partial`` of one of these: as that one (bound arguments run the same
-  modules).
+- a ``functools.partial`` of one of these: as that one, where it binds no module (a
+  module bound as an argument is outside the tree: watched by hooks, it stays exact).
 
 Their *layers* are the top-level modules; the modules the function runs are taken to
 be every submodule of them (``Module.modules()``), whether or not a given forward
@@ -26,9 +26,10 @@ plain list or a global) is not seen: checkpoint such a function as a plain calla
 A module's bound ``forward`` (``checkpoint(block.forward, x)``, ``checkpoint(super().forward,
 x)`` inside a subclass's forward) is the module because it runs the module without
 calling it: no hook would see the module's own state read or changed (an EMA buffer
-updated in ``forward``). It is told by the function, not its name (_is_a_forward_of):
-an instance's own ``forward`` set with another name, or a class's ``forward = _run``,
-ran under hooks that never saw the module, gradients off by 1.39. Any other callable (a lambda, a function closing over modules,
+updated in ``forward``). It is told by its name and by the function (_is_a_forward_of):
+told by its name alone, an instance's own ``forward`` set with another name, or a
+class's ``forward = _run``, ran under hooks that never saw the module, gradients off by
+1.39. Any other callable (a lambda, a function closing over modules,
 another method of a module) has no known layers, and global hooks watch the modules it
 runs: a method such as ``checkpoint(self._attend, q, k)`` may read a part of its
 module's state that the code after it changes, which a check of the whole module's
@@ -43,7 +44,7 @@ from typing import Optional
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from .._torch import children_of
+from .._torch import children_of, pytree
 
 
 class LayerChain:
@@ -83,8 +84,9 @@ def known_layers(function) -> Optional[tuple]:
         return tuple(function)
     if isinstance(function, nn.Module):
         return (function,)
-    if isinstance(function, functools.partial):  # arguments bound run the same modules
-        return known_layers(function.func)
+    if isinstance(function, functools.partial):
+        bound = pytree.tree_leaves((function.args, function.keywords))
+        return None if any(isinstance(leaf, nn.Module) for leaf in bound) else known_layers(function.func)
     owner = getattr(function, "__self__", None)
     if isinstance(owner, nn.Module) and _is_a_forward_of(owner, getattr(function, "__func__", None)):
         return (owner,)
@@ -92,13 +94,14 @@ def known_layers(function) -> Optional[tuple]:
 
 
 def _is_a_forward_of(owner: nn.Module, func) -> bool:
-    """Whether ``func`` is a forward of ``owner``, whatever its name: the one set on the
-    instance (``block.forward = MethodType(f, block)``), or the ``forward`` of a class of
-    it (an alias ``forward = _run``, ``super().forward``). Told by identity: a method of
-    another name is no forward, and one named ``forward`` that the module does not run
-    as its forward may be (NOTE [ Known layers ])."""
+    """Whether ``func`` is a forward of ``owner``: one named ``forward`` (another class's
+    bound to it too), or the one set on the instance (``block.forward = MethodType(f,
+    block)``) or a class's ``forward`` (an alias ``forward = _run``), whatever their
+    names (NOTE [ Known layers ])."""
     if func is None:
         return False
+    if getattr(func, "__name__", None) == "forward":
+        return True
     own = vars(owner).get("forward")
     if own is not None and getattr(own, "__func__", own) is func:
         return True

@@ -46,14 +46,25 @@ def test_a_forward_is_told_by_its_function_not_its_name():
 
         forward = _run
 
-    def forward(self, x):  # named forward, but not the module's
-        return x
+    def centred(self, x):
+        return x - x.mean()
 
     aliased, plain = Aliased(2, 2), nn.Linear(2, 2)
     assert known_layers(aliased.forward) == (aliased,)
-    plain.forward = types.MethodType(lambda self, x: x, plain)
+    plain.forward = types.MethodType(centred, plain)
     assert known_layers(plain.forward) == (plain,)  # the instance's own forward
-    assert known_layers(types.MethodType(forward, nn.Linear(2, 2))) is None
+    assert known_layers(types.MethodType(centred, nn.Linear(2, 2))) is None  # another method
+    other = nn.Linear(2, 2)
+    assert known_layers(types.MethodType(nn.Sequential.forward, other)) == (other,)  # a forward, by its name
+
+
+def test_a_partial_binding_a_module_has_no_known_layers():
+    # The module bound is outside the function's tree: its own calls are watched by
+    # hooks (a BatchNorm passed so counted its statistics twice, gradients off by 0.26).
+    block, norm = nn.Linear(2, 2), nn.BatchNorm1d(2)
+    assert known_layers(functools.partial(block.forward)) == (block,)
+    assert known_layers(functools.partial(block, norm=norm)) is None
+    assert known_layers(functools.partial(functools.partial(block), norm)) is None
 
 
 def test_modules_under_layers_are_listed_once_with_their_first_layer():
