@@ -78,22 +78,26 @@ def _device_type(leaves: list) -> str:
 # Where the calls ran under different states (a region of its own around each block,
 # enabled for some), no one state prices the chain: run under the planning thread's own,
 # such plans measured up to 1.69x their predictions, over their budgets. They are
-# refused, naming the blocks of each state.
+# refused, naming the blocks of each state. States that differ in what does not price
+# a block (a disabled region's dtype) are one; those that differ in the cache only are
+# priced under a state that keeps it, which counts the casts some blocks free.
 def as_the_blocks_ran(calls: list):
     """Inside, autocast is as the blocks' recorded calls ran (NOTE [ Autocast the blocks ran under ])."""
     states = {call.autocast for _, _, call in calls}
     if len({_priced(state) for state in states}) > 1:
         raise ConfigError(_mixed_autocast(calls))
-    state = next(iter(states))
-    if len(states) > 1 or state == autocast_now(state[-1].device_type):  # disabled ones alike, or the thread's
+    state = max(states, key=lambda state: [one.cache_enabled for one in state])  # the same with its cache
+    now = autocast_now(state[-1].device_type)
+    disabled_alike = not any(one.enabled for one in state) and _priced(state) == _priced(now)
+    if state == now or (len(states) > 1 and disabled_alike):
         return contextlib.nullcontext()
     return autocast_as(state)
 
 
 def _priced(states: tuple) -> tuple:
-    """What of an autocast state prices a block: a disabled one's dtype and cache do not."""
-    return tuple((state.device_type, state.dtype, state.cache_enabled) if state.enabled else (state.device_type,)
-                 for state in states)
+    """What of an autocast state prices a block: its dtype where enabled; not a disabled
+    one's dtype, nor the cache (as_the_blocks_ran)."""
+    return tuple((state.device_type, state.dtype) if state.enabled else (state.device_type,) for state in states)
 
 
 def _mixed_autocast(calls: list) -> str:
