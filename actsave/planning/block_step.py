@@ -139,8 +139,10 @@ class Outside:
 # with a contiguous one, a selective last block measured 8 KiB over its prediction
 # where the step's needed the copy, and 16 KiB under where the contiguous one did
 # (channels-last ConvNeXt blocks under a per-pixel head). A gradient that is no
-# permutation of a dense layout (expanded, of a ``sum``) is made dense, as before:
-# that counts more than the step holds, never less.
+# permutation of a dense layout is profiled dense: an expanded one (of a ``sum``) so
+# counts more than the step holds; one that views a larger storage (of a ``torch.cat``
+# of the output and more) counts the rest of it as what the loss leaves (``_own_bytes``).
+# A copy the last block's backward would make of such a view is not counted.
 def _dimension_order(grad: torch.Tensor) -> Optional[tuple]:
     """The permutation that makes ``grad`` contiguous, or None where it is contiguous
     already or is no permutation of a dense layout."""
@@ -251,7 +253,7 @@ class _Phases:
         # blocks' other outputs, or their gradients, come off when the step ends (finish):
         # NOTE [ Outputs the caller holds ].
         dropped = sum(nbytes for count, nbytes in self._blocks_end_storages if count[0] == 0)
-        self.loss_leaves = self.tracker.live - (self.blocks_end - dropped) - _storage_bytes(grad, self.tracker.device)
+        self.loss_leaves = self.tracker.live - (self.blocks_end - dropped) - _own_bytes(grad, self.tracker.device)
         self.others.loss_ends()
         self._arguments.clear()
 
@@ -272,6 +274,13 @@ class _Phases:
 
 def _storage_bytes(t: torch.Tensor, device) -> int:
     return allocation_bytes(t.untyped_storage().nbytes(), device)
+
+
+def _own_bytes(grad: torch.Tensor, device) -> int:
+    """The bytes of the output's gradient that the profile's own stands for: its storage,
+    at most its dense size. The rest of a larger storage it views (the gradient of a
+    ``torch.cat`` of the output and more) is what the loss leaves, held with it."""
+    return min(_storage_bytes(grad, device), allocation_bytes(grad.numel() * grad.element_size(), device))
 
 
 def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Optional[Callable] = None) -> Outside:
