@@ -866,22 +866,34 @@ def test_every_plan_of_a_stack_whose_step_frees_its_first_input_measures_its_pre
     # against the storages live as the loss starts, less those the step drops meanwhile
     # (the embeddings' output, held until the forward returns); measured against their
     # sum, it came out one hidden state short.
+    model, ids = CentredStack(hold_embeddings, frozen_embeddings, tied), torch.randint(0, 100, (2, 16))
+    planner = stack_planner(model, ids)
+    assert planner.outside.chain_input_until == until
+    for choices, measured, predicted in plans_measured(planner, model, ids):  # plain or inputs kept, per block
+        assert measured <= predicted <= measured + 8, choices
+
+
+def stack_planner(model: nn.Module, ids: torch.Tensor, allow: tuple = ("recompute",)):
+    """The block planner of ``model.blocks``, on ``ids``."""
+    from actsave.planning.blocks import BlockPlanner
+    return BlockPlanner(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (ids,), allow=allow)
+
+
+def plans_measured(planner, model: nn.Module, ids: torch.Tensor, every=None) -> list:
+    """``(choices, measured peak, predicted peak)`` of each plan of ``every`` (choices of
+    an option index per block; by default plain or inputs kept, every combination):
+    each applied to a copy of ``model`` and measured by :func:`live_peak_bytes`."""
     import itertools
 
     from actsave.planning.block_solver import predicted_peak
-    from actsave.planning.blocks import BlockPlanner
-
-    model, ids = CentredStack(hold_embeddings, frozen_embeddings, tied), torch.randint(0, 100, (2, 16))
-    planner = BlockPlanner(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (ids,),
-                           allow=("recompute",))
-    assert planner.outside.chain_input_until == until
     table = planner.table
-    for choices in itertools.product((0, 1), repeat=4):  # plain or inputs kept, per block
+    found = []
+    for choices in every or itertools.product((0, 1), repeat=len(table.labels)):
         options = tuple(table.labels[a][k] for a, k in enumerate(choices))
         planned, plan = copy.deepcopy((model, planner.plan(2**40)))
         actsave.wrap(planned, dataclasses.replace(plan, options=options))
-        measured = live_peak_bytes(planned, ids)
-        assert measured <= max(planner.fixed, predicted_peak(table, choices)) <= measured + 8, choices
+        found.append((choices, live_peak_bytes(planned, ids), max(planner.fixed, predicted_peak(table, choices))))
+    return found
 
 
 def live_peak_bytes(model: nn.Module, ids: torch.Tensor) -> int:
@@ -918,20 +930,10 @@ def test_no_plan_of_a_stack_whose_first_input_views_a_larger_storage_exceeds_its
     # The chain input is counted at its own size; the rest of the storage it views is
     # what the step holds (block_step.py, _Phases._first_starts): subtracted whole from
     # it, plans measured up to 1.27x their prediction.
-    import itertools
-
-    from actsave.planning.block_solver import predicted_peak
-    from actsave.planning.blocks import BlockPlanner
-
     model, ids = PrefixedStack(), torch.randint(0, 100, (2, 16))
-    planner = BlockPlanner(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (ids,),
-                           allow=("recompute",))
-    table = planner.table
-    for choices in itertools.product((0, 1), repeat=4):
-        options = tuple(table.labels[a][k] for a, k in enumerate(choices))
-        planned, plan = copy.deepcopy((model, planner.plan(2**40)))
-        actsave.wrap(planned, dataclasses.replace(plan, options=options))
-        assert live_peak_bytes(planned, ids) <= max(planner.fixed, predicted_peak(table, choices)), choices
+    planner = stack_planner(model, ids)
+    for choices, measured, predicted in plans_measured(planner, model, ids):
+        assert measured <= predicted, choices
 
 
 class PreNormBlock(nn.Module):
@@ -968,22 +970,14 @@ def test_no_plan_of_a_stack_whose_loss_hands_a_transposed_gradient_exceeds_its_p
     # so did those with a selective last block, measured alone with a contiguous one.
     import itertools
 
-    from actsave.planning.block_solver import predicted_peak
-    from actsave.planning.blocks import BlockPlanner
-
     model, ids = TransposedLossStack(), torch.randint(0, 32, (4, 16))
-    planner = BlockPlanner(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (ids,),
-                           allow=("recompute", "selective"))
+    planner = stack_planner(model, ids, allow=("recompute", "selective"))
     assert planner.outside.output_grad_order == (0, 2, 1)
-    table = planner.table
-    assert any(option is not None and option.keep == "selective" for option in table.labels[3])
-    for first, last in itertools.product((0, 1), range(len(table.labels[3]))):
-        choices = (first,) * 3 + (last,)
-        options = tuple(table.labels[a][k] for a, k in enumerate(choices))
-        planned, plan = copy.deepcopy((model, planner.plan(2**40)))
-        actsave.wrap(planned, dataclasses.replace(plan, options=options))
-        measured = live_peak_bytes(planned, ids)
-        assert measured <= max(planner.fixed, predicted_peak(table, choices)) <= measured + 256, choices
+    last_options = planner.table.labels[3]
+    assert any(option is not None and option.keep == "selective" for option in last_options)
+    every = [(first,) * 3 + (last,) for first, last in itertools.product((0, 1), range(len(last_options)))]
+    for choices, measured, predicted in plans_measured(planner, model, ids, every):
+        assert measured <= predicted <= measured + 256, choices
 
 
 class CatHeadStack(TransposedLossStack):
@@ -1007,21 +1001,10 @@ def test_every_plan_of_a_stack_whose_output_gradient_views_a_larger_storage_meas
     # bytes the profile's gradient stands for: the gradient's dense size, not the whole
     # storage it views (subtracted whole, plans checkpointing the last block measured
     # one hidden state over their predictions, 1.04-1.08x).
-    import itertools
-
-    from actsave.planning.block_solver import predicted_peak
-    from actsave.planning.blocks import BlockPlanner
-
     model, ids = CatHeadStack(), torch.randint(0, 32, (8, 32))
-    planner = BlockPlanner(model, [(f"blocks.{i}", block) for i, block in enumerate(model.blocks)], (ids,),
-                           allow=("recompute",))
-    table = planner.table
-    for choices in itertools.product((0, 1), repeat=4):
-        options = tuple(table.labels[a][k] for a, k in enumerate(choices))
-        planned, plan = copy.deepcopy((model, planner.plan(2**40)))
-        actsave.wrap(planned, dataclasses.replace(plan, options=options))
-        measured = live_peak_bytes(planned, ids)
-        assert measured <= max(planner.fixed, predicted_peak(table, choices)) <= measured + 256, choices
+    planner = stack_planner(model, ids)
+    for choices, measured, predicted in plans_measured(planner, model, ids):
+        assert measured <= predicted <= measured + 256, choices
 
 
 class _ReadsThePreviousBlocksKeys(nn.Module):
