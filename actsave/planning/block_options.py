@@ -81,6 +81,7 @@ from ..runtime.keep_rules import KeepPolicy, modifies_input
 from ..runtime.kept_nothing import kept_nothing_noted
 from ..runtime.store import kept_bytes
 from .allocator_rises import AllocatorRises
+from .gradient_layout import GradientLayout, ones_like
 from .live_bytes import LiveBytes, allocation_bytes
 from .memory_model import CostModel
 from .step_isolation import isolated_steps, user_stacklevel
@@ -188,12 +189,12 @@ class BlockMeasurer:
     (layer kind, input) once (module docstring)."""
 
     def __init__(self, chain: nn.Sequential, inputs: Sequence[TensorSpec], device, timed: bool,
-                 profiled: Optional[Sequence] = None, output_grad_order: Optional[tuple] = None):
+                 profiled: Optional[Sequence] = None, output_grad_layout: Optional[GradientLayout] = None):
         self.layers, self.inputs, self.device, self.timed = list(chain), list(inputs), torch.device(device), timed
-        # The layout of the gradient the step's loss hands the last block, which its
-        # backward may copy (NOTE [ The output gradient's layout ], block_step.py); the
-        # others get a contiguous one, as a block's backward makes it.
-        self._last_order = output_grad_order
+        # The layout of the gradient the step's loss hands the last block (NOTE [ The
+        # output gradient's layout ]); the others get a contiguous one, as a block's
+        # backward makes it.
+        self._last_layout = output_grad_layout
         # What the profiled step measured of each block run plain (its LayerProfile's rises
         # and saves), if given; not where FSDP2 shards the block: what its ranks' steps count of the
         # gathers moves from run to run, and ranks that measured other kinds of block
@@ -227,7 +228,7 @@ class BlockMeasurer:
         key = (self.signature(a), option, "seconds")
         if key not in self._cache:
             self._cache[key] = self._unless_refused(a, option, lambda: self._seconds(layer, spec, option,
-                                                                                     self._order(a)))
+                                                                                     self._layout(a)))
         return self._cache[key]
 
     def measured(self, a: int, option: BlockOption) -> Optional[_Measured]:
@@ -272,12 +273,11 @@ class BlockMeasurer:
         (NOTE [ Block options priced ])."""
         if a not in self._paths:
             self._paths[a] = _modules_called(self.layers[a], self.example(a))
-        return _signature(self.layers[a]), self.inputs[a], self._seen_plain[a], self._paths[a], self._order(a)
+        return _signature(self.layers[a]), self.inputs[a], self._seen_plain[a], self._paths[a], self._layout(a)
 
-    def _order(self, a: int) -> Optional[tuple]:
-        """The order of the dimensions of block ``a``'s output gradient, outermost first
-        (None: contiguous)."""
-        return self._last_order if a == len(self.layers) - 1 else None
+    def _layout(self, a: int) -> Optional[GradientLayout]:
+        """The layout of block ``a``'s output gradient (None: contiguous)."""
+        return self._last_layout if a == len(self.layers) - 1 else None
 
     def example(self, a: int) -> torch.Tensor:
         """An input like block ``a``'s profiled one."""
@@ -293,7 +293,7 @@ class BlockMeasurer:
 
         def steps() -> _Measured:
             kept, input_kept, forward, backward, fetched = self._bytes_at(a, option)
-            seconds = self._seconds(layer, spec, option, self._order(a)) if self.timed and timed else 0.0
+            seconds = self._seconds(layer, spec, option, self._layout(a)) if self.timed and timed else 0.0
             return _Measured(kept, input_kept, forward, backward, fetched, seconds)
 
         return self._unless_refused(a, option, steps)
@@ -334,13 +334,14 @@ class BlockMeasurer:
         :meth:`sized` counts and :meth:`measured` prices are one step)."""
         key = (self.signature(a), option, "bytes")
         if key not in self._cache:
-            self._cache[key] = self._bytes(self.layers[a], self.inputs[a], option, self._order(a))
+            self._cache[key] = self._bytes(self.layers[a], self.inputs[a], option, self._layout(a))
         return self._cache[key]
 
-    def _bytes(self, layer: nn.Module, spec: TensorSpec, option: BlockOption, order: Optional[tuple]) -> tuple:
+    def _bytes(self, layer: nn.Module, spec: TensorSpec, option: BlockOption,
+               layout: Optional[GradientLayout]) -> tuple:
         """(R with the input where kept, whether the input is kept, forward rise,
         backward rise, bytes fetched from the host) of one step of ``layer``, its output
-        gradient laid out by ``order`` (:meth:`_order`)."""
+        gradient laid out as ``layout`` says (:meth:`_layout`)."""
         with _measuring(layer) as kept_nothing:
             source = _source_like(spec, self.device)
             known = [*layer.parameters(), *layer.buffers(), source,
@@ -358,7 +359,7 @@ class BlockMeasurer:
                 input_kept = storage() is not None
                 output_bytes = allocation_bytes(y.untyped_storage().nbytes(), self.device)
                 held = tracker.live - output_bytes
-                gradient = _gradient_like(y, order)
+                gradient = ones_like(y, layout)
                 with tracker.span() as backward, allocator.span() as backward_counted:
                     _as_the_step_finds_autocast()  # its casts go: the backward makes its own again
                     _backward(y, gradient)
@@ -377,18 +378,19 @@ class BlockMeasurer:
             _backward(y, torch.ones_like(y))
         return counter.get_total_flops()
 
-    def _seconds(self, layer: nn.Module, spec: TensorSpec, option: BlockOption, order: Optional[tuple]) -> float:
+    def _seconds(self, layer: nn.Module, spec: TensorSpec, option: BlockOption,
+                 layout: Optional[GradientLayout]) -> float:
         """The option's step less the plain block's, medians of interleaved runs."""
         runs = {"option": [], "plain": []}
         with _measuring(layer):
             for _ in range(_TIMED_REPEATS + 1):  # the first of each warms up
                 for name, chosen in (("option", option), ("plain", None)):
-                    runs[name].append(self._timed_step(layer, spec, chosen, order))
+                    runs[name].append(self._timed_step(layer, spec, chosen, layout))
         extra = statistics.median(runs["option"][1:]) - statistics.median(runs["plain"][1:])
         return max(extra, 0.0) + _LEAST_EXTRA_SECONDS
 
     def _timed_step(self, layer: nn.Module, spec: TensorSpec, option: Optional[BlockOption],
-                    order: Optional[tuple]) -> float:
+                    layout: Optional[GradientLayout]) -> float:
         x = _input_from(_source_like(spec, self.device), spec)
         _as_the_step_finds_autocast()
         synchronize(self.device)
@@ -397,7 +399,7 @@ class BlockMeasurer:
             y = layer(x)
         else:
             y = call_block(option, layer, (x,), {}, DEFAULT_RECOMPUTE, modifies_input(layer))[0]
-        gradient = _gradient_like(y, order)
+        gradient = ones_like(y, layout)
         _as_the_step_finds_autocast()
         _backward(y, gradient)
         synchronize(self.device)
@@ -453,15 +455,6 @@ def _as_the_step_finds_autocast() -> None:
     recompute, and count neither (a selective block whose matmuls are not nn.Linear:
     docs/limits.md, "Meta estimates", on autocast)."""
     torch.clear_autocast_cache()
-
-
-def _gradient_like(y: torch.Tensor, order: Optional[tuple]) -> torch.Tensor:
-    """Ones like ``y``, laid out with its dimensions in ``order``, outermost first (None:
-    contiguous), as the step hands the block its output's gradient."""
-    if order is None or len(order) != y.dim():
-        return torch.ones_like(y)
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return torch.ones_like(y.permute(order), memory_format=torch.contiguous_format).permute(inverse)
 
 
 def _backward(y: torch.Tensor, gradient: torch.Tensor) -> None:

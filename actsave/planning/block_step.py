@@ -13,6 +13,7 @@ from torch import nn
 
 from .._torch import pytree
 from ..errors import ConfigError
+from .gradient_layout import GradientLayout, LaidOutLoss, ones_like_strides
 from .instrumented_step import backward_from, checked_loss, step_input
 from .step_isolation import isolated_steps
 from .live_bytes import LiveBytes, allocation_bytes
@@ -115,42 +116,20 @@ class Outside:
     after_peak: int  # the peak after the first block's input gradient arrives: the embeddings' backward
     other_outputs: Optional[OtherOutputs] = None  # the blocks' other outputs: NOTE [ Outputs the caller holds ]
     chain_input_until: str = "step"  # how long the first block's input lives: NOTE [ A chain input the step frees ]
-    output_grad_order: Optional[tuple] = None  # NOTE [ The output gradient's layout ]; None: contiguous
+    output_grad_layout: Optional[GradientLayout] = None  # NOTE [ The output gradient's layout ]; None: as ones_like
 
     def profiled_loss(self, output: torch.Tensor) -> torch.Tensor:
         """The blocks' profiled loss: its backward makes the output's gradient, laid out
-        as the step's loss laid it out, and freed as the last block's first op reads it,
-        as the step's (one handed in stayed: an output too many)."""
-        if self.output_grad_order is not None and output.dim() == len(self.output_grad_order):
-            return output.permute(self.output_grad_order).mul(1.0).sum()
-        return output.mul(1.0).sum()
+        as the step's loss laid it out, and freed as the last block's backward is done
+        with it, as the step's (one handed in stayed: an output too many)."""
+        return LaidOutLoss.apply(output, self.output_grad_layout)
 
-
-# NOTE [ The output gradient's layout ]
-# A loss may hand the last block a gradient in another layout than its output's: that
-# of ``F.cross_entropy(out.transpose(1, 2), labels)`` is a transposed view. The last
-# block's backward then copies it where an op needs it contiguous (a Linear's weight
-# gradient), a hidden state the profile, with a contiguous gradient, never saw: such
-# plans measured 64 KiB over. So the example step records the order of the gradient's
-# dimensions, outermost first (``_dimension_order``), and the profiled loss permutes
-# the output to that order before its ``mul``: its backward hands back the ``mul``'s
-# contiguous gradient permuted back, the step's layout. The options measured block by
-# block (block_options.BlockMeasurer) hand the last block a gradient laid out alike:
-# with a contiguous one, a selective last block measured 8 KiB over its prediction
-# where the step's needed the copy, and 16 KiB under where the contiguous one did
-# (channels-last ConvNeXt blocks under a per-pixel head). A gradient that is no
-# permutation of a dense layout is profiled dense: an expanded one (of a ``sum``) so
-# counts more than the step holds; one that views a larger storage (of a ``torch.cat``
-# of the output and more) counts the rest of it as what the loss leaves (``_own_bytes``).
-# A copy the last block's backward would make of such a view is not counted.
-def _dimension_order(grad: torch.Tensor) -> Optional[tuple]:
-    """The permutation that makes ``grad`` contiguous, or None where it is contiguous
-    already or is no permutation of a dense layout."""
-    if grad.is_contiguous():
-        return None
-    order = tuple(sorted(range(grad.dim()), key=lambda d: (-grad.stride(d), d)))
-    permuted = grad.permute(order)
-    return order if permuted.is_contiguous() else None
+    def output_grad_bytes(self, blocks) -> int:
+        """The bytes the output's gradient holds: as ``blocks`` (their ``Profile``)
+        counted it, or those of the storage it views where the step laid it out
+        otherwise (NOTE [ The output gradient's layout ])."""
+        layout = self.output_grad_layout
+        return blocks.output_grad_bytes if layout is None else allocation_bytes(layout.storage_bytes, blocks.device)
 
 
 class _Phases:
@@ -162,7 +141,7 @@ class _Phases:
         self.tracker = tracker
         self.before_rise = self.held = self.chain_input = self.loss_rise = self.after_start = self.after_rise = 0
         self.blocks_end = self.loss_leaves = 0
-        self.output_grad_order = None
+        self.output_grad_layout, self._output_strides = None, ()
         self.loss_hooked = self.after_measured = False
         self.chain_input_until, self._chain_input_count, self._blocks_end_storages = "step", None, []
         self._first_hidden_leaf = calls[0][2].hidden_leaf
@@ -213,6 +192,7 @@ class _Phases:
             hidden_count = self.tracker.counted_bytes(hidden.untyped_storage())
             hidden_bytes = _storage_bytes(hidden, self.tracker.device)
             self.tracker.before_next_op(lambda: self._loss_starts(hidden_bytes, hidden_count))
+            self._output_strides = ones_like_strides(hidden)  # NOTE [ The output gradient's layout ]
             self._handles.append(hidden.register_hook(self._loss_ends))
             self.loss_hooked = True
 
@@ -245,7 +225,7 @@ class _Phases:
 
     def _loss_ends(self, grad) -> None:
         self.loss_rise = self._close()
-        self.output_grad_order = _dimension_order(grad)
+        self.output_grad_layout = GradientLayout.of(grad, self._output_strides)
         self._chain_input_gone("forward")
         # The loss's backward may leave more than the gradient it hands the blocks: a
         # weight tied to the embeddings' holds its gradient until theirs adds to it.
@@ -253,7 +233,7 @@ class _Phases:
         # blocks' other outputs, or their gradients, come off when the step ends (finish):
         # NOTE [ Outputs the caller holds ].
         dropped = sum(nbytes for count, nbytes in self._blocks_end_storages if count[0] == 0)
-        self.loss_leaves = self.tracker.live - (self.blocks_end - dropped) - _own_bytes(grad, self.tracker.device)
+        self.loss_leaves = self.tracker.live - (self.blocks_end - dropped) - _storage_bytes(grad, self.tracker.device)
         self.others.loss_ends()
         self._arguments.clear()
 
@@ -274,13 +254,6 @@ class _Phases:
 
 def _storage_bytes(t: torch.Tensor, device) -> int:
     return allocation_bytes(t.untyped_storage().nbytes(), device)
-
-
-def _own_bytes(grad: torch.Tensor, device) -> int:
-    """The bytes of the output's gradient that the profile's own stands for: its storage,
-    at most its dense size. The rest of a larger storage it views (the gradient of a
-    ``torch.cat`` of the output and more) is what the loss leaves, held with it."""
-    return min(_storage_bytes(grad, device), allocation_bytes(grad.numel() * grad.element_size(), device))
 
 
 def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Optional[Callable] = None) -> Outside:
@@ -313,4 +286,4 @@ def measure_outside(model: nn.Module, calls: list, example_inputs, loss_fn: Opti
                    loss_rise=phases.loss_rise, loss_bytes=loss_bytes, loss_leaves=phases.loss_leaves,
                    after_peak=batch_bytes + phases.after_start + phases.after_rise if phases.after_measured else 0,
                    other_outputs=others, chain_input_until=phases.chain_input_until,
-                   output_grad_order=phases.output_grad_order)
+                   output_grad_layout=phases.output_grad_layout)

@@ -113,7 +113,7 @@ def _loss_layer(blocks: Profile, outside: Outside) -> LayerProfile:
     and backward, measured together) and hands back that output's gradient."""
     return LayerProfile.saving_nothing(
         "loss", "after the blocks", input_bytes=blocks.output_bytes, dense_input_bytes=blocks.output_grad_bytes,
-        input_grad_bytes=blocks.output_grad_bytes, input_saved_by=blocks.output_saved_by,
+        input_grad_bytes=outside.output_grad_bytes(blocks), input_saved_by=blocks.output_saved_by,
         output_bytes=outside.loss_bytes, forward_rise=outside.loss_rise)
 
 
@@ -257,7 +257,7 @@ class BlockPlanner:
             self.profile = chain_profile(self.chain, self.calls, self.outside)
             self._measurer = BlockMeasurer(self.chain, [TensorSpec.of(call.hidden) for _, _, call in self.calls],
                                            self.profile.device, self.profile.timed, self.profile.layers,
-                                           self.outside.output_grad_order)
+                                           self.outside.output_grad_layout)
             self.table = _table(self.chain, self.calls, self.profile, self.levers, self.codecs, self._measurer,
                                 self.outside)
         self.fixed = max(self.outside.before_peak, self.outside.after_peak)  # what the step needs outside the blocks
@@ -354,7 +354,7 @@ def _table(chain: nn.Sequential, calls: list, profile: Profile, levers: tuple, c
     model = CostModel(profile, policies, stored_codecs=("none",), plain_middle=True)
     if measurer is None:
         measurer = BlockMeasurer(chain, [TensorSpec.of(call.hidden) for _, _, call in calls], profile.device,
-                                 profile.timed, profile.layers, None if outside is None else outside.output_grad_order)
+                                 profile.timed, profile.layers, None if outside is None else outside.output_grad_layout)
     options = [None, *candidates]
     other_outputs = None if outside is None else outside.other_outputs
     until = "step" if outside is None else outside.chain_input_until  # NOTE [ A chain input the step frees ]
