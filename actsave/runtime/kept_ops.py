@@ -202,8 +202,9 @@ def refuse_unknown_modules(ops: KeptOps, function, layers: Optional[tuple]) -> N
         name = getattr(function, "__qualname__", None) or type(function).__name__
         raise ConfigError(
             f"a selective checkpoint of {name} keeps the outputs of {ops.names()}, but actsave finds the modules a "
-            "function runs only where it is a module (an nn.Sequential, a module's bound forward): checkpoint the "
-            "module itself, or keep functions only (KeptOps(modules=()))")
+            "function runs only where it is a module (an nn.Sequential, a module's bound forward, a functools.partial "
+            "of one that binds only tensors and plain values, not modules or objects that may hold them): checkpoint "
+            "the module itself, or keep functions only (KeptOps(modules=()))")
 
 
 def _overloads_of(module_types: tuple) -> Optional[frozenset]:

@@ -16,8 +16,9 @@ forward, and hooks nothing:
 - a plain ``nn.Sequential``: its children;
 - any other ``nn.Module`` (``Checkpoint``, ``wrap``), or its ``forward`` called bound:
   the module itself;
-- a ``functools.partial`` of one of these: as that one, where it binds no module (a
-  module bound as an argument is outside the tree: watched by hooks, it stays exact).
+- a ``functools.partial`` of one of these: as that one, where it binds only tensors
+  and plain values (a module bound as an argument, or an object that may hold one, is
+  outside the tree: watched by hooks, it stays exact).
 
 Their *layers* are the top-level modules; the modules the function runs are taken to
 be every submodule of them (``Module.modules()``), whether or not a given forward
@@ -41,6 +42,7 @@ import contextlib
 import functools
 from typing import Optional
 
+import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
@@ -75,6 +77,12 @@ class LayerRun(LayerChain):
 WRAPPED_CHILD = "_checkpoint_wrapped_module"
 
 
+# What a functools.partial may bind and keep its function's layers: values that hold no
+# module (NOTE [ Known layers ]).
+PLAIN_VALUES = (torch.Tensor, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
+                torch.layout, torch.memory_format)
+
+
 def known_layers(function) -> Optional[tuple]:
     """The top-level modules ``function`` runs, or None where actsave cannot tell
     (NOTE [ Known layers ])."""
@@ -86,7 +94,7 @@ def known_layers(function) -> Optional[tuple]:
         return (function,)
     if isinstance(function, functools.partial):
         bound = pytree.tree_leaves((function.args, function.keywords))
-        return None if any(isinstance(leaf, nn.Module) for leaf in bound) else known_layers(function.func)
+        return known_layers(function.func) if all(isinstance(leaf, PLAIN_VALUES) for leaf in bound) else None
     owner = getattr(function, "__self__", None)
     if isinstance(owner, nn.Module) and _is_a_forward_of(owner, getattr(function, "__func__", None)):
         return (owner,)

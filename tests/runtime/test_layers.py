@@ -66,6 +66,13 @@ def test_a_partial_binding_a_module_has_no_known_layers():
     assert known_layers(functools.partial(block, norm=norm)) is None
     assert known_layers(functools.partial(functools.partial(block), norm)) is None
 
+    class Holder:  # an object pytree cannot see into, holding a module
+        def __init__(self, module):
+            self.module = module
+
+    assert known_layers(functools.partial(block, aux=Holder(norm))) is None
+    assert known_layers(functools.partial(block, scale=2.0, mask=torch.ones(2), dtype=torch.float32)) == (block,)
+
 
 def test_modules_under_layers_are_listed_once_with_their_first_layer():
     shared = nn.Linear(2, 2)
