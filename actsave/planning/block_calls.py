@@ -88,16 +88,17 @@ def as_the_blocks_ran(calls: list):
         raise ConfigError(_mixed_autocast(calls))
     state = max(states, key=lambda state: [one.cache_enabled for one in state])  # the same with its cache
     now = autocast_now(state[-1].device_type)
-    disabled_alike = not any(one.enabled for one in state) and _priced(state) == _priced(now)
+    disabled_alike = not _priced(state) and not _priced(now)
     if state == now or (len(states) > 1 and disabled_alike):
         return contextlib.nullcontext()
     return autocast_as(state)
 
 
 def _priced(states: tuple) -> tuple:
-    """What of an autocast state prices a block: its dtype where enabled; not a disabled
-    one's dtype, nor the cache (as_the_blocks_ran)."""
-    return tuple((state.device_type, state.dtype) if state.enabled else (state.device_type,) for state in states)
+    """What of an autocast state prices a block: the dtype of each device's where enabled;
+    not a disabled one, its dtype or device (a block on the CPU and one on CUDA, neither
+    under autocast, are alike), nor the cache (as_the_blocks_ran)."""
+    return tuple((state.device_type, state.dtype) for state in states if state.enabled)
 
 
 def _mixed_autocast(calls: list) -> str:

@@ -421,6 +421,24 @@ def test_blocks_that_ran_under_different_autocast_states_are_refused_naming_them
         actsave.plan_blocks(_RegionPerBlockStack("odd"), _CastsAgain, 2**40, (x,))
 
 
+def test_blocks_on_devices_of_other_kinds_none_under_autocast_are_one_autocast_state():
+    # A block's call records the CPU's autocast and its device's: a block on the CPU and
+    # one on CUDA, neither under autocast, were refused as "no autocast; no autocast".
+    from types import SimpleNamespace
+
+    from actsave.planning.block_calls import as_the_blocks_ran
+    from actsave.runtime.replay import _AutocastState
+
+    cpu = _AutocastState("cpu", False, torch.bfloat16, True)
+    calls = [("blocks.0", None, SimpleNamespace(autocast=(cpu,))),
+             ("blocks.1", None, SimpleNamespace(autocast=(cpu, _AutocastState("cuda", False, torch.float16, True))))]
+    with as_the_blocks_ran(calls):
+        assert not torch.is_autocast_enabled("cpu")
+    calls[1][2].autocast = (cpu, _AutocastState("cuda", True, torch.float16, True))
+    with pytest.raises(actsave.ConfigError, match=r"blocks.0: no autocast; blocks.1: autocast torch.float16 on cuda"):
+        as_the_blocks_ran(calls)
+
+
 @pytest.mark.parametrize("regions", ["disabled", "cache"])
 def test_blocks_whose_autocast_states_differ_in_what_prices_no_block_are_planned_within_their_predictions(regions):
     # Disabled regions of other dtypes are one state, even planned inside an enabled
