@@ -192,8 +192,8 @@ class BlockMeasurer:
                  profiled: Optional[Sequence] = None, output_grad_layout: Optional[GradientLayout] = None):
         self.layers, self.inputs, self.device, self.timed = list(chain), list(inputs), torch.device(device), timed
         # The layout of the gradient the step's loss hands the last block (NOTE [ The
-        # output gradient's layout ]); the others get a contiguous one, as a block's
-        # backward makes it.
+        # output gradient's layout ]); the others get ones like their output, as the next
+        # block's backward makes them.
         self._last_layout = output_grad_layout
         # What the profiled step measured of each block run plain (its LayerProfile's rises
         # and saves), if given; not where FSDP2 shards the block: what its ranks' steps count of the
@@ -276,7 +276,7 @@ class BlockMeasurer:
         return _signature(self.layers[a]), self.inputs[a], self._seen_plain[a], self._paths[a], self._layout(a)
 
     def _layout(self, a: int) -> Optional[GradientLayout]:
-        """The layout of block ``a``'s output gradient (None: contiguous)."""
+        """The layout of block ``a``'s output gradient (None: as ``torch.ones_like``)."""
         return self._last_layout if a == len(self.layers) - 1 else None
 
     def example(self, a: int) -> torch.Tensor:
