@@ -16,9 +16,9 @@ forward, and hooks nothing:
 - a plain ``nn.Sequential``: its children;
 - any other ``nn.Module`` (``Checkpoint``, ``wrap``), or its ``forward`` called bound:
   the module itself;
-- a ``functools.partial`` of one of these: as that one, where it binds only tensors
-  and plain values (a module bound as an argument, or an object that may hold one, is
-  outside the tree: watched by hooks, it stays exact).
+- a ``functools.partial`` of one of these: as that one, where it binds only tensors,
+  plain values and torch's functions (a module bound as an argument, or an object or
+  function that may hold one, is outside the tree: watched by hooks, it stays exact).
 
 Their *layers* are the top-level modules; the modules the function runs are taken to
 be every submodule of them (``Module.modules()``), whether or not a given forward
@@ -39,7 +39,10 @@ would refuse.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
+import numbers
+import types
 from typing import Optional
 
 import torch
@@ -78,9 +81,14 @@ WRAPPED_CHILD = "_checkpoint_wrapped_module"
 
 
 # What a functools.partial may bind and keep its function's layers: values that hold no
-# module (NOTE [ Known layers ]).
-PLAIN_VALUES = (torch.Tensor, int, float, complex, str, bytes, type(None), torch.dtype, torch.device,
-                torch.layout, torch.memory_format)
+# module (NOTE [ Known layers ]); and functions of torch's own (F.gelu, a builtin or not).
+PLAIN_VALUES = (torch.Tensor, numbers.Number, str, bytes, type(None), slice, type(Ellipsis), enum.Enum, torch.dtype,
+                torch.device, torch.layout, torch.memory_format, torch.Generator, types.BuiltinFunctionType)
+
+
+def _holds_no_module(value) -> bool:
+    return isinstance(value, PLAIN_VALUES) or (
+        isinstance(value, types.FunctionType) and value.__module__.split(".")[0] == "torch")
 
 
 def known_layers(function) -> Optional[tuple]:
@@ -94,7 +102,7 @@ def known_layers(function) -> Optional[tuple]:
         return (function,)
     if isinstance(function, functools.partial):
         bound = pytree.tree_leaves((function.args, function.keywords))
-        return known_layers(function.func) if all(isinstance(leaf, PLAIN_VALUES) for leaf in bound) else None
+        return known_layers(function.func) if all(map(_holds_no_module, bound)) else None
     owner = getattr(function, "__self__", None)
     if isinstance(owner, nn.Module) and _is_a_forward_of(owner, getattr(function, "__func__", None)):
         return (owner,)

@@ -72,6 +72,9 @@ def test_a_partial_binding_a_module_has_no_known_layers():
 
     assert known_layers(functools.partial(block, aux=Holder(norm))) is None
     assert known_layers(functools.partial(block, scale=2.0, mask=torch.ones(2), dtype=torch.float32)) == (block,)
+    plain_values = dict(act=torch.nn.functional.gelu, silu=torch.nn.functional.silu, rows=slice(None), rest=...)
+    assert known_layers(functools.partial(block, **plain_values)) == (block,)  # keep="selective" runs it
+    assert known_layers(functools.partial(block, act=lambda x: norm(x))) is None  # a function that may call one
 
 
 def test_modules_under_layers_are_listed_once_with_their_first_layer():
