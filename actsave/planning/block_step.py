@@ -233,9 +233,17 @@ class _Phases:
         # blocks' other outputs, or their gradients, come off when the step ends (finish):
         # NOTE [ Outputs the caller holds ].
         dropped = sum(nbytes for count, nbytes in self._blocks_end_storages if count[0] == 0)
-        self.loss_leaves = self.tracker.live - (self.blocks_end - dropped) - _storage_bytes(grad, self.tracker.device)
+        self.loss_leaves = self.tracker.live - (self.blocks_end - dropped) - self._handed_bytes(grad)
         self.others.loss_ends()
         self._arguments.clear()
+
+    def _handed_bytes(self, grad: torch.Tensor) -> int:
+        """The bytes of the output's gradient that the profile's own stands for: its
+        storage; none where that is one number expanded (``out.sum()``'s is the loss's
+        gradient of 1 itself, held through the whole backward: NOTE [ What a step's loss
+        holds ]; subtracted, such plans measured 4 bytes over)."""
+        layout = self.output_grad_layout
+        return 0 if layout is not None and layout.storage_numel == 1 else _storage_bytes(grad, self.tracker.device)
 
     def _blocks_backward_ends(self, grad) -> None:
         self.after_start, self.after_measured = self.tracker.live, True

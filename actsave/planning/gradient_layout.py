@@ -72,21 +72,43 @@ class GradientLayout:
 def ones_like_strides(t: torch.Tensor) -> tuple:
     """The strides ``torch.ones_like(t)`` gives, without making it (a tensor made here, a
     meta one too, would be counted by the planner's LiveBytes): ``t``'s own where it is
-    dense and its elements do not overlap, else contiguous ones."""
+    dense and its elements do not overlap, else dense ones in the order of ``t``'s
+    strides, as ATen's ``infer_dense_strides`` lays them out."""
     expected = 1
     for d in sorted((d for d in range(t.dim()) if t.size(d) != 1), key=t.stride):
         if t.stride(d) != expected:
-            return _contiguous_strides(tuple(t.shape))
+            return _dense_strides_in_order(tuple(t.shape), t.stride())
         expected *= t.size(d)
     return t.stride()
 
 
-def _contiguous_strides(shape: tuple) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+def _dense_strides_in_order(shape: tuple, stride: tuple) -> tuple:
+    """ATen's ``infer_dense_strides``: the dimensions ordered innermost first by an
+    insertion sort on their strides (a zero stride compares equal to any; equal strides
+    put the smaller size inside), then dense strides in that order."""
+    order = list(reversed(range(len(shape))))
+
+    def compare(first: int, second: int) -> int:
+        if stride[first] == 0 or stride[second] == 0:
+            return 0
+        if stride[first] != stride[second]:
+            return -1 if stride[first] < stride[second] else 1
+        return 1 if shape[first] > shape[second] else 0
+
+    for i in range(1, len(order)):
+        moving = i
+        for before in range(i - 1, -1, -1):
+            comparison = compare(order[before], order[moving])
+            if comparison > 0:
+                order[before], order[moving] = order[moving], order[before]
+                moving = before
+            elif comparison < 0:
+                break
+    strides, step = [0] * len(shape), 1
+    for d in order:
+        strides[d] = step
+        step *= shape[d] if shape[d] > 1 else 1
+    return tuple(strides)
 
 
 def ones_like(y: torch.Tensor, layout: Optional[GradientLayout]) -> torch.Tensor:

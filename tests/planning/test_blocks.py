@@ -984,18 +984,22 @@ class OtherHeadStack(TransposedLossStack):
     """TransposedLossStack with another head: on ``torch.cat([output, features], -1)``
     (``"features"``) or ``torch.cat([features, output], 1)`` (``"sequence"``), where the
     gradient the last block gets views the larger storage of the concatenation's; or
-    ``output.sum()`` (``"sum"``), where it is one number expanded."""
+    ``output.sum()`` (``"sum"``, also of blocks with no residual: ``"sum, no residual"``),
+    where it is the loss's gradient of 1 expanded."""
 
     def __init__(self, head: str, width: int = 32):
         super().__init__(width)
         self.kind, self.features = head, nn.Embedding(width, width)
         self.head = nn.Linear(2 * width if head == "features" else width, width)
+        if head == "sum, no residual":
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+                                        for _ in range(4))
 
     def forward(self, ids):
         h = self.embed(ids)
         for block in self.blocks:
             h = block(h)
-        if self.kind == "sum":
+        if self.kind.startswith("sum"):
             return h.sum()
         if self.kind == "features":
             return nn.functional.cross_entropy(self.head(torch.cat([h, self.features(ids)], -1)).flatten(0, 1),
@@ -1004,12 +1008,14 @@ class OtherHeadStack(TransposedLossStack):
         return nn.functional.cross_entropy(logits.flatten(0, 1), torch.cat([ids, ids], 1).flatten())
 
 
-@pytest.mark.parametrize("head", ["features", "sequence", "sum"])
+@pytest.mark.parametrize("head", ["features", "sequence", "sum", "sum, no residual"])
 def test_every_plan_of_a_stack_whose_output_gradient_views_another_storage_measures_its_prediction(head):
     # NOTE [ The output gradient's layout ]: profiled with a dense gradient of its own,
     # plans checkpointing the last block measured a hidden state over their predictions
     # under the concatenations (1.04-1.08x; 1.07x the budget along the sequence, where
-    # the last block's Linear copies the view), and 1.04-1.08x under them under the sum.
+    # the last block's Linear copies the view), and 1.04-1.08x under them under the sum;
+    # with the sum's gradient subtracted from what the loss leaves, blocks with no
+    # residual measured 4 bytes over (it is the loss's gradient, held to the end).
     model, ids = OtherHeadStack(head), torch.randint(0, 32, (8, 32))
     planner = stack_planner(model, ids)
     for choices, measured, predicted in plans_measured(planner, model, ids):
@@ -1065,3 +1071,18 @@ def test_a_model_planned_in_eval_mode_is_warned_of():
         actsave.plan_blocks(model, ResidualBlock, 2**30, (x,))
     with pytest.warns(UserWarning, match=r"eval mode.*model.train\(\)"):
         actsave.plan_blocks(model.eval(), ResidualBlock, 2**30, (x,))
+
+
+def test_the_strides_ones_like_gives_are_known_without_making_it():
+    # NOTE [ The output gradient's layout ]: a gradient laid out as ones_like lays one
+    # out needs no record; a tensor made to learn its strides would be counted.
+    import itertools
+
+    from actsave.planning.gradient_layout import ones_like_strides
+    base = torch.randn(4, 6, 8)
+    views = [base, base.transpose(1, 2), base[:, ::2], base.transpose(1, 2)[:, ::2], base.permute(2, 0, 1)[::3],
+             base[:, :1], base[:, :1].expand(4, 5, 8), base[0, 0].expand(3, 8), torch.randn(2, 3, 4, 5).to(
+                 memory_format=torch.channels_last)[:, :, ::2], torch.randn(1, 1, 3)]
+    views += [base.permute(order)[..., ::2] for order in itertools.permutations(range(3))]
+    for view in views:
+        assert ones_like_strides(view) == torch.ones_like(view).stride(), (tuple(view.shape), view.stride())
