@@ -74,6 +74,8 @@ def ones_like_strides(t: torch.Tensor) -> tuple:
     meta one too, would be counted by the planner's LiveBytes): ``t``'s own where it is
     dense and its elements do not overlap, else dense ones in the order of ``t``'s
     strides, as ATen's ``infer_dense_strides`` lays them out."""
+    if t.numel() == 0:  # contiguous whatever its strides, to torch: kept
+        return t.stride()
     expected = 1
     for d in sorted((d for d in range(t.dim()) if t.size(d) != 1), key=t.stride):
         if t.stride(d) != expected:

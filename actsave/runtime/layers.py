@@ -81,14 +81,25 @@ WRAPPED_CHILD = "_checkpoint_wrapped_module"
 
 
 # What a functools.partial may bind and keep its function's layers: values that hold no
-# module (NOTE [ Known layers ]); and functions of torch's own (F.gelu, a builtin or not).
-PLAIN_VALUES = (torch.Tensor, numbers.Number, str, bytes, type(None), slice, type(Ellipsis), enum.Enum, torch.dtype,
-                torch.device, torch.layout, torch.memory_format, torch.Generator, types.BuiltinFunctionType)
+# module (NOTE [ Known layers ]); and torch's own functions (F.gelu, F.silu), told by
+# _holds_no_module.
+PLAIN_VALUES = (torch.Tensor, numbers.Number, str, bytes, type(None), slice, type(Ellipsis), torch.dtype,
+                torch.device, torch.layout, torch.memory_format, torch.Generator)
 
 
 def _holds_no_module(value) -> bool:
-    return isinstance(value, PLAIN_VALUES) or (
-        isinstance(value, types.FunctionType) and value.__module__.split(".")[0] == "torch")
+    """Whether ``value`` can reach no module: a plain value, an enum member of one, a
+    builtin function of a Python module (not a bound method: ``[bn].__getitem__``), or a
+    function of torch's own that wraps nothing and closes over nothing (a decorated
+    module, ``torch.no_grad()(bn)``, takes its ``__module__`` from the module's class)."""
+    if isinstance(value, PLAIN_VALUES):
+        return True
+    if isinstance(value, enum.Enum):
+        return _holds_no_module(value.value)
+    if isinstance(value, types.BuiltinFunctionType):
+        return value.__self__ is None or isinstance(value.__self__, types.ModuleType)
+    return (isinstance(value, types.FunctionType) and value.__module__.split(".")[0] == "torch"
+            and value.__closure__ is None and not hasattr(value, "__wrapped__"))
 
 
 def known_layers(function) -> Optional[tuple]:

@@ -1082,7 +1082,7 @@ def test_the_strides_ones_like_gives_are_known_without_making_it():
     base = torch.randn(4, 6, 8)
     views = [base, base.transpose(1, 2), base[:, ::2], base.transpose(1, 2)[:, ::2], base.permute(2, 0, 1)[::3],
              base[:, :1], base[:, :1].expand(4, 5, 8), base[0, 0].expand(3, 8), torch.randn(2, 3, 4, 5).to(
-                 memory_format=torch.channels_last)[:, :, ::2], torch.randn(1, 1, 3)]
+                 memory_format=torch.channels_last)[:, :, ::2], torch.randn(1, 1, 3), base[:, :0].transpose(0, 2)]
     views += [base.permute(order)[..., ::2] for order in itertools.permutations(range(3))]
     for view in views:
         assert ones_like_strides(view) == torch.ones_like(view).stride(), (tuple(view.shape), view.stride())

@@ -2,6 +2,7 @@
 runs, and that a checkpointed forward and recompute of them hook no global module
 hooks."""
 
+import enum
 import functools
 import types
 
@@ -75,6 +76,8 @@ def test_a_partial_binding_a_module_has_no_known_layers():
     plain_values = dict(act=torch.nn.functional.gelu, silu=torch.nn.functional.silu, rows=slice(None), rest=...)
     assert known_layers(functools.partial(block, **plain_values)) == (block,)  # keep="selective" runs it
     assert known_layers(functools.partial(block, act=lambda x: norm(x))) is None  # a function that may call one
+    for reaching in (torch.enable_grad()(norm), [norm].__getitem__, enum.Enum("Holds", {"NORM": norm}).NORM):
+        assert known_layers(functools.partial(block, act=reaching)) is None, reaching
 
 
 def test_modules_under_layers_are_listed_once_with_their_first_layer():
