@@ -185,8 +185,8 @@ def mismatch(options: RecomputeOptions, operators: dict, message: str, forward_a
     a forward-mode AD level was open as the forward ran (it may be closed by the backward)."""
     if forward_ad or forward_ad_on():
         message += (" Forward-mode AD was on (in the forward or the backward): actsave recomputes from its inputs "
-                    "without their tangents, so the recompute saves less than the forward did (docs/limits.md, \"What a recompute's input is\"); "
-                    "checkpoint such a function with torch.utils.checkpoint.")
+                    "without their tangents, so the recompute saves less than the forward did (docs/limits.md, "
+                    "\"What a recompute's input is\"); checkpoint such a function with torch.utils.checkpoint.")
     if not options.debug:
         return RecomputeError(message)
     parts = [message, "debug=True: the operators the forward and the recompute ran, in order; look "

@@ -992,8 +992,8 @@ class OtherHeadStack(TransposedLossStack):
         self.kind, self.features = head, nn.Embedding(width, width)
         self.head = nn.Linear(2 * width if head == "features" else width, width)
         if head == "sum, no residual":
-            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
-                                        for _ in range(4))
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width)) for _ in range(4))
 
     def forward(self, ids):
         h = self.embed(ids)
