@@ -76,9 +76,10 @@ def _device_type(leaves: list) -> str:
 # does: instrumented_step.backward_from). Priced without it, such plans counted the
 # activations in float32 and no cast (docs/limits.md, "Meta estimates", on autocast).
 # Where the calls ran under different states (a region of its own around each block,
-# enabled for some), no one state prices the chain: run under the planning thread's own,
-# such plans measured up to 1.69x their predictions, over their budgets. They are
-# refused, naming the blocks of each state. States that differ in what does not price
+# enabled for some), no one state prices the chain: under any one, some blocks'
+# activations and casts are counted in a dtype they do not run in, and the plans go
+# over their budgets (docs/limits.md, "Meta estimates"). They are refused, naming the
+# blocks of each state. States that differ in what does not price
 # a block (a disabled region's dtype) are one; those that differ in the cache only are
 # priced under a state that keeps it, which counts the casts some blocks free.
 def as_the_blocks_ran(calls: list):
@@ -108,7 +109,7 @@ def _mixed_autocast(calls: list) -> str:
     described = "; ".join(f"{', '.join(fqns)}: {_autocast_text(state)}" for state, fqns in by_state.values())
     return (f"the blocks ran under different autocast states ({described}): a block plan prices its blocks as one "
             "chain under one autocast, which would count some blocks' activations and weight casts in the wrong "
-            "dtype (such plans measured up to 1.69x their predictions, over their budgets). Run every block under "
+            "dtype and could go over the budget. Run every block under "
             "one autocast (enter it around the model's forward), or checkpoint the blocks by hand "
             "(actsave.wrap(model, Block, keep=...))")
 

@@ -241,7 +241,7 @@ class _Phases:
         """The bytes of the output's gradient that the profile's own stands for: its
         storage; none where that is one number expanded (``out.sum()``'s is the loss's
         gradient of 1 itself, held through the whole backward: NOTE [ What a step's loss
-        holds ]; subtracted, such plans measured 4 bytes over)."""
+        holds ]), which the profile counts beside its own."""
         layout = self.output_grad_layout
         return 0 if layout is not None and layout.storage_numel == 1 else _storage_bytes(grad, self.tracker.device)
 

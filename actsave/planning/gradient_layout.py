@@ -9,11 +9,9 @@ A loss may hand the last block a gradient in another layout than its output's: t
 that of ``out.sum()`` is one number expanded. The last block's backward copies a
 gradient where an op needs it contiguous (a Linear's weight gradient), and a view keeps
 its whole storage alive as long as it lives. Profiled with a contiguous gradient of its
-own, plans measured a hidden state over their predictions where the step's needed the
-copy (64 KiB on pre-norm blocks under a transposed loss, 7% over the budget under a
-concatenation along the sequence), and over-predicted where it did not (16 KiB on
-channels-last ConvNeXt blocks under a per-pixel head; 8% where a concatenation's
-storage was counted held to the end of the blocks' backward; 4-8% under ``sum``).
+own, a plan misses that copy and that storage where the step has them, and counts them
+where it has not: plans over their budgets, or budgets refused that fit (docs/limits.md,
+"Decoder stacks with cross-attention", gives the measured cases).
 
 So the example step records the gradient's shape, strides, offset and the size of its
 storage (:meth:`GradientLayout.of`), and the chain's profiled loss and the options

@@ -28,9 +28,8 @@ A module's bound ``forward`` (``checkpoint(block.forward, x)``, ``checkpoint(sup
 x)`` inside a subclass's forward) is the module because it runs the module without
 calling it: no hook would see the module's own state read or changed (an EMA buffer
 updated in ``forward``). It is told by its name and by the function (_is_a_forward_of):
-told by its name alone, an instance's own ``forward`` set with another name, or a
-class's ``forward = _run``, ran under hooks that never saw the module, gradients off by
-1.39. Any other callable (a lambda, a function closing over modules,
+an instance's own ``forward`` set with another name, or a class's ``forward = _run``,
+is the module's forward too, and hooks would never see the module. Any other callable (a lambda, a function closing over modules,
 another method of a module) has no known layers, and global hooks watch the modules it
 runs: a method such as ``checkpoint(self._attend, q, k)`` may read a part of its
 module's state that the code after it changes, which a check of the whole module's
